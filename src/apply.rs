@@ -1,0 +1,402 @@
+//! The applier: the one place where bytes from any source land.
+//!
+//! Sources hand it batches of [`Chunk`]s (tensor, byte range, where the bytes
+//! are). For every chunk it checks the range against the plan, so a source can
+//! never make it write outside a planned tensor or write a byte twice; it then
+//! copies all chunks of the batch in parallel, verifies the checksum of every
+//! tensor the batch completed, hands finished tensors to the engine's callback
+//! and reports progress.
+//!
+//! Modes:
+//! - **atomic**: every tensor is staged in one library arena (memory = the
+//!   update's size) and params are written only in [`Applier::finish`], after
+//!   every tensor arrived and verified. Any failure before that leaves the old
+//!   weights untouched.
+//! - **in-place**: bytes go straight into params (no extra memory); a failure
+//!   after the first byte moved leaves params half-written, which the manager
+//!   reports as FAILED.
+//!
+//! Timings: `receive` is the time to bring every byte into library-visible
+//! memory (the params themselves in-place, the arena when atomic), including
+//! checksums; `commit` is the time to make them the engine's weights (arena to
+//! params, callbacks).
+
+use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
+use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
+use crate::plan::{Plan, Target};
+use crate::result::{Error, Result};
+use crate::tensor::DType;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Atomic,
+    InPlace,
+}
+
+/// Progress of an update, reported after every batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub tensors_done: u64,
+    pub tensors_total: u64,
+}
+
+/// One whole tensor handed to the engine's per-tensor callback. `data` is
+/// valid only during the call.
+pub struct TensorView<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [u64],
+    pub data: &'a [u8],
+}
+
+/// Returns false to cancel the update.
+pub type ProgressHook<'h> = &'h mut dyn FnMut(&Progress) -> bool;
+/// Returns an error text to fail the update.
+pub type TensorHook<'h> = &'h mut dyn FnMut(&TensorView) -> std::result::Result<(), String>;
+
+#[derive(Default)]
+pub struct Hooks<'h> {
+    pub progress: Option<ProgressHook<'h>>,
+    pub tensor: Option<TensorHook<'h>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ApplyOptions {
+    pub mode: Mode,
+    pub verify: bool,
+    pub threads: usize,
+    pub timeout: Duration,
+}
+
+/// Bytes `[offset, offset + len)` of plan entry `tensor`, found at `src`.
+#[derive(Clone, Copy)]
+pub struct Chunk<'a> {
+    pub tensor: usize,
+    pub offset: u64,
+    pub len: usize,
+    pub src: CopySource<'a>,
+}
+
+/// What an update moved and how long it took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Applied {
+    pub tensors: usize,
+    pub bytes: u64,
+    pub receive: Duration,
+    pub commit: Duration,
+}
+
+/// Staging slots are 256-byte aligned, like IPC buckets (SPEC.md).
+const ALIGN: usize = 256;
+
+pub struct Applier<'p, 'h> {
+    plan: &'p Plan,
+    opts: ApplyOptions,
+    hooks: Hooks<'h>,
+    /// Per plan entry: the param's memory, for `Target::Param`.
+    params: Vec<Option<SendPtr>>,
+    /// Atomic mode: every moving tensor's staging slot.
+    arena: Option<(HostRegion, Vec<usize>)>,
+    /// In-place mode: callback tensors being received.
+    loose: HashMap<usize, Vec<u8>>,
+    received: Vec<u64>,
+    delivered: Vec<bool>,
+    progress: Progress,
+    wrote_params: bool,
+    started: Instant,
+    deadline: Instant,
+}
+
+impl<'p, 'h> Applier<'p, 'h> {
+    /// `params[i]` is the destination of plan entry `i` when it targets a param.
+    pub fn new(
+        plan: &'p Plan,
+        params: Vec<Option<SendPtr>>,
+        opts: ApplyOptions,
+        hooks: Hooks<'h>,
+    ) -> Result<Applier<'p, 'h>> {
+        assert_eq!(params.len(), plan.entries.len());
+        let arena = if opts.mode == Mode::Atomic {
+            let mut offsets = Vec::with_capacity(plan.entries.len());
+            let mut size = 0usize;
+            for e in &plan.entries {
+                offsets.push(size);
+                if e.target != Target::Skip {
+                    size = size
+                        .checked_add((e.meta.nbytes as usize).next_multiple_of(ALIGN))
+                        .ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
+                }
+            }
+            let region = HostRegion::new("atomic staging", size).map_err(|e| {
+                e.context(format!(
+                    "atomic mode stages the whole update ({size} bytes); use in-place mode to update without extra memory"
+                ))
+            })?;
+            Some((region, offsets))
+        } else {
+            None
+        };
+        let started = Instant::now();
+        Ok(Applier {
+            plan,
+            hooks,
+            params,
+            arena,
+            loose: HashMap::new(),
+            received: vec![0; plan.entries.len()],
+            delivered: vec![false; plan.entries.len()],
+            progress: Progress {
+                bytes_total: plan.bytes,
+                tensors_total: plan.tensors as u64,
+                ..Default::default()
+            },
+            wrote_params: false,
+            started,
+            deadline: started + opts.timeout,
+            opts,
+        })
+    }
+
+    /// True once any param byte may have changed (the manager then reports
+    /// FAILED if the update does not complete).
+    pub fn wrote_params(&self) -> bool {
+        self.wrote_params
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.progress
+    }
+
+    /// Fail with a timeout if the update's deadline has passed. Sources that
+    /// wait call this too.
+    pub fn check_deadline(&self) -> Result<()> {
+        if Instant::now() > self.deadline {
+            return Err(Error::timeout(format!(
+                "update did not finish within {:?} ({} of {} bytes received)",
+                self.opts.timeout, self.progress.bytes_done, self.progress.bytes_total
+            )));
+        }
+        Ok(())
+    }
+
+    fn name(&self, t: usize) -> &str {
+        &self.plan.entries[t].meta.name
+    }
+
+    /// Where bytes of entry `t` land while being received.
+    fn landing(&mut self, t: usize) -> SendPtr {
+        if let Some((region, offsets)) = &self.arena {
+            return SendPtr(region.ptr().wrapping_add(offsets[t]));
+        }
+        match self.plan.entries[t].target {
+            Target::Param(_) => self.params[t].expect("param destination"),
+            _ => {
+                let n = self.plan.entries[t].meta.nbytes as usize;
+                SendPtr(self.loose.entry(t).or_insert_with(|| Vec::with_capacity(n)).as_mut_ptr())
+            }
+        }
+    }
+
+    /// Copy one batch of chunks. `origin` names where they came from (a file,
+    /// a bucket) in error messages.
+    pub fn apply_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
+        self.check_deadline()?;
+        let mut jobs = Vec::with_capacity(chunks.len());
+        let mut completed = Vec::new();
+        for c in chunks {
+            let Some(entry) = self.plan.entries.get(c.tensor) else {
+                return Err(Error::format(format!(
+                    "{origin}: chunk names tensor #{} but the plan has {}",
+                    c.tensor,
+                    self.plan.entries.len()
+                )));
+            };
+            if entry.target == Target::Skip || c.len == 0 {
+                continue;
+            }
+            let t = c.tensor;
+            let n = entry.meta.nbytes;
+            if c.offset != self.received[t] {
+                return Err(Error::format(format!(
+                    "{origin}: chunk of tensor '{}' starts at byte {} but byte {} was expected next",
+                    self.name(t),
+                    c.offset,
+                    self.received[t]
+                )));
+            }
+            let end = c.offset.checked_add(c.len as u64).filter(|e| *e <= n).ok_or_else(|| {
+                Error::format(format!(
+                    "{origin}: chunk of tensor '{}' covers {} bytes from byte {}, past its {} bytes",
+                    self.name(t),
+                    c.len,
+                    c.offset,
+                    n
+                ))
+            })?;
+            self.received[t] = end;
+            let base = self.landing(t);
+            jobs.push(CopyJob {
+                src: c.src,
+                dst: SendPtr(base.0.wrapping_add(c.offset as usize)),
+                len: c.len,
+                tag: t,
+            });
+            if matches!(entry.target, Target::Param(_)) && self.arena.is_none() {
+                self.wrote_params = true;
+            }
+            if end == n {
+                completed.push(t);
+            }
+            self.progress.bytes_done += c.len as u64;
+        }
+        // SAFETY: every destination is inside a planned tensor's memory (range
+        // checked above against its byte size), each byte is written once
+        // (offsets must follow on exactly), and sources are valid per the
+        // Chunk contract.
+        unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| {
+            e.error
+                .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
+        })?;
+        for &t in &completed {
+            if let Some(buf) = self.loose.get_mut(&t) {
+                // SAFETY: every byte up to nbytes was just written by the copies.
+                unsafe { buf.set_len(self.plan.entries[t].meta.nbytes as usize) };
+            }
+        }
+        self.verify(origin, &completed)?;
+        self.progress.tensors_done += completed.len() as u64;
+        if self.arena.is_none() {
+            for &t in &completed {
+                if self.plan.entries[t].target == Target::Callback {
+                    let data = self.loose.remove(&t).unwrap_or_default();
+                    self.deliver(t, &data)?;
+                }
+            }
+        }
+        if let Some(progress) = self.hooks.progress.as_mut() {
+            if !progress(&self.progress) {
+                return Err(Error::cancelled(format!(
+                    "update cancelled by the progress callback after {} of {} bytes",
+                    self.progress.bytes_done, self.progress.bytes_total
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn verify(&mut self, origin: &str, tensors: &[usize]) -> Result<()> {
+        if !self.opts.verify || tensors.is_empty() {
+            return Ok(());
+        }
+        let regions: Vec<(SendPtr, usize)> = tensors
+            .iter()
+            .map(|&t| (self.landing(t), self.plan.entries[t].meta.nbytes as usize))
+            .collect();
+        // SAFETY: the regions were fully written above and nothing writes them now.
+        let got = unsafe { hash_all(&regions, self.opts.threads) };
+        for (&t, got) in tensors.iter().zip(got) {
+            let want = self.plan.entries[t].meta.checksum;
+            if want != Some(got) {
+                return Err(Error::checksum(format!(
+                    "tensor '{}' from {origin}: checksum mismatch (expected {}, got {})",
+                    self.name(t),
+                    want.map_or("none".into(), crate::manifest::checksum_hex),
+                    crate::manifest::checksum_hex(got)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn deliver(&mut self, t: usize, data: &[u8]) -> Result<()> {
+        self.delivered[t] = true;
+        let meta = &self.plan.entries[t].meta;
+        let Some(hook) = self.hooks.tensor.as_mut() else {
+            return Err(Error::callback(format!(
+                "tensor '{}' is meant for the per-tensor callback but none is set",
+                meta.name
+            )));
+        };
+        let view = TensorView {
+            name: &meta.name,
+            dtype: meta.dtype,
+            shape: &meta.shape,
+            data,
+        };
+        hook(&view).map_err(|why| {
+            Error::callback(format!("per-tensor callback failed for tensor '{}': {why}", meta.name))
+        })
+    }
+
+    /// Check that every planned tensor arrived, then commit (atomic) and hand
+    /// out what is left for the callback. On error, the flag says whether
+    /// params may have been written.
+    pub fn finish(mut self) -> std::result::Result<Applied, (Error, bool)> {
+        let r = self.commit();
+        r.map_err(|e| (e, self.wrote_params))
+    }
+
+    fn commit(&mut self) -> Result<Applied> {
+        let receive = self.started.elapsed();
+        let incomplete: Vec<String> = self
+            .plan
+            .entries
+            .iter()
+            .zip(&self.received)
+            .filter(|(e, r)| e.target != Target::Skip && **r < e.meta.nbytes)
+            .map(|(e, r)| format!("'{}' ({r} of {} bytes)", e.meta.name, e.meta.nbytes))
+            .collect();
+        if !incomplete.is_empty() {
+            return Err(Error::format(format!(
+                "the source ended before {} tensor(s) were complete: {}",
+                incomplete.len(),
+                incomplete.into_iter().take(5).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        self.check_deadline()?;
+        let commit_start = Instant::now();
+        if let Some((region, offsets)) = self.arena.take() {
+            let jobs: Vec<CopyJob> = self
+                .plan
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| matches!(e.target, Target::Param(_)) && e.meta.nbytes > 0)
+                .map(|(t, e)| CopyJob {
+                    src: CopySource::Memory(SendPtr(region.ptr().wrapping_add(offsets[t]))),
+                    dst: self.params[t].expect("param destination"),
+                    len: e.meta.nbytes as usize,
+                    tag: t,
+                })
+                .collect();
+            self.wrote_params = !jobs.is_empty();
+            // SAFETY: arena slots and param memory are disjoint, both sized by the plan.
+            unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| e.error)?;
+            for t in 0..self.plan.entries.len() {
+                if self.plan.entries[t].target == Target::Callback {
+                    let n = self.plan.entries[t].meta.nbytes as usize;
+                    // SAFETY: slot t holds n received bytes; the arena lives until the end of this block.
+                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offsets[t]), n) };
+                    self.deliver(t, data)?;
+                }
+            }
+        } else {
+            for t in 0..self.plan.entries.len() {
+                if self.plan.entries[t].target == Target::Callback && !self.delivered[t] {
+                    self.deliver(t, &[])?;
+                }
+            }
+        }
+        Ok(Applied {
+            tensors: self.plan.tensors,
+            bytes: self.plan.bytes,
+            receive,
+            commit: commit_start.elapsed(),
+        })
+    }
+}

@@ -1,0 +1,212 @@
+//! Manager handles: configuration, creation, destruction, error text.
+
+use super::{check_struct_size, opt_path, opt_str};
+use crate::logging::{LogLevel, Logger};
+use crate::manager::{Manager, ManagerConfig};
+use crate::result::{wm_result, Error, Result};
+use std::ffi::{c_char, c_void};
+use std::path::PathBuf;
+
+/// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
+pub struct wm_manager {
+    _private: [u8; 0],
+}
+
+/// Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
+/// message is valid only during the call. Called from any library thread, so
+/// it must be thread-safe, and it must not call back into the same manager.
+pub type wm_log_callback = unsafe extern "C" fn(user_data: *mut c_void, level: u32, message: *const c_char);
+
+/// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
+/// The engine may free the memory; the library will not touch it again until
+/// the acquire callback (or, without one, the next update) hands it back.
+pub type wm_release_callback =
+    unsafe extern "C" fn(user_data: *mut c_void, name: *const c_char, data: *mut c_void, len: usize);
+
+/// Called before the first update after a clear for each engine-owned param:
+/// `(user_data, name, old_data, len)`; returns the memory to write (`len`
+/// bytes, the old pointer or a new one) or NULL to fail the update.
+pub type wm_acquire_callback =
+    unsafe extern "C" fn(user_data: *mut c_void, name: *const c_char, old_data: *mut c_void, len: usize) -> *mut c_void;
+
+/// Manager configuration. Fill with `wm_config_init`, then set fields.
+/// Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_config {
+    /// `sizeof(wm_config)`; set by `wm_config_init`.
+    pub struct_size: u32,
+    /// This rank's number, below `world_size`.
+    pub rank: u32,
+    /// Ranks in the engine (default 1).
+    pub world_size: u32,
+    /// CUDA device index of this rank, or -1 for a host-only engine (default).
+    /// Picks `G` in snapshot file names through `CUDA_VISIBLE_DEVICES`.
+    pub device: i32,
+    /// Default snapshot location (directory or file); NULL: requests must name one.
+    pub model_dir: *const c_char,
+    /// Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
+    pub fallback_dir: *const c_char,
+    /// Shared-memory control cell name (`/dev/shm/<name>`), opened or created
+    /// zeroed; NULL: no control cell (the signal is always NORMAL).
+    pub control_cell: *const c_char,
+    /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
+    pub log_level: u32,
+    /// NULL: log to stderr.
+    pub log_callback: Option<wm_log_callback>,
+    pub log_user_data: *mut c_void,
+    /// Optional; see `wm_release_callback`.
+    pub release_callback: Option<wm_release_callback>,
+    /// Optional; see `wm_acquire_callback`.
+    pub acquire_callback: Option<wm_acquire_callback>,
+    /// Passed to the release and acquire callbacks.
+    pub callback_user_data: *mut c_void,
+    /// Copy threads; 0: one per core (default).
+    pub copy_threads: u32,
+}
+
+/// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
+/// and set `struct_size`.
+///
+/// NULL `config`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
+    ffi_guard!({
+        check_null!(config);
+        config.write(wm_config {
+            struct_size: std::mem::size_of::<wm_config>() as u32,
+            rank: 0,
+            world_size: 1,
+            device: -1,
+            model_dir: std::ptr::null(),
+            fallback_dir: std::ptr::null(),
+            control_cell: std::ptr::null(),
+            log_level: LogLevel::Warn as u32,
+            log_callback: None,
+            log_user_data: std::ptr::null_mut(),
+            release_callback: None,
+            acquire_callback: None,
+            callback_user_data: std::ptr::null_mut(),
+            copy_threads: 0,
+        });
+        wm_result::WM_OK
+    })
+}
+
+#[derive(Clone, Copy)]
+struct UserData(*mut c_void);
+// SAFETY: the engine promised in wm_config that callback user data may be
+// used from any thread.
+unsafe impl Send for UserData {}
+unsafe impl Sync for UserData {}
+
+unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {
+    check_struct_size("wm_config", c.struct_size, std::mem::size_of::<wm_config>())?;
+    let fallback_dir = match opt_path(c.fallback_dir) {
+        None => Some(PathBuf::from(crate::source::snapshot::DEFAULT_FALLBACK_DIR)),
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+    };
+    let user = UserData(c.callback_user_data);
+    let release_hook = c.release_callback.map(|cb| -> crate::manager::ReleaseHook {
+        Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+            let name = std::ffi::CString::new(name).unwrap_or_default();
+            let user = user;
+            // SAFETY: the engine registered this callback for exactly this use.
+            unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
+        })
+    });
+    let acquire_hook = c.acquire_callback.map(|cb| -> crate::manager::AcquireHook {
+        Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+            let name = std::ffi::CString::new(name).unwrap_or_default();
+            let user = user;
+            // SAFETY: as above.
+            let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
+            (!p.is_null()).then_some(p.cast())
+        })
+    });
+    Ok(ManagerConfig {
+        rank: c.rank,
+        world_size: c.world_size,
+        device: c.device,
+        model_dir: opt_path(c.model_dir),
+        fallback_dir,
+        control_cell: opt_str(c.control_cell, "control_cell")?,
+        logger,
+        threads: c.copy_threads as usize,
+        release_hook,
+        acquire_hook,
+    })
+}
+
+/// Create a manager for one engine rank.
+///
+/// `config` is read during the call only (strings are copied). On success
+/// `*out_manager` receives a new handle, owned by the caller and freed with
+/// `wm_destroy`; on failure it is left unchanged and the reason is logged
+/// through the config's log sink (there is no handle to hold it).
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
+/// open the control cell.
+#[no_mangle]
+pub unsafe extern "C" fn wm_init(config: *const wm_config, out_manager: *mut *mut wm_manager) -> wm_result {
+    ffi_guard!({
+        check_null!(config, out_manager);
+        let c = &*config;
+        let level = LogLevel::from_raw(c.log_level);
+        let logger = Logger::c_callback(level.unwrap_or(LogLevel::Warn), c.log_callback, c.log_user_data);
+        let made = match level {
+            None => Err(Error::invalid_argument(format!(
+                "wm_config.log_level {} is not a wm_log_level",
+                c.log_level
+            ))),
+            Some(_) => config_from_c(c, logger.clone()).and_then(Manager::new),
+        };
+        match made {
+            Ok(m) => {
+                *out_manager = super::publish(m);
+                wm_result::WM_OK
+            }
+            Err(e) => {
+                logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
+                e.code
+            }
+        }
+    })
+}
+
+/// Destroy a manager. Library-owned param memory is unmapped (pointers from
+/// `wm_allocate_param` become invalid); engine-owned memory is untouched.
+///
+/// NULL, or a handle already destroyed: no-op. Calls running on other threads
+/// finish first; the handle is invalid to new calls at once.
+#[no_mangle]
+pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
+    ffi_guard_or!((), { super::retire(manager) })
+}
+
+/// Copy the text of this handle's last error into `buf` (`len` bytes with
+/// the NUL), truncated to fit, and set `*out_written` to the bytes written
+/// without the NUL. No error yet: writes "".
+///
+/// The text is the handle's (not the thread's): with several threads, it is
+/// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
+/// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_error(
+    manager: *const wm_manager,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let m = try_handle!(manager);
+        if len == 0 {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let text = m.status().last_error.map(|e| e.message).unwrap_or_default();
+        let dst = std::slice::from_raw_parts_mut(buf, len);
+        super::fill_chars(dst, &text);
+        *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
+        wm_result::WM_OK
+    })
+}

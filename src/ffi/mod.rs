@@ -1,0 +1,198 @@
+//! The C boundary, and nothing else: pointer checks, struct sizes, integer
+//! enums, the panic guard, and translation to and from the Rust API. Every
+//! rule of the library lives in the plain Rust modules.
+//!
+//! Conventions (after rustls-ffi):
+//! - every exported function body is wrapped in [`ffi_guard!`] (or
+//!   [`ffi_guard_or!`] when it does not return `wm_result`); a panic becomes
+//!   `WM_ERR_PANIC` and never unwinds into C. `tests/ffi_guard.rs` checks that
+//!   every `#[no_mangle]` function does this.
+//! - outputs are written only on success.
+//! - a handle is a key into a table of live managers: a destroyed or made-up
+//!   handle is `WM_ERR_INVALID_HANDLE`, not a use-after-free, and a call in
+//!   flight keeps the manager alive until it returns even if another thread
+//!   destroys the handle meanwhile.
+//!
+//! Files: `result.rs` (codes, version), `manager.rs` (config, init, destroy,
+//! error text), `params.rs` (registration), `update.rs` (update, clear),
+//! `status.rs` (status, signal).
+
+#![allow(non_camel_case_types)]
+
+use crate::manager::Manager;
+use crate::result::{wm_result, Error, Result};
+use parking_lot::RwLock;
+use std::collections::BTreeSet;
+use std::ffi::{c_char, CStr, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
+macro_rules! ffi_guard {
+    ($body:block) => {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
+            || -> $crate::result::wm_result { $body },
+        )) {
+            Ok(r) => r,
+            Err(_) => $crate::result::wm_result::WM_ERR_PANIC,
+        }
+    };
+}
+
+/// Like [`ffi_guard!`] for functions that return a value: a panic gives `$default`.
+macro_rules! ffi_guard_or {
+    ($default:expr, $body:block) => {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| $body)) {
+            Ok(r) => r,
+            Err(_) => $default,
+        }
+    };
+}
+
+/// Return `WM_ERR_NULL_ARGUMENT` from the enclosing function if `$p` is NULL.
+macro_rules! check_null {
+    ($($p:expr),+) => {
+        $(if $p.is_null() { return $crate::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
+    };
+}
+
+/// Resolve a handle or return its error code from the enclosing function.
+macro_rules! try_handle {
+    ($p:expr) => {
+        match $crate::ffi::handle($p as *const $crate::ffi::manager::wm_manager) {
+            Ok(m) => m,
+            Err(code) => return code,
+        }
+    };
+}
+
+pub mod manager;
+pub mod params;
+pub mod result;
+pub mod status;
+pub mod update;
+
+
+/// Addresses of live managers.
+static LIVE: RwLock<BTreeSet<usize>> = parking_lot::const_rwlock(BTreeSet::new());
+
+pub(crate) fn publish(m: Manager) -> *mut manager::wm_manager {
+    let p = Arc::into_raw(Arc::new(m));
+    LIVE.write().insert(p as usize);
+    p as *mut manager::wm_manager
+}
+
+pub(crate) fn handle(p: *const manager::wm_manager) -> std::result::Result<Arc<Manager>, wm_result> {
+    if p.is_null() {
+        return Err(wm_result::WM_ERR_NULL_ARGUMENT);
+    }
+    let live = LIVE.read();
+    if !live.contains(&(p as usize)) {
+        return Err(wm_result::WM_ERR_INVALID_HANDLE);
+    }
+    // SAFETY: p is in LIVE, so it came from Arc::into_raw and the table still
+    // holds that reference; we take one more for this call.
+    unsafe {
+        Arc::increment_strong_count(p as *const Manager);
+        Ok(Arc::from_raw(p as *const Manager))
+    }
+}
+
+/// Forget a handle; the manager is dropped once calls in flight return.
+pub(crate) fn retire(p: *const manager::wm_manager) {
+    if p.is_null() {
+        return;
+    }
+    if LIVE.write().remove(&(p as usize)) {
+        // SAFETY: removing it from LIVE gives us back the table's reference.
+        drop(unsafe { Arc::from_raw(p as *const Manager) });
+    }
+}
+
+/// The code of `r`, recording its error on the handle.
+pub(crate) fn code_of(m: &Manager, r: Result<()>) -> wm_result {
+    match r {
+        Ok(()) => wm_result::WM_OK,
+        Err(e) => m.record_error(e).code,
+    }
+}
+
+/// Check a growable struct's `struct_size` against the sizes this library
+/// accepts (every size the struct has had; one so far).
+pub(crate) fn check_struct_size(what: &str, got: u32, want: usize) -> Result<()> {
+    if got as usize != want {
+        return Err(Error::struct_size(format!(
+            "{what}.struct_size is {got}, this library's {what} is {want} bytes \
+             (set it with sizeof, or call the _init function)"
+        )));
+    }
+    Ok(())
+}
+
+/// Read an optional C string (NULL gives None).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn opt_str(p: *const c_char, what: &str) -> Result<Option<String>> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    CStr::from_ptr(p)
+        .to_str()
+        .map(|s| Some(s.to_string()))
+        .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
+}
+
+/// Read an optional C path (NULL gives None; any bytes allowed).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn opt_path(p: *const c_char) -> Option<PathBuf> {
+    (!p.is_null()).then(|| PathBuf::from(OsStr::from_bytes(CStr::from_ptr(p).to_bytes())))
+}
+
+/// Copy `s` into a fixed C char array, truncating at a UTF-8 boundary, NUL-terminated.
+pub(crate) fn fill_chars(dst: &mut [c_char], s: &str) {
+    let max = dst.len().saturating_sub(1);
+    let mut n = s.len().min(max);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    for (d, b) in dst.iter_mut().zip(&s.as_bytes()[..n]) {
+        *d = *b as c_char;
+    }
+    if let Some(d) = dst.get_mut(n) {
+        *d = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::result::wm_result;
+
+    #[test]
+    fn guard_turns_panics_into_codes() {
+        let r = ffi_guard!({
+            if std::hint::black_box(true) {
+                panic!("boom");
+            }
+            wm_result::WM_OK
+        });
+        assert_eq!(r, wm_result::WM_ERR_PANIC);
+        let v: u32 = ffi_guard_or!(7, {
+            if std::hint::black_box(true) {
+                panic!("boom");
+            }
+            1
+        });
+        assert_eq!(v, 7);
+    }
+
+    #[test]
+    fn fill_chars_truncates_on_char_boundary() {
+        let mut buf = [1 as std::ffi::c_char; 4];
+        super::fill_chars(&mut buf, "aé€");
+        assert_eq!(buf[..4].iter().map(|c| *c as u8).collect::<Vec<_>>(), vec![b'a', 0xc3, 0xa9, 0]);
+    }
+}

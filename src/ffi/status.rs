@@ -1,0 +1,82 @@
+//! Status and the per-step signal.
+
+use super::manager::wm_manager;
+use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
+use super::{check_struct_size, code_of, fill_chars};
+use crate::result::wm_result;
+
+/// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
+#[repr(C)]
+pub struct wm_status {
+    /// Caller sets `sizeof(wm_status)`.
+    pub struct_size: u32,
+    /// A `wm_state`.
+    pub state: i32,
+    /// Result code of the last failed call on this handle, `WM_OK` if none
+    /// since the last successful update; text via `wm_last_error`.
+    pub last_result: u32,
+    /// Successful updates so far.
+    pub updates: u64,
+    pub params: u64,
+    pub param_bytes: u64,
+    /// Bytes of params holding memory now (0 after a clear).
+    pub resident_bytes: u64,
+    /// Version of the weights in the params; "" before the first update and after a clear.
+    pub version: [std::ffi::c_char; WM_VERSION_BUF],
+    /// Statistics of the last successful update (zeros before the first).
+    pub last_update: wm_update_stats,
+}
+
+/// Read the manager's state, version, counters and last update's statistics
+/// into `*out_status`, whose `struct_size` the caller sets.
+///
+/// Never blocks on a running update (the state then reads UPDATING).
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_status(manager: *const wm_manager, out_status: *mut wm_status) -> wm_result {
+    ffi_guard!({
+        check_null!(out_status);
+        let m = try_handle!(manager);
+        let size = (*out_status).struct_size;
+        if let Err(e) = check_struct_size("wm_status", size, std::mem::size_of::<wm_status>()) {
+            return code_of(&m, Err(e));
+        }
+        let s = m.status();
+        let mut out = wm_status {
+            struct_size: size,
+            state: s.state as i32,
+            last_result: s.last_error.as_ref().map_or(wm_result::WM_OK, |e| e.code) as u32,
+            updates: s.updates,
+            params: s.params,
+            param_bytes: s.param_bytes,
+            resident_bytes: s.resident_bytes,
+            version: [0; WM_VERSION_BUF],
+            last_update: stats_to_c(&s.last_update.unwrap_or_default()),
+        };
+        fill_chars(&mut out.version, s.version.as_deref().unwrap_or(""));
+        out_status.write(out);
+        wm_result::WM_OK
+    })
+}
+
+/// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
+/// UPDATING, CLEARING or CLEARED) into `*out_signal`.
+///
+/// Rank 0's control cell decides; without a cell the signal is NORMAL. Cheap:
+/// one shared-memory read, no syscall. This build serves world_size 1; larger
+/// worlds get `WM_ERR_UNSUPPORTED` until the multi-rank control plane lands.
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_broadcast_signal(manager: *mut wm_manager, out_signal: *mut i32) -> wm_result {
+    ffi_guard!({
+        check_null!(out_signal);
+        let m = try_handle!(manager);
+        match m.broadcast_signal() {
+            Ok(s) => {
+                *out_signal = s as i32;
+                wm_result::WM_OK
+            }
+            Err(e) => e.code,
+        }
+    })
+}

@@ -1,0 +1,279 @@
+//! Updates and clears.
+
+use super::manager::wm_manager;
+use super::{check_struct_size, code_of, fill_chars, opt_path, opt_str};
+use crate::apply::{Hooks, Mode, Progress, TensorView};
+use crate::manager::{UpdateRequest, UpdateStats, DEFAULT_TIMEOUT};
+use crate::result::{wm_result, Error, Result};
+use crate::source::SourceKind;
+use std::ffi::{c_char, c_void, CString};
+use std::time::Duration;
+
+/// `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
+pub const WM_UPDATE_VERIFY_CHECKSUMS: u32 = 1;
+/// `wm_update_request.flags`: write params in place (no staging memory; a
+/// failure after bytes moved leaves the manager FAILED). Default: atomic.
+pub const WM_UPDATE_IN_PLACE: u32 = 2;
+/// `wm_update_request.flags`: skip source tensors that are not registered
+/// params (with a warning) instead of failing.
+pub const WM_UPDATE_SKIP_UNKNOWN: u32 = 4;
+const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS | WM_UPDATE_IN_PLACE | WM_UPDATE_SKIP_UNKNOWN;
+
+/// Size of the version buffers in `wm_update_stats` and `wm_status` (a
+/// version is at most 255 bytes plus the NUL).
+pub const WM_VERSION_BUF: usize = 256;
+
+/// Progress of an update, passed to the progress callback.
+#[repr(C)]
+pub struct wm_progress {
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub tensors_done: u64,
+    pub tensors_total: u64,
+}
+
+/// One whole tensor for the per-tensor callback. Every pointer is valid only
+/// during the call.
+#[repr(C)]
+pub struct wm_tensor_view {
+    /// NUL-terminated name.
+    pub name: *const c_char,
+    /// A `wm_dtype`.
+    pub dtype: u32,
+    pub ndim: usize,
+    pub shape: *const u64,
+    pub data: *const c_void,
+    pub len: usize,
+}
+
+/// Called on the updating thread after each batch; return 0 to go on, any
+/// other value to cancel the update (`WM_ERR_CANCELLED`).
+pub type wm_progress_callback = unsafe extern "C" fn(user_data: *mut c_void, progress: *const wm_progress) -> i32;
+
+/// Called on the updating thread with each tensor once it arrived whole (and
+/// verified, when asked); return 0 on success, any other value to fail the
+/// update (`WM_ERR_CALLBACK`). With a tensor callback every source tensor goes
+/// to it and registered params are not written: the engine does its own
+/// copies (sharding, fused QKV). In atomic mode callbacks run only after every
+/// tensor arrived and verified.
+pub type wm_tensor_callback = unsafe extern "C" fn(user_data: *mut c_void, tensor: *const wm_tensor_view) -> i32;
+
+/// What to update from and how. Fill with `wm_update_request_init`.
+/// Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_update_request {
+    /// `sizeof(wm_update_request)`; set by `wm_update_request_init`.
+    pub struct_size: u32,
+    /// A `wm_source` (default `WM_SOURCE_SNAPSHOT`).
+    pub source: u32,
+    /// `WM_UPDATE_*` bits (default 0: atomic, no verification).
+    pub flags: u32,
+    /// Snapshot: model directory or file; NULL: the config's `model_dir`.
+    pub location: *const c_char,
+    /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`).
+    pub version: *const c_char,
+    /// Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
+    pub timeout_ms: u64,
+    /// Optional.
+    pub progress_callback: Option<wm_progress_callback>,
+    pub progress_user_data: *mut c_void,
+    /// Optional; see `wm_tensor_callback`.
+    pub tensor_callback: Option<wm_tensor_callback>,
+    pub tensor_user_data: *mut c_void,
+}
+
+/// Statistics of one update (SPEC.md names in brackets).
+#[repr(C)]
+pub struct wm_update_stats {
+    /// Caller sets `sizeof(wm_update_stats)`.
+    pub struct_size: u32,
+    /// [rank]
+    pub rank: u32,
+    pub tensors: u64,
+    pub bytes: u64,
+    /// [sync_cost] receiving source bytes, checksums included.
+    pub sync_ns: u64,
+    /// [update_cost] committing staged bytes into params, callbacks.
+    pub update_ns: u64,
+    /// [total_cost] the whole call.
+    pub total_ns: u64,
+    /// [version] NUL-terminated.
+    pub version: [c_char; WM_VERSION_BUF],
+}
+
+/// Fill `request` with defaults (snapshot from the config's model_dir,
+/// atomic, no verification, 600 s) and set `struct_size`.
+///
+/// NULL: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_update_request_init(request: *mut wm_update_request) -> wm_result {
+    ffi_guard!({
+        check_null!(request);
+        request.write(wm_update_request {
+            struct_size: std::mem::size_of::<wm_update_request>() as u32,
+            source: SourceKind::Snapshot as u32,
+            flags: 0,
+            location: std::ptr::null(),
+            version: std::ptr::null(),
+            timeout_ms: 0,
+            progress_callback: None,
+            progress_user_data: std::ptr::null_mut(),
+            tensor_callback: None,
+            tensor_user_data: std::ptr::null_mut(),
+        });
+        wm_result::WM_OK
+    })
+}
+
+pub(crate) fn stats_to_c(s: &UpdateStats) -> wm_update_stats {
+    let mut out = wm_update_stats {
+        struct_size: std::mem::size_of::<wm_update_stats>() as u32,
+        rank: s.rank,
+        tensors: s.tensors,
+        bytes: s.bytes,
+        sync_ns: s.sync.as_nanos() as u64,
+        update_ns: s.update.as_nanos() as u64,
+        total_ns: s.total.as_nanos() as u64,
+        version: [0; WM_VERSION_BUF],
+    };
+    fill_chars(&mut out.version, &s.version);
+    out
+}
+
+struct CRequest {
+    source: SourceKind,
+    flags: u32,
+    location: Option<std::path::PathBuf>,
+    version: Option<String>,
+    timeout: Duration,
+}
+
+unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
+    check_struct_size("wm_update_request", r.struct_size, std::mem::size_of::<wm_update_request>())?;
+    let source = SourceKind::from_raw(r.source)
+        .ok_or_else(|| Error::invalid_argument(format!("wm_update_request.source {} is not a wm_source", r.source)))?;
+    if r.flags & !KNOWN_FLAGS != 0 {
+        return Err(Error::invalid_argument(format!(
+            "wm_update_request.flags has unknown bits 0x{:x}",
+            r.flags & !KNOWN_FLAGS
+        )));
+    }
+    Ok(CRequest {
+        source,
+        flags: r.flags,
+        location: opt_path(r.location),
+        version: opt_str(r.version, "wm_update_request.version")?,
+        timeout: match r.timeout_ms {
+            0 => DEFAULT_TIMEOUT,
+            ms => Duration::from_millis(ms),
+        },
+    })
+}
+
+/// Update the params from a source. Blocks until the update finished, failed
+/// or timed out (`timeout_ms`). The whole plan is checked before any byte
+/// moves. On success `*out_stats` (optional: NULL to skip; else its
+/// `struct_size` must be set) receives the statistics; on failure it is not
+/// written, the reason is in `wm_last_error`, and `wm_status` tells what was
+/// left (atomic: old weights and version; in-place after bytes moved: FAILED).
+///
+/// `request` and its strings are read during the call only; callbacks run on
+/// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
+#[no_mangle]
+pub unsafe extern "C" fn wm_update(
+    manager: *mut wm_manager,
+    request: *const wm_update_request,
+    out_stats: *mut wm_update_stats,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        if request.is_null() {
+            return code_of(&m, Err(Error::null_argument("wm_update: request is NULL")));
+        }
+        if !out_stats.is_null() {
+            let size = (*out_stats).struct_size;
+            if let Err(e) = check_struct_size("wm_update_stats", size, std::mem::size_of::<wm_update_stats>()) {
+                return code_of(&m, Err(e));
+            }
+        }
+        let r = &*request;
+        let c = match request_from_c(r) {
+            Ok(c) => c,
+            Err(e) => return code_of(&m, Err(e)),
+        };
+        let mut progress = r.progress_callback.map(|cb| {
+            let user = r.progress_user_data;
+            move |p: &Progress| {
+                let cp = wm_progress {
+                    bytes_done: p.bytes_done,
+                    bytes_total: p.bytes_total,
+                    tensors_done: p.tensors_done,
+                    tensors_total: p.tensors_total,
+                };
+                // SAFETY: the engine's callback, called as documented.
+                unsafe { cb(user, &cp) == 0 }
+            }
+        });
+        let mut tensor = r.tensor_callback.map(|cb| {
+            let user = r.tensor_user_data;
+            move |t: &TensorView| -> std::result::Result<(), String> {
+                let name = CString::new(t.name).map_err(|_| "tensor name holds a NUL byte".to_string())?;
+                let view = wm_tensor_view {
+                    name: name.as_ptr(),
+                    dtype: t.dtype as u32,
+                    ndim: t.shape.len(),
+                    shape: t.shape.as_ptr(),
+                    data: t.data.as_ptr().cast(),
+                    len: t.data.len(),
+                };
+                // SAFETY: the engine's callback, called as documented.
+                match unsafe { cb(user, &view) } {
+                    0 => Ok(()),
+                    rc => Err(format!("callback returned {rc}")),
+                }
+            }
+        });
+        let req = UpdateRequest {
+            source: c.source,
+            location: c.location,
+            version: c.version,
+            verify: c.flags & WM_UPDATE_VERIFY_CHECKSUMS != 0,
+            mode: if c.flags & WM_UPDATE_IN_PLACE != 0 {
+                Mode::InPlace
+            } else {
+                Mode::Atomic
+            },
+            skip_unknown: c.flags & WM_UPDATE_SKIP_UNKNOWN != 0,
+            timeout: c.timeout,
+            hooks: Hooks {
+                progress: progress.as_mut().map(|f| f as _),
+                tensor: tensor.as_mut().map(|f| f as _),
+            },
+        };
+        match m.update(req) {
+            Ok(stats) => {
+                if !out_stats.is_null() {
+                    out_stats.write(stats_to_c(&stats));
+                }
+                wm_result::WM_OK
+            }
+            Err(e) => e.code,
+        }
+    })
+}
+
+/// Release the weights' memory: library-owned params give back their
+/// physical pages and keep their addresses (they read as zeros until the next
+/// update); engine-owned params go to the release callback, if any. The
+/// state becomes CLEARED and the version is forgotten; the next `wm_update`
+/// brings memory back. Clearing when already CLEARED is a no-op.
+///
+/// Blocks for the release only. `WM_ERR_BUSY` if an update or clear runs.
+#[no_mangle]
+pub unsafe extern "C" fn wm_clear(manager: *mut wm_manager) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        let r = m.clear().map(|_| ());
+        code_of(&m, r)
+    })
+}

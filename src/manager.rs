@@ -1,0 +1,514 @@
+//! The manager: one per engine rank. It owns the registry and runs the state
+//! machine around updates and clears.
+//!
+//! Rules (each enforced here, tested from Rust and from C):
+//! - One update or clear at a time: a second concurrent one gets
+//!   `WM_ERR_BUSY` immediately (it does not wait).
+//! - Params may be registered only before the first update or clear
+//!   (`WM_ERR_STATE` after), so a plan never races a registration.
+//! - An update validates its whole plan before any byte moves; a failure
+//!   before bytes move leaves the state, version and weights as they were.
+//! - Atomic updates that fail keep the old weights and version. In-place
+//!   updates that fail after bytes moved leave the manager FAILED until a
+//!   later update succeeds.
+//! - A clear releases library-owned memory at stable addresses (checked with
+//!   `mincore`), hands engine-owned params to the release hook, and leaves the
+//!   manager CLEARED; clearing twice is a no-op.
+
+use crate::apply::{ApplyOptions, Applier, Hooks, Mode};
+use crate::logging::Logger;
+use crate::memory::copy::default_threads;
+use crate::memory::SendPtr;
+use crate::plan::{make_plan, PlanOptions, Target};
+use crate::registry::{ParamMemory, ParamSpec, Registry};
+use crate::result::{Error, Result};
+use crate::signal::{self, ControlCell};
+use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
+use crate::source::{Source, SourceKind};
+use crate::state::State;
+use parking_lot::{Mutex, RwLock};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// SPEC.md: whole-session timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Longest version string accepted (bytes).
+pub const MAX_VERSION_LEN: usize = 255;
+
+/// Called with (name, pointer, length) for each engine-owned param on clear.
+pub type ReleaseHook = Box<dyn Fn(&str, *mut u8, usize) + Send + Sync>;
+/// Called with (name, old pointer, length) for each engine-owned param before
+/// the first update after a clear; returns the memory to write (the old
+/// pointer or a new one), or None to fail the update.
+pub type AcquireHook = Box<dyn Fn(&str, *mut u8, usize) -> Option<*mut u8> + Send + Sync>;
+
+pub struct ManagerConfig {
+    pub rank: u32,
+    pub world_size: u32,
+    /// CUDA device index of the rank, or -1 for a host-only engine. Picks
+    /// `G` in snapshot file names through `CUDA_VISIBLE_DEVICES`.
+    pub device: i32,
+    /// Default snapshot location when a request names none.
+    pub model_dir: Option<PathBuf>,
+    /// SPEC.md's fallback directory; `None` disables it.
+    pub fallback_dir: Option<PathBuf>,
+    /// Name of the shared-memory control cell (`/dev/shm/<name>`), if any.
+    pub control_cell: Option<String>,
+    pub logger: Logger,
+    /// Copy threads; 0 means one per core.
+    pub threads: usize,
+    pub release_hook: Option<ReleaseHook>,
+    pub acquire_hook: Option<AcquireHook>,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> ManagerConfig {
+        ManagerConfig {
+            rank: 0,
+            world_size: 1,
+            device: -1,
+            model_dir: None,
+            fallback_dir: Some(PathBuf::from(snapshot::DEFAULT_FALLBACK_DIR)),
+            control_cell: None,
+            logger: Logger::default(),
+            threads: 0,
+            release_hook: None,
+            acquire_hook: None,
+        }
+    }
+}
+
+/// What to update from and how.
+pub struct UpdateRequest<'h> {
+    pub source: SourceKind,
+    /// Snapshot: model directory or file (None: the config's model_dir).
+    pub location: Option<PathBuf>,
+    /// None: the version the source names (snapshot: `version.yaml`).
+    pub version: Option<String>,
+    pub verify: bool,
+    pub mode: Mode,
+    pub skip_unknown: bool,
+    pub timeout: Duration,
+    pub hooks: Hooks<'h>,
+}
+
+impl<'h> UpdateRequest<'h> {
+    pub fn snapshot(location: impl Into<PathBuf>) -> UpdateRequest<'h> {
+        UpdateRequest {
+            source: SourceKind::Snapshot,
+            location: Some(location.into()),
+            version: None,
+            verify: false,
+            mode: Mode::Atomic,
+            skip_unknown: false,
+            timeout: DEFAULT_TIMEOUT,
+            hooks: Hooks::default(),
+        }
+    }
+}
+
+/// Statistics of one update (SPEC.md: sync_cost, update_cost, total_cost).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UpdateStats {
+    pub version: String,
+    pub rank: u32,
+    pub tensors: u64,
+    pub bytes: u64,
+    /// Receiving: source bytes into library-visible memory, checksums included.
+    pub sync: Duration,
+    /// Applying: staged bytes into params, callbacks.
+    pub update: Duration,
+    /// Whole call, planning included.
+    pub total: Duration,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClearStats {
+    pub params: u64,
+    pub bytes_released: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub state: State,
+    /// Version of the weights in the params (None before the first update and after a clear).
+    pub version: Option<String>,
+    pub updates: u64,
+    pub last_update: Option<UpdateStats>,
+    pub last_error: Option<Error>,
+    pub params: u64,
+    pub param_bytes: u64,
+    pub resident_bytes: u64,
+}
+
+struct Record {
+    state: State,
+    version: Option<String>,
+    updates: u64,
+    last_update: Option<UpdateStats>,
+    last_error: Option<Error>,
+    registration_open: bool,
+    params: u64,
+    param_bytes: u64,
+    resident_bytes: u64,
+}
+
+pub struct Manager {
+    config: ManagerConfig,
+    gpu_id: String,
+    threads: usize,
+    op: Mutex<()>,
+    registry: RwLock<Registry>,
+    record: Mutex<Record>,
+    cell: Option<ControlCell>,
+}
+
+fn check_version(v: &str) -> Result<()> {
+    if v.is_empty() || v.len() > MAX_VERSION_LEN {
+        return Err(Error::invalid_argument(format!(
+            "version '{v}' must be 1 to {MAX_VERSION_LEN} bytes"
+        )));
+    }
+    Ok(())
+}
+
+impl Manager {
+    pub fn new(config: ManagerConfig) -> Result<Manager> {
+        if config.world_size == 0 || config.rank >= config.world_size {
+            return Err(Error::invalid_argument(format!(
+                "rank {} is not below world_size {}",
+                config.rank, config.world_size
+            )));
+        }
+        let cvd = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let gpu_id = snapshot::gpu_id(cvd.as_deref(), config.device)?;
+        let cell = match &config.control_cell {
+            Some(name) => Some(ControlCell::open_or_create(name)?),
+            None => None,
+        };
+        let threads = if config.threads == 0 {
+            default_threads()
+        } else {
+            config.threads
+        };
+        Ok(Manager {
+            gpu_id,
+            threads,
+            op: Mutex::new(()),
+            registry: RwLock::new(Registry::default()),
+            record: Mutex::new(Record {
+                state: State::Normal,
+                version: None,
+                updates: 0,
+                last_update: None,
+                last_error: None,
+                registration_open: true,
+                params: 0,
+                param_bytes: 0,
+                resident_bytes: 0,
+            }),
+            cell,
+            config,
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.config.rank
+    }
+
+    pub fn logger(&self) -> &Logger {
+        &self.config.logger
+    }
+
+    /// Remember `e` as this handle's last error and return it.
+    pub fn record_error(&self, e: Error) -> Error {
+        self.record.lock().last_error = Some(e.clone());
+        e
+    }
+
+    fn busy(&self) -> Error {
+        Error::busy(format!(
+            "rank {}: another update or clear is running on this manager",
+            self.config.rank
+        ))
+    }
+
+    fn recorded<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.record_error(e))
+    }
+
+    fn registering<T>(&self, f: impl FnOnce(&mut Registry) -> Result<T>) -> Result<T> {
+        let r = (|| {
+            let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+            if !self.record.lock().registration_open {
+                return Err(Error::state(
+                    "params can only be registered before the first update or clear",
+                ));
+            }
+            let mut reg = self.registry.write();
+            let out = f(&mut reg)?;
+            let mut rec = self.record.lock();
+            rec.params = reg.len() as u64;
+            rec.param_bytes = reg.total_bytes();
+            rec.resident_bytes = reg.resident_bytes();
+            Ok(out)
+        })();
+        self.recorded(r)
+    }
+
+    /// Register engine-owned memory (`len` bytes at `ptr`) as param `spec`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid and writable for the manager's life
+    /// (or until the release hook hands it back).
+    pub unsafe fn register(&self, spec: &ParamSpec, ptr: *mut u8, len: usize) -> Result<()> {
+        self.registering(|r| r.register_engine(spec, ptr, len))
+    }
+
+    /// Allocate a library-owned param; returns its stable address and length.
+    pub fn allocate(&self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
+        self.registering(|r| r.allocate(spec))
+    }
+
+    pub fn status(&self) -> Status {
+        let r = self.record.lock();
+        Status {
+            state: r.state,
+            version: r.version.clone(),
+            updates: r.updates,
+            last_update: r.last_update.clone(),
+            last_error: r.last_error.clone(),
+            params: r.params,
+            param_bytes: r.param_bytes,
+            resident_bytes: r.resident_bytes,
+        }
+    }
+
+    /// The signal every rank should act on this step.
+    pub fn broadcast_signal(&self) -> Result<State> {
+        self.recorded(signal::broadcast(self.config.world_size, self.cell.as_ref()))
+    }
+
+    fn open_source(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
+        match req.source {
+            SourceKind::Snapshot => {
+                let dir = req
+                    .location
+                    .clone()
+                    .or_else(|| self.config.model_dir.clone())
+                    .ok_or_else(|| {
+                        Error::invalid_argument(
+                            "snapshot update names no location and the config has no model_dir",
+                        )
+                    })?;
+                let loc = SnapshotLocation {
+                    model_dir: dir,
+                    fallback_dir: self.config.fallback_dir.clone(),
+                    rank: self.config.rank,
+                    gpu_id: self.gpu_id.clone(),
+                };
+                Ok(Box::new(SnapshotSource::open(&loc, &self.config.logger)?))
+            }
+            other => Err(Error::unsupported(format!(
+                "source '{}' is not available in this build yet (snapshot is)",
+                other.name()
+            ))),
+        }
+    }
+
+    /// Bring released memory back before writing: library regions are faulted
+    /// in; engine-owned params go through the acquire hook.
+    fn restore(&self, registry: &mut Registry) -> Result<()> {
+        for p in registry.params_mut() {
+            if p.resident {
+                continue;
+            }
+            match &mut p.memory {
+                ParamMemory::Library(r) => r.restore().map_err(|e| e.context(format!("param '{}'", p.name)))?,
+                ParamMemory::Engine { ptr } => {
+                    if let Some(acquire) = &self.config.acquire_hook {
+                        let new = acquire(&p.name, ptr.0, p.nbytes).filter(|n| !n.is_null() || p.nbytes == 0);
+                        *ptr = SendPtr(new.ok_or_else(|| {
+                            Error::callback(format!("acquire callback gave no memory for param '{}'", p.name))
+                        })?);
+                    }
+                }
+            }
+            p.resident = true;
+        }
+        Ok(())
+    }
+
+    fn release(&self, registry: &mut Registry) -> Result<ClearStats> {
+        let mut stats = ClearStats::default();
+        for p in registry.params_mut() {
+            if !p.resident {
+                continue;
+            }
+            match &p.memory {
+                ParamMemory::Library(r) => {
+                    r.release().map_err(|e| e.context(format!("param '{}'", p.name)))?;
+                    let left = r.resident_bytes()?;
+                    if left != 0 {
+                        return Err(Error::out_of_memory(format!(
+                            "param '{}' still holds {left} bytes after release (locked memory?)",
+                            p.name
+                        )));
+                    }
+                }
+                ParamMemory::Engine { ptr } => {
+                    if let Some(release) = &self.config.release_hook {
+                        release(&p.name, ptr.0, p.nbytes);
+                    }
+                }
+            }
+            p.resident = false;
+            stats.params += 1;
+            stats.bytes_released += p.nbytes as u64;
+        }
+        Ok(stats)
+    }
+
+    /// Run one update. See the module docs for what failure leaves behind.
+    pub fn update(&self, req: UpdateRequest) -> Result<UpdateStats> {
+        let r = self.try_update(req);
+        self.recorded(r)
+    }
+
+    fn try_update(&self, mut req: UpdateRequest) -> Result<UpdateStats> {
+        let start = Instant::now();
+        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        if let Some(v) = &req.version {
+            check_version(v)?;
+        }
+        let prev = {
+            let mut rec = self.record.lock();
+            rec.registration_open = false;
+            std::mem::replace(&mut rec.state, State::Updating)
+        };
+        let mut registry = self.registry.write();
+        let mut restored = false;
+        let outcome = self.run_update(&mut registry, &mut req, prev, &mut restored, start);
+        let mut state = prev;
+        let result = match outcome {
+            Ok(stats) => {
+                state = State::Normal;
+                Ok(stats)
+            }
+            Err((e, wrote)) => {
+                if wrote {
+                    state = State::Failed;
+                } else if restored {
+                    if let Err(re) = self.release(&mut registry) {
+                        self.config.logger.warn(&format!("re-releasing after a failed update: {re}"));
+                        state = State::Failed;
+                    }
+                }
+                Err(e)
+            }
+        };
+        let mut rec = self.record.lock();
+        rec.state = state;
+        rec.resident_bytes = registry.resident_bytes();
+        if let Ok(stats) = &result {
+            rec.version = Some(stats.version.clone());
+            rec.updates += 1;
+            rec.last_update = Some(stats.clone());
+            rec.last_error = None;
+        }
+        result
+    }
+
+    fn run_update(
+        &self,
+        registry: &mut Registry,
+        req: &mut UpdateRequest,
+        prev: State,
+        restored: &mut bool,
+        start: Instant,
+    ) -> std::result::Result<UpdateStats, (Error, bool)> {
+        let early = |e: Error| (e, false);
+        let mut source = self.open_source(req).map_err(early)?;
+        let version = match req.version.clone().or_else(|| source.manifest().version.clone()) {
+            Some(v) => v,
+            None => {
+                return Err(early(Error::no_version(format!(
+                    "no version: the request names none and {}",
+                    source.no_version_reason()
+                ))))
+            }
+        };
+        check_version(&version).map_err(early)?;
+        let opts = PlanOptions {
+            skip_unknown: req.skip_unknown,
+            callback: req.hooks.tensor.is_some(),
+            verify: req.verify,
+        };
+        let plan = make_plan(source.manifest(), registry, opts, &self.config.logger).map_err(early)?;
+        if prev == State::Cleared || prev == State::Failed {
+            *restored = registry.params().iter().any(|p| !p.resident);
+            self.restore(registry).map_err(early)?;
+        }
+        let dests = plan
+            .entries
+            .iter()
+            .map(|e| match e.target {
+                Target::Param(i) => Some(SendPtr(registry.params()[i].ptr())),
+                _ => None,
+            })
+            .collect();
+        let apply_opts = ApplyOptions {
+            mode: req.mode,
+            verify: req.verify,
+            threads: self.threads,
+            timeout: req.timeout,
+        };
+        let hooks = std::mem::take(&mut req.hooks);
+        let mut applier = Applier::new(&plan, dests, apply_opts, hooks).map_err(early)?;
+        if let Err(e) = source.stream(&plan, &mut applier) {
+            return Err((e, applier.wrote_params()));
+        }
+        let applied = applier.finish()?;
+        self.config.logger.info(&format!(
+            "rank {}: updated to version {version} from {} ({} tensors, {} bytes)",
+            self.config.rank,
+            source.describe(),
+            applied.tensors,
+            applied.bytes
+        ));
+        Ok(UpdateStats {
+            version,
+            rank: self.config.rank,
+            tensors: applied.tensors as u64,
+            bytes: applied.bytes,
+            sync: applied.receive,
+            update: applied.commit,
+            total: start.elapsed(),
+        })
+    }
+
+    /// Release weight memory; the next update brings it back.
+    pub fn clear(&self) -> Result<ClearStats> {
+        let r = self.try_clear();
+        self.recorded(r)
+    }
+
+    fn try_clear(&self) -> Result<ClearStats> {
+        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        {
+            let mut rec = self.record.lock();
+            rec.registration_open = false;
+            if rec.state == State::Cleared {
+                return Ok(ClearStats::default());
+            }
+            rec.state = State::Clearing;
+        }
+        let mut registry = self.registry.write();
+        let result = self.release(&mut registry);
+        let mut rec = self.record.lock();
+        rec.state = if result.is_ok() { State::Cleared } else { State::Failed };
+        rec.version = None;
+        rec.resident_bytes = registry.resident_bytes();
+        result
+    }
+}

@@ -1,0 +1,244 @@
+//! The parallel copier: every byte an update moves goes through here.
+//!
+//! Jobs are split into pieces of at most [`PIECE`] bytes and handed to
+//! `threads` workers from one shared counter, so a few large tensors and many
+//! small ones both keep every core busy. File pieces are read with `pread`
+//! straight into the destination: one copy from the page cache, and a file
+//! truncated under us is a short read (an error), never the SIGBUS a mapped
+//! read would raise.
+
+use super::SendPtr;
+use crate::result::{Error, Result};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Largest piece one worker copies at a time.
+pub const PIECE: usize = 8 << 20;
+/// Below this many bytes in total, copying runs on the calling thread: a
+/// thread start costs more than the copy.
+const PARALLEL_MIN: usize = 4 << 20;
+
+/// Where a job's bytes come from.
+#[derive(Clone, Copy)]
+pub enum CopySource<'a> {
+    /// Memory the caller keeps valid and unchanged during the copy.
+    Memory(SendPtr),
+    /// A file range starting at `offset`.
+    File { file: &'a File, offset: u64 },
+}
+
+/// Copy `len` bytes from `src` to `dst`. `tag` comes back with an error so the
+/// caller can name the tensor.
+#[derive(Clone, Copy)]
+pub struct CopyJob<'a> {
+    pub src: CopySource<'a>,
+    pub dst: SendPtr,
+    pub len: usize,
+    pub tag: usize,
+}
+
+/// A failed job: its tag and what went wrong.
+#[derive(Debug)]
+pub struct CopyError {
+    pub tag: usize,
+    pub error: Error,
+}
+
+/// Number of worker threads copies use: one per core.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+fn split<'a>(jobs: &[CopyJob<'a>]) -> Vec<CopyJob<'a>> {
+    let mut pieces = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let mut done = 0;
+        loop {
+            let len = (job.len - done).min(PIECE);
+            let src = match job.src {
+                CopySource::Memory(p) => CopySource::Memory(SendPtr(p.0.wrapping_add(done))),
+                CopySource::File { file, offset } => CopySource::File {
+                    file,
+                    offset: offset + done as u64,
+                },
+            };
+            pieces.push(CopyJob {
+                src,
+                dst: SendPtr(job.dst.0.wrapping_add(done)),
+                len,
+                tag: job.tag,
+            });
+            done += len;
+            if done >= job.len {
+                break;
+            }
+        }
+    }
+    pieces
+}
+
+fn run_piece(job: &CopyJob) -> Result<()> {
+    // SAFETY (both arms): the caller of `copy_all` guarantees dst..dst+len is
+    // writable, not written by another job, and src is readable for len.
+    match job.src {
+        CopySource::Memory(src) => unsafe {
+            std::ptr::copy_nonoverlapping(src.0, job.dst.0, job.len);
+        },
+        CopySource::File { file, offset } => {
+            let dst = unsafe { std::slice::from_raw_parts_mut(job.dst.0, job.len) };
+            let mut done = 0;
+            while done < dst.len() {
+                match file.read_at(&mut dst[done..], offset + done as u64) {
+                    Ok(0) => {
+                        return Err(Error::format(format!(
+                            "file ended at byte {} while {} more bytes were expected \
+                             (was it truncated or replaced after the plan was made?)",
+                            offset + done as u64,
+                            dst.len() - done
+                        )))
+                    }
+                    Ok(n) => done += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Error::io(format!("read at byte {}", offset + done as u64), e)),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Run every job on up to `threads` threads; the first failure stops the rest.
+///
+/// # Safety
+/// Every job's destination must be writable for its length, no two jobs may
+/// write the same byte, and memory sources must stay valid and unchanged until
+/// this returns.
+pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<(), CopyError> {
+    let total: usize = jobs.iter().map(|j| j.len).sum();
+    let pieces = split(jobs);
+    let threads = threads.max(1).min(pieces.len());
+    if threads <= 1 || total < PARALLEL_MIN {
+        for p in &pieces {
+            run_piece(p).map_err(|error| CopyError { tag: p.tag, error })?;
+        }
+        return Ok(());
+    }
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error = parking_lot::Mutex::new(None);
+    let work = || {
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = pieces.get(i) else { break };
+            if let Err(error) = run_piece(p) {
+                failed.store(true, Ordering::Relaxed);
+                first_error.lock().get_or_insert(CopyError { tag: p.tag, error });
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(work);
+        }
+        work();
+    });
+    match first_error.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// xxh3-128 of each `(ptr, len)` region, computed on up to `threads` threads.
+///
+/// # Safety
+/// Every region must be readable and unchanged until this returns.
+pub unsafe fn hash_all(regions: &[(SendPtr, usize)], threads: usize) -> Vec<u128> {
+    let mut out = vec![0u128; regions.len()];
+    let total: usize = regions.iter().map(|r| r.1).sum();
+    let one = |(ptr, len): &(SendPtr, usize)| {
+        xxhash_rust::xxh3::xxh3_128(std::slice::from_raw_parts(ptr.0, *len))
+    };
+    if threads <= 1 || regions.len() < 2 || total < PARALLEL_MIN {
+        for (o, r) in out.iter_mut().zip(regions) {
+            *o = one(r);
+        }
+        return out;
+    }
+    let next = AtomicUsize::new(0);
+    let slots: Vec<parking_lot::Mutex<u128>> = regions.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        let work = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(r) = regions.get(i) else { break };
+            *slots[i].lock() = one(r);
+        };
+        for _ in 1..threads.min(regions.len()) {
+            s.spawn(work);
+        }
+        work();
+    });
+    for (o, s) in out.iter_mut().zip(slots) {
+        *o = s.into_inner();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn copies_memory_and_files_in_pieces() {
+        let n = PIECE * 2 + 12345;
+        let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&src).unwrap();
+        let mut a = vec![0u8; n];
+        let mut b = vec![0u8; n - 10];
+        let jobs = [
+            CopyJob {
+                src: CopySource::Memory(SendPtr(src.as_ptr() as *mut u8)),
+                dst: SendPtr(a.as_mut_ptr()),
+                len: n,
+                tag: 0,
+            },
+            CopyJob {
+                src: CopySource::File { file: &f, offset: 10 },
+                dst: SendPtr(b.as_mut_ptr()),
+                len: n - 10,
+                tag: 1,
+            },
+        ];
+        unsafe { copy_all(&jobs, 2) }.unwrap();
+        assert_eq!(a, src);
+        assert_eq!(&b[..], &src[10..]);
+    }
+
+    #[test]
+    fn short_file_is_an_error_with_its_tag() {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[1u8; 100]).unwrap();
+        let mut dst = vec![0u8; 200];
+        let jobs = [CopyJob {
+            src: CopySource::File { file: &f, offset: 0 },
+            dst: SendPtr(dst.as_mut_ptr()),
+            len: 200,
+            tag: 42,
+        }];
+        let e = unsafe { copy_all(&jobs, 2) }.unwrap_err();
+        assert_eq!(e.tag, 42);
+        assert!(e.error.message.contains("truncated"), "{}", e.error.message);
+    }
+
+    #[test]
+    fn hashes_match_serial() {
+        let bufs: Vec<Vec<u8>> = (0..5).map(|i| vec![i as u8; (i + 1) << 20]).collect();
+        let regions: Vec<_> = bufs.iter().map(|b| (SendPtr(b.as_ptr() as *mut u8), b.len())).collect();
+        let got = unsafe { hash_all(&regions, 2) };
+        for (g, b) in got.iter().zip(&bufs) {
+            assert_eq!(*g, xxhash_rust::xxh3::xxh3_128(b));
+        }
+    }
+}

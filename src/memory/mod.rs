@@ -1,0 +1,24 @@
+//! Where bytes land, and the engine that moves them.
+//!
+//! - [`host`]: library-owned host memory whose physical pages can be released
+//!   and brought back at the same address.
+//! - [`copy`]: the parallel copier every source uses (memory to memory, and
+//!   file to memory with `pread`), plus parallel checksums.
+
+pub mod copy;
+pub mod host;
+
+/// A raw pointer that may cross threads. The owner guarantees the memory
+/// outlives every copy that uses it and that no two copies write one byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendPtr(pub *mut u8);
+
+// SAFETY: SendPtr is only an address; every use is bounded by the plan's
+// ranges, which never overlap, and the memory outlives the copies.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    rustix::param::page_size()
+}

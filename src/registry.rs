@@ -1,0 +1,220 @@
+//! The engine's params by name: dtype, shape and where their bytes live.
+//!
+//! A param is either engine-owned (the engine's pointer; the library writes
+//! into it and never frees it) or library-owned (a [`HostRegion`] whose pages
+//! `wm_clear` releases at a stable address).
+
+use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+use crate::tensor::{byte_size, check_name, shape_text, DType};
+use std::collections::HashMap;
+
+/// Where a param's memory is. Numbers are part of the ABI.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// CPU memory.
+    Host = 0,
+    /// CUDA device memory (served by the CUDA backend).
+    Device = 1,
+}
+
+impl MemoryKind {
+    pub fn from_raw(raw: u32) -> Option<MemoryKind> {
+        match raw {
+            0 => Some(MemoryKind::Host),
+            1 => Some(MemoryKind::Device),
+            _ => None,
+        }
+    }
+}
+
+/// What the engine says about a param when it registers it.
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub memory: MemoryKind,
+    pub device_ordinal: i32,
+}
+
+impl ParamSpec {
+    pub fn host(name: &str, dtype: DType, shape: &[u64]) -> ParamSpec {
+        ParamSpec {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            memory: MemoryKind::Host,
+            device_ordinal: -1,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum ParamMemory {
+    /// The engine's memory; `ptr` may change when an acquire callback hands
+    /// back new memory after a clear.
+    Engine { ptr: SendPtr },
+    /// The library's memory, at a fixed address for the param's life.
+    Library(HostRegion),
+}
+
+#[derive(Debug)]
+pub struct Param {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub nbytes: usize,
+    pub memory: ParamMemory,
+    /// False after a clear, until the next update brings memory back.
+    pub resident: bool,
+}
+
+impl Param {
+    pub fn ptr(&self) -> *mut u8 {
+        match &self.memory {
+            ParamMemory::Engine { ptr } => ptr.0,
+            ParamMemory::Library(r) => r.ptr(),
+        }
+    }
+
+    pub fn is_library_owned(&self) -> bool {
+        matches!(self.memory, ParamMemory::Library(_))
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    params: Vec<Param>,
+    by_name: HashMap<String, usize>,
+}
+
+impl Registry {
+    fn check_spec(&self, spec: &ParamSpec) -> Result<usize> {
+        check_name(&spec.name)?;
+        if self.by_name.contains_key(&spec.name) {
+            return Err(Error::invalid_argument(format!(
+                "param '{}' is already registered",
+                spec.name
+            )));
+        }
+        if spec.memory == MemoryKind::Device {
+            return Err(Error::unsupported(format!(
+                "param '{}': device memory (ordinal {}) needs the CUDA backend, \
+                 which this build does not include yet; register it as host memory",
+                spec.name, spec.device_ordinal
+            )));
+        }
+        let n = byte_size(&format!("param '{}'", spec.name), spec.dtype, &spec.shape)?;
+        Ok(n as usize)
+    }
+
+    fn push(&mut self, spec: &ParamSpec, nbytes: usize, memory: ParamMemory) {
+        self.by_name.insert(spec.name.clone(), self.params.len());
+        self.params.push(Param {
+            name: spec.name.clone(),
+            dtype: spec.dtype,
+            shape: spec.shape.clone(),
+            nbytes,
+            memory,
+            resident: true,
+        });
+    }
+
+    /// Register engine-owned host memory of `len` bytes at `ptr`.
+    pub fn register_engine(&mut self, spec: &ParamSpec, ptr: *mut u8, len: usize) -> Result<()> {
+        let nbytes = self.check_spec(spec)?;
+        if len != nbytes {
+            return Err(Error::invalid_argument(format!(
+                "param '{}': buffer is {len} bytes but {} {} needs {nbytes}",
+                spec.name,
+                spec.dtype,
+                shape_text(&spec.shape)
+            )));
+        }
+        if ptr.is_null() && nbytes > 0 {
+            return Err(Error::null_argument(format!(
+                "param '{}': data pointer is NULL",
+                spec.name
+            )));
+        }
+        self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
+        Ok(())
+    }
+
+    /// Allocate library-owned host memory; returns its stable address and length.
+    pub fn allocate(&mut self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
+        let nbytes = self.check_spec(spec)?;
+        let region = HostRegion::new(&format!("param '{}'", spec.name), nbytes)?;
+        let ptr = region.ptr();
+        self.push(spec, nbytes, ParamMemory::Library(region));
+        Ok((ptr, nbytes))
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    pub fn params_mut(&mut self) -> &mut [Param] {
+        &mut self.params
+    }
+
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.params.iter().map(|p| p.nbytes as u64).sum()
+    }
+
+    pub fn resident_bytes(&self) -> u64 {
+        self.params
+            .iter()
+            .filter(|p| p.resident)
+            .map(|p| p.nbytes as u64)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_rules() {
+        let mut r = Registry::default();
+        let mut buf = vec![0u8; 16];
+        r.register_engine(&ParamSpec::host("a", DType::F32, &[4]), buf.as_mut_ptr(), 16)
+            .unwrap();
+        let e = r
+            .register_engine(&ParamSpec::host("a", DType::F32, &[4]), buf.as_mut_ptr(), 16)
+            .unwrap_err();
+        assert!(e.message.contains("already registered"));
+        let e = r
+            .register_engine(&ParamSpec::host("b", DType::F32, &[4]), buf.as_mut_ptr(), 15)
+            .unwrap_err();
+        assert!(e.message.contains("'b'") && e.message.contains("needs 16"), "{e}");
+        let e = r
+            .register_engine(&ParamSpec::host("c", DType::F32, &[4]), std::ptr::null_mut(), 16)
+            .unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_NULL_ARGUMENT);
+        let mut dev = ParamSpec::host("d", DType::F32, &[4]);
+        dev.memory = MemoryKind::Device;
+        assert_eq!(r.allocate(&dev).unwrap_err().code, crate::wm_result::WM_ERR_UNSUPPORTED);
+        let (p, n) = r.allocate(&ParamSpec::host("e", DType::Bf16, &[3, 5])).unwrap();
+        assert!(!p.is_null());
+        assert_eq!(n, 30);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r.total_bytes(), 46);
+    }
+}

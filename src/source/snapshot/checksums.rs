@@ -1,0 +1,175 @@
+//! Checksums of a snapshot, kept in a file next to it.
+//!
+//! safetensors has no place for checksums, so `wm manifest <dir>` writes
+//! `wm_checksums.json` beside the weights: per file its size and, per tensor,
+//! the xxh3-128 of the tensor's bytes. Updates attach these to the manifest
+//! and verify them when the request asks. A file whose size differs from the
+//! recorded one was rewritten after the checksums: that is an error, not a
+//! silent skip.
+
+use super::safetensors_file;
+use crate::manifest::{checksum_hex, parse_checksum_hex};
+use crate::result::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub const CHECKSUM_FILE: &str = "wm_checksums.json";
+const FORMAT: &str = "weight_manager.checksums.v1";
+
+#[derive(Serialize, Deserialize)]
+struct FileJson {
+    format: String,
+    algorithm: String,
+    files: BTreeMap<String, FileEntryJson>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FileEntryJson {
+    size: u64,
+    tensors: BTreeMap<String, String>,
+}
+
+/// Checksums loaded from a directory's checksum file.
+pub struct Checksums {
+    path: std::path::PathBuf,
+    files: HashMap<String, (u64, HashMap<String, u128>)>,
+}
+
+impl Checksums {
+    /// Load `dir/wm_checksums.json`; `Ok(None)` when there is none.
+    pub fn load(dir: &Path) -> Result<Option<Checksums>> {
+        let path = dir.join(CHECKSUM_FILE);
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
+        let bad = |why: String| Error::format(format!("{}: {why}", path.display()));
+        let json: FileJson = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        if json.format != FORMAT || json.algorithm != "xxh3-128" {
+            return Err(bad(format!(
+                "format '{}' / algorithm '{}' not understood",
+                json.format, json.algorithm
+            )));
+        }
+        let mut files = HashMap::new();
+        for (name, entry) in json.files {
+            let mut tensors = HashMap::new();
+            for (t, hex) in entry.tensors {
+                let c = parse_checksum_hex(&hex)
+                    .ok_or_else(|| bad(format!("checksum of '{t}' in {name} is not 32 hex digits")))?;
+                tensors.insert(t, c);
+            }
+            files.insert(name, (entry.size, tensors));
+        }
+        Ok(Some(Checksums { path, files }))
+    }
+
+    /// Checksums of file `name` (a name in the directory), checked against its
+    /// current size.
+    pub fn for_file(&self, name: &str, size: u64) -> Result<Option<&HashMap<String, u128>>> {
+        match self.files.get(name) {
+            None => Ok(None),
+            Some((recorded, _)) if *recorded != size => Err(Error::checksum(format!(
+                "{} records {name} as {recorded} bytes but it is now {size}: \
+                 the file changed after its checksums were written (run `wm manifest` again)",
+                self.path.display()
+            ))),
+            Some((_, t)) => Ok(Some(t)),
+        }
+    }
+}
+
+/// What `write` did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Written {
+    pub files: usize,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+fn hash_range(file: &std::fs::File, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<u128> {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], offset + done)?;
+        h.update(&buf[..n]);
+        done += n as u64;
+    }
+    Ok(h.digest128())
+}
+
+/// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`
+/// and write `dir/wm_checksums.json` (atomically, through a rename).
+pub fn write(dir: &Path, threads: usize) -> Result<Written> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| super::layout::EXTENSIONS.iter().any(|x| n.ends_with(&format!(".{x}"))))
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(Error::not_found(format!(
+            "no .safetensors or .pdparams files in {}",
+            dir.display()
+        )));
+    }
+    let mut files = Vec::new();
+    let mut jobs = Vec::new();
+    for (fi, name) in names.iter().enumerate() {
+        let (file, header) = safetensors_file::open(&dir.join(name))?;
+        for (ti, t) in header.tensors.iter().enumerate() {
+            jobs.push((fi, ti, t.offset, t.nbytes));
+        }
+        files.push((file, header));
+    }
+    let next = AtomicUsize::new(0);
+    let results = parking_lot::Mutex::new((0..jobs.len()).map(|_| Ok(0u128)).collect::<Vec<std::io::Result<u128>>>());
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; 8 << 20];
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(fi, _, off, len)) = jobs.get(i) else { break };
+                    let r = hash_range(&files[fi].0, off, len, &mut buf);
+                    results.lock()[i] = r;
+                }
+            });
+        }
+    });
+    let mut out = FileJson {
+        format: FORMAT.into(),
+        algorithm: "xxh3-128".into(),
+        files: BTreeMap::new(),
+    };
+    let mut written = Written::default();
+    for (name, (_, header)) in names.iter().zip(&files) {
+        out.files.insert(
+            name.clone(),
+            FileEntryJson {
+                size: header.file_len,
+                tensors: BTreeMap::new(),
+            },
+        );
+        written.files += 1;
+    }
+    for (&(fi, ti, _, len), r) in jobs.iter().zip(results.into_inner()) {
+        let name = &names[fi];
+        let c = r.map_err(|e| Error::io(format!("reading {}", dir.join(name).display()), e))?;
+        let tensor = files[fi].1.tensors[ti].name.clone();
+        out.files.get_mut(name).expect("file entry").tensors.insert(tensor, checksum_hex(c));
+        written.tensors += 1;
+        written.bytes += len;
+    }
+    let path = dir.join(CHECKSUM_FILE);
+    let tmp = dir.join(format!(".{CHECKSUM_FILE}.tmp"));
+    let text = serde_json::to_vec_pretty(&out).expect("serialisable");
+    std::fs::write(&tmp, text).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming to {}", path.display()), e))?;
+    Ok(written)
+}

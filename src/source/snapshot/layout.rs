@@ -1,0 +1,345 @@
+//! Which files hold a rank's snapshot (SPEC.md "Snapshot files").
+//!
+//! Looked up in this order, first match wins:
+//! 1. part files `model_state.tpR.G.partN.<ext>` in the model dir, in
+//!    ascending numeric N (names with no parsable N are warned about, skipped);
+//! 2. `model_state.tpR.G.<ext>`;
+//! 3. the legacy name `model_state.tp0G.<ext>`;
+//! 4. a HuggingFace shard directory: `model.safetensors.index.json` naming
+//!    the shards, or else every `*.safetensors` in the dir (files named
+//!    `model_state.*` excluded: they belong to other ranks);
+//! 5. `model_state.tpR.G.<ext>` in the fallback directory.
+//!
+//! `<ext>` is `safetensors` or `pdparams` (whose content must be
+//! safetensors). SPEC.md lists the fallback directory fourth among the
+//! per-rank names; HuggingFace shards come before it here because a model
+//! directory that holds a complete model should win over a shared, possibly
+//! stale, fallback location. The model dir may also be a single file.
+
+use crate::logging::Logger;
+use crate::result::{Error, Result};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
+pub const HF_INDEX: &str = "model.safetensors.index.json";
+/// SPEC.md: FastDeploy's fallback directory.
+pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
+
+/// Where to look for one rank's snapshot.
+#[derive(Clone, Debug)]
+pub struct SnapshotLocation {
+    pub model_dir: PathBuf,
+    pub fallback_dir: Option<PathBuf>,
+    pub rank: u32,
+    /// Physical GPU id `G` (see [`gpu_id`]).
+    pub gpu_id: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    File,
+    RankParts,
+    RankFile,
+    Legacy,
+    HfIndex,
+    HfShards,
+    Fallback,
+}
+
+impl LayoutKind {
+    pub fn describe(self) -> &'static str {
+        match self {
+            LayoutKind::File => "single file",
+            LayoutKind::RankParts => "per-rank part files",
+            LayoutKind::RankFile => "per-rank file",
+            LayoutKind::Legacy => "legacy per-rank file",
+            LayoutKind::HfIndex => "HuggingFace shards (index)",
+            LayoutKind::HfShards => "HuggingFace shards",
+            LayoutKind::Fallback => "per-rank file in the fallback directory",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub kind: LayoutKind,
+    pub files: Vec<PathBuf>,
+    /// HuggingFace index: tensor name -> shard file name.
+    pub index: Option<HashMap<String, String>>,
+    /// Directory holding `version.yaml` and the checksum file.
+    pub dir: PathBuf,
+}
+
+/// `G` for a rank: the entry of `CUDA_VISIBLE_DEVICES` at the rank's device
+/// index (index 0 for host-only engines), or "0" when the variable is unset
+/// or empty (SPEC.md).
+pub fn gpu_id(cuda_visible_devices: Option<&str>, device_index: i32) -> Result<String> {
+    let Some(list) = cuda_visible_devices.filter(|s| !s.trim().is_empty()) else {
+        return Ok("0".to_string());
+    };
+    let idx = device_index.max(0) as usize;
+    let entries: Vec<&str> = list.split(',').map(str::trim).collect();
+    match entries.get(idx) {
+        Some(e) if !e.is_empty() && !e.contains('/') => Ok(e.to_string()),
+        _ => Err(Error::invalid_argument(format!(
+            "CUDA_VISIBLE_DEVICES='{list}' has no usable entry at device index {idx}"
+        ))),
+    }
+}
+
+fn existing(path: PathBuf) -> Option<PathBuf> {
+    path.is_file().then_some(path)
+}
+
+fn per_rank(dir: &Path, stem: &str) -> Option<PathBuf> {
+    EXTENSIONS
+        .iter()
+        .find_map(|ext| existing(dir.join(format!("{stem}.{ext}"))))
+}
+
+fn list_dir(dir: &Path) -> Result<Vec<String>> {
+    let rd = std::fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+    let mut names = Vec::new();
+    for entry in rd {
+        let entry = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+        if let Ok(name) = entry.file_name().into_string() {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<PathBuf> {
+    let prefix = format!("{stem}.part");
+    let mut parts = Vec::new();
+    for name in names {
+        let Some(rest) = name.strip_prefix(&prefix) else { continue };
+        let Some((n, ext)) = rest.rsplit_once('.') else { continue };
+        if !EXTENSIONS.contains(&ext) {
+            continue;
+        }
+        match n.parse::<u64>() {
+            Ok(n) => parts.push((n, ext == "pdparams", dir.join(name))),
+            Err(_) => logger.warn(&format!(
+                "skipping {}: part number '{n}' is not a number",
+                dir.join(name).display()
+            )),
+        }
+    }
+    parts.sort();
+    parts.into_iter().map(|p| p.2).collect()
+}
+
+fn hf_layout(dir: &Path, names: &[String]) -> Result<Option<Layout>> {
+    let index_path = dir.join(HF_INDEX);
+    if index_path.is_file() {
+        let text = std::fs::read(&index_path)
+            .map_err(|e| Error::io(format!("reading {}", index_path.display()), e))?;
+        let bad = |why: String| Error::format(format!("{}: {why}", index_path.display()));
+        let json: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad("no 'weight_map' object".into()))?;
+        let mut index = HashMap::new();
+        let mut files = BTreeSet::new();
+        for (tensor, file) in map {
+            let file = file
+                .as_str()
+                .filter(|f| !f.is_empty() && !f.contains('/') && *f != "." && *f != "..")
+                .ok_or_else(|| bad(format!("weight_map['{tensor}'] is not a file name in the directory")))?;
+            files.insert(file.to_string());
+            index.insert(tensor.clone(), file.to_string());
+        }
+        if index.is_empty() {
+            return Err(bad("weight_map is empty".into()));
+        }
+        let mut paths = Vec::new();
+        for f in files {
+            let p = dir.join(&f);
+            if !p.is_file() {
+                return Err(Error::not_found(format!(
+                    "{} names shard {f}, which does not exist",
+                    index_path.display()
+                )));
+            }
+            paths.push(p);
+        }
+        return Ok(Some(Layout {
+            kind: LayoutKind::HfIndex,
+            files: paths,
+            index: Some(index),
+            dir: dir.to_path_buf(),
+        }));
+    }
+    let shards: Vec<PathBuf> = names
+        .iter()
+        .filter(|n| n.ends_with(".safetensors") && !n.starts_with("model_state."))
+        .map(|n| dir.join(n))
+        .filter(|p| p.is_file())
+        .collect();
+    Ok((!shards.is_empty()).then(|| Layout {
+        kind: LayoutKind::HfShards,
+        files: shards,
+        index: None,
+        dir: dir.to_path_buf(),
+    }))
+}
+
+/// Find the files of `loc`'s snapshot. The not-found error names every place checked.
+pub fn resolve(loc: &SnapshotLocation, logger: &Logger) -> Result<Layout> {
+    let dir = &loc.model_dir;
+    if dir.is_file() {
+        return Ok(Layout {
+            kind: LayoutKind::File,
+            files: vec![dir.clone()],
+            index: None,
+            dir: dir.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        });
+    }
+    if !dir.is_dir() {
+        return Err(Error::not_found(format!(
+            "model directory {} does not exist",
+            dir.display()
+        )));
+    }
+    let (r, g) = (loc.rank, &loc.gpu_id);
+    let stem = format!("model_state.tp{r}.{g}");
+    let names = list_dir(dir)?;
+    let one = |kind, path: PathBuf, dir: &Path| Layout {
+        kind,
+        files: vec![path],
+        index: None,
+        dir: dir.to_path_buf(),
+    };
+    let parts = part_files(dir, &names, &stem, logger);
+    if !parts.is_empty() {
+        return Ok(Layout {
+            kind: LayoutKind::RankParts,
+            files: parts,
+            index: None,
+            dir: dir.clone(),
+        });
+    }
+    if let Some(p) = per_rank(dir, &stem) {
+        return Ok(one(LayoutKind::RankFile, p, dir));
+    }
+    let legacy = format!("model_state.tp0{g}");
+    if let Some(p) = per_rank(dir, &legacy) {
+        return Ok(one(LayoutKind::Legacy, p, dir));
+    }
+    if let Some(layout) = hf_layout(dir, &names)? {
+        return Ok(layout);
+    }
+    let mut checked = vec![
+        format!("{}/{stem}.partN.{{safetensors,pdparams}}", dir.display()),
+        format!("{}/{stem}.{{safetensors,pdparams}}", dir.display()),
+        format!("{}/{legacy}.{{safetensors,pdparams}}", dir.display()),
+        format!("{}/{HF_INDEX} or *.safetensors", dir.display()),
+    ];
+    if let Some(fb) = &loc.fallback_dir {
+        if let Some(p) = per_rank(fb, &stem) {
+            return Ok(one(LayoutKind::Fallback, p, fb));
+        }
+        checked.push(format!("{}/{stem}.{{safetensors,pdparams}}", fb.display()));
+    }
+    Err(Error::not_found(format!(
+        "no snapshot for rank {r} (GPU {g}); checked: {}",
+        checked.join(", ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(dir: &Path, name: &str) {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    fn loc(dir: &Path, fb: Option<&Path>) -> SnapshotLocation {
+        SnapshotLocation {
+            model_dir: dir.to_path_buf(),
+            fallback_dir: fb.map(Path::to_path_buf),
+            rank: 1,
+            gpu_id: "3".into(),
+        }
+    }
+
+    fn names(l: &Layout) -> Vec<String> {
+        l.files
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn gpu_id_follows_cuda_visible_devices() {
+        assert_eq!(gpu_id(None, 2).unwrap(), "0");
+        assert_eq!(gpu_id(Some(""), 2).unwrap(), "0");
+        assert_eq!(gpu_id(Some("4,5,6"), 1).unwrap(), "5");
+        assert_eq!(gpu_id(Some("4,5,6"), -1).unwrap(), "4");
+        assert!(gpu_id(Some("4"), 3).unwrap_err().message.contains("device index 3"));
+    }
+
+    #[test]
+    fn lookup_order_and_numeric_parts() {
+        let d = tempfile::tempdir().unwrap();
+        let fb = tempfile::tempdir().unwrap();
+        let logged = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+        let l2 = logged.clone();
+        let logger = Logger::closure(crate::logging::LogLevel::Debug, move |_, m| l2.lock().push(m.into()));
+        let e = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
+        for want in ["model_state.tp1.3.partN", "model_state.tp1.3.{", "model_state.tp03.", "index.json", "shared"] {
+            let want = if want == "shared" { fb.path().to_str().unwrap() } else { want };
+            assert!(e.message.contains(want), "{want} missing in {e}");
+        }
+        touch(fb.path(), "model_state.tp1.3.safetensors");
+        assert_eq!(resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap().kind, LayoutKind::Fallback);
+        touch(d.path(), "shard-00001.safetensors");
+        touch(d.path(), "model_state.tp7.3.safetensors");
+        let l = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap();
+        assert_eq!((l.kind, names(&l)), (LayoutKind::HfShards, vec!["shard-00001.safetensors".into()]));
+        touch(d.path(), "model_state.tp03.pdparams");
+        assert_eq!(resolve(&loc(d.path(), None), &logger).unwrap().kind, LayoutKind::Legacy);
+        touch(d.path(), "model_state.tp1.3.safetensors");
+        assert_eq!(resolve(&loc(d.path(), None), &logger).unwrap().kind, LayoutKind::RankFile);
+        for n in ["part10", "part2", "part1", "partX", "part"] {
+            touch(d.path(), &format!("model_state.tp1.3.{n}.safetensors"));
+        }
+        let l = resolve(&loc(d.path(), None), &logger).unwrap();
+        assert_eq!(l.kind, LayoutKind::RankParts);
+        assert_eq!(
+            names(&l),
+            vec![
+                "model_state.tp1.3.part1.safetensors",
+                "model_state.tp1.3.part2.safetensors",
+                "model_state.tp1.3.part10.safetensors"
+            ]
+        );
+        let logged = logged.lock();
+        assert!(logged.iter().any(|m| m.contains("partX")), "{logged:?}");
+    }
+
+    #[test]
+    fn hf_index_names_its_shards() {
+        let d = tempfile::tempdir().unwrap();
+        touch(d.path(), "a.safetensors");
+        std::fs::write(
+            d.path().join(HF_INDEX),
+            r#"{"metadata":{},"weight_map":{"x":"a.safetensors","y":"b.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = resolve(&loc(d.path(), None), &Logger::default()).unwrap_err();
+        assert!(e.message.contains("b.safetensors"), "{e}");
+        touch(d.path(), "b.safetensors");
+        let l = resolve(&loc(d.path(), None), &Logger::default()).unwrap();
+        assert_eq!(l.kind, LayoutKind::HfIndex);
+        assert_eq!(l.files.len(), 2);
+        assert_eq!(l.index.unwrap()["y"], "b.safetensors");
+    }
+}

@@ -1,0 +1,59 @@
+//! The manager's states. The first four are SPEC.md's control-word values
+//! (shared with FastDeploy); FAILED is the library's own and never appears in
+//! a control word.
+
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Serving with complete weights (or, before the first update, whatever
+    /// the engine loaded itself).
+    Normal = 0,
+    /// An update is running.
+    Updating = 1,
+    /// A clear is running.
+    Clearing = -1,
+    /// Weight memory released; the next update brings it back.
+    Cleared = -2,
+    /// An in-place update failed after bytes moved: params are half-written.
+    /// Only a later successful update returns to NORMAL.
+    Failed = -3,
+}
+
+impl State {
+    pub fn from_raw(raw: i32) -> Option<State> {
+        match raw {
+            0 => Some(State::Normal),
+            1 => Some(State::Updating),
+            -1 => Some(State::Clearing),
+            -2 => Some(State::Cleared),
+            -3 => Some(State::Failed),
+            _ => None,
+        }
+    }
+
+    /// True for the four values a control word may hold.
+    pub fn is_signal(self) -> bool {
+        self != State::Failed
+    }
+
+    /// The state's name as a C string ("NORMAL").
+    pub fn c_name(self) -> &'static std::ffi::CStr {
+        match self {
+            State::Normal => c"NORMAL",
+            State::Updating => c"UPDATING",
+            State::Clearing => c"CLEARING",
+            State::Cleared => c"CLEARED",
+            State::Failed => c"FAILED",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.c_name().to_str().unwrap_or("?")
+    }
+}
+
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
