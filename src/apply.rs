@@ -197,7 +197,12 @@ impl<'p, 'h> Applier<'p, 'h> {
             Target::Param(_) => self.params[t].expect("param destination"),
             _ => {
                 let n = self.plan.entries[t].meta.nbytes as usize;
-                SendPtr(self.loose.entry(t).or_insert_with(|| Vec::with_capacity(n)).as_mut_ptr())
+                SendPtr(
+                    self.loose
+                        .entry(t)
+                        .or_insert_with(|| Vec::with_capacity(n))
+                        .as_mut_ptr(),
+                )
             }
         }
     }
@@ -329,7 +334,10 @@ impl<'p, 'h> Applier<'p, 'h> {
             data,
         };
         hook(&view).map_err(|why| {
-            Error::callback(format!("per-tensor callback failed for tensor '{}': {why}", meta.name))
+            Error::callback(format!(
+                "per-tensor callback failed for tensor '{}': {why}",
+                meta.name
+            ))
         })
     }
 
@@ -355,7 +363,11 @@ impl<'p, 'h> Applier<'p, 'h> {
             return Err(Error::format(format!(
                 "the source ended before {} tensor(s) were complete: {}",
                 incomplete.len(),
-                incomplete.into_iter().take(5).collect::<Vec<_>>().join(", ")
+                incomplete
+                    .into_iter()
+                    .take(5)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         }
         self.check_deadline()?;
@@ -381,7 +393,8 @@ impl<'p, 'h> Applier<'p, 'h> {
                 if self.plan.entries[t].target == Target::Callback {
                     let n = self.plan.entries[t].meta.nbytes as usize;
                     // SAFETY: slot t holds n received bytes; the arena lives until the end of this block.
-                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offsets[t]), n) };
+                    let data =
+                        unsafe { std::slice::from_raw_parts(region.ptr().add(offsets[t]), n) };
                     self.deliver(t, data)?;
                 }
             }

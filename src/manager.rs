@@ -15,7 +15,7 @@
 //!   `mincore`), hands engine-owned params to the release hook, and leaves the
 //!   manager CLEARED; clearing twice is a no-op.
 
-use crate::apply::{ApplyOptions, Applier, Hooks, Mode};
+use crate::apply::{Applier, ApplyOptions, Hooks, Mode};
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
 use crate::memory::SendPtr;
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 /// SPEC.md: whole-session timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Longest version string accepted (bytes).
-pub const MAX_VERSION_LEN: usize = 255;
+pub(crate) const MAX_VERSION_LEN: usize = 255;
 
 /// Called with (name, pointer, length) for each engine-owned param on clear.
 pub type ReleaseHook = Box<dyn Fn(&str, *mut u8, usize) + Send + Sync>;
@@ -286,7 +286,10 @@ impl Manager {
 
     /// The signal every rank should act on this step.
     pub fn broadcast_signal(&self) -> Result<State> {
-        self.recorded(signal::broadcast(self.config.world_size, self.cell.as_ref()))
+        self.recorded(signal::broadcast(
+            self.config.world_size,
+            self.cell.as_ref(),
+        ))
     }
 
     fn open_source(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
@@ -324,12 +327,18 @@ impl Manager {
                 continue;
             }
             match &mut p.memory {
-                ParamMemory::Library(r) => r.restore().map_err(|e| e.context(format!("param '{}'", p.name)))?,
+                ParamMemory::Library(r) => r
+                    .restore()
+                    .map_err(|e| e.context(format!("param '{}'", p.name)))?,
                 ParamMemory::Engine { ptr } => {
                     if let Some(acquire) = &self.config.acquire_hook {
-                        let new = acquire(&p.name, ptr.0, p.nbytes).filter(|n| !n.is_null() || p.nbytes == 0);
+                        let new = acquire(&p.name, ptr.0, p.nbytes)
+                            .filter(|n| !n.is_null() || p.nbytes == 0);
                         *ptr = SendPtr(new.ok_or_else(|| {
-                            Error::callback(format!("acquire callback gave no memory for param '{}'", p.name))
+                            Error::callback(format!(
+                                "acquire callback gave no memory for param '{}'",
+                                p.name
+                            ))
                         })?);
                     }
                 }
@@ -347,7 +356,8 @@ impl Manager {
             }
             match &p.memory {
                 ParamMemory::Library(r) => {
-                    r.release().map_err(|e| e.context(format!("param '{}'", p.name)))?;
+                    r.release()
+                        .map_err(|e| e.context(format!("param '{}'", p.name)))?;
                     let left = r.resident_bytes()?;
                     if left != 0 {
                         return Err(Error::out_of_memory(format!(
@@ -400,7 +410,9 @@ impl Manager {
                     state = State::Failed;
                 } else if restored {
                     if let Err(re) = self.release(&mut registry) {
-                        self.config.logger.warn(&format!("re-releasing after a failed update: {re}"));
+                        self.config
+                            .logger
+                            .warn(&format!("re-releasing after a failed update: {re}"));
                         state = State::Failed;
                     }
                 }
@@ -429,7 +441,11 @@ impl Manager {
     ) -> std::result::Result<UpdateStats, (Error, bool)> {
         let early = |e: Error| (e, false);
         let mut source = self.open_source(req).map_err(early)?;
-        let version = match req.version.clone().or_else(|| source.manifest().version.clone()) {
+        let version = match req
+            .version
+            .clone()
+            .or_else(|| source.manifest().version.clone())
+        {
             Some(v) => v,
             None => {
                 return Err(early(Error::no_version(format!(
@@ -444,7 +460,8 @@ impl Manager {
             callback: req.hooks.tensor.is_some(),
             verify: req.verify,
         };
-        let plan = make_plan(source.manifest(), registry, opts, &self.config.logger).map_err(early)?;
+        let plan =
+            make_plan(source.manifest(), registry, opts, &self.config.logger).map_err(early)?;
         if prev == State::Cleared || prev == State::Failed {
             *restored = registry.params().iter().any(|p| !p.resident);
             self.restore(registry).map_err(early)?;
@@ -506,7 +523,11 @@ impl Manager {
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();
-        rec.state = if result.is_ok() { State::Cleared } else { State::Failed };
+        rec.state = if result.is_ok() {
+            State::Cleared
+        } else {
+            State::Failed
+        };
         rec.version = None;
         rec.resident_bytes = registry.resident_bytes();
         result

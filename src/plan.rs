@@ -75,13 +75,18 @@ pub fn make_plan(
     logger: &Logger,
 ) -> Result<Plan> {
     if manifest.tensors.is_empty() {
-        return Err(Error::not_found("the source holds no tensors (empty source)"));
+        return Err(Error::not_found(
+            "the source holds no tensors (empty source)",
+        ));
     }
     let mut format_problems = Vec::new();
     let mut seen = HashSet::new();
     for t in &manifest.tensors {
         if !seen.insert(t.name.as_str()) {
-            format_problems.push(format!("tensor '{}' appears more than once in the source", t.name));
+            format_problems.push(format!(
+                "tensor '{}' appears more than once in the source",
+                t.name
+            ));
         }
         match byte_size(&format!("tensor '{}'", t.name), t.dtype, &t.shape) {
             Ok(n) if n == t.nbytes => {}
@@ -121,7 +126,10 @@ pub fn make_plan(
             }
             Target::Param(i)
         } else if opts.skip_unknown {
-            logger.warn(&format!("skipping tensor '{}': not a registered param", t.name));
+            logger.warn(&format!(
+                "skipping tensor '{}': not a registered param",
+                t.name
+            ));
             Target::Skip
         } else {
             problems.push(format!("tensor '{}' is not a registered param", t.name));
@@ -142,7 +150,10 @@ pub fn make_plan(
     if !opts.callback {
         for (p, c) in registry.params().iter().zip(&covered) {
             if !c {
-                problems.push(format!("param '{}' is registered but not in the source", p.name));
+                problems.push(format!(
+                    "param '{}' is registered but not in the source",
+                    p.name
+                ));
             }
         }
     }
@@ -150,7 +161,9 @@ pub fn make_plan(
     let moving = entries.iter().filter(|e| e.target != Target::Skip);
     let (tensors, bytes) = moving.fold((0, 0), |(n, b), e| (n + 1, b + e.meta.nbytes));
     if tensors == 0 {
-        return Err(Error::mismatch("no tensor of the source matches a registered param"));
+        return Err(Error::mismatch(
+            "no tensor of the source matches a registered param",
+        ));
     }
     Ok(Plan {
         entries,
@@ -177,7 +190,8 @@ mod tests {
 
     fn registry() -> Registry {
         let mut r = Registry::default();
-        r.allocate(&ParamSpec::host("a", DType::Bf16, &[2, 3])).unwrap();
+        r.allocate(&ParamSpec::host("a", DType::Bf16, &[2, 3]))
+            .unwrap();
         r.allocate(&ParamSpec::host("b", DType::F32, &[4])).unwrap();
         r
     }
@@ -214,13 +228,21 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_MISMATCH);
-        assert!(e.message.contains("param 'a': dtype mismatch: registered bf16, source f16"), "{e}");
+        assert!(
+            e.message
+                .contains("param 'a': dtype mismatch: registered bf16, source f16"),
+            "{e}"
+        );
         let e = plan(
             vec![meta("a", DType::Bf16, &[3, 2]), meta("b", DType::F32, &[4])],
             PlanOptions::default(),
         )
         .unwrap_err();
-        assert!(e.message.contains("shape mismatch: registered [2, 3], source [3, 2]"), "{e}");
+        assert!(
+            e.message
+                .contains("shape mismatch: registered [2, 3], source [3, 2]"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -231,21 +253,35 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("tensor 'zz' is not a registered param"));
-        assert!(e.message.contains("param 'b' is registered but not in the source"));
+        assert!(e
+            .message
+            .contains("param 'b' is registered but not in the source"));
         let opts = PlanOptions {
             skip_unknown: true,
             ..Default::default()
         };
-        let e = plan(vec![meta("a", DType::Bf16, &[2, 3]), meta("zz", DType::U8, &[1])], opts)
-            .unwrap_err();
-        assert!(!e.message.contains("zz") && e.message.contains("'b'"), "{e}");
         let e = plan(
-            vec![meta("a", DType::Bf16, &[2, 3]), meta("a", DType::Bf16, &[2, 3])],
+            vec![meta("a", DType::Bf16, &[2, 3]), meta("zz", DType::U8, &[1])],
+            opts,
+        )
+        .unwrap_err();
+        assert!(
+            !e.message.contains("zz") && e.message.contains("'b'"),
+            "{e}"
+        );
+        let e = plan(
+            vec![
+                meta("a", DType::Bf16, &[2, 3]),
+                meta("a", DType::Bf16, &[2, 3]),
+            ],
             PlanOptions::default(),
         )
         .unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_FORMAT);
-        assert!(plan(vec![], PlanOptions::default()).unwrap_err().message.contains("empty"));
+        assert!(plan(vec![], PlanOptions::default())
+            .unwrap_err()
+            .message
+            .contains("empty"));
     }
 
     #[test]

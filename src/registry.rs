@@ -194,24 +194,48 @@ mod tests {
     fn registration_rules() {
         let mut r = Registry::default();
         let mut buf = vec![0u8; 16];
-        r.register_engine(&ParamSpec::host("a", DType::F32, &[4]), buf.as_mut_ptr(), 16)
-            .unwrap();
+        r.register_engine(
+            &ParamSpec::host("a", DType::F32, &[4]),
+            buf.as_mut_ptr(),
+            16,
+        )
+        .unwrap();
         let e = r
-            .register_engine(&ParamSpec::host("a", DType::F32, &[4]), buf.as_mut_ptr(), 16)
+            .register_engine(
+                &ParamSpec::host("a", DType::F32, &[4]),
+                buf.as_mut_ptr(),
+                16,
+            )
             .unwrap_err();
         assert!(e.message.contains("already registered"));
         let e = r
-            .register_engine(&ParamSpec::host("b", DType::F32, &[4]), buf.as_mut_ptr(), 15)
+            .register_engine(
+                &ParamSpec::host("b", DType::F32, &[4]),
+                buf.as_mut_ptr(),
+                15,
+            )
             .unwrap_err();
-        assert!(e.message.contains("'b'") && e.message.contains("needs 16"), "{e}");
+        assert!(
+            e.message.contains("'b'") && e.message.contains("needs 16"),
+            "{e}"
+        );
         let e = r
-            .register_engine(&ParamSpec::host("c", DType::F32, &[4]), std::ptr::null_mut(), 16)
+            .register_engine(
+                &ParamSpec::host("c", DType::F32, &[4]),
+                std::ptr::null_mut(),
+                16,
+            )
             .unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_NULL_ARGUMENT);
         let mut dev = ParamSpec::host("d", DType::F32, &[4]);
         dev.memory = MemoryKind::Device;
-        assert_eq!(r.allocate(&dev).unwrap_err().code, crate::wm_result::WM_ERR_UNSUPPORTED);
-        let (p, n) = r.allocate(&ParamSpec::host("e", DType::Bf16, &[3, 5])).unwrap();
+        assert_eq!(
+            r.allocate(&dev).unwrap_err().code,
+            crate::wm_result::WM_ERR_UNSUPPORTED
+        );
+        let (p, n) = r
+            .allocate(&ParamSpec::host("e", DType::Bf16, &[3, 5]))
+            .unwrap();
         assert!(!p.is_null());
         assert_eq!(n, 30);
         assert_eq!(r.len(), 2);

@@ -58,7 +58,7 @@ pub enum wm_result {
 
 impl wm_result {
     /// Every code, in numeric order (used by tests and `wm_result_text`).
-    pub const ALL: [wm_result; 20] = [
+    pub(crate) const ALL: [wm_result; 20] = [
         wm_result::WM_OK,
         wm_result::WM_ERR_NULL_ARGUMENT,
         wm_result::WM_ERR_INVALID_ARGUMENT,

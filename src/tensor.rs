@@ -6,7 +6,7 @@
 use crate::result::{Error, Result};
 
 /// Most dimensions a param or tensor may have. Real models use at most 5.
-pub const MAX_NDIM: usize = 8;
+pub(crate) const MAX_NDIM: usize = 8;
 
 /// Element type of a param or tensor. Numbers are part of the ABI.
 #[repr(u32)]
@@ -30,7 +30,7 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 15] = [
+    pub(crate) const ALL: [DType; 15] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
@@ -94,7 +94,9 @@ impl DType {
 
     /// Short lower-case name for messages and tables (`bf16`).
     pub fn short_name(self) -> String {
-        self.safetensors_name().to_ascii_lowercase().replace('_', "")
+        self.safetensors_name()
+            .to_ascii_lowercase()
+            .replace('_', "")
     }
 }
 

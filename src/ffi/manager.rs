@@ -15,19 +15,32 @@ pub struct wm_manager {
 /// Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
 /// message is valid only during the call. Called from any library thread, so
 /// it must be thread-safe, and it must not call back into the same manager.
-pub type wm_log_callback = unsafe extern "C" fn(user_data: *mut c_void, level: u32, message: *const c_char);
+pub type wm_log_callback =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, level: u32, message: *const c_char)>;
 
 /// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
 /// The engine may free the memory; the library will not touch it again until
 /// the acquire callback (or, without one, the next update) hands it back.
-pub type wm_release_callback =
-    unsafe extern "C" fn(user_data: *mut c_void, name: *const c_char, data: *mut c_void, len: usize);
+pub type wm_release_callback = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        name: *const c_char,
+        data: *mut c_void,
+        len: usize,
+    ),
+>;
 
 /// Called before the first update after a clear for each engine-owned param:
 /// `(user_data, name, old_data, len)`; returns the memory to write (`len`
 /// bytes, the old pointer or a new one) or NULL to fail the update.
-pub type wm_acquire_callback =
-    unsafe extern "C" fn(user_data: *mut c_void, name: *const c_char, old_data: *mut c_void, len: usize) -> *mut c_void;
+pub type wm_acquire_callback = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        name: *const c_char,
+        old_data: *mut c_void,
+        len: usize,
+    ) -> *mut c_void,
+>;
 
 /// Manager configuration. Fill with `wm_config_init`, then set fields.
 /// Growable: `struct_size` first.
@@ -52,12 +65,12 @@ pub struct wm_config {
     /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
     pub log_level: u32,
     /// NULL: log to stderr.
-    pub log_callback: Option<wm_log_callback>,
+    pub log_callback: wm_log_callback,
     pub log_user_data: *mut c_void,
     /// Optional; see `wm_release_callback`.
-    pub release_callback: Option<wm_release_callback>,
+    pub release_callback: wm_release_callback,
     /// Optional; see `wm_acquire_callback`.
-    pub acquire_callback: Option<wm_acquire_callback>,
+    pub acquire_callback: wm_acquire_callback,
     /// Passed to the release and acquire callbacks.
     pub callback_user_data: *mut c_void,
     /// Copy threads; 0: one per core (default).
@@ -147,12 +160,19 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
 /// open the control cell.
 #[no_mangle]
-pub unsafe extern "C" fn wm_init(config: *const wm_config, out_manager: *mut *mut wm_manager) -> wm_result {
+pub unsafe extern "C" fn wm_init(
+    config: *const wm_config,
+    out_manager: *mut *mut wm_manager,
+) -> wm_result {
     ffi_guard!({
         check_null!(config, out_manager);
         let c = &*config;
         let level = LogLevel::from_raw(c.log_level);
-        let logger = Logger::c_callback(level.unwrap_or(LogLevel::Warn), c.log_callback, c.log_user_data);
+        let logger = Logger::c_callback(
+            level.unwrap_or(LogLevel::Warn),
+            c.log_callback,
+            c.log_user_data,
+        );
         let made = match level {
             None => Err(Error::invalid_argument(format!(
                 "wm_config.log_level {} is not a wm_log_level",

@@ -73,7 +73,6 @@ pub mod result;
 pub mod status;
 pub mod update;
 
-
 /// Addresses of live managers.
 static LIVE: RwLock<BTreeSet<usize>> = parking_lot::const_rwlock(BTreeSet::new());
 
@@ -83,7 +82,9 @@ pub(crate) fn publish(m: Manager) -> *mut manager::wm_manager {
     p as *mut manager::wm_manager
 }
 
-pub(crate) fn handle(p: *const manager::wm_manager) -> std::result::Result<Arc<Manager>, wm_result> {
+pub(crate) fn handle(
+    p: *const manager::wm_manager,
+) -> std::result::Result<Arc<Manager>, wm_result> {
     if p.is_null() {
         return Err(wm_result::WM_ERR_NULL_ARGUMENT);
     }
@@ -193,6 +194,9 @@ mod tests {
     fn fill_chars_truncates_on_char_boundary() {
         let mut buf = [1 as std::ffi::c_char; 4];
         super::fill_chars(&mut buf, "aé€");
-        assert_eq!(buf[..4].iter().map(|c| *c as u8).collect::<Vec<_>>(), vec![b'a', 0xc3, 0xa9, 0]);
+        assert_eq!(
+            buf[..4].iter().map(|c| *c as u8).collect::<Vec<_>>(),
+            vec![b'a', 0xc3, 0xa9, 0]
+        );
     }
 }

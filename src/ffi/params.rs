@@ -29,7 +29,8 @@ pub struct wm_param_desc {
 }
 
 /// Most dimensions a param may have.
-pub const WM_MAX_NDIM: usize = MAX_NDIM;
+pub const WM_MAX_NDIM: usize = 8;
+const _: () = assert!(WM_MAX_NDIM == MAX_NDIM);
 
 /// Fill `desc` with defaults (host memory, f32 scalar, no name) and set `struct_size`.
 ///
@@ -52,14 +53,24 @@ pub unsafe extern "C" fn wm_param_desc_init(desc: *mut wm_param_desc) -> wm_resu
 }
 
 unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
-    check_struct_size("wm_param_desc", d.struct_size, std::mem::size_of::<wm_param_desc>())?;
+    check_struct_size(
+        "wm_param_desc",
+        d.struct_size,
+        std::mem::size_of::<wm_param_desc>(),
+    )?;
     let name = opt_str(d.name, "wm_param_desc.name")?
         .ok_or_else(|| Error::null_argument("wm_param_desc.name is NULL"))?;
     let dtype = DType::from_raw(d.dtype).ok_or_else(|| {
-        Error::invalid_argument(format!("param '{name}': dtype {} is not a wm_dtype", d.dtype))
+        Error::invalid_argument(format!(
+            "param '{name}': dtype {} is not a wm_dtype",
+            d.dtype
+        ))
     })?;
     let memory = MemoryKind::from_raw(d.memory).ok_or_else(|| {
-        Error::invalid_argument(format!("param '{name}': memory {} is not a wm_memory", d.memory))
+        Error::invalid_argument(format!(
+            "param '{name}': memory {} is not a wm_memory",
+            d.memory
+        ))
     })?;
     if d.ndim > MAX_NDIM {
         return Err(Error::invalid_argument(format!(
@@ -68,7 +79,10 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
         )));
     }
     if d.ndim > 0 && d.shape.is_null() {
-        return Err(Error::null_argument(format!("param '{name}': shape is NULL with ndim {}", d.ndim)));
+        return Err(Error::null_argument(format!(
+            "param '{name}': shape is NULL with ndim {}",
+            d.ndim
+        )));
     }
     let shape = if d.ndim == 0 {
         Vec::new()
@@ -102,7 +116,10 @@ pub unsafe extern "C" fn wm_register_param(
     ffi_guard!({
         let m = try_handle!(manager);
         if desc.is_null() {
-            return code_of(&m, Err(Error::null_argument("wm_register_param: desc is NULL")));
+            return code_of(
+                &m,
+                Err(Error::null_argument("wm_register_param: desc is NULL")),
+            );
         }
         let r = spec_from_c(&*desc).and_then(|spec| m.register(&spec, data.cast(), len));
         code_of(&m, r)
@@ -127,7 +144,10 @@ pub unsafe extern "C" fn wm_allocate_param(
         check_null!(out_data, out_len);
         let m = try_handle!(manager);
         if desc.is_null() {
-            return code_of(&m, Err(Error::null_argument("wm_allocate_param: desc is NULL")));
+            return code_of(
+                &m,
+                Err(Error::null_argument("wm_allocate_param: desc is NULL")),
+            );
         }
         match spec_from_c(&*desc).and_then(|spec| Manager::allocate(&m, &spec)) {
             Ok((p, n)) => {

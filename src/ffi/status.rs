@@ -33,7 +33,10 @@ pub struct wm_status {
 /// Never blocks on a running update (the state then reads UPDATING).
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 #[no_mangle]
-pub unsafe extern "C" fn wm_status(manager: *const wm_manager, out_status: *mut wm_status) -> wm_result {
+pub unsafe extern "C" fn wm_status(
+    manager: *const wm_manager,
+    out_status: *mut wm_status,
+) -> wm_result {
     ffi_guard!({
         check_null!(out_status);
         let m = try_handle!(manager);
@@ -67,7 +70,10 @@ pub unsafe extern "C" fn wm_status(manager: *const wm_manager, out_status: *mut 
 /// worlds get `WM_ERR_UNSUPPORTED` until the multi-rank control plane lands.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 #[no_mangle]
-pub unsafe extern "C" fn wm_broadcast_signal(manager: *mut wm_manager, out_signal: *mut i32) -> wm_result {
+pub unsafe extern "C" fn wm_broadcast_signal(
+    manager: *mut wm_manager,
+    out_signal: *mut i32,
+) -> wm_result {
     ffi_guard!({
         check_null!(out_signal);
         let m = try_handle!(manager);

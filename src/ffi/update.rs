@@ -22,6 +22,7 @@ const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS | WM_UPDATE_IN_PLACE | WM_UP
 /// Size of the version buffers in `wm_update_stats` and `wm_status` (a
 /// version is at most 255 bytes plus the NUL).
 pub const WM_VERSION_BUF: usize = 256;
+const _: () = assert!(WM_VERSION_BUF == crate::manager::MAX_VERSION_LEN + 1);
 
 /// Progress of an update, passed to the progress callback.
 #[repr(C)]
@@ -48,7 +49,8 @@ pub struct wm_tensor_view {
 
 /// Called on the updating thread after each batch; return 0 to go on, any
 /// other value to cancel the update (`WM_ERR_CANCELLED`).
-pub type wm_progress_callback = unsafe extern "C" fn(user_data: *mut c_void, progress: *const wm_progress) -> i32;
+pub type wm_progress_callback =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, progress: *const wm_progress) -> i32>;
 
 /// Called on the updating thread with each tensor once it arrived whole (and
 /// verified, when asked); return 0 on success, any other value to fail the
@@ -56,7 +58,8 @@ pub type wm_progress_callback = unsafe extern "C" fn(user_data: *mut c_void, pro
 /// to it and registered params are not written: the engine does its own
 /// copies (sharding, fused QKV). In atomic mode callbacks run only after every
 /// tensor arrived and verified.
-pub type wm_tensor_callback = unsafe extern "C" fn(user_data: *mut c_void, tensor: *const wm_tensor_view) -> i32;
+pub type wm_tensor_callback =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, tensor: *const wm_tensor_view) -> i32>;
 
 /// What to update from and how. Fill with `wm_update_request_init`.
 /// Growable: `struct_size` first.
@@ -75,10 +78,10 @@ pub struct wm_update_request {
     /// Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
     pub timeout_ms: u64,
     /// Optional.
-    pub progress_callback: Option<wm_progress_callback>,
+    pub progress_callback: wm_progress_callback,
     pub progress_user_data: *mut c_void,
     /// Optional; see `wm_tensor_callback`.
-    pub tensor_callback: Option<wm_tensor_callback>,
+    pub tensor_callback: wm_tensor_callback,
     pub tensor_user_data: *mut c_void,
 }
 
@@ -149,9 +152,17 @@ struct CRequest {
 }
 
 unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
-    check_struct_size("wm_update_request", r.struct_size, std::mem::size_of::<wm_update_request>())?;
-    let source = SourceKind::from_raw(r.source)
-        .ok_or_else(|| Error::invalid_argument(format!("wm_update_request.source {} is not a wm_source", r.source)))?;
+    check_struct_size(
+        "wm_update_request",
+        r.struct_size,
+        std::mem::size_of::<wm_update_request>(),
+    )?;
+    let source = SourceKind::from_raw(r.source).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "wm_update_request.source {} is not a wm_source",
+            r.source
+        ))
+    })?;
     if r.flags & !KNOWN_FLAGS != 0 {
         return Err(Error::invalid_argument(format!(
             "wm_update_request.flags has unknown bits 0x{:x}",
@@ -192,7 +203,11 @@ pub unsafe extern "C" fn wm_update(
         }
         if !out_stats.is_null() {
             let size = (*out_stats).struct_size;
-            if let Err(e) = check_struct_size("wm_update_stats", size, std::mem::size_of::<wm_update_stats>()) {
+            if let Err(e) = check_struct_size(
+                "wm_update_stats",
+                size,
+                std::mem::size_of::<wm_update_stats>(),
+            ) {
                 return code_of(&m, Err(e));
             }
         }
@@ -217,7 +232,8 @@ pub unsafe extern "C" fn wm_update(
         let mut tensor = r.tensor_callback.map(|cb| {
             let user = r.tensor_user_data;
             move |t: &TensorView| -> std::result::Result<(), String> {
-                let name = CString::new(t.name).map_err(|_| "tensor name holds a NUL byte".to_string())?;
+                let name =
+                    CString::new(t.name).map_err(|_| "tensor name holds a NUL byte".to_string())?;
                 let view = wm_tensor_view {
                     name: name.as_ptr(),
                     dtype: t.dtype as u32,

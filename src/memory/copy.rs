@@ -14,7 +14,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Largest piece one worker copies at a time.
-pub const PIECE: usize = 8 << 20;
+pub(crate) const PIECE: usize = 8 << 20;
 /// Below this many bytes in total, copying runs on the calling thread: a
 /// thread start costs more than the copy.
 const PARALLEL_MIN: usize = 4 << 20;
@@ -100,7 +100,12 @@ fn run_piece(job: &CopyJob) -> Result<()> {
                     }
                     Ok(n) => done += n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(Error::io(format!("read at byte {}", offset + done as u64), e)),
+                    Err(e) => {
+                        return Err(Error::io(
+                            format!("read at byte {}", offset + done as u64),
+                            e,
+                        ))
+                    }
                 }
             }
         }
@@ -133,7 +138,9 @@ pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<
             let Some(p) = pieces.get(i) else { break };
             if let Err(error) = run_piece(p) {
                 failed.store(true, Ordering::Relaxed);
-                first_error.lock().get_or_insert(CopyError { tag: p.tag, error });
+                first_error
+                    .lock()
+                    .get_or_insert(CopyError { tag: p.tag, error });
             }
         }
     };
@@ -205,7 +212,10 @@ mod tests {
                 tag: 0,
             },
             CopyJob {
-                src: CopySource::File { file: &f, offset: 10 },
+                src: CopySource::File {
+                    file: &f,
+                    offset: 10,
+                },
                 dst: SendPtr(b.as_mut_ptr()),
                 len: n - 10,
                 tag: 1,
@@ -222,7 +232,10 @@ mod tests {
         f.write_all(&[1u8; 100]).unwrap();
         let mut dst = vec![0u8; 200];
         let jobs = [CopyJob {
-            src: CopySource::File { file: &f, offset: 0 },
+            src: CopySource::File {
+                file: &f,
+                offset: 0,
+            },
             dst: SendPtr(dst.as_mut_ptr()),
             len: 200,
             tag: 42,
@@ -235,7 +248,10 @@ mod tests {
     #[test]
     fn hashes_match_serial() {
         let bufs: Vec<Vec<u8>> = (0..5).map(|i| vec![i as u8; (i + 1) << 20]).collect();
-        let regions: Vec<_> = bufs.iter().map(|b| (SendPtr(b.as_ptr() as *mut u8), b.len())).collect();
+        let regions: Vec<_> = bufs
+            .iter()
+            .map(|b| (SendPtr(b.as_ptr() as *mut u8), b.len()))
+            .collect();
         let got = unsafe { hash_all(&regions, 2) };
         for (g, b) in got.iter().zip(&bufs) {
             assert_eq!(*g, xxhash_rust::xxh3::xxh3_128(b));

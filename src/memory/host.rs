@@ -63,8 +63,14 @@ impl HostRegion {
     pub fn release(&self) -> Result<()> {
         // SAFETY: the range is our own mapping; DONTNEED on private anonymous
         // memory only drops its contents.
-        unsafe { mm::madvise(self.ptr.0.cast::<c_void>(), self.mapped, Advice::LinuxDontNeed) }
-            .map_err(|e| Error::io("releasing host param memory (madvise)", e))
+        unsafe {
+            mm::madvise(
+                self.ptr.0.cast::<c_void>(),
+                self.mapped,
+                Advice::LinuxDontNeed,
+            )
+        }
+        .map_err(|e| Error::io("releasing host param memory (madvise)", e))
     }
 
     /// Bring every page back before it is written. Falls back to touching one

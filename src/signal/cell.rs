@@ -40,7 +40,10 @@ impl ControlCell {
         unsafe {
             let fd = libc::shm_open(c_name.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o600);
             if fd < 0 {
-                return Err(Error::io(format!("opening {what}"), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("opening {what}"),
+                    std::io::Error::last_os_error(),
+                ));
             }
             let close = |e: Error| {
                 libc::close(fd);
@@ -48,10 +51,16 @@ impl ControlCell {
             };
             let mut st: libc::stat = std::mem::zeroed();
             if libc::fstat(fd, &mut st) != 0 {
-                return Err(close(Error::io(format!("stat {what}"), std::io::Error::last_os_error())));
+                return Err(close(Error::io(
+                    format!("stat {what}"),
+                    std::io::Error::last_os_error(),
+                )));
             }
             if st.st_size == 0 && libc::ftruncate(fd, 4) != 0 {
-                return Err(close(Error::io(format!("sizing {what}"), std::io::Error::last_os_error())));
+                return Err(close(Error::io(
+                    format!("sizing {what}"),
+                    std::io::Error::last_os_error(),
+                )));
             } else if st.st_size > 0 && st.st_size < 4 {
                 return Err(close(Error::format(format!(
                     "{what} is {} bytes, too small for an int32",
@@ -69,7 +78,10 @@ impl ControlCell {
             );
             libc::close(fd);
             if p == libc::MAP_FAILED {
-                return Err(Error::io(format!("mapping {what}"), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("mapping {what}"),
+                    std::io::Error::last_os_error(),
+                ));
             }
             Ok(ControlCell {
                 name: name.to_string(),
@@ -113,7 +125,10 @@ impl ControlCell {
         let c_name = CString::new(format!("/{name}")).expect("checked for NUL");
         // SAFETY: plain libc call on a checked name.
         if unsafe { libc::shm_unlink(c_name.as_ptr()) } != 0 {
-            return Err(Error::io(format!("unlinking /dev/shm/{name}"), std::io::Error::last_os_error()));
+            return Err(Error::io(
+                format!("unlinking /dev/shm/{name}"),
+                std::io::Error::last_os_error(),
+            ));
         }
         Ok(())
     }

@@ -25,9 +25,14 @@ pub enum SourceKind {
 
 impl SourceKind {
     pub fn from_raw(raw: u32) -> Option<SourceKind> {
-        [SourceKind::Snapshot, SourceKind::Ipc, SourceKind::Rdma, SourceKind::Gdr]
-            .get(raw as usize)
-            .copied()
+        [
+            SourceKind::Snapshot,
+            SourceKind::Ipc,
+            SourceKind::Rdma,
+            SourceKind::Gdr,
+        ]
+        .get(raw as usize)
+        .copied()
     }
 
     pub fn name(self) -> &'static str {

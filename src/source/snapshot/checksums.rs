@@ -59,8 +59,9 @@ impl Checksums {
         for (name, entry) in json.files {
             let mut tensors = HashMap::new();
             for (t, hex) in entry.tensors {
-                let c = parse_checksum_hex(&hex)
-                    .ok_or_else(|| bad(format!("checksum of '{t}' in {name} is not 32 hex digits")))?;
+                let c = parse_checksum_hex(&hex).ok_or_else(|| {
+                    bad(format!("checksum of '{t}' in {name} is not 32 hex digits"))
+                })?;
                 tensors.insert(t, c);
             }
             files.insert(name, (entry.size, tensors));
@@ -91,7 +92,12 @@ pub struct Written {
     pub bytes: u64,
 }
 
-fn hash_range(file: &std::fs::File, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<u128> {
+fn hash_range(
+    file: &std::fs::File,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+) -> std::io::Result<u128> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     let mut done = 0u64;
     while done < len {
@@ -109,7 +115,11 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| super::layout::EXTENSIONS.iter().any(|x| n.ends_with(&format!(".{x}"))))
+        .filter(|n| {
+            super::layout::EXTENSIONS
+                .iter()
+                .any(|x| n.ends_with(&format!(".{x}")))
+        })
         .collect();
     names.sort();
     if names.is_empty() {
@@ -128,14 +138,20 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
         files.push((file, header));
     }
     let next = AtomicUsize::new(0);
-    let results = parking_lot::Mutex::new((0..jobs.len()).map(|_| Ok(0u128)).collect::<Vec<std::io::Result<u128>>>());
+    let results = parking_lot::Mutex::new(
+        (0..jobs.len())
+            .map(|_| Ok(0u128))
+            .collect::<Vec<std::io::Result<u128>>>(),
+    );
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
                 let mut buf = vec![0u8; 8 << 20];
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(fi, _, off, len)) = jobs.get(i) else { break };
+                    let Some(&(fi, _, off, len)) = jobs.get(i) else {
+                        break;
+                    };
                     let r = hash_range(&files[fi].0, off, len, &mut buf);
                     results.lock()[i] = r;
                 }
@@ -162,7 +178,11 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
         let name = &names[fi];
         let c = r.map_err(|e| Error::io(format!("reading {}", dir.join(name).display()), e))?;
         let tensor = files[fi].1.tensors[ti].name.clone();
-        out.files.get_mut(name).expect("file entry").tensors.insert(tensor, checksum_hex(c));
+        out.files
+            .get_mut(name)
+            .expect("file entry")
+            .tensors
+            .insert(tensor, checksum_hex(c));
         written.tensors += 1;
         written.bytes += len;
     }
@@ -170,6 +190,7 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
     let tmp = dir.join(format!(".{CHECKSUM_FILE}.tmp"));
     let text = serde_json::to_vec_pretty(&out).expect("serialisable");
     std::fs::write(&tmp, text).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming to {}", path.display()), e))?;
+    std::fs::rename(&tmp, &path)
+        .map_err(|e| Error::io(format!("renaming to {}", path.display()), e))?;
     Ok(written)
 }

@@ -99,7 +99,8 @@ fn per_rank(dir: &Path, stem: &str) -> Option<PathBuf> {
 }
 
 fn list_dir(dir: &Path) -> Result<Vec<String>> {
-    let rd = std::fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+    let rd =
+        std::fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
     let mut names = Vec::new();
     for entry in rd {
         let entry = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
@@ -115,8 +116,12 @@ fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<
     let prefix = format!("{stem}.part");
     let mut parts = Vec::new();
     for name in names {
-        let Some(rest) = name.strip_prefix(&prefix) else { continue };
-        let Some((n, ext)) = rest.rsplit_once('.') else { continue };
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some((n, ext)) = rest.rsplit_once('.') else {
+            continue;
+        };
         if !EXTENSIONS.contains(&ext) {
             continue;
         }
@@ -150,7 +155,11 @@ fn hf_layout(dir: &Path, names: &[String]) -> Result<Option<Layout>> {
             let file = file
                 .as_str()
                 .filter(|f| !f.is_empty() && !f.contains('/') && *f != "." && *f != "..")
-                .ok_or_else(|| bad(format!("weight_map['{tensor}'] is not a file name in the directory")))?;
+                .ok_or_else(|| {
+                    bad(format!(
+                        "weight_map['{tensor}'] is not a file name in the directory"
+                    ))
+                })?;
             files.insert(file.to_string());
             index.insert(tensor.clone(), file.to_string());
         }
@@ -197,7 +206,9 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger) -> Result<Layout> {
             kind: LayoutKind::File,
             files: vec![dir.clone()],
             index: None,
-            dir: dir.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+            dir: dir
+                .parent()
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
         });
     }
     if !dir.is_dir() {
@@ -282,7 +293,10 @@ mod tests {
         assert_eq!(gpu_id(Some(""), 2).unwrap(), "0");
         assert_eq!(gpu_id(Some("4,5,6"), 1).unwrap(), "5");
         assert_eq!(gpu_id(Some("4,5,6"), -1).unwrap(), "4");
-        assert!(gpu_id(Some("4"), 3).unwrap_err().message.contains("device index 3"));
+        assert!(gpu_id(Some("4"), 3)
+            .unwrap_err()
+            .message
+            .contains("device index 3"));
     }
 
     #[test]
@@ -291,23 +305,49 @@ mod tests {
         let fb = tempfile::tempdir().unwrap();
         let logged = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
         let l2 = logged.clone();
-        let logger = Logger::closure(crate::logging::LogLevel::Debug, move |_, m| l2.lock().push(m.into()));
+        let logger = Logger::closure(crate::logging::LogLevel::Debug, move |_, m| {
+            l2.lock().push(m.into())
+        });
         let e = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
-        for want in ["model_state.tp1.3.partN", "model_state.tp1.3.{", "model_state.tp03.", "index.json", "shared"] {
-            let want = if want == "shared" { fb.path().to_str().unwrap() } else { want };
+        for want in [
+            "model_state.tp1.3.partN",
+            "model_state.tp1.3.{",
+            "model_state.tp03.",
+            "index.json",
+            "shared",
+        ] {
+            let want = if want == "shared" {
+                fb.path().to_str().unwrap()
+            } else {
+                want
+            };
             assert!(e.message.contains(want), "{want} missing in {e}");
         }
         touch(fb.path(), "model_state.tp1.3.safetensors");
-        assert_eq!(resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap().kind, LayoutKind::Fallback);
+        assert_eq!(
+            resolve(&loc(d.path(), Some(fb.path())), &logger)
+                .unwrap()
+                .kind,
+            LayoutKind::Fallback
+        );
         touch(d.path(), "shard-00001.safetensors");
         touch(d.path(), "model_state.tp7.3.safetensors");
         let l = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap();
-        assert_eq!((l.kind, names(&l)), (LayoutKind::HfShards, vec!["shard-00001.safetensors".into()]));
+        assert_eq!(
+            (l.kind, names(&l)),
+            (LayoutKind::HfShards, vec!["shard-00001.safetensors".into()])
+        );
         touch(d.path(), "model_state.tp03.pdparams");
-        assert_eq!(resolve(&loc(d.path(), None), &logger).unwrap().kind, LayoutKind::Legacy);
+        assert_eq!(
+            resolve(&loc(d.path(), None), &logger).unwrap().kind,
+            LayoutKind::Legacy
+        );
         touch(d.path(), "model_state.tp1.3.safetensors");
-        assert_eq!(resolve(&loc(d.path(), None), &logger).unwrap().kind, LayoutKind::RankFile);
+        assert_eq!(
+            resolve(&loc(d.path(), None), &logger).unwrap().kind,
+            LayoutKind::RankFile
+        );
         for n in ["part10", "part2", "part1", "partX", "part"] {
             touch(d.path(), &format!("model_state.tp1.3.{n}.safetensors"));
         }

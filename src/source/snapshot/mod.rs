@@ -29,7 +29,7 @@ use std::path::PathBuf;
 
 /// Bytes handed to the applier per batch: bounds the memory a callback-mode
 /// update holds, and the interval between progress reports.
-pub const BATCH_BYTES: u64 = 256 << 20;
+pub(crate) const BATCH_BYTES: u64 = 256 << 20;
 
 pub struct SnapshotSource {
     layout: Layout,
@@ -55,7 +55,10 @@ impl SnapshotSource {
         let mut locations = Vec::new();
         for (fi, path) in layout.files.iter().enumerate() {
             let (_file, header) = safetensors_file::open(path)?;
-            let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            let file_name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
             let sums = match &checksums {
                 Some(c) => c.for_file(file_name, header.file_len)?,
                 None => None,
@@ -146,7 +149,8 @@ impl super::Source for SnapshotSource {
                 continue;
             }
             let shown = path.display().to_string();
-            let file = std::fs::File::open(path).map_err(|e| Error::io(format!("opening {shown}"), e))?;
+            let file =
+                std::fs::File::open(path).map_err(|e| Error::io(format!("opening {shown}"), e))?;
             let len = file
                 .metadata()
                 .map_err(|e| Error::io(format!("stat {shown}"), e))?

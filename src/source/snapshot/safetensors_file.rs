@@ -46,7 +46,10 @@ impl<'de> serde::Deserialize<'de> for Entries {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<Entries, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<Entries, A::Error> {
                 let mut v = Vec::new();
                 while let Some(kv) = m.next_entry::<String, serde_json::Value>()? {
                     v.push(kv);
@@ -61,7 +64,10 @@ impl<'de> serde::Deserialize<'de> for Entries {
 fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, path: &Path) -> Result<()> {
     file.read_exact_at(buf, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::format(format!("{}: file too short for its safetensors header", path.display()))
+            Error::format(format!(
+                "{}: file too short for its safetensors header",
+                path.display()
+            ))
         } else {
             Error::io(format!("reading {}", path.display()), e)
         }
@@ -96,10 +102,14 @@ pub fn read_header(file: &File, path: &Path) -> Result<SafetensorsHeader> {
             continue;
         }
         if !seen.insert(name.clone()) {
-            return Err(Error::format(format!("{p}: tensor '{name}' appears twice in the header")));
+            return Err(Error::format(format!(
+                "{p}: tensor '{name}' appears twice in the header"
+            )));
         }
         let bad = |why: &str| Error::format(format!("{p}: tensor '{name}': {why}"));
-        let obj = value.as_object().ok_or_else(|| bad("entry is not an object"))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| bad("entry is not an object"))?;
         let dtype_name = obj
             .get("dtype")
             .and_then(|v| v.as_str())
@@ -209,12 +219,30 @@ mod tests {
     fn rejects_duplicates_misalignment_overlap_and_bad_sizes() {
         let d = tempfile::tempdir().unwrap();
         let cases = [
-            (r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#, "appears twice"),
-            (r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}}"#, "misaligned"),
-            (r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#, "overlap"),
-            (r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, "needs 12"),
-            (r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, "fall outside"),
-            (r#"{"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#, "not supported"),
+            (
+                r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                "appears twice",
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}}"#,
+                "misaligned",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+                "overlap",
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                "needs 12",
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+                "fall outside",
+            ),
+            (
+                r#"{"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#,
+                "not supported",
+            ),
             (r#"[1,2]"#, "not a JSON object"),
         ];
         for (header, want) in cases {
@@ -225,6 +253,9 @@ mod tests {
         }
         std::fs::write(d.path().join("junk"), b"hello").unwrap();
         let e = open(&d.path().join("junk")).unwrap_err();
-        assert!(e.message.contains("short") || e.message.contains("not a safetensors"), "{e}");
+        assert!(
+            e.message.contains("short") || e.message.contains("not a safetensors"),
+            "{e}"
+        );
     }
 }

@@ -27,7 +27,10 @@ pub fn read_version_yaml(dir: &Path) -> Result<String, String> {
         Yaml::Integer(i) => Ok(i.to_string()),
         Yaml::String(s) | Yaml::Real(s) if !s.is_empty() => Ok(s.clone()),
         Yaml::BadValue => Err(format!("{} has no 'step' key", path.display())),
-        _ => Err(format!("{}: 'step' is not a number or string", path.display())),
+        _ => Err(format!(
+            "{}: 'step' is not a number or string",
+            path.display()
+        )),
     }
 }
 
@@ -39,16 +42,24 @@ mod tests {
     fn step_cases() {
         let d = tempfile::tempdir().unwrap();
         let w = |s: &str| std::fs::write(d.path().join(VERSION_FILE), s).unwrap();
-        assert!(read_version_yaml(d.path()).unwrap_err().contains("could not be read"));
+        assert!(read_version_yaml(d.path())
+            .unwrap_err()
+            .contains("could not be read"));
         w("step: 12345\n");
         assert_eq!(read_version_yaml(d.path()).unwrap(), "12345");
         w("step: run-7\nother: 1\n");
         assert_eq!(read_version_yaml(d.path()).unwrap(), "run-7");
         w("- 1\n- 2\n");
-        assert!(read_version_yaml(d.path()).unwrap_err().contains("not a mapping"));
+        assert!(read_version_yaml(d.path())
+            .unwrap_err()
+            .contains("not a mapping"));
         w("foo: 1\n");
-        assert!(read_version_yaml(d.path()).unwrap_err().contains("no 'step'"));
+        assert!(read_version_yaml(d.path())
+            .unwrap_err()
+            .contains("no 'step'"));
         w("step: [unclosed\n");
-        assert!(read_version_yaml(d.path()).unwrap_err().contains("not valid YAML"));
+        assert!(read_version_yaml(d.path())
+            .unwrap_err()
+            .contains("not valid YAML"));
     }
 }

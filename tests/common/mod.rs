@@ -1,0 +1,77 @@
+//! Helpers shared by the integration tests: real safetensors files written
+//! with the `safetensors` crate, deterministic tensor bytes.
+#![allow(dead_code)]
+
+use safetensors::tensor::{Dtype, TensorView};
+use std::collections::BTreeMap;
+use std::path::Path;
+use weight_manager::tensor::DType;
+
+pub fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::Bf16 => Dtype::BF16,
+        DType::U8 => Dtype::U8,
+        DType::I32 => Dtype::I32,
+        DType::I64 => Dtype::I64,
+        DType::F8E4m3 => Dtype::F8_E4M3,
+        other => panic!("test helper lacks {other:?}"),
+    }
+}
+
+/// A tensor for tests: name, dtype, shape, bytes.
+#[derive(Clone)]
+pub struct T {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: Vec<u8>,
+}
+
+/// Deterministic bytes: differ by name and seed.
+pub fn tensor(name: &str, dtype: DType, shape: &[u64], seed: u8) -> T {
+    let n = shape.iter().product::<u64>() as usize * dtype.size();
+    let h = name.bytes().fold(seed as u32, |a, b| {
+        a.wrapping_mul(31).wrapping_add(b as u32)
+    });
+    let data = (0..n)
+        .map(|i| (h as usize).wrapping_add(i * 7) as u8)
+        .collect();
+    T {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        data,
+    }
+}
+
+pub fn write_safetensors(path: &Path, tensors: &[T]) {
+    let views: BTreeMap<String, TensorView> = tensors
+        .iter()
+        .map(|t| {
+            let shape: Vec<usize> = t.shape.iter().map(|d| *d as usize).collect();
+            (
+                t.name.clone(),
+                TensorView::new(st_dtype(t.dtype), shape, &t.data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, path).unwrap();
+}
+
+pub fn write_version(dir: &Path, step: &str) {
+    std::fs::write(dir.join("version.yaml"), format!("step: {step}\n")).unwrap();
+}
+
+/// A small model: a few tensors of assorted dtypes.
+pub fn model(seed: u8) -> Vec<T> {
+    vec![
+        tensor("embed.weight", DType::Bf16, &[64, 32], seed),
+        tensor("layer0.attn.qkv", DType::F16, &[96, 32], seed),
+        tensor("layer0.mlp.up", DType::F32, &[32, 48], seed),
+        tensor("layer0.norm", DType::F32, &[32], seed),
+        tensor("scale", DType::F8E4m3, &[7], seed),
+        tensor("step_count", DType::I64, &[], seed),
+    ]
+}
