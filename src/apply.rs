@@ -132,7 +132,7 @@ impl<'p, 'h> Applier<'p, 'h> {
                         .ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
                 }
             }
-            let region = HostRegion::new("atomic staging", size).map_err(|e| {
+            let region = HostRegion::staging("atomic staging", size, opts.threads).map_err(|e| {
                 e.context(format!(
                     "atomic mode stages the whole update ({size} bytes); use in-place mode to update without extra memory"
                 ))

@@ -46,6 +46,36 @@ impl HostRegion {
         })
     }
 
+    /// Map `len` bytes for staging and fault them in on `threads` threads,
+    /// asking for transparent huge pages: a staging arena is written once from
+    /// end to end, and taking its faults up front, in parallel and 2 MiB at a
+    /// time, is several times cheaper than one 4 KiB fault per page during the
+    /// copy.
+    pub fn staging(what: &str, len: usize, threads: usize) -> Result<HostRegion> {
+        let r = HostRegion::new(what, len)?;
+        // SAFETY: advice on our own fresh mapping; failure only loses the hint.
+        let _ = unsafe { mm::madvise(r.ptr.0.cast::<c_void>(), r.mapped, Advice::LinuxHugepage) };
+        let step = r.mapped.div_ceil(threads.max(1)).next_multiple_of(2 << 20);
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for start in (0..r.mapped).step_by(step) {
+                let len = step.min(r.mapped - start);
+                let p = SendPtr(r.ptr.0.wrapping_add(start));
+                let failed = &failed;
+                s.spawn(move || {
+                    let p = p;
+                    if populate_write(p.0, len).is_err() {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        if failed.into_inner() {
+            return Err(Error::out_of_memory(format!("{what}: faulting in {len} bytes failed")));
+        }
+        Ok(r)
+    }
+
     pub fn ptr(&self) -> *mut u8 {
         self.ptr.0
     }
@@ -73,28 +103,11 @@ impl HostRegion {
         .map_err(|e| Error::io("releasing host param memory (madvise)", e))
     }
 
-    /// Bring every page back before it is written. Falls back to touching one
-    /// byte per page on kernels without `MADV_POPULATE_WRITE`.
+    /// Bring every page back before it is written.
     pub fn restore(&self) -> Result<()> {
-        const MADV_POPULATE_WRITE: i32 = 23;
-        // SAFETY: the range is our own read-write mapping.
-        let rc = unsafe { libc::madvise(self.ptr.0.cast(), self.mapped, MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::ENOMEM) {
-            return Err(Error::out_of_memory(format!(
-                "restoring {} bytes of host param memory: {err}",
-                self.len
-            )));
-        }
-        let page = page_size();
-        for off in (0..self.mapped).step_by(page) {
-            // SAFETY: off < mapped, inside our writable mapping.
-            unsafe { std::ptr::write_volatile(self.ptr.0.add(off), 0) };
-        }
-        Ok(())
+        populate_write(self.ptr.0, self.mapped).map_err(|err| {
+            Error::out_of_memory(format!("restoring {} bytes of host param memory: {err}", self.len))
+        })
     }
 
     /// Bytes of this region currently backed by physical memory (mincore).
@@ -119,6 +132,26 @@ impl HostRegion {
     pub unsafe fn as_slice(&self) -> &[u8] {
         std::slice::from_raw_parts(self.ptr.0, self.len)
     }
+}
+
+/// Fault in `len` bytes at `p` (page aligned, our own writable mapping) with
+/// `MADV_POPULATE_WRITE`, or by touching one byte per page on kernels
+/// without it.
+fn populate_write(p: *mut u8, len: usize) -> std::io::Result<()> {
+    const MADV_POPULATE_WRITE: i32 = 23;
+    // SAFETY: the caller passes a range of its own read-write mapping.
+    if unsafe { libc::madvise(p.cast(), len, MADV_POPULATE_WRITE) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ENOMEM) {
+        return Err(err);
+    }
+    for off in (0..len).step_by(page_size()) {
+        // SAFETY: off < len, inside the caller's writable mapping.
+        unsafe { std::ptr::write_volatile(p.add(off), 0) };
+    }
+    Ok(())
 }
 
 impl Drop for HostRegion {

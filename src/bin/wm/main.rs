@@ -1,1 +1,125 @@
-fn main() {}
+//! `wm`: the weight_manager command line.
+//!
+//! - `wm demo`: one engine rank with host params through init, update from a
+//!   snapshot, clear, update again; prints a table and a verdict.
+//! - `wm inspect <file|dir>`: tensors, dtypes, shapes, bytes, version.
+//! - `wm manifest <dir>`: write `wm_checksums.json` for the snapshot in `dir`.
+//! - `wm bench snapshot`: snapshot update throughput beside its floors.
+
+mod bench;
+mod demo;
+mod fixtures;
+mod fmt;
+mod inspect;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage:
+  wm demo [--dir DIR]
+  wm inspect <file|dir> [--rank R] [--gpu G] [--all]
+  wm manifest <dir>
+  wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
+  wm --version";
+
+/// Parsed `--name value` options and positional arguments.
+pub struct Args {
+    pub positional: Vec<String>,
+    options: Vec<(String, Option<String>)>,
+}
+
+impl Args {
+    fn parse(raw: &[String], flags: &[&str]) -> Result<Args, String> {
+        let mut positional = Vec::new();
+        let mut options = Vec::new();
+        let mut it = raw.iter();
+        while let Some(a) = it.next() {
+            if let Some(name) = a.strip_prefix("--") {
+                if flags.contains(&name) {
+                    options.push((name.to_string(), None));
+                } else {
+                    let v = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
+                    options.push((name.to_string(), Some(v.clone())));
+                }
+            } else {
+                positional.push(a.clone());
+            }
+        }
+        Ok(Args { positional, options })
+    }
+
+    pub fn flag(&self, name: &str) -> bool {
+        self.options.iter().any(|(n, _)| n == name)
+    }
+
+    pub fn value(&self, name: &str) -> Option<&str> {
+        self.options.iter().rev().find(|(n, _)| n == name).and_then(|(_, v)| v.as_deref())
+    }
+
+    pub fn number<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T, String> {
+        match self.value(name) {
+            None => Ok(default),
+            Some(v) => v.parse().map_err(|_| format!("--{name} {v}: not a number")),
+        }
+    }
+
+    fn check_known(&self, known: &[&str]) -> Result<(), String> {
+        for (n, _) in &self.options {
+            if !known.contains(&n.as_str()) {
+                return Err(format!("unknown option --{n}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run(argv: &[String]) -> Result<(), String> {
+    let Some(cmd) = argv.first() else {
+        return Err(USAGE.into());
+    };
+    let rest = &argv[1..];
+    match cmd.as_str() {
+        "demo" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(&["dir"])?;
+            demo::run(&a)
+        }
+        "inspect" => {
+            let a = Args::parse(rest, &["all"])?;
+            a.check_known(&["rank", "gpu", "all"])?;
+            inspect::inspect(&a)
+        }
+        "manifest" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(&[])?;
+            inspect::manifest(&a)
+        }
+        "bench" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(&["gib", "small", "threads", "dir"])?;
+            match a.positional.first().map(String::as_str) {
+                Some("snapshot") => bench::snapshot(&a),
+                _ => Err("usage: wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]".into()),
+            }
+        }
+        "--version" | "version" => {
+            println!("wm {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => Err(format!("unknown command '{other}'\n{USAGE}")),
+    }
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    match run(&argv) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("wm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! `wm bench snapshot`: snapshot updates from the page cache into host
+//! params, each figure printed beside floors measured in the same run.
+//!
+//! Floors use the same number of threads as the library's copier:
+//! - memcpy: host buffer to host buffer;
+//! - page-cache read: `pread` of the same file into a buffer.
+//!
+//! Ratio = wm GB/s / the lower floor (target: at least 0.8, in-place). The
+//! small-tensor run reports time per tensor beyond what its bytes cost at the
+//! page-cache floor (target: at most 5 us).
+
+use crate::fixtures;
+use crate::fmt::{self, gbps};
+use crate::Args;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use weight_manager::apply::Mode;
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::registry::ParamSpec;
+use weight_manager::tensor::DType;
+
+const RUNS: usize = 3;
+
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn best(mut f: impl FnMut() -> Result<Duration, String>) -> Result<Duration, String> {
+    let mut best = Duration::MAX;
+    for _ in 0..RUNS {
+        best = best.min(f()?);
+    }
+    Ok(best)
+}
+
+/// Pre-faulted zeroed buffer.
+fn buffer(n: usize) -> Vec<u8> {
+    vec![1u8; n]
+}
+
+fn split_ranges(n: usize, parts: usize) -> Vec<(usize, usize)> {
+    let step = n.div_ceil(parts).next_multiple_of(4096);
+    (0..n).step_by(step.max(1)).map(|s| (s, (s + step).min(n))).collect()
+}
+
+fn memcpy_floor(src: &[u8], dst: &mut [u8], threads: usize) -> Duration {
+    let t = Instant::now();
+    let ranges = split_ranges(src.len(), threads);
+    std::thread::scope(|s| {
+        let mut rest = &mut dst[..];
+        let mut at = 0;
+        for &(a, b) in &ranges {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - at);
+            rest = tail;
+            at = b;
+            let src = &src[a..b];
+            s.spawn(move || head.copy_from_slice(src));
+        }
+    });
+    t.elapsed()
+}
+
+fn read_floor(file: &File, offset: u64, dst: &mut [u8], threads: usize) -> Result<Duration, String> {
+    let t = Instant::now();
+    let ranges = split_ranges(dst.len(), threads);
+    let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
+        let mut rest = &mut dst[..];
+        let mut at = 0;
+        let mut handles = Vec::new();
+        for &(a, b) in &ranges {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - at);
+            rest = tail;
+            at = b;
+            handles.push(s.spawn(move || file.read_exact_at(head, offset + a as u64)));
+        }
+        handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
+    });
+    for r in results {
+        r.map_err(|e| format!("page-cache read floor: {e}"))?;
+    }
+    Ok(t.elapsed())
+}
+
+fn warm(path: &Path) -> Result<(), String> {
+    let f = File::open(path).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 8 << 20];
+    let mut off = 0u64;
+    loop {
+        let n = f.read_at(&mut buf, off).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(());
+        }
+        off += n as u64;
+    }
+}
+
+/// Engine-owned, pre-faulted params for every tensor of `model`.
+fn engine(model: &[(String, DType, Vec<u64>, usize)], threads: usize) -> Result<(Manager, Vec<Vec<u8>>), String> {
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        threads,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut bufs = Vec::new();
+    for (name, dtype, shape, n) in model {
+        let mut b = buffer(*n);
+        // SAFETY: the buffers are returned with the manager and outlive it.
+        unsafe { m.register(&ParamSpec::host(name, *dtype, shape), b.as_mut_ptr(), b.len()) }
+            .map_err(|e| e.to_string())?;
+        bufs.push(b);
+    }
+    Ok((m, bufs))
+}
+
+fn timed_update(m: &Manager, dir: &Path, mode: Mode, run: &mut u64) -> Result<Duration, String> {
+    *run += 1;
+    let mut req = UpdateRequest::snapshot(dir);
+    req.mode = mode;
+    req.version = Some(format!("bench-{run}"));
+    let t = Instant::now();
+    m.update(req).map_err(|e| e.to_string())?;
+    Ok(t.elapsed())
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+pub fn snapshot(a: &Args) -> Result<(), String> {
+    let gib: f64 = a.number("gib", 2.0)?;
+    let small: usize = a.number("small", 10_000)?;
+    let threads: usize = a.number("threads", weight_manager::memory::copy::default_threads())?;
+    let root = a.value("dir").map_or_else(std::env::temp_dir, PathBuf::from);
+    let dir = root.join(format!("wm-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let _scratch = Scratch(dir.clone());
+
+    // Large model: bf16 tensors of 64 MiB.
+    const TENSOR: u64 = 64 << 20;
+    let count = ((gib * (1u64 << 30) as f64) / TENSOR as f64).ceil().max(1.0) as usize;
+    let shape = vec![8192u64, 4096];
+    let big_dir = dir.join("big");
+    std::fs::create_dir_all(&big_dir).map_err(|e| e.to_string())?;
+    let path = big_dir.join("model_state.tp0.0.safetensors");
+    {
+        let mut ts = Vec::new();
+        for i in 0..count {
+            let mut t = fixtures::tensor(format!("layers.{i}.w"), DType::Bf16, &[1], i as u64);
+            t.shape = shape.clone();
+            t.data = vec![0u8; TENSOR as usize];
+            fixtures::fill(&mut t.data, i as u64 + 1);
+            ts.push(t);
+        }
+        fixtures::write(&path, &ts)?;
+    }
+    let total = count as u64 * TENSOR;
+    warm(&path)?;
+    println!(
+        "wm bench snapshot: {} of bf16 in {count} tensors of 64 MiB, {threads} copy threads, best of {RUNS}",
+        fmt::bytes(total)
+    );
+
+    let file = File::open(&path).map_err(|e| e.to_string())?;
+    let header = weight_manager::source::snapshot::safetensors_file::read_header(&file, &path).map_err(|e| e.to_string())?;
+    let data_offset = header.tensors[0].offset;
+    let (mem_floor, read_floor_t) = {
+        let mut src = buffer(total as usize);
+        fixtures::fill(&mut src, 7);
+        let mut dst = buffer(total as usize);
+        let m = best(|| Ok(memcpy_floor(&src, &mut dst, threads)))?;
+        let r = best(|| read_floor(&file, data_offset, &mut dst, threads))?;
+        (m, r)
+    };
+    let mem_gbps = gbps(total, mem_floor);
+    let read_gbps = gbps(total, read_floor_t);
+    let floor = mem_gbps.min(read_gbps);
+    println!("  floor  memcpy (host to host)        {mem_gbps:>7.2} GB/s");
+    println!("  floor  page-cache read (pread)      {read_gbps:>7.2} GB/s");
+
+    let model: Vec<_> = (0..count)
+        .map(|i| (format!("layers.{i}.w"), DType::Bf16, shape.clone(), TENSOR as usize))
+        .collect();
+    let mut run = 0;
+    {
+        let (m, _bufs) = engine(&model, threads)?;
+        let inplace = gbps(total, best(|| timed_update(&m, &big_dir, Mode::InPlace, &mut run))?);
+        let ratio = inplace / floor;
+        println!(
+            "  wm     update in-place              {inplace:>7.2} GB/s   ratio {ratio:.2} to lower floor (target >= 0.80) {}",
+            verdict(ratio >= 0.8)
+        );
+        let atomic = gbps(total, best(|| timed_update(&m, &big_dir, Mode::Atomic, &mut run))?);
+        println!(
+            "  wm     update atomic (staged)       {atomic:>7.2} GB/s   ratio {:.2} (stages then copies: two passes, informational)",
+            atomic / floor
+        );
+    }
+
+    // Many small tensors: per-tensor overhead beyond the bytes.
+    if small > 0 {
+        let small_dir = dir.join("small");
+        std::fs::create_dir_all(&small_dir).map_err(|e| e.to_string())?;
+        let ts: Vec<_> = (0..small)
+            .map(|i| fixtures::tensor(format!("blocks.{i}.bias"), DType::F32, &[64], i as u64))
+            .collect();
+        let small_path = small_dir.join("model_state.tp0.0.safetensors");
+        fixtures::write(&small_path, &ts)?;
+        warm(&small_path)?;
+        let model: Vec<_> = ts
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.data.len()))
+            .collect();
+        let bytes: u64 = ts.iter().map(|t| t.data.len() as u64).sum();
+        let (m, _bufs) = engine(&model, threads)?;
+        let t = best(|| timed_update(&m, &small_dir, Mode::InPlace, &mut run))?;
+        let bytes_time = bytes as f64 / (read_gbps * 1e9);
+        let per = (t.as_secs_f64() - bytes_time).max(0.0) / small as f64 * 1e6;
+        println!(
+            "  wm     {small} tensors of 256 B      {}  total, {per:.2} us per tensor beyond its bytes (target <= 5 us) {}",
+            fmt::ms(t),
+            verdict(per <= 5.0)
+        );
+    }
+    Ok(())
+}
