@@ -310,7 +310,7 @@ typedef struct {
 
 // A snapshot of a manager's state. Growable: the caller sets `struct_size`.
 typedef struct {
-  // Caller sets `sizeof(wm_status)`.
+  // Caller sets `sizeof(wm_status_info)`.
   uint32_t struct_size;
   // A `wm_state`.
   int32_t state;
@@ -327,7 +327,7 @@ typedef struct {
   char version[WM_VERSION_BUF];
   // Statistics of the last successful update (zeros before the first).
   wm_update_stats last_update;
-} wm_status;
+} wm_status_info;
 
 // Progress of an update, passed to the progress callback.
 typedef struct {
@@ -470,7 +470,7 @@ const char *wm_state_name(int32_t state);
 //
 // Never blocks on a running update (the state then reads UPDATING).
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
-wm_result wm_status(const wm_manager *manager, wm_status *out_status);
+wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 
 // Get the signal every rank acts on this step (a `wm_state`: NORMAL,
 // UPDATING, CLEARING or CLEARED) into `*out_signal`.

@@ -7,8 +7,8 @@ use crate::result::wm_result;
 
 /// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
 #[repr(C)]
-pub struct wm_status {
-    /// Caller sets `sizeof(wm_status)`.
+pub struct wm_status_info {
+    /// Caller sets `sizeof(wm_status_info)`.
     pub struct_size: u32,
     /// A `wm_state`.
     pub state: i32,
@@ -35,17 +35,21 @@ pub struct wm_status {
 #[no_mangle]
 pub unsafe extern "C" fn wm_status(
     manager: *const wm_manager,
-    out_status: *mut wm_status,
+    out_status: *mut wm_status_info,
 ) -> wm_result {
     ffi_guard!({
         check_null!(out_status);
         let m = try_handle!(manager);
         let size = (*out_status).struct_size;
-        if let Err(e) = check_struct_size("wm_status", size, std::mem::size_of::<wm_status>()) {
+        if let Err(e) = check_struct_size(
+            "wm_status_info",
+            size,
+            std::mem::size_of::<wm_status_info>(),
+        ) {
             return code_of(&m, Err(e));
         }
         let s = m.status();
-        let mut out = wm_status {
+        let mut out = wm_status_info {
             struct_size: size,
             state: s.state as i32,
             last_result: s.last_error.as_ref().map_or(wm_result::WM_OK, |e| e.code) as u32,

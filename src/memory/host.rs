@@ -71,7 +71,9 @@ impl HostRegion {
             }
         });
         if failed.into_inner() {
-            return Err(Error::out_of_memory(format!("{what}: faulting in {len} bytes failed")));
+            return Err(Error::out_of_memory(format!(
+                "{what}: faulting in {len} bytes failed"
+            )));
         }
         Ok(r)
     }
@@ -106,7 +108,10 @@ impl HostRegion {
     /// Bring every page back before it is written.
     pub fn restore(&self) -> Result<()> {
         populate_write(self.ptr.0, self.mapped).map_err(|err| {
-            Error::out_of_memory(format!("restoring {} bytes of host param memory: {err}", self.len))
+            Error::out_of_memory(format!(
+                "restoring {} bytes of host param memory: {err}",
+                self.len
+            ))
         })
     }
 

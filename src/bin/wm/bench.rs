@@ -46,7 +46,10 @@ fn buffer(n: usize) -> Vec<u8> {
 
 fn split_ranges(n: usize, parts: usize) -> Vec<(usize, usize)> {
     let step = n.div_ceil(parts).next_multiple_of(4096);
-    (0..n).step_by(step.max(1)).map(|s| (s, (s + step).min(n))).collect()
+    (0..n)
+        .step_by(step.max(1))
+        .map(|s| (s, (s + step).min(n)))
+        .collect()
 }
 
 fn memcpy_floor(src: &[u8], dst: &mut [u8], threads: usize) -> Duration {
@@ -66,7 +69,12 @@ fn memcpy_floor(src: &[u8], dst: &mut [u8], threads: usize) -> Duration {
     t.elapsed()
 }
 
-fn read_floor(file: &File, offset: u64, dst: &mut [u8], threads: usize) -> Result<Duration, String> {
+fn read_floor(
+    file: &File,
+    offset: u64,
+    dst: &mut [u8],
+    threads: usize,
+) -> Result<Duration, String> {
     let t = Instant::now();
     let ranges = split_ranges(dst.len(), threads);
     let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
@@ -79,7 +87,10 @@ fn read_floor(file: &File, offset: u64, dst: &mut [u8], threads: usize) -> Resul
             at = b;
             handles.push(s.spawn(move || file.read_exact_at(head, offset + a as u64)));
         }
-        handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reader thread"))
+            .collect()
     });
     for r in results {
         r.map_err(|e| format!("page-cache read floor: {e}"))?;
@@ -101,7 +112,10 @@ fn warm(path: &Path) -> Result<(), String> {
 }
 
 /// Engine-owned, pre-faulted params for every tensor of `model`.
-fn engine(model: &[(String, DType, Vec<u64>, usize)], threads: usize) -> Result<(Manager, Vec<Vec<u8>>), String> {
+fn engine(
+    model: &[(String, DType, Vec<u64>, usize)],
+    threads: usize,
+) -> Result<(Manager, Vec<Vec<u8>>), String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         threads,
@@ -112,8 +126,14 @@ fn engine(model: &[(String, DType, Vec<u64>, usize)], threads: usize) -> Result<
     for (name, dtype, shape, n) in model {
         let mut b = buffer(*n);
         // SAFETY: the buffers are returned with the manager and outlive it.
-        unsafe { m.register(&ParamSpec::host(name, *dtype, shape), b.as_mut_ptr(), b.len()) }
-            .map_err(|e| e.to_string())?;
+        unsafe {
+            m.register(
+                &ParamSpec::host(name, *dtype, shape),
+                b.as_mut_ptr(),
+                b.len(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
         bufs.push(b);
     }
     Ok((m, bufs))
@@ -141,14 +161,18 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     let gib: f64 = a.number("gib", 2.0)?;
     let small: usize = a.number("small", 10_000)?;
     let threads: usize = a.number("threads", weight_manager::memory::copy::default_threads())?;
-    let root = a.value("dir").map_or_else(std::env::temp_dir, PathBuf::from);
+    let root = a
+        .value("dir")
+        .map_or_else(std::env::temp_dir, PathBuf::from);
     let dir = root.join(format!("wm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let _scratch = Scratch(dir.clone());
 
     // Large model: bf16 tensors of 64 MiB.
     const TENSOR: u64 = 64 << 20;
-    let count = ((gib * (1u64 << 30) as f64) / TENSOR as f64).ceil().max(1.0) as usize;
+    let count = ((gib * (1u64 << 30) as f64) / TENSOR as f64)
+        .ceil()
+        .max(1.0) as usize;
     let shape = vec![8192u64, 4096];
     let big_dir = dir.join("big");
     std::fs::create_dir_all(&big_dir).map_err(|e| e.to_string())?;
@@ -172,7 +196,8 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     );
 
     let file = File::open(&path).map_err(|e| e.to_string())?;
-    let header = weight_manager::source::snapshot::safetensors_file::read_header(&file, &path).map_err(|e| e.to_string())?;
+    let header = weight_manager::source::snapshot::safetensors_file::read_header(&file, &path)
+        .map_err(|e| e.to_string())?;
     let data_offset = header.tensors[0].offset;
     let (mem_floor, read_floor_t) = {
         let mut src = buffer(total as usize);
@@ -189,18 +214,31 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     println!("  floor  page-cache read (pread)      {read_gbps:>7.2} GB/s");
 
     let model: Vec<_> = (0..count)
-        .map(|i| (format!("layers.{i}.w"), DType::Bf16, shape.clone(), TENSOR as usize))
+        .map(|i| {
+            (
+                format!("layers.{i}.w"),
+                DType::Bf16,
+                shape.clone(),
+                TENSOR as usize,
+            )
+        })
         .collect();
     let mut run = 0;
     {
         let (m, _bufs) = engine(&model, threads)?;
-        let inplace = gbps(total, best(|| timed_update(&m, &big_dir, Mode::InPlace, &mut run))?);
+        let inplace = gbps(
+            total,
+            best(|| timed_update(&m, &big_dir, Mode::InPlace, &mut run))?,
+        );
         let ratio = inplace / floor;
         println!(
             "  wm     update in-place              {inplace:>7.2} GB/s   ratio {ratio:.2} to lower floor (target >= 0.80) {}",
             verdict(ratio >= 0.8)
         );
-        let atomic = gbps(total, best(|| timed_update(&m, &big_dir, Mode::Atomic, &mut run))?);
+        let atomic = gbps(
+            total,
+            best(|| timed_update(&m, &big_dir, Mode::Atomic, &mut run))?,
+        );
         println!(
             "  wm     update atomic (staged)       {atomic:>7.2} GB/s   ratio {:.2} (stages then copies: two passes, informational)",
             atomic / floor

@@ -44,7 +44,10 @@ fn check(params: &[(*mut u8, usize)], model: &[FakeTensor]) -> Result<u64, Strin
         // SAFETY: each pointer addresses len bytes of a registered param, and no update runs now.
         let got = unsafe { std::slice::from_raw_parts(*p, *len) };
         if got != &t.data[..] {
-            return Err(format!("param '{}' does not hold the snapshot's bytes", t.name));
+            return Err(format!(
+                "param '{}' does not hold the snapshot's bytes",
+                t.name
+            ));
         }
         n += *len as u64;
     }
@@ -66,7 +69,10 @@ pub fn run(a: &Args) -> Result<(), String> {
     let v1 = fixtures::demo_model(100);
     let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();
     write_snapshot(&dir, &v1, 100)?;
-    println!("weight_manager {} demo: one engine rank, host params, snapshot updates", env!("CARGO_PKG_VERSION"));
+    println!(
+        "weight_manager {} demo: one engine rank, host params, snapshot updates",
+        env!("CARGO_PKG_VERSION")
+    );
     println!(
         "model: {} tensors, {} (bf16 + f32) in {}",
         v1.len(),
@@ -102,7 +108,15 @@ pub fn run(a: &Args) -> Result<(), String> {
             params.push(m.allocate(&spec).map_err(|e| e.to_string())?);
         }
     }
-    row(1, "init + register", &m, &v1.len().to_string(), &fmt::bytes(total), "-", "-");
+    row(
+        1,
+        "init + register",
+        &m,
+        &v1.len().to_string(),
+        &fmt::bytes(total),
+        "-",
+        "-",
+    );
 
     let update = |step: usize, action: &str, mode: Mode| -> Result<(), String> {
         let mut progress = fmt::progress_line(action);
@@ -127,10 +141,21 @@ pub fn run(a: &Args) -> Result<(), String> {
 
     let t = Instant::now();
     let cleared = m.clear().map_err(|e| e.to_string())?;
-    row(3, "clear", &m, &cleared.params.to_string(), &format!("-{}", fmt::bytes(cleared.bytes_released)), &fmt::ms(t.elapsed()), "-");
+    row(
+        3,
+        "clear",
+        &m,
+        &cleared.params.to_string(),
+        &format!("-{}", fmt::bytes(cleared.bytes_released)),
+        &fmt::ms(t.elapsed()),
+        "-",
+    );
     let s = m.status();
     if s.resident_bytes != 0 {
-        return Err(format!("after clear {} bytes are still resident", s.resident_bytes));
+        return Err(format!(
+            "after clear {} bytes are still resident",
+            s.resident_bytes
+        ));
     }
 
     let v2 = fixtures::demo_model(200);
@@ -149,6 +174,9 @@ pub fn run(a: &Args) -> Result<(), String> {
         );
         Ok(())
     } else {
-        Err(format!("verdict: FAILED - final state {} version {:?}", s.state, s.version))
+        Err(format!(
+            "verdict: FAILED - final state {} version {:?}",
+            s.state, s.version
+        ))
     }
 }

@@ -40,7 +40,9 @@ pub fn fill(buf: &mut [u8], seed: u64) {
 pub fn tensor(name: String, dtype: DType, shape: &[u64], seed: u64) -> FakeTensor {
     let n = shape.iter().product::<u64>() as usize * dtype.size();
     let mut data = vec![0u8; n];
-    let name_seed = name.bytes().fold(seed, |a, b| a.wrapping_mul(131).wrapping_add(b as u64));
+    let name_seed = name
+        .bytes()
+        .fold(seed, |a, b| a.wrapping_mul(131).wrapping_add(b as u64));
     fill(&mut data, name_seed);
     FakeTensor {
         name,
@@ -52,13 +54,38 @@ pub fn tensor(name: String, dtype: DType, shape: &[u64], seed: u64) -> FakeTenso
 
 /// A small transformer-shaped model (about 50 MiB).
 pub fn demo_model(seed: u64) -> Vec<FakeTensor> {
-    let mut ts = vec![tensor("embed.weight".into(), DType::Bf16, &[8000, 512], seed)];
+    let mut ts = vec![tensor(
+        "embed.weight".into(),
+        DType::Bf16,
+        &[8000, 512],
+        seed,
+    )];
     for l in 0..8 {
         let p = format!("layers.{l}");
-        ts.push(tensor(format!("{p}.attn.qkv"), DType::Bf16, &[1536, 512], seed));
-        ts.push(tensor(format!("{p}.attn.o"), DType::Bf16, &[512, 512], seed));
-        ts.push(tensor(format!("{p}.mlp.up"), DType::Bf16, &[2048, 512], seed));
-        ts.push(tensor(format!("{p}.mlp.down"), DType::Bf16, &[512, 2048], seed));
+        ts.push(tensor(
+            format!("{p}.attn.qkv"),
+            DType::Bf16,
+            &[1536, 512],
+            seed,
+        ));
+        ts.push(tensor(
+            format!("{p}.attn.o"),
+            DType::Bf16,
+            &[512, 512],
+            seed,
+        ));
+        ts.push(tensor(
+            format!("{p}.mlp.up"),
+            DType::Bf16,
+            &[2048, 512],
+            seed,
+        ));
+        ts.push(tensor(
+            format!("{p}.mlp.down"),
+            DType::Bf16,
+            &[512, 2048],
+            seed,
+        ));
         ts.push(tensor(format!("{p}.norm"), DType::F32, &[512], seed));
     }
     ts
@@ -69,11 +96,13 @@ pub fn write(path: &Path, tensors: &[FakeTensor]) -> Result<(), String> {
         .iter()
         .map(|t| {
             let shape: Vec<usize> = t.shape.iter().map(|d| *d as usize).collect();
-            let v = TensorView::new(st_dtype(t.dtype), shape, &t.data).map_err(|e| e.to_string())?;
+            let v =
+                TensorView::new(st_dtype(t.dtype), shape, &t.data).map_err(|e| e.to_string())?;
             Ok((t.name.clone(), v))
         })
         .collect::<Result<_, String>>()?;
-    safetensors::serialize_to_file(views, &None, path).map_err(|e| format!("writing {}: {e}", path.display()))
+    safetensors::serialize_to_file(views, &None, path)
+        .map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
 pub fn write_version(dir: &Path, step: u64) -> Result<(), String> {

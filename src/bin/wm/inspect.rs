@@ -11,7 +11,10 @@ use weight_manager::tensor::shape_text;
 const SHOWN: usize = 40;
 
 pub fn inspect(a: &Args) -> Result<(), String> {
-    let target = a.positional.first().ok_or("usage: wm inspect <file|dir> [--rank R] [--gpu G] [--all]")?;
+    let target = a
+        .positional
+        .first()
+        .ok_or("usage: wm inspect <file|dir> [--rank R] [--gpu G] [--all]")?;
     let path = Path::new(target);
     let loc = layout::SnapshotLocation {
         model_dir: path.to_path_buf(),
@@ -28,19 +31,35 @@ pub fn inspect(a: &Args) -> Result<(), String> {
     let sums = checksums::Checksums::load(&found.dir).map_err(|e| e.to_string())?;
     println!(
         "checksums: {}",
-        if sums.is_some() { checksums::CHECKSUM_FILE } else { "none (write them with `wm manifest <dir>`)" }
+        if sums.is_some() {
+            checksums::CHECKSUM_FILE
+        } else {
+            "none (write them with `wm manifest <dir>`)"
+        }
     );
     let mut total = 0u64;
     let mut count = 0usize;
-    println!("{:<48} {:<8} {:<20} {:>12}", "tensor", "dtype", "shape", "bytes");
+    println!(
+        "{:<48} {:<8} {:<20} {:>12}",
+        "tensor", "dtype", "shape", "bytes"
+    );
     for file in &found.files {
         let (_, header) = safetensors_file::open(file).map_err(|e| e.to_string())?;
         if found.files.len() > 1 {
-            println!("-- {}", file.file_name().unwrap_or_default().to_string_lossy());
+            println!(
+                "-- {}",
+                file.file_name().unwrap_or_default().to_string_lossy()
+            );
         }
         for t in &header.tensors {
             if count < SHOWN || a.flag("all") {
-                println!("{:<48} {:<8} {:<20} {:>12}", t.name, t.dtype.to_string(), shape_text(&t.shape), t.nbytes);
+                println!(
+                    "{:<48} {:<8} {:<20} {:>12}",
+                    t.name,
+                    t.dtype.to_string(),
+                    shape_text(&t.shape),
+                    t.nbytes
+                );
             }
             count += 1;
             total += t.nbytes;
@@ -49,15 +68,22 @@ pub fn inspect(a: &Args) -> Result<(), String> {
     if count > SHOWN && !a.flag("all") {
         println!("... {} more (--all shows every tensor)", count - SHOWN);
     }
-    println!("total: {count} tensors in {} file(s), {} ({total} bytes)", found.files.len(), fmt::bytes(total));
+    println!(
+        "total: {count} tensors in {} file(s), {} ({total} bytes)",
+        found.files.len(),
+        fmt::bytes(total)
+    );
     Ok(())
 }
 
 pub fn manifest(a: &Args) -> Result<(), String> {
     let dir = a.positional.first().ok_or("usage: wm manifest <dir>")?;
     let t = Instant::now();
-    let w = checksums::write(Path::new(dir), weight_manager::memory::copy::default_threads())
-        .map_err(|e| e.to_string())?;
+    let w = checksums::write(
+        Path::new(dir),
+        weight_manager::memory::copy::default_threads(),
+    )
+    .map_err(|e| e.to_string())?;
     println!(
         "wrote {}/{}: {} tensors in {} file(s), {} hashed in {} ({:.2} GB/s)",
         dir,

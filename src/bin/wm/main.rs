@@ -44,7 +44,10 @@ impl Args {
                 positional.push(a.clone());
             }
         }
-        Ok(Args { positional, options })
+        Ok(Args {
+            positional,
+            options,
+        })
     }
 
     pub fn flag(&self, name: &str) -> bool {
@@ -52,7 +55,11 @@ impl Args {
     }
 
     pub fn value(&self, name: &str) -> Option<&str> {
-        self.options.iter().rev().find(|(n, _)| n == name).and_then(|(_, v)| v.as_deref())
+        self.options
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_deref())
     }
 
     pub fn number<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T, String> {
@@ -98,7 +105,10 @@ fn run(argv: &[String]) -> Result<(), String> {
             a.check_known(&["gib", "small", "threads", "dir"])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
-                _ => Err("usage: wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]".into()),
+                _ => Err(
+                    "usage: wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]"
+                        .into(),
+                ),
             }
         }
         "--version" | "version" => {

@@ -1,0 +1,647 @@
+/* C harness: every exported function's success and error paths, through the
+ * header only. Each test is one argv[1] name, registered with ctest.
+ * Built with -Wall -Wextra -Werror, and again with AddressSanitizer. */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "fixture.h"
+#include "weight_manager.h"
+
+static int failures = 0, checks = 0;
+
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    checks++;                                                                  \
+    if (!(cond)) {                                                             \
+      failures++;                                                              \
+      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                          \
+  } while (0)
+
+#define CHECK_RC(call, want)                                                         \
+  do {                                                                               \
+    wm_result rc_ = (call);                                                          \
+    checks++;                                                                        \
+    if (rc_ != (want)) {                                                             \
+      failures++;                                                                    \
+      fprintf(stderr, "%s:%d: %s returned %u (%s), wanted %s\n", __FILE__, __LINE__, \
+              #call, (unsigned)rc_, wm_result_text(rc_), #want);                     \
+    }                                                                                \
+  } while (0)
+
+static char last_error_buf[1024];
+static const char *last_error(wm_manager *m) {
+  size_t n = 0;
+  last_error_buf[0] = 0;
+  wm_last_error(m, last_error_buf, sizeof last_error_buf, &n);
+  return last_error_buf;
+}
+
+static char tmpdir[256];
+static void make_tmpdir(void) {
+  snprintf(tmpdir, sizeof tmpdir, "/tmp/wm_c_harness_XXXXXX");
+  if (!mkdtemp(tmpdir)) {
+    perror("mkdtemp");
+    exit(2);
+  }
+}
+static void remove_tmpdir(void) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+}
+
+static wm_manager *new_manager(const char *model_dir) {
+  wm_config c;
+  wm_config_init(&c);
+  c.model_dir = model_dir;
+  c.fallback_dir = "";
+  wm_manager *m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  return m;
+}
+
+static uint64_t w_shape[2] = {4, 4}, b_shape[1] = {4};
+
+static void desc_w(wm_param_desc *d) {
+  wm_param_desc_init(d);
+  d->name = "w";
+  d->dtype = WM_DTYPE_F32;
+  d->shape = w_shape;
+  d->ndim = 2;
+}
+static void desc_b(wm_param_desc *d) {
+  wm_param_desc_init(d);
+  d->name = "b";
+  d->dtype = WM_DTYPE_F32;
+  d->shape = b_shape;
+  d->ndim = 1;
+}
+
+/* A manager with "w" engine-owned (in `w`) and "b" library-owned (*b). */
+static wm_manager *example_engine(const char *dir, float *w, float **b) {
+  wm_manager *m = new_manager(dir);
+  wm_param_desc d;
+  desc_w(&d);
+  CHECK_RC(wm_register_param(m, &d, w, 16 * sizeof(float)), WM_OK);
+  desc_b(&d);
+  void *p = NULL;
+  size_t n = 0;
+  CHECK_RC(wm_allocate_param(m, &d, &p, &n), WM_OK);
+  CHECK(n == 4 * sizeof(float));
+  *b = p;
+  return m;
+}
+
+/* ---------------------------------------------------------------- tests */
+
+static void test_version(void) {
+  char want[64];
+  snprintf(want, sizeof want, "%d.%d.%d", WM_VERSION_MAJOR, WM_VERSION_MINOR, WM_VERSION_PATCH);
+  CHECK(strcmp(wm_version(), want) == 0);
+  for (unsigned code = 0; code <= WM_ERR_INVALID_HANDLE; code++) {
+    CHECK(wm_result_text(code) != NULL && strlen(wm_result_text(code)) > 0);
+    CHECK(strcmp(wm_result_text(code), "unknown result code") != 0);
+  }
+  CHECK(strcmp(wm_result_text(9999), "unknown result code") == 0);
+  CHECK(strcmp(wm_result_text(WM_OK), "ok") == 0);
+  CHECK(strcmp(wm_state_name(WM_STATE_NORMAL), "NORMAL") == 0);
+  CHECK(strcmp(wm_state_name(WM_STATE_CLEARED), "CLEARED") == 0);
+  CHECK(strcmp(wm_state_name(WM_STATE_FAILED), "FAILED") == 0);
+  CHECK(strcmp(wm_state_name(42), "UNKNOWN") == 0);
+  CHECK(WM_STATE_CLEARING == -1 && WM_STATE_CLEARED == -2 && WM_STATE_UPDATING == 1);
+}
+
+static void test_null_args(void) {
+  wm_config c;
+  wm_manager *m = NULL;
+  CHECK_RC(wm_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_param_desc_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_update_request_init(NULL), WM_ERR_NULL_ARGUMENT);
+  wm_config_init(&c);
+  CHECK_RC(wm_init(NULL, &m), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_init(&c, NULL), WM_ERR_NULL_ARGUMENT);
+  wm_destroy(NULL); /* no-op */
+
+  m = new_manager(NULL);
+  wm_param_desc d;
+  desc_w(&d);
+  float w[16];
+  void *p = NULL;
+  size_t n = 0, written = 0;
+  CHECK_RC(wm_register_param(NULL, &d, w, sizeof w), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_register_param(m, NULL, w, sizeof w), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "desc is NULL") != NULL);
+  CHECK_RC(wm_register_param(m, &d, NULL, sizeof w), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "'w'") != NULL);
+  d.name = NULL;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_NULL_ARGUMENT);
+  desc_w(&d);
+  d.shape = NULL;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_NULL_ARGUMENT);
+  desc_w(&d);
+  CHECK_RC(wm_allocate_param(NULL, &d, &p, &n), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_allocate_param(m, NULL, &p, &n), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_allocate_param(m, &d, NULL, &n), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_allocate_param(m, &d, &p, NULL), WM_ERR_NULL_ARGUMENT);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(NULL, &r, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_update(m, NULL, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_clear(NULL), WM_ERR_NULL_ARGUMENT);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(NULL, &s), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_status(m, NULL), WM_ERR_NULL_ARGUMENT);
+  int32_t sig = 77;
+  CHECK_RC(wm_broadcast_signal(NULL, &sig), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_broadcast_signal(m, NULL), WM_ERR_NULL_ARGUMENT);
+  char buf[8];
+  CHECK_RC(wm_last_error(NULL, buf, sizeof buf, &written), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_last_error(m, NULL, sizeof buf, &written), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_last_error(m, buf, sizeof buf, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_last_error(m, buf, 0, &written), WM_ERR_INVALID_ARGUMENT);
+  CHECK(sig == 77); /* outputs untouched on failure */
+  wm_destroy(m);
+}
+
+static void test_struct_size(void) {
+  wm_config c;
+  wm_config_init(&c);
+  CHECK(c.struct_size == sizeof c);
+  wm_manager *m = (wm_manager *)0x1;
+  c.struct_size = sizeof c - 8;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_STRUCT_SIZE);
+  CHECK(m == (wm_manager *)0x1); /* out-param untouched */
+  m = new_manager(NULL);
+
+  wm_param_desc d;
+  desc_w(&d);
+  d.struct_size = 3;
+  float w[16];
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_STRUCT_SIZE);
+  CHECK(strstr(last_error(m), "wm_param_desc.struct_size is 3") != NULL);
+
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.struct_size = sizeof r + 16;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_STRUCT_SIZE);
+  CHECK(strstr(last_error(m), "wm_update_request") != NULL);
+
+  wm_update_request_init(&r);
+  wm_update_stats st;
+  st.struct_size = 1;
+  CHECK_RC(wm_update(m, &r, &st), WM_ERR_STRUCT_SIZE);
+  CHECK(strstr(last_error(m), "wm_update_stats") != NULL);
+
+  wm_status_info s;
+  memset(&s, 0xab, sizeof s);
+  s.struct_size = 0;
+  CHECK_RC(wm_status(m, &s), WM_ERR_STRUCT_SIZE);
+  CHECK(s.state == (int32_t)0xabababab); /* untouched */
+  wm_destroy(m);
+}
+
+static void test_enums(void) {
+  wm_config c;
+  wm_config_init(&c);
+  c.log_level = 99;
+  wm_manager *m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  wm_config_init(&c);
+  c.world_size = 2;
+  c.rank = 2;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  CHECK(m == NULL);
+
+  m = new_manager(NULL);
+  wm_param_desc d;
+  float w[16];
+  desc_w(&d);
+  d.dtype = 99;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "dtype 99") != NULL);
+  desc_w(&d);
+  d.memory = 7;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_INVALID_ARGUMENT);
+  desc_w(&d);
+  d.ndim = WM_MAX_NDIM + 1;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_INVALID_ARGUMENT);
+  desc_w(&d);
+  d.memory = WM_MEMORY_DEVICE;
+  d.device_ordinal = 0;
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_ERR_UNSUPPORTED);
+  CHECK(strstr(last_error(m), "CUDA") != NULL);
+  desc_w(&d);
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w - 4), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "needs 64") != NULL);
+
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.source = 9;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  wm_update_request_init(&r);
+  r.flags = 0x80;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "0x80") != NULL);
+  wm_update_request_init(&r);
+  r.source = WM_SOURCE_IPC;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_UNSUPPORTED);
+  wm_update_request_init(&r); /* no location and no model_dir */
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "model_dir") != NULL);
+  wm_destroy(m);
+}
+
+static void test_lifecycle(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  float w[16] = {0};
+  float *b = NULL;
+  wm_manager *m = example_engine(tmpdir, w, &b);
+  float *b_addr = b;
+
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && s.version[0] == 0 && s.updates == 0);
+  CHECK(s.params == 2 && s.param_bytes == 80);
+
+  wm_update_request r;
+  wm_update_request_init(&r);
+  wm_update_stats st;
+  st.struct_size = sizeof st;
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK(strcmp(st.version, "1") == 0 && st.tensors == 2 && st.bytes == 80 && st.rank == 0);
+  CHECK(st.total_ns >= st.sync_ns);
+  CHECK(w[0] == 1.0f && w[15] == 16.0f && b[0] == 101.0f && b[3] == 104.0f);
+
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "1") == 0 && s.updates == 1);
+  CHECK(s.resident_bytes == 80 && s.last_result == WM_OK);
+  CHECK(strcmp(s.last_update.version, "1") == 0 && s.last_update.bytes == 80);
+
+  CHECK_RC(wm_clear(m), WM_OK);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_CLEARED && s.version[0] == 0 && s.resident_bytes == 0);
+  CHECK(b[0] == 0.0f); /* released pages read as zeros */
+  CHECK_RC(wm_clear(m), WM_OK); /* already cleared: no-op */
+
+  /* Register after the first update or clear: refused. */
+  wm_param_desc d;
+  desc_w(&d);
+  d.name = "late";
+  void *p;
+  size_t n;
+  CHECK_RC(wm_allocate_param(m, &d, &p, &n), WM_ERR_STATE);
+
+  CHECK(fixture_example_model(tmpdir, 5.0f, "2") == 0);
+  r.version = "explicit-v2";
+  r.flags = WM_UPDATE_IN_PLACE;
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK(strcmp(st.version, "explicit-v2") == 0);
+  CHECK(b == b_addr && b[0] == 105.0f && w[1] == 6.0f);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && s.resident_bytes == 80 && s.updates == 2);
+
+  /* wm_last_error truncates to the buffer. */
+  r.location = "/nonexistent/model";
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NOT_FOUND);
+  char small[8];
+  size_t written = 99;
+  CHECK_RC(wm_last_error(m, small, sizeof small, &written), WM_OK);
+  CHECK(written == 7 && small[7] == 0);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.last_result == WM_ERR_NOT_FOUND && strcmp(s.version, "explicit-v2") == 0);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
+static void test_failures(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  float w[16] = {0};
+  float *b = NULL;
+  wm_manager *m = example_engine(tmpdir, w, &b);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+
+  /* A snapshot with a wrongly shaped "w": nothing written, state kept. */
+  static float w2[8] = {9, 9, 9, 9, 9, 9, 9, 9}, b2[4] = {9, 9, 9, 9};
+  fixture_tensor bad[2] = {{"w", {2, 4}, 2, w2}, {"b", {4, 0}, 1, b2}};
+  char path[1024], dir2[512];
+  snprintf(dir2, sizeof dir2, "%s/bad", tmpdir);
+  mkdir(dir2, 0700);
+  snprintf(path, sizeof path, "%s/model_state.tp0.0.safetensors", dir2);
+  CHECK(fixture_write(path, bad, 2) == 0);
+  r.location = dir2;
+  r.version = "bad";
+  r.flags = WM_UPDATE_IN_PLACE;
+  wm_update_stats st;
+  memset(&st, 0, sizeof st);
+  st.struct_size = sizeof st;
+  CHECK_RC(wm_update(m, &r, &st), WM_ERR_MISMATCH);
+  CHECK(strstr(last_error(m), "param 'w': shape mismatch: registered [4, 4], source [2, 4]") != NULL);
+  CHECK(st.version[0] == 0); /* stats untouched */
+  CHECK(w[0] == 1.0f && b[0] == 101.0f);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "1") == 0);
+
+  /* Verification asked, but no checksum file. */
+  r.location = NULL;
+  r.version = NULL;
+  r.flags = WM_UPDATE_VERIFY_CHECKSUMS;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_MISMATCH);
+  CHECK(strstr(last_error(m), "wm manifest") != NULL);
+
+  /* No version anywhere. */
+  snprintf(path, sizeof path, "%s/version.yaml", tmpdir);
+  unlink(path);
+  r.flags = 0;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NO_VERSION);
+  CHECK(strstr(last_error(m), "version.yaml") != NULL);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
+/* ---------------------------------------------------------- callbacks */
+
+static int log_calls = 0;
+static char log_seen[512];
+static void on_log(void *user, uint32_t level, const char *message) {
+  (void)user;
+  if (level == WM_LOG_LEVEL_WARN) {
+    log_calls++;
+    snprintf(log_seen, sizeof log_seen, "%s", message);
+  }
+}
+
+typedef struct {
+  int calls;
+  uint64_t last_done, total;
+  int cancel;
+} progress_state;
+static int32_t on_progress(void *user, const wm_progress *p) {
+  progress_state *s = user;
+  s->calls++;
+  s->last_done = p->bytes_done;
+  s->total = p->bytes_total;
+  return s->cancel;
+}
+
+typedef struct {
+  int count;
+  float sum;
+  int fail_on_b;
+} tensor_state;
+static int32_t on_tensor(void *user, const wm_tensor_view *t) {
+  tensor_state *s = user;
+  s->count++;
+  if (t->dtype != WM_DTYPE_F32) return 5;
+  const float *f = t->data;
+  for (size_t i = 0; i < t->len / 4; i++) s->sum += f[i];
+  if (s->fail_on_b && strcmp(t->name, "b") == 0) return 3;
+  return 0;
+}
+
+static int released = 0;
+static float spare[16];
+static void on_release(void *user, const char *name, void *data, size_t len) {
+  (void)user;
+  (void)data;
+  if (strcmp(name, "w") == 0 && len == 64) released++;
+}
+static void *on_acquire(void *user, const char *name, void *old, size_t len) {
+  (void)user;
+  (void)old;
+  return (strcmp(name, "w") == 0 && len == 64) ? spare : NULL;
+}
+
+static void test_callbacks(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  /* Log callback: an unknown tensor skipped with a warning. */
+  wm_config c;
+  wm_config_init(&c);
+  c.model_dir = tmpdir;
+  c.fallback_dir = "";
+  c.log_callback = on_log;
+  c.release_callback = on_release;
+  c.acquire_callback = on_acquire;
+  wm_manager *m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  wm_param_desc d;
+  desc_w(&d);
+  float w[16];
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_OK);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_MISMATCH); /* "b" is not registered */
+  r.flags = WM_UPDATE_SKIP_UNKNOWN;
+  progress_state ps = {0, 0, 0, 0};
+  r.progress_callback = on_progress;
+  r.progress_user_data = &ps;
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK(log_calls >= 1 && strstr(log_seen, "'b'") != NULL);
+  CHECK(ps.calls >= 1 && ps.last_done == 64 && ps.total == 64);
+  ps.cancel = 1;
+  r.version = "cancelled";
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_CANCELLED);
+  ps.cancel = 0;
+
+  /* Release and acquire callbacks for engine-owned memory. */
+  CHECK_RC(wm_clear(m), WM_OK);
+  CHECK(released == 1);
+  r.version = "after-clear";
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK(spare[3] == 4.0f); /* written into the memory the acquire callback gave */
+  wm_destroy(m);
+
+  /* Tensor callback: every tensor, no registered params needed. */
+  m = new_manager(tmpdir);
+  tensor_state ts = {0, 0.0f, 0};
+  wm_update_request_init(&r);
+  r.tensor_callback = on_tensor;
+  r.tensor_user_data = &ts;
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK(ts.count == 2);
+  CHECK(ts.sum == (136.0f + 101.0f + 102.0f + 103.0f + 104.0f));
+  ts.fail_on_b = 1;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_CALLBACK);
+  CHECK(strstr(last_error(m), "callback returned 3") != NULL);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
+/* ------------------------------------------------------------ threads */
+
+typedef struct {
+  wm_manager *m;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int in_update, release;
+  wm_result rc;
+} hold_state;
+
+static int32_t hold_progress(void *user, const wm_progress *p) {
+  (void)p;
+  hold_state *h = user;
+  pthread_mutex_lock(&h->mu);
+  h->in_update = 1;
+  pthread_cond_broadcast(&h->cv);
+  while (!h->release) pthread_cond_wait(&h->cv, &h->mu);
+  pthread_mutex_unlock(&h->mu);
+  return 0;
+}
+
+static void *updater(void *arg) {
+  hold_state *h = arg;
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.progress_callback = hold_progress;
+  r.progress_user_data = h;
+  h->rc = wm_update(h->m, &r, NULL);
+  return NULL;
+}
+
+static void test_threads(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  float w[16];
+  float *b;
+  hold_state h;
+  memset(&h, 0, sizeof h);
+  pthread_mutex_init(&h.mu, NULL);
+  pthread_cond_init(&h.cv, NULL);
+  h.m = example_engine(tmpdir, w, &b);
+  pthread_t t;
+  pthread_create(&t, NULL, updater, &h);
+  pthread_mutex_lock(&h.mu);
+  while (!h.in_update) pthread_cond_wait(&h.cv, &h.mu);
+  pthread_mutex_unlock(&h.mu);
+
+  /* While one thread updates: a second update and a clear are refused,
+   * status still answers and says UPDATING. */
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(h.m, &r, NULL), WM_ERR_BUSY);
+  CHECK_RC(wm_clear(h.m), WM_ERR_BUSY);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(h.m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_UPDATING);
+
+  pthread_mutex_lock(&h.mu);
+  h.release = 1;
+  pthread_cond_broadcast(&h.cv);
+  pthread_mutex_unlock(&h.mu);
+  pthread_join(t, NULL);
+  CHECK(h.rc == WM_OK);
+  CHECK_RC(wm_status(h.m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "1") == 0);
+  wm_destroy(h.m);
+  pthread_mutex_destroy(&h.mu);
+  pthread_cond_destroy(&h.cv);
+  remove_tmpdir();
+}
+
+static void test_destroyed(void) {
+  wm_manager *m = new_manager(NULL);
+  wm_destroy(m);
+  /* The stale handle is detected, never dereferenced. */
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(m, &s), WM_ERR_INVALID_HANDLE);
+  CHECK_RC(wm_clear(m), WM_ERR_INVALID_HANDLE);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_HANDLE);
+  int32_t sig;
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_INVALID_HANDLE);
+  wm_destroy(m); /* double destroy: no-op */
+  int not_a_manager = 0;
+  CHECK_RC(wm_status((const wm_manager *)&not_a_manager, &s), WM_ERR_INVALID_HANDLE);
+}
+
+static void test_signal(void) {
+  wm_manager *m = new_manager(NULL);
+  int32_t sig = 99;
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
+  CHECK(sig == WM_STATE_NORMAL);
+  wm_destroy(m);
+
+  /* A FastDeploy-style control cell: one int32 in /dev/shm. */
+  char name[64];
+  snprintf(name, sizeof name, "wm_c_harness_cell_%d", (int)getpid());
+  wm_config c;
+  wm_config_init(&c);
+  c.control_cell = name;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  char shm_name[80];
+  snprintf(shm_name, sizeof shm_name, "/%s", name);
+  int fd = shm_open(shm_name, O_RDWR, 0);
+  CHECK(fd >= 0);
+  int32_t *cell = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  CHECK(cell != MAP_FAILED);
+  close(fd);
+  CHECK(*cell == 0);
+  *cell = WM_STATE_UPDATING;
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
+  CHECK(sig == WM_STATE_UPDATING);
+  *cell = 5;
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_FORMAT);
+  CHECK(sig == WM_STATE_UPDATING);
+  munmap(cell, 4);
+  shm_unlink(shm_name);
+  wm_destroy(m);
+
+  wm_config_init(&c);
+  c.world_size = 4;
+  c.rank = 1;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_UNSUPPORTED);
+  CHECK(strstr(last_error(m), "world_size 4") != NULL);
+  wm_destroy(m);
+}
+
+static void test_static_link(void) {
+#ifdef WM_STATIC_BUILD
+  printf("linked statically\n");
+#endif
+  CHECK(wm_version() != NULL);
+}
+
+int main(int argc, char **argv) {
+  struct {
+    const char *name;
+    void (*fn)(void);
+  } tests[] = {
+      {"version", test_version},     {"null_args", test_null_args}, {"struct_size", test_struct_size},
+      {"enums", test_enums},         {"lifecycle", test_lifecycle}, {"failures", test_failures},
+      {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
+      {"signal", test_signal},       {"static_link", test_static_link},
+  };
+  size_t n = sizeof tests / sizeof tests[0];
+  int ran = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (argc < 2 || strcmp(argv[1], tests[i].name) == 0) {
+      tests[i].fn();
+      ran++;
+    }
+  }
+  if (ran == 0) {
+    fprintf(stderr, "unknown test '%s'\n", argv[1]);
+    return 2;
+  }
+  printf("%d checks, %d failed\n", checks, failures);
+  return failures ? 1 : 0;
+}

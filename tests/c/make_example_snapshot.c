@@ -1,0 +1,18 @@
+/* Writes the snapshot c_examples/engine_snapshot.c loads: version 1 in DIR
+ * and version 2 in DIR/next. */
+#include <stdio.h>
+#include "fixture.h"
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s DIR\n", argv[0]);
+    return 2;
+  }
+  char next[1024];
+  snprintf(next, sizeof next, "%s/next", argv[1]);
+  if (fixture_example_model(argv[1], 1.0f, "1") != 0 || fixture_example_model(next, 2.0f, "2") != 0) {
+    perror("writing example snapshot");
+    return 1;
+  }
+  return 0;
+}
