@@ -1,0 +1,15 @@
+"""Python binding of weight_manager (ctypes over libweight_manager.so).
+
+    from weight_manager import Manager
+    with Manager(model_dir="/models/step-100") as m:
+        w = np.zeros((4096, 4096), np.float16)
+        m.register("w", w)
+        stats = m.update()           # snapshot from model_dir, version from version.yaml
+        m.clear()
+"""
+
+from .manager import Manager, Progress, Status, UpdateStats, WeightManagerError, version
+from .types import DType, Result, Source, State
+
+__all__ = ["Manager", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
+           "DType", "Result", "Source", "State"]

@@ -1,0 +1,171 @@
+"""ctypes declarations mirroring include/weight_manager.h.
+
+The library is found, in order: the WM_LIBRARY environment variable (a path
+to libweight_manager.so), target/release and target/debug of the source tree
+this package sits in, then the system loader path.
+"""
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+c_void_p = ctypes.c_void_p
+c_char_p = ctypes.c_char_p
+
+VERSION_BUF = 256
+MAX_NDIM = 8
+
+
+def _find_library() -> str:
+    env = os.environ.get("WM_LIBRARY")
+    if env:
+        return env
+    root = Path(__file__).resolve().parents[2]
+    for profile in ("release", "debug"):
+        candidate = root / "target" / profile / "libweight_manager.so"
+        if candidate.exists():
+            return str(candidate)
+    found = ctypes.util.find_library("weight_manager")
+    if found:
+        return found
+    raise OSError(
+        "libweight_manager.so not found: build it with `cargo build --release` "
+        "or set WM_LIBRARY to its path"
+    )
+
+
+LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, ctypes.c_uint32, c_char_p)
+RELEASE_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, c_char_p, c_void_p, ctypes.c_size_t)
+ACQUIRE_CALLBACK = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_char_p, c_void_p, ctypes.c_size_t)
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32),
+        ("world_size", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("model_dir", c_char_p),
+        ("fallback_dir", c_char_p),
+        ("control_cell", c_char_p),
+        ("log_level", ctypes.c_uint32),
+        ("log_callback", LOG_CALLBACK),
+        ("log_user_data", c_void_p),
+        ("release_callback", RELEASE_CALLBACK),
+        ("acquire_callback", ACQUIRE_CALLBACK),
+        ("callback_user_data", c_void_p),
+        ("copy_threads", ctypes.c_uint32),
+    ]
+
+
+class ParamDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("dtype", ctypes.c_uint32),
+        ("memory", ctypes.c_uint32),
+        ("device_ordinal", ctypes.c_int32),
+        ("name", c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("ndim", ctypes.c_size_t),
+    ]
+
+
+class Progress(ctypes.Structure):
+    _fields_ = [
+        ("bytes_done", ctypes.c_uint64),
+        ("bytes_total", ctypes.c_uint64),
+        ("tensors_done", ctypes.c_uint64),
+        ("tensors_total", ctypes.c_uint64),
+    ]
+
+
+class TensorView(ctypes.Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("dtype", ctypes.c_uint32),
+        ("ndim", ctypes.c_size_t),
+        ("shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("data", c_void_p),
+        ("len", ctypes.c_size_t),
+    ]
+
+
+PROGRESS_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, c_void_p, ctypes.POINTER(Progress))
+TENSOR_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, c_void_p, ctypes.POINTER(TensorView))
+
+
+class UpdateRequest(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("source", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("location", c_char_p),
+        ("version", c_char_p),
+        ("timeout_ms", ctypes.c_uint64),
+        ("progress_callback", PROGRESS_CALLBACK),
+        ("progress_user_data", c_void_p),
+        ("tensor_callback", TENSOR_CALLBACK),
+        ("tensor_user_data", c_void_p),
+    ]
+
+
+class UpdateStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32),
+        ("tensors", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("sync_ns", ctypes.c_uint64),
+        ("update_ns", ctypes.c_uint64),
+        ("total_ns", ctypes.c_uint64),
+        ("version", ctypes.c_char * VERSION_BUF),
+    ]
+
+
+class StatusInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("state", ctypes.c_int32),
+        ("last_result", ctypes.c_uint32),
+        ("updates", ctypes.c_uint64),
+        ("params", ctypes.c_uint64),
+        ("param_bytes", ctypes.c_uint64),
+        ("resident_bytes", ctypes.c_uint64),
+        ("version", ctypes.c_char * VERSION_BUF),
+        ("last_update", UpdateStats),
+    ]
+
+
+def load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(_find_library())
+    R = ctypes.c_uint32  # wm_result
+    M = c_void_p  # wm_manager *
+    protos = {
+        "wm_version": (c_char_p, []),
+        "wm_result_text": (c_char_p, [ctypes.c_uint32]),
+        "wm_state_name": (c_char_p, [ctypes.c_int32]),
+        "wm_config_init": (R, [ctypes.POINTER(Config)]),
+        "wm_init": (R, [ctypes.POINTER(Config), ctypes.POINTER(M)]),
+        "wm_destroy": (None, [M]),
+        "wm_last_error": (R, [M, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+        "wm_param_desc_init": (R, [ctypes.POINTER(ParamDesc)]),
+        "wm_register_param": (R, [M, ctypes.POINTER(ParamDesc), c_void_p, ctypes.c_size_t]),
+        "wm_allocate_param": (
+            R,
+            [M, ctypes.POINTER(ParamDesc), ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t)],
+        ),
+        "wm_update_request_init": (R, [ctypes.POINTER(UpdateRequest)]),
+        "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
+        "wm_clear": (R, [M]),
+        "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
+        "wm_broadcast_signal": (R, [M, ctypes.POINTER(ctypes.c_int32)]),
+    }
+    for name, (restype, argtypes) in protos.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+LIB = load()

@@ -1,0 +1,263 @@
+"""The Manager class: owns one wm_manager handle."""
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import _lib
+from .types import (DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, DType, Result,
+                    Source, State, parse_dtype)
+
+LIB = _lib.LIB
+
+
+class WeightManagerError(Exception):
+    """A failed call: `code` (a Result), and the library's message."""
+
+    def __init__(self, code: int, message: str):
+        try:
+            self.code = Result(code)
+        except ValueError:
+            self.code = code
+        self.message = message
+        name = self.code.name if isinstance(self.code, Result) else str(code)
+        super().__init__(f"WM_{name}: {message}")
+
+
+@dataclass
+class UpdateStats:
+    version: str
+    rank: int
+    tensors: int
+    bytes: int
+    sync_s: float
+    update_s: float
+    total_s: float
+
+
+@dataclass
+class Status:
+    state: State
+    version: Optional[str]
+    updates: int
+    params: int
+    param_bytes: int
+    resident_bytes: int
+    last_result: Result
+    last_update: Optional[UpdateStats]
+
+
+@dataclass
+class Progress:
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+
+
+def _stats(s: _lib.UpdateStats) -> UpdateStats:
+    return UpdateStats(s.version.decode(), s.rank, s.tensors, s.bytes, s.sync_ns / 1e9,
+                       s.update_ns / 1e9, s.total_ns / 1e9)
+
+
+def _encode(s) -> Optional[bytes]:
+    if s is None:
+        return None
+    return s.encode() if isinstance(s, str) else bytes(s)
+
+
+def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarray:
+    buf = (ctypes.c_uint8 * nbytes).from_address(address) if nbytes else (ctypes.c_uint8 * 1)()
+    buf._wm_owner = owner  # keeps the manager alive as long as the array
+    arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+    return arr.view(DTYPE_TO_NUMPY[dtype]).reshape(tuple(shape))
+
+
+_LOG_LEVELS = {"off": 0, "error": 1, "warn": 2, "info": 3, "debug": 4}
+
+
+class Manager:
+    """One engine rank's weight manager.
+
+    Use as a context manager, or call close(). Arrays returned by allocate()
+    point into library memory: they must not be used after close().
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, *, device: int = -1,
+                 model_dir=None, fallback_dir=None, control_cell: Optional[str] = None,
+                 log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
+                 copy_threads: int = 0):
+        self._handle = None
+        cfg = _lib.Config()
+        LIB.wm_config_init(ctypes.byref(cfg))
+        cfg.rank, cfg.world_size, cfg.device = rank, world_size, device
+        self._keep = [_encode(model_dir and str(model_dir)), _encode(fallback_dir and str(fallback_dir)),
+                      _encode(control_cell)]
+        cfg.model_dir, cfg.fallback_dir, cfg.control_cell = self._keep
+        if fallback_dir == "":
+            cfg.fallback_dir = b""
+        if log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {sorted(_LOG_LEVELS)}")
+        cfg.log_level = _LOG_LEVELS[log_level]
+        if log is not None:
+            self._log_cb = _lib.LOG_CALLBACK(lambda _u, level, msg: log(level, msg.decode(errors="replace")))
+            cfg.log_callback = self._log_cb
+        cfg.copy_threads = copy_threads
+        handle = ctypes.c_void_p()
+        rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
+        if rc != 0:
+            raise WeightManagerError(rc, f"wm_init failed: {LIB.wm_result_text(rc).decode()} "
+                                         "(details went to the log sink)")
+        self._handle = handle
+        self._params = {}
+
+    # -- plumbing ---------------------------------------------------------
+    def _h(self):
+        if self._handle is None:
+            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the manager is closed")
+        return self._handle
+
+    def last_error(self) -> str:
+        buf = ctypes.create_string_buffer(4096)
+        n = ctypes.c_size_t()
+        if LIB.wm_last_error(self._h(), buf, len(buf), ctypes.byref(n)) != 0:
+            return ""
+        return buf.value.decode(errors="replace")
+
+    def _check(self, rc: int):
+        if rc != 0:
+            raise WeightManagerError(rc, self.last_error() or LIB.wm_result_text(rc).decode())
+
+    @staticmethod
+    def _desc(name: str, dtype: DType, shape) -> tuple:
+        shape = tuple(int(d) for d in shape)
+        d = _lib.ParamDesc()
+        LIB.wm_param_desc_init(ctypes.byref(d))
+        name_b = name.encode()
+        dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+        d.name, d.dtype, d.shape, d.ndim = name_b, int(dtype), dims, len(shape)
+        return d, (name_b, dims)
+
+    # -- params -----------------------------------------------------------
+    def register(self, name: str, array: np.ndarray, dtype=None) -> None:
+        """Register a numpy array as an engine-owned host param. The array
+        must be C-contiguous and writeable; the manager keeps a reference."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError("register() takes a numpy array")
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError(f"param '{name}': array must be C-contiguous and writeable")
+        wm_dtype = parse_dtype(dtype if dtype is not None else array.dtype)
+        if wm_dtype.itemsize != array.dtype.itemsize:
+            raise ValueError(f"param '{name}': dtype {wm_dtype.name} needs {wm_dtype.itemsize}-byte "
+                             f"items, the array has {array.dtype.itemsize}")
+        d, keep = self._desc(name, wm_dtype, array.shape)
+        self._check(LIB.wm_register_param(self._h(), ctypes.byref(d),
+                                          ctypes.c_void_p(array.ctypes.data), array.nbytes))
+        self._params[name] = array
+
+    def allocate(self, name: str, dtype, shape) -> np.ndarray:
+        """Allocate a library-owned host param; returns a numpy view of its
+        memory, valid (at the same address) until close()."""
+        wm_dtype = parse_dtype(dtype)
+        d, keep = self._desc(name, wm_dtype, shape)
+        ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
+        self._check(LIB.wm_allocate_param(self._h(), ctypes.byref(d), ctypes.byref(ptr), ctypes.byref(n)))
+        arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self)
+        self._params[name] = arr
+        return arr
+
+    # -- the engine's calls -------------------------------------------------
+    def update(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
+               verify: bool = False, in_place: bool = False, skip_unknown: bool = False,
+               timeout: Optional[float] = None,
+               progress: Optional[Callable[[Progress], Optional[bool]]] = None,
+               on_tensor: Optional[Callable[[str, np.ndarray], None]] = None) -> UpdateStats:
+        """Update the params. `progress` returning False cancels; `on_tensor`
+        receives (name, array valid only during the call) for every tensor
+        and replaces the plain copy into registered params."""
+        req = _lib.UpdateRequest()
+        LIB.wm_update_request_init(ctypes.byref(req))
+        try:
+            req.source = int(Source[source.upper()])
+        except KeyError:
+            raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
+        keep = [_encode(location and str(location)), _encode(version)]
+        req.location, req.version = keep
+        req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
+                    (SKIP_UNKNOWN if skip_unknown else 0)
+        if timeout is not None:
+            req.timeout_ms = max(1, int(timeout * 1000))
+        raised = []
+        if progress is not None:
+            def _progress(_u, p):
+                try:
+                    go = progress(Progress(p[0].bytes_done, p[0].bytes_total, p[0].tensors_done,
+                                           p[0].tensors_total))
+                    return 1 if go is False else 0
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    raised.append(e)
+                    return 1
+            req.progress_callback = _lib.PROGRESS_CALLBACK(_progress)
+        if on_tensor is not None:
+            def _tensor(_u, t):
+                try:
+                    t = t[0]
+                    dtype = DType(t.dtype)
+                    shape = [t.shape[i] for i in range(t.ndim)]
+                    on_tensor(t.name.decode(), _array_at(t.data or 0, t.len, dtype, shape, None))
+                    return 0
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    raised.append(e)
+                    return 1
+            req.tensor_callback = _lib.TENSOR_CALLBACK(_tensor)
+        stats = _lib.UpdateStats()
+        stats.struct_size = ctypes.sizeof(stats)
+        rc = LIB.wm_update(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        if rc != 0:
+            err = WeightManagerError(rc, self.last_error())
+            if raised:
+                raise err from raised[0]
+            raise err
+        return _stats(stats)
+
+    def clear(self) -> None:
+        """Release weight memory (library-owned params keep their addresses)."""
+        self._check(LIB.wm_clear(self._h()))
+
+    def status(self) -> Status:
+        s = _lib.StatusInfo()
+        s.struct_size = ctypes.sizeof(s)
+        self._check(LIB.wm_status(self._h(), ctypes.byref(s)))
+        last = _stats(s.last_update) if s.updates else None
+        return Status(State(s.state), s.version.decode() or None, s.updates, s.params, s.param_bytes,
+                      s.resident_bytes, Result(s.last_result), last)
+
+    def broadcast_signal(self) -> State:
+        out = ctypes.c_int32()
+        self._check(LIB.wm_broadcast_signal(self._h(), ctypes.byref(out)))
+        return State(out.value)
+
+    def close(self) -> None:
+        """Destroy the handle. Idempotent."""
+        if self._handle is not None:
+            LIB.wm_destroy(self._handle)
+            self._handle = None
+            self._params.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def version() -> str:
+    return LIB.wm_version().decode()

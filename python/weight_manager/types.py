@@ -1,0 +1,108 @@
+"""Numbers shared with the C header: result codes, dtypes, states, flags."""
+
+import enum
+
+import numpy as np
+
+
+class Result(enum.IntEnum):
+    OK = 0
+    ERR_NULL_ARGUMENT = 1
+    ERR_INVALID_ARGUMENT = 2
+    ERR_STRUCT_SIZE = 3
+    ERR_STATE = 4
+    ERR_BUSY = 5
+    ERR_NOT_FOUND = 6
+    ERR_IO = 7
+    ERR_FORMAT = 8
+    ERR_MISMATCH = 9
+    ERR_CHECKSUM = 10
+    ERR_TIMEOUT = 11
+    ERR_UNSUPPORTED = 12
+    ERR_NO_VERSION = 13
+    ERR_OUT_OF_MEMORY = 14
+    ERR_CALLBACK = 15
+    ERR_CANCELLED = 16
+    ERR_PEER = 17
+    ERR_PANIC = 18
+    ERR_INVALID_HANDLE = 19
+
+
+class State(enum.IntEnum):
+    NORMAL = 0
+    UPDATING = 1
+    CLEARING = -1
+    CLEARED = -2
+    FAILED = -3
+
+
+class Source(enum.IntEnum):
+    SNAPSHOT = 0
+    IPC = 1
+    RDMA = 2
+    GDR = 3
+
+
+class DType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    F8_E4M3 = 3
+    F8_E5M2 = 4
+    I8 = 5
+    U8 = 6
+    I32 = 7
+    I64 = 8
+    BOOL = 9
+    F64 = 10
+    I16 = 11
+    U16 = 12
+    U32 = 13
+    U64 = 14
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self]
+
+
+DTYPE_SIZES = {
+    DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.F8_E4M3: 1, DType.F8_E5M2: 1,
+    DType.I8: 1, DType.U8: 1, DType.I32: 4, DType.I64: 8, DType.BOOL: 1, DType.F64: 8,
+    DType.I16: 2, DType.U16: 2, DType.U32: 4, DType.U64: 8,
+}
+
+# numpy dtype -> wm dtype. bf16 and the f8 types have no numpy dtype: pass
+# dtype="bf16" (etc.) with an array of the same item size (uint16 / uint8).
+NUMPY_TO_DTYPE = {
+    np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16, np.dtype(np.float64): DType.F64,
+    np.dtype(np.int8): DType.I8, np.dtype(np.uint8): DType.U8, np.dtype(np.int16): DType.I16,
+    np.dtype(np.uint16): DType.U16, np.dtype(np.int32): DType.I32, np.dtype(np.uint32): DType.U32,
+    np.dtype(np.int64): DType.I64, np.dtype(np.uint64): DType.U64, np.dtype(np.bool_): DType.BOOL,
+}
+
+# wm dtype -> numpy dtype used for arrays handed to Python (raw bits for bf16/f8).
+DTYPE_TO_NUMPY = {v: k for k, v in NUMPY_TO_DTYPE.items()}
+DTYPE_TO_NUMPY.update({DType.BF16: np.dtype(np.uint16), DType.F8_E4M3: np.dtype(np.uint8),
+                       DType.F8_E5M2: np.dtype(np.uint8)})
+
+
+def parse_dtype(value) -> DType:
+    """A DType from a DType, a name ("bf16", "F8_E4M3") or a numpy dtype."""
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str):
+        key = value.upper().replace("BFLOAT16", "BF16").replace("FLOAT", "F")
+        aliases = {"F8E4M3": "F8_E4M3", "F8E5M2": "F8_E5M2"}
+        key = aliases.get(key, key)
+        if key in DType.__members__:
+            return DType[key]
+    try:
+        return NUMPY_TO_DTYPE[np.dtype(value)]
+    except (TypeError, KeyError):
+        raise ValueError(f"dtype {value!r} is not a weight_manager dtype") from None
+
+
+# wm_update_request.flags
+VERIFY_CHECKSUMS = 1
+IN_PLACE = 2
+SKIP_UNKNOWN = 4
