@@ -389,12 +389,11 @@ impl<'p, 'h> Applier<'p, 'h> {
             self.wrote_params = !jobs.is_empty();
             // SAFETY: arena slots and param memory are disjoint, both sized by the plan.
             unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| e.error)?;
-            for t in 0..self.plan.entries.len() {
+            for (t, &offset) in offsets.iter().enumerate() {
                 if self.plan.entries[t].target == Target::Callback {
                     let n = self.plan.entries[t].meta.nbytes as usize;
                     // SAFETY: slot t holds n received bytes; the arena lives until the end of this block.
-                    let data =
-                        unsafe { std::slice::from_raw_parts(region.ptr().add(offsets[t]), n) };
+                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offset), n) };
                     self.deliver(t, data)?;
                 }
             }

@@ -40,6 +40,9 @@ pub struct Logger {
     sink: Sink,
 }
 
+/// A Rust log sink.
+type RustSink = std::sync::Arc<dyn Fn(LogLevel, &str) + Send + Sync>;
+
 #[derive(Clone)]
 enum Sink {
     Stderr,
@@ -47,7 +50,7 @@ enum Sink {
         callback: unsafe extern "C" fn(*mut c_void, u32, *const c_char),
         user_data: usize,
     },
-    Rust(std::sync::Arc<dyn Fn(LogLevel, &str) + Send + Sync>),
+    Rust(RustSink),
 }
 
 impl Logger {

@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use weight_manager::apply::{Hooks, Mode};
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
@@ -66,7 +65,6 @@ fn update_clear_update_per_rank_file() {
         (State::Normal, Some("100"), 1)
     );
 
-    let released = Arc::new(AtomicUsize::new(0));
     m.clear().unwrap();
     let s = m.status();
     assert_eq!(
@@ -81,7 +79,6 @@ fn update_clear_update_per_rank_file() {
         }
     }
     assert!(m.clear().is_ok(), "clearing twice is a no-op");
-    drop(released);
 
     let v2 = model(2);
     write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v2);

@@ -18,6 +18,9 @@
 //! `status.rs` (status, signal).
 
 #![allow(non_camel_case_types)]
+// Each export's doc comment states its C contract (ownership, NULL,
+// threads); that contract is its safety section, written for C readers.
+#![allow(clippy::missing_safety_doc)]
 
 use crate::manager::Manager;
 use crate::result::{wm_result, Error, Result};

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what the tests need on a fresh machine: cmake (Debian package) and
+# a Python virtual environment in .venv with numpy, safetensors and pytest.
+# Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v c++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v nm >/dev/null 2>&1 || need_apt+=(binutils)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+stamp=.venv/.requirements
+if [ ! -f "$stamp" ] || ! cmp -s python/requirements-test.txt "$stamp"; then
+  echo "setup: creating .venv with $(tr '\n' ' ' < python/requirements-test.txt | sed 's/#[^ ]*//g')"
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
+  cp python/requirements-test.txt "$stamp"
+fi

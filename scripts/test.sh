@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs every test: Rust (unit + integration, header checks), C through
+# CMake/ctest (plain, then AddressSanitizer + UBSan), and Python (pytest).
+# Installs what it needs first (scripts/setup.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+jobs=$(nproc 2>/dev/null || echo 2)
+
+bash scripts/setup.sh
+
+echo "== Rust tests"
+cargo test --release --locked
+
+echo "== C tests (ctest)"
+cmake -S . -B build -DWM_CARGO_TARGET_DIR="$root/target" >/dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+echo "== C tests with AddressSanitizer (ctest)"
+cmake -S . -B build-asan -DWM_ASAN=ON -DWM_CARGO_TARGET_DIR="$root/target" >/dev/null
+cmake --build build-asan -j "$jobs"
+ctest --test-dir build-asan --output-on-failure -j "$jobs"
+
+echo "== Python tests (pytest)"
+WM_LIBRARY="$root/target/release/libweight_manager.so" .venv/bin/python -m pytest -q python/tests
+
+echo "== all tests passed"
