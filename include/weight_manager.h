@@ -219,6 +219,33 @@ typedef uint32_t wm_log_level;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// How a request ended (when it did not fail).
+enum wm_request_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The engine did it.
+  WM_REQUEST_OUTCOME_DONE = 0,
+  // Nothing to do: already up to date (update) or already cleared (clear).
+  WM_REQUEST_OUTCOME_ALREADY_DONE = 1,
+  // The same action is already running.
+  WM_REQUEST_OUTCOME_BUSY = 2,
+  // The opposite action is running: cannot do this now.
+  WM_REQUEST_OUTCOME_REFUSED = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum wm_request_outcome wm_request_outcome;
+#else
+typedef uint32_t wm_request_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// A controller's view of one control cell. Opaque; create with
+// `wm_controller_open`, free with `wm_controller_destroy`.
+typedef struct wm_controller wm_controller;
+
 // An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
 typedef struct wm_manager wm_manager;
 
@@ -253,9 +280,27 @@ typedef struct {
   const char *model_dir;
   // Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
   const char *fallback_dir;
-  // Shared-memory control cell name (`/dev/shm/<name>`), opened or created
-  // zeroed; NULL: no control cell (the signal is always NORMAL).
+  // Shared-memory control cell name (`/dev/shm/<name>`, e.g. FastDeploy's
+  // `model_weights_status.<port>`), opened or created zeroed by rank 0,
+  // which alone reads and writes it; NULL: no control cell (the signal is
+  // always NORMAL).
   const char *control_cell;
+  // Group name, required when `world_size` > 1: the ranks meet in
+  // `/dev/shm/wm.<group_name>.n<node_rank>` and, across nodes, over TCP.
+  // `wm_init` blocks until every rank arrived (bounded by `signal_timeout_ms`).
+  const char *group_name;
+  // Ranks on this node; 0 (default): all `world_size` ranks are on one node.
+  uint32_t local_world_size;
+  // This rank's index on its node (ignored when `local_world_size` is 0).
+  uint32_t local_rank;
+  // This node's index; rank 0 is on node 0.
+  uint32_t node_rank;
+  // `host:port` where rank 0 listens for the other nodes' leaders; needed
+  // when ranks span nodes.
+  const char *rendezvous_addr;
+  // Bound in milliseconds on rendezvous and on every per-step wait (a dead
+  // or stalled rank is reported within it); 0: 60000.
+  uint64_t signal_timeout_ms;
   // A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
   uint32_t log_level;
   // NULL: log to stderr.
@@ -388,6 +433,49 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
+// return a controller handle in `*out_controller`, owned by the caller and
+// freed with `wm_controller_destroy`.
+//
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
+// Thread-safe, never blocks.
+wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
+
+// Destroy a controller handle (the cell itself stays). NULL or already
+// destroyed: no-op.
+void wm_controller_destroy(wm_controller *controller);
+
+// Read the control word into `*out_state` (a `wm_state`). A value that is
+// none of the four states: `WM_ERR_FORMAT`. Never blocks.
+wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state);
+
+// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
+// For tools and resets; requests should use `wm_controller_request`.
+wm_result wm_controller_set(wm_controller *controller, int32_t state);
+
+// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
+// and wait up to `timeout_ms` for it to finish (SPEC.md's protocol). On
+// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
+// (up to date / already cleared), BUSY (the same action runs) or REFUSED
+// (the opposite action runs). The engine failing: its result code, with
+// the failing rank's reason in `wm_controller_last_error`. No answer in time:
+// `WM_ERR_TIMEOUT` (the word still holds the request). Blocks.
+wm_result wm_controller_request(wm_controller *controller,
+                                int32_t action,
+                                uint64_t timeout_ms,
+                                uint32_t *out_outcome);
+
+// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
+wm_result wm_controller_wait(wm_controller *controller, int32_t state, uint64_t timeout_ms);
+
+// Copy the text of this controller's last error into `buf` (`len` bytes
+// with the NUL), truncated to fit; `*out_written` gets the bytes written
+// without the NUL. Same rules as `wm_last_error`.
+wm_result wm_controller_last_error(const wm_controller *controller,
+                                   char *buf,
+                                   size_t len,
+                                   size_t *out_written);
 
 // Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
 // and set `struct_size`.

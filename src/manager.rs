@@ -22,7 +22,7 @@ use crate::memory::SendPtr;
 use crate::plan::{make_plan, PlanOptions, Target};
 use crate::registry::{ParamMemory, ParamSpec, Registry};
 use crate::result::{Error, Result};
-use crate::signal::{self, ControlCell};
+use crate::signal::{GroupConfig, SignalPlane};
 use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
@@ -52,8 +52,11 @@ pub struct ManagerConfig {
     pub model_dir: Option<PathBuf>,
     /// SPEC.md's fallback directory; `None` disables it.
     pub fallback_dir: Option<PathBuf>,
-    /// Name of the shared-memory control cell (`/dev/shm/<name>`), if any.
+    /// Name of the shared-memory control cell (`/dev/shm/<name>`), if any;
+    /// read and written by rank 0 only.
     pub control_cell: Option<String>,
+    /// How the ranks meet; required when `world_size` > 1.
+    pub group: Option<GroupSettings>,
     pub logger: Logger,
     /// Copy threads; 0 means one per core.
     pub threads: usize,
@@ -70,6 +73,7 @@ impl Default for ManagerConfig {
             model_dir: None,
             fallback_dir: Some(PathBuf::from(snapshot::DEFAULT_FALLBACK_DIR)),
             control_cell: None,
+            group: None,
             logger: Logger::default(),
             threads: 0,
             release_hook: None,
@@ -77,6 +81,23 @@ impl Default for ManagerConfig {
         }
     }
 }
+
+/// Where this rank sits among the engine's ranks (see [`crate::signal::group`]).
+#[derive(Clone, Debug)]
+pub struct GroupSettings {
+    pub name: String,
+    /// None: all ranks on one node (local rank = rank).
+    pub local_rank: Option<u32>,
+    pub local_world_size: Option<u32>,
+    pub node_rank: u32,
+    /// `host:port` of rank 0, when ranks span nodes.
+    pub addr: Option<String>,
+    /// Bound on rendezvous and on every per-step wait.
+    pub timeout: Duration,
+}
+
+/// SPEC.md's per-bucket receive timeout, used for per-step waits too.
+pub const DEFAULT_SIGNAL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What to update from and how.
 pub struct UpdateRequest<'h> {
@@ -160,7 +181,7 @@ pub struct Manager {
     op: Mutex<()>,
     registry: RwLock<Registry>,
     record: Mutex<Record>,
-    cell: Option<ControlCell>,
+    signal: SignalPlane,
 }
 
 fn check_version(v: &str) -> Result<()> {
@@ -182,10 +203,23 @@ impl Manager {
         }
         let cvd = std::env::var("CUDA_VISIBLE_DEVICES").ok();
         let gpu_id = snapshot::gpu_id(cvd.as_deref(), config.device)?;
-        let cell = match &config.control_cell {
-            Some(name) => Some(ControlCell::open_or_create(name)?),
-            None => None,
-        };
+        let group = config.group.as_ref().map(|g| GroupConfig {
+            name: g.name.clone(),
+            rank: config.rank,
+            world_size: config.world_size,
+            local_rank: g.local_rank.unwrap_or(config.rank),
+            local_world_size: g.local_world_size.unwrap_or(config.world_size),
+            node_rank: g.node_rank,
+            addr: g.addr.clone(),
+            timeout: g.timeout,
+        });
+        let signal = SignalPlane::new(
+            config.rank,
+            config.world_size,
+            config.control_cell.as_deref(),
+            group,
+            config.logger.clone(),
+        )?;
         let threads = if config.threads == 0 {
             default_threads()
         } else {
@@ -207,7 +241,7 @@ impl Manager {
                 param_bytes: 0,
                 resident_bytes: 0,
             }),
-            cell,
+            signal,
             config,
         })
     }
@@ -284,12 +318,39 @@ impl Manager {
         }
     }
 
-    /// The signal every rank should act on this step.
+    /// The signal every rank should act on this step (see [`crate::signal`]).
     pub fn broadcast_signal(&self) -> Result<State> {
-        self.recorded(signal::broadcast(
-            self.config.world_size,
-            self.cell.as_ref(),
-        ))
+        self.recorded(self.signal.broadcast())
+    }
+
+    /// After an update or clear that the signal asked for: pass the group's
+    /// finishing barrier and let rank 0 report. A failure there (a dead peer)
+    /// turns a local success into an error saying so.
+    fn finish_action<T>(
+        &self,
+        action: State,
+        result: Result<T>,
+        version: impl Fn(&T) -> String,
+    ) -> Result<T> {
+        let outcome = result.as_ref().map(&version).map_err(Clone::clone);
+        match (self.signal.finish(action, &outcome), result) {
+            (Ok(()), r) => r,
+            (Err(e), Ok(_)) => Err(e.context(format!(
+                "the {} was applied on rank {}, but the group did not finish it",
+                if action == State::Updating {
+                    "update"
+                } else {
+                    "clear"
+                },
+                self.config.rank
+            ))),
+            (Err(fe), Err(e)) => {
+                self.config
+                    .logger
+                    .warn(&format!("finishing the failed action: {fe}"));
+                Err(e)
+            }
+        }
     }
 
     fn open_source(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
@@ -382,6 +443,7 @@ impl Manager {
     /// Run one update. See the module docs for what failure leaves behind.
     pub fn update(&self, req: UpdateRequest) -> Result<UpdateStats> {
         let r = self.try_update(req);
+        let r = self.finish_action(State::Updating, r, |s| s.version.clone());
         self.recorded(r)
     }
 
@@ -507,6 +569,7 @@ impl Manager {
     /// Release weight memory; the next update brings it back.
     pub fn clear(&self) -> Result<ClearStats> {
         let r = self.try_clear();
+        let r = self.finish_action(State::Clearing, r, |_| String::new());
         self.recorded(r)
     }
 

@@ -2,7 +2,7 @@
 
 use super::{check_struct_size, opt_path, opt_str};
 use crate::logging::{LogLevel, Logger};
-use crate::manager::{Manager, ManagerConfig};
+use crate::manager::{GroupSettings, Manager, ManagerConfig, DEFAULT_SIGNAL_TIMEOUT};
 use crate::result::{wm_result, Error, Result};
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
@@ -59,9 +59,27 @@ pub struct wm_config {
     pub model_dir: *const c_char,
     /// Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
     pub fallback_dir: *const c_char,
-    /// Shared-memory control cell name (`/dev/shm/<name>`), opened or created
-    /// zeroed; NULL: no control cell (the signal is always NORMAL).
+    /// Shared-memory control cell name (`/dev/shm/<name>`, e.g. FastDeploy's
+    /// `model_weights_status.<port>`), opened or created zeroed by rank 0,
+    /// which alone reads and writes it; NULL: no control cell (the signal is
+    /// always NORMAL).
     pub control_cell: *const c_char,
+    /// Group name, required when `world_size` > 1: the ranks meet in
+    /// `/dev/shm/wm.<group_name>.n<node_rank>` and, across nodes, over TCP.
+    /// `wm_init` blocks until every rank arrived (bounded by `signal_timeout_ms`).
+    pub group_name: *const c_char,
+    /// Ranks on this node; 0 (default): all `world_size` ranks are on one node.
+    pub local_world_size: u32,
+    /// This rank's index on its node (ignored when `local_world_size` is 0).
+    pub local_rank: u32,
+    /// This node's index; rank 0 is on node 0.
+    pub node_rank: u32,
+    /// `host:port` where rank 0 listens for the other nodes' leaders; needed
+    /// when ranks span nodes.
+    pub rendezvous_addr: *const c_char,
+    /// Bound in milliseconds on rendezvous and on every per-step wait (a dead
+    /// or stalled rank is reported within it); 0: 60000.
+    pub signal_timeout_ms: u64,
     /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
     pub log_level: u32,
     /// NULL: log to stderr.
@@ -93,6 +111,12 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             model_dir: std::ptr::null(),
             fallback_dir: std::ptr::null(),
             control_cell: std::ptr::null(),
+            group_name: std::ptr::null(),
+            local_world_size: 0,
+            local_rank: 0,
+            node_rank: 0,
+            rendezvous_addr: std::ptr::null(),
+            signal_timeout_ms: 0,
             log_level: LogLevel::Warn as u32,
             log_callback: None,
             log_user_data: std::ptr::null_mut(),
@@ -119,6 +143,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p),
     };
+    let rendezvous_addr = opt_str(c.rendezvous_addr, "rendezvous_addr")?;
     let user = UserData(c.callback_user_data);
     let release_hook = c.release_callback.map(|cb| -> crate::manager::ReleaseHook {
         Box::new(move |name: &str, ptr: *mut u8, len: usize| {
@@ -144,6 +169,17 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         model_dir: opt_path(c.model_dir),
         fallback_dir,
         control_cell: opt_str(c.control_cell, "control_cell")?,
+        group: opt_str(c.group_name, "group_name")?.map(|name| GroupSettings {
+            name,
+            local_rank: (c.local_world_size != 0).then_some(c.local_rank),
+            local_world_size: (c.local_world_size != 0).then_some(c.local_world_size),
+            node_rank: c.node_rank,
+            addr: rendezvous_addr.clone(),
+            timeout: match c.signal_timeout_ms {
+                0 => DEFAULT_SIGNAL_TIMEOUT,
+                ms => std::time::Duration::from_millis(ms),
+            },
+        }),
         logger,
         threads: c.copy_threads as usize,
         release_hook,

@@ -15,7 +15,7 @@
 //!
 //! Files: `result.rs` (codes, version), `manager.rs` (config, init, destroy,
 //! error text), `params.rs` (registration), `update.rs` (update, clear),
-//! `status.rs` (status, signal).
+//! `status.rs` (status, signal), `controller.rs` (the controller's handle).
 
 #![allow(non_camel_case_types)]
 // Each export's doc comment states its C contract (ownership, NULL,
@@ -70,48 +70,73 @@ macro_rules! try_handle {
     };
 }
 
+pub mod controller;
 pub mod manager;
 pub mod params;
 pub mod result;
 pub mod status;
 pub mod update;
 
-/// Addresses of live managers.
-static LIVE: RwLock<BTreeSet<usize>> = parking_lot::const_rwlock(BTreeSet::new());
+/// Addresses of live handles of one type. A handle is an `Arc` turned into
+/// a raw pointer; the table holds one reference for as long as the handle is
+/// live, and every call takes another for its duration.
+pub(crate) struct HandleTable(RwLock<BTreeSet<usize>>);
+
+impl HandleTable {
+    pub(crate) const fn new() -> HandleTable {
+        HandleTable(parking_lot::const_rwlock(BTreeSet::new()))
+    }
+
+    pub(crate) fn publish<T>(&self, value: T) -> *mut std::ffi::c_void {
+        let p = Arc::into_raw(Arc::new(value));
+        self.0.write().insert(p as usize);
+        p as *mut std::ffi::c_void
+    }
+
+    /// The value behind `p`, or NULL_ARGUMENT / INVALID_HANDLE. `T` must be
+    /// the type this table publishes.
+    pub(crate) fn get<T>(
+        &self,
+        p: *const std::ffi::c_void,
+    ) -> std::result::Result<Arc<T>, wm_result> {
+        if p.is_null() {
+            return Err(wm_result::WM_ERR_NULL_ARGUMENT);
+        }
+        let live = self.0.read();
+        if !live.contains(&(p as usize)) {
+            return Err(wm_result::WM_ERR_INVALID_HANDLE);
+        }
+        // SAFETY: p is in the table, so it came from Arc::into_raw::<T> and
+        // the table still holds that reference; we take one more.
+        unsafe {
+            Arc::increment_strong_count(p as *const T);
+            Ok(Arc::from_raw(p as *const T))
+        }
+    }
+
+    /// Forget a handle; the value is dropped once calls in flight return.
+    pub(crate) fn retire<T>(&self, p: *const std::ffi::c_void) {
+        if !p.is_null() && self.0.write().remove(&(p as usize)) {
+            // SAFETY: removing it from the table gives us back its reference.
+            drop(unsafe { Arc::from_raw(p as *const T) });
+        }
+    }
+}
+
+pub(crate) static MANAGERS: HandleTable = HandleTable::new();
 
 pub(crate) fn publish(m: Manager) -> *mut manager::wm_manager {
-    let p = Arc::into_raw(Arc::new(m));
-    LIVE.write().insert(p as usize);
-    p as *mut manager::wm_manager
+    MANAGERS.publish(m).cast()
 }
 
 pub(crate) fn handle(
     p: *const manager::wm_manager,
 ) -> std::result::Result<Arc<Manager>, wm_result> {
-    if p.is_null() {
-        return Err(wm_result::WM_ERR_NULL_ARGUMENT);
-    }
-    let live = LIVE.read();
-    if !live.contains(&(p as usize)) {
-        return Err(wm_result::WM_ERR_INVALID_HANDLE);
-    }
-    // SAFETY: p is in LIVE, so it came from Arc::into_raw and the table still
-    // holds that reference; we take one more for this call.
-    unsafe {
-        Arc::increment_strong_count(p as *const Manager);
-        Ok(Arc::from_raw(p as *const Manager))
-    }
+    MANAGERS.get::<Manager>(p.cast())
 }
 
-/// Forget a handle; the manager is dropped once calls in flight return.
 pub(crate) fn retire(p: *const manager::wm_manager) {
-    if p.is_null() {
-        return;
-    }
-    if LIVE.write().remove(&(p as usize)) {
-        // SAFETY: removing it from LIVE gives us back the table's reference.
-        drop(unsafe { Arc::from_raw(p as *const Manager) });
-    }
+    MANAGERS.retire::<Manager>(p.cast())
 }
 
 /// The code of `r`, recording its error on the handle.

@@ -1,27 +1,189 @@
-//! The control signal: the state every rank should be in this step.
+//! The control plane: the signal every rank acts on each step, and the
+//! control cell a controller uses to ask for updates and clears.
 //!
-//! Rank 0 reads the control cell (a shared-memory int32 that a controller
-//! sets); with one rank that value is the signal. Several ranks need the
-//! broadcast and barrier of the control-plane work, which this build does not
-//! have yet: `broadcast` refuses them with `WM_ERR_UNSUPPORTED`.
+//! - [`cell`]: the FastDeploy-compatible int32 control word in /dev/shm.
+//! - [`report`]: beside it, the outcome (and reason) of the last action.
+//! - [`group`]: ranks in step: shared memory on a node, TCP across nodes.
+//! - [`controller`]: the controller's side of SPEC.md's protocol.
+//! - [`futex`], [`shm`], [`link`]: the waits, shared objects and wire under them.
+//!
+//! [`SignalPlane`] is what a manager holds. Only rank 0 reads the cell, and
+//! only rank 0 writes it: after an update (or clear) that the signal asked
+//! for, every rank passes a barrier carrying its result; rank 0 then writes
+//! the report and moves the word by compare-and-swap from the value being
+//! served: UPDATING to NORMAL if every rank succeeded, CLEARING to CLEARED.
+//! After any failure the word goes to CLEARED (never NORMAL): the engine has
+//! no complete new model, the controller's wait ends, and CLEARED is the
+//! state from which SPEC.md lets it ask for an update again; the report says
+//! which rank failed and why, and each rank's `wm_status` has its own detail.
+//! If the controller changed the word meanwhile, the swap fails and rank 0
+//! leaves the newer request alone (the FastDeploy lost-update race).
 
 pub mod cell;
+pub mod controller;
+pub mod futex;
+pub mod group;
+pub mod link;
+pub mod report;
+pub mod shm;
 
-use crate::result::{Error, Result};
+use crate::logging::Logger;
+use crate::result::{wm_result, Error, Result};
 use crate::state::State;
 pub use cell::ControlCell;
+pub use group::{Group, GroupConfig};
+use parking_lot::Mutex;
+use report::ReportCell;
 
-/// The signal for this step. `cell` is the manager's control cell, if any;
-/// without one nothing ever asks for a change and the signal is NORMAL.
-pub fn broadcast(world_size: u32, cell: Option<&ControlCell>) -> Result<State> {
-    if world_size > 1 {
-        return Err(Error::unsupported(format!(
-            "wm_broadcast_signal with world_size {world_size} needs the multi-rank control plane, \
-             which this build does not include yet (world_size 1 works)"
-        )));
+pub struct SignalPlane {
+    rank: u32,
+    cell: Option<ControlCell>,
+    report: Option<ReportCell>,
+    group: Mutex<Option<Group>>,
+    /// The action (UPDATING or CLEARING) the last signal asked this rank for,
+    /// until the matching update or clear finishes it.
+    pending: Mutex<Option<State>>,
+    logger: Logger,
+}
+
+impl SignalPlane {
+    /// `cell` is read and written by rank 0 only; other ranks ignore it.
+    /// Several ranks need `group` (rendezvous happens here, bounded by its timeout).
+    pub fn new(
+        rank: u32,
+        world_size: u32,
+        cell: Option<&str>,
+        group: Option<GroupConfig>,
+        logger: Logger,
+    ) -> Result<SignalPlane> {
+        if world_size > 1 && group.is_none() {
+            return Err(Error::invalid_argument(format!(
+                "world_size {world_size} needs a group name so the ranks can meet"
+            )));
+        }
+        let (cell, report) = match cell {
+            Some(name) if rank == 0 => (
+                Some(ControlCell::open_or_create(name)?),
+                Some(ReportCell::open_or_create(name)?),
+            ),
+            Some(name) => {
+                cell::check_name(name)?;
+                (None, None)
+            }
+            None => (None, None),
+        };
+        let group = match group {
+            Some(g) if world_size > 1 => Some(Group::join(g)?),
+            _ => None,
+        };
+        Ok(SignalPlane {
+            rank,
+            cell,
+            report,
+            group: Mutex::new(group),
+            pending: Mutex::new(None),
+            logger,
+        })
     }
-    match cell {
-        None => Ok(State::Normal),
-        Some(c) => c.read_state(),
+
+    /// The raw word: a value that is no state is published as it is, and every
+    /// rank fails that step alike (the group itself goes on).
+    fn read_cell(&self) -> Result<i32> {
+        Ok(self
+            .cell
+            .as_ref()
+            .map_or(State::Normal as i32, ControlCell::load))
+    }
+
+    /// This step's signal. NORMAL costs one shared-memory read; any other
+    /// value returns only after every rank got it (barrier).
+    pub fn broadcast(&self) -> Result<State> {
+        let mut group = self.group.lock();
+        let raw = match group.as_mut() {
+            Some(g) => g.broadcast(|| self.read_cell())?.1,
+            None => self.read_cell()?,
+        };
+        let state = State::from_raw(raw).filter(|s| s.is_signal()).ok_or_else(|| {
+            Error::format(format!(
+                "the control word holds {raw}, which is not NORMAL(0), UPDATING(1), CLEARING(-1) or CLEARED(-2)"
+            ))
+        })?;
+        if matches!(state, State::Updating | State::Clearing) {
+            *self.pending.lock() = Some(state);
+        }
+        Ok(state)
+    }
+
+    /// Finish `action` (UPDATING or CLEARING) if the signal asked for it:
+    /// barrier with every rank's result, then rank 0 reports. `outcome` is
+    /// this rank's result (the version on success).
+    pub fn finish(&self, action: State, outcome: &Result<String>) -> Result<()> {
+        {
+            let mut pending = self.pending.lock();
+            if *pending != Some(action) {
+                return Ok(());
+            }
+            *pending = None;
+        }
+        let code = outcome.as_ref().err().map_or(0, |e| e.code as u32);
+        let failures = match self.group.lock().as_mut() {
+            Some(g) => g.barrier(code as i32)?,
+            None if code != 0 => vec![(self.rank, code)],
+            None => Vec::new(),
+        };
+        let (Some(cell), Some(report)) = (&self.cell, &self.report) else {
+            return Ok(());
+        };
+        let (done, target) = if action == State::Updating {
+            ("update", State::Normal)
+        } else {
+            ("clear", State::Cleared)
+        };
+        let version = outcome.as_ref().map(String::as_str).unwrap_or("");
+        let target = match failures.first() {
+            None => {
+                report.write(
+                    0,
+                    0,
+                    action as i32,
+                    version,
+                    &format!("{done} done on every rank"),
+                );
+                target
+            }
+            Some(&(rank, code)) => {
+                let what = wm_result::from_raw(code).map_or(code.to_string(), wm_result::name);
+                let mut msg = match (rank == self.rank, outcome) {
+                    (true, Err(e)) => format!("{done} failed on rank {rank}: {e}"),
+                    _ => format!(
+                        "{done} failed on rank {rank} ({what}; its wm_status has the detail)"
+                    ),
+                };
+                if failures.len() > 1 {
+                    let others: Vec<String> =
+                        failures[1..].iter().map(|(r, _)| r.to_string()).collect();
+                    msg.push_str(&format!("; also failed on rank(s) {}", others.join(", ")));
+                }
+                report.write(code, rank, action as i32, version, &msg);
+                State::Cleared
+            }
+        };
+        if let Err(now) = cell.compare_exchange(action as i32, target as i32) {
+            self.logger.warn(&format!(
+                "control cell {} changed to {now} during the {done}; leaving it (not writing {target})",
+                cell.name()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SignalPlane {
+    /// The report describes a live engine: rank 0 removes it on the way out
+    /// (the cell itself is the controller's and stays).
+    fn drop(&mut self) {
+        if let (Some(cell), Some(_)) = (&self.cell, &self.report) {
+            let _ = shm::unlink(&report::report_name(cell.name()));
+        }
     }
 }

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fixture.h"
@@ -604,13 +605,129 @@ static void test_signal(void) {
   shm_unlink(shm_name);
   wm_destroy(m);
 
+  /* Several ranks need a group name; one that never meets its peers times out. */
   wm_config_init(&c);
   c.world_size = 4;
   c.rank = 1;
-  CHECK_RC(wm_init(&c, &m), WM_OK);
-  CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_UNSUPPORTED);
-  CHECK(strstr(last_error(m), "world_size 4") != NULL);
+  m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  char group[64];
+  snprintf(group, sizeof group, "wm_c_lonely_%d", (int)getpid());
+  wm_config_init(&c);
+  c.world_size = 2;
+  c.group_name = group;
+  c.signal_timeout_ms = 200;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_TIMEOUT);
+  CHECK(m == NULL);
+}
+
+/* Two ranks (one per thread) in a group, driven by a controller. */
+#define GROUP_STEPS 1500
+typedef struct {
+  int rank;
+  const char *group, *cell;
+  int32_t seen[GROUP_STEPS];
+  wm_result rc;
+  int updates, clears;
+} rank_state;
+
+static void *rank_loop(void *arg) {
+  rank_state *r = arg;
+  wm_config c;
+  wm_config_init(&c);
+  c.rank = (uint32_t)r->rank;
+  c.world_size = 2;
+  c.group_name = r->group;
+  c.control_cell = r->cell;
+  c.model_dir = tmpdir;
+  c.fallback_dir = "";
+  c.signal_timeout_ms = 5000;
+  wm_manager *m = NULL;
+  r->rc = wm_init(&c, &m);
+  if (r->rc != WM_OK) return NULL;
+  wm_param_desc d;
+  desc_w(&d);
+  void *p;
+  size_t n;
+  wm_allocate_param(m, &d, &p, &n);
+  desc_b(&d);
+  wm_allocate_param(m, &d, &p, &n);
+  wm_update_request req;
+  wm_update_request_init(&req);
+  for (int step = 0; step < GROUP_STEPS && r->rc == WM_OK; step++) {
+    int32_t sig;
+    r->rc = wm_broadcast_signal(m, &sig);
+    r->seen[step] = sig;
+    if (sig == WM_STATE_UPDATING) {
+      r->updates++;
+      r->rc = wm_update(m, &req, NULL);
+    } else if (sig == WM_STATE_CLEARING) {
+      r->clears++;
+      r->rc = wm_clear(m);
+    } else {
+      nanosleep(&(struct timespec){0, 200000}, NULL);
+    }
+  }
+  if (r->rc != WM_OK) fprintf(stderr, "rank %d: %s\n", r->rank, last_error(m));
   wm_destroy(m);
+  return NULL;
+}
+
+static void test_group(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  { /* rank 1 reads its own file */
+    char a[1024], b[1024], cmd[2200];
+    snprintf(a, sizeof a, "%s/model_state.tp0.0.safetensors", tmpdir);
+    snprintf(b, sizeof b, "%s/model_state.tp1.0.safetensors", tmpdir);
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s'", a, b);
+    CHECK(system(cmd) == 0);
+  }
+  char group[64], cell[64];
+  snprintf(group, sizeof group, "wm_c_group_%d", (int)getpid());
+  snprintf(cell, sizeof cell, "wm_c_group_cell_%d", (int)getpid());
+  static rank_state ranks[2];
+  pthread_t threads[2];
+  for (int i = 0; i < 2; i++) {
+    memset(&ranks[i], 0, sizeof ranks[i]);
+    ranks[i].rank = i;
+    ranks[i].group = group;
+    ranks[i].cell = cell;
+    pthread_create(&threads[i], NULL, rank_loop, &ranks[i]);
+  }
+  wm_controller *ctl = NULL;
+  CHECK_RC(wm_controller_open(cell, &ctl), WM_OK);
+  uint32_t outcome = 99;
+  CHECK_RC(wm_controller_request(ctl, WM_STATE_CLEARING, 5000, &outcome), WM_OK);
+  CHECK(outcome == WM_REQUEST_OUTCOME_DONE);
+  int32_t state = 99;
+  CHECK_RC(wm_controller_get(ctl, &state), WM_OK);
+  CHECK(state == WM_STATE_CLEARED);
+  CHECK_RC(wm_controller_request(ctl, WM_STATE_CLEARING, 5000, &outcome), WM_OK);
+  CHECK(outcome == WM_REQUEST_OUTCOME_ALREADY_DONE);
+  CHECK_RC(wm_controller_request(ctl, WM_STATE_UPDATING, 5000, &outcome), WM_OK);
+  CHECK(outcome == WM_REQUEST_OUTCOME_DONE);
+  CHECK_RC(wm_controller_wait(ctl, WM_STATE_NORMAL, 1000), WM_OK);
+  CHECK_RC(wm_controller_request(ctl, 7, 10, &outcome), WM_ERR_INVALID_ARGUMENT);
+  char buf[256];
+  size_t n = 0;
+  CHECK_RC(wm_controller_last_error(ctl, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "7") != NULL);
+  for (int i = 0; i < 2; i++) pthread_join(threads[i], NULL);
+  for (int i = 0; i < 2; i++) {
+    CHECK(ranks[i].rc == WM_OK);
+    CHECK(ranks[i].updates == 1 && ranks[i].clears == 1);
+  }
+  CHECK(memcmp(ranks[0].seen, ranks[1].seen, sizeof ranks[0].seen) == 0);
+  wm_controller_destroy(ctl);
+  wm_controller_destroy(ctl); /* no-op */
+  CHECK_RC(wm_controller_get(ctl, &state), WM_ERR_INVALID_HANDLE);
+  CHECK_RC(wm_controller_open(NULL, &ctl), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_controller_open("bad/name", &ctl), WM_ERR_INVALID_ARGUMENT);
+  shm_unlink(cell[0] == '/' ? cell : (snprintf(buf, sizeof buf, "/%s", cell), buf));
+  snprintf(buf, sizeof buf, "/%s.wm_report", cell);
+  shm_unlink(buf);
+  remove_tmpdir();
 }
 
 static void test_static_link(void) {
@@ -628,7 +745,7 @@ int main(int argc, char **argv) {
       {"version", test_version},     {"null_args", test_null_args}, {"struct_size", test_struct_size},
       {"enums", test_enums},         {"lifecycle", test_lifecycle}, {"failures", test_failures},
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
-      {"signal", test_signal},       {"static_link", test_static_link},
+      {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

@@ -11,6 +11,8 @@ mod demo;
 mod fixtures;
 mod fmt;
 mod inspect;
+mod signal;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -19,6 +21,10 @@ const USAGE: &str = "usage:
   wm inspect <file|dir> [--rank R] [--gpu G] [--all]
   wm manifest <dir>
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
+  wm bench signal [--steps N] [--ranks 2,4,8]
+  wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
+  wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
+            [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]
   wm --version";
 
 /// Parsed `--name value` options and positional arguments.
@@ -110,6 +116,18 @@ fn run(argv: &[String]) -> Result<(), String> {
                         .into(),
                 ),
             }
+        }
+        "signal" => {
+            let mut all = vec!["signal".to_string()];
+            all.extend_from_slice(rest);
+            let a = Args::parse(&all, &[])?;
+            a.check_known(&["timeout"])?;
+            signal::run(&a)
+        }
+        "worker" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(worker::OPTIONS)?;
+            worker::run(&a)
         }
         "--version" | "version" => {
             println!("wm {}", env!("CARGO_PKG_VERSION"));

@@ -1,0 +1,199 @@
+//! The controller's handle: ask the engine for updates and clears through
+//! the control cell (SPEC.md's controller protocol).
+
+use super::{fill_chars, HandleTable};
+use crate::result::{wm_result, Error, Result};
+use crate::signal::controller::Controller;
+use crate::state::State;
+use parking_lot::Mutex;
+use std::ffi::{c_char, CStr};
+use std::time::Duration;
+
+/// A controller's view of one control cell. Opaque; create with
+/// `wm_controller_open`, free with `wm_controller_destroy`.
+pub struct wm_controller {
+    _private: [u8; 0],
+}
+
+struct ControllerHandle {
+    controller: Controller,
+    last_error: Mutex<Option<Error>>,
+}
+
+static CONTROLLERS: HandleTable = HandleTable::new();
+
+macro_rules! try_controller {
+    ($p:expr) => {
+        match CONTROLLERS.get::<ControllerHandle>($p as *const std::ffi::c_void) {
+            Ok(h) => h,
+            Err(code) => return code,
+        }
+    };
+}
+
+fn code_of<T>(h: &ControllerHandle, r: Result<T>) -> std::result::Result<T, wm_result> {
+    r.map_err(|e| {
+        let code = e.code;
+        *h.last_error.lock() = Some(e);
+        code
+    })
+}
+
+fn state_arg(raw: i32) -> Result<State> {
+    State::from_raw(raw)
+        .filter(|s| s.is_signal())
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("{raw} is not a wm_state control-word value"))
+        })
+}
+
+/// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
+/// return a controller handle in `*out_controller`, owned by the caller and
+/// freed with `wm_controller_destroy`.
+///
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
+/// Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_open(
+    cell_name: *const c_char,
+    out_controller: *mut *mut wm_controller,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(cell_name, out_controller);
+        let Ok(name) = CStr::from_ptr(cell_name).to_str() else {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        };
+        match Controller::open(name) {
+            Ok(controller) => {
+                let h = ControllerHandle {
+                    controller,
+                    last_error: Mutex::new(None),
+                };
+                *out_controller = CONTROLLERS.publish(h).cast();
+                wm_result::WM_OK
+            }
+            Err(e) => e.code,
+        }
+    })
+}
+
+/// Destroy a controller handle (the cell itself stays). NULL or already
+/// destroyed: no-op.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
+    ffi_guard_or!((), {
+        CONTROLLERS.retire::<ControllerHandle>(controller.cast())
+    })
+}
+
+/// Read the control word into `*out_state` (a `wm_state`). A value that is
+/// none of the four states: `WM_ERR_FORMAT`. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_get(
+    controller: *const wm_controller,
+    out_state: *mut i32,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_state);
+        let h = try_controller!(controller);
+        match code_of(&h, h.controller.get()) {
+            Ok(s) => {
+                *out_state = s as i32;
+                wm_result::WM_OK
+            }
+            Err(c) => c,
+        }
+    })
+}
+
+/// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
+/// For tools and resets; requests should use `wm_controller_request`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_set(
+    controller: *mut wm_controller,
+    state: i32,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_controller!(controller);
+        match code_of(&h, state_arg(state).and_then(|s| h.controller.set(s))) {
+            Ok(()) => wm_result::WM_OK,
+            Err(c) => c,
+        }
+    })
+}
+
+/// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
+/// and wait up to `timeout_ms` for it to finish (SPEC.md's protocol). On
+/// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
+/// (up to date / already cleared), BUSY (the same action runs) or REFUSED
+/// (the opposite action runs). The engine failing: its result code, with
+/// the failing rank's reason in `wm_controller_last_error`. No answer in time:
+/// `WM_ERR_TIMEOUT` (the word still holds the request). Blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_request(
+    controller: *mut wm_controller,
+    action: i32,
+    timeout_ms: u64,
+    out_outcome: *mut u32,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_outcome);
+        let h = try_controller!(controller);
+        let r = state_arg(action)
+            .and_then(|a| h.controller.request(a, Duration::from_millis(timeout_ms)));
+        match code_of(&h, r) {
+            Ok(o) => {
+                *out_outcome = o as u32;
+                wm_result::WM_OK
+            }
+            Err(c) => c,
+        }
+    })
+}
+
+/// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_wait(
+    controller: *mut wm_controller,
+    state: i32,
+    timeout_ms: u64,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_controller!(controller);
+        let r = state_arg(state)
+            .and_then(|s| h.controller.wait_for(s, Duration::from_millis(timeout_ms)));
+        match code_of(&h, r) {
+            Ok(()) => wm_result::WM_OK,
+            Err(c) => c,
+        }
+    })
+}
+
+/// Copy the text of this controller's last error into `buf` (`len` bytes
+/// with the NUL), truncated to fit; `*out_written` gets the bytes written
+/// without the NUL. Same rules as `wm_last_error`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_last_error(
+    controller: *const wm_controller,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let h = try_controller!(controller);
+        if len == 0 {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let text = h
+            .last_error
+            .lock()
+            .as_ref()
+            .map(|e| e.message.clone())
+            .unwrap_or_default();
+        let dst = std::slice::from_raw_parts_mut(buf, len);
+        fill_chars(dst, &text);
+        *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
+        wm_result::WM_OK
+    })
+}

@@ -1,0 +1,269 @@
+//! The TCP link between rank 0 and the leader (local rank 0) of every other
+//! node. Frames are `[type u8][length u32 LE][payload]`, payload fields little
+//! endian; every read has a deadline, and a closed connection is a peer error.
+
+use crate::result::{Error, Result};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
+
+const MAGIC: u32 = 0x574d_5347; // "WMSG"
+const PROTOCOL: u32 = 1;
+const MAX_FRAME: u32 = 1 << 20;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    /// Leader to rank 0: who I am.
+    Hello {
+        group: String,
+        node: u32,
+        ranks: Vec<u32>,
+    },
+    /// Rank 0 to leader: accepted.
+    Welcome,
+    /// Rank 0 to leader: the signal of step `step`.
+    Step { step: u64, value: i32 },
+    /// Leader to rank 0: my node reached barrier `gen`; these ranks failed.
+    Arrive { gen: u64, failures: Vec<(u32, u32)> },
+    /// Rank 0 to leader: everybody reached barrier `gen`.
+    Release { gen: u64, failures: Vec<(u32, u32)> },
+    /// Either way: the sender gives up, with a reason.
+    Abort { reason: String },
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn pairs(&mut self, v: &[(u32, u32)]) {
+        self.u32(v.len() as u32);
+        for (a, b) in v {
+            self.u32(*a);
+            self.u32(*b);
+        }
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        if self.0.len() < n {
+            return Err(Error::peer("signal link: truncated frame"));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn str(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::peer("signal link: bad UTF-8"))
+    }
+    fn count(&mut self, item: usize) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(item) > self.0.len() {
+            return Err(Error::peer("signal link: list longer than its frame"));
+        }
+        Ok(n)
+    }
+    fn pairs(&mut self) -> Result<Vec<(u32, u32)>> {
+        let n = self.count(8)?;
+        (0..n).map(|_| Ok((self.u32()?, self.u32()?))).collect()
+    }
+}
+
+impl Msg {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::new());
+        let kind = match self {
+            Msg::Hello { group, node, ranks } => {
+                w.u32(MAGIC);
+                w.u32(PROTOCOL);
+                w.str(group);
+                w.u32(*node);
+                w.u32(ranks.len() as u32);
+                ranks.iter().for_each(|r| w.u32(*r));
+                1
+            }
+            Msg::Welcome => 2,
+            Msg::Step { step, value } => {
+                w.u64(*step);
+                w.u32(*value as u32);
+                3
+            }
+            Msg::Arrive { gen, failures } => {
+                w.u64(*gen);
+                w.pairs(failures);
+                4
+            }
+            Msg::Release { gen, failures } => {
+                w.u64(*gen);
+                w.pairs(failures);
+                5
+            }
+            Msg::Abort { reason } => {
+                w.str(reason);
+                6
+            }
+        };
+        let mut frame = vec![kind];
+        frame.extend_from_slice(&(w.0.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&w.0);
+        frame
+    }
+
+    fn decode(kind: u8, payload: &[u8]) -> Result<Msg> {
+        let mut r = Reader(payload);
+        Ok(match kind {
+            1 => {
+                if r.u32()? != MAGIC {
+                    return Err(Error::peer("signal link: not a weight_manager peer"));
+                }
+                let protocol = r.u32()?;
+                if protocol != PROTOCOL {
+                    return Err(Error::peer(format!(
+                        "signal link: peer speaks protocol {protocol}, this library {PROTOCOL}"
+                    )));
+                }
+                let group = r.str()?;
+                let node = r.u32()?;
+                let n = r.count(4)?;
+                let ranks = (0..n).map(|_| r.u32()).collect::<Result<_>>()?;
+                Msg::Hello { group, node, ranks }
+            }
+            2 => Msg::Welcome,
+            3 => Msg::Step {
+                step: r.u64()?,
+                value: r.u32()? as i32,
+            },
+            4 => Msg::Arrive {
+                gen: r.u64()?,
+                failures: r.pairs()?,
+            },
+            5 => Msg::Release {
+                gen: r.u64()?,
+                failures: r.pairs()?,
+            },
+            6 => Msg::Abort { reason: r.str()? },
+            other => {
+                return Err(Error::peer(format!(
+                    "signal link: unknown frame type {other}"
+                )))
+            }
+        })
+    }
+}
+
+/// Send one message. `who` names the peer in errors.
+pub fn send(stream: &mut TcpStream, msg: &Msg, who: &str) -> Result<()> {
+    stream
+        .write_all(&msg.encode())
+        .map_err(|e| Error::peer(format!("{who}: connection lost while sending ({e})")))
+}
+
+/// Receive one message before `deadline`. `who` names the peer in errors.
+pub fn recv(stream: &mut TcpStream, deadline: Instant, who: &str) -> Result<Msg> {
+    let mut head = [0u8; 5];
+    read_exact(stream, &mut head, deadline, who)?;
+    let len = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes"));
+    if len > MAX_FRAME {
+        return Err(Error::peer(format!(
+            "{who}: frame of {len} bytes is over the {MAX_FRAME} limit"
+        )));
+    }
+    let mut payload = vec![0u8; len as usize];
+    read_exact(stream, &mut payload, deadline, who)?;
+    match Msg::decode(head[0], &payload)? {
+        Msg::Abort { reason } => Err(Error::peer(format!("{who} gave up: {reason}"))),
+        m => Ok(m),
+    }
+}
+
+fn read_exact(
+    stream: &mut TcpStream,
+    mut buf: &mut [u8],
+    deadline: Instant,
+    who: &str,
+) -> Result<()> {
+    while !buf.is_empty() {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::timeout(format!(
+                "{who} sent nothing before the deadline"
+            )));
+        }
+        stream
+            .set_read_timeout(Some(deadline - now))
+            .map_err(|e| Error::io("setting a read timeout", e))?;
+        match stream.read(buf) {
+            Ok(0) => {
+                return Err(Error::peer(format!(
+                    "{who} closed the connection (process died?)"
+                )))
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::peer(format!("{who}: connection lost ({e})"))),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        let msgs = [
+            Msg::Hello {
+                group: "g".into(),
+                node: 1,
+                ranks: vec![2, 3],
+            },
+            Msg::Welcome,
+            Msg::Step { step: 9, value: -2 },
+            Msg::Arrive {
+                gen: 4,
+                failures: vec![(3, 10)],
+            },
+            Msg::Release {
+                gen: 4,
+                failures: vec![],
+            },
+        ];
+        for m in msgs {
+            let f = m.encode();
+            assert_eq!(Msg::decode(f[0], &f[5..]).unwrap(), m);
+        }
+        assert!(Msg::decode(4, &[1, 2]).is_err());
+        // A list claiming more items than the frame holds is refused before allocating.
+        let mut bad = 7u64.to_le_bytes().to_vec();
+        bad.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Msg::decode(4, &bad).unwrap_err().message.contains("longer"));
+    }
+}
