@@ -8,8 +8,8 @@
         m.clear()
 """
 
-from .manager import Manager, Progress, Status, UpdateStats, WeightManagerError, version
+from .manager import Controller, Manager, Progress, Status, UpdateStats, WeightManagerError, version
 from .types import DType, Result, Source, State
 
-__all__ = ["Manager", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "Manager", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Result", "Source", "State"]

@@ -49,6 +49,12 @@ class Config(ctypes.Structure):
         ("model_dir", c_char_p),
         ("fallback_dir", c_char_p),
         ("control_cell", c_char_p),
+        ("group_name", c_char_p),
+        ("local_world_size", ctypes.c_uint32),
+        ("local_rank", ctypes.c_uint32),
+        ("node_rank", ctypes.c_uint32),
+        ("rendezvous_addr", c_char_p),
+        ("signal_timeout_ms", ctypes.c_uint64),
         ("log_level", ctypes.c_uint32),
         ("log_callback", LOG_CALLBACK),
         ("log_user_data", c_void_p),
@@ -160,6 +166,16 @@ def load() -> ctypes.CDLL:
         "wm_clear": (R, [M]),
         "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
         "wm_broadcast_signal": (R, [M, ctypes.POINTER(ctypes.c_int32)]),
+        "wm_controller_open": (R, [c_char_p, ctypes.POINTER(c_void_p)]),
+        "wm_controller_destroy": (None, [c_void_p]),
+        "wm_controller_get": (R, [c_void_p, ctypes.POINTER(ctypes.c_int32)]),
+        "wm_controller_set": (R, [c_void_p, ctypes.c_int32]),
+        "wm_controller_request": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
+        "wm_controller_wait": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64]),
+        "wm_controller_last_error": (
+            R,
+            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+        ),
     }
     for name, (restype, argtypes) in protos.items():
         fn = getattr(lib, name)

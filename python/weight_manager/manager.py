@@ -87,6 +87,9 @@ class Manager:
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, device: int = -1,
                  model_dir=None, fallback_dir=None, control_cell: Optional[str] = None,
+                 group: Optional[str] = None, local_rank: int = 0, local_world_size: int = 0,
+                 node_rank: int = 0, rendezvous_addr: Optional[str] = None,
+                 signal_timeout: Optional[float] = None,
                  log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
                  copy_threads: int = 0):
         self._handle = None
@@ -94,10 +97,12 @@ class Manager:
         LIB.wm_config_init(ctypes.byref(cfg))
         cfg.rank, cfg.world_size, cfg.device = rank, world_size, device
         self._keep = [_encode(model_dir and str(model_dir)), _encode(fallback_dir and str(fallback_dir)),
-                      _encode(control_cell)]
-        cfg.model_dir, cfg.fallback_dir, cfg.control_cell = self._keep
-        if fallback_dir == "":
-            cfg.fallback_dir = b""
+                      _encode(control_cell), _encode(group), _encode(rendezvous_addr)]
+        (cfg.model_dir, cfg.fallback_dir, cfg.control_cell, cfg.group_name,
+         cfg.rendezvous_addr) = self._keep
+        cfg.local_rank, cfg.local_world_size, cfg.node_rank = local_rank, local_world_size, node_rank
+        if signal_timeout is not None:
+            cfg.signal_timeout_ms = max(1, int(signal_timeout * 1000))
         if log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {sorted(_LOG_LEVELS)}")
         cfg.log_level = _LOG_LEVELS[log_level]
@@ -245,6 +250,73 @@ class Manager:
             LIB.wm_destroy(self._handle)
             self._handle = None
             self._params.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Controller:
+    """The controller's side of the control cell (SPEC.md's protocol): what
+    an engine's API server uses to ask every rank for an update or a clear."""
+
+    OUTCOMES = ("done", "already_done", "busy", "refused")
+
+    def __init__(self, cell: str):
+        handle = ctypes.c_void_p()
+        rc = LIB.wm_controller_open(cell.encode(), ctypes.byref(handle))
+        if rc != 0:
+            raise WeightManagerError(rc, f"opening control cell '{cell}': {LIB.wm_result_text(rc).decode()}")
+        self._handle = handle
+
+    def _h(self):
+        if self._handle is None:
+            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the controller is closed")
+        return self._handle
+
+    def _check(self, rc: int):
+        if rc != 0:
+            buf = ctypes.create_string_buffer(2048)
+            n = ctypes.c_size_t()
+            LIB.wm_controller_last_error(self._h(), buf, len(buf), ctypes.byref(n))
+            raise WeightManagerError(rc, buf.value.decode(errors="replace") or LIB.wm_result_text(rc).decode())
+
+    def get(self) -> State:
+        out = ctypes.c_int32()
+        self._check(LIB.wm_controller_get(self._h(), ctypes.byref(out)))
+        return State(out.value)
+
+    def set(self, state: State) -> None:
+        self._check(LIB.wm_controller_set(self._h(), int(state)))
+
+    def wait(self, state: State, timeout: float = 60.0) -> None:
+        self._check(LIB.wm_controller_wait(self._h(), int(state), int(timeout * 1000)))
+
+    def _request(self, action: State, timeout: float) -> str:
+        out = ctypes.c_uint32()
+        self._check(LIB.wm_controller_request(self._h(), int(action), int(timeout * 1000), ctypes.byref(out)))
+        return self.OUTCOMES[out.value]
+
+    def request_update(self, timeout: float = 60.0) -> str:
+        """Returns "done", "already_done" (up to date), "busy" or "refused";
+        raises WeightManagerError when the engine failed or timed out."""
+        return self._request(State.UPDATING, timeout)
+
+    def request_clear(self, timeout: float = 60.0) -> str:
+        return self._request(State.CLEARING, timeout)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            LIB.wm_controller_destroy(self._handle)
+            self._handle = None
 
     def __enter__(self):
         return self
