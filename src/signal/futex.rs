@@ -7,8 +7,12 @@ use crate::result::{Error, Result};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-/// Spin iterations before sleeping (a few tens of microseconds).
-const SPIN: u32 = 4000;
+/// Spin iterations before sleeping (a few tens of microseconds) when every
+/// waiting process has a core of its own.
+pub const SPIN: u32 = 4000;
+/// When there are more processes in the group than cores, a spinning waiter
+/// takes the core the publisher needs: wait briefly, then sleep.
+pub const SPIN_OVERSUBSCRIBED: u32 = 50;
 /// Longest single sleep: how often a waiter checks liveness and its deadline.
 const SLICE: Duration = Duration::from_millis(5);
 
@@ -60,7 +64,9 @@ pub fn notify(word: &AtomicU32, waiters: &AtomicU32) {
 /// then calls [`notify`]) when `ready` may have become true; `waiters` counts
 /// sleepers. `check` runs between sleeps (liveness of the peer waited for);
 /// past `deadline`, `on_timeout` makes the error.
+#[allow(clippy::too_many_arguments)]
 pub fn wait_until(
+    spin: u32,
     word: &AtomicU32,
     waiters: &AtomicU32,
     deadline: Instant,
@@ -68,7 +74,7 @@ pub fn wait_until(
     mut check: impl FnMut() -> Result<()>,
     on_timeout: impl FnOnce() -> Error,
 ) -> Result<()> {
-    for _ in 0..SPIN {
+    for _ in 0..spin {
         if ready() {
             return Ok(());
         }
@@ -112,6 +118,7 @@ mod tests {
         });
         let start = Instant::now();
         wait_until(
+            SPIN,
             &word,
             &waiters,
             Instant::now() + Duration::from_secs(5),
@@ -123,6 +130,7 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(2));
         t.join().unwrap();
         let e = wait_until(
+            SPIN,
             &word,
             &waiters,
             Instant::now() + Duration::from_millis(20),

@@ -173,6 +173,8 @@ fn list(ranks: &[u32]) -> String {
 
 pub struct Group {
     cfg: GroupConfig,
+    /// Spin budget of waits: short when ranks outnumber cores.
+    spin: u32,
     map: SharedMapping,
     link: Link,
     step: u64,
@@ -220,7 +222,14 @@ impl Group {
         } else {
             Self::attach(&name, size, &cfg, deadline)?
         };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        let spin = if cores >= cfg.local_world_size {
+            futex::SPIN
+        } else {
+            futex::SPIN_OVERSUBSCRIBED
+        };
         let mut g = Group {
+            spin,
             cfg,
             map,
             link: Link::Member,
@@ -620,6 +629,7 @@ impl Group {
         let leader = self.slot(0);
         let leader_pid = leader.pid.load(Ordering::Relaxed);
         futex::wait_until(
+            self.spin,
             &h.published,
             &h.pub_waiters,
             deadline,
@@ -666,6 +676,7 @@ impl Group {
             let leader = self.slot(0);
             let leader_pid = leader.pid.load(Ordering::Relaxed);
             futex::wait_until(
+                self.spin,
                 &h.released,
                 &h.release_waiters,
                 deadline,
@@ -697,6 +708,7 @@ impl Group {
                 .collect()
         };
         futex::wait_until(
+            self.spin,
             &h.arrived,
             &h.arrive_waiters,
             deadline,

@@ -7,6 +7,7 @@
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
 
 mod bench;
+mod bench_signal;
 mod demo;
 mod fixtures;
 mod fmt;
@@ -21,7 +22,7 @@ const USAGE: &str = "usage:
   wm inspect <file|dir> [--rank R] [--gpu G] [--all]
   wm manifest <dir>
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
-  wm bench signal [--steps N] [--ranks 2,4,8]
+  wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
   wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
             [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]
@@ -108,13 +109,15 @@ fn run(argv: &[String]) -> Result<(), String> {
         }
         "bench" => {
             let a = Args::parse(rest, &[])?;
-            a.check_known(&["gib", "small", "threads", "dir"])?;
+            a.check_known(&[
+                "gib", "small", "threads", "dir", "steps", "ranks", "work-us", "rank", "world",
+                "group", "cell",
+            ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
-                _ => Err(
-                    "usage: wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]"
-                        .into(),
-                ),
+                Some("signal") => bench_signal::run(&a),
+                Some("signal-rank") => bench_signal::rank(&a),
+                _ => Err("usage: wm bench snapshot|signal [options]".into()),
             }
         }
         "signal" => {
