@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 /// Spin iterations before sleeping (a few tens of microseconds) when every
 /// waiting process has a core of its own.
-pub const SPIN: u32 = 4000;
+pub(crate) const SPIN: u32 = 4000;
 /// When there are more processes in the group than cores, a spinning waiter
 /// takes the core the publisher needs: wait briefly, then sleep.
-pub const SPIN_OVERSUBSCRIBED: u32 = 50;
+pub(crate) const SPIN_OVERSUBSCRIBED: u32 = 50;
 /// Longest single sleep: how often a waiter checks liveness and its deadline.
 const SLICE: Duration = Duration::from_millis(5);
 

@@ -79,9 +79,19 @@ pub fn inspect(a: &Args) -> Result<(), String> {
 pub fn manifest(a: &Args) -> Result<(), String> {
     let dir = a.positional.first().ok_or("usage: wm manifest <dir>")?;
     let t = Instant::now();
-    let w = checksums::write(
+    let line = parking_lot::Mutex::new(fmt::progress_line("hashing"));
+    let progress = |done: u64, total: u64| {
+        let p = weight_manager::apply::Progress {
+            bytes_done: done,
+            bytes_total: total,
+            ..Default::default()
+        };
+        (line.lock())(&p);
+    };
+    let w = checksums::write_with_progress(
         Path::new(dir),
         weight_manager::memory::copy::default_threads(),
+        &progress,
     )
     .map_err(|e| e.to_string())?;
     println!(

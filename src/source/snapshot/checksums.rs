@@ -112,6 +112,16 @@ fn hash_range(
 /// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`
 /// and write `dir/wm_checksums.json` (atomically, through a rename).
 pub fn write(dir: &Path, threads: usize) -> Result<Written> {
+    write_with_progress(dir, threads, &|_, _| {})
+}
+
+/// [`write`], calling `progress(bytes hashed, bytes in all)` as tensors finish
+/// (from the hashing threads).
+pub fn write_with_progress(
+    dir: &Path,
+    threads: usize,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<Written> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
@@ -137,6 +147,8 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
         }
         files.push((file, header));
     }
+    let total: u64 = jobs.iter().map(|j| j.3).sum();
+    let hashed = std::sync::atomic::AtomicU64::new(0);
     let next = AtomicUsize::new(0);
     let results = parking_lot::Mutex::new(
         (0..jobs.len())
@@ -154,6 +166,7 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
                     };
                     let r = hash_range(&files[fi].0, off, len, &mut buf);
                     results.lock()[i] = r;
+                    progress(hashed.fetch_add(len, Ordering::Relaxed) + len, total);
                 }
             });
         }
