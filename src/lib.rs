@@ -27,12 +27,15 @@ pub mod manager;
 pub mod manifest;
 pub mod memory;
 pub mod plan;
+pub mod publisher;
 pub mod registry;
 pub mod result;
 pub mod signal;
+pub mod transport;
 pub mod source;
 pub mod state;
 pub mod tensor;
+pub mod wire;
 
 pub use manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
 pub use result::{wm_result, Error, Result};

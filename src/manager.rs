@@ -24,6 +24,7 @@ use crate::registry::{ParamMemory, ParamSpec, Registry};
 use crate::result::{Error, Result};
 use crate::signal::{GroupConfig, SignalPlane};
 use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
+use crate::source::ipc::{self, IpcOptions, IpcSource};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
 use parking_lot::{Mutex, RwLock};
@@ -60,6 +61,8 @@ pub struct ManagerConfig {
     pub logger: Logger,
     /// Copy threads; 0 means one per core.
     pub threads: usize,
+    /// IPC: accept a publisher running as another uid (default: same uid only).
+    pub allow_other_uids: bool,
     pub release_hook: Option<ReleaseHook>,
     pub acquire_hook: Option<AcquireHook>,
 }
@@ -76,6 +79,7 @@ impl Default for ManagerConfig {
             group: None,
             logger: Logger::default(),
             threads: 0,
+            allow_other_uids: false,
             release_hook: None,
             acquire_hook: None,
         }
@@ -373,8 +377,23 @@ impl Manager {
                 };
                 Ok(Box::new(SnapshotSource::open(&loc, &self.config.logger)?))
             }
+            SourceKind::Ipc => {
+                let socket = req.location.clone().ok_or_else(|| {
+                    Error::invalid_argument("an ipc update needs the publisher's socket path as its location")
+                })?;
+                let opts = IpcOptions {
+                    socket,
+                    rank: self.config.rank,
+                    world_size: self.config.world_size,
+                    gpu_id: self.gpu_id.clone(),
+                    version: req.version.clone(),
+                    allow_other_uids: self.config.allow_other_uids,
+                    bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+                };
+                Ok(Box::new(IpcSource::open(&opts, Instant::now() + req.timeout)?))
+            }
             other => Err(Error::unsupported(format!(
-                "source '{}' is not available in this build yet (snapshot is)",
+                "source '{}' is not available in this build yet (snapshot and ipc are)",
                 other.name()
             ))),
         }

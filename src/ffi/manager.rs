@@ -93,6 +93,9 @@ pub struct wm_config {
     pub callback_user_data: *mut c_void,
     /// Copy threads; 0: one per core (default).
     pub copy_threads: u32,
+    /// IPC: non-zero accepts a publisher running as another uid (checked with
+    /// SO_PEERCRED); default 0: the same uid only.
+    pub allow_other_uids: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -124,6 +127,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             acquire_callback: None,
             callback_user_data: std::ptr::null_mut(),
             copy_threads: 0,
+            allow_other_uids: 0,
         });
         wm_result::WM_OK
     })
@@ -182,6 +186,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         }),
         logger,
         threads: c.copy_threads as usize,
+        allow_other_uids: c.allow_other_uids != 0,
         release_hook,
         acquire_hook,
     })

@@ -7,6 +7,7 @@
 
 pub mod copy;
 pub mod host;
+pub mod shared;
 
 /// A raw pointer that may cross threads. The owner guarantees the memory
 /// outlives every copy that uses it and that no two copies write one byte.

@@ -120,6 +120,17 @@ impl SnapshotSource {
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
+
+    /// File and absolute byte offset of manifest tensor `t`.
+    pub fn tensor_location(&self, t: usize) -> (&std::path::Path, u64) {
+        let (fi, offset) = self.locations[t];
+        (&self.files[fi].0, offset)
+    }
+
+    /// Every file of the snapshot, in reading order.
+    pub fn files(&self) -> impl Iterator<Item = &std::path::Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
 }
 
 impl super::Source for SnapshotSource {

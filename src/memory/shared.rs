@@ -1,0 +1,174 @@
+//! Shared host buffers for the IPC path: anonymous memory files (memfd)
+//! passed between processes as file descriptors.
+//!
+//! - Nothing is named in /dev/shm: the memory goes away when the last
+//!   process holding it closes or exits, crashes included.
+//! - The sender reserves every page with `fallocate`, so a full /dev/shm is
+//!   an out-of-memory error at creation, never a SIGBUS on first write.
+//! - The sender seals the file against shrinking and growing; the receiver
+//!   refuses a buffer without those seals, so no peer can truncate a buffer
+//!   under the other and turn its next read into SIGBUS.
+//!
+//! The bucket abstraction ([`BucketMemory`]) is where CUDA IPC buffers join
+//! host buffers.
+
+use crate::result::{Error, Result};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// A memfd mapped read-write (sender) or read-only (receiver).
+#[derive(Debug)]
+pub struct SharedBuffer {
+    fd: OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain shared memory; the protocol decides who writes when.
+unsafe impl Send for SharedBuffer {}
+unsafe impl Sync for SharedBuffer {}
+
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+impl SharedBuffer {
+    /// A new zeroed buffer of `len` bytes, every page reserved, sealed.
+    pub fn create(what: &str, len: usize) -> Result<SharedBuffer> {
+        let name = std::ffi::CString::new("wm-bucket").expect("no NUL");
+        // SAFETY: libc calls on our own descriptor.
+        unsafe {
+            let raw = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            if raw < 0 {
+                return Err(Error::io(format!("{what}: memfd_create"), std::io::Error::last_os_error()));
+            }
+            let fd = OwnedFd::from_raw_fd(raw);
+            let rc = libc::fallocate(raw, 0, 0, len as libc::off_t);
+            if rc != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(if e.raw_os_error() == Some(libc::ENOSPC) {
+                    Error::out_of_memory(format!("{what}: no room for {len} bytes of shared memory"))
+                } else {
+                    Error::io(format!("{what}: reserving {len} bytes"), e)
+                });
+            }
+            if libc::fcntl(raw, libc::F_ADD_SEALS, SEALS) != 0 {
+                return Err(Error::io(format!("{what}: sealing"), std::io::Error::last_os_error()));
+            }
+            Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, what)
+        }
+    }
+
+    /// Map a buffer received from a peer, read-only, after checking that it
+    /// is sealed against shrinking and holds at least `len` bytes.
+    pub fn receive(fd: OwnedFd, len: usize, what: &str) -> Result<SharedBuffer> {
+        // SAFETY: fcntl/fstat on a descriptor we own.
+        unsafe {
+            let seals = libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS);
+            if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+                return Err(Error::peer(format!(
+                    "{what}: the shared buffer is not sealed against shrinking; refusing it (it could SIGBUS)"
+                )));
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+                return Err(Error::io(format!("{what}: stat"), std::io::Error::last_os_error()));
+            }
+            if (st.st_size as u64) < len as u64 {
+                return Err(Error::peer(format!(
+                    "{what}: the shared buffer holds {} bytes, the peer announced {len}",
+                    st.st_size
+                )));
+            }
+            Self::map(fd, len, libc::PROT_READ, what)
+        }
+    }
+
+    unsafe fn map(fd: OwnedFd, len: usize, prot: libc::c_int, what: &str) -> Result<SharedBuffer> {
+        if len == 0 {
+            return Ok(SharedBuffer {
+                fd,
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len,
+            });
+        }
+        let p = libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0);
+        if p == libc::MAP_FAILED {
+            return Err(Error::out_of_memory(format!(
+                "{what}: mapping {len} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok(SharedBuffer { fd, ptr: p.cast(), len })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+}
+
+impl Drop for SharedBuffer {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: our own mapping.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
+    }
+}
+
+/// Where a bucket's bytes are. Host memory today; CUDA IPC buffers (device
+/// memory opened from a peer's handle) are the other kind.
+pub enum BucketMemory {
+    Host(SharedBuffer),
+}
+
+impl BucketMemory {
+    pub fn len(&self) -> usize {
+        match self {
+            BucketMemory::Host(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Host address of byte `offset` (callers have checked the range).
+    pub fn host_ptr(&self, offset: u64) -> *mut u8 {
+        match self {
+            BucketMemory::Host(b) => b.ptr().wrapping_add(offset as usize),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sealed_buffers_cross_a_descriptor_copy() {
+        let a = SharedBuffer::create("test", 1 << 20).unwrap();
+        unsafe { std::ptr::write_bytes(a.ptr(), 0x5a, a.len()) };
+        let dup = a.fd().try_clone().unwrap();
+        let b = SharedBuffer::receive(dup, 1 << 20, "test").unwrap();
+        assert_eq!(unsafe { *b.ptr().add(12345) }, 0x5a);
+        // Shrinking is refused by the seal.
+        assert_ne!(unsafe { libc::ftruncate(a.fd().as_raw_fd(), 10) }, 0);
+        // A buffer announced larger than it is, or unsealed, is refused.
+        let e = SharedBuffer::receive(a.fd().try_clone().unwrap(), 2 << 20, "t").unwrap_err();
+        assert!(e.message.contains("announced"));
+        let raw = unsafe { libc::memfd_create(c"x".as_ptr(), 0) };
+        unsafe { libc::ftruncate(raw, 4096) };
+        let e = SharedBuffer::receive(unsafe { OwnedFd::from_raw_fd(raw) }, 4096, "t").unwrap_err();
+        assert!(e.message.contains("not sealed"));
+    }
+}

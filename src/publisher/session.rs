@@ -1,0 +1,319 @@
+//! One engine rank's session: handshake, manifest, buckets, acknowledgements.
+
+use super::{Content, HostTensor, PublisherConfig};
+use crate::manifest::{Manifest, TensorMeta};
+use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::shared::SharedBuffer;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
+use crate::source::Source;
+use crate::transport::unix::{check_peer_uid, Conn};
+use crate::wire::{BucketEntry, Frame, ALIGN};
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// What one session did.
+#[derive(Clone, Debug, Default)]
+pub struct SessionStats {
+    pub rank: u32,
+    pub version: String,
+    pub tensors: u64,
+    pub bytes: u64,
+    pub buckets: u64,
+    /// Time spent packing buckets into the shared buffers.
+    pub pack: Duration,
+    /// Time spent waiting for the engine's acknowledgements.
+    pub wait: Duration,
+    pub total: Duration,
+}
+
+/// Where one shard's tensor bytes come from.
+enum ShardBytes {
+    Memory(Vec<SendPtr>),
+    Files { source: SnapshotSource, open: HashMap<PathBuf, File> },
+}
+
+struct Shard {
+    manifest: Manifest,
+    bytes: ShardBytes,
+}
+
+fn shard_for(content: &Content, rank: u32, gpu_id: &str, version: Option<String>, cfg: &PublisherConfig) -> Result<Shard> {
+    match content {
+        Content::Dir(dir) => {
+            let loc = SnapshotLocation {
+                model_dir: dir.clone(),
+                fallback_dir: None,
+                rank,
+                gpu_id: gpu_id.to_string(),
+            };
+            let source = SnapshotSource::open(&loc, &cfg.logger)?;
+            let mut manifest = source.manifest().clone();
+            if version.is_some() {
+                manifest.version = version;
+            }
+            Ok(Shard {
+                manifest,
+                bytes: ShardBytes::Files {
+                    source,
+                    open: HashMap::new(),
+                },
+            })
+        }
+        Content::Tensors(all) => {
+            let mine: Vec<&HostTensor> = all.iter().filter(|t| t.rank.is_none_or(|r| r == rank)).collect();
+            let sums = if cfg.checksums {
+                let regions: Vec<(SendPtr, usize)> = mine.iter().map(|t| (t.data, t.len)).collect();
+                // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
+                Some(unsafe { hash_all(&regions, default_threads()) })
+            } else {
+                None
+            };
+            let tensors = mine
+                .iter()
+                .enumerate()
+                .map(|(i, t)| TensorMeta {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    nbytes: t.len as u64,
+                    checksum: sums.as_ref().map(|s| s[i]),
+                })
+                .collect();
+            Ok(Shard {
+                manifest: Manifest { tensors, version },
+                bytes: ShardBytes::Memory(mine.iter().map(|t| t.data).collect()),
+            })
+        }
+    }
+}
+
+/// Pack `want` (manifest indices) into buckets of at most `bucket` bytes.
+fn plan_buckets(manifest: &Manifest, want: &[u32], bucket: usize) -> Vec<(Vec<BucketEntry>, u64)> {
+    let bucket = bucket as u64;
+    let mut out: Vec<(Vec<BucketEntry>, u64)> = Vec::new();
+    let mut cur: Vec<BucketEntry> = Vec::new();
+    let mut used = 0u64;
+    for &t in want {
+        let n = manifest.tensors[t as usize].nbytes;
+        let mut done = 0u64;
+        while done < n || (n == 0 && done == 0) {
+            let at = used.next_multiple_of(ALIGN);
+            if at >= bucket || (at + (n - done) > bucket && !cur.is_empty() && n - done <= bucket) {
+                out.push((std::mem::take(&mut cur), used));
+                used = 0;
+                continue;
+            }
+            let len = (n - done).min(bucket - at);
+            cur.push(BucketEntry {
+                tensor: t,
+                tensor_offset: done,
+                len,
+                buffer_offset: at,
+            });
+            used = at + len;
+            done += len;
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        out.push((cur, used));
+    }
+    out
+}
+
+pub(super) fn run(stream: UnixStream, content: &Content, version: Option<String>, cfg: &PublisherConfig) -> Result<SessionStats> {
+    let start = Instant::now();
+    check_peer_uid(&stream, cfg.allow_other_uids, "an engine")?;
+    let mut conn = Conn::new(stream, "an engine");
+    let r = serve(&mut conn, content, version, cfg, start);
+    if let Err(e) = &r {
+        conn.send_error(&e.message);
+    }
+    r
+}
+
+fn serve(conn: &mut Conn, content: &Content, version: Option<String>, cfg: &PublisherConfig, start: Instant) -> Result<SessionStats> {
+    let session_deadline = start + cfg.session_timeout;
+    let step = |d: Duration| (Instant::now() + d).min(session_deadline);
+    let (rank, gpu_id, wanted_version) = match conn.recv(step(cfg.bucket_timeout))? {
+        Frame::Hello { rank, gpu_id, version, .. } => (rank, gpu_id, version),
+        other => return Err(Error::peer(format!("expected HELLO, got {}", other.name()))),
+    };
+    conn.set_peer(format!("engine rank {rank}"));
+    let mut shard = shard_for(content, rank, &gpu_id, version, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
+    let have = shard.manifest.version.clone().unwrap_or_default();
+    if !wanted_version.is_empty() && wanted_version != "latest" && wanted_version != have {
+        return Err(Error::not_found(format!(
+            "rank {rank} asked for version '{wanted_version}'; this publisher serves '{have}'"
+        )));
+    }
+    conn.send(&Frame::Manifest {
+        version: have.clone(),
+        tensors: shard.manifest.tensors.clone(),
+    })?;
+    let want = match conn.recv(step(cfg.bucket_timeout))? {
+        Frame::Want { tensors } => tensors,
+        other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
+    };
+    let n_tensors = shard.manifest.tensors.len();
+    let mut seen = vec![false; n_tensors];
+    for &t in &want {
+        if t as usize >= n_tensors || std::mem::replace(&mut seen[t as usize], true) {
+            return Err(Error::peer(format!("rank {rank} wants tensor #{t} twice or out of range")));
+        }
+    }
+    let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
+    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
+    let n_buf = cfg.buffers.min(buckets.len()).max(1);
+    let buffers: Vec<SharedBuffer> = (0..n_buf)
+        .map(|i| SharedBuffer::create(&format!("bucket buffer {i}"), largest))
+        .collect::<Result<_>>()?;
+    let fds: Vec<i32> = buffers.iter().map(|b| b.fd().as_raw_fd()).collect();
+    conn.send_with_fds(&Frame::Buffers { sizes: vec![largest as u64; n_buf] }, &fds)?;
+
+    let mut stats = SessionStats {
+        rank,
+        version: have,
+        tensors: want.len() as u64,
+        ..Default::default()
+    };
+    let mut acked = 0u64;
+    let wait_ack = |conn: &mut Conn, acked: &mut u64, stats: &mut SessionStats| -> Result<()> {
+        let t = Instant::now();
+        match conn.recv(step(cfg.bucket_timeout))? {
+            Frame::Ack { seq } if seq == *acked => *acked += 1,
+            Frame::Ack { seq } => return Err(Error::peer(format!("acknowledged bucket {seq}, expected {acked}"))),
+            other => return Err(Error::peer(format!("expected ACK, got {}", other.name()))),
+        }
+        stats.wait += t.elapsed();
+        Ok(())
+    };
+    let used_bytes = |entries: &[BucketEntry]| entries.iter().map(|e| e.len).sum::<u64>();
+    for (i, (entries, _)) in buckets.iter().enumerate() {
+        while (i as u64) >= acked + n_buf as u64 {
+            wait_ack(conn, &mut acked, &mut stats)?;
+        }
+        let buf = &buffers[i % n_buf];
+        let t = Instant::now();
+        fill(&mut shard, entries, buf)?;
+        if let Some(victim) = &cfg.corrupt_tensor {
+            corrupt(&shard.manifest, entries, buf, victim);
+        }
+        stats.pack += t.elapsed();
+        stats.bytes += used_bytes(entries);
+        conn.send(&Frame::Bucket {
+            seq: i as u64,
+            buffer: (i % n_buf) as u32,
+            entries: entries.clone(),
+        })?;
+    }
+    while acked < buckets.len() as u64 {
+        wait_ack(conn, &mut acked, &mut stats)?;
+    }
+    conn.send(&Frame::End {
+        buckets: buckets.len() as u64,
+    })?;
+    stats.buckets = buckets.len() as u64;
+    stats.total = start.elapsed();
+    Ok(stats)
+}
+
+fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Result<()> {
+    let dst = |e: &BucketEntry| SendPtr(buf.ptr().wrapping_add(e.buffer_offset as usize));
+    match &mut shard.bytes {
+        ShardBytes::Memory(ptrs) => {
+            let jobs: Vec<CopyJob> = entries
+                .iter()
+                .map(|e| CopyJob {
+                    src: CopySource::Memory(SendPtr(ptrs[e.tensor as usize].0.wrapping_add(e.tensor_offset as usize))),
+                    dst: dst(e),
+                    len: e.len as usize,
+                    tag: e.tensor as usize,
+                })
+                .collect();
+            // SAFETY: entries lie inside the buffer (planned from its size) and
+            // inside their tensors; the trainer keeps tensors unchanged.
+            unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)
+        }
+        ShardBytes::Files { source, open } => {
+            for e in entries {
+                let (path, _) = source.tensor_location(e.tensor as usize);
+                if !open.contains_key(path) {
+                    let f = File::open(path).map_err(|err| Error::io(format!("opening {}", path.display()), err))?;
+                    open.insert(path.to_path_buf(), f);
+                }
+            }
+            let jobs: Vec<CopyJob> = entries
+                .iter()
+                .map(|e| {
+                    let (path, offset) = source.tensor_location(e.tensor as usize);
+                    CopyJob {
+                        src: CopySource::File {
+                            file: &open[path],
+                            offset: offset + e.tensor_offset,
+                        },
+                        dst: dst(e),
+                        len: e.len as usize,
+                        tag: e.tensor as usize,
+                    }
+                })
+                .collect();
+            // SAFETY: as above; file reads are bounds-checked by pread.
+            unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)
+        }
+    }
+}
+
+/// Test only: flip the lowest bit of the first byte of `victim` in this bucket.
+fn corrupt(manifest: &Manifest, entries: &[BucketEntry], buf: &SharedBuffer, victim: &str) {
+    for e in entries {
+        if manifest.tensors[e.tensor as usize].name == victim && e.tensor_offset == 0 && e.len > 0 {
+            // SAFETY: inside the entry's range in our own buffer.
+            unsafe { *buf.ptr().add(e.buffer_offset as usize) ^= 1 };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    #[test]
+    fn buckets_align_split_and_fill() {
+        let t = |n: u64| TensorMeta {
+            name: format!("t{n}"),
+            dtype: DType::U8,
+            shape: vec![n],
+            nbytes: n,
+            checksum: None,
+        };
+        let m = Manifest {
+            tensors: vec![t(100), t(300), t(2500), t(10)],
+            version: None,
+        };
+        let b = plan_buckets(&m, &[0, 1, 2, 3], 1024);
+        // Every entry aligned, inside its bucket, every tensor covered once.
+        let mut covered = vec![0u64; 4];
+        for (entries, used) in &b {
+            assert!(*used <= 1024);
+            for e in entries {
+                assert_eq!(e.buffer_offset % ALIGN, 0);
+                assert!(e.buffer_offset + e.len <= 1024);
+                assert_eq!(e.tensor_offset, covered[e.tensor as usize]);
+                covered[e.tensor as usize] += e.len;
+            }
+        }
+        assert_eq!(covered, vec![100, 300, 2500, 10]);
+        assert!(b.len() >= 4, "{b:?}");
+        assert!(plan_buckets(&m, &[], 1024).is_empty());
+    }
+}

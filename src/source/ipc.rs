@@ -1,0 +1,154 @@
+//! The IPC source: a trainer's publisher on the same node serves buckets in
+//! shared memory over a Unix socket (protocol in `docs/wire.md`).
+//!
+//! The engine connects, checks the publisher's uid (SO_PEERCRED), says which
+//! rank it is, gets its manifest, tells which tensors it wants (after the
+//! plan, so skipped tensors are never packed), receives the shared buffers
+//! once, then applies bucket after bucket, acknowledging each so the
+//! publisher can refill its buffer while the next one is applied.
+//!
+//! Copy mode copies from the buffers into params. Zero-copy mode is the
+//! per-tensor callback in in-place mode: a tensor that lies whole in one
+//! bucket is handed to the callback as a pointer into the shared buffer,
+//! valid until the callback returns (tensors split across buckets, and
+//! atomic mode, go through a library buffer first).
+
+use crate::apply::{Applier, Chunk};
+use crate::manifest::Manifest;
+use crate::memory::copy::CopySource;
+use crate::memory::shared::{BucketMemory, SharedBuffer};
+use crate::memory::SendPtr;
+use crate::plan::{Plan, Target};
+use crate::result::{Error, Result};
+use crate::transport::unix::{check_peer_uid, Conn};
+use crate::wire::{check_bucket, Frame};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// SPEC.md: per-bucket receive timeout.
+pub const BUCKET_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Debug)]
+pub struct IpcOptions {
+    pub socket: PathBuf,
+    pub rank: u32,
+    pub world_size: u32,
+    pub gpu_id: String,
+    /// Version asked for; None: the publisher's latest.
+    pub version: Option<String>,
+    pub allow_other_uids: bool,
+    pub bucket_timeout: Duration,
+}
+
+pub struct IpcSource {
+    conn: Conn,
+    manifest: Manifest,
+    timeout: Duration,
+}
+
+impl IpcSource {
+    pub fn open(opts: &IpcOptions, deadline: Instant) -> Result<IpcSource> {
+        let who = format!("the publisher at {}", opts.socket.display());
+        let stream = UnixStream::connect(&opts.socket).map_err(|e| {
+            if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) {
+                Error::not_found(format!("no publisher listens at {} ({e})", opts.socket.display()))
+            } else {
+                Error::io(format!("connecting to {who}"), e)
+            }
+        })?;
+        check_peer_uid(&stream, opts.allow_other_uids, &who)?;
+        let mut conn = Conn::new(stream, who);
+        conn.send(&Frame::Hello {
+            rank: opts.rank,
+            world_size: opts.world_size,
+            gpu_id: opts.gpu_id.clone(),
+            version: opts.version.clone().unwrap_or_default(),
+        })?;
+        let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
+        let manifest = match conn.recv(deadline)? {
+            Frame::Manifest { version, tensors } => Manifest {
+                tensors,
+                version: (!version.is_empty()).then_some(version),
+            },
+            other => {
+                return Err(Error::peer(format!("{}: expected MANIFEST, got {}", conn.peer(), other.name())));
+            }
+        };
+        Ok(IpcSource {
+            conn,
+            manifest,
+            timeout: opts.bucket_timeout,
+        })
+    }
+
+    fn stream_inner(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let want: Vec<u32> = (0..plan.entries.len() as u32)
+            .filter(|&i| plan.entries[i as usize].target != Target::Skip)
+            .collect();
+        self.conn.send(&Frame::Want { tensors: want })?;
+        let next_deadline = |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
+        let sizes = match self.conn.recv(next_deadline(applier))? {
+            Frame::Buffers { sizes } => sizes,
+            other => return Err(Error::peer(format!("{}: expected BUFFERS, got {}", self.conn.peer(), other.name()))),
+        };
+        let fds = self.conn.take_fds(sizes.len())?;
+        let buffers: Vec<BucketMemory> = fds
+            .into_iter()
+            .zip(&sizes)
+            .enumerate()
+            .map(|(i, (fd, &size))| {
+                let size = usize::try_from(size).map_err(|_| Error::peer("buffer size does not fit"))?;
+                SharedBuffer::receive(fd, size, &format!("shared buffer {i}")).map(BucketMemory::Host)
+            })
+            .collect::<Result<_>>()?;
+        loop {
+            applier.check_deadline()?;
+            match self.conn.recv(next_deadline(applier))? {
+                Frame::Bucket { seq, buffer, entries } => {
+                    let mem = buffers.get(buffer as usize).ok_or_else(|| {
+                        Error::peer(format!("bucket {seq} names buffer {buffer} of {}", buffers.len()))
+                    })?;
+                    check_bucket(seq, &entries, mem.len() as u64, plan.entries.len())?;
+                    let chunks: Vec<Chunk> = entries
+                        .iter()
+                        .map(|e| Chunk {
+                            tensor: e.tensor as usize,
+                            offset: e.tensor_offset,
+                            len: e.len as usize,
+                            src: CopySource::Memory(SendPtr(mem.host_ptr(e.buffer_offset))),
+                        })
+                        .collect();
+                    applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
+                    self.conn.send(&Frame::Ack { seq })?;
+                }
+                Frame::End { .. } => return Ok(()),
+                other => {
+                    return Err(Error::peer(format!("{}: expected BUCKET or END, got {}", self.conn.peer(), other.name())))
+                }
+            }
+        }
+    }
+}
+
+impl super::Source for IpcSource {
+    fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    fn no_version_reason(&self) -> String {
+        format!("{} named no version", self.conn.peer())
+    }
+
+    fn describe(&self) -> String {
+        self.conn.peer().to_string()
+    }
+
+    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let r = self.stream_inner(plan, applier);
+        if let Err(e) = &r {
+            self.conn.send_error(&e.message);
+        }
+        r
+    }
+}

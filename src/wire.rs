@@ -1,0 +1,413 @@
+//! The wire format shared by the IPC path (and, later, the network path).
+//! Documented for implementers in `docs/wire.md`.
+//!
+//! A frame is `[length u32 LE][type u8][payload]`, `length` counting type and
+//! payload. Every length, count and offset is checked against limits before
+//! use: nothing a peer sends can make the reader allocate without bound, read
+//! past a frame, or (through the plan and the applier) write outside a param.
+
+use crate::manifest::TensorMeta;
+use crate::result::{Error, Result};
+use crate::tensor::{byte_size, DType, MAX_NDIM};
+
+pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
+pub(crate) const PROTOCOL: u32 = 1;
+/// Largest frame accepted (a manifest of ~500k tensors).
+pub(crate) const MAX_FRAME: usize = 64 << 20;
+/// Bucket offsets are multiples of this (SPEC.md).
+pub(crate) const ALIGN: u64 = 256;
+/// Most shared buffers a session may use.
+pub(crate) const MAX_BUFFERS: usize = 8;
+/// Longest name or version string.
+pub(crate) const MAX_STRING: usize = 4096;
+
+/// One bucket entry: `len` bytes of tensor `tensor` starting at its byte
+/// `tensor_offset`, found at `buffer_offset` in the bucket's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketEntry {
+    pub tensor: u32,
+    pub tensor_offset: u64,
+    pub len: u64,
+    pub buffer_offset: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// Engine to publisher: who asks, for which version ("" = latest).
+    Hello { rank: u32, world_size: u32, gpu_id: String, version: String },
+    /// Publisher to engine: the tensors this rank gets, and their version.
+    Manifest { version: String, tensors: Vec<TensorMeta> },
+    /// Engine to publisher: indices of the manifest tensors it wants.
+    Want { tensors: Vec<u32> },
+    /// Publisher to engine: sizes of the shared buffers whose descriptors
+    /// travel with this frame (SCM_RIGHTS).
+    Buffers { sizes: Vec<u64> },
+    /// Publisher to engine: bucket `seq` is ready in buffer `buffer`.
+    Bucket { seq: u64, buffer: u32, entries: Vec<BucketEntry> },
+    /// Engine to publisher: bucket `seq` is applied; its buffer may be reused.
+    Ack { seq: u64 },
+    /// Publisher to engine: every bucket was sent.
+    End { buckets: u64 },
+    /// Either way: giving up, with the reason.
+    Error { text: String },
+}
+
+struct Out(Vec<u8>);
+
+impl Out {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+}
+
+struct In<'a>(&'a [u8]);
+
+impl<'a> In<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(Error::peer("wire: frame ends early"));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn str(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        if n > MAX_STRING {
+            return Err(Error::peer(format!("wire: string of {n} bytes is over the {MAX_STRING} limit")));
+        }
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::peer("wire: string is not UTF-8"))
+    }
+    /// A count of items of at least `min_item` bytes each, checked against what is left.
+    fn count(&mut self, min_item: usize, what: &str) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_item) > self.0.len() {
+            return Err(Error::peer(format!("wire: {n} {what} cannot fit in the rest of the frame")));
+        }
+        Ok(n)
+    }
+    fn done(&self) -> Result<()> {
+        if !self.0.is_empty() {
+            return Err(Error::peer(format!("wire: {} unexpected bytes at the end of a frame", self.0.len())));
+        }
+        Ok(())
+    }
+}
+
+impl Frame {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "HELLO",
+            Frame::Manifest { .. } => "MANIFEST",
+            Frame::Want { .. } => "WANT",
+            Frame::Buffers { .. } => "BUFFERS",
+            Frame::Bucket { .. } => "BUCKET",
+            Frame::Ack { .. } => "ACK",
+            Frame::End { .. } => "END",
+            Frame::Error { .. } => "ERROR",
+        }
+    }
+
+    /// The whole frame, length prefix included.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut o = Out(vec![0; 4]);
+        match self {
+            Frame::Hello { rank, world_size, gpu_id, version } => {
+                o.u8(1);
+                o.u32(MAGIC);
+                o.u32(PROTOCOL);
+                o.u32(*rank);
+                o.u32(*world_size);
+                o.str(gpu_id);
+                o.str(version);
+            }
+            Frame::Manifest { version, tensors } => {
+                o.u8(2);
+                o.str(version);
+                o.u32(tensors.len() as u32);
+                for t in tensors {
+                    o.str(&t.name);
+                    o.u32(t.dtype as u32);
+                    o.u32(t.shape.len() as u32);
+                    t.shape.iter().for_each(|d| o.u64(*d));
+                    o.u64(t.nbytes);
+                    match t.checksum {
+                        Some(c) => {
+                            o.u8(1);
+                            o.0.extend_from_slice(&c.to_le_bytes());
+                        }
+                        None => o.u8(0),
+                    }
+                }
+            }
+            Frame::Want { tensors } => {
+                o.u8(3);
+                o.u32(tensors.len() as u32);
+                tensors.iter().for_each(|t| o.u32(*t));
+            }
+            Frame::Buffers { sizes } => {
+                o.u8(4);
+                o.u32(sizes.len() as u32);
+                sizes.iter().for_each(|s| o.u64(*s));
+            }
+            Frame::Bucket { seq, buffer, entries } => {
+                o.u8(5);
+                o.u64(*seq);
+                o.u32(*buffer);
+                o.u32(entries.len() as u32);
+                for e in entries {
+                    o.u32(e.tensor);
+                    o.u64(e.tensor_offset);
+                    o.u64(e.len);
+                    o.u64(e.buffer_offset);
+                }
+            }
+            Frame::Ack { seq } => {
+                o.u8(6);
+                o.u64(*seq);
+            }
+            Frame::End { buckets } => {
+                o.u8(7);
+                o.u64(*buckets);
+            }
+            Frame::Error { text } => {
+                o.u8(8);
+                o.str(text);
+            }
+        }
+        let len = (o.0.len() - 4) as u32;
+        o.0[..4].copy_from_slice(&len.to_le_bytes());
+        o.0
+    }
+
+    /// Decode the body of a frame (type byte and payload, without the length).
+    pub fn decode(body: &[u8]) -> Result<Frame> {
+        let mut i = In(body);
+        let frame = match i.u8()? {
+            1 => {
+                if i.u32()? != MAGIC {
+                    return Err(Error::peer("wire: the peer is not a weight_manager peer (bad magic)"));
+                }
+                let protocol = i.u32()?;
+                if protocol != PROTOCOL {
+                    return Err(Error::peer(format!(
+                        "wire: the peer speaks protocol version {protocol}; this library speaks {PROTOCOL}"
+                    )));
+                }
+                Frame::Hello {
+                    rank: i.u32()?,
+                    world_size: i.u32()?,
+                    gpu_id: i.str()?,
+                    version: i.str()?,
+                }
+            }
+            2 => {
+                let version = i.str()?;
+                let n = i.count(4 + 4 + 4 + 8 + 1, "tensors")?;
+                let mut tensors = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = i.str()?;
+                    let raw = i.u32()?;
+                    let dtype = DType::from_raw(raw)
+                        .ok_or_else(|| Error::peer(format!("wire: tensor '{name}': dtype {raw} is unknown")))?;
+                    let ndim = i.u32()? as usize;
+                    if ndim > MAX_NDIM {
+                        return Err(Error::peer(format!("wire: tensor '{name}': {ndim} dimensions")));
+                    }
+                    let shape = (0..ndim).map(|_| i.u64()).collect::<Result<Vec<_>>>()?;
+                    let nbytes = i.u64()?;
+                    let need = byte_size(&format!("tensor '{name}'"), dtype, &shape)
+                        .map_err(|e| Error::peer(format!("wire: {}", e.message)))?;
+                    if need != nbytes {
+                        return Err(Error::peer(format!(
+                            "wire: tensor '{name}' claims {nbytes} bytes, its dtype and shape need {need}"
+                        )));
+                    }
+                    let checksum = match i.u8()? {
+                        0 => None,
+                        1 => Some(u128::from_le_bytes(i.take(16)?.try_into().expect("16"))),
+                        f => return Err(Error::peer(format!("wire: checksum flag {f}"))),
+                    };
+                    tensors.push(TensorMeta {
+                        name,
+                        dtype,
+                        shape,
+                        nbytes,
+                        checksum,
+                    });
+                }
+                Frame::Manifest { version, tensors }
+            }
+            3 => {
+                let n = i.count(4, "tensor indices")?;
+                Frame::Want {
+                    tensors: (0..n).map(|_| i.u32()).collect::<Result<_>>()?,
+                }
+            }
+            4 => {
+                let n = i.count(8, "buffers")?;
+                if n == 0 || n > MAX_BUFFERS {
+                    return Err(Error::peer(format!("wire: {n} buffers (1 to {MAX_BUFFERS} allowed)")));
+                }
+                Frame::Buffers {
+                    sizes: (0..n).map(|_| i.u64()).collect::<Result<_>>()?,
+                }
+            }
+            5 => {
+                let seq = i.u64()?;
+                let buffer = i.u32()?;
+                let n = i.count(28, "bucket entries")?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    entries.push(BucketEntry {
+                        tensor: i.u32()?,
+                        tensor_offset: i.u64()?,
+                        len: i.u64()?,
+                        buffer_offset: i.u64()?,
+                    });
+                }
+                Frame::Bucket { seq, buffer, entries }
+            }
+            6 => Frame::Ack { seq: i.u64()? },
+            7 => Frame::End { buckets: i.u64()? },
+            8 => Frame::Error { text: i.str()? },
+            t => return Err(Error::peer(format!("wire: unknown frame type {t}"))),
+        };
+        i.done()?;
+        Ok(frame)
+    }
+}
+
+/// Check a bucket's entries against its buffer before any byte is read: each
+/// range inside the buffer, 256-byte aligned, entries not overlapping.
+pub fn check_bucket(seq: u64, entries: &[BucketEntry], buffer_len: u64, tensors: usize) -> Result<()> {
+    let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(entries.len());
+    for e in entries {
+        let bad = |why: String| Err(Error::peer(format!("bucket {seq}: {why}")));
+        if e.tensor as usize >= tensors {
+            return bad(format!("entry names tensor #{} of {tensors}", e.tensor));
+        }
+        if e.buffer_offset % ALIGN != 0 {
+            return bad(format!("offset {} is not {ALIGN}-byte aligned", e.buffer_offset));
+        }
+        match e.buffer_offset.checked_add(e.len) {
+            Some(end) if end <= buffer_len => ranges.push((e.buffer_offset, end)),
+            _ => return bad(format!("{} bytes at {} run past the {buffer_len}-byte buffer", e.len, e.buffer_offset)),
+        }
+    }
+    ranges.sort_unstable();
+    if ranges.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(Error::peer(format!("bucket {seq}: entries overlap in the buffer")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(f: Frame) {
+        let bytes = f.encode();
+        let len = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, bytes.len() - 4);
+        assert_eq!(Frame::decode(&bytes[4..]).unwrap(), f);
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        round_trip(Frame::Hello {
+            rank: 3,
+            world_size: 8,
+            gpu_id: "5".into(),
+            version: "latest".into(),
+        });
+        round_trip(Frame::Manifest {
+            version: "12".into(),
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                dtype: DType::Bf16,
+                shape: vec![2, 3],
+                nbytes: 12,
+                checksum: Some(0xabcdef),
+            }],
+        });
+        round_trip(Frame::Want { tensors: vec![0, 2] });
+        round_trip(Frame::Buffers { sizes: vec![1 << 20, 1 << 20] });
+        round_trip(Frame::Bucket {
+            seq: 1,
+            buffer: 1,
+            entries: vec![BucketEntry {
+                tensor: 0,
+                tensor_offset: 0,
+                len: 12,
+                buffer_offset: 256,
+            }],
+        });
+        round_trip(Frame::Ack { seq: 9 });
+        round_trip(Frame::End { buckets: 4 });
+        round_trip(Frame::Error { text: "boom".into() });
+    }
+
+    #[test]
+    fn hostile_frames_are_refused() {
+        let mut hello = Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+        }
+        .encode();
+        hello[9] = 99; // protocol version
+        assert!(Frame::decode(&hello[4..]).unwrap_err().message.contains("protocol version 99"));
+        // A count far larger than the frame: refused before allocating.
+        let mut want = vec![3u8];
+        want.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Frame::decode(&want).unwrap_err().message.contains("cannot fit"));
+        // A manifest whose byte size disagrees with its shape.
+        let mut m = Frame::Manifest {
+            version: "1".into(),
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![4],
+                nbytes: 16,
+                checksum: None,
+            }],
+        }
+        .encode();
+        let at = m.len() - 9; // nbytes field
+        m[at] = 17;
+        assert!(Frame::decode(&m[4..]).unwrap_err().message.contains("claims 17 bytes"));
+        assert!(Frame::decode(&[42]).unwrap_err().message.contains("unknown frame type"));
+        let e = |off, len| BucketEntry {
+            tensor: 0,
+            tensor_offset: 0,
+            len,
+            buffer_offset: off,
+        };
+        assert!(check_bucket(0, &[e(0, 100)], 1024, 1).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1).unwrap_err().message.contains("aligned"));
+        assert!(check_bucket(0, &[e(768, 512)], 1024, 1).unwrap_err().message.contains("run past"));
+        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1).unwrap_err().message.contains("overlap"));
+        assert!(check_bucket(0, &[e(0, 1)], 1024, 0).unwrap_err().message.contains("#0"));
+    }
+}
