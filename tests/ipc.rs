@@ -165,3 +165,182 @@ fn another_version_or_no_publisher_is_a_clear_error() {
         assert!(serving.join().unwrap().is_err());
     });
 }
+
+fn wm(args: &[&str]) -> Command {
+    let mut c = Command::new(WM);
+    c.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+fn wait_for_socket(path: &Path) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(start.elapsed() < Duration::from_secs(20), "publisher did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn output(c: Child) -> (bool, String) {
+    let out = c.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+#[test]
+fn one_publisher_serves_four_ranks_their_own_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    for r in 0..4u32 {
+        let shard: Vec<T> = model(40 + r as u8);
+        write_safetensors(&dir.path().join(format!("model_state.tp{r}.0.safetensors")), &shard);
+    }
+    write_version(dir.path(), "40");
+    weight_manager::source::snapshot::checksums::write(dir.path(), 2).unwrap();
+    let sock = dir.path().join("serve.sock");
+    let d = dir.path().to_str().unwrap();
+    let publisher = wm(&["serve", "--ipc", sock.to_str().unwrap(), d, "--engines", "4", "--bucket-mib", "1"])
+        .spawn()
+        .unwrap();
+    wait_for_socket(&sock);
+    let engines: Vec<Child> = (0..4)
+        .map(|r| {
+            wm(&["pull", "--ipc", sock.to_str().unwrap(), "--rank", &r.to_string(), "--world", "4", "--check", d, "--verify", "true"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, e) in engines.into_iter().enumerate() {
+        let (ok, text) = output(e);
+        assert!(ok && text.contains("equal to the snapshot"), "rank {r}: {text}");
+    }
+    let (ok, text) = output(publisher);
+    assert!(ok, "{text}");
+    assert_eq!(text.matches("version 40").count(), 4, "{text}");
+    assert!(!sock.exists(), "the publisher removes its socket");
+}
+
+/// A model big enough to take many buckets of 1 MiB.
+fn big_model(seed: u8) -> Vec<T> {
+    (0..16).map(|i| tensor(&format!("layers.{i}"), DType::F32, &[1 << 20], seed)).collect()
+}
+
+#[test]
+fn publisher_killed_mid_update_keeps_old_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d1, d2) = (dir.path().join("v1"), dir.path().join("v2"));
+    for (d, seed, step) in [(&d1, 1u8, "1"), (&d2, 2u8, "2")] {
+        std::fs::create_dir(d).unwrap();
+        write_safetensors(&d.join("model.safetensors"), &big_model(seed));
+        write_version(d, step);
+    }
+    let m = manager(0, 1);
+    let v1 = big_model(1);
+    let ptrs = register(&m, &v1);
+    let sock = dir.path().join("p.sock");
+    let s = sock.to_str().unwrap();
+    let first = wm(&["serve", "--ipc", s, d1.to_str().unwrap(), "--bucket-mib", "1"]).spawn().unwrap();
+    wait_for_socket(&sock);
+    m.update(ipc_request(&sock)).unwrap();
+    assert!(output(first).0);
+    assert_params(&ptrs, &v1);
+
+    let mut second = wm(&["serve", "--ipc", s, d2.to_str().unwrap(), "--bucket-mib", "1"]).spawn().unwrap();
+    wait_for_socket(&sock);
+    let pid = second.id();
+    let mut killed = false;
+    let mut kill_after_first = |_: &weight_manager::apply::Progress| {
+        if !killed {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            killed = true;
+        }
+        true
+    };
+    let mut req = ipc_request(&sock);
+    req.hooks.progress = Some(&mut kill_after_first);
+    let start = Instant::now();
+    let e = m.update(req).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "noticed only after {:?}", start.elapsed());
+    assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+    assert!(e.message.contains("closed the connection"), "{e}");
+    second.wait().unwrap();
+    assert_params(&ptrs, &v1);
+    assert_eq!(m.status().version.as_deref(), Some("1"));
+}
+
+fn bucket_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p.to_string_lossy().contains("wm-bucket"))
+        .count()
+}
+
+#[test]
+fn engine_killed_mid_update_fails_the_session_and_frees_buffers() {
+    let dir = tempfile::tempdir().unwrap();
+    let ts = big_model(5);
+    let sock = dir.path().join("e.sock");
+    let publisher = Publisher::bind(
+        &sock,
+        PublisherConfig {
+            bucket_size: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for t in &ts {
+        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+    }
+    publisher.set_version(Some("5".into()));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        // The engine stops after its first bucket (a progress hook cannot
+        // be set from the command line, so it is killed once buffers exist).
+        let mut engine = wm(&["pull", "--ipc", sock.to_str().unwrap()]).spawn().unwrap();
+        let start = Instant::now();
+        while bucket_fds() == 0 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        engine.kill().unwrap();
+        engine.wait().unwrap();
+        let r = serving.join().unwrap();
+        // Either the engine died mid-stream (error), or it finished first on a fast machine.
+        if let Err(e) = r {
+            assert!(matches!(e.code, wm_result::WM_ERR_PEER), "{e}");
+            assert!(e.message.contains("engine rank 0"), "{e}");
+        }
+    });
+    assert_eq!(bucket_fds(), 0, "bucket buffers still open");
+}
+
+#[test]
+fn a_publisher_of_another_uid_is_refused() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a peer as another uid");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let sock = dir.path().join("u.sock");
+    let ts = model(9);
+    let publisher = Publisher::bind(
+        &sock,
+        PublisherConfig {
+            socket_mode: 0o666,
+            ..small_buckets()
+        },
+    )
+    .unwrap();
+    for t in &ts {
+        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+    }
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        let mut c = wm(&["pull", "--ipc", sock.to_str().unwrap()]);
+        std::os::unix::process::CommandExt::uid(&mut c, 65534);
+        let (ok, text) = output(c.spawn().unwrap());
+        assert!(!ok);
+        assert!(text.contains("uid 0") && text.contains("refused"), "{text}");
+        let e = serving.join().unwrap().unwrap_err();
+        assert!(e.message.contains("uid 65534"), "{e}");
+    });
+}

@@ -121,6 +121,8 @@ def test_two_ranks_in_threads_share_a_group(model_dir):
     assert State.CLEARED in seen[0] and State.UPDATING in seen[0]
 
 
-def test_group_needs_a_name():
-    with pytest.raises(WeightManagerError):
-        Manager(0, 2)
+def test_signal_needs_a_group_name():
+    with Manager(0, 2) as m:
+        with pytest.raises(WeightManagerError) as e:
+            m.broadcast_signal()
+        assert "group_name" in e.value.message

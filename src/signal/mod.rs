@@ -37,6 +37,7 @@ use report::ReportCell;
 
 pub struct SignalPlane {
     rank: u32,
+    world_size: u32,
     cell: Option<ControlCell>,
     report: Option<ReportCell>,
     group: Mutex<Option<Group>>,
@@ -48,7 +49,8 @@ pub struct SignalPlane {
 
 impl SignalPlane {
     /// `cell` is read and written by rank 0 only; other ranks ignore it.
-    /// Several ranks need `group` (rendezvous happens here, bounded by its timeout).
+    /// With several ranks, `group` makes them meet here (bounded by its
+    /// timeout); without it the ranks can update but not signal.
     pub fn new(
         rank: u32,
         world_size: u32,
@@ -56,11 +58,7 @@ impl SignalPlane {
         group: Option<GroupConfig>,
         logger: Logger,
     ) -> Result<SignalPlane> {
-        if world_size > 1 && group.is_none() {
-            return Err(Error::invalid_argument(format!(
-                "world_size {world_size} needs a group name so the ranks can meet"
-            )));
-        }
+
         let (cell, report) = match cell {
             Some(name) if rank == 0 => (
                 Some(ControlCell::open_or_create(name)?),
@@ -78,6 +76,7 @@ impl SignalPlane {
         };
         Ok(SignalPlane {
             rank,
+            world_size,
             cell,
             report,
             group: Mutex::new(group),
@@ -101,6 +100,12 @@ impl SignalPlane {
         let mut group = self.group.lock();
         let raw = match group.as_mut() {
             Some(g) => g.broadcast(|| self.read_cell())?.1,
+            None if self.world_size > 1 => {
+                return Err(Error::state(format!(
+                    "wm_broadcast_signal with world_size {} needs the ranks in a group: set group_name in wm_config",
+                    self.world_size
+                )))
+            }
             None => self.read_cell()?,
         };
         let state = State::from_raw(raw).filter(|s| s.is_signal()).ok_or_else(|| {

@@ -115,6 +115,12 @@ impl Conn {
                 Ok(n) => done += n,
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                    return Err(Error::peer(format!(
+                        "{} closed the connection (did it exit or crash?)",
+                        self.peer
+                    )))
+                }
                 Err(e) => return Err(Error::peer(format!("{}: connection lost ({e})", self.peer))),
             }
         }

@@ -605,12 +605,17 @@ static void test_signal(void) {
   shm_unlink(shm_name);
   wm_destroy(m);
 
-  /* Several ranks need a group name; one that never meets its peers times out. */
+  /* Several ranks without a group can update but not signal; a group that
+   * never meets its peers times out. */
   wm_config_init(&c);
   c.world_size = 4;
   c.rank = 1;
   m = NULL;
-  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_STATE);
+  CHECK(strstr(last_error(m), "group_name") != NULL);
+  wm_destroy(m);
+  m = NULL;
   char group[64];
   snprintf(group, sizeof group, "wm_c_lonely_%d", (int)getpid());
   wm_config_init(&c);

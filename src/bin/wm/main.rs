@@ -12,6 +12,7 @@ mod demo;
 mod fixtures;
 mod fmt;
 mod inspect;
+mod ipc;
 mod signal;
 mod worker;
 
@@ -23,6 +24,8 @@ const USAGE: &str = "usage:
   wm manifest <dir>
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
+  wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
+  wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
   wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
             [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]
@@ -126,6 +129,16 @@ fn run(argv: &[String]) -> Result<(), String> {
             let a = Args::parse(&all, &[])?;
             a.check_known(&["timeout"])?;
             signal::run(&a)
+        }
+        "serve" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(ipc::SERVE_OPTIONS)?;
+            ipc::serve(&a)
+        }
+        "pull" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(ipc::PULL_OPTIONS)?;
+            ipc::pull(&a)
         }
         "worker" => {
             let a = Args::parse(rest, &[])?;
