@@ -249,6 +249,10 @@ typedef struct wm_controller wm_controller;
 // An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
 typedef struct wm_manager wm_manager;
 
+// A trainer's publisher. Opaque; create with `wm_publisher_create`, free
+// with `wm_publisher_destroy`.
+typedef struct wm_publisher wm_publisher;
+
 // Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
 // message is valid only during the call. Called from any library thread, so
 // it must be thread-safe, and it must not call back into the same manager.
@@ -314,6 +318,9 @@ typedef struct {
   void *callback_user_data;
   // Copy threads; 0: one per core (default).
   uint32_t copy_threads;
+  // IPC: non-zero accepts a publisher running as another uid (checked with
+  // SO_PEERCRED); default 0: the same uid only.
+  uint32_t allow_other_uids;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.
@@ -334,6 +341,38 @@ typedef struct {
   // At most `WM_MAX_NDIM`.
   size_t ndim;
 } wm_param_desc;
+
+// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
+typedef struct {
+  // `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
+  uint32_t struct_size;
+  // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
+  uint32_t buffers;
+  // Largest bucket in bytes (default 512 MiB).
+  uint64_t bucket_size;
+  // Permissions of the socket file (default 0600).
+  uint32_t socket_mode;
+  // Non-zero: serve engines running as another uid (default 0).
+  uint32_t allow_other_uids;
+  // Bound on each engine acknowledgement, in ms (default 60000).
+  uint64_t bucket_timeout_ms;
+  // Non-zero (default): checksums of in-memory tensors go in the manifest.
+  uint32_t checksums;
+} wm_publisher_config;
+
+// What `wm_publisher_serve` did, summed over its sessions.
+typedef struct {
+  // Caller sets `sizeof(wm_serve_stats)`.
+  uint32_t struct_size;
+  uint32_t sessions;
+  uint64_t bytes;
+  // Time packing buckets into the shared buffers.
+  uint64_t pack_ns;
+  // Time waiting for engines to acknowledge buckets.
+  uint64_t wait_ns;
+  // Longest session.
+  uint64_t total_ns;
+} wm_serve_stats;
 
 // Statistics of one update (SPEC.md names in brackets).
 typedef struct {
@@ -535,6 +574,61 @@ wm_result wm_allocate_param(wm_manager *manager,
                             const wm_param_desc *desc,
                             void **out_data,
                             size_t *out_len);
+
+// Fill `config` with defaults and set `struct_size`.
+wm_result wm_publisher_config_init(wm_publisher_config *config);
+
+// Listen on the Unix socket `socket_path` (a stale socket there is
+// replaced; the file is removed on destroy). `config` may be NULL for
+// defaults. On success `*out_publisher` receives a handle owned by the
+// caller. Never blocks.
+wm_result wm_publisher_create(const char *socket_path,
+                              const wm_publisher_config *config,
+                              wm_publisher **out_publisher);
+
+// Stop listening, remove the socket file and free the handle. NULL or
+// already destroyed: no-op. Waits for a `wm_publisher_serve` running on
+// another thread to return first.
+void wm_publisher_destroy(wm_publisher *publisher);
+
+// Publish a tensor from the trainer's host memory: `len` bytes at `data`
+// (dtype x shape), for engine rank `rank`, or for every rank with -1.
+//
+// Ownership: the trainer keeps `data`; it must stay valid and unchanged
+// while `wm_publisher_serve` runs. Names are unique per rank.
+wm_result wm_publisher_add_tensor(wm_publisher *publisher,
+                                  const char *name,
+                                  uint32_t dtype,
+                                  const uint64_t *shape,
+                                  size_t ndim,
+                                  const void *data,
+                                  size_t len,
+                                  int32_t rank);
+
+// Serve the snapshot in directory `dir` instead of in-memory tensors: each
+// rank gets the files the snapshot layout rules pick for it.
+wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
+
+// The version sessions announce; NULL: the directory's `version.yaml`.
+wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
+
+// Forget every published tensor (before publishing the next version).
+wm_result wm_publisher_clear(wm_publisher *publisher);
+
+// Serve `engines` engine connections (each on its own thread), waiting at
+// most `accept_timeout_ms` for them to connect; returns when every session
+// ended. A failed session (engine died, refused, checksum...) gives its
+// error, the others still finish. `out_stats` is optional (NULL). Blocks.
+wm_result wm_publisher_serve(wm_publisher *publisher,
+                             uint32_t engines,
+                             uint64_t accept_timeout_ms,
+                             wm_serve_stats *out_stats);
+
+// Copy the text of this publisher's last error (see `wm_last_error`).
+wm_result wm_publisher_last_error(const wm_publisher *publisher,
+                                  char *buf,
+                                  size_t len,
+                                  size_t *out_written);
 
 // The library's version as a static NUL-terminated string ("0.1.0").
 //

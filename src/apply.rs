@@ -295,7 +295,8 @@ impl<'p, 'h> Applier<'p, 'h> {
             let n = self.plan.entries[t].meta.nbytes as usize;
             if self.opts.verify {
                 // SAFETY: the source promises the bytes stay put during the batch.
-                let got = xxhash_rust::xxh3::xxh3_128(unsafe { std::slice::from_raw_parts(src.0, n) });
+                let got =
+                    xxhash_rust::xxh3::xxh3_128(unsafe { std::slice::from_raw_parts(src.0, n) });
                 self.check_checksum(origin, t, got)?;
             }
             // SAFETY: as above; the callback sees them only during its call.

@@ -31,10 +31,10 @@ pub mod publisher;
 pub mod registry;
 pub mod result;
 pub mod signal;
-pub mod transport;
 pub mod source;
 pub mod state;
 pub mod tensor;
+pub mod transport;
 pub mod wire;
 
 pub use manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};

@@ -23,8 +23,8 @@ use crate::plan::{make_plan, PlanOptions, Target};
 use crate::registry::{ParamMemory, ParamSpec, Registry};
 use crate::result::{Error, Result};
 use crate::signal::{GroupConfig, SignalPlane};
-use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
 use crate::source::ipc::{self, IpcOptions, IpcSource};
+use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
 use parking_lot::{Mutex, RwLock};
@@ -379,7 +379,9 @@ impl Manager {
             }
             SourceKind::Ipc => {
                 let socket = req.location.clone().ok_or_else(|| {
-                    Error::invalid_argument("an ipc update needs the publisher's socket path as its location")
+                    Error::invalid_argument(
+                        "an ipc update needs the publisher's socket path as its location",
+                    )
                 })?;
                 let opts = IpcOptions {
                     socket,
@@ -390,7 +392,10 @@ impl Manager {
                     allow_other_uids: self.config.allow_other_uids,
                     bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
                 };
-                Ok(Box::new(IpcSource::open(&opts, Instant::now() + req.timeout)?))
+                Ok(Box::new(IpcSource::open(
+                    &opts,
+                    Instant::now() + req.timeout,
+                )?))
             }
             other => Err(Error::unsupported(format!(
                 "source '{}' is not available in this build yet (snapshot and ipc are)",

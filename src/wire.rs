@@ -34,16 +34,28 @@ pub struct BucketEntry {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     /// Engine to publisher: who asks, for which version ("" = latest).
-    Hello { rank: u32, world_size: u32, gpu_id: String, version: String },
+    Hello {
+        rank: u32,
+        world_size: u32,
+        gpu_id: String,
+        version: String,
+    },
     /// Publisher to engine: the tensors this rank gets, and their version.
-    Manifest { version: String, tensors: Vec<TensorMeta> },
+    Manifest {
+        version: String,
+        tensors: Vec<TensorMeta>,
+    },
     /// Engine to publisher: indices of the manifest tensors it wants.
     Want { tensors: Vec<u32> },
     /// Publisher to engine: sizes of the shared buffers whose descriptors
     /// travel with this frame (SCM_RIGHTS).
     Buffers { sizes: Vec<u64> },
     /// Publisher to engine: bucket `seq` is ready in buffer `buffer`.
-    Bucket { seq: u64, buffer: u32, entries: Vec<BucketEntry> },
+    Bucket {
+        seq: u64,
+        buffer: u32,
+        entries: Vec<BucketEntry>,
+    },
     /// Engine to publisher: bucket `seq` is applied; its buffer may be reused.
     Ack { seq: u64 },
     /// Publisher to engine: every bucket was sent.
@@ -93,21 +105,29 @@ impl<'a> In<'a> {
     fn str(&mut self) -> Result<String> {
         let n = self.u32()? as usize;
         if n > MAX_STRING {
-            return Err(Error::peer(format!("wire: string of {n} bytes is over the {MAX_STRING} limit")));
+            return Err(Error::peer(format!(
+                "wire: string of {n} bytes is over the {MAX_STRING} limit"
+            )));
         }
-        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::peer("wire: string is not UTF-8"))
+        String::from_utf8(self.take(n)?.to_vec())
+            .map_err(|_| Error::peer("wire: string is not UTF-8"))
     }
     /// A count of items of at least `min_item` bytes each, checked against what is left.
     fn count(&mut self, min_item: usize, what: &str) -> Result<usize> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_item) > self.0.len() {
-            return Err(Error::peer(format!("wire: {n} {what} cannot fit in the rest of the frame")));
+            return Err(Error::peer(format!(
+                "wire: {n} {what} cannot fit in the rest of the frame"
+            )));
         }
         Ok(n)
     }
     fn done(&self) -> Result<()> {
         if !self.0.is_empty() {
-            return Err(Error::peer(format!("wire: {} unexpected bytes at the end of a frame", self.0.len())));
+            return Err(Error::peer(format!(
+                "wire: {} unexpected bytes at the end of a frame",
+                self.0.len()
+            )));
         }
         Ok(())
     }
@@ -131,7 +151,12 @@ impl Frame {
     pub fn encode(&self) -> Vec<u8> {
         let mut o = Out(vec![0; 4]);
         match self {
-            Frame::Hello { rank, world_size, gpu_id, version } => {
+            Frame::Hello {
+                rank,
+                world_size,
+                gpu_id,
+                version,
+            } => {
                 o.u8(1);
                 o.u32(MAGIC);
                 o.u32(PROTOCOL);
@@ -169,7 +194,11 @@ impl Frame {
                 o.u32(sizes.len() as u32);
                 sizes.iter().for_each(|s| o.u64(*s));
             }
-            Frame::Bucket { seq, buffer, entries } => {
+            Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            } => {
                 o.u8(5);
                 o.u64(*seq);
                 o.u32(*buffer);
@@ -205,7 +234,9 @@ impl Frame {
         let frame = match i.u8()? {
             1 => {
                 if i.u32()? != MAGIC {
-                    return Err(Error::peer("wire: the peer is not a weight_manager peer (bad magic)"));
+                    return Err(Error::peer(
+                        "wire: the peer is not a weight_manager peer (bad magic)",
+                    ));
                 }
                 let protocol = i.u32()?;
                 if protocol != PROTOCOL {
@@ -227,11 +258,14 @@ impl Frame {
                 for _ in 0..n {
                     let name = i.str()?;
                     let raw = i.u32()?;
-                    let dtype = DType::from_raw(raw)
-                        .ok_or_else(|| Error::peer(format!("wire: tensor '{name}': dtype {raw} is unknown")))?;
+                    let dtype = DType::from_raw(raw).ok_or_else(|| {
+                        Error::peer(format!("wire: tensor '{name}': dtype {raw} is unknown"))
+                    })?;
                     let ndim = i.u32()? as usize;
                     if ndim > MAX_NDIM {
-                        return Err(Error::peer(format!("wire: tensor '{name}': {ndim} dimensions")));
+                        return Err(Error::peer(format!(
+                            "wire: tensor '{name}': {ndim} dimensions"
+                        )));
                     }
                     let shape = (0..ndim).map(|_| i.u64()).collect::<Result<Vec<_>>>()?;
                     let nbytes = i.u64()?;
@@ -266,7 +300,9 @@ impl Frame {
             4 => {
                 let n = i.count(8, "buffers")?;
                 if n == 0 || n > MAX_BUFFERS {
-                    return Err(Error::peer(format!("wire: {n} buffers (1 to {MAX_BUFFERS} allowed)")));
+                    return Err(Error::peer(format!(
+                        "wire: {n} buffers (1 to {MAX_BUFFERS} allowed)"
+                    )));
                 }
                 Frame::Buffers {
                     sizes: (0..n).map(|_| i.u64()).collect::<Result<_>>()?,
@@ -285,7 +321,11 @@ impl Frame {
                         buffer_offset: i.u64()?,
                     });
                 }
-                Frame::Bucket { seq, buffer, entries }
+                Frame::Bucket {
+                    seq,
+                    buffer,
+                    entries,
+                }
             }
             6 => Frame::Ack { seq: i.u64()? },
             7 => Frame::End { buckets: i.u64()? },
@@ -299,7 +339,12 @@ impl Frame {
 
 /// Check a bucket's entries against its buffer before any byte is read: each
 /// range inside the buffer, 256-byte aligned, entries not overlapping.
-pub fn check_bucket(seq: u64, entries: &[BucketEntry], buffer_len: u64, tensors: usize) -> Result<()> {
+pub fn check_bucket(
+    seq: u64,
+    entries: &[BucketEntry],
+    buffer_len: u64,
+    tensors: usize,
+) -> Result<()> {
     let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(entries.len());
     for e in entries {
         let bad = |why: String| Err(Error::peer(format!("bucket {seq}: {why}")));
@@ -307,16 +352,26 @@ pub fn check_bucket(seq: u64, entries: &[BucketEntry], buffer_len: u64, tensors:
             return bad(format!("entry names tensor #{} of {tensors}", e.tensor));
         }
         if e.buffer_offset % ALIGN != 0 {
-            return bad(format!("offset {} is not {ALIGN}-byte aligned", e.buffer_offset));
+            return bad(format!(
+                "offset {} is not {ALIGN}-byte aligned",
+                e.buffer_offset
+            ));
         }
         match e.buffer_offset.checked_add(e.len) {
             Some(end) if end <= buffer_len => ranges.push((e.buffer_offset, end)),
-            _ => return bad(format!("{} bytes at {} run past the {buffer_len}-byte buffer", e.len, e.buffer_offset)),
+            _ => {
+                return bad(format!(
+                    "{} bytes at {} run past the {buffer_len}-byte buffer",
+                    e.len, e.buffer_offset
+                ))
+            }
         }
     }
     ranges.sort_unstable();
     if ranges.windows(2).any(|w| w[1].0 < w[0].1) {
-        return Err(Error::peer(format!("bucket {seq}: entries overlap in the buffer")));
+        return Err(Error::peer(format!(
+            "bucket {seq}: entries overlap in the buffer"
+        )));
     }
     Ok(())
 }
@@ -350,8 +405,12 @@ mod tests {
                 checksum: Some(0xabcdef),
             }],
         });
-        round_trip(Frame::Want { tensors: vec![0, 2] });
-        round_trip(Frame::Buffers { sizes: vec![1 << 20, 1 << 20] });
+        round_trip(Frame::Want {
+            tensors: vec![0, 2],
+        });
+        round_trip(Frame::Buffers {
+            sizes: vec![1 << 20, 1 << 20],
+        });
         round_trip(Frame::Bucket {
             seq: 1,
             buffer: 1,
@@ -364,7 +423,9 @@ mod tests {
         });
         round_trip(Frame::Ack { seq: 9 });
         round_trip(Frame::End { buckets: 4 });
-        round_trip(Frame::Error { text: "boom".into() });
+        round_trip(Frame::Error {
+            text: "boom".into(),
+        });
     }
 
     #[test]
@@ -377,11 +438,17 @@ mod tests {
         }
         .encode();
         hello[9] = 99; // protocol version
-        assert!(Frame::decode(&hello[4..]).unwrap_err().message.contains("protocol version 99"));
+        assert!(Frame::decode(&hello[4..])
+            .unwrap_err()
+            .message
+            .contains("protocol version 99"));
         // A count far larger than the frame: refused before allocating.
         let mut want = vec![3u8];
         want.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Frame::decode(&want).unwrap_err().message.contains("cannot fit"));
+        assert!(Frame::decode(&want)
+            .unwrap_err()
+            .message
+            .contains("cannot fit"));
         // A manifest whose byte size disagrees with its shape.
         let mut m = Frame::Manifest {
             version: "1".into(),
@@ -396,8 +463,14 @@ mod tests {
         .encode();
         let at = m.len() - 9; // nbytes field
         m[at] = 17;
-        assert!(Frame::decode(&m[4..]).unwrap_err().message.contains("claims 17 bytes"));
-        assert!(Frame::decode(&[42]).unwrap_err().message.contains("unknown frame type"));
+        assert!(Frame::decode(&m[4..])
+            .unwrap_err()
+            .message
+            .contains("claims 17 bytes"));
+        assert!(Frame::decode(&[42])
+            .unwrap_err()
+            .message
+            .contains("unknown frame type"));
         let e = |off, len| BucketEntry {
             tensor: 0,
             tensor_offset: 0,
@@ -405,9 +478,21 @@ mod tests {
             buffer_offset: off,
         };
         assert!(check_bucket(0, &[e(0, 100)], 1024, 1).is_ok());
-        assert!(check_bucket(0, &[e(10, 100)], 1024, 1).unwrap_err().message.contains("aligned"));
-        assert!(check_bucket(0, &[e(768, 512)], 1024, 1).unwrap_err().message.contains("run past"));
-        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1).unwrap_err().message.contains("overlap"));
-        assert!(check_bucket(0, &[e(0, 1)], 1024, 0).unwrap_err().message.contains("#0"));
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("aligned"));
+        assert!(check_bucket(0, &[e(768, 512)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("run past"));
+        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("overlap"));
+        assert!(check_bucket(0, &[e(0, 1)], 1024, 0)
+            .unwrap_err()
+            .message
+            .contains("#0"));
     }
 }

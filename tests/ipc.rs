@@ -38,13 +38,20 @@ fn ipc_request<'h>(socket: &Path) -> UpdateRequest<'h> {
 
 fn register(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
     ts.iter()
-        .map(|t| m.allocate(&ParamSpec::host(&t.name, t.dtype, &t.shape)).unwrap())
+        .map(|t| {
+            m.allocate(&ParamSpec::host(&t.name, t.dtype, &t.shape))
+                .unwrap()
+        })
         .collect()
 }
 
 fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
     for ((p, n), t) in ptrs.iter().zip(ts) {
-        assert!(unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..], "param {}", t.name);
+        assert!(
+            unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..],
+            "param {}",
+            t.name
+        );
     }
 }
 
@@ -64,11 +71,24 @@ fn tensors_from_memory_copy_and_zero_copy() {
     ts.push(tensor("big", DType::F32, &[3000], 21)); // 12000 bytes: split across buckets
     let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
     for t in &ts {
-        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+        unsafe {
+            publisher.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
     }
     publisher.set_version(Some("v21".into()));
     let mode = std::fs::metadata(&sock).unwrap();
-    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777, 0o600);
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o600
+    );
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(2, Duration::from_secs(20)));
         // Copy mode into params, checksums verified.
@@ -91,7 +111,10 @@ fn tensors_from_memory_copy_and_zero_copy() {
         req.hooks.tensor = Some(&mut cb);
         m2.update(req).unwrap();
         got.sort();
-        let mut want: Vec<_> = ts.iter().map(|t| (t.name.clone(), t.data.clone())).collect();
+        let mut want: Vec<_> = ts
+            .iter()
+            .map(|t| (t.name.clone(), t.data.clone()))
+            .collect();
         want.sort();
         assert_eq!(got, want);
         let st = serving.join().unwrap().unwrap();
@@ -108,7 +131,10 @@ fn corrupted_bucket_is_caught_and_old_weights_kept() {
     let v2 = model(2);
     let m = manager(0, 1);
     let ptrs = register(&m, &v1);
-    for (v, corrupt, version) in [(&v1, None, "1"), (&v2, Some("layer0.norm".to_string()), "2")] {
+    for (v, corrupt, version) in [
+        (&v1, None, "1"),
+        (&v2, Some("layer0.norm".to_string()), "2"),
+    ] {
         let publisher = Publisher::bind(
             &sock,
             PublisherConfig {
@@ -118,7 +144,17 @@ fn corrupted_bucket_is_caught_and_old_weights_kept() {
         )
         .unwrap();
         for t in v.iter() {
-            unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+            unsafe {
+                publisher.add_tensor(
+                    &t.name,
+                    t.dtype,
+                    &t.shape,
+                    t.data.as_ptr(),
+                    t.data.len(),
+                    None,
+                )
+            }
+            .unwrap();
         }
         publisher.set_version(Some(version.into()));
         std::thread::scope(|s| {
@@ -153,7 +189,17 @@ fn another_version_or_no_publisher_is_a_clear_error() {
     assert_eq!(e.code, wm_result::WM_ERR_NOT_FOUND);
     let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
     for t in &ts {
-        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+        unsafe {
+            publisher.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
     }
     publisher.set_version(Some("7".into()));
     std::thread::scope(|s| {
@@ -161,7 +207,10 @@ fn another_version_or_no_publisher_is_a_clear_error() {
         let mut req = ipc_request(&sock);
         req.version = Some("8".into());
         let e = m.update(req).unwrap_err();
-        assert!(e.message.contains("asked for version '8'") && e.message.contains("serves '7'"), "{e}");
+        assert!(
+            e.message.contains("asked for version '8'") && e.message.contains("serves '7'"),
+            "{e}"
+        );
         assert!(serving.join().unwrap().is_err());
     });
 }
@@ -175,14 +224,21 @@ fn wm(args: &[&str]) -> Command {
 fn wait_for_socket(path: &Path) {
     let start = Instant::now();
     while !path.exists() {
-        assert!(start.elapsed() < Duration::from_secs(20), "publisher did not start");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "publisher did not start"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
 
 fn output(c: Child) -> (bool, String) {
     let out = c.wait_with_output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
@@ -191,26 +247,53 @@ fn one_publisher_serves_four_ranks_their_own_shards() {
     let dir = tempfile::tempdir().unwrap();
     for r in 0..4u32 {
         let shard: Vec<T> = model(40 + r as u8);
-        write_safetensors(&dir.path().join(format!("model_state.tp{r}.0.safetensors")), &shard);
+        write_safetensors(
+            &dir.path().join(format!("model_state.tp{r}.0.safetensors")),
+            &shard,
+        );
     }
     write_version(dir.path(), "40");
     weight_manager::source::snapshot::checksums::write(dir.path(), 2).unwrap();
     let sock = dir.path().join("serve.sock");
     let d = dir.path().to_str().unwrap();
-    let publisher = wm(&["serve", "--ipc", sock.to_str().unwrap(), d, "--engines", "4", "--bucket-mib", "1"])
-        .spawn()
-        .unwrap();
+    let publisher = wm(&[
+        "serve",
+        "--ipc",
+        sock.to_str().unwrap(),
+        d,
+        "--engines",
+        "4",
+        "--bucket-mib",
+        "1",
+    ])
+    .spawn()
+    .unwrap();
     wait_for_socket(&sock);
     let engines: Vec<Child> = (0..4)
         .map(|r| {
-            wm(&["pull", "--ipc", sock.to_str().unwrap(), "--rank", &r.to_string(), "--world", "4", "--check", d, "--verify", "true"])
-                .spawn()
-                .unwrap()
+            wm(&[
+                "pull",
+                "--ipc",
+                sock.to_str().unwrap(),
+                "--rank",
+                &r.to_string(),
+                "--world",
+                "4",
+                "--check",
+                d,
+                "--verify",
+                "true",
+            ])
+            .spawn()
+            .unwrap()
         })
         .collect();
     for (r, e) in engines.into_iter().enumerate() {
         let (ok, text) = output(e);
-        assert!(ok && text.contains("equal to the snapshot"), "rank {r}: {text}");
+        assert!(
+            ok && text.contains("equal to the snapshot"),
+            "rank {r}: {text}"
+        );
     }
     let (ok, text) = output(publisher);
     assert!(ok, "{text}");
@@ -220,7 +303,9 @@ fn one_publisher_serves_four_ranks_their_own_shards() {
 
 /// A model big enough to take many buckets of 1 MiB.
 fn big_model(seed: u8) -> Vec<T> {
-    (0..16).map(|i| tensor(&format!("layers.{i}"), DType::F32, &[1 << 20], seed)).collect()
+    (0..16)
+        .map(|i| tensor(&format!("layers.{i}"), DType::F32, &[1 << 20], seed))
+        .collect()
 }
 
 #[test]
@@ -237,13 +322,31 @@ fn publisher_killed_mid_update_keeps_old_weights() {
     let ptrs = register(&m, &v1);
     let sock = dir.path().join("p.sock");
     let s = sock.to_str().unwrap();
-    let first = wm(&["serve", "--ipc", s, d1.to_str().unwrap(), "--bucket-mib", "1"]).spawn().unwrap();
+    let first = wm(&[
+        "serve",
+        "--ipc",
+        s,
+        d1.to_str().unwrap(),
+        "--bucket-mib",
+        "1",
+    ])
+    .spawn()
+    .unwrap();
     wait_for_socket(&sock);
     m.update(ipc_request(&sock)).unwrap();
     assert!(output(first).0);
     assert_params(&ptrs, &v1);
 
-    let mut second = wm(&["serve", "--ipc", s, d2.to_str().unwrap(), "--bucket-mib", "1"]).spawn().unwrap();
+    let mut second = wm(&[
+        "serve",
+        "--ipc",
+        s,
+        d2.to_str().unwrap(),
+        "--bucket-mib",
+        "1",
+    ])
+    .spawn()
+    .unwrap();
     wait_for_socket(&sock);
     let pid = second.id();
     let mut killed = false;
@@ -258,7 +361,11 @@ fn publisher_killed_mid_update_keeps_old_weights() {
     req.hooks.progress = Some(&mut kill_after_first);
     let start = Instant::now();
     let e = m.update(req).unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(5), "noticed only after {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "noticed only after {:?}",
+        start.elapsed()
+    );
     assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
     assert!(e.message.contains("closed the connection"), "{e}");
     second.wait().unwrap();
@@ -288,14 +395,26 @@ fn engine_killed_mid_update_fails_the_session_and_frees_buffers() {
     )
     .unwrap();
     for t in &ts {
-        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+        unsafe {
+            publisher.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
     }
     publisher.set_version(Some("5".into()));
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
         // The engine stops after its first bucket (a progress hook cannot
         // be set from the command line, so it is killed once buffers exist).
-        let mut engine = wm(&["pull", "--ipc", sock.to_str().unwrap()]).spawn().unwrap();
+        let mut engine = wm(&["pull", "--ipc", sock.to_str().unwrap()])
+            .spawn()
+            .unwrap();
         let start = Instant::now();
         while bucket_fds() == 0 && start.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_micros(200));
@@ -319,7 +438,11 @@ fn a_publisher_of_another_uid_is_refused() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
     let sock = dir.path().join("u.sock");
     let ts = model(9);
     let publisher = Publisher::bind(
@@ -331,7 +454,17 @@ fn a_publisher_of_another_uid_is_refused() {
     )
     .unwrap();
     for t in &ts {
-        unsafe { publisher.add_tensor(&t.name, t.dtype, &t.shape, t.data.as_ptr(), t.data.len(), None) }.unwrap();
+        unsafe {
+            publisher.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
     }
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));

@@ -62,6 +62,7 @@ class Config(ctypes.Structure):
         ("acquire_callback", ACQUIRE_CALLBACK),
         ("callback_user_data", c_void_p),
         ("copy_threads", ctypes.c_uint32),
+        ("allow_other_uids", ctypes.c_uint32),
     ]
 
 

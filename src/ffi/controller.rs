@@ -1,7 +1,7 @@
 //! The controller's handle: ask the engine for updates and clears through
 //! the control cell (SPEC.md's controller protocol).
 
-use super::{fill_chars, HandleTable};
+use super::HandleTable;
 use crate::result::{wm_result, Error, Result};
 use crate::signal::controller::Controller;
 use crate::state::State;
@@ -182,18 +182,12 @@ pub unsafe extern "C" fn wm_controller_last_error(
     ffi_guard!({
         check_null!(buf, out_written);
         let h = try_controller!(controller);
-        if len == 0 {
-            return wm_result::WM_ERR_INVALID_ARGUMENT;
-        }
         let text = h
             .last_error
             .lock()
             .as_ref()
             .map(|e| e.message.clone())
             .unwrap_or_default();
-        let dst = std::slice::from_raw_parts_mut(buf, len);
-        fill_chars(dst, &text);
-        *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
-        wm_result::WM_OK
+        super::copy_text_out(&text, buf, len, out_written)
     })
 }

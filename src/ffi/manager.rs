@@ -261,13 +261,7 @@ pub unsafe extern "C" fn wm_last_error(
     ffi_guard!({
         check_null!(buf, out_written);
         let m = try_handle!(manager);
-        if len == 0 {
-            return wm_result::WM_ERR_INVALID_ARGUMENT;
-        }
         let text = m.status().last_error.map(|e| e.message).unwrap_or_default();
-        let dst = std::slice::from_raw_parts_mut(buf, len);
-        super::fill_chars(dst, &text);
-        *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
-        wm_result::WM_OK
+        super::copy_text_out(&text, buf, len, out_written)
     })
 }

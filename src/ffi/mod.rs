@@ -73,6 +73,7 @@ macro_rules! try_handle {
 pub mod controller;
 pub mod manager;
 pub mod params;
+pub mod publisher;
 pub mod result;
 pub mod status;
 pub mod update;
@@ -179,6 +180,29 @@ pub(crate) unsafe fn opt_str(p: *const c_char, what: &str) -> Result<Option<Stri
 /// `p` is NULL or a NUL-terminated string.
 pub(crate) unsafe fn opt_path(p: *const c_char) -> Option<PathBuf> {
     (!p.is_null()).then(|| PathBuf::from(OsStr::from_bytes(CStr::from_ptr(p).to_bytes())))
+}
+
+/// The `*_last_error` calls: copy `text` into `buf` (`len` bytes with the
+/// NUL), truncated to fit, and store the bytes written without the NUL.
+///
+/// # Safety
+/// `buf` holds `len` bytes and `out_written` is writable (both checked non-NULL).
+pub(crate) unsafe fn copy_text_out(
+    text: &str,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    if buf.is_null() || out_written.is_null() {
+        return wm_result::WM_ERR_NULL_ARGUMENT;
+    }
+    if len == 0 {
+        return wm_result::WM_ERR_INVALID_ARGUMENT;
+    }
+    let dst = std::slice::from_raw_parts_mut(buf, len);
+    fill_chars(dst, text);
+    *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
+    wm_result::WM_OK
 }
 
 /// Copy `s` into a fixed C char array, truncating at a UTF-8 boundary, NUL-terminated.

@@ -35,22 +35,31 @@ impl SharedBuffer {
         let name = std::ffi::CString::new("wm-bucket").expect("no NUL");
         // SAFETY: libc calls on our own descriptor.
         unsafe {
-            let raw = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            let raw =
+                libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
             if raw < 0 {
-                return Err(Error::io(format!("{what}: memfd_create"), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("{what}: memfd_create"),
+                    std::io::Error::last_os_error(),
+                ));
             }
             let fd = OwnedFd::from_raw_fd(raw);
             let rc = libc::fallocate(raw, 0, 0, len as libc::off_t);
             if rc != 0 {
                 let e = std::io::Error::last_os_error();
                 return Err(if e.raw_os_error() == Some(libc::ENOSPC) {
-                    Error::out_of_memory(format!("{what}: no room for {len} bytes of shared memory"))
+                    Error::out_of_memory(format!(
+                        "{what}: no room for {len} bytes of shared memory"
+                    ))
                 } else {
                     Error::io(format!("{what}: reserving {len} bytes"), e)
                 });
             }
             if libc::fcntl(raw, libc::F_ADD_SEALS, SEALS) != 0 {
-                return Err(Error::io(format!("{what}: sealing"), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("{what}: sealing"),
+                    std::io::Error::last_os_error(),
+                ));
             }
             Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, what)
         }
@@ -69,7 +78,10 @@ impl SharedBuffer {
             }
             let mut st: libc::stat = std::mem::zeroed();
             if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
-                return Err(Error::io(format!("{what}: stat"), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("{what}: stat"),
+                    std::io::Error::last_os_error(),
+                ));
             }
             if (st.st_size as u64) < len as u64 {
                 return Err(Error::peer(format!(
@@ -89,14 +101,25 @@ impl SharedBuffer {
                 len,
             });
         }
-        let p = libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        );
         if p == libc::MAP_FAILED {
             return Err(Error::out_of_memory(format!(
                 "{what}: mapping {len} bytes: {}",
                 std::io::Error::last_os_error()
             )));
         }
-        Ok(SharedBuffer { fd, ptr: p.cast(), len })
+        Ok(SharedBuffer {
+            fd,
+            ptr: p.cast(),
+            len,
+        })
     }
 
     pub fn ptr(&self) -> *mut u8 {

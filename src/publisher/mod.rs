@@ -110,7 +110,10 @@ impl Publisher {
     /// Listen on `path` (a stale socket file there is replaced; any other
     /// file is an error).
     pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
-        if cfg.bucket_size < crate::wire::ALIGN as usize || cfg.buffers == 0 || cfg.buffers > crate::wire::MAX_BUFFERS {
+        if cfg.bucket_size < crate::wire::ALIGN as usize
+            || cfg.buffers == 0
+            || cfg.buffers > crate::wire::MAX_BUFFERS
+        {
             return Err(Error::invalid_argument(format!(
                 "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
                 cfg.bucket_size,
@@ -127,8 +130,8 @@ impl Publisher {
             }
             let _ = std::fs::remove_file(path);
         }
-        let listener =
-            UnixListener::bind(path).map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
+        let listener = UnixListener::bind(path)
+            .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
             .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
         Ok(Publisher {
@@ -165,18 +168,29 @@ impl Publisher {
         check_name(name)?;
         let need = byte_size(&format!("tensor '{name}'"), dtype, shape)?;
         if need != len as u64 {
-            return Err(Error::invalid_argument(format!("tensor '{name}': {len} bytes given, {need} needed")));
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}': {len} bytes given, {need} needed"
+            )));
         }
         if data.is_null() && len > 0 {
-            return Err(Error::null_argument(format!("tensor '{name}': data is NULL")));
+            return Err(Error::null_argument(format!(
+                "tensor '{name}': data is NULL"
+            )));
         }
         let mut content = self.content.lock();
         if let Content::Dir(_) = *content {
             *content = Content::Tensors(Vec::new());
         }
-        let Content::Tensors(ts) = &mut *content else { unreachable!() };
-        if ts.iter().any(|t| t.name == name && (t.rank.is_none() || rank.is_none() || t.rank == rank)) {
-            return Err(Error::invalid_argument(format!("tensor '{name}' is already published for that rank")));
+        let Content::Tensors(ts) = &mut *content else {
+            unreachable!()
+        };
+        if ts
+            .iter()
+            .any(|t| t.name == name && (t.rank.is_none() || rank.is_none() || t.rank == rank))
+        {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}' is already published for that rank"
+            )));
         }
         ts.push(HostTensor {
             name: name.to_string(),
@@ -239,7 +253,12 @@ impl Publisher {
             let mut stats = ServeStats::default();
             let mut first_error = accept_error;
             for h in sessions {
-                match h.join().unwrap_or_else(|_| Err(Error::new(crate::wm_result::WM_ERR_PANIC, "session panicked"))) {
+                match h.join().unwrap_or_else(|_| {
+                    Err(Error::new(
+                        crate::wm_result::WM_ERR_PANIC,
+                        "session panicked",
+                    ))
+                }) {
                     Ok(st) => stats.sessions.push(st),
                     Err(e) => {
                         self.cfg.logger.warn(&format!("publisher: {e}"));

@@ -35,7 +35,10 @@ pub struct SessionStats {
 /// Where one shard's tensor bytes come from.
 enum ShardBytes {
     Memory(Vec<SendPtr>),
-    Files { source: SnapshotSource, open: HashMap<PathBuf, File> },
+    Files {
+        source: SnapshotSource,
+        open: HashMap<PathBuf, File>,
+    },
 }
 
 struct Shard {
@@ -43,7 +46,13 @@ struct Shard {
     bytes: ShardBytes,
 }
 
-fn shard_for(content: &Content, rank: u32, gpu_id: &str, version: Option<String>, cfg: &PublisherConfig) -> Result<Shard> {
+fn shard_for(
+    content: &Content,
+    rank: u32,
+    gpu_id: &str,
+    version: Option<String>,
+    cfg: &PublisherConfig,
+) -> Result<Shard> {
     match content {
         Content::Dir(dir) => {
             let loc = SnapshotLocation {
@@ -66,7 +75,10 @@ fn shard_for(content: &Content, rank: u32, gpu_id: &str, version: Option<String>
             })
         }
         Content::Tensors(all) => {
-            let mine: Vec<&HostTensor> = all.iter().filter(|t| t.rank.is_none_or(|r| r == rank)).collect();
+            let mine: Vec<&HostTensor> = all
+                .iter()
+                .filter(|t| t.rank.is_none_or(|r| r == rank))
+                .collect();
             let sums = if cfg.checksums {
                 let regions: Vec<(SendPtr, usize)> = mine.iter().map(|t| (t.data, t.len)).collect();
                 // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
@@ -129,7 +141,12 @@ fn plan_buckets(manifest: &Manifest, want: &[u32], bucket: usize) -> Vec<(Vec<Bu
     out
 }
 
-pub(super) fn run(stream: UnixStream, content: &Content, version: Option<String>, cfg: &PublisherConfig) -> Result<SessionStats> {
+pub(super) fn run(
+    stream: UnixStream,
+    content: &Content,
+    version: Option<String>,
+    cfg: &PublisherConfig,
+) -> Result<SessionStats> {
     let start = Instant::now();
     check_peer_uid(&stream, cfg.allow_other_uids, "an engine")?;
     let mut conn = Conn::new(stream, "an engine");
@@ -140,15 +157,27 @@ pub(super) fn run(stream: UnixStream, content: &Content, version: Option<String>
     r
 }
 
-fn serve(conn: &mut Conn, content: &Content, version: Option<String>, cfg: &PublisherConfig, start: Instant) -> Result<SessionStats> {
+fn serve(
+    conn: &mut Conn,
+    content: &Content,
+    version: Option<String>,
+    cfg: &PublisherConfig,
+    start: Instant,
+) -> Result<SessionStats> {
     let session_deadline = start + cfg.session_timeout;
     let step = |d: Duration| (Instant::now() + d).min(session_deadline);
     let (rank, gpu_id, wanted_version) = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Hello { rank, gpu_id, version, .. } => (rank, gpu_id, version),
+        Frame::Hello {
+            rank,
+            gpu_id,
+            version,
+            ..
+        } => (rank, gpu_id, version),
         other => return Err(Error::peer(format!("expected HELLO, got {}", other.name()))),
     };
     conn.set_peer(format!("engine rank {rank}"));
-    let mut shard = shard_for(content, rank, &gpu_id, version, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
+    let mut shard = shard_for(content, rank, &gpu_id, version, cfg)
+        .map_err(|e| e.context(format!("rank {rank}")))?;
     let have = shard.manifest.version.clone().unwrap_or_default();
     if !wanted_version.is_empty() && wanted_version != "latest" && wanted_version != have {
         return Err(Error::not_found(format!(
@@ -167,7 +196,9 @@ fn serve(conn: &mut Conn, content: &Content, version: Option<String>, cfg: &Publ
     let mut seen = vec![false; n_tensors];
     for &t in &want {
         if t as usize >= n_tensors || std::mem::replace(&mut seen[t as usize], true) {
-            return Err(Error::peer(format!("rank {rank} wants tensor #{t} twice or out of range")));
+            return Err(Error::peer(format!(
+                "rank {rank} wants tensor #{t} twice or out of range"
+            )));
         }
     }
     let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
@@ -177,7 +208,12 @@ fn serve(conn: &mut Conn, content: &Content, version: Option<String>, cfg: &Publ
         .map(|i| SharedBuffer::create(&format!("bucket buffer {i}"), largest))
         .collect::<Result<_>>()?;
     let fds: Vec<i32> = buffers.iter().map(|b| b.fd().as_raw_fd()).collect();
-    conn.send_with_fds(&Frame::Buffers { sizes: vec![largest as u64; n_buf] }, &fds)?;
+    conn.send_with_fds(
+        &Frame::Buffers {
+            sizes: vec![largest as u64; n_buf],
+        },
+        &fds,
+    )?;
 
     let mut stats = SessionStats {
         rank,
@@ -190,7 +226,11 @@ fn serve(conn: &mut Conn, content: &Content, version: Option<String>, cfg: &Publ
         let t = Instant::now();
         match conn.recv(step(cfg.bucket_timeout))? {
             Frame::Ack { seq } if seq == *acked => *acked += 1,
-            Frame::Ack { seq } => return Err(Error::peer(format!("acknowledged bucket {seq}, expected {acked}"))),
+            Frame::Ack { seq } => {
+                return Err(Error::peer(format!(
+                    "acknowledged bucket {seq}, expected {acked}"
+                )))
+            }
             other => return Err(Error::peer(format!("expected ACK, got {}", other.name()))),
         }
         stats.wait += t.elapsed();
@@ -233,7 +273,11 @@ fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Resul
             let jobs: Vec<CopyJob> = entries
                 .iter()
                 .map(|e| CopyJob {
-                    src: CopySource::Memory(SendPtr(ptrs[e.tensor as usize].0.wrapping_add(e.tensor_offset as usize))),
+                    src: CopySource::Memory(SendPtr(
+                        ptrs[e.tensor as usize]
+                            .0
+                            .wrapping_add(e.tensor_offset as usize),
+                    )),
                     dst: dst(e),
                     len: e.len as usize,
                     tag: e.tensor as usize,
@@ -247,7 +291,8 @@ fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Resul
             for e in entries {
                 let (path, _) = source.tensor_location(e.tensor as usize);
                 if !open.contains_key(path) {
-                    let f = File::open(path).map_err(|err| Error::io(format!("opening {}", path.display()), err))?;
+                    let f = File::open(path)
+                        .map_err(|err| Error::io(format!("opening {}", path.display()), err))?;
                     open.insert(path.to_path_buf(), f);
                 }
             }

@@ -58,7 +58,6 @@ impl SignalPlane {
         group: Option<GroupConfig>,
         logger: Logger,
     ) -> Result<SignalPlane> {
-
         let (cell, report) = match cell {
             Some(name) if rank == 0 => (
                 Some(ControlCell::open_or_create(name)?),

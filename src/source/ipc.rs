@@ -51,8 +51,14 @@ impl IpcSource {
     pub fn open(opts: &IpcOptions, deadline: Instant) -> Result<IpcSource> {
         let who = format!("the publisher at {}", opts.socket.display());
         let stream = UnixStream::connect(&opts.socket).map_err(|e| {
-            if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) {
-                Error::not_found(format!("no publisher listens at {} ({e})", opts.socket.display()))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) {
+                Error::not_found(format!(
+                    "no publisher listens at {} ({e})",
+                    opts.socket.display()
+                ))
             } else {
                 Error::io(format!("connecting to {who}"), e)
             }
@@ -72,7 +78,11 @@ impl IpcSource {
                 version: (!version.is_empty()).then_some(version),
             },
             other => {
-                return Err(Error::peer(format!("{}: expected MANIFEST, got {}", conn.peer(), other.name())));
+                return Err(Error::peer(format!(
+                    "{}: expected MANIFEST, got {}",
+                    conn.peer(),
+                    other.name()
+                )));
             }
         };
         Ok(IpcSource {
@@ -87,10 +97,17 @@ impl IpcSource {
             .filter(|&i| plan.entries[i as usize].target != Target::Skip)
             .collect();
         self.conn.send(&Frame::Want { tensors: want })?;
-        let next_deadline = |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
+        let next_deadline =
+            |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
         let sizes = match self.conn.recv(next_deadline(applier))? {
             Frame::Buffers { sizes } => sizes,
-            other => return Err(Error::peer(format!("{}: expected BUFFERS, got {}", self.conn.peer(), other.name()))),
+            other => {
+                return Err(Error::peer(format!(
+                    "{}: expected BUFFERS, got {}",
+                    self.conn.peer(),
+                    other.name()
+                )))
+            }
         };
         let fds = self.conn.take_fds(sizes.len())?;
         let buffers: Vec<BucketMemory> = fds
@@ -98,16 +115,25 @@ impl IpcSource {
             .zip(&sizes)
             .enumerate()
             .map(|(i, (fd, &size))| {
-                let size = usize::try_from(size).map_err(|_| Error::peer("buffer size does not fit"))?;
-                SharedBuffer::receive(fd, size, &format!("shared buffer {i}")).map(BucketMemory::Host)
+                let size =
+                    usize::try_from(size).map_err(|_| Error::peer("buffer size does not fit"))?;
+                SharedBuffer::receive(fd, size, &format!("shared buffer {i}"))
+                    .map(BucketMemory::Host)
             })
             .collect::<Result<_>>()?;
         loop {
             applier.check_deadline()?;
             match self.conn.recv(next_deadline(applier))? {
-                Frame::Bucket { seq, buffer, entries } => {
+                Frame::Bucket {
+                    seq,
+                    buffer,
+                    entries,
+                } => {
                     let mem = buffers.get(buffer as usize).ok_or_else(|| {
-                        Error::peer(format!("bucket {seq} names buffer {buffer} of {}", buffers.len()))
+                        Error::peer(format!(
+                            "bucket {seq} names buffer {buffer} of {}",
+                            buffers.len()
+                        ))
                     })?;
                     check_bucket(seq, &entries, mem.len() as u64, plan.entries.len())?;
                     let chunks: Vec<Chunk> = entries
@@ -124,7 +150,11 @@ impl IpcSource {
                 }
                 Frame::End { .. } => return Ok(()),
                 other => {
-                    return Err(Error::peer(format!("{}: expected BUCKET or END, got {}", self.conn.peer(), other.name())))
+                    return Err(Error::peer(format!(
+                        "{}: expected BUCKET or END, got {}",
+                        self.conn.peer(),
+                        other.name()
+                    )))
                 }
             }
         }

@@ -36,7 +36,10 @@ pub fn peer_uid(stream: &UnixStream) -> Result<u32> {
         )
     };
     if rc != 0 {
-        return Err(Error::io("reading the peer's credentials", std::io::Error::last_os_error()));
+        return Err(Error::io(
+            "reading the peer's credentials",
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(cred.uid)
 }
@@ -87,7 +90,11 @@ impl Conn {
         let mut attach = fds;
         while sent < bytes.len() {
             let n = sendmsg(self.stream.as_raw_fd(), &bytes[sent..], attach).map_err(|e| {
-                Error::peer(format!("{}: connection lost while sending {} ({e})", self.peer, frame.name()))
+                Error::peer(format!(
+                    "{}: connection lost while sending {} ({e})",
+                    self.peer,
+                    frame.name()
+                ))
             })?;
             sent += n;
             attach = &[];
@@ -100,7 +107,10 @@ impl Conn {
         while done < buf.len() {
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::timeout(format!("{} sent no {what} before the deadline", self.peer)));
+                return Err(Error::timeout(format!(
+                    "{} sent no {what} before the deadline",
+                    self.peer
+                )));
             }
             self.stream
                 .set_read_timeout(Some(deadline - now))
@@ -113,7 +123,11 @@ impl Conn {
                     )))
                 }
                 Ok(n) => done += n,
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
                     return Err(Error::peer(format!(
@@ -160,7 +174,9 @@ impl Conn {
 
     /// Tell the peer why we give up (best effort).
     pub fn send_error(&mut self, text: &str) {
-        let _ = self.send(&Frame::Error { text: text.to_string() });
+        let _ = self.send(&Frame::Error {
+            text: text.to_string(),
+        });
     }
 }
 
@@ -169,7 +185,8 @@ fn sendmsg(fd: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    let space = unsafe { libc::CMSG_SPACE((fds.len() * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let space =
+        unsafe { libc::CMSG_SPACE((fds.len() * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; if fds.is_empty() { 0 } else { space }];
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -183,7 +200,11 @@ fn sendmsg(fd: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<RawFd>()) as u32) as _;
-            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut RawFd, fds.len());
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c) as *mut RawFd,
+                fds.len(),
+            );
         }
     }
     loop {
@@ -204,7 +225,8 @@ fn recvmsg(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> std::io::R
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let space =
+        unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -221,7 +243,8 @@ fn recvmsg(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> std::io::R
         let mut c = libc::CMSG_FIRSTHDR(&msg);
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
                 let data = libc::CMSG_DATA(c) as *const RawFd;
                 for i in 0..count {
                     fds.push_back(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
@@ -250,19 +273,32 @@ mod tests {
         check_peer_uid(a.stream(), false, "b").unwrap();
         let buf = SharedBuffer::create("t", 8192).unwrap();
         unsafe { *buf.ptr().add(100) = 42 };
-        a.send_with_fds(&Frame::Buffers { sizes: vec![8192] }, &[buf.fd().as_raw_fd()]).unwrap();
+        a.send_with_fds(
+            &Frame::Buffers { sizes: vec![8192] },
+            &[buf.fd().as_raw_fd()],
+        )
+        .unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        assert_eq!(b.recv(deadline).unwrap(), Frame::Buffers { sizes: vec![8192] });
+        assert_eq!(
+            b.recv(deadline).unwrap(),
+            Frame::Buffers { sizes: vec![8192] }
+        );
         let fd = b.take_fds(1).unwrap().pop().unwrap();
         let got = SharedBuffer::receive(fd, 8192, "t").unwrap();
         assert_eq!(unsafe { *got.ptr().add(100) }, 42);
-        a.send(&Frame::Error { text: "stop".into() }).unwrap();
+        a.send(&Frame::Error {
+            text: "stop".into(),
+        })
+        .unwrap();
         let e = b.recv(deadline).unwrap_err();
         assert!(e.message.contains("b reports: stop"), "{e}");
         drop(a);
         let e = b.recv(deadline).unwrap_err();
         assert!(e.message.contains("closed the connection"), "{e}");
         let e = b.recv(Instant::now()).unwrap_err();
-        assert!(e.message.contains("closed") || e.message.contains("deadline"), "{e}");
+        assert!(
+            e.message.contains("closed") || e.message.contains("deadline"),
+            "{e}"
+        );
     }
 }

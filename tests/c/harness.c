@@ -252,7 +252,10 @@ static void test_enums(void) {
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(last_error(m), "0x80") != NULL);
   wm_update_request_init(&r);
-  r.source = WM_SOURCE_IPC;
+  r.source = WM_SOURCE_IPC; /* needs the publisher's socket */
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "socket") != NULL);
+  r.source = WM_SOURCE_RDMA;
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_UNSUPPORTED);
   wm_update_request_init(&r); /* no location and no model_dir */
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);

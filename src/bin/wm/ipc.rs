@@ -14,13 +14,27 @@ use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::source::snapshot::{SnapshotLocation, SnapshotSource};
 use weight_manager::source::{Source, SourceKind};
 
-pub const SERVE_OPTIONS: &[&str] = &["ipc", "engines", "bucket-mib", "accept-timeout", "corrupt", "version"];
-pub const PULL_OPTIONS: &[&str] = &["ipc", "rank", "world", "gpu", "verify", "check", "version", "timeout"];
+pub const SERVE_OPTIONS: &[&str] = &[
+    "ipc",
+    "engines",
+    "bucket-mib",
+    "accept-timeout",
+    "corrupt",
+    "version",
+];
+pub const PULL_OPTIONS: &[&str] = &[
+    "ipc", "rank", "world", "gpu", "verify", "check", "version", "timeout",
+];
 
 /// Serve the snapshot in DIR to `--engines` engine sessions, then exit.
 pub fn serve(a: &Args) -> Result<(), String> {
-    let socket = a.value("ipc").ok_or("usage: wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M]")?;
-    let dir = a.positional.first().ok_or("wm serve: name the snapshot directory to serve")?;
+    let socket = a
+        .value("ipc")
+        .ok_or("usage: wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M]")?;
+    let dir = a
+        .positional
+        .first()
+        .ok_or("wm serve: name the snapshot directory to serve")?;
     let engines: usize = a.number("engines", 1)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
     let cfg = PublisherConfig {
@@ -54,7 +68,9 @@ pub fn serve(a: &Args) -> Result<(), String> {
 /// Receive this rank's shard (zero-copy callback) and, with `--check DIR`,
 /// compare every tensor with the snapshot files the rank would read.
 pub fn pull(a: &Args) -> Result<(), String> {
-    let socket = a.value("ipc").ok_or("usage: wm pull --ipc SOCKET [--rank R --world W] [--check DIR] [--verify true]")?;
+    let socket = a
+        .value("ipc")
+        .ok_or("usage: wm pull --ipc SOCKET [--rank R --world W] [--check DIR] [--verify true]")?;
     let rank: u32 = a.number("rank", 0)?;
     let world: u32 = a.number("world", 1)?;
     let expected: HashMap<String, (std::path::PathBuf, u64, u64)> = match a.value("check") {
@@ -92,7 +108,8 @@ pub fn pull(a: &Args) -> Result<(), String> {
         if let Some((path, off, n)) = expected.get(t.name) {
             let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
             let mut want = vec![0u8; *n as usize];
-            f.read_exact_at(&mut want, *off).map_err(|e| e.to_string())?;
+            f.read_exact_at(&mut want, *off)
+                .map_err(|e| e.to_string())?;
             if want != t.data {
                 mismatches.push(t.name.to_string());
             }
@@ -117,7 +134,10 @@ pub fn pull(a: &Args) -> Result<(), String> {
         ));
     }
     if !mismatches.is_empty() {
-        return Err(format!("rank {rank}: tensors differ from the snapshot: {}", mismatches.join(", ")));
+        return Err(format!(
+            "rank {rank}: tensors differ from the snapshot: {}",
+            mismatches.join(", ")
+        ));
     }
     println!(
         "rank {rank}: version {}, {} tensors, {} in {} ({:.2} GB/s){}",
@@ -126,7 +146,11 @@ pub fn pull(a: &Args) -> Result<(), String> {
         fmt::bytes(stats.bytes),
         fmt::ms(elapsed),
         fmt::gbps(stats.bytes, elapsed),
-        if expected.is_empty() { String::new() } else { format!(", all {checked} equal to the snapshot") }
+        if expected.is_empty() {
+            String::new()
+        } else {
+            format!(", all {checked} equal to the snapshot")
+        }
     );
     Ok(())
 }

@@ -1,0 +1,300 @@
+//! The publisher's handle: a trainer serves weights to engine ranks on its
+//! node over IPC.
+
+use super::{check_struct_size, opt_path, opt_str, HandleTable};
+use crate::publisher::{Publisher, PublisherConfig, ServeStats};
+use crate::result::{wm_result, Error, Result};
+use crate::tensor::DType;
+use parking_lot::Mutex;
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+/// A trainer's publisher. Opaque; create with `wm_publisher_create`, free
+/// with `wm_publisher_destroy`.
+pub struct wm_publisher {
+    _private: [u8; 0],
+}
+
+/// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
+#[repr(C)]
+pub struct wm_publisher_config {
+    /// `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
+    pub struct_size: u32,
+    /// Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
+    pub buffers: u32,
+    /// Largest bucket in bytes (default 512 MiB).
+    pub bucket_size: u64,
+    /// Permissions of the socket file (default 0600).
+    pub socket_mode: u32,
+    /// Non-zero: serve engines running as another uid (default 0).
+    pub allow_other_uids: u32,
+    /// Bound on each engine acknowledgement, in ms (default 60000).
+    pub bucket_timeout_ms: u64,
+    /// Non-zero (default): checksums of in-memory tensors go in the manifest.
+    pub checksums: u32,
+}
+
+/// What `wm_publisher_serve` did, summed over its sessions.
+#[repr(C)]
+pub struct wm_serve_stats {
+    /// Caller sets `sizeof(wm_serve_stats)`.
+    pub struct_size: u32,
+    pub sessions: u32,
+    pub bytes: u64,
+    /// Time packing buckets into the shared buffers.
+    pub pack_ns: u64,
+    /// Time waiting for engines to acknowledge buckets.
+    pub wait_ns: u64,
+    /// Longest session.
+    pub total_ns: u64,
+}
+
+struct PublisherHandle {
+    publisher: Publisher,
+    last_error: Mutex<Option<Error>>,
+}
+
+static PUBLISHERS: HandleTable = HandleTable::new();
+
+macro_rules! try_publisher {
+    ($p:expr) => {
+        match PUBLISHERS.get::<PublisherHandle>($p as *const c_void) {
+            Ok(h) => h,
+            Err(code) => return code,
+        }
+    };
+}
+
+fn code_of(h: &PublisherHandle, r: Result<()>) -> wm_result {
+    match r {
+        Ok(()) => wm_result::WM_OK,
+        Err(e) => {
+            let c = e.code;
+            *h.last_error.lock() = Some(e);
+            c
+        }
+    }
+}
+
+/// Fill `config` with defaults and set `struct_size`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_config_init(config: *mut wm_publisher_config) -> wm_result {
+    ffi_guard!({
+        check_null!(config);
+        let d = PublisherConfig::default();
+        config.write(wm_publisher_config {
+            struct_size: std::mem::size_of::<wm_publisher_config>() as u32,
+            buffers: d.buffers as u32,
+            bucket_size: d.bucket_size as u64,
+            socket_mode: d.socket_mode,
+            allow_other_uids: 0,
+            bucket_timeout_ms: d.bucket_timeout.as_millis() as u64,
+            checksums: 1,
+        });
+        wm_result::WM_OK
+    })
+}
+
+/// Listen on the Unix socket `socket_path` (a stale socket there is
+/// replaced; the file is removed on destroy). `config` may be NULL for
+/// defaults. On success `*out_publisher` receives a handle owned by the
+/// caller. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_create(
+    socket_path: *const c_char,
+    config: *const wm_publisher_config,
+    out_publisher: *mut *mut wm_publisher,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(socket_path, out_publisher);
+        let mut cfg = PublisherConfig::default();
+        if !config.is_null() {
+            let c = &*config;
+            if let Err(e) = check_struct_size(
+                "wm_publisher_config",
+                c.struct_size,
+                std::mem::size_of::<wm_publisher_config>(),
+            ) {
+                return e.code;
+            }
+            cfg.buffers = c.buffers as usize;
+            cfg.bucket_size = c.bucket_size as usize;
+            cfg.socket_mode = c.socket_mode;
+            cfg.allow_other_uids = c.allow_other_uids != 0;
+            cfg.bucket_timeout = Duration::from_millis(c.bucket_timeout_ms.max(1));
+            cfg.checksums = c.checksums != 0;
+        }
+        let path = opt_path(socket_path).expect("checked");
+        match Publisher::bind(&path, cfg) {
+            Ok(publisher) => {
+                let h = PublisherHandle {
+                    publisher,
+                    last_error: Mutex::new(None),
+                };
+                *out_publisher = PUBLISHERS.publish(h).cast();
+                wm_result::WM_OK
+            }
+            Err(e) => e.code,
+        }
+    })
+}
+
+/// Stop listening, remove the socket file and free the handle. NULL or
+/// already destroyed: no-op. Waits for a `wm_publisher_serve` running on
+/// another thread to return first.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_destroy(publisher: *mut wm_publisher) {
+    ffi_guard_or!((), {
+        PUBLISHERS.retire::<PublisherHandle>(publisher.cast())
+    })
+}
+
+/// Publish a tensor from the trainer's host memory: `len` bytes at `data`
+/// (dtype x shape), for engine rank `rank`, or for every rank with -1.
+///
+/// Ownership: the trainer keeps `data`; it must stay valid and unchanged
+/// while `wm_publisher_serve` runs. Names are unique per rank.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add_tensor(
+    publisher: *mut wm_publisher,
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    data: *const c_void,
+    len: usize,
+    rank: i32,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = (|| {
+            let name = opt_str(name, "name")?
+                .ok_or_else(|| Error::null_argument("tensor name is NULL"))?;
+            let dtype = DType::from_raw(dtype).ok_or_else(|| {
+                Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
+            })?;
+            if ndim > crate::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
+                return Err(Error::invalid_argument(format!(
+                    "tensor '{name}': bad shape (ndim {ndim})"
+                )));
+            }
+            let shape = if ndim == 0 {
+                &[][..]
+            } else {
+                std::slice::from_raw_parts(shape, ndim)
+            };
+            let rank = if rank < 0 { None } else { Some(rank as u32) };
+            h.publisher
+                .add_tensor(&name, dtype, shape, data.cast(), len, rank)
+        })();
+        code_of(&h, r)
+    })
+}
+
+/// Serve the snapshot in directory `dir` instead of in-memory tensors: each
+/// rank gets the files the snapshot layout rules pick for it.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_set_dir(
+    publisher: *mut wm_publisher,
+    dir: *const c_char,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(dir);
+        let h = try_publisher!(publisher);
+        h.publisher.set_dir(&opt_path(dir).expect("checked"));
+        wm_result::WM_OK
+    })
+}
+
+/// The version sessions announce; NULL: the directory's `version.yaml`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_set_version(
+    publisher: *mut wm_publisher,
+    version: *const c_char,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = opt_str(version, "version").map(|v| h.publisher.set_version(v));
+        code_of(&h, r)
+    })
+}
+
+/// Forget every published tensor (before publishing the next version).
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_clear(publisher: *mut wm_publisher) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        h.publisher.clear_tensors();
+        wm_result::WM_OK
+    })
+}
+
+/// Serve `engines` engine connections (each on its own thread), waiting at
+/// most `accept_timeout_ms` for them to connect; returns when every session
+/// ended. A failed session (engine died, refused, checksum...) gives its
+/// error, the others still finish. `out_stats` is optional (NULL). Blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_serve(
+    publisher: *mut wm_publisher,
+    engines: u32,
+    accept_timeout_ms: u64,
+    out_stats: *mut wm_serve_stats,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        if !out_stats.is_null() {
+            let size = (*out_stats).struct_size;
+            if let Err(e) = check_struct_size(
+                "wm_serve_stats",
+                size,
+                std::mem::size_of::<wm_serve_stats>(),
+            ) {
+                return code_of(&h, Err(e));
+            }
+        }
+        match h
+            .publisher
+            .serve(engines as usize, Duration::from_millis(accept_timeout_ms))
+        {
+            Ok(ServeStats { sessions }) => {
+                if !out_stats.is_null() {
+                    out_stats.write(wm_serve_stats {
+                        struct_size: std::mem::size_of::<wm_serve_stats>() as u32,
+                        sessions: sessions.len() as u32,
+                        bytes: sessions.iter().map(|s| s.bytes).sum(),
+                        pack_ns: sessions.iter().map(|s| s.pack.as_nanos() as u64).sum(),
+                        wait_ns: sessions.iter().map(|s| s.wait.as_nanos() as u64).sum(),
+                        total_ns: sessions
+                            .iter()
+                            .map(|s| s.total.as_nanos() as u64)
+                            .max()
+                            .unwrap_or(0),
+                    });
+                }
+                wm_result::WM_OK
+            }
+            Err(e) => code_of(&h, Err(e)),
+        }
+    })
+}
+
+/// Copy the text of this publisher's last error (see `wm_last_error`).
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_last_error(
+    publisher: *const wm_publisher,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let h = try_publisher!(publisher);
+        let text = h
+            .last_error
+            .lock()
+            .as_ref()
+            .map(|e| e.message.clone())
+            .unwrap_or_default();
+        super::copy_text_out(&text, buf, len, out_written)
+    })
+}
