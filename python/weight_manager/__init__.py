@@ -9,7 +9,8 @@
 """
 
 from .manager import Controller, Manager, Progress, Status, UpdateStats, WeightManagerError, version
+from .publisher import Publisher, ServeStats
 from .types import DType, Result, Source, State
 
-__all__ = ["Controller", "Manager", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "Manager", "Publisher", "ServeStats", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Result", "Source", "State"]

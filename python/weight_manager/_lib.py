@@ -144,6 +144,29 @@ class StatusInfo(ctypes.Structure):
     ]
 
 
+class PublisherConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("buffers", ctypes.c_uint32),
+        ("bucket_size", ctypes.c_uint64),
+        ("socket_mode", ctypes.c_uint32),
+        ("allow_other_uids", ctypes.c_uint32),
+        ("bucket_timeout_ms", ctypes.c_uint64),
+        ("checksums", ctypes.c_uint32),
+    ]
+
+
+class ServeStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("sessions", ctypes.c_uint32),
+        ("bytes", ctypes.c_uint64),
+        ("pack_ns", ctypes.c_uint64),
+        ("wait_ns", ctypes.c_uint64),
+        ("total_ns", ctypes.c_uint64),
+    ]
+
+
 def load() -> ctypes.CDLL:
     lib = ctypes.CDLL(_find_library())
     R = ctypes.c_uint32  # wm_result
@@ -173,6 +196,22 @@ def load() -> ctypes.CDLL:
         "wm_controller_set": (R, [c_void_p, ctypes.c_int32]),
         "wm_controller_request": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
         "wm_controller_wait": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64]),
+        "wm_publisher_config_init": (R, [ctypes.POINTER(PublisherConfig)]),
+        "wm_publisher_create": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
+        "wm_publisher_destroy": (None, [c_void_p]),
+        "wm_publisher_add_tensor": (
+            R,
+            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, c_void_p,
+             ctypes.c_size_t, ctypes.c_int32],
+        ),
+        "wm_publisher_set_dir": (R, [c_void_p, c_char_p]),
+        "wm_publisher_set_version": (R, [c_void_p, c_char_p]),
+        "wm_publisher_clear": (R, [c_void_p]),
+        "wm_publisher_serve": (R, [c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ServeStats)]),
+        "wm_publisher_last_error": (
+            R,
+            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+        ),
         "wm_controller_last_error": (
             R,
             [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],

@@ -1,0 +1,82 @@
+"""IPC with numpy arrays as the trainer's tensors: the publisher in a
+process of its own (multiprocessing), engines in this process."""
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from weight_manager import Manager, Publisher, Result, WeightManagerError
+
+
+def trainer_tensors(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.standard_normal((256, 64)).astype(np.float32),
+        "qkv": rng.standard_normal((192, 64)).astype(np.float16),
+        "bias": rng.standard_normal((64,)).astype(np.float32),
+    }
+
+
+def run_trainer(sock, seed, engines, ready, corrupt_with_rank_shard):
+    tensors = trainer_tensors(seed)
+    with Publisher(sock, bucket_size=16 << 10) as p:
+        for name, arr in tensors.items():
+            p.add(name, arr)
+        if corrupt_with_rank_shard:
+            p.add("rank1_only", np.full(8, 7, np.int32), rank=1)
+        p.set_version(f"step-{seed}")
+        ready.set()
+        st = p.serve(engines, timeout=30)
+        assert st.sessions == engines and st.bytes > 0
+
+
+def start_trainer(sock, seed, engines=1, rank_shard=False):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=run_trainer, args=(sock, seed, engines, ready, rank_shard))
+    proc.start()
+    assert ready.wait(30)
+    return proc
+
+
+def test_numpy_tensors_over_ipc_copy_and_zero_copy(tmp_path):
+    sock = str(tmp_path / "trainer.sock")
+    trainer = start_trainer(sock, 1, engines=2)
+    want = trainer_tensors(1)
+    with Manager(fallback_dir="") as m:
+        params = {name: m.allocate(name, t.dtype, t.shape) for name, t in want.items()}
+        stats = m.update(sock, source="ipc", verify=True)
+        assert stats.version == "step-1"
+        for name, t in want.items():
+            np.testing.assert_array_equal(params[name], t)
+    with Manager(fallback_dir="") as m:
+        got = {}
+        m.update(sock, source="ipc", in_place=True, on_tensor=lambda n, a: got.__setitem__(n, a.copy()))
+        assert set(got) == set(want)
+        np.testing.assert_array_equal(got["qkv"], want["qkv"])
+    trainer.join(30)
+    assert trainer.exitcode == 0
+
+
+def test_rank_shards(tmp_path):
+    sock = str(tmp_path / "shard.sock")
+    trainer = start_trainer(sock, 2, engines=2, rank_shard=True)
+    names = {}
+    for rank in (0, 1):
+        with Manager(rank, 2, fallback_dir="") as m:
+            got = []
+            m.update(sock, source="ipc", in_place=True, on_tensor=lambda n, a: got.append(n))
+            names[rank] = sorted(got)
+    assert "rank1_only" in names[1] and "rank1_only" not in names[0]
+    trainer.join(30)
+    assert trainer.exitcode == 0
+
+
+def test_no_publisher():
+    with Manager(fallback_dir="") as m:
+        m.allocate("w", "f32", (4,))
+        with pytest.raises(WeightManagerError) as e:
+            m.update(f"/tmp/wm-no-such-{os.getpid()}.sock", source="ipc")
+        assert e.value.code == Result.ERR_NOT_FOUND

@@ -1,0 +1,103 @@
+"""The trainer side: publish numpy arrays (or a snapshot directory) to engine
+ranks on this node over IPC."""
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _lib
+from .manager import WeightManagerError
+from .types import Result, parse_dtype
+
+LIB = _lib.LIB
+
+
+@dataclass
+class ServeStats:
+    sessions: int
+    bytes: int
+    pack_s: float
+    wait_s: float
+    total_s: float
+
+
+class Publisher:
+    """Listens on a Unix socket and serves buckets to engines.
+
+    Arrays passed to add() must stay alive and unchanged while serve() runs;
+    the publisher keeps references to them. Use as a context manager or call
+    close().
+    """
+
+    def __init__(self, socket_path: str, *, bucket_size: int = 512 << 20, buffers: int = 2,
+                 socket_mode: int = 0o600, allow_other_uids: bool = False, checksums: bool = True):
+        cfg = _lib.PublisherConfig()
+        LIB.wm_publisher_config_init(ctypes.byref(cfg))
+        cfg.bucket_size, cfg.buffers, cfg.socket_mode = bucket_size, buffers, socket_mode
+        cfg.allow_other_uids, cfg.checksums = int(allow_other_uids), int(checksums)
+        handle = ctypes.c_void_p()
+        rc = LIB.wm_publisher_create(str(socket_path).encode(), ctypes.byref(cfg), ctypes.byref(handle))
+        if rc != 0:
+            raise WeightManagerError(rc, f"listening on {socket_path}: {LIB.wm_result_text(rc).decode()}")
+        self._handle = handle
+        self._arrays = []
+
+    def _h(self):
+        if self._handle is None:
+            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the publisher is closed")
+        return self._handle
+
+    def _check(self, rc: int):
+        if rc != 0:
+            buf = ctypes.create_string_buffer(2048)
+            n = ctypes.c_size_t()
+            LIB.wm_publisher_last_error(self._h(), buf, len(buf), ctypes.byref(n))
+            raise WeightManagerError(rc, buf.value.decode(errors="replace") or LIB.wm_result_text(rc).decode())
+
+    def add(self, name: str, array: np.ndarray, *, dtype=None, rank: int = -1) -> None:
+        """Publish `array` as tensor `name` for engine `rank` (-1: every rank)."""
+        if not array.flags.c_contiguous:
+            raise ValueError(f"tensor '{name}': array must be C-contiguous")
+        wm_dtype = parse_dtype(dtype if dtype is not None else array.dtype)
+        dims = (ctypes.c_uint64 * max(array.ndim, 1))(*array.shape)
+        self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(wm_dtype), dims, array.ndim,
+                                                ctypes.c_void_p(array.ctypes.data), array.nbytes, rank))
+        self._arrays.append(array)
+
+    def set_dir(self, directory) -> None:
+        """Serve a snapshot directory instead (per-rank files by the layout rules)."""
+        self._check(LIB.wm_publisher_set_dir(self._h(), str(directory).encode()))
+
+    def set_version(self, version: Optional[str]) -> None:
+        self._check(LIB.wm_publisher_set_version(self._h(), version.encode() if version else None))
+
+    def clear(self) -> None:
+        self._check(LIB.wm_publisher_clear(self._h()))
+        self._arrays.clear()
+
+    def serve(self, engines: int = 1, timeout: float = 600.0) -> ServeStats:
+        """Serve `engines` engine connections; blocks until they are done."""
+        st = _lib.ServeStats()
+        st.struct_size = ctypes.sizeof(st)
+        self._check(LIB.wm_publisher_serve(self._h(), engines, int(timeout * 1000), ctypes.byref(st)))
+        return ServeStats(st.sessions, st.bytes, st.pack_ns / 1e9, st.wait_ns / 1e9, st.total_ns / 1e9)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            LIB.wm_publisher_destroy(self._handle)
+            self._handle = None
+            self._arrays.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
