@@ -104,6 +104,9 @@ pub struct Applier<'p, 'h> {
     arena: Option<(HostRegion, Vec<usize>)>,
     /// In-place mode: callback tensors being received.
     loose: HashMap<usize, Vec<u8>>,
+    /// A delivered loose buffer kept for the next one: fresh large
+    /// allocations cost a page fault per page every time.
+    spare: Option<Vec<u8>>,
     received: Vec<u64>,
     delivered: Vec<bool>,
     progress: Progress,
@@ -148,6 +151,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             params,
             arena,
             loose: HashMap::new(),
+            spare: None,
             received: vec![0; plan.entries.len()],
             delivered: vec![false; plan.entries.len()],
             progress: Progress {
@@ -202,12 +206,18 @@ impl<'p, 'h> Applier<'p, 'h> {
             Target::Param(_) => self.params[t].expect("param destination"),
             _ => {
                 let n = self.plan.entries[t].meta.nbytes as usize;
-                SendPtr(
-                    self.loose
-                        .entry(t)
-                        .or_insert_with(|| Vec::with_capacity(n))
-                        .as_mut_ptr(),
-                )
+                let spare = &mut self.spare;
+                let buf = self.loose.entry(t).or_insert_with(|| match spare.take() {
+                    Some(mut v) if v.capacity() >= n => {
+                        v.clear();
+                        v
+                    }
+                    other => {
+                        *spare = other;
+                        Vec::with_capacity(n)
+                    }
+                });
+                SendPtr(buf.as_mut_ptr())
             }
         }
     }
@@ -308,6 +318,13 @@ impl<'p, 'h> Applier<'p, 'h> {
                 if self.plan.entries[t].target == Target::Callback {
                     let data = self.loose.remove(&t).unwrap_or_default();
                     self.deliver(t, &data)?;
+                    if self
+                        .spare
+                        .as_ref()
+                        .is_none_or(|s| s.capacity() < data.capacity())
+                    {
+                        self.spare = Some(data);
+                    }
                 }
             }
         }

@@ -17,7 +17,9 @@
 //! `bucket_size` bytes at 256-byte aligned offsets (a tensor larger than a
 //! bucket is split). Buffers alternate: while the engine applies bucket i,
 //! bucket i+1 is packed into the other buffer, and a buffer is refilled only
-//! after the engine acknowledged the bucket in it.
+//! after the engine acknowledged the bucket in it. Buffers return to a pool
+//! when a session ends and serve the next session (sequential updates of an
+//! RL run reuse them; concurrent sessions each take their own).
 
 mod session;
 
@@ -49,6 +51,8 @@ pub struct PublisherConfig {
     pub session_timeout: Duration,
     /// Compute checksums of in-memory tensors for the manifest.
     pub checksums: bool,
+    /// Threads packing buckets; 0: one per core.
+    pub threads: usize,
     /// Test only: flip one bit of this tensor after packing it, to prove
     /// that verification catches corruption.
     pub corrupt_tensor: Option<String>,
@@ -65,6 +69,7 @@ impl Default for PublisherConfig {
             bucket_timeout: Duration::from_secs(60),
             session_timeout: Duration::from_secs(600),
             checksums: true,
+            threads: 0,
             corrupt_tensor: None,
             logger: Logger::default(),
         }
@@ -94,6 +99,9 @@ pub enum Content {
 
 pub struct Publisher {
     path: PathBuf,
+    /// Shared buffers of finished sessions, reused by the next ones: fresh
+    /// shared memory costs a page fault (and, in a VM, more) per page.
+    pool: session::BufferPool,
     listener: UnixListener,
     cfg: PublisherConfig,
     content: Mutex<Content>,
@@ -136,6 +144,7 @@ impl Publisher {
             .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
         Ok(Publisher {
             path: path.to_path_buf(),
+            pool: session::BufferPool::default(),
             listener,
             cfg,
             content: Mutex::new(Content::Tensors(Vec::new())),
@@ -230,8 +239,11 @@ impl Publisher {
                 match self.listener.accept() {
                     Ok((stream, _)) => {
                         let _ = stream.set_nonblocking(false);
-                        let (content, version, cfg) = (&content, version.clone(), &self.cfg);
-                        sessions.push(s.spawn(move || session::run(stream, content, version, cfg)));
+                        let (content, version, cfg, pool) =
+                            (&content, version.clone(), &self.cfg, &self.pool);
+                        sessions.push(
+                            s.spawn(move || session::run(stream, content, version, cfg, pool)),
+                        );
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         if Instant::now() >= deadline {

@@ -17,6 +17,37 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// Buffers kept between sessions.
+#[derive(Default)]
+pub(super) struct BufferPool(parking_lot::Mutex<Vec<SharedBuffer>>);
+
+impl BufferPool {
+    /// `n` buffers of at least `len` bytes: pooled ones first, new ones else.
+    fn take(&self, n: usize, len: usize) -> Result<Vec<SharedBuffer>> {
+        let mut out = Vec::with_capacity(n);
+        {
+            let mut free = self.0.lock();
+            while out.len() < n {
+                match free.iter().position(|b| b.len() >= len) {
+                    Some(i) => out.push(free.swap_remove(i)),
+                    None => break,
+                }
+            }
+        }
+        while out.len() < n {
+            out.push(SharedBuffer::create(
+                &format!("bucket buffer {}", out.len()),
+                len,
+            )?);
+        }
+        Ok(out)
+    }
+
+    fn give_back(&self, buffers: Vec<SharedBuffer>) {
+        self.0.lock().extend(buffers);
+    }
+}
+
 /// What one session did.
 #[derive(Clone, Debug, Default)]
 pub struct SessionStats {
@@ -36,7 +67,7 @@ pub struct SessionStats {
 enum ShardBytes {
     Memory(Vec<SendPtr>),
     Files {
-        source: SnapshotSource,
+        source: Box<SnapshotSource>,
         open: HashMap<PathBuf, File>,
     },
 }
@@ -69,7 +100,7 @@ fn shard_for(
             Ok(Shard {
                 manifest,
                 bytes: ShardBytes::Files {
-                    source,
+                    source: Box::new(source),
                     open: HashMap::new(),
                 },
             })
@@ -146,11 +177,12 @@ pub(super) fn run(
     content: &Content,
     version: Option<String>,
     cfg: &PublisherConfig,
+    pool: &BufferPool,
 ) -> Result<SessionStats> {
     let start = Instant::now();
     check_peer_uid(&stream, cfg.allow_other_uids, "an engine")?;
     let mut conn = Conn::new(stream, "an engine");
-    let r = serve(&mut conn, content, version, cfg, start);
+    let r = serve(&mut conn, content, version, cfg, pool, start);
     if let Err(e) = &r {
         conn.send_error(&e.message);
     }
@@ -162,6 +194,7 @@ fn serve(
     content: &Content,
     version: Option<String>,
     cfg: &PublisherConfig,
+    pool: &BufferPool,
     start: Instant,
 ) -> Result<SessionStats> {
     let session_deadline = start + cfg.session_timeout;
@@ -204,9 +237,39 @@ fn serve(
     let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);
-    let buffers: Vec<SharedBuffer> = (0..n_buf)
-        .map(|i| SharedBuffer::create(&format!("bucket buffer {i}"), largest))
-        .collect::<Result<_>>()?;
+    let buffers = pool.take(n_buf, largest)?;
+    let mut stats = SessionStats {
+        rank,
+        version: have,
+        tensors: want.len() as u64,
+        ..Default::default()
+    };
+    let r = stream_buckets(
+        conn, &mut shard, &buckets, &buffers, largest, cfg, &step, &mut stats,
+    );
+    // A clean session's buffers serve the next one; a failed session's are
+    // freed at once (the engine may be gone, or still mapping them).
+    if r.is_ok() {
+        pool.give_back(buffers);
+    }
+    r?;
+    stats.total = start.elapsed();
+    Ok(stats)
+}
+
+/// Hand the buffers over, then fill, announce and recycle them bucket by bucket.
+#[allow(clippy::too_many_arguments)]
+fn stream_buckets(
+    conn: &mut Conn,
+    shard: &mut Shard,
+    buckets: &[(Vec<BucketEntry>, u64)],
+    buffers: &[SharedBuffer],
+    largest: usize,
+    cfg: &PublisherConfig,
+    step: &dyn Fn(Duration) -> Instant,
+    stats: &mut SessionStats,
+) -> Result<()> {
+    let n_buf = buffers.len();
     let fds: Vec<i32> = buffers.iter().map(|b| b.fd().as_raw_fd()).collect();
     conn.send_with_fds(
         &Frame::Buffers {
@@ -214,18 +277,16 @@ fn serve(
         },
         &fds,
     )?;
-
-    let mut stats = SessionStats {
-        rank,
-        version: have,
-        tensors: want.len() as u64,
-        ..Default::default()
+    let threads = if cfg.threads == 0 {
+        default_threads()
+    } else {
+        cfg.threads
     };
     let mut acked = 0u64;
-    let wait_ack = |conn: &mut Conn, acked: &mut u64, stats: &mut SessionStats| -> Result<()> {
+    let mut wait_ack = |conn: &mut Conn, stats: &mut SessionStats| -> Result<()> {
         let t = Instant::now();
         match conn.recv(step(cfg.bucket_timeout))? {
-            Frame::Ack { seq } if seq == *acked => *acked += 1,
+            Frame::Ack { seq } if seq == acked => acked += 1,
             Frame::Ack { seq } => {
                 return Err(Error::peer(format!(
                     "acknowledged bucket {seq}, expected {acked}"
@@ -236,37 +297,41 @@ fn serve(
         stats.wait += t.elapsed();
         Ok(())
     };
-    let used_bytes = |entries: &[BucketEntry]| entries.iter().map(|e| e.len).sum::<u64>();
     for (i, (entries, _)) in buckets.iter().enumerate() {
-        while (i as u64) >= acked + n_buf as u64 {
-            wait_ack(conn, &mut acked, &mut stats)?;
+        // Buffer i % n_buf is free once the engine acknowledged bucket i - n_buf.
+        if i >= n_buf {
+            wait_ack(conn, stats)?;
         }
         let buf = &buffers[i % n_buf];
         let t = Instant::now();
-        fill(&mut shard, entries, buf)?;
+        fill(shard, entries, buf, threads)?;
         if let Some(victim) = &cfg.corrupt_tensor {
             corrupt(&shard.manifest, entries, buf, victim);
         }
         stats.pack += t.elapsed();
-        stats.bytes += used_bytes(entries);
+        stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
         conn.send(&Frame::Bucket {
             seq: i as u64,
             buffer: (i % n_buf) as u32,
             entries: entries.clone(),
         })?;
     }
-    while acked < buckets.len() as u64 {
-        wait_ack(conn, &mut acked, &mut stats)?;
+    for _ in buckets.len().saturating_sub(n_buf)..buckets.len() {
+        wait_ack(conn, stats)?;
     }
     conn.send(&Frame::End {
         buckets: buckets.len() as u64,
     })?;
     stats.buckets = buckets.len() as u64;
-    stats.total = start.elapsed();
-    Ok(stats)
+    Ok(())
 }
 
-fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Result<()> {
+fn fill(
+    shard: &mut Shard,
+    entries: &[BucketEntry],
+    buf: &SharedBuffer,
+    threads: usize,
+) -> Result<()> {
     let dst = |e: &BucketEntry| SendPtr(buf.ptr().wrapping_add(e.buffer_offset as usize));
     match &mut shard.bytes {
         ShardBytes::Memory(ptrs) => {
@@ -285,7 +350,7 @@ fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Resul
                 .collect();
             // SAFETY: entries lie inside the buffer (planned from its size) and
             // inside their tensors; the trainer keeps tensors unchanged.
-            unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)
+            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
         ShardBytes::Files { source, open } => {
             for e in entries {
@@ -312,7 +377,7 @@ fn fill(shard: &mut Shard, entries: &[BucketEntry], buf: &SharedBuffer) -> Resul
                 })
                 .collect();
             // SAFETY: as above; file reads are bounds-checked by pread.
-            unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)
+            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
     }
 }

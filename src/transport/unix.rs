@@ -185,8 +185,7 @@ fn sendmsg(fd: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    let space =
-        unsafe { libc::CMSG_SPACE((fds.len() * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
     let mut control = vec![0u8; if fds.is_empty() { 0 } else { space }];
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -199,7 +198,7 @@ fn sendmsg(fd: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<RawFd>()) as u32) as _;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
             std::ptr::copy_nonoverlapping(
                 fds.as_ptr(),
                 libc::CMSG_DATA(c) as *mut RawFd,

@@ -7,6 +7,7 @@
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
 
 mod bench;
+mod bench_ipc;
 mod bench_signal;
 mod demo;
 mod fixtures;
@@ -24,6 +25,7 @@ const USAGE: &str = "usage:
   wm manifest <dir>
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
+  wm bench ipc [--gib N] [--bucket-mib M]
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
@@ -113,13 +115,27 @@ fn run(argv: &[String]) -> Result<(), String> {
         "bench" => {
             let a = Args::parse(rest, &[])?;
             a.check_known(&[
-                "gib", "small", "threads", "dir", "steps", "ranks", "work-us", "rank", "world",
-                "group", "cell",
+                "gib",
+                "small",
+                "threads",
+                "dir",
+                "steps",
+                "ranks",
+                "work-us",
+                "rank",
+                "world",
+                "group",
+                "cell",
+                "socket",
+                "bucket-mib",
+                "engines",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
                 Some("signal") => bench_signal::run(&a),
                 Some("signal-rank") => bench_signal::rank(&a),
+                Some("ipc") => bench_ipc::run(&a),
+                Some("ipc-publisher") => bench_ipc::publisher(&a),
                 _ => Err("usage: wm bench snapshot|signal [options]".into()),
             }
         }

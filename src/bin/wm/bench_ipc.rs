@@ -1,0 +1,261 @@
+//! `wm bench ipc`: a model over host shared memory from a trainer process
+//! (the publisher, its own process) into this engine process, in copy mode
+//! (into registered params) and zero-copy mode (per-tensor callback on the
+//! shared buffer), beside a memcpy floor measured in the same run.
+//!
+//! The trainer packs bucket i+1 while the engine applies bucket i, so the two
+//! run at once: each side gets half of the cores (as on a real node, where
+//! both have their own), and the floor is a memcpy with the engine's threads.
+
+use crate::fixtures;
+use crate::fmt::{self, gbps};
+use crate::Args;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use weight_manager::apply::Mode;
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::publisher::{Publisher, PublisherConfig};
+use weight_manager::registry::ParamSpec;
+use weight_manager::source::SourceKind;
+use weight_manager::tensor::DType;
+
+const TENSOR: usize = 64 << 20;
+
+fn model_tensors(gib: f64) -> usize {
+    ((gib * (1u64 << 30) as f64) / TENSOR as f64)
+        .ceil()
+        .max(1.0) as usize
+}
+
+/// The trainer process: builds the model in memory, publishes, serves.
+pub fn publisher(a: &Args) -> Result<(), String> {
+    let socket = a.value("socket").ok_or("--socket")?;
+    let count = model_tensors(a.number("gib", 4.0)?);
+    let threads: usize = a.number("threads", 1)?;
+    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    for i in 0..count {
+        let mut v = vec![0u8; TENSOR];
+        fixtures::fill(&mut v, i as u64 + 1);
+        data.push(v);
+    }
+    let p = Publisher::bind(
+        std::path::Path::new(socket),
+        PublisherConfig {
+            bucket_size: bucket_mib << 20,
+            threads,
+            checksums: false,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    for (i, d) in data.iter().enumerate() {
+        // SAFETY: `data` outlives serving.
+        unsafe {
+            p.add_tensor(
+                &format!("layers.{i}.w"),
+                DType::Bf16,
+                &[8192, 4096],
+                d.as_ptr(),
+                d.len(),
+                None,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+    }
+    p.set_version(Some("bench".into()));
+    println!("ready");
+    let stats = p
+        .serve(a.number("engines", 3)?, Duration::from_secs(600))
+        .map_err(|e| e.to_string())?;
+    for s in stats.sessions {
+        println!(
+            "session {} {} {}",
+            s.bytes,
+            s.pack.as_nanos(),
+            s.wait.as_nanos()
+        );
+    }
+    Ok(())
+}
+
+fn memcpy_floor(bytes: usize, threads: usize) -> Duration {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![2u8; bytes];
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let chunk = bytes.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        best = best.min(t.elapsed());
+    }
+    best
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let gib: f64 = a.number("gib", 4.0)?;
+    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let side: usize = a.number("threads", (cores / 2).max(1))?;
+    let count = model_tensors(gib);
+    let total = (count * TENSOR) as u64;
+    let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let socket = dir.join("trainer.sock");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut trainer = Command::new(exe)
+        .args([
+            "bench",
+            "ipc-publisher",
+            "--socket",
+            socket.to_str().unwrap_or_default(),
+        ])
+        .args([
+            "--gib",
+            &gib.to_string(),
+            "--threads",
+            &side.to_string(),
+            "--bucket-mib",
+            &bucket_mib.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut lines = BufReader::new(trainer.stdout.take().expect("piped")).lines();
+    match lines.next() {
+        Some(Ok(l)) if l == "ready" => {}
+        other => return Err(format!("the trainer process did not start: {other:?}")),
+    }
+    println!(
+        "wm bench ipc: {} of bf16 in {count} tensors, buckets of {bucket_mib} MiB x 2, {side} thread(s) each for trainer and engine",
+        fmt::bytes(total)
+    );
+    let floor_bytes = (1usize << 30).min(total as usize);
+    let floor = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side));
+    println!("  floor  memcpy, {side} thread(s)                {floor:>7.2} GB/s");
+    // Copying out of shared memory: its pages are 4 KiB unless the kernel
+    // gives shmem huge pages, so this bounds the engine's copy.
+    let shm_floor = {
+        let len = (256usize << 20).min(floor_bytes);
+        let buf = weight_manager::memory::shared::SharedBuffer::create("floor", len)
+            .map_err(|e| e.to_string())?;
+        // SAFETY: our own writable buffer of `len` bytes.
+        unsafe { std::ptr::write_bytes(buf.ptr(), 3, len) };
+        // SAFETY: reading our own initialised buffer.
+        let src = unsafe { std::slice::from_raw_parts(buf.ptr(), len) };
+        let mut dst = vec![1u8; len];
+        let mut best = Duration::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            let chunk = len.div_ceil(side);
+            std::thread::scope(|s| {
+                for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                    s.spawn(move || d.copy_from_slice(c));
+                }
+            });
+            best = best.min(t.elapsed());
+        }
+        gbps(len as u64, best)
+    };
+    println!("  floor  memcpy out of shared memory     {shm_floor:>7.2} GB/s");
+
+    let m = Manager::new(ManagerConfig {
+        threads: side,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut params: Vec<Vec<u8>> = Vec::new();
+    for i in 0..count {
+        let mut b = vec![1u8; TENSOR];
+        // SAFETY: `params` outlives the manager's updates below.
+        unsafe {
+            m.register(
+                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
+                b.as_mut_ptr(),
+                b.len(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        params.push(b);
+    }
+    // Warm-up: the first session creates the trainer's shared buffers (page
+    // faults, slow on a VM); steady RL updates reuse them, as timed below.
+    let warm = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
+    let mut ignore = |_: &weight_manager::apply::TensorView| Ok(());
+    let mut r = UpdateRequest::snapshot(&socket);
+    r.source = SourceKind::Ipc;
+    r.mode = Mode::InPlace;
+    r.hooks.tensor = Some(&mut ignore);
+    let first = warm.update(r).map_err(|e| e.to_string())?;
+    println!(
+        "  wm     first update (creates buffers)  {:>7.2} GB/s   (later updates reuse the trainer's buffers)",
+        gbps(first.bytes, first.sync)
+    );
+    let request = |mode| {
+        let mut r = UpdateRequest::snapshot(&socket);
+        r.source = SourceKind::Ipc;
+        r.mode = mode;
+        r
+    };
+    let copy = m
+        .update(request(Mode::InPlace))
+        .map_err(|e| e.to_string())?;
+    let copy_rate = gbps(copy.bytes, copy.sync);
+    println!(
+        "  wm     copy mode (into params)         {copy_rate:>7.2} GB/s   ratio {:.2} to memcpy (target >= 0.80) {}; {:.2} to memcpy out of shared memory",
+        copy_rate / floor,
+        if copy_rate / floor >= 0.8 { "PASS" } else { "MISS" },
+        copy_rate / shm_floor
+    );
+    let zero = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
+    let mut touched = 0u64;
+    let mut cb = |t: &weight_manager::apply::TensorView| {
+        touched += t.data[t.data.len() / 2] as u64;
+        Ok(())
+    };
+    let mut r = request(Mode::InPlace);
+    r.hooks.tensor = Some(&mut cb);
+    let zc = zero.update(r).map_err(|e| e.to_string())?;
+    let zc_rate = gbps(zc.bytes, zc.sync);
+    println!(
+        "  wm     zero-copy (callback on buffer)  {zc_rate:>7.2} GB/s   ratio {:.2} (bounded by the trainer's packing)",
+        zc_rate / floor
+    );
+    let sessions: Vec<Vec<u64>> = lines
+        .map_while(|l| l.ok())
+        .filter(|l| l.starts_with("session "))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .collect();
+    let status = trainer.wait().map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if !status.success() {
+        return Err("the trainer process failed".into());
+    }
+    for (name, s, engine) in [
+        ("copy mode", sessions.get(1), &copy),
+        ("zero-copy", sessions.get(2), &zc),
+    ] {
+        if let Some(s) = s.filter(|s| s.len() == 3) {
+            let pack = Duration::from_nanos(s[1]);
+            println!(
+                "  {name:<10} trainer packing {} ({:.2} GB/s), waiting for acks {}; engine receive+apply {}",
+                fmt::ms(pack),
+                gbps(s[0], pack),
+                fmt::ms(Duration::from_nanos(s[2])),
+                fmt::ms(engine.sync)
+            );
+        }
+    }
+    std::hint::black_box(touched);
+    Ok(())
+}
