@@ -64,28 +64,31 @@ pub enum Frame {
     Error { text: String },
 }
 
-struct Out(Vec<u8>);
+/// Little-endian field writer, shared by every framed protocol here.
+pub(crate) struct Out(pub(crate) Vec<u8>);
 
 impl Out {
-    fn u8(&mut self, v: u8) {
+    pub(crate) fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
-    fn u32(&mut self, v: u32) {
+    pub(crate) fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u64(&mut self, v: u64) {
+    pub(crate) fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes());
     }
 }
 
-struct In<'a>(&'a [u8]);
+/// Little-endian field reader: every read is bounds-checked, every count
+/// checked against what is left, before anything is allocated.
+pub(crate) struct In<'a>(pub(crate) &'a [u8]);
 
 impl<'a> In<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.0.len() < n {
             return Err(Error::peer("wire: frame ends early"));
         }
@@ -93,16 +96,16 @@ impl<'a> In<'a> {
         self.0 = b;
         Ok(a)
     }
-    fn u8(&mut self) -> Result<u8> {
+    pub(crate) fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> Result<u32> {
+    pub(crate) fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
     }
-    fn u64(&mut self) -> Result<u64> {
+    pub(crate) fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
     }
-    fn str(&mut self) -> Result<String> {
+    pub(crate) fn str(&mut self) -> Result<String> {
         let n = self.u32()? as usize;
         if n > MAX_STRING {
             return Err(Error::peer(format!(
@@ -113,7 +116,7 @@ impl<'a> In<'a> {
             .map_err(|_| Error::peer("wire: string is not UTF-8"))
     }
     /// A count of items of at least `min_item` bytes each, checked against what is left.
-    fn count(&mut self, min_item: usize, what: &str) -> Result<usize> {
+    pub(crate) fn count(&mut self, min_item: usize, what: &str) -> Result<usize> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_item) > self.0.len() {
             return Err(Error::peer(format!(
@@ -122,7 +125,7 @@ impl<'a> In<'a> {
         }
         Ok(n)
     }
-    fn done(&self) -> Result<()> {
+    pub(crate) fn done(&self) -> Result<()> {
         if !self.0.is_empty() {
             return Err(Error::peer(format!(
                 "wire: {} unexpected bytes at the end of a frame",

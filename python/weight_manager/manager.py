@@ -57,6 +57,21 @@ class Progress:
     tensors_total: int
 
 
+def last_error_text(last_error, handle) -> str:
+    """A handle's last error text, read through one of the *_last_error calls."""
+    buf = ctypes.create_string_buffer(4096)
+    n = ctypes.c_size_t()
+    if last_error(handle, buf, len(buf), ctypes.byref(n)) != 0:
+        return ""
+    return buf.value.decode(errors="replace")
+
+
+def raise_for(rc: int, last_error, handle) -> None:
+    """Raise WeightManagerError for a failed call, with the handle's text."""
+    if rc != 0:
+        raise WeightManagerError(rc, last_error_text(last_error, handle) or LIB.wm_result_text(rc).decode())
+
+
 def _stats(s: _lib.UpdateStats) -> UpdateStats:
     return UpdateStats(s.version.decode(), s.rank, s.tensors, s.bytes, s.sync_ns / 1e9,
                        s.update_ns / 1e9, s.total_ns / 1e9)
@@ -125,15 +140,10 @@ class Manager:
         return self._handle
 
     def last_error(self) -> str:
-        buf = ctypes.create_string_buffer(4096)
-        n = ctypes.c_size_t()
-        if LIB.wm_last_error(self._h(), buf, len(buf), ctypes.byref(n)) != 0:
-            return ""
-        return buf.value.decode(errors="replace")
+        return last_error_text(LIB.wm_last_error, self._h())
 
     def _check(self, rc: int):
-        if rc != 0:
-            raise WeightManagerError(rc, self.last_error() or LIB.wm_result_text(rc).decode())
+        raise_for(rc, LIB.wm_last_error, self._h())
 
     @staticmethod
     def _desc(name: str, dtype: DType, shape) -> tuple:
@@ -283,11 +293,7 @@ class Controller:
         return self._handle
 
     def _check(self, rc: int):
-        if rc != 0:
-            buf = ctypes.create_string_buffer(2048)
-            n = ctypes.c_size_t()
-            LIB.wm_controller_last_error(self._h(), buf, len(buf), ctypes.byref(n))
-            raise WeightManagerError(rc, buf.value.decode(errors="replace") or LIB.wm_result_text(rc).decode())
+        raise_for(rc, LIB.wm_controller_last_error, self._h())
 
     def get(self) -> State:
         out = ctypes.c_int32()

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from .manager import WeightManagerError
+from .manager import WeightManagerError, raise_for
 from .types import Result, parse_dtype
 
 LIB = _lib.LIB
@@ -50,11 +50,7 @@ class Publisher:
         return self._handle
 
     def _check(self, rc: int):
-        if rc != 0:
-            buf = ctypes.create_string_buffer(2048)
-            n = ctypes.c_size_t()
-            LIB.wm_publisher_last_error(self._h(), buf, len(buf), ctypes.byref(n))
-            raise WeightManagerError(rc, buf.value.decode(errors="replace") or LIB.wm_result_text(rc).decode())
+        raise_for(rc, LIB.wm_publisher_last_error, self._h())
 
     def add(self, name: str, array: np.ndarray, *, dtype=None, rank: int = -1) -> None:
         """Publish `array` as tensor `name` for engine `rank` (-1: every rank)."""

@@ -3,6 +3,7 @@
 //! endian; every read has a deadline, and a closed connection is a peer error.
 
 use crate::result::{Error, Result};
+use crate::wire::{In, Out};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
@@ -31,69 +32,22 @@ pub enum Msg {
     Abort { reason: String },
 }
 
-struct Writer(Vec<u8>);
-
-impl Writer {
-    fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn str(&mut self, s: &str) {
-        self.u32(s.len() as u32);
-        self.0.extend_from_slice(s.as_bytes());
-    }
-    fn pairs(&mut self, v: &[(u32, u32)]) {
-        self.u32(v.len() as u32);
-        for (a, b) in v {
-            self.u32(*a);
-            self.u32(*b);
-        }
+fn put_pairs(w: &mut Out, v: &[(u32, u32)]) {
+    w.u32(v.len() as u32);
+    for (a, b) in v {
+        w.u32(*a);
+        w.u32(*b);
     }
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Result<&[u8]> {
-        if self.0.len() < n {
-            return Err(Error::peer("signal link: truncated frame"));
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Ok(a)
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-    fn str(&mut self) -> Result<String> {
-        let n = self.u32()? as usize;
-        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::peer("signal link: bad UTF-8"))
-    }
-    fn count(&mut self, item: usize) -> Result<usize> {
-        let n = self.u32()? as usize;
-        if n.saturating_mul(item) > self.0.len() {
-            return Err(Error::peer("signal link: list longer than its frame"));
-        }
-        Ok(n)
-    }
-    fn pairs(&mut self) -> Result<Vec<(u32, u32)>> {
-        let n = self.count(8)?;
-        (0..n).map(|_| Ok((self.u32()?, self.u32()?))).collect()
-    }
+fn get_pairs(r: &mut In) -> Result<Vec<(u32, u32)>> {
+    let n = r.count(8, "failures")?;
+    (0..n).map(|_| Ok((r.u32()?, r.u32()?))).collect()
 }
 
 impl Msg {
     fn encode(&self) -> Vec<u8> {
-        let mut w = Writer(Vec::new());
+        let mut w = Out(Vec::new());
         let kind = match self {
             Msg::Hello { group, node, ranks } => {
                 w.u32(MAGIC);
@@ -112,12 +66,12 @@ impl Msg {
             }
             Msg::Arrive { gen, failures } => {
                 w.u64(*gen);
-                w.pairs(failures);
+                put_pairs(&mut w, failures);
                 4
             }
             Msg::Release { gen, failures } => {
                 w.u64(*gen);
-                w.pairs(failures);
+                put_pairs(&mut w, failures);
                 5
             }
             Msg::Abort { reason } => {
@@ -132,7 +86,7 @@ impl Msg {
     }
 
     fn decode(kind: u8, payload: &[u8]) -> Result<Msg> {
-        let mut r = Reader(payload);
+        let mut r = In(payload);
         Ok(match kind {
             1 => {
                 if r.u32()? != MAGIC {
@@ -146,7 +100,7 @@ impl Msg {
                 }
                 let group = r.str()?;
                 let node = r.u32()?;
-                let n = r.count(4)?;
+                let n = r.count(4, "ranks")?;
                 let ranks = (0..n).map(|_| r.u32()).collect::<Result<_>>()?;
                 Msg::Hello { group, node, ranks }
             }
@@ -157,11 +111,11 @@ impl Msg {
             },
             4 => Msg::Arrive {
                 gen: r.u64()?,
-                failures: r.pairs()?,
+                failures: get_pairs(&mut r)?,
             },
             5 => Msg::Release {
                 gen: r.u64()?,
-                failures: r.pairs()?,
+                failures: get_pairs(&mut r)?,
             },
             6 => Msg::Abort { reason: r.str()? },
             other => {
@@ -264,6 +218,9 @@ mod tests {
         // A list claiming more items than the frame holds is refused before allocating.
         let mut bad = 7u64.to_le_bytes().to_vec();
         bad.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Msg::decode(4, &bad).unwrap_err().message.contains("longer"));
+        assert!(Msg::decode(4, &bad)
+            .unwrap_err()
+            .message
+            .contains("cannot fit"));
     }
 }
