@@ -738,6 +738,88 @@ static void test_group(void) {
   remove_tmpdir();
 }
 
+
+static void test_publisher(void) {
+  make_tmpdir();
+  char sock[512];
+  snprintf(sock, sizeof sock, "%s/pub.sock", tmpdir);
+  wm_publisher_config cfg;
+  CHECK_RC(wm_publisher_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_config_init(&cfg), WM_OK);
+  CHECK(cfg.struct_size == sizeof cfg && cfg.buffers == 2 && cfg.socket_mode == 0600);
+  wm_publisher *p = NULL;
+  CHECK_RC(wm_publisher_create(NULL, &cfg, &p), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_create(sock, &cfg, NULL), WM_ERR_NULL_ARGUMENT);
+  cfg.struct_size = 4;
+  CHECK_RC(wm_publisher_create(sock, &cfg, &p), WM_ERR_STRUCT_SIZE);
+  wm_publisher_config_init(&cfg);
+  cfg.buffers = 0;
+  CHECK_RC(wm_publisher_create(sock, &cfg, &p), WM_ERR_INVALID_ARGUMENT);
+  CHECK(p == NULL);
+  CHECK_RC(wm_publisher_create(sock, NULL, &p), WM_OK);
+
+  static float w[16];
+  uint64_t shape[2] = {4, 4};
+  CHECK_RC(wm_publisher_add_tensor(NULL, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, NULL, WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", 99, shape, 2, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, NULL, 2, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 9, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w - 4, -1), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, NULL, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_OK);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, 3), WM_ERR_INVALID_ARGUMENT);
+  char buf[256];
+  size_t n = 0;
+  CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "already published") != NULL);
+  CHECK_RC(wm_publisher_last_error(p, NULL, sizeof buf, &n), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, buf, 0, &n), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_set_version(p, "3"), WM_OK);
+  CHECK_RC(wm_publisher_set_version(p, NULL), WM_OK);
+  CHECK_RC(wm_publisher_set_dir(p, NULL), WM_ERR_NULL_ARGUMENT);
+
+  wm_serve_stats st;
+  st.struct_size = 1;
+  CHECK_RC(wm_publisher_serve(p, 1, 50, &st), WM_ERR_STRUCT_SIZE);
+  st.struct_size = sizeof st;
+  CHECK_RC(wm_publisher_serve(p, 1, 50, &st), WM_ERR_TIMEOUT); /* nobody connects */
+  CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "0 of 1") != NULL);
+  CHECK_RC(wm_publisher_serve(p, 0, 50, &st), WM_OK);
+  CHECK(st.sessions == 0);
+  CHECK_RC(wm_publisher_clear(p), WM_OK);
+  CHECK_RC(wm_publisher_clear(NULL), WM_ERR_NULL_ARGUMENT);
+
+  wm_publisher_destroy(p);
+  CHECK(access(sock, F_OK) != 0); /* the socket file is gone */
+  CHECK_RC(wm_publisher_clear(p), WM_ERR_INVALID_HANDLE);
+  wm_publisher_destroy(p);
+  wm_publisher_destroy(NULL);
+
+  /* Controller NULL paths. */
+  wm_controller *ctl = NULL;
+  char cell[64];
+  snprintf(cell, sizeof cell, "wm_c_ctl_%d", (int)getpid());
+  CHECK_RC(wm_controller_open(cell, &ctl), WM_OK);
+  int32_t state;
+  uint32_t outcome;
+  CHECK_RC(wm_controller_get(ctl, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_controller_get(NULL, &state), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_controller_request(ctl, WM_STATE_UPDATING, 10, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_controller_set(ctl, 42), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_controller_set(ctl, WM_STATE_FAILED), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_controller_set(ctl, WM_STATE_CLEARED), WM_OK);
+  CHECK_RC(wm_controller_wait(ctl, WM_STATE_NORMAL, 20), WM_ERR_TIMEOUT);
+  CHECK_RC(wm_controller_request(ctl, WM_STATE_UPDATING, 20, &outcome), WM_ERR_TIMEOUT); /* no engine */
+  CHECK_RC(wm_controller_last_error(ctl, buf, sizeof buf, NULL), WM_ERR_NULL_ARGUMENT);
+  wm_controller_destroy(ctl);
+  char shm_name[80];
+  snprintf(shm_name, sizeof shm_name, "/%s", cell);
+  shm_unlink(shm_name);
+  remove_tmpdir();
+}
+
 static void test_static_link(void) {
 #ifdef WM_STATIC_BUILD
   printf("linked statically\n");
@@ -753,7 +835,7 @@ int main(int argc, char **argv) {
       {"version", test_version},     {"null_args", test_null_args}, {"struct_size", test_struct_size},
       {"enums", test_enums},         {"lifecycle", test_lifecycle}, {"failures", test_failures},
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
-      {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group},
+      {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;
