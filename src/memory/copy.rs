@@ -78,12 +78,62 @@ fn split<'a>(jobs: &[CopyJob<'a>]) -> Vec<CopyJob<'a>> {
     pieces
 }
 
+/// Pieces at least this large use streaming stores (see [`copy_bytes`]).
+const STREAM_MIN: usize = 1 << 20;
+
+/// Copy `len` bytes. Large copies on x86-64 with AVX2 use 32-byte loads and
+/// non-temporal stores: glibc's memcpy (`rep movsb`) slows to a third of its
+/// speed when the destination sits a few hundred bytes ahead of the source
+/// modulo 4 KiB, which is exactly a page-aligned bucket copied into a heap
+/// param that starts 16 bytes into its page (measured here: 3.5-5 GB/s
+/// against 14 GB/s). Streaming stores run at full speed for any offsets and
+/// do not evict the cache for bytes nobody reads soon.
+///
+/// # Safety
+/// `src..src+len` readable, `dst..dst+len` writable, not overlapping.
+pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if len >= STREAM_MIN && *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2")) {
+            return stream_copy(dst, src, len);
+        }
+    }
+    std::ptr::copy_nonoverlapping(src, dst, len);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::*;
+    // Align the destination to 32 bytes, as streaming stores need.
+    let head = ((32 - (dst as usize & 31)) & 31).min(len);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let (dst, src, len) = (dst.add(head), src.add(head), len - head);
+    let mut i = 0;
+    while i + 128 <= len {
+        let a = _mm256_loadu_si256(src.add(i) as *const __m256i);
+        let b = _mm256_loadu_si256(src.add(i + 32) as *const __m256i);
+        let c = _mm256_loadu_si256(src.add(i + 64) as *const __m256i);
+        let d = _mm256_loadu_si256(src.add(i + 96) as *const __m256i);
+        _mm256_stream_si256(dst.add(i) as *mut __m256i, a);
+        _mm256_stream_si256(dst.add(i + 32) as *mut __m256i, b);
+        _mm256_stream_si256(dst.add(i + 64) as *mut __m256i, c);
+        _mm256_stream_si256(dst.add(i + 96) as *mut __m256i, d);
+        i += 128;
+    }
+    // Order the streaming stores before anything that follows (the
+    // caller's checksum, acknowledgement or commit).
+    _mm_sfence();
+    std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+}
+
 fn run_piece(job: &CopyJob) -> Result<()> {
     // SAFETY (both arms): the caller of `copy_all` guarantees dst..dst+len is
     // writable, not written by another job, and src is readable for len.
     match job.src {
         CopySource::Memory(src) => unsafe {
-            std::ptr::copy_nonoverlapping(src.0, job.dst.0, job.len);
+            copy_bytes(job.dst.0, src.0, job.len);
         },
         CopySource::File { file, offset } => {
             let dst = unsafe { std::slice::from_raw_parts_mut(job.dst.0, job.len) };
@@ -224,6 +274,28 @@ mod tests {
         unsafe { copy_all(&jobs, 2) }.unwrap();
         assert_eq!(a, src);
         assert_eq!(&b[..], &src[10..]);
+    }
+
+    #[test]
+    fn streaming_copy_handles_any_offsets_and_lengths() {
+        let src: Vec<u8> = (0..(3 << 20) + 77).map(|i| (i * 31 % 253) as u8).collect();
+        for (s_off, d_off, len) in [
+            (0, 16, 2 << 20),
+            (5, 0, (2 << 20) + 77),
+            (64, 3, (1 << 20) + 1),
+            (0, 0, 100),
+        ] {
+            let mut dst = vec![0u8; len + 64];
+            unsafe { copy_bytes(dst.as_mut_ptr().add(d_off), src.as_ptr().add(s_off), len) };
+            assert_eq!(
+                &dst[d_off..d_off + len],
+                &src[s_off..s_off + len],
+                "{s_off} {d_off} {len}"
+            );
+            assert!(
+                dst[..d_off].iter().all(|b| *b == 0) && dst[d_off + len..].iter().all(|b| *b == 0)
+            );
+        }
     }
 
     #[test]
