@@ -158,7 +158,10 @@ pub fn run(a: &Args) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     let mut params: Vec<Vec<u8>> = Vec::new();
     for i in 0..count {
-        let mut b = vec![1u8; TENSOR];
+        // Varied bytes, like real weights: pages of one repeated value can be
+        // merged by the host and then cost a copy-on-write fault when written.
+        let mut b = vec![0u8; TENSOR];
+        fixtures::fill(&mut b, 1000 + i as u64);
         // SAFETY: `params` outlives the manager's updates below.
         unsafe {
             m.register(
