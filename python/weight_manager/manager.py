@@ -90,15 +90,58 @@ def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarr
     return arr.view(DTYPE_TO_NUMPY[dtype]).reshape(tuple(shape))
 
 
+class OwnedHandle:
+    """Base of the classes that own one library handle: `close()` (idempotent),
+    context manager, and destruction on garbage collection. Subclasses set
+    `_destroy` (the wm_*_destroy function) and `_what` (for errors)."""
+
+    _handle = None
+    _what = "handle"
+
+    @staticmethod
+    def _destroy(handle) -> None:
+        raise NotImplementedError
+
+    def _h(self):
+        if self._handle is None:
+            raise WeightManagerError(Result.ERR_INVALID_HANDLE, f"the {self._what} is closed")
+        return self._handle
+
+    def _on_close(self) -> None:
+        """Drop references kept for the library (arrays, callbacks)."""
+
+    def close(self) -> None:
+        """Destroy the handle. Idempotent."""
+        if self._handle is not None:
+            type(self)._destroy(self._handle)
+            self._handle = None
+            self._on_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 _LOG_LEVELS = {"off": 0, "error": 1, "warn": 2, "info": 3, "debug": 4}
 
 
-class Manager:
+class Manager(OwnedHandle):
     """One engine rank's weight manager.
 
     Use as a context manager, or call close(). Arrays returned by allocate()
     point into library memory: they must not be used after close().
     """
+
+    _what = "manager"
+    _destroy = staticmethod(lambda h: LIB.wm_destroy(h))
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, device: int = -1,
                  model_dir=None, fallback_dir=None, control_cell: Optional[str] = None,
@@ -134,11 +177,6 @@ class Manager:
         self._params = {}
 
     # -- plumbing ---------------------------------------------------------
-    def _h(self):
-        if self._handle is None:
-            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the manager is closed")
-        return self._handle
-
     def last_error(self) -> str:
         return last_error_text(LIB.wm_last_error, self._h())
 
@@ -254,31 +292,17 @@ class Manager:
         self._check(LIB.wm_broadcast_signal(self._h(), ctypes.byref(out)))
         return State(out.value)
 
-    def close(self) -> None:
-        """Destroy the handle. Idempotent."""
-        if self._handle is not None:
-            LIB.wm_destroy(self._handle)
-            self._handle = None
-            self._params.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def _on_close(self) -> None:
+        self._params.clear()
 
 
-class Controller:
+class Controller(OwnedHandle):
     """The controller's side of the control cell (SPEC.md's protocol): what
     an engine's API server uses to ask every rank for an update or a clear."""
 
     OUTCOMES = ("done", "already_done", "busy", "refused")
+    _what = "controller"
+    _destroy = staticmethod(lambda h: LIB.wm_controller_destroy(h))
 
     def __init__(self, cell: str):
         handle = ctypes.c_void_p()
@@ -286,11 +310,6 @@ class Controller:
         if rc != 0:
             raise WeightManagerError(rc, f"opening control cell '{cell}': {LIB.wm_result_text(rc).decode()}")
         self._handle = handle
-
-    def _h(self):
-        if self._handle is None:
-            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the controller is closed")
-        return self._handle
 
     def _check(self, rc: int):
         raise_for(rc, LIB.wm_controller_last_error, self._h())
@@ -319,22 +338,6 @@ class Controller:
     def request_clear(self, timeout: float = 60.0) -> str:
         return self._request(State.CLEARING, timeout)
 
-    def close(self) -> None:
-        if self._handle is not None:
-            LIB.wm_controller_destroy(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def version() -> str:

@@ -8,8 +8,8 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from .manager import WeightManagerError, raise_for
-from .types import Result, parse_dtype
+from .manager import OwnedHandle, WeightManagerError, raise_for
+from .types import parse_dtype
 
 LIB = _lib.LIB
 
@@ -23,13 +23,16 @@ class ServeStats:
     total_s: float
 
 
-class Publisher:
+class Publisher(OwnedHandle):
     """Listens on a Unix socket and serves buckets to engines.
 
     Arrays passed to add() must stay alive and unchanged while serve() runs;
     the publisher keeps references to them. Use as a context manager or call
     close().
     """
+
+    _what = "publisher"
+    _destroy = staticmethod(lambda h: LIB.wm_publisher_destroy(h))
 
     def __init__(self, socket_path: str, *, bucket_size: int = 512 << 20, buffers: int = 2,
                  socket_mode: int = 0o600, allow_other_uids: bool = False, checksums: bool = True):
@@ -43,11 +46,6 @@ class Publisher:
             raise WeightManagerError(rc, f"listening on {socket_path}: {LIB.wm_result_text(rc).decode()}")
         self._handle = handle
         self._arrays = []
-
-    def _h(self):
-        if self._handle is None:
-            raise WeightManagerError(Result.ERR_INVALID_HANDLE, "the publisher is closed")
-        return self._handle
 
     def _check(self, rc: int):
         raise_for(rc, LIB.wm_publisher_last_error, self._h())
@@ -80,20 +78,5 @@ class Publisher:
         self._check(LIB.wm_publisher_serve(self._h(), engines, int(timeout * 1000), ctypes.byref(st)))
         return ServeStats(st.sessions, st.bytes, st.pack_ns / 1e9, st.wait_ns / 1e9, st.total_ns / 1e9)
 
-    def close(self) -> None:
-        if self._handle is not None:
-            LIB.wm_publisher_destroy(self._handle)
-            self._handle = None
-            self._arrays.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def _on_close(self) -> None:
+        self._arrays.clear()
