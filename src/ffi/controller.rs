@@ -1,11 +1,10 @@
 //! The controller's handle: ask the engine for updates and clears through
 //! the control cell (SPEC.md's controller protocol).
 
-use super::HandleTable;
+use super::{HandleTable, Handled};
 use crate::result::{wm_result, Error, Result};
 use crate::signal::controller::Controller;
 use crate::state::State;
-use parking_lot::Mutex;
 use std::ffi::{c_char, CStr};
 use std::time::Duration;
 
@@ -15,28 +14,14 @@ pub struct wm_controller {
     _private: [u8; 0],
 }
 
-struct ControllerHandle {
-    controller: Controller,
-    last_error: Mutex<Option<Error>>,
-}
+type ControllerHandle = Handled<Controller>;
 
 static CONTROLLERS: HandleTable = HandleTable::new();
 
 macro_rules! try_controller {
     ($p:expr) => {
-        match CONTROLLERS.get::<ControllerHandle>($p as *const std::ffi::c_void) {
-            Ok(h) => h,
-            Err(code) => return code,
-        }
+        try_get!(CONTROLLERS, ControllerHandle, $p)
     };
-}
-
-fn code_of<T>(h: &ControllerHandle, r: Result<T>) -> std::result::Result<T, wm_result> {
-    r.map_err(|e| {
-        let code = e.code;
-        *h.last_error.lock() = Some(e);
-        code
-    })
 }
 
 fn state_arg(raw: i32) -> Result<State> {
@@ -65,10 +50,7 @@ pub unsafe extern "C" fn wm_controller_open(
         };
         match Controller::open(name) {
             Ok(controller) => {
-                let h = ControllerHandle {
-                    controller,
-                    last_error: Mutex::new(None),
-                };
+                let h = ControllerHandle::new(controller);
                 *out_controller = CONTROLLERS.publish(h).cast();
                 wm_result::WM_OK
             }
@@ -96,7 +78,7 @@ pub unsafe extern "C" fn wm_controller_get(
     ffi_guard!({
         check_null!(out_state);
         let h = try_controller!(controller);
-        match code_of(&h, h.controller.get()) {
+        match h.code(h.value.get()) {
             Ok(s) => {
                 *out_state = s as i32;
                 wm_result::WM_OK
@@ -115,7 +97,7 @@ pub unsafe extern "C" fn wm_controller_set(
 ) -> wm_result {
     ffi_guard!({
         let h = try_controller!(controller);
-        match code_of(&h, state_arg(state).and_then(|s| h.controller.set(s))) {
+        match h.code(state_arg(state).and_then(|s| h.value.set(s))) {
             Ok(()) => wm_result::WM_OK,
             Err(c) => c,
         }
@@ -139,9 +121,9 @@ pub unsafe extern "C" fn wm_controller_request(
     ffi_guard!({
         check_null!(out_outcome);
         let h = try_controller!(controller);
-        let r = state_arg(action)
-            .and_then(|a| h.controller.request(a, Duration::from_millis(timeout_ms)));
-        match code_of(&h, r) {
+        let r =
+            state_arg(action).and_then(|a| h.value.request(a, Duration::from_millis(timeout_ms)));
+        match h.code(r) {
             Ok(o) => {
                 *out_outcome = o as u32;
                 wm_result::WM_OK
@@ -160,9 +142,9 @@ pub unsafe extern "C" fn wm_controller_wait(
 ) -> wm_result {
     ffi_guard!({
         let h = try_controller!(controller);
-        let r = state_arg(state)
-            .and_then(|s| h.controller.wait_for(s, Duration::from_millis(timeout_ms)));
-        match code_of(&h, r) {
+        let r =
+            state_arg(state).and_then(|s| h.value.wait_for(s, Duration::from_millis(timeout_ms)));
+        match h.code(r) {
             Ok(()) => wm_result::WM_OK,
             Err(c) => c,
         }
@@ -182,12 +164,7 @@ pub unsafe extern "C" fn wm_controller_last_error(
     ffi_guard!({
         check_null!(buf, out_written);
         let h = try_controller!(controller);
-        let text = h
-            .last_error
-            .lock()
-            .as_ref()
-            .map(|e| e.message.clone())
-            .unwrap_or_default();
+        let text = h.last_error_text();
         super::copy_text_out(&text, buf, len, out_written)
     })
 }

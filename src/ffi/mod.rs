@@ -70,6 +70,16 @@ macro_rules! try_handle {
     };
 }
 
+/// Resolve a handle of `$table` (holding `$ty`) or return its error code.
+macro_rules! try_get {
+    ($table:expr, $ty:ty, $p:expr) => {
+        match $table.get::<$ty>($p as *const std::ffi::c_void) {
+            Ok(h) => h,
+            Err(code) => return code,
+        }
+    };
+}
+
 pub mod controller;
 pub mod manager;
 pub mod params;
@@ -121,6 +131,45 @@ impl HandleTable {
             // SAFETY: removing it from the table gives us back its reference.
             drop(unsafe { Arc::from_raw(p as *const T) });
         }
+    }
+}
+
+/// A library object behind a C handle, with the text of its last failure
+/// (per handle, as DESIGN.md asks). The manager keeps its own, because
+/// `wm_status` reports it too.
+pub(crate) struct Handled<T> {
+    pub(crate) value: T,
+    last_error: parking_lot::Mutex<Option<Error>>,
+}
+
+impl<T> Handled<T> {
+    pub(crate) fn new(value: T) -> Handled<T> {
+        Handled {
+            value,
+            last_error: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// `r` with its error turned into a code, the error remembered.
+    pub(crate) fn code<R>(&self, r: Result<R>) -> std::result::Result<R, wm_result> {
+        r.map_err(|e| {
+            let code = e.code;
+            *self.last_error.lock() = Some(e);
+            code
+        })
+    }
+
+    /// [`Handled::code`] for calls with no output.
+    pub(crate) fn result(&self, r: Result<()>) -> wm_result {
+        self.code(r).err().unwrap_or(wm_result::WM_OK)
+    }
+
+    pub(crate) fn last_error_text(&self) -> String {
+        self.last_error
+            .lock()
+            .as_ref()
+            .map(|e| e.message.clone())
+            .unwrap_or_default()
     }
 }
 

@@ -1,11 +1,10 @@
 //! The publisher's handle: a trainer serves weights to engine ranks on its
 //! node over IPC.
 
-use super::{check_struct_size, opt_path, opt_str, HandleTable};
+use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
 use crate::publisher::{Publisher, PublisherConfig, ServeStats};
-use crate::result::{wm_result, Error, Result};
+use crate::result::{wm_result, Error};
 use crate::tensor::DType;
-use parking_lot::Mutex;
 use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
@@ -49,31 +48,14 @@ pub struct wm_serve_stats {
     pub total_ns: u64,
 }
 
-struct PublisherHandle {
-    publisher: Publisher,
-    last_error: Mutex<Option<Error>>,
-}
+type PublisherHandle = Handled<Publisher>;
 
 static PUBLISHERS: HandleTable = HandleTable::new();
 
 macro_rules! try_publisher {
     ($p:expr) => {
-        match PUBLISHERS.get::<PublisherHandle>($p as *const c_void) {
-            Ok(h) => h,
-            Err(code) => return code,
-        }
+        try_get!(PUBLISHERS, PublisherHandle, $p)
     };
-}
-
-fn code_of(h: &PublisherHandle, r: Result<()>) -> wm_result {
-    match r {
-        Ok(()) => wm_result::WM_OK,
-        Err(e) => {
-            let c = e.code;
-            *h.last_error.lock() = Some(e);
-            c
-        }
-    }
 }
 
 /// Fill `config` with defaults and set `struct_size`.
@@ -127,10 +109,7 @@ pub unsafe extern "C" fn wm_publisher_create(
         let path = opt_path(socket_path).expect("checked");
         match Publisher::bind(&path, cfg) {
             Ok(publisher) => {
-                let h = PublisherHandle {
-                    publisher,
-                    last_error: Mutex::new(None),
-                };
+                let h = PublisherHandle::new(publisher);
                 *out_publisher = PUBLISHERS.publish(h).cast();
                 wm_result::WM_OK
             }
@@ -184,10 +163,10 @@ pub unsafe extern "C" fn wm_publisher_add_tensor(
                 std::slice::from_raw_parts(shape, ndim)
             };
             let rank = if rank < 0 { None } else { Some(rank as u32) };
-            h.publisher
+            h.value
                 .add_tensor(&name, dtype, shape, data.cast(), len, rank)
         })();
-        code_of(&h, r)
+        h.result(r)
     })
 }
 
@@ -201,7 +180,7 @@ pub unsafe extern "C" fn wm_publisher_set_dir(
     ffi_guard!({
         check_null!(dir);
         let h = try_publisher!(publisher);
-        h.publisher.set_dir(&opt_path(dir).expect("checked"));
+        h.value.set_dir(&opt_path(dir).expect("checked"));
         wm_result::WM_OK
     })
 }
@@ -214,8 +193,8 @@ pub unsafe extern "C" fn wm_publisher_set_version(
 ) -> wm_result {
     ffi_guard!({
         let h = try_publisher!(publisher);
-        let r = opt_str(version, "version").map(|v| h.publisher.set_version(v));
-        code_of(&h, r)
+        let r = opt_str(version, "version").map(|v| h.value.set_version(v));
+        h.result(r)
     })
 }
 
@@ -224,7 +203,7 @@ pub unsafe extern "C" fn wm_publisher_set_version(
 pub unsafe extern "C" fn wm_publisher_clear(publisher: *mut wm_publisher) -> wm_result {
     ffi_guard!({
         let h = try_publisher!(publisher);
-        h.publisher.clear_tensors();
+        h.value.clear_tensors();
         wm_result::WM_OK
     })
 }
@@ -249,11 +228,11 @@ pub unsafe extern "C" fn wm_publisher_serve(
                 size,
                 std::mem::size_of::<wm_serve_stats>(),
             ) {
-                return code_of(&h, Err(e));
+                return h.result(Err(e));
             }
         }
         match h
-            .publisher
+            .value
             .serve(engines as usize, Duration::from_millis(accept_timeout_ms))
         {
             Ok(ServeStats { sessions }) => {
@@ -273,7 +252,7 @@ pub unsafe extern "C" fn wm_publisher_serve(
                 }
                 wm_result::WM_OK
             }
-            Err(e) => code_of(&h, Err(e)),
+            Err(e) => h.result(Err(e)),
         }
     })
 }
@@ -289,12 +268,7 @@ pub unsafe extern "C" fn wm_publisher_last_error(
     ffi_guard!({
         check_null!(buf, out_written);
         let h = try_publisher!(publisher);
-        let text = h
-            .last_error
-            .lock()
-            .as_ref()
-            .map(|e| e.message.clone())
-            .unwrap_or_default();
+        let text = h.last_error_text();
         super::copy_text_out(&text, buf, len, out_written)
     })
 }

@@ -14,7 +14,7 @@ use crate::fmt::{self, gbps};
 use crate::Args;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
@@ -82,21 +82,11 @@ pub fn publisher(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-fn memcpy_floor(bytes: usize, threads: usize) -> Duration {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![2u8; bytes];
-    let mut best = Duration::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let chunk = bytes.div_ceil(threads);
-        std::thread::scope(|s| {
-            for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-                s.spawn(move || d.copy_from_slice(c));
-            }
-        });
-        best = best.min(t.elapsed());
-    }
-    best
+/// The snapshot benchmark's memcpy floor on `bytes` of fresh buffers.
+fn memcpy_floor(bytes: usize, threads: usize) -> Result<Duration, String> {
+    let src = crate::bench::buffer(bytes);
+    let mut dst = crate::bench::buffer(bytes);
+    crate::bench::best(|| crate::bench::memcpy_floor(&src, &mut dst, threads))
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -138,7 +128,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         fmt::bytes(total)
     );
     let floor_bytes = (1usize << 30).min(total as usize);
-    let floor = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side));
+    let floor = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side)?);
     println!("  floor  memcpy, {side} thread(s)                {floor:>7.2} GB/s");
     // Copy mode moves every byte twice at once (the trainer packs bucket
     // i+1 while the engine applies bucket i), so the two copies share the
@@ -146,8 +136,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     let two = std::thread::scope(|s| {
         let a = s.spawn(|| memcpy_floor(floor_bytes, side));
         let b = s.spawn(|| memcpy_floor(floor_bytes, side));
-        a.join().expect("floor").max(b.join().expect("floor"))
-    });
+        Ok::<_, String>(a.join().expect("floor")?.max(b.join().expect("floor")?))
+    })?;
     let pipe_floor = gbps(floor_bytes as u64, two);
     println!("  floor  two memcpys at once            {pipe_floor:>7.2} GB/s each");
 
