@@ -42,6 +42,10 @@
 // params (with a warning) instead of failing.
 #define WM_UPDATE_SKIP_UNKNOWN 4
 
+// `wm_update_request.flags`: on the network sources (rdma, gdr), which
+// verify checksums by default, do not.
+#define WM_UPDATE_SKIP_NETWORK_CHECKSUMS 8
+
 // Size of the version buffers in `wm_update_stats` and `wm_status` (a
 // version is at most 255 bytes plus the NUL).
 #define WM_VERSION_BUF 256
@@ -92,6 +96,8 @@ enum wm_result
   WM_ERR_PANIC = 18,
   // The handle is not a live manager (never created, or already destroyed).
   WM_ERR_INVALID_HANDLE = 19,
+  // The network peer failed the shared-secret challenge (or has no secret).
+  WM_ERR_AUTH = 20,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -321,6 +327,19 @@ typedef struct {
   // IPC: non-zero accepts a publisher running as another uid (checked with
   // SO_PEERCRED); default 0: the same uid only.
   uint32_t allow_other_uids;
+  // rdma/gdr: largest bucket, the size of each staging slot; 0: 512 MiB.
+  uint64_t net_bucket_size;
+  // rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
+  // by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
+  const char *net_secret;
+  // rdma/gdr: buckets in flight (staging slots), 1 to 8; 0: 2.
+  uint32_t net_depth;
+  // gdr: non-zero lets an update that cannot land in GPU memory run as
+  // rdma, with a warning; default 0: such an update fails.
+  uint32_t gdr_fallback;
+  // rdma: non-zero receives bucket entries straight into param memory (or
+  // the atomic staging arena) instead of staging slots: one copy fewer.
+  uint32_t net_direct;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.
@@ -358,6 +377,11 @@ typedef struct {
   uint64_t bucket_timeout_ms;
   // Non-zero (default): checksums of in-memory tensors go in the manifest.
   uint32_t checksums;
+  // Network: versions kept by `wm_publisher_publish` (default 2).
+  uint32_t keep_versions;
+  // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
+  // at create); NULL: the `WM_NET_SECRET` environment variable.
+  const char *secret;
 } wm_publisher_config;
 
 // What `wm_publisher_serve` did, summed over its sessions.
@@ -456,8 +480,10 @@ typedef struct {
   // `WM_UPDATE_*` bits (default 0: atomic, no verification).
   uint32_t flags;
   // Snapshot: model directory or file; NULL: the config's `model_dir`.
+  // ipc: the publisher's socket path. rdma, gdr: the publisher's `host:port`.
   const char *location;
-  // Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`).
+  // Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
+  // for ipc, rdma and gdr: the publisher's latest).
   const char *version;
   // Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
   uint64_t timeout_ms;
@@ -585,6 +611,32 @@ wm_result wm_publisher_config_init(wm_publisher_config *config);
 wm_result wm_publisher_create(const char *socket_path,
                               const wm_publisher_config *config,
                               wm_publisher **out_publisher);
+
+// Listen for engines on other nodes at the TCP address `address`
+// ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
+// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
+// without it) and a shared secret (config or `WM_NET_SECRET`;
+// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
+// `*out_publisher` receives a handle owned by the caller. Never blocks.
+wm_result wm_publisher_create_net(const char *address,
+                                  const wm_publisher_config *config,
+                                  wm_publisher **out_publisher);
+
+// Copy where engines reach this publisher (the socket path, or the TCP
+// "host:port" with the port actually bound) into `buf` (NUL-terminated,
+// truncated to `len`); `*out_written` gets the full length.
+wm_result wm_publisher_address(const wm_publisher *publisher,
+                               char *buf,
+                               size_t len,
+                               size_t *out_written);
+
+// Keep the current tensors (copied now: the trainer may overwrite its own
+// at once) or directory as a version engines can ask for by name; the
+// oldest beyond `keep_versions` is dropped. The name is the one set with
+// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
+// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
+// version served.
+wm_result wm_publisher_publish(wm_publisher *publisher);
 
 // Stop listening, remove the socket file and free the handle. NULL or
 // already destroyed: no-op. Waits for a `wm_publisher_serve` running on

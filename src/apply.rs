@@ -225,6 +225,44 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// Copy one batch of chunks. `origin` names where they came from (a file,
     /// a bucket) in error messages.
     pub fn apply_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
+        self.batch(origin, chunks, false)
+    }
+
+    /// Where bytes `[offset, offset + len)` of plan entry `t` must land for a
+    /// source that writes them itself (a network receive straight into param
+    /// memory, or into the atomic staging arena). Range-checked; in place,
+    /// the params count as written from now on. Report the bytes with
+    /// [`Applier::landed_batch`] once they are there.
+    pub fn landing_for(&mut self, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
+        let Some(entry) = self.plan.entries.get(t) else {
+            return Err(Error::format(format!(
+                "chunk names tensor #{t} but the plan has {}",
+                self.plan.entries.len()
+            )));
+        };
+        let n = entry.meta.nbytes;
+        if entry.target == Target::Skip || offset.checked_add(len as u64).is_none_or(|end| end > n)
+        {
+            return Err(Error::format(format!(
+                "tensor '{}': {len} bytes at byte {offset} do not fit its {n} bytes (or it is skipped)",
+                entry.meta.name
+            )));
+        }
+        if matches!(entry.target, Target::Param(_)) && self.arena.is_none() {
+            self.wrote_params = true;
+        }
+        let base = self.landing(t);
+        Ok(SendPtr(base.0.wrapping_add(offset as usize)))
+    }
+
+    /// Account for chunks a source already wrote where [`Applier::landing_for`]
+    /// said (their `src` is ignored): the same checks, verification and
+    /// delivery as [`Applier::apply_batch`], without the copy.
+    pub fn landed_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
+        self.batch(origin, chunks, true)
+    }
+
+    fn batch(&mut self, origin: &str, chunks: &[Chunk], landed: bool) -> Result<()> {
         self.check_deadline()?;
         let mut jobs = Vec::with_capacity(chunks.len());
         let mut completed = Vec::new();
@@ -261,8 +299,8 @@ impl<'p, 'h> Applier<'p, 'h> {
                 ))
             })?;
             self.received[t] = end;
-            if let (None, Target::Callback, 0, CopySource::Memory(src)) =
-                (&self.arena, entry.target, c.offset, c.src)
+            if let (None, Target::Callback, 0, CopySource::Memory(src), false) =
+                (&self.arena, entry.target, c.offset, c.src, landed)
             {
                 if end == n {
                     direct.push((t, src));
@@ -271,12 +309,14 @@ impl<'p, 'h> Applier<'p, 'h> {
                 }
             }
             let base = self.landing(t);
-            jobs.push(CopyJob {
-                src: c.src,
-                dst: SendPtr(base.0.wrapping_add(c.offset as usize)),
-                len: c.len,
-                tag: t,
-            });
+            if !landed {
+                jobs.push(CopyJob {
+                    src: c.src,
+                    dst: SendPtr(base.0.wrapping_add(c.offset as usize)),
+                    len: c.len,
+                    tag: t,
+                });
+            }
             if matches!(entry.target, Target::Param(_)) && self.arena.is_none() {
                 self.wrote_params = true;
             }

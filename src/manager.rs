@@ -24,9 +24,11 @@ use crate::registry::{ParamMemory, ParamSpec, Registry};
 use crate::result::{Error, Result};
 use crate::signal::{GroupConfig, SignalPlane};
 use crate::source::ipc::{self, IpcOptions, IpcSource};
+use crate::source::net::{self, NetOptions, NetSource};
 use crate::source::snapshot::{self, SnapshotLocation, SnapshotSource};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
+use crate::transport::auth::Secret;
 use parking_lot::{Mutex, RwLock};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -65,6 +67,36 @@ pub struct ManagerConfig {
     pub allow_other_uids: bool,
     pub release_hook: Option<ReleaseHook>,
     pub acquire_hook: Option<AcquireHook>,
+    /// The network paths (rdma, gdr).
+    pub net: NetSettings,
+}
+
+/// Settings of the network paths.
+#[derive(Clone, Debug)]
+pub struct NetSettings {
+    /// Shared secret; None: `WM_NET_SECRET`.
+    pub secret: Option<Vec<u8>>,
+    /// Staging slot size, the largest bucket (SPEC.md: 512 MiB).
+    pub bucket_size: usize,
+    /// Buckets in flight (SPEC.md: 2).
+    pub depth: usize,
+    /// gdr may run as rdma (with a warning) when it cannot land in GPU memory.
+    pub gdr_fallback: bool,
+    /// rdma: receive straight into param memory (or the atomic arena) rather
+    /// than staging slots, saving a copy (`source::net`, "Direct receive").
+    pub direct: bool,
+}
+
+impl Default for NetSettings {
+    fn default() -> NetSettings {
+        NetSettings {
+            secret: None,
+            bucket_size: net::DEFAULT_BUCKET_SIZE,
+            depth: net::DEFAULT_DEPTH,
+            gdr_fallback: false,
+            direct: false,
+        }
+    }
 }
 
 impl Default for ManagerConfig {
@@ -82,6 +114,7 @@ impl Default for ManagerConfig {
             allow_other_uids: false,
             release_hook: None,
             acquire_hook: None,
+            net: NetSettings::default(),
         }
     }
 }
@@ -111,6 +144,8 @@ pub struct UpdateRequest<'h> {
     /// None: the version the source names (snapshot: `version.yaml`).
     pub version: Option<String>,
     pub verify: bool,
+    /// The network sources (rdma, gdr) verify checksums unless this is set.
+    pub skip_network_checksums: bool,
     pub mode: Mode,
     pub skip_unknown: bool,
     pub timeout: Duration,
@@ -124,6 +159,7 @@ impl<'h> UpdateRequest<'h> {
             location: Some(location.into()),
             version: None,
             verify: false,
+            skip_network_checksums: false,
             mode: Mode::Atomic,
             skip_unknown: false,
             timeout: DEFAULT_TIMEOUT,
@@ -397,11 +433,64 @@ impl Manager {
                     Instant::now() + req.timeout,
                 )?))
             }
-            other => Err(Error::unsupported(format!(
-                "source '{}' is not available in this build yet (snapshot and ipc are)",
-                other.name()
-            ))),
+            SourceKind::Rdma | SourceKind::Gdr => {
+                let address = req.location.clone().ok_or_else(|| {
+                    Error::invalid_argument(format!(
+                        "a {} update needs the publisher's host:port as its location",
+                        req.source.name()
+                    ))
+                })?;
+                // gdr lands in param memory; when it may not, it runs as rdma.
+                let gdr = req.source == SourceKind::Gdr && self.check_gdr()?;
+                let opts = NetOptions {
+                    address: address.display().to_string(),
+                    rank: self.config.rank,
+                    world_size: self.config.world_size,
+                    gpu_id: self.gpu_id.clone(),
+                    version: req.version.clone(),
+                    secret: Secret::resolve(self.config.net.secret.as_deref())?,
+                    bucket_size: self.config.net.bucket_size,
+                    depth: self.config.net.depth,
+                    bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+                    direct: gdr || self.config.net.direct,
+                };
+                let source =
+                    NetSource::open(opts, Instant::now() + req.timeout).inspect_err(|e| {
+                        if e.code == crate::wm_result::WM_ERR_AUTH {
+                            self.config
+                                .logger
+                                .warn(&format!("{} update: {e}", req.source.name()));
+                        }
+                    })?;
+                Ok(Box::new(source))
+            }
         }
+    }
+
+    /// gdr lands bytes straight in GPU memory: it needs a UCX built with CUDA
+    /// and device params. Device params arrive with the CUDA backend; until
+    /// then every param is host memory, so gdr is refused, or runs as rdma
+    /// when the config allows the fallback. Ok(true): gdr can land in GPU
+    /// memory (with direct receive, `source::net`); Ok(false): run as rdma.
+    fn check_gdr(&self) -> Result<bool> {
+        let ucx = crate::transport::ucx::ucx()?;
+        let why = if !ucx.supports_cuda() {
+            format!(
+                "{} cannot reach CUDA memory (install a CUDA-enabled UCX, e.g. the libucx-cu12 wheel, and set WM_UCX_LIB)",
+                ucx.describe()
+            )
+        } else {
+            "this manager's params are host memory (gdr needs device params)".to_string()
+        };
+        if self.config.net.gdr_fallback {
+            self.config.logger.warn(&format!(
+                "gdr: {why}; falling back to rdma as the config allows"
+            ));
+            return Ok(false);
+        }
+        Err(Error::unsupported(format!(
+            "gdr: {why}; use source rdma, or allow the fallback to rdma in the config"
+        )))
     }
 
     /// Bring released memory back before writing: library regions are faulted
@@ -527,11 +616,15 @@ impl Manager {
     ) -> std::result::Result<UpdateStats, (Error, bool)> {
         let early = |e: Error| (e, false);
         let mut source = self.open_source(req).map_err(early)?;
-        let version = match req
-            .version
-            .clone()
-            .or_else(|| source.manifest().version.clone())
-        {
+        // A publisher (ipc, rdma, gdr) serves the version asked for and names
+        // it ("latest" becomes its real name); a snapshot request's version
+        // overrides the snapshot's version.yaml.
+        let from_source = source.manifest().version.clone();
+        let named = match req.source {
+            SourceKind::Snapshot => req.version.clone().or(from_source),
+            _ => from_source.or_else(|| req.version.clone().filter(|v| v != "latest")),
+        };
+        let version = match named {
             Some(v) => v,
             None => {
                 return Err(early(Error::no_version(format!(
@@ -541,6 +634,9 @@ impl Manager {
             }
         };
         check_version(&version).map_err(early)?;
+        if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
+            req.verify = true;
+        }
         let opts = PlanOptions {
             skip_unknown: req.skip_unknown,
             callback: req.hooks.tensor.is_some(),

@@ -54,11 +54,13 @@ pub enum wm_result {
     WM_ERR_PANIC = 18,
     /// The handle is not a live manager (never created, or already destroyed).
     WM_ERR_INVALID_HANDLE = 19,
+    /// The network peer failed the shared-secret challenge (or has no secret).
+    WM_ERR_AUTH = 20,
 }
 
 impl wm_result {
     /// Every code, in numeric order (used by tests and `wm_result_text`).
-    pub(crate) const ALL: [wm_result; 20] = [
+    pub(crate) const ALL: [wm_result; 21] = [
         wm_result::WM_OK,
         wm_result::WM_ERR_NULL_ARGUMENT,
         wm_result::WM_ERR_INVALID_ARGUMENT,
@@ -79,6 +81,7 @@ impl wm_result {
         wm_result::WM_ERR_PEER,
         wm_result::WM_ERR_PANIC,
         wm_result::WM_ERR_INVALID_HANDLE,
+        wm_result::WM_ERR_AUTH,
     ];
 
     /// The code for a raw number, if it is one.
@@ -109,6 +112,7 @@ impl wm_result {
             wm_result::WM_ERR_PEER => "peer died or broke the protocol\0",
             wm_result::WM_ERR_PANIC => "internal panic caught at the C boundary\0",
             wm_result::WM_ERR_INVALID_HANDLE => "not a live weight_manager handle\0",
+            wm_result::WM_ERR_AUTH => "authentication with the peer failed\0",
         }
     }
 
@@ -157,6 +161,7 @@ constructors! {
     callback => WM_ERR_CALLBACK,
     cancelled => WM_ERR_CANCELLED,
     peer => WM_ERR_PEER,
+    auth => WM_ERR_AUTH,
 }
 
 impl Error {

@@ -1,4 +1,4 @@
-//! The wire format shared by the IPC path (and, later, the network path).
+//! The wire format shared by the IPC path and the network paths (rdma, gdr).
 //! Documented for implementers in `docs/wire.md`.
 //!
 //! A frame is `[length u32 LE][type u8][payload]`, `length` counting type and
@@ -18,6 +18,8 @@ pub(crate) const MAX_FRAME: usize = 64 << 20;
 pub(crate) const ALIGN: u64 = 256;
 /// Most shared buffers a session may use.
 pub(crate) const MAX_BUFFERS: usize = 8;
+/// Largest UCX worker address accepted.
+pub(crate) const MAX_ADDRESS: usize = 64 << 10;
 /// Longest name or version string.
 pub(crate) const MAX_STRING: usize = 4096;
 
@@ -60,8 +62,25 @@ pub enum Frame {
     Ack { seq: u64 },
     /// Publisher to engine: every bucket was sent.
     End { buckets: u64 },
-    /// Either way: giving up, with the reason.
-    Error { text: String },
+    /// Either way: giving up, with the reason and its `wm_result` code (so a
+    /// missing version reads as NOT_FOUND, a wrong secret as AUTH).
+    Error { code: u32, text: String },
+    /// Network, publisher to engine, after HELLO: prove you hold the secret.
+    Challenge { nonce: [u8; 32] },
+    /// Network, both ways: an HMAC answer (`transport::auth`); the engine's
+    /// carries its own nonce for the publisher to answer, the publisher's a
+    /// zero nonce.
+    Proof { mac: [u8; 32], nonce: [u8; 32] },
+    /// Network, engine to publisher after WANT: where to send the bytes (the
+    /// engine's UCX worker address), the largest bucket it takes, how many
+    /// buckets may be in flight, and whether each bucket entry comes as its
+    /// own message (`direct`: received straight into param memory, gdr).
+    Ready {
+        address: Vec<u8>,
+        bucket_size: u64,
+        depth: u32,
+        direct: bool,
+    },
 }
 
 /// Little-endian field writer, shared by every framed protocol here.
@@ -147,6 +166,9 @@ impl Frame {
             Frame::Ack { .. } => "ACK",
             Frame::End { .. } => "END",
             Frame::Error { .. } => "ERROR",
+            Frame::Challenge { .. } => "CHALLENGE",
+            Frame::Proof { .. } => "PROOF",
+            Frame::Ready { .. } => "READY",
         }
     }
 
@@ -221,9 +243,32 @@ impl Frame {
                 o.u8(7);
                 o.u64(*buckets);
             }
-            Frame::Error { text } => {
+            Frame::Error { code, text } => {
                 o.u8(8);
+                o.u32(*code);
                 o.str(text);
+            }
+            Frame::Challenge { nonce } => {
+                o.u8(9);
+                o.0.extend_from_slice(nonce);
+            }
+            Frame::Proof { mac, nonce } => {
+                o.u8(10);
+                o.0.extend_from_slice(mac);
+                o.0.extend_from_slice(nonce);
+            }
+            Frame::Ready {
+                address,
+                bucket_size,
+                depth,
+                direct,
+            } => {
+                o.u8(11);
+                o.u32(address.len() as u32);
+                o.0.extend_from_slice(address);
+                o.u64(*bucket_size);
+                o.u32(*depth);
+                o.u8(*direct as u8);
             }
         }
         let len = (o.0.len() - 4) as u32;
@@ -332,7 +377,35 @@ impl Frame {
             }
             6 => Frame::Ack { seq: i.u64()? },
             7 => Frame::End { buckets: i.u64()? },
-            8 => Frame::Error { text: i.str()? },
+            8 => Frame::Error {
+                code: i.u32()?,
+                text: i.str()?,
+            },
+            9 => Frame::Challenge {
+                nonce: i.take(32)?.try_into().expect("32"),
+            },
+            10 => Frame::Proof {
+                mac: i.take(32)?.try_into().expect("32"),
+                nonce: i.take(32)?.try_into().expect("32"),
+            },
+            11 => {
+                let n = i.u32()? as usize;
+                if n == 0 || n > MAX_ADDRESS {
+                    return Err(Error::peer(format!(
+                        "wire: worker address of {n} bytes (1 to {MAX_ADDRESS} allowed)"
+                    )));
+                }
+                Frame::Ready {
+                    address: i.take(n)?.to_vec(),
+                    bucket_size: i.u64()?,
+                    depth: i.u32()?,
+                    direct: match i.u8()? {
+                        0 => false,
+                        1 => true,
+                        f => return Err(Error::peer(format!("wire: direct flag {f}"))),
+                    },
+                }
+            }
             t => return Err(Error::peer(format!("wire: unknown frame type {t}"))),
         };
         i.done()?;
@@ -427,7 +500,19 @@ mod tests {
         round_trip(Frame::Ack { seq: 9 });
         round_trip(Frame::End { buckets: 4 });
         round_trip(Frame::Error {
+            code: 6,
             text: "boom".into(),
+        });
+        round_trip(Frame::Challenge { nonce: [7; 32] });
+        round_trip(Frame::Proof {
+            mac: [1; 32],
+            nonce: [2; 32],
+        });
+        round_trip(Frame::Ready {
+            address: vec![1, 2, 3],
+            bucket_size: 1 << 29,
+            depth: 2,
+            direct: true,
         });
     }
 
@@ -470,6 +555,16 @@ mod tests {
             .unwrap_err()
             .message
             .contains("claims 17 bytes"));
+        let mut ready = vec![11u8];
+        ready.extend_from_slice(&(MAX_ADDRESS as u32 + 1).to_le_bytes());
+        assert!(Frame::decode(&ready)
+            .unwrap_err()
+            .message
+            .contains("worker address"));
+        assert!(Frame::decode(&[9, 1, 2])
+            .unwrap_err()
+            .message
+            .contains("ends early"));
         assert!(Frame::decode(&[42])
             .unwrap_err()
             .message

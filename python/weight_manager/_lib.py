@@ -63,6 +63,11 @@ class Config(ctypes.Structure):
         ("callback_user_data", c_void_p),
         ("copy_threads", ctypes.c_uint32),
         ("allow_other_uids", ctypes.c_uint32),
+        ("net_bucket_size", ctypes.c_uint64),
+        ("net_secret", c_char_p),
+        ("net_depth", ctypes.c_uint32),
+        ("gdr_fallback", ctypes.c_uint32),
+        ("net_direct", ctypes.c_uint32),
     ]
 
 
@@ -153,6 +158,8 @@ class PublisherConfig(ctypes.Structure):
         ("allow_other_uids", ctypes.c_uint32),
         ("bucket_timeout_ms", ctypes.c_uint64),
         ("checksums", ctypes.c_uint32),
+        ("keep_versions", ctypes.c_uint32),
+        ("secret", c_char_p),
     ]
 
 
@@ -198,6 +205,12 @@ def load() -> ctypes.CDLL:
         "wm_controller_wait": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64]),
         "wm_publisher_config_init": (R, [ctypes.POINTER(PublisherConfig)]),
         "wm_publisher_create": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
+        "wm_publisher_create_net": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
+        "wm_publisher_address": (
+            R,
+            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+        ),
+        "wm_publisher_publish": (R, [c_void_p]),
         "wm_publisher_destroy": (None, [c_void_p]),
         "wm_publisher_add_tensor": (
             R,

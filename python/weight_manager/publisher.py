@@ -1,5 +1,5 @@
 """The trainer side: publish numpy arrays (or a snapshot directory) to engine
-ranks on this node over IPC."""
+ranks on this node over IPC, or on other nodes over the network (UCX)."""
 
 import ctypes
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from .manager import OwnedHandle, WeightManagerError, raise_for
+from .manager import OwnedHandle, WeightManagerError, last_error_text, raise_for
 from .types import parse_dtype
 
 LIB = _lib.LIB
@@ -34,18 +34,41 @@ class Publisher(OwnedHandle):
     _what = "publisher"
     _destroy = staticmethod(lambda h: LIB.wm_publisher_destroy(h))
 
-    def __init__(self, socket_path: str, *, bucket_size: int = 512 << 20, buffers: int = 2,
+    def __init__(self, socket_path: Optional[str] = None, *, net: Optional[str] = None,
+                 secret: Optional[str] = None, keep_versions: int = 2,
+                 bucket_size: int = 512 << 20, buffers: int = 2,
                  socket_mode: int = 0o600, allow_other_uids: bool = False, checksums: bool = True):
+        """Listen on the Unix socket `socket_path` (same node), or, with
+        `net="host:port"`, on TCP for engines on other nodes (port 0 picks
+        one: see `address`; the shared `secret` defaults to WM_NET_SECRET)."""
+        if (socket_path is None) == (net is None):
+            raise ValueError("give exactly one of socket_path and net")
         cfg = _lib.PublisherConfig()
         LIB.wm_publisher_config_init(ctypes.byref(cfg))
         cfg.bucket_size, cfg.buffers, cfg.socket_mode = bucket_size, buffers, socket_mode
         cfg.allow_other_uids, cfg.checksums = int(allow_other_uids), int(checksums)
+        cfg.keep_versions = keep_versions
+        self._secret = secret.encode() if secret is not None else None
+        cfg.secret = self._secret
         handle = ctypes.c_void_p()
-        rc = LIB.wm_publisher_create(str(socket_path).encode(), ctypes.byref(cfg), ctypes.byref(handle))
+        where = str(socket_path if net is None else net)
+        create = LIB.wm_publisher_create if net is None else LIB.wm_publisher_create_net
+        rc = create(where.encode(), ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:
-            raise WeightManagerError(rc, f"listening on {socket_path}: {LIB.wm_result_text(rc).decode()}")
+            raise WeightManagerError(rc, f"listening on {where}: {LIB.wm_result_text(rc).decode()}")
         self._handle = handle
         self._arrays = []
+
+    @property
+    def address(self) -> str:
+        """The socket path, or the TCP host:port actually bound."""
+        return last_error_text(LIB.wm_publisher_address, self._h())
+
+    def publish(self) -> None:
+        """Keep the current tensors (copied now) as the version set with
+        set_version, for engines to ask for by name; the oldest beyond
+        keep_versions is dropped."""
+        self._check(LIB.wm_publisher_publish(self._h()))
 
     def _check(self, rc: int):
         raise_for(rc, LIB.wm_publisher_last_error, self._h())

@@ -26,6 +26,7 @@ class Result(enum.IntEnum):
     ERR_PEER = 17
     ERR_PANIC = 18
     ERR_INVALID_HANDLE = 19
+    ERR_AUTH = 20
 
 
 class State(enum.IntEnum):
@@ -106,3 +107,4 @@ def parse_dtype(value) -> DType:
 VERIFY_CHECKSUMS = 1
 IN_PLACE = 2
 SKIP_UNKNOWN = 4
+SKIP_NETWORK_CHECKSUMS = 8

@@ -2,7 +2,7 @@
 
 use super::{check_struct_size, opt_path, opt_str};
 use crate::logging::{LogLevel, Logger};
-use crate::manager::{GroupSettings, Manager, ManagerConfig, DEFAULT_SIGNAL_TIMEOUT};
+use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings, DEFAULT_SIGNAL_TIMEOUT};
 use crate::result::{wm_result, Error, Result};
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
@@ -96,6 +96,19 @@ pub struct wm_config {
     /// IPC: non-zero accepts a publisher running as another uid (checked with
     /// SO_PEERCRED); default 0: the same uid only.
     pub allow_other_uids: u32,
+    /// rdma/gdr: largest bucket, the size of each staging slot; 0: 512 MiB.
+    pub net_bucket_size: u64,
+    /// rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
+    /// by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
+    pub net_secret: *const c_char,
+    /// rdma/gdr: buckets in flight (staging slots), 1 to 8; 0: 2.
+    pub net_depth: u32,
+    /// gdr: non-zero lets an update that cannot land in GPU memory run as
+    /// rdma, with a warning; default 0: such an update fails.
+    pub gdr_fallback: u32,
+    /// rdma: non-zero receives bucket entries straight into param memory (or
+    /// the atomic staging arena) instead of staging slots: one copy fewer.
+    pub net_direct: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -128,6 +141,11 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             callback_user_data: std::ptr::null_mut(),
             copy_threads: 0,
             allow_other_uids: 0,
+            net_bucket_size: 0,
+            net_secret: std::ptr::null(),
+            net_depth: 0,
+            gdr_fallback: 0,
+            net_direct: 0,
         });
         wm_result::WM_OK
     })
@@ -189,6 +207,21 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         allow_other_uids: c.allow_other_uids != 0,
         release_hook,
         acquire_hook,
+        net: NetSettings {
+            secret: opt_str(c.net_secret, "net_secret")?.map(String::into_bytes),
+            bucket_size: match c.net_bucket_size {
+                0 => NetSettings::default().bucket_size,
+                n => usize::try_from(n).map_err(|_| {
+                    Error::invalid_argument(format!("net_bucket_size {n} does not fit"))
+                })?,
+            },
+            depth: match c.net_depth {
+                0 => NetSettings::default().depth,
+                n => n as usize,
+            },
+            gdr_fallback: c.gdr_fallback != 0,
+            direct: c.net_direct != 0,
+        },
     })
 }
 

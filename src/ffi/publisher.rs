@@ -1,5 +1,6 @@
 //! The publisher's handle: a trainer serves weights to engine ranks on its
-//! node over IPC.
+//! node over IPC (`wm_publisher_create`), or on other nodes over the network
+//! (`wm_publisher_create_net`: TCP control, UCX bytes, shared secret).
 
 use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
 use crate::publisher::{Publisher, PublisherConfig, ServeStats};
@@ -31,6 +32,11 @@ pub struct wm_publisher_config {
     pub bucket_timeout_ms: u64,
     /// Non-zero (default): checksums of in-memory tensors go in the manifest.
     pub checksums: u32,
+    /// Network: versions kept by `wm_publisher_publish` (default 2).
+    pub keep_versions: u32,
+    /// Network: the shared secret (NUL-terminated, at least 16 bytes, copied
+    /// at create); NULL: the `WM_NET_SECRET` environment variable.
+    pub secret: *const c_char,
 }
 
 /// What `wm_publisher_serve` did, summed over its sessions.
@@ -72,9 +78,49 @@ pub unsafe extern "C" fn wm_publisher_config_init(config: *mut wm_publisher_conf
             allow_other_uids: 0,
             bucket_timeout_ms: d.bucket_timeout.as_millis() as u64,
             checksums: 1,
+            keep_versions: d.keep_versions as u32,
+            secret: std::ptr::null(),
         });
         wm_result::WM_OK
     })
+}
+
+/// Read a C publisher config (NULL: defaults).
+unsafe fn config_from_c(config: *const wm_publisher_config) -> Result<PublisherConfig, Error> {
+    let mut cfg = PublisherConfig::default();
+    if config.is_null() {
+        return Ok(cfg);
+    }
+    let c = &*config;
+    check_struct_size(
+        "wm_publisher_config",
+        c.struct_size,
+        std::mem::size_of::<wm_publisher_config>(),
+    )?;
+    cfg.buffers = c.buffers as usize;
+    cfg.bucket_size = c.bucket_size as usize;
+    cfg.socket_mode = c.socket_mode;
+    cfg.allow_other_uids = c.allow_other_uids != 0;
+    cfg.bucket_timeout = Duration::from_millis(c.bucket_timeout_ms.max(1));
+    cfg.checksums = c.checksums != 0;
+    cfg.keep_versions = c.keep_versions.max(1) as usize;
+    cfg.secret = opt_str(c.secret, "secret")?.map(String::into_bytes);
+    Ok(cfg)
+}
+
+unsafe fn create(
+    bind: impl FnOnce(PublisherConfig) -> Result<Publisher, Error>,
+    config: *const wm_publisher_config,
+    out_publisher: *mut *mut wm_publisher,
+) -> wm_result {
+    match config_from_c(config).and_then(bind) {
+        Ok(publisher) => {
+            let h = PublisherHandle::new(publisher);
+            *out_publisher = PUBLISHERS.publish(h).cast();
+            wm_result::WM_OK
+        }
+        Err(e) => e.code,
+    }
 }
 
 /// Listen on the Unix socket `socket_path` (a stale socket there is
@@ -89,32 +135,62 @@ pub unsafe extern "C" fn wm_publisher_create(
 ) -> wm_result {
     ffi_guard!({
         check_null!(socket_path, out_publisher);
-        let mut cfg = PublisherConfig::default();
-        if !config.is_null() {
-            let c = &*config;
-            if let Err(e) = check_struct_size(
-                "wm_publisher_config",
-                c.struct_size,
-                std::mem::size_of::<wm_publisher_config>(),
-            ) {
-                return e.code;
-            }
-            cfg.buffers = c.buffers as usize;
-            cfg.bucket_size = c.bucket_size as usize;
-            cfg.socket_mode = c.socket_mode;
-            cfg.allow_other_uids = c.allow_other_uids != 0;
-            cfg.bucket_timeout = Duration::from_millis(c.bucket_timeout_ms.max(1));
-            cfg.checksums = c.checksums != 0;
-        }
         let path = opt_path(socket_path).expect("checked");
-        match Publisher::bind(&path, cfg) {
-            Ok(publisher) => {
-                let h = PublisherHandle::new(publisher);
-                *out_publisher = PUBLISHERS.publish(h).cast();
-                wm_result::WM_OK
-            }
-            Err(e) => e.code,
-        }
+        create(|cfg| Publisher::bind(&path, cfg), config, out_publisher)
+    })
+}
+
+/// Listen for engines on other nodes at the TCP address `address`
+/// ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
+/// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
+/// without it) and a shared secret (config or `WM_NET_SECRET`;
+/// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
+/// `*out_publisher` receives a handle owned by the caller. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_create_net(
+    address: *const c_char,
+    config: *const wm_publisher_config,
+    out_publisher: *mut *mut wm_publisher,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(address, out_publisher);
+        let addr = match opt_str(address, "address") {
+            Ok(a) => a.expect("checked"),
+            Err(e) => return e.code,
+        };
+        create(|cfg| Publisher::bind_net(&addr, cfg), config, out_publisher)
+    })
+}
+
+/// Copy where engines reach this publisher (the socket path, or the TCP
+/// "host:port" with the port actually bound) into `buf` (NUL-terminated,
+/// truncated to `len`); `*out_written` gets the full length.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_address(
+    publisher: *const wm_publisher,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let h = try_publisher!(publisher);
+        super::copy_text_out(&h.value.address(), buf, len, out_written)
+    })
+}
+
+/// Keep the current tensors (copied now: the trainer may overwrite its own
+/// at once) or directory as a version engines can ask for by name; the
+/// oldest beyond `keep_versions` is dropped. The name is the one set with
+/// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
+/// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
+/// version served.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_publish(publisher: *mut wm_publisher) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = h.value.publish().map(|_| ());
+        h.result(r)
     })
 }
 

@@ -17,7 +17,13 @@ pub const WM_UPDATE_IN_PLACE: u32 = 2;
 /// `wm_update_request.flags`: skip source tensors that are not registered
 /// params (with a warning) instead of failing.
 pub const WM_UPDATE_SKIP_UNKNOWN: u32 = 4;
-const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS | WM_UPDATE_IN_PLACE | WM_UPDATE_SKIP_UNKNOWN;
+/// `wm_update_request.flags`: on the network sources (rdma, gdr), which
+/// verify checksums by default, do not.
+pub const WM_UPDATE_SKIP_NETWORK_CHECKSUMS: u32 = 8;
+const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS
+    | WM_UPDATE_IN_PLACE
+    | WM_UPDATE_SKIP_UNKNOWN
+    | WM_UPDATE_SKIP_NETWORK_CHECKSUMS;
 
 /// Size of the version buffers in `wm_update_stats` and `wm_status` (a
 /// version is at most 255 bytes plus the NUL).
@@ -72,8 +78,10 @@ pub struct wm_update_request {
     /// `WM_UPDATE_*` bits (default 0: atomic, no verification).
     pub flags: u32,
     /// Snapshot: model directory or file; NULL: the config's `model_dir`.
+    /// ipc: the publisher's socket path. rdma, gdr: the publisher's `host:port`.
     pub location: *const c_char,
-    /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`).
+    /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
+    /// for ipc, rdma and gdr: the publisher's latest).
     pub version: *const c_char,
     /// Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
     pub timeout_ms: u64,
@@ -254,6 +262,7 @@ pub unsafe extern "C" fn wm_update(
             location: c.location,
             version: c.version,
             verify: c.flags & WM_UPDATE_VERIFY_CHECKSUMS != 0,
+            skip_network_checksums: c.flags & WM_UPDATE_SKIP_NETWORK_CHECKSUMS != 0,
             mode: if c.flags & WM_UPDATE_IN_PLACE != 0 {
                 Mode::InPlace
             } else {

@@ -13,6 +13,17 @@
 //! - serving tensors from memory, each tensor is tagged with the rank it is
 //!   for, or with "every rank".
 //!
+//! **Network.** [`Publisher::bind_net`] listens on a TCP address instead:
+//! control frames travel over TCP, after a shared-secret challenge
+//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), into
+//! the engine's staging buffers (rdma) or straight into its params (gdr).
+//!
+//! **Versions.** [`Publisher::publish`] keeps the current content as a named
+//! version (tensors are copied, so the trainer may overwrite its own at
+//! once); the last `keep_versions` are kept and an engine asks for one by
+//! name, or for "latest". Without any `publish`, the current content is the
+//! one version served (the trainer keeps its tensors unchanged while serving).
+//!
 //! **Buckets.** Wanted tensors are packed in order into buckets of at most
 //! `bucket_size` bytes at 256-byte aligned offsets (a tensor larger than a
 //! bucket is split). Buffers alternate: while the engine applies bucket i,
@@ -21,18 +32,26 @@
 //! when a session ends and serve the next session (sequential updates of an
 //! RL run reuse them; concurrent sessions each take their own).
 
+mod net;
 mod session;
 
 use crate::logging::Logger;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
+use crate::source::snapshot::version::read_version_yaml;
 use crate::tensor::{byte_size, check_name, DType};
+use crate::transport::auth::Secret;
+use crate::transport::conn::Stream;
 use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use net::tag as net_tag;
 pub use session::SessionStats;
 
 #[derive(Clone)]
@@ -53,6 +72,10 @@ pub struct PublisherConfig {
     pub checksums: bool,
     /// Threads packing buckets; 0: one per core.
     pub threads: usize,
+    /// Network: the shared secret (None: `WM_NET_SECRET`).
+    pub secret: Option<Vec<u8>>,
+    /// Versions kept by `publish` (the oldest is dropped first).
+    pub keep_versions: usize,
     /// Test only: flip one bit of this tensor after packing it, to prove
     /// that verification catches corruption.
     pub corrupt_tensor: Option<String>,
@@ -71,6 +94,8 @@ impl Default for PublisherConfig {
             checksums: true,
             threads: 0,
             corrupt_tensor: None,
+            secret: None,
+            keep_versions: 2,
             logger: Logger::default(),
         }
     }
@@ -97,15 +122,74 @@ pub enum Content {
     Tensors(Vec<HostTensor>),
 }
 
+/// A version as sessions serve it.
+#[derive(Debug)]
+pub(crate) struct Offer {
+    /// The name engines ask for (None: the directory names none).
+    pub(crate) version: Option<String>,
+    pub(crate) content: Content,
+    /// Bytes of published tensors (the content points into them).
+    _owned: Vec<Vec<u8>>,
+}
+
+impl Offer {
+    fn new(version: Option<String>, content: Content) -> Offer {
+        let version = version.or_else(|| match &content {
+            Content::Dir(dir) => read_version_yaml(dir).ok(),
+            Content::Tensors(_) => None,
+        });
+        Offer {
+            version,
+            content,
+            _owned: Vec::new(),
+        }
+    }
+}
+
+/// Where engines connect.
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        match self {
+            Listener::Unix(l) => l.set_nonblocking(true),
+            Listener::Tcp(l) => l.set_nonblocking(true),
+        }
+    }
+
+    fn accept(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Listener::Unix(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nonblocking(false)?;
+                Stream::Unix(s)
+            }
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nonblocking(false)?;
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }
+        })
+    }
+}
+
 pub struct Publisher {
+    /// The socket path, or the TCP address.
     path: PathBuf,
     /// Shared buffers of finished sessions, reused by the next ones: fresh
     /// shared memory costs a page fault (and, in a VM, more) per page.
     pool: session::BufferPool,
-    listener: UnixListener,
+    listener: Listener,
+    /// Network sessions: the shared secret, checked when binding.
+    secret: Option<Secret>,
     cfg: PublisherConfig,
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
+    published: Mutex<VecDeque<Arc<Offer>>>,
 }
 
 /// What `serve` did.
@@ -118,17 +202,7 @@ impl Publisher {
     /// Listen on `path` (a stale socket file there is replaced; any other
     /// file is an error).
     pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
-        if cfg.bucket_size < crate::wire::ALIGN as usize
-            || cfg.buffers == 0
-            || cfg.buffers > crate::wire::MAX_BUFFERS
-        {
-            return Err(Error::invalid_argument(format!(
-                "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
-                cfg.bucket_size,
-                cfg.buffers,
-                crate::wire::MAX_BUFFERS
-            )));
-        }
+        check_config(&cfg)?;
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if !meta.file_type().is_socket() {
                 return Err(Error::invalid_argument(format!(
@@ -142,14 +216,92 @@ impl Publisher {
             .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
             .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
-        Ok(Publisher {
-            path: path.to_path_buf(),
+        Ok(Publisher::with_listener(
+            path.to_path_buf(),
+            Listener::Unix(listener),
+            None,
+            cfg,
+        ))
+    }
+
+    /// Listen on the TCP address `addr` ("host:port"; port 0 picks one, see
+    /// [`Publisher::address`]) for engines on other nodes. Needs UCX and a
+    /// shared secret (config, or `WM_NET_SECRET`).
+    pub fn bind_net(addr: &str, cfg: PublisherConfig) -> Result<Publisher> {
+        check_config(&cfg)?;
+        let secret = Secret::resolve(cfg.secret.as_deref())?;
+        crate::transport::ucx::ucx()?;
+        let listener =
+            TcpListener::bind(addr).map_err(|e| Error::io(format!("listening on {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?;
+        Ok(Publisher::with_listener(
+            PathBuf::from(local.to_string()),
+            Listener::Tcp(listener),
+            Some(secret),
+            cfg,
+        ))
+    }
+
+    fn with_listener(
+        path: PathBuf,
+        listener: Listener,
+        secret: Option<Secret>,
+        cfg: PublisherConfig,
+    ) -> Publisher {
+        Publisher {
+            path,
             pool: session::BufferPool::default(),
             listener,
+            secret,
             cfg,
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
-        })
+            published: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// The socket path, or the TCP address with the port actually bound.
+    pub fn address(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// Keep the current content as a version engines can ask for by name
+    /// (tensors are copied now; a directory is read when served). Returns
+    /// the version's name; the oldest beyond `keep_versions` is dropped.
+    pub fn publish(&self) -> Result<String> {
+        let content = self.content.lock().clone();
+        let mut offer = Offer::new(self.version.lock().clone(), content);
+        let Some(name) = offer.version.clone() else {
+            return Err(Error::no_version(
+                "publish: set a version first (or serve a directory with a version.yaml)",
+            ));
+        };
+        if let Content::Tensors(ts) = &mut offer.content {
+            for t in ts.iter_mut() {
+                // SAFETY: add_tensor's contract: valid for len bytes.
+                let bytes = unsafe { std::slice::from_raw_parts(t.data.0, t.len) }.to_vec();
+                t.data = SendPtr(bytes.as_ptr() as *mut u8);
+                offer._owned.push(bytes);
+            }
+        }
+        let mut published = self.published.lock();
+        published.retain(|o| o.version.as_deref() != Some(name.as_str()));
+        published.push_back(Arc::new(offer));
+        while published.len() > self.cfg.keep_versions.max(1) {
+            published.pop_front();
+        }
+        Ok(name)
+    }
+
+    /// Names of the published versions, oldest first.
+    pub fn versions(&self) -> Vec<String> {
+        self.published
+            .lock()
+            .iter()
+            .filter_map(|o| o.version.clone())
+            .collect()
     }
 
     pub fn path(&self) -> &Path {
@@ -222,28 +374,38 @@ impl Publisher {
         *self.version.lock() = version;
     }
 
+    /// What sessions serve: the published versions, else the current content.
+    fn offers(&self) -> Vec<Arc<Offer>> {
+        let published = self.published.lock();
+        if published.is_empty() {
+            vec![Arc::new(Offer::new(
+                self.version.lock().clone(),
+                self.content.lock().clone(),
+            ))]
+        } else {
+            published.iter().cloned().collect()
+        }
+    }
+
     /// Accept `engines` connections within `accept_timeout` and serve each
     /// on its own thread until done. The first failed session's error is
     /// returned (naming the rank); the others still run to their end.
     pub fn serve(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
-        let content = self.content.lock().clone();
-        let version = self.version.lock().clone();
+        let offers = self.offers();
         let deadline = Instant::now() + accept_timeout;
         self.listener
-            .set_nonblocking(true)
+            .set_nonblocking()
             .map_err(|e| Error::io("listener", e))?;
         std::thread::scope(|s| {
             let mut sessions = Vec::new();
             let mut accept_error = None;
             while sessions.len() < engines {
                 match self.listener.accept() {
-                    Ok((stream, _)) => {
-                        let _ = stream.set_nonblocking(false);
-                        let (content, version, cfg, pool) =
-                            (&content, version.clone(), &self.cfg, &self.pool);
-                        sessions.push(
-                            s.spawn(move || session::run(stream, content, version, cfg, pool)),
-                        );
+                    Ok(stream) => {
+                        let (offers, cfg, pool, secret) =
+                            (&offers, &self.cfg, &self.pool, self.secret.as_ref());
+                        sessions
+                            .push(s.spawn(move || session::run(stream, offers, secret, cfg, pool)));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         if Instant::now() >= deadline {
@@ -288,6 +450,23 @@ impl Publisher {
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Listener::Unix(_) = self.listener {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
+}
+
+fn check_config(cfg: &PublisherConfig) -> Result<()> {
+    if cfg.bucket_size < crate::wire::ALIGN as usize
+        || cfg.buffers == 0
+        || cfg.buffers > crate::wire::MAX_BUFFERS
+    {
+        return Err(Error::invalid_argument(format!(
+            "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
+            cfg.bucket_size,
+            cfg.buffers,
+            crate::wire::MAX_BUFFERS
+        )));
+    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
-//! One engine rank's session: handshake, manifest, buckets, acknowledgements.
+//! One engine rank's session: handshake (and, over the network, the
+//! challenge), manifest, buckets, acknowledgements.
 
-use super::{Content, HostTensor, PublisherConfig};
+use super::{Content, HostTensor, Offer, PublisherConfig};
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::shared::SharedBuffer;
@@ -8,13 +9,15 @@ use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::Source;
-use crate::transport::unix::{check_peer_uid, Conn};
+use crate::transport::auth::{self, Secret};
+use crate::transport::conn::{Conn, Stream};
+use crate::transport::unix::check_peer_uid;
 use crate::wire::{BucketEntry, Frame, ALIGN};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Buffers kept between sessions.
@@ -23,7 +26,7 @@ pub(super) struct BufferPool(parking_lot::Mutex<Vec<SharedBuffer>>);
 
 impl BufferPool {
     /// `n` buffers of at least `len` bytes: pooled ones first, new ones else.
-    fn take(&self, n: usize, len: usize) -> Result<Vec<SharedBuffer>> {
+    pub(super) fn take(&self, n: usize, len: usize) -> Result<Vec<SharedBuffer>> {
         let mut out = Vec::with_capacity(n);
         {
             let mut free = self.0.lock();
@@ -43,7 +46,7 @@ impl BufferPool {
         Ok(out)
     }
 
-    fn give_back(&self, buffers: Vec<SharedBuffer>) {
+    pub(super) fn give_back(&self, buffers: Vec<SharedBuffer>) {
         self.0.lock().extend(buffers);
     }
 }
@@ -72,8 +75,8 @@ enum ShardBytes {
     },
 }
 
-struct Shard {
-    manifest: Manifest,
+pub(super) struct Shard {
+    pub(super) manifest: Manifest,
     bytes: ShardBytes,
 }
 
@@ -94,6 +97,9 @@ fn shard_for(
             };
             let source = SnapshotSource::open(&loc, &cfg.logger)?;
             let mut manifest = source.manifest().clone();
+            if cfg.checksums {
+                fill_missing_checksums(&source, &mut manifest)?;
+            }
             if version.is_some() {
                 manifest.version = version;
             }
@@ -136,8 +142,58 @@ fn shard_for(
     }
 }
 
+/// Hash the tensors a snapshot has no `wm_checksums.json` entry for, so the
+/// engine can verify them (the network paths verify by default).
+fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> Result<()> {
+    let todo: Vec<usize> = (0..manifest.tensors.len())
+        .filter(|&i| manifest.tensors[i].checksum.is_none())
+        .collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let sums = parking_lot::Mutex::new(Vec::with_capacity(todo.len()));
+    std::thread::scope(|s| {
+        for _ in 0..default_threads().min(todo.len()) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; 8 << 20];
+                let mut open: HashMap<PathBuf, File> = HashMap::new();
+                loop {
+                    let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&t) = todo.get(k) else { break };
+                    let (path, offset) = source.tensor_location(t);
+                    let r = match open.get(path) {
+                        Some(f) => Ok(f),
+                        None => {
+                            File::open(path).map(|f| &*open.entry(path.to_path_buf()).or_insert(f))
+                        }
+                    }
+                    .and_then(|f| {
+                        crate::source::snapshot::checksums::hash_range(
+                            f,
+                            offset,
+                            manifest.tensors[t].nbytes,
+                            &mut buf,
+                        )
+                    })
+                    .map_err(|e| Error::io(format!("hashing {}", path.display()), e));
+                    sums.lock().push((t, r));
+                }
+            });
+        }
+    });
+    for (t, r) in sums.into_inner() {
+        manifest.tensors[t].checksum = Some(r?);
+    }
+    Ok(())
+}
+
 /// Pack `want` (manifest indices) into buckets of at most `bucket` bytes.
-fn plan_buckets(manifest: &Manifest, want: &[u32], bucket: usize) -> Vec<(Vec<BucketEntry>, u64)> {
+pub(super) fn plan_buckets(
+    manifest: &Manifest,
+    want: &[u32],
+    bucket: usize,
+) -> Vec<(Vec<BucketEntry>, u64)> {
     let bucket = bucket as u64;
     let mut out: Vec<(Vec<BucketEntry>, u64)> = Vec::new();
     let mut cur: Vec<BucketEntry> = Vec::new();
@@ -173,26 +229,86 @@ fn plan_buckets(manifest: &Manifest, want: &[u32], bucket: usize) -> Vec<(Vec<Bu
 }
 
 pub(super) fn run(
-    stream: UnixStream,
-    content: &Content,
-    version: Option<String>,
+    stream: Stream,
+    offers: &[Arc<Offer>],
+    secret: Option<&Secret>,
     cfg: &PublisherConfig,
     pool: &BufferPool,
 ) -> Result<SessionStats> {
     let start = Instant::now();
-    check_peer_uid(&stream, cfg.allow_other_uids, "an engine")?;
-    let mut conn = Conn::new(stream, "an engine");
-    let r = serve(&mut conn, content, version, cfg, pool, start);
+    let who = match &stream {
+        Stream::Unix(s) => {
+            check_peer_uid(s, cfg.allow_other_uids, "an engine")?;
+            "an engine".to_string()
+        }
+        Stream::Tcp(s) => match s.peer_addr() {
+            Ok(a) => format!("the engine at {a}"),
+            Err(_) => "an engine".to_string(),
+        },
+    };
+    let net = matches!(stream, Stream::Tcp(_));
+    let mut conn = Conn::new(stream, who);
+    let r = serve(&mut conn, offers, secret.filter(|_| net), cfg, pool, start);
     if let Err(e) = &r {
-        conn.send_error(&e.message);
+        conn.send_error(e);
     }
     r
 }
 
+/// The publisher's side of the challenge (see `transport::auth`). A wrong
+/// answer is logged here and refused there, before any manifest moves.
+fn authenticate(
+    conn: &mut Conn,
+    secret: &Secret,
+    deadline: Instant,
+    cfg: &PublisherConfig,
+) -> Result<()> {
+    let mine = auth::nonce()?;
+    conn.send(&Frame::Challenge { nonce: mine })?;
+    let (mac, theirs) = match conn.recv(deadline)? {
+        Frame::Proof { mac, nonce } => (mac, nonce),
+        other => return Err(Error::peer(format!("expected PROOF, got {}", other.name()))),
+    };
+    if !secret.check_engine_proof(&mine, &theirs, &mac) {
+        let e = Error::auth(format!(
+            "authentication failed: {} does not hold this publisher's shared secret",
+            conn.peer()
+        ));
+        cfg.logger.warn(&format!("publisher: {e}"));
+        return Err(e);
+    }
+    conn.send(&Frame::Proof {
+        mac: secret.publisher_proof(&theirs, &mine),
+        nonce: [0; 32],
+    })
+}
+
+/// The offer a rank asked for: by name, or the newest for "" and "latest".
+fn pick<'a>(offers: &'a [Arc<Offer>], wanted: &str, rank: u32) -> Result<&'a Offer> {
+    let found = if wanted.is_empty() || wanted == "latest" {
+        offers.last()
+    } else {
+        offers
+            .iter()
+            .rev()
+            .find(|o| o.version.as_deref() == Some(wanted))
+    };
+    found.map(|o| &**o).ok_or_else(|| {
+        let names: Vec<String> = offers
+            .iter()
+            .map(|o| format!("'{}'", o.version.as_deref().unwrap_or("")))
+            .collect();
+        Error::not_found(format!(
+            "rank {rank} asked for version '{wanted}'; this publisher serves {}",
+            names.join(", ")
+        ))
+    })
+}
+
 fn serve(
     conn: &mut Conn,
-    content: &Content,
-    version: Option<String>,
+    offers: &[Arc<Offer>],
+    secret: Option<&Secret>,
     cfg: &PublisherConfig,
     pool: &BufferPool,
     start: Instant,
@@ -208,15 +324,14 @@ fn serve(
         } => (rank, gpu_id, version),
         other => return Err(Error::peer(format!("expected HELLO, got {}", other.name()))),
     };
-    conn.set_peer(format!("engine rank {rank}"));
-    let mut shard = shard_for(content, rank, &gpu_id, version, cfg)
+    conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
+    if let Some(secret) = secret {
+        authenticate(conn, secret, step(cfg.bucket_timeout), cfg)?;
+    }
+    let offer = pick(offers, &wanted_version, rank)?;
+    let mut shard = shard_for(&offer.content, rank, &gpu_id, offer.version.clone(), cfg)
         .map_err(|e| e.context(format!("rank {rank}")))?;
     let have = shard.manifest.version.clone().unwrap_or_default();
-    if !wanted_version.is_empty() && wanted_version != "latest" && wanted_version != have {
-        return Err(Error::not_found(format!(
-            "rank {rank} asked for version '{wanted_version}'; this publisher serves '{have}'"
-        )));
-    }
     conn.send(&Frame::Manifest {
         version: have.clone(),
         tensors: shard.manifest.tensors.clone(),
@@ -234,16 +349,21 @@ fn serve(
             )));
         }
     }
-    let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
-    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
-    let n_buf = cfg.buffers.min(buckets.len()).max(1);
-    let buffers = pool.take(n_buf, largest)?;
     let mut stats = SessionStats {
         rank,
         version: have,
         tensors: want.len() as u64,
         ..Default::default()
     };
+    if secret.is_some() {
+        super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
+        stats.total = start.elapsed();
+        return Ok(stats);
+    }
+    let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
+    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
+    let n_buf = cfg.buffers.min(buckets.len()).max(1);
+    let buffers = pool.take(n_buf, largest)?;
     let r = stream_buckets(
         conn, &mut shard, &buckets, &buffers, largest, cfg, &step, &mut stats,
     );
@@ -304,9 +424,9 @@ fn stream_buckets(
         }
         let buf = &buffers[i % n_buf];
         let t = Instant::now();
-        fill(shard, entries, buf, threads)?;
+        fill(shard, entries, buf.ptr(), threads)?;
         if let Some(victim) = &cfg.corrupt_tensor {
-            corrupt(&shard.manifest, entries, buf, victim);
+            corrupt(&shard.manifest, entries, buf.ptr(), victim);
         }
         stats.pack += t.elapsed();
         stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
@@ -326,13 +446,15 @@ fn stream_buckets(
     Ok(())
 }
 
-fn fill(
+/// Copy the entries' bytes into the bucket buffer at `base` (which holds
+/// every entry's range).
+pub(super) fn fill(
     shard: &mut Shard,
     entries: &[BucketEntry],
-    buf: &SharedBuffer,
+    base: *mut u8,
     threads: usize,
 ) -> Result<()> {
-    let dst = |e: &BucketEntry| SendPtr(buf.ptr().wrapping_add(e.buffer_offset as usize));
+    let dst = |e: &BucketEntry| SendPtr(base.wrapping_add(e.buffer_offset as usize));
     match &mut shard.bytes {
         ShardBytes::Memory(ptrs) => {
             let jobs: Vec<CopyJob> = entries
@@ -383,11 +505,11 @@ fn fill(
 }
 
 /// Test only: flip the lowest bit of the first byte of `victim` in this bucket.
-fn corrupt(manifest: &Manifest, entries: &[BucketEntry], buf: &SharedBuffer, victim: &str) {
+pub(super) fn corrupt(manifest: &Manifest, entries: &[BucketEntry], base: *mut u8, victim: &str) {
     for e in entries {
         if manifest.tensors[e.tensor as usize].name == victim && e.tensor_offset == 0 && e.len > 0 {
             // SAFETY: inside the entry's range in our own buffer.
-            unsafe { *buf.ptr().add(e.buffer_offset as usize) ^= 1 };
+            unsafe { *base.add(e.buffer_offset as usize) ^= 1 };
         }
     }
 }

@@ -20,7 +20,8 @@ use crate::memory::shared::{BucketMemory, SharedBuffer};
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
-use crate::transport::unix::{check_peer_uid, Conn};
+use crate::transport::conn::Conn;
+use crate::transport::unix::check_peer_uid;
 use crate::wire::{check_bucket, Frame};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -177,7 +178,7 @@ impl super::Source for IpcSource {
     fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
         let r = self.stream_inner(plan, applier);
         if let Err(e) = &r {
-            self.conn.send_error(&e.message);
+            self.conn.send_error(e);
         }
         r
     }

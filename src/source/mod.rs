@@ -3,6 +3,7 @@
 //! (validation, checksums, staging, progress) is the applier's.
 
 pub mod ipc;
+pub mod net;
 pub mod snapshot;
 
 use crate::apply::Applier;

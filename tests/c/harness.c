@@ -106,7 +106,7 @@ static void test_version(void) {
   char want[64];
   snprintf(want, sizeof want, "%d.%d.%d", WM_VERSION_MAJOR, WM_VERSION_MINOR, WM_VERSION_PATCH);
   CHECK(strcmp(wm_version(), want) == 0);
-  for (unsigned code = 0; code <= WM_ERR_INVALID_HANDLE; code++) {
+  for (unsigned code = 0; code <= WM_ERR_AUTH; code++) {
     CHECK(wm_result_text(code) != NULL && strlen(wm_result_text(code)) > 0);
     CHECK(strcmp(wm_result_text(code), "unknown result code") != 0);
   }
@@ -778,6 +778,33 @@ static void test_publisher(void) {
   CHECK_RC(wm_publisher_set_version(p, "3"), WM_OK);
   CHECK_RC(wm_publisher_set_version(p, NULL), WM_OK);
   CHECK_RC(wm_publisher_set_dir(p, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_address(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strcmp(buf, sock) == 0 && n == strlen(sock));
+  CHECK_RC(wm_publisher_publish(p), WM_ERR_NO_VERSION); /* no version set */
+
+  /* Network publisher: a shared secret is required; the bound port is reported. */
+  wm_publisher *np = NULL;
+  wm_publisher_config ncfg;
+  wm_publisher_config_init(&ncfg);
+  CHECK(ncfg.keep_versions == 2 && ncfg.secret == NULL);
+  CHECK_RC(wm_publisher_create_net(NULL, &ncfg, &np), WM_ERR_NULL_ARGUMENT);
+  if (getenv("WM_NET_SECRET") == NULL) {
+    wm_result no_secret = wm_publisher_create_net("127.0.0.1:0", &ncfg, &np);
+    CHECK(no_secret == WM_ERR_AUTH || no_secret == WM_ERR_UNSUPPORTED);
+  }
+  ncfg.secret = "short";
+  CHECK(wm_publisher_create_net("127.0.0.1:0", &ncfg, &np) != WM_OK);
+  ncfg.secret = "harness-secret-0123456789";
+  wm_result net = wm_publisher_create_net("127.0.0.1:0", &ncfg, &np);
+  CHECK(net == WM_OK || net == WM_ERR_UNSUPPORTED); /* UNSUPPORTED: no UCX installed */
+  if (net == WM_OK) {
+    CHECK_RC(wm_publisher_address(np, buf, sizeof buf, &n), WM_OK);
+    CHECK(strncmp(buf, "127.0.0.1:", 10) == 0 && strcmp(buf, "127.0.0.1:0") != 0);
+    CHECK_RC(wm_publisher_add_tensor(np, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_OK);
+    CHECK_RC(wm_publisher_set_version(np, "1"), WM_OK);
+    CHECK_RC(wm_publisher_publish(np), WM_OK);
+    wm_publisher_destroy(np);
+  }
 
   wm_serve_stats st;
   st.struct_size = 1;

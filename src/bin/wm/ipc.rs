@@ -1,5 +1,5 @@
-//! `wm serve --ipc` (trainer side) and `wm pull --ipc` (an engine rank that
-//! checks what it received).
+//! `wm serve --ipc | --net` (trainer side) and `wm pull --ipc | --net` (an
+//! engine rank that checks what it received).
 
 use crate::fmt;
 use crate::Args;
@@ -9,13 +9,15 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, TensorView};
 use weight_manager::logging::Logger;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::source::snapshot::{SnapshotLocation, SnapshotSource};
 use weight_manager::source::{Source, SourceKind};
 
 pub const SERVE_OPTIONS: &[&str] = &[
     "ipc",
+    "net",
+    "keep",
     "engines",
     "bucket-mib",
     "accept-timeout",
@@ -23,30 +25,65 @@ pub const SERVE_OPTIONS: &[&str] = &[
     "version",
 ];
 pub const PULL_OPTIONS: &[&str] = &[
-    "ipc", "rank", "world", "gpu", "verify", "check", "version", "timeout",
+    "ipc",
+    "net",
+    "gdr",
+    "gdr-fallback",
+    "direct",
+    "bucket-mib",
+    "bucket-bytes",
+    "depth",
+    "rank",
+    "world",
+    "gpu",
+    "verify",
+    "check",
+    "version",
+    "timeout",
 ];
 
 /// Serve the snapshot in DIR to `--engines` engine sessions, then exit.
+/// Over the network, every DIR given is published as a version (named by its
+/// `version.yaml`), and engines ask for one by name or for the latest.
 pub fn serve(a: &Args) -> Result<(), String> {
-    let socket = a
-        .value("ipc")
-        .ok_or("usage: wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M]")?;
-    let dir = a
-        .positional
-        .first()
-        .ok_or("wm serve: name the snapshot directory to serve")?;
+    let usage =
+        "usage: wm serve (--ipc SOCKET | --net HOST:PORT) DIR... [--engines N] [--bucket-mib M]";
+    if a.positional.is_empty() {
+        return Err("wm serve: name the snapshot directory to serve".into());
+    }
     let engines: usize = a.number("engines", 1)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
     let cfg = PublisherConfig {
         bucket_size: bucket_mib << 20,
         corrupt_tensor: a.value("corrupt").map(str::to_string),
+        keep_versions: a.number("keep", 2)?,
         logger: Logger::default(),
         ..Default::default()
     };
-    let p = Publisher::bind(Path::new(socket), cfg).map_err(|e| e.to_string())?;
-    p.set_dir(Path::new(dir));
-    p.set_version(a.value("version").map(str::to_string));
-    println!("wm serve: {dir} on {socket}, waiting for {engines} engine(s)");
+    let p = match (a.value("ipc"), a.value("net")) {
+        (Some(socket), None) => Publisher::bind(Path::new(socket), cfg),
+        (None, Some(addr)) => Publisher::bind_net(addr, cfg),
+        _ => return Err(usage.into()),
+    }
+    .map_err(|e| e.to_string())?;
+    if a.value("net").is_some() {
+        for dir in &a.positional {
+            p.set_dir(Path::new(dir));
+            p.set_version(a.value("version").map(str::to_string));
+            let v = p.publish().map_err(|e| format!("{dir}: {e}"))?;
+            println!("wm serve: published {dir} as version {v}");
+        }
+    } else {
+        p.set_dir(Path::new(&a.positional[0]));
+        p.set_version(a.value("version").map(str::to_string));
+    }
+    // Tests read the address (a port 0 is resolved here) from this line.
+    println!(
+        "wm serve: listening on {}, waiting for {engines} engine(s)",
+        p.address()
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
     let accept = Duration::from_secs_f64(a.number("accept-timeout", 600.0)?);
     let stats = p.serve(engines, accept).map_err(|e| e.to_string())?;
     for s in &stats.sessions {
@@ -68,9 +105,14 @@ pub fn serve(a: &Args) -> Result<(), String> {
 /// Receive this rank's shard (zero-copy callback) and, with `--check DIR`,
 /// compare every tensor with the snapshot files the rank would read.
 pub fn pull(a: &Args) -> Result<(), String> {
-    let socket = a
-        .value("ipc")
-        .ok_or("usage: wm pull --ipc SOCKET [--rank R --world W] [--check DIR] [--verify true]")?;
+    let (source, location) = match (a.value("ipc"), a.value("net")) {
+        (Some(socket), None) => (SourceKind::Ipc, socket),
+        (None, Some(addr)) if a.value("gdr").is_some_and(|v| v != "false") => (SourceKind::Gdr, addr),
+        (None, Some(addr)) => (SourceKind::Rdma, addr),
+        _ => {
+            return Err("usage: wm pull (--ipc SOCKET | --net HOST:PORT [--gdr true]) [--rank R --world W] [--check DIR] [--verify true]".into())
+        }
+    };
     let rank: u32 = a.number("rank", 0)?;
     let world: u32 = a.number("world", 1)?;
     let expected: HashMap<String, (std::path::PathBuf, u64, u64)> = match a.value("check") {
@@ -97,6 +139,13 @@ pub fn pull(a: &Args) -> Result<(), String> {
     let m = Manager::new(ManagerConfig {
         rank,
         world_size: world,
+        net: NetSettings {
+            bucket_size: a.number("bucket-bytes", a.number::<usize>("bucket-mib", 512)? << 20)?,
+            depth: a.number("depth", 2)?,
+            gdr_fallback: a.value("gdr-fallback").is_some_and(|v| v != "false"),
+            direct: a.value("direct").is_some_and(|v| v != "false"),
+            ..Default::default()
+        },
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
@@ -117,8 +166,8 @@ pub fn pull(a: &Args) -> Result<(), String> {
         }
         Ok(())
     };
-    let mut req = UpdateRequest::snapshot(socket);
-    req.source = SourceKind::Ipc;
+    let mut req = UpdateRequest::snapshot(location);
+    req.source = source;
     req.mode = Mode::InPlace;
     req.verify = a.value("verify").is_some_and(|v| v != "false");
     req.version = a.value("version").map(str::to_string);

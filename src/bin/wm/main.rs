@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_ipc;
+mod bench_net;
 mod bench_signal;
 mod demo;
 mod fixtures;
@@ -26,8 +27,11 @@ const USAGE: &str = "usage:
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm bench ipc [--gib N] [--bucket-mib M]
+  wm bench net [--gib N] [--bucket-mib M]      (UCX_TLS=tcp without RDMA hardware)
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
+  wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
+  wm pull --net HOST:PORT [--gdr true] [--bucket-mib M --depth D] [--rank R ...] [--check DIR]
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
   wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
             [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]
@@ -136,7 +140,9 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("signal-rank") => bench_signal::rank(&a),
                 Some("ipc") => bench_ipc::run(&a),
                 Some("ipc-publisher") => bench_ipc::publisher(&a),
-                _ => Err("usage: wm bench snapshot|signal [options]".into()),
+                Some("net") => bench_net::run(&a),
+                Some("net-publisher") => bench_net::publisher(&a),
+                _ => Err("usage: wm bench snapshot|signal|ipc|net [options]".into()),
             }
         }
         "signal" => {

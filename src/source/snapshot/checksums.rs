@@ -92,7 +92,7 @@ pub struct Written {
     pub bytes: u64,
 }
 
-fn hash_range(
+pub(crate) fn hash_range(
     file: &std::fs::File,
     offset: u64,
     len: u64,

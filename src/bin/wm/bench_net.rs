@@ -1,0 +1,281 @@
+//! `wm bench net`: a model over UCX from a trainer process (the publisher)
+//! into this engine process's host params, beside a raw UCX transfer of the
+//! same bytes in the same bucket-sized messages, measured in the same run.
+//!
+//! Also: time to first byte (a whole update of one small tensor: connect,
+//! challenge, manifest, UCX endpoint, one bucket) and the cost of each bucket
+//! beyond its bytes (the same model in 1 MiB buckets against big buckets).
+//!
+//! Run it with `UCX_TLS=tcp` on a machine without RDMA (what CI does); on a
+//! cluster leave UCX_TLS unset and UCX picks RDMA.
+
+use crate::fixtures;
+use crate::fmt::{self, gbps};
+use crate::Args;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager::publisher::{Publisher, PublisherConfig};
+use weight_manager::registry::ParamSpec;
+use weight_manager::source::SourceKind;
+use weight_manager::tensor::DType;
+use weight_manager::transport::ucx::Pump;
+
+const TENSOR: usize = 64 << 20;
+const SECRET: &str = "wm-bench-net-secret-0123456789";
+
+fn model_tensors(gib: f64) -> usize {
+    ((gib * (1u64 << 30) as f64) / TENSOR as f64)
+        .ceil()
+        .max(1.0) as usize
+}
+
+/// The trainer process: rank 0 gets the model, rank 1 one small tensor.
+pub fn publisher(a: &Args) -> Result<(), String> {
+    let count = model_tensors(a.number("gib", 4.0)?);
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    for i in 0..count {
+        let mut v = vec![0u8; TENSOR];
+        fixtures::fill(&mut v, i as u64 + 1);
+        data.push(v);
+    }
+    let small = vec![7u8; 4096];
+    let p = Publisher::bind_net(
+        "127.0.0.1:0",
+        PublisherConfig {
+            secret: Some(SECRET.into()),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    for (i, d) in data.iter().enumerate() {
+        // SAFETY: `data` outlives serving.
+        unsafe {
+            p.add_tensor(
+                &format!("layers.{i}.w"),
+                DType::Bf16,
+                &[8192, 4096],
+                d.as_ptr(),
+                d.len(),
+                Some(0),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+    }
+    // SAFETY: as above.
+    unsafe { p.add_tensor("probe", DType::U8, &[4096], small.as_ptr(), 4096, Some(1)) }
+        .map_err(|e| e.to_string())?;
+    p.set_version(Some("bench".into()));
+    println!("listening {}", p.address());
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let stats = p
+        .serve(a.number("engines", 1)?, Duration::from_secs(600))
+        .map_err(|e| e.to_string())?;
+    for s in stats.sessions.iter().filter(|s| s.rank == 0) {
+        println!("session {} {} {}", s.bytes, s.pack.as_nanos(), s.buckets);
+    }
+    Ok(())
+}
+
+/// Raw UCX: `total` bytes as messages of `bucket` bytes, `depth` in flight,
+/// from one worker to another (its own thread each, over UCX_TLS).
+fn raw_floor(total: usize, bucket: usize, depth: usize) -> Result<Duration, String> {
+    let src = crate::bench::buffer(bucket);
+    let mut slots: Vec<Vec<u8>> = (0..depth).map(|_| crate::bench::buffer(bucket)).collect();
+    let tx = Pump::start("floor-tx").map_err(|e| e.to_string())?;
+    let rx = Pump::start("floor-rx").map_err(|e| e.to_string())?;
+    tx.connect(rx.address()).map_err(|e| e.to_string())?;
+    let n = total.div_ceil(bucket) as u64;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let t = Instant::now();
+    // SAFETY: the buffers outlive both pumps (dropped at the end of this scope).
+    unsafe {
+        for s in 0..(depth as u64).min(n) {
+            rx.recv(s, slots[s as usize % depth].as_mut_ptr(), bucket)
+                .map_err(|e| e.to_string())?;
+            tx.send(s, src.as_ptr(), bucket)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let mut done = 0u64;
+    let mut posted = (depth as u64).min(n);
+    while done < n {
+        let c = rx
+            .next(deadline)
+            .map_err(|e| e.to_string())?
+            .ok_or("raw UCX transfer timed out")?;
+        c.result.map_err(|e| e.to_string())?;
+        done += 1;
+        if posted < n {
+            let slot = slots[c.tag as usize % depth].as_mut_ptr();
+            // SAFETY: as above.
+            unsafe {
+                rx.recv(posted, slot, bucket).map_err(|e| e.to_string())?;
+                tx.send(posted, src.as_ptr(), bucket)
+                    .map_err(|e| e.to_string())?;
+            }
+            posted += 1;
+        }
+    }
+    let elapsed = t.elapsed();
+    drop(tx);
+    drop(rx);
+    slots.clear();
+    Ok(elapsed)
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let gib: f64 = a.number("gib", 4.0)?;
+    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let depth = 2usize;
+    let count = model_tensors(gib);
+    let total = count * TENSOR;
+    let probes = 5usize;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // Sessions: warm-up, verified, unverified, small buckets, then the probes.
+    let engines = 4 + probes;
+    let mut trainer = Command::new(exe)
+        .args(["bench", "net-publisher", "--gib", &gib.to_string()])
+        .args(["--engines", &engines.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut lines = BufReader::new(trainer.stdout.take().expect("piped")).lines();
+    let addr = match lines.next() {
+        Some(Ok(l)) if l.starts_with("listening ") => l["listening ".len()..].to_string(),
+        other => return Err(format!("the trainer process did not start: {other:?}")),
+    };
+    let ucx = weight_manager::transport::ucx::ucx().map_err(|e| e.to_string())?;
+    println!(
+        "wm bench net: {} of bf16 in {count} tensors from a trainer process at {addr}, buckets of {bucket_mib} MiB x {depth}, {}, UCX_TLS={}",
+        fmt::bytes(total as u64),
+        ucx.describe(),
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "(all)".into())
+    );
+    let bucket = bucket_mib << 20;
+    let floor_t = crate::bench::best(|| raw_floor(total, bucket, depth))?;
+    let floor = gbps(total as u64, floor_t);
+    println!("  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s");
+
+    let engine = |bucket_size: usize, rank: u32| {
+        Manager::new(ManagerConfig {
+            rank,
+            world_size: 2,
+            net: NetSettings {
+                secret: Some(SECRET.into()),
+                bucket_size,
+                depth,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())
+    };
+    let m = engine(bucket, 0)?;
+    let mut params: Vec<Vec<u8>> = Vec::new();
+    for i in 0..count {
+        let mut b = vec![0u8; TENSOR];
+        fixtures::fill(&mut b, 1000 + i as u64);
+        // SAFETY: `params` outlives the manager's updates below.
+        unsafe {
+            m.register(
+                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
+                b.as_mut_ptr(),
+                b.len(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        params.push(b);
+    }
+    let request = |skip: bool| {
+        let mut r = UpdateRequest::snapshot(&addr);
+        r.source = SourceKind::Rdma;
+        r.mode = weight_manager::apply::Mode::InPlace;
+        r.skip_network_checksums = skip;
+        r
+    };
+    // Warm-up: the first session creates both sides' buffers.
+    let first = m.update(request(false)).map_err(|e| e.to_string())?;
+    println!(
+        "  wm     first update (creates buffers)     {:>7.2} GB/s",
+        gbps(first.bytes, first.total)
+    );
+    let verified = m.update(request(false)).map_err(|e| e.to_string())?;
+    let v_rate = gbps(verified.bytes, verified.total);
+    println!(
+        "  wm     rdma into host params, verified    {v_rate:>7.2} GB/s   ratio {:.2} to raw UCX (target >= 0.80) {}",
+        v_rate / floor,
+        if v_rate / floor >= 0.8 { "PASS" } else { "MISS" }
+    );
+    let plain = m.update(request(true)).map_err(|e| e.to_string())?;
+    let p_rate = gbps(plain.bytes, plain.total);
+    println!(
+        "  wm     rdma into host params, unverified  {p_rate:>7.2} GB/s   ratio {:.2} to raw UCX",
+        p_rate / floor
+    );
+    // Per-bucket overhead: the same bytes in 1 MiB buckets.
+    let small = engine(1 << 20, 0)?;
+    for (i, b) in params.iter_mut().enumerate() {
+        // SAFETY: as above.
+        unsafe {
+            small.register(
+                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
+                b.as_mut_ptr(),
+                b.len(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+    }
+    let fine = small.update(request(true)).map_err(|e| e.to_string())?;
+    let (n_big, n_small) = (
+        total.div_ceil(bucket) as f64,
+        total.div_ceil(1 << 20) as f64,
+    );
+    let per_bucket = (fine.total.as_secs_f64() - plain.total.as_secs_f64()) / (n_small - n_big);
+    println!(
+        "  wm     1 MiB buckets ({n_small:.0})               {:>7.2} GB/s   per-bucket overhead {:.1} us",
+        gbps(fine.bytes, fine.total),
+        per_bucket.max(0.0) * 1e6
+    );
+    // Time to first byte: a whole update of one 4 KiB tensor.
+    let mut best = Duration::MAX;
+    for _ in 0..probes {
+        let probe = engine(1 << 20, 1)?;
+        probe
+            .allocate(&ParamSpec::host("probe", DType::U8, &[4096]))
+            .map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        probe.update(request(false)).map_err(|e| e.to_string())?;
+        best = best.min(t.elapsed());
+    }
+    println!(
+        "  wm     time to first byte                 {}  (a whole update of one 4 KiB tensor: connect, challenge, manifest, UCX endpoint, one bucket; best of {probes})",
+        fmt::ms(best)
+    );
+    let sessions: Vec<Vec<u64>> = lines
+        .map_while(|l| l.ok())
+        .filter(|l| l.starts_with("session "))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .collect();
+    let status = trainer.wait().map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err("the trainer process failed".into());
+    }
+    if let Some(s) = sessions.get(1).filter(|s| s.len() == 3) {
+        let pack = Duration::from_nanos(s[1]);
+        println!(
+            "  verified run: trainer packing {} ({:.2} GB/s, overlapped with sending); engine receive+apply {}",
+            fmt::ms(pack),
+            gbps(s[0], pack),
+            fmt::ms(verified.sync)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,151 @@
+//! A network session's buckets: packed into host buffers here, sent over UCX
+//! to the engine's worker, one message per bucket into its staging slot
+//! (rdma) or one per entry straight into its params (gdr, `direct`).
+//!
+//! The engine names the bucket size and how many buckets may be in flight
+//! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
+//! buffer is refilled only after the engine acknowledged the bucket and
+//! UCX reported the send complete.
+
+use super::session::{corrupt, fill, plan_buckets, BufferPool, SessionStats, Shard};
+use super::PublisherConfig;
+use crate::memory::copy::default_threads;
+use crate::result::{Error, Result};
+use crate::transport::conn::Conn;
+use crate::transport::ucx::Pump;
+use crate::wire::{Frame, ALIGN, MAX_BUFFERS};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Largest bucket an engine may ask for.
+const MAX_BUCKET: u64 = 16 << 30;
+
+/// The UCX tag of bucket `seq`'s bytes (entry 0), or of entry `k` of a
+/// direct bucket (`k + 1`).
+pub fn tag(seq: u64, entry: Option<usize>) -> u64 {
+    (seq << 32) | entry.map_or(0, |k| k as u64 + 1)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn stream_buckets(
+    conn: &mut Conn,
+    shard: &mut Shard,
+    want: &[u32],
+    cfg: &PublisherConfig,
+    pool: &BufferPool,
+    step: &dyn Fn(Duration) -> Instant,
+    stats: &mut SessionStats,
+) -> Result<()> {
+    let (address, bucket_size, depth, direct) = match conn.recv(step(cfg.bucket_timeout))? {
+        Frame::Ready {
+            address,
+            bucket_size,
+            depth,
+            direct,
+        } => (address, bucket_size, depth as usize, direct),
+        other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
+    };
+    if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
+        return Err(Error::peer(format!(
+            "{} asked for buckets of {bucket_size} bytes, {depth} in flight ({ALIGN} to {MAX_BUCKET} bytes, 1 to {MAX_BUFFERS} allowed)",
+            conn.peer()
+        )));
+    }
+    let buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
+    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
+    let n_buf = depth.min(buckets.len()).max(1);
+    let buffers = pool.take(n_buf, largest)?;
+    let pump = Pump::start("publisher")?;
+    pump.connect(&address)
+        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
+    let threads = if cfg.threads == 0 {
+        default_threads()
+    } else {
+        cfg.threads
+    };
+    // Messages of each bucket still on the wire.
+    let mut in_flight: HashMap<u64, usize> = HashMap::new();
+    let mut acked = 0u64;
+    let mut wait_free = |conn: &mut Conn,
+                         in_flight: &mut HashMap<u64, usize>,
+                         seq: u64,
+                         stats: &mut SessionStats|
+     -> Result<()> {
+        let t = Instant::now();
+        let deadline = step(cfg.bucket_timeout);
+        match conn.recv(deadline)? {
+            Frame::Ack { seq: s } if s == acked => acked += 1,
+            Frame::Ack { seq: s } => {
+                return Err(Error::peer(format!(
+                    "acknowledged bucket {s}, expected {acked}"
+                )))
+            }
+            other => return Err(Error::peer(format!("expected ACK, got {}", other.name()))),
+        }
+        while in_flight.get(&seq).copied().unwrap_or(0) > 0 {
+            match pump.next(deadline)? {
+                Some(c) => {
+                    c.result
+                        .map_err(|e| e.context(format!("sending to {}", conn.peer())))?;
+                    if let Some(n) = in_flight.get_mut(&(c.tag >> 32)) {
+                        *n -= 1;
+                    }
+                }
+                None => {
+                    return Err(Error::timeout(format!(
+                        "bucket {seq} to {} was not sent within the bucket timeout",
+                        conn.peer()
+                    )))
+                }
+            }
+        }
+        stats.wait += t.elapsed();
+        Ok(())
+    };
+    for (i, (entries, used)) in buckets.iter().enumerate() {
+        let seq = i as u64;
+        if i >= n_buf {
+            wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
+        }
+        let buf = &buffers[i % n_buf];
+        let t = Instant::now();
+        fill(shard, entries, buf.ptr(), threads)?;
+        if let Some(victim) = &cfg.corrupt_tensor {
+            corrupt(&shard.manifest, entries, buf.ptr(), victim);
+        }
+        stats.pack += t.elapsed();
+        stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
+        conn.send(&Frame::Bucket {
+            seq,
+            buffer: (i % n_buf) as u32,
+            entries: entries.clone(),
+        })?;
+        // SAFETY: the buffer is neither refilled nor freed before the send
+        // completes (wait_free) or the pump is dropped (end of this function).
+        unsafe {
+            if direct {
+                for (k, e) in entries.iter().enumerate() {
+                    pump.send(
+                        tag(seq, Some(k)),
+                        buf.ptr().add(e.buffer_offset as usize),
+                        e.len as usize,
+                    )?;
+                }
+                in_flight.insert(seq, entries.len());
+            } else {
+                pump.send(tag(seq, None), buf.ptr(), *used as usize)?;
+                in_flight.insert(seq, 1);
+            }
+        }
+    }
+    for i in buckets.len().saturating_sub(n_buf)..buckets.len() {
+        wait_free(conn, &mut in_flight, i as u64, stats)?;
+    }
+    conn.send(&Frame::End {
+        buckets: buckets.len() as u64,
+    })?;
+    stats.buckets = buckets.len() as u64;
+    drop(pump);
+    pool.give_back(buffers);
+    Ok(())
+}

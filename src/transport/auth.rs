@@ -1,0 +1,143 @@
+//! Shared-secret authentication of network peers, before any manifest moves.
+//!
+//! Both sides prove they hold the secret without sending it: the publisher
+//! sends a random challenge, the engine answers with
+//! `HMAC-SHA256(secret, "wm-engine" | publisher nonce | engine nonce)` and
+//! its own nonce, and the publisher answers that with
+//! `HMAC-SHA256(secret, "wm-publisher" | engine nonce | publisher nonce)`.
+//! A replayed answer fails (fresh nonces each session), and each side learns
+//! that the other holds the secret. Macs are compared in constant time.
+//!
+//! The secret comes from the config, else from `WM_NET_SECRET`; the network
+//! paths refuse to run without one (at least 16 bytes).
+
+use crate::result::{Error, Result};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+pub(crate) const NONCE: usize = 32;
+pub(crate) const MAC: usize = 32;
+pub(crate) const MIN_SECRET: usize = 16;
+pub(crate) const SECRET_ENV: &str = "WM_NET_SECRET";
+
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// `configured`, else `WM_NET_SECRET`; missing or short is an error.
+    pub fn resolve(configured: Option<&[u8]>) -> Result<Secret> {
+        let bytes = match configured {
+            Some(b) => b.to_vec(),
+            None => std::env::var_os(SECRET_ENV)
+                .map(std::os::unix::ffi::OsStringExt::into_vec)
+                .ok_or_else(|| {
+                    Error::auth(format!(
+                        "the network paths need a shared secret: set it in the config or in {SECRET_ENV}"
+                    ))
+                })?,
+        };
+        if bytes.len() < MIN_SECRET {
+            return Err(Error::auth(format!(
+                "the shared secret has {} bytes; at least {MIN_SECRET} are required",
+                bytes.len()
+            )));
+        }
+        Ok(Secret(bytes))
+    }
+
+    fn mac(&self, role: &[u8], a: &[u8; NONCE], b: &[u8; NONCE]) -> Hmac<Sha256> {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes any key");
+        m.update(role);
+        m.update(a);
+        m.update(b);
+        m
+    }
+
+    /// The engine's answer to the publisher's challenge.
+    pub fn engine_proof(&self, publisher: &[u8; NONCE], engine: &[u8; NONCE]) -> [u8; MAC] {
+        self.mac(b"wm-engine", publisher, engine)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    pub fn check_engine_proof(
+        &self,
+        publisher: &[u8; NONCE],
+        engine: &[u8; NONCE],
+        proof: &[u8; MAC],
+    ) -> bool {
+        self.mac(b"wm-engine", publisher, engine)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    /// The publisher's answer to the engine's nonce.
+    pub fn publisher_proof(&self, engine: &[u8; NONCE], publisher: &[u8; NONCE]) -> [u8; MAC] {
+        self.mac(b"wm-publisher", engine, publisher)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    pub fn check_publisher_proof(
+        &self,
+        engine: &[u8; NONCE],
+        publisher: &[u8; NONCE],
+        proof: &[u8; MAC],
+    ) -> bool {
+        self.mac(b"wm-publisher", engine, publisher)
+            .verify_slice(proof)
+            .is_ok()
+    }
+}
+
+/// A fresh random nonce from the kernel.
+pub fn nonce() -> Result<[u8; NONCE]> {
+    let mut n = [0u8; NONCE];
+    let mut got = 0;
+    while got < NONCE {
+        // SAFETY: writes at most the rest of `n`.
+        let r = unsafe { libc::getrandom(n[got..].as_mut_ptr().cast(), NONCE - got, 0) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("getrandom", e));
+        }
+        got += r as usize;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_check_only_with_the_same_secret_and_nonces() {
+        let k = Secret::resolve(Some(b"0123456789abcdef-secret")).unwrap();
+        let other = Secret::resolve(Some(b"0123456789abcdef-other")).unwrap();
+        let (p, e) = (nonce().unwrap(), nonce().unwrap());
+        assert_ne!(p, e);
+        let proof = k.engine_proof(&p, &e);
+        assert!(k.check_engine_proof(&p, &e, &proof));
+        assert!(!other.check_engine_proof(&p, &e, &proof));
+        assert!(!k.check_engine_proof(&e, &p, &proof));
+        // The two roles' answers differ, so one cannot be replayed as the other.
+        assert!(!k.check_publisher_proof(&p, &e, &proof));
+        let back = k.publisher_proof(&e, &p);
+        assert!(k.check_publisher_proof(&e, &p, &back));
+        assert_eq!(
+            Secret::resolve(Some(b"short")).unwrap_err().code,
+            crate::wm_result::WM_ERR_AUTH
+        );
+    }
+}

@@ -1,0 +1,124 @@
+//! UCX (libucp), loaded at run time: the network transport under the rdma and
+//! gdr paths. Over real RDMA hardware UCX moves bucket bytes with zero-copy
+//! RDMA (and, built with CUDA, straight into GPU memory); on machines without
+//! it, the same code runs over TCP (`UCX_TLS=tcp`).
+//!
+//! Only bulk bytes travel over UCX, as tagged messages (tag = bucket
+//! sequence number). The control frames of `docs/wire.md` travel over a TCP
+//! connection, which also tells at once when the peer process dies: UCX alone
+//! would only let a receive wait for bytes that never come.
+//!
+//! One UCX context serves the process; each session drives its own worker on
+//! its own thread ([`Pump`]), so bytes keep moving while the caller packs or
+//! applies other buckets.
+
+mod pump;
+mod sys;
+
+pub use pump::{Completion, Pump};
+
+use crate::result::{Error, Result};
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+/// The loaded library and the process's context.
+pub struct Ucx {
+    lib: sys::Lib,
+    context: *mut c_void,
+    cuda: bool,
+}
+
+// SAFETY: the context is created with `mt_workers_shared`, so workers may be
+// created from any thread; it is never destroyed (process lifetime).
+unsafe impl Send for Ucx {}
+unsafe impl Sync for Ucx {}
+
+static UCX: OnceLock<std::result::Result<Ucx, String>> = OnceLock::new();
+
+/// The process's UCX, loaded on first use. Without UCX: `WM_ERR_UNSUPPORTED`
+/// saying what to install.
+pub fn ucx() -> Result<&'static Ucx> {
+    UCX.get_or_init(init)
+        .as_ref()
+        .map_err(|e| Error::unsupported(e.clone()))
+}
+
+fn init() -> std::result::Result<Ucx, String> {
+    let lib = sys::load()?;
+    let api = &lib.api;
+    let mut config = std::ptr::null_mut();
+    // SAFETY: NULL prefix and file: UCX_* environment variables apply.
+    let st = unsafe { (api.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
+    if st != sys::UCS_OK {
+        return Err(format!(
+            "UCX: reading its configuration failed: {}",
+            lib.status_text(st)
+        ));
+    }
+    let params = sys::Params {
+        field_mask: sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+        features: sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_WAKEUP,
+        request_size: 0,
+        request_init: std::ptr::null(),
+        request_cleanup: std::ptr::null(),
+        tag_sender_mask: 0,
+        mt_workers_shared: 1,
+        spare: [0; 16],
+    };
+    let mut context = std::ptr::null_mut();
+    // SAFETY: params and config are valid for the call; API 1.10 is the oldest we need.
+    let st = unsafe { (api.ucp_init_version)(1, 10, &params, config, &mut context) };
+    // SAFETY: config came from ucp_config_read.
+    unsafe { (api.ucp_config_release)(config) };
+    if st != sys::UCS_OK {
+        return Err(format!(
+            "UCX {}.{}.{} ({}): creating a context failed: {}",
+            lib.version.0,
+            lib.version.1,
+            lib.version.2,
+            lib.path,
+            lib.status_text(st)
+        ));
+    }
+    let mut attr = sys::ContextAttr {
+        field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES,
+        request_size: 0,
+        thread_mode: 0,
+        memory_types: 0,
+        spare: [0; 16],
+    };
+    // SAFETY: a live context and an attr struct with room to spare.
+    let st = unsafe { (api.ucp_context_query)(context, &mut attr) };
+    let cuda = st == sys::UCS_OK && attr.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) != 0;
+    Ok(Ucx { lib, context, cuda })
+}
+
+impl Ucx {
+    /// "UCX 1.13.1 (libucp.so.0)".
+    pub fn describe(&self) -> String {
+        let (a, b, c) = self.lib.version;
+        format!("UCX {a}.{b}.{c} ({})", self.lib.path)
+    }
+
+    /// Whether this UCX can move bytes to and from CUDA memory (gdr).
+    pub fn supports_cuda(&self) -> bool {
+        self.cuda
+    }
+
+    pub(crate) fn lib(&self) -> &sys::Lib {
+        &self.lib
+    }
+
+    pub(crate) fn context(&self) -> *mut c_void {
+        self.context
+    }
+
+    fn error(&self, what: &str, st: sys::Status) -> Error {
+        Error::peer(format!("UCX: {what}: {}", self.lib.status_text(st)))
+    }
+}
+
+/// Install hint, for error messages elsewhere.
+pub fn install_hint() -> &'static str {
+    sys::INSTALL_HINT
+}

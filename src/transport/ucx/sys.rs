@@ -1,0 +1,239 @@
+//! The few libucp entry points and structs this library uses, loaded with
+//! `dlopen` at run time so that the library builds, links and loads on
+//! machines without UCX.
+//!
+//! Struct layouts follow `ucp/api/ucp.h` (UCP API 1.10 and later). UCX reads
+//! a parameter struct only through the fields its `field_mask` names, and
+//! only ever appends fields, so each struct here is the stable prefix we set
+//! plus spare room.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+
+/// `ucs_status_t` is a packed enum: one signed byte.
+pub type Status = i8;
+pub(crate) const UCS_OK: Status = 0;
+pub(crate) const UCS_INPROGRESS: Status = 1;
+pub(crate) const UCS_ERR_BUSY: Status = -15;
+pub(crate) const UCS_ERR_LAST: usize = -100isize as usize;
+
+pub(crate) const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
+pub(crate) const UCP_PARAM_FIELD_MT_WORKERS_SHARED: u64 = 1 << 5;
+pub(crate) const UCP_FEATURE_TAG: u64 = 1 << 0;
+pub(crate) const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
+pub(crate) const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
+pub(crate) const UCS_THREAD_MODE_SINGLE: c_int = 0;
+pub(crate) const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
+pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
+pub(crate) const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
+pub(crate) const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+pub(crate) const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+pub(crate) const UCP_OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
+pub(crate) const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
+pub(crate) const UCS_MEMORY_TYPE_CUDA: u32 = 1;
+
+#[repr(C)]
+pub struct Params {
+    pub field_mask: u64,
+    pub features: u64,
+    pub request_size: usize,
+    pub request_init: *const c_void,
+    pub request_cleanup: *const c_void,
+    pub tag_sender_mask: u64,
+    pub mt_workers_shared: c_int,
+    pub spare: [u64; 16],
+}
+
+#[repr(C)]
+pub struct WorkerParams {
+    pub field_mask: u64,
+    pub thread_mode: c_int,
+    pub spare: [u64; 48],
+}
+
+#[repr(C)]
+pub struct EpParams {
+    pub field_mask: u64,
+    pub address: *const c_void,
+    pub err_mode: c_int,
+    pub err_handler_cb: *const c_void,
+    pub err_handler_arg: *mut c_void,
+    pub user_data: *mut c_void,
+    pub flags: c_uint,
+    pub spare: [u64; 32],
+}
+
+/// `ucp_request_param_t`: nothing set means contiguous bytes, no callback;
+/// completion is polled with `ucp_request_check_status`.
+#[repr(C)]
+pub struct RequestParam {
+    pub op_attr_mask: u32,
+    pub flags: u32,
+    pub request: *mut c_void,
+    pub cb: *const c_void,
+    pub datatype: u64,
+    pub user_data: *mut c_void,
+    pub reply_buffer: *mut c_void,
+    pub memory_type: c_int,
+    pub recv_info: *mut c_void,
+    pub memh: *mut c_void,
+    pub spare: [u64; 8],
+}
+
+#[repr(C)]
+pub struct TagRecvInfo {
+    pub sender_tag: u64,
+    pub length: usize,
+}
+
+#[repr(C)]
+pub struct ContextAttr {
+    pub field_mask: u64,
+    pub request_size: usize,
+    pub thread_mode: c_int,
+    pub memory_types: u64,
+    pub spare: [u64; 16],
+}
+
+macro_rules! ucx_functions {
+    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
+        /// Entry points resolved from libucp (and, through it, libucs).
+        #[allow(non_snake_case)]
+        pub struct Api {
+            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
+        }
+
+        impl Api {
+            /// # Safety
+            /// `handle` is a live `dlopen` handle of libucp.
+            unsafe fn resolve(handle: *mut c_void) -> Result<Api, String> {
+                Ok(Api {
+                    $($name: {
+                        let sym = libc::dlsym(
+                            handle,
+                            concat!(stringify!($name), "\0").as_ptr().cast(),
+                        );
+                        if sym.is_null() {
+                            return Err(format!("libucp has no symbol {}", stringify!($name)));
+                        }
+                        std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) $(-> $ret)?>(sym)
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+ucx_functions! {
+    ucp_get_version: fn(*mut c_uint, *mut c_uint, *mut c_uint);
+    ucp_config_read: fn(*const c_char, *const c_char, *mut *mut c_void) -> Status;
+    ucp_config_release: fn(*mut c_void);
+    ucp_init_version: fn(c_uint, c_uint, *const Params, *const c_void, *mut *mut c_void) -> Status;
+    ucp_context_query: fn(*mut c_void, *mut ContextAttr) -> Status;
+    ucp_worker_create: fn(*mut c_void, *const WorkerParams, *mut *mut c_void) -> Status;
+    ucp_worker_destroy: fn(*mut c_void);
+    ucp_worker_get_address: fn(*mut c_void, *mut *mut c_void, *mut usize) -> Status;
+    ucp_worker_release_address: fn(*mut c_void, *mut c_void);
+    ucp_worker_progress: fn(*mut c_void) -> c_uint;
+    ucp_worker_get_efd: fn(*mut c_void, *mut c_int) -> Status;
+    ucp_worker_arm: fn(*mut c_void) -> Status;
+    ucp_ep_create: fn(*mut c_void, *const EpParams, *mut *mut c_void) -> Status;
+    ucp_ep_close_nbx: fn(*mut c_void, *const RequestParam) -> *mut c_void;
+    ucp_tag_send_nbx: fn(*mut c_void, *const c_void, usize, u64, *const RequestParam) -> *mut c_void;
+    ucp_tag_recv_nbx: fn(*mut c_void, *mut c_void, usize, u64, u64, *const RequestParam) -> *mut c_void;
+    ucp_tag_recv_request_test: fn(*mut c_void, *mut TagRecvInfo) -> Status;
+    ucp_request_check_status: fn(*mut c_void) -> Status;
+    ucp_request_cancel: fn(*mut c_void, *mut c_void);
+    ucp_request_free: fn(*mut c_void);
+    ucs_status_string: fn(Status) -> *const c_char;
+}
+
+/// The loaded library: its handle stays open for the life of the process.
+pub struct Lib {
+    pub api: Api,
+    pub path: String,
+    pub version: (u32, u32, u32),
+}
+
+// SAFETY: function pointers and an immutable path.
+unsafe impl Send for Lib {}
+unsafe impl Sync for Lib {}
+
+/// Where libucp is looked for: `WM_UCX_LIB` alone when set (a path, e.g. the
+/// libucx wheel's `libucx/lib/libucp.so.0`), else the dynamic linker's search
+/// path.
+fn candidates() -> Vec<String> {
+    match std::env::var("WM_UCX_LIB") {
+        Ok(p) if !p.is_empty() => vec![p],
+        _ => vec!["libucp.so.0".into(), "libucp.so".into()],
+    }
+}
+
+pub(crate) const INSTALL_HINT: &str = "install UCX: Debian/Ubuntu `apt install libucx0`, or `pip install libucx-cu12` and set WM_UCX_LIB to its libucx/lib/libucp.so.0";
+
+pub fn load() -> Result<Lib, String> {
+    let mut tried = Vec::new();
+    for name in candidates() {
+        let c = CString::new(name.clone()).map_err(|_| format!("bad library name {name:?}"))?;
+        // SAFETY: dlopen of a library by name; RTLD_NODELETE keeps UCX's
+        // threads and handlers valid until the process exits.
+        let handle = unsafe {
+            libc::dlopen(
+                c.as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL | libc::RTLD_NODELETE,
+            )
+        };
+        if handle.is_null() {
+            // SAFETY: dlerror returns a thread-local string or NULL.
+            let why = unsafe {
+                let e = libc::dlerror();
+                if e.is_null() {
+                    "not found".to_string()
+                } else {
+                    CStr::from_ptr(e).to_string_lossy().into_owned()
+                }
+            };
+            tried.push(why);
+            continue;
+        }
+        // SAFETY: handle is live; symbols are checked one by one.
+        let api = unsafe { Api::resolve(handle) }?;
+        let (mut a, mut b, mut r) = (0, 0, 0);
+        // SAFETY: three out-parameters.
+        unsafe { (api.ucp_get_version)(&mut a, &mut b, &mut r) };
+        return Ok(Lib {
+            api,
+            path: name,
+            version: (a, b, r),
+        });
+    }
+    Err(format!(
+        "UCX is not available ({}); {INSTALL_HINT}",
+        tried.join("; ")
+    ))
+}
+
+impl Lib {
+    pub fn status_text(&self, status: Status) -> String {
+        // SAFETY: ucs_status_string returns a static string.
+        unsafe {
+            let p = (self.api.ucs_status_string)(status);
+            if p.is_null() {
+                format!("UCX status {status}")
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        }
+    }
+}
+
+/// `UCS_PTR_IS_ERR` / `UCS_PTR_IS_PTR` for request pointers.
+pub fn ptr_status(p: *mut c_void) -> Option<Status> {
+    let v = p as usize;
+    if v == 0 {
+        Some(UCS_OK)
+    } else if v >= UCS_ERR_LAST {
+        Some(v as isize as i8)
+    } else {
+        None
+    }
+}

@@ -1,0 +1,616 @@
+//! The network paths (rdma, gdr) over a real UCX on loopback (`UCX_TLS=tcp`):
+//! publishers are `wm serve --net` processes or an in-process Publisher;
+//! engines are `wm pull --net` processes or this test process (a Manager).
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+use weight_manager::apply::Mode;
+use weight_manager::logging::Logger;
+use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager::publisher::{Publisher, PublisherConfig};
+use weight_manager::registry::ParamSpec;
+use weight_manager::source::SourceKind;
+use weight_manager::tensor::DType;
+use weight_manager::wm_result;
+
+const WM: &str = env!("CARGO_BIN_EXE_wm");
+const SECRET: &str = "test-secret-0123456789";
+
+/// UCX reads its environment once per process: pin TCP before first use.
+fn tcp_only() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("UCX_TLS", "tcp"));
+}
+
+/// A logger that keeps every line, for checking what was logged.
+fn capture() -> (Logger, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
+    let lines = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    let log = Logger::closure(weight_manager::logging::LogLevel::Warn, move |_, m| {
+        sink.lock().push(m.to_string())
+    });
+    (log, lines)
+}
+
+fn manager(secret: &str, bucket_size: usize, logger: Logger) -> Manager {
+    tcp_only();
+    Manager::new(ManagerConfig {
+        fallback_dir: None,
+        logger,
+        net: NetSettings {
+            secret: Some(secret.as_bytes().to_vec()),
+            bucket_size,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn rdma<'h>(addr: &str) -> UpdateRequest<'h> {
+    let mut r = UpdateRequest::snapshot(addr);
+    r.source = SourceKind::Rdma;
+    r.timeout = Duration::from_secs(30);
+    r
+}
+
+fn register(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
+    ts.iter()
+        .map(|t| {
+            m.allocate(&ParamSpec::host(&t.name, t.dtype, &t.shape))
+                .unwrap()
+        })
+        .collect()
+}
+
+fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
+    for ((p, n), t) in ptrs.iter().zip(ts) {
+        assert!(
+            unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..],
+            "param {}",
+            t.name
+        );
+    }
+}
+
+fn publisher(secret: &str, logger: Logger) -> Publisher {
+    tcp_only();
+    Publisher::bind_net(
+        "127.0.0.1:0",
+        PublisherConfig {
+            secret: Some(secret.as_bytes().to_vec()),
+            bucket_timeout: Duration::from_secs(10),
+            logger,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn add_all(p: &Publisher, ts: &[T]) {
+    for t in ts {
+        unsafe {
+            p.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
+    }
+}
+
+fn wm(args: &[&str]) -> Command {
+    let mut c = Command::new(WM);
+    c.args(args)
+        .env("UCX_TLS", "tcp")
+        .env("WM_NET_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Start `wm serve --net` and read the address it bound from its stdout.
+/// The caller waits for the child it gets back.
+#[allow(clippy::zombie_processes)]
+fn serve(args: &[&str]) -> (Child, String, BufReader<ChildStdout>) {
+    let mut c = wm(&[&["serve", "--net", "127.0.0.1:0"], args].concat())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(c.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if out.read_line(&mut line).unwrap() == 0 {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("wm serve exited before listening");
+        }
+        if let Some(rest) = line.trim().strip_prefix("wm serve: listening on ") {
+            let addr = rest.split(',').next().unwrap().to_string();
+            return (c, addr, out);
+        }
+    }
+}
+
+fn output(c: Child) -> (bool, String) {
+    let out = c.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn four_rank_snapshot(dir: &Path, seed: u8, step: &str) {
+    std::fs::create_dir_all(dir).unwrap();
+    for r in 0..4u32 {
+        let mut shard: Vec<T> = model(seed + r as u8);
+        shard.push(tensor("big", DType::F32, &[5000], seed)); // split over 4 KiB buckets
+        write_safetensors(
+            &dir.join(format!("model_state.tp{r}.0.safetensors")),
+            &shard,
+        );
+    }
+    write_version(dir, step);
+}
+
+#[test]
+fn one_publisher_four_ranks_two_versions_back_to_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d1, d2) = (dir.path().join("v1"), dir.path().join("v2"));
+    four_rank_snapshot(&d1, 10, "100");
+    four_rank_snapshot(&d2, 20, "200");
+    let (publisher, addr, _out) =
+        serve(&[d1.to_str().unwrap(), d2.to_str().unwrap(), "--engines", "8"]);
+    for (d, version) in [(&d1, "100"), (&d2, "latest")] {
+        let engines: Vec<Child> = (0..4)
+            .map(|r| {
+                wm(&[
+                    "pull",
+                    "--net",
+                    &addr,
+                    "--rank",
+                    &r.to_string(),
+                    "--world",
+                    "4",
+                    "--check",
+                    d.to_str().unwrap(),
+                    "--version",
+                    version,
+                    "--bucket-bytes",
+                    "4096",
+                    "--depth",
+                    "3",
+                ])
+                .spawn()
+                .unwrap()
+            })
+            .collect();
+        for (r, e) in engines.into_iter().enumerate() {
+            let (ok, text) = output(e);
+            assert!(
+                ok && text.contains("equal to the snapshot"),
+                "rank {r}, version {version}: {text}"
+            );
+            let want = if version == "latest" { "200" } else { version };
+            assert!(text.contains(&format!("version {want},")), "{text}");
+        }
+    }
+    let (ok, text) = output(publisher);
+    assert!(ok, "{text}");
+}
+
+#[test]
+fn a_missing_version_is_not_found_and_names_what_is_served() {
+    let p = publisher(SECRET, Logger::default());
+    let ts = model(3);
+    add_all(&p, &ts);
+    p.set_version(Some("7".into()));
+    assert_eq!(p.publish().unwrap(), "7");
+    let addr = p.address();
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &ts);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(2, Duration::from_secs(20)));
+        let mut req = rdma(&addr);
+        req.version = Some("9".into());
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_NOT_FOUND, "{e}");
+        assert!(
+            e.message.contains("asked for version '9'") && e.message.contains("'7'"),
+            "{e}"
+        );
+        // The same publisher still serves the version it has.
+        m.update(rdma(&addr)).unwrap();
+        assert!(serving.join().unwrap().is_err());
+    });
+    assert_params(&ptrs, &ts);
+    assert_eq!(m.status().version.as_deref(), Some("7"));
+}
+
+#[test]
+fn published_versions_are_copies_and_only_the_last_k_are_kept() {
+    let p = publisher(SECRET, Logger::default());
+    let mut ts = model(4);
+    add_all(&p, &ts);
+    for v in ["1", "2", "3"] {
+        p.set_version(Some(v.into()));
+        p.publish().unwrap();
+    }
+    assert_eq!(p.versions(), vec!["2", "3"], "keep_versions defaults to 2");
+    // The trainer overwrites its tensors: the published copy is what is served.
+    let want = ts.clone();
+    for t in &mut ts {
+        t.data.iter_mut().for_each(|b| *b = !*b);
+    }
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &want);
+    let addr = p.address();
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        let mut req = rdma(&addr);
+        req.version = Some("2".into());
+        assert_eq!(m.update(req).unwrap().version, "2");
+        serving.join().unwrap().unwrap();
+    });
+    assert_params(&ptrs, &want);
+}
+
+#[test]
+fn a_wrong_secret_is_refused_and_logged_on_both_sides() {
+    let (pub_log, pub_lines) = capture();
+    let (eng_log, eng_lines) = capture();
+    let p = publisher(SECRET, pub_log);
+    let ts = model(5);
+    add_all(&p, &ts);
+    p.set_version(Some("5".into()));
+    let m = manager("another-secret-0123456789", 1 << 20, eng_log);
+    let ptrs = register(&m, &ts);
+    let before: Vec<Vec<u8>> = ptrs
+        .iter()
+        .map(|(p, n)| unsafe { std::slice::from_raw_parts(*p, *n) }.to_vec())
+        .collect();
+    let addr = p.address();
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        let e = m.update(rdma(&addr)).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_AUTH, "{e}");
+        let pe = serving.join().unwrap().unwrap_err();
+        assert_eq!(pe.code, wm_result::WM_ERR_AUTH, "{pe}");
+    });
+    let logged = |lines: &std::sync::Arc<parking_lot::Mutex<Vec<String>>>| {
+        lines
+            .lock()
+            .iter()
+            .any(|l| l.contains("authentication failed"))
+    };
+    assert!(logged(&pub_lines), "publisher log: {:?}", pub_lines.lock());
+    assert!(logged(&eng_lines), "engine log: {:?}", eng_lines.lock());
+    for ((p, n), b) in ptrs.iter().zip(&before) {
+        assert_eq!(unsafe { std::slice::from_raw_parts(*p, *n) }, &b[..]);
+    }
+    // No secret at all: refused before connecting, naming what to set.
+    let e = Manager::new(ManagerConfig::default())
+        .unwrap()
+        .update(rdma(&addr))
+        .unwrap_err();
+    if std::env::var_os("WM_NET_SECRET").is_none() {
+        assert_eq!(e.code, wm_result::WM_ERR_AUTH, "{e}");
+        assert!(e.message.contains("WM_NET_SECRET"), "{e}");
+    }
+}
+
+#[test]
+fn corrupted_bytes_are_caught_and_old_weights_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d1, d2) = (dir.path().join("v1"), dir.path().join("v2"));
+    for (d, seed, step) in [(&d1, 1u8, "1"), (&d2, 2u8, "2")] {
+        std::fs::create_dir(d).unwrap();
+        write_safetensors(&d.join("model.safetensors"), &model(seed));
+        write_version(d, step);
+    }
+    let v1 = model(1);
+    let m = manager(SECRET, 4096, Logger::default());
+    let ptrs = register(&m, &v1);
+    let (first, addr, _o) = serve(&[d1.to_str().unwrap()]);
+    m.update(rdma(&addr)).unwrap();
+    assert!(output(first).0);
+    let (second, addr, _o) = serve(&[d2.to_str().unwrap(), "--corrupt", "layer0.norm"]);
+    let e = m.update(rdma(&addr)).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{e}");
+    assert!(e.message.contains("'layer0.norm'"), "{e}");
+    let (ok, text) = output(second);
+    assert!(
+        !ok && text.contains("checksum"),
+        "the publisher hears why: {text}"
+    );
+    assert_params(&ptrs, &v1);
+    assert_eq!(m.status().version.as_deref(), Some("1"));
+}
+
+/// Big enough for many 1 MiB buckets.
+fn big_model(seed: u8) -> Vec<T> {
+    (0..16)
+        .map(|i| tensor(&format!("layers.{i}"), DType::F32, &[1 << 18], seed))
+        .collect()
+}
+
+#[test]
+fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let d2 = dir.path().join("v2");
+    std::fs::create_dir(&d2).unwrap();
+    write_safetensors(&d2.join("model.safetensors"), &big_model(2));
+    write_version(&d2, "2");
+    let v1 = big_model(1);
+    let p = publisher(SECRET, Logger::default());
+    add_all(&p, &v1);
+    p.set_version(Some("1".into()));
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &v1);
+    let addr = p.address();
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        m.update(rdma(&addr)).unwrap();
+        serving.join().unwrap().unwrap();
+    });
+    let (mut second, addr, _o) = serve(&[d2.to_str().unwrap()]);
+    let pid = second.id();
+    let mut killed = false;
+    let mut kill_after_first = |_: &weight_manager::apply::Progress| {
+        if !killed {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            killed = true;
+        }
+        true
+    };
+    let mut req = rdma(&addr);
+    req.hooks.progress = Some(&mut kill_after_first);
+    let start = Instant::now();
+    let e = m.update(req).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "noticed only after {:?}",
+        start.elapsed()
+    );
+    assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+    second.wait().unwrap();
+    assert_params(&ptrs, &v1);
+    assert_eq!(m.status().version.as_deref(), Some("1"));
+}
+
+#[test]
+fn zero_copy_callback_and_in_place_over_the_network() {
+    let p = publisher(SECRET, Logger::default());
+    let ts = model(6);
+    add_all(&p, &ts);
+    p.set_version(Some("6".into()));
+    let addr = p.address();
+    let m = manager(SECRET, 4096, Logger::default());
+    let mut got = Vec::new();
+    let mut cb = |t: &weight_manager::apply::TensorView| {
+        got.push((t.name.to_string(), t.data.to_vec()));
+        Ok(())
+    };
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        let mut req = rdma(&addr);
+        req.mode = Mode::InPlace;
+        req.hooks.tensor = Some(&mut cb);
+        m.update(req).unwrap();
+        serving.join().unwrap().unwrap();
+    });
+    got.sort();
+    let mut want: Vec<_> = ts
+        .iter()
+        .map(|t| (t.name.clone(), t.data.clone()))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn gdr_without_device_params_is_refused_unless_falling_back() {
+    let p = publisher(SECRET, Logger::default());
+    let ts = model(7);
+    add_all(&p, &ts);
+    p.set_version(Some("7".into()));
+    let addr = p.address();
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &ts);
+    let mut req = rdma(&addr);
+    req.source = SourceKind::Gdr;
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED, "{e}");
+    assert!(
+        e.message.contains("gdr") && e.message.contains("rdma"),
+        "{e}"
+    );
+    // With the fallback allowed, the same request runs as rdma.
+    let (log, lines) = capture();
+    let m = Manager::new(ManagerConfig {
+        logger: log,
+        net: NetSettings {
+            secret: Some(SECRET.as_bytes().to_vec()),
+            gdr_fallback: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let ptrs2 = register(&m, &ts);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        let mut req = rdma(&addr);
+        req.source = SourceKind::Gdr;
+        m.update(req).unwrap();
+        serving.join().unwrap().unwrap();
+    });
+    assert_params(&ptrs2, &ts);
+    assert!(lines
+        .lock()
+        .iter()
+        .any(|l| l.contains("falling back to rdma")));
+    drop(ptrs);
+}
+
+#[test]
+fn without_ucx_the_network_paths_say_what_to_install() {
+    let (ok, text) = output(
+        wm(&["pull", "--net", "127.0.0.1:9"])
+            .env("WM_UCX_LIB", "/nonexistent/libucp.so.0")
+            .spawn()
+            .unwrap(),
+    );
+    assert!(!ok);
+    assert!(
+        text.contains("UCX is not available") && text.contains("libucx0"),
+        "{text}"
+    );
+}
+
+/// Two network namespaces joined by a veth pair: the publisher and the
+/// engine see each other only through a real (virtual) network link.
+#[test]
+fn across_two_network_namespaces() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP across_two_network_namespaces: needs root for ip netns");
+        return;
+    }
+    let ip_ok = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ip_ok {
+        eprintln!("SKIP across_two_network_namespaces: `ip netns` is not available (iproute2)");
+        return;
+    }
+    let tag = std::process::id() % 10000;
+    let (a, b) = (format!("wmA{tag}"), format!("wmB{tag}"));
+    let run = |args: &[&str]| {
+        let o = Command::new("ip").args(args).output().unwrap();
+        assert!(
+            o.status.success(),
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    struct Cleanup(Vec<String>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for ns in &self.0 {
+                let _ = Command::new("ip").args(["netns", "del", ns]).output();
+            }
+        }
+    }
+    let probe = Command::new("ip")
+        .args(["netns", "add", &a])
+        .output()
+        .unwrap();
+    if !probe.status.success() {
+        eprintln!(
+            "SKIP across_two_network_namespaces: ip netns add failed ({})",
+            String::from_utf8_lossy(&probe.stderr).trim()
+        );
+        return;
+    }
+    let _cleanup = Cleanup(vec![a.clone(), b.clone()]);
+    run(&["netns", "add", &b]);
+    let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
+    run(&["link", "add", &va, "type", "veth", "peer", "name", &vb]);
+    run(&["link", "set", &va, "netns", &a]);
+    run(&["link", "set", &vb, "netns", &b]);
+    run(&["-n", &a, "addr", "add", "10.231.0.1/24", "dev", &va]);
+    run(&["-n", &b, "addr", "add", "10.231.0.2/24", "dev", &vb]);
+    for (ns, dev) in [(&a, &va), (&b, &vb)] {
+        run(&["-n", ns, "link", "set", dev, "up"]);
+        run(&["-n", ns, "link", "set", "lo", "up"]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_safetensors(&dir.path().join("model.safetensors"), &model(8));
+    write_version(dir.path(), "8");
+    let d = dir.path().to_str().unwrap();
+    let in_ns = |ns: &str, args: &[&str]| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns, WM])
+            .args(args)
+            .env("UCX_TLS", "tcp")
+            .env("WM_NET_SECRET", SECRET)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let publisher = in_ns(&a, &["serve", "--net", "10.231.0.1:47311", d])
+        .spawn()
+        .unwrap();
+    // The engine retries until the publisher listens.
+    let start = Instant::now();
+    loop {
+        let (ok, text) = output(
+            in_ns(&b, &["pull", "--net", "10.231.0.1:47311", "--check", d])
+                .spawn()
+                .unwrap(),
+        );
+        if ok {
+            assert!(text.contains("equal to the snapshot"), "{text}");
+            break;
+        }
+        assert!(
+            text.contains("no publisher answers") && start.elapsed() < Duration::from_secs(20),
+            "{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, text) = output(publisher);
+    assert!(ok, "{text}");
+}
+
+/// Direct receive (what gdr does into GPU memory): every bucket entry lands
+/// where the applier wants it, the staging arena (atomic) or the params (in
+/// place), with no staging slot; checksums still verified.
+#[test]
+fn direct_receive_lands_in_params_atomic_and_in_place() {
+    let p = publisher(SECRET, Logger::default());
+    let mut ts = model(9);
+    ts.push(tensor("big", DType::F32, &[5000], 9)); // split over 4 KiB buckets
+    add_all(&p, &ts);
+    p.set_version(Some("9".into()));
+    let addr = p.address();
+    tcp_only();
+    let m = Manager::new(ManagerConfig {
+        net: NetSettings {
+            secret: Some(SECRET.as_bytes().to_vec()),
+            bucket_size: 4096,
+            direct: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let ptrs = register(&m, &ts);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(2, Duration::from_secs(20)));
+        m.update(rdma(&addr)).unwrap();
+        assert_params(&ptrs, &ts);
+        for (p, n) in &ptrs {
+            unsafe { std::ptr::write_bytes(*p, 0, *n) };
+        }
+        let mut req = rdma(&addr);
+        req.mode = Mode::InPlace;
+        m.update(req).unwrap();
+        let st = serving.join().unwrap().unwrap();
+        assert!(st.sessions.iter().all(|s| s.buckets > 3));
+    });
+    assert_params(&ptrs, &ts);
+}
