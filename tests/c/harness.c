@@ -255,8 +255,9 @@ static void test_enums(void) {
   r.source = WM_SOURCE_IPC; /* needs the publisher's socket */
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(last_error(m), "socket") != NULL);
-  r.source = WM_SOURCE_RDMA;
-  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_UNSUPPORTED);
+  r.source = WM_SOURCE_RDMA; /* needs the publisher's host:port */
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "host:port") != NULL);
   wm_update_request_init(&r); /* no location and no model_dir */
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(last_error(m), "model_dir") != NULL);
