@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
 use weight_manager::wm_result;
@@ -36,25 +35,6 @@ fn ipc_request<'h>(socket: &Path) -> UpdateRequest<'h> {
     r
 }
 
-fn register(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
-    ts.iter()
-        .map(|t| {
-            m.allocate(&ParamSpec::host(&t.name, t.dtype, &t.shape))
-                .unwrap()
-        })
-        .collect()
-}
-
-fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
-    for ((p, n), t) in ptrs.iter().zip(ts) {
-        assert!(
-            unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..],
-            "param {}",
-            t.name
-        );
-    }
-}
-
 fn small_buckets() -> PublisherConfig {
     PublisherConfig {
         bucket_size: 4096,
@@ -70,19 +50,7 @@ fn tensors_from_memory_copy_and_zero_copy() {
     let mut ts = model(21);
     ts.push(tensor("big", DType::F32, &[3000], 21)); // 12000 bytes: split across buckets
     let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
-    for t in &ts {
-        unsafe {
-            publisher.add_tensor(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                t.data.as_ptr(),
-                t.data.len(),
-                None,
-            )
-        }
-        .unwrap();
-    }
+    add_all(&publisher, &ts);
     publisher.set_version(Some("v21".into()));
     let mode = std::fs::metadata(&sock).unwrap();
     assert_eq!(
@@ -143,19 +111,7 @@ fn corrupted_bucket_is_caught_and_old_weights_kept() {
             },
         )
         .unwrap();
-        for t in v.iter() {
-            unsafe {
-                publisher.add_tensor(
-                    &t.name,
-                    t.dtype,
-                    &t.shape,
-                    t.data.as_ptr(),
-                    t.data.len(),
-                    None,
-                )
-            }
-            .unwrap();
-        }
+        add_all(&publisher, v);
         publisher.set_version(Some(version.into()));
         std::thread::scope(|s| {
             let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
@@ -188,19 +144,7 @@ fn another_version_or_no_publisher_is_a_clear_error() {
     let e = m.update(ipc_request(&sock)).unwrap_err();
     assert_eq!(e.code, wm_result::WM_ERR_NOT_FOUND);
     let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
-    for t in &ts {
-        unsafe {
-            publisher.add_tensor(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                t.data.as_ptr(),
-                t.data.len(),
-                None,
-            )
-        }
-        .unwrap();
-    }
+    add_all(&publisher, &ts);
     publisher.set_version(Some("7".into()));
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
@@ -394,19 +338,7 @@ fn engine_killed_mid_update_fails_the_session_and_frees_buffers() {
         },
     )
     .unwrap();
-    for t in &ts {
-        unsafe {
-            publisher.add_tensor(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                t.data.as_ptr(),
-                t.data.len(),
-                None,
-            )
-        }
-        .unwrap();
-    }
+    add_all(&publisher, &ts);
     publisher.set_version(Some("5".into()));
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
@@ -453,19 +385,7 @@ fn a_publisher_of_another_uid_is_refused() {
         },
     )
     .unwrap();
-    for t in &ts {
-        unsafe {
-            publisher.add_tensor(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                t.data.as_ptr(),
-                t.data.len(),
-                None,
-            )
-        }
-        .unwrap();
-    }
+    add_all(&publisher, &ts);
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
         let mut c = wm(&["pull", "--ipc", sock.to_str().unwrap()]);

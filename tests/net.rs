@@ -13,7 +13,6 @@ use weight_manager::apply::Mode;
 use weight_manager::logging::Logger;
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
 use weight_manager::wm_result;
@@ -59,25 +58,6 @@ fn rdma<'h>(addr: &str) -> UpdateRequest<'h> {
     r
 }
 
-fn register(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
-    ts.iter()
-        .map(|t| {
-            m.allocate(&ParamSpec::host(&t.name, t.dtype, &t.shape))
-                .unwrap()
-        })
-        .collect()
-}
-
-fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
-    for ((p, n), t) in ptrs.iter().zip(ts) {
-        assert!(
-            unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..],
-            "param {}",
-            t.name
-        );
-    }
-}
-
 fn publisher(secret: &str, logger: Logger) -> Publisher {
     tcp_only();
     Publisher::bind_net(
@@ -90,22 +70,6 @@ fn publisher(secret: &str, logger: Logger) -> Publisher {
         },
     )
     .unwrap()
-}
-
-fn add_all(p: &Publisher, ts: &[T]) {
-    for t in ts {
-        unsafe {
-            p.add_tensor(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                t.data.as_ptr(),
-                t.data.len(),
-                None,
-            )
-        }
-        .unwrap();
-    }
 }
 
 fn wm(args: &[&str]) -> Command {

@@ -4,9 +4,12 @@
 //!   and brought back at the same address.
 //! - [`copy`]: the parallel copier every source uses (memory to memory, and
 //!   file to memory with `pread`), plus parallel checksums.
+//! - [`shared`]: sealed memfd buffers passed between processes.
+//! - [`pool`]: buffers kept for the next session.
 
 pub mod copy;
 pub mod host;
+pub mod pool;
 pub mod shared;
 
 /// A raw pointer that may cross threads. The owner guarantees the memory

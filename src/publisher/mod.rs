@@ -36,6 +36,7 @@ mod net;
 mod session;
 
 use crate::logging::Logger;
+use crate::memory::copy::{default_threads, hash_all};
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::version::read_version_yaml;
@@ -111,6 +112,9 @@ pub struct HostTensor {
     pub len: usize,
     /// The rank it is for; None: every rank.
     pub rank: Option<u32>,
+    /// Known checksum: published (immutable) copies are hashed once, at
+    /// publish, not by every session.
+    pub checksum: Option<u128>,
 }
 
 /// What a publisher serves.
@@ -285,6 +289,14 @@ impl Publisher {
                 t.data = SendPtr(bytes.as_ptr() as *mut u8);
                 offer._owned.push(bytes);
             }
+            if self.cfg.checksums {
+                let regions: Vec<(SendPtr, usize)> = ts.iter().map(|t| (t.data, t.len)).collect();
+                // SAFETY: our own copies, unchanged from here on.
+                let sums = unsafe { hash_all(&regions, default_threads()) };
+                for (t, sum) in ts.iter_mut().zip(sums) {
+                    t.checksum = Some(sum);
+                }
+            }
         }
         let mut published = self.published.lock();
         published.retain(|o| o.version.as_deref() != Some(name.as_str()));
@@ -360,6 +372,7 @@ impl Publisher {
             data: SendPtr(data as *mut u8),
             len,
             rank,
+            checksum: None,
         });
         Ok(())
     }

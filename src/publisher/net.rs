@@ -7,7 +7,7 @@
 //! buffer is refilled only after the engine acknowledged the bucket and
 //! UCX reported the send complete.
 
-use super::session::{corrupt, fill, plan_buckets, BufferPool, SessionStats, Shard};
+use super::session::{corrupt, fill, plan_buckets, take_buffers, BufferPool, SessionStats, Shard};
 use super::PublisherConfig;
 use crate::memory::copy::default_threads;
 use crate::result::{Error, Result};
@@ -54,7 +54,7 @@ pub(super) fn stream_buckets(
     let buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = depth.min(buckets.len()).max(1);
-    let buffers = pool.take(n_buf, largest)?;
+    let buffers = take_buffers(pool, n_buf, largest)?;
     let pump = Pump::start("publisher")?;
     pump.connect(&address)
         .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;

@@ -4,9 +4,11 @@
 use super::{Content, HostTensor, Offer, PublisherConfig};
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::pool::Pool;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
+use crate::source::snapshot::checksums::hash_file_ranges;
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::Source;
 use crate::transport::auth::{self, Secret};
@@ -20,35 +22,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Buffers kept between sessions.
-#[derive(Default)]
-pub(super) struct BufferPool(parking_lot::Mutex<Vec<SharedBuffer>>);
+/// The publisher's bucket buffers, kept between sessions.
+pub(super) type BufferPool = Pool<SharedBuffer>;
 
-impl BufferPool {
-    /// `n` buffers of at least `len` bytes: pooled ones first, new ones else.
-    pub(super) fn take(&self, n: usize, len: usize) -> Result<Vec<SharedBuffer>> {
-        let mut out = Vec::with_capacity(n);
-        {
-            let mut free = self.0.lock();
-            while out.len() < n {
-                match free.iter().position(|b| b.len() >= len) {
-                    Some(i) => out.push(free.swap_remove(i)),
-                    None => break,
-                }
-            }
-        }
-        while out.len() < n {
-            out.push(SharedBuffer::create(
-                &format!("bucket buffer {}", out.len()),
-                len,
-            )?);
-        }
-        Ok(out)
-    }
-
-    pub(super) fn give_back(&self, buffers: Vec<SharedBuffer>) {
-        self.0.lock().extend(buffers);
-    }
+/// `n` bucket buffers of at least `len` bytes, pooled ones first.
+pub(super) fn take_buffers(pool: &BufferPool, n: usize, len: usize) -> Result<Vec<SharedBuffer>> {
+    pool.take(n, len, |i| {
+        SharedBuffer::create(&format!("bucket buffer {i}"), len)
+    })
 }
 
 /// What one session did.
@@ -116,13 +97,18 @@ fn shard_for(
                 .iter()
                 .filter(|t| t.rank.is_none_or(|r| r == rank))
                 .collect();
-            let sums = if cfg.checksums {
-                let regions: Vec<(SendPtr, usize)> = mine.iter().map(|t| (t.data, t.len)).collect();
-                // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
-                Some(unsafe { hash_all(&regions, default_threads()) })
-            } else {
-                None
-            };
+            // Hash what has no checksum yet (published copies have theirs).
+            let todo: Vec<usize> = (0..mine.len())
+                .filter(|&i| cfg.checksums && mine[i].checksum.is_none())
+                .collect();
+            let regions: Vec<(SendPtr, usize)> =
+                todo.iter().map(|&i| (mine[i].data, mine[i].len)).collect();
+            // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
+            let fresh = unsafe { hash_all(&regions, default_threads()) };
+            let mut sums: Vec<Option<u128>> = mine.iter().map(|t| t.checksum).collect();
+            for (&i, sum) in todo.iter().zip(fresh) {
+                sums[i] = Some(sum);
+            }
             let tensors = mine
                 .iter()
                 .enumerate()
@@ -131,7 +117,7 @@ fn shard_for(
                     dtype: t.dtype,
                     shape: t.shape.clone(),
                     nbytes: t.len as u64,
-                    checksum: sums.as_ref().map(|s| s[i]),
+                    checksum: sums[i],
                 })
                 .collect();
             Ok(Shard {
@@ -151,39 +137,27 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     if todo.is_empty() {
         return Ok(());
     }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let sums = parking_lot::Mutex::new(Vec::with_capacity(todo.len()));
-    std::thread::scope(|s| {
-        for _ in 0..default_threads().min(todo.len()) {
-            s.spawn(|| {
-                let mut buf = vec![0u8; 8 << 20];
-                let mut open: HashMap<PathBuf, File> = HashMap::new();
-                loop {
-                    let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&t) = todo.get(k) else { break };
-                    let (path, offset) = source.tensor_location(t);
-                    let r = match open.get(path) {
-                        Some(f) => Ok(f),
-                        None => {
-                            File::open(path).map(|f| &*open.entry(path.to_path_buf()).or_insert(f))
-                        }
-                    }
-                    .and_then(|f| {
-                        crate::source::snapshot::checksums::hash_range(
-                            f,
-                            offset,
-                            manifest.tensors[t].nbytes,
-                            &mut buf,
-                        )
-                    })
-                    .map_err(|e| Error::io(format!("hashing {}", path.display()), e));
-                    sums.lock().push((t, r));
-                }
-            });
-        }
-    });
-    for (t, r) in sums.into_inner() {
-        manifest.tensors[t].checksum = Some(r?);
+    let paths: Vec<&std::path::Path> = source.files().collect();
+    let files = paths
+        .iter()
+        .map(|p| File::open(p).map_err(|e| Error::io(format!("opening {}", p.display()), e)))
+        .collect::<Result<Vec<File>>>()?;
+    let ranges: Vec<(usize, u64, u64)> = todo
+        .iter()
+        .map(|&t| {
+            let (path, offset) = source.tensor_location(t);
+            let fi = paths
+                .iter()
+                .position(|p| *p == path)
+                .expect("a file of the source");
+            (fi, offset, manifest.tensors[t].nbytes)
+        })
+        .collect();
+    let handles: Vec<&File> = files.iter().collect();
+    let sums = hash_file_ranges(&handles, &ranges, default_threads(), &|_, _| {});
+    for ((&t, r), &(fi, _, _)) in todo.iter().zip(sums).zip(&ranges) {
+        let sum = r.map_err(|e| Error::io(format!("hashing {}", paths[fi].display()), e))?;
+        manifest.tensors[t].checksum = Some(sum);
     }
     Ok(())
 }
@@ -246,9 +220,9 @@ pub(super) fn run(
             Err(_) => "an engine".to_string(),
         },
     };
-    let net = matches!(stream, Stream::Tcp(_));
     let mut conn = Conn::new(stream, who);
-    let r = serve(&mut conn, offers, secret.filter(|_| net), cfg, pool, start);
+    // Only network publishers hold a secret: it is what makes a session a network one.
+    let r = serve(&mut conn, offers, secret, cfg, pool, start);
     if let Err(e) = &r {
         conn.send_error(e);
     }
@@ -363,7 +337,7 @@ fn serve(
     let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);
-    let buffers = pool.take(n_buf, largest)?;
+    let buffers = take_buffers(pool, n_buf, largest)?;
     let r = stream_buckets(
         conn, &mut shard, &buckets, &buffers, largest, cfg, &step, &mut stats,
     );

@@ -13,12 +13,12 @@
 //! valid until the callback returns (tensors split across buckets, and
 //! atomic mode, go through a library buffer first).
 
+use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
-use crate::manifest::Manifest;
 use crate::memory::copy::CopySource;
 use crate::memory::shared::{BucketMemory, SharedBuffer};
 use crate::memory::SendPtr;
-use crate::plan::{Plan, Target};
+use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
@@ -43,8 +43,7 @@ pub struct IpcOptions {
 }
 
 pub struct IpcSource {
-    conn: Conn,
-    manifest: Manifest,
+    link: PublisherLink,
     timeout: Duration,
 }
 
@@ -65,52 +64,38 @@ impl IpcSource {
             }
         })?;
         check_peer_uid(&stream, opts.allow_other_uids, &who)?;
-        let mut conn = Conn::new(stream, who);
-        conn.send(&Frame::Hello {
+        let hello = Hello {
             rank: opts.rank,
             world_size: opts.world_size,
-            gpu_id: opts.gpu_id.clone(),
-            version: opts.version.clone().unwrap_or_default(),
-        })?;
-        let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
-        let manifest = match conn.recv(deadline)? {
-            Frame::Manifest { version, tensors } => Manifest {
-                tensors,
-                version: (!version.is_empty()).then_some(version),
-            },
-            other => {
-                return Err(Error::peer(format!(
-                    "{}: expected MANIFEST, got {}",
-                    conn.peer(),
-                    other.name()
-                )));
-            }
+            gpu_id: &opts.gpu_id,
+            version: opts.version.as_deref(),
         };
+        let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
         Ok(IpcSource {
-            conn,
-            manifest,
+            link: PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_| Ok(()))?,
             timeout: opts.bucket_timeout,
         })
     }
+}
 
-    fn stream_inner(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let want: Vec<u32> = (0..plan.entries.len() as u32)
-            .filter(|&i| plan.entries[i as usize].target != Target::Skip)
-            .collect();
-        self.conn.send(&Frame::Want { tensors: want })?;
+impl FromPublisher for IpcSource {
+    fn link(&self) -> &PublisherLink {
+        &self.link
+    }
+
+    fn link_mut(&mut self) -> &mut PublisherLink {
+        &mut self.link
+    }
+
+    fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let conn = &mut self.link.conn;
         let next_deadline =
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
-        let sizes = match self.conn.recv(next_deadline(applier))? {
+        let sizes = match conn.recv(next_deadline(applier))? {
             Frame::Buffers { sizes } => sizes,
-            other => {
-                return Err(Error::peer(format!(
-                    "{}: expected BUFFERS, got {}",
-                    self.conn.peer(),
-                    other.name()
-                )))
-            }
+            other => return Err(unexpected(conn, "BUFFERS", &other)),
         };
-        let fds = self.conn.take_fds(sizes.len())?;
+        let fds = conn.take_fds(sizes.len())?;
         let buffers: Vec<BucketMemory> = fds
             .into_iter()
             .zip(&sizes)
@@ -124,7 +109,7 @@ impl IpcSource {
             .collect::<Result<_>>()?;
         loop {
             applier.check_deadline()?;
-            match self.conn.recv(next_deadline(applier))? {
+            match conn.recv(next_deadline(applier))? {
                 Frame::Bucket {
                     seq,
                     buffer,
@@ -147,39 +132,11 @@ impl IpcSource {
                         })
                         .collect();
                     applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
-                    self.conn.send(&Frame::Ack { seq })?;
+                    conn.send(&Frame::Ack { seq })?;
                 }
                 Frame::End { .. } => return Ok(()),
-                other => {
-                    return Err(Error::peer(format!(
-                        "{}: expected BUCKET or END, got {}",
-                        self.conn.peer(),
-                        other.name()
-                    )))
-                }
+                other => return Err(unexpected(conn, "BUCKET or END", &other)),
             }
         }
-    }
-}
-
-impl super::Source for IpcSource {
-    fn manifest(&self) -> &Manifest {
-        &self.manifest
-    }
-
-    fn no_version_reason(&self) -> String {
-        format!("{} named no version", self.conn.peer())
-    }
-
-    fn describe(&self) -> String {
-        self.conn.peer().to_string()
-    }
-
-    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let r = self.stream_inner(plan, applier);
-        if let Err(e) = &r {
-            self.conn.send_error(e);
-        }
-        r
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod ipc;
 pub mod net;
+mod publisher_link;
 pub mod snapshot;
 
 use crate::apply::Applier;

@@ -21,19 +21,19 @@
 //! either it is refused with a clear error (or, when allowed, runs as rdma
 //! with a warning).
 
+use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
-use crate::manifest::Manifest;
 use crate::memory::copy::CopySource;
 use crate::memory::host::HostRegion;
+use crate::memory::pool::Pool;
 use crate::memory::SendPtr;
-use crate::plan::{Plan, Target};
+use crate::plan::Plan;
 use crate::publisher::net_tag;
 use crate::result::{Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::{Completion, Pump};
-use crate::wire::{check_bucket, Frame, MAX_BUFFERS};
-use parking_lot::Mutex;
+use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -62,30 +62,12 @@ pub struct NetOptions {
 }
 
 pub struct NetSource {
-    conn: Conn,
-    manifest: Manifest,
+    link: PublisherLink,
     opts: NetOptions,
 }
 
 /// Staging slots kept between updates.
-static SLOTS: Mutex<Vec<HostRegion>> = Mutex::new(Vec::new());
-
-fn take_slots(n: usize, len: usize, threads: usize) -> Result<Vec<HostRegion>> {
-    let mut out = Vec::with_capacity(n);
-    {
-        let mut free = SLOTS.lock();
-        while out.len() < n {
-            match free.iter().position(|r| r.len() >= len) {
-                Some(i) => out.push(free.swap_remove(i)),
-                None => break,
-            }
-        }
-    }
-    while out.len() < n {
-        out.push(HostRegion::staging("network staging slot", len, threads)?);
-    }
-    Ok(out)
-}
+static SLOTS: Pool<HostRegion> = Pool::new();
 
 impl NetSource {
     pub fn open(opts: NetOptions, deadline: Instant) -> Result<NetSource> {
@@ -131,60 +113,37 @@ impl NetSource {
             Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
         })?;
         let _ = stream.set_nodelay(true);
-        let mut conn = Conn::new(stream, who);
-        conn.send(&Frame::Hello {
+        let hello = Hello {
             rank: opts.rank,
             world_size: opts.world_size,
-            gpu_id: opts.gpu_id.clone(),
-            version: opts.version.clone().unwrap_or_default(),
-        })?;
-        let step = deadline.min(Instant::now() + opts.bucket_timeout);
-        authenticate(&mut conn, &opts.secret, step)?;
-        let manifest = match conn.recv(step)? {
-            Frame::Manifest { version, tensors } => Manifest {
-                tensors,
-                version: (!version.is_empty()).then_some(version),
-            },
-            other => {
-                return Err(Error::peer(format!(
-                    "{}: expected MANIFEST, got {}",
-                    conn.peer(),
-                    other.name()
-                )))
-            }
+            gpu_id: &opts.gpu_id,
+            version: opts.version.as_deref(),
         };
-        Ok(NetSource {
-            conn,
-            manifest,
-            opts,
-        })
+        let step = deadline.min(Instant::now() + opts.bucket_timeout);
+        let link = PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn| {
+            authenticate(conn, &opts.secret, step)
+        })?;
+        Ok(NetSource { link, opts })
     }
 
-    fn stream_inner(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let want: Vec<u32> = (0..plan.entries.len() as u32)
-            .filter(|&i| plan.entries[i as usize].target != Target::Skip)
-            .collect();
-        self.conn.send(&Frame::Want { tensors: want })?;
-        if self.opts.direct {
-            return self.receive_direct(plan, applier);
-        }
+    /// Receive every bucket: into `slots` (staged) and applied from there,
+    /// or, with no slots (direct), each entry where the applier wants it.
+    fn receive_into(
+        &mut self,
+        plan: &Plan,
+        applier: &mut Applier,
+        slots: &[HostRegion],
+    ) -> Result<()> {
         let (size, depth) = (self.opts.bucket_size, self.opts.depth);
-        let slots = take_slots(depth, size, crate::memory::copy::default_threads())?;
-        let r = self.receive(plan, applier, &slots);
-        SLOTS.lock().extend(slots);
-        r
-    }
-
-    fn receive(&mut self, plan: &Plan, applier: &mut Applier, slots: &[HostRegion]) -> Result<()> {
-        let (size, depth) = (self.opts.bucket_size, self.opts.depth);
-        // Declared after the slots it writes into: dropped (and its receives
-        // cancelled) before they are returned.
+        let direct = slots.is_empty();
+        // Declared after the memory it writes into: dropped (and its
+        // receives cancelled) before that memory is returned or released.
         let pump = Pump::start("engine")?;
-        self.conn.send(&Frame::Ready {
+        self.link.conn.send(&Frame::Ready {
             address: pump.address().to_vec(),
             bucket_size: size as u64,
             depth: depth as u32,
-            direct: false,
+            direct,
         })?;
         for (s, slot) in slots.iter().enumerate() {
             // SAFETY: the slot outlives the pump (see above).
@@ -196,148 +155,91 @@ impl NetSource {
             applier.check_deadline()?;
             let frame_deadline =
                 (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
-            match self.conn.recv(frame_deadline)? {
+            match self.link.conn.recv(frame_deadline)? {
                 Frame::Bucket {
                     seq,
                     buffer,
                     entries,
                 } => {
-                    if seq != next || buffer as u64 != seq % depth as u64 {
+                    if seq != next || (!direct && buffer as u64 != seq % depth as u64) {
                         return Err(Error::peer(format!(
                             "{}: bucket {seq} in slot {buffer}, expected bucket {next} in slot {}",
-                            self.conn.peer(),
+                            self.link.conn.peer(),
                             next % depth as u64
                         )));
                     }
-                    let slot = &slots[buffer as usize];
                     check_bucket(seq, &entries, size as u64, plan.entries.len())?;
-                    let got =
-                        self.wait_bytes(&pump, &mut early, net_tag(seq, None), seq, applier)?;
-                    let need = entries
-                        .iter()
-                        .map(|e| e.buffer_offset + e.len)
-                        .max()
-                        .unwrap_or(0);
-                    if (got as u64) < need {
-                        return Err(Error::peer(format!(
-                            "{}: bucket {seq} brought {got} bytes, its entries need {need}",
-                            self.conn.peer()
-                        )));
+                    let origin = format!("bucket {seq}");
+                    if direct {
+                        self.land_direct(&pump, &mut early, seq, &entries, applier)?;
+                        let chunks = chunks(&entries, |_| std::ptr::null_mut());
+                        applier.landed_batch(&origin, &chunks)?;
+                    } else {
+                        let slot = &slots[buffer as usize];
+                        let tag = net_tag(seq, None);
+                        let got = self.wait_bytes(&pump, &mut early, tag, seq, applier)?;
+                        let need = entries
+                            .iter()
+                            .map(|e| e.buffer_offset + e.len)
+                            .max()
+                            .unwrap_or(0);
+                        if (got as u64) < need {
+                            return Err(Error::peer(format!(
+                                "{}: bucket {seq} brought {got} bytes, its entries need {need}",
+                                self.link.conn.peer()
+                            )));
+                        }
+                        let chunks = chunks(&entries, |e| {
+                            slot.ptr().wrapping_add(e.buffer_offset as usize)
+                        });
+                        applier.apply_batch(&origin, &chunks)?;
+                        let again = net_tag(seq + depth as u64, None);
+                        // SAFETY: as above; the slot's bytes were consumed.
+                        unsafe { pump.recv(again, slot.ptr(), size)? };
                     }
-                    let chunks: Vec<Chunk> = entries
-                        .iter()
-                        .map(|e| Chunk {
-                            tensor: e.tensor as usize,
-                            offset: e.tensor_offset,
-                            len: e.len as usize,
-                            src: CopySource::Memory(SendPtr(
-                                slot.ptr().wrapping_add(e.buffer_offset as usize),
-                            )),
-                        })
-                        .collect();
-                    applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
-                    // SAFETY: as above; the slot's bytes were consumed.
-                    unsafe { pump.recv(net_tag(seq + depth as u64, None), slot.ptr(), size)? };
-                    self.conn.send(&Frame::Ack { seq })?;
+                    self.link.conn.send(&Frame::Ack { seq })?;
                     next += 1;
                 }
                 Frame::End { buckets } if buckets == next => return Ok(()),
                 Frame::End { buckets } => {
                     return Err(Error::peer(format!(
                         "{}: END after {buckets} buckets, {next} received",
-                        self.conn.peer()
+                        self.link.conn.peer()
                     )))
                 }
-                other => {
-                    return Err(Error::peer(format!(
-                        "{}: expected BUCKET or END, got {}",
-                        self.conn.peer(),
-                        other.name()
-                    )))
-                }
+                other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
             }
         }
     }
 
-    /// Direct receive: every entry of a bucket lands where the applier wants it.
-    fn receive_direct(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let pump = Pump::start("engine")?;
-        self.conn.send(&Frame::Ready {
-            address: pump.address().to_vec(),
-            bucket_size: self.opts.bucket_size as u64,
-            depth: self.opts.depth as u32,
-            direct: true,
-        })?;
-        let mut early: HashMap<u64, Result<usize>> = HashMap::new();
-        let mut next = 0u64;
-        loop {
-            applier.check_deadline()?;
-            let frame_deadline =
-                (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
-            match self.conn.recv(frame_deadline)? {
-                Frame::Bucket { seq, entries, .. } => {
-                    if seq != next {
-                        return Err(Error::peer(format!(
-                            "{}: bucket {seq}, expected bucket {next}",
-                            self.conn.peer()
-                        )));
-                    }
-                    check_bucket(
-                        seq,
-                        &entries,
-                        self.opts.bucket_size as u64,
-                        plan.entries.len(),
-                    )?;
-                    for (k, e) in entries.iter().enumerate() {
-                        let at = applier.landing_for(
-                            e.tensor as usize,
-                            e.tensor_offset,
-                            e.len as usize,
-                        )?;
-                        // SAFETY: the landing range is inside the tensor's
-                        // memory (checked); the pump is dropped, cancelling
-                        // any receive, before this update ends.
-                        unsafe { pump.recv(net_tag(seq, Some(k)), at.0, e.len as usize)? };
-                    }
-                    for (k, e) in entries.iter().enumerate() {
-                        let got = self.wait_bytes(
-                            &pump,
-                            &mut early,
-                            net_tag(seq, Some(k)),
-                            seq,
-                            applier,
-                        )?;
-                        if got as u64 != e.len {
-                            return Err(Error::peer(format!(
-                                "{}: bucket {seq} entry {k} brought {got} bytes, {} announced",
-                                self.conn.peer(),
-                                e.len
-                            )));
-                        }
-                    }
-                    let chunks: Vec<Chunk> = entries
-                        .iter()
-                        .map(|e| Chunk {
-                            tensor: e.tensor as usize,
-                            offset: e.tensor_offset,
-                            len: e.len as usize,
-                            src: CopySource::Memory(SendPtr(std::ptr::null_mut())),
-                        })
-                        .collect();
-                    applier.landed_batch(&format!("bucket {seq}"), &chunks)?;
-                    self.conn.send(&Frame::Ack { seq })?;
-                    next += 1;
-                }
-                Frame::End { buckets } if buckets == next => return Ok(()),
-                other => {
-                    return Err(Error::peer(format!(
-                        "{}: expected BUCKET or END, got {}",
-                        self.conn.peer(),
-                        other.name()
-                    )))
-                }
+    /// Direct receive of one bucket: each entry lands where the applier
+    /// wants its bytes, and must bring exactly its length.
+    fn land_direct(
+        &mut self,
+        pump: &Pump,
+        early: &mut HashMap<u64, Result<usize>>,
+        seq: u64,
+        entries: &[BucketEntry],
+        applier: &mut Applier,
+    ) -> Result<()> {
+        for (k, e) in entries.iter().enumerate() {
+            let at = applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?;
+            // SAFETY: the landing range is inside the tensor's memory
+            // (checked); the pump is dropped, cancelling any receive, before
+            // this update ends.
+            unsafe { pump.recv(net_tag(seq, Some(k)), at.0, e.len as usize)? };
+        }
+        for (k, e) in entries.iter().enumerate() {
+            let got = self.wait_bytes(pump, early, net_tag(seq, Some(k)), seq, applier)?;
+            if got as u64 != e.len {
+                return Err(Error::peer(format!(
+                    "{}: bucket {seq} entry {k} brought {got} bytes, {} announced",
+                    self.link.conn.peer(),
+                    e.len
+                )));
             }
         }
+        Ok(())
     }
 
     /// Wait for bucket `seq`'s bytes. Bounded by the bucket timeout; a
@@ -360,20 +262,26 @@ impl NetSource {
             if now >= deadline {
                 return Err(Error::timeout(format!(
                     "{}: the bytes of bucket {seq} did not arrive before the deadline",
-                    self.conn.peer()
+                    self.link.conn.peer()
                 )));
             }
             match pump.next(deadline.min(now + Duration::from_millis(50)))? {
                 Some(Completion { tag, result }) => {
                     early.insert(tag, result);
                 }
-                None if self.conn.peer_hung_up() => {
+                None if self.link.conn.peer_hung_up() => {
                     // Prefer the publisher's own reason, when it sent one.
-                    let e = match self.conn.recv(Instant::now() + Duration::from_millis(100)) {
+                    let e = match self
+                        .link
+                        .conn
+                        .recv(Instant::now() + Duration::from_millis(100))
+                    {
                         Err(e) => e,
-                        Ok(f) => {
-                            Error::peer(format!("{}: unexpected {}", self.conn.peer(), f.name()))
-                        }
+                        Ok(f) => Error::peer(format!(
+                            "{}: unexpected {}",
+                            self.link.conn.peer(),
+                            f.name()
+                        )),
                     };
                     return Err(e.context(format!("waiting for bucket {seq}")));
                 }
@@ -387,13 +295,7 @@ impl NetSource {
 fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<()> {
     let theirs = match conn.recv(deadline)? {
         Frame::Challenge { nonce } => nonce,
-        other => {
-            return Err(Error::peer(format!(
-                "{}: expected CHALLENGE, got {}",
-                conn.peer(),
-                other.name()
-            )))
-        }
+        other => return Err(unexpected(conn, "CHALLENGE", &other)),
     };
     let mine = auth::nonce()?;
     conn.send(&Frame::Proof {
@@ -408,33 +310,44 @@ fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<(
             "authentication failed: {} does not hold this engine's shared secret",
             conn.peer()
         ))),
-        Ok(other) => Err(Error::peer(format!(
-            "{}: expected PROOF, got {}",
-            conn.peer(),
-            other.name()
-        ))),
+        Ok(other) => Err(unexpected(conn, "PROOF", &other)),
         Err(e) => Err(e),
     }
 }
 
-impl super::Source for NetSource {
-    fn manifest(&self) -> &Manifest {
-        &self.manifest
+impl FromPublisher for NetSource {
+    fn link(&self) -> &PublisherLink {
+        &self.link
     }
 
-    fn no_version_reason(&self) -> String {
-        format!("{} named no version", self.conn.peer())
+    fn link_mut(&mut self) -> &mut PublisherLink {
+        &mut self.link
     }
 
-    fn describe(&self) -> String {
-        self.conn.peer().to_string()
-    }
-
-    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let r = self.stream_inner(plan, applier);
-        if let Err(e) = &r {
-            self.conn.send_error(e);
+    fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        if self.opts.direct {
+            return self.receive_into(plan, applier, &[]);
         }
+        let (size, depth) = (self.opts.bucket_size, self.opts.depth);
+        let threads = crate::memory::copy::default_threads();
+        let slots = SLOTS.take(depth, size, |_| {
+            HostRegion::staging("network staging slot", size, threads)
+        })?;
+        let r = self.receive_into(plan, applier, &slots);
+        SLOTS.give_back(slots);
         r
     }
+}
+
+/// Chunks for a bucket's entries, each found at `at(entry)`.
+fn chunks(entries: &[BucketEntry], at: impl Fn(&BucketEntry) -> *mut u8) -> Vec<Chunk<'static>> {
+    entries
+        .iter()
+        .map(|e| Chunk {
+            tensor: e.tensor as usize,
+            offset: e.tensor_offset,
+            len: e.len as usize,
+            src: CopySource::Memory(SendPtr(at(e))),
+        })
+        .collect()
 }

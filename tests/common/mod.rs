@@ -75,3 +75,43 @@ pub fn model(seed: u8) -> Vec<T> {
         tensor("step_count", DType::I64, &[], seed),
     ]
 }
+
+/// Library-owned host params for `ts`, as (pointer, length).
+pub fn register(m: &weight_manager::manager::Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
+    ts.iter()
+        .map(|t| {
+            m.allocate(&weight_manager::registry::ParamSpec::host(
+                &t.name, t.dtype, &t.shape,
+            ))
+            .unwrap()
+        })
+        .collect()
+}
+
+/// Every param holds its tensor's bytes.
+pub fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
+    for ((p, n), t) in ptrs.iter().zip(ts) {
+        assert!(
+            unsafe { std::slice::from_raw_parts(*p, *n) } == &t.data[..],
+            "param {}",
+            t.name
+        );
+    }
+}
+
+/// Publish every tensor of `ts` for every rank (`ts` outlives the serving).
+pub fn add_all(p: &weight_manager::publisher::Publisher, ts: &[T]) {
+    for t in ts {
+        unsafe {
+            p.add_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                t.data.as_ptr(),
+                t.data.len(),
+                None,
+            )
+        }
+        .unwrap();
+    }
+}

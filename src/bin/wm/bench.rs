@@ -290,3 +290,34 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// The IPC and network benchmarks' engine params: `count` bf16 tensors of
+/// 64 MiB with varied bytes, like real weights (pages of one repeated value
+/// can be merged by the host and then cost a copy-on-write fault when written).
+pub(crate) fn layer_params(count: usize) -> Vec<Vec<u8>> {
+    (0..count)
+        .map(|i| {
+            let mut b = vec![0u8; 64 << 20];
+            crate::fixtures::fill(&mut b, 1000 + i as u64);
+            b
+        })
+        .collect()
+}
+
+/// Register `params` as `layers.<i>.w` (bf16 8192 x 4096) with `m`; the
+/// caller keeps `params` alive while `m` updates them.
+pub(crate) fn register_layers(
+    m: &weight_manager::manager::Manager,
+    params: &mut [Vec<u8>],
+) -> Result<(), String> {
+    for (i, b) in params.iter_mut().enumerate() {
+        let spec = weight_manager::registry::ParamSpec::host(
+            &format!("layers.{i}.w"),
+            weight_manager::tensor::DType::Bf16,
+            &[8192, 4096],
+        );
+        // SAFETY: the caller keeps `params` alive while `m` uses them.
+        unsafe { m.register(&spec, b.as_mut_ptr(), b.len()) }.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

@@ -18,7 +18,6 @@ use std::time::Duration;
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
 
@@ -146,23 +145,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
-    let mut params: Vec<Vec<u8>> = Vec::new();
-    for i in 0..count {
-        // Varied bytes, like real weights: pages of one repeated value can be
-        // merged by the host and then cost a copy-on-write fault when written.
-        let mut b = vec![0u8; TENSOR];
-        fixtures::fill(&mut b, 1000 + i as u64);
-        // SAFETY: `params` outlives the manager's updates below.
-        unsafe {
-            m.register(
-                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
-                b.as_mut_ptr(),
-                b.len(),
-            )
-        }
-        .map_err(|e| e.to_string())?;
-        params.push(b);
-    }
+    let mut params = crate::bench::layer_params(count);
+    crate::bench::register_layers(&m, &mut params)?;
     // Warm-up: the first session creates the trainer's shared buffers (page
     // faults, slow on a VM); steady RL updates reuse them, as timed below.
     let warm = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;

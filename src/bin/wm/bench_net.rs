@@ -120,9 +120,7 @@ fn raw_floor(total: usize, bucket: usize, depth: usize) -> Result<Duration, Stri
         }
     }
     let elapsed = t.elapsed();
-    drop(tx);
-    drop(rx);
-    slots.clear();
+    // The pumps, declared after the buffers, are dropped before them.
     Ok(elapsed)
 }
 
@@ -174,21 +172,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         .map_err(|e| e.to_string())
     };
     let m = engine(bucket, 0)?;
-    let mut params: Vec<Vec<u8>> = Vec::new();
-    for i in 0..count {
-        let mut b = vec![0u8; TENSOR];
-        fixtures::fill(&mut b, 1000 + i as u64);
-        // SAFETY: `params` outlives the manager's updates below.
-        unsafe {
-            m.register(
-                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
-                b.as_mut_ptr(),
-                b.len(),
-            )
-        }
-        .map_err(|e| e.to_string())?;
-        params.push(b);
-    }
+    let mut params = crate::bench::layer_params(count);
+    crate::bench::register_layers(&m, &mut params)?;
     let request = |skip: bool| {
         let mut r = UpdateRequest::snapshot(&addr);
         r.source = SourceKind::Rdma;
@@ -217,17 +202,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     );
     // Per-bucket overhead: the same bytes in 1 MiB buckets.
     let small = engine(1 << 20, 0)?;
-    for (i, b) in params.iter_mut().enumerate() {
-        // SAFETY: as above.
-        unsafe {
-            small.register(
-                &ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &[8192, 4096]),
-                b.as_mut_ptr(),
-                b.len(),
-            )
-        }
-        .map_err(|e| e.to_string())?;
-    }
+    crate::bench::register_layers(&small, &mut params)?;
     let fine = small.update(request(true)).map_err(|e| e.to_string())?;
     let (n_big, n_small) = (
         total.div_ceil(bucket) as f64,

@@ -12,6 +12,7 @@ use crate::manifest::{checksum_hex, parse_checksum_hex};
 use crate::result::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -92,7 +93,7 @@ pub struct Written {
     pub bytes: u64,
 }
 
-pub(crate) fn hash_range(
+fn hash_range(
     file: &std::fs::File,
     offset: u64,
     len: u64,
@@ -107,6 +108,41 @@ pub(crate) fn hash_range(
         done += n as u64;
     }
     Ok(h.digest128())
+}
+
+/// The xxh3-128 of each `(file index, offset, length)` range of `files`, on
+/// `threads` threads; `progress(bytes hashed, bytes in all)` as each ends.
+pub(crate) fn hash_file_ranges(
+    files: &[&File],
+    ranges: &[(usize, u64, u64)],
+    threads: usize,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Vec<std::io::Result<u128>> {
+    let total: u64 = ranges.iter().map(|r| r.2).sum();
+    let hashed = std::sync::atomic::AtomicU64::new(0);
+    let next = AtomicUsize::new(0);
+    let results = parking_lot::Mutex::new(
+        (0..ranges.len())
+            .map(|_| Ok(0u128))
+            .collect::<Vec<std::io::Result<u128>>>(),
+    );
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, ranges.len().max(1)) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; 8 << 20];
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(fi, off, len)) = ranges.get(i) else {
+                        break;
+                    };
+                    let r = hash_range(files[fi], off, len, &mut buf);
+                    results.lock()[i] = r;
+                    progress(hashed.fetch_add(len, Ordering::Relaxed) + len, total);
+                }
+            });
+        }
+    });
+    results.into_inner()
 }
 
 /// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`
@@ -147,30 +183,12 @@ pub fn write_with_progress(
         }
         files.push((file, header));
     }
-    let total: u64 = jobs.iter().map(|j| j.3).sum();
-    let hashed = std::sync::atomic::AtomicU64::new(0);
-    let next = AtomicUsize::new(0);
-    let results = parking_lot::Mutex::new(
-        (0..jobs.len())
-            .map(|_| Ok(0u128))
-            .collect::<Vec<std::io::Result<u128>>>(),
-    );
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                let mut buf = vec![0u8; 8 << 20];
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(fi, _, off, len)) = jobs.get(i) else {
-                        break;
-                    };
-                    let r = hash_range(&files[fi].0, off, len, &mut buf);
-                    results.lock()[i] = r;
-                    progress(hashed.fetch_add(len, Ordering::Relaxed) + len, total);
-                }
-            });
-        }
-    });
+    let handles: Vec<&File> = files.iter().map(|(f, _)| f).collect();
+    let ranges: Vec<(usize, u64, u64)> = jobs
+        .iter()
+        .map(|&(fi, _, off, len)| (fi, off, len))
+        .collect();
+    let results = hash_file_ranges(&handles, &ranges, threads, progress);
     let mut out = FileJson {
         format: FORMAT.into(),
         algorithm: "xxh3-128".into(),
@@ -187,7 +205,7 @@ pub fn write_with_progress(
         );
         written.files += 1;
     }
-    for (&(fi, ti, _, len), r) in jobs.iter().zip(results.into_inner()) {
+    for (&(fi, ti, _, len), r) in jobs.iter().zip(results) {
         let name = &names[fi];
         let c = r.map_err(|e| Error::io(format!("reading {}", dir.join(name).display()), e))?;
         let tensor = files[fi].1.tensors[ti].name.clone();

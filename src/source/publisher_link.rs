@@ -1,0 +1,104 @@
+//! What the ipc and network sources share: the control connection to a
+//! trainer's publisher, the handshake that ends with this rank's manifest,
+//! the WANT that follows the plan, and the `Source` face of it all. Each
+//! source adds only how bucket bytes reach it.
+
+use crate::apply::Applier;
+use crate::manifest::Manifest;
+use crate::plan::{Plan, Target};
+use crate::result::{Error, Result};
+use crate::transport::conn::Conn;
+use crate::wire::Frame;
+use std::time::Instant;
+
+/// Who this rank is and which version it asks for.
+pub struct Hello<'a> {
+    pub rank: u32,
+    pub world_size: u32,
+    pub gpu_id: &'a str,
+    /// None: the publisher's latest.
+    pub version: Option<&'a str>,
+}
+
+pub struct PublisherLink {
+    pub conn: Conn,
+    pub manifest: Manifest,
+}
+
+impl PublisherLink {
+    /// Send HELLO, run `before_manifest` (the network challenge), then take
+    /// the MANIFEST, all before `deadline`.
+    pub fn handshake(
+        mut conn: Conn,
+        hello: &Hello,
+        deadline: Instant,
+        before_manifest: impl FnOnce(&mut Conn) -> Result<()>,
+    ) -> Result<PublisherLink> {
+        conn.send(&Frame::Hello {
+            rank: hello.rank,
+            world_size: hello.world_size,
+            gpu_id: hello.gpu_id.to_string(),
+            version: hello.version.unwrap_or_default().to_string(),
+        })?;
+        before_manifest(&mut conn)?;
+        let manifest = match conn.recv(deadline)? {
+            Frame::Manifest { version, tensors } => Manifest {
+                tensors,
+                version: (!version.is_empty()).then_some(version),
+            },
+            other => return Err(unexpected(&conn, "MANIFEST", &other)),
+        };
+        Ok(PublisherLink { conn, manifest })
+    }
+
+    /// Ask for every planned tensor that is not skipped.
+    pub fn send_want(&mut self, plan: &Plan) -> Result<()> {
+        let tensors = (0..plan.entries.len() as u32)
+            .filter(|&i| plan.entries[i as usize].target != Target::Skip)
+            .collect();
+        self.conn.send(&Frame::Want { tensors })
+    }
+}
+
+/// "<peer>: expected X, got Y".
+pub fn unexpected(conn: &Conn, expected: &str, got: &Frame) -> Error {
+    Error::peer(format!(
+        "{}: expected {expected}, got {}",
+        conn.peer(),
+        got.name()
+    ))
+}
+
+/// A source fed by a publisher: the `Source` impl comes with it, and a failed
+/// stream tells the publisher why.
+pub trait FromPublisher {
+    fn link(&self) -> &PublisherLink;
+    fn link_mut(&mut self) -> &mut PublisherLink;
+    /// WANT is sent; receive and apply every bucket.
+    fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()>;
+}
+
+impl<T: FromPublisher> super::Source for T {
+    fn manifest(&self) -> &Manifest {
+        &self.link().manifest
+    }
+
+    fn no_version_reason(&self) -> String {
+        format!("{} named no version", self.link().conn.peer())
+    }
+
+    fn describe(&self) -> String {
+        self.link().conn.peer().to_string()
+    }
+
+    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let r = self
+            .link_mut()
+            .send_want(plan)
+            .and_then(|()| self.receive(plan, applier));
+        if let Err(e) = &r {
+            self.link_mut().conn.send_error(e);
+        }
+        r
+    }
+}
