@@ -2,6 +2,11 @@
 //! to the engine's worker, one message per bucket into its staging slot
 //! (rdma) or one per entry straight into its params (gdr, `direct`).
 //!
+//! Direct buckets whose tensors are in this process's memory (published
+//! copies, tensors the trainer added) are not packed at all: each entry is
+//! sent from the tensor itself, so neither side copies a byte outside the
+//! transport. Tensors read from files are packed as usual.
+//!
 //! The engine names the bucket size and how many buckets may be in flight
 //! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
 //! buffer is refilled only after the engine acknowledged the bucket and
@@ -108,12 +113,26 @@ pub(super) fn stream_buckets(
             wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
         }
         let buf = &buffers[i % n_buf];
-        let t = Instant::now();
-        fill(shard, entries, buf.ptr(), threads)?;
-        if let Some(victim) = &cfg.corrupt_tensor {
-            corrupt(&shard.manifest, entries, buf.ptr(), victim);
+        // Direct, from memory, untouched: send each entry where it lies.
+        let unpacked: Option<Vec<*const u8>> = (direct && cfg.corrupt_tensor.is_none())
+            .then(|| {
+                entries
+                    .iter()
+                    .map(|e| {
+                        let at = shard.in_memory(e.tensor as usize)?;
+                        Some(at.0.wrapping_add(e.tensor_offset as usize) as *const u8)
+                    })
+                    .collect()
+            })
+            .flatten();
+        if unpacked.is_none() {
+            let t = Instant::now();
+            fill(shard, entries, buf.ptr(), threads)?;
+            if let Some(victim) = &cfg.corrupt_tensor {
+                corrupt(&shard.manifest, entries, buf.ptr(), victim);
+            }
+            stats.pack += t.elapsed();
         }
-        stats.pack += t.elapsed();
         stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
         conn.send(&Frame::Bucket {
             seq,
@@ -121,15 +140,17 @@ pub(super) fn stream_buckets(
             entries: entries.clone(),
         })?;
         // SAFETY: the buffer is neither refilled nor freed before the send
-        // completes (wait_free) or the pump is dropped (end of this function).
+        // completes (wait_free) or the pump is dropped (end of this function);
+        // tensors in memory outlive the session (published copies are held
+        // by the offer; added tensors by the trainer's promise).
         unsafe {
             if direct {
                 for (k, e) in entries.iter().enumerate() {
-                    pump.send(
-                        tag(seq, Some(k)),
-                        buf.ptr().add(e.buffer_offset as usize),
-                        e.len as usize,
-                    )?;
+                    let from = match &unpacked {
+                        Some(at) => at[k],
+                        None => buf.ptr().add(e.buffer_offset as usize),
+                    };
+                    pump.send(tag(seq, Some(k)), from, e.len as usize)?;
                 }
                 in_flight.insert(seq, entries.len());
             } else {
@@ -138,12 +159,14 @@ pub(super) fn stream_buckets(
             }
         }
     }
-    for i in buckets.len().saturating_sub(n_buf)..buckets.len() {
-        wait_free(conn, &mut in_flight, i as u64, stats)?;
-    }
+    // END before the last ACKs: a direct engine finishes its last buckets
+    // only once it knows no more are coming.
     conn.send(&Frame::End {
         buckets: buckets.len() as u64,
     })?;
+    for i in buckets.len().saturating_sub(n_buf)..buckets.len() {
+        wait_free(conn, &mut in_flight, i as u64, stats)?;
+    }
     stats.buckets = buckets.len() as u64;
     drop(pump);
     pool.give_back(buffers);

@@ -61,6 +61,18 @@ pub(super) struct Shard {
     bytes: ShardBytes,
 }
 
+impl Shard {
+    /// Where tensor `t`'s bytes already are in this process's memory (a
+    /// published copy, or a tensor the trainer added), so they can be sent
+    /// without packing; None for tensors read from files.
+    pub(super) fn in_memory(&self, t: usize) -> Option<SendPtr> {
+        match &self.bytes {
+            ShardBytes::Memory(ptrs) => ptrs.get(t).copied(),
+            ShardBytes::Files { .. } => None,
+        }
+    }
+}
+
 fn shard_for(
     content: &Content,
     rank: u32,

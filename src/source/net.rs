@@ -34,7 +34,7 @@ use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -150,6 +150,8 @@ impl NetSource {
             unsafe { pump.recv(net_tag(s as u64, None), slot.ptr(), size)? };
         }
         let mut early: HashMap<u64, Result<usize>> = HashMap::new();
+        // Direct: buckets whose receives are posted, not yet acknowledged.
+        let mut pending: VecDeque<(u64, Vec<BucketEntry>)> = VecDeque::new();
         let mut next = 0u64;
         loop {
             applier.check_deadline()?;
@@ -169,12 +171,18 @@ impl NetSource {
                         )));
                     }
                     check_bucket(seq, &entries, size as u64, plan.entries.len())?;
-                    let origin = format!("bucket {seq}");
                     if direct {
-                        self.land_direct(&pump, &mut early, seq, &entries, applier)?;
-                        let chunks = chunks(&entries, |_| std::ptr::null_mut());
-                        applier.landed_batch(&origin, &chunks)?;
+                        // Post this bucket's receives before finishing the
+                        // oldest one, so the bytes keep flowing while that
+                        // one is verified and acknowledged.
+                        post_direct(&pump, seq, &entries, applier)?;
+                        pending.push_back((seq, entries));
+                        if pending.len() >= depth {
+                            let (seq, entries) = pending.pop_front().expect("pending bucket");
+                            self.finish_direct(&pump, &mut early, seq, &entries, applier)?;
+                        }
                     } else {
+                        let origin = format!("bucket {seq}");
                         let slot = &slots[buffer as usize];
                         let tag = net_tag(seq, None);
                         let got = self.wait_bytes(&pump, &mut early, tag, seq, applier)?;
@@ -196,11 +204,16 @@ impl NetSource {
                         let again = net_tag(seq + depth as u64, None);
                         // SAFETY: as above; the slot's bytes were consumed.
                         unsafe { pump.recv(again, slot.ptr(), size)? };
+                        self.link.conn.send(&Frame::Ack { seq })?;
                     }
-                    self.link.conn.send(&Frame::Ack { seq })?;
                     next += 1;
                 }
-                Frame::End { buckets } if buckets == next => return Ok(()),
+                Frame::End { buckets } if buckets == next => {
+                    while let Some((seq, entries)) = pending.pop_front() {
+                        self.finish_direct(&pump, &mut early, seq, &entries, applier)?;
+                    }
+                    return Ok(());
+                }
                 Frame::End { buckets } => {
                     return Err(Error::peer(format!(
                         "{}: END after {buckets} buckets, {next} received",
@@ -212,9 +225,10 @@ impl NetSource {
         }
     }
 
-    /// Direct receive of one bucket: each entry lands where the applier
-    /// wants its bytes, and must bring exactly its length.
-    fn land_direct(
+    /// Direct receive, second half: wait until every entry of bucket `seq`
+    /// (posted by [`post_direct`]) brought exactly its length, account for
+    /// the bytes with the applier, and acknowledge the bucket.
+    fn finish_direct(
         &mut self,
         pump: &Pump,
         early: &mut HashMap<u64, Result<usize>>,
@@ -222,13 +236,6 @@ impl NetSource {
         entries: &[BucketEntry],
         applier: &mut Applier,
     ) -> Result<()> {
-        for (k, e) in entries.iter().enumerate() {
-            let at = applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?;
-            // SAFETY: the landing range is inside the tensor's memory
-            // (checked); the pump is dropped, cancelling any receive, before
-            // this update ends.
-            unsafe { pump.recv(net_tag(seq, Some(k)), at.0, e.len as usize)? };
-        }
         for (k, e) in entries.iter().enumerate() {
             let got = self.wait_bytes(pump, early, net_tag(seq, Some(k)), seq, applier)?;
             if got as u64 != e.len {
@@ -239,7 +246,9 @@ impl NetSource {
                 )));
             }
         }
-        Ok(())
+        let chunks = chunks(entries, |_| std::ptr::null_mut());
+        applier.landed_batch(&format!("bucket {seq}"), &chunks)?;
+        self.link.conn.send(&Frame::Ack { seq })
     }
 
     /// Wait for bucket `seq`'s bytes. Bounded by the bucket timeout; a
@@ -289,6 +298,23 @@ impl NetSource {
             }
         }
     }
+}
+
+/// Direct receive, first half: post one receive per entry of bucket `seq`,
+/// each where the applier wants its bytes.
+fn post_direct(
+    pump: &Pump,
+    seq: u64,
+    entries: &[BucketEntry],
+    applier: &mut Applier,
+) -> Result<()> {
+    for (k, e) in entries.iter().enumerate() {
+        let at = applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?;
+        // SAFETY: the landing range is inside the tensor's memory (checked);
+        // the pump is dropped, cancelling any receive, before this update ends.
+        unsafe { pump.recv(net_tag(seq, Some(k)), at.0, e.len as usize)? };
+    }
+    Ok(())
 }
 
 /// The engine's side of the challenge (see `transport::auth`).

@@ -15,7 +15,7 @@ use crate::Args;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats};
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
@@ -81,9 +81,17 @@ pub fn publisher(a: &Args) -> Result<(), String> {
 
 /// Raw UCX: `total` bytes as messages of `bucket` bytes, `depth` in flight,
 /// from one worker to another (its own thread each, over UCX_TLS).
-fn raw_floor(total: usize, bucket: usize, depth: usize) -> Result<Duration, String> {
-    let src = crate::bench::buffer(bucket);
-    let mut slots: Vec<Vec<u8>> = (0..depth).map(|_| crate::bench::buffer(bucket)).collect();
+/// The best run of one configuration, and the median over its runs of the
+/// ratio to the floor run just before each.
+struct Measured {
+    best: UpdateStats,
+    median_ratio: f64,
+}
+
+/// `src` is one bucket; `slots` the receiving buffers (allocated once by
+/// the caller: fresh memory each run would cost page faults and compaction).
+fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration, String> {
+    let (bucket, depth) = (src.len(), slots.len());
     let tx = Pump::start("floor-tx").map_err(|e| e.to_string())?;
     let rx = Pump::start("floor-rx").map_err(|e| e.to_string())?;
     tx.connect(rx.address()).map_err(|e| e.to_string())?;
@@ -132,8 +140,10 @@ pub fn run(a: &Args) -> Result<(), String> {
     let total = count * TENSOR;
     let probes = 5usize;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    // Sessions: warm-up, verified, unverified, small buckets, then the probes.
-    let engines = 4 + probes;
+    // Sessions: staged and direct, each a warm-up then RUNS verified and
+    // RUNS unverified; small buckets; then the probes.
+    let runs: usize = a.number("runs", 5)?;
+    let engines = 2 * (1 + 2 * runs) + 1 + probes;
     let mut trainer = Command::new(exe)
         .args(["bench", "net-publisher", "--gib", &gib.to_string()])
         .args(["--engines", &engines.to_string()])
@@ -153,11 +163,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         std::env::var("UCX_TLS").unwrap_or_else(|_| "(all)".into())
     );
     let bucket = bucket_mib << 20;
-    let floor_t = crate::bench::best(|| raw_floor(total, bucket, depth))?;
-    let floor = gbps(total as u64, floor_t);
-    println!("  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s");
-
-    let engine = |bucket_size: usize, rank: u32| {
+    let engine_with = |bucket_size: usize, rank: u32, direct: bool| {
         Manager::new(ManagerConfig {
             rank,
             world_size: 2,
@@ -165,12 +171,14 @@ pub fn run(a: &Args) -> Result<(), String> {
                 secret: Some(SECRET.into()),
                 bucket_size,
                 depth,
+                direct,
                 ..Default::default()
             },
             ..Default::default()
         })
         .map_err(|e| e.to_string())
     };
+    let engine = |bucket_size: usize, rank: u32| engine_with(bucket_size, rank, false);
     let m = engine(bucket, 0)?;
     let mut params = crate::bench::layer_params(count);
     crate::bench::register_layers(&m, &mut params)?;
@@ -183,34 +191,89 @@ pub fn run(a: &Args) -> Result<(), String> {
     };
     // Warm-up: the first session creates both sides' buffers.
     let first = m.update(request(false)).map_err(|e| e.to_string())?;
-    println!(
-        "  wm     first update (creates buffers)     {:>7.2} GB/s",
-        gbps(first.bytes, first.total)
-    );
-    let verified = m.update(request(false)).map_err(|e| e.to_string())?;
-    let v_rate = gbps(verified.bytes, verified.total);
-    println!(
-        "  wm     rdma into host params, verified    {v_rate:>7.2} GB/s   ratio {:.2} to raw UCX (target >= 0.80) {}",
-        v_rate / floor,
-        if v_rate / floor >= 0.8 { "PASS" } else { "MISS" }
-    );
-    let plain = m.update(request(true)).map_err(|e| e.to_string())?;
-    let p_rate = gbps(plain.bytes, plain.total);
-    println!(
-        "  wm     rdma into host params, unverified  {p_rate:>7.2} GB/s   ratio {:.2} to raw UCX",
-        p_rate / floor
-    );
+    // This machine's speed wanders from second to second (a 2-core VM; the
+    // floor alone ranges over 2x): every wm run is paired with a floor run
+    // just before it. Figures are the best of their runs; the verdict uses
+    // the median of the paired ratios, which drift and spikes do not sway.
+    let mut floor_t = Duration::MAX;
+    let floor_src = crate::bench::buffer(bucket);
+    let mut floor_slots: Vec<Vec<u8>> = (0..depth).map(|_| crate::bench::buffer(bucket)).collect();
+    let mut best_of = |m: &Manager, skip: bool| -> Result<Measured, String> {
+        let mut best: Option<UpdateStats> = None;
+        let mut ratios = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let f = raw_floor(total, &floor_src, &mut floor_slots)?;
+            floor_t = floor_t.min(f);
+            let s = m.update(request(skip)).map_err(|e| e.to_string())?;
+            let ratio = gbps(s.bytes, s.total) / gbps(total as u64, f);
+            if std::env::var_os("WM_BENCH_VERBOSE").is_some() {
+                eprintln!(
+                    "    run: floor {:.2} GB/s, wm {:.2} GB/s, ratio {ratio:.2}",
+                    gbps(total as u64, f),
+                    gbps(s.bytes, s.total)
+                );
+            }
+            ratios.push(ratio);
+            if best.as_ref().is_none_or(|b| s.total < b.total) {
+                best = Some(s);
+            }
+        }
+        ratios.sort_by(f64::total_cmp);
+        Ok(Measured {
+            best: best.expect("at least one run"),
+            median_ratio: ratios[ratios.len() / 2],
+        })
+    };
+    let verified = best_of(&m, false)?;
+    let plain = best_of(&m, true)?;
+    // Direct receive (`net_direct`): each bucket entry lands in its param,
+    // no staging slot and no copy out of it; the trainer sends from its
+    // tensors, no packing either.
+    let d = engine_with(bucket, 0, true)?;
+    crate::bench::register_layers(&d, &mut params)?;
+    d.update(request(false)).map_err(|e| e.to_string())?;
+    let direct = best_of(&d, false)?;
+    let direct_plain = best_of(&d, true)?;
+    drop(d);
     // Per-bucket overhead: the same bytes in 1 MiB buckets.
     let small = engine(1 << 20, 0)?;
     crate::bench::register_layers(&small, &mut params)?;
     let fine = small.update(request(true)).map_err(|e| e.to_string())?;
+
+    let floor = gbps(total as u64, floor_t);
+    println!(
+        "  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s   (best of {})",
+        4 * runs
+    );
+    println!(
+        "  wm     first update (creates buffers)     {:>7.2} GB/s",
+        gbps(first.bytes, first.total)
+    );
+    let row = |what: &str, m: &Measured, target: bool| {
+        let rate = gbps(m.best.bytes, m.best.total);
+        let verdict = match (target, m.median_ratio >= 0.8) {
+            (false, _) => "",
+            (true, true) => " (target >= 0.80) PASS",
+            (true, false) => " (target >= 0.80) MISS",
+        };
+        println!(
+            "  wm     {what:<36}{rate:>7.2} GB/s   ratio {:.2} to the best floor; median of paired runs {:.2}{verdict}",
+            rate / floor,
+            m.median_ratio
+        );
+    };
+    row("rdma staged, verified (default)", &verified, true);
+    row("rdma staged, unverified", &plain, false);
+    row("rdma direct (net_direct), verified", &direct, true);
+    row("rdma direct, unverified", &direct_plain, false);
     let (n_big, n_small) = (
         total.div_ceil(bucket) as f64,
         total.div_ceil(1 << 20) as f64,
     );
-    let per_bucket = (fine.total.as_secs_f64() - plain.total.as_secs_f64()) / (n_small - n_big);
+    let per_bucket =
+        (fine.total.as_secs_f64() - plain.best.total.as_secs_f64()) / (n_small - n_big);
     println!(
-        "  wm     1 MiB buckets ({n_small:.0})               {:>7.2} GB/s   per-bucket overhead {:.1} us",
+        "  wm     1 MiB buckets ({n_small:.0})               {:>7.2} GB/s   per-bucket overhead {:.1} us (one run, against the best unverified staged run)",
         gbps(fine.bytes, fine.total),
         per_bucket.max(0.0) * 1e6
     );
@@ -249,7 +312,7 @@ pub fn run(a: &Args) -> Result<(), String> {
             "  verified run: trainer packing {} ({:.2} GB/s, overlapped with sending); engine receive+apply {}",
             fmt::ms(pack),
             gbps(s[0], pack),
-            fmt::ms(verified.sync)
+            fmt::ms(verified.best.sync)
         );
     }
     Ok(())
