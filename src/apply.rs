@@ -91,6 +91,17 @@ pub struct Applied {
     pub commit: Duration,
 }
 
+/// Where a param's bytes go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dest {
+    /// Host memory: written by the parallel copier.
+    Host(SendPtr),
+    /// CUDA device memory of GPU `ordinal`: bytes land in host memory first
+    /// (the atomic arena, or a per-tensor buffer in place) and are uploaded
+    /// once the tensor is whole and verified (atomic: at commit).
+    Device { ptr: u64, ordinal: i32 },
+}
+
 /// Staging slots are 256-byte aligned, like IPC buckets (SPEC.md).
 const ALIGN: usize = 256;
 
@@ -99,10 +110,10 @@ pub struct Applier<'p, 'h> {
     opts: ApplyOptions,
     hooks: Hooks<'h>,
     /// Per plan entry: the param's memory, for `Target::Param`.
-    params: Vec<Option<SendPtr>>,
+    params: Vec<Option<Dest>>,
     /// Atomic mode: every moving tensor's staging slot.
     arena: Option<(HostRegion, Vec<usize>)>,
-    /// In-place mode: callback tensors being received.
+    /// In-place mode: callback and device tensors being received.
     loose: HashMap<usize, Vec<u8>>,
     /// A delivered loose buffer kept for the next one: fresh large
     /// allocations cost a page fault per page every time.
@@ -119,7 +130,7 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// `params[i]` is the destination of plan entry `i` when it targets a param.
     pub fn new(
         plan: &'p Plan,
-        params: Vec<Option<SendPtr>>,
+        params: Vec<Option<Dest>>,
         opts: ApplyOptions,
         hooks: Hooks<'h>,
     ) -> Result<Applier<'p, 'h>> {
@@ -202,8 +213,8 @@ impl<'p, 'h> Applier<'p, 'h> {
         if let Some((region, offsets)) = &self.arena {
             return SendPtr(region.ptr().wrapping_add(offsets[t]));
         }
-        match self.plan.entries[t].target {
-            Target::Param(_) => self.params[t].expect("param destination"),
+        match (self.plan.entries[t].target, self.params[t]) {
+            (Target::Param(_), Some(Dest::Host(p))) => p,
             _ => {
                 let n = self.plan.entries[t].meta.nbytes as usize;
                 let spare = &mut self.spare;
@@ -248,7 +259,7 @@ impl<'p, 'h> Applier<'p, 'h> {
                 entry.meta.name
             )));
         }
-        if matches!(entry.target, Target::Param(_)) && self.arena.is_none() {
+        if matches!(self.params[t], Some(Dest::Host(_))) && self.arena.is_none() {
             self.wrote_params = true;
         }
         let base = self.landing(t);
@@ -355,9 +366,16 @@ impl<'p, 'h> Applier<'p, 'h> {
         }
         if self.arena.is_none() {
             for &t in &completed {
-                if self.plan.entries[t].target == Target::Callback {
+                let device = match self.params[t] {
+                    Some(Dest::Device { ptr, ordinal }) => Some((ptr, ordinal)),
+                    _ => None,
+                };
+                if self.plan.entries[t].target == Target::Callback || device.is_some() {
                     let data = self.loose.remove(&t).unwrap_or_default();
-                    self.deliver(t, &data)?;
+                    match device {
+                        Some((ptr, ordinal)) => self.upload(origin, t, ptr, ordinal, &data)?,
+                        None => self.deliver(t, &data)?,
+                    }
                     if self
                         .spare
                         .as_ref()
@@ -406,6 +424,27 @@ impl<'p, 'h> Applier<'p, 'h> {
             )));
         }
         Ok(())
+    }
+
+    /// Copy a whole, verified tensor from host memory to its device param.
+    fn upload(
+        &mut self,
+        origin: &str,
+        t: usize,
+        ptr: u64,
+        ordinal: i32,
+        data: &[u8],
+    ) -> Result<()> {
+        self.wrote_params = true;
+        let cuda = crate::memory::cuda::cuda()?;
+        // SAFETY: `data` is the tensor's host bytes; the device range was
+        // checked at registration to hold the param's bytes.
+        unsafe { cuda.upload(ordinal, ptr, data.as_ptr(), data.len()) }.map_err(|e| {
+            e.context(format!(
+                "tensor '{}' from {origin} to GPU {ordinal}",
+                self.name(t)
+            ))
+        })
     }
 
     fn deliver(&mut self, t: usize, data: &[u8]) -> Result<()> {
@@ -469,16 +508,27 @@ impl<'p, 'h> Applier<'p, 'h> {
                 .iter()
                 .enumerate()
                 .filter(|(_, e)| matches!(e.target, Target::Param(_)) && e.meta.nbytes > 0)
-                .map(|(t, e)| CopyJob {
-                    src: CopySource::Memory(SendPtr(region.ptr().wrapping_add(offsets[t]))),
-                    dst: self.params[t].expect("param destination"),
-                    len: e.meta.nbytes as usize,
-                    tag: t,
+                .filter_map(|(t, e)| match self.params[t] {
+                    Some(Dest::Host(dst)) => Some(CopyJob {
+                        src: CopySource::Memory(SendPtr(region.ptr().wrapping_add(offsets[t]))),
+                        dst,
+                        len: e.meta.nbytes as usize,
+                        tag: t,
+                    }),
+                    _ => None,
                 })
                 .collect();
             self.wrote_params = !jobs.is_empty();
             // SAFETY: arena slots and param memory are disjoint, both sized by the plan.
             unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| e.error)?;
+            for (t, &offset) in offsets.iter().enumerate() {
+                if let Some(Dest::Device { ptr, ordinal }) = self.params[t] {
+                    let n = self.plan.entries[t].meta.nbytes as usize;
+                    // SAFETY: slot t holds the tensor's n verified bytes.
+                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offset), n) };
+                    self.upload("the staging arena", t, ptr, ordinal, data)?;
+                }
+            }
             for (t, &offset) in offsets.iter().enumerate() {
                 if self.plan.entries[t].target == Target::Callback {
                     let n = self.plan.entries[t].meta.nbytes as usize;

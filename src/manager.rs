@@ -514,6 +514,15 @@ impl Manager {
                                 p.name
                             ))
                         })?);
+                        if let Some(ordinal) = p.device {
+                            // New device memory gets the registration's checks.
+                            crate::memory::cuda::cuda()?.check_device_range(
+                                ordinal,
+                                ptr.0 as u64,
+                                p.nbytes,
+                                &format!("param '{}' (from the acquire callback)", p.name),
+                            )?;
+                        }
                     }
                 }
             }
@@ -652,7 +661,7 @@ impl Manager {
             .entries
             .iter()
             .map(|e| match e.target {
-                Target::Param(i) => Some(SendPtr(registry.params()[i].ptr())),
+                Target::Param(i) => Some(registry.params()[i].dest()),
                 _ => None,
             })
             .collect();

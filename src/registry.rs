@@ -68,6 +68,9 @@ pub struct Param {
     pub shape: Vec<u64>,
     pub nbytes: usize,
     pub memory: ParamMemory,
+    /// GPU ordinal of an engine-owned device param (its pointer is then a
+    /// device address); None for host memory.
+    pub device: Option<i32>,
     /// False after a clear, until the next update brings memory back.
     pub resident: bool,
 }
@@ -77,6 +80,17 @@ impl Param {
         match &self.memory {
             ParamMemory::Engine { ptr } => ptr.0,
             ParamMemory::Library(r) => r.ptr(),
+        }
+    }
+
+    /// Where the applier writes this param.
+    pub fn dest(&self) -> crate::apply::Dest {
+        match self.device {
+            Some(ordinal) => crate::apply::Dest::Device {
+                ptr: self.ptr() as u64,
+                ordinal,
+            },
+            None => crate::apply::Dest::Host(SendPtr(self.ptr())),
         }
     }
 
@@ -100,18 +114,12 @@ impl Registry {
                 spec.name
             )));
         }
-        if spec.memory == MemoryKind::Device {
-            return Err(Error::unsupported(format!(
-                "param '{}': device memory (ordinal {}) needs the CUDA backend, \
-                 which this build does not include yet; register it as host memory",
-                spec.name, spec.device_ordinal
-            )));
-        }
         let n = byte_size(&format!("param '{}'", spec.name), spec.dtype, &spec.shape)?;
         Ok(n as usize)
     }
 
     fn push(&mut self, spec: &ParamSpec, nbytes: usize, memory: ParamMemory) {
+        let device = (spec.memory == MemoryKind::Device).then_some(spec.device_ordinal);
         self.by_name.insert(spec.name.clone(), self.params.len());
         self.params.push(Param {
             name: spec.name.clone(),
@@ -119,11 +127,15 @@ impl Registry {
             shape: spec.shape.clone(),
             nbytes,
             memory,
+            device,
             resident: true,
         });
     }
 
-    /// Register engine-owned host memory of `len` bytes at `ptr`.
+    /// Register engine-owned memory of `len` bytes at `ptr`: host memory, or
+    /// for a device param a device address of GPU `spec.device_ordinal`
+    /// (checked with the driver: device memory of that GPU, holding `len`
+    /// bytes in one allocation; no CUDA is a clear `WM_ERR_UNSUPPORTED`).
     pub fn register_engine(&mut self, spec: &ParamSpec, ptr: *mut u8, len: usize) -> Result<()> {
         let nbytes = self.check_spec(spec)?;
         if len != nbytes {
@@ -140,6 +152,12 @@ impl Registry {
                 spec.name
             )));
         }
+        if spec.memory == MemoryKind::Device {
+            let what = format!("param '{}'", spec.name);
+            crate::memory::cuda::cuda()
+                .map_err(|e| e.context(&what))?
+                .check_device_range(spec.device_ordinal, ptr as u64, nbytes, &what)?;
+        }
         self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
         Ok(())
     }
@@ -147,6 +165,14 @@ impl Registry {
     /// Allocate library-owned host memory; returns its stable address and length.
     pub fn allocate(&mut self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
         let nbytes = self.check_spec(spec)?;
+        if spec.memory == MemoryKind::Device {
+            return Err(Error::unsupported(format!(
+                "param '{}': library-owned device params (CUDA virtual memory, released \
+                 and restored at stable addresses) are not built yet; register the \
+                 engine's own device memory (ordinal {}) instead",
+                spec.name, spec.device_ordinal
+            )));
+        }
         let region = HostRegion::new(&format!("param '{}'", spec.name), nbytes)?;
         let ptr = region.ptr();
         self.push(spec, nbytes, ParamMemory::Library(region));

@@ -6,8 +6,10 @@
 //!   file to memory with `pread`), plus parallel checksums.
 //! - [`shared`]: sealed memfd buffers passed between processes.
 //! - [`pool`]: buffers kept for the next session.
+//! - [`cuda`]: the CUDA driver (loaded at run time) and device params.
 
 pub mod copy;
+pub mod cuda;
 pub mod host;
 pub mod pool;
 pub mod shared;

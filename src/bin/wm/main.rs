@@ -27,7 +27,7 @@ const USAGE: &str = "usage:
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm bench ipc [--gib N] [--bucket-mib M]
-  wm bench net [--gib N] [--bucket-mib M]      (UCX_TLS=tcp without RDMA hardware)
+  wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
@@ -35,6 +35,7 @@ const USAGE: &str = "usage:
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
   wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
             [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]
+  wm devices                      (what the CUDA backend sees, or why it cannot work)
   wm --version";
 
 /// Parsed `--name value` options and positional arguments.
@@ -133,6 +134,7 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "socket",
                 "bucket-mib",
                 "engines",
+                "runs",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
@@ -162,6 +164,10 @@ fn run(argv: &[String]) -> Result<(), String> {
             a.check_known(ipc::PULL_OPTIONS)?;
             ipc::pull(&a)
         }
+        "devices" => {
+            Args::parse(rest, &[])?.check_known(&[])?;
+            devices()
+        }
         "worker" => {
             let a = Args::parse(rest, &[])?;
             a.check_known(worker::OPTIONS)?;
@@ -177,6 +183,18 @@ fn run(argv: &[String]) -> Result<(), String> {
         }
         other => Err(format!("unknown command '{other}'\n{USAGE}")),
     }
+}
+
+/// `wm devices`: what the CUDA backend sees; fails with the reason when
+/// device params cannot work here.
+fn devices() -> Result<(), String> {
+    let cuda = weight_manager::memory::cuda::cuda().map_err(|e| e.to_string())?;
+    println!("{}", cuda.describe());
+    for d in 0..cuda.device_count() {
+        let (name, total) = cuda.device_info(d).map_err(|e| e.to_string())?;
+        println!("  GPU {d}: {name}, {}", fmt::bytes(total as u64));
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
