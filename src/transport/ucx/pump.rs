@@ -262,6 +262,12 @@ fn run(
     w.shutdown();
 }
 
+/// UCX's endpoint error callback. A dead peer already fails the posted
+/// operations (their completions carry the error) and closes the TCP control
+/// connection, which both sides watch; without a callback UCX would print an
+/// ERROR line of its own for every endpoint whose peer went away.
+extern "C" fn peer_failed(_arg: *mut c_void, _ep: *mut c_void, _status: i8) {}
+
 impl Worker<'_> {
     fn handle(&mut self, cmd: Cmd, done: &Sender<Completion>) {
         let api = &self.ucx.lib().api;
@@ -269,10 +275,11 @@ impl Worker<'_> {
             Cmd::Connect(address, reply) => {
                 let params = sys::EpParams {
                     field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
                     address: address.as_ptr().cast(),
                     err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
-                    err_handler_cb: std::ptr::null(),
+                    err_handler_cb: peer_failed as *const c_void,
                     err_handler_arg: std::ptr::null_mut(),
                     user_data: std::ptr::null_mut(),
                     flags: 0,
