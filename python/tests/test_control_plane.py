@@ -108,6 +108,12 @@ def test_two_ranks_in_threads_share_a_group(model_dir):
     try:
         with Controller(name) as c:
             assert c.request_clear(timeout=10) == "done"
+            # The ranks read CLEARED at their next broadcast; an update asked
+            # for at once could replace the word before they look (a race in
+            # the test, not in the library), so wait until they have seen it.
+            deadline = time.monotonic() + 10
+            while State.CLEARED not in seen[0] and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert c.request_update(timeout=10) == "done"
     finally:
         for t in threads:
