@@ -521,20 +521,21 @@ impl<'p, 'h> Applier<'p, 'h> {
             self.wrote_params = !jobs.is_empty();
             // SAFETY: arena slots and param memory are disjoint, both sized by the plan.
             unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| e.error)?;
+            // Device params and callback tensors, from their arena slots.
             for (t, &offset) in offsets.iter().enumerate() {
-                if let Some(Dest::Device { ptr, ordinal }) = self.params[t] {
-                    let n = self.plan.entries[t].meta.nbytes as usize;
-                    // SAFETY: slot t holds the tensor's n verified bytes.
-                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offset), n) };
-                    self.upload("the staging arena", t, ptr, ordinal, data)?;
+                let device = self.params[t];
+                let callback = self.plan.entries[t].target == Target::Callback;
+                if !callback && !matches!(device, Some(Dest::Device { .. })) {
+                    continue;
                 }
-            }
-            for (t, &offset) in offsets.iter().enumerate() {
-                if self.plan.entries[t].target == Target::Callback {
-                    let n = self.plan.entries[t].meta.nbytes as usize;
-                    // SAFETY: slot t holds n received bytes; the arena lives until the end of this block.
-                    let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offset), n) };
-                    self.deliver(t, data)?;
+                let n = self.plan.entries[t].meta.nbytes as usize;
+                // SAFETY: slot t holds n verified bytes; the arena lives until the end of this block.
+                let data = unsafe { std::slice::from_raw_parts(region.ptr().add(offset), n) };
+                match device {
+                    Some(Dest::Device { ptr, ordinal }) => {
+                        self.upload("the staging arena", t, ptr, ordinal, data)?
+                    }
+                    _ => self.deliver(t, data)?,
                 }
             }
         } else {

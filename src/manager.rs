@@ -516,9 +516,9 @@ impl Manager {
                         })?);
                         if let Some(ordinal) = p.device {
                             // New device memory gets the registration's checks.
-                            crate::memory::cuda::cuda()?.check_device_range(
+                            crate::registry::check_device_memory(
                                 ordinal,
-                                ptr.0 as u64,
+                                ptr.0,
                                 p.nbytes,
                                 &format!("param '{}' (from the acquire callback)", p.name),
                             )?;

@@ -99,6 +99,15 @@ impl Param {
     }
 }
 
+/// `len` bytes at `ptr` are device memory of GPU `ordinal`, in one
+/// allocation (checked with the driver; no CUDA is `WM_ERR_UNSUPPORTED`).
+/// `what` names the param in errors.
+pub fn check_device_memory(ordinal: i32, ptr: *mut u8, len: usize, what: &str) -> Result<()> {
+    crate::memory::cuda::cuda()
+        .map_err(|e| e.context(what))?
+        .check_device_range(ordinal, ptr as u64, len, what)
+}
+
 #[derive(Debug, Default)]
 pub struct Registry {
     params: Vec<Param>,
@@ -153,10 +162,12 @@ impl Registry {
             )));
         }
         if spec.memory == MemoryKind::Device {
-            let what = format!("param '{}'", spec.name);
-            crate::memory::cuda::cuda()
-                .map_err(|e| e.context(&what))?
-                .check_device_range(spec.device_ordinal, ptr as u64, nbytes, &what)?;
+            check_device_memory(
+                spec.device_ordinal,
+                ptr,
+                nbytes,
+                &format!("param '{}'", spec.name),
+            )?;
         }
         self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
         Ok(())

@@ -293,23 +293,7 @@ fn publisher_killed_mid_update_keeps_old_weights() {
     .unwrap();
     wait_for_socket(&sock);
     let pid = second.id();
-    let mut killed = false;
-    let mut kill_after_first = |_: &weight_manager::apply::Progress| {
-        if !killed {
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            killed = true;
-        }
-        true
-    };
-    let mut req = ipc_request(&sock);
-    req.hooks.progress = Some(&mut kill_after_first);
-    let start = Instant::now();
-    let e = m.update(req).unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "noticed only after {:?}",
-        start.elapsed()
-    );
+    let e = update_killing_publisher(&m, SourceKind::Ipc, &sock, pid);
     assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
     assert!(e.message.contains("closed the connection"), "{e}");
     second.wait().unwrap();

@@ -330,23 +330,7 @@ fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
     });
     let (mut second, addr, _o) = serve(&[d2.to_str().unwrap()]);
     let pid = second.id();
-    let mut killed = false;
-    let mut kill_after_first = |_: &weight_manager::apply::Progress| {
-        if !killed {
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            killed = true;
-        }
-        true
-    };
-    let mut req = rdma(&addr);
-    req.hooks.progress = Some(&mut kill_after_first);
-    let start = Instant::now();
-    let e = m.update(req).unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "noticed only after {:?}",
-        start.elapsed()
-    );
+    let e = update_killing_publisher(&m, SourceKind::Rdma, &addr, pid);
     assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
     second.wait().unwrap();
     assert_params(&ptrs, &v1);

@@ -15,6 +15,7 @@
 use super::session::{corrupt, fill, plan_buckets, take_buffers, BufferPool, SessionStats, Shard};
 use super::PublisherConfig;
 use crate::memory::copy::default_threads;
+use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
@@ -59,7 +60,17 @@ pub(super) fn stream_buckets(
     let buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = depth.min(buckets.len()).max(1);
-    let buffers = take_buffers(pool, n_buf, largest)?;
+    // Direct buckets of tensors already in memory are sent from the tensors
+    // themselves: nothing to pack, so no bucket buffers either. (The
+    // test-only corruption needs a packed copy to flip a bit in.)
+    let unpacked: Option<Vec<SendPtr>> = shard
+        .in_memory()
+        .filter(|_| direct && cfg.corrupt_tensor.is_none())
+        .map(<[SendPtr]>::to_vec);
+    let buffers = match unpacked {
+        Some(_) => Vec::new(),
+        None => take_buffers(pool, n_buf, largest)?,
+    };
     let pump = Pump::start("publisher")?;
     pump.connect(&address)
         .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
@@ -112,24 +123,12 @@ pub(super) fn stream_buckets(
         if i >= n_buf {
             wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
         }
-        let buf = &buffers[i % n_buf];
-        // Direct, from memory, untouched: send each entry where it lies.
-        let unpacked: Option<Vec<*const u8>> = (direct && cfg.corrupt_tensor.is_none())
-            .then(|| {
-                entries
-                    .iter()
-                    .map(|e| {
-                        let at = shard.in_memory(e.tensor as usize)?;
-                        Some(at.0.wrapping_add(e.tensor_offset as usize) as *const u8)
-                    })
-                    .collect()
-            })
-            .flatten();
         if unpacked.is_none() {
+            let buf = buffers[i % n_buf].ptr();
             let t = Instant::now();
-            fill(shard, entries, buf.ptr(), threads)?;
+            fill(shard, entries, buf, threads)?;
             if let Some(victim) = &cfg.corrupt_tensor {
-                corrupt(&shard.manifest, entries, buf.ptr(), victim);
+                corrupt(&shard.manifest, entries, buf, victim);
             }
             stats.pack += t.elapsed();
         }
@@ -147,14 +146,14 @@ pub(super) fn stream_buckets(
             if direct {
                 for (k, e) in entries.iter().enumerate() {
                     let from = match &unpacked {
-                        Some(at) => at[k],
-                        None => buf.ptr().add(e.buffer_offset as usize),
+                        Some(tensors) => tensors[e.tensor as usize].0.add(e.tensor_offset as usize),
+                        None => buffers[i % n_buf].ptr().add(e.buffer_offset as usize),
                     };
                     pump.send(tag(seq, Some(k)), from, e.len as usize)?;
                 }
                 in_flight.insert(seq, entries.len());
             } else {
-                pump.send(tag(seq, None), buf.ptr(), *used as usize)?;
+                pump.send(tag(seq, None), buffers[i % n_buf].ptr(), *used as usize)?;
                 in_flight.insert(seq, 1);
             }
         }

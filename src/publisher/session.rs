@@ -62,12 +62,12 @@ pub(super) struct Shard {
 }
 
 impl Shard {
-    /// Where tensor `t`'s bytes already are in this process's memory (a
-    /// published copy, or a tensor the trainer added), so they can be sent
-    /// without packing; None for tensors read from files.
-    pub(super) fn in_memory(&self, t: usize) -> Option<SendPtr> {
+    /// Where each tensor's bytes already are in this process's memory
+    /// (published copies, or tensors the trainer added), so they can be sent
+    /// without packing; None for a shard read from files.
+    pub(super) fn in_memory(&self) -> Option<&[SendPtr]> {
         match &self.bytes {
-            ShardBytes::Memory(ptrs) => ptrs.get(t).copied(),
+            ShardBytes::Memory(ptrs) => Some(ptrs),
             ShardBytes::Files { .. } => None,
         }
     }

@@ -115,3 +115,34 @@ pub fn add_all(p: &weight_manager::publisher::Publisher, ts: &[T]) {
         .unwrap();
     }
 }
+
+/// Update `m` from the publisher at `location` over `source` (30 s
+/// timeout), killing the publisher's process `pid` with SIGKILL at the first
+/// progress report; the update must fail, and notice within 5 s.
+pub fn update_killing_publisher(
+    m: &weight_manager::manager::Manager,
+    source: weight_manager::source::SourceKind,
+    location: impl Into<std::path::PathBuf>,
+    pid: u32,
+) -> weight_manager::result::Error {
+    let mut req = weight_manager::manager::UpdateRequest::snapshot(location);
+    req.source = source;
+    req.timeout = std::time::Duration::from_secs(30);
+    let mut killed = false;
+    let mut kill_after_first = |_: &weight_manager::apply::Progress| {
+        if !killed {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            killed = true;
+        }
+        true
+    };
+    req.hooks.progress = Some(&mut kill_after_first);
+    let start = std::time::Instant::now();
+    let e = m.update(req).unwrap_err();
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(5),
+        "noticed only after {:?}",
+        start.elapsed()
+    );
+    e
+}

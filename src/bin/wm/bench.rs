@@ -184,11 +184,9 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     let _scratch = Scratch(dir.clone());
 
     // Large model: bf16 tensors of 64 MiB.
-    const TENSOR: u64 = 64 << 20;
-    let count = ((gib * (1u64 << 30) as f64) / TENSOR as f64)
-        .ceil()
-        .max(1.0) as usize;
-    let shape = vec![8192u64, 4096];
+    const TENSOR: u64 = LAYER as u64;
+    let count = layer_count(gib);
+    let shape = LAYER_SHAPE.to_vec();
     let big_dir = dir.join("big");
     std::fs::create_dir_all(&big_dir).map_err(|e| e.to_string())?;
     let path = big_dir.join("model_state.tp0.0.safetensors");
@@ -291,17 +289,61 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// The IPC and network benchmarks' engine params: `count` bf16 tensors of
-/// 64 MiB with varied bytes, like real weights (pages of one repeated value
-/// can be merged by the host and then cost a copy-on-write fault when written).
-pub(crate) fn layer_params(count: usize) -> Vec<Vec<u8>> {
+/// The benchmarks' model: `layers.<i>.w`, bf16 8192 x 4096 (64 MiB each).
+pub(crate) const LAYER: usize = 64 << 20;
+const LAYER_SHAPE: [u64; 2] = [8192, 4096];
+
+/// Layers in a model of about `gib` GiB (at least one).
+pub(crate) fn layer_count(gib: f64) -> usize {
+    ((gib * (1u64 << 30) as f64) / LAYER as f64).ceil().max(1.0) as usize
+}
+
+/// `count` layers of varied bytes, like real weights (pages of one repeated
+/// value can be merged by the host and then cost a copy-on-write fault when
+/// written); `seed` tells one model from another.
+fn layers(count: usize, seed: u64) -> Vec<Vec<u8>> {
     (0..count)
         .map(|i| {
-            let mut b = vec![0u8; 64 << 20];
-            crate::fixtures::fill(&mut b, 1000 + i as u64);
+            let mut b = vec![0u8; LAYER];
+            crate::fixtures::fill(&mut b, seed + i as u64);
             b
         })
         .collect()
+}
+
+/// The IPC and network benchmarks' engine params.
+pub(crate) fn layer_params(count: usize) -> Vec<Vec<u8>> {
+    layers(count, 1000)
+}
+
+/// The trainer's model in the IPC and network benchmarks (other bytes than
+/// the engine's params, so every update changes them).
+pub(crate) fn trainer_layers(count: usize) -> Vec<Vec<u8>> {
+    layers(count, 1)
+}
+
+/// Offer `data` (from [`trainer_layers`]) from publisher `p` to `rank`
+/// (None: every rank); the caller keeps `data` alive while `p` serves.
+pub(crate) fn add_layers(
+    p: &weight_manager::publisher::Publisher,
+    data: &[Vec<u8>],
+    rank: Option<u32>,
+) -> Result<(), String> {
+    for (i, d) in data.iter().enumerate() {
+        // SAFETY: the caller keeps `data` alive while `p` serves.
+        unsafe {
+            p.add_tensor(
+                &format!("layers.{i}.w"),
+                weight_manager::tensor::DType::Bf16,
+                &LAYER_SHAPE,
+                d.as_ptr(),
+                d.len(),
+                rank,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// Register `params` as `layers.<i>.w` (bf16 8192 x 4096) with `m`; the
@@ -314,7 +356,7 @@ pub(crate) fn register_layers(
         let spec = weight_manager::registry::ParamSpec::host(
             &format!("layers.{i}.w"),
             weight_manager::tensor::DType::Bf16,
-            &[8192, 4096],
+            &LAYER_SHAPE,
         );
         // SAFETY: the caller keeps `params` alive while `m` uses them.
         unsafe { m.register(&spec, b.as_mut_ptr(), b.len()) }.map_err(|e| e.to_string())?;

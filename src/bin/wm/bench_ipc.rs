@@ -9,7 +9,6 @@
 //! issue's), and two memcpys at once, which is what the two-copy pipeline can
 //! reach where memory bandwidth is the limit.
 
-use crate::fixtures;
 use crate::fmt::{self, gbps};
 use crate::Args;
 use std::io::{BufRead, BufReader};
@@ -19,28 +18,14 @@ use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-
-const TENSOR: usize = 64 << 20;
-
-fn model_tensors(gib: f64) -> usize {
-    ((gib * (1u64 << 30) as f64) / TENSOR as f64)
-        .ceil()
-        .max(1.0) as usize
-}
 
 /// The trainer process: builds the model in memory, publishes, serves.
 pub fn publisher(a: &Args) -> Result<(), String> {
     let socket = a.value("socket").ok_or("--socket")?;
-    let count = model_tensors(a.number("gib", 4.0)?);
+    let count = crate::bench::layer_count(a.number("gib", 4.0)?);
     let threads: usize = a.number("threads", 1)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
-    let mut data: Vec<Vec<u8>> = Vec::new();
-    for i in 0..count {
-        let mut v = vec![0u8; TENSOR];
-        fixtures::fill(&mut v, i as u64 + 1);
-        data.push(v);
-    }
+    let data = crate::bench::trainer_layers(count);
     let p = Publisher::bind(
         std::path::Path::new(socket),
         PublisherConfig {
@@ -51,20 +36,7 @@ pub fn publisher(a: &Args) -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
-    for (i, d) in data.iter().enumerate() {
-        // SAFETY: `data` outlives serving.
-        unsafe {
-            p.add_tensor(
-                &format!("layers.{i}.w"),
-                DType::Bf16,
-                &[8192, 4096],
-                d.as_ptr(),
-                d.len(),
-                None,
-            )
-        }
-        .map_err(|e| e.to_string())?;
-    }
+    crate::bench::add_layers(&p, &data, None)?;
     p.set_version(Some("bench".into()));
     println!("ready");
     let stats = p
@@ -93,8 +65,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let side: usize = a.number("threads", (cores / 2).max(1))?;
-    let count = model_tensors(gib);
-    let total = (count * TENSOR) as u64;
+    let count = crate::bench::layer_count(gib);
+    let total = (count * crate::bench::LAYER) as u64;
     let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let socket = dir.join("trainer.sock");

@@ -8,8 +8,8 @@
 //!
 //! Run it with `UCX_TLS=tcp` on a machine without RDMA (what CI does); on a
 //! cluster leave UCX_TLS unset and UCX picks RDMA.
+//! `WM_BENCH_VERBOSE=1` prints every paired run (floor, wm, ratio) on stderr.
 
-use crate::fixtures;
 use crate::fmt::{self, gbps};
 use crate::Args;
 use std::io::{BufRead, BufReader};
@@ -22,24 +22,12 @@ use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
 use weight_manager::transport::ucx::Pump;
 
-const TENSOR: usize = 64 << 20;
 const SECRET: &str = "wm-bench-net-secret-0123456789";
-
-fn model_tensors(gib: f64) -> usize {
-    ((gib * (1u64 << 30) as f64) / TENSOR as f64)
-        .ceil()
-        .max(1.0) as usize
-}
 
 /// The trainer process: rank 0 gets the model, rank 1 one small tensor.
 pub fn publisher(a: &Args) -> Result<(), String> {
-    let count = model_tensors(a.number("gib", 4.0)?);
-    let mut data: Vec<Vec<u8>> = Vec::new();
-    for i in 0..count {
-        let mut v = vec![0u8; TENSOR];
-        fixtures::fill(&mut v, i as u64 + 1);
-        data.push(v);
-    }
+    let count = crate::bench::layer_count(a.number("gib", 4.0)?);
+    let data = crate::bench::trainer_layers(count);
     let small = vec![7u8; 4096];
     let p = Publisher::bind_net(
         "127.0.0.1:0",
@@ -49,20 +37,7 @@ pub fn publisher(a: &Args) -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
-    for (i, d) in data.iter().enumerate() {
-        // SAFETY: `data` outlives serving.
-        unsafe {
-            p.add_tensor(
-                &format!("layers.{i}.w"),
-                DType::Bf16,
-                &[8192, 4096],
-                d.as_ptr(),
-                d.len(),
-                Some(0),
-            )
-        }
-        .map_err(|e| e.to_string())?;
-    }
+    crate::bench::add_layers(&p, &data, Some(0))?;
     // SAFETY: as above.
     unsafe { p.add_tensor("probe", DType::U8, &[4096], small.as_ptr(), 4096, Some(1)) }
         .map_err(|e| e.to_string())?;
@@ -136,8 +111,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     let gib: f64 = a.number("gib", 4.0)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
     let depth = 2usize;
-    let count = model_tensors(gib);
-    let total = count * TENSOR;
+    let count = crate::bench::layer_count(gib);
+    let total = count * crate::bench::LAYER;
     let probes = 5usize;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // Sessions: staged and direct, each a warm-up then RUNS verified and
