@@ -29,6 +29,7 @@ use crate::result::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use xxhash_rust::xxh3::Xxh3Default;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -118,6 +119,10 @@ pub struct Applier<'p, 'h> {
     /// A delivered loose buffer kept for the next one: fresh large
     /// allocations cost a page fault per page every time.
     spare: Option<Vec<u8>>,
+    /// Tensors arriving in several chunks, hashed chunk by chunk right after
+    /// each one lands (while its bytes are still in cache) instead of read
+    /// again from memory once whole.
+    hashing: HashMap<usize, Box<Xxh3Default>>,
     received: Vec<u64>,
     delivered: Vec<bool>,
     progress: Progress,
@@ -163,6 +168,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             arena,
             loose: HashMap::new(),
             spare: None,
+            hashing: HashMap::new(),
             received: vec![0; plan.entries.len()],
             delivered: vec![false; plan.entries.len()],
             progress: Progress {
@@ -279,6 +285,8 @@ impl<'p, 'h> Applier<'p, 'h> {
         let mut completed = Vec::new();
         // Zero copy: whole tensors in memory, for the callback, in place.
         let mut direct: Vec<(usize, SendPtr)> = Vec::new();
+        // Verified chunks that are part of a tensor: hashed as they land.
+        let mut streamed: Vec<(usize, SendPtr, usize)> = Vec::new();
         for c in chunks {
             let Some(entry) = self.plan.entries.get(c.tensor) else {
                 return Err(Error::format(format!(
@@ -320,10 +328,20 @@ impl<'p, 'h> Applier<'p, 'h> {
                 }
             }
             let base = self.landing(t);
+            let dst = SendPtr(base.0.wrapping_add(c.offset as usize));
+            if self.opts.verify && (c.offset != 0 || end != n) {
+                // Bytes in memory are hashed where they already are (just
+                // landed, so still in cache); a file's once copied.
+                let at = match (landed, c.src) {
+                    (false, CopySource::Memory(src)) => src,
+                    _ => dst,
+                };
+                streamed.push((t, at, c.len));
+            }
             if !landed {
                 jobs.push(CopyJob {
                     src: c.src,
-                    dst: SendPtr(base.0.wrapping_add(c.offset as usize)),
+                    dst,
                     len: c.len,
                     tag: t,
                 });
@@ -349,6 +367,12 @@ impl<'p, 'h> Applier<'p, 'h> {
                 // SAFETY: every byte up to nbytes was just written by the copies.
                 unsafe { buf.set_len(self.plan.entries[t].meta.nbytes as usize) };
             }
+        }
+        for &(t, at, len) in &streamed {
+            // SAFETY: the chunk's bytes are in place (landed or just copied)
+            // and nothing writes them during the batch.
+            let bytes = unsafe { std::slice::from_raw_parts(at.0, len) };
+            self.hashing.entry(t).or_default().update(bytes);
         }
         self.verify(origin, &completed)?;
         self.progress.tensors_done += completed.len() as u64;
@@ -401,13 +425,22 @@ impl<'p, 'h> Applier<'p, 'h> {
         if !self.opts.verify || tensors.is_empty() {
             return Ok(());
         }
-        let regions: Vec<(SendPtr, usize)> = tensors
+        // Tensors that came in several chunks were hashed as they landed;
+        // whole ones are hashed now, in parallel.
+        let mut whole = Vec::with_capacity(tensors.len());
+        for &t in tensors {
+            match self.hashing.remove(&t) {
+                Some(h) => self.check_checksum(origin, t, h.digest128())?,
+                None => whole.push(t),
+            }
+        }
+        let regions: Vec<(SendPtr, usize)> = whole
             .iter()
             .map(|&t| (self.landing(t), self.plan.entries[t].meta.nbytes as usize))
             .collect();
         // SAFETY: the regions were fully written above and nothing writes them now.
         let got = unsafe { hash_all(&regions, self.opts.threads) };
-        for (&t, got) in tensors.iter().zip(got) {
+        for (&t, got) in whole.iter().zip(got) {
             self.check_checksum(origin, t, got)?;
         }
         Ok(())
@@ -551,5 +584,84 @@ impl<'p, 'h> Applier<'p, 'h> {
             receive,
             commit: commit_start.elapsed(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::TensorMeta;
+    use crate::plan::PlanEntry;
+
+    fn plan_of(bytes: &[u8]) -> Plan {
+        Plan {
+            entries: vec![PlanEntry {
+                meta: TensorMeta {
+                    name: "w".into(),
+                    dtype: DType::U8,
+                    shape: vec![bytes.len() as u64],
+                    nbytes: bytes.len() as u64,
+                    checksum: Some(xxhash_rust::xxh3::xxh3_128(bytes)),
+                },
+                target: Target::Param(0),
+            }],
+            tensors: 1,
+            bytes: bytes.len() as u64,
+        }
+    }
+
+    /// Feed `src` to an in-place applier in chunks of `piece` bytes; the
+    /// chunks are copied (`landed` false) or already in the param (true).
+    fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Result<Vec<u8>> {
+        let mut param = vec![0u8; src.len()];
+        let opts = ApplyOptions {
+            mode: Mode::InPlace,
+            verify: true,
+            threads: 2,
+            timeout: Duration::from_secs(10),
+        };
+        let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+        let mut a = Applier::new(plan, vec![dest], opts, Hooks::default())?;
+        for at in (0..src.len()).step_by(piece) {
+            let len = piece.min(src.len() - at);
+            if landed {
+                let to = a.landing_for(0, at as u64, len)?;
+                // SAFETY: the landing range is the param's, `len` bytes long.
+                unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), to.0, len) };
+            }
+            let chunk = Chunk {
+                tensor: 0,
+                offset: at as u64,
+                len,
+                src: CopySource::Memory(SendPtr(src[at..].as_ptr().cast_mut())),
+            };
+            if landed {
+                a.landed_batch("test", &[chunk])?;
+            } else {
+                a.apply_batch("test", &[chunk])?;
+            }
+        }
+        a.finish().map_err(|(e, _)| e)?;
+        Ok(param)
+    }
+
+    /// A tensor that arrives in several chunks is verified chunk by chunk
+    /// as they land; the result must be the whole tensor's xxh3-128, and a
+    /// flipped bit in any chunk must fail naming the tensor.
+    #[test]
+    fn tensors_in_chunks_are_verified_as_they_land() {
+        let good: Vec<u8> = (0..3_000_001u32).map(|i| (i * 31 + 7) as u8).collect();
+        let plan = plan_of(&good);
+        for landed in [false, true] {
+            for piece in [1usize << 20, 4096 + 3, good.len()] {
+                let got = apply_in_pieces(&plan, &good, piece, landed).unwrap();
+                assert!(got == good, "piece {piece}, landed {landed}");
+                let mut bad = good.clone();
+                bad[2_500_000] ^= 0x10;
+                let e = apply_in_pieces(&plan, &bad, piece, landed).unwrap_err();
+                assert_eq!(e.code, crate::wm_result::WM_ERR_CHECKSUM, "{e}");
+                assert!(e.message.contains("tensor 'w'"), "{e}");
+            }
+        }
     }
 }

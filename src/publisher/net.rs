@@ -1,11 +1,12 @@
-//! A network session's buckets: packed into host buffers here, sent over UCX
-//! to the engine's worker, one message per bucket into its staging slot
-//! (rdma) or one per entry straight into its params (gdr, `direct`).
+//! A network session's buckets, sent over UCX to the engine's worker as one
+//! message per entry (entries split to at most `wire::NET_MESSAGE` bytes):
+//! the engine receives each into its staging slot at the entry's buffer
+//! offset (rdma), or straight into its params (gdr, `direct`).
 //!
-//! Direct buckets whose tensors are in this process's memory (published
-//! copies, tensors the trainer added) are not packed at all: each entry is
-//! sent from the tensor itself, so neither side copies a byte outside the
-//! transport. Tensors read from files are packed as usual.
+//! Buckets whose tensors are in this process's memory (published copies,
+//! tensors the trainer added) are not packed at all: each entry is sent from
+//! the tensor itself. Tensors read from files are packed into bucket buffers
+//! first.
 //!
 //! The engine names the bucket size and how many buckets may be in flight
 //! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
@@ -19,17 +20,16 @@ use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
-use crate::wire::{Frame, ALIGN, MAX_BUFFERS};
+use crate::wire::{split_entries, Frame, ALIGN, MAX_BUFFERS};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// Largest bucket an engine may ask for.
 const MAX_BUCKET: u64 = 16 << 30;
 
-/// The UCX tag of bucket `seq`'s bytes (entry 0), or of entry `k` of a
-/// direct bucket (`k + 1`).
-pub fn tag(seq: u64, entry: Option<usize>) -> u64 {
-    (seq << 32) | entry.map_or(0, |k| k as u64 + 1)
+/// The UCX tag of entry `k` of bucket `seq`: `seq << 32 | (k + 1)`.
+pub fn tag(seq: u64, k: usize) -> u64 {
+    (seq << 32) | (k as u64 + 1)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -42,13 +42,15 @@ pub(super) fn stream_buckets(
     step: &dyn Fn(Duration) -> Instant,
     stats: &mut SessionStats,
 ) -> Result<()> {
-    let (address, bucket_size, depth, direct) = match conn.recv(step(cfg.bucket_timeout))? {
+    // Staged or direct, the messages are the same: the engine alone decides
+    // where each lands (READY's direct flag is informational).
+    let (address, bucket_size, depth) = match conn.recv(step(cfg.bucket_timeout))? {
         Frame::Ready {
             address,
             bucket_size,
             depth,
-            direct,
-        } => (address, bucket_size, depth as usize, direct),
+            ..
+        } => (address, bucket_size, depth as usize),
         other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
     };
     if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
@@ -57,15 +59,20 @@ pub(super) fn stream_buckets(
             conn.peer()
         )));
     }
-    let buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
+    let mut buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
+    // One message per entry: entries no longer than a message.
+    for (entries, _) in &mut buckets {
+        *entries = split_entries(entries);
+    }
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = depth.min(buckets.len()).max(1);
-    // Direct buckets of tensors already in memory are sent from the tensors
-    // themselves: nothing to pack, so no bucket buffers either. (The
-    // test-only corruption needs a packed copy to flip a bit in.)
+    // Tensors already in memory are sent from the tensors themselves: each
+    // message is one entry, so nothing needs packing, and no bucket buffers
+    // are taken. (The test-only corruption needs a packed copy to flip a
+    // bit in.)
     let unpacked: Option<Vec<SendPtr>> = shard
         .in_memory()
-        .filter(|_| direct && cfg.corrupt_tensor.is_none())
+        .filter(|_| cfg.corrupt_tensor.is_none())
         .map(<[SendPtr]>::to_vec);
     let buffers = match unpacked {
         Some(_) => Vec::new(),
@@ -118,7 +125,7 @@ pub(super) fn stream_buckets(
         stats.wait += t.elapsed();
         Ok(())
     };
-    for (i, (entries, used)) in buckets.iter().enumerate() {
+    for (i, (entries, _)) in buckets.iter().enumerate() {
         let seq = i as u64;
         if i >= n_buf {
             wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
@@ -143,22 +150,17 @@ pub(super) fn stream_buckets(
         // tensors in memory outlive the session (published copies are held
         // by the offer; added tensors by the trainer's promise).
         unsafe {
-            if direct {
-                for (k, e) in entries.iter().enumerate() {
-                    let from = match &unpacked {
-                        Some(tensors) => tensors[e.tensor as usize].0.add(e.tensor_offset as usize),
-                        None => buffers[i % n_buf].ptr().add(e.buffer_offset as usize),
-                    };
-                    pump.send(tag(seq, Some(k)), from, e.len as usize)?;
-                }
-                in_flight.insert(seq, entries.len());
-            } else {
-                pump.send(tag(seq, None), buffers[i % n_buf].ptr(), *used as usize)?;
-                in_flight.insert(seq, 1);
+            for (k, e) in entries.iter().enumerate() {
+                let from = match &unpacked {
+                    Some(tensors) => tensors[e.tensor as usize].0.add(e.tensor_offset as usize),
+                    None => buffers[i % n_buf].ptr().add(e.buffer_offset as usize),
+                };
+                pump.send(tag(seq, k), from, e.len as usize)?;
             }
         }
+        in_flight.insert(seq, entries.len());
     }
-    // END before the last ACKs: a direct engine finishes its last buckets
+    // END before the last ACKs: an engine finishes its last buckets
     // only once it knows no more are coming.
     conn.send(&Frame::End {
         buckets: buckets.len() as u64,

@@ -4,22 +4,28 @@
 //! The engine connects over TCP, proves it holds the shared secret (and
 //! checks that the publisher does), names its rank and the version it wants
 //! ("latest" by default), gets its manifest, says which tensors it wants and
-//! where its UCX worker is, then receives bucket after bucket into `depth`
-//! staging slots: while bucket i is applied, buckets i+1.. are already
-//! landing in the other slots. Each bucket is acknowledged once applied, so
-//! the publisher can send the next one into its slot.
+//! where its UCX worker is, then receives bucket after bucket. Every bucket
+//! entry (at most `wire::NET_MESSAGE` bytes) is its own UCX message:
+//!
+//! - **staged** (rdma): received into one of `depth` staging slots at the
+//!   entry's buffer offset, then copied to its param;
+//! - **direct** (gdr, and rdma when asked): received straight where the
+//!   applier wants the bytes (`Applier::landing_for`): the param itself in
+//!   place, the atomic staging arena otherwise. One copy fewer; on RDMA
+//!   hardware the NIC writes the params. gdr (straight into GPU memory)
+//!   also needs device params and a UCX built with CUDA; without either it
+//!   is refused with a clear error (or, when allowed, runs as rdma with a
+//!   warning).
+//!
+//! A bucket's receives are posted when its BUCKET frame arrives; up to
+//! `depth` buckets are posted (the next one first, when its frame is already
+//! waiting), so bytes keep flowing while the oldest one is finished. Each entry is handed to the applier (copied, verified) the
+//! moment it lands, while its bytes are still in cache: verifying a whole
+//! bucket afterwards would read it back from memory, which on a machine
+//! whose cores are busy moving the bytes costs as much as the transfer.
 //!
 //! Staging slots are kept for the process and reused by the next update
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
-//!
-//! **Direct receive** (gdr, and rdma when asked): there are no staging slots;
-//! the publisher sends every bucket entry as its own message and the engine
-//! receives it where the applier wants the bytes (`Applier::landing_for`):
-//! the param itself in place, the atomic staging arena otherwise. One copy
-//! fewer; on RDMA hardware the NIC writes the params. gdr (straight into GPU
-//! memory) also needs device params and a UCX built with CUDA; without
-//! either it is refused with a clear error (or, when allowed, runs as rdma
-//! with a warning).
 
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
@@ -128,6 +134,11 @@ impl NetSource {
 
     /// Receive every bucket: into `slots` (staged) and applied from there,
     /// or, with no slots (direct), each entry where the applier wants it.
+    ///
+    /// One loop does two things, whichever can move: a BUCKET frame that is
+    /// waiting gets its receives posted at once (so its bytes flow while
+    /// earlier buckets are applied), and the oldest bucket's entries are
+    /// applied one by one as they land, its ACK sent when the last is.
     fn receive_into(
         &mut self,
         plan: &Plan,
@@ -145,176 +156,191 @@ impl NetSource {
             depth: depth as u32,
             direct,
         })?;
-        for (s, slot) in slots.iter().enumerate() {
-            // SAFETY: the slot outlives the pump (see above).
-            unsafe { pump.recv(net_tag(s as u64, None), slot.ptr(), size)? };
-        }
+        // Completions that came before their turn, by tag.
         let mut early: HashMap<u64, Result<usize>> = HashMap::new();
-        // Direct: buckets whose receives are posted, not yet acknowledged.
-        let mut pending: VecDeque<(u64, Vec<BucketEntry>)> = VecDeque::new();
+        // Posted buckets, oldest first, and how many entries of the oldest
+        // are applied.
+        let mut pending: VecDeque<Posted> = VecDeque::new();
+        let mut applied = 0usize;
         let mut next = 0u64;
+        let mut ended = false;
+        // When the oldest bucket's next entry was first waited for.
+        let mut waiting_since = Instant::now();
         loop {
             applier.check_deadline()?;
-            let frame_deadline =
-                (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
-            match self.link.conn.recv(frame_deadline)? {
-                Frame::Bucket {
-                    seq,
-                    buffer,
-                    entries,
-                } => {
-                    if seq != next || (!direct && buffer as u64 != seq % depth as u64) {
-                        return Err(Error::peer(format!(
-                            "{}: bucket {seq} in slot {buffer}, expected bucket {next} in slot {}",
-                            self.link.conn.peer(),
-                            next % depth as u64
-                        )));
-                    }
-                    check_bucket(seq, &entries, size as u64, plan.entries.len())?;
-                    if direct {
-                        // Post this bucket's receives before finishing the
-                        // oldest one, so the bytes keep flowing while that
-                        // one is verified and acknowledged.
-                        post_direct(&pump, seq, &entries, applier)?;
-                        pending.push_back((seq, entries));
-                        if pending.len() >= depth {
-                            let (seq, entries) = pending.pop_front().expect("pending bucket");
-                            self.finish_direct(&pump, &mut early, seq, &entries, applier)?;
-                        }
-                    } else {
-                        let origin = format!("bucket {seq}");
-                        let slot = &slots[buffer as usize];
-                        let tag = net_tag(seq, None);
-                        let got = self.wait_bytes(&pump, &mut early, tag, seq, applier)?;
-                        let need = entries
-                            .iter()
-                            .map(|e| e.buffer_offset + e.len)
-                            .max()
-                            .unwrap_or(0);
-                        if (got as u64) < need {
+            // A frame: block for one only when nothing else can move.
+            if !ended && (pending.is_empty() || self.link.conn.readable()) {
+                let frame_deadline =
+                    (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
+                match self.link.conn.recv(frame_deadline)? {
+                    Frame::Bucket {
+                        seq,
+                        buffer,
+                        entries,
+                    } => {
+                        if seq != next
+                            || (!direct && buffer as u64 != seq % depth as u64)
+                            || pending.len() >= depth
+                        {
                             return Err(Error::peer(format!(
-                                "{}: bucket {seq} brought {got} bytes, its entries need {need}",
-                                self.link.conn.peer()
+                                "{}: bucket {seq} in slot {buffer} with {} unacknowledged, expected bucket {next} in slot {} with fewer than {depth}",
+                                self.link.conn.peer(),
+                                pending.len(),
+                                next % depth as u64
                             )));
                         }
-                        let chunks = chunks(&entries, |e| {
-                            slot.ptr().wrapping_add(e.buffer_offset as usize)
-                        });
-                        applier.apply_batch(&origin, &chunks)?;
-                        let again = net_tag(seq + depth as u64, None);
-                        // SAFETY: as above; the slot's bytes were consumed.
-                        unsafe { pump.recv(again, slot.ptr(), size)? };
-                        self.link.conn.send(&Frame::Ack { seq })?;
+                        check_bucket(seq, &entries, size as u64, plan.entries.len())?;
+                        let slot = slots.get(buffer as usize);
+                        if pending.is_empty() {
+                            waiting_since = Instant::now();
+                        }
+                        pending.push_back(post(&pump, seq, entries, slot, applier)?);
+                        next += 1;
                     }
-                    next += 1;
-                }
-                Frame::End { buckets } if buckets == next => {
-                    while let Some((seq, entries)) = pending.pop_front() {
-                        self.finish_direct(&pump, &mut early, seq, &entries, applier)?;
+                    Frame::End { buckets } if buckets == next => ended = true,
+                    Frame::End { buckets } => {
+                        return Err(Error::peer(format!(
+                            "{}: END after {buckets} buckets, {next} received",
+                            self.link.conn.peer()
+                        )))
                     }
-                    return Ok(());
+                    other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
                 }
-                Frame::End { buckets } => {
+                continue;
+            }
+            let Some(oldest) = pending.front() else {
+                return Ok(()); // ended, and every bucket acknowledged
+            };
+            if let Some(e) = oldest.entries.get(applied) {
+                // Wait briefly when another frame may come, so it is posted
+                // soon; otherwise up to the usual slice.
+                let slice = if pending.len() < depth && !ended {
+                    Duration::from_millis(1)
+                } else {
+                    Duration::from_millis(50)
+                };
+                let tag = net_tag(oldest.seq, applied);
+                let Some(got) = self.poll_bytes(&pump, &mut early, tag, oldest.seq, slice)? else {
+                    if waiting_since.elapsed() > self.opts.bucket_timeout {
+                        return Err(Error::timeout(format!(
+                            "{}: the bytes of bucket {} did not arrive within {:?}",
+                            self.link.conn.peer(),
+                            oldest.seq,
+                            self.opts.bucket_timeout
+                        )));
+                    }
+                    continue;
+                };
+                if got as u64 != e.len {
                     return Err(Error::peer(format!(
-                        "{}: END after {buckets} buckets, {next} received",
-                        self.link.conn.peer()
-                    )))
+                        "{}: bucket {} entry {applied} brought {got} bytes, {} announced",
+                        self.link.conn.peer(),
+                        oldest.seq,
+                        e.len
+                    )));
                 }
-                other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
+                let at = oldest.slot.map_or(std::ptr::null_mut(), |slot| {
+                    slot.0.wrapping_add(e.buffer_offset as usize)
+                });
+                let chunk = Chunk {
+                    tensor: e.tensor as usize,
+                    offset: e.tensor_offset,
+                    len: e.len as usize,
+                    src: CopySource::Memory(SendPtr(at)),
+                };
+                // Applied (copied, verified) at once, while still in cache.
+                let origin = format!("bucket {}", oldest.seq);
+                match oldest.slot {
+                    Some(_) => applier.apply_batch(&origin, &[chunk])?,
+                    None => applier.landed_batch(&origin, &[chunk])?,
+                }
+                applied += 1;
+                waiting_since = Instant::now();
+            } else {
+                self.link.conn.send(&Frame::Ack { seq: oldest.seq })?;
+                pending.pop_front();
+                applied = 0;
+                waiting_since = Instant::now();
             }
         }
     }
 
-    /// Direct receive, second half: wait until every entry of bucket `seq`
-    /// (posted by [`post_direct`]) brought exactly its length, account for
-    /// the bytes with the applier, and acknowledge the bucket.
-    fn finish_direct(
-        &mut self,
-        pump: &Pump,
-        early: &mut HashMap<u64, Result<usize>>,
-        seq: u64,
-        entries: &[BucketEntry],
-        applier: &mut Applier,
-    ) -> Result<()> {
-        for (k, e) in entries.iter().enumerate() {
-            let got = self.wait_bytes(pump, early, net_tag(seq, Some(k)), seq, applier)?;
-            if got as u64 != e.len {
-                return Err(Error::peer(format!(
-                    "{}: bucket {seq} entry {k} brought {got} bytes, {} announced",
-                    self.link.conn.peer(),
-                    e.len
-                )));
-            }
-        }
-        let chunks = chunks(entries, |_| std::ptr::null_mut());
-        applier.landed_batch(&format!("bucket {seq}"), &chunks)?;
-        self.link.conn.send(&Frame::Ack { seq })
-    }
-
-    /// Wait for bucket `seq`'s bytes. Bounded by the bucket timeout; a
-    /// publisher that closes the control connection meanwhile (it died, or
-    /// gave up) ends the wait at once.
-    fn wait_bytes(
+    /// The length that message `tag` (of bucket `seq`) brought, once it
+    /// landed; None when it has not within `slice`. A publisher that closed
+    /// the control connection (it died, or gave up) is an error at once.
+    fn poll_bytes(
         &mut self,
         pump: &Pump,
         early: &mut HashMap<u64, Result<usize>>,
         tag: u64,
         seq: u64,
-        applier: &Applier,
-    ) -> Result<usize> {
-        let deadline = (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
-        loop {
-            if let Some(r) = early.remove(&tag) {
-                return r.map_err(|e| e.context(format!("bucket {seq}")));
+        slice: Duration,
+    ) -> Result<Option<usize>> {
+        if let Some(r) = early.remove(&tag) {
+            return r.map(Some).map_err(|e| e.context(format!("bucket {seq}")));
+        }
+        match pump.next(Instant::now() + slice)? {
+            Some(Completion { tag: t, result }) if t == tag => result
+                .map(Some)
+                .map_err(|e| e.context(format!("bucket {seq}"))),
+            Some(Completion { tag, result }) => {
+                early.insert(tag, result);
+                Ok(None)
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::timeout(format!(
-                    "{}: the bytes of bucket {seq} did not arrive before the deadline",
-                    self.link.conn.peer()
-                )));
+            None if self.link.conn.peer_hung_up() => {
+                // Prefer the publisher's own reason, when it sent one.
+                let e = match self
+                    .link
+                    .conn
+                    .recv(Instant::now() + Duration::from_millis(100))
+                {
+                    Err(e) => e,
+                    Ok(f) => Error::peer(format!(
+                        "{}: unexpected {}",
+                        self.link.conn.peer(),
+                        f.name()
+                    )),
+                };
+                Err(e.context(format!("waiting for bucket {seq}")))
             }
-            match pump.next(deadline.min(now + Duration::from_millis(50)))? {
-                Some(Completion { tag, result }) => {
-                    early.insert(tag, result);
-                }
-                None if self.link.conn.peer_hung_up() => {
-                    // Prefer the publisher's own reason, when it sent one.
-                    let e = match self
-                        .link
-                        .conn
-                        .recv(Instant::now() + Duration::from_millis(100))
-                    {
-                        Err(e) => e,
-                        Ok(f) => Error::peer(format!(
-                            "{}: unexpected {}",
-                            self.link.conn.peer(),
-                            f.name()
-                        )),
-                    };
-                    return Err(e.context(format!("waiting for bucket {seq}")));
-                }
-                None => {}
-            }
+            None => Ok(None),
         }
     }
 }
 
-/// Direct receive, first half: post one receive per entry of bucket `seq`,
-/// each where the applier wants its bytes.
-fn post_direct(
+/// A bucket whose receives are posted, and its staging slot (None: direct).
+struct Posted {
+    seq: u64,
+    entries: Vec<BucketEntry>,
+    slot: Option<SendPtr>,
+}
+
+/// Post one receive per entry of bucket `seq`: at the entry's offset in its
+/// staging slot, or (direct) where the applier wants the bytes.
+fn post(
     pump: &Pump,
     seq: u64,
-    entries: &[BucketEntry],
+    entries: Vec<BucketEntry>,
+    slot: Option<&HostRegion>,
     applier: &mut Applier,
-) -> Result<()> {
+) -> Result<Posted> {
     for (k, e) in entries.iter().enumerate() {
-        let at = applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?;
-        // SAFETY: the landing range is inside the tensor's memory (checked);
-        // the pump is dropped, cancelling any receive, before this update ends.
-        unsafe { pump.recv(net_tag(seq, Some(k)), at.0, e.len as usize)? };
+        let at = match slot {
+            Some(slot) => SendPtr(slot.ptr().wrapping_add(e.buffer_offset as usize)),
+            None => applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?,
+        };
+        // SAFETY: the range is inside the slot (entries checked against the
+        // bucket size) or the tensor's memory (checked by the applier). The
+        // pump is dropped, cancelling any receive, before that memory goes;
+        // a slot is reposted only after its bucket was applied (the
+        // publisher waits for the ACK).
+        unsafe { pump.recv(net_tag(seq, k), at.0, e.len as usize)? };
     }
-    Ok(())
+    Ok(Posted {
+        seq,
+        entries,
+        slot: slot.map(|s| SendPtr(s.ptr())),
+    })
 }
 
 /// The engine's side of the challenge (see `transport::auth`).
@@ -363,17 +389,4 @@ impl FromPublisher for NetSource {
         SLOTS.give_back(slots);
         r
     }
-}
-
-/// Chunks for a bucket's entries, each found at `at(entry)`.
-fn chunks(entries: &[BucketEntry], at: impl Fn(&BucketEntry) -> *mut u8) -> Vec<Chunk<'static>> {
-    entries
-        .iter()
-        .map(|e| Chunk {
-            tensor: e.tensor as usize,
-            offset: e.tensor_offset,
-            len: e.len as usize,
-            src: CopySource::Memory(SendPtr(at(e))),
-        })
-        .collect()
 }

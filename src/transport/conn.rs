@@ -90,6 +90,19 @@ impl Conn {
         n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
     }
 
+    /// True when bytes of the next frame (or a hang-up) are waiting now.
+    /// Frames are read straight from the socket, never buffered here, so
+    /// the socket tells.
+    pub fn readable(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
     pub fn send(&mut self, frame: &Frame) -> Result<()> {
         self.send_with_fds(frame, &[])
     }

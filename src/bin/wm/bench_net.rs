@@ -54,8 +54,6 @@ pub fn publisher(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// Raw UCX: `total` bytes as messages of `bucket` bytes, `depth` in flight,
-/// from one worker to another (its own thread each, over UCX_TLS).
 /// The best run of one configuration, and the median over its runs of the
 /// ratio to the floor run just before each.
 struct Measured {
@@ -63,27 +61,30 @@ struct Measured {
     median_ratio: f64,
 }
 
-/// `src` is one bucket; `slots` the receiving buffers (allocated once by
-/// the caller: fresh memory each run would cost page faults and compaction).
+/// Raw UCX, sending `total` bytes as a session does: messages of `src.len()`
+/// bytes (the session's message size), `slots.len()` of them in flight (the
+/// messages of `depth` buckets). `slots` are the receiving buffers,
+/// allocated once by the caller: fresh memory each run would cost page
+/// faults and compaction.
 fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration, String> {
-    let (bucket, depth) = (src.len(), slots.len());
+    let (message, in_flight) = (src.len(), slots.len());
     let tx = Pump::start("floor-tx").map_err(|e| e.to_string())?;
     let rx = Pump::start("floor-rx").map_err(|e| e.to_string())?;
     tx.connect(rx.address()).map_err(|e| e.to_string())?;
-    let n = total.div_ceil(bucket) as u64;
+    let n = total.div_ceil(message) as u64;
     let deadline = Instant::now() + Duration::from_secs(300);
     let t = Instant::now();
     // SAFETY: the buffers outlive both pumps (dropped at the end of this scope).
     unsafe {
-        for s in 0..(depth as u64).min(n) {
-            rx.recv(s, slots[s as usize % depth].as_mut_ptr(), bucket)
+        for s in 0..(in_flight as u64).min(n) {
+            rx.recv(s, slots[s as usize % in_flight].as_mut_ptr(), message)
                 .map_err(|e| e.to_string())?;
-            tx.send(s, src.as_ptr(), bucket)
+            tx.send(s, src.as_ptr(), message)
                 .map_err(|e| e.to_string())?;
         }
     }
     let mut done = 0u64;
-    let mut posted = (depth as u64).min(n);
+    let mut posted = (in_flight as u64).min(n);
     while done < n {
         let c = rx
             .next(deadline)
@@ -92,11 +93,11 @@ fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration
         c.result.map_err(|e| e.to_string())?;
         done += 1;
         if posted < n {
-            let slot = slots[c.tag as usize % depth].as_mut_ptr();
+            let slot = slots[c.tag as usize % in_flight].as_mut_ptr();
             // SAFETY: as above.
             unsafe {
-                rx.recv(posted, slot, bucket).map_err(|e| e.to_string())?;
-                tx.send(posted, src.as_ptr(), bucket)
+                rx.recv(posted, slot, message).map_err(|e| e.to_string())?;
+                tx.send(posted, src.as_ptr(), message)
                     .map_err(|e| e.to_string())?;
             }
             posted += 1;
@@ -171,8 +172,11 @@ pub fn run(a: &Args) -> Result<(), String> {
     // just before it. Figures are the best of their runs; the verdict uses
     // the median of the paired ratios, which drift and spikes do not sway.
     let mut floor_t = Duration::MAX;
-    let floor_src = crate::bench::buffer(bucket);
-    let mut floor_slots: Vec<Vec<u8>> = (0..depth).map(|_| crate::bench::buffer(bucket)).collect();
+    let message = weight_manager::wire::net_message_bytes().min(bucket);
+    let floor_src = crate::bench::buffer(message);
+    let mut floor_slots: Vec<Vec<u8>> = (0..depth * bucket.div_ceil(message))
+        .map(|_| crate::bench::buffer(message))
+        .collect();
     let mut best_of = |m: &Manager, skip: bool| -> Result<Measured, String> {
         let mut best: Option<UpdateStats> = None;
         let mut ratios = Vec::with_capacity(runs);
@@ -217,8 +221,10 @@ pub fn run(a: &Args) -> Result<(), String> {
 
     let floor = gbps(total as u64, floor_t);
     println!(
-        "  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s   (best of {})",
-        4 * runs
+        "  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s   (best of {}; {} MiB messages, {} in flight)",
+        4 * runs,
+        message >> 20,
+        floor_slots.len()
     );
     println!(
         "  wm     first update (creates buffers)     {:>7.2} GB/s",
@@ -283,10 +289,17 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     if let Some(s) = sessions.get(1).filter(|s| s.len() == 3) {
         let pack = Duration::from_nanos(s[1]);
+        let packing = if pack.is_zero() {
+            "none (entries sent from the tensors)".to_string()
+        } else {
+            format!(
+                "{} ({:.2} GB/s, overlapped with sending)",
+                fmt::ms(pack),
+                gbps(s[0], pack)
+            )
+        };
         println!(
-            "  verified run: trainer packing {} ({:.2} GB/s, overlapped with sending); engine receive+apply {}",
-            fmt::ms(pack),
-            gbps(s[0], pack),
+            "  verified run: trainer packing {packing}; engine receive+apply {}",
             fmt::ms(verified.best.sync)
         );
     }

@@ -142,6 +142,8 @@ ucx_functions! {
     ucp_tag_send_nbx: fn(*mut c_void, *const c_void, usize, u64, *const RequestParam) -> *mut c_void;
     ucp_tag_recv_nbx: fn(*mut c_void, *mut c_void, usize, u64, u64, *const RequestParam) -> *mut c_void;
     ucp_tag_recv_request_test: fn(*mut c_void, *mut TagRecvInfo) -> Status;
+    ucp_tag_probe_nb: fn(*mut c_void, u64, u64, c_int, *mut TagRecvInfo) -> *mut c_void;
+    ucp_tag_msg_recv_nbx: fn(*mut c_void, *mut c_void, usize, *mut c_void, *const RequestParam) -> *mut c_void;
     ucp_request_check_status: fn(*mut c_void) -> Status;
     ucp_request_cancel: fn(*mut c_void, *mut c_void);
     ucp_request_free: fn(*mut c_void);
