@@ -435,6 +435,12 @@ typedef struct {
   char version[WM_VERSION_BUF];
   // Statistics of the last successful update (zeros before the first).
   wm_update_stats last_update;
+  // GPU memory freed by the last clear (library-owned device params), as
+  // the driver's free-memory query reports it; 0 without such params.
+  uint64_t device_bytes_freed;
+  // GPU memory taken back by the first update after that clear, as the
+  // driver reports it.
+  uint64_t device_bytes_restored;
 } wm_status_info;
 
 // Progress of an update, passed to the progress callback.
@@ -595,6 +601,13 @@ wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void
 // Ownership: the library owns the memory; the address stays valid, and the
 // same, until `wm_destroy` — across clears (which release the physical pages)
 // and updates (which bring them back). Memory reads as zeros after a clear.
+//
+// `WM_MEMORY_DEVICE`: `*out_data` is a CUDA device address on GPU
+// `device_ordinal`, reserved with CUDA virtual memory management: a clear
+// unmaps and releases the GPU memory behind it (reported in
+// `wm_status_info.device_bytes_freed`), the next update maps fresh memory
+// at the same address, so CUDA graphs that captured it stay valid. Without
+// a usable driver or device: `WM_ERR_UNSUPPORTED` saying which.
 // Allowed only before the first update or clear. Thread-safe.
 wm_result wm_allocate_param(wm_manager *manager,
                             const wm_param_desc *desc,

@@ -187,6 +187,10 @@ pub struct UpdateStats {
 pub struct ClearStats {
     pub params: u64,
     pub bytes_released: u64,
+    /// GPU memory the driver reports freed by releasing library-owned
+    /// device params (its free-memory query before and after; other users
+    /// of the GPU can shift it). 0 without such params.
+    pub device_bytes_freed: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -200,6 +204,11 @@ pub struct Status {
     pub params: u64,
     pub param_bytes: u64,
     pub resident_bytes: u64,
+    /// GPU memory freed by the last clear, as the driver reports it.
+    pub device_bytes_freed: u64,
+    /// GPU memory taken back by the last update after a clear, as the
+    /// driver reports it.
+    pub device_bytes_restored: u64,
 }
 
 struct Record {
@@ -212,6 +221,8 @@ struct Record {
     params: u64,
     param_bytes: u64,
     resident_bytes: u64,
+    device_bytes_freed: u64,
+    device_bytes_restored: u64,
 }
 
 pub struct Manager {
@@ -280,6 +291,8 @@ impl Manager {
                 params: 0,
                 param_bytes: 0,
                 resident_bytes: 0,
+                device_bytes_freed: 0,
+                device_bytes_restored: 0,
             }),
             signal,
             config,
@@ -355,6 +368,8 @@ impl Manager {
             params: r.params,
             param_bytes: r.param_bytes,
             resident_bytes: r.resident_bytes,
+            device_bytes_freed: r.device_bytes_freed,
+            device_bytes_restored: r.device_bytes_restored,
         }
     }
 
@@ -495,13 +510,18 @@ impl Manager {
 
     /// Bring released memory back before writing: library regions are faulted
     /// in; engine-owned params go through the acquire hook.
-    fn restore(&self, registry: &mut Registry) -> Result<()> {
+    /// Returns the GPU memory taken back, as the driver reports it.
+    fn restore(&self, registry: &mut Registry) -> Result<u64> {
+        let before = device_free(registry)?;
         for p in registry.params_mut() {
             if p.resident {
                 continue;
             }
             match &mut p.memory {
                 ParamMemory::Library(r) => r
+                    .restore()
+                    .map_err(|e| e.context(format!("param '{}'", p.name)))?,
+                ParamMemory::LibraryDevice(r) => r
                     .restore()
                     .map_err(|e| e.context(format!("param '{}'", p.name)))?,
                 ParamMemory::Engine { ptr } => {
@@ -528,11 +548,13 @@ impl Manager {
             }
             p.resident = true;
         }
-        Ok(())
+        let after = device_free(registry)?;
+        Ok(free_change(&after, &before))
     }
 
     fn release(&self, registry: &mut Registry) -> Result<ClearStats> {
         let mut stats = ClearStats::default();
+        let before = device_free(registry)?;
         for p in registry.params_mut() {
             if !p.resident {
                 continue;
@@ -549,6 +571,9 @@ impl Manager {
                         )));
                     }
                 }
+                ParamMemory::LibraryDevice(r) => r
+                    .release()
+                    .map_err(|e| e.context(format!("param '{}'", p.name)))?,
                 ParamMemory::Engine { ptr } => {
                     if let Some(release) = &self.config.release_hook {
                         release(&p.name, ptr.0, p.nbytes);
@@ -559,6 +584,7 @@ impl Manager {
             stats.params += 1;
             stats.bytes_released += p.nbytes as u64;
         }
+        stats.device_bytes_freed = free_change(&before, &device_free(registry)?);
         Ok(stats)
     }
 
@@ -655,7 +681,8 @@ impl Manager {
             make_plan(source.manifest(), registry, opts, &self.config.logger).map_err(early)?;
         if prev == State::Cleared || prev == State::Failed {
             *restored = registry.params().iter().any(|p| !p.resident);
-            self.restore(registry).map_err(early)?;
+            let taken = self.restore(registry).map_err(early)?;
+            self.record.lock().device_bytes_restored = taken;
         }
         let dests = plan
             .entries
@@ -722,6 +749,36 @@ impl Manager {
         };
         rec.version = None;
         rec.resident_bytes = registry.resident_bytes();
+        if let Ok(stats) = &result {
+            rec.device_bytes_freed = stats.device_bytes_freed;
+        }
         result
     }
+}
+
+/// Free memory of each GPU that holds library-owned device params (none:
+/// empty, and no driver call).
+fn device_free(registry: &Registry) -> Result<Vec<(i32, u64)>> {
+    let mut ordinals: Vec<i32> = registry
+        .params()
+        .iter()
+        .filter_map(|p| match &p.memory {
+            ParamMemory::LibraryDevice(r) => Some(r.ordinal()),
+            _ => None,
+        })
+        .collect();
+    ordinals.sort_unstable();
+    ordinals.dedup();
+    ordinals
+        .into_iter()
+        .map(|o| Ok((o, crate::memory::device::memory_info(o)?.0 as u64)))
+        .collect()
+}
+
+/// How much more free memory `more` reports than `less`, over all GPUs.
+fn free_change(more: &[(i32, u64)], less: &[(i32, u64)]) -> u64 {
+    more.iter()
+        .zip(less)
+        .map(|(a, b)| a.1.saturating_sub(b.1))
+        .sum()
 }

@@ -4,6 +4,7 @@
 //! into it and never frees it) or library-owned (a [`HostRegion`] whose pages
 //! `wm_clear` releases at a stable address).
 
+use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
@@ -59,6 +60,9 @@ pub enum ParamMemory {
     Engine { ptr: SendPtr },
     /// The library's memory, at a fixed address for the param's life.
     Library(HostRegion),
+    /// The library's device memory (CUDA VMM), at a fixed device address
+    /// for the param's life.
+    LibraryDevice(DeviceRegion),
 }
 
 #[derive(Debug)]
@@ -80,6 +84,7 @@ impl Param {
         match &self.memory {
             ParamMemory::Engine { ptr } => ptr.0,
             ParamMemory::Library(r) => r.ptr(),
+            ParamMemory::LibraryDevice(r) => r.ptr() as *mut u8,
         }
     }
 
@@ -95,7 +100,10 @@ impl Param {
     }
 
     pub fn is_library_owned(&self) -> bool {
-        matches!(self.memory, ParamMemory::Library(_))
+        matches!(
+            self.memory,
+            ParamMemory::Library(_) | ParamMemory::LibraryDevice(_)
+        )
     }
 }
 
@@ -176,15 +184,14 @@ impl Registry {
     /// Allocate library-owned host memory; returns its stable address and length.
     pub fn allocate(&mut self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
         let nbytes = self.check_spec(spec)?;
+        let what = format!("param '{}'", spec.name);
         if spec.memory == MemoryKind::Device {
-            return Err(Error::unsupported(format!(
-                "param '{}': library-owned device params (CUDA virtual memory, released \
-                 and restored at stable addresses) are not built yet; register the \
-                 engine's own device memory (ordinal {}) instead",
-                spec.name, spec.device_ordinal
-            )));
+            let region = DeviceRegion::new(&what, spec.device_ordinal, nbytes)?;
+            let ptr = region.ptr() as *mut u8;
+            self.push(spec, nbytes, ParamMemory::LibraryDevice(region));
+            return Ok((ptr, nbytes));
         }
-        let region = HostRegion::new(&format!("param '{}'", spec.name), nbytes)?;
+        let region = HostRegion::new(&what, nbytes)?;
         let ptr = region.ptr();
         self.push(spec, nbytes, ParamMemory::Library(region));
         Ok((ptr, nbytes))

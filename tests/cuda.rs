@@ -19,7 +19,11 @@ use weight_manager::registry::{MemoryKind, ParamSpec};
 use weight_manager::tensor::DType;
 use weight_manager::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+/// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh runs these
+/// tests as a prebuilt kit, away from the build tree).
+fn wm() -> String {
+    std::env::var("WM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_wm").to_string())
+}
 
 const STUB: &str = r#"
 /* A CUDA driver that is installed but finds no GPU. */
@@ -47,7 +51,7 @@ fn build_stub(dir: &Path) -> Result<(), String> {
 fn driver_present_without_a_device_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     build_stub(dir.path()).expect("building the stub driver");
-    let out = Command::new(WM)
+    let out = Command::new(wm())
         .arg("devices")
         .env("LD_LIBRARY_PATH", dir.path())
         .output()
@@ -86,6 +90,15 @@ fn without_a_driver_device_params_are_refused_by_name() {
         e.message.contains("param 'w'") && e.message.contains("libcuda.so.1"),
         "{e}"
     );
+    // Library-owned device memory is refused the same way.
+    let mut owned = spec.clone();
+    owned.name = "owned".into();
+    let e = m.allocate(&owned).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED);
+    assert!(
+        e.message.contains("param 'owned'") && e.message.contains("libcuda.so.1"),
+        "{e}"
+    );
     // The same process still registers host params.
     let mut host = [0u8; 16];
     unsafe {
@@ -96,7 +109,7 @@ fn without_a_driver_device_params_are_refused_by_name() {
         )
     }
     .unwrap();
-    let out = Command::new(WM).arg("devices").output().unwrap();
+    let out = Command::new(wm()).arg("devices").output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("libcuda.so.1"));
 }

@@ -4,8 +4,10 @@
 //!
 //! Covered so far: engine-owned device params through the snapshot path in
 //! atomic and in-place mode (bytes read back with cuMemcpyDtoH and compared
-//! with the files), and bad device pointers, lengths and ordinals refused
-//! with errors naming the param.
+//! with the files); library-owned device params (CUDA VMM) cleared and
+//! restored at identical addresses with the memory really returned (the
+//! driver's free-memory query); and bad device pointers, lengths and
+//! ordinals refused with errors naming the param.
 
 mod common;
 
@@ -45,11 +47,7 @@ impl DeviceBuffer {
     }
 
     fn read(&self, c: &Cuda) -> Vec<u8> {
-        c.make_current(0).unwrap();
-        let mut out = vec![0u8; self.len];
-        let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, self.len) };
-        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
-        out
+        read_device(c, self.ptr, self.len)
     }
 
     fn zero(&self, c: &Cuda) {
@@ -65,6 +63,15 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// A snapshot directory holding `model(seed)` as version `seed`.
+fn snapshot_of(seed: u8) -> (tempfile::TempDir, Vec<T>) {
+    let dir = tempfile::tempdir().unwrap();
+    let v = model(seed);
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v);
+    write_version(dir.path(), &seed.to_string());
+    (dir, v)
+}
+
 fn device_spec(t: &T) -> ParamSpec {
     let mut spec = ParamSpec::host(&t.name, t.dtype, &t.shape);
     spec.memory = MemoryKind::Device;
@@ -75,10 +82,7 @@ fn device_spec(t: &T) -> ParamSpec {
 #[test]
 fn snapshot_into_device_params_atomic_and_in_place() {
     let Some(c) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let v1 = model(1);
-    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v1);
-    write_version(dir.path(), "1");
+    let (dir, v1) = snapshot_of(1);
     let m = Manager::new(ManagerConfig::default()).unwrap();
     let bufs: Vec<DeviceBuffer> = v1
         .iter()
@@ -132,4 +136,58 @@ fn bad_device_pointers_lengths_and_ordinals_are_refused() {
 
     // The right pointer still registers.
     unsafe { m.register(&device_spec(&t), buf.ptr as *mut u8, buf.len) }.unwrap();
+}
+
+/// Bytes at device address `ptr` on GPU 0.
+fn read_device(c: &Cuda, ptr: u64, len: usize) -> Vec<u8> {
+    c.make_current(0).unwrap();
+    let mut out = vec![0u8; len];
+    let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, len) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    out
+}
+
+#[test]
+fn library_device_params_clear_and_restore_at_the_same_addresses() {
+    let Some(c) = gpu() else { return };
+    use weight_manager::memory::device::memory_info;
+    let (dir, v1) = snapshot_of(1);
+    let m = Manager::new(ManagerConfig::default()).unwrap();
+    let ptrs: Vec<u64> = v1
+        .iter()
+        .map(|t| m.allocate(&device_spec(t)).unwrap().0 as u64)
+        .collect();
+    let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    for (t, &p) in v1.iter().zip(&ptrs) {
+        assert!(read_device(c, p, t.data.len()) == t.data, "'{}'", t.name);
+    }
+    let (free_before, _) = memory_info(0).unwrap();
+    let cleared = m.clear().unwrap();
+    let (free_after, _) = memory_info(0).unwrap();
+    assert!(
+        cleared.device_bytes_freed >= total && free_after >= free_before + total as usize,
+        "clear freed {} bytes by its count, {} by the driver's; params hold {total}",
+        cleared.device_bytes_freed,
+        free_after.saturating_sub(free_before)
+    );
+    assert_eq!(m.status().device_bytes_freed, cleared.device_bytes_freed);
+    assert_eq!(m.status().resident_bytes, 0);
+    // The next update maps fresh memory at the very same addresses.
+    let v2 = model(2);
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v2);
+    write_version(dir.path(), "2");
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    let (free_restored, _) = memory_info(0).unwrap();
+    assert!(free_restored + total as usize <= free_after);
+    assert!(m.status().device_bytes_restored >= total);
+    for (t, &p) in v2.iter().zip(&ptrs) {
+        let again = m.status();
+        assert_eq!(again.resident_bytes, total);
+        assert!(
+            read_device(c, p, t.data.len()) == t.data,
+            "'{}' after restore",
+            t.name
+        );
+    }
 }

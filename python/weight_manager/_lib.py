@@ -146,6 +146,8 @@ class StatusInfo(ctypes.Structure):
         ("resident_bytes", ctypes.c_uint64),
         ("version", ctypes.c_char * VERSION_BUF),
         ("last_update", UpdateStats),
+        ("device_bytes_freed", ctypes.c_uint64),
+        ("device_bytes_restored", ctypes.c_uint64),
     ]
 
 

@@ -47,6 +47,10 @@ class Status:
     resident_bytes: int
     last_result: Result
     last_update: Optional[UpdateStats]
+    # GPU memory freed by the last clear / taken back after it (library-owned
+    # device params), as the driver reports it.
+    device_bytes_freed: int = 0
+    device_bytes_restored: int = 0
 
 
 @dataclass
@@ -288,7 +292,8 @@ class Manager(OwnedHandle):
         self._check(LIB.wm_status(self._h(), ctypes.byref(s)))
         last = _stats(s.last_update) if s.updates else None
         return Status(State(s.state), s.version.decode() or None, s.updates, s.params, s.param_bytes,
-                      s.resident_bytes, Result(s.last_result), last)
+                      s.resident_bytes, Result(s.last_result), last,
+                      s.device_bytes_freed, s.device_bytes_restored)
 
     def broadcast_signal(self) -> State:
         out = ctypes.c_int32()

@@ -132,6 +132,13 @@ pub unsafe extern "C" fn wm_register_param(
 /// Ownership: the library owns the memory; the address stays valid, and the
 /// same, until `wm_destroy` — across clears (which release the physical pages)
 /// and updates (which bring them back). Memory reads as zeros after a clear.
+///
+/// `WM_MEMORY_DEVICE`: `*out_data` is a CUDA device address on GPU
+/// `device_ordinal`, reserved with CUDA virtual memory management: a clear
+/// unmaps and releases the GPU memory behind it (reported in
+/// `wm_status_info.device_bytes_freed`), the next update maps fresh memory
+/// at the same address, so CUDA graphs that captured it stay valid. Without
+/// a usable driver or device: `WM_ERR_UNSUPPORTED` saying which.
 /// Allowed only before the first update or clear. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_allocate_param(

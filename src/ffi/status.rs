@@ -25,6 +25,12 @@ pub struct wm_status_info {
     pub version: [std::ffi::c_char; WM_VERSION_BUF],
     /// Statistics of the last successful update (zeros before the first).
     pub last_update: wm_update_stats,
+    /// GPU memory freed by the last clear (library-owned device params), as
+    /// the driver's free-memory query reports it; 0 without such params.
+    pub device_bytes_freed: u64,
+    /// GPU memory taken back by the first update after that clear, as the
+    /// driver reports it.
+    pub device_bytes_restored: u64,
 }
 
 /// Read the manager's state, version, counters and last update's statistics
@@ -59,6 +65,8 @@ pub unsafe extern "C" fn wm_status(
             resident_bytes: s.resident_bytes,
             version: [0; WM_VERSION_BUF],
             last_update: stats_to_c(&s.last_update.unwrap_or_default()),
+            device_bytes_freed: s.device_bytes_freed,
+            device_bytes_restored: s.device_bytes_restored,
         };
         fill_chars(&mut out.version, s.version.as_deref().unwrap_or(""));
         out_status.write(out);

@@ -99,7 +99,7 @@ fn version_text(v: i32) -> String {
 }
 
 /// A driver result as an error naming the call.
-fn check(r: CUresult, call: &str) -> Result<()> {
+pub(crate) fn check(r: CUresult, call: &str) -> Result<()> {
     match r {
         CUresult::CUDA_SUCCESS => Ok(()),
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::out_of_memory(format!(

@@ -7,9 +7,11 @@
 //! - [`shared`]: sealed memfd buffers passed between processes.
 //! - [`pool`]: buffers kept for the next session.
 //! - [`cuda`]: the CUDA driver (loaded at run time) and device params.
+//! - [`device`]: library-owned device memory at stable addresses (CUDA VMM).
 
 pub mod copy;
 pub mod cuda;
+pub mod device;
 pub mod host;
 pub mod pool;
 pub mod shared;

@@ -1,0 +1,214 @@
+//! Library-owned device memory at a stable address, through CUDA virtual
+//! memory management (cuMemAddressReserve / cuMemCreate / cuMemMap).
+//!
+//! The virtual range is reserved once, for the param's life. A clear unmaps
+//! and releases the physical memory behind it (the GPU really gets it back)
+//! but keeps the range; the next update maps fresh physical memory at the
+//! same addresses. So pointers the engine captured, in CUDA graphs among
+//! them, stay valid without a recapture. `cudaMalloc`'d memory cannot do
+//! this: freeing it gives the address away.
+//!
+//! Restored memory is zeroed before use (fresh physical memory holds
+//! whatever the last owner left), like host params after a clear.
+
+use super::cuda::{check, cuda};
+use crate::result::{Error, Result};
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+/// A reserved device address range and, while resident, the physical
+/// allocation mapped into it.
+#[derive(Debug)]
+pub struct DeviceRegion {
+    ordinal: i32,
+    ptr: u64,
+    /// Bytes asked for.
+    len: usize,
+    /// Bytes reserved and mapped: `len` rounded up to the allocation
+    /// granularity (at least one granule).
+    mapped: usize,
+    /// The physical allocation while mapped.
+    handle: Mutex<Option<sys::CUmemGenericAllocationHandle>>,
+}
+
+fn properties(ordinal: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; all-zero is its documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    prop
+}
+
+impl DeviceRegion {
+    /// Reserve and map `len` bytes on GPU `ordinal`, zeroed. `what` names
+    /// the owner in errors.
+    pub fn new(what: &str, ordinal: i32, len: usize) -> Result<DeviceRegion> {
+        let cuda = cuda().map_err(|e| e.context(what))?;
+        cuda.check_ordinal(ordinal, what)?;
+        cuda.make_current(ordinal)?;
+        let prop = properties(ordinal);
+        let mut granule = 0usize;
+        // SAFETY: valid out-pointer and properties.
+        check(
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut granule,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            },
+            "cuMemGetAllocationGranularity",
+        )
+        .map_err(|e| e.context(what))?;
+        let mapped = len
+            .max(1)
+            .checked_next_multiple_of(granule.max(1))
+            .ok_or_else(|| Error::out_of_memory(format!("{what}: {len} bytes is too large")))?;
+        let mut ptr = 0u64;
+        // SAFETY: valid out-pointer; no fixed address asked for.
+        check(
+            unsafe { sys::cuMemAddressReserve(&mut ptr, mapped, granule, 0, 0) },
+            "cuMemAddressReserve",
+        )
+        .map_err(|e| {
+            e.context(format!(
+                "{what}: reserving {mapped} bytes of GPU {ordinal} addresses"
+            ))
+        })?;
+        let region = DeviceRegion {
+            ordinal,
+            ptr,
+            len,
+            mapped,
+            handle: Mutex::new(None),
+        };
+        region.restore().map_err(|e| e.context(what))?;
+        Ok(region)
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// True while physical memory is mapped behind the range.
+    pub fn is_resident(&self) -> bool {
+        self.handle.lock().is_some()
+    }
+
+    /// Bytes of GPU memory this region holds now.
+    pub fn resident_bytes(&self) -> usize {
+        if self.is_resident() {
+            self.mapped
+        } else {
+            0
+        }
+    }
+
+    /// Unmap and release the physical memory; the addresses stay reserved.
+    /// Waits for the device's work first, so nothing still reads the old
+    /// weights when their memory goes.
+    pub fn release(&self) -> Result<()> {
+        let mut handle = self.handle.lock();
+        let Some(h) = *handle else {
+            return Ok(());
+        };
+        let cuda = cuda()?;
+        cuda.make_current(self.ordinal)?;
+        // SAFETY: our own mapping of our own allocation, unmapped once.
+        unsafe {
+            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            check(sys::cuMemUnmap(self.ptr, self.mapped), "cuMemUnmap")?;
+            *handle = None;
+            check(sys::cuMemRelease(h), "cuMemRelease")?;
+        }
+        Ok(())
+    }
+
+    /// Map fresh, zeroed physical memory at the same addresses.
+    pub fn restore(&self) -> Result<()> {
+        let mut handle = self.handle.lock();
+        if handle.is_some() {
+            return Ok(());
+        }
+        let cuda = cuda()?;
+        cuda.make_current(self.ordinal)?;
+        let prop = properties(self.ordinal);
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and properties.
+        check(
+            unsafe { sys::cuMemCreate(&mut h, self.mapped, &prop, 0) },
+            "cuMemCreate",
+        )
+        .map_err(|e| {
+            e.context(format!(
+                "allocating {} bytes on GPU {}",
+                self.mapped, self.ordinal
+            ))
+        })?;
+        let access = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is ours and unmapped; `h` is the size of the range.
+        let mapped = unsafe {
+            check(sys::cuMemMap(self.ptr, self.mapped, 0, h, 0), "cuMemMap").and_then(|()| {
+                check(
+                    sys::cuMemSetAccess(self.ptr, self.mapped, &access, 1),
+                    "cuMemSetAccess",
+                )
+            })
+        };
+        if let Err(e) = mapped {
+            // SAFETY: undo what succeeded; the handle is ours.
+            unsafe {
+                sys::cuMemUnmap(self.ptr, self.mapped);
+                sys::cuMemRelease(h);
+            }
+            return Err(e);
+        }
+        *handle = Some(h);
+        // SAFETY: the range was just mapped read-write on this device.
+        check(
+            unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.mapped) },
+            "cuMemsetD8",
+        )
+    }
+}
+
+impl Drop for DeviceRegion {
+    fn drop(&mut self) {
+        let _ = self.release();
+        if let Ok(cuda) = cuda() {
+            if cuda.make_current(self.ordinal).is_ok() {
+                // SAFETY: our reservation, unmapped above, freed once.
+                unsafe { sys::cuMemAddressFree(self.ptr, self.mapped) };
+            }
+        }
+    }
+}
+
+/// Free and total memory of GPU `ordinal`, as the driver reports them.
+pub fn memory_info(ordinal: i32) -> Result<(usize, usize)> {
+    let cuda = cuda()?;
+    cuda.make_current(ordinal)?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers.
+    check(
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+        "cuMemGetInfo",
+    )?;
+    Ok((free, total))
+}
