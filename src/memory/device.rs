@@ -22,10 +22,8 @@ use parking_lot::Mutex;
 pub struct DeviceRegion {
     ordinal: i32,
     ptr: u64,
-    /// Bytes asked for.
-    len: usize,
-    /// Bytes reserved and mapped: `len` rounded up to the allocation
-    /// granularity (at least one granule).
+    /// Bytes reserved and mapped: the param's size rounded up to the
+    /// allocation granularity (at least one granule).
     mapped: usize,
     /// The physical allocation while mapped.
     handle: Mutex<Option<sys::CUmemGenericAllocationHandle>>,
@@ -79,7 +77,6 @@ impl DeviceRegion {
         let region = DeviceRegion {
             ordinal,
             ptr,
-            len,
             mapped,
             handle: Mutex::new(None),
         };
@@ -91,30 +88,8 @@ impl DeviceRegion {
         self.ptr
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn ordinal(&self) -> i32 {
         self.ordinal
-    }
-
-    /// True while physical memory is mapped behind the range.
-    pub fn is_resident(&self) -> bool {
-        self.handle.lock().is_some()
-    }
-
-    /// Bytes of GPU memory this region holds now.
-    pub fn resident_bytes(&self) -> usize {
-        if self.is_resident() {
-            self.mapped
-        } else {
-            0
-        }
     }
 
     /// Unmap and release the physical memory; the addresses stay reserved.

@@ -363,3 +363,55 @@ pub(crate) fn register_layers(
     }
     Ok(())
 }
+
+/// A benchmark's trainer: this program run again as a separate publisher
+/// process (`wm bench <kind>-publisher ...`), which prints a greeting line
+/// when it serves and one `session <numbers>` line per session at the end.
+pub(crate) struct TrainerProcess {
+    child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl TrainerProcess {
+    /// Start `wm <args>` and wait for its greeting; returns the process and
+    /// the rest of the greeting line.
+    pub(crate) fn start(args: &[String], greeting: &str) -> Result<(Self, String), String> {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = std::process::Command::new(exe)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        match lines.next() {
+            Some(Ok(l)) if l.starts_with(greeting) => {
+                let rest = l[greeting.len()..].to_string();
+                Ok((TrainerProcess { child, lines }, rest))
+            }
+            other => Err(format!("the trainer process did not start: {other:?}")),
+        }
+    }
+
+    /// Wait for the trainer to exit; the numbers of each session it reported.
+    pub(crate) fn finish(mut self) -> Result<Vec<Vec<u64>>, String> {
+        let sessions = self
+            .lines
+            .by_ref()
+            .map_while(|l| l.ok())
+            .filter(|l| l.starts_with("session "))
+            .map(|l| {
+                l.split_whitespace()
+                    .skip(1)
+                    .filter_map(|x| x.parse().ok())
+                    .collect()
+            })
+            .collect();
+        let status = self.child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err("the trainer process failed".into());
+        }
+        Ok(sessions)
+    }
+}

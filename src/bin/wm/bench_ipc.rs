@@ -11,8 +11,6 @@
 
 use crate::fmt::{self, gbps};
 use crate::Args;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
@@ -70,30 +68,22 @@ pub fn run(a: &Args) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let socket = dir.join("trainer.sock");
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut trainer = Command::new(exe)
-        .args([
-            "bench",
-            "ipc-publisher",
-            "--socket",
-            socket.to_str().unwrap_or_default(),
-        ])
-        .args([
-            "--gib",
-            &gib.to_string(),
-            "--threads",
-            &side.to_string(),
-            "--bucket-mib",
-            &bucket_mib.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    let mut lines = BufReader::new(trainer.stdout.take().expect("piped")).lines();
-    match lines.next() {
-        Some(Ok(l)) if l == "ready" => {}
-        other => return Err(format!("the trainer process did not start: {other:?}")),
-    }
+    let args: Vec<String> = [
+        "bench",
+        "ipc-publisher",
+        "--socket",
+        socket.to_str().unwrap_or_default(),
+        "--gib",
+        &gib.to_string(),
+        "--threads",
+        &side.to_string(),
+        "--bucket-mib",
+        &bucket_mib.to_string(),
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let (trainer, _) = crate::bench::TrainerProcess::start(&args, "ready")?;
     println!(
         "wm bench ipc: {} of bf16 in {count} tensors, buckets of {bucket_mib} MiB x 2, {side} thread(s) each for trainer and engine",
         fmt::bytes(total)
@@ -162,21 +152,9 @@ pub fn run(a: &Args) -> Result<(), String> {
         "  wm     zero-copy (callback on buffer)  {zc_rate:>7.2} GB/s   ratio {:.2} (bounded by the trainer's packing)",
         zc_rate / floor
     );
-    let sessions: Vec<Vec<u64>> = lines
-        .map_while(|l| l.ok())
-        .filter(|l| l.starts_with("session "))
-        .map(|l| {
-            l.split_whitespace()
-                .skip(1)
-                .filter_map(|x| x.parse().ok())
-                .collect()
-        })
-        .collect();
-    let status = trainer.wait().map_err(|e| e.to_string())?;
+    let sessions = trainer.finish();
     let _ = std::fs::remove_dir_all(&dir);
-    if !status.success() {
-        return Err("the trainer process failed".into());
-    }
+    let sessions = sessions?;
     for (name, s, engine) in [
         ("copy mode", sessions.get(1), &copy),
         ("zero-copy", sessions.get(2), &zc),

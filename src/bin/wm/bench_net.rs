@@ -12,8 +12,6 @@
 
 use crate::fmt::{self, gbps};
 use crate::Args;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats};
 use weight_manager::publisher::{Publisher, PublisherConfig};
@@ -115,22 +113,16 @@ pub fn run(a: &Args) -> Result<(), String> {
     let count = crate::bench::layer_count(gib);
     let total = count * crate::bench::LAYER;
     let probes = 5usize;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // Sessions: staged and direct, each a warm-up then RUNS verified and
     // RUNS unverified; small buckets; then the probes.
     let runs: usize = a.number("runs", 5)?;
     let engines = 2 * (1 + 2 * runs) + 1 + probes;
-    let mut trainer = Command::new(exe)
-        .args(["bench", "net-publisher", "--gib", &gib.to_string()])
-        .args(["--engines", &engines.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    let mut lines = BufReader::new(trainer.stdout.take().expect("piped")).lines();
-    let addr = match lines.next() {
-        Some(Ok(l)) if l.starts_with("listening ") => l["listening ".len()..].to_string(),
-        other => return Err(format!("the trainer process did not start: {other:?}")),
-    };
+    let args = ["bench", "net-publisher", "--gib", &gib.to_string()]
+        .into_iter()
+        .map(String::from)
+        .chain(["--engines".into(), engines.to_string()])
+        .collect::<Vec<_>>();
+    let (trainer, addr) = crate::bench::TrainerProcess::start(&args, "listening ")?;
     let ucx = weight_manager::transport::ucx::ucx().map_err(|e| e.to_string())?;
     println!(
         "wm bench net: {} of bf16 in {count} tensors from a trainer process at {addr}, buckets of {bucket_mib} MiB x {depth}, {}, UCX_TLS={}",
@@ -273,20 +265,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         "  wm     time to first byte                 {}  (a whole update of one 4 KiB tensor: connect, challenge, manifest, UCX endpoint, one bucket; best of {probes})",
         fmt::ms(best)
     );
-    let sessions: Vec<Vec<u64>> = lines
-        .map_while(|l| l.ok())
-        .filter(|l| l.starts_with("session "))
-        .map(|l| {
-            l.split_whitespace()
-                .skip(1)
-                .filter_map(|x| x.parse().ok())
-                .collect()
-        })
-        .collect();
-    let status = trainer.wait().map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err("the trainer process failed".into());
-    }
+    let sessions = trainer.finish()?;
     if let Some(s) = sessions.get(1).filter(|s| s.len() == 3) {
         let pack = Duration::from_nanos(s[1]);
         let packing = if pack.is_zero() {

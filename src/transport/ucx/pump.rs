@@ -386,6 +386,16 @@ impl Worker<'_> {
         self.pending.len() != before
     }
 
+    /// Make progress until every pending request finished, or `until`.
+    fn settle(&mut self, until: Instant, done: &Sender<Completion>) {
+        let api = &self.ucx.lib().api;
+        while !self.pending.is_empty() && Instant::now() < until {
+            // SAFETY: our worker, on its own thread.
+            unsafe { (api.ucp_worker_progress)(self.worker) };
+            self.reap(done);
+        }
+    }
+
     fn shutdown(mut self) {
         let api = &self.ucx.lib().api;
         for p in &self.pending {
@@ -393,12 +403,7 @@ impl Worker<'_> {
             unsafe { (api.ucp_request_cancel)(self.worker, p.req) };
         }
         let (tx, _rx) = mpsc::channel();
-        let until = Instant::now() + DRAIN;
-        while !self.pending.is_empty() && Instant::now() < until {
-            // SAFETY: our worker.
-            unsafe { (api.ucp_worker_progress)(self.worker) };
-            self.reap(&tx);
-        }
+        self.settle(Instant::now() + DRAIN, &tx);
         // Messages that arrived for receives never posted (the caller
         // stopped early) are taken into scratch memory and dropped: UCX
         // would otherwise warn about each one when the worker is destroyed.
@@ -430,11 +435,7 @@ impl Worker<'_> {
             };
             scratch.push(buf);
             self.track(info.sender_tag, req, Kind::Recv, &tx);
-            while !self.pending.is_empty() && Instant::now() < until {
-                // SAFETY: our worker.
-                unsafe { (api.ucp_worker_progress)(self.worker) };
-                self.reap(&tx);
-            }
+            self.settle(until, &tx);
         }
         if !self.ep.is_null() {
             let mut param = blank_param();
