@@ -377,7 +377,7 @@ typedef struct {
   uint64_t bucket_timeout_ms;
   // Non-zero (default): checksums of in-memory tensors go in the manifest.
   uint32_t checksums;
-  // Network: versions kept by `wm_publisher_publish` (default 2).
+  // Versions kept by `wm_publisher_publish` (default 2).
   uint32_t keep_versions;
   // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
   // at create); NULL: the `WM_NET_SECRET` environment variable.
@@ -649,6 +649,12 @@ wm_result wm_publisher_address(const wm_publisher *publisher,
 // `wm_publisher_set_version` (or the directory's `version.yaml`); none:
 // `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
 // version served.
+//
+// Tensors are copied into one shared-memory buffer that IPC sessions hand
+// to every rank as is: the trainer's only copy of the version, and the
+// fastest way to serve engines on this node (nothing is packed per
+// session). A dropped version's buffer takes a later version once no
+// session serves it.
 wm_result wm_publisher_publish(wm_publisher *publisher);
 
 // Stop listening, remove the socket file and free the handle. NULL or

@@ -18,6 +18,7 @@
 use crate::apply::{Applier, ApplyOptions, Hooks, Mode};
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
+use crate::memory::shared::MappedBuffers;
 use crate::memory::SendPtr;
 use crate::plan::{make_plan, PlanOptions, Target};
 use crate::registry::{ParamMemory, ParamSpec, Registry};
@@ -31,6 +32,7 @@ use crate::state::State;
 use crate::transport::auth::Secret;
 use parking_lot::{Mutex, RwLock};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// SPEC.md: whole-session timeout.
@@ -233,6 +235,8 @@ pub struct Manager {
     registry: RwLock<Registry>,
     record: Mutex<Record>,
     signal: SignalPlane,
+    /// The last IPC session's shared buffers, mapped (see `MappedBuffers`).
+    ipc_buffers: Arc<Mutex<MappedBuffers>>,
 }
 
 fn check_version(v: &str) -> Result<()> {
@@ -279,6 +283,7 @@ impl Manager {
         Ok(Manager {
             gpu_id,
             threads,
+            ipc_buffers: Arc::default(),
             op: Mutex::new(()),
             registry: RwLock::new(Registry::default()),
             record: Mutex::new(Record {
@@ -446,6 +451,7 @@ impl Manager {
                 Ok(Box::new(IpcSource::open(
                     &opts,
                     Instant::now() + req.timeout,
+                    self.ipc_buffers.clone(),
                 )?))
             }
             SourceKind::Rdma | SourceKind::Gdr => {
@@ -739,6 +745,8 @@ impl Manager {
             }
             rec.state = State::Clearing;
         }
+        // A cleared engine holds no trainer memory either.
+        self.ipc_buffers.lock().forget();
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();

@@ -91,6 +91,74 @@ fn tensors_from_memory_copy_and_zero_copy() {
     });
 }
 
+/// The RL loop: the trainer publishes version after version (keeping two),
+/// one engine updates to each. Published tensors live in one shared buffer
+/// per version, served as windows without packing; the third version on
+/// reuses the buffer of the one it pushed out, which the engine still has
+/// mapped, so its bytes must be the new ones.
+#[test]
+fn published_versions_are_served_from_their_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("pub.sock");
+    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
+    let m = manager(0, 1);
+    let first = versioned_model(1);
+    let ptrs = register(&m, &first);
+    for k in 1..=5u8 {
+        // The trainer's own tensors change after each publish.
+        let ts = versioned_model(k);
+        publisher.clear_tensors();
+        add_all(&publisher, &ts);
+        publisher.set_version(Some(format!("v{k}")));
+        assert_eq!(publisher.publish().unwrap(), format!("v{k}"));
+        drop(ts);
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+            let mut req = ipc_request(&sock);
+            req.verify = true;
+            let stats = m.update(req).unwrap();
+            assert_eq!(stats.version, format!("v{k}"));
+            assert_params(&ptrs, &versioned_model(k));
+            let st = serving.join().unwrap().unwrap();
+            // Buckets still respect the bucket size; nothing was packed.
+            assert!(st.sessions[0].buckets > 3);
+            assert_eq!(st.sessions[0].bytes, stats.bytes);
+        });
+    }
+    assert_eq!(publisher.versions(), ["v4", "v5"]);
+    // An older kept version, and zero-copy: the callback reads the
+    // version's shared memory.
+    let m2 = manager(0, 1);
+    let mut got = Vec::new();
+    let mut cb = |t: &weight_manager::apply::TensorView| {
+        got.push((t.name.to_string(), t.data.to_vec()));
+        Ok(())
+    };
+    let mut req = ipc_request(&sock);
+    req.mode = Mode::InPlace;
+    req.version = Some("v4".into());
+    req.hooks.tensor = Some(&mut cb);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        m2.update(req).unwrap();
+        serving.join().unwrap().unwrap();
+    });
+    got.sort();
+    let mut want: Vec<_> = versioned_model(4)
+        .into_iter()
+        .map(|t| (t.name, t.data))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+/// `model(seed)` plus a tensor larger than a test bucket (split across buckets).
+fn versioned_model(seed: u8) -> Vec<T> {
+    let mut ts = model(seed);
+    ts.push(tensor("big", DType::F32, &[3000], seed));
+    ts
+}
+
 #[test]
 fn corrupted_bucket_is_caught_and_old_weights_kept() {
     let dir = tempfile::tempdir().unwrap();

@@ -65,7 +65,8 @@ class Publisher(OwnedHandle):
         return last_error_text(LIB.wm_publisher_address, self._h())
 
     def publish(self) -> None:
-        """Keep the current tensors (copied now) as the version set with
+        """Keep the current tensors (copied now, into shared memory that
+        every engine on this node reads in place) as the version set with
         set_version, for engines to ask for by name; the oldest beyond
         keep_versions is dropped."""
         self._check(LIB.wm_publisher_publish(self._h()))

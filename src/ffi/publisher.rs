@@ -32,7 +32,7 @@ pub struct wm_publisher_config {
     pub bucket_timeout_ms: u64,
     /// Non-zero (default): checksums of in-memory tensors go in the manifest.
     pub checksums: u32,
-    /// Network: versions kept by `wm_publisher_publish` (default 2).
+    /// Versions kept by `wm_publisher_publish` (default 2).
     pub keep_versions: u32,
     /// Network: the shared secret (NUL-terminated, at least 16 bytes, copied
     /// at create); NULL: the `WM_NET_SECRET` environment variable.
@@ -185,6 +185,12 @@ pub unsafe extern "C" fn wm_publisher_address(
 /// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
 /// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
 /// version served.
+///
+/// Tensors are copied into one shared-memory buffer that IPC sessions hand
+/// to every rank as is: the trainer's only copy of the version, and the
+/// fastest way to serve engines on this node (nothing is packed per
+/// session). A dropped version's buffer takes a later version once no
+/// session serves it.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_publish(publisher: *mut wm_publisher) -> wm_result {
     ffi_guard!({

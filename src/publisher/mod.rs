@@ -36,7 +36,8 @@ mod net;
 mod session;
 
 use crate::logging::Logger;
-use crate::memory::copy::{default_threads, hash_all};
+use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::version::read_version_yaml;
@@ -132,8 +133,9 @@ pub(crate) struct Offer {
     /// The name engines ask for (None: the directory names none).
     pub(crate) version: Option<String>,
     pub(crate) content: Content,
-    /// Bytes of published tensors (the content points into them).
-    _owned: Vec<Vec<u8>>,
+    /// A published version's tensors, copied into one shared buffer (the
+    /// content points into it); IPC sessions hand it to engines as is.
+    pub(crate) shared: Option<Arc<SharedBuffer>>,
 }
 
 impl Offer {
@@ -145,7 +147,7 @@ impl Offer {
         Offer {
             version,
             content,
-            _owned: Vec::new(),
+            shared: None,
         }
     }
 }
@@ -194,6 +196,11 @@ pub struct Publisher {
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
     published: Mutex<VecDeque<Arc<Offer>>>,
+    /// Shared buffers of dropped versions, refilled by the next `publish`
+    /// once no session serves them any more: an engine keeps its mappings
+    /// of the buffers it read lately, so a reused buffer costs it nothing
+    /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
+    retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
 }
 
 /// What `serve` did.
@@ -263,6 +270,7 @@ impl Publisher {
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
             published: Mutex::new(VecDeque::new()),
+            retired: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -274,6 +282,12 @@ impl Publisher {
     /// Keep the current content as a version engines can ask for by name
     /// (tensors are copied now; a directory is read when served). Returns
     /// the version's name; the oldest beyond `keep_versions` is dropped.
+    ///
+    /// Tensors are copied into one shared-memory buffer, each at a 256-byte
+    /// aligned offset. That copy is the only one the trainer makes for the
+    /// version: IPC sessions hand the buffer itself to every rank and
+    /// announce buckets as windows into it, so no session packs anything
+    /// and the engine's copy into its params is the only copy per rank.
     pub fn publish(&self) -> Result<String> {
         let content = self.content.lock().clone();
         let mut offer = Offer::new(self.version.lock().clone(), content);
@@ -283,12 +297,22 @@ impl Publisher {
             ));
         };
         if let Content::Tensors(ts) = &mut offer.content {
-            for t in ts.iter_mut() {
-                // SAFETY: add_tensor's contract: valid for len bytes.
-                let bytes = unsafe { std::slice::from_raw_parts(t.data.0, t.len) }.to_vec();
-                t.data = SendPtr(bytes.as_ptr() as *mut u8);
-                offer._owned.push(bytes);
+            // The version this publish pushes out (when the list is full) is
+            // dropped before the copy, so its buffer can take the new one:
+            // steady publishing then cycles through keep_versions + 1
+            // buffers. If the copy fails, that version is gone all the same.
+            {
+                let mut published = self.published.lock();
+                let replaces = published
+                    .iter()
+                    .any(|o| o.version.as_deref() == Some(name.as_str()));
+                if !replaces && published.len() >= self.cfg.keep_versions.max(1) {
+                    if let Some(oldest) = published.pop_front() {
+                        self.retire(oldest);
+                    }
+                }
             }
+            offer.shared = Some(Arc::new(self.copy_to_shared(ts, &name)?));
             if self.cfg.checksums {
                 let regions: Vec<(SendPtr, usize)> = ts.iter().map(|t| (t.data, t.len)).collect();
                 // SAFETY: our own copies, unchanged from here on.
@@ -299,12 +323,78 @@ impl Publisher {
             }
         }
         let mut published = self.published.lock();
-        published.retain(|o| o.version.as_deref() != Some(name.as_str()));
+        let (same, others): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut *published)
+            .into_iter()
+            .partition(|o| o.version.as_deref() == Some(name.as_str()));
+        *published = others;
+        same.into_iter().for_each(|o| self.retire(o));
         published.push_back(Arc::new(offer));
         while published.len() > self.cfg.keep_versions.max(1) {
-            published.pop_front();
+            if let Some(oldest) = published.pop_front() {
+                self.retire(oldest);
+            }
         }
         Ok(name)
+    }
+
+    /// Keep a dropped version's shared buffer for a later `publish` (it is
+    /// reused once no session serves the version any more).
+    fn retire(&self, offer: Arc<Offer>) {
+        if let Some(shared) = offer.shared.clone() {
+            let mut retired = self.retired.lock();
+            retired.push_back(shared);
+            // Two spares cover a publisher alternating versions.
+            while retired.len() > 2 {
+                retired.pop_front();
+            }
+        }
+    }
+
+    /// Copy `ts` into one shared buffer (256-byte aligned offsets, copied on
+    /// every core; a retired buffer no session holds is reused) and point
+    /// them at their copies.
+    fn copy_to_shared(&self, ts: &mut [HostTensor], version: &str) -> Result<SharedBuffer> {
+        let mut offsets = Vec::with_capacity(ts.len());
+        let mut total = 0u64;
+        for t in ts.iter() {
+            let at = total.next_multiple_of(crate::wire::ALIGN);
+            offsets.push(at as usize);
+            total = at + t.len as u64;
+        }
+        let total = usize::try_from(total)
+            .map_err(|_| Error::out_of_memory(format!("version '{version}' is too large")))?;
+        // A memfd cannot be empty (fallocate refuses a zero length).
+        let total = total.max(crate::wire::ALIGN as usize);
+        let spare = {
+            let mut retired = self.retired.lock();
+            let free = retired
+                .iter()
+                .position(|b| Arc::strong_count(b) == 1 && b.len() >= total);
+            free.and_then(|i| retired.remove(i))
+                .and_then(|b| Arc::try_unwrap(b).ok())
+        };
+        let shared = match spare {
+            Some(b) => b,
+            None => SharedBuffer::create(&format!("version '{version}'"), total)?,
+        };
+        let jobs: Vec<CopyJob> = ts
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .map(|(i, (t, &at))| CopyJob {
+                src: CopySource::Memory(t.data),
+                dst: SendPtr(shared.ptr().wrapping_add(at)),
+                len: t.len,
+                tag: i,
+            })
+            .collect();
+        // SAFETY: add_tensor's contract keeps each tensor valid for len bytes;
+        // the destinations are disjoint ranges of the new buffer.
+        unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)?;
+        for (t, at) in ts.iter_mut().zip(offsets) {
+            t.data = SendPtr(shared.ptr().wrapping_add(at));
+        }
+        Ok(shared)
     }
 
     /// Names of the published versions, oldest first.
@@ -482,4 +572,58 @@ fn check_config(cfg: &PublisherConfig) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steady publishing with two versions kept cycles through the same
+    /// shared buffers (engines keep them mapped), with each version's bytes.
+    #[test]
+    fn publishing_reuses_the_buffers_of_dropped_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+        let mut seen = Vec::new();
+        for k in 0..6u8 {
+            let data = vec![k; 3000];
+            p.clear_tensors();
+            // SAFETY: `data` outlives the publish, which copies it.
+            unsafe { p.add_tensor("t", DType::U8, &[3000], data.as_ptr(), 3000, None) }.unwrap();
+            p.set_version(Some(format!("v{k}")));
+            p.publish().unwrap();
+            let published = p.published.lock();
+            let newest = published.back().unwrap();
+            let Content::Tensors(ts) = &newest.content else {
+                panic!("tensors")
+            };
+            let shared = newest.shared.as_ref().unwrap();
+            // SAFETY: the version's own bytes, kept while it is published.
+            let bytes = unsafe { std::slice::from_raw_parts(ts[0].data.0, 3000) };
+            assert!(bytes.iter().all(|&b| b == k));
+            assert_eq!(ts[0].data.0, shared.ptr(), "first tensor at offset 0");
+            seen.push(shared.ptr());
+        }
+        // v0 and v1 got new buffers; from v2 on each reuses the one of the
+        // version it pushed out.
+        assert_ne!(seen[0], seen[1]);
+        for k in 2..6 {
+            assert_eq!(seen[k], seen[k - 2], "{seen:?}");
+        }
+        // A version a session still serves is not reused: hold v4's offer.
+        let held = p.published.lock().front().cloned().unwrap();
+        assert_eq!(held.version.as_deref(), Some("v4"));
+        p.set_version(Some("v6".into()));
+        p.publish().unwrap();
+        let v6 = p
+            .published
+            .lock()
+            .back()
+            .unwrap()
+            .shared
+            .as_ref()
+            .unwrap()
+            .ptr();
+        assert_ne!(v6, held.shared.as_ref().unwrap().ptr());
+    }
 }

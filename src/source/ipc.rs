@@ -16,15 +16,17 @@
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
 use crate::memory::copy::CopySource;
-use crate::memory::shared::{BucketMemory, SharedBuffer};
+use crate::memory::shared::{BucketMemory, MappedBuffers};
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
 use crate::wire::{check_bucket, Frame};
+use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// SPEC.md: per-bucket receive timeout.
@@ -45,10 +47,19 @@ pub struct IpcOptions {
 pub struct IpcSource {
     link: PublisherLink,
     timeout: Duration,
+    /// The manager's mappings of the last session's buffers.
+    mapped: Arc<Mutex<MappedBuffers>>,
 }
 
 impl IpcSource {
-    pub fn open(opts: &IpcOptions, deadline: Instant) -> Result<IpcSource> {
+    /// Connect and take this rank's manifest. `mapped` holds the buffers
+    /// the last session mapped; they are reused when the publisher hands
+    /// the same ones over again, and replaced by this session's at its end.
+    pub fn open(
+        opts: &IpcOptions,
+        deadline: Instant,
+        mapped: Arc<Mutex<MappedBuffers>>,
+    ) -> Result<IpcSource> {
         let who = format!("the publisher at {}", opts.socket.display());
         let stream = UnixStream::connect(&opts.socket).map_err(|e| {
             if matches!(
@@ -74,6 +85,7 @@ impl IpcSource {
         Ok(IpcSource {
             link: PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_| Ok(()))?,
             timeout: opts.bucket_timeout,
+            mapped,
         })
     }
 }
@@ -88,6 +100,29 @@ impl FromPublisher for IpcSource {
     }
 
     fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let r = self.receive_buckets(plan, applier);
+        let mut mapped = self.mapped.lock();
+        match r {
+            Ok(buffers) => {
+                mapped.keep(buffers);
+                Ok(())
+            }
+            Err(e) => {
+                // The publisher may be gone: hold none of its memory.
+                mapped.forget();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl IpcSource {
+    /// Every bucket, applied and acknowledged; returns the buffers mapped.
+    fn receive_buckets(
+        &mut self,
+        plan: &Plan,
+        applier: &mut Applier,
+    ) -> Result<Vec<Arc<crate::memory::shared::SharedBuffer>>> {
         let conn = &mut self.link.conn;
         let next_deadline =
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
@@ -96,17 +131,20 @@ impl FromPublisher for IpcSource {
             other => return Err(unexpected(conn, "BUFFERS", &other)),
         };
         let fds = conn.take_fds(sizes.len())?;
-        let buffers: Vec<BucketMemory> = fds
-            .into_iter()
-            .zip(&sizes)
-            .enumerate()
-            .map(|(i, (fd, &size))| {
-                let size =
-                    usize::try_from(size).map_err(|_| Error::peer("buffer size does not fit"))?;
-                SharedBuffer::receive(fd, size, &format!("shared buffer {i}"))
-                    .map(BucketMemory::Host)
-            })
-            .collect::<Result<_>>()?;
+        let buffers: Vec<BucketMemory> = {
+            let mut mapped = self.mapped.lock();
+            fds.into_iter()
+                .zip(&sizes)
+                .enumerate()
+                .map(|(i, (fd, &size))| {
+                    let size = usize::try_from(size)
+                        .map_err(|_| Error::peer("buffer size does not fit"))?;
+                    mapped
+                        .receive(fd, size, &format!("shared buffer {i}"))
+                        .map(BucketMemory::Host)
+                })
+                .collect::<Result<_>>()?
+        };
         loop {
             applier.check_deadline()?;
             match conn.recv(next_deadline(applier))? {
@@ -134,7 +172,9 @@ impl FromPublisher for IpcSource {
                     applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
                     conn.send(&Frame::Ack { seq })?;
                 }
-                Frame::End { .. } => return Ok(()),
+                Frame::End { .. } => {
+                    return Ok(buffers.into_iter().map(|BucketMemory::Host(b)| b).collect())
+                }
                 other => return Err(unexpected(conn, "BUCKET or END", &other)),
             }
         }

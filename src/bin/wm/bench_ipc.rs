@@ -3,26 +3,41 @@
 //! (into registered params) and zero-copy mode (per-tensor callback on the
 //! shared buffer), beside a memcpy floor measured in the same run.
 //!
-//! The trainer packs bucket i+1 while the engine applies bucket i, so the two
-//! run at once: each side gets half of the cores (as on a real node, where
-//! both have their own). Floors: one memcpy with the engine's threads (the
-//! issue's), and two memcpys at once, which is what the two-copy pipeline can
-//! reach where memory bandwidth is the limit.
+//! Two ways a trainer serves, each measured:
+//! - **published** (the RL loop): the trainer publishes each version
+//!   (`Publisher::publish`, one copy into shared memory, reported as its
+//!   packing time) and every session hands that memory over as it is; the
+//!   engine's copy into its params is the only copy during the update.
+//! - **live**: the trainer serves its own tensors and packs them per
+//!   session into two alternating bucket buffers, bucket i+1 while the
+//!   engine applies bucket i. Both copies run at once, so this one shares
+//!   memory bandwidth; its second floor is two memcpys running together.
+//!
+//! Each side gets half of the cores (as on a real node, where both have
+//! their own). Each engine's first updates map the trainer's buffers (page
+//! faults, slow on a VM); steady RL updates reuse the mappings, as timed
+//! after them.
 
 use crate::fmt::{self, gbps};
 use crate::Args;
-use std::time::Duration;
-use weight_manager::apply::Mode;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use std::time::{Duration, Instant};
+use weight_manager::apply::{Mode, TensorView};
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::source::SourceKind;
 
-/// The trainer process: builds the model in memory, publishes, serves.
+/// Updates before the timed one: a publisher alternates two buffers.
+const WARM_UPS: usize = 2;
+
+/// The trainer process: builds the model in memory and serves it, either
+/// publishing a new version before each session or live.
 pub fn publisher(a: &Args) -> Result<(), String> {
     let socket = a.value("socket").ok_or("--socket")?;
+    let published = a.value("mode") == Some("published");
     let count = crate::bench::layer_count(a.number("gib", 4.0)?);
     let threads: usize = a.number("threads", 1)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let engines: usize = a.number("engines", 2 * (WARM_UPS + 1))?;
     let data = crate::bench::trainer_layers(count);
     let p = Publisher::bind(
         std::path::Path::new(socket),
@@ -35,18 +50,29 @@ pub fn publisher(a: &Args) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     crate::bench::add_layers(&p, &data, None)?;
-    p.set_version(Some("bench".into()));
     println!("ready");
-    let stats = p
-        .serve(a.number("engines", 3)?, Duration::from_secs(600))
-        .map_err(|e| e.to_string())?;
-    for s in stats.sessions {
-        println!(
-            "session {} {} {}",
-            s.bytes,
-            s.pack.as_nanos(),
-            s.wait.as_nanos()
-        );
+    let mut lines = Vec::new();
+    if published {
+        for k in 0..engines {
+            p.set_version(Some(format!("v{k}")));
+            let t = Instant::now();
+            p.publish().map_err(|e| e.to_string())?;
+            let publish = t.elapsed();
+            let mut stats = p
+                .serve(1, Duration::from_secs(600))
+                .map_err(|e| e.to_string())?;
+            let s = stats.sessions.pop().ok_or("no session")?;
+            lines.push((s.bytes, publish, s.wait));
+        }
+    } else {
+        p.set_version(Some("bench".into()));
+        let stats = p
+            .serve(engines, Duration::from_secs(600))
+            .map_err(|e| e.to_string())?;
+        lines.extend(stats.sessions.iter().map(|s| (s.bytes, s.pack, s.wait)));
+    }
+    for (bytes, pack, wait) in lines {
+        println!("session {bytes} {} {}", pack.as_nanos(), wait.as_nanos());
     }
     Ok(())
 }
@@ -58,6 +84,11 @@ fn memcpy_floor(bytes: usize, threads: usize) -> Result<Duration, String> {
     crate::bench::best(|| crate::bench::memcpy_floor(&src, &mut dst, threads))
 }
 
+struct Floors {
+    memcpy: f64,
+    two_at_once: f64,
+}
+
 pub fn run(a: &Args) -> Result<(), String> {
     let gib: f64 = a.number("gib", 4.0)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
@@ -65,6 +96,43 @@ pub fn run(a: &Args) -> Result<(), String> {
     let side: usize = a.number("threads", (cores / 2).max(1))?;
     let count = crate::bench::layer_count(gib);
     let total = (count * crate::bench::LAYER) as u64;
+    println!(
+        "wm bench ipc: {} of bf16 in {count} tensors, buckets of at most {bucket_mib} MiB, {side} thread(s) each for trainer and engine",
+        fmt::bytes(total)
+    );
+    let floor_bytes = (1usize << 30).min(total as usize);
+    let memcpy = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side)?);
+    println!("  floor  memcpy, {side} thread(s)                {memcpy:>7.2} GB/s");
+    // Live serving moves every byte twice at once, so its two copies share
+    // the memory bandwidth: this floor is two memcpys running together.
+    let two = std::thread::scope(|s| {
+        let a = s.spawn(|| memcpy_floor(floor_bytes, side));
+        let b = s.spawn(|| memcpy_floor(floor_bytes, side));
+        Ok::<_, String>(a.join().expect("floor")?.max(b.join().expect("floor")?))
+    })?;
+    let two_at_once = gbps(floor_bytes as u64, two);
+    println!("  floor  two memcpys at once            {two_at_once:>7.2} GB/s each");
+    let floors = Floors {
+        memcpy,
+        two_at_once,
+    };
+    let mut params = crate::bench::layer_params(count);
+    for mode in ["published", "live"] {
+        run_mode(mode, gib, bucket_mib, side, &mut params, &floors)?;
+    }
+    Ok(())
+}
+
+/// One trainer process serving in `mode`; copy-mode and zero-copy updates
+/// from it, each after its warm-ups.
+fn run_mode(
+    mode: &str,
+    gib: f64,
+    bucket_mib: usize,
+    side: usize,
+    params: &mut [Vec<u8>],
+    floors: &Floors,
+) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let socket = dir.join("trainer.sock");
@@ -73,6 +141,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         "ipc-publisher",
         "--socket",
         socket.to_str().unwrap_or_default(),
+        "--mode",
+        mode,
         "--gib",
         &gib.to_string(),
         "--threads",
@@ -84,85 +154,26 @@ pub fn run(a: &Args) -> Result<(), String> {
     .map(String::from)
     .collect();
     let (trainer, _) = crate::bench::TrainerProcess::start(&args, "ready")?;
-    println!(
-        "wm bench ipc: {} of bf16 in {count} tensors, buckets of {bucket_mib} MiB x 2, {side} thread(s) each for trainer and engine",
-        fmt::bytes(total)
-    );
-    let floor_bytes = (1usize << 30).min(total as usize);
-    let floor = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side)?);
-    println!("  floor  memcpy, {side} thread(s)                {floor:>7.2} GB/s");
-    // Copy mode moves every byte twice at once (the trainer packs bucket
-    // i+1 while the engine applies bucket i), so the two copies share the
-    // memory bandwidth: this floor is two memcpys running together.
-    let two = std::thread::scope(|s| {
-        let a = s.spawn(|| memcpy_floor(floor_bytes, side));
-        let b = s.spawn(|| memcpy_floor(floor_bytes, side));
-        Ok::<_, String>(a.join().expect("floor")?.max(b.join().expect("floor")?))
-    })?;
-    let pipe_floor = gbps(floor_bytes as u64, two);
-    println!("  floor  two memcpys at once            {pipe_floor:>7.2} GB/s each");
-
-    let m = Manager::new(ManagerConfig {
-        threads: side,
-        ..Default::default()
-    })
-    .map_err(|e| e.to_string())?;
-    let mut params = crate::bench::layer_params(count);
-    crate::bench::register_layers(&m, &mut params)?;
-    // Warm-up: the first session creates the trainer's shared buffers (page
-    // faults, slow on a VM); steady RL updates reuse them, as timed below.
-    let warm = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
-    let mut ignore = |_: &weight_manager::apply::TensorView| Ok(());
-    let mut r = UpdateRequest::snapshot(&socket);
-    r.source = SourceKind::Ipc;
-    r.mode = Mode::InPlace;
-    r.hooks.tensor = Some(&mut ignore);
-    let first = warm.update(r).map_err(|e| e.to_string())?;
-    println!(
-        "  wm     first update (creates buffers)  {:>7.2} GB/s   (later updates reuse the trainer's buffers)",
-        gbps(first.bytes, first.sync)
-    );
-    let request = |mode| {
-        let mut r = UpdateRequest::snapshot(&socket);
-        r.source = SourceKind::Ipc;
-        r.mode = mode;
-        r
-    };
-    let copy = m
-        .update(request(Mode::InPlace))
-        .map_err(|e| e.to_string())?;
-    let copy_rate = gbps(copy.bytes, copy.sync);
-    println!(
-        "  wm     copy mode (into params)         {copy_rate:>7.2} GB/s   ratio {:.2} to memcpy (target >= 0.80) {}; {:.2} to two memcpys at once",
-        copy_rate / floor,
-        if copy_rate / floor >= 0.8 { "PASS" } else { "MISS" },
-        copy_rate / pipe_floor
-    );
-    let zero = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
-    let mut touched = 0u64;
-    let mut cb = |t: &weight_manager::apply::TensorView| {
-        touched += t.data[t.data.len() / 2] as u64;
-        Ok(())
-    };
-    let mut r = request(Mode::InPlace);
-    r.hooks.tensor = Some(&mut cb);
-    let zc = zero.update(r).map_err(|e| e.to_string())?;
-    let zc_rate = gbps(zc.bytes, zc.sync);
-    println!(
-        "  wm     zero-copy (callback on buffer)  {zc_rate:>7.2} GB/s   ratio {:.2} (bounded by the trainer's packing)",
-        zc_rate / floor
-    );
+    let result = measure(&socket, mode, side, params, floors);
     let sessions = trainer.finish();
     let _ = std::fs::remove_dir_all(&dir);
+    let (copy, zero) = result?;
     let sessions = sessions?;
+    let copy_at = WARM_UPS;
+    let zero_at = 2 * WARM_UPS + 1;
     for (name, s, engine) in [
-        ("copy mode", sessions.get(1), &copy),
-        ("zero-copy", sessions.get(2), &zc),
+        ("copy mode", sessions.get(copy_at), &copy),
+        ("zero-copy", sessions.get(zero_at), &zero),
     ] {
         if let Some(s) = s.filter(|s| s.len() == 3) {
             let pack = Duration::from_nanos(s[1]);
+            let what = if mode == "published" {
+                "trainer publish (its one copy)"
+            } else {
+                "trainer packing"
+            };
             println!(
-                "  {name:<10} trainer packing {} ({:.2} GB/s), waiting for acks {}; engine receive+apply {}",
+                "    {name:<10} {what} {} ({:.2} GB/s), waiting for acks {}; engine receive+apply {}",
                 fmt::ms(pack),
                 gbps(s[0], pack),
                 fmt::ms(Duration::from_nanos(s[2])),
@@ -170,6 +181,64 @@ pub fn run(a: &Args) -> Result<(), String> {
             );
         }
     }
-    std::hint::black_box(touched);
     Ok(())
+}
+
+/// An in-place update from the publisher at `socket`.
+fn request<'a>(socket: &std::path::Path) -> UpdateRequest<'a> {
+    let mut r = UpdateRequest::snapshot(socket);
+    r.source = SourceKind::Ipc;
+    r.mode = Mode::InPlace;
+    r
+}
+
+/// The copy-mode and zero-copy updates of one mode, printed with their ratios.
+fn measure(
+    socket: &std::path::Path,
+    mode: &str,
+    side: usize,
+    params: &mut [Vec<u8>],
+    floors: &Floors,
+) -> Result<(UpdateStats, UpdateStats), String> {
+    println!("  {mode}:");
+    let m = Manager::new(ManagerConfig {
+        threads: side,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    crate::bench::register_layers(&m, params)?;
+    for _ in 0..WARM_UPS {
+        m.update(request(socket)).map_err(|e| e.to_string())?;
+    }
+    let copy = m.update(request(socket)).map_err(|e| e.to_string())?;
+    let rate = gbps(copy.bytes, copy.sync);
+    let ratio = rate / floors.memcpy;
+    print!(
+        "    copy mode (into params)         {rate:>7.2} GB/s   ratio {ratio:.2} to memcpy (target >= 0.80) {}",
+        if ratio >= 0.8 { "PASS" } else { "MISS" },
+    );
+    if mode == "live" {
+        print!("; {:.2} to two memcpys at once", rate / floors.two_at_once);
+    }
+    println!();
+    let zero = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
+    let touched = std::cell::Cell::new(0u64);
+    let mut last = None;
+    for _ in 0..=WARM_UPS {
+        let mut cb = |t: &TensorView| {
+            touched.set(touched.get() + t.data[t.data.len() / 2] as u64);
+            Ok(())
+        };
+        let mut r = request(socket);
+        r.hooks.tensor = Some(&mut cb);
+        last = Some(zero.update(r).map_err(|e| e.to_string())?);
+    }
+    let zc = last.expect("updates ran");
+    let rate = gbps(zc.bytes, zc.sync);
+    println!(
+        "    zero-copy (callback on buffer)  {rate:>7.2} GB/s   ratio {:.2}",
+        rate / floors.memcpy
+    );
+    std::hint::black_box(touched.get());
+    Ok((copy, zc))
 }

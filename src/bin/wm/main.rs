@@ -135,6 +135,7 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "bucket-mib",
                 "engines",
                 "runs",
+                "mode",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
