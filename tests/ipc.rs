@@ -68,23 +68,7 @@ fn tensors_from_memory_copy_and_zero_copy() {
         assert_eq!(stats.version, "v21");
         assert_params(&ptrs, &ts);
         // Zero-copy: the callback sees the bytes in the shared buffer.
-        let m2 = manager(0, 1);
-        let mut got = Vec::new();
-        let mut cb = |t: &weight_manager::apply::TensorView| {
-            got.push((t.name.to_string(), t.data.to_vec()));
-            Ok(())
-        };
-        let mut req = ipc_request(&sock);
-        req.mode = Mode::InPlace;
-        req.hooks.tensor = Some(&mut cb);
-        m2.update(req).unwrap();
-        got.sort();
-        let mut want: Vec<_> = ts
-            .iter()
-            .map(|t| (t.name.clone(), t.data.clone()))
-            .collect();
-        want.sort();
-        assert_eq!(got, want);
+        assert_eq!(zero_copy_update(&sock, None), contents(&ts));
         let st = serving.join().unwrap().unwrap();
         assert_eq!(st.sessions.len(), 2);
         assert!(st.sessions.iter().all(|s| s.buckets > 3));
@@ -128,28 +112,42 @@ fn published_versions_are_served_from_their_shared_memory() {
     assert_eq!(publisher.versions(), ["v4", "v5"]);
     // An older kept version, and zero-copy: the callback reads the
     // version's shared memory.
-    let m2 = manager(0, 1);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        assert_eq!(
+            zero_copy_update(&sock, Some("v4")),
+            contents(&versioned_model(4))
+        );
+        serving.join().unwrap().unwrap();
+    });
+}
+
+/// A fresh engine's zero-copy update from `sock`: each tensor's name and
+/// the bytes its callback saw, sorted by name.
+fn zero_copy_update(sock: &Path, version: Option<&str>) -> Vec<(String, Vec<u8>)> {
+    let m = manager(0, 1);
     let mut got = Vec::new();
     let mut cb = |t: &weight_manager::apply::TensorView| {
         got.push((t.name.to_string(), t.data.to_vec()));
         Ok(())
     };
-    let mut req = ipc_request(&sock);
+    let mut req = ipc_request(sock);
     req.mode = Mode::InPlace;
-    req.version = Some("v4".into());
+    req.version = version.map(String::from);
     req.hooks.tensor = Some(&mut cb);
-    std::thread::scope(|s| {
-        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
-        m2.update(req).unwrap();
-        serving.join().unwrap().unwrap();
-    });
+    m.update(req).unwrap();
     got.sort();
-    let mut want: Vec<_> = versioned_model(4)
-        .into_iter()
-        .map(|t| (t.name, t.data))
+    got
+}
+
+/// Each tensor's name and bytes, sorted by name.
+fn contents(ts: &[T]) -> Vec<(String, Vec<u8>)> {
+    let mut all: Vec<_> = ts
+        .iter()
+        .map(|t| (t.name.clone(), t.data.clone()))
         .collect();
-    want.sort();
-    assert_eq!(got, want);
+    all.sort();
+    all
 }
 
 /// `model(seed)` plus a tensor larger than a test bucket (split across buckets).
