@@ -14,6 +14,7 @@
 
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 
 /// A memfd mapped read-write (sender) or read-only (receiver).
 #[derive(Debug)]
@@ -64,7 +65,8 @@ impl SharedBuffer {
                     std::io::Error::last_os_error(),
                 ));
             }
-            Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, what)
+            let file = file_identity(&fd).map_err(|e| Error::io(format!("{what}: stat"), e))?;
+            Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, file, what)
         }
     }
 
@@ -92,12 +94,24 @@ impl SharedBuffer {
                     st.st_size
                 )));
             }
-            Self::map(fd, len, libc::PROT_READ, what)
+            Self::map(
+                fd,
+                len,
+                libc::PROT_READ,
+                (st.st_dev as u64, st.st_ino as u64),
+                what,
+            )
         }
     }
 
-    unsafe fn map(fd: OwnedFd, len: usize, prot: libc::c_int, what: &str) -> Result<SharedBuffer> {
-        let file = file_identity(&fd).map_err(|e| Error::io(format!("{what}: stat"), e))?;
+    /// `file`: the descriptor's (device, inode), which the caller has stat'ed.
+    unsafe fn map(
+        fd: OwnedFd,
+        len: usize,
+        prot: libc::c_int,
+        file: (u64, u64),
+        what: &str,
+    ) -> Result<SharedBuffer> {
         if len == 0 {
             return Ok(SharedBuffer {
                 fd,
@@ -193,30 +207,25 @@ fn file_identity(fd: &OwnedFd) -> std::io::Result<(u64, u64)> {
 #[derive(Default)]
 pub struct MappedBuffers {
     /// Per session, oldest first; at most [`MappedBuffers::SESSIONS`].
-    kept: std::collections::VecDeque<Vec<std::sync::Arc<SharedBuffer>>>,
+    kept: std::collections::VecDeque<Vec<Arc<SharedBuffer>>>,
 }
 
 impl MappedBuffers {
     const SESSIONS: usize = 2;
 
     /// Map `fd` read-only for `len` bytes, reusing a kept mapping of the same file.
-    pub fn receive(
-        &mut self,
-        fd: OwnedFd,
-        len: usize,
-        what: &str,
-    ) -> Result<std::sync::Arc<SharedBuffer>> {
+    pub fn receive(&mut self, fd: OwnedFd, len: usize, what: &str) -> Result<Arc<SharedBuffer>> {
         let file = file_identity(&fd).map_err(|e| Error::io(format!("{what}: stat"), e))?;
         for session in &mut self.kept {
             if let Some(i) = session.iter().position(|b| b.file == file && b.len == len) {
                 return Ok(session.swap_remove(i));
             }
         }
-        SharedBuffer::receive(fd, len, what).map(std::sync::Arc::new)
+        SharedBuffer::receive(fd, len, what).map(Arc::new)
     }
 
     /// Keep `buffers` (a finished session's), unmapping those of older sessions.
-    pub fn keep(&mut self, buffers: Vec<std::sync::Arc<SharedBuffer>>) {
+    pub fn keep(&mut self, buffers: Vec<Arc<SharedBuffer>>) {
         self.kept.push_back(buffers);
         while self.kept.len() > Self::SESSIONS {
             self.kept.pop_front();
@@ -237,7 +246,7 @@ impl MappedBuffers {
 /// Where a bucket's bytes are. Host memory today; CUDA IPC buffers (device
 /// memory opened from a peer's handle) are the other kind.
 pub enum BucketMemory {
-    Host(std::sync::Arc<SharedBuffer>),
+    Host(Arc<SharedBuffer>),
 }
 
 impl BucketMemory {

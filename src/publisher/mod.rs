@@ -84,6 +84,17 @@ pub struct PublisherConfig {
     pub logger: Logger,
 }
 
+impl PublisherConfig {
+    /// Threads that pack buckets (0 in the config: one per core).
+    pub(crate) fn pack_threads(&self) -> usize {
+        if self.threads == 0 {
+            default_threads()
+        } else {
+            self.threads
+        }
+    }
+}
+
 impl Default for PublisherConfig {
     fn default() -> PublisherConfig {
         PublisherConfig {

@@ -15,7 +15,6 @@
 
 use super::session::{corrupt, fill, plan_buckets, take_buffers, BufferPool, SessionStats, Shard};
 use super::PublisherConfig;
-use crate::memory::copy::default_threads;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -81,11 +80,7 @@ pub(super) fn stream_buckets(
     let pump = Pump::start("publisher")?;
     pump.connect(&address)
         .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
-    let threads = if cfg.threads == 0 {
-        default_threads()
-    } else {
-        cfg.threads
-    };
+    let threads = cfg.pack_threads();
     // Messages of each bucket still on the wire.
     let mut in_flight: HashMap<u64, usize> = HashMap::new();
     let mut acked = 0u64;

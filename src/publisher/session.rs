@@ -258,7 +258,10 @@ pub(super) fn run(
     if let Err(e) = &r {
         conn.send_error(e);
     }
-    r
+    r.map(|stats| SessionStats {
+        total: start.elapsed(),
+        ..stats
+    })
 }
 
 /// The publisher's side of the challenge (see `transport::auth`). A wrong
@@ -363,7 +366,6 @@ fn serve(
     };
     if secret.is_some() {
         super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
-        stats.total = start.elapsed();
         return Ok(stats);
     }
     if let (Some(published), None) = (shard.published.clone(), &cfg.corrupt_tensor) {
@@ -379,16 +381,16 @@ fn serve(
             &step,
             &mut stats,
         )?;
-        stats.total = start.elapsed();
         return Ok(stats);
     }
     let buckets = plan_buckets(&shard.manifest, &want, cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);
     let buffers = take_buffers(pool, n_buf, largest)?;
+    let threads = cfg.pack_threads();
     let pack = |i: usize, entries: &[BucketEntry]| {
         let buf = &buffers[i % n_buf];
-        fill(&mut shard, entries, buf.ptr(), threads(cfg))?;
+        fill(&mut shard, entries, buf.ptr(), threads)?;
         if let Some(victim) = &cfg.corrupt_tensor {
             corrupt(&shard.manifest, entries, buf.ptr(), victim);
         }
@@ -401,17 +403,7 @@ fn serve(
     if r.is_ok() {
         pool.give_back(buffers);
     }
-    r?;
-    stats.total = start.elapsed();
-    Ok(stats)
-}
-
-fn threads(cfg: &PublisherConfig) -> usize {
-    if cfg.threads == 0 {
-        default_threads()
-    } else {
-        cfg.threads
-    }
+    r.map(|()| stats)
 }
 
 /// Buckets of a published version: planned as for packing (so each holds

@@ -16,7 +16,7 @@
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
 use crate::memory::copy::CopySource;
-use crate::memory::shared::{BucketMemory, MappedBuffers};
+use crate::memory::shared::{BucketMemory, MappedBuffers, SharedBuffer};
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
@@ -122,7 +122,7 @@ impl IpcSource {
         &mut self,
         plan: &Plan,
         applier: &mut Applier,
-    ) -> Result<Vec<Arc<crate::memory::shared::SharedBuffer>>> {
+    ) -> Result<Vec<Arc<SharedBuffer>>> {
         let conn = &mut self.link.conn;
         let next_deadline =
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
