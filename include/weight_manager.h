@@ -464,8 +464,14 @@ typedef struct {
   uint32_t dtype;
   size_t ndim;
   const uint64_t *shape;
+  // The tensor's `len` bytes: host memory when `device` is -1, else a
+  // CUDA device address valid on GPU `device` (zero-copy from a trainer's
+  // CUDA IPC buffer; copy it with cudaMemcpy, do not dereference it).
   const void *data;
   size_t len;
+  // -1: `data` is host memory; otherwise the CUDA device ordinal (in
+  // this process) whose memory `data` is.
+  int32_t device;
 } wm_tensor_view;
 
 // Called on the updating thread with each tensor once it arrived whole (and
@@ -675,6 +681,28 @@ wm_result wm_publisher_add_tensor(wm_publisher *publisher,
                                   const void *data,
                                   size_t len,
                                   int32_t rank);
+
+// Publish a tensor from the trainer's GPU memory: `len` bytes at device
+// address `device_ptr` of CUDA device `device` (an ordinal of this
+// process; the range is checked with the driver), for engine rank `rank`,
+// or for every rank with -1. A PyTorch trainer passes `t.data_ptr()`.
+//
+// GPU tensors are served once published: `wm_publisher_publish` waits for
+// the device (so kernels writing them have finished) and copies them into
+// one GPU buffer that engines on this node open by CUDA IPC handle (over
+// the network: into host memory). Engines then copy device to device.
+//
+// Ownership: the trainer keeps the memory; it must stay valid until the
+// next `wm_publisher_publish` returns.
+wm_result wm_publisher_add_device_tensor(wm_publisher *publisher,
+                                         const char *name,
+                                         uint32_t dtype,
+                                         const uint64_t *shape,
+                                         size_t ndim,
+                                         uint64_t device_ptr,
+                                         size_t len,
+                                         int32_t device,
+                                         int32_t rank);
 
 // Serve the snapshot in directory `dir` instead of in-memory tensors: each
 // rank gets the files the snapshot layout rules pick for it.

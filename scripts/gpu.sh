@@ -9,9 +9,11 @@
 #
 # The kit holds compiled programs only: they load libcuda.so.1 (and UCX,
 # when present) at run time, so nothing else needs to travel. Runs the GPU
-# test suite (tests/gpu.rs: every path into device params, library-owned
-# clear/restore at identical addresses, bad pointers and ordinals), the
-# stub-driver checks (tests/cuda.rs), and `wm devices`.
+# test suite (tests/gpu.rs: every path into device params, CUDA IPC between
+# two processes, library-owned clear/restore at identical addresses, bad
+# pointers and ordinals), the stub-driver checks (tests/cuda.rs), `wm
+# devices`, and the GPU benchmark (`wm bench gpu`; WM_GPU_BENCH_GIB sets its
+# size, 0 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kit=gpu-kit
@@ -49,10 +51,15 @@ run() {
     "$kit/wm" devices
     # tests/cuda.rs finds the wm binary next to itself when WM_BIN is set.
     echo "== tests/gpu.rs"
-    "$kit/test-gpu" --test-threads=1 --nocapture
+    WM_BIN="$PWD/$kit/wm" "$kit/test-gpu" --test-threads=1 --nocapture
     echo "== tests/cuda.rs"
     WM_BIN="$PWD/$kit/wm" "$kit/test-cuda" --test-threads=1
     echo "== GPU suite passed"
+    local gib="${WM_GPU_BENCH_GIB:-4}"
+    if [ "$gib" != 0 ]; then
+        echo "== wm bench gpu --gib $gib"
+        "$kit/wm" bench gpu --gib "$gib"
+    fi
 }
 
 case "${1:-run}" in

@@ -23,6 +23,7 @@
 
 use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
+use crate::memory::staging::{DeviceStaging, PinnedBuffer, PINNED_TENSOR_MAX, SMALL_TENSOR};
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
@@ -52,7 +53,19 @@ pub struct TensorView<'a> {
     pub name: &'a str,
     pub dtype: DType,
     pub shape: &'a [u64],
+    /// The bytes in host memory; empty when they are GPU memory (`device`).
     pub data: &'a [u8],
+    /// Zero-copy from a CUDA IPC bucket: the bytes are GPU memory, not host.
+    pub device: Option<DeviceBytes>,
+}
+
+/// A tensor's bytes in GPU memory: `len` bytes at device address `ptr`,
+/// valid in the context of GPU `ordinal` during the callback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBytes {
+    pub ptr: u64,
+    pub len: usize,
+    pub ordinal: i32,
 }
 
 /// Returns false to cancel the update.
@@ -98,8 +111,10 @@ pub enum Dest {
     /// Host memory: written by the parallel copier.
     Host(SendPtr),
     /// CUDA device memory of GPU `ordinal`: bytes land in host memory first
-    /// (the atomic arena, or a per-tensor buffer in place) and are uploaded
-    /// once the tensor is whole and verified (atomic: at commit).
+    /// (the atomic arena; in place, a pinned buffer of the tensor's own, or
+    /// ordinary memory for tensors over `PINNED_TENSOR_MAX`) and go up with
+    /// an asynchronous copy once the tensor is whole and verified (atomic:
+    /// at commit). [`Applier::finish`] waits for the copies.
     Device { ptr: u64, ordinal: i32 },
 }
 
@@ -116,6 +131,17 @@ pub struct Applier<'p, 'h> {
     arena: Option<(HostRegion, Vec<usize>)>,
     /// In-place mode: callback and device tensors being received.
     loose: HashMap<usize, Vec<u8>>,
+    /// In-place mode: device tensors landing in pinned memory.
+    pinned: HashMap<usize, PinnedBuffer>,
+    /// Pinned buffers and upload streams for device params (the manager's,
+    /// kept across updates).
+    staging: Option<&'p mut DeviceStaging>,
+    /// gdr, in place: a source writes device params' bytes straight into
+    /// them (`landing_for` gives device addresses); verification reads
+    /// each chunk back to the host to hash it.
+    on_device: bool,
+    /// Host copy of a chunk that landed on the GPU, for its hash.
+    readback: Vec<u8>,
     /// A delivered loose buffer kept for the next one: fresh large
     /// allocations cost a page fault per page every time.
     spare: Option<Vec<u8>>,
@@ -167,6 +193,10 @@ impl<'p, 'h> Applier<'p, 'h> {
             params,
             arena,
             loose: HashMap::new(),
+            pinned: HashMap::new(),
+            staging: None,
+            on_device: false,
+            readback: Vec::new(),
             spare: None,
             hashing: HashMap::new(),
             received: vec![0; plan.entries.len()],
@@ -180,6 +210,41 @@ impl<'p, 'h> Applier<'p, 'h> {
             started,
             deadline: started + opts.timeout,
             opts,
+        })
+    }
+
+    /// Upload device params through `staging` (required when any param is
+    /// device memory).
+    pub fn with_staging(mut self, staging: &'p mut DeviceStaging) -> Self {
+        self.staging = Some(staging);
+        self
+    }
+
+    /// gdr: let sources land device params' bytes in the params themselves
+    /// (in place only; atomic mode stages in host memory as always).
+    pub fn land_on_device(mut self, yes: bool) -> Self {
+        self.on_device = yes;
+        self
+    }
+
+    /// The device param of entry `t` when bytes land in it directly (gdr).
+    fn landed_on_device(&self, t: usize) -> Option<(u64, i32)> {
+        match (
+            self.on_device,
+            &self.arena,
+            self.plan.entries[t].target,
+            self.params[t],
+        ) {
+            (true, None, Target::Param(_), Some(Dest::Device { ptr, ordinal })) => {
+                Some((ptr, ordinal))
+            }
+            _ => None,
+        }
+    }
+
+    fn staging(&mut self) -> Result<&mut DeviceStaging> {
+        self.staging.as_deref_mut().ok_or_else(|| {
+            Error::unsupported("device params need the manager's pinned staging (internal)")
         })
     }
 
@@ -215,28 +280,55 @@ impl<'p, 'h> Applier<'p, 'h> {
     }
 
     /// Where bytes of entry `t` land while being received.
-    fn landing(&mut self, t: usize) -> SendPtr {
+    fn landing(&mut self, t: usize) -> Result<SendPtr> {
         if let Some((region, offsets)) = &self.arena {
-            return SendPtr(region.ptr().wrapping_add(offsets[t]));
+            return Ok(SendPtr(region.ptr().wrapping_add(offsets[t])));
+        }
+        let n = self.plan.entries[t].meta.nbytes as usize;
+        if let Some((ptr, _)) = self.landed_on_device(t) {
+            return Ok(SendPtr(ptr as *mut u8));
         }
         match (self.plan.entries[t].target, self.params[t]) {
-            (Target::Param(_), Some(Dest::Host(p))) => p,
-            _ => {
-                let n = self.plan.entries[t].meta.nbytes as usize;
-                let spare = &mut self.spare;
-                let buf = self.loose.entry(t).or_insert_with(|| match spare.take() {
-                    Some(mut v) if v.capacity() >= n => {
-                        v.clear();
-                        v
+            (Target::Param(_), Some(Dest::Host(p))) => Ok(p),
+            (Target::Param(_), Some(Dest::Device { ordinal, .. }))
+                if (SMALL_TENSOR + 1..=PINNED_TENSOR_MAX).contains(&n) =>
+            {
+                if let Some(b) = self.pinned.get(&t) {
+                    return Ok(SendPtr(b.ptr()));
+                }
+                if self.loose.contains_key(&t) {
+                    return Ok(self.loose_landing(t, n)); // fell back earlier
+                }
+                let deadline = self.deadline;
+                match self.staging()?.take(ordinal, n, deadline)? {
+                    Some(buf) => {
+                        let at = SendPtr(buf.ptr());
+                        self.pinned.insert(t, buf);
+                        Ok(at)
                     }
-                    other => {
-                        *spare = other;
-                        Vec::with_capacity(n)
-                    }
-                });
-                SendPtr(buf.as_mut_ptr())
+                    // Every pinned buffer is held by tensors of this batch:
+                    // this one lands in ordinary memory and is uploaded.
+                    None => Ok(self.loose_landing(t, n)),
+                }
             }
+            _ => Ok(self.loose_landing(t, n)),
         }
+    }
+
+    /// A library buffer for entry `t` (`n` bytes), reusing the spare.
+    fn loose_landing(&mut self, t: usize, n: usize) -> SendPtr {
+        let spare = &mut self.spare;
+        let buf = self.loose.entry(t).or_insert_with(|| match spare.take() {
+            Some(mut v) if v.capacity() >= n => {
+                v.clear();
+                v
+            }
+            other => {
+                *spare = other;
+                Vec::with_capacity(n)
+            }
+        });
+        SendPtr(buf.as_mut_ptr())
     }
 
     /// Copy one batch of chunks. `origin` names where they came from (a file,
@@ -265,10 +357,12 @@ impl<'p, 'h> Applier<'p, 'h> {
                 entry.meta.name
             )));
         }
-        if matches!(self.params[t], Some(Dest::Host(_))) && self.arena.is_none() {
+        if (matches!(self.params[t], Some(Dest::Host(_))) || self.landed_on_device(t).is_some())
+            && self.arena.is_none()
+        {
             self.wrote_params = true;
         }
-        let base = self.landing(t);
+        let base = self.landing(t)?;
         Ok(SendPtr(base.0.wrapping_add(offset as usize)))
     }
 
@@ -287,6 +381,13 @@ impl<'p, 'h> Applier<'p, 'h> {
         let mut direct: Vec<(usize, SendPtr)> = Vec::new();
         // Verified chunks that are part of a tensor: hashed as they land.
         let mut streamed: Vec<(usize, SendPtr, usize)> = Vec::new();
+        // GPU sources (CUDA IPC), unverified, in place: copied device to
+        // device into device params (GPU, dst, src, len), or handed to the
+        // callback as device pointers. Everything else with a GPU source
+        // is copied to host memory by the copier and handled as any chunk.
+        let mut on_device: Vec<(i32, u64, u64, usize)> = Vec::new();
+        let mut finished_on_device = 0u64;
+        let mut device_direct: Vec<(usize, DeviceBytes)> = Vec::new();
         for c in chunks {
             let Some(entry) = self.plan.entries.get(c.tensor) else {
                 return Err(Error::format(format!(
@@ -318,6 +419,30 @@ impl<'p, 'h> Applier<'p, 'h> {
                 ))
             })?;
             self.received[t] = end;
+            if let (CopySource::Device { ptr: from, ordinal }, false, None, false) =
+                (c.src, landed, &self.arena, self.opts.verify)
+            {
+                match (entry.target, self.params[t]) {
+                    (Target::Param(_), Some(Dest::Device { ptr, ordinal: to })) => {
+                        on_device.push((to, ptr + c.offset, from, c.len));
+                        self.wrote_params = true;
+                        finished_on_device += u64::from(end == n);
+                        self.progress.bytes_done += c.len as u64;
+                        continue;
+                    }
+                    (Target::Callback, _) if c.offset == 0 && end == n => {
+                        let bytes = DeviceBytes {
+                            ptr: from,
+                            len: c.len,
+                            ordinal,
+                        };
+                        device_direct.push((t, bytes));
+                        self.progress.bytes_done += c.len as u64;
+                        continue;
+                    }
+                    _ => {}
+                }
+            }
             if let (None, Target::Callback, 0, CopySource::Memory(src), false) =
                 (&self.arena, entry.target, c.offset, c.src, landed)
             {
@@ -327,8 +452,39 @@ impl<'p, 'h> Applier<'p, 'h> {
                     continue;
                 }
             }
-            let base = self.landing(t);
+            let base = self.landing(t)?;
             let dst = SendPtr(base.0.wrapping_add(c.offset as usize));
+            if !landed && self.landed_on_device(t).is_some() {
+                return Err(Error::format(format!(
+                    "{origin}: tensor '{}' must land in its GPU param (gdr), not be copied",
+                    self.name(t)
+                )));
+            }
+            if let (Some((_, ordinal)), true) = (self.landed_on_device(t), landed) {
+                // gdr: the bytes are in GPU memory; hash a host copy.
+                if self.opts.verify {
+                    self.readback.resize(c.len, 0);
+                    // SAFETY: the chunk's device range was range-checked by
+                    // landing_for and the source wrote it; readback holds len.
+                    unsafe {
+                        crate::memory::cuda_ipc::download(
+                            ordinal,
+                            self.readback.as_mut_ptr(),
+                            dst.0 as u64,
+                            c.len,
+                        )
+                    }
+                    .map_err(|e| {
+                        e.context(format!("{origin}: reading tensor '{}' back", self.name(t)))
+                    })?;
+                    self.hashing.entry(t).or_default().update(&self.readback);
+                }
+                if end == n {
+                    completed.push(t);
+                }
+                self.progress.bytes_done += c.len as u64;
+                continue;
+            }
             if self.opts.verify && (c.offset != 0 || end != n) {
                 // Bytes in memory are hashed where they already are (just
                 // landed, so still in cache); a file's once copied.
@@ -375,7 +531,19 @@ impl<'p, 'h> Applier<'p, 'h> {
             self.hashing.entry(t).or_default().update(bytes);
         }
         self.verify(origin, &completed)?;
-        self.progress.tensors_done += completed.len() as u64;
+        self.progress.tensors_done += completed.len() as u64 + finished_on_device;
+        for (to, dst, src, len) in on_device {
+            let staging = self.staging()?;
+            // SAFETY: dst..dst+len lies in a device param (range checked
+            // above, the param's range at registration); the source's GPU
+            // memory stays put until the source waits for these copies.
+            unsafe { staging.copy_device(to, dst, src, len) }
+                .map_err(|e| e.context(format!("{origin} to GPU {to}")))?;
+        }
+        for (t, bytes) in device_direct {
+            self.deliver_view(t, &[], Some(bytes))?;
+            self.progress.tensors_done += 1;
+        }
         for (t, src) in direct {
             let n = self.plan.entries[t].meta.nbytes as usize;
             if self.opts.verify {
@@ -394,6 +562,13 @@ impl<'p, 'h> Applier<'p, 'h> {
                     Some(Dest::Device { ptr, ordinal }) => Some((ptr, ordinal)),
                     _ => None,
                 };
+                if let (Some((ptr, ordinal)), Some(buf)) = (device, self.pinned.remove(&t)) {
+                    self.send(origin, t, ptr, ordinal, buf)?;
+                    continue;
+                }
+                if self.landed_on_device(t).is_some() {
+                    continue; // already in the param (gdr)
+                }
                 if self.plan.entries[t].target == Target::Callback || device.is_some() {
                     let data = self.loose.remove(&t).unwrap_or_default();
                     match device {
@@ -436,8 +611,8 @@ impl<'p, 'h> Applier<'p, 'h> {
         }
         let regions: Vec<(SendPtr, usize)> = whole
             .iter()
-            .map(|&t| (self.landing(t), self.plan.entries[t].meta.nbytes as usize))
-            .collect();
+            .map(|&t| Ok((self.landing(t)?, self.plan.entries[t].meta.nbytes as usize)))
+            .collect::<Result<_>>()?;
         // SAFETY: the regions were fully written above and nothing writes them now.
         let got = unsafe { hash_all(&regions, self.opts.threads) };
         for (&t, got) in whole.iter().zip(got) {
@@ -459,7 +634,8 @@ impl<'p, 'h> Applier<'p, 'h> {
         Ok(())
     }
 
-    /// Copy a whole, verified tensor from host memory to its device param.
+    /// Queue the copy of a whole, verified tensor from host memory to its
+    /// device param (through pinned buffers; [`Applier::finish`] waits).
     fn upload(
         &mut self,
         origin: &str,
@@ -469,18 +645,55 @@ impl<'p, 'h> Applier<'p, 'h> {
         data: &[u8],
     ) -> Result<()> {
         self.wrote_params = true;
-        let cuda = crate::memory::cuda::cuda()?;
-        // SAFETY: `data` is the tensor's host bytes; the device range was
-        // checked at registration to hold the param's bytes.
-        unsafe { cuda.upload(ordinal, ptr, data.as_ptr(), data.len()) }.map_err(|e| {
-            e.context(format!(
-                "tensor '{}' from {origin} to GPU {ordinal}",
-                self.name(t)
-            ))
-        })
+        let (threads, deadline) = (self.opts.threads, self.deadline);
+        let name = &self.plan.entries[t].meta.name;
+        let staging = self.staging.as_deref_mut().ok_or_else(|| {
+            Error::unsupported("device params need the manager's pinned staging (internal)")
+        })?;
+        // SAFETY: the device range was checked at registration to hold the
+        // param's bytes, and only this update writes it.
+        unsafe { staging.upload(ordinal, ptr, data, threads, deadline) }
+            .map_err(|e| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}")))
+    }
+
+    /// Queue the copy of a whole, verified tensor that landed in `buf`.
+    fn send(
+        &mut self,
+        origin: &str,
+        t: usize,
+        ptr: u64,
+        ordinal: i32,
+        buf: PinnedBuffer,
+    ) -> Result<()> {
+        self.wrote_params = true;
+        let n = self.plan.entries[t].meta.nbytes as usize;
+        let name = &self.plan.entries[t].meta.name;
+        let staging = self.staging.as_deref_mut().ok_or_else(|| {
+            Error::unsupported("device params need the manager's pinned staging (internal)")
+        })?;
+        // SAFETY: as for `upload`; the buffer holds the tensor's n bytes.
+        unsafe { staging.send(ordinal, buf, ptr, n) }
+            .map_err(|e| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}")))
+    }
+
+    /// Wait for every queued copy to the GPUs (uploads, and device to
+    /// device copies out of a source's GPU memory): the bytes are then in
+    /// the params, and the source's memory is no longer read.
+    pub fn settle_uploads(&mut self) -> Result<()> {
+        let deadline = self.deadline;
+        match self.staging.as_deref_mut() {
+            Some(s) => s
+                .wait(deadline)
+                .map_err(|e| e.context("uploading to the GPU")),
+            None => Ok(()),
+        }
     }
 
     fn deliver(&mut self, t: usize, data: &[u8]) -> Result<()> {
+        self.deliver_view(t, data, None)
+    }
+
+    fn deliver_view(&mut self, t: usize, data: &[u8], device: Option<DeviceBytes>) -> Result<()> {
         self.delivered[t] = true;
         let meta = &self.plan.entries[t].meta;
         let Some(hook) = self.hooks.tensor.as_mut() else {
@@ -494,6 +707,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             dtype: meta.dtype,
             shape: &meta.shape,
             data,
+            device,
         };
         hook(&view).map_err(|why| {
             Error::callback(format!(
@@ -571,7 +785,12 @@ impl<'p, 'h> Applier<'p, 'h> {
                     _ => self.deliver(t, data)?,
                 }
             }
+            // The arena is freed at the end of this block: its bytes must
+            // be in pinned memory or on the GPU by then (they are: `upload`
+            // copies into pinned buffers before returning).
+            self.settle_uploads()?;
         } else {
+            self.settle_uploads()?;
             for t in 0..self.plan.entries.len() {
                 if self.plan.entries[t].target == Target::Callback && !self.delivered[t] {
                     self.deliver(t, &[])?;
@@ -584,6 +803,20 @@ impl<'p, 'h> Applier<'p, 'h> {
             receive,
             commit: commit_start.elapsed(),
         })
+    }
+}
+
+impl Drop for Applier<'_, '_> {
+    /// Pinned buffers of tensors that never completed go back to the staging.
+    fn drop(&mut self) {
+        let pinned: Vec<(usize, PinnedBuffer)> = self.pinned.drain().collect();
+        for (t, buf) in pinned {
+            if let (Some(Dest::Device { ordinal, .. }), Some(s)) =
+                (self.params[t], self.staging.as_deref_mut())
+            {
+                s.give_back(ordinal, buf);
+            }
+        }
     }
 }
 

@@ -14,7 +14,8 @@
 //! - [`result`]: result codes and the error type.
 //! - [`tensor`]: dtypes, shapes, byte math. [`registry`]: params by name.
 //! - [`manifest`], [`plan`], [`apply`]: the update pipeline.
-//! - [`memory`]: library-owned host memory and the parallel copier.
+//! - [`memory`]: library-owned host and GPU memory, pinned staging, CUDA IPC
+//!   buffers, and the parallel copier.
 //! - [`source`]: where bytes come from (snapshot files now).
 //! - [`manager`]: the state machine. [`state`]: its states.
 //! - [`signal`]: the control cell and the per-step signal.

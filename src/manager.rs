@@ -19,6 +19,7 @@ use crate::apply::{Applier, ApplyOptions, Hooks, Mode};
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
 use crate::memory::shared::MappedBuffers;
+use crate::memory::staging::DeviceStaging;
 use crate::memory::SendPtr;
 use crate::plan::{make_plan, PlanOptions, Target};
 use crate::registry::{ParamMemory, ParamSpec, Registry};
@@ -237,6 +238,9 @@ pub struct Manager {
     signal: SignalPlane,
     /// The last IPC session's shared buffers, mapped (see `MappedBuffers`).
     ipc_buffers: Arc<Mutex<MappedBuffers>>,
+    /// Pinned host buffers and upload streams for device params, kept from
+    /// one update to the next (freed by a clear).
+    staging: Mutex<DeviceStaging>,
 }
 
 fn check_version(v: &str) -> Result<()> {
@@ -284,6 +288,7 @@ impl Manager {
             gpu_id,
             threads,
             ipc_buffers: Arc::default(),
+            staging: Mutex::default(),
             op: Mutex::new(()),
             registry: RwLock::new(Registry::default()),
             record: Mutex::new(Record {
@@ -413,7 +418,8 @@ impl Manager {
         }
     }
 
-    fn open_source(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
+    /// `gdr`: a gdr request that may land in GPU memory (`check_gdr`).
+    fn open_source(&self, req: &UpdateRequest, gdr: bool) -> Result<Box<dyn Source>> {
         match req.source {
             SourceKind::Snapshot => {
                 let dir = req
@@ -447,6 +453,9 @@ impl Manager {
                     version: req.version.clone(),
                     allow_other_uids: self.config.allow_other_uids,
                     bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+                    // CUDA IPC buffers open on the rank's GPU (device
+                    // copies to params on other GPUs go peer to peer).
+                    gpu: self.config.device.max(0),
                 };
                 Ok(Box::new(IpcSource::open(
                     &opts,
@@ -461,8 +470,6 @@ impl Manager {
                         req.source.name()
                     ))
                 })?;
-                // gdr lands in param memory; when it may not, it runs as rdma.
-                let gdr = req.source == SourceKind::Gdr && self.check_gdr()?;
                 let opts = NetOptions {
                     address: address.display().to_string(),
                     rank: self.config.rank,
@@ -489,19 +496,21 @@ impl Manager {
     }
 
     /// gdr lands bytes straight in GPU memory: it needs a UCX built with CUDA
-    /// and device params. Device params arrive with the CUDA backend; until
-    /// then every param is host memory, so gdr is refused, or runs as rdma
-    /// when the config allows the fallback. Ok(true): gdr can land in GPU
-    /// memory (with direct receive, `source::net`); Ok(false): run as rdma.
-    fn check_gdr(&self) -> Result<bool> {
+    /// and device params. Ok(true): device params receive straight from the
+    /// wire (direct receive, `source::net`; host params too); Ok(false): run
+    /// as rdma, when the config allows the fallback.
+    fn check_gdr(&self, registry: &Registry) -> Result<bool> {
         let ucx = crate::transport::ucx::ucx()?;
-        let why = if !ucx.supports_cuda() {
+        let on_gpu = registry.params().iter().any(|p| p.device.is_some());
+        let why = if !on_gpu {
+            "this manager's params are host memory (gdr needs device params)".to_string()
+        } else if !ucx.supports_cuda() {
             format!(
                 "{} cannot reach CUDA memory (install a CUDA-enabled UCX, e.g. the libucx-cu12 wheel, and set WM_UCX_LIB)",
                 ucx.describe()
             )
         } else {
-            "this manager's params are host memory (gdr needs device params)".to_string()
+            return Ok(true);
         };
         if self.config.net.gdr_fallback {
             self.config.logger.warn(&format!(
@@ -656,7 +665,9 @@ impl Manager {
         start: Instant,
     ) -> std::result::Result<UpdateStats, (Error, bool)> {
         let early = |e: Error| (e, false);
-        let mut source = self.open_source(req).map_err(early)?;
+        // gdr lands in device params; when it may not, it runs as rdma.
+        let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry).map_err(early)?;
+        let mut source = self.open_source(req, gdr).map_err(early)?;
         // A publisher (ipc, rdma, gdr) serves the version asked for and names
         // it ("latest" becomes its real name); a snapshot request's version
         // overrides the snapshot's version.yaml.
@@ -705,7 +716,11 @@ impl Manager {
             timeout: req.timeout,
         };
         let hooks = std::mem::take(&mut req.hooks);
-        let mut applier = Applier::new(&plan, dests, apply_opts, hooks).map_err(early)?;
+        let mut staging = self.staging.lock();
+        let mut applier = Applier::new(&plan, dests, apply_opts, hooks)
+            .map_err(early)?
+            .with_staging(&mut staging)
+            .land_on_device(gdr);
         if let Err(e) = source.stream(&plan, &mut applier) {
             return Err((e, applier.wrote_params()));
         }
@@ -745,8 +760,9 @@ impl Manager {
             }
             rec.state = State::Clearing;
         }
-        // A cleared engine holds no trainer memory either.
+        // A cleared engine holds no trainer memory, nor pinned staging.
         self.ipc_buffers.lock().forget();
+        self.staging.lock().release();
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();

@@ -33,6 +33,13 @@ pub struct BucketEntry {
     pub buffer_offset: u64,
 }
 
+/// One GPU buffer of a CUDA_BUFFERS frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaBuffer {
+    pub handle: [u8; 64],
+    pub size: u64,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     /// Engine to publisher: who asks, for which version ("" = latest).
@@ -52,6 +59,9 @@ pub enum Frame {
     /// Publisher to engine: sizes of the shared buffers whose descriptors
     /// travel with this frame (SCM_RIGHTS).
     Buffers { sizes: Vec<u64> },
+    /// Publisher to engine: GPU buffers shared by CUDA IPC (64-byte
+    /// `cuIpcGetMemHandle` handles) and their sizes, used like BUFFERS'.
+    CudaBuffers { buffers: Vec<CudaBuffer> },
     /// Publisher to engine: bucket `seq` is ready in buffer `buffer`.
     Bucket {
         seq: u64,
@@ -169,6 +179,7 @@ impl Frame {
             Frame::Challenge { .. } => "CHALLENGE",
             Frame::Proof { .. } => "PROOF",
             Frame::Ready { .. } => "READY",
+            Frame::CudaBuffers { .. } => "CUDA_BUFFERS",
         }
     }
 
@@ -269,6 +280,14 @@ impl Frame {
                 o.u64(*bucket_size);
                 o.u32(*depth);
                 o.u8(*direct as u8);
+            }
+            Frame::CudaBuffers { buffers } => {
+                o.u8(12);
+                o.u32(buffers.len() as u32);
+                for b in buffers {
+                    o.0.extend_from_slice(&b.handle);
+                    o.u64(b.size);
+                }
             }
         }
         let len = (o.0.len() - 4) as u32;
@@ -406,6 +425,22 @@ impl Frame {
                     },
                 }
             }
+            12 => {
+                let n = i.count(64 + 8, "GPU buffers")?;
+                if n == 0 || n > MAX_BUFFERS {
+                    return Err(Error::peer(format!(
+                        "wire: {n} GPU buffers (1 to {MAX_BUFFERS} allowed)"
+                    )));
+                }
+                let mut buffers = Vec::with_capacity(n);
+                for _ in 0..n {
+                    buffers.push(CudaBuffer {
+                        handle: i.take(64)?.try_into().expect("64"),
+                        size: i.u64()?,
+                    });
+                }
+                Frame::CudaBuffers { buffers }
+            }
             t => return Err(Error::peer(format!("wire: unknown frame type {t}"))),
         };
         i.done()?;
@@ -523,6 +558,17 @@ mod tests {
         round_trip(Frame::Buffers {
             sizes: vec![1 << 20, 1 << 20],
         });
+        let mut handle = [0u8; 64];
+        handle
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8 ^ 0xa5);
+        round_trip(Frame::CudaBuffers {
+            buffers: vec![CudaBuffer {
+                handle,
+                size: 3 << 30,
+            }],
+        });
         round_trip(Frame::Bucket {
             seq: 1,
             buffer: 1,
@@ -605,6 +651,27 @@ mod tests {
             .unwrap_err()
             .message
             .contains("unknown frame type"));
+        // GPU buffers: none, or more than the limit.
+        let mut none = vec![12u8];
+        none.extend_from_slice(&0u32.to_le_bytes());
+        assert!(Frame::decode(&none)
+            .unwrap_err()
+            .message
+            .contains("0 GPU buffers"));
+        let many = Frame::CudaBuffers {
+            buffers: vec![
+                CudaBuffer {
+                    handle: [0; 64],
+                    size: 1
+                };
+                MAX_BUFFERS + 1
+            ],
+        }
+        .encode();
+        assert!(Frame::decode(&many[4..])
+            .unwrap_err()
+            .message
+            .contains("GPU buffers (1 to"));
         let e = |off, len| BucketEntry {
             tensor: 0,
             tensor_offset: 0,

@@ -2,12 +2,16 @@
 //! skipped and passes when this process sees no usable GPU (CI), so the
 //! suite compiles and runs everywhere; on a GPU machine it is the check.
 //!
-//! Covered so far: engine-owned device params through the snapshot path in
-//! atomic and in-place mode (bytes read back with cuMemcpyDtoH and compared
-//! with the files); library-owned device params (CUDA VMM) cleared and
-//! restored at identical addresses with the memory really returned (the
-//! driver's free-memory query); and bad device pointers, lengths and
-//! ordinals refused with errors naming the param.
+//! Covered: engine-owned device params through the snapshot path in atomic
+//! and in-place mode (pinned staging, asynchronous uploads; bytes read back
+//! with cuMemcpyDtoH and compared with the files); CUDA IPC between two
+//! processes (a `wm serve --gpu` trainer publishing GPU tensors, this
+//! process's device params written device to device, through the host when
+//! verified or atomic, and device pointers handed to the zero-copy
+//! callback); library-owned device params (CUDA VMM) cleared and restored
+//! at identical addresses with the memory really returned (the driver's
+//! free-memory query); and bad device pointers, lengths and ordinals
+//! refused with errors naming the param.
 
 mod common;
 
@@ -63,6 +67,17 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Engine-owned GPU memory for every tensor of `ts`, registered with `m`.
+fn register_on_gpu(c: &Cuda, m: &Manager, ts: &[T]) -> Vec<DeviceBuffer> {
+    ts.iter()
+        .map(|t| {
+            let b = DeviceBuffer::new(c, t.data.len());
+            unsafe { m.register(&device_spec(t), b.ptr as *mut u8, b.len) }.unwrap();
+            b
+        })
+        .collect()
+}
+
 /// A snapshot directory holding `model(seed)` as version `seed`.
 fn snapshot_of(seed: u8) -> (tempfile::TempDir, Vec<T>) {
     let dir = tempfile::tempdir().unwrap();
@@ -84,14 +99,7 @@ fn snapshot_into_device_params_atomic_and_in_place() {
     let Some(c) = gpu() else { return };
     let (dir, v1) = snapshot_of(1);
     let m = Manager::new(ManagerConfig::default()).unwrap();
-    let bufs: Vec<DeviceBuffer> = v1
-        .iter()
-        .map(|t| {
-            let b = DeviceBuffer::new(c, t.data.len());
-            unsafe { m.register(&device_spec(t), b.ptr as *mut u8, b.len) }.unwrap();
-            b
-        })
-        .collect();
+    let bufs = register_on_gpu(c, &m, &v1);
     for mode in [Mode::Atomic, Mode::InPlace] {
         bufs.iter().for_each(|b| b.zero(c));
         let mut req = UpdateRequest::snapshot(dir.path());
@@ -190,4 +198,165 @@ fn library_device_params_clear_and_restore_at_the_same_addresses() {
             t.name
         );
     }
+}
+
+/// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh).
+fn wm() -> String {
+    std::env::var("WM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_wm").to_string())
+}
+
+#[test]
+fn cuda_ipc_from_a_trainer_process_into_device_params() {
+    use std::process::{Command, Stdio};
+    use weight_manager::source::SourceKind;
+    let Some(c) = gpu() else { return };
+    let (dir, v1) = snapshot_of(7);
+    let sock = dir.path().join("gpu.sock");
+    // Three sessions: in place (device to device), atomic and verified
+    // (through the host), zero-copy callback (device pointers).
+    let trainer = Command::new(wm())
+        .args([
+            "serve",
+            "--ipc",
+            sock.to_str().unwrap(),
+            dir.path().to_str().unwrap(),
+        ])
+        .args([
+            "--gpu",
+            "0",
+            "--engines",
+            "3",
+            "--bucket-mib",
+            "1",
+            "--accept-timeout",
+            "60",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let m = Manager::new(ManagerConfig::default()).unwrap();
+    let bufs = register_on_gpu(c, &m, &v1);
+    let ipc = |mode: Mode, verify: bool| {
+        let mut req = UpdateRequest::snapshot(&sock);
+        req.source = SourceKind::Ipc;
+        req.mode = mode;
+        req.verify = verify;
+        req
+    };
+    let start = std::time::Instant::now();
+    let first = loop {
+        match m.update(ipc(Mode::InPlace, false)) {
+            Err(e) if e.code == wm_result::WM_ERR_NOT_FOUND => {
+                assert!(
+                    start.elapsed().as_secs() < 60,
+                    "the trainer never listened: {e}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            other => break other,
+        }
+    };
+    assert_eq!(first.unwrap().version, "7");
+    for (t, b) in v1.iter().zip(&bufs) {
+        assert!(b.read(c) == t.data, "in place: '{}' differs", t.name);
+    }
+    bufs.iter().for_each(|b| b.zero(c));
+    m.update(ipc(Mode::Atomic, true)).unwrap();
+    for (t, b) in v1.iter().zip(&bufs) {
+        assert!(
+            b.read(c) == t.data,
+            "atomic, verified: '{}' differs",
+            t.name
+        );
+    }
+    // Zero copy: the callback gets device pointers into the trainer's buffer.
+    let engine = Manager::new(ManagerConfig::default()).unwrap();
+    let mut seen = Vec::new();
+    let mut cb = |view: &weight_manager::apply::TensorView| {
+        let d = view.device.ok_or("a host view")?;
+        seen.push((view.name.to_string(), read_device(c, d.ptr, d.len)));
+        Ok(())
+    };
+    let mut req = ipc(Mode::InPlace, false);
+    req.hooks.tensor = Some(&mut cb);
+    engine.update(req).unwrap();
+    assert_eq!(seen.len(), v1.len());
+    for (name, bytes) in &seen {
+        let t = v1.iter().find(|t| &t.name == name).unwrap();
+        assert!(bytes == &t.data, "zero copy: '{name}' differs");
+    }
+    let out = trainer.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "trainer: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Device params through rdma (pinned staging behind the network path),
+/// when UCX is here.
+#[test]
+fn rdma_into_device_params() {
+    use weight_manager::publisher::{Publisher, PublisherConfig};
+    use weight_manager::source::SourceKind;
+    let Some(c) = gpu() else { return };
+    if let Err(e) = weight_manager::transport::ucx::ucx() {
+        println!("skipped: no UCX here: {e}");
+        return;
+    }
+    let v = model(9);
+    let cfg = PublisherConfig {
+        secret: Some(b"gpu-suite".to_vec()),
+        bucket_size: 1 << 20,
+        ..Default::default()
+    };
+    let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+    add_all(&p, &v);
+    p.set_version(Some("9".into()));
+    p.publish().unwrap();
+    let m = Manager::new(ManagerConfig {
+        net: weight_manager::manager::NetSettings {
+            secret: Some(b"gpu-suite".to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let bufs = register_on_gpu(c, &m, &v);
+    // gdr lands straight in the device params when this UCX reaches CUDA
+    // memory; otherwise it is refused, saying why.
+    let ucx = weight_manager::transport::ucx::ucx().unwrap();
+    let mut runs = vec![
+        (SourceKind::Rdma, Mode::InPlace),
+        (SourceKind::Rdma, Mode::Atomic),
+    ];
+    if ucx.supports_cuda() {
+        runs.push((SourceKind::Gdr, Mode::InPlace));
+    } else {
+        let mut req = UpdateRequest::snapshot(p.address());
+        req.source = SourceKind::Gdr;
+        let e = m.update(req).unwrap_err();
+        assert!(e.message.contains("cannot reach CUDA memory"), "{e}");
+        println!("gdr not run: {e}");
+    }
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(runs.len(), std::time::Duration::from_secs(30)));
+        for &(source, mode) in &runs {
+            let mut req = UpdateRequest::snapshot(p.address());
+            req.source = source;
+            req.mode = mode;
+            m.update(req).unwrap();
+            for (t, b) in v.iter().zip(&bufs) {
+                assert!(
+                    b.read(c) == t.data,
+                    "{source:?} {mode:?}: '{}' differs",
+                    t.name
+                );
+                b.zero(c);
+            }
+        }
+        serving.join().unwrap().unwrap();
+    });
 }

@@ -80,3 +80,73 @@ def test_no_publisher():
         with pytest.raises(WeightManagerError) as e:
             m.update(f"/tmp/wm-no-such-{os.getpid()}.sock", source="ipc")
         assert e.value.code == Result.ERR_NOT_FOUND
+
+
+class TensorLike:
+    """What add_torch reads of a torch.Tensor (torch itself is not installed
+    here): contiguity, dtype, shape, element size, device and data_ptr()."""
+
+    def __init__(self, array, dtype, cuda=False):
+        self.array, self.dtype, self.is_cuda = array, dtype, cuda
+        self.shape = array.shape
+        self.device = type("Device", (), {"index": 0})()
+
+    def is_contiguous(self):
+        return self.array.flags.c_contiguous
+
+    def numel(self):
+        return self.array.size
+
+    def element_size(self):
+        return self.array.itemsize
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+
+def run_torch_style_trainer(sock, ready):
+    tensors = trainer_tensors(3)
+    with Publisher(sock) as p:
+        p.add_torch("embed", TensorLike(tensors["embed"], "float32"))
+        p.add_torch("qkv", TensorLike(tensors["qkv"].view(np.uint16), "bfloat16"))
+        p.set_version("torch-1")
+        p.publish()
+        ready.set()
+        p.serve(1, timeout=30)
+
+
+def test_torch_tensors_publish_by_data_ptr(tmp_path):
+    sock = str(tmp_path / "torch.sock")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=run_torch_style_trainer, args=(sock, ready))
+    proc.start()
+    assert ready.wait(30)
+    want = trainer_tensors(3)
+    with Manager(fallback_dir="") as m:
+        embed = m.allocate("embed", "f32", want["embed"].shape)
+        qkv = m.allocate("qkv", "bf16", want["qkv"].shape)
+        assert m.update(sock, source="ipc", verify=True).version == "torch-1"
+        np.testing.assert_array_equal(embed, want["embed"])
+        np.testing.assert_array_equal(qkv, want["qkv"].view(np.uint16))
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_torch_cuda_tensor_must_be_gpu_memory(tmp_path):
+    host = np.zeros(16, np.float32)
+    with Publisher(str(tmp_path / "gpu.sock")) as p:
+        with pytest.raises(WeightManagerError) as e:
+            p.add_torch("w", TensorLike(host, "float32", cuda=True))
+        # No driver here: unsupported, naming the driver; on a GPU machine:
+        # refused as not device memory. Either way the tensor is named.
+        assert "tensor 'w'" in str(e.value)
+        with pytest.raises(ValueError):
+            p.add_torch("t", TensorLike(np.zeros((4, 4), np.float32)[:, ::2], "float32"))
+
+
+def test_device_arrays_expose_the_cuda_array_interface():
+    from weight_manager import DeviceArray, DType
+    a = DeviceArray(0x7F0000001000, 4096, 1, DType.F16, (32, 64))
+    assert a.__cuda_array_interface__ == {
+        "shape": (32, 64), "typestr": "<f2", "data": (0x7F0000001000, False), "version": 3}

@@ -8,9 +8,9 @@
         m.clear()
 """
 
-from .manager import Controller, Manager, Progress, Status, UpdateStats, WeightManagerError, version
+from .manager import Controller, DeviceArray, Manager, Progress, Status, UpdateStats, WeightManagerError, version
 from .publisher import Publisher, ServeStats
 from .types import DType, Result, Source, State
 
-__all__ = ["Controller", "Manager", "Publisher", "ServeStats", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "DeviceArray", "Manager", "Publisher", "ServeStats", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Result", "Source", "State"]

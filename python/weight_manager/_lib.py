@@ -100,6 +100,7 @@ class TensorView(ctypes.Structure):
         ("shape", ctypes.POINTER(ctypes.c_uint64)),
         ("data", c_void_p),
         ("len", ctypes.c_size_t),
+        ("device", ctypes.c_int32),
     ]
 
 
@@ -214,6 +215,11 @@ def load() -> ctypes.CDLL:
         ),
         "wm_publisher_publish": (R, [c_void_p]),
         "wm_publisher_destroy": (None, [c_void_p]),
+        "wm_publisher_add_device_tensor": (
+            R,
+            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+             ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32],
+        ),
         "wm_publisher_add_tensor": (
             R,
             [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, c_void_p,

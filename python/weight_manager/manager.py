@@ -94,6 +94,24 @@ def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarr
     return arr.view(DTYPE_TO_NUMPY[dtype]).reshape(tuple(shape))
 
 
+@dataclass(frozen=True)
+class DeviceArray:
+    """A tensor in GPU memory handed to `on_tensor` (zero-copy from a
+    trainer's CUDA IPC buffer), valid only during the call. It carries
+    `__cuda_array_interface__`, so `torch.as_tensor(a, device="cuda")`, CuPy
+    or Numba view it without a copy."""
+    ptr: int
+    nbytes: int
+    device: int
+    dtype: DType
+    shape: tuple
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        typestr = DTYPE_TO_NUMPY[self.dtype].str
+        return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False), "version": 3}
+
+
 class OwnedHandle:
     """Base of the classes that own one library handle: `close()` (idempotent),
     context manager, and destruction on garbage collection. Subclasses set
@@ -266,7 +284,11 @@ class Manager(OwnedHandle):
                     t = t[0]
                     dtype = DType(t.dtype)
                     shape = [t.shape[i] for i in range(t.ndim)]
-                    on_tensor(t.name.decode(), _array_at(t.data or 0, t.len, dtype, shape, None))
+                    if t.device >= 0:
+                        view = DeviceArray(t.data or 0, t.len, t.device, dtype, tuple(shape))
+                    else:
+                        view = _array_at(t.data or 0, t.len, dtype, shape, None)
+                    on_tensor(t.name.decode(), view)
                     return 0
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     raised.append(e)

@@ -84,6 +84,39 @@ class Publisher(OwnedHandle):
                                                 ctypes.c_void_p(array.ctypes.data), array.nbytes, rank))
         self._arrays.append(array)
 
+    def add_device(self, name: str, ptr: int, nbytes: int, device: int, *, dtype, shape,
+                   rank: int = -1) -> None:
+        """Publish `nbytes` of GPU memory at device address `ptr` on CUDA
+        device `device` as tensor `name` (dtype x shape). GPU tensors are served
+        once published: publish() waits for the device and copies them into a
+        GPU buffer that engines on this node open by CUDA IPC handle. The
+        memory must stay valid until the next publish() returns."""
+        wm_dtype = parse_dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+        self._check(LIB.wm_publisher_add_device_tensor(self._h(), name.encode(), int(wm_dtype), dims, len(shape),
+                                                       int(ptr), int(nbytes), int(device), rank))
+
+    def add_torch(self, name: str, tensor, *, rank: int = -1) -> None:
+        """Publish a torch.Tensor by its data_ptr(), without this package
+        depending on PyTorch: a CUDA tensor as GPU memory (add_device), a CPU
+        tensor as host memory. The tensor must be contiguous; a reference is
+        kept until clear()."""
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor '{name}': tensor must be contiguous (call .contiguous())")
+        wm_dtype = parse_dtype(tensor.dtype)
+        shape = tuple(int(d) for d in tensor.shape)
+        nbytes = int(tensor.numel()) * int(tensor.element_size())
+        if tensor.is_cuda:
+            index = tensor.device.index
+            self.add_device(name, tensor.data_ptr(), nbytes, 0 if index is None else index, dtype=wm_dtype,
+                            shape=shape, rank=rank)
+        else:
+            dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(wm_dtype), dims, len(shape),
+                                                    ctypes.c_void_p(tensor.data_ptr()), nbytes, rank))
+        self._arrays.append(tensor)
+
     def set_dir(self, directory) -> None:
         """Serve a snapshot directory instead (per-rank files by the layout rules)."""
         self._check(LIB.wm_publisher_set_dir(self._h(), str(directory).encode()))

@@ -87,10 +87,19 @@ DTYPE_TO_NUMPY.update({DType.BF16: np.dtype(np.uint16), DType.F8_E4M3: np.dtype(
                        DType.F8_E5M2: np.dtype(np.uint8)})
 
 
+# PyTorch's names that numpy does not know.
+TORCH_NAMES = {"float8_e4m3fn": DType.F8_E4M3, "float8_e5m2": DType.F8_E5M2, "bfloat16": DType.BF16}
+
+
 def parse_dtype(value) -> DType:
-    """A DType from a DType, a name ("bf16", "F8_E4M3") or a numpy dtype."""
+    """A DType from a DType, a name ("bf16", "F8_E4M3"), a numpy dtype, or a
+    torch dtype (torch.bfloat16; torch itself is never imported)."""
     if isinstance(value, DType):
         return value
+    if type(value).__module__ == "torch":
+        value = str(value).removeprefix("torch.")
+    if isinstance(value, str) and value in TORCH_NAMES:
+        return TORCH_NAMES[value]
     if isinstance(value, str):
         key = value.upper().replace("BFLOAT16", "BF16").replace("FLOAT", "F")
         aliases = {"F8E4M3": "F8_E4M3", "F8E5M2": "F8_E5M2"}

@@ -229,27 +229,76 @@ pub unsafe extern "C" fn wm_publisher_add_tensor(
     ffi_guard!({
         let h = try_publisher!(publisher);
         let r = (|| {
-            let name = opt_str(name, "name")?
-                .ok_or_else(|| Error::null_argument("tensor name is NULL"))?;
-            let dtype = DType::from_raw(dtype).ok_or_else(|| {
-                Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
-            })?;
-            if ndim > crate::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
-                return Err(Error::invalid_argument(format!(
-                    "tensor '{name}': bad shape (ndim {ndim})"
-                )));
-            }
-            let shape = if ndim == 0 {
-                &[][..]
-            } else {
-                std::slice::from_raw_parts(shape, ndim)
-            };
-            let rank = if rank < 0 { None } else { Some(rank as u32) };
+            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
             h.value
                 .add_tensor(&name, dtype, shape, data.cast(), len, rank)
         })();
         h.result(r)
     })
+}
+
+/// Publish a tensor from the trainer's GPU memory: `len` bytes at device
+/// address `device_ptr` of CUDA device `device` (an ordinal of this
+/// process; the range is checked with the driver), for engine rank `rank`,
+/// or for every rank with -1. A PyTorch trainer passes `t.data_ptr()`.
+///
+/// GPU tensors are served once published: `wm_publisher_publish` waits for
+/// the device (so kernels writing them have finished) and copies them into
+/// one GPU buffer that engines on this node open by CUDA IPC handle (over
+/// the network: into host memory). Engines then copy device to device.
+///
+/// Ownership: the trainer keeps the memory; it must stay valid until the
+/// next `wm_publisher_publish` returns.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add_device_tensor(
+    publisher: *mut wm_publisher,
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    device_ptr: u64,
+    len: usize,
+    device: i32,
+    rank: i32,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = (|| {
+            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
+            h.value
+                .add_device_tensor(&name, dtype, shape, device_ptr, len, device, rank)
+        })();
+        h.result(r)
+    })
+}
+
+/// A tensor's name, dtype, shape and rank (-1: every rank) from the C
+/// arguments.
+///
+/// # Safety
+/// `name` is NULL or a C string; `shape` holds `ndim` values when not NULL.
+unsafe fn tensor_desc<'a>(
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    rank: i32,
+) -> crate::result::Result<(String, DType, &'a [u64], Option<u32>)> {
+    let name = opt_str(name, "name")?.ok_or_else(|| Error::null_argument("tensor name is NULL"))?;
+    let dtype = DType::from_raw(dtype).ok_or_else(|| {
+        Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
+    })?;
+    if ndim > crate::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
+        return Err(Error::invalid_argument(format!(
+            "tensor '{name}': bad shape (ndim {ndim})"
+        )));
+    }
+    let shape = if ndim == 0 {
+        &[][..]
+    } else {
+        std::slice::from_raw_parts(shape, ndim)
+    };
+    Ok((name, dtype, shape, u32::try_from(rank).ok()))
 }
 
 /// Serve the snapshot in directory `dir` instead of in-memory tensors: each

@@ -49,8 +49,14 @@ pub struct wm_tensor_view {
     pub dtype: u32,
     pub ndim: usize,
     pub shape: *const u64,
+    /// The tensor's `len` bytes: host memory when `device` is -1, else a
+    /// CUDA device address valid on GPU `device` (zero-copy from a trainer's
+    /// CUDA IPC buffer; copy it with cudaMemcpy, do not dereference it).
     pub data: *const c_void,
     pub len: usize,
+    /// -1: `data` is host memory; otherwise the CUDA device ordinal (in
+    /// this process) whose memory `data` is.
+    pub device: i32,
 }
 
 /// Called on the updating thread after each batch; return 0 to go on, any
@@ -247,8 +253,12 @@ pub unsafe extern "C" fn wm_update(
                     dtype: t.dtype as u32,
                     ndim: t.shape.len(),
                     shape: t.shape.as_ptr(),
-                    data: t.data.as_ptr().cast(),
-                    len: t.data.len(),
+                    data: match t.device {
+                        Some(d) => d.ptr as *const c_void,
+                        None => t.data.as_ptr().cast(),
+                    },
+                    len: t.device.map_or(t.data.len(), |d| d.len),
+                    device: t.device.map_or(-1, |d| d.ordinal),
                 };
                 // SAFETY: the engine's callback, called as documented.
                 match unsafe { cb(user, &view) } {

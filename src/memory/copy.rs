@@ -26,6 +26,9 @@ pub enum CopySource<'a> {
     Memory(SendPtr),
     /// A file range starting at `offset`.
     File { file: &'a File, offset: u64 },
+    /// GPU memory at device address `ptr`, valid in the context of GPU
+    /// `ordinal` (CUDA IPC buckets); copied to host with `cuMemcpyDtoH`.
+    Device { ptr: u64, ordinal: i32 },
 }
 
 /// Copy `len` bytes from `src` to `dst`. `tag` comes back with an error so the
@@ -61,6 +64,10 @@ fn split<'a>(jobs: &[CopyJob<'a>]) -> Vec<CopyJob<'a>> {
                 CopySource::File { file, offset } => CopySource::File {
                     file,
                     offset: offset + done as u64,
+                },
+                CopySource::Device { ptr, ordinal } => CopySource::Device {
+                    ptr: ptr + done as u64,
+                    ordinal,
                 },
             };
             pieces.push(CopyJob {
@@ -129,9 +136,12 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
 }
 
 fn run_piece(job: &CopyJob) -> Result<()> {
-    // SAFETY (both arms): the caller of `copy_all` guarantees dst..dst+len is
+    // SAFETY (every arm): the caller of `copy_all` guarantees dst..dst+len is
     // writable, not written by another job, and src is readable for len.
     match job.src {
+        CopySource::Device { ptr, ordinal } => unsafe {
+            crate::memory::cuda_ipc::download(ordinal, job.dst.0, ptr, job.len)?;
+        },
         CopySource::Memory(src) => unsafe {
             copy_bytes(job.dst.0, src.0, job.len);
         },

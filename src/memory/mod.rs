@@ -7,14 +7,18 @@
 //! - [`shared`]: sealed memfd buffers passed between processes.
 //! - [`pool`]: buffers kept for the next session.
 //! - [`cuda`]: the CUDA driver (loaded at run time) and device params.
+//! - [`cuda_ipc`]: GPU memory shared between processes (CUDA IPC handles).
 //! - [`device`]: library-owned device memory at stable addresses (CUDA VMM).
+//! - [`staging`]: pinned host buffers and asynchronous uploads to the GPU.
 
 pub mod copy;
 pub mod cuda;
+pub mod cuda_ipc;
 pub mod device;
 pub mod host;
 pub mod pool;
 pub mod shared;
+pub mod staging;
 
 /// A raw pointer that may cross threads. The owner guarantees the memory
 /// outlives every copy that uses it and that no two copies write one byte.

@@ -9,8 +9,8 @@
 //!   refuses a buffer without those seals, so no peer can truncate a buffer
 //!   under the other and turn its next read into SIGBUS.
 //!
-//! The bucket abstraction ([`BucketMemory`]) is where CUDA IPC buffers join
-//! host buffers.
+//! The bucket abstraction ([`BucketMemory`]) is where CUDA IPC buffers
+//! (`memory::cuda_ipc`) join host buffers.
 
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -243,16 +243,18 @@ impl MappedBuffers {
     }
 }
 
-/// Where a bucket's bytes are. Host memory today; CUDA IPC buffers (device
-/// memory opened from a peer's handle) are the other kind.
+/// Where a bucket's bytes are: a shared host buffer, or a trainer's GPU
+/// buffer opened from its CUDA IPC handle.
 pub enum BucketMemory {
     Host(Arc<SharedBuffer>),
+    Device(crate::memory::cuda_ipc::ImportedDeviceBuffer),
 }
 
 impl BucketMemory {
     pub fn len(&self) -> usize {
         match self {
             BucketMemory::Host(b) => b.len(),
+            BucketMemory::Device(d) => d.len(),
         }
     }
 
@@ -260,10 +262,17 @@ impl BucketMemory {
         self.len() == 0
     }
 
-    /// Host address of byte `offset` (callers have checked the range).
-    pub fn host_ptr(&self, offset: u64) -> *mut u8 {
+    /// Where byte `offset` is, for the copier (callers have checked the range).
+    pub fn source(&self, offset: u64) -> crate::memory::copy::CopySource<'static> {
+        use crate::memory::copy::CopySource;
         match self {
-            BucketMemory::Host(b) => b.ptr().wrapping_add(offset as usize),
+            BucketMemory::Host(b) => CopySource::Memory(crate::memory::SendPtr(
+                b.ptr().wrapping_add(offset as usize),
+            )),
+            BucketMemory::Device(d) => CopySource::Device {
+                ptr: d.ptr() + offset,
+                ordinal: d.ordinal(),
+            },
         }
     }
 }

@@ -37,6 +37,7 @@ mod session;
 
 use crate::logging::Logger;
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
@@ -127,6 +128,8 @@ pub struct HostTensor {
     /// Known checksum: published (immutable) copies are hashed once, at
     /// publish, not by every session.
     pub checksum: Option<u128>,
+    /// Some(GPU ordinal): `data` is a CUDA device address of that GPU.
+    pub device: Option<i32>,
 }
 
 /// What a publisher serves.
@@ -147,6 +150,9 @@ pub(crate) struct Offer {
     /// A published version's tensors, copied into one shared buffer (the
     /// content points into it); IPC sessions hand it to engines as is.
     pub(crate) shared: Option<Arc<SharedBuffer>>,
+    /// A published version with GPU tensors, on an IPC publisher: copied
+    /// into one GPU buffer, handed to engines by its CUDA IPC handle.
+    pub(crate) device: Option<Arc<ExportedDeviceBuffer>>,
 }
 
 impl Offer {
@@ -159,6 +165,7 @@ impl Offer {
             version,
             content,
             shared: None,
+            device: None,
         }
     }
 }
@@ -323,14 +330,22 @@ impl Publisher {
                     }
                 }
             }
-            offer.shared = Some(Arc::new(self.copy_to_shared(ts, &name)?));
-            if self.cfg.checksums {
-                let regions: Vec<(SendPtr, usize)> = ts.iter().map(|t| (t.data, t.len)).collect();
-                // SAFETY: our own copies, unchanged from here on.
-                let sums = unsafe { hash_all(&regions, default_threads()) };
-                for (t, sum) in ts.iter_mut().zip(sums) {
-                    t.checksum = Some(sum);
+            // Kernels still writing the trainer's GPU tensors finish first.
+            let mut gpus: Vec<i32> = ts.iter().filter_map(|t| t.device).collect();
+            gpus.sort_unstable();
+            gpus.dedup();
+            for &g in &gpus {
+                cuda_ipc::synchronize(g).map_err(|e| e.context(format!("publish '{name}'")))?;
+            }
+            // The version lives on the GPU of its first GPU tensor.
+            match (ts.iter().find_map(|t| t.device), &self.listener) {
+                (Some(gpu), Listener::Unix(_)) => {
+                    offer.device = Some(Arc::new(copy_to_device(ts, gpu, &name)?));
                 }
+                _ => offer.shared = Some(Arc::new(self.copy_to_shared(ts, &name)?)),
+            }
+            if self.cfg.checksums {
+                hash_published(ts)?;
             }
         }
         let mut published = self.published.lock();
@@ -393,7 +408,7 @@ impl Publisher {
             .zip(&offsets)
             .enumerate()
             .map(|(i, (t, &at))| CopyJob {
-                src: CopySource::Memory(t.data),
+                src: tensor_source(t),
                 dst: SendPtr(shared.ptr().wrapping_add(at)),
                 len: t.len,
                 tag: i,
@@ -404,6 +419,7 @@ impl Publisher {
         unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)?;
         for (t, at) in ts.iter_mut().zip(offsets) {
             t.data = SendPtr(shared.ptr().wrapping_add(at));
+            t.device = None;
         }
         Ok(shared)
     }
@@ -439,6 +455,46 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
+        self.push_tensor(name, dtype, shape, data as u64, len, rank, None)
+    }
+
+    /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
+    /// address `ptr` of GPU `ordinal` (checked with the driver). GPU tensors
+    /// are served once published: [`Publisher::publish`] copies them into
+    /// one GPU buffer shared with engines by CUDA IPC (an IPC publisher),
+    /// or into host memory (a network publisher).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until the next `publish` returns.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_device_tensor(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        ptr: u64,
+        len: usize,
+        ordinal: i32,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let what = format!("tensor '{name}'");
+        crate::memory::cuda::cuda()
+            .map_err(|e| e.context(&what))?
+            .check_device_range(ordinal, ptr, len, &what)?;
+        self.push_tensor(name, dtype, shape, ptr, len, rank, Some(ordinal))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn push_tensor(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        data: u64,
+        len: usize,
+        rank: Option<u32>,
+        device: Option<i32>,
+    ) -> Result<()> {
         check_name(name)?;
         let need = byte_size(&format!("tensor '{name}'"), dtype, shape)?;
         if need != len as u64 {
@@ -446,7 +502,7 @@ impl Publisher {
                 "tensor '{name}': {len} bytes given, {need} needed"
             )));
         }
-        if data.is_null() && len > 0 {
+        if data == 0 && len > 0 {
             return Err(Error::null_argument(format!(
                 "tensor '{name}': data is NULL"
             )));
@@ -474,6 +530,7 @@ impl Publisher {
             len,
             rank,
             checksum: None,
+            device,
         });
         Ok(())
     }
@@ -568,6 +625,66 @@ impl Drop for Publisher {
             let _ = std::fs::remove_file(&self.path);
         }
     }
+}
+
+/// Where the copier reads tensor `t` (host memory, or GPU memory).
+fn tensor_source(t: &HostTensor) -> CopySource<'static> {
+    match t.device {
+        Some(ordinal) => CopySource::Device {
+            ptr: t.data.0 as u64,
+            ordinal,
+        },
+        None => CopySource::Memory(t.data),
+    }
+}
+
+/// Copy `ts` into one new GPU buffer on GPU `gpu` (256-byte aligned
+/// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
+/// and point them at their copies.
+fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
+    let mut offsets = Vec::with_capacity(ts.len());
+    let mut total = 0usize;
+    for t in ts.iter() {
+        let at = total.next_multiple_of(crate::wire::ALIGN as usize);
+        offsets.push(at);
+        total = at + t.len;
+    }
+    let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
+    for (t, &at) in ts.iter().zip(&offsets) {
+        // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
+        // contract); the range fits the buffer, which is sized for all.
+        unsafe { buf.copy_in(at, t.data.0 as u64, t.len) }
+            .map_err(|e| e.context(format!("publish '{version}': tensor '{}'", t.name)))?;
+    }
+    for (t, at) in ts.iter_mut().zip(offsets) {
+        t.data = SendPtr((buf.ptr() + at as u64) as *mut u8);
+        t.device = Some(gpu);
+    }
+    Ok(buf)
+}
+
+/// Checksums of a version's copies (GPU ones are read back to hash).
+fn hash_published(ts: &mut [HostTensor]) -> Result<()> {
+    let host: Vec<(SendPtr, usize)> = ts
+        .iter()
+        .filter(|t| t.device.is_none())
+        .map(|t| (t.data, t.len))
+        .collect();
+    // SAFETY: our own copies, unchanged from here on.
+    let mut sums = unsafe { hash_all(&host, default_threads()) }.into_iter();
+    let mut scratch: Vec<u8> = Vec::new();
+    for t in ts.iter_mut() {
+        t.checksum = Some(match t.device {
+            None => sums.next().expect("one per host tensor"),
+            Some(gpu) => {
+                scratch.resize(t.len, 0);
+                // SAFETY: the scratch holds len bytes; the copy is ours.
+                unsafe { cuda_ipc::download(gpu, scratch.as_mut_ptr(), t.data.0 as u64, t.len) }?;
+                xxhash_rust::xxh3::xxh3_128(&scratch)
+            }
+        });
+    }
+    Ok(())
 }
 
 fn check_config(cfg: &PublisherConfig) -> Result<()> {

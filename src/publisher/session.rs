@@ -4,6 +4,7 @@
 use super::{Content, HostTensor, Offer, PublisherConfig};
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::pool::Pool;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
@@ -14,7 +15,7 @@ use crate::source::Source;
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::{Conn, Stream};
 use crate::transport::unix::check_peer_uid;
-use crate::wire::{BucketEntry, Frame, ALIGN};
+use crate::wire::{BucketEntry, CudaBuffer, Frame, ALIGN};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -59,9 +60,16 @@ enum ShardBytes {
 pub(super) struct Shard {
     pub(super) manifest: Manifest,
     bytes: ShardBytes,
-    /// The published version's shared buffer, which every tensor of the
-    /// shard lies in (None: live tensors or files, packed per session).
-    published: Option<Arc<SharedBuffer>>,
+    /// The published version's buffer, which every tensor of the shard
+    /// lies in (None: live tensors or files, packed per session).
+    published: Option<Published>,
+}
+
+/// Where a published version's bytes are.
+#[derive(Clone)]
+enum Published {
+    Host(Arc<SharedBuffer>),
+    Device(Arc<ExportedDeviceBuffer>),
 }
 
 impl Shard {
@@ -108,6 +116,18 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
                 .iter()
                 .filter(|t| t.rank.is_none_or(|r| r == rank))
                 .collect();
+            let published = match (&offer.shared, &offer.device) {
+                (Some(s), _) => Some(Published::Host(s.clone())),
+                (None, Some(d)) => Some(Published::Device(d.clone())),
+                (None, None) => None,
+            };
+            if let (Some(t), None) = (mine.iter().find(|t| t.device.is_some()), &published) {
+                return Err(Error::invalid_argument(format!(
+                    "tensor '{}' is GPU memory: GPU tensors are served once published \
+                     (publish copies them into a buffer engines read)",
+                    t.name
+                )));
+            }
             // Hash what has no checksum yet (published copies have theirs).
             let todo: Vec<usize> = (0..mine.len())
                 .filter(|&i| cfg.checksums && mine[i].checksum.is_none())
@@ -134,7 +154,7 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
             Ok(Shard {
                 manifest: Manifest { tensors, version },
                 bytes: ShardBytes::Memory(mine.iter().map(|t| t.data).collect()),
-                published: offer.shared.clone(),
+                published,
             })
         }
     }
@@ -368,13 +388,26 @@ fn serve(
         super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
         return Ok(stats);
     }
-    if let (Some(published), None) = (shard.published.clone(), &cfg.corrupt_tensor) {
-        let buckets = windows(&shard, &published, &want, cfg.bucket_size);
+    let in_place = match &shard.published {
+        Some(Published::Device(_)) if cfg.corrupt_tensor.is_some() => {
+            return Err(Error::invalid_argument(
+                "the corrupt-tensor test option does not apply to a GPU version",
+            ))
+        }
+        Some(p) if cfg.corrupt_tensor.is_none() => Some(p.clone()),
+        _ => None,
+    };
+    if let Some(published) = in_place {
+        let (base, handover) = match &published {
+            Published::Host(b) => (b.ptr() as u64, Handover::Shared(vec![&**b])),
+            Published::Device(d) => (d.ptr(), Handover::Cuda(d)),
+        };
+        let buckets = windows(&shard, base, &want, cfg.bucket_size);
         let no_packing = |_: usize, _: &[BucketEntry]| Ok(0);
         stream_buckets(
             conn,
             &buckets,
-            &[&published],
+            handover,
             cfg.buffers,
             no_packing,
             cfg,
@@ -396,8 +429,8 @@ fn serve(
         }
         Ok((i % n_buf) as u32)
     };
-    let views: Vec<&SharedBuffer> = buffers.iter().collect();
-    let r = stream_buckets(conn, &buckets, &views, n_buf, pack, cfg, &step, &mut stats);
+    let views = Handover::Shared(buffers.iter().collect());
+    let r = stream_buckets(conn, &buckets, views, n_buf, pack, cfg, &step, &mut stats);
     // A clean session's buffers serve the next one; a failed session's are
     // freed at once (the engine may be gone, or still mapping them).
     if r.is_ok() {
@@ -408,24 +441,48 @@ fn serve(
 
 /// Buckets of a published version: planned as for packing (so each holds
 /// at most `bucket` bytes, ramping up and down), but every entry points at
-/// its bytes where they already are in the version's shared buffer.
-fn windows(
-    shard: &Shard,
-    published: &SharedBuffer,
-    want: &[u32],
-    bucket: usize,
-) -> Vec<(Vec<BucketEntry>, u64)> {
+/// its bytes where they already are in the version's buffer (at `base`, a
+/// host or a device address).
+fn windows(shard: &Shard, base: u64, want: &[u32], bucket: usize) -> Vec<(Vec<BucketEntry>, u64)> {
     let ptrs = shard.in_memory().expect("a published shard is in memory");
     // Whole multiples of the alignment, so split tensors' pieces stay aligned.
     let bucket = (bucket as u64 / ALIGN * ALIGN) as usize;
     let mut buckets = plan_buckets(&shard.manifest, want, bucket);
     for (entries, _) in &mut buckets {
         for e in entries {
-            let base = ptrs[e.tensor as usize].0 as u64 - published.ptr() as u64;
-            e.buffer_offset = base + e.tensor_offset;
+            let start = ptrs[e.tensor as usize].0 as u64 - base;
+            e.buffer_offset = start + e.tensor_offset;
         }
     }
     buckets
+}
+
+/// The buffers a session hands over: shared host memory (descriptors), or
+/// a GPU buffer (its CUDA IPC handle).
+enum Handover<'a> {
+    Shared(Vec<&'a SharedBuffer>),
+    Cuda(&'a ExportedDeviceBuffer),
+}
+
+impl Handover<'_> {
+    /// Each buffer's whole length (pooled ones may be larger than this
+    /// session needs): the same file always maps the same way, so an engine
+    /// can keep its mapping from one session to the next.
+    fn send(&self, conn: &mut Conn) -> Result<()> {
+        match self {
+            Handover::Shared(buffers) => {
+                let fds: Vec<i32> = buffers.iter().map(|b| b.fd().as_raw_fd()).collect();
+                let sizes = buffers.iter().map(|b| b.len() as u64).collect();
+                conn.send_with_fds(&Frame::Buffers { sizes }, &fds)
+            }
+            Handover::Cuda(d) => conn.send(&Frame::CudaBuffers {
+                buffers: vec![CudaBuffer {
+                    handle: d.handle(),
+                    size: d.len() as u64,
+                }],
+            }),
+        }
+    }
 }
 
 /// Hand the buffers over, then announce bucket after bucket, `pack`ing each
@@ -436,23 +493,14 @@ fn windows(
 fn stream_buckets(
     conn: &mut Conn,
     buckets: &[(Vec<BucketEntry>, u64)],
-    buffers: &[&SharedBuffer],
+    buffers: Handover,
     in_flight: usize,
     mut pack: impl FnMut(usize, &[BucketEntry]) -> Result<u32>,
     cfg: &PublisherConfig,
     step: &dyn Fn(Duration) -> Instant,
     stats: &mut SessionStats,
 ) -> Result<()> {
-    let fds: Vec<i32> = buffers.iter().map(|b| b.fd().as_raw_fd()).collect();
-    // Each buffer's whole length (pooled ones may be larger than this
-    // session needs): the same file always maps the same way, so an engine
-    // can keep its mapping from one session to the next.
-    conn.send_with_fds(
-        &Frame::Buffers {
-            sizes: buffers.iter().map(|b| b.len() as u64).collect(),
-        },
-        &fds,
-    )?;
+    buffers.send(conn)?;
     let mut acked = 0u64;
     let mut wait_ack = |conn: &mut Conn, stats: &mut SessionStats| -> Result<()> {
         let t = Instant::now();
@@ -565,6 +613,32 @@ pub(super) fn corrupt(manifest: &Manifest, entries: &[BucketEntry], base: *mut u
 mod tests {
     use super::*;
     use crate::tensor::DType;
+
+    /// GPU tensors are served only from a published version's buffer: a
+    /// live one is refused by name (a session never reads device memory as
+    /// host memory).
+    #[test]
+    fn live_gpu_tensors_are_refused_by_name() {
+        let gpu_tensor = HostTensor {
+            name: "layers.0.w".into(),
+            dtype: DType::F32,
+            shape: vec![4],
+            data: SendPtr(0x7000_0000_0000 as *mut u8),
+            len: 16,
+            rank: None,
+            checksum: None,
+            device: Some(0),
+        };
+        let offer = Offer::new(Some("1".into()), Content::Tensors(vec![gpu_tensor]));
+        let e = shard_for(&offer, 0, "0", &PublisherConfig::default())
+            .err()
+            .expect("refused");
+        assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+        assert!(
+            e.message.contains("'layers.0.w' is GPU memory") && e.message.contains("published"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn buckets_align_split_and_fill() {

@@ -12,12 +12,20 @@
 //! bucket is handed to the callback as a pointer into the shared buffer,
 //! valid until the callback returns (tensors split across buckets, and
 //! atomic mode, go through a library buffer first).
+//!
+//! **GPU buffers.** A trainer that published a version of GPU tensors
+//! sends CUDA_BUFFERS (CUDA IPC handles) instead of BUFFERS. The engine
+//! opens them once per session on its GPU (`IpcOptions::gpu`) and closes
+//! them at its end. In place and unverified, bytes go device to device into
+//! device params, and zero-copy hands the callback device pointers; host
+//! params, atomic mode (its staging is host memory) and verification (the
+//! hash runs on the CPU) copy the bytes to the host first. The engine waits
+//! for its copies out of a bucket before acknowledging it.
 
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
-use crate::memory::copy::CopySource;
+use crate::memory::cuda_ipc::ImportedDeviceBuffer;
 use crate::memory::shared::{BucketMemory, MappedBuffers, SharedBuffer};
-use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -42,6 +50,9 @@ pub struct IpcOptions {
     pub version: Option<String>,
     pub allow_other_uids: bool,
     pub bucket_timeout: Duration,
+    /// The GPU (CUDA ordinal in this process) that opens a trainer's CUDA
+    /// IPC buffers: the rank's device, or 0 when the config names none.
+    pub gpu: i32,
 }
 
 pub struct IpcSource {
@@ -49,6 +60,7 @@ pub struct IpcSource {
     timeout: Duration,
     /// The manager's mappings of the last session's buffers.
     mapped: Arc<Mutex<MappedBuffers>>,
+    gpu: i32,
 }
 
 impl IpcSource {
@@ -86,6 +98,7 @@ impl IpcSource {
             link: PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_| Ok(()))?,
             timeout: opts.bucket_timeout,
             mapped,
+            gpu: opts.gpu,
         })
     }
 }
@@ -126,24 +139,34 @@ impl IpcSource {
         let conn = &mut self.link.conn;
         let next_deadline =
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
-        let sizes = match conn.recv(next_deadline(applier))? {
-            Frame::Buffers { sizes } => sizes,
-            other => return Err(unexpected(conn, "BUFFERS", &other)),
-        };
-        let fds = conn.take_fds(sizes.len())?;
-        let buffers: Vec<BucketMemory> = {
-            let mut mapped = self.mapped.lock();
-            fds.into_iter()
-                .zip(&sizes)
+        let buffers: Vec<BucketMemory> = match conn.recv(next_deadline(applier))? {
+            Frame::Buffers { sizes } => {
+                let fds = conn.take_fds(sizes.len())?;
+                let mut mapped = self.mapped.lock();
+                fds.into_iter()
+                    .zip(&sizes)
+                    .enumerate()
+                    .map(|(i, (fd, &size))| {
+                        let size = usize::try_from(size)
+                            .map_err(|_| Error::peer("buffer size does not fit"))?;
+                        mapped
+                            .receive(fd, size, &format!("shared buffer {i}"))
+                            .map(BucketMemory::Host)
+                    })
+                    .collect::<Result<_>>()?
+            }
+            Frame::CudaBuffers { buffers } => buffers
+                .iter()
                 .enumerate()
-                .map(|(i, (fd, &size))| {
-                    let size = usize::try_from(size)
-                        .map_err(|_| Error::peer("buffer size does not fit"))?;
-                    mapped
-                        .receive(fd, size, &format!("shared buffer {i}"))
-                        .map(BucketMemory::Host)
+                .map(|(i, b)| {
+                    let size = usize::try_from(b.size)
+                        .map_err(|_| Error::peer("GPU buffer size does not fit"))?;
+                    let what = format!("the trainer's GPU buffer {i}");
+                    ImportedDeviceBuffer::open(&what, self.gpu, &b.handle, size)
+                        .map(BucketMemory::Device)
                 })
-                .collect::<Result<_>>()?
+                .collect::<Result<_>>()?,
+            other => return Err(unexpected(conn, "BUFFERS", &other)),
         };
         loop {
             applier.check_deadline()?;
@@ -166,14 +189,26 @@ impl IpcSource {
                             tensor: e.tensor as usize,
                             offset: e.tensor_offset,
                             len: e.len as usize,
-                            src: CopySource::Memory(SendPtr(mem.host_ptr(e.buffer_offset))),
+                            src: mem.source(e.buffer_offset),
                         })
                         .collect();
                     applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
+                    if let BucketMemory::Device(_) = mem {
+                        // Device copies out of the bucket run on a stream:
+                        // done before the trainer may reuse its memory.
+                        applier.settle_uploads()?;
+                    }
                     conn.send(&Frame::Ack { seq })?;
                 }
                 Frame::End { .. } => {
-                    return Ok(buffers.into_iter().map(|BucketMemory::Host(b)| b).collect())
+                    applier.settle_uploads()?;
+                    return Ok(buffers
+                        .into_iter()
+                        .filter_map(|m| match m {
+                            BucketMemory::Host(b) => Some(b),
+                            BucketMemory::Device(_) => None,
+                        })
+                        .collect());
                 }
                 other => return Err(unexpected(conn, "BUCKET or END", &other)),
             }

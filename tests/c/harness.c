@@ -783,6 +783,17 @@ static void test_publisher(void) {
   CHECK(strcmp(buf, sock) == 0 && n == strlen(sock));
   CHECK_RC(wm_publisher_publish(p), WM_ERR_NO_VERSION); /* no version set */
 
+  /* GPU tensors: a host address is never device memory. Without a driver
+     the call is unsupported, with one the pointer is refused; either way
+     the message names the tensor. */
+  CHECK_RC(wm_publisher_add_device_tensor(p, NULL, WM_DTYPE_F32, shape, 2, 1, sizeof w, 0, -1),
+           WM_ERR_NULL_ARGUMENT);
+  wm_result on_gpu = wm_publisher_add_device_tensor(p, "g", WM_DTYPE_F32, shape, 2,
+                                                    (uint64_t)(uintptr_t)w, sizeof w, 0, -1);
+  CHECK(on_gpu == WM_ERR_UNSUPPORTED || on_gpu == WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "tensor 'g'") != NULL);
+
   /* Network publisher: a shared secret is required; the bound port is reported. */
   wm_publisher *np = NULL;
   wm_publisher_config ncfg;

@@ -24,7 +24,7 @@ use weight_manager::tensor::DType;
 
 const RUNS: usize = 3;
 
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -113,6 +113,26 @@ fn read_floor(
     })
 }
 
+/// A snapshot of `count` bf16 layers (`layers.<i>.w`, 64 MiB each) in
+/// `dir`, read once so it is in the page cache; returns its file.
+pub(crate) fn write_layers(dir: &Path, count: usize) -> Result<PathBuf, String> {
+    let path = dir.join("model_state.tp0.0.safetensors");
+    let mut ts = Vec::new();
+    for i in 0..count {
+        let mut data = vec![0u8; LAYER];
+        fixtures::fill(&mut data, i as u64 + 1);
+        ts.push(fixtures::FakeTensor {
+            name: format!("layers.{i}.w"),
+            dtype: DType::Bf16,
+            shape: LAYER_SHAPE.to_vec(),
+            data,
+        });
+    }
+    fixtures::write(&path, &ts)?;
+    warm(&path)?;
+    Ok(path)
+}
+
 fn warm(path: &Path) -> Result<(), String> {
     let f = File::open(path).map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; 8 << 20];
@@ -189,23 +209,8 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     let shape = LAYER_SHAPE.to_vec();
     let big_dir = dir.join("big");
     std::fs::create_dir_all(&big_dir).map_err(|e| e.to_string())?;
-    let path = big_dir.join("model_state.tp0.0.safetensors");
-    {
-        let mut ts = Vec::new();
-        for i in 0..count {
-            let mut data = vec![0u8; TENSOR as usize];
-            fixtures::fill(&mut data, i as u64 + 1);
-            ts.push(fixtures::FakeTensor {
-                name: format!("layers.{i}.w"),
-                dtype: DType::Bf16,
-                shape: shape.clone(),
-                data,
-            });
-        }
-        fixtures::write(&path, &ts)?;
-    }
+    let path = write_layers(&big_dir, count)?;
     let total = count as u64 * TENSOR;
-    warm(&path)?;
     println!(
         "wm bench snapshot: {} of bf16 in {count} tensors of 64 MiB, {threads} copy threads, best of {RUNS}",
         fmt::bytes(total)
@@ -291,7 +296,7 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
 
 /// The benchmarks' model: `layers.<i>.w`, bf16 8192 x 4096 (64 MiB each).
 pub(crate) const LAYER: usize = 64 << 20;
-const LAYER_SHAPE: [u64; 2] = [8192, 4096];
+pub(crate) const LAYER_SHAPE: [u64; 2] = [8192, 4096];
 
 /// Layers in a model of about `gib` GiB (at least one).
 pub(crate) fn layer_count(gib: f64) -> usize {

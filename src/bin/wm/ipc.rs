@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, TensorView};
 use weight_manager::logging::Logger;
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::source::snapshot::{SnapshotLocation, SnapshotSource};
 use weight_manager::source::{Source, SourceKind};
@@ -23,6 +24,7 @@ pub const SERVE_OPTIONS: &[&str] = &[
     "accept-timeout",
     "corrupt",
     "version",
+    "gpu",
 ];
 pub const PULL_OPTIONS: &[&str] = &[
     "ipc",
@@ -47,7 +49,7 @@ pub const PULL_OPTIONS: &[&str] = &[
 /// `version.yaml`), and engines ask for one by name or for the latest.
 pub fn serve(a: &Args) -> Result<(), String> {
     let usage =
-        "usage: wm serve (--ipc SOCKET | --net HOST:PORT) DIR... [--engines N] [--bucket-mib M]";
+        "usage: wm serve (--ipc SOCKET | --net HOST:PORT) DIR... [--engines N] [--bucket-mib M] [--gpu ORDINAL]";
     if a.positional.is_empty() {
         return Err("wm serve: name the snapshot directory to serve".into());
     }
@@ -66,7 +68,21 @@ pub fn serve(a: &Args) -> Result<(), String> {
         _ => return Err(usage.into()),
     }
     .map_err(|e| e.to_string())?;
-    if a.value("net").is_some() {
+    // Kept alive while serving: the trainer's own GPU tensors (--gpu).
+    let mut _on_gpu = Vec::new();
+    if let Some(gpu) = a.value("gpu") {
+        let gpu: i32 = gpu
+            .parse()
+            .map_err(|_| format!("--gpu {gpu}: not a number"))?;
+        let dir = Path::new(&a.positional[0]);
+        _on_gpu = load_to_gpu(&p, dir, gpu)?;
+        p.set_version(a.value("version").map(str::to_string));
+        let v = p.publish().map_err(|e| format!("{}: {e}", dir.display()))?;
+        println!(
+            "wm serve: published {} from GPU {gpu} as version {v}",
+            dir.display()
+        );
+    } else if a.value("net").is_some() {
         for dir in &a.positional {
             p.set_dir(Path::new(dir));
             p.set_version(a.value("version").map(str::to_string));
@@ -100,6 +116,46 @@ pub fn serve(a: &Args) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// Read rank 0's tensors of the snapshot in `dir` into memory of GPU `gpu`
+/// (as a trainer holds them) and add them to `p` as GPU tensors for every
+/// rank. Returns the GPU memory, which must outlive the publish.
+fn load_to_gpu(p: &Publisher, dir: &Path, gpu: i32) -> Result<Vec<ExportedDeviceBuffer>, String> {
+    let loc = SnapshotLocation {
+        model_dir: dir.into(),
+        fallback_dir: None,
+        rank: 0,
+        gpu_id: "0".into(),
+    };
+    let src = SnapshotSource::open(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    let mut held = Vec::new();
+    for (i, t) in src.manifest().tensors.iter().enumerate() {
+        let (path, off) = src.tensor_location(i);
+        let mut bytes = vec![0u8; t.nbytes as usize];
+        std::fs::File::open(path)
+            .and_then(|f| f.read_exact_at(&mut bytes, off))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let what = format!("tensor '{}'", t.name);
+        let mem = ExportedDeviceBuffer::new(&what, gpu, bytes.len()).map_err(|e| e.to_string())?;
+        // SAFETY: `bytes` is host memory of that length; the buffer fits it.
+        unsafe { mem.copy_in(0, bytes.as_ptr() as u64, bytes.len()) }.map_err(|e| e.to_string())?;
+        // SAFETY: the GPU memory is kept (returned) until serving ends.
+        unsafe {
+            p.add_device_tensor(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                mem.ptr(),
+                bytes.len(),
+                gpu,
+                None,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        held.push(mem);
+    }
+    Ok(held)
 }
 
 /// Receive this rank's shard (zero-copy callback) and, with `--check DIR`,

@@ -7,6 +7,7 @@
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
 
 mod bench;
+mod bench_gpu;
 mod bench_ipc;
 mod bench_net;
 mod bench_signal;
@@ -28,6 +29,7 @@ const USAGE: &str = "usage:
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm bench ipc [--gib N] [--bucket-mib M]
   wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
+  wm bench gpu [--gib N]                               (needs an NVIDIA GPU)
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
@@ -145,7 +147,8 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("ipc-publisher") => bench_ipc::publisher(&a),
                 Some("net") => bench_net::run(&a),
                 Some("net-publisher") => bench_net::publisher(&a),
-                _ => Err("usage: wm bench snapshot|signal|ipc|net [options]".into()),
+                Some("gpu") => bench_gpu::run(&a),
+                _ => Err("usage: wm bench snapshot|signal|ipc|net|gpu [options]".into()),
             }
         }
         "signal" => {

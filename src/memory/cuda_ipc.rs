@@ -1,0 +1,236 @@
+//! GPU memory shared between processes with CUDA IPC handles.
+//!
+//! The trainer's publisher copies a published version's device tensors
+//! into one [`ExportedDeviceBuffer`] (`cuMemAlloc`, then
+//! `cuIpcGetMemHandle`); an IPC session hands its 64-byte handle to the
+//! engine, which opens it once per session as an [`ImportedDeviceBuffer`]
+//! (`cuIpcOpenMemHandle`, closed when the session ends) and copies device
+//! to device into its params.
+//!
+//! Ordering: the publisher synchronizes the device before copying a
+//! version (every kernel that wrote the trainer's tensors has finished)
+//! and its copies are synchronous, so a version's bytes are complete
+//! before any session announces them. The engine waits for its copies out
+//! of a bucket before acknowledging it, so the trainer never frees or
+//! refills memory an engine still reads.
+
+use super::cuda::{check, cuda};
+use crate::result::{Error, Result};
+use cudarc::driver::sys;
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub(crate) const HANDLE_BYTES: usize = 64;
+
+/// Wait for all work on GPU `ordinal` (in its primary context).
+pub fn synchronize(ordinal: i32) -> Result<()> {
+    cuda()?.make_current(ordinal)?;
+    // SAFETY: a plain driver call on the current context.
+    check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+/// `len` bytes of GPU memory at device address `ptr`, in the context of
+/// GPU `ordinal`: what both ends of CUDA IPC hold.
+#[derive(Debug)]
+pub struct DeviceSpan {
+    ordinal: i32,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceSpan {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+/// Device memory this process allocated and shares by handle.
+#[derive(Debug)]
+pub struct ExportedDeviceBuffer {
+    span: DeviceSpan,
+    handle: [u8; HANDLE_BYTES],
+}
+
+impl std::ops::Deref for ExportedDeviceBuffer {
+    type Target = DeviceSpan;
+    fn deref(&self) -> &DeviceSpan {
+        &self.span
+    }
+}
+
+// SAFETY: a device address and a handle; the driver calls that use them
+// make the right context current first.
+unsafe impl Send for ExportedDeviceBuffer {}
+unsafe impl Sync for ExportedDeviceBuffer {}
+
+impl ExportedDeviceBuffer {
+    /// `len` bytes (at least one) on GPU `ordinal`; `what` names the owner
+    /// in errors.
+    pub fn new(what: &str, ordinal: i32, len: usize) -> Result<ExportedDeviceBuffer> {
+        let c = cuda().map_err(|e| e.context(what))?;
+        c.check_ordinal(ordinal, what)?;
+        c.make_current(ordinal)?;
+        let mut ptr = 0u64;
+        // SAFETY: a valid out-pointer.
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) },
+            "cuMemAlloc",
+        )
+        .map_err(|e| e.context(format!("{what}: {len} bytes on GPU {ordinal}")))?;
+        let mut raw = sys::CUipcMemHandle_st {
+            reserved: [0; HANDLE_BYTES],
+        };
+        // SAFETY: a valid out-pointer and our own allocation.
+        if let Err(e) = check(
+            unsafe { sys::cuIpcGetMemHandle(&mut raw, ptr) },
+            "cuIpcGetMemHandle",
+        ) {
+            // SAFETY: allocated above, not shared yet.
+            unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e.context(what));
+        }
+        let handle = raw.reserved.map(|b| b as u8);
+        Ok(ExportedDeviceBuffer {
+            span: DeviceSpan { ordinal, ptr, len },
+            handle,
+        })
+    }
+
+    /// The handle another process opens.
+    pub fn handle(&self) -> [u8; HANDLE_BYTES] {
+        self.handle
+    }
+
+    /// Copy `len` bytes from device address `src` (any GPU of this
+    /// process) to byte `offset` of this buffer; returns once copied.
+    ///
+    /// # Safety
+    /// `src..src+len` is device memory that nothing writes meanwhile, and
+    /// `offset + len` is within this buffer (checked).
+    pub unsafe fn copy_in(&self, offset: usize, src: u64, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(Error::invalid_argument(format!(
+                "{len} bytes at offset {offset} do not fit a device buffer of {} bytes",
+                self.len
+            )));
+        }
+        cuda()?.make_current(self.ordinal)?;
+        // Unified addressing: the driver finds both devices from the addresses.
+        check(
+            sys::cuMemcpy(self.ptr + offset as u64, src, len),
+            "cuMemcpy (device to device)",
+        )
+    }
+}
+
+impl Drop for ExportedDeviceBuffer {
+    fn drop(&mut self) {
+        if cuda().and_then(|c| c.make_current(self.ordinal)).is_ok() {
+            // SAFETY: our allocation; sessions that shared it have ended.
+            unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Another process's device memory, opened from its handle in this
+/// process's context of GPU `ordinal` (peer access is enabled when the
+/// memory lives on another GPU). Closed on drop.
+#[derive(Debug)]
+pub struct ImportedDeviceBuffer {
+    span: DeviceSpan,
+}
+
+impl std::ops::Deref for ImportedDeviceBuffer {
+    type Target = DeviceSpan;
+    fn deref(&self) -> &DeviceSpan {
+        &self.span
+    }
+}
+
+// SAFETY: as for ExportedDeviceBuffer.
+unsafe impl Send for ImportedDeviceBuffer {}
+unsafe impl Sync for ImportedDeviceBuffer {}
+
+impl ImportedDeviceBuffer {
+    /// Open `handle`, announced as `len` bytes, on GPU `ordinal`.
+    pub fn open(
+        what: &str,
+        ordinal: i32,
+        handle: &[u8; HANDLE_BYTES],
+        len: usize,
+    ) -> Result<ImportedDeviceBuffer> {
+        let c = cuda().map_err(|e| e.context(format!("{what} is GPU memory (CUDA IPC)")))?;
+        c.check_ordinal(ordinal, what)?;
+        c.make_current(ordinal)?;
+        let raw = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr = 0u64;
+        // SAFETY: a valid out-pointer; the handle is only bytes to the driver,
+        // which refuses one it did not issue.
+        check(
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    raw,
+                    sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            "cuIpcOpenMemHandle",
+        )
+        .map_err(|e| e.context(format!("{what} on GPU {ordinal}")))?;
+        let opened = ImportedDeviceBuffer {
+            span: DeviceSpan { ordinal, ptr, len },
+        };
+        // The announced length must lie inside the real allocation.
+        let mut size = 0usize;
+        // SAFETY: out-pointer of the attribute's type.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut size as *mut usize).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr,
+            )
+        };
+        check(r, "cuPointerGetAttribute(RANGE_SIZE)")?;
+        if len > size {
+            return Err(Error::peer(format!(
+                "{what}: announced as {len} bytes but the GPU allocation holds {size}"
+            )));
+        }
+        Ok(opened)
+    }
+}
+
+impl Drop for ImportedDeviceBuffer {
+    fn drop(&mut self) {
+        if cuda().and_then(|c| c.make_current(self.ordinal)).is_ok() {
+            // SAFETY: opened by us; copies out of it were waited for.
+            unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Copy `len` bytes from device address `src` (valid in GPU `ordinal`'s
+/// context) to host memory at `dst`; returns once copied.
+///
+/// # Safety
+/// `dst..dst+len` is writable host memory and `src..src+len` device memory.
+pub unsafe fn download(ordinal: i32, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    cuda()?.make_current(ordinal)?;
+    check(sys::cuMemcpyDtoH_v2(dst.cast(), src, len), "cuMemcpyDtoH")
+}
