@@ -112,11 +112,12 @@ impl ExportedDeviceBuffer {
         self.handle
     }
 
-    /// Copy `len` bytes from device address `src` (any GPU of this
-    /// process) to byte `offset` of this buffer; returns once copied.
+    /// Copy `len` bytes from `src` (a device address of any GPU of this
+    /// process, or host memory) to byte `offset` of this buffer; returns
+    /// once copied.
     ///
     /// # Safety
-    /// `src..src+len` is device memory that nothing writes meanwhile, and
+    /// `src..src+len` is readable memory that nothing writes meanwhile, and
     /// `offset + len` is within this buffer (checked).
     pub unsafe fn copy_in(&self, offset: usize, src: u64, len: usize) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.len) {
@@ -126,11 +127,23 @@ impl ExportedDeviceBuffer {
             )));
         }
         cuda()?.make_current(self.ordinal)?;
-        // Unified addressing: the driver finds both devices from the addresses.
-        check(
-            sys::cuMemcpy(self.ptr + offset as u64, src, len),
-            "cuMemcpy (device to device)",
-        )
+        let dst = self.ptr + offset as u64;
+        // Ordinary host memory is unknown to the driver: copy it as host
+        // memory; device (or registered) memory by unified addressing.
+        let mut kind: u32 = 0;
+        let known = sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            src,
+        ) == sys::CUresult::CUDA_SUCCESS;
+        if known {
+            check(sys::cuMemcpy(dst, src, len), "cuMemcpy (to the GPU buffer)")
+        } else {
+            check(
+                sys::cuMemcpyHtoD_v2(dst, src as *const std::ffi::c_void, len),
+                "cuMemcpyHtoD (to the GPU buffer)",
+            )
+        }
     }
 }
 
