@@ -254,7 +254,9 @@ class Manager(OwnedHandle):
                on_tensor: Optional[Callable[[str, np.ndarray], None]] = None) -> UpdateStats:
         """Update the params. `progress` returning False cancels; `on_tensor`
         receives (name, array valid only during the call) for every tensor
-        and replaces the plain copy into registered params."""
+        and replaces the plain copy into registered params. From a trainer's
+        GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
+        memory, viewable through `__cuda_array_interface__`."""
         req = _lib.UpdateRequest()
         LIB.wm_update_request_init(ctypes.byref(req))
         try:
