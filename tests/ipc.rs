@@ -447,3 +447,65 @@ fn a_publisher_of_another_uid_is_refused() {
         assert!(e.message.contains("uid 65534"), "{e}");
     });
 }
+
+/// A trainer that hands over GPU buffers (CUDA_BUFFERS, CUDA IPC handles)
+/// to an engine that has no usable CUDA driver: the update fails with
+/// UNSUPPORTED naming the buffer and the driver, nothing is written, and
+/// the manager is not left FAILED. The trainer here speaks the wire
+/// protocol by hand, as a GPU trainer would up to that frame.
+#[test]
+fn gpu_buffers_without_a_driver_fail_cleanly() {
+    use std::os::unix::net::UnixListener;
+    use weight_manager::manifest::TensorMeta;
+    use weight_manager::transport::conn::Conn;
+    use weight_manager::wire::{CudaBuffer, Frame};
+    if weight_manager::memory::cuda::cuda().is_ok() {
+        println!("skipped: this machine has a GPU (tests/gpu.rs runs CUDA IPC for real)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("gpu-trainer.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let t = tensor("w", DType::F32, &[64], 3);
+    let m = manager(0, 1);
+    let params = register(&m, std::slice::from_ref(&t));
+    std::thread::scope(|s| {
+        let trainer = s.spawn(|| {
+            let (stream, _) = listener.accept().unwrap();
+            let mut conn = Conn::new(stream, "engine");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            assert!(matches!(conn.recv(deadline).unwrap(), Frame::Hello { .. }));
+            conn.send(&Frame::Manifest {
+                version: "9".into(),
+                tensors: vec![TensorMeta {
+                    name: "w".into(),
+                    dtype: DType::F32,
+                    shape: vec![64],
+                    nbytes: 256,
+                    checksum: None,
+                }],
+            })
+            .unwrap();
+            assert!(matches!(conn.recv(deadline).unwrap(), Frame::Want { .. }));
+            conn.send(&Frame::CudaBuffers {
+                buffers: vec![CudaBuffer {
+                    handle: [7; 64],
+                    size: 4096,
+                }],
+            })
+            .unwrap();
+            // The engine gives up: it closes the connection (or says why).
+            let _ = conn.recv(deadline);
+        });
+        let e = m.update(ipc_request(&sock)).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED, "{e}");
+        assert!(
+            e.message.contains("GPU buffer 0") && e.message.contains("libcuda.so.1"),
+            "{e}"
+        );
+        trainer.join().unwrap();
+    });
+    let zeros = vec![0u8; 256];
+    assert!(unsafe { std::slice::from_raw_parts(params[0].0, params[0].1) } == &zeros[..]);
+    assert_ne!(m.status().state, weight_manager::state::State::Failed);
+}
