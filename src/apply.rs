@@ -454,13 +454,13 @@ impl<'p, 'h> Applier<'p, 'h> {
             }
             let base = self.landing(t)?;
             let dst = SendPtr(base.0.wrapping_add(c.offset as usize));
-            if !landed && self.landed_on_device(t).is_some() {
-                return Err(Error::format(format!(
-                    "{origin}: tensor '{}' must land in its GPU param (gdr), not be copied",
-                    self.name(t)
-                )));
-            }
-            if let (Some((_, ordinal)), true) = (self.landed_on_device(t), landed) {
+            if let Some((_, ordinal)) = self.landed_on_device(t) {
+                if !landed {
+                    return Err(Error::format(format!(
+                        "{origin}: tensor '{}' must land in its GPU param (gdr), not be copied",
+                        self.name(t)
+                    )));
+                }
                 // gdr: the bytes are in GPU memory; hash a host copy.
                 if self.opts.verify {
                     self.readback.resize(c.len, 0);
@@ -645,11 +645,9 @@ impl<'p, 'h> Applier<'p, 'h> {
         data: &[u8],
     ) -> Result<()> {
         self.wrote_params = true;
-        let (threads, deadline) = (self.opts.threads, self.deadline);
-        let name = &self.plan.entries[t].meta.name;
-        let staging = self.staging.as_deref_mut().ok_or_else(|| {
-            Error::unsupported("device params need the manager's pinned staging (internal)")
-        })?;
+        let (threads, deadline, plan) = (self.opts.threads, self.deadline, self.plan);
+        let name = &plan.entries[t].meta.name;
+        let staging = self.staging()?;
         // SAFETY: the device range was checked at registration to hold the
         // param's bytes, and only this update writes it.
         unsafe { staging.upload(ordinal, ptr, data, threads, deadline) }
@@ -666,11 +664,9 @@ impl<'p, 'h> Applier<'p, 'h> {
         buf: PinnedBuffer,
     ) -> Result<()> {
         self.wrote_params = true;
-        let n = self.plan.entries[t].meta.nbytes as usize;
-        let name = &self.plan.entries[t].meta.name;
-        let staging = self.staging.as_deref_mut().ok_or_else(|| {
-            Error::unsupported("device params need the manager's pinned staging (internal)")
-        })?;
+        let meta = &self.plan.entries[t].meta;
+        let (n, name) = (meta.nbytes as usize, &meta.name);
+        let staging = self.staging()?;
         // SAFETY: as for `upload`; the buffer holds the tensor's n bytes.
         unsafe { staging.send(ordinal, buf, ptr, n) }
             .map_err(|e| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}")))
@@ -785,18 +781,16 @@ impl<'p, 'h> Applier<'p, 'h> {
                     _ => self.deliver(t, data)?,
                 }
             }
-            // The arena is freed at the end of this block: its bytes must
-            // be in pinned memory or on the GPU by then (they are: `upload`
-            // copies into pinned buffers before returning).
-            self.settle_uploads()?;
+            // The arena is freed at the end of this block; `upload` copied
+            // its bytes into pinned buffers before returning.
         } else {
-            self.settle_uploads()?;
             for t in 0..self.plan.entries.len() {
                 if self.plan.entries[t].target == Target::Callback && !self.delivered[t] {
                     self.deliver(t, &[])?;
                 }
             }
         }
+        self.settle_uploads()?;
         Ok(Applied {
             tensors: self.plan.tensors,
             bytes: self.plan.bytes,
@@ -809,8 +803,7 @@ impl<'p, 'h> Applier<'p, 'h> {
 impl Drop for Applier<'_, '_> {
     /// Pinned buffers of tensors that never completed go back to the staging.
     fn drop(&mut self) {
-        let pinned: Vec<(usize, PinnedBuffer)> = self.pinned.drain().collect();
-        for (t, buf) in pinned {
+        for (t, buf) in self.pinned.drain() {
             if let (Some(Dest::Device { ordinal, .. }), Some(s)) =
                 (self.params[t], self.staging.as_deref_mut())
             {

@@ -9,12 +9,10 @@
 //! What is here: finding the driver and its devices (with the error an
 //! engine author needs for each way that fails), checking that a device
 //! pointer the engine registers really is device memory of the GPU it
-//! names and holds the param's bytes, and copying host bytes into it on the
-//! device's primary context (the context PyTorch and most engines use).
-//!
-//! Copies are synchronous `cuMemcpyHtoD` from the applier's host landing
-//! (the atomic arena, or a per-tensor buffer in place): correct on every
-//! path, not yet the pinned, stream-overlapped pipeline issue 6 asks for.
+//! names and holds the param's bytes, and making the device's primary
+//! context current (the context PyTorch and most engines use). Copies to
+//! the GPU live in `memory::staging` (pinned, asynchronous) and
+//! `memory::cuda_ipc` (between processes).
 
 use crate::result::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
@@ -242,19 +240,5 @@ impl Cuda {
             )));
         }
         Ok(())
-    }
-
-    /// Copy `len` host bytes at `src` to device address `dst` on GPU
-    /// `ordinal`; returns once the bytes are on the device.
-    ///
-    /// # Safety
-    /// `src..src+len` is readable host memory; `dst..dst+len` is device
-    /// memory of that GPU (checked at registration).
-    pub unsafe fn upload(&self, ordinal: i32, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        self.make_current(ordinal)?;
-        check(sys::cuMemcpyHtoD_v2(dst, src.cast(), len), "cuMemcpyHtoD")
     }
 }

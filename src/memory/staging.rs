@@ -5,8 +5,8 @@
 //! the DMA engine sits idle while the next bytes are read. Instead, bytes
 //! bound for device params land in (or are copied into) page-locked host
 //! buffers allocated with `cuMemHostAlloc` (portable, not write-combined:
-//! the CPU reads them back to hash), and each whole buffer goes to the GPU
-//! with `cuMemcpyHtoDAsync` on a stream of its own per GPU. The source reads
+//! the CPU reads them back to hash), and goes to the GPU with
+//! `cuMemcpyAsync` on a stream of its own per GPU. The source reads
 //! the next chunk while the DMA runs. An event recorded after each copy says
 //! when its buffer may be refilled.
 //!
@@ -42,8 +42,9 @@ use std::time::{Duration, Instant};
 /// Pinned buffers per GPU: two being filled or copied while two more wait
 /// keeps the DMA engine busy without pinning much memory.
 pub(crate) const DEPTH: usize = 4;
-/// Tensors up to this size land in a pinned buffer of their own; larger ones
-/// land in ordinary memory and go up in pieces of this size.
+/// In place, tensors above [`SMALL_TENSOR`] and up to this size land in a
+/// pinned buffer of their own; larger ones land in ordinary memory and go
+/// up in pieces of this size.
 pub(crate) const PINNED_TENSOR_MAX: usize = 256 << 20;
 /// Pinned buffers are sized in steps of this, so a few sizes serve all.
 const SIZE_STEP: usize = 2 << 20;
@@ -488,19 +489,6 @@ impl DeviceStaging {
             lane.wait_idle(deadline)?;
         }
         Ok(())
-    }
-
-    /// Pinned bytes held now.
-    pub fn pinned_bytes(&self) -> usize {
-        self.lanes
-            .values()
-            .flat_map(|l| {
-                l.free
-                    .iter()
-                    .chain(l.busy.iter().filter_map(|(_, b)| b.as_ref()))
-            })
-            .map(|b| b.cap)
-            .sum()
     }
 
     /// Free every buffer and stream (after waiting for their copies).

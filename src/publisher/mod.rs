@@ -147,12 +147,29 @@ pub(crate) struct Offer {
     /// The name engines ask for (None: the directory names none).
     pub(crate) version: Option<String>,
     pub(crate) content: Content,
-    /// A published version's tensors, copied into one shared buffer (the
-    /// content points into it); IPC sessions hand it to engines as is.
-    pub(crate) shared: Option<Arc<SharedBuffer>>,
-    /// A published version with GPU tensors, on an IPC publisher: copied
-    /// into one GPU buffer, handed to engines by its CUDA IPC handle.
-    pub(crate) device: Option<Arc<ExportedDeviceBuffer>>,
+    /// A published version's copy, which the content points into; IPC
+    /// sessions hand it to engines as is (None: live content).
+    pub(crate) published: Option<Published>,
+}
+
+/// Where a published version's tensors were copied.
+#[derive(Clone, Debug)]
+pub(crate) enum Published {
+    /// One shared host buffer.
+    Host(Arc<SharedBuffer>),
+    /// GPU tensors, on an IPC publisher: one GPU buffer, handed to engines
+    /// by its CUDA IPC handle.
+    Device(Arc<ExportedDeviceBuffer>),
+}
+
+impl Offer {
+    /// The published copy's shared host buffer, if it is one.
+    pub(crate) fn shared(&self) -> Option<&Arc<SharedBuffer>> {
+        match &self.published {
+            Some(Published::Host(b)) => Some(b),
+            _ => None,
+        }
+    }
 }
 
 impl Offer {
@@ -164,8 +181,7 @@ impl Offer {
         Offer {
             version,
             content,
-            shared: None,
-            device: None,
+            published: None,
         }
     }
 }
@@ -338,12 +354,12 @@ impl Publisher {
                 cuda_ipc::synchronize(g).map_err(|e| e.context(format!("publish '{name}'")))?;
             }
             // The version lives on the GPU of its first GPU tensor.
-            match (ts.iter().find_map(|t| t.device), &self.listener) {
+            offer.published = Some(match (ts.iter().find_map(|t| t.device), &self.listener) {
                 (Some(gpu), Listener::Unix(_)) => {
-                    offer.device = Some(Arc::new(copy_to_device(ts, gpu, &name)?));
+                    Published::Device(Arc::new(copy_to_device(ts, gpu, &name)?))
                 }
-                _ => offer.shared = Some(Arc::new(self.copy_to_shared(ts, &name)?)),
-            }
+                _ => Published::Host(Arc::new(self.copy_to_shared(ts, &name)?)),
+            });
             if self.cfg.checksums {
                 hash_published(ts)?;
             }
@@ -366,7 +382,7 @@ impl Publisher {
     /// Keep a dropped version's shared buffer for a later `publish` (it is
     /// reused once no session serves the version any more).
     fn retire(&self, offer: Arc<Offer>) {
-        if let Some(shared) = offer.shared.clone() {
+        if let Some(shared) = offer.shared().cloned() {
             let mut retired = self.retired.lock();
             retired.push_back(shared);
             // Two spares cover a publisher alternating versions.
@@ -380,15 +396,7 @@ impl Publisher {
     /// every core; a retired buffer no session holds is reused) and point
     /// them at their copies.
     fn copy_to_shared(&self, ts: &mut [HostTensor], version: &str) -> Result<SharedBuffer> {
-        let mut offsets = Vec::with_capacity(ts.len());
-        let mut total = 0u64;
-        for t in ts.iter() {
-            let at = total.next_multiple_of(crate::wire::ALIGN);
-            offsets.push(at as usize);
-            total = at + t.len as u64;
-        }
-        let total = usize::try_from(total)
-            .map_err(|_| Error::out_of_memory(format!("version '{version}' is too large")))?;
+        let (offsets, total) = packed_offsets(ts, version)?;
         // A memfd cannot be empty (fallocate refuses a zero length).
         let total = total.max(crate::wire::ALIGN as usize);
         let spare = {
@@ -627,6 +635,21 @@ impl Drop for Publisher {
     }
 }
 
+/// Where each tensor of a version's copy starts (256-byte aligned, in
+/// order) and the bytes the copy needs.
+fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
+    let mut offsets = Vec::with_capacity(ts.len());
+    let mut total = 0u64;
+    for t in ts {
+        let at = total.next_multiple_of(crate::wire::ALIGN);
+        offsets.push(at as usize);
+        total = at + t.len as u64;
+    }
+    let total = usize::try_from(total)
+        .map_err(|_| Error::out_of_memory(format!("version '{version}' is too large")))?;
+    Ok((offsets, total))
+}
+
 /// Where the copier reads tensor `t` (host memory, or GPU memory).
 fn tensor_source(t: &HostTensor) -> CopySource<'static> {
     match t.device {
@@ -642,13 +665,7 @@ fn tensor_source(t: &HostTensor) -> CopySource<'static> {
 /// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
 /// and point them at their copies.
 fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
-    let mut offsets = Vec::with_capacity(ts.len());
-    let mut total = 0usize;
-    for t in ts.iter() {
-        let at = total.next_multiple_of(crate::wire::ALIGN as usize);
-        offsets.push(at);
-        total = at + t.len;
-    }
+    let (offsets, total) = packed_offsets(ts, version)?;
     let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
     for (t, &at) in ts.iter().zip(&offsets) {
         // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
@@ -725,7 +742,7 @@ mod tests {
             let Content::Tensors(ts) = &newest.content else {
                 panic!("tensors")
             };
-            let shared = newest.shared.as_ref().unwrap();
+            let shared = newest.shared().unwrap();
             // SAFETY: the version's own bytes, kept while it is published.
             let bytes = unsafe { std::slice::from_raw_parts(ts[0].data.0, 3000) };
             assert!(bytes.iter().all(|&b| b == k));
@@ -743,15 +760,7 @@ mod tests {
         assert_eq!(held.version.as_deref(), Some("v4"));
         p.set_version(Some("v6".into()));
         p.publish().unwrap();
-        let v6 = p
-            .published
-            .lock()
-            .back()
-            .unwrap()
-            .shared
-            .as_ref()
-            .unwrap()
-            .ptr();
-        assert_ne!(v6, held.shared.as_ref().unwrap().ptr());
+        let v6 = p.published.lock().back().unwrap().shared().unwrap().ptr();
+        assert_ne!(v6, held.shared().unwrap().ptr());
     }
 }

@@ -1,7 +1,7 @@
 //! One engine rank's session: handshake (and, over the network, the
 //! challenge), manifest, buckets, acknowledgements.
 
-use super::{Content, HostTensor, Offer, PublisherConfig};
+use super::{Content, HostTensor, Offer, Published, PublisherConfig};
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
@@ -65,13 +65,6 @@ pub(super) struct Shard {
     published: Option<Published>,
 }
 
-/// Where a published version's bytes are.
-#[derive(Clone)]
-enum Published {
-    Host(Arc<SharedBuffer>),
-    Device(Arc<ExportedDeviceBuffer>),
-}
-
 impl Shard {
     /// Where each tensor's bytes already are in this process's memory
     /// (published copies, or tensors the trainer added), so they can be sent
@@ -116,12 +109,7 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
                 .iter()
                 .filter(|t| t.rank.is_none_or(|r| r == rank))
                 .collect();
-            let published = match (&offer.shared, &offer.device) {
-                (Some(s), _) => Some(Published::Host(s.clone())),
-                (None, Some(d)) => Some(Published::Device(d.clone())),
-                (None, None) => None,
-            };
-            if let (Some(t), None) = (mine.iter().find(|t| t.device.is_some()), &published) {
+            if let (Some(t), None) = (mine.iter().find(|t| t.device.is_some()), &offer.published) {
                 return Err(Error::invalid_argument(format!(
                     "tensor '{}' is GPU memory: GPU tensors are served once published \
                      (publish copies them into a buffer engines read)",
@@ -154,7 +142,7 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
             Ok(Shard {
                 manifest: Manifest { tensors, version },
                 bytes: ShardBytes::Memory(mine.iter().map(|t| t.data).collect()),
-                published,
+                published: offer.published.clone(),
             })
         }
     }
@@ -388,16 +376,12 @@ fn serve(
         super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
         return Ok(stats);
     }
-    let in_place = match &shard.published {
-        Some(Published::Device(_)) if cfg.corrupt_tensor.is_some() => {
-            return Err(Error::invalid_argument(
-                "the corrupt-tensor test option does not apply to a GPU version",
-            ))
-        }
-        Some(p) if cfg.corrupt_tensor.is_none() => Some(p.clone()),
-        _ => None,
-    };
-    if let Some(published) = in_place {
+    if let (Some(Published::Device(_)), Some(_)) = (&shard.published, &cfg.corrupt_tensor) {
+        return Err(Error::invalid_argument(
+            "the corrupt-tensor test option does not apply to a GPU version",
+        ));
+    }
+    if let (Some(published), None) = (shard.published.clone(), &cfg.corrupt_tensor) {
         let (base, handover) = match &published {
             Published::Host(b) => (b.ptr() as u64, Handover::Shared(vec![&**b])),
             Published::Device(d) => (d.ptr(), Handover::Cuda(d)),
