@@ -129,9 +129,13 @@ impl Msg {
 
 /// Send one message. `who` names the peer in errors.
 pub fn send(stream: &mut TcpStream, msg: &Msg, who: &str) -> Result<()> {
-    stream
-        .write_all(&msg.encode())
-        .map_err(|e| Error::peer(format!("{who}: connection lost while sending ({e})")))
+    stream.write_all(&msg.encode()).map_err(|e| match e.kind() {
+        // A dead peer, noticed on a write rather than a read (see read_exact).
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+            Error::peer(format!("{who} closed the connection (process died?)"))
+        }
+        _ => Error::peer(format!("{who}: connection lost while sending ({e})")),
+    })
 }
 
 /// Receive one message before `deadline`. `who` names the peer in errors.

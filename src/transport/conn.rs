@@ -114,11 +114,25 @@ impl Conn {
         let mut attach = fds;
         while sent < bytes.len() {
             let n = sendmsg(self.stream.as_raw_fd(), &bytes[sent..], attach).map_err(|e| {
-                Error::peer(format!(
-                    "{}: connection lost while sending {} ({e})",
-                    self.peer,
-                    frame.name()
-                ))
+                // A peer that died between our reads and this write shows up
+                // as EPIPE or ECONNRESET: the same event as a read of 0 bytes,
+                // so it gets the same words whichever side noticed first.
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) {
+                    Error::peer(format!(
+                        "{} closed the connection (did it exit or crash?) while we sent {}",
+                        self.peer,
+                        frame.name()
+                    ))
+                } else {
+                    Error::peer(format!(
+                        "{}: connection lost while sending {} ({e})",
+                        self.peer,
+                        frame.name()
+                    ))
+                }
             })?;
             sent += n;
             attach = &[];
@@ -345,6 +359,21 @@ mod tests {
         let e = b.recv(Instant::now()).unwrap_err();
         assert!(
             e.message.contains("closed") || e.message.contains("deadline"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_peer_gone_before_a_send_reads_as_closed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut a = Conn::new(a, "the publisher");
+        drop(b);
+        let e = a.send(&Frame::Ack { seq: 1 }).unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+        assert!(
+            e.message.contains(
+                "the publisher closed the connection (did it exit or crash?) while we sent ACK"
+            ),
             "{e}"
         );
     }
