@@ -337,9 +337,11 @@ typedef struct {
   // gdr: non-zero lets an update that cannot land in GPU memory run as
   // rdma, with a warning; default 0: such an update fails.
   uint32_t gdr_fallback;
-  // rdma: non-zero receives bucket entries straight into param memory (or
-  // the atomic staging arena) instead of staging slots: one copy fewer.
-  uint32_t net_direct;
+  // rdma: non-zero receives each bucket into one of `net_depth` staging
+  // slots first and copies it to the params from there; default 0:
+  // bucket entries land straight in param memory (or the atomic staging
+  // arena), one copy fewer (README "Decisions": direct receive).
+  uint32_t net_staged;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.

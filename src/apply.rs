@@ -21,6 +21,7 @@
 //! checksums; `commit` is the time to make them the engine's weights (arena to
 //! params, callbacks).
 
+use crate::checksum::Checksum;
 use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
 use crate::memory::staging::{DeviceStaging, PinnedBuffer, PINNED_TENSOR_MAX, SMALL_TENSOR};
@@ -30,7 +31,6 @@ use crate::result::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use xxhash_rust::xxh3::Xxh3Default;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -148,7 +148,7 @@ pub struct Applier<'p, 'h> {
     /// Tensors arriving in several chunks, hashed chunk by chunk right after
     /// each one lands (while its bytes are still in cache) instead of read
     /// again from memory once whole.
-    hashing: HashMap<usize, Box<Xxh3Default>>,
+    hashing: HashMap<usize, Box<Checksum>>,
     received: Vec<u64>,
     delivered: Vec<bool>,
     progress: Progress,
@@ -548,8 +548,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             let n = self.plan.entries[t].meta.nbytes as usize;
             if self.opts.verify {
                 // SAFETY: the source promises the bytes stay put during the batch.
-                let got =
-                    xxhash_rust::xxh3::xxh3_128(unsafe { std::slice::from_raw_parts(src.0, n) });
+                let got = crate::checksum::of(unsafe { std::slice::from_raw_parts(src.0, n) });
                 self.check_checksum(origin, t, got)?;
             }
             // SAFETY: as above; the callback sees them only during its call.
@@ -605,7 +604,7 @@ impl<'p, 'h> Applier<'p, 'h> {
         let mut whole = Vec::with_capacity(tensors.len());
         for &t in tensors {
             match self.hashing.remove(&t) {
-                Some(h) => self.check_checksum(origin, t, h.digest128())?,
+                Some(h) => self.check_checksum(origin, t, h.digest())?,
                 None => whole.push(t),
             }
         }
@@ -827,7 +826,7 @@ mod tests {
                     dtype: DType::U8,
                     shape: vec![bytes.len() as u64],
                     nbytes: bytes.len() as u64,
-                    checksum: Some(xxhash_rust::xxh3::xxh3_128(bytes)),
+                    checksum: Some(crate::checksum::of(bytes)),
                 },
                 target: Target::Param(0),
             }],

@@ -22,6 +22,7 @@
 //! - [`ffi`]: the C boundary, and nothing else.
 
 pub mod apply;
+pub mod checksum;
 pub mod ffi;
 pub mod logging;
 pub mod manager;

@@ -85,9 +85,10 @@ pub struct NetSettings {
     pub depth: usize,
     /// gdr may run as rdma (with a warning) when it cannot land in GPU memory.
     pub gdr_fallback: bool,
-    /// rdma: receive straight into param memory (or the atomic arena) rather
-    /// than staging slots, saving a copy (`source::net`, "Direct receive").
-    pub direct: bool,
+    /// rdma: receive each bucket into a staging slot and copy it to the
+    /// params from there, instead of straight into param memory (or the
+    /// atomic arena); off by default (`source::net`, README "Decisions").
+    pub staged: bool,
 }
 
 impl Default for NetSettings {
@@ -97,7 +98,7 @@ impl Default for NetSettings {
             bucket_size: net::DEFAULT_BUCKET_SIZE,
             depth: net::DEFAULT_DEPTH,
             gdr_fallback: false,
-            direct: false,
+            staged: false,
         }
     }
 }
@@ -480,7 +481,7 @@ impl Manager {
                     bucket_size: self.config.net.bucket_size,
                     depth: self.config.net.depth,
                     bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
-                    direct: gdr || self.config.net.direct,
+                    direct: gdr || !self.config.net.staged,
                 };
                 let source =
                     NetSource::open(opts, Instant::now() + req.timeout).inspect_err(|e| {

@@ -37,6 +37,11 @@ fn capture() -> (Logger, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
 }
 
 fn manager(secret: &str, bucket_size: usize, logger: Logger) -> Manager {
+    receiving_manager(secret, bucket_size, logger, false)
+}
+
+/// `staged`: through staging slots rather than straight into the params.
+fn receiving_manager(secret: &str, bucket_size: usize, logger: Logger, staged: bool) -> Manager {
     tcp_only();
     Manager::new(ManagerConfig {
         fallback_dir: None,
@@ -44,6 +49,7 @@ fn manager(secret: &str, bucket_size: usize, logger: Logger) -> Manager {
         net: NetSettings {
             secret: Some(secret.as_bytes().to_vec()),
             bucket_size,
+            staged,
             ..Default::default()
         },
         ..Default::default()
@@ -137,8 +143,10 @@ fn one_publisher_four_ranks_two_versions_back_to_back() {
     let (publisher, addr, _out) =
         serve(&[d1.to_str().unwrap(), d2.to_str().unwrap(), "--engines", "8"]);
     for (d, version) in [(&d1, "100"), (&d2, "latest")] {
+        // Odd ranks receive through staging slots, even ones directly.
         let engines: Vec<Child> = (0..4)
             .map(|r| {
+                let staged = if r % 2 == 1 { "true" } else { "false" };
                 wm(&[
                     "pull",
                     "--net",
@@ -155,6 +163,8 @@ fn one_publisher_four_ranks_two_versions_back_to_back() {
                     "4096",
                     "--depth",
                     "3",
+                    "--staged",
+                    staged,
                 ])
                 .spawn()
                 .unwrap()
@@ -200,6 +210,47 @@ fn a_missing_version_is_not_found_and_names_what_is_served() {
     });
     assert_params(&ptrs, &ts);
     assert_eq!(m.status().version.as_deref(), Some("7"));
+}
+
+/// Live tensors are hashed once per serve call: the sessions of one call
+/// share the sums (the tensors are unchanged while it runs), the next call
+/// hashes again, and every engine still verifies what it got.
+#[test]
+fn live_tensors_are_hashed_once_per_serve_call() {
+    let p = publisher(SECRET, Logger::default());
+    let mut ts = model(6);
+    add_all(&p, &ts);
+    p.set_version(Some("6".into()));
+    let total: u64 = ts.iter().map(|t| t.data.len() as u64).sum();
+    let m = manager(SECRET, 4096, Logger::default());
+    let ptrs = register(&m, &ts);
+    let addr = p.address();
+    let hashed = |engines: usize| {
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(engines, Duration::from_secs(20)));
+            for _ in 0..engines {
+                m.update(rdma(&addr)).unwrap();
+            }
+            let mut h: Vec<u64> = serving
+                .join()
+                .unwrap()
+                .unwrap()
+                .sessions
+                .iter()
+                .map(|s| s.hashed)
+                .collect();
+            h.sort();
+            h
+        })
+    };
+    assert_eq!(hashed(2), vec![0, total]);
+    assert_params(&ptrs, &ts);
+    // Changed between calls: the next call hashes the new bytes.
+    for t in &mut ts {
+        t.data.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+    }
+    assert_eq!(hashed(1), vec![total]);
+    assert_params(&ptrs, &ts);
 }
 
 #[test]
@@ -276,6 +327,15 @@ fn a_wrong_secret_is_refused_and_logged_on_both_sides() {
 
 #[test]
 fn corrupted_bytes_are_caught_and_old_weights_kept() {
+    corrupted_bytes_caught(false);
+}
+
+#[test]
+fn corrupted_bytes_are_caught_when_staged_too() {
+    corrupted_bytes_caught(true);
+}
+
+fn corrupted_bytes_caught(staged: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (d1, d2) = (dir.path().join("v1"), dir.path().join("v2"));
     for (d, seed, step) in [(&d1, 1u8, "1"), (&d2, 2u8, "2")] {
@@ -284,7 +344,7 @@ fn corrupted_bytes_are_caught_and_old_weights_kept() {
         write_version(d, step);
     }
     let v1 = model(1);
-    let m = manager(SECRET, 4096, Logger::default());
+    let m = receiving_manager(SECRET, 4096, Logger::default(), staged);
     let ptrs = register(&m, &v1);
     let (first, addr, _o) = serve(&[d1.to_str().unwrap()]);
     m.update(rdma(&addr)).unwrap();
@@ -524,28 +584,18 @@ fn across_two_network_namespaces() {
     assert!(ok, "{text}");
 }
 
-/// Direct receive (what gdr does into GPU memory): every bucket entry lands
-/// where the applier wants it, the staging arena (atomic) or the params (in
-/// place), with no staging slot; checksums still verified.
+/// Staged receive (`staged`, not the default): every bucket lands in a
+/// staging slot and is copied from there to the staging arena (atomic) or
+/// the params (in place); checksums still verified.
 #[test]
-fn direct_receive_lands_in_params_atomic_and_in_place() {
+fn staged_receive_lands_in_params_atomic_and_in_place() {
     let p = publisher(SECRET, Logger::default());
     let mut ts = model(9);
     ts.push(tensor("big", DType::F32, &[5000], 9)); // split over 4 KiB buckets
     add_all(&p, &ts);
     p.set_version(Some("9".into()));
     let addr = p.address();
-    tcp_only();
-    let m = Manager::new(ManagerConfig {
-        net: NetSettings {
-            secret: Some(SECRET.as_bytes().to_vec()),
-            bucket_size: 4096,
-            direct: true,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let m = receiving_manager(SECRET, 4096, Logger::default(), true);
     let ptrs = register(&m, &ts);
     std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(2, Duration::from_secs(20)));

@@ -67,7 +67,7 @@ class Config(ctypes.Structure):
         ("net_secret", c_char_p),
         ("net_depth", ctypes.c_uint32),
         ("gdr_fallback", ctypes.c_uint32),
-        ("net_direct", ctypes.c_uint32),
+        ("net_staged", ctypes.c_uint32),
     ]
 
 

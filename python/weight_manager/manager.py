@@ -172,7 +172,7 @@ class Manager(OwnedHandle):
                  signal_timeout: Optional[float] = None,
                  log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
                  copy_threads: int = 0, net_secret: Optional[str] = None, net_bucket_size: int = 0,
-                 net_depth: int = 0, net_direct: bool = False, gdr_fallback: bool = False):
+                 net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -182,7 +182,7 @@ class Manager(OwnedHandle):
         (cfg.model_dir, cfg.fallback_dir, cfg.control_cell, cfg.group_name,
          cfg.rendezvous_addr, cfg.net_secret) = self._keep
         cfg.net_bucket_size, cfg.net_depth = net_bucket_size, net_depth
-        cfg.net_direct, cfg.gdr_fallback = int(net_direct), int(gdr_fallback)
+        cfg.net_staged, cfg.gdr_fallback = int(net_staged), int(gdr_fallback)
         cfg.local_rank, cfg.local_world_size, cfg.node_rank = local_rank, local_world_size, node_rank
         if signal_timeout is not None:
             cfg.signal_timeout_ms = max(1, int(signal_timeout * 1000))

@@ -106,9 +106,11 @@ pub struct wm_config {
     /// gdr: non-zero lets an update that cannot land in GPU memory run as
     /// rdma, with a warning; default 0: such an update fails.
     pub gdr_fallback: u32,
-    /// rdma: non-zero receives bucket entries straight into param memory (or
-    /// the atomic staging arena) instead of staging slots: one copy fewer.
-    pub net_direct: u32,
+    /// rdma: non-zero receives each bucket into one of `net_depth` staging
+    /// slots first and copies it to the params from there; default 0:
+    /// bucket entries land straight in param memory (or the atomic staging
+    /// arena), one copy fewer (README "Decisions": direct receive).
+    pub net_staged: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -145,7 +147,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             net_secret: std::ptr::null(),
             net_depth: 0,
             gdr_fallback: 0,
-            net_direct: 0,
+            net_staged: 0,
         });
         wm_result::WM_OK
     })
@@ -220,7 +222,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
                 n => n as usize,
             },
             gdr_fallback: c.gdr_fallback != 0,
-            direct: c.net_direct != 0,
+            staged: c.net_staged != 0,
         },
     })
 }

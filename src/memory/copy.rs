@@ -224,7 +224,7 @@ pub unsafe fn hash_all(regions: &[(SendPtr, usize)], threads: usize) -> Vec<u128
     let mut out = vec![0u128; regions.len()];
     let total: usize = regions.iter().map(|r| r.1).sum();
     let one = |(ptr, len): &(SendPtr, usize)| {
-        xxhash_rust::xxh3::xxh3_128(std::slice::from_raw_parts(ptr.0, *len))
+        crate::checksum::of(std::slice::from_raw_parts(ptr.0, *len))
     };
     if threads <= 1 || regions.len() < 2 || total < PARALLEL_MIN {
         for (o, r) in out.iter_mut().zip(regions) {
@@ -336,7 +336,7 @@ mod tests {
             .collect();
         let got = unsafe { hash_all(&regions, 2) };
         for (g, b) in got.iter().zip(&bufs) {
-            assert_eq!(*g, xxhash_rust::xxh3::xxh3_128(b));
+            assert_eq!(*g, crate::checksum::of(b));
         }
     }
 }

@@ -150,6 +150,12 @@ pub(crate) struct Offer {
     /// A published version's copy, which the content points into; IPC
     /// sessions hand it to engines as is (None: live content).
     pub(crate) published: Option<Published>,
+    /// Checksums of live tensors, by index in the content, hashed by the
+    /// first session of this serve call that sends them. The tensors stay
+    /// unchanged while sessions run (`add_tensor`'s contract) and an offer
+    /// lives for one serve call, so its other sessions (ranks, or engines
+    /// pulling again) reuse them; the next call hashes afresh.
+    pub(crate) live_sums: Mutex<std::collections::HashMap<usize, u128>>,
 }
 
 /// Where a published version's tensors were copied.
@@ -182,6 +188,7 @@ impl Offer {
             version,
             content,
             published: None,
+            live_sums: Mutex::default(),
         }
     }
 }
@@ -697,7 +704,7 @@ fn hash_published(ts: &mut [HostTensor]) -> Result<()> {
                 scratch.resize(t.len, 0);
                 // SAFETY: the scratch holds len bytes; the copy is ours.
                 unsafe { cuda_ipc::download(gpu, scratch.as_mut_ptr(), t.data.0 as u64, t.len) }?;
-                xxhash_rust::xxh3::xxh3_128(&scratch)
+                crate::checksum::of(&scratch)
             }
         });
     }

@@ -41,6 +41,12 @@ pub struct SessionStats {
     pub tensors: u64,
     pub bytes: u64,
     pub buckets: u64,
+    /// Bytes hashed for this session's manifest, and the time it took
+    /// before the manifest could go out: 0 when every checksum was known
+    /// (a published version, `wm_checksums.json`, or live tensors an
+    /// earlier session of the same serve call hashed).
+    pub hashed: u64,
+    pub hash: Duration,
     /// Time spent packing buckets into the shared buffers.
     pub pack: Duration,
     /// Time spent waiting for the engine's acknowledgements.
@@ -63,6 +69,8 @@ pub(super) struct Shard {
     /// The published version's buffer, which every tensor of the shard
     /// lies in (None: live tensors or files, packed per session).
     published: Option<Published>,
+    /// Bytes hashed to build the manifest.
+    hashed: u64,
 }
 
 impl Shard {
@@ -89,9 +97,11 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
             };
             let source = SnapshotSource::open(&loc, &cfg.logger)?;
             let mut manifest = source.manifest().clone();
-            if cfg.checksums {
-                fill_missing_checksums(&source, &mut manifest)?;
-            }
+            let hashed = if cfg.checksums {
+                fill_missing_checksums(&source, &mut manifest)?
+            } else {
+                0
+            };
             if version.is_some() {
                 manifest.version = version;
             }
@@ -102,60 +112,71 @@ fn shard_for(offer: &Offer, rank: u32, gpu_id: &str, cfg: &PublisherConfig) -> R
                     open: HashMap::new(),
                 },
                 published: None,
+                hashed,
             })
         }
         Content::Tensors(all) => {
-            let mine: Vec<&HostTensor> = all
+            // This rank's tensors, with their index in the content.
+            let mine: Vec<(usize, &HostTensor)> = all
                 .iter()
-                .filter(|t| t.rank.is_none_or(|r| r == rank))
+                .enumerate()
+                .filter(|(_, t)| t.rank.is_none_or(|r| r == rank))
                 .collect();
-            if let (Some(t), None) = (mine.iter().find(|t| t.device.is_some()), &offer.published) {
+            if let (Some((_, t)), None) = (
+                mine.iter().find(|(_, t)| t.device.is_some()),
+                &offer.published,
+            ) {
                 return Err(Error::invalid_argument(format!(
                     "tensor '{}' is GPU memory: GPU tensors are served once published \
                      (publish copies them into a buffer engines read)",
                     t.name
                 )));
             }
-            // Hash what has no checksum yet (published copies have theirs).
-            let todo: Vec<usize> = (0..mine.len())
-                .filter(|&i| cfg.checksums && mine[i].checksum.is_none())
+            // Hash what has no checksum yet: published copies have theirs,
+            // live tensors another session of this serve call may have
+            // hashed. The lock is held while hashing, so sessions wanting
+            // the same tensors wait for the sums instead of hashing again.
+            let mut known = offer.live_sums.lock();
+            let todo: Vec<(usize, &HostTensor)> = mine
+                .iter()
+                .copied()
+                .filter(|(i, t)| cfg.checksums && t.checksum.is_none() && !known.contains_key(i))
                 .collect();
             let regions: Vec<(SendPtr, usize)> =
-                todo.iter().map(|&i| (mine[i].data, mine[i].len)).collect();
+                todo.iter().map(|(_, t)| (t.data, t.len)).collect();
             // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
             let fresh = unsafe { hash_all(&regions, default_threads()) };
-            let mut sums: Vec<Option<u128>> = mine.iter().map(|t| t.checksum).collect();
-            for (&i, sum) in todo.iter().zip(fresh) {
-                sums[i] = Some(sum);
-            }
+            known.extend(todo.iter().map(|(i, _)| *i).zip(fresh));
             let tensors = mine
                 .iter()
-                .enumerate()
                 .map(|(i, t)| TensorMeta {
                     name: t.name.clone(),
                     dtype: t.dtype,
                     shape: t.shape.clone(),
                     nbytes: t.len as u64,
-                    checksum: sums[i],
+                    checksum: t.checksum.or_else(|| known.get(i).copied()),
                 })
                 .collect();
+            drop(known);
             Ok(Shard {
                 manifest: Manifest { tensors, version },
-                bytes: ShardBytes::Memory(mine.iter().map(|t| t.data).collect()),
+                bytes: ShardBytes::Memory(mine.iter().map(|(_, t)| t.data).collect()),
                 published: offer.published.clone(),
+                hashed: regions.iter().map(|(_, n)| *n as u64).sum(),
             })
         }
     }
 }
 
 /// Hash the tensors a snapshot has no `wm_checksums.json` entry for, so the
-/// engine can verify them (the network paths verify by default).
-fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> Result<()> {
+/// engine can verify them (the network paths verify by default). Returns
+/// the bytes hashed.
+fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> Result<u64> {
     let todo: Vec<usize> = (0..manifest.tensors.len())
         .filter(|&i| manifest.tensors[i].checksum.is_none())
         .collect();
     if todo.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
     let paths: Vec<&std::path::Path> = source.files().collect();
     let files = paths
@@ -179,7 +200,7 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
         let sum = r.map_err(|e| Error::io(format!("hashing {}", paths[fi].display()), e))?;
         manifest.tensors[t].checksum = Some(sum);
     }
-    Ok(())
+    Ok(ranges.iter().map(|&(_, _, n)| n).sum())
 }
 
 /// Smallest bucket the ramp starts and ends with.
@@ -346,8 +367,14 @@ fn serve(
         authenticate(conn, secret, step(cfg.bucket_timeout), cfg)?;
     }
     let offer = pick(offers, &wanted_version, rank)?;
+    let hashing = Instant::now();
     let mut shard =
         shard_for(offer, rank, &gpu_id, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
+    let hash = if shard.hashed > 0 {
+        hashing.elapsed()
+    } else {
+        Duration::ZERO
+    };
     let have = shard.manifest.version.clone().unwrap_or_default();
     conn.send(&Frame::Manifest {
         version: have.clone(),
@@ -370,6 +397,8 @@ fn serve(
         rank,
         version: have,
         tensors: want.len() as u64,
+        hashed: shard.hashed,
+        hash,
         ..Default::default()
     };
     if secret.is_some() {

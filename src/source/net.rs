@@ -7,15 +7,17 @@
 //! where its UCX worker is, then receives bucket after bucket. Every bucket
 //! entry (at most `wire::NET_MESSAGE` bytes) is its own UCX message:
 //!
-//! - **staged** (rdma): received into one of `depth` staging slots at the
-//!   entry's buffer offset, then copied to its param;
-//! - **direct** (gdr, and rdma when asked): received straight where the
+//! - **direct** (rdma by default, gdr always): received straight where the
 //!   applier wants the bytes (`Applier::landing_for`): the param itself in
-//!   place, the atomic staging arena otherwise. One copy fewer; on RDMA
-//!   hardware the NIC writes the params. gdr (straight into GPU memory)
-//!   also needs device params and a UCX built with CUDA; without either it
-//!   is refused with a clear error (or, when allowed, runs as rdma with a
-//!   warning).
+//!   place, the atomic staging arena otherwise, and for device params
+//!   without gdr a host buffer (pinned where it can) that goes up to the
+//!   GPU. On RDMA hardware the NIC writes the params. gdr (straight into GPU
+//!   memory) also needs device params and a UCX built with CUDA; without
+//!   either it is refused with a clear error (or, when allowed, runs as
+//!   rdma with a warning).
+//! - **staged** (rdma with `NetSettings::staged`): received into one of
+//!   `depth` staging slots at the entry's buffer offset, then copied to its
+//!   param; one copy more (README "Decisions").
 //!
 //! A bucket's receives are posted when its BUCKET frame arrives; up to
 //! `depth` buckets are posted (the next one first, when its frame is already

@@ -8,7 +8,7 @@
 //!
 //! Run it with `UCX_TLS=tcp` on a machine without RDMA (what CI does); on a
 //! cluster leave UCX_TLS unset and UCX picks RDMA.
-//! `WM_BENCH_VERBOSE=1` prints every paired run (floor, wm, ratio) on stderr.
+//! `WM_BENCH_VERBOSE=1` prints every run (floors around it, wm, ratio) on stderr.
 
 use crate::fmt::{self, gbps};
 use crate::Args;
@@ -47,7 +47,14 @@ pub fn publisher(a: &Args) -> Result<(), String> {
         .serve(a.number("engines", 1)?, Duration::from_secs(600))
         .map_err(|e| e.to_string())?;
     for s in stats.sessions.iter().filter(|s| s.rank == 0) {
-        println!("session {} {} {}", s.bytes, s.pack.as_nanos(), s.buckets);
+        println!(
+            "session {} {} {} {} {}",
+            s.bytes,
+            s.pack.as_nanos(),
+            s.buckets,
+            s.hashed,
+            s.hash.as_nanos()
+        );
     }
     Ok(())
 }
@@ -64,8 +71,8 @@ struct Measured {
 /// messages of `depth` buckets). `slots` are the receiving buffers,
 /// allocated once by the caller: fresh memory each run would cost page
 /// faults and compaction.
-fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration, String> {
-    let (message, in_flight) = (src.len(), slots.len());
+fn raw_floor(src: &[u8], message: usize, slots: &mut [Vec<u8>]) -> Result<Duration, String> {
+    let (total, in_flight) = (src.len(), slots.len());
     let tx = Pump::start("floor-tx").map_err(|e| e.to_string())?;
     let rx = Pump::start("floor-rx").map_err(|e| e.to_string())?;
     tx.connect(rx.address()).map_err(|e| e.to_string())?;
@@ -77,7 +84,7 @@ fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration
         for s in 0..(in_flight as u64).min(n) {
             rx.recv(s, slots[s as usize % in_flight].as_mut_ptr(), message)
                 .map_err(|e| e.to_string())?;
-            tx.send(s, src.as_ptr(), message)
+            tx.send(s, piece(src, s, message), message)
                 .map_err(|e| e.to_string())?;
         }
     }
@@ -95,7 +102,7 @@ fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration
             // SAFETY: as above.
             unsafe {
                 rx.recv(posted, slot, message).map_err(|e| e.to_string())?;
-                tx.send(posted, src.as_ptr(), message)
+                tx.send(posted, piece(src, posted, message), message)
                     .map_err(|e| e.to_string())?;
             }
             posted += 1;
@@ -106,6 +113,18 @@ fn raw_floor(total: usize, src: &[u8], slots: &mut [Vec<u8>]) -> Result<Duration
     Ok(elapsed)
 }
 
+/// Message `k`'s bytes: its own part of `src`, as a session sends each
+/// entry from its own tensor bytes (a last short part is padded by reading
+/// from the start, which only a size not a multiple of the message has).
+fn piece(src: &[u8], k: u64, message: usize) -> *const u8 {
+    let at = k as usize * message;
+    if at + message <= src.len() {
+        src[at..].as_ptr()
+    } else {
+        src.as_ptr()
+    }
+}
+
 pub fn run(a: &Args) -> Result<(), String> {
     let gib: f64 = a.number("gib", 4.0)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
@@ -113,7 +132,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let count = crate::bench::layer_count(gib);
     let total = count * crate::bench::LAYER;
     let probes = 5usize;
-    // Sessions: staged and direct, each a warm-up then RUNS verified and
+    // Sessions: direct (the default) and staged, each a warm-up then RUNS verified and
     // RUNS unverified; small buckets; then the probes.
     let runs: usize = a.number("runs", 5)?;
     let engines = 2 * (1 + 2 * runs) + 1 + probes;
@@ -131,7 +150,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         std::env::var("UCX_TLS").unwrap_or_else(|_| "(all)".into())
     );
     let bucket = bucket_mib << 20;
-    let engine_with = |bucket_size: usize, rank: u32, direct: bool| {
+    let engine_with = |bucket_size: usize, rank: u32, staged: bool| {
         Manager::new(ManagerConfig {
             rank,
             world_size: 2,
@@ -139,7 +158,7 @@ pub fn run(a: &Args) -> Result<(), String> {
                 secret: Some(SECRET.into()),
                 bucket_size,
                 depth,
-                direct,
+                staged,
                 ..Default::default()
             },
             ..Default::default()
@@ -160,27 +179,36 @@ pub fn run(a: &Args) -> Result<(), String> {
     // Warm-up: the first session creates both sides' buffers.
     let first = m.update(request(false)).map_err(|e| e.to_string())?;
     // This machine's speed wanders from second to second (a 2-core VM; the
-    // floor alone ranges over 2x): every wm run is paired with a floor run
-    // just before it. Figures are the best of their runs; the verdict uses
-    // the median of the paired ratios, which drift and spikes do not sway.
+    // floor alone ranges over 2x): every wm run is compared with the floor
+    // runs just before and after it. Figures are the best of their runs; the
+    // verdict uses the median of those ratios, which drift and spikes do not
+    // sway. The floor sends from a source as big as the model, as the
+    // trainer does (one small buffer sent again and again stays in cache).
     let mut floor_t = Duration::MAX;
     let message = weight_manager::wire::net_message_bytes().min(bucket);
-    let floor_src = crate::bench::buffer(message);
+    let floor_src = crate::bench::buffer(total);
     let mut floor_slots: Vec<Vec<u8>> = (0..depth * bucket.div_ceil(message))
         .map(|_| crate::bench::buffer(message))
         .collect();
     let mut best_of = |m: &Manager, skip: bool| -> Result<Measured, String> {
         let mut best: Option<UpdateStats> = None;
         let mut ratios = Vec::with_capacity(runs);
+        // Each wm run sits between two floor runs and is compared with
+        // their mean: the machine's drift then moves both sides alike. The
+        // floor after one run is the floor before the next.
+        let mut before = raw_floor(&floor_src, message, &mut floor_slots)?;
+        floor_t = floor_t.min(before);
         for _ in 0..runs {
-            let f = raw_floor(total, &floor_src, &mut floor_slots)?;
-            floor_t = floor_t.min(f);
             let s = m.update(request(skip)).map_err(|e| e.to_string())?;
-            let ratio = gbps(s.bytes, s.total) / gbps(total as u64, f);
+            let after = raw_floor(&floor_src, message, &mut floor_slots)?;
+            floor_t = floor_t.min(after);
+            let around = (gbps(total as u64, before) + gbps(total as u64, after)) / 2.0;
+            let ratio = gbps(s.bytes, s.total) / around;
             if std::env::var_os("WM_BENCH_VERBOSE").is_some() {
                 eprintln!(
-                    "    run: floor {:.2} GB/s, wm {:.2} GB/s, ratio {ratio:.2}",
-                    gbps(total as u64, f),
+                    "    run: floor {:.2} GB/s before, {:.2} after; wm {:.2} GB/s, ratio {ratio:.2}",
+                    gbps(total as u64, before),
+                    gbps(total as u64, after),
                     gbps(s.bytes, s.total)
                 );
             }
@@ -188,6 +216,7 @@ pub fn run(a: &Args) -> Result<(), String> {
             if best.as_ref().is_none_or(|b| s.total < b.total) {
                 best = Some(s);
             }
+            before = after;
         }
         ratios.sort_by(f64::total_cmp);
         Ok(Measured {
@@ -195,17 +224,18 @@ pub fn run(a: &Args) -> Result<(), String> {
             median_ratio: ratios[ratios.len() / 2],
         })
     };
+    // The default, direct receive: each bucket entry lands in its param, no
+    // staging slot and no copy out of it; the trainer sends from its
+    // tensors, no packing either.
     let verified = best_of(&m, false)?;
     let plain = best_of(&m, true)?;
-    // Direct receive (`net_direct`): each bucket entry lands in its param,
-    // no staging slot and no copy out of it; the trainer sends from its
-    // tensors, no packing either.
-    let d = engine_with(bucket, 0, true)?;
-    crate::bench::register_layers(&d, &mut params)?;
-    d.update(request(false)).map_err(|e| e.to_string())?;
-    let direct = best_of(&d, false)?;
-    let direct_plain = best_of(&d, true)?;
-    drop(d);
+    // Staged (`net_staged`): into a slot, then copied to the params.
+    let st = engine_with(bucket, 0, true)?;
+    crate::bench::register_layers(&st, &mut params)?;
+    st.update(request(false)).map_err(|e| e.to_string())?;
+    let staged = best_of(&st, false)?;
+    let staged_plain = best_of(&st, true)?;
+    drop(st);
     // Per-bucket overhead: the same bytes in 1 MiB buckets.
     let small = engine(1 << 20, 0)?;
     crate::bench::register_layers(&small, &mut params)?;
@@ -214,7 +244,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let floor = gbps(total as u64, floor_t);
     println!(
         "  floor  raw UCX, same bytes and messages   {floor:>7.2} GB/s   (best of {}; {} MiB messages, {} in flight)",
-        4 * runs,
+        4 * (runs + 1),
         message >> 20,
         floor_slots.len()
     );
@@ -230,15 +260,15 @@ pub fn run(a: &Args) -> Result<(), String> {
             (true, false) => " (target >= 0.80) MISS",
         };
         println!(
-            "  wm     {what:<36}{rate:>7.2} GB/s   ratio {:.2} to the best floor; median of paired runs {:.2}{verdict}",
+            "  wm     {what:<36}{rate:>7.2} GB/s   ratio {:.2} to the best floor; median of runs against the floors around each {:.2}{verdict}",
             rate / floor,
             m.median_ratio
         );
     };
-    row("rdma staged, verified (default)", &verified, true);
-    row("rdma staged, unverified", &plain, false);
-    row("rdma direct (net_direct), verified", &direct, true);
-    row("rdma direct, unverified", &direct_plain, false);
+    row("rdma direct, verified (default)", &verified, true);
+    row("rdma direct, unverified", &plain, false);
+    row("rdma staged (net_staged), verified", &staged, false);
+    row("rdma staged, unverified", &staged_plain, false);
     let (n_big, n_small) = (
         total.div_ceil(bucket) as f64,
         total.div_ceil(1 << 20) as f64,
@@ -246,7 +276,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let per_bucket =
         (fine.total.as_secs_f64() - plain.best.total.as_secs_f64()) / (n_small - n_big);
     println!(
-        "  wm     1 MiB buckets ({n_small:.0})               {:>7.2} GB/s   per-bucket overhead {:.1} us (one run, against the best unverified staged run)",
+        "  wm     1 MiB buckets ({n_small:.0})               {:>7.2} GB/s   per-bucket overhead {:.1} us (one run, against the best unverified direct run)",
         gbps(fine.bytes, fine.total),
         per_bucket.max(0.0) * 1e6
     );
@@ -266,7 +296,20 @@ pub fn run(a: &Args) -> Result<(), String> {
         fmt::ms(best)
     );
     let sessions = trainer.finish()?;
-    if let Some(s) = sessions.get(1).filter(|s| s.len() == 3) {
+    // The warm-up session hashed the trainer's live tensors for the
+    // manifest; the later sessions of the same serve call reuse the sums.
+    if let Some(s) = sessions.first().filter(|s| s.len() == 5) {
+        let hashed: u64 = sessions.iter().skip(1).map(|s| s[3]).sum();
+        println!(
+            "  trainer checksums: {} hashed in {} before the first manifest ({:.2} GB/s); {} for the {} sessions after it (same serve call)",
+            fmt::bytes(s[3]),
+            fmt::ms(Duration::from_nanos(s[4])),
+            gbps(s[3], Duration::from_nanos(s[4]).max(Duration::from_nanos(1))),
+            fmt::bytes(hashed),
+            sessions.len() - 1
+        );
+    }
+    if let Some(s) = sessions.get(1).filter(|s| s.len() == 5) {
         let pack = Duration::from_nanos(s[1]);
         let packing = if pack.is_zero() {
             "none (entries sent from the tensors)".to_string()

@@ -31,7 +31,7 @@ pub const PULL_OPTIONS: &[&str] = &[
     "net",
     "gdr",
     "gdr-fallback",
-    "direct",
+    "staged",
     "bucket-mib",
     "bucket-bytes",
     "depth",
@@ -199,7 +199,7 @@ pub fn pull(a: &Args) -> Result<(), String> {
             bucket_size: a.number("bucket-bytes", a.number::<usize>("bucket-mib", 512)? << 20)?,
             depth: a.number("depth", 2)?,
             gdr_fallback: a.value("gdr-fallback").is_some_and(|v| v != "false"),
-            direct: a.value("direct").is_some_and(|v| v != "false"),
+            staged: a.value("staged").is_some_and(|v| v != "false"),
             ..Default::default()
         },
         ..Default::default()

@@ -99,7 +99,7 @@ fn hash_range(
     len: u64,
     buf: &mut [u8],
 ) -> std::io::Result<u128> {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = crate::checksum::Checksum::default();
     let mut done = 0u64;
     while done < len {
         let n = (len - done).min(buf.len() as u64) as usize;
@@ -107,7 +107,7 @@ fn hash_range(
         h.update(&buf[..n]);
         done += n as u64;
     }
-    Ok(h.digest128())
+    Ok(h.digest())
 }
 
 /// The xxh3-128 of each `(file index, offset, length)` range of `files`, on

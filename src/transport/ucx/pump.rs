@@ -40,7 +40,7 @@ pub struct Pump {
 /// How long shutdown waits for cancelled requests to finish.
 const DRAIN: Duration = Duration::from_secs(2);
 /// How long shutdown spends taking in messages nobody asked for, and the
-/// largest it takes (a network message is at most 4 MiB).
+/// largest it takes (a network message is at most 1 MiB).
 const DRAIN_UNEXPECTED: Duration = Duration::from_millis(500);
 const MAX_UNEXPECTED: usize = 64 << 20;
 
