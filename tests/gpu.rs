@@ -316,47 +316,51 @@ fn rdma_into_device_params() {
     add_all(&p, &v);
     p.set_version(Some("9".into()));
     p.publish().unwrap();
-    let m = Manager::new(ManagerConfig {
-        net: weight_manager::manager::NetSettings {
-            secret: Some(b"gpu-suite".to_vec()),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
-    let bufs = register_on_gpu(c, &m, &v);
+    // Direct (the default) and staged receive, each in place and atomic;
     // gdr lands straight in the device params when this UCX reaches CUDA
-    // memory; otherwise it is refused, saying why.
+    // memory, and is refused, saying why, otherwise.
     let ucx = weight_manager::transport::ucx::ucx().unwrap();
-    let mut runs = vec![
-        (SourceKind::Rdma, Mode::InPlace),
-        (SourceKind::Rdma, Mode::Atomic),
-    ];
-    if ucx.supports_cuda() {
-        runs.push((SourceKind::Gdr, Mode::InPlace));
-    } else {
-        let mut req = UpdateRequest::snapshot(p.address());
-        req.source = SourceKind::Gdr;
-        let e = m.update(req).unwrap_err();
-        assert!(e.message.contains("cannot reach CUDA memory"), "{e}");
-        println!("gdr not run: {e}");
-    }
-    std::thread::scope(|s| {
-        let serving = s.spawn(|| p.serve(runs.len(), std::time::Duration::from_secs(30)));
-        for &(source, mode) in &runs {
+    for staged in [false, true] {
+        let m = Manager::new(ManagerConfig {
+            net: weight_manager::manager::NetSettings {
+                secret: Some(b"gpu-suite".to_vec()),
+                staged,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        let bufs = register_on_gpu(c, &m, &v);
+        let mut runs = vec![
+            (SourceKind::Rdma, Mode::InPlace),
+            (SourceKind::Rdma, Mode::Atomic),
+        ];
+        if !staged && ucx.supports_cuda() {
+            runs.push((SourceKind::Gdr, Mode::InPlace));
+        } else if !staged {
             let mut req = UpdateRequest::snapshot(p.address());
-            req.source = source;
-            req.mode = mode;
-            m.update(req).unwrap();
-            for (t, b) in v.iter().zip(&bufs) {
-                assert!(
-                    b.read(c) == t.data,
-                    "{source:?} {mode:?}: '{}' differs",
-                    t.name
-                );
-                b.zero(c);
-            }
+            req.source = SourceKind::Gdr;
+            let e = m.update(req).unwrap_err();
+            assert!(e.message.contains("cannot reach CUDA memory"), "{e}");
+            println!("gdr not run: {e}");
         }
-        serving.join().unwrap().unwrap();
-    });
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(runs.len(), std::time::Duration::from_secs(30)));
+            for &(source, mode) in &runs {
+                let mut req = UpdateRequest::snapshot(p.address());
+                req.source = source;
+                req.mode = mode;
+                m.update(req).unwrap();
+                for (t, b) in v.iter().zip(&bufs) {
+                    assert!(
+                        b.read(c) == t.data,
+                        "{source:?} {mode:?} (staged: {staged}): '{}' differs",
+                        t.name
+                    );
+                    b.zero(c);
+                }
+            }
+            serving.join().unwrap().unwrap();
+        });
+    }
 }
