@@ -69,11 +69,6 @@ impl std::ops::Deref for ExportedDeviceBuffer {
     }
 }
 
-// SAFETY: a device address and a handle; the driver calls that use them
-// make the right context current first.
-unsafe impl Send for ExportedDeviceBuffer {}
-unsafe impl Sync for ExportedDeviceBuffer {}
-
 impl ExportedDeviceBuffer {
     /// `len` bytes (at least one) on GPU `ordinal`; `what` names the owner
     /// in errors.
@@ -170,10 +165,6 @@ impl std::ops::Deref for ImportedDeviceBuffer {
         &self.span
     }
 }
-
-// SAFETY: as for ExportedDeviceBuffer.
-unsafe impl Send for ImportedDeviceBuffer {}
-unsafe impl Sync for ImportedDeviceBuffer {}
 
 impl ImportedDeviceBuffer {
     /// Open `handle`, announced as `len` bytes, on GPU `ordinal`.

@@ -46,7 +46,7 @@ use crate::tensor::{byte_size, check_name, DType};
 use crate::transport::auth::Secret;
 use crate::transport::conn::Stream;
 use parking_lot::Mutex;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
@@ -155,7 +155,7 @@ pub(crate) struct Offer {
     /// unchanged while sessions run (`add_tensor`'s contract) and an offer
     /// lives for one serve call, so its other sessions (ranks, or engines
     /// pulling again) reuse them; the next call hashes afresh.
-    pub(crate) live_sums: Mutex<std::collections::HashMap<usize, u128>>,
+    pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
 }
 
 /// Where a published version's tensors were copied.

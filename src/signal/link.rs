@@ -129,12 +129,13 @@ impl Msg {
 
 /// Send one message. `who` names the peer in errors.
 pub fn send(stream: &mut TcpStream, msg: &Msg, who: &str) -> Result<()> {
-    stream.write_all(&msg.encode()).map_err(|e| match e.kind() {
+    stream.write_all(&msg.encode()).map_err(|e| {
         // A dead peer, noticed on a write rather than a read (see read_exact).
-        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+        if crate::transport::peer_gone(&e) {
             Error::peer(format!("{who} closed the connection (process died?)"))
+        } else {
+            Error::peer(format!("{who}: connection lost while sending ({e})"))
         }
-        _ => Error::peer(format!("{who}: connection lost while sending ({e})")),
     })
 }
 

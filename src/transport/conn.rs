@@ -114,13 +114,9 @@ impl Conn {
         let mut attach = fds;
         while sent < bytes.len() {
             let n = sendmsg(self.stream.as_raw_fd(), &bytes[sent..], attach).map_err(|e| {
-                // A peer that died between our reads and this write shows up
-                // as EPIPE or ECONNRESET: the same event as a read of 0 bytes,
-                // so it gets the same words whichever side noticed first.
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
-                ) {
+                // A peer that died between our reads and this write gets the
+                // same words as one noticed on a read.
+                if super::peer_gone(&e) {
                     Error::peer(format!(
                         "{} closed the connection (did it exit or crash?) while we sent {}",
                         self.peer,
@@ -167,7 +163,7 @@ impl Conn {
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                Err(e) if super::peer_gone(&e) => {
                     return Err(Error::peer(format!(
                         "{} closed the connection (did it exit or crash?)",
                         self.peer
