@@ -342,6 +342,16 @@ typedef struct {
   // bucket entries land straight in param memory (or the atomic staging
   // arena), one copy fewer (README "Decisions": direct receive).
   uint32_t net_staged;
+  // NCCL fan-out: ranks of one node with the same group number (0 or
+  // more) and the same device params take an update from one of them
+  // (the lowest local rank pulls from the source and broadcasts over
+  // NCCL); needs `group_name` and `device`. Default -1: every rank pulls
+  // its own (README "NCCL fan-out").
+  int32_t fanout_group;
+  // Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
+  // `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
+  // dynamic linker. Copied by `wm_init`.
+  const char *nccl_library;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.

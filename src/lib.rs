@@ -19,10 +19,13 @@
 //! - [`source`]: where bytes come from (snapshot files now).
 //! - [`manager`]: the state machine. [`state`]: its states.
 //! - [`signal`]: the control cell and the per-step signal.
+//! - [`fanout`]: NCCL fan-out of an update among a node's ranks.
 //! - [`ffi`]: the C boundary, and nothing else.
 
 pub mod apply;
 pub mod checksum;
+pub(crate) mod dynlib;
+pub mod fanout;
 pub mod ffi;
 pub mod logging;
 pub mod manager;

@@ -364,3 +364,90 @@ fn rdma_into_device_params() {
         });
     }
 }
+
+/// NCCL fan-out between two `wm worker` ranks on GPUs 0 and 1: rank 0
+/// reads the snapshot, rank 1's model directory is empty, so its weights
+/// can only arrive by fan-out. Two updates through the control cell (the
+/// second reuses the communicator); both ranks read `w` back from their
+/// GPU and log its checksum. Needs two GPUs (NCCL allows one rank per GPU)
+/// and NCCL (`WM_NCCL_LIB` or `libnccl.so.2`).
+#[test]
+fn fanout_between_two_gpus() {
+    use std::process::Stdio;
+    use weight_manager::signal::controller::Controller;
+    use weight_manager::state::State;
+    use weight_manager::tensor::DType;
+    let Some(c) = gpu() else { return };
+    if c.device_count() < 2 {
+        println!(
+            "skipped: fan-out needs two GPUs (NCCL takes one rank per GPU); this machine has {}",
+            c.device_count()
+        );
+        return;
+    }
+    if let Err(e) = weight_manager::fanout::nccl::nccl(None) {
+        println!("skipped: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::create_dir_all(&full).unwrap();
+    let w = tensor("w", DType::F32, &[16], 21);
+    write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
+    write_version(&full, "1");
+    let tag = std::process::id();
+    let (group, cell) = (format!("wm_gpu_fo_{tag}"), format!("wm_gpu_fo_cell_{tag}"));
+    let mut ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let log = dir.path().join(format!("rank{rank}.log"));
+            let err = dir.path().join(format!("rank{rank}.err"));
+            let child = std::process::Command::new(wm())
+                .arg("worker")
+                .args(["--rank", &rank.to_string(), "--world", "2"])
+                .args(["--group", &group, "--cell", &cell])
+                .args(["--device", &rank.to_string(), "--fanout", "0"])
+                .args([
+                    "--steps",
+                    "3000",
+                    "--step-us",
+                    "1000",
+                    "--timeout-ms",
+                    "30000",
+                ])
+                .arg("--model-dir")
+                .arg(if rank == 0 { &full } else { &empty })
+                .arg("--log")
+                .arg(&log)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&err).unwrap())
+                .spawn()
+                .unwrap();
+            (child, log, err)
+        })
+        .collect();
+    let ctl = Controller::open(&cell).unwrap();
+    for _ in 0..2 {
+        ctl.wait_for(State::Normal, std::time::Duration::from_secs(60))
+            .unwrap();
+        ctl.cell().compare_exchange(0, 1).unwrap();
+        let done = ctl.wait_for(State::Normal, std::time::Duration::from_secs(120));
+        if done.is_err() {
+            for (child, _, err) in ranks.iter_mut() {
+                let _ = child.kill();
+                println!("{}", std::fs::read_to_string(&*err).unwrap_or_default());
+            }
+            panic!("the fan-out update did not finish: {done:?}");
+        }
+    }
+    let want = format!("updated 1 w={:032x}", weight_manager::checksum::of(&w.data));
+    for (mut child, log, err) in ranks {
+        let status = child.wait().unwrap();
+        let err = std::fs::read_to_string(&err).unwrap_or_default();
+        assert!(status.success(), "{err}");
+        let log = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(log.matches(&want).count(), 2, "{log}\n{err}");
+    }
+    let _ = weight_manager::signal::shm::unlink(&cell);
+    let _ = weight_manager::signal::shm::unlink(&format!("{cell}.wm_report"));
+}

@@ -4,6 +4,15 @@
 
 mod common;
 
+/// Tests here run on parallel threads of one process, and one of them counts
+/// the process's shared bucket buffers (`bucket_fds`): each test holds this
+/// lock, so no other test's buffers are open while it counts.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 use common::*;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -45,6 +54,7 @@ fn small_buckets() -> PublisherConfig {
 
 #[test]
 fn tensors_from_memory_copy_and_zero_copy() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("pub.sock");
     let mut ts = model(21);
@@ -82,6 +92,7 @@ fn tensors_from_memory_copy_and_zero_copy() {
 /// mapped, so its bytes must be the new ones.
 #[test]
 fn published_versions_are_served_from_their_shared_memory() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("pub.sock");
     let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
@@ -159,6 +170,7 @@ fn versioned_model(seed: u8) -> Vec<T> {
 
 #[test]
 fn corrupted_bucket_is_caught_and_old_weights_kept() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("pub.sock");
     let v1 = model(1);
@@ -202,6 +214,7 @@ fn corrupted_bucket_is_caught_and_old_weights_kept() {
 
 #[test]
 fn another_version_or_no_publisher_is_a_clear_error() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("pub.sock");
     let m = manager(0, 1);
@@ -254,6 +267,7 @@ fn output(c: Child) -> (bool, String) {
 
 #[test]
 fn one_publisher_serves_four_ranks_their_own_shards() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     for r in 0..4u32 {
         let shard: Vec<T> = model(40 + r as u8);
@@ -320,6 +334,7 @@ fn big_model(seed: u8) -> Vec<T> {
 
 #[test]
 fn publisher_killed_mid_update_keeps_old_weights() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (d1, d2) = (dir.path().join("v1"), dir.path().join("v2"));
     for (d, seed, step) in [(&d1, 1u8, "1"), (&d2, 2u8, "2")] {
@@ -377,6 +392,7 @@ fn bucket_fds() -> usize {
 
 #[test]
 fn engine_killed_mid_update_fails_the_session_and_frees_buffers() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let ts = big_model(5);
     let sock = dir.path().join("e.sock");
@@ -415,6 +431,7 @@ fn engine_killed_mid_update_fails_the_session_and_frees_buffers() {
 
 #[test]
 fn a_publisher_of_another_uid_is_refused() {
+    let _serial = serial();
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root to run a peer as another uid");
         return;
@@ -455,6 +472,7 @@ fn a_publisher_of_another_uid_is_refused() {
 /// protocol by hand, as a GPU trainer would up to that frame.
 #[test]
 fn gpu_buffers_without_a_driver_fail_cleanly() {
+    let _serial = serial();
     use std::os::unix::net::UnixListener;
     use weight_manager::manifest::TensorMeta;
     use weight_manager::transport::conn::Conn;

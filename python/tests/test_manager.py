@@ -222,3 +222,18 @@ def test_dtype_names():
     with Manager() as m:
         with pytest.raises(ValueError):
             m.allocate("x", "complex64", (2,))
+
+
+def test_fanout_config_is_checked_at_init():
+    """NCCL fan-out needs ranks in a group and a GPU; each missing piece is
+    named in the log, and -1 / None means no fan-out."""
+    logs = []
+    with pytest.raises(WeightManagerError) as e:
+        Manager(fanout_group=0, log=lambda _lvl, msg: logs.append(msg))
+    assert e.value.code == Result.ERR_INVALID_ARGUMENT
+    assert any("fanout_group needs the ranks in a group" in m for m in logs), logs
+    with pytest.raises(WeightManagerError) as e:
+        Manager(fanout_group=-3, log=lambda _lvl, msg: logs.append(msg))
+    assert any("fanout_group -3 is not a group number" in m for m in logs), logs
+    with Manager(fanout_group=None) as m:
+        assert m.status().state == State.NORMAL

@@ -68,6 +68,8 @@ class Config(ctypes.Structure):
         ("net_depth", ctypes.c_uint32),
         ("gdr_fallback", ctypes.c_uint32),
         ("net_staged", ctypes.c_uint32),
+        ("fanout_group", ctypes.c_int32),
+        ("nccl_library", c_char_p),
     ]
 
 

@@ -172,15 +172,19 @@ class Manager(OwnedHandle):
                  signal_timeout: Optional[float] = None,
                  log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
                  copy_threads: int = 0, net_secret: Optional[str] = None, net_bucket_size: int = 0,
-                 net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False):
+                 net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
+                 fanout_group: Optional[int] = None, nccl_library=None):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
         cfg.rank, cfg.world_size, cfg.device = rank, world_size, device
         self._keep = [_encode(model_dir and str(model_dir)), _encode(fallback_dir and str(fallback_dir)),
-                      _encode(control_cell), _encode(group), _encode(rendezvous_addr), _encode(net_secret)]
+                      _encode(control_cell), _encode(group), _encode(rendezvous_addr), _encode(net_secret),
+                      _encode(nccl_library and str(nccl_library))]
         (cfg.model_dir, cfg.fallback_dir, cfg.control_cell, cfg.group_name,
-         cfg.rendezvous_addr, cfg.net_secret) = self._keep
+         cfg.rendezvous_addr, cfg.net_secret, cfg.nccl_library) = self._keep
+        # NCCL fan-out (README "NCCL fan-out"): None, every rank pulls its own.
+        cfg.fanout_group = -1 if fanout_group is None else fanout_group
         cfg.net_bucket_size, cfg.net_depth = net_bucket_size, net_depth
         cfg.net_staged, cfg.gdr_fallback = int(net_staged), int(gdr_fallback)
         cfg.local_rank, cfg.local_world_size, cfg.node_rank = local_rank, local_world_size, node_rank

@@ -1,6 +1,7 @@
 //! Manager handles: configuration, creation, destruction, error text.
 
 use super::{check_struct_size, opt_path, opt_str};
+use crate::fanout::FanoutSettings;
 use crate::logging::{LogLevel, Logger};
 use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings, DEFAULT_SIGNAL_TIMEOUT};
 use crate::result::{wm_result, Error, Result};
@@ -111,6 +112,16 @@ pub struct wm_config {
     /// bucket entries land straight in param memory (or the atomic staging
     /// arena), one copy fewer (README "Decisions": direct receive).
     pub net_staged: u32,
+    /// NCCL fan-out: ranks of one node with the same group number (0 or
+    /// more) and the same device params take an update from one of them
+    /// (the lowest local rank pulls from the source and broadcasts over
+    /// NCCL); needs `group_name` and `device`. Default -1: every rank pulls
+    /// its own (README "NCCL fan-out").
+    pub fanout_group: i32,
+    /// Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
+    /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
+    /// dynamic linker. Copied by `wm_init`.
+    pub nccl_library: *const c_char,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -148,6 +159,8 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             net_depth: 0,
             gdr_fallback: 0,
             net_staged: 0,
+            fanout_group: -1,
+            nccl_library: std::ptr::null(),
         });
         wm_result::WM_OK
     })
@@ -223,6 +236,18 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             },
             gdr_fallback: c.gdr_fallback != 0,
             staged: c.net_staged != 0,
+        },
+        fanout: match c.fanout_group {
+            -1 => None,
+            g if g < 0 => {
+                return Err(Error::invalid_argument(format!(
+                    "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
+                )))
+            }
+            g => Some(FanoutSettings {
+                group: g as u32,
+                nccl_library: opt_path(c.nccl_library),
+            }),
         },
     })
 }

@@ -110,6 +110,24 @@ pub(crate) fn check(r: CUresult, call: &str) -> Result<()> {
     }
 }
 
+/// A new non-blocking stream in the current context: the engine's work on
+/// the legacy default stream does not serialize with ours. Used for
+/// uploads (`memory::staging`) and fan-out (`fanout::nccl`).
+pub(crate) fn new_stream() -> Result<sys::CUstream> {
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    check(
+        unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        },
+        "cuStreamCreate",
+    )?;
+    Ok(stream)
+}
+
 impl Cuda {
     /// "CUDA 12.8, 2 device(s)".
     pub fn describe(&self) -> String {

@@ -15,6 +15,7 @@
 //! refills memory an engine still reads.
 
 use super::cuda::{check, cuda};
+pub use super::device::{DeviceAllocation, DeviceSpan};
 use crate::result::{Error, Result};
 use cudarc::driver::sys;
 
@@ -28,44 +29,17 @@ pub fn synchronize(ordinal: i32) -> Result<()> {
     check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }
 
-/// `len` bytes of GPU memory at device address `ptr`, in the context of
-/// GPU `ordinal`: what both ends of CUDA IPC hold.
-#[derive(Debug)]
-pub struct DeviceSpan {
-    ordinal: i32,
-    ptr: u64,
-    len: usize,
-}
-
-impl DeviceSpan {
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn ordinal(&self) -> i32 {
-        self.ordinal
-    }
-}
-
 /// Device memory this process allocated and shares by handle.
 #[derive(Debug)]
 pub struct ExportedDeviceBuffer {
-    span: DeviceSpan,
+    memory: DeviceAllocation,
     handle: [u8; HANDLE_BYTES],
 }
 
 impl std::ops::Deref for ExportedDeviceBuffer {
     type Target = DeviceSpan;
     fn deref(&self) -> &DeviceSpan {
-        &self.span
+        &self.memory
     }
 }
 
@@ -73,33 +47,18 @@ impl ExportedDeviceBuffer {
     /// `len` bytes (at least one) on GPU `ordinal`; `what` names the owner
     /// in errors.
     pub fn new(what: &str, ordinal: i32, len: usize) -> Result<ExportedDeviceBuffer> {
-        let c = cuda().map_err(|e| e.context(what))?;
-        c.check_ordinal(ordinal, what)?;
-        c.make_current(ordinal)?;
-        let mut ptr = 0u64;
-        // SAFETY: a valid out-pointer.
-        check(
-            unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) },
-            "cuMemAlloc",
-        )
-        .map_err(|e| e.context(format!("{what}: {len} bytes on GPU {ordinal}")))?;
+        let memory = DeviceAllocation::new(what, ordinal, len)?;
         let mut raw = sys::CUipcMemHandle_st {
             reserved: [0; HANDLE_BYTES],
         };
-        // SAFETY: a valid out-pointer and our own allocation.
-        if let Err(e) = check(
-            unsafe { sys::cuIpcGetMemHandle(&mut raw, ptr) },
+        // SAFETY: a valid out-pointer and our own allocation (current context).
+        check(
+            unsafe { sys::cuIpcGetMemHandle(&mut raw, memory.ptr()) },
             "cuIpcGetMemHandle",
-        ) {
-            // SAFETY: allocated above, not shared yet.
-            unsafe { sys::cuMemFree_v2(ptr) };
-            return Err(e.context(what));
-        }
+        )
+        .map_err(|e| e.context(what))?;
         let handle = raw.reserved.map(|b| b as u8);
-        Ok(ExportedDeviceBuffer {
-            span: DeviceSpan { ordinal, ptr, len },
-            handle,
-        })
+        Ok(ExportedDeviceBuffer { memory, handle })
     }
 
     /// The handle another process opens.
@@ -138,15 +97,6 @@ impl ExportedDeviceBuffer {
                 sys::cuMemcpyHtoD_v2(dst, src as *const std::ffi::c_void, len),
                 "cuMemcpyHtoD (to the GPU buffer)",
             )
-        }
-    }
-}
-
-impl Drop for ExportedDeviceBuffer {
-    fn drop(&mut self) {
-        if cuda().and_then(|c| c.make_current(self.ordinal)).is_ok() {
-            // SAFETY: our allocation; sessions that shared it have ended.
-            unsafe { sys::cuMemFree_v2(self.ptr) };
         }
     }
 }

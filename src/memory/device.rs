@@ -187,3 +187,73 @@ pub fn memory_info(ordinal: i32) -> Result<(usize, usize)> {
     )?;
     Ok((free, total))
 }
+
+/// `len` bytes of GPU memory at device address `ptr`, in the context of
+/// GPU `ordinal`: what both ends of CUDA IPC hold.
+#[derive(Debug)]
+pub struct DeviceSpan {
+    pub(crate) ordinal: i32,
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+}
+
+impl DeviceSpan {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+/// Plain device memory (`cuMemAlloc`), freed on drop: CUDA IPC buffers and
+/// the fan-out's scratch and atomic arena.
+#[derive(Debug)]
+pub struct DeviceAllocation {
+    span: DeviceSpan,
+}
+
+impl std::ops::Deref for DeviceAllocation {
+    type Target = DeviceSpan;
+    fn deref(&self) -> &DeviceSpan {
+        &self.span
+    }
+}
+
+impl DeviceAllocation {
+    /// `len` bytes (at least one) on GPU `ordinal`, whose context is left
+    /// current; `what` names the owner in errors.
+    pub fn new(what: &str, ordinal: i32, len: usize) -> Result<DeviceAllocation> {
+        let c = cuda().map_err(|e| e.context(what))?;
+        c.check_ordinal(ordinal, what)?;
+        c.make_current(ordinal)?;
+        let mut ptr = 0u64;
+        // SAFETY: a valid out-pointer.
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) },
+            "cuMemAlloc",
+        )
+        .map_err(|e| e.context(format!("{what}: {len} bytes on GPU {ordinal}")))?;
+        Ok(DeviceAllocation {
+            span: DeviceSpan { ordinal, ptr, len },
+        })
+    }
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        if cuda().and_then(|c| c.make_current(self.ordinal)).is_ok() {
+            // SAFETY: our allocation; its users have finished with it.
+            unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}

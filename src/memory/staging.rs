@@ -31,7 +31,7 @@
 //! flight before freeing their buffers; if they never finish, the buffers
 //! are leaked rather than freed under a running DMA.
 
-use super::cuda::{check, cuda};
+use super::cuda::{check, cuda, new_stream};
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
@@ -137,18 +137,7 @@ impl Lane {
     fn new(ordinal: i32) -> Result<Lane> {
         let c = cuda()?;
         c.make_current(ordinal)?;
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer. Non-blocking: the engine's work on
-        // the legacy default stream does not serialize with the uploads.
-        check(
-            unsafe {
-                sys::cuStreamCreate(
-                    &mut stream,
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                )
-            },
-            "cuStreamCreate",
-        )?;
+        let stream = new_stream()?;
         Ok(Lane {
             ordinal,
             stream,

@@ -39,7 +39,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
-const MAGIC: u64 = 0x574d_4752_4f55_5031; // "WMGROUP1"
+const MAGIC: u64 = 0x574d_4752_4f55_5032; // "WMGROUP2"
 const RING: u64 = 64;
 
 /// Where a rank sits in its engine.
@@ -59,6 +59,8 @@ pub struct GroupConfig {
     pub addr: Option<String>,
     /// Bound on every wait: rendezvous, a step's value, a barrier.
     pub timeout: Duration,
+    /// This rank's fan-out group, if any (see [`super::fanout`]).
+    pub fanout: Option<u32>,
 }
 
 impl GroupConfig {
@@ -129,15 +131,25 @@ struct Header {
 }
 
 #[repr(C, align(64))]
-struct Slot {
-    pid: AtomicU32,
+pub(super) struct Slot {
+    pub(super) pid: AtomicU32,
     joined: AtomicU32,
-    rank: AtomicU32,
+    pub(super) rank: AtomicU32,
     result: AtomicI32,
     /// `step + 1` of the last step this rank read.
     consumed: AtomicU64,
     /// Last barrier generation this rank entered.
     barrier: AtomicU64,
+    /// Fan-out group + 1 (0: none); written before `joined`.
+    pub(super) fanout: AtomicU32,
+    /// Members: the meeting this rank waits for; the root's: the last
+    /// meeting it decided (see `super::fanout`).
+    pub(super) fan_seq: AtomicU64,
+    /// The communicator generation this rank holds (0: none).
+    pub(super) fan_have: AtomicU64,
+    /// Root: the generation to use in meeting `fan_seq`, and its id.
+    pub(super) fan_gen: AtomicU64,
+    pub(super) fan_id: [AtomicU8; super::fanout::ID_BYTES],
 }
 
 enum Link {
@@ -172,7 +184,7 @@ fn list(ranks: &[u32]) -> String {
 }
 
 pub struct Group {
-    cfg: GroupConfig,
+    pub(super) cfg: GroupConfig,
     /// Spin budget of waits: short when ranks outnumber cores.
     spin: u32,
     map: SharedMapping,
@@ -191,12 +203,12 @@ impl Group {
         unsafe { &*(self.map.ptr() as *const Header) }
     }
 
-    fn slot(&self, i: u32) -> &Slot {
+    pub(super) fn slot(&self, i: u32) -> &Slot {
         // SAFETY: slots follow the header; i < local_world_size (the mapped count).
         unsafe { &*((self.map.ptr() as *const Header).add(1) as *const Slot).add(i as usize) }
     }
 
-    fn me(&self) -> &Slot {
+    pub(super) fn me(&self) -> &Slot {
         self.slot(self.cfg.local_rank)
     }
 
@@ -239,6 +251,8 @@ impl Group {
         let me = g.me();
         me.pid.store(std::process::id(), Ordering::Relaxed);
         me.rank.store(g.cfg.rank, Ordering::Relaxed);
+        me.fanout
+            .store(g.cfg.fanout.map_or(0, |f| f + 1), Ordering::Relaxed);
         me.joined.store(1, Ordering::Release);
         let result = g.meet(deadline);
         if g.cfg.local_rank == 0 {
@@ -447,7 +461,7 @@ impl Group {
         }
     }
 
-    fn check_abort(&self) -> Result<()> {
+    pub(super) fn check_abort(&self) -> Result<()> {
         let h = self.header();
         if h.aborted.load(Ordering::Acquire) == 0 {
             return Ok(());
@@ -566,7 +580,7 @@ impl Group {
         }
     }
 
-    fn dead(&self, local: u32, when: &str) -> Error {
+    pub(super) fn dead(&self, local: u32, when: &str) -> Error {
         let s = self.slot(local);
         Error::peer(format!(
             "group '{}': rank {} (pid {}) died {when}",

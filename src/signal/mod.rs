@@ -5,6 +5,7 @@
 //! - [`report`]: beside it, the outcome (and reason) of the last action.
 //! - [`group`]: ranks in step: shared memory on a node, TCP across nodes.
 //! - [`controller`]: the controller's side of SPEC.md's protocol.
+//! - [`fanout`]: fan-out ranks agreeing on their NCCL communicator.
 //! - [`futex`], [`shm`], [`link`]: the waits, shared objects and wire under them.
 //!
 //! [`SignalPlane`] is what a manager holds. Only rank 0 reads the cell, and
@@ -21,6 +22,7 @@
 
 pub mod cell;
 pub mod controller;
+pub mod fanout;
 pub mod futex;
 pub mod group;
 pub mod link;
@@ -116,6 +118,30 @@ impl SignalPlane {
             *self.pending.lock() = Some(state);
         }
         Ok(state)
+    }
+
+    /// Local ranks in this rank's fan-out group (itself included); 0 when
+    /// it is in none or in no group.
+    pub fn fanout_size(&self) -> usize {
+        self.group
+            .lock()
+            .as_ref()
+            .map_or(0, |g| g.fanout_members().len())
+    }
+
+    /// Run a fan-out meeting (see [`fanout`]).
+    pub fn fanout_meet(
+        &self,
+        have: u64,
+        make_id: impl FnOnce() -> Result<[u8; fanout::ID_BYTES]>,
+        deadline: std::time::Instant,
+    ) -> Result<fanout::FanoutMeeting> {
+        match self.group.lock().as_ref() {
+            Some(g) => g.fanout_meet(have, make_id, deadline),
+            None => Err(Error::state(
+                "a fan-out update needs the ranks in a group: set group_name in wm_config",
+            )),
+        }
     }
 
     /// Finish `action` (UPDATING or CLEARING) if the signal asked for it:

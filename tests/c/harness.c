@@ -176,10 +176,17 @@ static void test_struct_size(void) {
   wm_config c;
   wm_config_init(&c);
   CHECK(c.struct_size == sizeof c);
+  CHECK(c.fanout_group == -1 && c.nccl_library == NULL); /* no fan-out */
   wm_manager *m = (wm_manager *)0x1;
   c.struct_size = sizeof c - 8;
   CHECK_RC(wm_init(&c, &m), WM_ERR_STRUCT_SIZE);
   CHECK(m == (wm_manager *)0x1); /* out-param untouched */
+  /* Fan-out needs the ranks in a group: refused at init, out-param untouched. */
+  wm_config_init(&c);
+  c.fanout_group = 0;
+  c.device = 0;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  CHECK(m == (wm_manager *)0x1);
   m = new_manager(NULL);
 
   wm_param_desc d;

@@ -5,12 +5,18 @@
 //!
 //! The rank holds one library-owned param `w` (f32 [16]); the snapshot in
 //! `--model-dir` must hold it (any HuggingFace-style `*.safetensors`).
+//! With `--device N`, `w` is GPU memory of device N and each successful
+//! update logs `updated <version> w=<xxh3-128 of w's bytes, read back>`;
+//! `--fanout G` (and `--nccl PATH`) puts the rank in NCCL fan-out group G.
 
 use crate::Args;
 use std::io::Write;
 use std::time::Duration;
+use weight_manager::checksum;
+use weight_manager::fanout::FanoutSettings;
 use weight_manager::manager::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
-use weight_manager::registry::ParamSpec;
+use weight_manager::memory::cuda_ipc::download;
+use weight_manager::registry::{MemoryKind, ParamSpec};
 use weight_manager::state::State;
 use weight_manager::tensor::DType;
 
@@ -28,6 +34,9 @@ pub const OPTIONS: &[&str] = &[
     "step-us",
     "timeout-ms",
     "log",
+    "device",
+    "fanout",
+    "nccl",
 ];
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -45,18 +54,34 @@ pub fn run(a: &Args) -> Result<(), String> {
         addr: a.value("addr").map(str::to_string),
         timeout,
     });
+    let device: i32 = a.number("device", -1)?;
+    let fanout = match a.value("fanout") {
+        Some(g) => Some(FanoutSettings {
+            group: g
+                .parse()
+                .map_err(|_| format!("--fanout {g} is not a group number"))?,
+            nccl_library: a.value("nccl").map(Into::into),
+        }),
+        None => None,
+    };
     let m = Manager::new(ManagerConfig {
         rank,
         world_size: world,
+        device,
         fallback_dir: None,
         control_cell: a.value("cell").map(str::to_string),
         group,
         model_dir: Some(model_dir.into()),
+        fanout,
         ..Default::default()
     })
     .map_err(|e| format!("rank {rank}: init: {e}"))?;
-    m.allocate(&ParamSpec::host("w", DType::F32, &[16]))
-        .map_err(|e| format!("rank {rank}: {e}"))?;
+    let mut spec = ParamSpec::host("w", DType::F32, &[16]);
+    if device >= 0 {
+        spec.memory = MemoryKind::Device;
+        spec.device_ordinal = device;
+    }
+    let (w, w_len) = m.allocate(&spec).map_err(|e| format!("rank {rank}: {e}"))?;
     let mut log = match a.value("log") {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::File::create(p).map_err(|e| format!("creating {p}: {e}"))?,
@@ -74,7 +99,21 @@ pub fn run(a: &Args) -> Result<(), String> {
         let outcome = match signal {
             State::Updating => {
                 updates += 1;
-                m.update(UpdateRequest::snapshot(model_dir)).map(|_| ())
+                m.update(UpdateRequest::snapshot(model_dir))
+                    .and_then(|stats| {
+                        if let (Some(l), true) = (log.as_mut(), device >= 0) {
+                            let mut bytes = vec![0u8; w_len];
+                            // SAFETY: `w` is this manager's device param of `w_len` bytes.
+                            unsafe { download(device, bytes.as_mut_ptr(), w as u64, w_len)? };
+                            let _ = writeln!(
+                                l,
+                                "updated {} w={:032x}",
+                                stats.version,
+                                checksum::of(&bytes)
+                            );
+                        }
+                        Ok(())
+                    })
             }
             State::Clearing => {
                 clears += 1;

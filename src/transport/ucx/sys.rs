@@ -7,7 +7,7 @@
 //! only ever appends fields, so each struct here is the stable prefix we set
 //! plus spare room.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
 /// `ucs_status_t` is a packed enum: one signed byte.
 pub type Status = i8;
@@ -95,36 +95,7 @@ pub struct ContextAttr {
     pub spare: [u64; 16],
 }
 
-macro_rules! ucx_functions {
-    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
-        /// Entry points resolved from libucp (and, through it, libucs).
-        #[allow(non_snake_case)]
-        pub struct Api {
-            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
-        }
-
-        impl Api {
-            /// # Safety
-            /// `handle` is a live `dlopen` handle of libucp.
-            unsafe fn resolve(handle: *mut c_void) -> Result<Api, String> {
-                Ok(Api {
-                    $($name: {
-                        let sym = libc::dlsym(
-                            handle,
-                            concat!(stringify!($name), "\0").as_ptr().cast(),
-                        );
-                        if sym.is_null() {
-                            return Err(format!("libucp has no symbol {}", stringify!($name)));
-                        }
-                        std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) $(-> $ret)?>(sym)
-                    },)*
-                })
-            }
-        }
-    };
-}
-
-ucx_functions! {
+crate::dynlib::dynamic_api! { "libucp", Api {
     ucp_get_version: fn(*mut c_uint, *mut c_uint, *mut c_uint);
     ucp_config_read: fn(*const c_char, *const c_char, *mut *mut c_void) -> Status;
     ucp_config_release: fn(*mut c_void);
@@ -148,7 +119,7 @@ ucx_functions! {
     ucp_request_cancel: fn(*mut c_void, *mut c_void);
     ucp_request_free: fn(*mut c_void);
     ucs_status_string: fn(Status) -> *const c_char;
-}
+}}
 
 /// The loaded library: its handle stays open for the life of the process.
 pub struct Lib {
@@ -174,45 +145,22 @@ fn candidates() -> Vec<String> {
 pub(crate) const INSTALL_HINT: &str = "install UCX: Debian/Ubuntu `apt install libucx0`, or `pip install libucx-cu12` and set WM_UCX_LIB to its libucx/lib/libucp.so.0";
 
 pub fn load() -> Result<Lib, String> {
-    let mut tried = Vec::new();
-    for name in candidates() {
-        let c = CString::new(name.clone()).map_err(|_| format!("bad library name {name:?}"))?;
-        // SAFETY: dlopen of a library by name; RTLD_NODELETE keeps UCX's
-        // threads and handlers valid until the process exits.
-        let handle = unsafe {
-            libc::dlopen(
-                c.as_ptr(),
-                libc::RTLD_NOW | libc::RTLD_LOCAL | libc::RTLD_NODELETE,
-            )
-        };
-        if handle.is_null() {
-            // SAFETY: dlerror returns a thread-local string or NULL.
-            let why = unsafe {
-                let e = libc::dlerror();
-                if e.is_null() {
-                    "not found".to_string()
-                } else {
-                    CStr::from_ptr(e).to_string_lossy().into_owned()
-                }
-            };
-            tried.push(why);
-            continue;
-        }
-        // SAFETY: handle is live; symbols are checked one by one.
-        let api = unsafe { Api::resolve(handle) }?;
-        let (mut a, mut b, mut r) = (0, 0, 0);
-        // SAFETY: three out-parameters.
-        unsafe { (api.ucp_get_version)(&mut a, &mut b, &mut r) };
-        return Ok(Lib {
-            api,
-            path: name,
-            version: (a, b, r),
-        });
-    }
-    Err(format!(
-        "UCX is not available ({}); {INSTALL_HINT}",
-        tried.join("; ")
-    ))
+    let (handle, path) = crate::dynlib::open_first(&candidates()).map_err(|tried| {
+        format!(
+            "UCX is not available ({}); {INSTALL_HINT}",
+            tried.join("; ")
+        )
+    })?;
+    // SAFETY: handle is live; symbols are checked one by one.
+    let api = unsafe { Api::resolve(handle) }?;
+    let (mut a, mut b, mut r) = (0, 0, 0);
+    // SAFETY: three out-parameters.
+    unsafe { (api.ucp_get_version)(&mut a, &mut b, &mut r) };
+    Ok(Lib {
+        api,
+        path,
+        version: (a, b, r),
+    })
 }
 
 impl Lib {

@@ -16,12 +16,13 @@
 //!   manager CLEARED; clearing twice is a no-op.
 
 use crate::apply::{Applier, ApplyOptions, Hooks, Mode};
+use crate::fanout::{Announcement, FanoutLink, FanoutSession, FanoutSettings, Word};
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
 use crate::memory::shared::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
 use crate::memory::SendPtr;
-use crate::plan::{make_plan, PlanOptions, Target};
+use crate::plan::{make_plan, Plan, PlanOptions, Target};
 use crate::registry::{ParamMemory, ParamSpec, Registry};
 use crate::result::{Error, Result};
 use crate::signal::{GroupConfig, SignalPlane};
@@ -35,6 +36,8 @@ use parking_lot::{Mutex, RwLock};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod fanout;
 
 /// SPEC.md: whole-session timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -72,6 +75,9 @@ pub struct ManagerConfig {
     pub acquire_hook: Option<AcquireHook>,
     /// The network paths (rdma, gdr).
     pub net: NetSettings,
+    /// NCCL fan-out among this node's ranks (see [`crate::fanout`]); needs
+    /// a group and a device.
+    pub fanout: Option<FanoutSettings>,
 }
 
 /// Settings of the network paths.
@@ -119,6 +125,7 @@ impl Default for ManagerConfig {
             release_hook: None,
             acquire_hook: None,
             net: NetSettings::default(),
+            fanout: None,
         }
     }
 }
@@ -242,6 +249,8 @@ pub struct Manager {
     /// Pinned host buffers and upload streams for device params, kept from
     /// one update to the next (freed by a clear).
     staging: Mutex<DeviceStaging>,
+    /// NCCL fan-out: the communicator, kept from one update to the next.
+    fanout: Option<Mutex<FanoutLink>>,
 }
 
 fn check_version(v: &str) -> Result<()> {
@@ -261,6 +270,18 @@ impl Manager {
                 config.rank, config.world_size
             )));
         }
+        if config.fanout.is_some() {
+            if config.group.is_none() || config.world_size < 2 {
+                return Err(Error::invalid_argument(
+                    "fanout_group needs the ranks in a group (world_size > 1 and group_name)",
+                ));
+            }
+            if config.device < 0 {
+                return Err(Error::invalid_argument(
+                    "fanout_group needs this rank's GPU (device >= 0): fan-out moves device params",
+                ));
+            }
+        }
         let cvd = std::env::var("CUDA_VISIBLE_DEVICES").ok();
         let gpu_id = snapshot::gpu_id(cvd.as_deref(), config.device)?;
         let group = config.group.as_ref().map(|g| GroupConfig {
@@ -272,6 +293,7 @@ impl Manager {
             node_rank: g.node_rank,
             addr: g.addr.clone(),
             timeout: g.timeout,
+            fanout: config.fanout.as_ref().map(|f| f.group),
         });
         let signal = SignalPlane::new(
             config.rank,
@@ -290,6 +312,10 @@ impl Manager {
             threads,
             ipc_buffers: Arc::default(),
             staging: Mutex::default(),
+            fanout: config
+                .fanout
+                .clone()
+                .map(|f| Mutex::new(FanoutLink::new(f, config.device))),
             op: Mutex::new(()),
             registry: RwLock::new(Registry::default()),
             record: Mutex::new(Record {
@@ -666,9 +692,117 @@ impl Manager {
         start: Instant,
     ) -> std::result::Result<UpdateStats, (Error, bool)> {
         let early = |e: Error| (e, false);
+        let mut link = self
+            .fanout
+            .as_ref()
+            .filter(|_| self.signal.fanout_size() > 1)
+            .map(|l| l.lock());
+        let mut fan = match link.as_mut() {
+            Some(l) => {
+                let meet_by = Instant::now() + ipc::BUCKET_TIMEOUT.min(req.timeout);
+                Some(
+                    l.start(&self.signal, self.config.rank, meet_by)
+                        .map_err(early)?,
+                )
+            }
+            None => None,
+        };
+        if let Some(s) = fan.as_mut() {
+            if !s.is_root() {
+                return self.receive_fanout(registry, req, prev, restored, start, s);
+            }
+        }
+        let said_by = start + req.timeout;
+        // The fan-out root tells its members why it stops (they stop too).
+        let stop = |fan: &mut Option<FanoutSession>, e: Error| -> (Error, bool) {
+            if let Some(s) = fan.as_mut() {
+                let word: Word<Announcement> = Word::Stop(e.to_string());
+                if let Err(se) = s.word(Some(&word), said_by) {
+                    self.config
+                        .logger
+                        .warn(&format!("telling the fan-out members: {se}"));
+                }
+            }
+            (e, false)
+        };
+        let (mut source, version, plan, gdr) = match self.prepare(registry, req) {
+            Ok(p) => p,
+            Err(e) => return Err(stop(&mut fan, e)),
+        };
+        let mut fan_params = Vec::new();
+        if let Some(s) = fan.as_mut() {
+            let announced = if req.hooks.tensor.is_some() {
+                Err(Error::unsupported(
+                    "fan-out does not call per-tensor callbacks; update without a tensor callback",
+                ))
+            } else {
+                crate::fanout::announce(&version, &plan, registry, self.config.device)
+            };
+            let (announcement, params) = match announced {
+                Ok(a) => a,
+                Err(e) => return Err(stop(&mut fan, e)),
+            };
+            fan_params = params;
+            s.word(Some(&Word::Go(announcement)), said_by)
+                .map_err(early)?;
+            s.vote(Ok(()), said_by).map_err(early)?;
+        }
+        let streamed =
+            self.stream_and_commit(registry, req, prev, restored, &plan, gdr, &mut *source);
+        let applied = match streamed {
+            Ok(a) => a,
+            Err((e, wrote)) => {
+                let (e, _) = stop(&mut fan, e);
+                return Err((e, wrote));
+            }
+        };
+        let mut stats = UpdateStats {
+            version,
+            rank: self.config.rank,
+            tensors: applied.tensors as u64,
+            bytes: applied.bytes,
+            sync: applied.receive,
+            update: applied.commit,
+            total: Duration::ZERO,
+        };
+        if let Some(s) = fan.as_mut() {
+            let sent = Instant::now();
+            self.send_fanout(registry, s, &fan_params, said_by)
+                .map_err(|e| {
+                    (
+                        e.context(format!(
+                            "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
+                            stats.version,
+                            self.config.rank,
+                            fanout::list(s.members())
+                        )),
+                        true,
+                    )
+                })?;
+            stats.update += sent.elapsed();
+        }
+        self.config.logger.info(&format!(
+            "rank {}: updated to version {} from {} ({} tensors, {} bytes)",
+            self.config.rank,
+            stats.version,
+            source.describe(),
+            applied.tensors,
+            applied.bytes
+        ));
+        stats.total = start.elapsed();
+        Ok(stats)
+    }
+
+    /// Open the source, name the version and plan (nothing moves yet).
+    /// Returns the source, version, plan and whether gdr lands on the GPU.
+    fn prepare(
+        &self,
+        registry: &Registry,
+        req: &mut UpdateRequest,
+    ) -> Result<(Box<dyn Source>, String, Plan, bool)> {
         // gdr lands in device params; when it may not, it runs as rdma.
-        let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry).map_err(early)?;
-        let mut source = self.open_source(req, gdr).map_err(early)?;
+        let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
+        let source = self.open_source(req, gdr)?;
         // A publisher (ipc, rdma, gdr) serves the version asked for and names
         // it ("latest" becomes its real name); a snapshot request's version
         // overrides the snapshot's version.yaml.
@@ -677,16 +811,13 @@ impl Manager {
             SourceKind::Snapshot => req.version.clone().or(from_source),
             _ => from_source.or_else(|| req.version.clone().filter(|v| v != "latest")),
         };
-        let version = match named {
-            Some(v) => v,
-            None => {
-                return Err(early(Error::no_version(format!(
-                    "no version: the request names none and {}",
-                    source.no_version_reason()
-                ))))
-            }
-        };
-        check_version(&version).map_err(early)?;
+        let version = named.ok_or_else(|| {
+            Error::no_version(format!(
+                "no version: the request names none and {}",
+                source.no_version_reason()
+            ))
+        })?;
+        check_version(&version)?;
         if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
             req.verify = true;
         }
@@ -695,13 +826,26 @@ impl Manager {
             callback: req.hooks.tensor.is_some(),
             verify: req.verify,
         };
-        let plan =
-            make_plan(source.manifest(), registry, opts, &self.config.logger).map_err(early)?;
-        if prev == State::Cleared || prev == State::Failed {
-            *restored = registry.params().iter().any(|p| !p.resident);
-            let taken = self.restore(registry).map_err(early)?;
-            self.record.lock().device_bytes_restored = taken;
-        }
+        let plan = make_plan(source.manifest(), registry, opts, &self.config.logger)?;
+        Ok((source, version, plan, gdr))
+    }
+
+    /// Bring released memory back, then stream the source through the
+    /// applier and commit. Err's flag: whether params were written.
+    #[allow(clippy::too_many_arguments)]
+    fn stream_and_commit(
+        &self,
+        registry: &mut Registry,
+        req: &mut UpdateRequest,
+        prev: State,
+        restored: &mut bool,
+        plan: &Plan,
+        gdr: bool,
+        source: &mut dyn Source,
+    ) -> std::result::Result<crate::apply::Applied, (Error, bool)> {
+        let early = |e: Error| (e, false);
+        self.restore_if_released(registry, prev, restored)
+            .map_err(early)?;
         let dests = plan
             .entries
             .iter()
@@ -718,30 +862,29 @@ impl Manager {
         };
         let hooks = std::mem::take(&mut req.hooks);
         let mut staging = self.staging.lock();
-        let mut applier = Applier::new(&plan, dests, apply_opts, hooks)
+        let mut applier = Applier::new(plan, dests, apply_opts, hooks)
             .map_err(early)?
             .with_staging(&mut staging)
             .land_on_device(gdr);
-        if let Err(e) = source.stream(&plan, &mut applier) {
+        if let Err(e) = source.stream(plan, &mut applier) {
             return Err((e, applier.wrote_params()));
         }
-        let applied = applier.finish()?;
-        self.config.logger.info(&format!(
-            "rank {}: updated to version {version} from {} ({} tensors, {} bytes)",
-            self.config.rank,
-            source.describe(),
-            applied.tensors,
-            applied.bytes
-        ));
-        Ok(UpdateStats {
-            version,
-            rank: self.config.rank,
-            tensors: applied.tensors as u64,
-            bytes: applied.bytes,
-            sync: applied.receive,
-            update: applied.commit,
-            total: start.elapsed(),
-        })
+        applier.finish()
+    }
+
+    /// After a clear (or a failed update), bring the params' memory back.
+    fn restore_if_released(
+        &self,
+        registry: &mut Registry,
+        prev: State,
+        restored: &mut bool,
+    ) -> Result<()> {
+        if prev == State::Cleared || prev == State::Failed {
+            *restored = registry.params().iter().any(|p| !p.resident);
+            let taken = self.restore(registry)?;
+            self.record.lock().device_bytes_restored = taken;
+        }
+        Ok(())
     }
 
     /// Release weight memory; the next update brings it back.

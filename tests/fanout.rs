@@ -1,0 +1,275 @@
+//! NCCL fan-out without a GPU: how NCCL is found and refused, the meetings
+//! through which a fan-out group agrees on its communicator, and the
+//! manager's checks. The transfer itself needs two GPUs and NCCL: see
+//! tests/gpu.rs (`fanout_between_two_gpus`).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+use weight_manager::fanout::nccl::nccl;
+use weight_manager::fanout::FanoutSettings;
+use weight_manager::manager::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
+use weight_manager::signal::{Group, GroupConfig};
+use weight_manager::wm_result;
+
+/// Build a stub `libnccl` from `source` in `dir`; returns its path.
+fn stub(dir: &Path, name: &str, source: &str) -> std::path::PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, source).unwrap();
+    let lib = dir.join(format!("{name}.so"));
+    let out = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .expect("running cc");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lib
+}
+
+#[test]
+fn nccl_that_is_missing_old_or_partial_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere/libnccl.so.2");
+    let e = nccl(Some(&missing)).err().expect("no NCCL there");
+    assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED);
+    assert!(
+        e.message.contains("nowhere/libnccl.so.2")
+            && e.message.contains("nccl_library")
+            && e.message.contains("WM_NCCL_LIB"),
+        "{e}"
+    );
+
+    // NCCL 2.12: too old for non-blocking communicators.
+    let old = stub(
+        dir.path(),
+        "old",
+        "int ncclGetVersion(int *v) { *v = 21203; return 0; }\n\
+         int ncclGetUniqueId(void *id) { (void)id; return 0; }\n\
+         const char *ncclGetErrorString(int r) { (void)r; return \"x\"; }\n\
+         int ncclCommInitRankConfig() { return 0; }\n\
+         int ncclCommGetAsyncError() { return 0; }\n\
+         int ncclCommFinalize() { return 0; }\n\
+         int ncclCommDestroy() { return 0; }\n\
+         int ncclCommAbort() { return 0; }\n\
+         int ncclBroadcast() { return 0; }\n\
+         int ncclAllReduce() { return 0; }\n",
+    );
+    let e = nccl(Some(&old)).err().expect("too old");
+    assert!(
+        e.message.contains("NCCL 2.12.3") && e.message.contains("2.14 or later"),
+        "{e}"
+    );
+
+    // A library without the entry points fan-out calls.
+    let partial = stub(
+        dir.path(),
+        "partial",
+        "int ncclGetVersion(int *v) { *v = 22105; return 0; }\n",
+    );
+    let e = nccl(Some(&partial)).err().expect("partial");
+    assert!(
+        e.message.contains("not a usable NCCL") && e.message.contains("ncclGetUniqueId"),
+        "{e}"
+    );
+}
+
+fn unique(tag: &str) -> String {
+    format!("wm_fo_{tag}_{}", std::process::id())
+}
+
+/// `n` ranks of one node joining group `name`, rank `i` in fan-out group
+/// `colors[i]`, each on its own thread (joining waits for all).
+fn join_all(name: &str, colors: &[Option<u32>], timeout: Duration) -> Vec<Group> {
+    let n = colors.len() as u32;
+    let threads: Vec<_> = colors
+        .iter()
+        .enumerate()
+        .map(|(i, &fanout)| {
+            let cfg = GroupConfig {
+                name: name.to_string(),
+                rank: i as u32,
+                world_size: n,
+                local_rank: i as u32,
+                local_world_size: n,
+                node_rank: 0,
+                addr: None,
+                timeout,
+                fanout,
+            };
+            std::thread::spawn(move || Group::join(cfg).unwrap())
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn a_fanout_group_agrees_on_its_communicator_and_rebuilds_a_lost_one() {
+    let groups = join_all(
+        &unique("meet"),
+        &[Some(0), Some(1), Some(0), None],
+        Duration::from_secs(10),
+    );
+    // Ranks 0 and 2 are one fan-out group, rank 1 is alone, rank 3 in none.
+    assert_eq!(groups[0].fanout_members(), vec![0, 2]);
+    assert_eq!(groups[2].fanout_members(), vec![0, 2]);
+    assert_eq!(groups[1].fanout_members(), vec![1]);
+    assert!(groups[3].fanout_members().is_empty());
+    let e = groups[3]
+        .fanout_meet(0, || Ok([0; 128]), Instant::now() + Duration::from_secs(1))
+        .unwrap_err();
+    assert!(e.message.contains("needs a fan-out group"), "{e}");
+
+    let groups = Arc::new(groups);
+    let meet = |haves: [u64; 2], id: u8| {
+        let barrier = Arc::new(Barrier::new(2));
+        let runs: Vec<_> = [0usize, 2]
+            .into_iter()
+            .zip(haves)
+            .map(|(i, have)| {
+                let (groups, barrier) = (groups.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    groups[i]
+                        .fanout_meet(
+                            have,
+                            || Ok([id; 128]),
+                            Instant::now() + Duration::from_secs(10),
+                        )
+                        .unwrap()
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .map(|t| t.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    // First meeting: nobody holds a communicator; the root's id reaches the member.
+    let m = meet([0, 0], 7);
+    assert_eq!((m[0].index, m[1].index), (0, 1));
+    assert_eq!(m[0].ranks, vec![0, 2]);
+    assert_eq!(m[0].gen, 1);
+    assert_eq!(m[0].id, Some([7; 128]));
+    assert_eq!((m[1].gen, m[1].id), (1, Some([7; 128])));
+    // Both hold generation 1: reused, no new id.
+    let m = meet([1, 1], 8);
+    assert_eq!((m[0].gen, m[0].id, m[1].gen, m[1].id), (1, None, 1, None));
+    // The member lost its communicator: a new generation for both.
+    let m = meet([1, 0], 9);
+    assert_eq!((m[0].gen, m[0].id), (2, Some([9; 128])));
+    assert_eq!((m[1].gen, m[1].id), (2, Some([9; 128])));
+}
+
+#[test]
+fn a_root_whose_member_never_comes_names_it_within_the_deadline() {
+    let groups = join_all(
+        &unique("late"),
+        &[Some(3), Some(3)],
+        Duration::from_secs(10),
+    );
+    let started = Instant::now();
+    let e = groups[0]
+        .fanout_meet(
+            0,
+            || Ok([1; 128]),
+            Instant::now() + Duration::from_millis(300),
+        )
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(e.code, wm_result::WM_ERR_TIMEOUT);
+    assert!(
+        e.message.contains("rank(s) 1") && e.message.contains("call wm_update"),
+        "{e}"
+    );
+    // A member that missed a meeting asks for the next one: the two meet.
+    let g = Arc::new(groups);
+    let member = {
+        let g = g.clone();
+        std::thread::spawn(move || {
+            g[1].fanout_meet(
+                0,
+                || unreachable!(),
+                Instant::now() + Duration::from_secs(10),
+            )
+        })
+    };
+    let root = g[0]
+        .fanout_meet(0, || Ok([2; 128]), Instant::now() + Duration::from_secs(10))
+        .unwrap();
+    let member = member.join().unwrap().unwrap();
+    assert_eq!((root.gen, member.gen, member.id), (1, 1, Some([2; 128])));
+}
+
+#[test]
+fn the_manager_checks_fanout_settings_and_names_a_missing_nccl() {
+    let settings = FanoutSettings {
+        group: 0,
+        nccl_library: Some("/nonexistent/libnccl.so.2".into()),
+    };
+    // Fan-out without a group, or without a GPU, is refused at init.
+    let e = Manager::new(ManagerConfig {
+        fanout: Some(settings.clone()),
+        device: 0,
+        ..Default::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.message.contains("needs the ranks in a group"), "{e}");
+    let name = unique("mgr");
+    let group = || GroupSettings {
+        name: name.clone(),
+        local_rank: None,
+        local_world_size: None,
+        node_rank: 0,
+        addr: None,
+        timeout: Duration::from_secs(10),
+    };
+    let e = Manager::new(ManagerConfig {
+        rank: 0,
+        world_size: 2,
+        group: Some(group()),
+        fanout: Some(settings.clone()),
+        device: -1,
+        ..Default::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.message.contains("needs this rank's GPU"), "{e}");
+
+    // Two ranks in one fan-out group; NCCL is not where the config says:
+    // each rank's update fails at once, naming the path, before any wait.
+    let ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let (settings, g) = (settings.clone(), group());
+            std::thread::spawn(move || {
+                let m = Manager::new(ManagerConfig {
+                    rank,
+                    world_size: 2,
+                    group: Some(g),
+                    fanout: Some(settings),
+                    device: 0,
+                    fallback_dir: None,
+                    ..Default::default()
+                })
+                .unwrap();
+                let started = Instant::now();
+                let e = m
+                    .update(UpdateRequest::snapshot("/nonexistent"))
+                    .unwrap_err();
+                (e, started.elapsed(), m.status())
+            })
+        })
+        .collect();
+    for t in ranks {
+        let (e, took, status) = t.join().unwrap();
+        assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED, "{e}");
+        assert!(e.message.contains("/nonexistent/libnccl.so.2"), "{e}");
+        assert!(took < Duration::from_secs(5));
+        assert_eq!(status.version, None);
+    }
+}
