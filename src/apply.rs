@@ -25,7 +25,7 @@ use crate::checksum::Checksum;
 use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
 use crate::memory::staging::{DeviceStaging, PinnedBuffer, PINNED_TENSOR_MAX, SMALL_TENSOR};
-use crate::memory::SendPtr;
+use crate::memory::{aligned_offsets, SendPtr};
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::tensor::DType;
@@ -118,9 +118,6 @@ pub enum Dest {
     Device { ptr: u64, ordinal: i32 },
 }
 
-/// Staging slots are 256-byte aligned, like IPC buckets (SPEC.md).
-const ALIGN: usize = 256;
-
 pub struct Applier<'p, 'h> {
     plan: &'p Plan,
     opts: ApplyOptions,
@@ -167,16 +164,12 @@ impl<'p, 'h> Applier<'p, 'h> {
     ) -> Result<Applier<'p, 'h>> {
         assert_eq!(params.len(), plan.entries.len());
         let arena = if opts.mode == Mode::Atomic {
-            let mut offsets = Vec::with_capacity(plan.entries.len());
-            let mut size = 0usize;
-            for e in &plan.entries {
-                offsets.push(size);
-                if e.target != Target::Skip {
-                    size = size
-                        .checked_add((e.meta.nbytes as usize).next_multiple_of(ALIGN))
-                        .ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
-                }
-            }
+            // Skipped tensors get an empty slot.
+            let (offsets, size) = aligned_offsets(plan.entries.iter().map(|e| match e.target {
+                Target::Skip => 0,
+                _ => e.meta.nbytes,
+            }))
+            .ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
             let region = HostRegion::staging("atomic staging", size, opts.threads).map_err(|e| {
                 e.context(format!(
                     "atomic mode stages the whole update ({size} bytes); use in-place mode to update without extra memory"

@@ -48,7 +48,7 @@ use crate::plan::{Plan, Target};
 use crate::registry::Registry;
 use crate::result::{Error, Result};
 use crate::signal::fanout::FanoutMeeting;
-use crate::signal::{shm, SignalPlane};
+use crate::signal::SignalPlane;
 use nccl::{Comm, Nccl};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::PathBuf;
@@ -85,6 +85,17 @@ pub struct Announcement {
 pub enum Word<T> {
     Go(T),
     Stop(String),
+}
+
+/// Fan-out moves params only: an update with a per-tensor callback is
+/// refused, on the root and on members alike.
+pub fn refuse_tensor_hook(has_tensor_hook: bool) -> Result<()> {
+    if has_tensor_hook {
+        return Err(Error::unsupported(
+            "fan-out does not call per-tensor callbacks; update without a tensor callback",
+        ));
+    }
+    Ok(())
 }
 
 /// Which params the root sends: every planned param, each of which must
@@ -238,7 +249,7 @@ impl FanoutLink {
             if let Some((_, mut old)) = self.comm.take() {
                 old.abort();
             }
-            let alive = member_check(&meeting, rank);
+            let alive = member_check(&meeting);
             let comm = Comm::join(
                 nccl,
                 nccl::UniqueId { internal: id },
@@ -263,17 +274,14 @@ impl FanoutLink {
     }
 }
 
-/// Fails once a rank of the meeting other than `rank` is gone.
-fn member_check(meeting: &FanoutMeeting, rank: u32) -> impl Fn() -> Result<()> + '_ {
-    move || {
-        for (&r, &pid) in meeting.ranks.iter().zip(&meeting.pids) {
-            if r != rank && !shm::pid_alive(pid) {
-                return Err(Error::peer(format!(
-                    "fan-out rank {r} (pid {pid}) died during the update"
-                )));
-            }
-        }
-        Ok(())
+/// Fails once a rank of the meeting is gone (this one is alive while it
+/// asks).
+fn member_check(meeting: &FanoutMeeting) -> impl Fn() -> Result<()> + '_ {
+    move || match meeting.dead_rank() {
+        Some((r, pid)) => Err(Error::peer(format!(
+            "fan-out rank {r} (pid {pid}) died during the update"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -309,7 +317,7 @@ impl FanoutSession<'_> {
                 .map_err(|e| Error::format(format!("encoding a fan-out message: {e}")))?,
             _ => Vec::new(),
         };
-        let alive = member_check(&self.meeting, self.rank);
+        let alive = member_check(&self.meeting);
         let got = self.comm.broadcast_message(&bytes, 0, deadline, &alive)?;
         serde_json::from_slice(&got).map_err(|e| {
             Error::format(format!(
@@ -327,7 +335,7 @@ impl FanoutSession<'_> {
         } else {
             self.rank as i32
         };
-        let alive = member_check(&self.meeting, self.rank);
+        let alive = member_check(&self.meeting);
         let lowest = self.comm.min(value, deadline, &alive)?;
         mine?;
         if lowest == i32::MAX {
@@ -349,7 +357,7 @@ impl FanoutSession<'_> {
         mut done: impl FnMut(u64, usize) -> Result<()>,
     ) -> Result<()> {
         let sizes: Vec<usize> = spans.iter().map(|s| s.1).collect();
-        let alive = member_check(&self.meeting, self.rank);
+        let alive = member_check(&self.meeting);
         let mut moved = 0u64;
         for batch in batches(&sizes, limit) {
             let end = batch.end;

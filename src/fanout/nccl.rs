@@ -74,12 +74,10 @@ dynamic_api! { "libnccl", Api {
 /// The loaded library.
 pub struct Nccl {
     api: Api,
-    path: String,
-    version: c_int,
 }
 
 /// Where NCCL is looked for (module docs).
-pub fn candidates(explicit: Option<&Path>) -> Vec<String> {
+fn candidates(explicit: Option<&Path>) -> Vec<String> {
     if let Some(p) = explicit {
         return vec![p.display().to_string()];
     }
@@ -121,7 +119,7 @@ pub fn nccl(explicit: Option<&Path>) -> Result<&'static Nccl> {
             version_text(version)
         )));
     }
-    let n: &'static Nccl = Box::leak(Box::new(Nccl { api, path, version }));
+    let n: &'static Nccl = Box::leak(Box::new(Nccl { api }));
     *loaded = Some(n);
     Ok(n)
 }
@@ -135,11 +133,6 @@ fn version_text(v: c_int) -> String {
 }
 
 impl Nccl {
-    /// "NCCL 2.21.5 (libnccl.so.2)".
-    pub fn describe(&self) -> String {
-        format!("NCCL {} ({})", version_text(self.version), self.path)
-    }
-
     fn error_text(&self, r: c_int) -> String {
         // SAFETY: returns a static string (or NULL).
         let p = unsafe { (self.api.ncclGetErrorString)(r) };
@@ -187,8 +180,8 @@ pub struct Comm {
     raw: usize,
     stream: usize,
     ordinal: i32,
-    pub ranks: usize,
-    pub rank: usize,
+    /// This rank's index in the communicator.
+    rank: usize,
     /// 256 bytes for votes and lengths.
     scratch: DeviceAllocation,
     failed: bool,
@@ -231,7 +224,6 @@ impl Comm {
             raw: raw as usize,
             stream: stream as usize,
             ordinal,
-            ranks,
             rank,
             scratch,
             failed: false,
@@ -417,7 +409,9 @@ impl Comm {
                 "a fan-out message of {len} bytes is over the {MAX_MESSAGE}-byte limit"
             )));
         }
-        let mut out = if self.rank == root {
+        // The root sends its bytes up; the others read theirs back.
+        let sending = self.rank == root;
+        let mut out = if sending {
             bytes.to_vec()
         } else {
             vec![0u8; len]
@@ -426,15 +420,19 @@ impl Comm {
         // SAFETY: `len` bytes of `buf` and of `out`, which outlive the
         // synchronize below.
         unsafe {
-            check(
-                sys::cuMemcpyHtoDAsync_v2(buf.ptr(), out.as_ptr().cast(), len, stream),
-                "cuMemcpyHtoDAsync",
-            )?;
+            if sending {
+                check(
+                    sys::cuMemcpyHtoDAsync_v2(buf.ptr(), out.as_ptr().cast(), len, stream),
+                    "cuMemcpyHtoDAsync",
+                )?;
+            }
             self.broadcast(buf.ptr(), len, root, deadline, alive)?;
-            check(
-                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), buf.ptr(), len, stream),
-                "cuMemcpyDtoHAsync",
-            )?;
+            if !sending {
+                check(
+                    sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), buf.ptr(), len, stream),
+                    "cuMemcpyDtoHAsync",
+                )?;
+            }
         }
         self.synchronize("a fan-out message", deadline, alive)?;
         Ok(out)

@@ -4,6 +4,7 @@
 use super::{check_version, ipc, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{Mode, Progress};
 use crate::fanout::{Announcement, FanoutSession, Word};
+use crate::memory::aligned_offsets;
 use crate::memory::device::DeviceAllocation;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
@@ -58,13 +59,16 @@ impl Manager {
             }
         };
         let ordinal = self.config.device;
+        // Atomic members' arena slots, packed like every staging arena.
+        let (offsets, arena_size) = aligned_offsets(announcement.tensors.iter().map(|t| t.nbytes))
+            .ok_or_else(|| {
+                early(Error::out_of_memory(
+                    "the fan-out announcement is too large",
+                ))
+            })?;
         let mut arena = None;
         let accepted = (|| {
-            if req.hooks.tensor.is_some() {
-                return Err(Error::unsupported(
-                    "fan-out does not call per-tensor callbacks; update without a tensor callback",
-                ));
-            }
+            crate::fanout::refuse_tensor_hook(req.hooks.tensor.is_some())?;
             check_version(&announcement.version)?;
             let params = crate::fanout::match_announcement(
                 &announcement,
@@ -74,11 +78,10 @@ impl Manager {
             )?;
             self.restore_if_released(registry, prev, restored)?;
             if req.mode == Mode::Atomic {
-                let total = arena_offsets(&announcement).1;
                 arena = Some(DeviceAllocation::new(
                     "the fan-out atomic arena",
                     ordinal,
-                    total,
+                    arena_size,
                 )?);
             }
             Ok(params)
@@ -98,7 +101,6 @@ impl Manager {
             }
         }
         let received = Instant::now();
-        let (offsets, _) = arena_offsets(&announcement);
         let spans: Vec<(u64, usize)> = params
             .iter()
             .enumerate()
@@ -171,25 +173,4 @@ impl Manager {
             total: start.elapsed(),
         })
     }
-}
-
-/// Slots of the fan-out atomic arena: each tensor's offset (256-byte
-/// aligned, like staging slots) and the total size.
-fn arena_offsets(a: &Announcement) -> (Vec<usize>, usize) {
-    let mut offsets = Vec::with_capacity(a.tensors.len());
-    let mut end = 0usize;
-    for t in &a.tensors {
-        let at = end.next_multiple_of(256);
-        offsets.push(at);
-        end = at + t.nbytes as usize;
-    }
-    (offsets, end)
-}
-
-pub(super) fn list(ranks: &[u32]) -> String {
-    ranks
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
 }

@@ -731,13 +731,10 @@ impl Manager {
         };
         let mut fan_params = Vec::new();
         if let Some(s) = fan.as_mut() {
-            let announced = if req.hooks.tensor.is_some() {
-                Err(Error::unsupported(
-                    "fan-out does not call per-tensor callbacks; update without a tensor callback",
-                ))
-            } else {
-                crate::fanout::announce(&version, &plan, registry, self.config.device)
-            };
+            let announced =
+                crate::fanout::refuse_tensor_hook(req.hooks.tensor.is_some()).and_then(|()| {
+                    crate::fanout::announce(&version, &plan, registry, self.config.device)
+                });
             let (announcement, params) = match announced {
                 Ok(a) => a,
                 Err(e) => return Err(stop(&mut fan, e)),
@@ -774,7 +771,7 @@ impl Manager {
                             "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
                             stats.version,
                             self.config.rank,
-                            fanout::list(s.members())
+                            crate::signal::group::list(s.members())
                         )),
                         true,
                     )

@@ -30,7 +30,34 @@ pub struct SendPtr(pub *mut u8);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+/// Slots for `sizes` packed one after another at 256-byte aligned offsets
+/// (SPEC.md's bucket alignment): each one's offset, and the bytes they
+/// span. None if that overflows. Staging arenas and published buffers.
+pub fn aligned_offsets(sizes: impl IntoIterator<Item = u64>) -> Option<(Vec<usize>, usize)> {
+    let mut offsets = Vec::new();
+    let mut end = 0u64;
+    for n in sizes {
+        let at = end.checked_next_multiple_of(crate::wire::ALIGN)?;
+        offsets.push(usize::try_from(at).ok()?);
+        end = at.checked_add(n)?;
+    }
+    Some((offsets, usize::try_from(end).ok()?))
+}
+
 /// The system page size.
 pub fn page_size() -> usize {
     rustix::param::page_size()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn slots_are_packed_at_aligned_offsets() {
+        assert_eq!(
+            super::aligned_offsets([10, 0, 256, 1]),
+            Some((vec![0, 256, 256, 512], 513))
+        );
+        assert_eq!(super::aligned_offsets([]), Some((vec![], 0)));
+        assert_eq!(super::aligned_offsets([u64::MAX, 1]), None);
+    }
 }

@@ -645,16 +645,8 @@ impl Drop for Publisher {
 /// Where each tensor of a version's copy starts (256-byte aligned, in
 /// order) and the bytes the copy needs.
 fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
-    let mut offsets = Vec::with_capacity(ts.len());
-    let mut total = 0u64;
-    for t in ts {
-        let at = total.next_multiple_of(crate::wire::ALIGN);
-        offsets.push(at as usize);
-        total = at + t.len as u64;
-    }
-    let total = usize::try_from(total)
-        .map_err(|_| Error::out_of_memory(format!("version '{version}' is too large")))?;
-    Ok((offsets, total))
+    crate::memory::aligned_offsets(ts.iter().map(|t| t.len as u64))
+        .ok_or_else(|| Error::out_of_memory(format!("version '{version}' is too large")))
 }
 
 /// Where the copier reads tensor `t` (host memory, or GPU memory).

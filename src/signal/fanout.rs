@@ -48,13 +48,14 @@ pub struct FanoutMeeting {
 }
 
 impl FanoutMeeting {
-    /// The first member (not the root) whose process is gone.
-    pub fn dead_member(&self) -> Option<u32> {
+    /// The first rank of the group (root or member) whose process is gone,
+    /// and its pid.
+    pub fn dead_rank(&self) -> Option<(u32, u32)> {
         self.ranks
             .iter()
             .zip(&self.pids)
             .find(|(_, &pid)| !shm::pid_alive(pid))
-            .map(|(&r, _)| r)
+            .map(|(&r, &pid)| (r, pid))
     }
 }
 
@@ -94,7 +95,6 @@ impl Group {
             .expect("a rank is in its own fan-out group");
         let root_slot = self.slot(root);
         let me = self.me();
-        me.fan_have.store(have, Ordering::Relaxed);
         let (gen, id) = if index == 0 {
             let meeting = me.fan_seq.load(Ordering::Relaxed) + 1;
             let members = &locals[1..];
@@ -126,6 +126,8 @@ impl Group {
             decided
         } else {
             let meeting = root_slot.fan_seq.load(Ordering::Acquire) + 1;
+            // The root reads `fan_have` once it sees the request (Release).
+            me.fan_have.store(have, Ordering::Relaxed);
             me.fan_seq.store(meeting, Ordering::Release);
             self.wait_for(
                 &[root],

@@ -145,7 +145,7 @@ pub(super) struct Slot {
     /// Members: the meeting this rank waits for; the root's: the last
     /// meeting it decided (see `super::fanout`).
     pub(super) fan_seq: AtomicU64,
-    /// The communicator generation this rank holds (0: none).
+    /// Members: the communicator generation this rank holds (0: none).
     pub(super) fan_have: AtomicU64,
     /// Root: the generation to use in meeting `fan_seq`, and its id.
     pub(super) fan_gen: AtomicU64,
@@ -175,7 +175,8 @@ impl Peer {
     }
 }
 
-fn list(ranks: &[u32]) -> String {
+/// "0, 2, 5": ranks in messages.
+pub(crate) fn list(ranks: &[u32]) -> String {
     ranks
         .iter()
         .map(u32::to_string)
