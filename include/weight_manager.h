@@ -523,16 +523,32 @@ typedef struct {
 extern "C" {
 #endif // __cplusplus
 
+// Copy why the last create-style call on this thread failed (`wm_init`,
+// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
+// the calls that have no handle to keep their reason) into `buf` (`len`
+// bytes with the NUL), truncated to fit, and set `*out_written` to the
+// bytes written without the NUL. After a successful create, or none yet
+// on this thread: "". Per thread, so concurrent creates do not mix.
+//
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
+// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
+wm_result wm_last_create_error(char *buf, size_t len, size_t *out_written);
+
 // Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
 // return a controller handle in `*out_controller`, owned by the caller and
 // freed with `wm_controller_destroy`.
 //
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
-// Thread-safe, never blocks.
+// On failure `*out_controller` is unchanged and the reason is kept for
+// `wm_last_create_error`. Thread-safe, never blocks.
 wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
 
 // Destroy a controller handle (the cell itself stays). NULL or already
-// destroyed: no-op.
+// destroyed: no-op. The handle is invalid to new calls at once (handle
+// values are never reused). A controller holds none of the caller's
+// memory, so nothing is cancelled: destroy waits for calls running on
+// other threads to return (a request or wait runs to its own `timeout_ms`);
+// called from inside such a call's thread it returns at once.
 void wm_controller_destroy(wm_controller *controller);
 
 // Read the control word into `*out_state` (a `wm_state`). A value that is
@@ -576,8 +592,8 @@ wm_result wm_config_init(wm_config *config);
 //
 // `config` is read during the call only (strings are copied). On success
 // `*out_manager` receives a new handle, owned by the caller and freed with
-// `wm_destroy`; on failure it is left unchanged and the reason is logged
-// through the config's log sink (there is no handle to hold it).
+// `wm_destroy`; on failure it is left unchanged, the reason is logged
+// through the config's log sink and kept for `wm_last_create_error`.
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
 // open the control cell.
 wm_result wm_init(const wm_config *config, wm_manager **out_manager);
@@ -585,8 +601,21 @@ wm_result wm_init(const wm_config *config, wm_manager **out_manager);
 // Destroy a manager. Library-owned param memory is unmapped (pointers from
 // `wm_allocate_param` become invalid); engine-owned memory is untouched.
 //
-// NULL, or a handle already destroyed: no-op. Calls running on other threads
-// finish first; the handle is invalid to new calls at once.
+// NULL, or a handle already destroyed: no-op. The handle is invalid to new
+// calls at once (`WM_ERR_INVALID_HANDLE`; handle values are never reused).
+// An update running on another thread is cancelled (`WM_ERR_CANCELLED`) at
+// its next batch boundary (one bucket, or one batch of snapshot reads), or
+// when the wait it is in ends (bounded by its request's and the
+// publisher's timeouts); `wm_destroy` waits for it and for every other call
+// on the handle to return, so when it returns the library will not touch
+// engine-owned memory again and the engine may free it. A callback of the
+// engine that blocks delays `wm_destroy` until it returns.
+//
+// Called from inside one of this manager's own callbacks (progress,
+// tensor, release, acquire) on the updating thread, it cannot wait for that
+// update: it cancels it and returns at once; the update stops when the
+// callback returns (nothing more is committed), and the manager is freed
+// when `wm_update` returns. Engine memory must stay valid until then.
 void wm_destroy(wm_manager *manager);
 
 // Copy the text of this handle's last error into `buf` (`len` bytes with
@@ -638,7 +667,8 @@ wm_result wm_publisher_config_init(wm_publisher_config *config);
 // Listen on the Unix socket `socket_path` (a stale socket there is
 // replaced; the file is removed on destroy). `config` may be NULL for
 // defaults. On success `*out_publisher` receives a handle owned by the
-// caller. Never blocks.
+// caller; on failure it is left unchanged and the reason (e.g. "... exists
+// and is not a socket") is kept for `wm_last_create_error`. Never blocks.
 wm_result wm_publisher_create(const char *socket_path,
                               const wm_publisher_config *config,
                               wm_publisher **out_publisher);
@@ -648,7 +678,8 @@ wm_result wm_publisher_create(const char *socket_path,
 // Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
 // without it) and a shared secret (config or `WM_NET_SECRET`;
 // `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
-// `*out_publisher` receives a handle owned by the caller. Never blocks.
+// `*out_publisher` receives a handle owned by the caller; on failure the
+// reason is kept for `wm_last_create_error`. Never blocks.
 wm_result wm_publisher_create_net(const char *address,
                                   const wm_publisher_config *config,
                                   wm_publisher **out_publisher);
@@ -676,8 +707,16 @@ wm_result wm_publisher_address(const wm_publisher *publisher,
 wm_result wm_publisher_publish(wm_publisher *publisher);
 
 // Stop listening, remove the socket file and free the handle. NULL or
-// already destroyed: no-op. Waits for a `wm_publisher_serve` running on
-// another thread to return first.
+// already destroyed: no-op. The handle is invalid to new calls at once
+// (handle values are never reused).
+//
+// A `wm_publisher_serve` running on another thread is stopped: it accepts
+// no more engines and its sessions' connections are shut down, so each
+// session ends at its next read or write (after finishing the bucket it is
+// packing); it returns `WM_ERR_CANCELLED` (or its sessions' errors).
+// `wm_publisher_destroy` waits for it and every other call on the handle
+// to return: when it returns, the library reads none of the trainer's
+// tensors again and the trainer may free them.
 void wm_publisher_destroy(wm_publisher *publisher);
 
 // Publish a tensor from the trainer's host memory: `len` bytes at `data`
@@ -721,6 +760,9 @@ wm_result wm_publisher_add_device_tensor(wm_publisher *publisher,
 wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
 
 // The version sessions announce; NULL: the directory's `version.yaml`.
+// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
+// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
+// (A `version.yaml` over the limit is refused by publish and serve.)
 wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
 
 // Forget every published tensor (before publishing the next version).

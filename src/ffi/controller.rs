@@ -16,11 +16,11 @@ pub struct wm_controller {
 
 type ControllerHandle = Handled<Controller>;
 
-static CONTROLLERS: HandleTable = HandleTable::new();
+static CONTROLLERS: HandleTable<ControllerHandle> = HandleTable::new();
 
 macro_rules! try_controller {
     ($p:expr) => {
-        try_get!(CONTROLLERS, ControllerHandle, $p)
+        try_get!(CONTROLLERS, $p)
     };
 }
 
@@ -37,7 +37,8 @@ fn state_arg(raw: i32) -> Result<State> {
 /// freed with `wm_controller_destroy`.
 ///
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
-/// Thread-safe, never blocks.
+/// On failure `*out_controller` is unchanged and the reason is kept for
+/// `wm_last_create_error`. Thread-safe, never blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_controller_open(
     cell_name: *const c_char,
@@ -45,27 +46,24 @@ pub unsafe extern "C" fn wm_controller_open(
 ) -> wm_result {
     ffi_guard!({
         check_null!(cell_name, out_controller);
-        let Ok(name) = CStr::from_ptr(cell_name).to_str() else {
-            return wm_result::WM_ERR_INVALID_ARGUMENT;
-        };
-        match Controller::open(name) {
-            Ok(controller) => {
-                let h = ControllerHandle::new(controller);
-                *out_controller = CONTROLLERS.publish(h).cast();
-                wm_result::WM_OK
-            }
-            Err(e) => e.code,
-        }
+        let made = CStr::from_ptr(cell_name)
+            .to_str()
+            .map_err(|_| Error::invalid_argument("cell_name is not valid UTF-8"))
+            .and_then(Controller::open)
+            .map(ControllerHandle::new);
+        super::created(&CONTROLLERS, made, out_controller)
     })
 }
 
 /// Destroy a controller handle (the cell itself stays). NULL or already
-/// destroyed: no-op.
+/// destroyed: no-op. The handle is invalid to new calls at once (handle
+/// values are never reused). A controller holds none of the caller's
+/// memory, so nothing is cancelled: destroy waits for calls running on
+/// other threads to return (a request or wait runs to its own `timeout_ms`);
+/// called from inside such a call's thread it returns at once.
 #[no_mangle]
 pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
-    ffi_guard_or!((), {
-        CONTROLLERS.retire::<ControllerHandle>(controller.cast())
-    })
+    ffi_guard_or!((), { CONTROLLERS.destroy(controller.cast(), |_| {}) })
 }
 
 /// Read the control word into `*out_state` (a `wm_state`). A value that is

@@ -256,8 +256,8 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
 ///
 /// `config` is read during the call only (strings are copied). On success
 /// `*out_manager` receives a new handle, owned by the caller and freed with
-/// `wm_destroy`; on failure it is left unchanged and the reason is logged
-/// through the config's log sink (there is no handle to hold it).
+/// `wm_destroy`; on failure it is left unchanged, the reason is logged
+/// through the config's log sink and kept for `wm_last_create_error`.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
 /// open the control cell.
 #[no_mangle]
@@ -281,27 +281,36 @@ pub unsafe extern "C" fn wm_init(
             ))),
             Some(_) => config_from_c(c, logger.clone()).and_then(Manager::new),
         };
-        match made {
-            Ok(m) => {
-                *out_manager = super::publish(m);
-                wm_result::WM_OK
-            }
-            Err(e) => {
-                logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
-                e.code
-            }
+        if let Err(e) = &made {
+            logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
         }
+        super::created(&super::MANAGERS, made, out_manager)
     })
 }
 
 /// Destroy a manager. Library-owned param memory is unmapped (pointers from
 /// `wm_allocate_param` become invalid); engine-owned memory is untouched.
 ///
-/// NULL, or a handle already destroyed: no-op. Calls running on other threads
-/// finish first; the handle is invalid to new calls at once.
+/// NULL, or a handle already destroyed: no-op. The handle is invalid to new
+/// calls at once (`WM_ERR_INVALID_HANDLE`; handle values are never reused).
+/// An update running on another thread is cancelled (`WM_ERR_CANCELLED`) at
+/// its next batch boundary (one bucket, or one batch of snapshot reads), or
+/// when the wait it is in ends (bounded by its request's and the
+/// publisher's timeouts); `wm_destroy` waits for it and for every other call
+/// on the handle to return, so when it returns the library will not touch
+/// engine-owned memory again and the engine may free it. A callback of the
+/// engine that blocks delays `wm_destroy` until it returns.
+///
+/// Called from inside one of this manager's own callbacks (progress,
+/// tensor, release, acquire) on the updating thread, it cannot wait for that
+/// update: it cancels it and returns at once; the update stops when the
+/// callback returns (nothing more is committed), and the manager is freed
+/// when `wm_update` returns. Engine memory must stay valid until then.
 #[no_mangle]
 pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
-    ffi_guard_or!((), { super::retire(manager) })
+    ffi_guard_or!((), {
+        super::MANAGERS.destroy(manager.cast(), Manager::cancel)
+    })
 }
 
 /// Copy the text of this handle's last error into `buf` (`len` bytes with

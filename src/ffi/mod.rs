@@ -8,10 +8,11 @@
 //!   `WM_ERR_PANIC` and never unwinds into C. `tests/ffi_guard.rs` checks that
 //!   every `#[no_mangle]` function does this.
 //! - outputs are written only on success.
-//! - a handle is a key into a table of live managers: a destroyed or made-up
-//!   handle is `WM_ERR_INVALID_HANDLE`, not a use-after-free, and a call in
-//!   flight keeps the manager alive until it returns even if another thread
-//!   destroys the handle meanwhile.
+//! - a handle is a key into a table of live objects, never reused: a
+//!   destroyed or made-up handle is `WM_ERR_INVALID_HANDLE`, not a
+//!   use-after-free, and destroy waits for calls in flight (`handles.rs`).
+//! - a create-style call that fails leaves its reason for
+//!   `wm_last_create_error` on the calling thread (there is no handle).
 //!
 //! Files: `result.rs` (codes, version), `manager.rs` (config, init, destroy,
 //! error text), `params.rs` (registration), `update.rs` (update, clear),
@@ -24,12 +25,11 @@
 
 use crate::manager::Manager;
 use crate::result::{wm_result, Error, Result};
-use parking_lot::RwLock;
-use std::collections::BTreeSet;
+pub(crate) use handles::HandleTable;
+use std::cell::RefCell;
 use std::ffi::{c_char, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
 macro_rules! ffi_guard {
@@ -60,20 +60,17 @@ macro_rules! check_null {
     };
 }
 
-/// Resolve a handle or return its error code from the enclosing function.
+/// Resolve a manager handle or return its error code from the enclosing function.
 macro_rules! try_handle {
     ($p:expr) => {
-        match $crate::ffi::handle($p as *const $crate::ffi::manager::wm_manager) {
-            Ok(m) => m,
-            Err(code) => return code,
-        }
+        try_get!($crate::ffi::MANAGERS, $p)
     };
 }
 
-/// Resolve a handle of `$table` (holding `$ty`) or return its error code.
+/// Resolve a handle of `$table` or return its error code.
 macro_rules! try_get {
-    ($table:expr, $ty:ty, $p:expr) => {
-        match $table.get::<$ty>($p as *const std::ffi::c_void) {
+    ($table:expr, $p:expr) => {
+        match $table.get($p as *const std::ffi::c_void) {
             Ok(h) => h,
             Err(code) => return code,
         }
@@ -81,58 +78,13 @@ macro_rules! try_get {
 }
 
 pub mod controller;
+mod handles;
 pub mod manager;
 pub mod params;
 pub mod publisher;
 pub mod result;
 pub mod status;
 pub mod update;
-
-/// Addresses of live handles of one type. A handle is an `Arc` turned into
-/// a raw pointer; the table holds one reference for as long as the handle is
-/// live, and every call takes another for its duration.
-pub(crate) struct HandleTable(RwLock<BTreeSet<usize>>);
-
-impl HandleTable {
-    pub(crate) const fn new() -> HandleTable {
-        HandleTable(parking_lot::const_rwlock(BTreeSet::new()))
-    }
-
-    pub(crate) fn publish<T>(&self, value: T) -> *mut std::ffi::c_void {
-        let p = Arc::into_raw(Arc::new(value));
-        self.0.write().insert(p as usize);
-        p as *mut std::ffi::c_void
-    }
-
-    /// The value behind `p`, or NULL_ARGUMENT / INVALID_HANDLE. `T` must be
-    /// the type this table publishes.
-    pub(crate) fn get<T>(
-        &self,
-        p: *const std::ffi::c_void,
-    ) -> std::result::Result<Arc<T>, wm_result> {
-        if p.is_null() {
-            return Err(wm_result::WM_ERR_NULL_ARGUMENT);
-        }
-        let live = self.0.read();
-        if !live.contains(&(p as usize)) {
-            return Err(wm_result::WM_ERR_INVALID_HANDLE);
-        }
-        // SAFETY: p is in the table, so it came from Arc::into_raw::<T> and
-        // the table still holds that reference; we take one more.
-        unsafe {
-            Arc::increment_strong_count(p as *const T);
-            Ok(Arc::from_raw(p as *const T))
-        }
-    }
-
-    /// Forget a handle; the value is dropped once calls in flight return.
-    pub(crate) fn retire<T>(&self, p: *const std::ffi::c_void) {
-        if !p.is_null() && self.0.write().remove(&(p as usize)) {
-            // SAFETY: removing it from the table gives us back its reference.
-            drop(unsafe { Arc::from_raw(p as *const T) });
-        }
-    }
-}
 
 /// A library object behind a C handle, with the text of its last failure
 /// (per handle, as DESIGN.md asks). The manager keeps its own, because
@@ -173,20 +125,54 @@ impl<T> Handled<T> {
     }
 }
 
-pub(crate) static MANAGERS: HandleTable = HandleTable::new();
+pub(crate) static MANAGERS: HandleTable<Manager> = HandleTable::new();
 
-pub(crate) fn publish(m: Manager) -> *mut manager::wm_manager {
-    MANAGERS.publish(m).cast()
+thread_local! {
+    /// Why this thread's last create-style call failed ("" after a success).
+    static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
-pub(crate) fn handle(
-    p: *const manager::wm_manager,
-) -> std::result::Result<Arc<Manager>, wm_result> {
-    MANAGERS.get::<Manager>(p.cast())
+/// The outcome of a create-style call (`wm_init`, `wm_publisher_create*`,
+/// `wm_controller_open`): on success the handle is published into `*out`;
+/// on failure the reason is kept for `wm_last_create_error`.
+///
+/// # Safety
+/// `out` is writable (checked non-NULL by the caller).
+pub(crate) unsafe fn created<T, H>(
+    table: &HandleTable<T>,
+    made: Result<T>,
+    out: *mut *mut H,
+) -> wm_result {
+    let (code, text) = match made {
+        Ok(value) => {
+            *out = table.publish(value).cast();
+            (wm_result::WM_OK, String::new())
+        }
+        Err(e) => (e.code, e.message),
+    };
+    LAST_CREATE_ERROR.with(|t| *t.borrow_mut() = text);
+    code
 }
 
-pub(crate) fn retire(p: *const manager::wm_manager) {
-    MANAGERS.retire::<Manager>(p.cast())
+/// Copy why the last create-style call on this thread failed (`wm_init`,
+/// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
+/// the calls that have no handle to keep their reason) into `buf` (`len`
+/// bytes with the NUL), truncated to fit, and set `*out_written` to the
+/// bytes written without the NUL. After a successful create, or none yet
+/// on this thread: "". Per thread, so concurrent creates do not mix.
+///
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
+/// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_create_error(
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        let text = LAST_CREATE_ERROR.with(|t| t.borrow().clone());
+        copy_text_out(&text, buf, len, out_written)
+    })
 }
 
 /// The code of `r`, recording its error on the handle.

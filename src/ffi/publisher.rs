@@ -56,11 +56,11 @@ pub struct wm_serve_stats {
 
 type PublisherHandle = Handled<Publisher>;
 
-static PUBLISHERS: HandleTable = HandleTable::new();
+static PUBLISHERS: HandleTable<PublisherHandle> = HandleTable::new();
 
 macro_rules! try_publisher {
     ($p:expr) => {
-        try_get!(PUBLISHERS, PublisherHandle, $p)
+        try_get!(PUBLISHERS, $p)
     };
 }
 
@@ -113,20 +113,17 @@ unsafe fn create(
     config: *const wm_publisher_config,
     out_publisher: *mut *mut wm_publisher,
 ) -> wm_result {
-    match config_from_c(config).and_then(bind) {
-        Ok(publisher) => {
-            let h = PublisherHandle::new(publisher);
-            *out_publisher = PUBLISHERS.publish(h).cast();
-            wm_result::WM_OK
-        }
-        Err(e) => e.code,
-    }
+    let made = config_from_c(config)
+        .and_then(bind)
+        .map(PublisherHandle::new);
+    super::created(&PUBLISHERS, made, out_publisher)
 }
 
 /// Listen on the Unix socket `socket_path` (a stale socket there is
 /// replaced; the file is removed on destroy). `config` may be NULL for
 /// defaults. On success `*out_publisher` receives a handle owned by the
-/// caller. Never blocks.
+/// caller; on failure it is left unchanged and the reason (e.g. "... exists
+/// and is not a socket") is kept for `wm_last_create_error`. Never blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_create(
     socket_path: *const c_char,
@@ -145,7 +142,8 @@ pub unsafe extern "C" fn wm_publisher_create(
 /// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
 /// without it) and a shared secret (config or `WM_NET_SECRET`;
 /// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
-/// `*out_publisher` receives a handle owned by the caller. Never blocks.
+/// `*out_publisher` receives a handle owned by the caller; on failure the
+/// reason is kept for `wm_last_create_error`. Never blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_create_net(
     address: *const c_char,
@@ -156,7 +154,7 @@ pub unsafe extern "C" fn wm_publisher_create_net(
         check_null!(address, out_publisher);
         let addr = match opt_str(address, "address") {
             Ok(a) => a.expect("checked"),
-            Err(e) => return e.code,
+            Err(e) => return super::created(&PUBLISHERS, Err(e), out_publisher),
         };
         create(|cfg| Publisher::bind_net(&addr, cfg), config, out_publisher)
     })
@@ -201,12 +199,20 @@ pub unsafe extern "C" fn wm_publisher_publish(publisher: *mut wm_publisher) -> w
 }
 
 /// Stop listening, remove the socket file and free the handle. NULL or
-/// already destroyed: no-op. Waits for a `wm_publisher_serve` running on
-/// another thread to return first.
+/// already destroyed: no-op. The handle is invalid to new calls at once
+/// (handle values are never reused).
+///
+/// A `wm_publisher_serve` running on another thread is stopped: it accepts
+/// no more engines and its sessions' connections are shut down, so each
+/// session ends at its next read or write (after finishing the bucket it is
+/// packing); it returns `WM_ERR_CANCELLED` (or its sessions' errors).
+/// `wm_publisher_destroy` waits for it and every other call on the handle
+/// to return: when it returns, the library reads none of the trainer's
+/// tensors again and the trainer may free them.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_destroy(publisher: *mut wm_publisher) {
     ffi_guard_or!((), {
-        PUBLISHERS.retire::<PublisherHandle>(publisher.cast())
+        PUBLISHERS.destroy(publisher.cast(), |h| h.value.stop())
     })
 }
 
@@ -298,7 +304,21 @@ unsafe fn tensor_desc<'a>(
     } else {
         std::slice::from_raw_parts(shape, ndim)
     };
-    Ok((name, dtype, shape, u32::try_from(rank).ok()))
+    let rank = rank_arg(rank, &name)?;
+    Ok((name, dtype, shape, rank))
+}
+
+/// A rank argument: 0 or more names one engine rank, -1 every rank;
+/// anything else is refused (it is not "every rank").
+fn rank_arg(rank: i32, tensor: &str) -> crate::result::Result<Option<u32>> {
+    match rank {
+        -1 => Ok(None),
+        r => u32::try_from(r).map(Some).map_err(|_| {
+            Error::invalid_argument(format!(
+                "tensor '{tensor}': rank {r} is not an engine rank (0 or more) or -1 (every rank)"
+            ))
+        }),
+    }
 }
 
 /// Serve the snapshot in directory `dir` instead of in-memory tensors: each
@@ -317,6 +337,9 @@ pub unsafe extern "C" fn wm_publisher_set_dir(
 }
 
 /// The version sessions announce; NULL: the directory's `version.yaml`.
+/// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
+/// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
+/// (A `version.yaml` over the limit is refused by publish and serve.)
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_set_version(
     publisher: *mut wm_publisher,
@@ -324,7 +347,13 @@ pub unsafe extern "C" fn wm_publisher_set_version(
 ) -> wm_result {
     ffi_guard!({
         let h = try_publisher!(publisher);
-        let r = opt_str(version, "version").map(|v| h.value.set_version(v));
+        let r = opt_str(version, "version").and_then(|v| {
+            if let Some(v) = &v {
+                crate::publisher::check_version(v)?;
+            }
+            h.value.set_version(v);
+            Ok(())
+        });
         h.result(r)
     })
 }

@@ -34,6 +34,7 @@ use crate::state::State;
 use crate::transport::auth::Secret;
 use parking_lot::{Mutex, RwLock};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -251,12 +252,21 @@ pub struct Manager {
     staging: Mutex<DeviceStaging>,
     /// NCCL fan-out: the communicator, kept from one update to the next.
     fanout: Option<Mutex<FanoutLink>>,
+    /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
+    /// stop at their next batch boundary and new ones are refused.
+    cancelled: AtomicBool,
 }
 
-fn check_version(v: &str) -> Result<()> {
+/// A version name engines accept: 1 to [`MAX_VERSION_LEN`] bytes (the
+/// publisher checks its versions with this too, so it never announces one
+/// every engine refuses).
+pub(crate) fn check_version(v: &str) -> Result<()> {
     if v.is_empty() || v.len() > MAX_VERSION_LEN {
+        let shown: String = v.chars().take(40).collect();
+        let more = if shown.len() < v.len() { "..." } else { "" };
         return Err(Error::invalid_argument(format!(
-            "version '{v}' must be 1 to {MAX_VERSION_LEN} bytes"
+            "version '{shown}{more}' is {} bytes; a version must be 1 to {MAX_VERSION_LEN} bytes",
+            v.len()
         )));
     }
     Ok(())
@@ -333,7 +343,26 @@ impl Manager {
             }),
             signal,
             config,
+            cancelled: AtomicBool::new(false),
         })
+    }
+
+    /// Stop for good: an update in flight fails with `WM_ERR_CANCELLED` at
+    /// its next batch boundary (before anything more is committed), and
+    /// later updates are refused. For destroying the manager while another
+    /// thread's update runs (see `wm_destroy`).
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+
+    fn check_cancelled(&self) -> Result<()> {
+        if self.cancelled.load(Ordering::Acquire) {
+            return Err(Error::cancelled(format!(
+                "rank {}: the manager is being destroyed",
+                self.config.rank
+            )));
+        }
+        Ok(())
     }
 
     pub fn rank(&self) -> u32 {
@@ -640,6 +669,7 @@ impl Manager {
     fn try_update(&self, mut req: UpdateRequest) -> Result<UpdateStats> {
         let start = Instant::now();
         let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        self.check_cancelled()?;
         if let Some(v) = &req.version {
             check_version(v)?;
         }
@@ -857,7 +887,23 @@ impl Manager {
             threads: self.threads,
             timeout: req.timeout,
         };
-        let hooks = std::mem::take(&mut req.hooks);
+        let Hooks {
+            progress: mut user_progress,
+            tensor: mut user_tensor,
+        } = std::mem::take(&mut req.hooks);
+        // Cancellation rides on the progress hook, which the applier calls
+        // after every batch, before anything more moves.
+        let mut progress = |p: &crate::apply::Progress| {
+            let go_on = user_progress.as_mut().is_none_or(|f| f(p));
+            go_on && !self.cancelled.load(Ordering::Acquire)
+        };
+        let hooks = Hooks {
+            progress: Some(&mut progress),
+            tensor: match user_tensor.as_mut() {
+                Some(t) => Some(&mut **t),
+                None => None,
+            },
+        };
         let mut staging = self.staging.lock();
         let mut applier = Applier::new(plan, dests, apply_opts, hooks)
             .map_err(early)?

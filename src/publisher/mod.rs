@@ -36,6 +36,7 @@ mod net;
 mod session;
 
 use crate::logging::Logger;
+pub(crate) use crate::manager::check_version;
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
 use crate::memory::shared::SharedBuffer;
@@ -51,6 +52,7 @@ use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -242,6 +244,12 @@ pub struct Publisher {
     /// of the buffers it read lately, so a reused buffer costs it nothing
     /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
     retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
+    /// Set by [`Publisher::stop`]: `serve` stops accepting and its sessions'
+    /// connections are shut down.
+    stopping: AtomicBool,
+    /// Second handles on the connections of running sessions, by serve
+    /// call, for [`Publisher::stop`] to shut down.
+    live: Mutex<Vec<(u64, Stream)>>,
 }
 
 /// What `serve` did.
@@ -312,6 +320,8 @@ impl Publisher {
             version: Mutex::new(None),
             published: Mutex::new(VecDeque::new()),
             retired: Mutex::new(VecDeque::new()),
+            stopping: AtomicBool::new(false),
+            live: Mutex::new(Vec::new()),
         }
     }
 
@@ -337,6 +347,7 @@ impl Publisher {
                 "publish: set a version first (or serve a directory with a version.yaml)",
             ));
         };
+        check_version(&name).map_err(|e| e.context("publish"))?;
         if let Content::Tensors(ts) = &mut offer.content {
             // The version this publish pushes out (when the list is full) is
             // dropped before the copy, so its buffer can take the new one:
@@ -556,6 +567,8 @@ impl Publisher {
     }
 
     /// The version sessions announce (None: the directory's `version.yaml`).
+    /// A name engines would refuse is refused by `publish` and `serve`; see
+    /// [`check_version`] to refuse it here already.
     pub fn set_version(&self, version: Option<String>) {
         *self.version.lock() = version;
     }
@@ -578,16 +591,26 @@ impl Publisher {
     /// returned (naming the rank); the others still run to their end.
     pub fn serve(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
         let offers = self.offers();
+        for version in offers.iter().filter_map(|o| o.version.as_deref()) {
+            check_version(version).map_err(|e| e.context("serve"))?;
+        }
         let deadline = Instant::now() + accept_timeout;
         self.listener
             .set_nonblocking()
             .map_err(|e| Error::io("listener", e))?;
-        std::thread::scope(|s| {
+        static SERVES: AtomicU64 = AtomicU64::new(0);
+        let serve_id = SERVES.fetch_add(1, Ordering::Relaxed);
+        let r = std::thread::scope(|s| {
             let mut sessions = Vec::new();
             let mut accept_error = None;
             while sessions.len() < engines {
+                if let Err(e) = self.check_stopping() {
+                    accept_error = Some(e);
+                    break;
+                }
                 match self.listener.accept() {
                     Ok(stream) => {
+                        self.track(serve_id, &stream);
                         let (offers, cfg, pool, secret) =
                             (&offers, &self.cfg, &self.pool, self.secret.as_ref());
                         sessions
@@ -630,8 +653,59 @@ impl Publisher {
                 Some(e) => Err(e),
                 None => Ok(stats),
             }
-        })
+        });
+        self.live.lock().retain(|(id, _)| *id != serve_id);
+        r
     }
+
+    /// Stop serving for good: a `serve` running on another thread stops
+    /// accepting and shuts its sessions' connections down, so its sessions
+    /// end at their next read or write (a bucket being packed is finished
+    /// first) and it returns `WM_ERR_CANCELLED` or the sessions' errors;
+    /// later `serve` calls are refused. Does not wait: `serve` returns once
+    /// its session threads have ended, and only then stops reading the
+    /// trainer's tensors.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        for (_, stream) in self.live.lock().iter() {
+            shut_down(stream);
+        }
+    }
+
+    fn check_stopping(&self) -> Result<()> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(Error::cancelled(format!(
+                "publisher at {}: stopped (the publisher is being destroyed)",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Keep a second handle on a session's connection for [`Publisher::stop`]
+    /// (shut down at once when the stop came first).
+    fn track(&self, serve_id: u64, stream: &Stream) {
+        let second = match stream {
+            Stream::Unix(s) => s.try_clone().map(Stream::Unix),
+            Stream::Tcp(s) => s.try_clone().map(Stream::Tcp),
+        };
+        // Without a second handle (out of fds) the session still ends by
+        // its own timeouts.
+        let Ok(second) = second else { return };
+        let mut live = self.live.lock();
+        if self.stopping.load(Ordering::SeqCst) {
+            shut_down(&second);
+        }
+        live.push((serve_id, second));
+    }
+}
+
+/// Shut a connection down both ways: the session blocked on it wakes up.
+fn shut_down(stream: &Stream) {
+    let _ = match stream {
+        Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+    };
 }
 
 impl Drop for Publisher {
