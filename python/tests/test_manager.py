@@ -237,3 +237,59 @@ def test_fanout_config_is_checked_at_init():
     assert any("fanout_group -3 is not a group number" in m for m in logs), logs
     with Manager(fanout_group=None) as m:
         assert m.status().state == State.NORMAL
+
+
+_ARRAY_AFTER_CLOSE = """
+import ctypes, gc, sys
+sys.path.insert(0, sys.argv[1])
+from weight_manager import Manager, Result, _lib
+m = Manager(fallback_dir="")
+a = m.allocate("x", "f32", (1 << 16,))
+a[:] = 3
+handle = m._handle.value
+m.close()
+try:
+    m.status()
+    raise SystemExit("status() on a closed manager did not raise")
+except Exception as e:
+    assert getattr(e, "code", None) == Result.ERR_INVALID_HANDLE, e
+a += 1  # the array still views live memory
+assert float(a.sum()) == 4.0 * (1 << 16), a.sum()
+s = _lib.StatusInfo()
+s.struct_size = ctypes.sizeof(s)
+assert _lib.LIB.wm_status(handle, ctypes.byref(s)) == 0, "the array holds the handle"
+del a
+gc.collect()
+assert _lib.LIB.wm_status(handle, ctypes.byref(s)) == Result.ERR_INVALID_HANDLE, "destroyed with the array"
+print("ok")
+"""
+
+
+def test_allocated_array_outlives_close_without_crashing():
+    """Issue 15 item 14: an allocate() array used after close() must not
+    segfault (run in a subprocess so a crash fails the test, not pytest)."""
+    import subprocess
+    import sys
+    package = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", _ARRAY_AFTER_CLOSE, package], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "ok"
+
+
+def test_failed_creates_say_why(tmp_path):
+    """Issue 15 item 18: the reason of a failed create reaches the exception."""
+    from weight_manager import Publisher
+    from weight_manager.manager import Controller
+    with pytest.raises(WeightManagerError) as e:
+        Manager(rank=3, world_size=1)
+    assert e.value.code == Result.ERR_INVALID_ARGUMENT
+    assert "rank 3 is not below world_size 1" in str(e.value)
+    not_a_socket = tmp_path / "file"
+    not_a_socket.write_text("x")
+    with pytest.raises(WeightManagerError) as e:
+        Publisher(str(not_a_socket))
+    assert "not a socket" in str(e.value)
+    with pytest.raises(WeightManagerError) as e:
+        Controller("bad/name")
+    assert "must be 1 to 200 bytes" in str(e.value)

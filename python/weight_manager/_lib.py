@@ -239,6 +239,7 @@ def load() -> ctypes.CDLL:
             R,
             [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
         ),
+        "wm_last_create_error": (R, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     }
     for name, (restype, argtypes) in protos.items():
         fn = getattr(lib, name)

@@ -70,6 +70,17 @@ def last_error_text(last_error, handle) -> str:
     return buf.value.decode(errors="replace")
 
 
+def create_error(rc: int, what: str) -> WeightManagerError:
+    """The error of a failed create call (wm_init, wm_publisher_create*,
+    wm_controller_open), with the reason the library kept for this thread."""
+    buf = ctypes.create_string_buffer(4096)
+    n = ctypes.c_size_t()
+    text = ""
+    if LIB.wm_last_create_error(buf, len(buf), ctypes.byref(n)) == 0:
+        text = buf.value.decode(errors="replace")
+    return WeightManagerError(rc, f"{what}: {text or LIB.wm_result_text(rc).decode()}")
+
+
 def raise_for(rc: int, last_error, handle) -> None:
     """Raise WeightManagerError for a failed call, with the handle's text."""
     if rc != 0:
@@ -89,7 +100,7 @@ def _encode(s) -> Optional[bytes]:
 
 def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarray:
     buf = (ctypes.c_uint8 * nbytes).from_address(address) if nbytes else (ctypes.c_uint8 * 1)()
-    buf._wm_owner = owner  # keeps the manager alive as long as the array
+    buf._wm_owner = owner  # keeps the memory (a _HandleKeeper) alive as long as the array
     arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
     return arr.view(DTYPE_TO_NUMPY[dtype]).reshape(tuple(shape))
 
@@ -152,6 +163,22 @@ class OwnedHandle:
             pass
 
 
+class _HandleKeeper:
+    """Owns a manager handle for as long as the Manager or an array from
+    its allocate() lives: library-owned param memory is freed by wm_destroy,
+    so the handle is destroyed only when the last of them is gone (CPython
+    frees it at once when the last reference drops)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __del__(self):
+        try:
+            LIB.wm_destroy(self.handle)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 _LOG_LEVELS = {"off": 0, "error": 1, "warn": 2, "info": 3, "debug": 4}
 
 
@@ -159,11 +186,18 @@ class Manager(OwnedHandle):
     """One engine rank's weight manager.
 
     Use as a context manager, or call close(). Arrays returned by allocate()
-    point into library memory: they must not be used after close().
+    point into library memory and keep it alive: after close() the manager
+    refuses every call, and its handle (and that memory) is destroyed once
+    the last such array is gone.
     """
 
     _what = "manager"
-    _destroy = staticmethod(lambda h: LIB.wm_destroy(h))
+    _keeper = None
+
+    @staticmethod
+    def _destroy(handle) -> None:
+        # close() hands the handle to the keeper instead (see _on_close).
+        LIB.wm_destroy(handle)
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, device: int = -1,
                  model_dir=None, fallback_dir=None, control_cell: Optional[str] = None,
@@ -200,8 +234,8 @@ class Manager(OwnedHandle):
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:
-            raise WeightManagerError(rc, f"wm_init failed: {LIB.wm_result_text(rc).decode()} "
-                                         "(details went to the log sink)")
+            raise create_error(rc, "wm_init failed")
+        self._keeper = _HandleKeeper(handle)
         self._handle = handle
         self._params = {}
 
@@ -246,7 +280,7 @@ class Manager(OwnedHandle):
         d, keep = self._desc(name, wm_dtype, shape)
         ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
         self._check(LIB.wm_allocate_param(self._h(), ctypes.byref(d), ctypes.byref(ptr), ctypes.byref(n)))
-        arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self)
+        arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self._keeper)
         self._params[name] = arr
         return arr
 
@@ -328,8 +362,18 @@ class Manager(OwnedHandle):
         self._check(LIB.wm_broadcast_signal(self._h(), ctypes.byref(out)))
         return State(out.value)
 
+    def close(self) -> None:
+        """Close the manager: every call on it is refused from now on. Its
+        handle is destroyed now, or, while arrays from allocate() are alive,
+        when the last of them is gone (it keeps the memory they view)."""
+        if self._handle is not None:
+            self._handle = None
+            self._on_close()
+
     def _on_close(self) -> None:
         self._params.clear()
+        # Destroys the handle unless an allocate() array still holds it.
+        self._keeper = None
 
 
 class Controller(OwnedHandle):
@@ -344,7 +388,7 @@ class Controller(OwnedHandle):
         handle = ctypes.c_void_p()
         rc = LIB.wm_controller_open(cell.encode(), ctypes.byref(handle))
         if rc != 0:
-            raise WeightManagerError(rc, f"opening control cell '{cell}': {LIB.wm_result_text(rc).decode()}")
+            raise create_error(rc, f"opening control cell '{cell}'")
         self._handle = handle
 
     def _check(self, rc: int):

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from .manager import OwnedHandle, WeightManagerError, last_error_text, raise_for
+from .manager import OwnedHandle, create_error, last_error_text, raise_for
 from .types import parse_dtype
 
 LIB = _lib.LIB
@@ -55,7 +55,7 @@ class Publisher(OwnedHandle):
         create = LIB.wm_publisher_create if net is None else LIB.wm_publisher_create_net
         rc = create(where.encode(), ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:
-            raise WeightManagerError(rc, f"listening on {where}: {LIB.wm_result_text(rc).decode()}")
+            raise create_error(rc, f"listening on {where}")
         self._handle = handle
         self._arrays = []
 
