@@ -20,7 +20,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Handle values start far above small integers a caller might make up,
@@ -39,6 +39,9 @@ struct Slot<T> {
     value: T,
     calls: Mutex<usize>,
     idle: Condvar,
+    /// Being destroyed: refused to new calls; stays in the table until the
+    /// calls in flight returned, so a second destroy waits for them too.
+    dying: AtomicBool,
 }
 
 /// A call's hold on a live object (see the module docs).
@@ -86,6 +89,7 @@ impl<T> HandleTable<T> {
             value,
             calls: Mutex::new(0),
             idle: Condvar::new(),
+            dying: AtomicBool::new(false),
         });
         self.0.write().insert(key, slot);
         key as *mut c_void
@@ -98,33 +102,43 @@ impl<T> HandleTable<T> {
             return Err(wm_result::WM_ERR_NULL_ARGUMENT);
         }
         let key = p as usize;
-        let slot = self
-            .0
-            .read()
+        let live = self.0.read();
+        let slot = live
             .get(&key)
+            .filter(|s| !s.dying.load(Ordering::Acquire))
             .cloned()
             .ok_or(wm_result::WM_ERR_INVALID_HANDLE)?;
+        // Counted under the table's lock: destroy marks `dying` under the
+        // write lock, so it sees every call that got past the check.
         *slot.calls.lock() += 1;
+        drop(live);
         IN_CALL.with(|c| c.borrow_mut().push(key));
         Ok(Live { slot, key })
     }
 
-    /// Forget handle `p` (NULL or unknown: nothing), `cancel` what the
-    /// object is doing, and wait until no other thread's call holds it.
-    /// Returns at once when this thread is inside a call on it.
+    /// Refuse handle `p` to new calls (NULL or unknown: nothing), `cancel`
+    /// what the object is doing, wait until no other thread's call holds it,
+    /// and forget it. Returns at once when this thread is inside a call on
+    /// it (the object is freed when that call returns).
     pub(crate) fn destroy(&self, p: *const c_void, cancel: impl FnOnce(&T)) {
         let key = p as usize;
-        let Some(slot) = self.0.write().remove(&key) else {
+        let Some(slot) = self.0.write().get(&key).cloned() else {
             return;
         };
-        cancel(&slot.value);
+        if !slot.dying.swap(true, Ordering::AcqRel) {
+            cancel(&slot.value);
+        }
         if IN_CALL.with(|c| c.borrow().contains(&key)) {
-            return; // freed when this thread's call returns
+            self.0.write().remove(&key);
+            return;
         }
-        let mut calls = slot.calls.lock();
-        while *calls > 0 {
-            slot.idle.wait(&mut calls);
+        {
+            let mut calls = slot.calls.lock();
+            while *calls > 0 {
+                slot.idle.wait(&mut calls);
+            }
         }
+        self.0.write().remove(&key);
     }
 }
 
