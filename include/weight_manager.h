@@ -720,7 +720,8 @@ wm_result wm_publisher_publish(wm_publisher *publisher);
 void wm_publisher_destroy(wm_publisher *publisher);
 
 // Publish a tensor from the trainer's host memory: `len` bytes at `data`
-// (dtype x shape), for engine rank `rank`, or for every rank with -1.
+// (dtype x shape), for engine rank `rank`, or for every rank with -1
+// (below -1: `WM_ERR_INVALID_ARGUMENT`).
 //
 // Ownership: the trainer keeps `data`; it must stay valid and unchanged
 // while `wm_publisher_serve` runs. Names are unique per rank.
@@ -736,7 +737,8 @@ wm_result wm_publisher_add_tensor(wm_publisher *publisher,
 // Publish a tensor from the trainer's GPU memory: `len` bytes at device
 // address `device_ptr` of CUDA device `device` (an ordinal of this
 // process; the range is checked with the driver), for engine rank `rank`,
-// or for every rank with -1. A PyTorch trainer passes `t.data_ptr()`.
+// or for every rank with -1 (below -1: `WM_ERR_INVALID_ARGUMENT`). A
+// PyTorch trainer passes `t.data_ptr()`.
 //
 // GPU tensors are served once published: `wm_publisher_publish` waits for
 // the device (so kernels writing them have finished) and copies them into

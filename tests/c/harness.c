@@ -890,8 +890,8 @@ typedef struct {
 static void *destroyer(void *arg) {
   destroy_state *d = arg;
   wm_destroy(d->m);
-  /* The engine frees its memory once wm_destroy returned: a later write by
-   * the library is a use-after-free (reported under ASan) or shows below. */
+  /* The engine may free its memory once wm_destroy returned; poison it as
+   * if freed: a later write by the library shows in the check below. */
   memset(d->w, 0xee, 16 * sizeof(float));
   __atomic_store_n(&d->destroyed, 1, __ATOMIC_SEQ_CST);
   return NULL;
