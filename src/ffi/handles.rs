@@ -108,8 +108,8 @@ impl<T> HandleTable<T> {
             .filter(|s| !s.dying.load(Ordering::Acquire))
             .cloned()
             .ok_or(wm_result::WM_ERR_INVALID_HANDLE)?;
-        // Counted under the table's lock: destroy marks `dying` under the
-        // write lock, so it sees every call that got past the check.
+        // Counted under the table's read lock, which destroy's marking of
+        // `dying` excludes.
         *slot.calls.lock() += 1;
         drop(live);
         IN_CALL.with(|c| c.borrow_mut().push(key));
@@ -122,10 +122,17 @@ impl<T> HandleTable<T> {
     /// it (the object is freed when that call returns).
     pub(crate) fn destroy(&self, p: *const c_void, cancel: impl FnOnce(&T)) {
         let key = p as usize;
-        let Some(slot) = self.0.write().get(&key).cloned() else {
-            return;
+        let (slot, first) = {
+            let table = self.0.write();
+            let Some(slot) = table.get(&key).cloned() else {
+                return;
+            };
+            // Marked under the write lock: a call either counted itself
+            // before (and is waited for) or sees the mark.
+            let first = !slot.dying.swap(true, Ordering::AcqRel);
+            (slot, first)
         };
-        if !slot.dying.swap(true, Ordering::AcqRel) {
+        if first {
             cancel(&slot.value);
         }
         if IN_CALL.with(|c| c.borrow().contains(&key)) {
@@ -157,6 +164,35 @@ mod tests {
         assert_eq!(TABLE.get(a).err(), Some(wm_result::WM_ERR_INVALID_HANDLE));
         assert_eq!(*TABLE.get(b).unwrap(), 2);
         TABLE.destroy(b, |_| {});
+    }
+
+    #[test]
+    fn every_destroy_waits_for_the_calls_in_flight() {
+        let h = TABLE.publish(4) as usize;
+        let call = TABLE.get(h as *const c_void).unwrap();
+        let done = Arc::new(AtomicUsize::new(0));
+        let cancels = Arc::new(AtomicUsize::new(0));
+        let destroyers: Vec<_> = (0..2)
+            .map(|_| {
+                let (done, cancels) = (done.clone(), cancels.clone());
+                std::thread::spawn(move || {
+                    TABLE.destroy(h as *const c_void, |_| {
+                        cancels.fetch_add(1, Ordering::SeqCst);
+                    });
+                    done.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(done.load(Ordering::SeqCst), 0, "a destroy did not wait");
+        assert_eq!(
+            TABLE.get(h as *const c_void).err(),
+            Some(wm_result::WM_ERR_INVALID_HANDLE)
+        );
+        drop(call);
+        destroyers.into_iter().for_each(|d| d.join().unwrap());
+        assert_eq!(done.load(Ordering::SeqCst), 2);
+        assert_eq!(cancels.load(Ordering::SeqCst), 1, "cancelled once");
     }
 
     #[test]
