@@ -274,10 +274,24 @@ fn publisher_destroy_stops_a_serve_in_flight_and_waits_for_it() {
     assert!(!served.load(Ordering::SeqCst));
     unsafe { wm_publisher_destroy(p as *mut wm_publisher) };
     assert!(
-        served.load(Ordering::SeqCst),
+        set_within(&served, 10),
         "wm_publisher_destroy returned while wm_publisher_serve still ran"
     );
     assert_ne!(server.join().unwrap(), wm_result::WM_OK);
+}
+
+/// Whether `flag` is set within `secs` seconds. The serve thread sets it
+/// right after `wm_publisher_serve` returned, a moment after destroy could
+/// see the call end; without the fix serve runs on for its 60 s timeouts.
+fn set_within(flag: &AtomicBool, secs: u64) -> bool {
+    let until = std::time::Instant::now() + Duration::from_secs(secs);
+    while std::time::Instant::now() < until {
+        if flag.load(Ordering::SeqCst) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
 }
 
 fn publisher_at(dir: &std::path::Path) -> *mut wm_publisher {
@@ -399,4 +413,88 @@ fn failed_creates_leave_their_reason() {
     let m = new_manager();
     assert_eq!(create_error(), "");
     unsafe { wm_destroy(m) };
+}
+
+/// Item 13, publisher mid-transfer: an engine's IPC update pauses in its
+/// progress callback after the first bucket, with the publisher's session
+/// waiting for its acknowledgement. `wm_publisher_destroy` must end that
+/// serve before it returns (after which the trainer frees its tensor).
+#[test]
+fn publisher_destroy_mid_transfer_ends_the_serve_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let csock = CString::new(sock.to_str().unwrap()).unwrap();
+    let mut trainer = vec![5u8; 1 << 16];
+    let (name, shape) = (CString::new("w").unwrap(), [trainer.len() as u64]);
+    let mut p = std::ptr::null_mut();
+    unsafe {
+        let mut cfg = std::mem::zeroed::<wm_publisher_config>();
+        wm_publisher_config_init(&mut cfg);
+        cfg.bucket_size = 4096; // 16 buckets
+        assert_eq!(
+            wm_publisher_create(csock.as_ptr(), &cfg, &mut p),
+            wm_result::WM_OK
+        );
+        let rc = wm_publisher_add_tensor(
+            p,
+            name.as_ptr(),
+            DType::U8 as u32,
+            shape.as_ptr(),
+            1,
+            trainer.as_ptr().cast(),
+            trainer.len(),
+            -1,
+        );
+        assert_eq!(rc, wm_result::WM_OK);
+        let v = CString::new("1").unwrap();
+        assert_eq!(wm_publisher_set_version(p, v.as_ptr()), wm_result::WM_OK);
+    }
+    let p = p as usize;
+    let served = Arc::new(AtomicBool::new(false));
+    let s = served.clone();
+    let server = std::thread::spawn(move || {
+        let rc =
+            unsafe { wm_publisher_serve(p as *mut wm_publisher, 1, 120_000, std::ptr::null_mut()) };
+        s.store(true, Ordering::SeqCst);
+        rc
+    });
+    let mut engine_mem = vec![0u8; trainer.len()];
+    let m = engine_with_param(dir.path(), &mut engine_mem) as usize;
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    let gate = Arc::new(std::sync::Mutex::new(Gate {
+        entered: entered_tx,
+        release: release_rx,
+        destroy_inside: None,
+    }));
+    let g = gate.clone();
+    let engine = std::thread::spawn(move || {
+        let loc = CString::new(sock.to_str().unwrap()).unwrap();
+        unsafe {
+            let mut r = std::mem::zeroed::<wm_update_request>();
+            wm_update_request_init(&mut r);
+            r.source = 1; // WM_SOURCE_IPC
+            r.location = loc.as_ptr();
+            r.progress_callback = Some(blocking_progress);
+            r.progress_user_data = &*g as *const _ as *mut c_void;
+            let rc = wm_update(m as *mut wm_manager, &r, std::ptr::null_mut());
+            wm_destroy(m as *mut wm_manager);
+            rc
+        }
+    });
+    entered.recv_timeout(Duration::from_secs(60)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !served.load(Ordering::SeqCst),
+        "the session waits for the paused engine"
+    );
+    unsafe { wm_publisher_destroy(p as *mut wm_publisher) };
+    assert!(
+        set_within(&served, 10),
+        "wm_publisher_destroy returned while a session still read the trainer's tensor"
+    );
+    trainer.iter_mut().for_each(|b| *b = 0xee); // freed, as far as the library knows
+    release.send(()).unwrap();
+    assert_ne!(server.join().unwrap(), wm_result::WM_OK);
+    assert_ne!(engine.join().unwrap(), wm_result::WM_OK);
 }
