@@ -40,6 +40,7 @@ use crate::publisher::net_tag;
 use crate::result::{Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
+use crate::transport::seal::Role;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::{HashMap, VecDeque};
@@ -128,9 +129,10 @@ impl NetSource {
             version: opts.version.as_deref(),
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
-        let link = PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn| {
-            authenticate(conn, &opts.secret, step)
-        })?;
+        let link =
+            PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn, hello| {
+                authenticate(conn, &opts.secret, hello, step)
+            })?;
         Ok(NetSource { link, opts })
     }
 
@@ -345,8 +347,9 @@ fn post(
     })
 }
 
-/// The engine's side of the challenge (see `transport::auth`).
-fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<()> {
+/// The engine's side of the challenge (see `transport::auth`); once the
+/// publisher's proof checks, every frame is authenticated both ways.
+fn authenticate(conn: &mut Conn, secret: &Secret, hello: &[u8], deadline: Instant) -> Result<()> {
     let theirs = match conn.recv(deadline)? {
         Frame::Challenge { nonce } => nonce,
         other => return Err(unexpected(conn, "CHALLENGE", &other)),
@@ -358,6 +361,7 @@ fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<(
     })?;
     match conn.recv(deadline) {
         Ok(Frame::Proof { mac, .. }) if secret.check_publisher_proof(&mine, &theirs, &mac) => {
+            conn.secure(&secret.session_keys(&theirs, &mine, hello), Role::Engine);
             Ok(())
         }
         Ok(Frame::Proof { .. }) => Err(Error::auth(format!(
