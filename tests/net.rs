@@ -777,3 +777,57 @@ fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
     });
     assert_params(&ptrs, &ts);
 }
+
+/// With `keyed_digests`, each bucket entry's bytes are checked against a
+/// keyed BLAKE3 digest taken before they left the publisher: bytes altered
+/// after that (the test-only corruption) are caught even with the XXH3
+/// checksums skipped, naming the tensor; untouched bytes pass, staged or
+/// direct.
+#[test]
+fn keyed_digests_catch_altered_bytes_without_checksums() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("v2");
+    std::fs::create_dir(&d).unwrap();
+    write_safetensors(&d.join("model.safetensors"), &model(2));
+    write_version(&d, "2");
+    for staged in [false, true] {
+        tcp_only();
+        let m = Manager::new(ManagerConfig {
+            fallback_dir: None,
+            net: NetSettings {
+                secret: Some(SECRET.as_bytes().to_vec()),
+                bucket_size: 4096,
+                staged,
+                keyed_digests: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        let v1 = model(1);
+        let ptrs = register(&m, &v1);
+        let before: Vec<Vec<u8>> = ptrs
+            .iter()
+            .map(|(p, n)| unsafe { std::slice::from_raw_parts(*p, *n) }.to_vec())
+            .collect();
+        let (bad, addr, _o) = serve(&[d.to_str().unwrap(), "--corrupt", "layer0.norm"]);
+        let mut req = rdma(&addr);
+        req.skip_network_checksums = true;
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "staged {staged}: {e}");
+        assert!(
+            e.message.contains("'layer0.norm'") && e.message.contains("keyed BLAKE3"),
+            "staged {staged}: {e}"
+        );
+        assert!(!output(bad).0);
+        for ((p, n), b) in ptrs.iter().zip(&before) {
+            assert_eq!(unsafe { std::slice::from_raw_parts(*p, *n) }, &b[..]);
+        }
+        let (good, addr, _o) = serve(&[d.to_str().unwrap()]);
+        let mut req = rdma(&addr);
+        req.skip_network_checksums = true;
+        assert_eq!(m.update(req).unwrap().version, "2");
+        assert_params(&ptrs, &model(2));
+        assert!(output(good).0);
+    }
+}

@@ -273,7 +273,8 @@ pub(super) struct Admitted {
     rank: u32,
     gpu_id: String,
     version: String,
-    network: bool,
+    /// Network sessions: the key of the bucket bytes' digests (None: IPC).
+    bytes_key: Option<[u8; 32]>,
 }
 
 impl Admitted {
@@ -318,10 +319,14 @@ pub(super) fn handshake(
         unreachable!("matched above")
     };
     conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
+    let mut bytes_key = None;
     if let Some(secret) = secret {
-        if let Err(e) = authenticate(&mut conn, secret, &hello.encode(), deadline) {
-            conn.send_error(&e);
-            return Err(e);
+        match authenticate(&mut conn, secret, &hello.encode(), deadline) {
+            Ok(key) => bytes_key = Some(key),
+            Err(e) => {
+                conn.send_error(&e);
+                return Err(e);
+            }
         }
     }
     Ok(Admitted {
@@ -329,7 +334,7 @@ pub(super) fn handshake(
         gpu_id: gpu_id.clone(),
         version: version.clone(),
         conn,
-        network: secret.is_some(),
+        bytes_key,
     })
 }
 
@@ -346,10 +351,18 @@ pub(super) fn run(
         rank,
         gpu_id,
         version,
-        network,
+        bytes_key,
     } = admitted;
     let hello = (rank, gpu_id.as_str(), version.as_str());
-    let r = serve(&mut conn, offers, hello, network, cfg, pool, start);
+    let r = serve(
+        &mut conn,
+        offers,
+        hello,
+        bytes_key.as_ref(),
+        cfg,
+        pool,
+        start,
+    );
     if let Err(e) = &r {
         conn.send_error(e);
     }
@@ -361,8 +374,14 @@ pub(super) fn run(
 
 /// The publisher's side of the challenge (see `transport::auth`): a wrong
 /// answer is refused before any manifest moves; a right one seals the
-/// connection's frames with keys bound to `hello` (its encoding).
-fn authenticate(conn: &mut Conn, secret: &Secret, hello: &[u8], deadline: Instant) -> Result<()> {
+/// connection's frames with keys bound to `hello` (its encoding). Returns
+/// the session's key for bucket-byte digests.
+fn authenticate(
+    conn: &mut Conn,
+    secret: &Secret,
+    hello: &[u8],
+    deadline: Instant,
+) -> Result<[u8; 32]> {
     let mine = auth::nonce()?;
     conn.send(&Frame::Challenge { nonce: mine })?;
     let (mac, theirs) = match conn.recv(deadline)? {
@@ -379,8 +398,9 @@ fn authenticate(conn: &mut Conn, secret: &Secret, hello: &[u8], deadline: Instan
         mac: secret.publisher_proof(&theirs, &mine),
         nonce: [0; 32],
     })?;
-    conn.secure(&secret.session_keys(&mine, &theirs, hello), Role::Publisher);
-    Ok(())
+    let keys = secret.session_keys(&mine, &theirs, hello);
+    conn.secure(&keys, Role::Publisher);
+    Ok(keys.bytes)
 }
 
 /// The offer a rank asked for: by name, or the newest for "" and "latest".
@@ -406,12 +426,13 @@ fn pick<'a>(offers: &'a [Arc<Offer>], wanted: &str, rank: u32) -> Result<&'a Off
 }
 
 /// The session after the handshake: `hello` is the engine's rank, GPU id
-/// and wanted version; `network`: buckets go over UCX.
+/// and wanted version; `bytes_key` (network sessions only): buckets go over
+/// UCX, their digests keyed with it when the engine asks.
 fn serve(
     conn: &mut Conn,
     offers: &[Arc<Offer>],
     (rank, gpu_id, wanted_version): (u32, &str, &str),
-    network: bool,
+    bytes_key: Option<&[u8; 32]>,
     cfg: &PublisherConfig,
     pool: &BufferPool,
     start: Instant,
@@ -453,8 +474,14 @@ fn serve(
         hash,
         ..Default::default()
     };
-    if network {
-        super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
+    if let Some(key) = bytes_key {
+        let net = super::net::NetSession {
+            conn,
+            key,
+            cfg,
+            pool,
+        };
+        net.stream_buckets(&mut shard, &want, &step, &mut stats)?;
         return Ok(stats);
     }
     if let (Some(Published::Device(_)), Some(_)) = (&shard.published, &cfg.corrupt_tensor) {

@@ -17,7 +17,9 @@
 //! let the challenge through can neither alter a frame (the manifest, its
 //! checksums, the UCX worker address) nor replay, drop or reorder one. The
 //! HELLO the engine sent is bound into the keys: rewriting its rank or
-//! version makes the two sides' keys differ, and the first frame fails.
+//! version makes the two sides' keys differ, and the first frame fails. A
+//! third key, `HMAC-SHA256(prk, "bucket-bytes")`, keys the BLAKE3 digests
+//! of bucket bytes when the engine asks for them (`keyed_digests`).
 //!
 //! The secret comes from the config, else from `WM_NET_SECRET`; the network
 //! paths refuse to run without one (at least 16 bytes).
@@ -114,6 +116,8 @@ impl Secret {
 pub struct SessionKeys {
     pub engine_to_publisher: [u8; MAC],
     pub publisher_to_engine: [u8; MAC],
+    /// Keys the BLAKE3 digests of bucket bytes, when the engine asks for them.
+    pub bytes: [u8; MAC],
 }
 
 impl Secret {
@@ -138,6 +142,7 @@ impl Secret {
         SessionKeys {
             engine_to_publisher: expand(b"engine->publisher"),
             publisher_to_engine: expand(b"publisher->engine"),
+            bytes: expand(b"bucket-bytes"),
         }
     }
 }
