@@ -16,7 +16,7 @@ pub(crate) const KEYED: usize = 32;
 /// The keyed BLAKE3 digest of `bytes`: a MAC, unlike the XXH3 checksum
 /// (which catches corruption, not forgery). The network paths use it, when
 /// the engine asks, to authenticate every bucket entry's bytes with a key of
-/// the session (`transport::auth`). One core hashes about 4 GB/s with it
+/// the session (`transport::auth`). One core hashes about 2-4 GB/s with it
 /// where XXH3 does 13-21 (`wm bench net` prints both on the machine at hand).
 pub fn keyed(key: &[u8; KEYED], bytes: &[u8]) -> [u8; KEYED] {
     blake3::keyed_hash(key, bytes).into()
