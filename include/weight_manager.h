@@ -352,6 +352,12 @@ typedef struct {
   // `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
   // dynamic linker. Copied by `wm_init`.
   const char *nccl_library;
+  // rdma: non-zero authenticates every bucket entry's bytes with a keyed
+  // BLAKE3 digest (key from the session) that the publisher sends, for
+  // untrusted networks: the manifest's XXH3 checksums catch corruption,
+  // not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
+  // prints its GB/s beside XXH3's). Not for gdr. Default 0.
+  uint32_t net_keyed_digests;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.

@@ -90,7 +90,13 @@ pub enum Frame {
         bucket_size: u64,
         depth: u32,
         direct: bool,
+        /// Asks for a DIGESTS frame after each BUCKET.
+        keyed: bool,
     },
+    /// Network, publisher to engine, right after BUCKET `seq` when READY
+    /// asked for it: the keyed BLAKE3 digest of each entry's bytes, in
+    /// entry order (`checksum::keyed`, key from the session).
+    Digests { seq: u64, digests: Vec<[u8; 32]> },
 }
 
 /// Little-endian field writer, shared by every framed protocol here.
@@ -180,6 +186,7 @@ impl Frame {
             Frame::Proof { .. } => "PROOF",
             Frame::Ready { .. } => "READY",
             Frame::CudaBuffers { .. } => "CUDA_BUFFERS",
+            Frame::Digests { .. } => "DIGESTS",
         }
     }
 
@@ -273,6 +280,7 @@ impl Frame {
                 bucket_size,
                 depth,
                 direct,
+                keyed,
             } => {
                 o.u8(11);
                 o.u32(address.len() as u32);
@@ -280,6 +288,13 @@ impl Frame {
                 o.u64(*bucket_size);
                 o.u32(*depth);
                 o.u8(*direct as u8);
+                o.u8(*keyed as u8);
+            }
+            Frame::Digests { seq, digests } => {
+                o.u8(13);
+                o.u64(*seq);
+                o.u32(digests.len() as u32);
+                digests.iter().for_each(|d| o.0.extend_from_slice(d));
             }
             Frame::CudaBuffers { buffers } => {
                 o.u8(12);
@@ -418,12 +433,17 @@ impl Frame {
                     address: i.take(n)?.to_vec(),
                     bucket_size: i.u64()?,
                     depth: i.u32()?,
-                    direct: match i.u8()? {
-                        0 => false,
-                        1 => true,
-                        f => return Err(Error::peer(format!("wire: direct flag {f}"))),
-                    },
+                    direct: flag(i.u8()?, "direct")?,
+                    keyed: flag(i.u8()?, "keyed")?,
                 }
+            }
+            13 => {
+                let seq = i.u64()?;
+                let n = i.count(32, "digests")?;
+                let digests = (0..n)
+                    .map(|_| Ok(i.take(32)?.try_into().expect("32 bytes")))
+                    .collect::<Result<_>>()?;
+                Frame::Digests { seq, digests }
             }
             12 => {
                 let n = i.count(64 + 8, "GPU buffers")?;
@@ -526,6 +546,15 @@ pub fn check_bucket(
     Ok(())
 }
 
+/// A one-byte flag: 0 or 1.
+fn flag(v: u8, what: &str) -> Result<bool> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        f => Err(Error::peer(format!("wire: {what} flag {f}"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -598,6 +627,11 @@ mod tests {
             bucket_size: 1 << 29,
             depth: 2,
             direct: true,
+            keyed: true,
+        });
+        round_trip(Frame::Digests {
+            seq: 3,
+            digests: vec![[7; 32], [9; 32]],
         });
     }
 

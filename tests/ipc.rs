@@ -527,3 +527,112 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
     assert!(unsafe { std::slice::from_raw_parts(params[0].0, params[0].1) } == &zeros[..]);
     assert_ne!(m.status().state, weight_manager::state::State::Failed);
 }
+
+/// Serve `ts` once from `publisher` to a Manager over `sock`, checking
+/// the engine got them: the publisher is reachable and serving.
+fn serves_one_update(publisher: &Publisher, sock: &Path, ts: &[T]) {
+    publisher.set_version(Some("served".into()));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        let m = manager(0, 1);
+        let ptrs = register(&m, ts);
+        m.update(ipc_request(sock)).unwrap();
+        assert_params(&ptrs, ts);
+        serving.join().unwrap().unwrap();
+    });
+}
+
+/// The device and inode of the socket file at `path`.
+fn identity(path: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path).unwrap();
+    (m.dev(), m.ino())
+}
+
+/// Publisher B started on live publisher A's socket path (a `wm serve`
+/// process) fails with a clear error, leaves A's socket in place, and A
+/// keeps serving.
+#[test]
+fn a_second_publisher_leaves_a_live_publishers_socket_alone() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("snap");
+    std::fs::create_dir_all(&snap).unwrap();
+    let ts = model(41);
+    write_safetensors(&snap.join("model.safetensors"), &ts);
+    write_version(&snap, "41");
+    let sock = dir.path().join("a.sock");
+    let mut a = Command::new(WM)
+        .args([
+            "serve",
+            "--ipc",
+            sock.to_str().unwrap(),
+            snap.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "A never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The probe connection above is turned away by A after its handshake
+    // bound, without counting as A's one engine.
+    let before = identity(&sock);
+    let e = Publisher::bind(&sock, small_buckets())
+        .err()
+        .expect("refused");
+    assert_eq!(e.code, wm_result::WM_ERR_INVALID_ARGUMENT, "{e}");
+    assert!(e.message.contains("another publisher is listening"), "{e}");
+    assert_eq!(identity(&sock), before, "A's socket was replaced");
+    let m = manager(0, 1);
+    let ptrs = register(&m, &ts);
+    let stats = m.update(ipc_request(&sock)).unwrap();
+    assert_eq!(stats.version, "41");
+    assert_params(&ptrs, &ts);
+    assert!(a.wait().unwrap().success());
+}
+
+/// A socket nobody accepts on (its publisher exited without removing it)
+/// is stale: a new publisher replaces it and serves.
+#[test]
+fn a_stale_socket_is_replaced() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    assert!(
+        std::fs::symlink_metadata(&sock).is_ok(),
+        "the stale file stays"
+    );
+    let p = Publisher::bind(&sock, small_buckets()).unwrap();
+    let ts = model(42);
+    add_all(&p, &ts);
+    serves_one_update(&p, &sock, &ts);
+}
+
+/// A publisher whose socket path now holds another publisher's socket
+/// (its own file was removed and the path bound again) leaves that socket
+/// in place when it exits.
+#[test]
+fn a_publisher_exiting_removes_only_its_own_socket() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("shared.sock");
+    let b = Publisher::bind(&sock, small_buckets()).unwrap();
+    std::fs::remove_file(&sock).unwrap();
+    let a = Publisher::bind(&sock, small_buckets()).unwrap();
+    let a_socket = identity(&sock);
+    drop(b);
+    assert_eq!(identity(&sock), a_socket, "B removed A's socket");
+    let ts = model(43);
+    add_all(&a, &ts);
+    serves_one_update(&a, &sock, &ts);
+    drop(a);
+    assert!(
+        std::fs::symlink_metadata(&sock).is_err(),
+        "A removes its own socket"
+    );
+}

@@ -297,11 +297,17 @@ fn a_wrong_secret_is_refused_and_logged_on_both_sides() {
         .collect();
     let addr = p.address();
     std::thread::scope(|s| {
-        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        // The refused engine does not count as the one served: the
+        // publisher times out waiting for a real one, and says why.
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(5)));
         let e = m.update(rdma(&addr)).unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_AUTH, "{e}");
         let pe = serving.join().unwrap().unwrap_err();
-        assert_eq!(pe.code, wm_result::WM_ERR_AUTH, "{pe}");
+        assert_eq!(pe.code, wm_result::WM_ERR_TIMEOUT, "{pe}");
+        assert!(
+            pe.message.contains("0 of 1 engine(s)") && pe.message.contains("authentication failed"),
+            "{pe}"
+        );
     });
     let logged = |lines: &std::sync::Arc<parking_lot::Mutex<Vec<String>>>| {
         lines
@@ -611,4 +617,217 @@ fn staged_receive_lands_in_params_atomic_and_in_place() {
         assert!(st.sessions.iter().all(|s| s.buckets > 3));
     });
     assert_params(&ptrs, &ts);
+}
+
+#[path = "net/proxy.rs"]
+mod proxy;
+
+/// Port probes and silent connections to `wm serve --net --engines 2`
+/// neither count as engines nor hold the real ones up: both real engines
+/// are served, the probes are dropped after the handshake bound, and the
+/// publisher exits cleanly.
+#[test]
+fn probe_connections_neither_count_nor_block_real_engines() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("v1");
+    four_rank_snapshot(&d, 30, "300");
+    let (publisher, addr, _out) = serve(&[d.to_str().unwrap(), "--engines", "2"]);
+    // Three connections that never speak, and one that closes at once.
+    let probes: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    drop(std::net::TcpStream::connect(&addr).unwrap());
+    let started = Instant::now();
+    let engines: Vec<Child> = (0..2)
+        .map(|r| {
+            wm(&[
+                "pull",
+                "--net",
+                &addr,
+                "--rank",
+                &r.to_string(),
+                "--world",
+                "4",
+                "--check",
+                d.to_str().unwrap(),
+            ])
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for (r, e) in engines.into_iter().enumerate() {
+        let (ok, text) = output(e);
+        assert!(
+            ok && text.contains("equal to the snapshot"),
+            "rank {r}: {text}"
+        );
+    }
+    // Served long before a probe's old 60 s hold (generous for a busy machine).
+    assert!(
+        started.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        started.elapsed()
+    );
+    // Each probe was dropped by the publisher (after an ERROR saying why).
+    for mut p in probes {
+        p.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut rest = Vec::new();
+        p.read_to_end(&mut rest)
+            .expect("the publisher closed the probe");
+    }
+    let (ok, text) = output(publisher);
+    assert!(ok, "{text}");
+}
+
+/// Flip the lowest bit of byte `at` of a frame.
+fn flipped(mut frame: Vec<u8>, at: usize) -> Vec<u8> {
+    frame[at] ^= 1;
+    frame
+}
+
+/// An on-path proxy forwards the challenge untouched, then alters,
+/// replays, drops or reorders one control frame: the side that receives it
+/// fails with an authentication error, and the engine keeps its weights.
+#[test]
+fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
+    use proxy::{Dir, Proxy, Tamper};
+    // Frames each way: engine HELLO 0, PROOF 1, WANT 2, READY 3;
+    // publisher CHALLENGE 0, PROOF 1, MANIFEST 2.
+    let manifest_version_rewritten: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
+        // MANIFEST: [len][type][version len u32][version...]: "5" becomes "4".
+        (Dir::ToEngine, 2) => vec![flipped(f, 9)],
+        _ => vec![f],
+    });
+    let want_replayed: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
+        (Dir::ToPublisher, 2) => vec![f.clone(), f],
+        _ => vec![f],
+    });
+    let want_dropped: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
+        (Dir::ToPublisher, 2) => vec![],
+        _ => vec![f],
+    });
+    let mut held = None;
+    let want_after_ready: Box<Tamper> = Box::new(move |dir, i, f| match (dir, i) {
+        (Dir::ToPublisher, 2) => {
+            held = Some(f);
+            vec![]
+        }
+        (Dir::ToPublisher, 3) => vec![f, held.take().unwrap()],
+        _ => vec![f],
+    });
+    let cases = [
+        (
+            "manifest version rewritten",
+            manifest_version_rewritten,
+            false,
+        ),
+        ("WANT replayed", want_replayed, true),
+        ("WANT dropped", want_dropped, true),
+        ("WANT and READY reordered", want_after_ready, true),
+    ];
+    let (pub_log, pub_lines) = capture();
+    let p = publisher(SECRET, pub_log);
+    let ts = model(5);
+    add_all(&p, &ts);
+    p.set_version(Some("5".into()));
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &ts);
+    let before: Vec<Vec<u8>> = ptrs
+        .iter()
+        .map(|(p, n)| unsafe { std::slice::from_raw_parts(*p, *n) }.to_vec())
+        .collect();
+    for (what, tamper, publisher_sees_it) in cases {
+        let proxy = Proxy::start(&p.address(), tamper);
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+            let e = m.update(rdma(&proxy.address)).unwrap_err();
+            assert_eq!(e.code, wm_result::WM_ERR_AUTH, "{what}: {e}");
+            assert!(e.message.contains("authentication failed"), "{what}: {e}");
+            let pe = serving.join().unwrap().unwrap_err();
+            if publisher_sees_it {
+                assert_eq!(pe.code, wm_result::WM_ERR_AUTH, "{what}: {pe}");
+                assert!(
+                    pe.message.contains("does not carry this session's MAC"),
+                    "{what}: {pe}"
+                );
+            }
+        });
+        drop(proxy);
+        for ((ptr, n), b) in ptrs.iter().zip(&before) {
+            let params = unsafe { std::slice::from_raw_parts(*ptr, *n) };
+            assert_eq!(params, &b[..], "{what}: params written");
+        }
+        assert!(m.status().version.is_none(), "{what}");
+    }
+    assert!(
+        pub_lines
+            .lock()
+            .iter()
+            .any(|l| l.contains("authentication failed")),
+        "{:?}",
+        pub_lines.lock()
+    );
+    // Untouched, the same proxy path serves the update.
+    let proxy = Proxy::start(&p.address(), Box::new(|_, _, f| vec![f]));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        assert_eq!(m.update(rdma(&proxy.address)).unwrap().version, "5");
+        serving.join().unwrap().unwrap();
+    });
+    assert_params(&ptrs, &ts);
+}
+
+/// With `keyed_digests`, each bucket entry's bytes are checked against a
+/// keyed BLAKE3 digest taken before they left the publisher: bytes altered
+/// after that (the test-only corruption) are caught even with the XXH3
+/// checksums skipped, naming the tensor; untouched bytes pass, staged or
+/// direct.
+#[test]
+fn keyed_digests_catch_altered_bytes_without_checksums() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("v2");
+    std::fs::create_dir(&d).unwrap();
+    write_safetensors(&d.join("model.safetensors"), &model(2));
+    write_version(&d, "2");
+    for staged in [false, true] {
+        tcp_only();
+        let m = Manager::new(ManagerConfig {
+            fallback_dir: None,
+            net: NetSettings {
+                secret: Some(SECRET.as_bytes().to_vec()),
+                bucket_size: 4096,
+                staged,
+                keyed_digests: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        let v1 = model(1);
+        let ptrs = register(&m, &v1);
+        let before: Vec<Vec<u8>> = ptrs
+            .iter()
+            .map(|(p, n)| unsafe { std::slice::from_raw_parts(*p, *n) }.to_vec())
+            .collect();
+        let (bad, addr, _o) = serve(&[d.to_str().unwrap(), "--corrupt", "layer0.norm"]);
+        let mut req = rdma(&addr);
+        req.skip_network_checksums = true;
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "staged {staged}: {e}");
+        assert!(
+            e.message.contains("'layer0.norm'") && e.message.contains("keyed BLAKE3"),
+            "staged {staged}: {e}"
+        );
+        assert!(!output(bad).0);
+        for ((p, n), b) in ptrs.iter().zip(&before) {
+            assert_eq!(unsafe { std::slice::from_raw_parts(*p, *n) }, &b[..]);
+        }
+        let (good, addr, _o) = serve(&[d.to_str().unwrap()]);
+        let mut req = rdma(&addr);
+        req.skip_network_checksums = true;
+        assert_eq!(m.update(req).unwrap().version, "2");
+        assert_params(&ptrs, &model(2));
+        assert!(output(good).0);
+    }
 }

@@ -207,7 +207,8 @@ class Manager(OwnedHandle):
                  log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
                  copy_threads: int = 0, net_secret: Optional[str] = None, net_bucket_size: int = 0,
                  net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
-                 fanout_group: Optional[int] = None, nccl_library=None):
+                 fanout_group: Optional[int] = None, nccl_library=None,
+                 net_keyed_digests: bool = False):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -221,6 +222,7 @@ class Manager(OwnedHandle):
         cfg.fanout_group = -1 if fanout_group is None else fanout_group
         cfg.net_bucket_size, cfg.net_depth = net_bucket_size, net_depth
         cfg.net_staged, cfg.gdr_fallback = int(net_staged), int(gdr_fallback)
+        cfg.net_keyed_digests = int(net_keyed_digests)
         cfg.local_rank, cfg.local_world_size, cfg.node_rank = local_rank, local_world_size, node_rank
         if signal_timeout is not None:
             cfg.signal_timeout_ms = max(1, int(signal_timeout * 1000))

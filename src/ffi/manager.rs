@@ -122,6 +122,12 @@ pub struct wm_config {
     /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
     /// dynamic linker. Copied by `wm_init`.
     pub nccl_library: *const c_char,
+    /// rdma: non-zero authenticates every bucket entry's bytes with a keyed
+    /// BLAKE3 digest (key from the session) that the publisher sends, for
+    /// untrusted networks: the manifest's XXH3 checksums catch corruption,
+    /// not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
+    /// prints its GB/s beside XXH3's). Not for gdr. Default 0.
+    pub net_keyed_digests: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -161,6 +167,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             net_staged: 0,
             fanout_group: -1,
             nccl_library: std::ptr::null(),
+            net_keyed_digests: 0,
         });
         wm_result::WM_OK
     })
@@ -236,6 +243,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             },
             gdr_fallback: c.gdr_fallback != 0,
             staged: c.net_staged != 0,
+            keyed_digests: c.net_keyed_digests != 0,
         },
         fanout: match c.fanout_group {
             -1 => None,

@@ -96,6 +96,10 @@ pub struct NetSettings {
     /// params from there, instead of straight into param memory (or the
     /// atomic arena); off by default (`source::net`, README "Decisions").
     pub staged: bool,
+    /// rdma: authenticate every bucket entry's bytes with a keyed BLAKE3
+    /// digest the publisher sends (for untrusted networks; the manifest's
+    /// XXH3 catches corruption, not forgery). Off by default; not for gdr.
+    pub keyed_digests: bool,
 }
 
 impl Default for NetSettings {
@@ -106,6 +110,7 @@ impl Default for NetSettings {
             depth: net::DEFAULT_DEPTH,
             gdr_fallback: false,
             staged: false,
+            keyed_digests: false,
         }
     }
 }
@@ -537,7 +542,14 @@ impl Manager {
                     depth: self.config.net.depth,
                     bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
                     direct: gdr || !self.config.net.staged,
+                    keyed: self.config.net.keyed_digests,
                 };
+                if gdr && opts.keyed {
+                    return Err(Error::unsupported(
+                        "keyed digests are checked on the CPU: they apply to rdma updates, not gdr \
+                         (bytes land in GPU memory)",
+                    ));
+                }
                 let source =
                     NetSource::open(opts, Instant::now() + req.timeout).inspect_err(|e| {
                         if e.code == crate::wm_result::WM_ERR_AUTH {

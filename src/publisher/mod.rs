@@ -32,6 +32,7 @@
 //! when a session ends and serve the next session (sequential updates of an
 //! RL run reuse them; concurrent sessions each take their own).
 
+mod accept;
 mod net;
 mod session;
 
@@ -54,7 +55,7 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use net::tag as net_tag;
 pub use session::SessionStats;
@@ -69,8 +70,12 @@ pub struct PublisherConfig {
     pub socket_mode: u32,
     /// Serve engines running as another uid.
     pub allow_other_uids: bool,
-    /// Bound on one engine's acknowledgement of a bucket, and on its HELLO.
+    /// Bound on one engine's acknowledgement of a bucket.
     pub bucket_timeout: Duration,
+    /// Bound on a new connection's handshake (HELLO, and the network
+    /// challenge): one that has not finished by then is dropped, and never
+    /// counts as one of the engines `serve` waits for.
+    pub handshake_timeout: Duration,
     /// Bound on a whole session.
     pub session_timeout: Duration,
     /// Compute checksums of in-memory tensors for the manifest.
@@ -106,6 +111,7 @@ impl Default for PublisherConfig {
             socket_mode: 0o600,
             allow_other_uids: false,
             bucket_timeout: Duration::from_secs(60),
+            handshake_timeout: Duration::from_secs(5),
             session_timeout: Duration::from_secs(600),
             checksums: true,
             threads: 0,
@@ -235,6 +241,8 @@ pub struct Publisher {
     listener: Listener,
     /// Network sessions: the shared secret, checked when binding.
     secret: Option<Secret>,
+    /// The socket file's device and inode as bound (IPC).
+    bound: Option<(u64, u64)>,
     cfg: PublisherConfig,
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
@@ -259,29 +267,22 @@ pub struct ServeStats {
 }
 
 impl Publisher {
-    /// Listen on `path` (a stale socket file there is replaced; any other
-    /// file is an error).
+    /// Listen on `path`. A stale socket file there (nothing accepts on it)
+    /// is replaced; a live publisher's socket, or any other file, is an
+    /// error and left alone.
     pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
         check_config(&cfg)?;
-        if let Ok(meta) = std::fs::symlink_metadata(path) {
-            if !meta.file_type().is_socket() {
-                return Err(Error::invalid_argument(format!(
-                    "{} exists and is not a socket; refusing to replace it",
-                    path.display()
-                )));
-            }
-            let _ = std::fs::remove_file(path);
-        }
+        clear_stale_socket(path)?;
         let listener = UnixListener::bind(path)
             .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
+        // What we bound, so that Drop removes the path only while it is ours.
+        let bound = socket_identity(path);
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
             .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
-        Ok(Publisher::with_listener(
-            path.to_path_buf(),
-            Listener::Unix(listener),
-            None,
-            cfg,
-        ))
+        let mut p =
+            Publisher::with_listener(path.to_path_buf(), Listener::Unix(listener), None, cfg);
+        p.bound = bound;
+        Ok(p)
     }
 
     /// Listen on the TCP address `addr` ("host:port"; port 0 picks one, see
@@ -315,6 +316,7 @@ impl Publisher {
             pool: session::BufferPool::default(),
             listener,
             secret,
+            bound: None,
             cfg,
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
@@ -586,74 +588,20 @@ impl Publisher {
         }
     }
 
-    /// Accept `engines` connections within `accept_timeout` and serve each
-    /// on its own thread until done. The first failed session's error is
+    /// Serve `engines` engines, each on its own thread until done: a
+    /// connection counts once its handshake (HELLO, and over the network the
+    /// challenge) finished within `handshake_timeout`; the others are
+    /// dropped (see `accept`). Fails when fewer than `engines` got there
+    /// within `accept_timeout`. The first failed session's error is
     /// returned (naming the rank); the others still run to their end.
     pub fn serve(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
         let offers = self.offers();
         for version in offers.iter().filter_map(|o| o.version.as_deref()) {
             check_version(version).map_err(|e| e.context("serve"))?;
         }
-        let deadline = Instant::now() + accept_timeout;
-        self.listener
-            .set_nonblocking()
-            .map_err(|e| Error::io("listener", e))?;
         static SERVES: AtomicU64 = AtomicU64::new(0);
         let serve_id = SERVES.fetch_add(1, Ordering::Relaxed);
-        let r = std::thread::scope(|s| {
-            let mut sessions = Vec::new();
-            let mut accept_error = None;
-            while sessions.len() < engines {
-                if let Err(e) = self.check_stopping() {
-                    accept_error = Some(e);
-                    break;
-                }
-                match self.listener.accept() {
-                    Ok(stream) => {
-                        self.track(serve_id, &stream);
-                        let (offers, cfg, pool, secret) =
-                            (&offers, &self.cfg, &self.pool, self.secret.as_ref());
-                        sessions
-                            .push(s.spawn(move || session::run(stream, offers, secret, cfg, pool)));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if Instant::now() >= deadline {
-                            accept_error = Some(Error::timeout(format!(
-                                "publisher at {}: {} of {engines} engine(s) connected within {accept_timeout:?}",
-                                self.path.display(),
-                                sessions.len()
-                            )));
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                    Err(e) => {
-                        accept_error = Some(Error::io("accepting an engine", e));
-                        break;
-                    }
-                }
-            }
-            let mut stats = ServeStats::default();
-            let mut first_error = accept_error;
-            for h in sessions {
-                match h.join().unwrap_or_else(|_| {
-                    Err(Error::new(
-                        crate::wm_result::WM_ERR_PANIC,
-                        "session panicked",
-                    ))
-                }) {
-                    Ok(st) => stats.sessions.push(st),
-                    Err(e) => {
-                        self.cfg.logger.warn(&format!("publisher: {e}"));
-                        first_error.get_or_insert(e);
-                    }
-                }
-            }
-            match first_error {
-                Some(e) => Err(e),
-                None => Ok(stats),
-            }
-        });
+        let r = self.admit_and_serve(&offers, engines, accept_timeout, serve_id);
         self.live.lock().retain(|(id, _)| *id != serve_id);
         r
     }
@@ -709,10 +657,53 @@ fn shut_down(stream: &Stream) {
 }
 
 impl Drop for Publisher {
+    /// Remove the socket file only if it is still the one this publisher
+    /// bound: another publisher may have replaced it since (ours was stale to
+    /// it only if we had stopped accepting), and its socket must stay.
     fn drop(&mut self) {
-        if let Listener::Unix(_) = self.listener {
-            let _ = std::fs::remove_file(&self.path);
+        if let (Listener::Unix(_), Some(bound)) = (&self.listener, self.bound) {
+            if socket_identity(&self.path) == Some(bound) {
+                let _ = std::fs::remove_file(&self.path);
+            }
         }
+    }
+}
+
+/// The device and inode of the file at `path` (not following a link).
+fn socket_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+/// Clear the way for a socket at `path`: nothing there, or a stale socket
+/// (nobody accepts on it: a publisher that exited without removing it),
+/// which is removed. A live publisher's socket, or any other file, is an
+/// error and left alone.
+fn clear_stale_socket(path: &Path) -> Result<()> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        return Err(Error::invalid_argument(format!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        )));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(Error::invalid_argument(format!(
+            "{}: another publisher is listening on this socket; refusing to replace it \
+             (stop that publisher, or pick another path)",
+            path.display()
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)
+            .map_err(|e| Error::io(format!("removing the stale socket {}", path.display()), e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(
+            format!("checking whether a publisher listens on {}", path.display()),
+            e,
+        )),
     }
 }
 

@@ -12,14 +12,20 @@
 //! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
 //! buffer is refilled only after the engine acknowledged the bucket and
 //! UCX reported the send complete.
+//!
+//! When READY asks for keyed digests, each BUCKET frame is followed by a
+//! DIGESTS frame: the keyed BLAKE3 digest of each entry's bytes (the key is
+//! the session's, `transport::auth`), computed from the bytes as packed or
+//! as held, before anything could alter them on the way.
 
 use super::session::{corrupt, fill, plan_buckets, take_buffers, BufferPool, SessionStats, Shard};
 use super::PublisherConfig;
+use crate::checksum::KEYED;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
-use crate::wire::{split_entries, Frame, ALIGN, MAX_BUFFERS};
+use crate::wire::{split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -31,9 +37,63 @@ pub fn tag(seq: u64, k: usize) -> u64 {
     (seq << 32) | (k as u64 + 1)
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) fn stream_buckets(
+/// A network session after its WANT: the control connection, the key of
+/// the bucket bytes' digests, and the publisher's config and buffers.
+pub(super) struct NetSession<'a> {
+    pub(super) conn: &'a mut Conn,
+    pub(super) key: &'a [u8; KEYED],
+    pub(super) cfg: &'a PublisherConfig,
+    pub(super) pool: &'a BufferPool,
+}
+
+impl NetSession<'_> {
+    pub(super) fn stream_buckets(
+        self,
+        shard: &mut Shard,
+        want: &[u32],
+        step: &dyn Fn(Duration) -> Instant,
+        stats: &mut SessionStats,
+    ) -> Result<()> {
+        let NetSession {
+            conn,
+            key,
+            cfg,
+            pool,
+        } = self;
+        stream(conn, key, shard, want, cfg, pool, step, stats)
+    }
+}
+
+/// The keyed digest of each entry's bytes, from `at(entry)`, on `threads`.
+fn digests(
+    key: &[u8; KEYED],
+    entries: &[BucketEntry],
+    at: impl Fn(&BucketEntry) -> *const u8 + Sync,
+    threads: usize,
+) -> Vec<[u8; KEYED]> {
+    let one = |e: &BucketEntry| {
+        // SAFETY: the entry's bytes are packed (or held) and unchanged
+        // until their send completes.
+        let bytes = unsafe { std::slice::from_raw_parts(at(e), e.len as usize) };
+        crate::checksum::keyed(key, bytes)
+    };
+    let per = entries.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = entries
+            .chunks(per)
+            .map(|part| s.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| p.join().expect("hashing does not panic"))
+            .collect()
+    })
+}
+
+#[allow(clippy::too_many_arguments)] // the session's parts, unpacked once by NetSession
+fn stream(
     conn: &mut Conn,
+    key: &[u8; KEYED],
     shard: &mut Shard,
     want: &[u32],
     cfg: &PublisherConfig,
@@ -43,13 +103,14 @@ pub(super) fn stream_buckets(
 ) -> Result<()> {
     // Staged or direct, the messages are the same: the engine alone decides
     // where each lands (READY's direct flag is informational).
-    let (address, bucket_size, depth) = match conn.recv(step(cfg.bucket_timeout))? {
+    let (address, bucket_size, depth, keyed) = match conn.recv(step(cfg.bucket_timeout))? {
         Frame::Ready {
             address,
             bucket_size,
             depth,
+            keyed,
             ..
-        } => (address, bucket_size, depth as usize),
+        } => (address, bucket_size, depth as usize, keyed),
         other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
     };
     if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
@@ -125,14 +186,32 @@ pub(super) fn stream_buckets(
         if i >= n_buf {
             wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
         }
+        let from = |e: &BucketEntry| -> *const u8 {
+            match &unpacked {
+                Some(tensors) => tensors[e.tensor as usize]
+                    .0
+                    .wrapping_add(e.tensor_offset as usize),
+                None => buffers[i % n_buf]
+                    .ptr()
+                    .wrapping_add(e.buffer_offset as usize),
+            }
+        };
+        let mut sums = Vec::new();
         if unpacked.is_none() {
             let buf = buffers[i % n_buf].ptr();
             let t = Instant::now();
             fill(shard, entries, buf, threads)?;
+            if keyed {
+                // Before the test-only corruption, which stands for bytes
+                // altered on the way.
+                sums = digests(key, entries, from, threads);
+            }
             if let Some(victim) = &cfg.corrupt_tensor {
                 corrupt(&shard.manifest, entries, buf, victim);
             }
             stats.pack += t.elapsed();
+        } else if keyed {
+            sums = digests(key, entries, from, threads);
         }
         stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
         conn.send(&Frame::Bucket {
@@ -140,17 +219,16 @@ pub(super) fn stream_buckets(
             buffer: (i % n_buf) as u32,
             entries: entries.clone(),
         })?;
+        if keyed {
+            conn.send(&Frame::Digests { seq, digests: sums })?;
+        }
         // SAFETY: the buffer is neither refilled nor freed before the send
         // completes (wait_free) or the pump is dropped (end of this function);
         // tensors in memory outlive the session (published copies are held
         // by the offer; added tensors by the trainer's promise).
         unsafe {
             for (k, e) in entries.iter().enumerate() {
-                let from = match &unpacked {
-                    Some(tensors) => tensors[e.tensor as usize].0.add(e.tensor_offset as usize),
-                    None => buffers[i % n_buf].ptr().add(e.buffer_offset as usize),
-                };
-                pump.send(tag(seq, k), from, e.len as usize)?;
+                pump.send(tag(seq, k), from(e), e.len as usize)?;
             }
         }
         in_flight.insert(seq, entries.len());

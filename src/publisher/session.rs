@@ -14,6 +14,7 @@ use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::Source;
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::{Conn, Stream};
+use crate::transport::seal::Role;
 use crate::transport::unix::check_peer_uid;
 use crate::wire::{BucketEntry, CudaBuffer, Frame, ALIGN};
 use std::collections::HashMap;
@@ -263,14 +264,35 @@ pub(super) fn plan_buckets(
     out
 }
 
-pub(super) fn run(
+/// An engine's connection that finished its handshake in time: its HELLO
+/// read and, over the network, both proofs checked and the frames sealed.
+/// Only such a connection counts as one of the engines a serve call waits
+/// for (`accept`).
+pub(super) struct Admitted {
+    conn: Conn,
+    rank: u32,
+    gpu_id: String,
+    version: String,
+    /// Network sessions: the key of the bucket bytes' digests (None: IPC).
+    bytes_key: Option<[u8; 32]>,
+}
+
+impl Admitted {
+    /// Turn the engine away (best effort: it is told why).
+    pub(super) fn refuse(mut self, e: &Error) {
+        self.conn.send_error(e);
+    }
+}
+
+/// Read the engine's HELLO and, with a `secret` (a network publisher), run
+/// the challenge, all within `cfg.handshake_timeout`: a connection that
+/// does not is dropped, having cost one thread and no buffers.
+pub(super) fn handshake(
     stream: Stream,
-    offers: &[Arc<Offer>],
     secret: Option<&Secret>,
     cfg: &PublisherConfig,
-    pool: &BufferPool,
-) -> Result<SessionStats> {
-    let start = Instant::now();
+) -> Result<Admitted> {
+    let deadline = Instant::now() + cfg.handshake_timeout;
     let who = match &stream {
         Stream::Unix(s) => {
             check_peer_uid(s, cfg.allow_other_uids, "an engine")?;
@@ -282,8 +304,65 @@ pub(super) fn run(
         },
     };
     let mut conn = Conn::new(stream, who);
-    // Only network publishers hold a secret: it is what makes a session a network one.
-    let r = serve(&mut conn, offers, secret, cfg, pool, start);
+    let hello = match conn.recv(deadline) {
+        Ok(f @ Frame::Hello { .. }) => f,
+        Ok(other) => Err(Error::peer(format!("expected HELLO, got {}", other.name())))?,
+        Err(e) => return Err(e.context("before its handshake")),
+    };
+    let Frame::Hello {
+        rank,
+        gpu_id,
+        version,
+        ..
+    } = &hello
+    else {
+        unreachable!("matched above")
+    };
+    conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
+    let mut bytes_key = None;
+    if let Some(secret) = secret {
+        match authenticate(&mut conn, secret, &hello.encode(), deadline) {
+            Ok(key) => bytes_key = Some(key),
+            Err(e) => {
+                conn.send_error(&e);
+                return Err(e);
+            }
+        }
+    }
+    Ok(Admitted {
+        rank: *rank,
+        gpu_id: gpu_id.clone(),
+        version: version.clone(),
+        conn,
+        bytes_key,
+    })
+}
+
+/// Serve an admitted engine its version, to the end of the session.
+pub(super) fn run(
+    admitted: Admitted,
+    offers: &[Arc<Offer>],
+    cfg: &PublisherConfig,
+    pool: &BufferPool,
+) -> Result<SessionStats> {
+    let start = Instant::now();
+    let Admitted {
+        mut conn,
+        rank,
+        gpu_id,
+        version,
+        bytes_key,
+    } = admitted;
+    let hello = (rank, gpu_id.as_str(), version.as_str());
+    let r = serve(
+        &mut conn,
+        offers,
+        hello,
+        bytes_key.as_ref(),
+        cfg,
+        pool,
+        start,
+    );
     if let Err(e) = &r {
         conn.send_error(e);
     }
@@ -293,14 +372,16 @@ pub(super) fn run(
     })
 }
 
-/// The publisher's side of the challenge (see `transport::auth`). A wrong
-/// answer is logged here and refused there, before any manifest moves.
+/// The publisher's side of the challenge (see `transport::auth`): a wrong
+/// answer is refused before any manifest moves; a right one seals the
+/// connection's frames with keys bound to `hello` (its encoding). Returns
+/// the session's key for bucket-byte digests.
 fn authenticate(
     conn: &mut Conn,
     secret: &Secret,
+    hello: &[u8],
     deadline: Instant,
-    cfg: &PublisherConfig,
-) -> Result<()> {
+) -> Result<[u8; 32]> {
     let mine = auth::nonce()?;
     conn.send(&Frame::Challenge { nonce: mine })?;
     let (mac, theirs) = match conn.recv(deadline)? {
@@ -308,17 +389,18 @@ fn authenticate(
         other => return Err(Error::peer(format!("expected PROOF, got {}", other.name()))),
     };
     if !secret.check_engine_proof(&mine, &theirs, &mac) {
-        let e = Error::auth(format!(
+        return Err(Error::auth(format!(
             "authentication failed: {} does not hold this publisher's shared secret",
             conn.peer()
-        ));
-        cfg.logger.warn(&format!("publisher: {e}"));
-        return Err(e);
+        )));
     }
     conn.send(&Frame::Proof {
         mac: secret.publisher_proof(&theirs, &mine),
         nonce: [0; 32],
-    })
+    })?;
+    let keys = secret.session_keys(&mine, &theirs, hello);
+    conn.secure(&keys, Role::Publisher);
+    Ok(keys.bytes)
 }
 
 /// The offer a rank asked for: by name, or the newest for "" and "latest".
@@ -343,33 +425,24 @@ fn pick<'a>(offers: &'a [Arc<Offer>], wanted: &str, rank: u32) -> Result<&'a Off
     })
 }
 
+/// The session after the handshake: `hello` is the engine's rank, GPU id
+/// and wanted version; `bytes_key` (network sessions only): buckets go over
+/// UCX, their digests keyed with it when the engine asks.
 fn serve(
     conn: &mut Conn,
     offers: &[Arc<Offer>],
-    secret: Option<&Secret>,
+    (rank, gpu_id, wanted_version): (u32, &str, &str),
+    bytes_key: Option<&[u8; 32]>,
     cfg: &PublisherConfig,
     pool: &BufferPool,
     start: Instant,
 ) -> Result<SessionStats> {
     let session_deadline = start + cfg.session_timeout;
     let step = |d: Duration| (Instant::now() + d).min(session_deadline);
-    let (rank, gpu_id, wanted_version) = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Hello {
-            rank,
-            gpu_id,
-            version,
-            ..
-        } => (rank, gpu_id, version),
-        other => return Err(Error::peer(format!("expected HELLO, got {}", other.name()))),
-    };
-    conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
-    if let Some(secret) = secret {
-        authenticate(conn, secret, step(cfg.bucket_timeout), cfg)?;
-    }
-    let offer = pick(offers, &wanted_version, rank)?;
+    let offer = pick(offers, wanted_version, rank)?;
     let hashing = Instant::now();
     let mut shard =
-        shard_for(offer, rank, &gpu_id, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
+        shard_for(offer, rank, gpu_id, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
     let hash = if shard.hashed > 0 {
         hashing.elapsed()
     } else {
@@ -401,8 +474,14 @@ fn serve(
         hash,
         ..Default::default()
     };
-    if secret.is_some() {
-        super::net::stream_buckets(conn, &mut shard, &want, cfg, pool, &step, &mut stats)?;
+    if let Some(key) = bytes_key {
+        let net = super::net::NetSession {
+            conn,
+            key,
+            cfg,
+            pool,
+        };
+        net.stream_buckets(&mut shard, &want, &step, &mut stats)?;
         return Ok(stats);
     }
     if let (Some(Published::Device(_)), Some(_)) = (&shard.published, &cfg.corrupt_tensor) {

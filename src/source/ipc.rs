@@ -95,7 +95,12 @@ impl IpcSource {
         };
         let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
         Ok(IpcSource {
-            link: PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_| Ok(()))?,
+            link: PublisherLink::handshake(
+                Conn::new(stream, who),
+                &hello,
+                deadline,
+                |_, _| Ok(()),
+            )?,
             timeout: opts.bucket_timeout,
             mapped,
             gpu: opts.gpu,

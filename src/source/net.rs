@@ -31,6 +31,7 @@
 
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
+use crate::checksum::KEYED;
 use crate::memory::copy::CopySource;
 use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
@@ -40,6 +41,7 @@ use crate::publisher::net_tag;
 use crate::result::{Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
+use crate::transport::seal::Role;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::{HashMap, VecDeque};
@@ -67,11 +69,17 @@ pub struct NetOptions {
     /// memory in place, the staging arena when atomic) instead of into a
     /// staging slot first: gdr always, rdma when asked.
     pub direct: bool,
+    /// Check every entry's bytes against a keyed BLAKE3 digest the
+    /// publisher sends (DIGESTS): authenticates the bytes themselves, where
+    /// the manifest's XXH3 only catches corruption. Host landing only.
+    pub keyed: bool,
 }
 
 pub struct NetSource {
     link: PublisherLink,
     opts: NetOptions,
+    /// This session's key of the bucket bytes' digests.
+    bytes_key: [u8; KEYED],
 }
 
 /// Staging slots kept between updates.
@@ -128,10 +136,17 @@ impl NetSource {
             version: opts.version.as_deref(),
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
-        let link = PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn| {
-            authenticate(conn, &opts.secret, step)
-        })?;
-        Ok(NetSource { link, opts })
+        let mut bytes_key = [0; KEYED];
+        let link =
+            PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn, hello| {
+                bytes_key = authenticate(conn, &opts.secret, hello, step)?;
+                Ok(())
+            })?;
+        Ok(NetSource {
+            link,
+            opts,
+            bytes_key,
+        })
     }
 
     /// Receive every bucket: into `slots` (staged) and applied from there,
@@ -157,6 +172,7 @@ impl NetSource {
             bucket_size: size as u64,
             depth: depth as u32,
             direct,
+            keyed: self.opts.keyed,
         })?;
         // Completions that came before their turn, by tag.
         let mut early: HashMap<u64, Result<usize>> = HashMap::new();
@@ -192,11 +208,18 @@ impl NetSource {
                             )));
                         }
                         check_bucket(seq, &entries, size as u64, plan.entries.len())?;
+                        let digests = if self.opts.keyed {
+                            self.recv_digests(seq, entries.len(), frame_deadline)?
+                        } else {
+                            Vec::new()
+                        };
                         let slot = slots.get(buffer as usize);
                         if pending.is_empty() {
                             waiting_since = Instant::now();
                         }
-                        pending.push_back(post(&pump, seq, entries, slot, applier)?);
+                        let mut posted = post(&pump, seq, entries, slot, applier)?;
+                        posted.digests = digests;
+                        pending.push_back(posted);
                         next += 1;
                     }
                     Frame::End { buckets } if buckets == next => ended = true,
@@ -241,6 +264,9 @@ impl NetSource {
                         e.len
                     )));
                 }
+                if let Some(want) = oldest.digests.get(applied) {
+                    self.check_digest(oldest, applied, want, plan)?;
+                }
                 let at = oldest.slot.map_or(std::ptr::null_mut(), |slot| {
                     slot.0.wrapping_add(e.buffer_offset as usize)
                 });
@@ -265,6 +291,44 @@ impl NetSource {
                 waiting_since = Instant::now();
             }
         }
+    }
+
+    /// The DIGESTS frame that follows BUCKET `seq` (of `n` entries).
+    fn recv_digests(&mut self, seq: u64, n: usize, deadline: Instant) -> Result<Vec<[u8; KEYED]>> {
+        let conn = &mut self.link.conn;
+        match conn.recv(deadline)? {
+            Frame::Digests { seq: s, digests } if s == seq && digests.len() == n => Ok(digests),
+            Frame::Digests { seq: s, digests } => Err(Error::peer(format!(
+                "{}: digests of bucket {s} ({} entries) after bucket {seq} ({n} entries)",
+                conn.peer(),
+                digests.len()
+            ))),
+            other => Err(unexpected(conn, "DIGESTS", &other)),
+        }
+    }
+
+    /// Entry `k` of `bucket` landed: its bytes must match their keyed digest.
+    fn check_digest(
+        &self,
+        bucket: &Posted,
+        k: usize,
+        want: &[u8; KEYED],
+        plan: &Plan,
+    ) -> Result<()> {
+        let e = &bucket.entries[k];
+        // SAFETY: the entry's receive completed into this range (a slot or
+        // the applier's landing, both host memory: keyed excludes gdr).
+        let bytes = unsafe { std::slice::from_raw_parts(bucket.landing[k].0, e.len as usize) };
+        if crate::checksum::keyed_matches(&self.bytes_key, bytes, want) {
+            return Ok(());
+        }
+        Err(Error::checksum(format!(
+            "tensor '{}' from bucket {} of {}: its bytes do not match their keyed BLAKE3 digest \
+             (altered or corrupted on the way)",
+            plan.entries[e.tensor as usize].meta.name,
+            bucket.seq,
+            self.link.conn.peer()
+        )))
     }
 
     /// The length that message `tag` (of bucket `seq`) brought, once it
@@ -315,6 +379,10 @@ struct Posted {
     seq: u64,
     entries: Vec<BucketEntry>,
     slot: Option<SendPtr>,
+    /// Where each entry lands.
+    landing: Vec<SendPtr>,
+    /// Each entry's keyed digest (empty: not asked for).
+    digests: Vec<[u8; KEYED]>,
 }
 
 /// Post one receive per entry of bucket `seq`: at the entry's offset in its
@@ -326,6 +394,7 @@ fn post(
     slot: Option<&HostRegion>,
     applier: &mut Applier,
 ) -> Result<Posted> {
+    let mut landing = Vec::with_capacity(entries.len());
     for (k, e) in entries.iter().enumerate() {
         let at = match slot {
             Some(slot) => SendPtr(slot.ptr().wrapping_add(e.buffer_offset as usize)),
@@ -337,16 +406,26 @@ fn post(
         // a slot is reposted only after its bucket was applied (the
         // publisher waits for the ACK).
         unsafe { pump.recv(net_tag(seq, k), at.0, e.len as usize)? };
+        landing.push(at);
     }
     Ok(Posted {
         seq,
         entries,
         slot: slot.map(|s| SendPtr(s.ptr())),
+        landing,
+        digests: Vec::new(),
     })
 }
 
-/// The engine's side of the challenge (see `transport::auth`).
-fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<()> {
+/// The engine's side of the challenge (see `transport::auth`); once the
+/// publisher's proof checks, every frame is authenticated both ways.
+/// Returns the session's key of the bucket bytes' digests.
+fn authenticate(
+    conn: &mut Conn,
+    secret: &Secret,
+    hello: &[u8],
+    deadline: Instant,
+) -> Result<[u8; KEYED]> {
     let theirs = match conn.recv(deadline)? {
         Frame::Challenge { nonce } => nonce,
         other => return Err(unexpected(conn, "CHALLENGE", &other)),
@@ -358,7 +437,9 @@ fn authenticate(conn: &mut Conn, secret: &Secret, deadline: Instant) -> Result<(
     })?;
     match conn.recv(deadline) {
         Ok(Frame::Proof { mac, .. }) if secret.check_publisher_proof(&mine, &theirs, &mac) => {
-            Ok(())
+            let keys = secret.session_keys(&theirs, &mine, hello);
+            conn.secure(&keys, Role::Engine);
+            Ok(keys.bytes)
         }
         Ok(Frame::Proof { .. }) => Err(Error::auth(format!(
             "authentication failed: {} does not hold this engine's shared secret",

@@ -26,21 +26,23 @@ pub struct PublisherLink {
 }
 
 impl PublisherLink {
-    /// Send HELLO, run `before_manifest` (the network challenge), then take
-    /// the MANIFEST, all before `deadline`.
+    /// Send HELLO, run `before_manifest` (the network challenge, given the
+    /// HELLO's encoding, which the session keys bind), then take the
+    /// MANIFEST, all before `deadline`.
     pub fn handshake(
         mut conn: Conn,
         hello: &Hello,
         deadline: Instant,
-        before_manifest: impl FnOnce(&mut Conn) -> Result<()>,
+        before_manifest: impl FnOnce(&mut Conn, &[u8]) -> Result<()>,
     ) -> Result<PublisherLink> {
-        conn.send(&Frame::Hello {
+        let hello = Frame::Hello {
             rank: hello.rank,
             world_size: hello.world_size,
             gpu_id: hello.gpu_id.to_string(),
             version: hello.version.unwrap_or_default().to_string(),
-        })?;
-        before_manifest(&mut conn)?;
+        };
+        conn.send(&hello)?;
+        before_manifest(&mut conn, &hello.encode())?;
         let manifest = match conn.recv(deadline)? {
             Frame::Manifest { version, tensors } => Manifest {
                 tensors,

@@ -8,6 +8,19 @@
 //! A replayed answer fails (fresh nonces each session), and each side learns
 //! that the other holds the secret. Macs are compared in constant time.
 //!
+//! After both proofs check, each side derives the session's frame keys
+//! ([`Secret::session_keys`]): `prk = HMAC-SHA256(secret, "wm-session" | np
+//! | ne | SHA-256(HELLO))`, then one key per direction, `HMAC-SHA256(prk,
+//! "engine->publisher")` and `HMAC-SHA256(prk, "publisher->engine")`. Every
+//! later control frame carries a MAC under its direction's key and an
+//! implicit sequence number (`transport::conn`), so an on-path attacker who
+//! let the challenge through can neither alter a frame (the manifest, its
+//! checksums, the UCX worker address) nor replay, drop or reorder one. The
+//! HELLO the engine sent is bound into the keys: rewriting its rank or
+//! version makes the two sides' keys differ, and the first frame fails. A
+//! third key, `HMAC-SHA256(prk, "bucket-bytes")`, keys the BLAKE3 digests
+//! of bucket bytes when the engine asks for them (`keyed_digests`).
+//!
 //! The secret comes from the config, else from `WM_NET_SECRET`; the network
 //! paths refuse to run without one (at least 16 bytes).
 
@@ -98,6 +111,42 @@ impl Secret {
     }
 }
 
+/// The two frame keys of one network session (see the module docs).
+#[derive(Clone)]
+pub struct SessionKeys {
+    pub engine_to_publisher: [u8; MAC],
+    pub publisher_to_engine: [u8; MAC],
+    /// Keys the BLAKE3 digests of bucket bytes, when the engine asks for them.
+    pub bytes: [u8; MAC],
+}
+
+impl Secret {
+    /// Both directions' frame keys, from the secret, both nonces and the
+    /// HELLO frame (its encoding, as sent by the engine).
+    pub fn session_keys(
+        &self,
+        publisher: &[u8; NONCE],
+        engine: &[u8; NONCE],
+        hello: &[u8],
+    ) -> SessionKeys {
+        use sha2::Digest;
+        let transcript: [u8; 32] = Sha256::digest(hello).into();
+        let mut prk = self.mac(b"wm-session", publisher, engine);
+        prk.update(&transcript);
+        let prk: [u8; MAC] = prk.finalize().into_bytes().into();
+        let expand = |label: &[u8]| -> [u8; MAC] {
+            let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&prk).expect("HMAC takes any key");
+            m.update(label);
+            m.finalize().into_bytes().into()
+        };
+        SessionKeys {
+            engine_to_publisher: expand(b"engine->publisher"),
+            publisher_to_engine: expand(b"publisher->engine"),
+            bytes: expand(b"bucket-bytes"),
+        }
+    }
+}
+
 /// A fresh random nonce from the kernel.
 pub fn nonce() -> Result<[u8; NONCE]> {
     let mut n = [0u8; NONCE];
@@ -135,6 +184,15 @@ mod tests {
         assert!(!k.check_publisher_proof(&p, &e, &proof));
         let back = k.publisher_proof(&e, &p);
         assert!(k.check_publisher_proof(&e, &p, &back));
+        // Session keys: one per direction, and bound to the nonces and HELLO.
+        let keys = k.session_keys(&p, &e, b"hello");
+        assert_ne!(keys.engine_to_publisher, keys.publisher_to_engine);
+        let again = k.session_keys(&p, &e, b"hello");
+        assert_eq!(keys.engine_to_publisher, again.engine_to_publisher);
+        let rewritten = k.session_keys(&p, &e, b"hellO");
+        assert_ne!(keys.engine_to_publisher, rewritten.engine_to_publisher);
+        let other_keys = other.session_keys(&p, &e, b"hello");
+        assert_ne!(keys.publisher_to_engine, other_keys.publisher_to_engine);
         assert_eq!(
             Secret::resolve(Some(b"short")).unwrap_err().code,
             crate::wm_result::WM_ERR_AUTH

@@ -3,8 +3,12 @@
 //! channel of the network paths).
 //!
 //! Every read has a deadline; a closed connection is a peer error naming who
-//! closed it.
+//! closed it. A network connection is sealed once its challenge is done
+//! ([`Conn::secure`]): from then on every frame both ways carries a MAC and
+//! a sequence number (`transport::seal`); IPC connections are never sealed.
 
+use super::auth::SessionKeys;
+use super::seal::{FrameSeal, Role, TAG};
 use crate::result::{Error, Result};
 use crate::wire::{Frame, MAX_FRAME};
 use std::collections::VecDeque;
@@ -57,6 +61,8 @@ pub struct Conn {
     /// Who the other side is, for messages ("the publisher", "engine rank 3").
     peer: String,
     fds: VecDeque<OwnedFd>,
+    /// Set once the network handshake is done: every frame is authenticated.
+    seal: Option<FrameSeal>,
 }
 
 impl Conn {
@@ -65,7 +71,14 @@ impl Conn {
             stream: stream.into(),
             peer: peer.into(),
             fds: VecDeque::new(),
+            seal: None,
         }
+    }
+
+    /// Authenticate every frame from now on, both ways, with this
+    /// session's keys (`role`: which end this side is).
+    pub fn secure(&mut self, keys: &SessionKeys, role: Role) {
+        self.seal = Some(FrameSeal::new(keys, role));
     }
 
     pub fn peer(&self) -> &str {
@@ -109,7 +122,10 @@ impl Conn {
 
     /// Send a frame with descriptors attached to its first byte.
     pub fn send_with_fds(&mut self, frame: &Frame, fds: &[RawFd]) -> Result<()> {
-        let bytes = frame.encode();
+        let mut bytes = frame.encode();
+        if let Some(seal) = &mut self.seal {
+            seal.seal(&mut bytes);
+        }
         let mut sent = 0;
         let mut attach = fds;
         while sent < bytes.len() {
@@ -180,15 +196,20 @@ impl Conn {
         let mut len = [0u8; 4];
         self.read_exact(&mut len, deadline, "frame")?;
         let len = u32::from_le_bytes(len) as usize;
-        if len == 0 || len > MAX_FRAME {
+        let max = MAX_FRAME + if self.seal.is_some() { TAG } else { 0 };
+        if len == 0 || len > max {
             return Err(Error::peer(format!(
-                "{}: frame of {len} bytes (1 to {MAX_FRAME} allowed)",
+                "{}: frame of {len} bytes (1 to {max} allowed)",
                 self.peer
             )));
         }
         let mut body = vec![0u8; len];
         self.read_exact(&mut body, deadline, "frame")?;
-        match Frame::decode(&body).map_err(|e| e.context(&self.peer))? {
+        let body = match &mut self.seal {
+            Some(seal) => seal.open(&body, &self.peer)?,
+            None => &body[..],
+        };
+        match Frame::decode(body).map_err(|e| e.context(&self.peer))? {
             Frame::Error { code, text } => {
                 // The peer's own code, when it is one a peer may report.
                 let code = crate::wm_result::from_raw(code)

@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod conn;
+pub mod seal;
 pub mod ucx;
 pub mod unix;
 

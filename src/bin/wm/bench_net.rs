@@ -133,9 +133,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     let total = count * crate::bench::LAYER;
     let probes = 5usize;
     // Sessions: direct (the default) and staged, each a warm-up then RUNS verified and
-    // RUNS unverified; small buckets; then the probes.
+    // RUNS unverified; small buckets; one with keyed digests; then the probes.
     let runs: usize = a.number("runs", 5)?;
-    let engines = 2 * (1 + 2 * runs) + 1 + probes;
+    let engines = 2 * (1 + 2 * runs) + 1 + 1 + probes;
     let args = ["bench", "net-publisher", "--gib", &gib.to_string()]
         .into_iter()
         .map(String::from)
@@ -150,7 +150,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         std::env::var("UCX_TLS").unwrap_or_else(|_| "(all)".into())
     );
     let bucket = bucket_mib << 20;
-    let engine_with = |bucket_size: usize, rank: u32, staged: bool| {
+    let engine_with = |bucket_size: usize, rank: u32, staged: bool, keyed_digests: bool| {
         Manager::new(ManagerConfig {
             rank,
             world_size: 2,
@@ -159,13 +159,14 @@ pub fn run(a: &Args) -> Result<(), String> {
                 bucket_size,
                 depth,
                 staged,
+                keyed_digests,
                 ..Default::default()
             },
             ..Default::default()
         })
         .map_err(|e| e.to_string())
     };
-    let engine = |bucket_size: usize, rank: u32| engine_with(bucket_size, rank, false);
+    let engine = |bucket_size: usize, rank: u32| engine_with(bucket_size, rank, false, false);
     let m = engine(bucket, 0)?;
     let mut params = crate::bench::layer_params(count);
     crate::bench::register_layers(&m, &mut params)?;
@@ -230,7 +231,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let verified = best_of(&m, false)?;
     let plain = best_of(&m, true)?;
     // Staged (`net_staged`): into a slot, then copied to the params.
-    let st = engine_with(bucket, 0, true)?;
+    let st = engine_with(bucket, 0, true, false)?;
     crate::bench::register_layers(&st, &mut params)?;
     st.update(request(false)).map_err(|e| e.to_string())?;
     let staged = best_of(&st, false)?;
@@ -240,6 +241,13 @@ pub fn run(a: &Args) -> Result<(), String> {
     let small = engine(1 << 20, 0)?;
     crate::bench::register_layers(&small, &mut params)?;
     let fine = small.update(request(true)).map_err(|e| e.to_string())?;
+    drop(small);
+    // Keyed BLAKE3 digests of every entry (for untrusted networks), the
+    // XXH3 checksums skipped: what authenticating the bytes costs.
+    let keyed = engine_with(bucket, 0, false, true)?;
+    crate::bench::register_layers(&keyed, &mut params)?;
+    let keyed_run = keyed.update(request(true)).map_err(|e| e.to_string())?;
+    drop(keyed);
 
     let floor = gbps(total as u64, floor_t);
     println!(
@@ -280,6 +288,12 @@ pub fn run(a: &Args) -> Result<(), String> {
         gbps(fine.bytes, fine.total),
         per_bucket.max(0.0) * 1e6
     );
+    println!(
+        "  wm     {:<36}{:>7.2} GB/s   (one run, XXH3 skipped; publisher and engine each hash every byte)",
+        "rdma direct, keyed BLAKE3 digests",
+        gbps(keyed_run.bytes, keyed_run.total)
+    );
+    hash_rates(&floor_src);
     // Time to first byte: a whole update of one 4 KiB tensor.
     let mut best = Duration::MAX;
     for _ in 0..probes {
@@ -326,4 +340,27 @@ pub fn run(a: &Args) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// One core's hashing speed over the same bytes: XXH3-128 (the manifest's
+/// checksums) beside keyed BLAKE3 (the keyed digests).
+fn hash_rates(bytes: &[u8]) {
+    let bytes = &bytes[..bytes.len().min(256 << 20)];
+    let rate = |f: &dyn Fn(&[u8])| {
+        let t = Instant::now();
+        for piece in bytes.chunks(1 << 20) {
+            f(piece);
+        }
+        gbps(bytes.len() as u64, t.elapsed())
+    };
+    let xxh3 = rate(&|b| {
+        std::hint::black_box(weight_manager::checksum::of(b));
+    });
+    let key = [7u8; 32];
+    let blake3 = rate(&|b| {
+        std::hint::black_box(weight_manager::checksum::keyed(&key, b));
+    });
+    println!(
+        "  hash   one core, 1 MiB pieces: xxh3-128 {xxh3:.2} GB/s, keyed BLAKE3 {blake3:.2} GB/s (XXH3 catches corruption; BLAKE3 keyed authenticates)"
+    );
 }

@@ -32,6 +32,7 @@ pub const PULL_OPTIONS: &[&str] = &[
     "gdr",
     "gdr-fallback",
     "staged",
+    "keyed-digests",
     "bucket-mib",
     "bucket-bytes",
     "depth",
@@ -200,6 +201,7 @@ pub fn pull(a: &Args) -> Result<(), String> {
             depth: a.number("depth", 2)?,
             gdr_fallback: a.value("gdr-fallback").is_some_and(|v| v != "false"),
             staged: a.value("staged").is_some_and(|v| v != "false"),
+            keyed_digests: a.value("keyed-digests").is_some_and(|v| v != "false"),
             ..Default::default()
         },
         ..Default::default()

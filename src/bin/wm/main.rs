@@ -33,7 +33,7 @@ const USAGE: &str = "usage:
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
-  wm pull --net HOST:PORT [--gdr true] [--staged true] [--bucket-mib M --depth D] [--rank R ...] [--check DIR]
+  wm pull --net HOST:PORT [--gdr true] [--staged true] [--bucket-mib M --depth D] [--keyed-digests true] [--rank R ...] [--check DIR]
   wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]
   wm worker --model-dir DIR [--rank R --world W --group NAME] [--local-rank L --local-world N --node K --addr HOST:PORT]
             [--cell NAME] [--steps N] [--step-us US] [--timeout-ms MS] [--log FILE]

@@ -1,0 +1,177 @@
+//! Admitting engines: only a connection that finishes its handshake counts
+//! as one of the engines a serve call waits for.
+//!
+//! Each accepted connection gets its own thread for its handshake (HELLO
+//! and, over the network, the challenge), bounded by
+//! `PublisherConfig::handshake_timeout`, so the accept loop never waits on
+//! one: a port probe or a silent connection neither takes an engine's place
+//! nor delays a real engine beyond that bound, and is dropped when it runs
+//! out. It holds a thread and a socket, nothing a real engine needs (no
+//! buffers, no manifest). At most `MAX_HANDSHAKES` run at once; beyond that
+//! the loop stops accepting for a moment and the kernel's backlog holds the
+//! rest.
+
+use super::session::{self, SessionStats};
+use super::{Offer, Publisher, ServeStats};
+use crate::result::{Error, Result};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Handshakes in progress at once, at most.
+const MAX_HANDSHAKES: usize = 64;
+
+/// What the accept loop and the handshake threads share.
+struct Admission {
+    engines: usize,
+    admitted: AtomicUsize,
+    handshaking: AtomicUsize,
+    /// Why the last connection was turned away, for the timeout's message.
+    last_refusal: Mutex<Option<Error>>,
+}
+
+impl Admission {
+    /// Take one engine's place, if one is left.
+    fn claim(&self) -> bool {
+        self.admitted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.engines).then_some(n + 1)
+            })
+            .is_ok()
+    }
+}
+
+impl Publisher {
+    /// Accept connections until `engines` of them finished their handshake
+    /// (or `accept_timeout` passes), serve each on its own thread, and
+    /// return once every session ended. The first failure is returned.
+    /// [`Publisher::stop`] ends the loop and shuts every tracked connection
+    /// down.
+    pub(super) fn admit_and_serve(
+        &self,
+        offers: &[Arc<Offer>],
+        engines: usize,
+        accept_timeout: Duration,
+        serve_id: u64,
+    ) -> Result<ServeStats> {
+        let deadline = Instant::now() + accept_timeout;
+        self.listener
+            .set_nonblocking()
+            .map_err(|e| Error::io("listener", e))?;
+        let gate = Admission {
+            engines,
+            admitted: AtomicUsize::new(0),
+            handshaking: AtomicUsize::new(0),
+            last_refusal: Mutex::new(None),
+        };
+        std::thread::scope(|s| {
+            let mut threads = Vec::new();
+            let mut accept_error = None;
+            while gate.admitted.load(Ordering::SeqCst) < engines {
+                if let Err(e) = self.check_stopping() {
+                    accept_error = Some(e);
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    accept_error = Some(self.too_few(&gate, accept_timeout));
+                    break;
+                }
+                if gate.handshaking.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+                match self.listener.accept() {
+                    Ok(stream) => {
+                        self.track(serve_id, &stream);
+                        gate.handshaking.fetch_add(1, Ordering::SeqCst);
+                        let gate = &gate;
+                        threads.push(s.spawn(move || self.one_engine(stream, offers, gate)));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Err(e) => {
+                        accept_error = Some(Error::io("accepting an engine", e));
+                        break;
+                    }
+                }
+            }
+            self.collect(threads, accept_error)
+        })
+    }
+
+    /// One connection: its handshake, then (if it was in time and a place
+    /// is left) its session; None when it was turned away.
+    fn one_engine(
+        &self,
+        stream: crate::transport::conn::Stream,
+        offers: &[Arc<Offer>],
+        gate: &Admission,
+    ) -> Option<Result<SessionStats>> {
+        let shook = session::handshake(stream, self.secret.as_ref(), &self.cfg);
+        gate.handshaking.fetch_sub(1, Ordering::SeqCst);
+        let admitted = match shook {
+            Ok(a) => a,
+            Err(e) => {
+                self.cfg
+                    .logger
+                    .warn(&format!("publisher: turned a connection away: {e}"));
+                *gate.last_refusal.lock() = Some(e);
+                return None;
+            }
+        };
+        if !gate.claim() {
+            admitted.refuse(&Error::peer(format!(
+                "this publisher already serves the {} engine(s) it waits for",
+                gate.engines
+            )));
+            return None;
+        }
+        Some(session::run(admitted, offers, &self.cfg, &self.pool))
+    }
+
+    fn too_few(&self, gate: &Admission, accept_timeout: Duration) -> Error {
+        let mut e = Error::timeout(format!(
+            "publisher at {}: {} of {} engine(s) connected and authenticated within {accept_timeout:?}",
+            self.path.display(),
+            gate.admitted.load(Ordering::SeqCst),
+            gate.engines
+        ));
+        if let Some(why) = gate.last_refusal.lock().take() {
+            e.message += &format!(" (the last connection turned away: {why})");
+        }
+        e
+    }
+
+    /// Join the sessions; the accept loop's error first, else the first
+    /// failed session's (each logged).
+    fn collect(
+        &self,
+        threads: Vec<std::thread::ScopedJoinHandle<'_, Option<Result<SessionStats>>>>,
+        accept_error: Option<Error>,
+    ) -> Result<ServeStats> {
+        let mut stats = ServeStats::default();
+        let mut first_error = accept_error;
+        for h in threads {
+            let r = h.join().unwrap_or_else(|_| {
+                Some(Err(Error::new(
+                    crate::wm_result::WM_ERR_PANIC,
+                    "session panicked",
+                )))
+            });
+            match r {
+                None => {}
+                Some(Ok(st)) => stats.sessions.push(st),
+                Some(Err(e)) => {
+                    self.cfg.logger.warn(&format!("publisher: {e}"));
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+}
