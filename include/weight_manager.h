@@ -50,6 +50,10 @@
 // version is at most 255 bytes plus the NUL).
 #define WM_VERSION_BUF 256
 
+// Default bound on callback staging: 4 GiB, above any single tensor of
+// today's models and far below a node's memory.
+#define DEFAULT_CALLBACK_STAGING_LIMIT (4 << 30)
+
 // Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 enum wm_result
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -352,6 +356,14 @@ typedef struct {
   // `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
   // dynamic linker. Copied by `wm_init`.
   const char *nccl_library;
+  // Bound in bytes on tensors for the per-tensor callback the library
+  // stages: their sizes come from the source, with no registered param
+  // to bound them. Atomic mode stages all of an update's callback
+  // tensors at once, so together they must fit; in place, any one of
+  // them (and those received at once). Over it, the update fails with
+  // `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
+  // allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
+  uint64_t callback_staging_limit;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.

@@ -70,6 +70,7 @@ class Config(ctypes.Structure):
         ("net_staged", ctypes.c_uint32),
         ("fanout_group", ctypes.c_int32),
         ("nccl_library", c_char_p),
+        ("callback_staging_limit", ctypes.c_uint64),
     ]
 
 

@@ -173,7 +173,8 @@ class Manager(OwnedHandle):
                  log_level: str = "warn", log: Optional[Callable[[int, str], None]] = None,
                  copy_threads: int = 0, net_secret: Optional[str] = None, net_bucket_size: int = 0,
                  net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
-                 fanout_group: Optional[int] = None, nccl_library=None):
+                 fanout_group: Optional[int] = None, nccl_library=None,
+                 callback_staging_limit: int = 0):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -197,6 +198,8 @@ class Manager(OwnedHandle):
             self._log_cb = _lib.LOG_CALLBACK(lambda _u, level, msg: log(level, msg.decode(errors="replace")))
             cfg.log_callback = self._log_cb
         cfg.copy_threads = copy_threads
+        # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
+        cfg.callback_staging_limit = callback_staging_limit
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:

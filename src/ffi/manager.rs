@@ -122,6 +122,14 @@ pub struct wm_config {
     /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
     /// dynamic linker. Copied by `wm_init`.
     pub nccl_library: *const c_char,
+    /// Bound in bytes on tensors for the per-tensor callback the library
+    /// stages: their sizes come from the source, with no registered param
+    /// to bound them. Atomic mode stages all of an update's callback
+    /// tensors at once, so together they must fit; in place, any one of
+    /// them (and those received at once). Over it, the update fails with
+    /// `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
+    /// allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
+    pub callback_staging_limit: u64,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -161,6 +169,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             net_staged: 0,
             fanout_group: -1,
             nccl_library: std::ptr::null(),
+            callback_staging_limit: 0,
         });
         wm_result::WM_OK
     })
@@ -248,6 +257,10 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
                 group: g as u32,
                 nccl_library: opt_path(c.nccl_library),
             }),
+        },
+        callback_staging_limit: match c.callback_staging_limit {
+            0 => crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+            n => n,
         },
     })
 }
