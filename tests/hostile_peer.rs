@@ -341,3 +341,35 @@ fn a_shared_buffer_too_small_for_the_plan_is_refused_naming_it() {
         publisher.join().unwrap();
     }
 }
+
+/// A sparse buffer announced larger than the machine's memory (a real
+/// publisher reserves every page, so it cannot be) is refused before it is
+/// mapped: it would only eat the engine's address space.
+#[test]
+fn a_shared_buffer_larger_than_the_machine_is_refused() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("hostile.sock");
+    let (m, ptrs, ts) = engine_with_weights(dir.path());
+    let petabyte = 1u64 << 50;
+    let publisher = hostile_publisher(
+        &sock,
+        Script {
+            manifest: vec![meta("w", 4096)],
+            buffer: sealed_memfd(petabyte, &[1; 4096]),
+            announced: petabyte,
+            entries: vec![BucketEntry {
+                tensor: 0,
+                tensor_offset: 0,
+                len: 4096,
+                buffer_offset: 0,
+            }],
+        },
+    );
+    let e = m.update(ipc_request(&sock, Mode::InPlace)).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+    assert!(e.message.contains("memory and swap"), "{e}");
+    assert_params(&ptrs, &ts);
+    assert_eq!(m.status().version.as_deref(), Some("v1"));
+    publisher.join().unwrap();
+}

@@ -227,6 +227,36 @@ impl Drop for SharedBuffer {
     }
 }
 
+/// Refuse shared buffers announced larger, together, than this machine's
+/// memory and swap: a real publisher reserves every page of its buffers
+/// (`fallocate`), so theirs always fit; only a sparse file can be larger,
+/// and mapping it would still eat the engine's address space (the mappings
+/// are kept for the next sessions).
+pub fn check_announced(sizes: &[u64]) -> Result<()> {
+    let total = sizes.iter().fold(0u64, |a, &n| a.saturating_add(n));
+    let machine = machine_memory();
+    if total > machine {
+        return Err(Error::peer(format!(
+            "the publisher announced shared buffers of {total} bytes ({sizes:?}), more than \
+             this machine's {machine} bytes of memory and swap; refusing them"
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes of RAM and swap (u64::MAX if the kernel does not say).
+fn machine_memory() -> u64 {
+    // SAFETY: sysinfo fills the struct we pass.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return u64::MAX;
+    }
+    let unit = u64::from(info.mem_unit.max(1));
+    (info.totalram as u64)
+        .saturating_add(info.totalswap as u64)
+        .saturating_mul(unit)
+}
+
 fn file_identity(fd: &OwnedFd) -> std::io::Result<(u64, u64)> {
     // SAFETY: fstat on a descriptor we own.
     unsafe {
@@ -343,6 +373,15 @@ mod tests {
         unsafe { libc::ftruncate(raw, 4096) };
         let e = SharedBuffer::receive(unsafe { OwnedFd::from_raw_fd(raw) }, 4096, "t").unwrap_err();
         assert!(e.message.contains("not sealed"));
+    }
+
+    #[test]
+    fn buffers_larger_than_the_machine_are_refused() {
+        check_announced(&[1 << 30, 4096]).unwrap();
+        let e = check_announced(&[1 << 50]).unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+        assert!(e.message.contains("1125899906842624 bytes"), "{e}");
+        assert!(check_announced(&[u64::MAX, 2]).is_err());
     }
 
     #[test]

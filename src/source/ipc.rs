@@ -33,7 +33,7 @@
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;
-use crate::memory::shared::{BucketMemory, MappedBuffers, SharedBuffer};
+use crate::memory::shared::{check_announced, BucketMemory, MappedBuffers, SharedBuffer};
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -149,6 +149,7 @@ impl IpcSource {
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
         let buffers: Vec<BucketMemory> = match conn.recv(next_deadline(applier))? {
             Frame::Buffers { sizes } => {
+                check_announced(&sizes)?;
                 let fds = conn.take_fds(sizes.len())?;
                 let mut mapped = self.mapped.lock();
                 fds.into_iter()
