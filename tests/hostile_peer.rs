@@ -373,3 +373,71 @@ fn a_shared_buffer_larger_than_the_machine_is_refused() {
     assert_eq!(m.status().version.as_deref(), Some("v1"));
     publisher.join().unwrap();
 }
+
+/// Over rdma, the same manifest from a real network publisher (UCX over
+/// TCP): a 1 TiB live tensor (address space only, never read) served without
+/// checksums, to an engine with a tensor callback. The engine refuses it
+/// against its callback_staging_limit before asking for any byte (it used
+/// to abort allocating 1 TiB in place).
+#[test]
+fn a_tebibyte_callback_tensor_over_rdma_is_refused() {
+    let _serial = serial();
+    std::env::set_var("UCX_TLS", "tcp"); // UCX reads it once, at first use
+    let secret = b"hostile-peer-secret-0123456789".to_vec();
+    let huge = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            TIB as usize,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(huge, libc::MAP_FAILED);
+    let cfg = weight_manager::publisher::PublisherConfig {
+        secret: Some(secret.clone()),
+        checksums: false,
+        bucket_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let p = weight_manager::publisher::Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+    unsafe { p.add_tensor("huge", DType::U8, &[TIB], huge.cast(), TIB as usize, None) }.unwrap();
+    p.set_version(Some("hostile".into()));
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        net: weight_manager::manager::NetSettings {
+            secret: Some(secret),
+            bucket_size: 4096,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = p.address();
+    for mode in [Mode::InPlace, Mode::Atomic] {
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+            let before = rss();
+            let mut hook = |_: &TensorView| -> Result<(), String> { Ok(()) };
+            let mut req = UpdateRequest::snapshot(&addr);
+            req.source = SourceKind::Rdma;
+            req.skip_network_checksums = true;
+            req.mode = mode;
+            req.timeout = Duration::from_secs(30);
+            req.hooks.tensor = Some(&mut hook);
+            let e = m.update(req).unwrap_err();
+            let grown = rss().saturating_sub(before);
+            assert_eq!(e.code, wm_result::WM_ERR_OUT_OF_MEMORY, "{mode:?}: {e}");
+            assert!(e.message.contains("tensor 'huge'"), "{mode:?}: {e}");
+            assert!(
+                e.message.contains("callback_staging_limit"),
+                "{mode:?}: {e}"
+            );
+            assert!(grown < 64 * MIB, "{mode:?}: RSS grew by {grown} bytes");
+            // The publisher's session ends with the engine's refusal.
+            let _ = serving.join().unwrap();
+        });
+    }
+    unsafe { libc::munmap(huge, TIB as usize) };
+}
