@@ -16,6 +16,12 @@
 //!   after the first byte moved leaves params half-written, which the manager
 //!   reports as FAILED.
 //!
+//! Bounds: a tensor's size is the source's word (a peer's manifest). For a
+//! param the plan checked it against the registered param; a tensor for
+//! the per-tensor callback has no param behind it, so before anything is
+//! allocated it is checked against `ApplyOptions::callback_staging_limit`
+//! (`memory::loose`): over it, `WM_ERR_OUT_OF_MEMORY` naming the tensor.
+//!
 //! Timings: `receive` is the time to bring every byte into library-visible
 //! memory (the params themselves in-place, the arena when atomic), including
 //! checksums; `commit` is the time to make them the engine's weights (arena to
