@@ -50,10 +50,6 @@
 // version is at most 255 bytes plus the NUL).
 #define WM_VERSION_BUF 256
 
-// Default bound on callback staging: 4 GiB, above any single tensor of
-// today's models and far below a node's memory.
-#define DEFAULT_CALLBACK_STAGING_LIMIT (4 << 30)
-
 // Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 enum wm_result
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 /// Default bound on callback staging: 4 GiB, above any single tensor of
 /// today's models and far below a node's memory.
-pub const DEFAULT_CALLBACK_STAGING_LIMIT: u64 = 4 << 30;
+pub(crate) const DEFAULT_CALLBACK_STAGING_LIMIT: u64 = 4 << 30;
 
 /// What the engine changes to raise the bound, named in errors.
 const RAISE: &str = "raise wm_config.callback_staging_limit (Python: \
