@@ -358,6 +358,14 @@ typedef struct {
   // not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
   // prints its GB/s beside XXH3's). Not for gdr. Default 0.
   uint32_t net_keyed_digests;
+  // Bound in bytes on tensors for the per-tensor callback the library
+  // stages: their sizes come from the source, with no registered param
+  // to bound them. Atomic mode stages all of an update's callback
+  // tensors at once, so together they must fit; in place, any one of
+  // them (and those received at once). Over it, the update fails with
+  // `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
+  // allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
+  uint64_t callback_staging_limit;
 } wm_config;
 
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.

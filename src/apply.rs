@@ -16,6 +16,12 @@
 //!   after the first byte moved leaves params half-written, which the manager
 //!   reports as FAILED.
 //!
+//! Bounds: a tensor's size is the source's word (a peer's manifest). For a
+//! param the plan checked it against the registered param; a tensor for
+//! the per-tensor callback has no param behind it, so before anything is
+//! allocated it is checked against `ApplyOptions::callback_staging_limit`
+//! (`memory::loose`): over it, `WM_ERR_OUT_OF_MEMORY` naming the tensor.
+//!
 //! Timings: `receive` is the time to bring every byte into library-visible
 //! memory (the params themselves in-place, the arena when atomic), including
 //! checksums; `commit` is the time to make them the engine's weights (arena to
@@ -24,6 +30,7 @@
 use crate::checksum::Checksum;
 use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
+use crate::memory::loose::{check_callback_staging, LooseBuffers};
 use crate::memory::staging::{DeviceStaging, PinnedBuffer, PINNED_TENSOR_MAX, SMALL_TENSOR};
 use crate::memory::{aligned_offsets, SendPtr};
 use crate::plan::{Plan, Target};
@@ -85,6 +92,10 @@ pub struct ApplyOptions {
     pub verify: bool,
     pub threads: usize,
     pub timeout: Duration,
+    /// The most bytes of tensors for the per-tensor callback the applier
+    /// holds (the manager's `callback_staging_limit`): all of them in
+    /// atomic mode, any one of them (and those received at once) in place.
+    pub callback_staging_limit: u64,
 }
 
 /// Bytes `[offset, offset + len)` of plan entry `tensor`, found at `src`.
@@ -126,8 +137,9 @@ pub struct Applier<'p, 'h> {
     params: Vec<Option<Dest>>,
     /// Atomic mode: every moving tensor's staging slot.
     arena: Option<(HostRegion, Vec<usize>)>,
-    /// In-place mode: callback and device tensors being received.
-    loose: HashMap<usize, Vec<u8>>,
+    /// In-place mode: callback and device tensors being received (and a
+    /// spare buffer kept for the next one).
+    loose: LooseBuffers,
     /// In-place mode: device tensors landing in pinned memory.
     pinned: HashMap<usize, PinnedBuffer>,
     /// Pinned buffers and upload streams for device params (the manager's,
@@ -139,9 +151,6 @@ pub struct Applier<'p, 'h> {
     on_device: bool,
     /// Host copy of a chunk that landed on the GPU, for its hash.
     readback: Vec<u8>,
-    /// A delivered loose buffer kept for the next one: fresh large
-    /// allocations cost a page fault per page every time.
-    spare: Option<Vec<u8>>,
     /// Tensors arriving in several chunks, hashed chunk by chunk right after
     /// each one lands (while its bytes are still in cache) instead of read
     /// again from memory once whole.
@@ -163,6 +172,14 @@ impl<'p, 'h> Applier<'p, 'h> {
         hooks: Hooks<'h>,
     ) -> Result<Applier<'p, 'h>> {
         assert_eq!(params.len(), plan.entries.len());
+        // A callback tensor's size is the peer's word: bounded before the
+        // arena below (or any loose buffer) is allocated or faulted in.
+        let callback = plan.entries.iter().filter(|e| e.target == Target::Callback);
+        check_callback_staging(
+            callback.map(|e| (e.meta.name.as_str(), e.meta.nbytes)),
+            opts.mode == Mode::Atomic,
+            opts.callback_staging_limit,
+        )?;
         let arena = if opts.mode == Mode::Atomic {
             // Skipped tensors get an empty slot.
             let (offsets, size) = aligned_offsets(plan.entries.iter().map(|e| match e.target {
@@ -185,12 +202,11 @@ impl<'p, 'h> Applier<'p, 'h> {
             hooks,
             params,
             arena,
-            loose: HashMap::new(),
+            loose: LooseBuffers::new(opts.callback_staging_limit),
             pinned: HashMap::new(),
             staging: None,
             on_device: false,
             readback: Vec::new(),
-            spare: None,
             hashing: HashMap::new(),
             received: vec![0; plan.entries.len()],
             delivered: vec![false; plan.entries.len()],
@@ -289,8 +305,8 @@ impl<'p, 'h> Applier<'p, 'h> {
                 if let Some(b) = self.pinned.get(&t) {
                     return Ok(SendPtr(b.ptr()));
                 }
-                if self.loose.contains_key(&t) {
-                    return Ok(self.loose_landing(t, n)); // fell back earlier
+                if self.loose.contains(t) {
+                    return self.loose_landing(t, n); // fell back earlier
                 }
                 let deadline = self.deadline;
                 match self.staging()?.take(ordinal, n, deadline)? {
@@ -301,27 +317,20 @@ impl<'p, 'h> Applier<'p, 'h> {
                     }
                     // Every pinned buffer is held by tensors of this batch:
                     // this one lands in ordinary memory and is uploaded.
-                    None => Ok(self.loose_landing(t, n)),
+                    None => self.loose_landing(t, n),
                 }
             }
-            _ => Ok(self.loose_landing(t, n)),
+            _ => self.loose_landing(t, n),
         }
     }
 
-    /// A library buffer for entry `t` (`n` bytes), reusing the spare.
-    fn loose_landing(&mut self, t: usize, n: usize) -> SendPtr {
-        let spare = &mut self.spare;
-        let buf = self.loose.entry(t).or_insert_with(|| match spare.take() {
-            Some(mut v) if v.capacity() >= n => {
-                v.clear();
-                v
-            }
-            other => {
-                *spare = other;
-                Vec::with_capacity(n)
-            }
-        });
-        SendPtr(buf.as_mut_ptr())
+    /// A library buffer for entry `t` (`n` bytes): bounded by the callback
+    /// staging limit for callback tensors, fallible for all.
+    fn loose_landing(&mut self, t: usize, n: usize) -> Result<SendPtr> {
+        let entry = &self.plan.entries[t];
+        let bounded = entry.target == Target::Callback;
+        let at = self.loose.landing(t, &entry.meta.name, n, bounded)?;
+        Ok(SendPtr(at))
     }
 
     /// Copy one batch of chunks. `origin` names where they came from (a file,
@@ -512,10 +521,12 @@ impl<'p, 'h> Applier<'p, 'h> {
                 .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
         })?;
         for &t in &completed {
-            if let Some(buf) = self.loose.get_mut(&t) {
-                // SAFETY: every byte up to nbytes was just written by the copies.
-                unsafe { buf.set_len(self.plan.entries[t].meta.nbytes as usize) };
-            }
+            // SAFETY: every byte up to nbytes was just written by the copies,
+            // into a buffer allocated for nbytes.
+            unsafe {
+                self.loose
+                    .filled(t, self.plan.entries[t].meta.nbytes as usize)
+            };
         }
         for &(t, at, len) in &streamed {
             // SAFETY: the chunk's bytes are in place (landed or just copied)
@@ -562,18 +573,12 @@ impl<'p, 'h> Applier<'p, 'h> {
                     continue; // already in the param (gdr)
                 }
                 if self.plan.entries[t].target == Target::Callback || device.is_some() {
-                    let data = self.loose.remove(&t).unwrap_or_default();
+                    let data = self.loose.take(t);
                     match device {
                         Some((ptr, ordinal)) => self.upload(origin, t, ptr, ordinal, &data)?,
                         None => self.deliver(t, &data)?,
                     }
-                    if self
-                        .spare
-                        .as_ref()
-                        .is_none_or(|s| s.capacity() < data.capacity())
-                    {
-                        self.spare = Some(data);
-                    }
+                    self.loose.recycle(data);
                 }
             }
         }
@@ -837,6 +842,7 @@ mod tests {
             verify: true,
             threads: 2,
             timeout: Duration::from_secs(10),
+            callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
         };
         let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
         let mut a = Applier::new(plan, vec![dest], opts, Hooks::default())?;
@@ -861,6 +867,100 @@ mod tests {
         }
         a.finish().map_err(|(e, _)| e)?;
         Ok(param)
+    }
+
+    fn callback_plan(sizes: &[(&str, u64)]) -> Plan {
+        let entries: Vec<PlanEntry> = sizes
+            .iter()
+            .map(|&(name, n)| PlanEntry {
+                meta: TensorMeta {
+                    name: name.into(),
+                    dtype: DType::U8,
+                    shape: vec![n],
+                    nbytes: n,
+                    checksum: None,
+                },
+                target: Target::Callback,
+            })
+            .collect();
+        let bytes = sizes.iter().map(|s| s.1).sum();
+        Plan {
+            tensors: entries.len(),
+            entries,
+            bytes,
+        }
+    }
+
+    fn callback_opts(mode: Mode, limit: u64) -> ApplyOptions {
+        ApplyOptions {
+            mode,
+            verify: false,
+            threads: 2,
+            timeout: Duration::from_secs(10),
+            callback_staging_limit: limit,
+        }
+    }
+
+    /// The manifest of a hostile peer (a 1 TiB callback tensor) is refused
+    /// before anything is allocated, in both modes, by the applier every
+    /// source shares (rdma included).
+    #[test]
+    fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
+        let plan = callback_plan(&[("huge", 1 << 40)]);
+        let limit = crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT;
+        for mode in [Mode::InPlace, Mode::Atomic] {
+            let Err(e) = Applier::new(
+                &plan,
+                vec![None],
+                callback_opts(mode, limit),
+                Hooks::default(),
+            ) else {
+                panic!("{mode:?}: a 1 TiB callback tensor was accepted");
+            };
+            assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+            assert!(e.message.contains("tensor 'huge'"), "{e}");
+            assert!(e.message.contains("callback_staging_limit"), "{e}");
+        }
+    }
+
+    /// rdma lands callback tensors through `landing_for`: tensors received
+    /// at once count together against the limit, each one alone fits.
+    #[test]
+    fn callback_tensors_received_at_once_share_the_limit() {
+        let plan = callback_plan(&[("a", 3000), ("b", 3000)]);
+        let opts = callback_opts(Mode::InPlace, 4096);
+        let mut delivered = Vec::new();
+        let mut hook = |v: &TensorView| {
+            delivered.push(v.name.to_string());
+            Ok(())
+        };
+        let hooks = Hooks {
+            progress: None,
+            tensor: Some(&mut hook),
+        };
+        let mut a = Applier::new(&plan, vec![None, None], opts, hooks).unwrap();
+        a.landing_for(0, 0, 1000).unwrap();
+        let e = a.landing_for(1, 0, 1000).unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+        assert!(
+            e.message.contains("tensor 'b'") && e.message.contains("3000 bytes"),
+            "{e}"
+        );
+        // Once 'a' is whole and delivered, 'b' fits.
+        let whole = |t| Chunk {
+            tensor: t,
+            offset: 0,
+            len: 3000,
+            src: CopySource::Memory(SendPtr(std::ptr::null_mut())),
+        };
+        for t in 0..2 {
+            let at = a.landing_for(t, 0, 3000).unwrap();
+            // SAFETY: the landing holds the tensor's 3000 bytes.
+            unsafe { std::ptr::write_bytes(at.0, 1, 3000) };
+            a.landed_batch("test", &[whole(t)]).unwrap();
+        }
+        a.finish().map_err(|(e, _)| e).unwrap();
+        assert_eq!(delivered, ["a", "b"]);
     }
 
     /// A tensor that arrives in several chunks is verified chunk by chunk

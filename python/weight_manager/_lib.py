@@ -71,6 +71,7 @@ class Config(ctypes.Structure):
         ("fanout_group", ctypes.c_int32),
         ("nccl_library", c_char_p),
         ("net_keyed_digests", ctypes.c_uint32),
+        ("callback_staging_limit", ctypes.c_uint64),
     ]
 
 

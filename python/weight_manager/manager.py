@@ -208,7 +208,8 @@ class Manager(OwnedHandle):
                  copy_threads: int = 0, net_secret: Optional[str] = None, net_bucket_size: int = 0,
                  net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
                  fanout_group: Optional[int] = None, nccl_library=None,
-                 net_keyed_digests: bool = False):
+                 net_keyed_digests: bool = False,
+                 callback_staging_limit: int = 0):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -233,6 +234,8 @@ class Manager(OwnedHandle):
             self._log_cb = _lib.LOG_CALLBACK(lambda _u, level, msg: log(level, msg.decode(errors="replace")))
             cfg.log_callback = self._log_cb
         cfg.copy_threads = copy_threads
+        # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
+        cfg.callback_staging_limit = callback_staging_limit
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:

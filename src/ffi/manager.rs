@@ -128,6 +128,14 @@ pub struct wm_config {
     /// not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
     /// prints its GB/s beside XXH3's). Not for gdr. Default 0.
     pub net_keyed_digests: u32,
+    /// Bound in bytes on tensors for the per-tensor callback the library
+    /// stages: their sizes come from the source, with no registered param
+    /// to bound them. Atomic mode stages all of an update's callback
+    /// tensors at once, so together they must fit; in place, any one of
+    /// them (and those received at once). Over it, the update fails with
+    /// `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
+    /// allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
+    pub callback_staging_limit: u64,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -168,6 +176,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             fanout_group: -1,
             nccl_library: std::ptr::null(),
             net_keyed_digests: 0,
+            callback_staging_limit: 0,
         });
         wm_result::WM_OK
     })
@@ -256,6 +265,10 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
                 group: g as u32,
                 nccl_library: opt_path(c.nccl_library),
             }),
+        },
+        callback_staging_limit: match c.callback_staging_limit {
+            0 => crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+            n => n,
         },
     })
 }

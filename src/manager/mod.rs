@@ -79,6 +79,13 @@ pub struct ManagerConfig {
     /// NCCL fan-out among this node's ranks (see [`crate::fanout`]); needs
     /// a group and a device.
     pub fanout: Option<FanoutSettings>,
+    /// The most bytes of tensors for the per-tensor callback an update may
+    /// make the library hold: their sizes come from the source (a peer's
+    /// manifest), with no registered param to bound them. Atomic mode
+    /// stages all of them at once; in place, any one of them (and those
+    /// received at once) must fit. Over it, the update fails with
+    /// `WM_ERR_OUT_OF_MEMORY` before anything is allocated.
+    pub callback_staging_limit: u64,
 }
 
 /// Settings of the network paths.
@@ -132,6 +139,7 @@ impl Default for ManagerConfig {
             acquire_hook: None,
             net: NetSettings::default(),
             fanout: None,
+            callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
         }
     }
 }
@@ -898,6 +906,7 @@ impl Manager {
             verify: req.verify,
             threads: self.threads,
             timeout: req.timeout,
+            callback_staging_limit: self.config.callback_staging_limit,
         };
         let Hooks {
             progress: mut user_progress,

@@ -2,6 +2,7 @@
 //!
 //! - [`host`]: library-owned host memory whose physical pages can be released
 //!   and brought back at the same address.
+//! - [`loose`]: bounded, fallible buffers for tensors received outside params.
 //! - [`copy`]: the parallel copier every source uses (memory to memory, and
 //!   file to memory with `pread`), plus parallel checksums.
 //! - [`shared`]: sealed memfd buffers passed between processes.
@@ -16,6 +17,7 @@ pub mod cuda;
 pub mod cuda_ipc;
 pub mod device;
 pub mod host;
+pub mod loose;
 pub mod pool;
 pub mod shared;
 pub mod staging;

@@ -8,6 +8,11 @@
 //! - The sender seals the file against shrinking and growing; the receiver
 //!   refuses a buffer without those seals, so no peer can truncate a buffer
 //!   under the other and turn its next read into SIGBUS.
+//! - The receiver maps a buffer without faulting it in, and faults in
+//!   ([`SharedBuffer::populate`]) only the windows a bucket reads: a peer of
+//!   the same uid is trusted with the bytes, not with the engine's memory,
+//!   and a sparse file announced at 1 TiB costs address space, not RSS
+//!   (reading a hole of a memfd allocates a page, charged to the reader).
 //!
 //! The bucket abstraction ([`BucketMemory`]) is where CUDA IPC buffers
 //! (`memory::cuda_ipc`) join host buffers.
@@ -134,19 +139,18 @@ impl SharedBuffer {
                 std::io::Error::last_os_error()
             )));
         }
-        // Map every page now (one call) rather than one fault per 4 KiB
-        // during the first buckets; a kernel without it just faults later.
-        const MADV_POPULATE_READ: libc::c_int = 22;
-        const MADV_POPULATE_WRITE: libc::c_int = 23;
-        let advice = if prot & libc::PROT_WRITE != 0 {
-            MADV_POPULATE_WRITE
-        } else {
-            MADV_POPULATE_READ
-        };
-        // Huge pages cut TLB misses when copying through the buffer; they
-        // take effect where the kernel's shmem_enabled allows `advise`.
-        libc::madvise(p, len, libc::MADV_HUGEPAGE);
-        libc::madvise(p, len, advice);
+        if prot & libc::PROT_WRITE != 0 {
+            // The sender's own, reserved buffer: map every page now (one
+            // call) rather than one fault per 4 KiB during the first
+            // buckets. Huge pages cut TLB misses when copying through it;
+            // they take effect where the kernel's shmem_enabled allows
+            // `advise`. A receiver does neither: the peer's file may be
+            // sparse, and there a huge page would be 2 MiB allocated per
+            // hole read.
+            const MADV_POPULATE_WRITE: libc::c_int = 23;
+            libc::madvise(p, len, libc::MADV_HUGEPAGE);
+            libc::madvise(p, len, MADV_POPULATE_WRITE);
+        }
         Ok(SharedBuffer {
             fd,
             ptr: p.cast(),
@@ -170,6 +174,48 @@ impl SharedBuffer {
     pub fn fd(&self) -> &OwnedFd {
         &self.fd
     }
+
+    /// Fault in the pages of the byte ranges `windows` (start, end), which
+    /// the caller checked lie in the buffer, one call per run of nearby
+    /// ranges rather than one fault per 4 KiB during the copy. Only these
+    /// pages: the rest of the buffer stays unmapped. A kernel without
+    /// `MADV_POPULATE_READ` just faults during the copy.
+    pub fn populate(&self, windows: impl IntoIterator<Item = (u64, u64)>) {
+        const MADV_POPULATE_READ: libc::c_int = 22;
+        let page = super::page_size() as u64;
+        for (start, end) in page_runs(windows, page) {
+            let end = end.min(self.len as u64);
+            if start >= end {
+                continue;
+            }
+            // SAFETY: advice on a page-aligned range of our own mapping.
+            unsafe {
+                libc::madvise(
+                    self.ptr.add(start as usize).cast(),
+                    (end - start) as usize,
+                    MADV_POPULATE_READ,
+                )
+            };
+        }
+    }
+}
+
+/// `windows` widened to whole pages, sorted, and merged where they touch.
+fn page_runs(windows: impl IntoIterator<Item = (u64, u64)>, page: u64) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = windows
+        .into_iter()
+        .filter(|(s, e)| e > s)
+        .map(|(s, e)| (s / page * page, e.saturating_add(page - 1) / page * page))
+        .collect();
+    runs.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+    for (s, e) in runs {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    merged
 }
 
 impl Drop for SharedBuffer {
@@ -179,6 +225,36 @@ impl Drop for SharedBuffer {
             unsafe { libc::munmap(self.ptr.cast(), self.len) };
         }
     }
+}
+
+/// Refuse shared buffers announced larger, together, than this machine's
+/// memory and swap: a real publisher reserves every page of its buffers
+/// (`fallocate`), so theirs always fit; only a sparse file can be larger,
+/// and mapping it would still eat the engine's address space (the mappings
+/// are kept for the next sessions).
+pub fn check_announced(sizes: &[u64]) -> Result<()> {
+    let total = sizes.iter().fold(0u64, |a, &n| a.saturating_add(n));
+    let machine = machine_memory();
+    if total > machine {
+        return Err(Error::peer(format!(
+            "the publisher announced shared buffers of {total} bytes ({sizes:?}), more than \
+             this machine's {machine} bytes of memory and swap; refusing them"
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes of RAM and swap (u64::MAX if the kernel does not say).
+fn machine_memory() -> u64 {
+    // SAFETY: sysinfo fills the struct we pass.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return u64::MAX;
+    }
+    let unit = u64::from(info.mem_unit.max(1));
+    (info.totalram as u64)
+        .saturating_add(info.totalswap as u64)
+        .saturating_mul(unit)
 }
 
 fn file_identity(fd: &OwnedFd) -> std::io::Result<(u64, u64)> {
@@ -297,6 +373,52 @@ mod tests {
         unsafe { libc::ftruncate(raw, 4096) };
         let e = SharedBuffer::receive(unsafe { OwnedFd::from_raw_fd(raw) }, 4096, "t").unwrap_err();
         assert!(e.message.contains("not sealed"));
+    }
+
+    #[test]
+    fn buffers_larger_than_the_machine_are_refused() {
+        check_announced(&[1 << 30, 4096]).unwrap();
+        let e = check_announced(&[1 << 50]).unwrap_err();
+        assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+        assert!(e.message.contains("1125899906842624 bytes"), "{e}");
+        assert!(check_announced(&[u64::MAX, 2]).is_err());
+    }
+
+    #[test]
+    fn windows_merge_into_page_runs() {
+        let runs = page_runs([(5000, 5100), (0, 10), (4096, 4200), (9000, 9000)], 4096);
+        assert_eq!(runs, vec![(0, 8192)]);
+        let runs = page_runs([(0, 1), (3 * 4096 + 1, 3 * 4096 + 2)], 4096);
+        assert_eq!(runs, vec![(0, 4096), (3 * 4096, 4 * 4096)]);
+    }
+
+    /// A received buffer is mapped, not faulted in: a sparse 1 GiB file
+    /// whose first 8 KiB are read costs those pages only.
+    #[test]
+    fn a_received_buffer_faults_in_only_the_windows_read() {
+        let len = 1usize << 30;
+        let raw = unsafe {
+            libc::memfd_create(
+                c"sparse".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        assert_eq!(unsafe { libc::ftruncate(raw, len as libc::off_t) }, 0);
+        assert_eq!(unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, SEALS) }, 0);
+        let b = SharedBuffer::receive(fd, len, "sparse").unwrap();
+        b.populate([(0, 8192)]);
+        let page = crate::memory::page_size();
+        let mut vec = vec![0u8; len / page];
+        assert_eq!(
+            unsafe { libc::mincore(b.ptr().cast(), len, vec.as_mut_ptr()) },
+            0
+        );
+        let resident = vec.iter().filter(|v| **v & 1 != 0).count() * page;
+        assert!(
+            (8192..=4 << 20).contains(&resident),
+            "{resident} bytes resident"
+        );
     }
 
     #[test]

@@ -7,6 +7,14 @@
 //! once, then applies bucket after bucket, acknowledging each so the
 //! publisher can refill its buffer while the next one is applied.
 //!
+//! Trust: the socket's mode and the publisher's uid decide who may connect;
+//! a publisher of the same uid is trusted with the bytes but not with the
+//! engine's memory. Every bucket entry is range-checked against its buffer
+//! and the plan; a buffer is mapped, never faulted in whole (only the
+//! windows a bucket reads are), so a sparse buffer announced far larger
+//! than the update costs address space, not memory; callback tensors are
+//! bounded by the manager's `callback_staging_limit` (`memory::loose`).
+//!
 //! Copy mode copies from the buffers into params. Zero-copy mode is the
 //! per-tensor callback in in-place mode: a tensor that lies whole in one
 //! bucket is handed to the callback as a pointer into the shared buffer,
@@ -25,7 +33,7 @@
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;
-use crate::memory::shared::{BucketMemory, MappedBuffers, SharedBuffer};
+use crate::memory::shared::{check_announced, BucketMemory, MappedBuffers, SharedBuffer};
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -146,6 +154,7 @@ impl IpcSource {
             |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
         let buffers: Vec<BucketMemory> = match conn.recv(next_deadline(applier))? {
             Frame::Buffers { sizes } => {
+                check_announced(&sizes)?;
                 let fds = conn.take_fds(sizes.len())?;
                 let mut mapped = self.mapped.lock();
                 fds.into_iter()
@@ -187,7 +196,17 @@ impl IpcSource {
                             buffers.len()
                         ))
                     })?;
-                    check_bucket(seq, &entries, mem.len() as u64, plan.entries.len())?;
+                    check_bucket(seq, &entries, mem.len() as u64, plan.entries.len())
+                        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+                    if let BucketMemory::Host(b) = mem {
+                        // Only the windows this bucket reads (checked
+                        // above to lie in the buffer) are faulted in.
+                        b.populate(
+                            entries
+                                .iter()
+                                .map(|e| (e.buffer_offset, e.buffer_offset + e.len)),
+                        );
+                    }
                     let chunks: Vec<Chunk> = entries
                         .iter()
                         .map(|e| Chunk {

@@ -177,6 +177,7 @@ static void test_struct_size(void) {
   wm_config_init(&c);
   CHECK(c.struct_size == sizeof c);
   CHECK(c.fanout_group == -1 && c.nccl_library == NULL); /* no fan-out */
+  CHECK(c.callback_staging_limit == 0); /* 0: the 4 GiB default */
   wm_manager *m = (wm_manager *)0x1;
   c.struct_size = sizeof c - 8;
   CHECK_RC(wm_init(&c, &m), WM_ERR_STRUCT_SIZE);
