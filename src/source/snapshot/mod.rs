@@ -14,6 +14,7 @@
 
 pub mod checksums;
 pub mod layout;
+pub mod regular_file;
 pub mod safetensors_file;
 pub mod version;
 
@@ -26,10 +27,15 @@ use crate::result::{Error, Result};
 pub use layout::{gpu_id, Layout, LayoutKind, SnapshotLocation, DEFAULT_FALLBACK_DIR};
 use safetensors_file::SafetensorsHeader;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 /// Bytes handed to the applier per batch: bounds the memory a callback-mode
 /// update holds, and the interval between progress reports.
 pub(crate) const BATCH_BYTES: u64 = 256 << 20;
+
+/// The bound on opening a snapshot for a caller that has no deadline of its
+/// own (the publisher): every read still ends.
+const OPEN_BOUND: Duration = Duration::from_secs(600);
 
 pub struct SnapshotSource {
     layout: Layout,
@@ -41,20 +47,33 @@ pub struct SnapshotSource {
 }
 
 impl SnapshotSource {
+    /// Open with a generous deadline, reading `version.yaml`.
     pub fn open(loc: &SnapshotLocation, logger: &Logger) -> Result<SnapshotSource> {
-        let layout = layout::resolve(loc, logger)?;
+        SnapshotSource::open_until(loc, logger, Instant::now() + OPEN_BOUND, true)
+    }
+
+    /// Resolve the layout and read every header (and the checksum file, and
+    /// `version.yaml` when `read_version`: an update that names its version
+    /// never reads it) before `deadline`.
+    pub fn open_until(
+        loc: &SnapshotLocation,
+        logger: &Logger,
+        deadline: Instant,
+        read_version: bool,
+    ) -> Result<SnapshotSource> {
+        let layout = layout::resolve(loc, logger, deadline)?;
         logger.debug(&format!(
             "rank {}: snapshot layout '{}' with {} file(s)",
             loc.rank,
             layout.kind.describe(),
             layout.files.len()
         ));
-        let checksums = checksums::Checksums::load(&layout.dir)?;
+        let checksums = checksums::Checksums::load(&layout.dir, deadline)?;
         let mut files = Vec::new();
         let mut manifest = Manifest::default();
         let mut locations = Vec::new();
         for (fi, path) in layout.files.iter().enumerate() {
-            let (_file, header) = safetensors_file::open(path)?;
+            let (_file, header) = safetensors_file::open(path, deadline)?;
             let file_name = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -103,9 +122,13 @@ impl SnapshotSource {
                 )));
             }
         }
-        let (version, no_version) = match version::read_version_yaml(&layout.dir) {
-            Ok(v) => (Some(v), String::new()),
-            Err(why) => (None, why),
+        let (version, no_version) = if !read_version {
+            (None, "the caller named a version".to_string())
+        } else {
+            match version::read_version_yaml(&layout.dir, deadline) {
+                Ok(v) => (Some(v), String::new()),
+                Err(why) => (None, why),
+            }
         };
         manifest.version = version;
         Ok(SnapshotSource {
@@ -159,9 +182,9 @@ impl super::Source for SnapshotSource {
             if wanted.is_empty() {
                 continue;
             }
+            applier.check_deadline()?;
             let shown = path.display().to_string();
-            let file =
-                std::fs::File::open(path).map_err(|e| Error::io(format!("opening {shown}"), e))?;
+            let file = regular_file::open_regular(path)?;
             let len = file
                 .metadata()
                 .map_err(|e| Error::io(format!("stat {shown}"), e))?
