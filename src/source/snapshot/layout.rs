@@ -26,7 +26,7 @@ use std::time::Instant;
 pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 /// Largest HuggingFace index read.
-pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+pub const MAX_INDEX_BYTES: u64 = 32 << 20;
 /// SPEC.md: FastDeploy's fallback directory.
 pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
 
@@ -151,37 +151,37 @@ fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<
     parts.into_iter().map(|p| p.2).collect()
 }
 
+#[derive(serde::Deserialize)]
+struct IndexJson {
+    weight_map: HashMap<String, String>,
+}
+
 fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<Layout>> {
     let index_path = dir.join(HF_INDEX);
     if let Some(text) = read_bounded(&index_path, MAX_INDEX_BYTES, deadline)? {
         let bad = |why: String| Error::format(format!("{}: {why}", index_path.display()));
-        let json: serde_json::Value =
-            serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| bad("no 'weight_map' object".into()))?;
-        let mut index = HashMap::new();
+        // Typed, not a generic JSON tree: memory stays a small multiple of
+        // the (bounded) file.
+        let json: IndexJson = serde_json::from_slice(&text)
+            .map_err(|e| bad(format!("not a weight_map index: {e}")))?;
+        let index = json.weight_map;
         let mut files = BTreeSet::new();
-        for (tensor, file) in map {
-            let file = file
-                .as_str()
-                .filter(|f| !f.is_empty() && !f.contains('/') && *f != "." && *f != "..")
-                .ok_or_else(|| {
-                    bad(format!(
-                        "weight_map['{tensor}'] is not a file name in the directory"
-                    ))
-                })?;
-            files.insert(file.to_string());
-            index.insert(tensor.clone(), file.to_string());
+        for (tensor, file) in &index {
+            if file.is_empty() || file.contains('/') || file == "." || file == ".." {
+                return Err(bad(format!(
+                    "weight_map['{}'] is not a file name in the directory",
+                    tensor.escape_debug()
+                )));
+            }
+            files.insert(file.as_str());
         }
         if index.is_empty() {
             return Err(bad("weight_map is empty".into()));
         }
         let mut paths = Vec::new();
         for f in files {
-            let p = dir.join(&f);
-            if !p.is_file() {
+            let p = dir.join(f);
+            if !p.exists() {
                 return Err(Error::not_found(format!(
                     "{} names shard {f}, which does not exist",
                     index_path.display()
