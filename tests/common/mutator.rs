@@ -185,10 +185,13 @@ pub fn fuzz(t: Target, check: impl Fn(&[u8]) -> bool) {
             report(&t, seed, i as u64, s, "is a seed the target refused");
         }
     }
+    // Half the inputs start from a seed, so that the corpus, which fills
+    // with whatever was accepted, cannot drift into trivial inputs.
     let mut corpus = t.seeds.clone();
     let (start, mut n, mut accepted) = (Instant::now(), 0u64, 0u64);
     while start.elapsed() < budget {
-        let mut input = corpus[rng.below(corpus.len())].clone();
+        let from = if rng.below(2) == 0 { &t.seeds } else { &corpus };
+        let mut input = from[rng.below(from.len())].clone();
         for _ in 0..1 + rng.below(4) {
             mutate_once(&mut rng, &mut input, &corpus, t.tokens);
         }
@@ -198,6 +201,9 @@ pub fn fuzz(t: Target, check: impl Fn(&[u8]) -> bool) {
             accepted += 1;
             if corpus.len() < MAX_CORPUS {
                 corpus.push(input);
+            } else {
+                let i = t.seeds.len() + rng.below(MAX_CORPUS - t.seeds.len());
+                corpus[i] = input;
             }
         }
     }
