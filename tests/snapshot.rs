@@ -2,6 +2,8 @@
 //! host memory.
 
 mod common;
+#[path = "snapshot/hostile_files.rs"]
+mod hostile_files;
 
 use common::*;
 use std::sync::Arc;

@@ -506,7 +506,11 @@ impl Manager {
                     rank: self.config.rank,
                     gpu_id: self.gpu_id.clone(),
                 };
-                Ok(Box::new(SnapshotSource::open(&loc, &self.config.logger)?))
+                let (deadline, read_version) =
+                    (Instant::now() + req.timeout, req.version.is_none());
+                let source =
+                    SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)?;
+                Ok(Box::new(source))
             }
             SourceKind::Ipc => {
                 let socket = req.location.clone().ok_or_else(|| {

@@ -10,6 +10,7 @@ use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::checksums::hash_file_ranges;
+use crate::source::snapshot::regular_file::open_regular;
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::Source;
 use crate::transport::auth::{self, Secret};
@@ -182,7 +183,7 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     let paths: Vec<&std::path::Path> = source.files().collect();
     let files = paths
         .iter()
-        .map(|p| File::open(p).map_err(|e| Error::io(format!("opening {}", p.display()), e)))
+        .map(|p| open_regular(p))
         .collect::<Result<Vec<File>>>()?;
     let ranges: Vec<(usize, u64, u64)> = todo
         .iter()
@@ -665,8 +666,7 @@ pub(super) fn fill(
             for e in entries {
                 let (path, _) = source.tensor_location(e.tensor as usize);
                 if !open.contains_key(path) {
-                    let f = File::open(path)
-                        .map_err(|err| Error::io(format!("opening {}", path.display()), err))?;
+                    let f = open_regular(path)?;
                     open.insert(path.to_path_buf(), f);
                 }
             }

@@ -217,8 +217,12 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     );
 
     let file = File::open(&path).map_err(|e| e.to_string())?;
-    let header = weight_manager::source::snapshot::safetensors_file::read_header(&file, &path)
-        .map_err(|e| e.to_string())?;
+    let header = weight_manager::source::snapshot::safetensors_file::read_header(
+        &file,
+        &path,
+        Instant::now() + Duration::from_secs(60),
+    )
+    .map_err(|e| e.to_string())?;
     let data_offset = header.tensors[0].offset;
     let (mem_floor, read_floor_t) = {
         let mut src = buffer(total as usize);

@@ -3,12 +3,14 @@
 use crate::fmt;
 use crate::Args;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use weight_manager::logging::Logger;
 use weight_manager::source::snapshot::{checksums, layout, safetensors_file, version};
 use weight_manager::tensor::shape_text;
 
 const SHOWN: usize = 40;
+/// How long `wm inspect` may spend reading a snapshot's headers.
+const INSPECT_BOUND: Duration = Duration::from_secs(120);
 
 pub fn inspect(a: &Args) -> Result<(), String> {
     let target = a
@@ -22,13 +24,15 @@ pub fn inspect(a: &Args) -> Result<(), String> {
         rank: a.number("rank", 0)?,
         gpu_id: a.value("gpu").unwrap_or("0").to_string(),
     };
-    let found = layout::resolve(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    // Every read is bounded; a FIFO or device among the files is an error.
+    let deadline = Instant::now() + INSPECT_BOUND;
+    let found = layout::resolve(&loc, &Logger::default(), deadline).map_err(|e| e.to_string())?;
     println!("{} ({})", path.display(), found.kind.describe());
-    match version::read_version_yaml(&found.dir) {
+    match version::read_version_yaml(&found.dir, deadline) {
         Ok(v) => println!("version: {v}"),
         Err(why) => println!("version: none ({why})"),
     }
-    let sums = checksums::Checksums::load(&found.dir).map_err(|e| e.to_string())?;
+    let sums = checksums::Checksums::load(&found.dir, deadline).map_err(|e| e.to_string())?;
     println!(
         "checksums: {}",
         if sums.is_some() {
@@ -44,7 +48,7 @@ pub fn inspect(a: &Args) -> Result<(), String> {
         "tensor", "dtype", "shape", "bytes"
     );
     for file in &found.files {
-        let (_, header) = safetensors_file::open(file).map_err(|e| e.to_string())?;
+        let (_, header) = safetensors_file::open(file, deadline).map_err(|e| e.to_string())?;
         if found.files.len() > 1 {
             println!(
                 "-- {}",
@@ -55,7 +59,7 @@ pub fn inspect(a: &Args) -> Result<(), String> {
             if count < SHOWN || a.flag("all") {
                 println!(
                     "{:<48} {:<8} {:<20} {:>12}",
-                    t.name,
+                    t.name.escape_debug().to_string(),
                     t.dtype.to_string(),
                     shape_text(&t.shape),
                     t.nbytes

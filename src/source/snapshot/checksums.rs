@@ -7,6 +7,7 @@
 //! recorded one was rewritten after the checksums: that is an error, not a
 //! silent skip.
 
+use super::regular_file::read_bounded;
 use super::safetensors_file;
 use crate::manifest::{checksum_hex, parse_checksum_hex};
 use crate::result::{Error, Result};
@@ -16,8 +17,11 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 pub const CHECKSUM_FILE: &str = "wm_checksums.json";
+/// Largest checksum file read (about 100 bytes per tensor).
+pub const MAX_CHECKSUM_FILE_BYTES: u64 = 64 << 20;
 const FORMAT: &str = "weight_manager.checksums.v1";
 
 #[derive(Serialize, Deserialize)]
@@ -40,20 +44,27 @@ pub struct Checksums {
 }
 
 impl Checksums {
-    /// Load `dir/wm_checksums.json`; `Ok(None)` when there is none.
-    pub fn load(dir: &Path) -> Result<Option<Checksums>> {
+    /// Load `dir/wm_checksums.json` before `deadline`; `Ok(None)` when there
+    /// is none. The file must be a regular file of at most
+    /// [`MAX_CHECKSUM_FILE_BYTES`].
+    pub fn load(dir: &Path, deadline: Instant) -> Result<Option<Checksums>> {
         let path = dir.join(CHECKSUM_FILE);
-        let text = match std::fs::read(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
-        };
+        match read_bounded(&path, MAX_CHECKSUM_FILE_BYTES, deadline)? {
+            Some(text) => Checksums::parse(&path, &text).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Parse the text of a checksum file found at `path` (named in errors).
+    /// Public so that it can be exercised (fuzzed) without files.
+    pub fn parse(path: &Path, text: &[u8]) -> Result<Checksums> {
         let bad = |why: String| Error::format(format!("{}: {why}", path.display()));
-        let json: FileJson = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        let json: FileJson = serde_json::from_slice(text).map_err(|e| bad(e.to_string()))?;
         if json.format != FORMAT || json.algorithm != "xxh3-128" {
             return Err(bad(format!(
                 "format '{}' / algorithm '{}' not understood",
-                json.format, json.algorithm
+                json.format.escape_debug(),
+                json.algorithm.escape_debug()
             )));
         }
         let mut files = HashMap::new();
@@ -61,13 +72,20 @@ impl Checksums {
             let mut tensors = HashMap::new();
             for (t, hex) in entry.tensors {
                 let c = parse_checksum_hex(&hex).ok_or_else(|| {
-                    bad(format!("checksum of '{t}' in {name} is not 32 hex digits"))
+                    bad(format!(
+                        "checksum of '{}' in {} is not 32 hex digits",
+                        t.escape_debug(),
+                        name.escape_debug()
+                    ))
                 })?;
                 tensors.insert(t, c);
             }
             files.insert(name, (entry.size, tensors));
         }
-        Ok(Some(Checksums { path, files }))
+        Ok(Checksums {
+            path: path.to_path_buf(),
+            files,
+        })
     }
 
     /// Checksums of file `name` (a name in the directory), checked against its
@@ -145,6 +163,11 @@ pub(crate) fn hash_file_ranges(
     results.into_inner()
 }
 
+/// `wm manifest` has no update deadline; reading headers still gets a bound.
+fn far_deadline() -> Instant {
+    Instant::now() + std::time::Duration::from_secs(600)
+}
+
 /// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`
 /// and write `dir/wm_checksums.json` (atomically, through a rename).
 pub fn write(dir: &Path, threads: usize) -> Result<Written> {
@@ -177,7 +200,7 @@ pub fn write_with_progress(
     let mut files = Vec::new();
     let mut jobs = Vec::new();
     for (fi, name) in names.iter().enumerate() {
-        let (file, header) = safetensors_file::open(&dir.join(name))?;
+        let (file, header) = safetensors_file::open(&dir.join(name), far_deadline())?;
         for (ti, t) in header.tensors.iter().enumerate() {
             jobs.push((fi, ti, t.offset, t.nbytes));
         }

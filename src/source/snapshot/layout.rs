@@ -16,13 +16,17 @@
 //! directory that holds a complete model should win over a shared, possibly
 //! stale, fallback location. The model dir may also be a single file.
 
+use super::regular_file::read_bounded;
 use crate::logging::Logger;
 use crate::result::{Error, Result};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
 pub const HF_INDEX: &str = "model.safetensors.index.json";
+/// Largest HuggingFace index read.
+pub const MAX_INDEX_BYTES: u64 = 32 << 20;
 /// SPEC.md: FastDeploy's fallback directory.
 pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
 
@@ -112,6 +116,15 @@ fn list_dir(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// The part number N of a part file's name, or why it has none. Digits only:
+/// `part+1` or `part 1` are not part 1.
+fn part_number(n: &str) -> std::result::Result<u64, &'static str> {
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("is not a number");
+    }
+    n.parse::<u64>().map_err(|_| "does not fit in 64 bits")
+}
+
 fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<PathBuf> {
     let prefix = format!("{stem}.part");
     let mut parts = Vec::new();
@@ -125,11 +138,12 @@ fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<
         if !EXTENSIONS.contains(&ext) {
             continue;
         }
-        match n.parse::<u64>() {
+        match part_number(n) {
             Ok(n) => parts.push((n, ext == "pdparams", dir.join(name))),
-            Err(_) => logger.warn(&format!(
-                "skipping {}: part number '{n}' is not a number",
-                dir.join(name).display()
+            Err(why) => logger.warn(&format!(
+                "skipping {}: part number '{}' {why}",
+                dir.join(name).display(),
+                n.escape_debug()
             )),
         }
     }
@@ -137,39 +151,37 @@ fn part_files(dir: &Path, names: &[String], stem: &str, logger: &Logger) -> Vec<
     parts.into_iter().map(|p| p.2).collect()
 }
 
-fn hf_layout(dir: &Path, names: &[String]) -> Result<Option<Layout>> {
+#[derive(serde::Deserialize)]
+struct IndexJson {
+    weight_map: HashMap<String, String>,
+}
+
+fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<Layout>> {
     let index_path = dir.join(HF_INDEX);
-    if index_path.is_file() {
-        let text = std::fs::read(&index_path)
-            .map_err(|e| Error::io(format!("reading {}", index_path.display()), e))?;
+    if let Some(text) = read_bounded(&index_path, MAX_INDEX_BYTES, deadline)? {
         let bad = |why: String| Error::format(format!("{}: {why}", index_path.display()));
-        let json: serde_json::Value =
-            serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| bad("no 'weight_map' object".into()))?;
-        let mut index = HashMap::new();
+        // Typed, not a generic JSON tree: memory stays a small multiple of
+        // the (bounded) file.
+        let json: IndexJson = serde_json::from_slice(&text)
+            .map_err(|e| bad(format!("not a weight_map index: {e}")))?;
+        let index = json.weight_map;
         let mut files = BTreeSet::new();
-        for (tensor, file) in map {
-            let file = file
-                .as_str()
-                .filter(|f| !f.is_empty() && !f.contains('/') && *f != "." && *f != "..")
-                .ok_or_else(|| {
-                    bad(format!(
-                        "weight_map['{tensor}'] is not a file name in the directory"
-                    ))
-                })?;
-            files.insert(file.to_string());
-            index.insert(tensor.clone(), file.to_string());
+        for (tensor, file) in &index {
+            if file.is_empty() || file.contains('/') || file == "." || file == ".." {
+                return Err(bad(format!(
+                    "weight_map['{}'] is not a file name in the directory",
+                    tensor.escape_debug()
+                )));
+            }
+            files.insert(file.as_str());
         }
         if index.is_empty() {
             return Err(bad("weight_map is empty".into()));
         }
         let mut paths = Vec::new();
         for f in files {
-            let p = dir.join(&f);
-            if !p.is_file() {
+            let p = dir.join(f);
+            if !p.exists() {
                 return Err(Error::not_found(format!(
                     "{} names shard {f}, which does not exist",
                     index_path.display()
@@ -198,8 +210,9 @@ fn hf_layout(dir: &Path, names: &[String]) -> Result<Option<Layout>> {
     }))
 }
 
-/// Find the files of `loc`'s snapshot. The not-found error names every place checked.
-pub fn resolve(loc: &SnapshotLocation, logger: &Logger) -> Result<Layout> {
+/// Find the files of `loc`'s snapshot, before `deadline`. The not-found
+/// error names every place checked.
+pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Result<Layout> {
     let dir = &loc.model_dir;
     if dir.is_file() {
         return Ok(Layout {
@@ -242,7 +255,7 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger) -> Result<Layout> {
     if let Some(p) = per_rank(dir, &legacy) {
         return Ok(one(LayoutKind::Legacy, p, dir));
     }
-    if let Some(layout) = hf_layout(dir, &names)? {
+    if let Some(layout) = hf_layout(dir, &names, deadline)? {
         return Ok(layout);
     }
     let mut checked = vec![
@@ -266,6 +279,10 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger) -> Result<Layout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn later() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(60)
+    }
 
     fn touch(dir: &Path, name: &str) {
         std::fs::write(dir.join(name), b"x").unwrap();
@@ -308,7 +325,7 @@ mod tests {
         let logger = Logger::closure(crate::logging::LogLevel::Debug, move |_, m| {
             l2.lock().push(m.into())
         });
-        let e = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap_err();
+        let e = resolve(&loc(d.path(), Some(fb.path())), &logger, later()).unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
         for want in [
             "model_state.tp1.3.partN",
@@ -326,32 +343,36 @@ mod tests {
         }
         touch(fb.path(), "model_state.tp1.3.safetensors");
         assert_eq!(
-            resolve(&loc(d.path(), Some(fb.path())), &logger)
+            resolve(&loc(d.path(), Some(fb.path())), &logger, later())
                 .unwrap()
                 .kind,
             LayoutKind::Fallback
         );
         touch(d.path(), "shard-00001.safetensors");
         touch(d.path(), "model_state.tp7.3.safetensors");
-        let l = resolve(&loc(d.path(), Some(fb.path())), &logger).unwrap();
+        let l = resolve(&loc(d.path(), Some(fb.path())), &logger, later()).unwrap();
         assert_eq!(
             (l.kind, names(&l)),
             (LayoutKind::HfShards, vec!["shard-00001.safetensors".into()])
         );
         touch(d.path(), "model_state.tp03.pdparams");
         assert_eq!(
-            resolve(&loc(d.path(), None), &logger).unwrap().kind,
+            resolve(&loc(d.path(), None), &logger, later())
+                .unwrap()
+                .kind,
             LayoutKind::Legacy
         );
         touch(d.path(), "model_state.tp1.3.safetensors");
         assert_eq!(
-            resolve(&loc(d.path(), None), &logger).unwrap().kind,
+            resolve(&loc(d.path(), None), &logger, later())
+                .unwrap()
+                .kind,
             LayoutKind::RankFile
         );
         for n in ["part10", "part2", "part1", "partX", "part"] {
             touch(d.path(), &format!("model_state.tp1.3.{n}.safetensors"));
         }
-        let l = resolve(&loc(d.path(), None), &logger).unwrap();
+        let l = resolve(&loc(d.path(), None), &logger, later()).unwrap();
         assert_eq!(l.kind, LayoutKind::RankParts);
         assert_eq!(
             names(&l),
@@ -374,10 +395,10 @@ mod tests {
             r#"{"metadata":{},"weight_map":{"x":"a.safetensors","y":"b.safetensors"}}"#,
         )
         .unwrap();
-        let e = resolve(&loc(d.path(), None), &Logger::default()).unwrap_err();
+        let e = resolve(&loc(d.path(), None), &Logger::default(), later()).unwrap_err();
         assert!(e.message.contains("b.safetensors"), "{e}");
         touch(d.path(), "b.safetensors");
-        let l = resolve(&loc(d.path(), None), &Logger::default()).unwrap();
+        let l = resolve(&loc(d.path(), None), &Logger::default(), later()).unwrap();
         assert_eq!(l.kind, LayoutKind::HfIndex);
         assert_eq!(l.files.len(), 2);
         assert_eq!(l.index.unwrap()["y"], "b.safetensors");

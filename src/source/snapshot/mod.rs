@@ -7,6 +7,12 @@
 //! with `pread` on every core, and closed before the next file is touched, so
 //! at most one part is open at a time.
 //!
+//! Trust: a model directory is written by someone else. Every file in it is
+//! opened only if it is a regular file (a FIFO or device is an error naming
+//! it, never a blocked `open`), every header and side file is read with a
+//! size bound the engine controls and within the update's deadline, and
+//! every length, offset and name in a header is checked before it is used.
+//!
 //! Why `pread` and not a memory map for the data: one copy either way, the
 //! same speed from the page cache, and a file truncated under us becomes a
 //! short read (a clean error, old weights kept in atomic mode) rather than a
@@ -14,6 +20,7 @@
 
 pub mod checksums;
 pub mod layout;
+pub mod regular_file;
 pub mod safetensors_file;
 pub mod version;
 
@@ -24,16 +31,22 @@ use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 pub use layout::{gpu_id, Layout, LayoutKind, SnapshotLocation, DEFAULT_FALLBACK_DIR};
-use safetensors_file::SafetensorsHeader;
-use std::path::PathBuf;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 /// Bytes handed to the applier per batch: bounds the memory a callback-mode
 /// update holds, and the interval between progress reports.
 pub(crate) const BATCH_BYTES: u64 = 256 << 20;
 
+/// The bound on opening a snapshot for a caller that has no deadline of its
+/// own (the publisher): every read still ends.
+const OPEN_BOUND: Duration = Duration::from_secs(600);
+
 pub struct SnapshotSource {
     layout: Layout,
-    files: Vec<(PathBuf, SafetensorsHeader)>,
+    /// Each file and its length when its header was read.
+    files: Vec<(PathBuf, u64)>,
     manifest: Manifest,
     /// Per manifest tensor: (file index, absolute offset in that file).
     locations: Vec<(usize, u64)>,
@@ -41,20 +54,33 @@ pub struct SnapshotSource {
 }
 
 impl SnapshotSource {
+    /// Open with a generous deadline, reading `version.yaml`.
     pub fn open(loc: &SnapshotLocation, logger: &Logger) -> Result<SnapshotSource> {
-        let layout = layout::resolve(loc, logger)?;
+        SnapshotSource::open_until(loc, logger, Instant::now() + OPEN_BOUND, true)
+    }
+
+    /// Resolve the layout and read every header (and the checksum file, and
+    /// `version.yaml` when `read_version`: an update that names its version
+    /// never reads it) before `deadline`.
+    pub fn open_until(
+        loc: &SnapshotLocation,
+        logger: &Logger,
+        deadline: Instant,
+        read_version: bool,
+    ) -> Result<SnapshotSource> {
+        let layout = layout::resolve(loc, logger, deadline)?;
         logger.debug(&format!(
             "rank {}: snapshot layout '{}' with {} file(s)",
             loc.rank,
             layout.kind.describe(),
             layout.files.len()
         ));
-        let checksums = checksums::Checksums::load(&layout.dir)?;
+        let checksums = checksums::Checksums::load(&layout.dir, deadline)?;
         let mut files = Vec::new();
         let mut manifest = Manifest::default();
         let mut locations = Vec::new();
         for (fi, path) in layout.files.iter().enumerate() {
-            let (_file, header) = safetensors_file::open(path)?;
+            let (_file, header) = safetensors_file::open(path, deadline)?;
             let file_name = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -63,49 +89,33 @@ impl SnapshotSource {
                 Some(c) => c.for_file(file_name, header.file_len)?,
                 None => None,
             };
-            for t in &header.tensors {
+            // Entries move into the manifest: a header is held once.
+            for t in header.tensors {
                 if let Some(index) = &layout.index {
-                    if index.get(&t.name).map(String::as_str) != Some(file_name) {
-                        return Err(Error::format(format!(
-                            "{}: tensor '{}' is in this shard but {} maps it to {}",
-                            path.display(),
-                            t.name,
-                            layout::HF_INDEX,
-                            index.get(&t.name).map_or("nothing", String::as_str)
-                        )));
-                    }
+                    check_in_index(index, path, file_name, &t.name)?;
                 }
-                manifest.tensors.push(TensorMeta {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    nbytes: t.nbytes,
-                    checksum: sums.and_then(|s| s.get(&t.name).copied()),
-                });
+                let checksum = sums.and_then(|s| s.get(&t.name).copied());
                 locations.push((fi, t.offset));
+                manifest.tensors.push(TensorMeta {
+                    name: t.name,
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    nbytes: t.nbytes,
+                    checksum,
+                });
             }
-            files.push((path.clone(), header));
+            files.push((path.clone(), header.file_len));
         }
         if let Some(index) = &layout.index {
-            if index.len() != manifest.tensors.len() {
-                let present: std::collections::HashSet<&str> =
-                    manifest.tensors.iter().map(|t| t.name.as_str()).collect();
-                let missing: Vec<&str> = index
-                    .keys()
-                    .map(String::as_str)
-                    .filter(|n| !present.contains(n))
-                    .take(5)
-                    .collect();
-                return Err(Error::format(format!(
-                    "{} lists tensor(s) its shards do not hold: {}",
-                    layout::HF_INDEX,
-                    missing.join(", ")
-                )));
-            }
+            check_index_covered(index, &manifest)?;
         }
-        let (version, no_version) = match version::read_version_yaml(&layout.dir) {
-            Ok(v) => (Some(v), String::new()),
-            Err(why) => (None, why),
+        let (version, no_version) = if !read_version {
+            (None, "the caller named a version".to_string())
+        } else {
+            match version::read_version_yaml(&layout.dir, deadline) {
+                Ok(v) => (Some(v), String::new()),
+                Err(why) => (None, why),
+            }
         };
         manifest.version = version;
         Ok(SnapshotSource {
@@ -133,6 +143,45 @@ impl SnapshotSource {
     }
 }
 
+/// A shard's tensor must be the one the HuggingFace index maps to it.
+fn check_in_index(
+    index: &HashMap<String, String>,
+    path: &Path,
+    file_name: &str,
+    tensor: &str,
+) -> Result<()> {
+    let mapped = index.get(tensor).map(String::as_str);
+    if mapped != Some(file_name) {
+        return Err(Error::format(format!(
+            "{}: tensor '{}' is in this shard but {} maps it to {}",
+            path.display(),
+            tensor.escape_debug(),
+            layout::HF_INDEX,
+            mapped.unwrap_or("nothing")
+        )));
+    }
+    Ok(())
+}
+
+/// Every tensor the HuggingFace index lists must be in some shard.
+fn check_index_covered(index: &HashMap<String, String>, manifest: &Manifest) -> Result<()> {
+    if index.len() == manifest.tensors.len() {
+        return Ok(());
+    }
+    let present: HashSet<&str> = manifest.tensors.iter().map(|t| t.name.as_str()).collect();
+    let missing: Vec<&str> = index
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !present.contains(n))
+        .take(5)
+        .collect();
+    Err(Error::format(format!(
+        "{} lists tensor(s) its shards do not hold: {}",
+        layout::HF_INDEX,
+        missing.join(", ")
+    )))
+}
+
 impl super::Source for SnapshotSource {
     fn manifest(&self) -> &Manifest {
         &self.manifest
@@ -152,24 +201,23 @@ impl super::Source for SnapshotSource {
     }
 
     fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        for (fi, (path, header)) in self.files.iter().enumerate() {
+        for (fi, (path, planned_len)) in self.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
                 .filter(|&t| self.locations[t].0 == fi && plan.entries[t].target != Target::Skip)
                 .collect();
             if wanted.is_empty() {
                 continue;
             }
+            applier.check_deadline()?;
             let shown = path.display().to_string();
-            let file =
-                std::fs::File::open(path).map_err(|e| Error::io(format!("opening {shown}"), e))?;
+            let file = regular_file::open_regular(path)?;
             let len = file
                 .metadata()
                 .map_err(|e| Error::io(format!("stat {shown}"), e))?
                 .len();
-            if len != header.file_len {
+            if len != *planned_len {
                 return Err(Error::format(format!(
-                    "{shown} changed after the plan was made (was {} bytes, now {len})",
-                    header.file_len
+                    "{shown} changed after the plan was made (was {planned_len} bytes, now {len})"
                 )));
             }
             let mut batch: Vec<Chunk> = Vec::new();

@@ -2,22 +2,31 @@
 //!
 //! The `safetensors` crate accepts duplicate tensor names (the last one wins)
 //! and does not check alignment, so headers are parsed here: the JSON object
-//! is read entry by entry, and a duplicate name, an overlapping or
-//! out-of-file range, a size that disagrees with dtype and shape, or a tensor
-//! whose first byte is not a multiple of its element size is an error naming
-//! the file and the tensor. Only the header is read; tensor bytes are read
-//! later straight into their destination.
+//! is read entry by entry, and a duplicate name, a name holding a NUL byte
+//! (C callers would see it cut short), an overlapping or out-of-file range, a
+//! size that disagrees with dtype and shape, or a tensor whose first byte is
+//! not a multiple of its element size is an error naming the file and the
+//! tensor. Only the header is read; tensor bytes are read later straight into
+//! their destination.
+//!
+//! Memory: a header is at most [`MAX_HEADER_BYTES`], checked before anything
+//! is allocated for it, and entries are parsed straight into
+//! [`TensorEntry`] (no generic JSON tree), so a header costs a small multiple
+//! of its size.
 
+use super::regular_file::{check_deadline, open_regular, read_exact_at_until};
 use crate::result::{Error, Result};
-use crate::tensor::{byte_size, shape_text, DType};
-use serde::de::{Deserializer, MapAccess, Visitor};
-use std::collections::HashSet;
+use crate::tensor::{byte_size, shape_text, DType, MAX_NDIM};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use std::borrow::Cow;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::time::Instant;
 
-/// Largest header accepted (the safetensors format's own limit).
-const MAX_HEADER: u64 = 100_000_000;
+/// Largest header accepted: room for hundreds of thousands of tensors in one
+/// file, a bound on the memory a hostile header can cost.
+pub const MAX_HEADER_BYTES: u64 = 32 << 20;
 
 #[derive(Clone, Debug)]
 pub struct TensorEntry {
@@ -36,23 +45,71 @@ pub struct SafetensorsHeader {
     pub file_len: u64,
 }
 
-struct Entries(Vec<(String, serde_json::Value)>);
+/// A shape, refused while parsing once it has more than `MAX_NDIM` dims.
+struct Shape(Vec<u64>);
 
-impl<'de> serde::Deserialize<'de> for Entries {
+impl<'de> Deserialize<'de> for Shape {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Entries;
+            type Value = Shape;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "a list of at most {MAX_NDIM} non-negative integers")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut s: A,
+            ) -> std::result::Result<Shape, A::Error> {
+                let mut dims = Vec::new();
+                while let Some(d) = s.next_element::<u64>()? {
+                    if dims.len() == MAX_NDIM {
+                        return Err(serde::de::Error::custom(format!(
+                            "shape has more than {MAX_NDIM} dimensions"
+                        )));
+                    }
+                    dims.push(d);
+                }
+                Ok(Shape(dims))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// One tensor's entry as written; unknown keys are ignored.
+#[derive(Deserialize)]
+struct RawEntry<'a> {
+    #[serde(borrow)]
+    dtype: Cow<'a, str>,
+    shape: Shape,
+    data_offsets: (u64, u64),
+}
+
+/// The header's entries in file order (`__metadata__` skipped unread).
+struct Entries<'a>(Vec<(Cow<'a, str>, RawEntry<'a>)>);
+
+impl<'de> Deserialize<'de> for Entries<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entries<'de>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(
                 self,
                 mut m: A,
-            ) -> std::result::Result<Entries, A::Error> {
+            ) -> std::result::Result<Entries<'de>, A::Error> {
                 let mut v = Vec::new();
-                while let Some(kv) = m.next_entry::<String, serde_json::Value>()? {
-                    v.push(kv);
+                while let Some(name) = m.next_key::<Cow<'de, str>>()? {
+                    if name == "__metadata__" {
+                        m.next_value::<IgnoredAny>()?;
+                        continue;
+                    }
+                    let entry = m.next_value::<RawEntry>().map_err(|e| {
+                        serde::de::Error::custom(format!("tensor '{}': {e}", name.escape_debug()))
+                    })?;
+                    v.push((name, entry));
                 }
                 Ok(Entries(v))
             }
@@ -61,125 +118,136 @@ impl<'de> serde::Deserialize<'de> for Entries {
     }
 }
 
-fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, path: &Path) -> Result<()> {
-    file.read_exact_at(buf, offset).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::format(format!(
-                "{}: file too short for its safetensors header",
-                path.display()
-            ))
-        } else {
-            Error::io(format!("reading {}", path.display()), e)
-        }
+/// Check one parsed entry against the file (`data_start`, `data_len`).
+fn check_entry(
+    p: &str,
+    name: Cow<str>,
+    raw: RawEntry,
+    data_start: u64,
+    data_len: u64,
+) -> Result<TensorEntry> {
+    let shown = name.escape_debug().to_string();
+    let bad = |why: &str| Error::format(format!("{p}: tensor '{shown}': {why}"));
+    if name.contains('\0') {
+        return Err(bad("the name holds a NUL byte"));
+    }
+    let dtype = DType::from_safetensors_name(&raw.dtype).ok_or_else(|| {
+        bad(&format!(
+            "dtype '{}' is not supported",
+            raw.dtype.escape_debug()
+        ))
+    })?;
+    let shape = raw.shape.0;
+    let (begin, end) = raw.data_offsets;
+    if end < begin || end > data_len {
+        return Err(bad(&format!(
+            "data_offsets [{begin}, {end}] fall outside the {data_len} data bytes of the file"
+        )));
+    }
+    let nbytes = byte_size(&format!("tensor '{shown}'"), dtype, &shape)
+        .map_err(|e| Error::format(format!("{p}: {}", e.message)))?;
+    if end - begin != nbytes {
+        return Err(bad(&format!(
+            "holds {} bytes but {dtype} {} needs {nbytes}",
+            end - begin,
+            shape_text(&shape)
+        )));
+    }
+    let offset = data_start + begin;
+    if offset % dtype.size() as u64 != 0 {
+        return Err(bad(&format!(
+            "starts at byte {offset}, not a multiple of its {}-byte element size (misaligned data)",
+            dtype.size()
+        )));
+    }
+    Ok(TensorEntry {
+        name: name.into_owned(),
+        dtype,
+        shape,
+        offset,
+        nbytes,
     })
 }
 
-/// Read and check the header of an open safetensors file.
-pub fn read_header(file: &File, path: &Path) -> Result<SafetensorsHeader> {
-    let p = path.display();
-    let file_len = file
-        .metadata()
-        .map_err(|e| Error::io(format!("stat {p}"), e))?
-        .len();
-    let mut n8 = [0u8; 8];
-    read_exact_at(file, &mut n8, 0, path)?;
-    let n = u64::from_le_bytes(n8);
-    if n > MAX_HEADER || n > file_len.saturating_sub(8) {
+/// Parse and check the JSON header `json` of a safetensors file of
+/// `file_len` bytes at `path` (named in errors). `json` is the header as
+/// stored, after its 8-byte length; the data starts right after it. Public
+/// so that the parser can be exercised (fuzzed) without files.
+pub fn parse_header(json: &[u8], file_len: u64, path: &Path) -> Result<SafetensorsHeader> {
+    let p = path.display().to_string();
+    let data_start = 8 + json.len() as u64;
+    if json.len() as u64 > MAX_HEADER_BYTES || data_start > file_len {
         return Err(Error::format(format!(
-            "{p}: not a safetensors file (header length {n} does not fit a {file_len}-byte file)"
+            "{p}: a {}-byte header does not fit a {file_len}-byte file within the \
+             {MAX_HEADER_BYTES}-byte header limit",
+            json.len()
         )));
     }
-    let mut header = vec![0u8; n as usize];
-    read_exact_at(file, &mut header, 8, path)?;
-    let entries: Entries = serde_json::from_slice(&header)
-        .map_err(|e| Error::format(format!("{p}: safetensors header is not a JSON object: {e}")))?;
-    let data_start = 8 + n;
+    let entries: Entries = serde_json::from_slice(json)
+        .map_err(|e| Error::format(format!("{p}: safetensors header is not valid: {e}")))?;
     let data_len = file_len - data_start;
-    let mut seen = HashSet::new();
-    let mut tensors = Vec::new();
-    for (name, value) in entries.0 {
-        if name == "__metadata__" {
-            continue;
-        }
-        if !seen.insert(name.clone()) {
-            return Err(Error::format(format!(
-                "{p}: tensor '{name}' appears twice in the header"
-            )));
-        }
-        let bad = |why: &str| Error::format(format!("{p}: tensor '{name}': {why}"));
-        let obj = value
-            .as_object()
-            .ok_or_else(|| bad("entry is not an object"))?;
-        let dtype_name = obj
-            .get("dtype")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| bad("no dtype"))?;
-        let dtype = DType::from_safetensors_name(dtype_name)
-            .ok_or_else(|| bad(&format!("dtype '{dtype_name}' is not supported")))?;
-        let shape: Vec<u64> = obj
-            .get("shape")
-            .and_then(|v| v.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .ok_or_else(|| bad("shape is not a list of non-negative integers"))?;
-        let offsets: Vec<u64> = obj
-            .get("data_offsets")
-            .and_then(|v| v.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .filter(|v: &Vec<u64>| v.len() == 2)
-            .ok_or_else(|| bad("data_offsets is not [begin, end]"))?;
-        let (begin, end) = (offsets[0], offsets[1]);
-        if end < begin || end > data_len {
-            return Err(bad(&format!(
-                "data_offsets [{begin}, {end}] fall outside the {data_len} data bytes of the file"
-            )));
-        }
-        let nbytes = byte_size(&format!("tensor '{name}'"), dtype, &shape)
-            .map_err(|e| Error::format(format!("{p}: {}", e.message)))?;
-        if end - begin != nbytes {
-            return Err(bad(&format!(
-                "holds {} bytes but {dtype} {} needs {nbytes}",
-                end - begin,
-                shape_text(&shape)
-            )));
-        }
-        let offset = data_start + begin;
-        if offset % dtype.size() as u64 != 0 {
-            return Err(bad(&format!(
-                "starts at byte {offset}, not a multiple of its {}-byte element size (misaligned data)",
-                dtype.size()
-            )));
-        }
-        tensors.push(TensorEntry {
-            name,
-            dtype,
-            shape,
-            offset,
-            nbytes,
-        });
+    let mut tensors = Vec::with_capacity(entries.0.len());
+    for (name, raw) in entries.0 {
+        tensors.push(check_entry(&p, name, raw, data_start, data_len)?);
     }
+    let mut by_name: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    by_name.sort_unstable();
+    if let Some(w) = by_name.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::format(format!(
+            "{p}: tensor '{}' appears twice in the header",
+            w[0].escape_debug()
+        )));
+    }
+    drop(by_name);
     tensors.sort_by_key(|t| (t.offset, t.nbytes));
     for w in tensors.windows(2) {
         if w[1].offset < w[0].offset + w[0].nbytes {
             return Err(Error::format(format!(
                 "{p}: tensors '{}' and '{}' overlap",
-                w[0].name, w[1].name
+                w[0].name.escape_debug(),
+                w[1].name.escape_debug()
             )));
         }
     }
     Ok(SafetensorsHeader { tensors, file_len })
 }
 
-/// Open `path` and read its header.
-pub fn open(path: &Path) -> Result<(File, SafetensorsHeader)> {
-    let file = File::open(path).map_err(|e| {
-        let code = if e.kind() == std::io::ErrorKind::NotFound {
-            crate::wm_result::WM_ERR_NOT_FOUND
-        } else {
-            crate::wm_result::WM_ERR_IO
-        };
-        Error::new(code, format!("opening {}: {e}", path.display()))
-    })?;
-    let header = read_header(&file, path)?;
+/// Read and check the header of an open safetensors file, before `deadline`.
+pub fn read_header(file: &File, path: &Path, deadline: Instant) -> Result<SafetensorsHeader> {
+    let p = path.display();
+    let file_len = file
+        .metadata()
+        .map_err(|e| Error::io(format!("stat {p}"), e))?
+        .len();
+    let short = || Error::format(format!("{p}: file too short for its safetensors header"));
+    let mut n8 = [0u8; 8];
+    if !read_exact_at_until(file, &mut n8, 0, deadline, path)? {
+        return Err(short());
+    }
+    let n = u64::from_le_bytes(n8);
+    if n > MAX_HEADER_BYTES {
+        return Err(Error::format(format!(
+            "{p}: safetensors header of {n} bytes is over the {MAX_HEADER_BYTES}-byte limit"
+        )));
+    }
+    if n > file_len.saturating_sub(8) {
+        return Err(Error::format(format!(
+            "{p}: not a safetensors file (header length {n} does not fit a {file_len}-byte file)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    if !read_exact_at_until(file, &mut header, 8, deadline, path)? {
+        return Err(short());
+    }
+    let parsed = parse_header(&header, file_len, path)?;
+    check_deadline(deadline, path, "parsing the header of")?;
+    Ok(parsed)
+}
+
+/// Open `path` (a regular file only) and read its header before `deadline`.
+pub fn open(path: &Path, deadline: Instant) -> Result<(File, SafetensorsHeader)> {
+    let file = open_regular(path)?;
+    let header = read_header(&file, path, deadline)?;
     Ok((file, header))
 }
 
@@ -187,6 +255,10 @@ pub fn open(path: &Path) -> Result<(File, SafetensorsHeader)> {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    fn later() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(60)
+    }
 
     fn write(dir: &Path, header: &str, data: usize) -> std::path::PathBuf {
         let path = dir.join("t.safetensors");
@@ -209,7 +281,7 @@ mod tests {
             r#"{"__metadata__":{"a":"b"},"w":{"dtype":"BF16","shape":[2,2],"data_offsets":[8,16]},"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}}"#,
             16,
         );
-        let (_, h) = open(&p).unwrap();
+        let (_, h) = open(&p, later()).unwrap();
         assert_eq!(h.tensors.len(), 2);
         assert_eq!(h.tensors[0].name, "s");
         assert_eq!(h.tensors[1].nbytes, 8);
@@ -243,16 +315,24 @@ mod tests {
                 r#"{"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#,
                 "not supported",
             ),
-            (r#"[1,2]"#, "not a JSON object"),
+            (r#"[1,2]"#, "a JSON object"),
+            (
+                r#"{"a\u0000b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                "NUL",
+            ),
+            (
+                r#"{"w":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,1]}}"#,
+                "more than 8 dimensions",
+            ),
         ];
         for (header, want) in cases {
             let p = write(d.path(), header, 8);
-            let e = open(&p).unwrap_err();
+            let e = open(&p, later()).unwrap_err();
             assert_eq!(e.code, crate::wm_result::WM_ERR_FORMAT, "{header}");
             assert!(e.message.contains(want), "{header}: {e}");
         }
         std::fs::write(d.path().join("junk"), b"hello").unwrap();
-        let e = open(&d.path().join("junk")).unwrap_err();
+        let e = open(&d.path().join("junk"), later()).unwrap_err();
         assert!(
             e.message.contains("short") || e.message.contains("not a safetensors"),
             "{e}"

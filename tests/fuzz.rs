@@ -1,0 +1,373 @@
+//! Seeded mutation fuzzing of everything that parses untrusted bytes: the
+//! safetensors header parser, the wire frame decoder, the checksum file and
+//! version.yaml readers, and the plan builder (manifest against registry).
+//! A target passes when every input parses or is refused with an error,
+//! without panic, within a time bound, and within bounded memory.
+//!
+//! A few seconds per target by default; `WM_FUZZ_SECONDS=60 cargo test
+//! --release --test fuzz` runs longer, `WM_FUZZ_SEED=<n>` replays a run
+//! (each target prints its seed).
+
+#[path = "common/mutator.rs"]
+mod mutator;
+
+use mutator::{fuzz, Target};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use weight_manager::logging::{LogLevel, Logger};
+use weight_manager::manifest::{Manifest, TensorMeta};
+use weight_manager::plan::{make_plan, PlanOptions, Target as PlanTarget};
+use weight_manager::registry::{ParamSpec, Registry};
+use weight_manager::source::snapshot::checksums::Checksums;
+use weight_manager::source::snapshot::safetensors_file::parse_header;
+use weight_manager::source::snapshot::version::parse_version_yaml;
+use weight_manager::tensor::DType;
+use weight_manager::wire::{BucketEntry, CudaBuffer, Frame};
+
+const JSON_TOKENS: &[&[u8]] = &[
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"\"",
+    b"\\u0000",
+    b"\\",
+    b"null",
+    b"true",
+    b"-1",
+    b"1e999",
+    b"18446744073709551616",
+    b"4294967296",
+    b"\"dtype\"",
+    b"\"shape\"",
+    b"\"data_offsets\"",
+    b"\"__metadata__\"",
+    b"\"F32\"",
+    b"\"BF16\"",
+    b"\"U8\"",
+    b"[0,8]",
+    b"[1,1,1,1,1,1,1,1,1]",
+];
+
+/// The data bytes every fuzzed safetensors file has after its header.
+const DATA: u64 = 256;
+
+/// A header padded with spaces so that the data starts 8-aligned, as
+/// safetensors writers do.
+fn padded(json: &[u8]) -> Vec<u8> {
+    let mut h = json.to_vec();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    h
+}
+
+#[test]
+fn fuzz_safetensors_header() {
+    let seeds = [
+        r#"{"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}}"#,
+        r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]},"e":{"dtype":"U8","shape":[0],"data_offsets":[8,8]},"i":{"dtype":"I64","shape":[3,1],"data_offsets":[8,32]}}"#,
+        r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b.c":{"dtype":"I8","shape":[2,2],"data_offsets":[3,7]}}"#,
+    ];
+    let target = Target {
+        name: "safetensors header",
+        seeds: seeds.iter().map(|s| s.as_bytes().to_vec()).collect(),
+        tokens: JSON_TOKENS,
+        max_len: 4096,
+    };
+    let path = Path::new("fuzz.safetensors");
+    fuzz(target, |input| {
+        // Padded like a writer pads, so that a mutation's length does not
+        // make every tensor misaligned.
+        let json = padded(input);
+        let file_len = 8 + json.len() as u64 + DATA;
+        let Ok(h) = parse_header(&json, file_len, path) else {
+            return false;
+        };
+        for w in h.tensors.windows(2) {
+            assert!(w[0].offset + w[0].nbytes <= w[1].offset, "overlap accepted");
+        }
+        for t in &h.tensors {
+            assert!(t.offset + t.nbytes <= file_len, "range outside the file");
+            assert!(!t.name.contains('\0'), "NUL in a name accepted");
+            assert_eq!(t.offset % t.dtype.size() as u64, 0, "misaligned");
+        }
+        true
+    });
+}
+
+fn frames() -> Vec<Frame> {
+    let meta = |name: &str, shape: &[u64], checksum| TensorMeta {
+        name: name.into(),
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+        nbytes: shape.iter().product::<u64>() * 4,
+        checksum,
+    };
+    vec![
+        Frame::Hello {
+            rank: 1,
+            world_size: 2,
+            gpu_id: "3".into(),
+            version: "v1".into(),
+        },
+        Frame::Manifest {
+            version: "v1".into(),
+            tensors: vec![meta("a", &[2, 3], Some(7)), meta("b", &[], None)],
+        },
+        Frame::Want {
+            tensors: vec![0, 1, 5],
+        },
+        Frame::Buffers {
+            sizes: vec![4096, 8],
+        },
+        Frame::CudaBuffers {
+            buffers: vec![CudaBuffer {
+                handle: [9; 64],
+                size: 1 << 20,
+            }],
+        },
+        Frame::Bucket {
+            seq: 4,
+            buffer: 1,
+            entries: vec![BucketEntry {
+                tensor: 0,
+                tensor_offset: 8,
+                len: 16,
+                buffer_offset: 0,
+            }],
+        },
+        Frame::Ack { seq: 4 },
+        Frame::End { buckets: 5 },
+        Frame::Error {
+            code: 3,
+            text: "no such version".into(),
+        },
+        Frame::Challenge { nonce: [1; 32] },
+        Frame::Proof {
+            mac: [2; 32],
+            nonce: [3; 32],
+        },
+        Frame::Ready {
+            address: vec![5; 40],
+            bucket_size: 1 << 20,
+            depth: 2,
+            direct: true,
+        },
+    ]
+}
+
+#[test]
+fn fuzz_wire_frame_decode() {
+    let target = Target {
+        name: "wire frame",
+        // encode() puts the 4-byte length in front of the body.
+        seeds: frames().iter().map(|f| f.encode()[4..].to_vec()).collect(),
+        tokens: &[
+            &[0],
+            &[1],
+            &[2],
+            &[0xff, 0xff, 0xff, 0xff],
+            &[0, 0, 0, 0x10],
+        ],
+        max_len: 4096,
+    };
+    fuzz(target, |body| {
+        let Ok(frame) = Frame::decode(body) else {
+            return false;
+        };
+        // Whatever decodes encodes back to the same frame.
+        let again = Frame::decode(&frame.encode()[4..]).expect("a re-encoded frame decodes");
+        assert_eq!(again, frame, "frame does not survive a round trip");
+        true
+    });
+}
+
+#[test]
+fn fuzz_checksum_file() {
+    let seed = r#"{
+  "format": "weight_manager.checksums.v1",
+  "algorithm": "xxh3-128",
+  "files": {
+    "a.safetensors": {"size": 123, "tensors": {"w": "000102030405060708090a0b0c0d0e0f", "b": "ffffffffffffffffffffffffffffffff"}},
+    "b.safetensors": {"size": 8, "tensors": {}}
+  }
+}"#;
+    let target = Target {
+        name: "checksum file",
+        seeds: vec![seed.as_bytes().to_vec()],
+        tokens: JSON_TOKENS,
+        max_len: 4096,
+    };
+    let path = Path::new("wm_checksums.json");
+    fuzz(target, |text| {
+        let Ok(c) = Checksums::parse(path, text) else {
+            return false;
+        };
+        let _ = c.for_file("a.safetensors", 123);
+        let _ = c.for_file("b.safetensors", 0);
+        true
+    });
+}
+
+#[test]
+fn fuzz_version_yaml() {
+    let seeds = [
+        "step: 12345\n",
+        "---\nname: run\nstep: '7'\nother: [1, {a: b}]\n...\n",
+        "a: {b: [c, d]}\nstep: 1.5 # comment\n",
+        "? step\n: !!str 9\n",
+    ];
+    let target = Target {
+        name: "version.yaml",
+        seeds: seeds.iter().map(|s| s.as_bytes().to_vec()).collect(),
+        tokens: &[
+            b"&a ",
+            b"*a",
+            b"[",
+            b"]",
+            b"{",
+            b"}",
+            b"step",
+            b": ",
+            b"\n",
+            b"- ",
+            b"!!str ",
+            b"!!int ",
+            b"---\n",
+            b"...\n",
+            b"? ",
+            b"|\n",
+            b">\n",
+            b"'",
+            b"\"",
+            b"#",
+            b"%YAML 1.2\n",
+            b"~",
+            b"\t",
+            b"  ",
+        ],
+        max_len: 2048,
+    };
+    fuzz(target, |bytes| {
+        let text = String::from_utf8_lossy(bytes);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        match parse_version_yaml(&text, deadline) {
+            Ok(step) => {
+                assert!(!step.is_empty(), "an empty step accepted");
+                true
+            }
+            Err(_) => false,
+        }
+    });
+}
+
+const PARAMS: [(&str, DType, &[u64]); 4] = [
+    ("w0", DType::F32, &[4, 2]),
+    ("w1", DType::Bf16, &[3]),
+    ("w2", DType::U8, &[]),
+    ("w3", DType::I64, &[2, 1, 2]),
+];
+const NAMES: [&str; 7] = ["w0", "w1", "w2", "w3", "x", "", "w0\0"];
+
+/// A manifest from bytes: per tensor a name pick, a dtype, a byte `k` whose
+/// low 4 bits count the dims that follow (0xff: u64::MAX, 0xfe: 2^32) and
+/// whose top bit says it has a checksum, then whether its size is right,
+/// off by one, or huge. Bytes that run out end the list.
+fn manifest_from(bytes: &[u8]) -> Manifest {
+    let mut it = bytes.iter().copied();
+    let mut tensors = Vec::new();
+    while let (Some(n), Some(d), Some(k)) = (it.next(), it.next(), it.next()) {
+        let dtype = DType::from_raw(d as u32 % 16).unwrap_or(DType::U8);
+        let shape: Vec<u64> = (0..k & 0x0f)
+            .map_while(|_| it.next())
+            .map(|b| match b {
+                0xff => u64::MAX,
+                0xfe => 1 << 32,
+                b => b as u64,
+            })
+            .collect();
+        let right = shape
+            .iter()
+            .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d));
+        let nbytes = match (it.next().unwrap_or(0) % 4, right) {
+            (0 | 1, Some(n)) => n,
+            (2, Some(n)) => n + 1,
+            _ => u64::MAX,
+        };
+        tensors.push(TensorMeta {
+            name: NAMES[n as usize % NAMES.len()].to_string(),
+            dtype,
+            shape,
+            nbytes,
+            checksum: (k & 0x80 != 0).then_some(k as u128),
+        });
+    }
+    Manifest {
+        tensors,
+        version: None,
+    }
+}
+
+/// The bytes `manifest_from` turns into exactly the registry's params.
+fn manifest_seed(flags: u8) -> Vec<u8> {
+    let mut out = vec![flags];
+    for (i, (_, dtype, shape)) in PARAMS.iter().enumerate() {
+        let raw = (0..16u8)
+            .find(|&r| DType::from_raw(r as u32) == Some(*dtype))
+            .expect("a raw dtype");
+        out.extend([i as u8, raw, shape.len() as u8 | 0x80]);
+        out.extend(shape.iter().map(|&d| d as u8));
+        out.push(0);
+    }
+    out
+}
+
+#[test]
+fn fuzz_plan_builder() {
+    let mut registry = Registry::default();
+    for (name, dtype, shape) in PARAMS {
+        registry
+            .allocate(&ParamSpec::host(name, dtype, shape))
+            .unwrap();
+    }
+    let logger = Logger::closure(LogLevel::Off, |_, _| {});
+    let target = Target {
+        name: "plan builder",
+        seeds: (0..8).map(manifest_seed).collect(),
+        tokens: &[&[0xff], &[0xfe], &[0, 0, 0], &[4, 0, 0x81, 1, 0]],
+        max_len: 1024,
+    };
+    fuzz(target, |bytes| {
+        let Some((&flags, rest)) = bytes.split_first() else {
+            return false;
+        };
+        let opts = PlanOptions {
+            skip_unknown: flags & 1 != 0,
+            callback: flags & 2 != 0,
+            verify: flags & 4 != 0,
+        };
+        let manifest = manifest_from(rest);
+        let Ok(plan) = make_plan(&manifest, &registry, opts, &logger) else {
+            return false;
+        };
+        assert_eq!(plan.entries.len(), manifest.tensors.len());
+        let mut bytes = 0;
+        for e in &plan.entries {
+            match e.target {
+                PlanTarget::Param(i) => {
+                    let p = &registry.params()[i];
+                    assert_eq!(
+                        (p.name.as_str(), p.nbytes as u64),
+                        (e.meta.name.as_str(), e.meta.nbytes)
+                    );
+                    bytes += e.meta.nbytes;
+                }
+                PlanTarget::Callback => bytes += e.meta.nbytes,
+                PlanTarget::Skip => {}
+            }
+        }
+        assert_eq!(plan.bytes, bytes, "plan bytes disagree with its entries");
+        true
+    });
+}
