@@ -147,8 +147,13 @@ impl<'a> In<'a> {
                 "wire: string of {n} bytes is over the {MAX_STRING} limit"
             )));
         }
-        String::from_utf8(self.take(n)?.to_vec())
-            .map_err(|_| Error::peer("wire: string is not UTF-8"))
+        let bytes = self.take(n)?;
+        // Names and versions end up in C strings (callbacks, error text):
+        // a NUL would cut them there, so no wire string may hold one.
+        if bytes.contains(&0) {
+            return Err(Error::peer("wire: string holds a NUL byte"));
+        }
+        String::from_utf8(bytes.to_vec()).map_err(|_| Error::peer("wire: string is not UTF-8"))
     }
     /// A count of items of at least `min_item` bytes each, checked against what is left.
     pub(crate) fn count(&mut self, min_item: usize, what: &str) -> Result<usize> {
@@ -668,6 +673,22 @@ mod tests {
             }],
         }
         .encode();
+        // A tensor name holding a NUL (it would be cut in a C string).
+        let nul = Frame::Manifest {
+            version: "1".into(),
+            tensors: vec![TensorMeta {
+                name: "w\0x".into(),
+                dtype: DType::F32,
+                shape: vec![4],
+                nbytes: 16,
+                checksum: None,
+            }],
+        }
+        .encode();
+        assert!(Frame::decode(&nul[4..])
+            .unwrap_err()
+            .message
+            .contains("NUL"));
         let at = m.len() - 9; // nbytes field
         m[at] = 17;
         assert!(Frame::decode(&m[4..])
