@@ -368,6 +368,18 @@ impl Manager {
         self.cancelled.store(true, Ordering::Release);
     }
 
+    /// A cancellation seen through the progress hook while the handle is
+    /// being destroyed is the destroy's doing, not the engine callback's.
+    fn cancel_cause(&self, e: Error) -> Error {
+        if e.code == crate::wm_result::WM_ERR_CANCELLED && self.cancelled.load(Ordering::Acquire) {
+            return Error::cancelled(format!(
+                "rank {}: the manager is being destroyed ({})",
+                self.config.rank, e.message
+            ));
+        }
+        e
+    }
+
     fn check_cancelled(&self) -> Result<()> {
         if self.cancelled.load(Ordering::Acquire) {
             return Err(Error::cancelled(format!(
@@ -685,7 +697,7 @@ impl Manager {
 
     /// Run one update. See the module docs for what failure leaves behind.
     pub fn update(&self, req: UpdateRequest) -> Result<UpdateStats> {
-        let r = self.try_update(req);
+        let r = self.try_update(req).map_err(|e| self.cancel_cause(e));
         let r = self.finish_action(State::Updating, r, |s| s.version.clone());
         self.recorded(r)
     }
