@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 const MAGIC: u64 = 0x574d_4752_4f55_5032; // "WMGROUP2"
 const RING: u64 = 64;
+const NO_RANK: u32 = u32::MAX;
 
 /// Where a rank sits in its engine.
 #[derive(Clone, Debug)]
@@ -192,6 +193,8 @@ pub struct Group {
     link: Link,
     step: u64,
     gen: u64,
+    /// The rank this process found dead (`NO_RANK`: none yet).
+    failed_rank: AtomicU32,
 }
 
 fn pack(step: u64, value: i32) -> u64 {
@@ -248,6 +251,7 @@ impl Group {
             link: Link::Member,
             step: 0,
             gen: 0,
+            failed_rank: AtomicU32::new(NO_RANK),
         };
         let me = g.me();
         me.pid.store(std::process::id(), Ordering::Relaxed);
@@ -259,6 +263,10 @@ impl Group {
         if g.cfg.local_rank == 0 {
             // Every local rank has mapped the segment (or gave up): the name can go.
             let _ = shm::unlink(&name);
+        }
+        if let Err(e) = &result {
+            // Ranks still waiting for `ready` learn the reason at once.
+            g.abort(e);
         }
         result.map(|_| g)
     }
@@ -290,15 +298,50 @@ impl Group {
         }
     }
 
-    /// Wait for local ranks, then (leaders) for the other nodes.
+    /// Wait for local ranks, then (leaders) for the other nodes. A rank that
+    /// arrived and then died is named at once: the group never meets with a
+    /// dead member.
     fn meet(&mut self, deadline: Instant) -> Result<()> {
+        self.meet_locally(deadline)?;
+        if self.cfg.local_rank == 0 {
+            self.link = if self.cfg.world_size == self.cfg.local_world_size {
+                Link::Local
+            } else if self.cfg.rank == 0 {
+                Link::Root(self.accept_leaders(deadline)?)
+            } else {
+                Link::Leader(self.connect_root(deadline)?)
+            };
+            self.check_arrived_alive()?;
+            self.header().ready.store(1, Ordering::Release);
+            return Ok(());
+        }
+        let leader_pid = self.slot(0).pid.load(Ordering::Relaxed);
+        while self.header().ready.load(Ordering::Acquire) == 0 {
+            self.check_abort()?;
+            if !shm::pid_alive(leader_pid) {
+                return Err(self.dead(0, "during the rendezvous"));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(format!(
+                    "group '{}': the other nodes did not all arrive within {:?}",
+                    self.cfg.name, self.cfg.timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// Leader and members: wait until every local rank joined the segment.
+    fn meet_locally(&self, deadline: Instant) -> Result<()> {
         let n = self.cfg.local_world_size;
         loop {
+            self.check_arrived_alive()?;
             let missing: Vec<u32> = (0..n)
                 .filter(|&i| self.slot(i).joined.load(Ordering::Acquire) == 0)
                 .collect();
             if missing.is_empty() {
-                break;
+                return Ok(());
             }
             if Instant::now() >= deadline {
                 let names = if self.cfg.world_size == n {
@@ -317,28 +360,18 @@ impl Group {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        if self.cfg.local_rank == 0 {
-            self.link = if self.cfg.world_size == n {
-                Link::Local
-            } else if self.cfg.rank == 0 {
-                Link::Root(self.accept_leaders(deadline)?)
-            } else {
-                Link::Leader(self.connect_root(deadline)?)
-            };
-            self.header().ready.store(1, Ordering::Release);
-            return Ok(());
+    }
+
+    /// Every local rank that joined is still alive.
+    fn check_arrived_alive(&self) -> Result<()> {
+        let dead = (0..self.cfg.local_world_size).find(|&i| {
+            let s = self.slot(i);
+            s.joined.load(Ordering::Acquire) != 0 && !shm::pid_alive(s.pid.load(Ordering::Relaxed))
+        });
+        match dead {
+            Some(i) => Err(self.dead(i, "after arriving at the rendezvous")),
+            None => Ok(()),
         }
-        let leader_pid = self.slot(0).pid.load(Ordering::Relaxed);
-        while self.header().ready.load(Ordering::Acquire) == 0 {
-            if Instant::now() >= deadline || !shm::pid_alive(leader_pid) {
-                return Err(Error::timeout(format!(
-                    "group '{}': the other nodes did not all arrive within {:?}",
-                    self.cfg.name, self.cfg.timeout
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
     }
 
     fn local_ranks(&self) -> Vec<u32> {
@@ -581,8 +614,15 @@ impl Group {
         }
     }
 
+    /// The rank this process found dead (for the report), if any.
+    pub fn failed_rank(&self) -> Option<u32> {
+        Some(self.failed_rank.load(Ordering::Relaxed)).filter(|&r| r != NO_RANK)
+    }
+
     pub(super) fn dead(&self, local: u32, when: &str) -> Error {
         let s = self.slot(local);
+        self.failed_rank
+            .store(s.rank.load(Ordering::Relaxed), Ordering::Relaxed);
         Error::peer(format!(
             "group '{}': rank {} (pid {}) died {when}",
             self.cfg.name,
