@@ -42,7 +42,7 @@ impl ControlCell {
     /// process-local flag, no syscall; see [`super::sigbus`]).
     fn check(&self) -> Result<()> {
         self.map
-            .check(&format!("control cell /dev/shm/{}", self.name))
+            .check(|| format!("control cell /dev/shm/{}", self.name))
     }
 
     /// The raw word. The Acquire load keeps the check after it.

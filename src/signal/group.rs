@@ -497,7 +497,12 @@ impl Group {
 
     pub(super) fn check_abort(&self) -> Result<()> {
         let h = self.header();
-        if h.aborted.load(Ordering::Acquire) == 0 {
+        let aborted = h.aborted.load(Ordering::Acquire);
+        // Reads of a segment that shrank under us return zeros (see
+        // `super::sigbus`): nothing read from it can be trusted any more.
+        self.map
+            .check(|| format!("group '{}': segment", self.cfg.name))?;
+        if aborted == 0 {
             return Ok(());
         }
         let bytes: Vec<u8> = h

@@ -124,7 +124,7 @@ impl ReportCell {
     }
 
     fn check(&self) -> Result<()> {
-        self.map.check(&format!("report /dev/shm/{}", self.name))
+        self.map.check(|| format!("report /dev/shm/{}", self.name))
     }
 
     /// The process that created the report (its rank 0).

@@ -77,15 +77,23 @@ impl SharedMapping {
         mapped
     }
 
-    /// The mapped bytes, or an error if the object shrank under this mapping
-    /// (see [`sigbus`]): callers check after each access through `ptr`.
-    pub fn check(&self, what: &str) -> Result<()> {
-        match self.guard {
-            Some(slot) if sigbus::faulted(slot) => Err(Error::format(format!(
-                "{what} was truncated or lost its pages while mapped (someone shrank it, or /dev/shm ran out of memory); its contents are gone"
-            ))),
-            _ => Ok(()),
+    /// Whether an access through `ptr` faulted because the object shrank
+    /// under this mapping (see [`sigbus`]); callers check after each access.
+    /// A load of a process-local flag: no syscall, no allocation.
+    #[inline]
+    pub fn faulted(&self) -> bool {
+        self.guard.is_some_and(sigbus::faulted)
+    }
+
+    /// [`Self::faulted`] as an error naming the object (`what`).
+    pub fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
+        if !self.faulted() {
+            return Ok(());
         }
+        Err(Error::format(format!(
+            "{} was truncated or lost its pages while mapped (someone shrank it, or /dev/shm ran out of memory); its contents are gone",
+            what()
+        )))
     }
 
     pub fn ptr(&self) -> *mut u8 {
@@ -154,7 +162,12 @@ fn size_and_map(fd: i32, len: usize, mode: OpenMode, what: &str) -> Result<Optio
         // Mode 0 fills holes and extends a new (empty) object to `len`; the
         // contents of an existing one are kept.
         if libc::fallocate(fd, 0, 0, len as libc::off_t) != 0 {
-            return Err(os_err(format!("reserving {len} bytes of {what}")));
+            let unsupported = *libc::__errno_location() == libc::EOPNOTSUPP;
+            // Without fallocate (not tmpfs) the size is still set; a fault
+            // on a page the filesystem cannot supply is caught by `sigbus`.
+            if !unsupported || (size < len && libc::ftruncate(fd, len as libc::off_t) != 0) {
+                return Err(os_err(format!("reserving {len} bytes of {what}")));
+            }
         }
         let p = libc::mmap(
             std::ptr::null_mut(),
