@@ -417,3 +417,54 @@ fn a_dead_rank_0_is_named_when_the_request_times_out() {
     assert!(e.message.contains(&format!("rank 0 (pid {pid})")), "{e}");
     assert_eq!(c.get().unwrap(), State::Cleared);
 }
+
+#[test]
+fn init_fails_when_a_member_on_another_node_died_during_the_rendezvous() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let group = unique("rdv2");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let node_args = |node: u32, local: u32| -> Vec<String> {
+        let mut a = worker_args(4, &group, None, 100, 60_000, dir.path());
+        a.extend(
+            [
+                "--node",
+                &node.to_string(),
+                "--local-rank",
+                &local.to_string(),
+                "--local-world",
+                "2",
+                "--addr",
+                &format!("127.0.0.1:{port}"),
+            ]
+            .map(String::from),
+        );
+        a
+    };
+    // Node 1 (ranks 2 and 3) and rank 0 first; rank 1 only after rank 3 died,
+    // so every rank has arrived when rank 0 welcomes node 1.
+    let mut ranks = spawn_ranks(&[2], &node_args(1, 0), dir.path());
+    ranks
+        .0
+        .append(&mut spawn_ranks(&[3], &node_args(1, 1), dir.path()).0);
+    ranks
+        .0
+        .append(&mut spawn_ranks(&[0], &node_args(0, 0), dir.path()).0);
+    wait_arrived(ranks.0[1].id(), &format!("/dev/shm/wm.{group}.n1"));
+    ranks.0[1].kill().unwrap();
+    ranks.0[1].wait().unwrap();
+    ranks
+        .0
+        .append(&mut spawn_ranks(&[1], &node_args(0, 1), dir.path()).0);
+    let status = wait_exit(&mut ranks.0[2], Duration::from_secs(30));
+    assert!(!status.success());
+    let err = std::fs::read_to_string(dir.path().join("stderr0.log")).unwrap();
+    assert!(
+        err.contains("init") && err.contains("rank 3 (pid"),
+        "rank 0: {err}"
+    );
+}

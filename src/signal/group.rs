@@ -311,7 +311,7 @@ impl Group {
             } else {
                 Link::Leader(self.connect_root(deadline)?)
             };
-            self.check_arrived_alive()?;
+            self.confirm_alive(deadline)?;
             self.header().ready.store(1, Ordering::Release);
             return Ok(());
         }
@@ -359,6 +359,59 @@ impl Group {
                 )));
             }
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The last step of the rendezvous: every leader checks that its local
+    /// ranks are all still alive and says so (`Arrive` of generation 0);
+    /// rank 0 waits for all of them, checks its own, and lets them go
+    /// (`Release` of generation 0). No rank's init succeeds with a member
+    /// that died during the rendezvous, on any node.
+    fn confirm_alive(&mut self, deadline: Instant) -> Result<()> {
+        self.check_arrived_alive()?;
+        let unexpected = |who: &str, other: Msg| -> Error {
+            match other {
+                Msg::Abort { reason } => Error::peer(format!("{who}: {reason}")),
+                other => Error::peer(format!(
+                    "{who}: expected the rendezvous confirmation, got {other:?}"
+                )),
+            }
+        };
+        match &mut self.link {
+            Link::Leader(up) => {
+                let confirm = Msg::Arrive {
+                    gen: 0,
+                    failures: Vec::new(),
+                };
+                link::send(up, &confirm, "rank 0")?;
+                match link::recv(up, deadline, "rank 0")? {
+                    Msg::Release { gen: 0, .. } => Ok(()),
+                    other => Err(unexpected("rank 0", other)),
+                }
+            }
+            Link::Root(peers) => {
+                for p in peers.iter_mut() {
+                    let who = p.who();
+                    match link::recv(&mut p.stream, deadline, &who)? {
+                        Msg::Arrive { gen: 0, .. } => {}
+                        other => return Err(unexpected(&who, other)),
+                    }
+                }
+                self.check_arrived_alive()?;
+                let Link::Root(peers) = &mut self.link else {
+                    unreachable!("matched above")
+                };
+                for p in peers.iter_mut() {
+                    let who = p.who();
+                    let go = Msg::Release {
+                        gen: 0,
+                        failures: Vec::new(),
+                    };
+                    link::send(&mut p.stream, &go, &who)?;
+                }
+                Ok(())
+            }
+            Link::Local | Link::Member => Ok(()),
         }
     }
 
