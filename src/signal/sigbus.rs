@@ -16,10 +16,15 @@
 //!   a process-local flag, no syscall) and turn a fault into an error naming
 //!   the object.
 //!
-//! What remains possible: between the fault and the check, the value read is
-//! zero (NORMAL for a control cell) for that one access, which is then
-//! discarded as an error; a host that later installs its own SIGBUS handler
-//! without chaining to the previous one takes this protection away.
+//! What remains possible: the access that faulted reads zero (NORMAL for a
+//! control cell) and is then discarded as an error; a write that faulted is
+//! lost (the object is gone anyway). The handler's only system call is
+//! `mmap`, which is not on POSIX's async-signal-safe list but is a plain
+//! system call on Linux. A host that later installs its own SIGBUS handler
+//! without chaining to the previous one takes this protection away, and
+//! mappings beyond [`SLOTS`] at once are unguarded (a SIGBUS there ends the
+//! process as before). Recovery means reopening: the handle (controller,
+//! manager) stays in error for that object.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
