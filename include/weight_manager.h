@@ -552,6 +552,10 @@ wm_result wm_last_create_error(char *buf, size_t len, size_t *out_written);
 // return a controller handle in `*out_controller`, owned by the caller and
 // freed with `wm_controller_destroy`.
 //
+// The cell's page is reserved here: a full /dev/shm is
+// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
+// A cell truncated later, while open, makes the calls on this handle fail
+// with `WM_ERR_FORMAT` naming it, never a crash.
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
 // On failure `*out_controller` is unchanged and the reason is kept for
 // `wm_last_create_error`. Thread-safe, never blocks.
@@ -578,8 +582,13 @@ wm_result wm_controller_set(wm_controller *controller, int32_t state);
 // `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
 // (up to date / already cleared), BUSY (the same action runs) or REFUSED
 // (the opposite action runs). The engine failing: its result code, with
-// the failing rank's reason in `wm_controller_last_error`. No answer in time:
-// `WM_ERR_TIMEOUT` (the word still holds the request). Blocks.
+// the failing rank's reason in `wm_controller_last_error` (a rank that died:
+// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
+// rank 0 gone (it created the report beside the cell, whose pid no longer
+// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
+// last failure, and the word moved to CLEARED. No answer in time:
+// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
+// cell that never settles is named in the error instead of waited on. Blocks.
 wm_result wm_controller_request(wm_controller *controller,
                                 int32_t action,
                                 uint64_t timeout_ms,
@@ -826,9 +835,20 @@ wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 // Get the signal every rank acts on this step (a `wm_state`: NORMAL,
 // UPDATING, CLEARING or CLEARED) into `*out_signal`.
 //
-// Rank 0's control cell decides; without a cell the signal is NORMAL. Cheap:
-// one shared-memory read, no syscall. This build serves world_size 1; larger
-// worlds get `WM_ERR_UNSUPPORTED` until the multi-rank control plane lands.
+// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
+// rank calls it once per step and all ranks get the same value for the same
+// step: with world_size above 1 the ranks must be in a group (`group_name`
+// in `wm_config`): shared memory among the ranks of a node, TCP between
+// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
+// value returns only after every rank got it (a barrier, bounded by the
+// group timeout). Several ranks without a group: `WM_ERR_STATE`.
+//
+// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
+// naming it, on every surviving rank, and the group stays failed (restart
+// the ranks); rank 0 then records the reason for the controller and moves a
+// pending request in the cell to CLEARED. A control cell truncated under the
+// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
+// that is no state: `WM_ERR_FORMAT`.
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_broadcast_signal(wm_manager *manager, int32_t *out_signal);
 

@@ -71,7 +71,9 @@ fn drive(cell: &str, ranks: &mut [Rank]) -> usize {
     let t = Duration::from_secs(10);
     let mut cycles = 0;
     while !all_exited(ranks) {
-        if c.wait_for(State::Normal, t).is_err() || c.cell().compare_exchange(0, 1).is_err() {
+        if c.wait_for(State::Normal, t).is_err()
+            || c.cell().compare_exchange(0, 1).unwrap().is_err()
+        {
             break;
         }
         if c.wait_for(State::Normal, t).is_err() {

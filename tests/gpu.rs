@@ -430,7 +430,7 @@ fn fanout_between_two_gpus() {
     for _ in 0..2 {
         ctl.wait_for(State::Normal, std::time::Duration::from_secs(60))
             .unwrap();
-        ctl.cell().compare_exchange(0, 1).unwrap();
+        ctl.cell().compare_exchange(0, 1).unwrap().unwrap();
         let done = ctl.wait_for(State::Normal, std::time::Duration::from_secs(120));
         if done.is_err() {
             for (child, _, err) in ranks.iter_mut() {

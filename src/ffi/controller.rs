@@ -36,6 +36,10 @@ fn state_arg(raw: i32) -> Result<State> {
 /// return a controller handle in `*out_controller`, owned by the caller and
 /// freed with `wm_controller_destroy`.
 ///
+/// The cell's page is reserved here: a full /dev/shm is
+/// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
+/// A cell truncated later, while open, makes the calls on this handle fail
+/// with `WM_ERR_FORMAT` naming it, never a crash.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
 /// On failure `*out_controller` is unchanged and the reason is kept for
 /// `wm_last_create_error`. Thread-safe, never blocks.
@@ -107,8 +111,13 @@ pub unsafe extern "C" fn wm_controller_set(
 /// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
 /// (up to date / already cleared), BUSY (the same action runs) or REFUSED
 /// (the opposite action runs). The engine failing: its result code, with
-/// the failing rank's reason in `wm_controller_last_error`. No answer in time:
-/// `WM_ERR_TIMEOUT` (the word still holds the request). Blocks.
+/// the failing rank's reason in `wm_controller_last_error` (a rank that died:
+/// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
+/// rank 0 gone (it created the report beside the cell, whose pid no longer
+/// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
+/// last failure, and the word moved to CLEARED. No answer in time:
+/// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
+/// cell that never settles is named in the error instead of waited on. Blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_controller_request(
     controller: *mut wm_controller,

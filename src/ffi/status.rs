@@ -77,9 +77,20 @@ pub unsafe extern "C" fn wm_status(
 /// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
 /// UPDATING, CLEARING or CLEARED) into `*out_signal`.
 ///
-/// Rank 0's control cell decides; without a cell the signal is NORMAL. Cheap:
-/// one shared-memory read, no syscall. This build serves world_size 1; larger
-/// worlds get `WM_ERR_UNSUPPORTED` until the multi-rank control plane lands.
+/// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
+/// rank calls it once per step and all ranks get the same value for the same
+/// step: with world_size above 1 the ranks must be in a group (`group_name`
+/// in `wm_config`): shared memory among the ranks of a node, TCP between
+/// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
+/// value returns only after every rank got it (a barrier, bounded by the
+/// group timeout). Several ranks without a group: `WM_ERR_STATE`.
+///
+/// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
+/// naming it, on every surviving rank, and the group stays failed (restart
+/// the ranks); rank 0 then records the reason for the controller and moves a
+/// pending request in the cell to CLEARED. A control cell truncated under the
+/// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
+/// that is no state: `WM_ERR_FORMAT`.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_broadcast_signal(

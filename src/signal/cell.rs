@@ -38,13 +38,23 @@ impl ControlCell {
         &self.name
     }
 
-    pub fn load(&self) -> i32 {
-        self.word().load(Ordering::Acquire)
+    /// Whether the object is still whole: checked after every access (a
+    /// process-local flag, no syscall; see [`super::sigbus`]).
+    fn check(&self) -> Result<()> {
+        self.map
+            .check(|| format!("control cell /dev/shm/{}", self.name))
+    }
+
+    /// The raw word. The Acquire load keeps the check after it.
+    pub fn load(&self) -> Result<i32> {
+        let raw = self.word().load(Ordering::Acquire);
+        self.check()?;
+        Ok(raw)
     }
 
     /// The cell's value as a state; anything but the four SPEC.md values is an error.
     pub fn read_state(&self) -> Result<State> {
-        let raw = self.load();
+        let raw = self.load()?;
         State::from_raw(raw).filter(|s| s.is_signal()).ok_or_else(|| {
             Error::format(format!(
                 "control cell /dev/shm/{} holds {raw}, which is not NORMAL(0), UPDATING(1), CLEARING(-1) or CLEARED(-2)",
@@ -53,17 +63,25 @@ impl ControlCell {
         })
     }
 
-    /// Set the cell from `expected` to `new`; returns the value found when it
-    /// was not `expected`.
-    pub fn compare_exchange(&self, expected: i32, new: i32) -> std::result::Result<(), i32> {
-        self.word()
+    /// Set the cell from `expected` to `new`; the inner `Err` is the value
+    /// found when it was not `expected`.
+    pub fn compare_exchange(
+        &self,
+        expected: i32,
+        new: i32,
+    ) -> Result<std::result::Result<(), i32>> {
+        let r = self
+            .word()
             .compare_exchange(expected, new, Ordering::AcqRel, Ordering::Acquire)
-            .map(|_| ())
+            .map(|_| ());
+        self.check()?;
+        Ok(r)
     }
 
     /// Unconditional store, for tools and tests that set a value by hand.
-    pub fn store(&self, value: i32) {
-        self.word().store(value, Ordering::Release)
+    pub fn store(&self, value: i32) -> Result<()> {
+        self.word().store(value, Ordering::SeqCst);
+        self.check()
     }
 
     /// Remove the shared-memory object's name (mappings stay valid).
@@ -82,10 +100,10 @@ mod tests {
         let a = ControlCell::open_or_create(&name).unwrap();
         let b = ControlCell::open_or_create(&name).unwrap();
         assert_eq!(a.read_state().unwrap(), State::Normal);
-        a.compare_exchange(0, 1).unwrap();
+        a.compare_exchange(0, 1).unwrap().unwrap();
         assert_eq!(b.read_state().unwrap(), State::Updating);
-        assert_eq!(b.compare_exchange(0, -1), Err(1));
-        b.compare_exchange(1, 7).unwrap();
+        assert_eq!(b.compare_exchange(0, -1).unwrap(), Err(1));
+        b.compare_exchange(1, 7).unwrap().unwrap();
         assert!(a.read_state().unwrap_err().message.contains("holds 7"));
         ControlCell::unlink(&name).unwrap();
         assert!(check_name("a/b").is_err());

@@ -39,8 +39,11 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
+mod rendezvous;
+
 const MAGIC: u64 = 0x574d_4752_4f55_5032; // "WMGROUP2"
 const RING: u64 = 64;
+const NO_RANK: u32 = u32::MAX;
 
 /// Where a rank sits in its engine.
 #[derive(Clone, Debug)]
@@ -192,6 +195,8 @@ pub struct Group {
     link: Link,
     step: u64,
     gen: u64,
+    /// The rank this process found dead (`NO_RANK`: none yet).
+    failed_rank: AtomicU32,
 }
 
 fn pack(step: u64, value: i32) -> u64 {
@@ -217,254 +222,14 @@ impl Group {
         std::mem::size_of::<Header>() + local_world as usize * std::mem::size_of::<Slot>()
     }
 
-    /// Rendezvous: returns once every rank of the group has joined, or fails
-    /// at the timeout naming the ranks that never arrived.
-    pub fn join(cfg: GroupConfig) -> Result<Group> {
-        cfg.check()?;
-        let deadline = Instant::now() + cfg.timeout;
-        let name = cfg.segment_name();
-        let size = Self::size_for(cfg.local_world_size);
-        let map = if cfg.local_rank == 0 {
-            let map = SharedMapping::open(&name, size, OpenMode::CreateFresh)?.expect("created");
-            // SAFETY: fresh zeroed mapping of `size` bytes.
-            let h = unsafe { &*(map.ptr() as *const Header) };
-            h.creator_pid.store(std::process::id(), Ordering::Relaxed);
-            h.local_world.store(cfg.local_world_size, Ordering::Relaxed);
-            h.magic.store(MAGIC, Ordering::Release);
-            map
-        } else {
-            Self::attach(&name, size, &cfg, deadline)?
-        };
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-        let spin = if cores >= cfg.local_world_size {
-            futex::SPIN
-        } else {
-            futex::SPIN_OVERSUBSCRIBED
-        };
-        let mut g = Group {
-            spin,
-            cfg,
-            map,
-            link: Link::Member,
-            step: 0,
-            gen: 0,
-        };
-        let me = g.me();
-        me.pid.store(std::process::id(), Ordering::Relaxed);
-        me.rank.store(g.cfg.rank, Ordering::Relaxed);
-        me.fanout
-            .store(g.cfg.fanout.map_or(0, |f| f + 1), Ordering::Relaxed);
-        me.joined.store(1, Ordering::Release);
-        let result = g.meet(deadline);
-        if g.cfg.local_rank == 0 {
-            // Every local rank has mapped the segment (or gave up): the name can go.
-            let _ = shm::unlink(&name);
-        }
-        result.map(|_| g)
-    }
-
-    fn attach(
-        name: &str,
-        size: usize,
-        cfg: &GroupConfig,
-        deadline: Instant,
-    ) -> Result<SharedMapping> {
-        loop {
-            if let Some(map) = SharedMapping::open(name, size, OpenMode::Existing)? {
-                // SAFETY: at least `size` bytes are mapped.
-                let h = unsafe { &*(map.ptr() as *const Header) };
-                let fresh = h.magic.load(Ordering::Acquire) == MAGIC
-                    && h.local_world.load(Ordering::Relaxed) == cfg.local_world_size
-                    && shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
-                if fresh {
-                    return Ok(map);
-                }
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::timeout(format!(
-                    "group '{}': rank {} waited {:?} for local rank 0 of node {} to create the group",
-                    cfg.name, cfg.rank, cfg.timeout, cfg.node_rank
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    /// Wait for local ranks, then (leaders) for the other nodes.
-    fn meet(&mut self, deadline: Instant) -> Result<()> {
-        let n = self.cfg.local_world_size;
-        loop {
-            let missing: Vec<u32> = (0..n)
-                .filter(|&i| self.slot(i).joined.load(Ordering::Acquire) == 0)
-                .collect();
-            if missing.is_empty() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                let names = if self.cfg.world_size == n {
-                    format!("ranks never arrived: {}", list(&missing))
-                } else {
-                    format!(
-                        "local ranks never arrived on node {}: {}",
-                        self.cfg.node_rank,
-                        list(&missing)
-                    )
-                };
-                return Err(Error::timeout(format!(
-                    "group '{}': {names}",
-                    self.cfg.name
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        if self.cfg.local_rank == 0 {
-            self.link = if self.cfg.world_size == n {
-                Link::Local
-            } else if self.cfg.rank == 0 {
-                Link::Root(self.accept_leaders(deadline)?)
-            } else {
-                Link::Leader(self.connect_root(deadline)?)
-            };
-            self.header().ready.store(1, Ordering::Release);
-            return Ok(());
-        }
-        let leader_pid = self.slot(0).pid.load(Ordering::Relaxed);
-        while self.header().ready.load(Ordering::Acquire) == 0 {
-            if Instant::now() >= deadline || !shm::pid_alive(leader_pid) {
-                return Err(Error::timeout(format!(
-                    "group '{}': the other nodes did not all arrive within {:?}",
-                    self.cfg.name, self.cfg.timeout
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
-    }
-
-    fn local_ranks(&self) -> Vec<u32> {
-        (0..self.cfg.local_world_size)
-            .map(|i| self.slot(i).rank.load(Ordering::Relaxed))
-            .collect()
-    }
-
-    fn accept_leaders(&self, deadline: Instant) -> Result<Vec<Peer>> {
-        let addr = self.cfg.addr.as_deref().expect("checked");
-        let listener = TcpListener::bind(addr).map_err(|e| {
-            Error::io(
-                format!("group '{}': rank 0 listening on {addr}", self.cfg.name),
-                e,
-            )
-        })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("listener", e))?;
-        let mut covered = vec![false; self.cfg.world_size as usize];
-        for r in self.local_ranks() {
-            covered[r as usize] = true;
-        }
-        let mut peers: Vec<Peer> = Vec::new();
-        while covered.iter().any(|c| !c) {
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(|e| Error::io("accepted socket", e))?;
-                    let _ = stream.set_nodelay(true);
-                    let mut stream = stream;
-                    let who = format!("group peer {from}");
-                    let hello = link::recv(&mut stream, deadline, &who);
-                    let (node, ranks) = match hello {
-                        Ok(Msg::Hello { group, node, ranks }) if group == self.cfg.name => {
-                            (node, ranks)
-                        }
-                        Ok(Msg::Hello { group, .. }) => {
-                            let reason = format!("group '{group}' is not '{}'", self.cfg.name);
-                            let _ = link::send(&mut stream, &Msg::Abort { reason }, &who);
-                            continue;
-                        }
-                        _ => continue,
-                    };
-                    for &r in &ranks {
-                        if r >= self.cfg.world_size || covered[r as usize] {
-                            let reason = format!("rank {r} is out of range or taken");
-                            let _ = link::send(
-                                &mut stream,
-                                &Msg::Abort {
-                                    reason: reason.clone(),
-                                },
-                                &who,
-                            );
-                            return Err(Error::invalid_argument(format!(
-                                "group '{}': node {node}: {reason}",
-                                self.cfg.name
-                            )));
-                        }
-                        covered[r as usize] = true;
-                    }
-                    peers.push(Peer {
-                        stream,
-                        node,
-                        ranks,
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<u32> = (0..self.cfg.world_size)
-                            .filter(|&r| !covered[r as usize])
-                            .collect();
-                        return Err(Error::timeout(format!(
-                            "group '{}': ranks never arrived: {}",
-                            self.cfg.name,
-                            list(&missing)
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => return Err(Error::io("accepting a group peer", e)),
-            }
-        }
-        for p in &mut peers {
-            let who = p.who();
-            link::send(&mut p.stream, &Msg::Welcome, &who)?;
-        }
-        Ok(peers)
-    }
-
-    fn connect_root(&self, deadline: Instant) -> Result<TcpStream> {
-        let addr = self.cfg.addr.as_deref().expect("checked");
-        let who = format!("rank 0 at {addr}");
-        let mut stream = loop {
-            match TcpStream::connect(addr) {
-                Ok(s) => break s,
-                Err(e) => {
-                    if Instant::now() >= deadline {
-                        return Err(Error::timeout(format!(
-                            "group '{}': node {} could not reach {who} within {:?} ({e})",
-                            self.cfg.name, self.cfg.node_rank, self.cfg.timeout
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let hello = Msg::Hello {
-            group: self.cfg.name.clone(),
-            node: self.cfg.node_rank,
-            ranks: self.local_ranks(),
-        };
-        link::send(&mut stream, &hello, &who)?;
-        match link::recv(&mut stream, deadline, &who)? {
-            Msg::Welcome => Ok(stream),
-            other => Err(Error::peer(format!(
-                "{who}: expected a welcome, got {other:?}"
-            ))),
-        }
-    }
-
     pub(super) fn check_abort(&self) -> Result<()> {
         let h = self.header();
-        if h.aborted.load(Ordering::Acquire) == 0 {
+        let aborted = h.aborted.load(Ordering::Acquire);
+        // Reads of a segment that shrank under us return zeros (see
+        // `super::sigbus`): nothing read from it can be trusted any more.
+        self.map
+            .check(|| format!("group '{}': segment", self.cfg.name))?;
+        if aborted == 0 {
             return Ok(());
         }
         let bytes: Vec<u8> = h
@@ -581,8 +346,15 @@ impl Group {
         }
     }
 
+    /// The rank this process found dead (for the report), if any.
+    pub fn failed_rank(&self) -> Option<u32> {
+        Some(self.failed_rank.load(Ordering::Relaxed)).filter(|&r| r != NO_RANK)
+    }
+
     pub(super) fn dead(&self, local: u32, when: &str) -> Error {
         let s = self.slot(local);
+        self.failed_rank
+            .store(s.rank.load(Ordering::Relaxed), Ordering::Relaxed);
         Error::peer(format!(
             "group '{}': rank {} (pid {}) died {when}",
             self.cfg.name,

@@ -19,6 +19,12 @@
 //! which rank failed and why, and each rank's `wm_status` has its own detail.
 //! If the controller changed the word meanwhile, the swap fails and rank 0
 //! leaves the newer request alone (the FastDeploy lost-update race).
+//!
+//! When the group itself fails (a rank died or stopped answering), rank 0
+//! writes the reason, naming the rank, into the report and, if the word
+//! holds a request, moves it to CLEARED; that report is kept after the
+//! engine exits. If rank 0 itself is gone, the controller notices while it
+//! waits (see [`controller`]).
 
 pub mod cell;
 pub mod controller;
@@ -28,6 +34,7 @@ pub mod group;
 pub mod link;
 pub mod report;
 pub mod shm;
+pub mod sigbus;
 
 use crate::logging::Logger;
 use crate::result::{wm_result, Error, Result};
@@ -36,6 +43,7 @@ pub use cell::ControlCell;
 pub use group::{Group, GroupConfig};
 use parking_lot::Mutex;
 use report::ReportCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub struct SignalPlane {
     rank: u32,
@@ -46,6 +54,8 @@ pub struct SignalPlane {
     /// The action (UPDATING or CLEARING) the last signal asked this rank for,
     /// until the matching update or clear finishes it.
     pending: Mutex<Option<State>>,
+    /// Set once the group failed: the report then outlives this engine.
+    group_failed: AtomicBool,
     logger: Logger,
 }
 
@@ -72,7 +82,16 @@ impl SignalPlane {
             None => (None, None),
         };
         let group = match group {
-            Some(g) if world_size > 1 => Some(Group::join(g)?),
+            Some(g) if world_size > 1 => match Group::join(g) {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    // No engine will serve the cell: leave no report behind.
+                    if let (Some(name), Some(_)) = (cell.as_ref().map(ControlCell::name), &report) {
+                        let _ = shm::unlink(&report::report_name(name));
+                    }
+                    return Err(e);
+                }
+            },
             _ => None,
         };
         Ok(SignalPlane {
@@ -82,6 +101,7 @@ impl SignalPlane {
             report,
             group: Mutex::new(group),
             pending: Mutex::new(None),
+            group_failed: AtomicBool::new(false),
             logger,
         })
     }
@@ -89,10 +109,9 @@ impl SignalPlane {
     /// The raw word: a value that is no state is published as it is, and every
     /// rank fails that step alike (the group itself goes on).
     fn read_cell(&self) -> Result<i32> {
-        Ok(self
-            .cell
+        self.cell
             .as_ref()
-            .map_or(State::Normal as i32, ControlCell::load))
+            .map_or(Ok(State::Normal as i32), ControlCell::load)
     }
 
     /// This step's signal. NORMAL costs one shared-memory read; any other
@@ -100,7 +119,13 @@ impl SignalPlane {
     pub fn broadcast(&self) -> Result<State> {
         let mut group = self.group.lock();
         let raw = match group.as_mut() {
-            Some(g) => g.broadcast(|| self.read_cell())?.1,
+            Some(g) => match g.broadcast(|| self.read_cell()) {
+                Ok((_, raw)) => raw,
+                Err(e) => {
+                    self.group_failed(&e, g.failed_rank());
+                    return Err(e);
+                }
+            },
             None if self.world_size > 1 => {
                 return Err(Error::state(format!(
                     "wm_broadcast_signal with world_size {} needs the ranks in a group: set group_name in wm_config",
@@ -157,11 +182,17 @@ impl SignalPlane {
         }
         let code = outcome.as_ref().err().map_or(0, |e| e.code as u32);
         let failures = match self.group.lock().as_mut() {
-            Some(g) => g.barrier(code as i32)?,
+            Some(g) => match g.barrier(code as i32) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.group_failed(&e, g.failed_rank());
+                    return Err(e);
+                }
+            },
             None if code != 0 => vec![(self.rank, code)],
             None => Vec::new(),
         };
-        let (Some(cell), Some(report)) = (&self.cell, &self.report) else {
+        let (Some(cell), Some(_)) = (&self.cell, &self.report) else {
             return Ok(());
         };
         let (done, target) = if action == State::Updating {
@@ -172,7 +203,7 @@ impl SignalPlane {
         let version = outcome.as_ref().map(String::as_str).unwrap_or("");
         let target = match failures.first() {
             None => {
-                report.write(
+                self.write_report(
                     0,
                     0,
                     action as i32,
@@ -194,24 +225,66 @@ impl SignalPlane {
                         failures[1..].iter().map(|(r, _)| r.to_string()).collect();
                     msg.push_str(&format!("; also failed on rank(s) {}", others.join(", ")));
                 }
-                report.write(code, rank, action as i32, version, &msg);
+                self.write_report(code, rank, action as i32, version, &msg);
                 State::Cleared
             }
         };
-        if let Err(now) = cell.compare_exchange(action as i32, target as i32) {
-            self.logger.warn(&format!(
+        self.move_word(cell, action as i32, target, done);
+        Ok(())
+    }
+
+    fn write_report(&self, code: u32, rank: u32, action: i32, version: &str, message: &str) {
+        if let Some(report) = &self.report {
+            if let Err(e) = report.write(code, rank, action, version, message) {
+                self.logger.warn(&format!("writing the report: {e}"));
+            }
+        }
+    }
+
+    /// Compare-and-swap the word from the action being served to `target`.
+    fn move_word(&self, cell: &ControlCell, action: i32, target: State, done: &str) {
+        match cell.compare_exchange(action, target as i32) {
+            Ok(Ok(())) => {}
+            Ok(Err(now)) => self.logger.warn(&format!(
                 "control cell {} changed to {now} during the {done}; leaving it (not writing {target})",
                 cell.name()
-            ));
+            )),
+            Err(e) => self.logger.warn(&format!("{e}")),
         }
-        Ok(())
+    }
+
+    /// Rank 0, after the group failed (a rank died, or stopped answering):
+    /// the report says why, naming the rank, and stays after this engine
+    /// exits (a controller asking later learns it). A request in the word
+    /// (UPDATING or CLEARING) can never finish now: the word goes to CLEARED,
+    /// from which the controller may ask again once the ranks restarted.
+    fn group_failed(&self, e: &Error, dead_rank: Option<u32>) {
+        let Some(cell) = &self.cell else { return };
+        self.group_failed.store(true, Ordering::Relaxed);
+        let Ok(raw) = cell.load() else { return };
+        let rank = dead_rank.unwrap_or(self.rank);
+        let done = match State::from_raw(raw) {
+            Some(State::Updating) => "update",
+            Some(State::Clearing) => "clear",
+            _ => {
+                let msg = format!("the engine's ranks stopped: {}", e.message);
+                return self.write_report(e.code as u32, rank, raw, "", &msg);
+            }
+        };
+        let msg = format!("{done} failed: {}", e.message);
+        self.write_report(e.code as u32, rank, raw, "", &msg);
+        self.move_word(cell, raw, State::Cleared, done);
     }
 }
 
 impl Drop for SignalPlane {
     /// The report describes a live engine: rank 0 removes it on the way out
-    /// (the cell itself is the controller's and stays).
+    /// (the cell itself is the controller's and stays), unless it says why
+    /// the group failed, which a controller must still be able to read.
     fn drop(&mut self) {
+        if self.group_failed.load(Ordering::Relaxed) {
+            return;
+        }
         if let (Some(cell), Some(_)) = (&self.cell, &self.report) {
             let _ = shm::unlink(&report::report_name(cell.name()));
         }

@@ -7,11 +7,23 @@
 //! into an error with a reason. It is a separate object, so a FastDeploy
 //! controller that knows only the cell is not disturbed.
 //!
-//! Written as a seqlock: odd sequence while writing, even when done.
+//! Written as a seqlock: odd sequence while writing, even when done. A
+//! reader waits at most [`SETTLE`] for a write to finish: a sequence that
+//! stays odd (rank 0 died mid-write, or the file is corrupt) is an error
+//! saying so, never a spin. The next report repairs it.
+//!
+//! The engine's rank 0 also records its pid (and pid namespace) when it
+//! creates the report, so a controller whose request times out can tell a
+//! dead engine from a slow one.
 
 use super::shm::{OpenMode, SharedMapping};
-use crate::result::Result;
+use crate::result::{Error, Result};
 use std::sync::atomic::{fence, AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a reader waits for a report being written (a write takes
+/// microseconds).
+pub const SETTLE: Duration = Duration::from_millis(100);
 
 const VERSION_LEN: usize = 256;
 const MESSAGE_LEN: usize = 1024;
@@ -22,7 +34,10 @@ struct Layout {
     code: AtomicU32,
     rank: AtomicU32,
     action: AtomicI32,
-    _pad: AtomicU32,
+    /// The engine's rank 0, written once at creation.
+    pid: AtomicU32,
+    /// Its pid namespace (inode of /proc/self/ns/pid; 0 if unknown).
+    pid_ns: AtomicU64,
     version: [AtomicU8; VERSION_LEN],
     message: [AtomicU8; MESSAGE_LEN],
 }
@@ -41,7 +56,21 @@ pub struct Report {
 }
 
 pub struct ReportCell {
+    name: String,
     map: SharedMapping,
+}
+
+/// Which process wrote the report's object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Engine {
+    pub pid: u32,
+    pub pid_ns: u64,
+}
+
+/// This process's pid namespace, 0 if unknown.
+pub fn own_pid_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
 }
 
 pub fn report_name(cell: &str) -> String {
@@ -66,24 +95,27 @@ fn read_text(src: &[AtomicU8]) -> String {
 }
 
 impl ReportCell {
+    /// The engine's rank 0: open or create the report and sign it with this
+    /// process's pid.
     pub fn open_or_create(cell: &str) -> Result<ReportCell> {
-        let map = SharedMapping::open(
-            &report_name(cell),
-            std::mem::size_of::<Layout>(),
-            OpenMode::OpenOrCreate,
-        )?
-        .expect("created");
-        Ok(ReportCell { map })
+        let name = report_name(cell);
+        let map =
+            SharedMapping::open(&name, std::mem::size_of::<Layout>(), OpenMode::OpenOrCreate)?
+                .expect("created");
+        let r = ReportCell { name, map };
+        r.layout().pid.store(std::process::id(), Ordering::Relaxed);
+        r.layout().pid_ns.store(own_pid_ns(), Ordering::Relaxed);
+        r.check()?;
+        Ok(r)
     }
 
     /// The report object if the engine made one.
     pub fn open_existing(cell: &str) -> Result<Option<ReportCell>> {
-        Ok(SharedMapping::open(
-            &report_name(cell),
-            std::mem::size_of::<Layout>(),
-            OpenMode::Existing,
-        )?
-        .map(|map| ReportCell { map }))
+        let name = report_name(cell);
+        Ok(
+            SharedMapping::open(&name, std::mem::size_of::<Layout>(), OpenMode::Existing)?
+                .map(|map| ReportCell { name, map }),
+        )
     }
 
     fn layout(&self) -> &Layout {
@@ -91,8 +123,30 @@ impl ReportCell {
         unsafe { &*(self.map.ptr() as *const Layout) }
     }
 
-    /// Publish a report (only rank 0 writes).
-    pub fn write(&self, code: u32, rank: u32, action: i32, version: &str, message: &str) {
+    fn check(&self) -> Result<()> {
+        self.map.check(|| format!("report /dev/shm/{}", self.name))
+    }
+
+    /// The process that created the report (its rank 0).
+    pub fn engine(&self) -> Result<Engine> {
+        let l = self.layout();
+        let e = Engine {
+            pid: l.pid.load(Ordering::Acquire),
+            pid_ns: l.pid_ns.load(Ordering::Acquire),
+        };
+        self.check()?;
+        Ok(e)
+    }
+
+    /// Publish a report (rank 0, or a controller that found rank 0 dead).
+    pub fn write(
+        &self,
+        code: u32,
+        rank: u32,
+        action: i32,
+        version: &str,
+        message: &str,
+    ) -> Result<()> {
         let l = self.layout();
         let seq = l.seq.load(Ordering::Relaxed);
         let start = seq | 1;
@@ -103,13 +157,37 @@ impl ReportCell {
         l.action.store(action, Ordering::Relaxed);
         write_text(&l.version, version);
         write_text(&l.message, message);
-        l.seq.store(start + 1, Ordering::Release);
+        l.seq.store(start + 1, Ordering::SeqCst);
+        self.check()
     }
 
-    /// A consistent copy of the last report.
-    pub fn read(&self) -> Report {
+    /// The raw sequence number: odd while (or if stuck) writing.
+    pub fn seq(&self) -> Result<u64> {
+        let s = self.layout().seq.load(Ordering::Acquire);
+        self.check()?;
+        Ok(s)
+    }
+
+    /// A consistent copy of the last report, waiting at most [`SETTLE`] for
+    /// a write in progress.
+    pub fn read(&self) -> Result<Report> {
+        let r = self.read_settled();
+        self.check()?;
+        r
+    }
+
+    fn read_settled(&self) -> Result<Report> {
         let l = self.layout();
+        let start = Instant::now();
+        let mut tries = 0u32;
         loop {
+            tries += 1;
+            if tries % 64 == 0 {
+                if start.elapsed() >= SETTLE {
+                    return Err(self.torn(l.seq.load(Ordering::Relaxed)));
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
             let s1 = l.seq.load(Ordering::Acquire);
             if s1 & 1 == 1 {
                 std::hint::spin_loop();
@@ -125,9 +203,16 @@ impl ReportCell {
             };
             fence(Ordering::Acquire);
             if l.seq.load(Ordering::Relaxed) == s1 {
-                return r;
+                return Ok(r);
             }
         }
+    }
+
+    fn torn(&self, seq: u64) -> Error {
+        Error::format(format!(
+            "report /dev/shm/{} never settled: its sequence number {seq} stayed odd (being written) for {SETTLE:?}, so rank 0 died while writing it or the file is corrupt",
+            self.name
+        ))
     }
 }
 
@@ -140,9 +225,11 @@ mod tests {
         let cell = format!("wm_test_report_{}", std::process::id());
         let w = ReportCell::open_or_create(&cell).unwrap();
         let r = ReportCell::open_existing(&cell).unwrap().unwrap();
-        assert_eq!(r.read().seq, 0);
-        w.write(10, 3, 1, "v7", "rank 3: checksum mismatch");
-        let got = r.read();
+        assert_eq!(r.read().unwrap().seq, 0);
+        assert_eq!(r.engine().unwrap().pid, std::process::id());
+        w.write(10, 3, 1, "v7", "rank 3: checksum mismatch")
+            .unwrap();
+        let got = r.read().unwrap();
         assert_eq!((got.seq, got.code, got.rank, got.action), (2, 10, 3, 1));
         assert_eq!(
             (got.version.as_str(), got.message.as_str()),
@@ -150,5 +237,19 @@ mod tests {
         );
         super::super::shm::unlink(&report_name(&cell)).unwrap();
         assert!(ReportCell::open_existing(&cell).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_torn_report_is_an_error_not_a_spin() {
+        let cell = format!("wm_test_torn_{}", std::process::id());
+        let w = ReportCell::open_or_create(&cell).unwrap();
+        w.layout().seq.store(5, Ordering::SeqCst);
+        let e = w.read().unwrap_err();
+        assert!(e.message.contains("never settled"), "{e}");
+        assert!(e.message.contains("5"), "{e}");
+        // The next write repairs it.
+        w.write(0, 0, 1, "v", "ok").unwrap();
+        assert_eq!(w.read().unwrap().seq, 6);
+        super::super::shm::unlink(&report_name(&cell)).unwrap();
     }
 }

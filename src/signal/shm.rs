@@ -1,14 +1,20 @@
 //! POSIX shared-memory objects (`/dev/shm/<name>`), mapped read-write.
 //!
-//! Sizes are checked before mapping and set with `ftruncate` on creation, so a
-//! short object is an error, never a SIGBUS on first access.
+//! Sizes are checked before mapping and the pages reserved with `fallocate`
+//! (on creation and on attach), so a short object or a full /dev/shm is an
+//! error, never a SIGBUS on first access. An object shrunk later, under a
+//! live mapping, is caught by [`sigbus`] and reported by
+//! [`SharedMapping::check`].
 
+use super::sigbus;
 use crate::result::{Error, Result};
 use std::ffi::CString;
 
 pub struct SharedMapping {
     ptr: *mut u8,
     len: usize,
+    /// Its slot in the SIGBUS guard; `None` only when every slot is taken.
+    guard: Option<usize>,
 }
 
 // SAFETY: the mapping is shared memory; all access goes through atomics.
@@ -51,63 +57,43 @@ pub enum OpenMode {
 }
 
 impl SharedMapping {
-    /// Open `/dev/shm/<name>` and map its first `len` bytes.
+    /// Open `/dev/shm/<name>` and map its first `len` bytes. The pages are
+    /// reserved (fallocate) before mapping: a full /dev/shm is
+    /// `WM_ERR_OUT_OF_MEMORY` here, never a SIGBUS later, and an object this
+    /// call created is removed again when it fails.
     pub fn open(name: &str, len: usize, mode: OpenMode) -> Result<Option<SharedMapping>> {
         let cname = c_name(name)?;
         let what = format!("/dev/shm/{name}");
-        // SAFETY: libc calls on a checked name and our own descriptor.
-        unsafe {
-            let flags = match mode {
-                OpenMode::OpenOrCreate => libc::O_RDWR | libc::O_CREAT,
-                OpenMode::CreateFresh => {
-                    libc::shm_unlink(cname.as_ptr());
-                    libc::O_RDWR | libc::O_CREAT | libc::O_EXCL
-                }
-                OpenMode::Existing => libc::O_RDWR,
-            };
-            let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
-            if fd < 0 {
-                if mode == OpenMode::Existing && *libc::__errno_location() == libc::ENOENT {
-                    return Ok(None);
-                }
-                return Err(os_err(format!("opening {what}")));
-            }
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(fd, &mut st) != 0 {
-                let e = os_err(format!("stat {what}"));
-                libc::close(fd);
-                return Err(e);
-            }
-            let size = st.st_size as usize;
-            if size == 0 && mode != OpenMode::Existing {
-                if libc::ftruncate(fd, len as libc::off_t) != 0 {
-                    let e = os_err(format!("sizing {what} to {len} bytes"));
-                    libc::close(fd);
-                    return Err(e);
-                }
-            } else if size < len {
-                libc::close(fd);
-                if mode == OpenMode::Existing {
-                    return Ok(None);
-                }
-                return Err(Error::format(format!(
-                    "{what} is {size} bytes, expected at least {len}"
-                )));
-            }
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            );
-            libc::close(fd);
-            if p == libc::MAP_FAILED {
-                return Err(os_err(format!("mapping {what}")));
-            }
-            Ok(Some(SharedMapping { ptr: p.cast(), len }))
+        let Some((fd, created)) = open_fd(&cname, &what, mode)? else {
+            return Ok(None);
+        };
+        let mapped = size_and_map(fd, len, mode, &what);
+        // SAFETY: our own descriptor; the mapping keeps the object alive.
+        unsafe { libc::close(fd) };
+        if created && !matches!(mapped, Ok(Some(_))) {
+            // SAFETY: plain libc call on a checked name.
+            unsafe { libc::shm_unlink(cname.as_ptr()) };
         }
+        mapped
+    }
+
+    /// Whether an access through `ptr` faulted because the object shrank
+    /// under this mapping (see [`sigbus`]); callers check after each access.
+    /// A load of a process-local flag: no syscall, no allocation.
+    #[inline]
+    pub fn faulted(&self) -> bool {
+        self.guard.is_some_and(sigbus::faulted)
+    }
+
+    /// [`Self::faulted`] as an error naming the object (`what`).
+    pub fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
+        if !self.faulted() {
+            return Ok(());
+        }
+        Err(Error::format(format!(
+            "{} was truncated or lost its pages while mapped (someone shrank it, or /dev/shm ran out of memory); its contents are gone",
+            what()
+        )))
     }
 
     pub fn ptr(&self) -> *mut u8 {
@@ -123,8 +109,91 @@ impl SharedMapping {
     }
 }
 
+/// Open the object's descriptor; `Ok(None)` for a missing `Existing` one.
+/// Also says whether this call created it.
+fn open_fd(cname: &CString, what: &str, mode: OpenMode) -> Result<Option<(i32, bool)>> {
+    // SAFETY: libc calls on a checked name.
+    unsafe {
+        if mode == OpenMode::CreateFresh {
+            libc::shm_unlink(cname.as_ptr());
+        }
+        if mode != OpenMode::Existing {
+            let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
+            let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
+            if fd >= 0 {
+                return Ok(Some((fd, true)));
+            }
+            if mode == OpenMode::CreateFresh || *libc::__errno_location() != libc::EEXIST {
+                return Err(os_err(format!("creating {what}")));
+            }
+        }
+        let fd = libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0o600);
+        if fd >= 0 {
+            return Ok(Some((fd, false)));
+        }
+        if mode == OpenMode::Existing && *libc::__errno_location() == libc::ENOENT {
+            return Ok(None);
+        }
+        Err(os_err(format!("opening {what}")))
+    }
+}
+
+/// Check (or, for a new empty object, set) the size, reserve the first `len`
+/// bytes' pages and map them.
+fn size_and_map(fd: i32, len: usize, mode: OpenMode, what: &str) -> Result<Option<SharedMapping>> {
+    // SAFETY: libc calls on our own descriptor.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut st) != 0 {
+            return Err(os_err(format!("stat {what}")));
+        }
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(Error::format(format!("{what} is not a regular file")));
+        }
+        let size = st.st_size as usize;
+        if size < len && (size != 0 || mode == OpenMode::Existing) {
+            if mode == OpenMode::Existing {
+                return Ok(None);
+            }
+            return Err(Error::format(format!(
+                "{what} is {size} bytes, expected at least {len}"
+            )));
+        }
+        // Mode 0 fills holes and extends a new (empty) object to `len`; the
+        // contents of an existing one are kept.
+        if libc::fallocate(fd, 0, 0, len as libc::off_t) != 0 {
+            let unsupported = *libc::__errno_location() == libc::EOPNOTSUPP;
+            // Without fallocate (not tmpfs) the size is still set; a fault
+            // on a page the filesystem cannot supply is caught by `sigbus`.
+            if !unsupported || (size < len && libc::ftruncate(fd, len as libc::off_t) != 0) {
+                return Err(os_err(format!("reserving {len} bytes of {what}")));
+            }
+        }
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return Err(os_err(format!("mapping {what}")));
+        }
+        let guard = sigbus::register(p as usize, len);
+        Ok(Some(SharedMapping {
+            ptr: p.cast(),
+            len,
+            guard,
+        }))
+    }
+}
+
 impl Drop for SharedMapping {
     fn drop(&mut self) {
+        if let Some(slot) = self.guard {
+            sigbus::unregister(slot);
+        }
         // SAFETY: we own this mapping.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }

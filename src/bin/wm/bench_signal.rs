@@ -209,7 +209,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     let cell = format!("wmbench_cell_{}", std::process::id());
     let c =
         weight_manager::signal::ControlCell::open_or_create(&cell).map_err(|e| e.to_string())?;
-    c.store(weight_manager::state::State::Cleared as i32);
+    c.store(weight_manager::state::State::Cleared as i32)
+        .map_err(|e| e.to_string())?;
     let barrier = run_ranks(n, (steps / 4).max(1000), work_us, Some(&cell));
     let _ = shm::unlink(&cell);
     let _ = shm::unlink(&format!("{cell}.wm_report"));

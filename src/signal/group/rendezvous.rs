@@ -1,0 +1,336 @@
+//! The rendezvous of a [`Group`]: the node's leader creates the segment,
+//! local ranks join it, leaders meet rank 0 over TCP, and every node
+//! confirms its ranks are alive before anyone returns (see the parent
+//! module's docs).
+
+use super::*;
+
+impl Group {
+    /// Rendezvous: returns once every rank of the group has joined, or fails
+    /// at the timeout naming the ranks that never arrived.
+    pub fn join(cfg: GroupConfig) -> Result<Group> {
+        cfg.check()?;
+        let deadline = Instant::now() + cfg.timeout;
+        let name = cfg.segment_name();
+        let size = Self::size_for(cfg.local_world_size);
+        let map = if cfg.local_rank == 0 {
+            let map = SharedMapping::open(&name, size, OpenMode::CreateFresh)?.expect("created");
+            // SAFETY: fresh zeroed mapping of `size` bytes.
+            let h = unsafe { &*(map.ptr() as *const Header) };
+            h.creator_pid.store(std::process::id(), Ordering::Relaxed);
+            h.local_world.store(cfg.local_world_size, Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+            map
+        } else {
+            Self::attach(&name, size, &cfg, deadline)?
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        let spin = if cores >= cfg.local_world_size {
+            futex::SPIN
+        } else {
+            futex::SPIN_OVERSUBSCRIBED
+        };
+        let mut g = Group {
+            spin,
+            cfg,
+            map,
+            link: Link::Member,
+            step: 0,
+            gen: 0,
+            failed_rank: AtomicU32::new(NO_RANK),
+        };
+        let me = g.me();
+        me.pid.store(std::process::id(), Ordering::Relaxed);
+        me.rank.store(g.cfg.rank, Ordering::Relaxed);
+        me.fanout
+            .store(g.cfg.fanout.map_or(0, |f| f + 1), Ordering::Relaxed);
+        me.joined.store(1, Ordering::Release);
+        let result = g.meet(deadline);
+        if g.cfg.local_rank == 0 {
+            // Every local rank has mapped the segment (or gave up): the name can go.
+            let _ = shm::unlink(&name);
+        }
+        if let Err(e) = &result {
+            // Ranks still waiting for `ready` learn the reason at once.
+            g.abort(e);
+        }
+        result.map(|_| g)
+    }
+
+    fn attach(
+        name: &str,
+        size: usize,
+        cfg: &GroupConfig,
+        deadline: Instant,
+    ) -> Result<SharedMapping> {
+        loop {
+            if let Some(map) = SharedMapping::open(name, size, OpenMode::Existing)? {
+                // SAFETY: at least `size` bytes are mapped.
+                let h = unsafe { &*(map.ptr() as *const Header) };
+                let fresh = h.magic.load(Ordering::Acquire) == MAGIC
+                    && h.local_world.load(Ordering::Relaxed) == cfg.local_world_size
+                    && shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
+                if fresh {
+                    return Ok(map);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(format!(
+                    "group '{}': rank {} waited {:?} for local rank 0 of node {} to create the group",
+                    cfg.name, cfg.rank, cfg.timeout, cfg.node_rank
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Wait for local ranks, then (leaders) for the other nodes. A rank that
+    /// arrived and then died is named at once: the group never meets with a
+    /// dead member.
+    fn meet(&mut self, deadline: Instant) -> Result<()> {
+        self.meet_locally(deadline)?;
+        if self.cfg.local_rank == 0 {
+            self.link = if self.cfg.world_size == self.cfg.local_world_size {
+                Link::Local
+            } else if self.cfg.rank == 0 {
+                Link::Root(self.accept_leaders(deadline)?)
+            } else {
+                Link::Leader(self.connect_root(deadline)?)
+            };
+            self.confirm_alive(deadline)?;
+            self.header().ready.store(1, Ordering::Release);
+            return Ok(());
+        }
+        let leader_pid = self.slot(0).pid.load(Ordering::Relaxed);
+        while self.header().ready.load(Ordering::Acquire) == 0 {
+            self.check_abort()?;
+            if !shm::pid_alive(leader_pid) {
+                return Err(self.dead(0, "during the rendezvous"));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(format!(
+                    "group '{}': the other nodes did not all arrive within {:?}",
+                    self.cfg.name, self.cfg.timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// Leader and members: wait until every local rank joined the segment.
+    fn meet_locally(&self, deadline: Instant) -> Result<()> {
+        let n = self.cfg.local_world_size;
+        loop {
+            self.check_arrived_alive()?;
+            let missing: Vec<u32> = (0..n)
+                .filter(|&i| self.slot(i).joined.load(Ordering::Acquire) == 0)
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let names = if self.cfg.world_size == n {
+                    format!("ranks never arrived: {}", list(&missing))
+                } else {
+                    format!(
+                        "local ranks never arrived on node {}: {}",
+                        self.cfg.node_rank,
+                        list(&missing)
+                    )
+                };
+                return Err(Error::timeout(format!(
+                    "group '{}': {names}",
+                    self.cfg.name
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The last step of the rendezvous: every leader checks that its local
+    /// ranks are all still alive and says so (`Arrive` of generation 0);
+    /// rank 0 waits for all of them, checks its own, and lets them go
+    /// (`Release` of generation 0). No rank's init succeeds with a member
+    /// that died during the rendezvous, on any node.
+    fn confirm_alive(&mut self, deadline: Instant) -> Result<()> {
+        self.check_arrived_alive()?;
+        let unexpected = |who: &str, other: Msg| -> Error {
+            match other {
+                Msg::Abort { reason } => Error::peer(format!("{who}: {reason}")),
+                other => Error::peer(format!(
+                    "{who}: expected the rendezvous confirmation, got {other:?}"
+                )),
+            }
+        };
+        match &mut self.link {
+            Link::Leader(up) => {
+                let confirm = Msg::Arrive {
+                    gen: 0,
+                    failures: Vec::new(),
+                };
+                link::send(up, &confirm, "rank 0")?;
+                match link::recv(up, deadline, "rank 0")? {
+                    Msg::Release { gen: 0, .. } => Ok(()),
+                    other => Err(unexpected("rank 0", other)),
+                }
+            }
+            Link::Root(peers) => {
+                for p in peers.iter_mut() {
+                    let who = p.who();
+                    match link::recv(&mut p.stream, deadline, &who)? {
+                        Msg::Arrive { gen: 0, .. } => {}
+                        other => return Err(unexpected(&who, other)),
+                    }
+                }
+                self.check_arrived_alive()?;
+                let Link::Root(peers) = &mut self.link else {
+                    unreachable!("matched above")
+                };
+                for p in peers.iter_mut() {
+                    let who = p.who();
+                    let go = Msg::Release {
+                        gen: 0,
+                        failures: Vec::new(),
+                    };
+                    link::send(&mut p.stream, &go, &who)?;
+                }
+                Ok(())
+            }
+            Link::Local | Link::Member => Ok(()),
+        }
+    }
+
+    /// Every local rank that joined is still alive.
+    fn check_arrived_alive(&self) -> Result<()> {
+        let dead = (0..self.cfg.local_world_size).find(|&i| {
+            let s = self.slot(i);
+            s.joined.load(Ordering::Acquire) != 0 && !shm::pid_alive(s.pid.load(Ordering::Relaxed))
+        });
+        match dead {
+            Some(i) => Err(self.dead(i, "after arriving at the rendezvous")),
+            None => Ok(()),
+        }
+    }
+
+    fn local_ranks(&self) -> Vec<u32> {
+        (0..self.cfg.local_world_size)
+            .map(|i| self.slot(i).rank.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    fn accept_leaders(&self, deadline: Instant) -> Result<Vec<Peer>> {
+        let addr = self.cfg.addr.as_deref().expect("checked");
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            Error::io(
+                format!("group '{}': rank 0 listening on {addr}", self.cfg.name),
+                e,
+            )
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("listener", e))?;
+        let mut covered = vec![false; self.cfg.world_size as usize];
+        for r in self.local_ranks() {
+            covered[r as usize] = true;
+        }
+        let mut peers: Vec<Peer> = Vec::new();
+        while covered.iter().any(|c| !c) {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    stream
+                        .set_nonblocking(false)
+                        .map_err(|e| Error::io("accepted socket", e))?;
+                    let _ = stream.set_nodelay(true);
+                    let mut stream = stream;
+                    let who = format!("group peer {from}");
+                    let hello = link::recv(&mut stream, deadline, &who);
+                    let (node, ranks) = match hello {
+                        Ok(Msg::Hello { group, node, ranks }) if group == self.cfg.name => {
+                            (node, ranks)
+                        }
+                        Ok(Msg::Hello { group, .. }) => {
+                            let reason = format!("group '{group}' is not '{}'", self.cfg.name);
+                            let _ = link::send(&mut stream, &Msg::Abort { reason }, &who);
+                            continue;
+                        }
+                        _ => continue,
+                    };
+                    for &r in &ranks {
+                        if r >= self.cfg.world_size || covered[r as usize] {
+                            let reason = format!("rank {r} is out of range or taken");
+                            let _ = link::send(
+                                &mut stream,
+                                &Msg::Abort {
+                                    reason: reason.clone(),
+                                },
+                                &who,
+                            );
+                            return Err(Error::invalid_argument(format!(
+                                "group '{}': node {node}: {reason}",
+                                self.cfg.name
+                            )));
+                        }
+                        covered[r as usize] = true;
+                    }
+                    peers.push(Peer {
+                        stream,
+                        node,
+                        ranks,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<u32> = (0..self.cfg.world_size)
+                            .filter(|&r| !covered[r as usize])
+                            .collect();
+                        return Err(Error::timeout(format!(
+                            "group '{}': ranks never arrived: {}",
+                            self.cfg.name,
+                            list(&missing)
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(Error::io("accepting a group peer", e)),
+            }
+        }
+        for p in &mut peers {
+            let who = p.who();
+            link::send(&mut p.stream, &Msg::Welcome, &who)?;
+        }
+        Ok(peers)
+    }
+
+    fn connect_root(&self, deadline: Instant) -> Result<TcpStream> {
+        let addr = self.cfg.addr.as_deref().expect("checked");
+        let who = format!("rank 0 at {addr}");
+        let mut stream = loop {
+            match TcpStream::connect(addr) {
+                Ok(s) => break s,
+                Err(e) => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::timeout(format!(
+                            "group '{}': node {} could not reach {who} within {:?} ({e})",
+                            self.cfg.name, self.cfg.node_rank, self.cfg.timeout
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let hello = Msg::Hello {
+            group: self.cfg.name.clone(),
+            node: self.cfg.node_rank,
+            ranks: self.local_ranks(),
+        };
+        link::send(&mut stream, &hello, &who)?;
+        match link::recv(&mut stream, deadline, &who)? {
+            Msg::Welcome => Ok(stream),
+            other => Err(Error::peer(format!(
+                "{who}: expected a welcome, got {other:?}"
+            ))),
+        }
+    }
+}
