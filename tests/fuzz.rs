@@ -153,6 +153,7 @@ fn frames() -> Vec<Frame> {
             bucket_size: 1 << 20,
             depth: 2,
             direct: true,
+            keyed: true,
         },
     ]
 }

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 pub const CHECKSUM_FILE: &str = "wm_checksums.json";
 /// Largest checksum file read (about 100 bytes per tensor).
-pub const MAX_CHECKSUM_FILE_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_CHECKSUM_FILE_BYTES: u64 = 64 << 20;
 const FORMAT: &str = "weight_manager.checksums.v1";
 
 #[derive(Serialize, Deserialize)]

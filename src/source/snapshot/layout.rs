@@ -26,7 +26,7 @@ use std::time::Instant;
 pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 /// Largest HuggingFace index read.
-pub const MAX_INDEX_BYTES: u64 = 32 << 20;
+pub(crate) const MAX_INDEX_BYTES: u64 = 32 << 20;
 /// SPEC.md: FastDeploy's fallback directory.
 pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
 

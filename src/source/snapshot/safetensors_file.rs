@@ -26,7 +26,7 @@ use std::time::Instant;
 
 /// Largest header accepted: room for hundreds of thousands of tensors in one
 /// file, a bound on the memory a hostile header can cost.
-pub const MAX_HEADER_BYTES: u64 = 32 << 20;
+pub(crate) const MAX_HEADER_BYTES: u64 = 32 << 20;
 
 #[derive(Clone, Debug)]
 pub struct TensorEntry {

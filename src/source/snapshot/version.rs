@@ -16,7 +16,7 @@ use yaml_rust2::Yaml;
 pub const VERSION_FILE: &str = "version.yaml";
 
 /// Largest `version.yaml` read: it holds one short mapping.
-pub const MAX_VERSION_FILE_BYTES: u64 = 64 << 10;
+pub(crate) const MAX_VERSION_FILE_BYTES: u64 = 64 << 10;
 
 /// Events parsed between deadline checks.
 const EVENTS_PER_CHECK: usize = 1024;
