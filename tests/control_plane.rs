@@ -3,27 +3,16 @@
 
 mod common;
 
+use common::ShmNames as Names;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager::signal::controller::{Controller, RequestOutcome};
-use weight_manager::signal::shm;
 use weight_manager::state::State;
 use weight_manager::tensor::DType;
 
 const WM: &str = env!("CARGO_BIN_EXE_wm");
-
-/// Removes the cell and its report when the test ends.
-struct Names(Vec<String>);
-
-impl Drop for Names {
-    fn drop(&mut self) {
-        for n in &self.0 {
-            let _ = shm::unlink(n);
-            let _ = shm::unlink(&format!("{n}.wm_report"));
-        }
-    }
-}
 
 fn unique(tag: &str) -> String {
     format!("wm_it_{tag}_{}", std::process::id())

@@ -9,25 +9,14 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use weight_manager::manager::{Manager, ManagerConfig};
 use weight_manager::signal::controller::Controller;
-use weight_manager::signal::shm;
 use weight_manager::state::State;
 use weight_manager::wm_result;
 
 mod common;
 
+use common::ShmNames as Names;
+
 const WM: &str = env!("CARGO_BIN_EXE_wm");
-
-/// Removes the cell and its report when the test ends.
-struct Names(Vec<String>);
-
-impl Drop for Names {
-    fn drop(&mut self) {
-        for n in &self.0 {
-            let _ = shm::unlink(n);
-            let _ = shm::unlink(&format!("{n}.wm_report"));
-        }
-    }
-}
 
 fn unique(tag: &str) -> String {
     format!("wm_ft_{tag}_{}", std::process::id())

@@ -146,3 +146,16 @@ pub fn update_killing_publisher(
     );
     e
 }
+
+/// Shared-memory names (a control cell and its report) unlinked when the
+/// test ends.
+pub struct ShmNames(pub Vec<String>);
+
+impl Drop for ShmNames {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = weight_manager::signal::shm::unlink(n);
+            let _ = weight_manager::signal::shm::unlink(&format!("{n}.wm_report"));
+        }
+    }
+}
