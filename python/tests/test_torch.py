@@ -70,8 +70,9 @@ INPUT = torch.arange(CTX).remainder(VOCAB).unsqueeze(0)
 
 
 def run_trainer(sock, out_dir, ready1, ready2):
-    """Publishes step-1, trains one real step in place, serves step-2 from
-    the same tensors (nothing added again): saves what it served each time."""
+    """Serves step-1 live from the state_dict's tensors, trains one real
+    step in place, publishes step-2 from the same tensors (nothing added
+    again): saves what it served each time."""
     torch.manual_seed(0)
     model = make_model(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -88,6 +89,12 @@ def run_trainer(sock, out_dir, ready1, ready2):
             with torch.no_grad():
                 torch.save({"state": model.state_dict(), "out": model(INPUT)}, os.path.join(out_dir, f"step-{step}.pt"))
             p.set_version(f"step-{step}")
+            if step == 2:
+                # publish() copies now: what the trainer does next is not served.
+                p.publish()
+                with torch.no_grad():
+                    for t in model.parameters():
+                        t.zero_()
             ready.set()
             st = p.serve(1, timeout=60)
             assert st.sessions == 1 and st.bytes > 0
@@ -262,6 +269,7 @@ def test_progress_final_line_when_not_a_tty(tmp_path):
     lines = out.stderr.decode().strip().splitlines()
     assert lines == [lines[-1]] and lines[-1].startswith("updated to v1: 2 tensors, 0.00 GB in "), lines
     assert "[" not in lines[-1]
+    assert out.stdout.decode().strip() == "False"  # progress=True did not import torch either
 
 
 def test_progress_bar_on_a_terminal(tmp_path):

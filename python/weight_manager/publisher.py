@@ -107,9 +107,11 @@ class Publisher(OwnedHandle):
     def add_state_dict(self, state_dict, *, rank: int = -1, contiguous: str = "refuse") -> dict:
         """Publish every entry of a `model.state_dict()` (name -> torch.Tensor)
         by pointer: CPU tensors as host memory, CUDA tensors through the
-        device path (add_device). Each tensor is read where it lies, so the
-        trainer may keep training in place and add nothing again: the next
-        publish() or serve() reads the new values.
+        device path (add_device: served once publish() copies them). Each
+        tensor is read where it lies, so the trainer may keep training in
+        place and add nothing again: the next publish() or serve() reads the
+        new values (publish() takes its copy at once; live CPU tensors are
+        read while serve() runs, so do not step the optimizer meanwhile).
 
         References to the tensors are kept until clear() or close() (the
         publisher may read them until then). Non-contiguous tensors are
