@@ -6,11 +6,16 @@
         m.register("w", w)
         stats = m.update()           # snapshot from model_dir, version from version.yaml
         m.clear()
+
+PyTorch (never imported unless you pass torch objects):
+    publisher.add_state_dict(model.state_dict())     # trainer
+    manager.register_module(model)                    # engine: updates in place
 """
 
-from .manager import Controller, DeviceArray, Manager, Progress, Status, UpdateStats, WeightManagerError, version
+from .manager import (Controller, DeviceArray, Manager, Progress, RegisteredModule, Status, UpdateStats,
+                      WeightManagerError, version)
 from .publisher import Publisher, ServeStats
 from .types import DType, Result, Source, State
 
-__all__ = ["Controller", "DeviceArray", "Manager", "Publisher", "ServeStats", "Progress", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "DeviceArray", "Manager", "Publisher", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Result", "Source", "State"]

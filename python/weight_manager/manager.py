@@ -2,15 +2,18 @@
 
 import ctypes
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
-from . import _lib
+from . import _lib, torch_bridge
+from .progress_bar import ProgressBar
+from .torch_bridge import HOST
 from .types import (DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, DType, Result,
                     Source, State, parse_dtype)
 
 LIB = _lib.LIB
+MEMORY_DEVICE = 1  # wm_memory: WM_MEMORY_DEVICE
 
 
 class WeightManagerError(Exception):
@@ -51,6 +54,15 @@ class Status:
     # device params), as the driver reports it.
     device_bytes_freed: int = 0
     device_bytes_restored: int = 0
+
+
+@dataclass
+class RegisteredModule:
+    """What Manager.register_module registered: `params` (published name ->
+    the module's tensor) and `aliases` (tied name -> the registered name
+    whose memory it shares)."""
+    params: dict
+    aliases: dict
 
 
 @dataclass
@@ -273,10 +285,43 @@ class Manager(OwnedHandle):
         if wm_dtype.itemsize != array.dtype.itemsize:
             raise ValueError(f"param '{name}': dtype {wm_dtype.name} needs {wm_dtype.itemsize}-byte "
                              f"items, the array has {array.dtype.itemsize}")
-        d, keep = self._desc(name, wm_dtype, array.shape)
-        self._check(LIB.wm_register_param(self._h(), ctypes.byref(d),
-                                          ctypes.c_void_p(array.ctypes.data), array.nbytes))
-        self._params[name] = array
+        self._register_memory(name, array.ctypes.data, array.nbytes, wm_dtype, array.shape, HOST, array)
+
+    def _register_memory(self, name: str, ptr: int, nbytes: int, dtype: DType, shape, device: int,
+                         owner) -> None:
+        """wm_register_param for host (device HOST) or CUDA memory; `owner`
+        (the array or tensor) is kept alive as long as the manager."""
+        d, keep = self._desc(name, dtype, shape)
+        if device != HOST:
+            d.memory, d.device_ordinal = MEMORY_DEVICE, device
+        self._check(LIB.wm_register_param(self._h(), ctypes.byref(d), ctypes.c_void_p(ptr or None), nbytes))
+        self._params[name] = owner
+
+    def register_module(self, module, name_map=None, prefix: str = "") -> RegisteredModule:
+        """Register every tensor of a torch.nn.Module's state_dict (parameters
+        and persistent buffers, CPU or CUDA) as an engine-owned param at the
+        tensor's own memory: updates write the module's weights in place.
+
+        The published name of module name `n` is `name_map(prefix + n)`
+        (a callable, or a dict: names it lacks stay as they are; None skips
+        the tensor). Tied tensors (one memory under several names) are
+        registered once, under the first name, as Publisher.add_state_dict
+        publishes them; the others are in the result's `aliases`.
+        Non-contiguous tensors are refused, naming them.
+
+        The library writes the memory directly: autograd does not see it
+        (like a write under torch.no_grad(), but the tensors' version
+        counters are not bumped either), so do not update while a backward
+        pass still needs the old values."""
+        named = []
+        for name, tensor in torch_bridge.module_state(module):
+            published = torch_bridge.map_name(prefix + name, name_map)
+            if published is not None:
+                named.append((published, tensor))
+        unique, aliases = torch_bridge.unique_memory(named)
+        for name, tensor, mem in unique:
+            self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
+        return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
 
     def allocate(self, name: str, dtype, shape) -> np.ndarray:
         """Allocate a library-owned host param; returns a numpy view of its
@@ -293,9 +338,11 @@ class Manager(OwnedHandle):
     def update(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
                verify: bool = False, in_place: bool = False, skip_unknown: bool = False,
                timeout: Optional[float] = None,
-               progress: Optional[Callable[[Progress], Optional[bool]]] = None,
+               progress: Union[bool, Callable[[Progress], Optional[bool]], None] = None,
                on_tensor: Optional[Callable[[str, np.ndarray], None]] = None) -> UpdateStats:
-        """Update the params. `progress` returning False cancels; `on_tensor`
+        """Update the params. `progress`: a callable (returning False
+        cancels), or True for a bar on stderr when it is a terminal (bytes,
+        GB/s, tensors) and one final line otherwise; `on_tensor`
         receives (name, array valid only during the call) for every tensor
         and replaces the plain copy into registered params. From a trainer's
         GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
@@ -313,7 +360,11 @@ class Manager(OwnedHandle):
         if timeout is not None:
             req.timeout_ms = max(1, int(timeout * 1000))
         raised = []
-        if progress is not None:
+        bar = None
+        if progress is True:
+            bar = ProgressBar()
+            progress = bar.on_progress
+        if progress is not None and progress is not False:
             def _progress(_u, p):
                 try:
                     go = progress(Progress(p[0].bytes_done, p[0].bytes_total, p[0].tensors_done,
@@ -342,6 +393,10 @@ class Manager(OwnedHandle):
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         rc = LIB.wm_update(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        if bar is not None and rc == 0:
+            bar.finish(_stats(stats))
+        elif bar is not None:
+            bar.abort()
         if rc != 0:
             err = WeightManagerError(rc, self.last_error())
             if raised:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _lib
+from . import _lib, torch_bridge
 from .manager import OwnedHandle, create_error, last_error_text, raise_for
 from .types import parse_dtype
 
@@ -101,21 +101,42 @@ class Publisher(OwnedHandle):
         """Publish a torch.Tensor by its data_ptr(), without this package
         depending on PyTorch: a CUDA tensor as GPU memory (add_device), a CPU
         tensor as host memory. The tensor must be contiguous; a reference is
-        kept until clear()."""
-        if not tensor.is_contiguous():
-            raise ValueError(f"tensor '{name}': tensor must be contiguous (call .contiguous())")
-        wm_dtype = parse_dtype(tensor.dtype)
-        shape = tuple(int(d) for d in tensor.shape)
-        nbytes = int(tensor.numel()) * int(tensor.element_size())
-        if tensor.is_cuda:
-            index = tensor.device.index
-            self.add_device(name, tensor.data_ptr(), nbytes, 0 if index is None else index, dtype=wm_dtype,
-                            shape=shape, rank=rank)
+        kept until clear() or close()."""
+        self._add_tensor_memory(name, torch_bridge.tensor_memory(name, tensor), tensor, rank)
+
+    def add_state_dict(self, state_dict, *, rank: int = -1, contiguous: str = "refuse") -> dict:
+        """Publish every entry of a `model.state_dict()` (name -> torch.Tensor)
+        by pointer: CPU tensors as host memory, CUDA tensors through the
+        device path (add_device: served once publish() copies them). Each
+        tensor is read where it lies, so the trainer may keep training in
+        place and add nothing again: the next publish() or serve() reads the
+        new values (publish() takes its copy at once; live CPU tensors are
+        read while serve() runs, so do not step the optimizer meanwhile).
+
+        References to the tensors are kept until clear() or close() (the
+        publisher may read them until then). Non-contiguous tensors are
+        refused naming them (contiguous="refuse", the default: a copy would
+        silently stop following the trainer's in-place updates), or copied
+        now with a warning naming them (contiguous="copy"). Tied tensors
+        (one memory under several names) are published once, under the
+        first name; returns {tied name: published name}. A dtype the library
+        lacks raises naming the tensor and dtype, before anything is added."""
+        named = [(name, torch_bridge.contiguous_for_publishing(name, t, contiguous))
+                 for name, t in state_dict.items()]
+        unique, aliases = torch_bridge.unique_memory(named)
+        for name, tensor, mem in unique:
+            self._add_tensor_memory(name, mem, tensor, rank)
+        return aliases
+
+    def _add_tensor_memory(self, name: str, mem, owner, rank: int) -> None:
+        """Add host or device memory as tensor `name`, keeping `owner` alive."""
+        if mem.device != torch_bridge.HOST:
+            self.add_device(name, mem.ptr, mem.nbytes, mem.device, dtype=mem.dtype, shape=mem.shape, rank=rank)
         else:
-            dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-            self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(wm_dtype), dims, len(shape),
-                                                    ctypes.c_void_p(tensor.data_ptr()), nbytes, rank))
-        self._arrays.append(tensor)
+            dims = (ctypes.c_uint64 * max(len(mem.shape), 1))(*mem.shape)
+            self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(mem.dtype), dims, len(mem.shape),
+                                                    ctypes.c_void_p(mem.ptr or None), mem.nbytes, rank))
+        self._arrays.append(owner)
 
     def set_dir(self, directory) -> None:
         """Serve a snapshot directory instead (per-rank files by the layout rules)."""

@@ -1,0 +1,147 @@
+"""PyTorch tensors seen as the library sees memory: (pointer, bytes, dtype,
+shape, device). Duck-typed: this module never imports torch, so the package
+works without it; torch objects only arrive when a caller passes them.
+
+Publisher.add_state_dict / add_torch and Manager.register_module map each
+tensor through `tensor_memory` and then use the same calls as numpy arrays
+and raw device pointers; nothing here talks to the library.
+"""
+
+import warnings
+from dataclasses import dataclass
+
+from .types import DType, parse_dtype
+
+HOST = -1  # TensorMemory.device of CPU memory
+
+CONTIGUOUS_POLICIES = ("refuse", "copy")
+
+
+@dataclass(frozen=True)
+class TensorMemory:
+    """Where a tensor's bytes are: `device` is HOST (-1) or a CUDA ordinal."""
+    ptr: int
+    nbytes: int
+    dtype: DType
+    shape: tuple
+    device: int
+
+    def key(self) -> tuple:
+        """Identity of the memory: tensors with equal keys are the same
+        bytes seen twice (tied weights)."""
+        return (self.ptr, self.nbytes, self.device, self.dtype, self.shape)
+
+
+def is_tensor(obj) -> bool:
+    """A torch.Tensor, recognized by the attributes this module uses."""
+    return all(hasattr(obj, a) for a in ("data_ptr", "element_size", "numel", "is_contiguous",
+                                         "device", "dtype", "shape"))
+
+
+def _require_tensor(name: str, obj) -> None:
+    if not is_tensor(obj):
+        raise TypeError(f"'{name}' is a {type(obj).__name__}, not a torch.Tensor")
+
+
+def _device_ordinal(name: str, tensor) -> int:
+    device = tensor.device
+    # Tensor-likes without device.type say is_cuda (as torch tensors also do).
+    kind = getattr(device, "type", "cuda" if getattr(tensor, "is_cuda", False) else "cpu")
+    if kind == "cpu":
+        return HOST
+    if kind == "cuda":
+        return 0 if device.index is None else int(device.index)
+    raise ValueError(f"tensor '{name}' is on device '{device}': only cpu and cuda tensors are supported")
+
+
+def tensor_memory(name: str, tensor) -> TensorMemory:
+    """The memory of a contiguous, strided torch tensor; raises naming the
+    tensor when its dtype, layout, device or strides do not fit."""
+    _require_tensor(name, tensor)
+    layout = str(getattr(tensor, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        raise ValueError(f"tensor '{name}' has layout {layout}: only dense (strided) tensors are supported")
+    try:
+        dtype = parse_dtype(tensor.dtype)
+    except ValueError:
+        raise ValueError(f"tensor '{name}' has dtype {tensor.dtype}, which weight_manager does not support "
+                         f"(supported: {', '.join(d.name.lower() for d in DType)})") from None
+    device = _device_ordinal(name, tensor)
+    if not tensor.is_contiguous():
+        raise ValueError(f"tensor '{name}' is not contiguous{_strides(tensor)}; "
+                         f"pass a contiguous tensor (.contiguous())")
+    nbytes = int(tensor.numel()) * int(tensor.element_size())
+    if dtype.itemsize != int(tensor.element_size()):
+        raise ValueError(f"tensor '{name}': dtype {tensor.dtype} has {tensor.element_size()}-byte items, "
+                         f"{dtype.name} needs {dtype.itemsize}")
+    return TensorMemory(int(tensor.data_ptr()), nbytes, dtype, tuple(int(d) for d in tensor.shape), device)
+
+
+def _strides(tensor) -> str:
+    stride = getattr(tensor, "stride", None)
+    return f" (strides {tuple(stride())})" if callable(stride) else ""
+
+
+def contiguous_for_publishing(name: str, tensor, policy: str):
+    """The tensor to publish for a state_dict entry: itself when contiguous;
+    otherwise, by `policy`, refused ("refuse", naming it) or copied now
+    ("copy", with a warning naming it: the copy is a snapshot, so later
+    in-place changes to the original are not served until it is added again)."""
+    if policy not in CONTIGUOUS_POLICIES:
+        raise ValueError(f"contiguous must be one of {CONTIGUOUS_POLICIES}, not {policy!r}")
+    _require_tensor(name, tensor)
+    if tensor.is_contiguous():
+        return tensor
+    if policy == "refuse":
+        raise ValueError(f"tensor '{name}' is not contiguous{_strides(tensor)}; "
+                         f"make it contiguous or pass contiguous=\"copy\"")
+    warnings.warn(f"weight_manager: tensor '{name}' is not contiguous; publishing a contiguous copy "
+                  f"taken now (later in-place changes to it are not served until it is added again)",
+                  stacklevel=3)
+    return tensor.contiguous()
+
+
+def unique_memory(named_tensors):
+    """Split (name, tensor) pairs into the first name of each distinct
+    memory and the tied names: returns ([(name, tensor, TensorMemory)],
+    {tied name: first name}). Tied weights (an embedding shared with the
+    output layer) appear under several names of one state_dict; their bytes
+    are published and registered once, under the first name, so no two
+    params overlap and both sides agree on which name carries them."""
+    first = {}
+    unique, aliases = [], {}
+    for name, tensor in named_tensors:
+        mem = tensor_memory(name, tensor)
+        key = mem.key()
+        if mem.nbytes and key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        unique.append((name, tensor, mem))
+    return unique, aliases
+
+
+def module_state(module):
+    """A module's (name, tensor) pairs as its state_dict names them (every
+    parameter and persistent buffer, tied names included), as the module's
+    own tensors: the same names a trainer's `model.state_dict()` publishes.
+    Non-persistent buffers are left out: a trainer's state_dict has none."""
+    own = {int(t.data_ptr()) for _, t in module.named_parameters(remove_duplicate=False)}
+    own |= {int(t.data_ptr()) for _, t in module.named_buffers(remove_duplicate=False)}
+    pairs = list(module.state_dict(keep_vars=True).items())
+    for name, tensor in pairs:
+        _require_tensor(name, tensor)
+        if tensor.numel() and int(tensor.data_ptr()) not in own:
+            # A state_dict hook returned a copy: updating it would not reach the module.
+            raise ValueError(f"state_dict entry '{name}' is not the memory of a parameter or buffer of "
+                             f"the module (a state_dict hook made a copy?)")
+    return pairs
+
+
+def map_name(name: str, name_map):
+    """The published name of module name `name` (None: not registered)."""
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name, name)
