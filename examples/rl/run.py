@@ -49,7 +49,7 @@ def parse_args():
     p.add_argument("--transport", choices=("ipc", "rdma"), default="ipc",
                    help="ipc: Unix socket + shared memory; rdma: UCX (UCX_TLS=tcp without RDMA hardware)")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--work", help="directory for outputs (default: a fresh temporary one)")
+    p.add_argument("--work", help="directory for outputs, kept (default: a temporary one, removed unless the run fails)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
     return p.parse_args()
 
@@ -221,6 +221,8 @@ def main():
         sys.exit(f"rl loop: FAILED ({len(problems)} problems, outputs in {work})")
     print(f"rl loop: {args.steps} steps, every version agrees over {args.transport} "
           f"({checked} distinct engine outputs checked, max |logit diff| {worst:.2e})")
+    if not args.work:  # kept only when asked for, or to look into a failure
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
