@@ -1,0 +1,376 @@
+// One rank of the RL example's native engine: plain C++17, only
+// weight_manager.h and the library. It registers one float32 buffer per
+// tensor of the trainer's model (examples/rl/model.py, same names), joins a
+// group of ranks on this node with a control cell, and runs the worker loop:
+// every step it asks for the signal; UPDATING: pull the new version from the
+// trainer (IPC or rdma, atomic); CLEARING: clear and exit; otherwise serve one
+// step, i.e. run the model's forward pass on its registered params for the
+// fixed probes and a greedy continuation.
+//
+// Every distinct output it computes is appended to OUT/rank<R>.bin, tagged
+// with the version wm_status reports for the params it computed with (see
+// Record below); every update's statistics go to OUT/rank<R>.updates. Both
+// ranks hold the whole model (replicated): tensor-parallel slices come with
+// sharded transfer.
+//
+// usage: rl_engine --rank R --world N --group NAME --cell CELL
+//                  --source ipc|rdma --location SOCKET|HOST:PORT --out DIR
+//                  [--deadline-s S]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "weight_manager.h"
+
+namespace {
+
+// The model's sizes and probes: model.py's VOCAB, D_MODEL, ... and
+// probe_inputs() / PROMPT. A mismatch shows as outputs that disagree.
+constexpr int kVocab = 64, kDim = 64, kLayers = 2, kHeads = 4, kContext = 32;
+constexpr int kHeadDim = kDim / kHeads, kHidden = 4 * kDim;
+constexpr int kProbes = 2, kPrompt = 8, kGenerate = kContext - kPrompt;
+constexpr float kLnEps = 1e-5f;
+
+// One output record, as run.py reads it (numpy structured dtype).
+struct Record {
+  char version[WM_VERSION_BUF];
+  float logits[kProbes][kContext][kVocab];
+  int32_t continuation[kGenerate];
+};
+
+struct Options {
+  int rank = 0, world = 2;
+  std::string group, cell, source, location, out;
+  double deadline_s = 120;
+};
+
+[[noreturn]] void usage(const char *why) {
+  std::fprintf(stderr, "rl_engine: %s\nusage: rl_engine --rank R --world N --group NAME --cell CELL "
+                       "--source ipc|rdma --location WHERE --out DIR [--deadline-s S]\n", why);
+  std::exit(2);
+}
+
+Options parse(int argc, char **argv) {
+  Options o;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i + 1 < argc; i += 2) kv[argv[i]] = argv[i + 1];
+  if (argc % 2 == 0) usage("options come in --name value pairs");
+  auto need = [&](const char *k) {
+    auto it = kv.find(k);
+    if (it == kv.end()) usage((std::string("missing ") + k).c_str());
+    return it->second;
+  };
+  o.rank = std::atoi(need("--rank").c_str());
+  o.world = std::atoi(need("--world").c_str());
+  o.group = need("--group");
+  o.cell = need("--cell");
+  o.source = need("--source");
+  o.location = need("--location");
+  o.out = need("--out");
+  if (kv.count("--deadline-s")) o.deadline_s = std::atof(kv["--deadline-s"].c_str());
+  if (o.source != "ipc" && o.source != "rdma") usage("--source must be ipc or rdma");
+  return o;
+}
+
+// The params, engine-owned: buffers this program allocates and registers.
+struct Tensor {
+  std::vector<uint64_t> shape;
+  std::vector<float> data;
+};
+
+struct Layer {
+  const float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *attn_proj_w, *attn_proj_b;
+  const float *ln2_w, *ln2_b, *fc_w, *fc_b, *mlp_proj_w, *mlp_proj_b;
+};
+
+struct Model {
+  std::map<std::string, Tensor> tensors;
+  const float *tok_emb, *pos_emb, *ln_f_w, *ln_f_b, *head;
+  Layer layers[kLayers];
+
+  const float *add(const std::string &name, std::vector<uint64_t> shape) {
+    size_t n = 1;
+    for (uint64_t d : shape) n *= d;
+    Tensor &t = tensors[name];
+    t.shape = std::move(shape);
+    t.data.assign(n, 0.0f);
+    return t.data.data();
+  }
+
+  Model() {
+    const uint64_t V = kVocab, D = kDim, T = kContext, H = kHidden;
+    tok_emb = add("tok_emb.weight", {V, D});
+    pos_emb = add("pos_emb.weight", {T, D});
+    for (int i = 0; i < kLayers; i++) {
+      const std::string p = "blocks." + std::to_string(i) + ".";
+      Layer &l = layers[i];
+      l.ln1_w = add(p + "ln1.weight", {D});
+      l.ln1_b = add(p + "ln1.bias", {D});
+      l.qkv_w = add(p + "attn.qkv.weight", {3 * D, D});
+      l.qkv_b = add(p + "attn.qkv.bias", {3 * D});
+      l.attn_proj_w = add(p + "attn.proj.weight", {D, D});
+      l.attn_proj_b = add(p + "attn.proj.bias", {D});
+      l.ln2_w = add(p + "ln2.weight", {D});
+      l.ln2_b = add(p + "ln2.bias", {D});
+      l.fc_w = add(p + "mlp.fc.weight", {H, D});
+      l.fc_b = add(p + "mlp.fc.bias", {H});
+      l.mlp_proj_w = add(p + "mlp.proj.weight", {D, H});
+      l.mlp_proj_b = add(p + "mlp.proj.bias", {D});
+    }
+    ln_f_w = add("ln_f.weight", {D});
+    ln_f_b = add("ln_f.bias", {D});
+    head = add("head.weight", {V, D});
+  }
+};
+
+// ---- The forward pass: model.py's TinyLM, row by row. ----
+
+// y[o] = b[o] + W[o, :] . x   (W is [out, in], as torch.nn.Linear stores it)
+void linear(const float *x, const float *w, const float *b, int in, int out, float *y) {
+  for (int o = 0; o < out; o++) {
+    float acc = 0.0f;
+    const float *row = w + static_cast<size_t>(o) * in;
+    for (int i = 0; i < in; i++) acc += row[i] * x[i];
+    y[o] = (b ? b[o] : 0.0f) + acc;
+  }
+}
+
+void layer_norm(const float *x, const float *w, const float *b, float *y) {
+  float mean = 0.0f, var = 0.0f;
+  for (int i = 0; i < kDim; i++) mean += x[i];
+  mean /= kDim;
+  for (int i = 0; i < kDim; i++) var += (x[i] - mean) * (x[i] - mean);
+  const float inv = 1.0f / std::sqrt(var / kDim + kLnEps);
+  for (int i = 0; i < kDim; i++) y[i] = (x[i] - mean) * inv * w[i] + b[i];
+}
+
+float gelu(float x) { return 0.5f * x * (1.0f + std::erf(x / std::sqrt(2.0f))); }
+
+// Causal multi-head self-attention over t positions of ln1's output h [t][D],
+// adding proj(attention) into the residual stream x [t][D].
+void attention(const Layer &l, const std::vector<float> &h, int t, std::vector<float> &x) {
+  std::vector<float> qkv(static_cast<size_t>(t) * 3 * kDim), y(kDim), out(kDim), scores(t);
+  for (int p = 0; p < t; p++) linear(&h[p * kDim], l.qkv_w, l.qkv_b, kDim, 3 * kDim, &qkv[p * 3 * kDim]);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (int p = 0; p < t; p++) {
+    for (int head = 0; head < kHeads; head++) {
+      const float *q = &qkv[p * 3 * kDim + head * kHeadDim];
+      float top = -INFINITY;
+      for (int s = 0; s <= p; s++) {  // causal: position p sees 0..p
+        const float *k = &qkv[s * 3 * kDim + kDim + head * kHeadDim];
+        float dot = 0.0f;
+        for (int i = 0; i < kHeadDim; i++) dot += q[i] * k[i];
+        scores[s] = dot * scale;
+        top = std::max(top, scores[s]);
+      }
+      float sum = 0.0f;
+      for (int s = 0; s <= p; s++) sum += scores[s] = std::exp(scores[s] - top);
+      for (int i = 0; i < kHeadDim; i++) {
+        float acc = 0.0f;
+        for (int s = 0; s <= p; s++) acc += scores[s] * qkv[s * 3 * kDim + 2 * kDim + head * kHeadDim + i];
+        y[head * kHeadDim + i] = acc / sum;
+      }
+    }
+    linear(y.data(), l.attn_proj_w, l.attn_proj_b, kDim, kDim, out.data());
+    for (int i = 0; i < kDim; i++) x[p * kDim + i] += out[i];
+  }
+}
+
+void mlp(const Layer &l, const std::vector<float> &h, int t, std::vector<float> &x) {
+  std::vector<float> hidden(kHidden), out(kDim);
+  for (int p = 0; p < t; p++) {
+    linear(&h[p * kDim], l.fc_w, l.fc_b, kDim, kHidden, hidden.data());
+    for (float &v : hidden) v = gelu(v);
+    linear(hidden.data(), l.mlp_proj_w, l.mlp_proj_b, kHidden, kDim, out.data());
+    for (int i = 0; i < kDim; i++) x[p * kDim + i] += out[i];
+  }
+}
+
+// Logits [t][V] for tokens[0..t).
+void forward(const Model &m, const int32_t *tokens, int t, float *logits) {
+  std::vector<float> x(static_cast<size_t>(t) * kDim), h(x.size());
+  for (int p = 0; p < t; p++)
+    for (int i = 0; i < kDim; i++) x[p * kDim + i] = m.tok_emb[tokens[p] * kDim + i] + m.pos_emb[p * kDim + i];
+  for (const Layer &l : m.layers) {
+    for (int p = 0; p < t; p++) layer_norm(&x[p * kDim], l.ln1_w, l.ln1_b, &h[p * kDim]);
+    attention(l, h, t, x);
+    for (int p = 0; p < t; p++) layer_norm(&x[p * kDim], l.ln2_w, l.ln2_b, &h[p * kDim]);
+    mlp(l, h, t, x);
+  }
+  for (int p = 0; p < t; p++) {
+    layer_norm(&x[p * kDim], m.ln_f_w, m.ln_f_b, &h[p * kDim]);
+    linear(&h[p * kDim], m.head, nullptr, kDim, kVocab, logits + p * kVocab);
+  }
+}
+
+// One serving step: the probes' logits and the prompt's greedy continuation.
+void serve_one_step(const Model &m, Record &r) {
+  int32_t probes[kProbes][kContext];
+  for (int i = 0; i < kContext; i++) {
+    probes[0][i] = (3 * i + 1) % kVocab;
+    probes[1][i] = (7 * i + 5) % kVocab;
+  }
+  for (int b = 0; b < kProbes; b++) forward(m, probes[b], kContext, &r.logits[b][0][0]);
+  int32_t tokens[kContext];
+  for (int i = 0; i < kPrompt; i++) tokens[i] = 1 + 3 * i;  // PROMPT = [1, 4, ..., 22]
+  std::vector<float> logits(static_cast<size_t>(kContext) * kVocab);
+  for (int g = 0; g < kGenerate; g++) {
+    const int t = kPrompt + g;
+    forward(m, tokens, t, logits.data());
+    const float *last = &logits[(t - 1) * kVocab];
+    tokens[t] = static_cast<int32_t>(std::max_element(last, last + kVocab) - last);  // first maximum, as argmax
+    r.continuation[g] = tokens[t];
+  }
+}
+
+// ---- The engine: a manager, its params, the worker loop. ----
+
+std::string last_error(wm_manager *m) {
+  char why[1024];
+  size_t n = 0;
+  wm_last_error(m, why, sizeof why, &n);
+  return why;
+}
+
+void check(wm_manager *m, wm_result rc, const std::string &what) {
+  if (rc != WM_OK) throw std::runtime_error(what + ": " + wm_result_text(rc) + ": " + last_error(m));
+}
+
+void register_params(wm_manager *m, Model &model) {
+  for (auto &[name, t] : model.tensors) {
+    wm_param_desc d;
+    wm_param_desc_init(&d);
+    d.name = name.c_str();
+    d.dtype = WM_DTYPE_F32;
+    d.shape = t.shape.data();
+    d.ndim = t.shape.size();
+    check(m, wm_register_param(m, &d, t.data.data(), t.data.size() * sizeof(float)), "registering " + name);
+  }
+}
+
+struct Files {
+  FILE *records, *updates;
+  ~Files() {
+    if (records) std::fclose(records);
+    if (updates) std::fclose(updates);
+  }
+};
+
+FILE *open_out(const std::string &path) {
+  FILE *f = std::fopen(path.c_str(), "wb");
+  if (!f) throw std::runtime_error("creating " + path + ": " + std::strerror(errno));
+  return f;
+}
+
+int run(const Options &o) {
+  wm_config config;
+  wm_config_init(&config);
+  config.rank = o.rank;
+  config.world_size = o.world;
+  config.group_name = o.group.c_str();
+  config.control_cell = o.cell.c_str();
+  config.signal_timeout_ms = 30000;
+  config.copy_threads = 1;  // a tiny model: one copy thread is plenty
+  // net_secret NULL: the WM_NET_SECRET environment variable (rdma).
+  wm_manager *m = nullptr;
+  if (wm_init(&config, &m) != WM_OK) {
+    char why[1024];
+    size_t n = 0;
+    wm_last_create_error(why, sizeof why, &n);
+    throw std::runtime_error(std::string("init: ") + why);
+  }
+  struct Destroy {
+    wm_manager *m;
+    ~Destroy() { wm_destroy(m); }
+  } destroy{m};
+
+  Model model;
+  register_params(m, model);
+  const std::string prefix = o.out + "/rank" + std::to_string(o.rank);
+  Files files{open_out(prefix + ".bin"), open_out(prefix + ".updates")};
+  std::printf("rl_engine: rank %d ready, %zu params\n", o.rank, model.tensors.size());
+  std::fflush(stdout);
+
+  wm_update_request req;
+  wm_update_request_init(&req);
+  req.source = o.source == "ipc" ? WM_SOURCE_IPC : WM_SOURCE_RDMA;
+  req.location = o.location.c_str();  // rdma: the latest version
+  req.flags = WM_UPDATE_VERIFY_CHECKSUMS;
+  req.timeout_ms = 30000;
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.deadline_s);
+  Record record{}, previous{};
+  bool have_previous = false;
+  uint64_t computations = 0, records = 0, updates = 0;
+  for (;;) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error("no CLEARING within " + std::to_string(o.deadline_s) + " s");
+    int32_t signal = 0;
+    check(m, wm_broadcast_signal(m, &signal), "broadcast_signal");
+    if (signal == WM_STATE_UPDATING) {
+      wm_update_stats stats;
+      stats.struct_size = sizeof stats;
+      wm_result rc = wm_update(m, &req, &stats);
+      if (rc != WM_OK) {
+        // Rank 0 reports the failure to the controller (the word goes to
+        // CLEARED); the old weights stay (atomic). Keep serving them.
+        std::fprintf(stderr, "rl_engine: rank %d: update failed: %s: %s\n", o.rank, wm_result_text(rc),
+                     last_error(m).c_str());
+      } else {
+        updates++;
+        std::fprintf(files.updates, "%s %llu %llu %llu\n", stats.version, (unsigned long long)stats.bytes,
+                     (unsigned long long)stats.total_ns, (unsigned long long)stats.tensors);
+        std::fflush(files.updates);
+      }
+    } else if (signal == WM_STATE_CLEARING) {
+      check(m, wm_clear(m), "clear");
+      break;
+    } else if (signal == WM_STATE_CLEARED) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // wait for UPDATING
+      continue;
+    }
+    // Serve one step with whatever the params hold now, tagged with the
+    // version wm_status says they hold.
+    wm_status_info status;
+    status.struct_size = sizeof status;
+    check(m, wm_status(m, &status), "status");
+    if (status.version[0] == '\0') {  // nothing published yet
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+    serve_one_step(model, record);
+    std::memcpy(record.version, status.version, sizeof record.version);
+    computations++;
+    // Identical outputs under the same version are written once: the
+    // comparison in run.py would find the same thing again.
+    if (have_previous && std::memcmp(&record, &previous, sizeof record) == 0) continue;
+    if (std::fwrite(&record, sizeof record, 1, files.records) != 1) throw std::runtime_error("writing records");
+    std::fflush(files.records);
+    previous = record;
+    have_previous = true;
+    records++;
+  }
+  std::printf("rl_engine: rank %d: %llu updates, %llu forward passes, %llu distinct outputs\n", o.rank,
+              (unsigned long long)updates, (unsigned long long)computations, (unsigned long long)records);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  const Options o = parse(argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception &e) {
+    std::fprintf(stderr, "rl_engine: rank %d: %s\n", o.rank, e.what());
+    return 1;
+  }
+}
