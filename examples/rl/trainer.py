@@ -54,17 +54,6 @@ def train_step(model, optimizer, batch):
     return loss.item()
 
 
-def add_weights(publisher, model):
-    """Hand the publisher every state_dict tensor as a numpy view of the
-    live parameter (float32, contiguous). The optimizer updates these in
-    place, and publish() copies them, so adding once is enough.
-    (With Publisher.add_state_dict this loop becomes one call.)"""
-    for name, tensor in model.state_dict().items():
-        array = tensor.detach().contiguous().numpy()
-        assert array.dtype == np.float32, f"{name}: {array.dtype}"
-        publisher.add(name, array)
-
-
 def report_text(cell):
     """The failing rank's reason that the engine's rank 0 left beside the cell."""
     try:
@@ -106,7 +95,9 @@ def main():
     publisher = Publisher(args.socket) if args.socket else Publisher(net=args.net)
     with publisher, Controller(args.cell) as controller:
         emit({"address": publisher.address})
-        add_weights(publisher, model)
+        # Every state_dict tensor by pointer: the optimizer updates them in
+        # place and publish() copies them, so adding once is enough.
+        publisher.add_state_dict(model.state_dict())
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()
             loss = train_step(model, optimizer, lm.corpus_batch(data, args.batch))
