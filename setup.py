@@ -3,10 +3,13 @@ the Rust shared library bundled inside it (weight_manager/libweight_manager.so,
 loaded by ctypes) and the `wm` command (installed into the environment's bin).
 
 The backend is setuptools-rust in its no-binding mode: cargo builds the cdylib
-(`cargo rustc --lib --crate-type cdylib --release --locked`) and `wm`
-(RustBin), and setuptools packages both. The version comes from Cargo.toml,
-the one source of truth. python/setup.py runs this file so that
-`pip install ./python` builds the same wheel.
+(`cargo rustc --lib --release --locked`) and `wm` (RustBin, `cargo build
+--bin wm`), and setuptools packages both. Chosen over maturin because one
+wheel must carry both a plain cdylib for ctypes and an executable, which
+setuptools-rust does side by side; maturin builds one kind of binding per
+wheel (pyo3, cffi, uniffi or bin), none of them a bare cdylib for ctypes. The version comes from Cargo.toml, the one source of truth.
+python/setup.py runs this file so that `pip install ./python` builds the same
+wheel.
 """
 
 import atexit
