@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need on a fresh machine: cmake, UCX (libucx0, for
 # the network paths; the library itself loads it at run time and works
-# without it), iproute2 (the network-namespace test) as Debian packages, and
+# without it), iproute2 (the network-namespace test), pkg-config as Debian packages, and
 # a Python virtual environment in .venv with numpy, safetensors and pytest.
 # Safe to run again: it skips what is already there.
 set -euo pipefail
@@ -14,6 +14,8 @@ command -v nm >/dev/null 2>&1 || need_apt+=(binutils)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 /sbin/ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0 ' || need_apt+=(libucx0)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# pkg-config: the pkg-config consumer test builds a C engine with it alone.
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   SUDO=""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: Rust (unit + integration, header checks), C through
-# CMake/ctest (plain, then AddressSanitizer + UBSan), and Python (pytest).
+# CMake/ctest (plain, then AddressSanitizer + UBSan; with the pkg-config
+# consumer), Python (pytest), and the pip-installable wheel.
 # Installs what it needs first (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +30,8 @@ UCX_MEM_EVENTS=no ctest --test-dir build-asan --output-on-failure -j "$jobs"
 
 echo "== Python tests (pytest)"
 WM_LIBRARY="$root/target/release/libweight_manager.so" .venv/bin/python -m pytest -q python/tests
+
+echo "== Python package: wheel built with pip, installed into a fresh venv (tests/wheel/run.sh)"
+bash tests/wheel/run.sh "$root/.venv/bin/python"
 
 echo "== all tests passed"

@@ -1,8 +1,9 @@
 """ctypes declarations mirroring include/weight_manager.h.
 
 The library is found, in order: the WM_LIBRARY environment variable (a path
-to libweight_manager.so), target/release and target/debug of the source tree
-this package sits in, then the system loader path.
+to libweight_manager.so), the copy bundled in this package by the wheel
+(`pip install .`), target/release and target/debug of the source tree this
+package sits in, then the system loader path.
 """
 
 import ctypes
@@ -21,7 +22,11 @@ def _find_library() -> str:
     env = os.environ.get("WM_LIBRARY")
     if env:
         return env
-    root = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parent
+    bundled = here / "libweight_manager.so"
+    if bundled.exists():
+        return str(bundled)
+    root = here.parent.parent
     for profile in ("release", "debug"):
         candidate = root / "target" / profile / "libweight_manager.so"
         if candidate.exists():
@@ -30,8 +35,9 @@ def _find_library() -> str:
     if found:
         return found
     raise OSError(
-        "libweight_manager.so not found: build it with `cargo build --release` "
-        "or set WM_LIBRARY to its path"
+        f"libweight_manager.so not found: not bundled in {here} (install the wheel: "
+        "`pip install .`), not in this source tree's target/ (`cargo build --release`), "
+        "not on the loader path; or set WM_LIBRARY to its path"
     )
 
 
