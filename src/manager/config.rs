@@ -5,6 +5,7 @@ use crate::apply::{Hooks, Mode};
 use crate::fanout::FanoutSettings;
 use crate::logging::Logger;
 use crate::result::{Error, Result};
+use crate::signal::GroupConfig;
 use crate::source::net;
 use crate::source::snapshot;
 use crate::source::SourceKind;
@@ -114,6 +115,46 @@ impl Default for ManagerConfig {
             fanout: None,
             callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
         }
+    }
+}
+
+impl ManagerConfig {
+    /// The checks `Manager::new` makes before anything is opened.
+    pub(super) fn check(&self) -> Result<()> {
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(Error::invalid_argument(format!(
+                "rank {} is not below world_size {}",
+                self.rank, self.world_size
+            )));
+        }
+        if self.fanout.is_some() {
+            if self.group.is_none() || self.world_size < 2 {
+                return Err(Error::invalid_argument(
+                    "fanout_group needs the ranks in a group (world_size > 1 and group_name)",
+                ));
+            }
+            if self.device < 0 {
+                return Err(Error::invalid_argument(
+                    "fanout_group needs this rank's GPU (device >= 0): fan-out moves device params",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// How the signal plane meets the other ranks, if they are a group.
+    pub(super) fn group_config(&self) -> Option<GroupConfig> {
+        self.group.as_ref().map(|g| GroupConfig {
+            name: g.name.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            local_rank: g.local_rank.unwrap_or(self.rank),
+            local_world_size: g.local_world_size.unwrap_or(self.world_size),
+            node_rank: g.node_rank,
+            addr: g.addr.clone(),
+            timeout: g.timeout,
+            fanout: self.fanout.as_ref().map(|f| f.group),
+        })
     }
 }
 

@@ -32,7 +32,7 @@ use crate::memory::shared::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::signal::{GroupConfig, SignalPlane};
+use crate::signal::SignalPlane;
 use crate::source::snapshot;
 use crate::state::State;
 use parking_lot::{Mutex, RwLock};
@@ -91,37 +91,10 @@ pub struct Manager {
 
 impl Manager {
     pub fn new(config: ManagerConfig) -> Result<Manager> {
-        if config.world_size == 0 || config.rank >= config.world_size {
-            return Err(Error::invalid_argument(format!(
-                "rank {} is not below world_size {}",
-                config.rank, config.world_size
-            )));
-        }
-        if config.fanout.is_some() {
-            if config.group.is_none() || config.world_size < 2 {
-                return Err(Error::invalid_argument(
-                    "fanout_group needs the ranks in a group (world_size > 1 and group_name)",
-                ));
-            }
-            if config.device < 0 {
-                return Err(Error::invalid_argument(
-                    "fanout_group needs this rank's GPU (device >= 0): fan-out moves device params",
-                ));
-            }
-        }
+        config.check()?;
         let cvd = std::env::var("CUDA_VISIBLE_DEVICES").ok();
         let gpu_id = snapshot::gpu_id(cvd.as_deref(), config.device)?;
-        let group = config.group.as_ref().map(|g| GroupConfig {
-            name: g.name.clone(),
-            rank: config.rank,
-            world_size: config.world_size,
-            local_rank: g.local_rank.unwrap_or(config.rank),
-            local_world_size: g.local_world_size.unwrap_or(config.world_size),
-            node_rank: g.node_rank,
-            addr: g.addr.clone(),
-            timeout: g.timeout,
-            fanout: config.fanout.as_ref().map(|f| f.group),
-        });
+        let group = config.group_config();
         let signal = SignalPlane::new(
             config.rank,
             config.world_size,
