@@ -27,6 +27,10 @@
 //!    Members receive in place, or in atomic mode into a device arena that
 //!    is copied to the params once every byte arrived.
 //!
+//! The manager's side: `manager/fanout_root.rs` wraps the root's ordinary
+//! update in steps 2, 3 and 5; `manager/fanout_member.rs` is a member's
+//! whole update.
+//!
 //! **Decisions.** Members receive after the root committed, not bucket by
 //! bucket as the root receives: members only ever get bytes the root
 //! verified, the root's atomicity is untouched, and NVLink moves bytes

@@ -1,0 +1,42 @@
+//! Stopping for good while an update runs (the handle is being destroyed).
+
+use super::Manager;
+use crate::result::{Error, Result};
+use std::sync::atomic::Ordering;
+
+impl Manager {
+    /// Stop for good: an update in flight fails with `WM_ERR_CANCELLED` at
+    /// its next batch boundary (before anything more is committed), and
+    /// later updates are refused. For destroying the manager while another
+    /// thread's update runs (see `wm_destroy`).
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+
+    /// A cancellation seen through the progress hook while the handle is
+    /// being destroyed is the destroy's doing, not the engine callback's.
+    pub(super) fn cancel_cause(&self, e: Error) -> Error {
+        if e.code == crate::wm_result::WM_ERR_CANCELLED && self.cancelled.load(Ordering::Acquire) {
+            return Error::cancelled(format!(
+                "rank {}: the manager is being destroyed ({})",
+                self.config.rank, e.message
+            ));
+        }
+        e
+    }
+
+    pub(super) fn check_cancelled(&self) -> Result<()> {
+        if self.cancelled.load(Ordering::Acquire) {
+            return Err(Error::cancelled(format!(
+                "rank {}: the manager is being destroyed",
+                self.config.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether [`Manager::cancel`] was called.
+    pub(super) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+}

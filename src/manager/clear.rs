@@ -1,0 +1,43 @@
+//! A clear: release weight memory; the next update brings it back.
+
+use super::{ClearStats, Manager};
+use crate::result::Result;
+use crate::state::State;
+
+impl Manager {
+    /// Release weight memory; the next update brings it back.
+    pub fn clear(&self) -> Result<ClearStats> {
+        let r = self.try_clear();
+        let r = self.finish_action(State::Clearing, r, |_| String::new());
+        self.recorded(r)
+    }
+
+    fn try_clear(&self) -> Result<ClearStats> {
+        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        {
+            let mut rec = self.record.lock();
+            rec.registration_open = false;
+            if rec.state == State::Cleared {
+                return Ok(ClearStats::default());
+            }
+            rec.state = State::Clearing;
+        }
+        // A cleared engine holds no trainer memory, nor pinned staging.
+        self.ipc_buffers.lock().forget();
+        self.staging.lock().release();
+        let mut registry = self.registry.write();
+        let result = self.release(&mut registry);
+        let mut rec = self.record.lock();
+        rec.state = if result.is_ok() {
+            State::Cleared
+        } else {
+            State::Failed
+        };
+        rec.version = None;
+        rec.resident_bytes = registry.resident_bytes();
+        if let Ok(stats) = &result {
+            rec.device_bytes_freed = stats.device_bytes_freed;
+        }
+        result
+    }
+}

@@ -1,0 +1,107 @@
+//! The fan-out root's update (see [`crate::fanout`]): the ordinary update
+//! (`update.rs`) with a step before the bytes move (announce the plan, hear
+//! the members' vote) and one after the commit (tell the members the
+//! outcome, then broadcast the params). When the root fails before its
+//! commit, it tells the members why (they stop too).
+
+use super::update::{Prepared, UpdateFailure, UpdateRun};
+use super::{Manager, UpdateStats};
+use crate::fanout::{Announcement, FanoutSession, Word};
+use crate::logging::Logger;
+use crate::registry::Registry;
+use crate::result::{Error, Result};
+use crate::source::ipc;
+use std::time::Instant;
+
+/// The root's side of one update's fan-out.
+struct FanoutRoot<'a, 'l> {
+    session: &'a mut FanoutSession<'l>,
+    logger: &'a Logger,
+    /// Bound on every word to the members.
+    said_by: Instant,
+    /// The params announced, by registry index, in broadcast order.
+    params: Vec<usize>,
+}
+
+impl Manager {
+    /// The ordinary update, wrapped in the fan-out root's steps.
+    pub(super) fn update_as_fanout_root(
+        &self,
+        run: &mut UpdateRun,
+        session: &mut FanoutSession,
+    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+        let mut root = FanoutRoot {
+            session,
+            logger: &self.config.logger,
+            said_by: run.deadline(),
+            params: Vec::new(),
+        };
+        let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
+        let has_tensor_hook = run.req.hooks.tensor.is_some();
+        root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
+        let mut stats = self.apply(run, &mut prepared).map_err(|f| UpdateFailure {
+            error: root.stop(f.error),
+            wrote_params: f.wrote_params,
+        })?;
+        let sent = Instant::now();
+        root.after(run.registry, self.config.net.bucket_size)
+            .map_err(|e| {
+                UpdateFailure::after_writing(e.context(format!(
+                    "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
+                    stats.version,
+                    self.config.rank,
+                    crate::signal::group::list(root.session.members())
+                )))
+            })?;
+        stats.update += sent.elapsed();
+        Ok(self.updated(run, &prepared, stats))
+    }
+}
+
+impl FanoutRoot<'_, '_> {
+    /// Before any byte moves: announce what this update moves and hear the
+    /// members' vote. A failed announcement stops the members; a failed
+    /// word or vote needs no stop (the members saw it fail too).
+    fn before(
+        &mut self,
+        prepared: &Prepared,
+        registry: &Registry,
+        has_tensor_hook: bool,
+        ordinal: i32,
+    ) -> Result<()> {
+        let announced = crate::fanout::refuse_tensor_hook(has_tensor_hook).and_then(|()| {
+            crate::fanout::announce(&prepared.version, &prepared.plan, registry, ordinal)
+        });
+        let (announcement, params) = announced.map_err(|e| self.stop(e))?;
+        self.params = params;
+        self.session
+            .word(Some(&Word::Go(announcement)), self.said_by)?;
+        self.session.vote(Ok(()), self.said_by)
+    }
+
+    /// After the root's commit: tell the members it went through, then
+    /// broadcast the announced params.
+    fn after(&mut self, registry: &Registry, bucket_size: usize) -> Result<()> {
+        self.session.word(Some(&Word::Go(())), self.said_by)?;
+        let spans: Vec<(u64, usize)> = self
+            .params
+            .iter()
+            .map(|&i| {
+                let p = &registry.params()[i];
+                (p.ptr() as u64, p.nbytes)
+            })
+            .collect();
+        self.session
+            .move_tensors(&spans, bucket_size, ipc::BUCKET_TIMEOUT, |_, _| Ok(()))
+    }
+
+    /// Tell the members why the root stops (they stop too); hand the error on.
+    fn stop(&mut self, e: Error) -> Error {
+        let word: Word<Announcement> = Word::Stop(e.to_string());
+        if let Err(se) = self.session.word(Some(&word), self.said_by) {
+            self.logger
+                .warn(&format!("telling the fan-out members: {se}"));
+        }
+        e
+    }
+}

@@ -1,0 +1,41 @@
+//! Registering params: only before the first update or clear, so a plan
+//! never races a registration.
+
+use super::Manager;
+use crate::registry::{ParamSpec, Registry};
+use crate::result::{Error, Result};
+
+impl Manager {
+    fn registering<T>(&self, f: impl FnOnce(&mut Registry) -> Result<T>) -> Result<T> {
+        let r = (|| {
+            let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+            if !self.record.lock().registration_open {
+                return Err(Error::state(
+                    "params can only be registered before the first update or clear",
+                ));
+            }
+            let mut reg = self.registry.write();
+            let out = f(&mut reg)?;
+            let mut rec = self.record.lock();
+            rec.params = reg.len() as u64;
+            rec.param_bytes = reg.total_bytes();
+            rec.resident_bytes = reg.resident_bytes();
+            Ok(out)
+        })();
+        self.recorded(r)
+    }
+
+    /// Register engine-owned memory (`len` bytes at `ptr`) as param `spec`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid and writable for the manager's life
+    /// (or until the release hook hands it back).
+    pub unsafe fn register(&self, spec: &ParamSpec, ptr: *mut u8, len: usize) -> Result<()> {
+        self.registering(|r| r.register_engine(spec, ptr, len))
+    }
+
+    /// Allocate a library-owned param; returns its stable address and length.
+    pub fn allocate(&self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
+        self.registering(|r| r.allocate(spec))
+    }
+}

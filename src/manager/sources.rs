@@ -1,0 +1,134 @@
+//! Opening the source an update request names (each source's options are
+//! built here from the config and the request), and the gdr check.
+
+use super::{Manager, UpdateRequest};
+use crate::registry::Registry;
+use crate::result::{Error, Result};
+use crate::source::ipc::{self, IpcOptions, IpcSource};
+use crate::source::net::{NetOptions, NetSource};
+use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
+use crate::source::{Source, SourceKind};
+use crate::transport::auth::Secret;
+use std::time::Instant;
+
+impl Manager {
+    /// Open the source `req` names. `gdr`: a gdr request that may land in
+    /// GPU memory (`check_gdr`). A new source kind gets its arm here.
+    pub(super) fn open_source(&self, req: &UpdateRequest, gdr: bool) -> Result<Box<dyn Source>> {
+        match req.source {
+            SourceKind::Snapshot => self.open_snapshot(req),
+            SourceKind::Ipc => self.open_ipc(req),
+            SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, gdr),
+        }
+    }
+
+    fn open_snapshot(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
+        let dir = req
+            .location
+            .clone()
+            .or_else(|| self.config.model_dir.clone())
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    "snapshot update names no location and the config has no model_dir",
+                )
+            })?;
+        let loc = SnapshotLocation {
+            model_dir: dir,
+            fallback_dir: self.config.fallback_dir.clone(),
+            rank: self.config.rank,
+            gpu_id: self.gpu_id.clone(),
+        };
+        let (deadline, read_version) = (Instant::now() + req.timeout, req.version.is_none());
+        let source = SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)?;
+        Ok(Box::new(source))
+    }
+
+    fn open_ipc(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
+        let socket = req.location.clone().ok_or_else(|| {
+            Error::invalid_argument(
+                "an ipc update needs the publisher's socket path as its location",
+            )
+        })?;
+        let opts = IpcOptions {
+            socket,
+            rank: self.config.rank,
+            world_size: self.config.world_size,
+            gpu_id: self.gpu_id.clone(),
+            version: req.version.clone(),
+            allow_other_uids: self.config.allow_other_uids,
+            bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+            // CUDA IPC buffers open on the rank's GPU (device
+            // copies to params on other GPUs go peer to peer).
+            gpu: self.config.device.max(0),
+        };
+        Ok(Box::new(IpcSource::open(
+            &opts,
+            Instant::now() + req.timeout,
+            self.ipc_buffers.clone(),
+        )?))
+    }
+
+    fn open_net(&self, req: &UpdateRequest, gdr: bool) -> Result<Box<dyn Source>> {
+        let address = req.location.clone().ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "a {} update needs the publisher's host:port as its location",
+                req.source.name()
+            ))
+        })?;
+        let opts = NetOptions {
+            address: address.display().to_string(),
+            rank: self.config.rank,
+            world_size: self.config.world_size,
+            gpu_id: self.gpu_id.clone(),
+            version: req.version.clone(),
+            secret: Secret::resolve(self.config.net.secret.as_deref())?,
+            bucket_size: self.config.net.bucket_size,
+            depth: self.config.net.depth,
+            bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+            direct: gdr || !self.config.net.staged,
+            keyed: self.config.net.keyed_digests,
+        };
+        if gdr && opts.keyed {
+            return Err(Error::unsupported(
+                "keyed digests are checked on the CPU: they apply to rdma updates, not gdr \
+                 (bytes land in GPU memory)",
+            ));
+        }
+        let source = NetSource::open(opts, Instant::now() + req.timeout).inspect_err(|e| {
+            if e.code == crate::wm_result::WM_ERR_AUTH {
+                self.config
+                    .logger
+                    .warn(&format!("{} update: {e}", req.source.name()));
+            }
+        })?;
+        Ok(Box::new(source))
+    }
+
+    /// gdr lands bytes straight in GPU memory: it needs a UCX built with CUDA
+    /// and device params. Ok(true): device params receive straight from the
+    /// wire (direct receive, `source::net`; host params too); Ok(false): run
+    /// as rdma, when the config allows the fallback.
+    pub(super) fn check_gdr(&self, registry: &Registry) -> Result<bool> {
+        let ucx = crate::transport::ucx::ucx()?;
+        let on_gpu = registry.params().iter().any(|p| p.device.is_some());
+        let why = if !on_gpu {
+            "this manager's params are host memory (gdr needs device params)".to_string()
+        } else if !ucx.supports_cuda() {
+            format!(
+                "{} cannot reach CUDA memory (install a CUDA-enabled UCX, e.g. the libucx-cu12 wheel, and set WM_UCX_LIB)",
+                ucx.describe()
+            )
+        } else {
+            return Ok(true);
+        };
+        if self.config.net.gdr_fallback {
+            self.config.logger.warn(&format!(
+                "gdr: {why}; falling back to rdma as the config allows"
+            ));
+            return Ok(false);
+        }
+        Err(Error::unsupported(format!(
+            "gdr: {why}; use source rdma, or allow the fallback to rdma in the config"
+        )))
+    }
+}

@@ -1,0 +1,297 @@
+//! An update: open the source, name the version, plan (nothing moves yet),
+//! bring released memory back, stream the source through the applier,
+//! commit. With NCCL fan-out the root wraps these steps
+//! (`fanout_root.rs`) and a member receives from the root instead
+//! (`fanout_member.rs`). What a failure leaves behind: the module docs.
+
+use super::{check_version, Manager, UpdateRequest, UpdateStats};
+use crate::apply::{Applier, ApplyOptions, Hooks, Progress};
+use crate::plan::{make_plan, Plan, PlanOptions, Target};
+use crate::registry::Registry;
+use crate::result::{Error, Result};
+use crate::source::ipc;
+use crate::source::{Source, SourceKind};
+use crate::state::State;
+use std::time::{Duration, Instant};
+
+/// Why an update failed, and whether params were (or may have been)
+/// written first: an in-place update that wrote leaves the manager FAILED.
+pub(super) struct UpdateFailure {
+    pub error: Error,
+    pub wrote_params: bool,
+}
+
+impl UpdateFailure {
+    pub fn after_writing(error: Error) -> UpdateFailure {
+        UpdateFailure {
+            error,
+            wrote_params: true,
+        }
+    }
+}
+
+/// Failures before any write.
+impl From<Error> for UpdateFailure {
+    fn from(error: Error) -> UpdateFailure {
+        UpdateFailure {
+            error,
+            wrote_params: false,
+        }
+    }
+}
+
+/// One update in flight: what it works on and what it did so far.
+pub(super) struct UpdateRun<'a, 'h> {
+    pub registry: &'a mut Registry,
+    pub req: UpdateRequest<'h>,
+    /// The state before the update (CLEARED or FAILED: memory may be released).
+    pub prev: State,
+    pub start: Instant,
+    /// Released memory was brought back; a failure before any write
+    /// releases it again.
+    pub restored: bool,
+}
+
+impl UpdateRun<'_, '_> {
+    /// The end of the whole update.
+    pub fn deadline(&self) -> Instant {
+        self.start + self.req.timeout
+    }
+}
+
+/// A source opened, its version named and the plan made: nothing moved yet.
+pub(super) struct Prepared {
+    source: Box<dyn Source>,
+    pub version: String,
+    pub plan: Plan,
+    /// A gdr request that lands in GPU memory (else it runs as rdma).
+    gdr: bool,
+}
+
+impl Manager {
+    /// Run one update. See the module docs for what failure leaves behind.
+    pub fn update(&self, req: UpdateRequest) -> Result<UpdateStats> {
+        let r = self.try_update(req).map_err(|e| self.cancel_cause(e));
+        let r = self.finish_action(State::Updating, r, |s| s.version.clone());
+        self.recorded(r)
+    }
+
+    fn try_update(&self, req: UpdateRequest) -> Result<UpdateStats> {
+        let start = Instant::now();
+        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        self.check_cancelled()?;
+        if let Some(v) = &req.version {
+            check_version(v)?;
+        }
+        let prev = {
+            let mut rec = self.record.lock();
+            rec.registration_open = false;
+            std::mem::replace(&mut rec.state, State::Updating)
+        };
+        let mut registry = self.registry.write();
+        let mut run = UpdateRun {
+            registry: &mut registry,
+            req,
+            prev,
+            start,
+            restored: false,
+        };
+        let outcome = self.run_update(&mut run);
+        let restored = run.restored;
+        let state = match &outcome {
+            Ok(_) => State::Normal,
+            Err(f) if f.wrote_params => State::Failed,
+            Err(_) if restored => self.release_again(&mut registry, prev),
+            Err(_) => prev,
+        };
+        let result = outcome.map_err(|f| f.error);
+        let mut rec = self.record.lock();
+        rec.state = state;
+        rec.resident_bytes = registry.resident_bytes();
+        if let Ok(stats) = &result {
+            rec.version = Some(stats.version.clone());
+            rec.updates += 1;
+            rec.last_update = Some(stats.clone());
+            rec.last_error = None;
+        }
+        result
+    }
+
+    /// After an update failed before writing, release the memory it
+    /// brought back; returns the state to be in.
+    fn release_again(&self, registry: &mut Registry, prev: State) -> State {
+        match self.release(registry) {
+            Ok(_) => prev,
+            Err(re) => {
+                self.config
+                    .logger
+                    .warn(&format!("re-releasing after a failed update: {re}"));
+                State::Failed
+            }
+        }
+    }
+
+    /// The ordinary update, or a fan-out root's or member's.
+    fn run_update(&self, run: &mut UpdateRun) -> std::result::Result<UpdateStats, UpdateFailure> {
+        let mut link = self
+            .fanout
+            .as_ref()
+            .filter(|_| self.signal.fanout_size() > 1)
+            .map(|l| l.lock());
+        let Some(link) = link.as_mut() else {
+            return self.update_from_source(run);
+        };
+        let meet_by = Instant::now() + ipc::BUCKET_TIMEOUT.min(run.req.timeout);
+        let mut session = link.start(&self.signal, self.config.rank, meet_by)?;
+        if session.is_root() {
+            self.update_as_fanout_root(run, &mut session)
+        } else {
+            self.receive_fanout(run, &mut session)
+        }
+    }
+
+    fn update_from_source(
+        &self,
+        run: &mut UpdateRun,
+    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+        let mut prepared = self.prepare(run)?;
+        let stats = self.apply(run, &mut prepared)?;
+        Ok(self.updated(run, &prepared, stats))
+    }
+
+    /// Open the source, name the version and plan (nothing moves yet).
+    pub(super) fn prepare(&self, run: &mut UpdateRun) -> Result<Prepared> {
+        let (registry, req) = (&*run.registry, &mut run.req);
+        // gdr lands in device params; when it may not, it runs as rdma.
+        let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
+        let source = self.open_source(req, gdr)?;
+        // A publisher (ipc, rdma, gdr) serves the version asked for and names
+        // it ("latest" becomes its real name); a snapshot request's version
+        // overrides the snapshot's version.yaml.
+        let from_source = source.manifest().version.clone();
+        let named = match req.source {
+            SourceKind::Snapshot => req.version.clone().or(from_source),
+            _ => from_source.or_else(|| req.version.clone().filter(|v| v != "latest")),
+        };
+        let version = named.ok_or_else(|| {
+            Error::no_version(format!(
+                "no version: the request names none and {}",
+                source.no_version_reason()
+            ))
+        })?;
+        check_version(&version)?;
+        if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
+            req.verify = true;
+        }
+        let opts = PlanOptions {
+            skip_unknown: req.skip_unknown,
+            callback: req.hooks.tensor.is_some(),
+            verify: req.verify,
+        };
+        let plan = make_plan(source.manifest(), registry, opts, &self.config.logger)?;
+        Ok(Prepared {
+            source,
+            version,
+            plan,
+            gdr,
+        })
+    }
+
+    /// Bring released memory back, then stream the source through the
+    /// applier and commit. The stats' `total` is left for [`Self::updated`].
+    pub(super) fn apply(
+        &self,
+        run: &mut UpdateRun,
+        prepared: &mut Prepared,
+    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+        self.restore_if_released(run)?;
+        let plan = &prepared.plan;
+        let dests = plan
+            .entries
+            .iter()
+            .map(|e| match e.target {
+                Target::Param(i) => Some(run.registry.params()[i].dest()),
+                _ => None,
+            })
+            .collect();
+        let apply_opts = ApplyOptions {
+            mode: run.req.mode,
+            verify: run.req.verify,
+            threads: self.threads,
+            timeout: run.req.timeout,
+            callback_staging_limit: self.config.callback_staging_limit,
+        };
+        let Hooks {
+            progress: mut user_progress,
+            tensor: mut user_tensor,
+        } = std::mem::take(&mut run.req.hooks);
+        // Cancellation rides on the progress hook, which the applier calls
+        // after every batch, before anything more moves.
+        let mut progress = |p: &Progress| {
+            let go_on = user_progress.as_mut().is_none_or(|f| f(p));
+            go_on && !self.is_cancelled()
+        };
+        let hooks = Hooks {
+            progress: Some(&mut progress),
+            tensor: match user_tensor.as_mut() {
+                Some(t) => Some(&mut **t),
+                None => None,
+            },
+        };
+        let mut staging = self.staging.lock();
+        let mut applier = Applier::new(plan, dests, apply_opts, hooks)?
+            .with_staging(&mut staging)
+            .land_on_device(prepared.gdr);
+        if let Err(error) = prepared.source.stream(plan, &mut applier) {
+            let wrote_params = applier.wrote_params();
+            return Err(UpdateFailure {
+                error,
+                wrote_params,
+            });
+        }
+        let applied = applier
+            .finish()
+            .map_err(|(error, wrote_params)| UpdateFailure {
+                error,
+                wrote_params,
+            })?;
+        Ok(UpdateStats {
+            version: prepared.version.clone(),
+            rank: self.config.rank,
+            tensors: applied.tensors as u64,
+            bytes: applied.bytes,
+            sync: applied.receive,
+            update: applied.commit,
+            total: Duration::ZERO,
+        })
+    }
+
+    /// The update went through: say so, and time the whole call.
+    pub(super) fn updated(
+        &self,
+        run: &UpdateRun,
+        prepared: &Prepared,
+        mut stats: UpdateStats,
+    ) -> UpdateStats {
+        self.config.logger.info(&format!(
+            "rank {}: updated to version {} from {} ({} tensors, {} bytes)",
+            self.config.rank,
+            stats.version,
+            prepared.source.describe(),
+            stats.tensors,
+            stats.bytes
+        ));
+        stats.total = run.start.elapsed();
+        stats
+    }
+
+    /// After a clear (or a failed update), bring the params' memory back.
+    pub(super) fn restore_if_released(&self, run: &mut UpdateRun) -> Result<()> {
+        if run.prev == State::Cleared || run.prev == State::Failed {
+            run.restored = run.registry.params().iter().any(|p| !p.resident);
+            let taken = self.restore(run.registry)?;
+            self.record.lock().device_bytes_restored = taken;
+        }
+        Ok(())
+    }
+}
