@@ -949,7 +949,9 @@ impl Manager {
         if let Err(e) = source.stream(plan, &mut applier) {
             return Err((e, applier.wrote_params()));
         }
-        applier.finish()
+        applier
+            .finish()
+            .map_err(|f| (f.error, f.weights == crate::apply::Weights::Written))
     }
 
     /// After a clear (or a failed update), bring the params' memory back.

@@ -51,8 +51,18 @@ const SIZE_STEP: usize = 2 << 20;
 /// Tensors up to this size are not given a pinned buffer of their own:
 /// they land in ordinary memory and are packed, many to a buffer, into a
 /// pinned buffer of [`FILL_SIZE`] on their way up.
-pub(crate) const SMALL_TENSOR: usize = 8 << 20;
+const SMALL_TENSOR: usize = 8 << 20;
 const FILL_SIZE: usize = 64 << 20;
+
+/// The landing policy for a device param's tensor of `n` bytes received in
+/// place: true when it lands in a pinned buffer of its own (taken with
+/// [`DeviceStaging::take`], sent whole with [`DeviceStaging::send`]); false
+/// when it lands in ordinary memory and goes up with
+/// [`DeviceStaging::upload`] (small ones packed many to a buffer, large ones
+/// in pieces).
+pub(crate) fn lands_in_own_pinned_buffer(n: usize) -> bool {
+    (SMALL_TENSOR + 1..=PINNED_TENSOR_MAX).contains(&n)
+}
 /// How long dropping the staging waits for copies still in flight.
 const DROP_WAIT: Duration = Duration::from_secs(60);
 
