@@ -392,4 +392,34 @@ mod tests {
         let e = plan(vec![meta("q", DType::F16, &[8])], opts).unwrap_err();
         assert!(e.message.contains("'q' has no checksum"));
     }
+
+    #[test]
+    fn every_moving_tensor_is_one_whole_run() {
+        let opts = PlanOptions {
+            skip_unknown: true,
+            ..Default::default()
+        };
+        let p = plan(
+            vec![
+                meta("zz", DType::U8, &[3]),
+                meta("b", DType::F32, &[4]),
+                meta("a", DType::Bf16, &[2, 3]),
+            ],
+            opts,
+        )
+        .unwrap();
+        assert!(p.runs_of(0).is_empty(), "a skipped tensor has no run");
+        assert_eq!(
+            p.runs_of(1),
+            [Run {
+                tensor: 1,
+                source: 0..16,
+                target: Target::Param(1),
+                param: 0..16
+            }]
+        );
+        assert_eq!(p.run_at(2, 0).unwrap().target, Target::Param(0));
+        assert_eq!(p.run_at(2, 12).unwrap().param_offset(5), 5);
+        assert!(p.run_at(2, 13).is_none() && p.run_at(0, 0).is_none());
+    }
 }

@@ -166,3 +166,42 @@ fn tensors_in_chunks_are_verified_as_they_land() {
         }
     }
 }
+
+/// A chunk maps through its plan run to the param's byte range: a run that
+/// puts a tensor's 4 bytes at bytes 4..8 of an 8-byte param writes only
+/// those, in place (copied or landed) and atomically.
+#[test]
+fn chunks_land_where_their_run_says() {
+    let data = [1u8, 2, 3, 4];
+    let mut plan = plan_of(&data);
+    plan.runs[0].param = 4..8;
+    for (mode, landed) in [
+        (Mode::InPlace, false),
+        (Mode::InPlace, true),
+        (Mode::Atomic, false),
+    ] {
+        let mut param = [0u8; 8];
+        let opts = ApplyOptions {
+            mode,
+            ..callback_opts(mode, 0)
+        };
+        let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+        let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
+        let chunk = Chunk {
+            tensor: 0,
+            offset: 0,
+            len: 4,
+            src: CopySource::Memory(SendPtr(data.as_ptr().cast_mut())),
+        };
+        if landed {
+            let to = a.landing_for(0, 0, 4).unwrap();
+            // SAFETY: the landing is the run's 4 bytes of the param.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), to.0, 4) };
+            a.landed_batch("test", &[chunk]).unwrap();
+        } else {
+            a.apply_batch("test", &[chunk]).unwrap();
+        }
+        a.finish().map_err(|f| f.error).unwrap();
+        assert_eq!(param, [0, 0, 0, 0, 1, 2, 3, 4], "{mode:?}, landed {landed}");
+    }
+}
