@@ -8,7 +8,7 @@
 //! it: its bytes are bounded by the engine's `callback_staging_limit`
 //! instead, checked before anything is allocated (see
 //! [`check_callback_staging`] for the whole plan and
-//! [`LooseBuffers::landing`] for the buffers held at once). Every
+//! [`LooseBuffers::buffer_for`] for the buffers held at once). Every
 //! allocation is fallible: memory that cannot be had is
 //! `WM_ERR_OUT_OF_MEMORY`, never an abort.
 
