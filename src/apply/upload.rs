@@ -48,14 +48,15 @@ impl Applier<'_, '_> {
                 // SAFETY: the device range was checked at registration to
                 // hold the param's bytes, and only this update writes it;
                 // the buffer holds the tensor's bytes.
-                unsafe { staging.send(ordinal, buf, ptr + run.param.start, len) }.map_err(context)
+                unsafe { staging.upload_buffer(ordinal, buf, ptr + run.param.start, len) }
+                    .map_err(context)
             }
             UploadFrom::Host(data) => {
                 for run in plan.runs_of(t) {
                     let bytes = &data[run.source.start as usize..run.source.end as usize];
                     let dst = ptr + run.param.start;
                     // SAFETY: as above.
-                    unsafe { staging.upload(ordinal, dst, bytes, threads, deadline) }
+                    unsafe { staging.upload_bytes(ordinal, dst, bytes, threads, deadline) }
                         .map_err(&context)?;
                 }
                 Ok(())
