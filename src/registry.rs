@@ -89,22 +89,31 @@ impl Param {
     }
 
     /// Where the applier writes this param.
-    pub fn dest(&self) -> crate::apply::Dest {
+    pub fn dest(&self) -> Dest {
         match self.device {
-            Some(ordinal) => crate::apply::Dest::Device {
+            Some(ordinal) => Dest::Device {
                 ptr: self.ptr() as u64,
                 ordinal,
             },
-            None => crate::apply::Dest::Host(SendPtr(self.ptr())),
+            None => Dest::Host(SendPtr(self.ptr())),
         }
     }
+}
 
-    pub fn is_library_owned(&self) -> bool {
-        matches!(
-            self.memory,
-            ParamMemory::Library(_) | ParamMemory::LibraryDevice(_)
-        )
-    }
+/// Where a param's bytes go (what the applier writes; it lives here, below
+/// the applier and the plan, so that both can name it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dest {
+    /// Host memory: written by the parallel copier.
+    Host(SendPtr),
+    /// CUDA device memory of GPU `ordinal`: bytes land in host memory first
+    /// (the atomic arena; in place, a pinned buffer of the tensor's own, or
+    /// ordinary memory, as `memory::staging::lands_in_own_pinned_buffer`
+    /// decides) and go up with an asynchronous copy once the tensor is whole
+    /// and verified (atomic: at commit); the applier waits for the copies
+    /// before it reports the update done. With gdr (in place) a source
+    /// writes the bytes straight into the param instead.
+    Device { ptr: u64, ordinal: i32 },
 }
 
 /// `len` bytes at `ptr` are device memory of GPU `ordinal`, in one

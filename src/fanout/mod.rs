@@ -429,27 +429,19 @@ mod tests {
             nbytes: 16,
             checksum: None,
         };
-        let plan = Plan {
-            entries: vec![PlanEntry {
-                meta: meta.clone(),
-                target: Target::Param(0),
-            }],
-            tensors: 1,
-            bytes: 16,
-        };
+        let plan = Plan::new(vec![PlanEntry {
+            meta: meta.clone(),
+            target: Target::Param(0),
+        }]);
         let e = announce("v1", &plan, &r, 0).unwrap_err();
         assert!(
             e.message.contains("param 'w' is host memory") && e.message.contains("fan-out root"),
             "{e}"
         );
-        let plan = Plan {
-            entries: vec![PlanEntry {
-                meta,
-                target: Target::Callback,
-            }],
-            tensors: 1,
-            bytes: 16,
-        };
+        let plan = Plan::new(vec![PlanEntry {
+            meta,
+            target: Target::Callback,
+        }]);
         let e = announce("v1", &plan, &r, 0).unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_UNSUPPORTED);
         assert!(e.message.contains("tensor 'w'"), "{e}");

@@ -3,8 +3,9 @@
 //! the bytes land in the params; atomic, in a device arena copied to the
 //! params once all arrived.
 
-use super::update::{UpdateFailure, UpdateRun};
+use super::update::UpdateRun;
 use super::{check_version, Manager, UpdateStats};
+use crate::apply::ApplyFailure;
 use crate::apply::{Mode, Progress};
 use crate::fanout::{Announcement, FanoutSession, Word};
 use crate::memory::aligned_offsets;
@@ -26,7 +27,7 @@ impl Manager {
         &self,
         run: &mut UpdateRun,
         s: &mut FanoutSession,
-    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+    ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let deadline = run.deadline();
         let root = s.root_rank();
         let announcement = match s.word::<Announcement>(None, deadline)? {
@@ -59,15 +60,14 @@ impl Manager {
         let received = Instant::now();
         let spans = landing_spans(run.registry, &params, arena.as_ref());
         let bytes_total: u64 = spans.iter().map(|s| s.1 as u64).sum();
-        self.receive_bytes(run, s, &spans)
-            .map_err(|e| UpdateFailure {
-                error: e.context(format!("receiving the fan-out from rank {root}")),
-                wrote_params: arena.is_none(),
-            })?;
+        self.receive_bytes(run, s, &spans).map_err(|e| {
+            let e = e.context(format!("receiving the fan-out from rank {root}"));
+            ApplyFailure::new(e, arena.is_none())
+        })?;
         let sync = received.elapsed();
         let committed = Instant::now();
         if let Some(a) = &arena {
-            commit_arena(s, run.registry, &params, a).map_err(UpdateFailure::after_writing)?;
+            commit_arena(s, run.registry, &params, a).map_err(ApplyFailure::after_writing)?;
         }
         self.config.logger.info(&format!(
             "rank {}: updated to version {} by fan-out from rank {root} ({} tensors, {bytes_total} bytes)",

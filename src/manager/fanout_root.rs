@@ -4,8 +4,9 @@
 //! outcome, then broadcast the params). When the root fails before its
 //! commit, it tells the members why (they stop too).
 
-use super::update::{Prepared, UpdateFailure, UpdateRun};
+use super::update::{Prepared, UpdateRun};
 use super::{Manager, UpdateStats};
+use crate::apply::ApplyFailure;
 use crate::fanout::{Announcement, FanoutSession, Word};
 use crate::logging::Logger;
 use crate::registry::Registry;
@@ -29,7 +30,7 @@ impl Manager {
         &self,
         run: &mut UpdateRun,
         session: &mut FanoutSession,
-    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+    ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut root = FanoutRoot {
             session,
             logger: &self.config.logger,
@@ -39,14 +40,14 @@ impl Manager {
         let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
         let has_tensor_hook = run.req.hooks.tensor.is_some();
         root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
-        let mut stats = self.apply(run, &mut prepared).map_err(|f| UpdateFailure {
+        let mut stats = self.apply(run, &mut prepared).map_err(|f| ApplyFailure {
             error: root.stop(f.error),
-            wrote_params: f.wrote_params,
+            weights: f.weights,
         })?;
         let sent = Instant::now();
         root.after(run.registry, self.config.net.bucket_size)
             .map_err(|e| {
-                UpdateFailure::after_writing(e.context(format!(
+                ApplyFailure::after_writing(e.context(format!(
                     "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
                     stats.version,
                     self.config.rank,

@@ -5,7 +5,7 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
-use crate::apply::{Applier, ApplyOptions, Hooks, Progress};
+use crate::apply::{Applier, ApplyFailure, ApplyOptions, Hooks, Progress};
 use crate::plan::{make_plan, Plan, PlanOptions, Target};
 use crate::registry::Registry;
 use crate::result::{Error, Result};
@@ -13,32 +13,6 @@ use crate::source::ipc;
 use crate::source::{Source, SourceKind};
 use crate::state::State;
 use std::time::{Duration, Instant};
-
-/// Why an update failed, and whether params were (or may have been)
-/// written first: an in-place update that wrote leaves the manager FAILED.
-pub(super) struct UpdateFailure {
-    pub error: Error,
-    pub wrote_params: bool,
-}
-
-impl UpdateFailure {
-    pub fn after_writing(error: Error) -> UpdateFailure {
-        UpdateFailure {
-            error,
-            wrote_params: true,
-        }
-    }
-}
-
-/// Failures before any write.
-impl From<Error> for UpdateFailure {
-    fn from(error: Error) -> UpdateFailure {
-        UpdateFailure {
-            error,
-            wrote_params: false,
-        }
-    }
-}
 
 /// One update in flight: what it works on and what it did so far.
 pub(super) struct UpdateRun<'a, 'h> {
@@ -100,7 +74,7 @@ impl Manager {
         let restored = run.restored;
         let state = match &outcome {
             Ok(_) => State::Normal,
-            Err(f) if f.wrote_params => State::Failed,
+            Err(f) if f.params_written() => State::Failed,
             Err(_) if restored => self.release_again(&mut registry, prev),
             Err(_) => prev,
         };
@@ -132,7 +106,7 @@ impl Manager {
     }
 
     /// The ordinary update, or a fan-out root's or member's.
-    fn run_update(&self, run: &mut UpdateRun) -> std::result::Result<UpdateStats, UpdateFailure> {
+    fn run_update(&self, run: &mut UpdateRun) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut link = self
             .fanout
             .as_ref()
@@ -153,7 +127,7 @@ impl Manager {
     fn update_from_source(
         &self,
         run: &mut UpdateRun,
-    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+    ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut prepared = self.prepare(run)?;
         let stats = self.apply(run, &mut prepared)?;
         Ok(self.updated(run, &prepared, stats))
@@ -203,7 +177,7 @@ impl Manager {
         &self,
         run: &mut UpdateRun,
         prepared: &mut Prepared,
-    ) -> std::result::Result<UpdateStats, UpdateFailure> {
+    ) -> std::result::Result<UpdateStats, ApplyFailure> {
         self.restore_if_released(run)?;
         let plan = &prepared.plan;
         let dests = plan
@@ -243,18 +217,9 @@ impl Manager {
             .with_staging(&mut staging)
             .land_on_device(prepared.gdr);
         if let Err(error) = prepared.source.stream(plan, &mut applier) {
-            let wrote_params = applier.wrote_params();
-            return Err(UpdateFailure {
-                error,
-                wrote_params,
-            });
+            return Err(applier.failure(error));
         }
-        let applied = applier
-            .finish()
-            .map_err(|(error, wrote_params)| UpdateFailure {
-                error,
-                wrote_params,
-            })?;
+        let applied = applier.finish()?;
         Ok(UpdateStats {
             version: prepared.version.clone(),
             rank: self.config.rank,

@@ -8,7 +8,7 @@
 //! it: its bytes are bounded by the engine's `callback_staging_limit`
 //! instead, checked before anything is allocated (see
 //! [`check_callback_staging`] for the whole plan and
-//! [`LooseBuffers::landing`] for the buffers held at once). Every
+//! [`LooseBuffers::buffer_for`] for the buffers held at once). Every
 //! allocation is fallible: memory that cannot be had is
 //! `WM_ERR_OUT_OF_MEMORY`, never an abort.
 
@@ -90,7 +90,7 @@ impl LooseBuffers {
     /// Where entry `t`'s `n` bytes land, allocating its buffer on first use
     /// (the spare if it is large enough). `bounded`: a callback tensor,
     /// refused if the callback tensors held would pass the limit.
-    pub fn landing(&mut self, t: usize, name: &str, n: usize, bounded: bool) -> Result<*mut u8> {
+    pub fn buffer_for(&mut self, t: usize, name: &str, n: usize, bounded: bool) -> Result<*mut u8> {
         if let Some(l) = self.held.get_mut(&t) {
             return Ok(l.buf.as_mut_ptr());
         }
@@ -185,10 +185,10 @@ mod tests {
     #[test]
     fn callback_buffers_held_at_once_stay_within_the_limit() {
         let mut l = LooseBuffers::new(1000);
-        l.landing(0, "a", 600, true).unwrap();
+        l.buffer_for(0, "a", 600, true).unwrap();
         // Device params' buffers do not count: the plan bounded them.
-        l.landing(5, "dev", 5000, false).unwrap();
-        let e = l.landing(1, "b", 500, true).unwrap_err();
+        l.buffer_for(5, "dev", 5000, false).unwrap();
+        let e = l.buffer_for(1, "b", 500, true).unwrap_err();
         assert_eq!(e.code, WM_ERR_OUT_OF_MEMORY);
         assert!(
             e.message.contains("tensor 'b'") && e.message.contains("600 bytes"),
@@ -198,14 +198,14 @@ mod tests {
         let a = l.take(0);
         let at = a.as_ptr();
         l.recycle(a);
-        assert_eq!(l.landing(1, "b", 500, true).unwrap().cast_const(), at);
+        assert_eq!(l.buffer_for(1, "b", 500, true).unwrap().cast_const(), at);
         assert_eq!(l.bounded, 500);
     }
 
     #[test]
     fn an_allocation_that_cannot_be_had_is_an_error() {
         let mut l = LooseBuffers::new(u64::MAX);
-        let e = l.landing(0, "huge", usize::MAX / 2, true).unwrap_err();
+        let e = l.buffer_for(0, "huge", usize::MAX / 2, true).unwrap_err();
         assert_eq!(e.code, WM_ERR_OUT_OF_MEMORY);
         assert!(e.message.contains("tensor 'huge'"), "{e}");
     }

@@ -10,12 +10,13 @@
 //! the next chunk while the DMA runs. An event recorded after each copy says
 //! when its buffer may be refilled.
 //!
-//! Which bytes go where:
+//! Which bytes go where (the applier asks [`lands_in_own_pinned_buffer`]):
 //! - a tensor of 8 to 256 MiB, in place, lands in a pinned buffer of its own
-//!   and that buffer is sent whole;
+//!   and that buffer is uploaded whole ([`DeviceStaging::upload_buffer`]);
 //! - smaller tensors, larger ones (in 256 MiB pieces) and atomic updates'
 //!   staged bytes are copied into a pinned "filling" buffer of 64 MiB that
-//!   many of them share, each piece's DMA queued as soon as it is copied;
+//!   many of them share, each piece's DMA queued as soon as it is copied
+//!   ([`DeviceStaging::upload_bytes`]);
 //! - when the caller already holds every buffer (a batch of many tensors
 //!   landing at once), a tensor lands in ordinary memory and goes up the
 //!   second way, rather than waiting for a buffer that cannot come back.
@@ -51,8 +52,18 @@ const SIZE_STEP: usize = 2 << 20;
 /// Tensors up to this size are not given a pinned buffer of their own:
 /// they land in ordinary memory and are packed, many to a buffer, into a
 /// pinned buffer of [`FILL_SIZE`] on their way up.
-pub(crate) const SMALL_TENSOR: usize = 8 << 20;
+const SMALL_TENSOR: usize = 8 << 20;
 const FILL_SIZE: usize = 64 << 20;
+
+/// The landing policy for a device param's tensor of `n` bytes received in
+/// place: true when it lands in a pinned buffer of its own (taken with
+/// [`DeviceStaging::take`], uploaded whole with
+/// [`DeviceStaging::upload_buffer`]); false when it lands in ordinary memory
+/// and goes up with [`DeviceStaging::upload_bytes`] (small ones packed many
+/// to a buffer, large ones in pieces).
+pub(crate) fn lands_in_own_pinned_buffer(n: usize) -> bool {
+    (SMALL_TENSOR + 1..=PINNED_TENSOR_MAX).contains(&n)
+}
 /// How long dropping the staging waits for copies still in flight.
 const DROP_WAIT: Duration = Duration::from_secs(60);
 
@@ -385,10 +396,10 @@ impl DeviceStaging {
     }
 
     /// A pinned buffer of at least `n` bytes to fill with bytes for GPU
-    /// `ordinal`; hand it to [`DeviceStaging::send`] or
+    /// `ordinal`; hand it to [`DeviceStaging::upload_buffer`] or
     /// [`DeviceStaging::give_back`]. Waits (until `deadline`) while every
     /// buffer of that GPU is being copied; None when the caller holds them
-    /// all (land the bytes in ordinary memory and [`DeviceStaging::upload`]).
+    /// all (land the bytes in ordinary memory and [`DeviceStaging::upload_bytes`]).
     pub fn take(
         &mut self,
         ordinal: i32,
@@ -404,7 +415,7 @@ impl DeviceStaging {
     /// # Safety
     /// `dst..dst+len` is device memory of that GPU that nothing else writes
     /// until [`DeviceStaging::wait`] returns.
-    pub unsafe fn send(
+    pub unsafe fn upload_buffer(
         &mut self,
         ordinal: i32,
         buf: PinnedBuffer,
@@ -422,7 +433,7 @@ impl DeviceStaging {
     ///
     /// # Safety
     /// `src..src+len` is device memory that stays unchanged until
-    /// [`DeviceStaging::wait`] returns; `dst` as for [`DeviceStaging::send`].
+    /// [`DeviceStaging::wait`] returns; `dst` as for [`DeviceStaging::upload_buffer`].
     pub unsafe fn copy_device(
         &mut self,
         ordinal: i32,
@@ -450,8 +461,8 @@ impl DeviceStaging {
     /// once the last piece is queued; `src` may be reused at once.
     ///
     /// # Safety
-    /// As for [`DeviceStaging::send`].
-    pub unsafe fn upload(
+    /// As for [`DeviceStaging::upload_buffer`].
+    pub unsafe fn upload_bytes(
         &mut self,
         ordinal: i32,
         dst: u64,

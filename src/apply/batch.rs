@@ -1,0 +1,268 @@
+//! One batch of chunks. Each chunk is checked against the plan (a source
+//! can never make the applier write outside a planned tensor or write a
+//! byte twice), routed once, and handled by its route's function; then the
+//! batch's copies run in parallel, the tensors it completed are verified
+//! and passed on (to device params, to the callback), and progress is
+//! reported.
+
+use super::route::Route;
+use super::upload::UploadFrom;
+use super::{Applier, Chunk, Dest, DeviceBytes};
+use crate::memory::copy::{copy_all, CopyJob, CopySource};
+use crate::memory::SendPtr;
+use crate::plan::Target;
+use crate::result::{Error, Result};
+
+/// What a batch does once its chunks are routed.
+#[derive(Default)]
+struct BatchWork<'c> {
+    /// Route::Copy: jobs for the parallel copier.
+    copies: Vec<CopyJob<'c>>,
+    /// Chunks that are part of a tensor (verifying): (tensor, bytes, len),
+    /// hashed as soon as they are in memory.
+    hash_chunks: Vec<(usize, SendPtr, usize)>,
+    /// Route::DeviceToDevice: (GPU, dst, src, len).
+    device_copies: Vec<(i32, u64, u64, usize)>,
+    /// Tensors the device-to-device copies complete.
+    completed_on_device: u64,
+    device_views: Vec<(usize, DeviceBytes)>,
+    host_views: Vec<(usize, SendPtr)>,
+    /// Tensors whose last byte is received in this batch (Copy, Landed,
+    /// OnDevice).
+    completed: Vec<usize>,
+}
+
+impl Applier<'_, '_> {
+    /// Apply `chunks`; `landed`: the source wrote them itself.
+    pub(super) fn batch<'c>(
+        &mut self,
+        origin: &str,
+        chunks: &[Chunk<'c>],
+        landed: bool,
+    ) -> Result<()> {
+        self.check_deadline()?;
+        let mut work = BatchWork::default();
+        for c in chunks {
+            let Some(end) = self.accept(origin, c)? else {
+                continue;
+            };
+            let complete = end == self.plan.entries[c.tensor].meta.nbytes;
+            let whole = c.offset == 0 && complete;
+            match self.route(c, whole, landed) {
+                Route::Copy | Route::Landed => {
+                    self.receive_in_memory(c, whole, complete, landed, &mut work)?
+                }
+                Route::HostView { src } => work.host_views.push((c.tensor, src)),
+                Route::DeviceView(bytes) => work.device_views.push((c.tensor, bytes)),
+                Route::DeviceToDevice { src, param } => {
+                    self.copy_device_to_device(c, src, param, complete, &mut work)?
+                }
+                Route::OnDevice { param } => {
+                    self.account_on_device(origin, c, param, landed, complete, &mut work)?
+                }
+            }
+            self.progress.bytes_done += c.len as u64;
+        }
+        self.run_batch(origin, work)
+    }
+
+    /// Check chunk `c` against the plan and what was received before;
+    /// returns where it ends, or None when there is nothing to do.
+    fn accept(&mut self, origin: &str, c: &Chunk) -> Result<Option<u64>> {
+        let Some(entry) = self.plan.entries.get(c.tensor) else {
+            return Err(Error::format(format!(
+                "{origin}: chunk names tensor #{} but the plan has {}",
+                c.tensor,
+                self.plan.entries.len()
+            )));
+        };
+        if entry.target == Target::Skip || c.len == 0 {
+            return Ok(None);
+        }
+        let (t, n) = (c.tensor, entry.meta.nbytes);
+        if c.offset != self.received[t] {
+            return Err(Error::format(format!(
+                "{origin}: chunk of tensor '{}' starts at byte {} but byte {} was expected next",
+                self.name(t),
+                c.offset,
+                self.received[t]
+            )));
+        }
+        let end = c
+            .offset
+            .checked_add(c.len as u64)
+            .filter(|e| *e <= n)
+            .ok_or_else(|| {
+                Error::format(format!(
+                "{origin}: chunk of tensor '{}' covers {} bytes from byte {}, past its {} bytes",
+                self.name(t),
+                c.len,
+                c.offset,
+                n
+            ))
+            })?;
+        self.received[t] = end;
+        Ok(Some(end))
+    }
+
+    /// Route::Copy and Route::Landed: the chunk's bytes are (copied) where
+    /// its tensor is received in host memory.
+    fn receive_in_memory<'c>(
+        &mut self,
+        c: &Chunk<'c>,
+        whole: bool,
+        complete: bool,
+        landed: bool,
+        work: &mut BatchWork<'c>,
+    ) -> Result<()> {
+        let t = c.tensor;
+        let dst = self.receive_at(t, c.offset)?;
+        if self.opts.verify && !whole {
+            // Bytes in memory are hashed where they already are (just
+            // landed, so still in cache); a file's once copied.
+            let at = match (landed, c.src) {
+                (false, CopySource::Memory(src)) => src,
+                _ => dst,
+            };
+            work.hash_chunks.push((t, at, c.len));
+        }
+        if !landed {
+            let (src, len) = (c.src, c.len);
+            work.copies.push(CopyJob {
+                src,
+                dst,
+                len,
+                tag: t,
+            });
+        }
+        if matches!(self.plan.entries[t].target, Target::Param(_)) && self.arena.is_none() {
+            self.wrote_params = true;
+        }
+        if complete {
+            work.completed.push(t);
+        }
+        Ok(())
+    }
+
+    /// Route::DeviceToDevice: queued once the batch is checked.
+    fn copy_device_to_device(
+        &mut self,
+        c: &Chunk,
+        src: u64,
+        (ptr, ordinal): (u64, i32),
+        complete: bool,
+        work: &mut BatchWork,
+    ) -> Result<()> {
+        let dst = ptr + self.param_offset(c.tensor, c.offset)?;
+        work.device_copies.push((ordinal, dst, src, c.len));
+        self.wrote_params = true;
+        work.completed_on_device += u64::from(complete);
+        Ok(())
+    }
+
+    /// Route::OnDevice: the bytes are in the device param already (gdr);
+    /// verifying, they are read back and hashed.
+    fn account_on_device(
+        &mut self,
+        origin: &str,
+        c: &Chunk,
+        (ptr, ordinal): (u64, i32),
+        landed: bool,
+        complete: bool,
+        work: &mut BatchWork,
+    ) -> Result<()> {
+        let t = c.tensor;
+        if !landed {
+            return Err(Error::format(format!(
+                "{origin}: tensor '{}' must land in its GPU param (gdr), not be copied",
+                self.name(t)
+            )));
+        }
+        if self.opts.verify {
+            let at = ptr + self.param_offset(t, c.offset)?;
+            self.hash_on_device(origin, t, (at, ordinal), c.len)?;
+        }
+        if complete {
+            work.completed.push(t);
+        }
+        Ok(())
+    }
+
+    /// Copy, hash, verify and pass on what the batch's chunks completed.
+    fn run_batch(&mut self, origin: &str, work: BatchWork) -> Result<()> {
+        // SAFETY: every destination is inside a planned tensor's memory
+        // (range checked against its byte size), each byte is written once
+        // (offsets must follow on exactly), and sources are valid per the
+        // Chunk contract.
+        unsafe { copy_all(&work.copies, self.opts.threads) }.map_err(|e| {
+            e.error
+                .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
+        })?;
+        for &t in &work.completed {
+            let n = self.plan.entries[t].meta.nbytes as usize;
+            // SAFETY: every byte up to n was just written, into a buffer
+            // allocated for n.
+            unsafe { self.loose.filled(t, n) };
+        }
+        for &(t, at, len) in &work.hash_chunks {
+            // SAFETY: the chunk's bytes are in place (landed or just
+            // copied) and nothing writes them during the batch.
+            self.hash_chunk(t, unsafe { std::slice::from_raw_parts(at.0, len) });
+        }
+        self.verify(origin, &work.completed)?;
+        self.progress.tensors_done += work.completed.len() as u64 + work.completed_on_device;
+        for &copy in &work.device_copies {
+            self.copy_on_device(origin, copy)?;
+        }
+        for &(t, bytes) in &work.device_views {
+            self.deliver_view(t, &[], Some(bytes))?;
+            self.progress.tensors_done += 1;
+        }
+        for &(t, src) in &work.host_views {
+            self.deliver_host_view(origin, t, src)?;
+            self.progress.tensors_done += 1;
+        }
+        if self.arena.is_none() {
+            for &t in &work.completed {
+                self.pass_on(origin, t)?;
+            }
+        }
+        self.report_progress()
+    }
+
+    /// Route::HostView: verify the tensor where it is and hand it out.
+    fn deliver_host_view(&mut self, origin: &str, t: usize, src: SendPtr) -> Result<()> {
+        let n = self.plan.entries[t].meta.nbytes as usize;
+        // SAFETY: the source promises the bytes stay put during the batch;
+        // the callback sees them only during its call.
+        let data = unsafe { std::slice::from_raw_parts(src.0, n) };
+        if self.opts.verify {
+            self.check_checksum(origin, t, crate::checksum::of(data))?;
+        }
+        self.deliver(t, data)
+    }
+
+    /// In place: a tensor received whole in a buffer of the applier's goes
+    /// on to its device param or the callback.
+    fn pass_on(&mut self, origin: &str, t: usize) -> Result<()> {
+        let device = match self.params[t] {
+            Some(Dest::Device { ptr, ordinal }) => Some((ptr, ordinal)),
+            _ => None,
+        };
+        if let (Some(param), Some(buf)) = (device, self.pinned.remove(&t)) {
+            return self.upload(origin, t, param, UploadFrom::Pinned(buf));
+        }
+        if self.gdr_param(t).is_some() {
+            return Ok(()); // already in the param
+        }
+        if self.plan.entries[t].target == Target::Callback || device.is_some() {
+            let data = self.loose.take(t);
+            match device {
+                Some(param) => self.upload(origin, t, param, UploadFrom::Host(&data))?,
+                None => self.deliver(t, &data)?,
+            }
+            self.loose.recycle(data);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,42 @@
+//! Handing whole tensors to the engine's per-tensor callback.
+
+use super::{Applier, DeviceBytes, TensorView};
+use crate::result::{Error, Result};
+
+impl Applier<'_, '_> {
+    /// Hand entry `t`'s bytes, in host memory, to the callback.
+    pub(super) fn deliver(&mut self, t: usize, data: &[u8]) -> Result<()> {
+        self.deliver_view(t, data, None)
+    }
+
+    /// Hand entry `t` to the callback: `data` in host memory, or `device`
+    /// bytes in GPU memory (then `data` is empty).
+    pub(super) fn deliver_view(
+        &mut self,
+        t: usize,
+        data: &[u8],
+        device: Option<DeviceBytes>,
+    ) -> Result<()> {
+        self.delivered[t] = true;
+        let meta = &self.plan.entries[t].meta;
+        let Some(hook) = self.hooks.tensor.as_mut() else {
+            return Err(Error::callback(format!(
+                "tensor '{}' is meant for the per-tensor callback but none is set",
+                meta.name
+            )));
+        };
+        let view = TensorView {
+            name: &meta.name,
+            dtype: meta.dtype,
+            shape: &meta.shape,
+            data,
+            device,
+        };
+        hook(&view).map_err(|why| {
+            Error::callback(format!(
+                "per-tensor callback failed for tensor '{}': {why}",
+                meta.name
+            ))
+        })
+    }
+}

@@ -1,0 +1,207 @@
+//! The applier's unit tests.
+
+use super::*;
+use crate::manifest::TensorMeta;
+use crate::memory::copy::CopySource;
+use crate::memory::SendPtr;
+use crate::plan::{Plan, PlanEntry, Target};
+use crate::result::Result;
+use crate::tensor::DType;
+use std::time::Duration;
+
+fn plan_of(bytes: &[u8]) -> Plan {
+    Plan::new(vec![PlanEntry {
+        meta: TensorMeta {
+            name: "w".into(),
+            dtype: DType::U8,
+            shape: vec![bytes.len() as u64],
+            nbytes: bytes.len() as u64,
+            checksum: Some(crate::checksum::of(bytes)),
+        },
+        target: Target::Param(0),
+    }])
+}
+
+/// Feed `src` to an in-place applier in chunks of `piece` bytes; the
+/// chunks are copied (`landed` false) or already in the param (true).
+fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Result<Vec<u8>> {
+    let mut param = vec![0u8; src.len()];
+    let opts = ApplyOptions {
+        mode: Mode::InPlace,
+        verify: true,
+        threads: 2,
+        timeout: Duration::from_secs(10),
+        callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+    };
+    let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+    let mut a = Applier::new(plan, vec![dest], opts, Hooks::default())?;
+    for at in (0..src.len()).step_by(piece) {
+        let len = piece.min(src.len() - at);
+        if landed {
+            let to = a.landing_for(0, at as u64, len)?;
+            // SAFETY: the landing range is the param's, `len` bytes long.
+            unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), to.0, len) };
+        }
+        let chunk = Chunk {
+            tensor: 0,
+            offset: at as u64,
+            len,
+            src: CopySource::Memory(SendPtr(src[at..].as_ptr().cast_mut())),
+        };
+        if landed {
+            a.landed_batch("test", &[chunk])?;
+        } else {
+            a.apply_batch("test", &[chunk])?;
+        }
+    }
+    a.finish().map_err(|f| f.error)?;
+    Ok(param)
+}
+
+fn callback_plan(sizes: &[(&str, u64)]) -> Plan {
+    let entries: Vec<PlanEntry> = sizes
+        .iter()
+        .map(|&(name, n)| PlanEntry {
+            meta: TensorMeta {
+                name: name.into(),
+                dtype: DType::U8,
+                shape: vec![n],
+                nbytes: n,
+                checksum: None,
+            },
+            target: Target::Callback,
+        })
+        .collect();
+    Plan::new(entries)
+}
+
+fn callback_opts(mode: Mode, limit: u64) -> ApplyOptions {
+    ApplyOptions {
+        mode,
+        verify: false,
+        threads: 2,
+        timeout: Duration::from_secs(10),
+        callback_staging_limit: limit,
+    }
+}
+
+/// The manifest of a hostile peer (a 1 TiB callback tensor) is refused
+/// before anything is allocated, in both modes, by the applier every
+/// source shares (rdma included).
+#[test]
+fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
+    let plan = callback_plan(&[("huge", 1 << 40)]);
+    let limit = crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT;
+    for mode in [Mode::InPlace, Mode::Atomic] {
+        let Err(e) = Applier::new(
+            &plan,
+            vec![None],
+            callback_opts(mode, limit),
+            Hooks::default(),
+        ) else {
+            panic!("{mode:?}: a 1 TiB callback tensor was accepted");
+        };
+        assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+        assert!(e.message.contains("tensor 'huge'"), "{e}");
+        assert!(e.message.contains("callback_staging_limit"), "{e}");
+    }
+}
+
+/// rdma lands callback tensors through `landing_for`: tensors received
+/// at once count together against the limit, each one alone fits.
+#[test]
+fn callback_tensors_received_at_once_share_the_limit() {
+    let plan = callback_plan(&[("a", 3000), ("b", 3000)]);
+    let opts = callback_opts(Mode::InPlace, 4096);
+    let mut delivered = Vec::new();
+    let mut hook = |v: &TensorView| {
+        delivered.push(v.name.to_string());
+        Ok(())
+    };
+    let hooks = Hooks {
+        progress: None,
+        tensor: Some(&mut hook),
+    };
+    let mut a = Applier::new(&plan, vec![None, None], opts, hooks).unwrap();
+    a.landing_for(0, 0, 1000).unwrap();
+    let e = a.landing_for(1, 0, 1000).unwrap_err();
+    assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+    assert!(
+        e.message.contains("tensor 'b'") && e.message.contains("3000 bytes"),
+        "{e}"
+    );
+    // Once 'a' is whole and delivered, 'b' fits.
+    let whole = |t| Chunk {
+        tensor: t,
+        offset: 0,
+        len: 3000,
+        src: CopySource::Memory(SendPtr(std::ptr::null_mut())),
+    };
+    for t in 0..2 {
+        let at = a.landing_for(t, 0, 3000).unwrap();
+        // SAFETY: the landing holds the tensor's 3000 bytes.
+        unsafe { std::ptr::write_bytes(at.0, 1, 3000) };
+        a.landed_batch("test", &[whole(t)]).unwrap();
+    }
+    a.finish().map_err(|f| f.error).unwrap();
+    assert_eq!(delivered, ["a", "b"]);
+}
+
+/// A tensor that arrives in several chunks is verified chunk by chunk
+/// as they land; the result must be the whole tensor's xxh3-128, and a
+/// flipped bit in any chunk must fail naming the tensor.
+#[test]
+fn tensors_in_chunks_are_verified_as_they_land() {
+    let good: Vec<u8> = (0..3_000_001u32).map(|i| (i * 31 + 7) as u8).collect();
+    let plan = plan_of(&good);
+    for landed in [false, true] {
+        for piece in [1usize << 20, 4096 + 3, good.len()] {
+            let got = apply_in_pieces(&plan, &good, piece, landed).unwrap();
+            assert!(got == good, "piece {piece}, landed {landed}");
+            let mut bad = good.clone();
+            bad[2_500_000] ^= 0x10;
+            let e = apply_in_pieces(&plan, &bad, piece, landed).unwrap_err();
+            assert_eq!(e.code, crate::wm_result::WM_ERR_CHECKSUM, "{e}");
+            assert!(e.message.contains("tensor 'w'"), "{e}");
+        }
+    }
+}
+
+/// A chunk maps through its plan run to the param's byte range: a run that
+/// puts a tensor's 4 bytes at bytes 4..8 of an 8-byte param writes only
+/// those, in place (copied or landed) and atomically.
+#[test]
+fn chunks_land_where_their_run_says() {
+    let data = [1u8, 2, 3, 4];
+    let mut plan = plan_of(&data);
+    plan.runs[0].param = 4..8;
+    for (mode, landed) in [
+        (Mode::InPlace, false),
+        (Mode::InPlace, true),
+        (Mode::Atomic, false),
+    ] {
+        let mut param = [0u8; 8];
+        let opts = ApplyOptions {
+            mode,
+            ..callback_opts(mode, 0)
+        };
+        let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+        let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
+        let chunk = Chunk {
+            tensor: 0,
+            offset: 0,
+            len: 4,
+            src: CopySource::Memory(SendPtr(data.as_ptr().cast_mut())),
+        };
+        if landed {
+            let to = a.landing_for(0, 0, 4).unwrap();
+            // SAFETY: the landing is the run's 4 bytes of the param.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), to.0, 4) };
+            a.landed_batch("test", &[chunk]).unwrap();
+        } else {
+            a.apply_batch("test", &[chunk]).unwrap();
+        }
+        a.finish().map_err(|f| f.error).unwrap();
+        assert_eq!(param, [0, 0, 0, 0, 1, 2, 3, 4], "{mode:?}, landed {landed}");
+    }
+}

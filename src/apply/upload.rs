@@ -1,0 +1,95 @@
+//! Copies to device params: whole, verified tensors go up from host memory
+//! (a pinned buffer of their own, or any host bytes through the staging's
+//! shared buffers), and chunks in a source's GPU memory are copied device
+//! to device. All are queued on the staging's streams; the applier waits for
+//! them before the update counts as done.
+
+use super::Applier;
+use crate::memory::staging::{DeviceStaging, PinnedBuffer};
+use crate::result::{Error, Result};
+
+/// The host bytes of a whole tensor on its way to a device param.
+pub(super) enum UploadFrom<'d> {
+    /// A pinned buffer of the tensor's own, sent as it is.
+    Pinned(PinnedBuffer),
+    /// Any host memory (a loose buffer, the atomic arena), copied through
+    /// the staging's pinned buffers.
+    Host(&'d [u8]),
+}
+
+impl Applier<'_, '_> {
+    pub(super) fn staging(&mut self) -> Result<&mut DeviceStaging> {
+        self.staging.as_deref_mut().ok_or_else(|| {
+            Error::unsupported("device params need the manager's pinned staging (internal)")
+        })
+    }
+
+    /// Queue the copy of whole, verified tensor `t` to its device param
+    /// (`ptr` on GPU `ordinal`), run by run.
+    pub(super) fn upload(
+        &mut self,
+        origin: &str,
+        t: usize,
+        (ptr, ordinal): (u64, i32),
+        from: UploadFrom,
+    ) -> Result<()> {
+        self.wrote_params = true;
+        let (threads, deadline, plan) = (self.opts.threads, self.deadline, self.plan);
+        let name = &plan.entries[t].meta.name;
+        let staging = self.staging()?;
+        let context =
+            |e: Error| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}"));
+        match from {
+            // The staging policy gives a pinned buffer only to tensors of
+            // one run.
+            UploadFrom::Pinned(buf) => {
+                let run = &plan.runs_of(t)[0];
+                let len = (run.source.end - run.source.start) as usize;
+                // SAFETY: the device range was checked at registration to
+                // hold the param's bytes, and only this update writes it;
+                // the buffer holds the tensor's bytes.
+                unsafe { staging.upload_buffer(ordinal, buf, ptr + run.param.start, len) }
+                    .map_err(context)
+            }
+            UploadFrom::Host(data) => {
+                for run in plan.runs_of(t) {
+                    let bytes = &data[run.source.start as usize..run.source.end as usize];
+                    let dst = ptr + run.param.start;
+                    // SAFETY: as above.
+                    unsafe { staging.upload_bytes(ordinal, dst, bytes, threads, deadline) }
+                        .map_err(&context)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Queue a device-to-device copy of `len` bytes at `src` to `dst` on
+    /// GPU `ordinal`.
+    pub(super) fn copy_on_device(
+        &mut self,
+        origin: &str,
+        (ordinal, dst, src, len): (i32, u64, u64, usize),
+    ) -> Result<()> {
+        let staging = self.staging()?;
+        // SAFETY: dst..dst+len lies in a device param (range checked when
+        // the chunk was accepted, the param's range at registration); the
+        // source's GPU memory stays put until the source waits for these
+        // copies.
+        unsafe { staging.copy_device(ordinal, dst, src, len) }
+            .map_err(|e| e.context(format!("{origin} to GPU {ordinal}")))
+    }
+
+    /// Wait for every queued copy to the GPUs (uploads, and device to
+    /// device copies out of a source's GPU memory): the bytes are then in
+    /// the params, and the source's memory is no longer read.
+    pub fn settle_uploads(&mut self) -> Result<()> {
+        let deadline = self.deadline;
+        match self.staging.as_deref_mut() {
+            Some(s) => s
+                .wait(deadline)
+                .map_err(|e| e.context("uploading to the GPU")),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! Checksums: every tensor a batch completes is checked against the
+//! manifest's xxh3-128 before it is used. A tensor that arrives in several
+//! chunks is hashed chunk by chunk right after each lands (while its bytes
+//! are still in cache); one that arrives whole is hashed once whole, in
+//! parallel with the batch's others.
+
+use super::Applier;
+use crate::memory::copy::hash_all;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+
+impl Applier<'_, '_> {
+    /// Add `bytes`, the next bytes of entry `t`, to its running hash.
+    pub(super) fn hash_chunk(&mut self, t: usize, bytes: &[u8]) {
+        self.hashing.entry(t).or_default().update(bytes);
+    }
+
+    /// gdr: add the `len` bytes at device address `at` (GPU `ordinal`) to
+    /// entry `t`'s running hash, through a host copy.
+    pub(super) fn hash_on_device(
+        &mut self,
+        origin: &str,
+        t: usize,
+        (at, ordinal): (u64, i32),
+        len: usize,
+    ) -> Result<()> {
+        self.readback.resize(len, 0);
+        // SAFETY: the device range was range-checked by landing_for and the
+        // source wrote it; readback holds len bytes.
+        unsafe { crate::memory::cuda_ipc::download(ordinal, self.readback.as_mut_ptr(), at, len) }
+            .map_err(|e| e.context(format!("{origin}: reading tensor '{}' back", self.name(t))))?;
+        let hash = self.hashing.entry(t).or_default();
+        hash.update(&self.readback);
+        Ok(())
+    }
+
+    /// Check the checksums of `tensors`, all complete (when verifying).
+    pub(super) fn verify(&mut self, origin: &str, tensors: &[usize]) -> Result<()> {
+        if !self.opts.verify || tensors.is_empty() {
+            return Ok(());
+        }
+        let mut whole = Vec::with_capacity(tensors.len());
+        for &t in tensors {
+            match self.hashing.remove(&t) {
+                Some(h) => self.check_checksum(origin, t, h.digest())?,
+                None => whole.push(t),
+            }
+        }
+        let regions: Vec<(SendPtr, usize)> = whole
+            .iter()
+            .map(|&t| {
+                Ok((
+                    self.receive_at(t, 0)?,
+                    self.plan.entries[t].meta.nbytes as usize,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        // SAFETY: the regions were fully written and nothing writes them now.
+        let got = unsafe { hash_all(&regions, self.opts.threads) };
+        for (&t, got) in whole.iter().zip(got) {
+            self.check_checksum(origin, t, got)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_checksum(&self, origin: &str, t: usize, got: u128) -> Result<()> {
+        let want = self.plan.entries[t].meta.checksum;
+        if want != Some(got) {
+            return Err(Error::checksum(format!(
+                "tensor '{}' from {origin}: checksum mismatch (expected {}, got {})",
+                self.name(t),
+                want.map_or("none".into(), crate::manifest::checksum_hex),
+                crate::manifest::checksum_hex(got)
+            )));
+        }
+        Ok(())
+    }
+}
