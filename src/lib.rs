@@ -24,6 +24,9 @@
 
 pub mod apply;
 pub mod checksum;
+/// Not C API: the header's field comments state these values.
+/// cbindgen:ignore
+pub mod defaults;
 pub(crate) mod dynlib;
 pub mod fanout;
 pub mod ffi;

@@ -98,13 +98,6 @@ impl Param {
             None => crate::apply::Dest::Host(SendPtr(self.ptr())),
         }
     }
-
-    pub fn is_library_owned(&self) -> bool {
-        matches!(
-            self.memory,
-            ParamMemory::Library(_) | ParamMemory::LibraryDevice(_)
-        )
-    }
 }
 
 /// `len` bytes at `ptr` are device memory of GPU `ordinal`, in one

@@ -1,9 +1,10 @@
 //! Manager handles: configuration, creation, destruction, error text.
 
 use super::{check_struct_size, opt_path, opt_str};
+use crate::defaults;
 use crate::fanout::FanoutSettings;
 use crate::logging::{LogLevel, Logger};
-use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings, DEFAULT_SIGNAL_TIMEOUT};
+use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
 use crate::result::{wm_result, Error, Result};
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
@@ -192,7 +193,7 @@ unsafe impl Sync for UserData {}
 unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {
     check_struct_size("wm_config", c.struct_size, std::mem::size_of::<wm_config>())?;
     let fallback_dir = match opt_path(c.fallback_dir) {
-        None => Some(PathBuf::from(crate::source::snapshot::DEFAULT_FALLBACK_DIR)),
+        None => Some(PathBuf::from(defaults::FALLBACK_DIR)),
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p),
     };
@@ -229,7 +230,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             node_rank: c.node_rank,
             addr: rendezvous_addr.clone(),
             timeout: match c.signal_timeout_ms {
-                0 => DEFAULT_SIGNAL_TIMEOUT,
+                0 => defaults::SIGNAL_TIMEOUT,
                 ms => std::time::Duration::from_millis(ms),
             },
         }),
@@ -267,7 +268,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             }),
         },
         callback_staging_limit: match c.callback_staging_limit {
-            0 => crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+            0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
     })

@@ -3,7 +3,7 @@
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, fill_chars, opt_path, opt_str};
 use crate::apply::{Hooks, Mode, Progress, TensorView};
-use crate::manager::{UpdateRequest, UpdateStats, DEFAULT_TIMEOUT};
+use crate::manager::{UpdateRequest, UpdateStats};
 use crate::result::{wm_result, Error, Result};
 use crate::source::SourceKind;
 use std::ffi::{c_char, c_void, CString};
@@ -189,7 +189,7 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
         location: opt_path(r.location),
         version: opt_str(r.version, "wm_update_request.version")?,
         timeout: match r.timeout_ms {
-            0 => DEFAULT_TIMEOUT,
+            0 => crate::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),
         },
     })

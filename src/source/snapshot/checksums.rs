@@ -165,7 +165,7 @@ pub(crate) fn hash_file_ranges(
 
 /// `wm manifest` has no update deadline; reading headers still gets a bound.
 fn far_deadline() -> Instant {
-    Instant::now() + std::time::Duration::from_secs(600)
+    Instant::now() + crate::defaults::UPDATE_TIMEOUT
 }
 
 /// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`

@@ -27,8 +27,7 @@ pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 /// Largest HuggingFace index read.
 pub(crate) const MAX_INDEX_BYTES: u64 = 32 << 20;
-/// SPEC.md: FastDeploy's fallback directory.
-pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
+pub use crate::defaults::FALLBACK_DIR as DEFAULT_FALLBACK_DIR;
 
 /// Where to look for one rank's snapshot.
 #[derive(Clone, Debug)]

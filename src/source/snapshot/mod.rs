@@ -41,7 +41,7 @@ pub(crate) const BATCH_BYTES: u64 = 256 << 20;
 
 /// The bound on opening a snapshot for a caller that has no deadline of its
 /// own (the publisher): every read still ends.
-const OPEN_BOUND: Duration = Duration::from_secs(600);
+const OPEN_BOUND: Duration = crate::defaults::UPDATE_TIMEOUT;
 
 pub struct SnapshotSource {
     layout: Layout,
