@@ -98,12 +98,14 @@ pub struct wm_config {
     /// IPC: non-zero accepts a publisher running as another uid (checked with
     /// SO_PEERCRED); default 0: the same uid only.
     pub allow_other_uids: u32,
-    /// rdma/gdr: largest bucket, the size of each staging slot; 0: 512 MiB.
+    /// rdma/gdr: largest bucket (with `net_staged`, the size of each staging
+    /// slot); 0: 512 MiB.
     pub net_bucket_size: u64,
     /// rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
     /// by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
     pub net_secret: *const c_char,
-    /// rdma/gdr: buckets in flight (staging slots), 1 to 8; 0: 2.
+    /// rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
+    /// 8; 0: 2.
     pub net_depth: u32,
     /// gdr: non-zero lets an update that cannot land in GPU memory run as
     /// rdma, with a warning; default 0: such an update fails.

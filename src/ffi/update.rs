@@ -89,7 +89,7 @@ pub struct wm_update_request {
     /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
     /// for ipc, rdma and gdr: the publisher's latest).
     pub version: *const c_char,
-    /// Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
+    /// Bound on the whole update in milliseconds; 0: 600000.
     pub timeout_ms: u64,
     /// Optional.
     pub progress_callback: wm_progress_callback,
@@ -99,7 +99,8 @@ pub struct wm_update_request {
     pub tensor_user_data: *mut c_void,
 }
 
-/// Statistics of one update (SPEC.md names in brackets).
+/// Statistics of one update. In brackets: the figure's name in the
+/// weight-update cost reports this replaces (sync, update and total cost).
 #[repr(C)]
 pub struct wm_update_stats {
     /// Caller sets `sizeof(wm_update_stats)`.

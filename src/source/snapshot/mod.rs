@@ -1,4 +1,5 @@
-//! The snapshot source: safetensors files on disk (SPEC.md "Snapshot files").
+//! The snapshot source: safetensors files on disk (which files: [`layout`];
+//! README "Snapshot layouts").
 //!
 //! Opening reads every file's header (never its data) so the whole plan is
 //! checked before any byte moves, even for part files. Streaming then goes

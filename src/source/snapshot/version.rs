@@ -23,8 +23,8 @@ const EVENTS_PER_CHECK: usize = 1024;
 
 /// `Ok(step)` or `Err(why there is none)`: a missing, oversized or
 /// non-regular file, bad YAML (aliases included), a document that is not a
-/// mapping, or no scalar `step` key all mean "no version" (SPEC.md). Every
-/// reason names the file.
+/// mapping, or no scalar `step` key all mean "no version": the request must
+/// then name one, else the update fails. Every reason names the file.
 pub fn read_version_yaml(dir: &Path, deadline: Instant) -> Result<String, String> {
     let path = dir.join(VERSION_FILE);
     let text = match read_bounded(&path, MAX_VERSION_FILE_BYTES, deadline) {
