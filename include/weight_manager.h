@@ -427,22 +427,21 @@ typedef struct {
   uint64_t total_ns;
 } wm_serve_stats;
 
-// Statistics of one update. In brackets: the figure's name in the
-// weight-update cost reports this replaces (sync, update and total cost).
+// Statistics of one update.
 typedef struct {
   // Caller sets `sizeof(wm_update_stats)`.
   uint32_t struct_size;
-  // [rank]
+  // This rank's number.
   uint32_t rank;
   uint64_t tensors;
   uint64_t bytes;
-  // [sync_cost] receiving source bytes, checksums included.
+  // Sync cost: receiving source bytes, checksums included.
   uint64_t sync_ns;
-  // [update_cost] committing staged bytes into params, callbacks.
+  // Update cost: committing staged bytes into params, callbacks.
   uint64_t update_ns;
-  // [total_cost] the whole call.
+  // Total cost: the whole call.
   uint64_t total_ns;
-  // [version] NUL-terminated.
+  // The version now in the params, NUL-terminated.
   char version[WM_VERSION_BUF];
 } wm_update_stats;
 

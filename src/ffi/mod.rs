@@ -3,8 +3,8 @@
 //! rule of the library lives in the plain Rust modules.
 //!
 //! Conventions (after rustls-ffi):
-//! - every exported function body is wrapped in [`ffi_guard!`] (or
-//!   [`ffi_guard_or!`] when it does not return `wm_result`); a panic becomes
+//! - every exported function body is wrapped in `ffi_guard!` (or
+//!   `ffi_guard_or!` when it does not return `wm_result`); a panic becomes
 //!   `WM_ERR_PANIC` and never unwinds into C. `tests/header.rs`
 //!   (`every_export_uses_the_panic_guard`) checks that every `#[no_mangle]`
 //!   function does this.

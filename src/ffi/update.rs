@@ -99,23 +99,22 @@ pub struct wm_update_request {
     pub tensor_user_data: *mut c_void,
 }
 
-/// Statistics of one update. In brackets: the figure's name in the
-/// weight-update cost reports this replaces (sync, update and total cost).
+/// Statistics of one update.
 #[repr(C)]
 pub struct wm_update_stats {
     /// Caller sets `sizeof(wm_update_stats)`.
     pub struct_size: u32,
-    /// [rank]
+    /// This rank's number.
     pub rank: u32,
     pub tensors: u64,
     pub bytes: u64,
-    /// [sync_cost] receiving source bytes, checksums included.
+    /// Sync cost: receiving source bytes, checksums included.
     pub sync_ns: u64,
-    /// [update_cost] committing staged bytes into params, callbacks.
+    /// Update cost: committing staged bytes into params, callbacks.
     pub update_ns: u64,
-    /// [total_cost] the whole call.
+    /// Total cost: the whole call.
     pub total_ns: u64,
-    /// [version] NUL-terminated.
+    /// The version now in the params, NUL-terminated.
     pub version: [c_char; WM_VERSION_BUF],
 }
 

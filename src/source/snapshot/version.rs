@@ -1,7 +1,7 @@
 //! The version a snapshot names: `version.yaml`'s `step` field, as a string.
 //!
 //! The file is read only when an update names no version. It is untrusted:
-//! at most [`MAX_VERSION_FILE_BYTES`], a regular file only, and parsed as a
+//! at most `MAX_VERSION_FILE_BYTES`, a regular file only, and parsed as a
 //! stream of YAML events (never built into a document tree) so that aliases,
 //! the way a few hundred bytes expand into gigabytes, are refused rather than
 //! expanded, and the update's deadline is checked as the events come.
