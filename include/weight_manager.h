@@ -173,7 +173,8 @@ enum wm_source
   WM_SOURCE_SNAPSHOT = 0,
   // Same node: buffers a trainer shares over a Unix socket.
   WM_SOURCE_IPC = 1,
-  // Other node: streamed into host staging.
+  // Other node over UCX: received straight into param memory (or the
+  // atomic arena) by default; into staging slots first with `net_staged`.
   WM_SOURCE_RDMA = 2,
   // Other node: straight into GPU memory.
   WM_SOURCE_GDR = 3,
@@ -327,12 +328,14 @@ typedef struct {
   // IPC: non-zero accepts a publisher running as another uid (checked with
   // SO_PEERCRED); default 0: the same uid only.
   uint32_t allow_other_uids;
-  // rdma/gdr: largest bucket, the size of each staging slot; 0: 512 MiB.
+  // rdma/gdr: largest bucket (with `net_staged`, the size of each staging
+  // slot); 0: 512 MiB.
   uint64_t net_bucket_size;
   // rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
   // by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
   const char *net_secret;
-  // rdma/gdr: buckets in flight (staging slots), 1 to 8; 0: 2.
+  // rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
+  // 8; 0: 2.
   uint32_t net_depth;
   // gdr: non-zero lets an update that cannot land in GPU memory run as
   // rdma, with a warning; default 0: such an update fails.
@@ -424,21 +427,21 @@ typedef struct {
   uint64_t total_ns;
 } wm_serve_stats;
 
-// Statistics of one update (SPEC.md names in brackets).
+// Statistics of one update.
 typedef struct {
   // Caller sets `sizeof(wm_update_stats)`.
   uint32_t struct_size;
-  // [rank]
+  // This rank's number.
   uint32_t rank;
   uint64_t tensors;
   uint64_t bytes;
-  // [sync_cost] receiving source bytes, checksums included.
+  // Sync cost: receiving source bytes, checksums included.
   uint64_t sync_ns;
-  // [update_cost] committing staged bytes into params, callbacks.
+  // Update cost: committing staged bytes into params, callbacks.
   uint64_t update_ns;
-  // [total_cost] the whole call.
+  // Total cost: the whole call.
   uint64_t total_ns;
-  // [version] NUL-terminated.
+  // The version now in the params, NUL-terminated.
   char version[WM_VERSION_BUF];
 } wm_update_stats;
 
@@ -523,7 +526,7 @@ typedef struct {
   // Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
   // for ipc, rdma and gdr: the publisher's latest).
   const char *version;
-  // Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
+  // Bound on the whole update in milliseconds; 0: 600000.
   uint64_t timeout_ms;
   // Optional.
   wm_progress_callback progress_callback;
@@ -578,7 +581,7 @@ wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state)
 wm_result wm_controller_set(wm_controller *controller, int32_t state);
 
 // Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
-// and wait up to `timeout_ms` for it to finish (SPEC.md's protocol). On
+// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
 // `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
 // (up to date / already cleared), BUSY (the same action runs) or REFUSED
 // (the opposite action runs). The engine failing: its result code, with

@@ -10,20 +10,44 @@
 //! staging) -> commit (version, stats, state NORMAL)
 //! ```
 //!
-//! Module map:
-//! - [`result`]: result codes and the error type.
-//! - [`tensor`]: dtypes, shapes, byte math. [`registry`]: params by name.
-//! - [`manifest`], [`plan`], [`apply`]: the update pipeline.
-//! - [`memory`]: library-owned host and GPU memory, pinned staging, CUDA IPC
-//!   buffers, and the parallel copier.
-//! - [`source`]: where bytes come from (snapshot files now).
-//! - [`manager`]: the state machine. [`state`]: its states.
-//! - [`signal`]: the control cell and the per-step signal.
-//! - [`fanout`]: NCCL fan-out of an update among a node's ranks.
+//! Module map, roughly bottom up:
+//! - [`result`]: result codes and the error type. [`defaults`]: every
+//!   default value, once. [`logging`]: per-manager log sinks.
+//! - [`tensor`]: dtypes, shapes, byte math. [`checksum`]: XXH3-128 of
+//!   tensors. [`state`]: the manager's states (the control word's values).
+//! - [`registry`]: params by name. [`manifest`]: what a source offers.
+//!   [`plan`]: the manifest checked against the registry. [`apply`]: the
+//!   applier (landing, verification, staging, commit).
+//! - [`memory`]: library-owned host and GPU memory, pinned staging, CUDA
+//!   IPC buffers, the parallel copier.
+//! - [`wire`]: the frames of the IPC and network protocol (`docs/wire.md`).
+//!   [`transport`]: frames over Unix and TCP sockets, peer checks and
+//!   authentication, UCX (loaded at run time).
+//! - [`source`]: where bytes come from: snapshot files, same-node IPC from
+//!   a publisher, the network (rdma, gdr) over UCX.
+//! - [`publisher`]: the trainer side, serving versions over IPC or the
+//!   network.
+//! - [`signal`]: the control cell, rank groups, fan-out meetings, the
+//!   controller, the failure report. [`fanout`]: NCCL fan-out of an update
+//!   among a node's ranks.
+//! - [`manager`]: the state machine that runs updates and clears.
 //! - [`ffi`]: the C boundary, and nothing else.
+//!
+//! Where things go: a new source is a module under [`source`] implementing
+//! [`source::Source`], plus its [`source::SourceKind`] number; a new C
+//! function goes in the [`ffi`] file of its handle (`ffi/manager.rs`,
+//! `ffi/update.rs`, `ffi/publisher.rs`, ...), then the header is regenerated.
+//! A network chunk lands where the applier says (in place: the param
+//! itself; atomic: the staging arena; a device param without gdr: a host
+//! buffer, pinned where it can, that goes up to the GPU; gdr: GPU memory),
+//! and the applier checks it against the manifest's checksum the moment it
+//! lands when the request asks for verification (see [`source::net`]).
 
 pub mod apply;
 pub mod checksum;
+/// Not C API: the header's field comments state these values.
+/// cbindgen:ignore
+pub mod defaults;
 pub(crate) mod dynlib;
 pub mod fanout;
 pub mod ffi;

@@ -1,5 +1,15 @@
 """ctypes declarations mirroring include/weight_manager.h.
 
+The header is the source of truth; the `Structure`s below are written out
+by hand, in the header's order, and `python/tests/test_abi_layout.py` holds
+them to it: it compiles a C program against the header and compares every
+struct's size and every field's name, order, offset and size. They are not
+generated from the header at import time because an installed package does
+not carry the header, and a build step would be one more thing a pure-Python
+package has to run. Adding a field in Rust therefore means regenerating the
+header and adding the field here; the test fails until both are done (the
+`*_init` functions write `sizeof` of the C struct into these buffers).
+
 The library is found, in order: the WM_LIBRARY environment variable (a path
 to libweight_manager.so), the copy bundled in this package by the wheel
 (`pip install .`), target/release and target/debug of the source tree this

@@ -1,5 +1,5 @@
 //! The controller's handle: ask the engine for updates and clears through
-//! the control cell (SPEC.md's controller protocol).
+//! the control cell (the controller's protocol: `signal::controller`).
 
 use super::{HandleTable, Handled};
 use crate::result::{wm_result, Error, Result};
@@ -107,7 +107,7 @@ pub unsafe extern "C" fn wm_controller_set(
 }
 
 /// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
-/// and wait up to `timeout_ms` for it to finish (SPEC.md's protocol). On
+/// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
 /// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
 /// (up to date / already cleared), BUSY (the same action runs) or REFUSED
 /// (the opposite action runs). The engine failing: its result code, with

@@ -1,9 +1,10 @@
 //! Manager handles: configuration, creation, destruction, error text.
 
 use super::{check_struct_size, opt_path, opt_str};
+use crate::defaults;
 use crate::fanout::FanoutSettings;
 use crate::logging::{LogLevel, Logger};
-use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings, DEFAULT_SIGNAL_TIMEOUT};
+use crate::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
 use crate::result::{wm_result, Error, Result};
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
@@ -97,12 +98,14 @@ pub struct wm_config {
     /// IPC: non-zero accepts a publisher running as another uid (checked with
     /// SO_PEERCRED); default 0: the same uid only.
     pub allow_other_uids: u32,
-    /// rdma/gdr: largest bucket, the size of each staging slot; 0: 512 MiB.
+    /// rdma/gdr: largest bucket (with `net_staged`, the size of each staging
+    /// slot); 0: 512 MiB.
     pub net_bucket_size: u64,
     /// rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
     /// by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
     pub net_secret: *const c_char,
-    /// rdma/gdr: buckets in flight (staging slots), 1 to 8; 0: 2.
+    /// rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
+    /// 8; 0: 2.
     pub net_depth: u32,
     /// gdr: non-zero lets an update that cannot land in GPU memory run as
     /// rdma, with a warning; default 0: such an update fails.
@@ -192,7 +195,7 @@ unsafe impl Sync for UserData {}
 unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {
     check_struct_size("wm_config", c.struct_size, std::mem::size_of::<wm_config>())?;
     let fallback_dir = match opt_path(c.fallback_dir) {
-        None => Some(PathBuf::from(crate::source::snapshot::DEFAULT_FALLBACK_DIR)),
+        None => Some(PathBuf::from(defaults::FALLBACK_DIR)),
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p),
     };
@@ -229,7 +232,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             node_rank: c.node_rank,
             addr: rendezvous_addr.clone(),
             timeout: match c.signal_timeout_ms {
-                0 => DEFAULT_SIGNAL_TIMEOUT,
+                0 => defaults::SIGNAL_TIMEOUT,
                 ms => std::time::Duration::from_millis(ms),
             },
         }),
@@ -267,7 +270,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             }),
         },
         callback_staging_limit: match c.callback_staging_limit {
-            0 => crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+            0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
     })

@@ -3,10 +3,11 @@
 //! rule of the library lives in the plain Rust modules.
 //!
 //! Conventions (after rustls-ffi):
-//! - every exported function body is wrapped in [`ffi_guard!`] (or
-//!   [`ffi_guard_or!`] when it does not return `wm_result`); a panic becomes
-//!   `WM_ERR_PANIC` and never unwinds into C. `tests/ffi_guard.rs` checks that
-//!   every `#[no_mangle]` function does this.
+//! - every exported function body is wrapped in `ffi_guard!` (or
+//!   `ffi_guard_or!` when it does not return `wm_result`); a panic becomes
+//!   `WM_ERR_PANIC` and never unwinds into C. `tests/header.rs`
+//!   (`every_export_uses_the_panic_guard`) checks that every `#[no_mangle]`
+//!   function does this.
 //! - outputs are written only on success.
 //! - a handle is a key into a table of live objects, never reused: a
 //!   destroyed or made-up handle is `WM_ERR_INVALID_HANDLE`, not a
@@ -14,9 +15,13 @@
 //! - a create-style call that fails leaves its reason for
 //!   `wm_last_create_error` on the calling thread (there is no handle).
 //!
-//! Files: `result.rs` (codes, version), `manager.rs` (config, init, destroy,
-//! error text), `params.rs` (registration), `update.rs` (update, clear),
-//! `status.rs` (status, signal), `controller.rs` (the controller's handle).
+//! Files (a new C function goes in the file of its handle, then the header
+//! is regenerated: `WM_BLESS=1 cargo test --test header`): `result.rs`
+//! (codes, version), `manager.rs` (config, init, destroy, error text),
+//! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
+//! (status, signal), `controller.rs` (the controller's handle),
+//! `publisher.rs` (the trainer's publisher handle), `handles.rs` (the
+//! handle tables).
 
 #![allow(non_camel_case_types)]
 // Each export's doc comment states its C contract (ownership, NULL,
@@ -87,7 +92,7 @@ pub mod status;
 pub mod update;
 
 /// A library object behind a C handle, with the text of its last failure
-/// (per handle, as DESIGN.md asks). The manager keeps its own, because
+/// (per handle, so two threads with two handles each read their own). The manager keeps its own, because
 /// `wm_status` reports it too.
 pub(crate) struct Handled<T> {
     pub(crate) value: T,

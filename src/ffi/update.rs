@@ -3,7 +3,7 @@
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, fill_chars, opt_path, opt_str};
 use crate::apply::{Hooks, Mode, Progress, TensorView};
-use crate::manager::{UpdateRequest, UpdateStats, DEFAULT_TIMEOUT};
+use crate::manager::{UpdateRequest, UpdateStats};
 use crate::result::{wm_result, Error, Result};
 use crate::source::SourceKind;
 use std::ffi::{c_char, c_void, CString};
@@ -89,7 +89,7 @@ pub struct wm_update_request {
     /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
     /// for ipc, rdma and gdr: the publisher's latest).
     pub version: *const c_char,
-    /// Bound on the whole update in milliseconds; 0: 600000 (SPEC.md).
+    /// Bound on the whole update in milliseconds; 0: 600000.
     pub timeout_ms: u64,
     /// Optional.
     pub progress_callback: wm_progress_callback,
@@ -99,22 +99,22 @@ pub struct wm_update_request {
     pub tensor_user_data: *mut c_void,
 }
 
-/// Statistics of one update (SPEC.md names in brackets).
+/// Statistics of one update.
 #[repr(C)]
 pub struct wm_update_stats {
     /// Caller sets `sizeof(wm_update_stats)`.
     pub struct_size: u32,
-    /// [rank]
+    /// This rank's number.
     pub rank: u32,
     pub tensors: u64,
     pub bytes: u64,
-    /// [sync_cost] receiving source bytes, checksums included.
+    /// Sync cost: receiving source bytes, checksums included.
     pub sync_ns: u64,
-    /// [update_cost] committing staged bytes into params, callbacks.
+    /// Update cost: committing staged bytes into params, callbacks.
     pub update_ns: u64,
-    /// [total_cost] the whole call.
+    /// Total cost: the whole call.
     pub total_ns: u64,
-    /// [version] NUL-terminated.
+    /// The version now in the params, NUL-terminated.
     pub version: [c_char; WM_VERSION_BUF],
 }
 
@@ -189,7 +189,7 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
         location: opt_path(r.location),
         version: opt_str(r.version, "wm_update_request.version")?,
         timeout: match r.timeout_ms {
-            0 => DEFAULT_TIMEOUT,
+            0 => crate::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),
         },
     })

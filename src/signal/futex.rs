@@ -64,7 +64,6 @@ pub fn notify(word: &AtomicU32, waiters: &AtomicU32) {
 /// then calls [`notify`]) when `ready` may have become true; `waiters` counts
 /// sleepers. `check` runs between sleeps (liveness of the peer waited for);
 /// past `deadline`, `on_timeout` makes the error.
-#[allow(clippy::too_many_arguments)]
 pub fn wait_until(
     spin: u32,
     word: &AtomicU32,

@@ -45,8 +45,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// SPEC.md: per-bucket receive timeout.
-pub const BUCKET_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::defaults::BUCKET_TIMEOUT;
 
 #[derive(Clone, Debug)]
 pub struct IpcOptions {

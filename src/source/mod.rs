@@ -20,7 +20,8 @@ pub enum SourceKind {
     Snapshot = 0,
     /// Same node: buffers a trainer shares over a Unix socket.
     Ipc = 1,
-    /// Other node: streamed into host staging.
+    /// Other node over UCX: received straight into param memory (or the
+    /// atomic arena) by default; into staging slots first with `net_staged`.
     Rdma = 2,
     /// Other node: straight into GPU memory.
     Gdr = 3,

@@ -48,9 +48,9 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-/// SPEC.md's network knobs.
-pub(crate) const DEFAULT_BUCKET_SIZE: usize = 512 << 20;
-pub(crate) const DEFAULT_DEPTH: usize = 2;
+pub(crate) use crate::defaults::{
+    BUCKET_SIZE as DEFAULT_BUCKET_SIZE, BUFFERS_IN_FLIGHT as DEFAULT_DEPTH,
+};
 
 #[derive(Clone, Debug)]
 pub struct NetOptions {

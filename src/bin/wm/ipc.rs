@@ -8,6 +8,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, TensorView};
+use weight_manager::defaults;
 use weight_manager::logging::Logger;
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager::memory::cuda_ipc::ExportedDeviceBuffer;
@@ -55,11 +56,11 @@ pub fn serve(a: &Args) -> Result<(), String> {
         return Err("wm serve: name the snapshot directory to serve".into());
     }
     let engines: usize = a.number("engines", 1)?;
-    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let bucket_mib: usize = a.number("bucket-mib", defaults::BUCKET_SIZE >> 20)?;
     let cfg = PublisherConfig {
         bucket_size: bucket_mib << 20,
         corrupt_tensor: a.value("corrupt").map(str::to_string),
-        keep_versions: a.number("keep", 2)?,
+        keep_versions: a.number("keep", defaults::KEEP_VERSIONS)?,
         logger: Logger::default(),
         ..Default::default()
     };
@@ -101,7 +102,9 @@ pub fn serve(a: &Args) -> Result<(), String> {
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    let accept = Duration::from_secs_f64(a.number("accept-timeout", 600.0)?);
+    let accept = Duration::from_secs_f64(
+        a.number("accept-timeout", defaults::UPDATE_TIMEOUT.as_secs_f64())?,
+    );
     let stats = p.serve(engines, accept).map_err(|e| e.to_string())?;
     for s in &stats.sessions {
         println!(
@@ -197,8 +200,11 @@ pub fn pull(a: &Args) -> Result<(), String> {
         rank,
         world_size: world,
         net: NetSettings {
-            bucket_size: a.number("bucket-bytes", a.number::<usize>("bucket-mib", 512)? << 20)?,
-            depth: a.number("depth", 2)?,
+            bucket_size: a.number(
+                "bucket-bytes",
+                a.number::<usize>("bucket-mib", defaults::BUCKET_SIZE >> 20)? << 20,
+            )?,
+            depth: a.number("depth", defaults::BUFFERS_IN_FLIGHT)?,
             gdr_fallback: a.value("gdr-fallback").is_some_and(|v| v != "false"),
             staged: a.value("staged").is_some_and(|v| v != "false"),
             keyed_digests: a.value("keyed-digests").is_some_and(|v| v != "false"),
@@ -229,7 +235,8 @@ pub fn pull(a: &Args) -> Result<(), String> {
     req.mode = Mode::InPlace;
     req.verify = a.value("verify").is_some_and(|v| v != "false");
     req.version = a.value("version").map(str::to_string);
-    req.timeout = Duration::from_secs_f64(a.number("timeout", 600.0)?);
+    req.timeout =
+        Duration::from_secs_f64(a.number("timeout", defaults::UPDATE_TIMEOUT.as_secs_f64())?);
     req.hooks.tensor = Some(&mut on_tensor);
     let t = Instant::now();
     let stats = m.update(req).map_err(|e| format!("rank {rank}: {e}"))?;

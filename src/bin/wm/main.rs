@@ -1,10 +1,21 @@
 //! `wm`: the weight_manager command line.
 //!
+//! Every command (options: `USAGE` below; each in its own file):
 //! - `wm demo`: one engine rank with host params through init, update from a
 //!   snapshot, clear, update again; prints a table and a verdict.
 //! - `wm inspect <file|dir>`: tensors, dtypes, shapes, bytes, version.
 //! - `wm manifest <dir>`: write `wm_checksums.json` for the snapshot in `dir`.
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
+//! - `wm bench signal`: per-step latency of the signal across real ranks.
+//! - `wm bench ipc`: same-node IPC update throughput beside its floor.
+//! - `wm bench net`: rdma over UCX beside the raw UCX floor.
+//! - `wm bench gpu`: device params on a real GPU beside their floors.
+//! - `wm serve --ipc | --net`: the trainer side, publishing a snapshot.
+//! - `wm pull --ipc | --net`: an engine rank that checks what it received.
+//! - `wm signal get|set|wait|request`: the controller's side of the cell.
+//! - `wm worker`: the engine's worker loop as a real rank.
+//! - `wm devices`: what the CUDA backend sees, or why it cannot work.
+//! - `wm --version`: the library's version.
 
 mod bench;
 mod bench_gpu;

@@ -3,7 +3,8 @@
 //! - `wm signal get <cell>`: print the control word.
 //! - `wm signal set <cell> <STATE>`: store a value (NORMAL, UPDATING, CLEARING, CLEARED).
 //! - `wm signal wait <cell> <STATE> [--timeout S]`: wait until the word holds it.
-//! - `wm signal request <cell> update|clear [--timeout S]`: SPEC.md's protocol.
+//! - `wm signal request <cell> update|clear [--timeout S]`: the controller's
+//!   request, answered as `signal::controller` describes.
 
 use crate::Args;
 use std::time::Duration;

@@ -1,4 +1,5 @@
-//! `wm worker`: SPEC.md's worker loop as a real engine rank. Each step it
+//! `wm worker`: the engine's worker loop (README "The worker loop") as a
+//! real engine rank. Each step it
 //! asks for the signal; UPDATING: update from the snapshot; CLEARING: clear;
 //! otherwise serve (sleep `--step-us`). Used by the multi-process tests and
 //! as a reference for engine authors.

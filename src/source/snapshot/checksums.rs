@@ -46,7 +46,7 @@ pub struct Checksums {
 impl Checksums {
     /// Load `dir/wm_checksums.json` before `deadline`; `Ok(None)` when there
     /// is none. The file must be a regular file of at most
-    /// [`MAX_CHECKSUM_FILE_BYTES`].
+    /// `MAX_CHECKSUM_FILE_BYTES`.
     pub fn load(dir: &Path, deadline: Instant) -> Result<Option<Checksums>> {
         let path = dir.join(CHECKSUM_FILE);
         match read_bounded(&path, MAX_CHECKSUM_FILE_BYTES, deadline)? {
@@ -165,7 +165,7 @@ pub(crate) fn hash_file_ranges(
 
 /// `wm manifest` has no update deadline; reading headers still gets a bound.
 fn far_deadline() -> Instant {
-    Instant::now() + std::time::Duration::from_secs(600)
+    Instant::now() + crate::defaults::UPDATE_TIMEOUT
 }
 
 /// Hash every tensor of every `*.safetensors` / `*.pdparams` file in `dir`
@@ -174,7 +174,7 @@ pub fn write(dir: &Path, threads: usize) -> Result<Written> {
     write_with_progress(dir, threads, &|_, _| {})
 }
 
-/// [`write`], calling `progress(bytes hashed, bytes in all)` as tensors finish
+/// [`write()`], calling `progress(bytes hashed, bytes in all)` as tensors finish
 /// (from the hashing threads).
 pub fn write_with_progress(
     dir: &Path,

@@ -1,4 +1,4 @@
-//! Which files hold a rank's snapshot (SPEC.md "Snapshot files").
+//! Which files hold a rank's snapshot (README "Snapshot layouts").
 //!
 //! Looked up in this order, first match wins:
 //! 1. part files `model_state.tpR.G.partN.<ext>` in the model dir, in
@@ -11,10 +11,9 @@
 //! 5. `model_state.tpR.G.<ext>` in the fallback directory.
 //!
 //! `<ext>` is `safetensors` or `pdparams` (whose content must be
-//! safetensors). SPEC.md lists the fallback directory fourth among the
-//! per-rank names; HuggingFace shards come before it here because a model
-//! directory that holds a complete model should win over a shared, possibly
-//! stale, fallback location. The model dir may also be a single file.
+//! safetensors). The fallback directory comes last, after HuggingFace
+//! shards, because a model directory that holds a complete model should win
+//! over a shared, possibly stale, fallback location. The model dir may also be a single file.
 
 use super::regular_file::read_bounded;
 use crate::logging::Logger;
@@ -27,8 +26,7 @@ pub const EXTENSIONS: [&str; 2] = ["safetensors", "pdparams"];
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 /// Largest HuggingFace index read.
 pub(crate) const MAX_INDEX_BYTES: u64 = 32 << 20;
-/// SPEC.md: FastDeploy's fallback directory.
-pub const DEFAULT_FALLBACK_DIR: &str = "/shared_ipc_meta";
+pub use crate::defaults::FALLBACK_DIR as DEFAULT_FALLBACK_DIR;
 
 /// Where to look for one rank's snapshot.
 #[derive(Clone, Debug)]
@@ -77,7 +75,7 @@ pub struct Layout {
 
 /// `G` for a rank: the entry of `CUDA_VISIBLE_DEVICES` at the rank's device
 /// index (index 0 for host-only engines), or "0" when the variable is unset
-/// or empty (SPEC.md).
+/// or empty (as FastDeploy names its files).
 pub fn gpu_id(cuda_visible_devices: Option<&str>, device_index: i32) -> Result<String> {
     let Some(list) = cuda_visible_devices.filter(|s| !s.trim().is_empty()) else {
         return Ok("0".to_string());

@@ -1,4 +1,5 @@
-//! The snapshot source: safetensors files on disk (SPEC.md "Snapshot files").
+//! The snapshot source: safetensors files on disk (which files: [`layout`];
+//! README "Snapshot layouts").
 //!
 //! Opening reads every file's header (never its data) so the whole plan is
 //! checked before any byte moves, even for part files. Streaming then goes
@@ -41,7 +42,7 @@ pub(crate) const BATCH_BYTES: u64 = 256 << 20;
 
 /// The bound on opening a snapshot for a caller that has no deadline of its
 /// own (the publisher): every read still ends.
-const OPEN_BOUND: Duration = Duration::from_secs(600);
+const OPEN_BOUND: Duration = crate::defaults::UPDATE_TIMEOUT;
 
 pub struct SnapshotSource {
     layout: Layout,

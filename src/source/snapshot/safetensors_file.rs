@@ -9,7 +9,7 @@
 //! tensor. Only the header is read; tensor bytes are read later straight into
 //! their destination.
 //!
-//! Memory: a header is at most [`MAX_HEADER_BYTES`], checked before anything
+//! Memory: a header is at most `MAX_HEADER_BYTES`, checked before anything
 //! is allocated for it, and entries are parsed straight into
 //! [`TensorEntry`] (no generic JSON tree), so a header costs a small multiple
 //! of its size.

@@ -1,7 +1,7 @@
 //! The version a snapshot names: `version.yaml`'s `step` field, as a string.
 //!
 //! The file is read only when an update names no version. It is untrusted:
-//! at most [`MAX_VERSION_FILE_BYTES`], a regular file only, and parsed as a
+//! at most `MAX_VERSION_FILE_BYTES`, a regular file only, and parsed as a
 //! stream of YAML events (never built into a document tree) so that aliases,
 //! the way a few hundred bytes expand into gigabytes, are refused rather than
 //! expanded, and the update's deadline is checked as the events come.
@@ -23,8 +23,8 @@ const EVENTS_PER_CHECK: usize = 1024;
 
 /// `Ok(step)` or `Err(why there is none)`: a missing, oversized or
 /// non-regular file, bad YAML (aliases included), a document that is not a
-/// mapping, or no scalar `step` key all mean "no version" (SPEC.md). Every
-/// reason names the file.
+/// mapping, or no scalar `step` key all mean "no version": the request must
+/// then name one, else the update fails. Every reason names the file.
 pub fn read_version_yaml(dir: &Path, deadline: Instant) -> Result<String, String> {
     let path = dir.join(VERSION_FILE);
     let text = match read_bounded(&path, MAX_VERSION_FILE_BYTES, deadline) {

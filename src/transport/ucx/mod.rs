@@ -117,8 +117,3 @@ impl Ucx {
         Error::peer(format!("UCX: {what}: {}", self.lib.status_text(st)))
     }
 }
-
-/// Install hint, for error messages elsewhere.
-pub fn install_hint() -> &'static str {
-    sys::INSTALL_HINT
-}
