@@ -37,13 +37,12 @@ use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
 use crate::memory::SendPtr;
 use crate::plan::Plan;
-use crate::publisher::net_tag;
 use crate::result::{Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
 use crate::transport::seal::Role;
 use crate::transport::ucx::{Completion, Pump};
-use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
+use crate::wire::{check_bucket, net_tag, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::{HashMap, VecDeque};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -99,36 +98,7 @@ impl NetSource {
         // Fail before connecting when UCX is missing: nothing to receive with.
         crate::transport::ucx::ucx()?;
         let who = format!("the publisher at {}", opts.address);
-        let addrs: Vec<_> = opts
-            .address
-            .to_socket_addrs()
-            .map_err(|e| {
-                Error::invalid_argument(format!(
-                    "publisher address '{}' is not host:port ({e})",
-                    opts.address
-                ))
-            })?
-            .collect();
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .min(opts.bucket_timeout)
-            .max(Duration::from_millis(1));
-        let mut last = None;
-        let mut stream = None;
-        for a in &addrs {
-            match TcpStream::connect_timeout(a, wait) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let stream = stream.ok_or_else(|| {
-            let e = last.map_or("no address".to_string(), |e| e.to_string());
-            Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
-        })?;
-        let _ = stream.set_nodelay(true);
+        let stream = connect(&opts, deadline)?;
         let hello = Hello {
             rank: opts.rank,
             world_size: opts.world_size,
@@ -485,6 +455,42 @@ fn post(
         landing,
         digests: Vec::new(),
     })
+}
+
+/// A TCP connection to the publisher at `opts.address` (its first address
+/// that answers), within the bucket timeout and `deadline`.
+fn connect(opts: &NetOptions, deadline: Instant) -> Result<TcpStream> {
+    let addrs: Vec<_> = opts
+        .address
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::invalid_argument(format!(
+                "publisher address '{}' is not host:port ({e})",
+                opts.address
+            ))
+        })?
+        .collect();
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .min(opts.bucket_timeout)
+        .max(Duration::from_millis(1));
+    let mut last = None;
+    let mut stream = None;
+    for a in &addrs {
+        match TcpStream::connect_timeout(a, wait) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let stream = stream.ok_or_else(|| {
+        let e = last.map_or("no address".to_string(), |e| e.to_string());
+        Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
+    })?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
 }
 
 /// The engine's side of the challenge (see `transport::auth`); once the
