@@ -21,10 +21,11 @@
 //!
 //! A bucket's receives are posted when its BUCKET frame arrives; up to
 //! `depth` buckets are posted (the next one first, when its frame is already
-//! waiting), so bytes keep flowing while the oldest one is finished. Each entry is handed to the applier (copied, verified) the
-//! moment it lands, while its bytes are still in cache: verifying a whole
-//! bucket afterwards would read it back from memory, which on a machine
-//! whose cores are busy moving the bytes costs as much as the transfer.
+//! waiting), so bytes keep flowing while the oldest one is finished. Each
+//! entry is handed to the applier (copied, verified) the moment it lands,
+//! while its bytes are still in cache: verifying a whole bucket afterwards
+//! would read it back from memory, which on a machine whose cores are busy
+//! moving the bytes costs as much as the transfer.
 //!
 //! Staging slots are kept for the process and reused by the next update
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
