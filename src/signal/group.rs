@@ -30,6 +30,11 @@
 //! reason into the segment (and sends it over TCP): every other rank's next
 //! wait fails with that reason, so all survivors name the rank that died.
 //! A group that failed stays failed; the engine restarts its ranks.
+//!
+//! **Files.** `segment`: the shared layout (header, ring, slots), which the
+//! fan-out meetings read too; `config`: where a rank sits; `rendezvous`:
+//! joining; `step`: `broadcast`; `barrier`; `liveness`: stopping the group
+//! and naming dead ranks.
 
 use crate::signal::link::Msg;
 use std::net::TcpStream;
