@@ -484,6 +484,12 @@ impl Frame {
 /// Only publishers split; engines take entries of any length.
 pub(crate) const NET_MESSAGE: u64 = 1 << 20;
 
+/// The UCX tag of entry `k` of bucket `seq` in a network session:
+/// `seq << 32 | (k + 1)`. Publisher and engine both name messages by it.
+pub(crate) fn net_tag(seq: u64, k: usize) -> u64 {
+    (seq << 32) | (k as u64 + 1)
+}
+
 /// [`NET_MESSAGE`], for benchmarks that mirror a session's messages.
 pub fn net_message_bytes() -> usize {
     NET_MESSAGE as usize

@@ -57,7 +57,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use net::tag as net_tag;
 pub use session::SessionStats;
 
 #[derive(Clone)]

@@ -32,10 +32,8 @@ use std::time::{Duration, Instant};
 /// Largest bucket an engine may ask for.
 const MAX_BUCKET: u64 = 16 << 30;
 
-/// The UCX tag of entry `k` of bucket `seq`: `seq << 32 | (k + 1)`.
-pub fn tag(seq: u64, k: usize) -> u64 {
-    (seq << 32) | (k as u64 + 1)
-}
+// The tag lives in `wire`, below both ends (no source <-> publisher cycle).
+use crate::wire::net_tag as tag;
 
 /// A network session after its WANT: the control connection, the key of
 /// the bucket bytes' digests, and the publisher's config and buffers.

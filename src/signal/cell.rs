@@ -1,6 +1,6 @@
 //! A control cell: one little-endian int32 in a POSIX shared-memory object,
 //! laid out exactly like FastDeploy's `model_weights_status.<suffix>`
-//! (SPEC.md), so an existing controller drives it unchanged: name the cell
+//! so an existing controller drives it unchanged: name the cell
 //! `model_weights_status.<port>` and the library reads and writes that very
 //! object.
 //!
@@ -52,7 +52,8 @@ impl ControlCell {
         Ok(raw)
     }
 
-    /// The cell's value as a state; anything but the four SPEC.md values is an error.
+    /// The cell's value as a state; anything but NORMAL, UPDATING, CLEARING
+    /// and CLEARED is an error.
     pub fn read_state(&self) -> Result<State> {
         let raw = self.load()?;
         State::from_raw(raw).filter(|s| s.is_signal()).ok_or_else(|| {

@@ -1,4 +1,4 @@
-//! The controller's side (SPEC.md): ask the engine for an update or a clear
+//! The controller's side of the control protocol: ask the engine for an update or a clear
 //! through the control cell, and wait (bounded) for the answer.
 //!
 //! - update: NORMAL: already up to date; UPDATING: busy; CLEARING: cannot

@@ -22,14 +22,15 @@
 //! alive. A failed meeting does not stop the signal group: the update fails
 //! and the group's barrier reports it.
 
-use super::group::{Group, Slot};
+use super::group::segment::Slot;
+use super::group::Group;
 use super::shm;
 use crate::result::{Error, Result};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
-pub(crate) const ID_BYTES: usize = 128;
+pub(crate) use super::group::segment::ID_BYTES;
 
 /// What a meeting decided, for one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,57 +94,10 @@ impl Group {
             .iter()
             .position(|&i| i == self.cfg.local_rank)
             .expect("a rank is in its own fan-out group");
-        let root_slot = self.slot(root);
-        let me = self.me();
         let (gen, id) = if index == 0 {
-            let meeting = me.fan_seq.load(Ordering::Relaxed) + 1;
-            let members = &locals[1..];
-            self.wait_for(
-                members,
-                deadline,
-                &format!("to come to fan-out meeting {meeting}"),
-                |s| s.fan_seq.load(Ordering::Acquire) == meeting,
-            )?;
-            let all_hold_mine = have != 0
-                && members
-                    .iter()
-                    .all(|&i| self.slot(i).fan_have.load(Ordering::Relaxed) == have);
-            let decided = if all_hold_mine {
-                (have, None)
-            } else {
-                let newest = members
-                    .iter()
-                    .map(|&i| self.slot(i).fan_have.load(Ordering::Relaxed))
-                    .fold(have, u64::max);
-                let id = make_id()?;
-                for (d, b) in me.fan_id.iter().zip(id) {
-                    d.store(b, Ordering::Relaxed);
-                }
-                (newest + 1, Some(id))
-            };
-            me.fan_gen.store(decided.0, Ordering::Relaxed);
-            me.fan_seq.store(meeting, Ordering::Release);
-            decided
+            self.decide_meeting(have, &locals[1..], make_id, deadline)?
         } else {
-            let meeting = root_slot.fan_seq.load(Ordering::Acquire) + 1;
-            // The root reads `fan_have` once it sees the request (Release).
-            me.fan_have.store(have, Ordering::Relaxed);
-            me.fan_seq.store(meeting, Ordering::Release);
-            self.wait_for(
-                &[root],
-                deadline,
-                &format!("to decide fan-out meeting {meeting}"),
-                |s| s.fan_seq.load(Ordering::Acquire) >= meeting,
-            )?;
-            let gen = root_slot.fan_gen.load(Ordering::Relaxed);
-            let id = (gen != have).then(|| {
-                let mut id = [0u8; ID_BYTES];
-                for (d, b) in id.iter_mut().zip(&root_slot.fan_id) {
-                    *d = b.load(Ordering::Relaxed);
-                }
-                id
-            });
-            (gen, id)
+            self.attend_meeting(have, root, deadline)?
         };
         Ok(FanoutMeeting {
             ranks: locals
@@ -158,6 +112,77 @@ impl Group {
             gen,
             id,
         })
+    }
+
+    /// The root: wait until every member asks for the next meeting, then
+    /// decide its generation (a new one, and its id, unless every member
+    /// holds the root's own).
+    fn decide_meeting(
+        &self,
+        have: u64,
+        members: &[u32],
+        make_id: impl FnOnce() -> Result<[u8; ID_BYTES]>,
+        deadline: Instant,
+    ) -> Result<(u64, Option<[u8; ID_BYTES]>)> {
+        let me = self.me();
+        let meeting = me.fan_seq.load(Ordering::Relaxed) + 1;
+        self.wait_for(
+            members,
+            deadline,
+            &format!("to come to fan-out meeting {meeting}"),
+            |s| s.fan_seq.load(Ordering::Acquire) == meeting,
+        )?;
+        let all_hold_mine = have != 0
+            && members
+                .iter()
+                .all(|&i| self.slot(i).fan_have.load(Ordering::Relaxed) == have);
+        let decided = if all_hold_mine {
+            (have, None)
+        } else {
+            let newest = members
+                .iter()
+                .map(|&i| self.slot(i).fan_have.load(Ordering::Relaxed))
+                .fold(have, u64::max);
+            let id = make_id()?;
+            for (d, b) in me.fan_id.iter().zip(id) {
+                d.store(b, Ordering::Relaxed);
+            }
+            (newest + 1, Some(id))
+        };
+        me.fan_gen.store(decided.0, Ordering::Relaxed);
+        me.fan_seq.store(meeting, Ordering::Release);
+        Ok(decided)
+    }
+
+    /// A member: ask for the root's next meeting and wait for its decision;
+    /// the id comes along when the generation is not the one held.
+    fn attend_meeting(
+        &self,
+        have: u64,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(u64, Option<[u8; ID_BYTES]>)> {
+        let root_slot = self.slot(root);
+        let me = self.me();
+        let meeting = root_slot.fan_seq.load(Ordering::Acquire) + 1;
+        // The root reads `fan_have` once it sees the request (Release).
+        me.fan_have.store(have, Ordering::Relaxed);
+        me.fan_seq.store(meeting, Ordering::Release);
+        self.wait_for(
+            &[root],
+            deadline,
+            &format!("to decide fan-out meeting {meeting}"),
+            |s| s.fan_seq.load(Ordering::Acquire) >= meeting,
+        )?;
+        let gen = root_slot.fan_gen.load(Ordering::Relaxed);
+        let id = (gen != have).then(|| {
+            let mut id = [0u8; ID_BYTES];
+            for (d, b) in id.iter_mut().zip(&root_slot.fan_id) {
+                *d = b.load(Ordering::Relaxed);
+            }
+            id
+        });
+        Ok((gen, id))
     }
 
     /// Wait until `ready` holds for every slot of `locals`: bounded, failing

@@ -4,7 +4,7 @@
 //! - [`cell`]: the FastDeploy-compatible int32 control word in /dev/shm.
 //! - [`report`]: beside it, the outcome (and reason) of the last action.
 //! - [`group`]: ranks in step: shared memory on a node, TCP across nodes.
-//! - [`controller`]: the controller's side of SPEC.md's protocol.
+//! - [`controller`]: the controller's side of the protocol (spelled out there).
 //! - [`fanout`]: fan-out ranks agreeing on their NCCL communicator.
 //! - [`futex`], [`shm`], [`link`]: the waits, shared objects and wire under them.
 //!
@@ -15,7 +15,7 @@
 //! served: UPDATING to NORMAL if every rank succeeded, CLEARING to CLEARED.
 //! After any failure the word goes to CLEARED (never NORMAL): the engine has
 //! no complete new model, the controller's wait ends, and CLEARED is the
-//! state from which SPEC.md lets it ask for an update again; the report says
+//! state from which a controller may ask for an update again; the report says
 //! which rank failed and why, and each rank's `wm_status` has its own detail.
 //! If the controller changed the word meanwhile, the swap fails and rank 0
 //! leaves the newer request alone (the FastDeploy lost-update race).

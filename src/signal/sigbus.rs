@@ -22,7 +22,7 @@
 //! `mmap`, which is not on POSIX's async-signal-safe list but is a plain
 //! system call on Linux. A host that later installs its own SIGBUS handler
 //! without chaining to the previous one takes this protection away, and
-//! mappings beyond [`SLOTS`] at once are unguarded (a SIGBUS there ends the
+//! mappings beyond `SLOTS` at once are unguarded (a SIGBUS there ends the
 //! process as before). Recovery means reopening: the handle (controller,
 //! manager) stays in error for that object.
 

@@ -38,7 +38,7 @@ use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
-use crate::wire::{check_bucket, Frame};
+use crate::wire::{check_bucket, BucketEntry, Frame};
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -148,26 +148,39 @@ impl IpcSource {
         plan: &Plan,
         applier: &mut Applier,
     ) -> Result<Vec<Arc<SharedBuffer>>> {
-        let conn = &mut self.link.conn;
-        let next_deadline =
-            |applier: &Applier| (Instant::now() + self.timeout).min(applier.deadline());
-        let buffers: Vec<BucketMemory> = match conn.recv(next_deadline(applier))? {
-            Frame::Buffers { sizes } => {
-                check_announced(&sizes)?;
-                let fds = conn.take_fds(sizes.len())?;
-                let mut mapped = self.mapped.lock();
-                fds.into_iter()
-                    .zip(&sizes)
-                    .enumerate()
-                    .map(|(i, (fd, &size))| {
-                        let size = usize::try_from(size)
-                            .map_err(|_| Error::peer("buffer size does not fit"))?;
-                        mapped
-                            .receive(fd, size, &format!("shared buffer {i}"))
-                            .map(BucketMemory::Host)
-                    })
-                    .collect::<Result<_>>()?
+        let buffers = self.take_buffers(applier)?;
+        loop {
+            applier.check_deadline()?;
+            let deadline = self.next_deadline(applier);
+            match self.link.conn.recv(deadline)? {
+                Frame::Bucket {
+                    seq,
+                    buffer,
+                    entries,
+                } => {
+                    apply_bucket(plan, applier, &buffers, seq, buffer, &entries)?;
+                    self.link.conn.send(&Frame::Ack { seq })?;
+                }
+                Frame::End { .. } => {
+                    applier.settle_uploads()?;
+                    return Ok(host_buffers(buffers));
+                }
+                other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
             }
+        }
+    }
+
+    /// When the next frame must have come.
+    fn next_deadline(&self, applier: &Applier) -> Instant {
+        (Instant::now() + self.timeout).min(applier.deadline())
+    }
+
+    /// The session's buffers: shared memory (BUFFERS, with their fds) or
+    /// the trainer's GPU memory (CUDA_BUFFERS).
+    fn take_buffers(&mut self, applier: &Applier) -> Result<Vec<BucketMemory>> {
+        let deadline = self.next_deadline(applier);
+        match self.link.conn.recv(deadline)? {
+            Frame::Buffers { sizes } => self.map_host_buffers(&sizes),
             Frame::CudaBuffers { buffers } => buffers
                 .iter()
                 .enumerate()
@@ -178,63 +191,83 @@ impl IpcSource {
                     ImportedDeviceBuffer::open(&what, self.gpu, &b.handle, size)
                         .map(BucketMemory::Device)
                 })
-                .collect::<Result<_>>()?,
-            other => return Err(unexpected(conn, "BUFFERS", &other)),
-        };
-        loop {
-            applier.check_deadline()?;
-            match conn.recv(next_deadline(applier))? {
-                Frame::Bucket {
-                    seq,
-                    buffer,
-                    entries,
-                } => {
-                    let mem = buffers.get(buffer as usize).ok_or_else(|| {
-                        Error::peer(format!(
-                            "bucket {seq} names buffer {buffer} of {}",
-                            buffers.len()
-                        ))
-                    })?;
-                    check_bucket(seq, &entries, mem.len() as u64, plan.entries.len())
-                        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
-                    if let BucketMemory::Host(b) = mem {
-                        // Only the windows this bucket reads (checked
-                        // above to lie in the buffer) are faulted in.
-                        b.populate(
-                            entries
-                                .iter()
-                                .map(|e| (e.buffer_offset, e.buffer_offset + e.len)),
-                        );
-                    }
-                    let chunks: Vec<Chunk> = entries
-                        .iter()
-                        .map(|e| Chunk {
-                            tensor: e.tensor as usize,
-                            offset: e.tensor_offset,
-                            len: e.len as usize,
-                            src: mem.source(e.buffer_offset),
-                        })
-                        .collect();
-                    applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
-                    if let BucketMemory::Device(_) = mem {
-                        // Device copies out of the bucket run on a stream:
-                        // done before the trainer may reuse its memory.
-                        applier.settle_uploads()?;
-                    }
-                    conn.send(&Frame::Ack { seq })?;
-                }
-                Frame::End { .. } => {
-                    applier.settle_uploads()?;
-                    return Ok(buffers
-                        .into_iter()
-                        .filter_map(|m| match m {
-                            BucketMemory::Host(b) => Some(b),
-                            BucketMemory::Device(_) => None,
-                        })
-                        .collect());
-                }
-                other => return Err(unexpected(conn, "BUCKET or END", &other)),
-            }
+                .collect(),
+            other => Err(unexpected(&self.link.conn, "BUFFERS", &other)),
         }
     }
+
+    /// Map the shared buffers whose fds follow BUFFERS (reusing the last
+    /// session's mappings of the same ones).
+    fn map_host_buffers(&mut self, sizes: &[u64]) -> Result<Vec<BucketMemory>> {
+        check_announced(sizes)?;
+        let fds = self.link.conn.take_fds(sizes.len())?;
+        let mut mapped = self.mapped.lock();
+        fds.into_iter()
+            .zip(sizes)
+            .enumerate()
+            .map(|(i, (fd, &size))| {
+                let size =
+                    usize::try_from(size).map_err(|_| Error::peer("buffer size does not fit"))?;
+                mapped
+                    .receive(fd, size, &format!("shared buffer {i}"))
+                    .map(BucketMemory::Host)
+            })
+            .collect()
+    }
+}
+
+/// Check bucket `seq` (in `buffers[buffer]`) and apply its entries; device
+/// copies out of it are done when this returns.
+fn apply_bucket(
+    plan: &Plan,
+    applier: &mut Applier,
+    buffers: &[BucketMemory],
+    seq: u64,
+    buffer: u32,
+    entries: &[BucketEntry],
+) -> Result<()> {
+    let mem = buffers.get(buffer as usize).ok_or_else(|| {
+        Error::peer(format!(
+            "bucket {seq} names buffer {buffer} of {}",
+            buffers.len()
+        ))
+    })?;
+    check_bucket(seq, entries, mem.len() as u64, plan.entries.len())
+        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+    if let BucketMemory::Host(b) = mem {
+        // Only the windows this bucket reads (checked above to lie in the
+        // buffer) are faulted in.
+        b.populate(
+            entries
+                .iter()
+                .map(|e| (e.buffer_offset, e.buffer_offset + e.len)),
+        );
+    }
+    let chunks: Vec<Chunk> = entries
+        .iter()
+        .map(|e| Chunk {
+            tensor: e.tensor as usize,
+            offset: e.tensor_offset,
+            len: e.len as usize,
+            src: mem.source(e.buffer_offset),
+        })
+        .collect();
+    applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
+    if let BucketMemory::Device(_) = mem {
+        // Device copies out of the bucket run on a stream: done before the
+        // trainer may reuse its memory.
+        applier.settle_uploads()?;
+    }
+    Ok(())
+}
+
+/// The host buffers of a finished session, kept for the next one.
+fn host_buffers(buffers: Vec<BucketMemory>) -> Vec<Arc<SharedBuffer>> {
+    buffers
+        .into_iter()
+        .filter_map(|m| match m {
+            BucketMemory::Host(b) => Some(b),
+            BucketMemory::Device(_) => None,
+        })
+        .collect()
 }

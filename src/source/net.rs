@@ -21,10 +21,11 @@
 //!
 //! A bucket's receives are posted when its BUCKET frame arrives; up to
 //! `depth` buckets are posted (the next one first, when its frame is already
-//! waiting), so bytes keep flowing while the oldest one is finished. Each entry is handed to the applier (copied, verified) the
-//! moment it lands, while its bytes are still in cache: verifying a whole
-//! bucket afterwards would read it back from memory, which on a machine
-//! whose cores are busy moving the bytes costs as much as the transfer.
+//! waiting), so bytes keep flowing while the oldest one is finished. Each
+//! entry is handed to the applier (copied, verified) the moment it lands,
+//! while its bytes are still in cache: verifying a whole bucket afterwards
+//! would read it back from memory, which on a machine whose cores are busy
+//! moving the bytes costs as much as the transfer.
 //!
 //! Staging slots are kept for the process and reused by the next update
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
@@ -37,13 +38,12 @@ use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
 use crate::memory::SendPtr;
 use crate::plan::Plan;
-use crate::publisher::net_tag;
 use crate::result::{Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
 use crate::transport::seal::Role;
 use crate::transport::ucx::{Completion, Pump};
-use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
+use crate::wire::{check_bucket, net_tag, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::{HashMap, VecDeque};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -99,36 +99,7 @@ impl NetSource {
         // Fail before connecting when UCX is missing: nothing to receive with.
         crate::transport::ucx::ucx()?;
         let who = format!("the publisher at {}", opts.address);
-        let addrs: Vec<_> = opts
-            .address
-            .to_socket_addrs()
-            .map_err(|e| {
-                Error::invalid_argument(format!(
-                    "publisher address '{}' is not host:port ({e})",
-                    opts.address
-                ))
-            })?
-            .collect();
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .min(opts.bucket_timeout)
-            .max(Duration::from_millis(1));
-        let mut last = None;
-        let mut stream = None;
-        for a in &addrs {
-            match TcpStream::connect_timeout(a, wait) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let stream = stream.ok_or_else(|| {
-            let e = last.map_or("no address".to_string(), |e| e.to_string());
-            Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
-        })?;
-        let _ = stream.set_nodelay(true);
+        let stream = connect(&opts, deadline)?;
         let hello = Hello {
             rank: opts.rank,
             world_size: opts.world_size,
@@ -162,135 +133,169 @@ impl NetSource {
         applier: &mut Applier,
         slots: &[HostRegion],
     ) -> Result<()> {
-        let (size, depth) = (self.opts.bucket_size, self.opts.depth);
-        let direct = slots.is_empty();
         // Declared after the memory it writes into: dropped (and its
         // receives cancelled) before that memory is returned or released.
         let pump = Pump::start("engine")?;
         self.link.conn.send(&Frame::Ready {
             address: pump.address().to_vec(),
-            bucket_size: size as u64,
-            depth: depth as u32,
-            direct,
+            bucket_size: self.opts.bucket_size as u64,
+            depth: self.opts.depth as u32,
+            direct: slots.is_empty(),
             keyed: self.opts.keyed,
         })?;
-        // Completions that came before their turn, by tag.
-        let mut early: HashMap<u64, Result<usize>> = HashMap::new();
-        // Posted buckets, oldest first, and how many entries of the oldest
-        // are applied.
-        let mut pending: VecDeque<Posted> = VecDeque::new();
-        let mut applied = 0usize;
-        let mut next = 0u64;
-        let mut ended = false;
-        // When the oldest bucket's next entry was first waited for.
-        let mut waiting_since = Instant::now();
+        let mut st = Receiving {
+            early: HashMap::new(),
+            pending: VecDeque::new(),
+            applied: 0,
+            next: 0,
+            ended: false,
+            waiting_since: Instant::now(),
+        };
         loop {
             applier.check_deadline()?;
             // A frame: block for one only when nothing else can move.
-            if !ended && (pending.is_empty() || self.link.conn.readable()) {
-                let frame_deadline =
-                    (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
-                match self.link.conn.recv(frame_deadline)? {
-                    Frame::Bucket {
-                        seq,
-                        buffer,
-                        entries,
-                    } => {
-                        if seq != next
-                            || (!direct && buffer as u64 != seq % depth as u64)
-                            || pending.len() >= depth
-                        {
-                            return Err(Error::peer(format!(
-                                "{}: bucket {seq} in slot {buffer} with {} unacknowledged, expected bucket {next} in slot {} with fewer than {depth}",
-                                self.link.conn.peer(),
-                                pending.len(),
-                                next % depth as u64
-                            )));
-                        }
-                        check_bucket(seq, &entries, size as u64, plan.entries.len())?;
-                        let digests = if self.opts.keyed {
-                            self.recv_digests(seq, entries.len(), frame_deadline)?
-                        } else {
-                            Vec::new()
-                        };
-                        let slot = slots.get(buffer as usize);
-                        if pending.is_empty() {
-                            waiting_since = Instant::now();
-                        }
-                        let mut posted = post(&pump, seq, entries, slot, applier)?;
-                        posted.digests = digests;
-                        pending.push_back(posted);
-                        next += 1;
-                    }
-                    Frame::End { buckets } if buckets == next => ended = true,
-                    Frame::End { buckets } => {
-                        return Err(Error::peer(format!(
-                            "{}: END after {buckets} buckets, {next} received",
-                            self.link.conn.peer()
-                        )))
-                    }
-                    other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
-                }
+            if !st.ended && (st.pending.is_empty() || self.link.conn.readable()) {
+                self.take_frame(&pump, plan, applier, slots, &mut st)?;
                 continue;
             }
-            let Some(oldest) = pending.front() else {
+            let Some(oldest) = st.pending.front() else {
                 return Ok(()); // ended, and every bucket acknowledged
             };
-            if let Some(e) = oldest.entries.get(applied) {
-                // Wait briefly when another frame may come, so it is posted
-                // soon; otherwise up to the usual slice.
-                let slice = if pending.len() < depth && !ended {
-                    Duration::from_millis(1)
-                } else {
-                    Duration::from_millis(50)
-                };
-                let tag = net_tag(oldest.seq, applied);
-                let Some(got) = self.poll_bytes(&pump, &mut early, tag, oldest.seq, slice)? else {
-                    if waiting_since.elapsed() > self.opts.bucket_timeout {
-                        return Err(Error::timeout(format!(
-                            "{}: the bytes of bucket {} did not arrive within {:?}",
-                            self.link.conn.peer(),
-                            oldest.seq,
-                            self.opts.bucket_timeout
-                        )));
-                    }
-                    continue;
-                };
-                if got as u64 != e.len {
-                    return Err(Error::peer(format!(
-                        "{}: bucket {} entry {applied} brought {got} bytes, {} announced",
-                        self.link.conn.peer(),
-                        oldest.seq,
-                        e.len
-                    )));
-                }
-                if let Some(want) = oldest.digests.get(applied) {
-                    self.check_digest(oldest, applied, want, plan)?;
-                }
-                let at = oldest.slot.map_or(std::ptr::null_mut(), |slot| {
-                    slot.0.wrapping_add(e.buffer_offset as usize)
-                });
-                let chunk = Chunk {
-                    tensor: e.tensor as usize,
-                    offset: e.tensor_offset,
-                    len: e.len as usize,
-                    src: CopySource::Memory(SendPtr(at)),
-                };
-                // Applied (copied, verified) at once, while still in cache.
-                let origin = format!("bucket {}", oldest.seq);
-                match oldest.slot {
-                    Some(_) => applier.apply_batch(&origin, &[chunk])?,
-                    None => applier.landed_batch(&origin, &[chunk])?,
-                }
-                applied += 1;
-                waiting_since = Instant::now();
+            if st.applied < oldest.entries.len() {
+                self.apply_next_entry(&pump, plan, applier, &mut st)?;
             } else {
                 self.link.conn.send(&Frame::Ack { seq: oldest.seq })?;
-                pending.pop_front();
-                applied = 0;
-                waiting_since = Instant::now();
+                st.pending.pop_front();
+                st.applied = 0;
+                st.waiting_since = Instant::now();
             }
         }
+    }
+
+    /// The next control frame: a BUCKET gets its receives posted, END
+    /// marks the stream ended.
+    fn take_frame(
+        &mut self,
+        pump: &Pump,
+        plan: &Plan,
+        applier: &mut Applier,
+        slots: &[HostRegion],
+        st: &mut Receiving,
+    ) -> Result<()> {
+        let frame_deadline = (Instant::now() + self.opts.bucket_timeout).min(applier.deadline());
+        match self.link.conn.recv(frame_deadline)? {
+            Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            } => {
+                self.check_bucket_order(seq, buffer, slots.is_empty(), st)?;
+                check_bucket(
+                    seq,
+                    &entries,
+                    self.opts.bucket_size as u64,
+                    plan.entries.len(),
+                )?;
+                let digests = if self.opts.keyed {
+                    self.recv_digests(seq, entries.len(), frame_deadline)?
+                } else {
+                    Vec::new()
+                };
+                let slot = slots.get(buffer as usize);
+                if st.pending.is_empty() {
+                    st.waiting_since = Instant::now();
+                }
+                let mut posted = post(pump, seq, entries, slot, applier)?;
+                posted.digests = digests;
+                st.pending.push_back(posted);
+                st.next += 1;
+                Ok(())
+            }
+            Frame::End { buckets } if buckets == st.next => {
+                st.ended = true;
+                Ok(())
+            }
+            Frame::End { buckets } => Err(Error::peer(format!(
+                "{}: END after {buckets} buckets, {} received",
+                self.link.conn.peer(),
+                st.next
+            ))),
+            other => Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
+        }
+    }
+
+    /// BUCKET `seq` in slot `buffer` must be the next one, in its slot (when
+    /// staged), within the window of `depth` unacknowledged buckets.
+    fn check_bucket_order(
+        &self,
+        seq: u64,
+        buffer: u32,
+        direct: bool,
+        st: &Receiving,
+    ) -> Result<()> {
+        let depth = self.opts.depth;
+        if seq != st.next
+            || (!direct && buffer as u64 != seq % depth as u64)
+            || st.pending.len() >= depth
+        {
+            return Err(Error::peer(format!(
+                "{}: bucket {seq} in slot {buffer} with {} unacknowledged, expected bucket {} in slot {} with fewer than {depth}",
+                self.link.conn.peer(),
+                st.pending.len(),
+                st.next,
+                st.next % depth as u64
+            )));
+        }
+        Ok(())
+    }
+
+    /// Wait (a slice) for the oldest bucket's next entry to land, then check
+    /// its length and digest and hand it to the applier (copied, verified)
+    /// at once, while its bytes are still in cache.
+    fn apply_next_entry(
+        &mut self,
+        pump: &Pump,
+        plan: &Plan,
+        applier: &mut Applier,
+        st: &mut Receiving,
+    ) -> Result<()> {
+        let oldest = st.pending.front().expect("a posted bucket");
+        let applied = st.applied;
+        let e = &oldest.entries[applied];
+        // Wait briefly when another frame may come, so it is posted soon;
+        // otherwise up to the usual slice.
+        let slice = if st.pending.len() < self.opts.depth && !st.ended {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(50)
+        };
+        let tag = net_tag(oldest.seq, applied);
+        let Some(got) = self.poll_bytes(pump, &mut st.early, tag, oldest.seq, slice)? else {
+            if st.waiting_since.elapsed() > self.opts.bucket_timeout {
+                return Err(Error::timeout(format!(
+                    "{}: the bytes of bucket {} did not arrive within {:?}",
+                    self.link.conn.peer(),
+                    oldest.seq,
+                    self.opts.bucket_timeout
+                )));
+            }
+            return Ok(());
+        };
+        if got as u64 != e.len {
+            return Err(Error::peer(format!(
+                "{}: bucket {} entry {applied} brought {got} bytes, {} announced",
+                self.link.conn.peer(),
+                oldest.seq,
+                e.len
+            )));
+        }
+        if let Some(want) = oldest.digests.get(applied) {
+            self.check_digest(oldest, applied, want, plan)?;
+        }
+        apply_landed(applier, oldest, applied)?;
+        st.applied += 1;
+        st.waiting_since = Instant::now();
+        Ok(())
     }
 
     /// The DIGESTS frame that follows BUCKET `seq` (of `n` entries).
@@ -374,6 +379,42 @@ impl NetSource {
     }
 }
 
+/// Where one receive stands: posted buckets, oldest first, and how far the
+/// oldest is applied.
+struct Receiving {
+    /// Completions that came before their turn, by tag.
+    early: HashMap<u64, Result<usize>>,
+    pending: VecDeque<Posted>,
+    /// Entries of the oldest pending bucket applied so far.
+    applied: usize,
+    /// The sequence number the next BUCKET must carry.
+    next: u64,
+    /// END came: no more buckets.
+    ended: bool,
+    /// When the oldest bucket's next entry was first waited for.
+    waiting_since: Instant,
+}
+
+/// Entry `k` of `bucket` landed: hand it to the applier, from its staging
+/// slot or (direct) from where it already is.
+fn apply_landed(applier: &mut Applier, bucket: &Posted, k: usize) -> Result<()> {
+    let e = &bucket.entries[k];
+    let at = bucket.slot.map_or(std::ptr::null_mut(), |slot| {
+        slot.0.wrapping_add(e.buffer_offset as usize)
+    });
+    let chunk = Chunk {
+        tensor: e.tensor as usize,
+        offset: e.tensor_offset,
+        len: e.len as usize,
+        src: CopySource::Memory(SendPtr(at)),
+    };
+    let origin = format!("bucket {}", bucket.seq);
+    match bucket.slot {
+        Some(_) => applier.apply_batch(&origin, &[chunk]),
+        None => applier.landed_batch(&origin, &[chunk]),
+    }
+}
+
 /// A bucket whose receives are posted, and its staging slot (None: direct).
 struct Posted {
     seq: u64,
@@ -415,6 +456,42 @@ fn post(
         landing,
         digests: Vec::new(),
     })
+}
+
+/// A TCP connection to the publisher at `opts.address` (its first address
+/// that answers), within the bucket timeout and `deadline`.
+fn connect(opts: &NetOptions, deadline: Instant) -> Result<TcpStream> {
+    let addrs: Vec<_> = opts
+        .address
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::invalid_argument(format!(
+                "publisher address '{}' is not host:port ({e})",
+                opts.address
+            ))
+        })?
+        .collect();
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .min(opts.bucket_timeout)
+        .max(Duration::from_millis(1));
+    let mut last = None;
+    let mut stream = None;
+    for a in &addrs {
+        match TcpStream::connect_timeout(a, wait) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let stream = stream.ok_or_else(|| {
+        let e = last.map_or("no address".to_string(), |e| e.to_string());
+        Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
+    })?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
 }
 
 /// The engine's side of the challenge (see `transport::auth`); once the

@@ -3,7 +3,15 @@
 //! confirms its ranks are alive before anyone returns (see the parent
 //! module's docs).
 
-use super::*;
+use super::segment::Segment;
+use super::{list, Group, GroupConfig, Link, Peer, NO_RANK};
+use crate::result::{Error, Result};
+use crate::signal::futex;
+use crate::signal::link::{self, Msg};
+use crate::signal::shm;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 impl Group {
     /// Rendezvous: returns once every rank of the group has joined, or fails
@@ -12,17 +20,10 @@ impl Group {
         cfg.check()?;
         let deadline = Instant::now() + cfg.timeout;
         let name = cfg.segment_name();
-        let size = Self::size_for(cfg.local_world_size);
-        let map = if cfg.local_rank == 0 {
-            let map = SharedMapping::open(&name, size, OpenMode::CreateFresh)?.expect("created");
-            // SAFETY: fresh zeroed mapping of `size` bytes.
-            let h = unsafe { &*(map.ptr() as *const Header) };
-            h.creator_pid.store(std::process::id(), Ordering::Relaxed);
-            h.local_world.store(cfg.local_world_size, Ordering::Relaxed);
-            h.magic.store(MAGIC, Ordering::Release);
-            map
+        let seg = if cfg.local_rank == 0 {
+            Segment::create(&name, cfg.local_world_size)?
         } else {
-            Self::attach(&name, size, &cfg, deadline)?
+            Self::attach(&name, &cfg, deadline)?
         };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         let spin = if cores >= cfg.local_world_size {
@@ -33,7 +34,7 @@ impl Group {
         let mut g = Group {
             spin,
             cfg,
-            map,
+            seg,
             link: Link::Member,
             step: 0,
             gen: 0,
@@ -57,22 +58,11 @@ impl Group {
         result.map(|_| g)
     }
 
-    fn attach(
-        name: &str,
-        size: usize,
-        cfg: &GroupConfig,
-        deadline: Instant,
-    ) -> Result<SharedMapping> {
+    /// A member: wait for the leader's live segment.
+    fn attach(name: &str, cfg: &GroupConfig, deadline: Instant) -> Result<Segment> {
         loop {
-            if let Some(map) = SharedMapping::open(name, size, OpenMode::Existing)? {
-                // SAFETY: at least `size` bytes are mapped.
-                let h = unsafe { &*(map.ptr() as *const Header) };
-                let fresh = h.magic.load(Ordering::Acquire) == MAGIC
-                    && h.local_world.load(Ordering::Relaxed) == cfg.local_world_size
-                    && shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
-                if fresh {
-                    return Ok(map);
-                }
+            if let Some(seg) = Segment::open_existing(name, cfg.local_world_size)? {
+                return Ok(seg);
             }
             if Instant::now() >= deadline {
                 return Err(Error::timeout(format!(
@@ -187,15 +177,11 @@ impl Group {
                 let Link::Root(peers) = &mut self.link else {
                     unreachable!("matched above")
                 };
-                for p in peers.iter_mut() {
-                    let who = p.who();
-                    let go = Msg::Release {
-                        gen: 0,
-                        failures: Vec::new(),
-                    };
-                    link::send(&mut p.stream, &go, &who)?;
-                }
-                Ok(())
+                let go = Msg::Release {
+                    gen: 0,
+                    failures: Vec::new(),
+                };
+                Self::send_to_peers(peers, &go)
             }
             Link::Local | Link::Member => Ok(()),
         }
@@ -219,6 +205,7 @@ impl Group {
             .collect()
     }
 
+    /// Rank 0: take every other node's leader, until every rank is covered.
     fn accept_leaders(&self, deadline: Instant) -> Result<Vec<Peer>> {
         let addr = self.cfg.addr.as_deref().expect("checked");
         let listener = TcpListener::bind(addr).map_err(|e| {
@@ -238,46 +225,9 @@ impl Group {
         while covered.iter().any(|c| !c) {
             match listener.accept() {
                 Ok((stream, from)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(|e| Error::io("accepted socket", e))?;
-                    let _ = stream.set_nodelay(true);
-                    let mut stream = stream;
-                    let who = format!("group peer {from}");
-                    let hello = link::recv(&mut stream, deadline, &who);
-                    let (node, ranks) = match hello {
-                        Ok(Msg::Hello { group, node, ranks }) if group == self.cfg.name => {
-                            (node, ranks)
-                        }
-                        Ok(Msg::Hello { group, .. }) => {
-                            let reason = format!("group '{group}' is not '{}'", self.cfg.name);
-                            let _ = link::send(&mut stream, &Msg::Abort { reason }, &who);
-                            continue;
-                        }
-                        _ => continue,
-                    };
-                    for &r in &ranks {
-                        if r >= self.cfg.world_size || covered[r as usize] {
-                            let reason = format!("rank {r} is out of range or taken");
-                            let _ = link::send(
-                                &mut stream,
-                                &Msg::Abort {
-                                    reason: reason.clone(),
-                                },
-                                &who,
-                            );
-                            return Err(Error::invalid_argument(format!(
-                                "group '{}': node {node}: {reason}",
-                                self.cfg.name
-                            )));
-                        }
-                        covered[r as usize] = true;
+                    if let Some(peer) = self.admit_leader(stream, from, &mut covered, deadline)? {
+                        peers.push(peer);
                     }
-                    peers.push(Peer {
-                        stream,
-                        node,
-                        ranks,
-                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
@@ -300,6 +250,55 @@ impl Group {
             link::send(&mut p.stream, &Msg::Welcome, &who)?;
         }
         Ok(peers)
+    }
+
+    /// One accepted connection: a leader of this group whose ranks are
+    /// marked in `covered`, or None when it is not one (it is dropped). Ranks
+    /// out of range or taken twice fail the rendezvous.
+    fn admit_leader(
+        &self,
+        mut stream: TcpStream,
+        from: SocketAddr,
+        covered: &mut [bool],
+        deadline: Instant,
+    ) -> Result<Option<Peer>> {
+        stream
+            .set_nonblocking(false)
+            .map_err(|e| Error::io("accepted socket", e))?;
+        let _ = stream.set_nodelay(true);
+        let who = format!("group peer {from}");
+        let hello = link::recv(&mut stream, deadline, &who);
+        let (node, ranks) = match hello {
+            Ok(Msg::Hello { group, node, ranks }) if group == self.cfg.name => (node, ranks),
+            Ok(Msg::Hello { group, .. }) => {
+                let reason = format!("group '{group}' is not '{}'", self.cfg.name);
+                let _ = link::send(&mut stream, &Msg::Abort { reason }, &who);
+                return Ok(None);
+            }
+            _ => return Ok(None),
+        };
+        for &r in &ranks {
+            if r >= self.cfg.world_size || covered[r as usize] {
+                let reason = format!("rank {r} is out of range or taken");
+                let _ = link::send(
+                    &mut stream,
+                    &Msg::Abort {
+                        reason: reason.clone(),
+                    },
+                    &who,
+                );
+                return Err(Error::invalid_argument(format!(
+                    "group '{}': node {node}: {reason}",
+                    self.cfg.name
+                )));
+            }
+            covered[r as usize] = true;
+        }
+        Ok(Some(Peer {
+            stream,
+            node,
+            ranks,
+        }))
     }
 
     fn connect_root(&self, deadline: Instant) -> Result<TcpStream> {
