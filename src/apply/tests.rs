@@ -31,7 +31,7 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
         verify: true,
         threads: 2,
         timeout: Duration::from_secs(10),
-        callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+        callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
     };
     let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
     let mut a = Applier::new(plan, vec![dest], opts, Hooks::default())?;
@@ -91,7 +91,7 @@ fn callback_opts(mode: Mode, limit: u64) -> ApplyOptions {
 #[test]
 fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
     let plan = callback_plan(&[("huge", 1 << 40)]);
-    let limit = crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT;
+    let limit = crate::defaults::CALLBACK_STAGING_LIMIT;
     for mode in [Mode::InPlace, Mode::Atomic] {
         let Err(e) = Applier::new(
             &plan,

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default bound on a whole update (`UpdateRequest::timeout`).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+pub const DEFAULT_TIMEOUT: Duration = crate::defaults::UPDATE_TIMEOUT;
 /// Longest version string accepted (bytes).
 pub(crate) const MAX_VERSION_LEN: usize = 255;
 
@@ -113,7 +113,7 @@ impl Default for ManagerConfig {
             acquire_hook: None,
             net: NetSettings::default(),
             fanout: None,
-            callback_staging_limit: crate::memory::loose::DEFAULT_CALLBACK_STAGING_LIMIT,
+            callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
         }
     }
 }
@@ -172,8 +172,8 @@ pub struct GroupSettings {
     pub timeout: Duration,
 }
 
-/// Default per-bucket receive timeout, used for per-step waits too.
-pub const DEFAULT_SIGNAL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default bound on rendezvous and per-step waits.
+pub const DEFAULT_SIGNAL_TIMEOUT: Duration = crate::defaults::SIGNAL_TIMEOUT;
 
 /// What to update from and how.
 pub struct UpdateRequest<'h> {

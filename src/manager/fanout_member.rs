@@ -12,7 +12,6 @@ use crate::memory::aligned_offsets;
 use crate::memory::device::DeviceAllocation;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::source::ipc;
 use std::time::Instant;
 
 /// An atomic member's landing place: a slot per announced tensor, packed
@@ -127,7 +126,7 @@ impl Manager {
         s.move_tensors(
             spans,
             self.config.net.bucket_size,
-            ipc::BUCKET_TIMEOUT.min(run.req.timeout),
+            crate::defaults::BUCKET_TIMEOUT.min(run.req.timeout),
             |bytes_done, tensors_done| {
                 let p = Progress {
                     bytes_done,
@@ -187,5 +186,5 @@ fn commit_arena(
         })
         .collect();
     // SAFETY: params of this rank's GPU (matched above) and the arena.
-    unsafe { s.commit(&copies, Instant::now() + ipc::BUCKET_TIMEOUT) }
+    unsafe { s.commit(&copies, Instant::now() + crate::defaults::BUCKET_TIMEOUT) }
 }

@@ -11,7 +11,6 @@ use crate::fanout::{Announcement, FanoutSession, Word};
 use crate::logging::Logger;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::source::ipc;
 use std::time::Instant;
 
 /// The root's side of one update's fan-out.
@@ -92,8 +91,12 @@ impl FanoutRoot<'_, '_> {
                 (p.ptr() as u64, p.nbytes)
             })
             .collect();
-        self.session
-            .move_tensors(&spans, bucket_size, ipc::BUCKET_TIMEOUT, |_, _| Ok(()))
+        self.session.move_tensors(
+            &spans,
+            bucket_size,
+            crate::defaults::BUCKET_TIMEOUT,
+            |_, _| Ok(()),
+        )
     }
 
     /// Tell the members why the root stops (they stop too); hand the error on.

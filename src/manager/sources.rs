@@ -4,7 +4,7 @@
 use super::{Manager, UpdateRequest};
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::source::ipc::{self, IpcOptions, IpcSource};
+use crate::source::ipc::{IpcOptions, IpcSource};
 use crate::source::net::{NetOptions, NetSource};
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::{Source, SourceKind};
@@ -56,7 +56,7 @@ impl Manager {
             gpu_id: self.gpu_id.clone(),
             version: req.version.clone(),
             allow_other_uids: self.config.allow_other_uids,
-            bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+            bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
             // CUDA IPC buffers open on the rank's GPU (device
             // copies to params on other GPUs go peer to peer).
             gpu: self.config.device.max(0),
@@ -84,7 +84,7 @@ impl Manager {
             secret: Secret::resolve(self.config.net.secret.as_deref())?,
             bucket_size: self.config.net.bucket_size,
             depth: self.config.net.depth,
-            bucket_timeout: ipc::BUCKET_TIMEOUT.min(req.timeout),
+            bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
             direct: gdr || !self.config.net.staged,
             keyed: self.config.net.keyed_digests,
         };

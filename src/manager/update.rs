@@ -9,7 +9,6 @@ use crate::apply::{Applier, ApplyFailure, ApplyOptions, Hooks, Progress};
 use crate::plan::{make_plan, Plan, PlanOptions, Target};
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::source::ipc;
 use crate::source::{Source, SourceKind};
 use crate::state::State;
 use std::time::{Duration, Instant};
@@ -115,7 +114,7 @@ impl Manager {
         let Some(link) = link.as_mut() else {
             return self.update_from_source(run);
         };
-        let meet_by = Instant::now() + ipc::BUCKET_TIMEOUT.min(run.req.timeout);
+        let meet_by = Instant::now() + crate::defaults::BUCKET_TIMEOUT.min(run.req.timeout);
         let mut session = link.start(&self.signal, self.config.rank, meet_by)?;
         if session.is_root() {
             self.update_as_fanout_root(run, &mut session)

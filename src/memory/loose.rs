@@ -15,10 +15,6 @@
 use crate::result::{Error, Result};
 use std::collections::HashMap;
 
-/// Default bound on callback staging: 4 GiB, above any single tensor of
-/// today's models and far below a node's memory.
-pub(crate) const DEFAULT_CALLBACK_STAGING_LIMIT: u64 = 4 << 30;
-
 /// What the engine changes to raise the bound, named in errors.
 const RAISE: &str = "raise wm_config.callback_staging_limit (Python: \
      Manager(callback_staging_limit=...)) if tensors this large are expected";
