@@ -1,5 +1,5 @@
-//! The manager's states. The first four are SPEC.md's control-word values
-//! (shared with FastDeploy); FAILED is the library's own and never appears in
+//! The manager's states. The first four are the control word's values
+//! (FastDeploy's: NORMAL 0, UPDATING 1, CLEARING -1, CLEARED -2); FAILED is the library's own and never appears in
 //! a control word.
 
 #[repr(i32)]

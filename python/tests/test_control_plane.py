@@ -53,7 +53,7 @@ def test_fastdeploy_controller_drives_worker_ranks(model_dir, tmp_path):
                  "--cell", name, "--model-dir", str(model_dir), "--steps", "200000", "--step-us", "200",
                  "--timeout-ms", "10000"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        # ... and its API server runs SPEC.md's protocol on the raw int32.
+        # ... and its API server runs FastDeploy's controller protocol on the raw int32.
         for _ in range(3):
             assert int(cell[0]) == NORMAL
             cell[0] = CLEARING

@@ -437,7 +437,7 @@ class Manager(OwnedHandle):
 
 
 class Controller(OwnedHandle):
-    """The controller's side of the control cell (SPEC.md's protocol): what
+    """The controller's side of the control cell (FastDeploy's protocol, see README "The worker loop and the controller"): what
     an engine's API server uses to ask every rank for an update or a clear."""
 
     OUTCOMES = ("done", "already_done", "busy", "refused")

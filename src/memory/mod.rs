@@ -33,7 +33,7 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 /// Slots for `sizes` packed one after another at 256-byte aligned offsets
-/// (SPEC.md's bucket alignment): each one's offset, and the bytes they
+/// (the bucket alignment checkpoint-engine uses): each one's offset, and the bytes they
 /// span. None if that overflows. Staging arenas and published buffers.
 pub fn aligned_offsets(sizes: impl IntoIterator<Item = u64>) -> Option<(Vec<usize>, usize)> {
     let mut offsets = Vec::new();
