@@ -11,8 +11,9 @@
 //! the loop stops accepting for a moment and the kernel's backlog holds the
 //! rest.
 
+use super::offer::Offer;
 use super::session::{self, SessionStats};
-use super::{Offer, Publisher, ServeStats};
+use super::{handshake, Publisher, ServeStats};
 use crate::result::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -109,7 +110,7 @@ impl Publisher {
         offers: &[Arc<Offer>],
         gate: &Admission,
     ) -> Option<Result<SessionStats>> {
-        let shook = session::handshake(stream, self.secret.as_ref(), &self.cfg);
+        let shook = handshake::handshake(stream, self.secret.as_ref(), &self.cfg);
         gate.handshaking.fetch_sub(1, Ordering::SeqCst);
         let admitted = match shook {
             Ok(a) => a,

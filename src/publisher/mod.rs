@@ -33,175 +33,44 @@
 //! RL run reuse them; concurrent sessions each take their own).
 
 mod accept;
+mod buffers;
+mod config;
+mod handshake;
+mod hooks;
+mod ipc;
 mod net;
+mod offer;
+mod plan;
 mod session;
+mod shard;
+mod streamer;
 
-use crate::logging::Logger;
 pub(crate) use crate::manager::check_version;
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use crate::source::snapshot::version::read_version_yaml;
 use crate::tensor::{byte_size, check_name, DType};
 use crate::transport::auth::Secret;
 use crate::transport::conn::Stream;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+pub use config::PublisherConfig;
 pub use net::tag as net_tag;
+pub use offer::{Content, HostTensor};
 pub use session::SessionStats;
 
-#[derive(Clone)]
-pub struct PublisherConfig {
-    /// Largest bucket (SPEC.md: 512 MiB).
-    pub bucket_size: usize,
-    /// Buffers in flight (SPEC.md: 2).
-    pub buffers: usize,
-    /// Permissions of the socket file.
-    pub socket_mode: u32,
-    /// Serve engines running as another uid.
-    pub allow_other_uids: bool,
-    /// Bound on one engine's acknowledgement of a bucket.
-    pub bucket_timeout: Duration,
-    /// Bound on a new connection's handshake (HELLO, and the network
-    /// challenge): one that has not finished by then is dropped, and never
-    /// counts as one of the engines `serve` waits for.
-    pub handshake_timeout: Duration,
-    /// Bound on a whole session.
-    pub session_timeout: Duration,
-    /// Compute checksums of in-memory tensors for the manifest.
-    pub checksums: bool,
-    /// Threads packing buckets; 0: one per core.
-    pub threads: usize,
-    /// Network: the shared secret (None: `WM_NET_SECRET`).
-    pub secret: Option<Vec<u8>>,
-    /// Versions kept by `publish` (the oldest is dropped first).
-    pub keep_versions: usize,
-    /// Test only: flip one bit of this tensor after packing it, to prove
-    /// that verification catches corruption.
-    pub corrupt_tensor: Option<String>,
-    pub logger: Logger,
-}
-
-impl PublisherConfig {
-    /// Threads that pack buckets (0 in the config: one per core).
-    pub(crate) fn pack_threads(&self) -> usize {
-        if self.threads == 0 {
-            default_threads()
-        } else {
-            self.threads
-        }
-    }
-}
-
-impl Default for PublisherConfig {
-    fn default() -> PublisherConfig {
-        PublisherConfig {
-            bucket_size: 512 << 20,
-            buffers: 2,
-            socket_mode: 0o600,
-            allow_other_uids: false,
-            bucket_timeout: Duration::from_secs(60),
-            handshake_timeout: Duration::from_secs(5),
-            session_timeout: Duration::from_secs(600),
-            checksums: true,
-            threads: 0,
-            corrupt_tensor: None,
-            secret: None,
-            keep_versions: 2,
-            logger: Logger::default(),
-        }
-    }
-}
-
-/// A tensor in the trainer's memory.
-#[derive(Clone, Debug)]
-pub struct HostTensor {
-    pub name: String,
-    pub dtype: DType,
-    pub shape: Vec<u64>,
-    pub data: SendPtr,
-    pub len: usize,
-    /// The rank it is for; None: every rank.
-    pub rank: Option<u32>,
-    /// Known checksum: published (immutable) copies are hashed once, at
-    /// publish, not by every session.
-    pub checksum: Option<u128>,
-    /// Some(GPU ordinal): `data` is a CUDA device address of that GPU.
-    pub device: Option<i32>,
-}
-
-/// What a publisher serves.
-#[derive(Clone, Debug)]
-pub enum Content {
-    /// A snapshot directory; each rank gets the files the layout rules pick for it.
-    Dir(PathBuf),
-    /// Tensors in memory, which must stay valid and unchanged while served.
-    Tensors(Vec<HostTensor>),
-}
-
-/// A version as sessions serve it.
-#[derive(Debug)]
-pub(crate) struct Offer {
-    /// The name engines ask for (None: the directory names none).
-    pub(crate) version: Option<String>,
-    pub(crate) content: Content,
-    /// A published version's copy, which the content points into; IPC
-    /// sessions hand it to engines as is (None: live content).
-    pub(crate) published: Option<Published>,
-    /// Checksums of live tensors, by index in the content, hashed by the
-    /// first session of this serve call that sends them. The tensors stay
-    /// unchanged while sessions run (`add_tensor`'s contract) and an offer
-    /// lives for one serve call, so its other sessions (ranks, or engines
-    /// pulling again) reuse them; the next call hashes afresh.
-    pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
-}
-
-/// Where a published version's tensors were copied.
-#[derive(Clone, Debug)]
-pub(crate) enum Published {
-    /// One shared host buffer.
-    Host(Arc<SharedBuffer>),
-    /// GPU tensors, on an IPC publisher: one GPU buffer, handed to engines
-    /// by its CUDA IPC handle.
-    Device(Arc<ExportedDeviceBuffer>),
-}
-
-impl Offer {
-    /// The published copy's shared host buffer, if it is one.
-    pub(crate) fn shared(&self) -> Option<&Arc<SharedBuffer>> {
-        match &self.published {
-            Some(Published::Host(b)) => Some(b),
-            _ => None,
-        }
-    }
-}
-
-impl Offer {
-    fn new(version: Option<String>, content: Content) -> Offer {
-        let version = version.or_else(|| match &content {
-            Content::Dir(dir) => {
-                read_version_yaml(dir, Instant::now() + Duration::from_secs(10)).ok()
-            }
-            Content::Tensors(_) => None,
-        });
-        Offer {
-            version,
-            content,
-            published: None,
-            live_sums: Mutex::default(),
-        }
-    }
-}
+use config::check_config;
+use offer::{Offer, Published};
 
 /// Where engines connect.
 enum Listener {
@@ -239,7 +108,7 @@ pub struct Publisher {
     path: PathBuf,
     /// Shared buffers of finished sessions, reused by the next ones: fresh
     /// shared memory costs a page fault (and, in a VM, more) per page.
-    pool: session::BufferPool,
+    pool: buffers::BufferPool,
     listener: Listener,
     /// Network sessions: the shared secret, checked when binding.
     secret: Option<Secret>,
@@ -315,7 +184,7 @@ impl Publisher {
     ) -> Publisher {
         Publisher {
             path,
-            pool: session::BufferPool::default(),
+            pool: buffers::BufferPool::default(),
             listener,
             secret,
             bound: None,
@@ -766,21 +635,6 @@ fn hash_published(ts: &mut [HostTensor]) -> Result<()> {
                 crate::checksum::of(&scratch)
             }
         });
-    }
-    Ok(())
-}
-
-fn check_config(cfg: &PublisherConfig) -> Result<()> {
-    if cfg.bucket_size < crate::wire::ALIGN as usize
-        || cfg.buffers == 0
-        || cfg.buffers > crate::wire::MAX_BUFFERS
-    {
-        return Err(Error::invalid_argument(format!(
-            "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
-            cfg.bucket_size,
-            cfg.buffers,
-            crate::wire::MAX_BUFFERS
-        )));
     }
     Ok(())
 }
