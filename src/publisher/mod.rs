@@ -43,22 +43,17 @@ mod offer;
 mod plan;
 mod session;
 mod shard;
+mod socket;
 mod streamer;
+mod versions;
 
 pub(crate) use crate::manager::check_version;
-use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
-use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
-use crate::memory::shared::SharedBuffer;
-use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use crate::tensor::{byte_size, check_name, DType};
+use crate::tensor::DType;
 use crate::transport::auth::Secret;
 use crate::transport::conn::Stream;
 use parking_lot::Mutex;
-use std::collections::VecDeque;
 use std::net::TcpListener;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -70,38 +65,9 @@ pub use offer::{Content, HostTensor};
 pub use session::SessionStats;
 
 use config::check_config;
-use offer::{Offer, Published};
-
-/// Where engines connect.
-enum Listener {
-    Unix(UnixListener),
-    Tcp(TcpListener),
-}
-
-impl Listener {
-    fn set_nonblocking(&self) -> std::io::Result<()> {
-        match self {
-            Listener::Unix(l) => l.set_nonblocking(true),
-            Listener::Tcp(l) => l.set_nonblocking(true),
-        }
-    }
-
-    fn accept(&self) -> std::io::Result<Stream> {
-        Ok(match self {
-            Listener::Unix(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(false)?;
-                Stream::Unix(s)
-            }
-            Listener::Tcp(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(false)?;
-                let _ = s.set_nodelay(true);
-                Stream::Tcp(s)
-            }
-        })
-    }
-}
+use offer::Offer;
+use socket::{bind_unix, shut_down, socket_identity, Listener};
+use versions::Versions;
 
 pub struct Publisher {
     /// The socket path, or the TCP address.
@@ -117,12 +83,7 @@ pub struct Publisher {
     cfg: PublisherConfig,
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
-    published: Mutex<VecDeque<Arc<Offer>>>,
-    /// Shared buffers of dropped versions, refilled by the next `publish`
-    /// once no session serves them any more: an engine keeps its mappings
-    /// of the buffers it read lately, so a reused buffer costs it nothing
-    /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
-    retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
+    versions: Versions,
     /// Set by [`Publisher::stop`]: `serve` stops accepting and its sessions'
     /// connections are shut down.
     stopping: AtomicBool,
@@ -143,13 +104,7 @@ impl Publisher {
     /// error and left alone.
     pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
         check_config(&cfg)?;
-        clear_stale_socket(path)?;
-        let listener = UnixListener::bind(path)
-            .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
-        // What we bound, so that Drop removes the path only while it is ours.
-        let bound = socket_identity(path);
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
-            .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
+        let (listener, bound) = bind_unix(path, cfg.socket_mode)?;
         let mut p =
             Publisher::with_listener(path.to_path_buf(), Listener::Unix(listener), None, cfg);
         p.bound = bound;
@@ -191,8 +146,7 @@ impl Publisher {
             cfg,
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
-            published: Mutex::new(VecDeque::new()),
-            retired: Mutex::new(VecDeque::new()),
+            versions: Versions::default(),
             stopping: AtomicBool::new(false),
             live: Mutex::new(Vec::new()),
         }
@@ -214,122 +168,21 @@ impl Publisher {
     /// and the engine's copy into its params is the only copy per rank.
     pub fn publish(&self) -> Result<String> {
         let content = self.content.lock().clone();
-        let mut offer = Offer::new(self.version.lock().clone(), content);
+        let offer = Offer::new(self.version.lock().clone(), content);
         let Some(name) = offer.version.clone() else {
             return Err(Error::no_version(
                 "publish: set a version first (or serve a directory with a version.yaml)",
             ));
         };
         check_version(&name).map_err(|e| e.context("publish"))?;
-        if let Content::Tensors(ts) = &mut offer.content {
-            // The version this publish pushes out (when the list is full) is
-            // dropped before the copy, so its buffer can take the new one:
-            // steady publishing then cycles through keep_versions + 1
-            // buffers. If the copy fails, that version is gone all the same.
-            {
-                let mut published = self.published.lock();
-                let replaces = published
-                    .iter()
-                    .any(|o| o.version.as_deref() == Some(name.as_str()));
-                if !replaces && published.len() >= self.cfg.keep_versions.max(1) {
-                    if let Some(oldest) = published.pop_front() {
-                        self.retire(oldest);
-                    }
-                }
-            }
-            // Kernels still writing the trainer's GPU tensors finish first.
-            let mut gpus: Vec<i32> = ts.iter().filter_map(|t| t.device).collect();
-            gpus.sort_unstable();
-            gpus.dedup();
-            for &g in &gpus {
-                cuda_ipc::synchronize(g).map_err(|e| e.context(format!("publish '{name}'")))?;
-            }
-            // The version lives on the GPU of its first GPU tensor.
-            offer.published = Some(match (ts.iter().find_map(|t| t.device), &self.listener) {
-                (Some(gpu), Listener::Unix(_)) => {
-                    Published::Device(Arc::new(copy_to_device(ts, gpu, &name)?))
-                }
-                _ => Published::Host(Arc::new(self.copy_to_shared(ts, &name)?)),
-            });
-            if self.cfg.checksums {
-                hash_published(ts)?;
-            }
-        }
-        let mut published = self.published.lock();
-        let (same, others): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut *published)
-            .into_iter()
-            .partition(|o| o.version.as_deref() == Some(name.as_str()));
-        *published = others;
-        same.into_iter().for_each(|o| self.retire(o));
-        published.push_back(Arc::new(offer));
-        while published.len() > self.cfg.keep_versions.max(1) {
-            if let Some(oldest) = published.pop_front() {
-                self.retire(oldest);
-            }
-        }
+        let on_device = matches!(self.listener, Listener::Unix(_));
+        self.versions.publish(offer, &name, on_device, &self.cfg)?;
         Ok(name)
-    }
-
-    /// Keep a dropped version's shared buffer for a later `publish` (it is
-    /// reused once no session serves the version any more).
-    fn retire(&self, offer: Arc<Offer>) {
-        if let Some(shared) = offer.shared().cloned() {
-            let mut retired = self.retired.lock();
-            retired.push_back(shared);
-            // Two spares cover a publisher alternating versions.
-            while retired.len() > 2 {
-                retired.pop_front();
-            }
-        }
-    }
-
-    /// Copy `ts` into one shared buffer (256-byte aligned offsets, copied on
-    /// every core; a retired buffer no session holds is reused) and point
-    /// them at their copies.
-    fn copy_to_shared(&self, ts: &mut [HostTensor], version: &str) -> Result<SharedBuffer> {
-        let (offsets, total) = packed_offsets(ts, version)?;
-        // A memfd cannot be empty (fallocate refuses a zero length).
-        let total = total.max(crate::wire::ALIGN as usize);
-        let spare = {
-            let mut retired = self.retired.lock();
-            let free = retired
-                .iter()
-                .position(|b| Arc::strong_count(b) == 1 && b.len() >= total);
-            free.and_then(|i| retired.remove(i))
-                .and_then(|b| Arc::try_unwrap(b).ok())
-        };
-        let shared = match spare {
-            Some(b) => b,
-            None => SharedBuffer::create(&format!("version '{version}'"), total)?,
-        };
-        let jobs: Vec<CopyJob> = ts
-            .iter()
-            .zip(&offsets)
-            .enumerate()
-            .map(|(i, (t, &at))| CopyJob {
-                src: tensor_source(t),
-                dst: SendPtr(shared.ptr().wrapping_add(at)),
-                len: t.len,
-                tag: i,
-            })
-            .collect();
-        // SAFETY: add_tensor's contract keeps each tensor valid for len bytes;
-        // the destinations are disjoint ranges of the new buffer.
-        unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)?;
-        for (t, at) in ts.iter_mut().zip(offsets) {
-            t.data = SendPtr(shared.ptr().wrapping_add(at));
-            t.device = None;
-        }
-        Ok(shared)
     }
 
     /// Names of the published versions, oldest first.
     pub fn versions(&self) -> Vec<String> {
-        self.published
-            .lock()
-            .iter()
-            .filter_map(|o| o.version.clone())
-            .collect()
+        self.versions.names()
     }
 
     pub fn path(&self) -> &Path {
@@ -354,7 +207,15 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
-        self.push_tensor(name, dtype, shape, data as u64, len, rank, None)
+        self.push_tensor(HostTensor::new(
+            name,
+            dtype,
+            shape,
+            data as u64,
+            len,
+            rank,
+            None,
+        ))
     }
 
     /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
@@ -365,7 +226,7 @@ impl Publisher {
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the next `publish` returns.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
     pub unsafe fn add_device_tensor(
         &self,
         name: &str,
@@ -380,58 +241,19 @@ impl Publisher {
         crate::memory::cuda::cuda()
             .map_err(|e| e.context(&what))?
             .check_device_range(ordinal, ptr, len, &what)?;
-        self.push_tensor(name, dtype, shape, ptr, len, rank, Some(ordinal))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn push_tensor(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        data: u64,
-        len: usize,
-        rank: Option<u32>,
-        device: Option<i32>,
-    ) -> Result<()> {
-        check_name(name)?;
-        let need = byte_size(&format!("tensor '{name}'"), dtype, shape)?;
-        if need != len as u64 {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}': {len} bytes given, {need} needed"
-            )));
-        }
-        if data == 0 && len > 0 {
-            return Err(Error::null_argument(format!(
-                "tensor '{name}': data is NULL"
-            )));
-        }
-        let mut content = self.content.lock();
-        if let Content::Dir(_) = *content {
-            *content = Content::Tensors(Vec::new());
-        }
-        let Content::Tensors(ts) = &mut *content else {
-            unreachable!()
-        };
-        if ts
-            .iter()
-            .any(|t| t.name == name && (t.rank.is_none() || rank.is_none() || t.rank == rank))
-        {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}' is already published for that rank"
-            )));
-        }
-        ts.push(HostTensor {
-            name: name.to_string(),
+        self.push_tensor(HostTensor::new(
+            name,
             dtype,
-            shape: shape.to_vec(),
-            data: SendPtr(data as *mut u8),
+            shape,
+            ptr,
             len,
             rank,
-            checksum: None,
-            device,
-        });
-        Ok(())
+            Some(ordinal),
+        ))
+    }
+
+    fn push_tensor(&self, t: HostTensor) -> Result<()> {
+        self.content.lock().add(t)
     }
 
     /// Forget every tensor (before publishing the next version).
@@ -448,7 +270,7 @@ impl Publisher {
 
     /// What sessions serve: the published versions, else the current content.
     fn offers(&self) -> Vec<Arc<Offer>> {
-        let published = self.published.lock();
+        let published = self.versions.published.lock();
         if published.is_empty() {
             vec![Arc::new(Offer::new(
                 self.version.lock().clone(),
@@ -519,14 +341,6 @@ impl Publisher {
     }
 }
 
-/// Shut a connection down both ways: the session blocked on it wakes up.
-fn shut_down(stream: &Stream) {
-    let _ = match stream {
-        Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
-        Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
-    };
-}
-
 impl Drop for Publisher {
     /// Remove the socket file only if it is still the one this publisher
     /// bound: another publisher may have replaced it since (ours was stale to
@@ -538,105 +352,6 @@ impl Drop for Publisher {
             }
         }
     }
-}
-
-/// The device and inode of the file at `path` (not following a link).
-fn socket_identity(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino()))
-}
-
-/// Clear the way for a socket at `path`: nothing there, or a stale socket
-/// (nobody accepts on it: a publisher that exited without removing it),
-/// which is removed. A live publisher's socket, or any other file, is an
-/// error and left alone.
-fn clear_stale_socket(path: &Path) -> Result<()> {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(());
-    };
-    if !meta.file_type().is_socket() {
-        return Err(Error::invalid_argument(format!(
-            "{} exists and is not a socket; refusing to replace it",
-            path.display()
-        )));
-    }
-    match std::os::unix::net::UnixStream::connect(path) {
-        Ok(_) => Err(Error::invalid_argument(format!(
-            "{}: another publisher is listening on this socket; refusing to replace it \
-             (stop that publisher, or pick another path)",
-            path.display()
-        ))),
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)
-            .map_err(|e| Error::io(format!("removing the stale socket {}", path.display()), e)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io(
-            format!("checking whether a publisher listens on {}", path.display()),
-            e,
-        )),
-    }
-}
-
-/// Where each tensor of a version's copy starts (256-byte aligned, in
-/// order) and the bytes the copy needs.
-fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
-    crate::memory::aligned_offsets(ts.iter().map(|t| t.len as u64))
-        .ok_or_else(|| Error::out_of_memory(format!("version '{version}' is too large")))
-}
-
-/// Where the copier reads tensor `t` (host memory, or GPU memory).
-fn tensor_source(t: &HostTensor) -> CopySource<'static> {
-    match t.device {
-        Some(ordinal) => CopySource::Device {
-            ptr: t.data.0 as u64,
-            ordinal,
-        },
-        None => CopySource::Memory(t.data),
-    }
-}
-
-/// Copy `ts` into one new GPU buffer on GPU `gpu` (256-byte aligned
-/// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
-/// and point them at their copies.
-fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
-    let (offsets, total) = packed_offsets(ts, version)?;
-    let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
-    for (t, &at) in ts.iter().zip(&offsets) {
-        // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
-        // contract); the range fits the buffer, which is sized for all.
-        unsafe { buf.copy_in(at, t.data.0 as u64, t.len) }
-            .map_err(|e| e.context(format!("publish '{version}': tensor '{}'", t.name)))?;
-    }
-    for (t, at) in ts.iter_mut().zip(offsets) {
-        t.data = SendPtr((buf.ptr() + at as u64) as *mut u8);
-        t.device = Some(gpu);
-    }
-    Ok(buf)
-}
-
-/// Checksums of a version's copies (GPU ones are read back to hash).
-fn hash_published(ts: &mut [HostTensor]) -> Result<()> {
-    let host: Vec<(SendPtr, usize)> = ts
-        .iter()
-        .filter(|t| t.device.is_none())
-        .map(|t| (t.data, t.len))
-        .collect();
-    // SAFETY: our own copies, unchanged from here on.
-    let mut sums = unsafe { hash_all(&host, default_threads()) }.into_iter();
-    let mut scratch: Vec<u8> = Vec::new();
-    for t in ts.iter_mut() {
-        t.checksum = Some(match t.device {
-            None => sums.next().expect("one per host tensor"),
-            Some(gpu) => {
-                scratch.resize(t.len, 0);
-                // SAFETY: the scratch holds len bytes; the copy is ours.
-                unsafe { cuda_ipc::download(gpu, scratch.as_mut_ptr(), t.data.0 as u64, t.len) }?;
-                crate::checksum::of(&scratch)
-            }
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -657,7 +372,7 @@ mod tests {
             unsafe { p.add_tensor("t", DType::U8, &[3000], data.as_ptr(), 3000, None) }.unwrap();
             p.set_version(Some(format!("v{k}")));
             p.publish().unwrap();
-            let published = p.published.lock();
+            let published = p.versions.published.lock();
             let newest = published.back().unwrap();
             let Content::Tensors(ts) = &newest.content else {
                 panic!("tensors")
@@ -676,11 +391,19 @@ mod tests {
             assert_eq!(seen[k], seen[k - 2], "{seen:?}");
         }
         // A version a session still serves is not reused: hold v4's offer.
-        let held = p.published.lock().front().cloned().unwrap();
+        let held = p.versions.published.lock().front().cloned().unwrap();
         assert_eq!(held.version.as_deref(), Some("v4"));
         p.set_version(Some("v6".into()));
         p.publish().unwrap();
-        let v6 = p.published.lock().back().unwrap().shared().unwrap().ptr();
+        let v6 = p
+            .versions
+            .published
+            .lock()
+            .back()
+            .unwrap()
+            .shared()
+            .unwrap()
+            .ptr();
         assert_ne!(v6, held.shared().unwrap().ptr());
     }
 }

@@ -6,7 +6,7 @@ use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::version::read_version_yaml;
-use crate::tensor::DType;
+use crate::tensor::{byte_size, check_name, DType};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -30,6 +30,30 @@ pub struct HostTensor {
     pub device: Option<i32>,
 }
 
+impl HostTensor {
+    /// A tensor the trainer adds (not yet checked: see [`Content::add`]).
+    pub(super) fn new(
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        data: u64,
+        len: usize,
+        rank: Option<u32>,
+        device: Option<i32>,
+    ) -> HostTensor {
+        HostTensor {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            data: SendPtr(data as *mut u8),
+            len,
+            rank,
+            checksum: None,
+            device,
+        }
+    }
+}
+
 /// What a publisher serves.
 #[derive(Clone, Debug)]
 pub enum Content {
@@ -37,6 +61,44 @@ pub enum Content {
     Dir(PathBuf),
     /// Tensors in memory, which must stay valid and unchanged while served.
     Tensors(Vec<HostTensor>),
+}
+
+impl Content {
+    /// Add a tensor (a directory served so far is dropped): its name, its
+    /// byte size against its dtype and shape, and its address checked, and
+    /// no other tensor of that name for the same rank.
+    pub(super) fn add(&mut self, t: HostTensor) -> Result<()> {
+        let name = &t.name;
+        check_name(name)?;
+        let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
+        if need != t.len as u64 {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}': {} bytes given, {need} needed",
+                t.len
+            )));
+        }
+        if t.data.0.is_null() && t.len > 0 {
+            return Err(Error::null_argument(format!(
+                "tensor '{name}': data is NULL"
+            )));
+        }
+        if let Content::Dir(_) = self {
+            *self = Content::Tensors(Vec::new());
+        }
+        let Content::Tensors(ts) = self else {
+            unreachable!()
+        };
+        if ts
+            .iter()
+            .any(|o| o.name == *name && (o.rank.is_none() || t.rank.is_none() || o.rank == t.rank))
+        {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}' is already published for that rank"
+            )));
+        }
+        ts.push(t);
+        Ok(())
+    }
 }
 
 /// A version as sessions serve it.
