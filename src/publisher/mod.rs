@@ -15,8 +15,9 @@
 //!
 //! **Network.** [`Publisher::bind_net`] listens on a TCP address instead:
 //! control frames travel over TCP, after a shared-secret challenge
-//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), into
-//! the engine's staging buffers (rdma) or straight into its params (gdr).
+//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), one
+//! message per bucket entry; the engine lands each in its staging slot or
+//! straight in its params, as it decides alone.
 //!
 //! **Versions.** [`Publisher::publish`] keeps the current content as a named
 //! version (tensors are copied, so the trainer may overwrite its own at
@@ -31,6 +32,22 @@
 //! after the engine acknowledged the bucket in it. Buffers return to a pool
 //! when a session ends and serve the next session (sequential updates of an
 //! RL run reuse them; concurrent sessions each take their own).
+//!
+//! **Files**, each importing only the ones below it:
+//! - here: [`Publisher`], what the trainer calls;
+//! - `accept`: admitting engines, one thread per connection;
+//! - `handshake`: an engine's HELLO and, over the network, the challenge;
+//! - `session`: one engine's session: manifest, WANT, then its buckets
+//!   through `ipc` or `net`;
+//! - `ipc`, `net`: how buckets go out over each (a `streamer::BucketSink`
+//!   each);
+//! - `streamer`: the one bucket streamer: BUCKET frames, the window of
+//!   acknowledgements, END;
+//! - `plan`: which bytes go in which bucket; `shard`: one rank's manifest
+//!   and bytes, and packing them; `buffers`: the pooled bucket buffers;
+//! - `versions`: published versions and their copies; `offer`: what
+//!   sessions serve; `socket`: the listener and the connections to shut
+//!   down; `config`, `stats`; `hooks`: test-only hooks.
 
 mod accept;
 mod buffers;
@@ -44,6 +61,7 @@ mod plan;
 mod session;
 mod shard;
 mod socket;
+mod stats;
 mod streamer;
 mod versions;
 
@@ -51,22 +69,22 @@ pub(crate) use crate::manager::check_version;
 use crate::result::{Error, Result};
 use crate::tensor::DType;
 use crate::transport::auth::Secret;
-use crate::transport::conn::Stream;
 use parking_lot::Mutex;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use config::PublisherConfig;
 pub use net::tag as net_tag;
 pub use offer::{Content, HostTensor};
-pub use session::SessionStats;
+pub use stats::{ServeStats, SessionStats};
 
+use accept::Acceptor;
 use config::check_config;
 use offer::Offer;
-use socket::{bind_unix, shut_down, socket_identity, Listener};
+use socket::{bind_unix, socket_identity, Connections, Listener};
 use versions::Versions;
 
 pub struct Publisher {
@@ -84,18 +102,8 @@ pub struct Publisher {
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
     versions: Versions,
-    /// Set by [`Publisher::stop`]: `serve` stops accepting and its sessions'
-    /// connections are shut down.
-    stopping: AtomicBool,
-    /// Second handles on the connections of running sessions, by serve
-    /// call, for [`Publisher::stop`] to shut down.
-    live: Mutex<Vec<(u64, Stream)>>,
-}
-
-/// What `serve` did.
-#[derive(Clone, Debug, Default)]
-pub struct ServeStats {
-    pub sessions: Vec<SessionStats>,
+    /// The connections of running sessions, for [`Publisher::stop`].
+    connections: Connections,
 }
 
 impl Publisher {
@@ -147,8 +155,7 @@ impl Publisher {
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
             versions: Versions::default(),
-            stopping: AtomicBool::new(false),
-            live: Mutex::new(Vec::new()),
+            connections: Connections::default(),
         }
     }
 
@@ -294,8 +301,16 @@ impl Publisher {
         }
         static SERVES: AtomicU64 = AtomicU64::new(0);
         let serve_id = SERVES.fetch_add(1, Ordering::Relaxed);
-        let r = self.admit_and_serve(&offers, engines, accept_timeout, serve_id);
-        self.live.lock().retain(|(id, _)| *id != serve_id);
+        let acceptor = Acceptor {
+            path: &self.path,
+            listener: &self.listener,
+            secret: self.secret.as_ref(),
+            cfg: &self.cfg,
+            pool: &self.pool,
+            connections: &self.connections,
+        };
+        let r = acceptor.admit_and_serve(&offers, engines, accept_timeout, serve_id);
+        self.connections.forget(serve_id);
         r
     }
 
@@ -307,37 +322,7 @@ impl Publisher {
     /// its session threads have ended, and only then stops reading the
     /// trainer's tensors.
     pub fn stop(&self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        for (_, stream) in self.live.lock().iter() {
-            shut_down(stream);
-        }
-    }
-
-    fn check_stopping(&self) -> Result<()> {
-        if self.stopping.load(Ordering::SeqCst) {
-            return Err(Error::cancelled(format!(
-                "publisher at {}: stopped (the publisher is being destroyed)",
-                self.path.display()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Keep a second handle on a session's connection for [`Publisher::stop`]
-    /// (shut down at once when the stop came first).
-    fn track(&self, serve_id: u64, stream: &Stream) {
-        let second = match stream {
-            Stream::Unix(s) => s.try_clone().map(Stream::Unix),
-            Stream::Tcp(s) => s.try_clone().map(Stream::Tcp),
-        };
-        // Without a second handle (out of fds) the session still ends by
-        // its own timeouts.
-        let Ok(second) = second else { return };
-        let mut live = self.live.lock();
-        if self.stopping.load(Ordering::SeqCst) {
-            shut_down(&second);
-        }
-        live.push((serve_id, second));
+        self.connections.stop();
     }
 }
 

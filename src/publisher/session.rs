@@ -8,33 +8,13 @@ use super::config::PublisherConfig;
 use super::handshake::Admitted;
 use super::offer::{pick, Offer};
 use super::shard::shard_for;
+use super::stats::SessionStats;
 use super::{ipc, net};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::Frame;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// What one session did.
-#[derive(Clone, Debug, Default)]
-pub struct SessionStats {
-    pub rank: u32,
-    pub version: String,
-    pub tensors: u64,
-    pub bytes: u64,
-    pub buckets: u64,
-    /// Bytes hashed for this session's manifest, and the time it took
-    /// before the manifest could go out: 0 when every checksum was known
-    /// (a published version, `wm_checksums.json`, or live tensors an
-    /// earlier session of the same serve call hashed).
-    pub hashed: u64,
-    pub hash: Duration,
-    /// Time spent packing buckets into the shared buffers.
-    pub pack: Duration,
-    /// Time spent waiting for the engine's acknowledgements.
-    pub wait: Duration,
-    pub total: Duration,
-}
 
 /// Serve an admitted engine its version, to the end of the session.
 pub(super) fn run(

@@ -4,10 +4,12 @@
 
 use crate::result::{Error, Result};
 use crate::transport::conn::Stream;
+use parking_lot::Mutex;
 use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Where engines connect.
 pub(super) enum Listener {
@@ -40,6 +42,61 @@ impl Listener {
     }
 }
 
+/// The connections of a publisher's running sessions, for `stop` to shut
+/// down.
+#[derive(Default)]
+pub(super) struct Connections {
+    /// Set by `stop`: `serve` stops accepting and its sessions'
+    /// connections are shut down.
+    stopping: AtomicBool,
+    /// Second handles on the connections of running sessions, by serve
+    /// call.
+    live: Mutex<Vec<(u64, Stream)>>,
+}
+
+impl Connections {
+    /// Stop for good: shut every tracked connection down, refuse new ones.
+    pub(super) fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        for (_, stream) in self.live.lock().iter() {
+            shut_down(stream);
+        }
+    }
+
+    /// Refuse to go on once stopped (the publisher at `path`).
+    pub(super) fn check_stopping(&self, path: &Path) -> Result<()> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(Error::cancelled(format!(
+                "publisher at {}: stopped (the publisher is being destroyed)",
+                path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Keep a second handle on a session's connection for `stop` (shut
+    /// down at once when the stop came first).
+    pub(super) fn track(&self, serve_id: u64, stream: &Stream) {
+        let second = match stream {
+            Stream::Unix(s) => s.try_clone().map(Stream::Unix),
+            Stream::Tcp(s) => s.try_clone().map(Stream::Tcp),
+        };
+        // Without a second handle (out of fds) the session still ends by
+        // its own timeouts.
+        let Ok(second) = second else { return };
+        let mut live = self.live.lock();
+        if self.stopping.load(Ordering::SeqCst) {
+            shut_down(&second);
+        }
+        live.push((serve_id, second));
+    }
+
+    /// Forget the connections of serve call `serve_id` (it returned).
+    pub(super) fn forget(&self, serve_id: u64) {
+        self.live.lock().retain(|(id, _)| *id != serve_id);
+    }
+}
+
 /// Listen on the Unix socket `path` with permissions `mode` (a stale
 /// socket file there is replaced). Returns the listener and the socket
 /// file's identity as bound, so that dropping the publisher removes the
@@ -55,7 +112,7 @@ pub(super) fn bind_unix(path: &Path, mode: u32) -> Result<(UnixListener, Option<
 }
 
 /// Shut a connection down both ways: the session blocked on it wakes up.
-pub(super) fn shut_down(stream: &Stream) {
+fn shut_down(stream: &Stream) {
     let _ = match stream {
         Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
         Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),

@@ -4,7 +4,7 @@
 //! ([`BucketSink`]: `ipc::IpcSink`, `net::NetSink`); the window of
 //! acknowledgements and the order of the frames are the streamer's.
 
-use super::session::SessionStats;
+use super::stats::SessionStats;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::{BucketEntry, Frame};
