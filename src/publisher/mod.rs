@@ -76,8 +76,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The UCX tag of a network bucket entry's message (`wire::message_tag`).
+pub use crate::wire::message_tag as net_tag;
 pub use config::PublisherConfig;
-pub use net::tag as net_tag;
 pub use offer::{Content, HostTensor};
 pub use stats::{ServeStats, SessionStats};
 

@@ -32,17 +32,12 @@ use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
-use crate::wire::{split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
+use crate::wire::{message_tag as tag, split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
 use std::collections::HashMap;
 use std::time::Instant;
 
 /// Largest bucket an engine may ask for.
 const MAX_BUCKET: u64 = 16 << 30;
-
-/// The UCX tag of entry `k` of bucket `seq`: `seq << 32 | (k + 1)`.
-pub fn tag(seq: u64, k: usize) -> u64 {
-    (seq << 32) | (k as u64 + 1)
-}
 
 /// What the engine asked for in its READY.
 struct Ready {

@@ -20,6 +20,12 @@ pub fn net_message_bytes() -> usize {
     NET_MESSAGE as usize
 }
 
+/// The UCX tag of the message carrying entry `k` of network bucket `seq`:
+/// `seq << 32 | (k + 1)`. Publisher and engine both name messages by it.
+pub fn message_tag(seq: u64, k: usize) -> u64 {
+    (seq << 32) | (k as u64 + 1)
+}
+
 /// Split entries longer than [`NET_MESSAGE`] into consecutive entries of at
 /// most that length (a network bucket: one message per entry).
 pub fn split_entries(entries: &[BucketEntry]) -> Vec<BucketEntry> {

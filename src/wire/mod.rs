@@ -1,4 +1,5 @@
-//! The wire format shared by the IPC path and the network paths (rdma, gdr).
+//! The wire format shared by the IPC path and the network path (staged or
+//! direct).
 //! Documented for implementers in `docs/wire.md`.
 //!
 //! A frame is `[length u32 LE][type u8][payload]`, `length` counting type and
@@ -19,7 +20,7 @@ mod fields;
 
 use crate::manifest::TensorMeta;
 
-pub use buckets::{check_bucket, net_message_bytes, split_entries};
+pub use buckets::{check_bucket, message_tag, net_message_bytes, split_entries};
 pub(crate) use fields::{In, Out};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
