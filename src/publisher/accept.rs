@@ -11,10 +11,17 @@
 //! the loop stops accepting for a moment and the kernel's backlog holds the
 //! rest.
 
-use super::session::{self, SessionStats};
-use super::{Offer, Publisher, ServeStats};
+use super::buffers::BufferPool;
+use super::config::PublisherConfig;
+use super::handshake;
+use super::offer::Offer;
+use super::session;
+use super::socket::{Connections, Listener};
+use super::stats::{ServeStats, SessionStats};
 use crate::result::{Error, Result};
+use crate::transport::auth::Secret;
 use parking_lot::Mutex;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,11 +49,24 @@ impl Admission {
     }
 }
 
-impl Publisher {
+/// What a serve call admits engines with: the publisher's listener and
+/// settings.
+pub(super) struct Acceptor<'a> {
+    /// The socket path, or the TCP address (for messages).
+    pub(super) path: &'a Path,
+    pub(super) listener: &'a Listener,
+    /// Network publishers: the shared secret of the challenge.
+    pub(super) secret: Option<&'a Secret>,
+    pub(super) cfg: &'a PublisherConfig,
+    pub(super) pool: &'a BufferPool,
+    pub(super) connections: &'a Connections,
+}
+
+impl Acceptor<'_> {
     /// Accept connections until `engines` of them finished their handshake
     /// (or `accept_timeout` passes), serve each on its own thread, and
     /// return once every session ended. The first failure is returned.
-    /// [`Publisher::stop`] ends the loop and shuts every tracked connection
+    /// `Publisher::stop` ends the loop and shuts every tracked connection
     /// down.
     pub(super) fn admit_and_serve(
         &self,
@@ -69,7 +89,7 @@ impl Publisher {
             let mut threads = Vec::new();
             let mut accept_error = None;
             while gate.admitted.load(Ordering::SeqCst) < engines {
-                if let Err(e) = self.check_stopping() {
+                if let Err(e) = self.connections.check_stopping(self.path) {
                     accept_error = Some(e);
                     break;
                 }
@@ -83,7 +103,7 @@ impl Publisher {
                 }
                 match self.listener.accept() {
                     Ok(stream) => {
-                        self.track(serve_id, &stream);
+                        self.connections.track(serve_id, &stream);
                         gate.handshaking.fetch_add(1, Ordering::SeqCst);
                         let gate = &gate;
                         threads.push(s.spawn(move || self.one_engine(stream, offers, gate)));
@@ -109,7 +129,7 @@ impl Publisher {
         offers: &[Arc<Offer>],
         gate: &Admission,
     ) -> Option<Result<SessionStats>> {
-        let shook = session::handshake(stream, self.secret.as_ref(), &self.cfg);
+        let shook = handshake::handshake(stream, self.secret, self.cfg);
         gate.handshaking.fetch_sub(1, Ordering::SeqCst);
         let admitted = match shook {
             Ok(a) => a,
@@ -128,7 +148,7 @@ impl Publisher {
             )));
             return None;
         }
-        Some(session::run(admitted, offers, &self.cfg, &self.pool))
+        Some(session::run(admitted, offers, self.cfg, self.pool))
     }
 
     fn too_few(&self, gate: &Admission, accept_timeout: Duration) -> Error {

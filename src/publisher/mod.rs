@@ -15,8 +15,9 @@
 //!
 //! **Network.** [`Publisher::bind_net`] listens on a TCP address instead:
 //! control frames travel over TCP, after a shared-secret challenge
-//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), into
-//! the engine's staging buffers (rdma) or straight into its params (gdr).
+//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), one
+//! message per bucket entry; the engine lands each in its staging slot or
+//! straight in its params, as it decides alone.
 //!
 //! **Versions.** [`Publisher::publish`] keeps the current content as a named
 //! version (tensors are copied, so the trainer may overwrite its own at
@@ -31,214 +32,68 @@
 //! after the engine acknowledged the bucket in it. Buffers return to a pool
 //! when a session ends and serve the next session (sequential updates of an
 //! RL run reuse them; concurrent sessions each take their own).
+//!
+//! **Files**, each importing only the ones below it:
+//! - here: [`Publisher`], what the trainer calls;
+//! - `accept`: admitting engines, one thread per connection;
+//! - `handshake`: an engine's HELLO and, over the network, the challenge;
+//! - `session`: one engine's session: manifest, WANT, then its buckets
+//!   through `ipc` or `net`;
+//! - `ipc`, `net`: how buckets go out over each (a `streamer::BucketSink`
+//!   each);
+//! - `streamer`: the one bucket streamer: BUCKET frames, the window of
+//!   acknowledgements, END;
+//! - `plan`: which bytes go in which bucket; `shard`: one rank's manifest
+//!   and bytes, and packing them; `buffers`: the pooled bucket buffers;
+//! - `versions`: published versions and their copies; `offer`: what
+//!   sessions serve; `socket`: the listener and the connections to shut
+//!   down; `config`, `stats`; `hooks`: test-only hooks.
 
 mod accept;
+mod buffers;
+mod config;
+mod handshake;
+mod hooks;
+mod ipc;
 mod net;
+mod offer;
+mod plan;
 mod session;
+mod shard;
+mod socket;
+mod stats;
+mod streamer;
+mod versions;
 
-use crate::logging::Logger;
 pub(crate) use crate::manager::check_version;
-use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
-use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
-use crate::memory::shared::SharedBuffer;
-use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use crate::source::snapshot::version::read_version_yaml;
-use crate::tensor::{byte_size, check_name, DType};
+use crate::tensor::DType;
 use crate::transport::auth::Secret;
-use crate::transport::conn::Stream;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-pub use session::SessionStats;
+/// The UCX tag of a network bucket entry's message (`wire::message_tag`).
+pub use crate::wire::message_tag as net_tag;
+pub use config::PublisherConfig;
+pub use offer::{Content, HostTensor};
+pub use stats::{ServeStats, SessionStats};
 
-#[derive(Clone)]
-pub struct PublisherConfig {
-    /// Largest bucket (SPEC.md: 512 MiB).
-    pub bucket_size: usize,
-    /// Buffers in flight (SPEC.md: 2).
-    pub buffers: usize,
-    /// Permissions of the socket file.
-    pub socket_mode: u32,
-    /// Serve engines running as another uid.
-    pub allow_other_uids: bool,
-    /// Bound on one engine's acknowledgement of a bucket.
-    pub bucket_timeout: Duration,
-    /// Bound on a new connection's handshake (HELLO, and the network
-    /// challenge): one that has not finished by then is dropped, and never
-    /// counts as one of the engines `serve` waits for.
-    pub handshake_timeout: Duration,
-    /// Bound on a whole session.
-    pub session_timeout: Duration,
-    /// Compute checksums of in-memory tensors for the manifest.
-    pub checksums: bool,
-    /// Threads packing buckets; 0: one per core.
-    pub threads: usize,
-    /// Network: the shared secret (None: `WM_NET_SECRET`).
-    pub secret: Option<Vec<u8>>,
-    /// Versions kept by `publish` (the oldest is dropped first).
-    pub keep_versions: usize,
-    /// Test only: flip one bit of this tensor after packing it, to prove
-    /// that verification catches corruption.
-    pub corrupt_tensor: Option<String>,
-    pub logger: Logger,
-}
-
-impl PublisherConfig {
-    /// Threads that pack buckets (0 in the config: one per core).
-    pub(crate) fn pack_threads(&self) -> usize {
-        if self.threads == 0 {
-            default_threads()
-        } else {
-            self.threads
-        }
-    }
-}
-
-impl Default for PublisherConfig {
-    fn default() -> PublisherConfig {
-        PublisherConfig {
-            bucket_size: 512 << 20,
-            buffers: 2,
-            socket_mode: 0o600,
-            allow_other_uids: false,
-            bucket_timeout: Duration::from_secs(60),
-            handshake_timeout: Duration::from_secs(5),
-            session_timeout: Duration::from_secs(600),
-            checksums: true,
-            threads: 0,
-            corrupt_tensor: None,
-            secret: None,
-            keep_versions: 2,
-            logger: Logger::default(),
-        }
-    }
-}
-
-/// A tensor in the trainer's memory.
-#[derive(Clone, Debug)]
-pub struct HostTensor {
-    pub name: String,
-    pub dtype: DType,
-    pub shape: Vec<u64>,
-    pub data: SendPtr,
-    pub len: usize,
-    /// The rank it is for; None: every rank.
-    pub rank: Option<u32>,
-    /// Known checksum: published (immutable) copies are hashed once, at
-    /// publish, not by every session.
-    pub checksum: Option<u128>,
-    /// Some(GPU ordinal): `data` is a CUDA device address of that GPU.
-    pub device: Option<i32>,
-}
-
-/// What a publisher serves.
-#[derive(Clone, Debug)]
-pub enum Content {
-    /// A snapshot directory; each rank gets the files the layout rules pick for it.
-    Dir(PathBuf),
-    /// Tensors in memory, which must stay valid and unchanged while served.
-    Tensors(Vec<HostTensor>),
-}
-
-/// A version as sessions serve it.
-#[derive(Debug)]
-pub(crate) struct Offer {
-    /// The name engines ask for (None: the directory names none).
-    pub(crate) version: Option<String>,
-    pub(crate) content: Content,
-    /// A published version's copy, which the content points into; IPC
-    /// sessions hand it to engines as is (None: live content).
-    pub(crate) published: Option<Published>,
-    /// Checksums of live tensors, by index in the content, hashed by the
-    /// first session of this serve call that sends them. The tensors stay
-    /// unchanged while sessions run (`add_tensor`'s contract) and an offer
-    /// lives for one serve call, so its other sessions (ranks, or engines
-    /// pulling again) reuse them; the next call hashes afresh.
-    pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
-}
-
-/// Where a published version's tensors were copied.
-#[derive(Clone, Debug)]
-pub(crate) enum Published {
-    /// One shared host buffer.
-    Host(Arc<SharedBuffer>),
-    /// GPU tensors, on an IPC publisher: one GPU buffer, handed to engines
-    /// by its CUDA IPC handle.
-    Device(Arc<ExportedDeviceBuffer>),
-}
-
-impl Offer {
-    /// The published copy's shared host buffer, if it is one.
-    pub(crate) fn shared(&self) -> Option<&Arc<SharedBuffer>> {
-        match &self.published {
-            Some(Published::Host(b)) => Some(b),
-            _ => None,
-        }
-    }
-}
-
-impl Offer {
-    fn new(version: Option<String>, content: Content) -> Offer {
-        let version = version.or_else(|| match &content {
-            Content::Dir(dir) => {
-                read_version_yaml(dir, Instant::now() + Duration::from_secs(10)).ok()
-            }
-            Content::Tensors(_) => None,
-        });
-        Offer {
-            version,
-            content,
-            published: None,
-            live_sums: Mutex::default(),
-        }
-    }
-}
-
-/// Where engines connect.
-enum Listener {
-    Unix(UnixListener),
-    Tcp(TcpListener),
-}
-
-impl Listener {
-    fn set_nonblocking(&self) -> std::io::Result<()> {
-        match self {
-            Listener::Unix(l) => l.set_nonblocking(true),
-            Listener::Tcp(l) => l.set_nonblocking(true),
-        }
-    }
-
-    fn accept(&self) -> std::io::Result<Stream> {
-        Ok(match self {
-            Listener::Unix(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(false)?;
-                Stream::Unix(s)
-            }
-            Listener::Tcp(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(false)?;
-                let _ = s.set_nodelay(true);
-                Stream::Tcp(s)
-            }
-        })
-    }
-}
+use accept::Acceptor;
+use config::check_config;
+use offer::Offer;
+use socket::{bind_unix, socket_identity, Connections, Listener};
+use versions::Versions;
 
 pub struct Publisher {
     /// The socket path, or the TCP address.
     path: PathBuf,
     /// Shared buffers of finished sessions, reused by the next ones: fresh
     /// shared memory costs a page fault (and, in a VM, more) per page.
-    pool: session::BufferPool,
+    pool: buffers::BufferPool,
     listener: Listener,
     /// Network sessions: the shared secret, checked when binding.
     secret: Option<Secret>,
@@ -247,24 +102,9 @@ pub struct Publisher {
     cfg: PublisherConfig,
     content: Mutex<Content>,
     version: Mutex<Option<String>>,
-    published: Mutex<VecDeque<Arc<Offer>>>,
-    /// Shared buffers of dropped versions, refilled by the next `publish`
-    /// once no session serves them any more: an engine keeps its mappings
-    /// of the buffers it read lately, so a reused buffer costs it nothing
-    /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
-    retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
-    /// Set by [`Publisher::stop`]: `serve` stops accepting and its sessions'
-    /// connections are shut down.
-    stopping: AtomicBool,
-    /// Second handles on the connections of running sessions, by serve
-    /// call, for [`Publisher::stop`] to shut down.
-    live: Mutex<Vec<(u64, Stream)>>,
-}
-
-/// What `serve` did.
-#[derive(Clone, Debug, Default)]
-pub struct ServeStats {
-    pub sessions: Vec<SessionStats>,
+    versions: Versions,
+    /// The connections of running sessions, for [`Publisher::stop`].
+    connections: Connections,
 }
 
 impl Publisher {
@@ -273,13 +113,7 @@ impl Publisher {
     /// error and left alone.
     pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
         check_config(&cfg)?;
-        clear_stale_socket(path)?;
-        let listener = UnixListener::bind(path)
-            .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
-        // What we bound, so that Drop removes the path only while it is ours.
-        let bound = socket_identity(path);
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
-            .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
+        let (listener, bound) = bind_unix(path, cfg.socket_mode)?;
         let mut p =
             Publisher::with_listener(path.to_path_buf(), Listener::Unix(listener), None, cfg);
         p.bound = bound;
@@ -314,17 +148,15 @@ impl Publisher {
     ) -> Publisher {
         Publisher {
             path,
-            pool: session::BufferPool::default(),
+            pool: buffers::BufferPool::default(),
             listener,
             secret,
             bound: None,
             cfg,
             content: Mutex::new(Content::Tensors(Vec::new())),
             version: Mutex::new(None),
-            published: Mutex::new(VecDeque::new()),
-            retired: Mutex::new(VecDeque::new()),
-            stopping: AtomicBool::new(false),
-            live: Mutex::new(Vec::new()),
+            versions: Versions::default(),
+            connections: Connections::default(),
         }
     }
 
@@ -344,122 +176,21 @@ impl Publisher {
     /// and the engine's copy into its params is the only copy per rank.
     pub fn publish(&self) -> Result<String> {
         let content = self.content.lock().clone();
-        let mut offer = Offer::new(self.version.lock().clone(), content);
+        let offer = Offer::new(self.version.lock().clone(), content);
         let Some(name) = offer.version.clone() else {
             return Err(Error::no_version(
                 "publish: set a version first (or serve a directory with a version.yaml)",
             ));
         };
         check_version(&name).map_err(|e| e.context("publish"))?;
-        if let Content::Tensors(ts) = &mut offer.content {
-            // The version this publish pushes out (when the list is full) is
-            // dropped before the copy, so its buffer can take the new one:
-            // steady publishing then cycles through keep_versions + 1
-            // buffers. If the copy fails, that version is gone all the same.
-            {
-                let mut published = self.published.lock();
-                let replaces = published
-                    .iter()
-                    .any(|o| o.version.as_deref() == Some(name.as_str()));
-                if !replaces && published.len() >= self.cfg.keep_versions.max(1) {
-                    if let Some(oldest) = published.pop_front() {
-                        self.retire(oldest);
-                    }
-                }
-            }
-            // Kernels still writing the trainer's GPU tensors finish first.
-            let mut gpus: Vec<i32> = ts.iter().filter_map(|t| t.device).collect();
-            gpus.sort_unstable();
-            gpus.dedup();
-            for &g in &gpus {
-                cuda_ipc::synchronize(g).map_err(|e| e.context(format!("publish '{name}'")))?;
-            }
-            // The version lives on the GPU of its first GPU tensor.
-            offer.published = Some(match (ts.iter().find_map(|t| t.device), &self.listener) {
-                (Some(gpu), Listener::Unix(_)) => {
-                    Published::Device(Arc::new(copy_to_device(ts, gpu, &name)?))
-                }
-                _ => Published::Host(Arc::new(self.copy_to_shared(ts, &name)?)),
-            });
-            if self.cfg.checksums {
-                hash_published(ts)?;
-            }
-        }
-        let mut published = self.published.lock();
-        let (same, others): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut *published)
-            .into_iter()
-            .partition(|o| o.version.as_deref() == Some(name.as_str()));
-        *published = others;
-        same.into_iter().for_each(|o| self.retire(o));
-        published.push_back(Arc::new(offer));
-        while published.len() > self.cfg.keep_versions.max(1) {
-            if let Some(oldest) = published.pop_front() {
-                self.retire(oldest);
-            }
-        }
+        let on_device = matches!(self.listener, Listener::Unix(_));
+        self.versions.publish(offer, &name, on_device, &self.cfg)?;
         Ok(name)
-    }
-
-    /// Keep a dropped version's shared buffer for a later `publish` (it is
-    /// reused once no session serves the version any more).
-    fn retire(&self, offer: Arc<Offer>) {
-        if let Some(shared) = offer.shared().cloned() {
-            let mut retired = self.retired.lock();
-            retired.push_back(shared);
-            // Two spares cover a publisher alternating versions.
-            while retired.len() > 2 {
-                retired.pop_front();
-            }
-        }
-    }
-
-    /// Copy `ts` into one shared buffer (256-byte aligned offsets, copied on
-    /// every core; a retired buffer no session holds is reused) and point
-    /// them at their copies.
-    fn copy_to_shared(&self, ts: &mut [HostTensor], version: &str) -> Result<SharedBuffer> {
-        let (offsets, total) = packed_offsets(ts, version)?;
-        // A memfd cannot be empty (fallocate refuses a zero length).
-        let total = total.max(crate::wire::ALIGN as usize);
-        let spare = {
-            let mut retired = self.retired.lock();
-            let free = retired
-                .iter()
-                .position(|b| Arc::strong_count(b) == 1 && b.len() >= total);
-            free.and_then(|i| retired.remove(i))
-                .and_then(|b| Arc::try_unwrap(b).ok())
-        };
-        let shared = match spare {
-            Some(b) => b,
-            None => SharedBuffer::create(&format!("version '{version}'"), total)?,
-        };
-        let jobs: Vec<CopyJob> = ts
-            .iter()
-            .zip(&offsets)
-            .enumerate()
-            .map(|(i, (t, &at))| CopyJob {
-                src: tensor_source(t),
-                dst: SendPtr(shared.ptr().wrapping_add(at)),
-                len: t.len,
-                tag: i,
-            })
-            .collect();
-        // SAFETY: add_tensor's contract keeps each tensor valid for len bytes;
-        // the destinations are disjoint ranges of the new buffer.
-        unsafe { copy_all(&jobs, default_threads()) }.map_err(|e| e.error)?;
-        for (t, at) in ts.iter_mut().zip(offsets) {
-            t.data = SendPtr(shared.ptr().wrapping_add(at));
-            t.device = None;
-        }
-        Ok(shared)
     }
 
     /// Names of the published versions, oldest first.
     pub fn versions(&self) -> Vec<String> {
-        self.published
-            .lock()
-            .iter()
-            .filter_map(|o| o.version.clone())
-            .collect()
+        self.versions.names()
     }
 
     pub fn path(&self) -> &Path {
@@ -484,7 +215,15 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
-        self.push_tensor(name, dtype, shape, data as u64, len, rank, None)
+        self.push_tensor(HostTensor::new(
+            name,
+            dtype,
+            shape,
+            data as u64,
+            len,
+            rank,
+            None,
+        ))
     }
 
     /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
@@ -495,7 +234,7 @@ impl Publisher {
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the next `publish` returns.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
     pub unsafe fn add_device_tensor(
         &self,
         name: &str,
@@ -510,58 +249,19 @@ impl Publisher {
         crate::memory::cuda::cuda()
             .map_err(|e| e.context(&what))?
             .check_device_range(ordinal, ptr, len, &what)?;
-        self.push_tensor(name, dtype, shape, ptr, len, rank, Some(ordinal))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn push_tensor(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        data: u64,
-        len: usize,
-        rank: Option<u32>,
-        device: Option<i32>,
-    ) -> Result<()> {
-        check_name(name)?;
-        let need = byte_size(&format!("tensor '{name}'"), dtype, shape)?;
-        if need != len as u64 {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}': {len} bytes given, {need} needed"
-            )));
-        }
-        if data == 0 && len > 0 {
-            return Err(Error::null_argument(format!(
-                "tensor '{name}': data is NULL"
-            )));
-        }
-        let mut content = self.content.lock();
-        if let Content::Dir(_) = *content {
-            *content = Content::Tensors(Vec::new());
-        }
-        let Content::Tensors(ts) = &mut *content else {
-            unreachable!()
-        };
-        if ts
-            .iter()
-            .any(|t| t.name == name && (t.rank.is_none() || rank.is_none() || t.rank == rank))
-        {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}' is already published for that rank"
-            )));
-        }
-        ts.push(HostTensor {
-            name: name.to_string(),
+        self.push_tensor(HostTensor::new(
+            name,
             dtype,
-            shape: shape.to_vec(),
-            data: SendPtr(data as *mut u8),
+            shape,
+            ptr,
             len,
             rank,
-            checksum: None,
-            device,
-        });
-        Ok(())
+            Some(ordinal),
+        ))
+    }
+
+    fn push_tensor(&self, t: HostTensor) -> Result<()> {
+        self.content.lock().add(t)
     }
 
     /// Forget every tensor (before publishing the next version).
@@ -578,7 +278,7 @@ impl Publisher {
 
     /// What sessions serve: the published versions, else the current content.
     fn offers(&self) -> Vec<Arc<Offer>> {
-        let published = self.published.lock();
+        let published = self.versions.published.lock();
         if published.is_empty() {
             vec![Arc::new(Offer::new(
                 self.version.lock().clone(),
@@ -602,8 +302,16 @@ impl Publisher {
         }
         static SERVES: AtomicU64 = AtomicU64::new(0);
         let serve_id = SERVES.fetch_add(1, Ordering::Relaxed);
-        let r = self.admit_and_serve(&offers, engines, accept_timeout, serve_id);
-        self.live.lock().retain(|(id, _)| *id != serve_id);
+        let acceptor = Acceptor {
+            path: &self.path,
+            listener: &self.listener,
+            secret: self.secret.as_ref(),
+            cfg: &self.cfg,
+            pool: &self.pool,
+            connections: &self.connections,
+        };
+        let r = acceptor.admit_and_serve(&offers, engines, accept_timeout, serve_id);
+        self.connections.forget(serve_id);
         r
     }
 
@@ -615,46 +323,8 @@ impl Publisher {
     /// its session threads have ended, and only then stops reading the
     /// trainer's tensors.
     pub fn stop(&self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        for (_, stream) in self.live.lock().iter() {
-            shut_down(stream);
-        }
+        self.connections.stop();
     }
-
-    fn check_stopping(&self) -> Result<()> {
-        if self.stopping.load(Ordering::SeqCst) {
-            return Err(Error::cancelled(format!(
-                "publisher at {}: stopped (the publisher is being destroyed)",
-                self.path.display()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Keep a second handle on a session's connection for [`Publisher::stop`]
-    /// (shut down at once when the stop came first).
-    fn track(&self, serve_id: u64, stream: &Stream) {
-        let second = match stream {
-            Stream::Unix(s) => s.try_clone().map(Stream::Unix),
-            Stream::Tcp(s) => s.try_clone().map(Stream::Tcp),
-        };
-        // Without a second handle (out of fds) the session still ends by
-        // its own timeouts.
-        let Ok(second) = second else { return };
-        let mut live = self.live.lock();
-        if self.stopping.load(Ordering::SeqCst) {
-            shut_down(&second);
-        }
-        live.push((serve_id, second));
-    }
-}
-
-/// Shut a connection down both ways: the session blocked on it wakes up.
-fn shut_down(stream: &Stream) {
-    let _ = match stream {
-        Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
-        Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
-    };
 }
 
 impl Drop for Publisher {
@@ -668,120 +338,6 @@ impl Drop for Publisher {
             }
         }
     }
-}
-
-/// The device and inode of the file at `path` (not following a link).
-fn socket_identity(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino()))
-}
-
-/// Clear the way for a socket at `path`: nothing there, or a stale socket
-/// (nobody accepts on it: a publisher that exited without removing it),
-/// which is removed. A live publisher's socket, or any other file, is an
-/// error and left alone.
-fn clear_stale_socket(path: &Path) -> Result<()> {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(());
-    };
-    if !meta.file_type().is_socket() {
-        return Err(Error::invalid_argument(format!(
-            "{} exists and is not a socket; refusing to replace it",
-            path.display()
-        )));
-    }
-    match std::os::unix::net::UnixStream::connect(path) {
-        Ok(_) => Err(Error::invalid_argument(format!(
-            "{}: another publisher is listening on this socket; refusing to replace it \
-             (stop that publisher, or pick another path)",
-            path.display()
-        ))),
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)
-            .map_err(|e| Error::io(format!("removing the stale socket {}", path.display()), e)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io(
-            format!("checking whether a publisher listens on {}", path.display()),
-            e,
-        )),
-    }
-}
-
-/// Where each tensor of a version's copy starts (256-byte aligned, in
-/// order) and the bytes the copy needs.
-fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
-    crate::memory::aligned_offsets(ts.iter().map(|t| t.len as u64))
-        .ok_or_else(|| Error::out_of_memory(format!("version '{version}' is too large")))
-}
-
-/// Where the copier reads tensor `t` (host memory, or GPU memory).
-fn tensor_source(t: &HostTensor) -> CopySource<'static> {
-    match t.device {
-        Some(ordinal) => CopySource::Device {
-            ptr: t.data.0 as u64,
-            ordinal,
-        },
-        None => CopySource::Memory(t.data),
-    }
-}
-
-/// Copy `ts` into one new GPU buffer on GPU `gpu` (256-byte aligned
-/// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
-/// and point them at their copies.
-fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
-    let (offsets, total) = packed_offsets(ts, version)?;
-    let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
-    for (t, &at) in ts.iter().zip(&offsets) {
-        // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
-        // contract); the range fits the buffer, which is sized for all.
-        unsafe { buf.copy_in(at, t.data.0 as u64, t.len) }
-            .map_err(|e| e.context(format!("publish '{version}': tensor '{}'", t.name)))?;
-    }
-    for (t, at) in ts.iter_mut().zip(offsets) {
-        t.data = SendPtr((buf.ptr() + at as u64) as *mut u8);
-        t.device = Some(gpu);
-    }
-    Ok(buf)
-}
-
-/// Checksums of a version's copies (GPU ones are read back to hash).
-fn hash_published(ts: &mut [HostTensor]) -> Result<()> {
-    let host: Vec<(SendPtr, usize)> = ts
-        .iter()
-        .filter(|t| t.device.is_none())
-        .map(|t| (t.data, t.len))
-        .collect();
-    // SAFETY: our own copies, unchanged from here on.
-    let mut sums = unsafe { hash_all(&host, default_threads()) }.into_iter();
-    let mut scratch: Vec<u8> = Vec::new();
-    for t in ts.iter_mut() {
-        t.checksum = Some(match t.device {
-            None => sums.next().expect("one per host tensor"),
-            Some(gpu) => {
-                scratch.resize(t.len, 0);
-                // SAFETY: the scratch holds len bytes; the copy is ours.
-                unsafe { cuda_ipc::download(gpu, scratch.as_mut_ptr(), t.data.0 as u64, t.len) }?;
-                crate::checksum::of(&scratch)
-            }
-        });
-    }
-    Ok(())
-}
-
-fn check_config(cfg: &PublisherConfig) -> Result<()> {
-    if cfg.bucket_size < crate::wire::ALIGN as usize
-        || cfg.buffers == 0
-        || cfg.buffers > crate::wire::MAX_BUFFERS
-    {
-        return Err(Error::invalid_argument(format!(
-            "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
-            cfg.bucket_size,
-            cfg.buffers,
-            crate::wire::MAX_BUFFERS
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -802,7 +358,7 @@ mod tests {
             unsafe { p.add_tensor("t", DType::U8, &[3000], data.as_ptr(), 3000, None) }.unwrap();
             p.set_version(Some(format!("v{k}")));
             p.publish().unwrap();
-            let published = p.published.lock();
+            let published = p.versions.published.lock();
             let newest = published.back().unwrap();
             let Content::Tensors(ts) = &newest.content else {
                 panic!("tensors")
@@ -821,11 +377,19 @@ mod tests {
             assert_eq!(seen[k], seen[k - 2], "{seen:?}");
         }
         // A version a session still serves is not reused: hold v4's offer.
-        let held = p.published.lock().front().cloned().unwrap();
+        let held = p.versions.published.lock().front().cloned().unwrap();
         assert_eq!(held.version.as_deref(), Some("v4"));
         p.set_version(Some("v6".into()));
         p.publish().unwrap();
-        let v6 = p.published.lock().back().unwrap().shared().unwrap().ptr();
+        let v6 = p
+            .versions
+            .published
+            .lock()
+            .back()
+            .unwrap()
+            .shared()
+            .unwrap()
+            .ptr();
         assert_ne!(v6, held.shared().unwrap().ptr());
     }
 }

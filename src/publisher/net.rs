@@ -1,7 +1,8 @@
 //! A network session's buckets, sent over UCX to the engine's worker as one
 //! message per entry (entries split to at most `wire::NET_MESSAGE` bytes):
 //! the engine receives each into its staging slot at the entry's buffer
-//! offset (rdma), or straight into its params (gdr, `direct`).
+//! offset (staged), or straight into its params (`direct`: gdr, or host
+//! landing), as it decides alone.
 //!
 //! Buckets whose tensors are in this process's memory (published copies,
 //! tensors the trainer added) are not packed at all: each entry is sent from
@@ -18,47 +19,239 @@
 //! the session's, `transport::auth`), computed from the bytes as packed or
 //! as held, before anything could alter them on the way.
 
-use super::session::{corrupt, fill, plan_buckets, take_buffers, BufferPool, SessionStats, Shard};
-use super::PublisherConfig;
+use super::buffers::{take_buffers, BufferPool};
+use super::config::PublisherConfig;
+use super::hooks;
+use super::plan::plan_buckets;
+use super::shard::{fill, Shard};
+use super::stats::SessionStats;
+use super::streamer::{stream_buckets, Bucket, BucketSink};
 use crate::checksum::KEYED;
+use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
-use crate::wire::{split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
+use crate::wire::{message_tag as tag, split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Largest bucket an engine may ask for.
 const MAX_BUCKET: u64 = 16 << 30;
 
-// The tag lives in `wire`, below both ends (no source <-> publisher cycle).
-use crate::wire::net_tag as tag;
-
-/// A network session after its WANT: the control connection, the key of
-/// the bucket bytes' digests, and the publisher's config and buffers.
-pub(super) struct NetSession<'a> {
-    pub(super) conn: &'a mut Conn,
-    pub(super) key: &'a [u8; KEYED],
-    pub(super) cfg: &'a PublisherConfig,
-    pub(super) pool: &'a BufferPool,
+/// What the engine asked for in its READY.
+struct Ready {
+    address: Vec<u8>,
+    bucket_size: u64,
+    depth: usize,
+    keyed: bool,
 }
 
-impl NetSession<'_> {
-    pub(super) fn stream_buckets(
-        self,
-        shard: &mut Shard,
-        want: &[u32],
-        step: &dyn Fn(Duration) -> Instant,
+/// Stream the `want`ed tensors of `shard` to the engine at `conn`, whose
+/// bucket bytes' digests are keyed with `key`.
+#[allow(clippy::too_many_arguments)] // a session's parts; grouping them would only rename them
+pub(super) fn stream(
+    conn: &mut Conn,
+    key: &[u8; KEYED],
+    shard: &mut Shard,
+    want: &[u32],
+    cfg: &PublisherConfig,
+    pool: &BufferPool,
+    ack_deadline: &dyn Fn() -> Instant,
+    stats: &mut SessionStats,
+) -> Result<()> {
+    let ready = recv_ready(conn, ack_deadline())?;
+    let buckets = plan_messages(shard, want, ready.bucket_size);
+    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
+    let n_buf = ready.depth.min(buckets.len()).max(1);
+    let victim = hooks::corrupt_victim(cfg);
+    // Tensors already in memory are sent from the tensors themselves: each
+    // message is one entry, so nothing needs packing, and no bucket buffers
+    // are taken. (The corruption test hook needs a packed copy to flip a
+    // bit in.)
+    let unpacked: Option<Vec<SendPtr>> = shard
+        .in_memory()
+        .filter(|_| victim.is_none())
+        .map(<[SendPtr]>::to_vec);
+    let buffers = match unpacked {
+        Some(_) => Vec::new(),
+        None => take_buffers(pool, n_buf, largest)?,
+    };
+    let pump = Pump::start("publisher")?;
+    pump.connect(&ready.address)
+        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
+    // The sink borrows the buffers, so it (and its pump, whose sends read
+    // them) is gone before they are freed or pooled.
+    let mut sink = NetSink {
+        pump,
+        shard,
+        origin: Origin {
+            unpacked,
+            buffers: &buffers,
+            slots: n_buf,
+        },
+        key,
+        keyed: ready.keyed,
+        threads: cfg.pack_threads(),
+        victim,
+        sums: Vec::new(),
+        in_flight: HashMap::new(),
+    };
+    stream_buckets(conn, &buckets, n_buf, &mut sink, ack_deadline, stats)?;
+    drop(sink);
+    pool.give_back(buffers);
+    Ok(())
+}
+
+/// Read the engine's READY and check what it asks for. Staged or direct,
+/// the messages are the same: the engine alone decides where each lands
+/// (READY's direct flag is informational).
+fn recv_ready(conn: &mut Conn, deadline: Instant) -> Result<Ready> {
+    let ready = match conn.recv(deadline)? {
+        Frame::Ready {
+            address,
+            bucket_size,
+            depth,
+            keyed,
+            ..
+        } => Ready {
+            address,
+            bucket_size,
+            depth: depth as usize,
+            keyed,
+        },
+        other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
+    };
+    let (bucket_size, depth) = (ready.bucket_size, ready.depth);
+    if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
+        return Err(Error::peer(format!(
+            "{} asked for buckets of {bucket_size} bytes, {depth} in flight ({ALIGN} to {MAX_BUCKET} bytes, 1 to {MAX_BUFFERS} allowed)",
+            conn.peer()
+        )));
+    }
+    Ok(ready)
+}
+
+/// The buckets, each entry no longer than a message (one message per entry).
+fn plan_messages(shard: &Shard, want: &[u32], bucket_size: u64) -> Vec<Bucket> {
+    let mut buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
+    for (entries, _) in &mut buckets {
+        *entries = split_entries(entries);
+    }
+    buckets
+}
+
+/// Network buckets: UCX messages to the engine's worker, one per entry,
+/// after the BUCKET frame (and its DIGESTS when keyed).
+struct NetSink<'a> {
+    pump: Pump,
+    shard: &'a mut Shard,
+    origin: Origin<'a>,
+    key: &'a [u8; KEYED],
+    keyed: bool,
+    threads: usize,
+    victim: Option<&'a str>,
+    /// The digests of the bucket prepared last, sent with it.
+    sums: Vec<[u8; KEYED]>,
+    /// Messages of each bucket still on the wire.
+    in_flight: HashMap<u64, usize>,
+}
+
+/// Where a bucket's bytes are sent from.
+struct Origin<'a> {
+    /// Where each tensor is in memory, when sent without packing.
+    unpacked: Option<Vec<SendPtr>>,
+    /// Bucket buffers, when packing.
+    buffers: &'a [SharedBuffer],
+    /// Buckets in flight: bucket `seq` is in slot `seq % slots` (the
+    /// engine's staging slot, and the bucket buffer when packing).
+    slots: usize,
+}
+
+impl Origin<'_> {
+    fn slot(&self, seq: u64) -> usize {
+        seq as usize % self.slots
+    }
+
+    /// Where entry `e` of bucket `seq` is sent from.
+    fn at(&self, seq: u64, e: &BucketEntry) -> *const u8 {
+        match &self.unpacked {
+            Some(tensors) => tensors[e.tensor as usize]
+                .0
+                .wrapping_add(e.tensor_offset as usize),
+            None => self.buffers[self.slot(seq)]
+                .ptr()
+                .wrapping_add(e.buffer_offset as usize),
+        }
+    }
+}
+
+impl BucketSink for NetSink<'_> {
+    const END_BEFORE_LAST_ACKS: bool = true;
+
+    fn prepare(
+        &mut self,
+        seq: u64,
+        entries: &[BucketEntry],
         stats: &mut SessionStats,
-    ) -> Result<()> {
-        let NetSession {
-            conn,
-            key,
-            cfg,
-            pool,
-        } = self;
-        stream(conn, key, shard, want, cfg, pool, step, stats)
+    ) -> Result<u32> {
+        let slot = self.origin.slot(seq);
+        let origin = &self.origin;
+        let from = |e: &BucketEntry| origin.at(seq, e);
+        if origin.unpacked.is_some() {
+            if self.keyed {
+                self.sums = digests(self.key, entries, from, self.threads);
+            }
+            return Ok(slot as u32);
+        }
+        let buf = origin.buffers[slot].ptr();
+        let t = Instant::now();
+        fill(self.shard, entries, buf, self.threads)?;
+        if self.keyed {
+            // Before the corruption test hook, which stands for bytes
+            // altered on the way.
+            self.sums = digests(self.key, entries, from, self.threads);
+        }
+        hooks::corrupt(&self.shard.manifest, entries, buf, self.victim);
+        stats.pack += t.elapsed();
+        Ok(slot as u32)
+    }
+
+    fn send(&mut self, conn: &mut Conn, seq: u64, entries: &[BucketEntry]) -> Result<()> {
+        if self.keyed {
+            let digests = std::mem::take(&mut self.sums);
+            conn.send(&Frame::Digests { seq, digests })?;
+        }
+        // SAFETY: the buffer is neither refilled nor freed before the send
+        // completes (`release`) or the pump is dropped (with the sink, before
+        // the buffers); tensors in memory outlive the session (published
+        // copies are held by the offer; added tensors by the trainer's
+        // promise).
+        unsafe {
+            for (k, e) in entries.iter().enumerate() {
+                self.pump
+                    .send(tag(seq, k), self.origin.at(seq, e), e.len as usize)?;
+            }
+        }
+        self.in_flight.insert(seq, entries.len());
+        Ok(())
+    }
+
+    fn release(&mut self, conn: &mut Conn, seq: u64, deadline: Instant) -> Result<()> {
+        while self.in_flight.get(&seq).copied().unwrap_or(0) > 0 {
+            let Some(c) = self.pump.next(deadline)? else {
+                return Err(Error::timeout(format!(
+                    "bucket {seq} to {} was not sent within the bucket timeout",
+                    conn.peer()
+                )));
+            };
+            c.result
+                .map_err(|e| e.context(format!("sending to {}", conn.peer())))?;
+            if let Some(n) = self.in_flight.get_mut(&(c.tag >> 32)) {
+                *n -= 1;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -86,161 +279,4 @@ fn digests(
             .flat_map(|p| p.join().expect("hashing does not panic"))
             .collect()
     })
-}
-
-#[allow(clippy::too_many_arguments)] // the session's parts, unpacked once by NetSession
-fn stream(
-    conn: &mut Conn,
-    key: &[u8; KEYED],
-    shard: &mut Shard,
-    want: &[u32],
-    cfg: &PublisherConfig,
-    pool: &BufferPool,
-    step: &dyn Fn(Duration) -> Instant,
-    stats: &mut SessionStats,
-) -> Result<()> {
-    // Staged or direct, the messages are the same: the engine alone decides
-    // where each lands (READY's direct flag is informational).
-    let (address, bucket_size, depth, keyed) = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Ready {
-            address,
-            bucket_size,
-            depth,
-            keyed,
-            ..
-        } => (address, bucket_size, depth as usize, keyed),
-        other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
-    };
-    if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
-        return Err(Error::peer(format!(
-            "{} asked for buckets of {bucket_size} bytes, {depth} in flight ({ALIGN} to {MAX_BUCKET} bytes, 1 to {MAX_BUFFERS} allowed)",
-            conn.peer()
-        )));
-    }
-    let mut buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
-    // One message per entry: entries no longer than a message.
-    for (entries, _) in &mut buckets {
-        *entries = split_entries(entries);
-    }
-    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
-    let n_buf = depth.min(buckets.len()).max(1);
-    // Tensors already in memory are sent from the tensors themselves: each
-    // message is one entry, so nothing needs packing, and no bucket buffers
-    // are taken. (The test-only corruption needs a packed copy to flip a
-    // bit in.)
-    let unpacked: Option<Vec<SendPtr>> = shard
-        .in_memory()
-        .filter(|_| cfg.corrupt_tensor.is_none())
-        .map(<[SendPtr]>::to_vec);
-    let buffers = match unpacked {
-        Some(_) => Vec::new(),
-        None => take_buffers(pool, n_buf, largest)?,
-    };
-    let pump = Pump::start("publisher")?;
-    pump.connect(&address)
-        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
-    let threads = cfg.pack_threads();
-    // Messages of each bucket still on the wire.
-    let mut in_flight: HashMap<u64, usize> = HashMap::new();
-    let mut acked = 0u64;
-    let mut wait_free = |conn: &mut Conn,
-                         in_flight: &mut HashMap<u64, usize>,
-                         seq: u64,
-                         stats: &mut SessionStats|
-     -> Result<()> {
-        let t = Instant::now();
-        let deadline = step(cfg.bucket_timeout);
-        match conn.recv(deadline)? {
-            Frame::Ack { seq: s } if s == acked => acked += 1,
-            Frame::Ack { seq: s } => {
-                return Err(Error::peer(format!(
-                    "acknowledged bucket {s}, expected {acked}"
-                )))
-            }
-            other => return Err(Error::peer(format!("expected ACK, got {}", other.name()))),
-        }
-        while in_flight.get(&seq).copied().unwrap_or(0) > 0 {
-            match pump.next(deadline)? {
-                Some(c) => {
-                    c.result
-                        .map_err(|e| e.context(format!("sending to {}", conn.peer())))?;
-                    if let Some(n) = in_flight.get_mut(&(c.tag >> 32)) {
-                        *n -= 1;
-                    }
-                }
-                None => {
-                    return Err(Error::timeout(format!(
-                        "bucket {seq} to {} was not sent within the bucket timeout",
-                        conn.peer()
-                    )))
-                }
-            }
-        }
-        stats.wait += t.elapsed();
-        Ok(())
-    };
-    for (i, (entries, _)) in buckets.iter().enumerate() {
-        let seq = i as u64;
-        if i >= n_buf {
-            wait_free(conn, &mut in_flight, seq - n_buf as u64, stats)?;
-        }
-        let from = |e: &BucketEntry| -> *const u8 {
-            match &unpacked {
-                Some(tensors) => tensors[e.tensor as usize]
-                    .0
-                    .wrapping_add(e.tensor_offset as usize),
-                None => buffers[i % n_buf]
-                    .ptr()
-                    .wrapping_add(e.buffer_offset as usize),
-            }
-        };
-        let mut sums = Vec::new();
-        if unpacked.is_none() {
-            let buf = buffers[i % n_buf].ptr();
-            let t = Instant::now();
-            fill(shard, entries, buf, threads)?;
-            if keyed {
-                // Before the test-only corruption, which stands for bytes
-                // altered on the way.
-                sums = digests(key, entries, from, threads);
-            }
-            if let Some(victim) = &cfg.corrupt_tensor {
-                corrupt(&shard.manifest, entries, buf, victim);
-            }
-            stats.pack += t.elapsed();
-        } else if keyed {
-            sums = digests(key, entries, from, threads);
-        }
-        stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
-        conn.send(&Frame::Bucket {
-            seq,
-            buffer: (i % n_buf) as u32,
-            entries: entries.clone(),
-        })?;
-        if keyed {
-            conn.send(&Frame::Digests { seq, digests: sums })?;
-        }
-        // SAFETY: the buffer is neither refilled nor freed before the send
-        // completes (wait_free) or the pump is dropped (end of this function);
-        // tensors in memory outlive the session (published copies are held
-        // by the offer; added tensors by the trainer's promise).
-        unsafe {
-            for (k, e) in entries.iter().enumerate() {
-                pump.send(tag(seq, k), from(e), e.len as usize)?;
-            }
-        }
-        in_flight.insert(seq, entries.len());
-    }
-    // END before the last ACKs: an engine finishes its last buckets
-    // only once it knows no more are coming.
-    conn.send(&Frame::End {
-        buckets: buckets.len() as u64,
-    })?;
-    for i in buckets.len().saturating_sub(n_buf)..buckets.len() {
-        wait_free(conn, &mut in_flight, i as u64, stats)?;
-    }
-    stats.buckets = buckets.len() as u64;
-    drop(pump);
-    pool.give_back(buffers);
-    Ok(())
 }

@@ -59,11 +59,22 @@ pub fn serve(a: &Args) -> Result<(), String> {
     let bucket_mib: usize = a.number("bucket-mib", defaults::BUCKET_SIZE >> 20)?;
     let cfg = PublisherConfig {
         bucket_size: bucket_mib << 20,
-        corrupt_tensor: a.value("corrupt").map(str::to_string),
         keep_versions: a.number("keep", defaults::KEEP_VERSIONS)?,
         logger: Logger::default(),
         ..Default::default()
     };
+    // --corrupt TENSOR: the publisher's corruption test hook, in test builds only.
+    #[cfg(feature = "test-hooks")]
+    let cfg = PublisherConfig {
+        corrupt_tensor: a.value("corrupt").map(str::to_string),
+        ..cfg
+    };
+    #[cfg(not(feature = "test-hooks"))]
+    if a.value("corrupt").is_some() {
+        return Err(
+            "wm serve: --corrupt is a test hook, only in builds with the test-hooks feature".into(),
+        );
+    }
     let p = match (a.value("ipc"), a.value("net")) {
         (Some(socket), None) => Publisher::bind(Path::new(socket), cfg),
         (None, Some(addr)) => Publisher::bind_net(addr, cfg),

@@ -1,0 +1,116 @@
+//! An engine's handshake: its HELLO and, over the network, the challenge
+//! that proves it holds the shared secret.
+
+use super::config::PublisherConfig;
+use crate::result::{Error, Result};
+use crate::transport::auth::{self, Secret};
+use crate::transport::conn::{Conn, Stream};
+use crate::transport::seal::Role;
+use crate::transport::unix::check_peer_uid;
+use crate::wire::Frame;
+use std::time::Instant;
+
+/// An engine's connection that finished its handshake in time: its HELLO
+/// read and, over the network, both proofs checked and the frames sealed.
+/// Only such a connection counts as one of the engines a serve call waits
+/// for (`accept`).
+pub(super) struct Admitted {
+    pub(super) conn: Conn,
+    pub(super) rank: u32,
+    pub(super) gpu_id: String,
+    pub(super) version: String,
+    /// Network sessions: the key of the bucket bytes' digests (None: IPC).
+    pub(super) bytes_key: Option<[u8; 32]>,
+}
+
+impl Admitted {
+    /// Turn the engine away (best effort: it is told why).
+    pub(super) fn refuse(mut self, e: &Error) {
+        self.conn.send_error(e);
+    }
+}
+
+/// Read the engine's HELLO and, with a `secret` (a network publisher), run
+/// the challenge, all within `cfg.handshake_timeout`: a connection that
+/// does not is dropped, having cost one thread and no buffers.
+pub(super) fn handshake(
+    stream: Stream,
+    secret: Option<&Secret>,
+    cfg: &PublisherConfig,
+) -> Result<Admitted> {
+    let deadline = Instant::now() + cfg.handshake_timeout;
+    let who = match &stream {
+        Stream::Unix(s) => {
+            check_peer_uid(s, cfg.allow_other_uids, "an engine")?;
+            "an engine".to_string()
+        }
+        Stream::Tcp(s) => match s.peer_addr() {
+            Ok(a) => format!("the engine at {a}"),
+            Err(_) => "an engine".to_string(),
+        },
+    };
+    let mut conn = Conn::new(stream, who);
+    let hello = match conn.recv(deadline) {
+        Ok(f @ Frame::Hello { .. }) => f,
+        Ok(other) => Err(Error::peer(format!("expected HELLO, got {}", other.name())))?,
+        Err(e) => return Err(e.context("before its handshake")),
+    };
+    let Frame::Hello {
+        rank,
+        gpu_id,
+        version,
+        ..
+    } = &hello
+    else {
+        unreachable!("matched above")
+    };
+    conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
+    let mut bytes_key = None;
+    if let Some(secret) = secret {
+        match authenticate(&mut conn, secret, &hello.encode(), deadline) {
+            Ok(key) => bytes_key = Some(key),
+            Err(e) => {
+                conn.send_error(&e);
+                return Err(e);
+            }
+        }
+    }
+    Ok(Admitted {
+        rank: *rank,
+        gpu_id: gpu_id.clone(),
+        version: version.clone(),
+        conn,
+        bytes_key,
+    })
+}
+
+/// The publisher's side of the challenge (see `transport::auth`): a wrong
+/// answer is refused before any manifest moves; a right one seals the
+/// connection's frames with keys bound to `hello` (its encoding). Returns
+/// the session's key for bucket-byte digests.
+fn authenticate(
+    conn: &mut Conn,
+    secret: &Secret,
+    hello: &[u8],
+    deadline: Instant,
+) -> Result<[u8; 32]> {
+    let mine = auth::nonce()?;
+    conn.send(&Frame::Challenge { nonce: mine })?;
+    let (mac, theirs) = match conn.recv(deadline)? {
+        Frame::Proof { mac, nonce } => (mac, nonce),
+        other => return Err(Error::peer(format!("expected PROOF, got {}", other.name()))),
+    };
+    if !secret.check_engine_proof(&mine, &theirs, &mac) {
+        return Err(Error::auth(format!(
+            "authentication failed: {} does not hold this publisher's shared secret",
+            conn.peer()
+        )));
+    }
+    conn.send(&Frame::Proof {
+        mac: secret.publisher_proof(&theirs, &mine),
+        nonce: [0; 32],
+    })?;
+    let keys = secret.session_keys(&mine, &theirs, hello);
+    conn.secure(&keys, Role::Publisher);
+    Ok(keys.bytes)
+}

@@ -1,0 +1,178 @@
+//! What sessions serve: the trainer's content (a directory, or tensors in
+//! memory), as versions ([`Offer`]), and picking the one a rank asks for.
+
+use crate::memory::cuda_ipc::ExportedDeviceBuffer;
+use crate::memory::shared::SharedBuffer;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+use crate::source::snapshot::version::read_version_yaml;
+use crate::tensor::{byte_size, check_name, DType};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A tensor in the trainer's memory.
+#[derive(Clone, Debug)]
+pub struct HostTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: SendPtr,
+    pub len: usize,
+    /// The rank it is for; None: every rank.
+    pub rank: Option<u32>,
+    /// Known checksum: published (immutable) copies are hashed once, at
+    /// publish, not by every session.
+    pub checksum: Option<u128>,
+    /// Some(GPU ordinal): `data` is a CUDA device address of that GPU.
+    pub device: Option<i32>,
+}
+
+impl HostTensor {
+    /// A tensor the trainer adds (not yet checked: see [`Content::add`]).
+    pub(super) fn new(
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        data: u64,
+        len: usize,
+        rank: Option<u32>,
+        device: Option<i32>,
+    ) -> HostTensor {
+        HostTensor {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            data: SendPtr(data as *mut u8),
+            len,
+            rank,
+            checksum: None,
+            device,
+        }
+    }
+}
+
+/// What a publisher serves.
+#[derive(Clone, Debug)]
+pub enum Content {
+    /// A snapshot directory; each rank gets the files the layout rules pick for it.
+    Dir(PathBuf),
+    /// Tensors in memory, which must stay valid and unchanged while served.
+    Tensors(Vec<HostTensor>),
+}
+
+impl Content {
+    /// Add a tensor (a directory served so far is dropped): its name, its
+    /// byte size against its dtype and shape, and its address checked, and
+    /// no other tensor of that name for the same rank.
+    pub(super) fn add(&mut self, t: HostTensor) -> Result<()> {
+        let name = &t.name;
+        check_name(name)?;
+        let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
+        if need != t.len as u64 {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}': {} bytes given, {need} needed",
+                t.len
+            )));
+        }
+        if t.data.0.is_null() && t.len > 0 {
+            return Err(Error::null_argument(format!(
+                "tensor '{name}': data is NULL"
+            )));
+        }
+        if let Content::Dir(_) = self {
+            *self = Content::Tensors(Vec::new());
+        }
+        let Content::Tensors(ts) = self else {
+            unreachable!()
+        };
+        if ts
+            .iter()
+            .any(|o| o.name == *name && (o.rank.is_none() || t.rank.is_none() || o.rank == t.rank))
+        {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}' is already published for that rank"
+            )));
+        }
+        ts.push(t);
+        Ok(())
+    }
+}
+
+/// A version as sessions serve it.
+#[derive(Debug)]
+pub(crate) struct Offer {
+    /// The name engines ask for (None: the directory names none).
+    pub(crate) version: Option<String>,
+    pub(crate) content: Content,
+    /// A published version's copy, which the content points into; IPC
+    /// sessions hand it to engines as is (None: live content).
+    pub(crate) published: Option<Published>,
+    /// Checksums of live tensors, by index in the content, hashed by the
+    /// first session of this serve call that sends them. The tensors stay
+    /// unchanged while sessions run (`add_tensor`'s contract) and an offer
+    /// lives for one serve call, so its other sessions (ranks, or engines
+    /// pulling again) reuse them; the next call hashes afresh.
+    pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
+}
+
+/// Where a published version's tensors were copied.
+#[derive(Clone, Debug)]
+pub(crate) enum Published {
+    /// One shared host buffer.
+    Host(Arc<SharedBuffer>),
+    /// GPU tensors, on an IPC publisher: one GPU buffer, handed to engines
+    /// by its CUDA IPC handle.
+    Device(Arc<ExportedDeviceBuffer>),
+}
+
+impl Offer {
+    /// The published copy's shared host buffer, if it is one.
+    pub(crate) fn shared(&self) -> Option<&Arc<SharedBuffer>> {
+        match &self.published {
+            Some(Published::Host(b)) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+impl Offer {
+    pub(super) fn new(version: Option<String>, content: Content) -> Offer {
+        let version = version.or_else(|| match &content {
+            Content::Dir(dir) => {
+                read_version_yaml(dir, Instant::now() + Duration::from_secs(10)).ok()
+            }
+            Content::Tensors(_) => None,
+        });
+        Offer {
+            version,
+            content,
+            published: None,
+            live_sums: Mutex::default(),
+        }
+    }
+}
+
+/// The offer a rank asked for: by name, or the newest for "" and "latest".
+pub(super) fn pick<'a>(offers: &'a [Arc<Offer>], wanted: &str, rank: u32) -> Result<&'a Offer> {
+    let found = if wanted.is_empty() || wanted == "latest" {
+        offers.last()
+    } else {
+        offers
+            .iter()
+            .rev()
+            .find(|o| o.version.as_deref() == Some(wanted))
+    };
+    found.map(|o| &**o).ok_or_else(|| {
+        let names: Vec<String> = offers
+            .iter()
+            .map(|o| format!("'{}'", o.version.as_deref().unwrap_or("")))
+            .collect();
+        Error::not_found(format!(
+            "rank {rank} asked for version '{wanted}'; this publisher serves {}",
+            names.join(", ")
+        ))
+    })
+}

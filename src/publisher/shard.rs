@@ -1,0 +1,280 @@
+//! One rank's shard of a version: its manifest (checksums filled in) and
+//! where its bytes come from, and packing those bytes into a bucket buffer.
+
+use super::config::PublisherConfig;
+use super::offer::{Content, HostTensor, Offer, Published};
+use crate::manifest::{Manifest, TensorMeta};
+use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+use crate::source::snapshot::checksums::hash_file_ranges;
+use crate::source::snapshot::regular_file::open_regular;
+use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
+use crate::source::Source;
+use crate::wire::BucketEntry;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Where one shard's tensor bytes come from.
+enum ShardBytes {
+    Memory(Vec<SendPtr>),
+    Files {
+        source: Box<SnapshotSource>,
+        open: HashMap<PathBuf, File>,
+    },
+}
+
+pub(super) struct Shard {
+    pub(super) manifest: Manifest,
+    bytes: ShardBytes,
+    /// The published version's buffer, which every tensor of the shard
+    /// lies in (None: live tensors or files, packed per session).
+    pub(super) published: Option<Published>,
+    /// Bytes hashed to build the manifest.
+    pub(super) hashed: u64,
+}
+
+impl Shard {
+    /// Where each tensor's bytes already are in this process's memory
+    /// (published copies, or tensors the trainer added), so they can be sent
+    /// without packing; None for a shard read from files.
+    pub(super) fn in_memory(&self) -> Option<&[SendPtr]> {
+        match &self.bytes {
+            ShardBytes::Memory(ptrs) => Some(ptrs),
+            ShardBytes::Files { .. } => None,
+        }
+    }
+}
+
+/// The shard of `offer` for engine rank `rank` on GPU `gpu_id`.
+pub(super) fn shard_for(
+    offer: &Offer,
+    rank: u32,
+    gpu_id: &str,
+    cfg: &PublisherConfig,
+) -> Result<Shard> {
+    match &offer.content {
+        Content::Dir(dir) => dir_shard(offer, dir, rank, gpu_id, cfg),
+        Content::Tensors(all) => tensors_shard(offer, all, rank, cfg),
+    }
+}
+
+/// A served directory's shard: the files the snapshot layout rules pick
+/// for the rank, checksums missing from `wm_checksums.json` hashed now.
+fn dir_shard(
+    offer: &Offer,
+    dir: &Path,
+    rank: u32,
+    gpu_id: &str,
+    cfg: &PublisherConfig,
+) -> Result<Shard> {
+    let version = offer.version.clone();
+    let loc = SnapshotLocation {
+        model_dir: dir.to_path_buf(),
+        fallback_dir: None,
+        rank,
+        gpu_id: gpu_id.to_string(),
+    };
+    let source = SnapshotSource::open(&loc, &cfg.logger)?;
+    let mut manifest = source.manifest().clone();
+    let hashed = if cfg.checksums {
+        fill_missing_checksums(&source, &mut manifest)?
+    } else {
+        0
+    };
+    if version.is_some() {
+        manifest.version = version;
+    }
+    Ok(Shard {
+        manifest,
+        bytes: ShardBytes::Files {
+            source: Box::new(source),
+            open: HashMap::new(),
+        },
+        published: None,
+        hashed,
+    })
+}
+
+/// Tensors in memory: the rank's own and those for every rank, checksums
+/// hashed once per serve call (published copies have theirs already).
+fn tensors_shard(
+    offer: &Offer,
+    all: &[HostTensor],
+    rank: u32,
+    cfg: &PublisherConfig,
+) -> Result<Shard> {
+    let version = offer.version.clone();
+    // This rank's tensors, with their index in the content.
+    let mine: Vec<(usize, &HostTensor)> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.rank.is_none_or(|r| r == rank))
+        .collect();
+    if let (Some((_, t)), None) = (
+        mine.iter().find(|(_, t)| t.device.is_some()),
+        &offer.published,
+    ) {
+        return Err(Error::invalid_argument(format!(
+            "tensor '{}' is GPU memory: GPU tensors are served once published \
+             (publish copies them into a buffer engines read)",
+            t.name
+        )));
+    }
+    // Hash what has no checksum yet: published copies have theirs,
+    // live tensors another session of this serve call may have
+    // hashed. The lock is held while hashing, so sessions wanting
+    // the same tensors wait for the sums instead of hashing again.
+    let mut known = offer.live_sums.lock();
+    let todo: Vec<(usize, &HostTensor)> = mine
+        .iter()
+        .copied()
+        .filter(|(i, t)| cfg.checksums && t.checksum.is_none() && !known.contains_key(i))
+        .collect();
+    let regions: Vec<(SendPtr, usize)> = todo.iter().map(|(_, t)| (t.data, t.len)).collect();
+    // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
+    let fresh = unsafe { hash_all(&regions, default_threads()) };
+    known.extend(todo.iter().map(|(i, _)| *i).zip(fresh));
+    let tensors = mine
+        .iter()
+        .map(|(i, t)| TensorMeta {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            nbytes: t.len as u64,
+            checksum: t.checksum.or_else(|| known.get(i).copied()),
+        })
+        .collect();
+    drop(known);
+    Ok(Shard {
+        manifest: Manifest { tensors, version },
+        bytes: ShardBytes::Memory(mine.iter().map(|(_, t)| t.data).collect()),
+        published: offer.published.clone(),
+        hashed: regions.iter().map(|(_, n)| *n as u64).sum(),
+    })
+}
+
+/// Hash the tensors a snapshot has no `wm_checksums.json` entry for, so the
+/// engine can verify them (the network paths verify by default). Returns
+/// the bytes hashed.
+fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> Result<u64> {
+    let todo: Vec<usize> = (0..manifest.tensors.len())
+        .filter(|&i| manifest.tensors[i].checksum.is_none())
+        .collect();
+    if todo.is_empty() {
+        return Ok(0);
+    }
+    let paths: Vec<&std::path::Path> = source.files().collect();
+    let files = paths
+        .iter()
+        .map(|p| open_regular(p))
+        .collect::<Result<Vec<File>>>()?;
+    let ranges: Vec<(usize, u64, u64)> = todo
+        .iter()
+        .map(|&t| {
+            let (path, offset) = source.tensor_location(t);
+            let fi = paths
+                .iter()
+                .position(|p| *p == path)
+                .expect("a file of the source");
+            (fi, offset, manifest.tensors[t].nbytes)
+        })
+        .collect();
+    let handles: Vec<&File> = files.iter().collect();
+    let sums = hash_file_ranges(&handles, &ranges, default_threads(), &|_, _| {});
+    for ((&t, r), &(fi, _, _)) in todo.iter().zip(sums).zip(&ranges) {
+        let sum = r.map_err(|e| Error::io(format!("hashing {}", paths[fi].display()), e))?;
+        manifest.tensors[t].checksum = Some(sum);
+    }
+    Ok(ranges.iter().map(|&(_, _, n)| n).sum())
+}
+
+/// Copy the entries' bytes into the bucket buffer at `base` (which holds
+/// every entry's range).
+pub(super) fn fill(
+    shard: &mut Shard,
+    entries: &[BucketEntry],
+    base: *mut u8,
+    threads: usize,
+) -> Result<()> {
+    let dst = |e: &BucketEntry| SendPtr(base.wrapping_add(e.buffer_offset as usize));
+    match &mut shard.bytes {
+        ShardBytes::Memory(ptrs) => {
+            let jobs: Vec<CopyJob> = entries
+                .iter()
+                .map(|e| CopyJob {
+                    src: CopySource::Memory(SendPtr(
+                        ptrs[e.tensor as usize]
+                            .0
+                            .wrapping_add(e.tensor_offset as usize),
+                    )),
+                    dst: dst(e),
+                    len: e.len as usize,
+                    tag: e.tensor as usize,
+                })
+                .collect();
+            // SAFETY: entries lie inside the buffer (planned from its size) and
+            // inside their tensors; the trainer keeps tensors unchanged.
+            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
+        }
+        ShardBytes::Files { source, open } => {
+            for e in entries {
+                let (path, _) = source.tensor_location(e.tensor as usize);
+                if !open.contains_key(path) {
+                    let f = open_regular(path)?;
+                    open.insert(path.to_path_buf(), f);
+                }
+            }
+            let jobs: Vec<CopyJob> = entries
+                .iter()
+                .map(|e| {
+                    let (path, offset) = source.tensor_location(e.tensor as usize);
+                    CopyJob {
+                        src: CopySource::File {
+                            file: &open[path],
+                            offset: offset + e.tensor_offset,
+                        },
+                        dst: dst(e),
+                        len: e.len as usize,
+                        tag: e.tensor as usize,
+                    }
+                })
+                .collect();
+            // SAFETY: as above; file reads are bounds-checked by pread.
+            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    /// GPU tensors are served only from a published version's buffer: a
+    /// live one is refused by name (a session never reads device memory as
+    /// host memory).
+    #[test]
+    fn live_gpu_tensors_are_refused_by_name() {
+        let gpu_tensor = HostTensor {
+            name: "layers.0.w".into(),
+            dtype: DType::F32,
+            shape: vec![4],
+            data: SendPtr(0x7000_0000_0000 as *mut u8),
+            len: 16,
+            rank: None,
+            checksum: None,
+            device: Some(0),
+        };
+        let offer = Offer::new(Some("1".into()), Content::Tensors(vec![gpu_tensor]));
+        let e = shard_for(&offer, 0, "0", &PublisherConfig::default())
+            .err()
+            .expect("refused");
+        assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+        assert!(
+            e.message.contains("'layers.0.w' is GPU memory") && e.message.contains("published"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,30 @@
+//! What sessions and serve calls did.
+
+use std::time::Duration;
+
+/// What one session did.
+#[derive(Clone, Debug, Default)]
+pub struct SessionStats {
+    pub rank: u32,
+    pub version: String,
+    pub tensors: u64,
+    pub bytes: u64,
+    pub buckets: u64,
+    /// Bytes hashed for this session's manifest, and the time it took
+    /// before the manifest could go out: 0 when every checksum was known
+    /// (a published version, `wm_checksums.json`, or live tensors an
+    /// earlier session of the same serve call hashed).
+    pub hashed: u64,
+    pub hash: Duration,
+    /// Time spent packing buckets into the shared buffers.
+    pub pack: Duration,
+    /// Time spent waiting for the engine's acknowledgements.
+    pub wait: Duration,
+    pub total: Duration,
+}
+
+/// What `serve` did.
+#[derive(Clone, Debug, Default)]
+pub struct ServeStats {
+    pub sessions: Vec<SessionStats>,
+}

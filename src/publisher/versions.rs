@@ -1,0 +1,222 @@
+//! Published versions: copies of the trainer's tensors that sessions serve
+//! by name, the last `keep_versions` kept, and the shared buffers of
+//! dropped ones reused by the next `publish`.
+
+use super::config::PublisherConfig;
+use super::offer::{Content, HostTensor, Offer, Published};
+use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
+use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
+use crate::memory::shared::SharedBuffer;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+#[derive(Default)]
+pub(super) struct Versions {
+    /// Oldest first.
+    pub(super) published: Mutex<VecDeque<Arc<Offer>>>,
+    /// Shared buffers of dropped versions, refilled by the next `publish`
+    /// once no session serves them any more: an engine keeps its mappings
+    /// of the buffers it read lately, so a reused buffer costs it nothing
+    /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
+    retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
+}
+
+impl Versions {
+    /// Keep `offer` as version `name`, its tensors copied now (onto the GPU
+    /// of its first GPU tensor when `on_device`: an IPC publisher hands
+    /// that buffer to engines by CUDA IPC; else into shared host memory).
+    /// A version of the same name is replaced; the oldest beyond
+    /// `keep_versions` is dropped.
+    pub(super) fn publish(
+        &self,
+        mut offer: Offer,
+        name: &str,
+        on_device: bool,
+        cfg: &PublisherConfig,
+    ) -> Result<()> {
+        let keep = cfg.keep_versions.max(1);
+        let threads = cfg.pack_threads();
+        if let Content::Tensors(ts) = &mut offer.content {
+            self.make_room(name, keep);
+            synchronize_gpus(ts, name)?;
+            offer.published = Some(match ts.iter().find_map(|t| t.device) {
+                Some(gpu) if on_device => {
+                    Published::Device(Arc::new(copy_to_device(ts, gpu, name)?))
+                }
+                _ => Published::Host(Arc::new(self.copy_to_shared(ts, name, threads)?)),
+            });
+            if cfg.checksums {
+                hash_published(ts, threads)?;
+            }
+        }
+        let mut published = self.published.lock();
+        let (same, others): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut *published)
+            .into_iter()
+            .partition(|o| o.version.as_deref() == Some(name));
+        *published = others;
+        same.into_iter().for_each(|o| self.retire(o));
+        published.push_back(Arc::new(offer));
+        while published.len() > keep {
+            if let Some(oldest) = published.pop_front() {
+                self.retire(oldest);
+            }
+        }
+        Ok(())
+    }
+
+    /// The version a publish of `name` pushes out (when the list is full)
+    /// is dropped before the copy, so its buffer can take the new one:
+    /// steady publishing then cycles through keep_versions + 1 buffers. If
+    /// the copy fails, that version is gone all the same.
+    fn make_room(&self, name: &str, keep: usize) {
+        let mut published = self.published.lock();
+        let replaces = published.iter().any(|o| o.version.as_deref() == Some(name));
+        if !replaces && published.len() >= keep {
+            if let Some(oldest) = published.pop_front() {
+                self.retire(oldest);
+            }
+        }
+    }
+
+    /// Names of the published versions, oldest first.
+    pub(super) fn names(&self) -> Vec<String> {
+        self.published
+            .lock()
+            .iter()
+            .filter_map(|o| o.version.clone())
+            .collect()
+    }
+
+    /// Keep a dropped version's shared buffer for a later `publish` (it is
+    /// reused once no session serves the version any more).
+    fn retire(&self, offer: Arc<Offer>) {
+        if let Some(shared) = offer.shared().cloned() {
+            let mut retired = self.retired.lock();
+            retired.push_back(shared);
+            // Two spares cover a publisher alternating versions.
+            while retired.len() > 2 {
+                retired.pop_front();
+            }
+        }
+    }
+
+    /// Copy `ts` into one shared buffer (256-byte aligned offsets, copied on
+    /// `threads`; a retired buffer no session holds is reused) and point
+    /// them at their copies.
+    fn copy_to_shared(
+        &self,
+        ts: &mut [HostTensor],
+        version: &str,
+        threads: usize,
+    ) -> Result<SharedBuffer> {
+        let (offsets, total) = packed_offsets(ts, version)?;
+        // A memfd cannot be empty (fallocate refuses a zero length).
+        let total = total.max(crate::wire::ALIGN as usize);
+        let spare = {
+            let mut retired = self.retired.lock();
+            let free = retired
+                .iter()
+                .position(|b| Arc::strong_count(b) == 1 && b.len() >= total);
+            free.and_then(|i| retired.remove(i))
+                .and_then(|b| Arc::try_unwrap(b).ok())
+        };
+        let shared = match spare {
+            Some(b) => b,
+            None => SharedBuffer::create(&format!("version '{version}'"), total)?,
+        };
+        let jobs: Vec<CopyJob> = ts
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .map(|(i, (t, &at))| CopyJob {
+                src: tensor_source(t),
+                dst: SendPtr(shared.ptr().wrapping_add(at)),
+                len: t.len,
+                tag: i,
+            })
+            .collect();
+        // SAFETY: add_tensor's contract keeps each tensor valid for len bytes;
+        // the destinations are disjoint ranges of the new buffer.
+        unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)?;
+        for (t, at) in ts.iter_mut().zip(offsets) {
+            t.data = SendPtr(shared.ptr().wrapping_add(at));
+            t.device = None;
+        }
+        Ok(shared)
+    }
+}
+
+/// Kernels still writing the trainer's GPU tensors finish first.
+fn synchronize_gpus(ts: &[HostTensor], name: &str) -> Result<()> {
+    let mut gpus: Vec<i32> = ts.iter().filter_map(|t| t.device).collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    for &g in &gpus {
+        cuda_ipc::synchronize(g).map_err(|e| e.context(format!("publish '{name}'")))?;
+    }
+    Ok(())
+}
+
+/// Where each tensor of a version's copy starts (256-byte aligned, in
+/// order) and the bytes the copy needs.
+fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
+    crate::memory::aligned_offsets(ts.iter().map(|t| t.len as u64))
+        .ok_or_else(|| Error::out_of_memory(format!("version '{version}' is too large")))
+}
+
+/// Where the copier reads tensor `t` (host memory, or GPU memory).
+fn tensor_source(t: &HostTensor) -> CopySource<'static> {
+    match t.device {
+        Some(ordinal) => CopySource::Device {
+            ptr: t.data.0 as u64,
+            ordinal,
+        },
+        None => CopySource::Memory(t.data),
+    }
+}
+
+/// Copy `ts` into one new GPU buffer on GPU `gpu` (256-byte aligned
+/// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
+/// and point them at their copies.
+fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
+    let (offsets, total) = packed_offsets(ts, version)?;
+    let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
+    for (t, &at) in ts.iter().zip(&offsets) {
+        // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
+        // contract); the range fits the buffer, which is sized for all.
+        unsafe { buf.copy_in(at, t.data.0 as u64, t.len) }
+            .map_err(|e| e.context(format!("publish '{version}': tensor '{}'", t.name)))?;
+    }
+    for (t, at) in ts.iter_mut().zip(offsets) {
+        t.data = SendPtr((buf.ptr() + at as u64) as *mut u8);
+        t.device = Some(gpu);
+    }
+    Ok(buf)
+}
+
+/// Checksums of a version's copies (GPU ones are read back to hash).
+fn hash_published(ts: &mut [HostTensor], threads: usize) -> Result<()> {
+    let host: Vec<(SendPtr, usize)> = ts
+        .iter()
+        .filter(|t| t.device.is_none())
+        .map(|t| (t.data, t.len))
+        .collect();
+    // SAFETY: our own copies, unchanged from here on.
+    let mut sums = unsafe { hash_all(&host, threads) }.into_iter();
+    let mut scratch: Vec<u8> = Vec::new();
+    for t in ts.iter_mut() {
+        t.checksum = Some(match t.device {
+            None => sums.next().expect("one per host tensor"),
+            Some(gpu) => {
+                scratch.resize(t.len, 0);
+                // SAFETY: the scratch holds len bytes; the copy is ours.
+                unsafe { cuda_ipc::download(gpu, scratch.as_mut_ptr(), t.data.0 as u64, t.len) }?;
+                crate::checksum::of(&scratch)
+            }
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,191 @@
+//! Decoding frames: one small reader per frame type. Every length, count
+//! and offset is checked against limits before use (see `fields::In`).
+
+use super::fields::In;
+use super::{kind, BucketEntry, CudaBuffer, Frame, MAGIC, MAX_ADDRESS, MAX_BUFFERS, PROTOCOL};
+use crate::manifest::TensorMeta;
+use crate::result::{Error, Result};
+use crate::tensor::{byte_size, DType, MAX_NDIM};
+
+impl Frame {
+    /// Decode the body of a frame (type byte and payload, without the length).
+    pub fn decode(body: &[u8]) -> Result<Frame> {
+        let mut i = In(body);
+        let frame = match i.u8()? {
+            kind::HELLO => hello(&mut i)?,
+            kind::MANIFEST => manifest(&mut i)?,
+            kind::WANT => {
+                let n = i.count(4, "tensor indices")?;
+                Frame::Want {
+                    tensors: (0..n).map(|_| i.u32()).collect::<Result<_>>()?,
+                }
+            }
+            kind::BUFFERS => {
+                let n = buffer_count(&mut i, 8, "buffers")?;
+                Frame::Buffers {
+                    sizes: (0..n).map(|_| i.u64()).collect::<Result<_>>()?,
+                }
+            }
+            kind::BUCKET => bucket(&mut i)?,
+            kind::ACK => Frame::Ack { seq: i.u64()? },
+            kind::END => Frame::End { buckets: i.u64()? },
+            kind::ERROR => Frame::Error {
+                code: i.u32()?,
+                text: i.str()?,
+            },
+            kind::CHALLENGE => Frame::Challenge {
+                nonce: i.take(32)?.try_into().expect("32"),
+            },
+            kind::PROOF => Frame::Proof {
+                mac: i.take(32)?.try_into().expect("32"),
+                nonce: i.take(32)?.try_into().expect("32"),
+            },
+            kind::READY => ready(&mut i)?,
+            kind::DIGESTS => {
+                let seq = i.u64()?;
+                let n = i.count(32, "digests")?;
+                let digests = (0..n)
+                    .map(|_| Ok(i.take(32)?.try_into().expect("32 bytes")))
+                    .collect::<Result<_>>()?;
+                Frame::Digests { seq, digests }
+            }
+            kind::CUDA_BUFFERS => cuda_buffers(&mut i)?,
+            t => return Err(Error::peer(format!("wire: unknown frame type {t}"))),
+        };
+        i.done()?;
+        Ok(frame)
+    }
+}
+
+fn hello(i: &mut In) -> Result<Frame> {
+    if i.u32()? != MAGIC {
+        return Err(Error::peer(
+            "wire: the peer is not a weight_manager peer (bad magic)",
+        ));
+    }
+    let protocol = i.u32()?;
+    if protocol != PROTOCOL {
+        return Err(Error::peer(format!(
+            "wire: the peer speaks protocol version {protocol}; this library speaks {PROTOCOL}"
+        )));
+    }
+    Ok(Frame::Hello {
+        rank: i.u32()?,
+        world_size: i.u32()?,
+        gpu_id: i.str()?,
+        version: i.str()?,
+    })
+}
+
+fn manifest(i: &mut In) -> Result<Frame> {
+    let version = i.str()?;
+    let n = i.count(4 + 4 + 4 + 8 + 1, "tensors")?;
+    let mut tensors = Vec::with_capacity(n);
+    for _ in 0..n {
+        tensors.push(tensor_meta(i)?);
+    }
+    Ok(Frame::Manifest { version, tensors })
+}
+
+/// One manifest tensor, its byte size checked against its dtype and shape.
+fn tensor_meta(i: &mut In) -> Result<TensorMeta> {
+    let name = i.str()?;
+    let raw = i.u32()?;
+    let dtype = DType::from_raw(raw)
+        .ok_or_else(|| Error::peer(format!("wire: tensor '{name}': dtype {raw} is unknown")))?;
+    let ndim = i.u32()? as usize;
+    if ndim > MAX_NDIM {
+        return Err(Error::peer(format!(
+            "wire: tensor '{name}': {ndim} dimensions"
+        )));
+    }
+    let shape = (0..ndim).map(|_| i.u64()).collect::<Result<Vec<_>>>()?;
+    let nbytes = i.u64()?;
+    let need = byte_size(&format!("tensor '{name}'"), dtype, &shape)
+        .map_err(|e| Error::peer(format!("wire: {}", e.message)))?;
+    if need != nbytes {
+        return Err(Error::peer(format!(
+            "wire: tensor '{name}' claims {nbytes} bytes, its dtype and shape need {need}"
+        )));
+    }
+    let checksum = match i.u8()? {
+        0 => None,
+        1 => Some(u128::from_le_bytes(i.take(16)?.try_into().expect("16"))),
+        f => return Err(Error::peer(format!("wire: checksum flag {f}"))),
+    };
+    Ok(TensorMeta {
+        name,
+        dtype,
+        shape,
+        nbytes,
+        checksum,
+    })
+}
+
+fn bucket(i: &mut In) -> Result<Frame> {
+    let seq = i.u64()?;
+    let buffer = i.u32()?;
+    let n = i.count(28, "bucket entries")?;
+    let mut entries = Vec::with_capacity(n);
+    for _ in 0..n {
+        entries.push(BucketEntry {
+            tensor: i.u32()?,
+            tensor_offset: i.u64()?,
+            len: i.u64()?,
+            buffer_offset: i.u64()?,
+        });
+    }
+    Ok(Frame::Bucket {
+        seq,
+        buffer,
+        entries,
+    })
+}
+
+fn ready(i: &mut In) -> Result<Frame> {
+    let n = i.u32()? as usize;
+    if n == 0 || n > MAX_ADDRESS {
+        return Err(Error::peer(format!(
+            "wire: worker address of {n} bytes (1 to {MAX_ADDRESS} allowed)"
+        )));
+    }
+    Ok(Frame::Ready {
+        address: i.take(n)?.to_vec(),
+        bucket_size: i.u64()?,
+        depth: i.u32()?,
+        direct: flag(i.u8()?, "direct")?,
+        keyed: flag(i.u8()?, "keyed")?,
+    })
+}
+
+fn cuda_buffers(i: &mut In) -> Result<Frame> {
+    let n = buffer_count(i, 64 + 8, "GPU buffers")?;
+    let mut buffers = Vec::with_capacity(n);
+    for _ in 0..n {
+        buffers.push(CudaBuffer {
+            handle: i.take(64)?.try_into().expect("64"),
+            size: i.u64()?,
+        });
+    }
+    Ok(Frame::CudaBuffers { buffers })
+}
+
+/// A count of shared buffers: 1 to `MAX_BUFFERS`, each at least `min_item` bytes.
+fn buffer_count(i: &mut In, min_item: usize, what: &str) -> Result<usize> {
+    let n = i.count(min_item, what)?;
+    if n == 0 || n > MAX_BUFFERS {
+        return Err(Error::peer(format!(
+            "wire: {n} {what} (1 to {MAX_BUFFERS} allowed)"
+        )));
+    }
+    Ok(n)
+}
+
+/// A one-byte flag: 0 or 1.
+fn flag(v: u8, what: &str) -> Result<bool> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        f => Err(Error::peer(format!("wire: {what} flag {f}"))),
+    }
+}

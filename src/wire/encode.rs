@@ -1,0 +1,135 @@
+//! Encoding frames: `[length u32 LE][type u8][payload]`, one small writer
+//! per frame type (the layouts are in `docs/wire.md`).
+
+use super::fields::Out;
+use super::{kind, BucketEntry, CudaBuffer, Frame, MAGIC, PROTOCOL};
+use crate::manifest::TensorMeta;
+
+impl Frame {
+    /// The whole frame, length prefix included.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut o = Out(vec![0; 4]);
+        o.u8(self.kind());
+        match self {
+            Frame::Hello {
+                rank,
+                world_size,
+                gpu_id,
+                version,
+            } => {
+                o.u32(MAGIC);
+                o.u32(PROTOCOL);
+                o.u32(*rank);
+                o.u32(*world_size);
+                o.str(gpu_id);
+                o.str(version);
+            }
+            Frame::Manifest { version, tensors } => manifest(&mut o, version, tensors),
+            Frame::Want { tensors } => {
+                o.u32(tensors.len() as u32);
+                tensors.iter().for_each(|t| o.u32(*t));
+            }
+            Frame::Buffers { sizes } => {
+                o.u32(sizes.len() as u32);
+                sizes.iter().for_each(|s| o.u64(*s));
+            }
+            Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            } => bucket(&mut o, *seq, *buffer, entries),
+            Frame::Ack { seq } => o.u64(*seq),
+            Frame::End { buckets } => o.u64(*buckets),
+            Frame::Error { code, text } => {
+                o.u32(*code);
+                o.str(text);
+            }
+            Frame::Challenge { nonce } => o.0.extend_from_slice(nonce),
+            Frame::Proof { mac, nonce } => {
+                o.0.extend_from_slice(mac);
+                o.0.extend_from_slice(nonce);
+            }
+            Frame::Ready {
+                address,
+                bucket_size,
+                depth,
+                direct,
+                keyed,
+            } => {
+                o.u32(address.len() as u32);
+                o.0.extend_from_slice(address);
+                o.u64(*bucket_size);
+                o.u32(*depth);
+                o.u8(*direct as u8);
+                o.u8(*keyed as u8);
+            }
+            Frame::Digests { seq, digests } => {
+                o.u64(*seq);
+                o.u32(digests.len() as u32);
+                digests.iter().for_each(|d| o.0.extend_from_slice(d));
+            }
+            Frame::CudaBuffers { buffers } => cuda_buffers(&mut o, buffers),
+        }
+        let len = (o.0.len() - 4) as u32;
+        o.0[..4].copy_from_slice(&len.to_le_bytes());
+        o.0
+    }
+
+    /// The type byte that follows the length.
+    fn kind(&self) -> u8 {
+        match self {
+            Frame::Hello { .. } => kind::HELLO,
+            Frame::Manifest { .. } => kind::MANIFEST,
+            Frame::Want { .. } => kind::WANT,
+            Frame::Buffers { .. } => kind::BUFFERS,
+            Frame::Bucket { .. } => kind::BUCKET,
+            Frame::Ack { .. } => kind::ACK,
+            Frame::End { .. } => kind::END,
+            Frame::Error { .. } => kind::ERROR,
+            Frame::Challenge { .. } => kind::CHALLENGE,
+            Frame::Proof { .. } => kind::PROOF,
+            Frame::Ready { .. } => kind::READY,
+            Frame::CudaBuffers { .. } => kind::CUDA_BUFFERS,
+            Frame::Digests { .. } => kind::DIGESTS,
+        }
+    }
+}
+
+fn manifest(o: &mut Out, version: &str, tensors: &[TensorMeta]) {
+    o.str(version);
+    o.u32(tensors.len() as u32);
+    for t in tensors {
+        o.str(&t.name);
+        o.u32(t.dtype as u32);
+        o.u32(t.shape.len() as u32);
+        t.shape.iter().for_each(|d| o.u64(*d));
+        o.u64(t.nbytes);
+        match t.checksum {
+            Some(c) => {
+                o.u8(1);
+                o.0.extend_from_slice(&c.to_le_bytes());
+            }
+            None => o.u8(0),
+        }
+    }
+}
+
+fn bucket(o: &mut Out, seq: u64, buffer: u32, entries: &[BucketEntry]) {
+    o.u64(seq);
+    o.u32(buffer);
+    o.u32(entries.len() as u32);
+    for e in entries {
+        o.u32(e.tensor);
+        o.u64(e.tensor_offset);
+        o.u64(e.len);
+        o.u64(e.buffer_offset);
+    }
+}
+
+fn cuda_buffers(o: &mut Out, buffers: &[CudaBuffer]) {
+    o.u32(buffers.len() as u32);
+    for b in buffers {
+        o.0.extend_from_slice(&b.handle);
+        o.u64(b.size);
+    }
+}

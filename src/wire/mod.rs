@@ -1,0 +1,347 @@
+//! The wire format shared by the IPC path and the network path (staged or
+//! direct).
+//! Documented for implementers in `docs/wire.md`.
+//!
+//! A frame is `[length u32 LE][type u8][payload]`, `length` counting type and
+//! payload. Every length, count and offset is checked against limits before
+//! use: nothing a peer sends can make the reader allocate without bound, read
+//! past a frame, or (through the plan and the applier) write outside a param.
+
+//!
+//! Files: the frame types here; `encode` and `decode`, one small function
+//! per frame; `fields`, the bounds-checked field reader and writer; and
+//! `buckets`, splitting entries into network messages and checking a
+//! peer's entries.
+
+mod buckets;
+mod decode;
+mod encode;
+mod fields;
+
+use crate::manifest::TensorMeta;
+
+pub use buckets::{check_bucket, message_tag, net_message_bytes, split_entries};
+pub(crate) use fields::{In, Out};
+
+pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
+pub(crate) const PROTOCOL: u32 = 1;
+/// Largest frame accepted (a manifest of ~500k tensors).
+pub(crate) const MAX_FRAME: usize = 64 << 20;
+/// Bucket offsets are multiples of this (`docs/wire.md`).
+pub(crate) const ALIGN: u64 = 256;
+/// Most shared buffers a session may use.
+pub(crate) const MAX_BUFFERS: usize = 8;
+/// Largest UCX worker address accepted.
+pub(crate) const MAX_ADDRESS: usize = 64 << 10;
+/// Longest name or version string.
+pub(crate) const MAX_STRING: usize = 4096;
+
+/// The type byte of each frame, after its length.
+mod kind {
+    pub(super) const HELLO: u8 = 1;
+    pub(super) const MANIFEST: u8 = 2;
+    pub(super) const WANT: u8 = 3;
+    pub(super) const BUFFERS: u8 = 4;
+    pub(super) const BUCKET: u8 = 5;
+    pub(super) const ACK: u8 = 6;
+    pub(super) const END: u8 = 7;
+    pub(super) const ERROR: u8 = 8;
+    pub(super) const CHALLENGE: u8 = 9;
+    pub(super) const PROOF: u8 = 10;
+    pub(super) const READY: u8 = 11;
+    pub(super) const CUDA_BUFFERS: u8 = 12;
+    pub(super) const DIGESTS: u8 = 13;
+}
+
+/// One bucket entry: `len` bytes of tensor `tensor` starting at its byte
+/// `tensor_offset`, found at `buffer_offset` in the bucket's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketEntry {
+    pub tensor: u32,
+    pub tensor_offset: u64,
+    pub len: u64,
+    pub buffer_offset: u64,
+}
+
+/// One GPU buffer of a CUDA_BUFFERS frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaBuffer {
+    pub handle: [u8; 64],
+    pub size: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// Engine to publisher: who asks, for which version ("" = latest).
+    Hello {
+        rank: u32,
+        world_size: u32,
+        gpu_id: String,
+        version: String,
+    },
+    /// Publisher to engine: the tensors this rank gets, and their version.
+    Manifest {
+        version: String,
+        tensors: Vec<TensorMeta>,
+    },
+    /// Engine to publisher: indices of the manifest tensors it wants.
+    Want { tensors: Vec<u32> },
+    /// Publisher to engine: sizes of the shared buffers whose descriptors
+    /// travel with this frame (SCM_RIGHTS).
+    Buffers { sizes: Vec<u64> },
+    /// Publisher to engine: GPU buffers shared by CUDA IPC (64-byte
+    /// `cuIpcGetMemHandle` handles) and their sizes, used like BUFFERS'.
+    CudaBuffers { buffers: Vec<CudaBuffer> },
+    /// Publisher to engine: bucket `seq` is ready in buffer `buffer`.
+    Bucket {
+        seq: u64,
+        buffer: u32,
+        entries: Vec<BucketEntry>,
+    },
+    /// Engine to publisher: bucket `seq` is applied; its buffer may be reused.
+    Ack { seq: u64 },
+    /// Publisher to engine: every bucket was sent.
+    End { buckets: u64 },
+    /// Either way: giving up, with the reason and its `wm_result` code (so a
+    /// missing version reads as NOT_FOUND, a wrong secret as AUTH).
+    Error { code: u32, text: String },
+    /// Network, publisher to engine, after HELLO: prove you hold the secret.
+    Challenge { nonce: [u8; 32] },
+    /// Network, both ways: an HMAC answer (`transport::auth`); the engine's
+    /// carries its own nonce for the publisher to answer, the publisher's a
+    /// zero nonce.
+    Proof { mac: [u8; 32], nonce: [u8; 32] },
+    /// Network, engine to publisher after WANT: where to send the bytes (the
+    /// engine's UCX worker address), the largest bucket it takes, how many
+    /// buckets may be in flight, and whether each bucket entry comes as its
+    /// own message (`direct`: received straight into param memory, gdr).
+    Ready {
+        address: Vec<u8>,
+        bucket_size: u64,
+        depth: u32,
+        direct: bool,
+        /// Asks for a DIGESTS frame after each BUCKET.
+        keyed: bool,
+    },
+    /// Network, publisher to engine, right after BUCKET `seq` when READY
+    /// asked for it: the keyed BLAKE3 digest of each entry's bytes, in
+    /// entry order (`checksum::keyed`, key from the session).
+    Digests { seq: u64, digests: Vec<[u8; 32]> },
+}
+
+impl Frame {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "HELLO",
+            Frame::Manifest { .. } => "MANIFEST",
+            Frame::Want { .. } => "WANT",
+            Frame::Buffers { .. } => "BUFFERS",
+            Frame::Bucket { .. } => "BUCKET",
+            Frame::Ack { .. } => "ACK",
+            Frame::End { .. } => "END",
+            Frame::Error { .. } => "ERROR",
+            Frame::Challenge { .. } => "CHALLENGE",
+            Frame::Proof { .. } => "PROOF",
+            Frame::Ready { .. } => "READY",
+            Frame::CudaBuffers { .. } => "CUDA_BUFFERS",
+            Frame::Digests { .. } => "DIGESTS",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    fn round_trip(f: Frame) {
+        let bytes = f.encode();
+        let len = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, bytes.len() - 4);
+        assert_eq!(Frame::decode(&bytes[4..]).unwrap(), f);
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        round_trip(Frame::Hello {
+            rank: 3,
+            world_size: 8,
+            gpu_id: "5".into(),
+            version: "latest".into(),
+        });
+        round_trip(Frame::Manifest {
+            version: "12".into(),
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                dtype: DType::Bf16,
+                shape: vec![2, 3],
+                nbytes: 12,
+                checksum: Some(0xabcdef),
+            }],
+        });
+        round_trip(Frame::Want {
+            tensors: vec![0, 2],
+        });
+        round_trip(Frame::Buffers {
+            sizes: vec![1 << 20, 1 << 20],
+        });
+        let mut handle = [0u8; 64];
+        handle
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8 ^ 0xa5);
+        round_trip(Frame::CudaBuffers {
+            buffers: vec![CudaBuffer {
+                handle,
+                size: 3 << 30,
+            }],
+        });
+        round_trip(Frame::Bucket {
+            seq: 1,
+            buffer: 1,
+            entries: vec![BucketEntry {
+                tensor: 0,
+                tensor_offset: 0,
+                len: 12,
+                buffer_offset: 256,
+            }],
+        });
+        round_trip(Frame::Ack { seq: 9 });
+        round_trip(Frame::End { buckets: 4 });
+        round_trip(Frame::Error {
+            code: 6,
+            text: "boom".into(),
+        });
+        round_trip(Frame::Challenge { nonce: [7; 32] });
+        round_trip(Frame::Proof {
+            mac: [1; 32],
+            nonce: [2; 32],
+        });
+        round_trip(Frame::Ready {
+            address: vec![1, 2, 3],
+            bucket_size: 1 << 29,
+            depth: 2,
+            direct: true,
+            keyed: true,
+        });
+        round_trip(Frame::Digests {
+            seq: 3,
+            digests: vec![[7; 32], [9; 32]],
+        });
+    }
+
+    #[test]
+    fn hostile_frames_are_refused() {
+        let mut hello = Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+        }
+        .encode();
+        hello[9] = 99; // protocol version
+        assert!(Frame::decode(&hello[4..])
+            .unwrap_err()
+            .message
+            .contains("protocol version 99"));
+        // A count far larger than the frame: refused before allocating.
+        let mut want = vec![3u8];
+        want.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Frame::decode(&want)
+            .unwrap_err()
+            .message
+            .contains("cannot fit"));
+        // A manifest whose byte size disagrees with its shape.
+        let mut m = Frame::Manifest {
+            version: "1".into(),
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![4],
+                nbytes: 16,
+                checksum: None,
+            }],
+        }
+        .encode();
+        // A tensor name holding a NUL (it would be cut in a C string).
+        let nul = Frame::Manifest {
+            version: "1".into(),
+            tensors: vec![TensorMeta {
+                name: "w\0x".into(),
+                dtype: DType::F32,
+                shape: vec![4],
+                nbytes: 16,
+                checksum: None,
+            }],
+        }
+        .encode();
+        assert!(Frame::decode(&nul[4..])
+            .unwrap_err()
+            .message
+            .contains("NUL"));
+        let at = m.len() - 9; // nbytes field
+        m[at] = 17;
+        assert!(Frame::decode(&m[4..])
+            .unwrap_err()
+            .message
+            .contains("claims 17 bytes"));
+        let mut ready = vec![11u8];
+        ready.extend_from_slice(&(MAX_ADDRESS as u32 + 1).to_le_bytes());
+        assert!(Frame::decode(&ready)
+            .unwrap_err()
+            .message
+            .contains("worker address"));
+        assert!(Frame::decode(&[9, 1, 2])
+            .unwrap_err()
+            .message
+            .contains("ends early"));
+        assert!(Frame::decode(&[42])
+            .unwrap_err()
+            .message
+            .contains("unknown frame type"));
+        // GPU buffers: none, or more than the limit.
+        let mut none = vec![12u8];
+        none.extend_from_slice(&0u32.to_le_bytes());
+        assert!(Frame::decode(&none)
+            .unwrap_err()
+            .message
+            .contains("0 GPU buffers"));
+        let many = Frame::CudaBuffers {
+            buffers: vec![
+                CudaBuffer {
+                    handle: [0; 64],
+                    size: 1
+                };
+                MAX_BUFFERS + 1
+            ],
+        }
+        .encode();
+        assert!(Frame::decode(&many[4..])
+            .unwrap_err()
+            .message
+            .contains("GPU buffers (1 to"));
+        let e = |off, len| BucketEntry {
+            tensor: 0,
+            tensor_offset: 0,
+            len,
+            buffer_offset: off,
+        };
+        assert!(check_bucket(0, &[e(0, 100)], 1024, 1).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("aligned"));
+        assert!(check_bucket(0, &[e(768, 512)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("run past"));
+        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1)
+            .unwrap_err()
+            .message
+            .contains("overlap"));
+        assert!(check_bucket(0, &[e(0, 1)], 1024, 0)
+            .unwrap_err()
+            .message
+            .contains("#0"));
+    }
+}
