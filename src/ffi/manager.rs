@@ -225,55 +225,70 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         model_dir: opt_path(c.model_dir),
         fallback_dir,
         control_cell: opt_str(c.control_cell, "control_cell")?,
-        group: opt_str(c.group_name, "group_name")?.map(|name| GroupSettings {
-            name,
-            local_rank: (c.local_world_size != 0).then_some(c.local_rank),
-            local_world_size: (c.local_world_size != 0).then_some(c.local_world_size),
-            node_rank: c.node_rank,
-            addr: rendezvous_addr.clone(),
-            timeout: match c.signal_timeout_ms {
-                0 => defaults::SIGNAL_TIMEOUT,
-                ms => std::time::Duration::from_millis(ms),
-            },
-        }),
+        group: group_from_c(c, rendezvous_addr.clone())?,
         logger,
         threads: c.copy_threads as usize,
         allow_other_uids: c.allow_other_uids != 0,
         release_hook,
         acquire_hook,
-        net: NetSettings {
-            secret: opt_str(c.net_secret, "net_secret")?.map(String::into_bytes),
-            bucket_size: match c.net_bucket_size {
-                0 => NetSettings::default().bucket_size,
-                n => usize::try_from(n).map_err(|_| {
-                    Error::invalid_argument(format!("net_bucket_size {n} does not fit"))
-                })?,
-            },
-            depth: match c.net_depth {
-                0 => NetSettings::default().depth,
-                n => n as usize,
-            },
-            gdr_fallback: c.gdr_fallback != 0,
-            staged: c.net_staged != 0,
-            keyed_digests: c.net_keyed_digests != 0,
-        },
-        fanout: match c.fanout_group {
-            -1 => None,
-            g if g < 0 => {
-                return Err(Error::invalid_argument(format!(
-                    "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
-                )))
-            }
-            g => Some(FanoutSettings {
-                group: g as u32,
-                nccl_library: opt_path(c.nccl_library),
-            }),
-        },
+        net: net_from_c(c)?,
+        fanout: fanout_from_c(c)?,
         callback_staging_limit: match c.callback_staging_limit {
             0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
     })
+}
+
+/// The signal group's settings, when `group_name` names one.
+unsafe fn group_from_c(c: &wm_config, addr: Option<String>) -> Result<Option<GroupSettings>> {
+    Ok(
+        opt_str(c.group_name, "group_name")?.map(|name| GroupSettings {
+            name,
+            local_rank: (c.local_world_size != 0).then_some(c.local_rank),
+            local_world_size: (c.local_world_size != 0).then_some(c.local_world_size),
+            node_rank: c.node_rank,
+            addr,
+            timeout: match c.signal_timeout_ms {
+                0 => defaults::SIGNAL_TIMEOUT,
+                ms => std::time::Duration::from_millis(ms),
+            },
+        }),
+    )
+}
+
+/// The network paths' settings (0 means the default).
+unsafe fn net_from_c(c: &wm_config) -> Result<NetSettings> {
+    Ok(NetSettings {
+        secret: opt_str(c.net_secret, "net_secret")?.map(String::into_bytes),
+        bucket_size: match c.net_bucket_size {
+            0 => NetSettings::default().bucket_size,
+            n => usize::try_from(n).map_err(|_| {
+                Error::invalid_argument(format!("net_bucket_size {n} does not fit"))
+            })?,
+        },
+        depth: match c.net_depth {
+            0 => NetSettings::default().depth,
+            n => n as usize,
+        },
+        gdr_fallback: c.gdr_fallback != 0,
+        staged: c.net_staged != 0,
+        keyed_digests: c.net_keyed_digests != 0,
+    })
+}
+
+/// Fan-out: -1 none, a group number, anything else refused.
+unsafe fn fanout_from_c(c: &wm_config) -> Result<Option<FanoutSettings>> {
+    match c.fanout_group {
+        -1 => Ok(None),
+        g if g < 0 => Err(Error::invalid_argument(format!(
+            "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
+        ))),
+        g => Ok(Some(FanoutSettings {
+            group: g as u32,
+            nccl_library: opt_path(c.nccl_library),
+        })),
+    }
 }
 
 /// Create a manager for one engine rank.

@@ -230,43 +230,8 @@ pub unsafe extern "C" fn wm_update(
             Ok(c) => c,
             Err(e) => return code_of(&m, Err(e)),
         };
-        let mut progress = r.progress_callback.map(|cb| {
-            let user = r.progress_user_data;
-            move |p: &Progress| {
-                let cp = wm_progress {
-                    bytes_done: p.bytes_done,
-                    bytes_total: p.bytes_total,
-                    tensors_done: p.tensors_done,
-                    tensors_total: p.tensors_total,
-                };
-                // SAFETY: the engine's callback, called as documented.
-                unsafe { cb(user, &cp) == 0 }
-            }
-        });
-        let mut tensor = r.tensor_callback.map(|cb| {
-            let user = r.tensor_user_data;
-            move |t: &TensorView| -> std::result::Result<(), String> {
-                let name =
-                    CString::new(t.name).map_err(|_| "tensor name holds a NUL byte".to_string())?;
-                let view = wm_tensor_view {
-                    name: name.as_ptr(),
-                    dtype: t.dtype as u32,
-                    ndim: t.shape.len(),
-                    shape: t.shape.as_ptr(),
-                    data: match t.device {
-                        Some(d) => d.ptr as *const c_void,
-                        None => t.data.as_ptr().cast(),
-                    },
-                    len: t.device.map_or(t.data.len(), |d| d.len),
-                    device: t.device.map_or(-1, |d| d.ordinal),
-                };
-                // SAFETY: the engine's callback, called as documented.
-                match unsafe { cb(user, &view) } {
-                    0 => Ok(()),
-                    rc => Err(format!("callback returned {rc}")),
-                }
-            }
-        });
+        let mut progress = progress_hook(r);
+        let mut tensor = tensor_hook(r);
         let req = UpdateRequest {
             source: c.source,
             location: c.location,
@@ -293,6 +258,53 @@ pub unsafe extern "C" fn wm_update(
                 wm_result::WM_OK
             }
             Err(e) => e.code,
+        }
+    })
+}
+
+/// The engine's progress callback as the applier's hook (non-zero: cancel).
+fn progress_hook(r: &wm_update_request) -> Option<impl FnMut(&Progress) -> bool> {
+    r.progress_callback.map(|cb| {
+        let user = r.progress_user_data;
+        move |p: &Progress| {
+            let cp = wm_progress {
+                bytes_done: p.bytes_done,
+                bytes_total: p.bytes_total,
+                tensors_done: p.tensors_done,
+                tensors_total: p.tensors_total,
+            };
+            // SAFETY: the engine's callback, called as documented.
+            unsafe { cb(user, &cp) == 0 }
+        }
+    })
+}
+
+/// The engine's per-tensor callback as the applier's hook.
+fn tensor_hook(
+    r: &wm_update_request,
+) -> Option<impl FnMut(&TensorView) -> std::result::Result<(), String>> {
+    r.tensor_callback.map(|cb| {
+        let user = r.tensor_user_data;
+        move |t: &TensorView| -> std::result::Result<(), String> {
+            let name =
+                CString::new(t.name).map_err(|_| "tensor name holds a NUL byte".to_string())?;
+            let view = wm_tensor_view {
+                name: name.as_ptr(),
+                dtype: t.dtype as u32,
+                ndim: t.shape.len(),
+                shape: t.shape.as_ptr(),
+                data: match t.device {
+                    Some(d) => d.ptr as *const c_void,
+                    None => t.data.as_ptr().cast(),
+                },
+                len: t.device.map_or(t.data.len(), |d| d.len),
+                device: t.device.map_or(-1, |d| d.ordinal),
+            };
+            // SAFETY: the engine's callback, called as documented.
+            match unsafe { cb(user, &view) } {
+                0 => Ok(()),
+                rc => Err(format!("callback returned {rc}")),
+            }
         }
     })
 }

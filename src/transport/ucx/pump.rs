@@ -179,6 +179,42 @@ fn run(
     ready: SyncSender<Result<Vec<u8>>>,
     wake: Arc<OwnedFd>,
 ) {
+    let (mut w, efd, address) = match start_worker(ucx) {
+        Ok(started) => started,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    if ready.send(Ok(address)).is_err() {
+        return;
+    }
+    let api = &ucx.lib().api;
+    loop {
+        if !w.take_commands(&cmds, &done) {
+            break;
+        }
+        let mut moved = false;
+        // SAFETY: our own worker, on its own thread.
+        while unsafe { (api.ucp_worker_progress)(w.worker) } != 0 {
+            moved = true;
+        }
+        moved |= w.reap(&done);
+        if moved {
+            continue;
+        }
+        // SAFETY: as above.
+        if unsafe { (api.ucp_worker_arm)(w.worker) } == sys::UCS_ERR_BUSY {
+            continue;
+        }
+        sleep_until_event(efd, &wake);
+    }
+    w.shutdown();
+}
+
+/// A worker of our own, its event descriptor and its address (what the
+/// peer connects to).
+fn start_worker(ucx: &'static Ucx) -> Result<(Worker<'static>, i32, Vec<u8>)> {
     let api = &ucx.lib().api;
     let params = sys::WorkerParams {
         field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
@@ -189,81 +225,51 @@ fn run(
     // SAFETY: a live context; params valid for the call.
     let st = unsafe { (api.ucp_worker_create)(ucx.context(), &params, &mut worker) };
     if st != sys::UCS_OK {
-        let _ = ready.send(Err(ucx.error("creating a worker", st)));
-        return;
+        return Err(ucx.error("creating a worker", st));
     }
-    let mut w = Worker {
-        ucx,
-        worker,
-        ep: std::ptr::null_mut(),
-        pending: Vec::new(),
-    };
     let mut efd = -1;
     // SAFETY: out-parameters on a live worker.
     let st = unsafe { (api.ucp_worker_get_efd)(worker, &mut efd) };
     if st != sys::UCS_OK {
-        let _ = ready.send(Err(ucx.error("getting the worker's event descriptor", st)));
-        return;
+        return Err(ucx.error("getting the worker's event descriptor", st));
     }
     let (mut addr, mut len) = (std::ptr::null_mut(), 0usize);
     // SAFETY: as above; the address is copied, then released.
     let st = unsafe { (api.ucp_worker_get_address)(worker, &mut addr, &mut len) };
     if st != sys::UCS_OK {
-        let _ = ready.send(Err(ucx.error("getting the worker's address", st)));
-        return;
+        return Err(ucx.error("getting the worker's address", st));
     }
     let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
     unsafe { (api.ucp_worker_release_address)(worker, addr) };
-    if ready.send(Ok(bytes)).is_err() {
-        return;
-    }
-    loop {
-        let mut stop = false;
-        loop {
-            match cmds.try_recv() {
-                Ok(cmd) => w.handle(cmd, &done),
-                Err(mpsc::TryRecvError::Empty) => break,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    stop = true;
-                    break;
-                }
-            }
-        }
-        if stop {
-            break;
-        }
-        let mut moved = false;
-        // SAFETY: our own worker, on its own thread.
-        while unsafe { (api.ucp_worker_progress)(worker) } != 0 {
-            moved = true;
-        }
-        moved |= w.reap(&done);
-        if moved {
-            continue;
-        }
-        // SAFETY: as above.
-        if unsafe { (api.ucp_worker_arm)(worker) } == sys::UCS_ERR_BUSY {
-            continue;
-        }
-        let mut fds = [
-            libc::pollfd {
-                fd: efd,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: wake.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: two pollfds; the timeout bounds the sleep in case a wakeup is missed.
-        unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
-        let mut sink = [0u8; 8];
-        // SAFETY: draining our nonblocking eventfd.
-        unsafe { libc::read(wake.as_raw_fd(), sink.as_mut_ptr().cast(), 8) };
-    }
-    w.shutdown();
+    let w = Worker {
+        ucx,
+        worker,
+        ep: std::ptr::null_mut(),
+        pending: Vec::new(),
+    };
+    Ok((w, efd, bytes))
+}
+
+/// Sleep until the worker has an event or a command arrives (the eventfd
+/// `wake`), at most 100 ms in case a wakeup is missed.
+fn sleep_until_event(efd: i32, wake: &OwnedFd) {
+    let mut fds = [
+        libc::pollfd {
+            fd: efd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two pollfds, a bounded sleep.
+    unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+    let mut sink = [0u8; 8];
+    // SAFETY: draining our nonblocking eventfd.
+    unsafe { libc::read(wake.as_raw_fd(), sink.as_mut_ptr().cast(), 8) };
 }
 
 /// UCX's endpoint error callback. A dead peer already fails the posted
@@ -273,6 +279,17 @@ fn run(
 extern "C" fn peer_failed(_arg: *mut c_void, _ep: *mut c_void, _status: i8) {}
 
 impl Worker<'_> {
+    /// Run every command queued; false once the pump was dropped.
+    fn take_commands(&mut self, cmds: &Receiver<Cmd>, done: &Sender<Completion>) -> bool {
+        loop {
+            match cmds.try_recv() {
+                Ok(cmd) => self.handle(cmd, done),
+                Err(mpsc::TryRecvError::Empty) => return true,
+                Err(mpsc::TryRecvError::Disconnected) => return false,
+            }
+        }
+    }
+
     fn handle(&mut self, cmd: Cmd, done: &Sender<Completion>) {
         let api = &self.ucx.lib().api;
         match cmd {

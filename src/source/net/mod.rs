@@ -30,6 +30,10 @@
 //! Staging slots are kept for the process and reused by the next update
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
 
+mod connect;
+
+use connect::{authenticate, connect};
+
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use crate::apply::{Applier, Chunk};
 use crate::checksum::KEYED;
@@ -39,14 +43,12 @@ use crate::memory::pool::Pool;
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
-use crate::transport::auth::{self, Secret};
+use crate::transport::auth::Secret;
 use crate::transport::conn::Conn;
-use crate::transport::seal::Role;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::message_tag as net_tag;
 use crate::wire::{check_bucket, BucketEntry, Frame, MAX_BUFFERS};
 use std::collections::{HashMap, VecDeque};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 pub(crate) use crate::defaults::{
@@ -457,75 +459,6 @@ fn post(
         landing,
         digests: Vec::new(),
     })
-}
-
-/// A TCP connection to the publisher at `opts.address` (its first address
-/// that answers), within the bucket timeout and `deadline`.
-fn connect(opts: &NetOptions, deadline: Instant) -> Result<TcpStream> {
-    let addrs: Vec<_> = opts
-        .address
-        .to_socket_addrs()
-        .map_err(|e| {
-            Error::invalid_argument(format!(
-                "publisher address '{}' is not host:port ({e})",
-                opts.address
-            ))
-        })?
-        .collect();
-    let wait = deadline
-        .saturating_duration_since(Instant::now())
-        .min(opts.bucket_timeout)
-        .max(Duration::from_millis(1));
-    let mut last = None;
-    let mut stream = None;
-    for a in &addrs {
-        match TcpStream::connect_timeout(a, wait) {
-            Ok(s) => {
-                stream = Some(s);
-                break;
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    let stream = stream.ok_or_else(|| {
-        let e = last.map_or("no address".to_string(), |e| e.to_string());
-        Error::not_found(format!("no publisher answers at {} ({e})", opts.address))
-    })?;
-    let _ = stream.set_nodelay(true);
-    Ok(stream)
-}
-
-/// The engine's side of the challenge (see `transport::auth`); once the
-/// publisher's proof checks, every frame is authenticated both ways.
-/// Returns the session's key of the bucket bytes' digests.
-fn authenticate(
-    conn: &mut Conn,
-    secret: &Secret,
-    hello: &[u8],
-    deadline: Instant,
-) -> Result<[u8; KEYED]> {
-    let theirs = match conn.recv(deadline)? {
-        Frame::Challenge { nonce } => nonce,
-        other => return Err(unexpected(conn, "CHALLENGE", &other)),
-    };
-    let mine = auth::nonce()?;
-    conn.send(&Frame::Proof {
-        mac: secret.engine_proof(&theirs, &mine),
-        nonce: mine,
-    })?;
-    match conn.recv(deadline) {
-        Ok(Frame::Proof { mac, .. }) if secret.check_publisher_proof(&mine, &theirs, &mac) => {
-            let keys = secret.session_keys(&theirs, &mine, hello);
-            conn.secure(&keys, Role::Engine);
-            Ok(keys.bytes)
-        }
-        Ok(Frame::Proof { .. }) => Err(Error::auth(format!(
-            "authentication failed: {} does not hold this engine's shared secret",
-            conn.peer()
-        ))),
-        Ok(other) => Err(unexpected(conn, "PROOF", &other)),
-        Err(e) => Err(e),
-    }
 }
 
 impl FromPublisher for NetSource {
