@@ -33,15 +33,22 @@
 //! - [`manager`]: the state machine that runs updates and clears.
 //! - [`ffi`]: the C boundary, and nothing else.
 //!
-//! Where things go: a new source is a module under [`source`] implementing
-//! [`source::Source`], plus its [`source::SourceKind`] number; a new C
-//! function goes in the [`ffi`] file of its handle (`ffi/manager.rs`,
-//! `ffi/update.rs`, `ffi/publisher.rs`, ...), then the header is regenerated.
-//! A network chunk lands where the applier says (in place: the param
-//! itself; atomic: the staging arena; a device param without gdr: a host
-//! buffer, pinned where it can, that goes up to the GPU; gdr: GPU memory),
-//! and the applier checks it against the manifest's checksum the moment it
-//! lands when the request asks for verification (see [`source::net`]).
+//! Where things go:
+//! - A network chunk: `source/net/mod.rs` posts each bucket entry's UCX
+//!   receive where `Applier::landing_for` says (`apply/receive.rs`: in
+//!   place the param itself, atomic the staging arena, a device param
+//!   without gdr a host buffer, pinned where it can, that goes up to the
+//!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
+//!   routes it (`apply/route.rs`, `apply/batch.rs`) and checks it against
+//!   the manifest's checksum while it is still in cache (`apply/verify.rs`);
+//!   keyed digests, when asked for, are checked by the source first.
+//! - A new source: a module under [`source`] implementing
+//!   [`source::Source`], its [`source::SourceKind`] number, and one arm in
+//!   `manager/sources.rs` that opens it.
+//! - A new C function: the [`ffi`] file of its topic (`ffi/manager.rs`,
+//!   `ffi/update.rs`, `ffi/publisher.rs`, ...), inside `ffi_guard!`, with
+//!   its rules in a plain Rust module; then regenerate the header
+//!   (`WM_BLESS=1 cargo test --test header`).
 
 pub mod apply;
 pub mod checksum;
