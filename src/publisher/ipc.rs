@@ -6,14 +6,13 @@
 //! pooled bucket buffers, which alternate: while the engine applies bucket
 //! i, bucket i+1 is packed into the other one.
 
-use super::buffers::{take_buffers, BufferPool};
-use super::config::PublisherConfig;
+use super::buffers::take_buffers;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, windows};
 use super::shard::{fill, Shard};
 use super::stats::SessionStats;
-use super::streamer::{stream_buckets, BucketSink};
+use super::streamer::{BucketSink, SessionIo};
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::result::{Error, Result};
@@ -23,57 +22,37 @@ use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 /// Stream the `want`ed tensors of `shard` to the engine at `conn`.
-pub(super) fn stream(
-    conn: &mut Conn,
-    shard: &mut Shard,
-    want: &[u32],
-    cfg: &PublisherConfig,
-    pool: &BufferPool,
-    ack_deadline: &dyn Fn() -> Instant,
-    stats: &mut SessionStats,
-) -> Result<()> {
+pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, want: &[u32]) -> Result<()> {
     // The corruption test hook needs a packed copy to flip a bit in.
-    match (shard.published.clone(), hooks::corrupt_victim(cfg)) {
+    match (shard.published.clone(), hooks::corrupt_victim(io.cfg)) {
         (Some(Published::Device(_)), Some(_)) => Err(Error::invalid_argument(
             "the corrupt-tensor test option does not apply to a GPU version",
         )),
-        (Some(published), None) => {
-            stream_published(conn, shard, &published, want, cfg, ack_deadline, stats)
-        }
-        _ => stream_packed(conn, shard, want, cfg, pool, ack_deadline, stats),
+        (Some(published), None) => stream_published(io, shard, &published, want),
+        _ => stream_packed(io, shard, want),
     }
 }
 
 /// A published version: its buffer handed over, buckets as windows into it.
 fn stream_published(
-    conn: &mut Conn,
+    io: &mut SessionIo,
     shard: &Shard,
     published: &Published,
     want: &[u32],
-    cfg: &PublisherConfig,
-    ack_deadline: &dyn Fn() -> Instant,
-    stats: &mut SessionStats,
 ) -> Result<()> {
     let (base, handover) = match published {
         Published::Host(b) => (b.ptr() as u64, Handover::Shared(vec![&**b])),
         Published::Device(d) => (d.ptr(), Handover::Cuda(d)),
     };
-    let buckets = windows(shard, base, want, cfg.bucket_size);
-    handover.send(conn)?;
+    let buckets = windows(shard, base, want, io.cfg.bucket_size);
+    handover.send(io.conn)?;
     let mut sink = IpcSink(|_: u64, _: &[BucketEntry]| Ok(0));
-    stream_buckets(conn, &buckets, cfg.buffers, &mut sink, ack_deadline, stats)
+    io.stream(&buckets, io.cfg.buffers, &mut sink)
 }
 
 /// Live tensors or files: packed into pooled bucket buffers.
-fn stream_packed(
-    conn: &mut Conn,
-    shard: &mut Shard,
-    want: &[u32],
-    cfg: &PublisherConfig,
-    pool: &BufferPool,
-    ack_deadline: &dyn Fn() -> Instant,
-    stats: &mut SessionStats,
-) -> Result<()> {
+fn stream_packed(io: &mut SessionIo, shard: &mut Shard, want: &[u32]) -> Result<()> {
+    let (cfg, pool) = (io.cfg, io.pool);
     let buckets = plan_buckets(&shard.manifest, want, cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);
@@ -88,8 +67,8 @@ fn stream_packed(
         Ok(slot as u32)
     });
     let r = Handover::Shared(buffers.iter().collect())
-        .send(conn)
-        .and_then(|()| stream_buckets(conn, &buckets, n_buf, &mut sink, ack_deadline, stats));
+        .send(io.conn)
+        .and_then(|()| io.stream(&buckets, n_buf, &mut sink));
     // A clean session's buffers serve the next one; a failed session's are
     // freed at once (the engine may be gone, or still mapping them).
     if r.is_ok() {

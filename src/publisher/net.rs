@@ -19,13 +19,12 @@
 //! the session's, `transport::auth`), computed from the bytes as packed or
 //! as held, before anything could alter them on the way.
 
-use super::buffers::{take_buffers, BufferPool};
-use super::config::PublisherConfig;
+use super::buffers::take_buffers;
 use super::hooks;
 use super::plan::plan_buckets;
 use super::shard::{fill, Shard};
 use super::stats::SessionStats;
-use super::streamer::{stream_buckets, Bucket, BucketSink};
+use super::streamer::{Bucket, BucketSink, SessionIo};
 use crate::checksum::KEYED;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
@@ -49,18 +48,14 @@ struct Ready {
 
 /// Stream the `want`ed tensors of `shard` to the engine at `conn`, whose
 /// bucket bytes' digests are keyed with `key`.
-#[allow(clippy::too_many_arguments)] // a session's parts; grouping them would only rename them
 pub(super) fn stream(
-    conn: &mut Conn,
+    io: &mut SessionIo,
     key: &[u8; KEYED],
     shard: &mut Shard,
     want: &[u32],
-    cfg: &PublisherConfig,
-    pool: &BufferPool,
-    ack_deadline: &dyn Fn() -> Instant,
-    stats: &mut SessionStats,
 ) -> Result<()> {
-    let ready = recv_ready(conn, ack_deadline())?;
+    let (cfg, pool) = (io.cfg, io.pool);
+    let ready = recv_ready(io.conn, (io.ack_deadline)())?;
     let buckets = plan_messages(shard, want, ready.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = ready.depth.min(buckets.len()).max(1);
@@ -79,7 +74,7 @@ pub(super) fn stream(
     };
     let pump = Pump::start("publisher")?;
     pump.connect(&ready.address)
-        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
+        .map_err(|e| e.context(format!("reaching {}", io.conn.peer())))?;
     // The sink borrows the buffers, so it (and its pump, whose sends read
     // them) is gone before they are freed or pooled.
     let mut sink = NetSink {
@@ -97,7 +92,7 @@ pub(super) fn stream(
         sums: Vec::new(),
         in_flight: HashMap::new(),
     };
-    stream_buckets(conn, &buckets, n_buf, &mut sink, ack_deadline, stats)?;
+    io.stream(&buckets, n_buf, &mut sink)?;
     drop(sink);
     pool.give_back(buffers);
     Ok(())

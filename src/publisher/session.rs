@@ -9,6 +9,7 @@ use super::handshake::Admitted;
 use super::offer::{pick, Offer};
 use super::shard::shard_for;
 use super::stats::SessionStats;
+use super::streamer::SessionIo;
 use super::{ipc, net};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -100,26 +101,16 @@ fn serve(
         ..Default::default()
     };
     let ack_deadline = || step(cfg.bucket_timeout);
+    let mut io = SessionIo {
+        conn,
+        cfg,
+        pool,
+        ack_deadline: &ack_deadline,
+        stats: &mut stats,
+    };
     match bytes_key {
-        Some(key) => net::stream(
-            conn,
-            key,
-            &mut shard,
-            &want,
-            cfg,
-            pool,
-            &ack_deadline,
-            &mut stats,
-        )?,
-        None => ipc::stream(
-            conn,
-            &mut shard,
-            &want,
-            cfg,
-            pool,
-            &ack_deadline,
-            &mut stats,
-        )?,
+        Some(key) => net::stream(&mut io, key, &mut shard, &want)?,
+        None => ipc::stream(&mut io, &mut shard, &want)?,
     }
     Ok(stats)
 }

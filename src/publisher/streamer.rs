@@ -4,6 +4,8 @@
 //! ([`BucketSink`]: `ipc::IpcSink`, `net::NetSink`); the window of
 //! acknowledgements and the order of the frames are the streamer's.
 
+use super::buffers::BufferPool;
+use super::config::PublisherConfig;
 use super::stats::SessionStats;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -44,6 +46,36 @@ pub(super) trait BucketSink {
     /// once the engine acknowledged it (network: UCX reports its sends
     /// complete).
     fn release(&mut self, conn: &mut Conn, seq: u64, deadline: Instant) -> Result<()>;
+}
+
+/// What a session's buckets go out with: its connection, the publisher's
+/// config and bucket buffers, the deadline of the next acknowledgement, and
+/// the session's figures. IPC and network sessions take the same parts.
+pub(super) struct SessionIo<'a> {
+    pub conn: &'a mut Conn,
+    pub cfg: &'a PublisherConfig,
+    pub pool: &'a BufferPool,
+    pub ack_deadline: &'a dyn Fn() -> Instant,
+    pub stats: &'a mut SessionStats,
+}
+
+impl SessionIo<'_> {
+    /// Stream `buckets` through `sink` on this session.
+    pub fn stream<S: BucketSink>(
+        &mut self,
+        buckets: &[Bucket],
+        in_flight: usize,
+        sink: &mut S,
+    ) -> Result<()> {
+        stream_buckets(
+            self.conn,
+            buckets,
+            in_flight,
+            sink,
+            self.ack_deadline,
+            self.stats,
+        )
+    }
 }
 
 /// Stream `buckets` through `sink`, at most `in_flight` unacknowledged;
