@@ -255,16 +255,6 @@ fn wait_for_socket(path: &Path) {
     }
 }
 
-fn output(c: Child) -> (bool, String) {
-    let out = c.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 #[test]
 fn one_publisher_serves_four_ranks_their_own_shards() {
     let _serial = serial();
@@ -312,13 +302,7 @@ fn one_publisher_serves_four_ranks_their_own_shards() {
             .unwrap()
         })
         .collect();
-    for (r, e) in engines.into_iter().enumerate() {
-        let (ok, text) = output(e);
-        assert!(
-            ok && text.contains("equal to the snapshot"),
-            "rank {r}: {text}"
-        );
-    }
+    expect_equal_to_snapshot(engines);
     let (ok, text) = output(publisher);
     assert!(ok, "{text}");
     assert_eq!(text.matches("version 40").count(), 4, "{text}");

@@ -111,16 +111,6 @@ fn serve(args: &[&str]) -> (Child, String, BufReader<ChildStdout>) {
     }
 }
 
-fn output(c: Child) -> (bool, String) {
-    let out = c.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 fn four_rank_snapshot(dir: &Path, seed: u8, step: &str) {
     std::fs::create_dir_all(dir).unwrap();
     for r in 0..4u32 {
@@ -656,13 +646,7 @@ fn probe_connections_neither_count_nor_block_real_engines() {
             .unwrap()
         })
         .collect();
-    for (r, e) in engines.into_iter().enumerate() {
-        let (ok, text) = output(e);
-        assert!(
-            ok && text.contains("equal to the snapshot"),
-            "rank {r}: {text}"
-        );
-    }
+    expect_equal_to_snapshot(engines);
     // Served long before a probe's old 60 s hold (generous for a busy machine).
     assert!(
         started.elapsed() < Duration::from_secs(45),

@@ -159,3 +159,26 @@ impl Drop for ShmNames {
         }
     }
 }
+
+/// A finished child's success and its stdout and stderr together.
+pub fn output(c: std::process::Child) -> (bool, String) {
+    let out = c.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Every `wm pull --check` engine (one per rank, in rank order) succeeded
+/// and found its params equal to the snapshot.
+pub fn expect_equal_to_snapshot(engines: Vec<std::process::Child>) {
+    for (r, e) in engines.into_iter().enumerate() {
+        let (ok, text) = output(e);
+        assert!(
+            ok && text.contains("equal to the snapshot"),
+            "rank {r}: {text}"
+        );
+    }
+}
