@@ -35,7 +35,7 @@
 //!
 //! Where things go:
 //! - A network chunk: `source/net/mod.rs` posts each bucket entry's UCX
-//!   receive where `Applier::landing_for` says (`apply/receive.rs`: in
+//!   receive where `Applier::receive_buffer_for` says (`apply/receive.rs`: in
 //!   place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier

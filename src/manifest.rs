@@ -12,6 +12,28 @@ pub struct TensorMeta {
     pub nbytes: u64,
     /// xxh3-128 of the tensor's bytes, when the source has one.
     pub checksum: Option<u128>,
+    /// Where these bytes sit in the global tensor `name` when the source
+    /// holds only a shard of it; None: the whole tensor (`shape` is the
+    /// global shape).
+    pub placement: Option<Placement>,
+}
+
+/// A shard's place in its global tensor: the global shape, and the offset
+/// of the shard's box in it per dimension (the box's lengths are the
+/// shard's own `shape`). The shard's bytes are its box, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub global_shape: Vec<u64>,
+    pub offset: Vec<u64>,
+}
+
+impl TensorMeta {
+    /// The global tensor's shape (the shard's own shape when it is whole).
+    pub fn global_shape(&self) -> &[u64] {
+        self.placement
+            .as_ref()
+            .map_or(&self.shape, |p| &p.global_shape)
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -277,6 +277,7 @@ mod tests {
             shape: shape.to_vec(),
             nbytes: byte_size(name, dtype, shape).unwrap(),
             checksum: None,
+            placement: None,
         }
     }
 

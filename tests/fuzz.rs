@@ -103,6 +103,7 @@ fn frames() -> Vec<Frame> {
         shape: shape.to_vec(),
         nbytes: shape.iter().product::<u64>() * 4,
         checksum,
+        placement: None,
     };
     vec![
         Frame::Hello {
@@ -302,6 +303,7 @@ fn manifest_from(bytes: &[u8]) -> Manifest {
             shape,
             nbytes,
             checksum: (k & 0x80 != 0).then_some(k as u128),
+            placement: None,
         });
     }
     Manifest {

@@ -60,6 +60,7 @@ fn meta(name: &str, nbytes: u64) -> TensorMeta {
         shape: vec![nbytes],
         nbytes,
         checksum: None,
+        placement: None,
     }
 }
 

@@ -485,6 +485,7 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
                     shape: vec![64],
                     nbytes: 256,
                     checksum: None,
+                    placement: None,
                 }],
             })
             .unwrap();

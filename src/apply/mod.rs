@@ -85,7 +85,7 @@ pub struct Applier<'p, 'h> {
     /// kept across updates).
     staging: Option<&'p mut DeviceStaging>,
     /// gdr, in place: a source writes device params' bytes straight into
-    /// them (`landing_for` gives device addresses); verification reads
+    /// them (`receive_buffer_for` gives device addresses); verification reads
     /// each chunk back to the host to hash it.
     gdr: bool,
     /// Host copy of a chunk that landed on the GPU, for its hash.
@@ -156,7 +156,7 @@ impl<'p, 'h> Applier<'p, 'h> {
 
     /// gdr: let sources land device params' bytes in the params themselves
     /// (in place only; atomic mode stages in host memory as always).
-    pub fn land_on_device(mut self, yes: bool) -> Self {
+    pub fn with_gdr(mut self, yes: bool) -> Self {
         self.gdr = yes;
         self
     }
@@ -207,8 +207,8 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// source that writes them itself (a network receive straight into param
     /// memory, or into the atomic staging arena). Range-checked; in place,
     /// the params count as written from now on. Report the bytes with
-    /// [`Applier::landed_batch`] once they are there.
-    pub fn landing_for(&mut self, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
+    /// [`Applier::account_landed`] once they are there.
+    pub fn receive_buffer_for(&mut self, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
         let Some(entry) = self.plan.entries.get(t) else {
             return Err(Error::format(format!(
                 "chunk names tensor #{t} but the plan has {}",
@@ -229,10 +229,10 @@ impl<'p, 'h> Applier<'p, 'h> {
         self.receive_at(t, offset)
     }
 
-    /// Account for chunks a source already wrote where [`Applier::landing_for`]
+    /// Account for chunks a source already wrote where [`Applier::receive_buffer_for`]
     /// said (their `src` is ignored): the same checks, verification and
     /// delivery as [`Applier::apply_batch`], without the copy.
-    pub fn landed_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
+    pub fn account_landed(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
         self.batch(origin, chunks, true)
     }
 

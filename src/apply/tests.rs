@@ -17,6 +17,7 @@ fn plan_of(bytes: &[u8]) -> Plan {
             shape: vec![bytes.len() as u64],
             nbytes: bytes.len() as u64,
             checksum: Some(crate::checksum::of(bytes)),
+            placement: None,
         },
         target: Target::Param(0),
     }])
@@ -38,7 +39,7 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
     for at in (0..src.len()).step_by(piece) {
         let len = piece.min(src.len() - at);
         if landed {
-            let to = a.landing_for(0, at as u64, len)?;
+            let to = a.receive_buffer_for(0, at as u64, len)?;
             // SAFETY: the landing range is the param's, `len` bytes long.
             unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), to.0, len) };
         }
@@ -49,7 +50,7 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
             src: CopySource::Memory(SendPtr(src[at..].as_ptr().cast_mut())),
         };
         if landed {
-            a.landed_batch("test", &[chunk])?;
+            a.account_landed("test", &[chunk])?;
         } else {
             a.apply_batch("test", &[chunk])?;
         }
@@ -68,6 +69,7 @@ fn callback_plan(sizes: &[(&str, u64)]) -> Plan {
                 shape: vec![n],
                 nbytes: n,
                 checksum: None,
+                placement: None,
             },
             target: Target::Callback,
         })
@@ -107,7 +109,7 @@ fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
     }
 }
 
-/// rdma lands callback tensors through `landing_for`: tensors received
+/// rdma lands callback tensors through `receive_buffer_for`: tensors received
 /// at once count together against the limit, each one alone fits.
 #[test]
 fn callback_tensors_received_at_once_share_the_limit() {
@@ -123,8 +125,8 @@ fn callback_tensors_received_at_once_share_the_limit() {
         tensor: Some(&mut hook),
     };
     let mut a = Applier::new(&plan, vec![None, None], opts, hooks).unwrap();
-    a.landing_for(0, 0, 1000).unwrap();
-    let e = a.landing_for(1, 0, 1000).unwrap_err();
+    a.receive_buffer_for(0, 0, 1000).unwrap();
+    let e = a.receive_buffer_for(1, 0, 1000).unwrap_err();
     assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
     assert!(
         e.message.contains("tensor 'b'") && e.message.contains("3000 bytes"),
@@ -138,10 +140,10 @@ fn callback_tensors_received_at_once_share_the_limit() {
         src: CopySource::Memory(SendPtr(std::ptr::null_mut())),
     };
     for t in 0..2 {
-        let at = a.landing_for(t, 0, 3000).unwrap();
+        let at = a.receive_buffer_for(t, 0, 3000).unwrap();
         // SAFETY: the landing holds the tensor's 3000 bytes.
         unsafe { std::ptr::write_bytes(at.0, 1, 3000) };
-        a.landed_batch("test", &[whole(t)]).unwrap();
+        a.account_landed("test", &[whole(t)]).unwrap();
     }
     a.finish().map_err(|f| f.error).unwrap();
     assert_eq!(delivered, ["a", "b"]);
@@ -194,10 +196,10 @@ fn chunks_land_where_their_run_says() {
             src: CopySource::Memory(SendPtr(data.as_ptr().cast_mut())),
         };
         if landed {
-            let to = a.landing_for(0, 0, 4).unwrap();
+            let to = a.receive_buffer_for(0, 0, 4).unwrap();
             // SAFETY: the landing is the run's 4 bytes of the param.
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), to.0, 4) };
-            a.landed_batch("test", &[chunk]).unwrap();
+            a.account_landed("test", &[chunk]).unwrap();
         } else {
             a.apply_batch("test", &[chunk]).unwrap();
         }

@@ -25,7 +25,7 @@ impl Applier<'_, '_> {
         len: usize,
     ) -> Result<()> {
         self.readback.resize(len, 0);
-        // SAFETY: the device range was range-checked by landing_for and the
+        // SAFETY: the device range was range-checked by receive_buffer_for and the
         // source wrote it; readback holds len bytes.
         unsafe { crate::memory::cuda_ipc::download(ordinal, self.readback.as_mut_ptr(), at, len) }
             .map_err(|e| e.context(format!("{origin}: reading tensor '{}' back", self.name(t))))?;

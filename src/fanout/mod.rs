@@ -428,6 +428,7 @@ mod tests {
             shape: vec![4],
             nbytes: 16,
             checksum: None,
+            placement: None,
         };
         let plan = Plan::new(vec![PlanEntry {
             meta: meta.clone(),

@@ -214,7 +214,7 @@ impl Manager {
         let mut staging = self.staging.lock();
         let mut applier = Applier::new(plan, dests, apply_opts, hooks)?
             .with_staging(&mut staging)
-            .land_on_device(prepared.gdr);
+            .with_gdr(prepared.gdr);
         if let Err(error) = prepared.source.stream(plan, &mut applier) {
             return Err(applier.failure(error));
         }

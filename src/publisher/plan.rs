@@ -102,6 +102,7 @@ mod tests {
             shape: vec![n],
             nbytes: n,
             checksum: None,
+            placement: None,
         };
         let m = Manifest {
             tensors: vec![t(100), t(300), t(2500), t(10)],
@@ -135,6 +136,7 @@ mod tests {
                     shape: vec![64 * MIB],
                     nbytes: 64 * MIB,
                     checksum: None,
+                    placement: None,
                 })
                 .collect(),
             version: None,

@@ -144,6 +144,7 @@ fn tensors_shard(
             shape: t.shape.clone(),
             nbytes: t.len as u64,
             checksum: t.checksum.or_else(|| known.get(i).copied()),
+            placement: None,
         })
         .collect();
     drop(known);

@@ -119,6 +119,7 @@ fn tensor_meta(i: &mut In) -> Result<TensorMeta> {
         shape,
         nbytes,
         checksum,
+        placement: None,
     })
 }
 

@@ -177,6 +177,7 @@ mod tests {
                 shape: vec![2, 3],
                 nbytes: 12,
                 checksum: Some(0xabcdef),
+                placement: None,
             }],
         });
         round_trip(Frame::Want {
@@ -260,6 +261,7 @@ mod tests {
                 shape: vec![4],
                 nbytes: 16,
                 checksum: None,
+                placement: None,
             }],
         }
         .encode();
@@ -272,6 +274,7 @@ mod tests {
                 shape: vec![4],
                 nbytes: 16,
                 checksum: None,
+                placement: None,
             }],
         }
         .encode();

@@ -8,7 +8,7 @@
 //! entry (at most `wire::NET_MESSAGE` bytes) is its own UCX message:
 //!
 //! - **direct** (rdma by default, gdr always): received straight where the
-//!   applier wants the bytes (`Applier::landing_for`): the param itself in
+//!   applier wants the bytes (`Applier::receive_buffer_for`): the param itself in
 //!   place, the atomic staging arena otherwise, and for device params
 //!   without gdr a host buffer (pinned where it can) that goes up to the
 //!   GPU. On RDMA hardware the NIC writes the params. gdr (straight into GPU
@@ -414,7 +414,7 @@ fn apply_landed(applier: &mut Applier, bucket: &Posted, k: usize) -> Result<()> 
     let origin = format!("bucket {}", bucket.seq);
     match bucket.slot {
         Some(_) => applier.apply_batch(&origin, &[chunk]),
-        None => applier.landed_batch(&origin, &[chunk]),
+        None => applier.account_landed(&origin, &[chunk]),
     }
 }
 
@@ -442,7 +442,9 @@ fn post(
     for (k, e) in entries.iter().enumerate() {
         let at = match slot {
             Some(slot) => SendPtr(slot.ptr().wrapping_add(e.buffer_offset as usize)),
-            None => applier.landing_for(e.tensor as usize, e.tensor_offset, e.len as usize)?,
+            None => {
+                applier.receive_buffer_for(e.tensor as usize, e.tensor_offset, e.len as usize)?
+            }
         };
         // SAFETY: the range is inside the slot (entries checked against the
         // bucket size) or the tensor's memory (checked by the applier). The

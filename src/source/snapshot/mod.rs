@@ -103,6 +103,7 @@ impl SnapshotSource {
                     shape: t.shape,
                     nbytes: t.nbytes,
                     checksum,
+                    placement: None,
                 });
             }
             files.push((path.clone(), header.file_len));
