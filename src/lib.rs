@@ -62,6 +62,7 @@ pub mod logging;
 pub mod manager;
 pub mod manifest;
 pub mod memory;
+pub mod pieces;
 pub mod plan;
 pub mod publisher;
 pub mod registry;
@@ -70,6 +71,7 @@ pub mod signal;
 pub mod source;
 pub mod state;
 pub mod tensor;
+pub mod tensor_box;
 pub mod transport;
 pub mod wire;
 

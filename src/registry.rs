@@ -7,6 +7,7 @@
 use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
+use crate::pieces::{check_pieces, Piece};
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, check_name, shape_text, DType};
 use std::collections::HashMap;
@@ -39,6 +40,9 @@ pub struct ParamSpec {
     pub shape: Vec<u64>,
     pub memory: MemoryKind,
     pub device_ordinal: i32,
+    /// What the param holds of which global tensors; empty: all of the
+    /// global tensor named like the param (of the param's shape).
+    pub pieces: Vec<Piece>,
 }
 
 impl ParamSpec {
@@ -49,6 +53,7 @@ impl ParamSpec {
             shape: shape.to_vec(),
             memory: MemoryKind::Host,
             device_ordinal: -1,
+            pieces: Vec::new(),
         }
     }
 }
@@ -77,6 +82,17 @@ pub struct Param {
     pub device: Option<i32>,
     /// False after a clear, until the next update brings memory back.
     pub resident: bool,
+    /// What it holds of which global tensors (at least one piece; a param
+    /// registered without pieces holds all of the tensor of its name).
+    pub pieces: Vec<Piece>,
+}
+
+impl Param {
+    /// True when the param is the whole global tensor of its own name (the
+    /// layout every update had before pieces).
+    pub fn is_whole_tensor(&self) -> bool {
+        matches!(self.pieces.as_slice(), [p] if p == &Piece::whole(&self.name, &self.shape))
+    }
 }
 
 impl Param {
@@ -141,6 +157,9 @@ impl Registry {
             )));
         }
         let n = byte_size(&format!("param '{}'", spec.name), spec.dtype, &spec.shape)?;
+        if !spec.pieces.is_empty() {
+            check_pieces(&spec.name, &spec.shape, &spec.pieces)?;
+        }
         Ok(n as usize)
     }
 
@@ -155,6 +174,11 @@ impl Registry {
             memory,
             device,
             resident: true,
+            pieces: if spec.pieces.is_empty() {
+                vec![Piece::whole(&spec.name, &spec.shape)]
+            } else {
+                spec.pieces.clone()
+            },
         });
     }
 

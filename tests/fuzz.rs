@@ -349,6 +349,7 @@ fn fuzz_plan_builder() {
             skip_unknown: flags & 1 != 0,
             callback: flags & 2 != 0,
             verify: flags & 4 != 0,
+            ..Default::default()
         };
         let manifest = manifest_from(rest);
         let Ok(plan) = make_plan(&manifest, &registry, opts, &logger) else {

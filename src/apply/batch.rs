@@ -46,8 +46,8 @@ impl Applier<'_, '_> {
             let Some(end) = self.accept(origin, c)? else {
                 continue;
             };
-            let complete = end == self.plan.entries[c.tensor].meta.nbytes;
-            let whole = c.offset == 0 && complete;
+            let complete = end == self.plan.entries[c.tensor].bytes;
+            let whole = c.offset == 0 && complete && self.whole[c.tensor];
             match self.route(c, whole, landed) {
                 Route::Copy | Route::Landed => {
                     self.receive_in_memory(c, whole, complete, landed, &mut work)?
@@ -79,7 +79,8 @@ impl Applier<'_, '_> {
         if entry.target == Target::Skip || c.len == 0 {
             return Ok(None);
         }
-        let (t, n) = (c.tensor, entry.meta.nbytes);
+        // What the entry receives: its segments back to back.
+        let (t, n) = (c.tensor, entry.bytes);
         if c.offset != self.received[t] {
             return Err(Error::format(format!(
                 "{origin}: chunk of tensor '{}' starts at byte {} but byte {} was expected next",
@@ -116,24 +117,26 @@ impl Applier<'_, '_> {
         work: &mut BatchWork<'c>,
     ) -> Result<()> {
         let t = c.tensor;
-        let dst = self.receive_at(t, c.offset)?;
+        let spans = self.receive_spans(t, c.offset, c.len as u64)?;
         if self.opts.verify && !whole {
             // Bytes in memory are hashed where they already are (just
-            // landed, so still in cache); a file's once copied.
+            // landed, so still in cache); a file's once copied. (Verified
+            // entries are whole tensors: one span.)
             let at = match (landed, c.src) {
                 (false, CopySource::Memory(src)) => src,
-                _ => dst,
+                _ => spans[0].dst,
             };
             work.hash_chunks.push((t, at, c.len));
         }
         if !landed {
-            let (src, len) = (c.src, c.len);
-            work.copies.push(CopyJob {
-                src,
-                dst,
-                len,
-                tag: t,
-            });
+            for s in spans {
+                work.copies.push(CopyJob {
+                    src: c.src.advanced(s.at),
+                    dst: s.dst,
+                    len: s.len as usize,
+                    tag: t,
+                });
+            }
         }
         if matches!(self.plan.entries[t].target, Target::Param(_)) && self.arena.is_none() {
             self.wrote_params = true;
@@ -153,8 +156,10 @@ impl Applier<'_, '_> {
         complete: bool,
         work: &mut BatchWork,
     ) -> Result<()> {
-        let dst = ptr + self.param_offset(c.tensor, c.offset)?;
-        work.device_copies.push((ordinal, dst, src, c.len));
+        for (at, p, len) in self.param_spans(c.tensor, c.offset, c.len as u64)? {
+            work.device_copies
+                .push((ordinal, ptr + p, src + at, len as usize));
+        }
         self.wrote_params = true;
         work.completed_on_device += u64::from(complete);
         Ok(())
@@ -179,7 +184,7 @@ impl Applier<'_, '_> {
             )));
         }
         if self.opts.verify {
-            let at = ptr + self.param_offset(t, c.offset)?;
+            let at = ptr + self.param_offset(t, c.offset, c.len as u64)?;
             self.hash_on_device(origin, t, (at, ordinal), c.len)?;
         }
         if complete {
@@ -199,7 +204,7 @@ impl Applier<'_, '_> {
                 .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
         })?;
         for &t in &work.completed {
-            let n = self.plan.entries[t].meta.nbytes as usize;
+            let n = self.plan.entries[t].bytes as usize;
             // SAFETY: every byte up to n was just written, into a buffer
             // allocated for n.
             unsafe { self.loose.filled(t, n) };

@@ -46,8 +46,8 @@ impl Applier<'_, '_> {
             .entries
             .iter()
             .zip(&self.received)
-            .filter(|(e, r)| e.target != Target::Skip && **r < e.meta.nbytes)
-            .map(|(e, r)| format!("'{}' ({r} of {} bytes)", e.meta.name, e.meta.nbytes))
+            .filter(|(e, r)| e.target != Target::Skip && **r < e.bytes)
+            .map(|(e, r)| format!("'{}' ({r} of {} bytes)", e.meta.name, e.bytes))
             .collect();
         if incomplete.is_empty() {
             return Ok(());
@@ -66,23 +66,21 @@ impl Applier<'_, '_> {
     /// Atomic: every run into its host param in parallel, then device
     /// params and callback tensors from their slots.
     fn commit_arena(&mut self, arena: &Arena) -> Result<()> {
-        let jobs: Vec<CopyJob> = self
-            .plan
-            .runs
-            .iter()
-            .filter(|r| matches!(r.target, Target::Param(_)) && r.source.end > r.source.start)
-            .filter_map(|r| match self.params[r.tensor] {
-                Some(Dest::Host(param)) => Some(CopyJob {
-                    src: CopySource::Memory(SendPtr(
-                        arena.slot(r.tensor).wrapping_add(r.source.start as usize),
-                    )),
-                    dst: SendPtr(param.0.wrapping_add(r.param.start as usize)),
-                    len: (r.source.end - r.source.start) as usize,
-                    tag: r.tensor,
-                }),
-                _ => None,
-            })
-            .collect();
+        let mut jobs: Vec<CopyJob> = Vec::new();
+        for (t, segs) in self.segments.iter().enumerate() {
+            let Some(Dest::Host(param)) = self.params[t] else {
+                continue;
+            };
+            if !matches!(self.plan.entries[t].target, Target::Param(_)) {
+                continue;
+            }
+            jobs.extend(segs.iter().filter(|s| s.len > 0).map(|s| CopyJob {
+                src: CopySource::Memory(SendPtr(arena.slot(t).wrapping_add(s.wanted as usize))),
+                dst: SendPtr(param.0.wrapping_add(s.param as usize)),
+                len: s.len as usize,
+                tag: t,
+            }));
+        }
         self.wrote_params = !jobs.is_empty();
         // SAFETY: arena slots and param memory are disjoint, both sized by the plan.
         unsafe { copy_all(&jobs, self.opts.threads) }.map_err(|e| e.error)?;
@@ -92,7 +90,7 @@ impl Applier<'_, '_> {
             if !callback && !matches!(device, Some(Dest::Device { .. })) {
                 continue;
             }
-            let n = self.plan.entries[t].meta.nbytes as usize;
+            let n = self.plan.entries[t].bytes as usize;
             // SAFETY: slot t holds n verified bytes; the arena outlives this call.
             let data = unsafe { std::slice::from_raw_parts(arena.slot(t), n) };
             match device {

@@ -62,7 +62,7 @@ use crate::checksum::Checksum;
 use crate::memory::loose::{check_callback_staging, LooseBuffers};
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
 use crate::memory::SendPtr;
-use crate::plan::{Plan, Target};
+use crate::plan::{Plan, Segment, Target};
 use crate::result::{Error, Result};
 use receive::Arena;
 use std::collections::HashMap;
@@ -90,6 +90,11 @@ pub struct Applier<'p, 'h> {
     gdr: bool,
     /// Host copy of a chunk that landed on the GPU, for its hash.
     readback: Vec<u8>,
+    /// Per entry: its segments (where its received bytes go in the param).
+    segments: Vec<Vec<Segment>>,
+    /// Per entry: it moves its whole tensor unchanged (whole-tensor checks
+    /// and zero-copy views apply).
+    whole: Vec<bool>,
     /// Running hashes of tensors arriving in several chunks.
     hashing: HashMap<usize, Box<Checksum>>,
     received: Vec<u64>,
@@ -122,7 +127,17 @@ impl<'p, 'h> Applier<'p, 'h> {
             Mode::InPlace => None,
         };
         let started = Instant::now();
+        let segments: Vec<Vec<Segment>> =
+            (0..plan.entries.len()).map(|e| plan.segments(e)).collect();
+        let whole = plan
+            .entries
+            .iter()
+            .zip(&segments)
+            .map(|(e, s)| e.is_whole(s))
+            .collect();
         Ok(Applier {
+            segments,
+            whole,
             plan,
             hooks,
             params,
@@ -215,7 +230,7 @@ impl<'p, 'h> Applier<'p, 'h> {
                 self.plan.entries.len()
             )));
         };
-        let n = entry.meta.nbytes;
+        let n = entry.bytes;
         if entry.target == Target::Skip || offset.checked_add(len as u64).is_none_or(|end| end > n)
         {
             return Err(Error::format(format!(
@@ -226,7 +241,13 @@ impl<'p, 'h> Applier<'p, 'h> {
         if self.received_in_param(t) {
             self.wrote_params = true;
         }
-        self.receive_at(t, offset)
+        match self.receive_spans(t, offset, len as u64)?.as_slice() {
+            [span] => Ok(span.dst),
+            _ => Err(Error::format(format!(
+                "tensor '{}': {len} bytes from byte {offset} are not contiguous where they land",
+                entry.meta.name
+            ))),
+        }
     }
 
     /// Account for chunks a source already wrote where [`Applier::receive_buffer_for`]

@@ -20,9 +20,10 @@ pub(super) struct Arena {
 impl Arena {
     pub fn for_plan(plan: &Plan, threads: usize) -> Result<Arena> {
         // Skipped tensors get an empty slot.
+        // A slot holds what the entry receives (its segments back to back).
         let sizes = plan.entries.iter().map(|e| match e.target {
             Target::Skip => 0,
-            _ => e.meta.nbytes,
+            _ => e.bytes,
         });
         let (slots, size) =
             aligned_offsets(sizes).ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
@@ -38,6 +39,14 @@ impl Arena {
     pub fn slot(&self, t: usize) -> *mut u8 {
         self.region.ptr().wrapping_add(self.slots[t])
     }
+}
+
+/// Where part of a chunk goes: bytes `at..at + len` of the chunk to `dst`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Span {
+    pub at: u64,
+    pub dst: SendPtr,
+    pub len: u64,
 }
 
 impl Applier<'_, '_> {
@@ -64,12 +73,18 @@ impl Applier<'_, '_> {
             && (matches!(self.params[t], Some(Dest::Host(_))) || self.gdr_param(t).is_some())
     }
 
-    /// Where byte `offset` of entry `t` is received (allocating its buffer
-    /// on first use). Bytes received in the param itself map through the
-    /// plan's run holding `offset`.
-    pub(super) fn receive_at(&mut self, t: usize, offset: u64) -> Result<SendPtr> {
+    /// Where received bytes `[offset, offset + len)` of entry `t` go, as
+    /// (byte of the chunk, destination, length) spans: one span in the
+    /// arena or a buffer of the entry's own (which hold the entry's bytes
+    /// as received), one per segment in the param itself.
+    pub(super) fn receive_spans(&mut self, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
         if let Some(arena) = &self.arena {
-            return Ok(SendPtr(arena.slot(t).wrapping_add(offset as usize)));
+            let at = SendPtr(arena.slot(t).wrapping_add(offset as usize));
+            return Ok(vec![Span {
+                at: 0,
+                dst: at,
+                len,
+            }]);
         }
         let param = match (self.gdr_param(t), self.params[t]) {
             (Some((ptr, _)), _) => Some(ptr as *mut u8),
@@ -81,35 +96,71 @@ impl Applier<'_, '_> {
             _ => None,
         };
         if let Some(base) = param {
-            let at = self.param_offset(t, offset)?;
-            return Ok(SendPtr(base.wrapping_add(at as usize)));
+            let spans = self.param_spans(t, offset, len)?;
+            return Ok(spans
+                .into_iter()
+                .map(|(at, p, len)| Span {
+                    at,
+                    dst: SendPtr(base.wrapping_add(p as usize)),
+                    len,
+                })
+                .collect());
         }
         let buffer = self.tensor_buffer(t)?;
-        Ok(SendPtr(buffer.0.wrapping_add(offset as usize)))
+        let dst = SendPtr(buffer.0.wrapping_add(offset as usize));
+        Ok(vec![Span { at: 0, dst, len }])
     }
 
-    /// The param byte that byte `offset` of entry `t` goes to.
-    pub(super) fn param_offset(&self, t: usize, offset: u64) -> Result<u64> {
-        let run = self.plan.run_at(t, offset).ok_or_else(|| {
-            Error::format(format!(
-                "tensor '{}': byte {offset} is in no planned run",
+    /// Received bytes `[offset, offset + len)` of entry `t` in the param,
+    /// cut at segment edges: (byte of the range, param byte, length).
+    pub(super) fn param_spans(
+        &self,
+        t: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, u64, u64)>> {
+        let segs = &self.segments[t];
+        let mut i = segs.partition_point(|s| s.wanted + s.len <= offset);
+        let (mut at, end) = (offset, offset + len);
+        let mut out = Vec::new();
+        while at < end {
+            let s = segs.get(i).filter(|s| s.wanted <= at).ok_or_else(|| {
+                Error::format(format!(
+                    "tensor '{}': byte {at} is in no planned run",
+                    self.name(t)
+                ))
+            })?;
+            let n = (s.wanted + s.len).min(end) - at;
+            out.push((at - offset, s.param + (at - s.wanted), n));
+            at += n;
+            i += 1;
+        }
+        Ok(out)
+    }
+
+    /// The param byte that received byte `offset` of entry `t` goes to,
+    /// when `len` bytes from there are contiguous in the param.
+    pub(super) fn param_offset(&self, t: usize, offset: u64, len: u64) -> Result<u64> {
+        match self.param_spans(t, offset, len.max(1))?.as_slice() {
+            [(_, p, _)] => Ok(*p),
+            _ => Err(Error::format(format!(
+                "tensor '{}': {len} bytes from byte {offset} are not contiguous in its param",
                 self.name(t)
-            ))
-        })?;
-        Ok(run.param_offset(offset))
+            ))),
+        }
     }
 
     /// A buffer holding the whole of entry `t` on its way to a device param
     /// or the callback: pinned when the staging policy says so and a buffer
     /// is free, loose otherwise.
     fn tensor_buffer(&mut self, t: usize) -> Result<SendPtr> {
-        let n = self.plan.entries[t].meta.nbytes as usize;
+        let n = self.plan.entries[t].bytes as usize;
         let (Target::Param(_), Some(Dest::Device { ordinal, .. })) =
             (self.plan.entries[t].target, self.params[t])
         else {
             return self.loose_buffer(t, n);
         };
-        if !lands_in_own_pinned_buffer(n) || self.plan.runs_of(t).len() != 1 {
+        if !lands_in_own_pinned_buffer(n) || self.segments[t].len() != 1 {
             return self.loose_buffer(t, n);
         }
         if let Some(b) = self.pinned.get(&t) {

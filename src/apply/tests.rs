@@ -10,8 +10,8 @@ use crate::tensor::DType;
 use std::time::Duration;
 
 fn plan_of(bytes: &[u8]) -> Plan {
-    Plan::new(vec![PlanEntry {
-        meta: TensorMeta {
+    Plan::new(vec![PlanEntry::new(
+        TensorMeta {
             name: "w".into(),
             dtype: DType::U8,
             shape: vec![bytes.len() as u64],
@@ -19,8 +19,9 @@ fn plan_of(bytes: &[u8]) -> Plan {
             checksum: Some(crate::checksum::of(bytes)),
             placement: None,
         },
-        target: Target::Param(0),
-    }])
+        0,
+        Target::Param(0),
+    )])
 }
 
 /// Feed `src` to an in-place applier in chunks of `piece` bytes; the
@@ -62,16 +63,20 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
 fn callback_plan(sizes: &[(&str, u64)]) -> Plan {
     let entries: Vec<PlanEntry> = sizes
         .iter()
-        .map(|&(name, n)| PlanEntry {
-            meta: TensorMeta {
-                name: name.into(),
-                dtype: DType::U8,
-                shape: vec![n],
-                nbytes: n,
-                checksum: None,
-                placement: None,
-            },
-            target: Target::Callback,
+        .enumerate()
+        .map(|(i, &(name, n))| {
+            PlanEntry::new(
+                TensorMeta {
+                    name: name.into(),
+                    dtype: DType::U8,
+                    shape: vec![n],
+                    nbytes: n,
+                    checksum: None,
+                    placement: None,
+                },
+                i,
+                Target::Callback,
+            )
         })
         .collect();
     Plan::new(entries)

@@ -36,28 +36,31 @@ impl Applier<'_, '_> {
         self.wrote_params = true;
         let (threads, deadline, plan) = (self.opts.threads, self.deadline, self.plan);
         let name = &plan.entries[t].meta.name;
-        let staging = self.staging()?;
         let context =
             |e: Error| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}"));
+        let segments = &self.segments[t];
+        let staging = self.staging.as_deref_mut().ok_or_else(|| {
+            Error::unsupported("device params need the manager's pinned staging (internal)")
+        })?;
         match from {
-            // The staging policy gives a pinned buffer only to tensors of
-            // one run.
+            // The staging policy gives a pinned buffer only to entries of
+            // one segment.
             UploadFrom::Pinned(buf) => {
-                let run = &plan.runs_of(t)[0];
-                let len = (run.source.end - run.source.start) as usize;
+                let s = segments[0];
                 // SAFETY: the device range was checked at registration to
                 // hold the param's bytes, and only this update writes it;
-                // the buffer holds the tensor's bytes.
-                unsafe { staging.upload_buffer(ordinal, buf, ptr + run.param.start, len) }
+                // the buffer holds the entry's bytes.
+                unsafe { staging.upload_buffer(ordinal, buf, ptr + s.param, s.len as usize) }
                     .map_err(context)
             }
             UploadFrom::Host(data) => {
-                for run in plan.runs_of(t) {
-                    let bytes = &data[run.source.start as usize..run.source.end as usize];
-                    let dst = ptr + run.param.start;
+                for s in segments {
+                    let bytes = &data[s.wanted as usize..(s.wanted + s.len) as usize];
                     // SAFETY: as above.
-                    unsafe { staging.upload_bytes(ordinal, dst, bytes, threads, deadline) }
-                        .map_err(&context)?;
+                    unsafe {
+                        staging.upload_bytes(ordinal, ptr + s.param, bytes, threads, deadline)
+                    }
+                    .map_err(&context)?;
                 }
                 Ok(())
             }

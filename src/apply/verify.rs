@@ -49,10 +49,9 @@ impl Applier<'_, '_> {
         let regions: Vec<(SendPtr, usize)> = whole
             .iter()
             .map(|&t| {
-                Ok((
-                    self.receive_at(t, 0)?,
-                    self.plan.entries[t].meta.nbytes as usize,
-                ))
+                // Verified entries are whole tensors (the plan insists): one span.
+                let n = self.plan.entries[t].bytes;
+                Ok((self.receive_spans(t, 0, n)?[0].dst, n as usize))
             })
             .collect::<Result<_>>()?;
         // SAFETY: the regions were fully written and nothing writes them now.

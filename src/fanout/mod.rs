@@ -430,19 +430,13 @@ mod tests {
             checksum: None,
             placement: None,
         };
-        let plan = Plan::new(vec![PlanEntry {
-            meta: meta.clone(),
-            target: Target::Param(0),
-        }]);
+        let plan = Plan::new(vec![PlanEntry::new(meta.clone(), 0, Target::Param(0))]);
         let e = announce("v1", &plan, &r, 0).unwrap_err();
         assert!(
             e.message.contains("param 'w' is host memory") && e.message.contains("fan-out root"),
             "{e}"
         );
-        let plan = Plan::new(vec![PlanEntry {
-            meta,
-            target: Target::Callback,
-        }]);
+        let plan = Plan::new(vec![PlanEntry::new(meta, 0, Target::Callback)]);
         let e = announce("v1", &plan, &r, 0).unwrap_err();
         assert_eq!(e.code, crate::wm_result::WM_ERR_UNSUPPORTED);
         assert!(e.message.contains("tensor 'w'"), "{e}");

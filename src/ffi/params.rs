@@ -95,6 +95,7 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
         shape,
         memory,
         device_ordinal: d.device_ordinal,
+        pieces: Vec::new(),
     })
 }
 

@@ -160,6 +160,7 @@ impl Manager {
             skip_unknown: req.skip_unknown,
             callback: req.hooks.tensor.is_some(),
             verify: req.verify,
+            spread: self.config.rank as usize,
         };
         let plan = make_plan(source.manifest(), registry, opts, &self.config.logger)?;
         Ok(Prepared {

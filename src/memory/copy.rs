@@ -31,6 +31,23 @@ pub enum CopySource<'a> {
     Device { ptr: u64, ordinal: i32 },
 }
 
+impl CopySource<'_> {
+    /// The same source `n` bytes further on.
+    pub fn advanced(self, n: u64) -> Self {
+        match self {
+            CopySource::Memory(p) => CopySource::Memory(SendPtr(p.0.wrapping_add(n as usize))),
+            CopySource::File { file, offset } => CopySource::File {
+                file,
+                offset: offset + n,
+            },
+            CopySource::Device { ptr, ordinal } => CopySource::Device {
+                ptr: ptr + n,
+                ordinal,
+            },
+        }
+    }
+}
+
 /// Copy `len` bytes from `src` to `dst`. `tag` comes back with an error so the
 /// caller can name the tensor.
 #[derive(Clone, Copy)]

@@ -55,6 +55,13 @@ impl PublisherLink {
 
     /// Ask for every planned tensor that is not skipped.
     pub fn send_want(&mut self, plan: &Plan) -> Result<()> {
+        if !plan.is_whole_tensors() {
+            return Err(Error::unsupported(format!(
+                "{}: this engine's params need parts of the publisher's tensors (pieces or shards), \
+                 and a publisher sends whole tensors only so far; use a snapshot",
+                self.conn.peer()
+            )));
+        }
         let tensors = (0..plan.entries.len() as u32)
             .filter(|&i| plan.entries[i as usize].target != Target::Skip)
             .collect();

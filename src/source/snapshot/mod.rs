@@ -205,7 +205,10 @@ impl super::Source for SnapshotSource {
     fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
         for (fi, (path, planned_len)) in self.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
-                .filter(|&t| self.locations[t].0 == fi && plan.entries[t].target != Target::Skip)
+                .filter(|&e| {
+                    let entry = &plan.entries[e];
+                    self.locations[entry.tensor].0 == fi && entry.target != Target::Skip
+                })
                 .collect();
             if wanted.is_empty() {
                 continue;
@@ -224,22 +227,25 @@ impl super::Source for SnapshotSource {
             }
             let mut batch: Vec<Chunk> = Vec::new();
             let mut batch_bytes = 0u64;
-            for t in wanted {
-                let nbytes = plan.entries[t].meta.nbytes;
-                batch.push(Chunk {
-                    tensor: t,
-                    offset: 0,
-                    len: nbytes as usize,
-                    src: CopySource::File {
-                        file: &file,
-                        offset: self.locations[t].1,
-                    },
-                });
-                batch_bytes += nbytes;
-                if batch_bytes >= BATCH_BYTES {
-                    applier.apply_batch(&shown, &batch)?;
-                    batch.clear();
-                    batch_bytes = 0;
+            for e in wanted {
+                // Only the bytes the entry's segments need are read.
+                let at = self.locations[plan.entries[e].tensor].1;
+                for s in plan.segments(e) {
+                    batch.push(Chunk {
+                        tensor: e,
+                        offset: s.wanted,
+                        len: s.len as usize,
+                        src: CopySource::File {
+                            file: &file,
+                            offset: at + s.source,
+                        },
+                    });
+                    batch_bytes += s.len;
+                    if batch_bytes >= BATCH_BYTES {
+                        applier.apply_batch(&shown, &batch)?;
+                        batch.clear();
+                        batch_bytes = 0;
+                    }
                 }
             }
             if !batch.is_empty() {

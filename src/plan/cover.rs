@@ -1,0 +1,159 @@
+//! Every piece of every param against the shards that hold its global
+//! tensor: the piece must lie inside the tensor, share its dtype, and be
+//! covered exactly once (shards do not overlap, so "at least once" by
+//! volume is "exactly once"); each common box becomes runs.
+
+use super::global::{GlobalTensor, Globals, Held, ShardRef};
+use super::runs::push_runs;
+use super::{Run, Target};
+use crate::pieces::Piece;
+use crate::registry::Param;
+use crate::tensor::shape_text;
+use crate::tensor_box::TensorBox;
+use std::collections::HashSet;
+
+/// Runs found for one (shard, param) pair; `Run::entry` is set later.
+pub(super) type FoundRun = (ShardRef, usize, Run);
+
+/// Cover param `index`'s pieces; `used` collects the global tensors named.
+pub(super) fn cover_param(
+    index: usize,
+    param: &Param,
+    globals: &Globals,
+    spread: usize,
+    used: &mut HashSet<String>,
+    out: &mut Vec<FoundRun>,
+    problems: &mut Vec<String>,
+) {
+    let implicit = param.is_whole_tensor();
+    for (k, piece) in param.pieces.iter().enumerate() {
+        used.insert(piece.tensor.clone());
+        let what = match implicit {
+            true => format!("param '{}'", param.name),
+            false => format!(
+                "param '{}': piece {k} ('{}' {})",
+                param.name, piece.tensor, piece.global
+            ),
+        };
+        let Some(g) = globals.tensors.get(&piece.tensor) else {
+            problems.push(match implicit {
+                true => format!("param '{}' is registered but not in the source", param.name),
+                false => format!("{what}: global tensor '{}' is in no source", piece.tensor),
+            });
+            continue;
+        };
+        if g.dtype != param.dtype {
+            problems.push(format!(
+                "{what}: dtype mismatch: registered {}, source {}",
+                param.dtype, g.dtype
+            ));
+            continue;
+        }
+        // A param registered without pieces is all of its tensor: a longer
+        // tensor is a mismatch, not a tensor it holds the start of.
+        if !piece.global.inside(&g.shape) || (implicit && g.shape != param.shape) {
+            problems.push(match implicit {
+                true => format!(
+                    "{what}: shape mismatch: registered {}, source {}",
+                    shape_text(&param.shape),
+                    shape_text(&g.shape)
+                ),
+                false => format!(
+                    "{what}: outside the global tensor's shape {}",
+                    shape_text(&g.shape)
+                ),
+            });
+            continue;
+        }
+        let esize = param.dtype.size() as u64;
+        let target = (index, esize, spread + k);
+        if let Err(p) = cover_piece(piece, &param.shape, g, target, out) {
+            problems.push(format!("{what}: {p}"));
+        }
+    }
+}
+
+/// The runs of one piece; Err names the part no source holds.
+fn cover_piece(
+    piece: &Piece,
+    param_shape: &[u64],
+    g: &GlobalTensor,
+    (index, esize, spread): (usize, u64, usize),
+    out: &mut Vec<FoundRun>,
+) -> std::result::Result<(), String> {
+    let aligned = piece.aligned(param_shape);
+    let extra = aligned.global.ndim() - g.shape.len();
+    let candidates = g.candidates(&piece.global);
+    let mut covered = 0u64;
+    for h in candidates {
+        let Some(common) = piece.global.intersect(&h.region) else {
+            continue;
+        };
+        covered += common.volume().unwrap_or(0);
+        let shard = h.replicas[spread % h.replicas.len()];
+        let mut runs = Vec::new();
+        push_runs(
+            &common.padded(extra),
+            &h.region.padded(extra),
+            &aligned,
+            esize,
+            (0, Target::Param(index)),
+            &mut runs,
+        );
+        out.extend(runs.into_iter().map(|r| (shard, index, r)));
+    }
+    let need = piece.global.volume().unwrap_or(0);
+    if covered == need {
+        return Ok(());
+    }
+    Err(match uncovered(&piece.global, candidates) {
+        Some(b) => format!("{b} of '{}' is held by no source", piece.tensor),
+        None => format!("sources hold {covered} of its {need} elements"),
+    })
+}
+
+/// A box of `piece` that no candidate holds, found on the grid of every
+/// box's edges (bounded work; None when the grid is too large to walk).
+fn uncovered(piece: &TensorBox, candidates: &[Held]) -> Option<TensorBox> {
+    let ndim = piece.ndim();
+    let cuts: Vec<Vec<u64>> = (0..ndim)
+        .map(|d| {
+            let (lo, hi) = (piece.offset[d], piece.offset[d] + piece.len[d]);
+            let mut c = vec![lo, hi];
+            for h in candidates {
+                let (s, e) = (h.region.offset[d], h.region.offset[d] + h.region.len[d]);
+                c.extend([s, e].into_iter().filter(|&x| x > lo && x < hi));
+            }
+            c.sort_unstable();
+            c.dedup();
+            c
+        })
+        .collect();
+    let cells: usize = cuts.iter().map(|c| c.len() - 1).product();
+    if cells > 100_000 {
+        return None;
+    }
+    let mut idx = vec![0usize; ndim];
+    for _ in 0..cells {
+        let cell = TensorBox {
+            offset: (0..ndim).map(|d| cuts[d][idx[d]]).collect(),
+            len: (0..ndim)
+                .map(|d| cuts[d][idx[d] + 1] - cuts[d][idx[d]])
+                .collect(),
+        };
+        if !candidates
+            .iter()
+            .any(|h| cell.intersect(&h.region).is_some())
+        {
+            return Some(cell);
+        }
+        for d in (0..ndim).rev() {
+            idx[d] += 1;
+            if idx[d] + 1 < cuts[d].len() {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    None
+}

@@ -1,0 +1,210 @@
+//! The global tensors the sources hold together: every shard of every
+//! source, grouped by global tensor and checked before anything is planned.
+//!
+//! Checked here: each tensor's byte size against its dtype and shape, its
+//! placement (rank, box inside the global shape), one dtype and one global
+//! shape per global tensor across all sources, the same box at most once
+//! per source, and shards of one tensor that do not overlap (the same box
+//! from several sources is a replica, which is allowed).
+
+use crate::manifest::{Manifest, TensorMeta};
+use crate::tensor::{byte_size, shape_text, DType};
+use crate::tensor_box::TensorBox;
+use std::collections::HashMap;
+
+/// One shard: tensor `tensor` of source `source`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ShardRef {
+    pub source: usize,
+    pub tensor: usize,
+}
+
+/// A box of a global tensor and every source holding it (replicas).
+#[derive(Debug)]
+pub(super) struct Held {
+    pub region: TensorBox,
+    pub replicas: Vec<ShardRef>,
+}
+
+#[derive(Debug)]
+pub(super) struct GlobalTensor {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    /// Distinct boxes, sorted by offset.
+    pub held: Vec<Held>,
+    /// The longest box along dimension 0 (to find the boxes a piece meets).
+    max_len0: u64,
+}
+
+impl GlobalTensor {
+    /// The boxes that may meet `b` (same rank): those starting along
+    /// dimension 0 before `b` ends and not ending before it starts.
+    pub fn candidates(&self, b: &TensorBox) -> &[Held] {
+        let (Some(&start), Some(&len)) = (b.offset.first(), b.len.first()) else {
+            return &self.held;
+        };
+        let from = start.saturating_sub(self.max_len0);
+        let lo = self.held.partition_point(|h| h.region.offset[0] < from);
+        let hi = self
+            .held
+            .partition_point(|h| h.region.offset[0] < start + len);
+        &self.held[lo..hi]
+    }
+}
+
+/// Who has what. `name_of` keeps the names' first-seen order for messages.
+#[derive(Debug, Default)]
+pub(super) struct Globals {
+    pub tensors: HashMap<String, GlobalTensor>,
+}
+
+/// The box tensor `t` holds of its global tensor.
+pub(super) fn region_of(t: &TensorMeta) -> TensorBox {
+    match &t.placement {
+        Some(p) => TensorBox {
+            offset: p.offset.clone(),
+            len: t.shape.clone(),
+        },
+        None => TensorBox::whole(&t.shape),
+    }
+}
+
+/// Group every tensor of every source by global tensor; every problem
+/// found is appended to `problems`.
+pub(super) fn collect(sources: &[&Manifest], problems: &mut Vec<String>) -> Globals {
+    let mut g = Globals::default();
+    for (s, m) in sources.iter().enumerate() {
+        for (i, t) in m.tensors.iter().enumerate() {
+            if let Some(p) = shard_problem(t) {
+                problems.push(p);
+                continue;
+            }
+            add(
+                &mut g,
+                t,
+                ShardRef {
+                    source: s,
+                    tensor: i,
+                },
+                problems,
+            );
+        }
+    }
+    for (name, t) in g.tensors.iter_mut() {
+        t.held.sort_by(|a, b| a.region.offset.cmp(&b.region.offset));
+        t.max_len0 = t
+            .held
+            .iter()
+            .map(|h| h.region.len.first().copied().unwrap_or(1))
+            .max()
+            .unwrap_or(0);
+        overlaps(name, t, sources, problems);
+    }
+    g
+}
+
+/// A tensor whose byte size or placement is wrong.
+fn shard_problem(t: &TensorMeta) -> Option<String> {
+    match byte_size(&format!("tensor '{}'", t.name), t.dtype, &t.shape) {
+        Ok(n) if n == t.nbytes => {}
+        Ok(n) => {
+            return Some(format!(
+                "tensor '{}': {} bytes but {} {} needs {n}",
+                t.name,
+                t.nbytes,
+                t.dtype,
+                shape_text(&t.shape)
+            ))
+        }
+        Err(e) => return Some(e.message),
+    }
+    let p = t.placement.as_ref()?;
+    let region = region_of(t);
+    (p.offset.len() != t.shape.len() || !region.inside(&p.global_shape)).then(|| {
+        format!(
+            "tensor '{}': shard {region} is not a box of its global shape {}",
+            t.name,
+            shape_text(&p.global_shape)
+        )
+    })
+}
+
+fn add(g: &mut Globals, t: &TensorMeta, at: ShardRef, problems: &mut Vec<String>) {
+    let shape = t.global_shape().to_vec();
+    let entry = g
+        .tensors
+        .entry(t.name.clone())
+        .or_insert_with(|| GlobalTensor {
+            dtype: t.dtype,
+            shape: shape.clone(),
+            held: Vec::new(),
+            max_len0: 0,
+        });
+    if entry.dtype != t.dtype || entry.shape != shape {
+        problems.push(format!(
+            "tensor '{}': sources disagree on it: {} {} and {} {}",
+            t.name,
+            entry.dtype,
+            shape_text(&entry.shape),
+            t.dtype,
+            shape_text(&shape)
+        ));
+        return;
+    }
+    let region = region_of(t);
+    match entry.held.iter_mut().find(|h| h.region == region) {
+        Some(h) if h.replicas.iter().any(|r| r.source == at.source) => {
+            let which = match t.placement {
+                Some(_) => format!(" {region}"),
+                None => String::new(),
+            };
+            problems.push(format!(
+                "tensor '{}'{which} appears more than once in the source",
+                t.name
+            ))
+        }
+        Some(h) => h.replicas.push(at),
+        None => entry.held.push(Held {
+            region,
+            replicas: vec![at],
+        }),
+    }
+}
+
+/// Distinct boxes of one tensor must not share an element. Boxes are
+/// sorted by offset; only those still open along dimension 0 are compared.
+fn overlaps(name: &str, t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>) {
+    let mut open: Vec<usize> = Vec::new();
+    for (i, h) in t.held.iter().enumerate() {
+        let start0 = h.region.offset.first().copied().unwrap_or(0);
+        open.retain(|&j| {
+            let r = &t.held[j].region;
+            r.offset.first().is_none_or(|&o| o + r.len[0] > start0)
+        });
+        for &j in &open {
+            if let Some(common) = t.held[j].region.intersect(&h.region) {
+                let who = |k: usize| {
+                    let r = t.held[k].replicas[0];
+                    describe(sources, r)
+                };
+                problems.push(format!(
+                    "tensor '{name}': shards {} ({}) and {} ({}) overlap at {common}",
+                    t.held[j].region,
+                    who(j),
+                    h.region,
+                    who(i)
+                ));
+                return;
+            }
+        }
+        open.push(i);
+    }
+}
+
+fn describe(sources: &[&Manifest], r: ShardRef) -> String {
+    if sources.len() == 1 {
+        "the source".to_string()
+    } else {
+        format!("source {}", r.source)
+    }
+}

@@ -1,0 +1,240 @@
+//! From a box two layouts share to the byte ranges that move.
+//!
+//! The common part of a piece and a shard is a box; in the shard's bytes
+//! and in the param's it is contiguous only along the dimensions it spans
+//! whole on both sides. So it is cut into blocks: one block when it spans
+//! every inner dimension whole (a split along the outermost dimension),
+//! otherwise one block per "row" of the innermost dimension it does not
+//! span whole. The blocks along the dimension just outside that one are
+//! equally spaced on both sides and make one strided [`Run`]; dimensions
+//! further out give one run per index.
+
+use super::{Run, Segment, Target};
+use crate::pieces::AlignedPiece;
+use crate::tensor_box::TensorBox;
+
+/// Row-major byte strides of a tensor of `shape` with `esize`-byte elements.
+fn strides(shape: &[u64], esize: u64) -> Vec<u64> {
+    let mut s = vec![esize; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+/// The runs moving `common` (global coordinates, a part of both the piece
+/// and `shard`, all padded to the piece's rank) from entry `entry`'s shard
+/// into `target`, appended to `out`.
+pub(super) fn push_runs(
+    common: &TensorBox,
+    shard: &TensorBox,
+    piece: &AlignedPiece,
+    esize: u64,
+    (entry, target): (usize, Target),
+    out: &mut Vec<Run>,
+) {
+    let ndim = common.ndim();
+    let src_shape = &shard.len;
+    let dst_shape = &piece.param_shape;
+    let src_off: Vec<u64> = (0..ndim)
+        .map(|d| common.offset[d] - shard.offset[d])
+        .collect();
+    let dst_off: Vec<u64> = (0..ndim)
+        .map(|d| piece.in_param.offset[d] + common.offset[d] - piece.global.offset[d])
+        .collect();
+    let (ss, ds) = (strides(src_shape, esize), strides(dst_shape, esize));
+    // The innermost dimension `k` not spanned whole on both sides; the
+    // block is `common.len[k]` of its rows (all of the inner dimensions).
+    let mut k = ndim.saturating_sub(1);
+    while k > 0 && common.len[k] == src_shape[k] && common.len[k] == dst_shape[k] {
+        k -= 1;
+    }
+    let block = if ndim == 0 {
+        esize
+    } else {
+        common.len[k] * ss[k]
+    };
+    let start = |off: &[u64], strides: &[u64], idx: &[u64]| -> u64 {
+        (0..ndim)
+            .map(|d| (off[d] + idx.get(d).copied().unwrap_or(0)) * strides[d])
+            .sum()
+    };
+    // Dimension `k - 1` (if any) is the run's rows; those outside it are
+    // walked index by index.
+    let (rows, rows_dim) = if k == 0 {
+        (1, None)
+    } else {
+        (common.len[k - 1], Some(k - 1))
+    };
+    let outer = rows_dim.unwrap_or(0);
+    let mut idx = vec![0u64; outer];
+    loop {
+        let (src, dst) = (start(&src_off, &ss, &idx), start(&dst_off, &ds, &idx));
+        out.push(Run {
+            entry,
+            target,
+            source: src..src + block,
+            param: dst..dst + block,
+            rows,
+            source_stride: rows_dim.map_or(block, |d| ss[d]),
+            param_stride: rows_dim.map_or(block, |d| ds[d]),
+        });
+        // Next index of the dimensions outside the rows (an odometer).
+        let mut d = outer;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < common.len[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Sort `runs` by entry then source offset and join single blocks that
+/// follow on from each other on both sides.
+pub(super) fn sort_and_merge(runs: &mut Vec<Run>) {
+    runs.sort_by_key(|r| (r.entry, r.source.start));
+    let mut out: Vec<Run> = Vec::with_capacity(runs.len());
+    for r in runs.drain(..) {
+        match out.last_mut() {
+            Some(last)
+                if last.entry == r.entry
+                    && last.target == r.target
+                    && last.rows == 1
+                    && r.rows == 1
+                    && last.source.end == r.source.start
+                    && last.param.end == r.param.start =>
+            {
+                last.source.end = r.source.end;
+                last.param.end = r.param.end;
+            }
+            _ => out.push(r),
+        }
+    }
+    *runs = out;
+}
+
+/// Every block of `runs` (one entry's), in source order, joined where
+/// contiguous on both sides, with its place in the entry's received bytes.
+pub(super) fn segments(runs: &[Run]) -> Vec<Segment> {
+    let mut blocks: Vec<(u64, u64, u64)> = Vec::new();
+    for r in runs {
+        let len = r.source.end - r.source.start;
+        for i in 0..r.rows {
+            blocks.push((
+                r.source.start + i * r.source_stride,
+                r.param.start + i * r.param_stride,
+                len,
+            ));
+        }
+    }
+    blocks.sort_unstable();
+    let mut out: Vec<Segment> = Vec::with_capacity(blocks.len());
+    let mut wanted = 0;
+    for (source, param, len) in blocks {
+        match out.last_mut() {
+            Some(s) if s.source + s.len == source && s.param + s.len == param => s.len += len,
+            _ => out.push(Segment {
+                source,
+                wanted,
+                param,
+                len,
+            }),
+        }
+        wanted += len;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pieces::Piece;
+
+    fn runs_for(piece: &Piece, param: &[u64], shard: &TensorBox) -> Vec<Run> {
+        let a = piece.aligned(param);
+        let shard = shard.padded(a.global.ndim() - shard.ndim());
+        let common = a.global.intersect(&shard).unwrap();
+        let mut out = Vec::new();
+        push_runs(&common, &shard, &a, 2, (0, Target::Param(0)), &mut out);
+        sort_and_merge(&mut out);
+        out
+    }
+
+    fn b(offset: &[u64], len: &[u64]) -> TensorBox {
+        TensorBox {
+            offset: offset.to_vec(),
+            len: len.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_row_split_is_one_block() {
+        // Param: rows 2..6 of [8, 4]; shard: rows 4..8.
+        let runs = runs_for(
+            &Piece::narrow("w", &[8, 4], 0, 2, 4),
+            &[4, 4],
+            &b(&[4, 0], &[4, 4]),
+        );
+        assert_eq!(runs.len(), 1);
+        assert_eq!(
+            (runs[0].source.clone(), runs[0].param.clone(), runs[0].rows),
+            (0..16, 16..32, 1)
+        );
+    }
+
+    #[test]
+    fn a_column_split_is_a_strided_run_of_rows() {
+        // Param: columns 2..4 of [3, 4] (a [3, 2] param); shard: all of it.
+        let runs = runs_for(
+            &Piece::narrow("w", &[3, 4], 1, 2, 2),
+            &[3, 2],
+            &b(&[0, 0], &[3, 4]),
+        );
+        assert_eq!(runs.len(), 1);
+        let r = &runs[0];
+        assert_eq!((r.source.clone(), r.param.clone(), r.rows), (4..8, 0..4, 3));
+        assert_eq!((r.source_stride, r.param_stride), (8, 4));
+        let segs = segments(&runs);
+        assert_eq!(segs.len(), 3);
+        assert_eq!(
+            (segs[2].source, segs[2].wanted, segs[2].param, segs[2].len),
+            (20, 8, 8, 4)
+        );
+    }
+
+    #[test]
+    fn a_stacked_piece_lands_at_its_row() {
+        // k [2, 4] placed at row 8 of a fused [12, 4] param: one block at byte 64.
+        let k = Piece {
+            at: vec![8, 0],
+            ..Piece::whole("k", &[2, 4])
+        };
+        let runs = runs_for(&k, &[12, 4], &b(&[0, 0], &[2, 4]));
+        assert_eq!(
+            (runs[0].source.clone(), runs[0].param.clone(), runs[0].rows),
+            (0..16, 64..80, 1)
+        );
+    }
+
+    #[test]
+    fn three_dims_walk_the_outer_index() {
+        // Experts 1..3 of [4, 2, 6], columns 0..3: per expert a strided run of 2 rows.
+        let p = Piece {
+            global: b(&[1, 0, 0], &[2, 2, 3]),
+            tensor: "e".into(),
+            at: vec![0, 0, 0],
+        };
+        let runs = runs_for(&p, &[2, 2, 3], &b(&[0, 0, 0], &[4, 2, 6]));
+        assert_eq!(runs.len(), 2);
+        assert_eq!(
+            (runs[1].source.start, runs[1].param.start, runs[1].rows),
+            (48, 12, 2)
+        );
+    }
+}
