@@ -371,6 +371,28 @@ typedef struct {
   uint64_t callback_staging_limit;
 } wm_config;
 
+// One piece of a param: the box (`offset`, `len` per dimension, `ndim`
+// dimensions) of global tensor `tensor`, placed in the param starting at
+// `param_offset` (one entry per param dimension). The box and the param
+// line up at their last dimension; a dimension only one side has counts
+// as length 1 on the other (a `[out, in]` expert tensor stacks into a
+// `[experts, out, in]` param at `{e, 0, 0}`). Fill with `wm_piece_init`
+// or `wm_piece_narrow`. Growable: `struct_size` first.
+typedef struct {
+  // `sizeof(wm_piece)`; set by the init functions.
+  uint32_t struct_size;
+  // NUL-terminated UTF-8 name of the global tensor; borrowed until the
+  // registration that uses the piece returns (then copied).
+  const char *tensor;
+  // Dimensions of the box (the global tensor's rank), at most
+  // `WM_MAX_NDIM`.
+  size_t ndim;
+  uint64_t offset[WM_MAX_NDIM];
+  uint64_t len[WM_MAX_NDIM];
+  // Where the box starts in the param, per param dimension.
+  uint64_t param_offset[WM_MAX_NDIM];
+} wm_piece;
+
 // Describes one param. Fill with `wm_param_desc_init`, then set fields.
 // Growable: `struct_size` first.
 typedef struct {
@@ -388,6 +410,14 @@ typedef struct {
   const uint64_t *shape;
   // At most `WM_MAX_NDIM`.
   size_t ndim;
+  // What the param holds of which global tensors: `npieces` pieces,
+  // copied at registration. NULL with `npieces` 0 (the default): all of
+  // the global tensor named like the param, of the param's shape. The
+  // pieces must cover every element of the param exactly once
+  // (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
+  // otherwise).
+  const wm_piece *pieces;
+  size_t npieces;
 } wm_param_desc;
 
 // Publisher settings. Fill with `wm_publisher_config_init`. Growable.
@@ -652,6 +682,30 @@ void wm_destroy(wm_manager *manager);
 // the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
 // `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
 wm_result wm_last_error(const wm_manager *manager, char *buf, size_t len, size_t *out_written);
+
+// Fill `piece` with zeros (no tensor, a scalar box at the param's start)
+// and set `struct_size`.
+//
+// NULL `piece`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_piece_init(wm_piece *piece);
+
+// Fill `piece` with global tensor `tensor` (of `global_shape`, `ndim`
+// dimensions) narrowed to `[start, start + length)` along `dim`: the
+// common tensor-parallel split. It starts at the param's start; set
+// `param_offset` afterwards to stack it after other pieces. `tensor` is
+// borrowed, not copied (see `wm_piece.tensor`).
+//
+// `*piece` is written only on success. NULL `piece`, `tensor` or
+// `global_shape` (with `ndim` > 0): `WM_ERR_NULL_ARGUMENT`; `ndim` over
+// `WM_MAX_NDIM`, `dim` not below `ndim`, or the range past the
+// dimension's end: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_piece_narrow(wm_piece *piece,
+                          const char *tensor,
+                          const uint64_t *global_shape,
+                          size_t ndim,
+                          size_t dim,
+                          uint64_t start,
+                          uint64_t length);
 
 // Fill `desc` with defaults (host memory, f32 scalar, no name) and set `struct_size`.
 //

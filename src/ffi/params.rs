@@ -3,9 +3,11 @@
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, opt_str};
 use crate::manager::Manager;
+use crate::pieces::Piece;
 use crate::registry::{MemoryKind, ParamSpec};
 use crate::result::{wm_result, Error, Result};
 use crate::tensor::{DType, MAX_NDIM};
+use crate::tensor_box::TensorBox;
 use std::ffi::{c_char, c_void};
 
 /// Describes one param. Fill with `wm_param_desc_init`, then set fields.
@@ -26,6 +28,143 @@ pub struct wm_param_desc {
     pub shape: *const u64,
     /// At most `WM_MAX_NDIM`.
     pub ndim: usize,
+    /// What the param holds of which global tensors: `npieces` pieces,
+    /// copied at registration. NULL with `npieces` 0 (the default): all of
+    /// the global tensor named like the param, of the param's shape. The
+    /// pieces must cover every element of the param exactly once
+    /// (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
+    /// otherwise).
+    pub pieces: *const wm_piece,
+    pub npieces: usize,
+}
+
+/// One piece of a param: the box (`offset`, `len` per dimension, `ndim`
+/// dimensions) of global tensor `tensor`, placed in the param starting at
+/// `param_offset` (one entry per param dimension). The box and the param
+/// line up at their last dimension; a dimension only one side has counts
+/// as length 1 on the other (a `[out, in]` expert tensor stacks into a
+/// `[experts, out, in]` param at `{e, 0, 0}`). Fill with `wm_piece_init`
+/// or `wm_piece_narrow`. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_piece {
+    /// `sizeof(wm_piece)`; set by the init functions.
+    pub struct_size: u32,
+    /// NUL-terminated UTF-8 name of the global tensor; borrowed until the
+    /// registration that uses the piece returns (then copied).
+    pub tensor: *const c_char,
+    /// Dimensions of the box (the global tensor's rank), at most
+    /// `WM_MAX_NDIM`.
+    pub ndim: usize,
+    pub offset: [u64; WM_MAX_NDIM],
+    pub len: [u64; WM_MAX_NDIM],
+    /// Where the box starts in the param, per param dimension.
+    pub param_offset: [u64; WM_MAX_NDIM],
+}
+
+/// Fill `piece` with zeros (no tensor, a scalar box at the param's start)
+/// and set `struct_size`.
+///
+/// NULL `piece`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_piece_init(piece: *mut wm_piece) -> wm_result {
+    ffi_guard!({
+        check_null!(piece);
+        piece.write(empty_piece());
+        wm_result::WM_OK
+    })
+}
+
+fn empty_piece() -> wm_piece {
+    wm_piece {
+        struct_size: std::mem::size_of::<wm_piece>() as u32,
+        tensor: std::ptr::null(),
+        ndim: 0,
+        offset: [0; WM_MAX_NDIM],
+        len: [0; WM_MAX_NDIM],
+        param_offset: [0; WM_MAX_NDIM],
+    }
+}
+
+/// Fill `piece` with global tensor `tensor` (of `global_shape`, `ndim`
+/// dimensions) narrowed to `[start, start + length)` along `dim`: the
+/// common tensor-parallel split. It starts at the param's start; set
+/// `param_offset` afterwards to stack it after other pieces. `tensor` is
+/// borrowed, not copied (see `wm_piece.tensor`).
+///
+/// `*piece` is written only on success. NULL `piece`, `tensor` or
+/// `global_shape` (with `ndim` > 0): `WM_ERR_NULL_ARGUMENT`; `ndim` over
+/// `WM_MAX_NDIM`, `dim` not below `ndim`, or the range past the
+/// dimension's end: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_piece_narrow(
+    piece: *mut wm_piece,
+    tensor: *const c_char,
+    global_shape: *const u64,
+    ndim: usize,
+    dim: usize,
+    start: u64,
+    length: u64,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(piece, tensor);
+        if ndim > 0 && global_shape.is_null() {
+            return wm_result::WM_ERR_NULL_ARGUMENT;
+        }
+        if ndim > WM_MAX_NDIM || dim >= ndim {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let shape = std::slice::from_raw_parts(global_shape, ndim);
+        if start.checked_add(length).is_none_or(|end| end > shape[dim]) {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let mut p = empty_piece();
+        p.tensor = tensor;
+        p.ndim = ndim;
+        p.len[..ndim].copy_from_slice(shape);
+        (p.offset[dim], p.len[dim]) = (start, length);
+        piece.write(p);
+        wm_result::WM_OK
+    })
+}
+
+/// The pieces of param `name` (of `param_ndim` dimensions) from C.
+unsafe fn pieces_from_c(d: &wm_param_desc, name: &str) -> Result<Vec<Piece>> {
+    if d.npieces == 0 {
+        return Ok(Vec::new());
+    }
+    if d.pieces.is_null() {
+        return Err(Error::null_argument(format!(
+            "param '{name}': pieces is NULL but npieces is {}",
+            d.npieces
+        )));
+    }
+    let bad =
+        |i: usize, why: &str| Error::invalid_argument(format!("param '{name}': piece {i}: {why}"));
+    let mut out = Vec::with_capacity(d.npieces.min(1 << 16));
+    for (i, p) in std::slice::from_raw_parts(d.pieces, d.npieces)
+        .iter()
+        .enumerate()
+    {
+        check_struct_size("wm_piece", p.struct_size, std::mem::size_of::<wm_piece>())
+            .map_err(|e| e.context(format!("param '{name}': piece {i}")))?;
+        let tensor =
+            opt_str(p.tensor, "wm_piece.tensor")?.ok_or_else(|| bad(i, "tensor is NULL"))?;
+        if p.ndim > WM_MAX_NDIM {
+            return Err(bad(
+                i,
+                &format!("ndim {} is more than {WM_MAX_NDIM}", p.ndim),
+            ));
+        }
+        out.push(Piece {
+            tensor,
+            global: TensorBox {
+                offset: p.offset[..p.ndim].to_vec(),
+                len: p.len[..p.ndim].to_vec(),
+            },
+            at: p.param_offset[..d.ndim.min(WM_MAX_NDIM)].to_vec(),
+        });
+    }
+    Ok(out)
 }
 
 /// Most dimensions a param may have.
@@ -47,6 +186,8 @@ pub unsafe extern "C" fn wm_param_desc_init(desc: *mut wm_param_desc) -> wm_resu
             name: std::ptr::null(),
             shape: std::ptr::null(),
             ndim: 0,
+            pieces: std::ptr::null(),
+            npieces: 0,
         });
         wm_result::WM_OK
     })
@@ -90,12 +231,12 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
         std::slice::from_raw_parts(d.shape, d.ndim).to_vec()
     };
     Ok(ParamSpec {
+        pieces: pieces_from_c(d, &name)?,
         name,
         dtype,
         shape,
         memory,
         device_ordinal: d.device_ordinal,
-        pieces: Vec::new(),
     })
 }
 
