@@ -15,7 +15,7 @@ use mutator::{fuzz, Target};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager::logging::{LogLevel, Logger};
-use weight_manager::manifest::{Manifest, TensorMeta};
+use weight_manager::manifest::{Manifest, Placement, TensorMeta};
 use weight_manager::plan::{make_plan, PlanOptions, Target as PlanTarget};
 use weight_manager::registry::{ParamSpec, Registry};
 use weight_manager::source::snapshot::checksums::Checksums;
@@ -116,6 +116,25 @@ fn frames() -> Vec<Frame> {
             version: "v1".into(),
             tensors: vec![meta("a", &[2, 3], Some(7)), meta("b", &[], None)],
         },
+        Frame::Manifest {
+            version: "v1".into(),
+            tensors: vec![
+                TensorMeta {
+                    placement: Some(Placement {
+                        global_shape: vec![8, 3],
+                        offset: vec![4, 0],
+                    }),
+                    ..meta("w", &[2, 3], Some(9))
+                },
+                TensorMeta {
+                    placement: Some(Placement {
+                        global_shape: vec![5],
+                        offset: vec![5],
+                    }),
+                    ..meta("e", &[0], None)
+                },
+            ],
+        },
         Frame::Want {
             tensors: vec![0, 1, 5],
         },
@@ -178,6 +197,15 @@ fn fuzz_wire_frame_decode() {
         let Ok(frame) = Frame::decode(body) else {
             return false;
         };
+        // A shard that decodes lies inside its global tensor.
+        if let Frame::Manifest { tensors, .. } = &frame {
+            for t in tensors {
+                if let Some(p) = &t.placement {
+                    p.check(&t.name, &t.shape)
+                        .expect("a decoded placement checks");
+                }
+            }
+        }
         // Whatever decodes encodes back to the same frame.
         let again = Frame::decode(&frame.encode()[4..]).expect("a re-encoded frame decodes");
         assert_eq!(again, frame, "frame does not survive a round trip");
