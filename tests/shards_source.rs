@@ -305,3 +305,68 @@ fn an_engine_of_another_protocol_version_is_told_why() {
         assert!(serving.join().unwrap().is_err(), "no engine was admitted");
     });
 }
+
+/// The C functions: a placement struct filled by its `_init` and set is
+/// taken; NULL, a wrong `struct_size` or NULL arrays are refused with their
+/// codes, naming the tensor in the publisher's last error.
+#[test]
+fn the_c_placement_struct_is_checked() {
+    use std::ffi::CString;
+    use weight_manager::ffi::publisher::*;
+    let dir = tempfile::tempdir().unwrap();
+    let path = CString::new(dir.path().join("c.sock").to_str().unwrap()).unwrap();
+    let mut p = std::ptr::null_mut();
+    // SAFETY: every pointer below is valid for the call; `data` outlives
+    // the publisher, which serves nothing.
+    unsafe {
+        assert_eq!(
+            wm_publisher_create(path.as_ptr(), std::ptr::null(), &mut p),
+            wm_result::WM_OK
+        );
+        let name = CString::new("layers.0.w").unwrap();
+        let (shape, global, offset) = ([2u64, 4], [6u64, 4], [4u64, 0]);
+        let data = [0u8; 8];
+        let mut pl = std::mem::MaybeUninit::<wm_shard_placement>::uninit();
+        assert_eq!(wm_shard_placement_init(pl.as_mut_ptr()), wm_result::WM_OK);
+        let mut pl = pl.assume_init();
+        let add = |pl: *const wm_shard_placement| {
+            let (ptr, dims) = (shape.as_ptr(), shape.len());
+            let u8_ = DType::U8 as u32;
+            wm_publisher_add_shard(
+                p,
+                name.as_ptr(),
+                u8_,
+                ptr,
+                dims,
+                pl,
+                data.as_ptr().cast(),
+                8,
+                -1,
+            )
+        };
+        let last_error = || {
+            let mut buf = [0 as std::ffi::c_char; 512];
+            let mut n = 0;
+            wm_publisher_last_error(p, buf.as_mut_ptr(), buf.len(), &mut n);
+            std::ffi::CStr::from_ptr(buf.as_ptr())
+                .to_string_lossy()
+                .into_owned()
+        };
+        assert_eq!(add(&pl), wm_result::WM_ERR_NULL_ARGUMENT, "arrays unset");
+        assert!(last_error().contains("'layers.0.w': placement global_shape is NULL"));
+        assert_eq!(add(std::ptr::null()), wm_result::WM_ERR_NULL_ARGUMENT);
+        pl.global_shape = global.as_ptr();
+        pl.offset = offset.as_ptr();
+        pl.struct_size -= 8;
+        assert_eq!(add(&pl), wm_result::WM_ERR_STRUCT_SIZE);
+        pl.struct_size += 8;
+        assert_eq!(add(&pl), wm_result::WM_OK, "{}", last_error());
+        assert_eq!(
+            add(&pl),
+            wm_result::WM_ERR_INVALID_ARGUMENT,
+            "same offset twice"
+        );
+        assert!(last_error().contains("'layers.0.w'"), "{}", last_error());
+        wm_publisher_destroy(p);
+    }
+}
