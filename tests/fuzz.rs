@@ -44,6 +44,8 @@ const JSON_TOKENS: &[&[u8]] = &[
     b"\"shape\"",
     b"\"data_offsets\"",
     b"\"__metadata__\"",
+    b"\"wm.shard.w\"",
+    b"\\\"offset\\\":[9,0]",
     b"\"F32\"",
     b"\"BF16\"",
     b"\"U8\"",
@@ -68,6 +70,7 @@ fn fuzz_safetensors_header() {
         r#"{"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}}"#,
         r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]},"e":{"dtype":"U8","shape":[0],"data_offsets":[8,8]},"i":{"dtype":"I64","shape":[3,1],"data_offsets":[8,32]}}"#,
         r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b.c":{"dtype":"I8","shape":[2,2],"data_offsets":[3,7]}}"#,
+        r#"{"__metadata__":{"wm.shard.w":"{\"tensor\":\"g\",\"global_shape\":[8,4],\"offset\":[6,0]}","format":"pt"},"w":{"dtype":"F32","shape":[2,4],"data_offsets":[0,32]}}"#,
     ];
     let target = Target {
         name: "safetensors header",
@@ -91,6 +94,11 @@ fn fuzz_safetensors_header() {
             assert!(t.offset + t.nbytes <= file_len, "range outside the file");
             assert!(!t.name.contains('\0'), "NUL in a name accepted");
             assert_eq!(t.offset % t.dtype.size() as u64, 0, "misaligned");
+            if let Some(shard) = &t.shard {
+                let p = &shard.placement;
+                p.check(&shard.tensor, &t.shape)
+                    .expect("a parsed placement checks");
+            }
         }
         true
     });
