@@ -367,6 +367,14 @@ fn the_c_placement_struct_is_checked() {
             "same offset twice"
         );
         assert!(last_error().contains("'layers.0.w'"), "{}", last_error());
+        // GPU memory is checked with the driver: an address that is none
+        // is refused naming the tensor, with or without a GPU.
+        let u8_ = DType::U8 as u32;
+        let (ptr, dims) = (shape.as_ptr(), shape.len());
+        let rc =
+            wm_publisher_add_device_shard(p, name.as_ptr(), u8_, ptr, dims, &pl, 0x1000, 8, 0, -1);
+        assert_ne!(rc, wm_result::WM_OK);
+        assert!(last_error().contains("'layers.0.w'"), "{}", last_error());
         wm_publisher_destroy(p);
     }
 }

@@ -118,6 +118,13 @@ def test_add_shard_sends_the_placement(tmp_path):
     assert m["b"] == [((3,), None, None)]
 
 
+def test_add_shard_takes_a_torch_tensor(tmp_path):
+    torch = pytest.importorskip("torch")
+    local = torch.zeros(3, 2, dtype=torch.bfloat16)
+    m = served_manifest(tmp_path, lambda p: p.add_shard("emb", local, (9, 2), (3, 0)))
+    assert m["emb"] == [((3, 2), (9, 2), (3, 0))]
+
+
 def test_bad_shards_are_refused_naming_the_tensor(tmp_path):
     a = np.zeros((2, 3), dtype=np.float32)
     with Publisher(str(tmp_path / "p.sock")) as p:
@@ -180,7 +187,7 @@ def fake_world():
     process group: real DTensors, no peers) for the block that uses it."""
     torch = pytest.importorskip("torch")
     dist = pytest.importorskip("torch.distributed")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    FakeStore = pytest.importorskip("torch.testing._internal.distributed.fake_pg").FakeStore
 
     def join(rank, world):
         if dist.is_initialized():
