@@ -817,7 +817,7 @@ wm_result wm_shard_placement_init(wm_shard_placement *placement);
 // Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
 // unchanged while `wm_publisher_serve` runs); `placement` is read during
 // the call only. Each trainer rank may run its own publisher (its own
-// socket or address): together they serve one version.
+// socket or address): together they serve one version. Never blocks.
 wm_result wm_publisher_add_shard(wm_publisher *publisher,
                                  const char *name,
                                  uint32_t dtype,
@@ -833,6 +833,8 @@ wm_result wm_publisher_add_shard(wm_publisher *publisher,
 // `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
 // published). Ownership: the memory stays valid until the next
 // `wm_publisher_publish` returns; `placement` is read during the call only.
+// Never blocks (the driver is asked about the range, nothing waits for
+// the device).
 wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
                                         const char *name,
                                         uint32_t dtype,

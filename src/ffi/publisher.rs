@@ -327,7 +327,7 @@ pub unsafe extern "C" fn wm_shard_placement_init(placement: *mut wm_shard_placem
 /// Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
 /// unchanged while `wm_publisher_serve` runs); `placement` is read during
 /// the call only. Each trainer rank may run its own publisher (its own
-/// socket or address): together they serve one version.
+/// socket or address): together they serve one version. Never blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_add_shard(
     publisher: *mut wm_publisher,
@@ -357,6 +357,8 @@ pub unsafe extern "C" fn wm_publisher_add_shard(
 /// `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
 /// published). Ownership: the memory stays valid until the next
 /// `wm_publisher_publish` returns; `placement` is read during the call only.
+/// Never blocks (the driver is asked about the range, nothing waits for
+/// the device).
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_add_device_shard(
     publisher: *mut wm_publisher,
