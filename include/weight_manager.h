@@ -443,6 +443,20 @@ typedef struct {
   const char *secret;
 } wm_publisher_config;
 
+// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
+// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
+// The arrays are read during the call only.
+typedef struct {
+  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
+  uint32_t struct_size;
+  // The global tensor's shape: one value per dimension of the shard
+  // (its `ndim`).
+  const uint64_t *global_shape;
+  // Where the shard's box starts in the global tensor, per dimension
+  // (`ndim` values); the box's lengths are the shard's shape.
+  const uint64_t *offset;
+} wm_shard_placement;
+
 // What `wm_publisher_serve` did, summed over its sessions.
 typedef struct {
   // Caller sets `sizeof(wm_serve_stats)`.
@@ -836,6 +850,55 @@ wm_result wm_publisher_add_device_tensor(wm_publisher *publisher,
                                          size_t len,
                                          int32_t device,
                                          int32_t rank);
+
+// Fill `placement` with empty arrays (NULL) and set `struct_size`.
+wm_result wm_shard_placement_init(wm_shard_placement *placement);
+
+// Publish a shard of the global tensor `name` from the trainer's host
+// memory: `len` bytes at `data`, the shard's own box (dtype x shape,
+// row-major), placed at `placement->offset` in a global tensor of shape
+// `placement->global_shape` (both `ndim` values), for engine rank `rank`
+// or every rank with -1. Engines get the placement in their manifest and
+// take the parts their params need.
+//
+// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the box lies
+// inside the global shape, `len` is the box's byte size, and the shard
+// clashes with nothing published for that rank. One publisher may hold
+// several shards of one global tensor at different offsets (same dtype and
+// global shape); the same offset twice, or a whole tensor of that name
+// beside shards, is refused. NULL `placement`: `WM_ERR_NULL_ARGUMENT`.
+//
+// Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
+// unchanged while `wm_publisher_serve` runs); `placement` is read during
+// the call only. Each trainer rank may run its own publisher (its own
+// socket or address): together they serve one version. Never blocks.
+wm_result wm_publisher_add_shard(wm_publisher *publisher,
+                                 const char *name,
+                                 uint32_t dtype,
+                                 const uint64_t *shape,
+                                 size_t ndim,
+                                 const wm_shard_placement *placement,
+                                 const void *data,
+                                 size_t len,
+                                 int32_t rank);
+
+// Publish a shard (see `wm_publisher_add_shard`) from the trainer's GPU
+// memory: `len` bytes at device address `device_ptr` of CUDA device
+// `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
+// published). Ownership: the memory stays valid until the next
+// `wm_publisher_publish` returns; `placement` is read during the call only.
+// Never blocks (the driver is asked about the range, nothing waits for
+// the device).
+wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
+                                        const char *name,
+                                        uint32_t dtype,
+                                        const uint64_t *shape,
+                                        size_t ndim,
+                                        const wm_shard_placement *placement,
+                                        uint64_t device_ptr,
+                                        size_t len,
+                                        int32_t device,
+                                        int32_t rank);
 
 // Serve the snapshot in directory `dir` instead of in-memory tensors: each
 // rank gets the files the snapshot layout rules pick for it.

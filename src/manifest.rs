@@ -2,7 +2,8 @@
 //! (when known) checksum, plus the version it names. Every source produces
 //! one before any byte moves; the plan is made from it.
 
-use crate::tensor::DType;
+use crate::result::{Error, Result};
+use crate::tensor::{shape_text, DType, MAX_NDIM};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
@@ -34,6 +35,55 @@ impl TensorMeta {
             .as_ref()
             .map_or(&self.shape, |p| &p.global_shape)
     }
+
+    /// The shard's offset in the global tensor (all zeros when whole).
+    pub fn offset(&self) -> Vec<u64> {
+        self.placement
+            .as_ref()
+            .map_or_else(|| vec![0; self.shape.len()], |p| p.offset.clone())
+    }
+}
+
+impl Placement {
+    /// Check that a shard of box lengths `shape` fits this placement: as
+    /// many dimensions as the global shape (at most `MAX_NDIM`), and per
+    /// dimension `offset + length <= global` without overflow. The error
+    /// names `tensor` (the global tensor) and says which dimension is wrong;
+    /// its code is INVALID_ARGUMENT (callers that read the placement from a
+    /// peer or a file turn it into theirs).
+    pub fn check(&self, tensor: &str, shape: &[u64]) -> Result<()> {
+        let bad = |why: String| {
+            Error::invalid_argument(format!("tensor '{tensor}': shard placement: {why}"))
+        };
+        let (g, o) = (&self.global_shape, &self.offset);
+        if g.len() > MAX_NDIM || o.len() != g.len() || shape.len() != g.len() {
+            return Err(bad(format!(
+                "global shape {} and offset {} must both have the shard's {} dimensions \
+                 (at most {MAX_NDIM})",
+                shape_text(g),
+                shape_text(o),
+                shape.len()
+            )));
+        }
+        for (d, ((&off, &len), &glob)) in o.iter().zip(shape).zip(g).enumerate() {
+            if off.checked_add(len).is_none_or(|end| end > glob) {
+                return Err(bad(format!(
+                    "dimension {d}: offset {off} + length {len} runs past the global {glob} \
+                     (shard {} at {} in {})",
+                    shape_text(shape),
+                    shape_text(o),
+                    shape_text(g)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the box covers the whole global tensor (a whole tensor
+    /// written as a shard).
+    pub fn is_whole(&self, shape: &[u64]) -> bool {
+        self.offset.iter().all(|&o| o == 0) && shape == self.global_shape.as_slice()
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -59,4 +109,47 @@ pub fn parse_checksum_hex(s: &str) -> Option<u128> {
         return None;
     }
     u128::from_str_radix(s, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(global: &[u64], offset: &[u64]) -> Placement {
+        Placement {
+            global_shape: global.to_vec(),
+            offset: offset.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_placement_is_checked_against_its_box() {
+        assert!(at(&[8, 4], &[4, 0]).check("w", &[4, 4]).is_ok());
+        assert!(at(&[8, 4], &[8, 0]).check("w", &[0, 4]).is_ok(), "empty");
+        let cases: [(Placement, &[u64], &str); 5] = [
+            (
+                at(&[8, 4], &[6, 0]),
+                &[4, 4],
+                "dimension 0: offset 6 + length 4",
+            ),
+            (at(&[8, 4], &[0, 1]), &[8, 4], "dimension 1"),
+            (at(&[8], &[0]), &[4, 4], "2 dimensions"),
+            (at(&[8, 4], &[0]), &[4, 4], "2 dimensions"),
+            (at(&[u64::MAX, 4], &[u64::MAX, 0]), &[2, 4], "runs past"),
+        ];
+        for (p, shape, want) in cases {
+            let e = p.check("layers.0.w", shape).unwrap_err();
+            assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+            assert!(e.message.contains("'layers.0.w'"), "{e}");
+            assert!(e.message.contains(want), "{want}: {e}");
+        }
+        let nine = at(&[1; 9], &[0; 9]);
+        assert!(nine
+            .check("w", &[1; 9])
+            .unwrap_err()
+            .message
+            .contains("at most 8"));
+        assert!(at(&[2, 3], &[0, 0]).is_whole(&[2, 3]));
+        assert!(!at(&[2, 3], &[0, 0]).is_whole(&[1, 3]));
+    }
 }

@@ -15,7 +15,7 @@ use mutator::{fuzz, Target};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager::logging::{LogLevel, Logger};
-use weight_manager::manifest::{Manifest, TensorMeta};
+use weight_manager::manifest::{Manifest, Placement, TensorMeta};
 use weight_manager::plan::{make_plan, PlanOptions, Target as PlanTarget};
 use weight_manager::registry::{ParamSpec, Registry};
 use weight_manager::source::snapshot::checksums::Checksums;
@@ -44,6 +44,8 @@ const JSON_TOKENS: &[&[u8]] = &[
     b"\"shape\"",
     b"\"data_offsets\"",
     b"\"__metadata__\"",
+    b"\"wm.shard.w\"",
+    b"\\\"offset\\\":[9,0]",
     b"\"F32\"",
     b"\"BF16\"",
     b"\"U8\"",
@@ -68,6 +70,7 @@ fn fuzz_safetensors_header() {
         r#"{"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}}"#,
         r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]},"e":{"dtype":"U8","shape":[0],"data_offsets":[8,8]},"i":{"dtype":"I64","shape":[3,1],"data_offsets":[8,32]}}"#,
         r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b.c":{"dtype":"I8","shape":[2,2],"data_offsets":[3,7]}}"#,
+        r#"{"__metadata__":{"wm.shard.w":"{\"tensor\":\"g\",\"global_shape\":[8,4],\"offset\":[6,0]}","format":"pt"},"w":{"dtype":"F32","shape":[2,4],"data_offsets":[0,32]}}"#,
     ];
     let target = Target {
         name: "safetensors header",
@@ -91,6 +94,11 @@ fn fuzz_safetensors_header() {
             assert!(t.offset + t.nbytes <= file_len, "range outside the file");
             assert!(!t.name.contains('\0'), "NUL in a name accepted");
             assert_eq!(t.offset % t.dtype.size() as u64, 0, "misaligned");
+            if let Some(shard) = &t.shard {
+                let p = &shard.placement;
+                p.check(&shard.tensor, &t.shape)
+                    .expect("a parsed placement checks");
+            }
         }
         true
     });
@@ -115,6 +123,25 @@ fn frames() -> Vec<Frame> {
         Frame::Manifest {
             version: "v1".into(),
             tensors: vec![meta("a", &[2, 3], Some(7)), meta("b", &[], None)],
+        },
+        Frame::Manifest {
+            version: "v1".into(),
+            tensors: vec![
+                TensorMeta {
+                    placement: Some(Placement {
+                        global_shape: vec![8, 3],
+                        offset: vec![4, 0],
+                    }),
+                    ..meta("w", &[2, 3], Some(9))
+                },
+                TensorMeta {
+                    placement: Some(Placement {
+                        global_shape: vec![5],
+                        offset: vec![5],
+                    }),
+                    ..meta("e", &[0], None)
+                },
+            ],
         },
         Frame::Want {
             tensors: vec![0, 1, 5],
@@ -178,6 +205,15 @@ fn fuzz_wire_frame_decode() {
         let Ok(frame) = Frame::decode(body) else {
             return false;
         };
+        // A shard that decodes lies inside its global tensor.
+        if let Frame::Manifest { tensors, .. } = &frame {
+            for t in tensors {
+                if let Some(p) = &t.placement {
+                    p.check(&t.name, &t.shape)
+                        .expect("a decoded placement checks");
+                }
+            }
+        }
         // Whatever decodes encodes back to the same frame.
         let again = Frame::decode(&frame.encode()[4..]).expect("a re-encoded frame decodes");
         assert_eq!(again, frame, "frame does not survive a round trip");

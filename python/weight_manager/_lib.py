@@ -186,6 +186,14 @@ class PublisherConfig(ctypes.Structure):
     ]
 
 
+class ShardPlacement(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("global_shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("offset", ctypes.POINTER(ctypes.c_uint64)),
+    ]
+
+
 class ServeStats(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -244,6 +252,17 @@ def load() -> ctypes.CDLL:
             R,
             [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, c_void_p,
              ctypes.c_size_t, ctypes.c_int32],
+        ),
+        "wm_shard_placement_init": (R, [ctypes.POINTER(ShardPlacement)]),
+        "wm_publisher_add_shard": (
+            R,
+            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+             ctypes.POINTER(ShardPlacement), c_void_p, ctypes.c_size_t, ctypes.c_int32],
+        ),
+        "wm_publisher_add_device_shard": (
+            R,
+            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+             ctypes.POINTER(ShardPlacement), ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32],
         ),
         "wm_publisher_set_dir": (R, [c_void_p, c_char_p]),
         "wm_publisher_set_version": (R, [c_void_p, c_char_p]),

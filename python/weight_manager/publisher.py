@@ -76,13 +76,35 @@ class Publisher(OwnedHandle):
 
     def add(self, name: str, array: np.ndarray, *, dtype=None, rank: int = -1) -> None:
         """Publish `array` as tensor `name` for engine `rank` (-1: every rank)."""
+        self._add_array(name, array, dtype, rank, None)
+
+    def add_shard(self, name: str, data, global_shape, offset, *, dtype=None, rank: int = -1) -> None:
+        """Publish `data` (a numpy array, or a CPU or CUDA torch.Tensor) as
+        the shard of global tensor `name` whose box starts at `offset` in a
+        tensor of `global_shape` (one value per dimension of `data` each).
+        Checked now, naming the tensor: the box inside the global shape; a
+        second shard at the same offset, or a whole tensor of that name, is
+        refused. Several shards of one global tensor may be added (same
+        dtype and global shape). Engines get the placement in their
+        manifest. `data` must stay alive and unchanged as for add()."""
+        placement = torch_bridge.ShardPlacement(tuple(int(d) for d in global_shape),
+                                                tuple(int(d) for d in offset))
+        if any(d < 0 for d in placement.global_shape + placement.offset):
+            raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
+                             f"{placement.offset} must not be negative")
+        if torch_bridge.is_tensor(data):
+            self._add_tensor_memory(name, torch_bridge.tensor_memory(name, data), data, rank, placement)
+        else:
+            self._add_array(name, np.asarray(data) if not isinstance(data, np.ndarray) else data,
+                            dtype, rank, placement)
+
+    def _add_array(self, name: str, array: np.ndarray, dtype, rank: int, placement) -> None:
         if not array.flags.c_contiguous:
             raise ValueError(f"tensor '{name}': array must be C-contiguous")
         wm_dtype = parse_dtype(dtype if dtype is not None else array.dtype)
-        dims = (ctypes.c_uint64 * max(array.ndim, 1))(*array.shape)
-        self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(wm_dtype), dims, array.ndim,
-                                                ctypes.c_void_p(array.ctypes.data), array.nbytes, rank))
-        self._arrays.append(array)
+        mem = torch_bridge.TensorMemory(int(array.ctypes.data), array.nbytes, wm_dtype, tuple(array.shape),
+                                        torch_bridge.HOST)
+        self._add_tensor_memory(name, mem, array, rank, placement)
 
     def add_device(self, name: str, ptr: int, nbytes: int, device: int, *, dtype, shape,
                    rank: int = -1) -> None:
@@ -91,11 +113,9 @@ class Publisher(OwnedHandle):
         once published: publish() waits for the device and copies them into a
         GPU buffer that engines on this node open by CUDA IPC handle. The
         memory must stay valid until the next publish() returns."""
-        wm_dtype = parse_dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-        self._check(LIB.wm_publisher_add_device_tensor(self._h(), name.encode(), int(wm_dtype), dims, len(shape),
-                                                       int(ptr), int(nbytes), int(device), rank))
+        mem = torch_bridge.TensorMemory(int(ptr), int(nbytes), parse_dtype(dtype),
+                                        tuple(int(d) for d in shape), int(device))
+        self._add_memory(name, mem, rank, None)
 
     def add_torch(self, name: str, tensor, *, rank: int = -1) -> None:
         """Publish a torch.Tensor by its data_ptr(), without this package
@@ -113,6 +133,12 @@ class Publisher(OwnedHandle):
         new values (publish() takes its copy at once; live CPU tensors are
         read while serve() runs, so do not step the optimizer meanwhile).
 
+        A DTensor (torch.distributed.tensor: FSDP2, tensor parallel) is
+        published as this rank's shard of its global tensor (add_shard):
+        its local tensor, placed by its `placements` on its device mesh
+        (Shard(dim) and Replicate(); PyTorch's uneven split). A DTensor whose
+        mesh does not hold this rank is skipped. Plain tensors stay whole.
+
         References to the tensors are kept until clear() or close() (the
         publisher may read them until then). Non-contiguous tensors are
         refused naming them (contiguous="refuse", the default: a copy would
@@ -121,22 +147,47 @@ class Publisher(OwnedHandle):
         (one memory under several names) are published once, under the
         first name; returns {tied name: published name}. A dtype the library
         lacks raises naming the tensor and dtype, before anything is added."""
-        named = [(name, torch_bridge.contiguous_for_publishing(name, t, contiguous))
-                 for name, t in state_dict.items()]
+        placements, named = {}, []
+        for name, t in state_dict.items():
+            if torch_bridge.is_dtensor(t):
+                shard = torch_bridge.dtensor_shard(name, t)
+                if shard is None:
+                    continue
+                t, placements[name] = shard
+            named.append((name, torch_bridge.contiguous_for_publishing(name, t, contiguous)))
         unique, aliases = torch_bridge.unique_memory(named)
         for name, tensor, mem in unique:
-            self._add_tensor_memory(name, mem, tensor, rank)
+            self._add_tensor_memory(name, mem, tensor, rank, placements.get(name))
         return aliases
 
-    def _add_tensor_memory(self, name: str, mem, owner, rank: int) -> None:
-        """Add host or device memory as tensor `name`, keeping `owner` alive."""
-        if mem.device != torch_bridge.HOST:
-            self.add_device(name, mem.ptr, mem.nbytes, mem.device, dtype=mem.dtype, shape=mem.shape, rank=rank)
-        else:
-            dims = (ctypes.c_uint64 * max(len(mem.shape), 1))(*mem.shape)
-            self._check(LIB.wm_publisher_add_tensor(self._h(), name.encode(), int(mem.dtype), dims, len(mem.shape),
-                                                    ctypes.c_void_p(mem.ptr or None), mem.nbytes, rank))
+    def _add_tensor_memory(self, name: str, mem, owner, rank: int, placement=None) -> None:
+        """Add host or device memory as tensor `name` (a shard when
+        `placement` is given), keeping `owner` alive."""
+        self._add_memory(name, mem, rank, placement)
         self._arrays.append(owner)
+
+    def _add_memory(self, name: str, mem, rank: int, placement) -> None:
+        """The one call into the library for every add: host or device
+        memory, whole or a shard."""
+        dims = (ctypes.c_uint64 * max(len(mem.shape), 1))(*mem.shape)
+        args = (self._h(), name.encode(), int(mem.dtype), dims, len(mem.shape))
+        if placement is not None:
+            if len(placement.global_shape) != len(mem.shape) or len(placement.offset) != len(mem.shape):
+                raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
+                                 f"{placement.offset} need one value per dimension of its {mem.shape}")
+            glob = (ctypes.c_uint64 * max(len(mem.shape), 1))(*placement.global_shape)
+            off = (ctypes.c_uint64 * max(len(mem.shape), 1))(*placement.offset)
+            pl = _lib.ShardPlacement()
+            LIB.wm_shard_placement_init(ctypes.byref(pl))
+            pl.global_shape, pl.offset = glob, off
+            args += (ctypes.byref(pl),)
+        if mem.device != torch_bridge.HOST:
+            fn = LIB.wm_publisher_add_device_tensor if placement is None else LIB.wm_publisher_add_device_shard
+            rc = fn(*args, int(mem.ptr), int(mem.nbytes), int(mem.device), rank)
+        else:
+            fn = LIB.wm_publisher_add_tensor if placement is None else LIB.wm_publisher_add_shard
+            rc = fn(*args, ctypes.c_void_p(mem.ptr or None), mem.nbytes, rank)
+        self._check(rc)
 
     def set_dir(self, directory) -> None:
         """Serve a snapshot directory instead (per-rank files by the layout rules)."""

@@ -145,3 +145,71 @@ def map_name(name: str, name_map):
     if callable(name_map):
         return name_map(name)
     return name_map.get(name, name)
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where a local tensor sits in its global tensor: the global shape and
+    the offset of the local box in it, per dimension."""
+    global_shape: tuple
+    offset: tuple
+
+
+def is_dtensor(obj) -> bool:
+    """A torch.distributed.tensor.DTensor, recognized by the attributes this
+    module uses (never by importing torch)."""
+    return all(hasattr(obj, a) for a in ("placements", "device_mesh", "to_local", "shape"))
+
+
+def _placement_kind(name: str, placement) -> str:
+    """"shard" or "replicate"; anything else (partial sums, strided shards
+    of FSDP2 under TP) is refused naming the tensor."""
+    kind = type(placement).__name__
+    if kind == "Shard" and isinstance(getattr(placement, "dim", None), int):
+        return "shard"
+    if kind == "Replicate":
+        return "replicate"
+    raise ValueError(f"tensor '{name}': DTensor placement {placement!r} is not supported "
+                     f"(Shard(dim) and Replicate() are; reduce a Partial, or redistribute first)")
+
+
+def shard_box(global_shape, mesh_shape, coordinate, placements, name: str = "tensor"):
+    """(local shape, global offset) of the mesh coordinate `coordinate`, by
+    PyTorch's rule: mesh dims in order, Shard(d) splits the current extent
+    of dim d into chunks of ceil(n / k), so the last chunks may be shorter
+    or empty (an empty chunk's offset is the global size, as PyTorch says);
+    Replicate leaves it. Pure arithmetic, so it is tested against PyTorch's
+    own function."""
+    shape = [int(d) for d in global_shape]
+    offset = [0] * len(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if _placement_kind(name, placement) == "replicate":
+            continue
+        dim = placement.dim if placement.dim >= 0 else placement.dim + len(shape)
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"tensor '{name}': Shard({placement.dim}) of a {len(shape)}-dimensional tensor")
+        cur, k, c = shape[dim], int(mesh_shape[mesh_dim]), int(coordinate[mesh_dim])
+        chunk = -(-cur // k)
+        start = min(cur, chunk * c)
+        shape[dim] = max(0, min(cur, start + chunk) - start)
+        offset[dim] = int(global_shape[dim]) if shape[dim] == 0 else offset[dim] + start
+    return tuple(shape), tuple(offset)
+
+
+def dtensor_shard(name: str, dtensor):
+    """(local tensor, ShardPlacement) of a DTensor on this rank, or None
+    when this rank is not in its device mesh. The local tensor's shape is
+    checked against the placement's box (a DTensor sharded by another rule
+    is refused naming it)."""
+    mesh = dtensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    global_shape = tuple(int(d) for d in dtensor.shape)
+    shape, offset = shard_box(global_shape, tuple(mesh.shape), coordinate, dtensor.placements, name)
+    local = dtensor.to_local()
+    if tuple(int(d) for d in local.shape) != shape:
+        raise ValueError(f"tensor '{name}': the local tensor has shape {tuple(local.shape)}, its placement "
+                         f"{tuple(dtensor.placements)} on mesh {tuple(mesh.shape)} at {tuple(coordinate)} "
+                         f"gives {shape}")
+    return local, ShardPlacement(global_shape, offset)

@@ -3,6 +3,7 @@
 //! (`wm_publisher_create_net`: TCP control, UCX bytes, shared secret).
 
 use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
+use crate::manifest::Placement;
 use crate::publisher::{Publisher, PublisherConfig, ServeStats};
 use crate::result::{wm_result, Error};
 use crate::tensor::DType;
@@ -37,6 +38,21 @@ pub struct wm_publisher_config {
     /// Network: the shared secret (NUL-terminated, at least 16 bytes, copied
     /// at create); NULL: the `WM_NET_SECRET` environment variable.
     pub secret: *const c_char,
+}
+
+/// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
+/// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
+/// The arrays are read during the call only.
+#[repr(C)]
+pub struct wm_shard_placement {
+    /// `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
+    pub struct_size: u32,
+    /// The global tensor's shape: one value per dimension of the shard
+    /// (its `ndim`).
+    pub global_shape: *const u64,
+    /// Where the shard's box starts in the global tensor, per dimension
+    /// (`ndim` values); the box's lengths are the shard's shape.
+    pub offset: *const u64,
 }
 
 /// What `wm_publisher_serve` did, summed over its sessions.
@@ -277,6 +293,135 @@ pub unsafe extern "C" fn wm_publisher_add_device_tensor(
                 .add_device_tensor(&name, dtype, shape, device_ptr, len, device, rank)
         })();
         h.result(r)
+    })
+}
+
+/// Fill `placement` with empty arrays (NULL) and set `struct_size`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_shard_placement_init(placement: *mut wm_shard_placement) -> wm_result {
+    ffi_guard!({
+        check_null!(placement);
+        placement.write(wm_shard_placement {
+            struct_size: std::mem::size_of::<wm_shard_placement>() as u32,
+            global_shape: std::ptr::null(),
+            offset: std::ptr::null(),
+        });
+        wm_result::WM_OK
+    })
+}
+
+/// Publish a shard of the global tensor `name` from the trainer's host
+/// memory: `len` bytes at `data`, the shard's own box (dtype x shape,
+/// row-major), placed at `placement->offset` in a global tensor of shape
+/// `placement->global_shape` (both `ndim` values), for engine rank `rank`
+/// or every rank with -1. Engines get the placement in their manifest and
+/// take the parts their params need.
+///
+/// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the box lies
+/// inside the global shape, `len` is the box's byte size, and the shard
+/// clashes with nothing published for that rank. One publisher may hold
+/// several shards of one global tensor at different offsets (same dtype and
+/// global shape); the same offset twice, or a whole tensor of that name
+/// beside shards, is refused. NULL `placement`: `WM_ERR_NULL_ARGUMENT`.
+///
+/// Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
+/// unchanged while `wm_publisher_serve` runs); `placement` is read during
+/// the call only. Each trainer rank may run its own publisher (its own
+/// socket or address): together they serve one version. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add_shard(
+    publisher: *mut wm_publisher,
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    placement: *const wm_shard_placement,
+    data: *const c_void,
+    len: usize,
+    rank: i32,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = (|| {
+            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
+            let placement = placement_from_c(placement, ndim, &name)?;
+            h.value
+                .add_shard(&name, dtype, shape, &placement, data.cast(), len, rank)
+        })();
+        h.result(r)
+    })
+}
+
+/// Publish a shard (see `wm_publisher_add_shard`) from the trainer's GPU
+/// memory: `len` bytes at device address `device_ptr` of CUDA device
+/// `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
+/// published). Ownership: the memory stays valid until the next
+/// `wm_publisher_publish` returns; `placement` is read during the call only.
+/// Never blocks (the driver is asked about the range, nothing waits for
+/// the device).
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add_device_shard(
+    publisher: *mut wm_publisher,
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    placement: *const wm_shard_placement,
+    device_ptr: u64,
+    len: usize,
+    device: i32,
+    rank: i32,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = (|| {
+            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
+            let placement = placement_from_c(placement, ndim, &name)?;
+            h.value.add_device_shard(
+                &name, dtype, shape, &placement, device_ptr, len, device, rank,
+            )
+        })();
+        h.result(r)
+    })
+}
+
+/// A C placement of a shard of `ndim` dimensions (checked against the
+/// shard later, by the publisher).
+///
+/// # Safety
+/// `placement` is NULL or a `wm_shard_placement` whose arrays, when not
+/// NULL, hold `ndim` values (`ndim` at most `WM_MAX_NDIM`, checked before).
+unsafe fn placement_from_c(
+    placement: *const wm_shard_placement,
+    ndim: usize,
+    name: &str,
+) -> crate::result::Result<Placement> {
+    if placement.is_null() {
+        return Err(Error::null_argument(format!(
+            "tensor '{name}': placement is NULL"
+        )));
+    }
+    let p = &*placement;
+    check_struct_size(
+        "wm_shard_placement",
+        p.struct_size,
+        std::mem::size_of::<wm_shard_placement>(),
+    )?;
+    let dims = |ptr: *const u64, what: &str| {
+        if ndim > 0 && ptr.is_null() {
+            return Err(Error::null_argument(format!(
+                "tensor '{name}': placement {what} is NULL"
+            )));
+        }
+        Ok(if ndim == 0 {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(ptr, ndim).to_vec()
+        })
+    };
+    Ok(Placement {
+        global_shape: dims(p.global_shape, "global_shape")?,
+        offset: dims(p.offset, "offset")?,
     })
 }
 

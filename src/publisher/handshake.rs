@@ -53,7 +53,14 @@ pub(super) fn handshake(
     let hello = match conn.recv(deadline) {
         Ok(f @ Frame::Hello { .. }) => f,
         Ok(other) => Err(Error::peer(format!("expected HELLO, got {}", other.name())))?,
-        Err(e) => return Err(e.context("before its handshake")),
+        Err(e) => {
+            // A HELLO this side cannot read (another protocol version): say
+            // why, so that the engine's error names the cause, not a hang-up.
+            if e.code == crate::wm_result::WM_ERR_PEER {
+                conn.send_error(&e);
+            }
+            return Err(e.context("before its handshake"));
+        }
     };
     let Frame::Hello {
         rank,

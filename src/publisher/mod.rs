@@ -13,6 +13,14 @@
 //! - serving tensors from memory, each tensor is tagged with the rank it is
 //!   for, or with "every rank".
 //!
+//! **Shards of global tensors.** A trainer rank that holds only a piece of
+//! a global tensor serves it with [`Publisher::add_shard`]: the piece's own
+//! box, placed at an offset in the global shape; every engine's manifest
+//! carries the placement (`docs/wire.md`, protocol 2), and the engine takes
+//! the parts its params need. Several publishers, one per trainer rank,
+//! each on its own socket or address, serve one version together: nothing
+//! ties them but the version name, and an engine pulls from each.
+//!
 //! **Network.** [`Publisher::bind_net`] listens on a TCP address instead:
 //! control frames travel over TCP, after a shared-secret challenge
 //! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), one
@@ -66,6 +74,7 @@ mod streamer;
 mod versions;
 
 pub(crate) use crate::manager::check_version;
+use crate::manifest::Placement;
 use crate::result::{Error, Result};
 use crate::tensor::DType;
 use crate::transport::auth::Secret;
@@ -215,15 +224,35 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
-        self.push_tensor(HostTensor::new(
-            name,
-            dtype,
-            shape,
-            data as u64,
-            len,
-            rank,
-            None,
-        ))
+        let t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
+        self.content.lock().add(t)
+    }
+
+    /// Serve a shard of the global tensor `name` from memory: `shape` is the
+    /// shard's own box, row-major at `data`, placed at `placement.offset` in
+    /// a global tensor of `placement.global_shape` (checked now: the box
+    /// inside the global shape, the byte size). One publisher may hold
+    /// several shards of a global tensor at different offsets (same dtype
+    /// and global shape); a shard at an offset already published for that
+    /// rank, or a whole tensor of that name, is an error. Engines get the
+    /// placement in the manifest and take the parts their params need.
+    ///
+    /// # Safety
+    /// As [`Publisher::add_tensor`].
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    pub unsafe fn add_shard(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        placement: &Placement,
+        data: *const u8,
+        len: usize,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let mut t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
+        t.placement = Some(placement.clone());
+        self.content.lock().add(t)
     }
 
     /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
@@ -245,22 +274,39 @@ impl Publisher {
         ordinal: i32,
         rank: Option<u32>,
     ) -> Result<()> {
-        let what = format!("tensor '{name}'");
-        crate::memory::cuda::cuda()
-            .map_err(|e| e.context(&what))?
-            .check_device_range(ordinal, ptr, len, &what)?;
-        self.push_tensor(HostTensor::new(
-            name,
-            dtype,
-            shape,
-            ptr,
-            len,
-            rank,
-            Some(ordinal),
-        ))
+        let t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
+        self.add_device(t)
     }
 
-    fn push_tensor(&self, t: HostTensor) -> Result<()> {
+    /// A shard (see [`Publisher::add_shard`]) in the trainer's GPU memory,
+    /// served like [`Publisher::add_device_tensor`]'s tensors.
+    ///
+    /// # Safety
+    /// As [`Publisher::add_device_tensor`].
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    pub unsafe fn add_device_shard(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        placement: &Placement,
+        ptr: u64,
+        len: usize,
+        ordinal: i32,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let mut t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
+        t.placement = Some(placement.clone());
+        self.add_device(t)
+    }
+
+    /// Add a GPU tensor once the driver says its range is memory of its GPU.
+    fn add_device(&self, t: HostTensor) -> Result<()> {
+        let what = format!("tensor '{}'", t.name);
+        let ordinal = t.device.expect("a device tensor");
+        crate::memory::cuda::cuda()
+            .map_err(|e| e.context(&what))?
+            .check_device_range(ordinal, t.data.0 as u64, t.len, &what)?;
         self.content.lock().add(t)
     }
 

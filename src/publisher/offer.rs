@@ -1,12 +1,13 @@
 //! What sessions serve: the trainer's content (a directory, or tensors in
 //! memory), as versions ([`Offer`]), and picking the one a rank asks for.
 
+use crate::manifest::Placement;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::source::snapshot::version::read_version_yaml;
-use crate::tensor::{byte_size, check_name, DType};
+use crate::tensor::{byte_size, check_name, shape_text, DType};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -28,6 +29,8 @@ pub struct HostTensor {
     pub checksum: Option<u128>,
     /// Some(GPU ordinal): `data` is a CUDA device address of that GPU.
     pub device: Option<i32>,
+    /// Where this shard sits in the global tensor `name`; None: whole.
+    pub placement: Option<Placement>,
 }
 
 impl HostTensor {
@@ -50,6 +53,7 @@ impl HostTensor {
             rank,
             checksum: None,
             device,
+            placement: None,
         }
     }
 }
@@ -64,9 +68,10 @@ pub enum Content {
 }
 
 impl Content {
-    /// Add a tensor (a directory served so far is dropped): its name, its
-    /// byte size against its dtype and shape, and its address checked, and
-    /// no other tensor of that name for the same rank.
+    /// Add a tensor or shard (a directory served so far is dropped): its
+    /// name, its byte size against its dtype and shape, its placement and
+    /// its address checked, and nothing it would clash with for the same
+    /// rank (see [`check_clash`]).
     pub(super) fn add(&mut self, t: HostTensor) -> Result<()> {
         let name = &t.name;
         check_name(name)?;
@@ -76,6 +81,14 @@ impl Content {
                 "tensor '{name}': {} bytes given, {need} needed",
                 t.len
             )));
+        }
+        if let Some(p) = &t.placement {
+            p.check(name, &t.shape)?;
+            byte_size(
+                &format!("tensor '{name}' (global)"),
+                t.dtype,
+                &p.global_shape,
+            )?;
         }
         if t.data.0.is_null() && t.len > 0 {
             return Err(Error::null_argument(format!(
@@ -88,16 +101,42 @@ impl Content {
         let Content::Tensors(ts) = self else {
             unreachable!()
         };
-        if ts
-            .iter()
-            .any(|o| o.name == *name && (o.rank.is_none() || t.rank.is_none() || o.rank == t.rank))
-        {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}' is already published for that rank"
-            )));
+        let same_ranks = |o: &HostTensor| o.rank.is_none() || t.rank.is_none() || o.rank == t.rank;
+        for o in ts.iter().filter(|o| o.name == *name && same_ranks(o)) {
+            check_clash(o, &t)?;
         }
         ts.push(t);
         Ok(())
+    }
+}
+
+/// Two tensors of one name for the same rank: only shards of one global
+/// tensor (same dtype and global shape) at different offsets may be
+/// published side by side; a whole tensor is published once.
+fn check_clash(old: &HostTensor, new: &HostTensor) -> Result<()> {
+    let name = &new.name;
+    let clash = |why: String| Err(Error::invalid_argument(format!("tensor '{name}': {why}")));
+    match (&old.placement, &new.placement) {
+        (None, None) => clash("already published for that rank".into()),
+        (None, Some(_)) | (Some(_), None) => clash(
+            "published both whole and as shards for that rank (a whole tensor is \
+             published alone)"
+                .into(),
+        ),
+        (Some(a), Some(b)) if a.global_shape != b.global_shape || old.dtype != new.dtype => {
+            clash(format!(
+                "shards disagree on the global tensor: {} {} and {} {}",
+                old.dtype,
+                shape_text(&a.global_shape),
+                new.dtype,
+                shape_text(&b.global_shape)
+            ))
+        }
+        (Some(a), Some(b)) if a.offset == b.offset => clash(format!(
+            "a shard at offset {} is already published for that rank",
+            shape_text(&b.offset)
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -144,7 +144,7 @@ fn tensors_shard(
             shape: t.shape.clone(),
             nbytes: t.len as u64,
             checksum: t.checksum.or_else(|| known.get(i).copied()),
-            placement: None,
+            placement: t.placement.clone(),
         })
         .collect();
     drop(known);
@@ -267,6 +267,7 @@ mod tests {
             rank: None,
             checksum: None,
             device: Some(0),
+            placement: None,
         };
         let offer = Offer::new(Some("1".into()), Content::Tensors(vec![gpu_tensor]));
         let e = shard_for(&offer, 0, "0", &PublisherConfig::default())

@@ -3,7 +3,7 @@
 
 use super::fields::In;
 use super::{kind, BucketEntry, CudaBuffer, Frame, MAGIC, MAX_ADDRESS, MAX_BUFFERS, PROTOCOL};
-use crate::manifest::TensorMeta;
+use crate::manifest::{Placement, TensorMeta};
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, DType, MAX_NDIM};
 
@@ -65,8 +65,11 @@ fn hello(i: &mut In) -> Result<Frame> {
     }
     let protocol = i.u32()?;
     if protocol != PROTOCOL {
+        // Only engines send HELLO: the publisher reads this, and sends it
+        // back in an ERROR frame so that the engine learns it too.
         return Err(Error::peer(format!(
-            "wire: the peer speaks protocol version {protocol}; this library speaks {PROTOCOL}"
+            "wire: the engine speaks protocol version {protocol} and the publisher \
+             {PROTOCOL}: run the same weight_manager release on both sides"
         )));
     }
     Ok(Frame::Hello {
@@ -79,7 +82,7 @@ fn hello(i: &mut In) -> Result<Frame> {
 
 fn manifest(i: &mut In) -> Result<Frame> {
     let version = i.str()?;
-    let n = i.count(4 + 4 + 4 + 8 + 1, "tensors")?;
+    let n = i.count(4 + 4 + 4 + 8 + 1 + 1, "tensors")?;
     let mut tensors = Vec::with_capacity(n);
     for _ in 0..n {
         tensors.push(tensor_meta(i)?);
@@ -113,14 +116,42 @@ fn tensor_meta(i: &mut In) -> Result<TensorMeta> {
         1 => Some(u128::from_le_bytes(i.take(16)?.try_into().expect("16"))),
         f => return Err(Error::peer(format!("wire: checksum flag {f}"))),
     };
+    let placement = match i.u8()? {
+        0 => None,
+        1 => Some(placement(i, &name, dtype, &shape)?),
+        f => {
+            return Err(Error::peer(format!(
+                "wire: tensor '{name}': placement flag {f}"
+            )))
+        }
+    };
     Ok(TensorMeta {
         name,
         dtype,
         shape,
         nbytes,
         checksum,
-        placement: None,
+        placement,
     })
+}
+
+/// A shard's placement: global shape and offset, one `u64` per dimension
+/// of the shard each, the box inside the global shape and the global
+/// tensor's byte size within `u64`.
+fn placement(i: &mut In, name: &str, dtype: DType, shape: &[u64]) -> Result<Placement> {
+    let mut dims = || {
+        (0..shape.len())
+            .map(|_| i.u64())
+            .collect::<Result<Vec<_>>>()
+    };
+    let p = Placement {
+        global_shape: dims()?,
+        offset: dims()?,
+    };
+    p.check(name, shape)
+        .and_then(|()| byte_size(&format!("tensor '{name}' (global)"), dtype, &p.global_shape))
+        .map_err(|e| Error::peer(format!("wire: {}", e.message)))?;
+    Ok(p)
 }
 
 fn bucket(i: &mut In) -> Result<Frame> {

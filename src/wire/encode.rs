@@ -111,6 +111,14 @@ fn manifest(o: &mut Out, version: &str, tensors: &[TensorMeta]) {
             }
             None => o.u8(0),
         }
+        match &t.placement {
+            Some(p) => {
+                o.u8(1);
+                p.global_shape.iter().for_each(|d| o.u64(*d));
+                p.offset.iter().for_each(|d| o.u64(*d));
+            }
+            None => o.u8(0),
+        }
     }
 }
 

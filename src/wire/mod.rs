@@ -24,7 +24,8 @@ pub use buckets::{check_bucket, message_tag, net_message_bytes, split_entries};
 pub(crate) use fields::{In, Out};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
-pub(crate) const PROTOCOL: u32 = 1;
+/// 2: manifest tensors carry their shard placement.
+pub(crate) const PROTOCOL: u32 = 2;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
@@ -180,6 +181,10 @@ mod tests {
                 placement: None,
             }],
         });
+        round_trip(Frame::Manifest {
+            version: "12".into(),
+            tensors: vec![shard(&[2, 3], &[4, 3], &[2, 0]), shard(&[], &[], &[])],
+        });
         round_trip(Frame::Want {
             tensors: vec![0, 2],
         });
@@ -229,6 +234,57 @@ mod tests {
             seq: 3,
             digests: vec![[7; 32], [9; 32]],
         });
+    }
+
+    fn shard(shape: &[u64], global: &[u64], offset: &[u64]) -> TensorMeta {
+        TensorMeta {
+            name: "layers.0.w".into(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            nbytes: shape.iter().product::<u64>() * 4,
+            checksum: None,
+            placement: Some(crate::manifest::Placement {
+                global_shape: global.to_vec(),
+                offset: offset.to_vec(),
+            }),
+        }
+    }
+
+    /// A placement whose box leaves the global shape, whose global tensor
+    /// overflows, or whose flag is neither 0 nor 1, is refused naming the
+    /// tensor; so is one cut short.
+    #[test]
+    fn hostile_placements_are_refused() {
+        let decode = |t: TensorMeta| {
+            let f = Frame::Manifest {
+                version: "1".into(),
+                tensors: vec![t],
+            };
+            Frame::decode(&f.encode()[4..])
+        };
+        let cases = [
+            (shard(&[2, 3], &[4, 3], &[3, 0]), "dimension 0: offset 3"),
+            (shard(&[2, 3], &[4, 3], &[0, u64::MAX]), "dimension 1"),
+            (shard(&[1], &[u64::MAX], &[0]), "(global)"),
+        ];
+        for (t, want) in cases {
+            let e = decode(t).unwrap_err();
+            assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+            assert!(e.message.contains("'layers.0.w'"), "{e}");
+            assert!(e.message.contains(want), "{want}: {e}");
+        }
+        let good = Frame::Manifest {
+            version: "1".into(),
+            tensors: vec![shard(&[2], &[4], &[2])],
+        }
+        .encode();
+        let flag = good.len() - 17; // the placement flag, then 2 dims
+        let mut bad_flag = good.clone();
+        bad_flag[flag] = 2;
+        let e = Frame::decode(&bad_flag[4..]).unwrap_err();
+        assert!(e.message.contains("'layers.0.w': placement flag 2"), "{e}");
+        let e = Frame::decode(&good[4..good.len() - 3]).unwrap_err();
+        assert!(e.message.contains("ends early"), "{e}");
     }
 
     #[test]
@@ -282,7 +338,7 @@ mod tests {
             .unwrap_err()
             .message
             .contains("NUL"));
-        let at = m.len() - 9; // nbytes field
+        let at = m.len() - 10; // nbytes field, then two flags
         m[at] = 17;
         assert!(Frame::decode(&m[4..])
             .unwrap_err()

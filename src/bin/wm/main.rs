@@ -5,6 +5,8 @@
 //!   snapshot, clear, update again; prints a table and a verdict.
 //! - `wm inspect <file|dir>`: tensors, dtypes, shapes, bytes, version.
 //! - `wm manifest <dir>`: write `wm_checksums.json` for the snapshot in `dir`.
+//! - `wm shard <file|dir> --out DIR --ranks N`: per-rank shard files, each
+//!   tensor's placement in its file's metadata.
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
 //! - `wm bench signal`: per-step latency of the signal across real ranks.
 //! - `wm bench ipc`: same-node IPC update throughput beside its floor.
@@ -27,6 +29,7 @@ mod fixtures;
 mod fmt;
 mod inspect;
 mod ipc;
+mod shard;
 mod signal;
 mod worker;
 
@@ -36,6 +39,7 @@ const USAGE: &str = "usage:
   wm demo [--dir DIR]
   wm inspect <file|dir> [--rank R] [--gpu G] [--all]
   wm manifest <dir>
+  wm shard <file|dir> --out DIR --ranks N [--dim D]     (per-rank shard files, placement in their metadata)
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm bench ipc [--gib N] [--bucket-mib M]
@@ -129,6 +133,11 @@ fn run(argv: &[String]) -> Result<(), String> {
             let a = Args::parse(rest, &[])?;
             a.check_known(&[])?;
             inspect::manifest(&a)
+        }
+        "shard" => {
+            let a = Args::parse(rest, &[])?;
+            a.check_known(shard::OPTIONS)?;
+            shard::run(&a)
         }
         "bench" => {
             let a = Args::parse(rest, &[])?;

@@ -23,6 +23,7 @@ pub mod checksums;
 pub mod layout;
 pub mod regular_file;
 pub mod safetensors_file;
+pub mod shard_meta;
 pub mod version;
 
 use crate::apply::{Applier, Chunk};
@@ -80,6 +81,7 @@ impl SnapshotSource {
         let mut files = Vec::new();
         let mut manifest = Manifest::default();
         let mut locations = Vec::new();
+        let mut stored = HashSet::new();
         for (fi, path) in layout.files.iter().enumerate() {
             let (_file, header) = safetensors_file::open(path, deadline)?;
             let file_name = path
@@ -90,26 +92,33 @@ impl SnapshotSource {
                 Some(c) => c.for_file(file_name, header.file_len)?,
                 None => None,
             };
-            // Entries move into the manifest: a header is held once.
+            // Entries move into the manifest: a header is held once. Index
+            // and checksums know a tensor by its stored name; the manifest
+            // by its global one.
             for t in header.tensors {
                 if let Some(index) = &layout.index {
                     check_in_index(index, path, file_name, &t.name)?;
+                    stored.insert(t.name.clone());
                 }
                 let checksum = sums.and_then(|s| s.get(&t.name).copied());
                 locations.push((fi, t.offset));
+                let (name, placement) = match t.shard {
+                    Some(s) => (s.tensor, Some(s.placement)),
+                    None => (t.name, None),
+                };
                 manifest.tensors.push(TensorMeta {
-                    name: t.name,
+                    name,
                     dtype: t.dtype,
                     shape: t.shape,
                     nbytes: t.nbytes,
                     checksum,
-                    placement: None,
+                    placement,
                 });
             }
             files.push((path.clone(), header.file_len));
         }
         if let Some(index) = &layout.index {
-            check_index_covered(index, &manifest)?;
+            check_index_covered(index, &stored)?;
         }
         let (version, no_version) = if !read_version {
             (None, "the caller named a version".to_string())
@@ -165,18 +174,18 @@ fn check_in_index(
     Ok(())
 }
 
-/// Every tensor the HuggingFace index lists must be in some shard.
-fn check_index_covered(index: &HashMap<String, String>, manifest: &Manifest) -> Result<()> {
-    if index.len() == manifest.tensors.len() {
-        return Ok(());
-    }
-    let present: HashSet<&str> = manifest.tensors.iter().map(|t| t.name.as_str()).collect();
+/// Every tensor the HuggingFace index lists must be in some shard file
+/// (`stored`: the stored names found).
+fn check_index_covered(index: &HashMap<String, String>, stored: &HashSet<String>) -> Result<()> {
     let missing: Vec<&str> = index
         .keys()
         .map(String::as_str)
-        .filter(|n| !present.contains(n))
+        .filter(|n| !stored.contains(*n))
         .take(5)
         .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
     Err(Error::format(format!(
         "{} lists tensor(s) its shards do not hold: {}",
         layout::HF_INDEX,

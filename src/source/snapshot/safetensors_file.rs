@@ -15,6 +15,7 @@
 //! of its size.
 
 use super::regular_file::{check_deadline, open_regular, read_exact_at_until};
+use super::shard_meta::{self, ShardOf, SHARD_KEY};
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, shape_text, DType, MAX_NDIM};
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -36,6 +37,8 @@ pub struct TensorEntry {
     /// Absolute byte offset of the tensor's first byte in the file.
     pub offset: u64,
     pub nbytes: u64,
+    /// The global tensor this one is a shard of (`shard_meta`); None: whole.
+    pub shard: Option<ShardOf>,
 }
 
 #[derive(Clone, Debug)]
@@ -46,7 +49,7 @@ pub struct SafetensorsHeader {
 }
 
 /// A shape, refused while parsing once it has more than `MAX_NDIM` dims.
-struct Shape(Vec<u64>);
+pub(super) struct Shape(pub(super) Vec<u64>);
 
 impl<'de> Deserialize<'de> for Shape {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -85,8 +88,47 @@ struct RawEntry<'a> {
     data_offsets: (u64, u64),
 }
 
-/// The header's entries in file order (`__metadata__` skipped unread).
-struct Entries<'a>(Vec<(Cow<'a, str>, RawEntry<'a>)>);
+/// The header's entries in file order, and the `__metadata__` entries
+/// that place shards (stored name, JSON value; see `shard_meta`).
+struct Entries<'a>(
+    Vec<(Cow<'a, str>, RawEntry<'a>)>,
+    Vec<(Cow<'a, str>, Cow<'a, str>)>,
+);
+
+/// The shard entries of `__metadata__`; its other values, whatever their
+/// type, are skipped unread.
+struct ShardKeys<'a>(Vec<(Cow<'a, str>, Cow<'a, str>)>);
+
+impl<'de> Deserialize<'de> for ShardKeys<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ShardKeys<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of strings")
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<ShardKeys<'de>, A::Error> {
+                let mut v = Vec::new();
+                while let Some(key) = m.next_key::<Cow<'de, str>>()? {
+                    match key.strip_prefix(SHARD_KEY) {
+                        Some(stored) => {
+                            let stored = Cow::Owned(stored.to_string());
+                            v.push((stored, m.next_value::<Cow<'de, str>>()?));
+                        }
+                        None => {
+                            m.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(ShardKeys(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
 
 impl<'de> Deserialize<'de> for Entries<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -100,10 +142,10 @@ impl<'de> Deserialize<'de> for Entries<'de> {
                 self,
                 mut m: A,
             ) -> std::result::Result<Entries<'de>, A::Error> {
-                let mut v = Vec::new();
+                let (mut v, mut shards) = (Vec::new(), Vec::new());
                 while let Some(name) = m.next_key::<Cow<'de, str>>()? {
                     if name == "__metadata__" {
-                        m.next_value::<IgnoredAny>()?;
+                        shards.extend(m.next_value::<ShardKeys>()?.0);
                         continue;
                     }
                     let entry = m.next_value::<RawEntry>().map_err(|e| {
@@ -111,7 +153,7 @@ impl<'de> Deserialize<'de> for Entries<'de> {
                     })?;
                     v.push((name, entry));
                 }
-                Ok(Entries(v))
+                Ok(Entries(v, shards))
             }
         }
         d.deserialize_map(V)
@@ -166,6 +208,7 @@ fn check_entry(
         shape,
         offset,
         nbytes,
+        shard: None,
     })
 }
 
@@ -190,6 +233,7 @@ pub fn parse_header(json: &[u8], file_len: u64, path: &Path) -> Result<Safetenso
     for (name, raw) in entries.0 {
         tensors.push(check_entry(&p, name, raw, data_start, data_len)?);
     }
+    shard_meta::attach(&p, entries.1, &mut tensors)?;
     let mut by_name: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
     by_name.sort_unstable();
     if let Some(w) = by_name.windows(2).find(|w| w[0] == w[1]) {
