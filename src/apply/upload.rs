@@ -15,6 +15,9 @@ pub(super) enum UploadFrom<'d> {
     /// Any host memory (a loose buffer, the atomic arena), copied through
     /// the staging's pinned buffers.
     Host(&'d [u8]),
+    /// A param's atomic shadow: the param's bytes, indexed by the runs'
+    /// param offsets.
+    ParamShadow(&'d [u8]),
 }
 
 impl Applier<'_, '_> {
@@ -51,9 +54,11 @@ impl Applier<'_, '_> {
                 unsafe { staging.upload_buffer(ordinal, buf, ptr + run.param.start, len) }
                     .map_err(context)
             }
-            UploadFrom::Host(data) => {
+            UploadFrom::Host(data) | UploadFrom::ParamShadow(data) => {
+                let by_param = matches!(from, UploadFrom::ParamShadow(_));
                 for run in plan.runs_of(t) {
-                    let bytes = &data[run.source.start as usize..run.source.end as usize];
+                    let range = if by_param { &run.param } else { &run.source };
+                    let bytes = &data[range.start as usize..range.end as usize];
                     let dst = ptr + run.param.start;
                     // SAFETY: as above.
                     unsafe { staging.upload_bytes(ordinal, dst, bytes, threads, deadline) }

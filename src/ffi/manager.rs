@@ -139,6 +139,13 @@ pub struct wm_config {
     /// `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
     /// allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
     pub callback_staging_limit: u64,
+    /// Atomic mode stages params it cannot swap (engine-owned host params,
+    /// device params) and callback tensors in host memory of their size.
+    /// Default 0: that staging is kept from one update to the next, so
+    /// only the first update faults it in; `wm_clear` and `wm_destroy`
+    /// free it. Non-zero: it is freed when each update ends. Library-owned
+    /// host params need none (their update is swapped in page by page).
+    pub free_atomic_staging: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -180,6 +187,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             nccl_library: std::ptr::null(),
             net_keyed_digests: 0,
             callback_staging_limit: 0,
+            free_atomic_staging: 0,
         });
         wm_result::WM_OK
     })
@@ -237,6 +245,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
+        keep_atomic_staging: c.free_atomic_staging == 0,
     })
 }
 

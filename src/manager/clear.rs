@@ -22,9 +22,11 @@ impl Manager {
             }
             rec.state = State::Clearing;
         }
-        // A cleared engine holds no trainer memory, nor pinned staging.
+        // A cleared engine holds no trainer memory, nor pinned or atomic
+        // staging.
         self.ipc_buffers.lock().forget();
         self.staging.lock().release();
+        self.atomic_staging.lock().take();
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();

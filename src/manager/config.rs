@@ -60,6 +60,13 @@ pub struct ManagerConfig {
     /// received at once) must fit. Over it, the update fails with
     /// `WM_ERR_OUT_OF_MEMORY` before anything is allocated.
     pub callback_staging_limit: u64,
+    /// Atomic mode: keep the staging of params that cannot be swapped
+    /// (engine-owned host params, device params) and of callback tensors
+    /// from one update to the next, so only the first update faults it in
+    /// (memory: their size, held until `clear` or the manager's end).
+    /// Library-owned host params are committed by a page swap and need no
+    /// kept staging. Default true.
+    pub keep_atomic_staging: bool,
 }
 
 /// Settings of the network paths.
@@ -114,6 +121,7 @@ impl Default for ManagerConfig {
             net: NetSettings::default(),
             fanout: None,
             callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
+            keep_atomic_staging: true,
         }
     }
 }

@@ -5,9 +5,10 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
-use crate::apply::{Applier, ApplyFailure, ApplyOptions, Hooks, Progress};
+use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Progress};
+use crate::memory::host::HostRegion;
 use crate::plan::{make_plan, Plan, PlanOptions, Target};
-use crate::registry::Registry;
+use crate::registry::{Param, ParamMemory, Registry};
 use crate::result::{Error, Result};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
@@ -212,7 +213,17 @@ impl Manager {
             },
         };
         let mut staging = self.staging.lock();
-        let mut applier = Applier::new(plan, dests, apply_opts, hooks)?
+        let mut kept = self.atomic_staging.lock();
+        let atomic = AtomicStaging {
+            swappable: run
+                .registry
+                .params()
+                .iter()
+                .map(library_host_region)
+                .collect(),
+            keep: self.config.keep_atomic_staging.then_some(&mut *kept),
+        };
+        let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
             .with_gdr(prepared.gdr);
         if let Err(error) = prepared.source.stream(plan, &mut applier) {
@@ -257,5 +268,14 @@ impl Manager {
             self.record.lock().device_bytes_restored = taken;
         }
         Ok(())
+    }
+}
+
+/// A library-owned host param's region: an atomic update swaps its shadow
+/// in instead of copying.
+fn library_host_region(p: &Param) -> Option<&HostRegion> {
+    match &p.memory {
+        ParamMemory::Library(r) => Some(r),
+        _ => None,
     }
 }

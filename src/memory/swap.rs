@@ -1,0 +1,86 @@
+//! Page swap: the commit of an atomic update into a library-owned host
+//! param without copying its bytes.
+//!
+//! The update lands in a shadow, a [`HostRegion`] of the param's size. At
+//! commit one `mremap(shadow, MREMAP_MAYMOVE | MREMAP_FIXED, param)` moves
+//! the shadow's pages over the param's range: the kernel unmaps the old
+//! pages (they are freed) and the param's address stays what it was, so
+//! pointers the engine captured (and CUDA graphs over host memory) stay
+//! valid. The call holds the process's address-space lock for writing, so a
+//! thread touching the param meanwhile waits for it and then sees the new
+//! pages: the param is old up to one instant and new after it, never a
+//! mix of bytes. Both regions start on 2 MiB boundaries (`HostRegion::new`),
+//! so huge pages move as single page-table entries.
+//!
+//! Why `mremap` of private anonymous memory and not a memfd mapped over
+//! the param with `mmap(MAP_FIXED)`: the memfd route keeps the old pages
+//! (a double buffer that could be reused without zeroing) but its shared
+//! mapping gets 4 KiB pages where shmem huge pages are off (the default),
+//! so the engine then pays a fault per 4 KiB on its next read of every
+//! param, or the commit pays populating them; anonymous memory keeps
+//! huge pages and the commit moves them in constant time per 2 MiB.
+
+use super::host::HostRegion;
+use crate::result::{Error, Result};
+
+/// Put `shadow`'s pages in place of `param`'s, at `param`'s address; the
+/// old pages are freed. Both must be the same size. On failure nothing
+/// moved: `shadow` is dropped (its pages freed) and `param` is intact.
+pub fn swap_in(param: &HostRegion, shadow: HostRegion) -> Result<()> {
+    if shadow.mapped() != param.mapped() {
+        return Err(Error::invalid_argument(format!(
+            "page swap: a shadow of {} bytes cannot replace a param of {}",
+            shadow.mapped(),
+            param.mapped()
+        )));
+    }
+    // SAFETY: both ranges are whole mappings of ours, of equal size; the
+    // shadow's mapping is moved (not freed) and forgotten below on success.
+    let moved = unsafe {
+        libc::mremap(
+            shadow.ptr().cast(),
+            shadow.mapped(),
+            param.mapped(),
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            param.ptr().cast::<libc::c_void>(),
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        return Err(Error::io(
+            "moving the staged pages over the param (mremap)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    shadow.forget();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swap_keeps_the_address_and_moves_the_bytes() {
+        for len in [100, 3 << 20] {
+            let param = HostRegion::new("param", len).unwrap();
+            unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
+            let shadow = HostRegion::new("shadow", len).unwrap();
+            unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+            let addr = param.ptr();
+            swap_in(&param, shadow).unwrap();
+            assert_eq!(param.ptr(), addr);
+            assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 2));
+            assert_eq!(param.resident_bytes().unwrap(), param.mapped());
+        }
+    }
+
+    #[test]
+    fn a_shadow_of_another_size_is_refused_and_the_param_kept() {
+        let param = HostRegion::new("param", 8192).unwrap();
+        unsafe { std::ptr::write_bytes(param.ptr(), 1, 8192) };
+        let shadow = HostRegion::new("shadow", 3 << 20).unwrap();
+        let e = swap_in(&param, shadow).unwrap_err();
+        assert!(e.message.contains("cannot replace"), "{}", e.message);
+        assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 1));
+    }
+}
