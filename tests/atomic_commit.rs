@@ -108,9 +108,10 @@ fn atomic<'h>(dir: &Path) -> UpdateRequest<'h> {
     r
 }
 
-/// A manager with library-owned params holding version 1.
-fn updated_once(root: &Path) -> (Manager, Vec<(*mut u8, usize)>, Vec<T>) {
-    let m = manager(true);
+/// A manager with library-owned params holding version 1; `keep`: it
+/// keeps atomic staging (faults in the next update's shadows ahead).
+fn updated_once(root: &Path, keep: bool) -> (Manager, Vec<(*mut u8, usize)>, Vec<T>) {
+    let m = manager(keep);
     let v1 = snapshot(&root.join("v1"), 1);
     let ptrs = register(&m, &v1);
     m.update(atomic(&root.join("v1"))).unwrap();
@@ -122,12 +123,14 @@ fn updated_once(root: &Path) -> (Manager, Vec<(*mut u8, usize)>, Vec<T>) {
 fn a_swap_keeps_every_address_and_frees_the_old_pages() {
     let _s = serial();
     let root = tempfile::tempdir().unwrap();
-    let (m, ptrs, _) = updated_once(root.path());
+    // Without kept staging, so that every update makes fresh shadows.
+    let (m, ptrs, _) = updated_once(root.path(), false);
     let total: usize = SIZES.iter().sum();
     let before = rss();
     for v in 2..6 {
         let ts = snapshot(&root.path().join(format!("v{v}")), v);
-        m.update(atomic(&root.path().join(format!("v{v}")))).unwrap();
+        m.update(atomic(&root.path().join(format!("v{v}"))))
+            .unwrap();
         // The same pointers the engine got at registration see the new bytes.
         assert_params(&ptrs, &ts);
     }
@@ -146,7 +149,7 @@ fn a_swap_keeps_every_address_and_frees_the_old_pages() {
 /// stay, and the shadows it faulted in are freed.
 fn fails_before_commit(fail: impl FnOnce(&Manager, &Path, &mut usize) -> wm_result) -> wm_result {
     let root = tempfile::tempdir().unwrap();
-    let (m, ptrs, v1) = updated_once(root.path());
+    let (m, ptrs, v1) = updated_once(root.path(), false);
     snapshot_in_parts(&root.path().join("v2"), 2);
     let before = rss();
     let mut peak = 0;
@@ -154,7 +157,10 @@ fn fails_before_commit(fail: impl FnOnce(&Manager, &Path, &mut usize) -> wm_resu
     let total: usize = SIZES.iter().sum();
     // The shadows were resident during the update (so the measure sees
     // them), and are not any more.
-    assert!(peak >= before + total * 9 / 10, "peak {peak}, before {before}");
+    assert!(
+        peak >= before + total * 9 / 10,
+        "peak {peak}, before {before}"
+    );
     let after = rss();
     assert!(after < before + total / 4, "after {after}, before {before}");
     let s = m.status();
@@ -232,7 +238,12 @@ fn a_dead_publisher_leaves_the_old_bytes_and_frees_the_new_pages() {
     fails_before_commit(|m, dir, peak| {
         let sock = dir.join("p.sock");
         let mut publisher = std::process::Command::new(WM)
-            .args(["serve", "--ipc", sock.to_str().unwrap(), dir.to_str().unwrap()])
+            .args([
+                "serve",
+                "--ipc",
+                sock.to_str().unwrap(),
+                dir.to_str().unwrap(),
+            ])
             .args(["--bucket-mib", "1"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -240,7 +251,10 @@ fn a_dead_publisher_leaves_the_old_bytes_and_frees_the_new_pages() {
             .unwrap();
         let start = std::time::Instant::now();
         while !sock.exists() {
-            assert!(start.elapsed() < Duration::from_secs(20), "publisher did not start");
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "publisher did not start"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
         let pid = publisher.id() as i32;
@@ -277,7 +291,10 @@ fn check_pass(i: usize, p: *const u8, n: usize) -> Result<(), String> {
         for w in [page, (page + 511).min(words - 1)] {
             let (v, at, index) = word_at(p, w);
             if at != i as u64 || index != w as u64 || v == 0 {
-                return Err(format!("param {i} word {w}: {:#x}", v << 48 | at << 40 | index));
+                return Err(format!(
+                    "param {i} word {w}: {:#x}",
+                    v << 48 | at << 40 | index
+                ));
             }
             if v < last {
                 return Err(format!("param {i}: version {v} after version {last}"));
@@ -292,7 +309,7 @@ fn check_pass(i: usize, p: *const u8, n: usize) -> Result<(), String> {
 fn a_concurrent_reader_sees_one_version_at_a_time_in_every_param() {
     let _s = serial();
     let root = tempfile::tempdir().unwrap();
-    let (m, ptrs, _) = updated_once(root.path());
+    let (m, ptrs, _) = updated_once(root.path(), true);
     let stop = Arc::new(AtomicBool::new(false));
     let params: Vec<(usize, usize)> = ptrs.iter().map(|(p, n)| (*p as usize, *n)).collect();
     let reader = {
@@ -355,10 +372,45 @@ fn engine_owned_staging_is_kept_until_a_clear_or_freed_when_asked() {
             // The second update reused it.
             assert!(after_second < after_first + total / 4);
             m.clear().unwrap();
-            assert!(rss() + total * 9 / 10 <= after_second, "clear frees the staging");
+            assert!(
+                rss() + total * 9 / 10 <= after_second,
+                "clear frees the staging"
+            );
         } else {
             assert!(kept < total / 4, "kept {kept} bytes of staging");
             assert!(after_second < after_first + total / 4);
         }
     }
+}
+
+#[test]
+fn shadows_faulted_in_ahead_are_used_and_freed_by_a_clear() {
+    let _s = serial();
+    let root = tempfile::tempdir().unwrap();
+    let total: usize = SIZES.iter().sum();
+    let versions: Vec<Vec<T>> = (1..4)
+        .map(|v| snapshot(&root.path().join(format!("v{v}")), v))
+        .collect();
+    let base = rss();
+    let m = manager(true);
+    let ptrs = register(&m, &versions[0]);
+    for (v, ts) in versions.iter().enumerate().take(2) {
+        m.update(atomic(&root.path().join(format!("v{}", v + 1))))
+            .unwrap();
+        assert_params(&ptrs, ts);
+    }
+    // Between updates the next shadows are faulted in: one more model.
+    let start = std::time::Instant::now();
+    while rss() < base + total * 19 / 10 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no shadows faulted in ahead"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    m.clear().unwrap();
+    let left = rss().saturating_sub(base);
+    assert!(left < total / 4, "{left} bytes left after a clear");
+    m.update(atomic(&root.path().join("v3"))).unwrap();
+    assert_params(&ptrs, &versions[2]);
 }

@@ -33,6 +33,9 @@ pub struct AtomicStaging<'p> {
     /// arena is made, put back when the update ends (done or failed).
     /// None: it is freed when the update ends.
     pub keep: Option<&'p mut Option<HostRegion>>,
+    /// Shadows faulted in ahead, per param number: used for the params
+    /// that get a shadow of their own when the size matches.
+    pub ready: HashMap<usize, HostRegion>,
 }
 
 /// Where a param's shadow is.
@@ -52,15 +55,11 @@ pub struct Arena {
 }
 
 impl Arena {
-    /// The arena for `plan`. `swappable[i]`: param `i`'s library-owned host
-    /// region, when it has one (missing entries: none). `kept`: the packed
-    /// region of an earlier update, reused when it is large enough.
-    pub fn for_plan(
-        plan: &Plan,
-        swappable: &[Option<&HostRegion>],
-        kept: Option<HostRegion>,
-        threads: usize,
-    ) -> Result<Arena> {
+    /// The arena for `plan`, using what `staging` offers: the packed region
+    /// it keeps (reused when large enough) and shadows faulted in ahead.
+    pub fn for_plan(plan: &Plan, staging: &mut AtomicStaging, threads: usize) -> Result<Arena> {
+        let swappable = &staging.swappable;
+        let kept = staging.keep.as_deref_mut().and_then(Option::take);
         let Layout {
             own,
             packed: packed_sizes,
@@ -91,19 +90,26 @@ impl Arena {
                 }
             }
         }
-        let mut to_fault = Vec::new();
+        let mut made = Vec::new();
         for (i, n) in own {
-            shadows.insert(i, Shadow::Own(fresh("atomic shadow", n)?));
+            match staging.ready.remove(&i) {
+                Some(r) if r.len() == n => shadows.insert(i, Shadow::Own(r)),
+                _ => {
+                    made.push(i);
+                    shadows.insert(i, Shadow::Own(fresh("atomic shadow", n)?))
+                }
+            };
         }
-        for s in shadows.values() {
-            if let Shadow::Own(r) = s {
+        let mut to_fault: Vec<&HostRegion> = Vec::new();
+        for i in &made {
+            if let Some(Shadow::Own(r)) = shadows.get(i) {
                 to_fault.push(r);
             }
         }
         if let Some((r, true)) = &packed {
             to_fault.push(r);
         }
-        populate_all(&to_fault, threads).map_err(|e| e.context("atomic staging"))?;
+        populate_all(&to_fault, threads, false).map_err(|e| e.context("atomic staging"))?;
         Ok(Arena {
             shadows,
             callback,

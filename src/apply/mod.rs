@@ -140,15 +140,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             opts.callback_staging_limit,
         )?;
         let arena = match opts.mode {
-            Mode::Atomic => {
-                let kept = staging.keep.as_deref_mut().and_then(Option::take);
-                Some(Arena::for_plan(
-                    plan,
-                    &staging.swappable,
-                    kept,
-                    opts.threads,
-                )?)
-            }
+            Mode::Atomic => Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
             Mode::InPlace => None,
         };
         let started = Instant::now();

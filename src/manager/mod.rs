@@ -47,6 +47,7 @@ mod fanout_member;
 mod fanout_root;
 mod memory;
 mod register;
+mod shadows;
 mod sources;
 mod update;
 
@@ -87,6 +88,9 @@ pub struct Manager {
     /// callback tensors), kept from one update to the next when
     /// `keep_atomic_staging` says so (freed by a clear).
     atomic_staging: Mutex<Option<HostRegion>>,
+    /// With `keep_atomic_staging`: the next atomic update's shadows for
+    /// library-owned host params, faulted in between updates.
+    next_shadows: Mutex<shadows::NextShadows>,
     /// NCCL fan-out: the communicator, kept from one update to the next.
     fanout: Option<Mutex<FanoutLink>>,
     /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
@@ -118,6 +122,7 @@ impl Manager {
             ipc_buffers: Arc::default(),
             staging: Mutex::default(),
             atomic_staging: Mutex::default(),
+            next_shadows: Mutex::default(),
             fanout: config
                 .fanout
                 .clone()

@@ -5,7 +5,7 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
-use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Progress};
+use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress};
 use crate::memory::host::HostRegion;
 use crate::plan::{make_plan, Plan, PlanOptions, Target};
 use crate::registry::{Param, ParamMemory, Registry};
@@ -214,6 +214,8 @@ impl Manager {
         };
         let mut staging = self.staging.lock();
         let mut kept = self.atomic_staging.lock();
+        let keep = self.config.keep_atomic_staging;
+        let atomic_mode = apply_opts.mode == Mode::Atomic;
         let atomic = AtomicStaging {
             swappable: run
                 .registry
@@ -221,7 +223,11 @@ impl Manager {
                 .iter()
                 .map(library_host_region)
                 .collect(),
-            keep: self.config.keep_atomic_staging.then_some(&mut *kept),
+            keep: keep.then_some(&mut *kept),
+            ready: match atomic_mode {
+                true => self.next_shadows.lock().take(),
+                false => Default::default(),
+            },
         };
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
@@ -230,6 +236,11 @@ impl Manager {
             return Err(applier.failure(error));
         }
         let applied = applier.finish()?;
+        if keep && atomic_mode {
+            self.next_shadows
+                .lock()
+                .prepare(library_host_sizes(run.registry));
+        }
         Ok(UpdateStats {
             version: prepared.version.clone(),
             rank: self.config.rank,
@@ -278,4 +289,12 @@ fn library_host_region(p: &Param) -> Option<&HostRegion> {
         ParamMemory::Library(r) => Some(r),
         _ => None,
     }
+}
+
+/// (param number, bytes) of every library-owned host param.
+fn library_host_sizes(registry: &Registry) -> Vec<(usize, usize)> {
+    let params = registry.params().iter().enumerate();
+    params
+        .filter_map(|(i, p)| library_host_region(p).map(|r| (i, r.len())))
+        .collect()
 }

@@ -181,7 +181,12 @@ pub(crate) fn engine(
     Ok((m, bufs))
 }
 
-pub(crate) fn timed_update(m: &Manager, dir: &Path, mode: Mode, run: &mut u64) -> Result<Duration, String> {
+pub(crate) fn timed_update(
+    m: &Manager,
+    dir: &Path,
+    mode: Mode,
+    run: &mut u64,
+) -> Result<Duration, String> {
     *run += 1;
     let mut req = UpdateRequest::snapshot(dir);
     req.mode = mode;
