@@ -60,12 +60,13 @@ pub struct ManagerConfig {
     /// received at once) must fit. Over it, the update fails with
     /// `WM_ERR_OUT_OF_MEMORY` before anything is allocated.
     pub callback_staging_limit: u64,
-    /// Atomic mode: keep the staging of params that cannot be swapped
-    /// (engine-owned host params, device params) and of callback tensors
-    /// from one update to the next, so only the first update faults it in
-    /// (memory: their size, held until `clear` or the manager's end).
-    /// Library-owned host params are committed by a page swap and need no
-    /// kept staging. Default true.
+    /// Atomic mode: keep staging memory from one update to the next, so
+    /// only the first update faults it in: the packed staging of
+    /// engine-owned host params, device params and callback tensors, and
+    /// the next update's shadows of library-owned host params (faulted in
+    /// between updates, `shadows.rs`). Memory: one more copy of those
+    /// params while the engine runs, freed by `clear` and the manager's
+    /// end. Default true (`free_atomic_staging` = 0 in C).
     pub keep_atomic_staging: bool,
 }
 
