@@ -178,7 +178,8 @@ impl Manager {
         run: &mut UpdateRun,
         prepared: &mut Prepared,
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
-        self.restore_if_released(run)?;
+        let swaps_host = run.req.mode == Mode::Atomic && run.req.hooks.tensor.is_none();
+        self.restore_if_released(run, swaps_host)?;
         let plan = &prepared.plan;
         let dests = plan
             .entries
@@ -272,10 +273,12 @@ impl Manager {
     }
 
     /// After a clear (or a failed update), bring the params' memory back.
-    pub(super) fn restore_if_released(&self, run: &mut UpdateRun) -> Result<()> {
+    /// `swaps_host`: the update swaps fresh pages into library-owned host
+    /// params (atomic, not for the callback), so they are not faulted in.
+    pub(super) fn restore_if_released(&self, run: &mut UpdateRun, swaps_host: bool) -> Result<()> {
         if run.prev == State::Cleared || run.prev == State::Failed {
             run.restored = run.registry.params().iter().any(|p| !p.resident);
-            let taken = self.restore(run.registry)?;
+            let taken = self.restore(run.registry, swaps_host)?;
             self.record.lock().device_bytes_restored = taken;
         }
         Ok(())
