@@ -11,10 +11,12 @@
 //!   next update (`ManagerConfig::keep_atomic_staging`), so only the first
 //!   update faults it in.
 //!
-//! Everything is mapped and faulted in (in parallel, huge pages) when the
-//! arena is made, before any byte moves; the sizes are the registry's
-//! params' and the plan's callback tensors' (bounded by the callback
-//! staging limit before this runs).
+//! Everything is mapped and faulted in (on every core) when the arena is
+//! made, before any byte moves, except what the manager kept or faulted in
+//! ahead (`AtomicStaging`); the sizes are the registry's params' and the
+//! plan's callback tensors' (bounded by the callback staging limit before
+//! this runs). An arena dropped without a commit (a failed update) frees
+//! its own shadows, so the new pages go and the old ones stay.
 
 use crate::memory::aligned_offsets;
 use crate::memory::host::{populate_all, HostRegion};
