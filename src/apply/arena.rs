@@ -4,7 +4,8 @@
 //!
 //! - A library-owned host param whose runs cover it whole gets a shadow of
 //!   its own (a [`HostRegion`] of the param's size), swapped in at commit
-//!   (`memory::swap`): no copy, the address kept, the old pages freed.
+//!   (`memory::swap`): no copy, the address kept, the old pages freed
+//!   (unless the process cannot swap: `memory::swap::swaps_here`).
 //! - Every other param (engine-owned host memory, device params) and every
 //!   callback tensor gets a slot in one packed region, copied (or uploaded,
 //!   or handed to the callback) at commit. That region can be kept for the
@@ -201,10 +202,13 @@ fn layout(plan: &Plan, swappable: &[Option<&HostRegion>]) -> Layout {
         }
     }
     let mut own = Vec::new();
+    let swaps = crate::memory::swap::swaps_here();
     for (i, end, covered) in params {
         match swappable.get(i).copied().flatten() {
             // Swapped whole, so every byte of the param must be written.
-            Some(r) if covered == r.len() as u64 && end == r.len() as u64 => own.push((i, r.len())),
+            Some(r) if swaps && covered == r.len() as u64 && end == r.len() as u64 => {
+                own.push((i, r.len()))
+            }
             Some(r) => packed.push((Slot::Param(i), r.len() as u64)),
             None => packed.push((Slot::Param(i), end)),
         }

@@ -237,7 +237,7 @@ impl Manager {
             return Err(applier.failure(error));
         }
         let applied = applier.finish()?;
-        if keep && atomic_mode {
+        if keep && atomic_mode && crate::memory::swap::swaps_here() {
             self.next_shadows
                 .lock()
                 .prepare(library_host_sizes(run.registry));

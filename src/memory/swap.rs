@@ -20,8 +20,32 @@
 //! param, or the commit pays populating them; anonymous memory keeps
 //! huge pages and the commit moves them in constant time per 2 MiB.
 
+//!
+//! Not where UCX's memory hooks are loaded (libucm, which the network
+//! path's libucp brings in): UCX 1.13's `mremap` hook passes four
+//! arguments on, so `MREMAP_FIXED` would get a garbage address, and its
+//! registration cache must hear of every unmapping, which a raw system
+//! call (used here so that no hook can garble the call) keeps from it. In
+//! such a process atomic updates copy into library-owned params, as into
+//! engine-owned ones ([`swaps_here`]).
+
 use super::host::HostRegion;
 use crate::result::{Error, Result};
+
+/// True when this process may swap pages: UCX's memory hooks (libucm)
+/// are not loaded.
+pub fn swaps_here() -> bool {
+    // SAFETY: RTLD_NOLOAD only looks the library up; a handle found is
+    // closed again at once (dropping the reference the lookup took).
+    unsafe {
+        let h = libc::dlopen(c"libucm.so.0".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            return true;
+        }
+        libc::dlclose(h);
+        false
+    }
+}
 
 /// Put `shadow`'s pages in place of `param`'s, at `param`'s address; the
 /// old pages are freed. Both must be the same size. On failure nothing
@@ -36,22 +60,26 @@ pub fn swap_in(param: &HostRegion, shadow: HostRegion) -> Result<()> {
     }
     // SAFETY: both ranges are whole mappings of ours, of equal size; the
     // shadow's mapping is moved (not freed) and forgotten below on success.
+    // The system call itself: an interposed `mremap` might drop the
+    // fifth argument (see the module docs).
     let moved = unsafe {
-        libc::mremap(
-            shadow.ptr().cast(),
+        libc::syscall(
+            libc::SYS_mremap,
+            shadow.ptr(),
             shadow.mapped(),
             param.mapped(),
             libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            param.ptr().cast::<libc::c_void>(),
+            param.ptr(),
         )
     };
-    if moved == libc::MAP_FAILED {
+    if moved == -1 {
         return Err(Error::io(
             "moving the staged pages over the param (mremap)",
             std::io::Error::last_os_error(),
         ));
     }
     shadow.forget();
+    debug_assert_eq!(moved as usize, param.ptr() as usize);
     Ok(())
 }
 
