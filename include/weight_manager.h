@@ -369,6 +369,16 @@ typedef struct {
   // `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
   // allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
   uint64_t callback_staging_limit;
+  // Atomic mode stages an update in host memory of its size. Default 0:
+  // that memory is kept from one update to the next, so only the first
+  // update faults it in: the staging of engine-owned host params,
+  // device params and callback tensors, and for library-owned host
+  // params (whose update is swapped in page by page) the next update's
+  // pages, faulted in by a thread of the library after each update.
+  // Costs one more copy of those params' bytes while the engine runs;
+  // `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
+  // update ends, and every atomic update faults in fresh memory.
+  uint32_t free_atomic_staging;
 } wm_config;
 
 // One piece of a param: the box (`offset`, `len` per dimension, `ndim`

@@ -88,6 +88,7 @@ class Config(ctypes.Structure):
         ("nccl_library", c_char_p),
         ("net_keyed_digests", ctypes.c_uint32),
         ("callback_staging_limit", ctypes.c_uint64),
+        ("free_atomic_staging", ctypes.c_uint32),
     ]
 
 

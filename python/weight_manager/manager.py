@@ -221,7 +221,7 @@ class Manager(OwnedHandle):
                  net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
                  fanout_group: Optional[int] = None, nccl_library=None,
                  net_keyed_digests: bool = False,
-                 callback_staging_limit: int = 0):
+                 callback_staging_limit: int = 0, keep_atomic_staging: bool = True):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -248,6 +248,9 @@ class Manager(OwnedHandle):
         cfg.copy_threads = copy_threads
         # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
         cfg.callback_staging_limit = callback_staging_limit
+        # Atomic staging kept between updates (README "Atomic updates");
+        # False frees it after each update.
+        cfg.free_atomic_staging = int(not keep_atomic_staging)
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:

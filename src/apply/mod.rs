@@ -37,6 +37,7 @@
 //! checksums; `commit` is the time to make them the engine's weights (arena to
 //! params, callbacks).
 
+mod arena;
 mod batch;
 mod callback;
 mod commit;
@@ -52,6 +53,7 @@ mod verify;
 mod tests;
 
 pub use crate::registry::Dest;
+pub use arena::AtomicStaging;
 pub use failure::{ApplyFailure, Weights};
 pub use progress::Progress;
 pub use types::{
@@ -59,12 +61,13 @@ pub use types::{
 };
 
 use crate::checksum::Checksum;
+use crate::memory::host::HostRegion;
 use crate::memory::loose::{check_callback_staging, LooseBuffers};
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Segment, Target};
 use crate::result::{Error, Result};
-use receive::Arena;
+use arena::Arena;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -74,8 +77,14 @@ pub struct Applier<'p, 'h> {
     hooks: Hooks<'h>,
     /// Per plan entry: the param's memory, for `Target::Param`.
     params: Vec<Option<Dest>>,
-    /// Atomic mode: every moving tensor's staging slot.
+    /// Atomic mode: a shadow per target param, a slot per callback tensor.
     arena: Option<Arena>,
+    /// Atomic mode: per param number, the library-owned region its shadow
+    /// is swapped into at commit.
+    swappable: Vec<Option<&'p HostRegion>>,
+    /// Atomic mode: where the arena's packed region is kept for the next
+    /// update (None: freed).
+    keep: Option<&'p mut Option<HostRegion>>,
     /// In-place mode: callback and device tensors being received (and a
     /// spare buffer kept for the next one).
     loose: LooseBuffers,
@@ -106,12 +115,25 @@ pub struct Applier<'p, 'h> {
 }
 
 impl<'p, 'h> Applier<'p, 'h> {
-    /// `params[i]` is the destination of plan entry `i` when it targets a param.
+    /// `params[i]` is the destination of plan entry `i` when it targets a
+    /// param. Atomic mode stages in fresh memory, freed when it ends.
     pub fn new(
         plan: &'p Plan,
         params: Vec<Option<Dest>>,
         opts: ApplyOptions,
         hooks: Hooks<'h>,
+    ) -> Result<Applier<'p, 'h>> {
+        Applier::with_atomic_staging(plan, params, opts, hooks, AtomicStaging::default())
+    }
+
+    /// [`Applier::new`], atomic mode swapping shadows into library-owned
+    /// params and keeping its packed staging as `staging` says.
+    pub fn with_atomic_staging(
+        plan: &'p Plan,
+        params: Vec<Option<Dest>>,
+        opts: ApplyOptions,
+        hooks: Hooks<'h>,
+        mut staging: AtomicStaging<'p>,
     ) -> Result<Applier<'p, 'h>> {
         assert_eq!(params.len(), plan.entries.len());
         // A callback tensor's size is the peer's word: bounded before the
@@ -123,7 +145,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             opts.callback_staging_limit,
         )?;
         let arena = match opts.mode {
-            Mode::Atomic => Some(Arena::for_plan(plan, opts.threads)?),
+            Mode::Atomic => Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
             Mode::InPlace => None,
         };
         let started = Instant::now();
@@ -142,6 +164,8 @@ impl<'p, 'h> Applier<'p, 'h> {
             hooks,
             params,
             arena,
+            swappable: staging.swappable,
+            keep: staging.keep,
             loose: LooseBuffers::new(opts.callback_staging_limit),
             pinned: HashMap::new(),
             staging: None,
@@ -267,8 +291,13 @@ impl<'p, 'h> Applier<'p, 'h> {
 }
 
 impl Drop for Applier<'_, '_> {
-    /// Pinned buffers of tensors that never completed go back to the staging.
+    /// Pinned buffers of tensors that never completed go back to the
+    /// staging; an arena left by a failure frees its own shadows (the new
+    /// pages) and keeps its packed region when asked to.
     fn drop(&mut self) {
+        if let Some(arena) = self.arena.take() {
+            self.keep_packed(arena);
+        }
         for (t, buf) in self.pinned.drain() {
             if let (Some(Dest::Device { ordinal, .. }), Some(s)) =
                 (self.params[t], self.staging.as_deref_mut())

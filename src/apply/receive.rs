@@ -1,45 +1,14 @@
-//! Where a tensor's bytes are received: the atomic arena, the param itself
+//! Where a tensor's bytes are received: the atomic arena (`arena.rs`: a
+//! param's shadow at the run's param offset, or a callback slot), the param itself
 //! (host, or device with gdr), a pinned buffer of its own, or a loose
 //! buffer. The policy for device params (which sizes get a pinned buffer)
 //! is `memory::staging`'s.
 
 use super::{Applier, Dest};
-use crate::memory::aligned_offsets;
-use crate::memory::host::HostRegion;
 use crate::memory::staging::lands_in_own_pinned_buffer;
 use crate::memory::SendPtr;
-use crate::plan::{Plan, Target};
+use crate::plan::Target;
 use crate::result::{Error, Result};
-
-/// Atomic mode: one library region holding a slot for every moving tensor.
-pub(super) struct Arena {
-    pub region: HostRegion,
-    slots: Vec<usize>,
-}
-
-impl Arena {
-    pub fn for_plan(plan: &Plan, threads: usize) -> Result<Arena> {
-        // Skipped tensors get an empty slot.
-        // A slot holds what the entry receives (its segments back to back).
-        let sizes = plan.entries.iter().map(|e| match e.target {
-            Target::Skip => 0,
-            _ => e.bytes,
-        });
-        let (slots, size) =
-            aligned_offsets(sizes).ok_or_else(|| Error::out_of_memory("staging size overflows"))?;
-        let region = HostRegion::staging("atomic staging", size, threads).map_err(|e| {
-            e.context(format!(
-                "atomic mode stages the whole update ({size} bytes); use in-place mode to update without extra memory"
-            ))
-        })?;
-        Ok(Arena { region, slots })
-    }
-
-    /// The start of tensor `t`'s slot.
-    pub fn slot(&self, t: usize) -> *mut u8 {
-        self.region.ptr().wrapping_add(self.slots[t])
-    }
-}
 
 /// Where part of a chunk goes: bytes `at..at + len` of the chunk to `dst`.
 #[derive(Clone, Copy, Debug)]
@@ -79,12 +48,20 @@ impl Applier<'_, '_> {
     /// as received), one per segment in the param itself.
     pub(super) fn receive_spans(&mut self, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
         if let Some(arena) = &self.arena {
-            let at = SendPtr(arena.slot(t).wrapping_add(offset as usize));
-            return Ok(vec![Span {
-                at: 0,
-                dst: at,
-                len,
-            }]);
+            if let Target::Param(i) = self.plan.entries[t].target {
+                let base = arena.param_shadow(i);
+                return Ok(self
+                    .param_spans(t, offset, len)?
+                    .into_iter()
+                    .map(|(at, p, len)| Span {
+                        at,
+                        dst: SendPtr(base.wrapping_add(p as usize)),
+                        len,
+                    })
+                    .collect());
+            }
+            let dst = SendPtr(arena.callback_slot(t).wrapping_add(offset as usize));
+            return Ok(vec![Span { at: 0, dst, len }]);
         }
         let param = match (self.gdr_param(t), self.params[t]) {
             (Some((ptr, _)), _) => Some(ptr as *mut u8),

@@ -15,6 +15,9 @@ pub(super) enum UploadFrom<'d> {
     /// Any host memory (a loose buffer, the atomic arena), copied through
     /// the staging's pinned buffers.
     Host(&'d [u8]),
+    /// A param's atomic shadow: the param's bytes, indexed by the runs'
+    /// param offsets.
+    ParamShadow(&'d [u8]),
 }
 
 impl Applier<'_, '_> {
@@ -53,9 +56,13 @@ impl Applier<'_, '_> {
                 unsafe { staging.upload_buffer(ordinal, buf, ptr + s.param, s.len as usize) }
                     .map_err(context)
             }
-            UploadFrom::Host(data) => {
+            UploadFrom::Host(data) | UploadFrom::ParamShadow(data) => {
+                // A shadow holds the param's bytes at their param offsets;
+                // other host bytes are the entry's as received.
+                let by_param = matches!(from, UploadFrom::ParamShadow(_));
                 for s in segments {
-                    let bytes = &data[s.wanted as usize..(s.wanted + s.len) as usize];
+                    let at = if by_param { s.param } else { s.wanted } as usize;
+                    let bytes = &data[at..at + s.len as usize];
                     // SAFETY: as above.
                     unsafe {
                         staging.upload_bytes(ordinal, ptr + s.param, bytes, threads, deadline)

@@ -139,6 +139,16 @@ pub struct wm_config {
     /// `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
     /// allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
     pub callback_staging_limit: u64,
+    /// Atomic mode stages an update in host memory of its size. Default 0:
+    /// that memory is kept from one update to the next, so only the first
+    /// update faults it in: the staging of engine-owned host params,
+    /// device params and callback tensors, and for library-owned host
+    /// params (whose update is swapped in page by page) the next update's
+    /// pages, faulted in by a thread of the library after each update.
+    /// Costs one more copy of those params' bytes while the engine runs;
+    /// `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
+    /// update ends, and every atomic update faults in fresh memory.
+    pub free_atomic_staging: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -180,6 +190,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             nccl_library: std::ptr::null(),
             net_keyed_digests: 0,
             callback_staging_limit: 0,
+            free_atomic_staging: 0,
         });
         wm_result::WM_OK
     })
@@ -237,6 +248,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
+        keep_atomic_staging: c.free_atomic_staging == 0,
     })
 }
 

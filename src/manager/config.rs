@@ -60,6 +60,14 @@ pub struct ManagerConfig {
     /// received at once) must fit. Over it, the update fails with
     /// `WM_ERR_OUT_OF_MEMORY` before anything is allocated.
     pub callback_staging_limit: u64,
+    /// Atomic mode: keep staging memory from one update to the next, so
+    /// only the first update faults it in: the packed staging of
+    /// engine-owned host params, device params and callback tensors, and
+    /// the next update's shadows of library-owned host params (faulted in
+    /// between updates, `shadows.rs`). Memory: one more copy of those
+    /// params while the engine runs, freed by `clear` and the manager's
+    /// end. Default true (`free_atomic_staging` = 0 in C).
+    pub keep_atomic_staging: bool,
 }
 
 /// Settings of the network paths.
@@ -114,6 +122,7 @@ impl Default for ManagerConfig {
             net: NetSettings::default(),
             fanout: None,
             callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
+            keep_atomic_staging: true,
         }
     }
 }

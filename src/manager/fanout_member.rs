@@ -102,7 +102,7 @@ impl Manager {
             ordinal,
             self.config.rank,
         )?;
-        self.restore_if_released(run)?;
+        self.restore_if_released(run, false)?;
         let mut arena = None;
         if run.req.mode == Mode::Atomic {
             arena = Some(DeviceAllocation::new(

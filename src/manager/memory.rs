@@ -8,15 +8,18 @@ use crate::result::{Error, Result};
 
 impl Manager {
     /// Bring released memory back before writing: library regions are faulted
-    /// in; engine-owned params go through the acquire hook.
+    /// in (host ones only when `swaps_host` is false: an atomic update swaps
+    /// fresh pages in, and faulting in zeros first would double the cost);
+    /// engine-owned params go through the acquire hook.
     /// Returns the GPU memory taken back, as the driver reports it.
-    pub(super) fn restore(&self, registry: &mut Registry) -> Result<u64> {
+    pub(super) fn restore(&self, registry: &mut Registry, swaps_host: bool) -> Result<u64> {
         let before = device_free(registry)?;
         for p in registry.params_mut() {
             if p.resident {
                 continue;
             }
             match &mut p.memory {
+                ParamMemory::Library(_) if swaps_host => {}
                 ParamMemory::Library(r) => r
                     .restore()
                     .map_err(|e| e.context(format!("param '{}'", p.name)))?,

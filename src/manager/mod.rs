@@ -28,6 +28,7 @@
 use crate::fanout::FanoutLink;
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
+use crate::memory::host::HostRegion;
 use crate::memory::shared::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
 use crate::registry::Registry;
@@ -46,6 +47,7 @@ mod fanout_member;
 mod fanout_root;
 mod memory;
 mod register;
+mod shadows;
 mod sources;
 mod update;
 
@@ -82,6 +84,13 @@ pub struct Manager {
     /// Pinned host buffers and upload streams for device params, kept from
     /// one update to the next (freed by a clear).
     staging: Mutex<DeviceStaging>,
+    /// Atomic mode's packed staging (engine-owned and device params,
+    /// callback tensors), kept from one update to the next when
+    /// `keep_atomic_staging` says so (freed by a clear).
+    atomic_staging: Mutex<Option<HostRegion>>,
+    /// With `keep_atomic_staging`: the next atomic update's shadows for
+    /// library-owned host params, faulted in between updates.
+    next_shadows: Mutex<shadows::NextShadows>,
     /// NCCL fan-out: the communicator, kept from one update to the next.
     fanout: Option<Mutex<FanoutLink>>,
     /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
@@ -112,6 +121,8 @@ impl Manager {
             threads,
             ipc_buffers: Arc::default(),
             staging: Mutex::default(),
+            atomic_staging: Mutex::default(),
+            next_shadows: Mutex::default(),
             fanout: config
                 .fanout
                 .clone()

@@ -5,9 +5,10 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
-use crate::apply::{Applier, ApplyFailure, ApplyOptions, Hooks, Progress};
+use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress};
+use crate::memory::host::HostRegion;
 use crate::plan::{make_plan, Plan, PlanOptions, Target};
-use crate::registry::Registry;
+use crate::registry::{Param, ParamMemory, Registry};
 use crate::result::{Error, Result};
 use crate::source::{Source, SourceKind};
 use crate::state::State;
@@ -178,7 +179,8 @@ impl Manager {
         run: &mut UpdateRun,
         prepared: &mut Prepared,
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
-        self.restore_if_released(run)?;
+        let swaps_host = run.req.mode == Mode::Atomic && run.req.hooks.tensor.is_none();
+        self.restore_if_released(run, swaps_host)?;
         let plan = &prepared.plan;
         let dests = plan
             .entries
@@ -213,13 +215,34 @@ impl Manager {
             },
         };
         let mut staging = self.staging.lock();
-        let mut applier = Applier::new(plan, dests, apply_opts, hooks)?
+        let mut kept = self.atomic_staging.lock();
+        let keep = self.config.keep_atomic_staging;
+        let atomic_mode = apply_opts.mode == Mode::Atomic;
+        let atomic = AtomicStaging {
+            swappable: run
+                .registry
+                .params()
+                .iter()
+                .map(library_host_region)
+                .collect(),
+            keep: keep.then_some(&mut *kept),
+            ready: match atomic_mode {
+                true => self.next_shadows.lock().take(),
+                false => Default::default(),
+            },
+        };
+        let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
             .with_gdr(prepared.gdr);
         if let Err(error) = prepared.source.stream(plan, &mut applier) {
             return Err(applier.failure(error));
         }
         let applied = applier.finish()?;
+        if keep && atomic_mode && crate::memory::swap::swaps_here() {
+            self.next_shadows
+                .lock()
+                .prepare(library_host_sizes(run.registry));
+        }
         Ok(UpdateStats {
             version: prepared.version.clone(),
             rank: self.config.rank,
@@ -251,12 +274,31 @@ impl Manager {
     }
 
     /// After a clear (or a failed update), bring the params' memory back.
-    pub(super) fn restore_if_released(&self, run: &mut UpdateRun) -> Result<()> {
+    /// `swaps_host`: the update swaps fresh pages into library-owned host
+    /// params (atomic, not for the callback), so they are not faulted in.
+    pub(super) fn restore_if_released(&self, run: &mut UpdateRun, swaps_host: bool) -> Result<()> {
         if run.prev == State::Cleared || run.prev == State::Failed {
             run.restored = run.registry.params().iter().any(|p| !p.resident);
-            let taken = self.restore(run.registry)?;
+            let taken = self.restore(run.registry, swaps_host)?;
             self.record.lock().device_bytes_restored = taken;
         }
         Ok(())
     }
+}
+
+/// A library-owned host param's region: an atomic update swaps its shadow
+/// in instead of copying.
+fn library_host_region(p: &Param) -> Option<&HostRegion> {
+    match &p.memory {
+        ParamMemory::Library(r) => Some(r),
+        _ => None,
+    }
+}
+
+/// (param number, bytes) of every library-owned host param.
+fn library_host_sizes(registry: &Registry) -> Vec<(usize, usize)> {
+    let params = registry.params().iter().enumerate();
+    params
+        .filter_map(|(i, p)| library_host_region(p).map(|r| (i, r.len())))
+        .collect()
 }

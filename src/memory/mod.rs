@@ -2,6 +2,8 @@
 //!
 //! - [`host`]: library-owned host memory whose physical pages can be released
 //!   and brought back at the same address.
+//! - [`swap`]: the page swap that commits an atomic update into a
+//!   library-owned host param without copying.
 //! - [`loose`]: bounded, fallible buffers for tensors received outside params.
 //! - [`copy`]: the parallel copier every source uses (memory to memory, and
 //!   file to memory with `pread`), plus parallel checksums.
@@ -21,6 +23,7 @@ pub mod loose;
 pub mod pool;
 pub mod shared;
 pub mod staging;
+pub mod swap;
 
 /// A raw pointer that may cross threads. The owner guarantees the memory
 /// outlives every copy that uses it and that no two copies write one byte.

@@ -111,6 +111,11 @@ impl Run {
     pub fn bytes(&self) -> u64 {
         (self.source.end - self.source.start) * self.rows
     }
+
+    /// One past the last param byte the run writes.
+    pub fn param_end(&self) -> u64 {
+        self.param.end + self.rows.saturating_sub(1) * self.param_stride
+    }
 }
 
 /// A stretch of an entry's bytes contiguous in the tensor and in the

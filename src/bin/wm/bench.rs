@@ -24,6 +24,13 @@ use weight_manager::tensor::DType;
 
 const RUNS: usize = 3;
 
+/// The floors measured in a run, in GB/s.
+#[derive(Clone, Copy)]
+pub(crate) struct Floors {
+    pub memcpy: f64,
+    pub read: f64,
+}
+
 pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Drop for Scratch {
@@ -147,8 +154,8 @@ fn warm(path: &Path) -> Result<(), String> {
 }
 
 /// Engine-owned, pre-faulted params for every tensor of `model`.
-fn engine(
-    model: &[(String, DType, Vec<u64>, usize)],
+pub(crate) fn engine(
+    model: &crate::bench_atomic::Model,
     threads: usize,
 ) -> Result<(Manager, Vec<Vec<u8>>), String> {
     let m = Manager::new(ManagerConfig {
@@ -174,7 +181,12 @@ fn engine(
     Ok((m, bufs))
 }
 
-fn timed_update(m: &Manager, dir: &Path, mode: Mode, run: &mut u64) -> Result<Duration, String> {
+pub(crate) fn timed_update(
+    m: &Manager,
+    dir: &Path,
+    mode: Mode,
+    run: &mut u64,
+) -> Result<Duration, String> {
     *run += 1;
     let mut req = UpdateRequest::snapshot(dir);
     req.mode = mode;
@@ -184,7 +196,7 @@ fn timed_update(m: &Manager, dir: &Path, mode: Mode, run: &mut u64) -> Result<Du
     Ok(t.elapsed())
 }
 
-fn verdict(ok: bool) -> &'static str {
+pub(crate) fn verdict(ok: bool) -> &'static str {
     if ok {
         "PASS"
     } else {
@@ -260,15 +272,12 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
             "  wm     update in-place              {inplace:>7.2} GB/s   ratio {ratio:.2} to lower floor (target >= 0.80) {}",
             verdict(ratio >= 0.8)
         );
-        let atomic = gbps(
-            total,
-            best(|| timed_update(&m, &big_dir, Mode::Atomic, &mut run))?,
-        );
-        println!(
-            "  wm     update atomic (staged)       {atomic:>7.2} GB/s   ratio {:.2} (stages then copies: two passes, informational)",
-            atomic / floor
-        );
     }
+    let floors = Floors {
+        memcpy: mem_gbps,
+        read: read_gbps,
+    };
+    crate::bench_atomic::rows(&model, &big_dir, &path, total, floors, threads)?;
 
     // Many small tensors: per-tensor overhead beyond the bytes.
     if small > 0 {

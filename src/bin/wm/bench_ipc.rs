@@ -157,8 +157,9 @@ fn run_mode(
     let result = measure(&socket, mode, side, params, floors);
     let sessions = trainer.finish();
     let _ = std::fs::remove_dir_all(&dir);
-    let (copy, zero) = result?;
+    let (copy, zero, first) = result?;
     let sessions = sessions?;
+    first_rows(mode, &sessions, &first, &copy);
     let copy_at = WARM_UPS;
     let zero_at = 2 * WARM_UPS + 1;
     for (name, s, engine) in [
@@ -184,6 +185,31 @@ fn run_mode(
     Ok(())
 }
 
+/// What an RL run pays at its start (and whenever buffers are recreated):
+/// the trainer's first publishes, which create their shared buffers, and
+/// the engine's first updates, which map them; beside the steady ones.
+fn first_rows(mode: &str, sessions: &[Vec<u64>], first: &[Duration], steady: &UpdateStats) {
+    let rate = |bytes: u64, d: Duration| format!("{} ({:.2} GB/s)", fmt::ms(d), gbps(bytes, d));
+    if mode == "published" {
+        let publishes: Vec<String> = sessions
+            .iter()
+            .filter(|s| s.len() == 3)
+            .take(WARM_UPS + 1)
+            .map(|s| rate(s[0], Duration::from_nanos(s[1])))
+            .collect();
+        println!(
+            "    first publishes (buffers created, then reused) {}",
+            publishes.join(", ")
+        );
+    }
+    let updates: Vec<String> = first.iter().map(|d| rate(steady.bytes, *d)).collect();
+    println!(
+        "    engine's first updates (map the buffers) {}; steady {}",
+        updates.join(", "),
+        rate(steady.bytes, steady.sync)
+    );
+}
+
 /// An in-place update from the publisher at `socket`.
 fn request<'a>(socket: &std::path::Path) -> UpdateRequest<'a> {
     let mut r = UpdateRequest::snapshot(socket);
@@ -199,7 +225,7 @@ fn measure(
     side: usize,
     params: &mut [Vec<u8>],
     floors: &Floors,
-) -> Result<(UpdateStats, UpdateStats), String> {
+) -> Result<(UpdateStats, UpdateStats, Vec<Duration>), String> {
     println!("  {mode}:");
     let m = Manager::new(ManagerConfig {
         threads: side,
@@ -207,8 +233,9 @@ fn measure(
     })
     .map_err(|e| e.to_string())?;
     crate::bench::register_layers(&m, params)?;
+    let mut first = Vec::new();
     for _ in 0..WARM_UPS {
-        m.update(request(socket)).map_err(|e| e.to_string())?;
+        first.push(m.update(request(socket)).map_err(|e| e.to_string())?.sync);
     }
     let copy = m.update(request(socket)).map_err(|e| e.to_string())?;
     let rate = gbps(copy.bytes, copy.sync);
@@ -242,5 +269,5 @@ fn measure(
         fmt::ms(zc.sync)
     );
     std::hint::black_box(touched.get());
-    Ok((copy, zc))
+    Ok((copy, zc, first))
 }

@@ -20,6 +20,7 @@
 //! - `wm --version`: the library's version.
 
 mod bench;
+mod bench_atomic;
 mod bench_gpu;
 mod bench_ipc;
 mod bench_net;

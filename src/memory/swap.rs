@@ -1,0 +1,114 @@
+//! Page swap: the commit of an atomic update into a library-owned host
+//! param without copying its bytes.
+//!
+//! The update lands in a shadow, a [`HostRegion`] of the param's size. At
+//! commit one `mremap(shadow, MREMAP_MAYMOVE | MREMAP_FIXED, param)` moves
+//! the shadow's pages over the param's range: the kernel unmaps the old
+//! pages (they are freed) and the param's address stays what it was, so
+//! pointers the engine captured (and CUDA graphs over host memory) stay
+//! valid. The call holds the process's address-space lock for writing, so a
+//! thread touching the param meanwhile waits for it and then sees the new
+//! pages: the param is old up to one instant and new after it, never a
+//! mix of bytes. Both regions start on 2 MiB boundaries (`HostRegion::new`),
+//! so huge pages move as single page-table entries.
+//!
+//! Why `mremap` of private anonymous memory and not a memfd mapped over
+//! the param with `mmap(MAP_FIXED)`: the memfd route keeps the old pages
+//! (a double buffer that could be reused without zeroing) but its shared
+//! mapping gets 4 KiB pages where shmem huge pages are off (the default),
+//! so the engine then pays a fault per 4 KiB on its next read of every
+//! param, or the commit pays populating them; anonymous memory keeps
+//! huge pages and the commit moves them in constant time per 2 MiB.
+
+//!
+//! Not where UCX's memory hooks are loaded (libucm, which the network
+//! path's libucp brings in): UCX 1.13's `mremap` hook passes four
+//! arguments on, so `MREMAP_FIXED` would get a garbage address, and its
+//! registration cache must hear of every unmapping, which a raw system
+//! call (used here so that no hook can garble the call) keeps from it. In
+//! such a process atomic updates copy into library-owned params, as into
+//! engine-owned ones ([`swaps_here`]).
+
+use super::host::HostRegion;
+use crate::result::{Error, Result};
+
+/// True when this process may swap pages: UCX's memory hooks (libucm)
+/// are not loaded.
+pub fn swaps_here() -> bool {
+    // SAFETY: RTLD_NOLOAD only looks the library up; a handle found is
+    // closed again at once (dropping the reference the lookup took).
+    unsafe {
+        let h = libc::dlopen(c"libucm.so.0".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            return true;
+        }
+        libc::dlclose(h);
+        false
+    }
+}
+
+/// Put `shadow`'s pages in place of `param`'s, at `param`'s address; the
+/// old pages are freed. Both must be the same size. On failure nothing
+/// moved: `shadow` is dropped (its pages freed) and `param` is intact.
+pub fn swap_in(param: &HostRegion, shadow: HostRegion) -> Result<()> {
+    if shadow.mapped() != param.mapped() {
+        return Err(Error::invalid_argument(format!(
+            "page swap: a shadow of {} bytes cannot replace a param of {}",
+            shadow.mapped(),
+            param.mapped()
+        )));
+    }
+    // SAFETY: both ranges are whole mappings of ours, of equal size; the
+    // shadow's mapping is moved (not freed) and forgotten below on success.
+    // The system call itself: an interposed `mremap` might drop the
+    // fifth argument (see the module docs).
+    let moved = unsafe {
+        libc::syscall(
+            libc::SYS_mremap,
+            shadow.ptr(),
+            shadow.mapped(),
+            param.mapped(),
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            param.ptr(),
+        )
+    };
+    if moved == -1 {
+        return Err(Error::io(
+            "moving the staged pages over the param (mremap)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    shadow.forget();
+    debug_assert_eq!(moved as usize, param.ptr() as usize);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swap_keeps_the_address_and_moves_the_bytes() {
+        for len in [100, 3 << 20] {
+            let param = HostRegion::new("param", len).unwrap();
+            unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
+            let shadow = HostRegion::new("shadow", len).unwrap();
+            unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+            let addr = param.ptr();
+            swap_in(&param, shadow).unwrap();
+            assert_eq!(param.ptr(), addr);
+            assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 2));
+            assert_eq!(param.resident_bytes().unwrap(), param.mapped());
+        }
+    }
+
+    #[test]
+    fn a_shadow_of_another_size_is_refused_and_the_param_kept() {
+        let param = HostRegion::new("param", 8192).unwrap();
+        unsafe { std::ptr::write_bytes(param.ptr(), 1, 8192) };
+        let shadow = HostRegion::new("shadow", 3 << 20).unwrap();
+        let e = swap_in(&param, shadow).unwrap_err();
+        assert!(e.message.contains("cannot replace"), "{}", e.message);
+        assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 1));
+    }
+}
