@@ -15,7 +15,7 @@ PyTorch (never imported unless you pass torch objects):
 from .manager import (Controller, DeviceArray, Manager, Progress, RegisteredModule, Status, UpdateStats,
                       WeightManagerError, version)
 from .publisher import Publisher, ServeStats
-from .types import DType, Result, Source, State
+from .types import DType, Piece, Result, Source, State
 
 __all__ = ["Controller", "DeviceArray", "Manager", "Publisher", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
-           "DType", "Result", "Source", "State"]
+           "DType", "Piece", "Result", "Source", "State"]

@@ -92,6 +92,17 @@ class Config(ctypes.Structure):
     ]
 
 
+class Piece(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("tensor", c_char_p),
+        ("ndim", ctypes.c_size_t),
+        ("offset", ctypes.c_uint64 * MAX_NDIM),
+        ("len", ctypes.c_uint64 * MAX_NDIM),
+        ("param_offset", ctypes.c_uint64 * MAX_NDIM),
+    ]
+
+
 class ParamDesc(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -101,6 +112,8 @@ class ParamDesc(ctypes.Structure):
         ("name", c_char_p),
         ("shape", ctypes.POINTER(ctypes.c_uint64)),
         ("ndim", ctypes.c_size_t),
+        ("pieces", ctypes.POINTER(Piece)),
+        ("npieces", ctypes.c_size_t),
     ]
 
 
@@ -219,6 +232,9 @@ def load() -> ctypes.CDLL:
         "wm_destroy": (None, [M]),
         "wm_last_error": (R, [M, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
         "wm_param_desc_init": (R, [ctypes.POINTER(ParamDesc)]),
+        "wm_piece_init": (R, [ctypes.POINTER(Piece)]),
+        "wm_piece_narrow": (R, [ctypes.POINTER(Piece), c_char_p, ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64]),
         "wm_register_param": (R, [M, ctypes.POINTER(ParamDesc), c_void_p, ctypes.c_size_t]),
         "wm_allocate_param": (
             R,

@@ -267,19 +267,39 @@ class Manager(OwnedHandle):
         raise_for(rc, LIB.wm_last_error, self._h())
 
     @staticmethod
-    def _desc(name: str, dtype: DType, shape) -> tuple:
+    def _desc(name: str, dtype: DType, shape, pieces=None) -> tuple:
         shape = tuple(int(d) for d in shape)
         d = _lib.ParamDesc()
         LIB.wm_param_desc_init(ctypes.byref(d))
         name_b = name.encode()
         dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
         d.name, d.dtype, d.shape, d.ndim = name_b, int(dtype), dims, len(shape)
-        return d, (name_b, dims)
+        keep = [name_b, dims]
+        if pieces:
+            arr = (_lib.Piece * len(pieces))()
+            for c, p in zip(arr, pieces):
+                LIB.wm_piece_init(ctypes.byref(c))
+                if len(p.offset) > _lib.MAX_NDIM:
+                    raise ValueError(f"param '{name}': piece of '{p.tensor}' has more than {_lib.MAX_NDIM} dimensions")
+                at = p.at if p.at is not None else (0,) * len(shape)
+                if len(at) != len(shape):
+                    raise ValueError(f"param '{name}': piece of '{p.tensor}': `at` needs one value per param "
+                                     f"dimension ({len(shape)})")
+                tensor_b = p.tensor.encode()
+                keep.append(tensor_b)
+                c.tensor, c.ndim = tensor_b, len(p.offset)
+                c.offset[:len(p.offset)], c.len[:len(p.length)] = p.offset, p.length
+                c.param_offset[:len(at)] = at
+            d.pieces, d.npieces = arr, len(pieces)
+            keep.append(arr)
+        return d, keep
 
     # -- params -----------------------------------------------------------
-    def register(self, name: str, array: np.ndarray, dtype=None) -> None:
+    def register(self, name: str, array: np.ndarray, dtype=None, pieces=None) -> None:
         """Register a numpy array as an engine-owned host param. The array
-        must be C-contiguous and writeable; the manager keeps a reference."""
+        must be C-contiguous and writeable; the manager keeps a reference.
+        `pieces` (a list of `Piece`): what the param holds of which global
+        tensors; default, all of the global tensor `name`."""
         if not isinstance(array, np.ndarray):
             raise TypeError("register() takes a numpy array")
         if not array.flags.c_contiguous or not array.flags.writeable:
@@ -288,13 +308,14 @@ class Manager(OwnedHandle):
         if wm_dtype.itemsize != array.dtype.itemsize:
             raise ValueError(f"param '{name}': dtype {wm_dtype.name} needs {wm_dtype.itemsize}-byte "
                              f"items, the array has {array.dtype.itemsize}")
-        self._register_memory(name, array.ctypes.data, array.nbytes, wm_dtype, array.shape, HOST, array)
+        self._register_memory(name, array.ctypes.data, array.nbytes, wm_dtype, array.shape, HOST, array,
+                              pieces)
 
     def _register_memory(self, name: str, ptr: int, nbytes: int, dtype: DType, shape, device: int,
-                         owner) -> None:
+                         owner, pieces=None) -> None:
         """wm_register_param for host (device HOST) or CUDA memory; `owner`
         (the array or tensor) is kept alive as long as the manager."""
-        d, keep = self._desc(name, dtype, shape)
+        d, keep = self._desc(name, dtype, shape, pieces)
         if device != HOST:
             d.memory, d.device_ordinal = MEMORY_DEVICE, device
         self._check(LIB.wm_register_param(self._h(), ctypes.byref(d), ctypes.c_void_p(ptr or None), nbytes))
@@ -326,11 +347,12 @@ class Manager(OwnedHandle):
             self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
 
-    def allocate(self, name: str, dtype, shape) -> np.ndarray:
+    def allocate(self, name: str, dtype, shape, pieces=None) -> np.ndarray:
         """Allocate a library-owned host param; returns a numpy view of its
-        memory, valid (at the same address) until close()."""
+        memory, valid (at the same address) until close(). `pieces` as for
+        register()."""
         wm_dtype = parse_dtype(dtype)
-        d, keep = self._desc(name, wm_dtype, shape)
+        d, keep = self._desc(name, wm_dtype, shape, pieces)
         ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
         self._check(LIB.wm_allocate_param(self._h(), ctypes.byref(d), ctypes.byref(ptr), ctypes.byref(n)))
         arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self._keeper)

@@ -117,3 +117,36 @@ VERIFY_CHECKSUMS = 1
 IN_PLACE = 2
 SKIP_UNKNOWN = 4
 SKIP_NETWORK_CHECKSUMS = 8
+
+
+class Piece:
+    """One piece of a param: the box `offset`/`length` (one value per
+    dimension) of global tensor `tensor`, placed in the param starting at
+    `at` (one value per param dimension; default: the param's start). The
+    box and the param line up at their last dimension; a dimension only one
+    side has counts as length 1 on the other, so a [out, in] expert tensor
+    stacks into an [experts, out, in] param at (e, 0, 0)."""
+
+    def __init__(self, tensor: str, offset, length, at=None):
+        self.tensor = str(tensor)
+        self.offset = tuple(int(x) for x in offset)
+        self.length = tuple(int(x) for x in length)
+        if len(self.offset) != len(self.length):
+            raise ValueError(f"piece of '{tensor}': offset and length need one value per dimension each")
+        self.at = None if at is None else tuple(int(x) for x in at)
+
+    @classmethod
+    def whole(cls, tensor: str, shape, at=None) -> "Piece":
+        """All of global tensor `tensor` of `shape`."""
+        return cls(tensor, [0] * len(shape), shape, at)
+
+    @classmethod
+    def narrow(cls, tensor: str, global_shape, dim: int, start: int, length: int, at=None) -> "Piece":
+        """Global tensor `tensor` narrowed to [start, start+length) along
+        `dim` (a tensor-parallel split)."""
+        offset, lengths = [0] * len(global_shape), list(global_shape)
+        offset[dim], lengths[dim] = start, length
+        return cls(tensor, offset, lengths, at)
+
+    def __repr__(self) -> str:
+        return f"Piece({self.tensor!r}, offset={self.offset}, length={self.length}, at={self.at})"
