@@ -49,16 +49,7 @@ impl Applier<'_, '_> {
     pub(super) fn receive_spans(&mut self, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
         if let Some(arena) = &self.arena {
             if let Target::Param(i) = self.plan.entries[t].target {
-                let base = arena.param_shadow(i);
-                return Ok(self
-                    .param_spans(t, offset, len)?
-                    .into_iter()
-                    .map(|(at, p, len)| Span {
-                        at,
-                        dst: SendPtr(base.wrapping_add(p as usize)),
-                        len,
-                    })
-                    .collect());
+                return self.spans_at(arena.param_shadow(i), t, offset, len);
             }
             let dst = SendPtr(arena.callback_slot(t).wrapping_add(offset as usize));
             return Ok(vec![Span { at: 0, dst, len }]);
@@ -73,19 +64,25 @@ impl Applier<'_, '_> {
             _ => None,
         };
         if let Some(base) = param {
-            let spans = self.param_spans(t, offset, len)?;
-            return Ok(spans
-                .into_iter()
-                .map(|(at, p, len)| Span {
-                    at,
-                    dst: SendPtr(base.wrapping_add(p as usize)),
-                    len,
-                })
-                .collect());
+            return self.spans_at(base, t, offset, len);
         }
         let buffer = self.tensor_buffer(t)?;
         let dst = SendPtr(buffer.0.wrapping_add(offset as usize));
         Ok(vec![Span { at: 0, dst, len }])
+    }
+
+    /// The spans of received bytes `[offset, offset + len)` of entry `t` in
+    /// memory laid out like its param (the param, or its shadow) at `base`.
+    fn spans_at(&self, base: *mut u8, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
+        let spans = self.param_spans(t, offset, len)?;
+        Ok(spans
+            .into_iter()
+            .map(|(at, p, len)| Span {
+                at,
+                dst: SendPtr(base.wrapping_add(p as usize)),
+                len,
+            })
+            .collect())
     }
 
     /// Received bytes `[offset, offset + len)` of entry `t` in the param,
