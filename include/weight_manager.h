@@ -453,20 +453,6 @@ typedef struct {
   const char *secret;
 } wm_publisher_config;
 
-// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
-// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
-// The arrays are read during the call only.
-typedef struct {
-  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
-  uint32_t struct_size;
-  // The global tensor's shape: one value per dimension of the shard
-  // (its `ndim`).
-  const uint64_t *global_shape;
-  // Where the shard's box starts in the global tensor, per dimension
-  // (`ndim` values); the box's lengths are the shard's shape.
-  const uint64_t *offset;
-} wm_shard_placement;
-
 // What `wm_publisher_serve` did, summed over its sessions.
 typedef struct {
   // Caller sets `sizeof(wm_serve_stats)`.
@@ -480,6 +466,20 @@ typedef struct {
   // Longest session.
   uint64_t total_ns;
 } wm_serve_stats;
+
+// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
+// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
+// The arrays are read during the call only.
+typedef struct {
+  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
+  uint32_t struct_size;
+  // The global tensor's shape: one value per dimension of the shard
+  // (its `ndim`).
+  const uint64_t *global_shape;
+  // Where the shard's box starts in the global tensor, per dimension
+  // (`ndim` values); the box's lengths are the shard's shape.
+  const uint64_t *offset;
+} wm_shard_placement;
 
 // Statistics of one update.
 typedef struct {
@@ -823,6 +823,34 @@ wm_result wm_publisher_publish(wm_publisher *publisher);
 // tensors again and the trainer may free them.
 void wm_publisher_destroy(wm_publisher *publisher);
 
+// Serve the snapshot in directory `dir` instead of in-memory tensors: each
+// rank gets the files the snapshot layout rules pick for it.
+wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
+
+// The version sessions announce; NULL: the directory's `version.yaml`.
+// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
+// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
+// (A `version.yaml` over the limit is refused by publish and serve.)
+wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
+
+// Forget every published tensor (before publishing the next version).
+wm_result wm_publisher_clear(wm_publisher *publisher);
+
+// Serve `engines` engine connections (each on its own thread), waiting at
+// most `accept_timeout_ms` for them to connect; returns when every session
+// ended. A failed session (engine died, refused, checksum...) gives its
+// error, the others still finish. `out_stats` is optional (NULL). Blocks.
+wm_result wm_publisher_serve(wm_publisher *publisher,
+                             uint32_t engines,
+                             uint64_t accept_timeout_ms,
+                             wm_serve_stats *out_stats);
+
+// Copy the text of this publisher's last error (see `wm_last_error`).
+wm_result wm_publisher_last_error(const wm_publisher *publisher,
+                                  char *buf,
+                                  size_t len,
+                                  size_t *out_written);
+
 // Publish a tensor from the trainer's host memory: `len` bytes at `data`
 // (dtype x shape), for engine rank `rank`, or for every rank with -1
 // (below -1: `WM_ERR_INVALID_ARGUMENT`).
@@ -909,34 +937,6 @@ wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
                                         size_t len,
                                         int32_t device,
                                         int32_t rank);
-
-// Serve the snapshot in directory `dir` instead of in-memory tensors: each
-// rank gets the files the snapshot layout rules pick for it.
-wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
-
-// The version sessions announce; NULL: the directory's `version.yaml`.
-// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
-// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
-// (A `version.yaml` over the limit is refused by publish and serve.)
-wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
-
-// Forget every published tensor (before publishing the next version).
-wm_result wm_publisher_clear(wm_publisher *publisher);
-
-// Serve `engines` engine connections (each on its own thread), waiting at
-// most `accept_timeout_ms` for them to connect; returns when every session
-// ended. A failed session (engine died, refused, checksum...) gives its
-// error, the others still finish. `out_stats` is optional (NULL). Blocks.
-wm_result wm_publisher_serve(wm_publisher *publisher,
-                             uint32_t engines,
-                             uint64_t accept_timeout_ms,
-                             wm_serve_stats *out_stats);
-
-// Copy the text of this publisher's last error (see `wm_last_error`).
-wm_result wm_publisher_last_error(const wm_publisher *publisher,
-                                  char *buf,
-                                  size_t len,
-                                  size_t *out_written);
 
 // The library's version as a static NUL-terminated string ("0.1.0").
 //

@@ -54,10 +54,15 @@ fn version_macros_match_cargo_toml() {
 /// Names of `#[no_mangle]` functions in src/ffi, with whether their body
 /// starts with the panic guard.
 fn exported_functions() -> Vec<(String, bool)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ffi");
+    let mut files = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ffi")];
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+    // Every .rs file under src/ffi, sub-folders included.
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            files.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
         let mut rest = text.as_str();
         while let Some(i) = rest.find("\n#[no_mangle]\n") {
             rest = &rest[i + 14..];

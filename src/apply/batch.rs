@@ -47,7 +47,7 @@ impl Applier<'_, '_> {
                 continue;
             };
             let complete = end == self.plan.entries[c.tensor].bytes;
-            let whole = c.offset == 0 && complete && self.whole[c.tensor];
+            let whole = c.offset == 0 && complete && self.plan.moves_whole(c.tensor);
             match self.route(c, whole, landed) {
                 Route::Copy | Route::Landed => {
                     self.receive_in_memory(c, whole, complete, landed, &mut work)?

@@ -78,7 +78,7 @@ impl<'p> Applier<'p, '_> {
         for t in 0..self.plan.entries.len() {
             match (self.plan.entries[t].target, self.params[t]) {
                 (Target::Param(i), Some(Dest::Device { ptr, ordinal })) => {
-                    let end = self.segments[t].iter().map(|s| s.param + s.len).max();
+                    let end = self.plan.segments(t).iter().map(|s| s.param + s.len).max();
                     // SAFETY: the shadow holds the param's verified bytes up
                     // to its last run's end; the arena outlives this call.
                     let shadow = unsafe {
@@ -104,7 +104,8 @@ impl<'p> Applier<'p, '_> {
     /// Copy jobs for every segment into a host param whose shadow is packed.
     fn shadow_copies(&self, arena: &Arena) -> Vec<CopyJob<'static>> {
         let mut jobs = Vec::new();
-        for (t, segs) in self.segments.iter().enumerate() {
+        for t in 0..self.plan.entries.len() {
+            let segs = self.plan.segments(t);
             let (Target::Param(i), Some(Dest::Host(param))) =
                 (self.plan.entries[t].target, self.params[t])
             else {

@@ -65,7 +65,7 @@ use crate::memory::host::HostRegion;
 use crate::memory::loose::{check_callback_staging, LooseBuffers};
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
 use crate::memory::SendPtr;
-use crate::plan::{Plan, Segment, Target};
+use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use arena::Arena;
 use std::collections::HashMap;
@@ -99,11 +99,6 @@ pub struct Applier<'p, 'h> {
     gdr: bool,
     /// Host copy of a chunk that landed on the GPU, for its hash.
     readback: Vec<u8>,
-    /// Per entry: its segments (where its received bytes go in the param).
-    segments: Vec<Vec<Segment>>,
-    /// Per entry: it moves its whole tensor unchanged (whole-tensor checks
-    /// and zero-copy views apply).
-    whole: Vec<bool>,
     /// Running hashes of tensors arriving in several chunks.
     hashing: HashMap<usize, Box<Checksum>>,
     received: Vec<u64>,
@@ -149,17 +144,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             Mode::InPlace => None,
         };
         let started = Instant::now();
-        let segments: Vec<Vec<Segment>> =
-            (0..plan.entries.len()).map(|e| plan.segments(e)).collect();
-        let whole = plan
-            .entries
-            .iter()
-            .zip(&segments)
-            .map(|(e, s)| e.is_whole(s))
-            .collect();
         Ok(Applier {
-            segments,
-            whole,
             plan,
             hooks,
             params,

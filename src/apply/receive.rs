@@ -93,7 +93,7 @@ impl Applier<'_, '_> {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, u64, u64)>> {
-        let segs = &self.segments[t];
+        let segs = self.plan.segments(t);
         let mut i = segs.partition_point(|s| s.wanted + s.len <= offset);
         let (mut at, end) = (offset, offset + len);
         let mut out = Vec::new();
@@ -134,7 +134,7 @@ impl Applier<'_, '_> {
         else {
             return self.loose_buffer(t, n);
         };
-        if !lands_in_own_pinned_buffer(n) || self.segments[t].len() != 1 {
+        if !lands_in_own_pinned_buffer(n) || self.plan.segments(t).len() != 1 {
             return self.loose_buffer(t, n);
         }
         if let Some(b) = self.pinned.get(&t) {

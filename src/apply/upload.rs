@@ -41,7 +41,7 @@ impl Applier<'_, '_> {
         let name = &plan.entries[t].meta.name;
         let context =
             |e: Error| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}"));
-        let segments = &self.segments[t];
+        let segments = plan.segments(t);
         let staging = self.staging.as_deref_mut().ok_or_else(|| {
             Error::unsupported("device params need the manager's pinned staging (internal)")
         })?;

@@ -23,6 +23,8 @@ mod cover;
 mod global;
 mod runs;
 #[cfg(test)]
+mod sharded_tests;
+#[cfg(test)]
 mod tests;
 
 use crate::logging::Logger;
@@ -31,6 +33,7 @@ use crate::registry::Registry;
 use crate::result::{Error, Result};
 use std::collections::HashSet;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 /// Where one plan entry's bytes go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +143,9 @@ pub struct Plan {
     /// Entries and bytes that will move (Skip excluded).
     pub tensors: usize,
     pub bytes: u64,
+    /// Per entry, its segments, worked out from the runs on first use (by
+    /// the applier and the source alike). The runs do not change after.
+    segments: Vec<OnceLock<Vec<Segment>>>,
 }
 
 impl Plan {
@@ -174,6 +180,7 @@ impl Plan {
         Plan {
             tensors: moving.clone().count(),
             bytes: moving.map(|e| e.bytes).sum(),
+            segments: entries.iter().map(|_| OnceLock::new()).collect(),
             entries,
             runs,
         }
@@ -187,8 +194,14 @@ impl Plan {
     }
 
     /// Entry `entry`'s segments, in source order.
-    pub fn segments(&self, entry: usize) -> Vec<Segment> {
-        runs::segments(self.runs_of(entry))
+    pub fn segments(&self, entry: usize) -> &[Segment] {
+        self.segments[entry].get_or_init(|| runs::segments(self.runs_of(entry)))
+    }
+
+    /// Entry `entry` moves its whole tensor unchanged (whole-tensor
+    /// checksums and zero-copy views apply).
+    pub fn moves_whole(&self, entry: usize) -> bool {
+        self.entries[entry].is_whole(self.segments(entry))
     }
 
     /// Every entry moves its whole tensor, and entry `i` is tensor `i` of
@@ -394,7 +407,7 @@ fn unverifiable(plan: &Plan, problems: &mut Vec<String>) {
                  (for snapshots, write them with `wm manifest <dir>`)",
                 e.meta.name
             ));
-        } else if !e.is_whole(&plan.segments(i)) {
+        } else if !plan.moves_whole(i) {
             problems.push(format!(
                 "checksum verification was requested but only part of tensor '{}' moves \
                  to '{}', and slices carry no checksums yet: turn verification off for \
