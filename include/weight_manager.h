@@ -46,6 +46,10 @@
 // verify checksums by default, do not.
 #define WM_UPDATE_SKIP_NETWORK_CHECKSUMS 8
 
+// Most sources one update may name (`location`, `locations` and the
+// lists of `@FILE` locations together).
+#define WM_MAX_SOURCES 4096
+
 // Size of the version buffers in `wm_update_stats` and `wm_status` (a
 // version is at most 255 bytes plus the NUL).
 #define WM_VERSION_BUF 256
@@ -495,6 +499,14 @@ typedef struct {
   uint64_t update_ns;
   // Total cost: the whole call.
   uint64_t total_ns;
+  // Planning, within `total_ns` (near 0 when the last plan was reused).
+  uint64_t plan_ns;
+  // 1: the last update's plan was reused (the sources' layouts and the
+  // registry had not changed); 0: planned anew.
+  uint32_t plan_reused;
+  // How many sources the update read from (`wm_update_source_bytes`
+  // gives the bytes of each).
+  uint32_t sources;
   // The version now in the params, NUL-terminated.
   char version[WM_VERSION_BUF];
 } wm_update_stats;
@@ -538,8 +550,9 @@ typedef struct {
 // other value to cancel the update (`WM_ERR_CANCELLED`).
 typedef int32_t (*wm_progress_callback)(void *user_data, const wm_progress *progress);
 
-// One whole tensor for the per-tensor callback. Every pointer is valid only
-// during the call.
+// One whole source tensor for the per-tensor callback: all of a global
+// tensor, or the shard of it a trainer rank serves (`global_shape`,
+// `offset`). Every pointer is valid only during the call.
 typedef struct {
   // NUL-terminated name.
   const char *name;
@@ -555,6 +568,12 @@ typedef struct {
   // -1: `data` is host memory; otherwise the CUDA device ordinal (in
   // this process) whose memory `data` is.
   int32_t device;
+  // The global tensor `name` this tensor is a shard of: its shape
+  // (`ndim` entries), and the offset per dimension where this tensor's
+  // box (of `shape`) starts in it. A whole tensor: `global_shape` equals
+  // `shape` and `offset` is all zeros. Valid during the call only.
+  const uint64_t *global_shape;
+  const uint64_t *offset;
 } wm_tensor_view;
 
 // Called on the updating thread with each tensor once it arrived whole (and
@@ -588,6 +607,14 @@ typedef struct {
   // Optional; see `wm_tensor_callback`.
   wm_tensor_callback tensor_callback;
   void *tensor_user_data;
+  // More sources, after `location` (if set): `nlocations` strings, each
+  // a location as above. Several publishers (one per trainer rank, each
+  // serving its shards) serve one version together, and the engine
+  // pulls from all of them at once. A location `@PATH` names a file
+  // listing locations, one per line (`#` comments). At most
+  // `WM_MAX_SOURCES` in all. NULL with 0: none. Read during the call only.
+  const char *const *locations;
+  size_t nlocations;
 } wm_update_request;
 
 #ifdef __cplusplus
@@ -961,6 +988,19 @@ const char *wm_state_name(int32_t state);
 // Never blocks on a running update (the state then reads UPDATING).
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
+
+// The bytes the last successful update moved from each of its sources, in
+// the order the request named them (`location`, then `locations`, with
+// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
+// the number of sources to `*out_count` (0 before any update). Call with
+// `capacity` 0 (and `out_bytes` NULL) to learn the count.
+//
+// NULL `out_count`, or NULL `out_bytes` with `capacity` above 0:
+// `WM_ERR_NULL_ARGUMENT`. Never blocks on a running update. Thread-safe.
+wm_result wm_update_source_bytes(const wm_manager *manager,
+                                 uint64_t *out_bytes,
+                                 size_t capacity,
+                                 size_t *out_count);
 
 // Get the signal every rank acts on this step (a `wm_state`: NORMAL,
 // UPDATING, CLEARING or CLEARED) into `*out_signal`.

@@ -135,6 +135,8 @@ class TensorView(ctypes.Structure):
         ("data", c_void_p),
         ("len", ctypes.c_size_t),
         ("device", ctypes.c_int32),
+        ("global_shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("offset", ctypes.POINTER(ctypes.c_uint64)),
     ]
 
 
@@ -154,6 +156,8 @@ class UpdateRequest(ctypes.Structure):
         ("progress_user_data", c_void_p),
         ("tensor_callback", TENSOR_CALLBACK),
         ("tensor_user_data", c_void_p),
+        ("locations", ctypes.POINTER(c_char_p)),
+        ("nlocations", ctypes.c_size_t),
     ]
 
 
@@ -166,6 +170,9 @@ class UpdateStats(ctypes.Structure):
         ("sync_ns", ctypes.c_uint64),
         ("update_ns", ctypes.c_uint64),
         ("total_ns", ctypes.c_uint64),
+        ("plan_ns", ctypes.c_uint64),
+        ("plan_reused", ctypes.c_uint32),
+        ("sources", ctypes.c_uint32),
         ("version", ctypes.c_char * VERSION_BUF),
     ]
 
@@ -244,6 +251,10 @@ def load() -> ctypes.CDLL:
         "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
         "wm_clear": (R, [M]),
         "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
+        "wm_update_source_bytes": (
+            R,
+            [M, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+        ),
         "wm_broadcast_signal": (R, [M, ctypes.POINTER(ctypes.c_int32)]),
         "wm_controller_open": (R, [c_char_p, ctypes.POINTER(c_void_p)]),
         "wm_controller_destroy": (None, [c_void_p]),

@@ -1,6 +1,8 @@
 """The Manager class: owns one wm_manager handle."""
 
 import ctypes
+import inspect
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -38,6 +40,21 @@ class UpdateStats:
     sync_s: float
     update_s: float
     total_s: float
+    # Planning time, and whether the last update's plan was reused (the
+    # layouts had not changed).
+    plan_s: float = 0.0
+    plan_reused: bool = False
+    # Bytes moved from each source, in the order the update named them.
+    source_bytes: tuple = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor handed to `on_tensor` sits in its global tensor: the
+    global shape, and the offset of the tensor's box in it per dimension
+    (all zeros, and the tensor's own shape, for a whole tensor)."""
+    global_shape: tuple
+    offset: tuple
 
 
 @dataclass
@@ -99,9 +116,20 @@ def raise_for(rc: int, last_error, handle) -> None:
         raise WeightManagerError(rc, last_error_text(last_error, handle) or LIB.wm_result_text(rc).decode())
 
 
-def _stats(s: _lib.UpdateStats) -> UpdateStats:
+def _stats(s: _lib.UpdateStats, source_bytes=()) -> UpdateStats:
     return UpdateStats(s.version.decode(), s.rank, s.tensors, s.bytes, s.sync_ns / 1e9,
-                       s.update_ns / 1e9, s.total_ns / 1e9)
+                       s.update_ns / 1e9, s.total_ns / 1e9, s.plan_ns / 1e9, bool(s.plan_reused),
+                       tuple(source_bytes))
+
+
+def _takes_placement(fn) -> bool:
+    """Whether `on_tensor` takes a third argument (the Placement)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def _encode(s) -> Optional[bytes]:
@@ -365,11 +393,16 @@ class Manager(OwnedHandle):
                timeout: Optional[float] = None,
                progress: Union[bool, Callable[[Progress], Optional[bool]], None] = None,
                on_tensor: Optional[Callable[[str, np.ndarray], None]] = None) -> UpdateStats:
-        """Update the params. `progress`: a callable (returning False
-        cancels), or True for a bar on stderr when it is a terminal (bytes,
-        GB/s, tensors) and one final line otherwise; `on_tensor`
-        receives (name, array valid only during the call) for every tensor
-        and replaces the plain copy into registered params. From a trainer's
+        """Update the params. `location`: one location (snapshot dir or
+        file, socket path, host:port) or a list of them (several publishers,
+        one per trainer rank, serving one version together; "@FILE" names a
+        file listing locations, one per line). `progress`: a callable
+        (returning False cancels), or True for a bar on stderr when it is a
+        terminal (bytes, GB/s, tensors) and one final line otherwise;
+        `on_tensor` receives (name, array valid only during the call) for
+        every tensor, plus a `Placement` (which box of the global tensor it
+        is) when it takes a third argument, and replaces the plain copy into
+        registered params. From a trainer's
         GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
         memory, viewable through `__cuda_array_interface__`."""
         req = _lib.UpdateRequest()
@@ -378,8 +411,12 @@ class Manager(OwnedHandle):
             req.source = int(Source[source.upper()])
         except KeyError:
             raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
-        keep = [_encode(location and str(location)), _encode(version)]
-        req.location, req.version = keep
+        locations = [location] if isinstance(location, (str, bytes, os.PathLike)) else list(location or [])
+        keep = [_encode(str(loc) if isinstance(loc, os.PathLike) else loc) for loc in locations]
+        if keep:
+            req.locations = (ctypes.c_char_p * len(keep))(*keep)
+            req.nlocations = len(keep)
+        req.version = keep_version = _encode(version)
         req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
                     (SKIP_UNKNOWN if skip_unknown else 0)
         if timeout is not None:
@@ -400,6 +437,8 @@ class Manager(OwnedHandle):
                     return 1
             req.progress_callback = _lib.PROGRESS_CALLBACK(_progress)
         if on_tensor is not None:
+            with_placement = _takes_placement(on_tensor)
+
             def _tensor(_u, t):
                 try:
                     t = t[0]
@@ -409,7 +448,12 @@ class Manager(OwnedHandle):
                         view = DeviceArray(t.data or 0, t.len, t.device, dtype, tuple(shape))
                     else:
                         view = _array_at(t.data or 0, t.len, dtype, shape, None)
-                    on_tensor(t.name.decode(), view)
+                    if with_placement:
+                        placement = Placement(tuple(t.global_shape[i] for i in range(t.ndim)),
+                                              tuple(t.offset[i] for i in range(t.ndim)))
+                        on_tensor(t.name.decode(), view, placement)
+                    else:
+                        on_tensor(t.name.decode(), view)
                     return 0
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     raised.append(e)
@@ -418,6 +462,7 @@ class Manager(OwnedHandle):
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         rc = LIB.wm_update(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        del keep, keep_version  # the request's strings lived through the call
         if bar is not None and rc == 0:
             bar.finish(_stats(stats))
         elif bar is not None:
@@ -427,7 +472,15 @@ class Manager(OwnedHandle):
             if raised:
                 raise err from raised[0]
             raise err
-        return _stats(stats)
+        return _stats(stats, self._source_bytes())
+
+    def _source_bytes(self) -> tuple:
+        """Bytes the last update moved from each of its sources."""
+        n = ctypes.c_size_t()
+        self._check(LIB.wm_update_source_bytes(self._h(), None, 0, ctypes.byref(n)))
+        out = (ctypes.c_uint64 * max(1, n.value))()
+        self._check(LIB.wm_update_source_bytes(self._h(), out, n.value, ctypes.byref(n)))
+        return tuple(out[:n.value])
 
     def clear(self) -> None:
         """Release weight memory (library-owned params keep their addresses)."""
@@ -437,7 +490,7 @@ class Manager(OwnedHandle):
         s = _lib.StatusInfo()
         s.struct_size = ctypes.sizeof(s)
         self._check(LIB.wm_status(self._h(), ctypes.byref(s)))
-        last = _stats(s.last_update) if s.updates else None
+        last = _stats(s.last_update, self._source_bytes()) if s.updates else None
         return Status(State(s.state), s.version.decode() or None, s.updates, s.params, s.param_bytes,
                       s.resident_bytes, Result(s.last_result), last,
                       s.device_bytes_freed, s.device_bytes_restored)

@@ -120,13 +120,14 @@ impl Applier<'_, '_> {
         let spans = self.receive_spans(t, c.offset, c.len as u64)?;
         if self.opts.verify && !whole {
             // Bytes in memory are hashed where they already are (just
-            // landed, so still in cache); a file's once copied. (Verified
-            // entries are whole tensors: one span.)
-            let at = match (landed, c.src) {
-                (false, CopySource::Memory(src)) => src,
-                _ => spans[0].dst,
-            };
-            work.hash_chunks.push((t, at, c.len));
+            // landed, so still in cache); a file's once copied, span by
+            // span in the order received.
+            match (landed, c.src) {
+                (false, CopySource::Memory(src)) => work.hash_chunks.push((t, src, c.len)),
+                _ => work
+                    .hash_chunks
+                    .extend(spans.iter().map(|s| (t, s.dst, s.len as usize))),
+            }
         }
         if !landed {
             for s in spans {

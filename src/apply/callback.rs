@@ -25,12 +25,15 @@ impl Applier<'_, '_> {
                 meta.name
             )));
         };
+        let zeros = vec![0; meta.shape.len()];
         let view = TensorView {
             name: &meta.name,
             dtype: meta.dtype,
             shape: &meta.shape,
             data,
             device,
+            global_shape: meta.global_shape(),
+            offset: meta.placement.as_ref().map_or(&zeros, |p| &p.offset),
         };
         hook(&view).map_err(|why| {
             Error::callback(format!(

@@ -101,6 +101,9 @@ pub struct Applier<'p, 'h> {
     readback: Vec<u8>,
     /// Running hashes of tensors arriving in several chunks.
     hashing: HashMap<usize, Box<Checksum>>,
+    /// Per entry that moves part of its tensor: the checksum of the bytes
+    /// it receives, as its source computed them (`expect_checksum`).
+    slice_sums: HashMap<usize, u128>,
     received: Vec<u64>,
     delivered: Vec<bool>,
     progress: Progress,
@@ -157,6 +160,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             gdr: false,
             readback: Vec::new(),
             hashing: HashMap::new(),
+            slice_sums: HashMap::new(),
             received: vec![0; plan.entries.len()],
             delivered: vec![false; plan.entries.len()],
             progress: Progress {

@@ -12,8 +12,9 @@ pub enum Mode {
     InPlace,
 }
 
-/// One whole tensor handed to the engine's per-tensor callback. `data` is
-/// valid only during the call.
+/// One whole source tensor (a shard of a global tensor, or all of it)
+/// handed to the engine's per-tensor callback. `data` is valid only during
+/// the call.
 pub struct TensorView<'a> {
     pub name: &'a str,
     pub dtype: DType,
@@ -22,6 +23,11 @@ pub struct TensorView<'a> {
     pub data: &'a [u8],
     /// Zero-copy from a CUDA IPC bucket: the bytes are GPU memory, not host.
     pub device: Option<DeviceBytes>,
+    /// The global tensor `name` this is a shard of: its shape, and where
+    /// the shard's box (of `shape`) starts in it. A whole tensor is the box
+    /// at zeros covering it all.
+    pub global_shape: &'a [u64],
+    pub offset: &'a [u64],
 }
 
 /// A tensor's bytes in GPU memory: `len` bytes at device address `ptr`,

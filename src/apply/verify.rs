@@ -1,8 +1,14 @@
-//! Checksums: every tensor a batch completes is checked against the
-//! manifest's xxh3-128 before it is used. A tensor that arrives in several
-//! chunks is hashed chunk by chunk right after each lands (while its bytes
-//! are still in cache); one that arrives whole is hashed once whole, in
-//! parallel with the batch's others.
+//! Checksums: every entry a batch completes is checked before it is used.
+//! An entry that moves its whole tensor is checked against the manifest's
+//! xxh3-128 (computed where the tensor was written or published: it
+//! catches corruption anywhere after). An entry that moves part of a
+//! tensor (a slice for a sharded param) is checked against the xxh3-128 of
+//! exactly the bytes it receives, which its source hands over with
+//! [`Applier::expect_checksum`] (a publisher hashes the slice it serves; a
+//! snapshot hashes what it read after checking it against the file's block
+//! sums). An entry that arrives in several chunks is hashed chunk by chunk
+//! right after each lands (while its bytes are still in cache); one that
+//! arrives whole is hashed once whole, in parallel with the batch's others.
 
 use super::Applier;
 use crate::memory::copy::hash_all;
@@ -10,6 +16,27 @@ use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 
 impl Applier<'_, '_> {
+    /// The bytes entry `entry` receives (its segments back to back) must
+    /// hash to `sum` (xxh3-128). Only entries that move part of their
+    /// tensor take one (whole ones have the manifest's); a source that
+    /// verifies slices calls this before the entry's last byte is applied.
+    pub fn expect_checksum(&mut self, entry: usize, sum: u128) -> Result<()> {
+        match self.plan.entries.get(entry) {
+            Some(_) if !self.plan.moves_whole(entry) => {
+                self.slice_sums.insert(entry, sum);
+                Ok(())
+            }
+            Some(e) => Err(Error::peer(format!(
+                "a slice checksum for tensor '{}', which moves whole",
+                e.meta.name
+            ))),
+            None => Err(Error::peer(format!(
+                "a slice checksum for entry #{entry} of {}",
+                self.plan.entries.len()
+            ))),
+        }
+    }
+
     /// Add `bytes`, the next bytes of entry `t`, to its running hash.
     pub(super) fn hash_chunk(&mut self, t: usize, bytes: &[u8]) {
         self.hashing.entry(t).or_default().update(bytes);
@@ -63,10 +90,16 @@ impl Applier<'_, '_> {
     }
 
     pub(super) fn check_checksum(&self, origin: &str, t: usize, got: u128) -> Result<()> {
-        let want = self.plan.entries[t].meta.checksum;
+        let (want, what) = match self.plan.moves_whole(t) {
+            true => (self.plan.entries[t].meta.checksum, ""),
+            false => (
+                self.slice_sums.get(&t).copied(),
+                " (the part this rank takes)",
+            ),
+        };
         if want != Some(got) {
             return Err(Error::checksum(format!(
-                "tensor '{}' from {origin}: checksum mismatch (expected {}, got {})",
+                "tensor '{}'{what} from {origin}: checksum mismatch (expected {}, got {})",
                 self.name(t),
                 want.map_or("none".into(), crate::manifest::checksum_hex),
                 crate::manifest::checksum_hex(got)

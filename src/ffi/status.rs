@@ -3,7 +3,7 @@
 use super::manager::wm_manager;
 use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
 use super::{check_struct_size, code_of, fill_chars};
-use crate::result::wm_result;
+use crate::result::{wm_result, Error};
 
 /// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
 #[repr(C)]
@@ -70,6 +70,37 @@ pub unsafe extern "C" fn wm_status(
         };
         fill_chars(&mut out.version, s.version.as_deref().unwrap_or(""));
         out_status.write(out);
+        wm_result::WM_OK
+    })
+}
+
+/// The bytes the last successful update moved from each of its sources, in
+/// the order the request named them (`location`, then `locations`, with
+/// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
+/// the number of sources to `*out_count` (0 before any update). Call with
+/// `capacity` 0 (and `out_bytes` NULL) to learn the count.
+///
+/// NULL `out_count`, or NULL `out_bytes` with `capacity` above 0:
+/// `WM_ERR_NULL_ARGUMENT`. Never blocks on a running update. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_update_source_bytes(
+    manager: *const wm_manager,
+    out_bytes: *mut u64,
+    capacity: usize,
+    out_count: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_count);
+        let m = try_handle!(manager);
+        if out_bytes.is_null() && capacity > 0 {
+            let e = Error::null_argument("wm_update_source_bytes: out_bytes is NULL");
+            return code_of(&m, Err(e));
+        }
+        let bytes = m.status().last_update.map_or(vec![], |u| u.source_bytes);
+        for (i, b) in bytes.iter().take(capacity).enumerate() {
+            out_bytes.add(i).write(*b);
+        }
+        out_count.write(bytes.len());
         wm_result::WM_OK
     })
 }

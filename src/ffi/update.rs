@@ -25,6 +25,11 @@ const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS
     | WM_UPDATE_SKIP_UNKNOWN
     | WM_UPDATE_SKIP_NETWORK_CHECKSUMS;
 
+/// Most sources one update may name (`location`, `locations` and the
+/// lists of `@FILE` locations together).
+pub const WM_MAX_SOURCES: usize = 4096;
+const _: () = assert!(WM_MAX_SOURCES == crate::source::locations::MAX_SOURCES);
+
 /// Size of the version buffers in `wm_update_stats` and `wm_status` (a
 /// version is at most 255 bytes plus the NUL).
 pub const WM_VERSION_BUF: usize = 256;
@@ -39,8 +44,9 @@ pub struct wm_progress {
     pub tensors_total: u64,
 }
 
-/// One whole tensor for the per-tensor callback. Every pointer is valid only
-/// during the call.
+/// One whole source tensor for the per-tensor callback: all of a global
+/// tensor, or the shard of it a trainer rank serves (`global_shape`,
+/// `offset`). Every pointer is valid only during the call.
 #[repr(C)]
 pub struct wm_tensor_view {
     /// NUL-terminated name.
@@ -57,6 +63,12 @@ pub struct wm_tensor_view {
     /// -1: `data` is host memory; otherwise the CUDA device ordinal (in
     /// this process) whose memory `data` is.
     pub device: i32,
+    /// The global tensor `name` this tensor is a shard of: its shape
+    /// (`ndim` entries), and the offset per dimension where this tensor's
+    /// box (of `shape`) starts in it. A whole tensor: `global_shape` equals
+    /// `shape` and `offset` is all zeros. Valid during the call only.
+    pub global_shape: *const u64,
+    pub offset: *const u64,
 }
 
 /// Called on the updating thread after each batch; return 0 to go on, any
@@ -97,6 +109,14 @@ pub struct wm_update_request {
     /// Optional; see `wm_tensor_callback`.
     pub tensor_callback: wm_tensor_callback,
     pub tensor_user_data: *mut c_void,
+    /// More sources, after `location` (if set): `nlocations` strings, each
+    /// a location as above. Several publishers (one per trainer rank, each
+    /// serving its shards) serve one version together, and the engine
+    /// pulls from all of them at once. A location `@PATH` names a file
+    /// listing locations, one per line (`#` comments). At most
+    /// `WM_MAX_SOURCES` in all. NULL with 0: none. Read during the call only.
+    pub locations: *const *const c_char,
+    pub nlocations: usize,
 }
 
 /// Statistics of one update.
@@ -114,6 +134,14 @@ pub struct wm_update_stats {
     pub update_ns: u64,
     /// Total cost: the whole call.
     pub total_ns: u64,
+    /// Planning, within `total_ns` (near 0 when the last plan was reused).
+    pub plan_ns: u64,
+    /// 1: the last update's plan was reused (the sources' layouts and the
+    /// registry had not changed); 0: planned anew.
+    pub plan_reused: u32,
+    /// How many sources the update read from (`wm_update_source_bytes`
+    /// gives the bytes of each).
+    pub sources: u32,
     /// The version now in the params, NUL-terminated.
     pub version: [c_char; WM_VERSION_BUF],
 }
@@ -137,6 +165,8 @@ pub unsafe extern "C" fn wm_update_request_init(request: *mut wm_update_request)
             progress_user_data: std::ptr::null_mut(),
             tensor_callback: None,
             tensor_user_data: std::ptr::null_mut(),
+            locations: std::ptr::null(),
+            nlocations: 0,
         });
         wm_result::WM_OK
     })
@@ -151,6 +181,9 @@ pub(crate) fn stats_to_c(s: &UpdateStats) -> wm_update_stats {
         sync_ns: s.sync.as_nanos() as u64,
         update_ns: s.update.as_nanos() as u64,
         total_ns: s.total.as_nanos() as u64,
+        plan_ns: s.plan_time.as_nanos() as u64,
+        plan_reused: s.plan_reused as u32,
+        sources: s.source_bytes.len() as u32,
         version: [0; WM_VERSION_BUF],
     };
     fill_chars(&mut out.version, &s.version);
@@ -160,7 +193,7 @@ pub(crate) fn stats_to_c(s: &UpdateStats) -> wm_update_stats {
 struct CRequest {
     source: SourceKind,
     flags: u32,
-    location: Option<std::path::PathBuf>,
+    locations: Vec<std::path::PathBuf>,
     version: Option<String>,
     timeout: Duration,
 }
@@ -186,13 +219,37 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
     Ok(CRequest {
         source,
         flags: r.flags,
-        location: opt_path(r.location),
+        locations: locations_from_c(r)?,
         version: opt_str(r.version, "wm_update_request.version")?,
         timeout: match r.timeout_ms {
             0 => crate::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),
         },
     })
+}
+
+/// `location`, then the `locations` list.
+unsafe fn locations_from_c(r: &wm_update_request) -> Result<Vec<std::path::PathBuf>> {
+    if r.locations.is_null() && r.nlocations != 0 {
+        return Err(Error::null_argument(format!(
+            "wm_update_request.locations is NULL but nlocations is {}",
+            r.nlocations
+        )));
+    }
+    if r.nlocations > WM_MAX_SOURCES {
+        return Err(Error::invalid_argument(format!(
+            "wm_update_request.nlocations is {}, more than {WM_MAX_SOURCES}",
+            r.nlocations
+        )));
+    }
+    let mut out: Vec<_> = opt_path(r.location).into_iter().collect();
+    for i in 0..r.nlocations {
+        let p = *r.locations.add(i);
+        out.push(opt_path(p).ok_or_else(|| {
+            Error::null_argument(format!("wm_update_request.locations[{i}] is NULL"))
+        })?);
+    }
+    Ok(out)
 }
 
 /// Update the params from a source. Blocks until the update finished, failed
@@ -234,7 +291,7 @@ pub unsafe extern "C" fn wm_update(
         let mut tensor = tensor_hook(r);
         let req = UpdateRequest {
             source: c.source,
-            location: c.location,
+            locations: c.locations,
             version: c.version,
             verify: c.flags & WM_UPDATE_VERIFY_CHECKSUMS != 0,
             skip_network_checksums: c.flags & WM_UPDATE_SKIP_NETWORK_CHECKSUMS != 0,
@@ -299,6 +356,8 @@ fn tensor_hook(
                 },
                 len: t.device.map_or(t.data.len(), |d| d.len),
                 device: t.device.map_or(-1, |d| d.ordinal),
+                global_shape: t.global_shape.as_ptr(),
+                offset: t.offset.as_ptr(),
             };
             // SAFETY: the engine's callback, called as documented.
             match unsafe { cb(user, &view) } {

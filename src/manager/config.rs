@@ -187,8 +187,12 @@ pub const DEFAULT_SIGNAL_TIMEOUT: Duration = crate::defaults::SIGNAL_TIMEOUT;
 /// What to update from and how.
 pub struct UpdateRequest<'h> {
     pub source: SourceKind,
-    /// Snapshot: model directory or file (None: the config's model_dir).
-    pub location: Option<PathBuf>,
+    /// Where the bytes come from: snapshot: a model directory or file
+    /// (empty: the config's model_dir); ipc: publisher socket paths;
+    /// rdma, gdr: publishers' `host:port`. Several publishers (one per
+    /// trainer rank) serve one version together; `@FILE` names a file
+    /// listing locations, one per line (`source::locations`).
+    pub locations: Vec<PathBuf>,
     /// None: the version the source names (snapshot: `version.yaml`).
     pub version: Option<String>,
     pub verify: bool,
@@ -204,7 +208,7 @@ impl<'h> UpdateRequest<'h> {
     pub fn snapshot(location: impl Into<PathBuf>) -> UpdateRequest<'h> {
         UpdateRequest {
             source: SourceKind::Snapshot,
-            location: Some(location.into()),
+            locations: vec![location.into()],
             version: None,
             verify: false,
             skip_network_checksums: false,
@@ -229,6 +233,12 @@ pub struct UpdateStats {
     pub update: Duration,
     /// Whole call, planning included.
     pub total: Duration,
+    /// Planning (or finding the last plan still valid).
+    pub plan_time: Duration,
+    /// The last update's plan was reused: the layouts had not changed.
+    pub plan_reused: bool,
+    /// Bytes moved from each source, in the order the request names them.
+    pub source_bytes: Vec<u64>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

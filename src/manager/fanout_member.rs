@@ -82,6 +82,7 @@ impl Manager {
             sync,
             update: committed.elapsed(),
             total: run.start.elapsed(),
+            ..Default::default()
         })
     }
 

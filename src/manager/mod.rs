@@ -46,6 +46,7 @@ mod config;
 mod fanout_member;
 mod fanout_root;
 mod memory;
+mod plan_cache;
 mod register;
 mod shadows;
 mod sources;
@@ -91,6 +92,8 @@ pub struct Manager {
     /// With `keep_atomic_staging`: the next atomic update's shadows for
     /// library-owned host params, faulted in between updates.
     next_shadows: Mutex<shadows::NextShadows>,
+    /// The last plan, reused while the layouts do not change.
+    plans: plan_cache::PlanCache,
     /// NCCL fan-out: the communicator, kept from one update to the next.
     fanout: Option<Mutex<FanoutLink>>,
     /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
@@ -123,6 +126,7 @@ impl Manager {
             staging: Mutex::default(),
             atomic_staging: Mutex::default(),
             next_shadows: Mutex::default(),
+            plans: Default::default(),
             fanout: config
                 .fanout
                 .clone()

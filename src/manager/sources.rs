@@ -1,4 +1,4 @@
-//! Opening the source an update request names (each source's options are
+//! Opening the sources an update request names (each source's options are
 //! built here from the config and the request), and the gdr check.
 
 use super::{Manager, UpdateRequest};
@@ -7,25 +7,48 @@ use crate::result::{Error, Result};
 use crate::source::ipc::{IpcOptions, IpcSource};
 use crate::source::net::{NetOptions, NetSource};
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
-use crate::source::{Source, SourceKind};
+use crate::source::{locations, Source, SourceKind};
 use crate::transport::auth::Secret;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 impl Manager {
-    /// Open the source `req` names. `gdr`: a gdr request that may land in
-    /// GPU memory (`check_gdr`). A new source kind gets its arm here.
-    pub(super) fn open_source(&self, req: &UpdateRequest, gdr: bool) -> Result<Box<dyn Source>> {
-        match req.source {
-            SourceKind::Snapshot => self.open_snapshot(req),
-            SourceKind::Ipc => self.open_ipc(req),
-            SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, gdr),
+    /// Open every source `req` names, in order. `gdr`: a gdr request that
+    /// may land in GPU memory (`check_gdr`). A new source kind gets its
+    /// arm here.
+    pub(super) fn open_sources(
+        &self,
+        req: &UpdateRequest,
+        gdr: bool,
+    ) -> Result<Vec<Box<dyn Source>>> {
+        let locations = locations::expand(&req.locations)?;
+        if req.source == SourceKind::Snapshot && locations.len() <= 1 {
+            return Ok(vec![self.open_snapshot(req, locations.first())?]);
         }
+        if locations.is_empty() {
+            return Err(Error::invalid_argument(match req.source {
+                SourceKind::Ipc => {
+                    "an ipc update needs the publisher's socket path as its location".to_string()
+                }
+                kind => format!(
+                    "a {} update needs the publisher's host:port as its location",
+                    kind.name()
+                ),
+            }));
+        }
+        locations
+            .iter()
+            .map(|loc| match req.source {
+                SourceKind::Snapshot => self.open_snapshot(req, Some(loc)),
+                SourceKind::Ipc => self.open_ipc(req, loc),
+                SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr),
+            })
+            .collect()
     }
 
-    fn open_snapshot(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
-        let dir = req
-            .location
-            .clone()
+    fn open_snapshot(&self, req: &UpdateRequest, at: Option<&PathBuf>) -> Result<Box<dyn Source>> {
+        let dir = at
+            .cloned()
             .or_else(|| self.config.model_dir.clone())
             .ok_or_else(|| {
                 Error::invalid_argument(
@@ -43,12 +66,8 @@ impl Manager {
         Ok(Box::new(source))
     }
 
-    fn open_ipc(&self, req: &UpdateRequest) -> Result<Box<dyn Source>> {
-        let socket = req.location.clone().ok_or_else(|| {
-            Error::invalid_argument(
-                "an ipc update needs the publisher's socket path as its location",
-            )
-        })?;
+    fn open_ipc(&self, req: &UpdateRequest, socket: &Path) -> Result<Box<dyn Source>> {
+        let socket = socket.to_path_buf();
         let opts = IpcOptions {
             socket,
             rank: self.config.rank,
@@ -68,13 +87,7 @@ impl Manager {
         )?))
     }
 
-    fn open_net(&self, req: &UpdateRequest, gdr: bool) -> Result<Box<dyn Source>> {
-        let address = req.location.clone().ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "a {} update needs the publisher's host:port as its location",
-                req.source.name()
-            ))
-        })?;
+    fn open_net(&self, req: &UpdateRequest, address: &Path, gdr: bool) -> Result<Box<dyn Source>> {
         let opts = NetOptions {
             address: address.display().to_string(),
             rank: self.config.rank,

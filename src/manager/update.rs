@@ -7,11 +7,12 @@
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress};
 use crate::memory::host::HostRegion;
-use crate::plan::{make_plan, Plan, PlanOptions, Target};
+use crate::plan::{Plan, PlanOptions, Target};
 use crate::registry::{Param, ParamMemory, Registry};
 use crate::result::{Error, Result};
-use crate::source::{Source, SourceKind};
+use crate::source::{stream_all, Source, SourceKind};
 use crate::state::State;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One update in flight: what it works on and what it did so far.
@@ -33,11 +34,16 @@ impl UpdateRun<'_, '_> {
     }
 }
 
-/// A source opened, its version named and the plan made: nothing moved yet.
+/// The sources opened, the version named and the plan made: nothing moved
+/// yet.
 pub(super) struct Prepared {
-    source: Box<dyn Source>,
+    /// Source `i` of the plan is `sources[i]`.
+    sources: Vec<Box<dyn Source>>,
     pub version: String,
-    pub plan: Plan,
+    pub plan: Arc<Plan>,
+    /// How long planning took, and whether the last plan was reused.
+    plan_time: Duration,
+    plan_reused: bool,
     /// A gdr request that lands in GPU memory (else it runs as rdma).
     gdr: bool,
 }
@@ -133,27 +139,13 @@ impl Manager {
         Ok(self.updated(run, &prepared, stats))
     }
 
-    /// Open the source, name the version and plan (nothing moves yet).
+    /// Open the sources, name the version and plan (nothing moves yet).
     pub(super) fn prepare(&self, run: &mut UpdateRun) -> Result<Prepared> {
         let (registry, req) = (&*run.registry, &mut run.req);
         // gdr lands in device params; when it may not, it runs as rdma.
         let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
-        let source = self.open_source(req, gdr)?;
-        // A publisher (ipc, rdma, gdr) serves the version asked for and names
-        // it ("latest" becomes its real name); a snapshot request's version
-        // overrides the snapshot's version.yaml.
-        let from_source = source.manifest().version.clone();
-        let named = match req.source {
-            SourceKind::Snapshot => req.version.clone().or(from_source),
-            _ => from_source.or_else(|| req.version.clone().filter(|v| v != "latest")),
-        };
-        let version = named.ok_or_else(|| {
-            Error::no_version(format!(
-                "no version: the request names none and {}",
-                source.no_version_reason()
-            ))
-        })?;
-        check_version(&version)?;
+        let sources = self.open_sources(req, gdr)?;
+        let version = self.name_version(req, &sources)?;
         if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
             req.verify = true;
         }
@@ -162,14 +154,40 @@ impl Manager {
             callback: req.hooks.tensor.is_some(),
             verify: req.verify,
             spread: self.config.rank as usize,
+            slice_sums: sources.iter().all(|s| s.checks_slices()),
         };
-        let plan = make_plan(source.manifest(), registry, opts, &self.config.logger)?;
+        let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
+        let planned = self
+            .plans
+            .plan(&manifests, registry, opts, &self.config.logger)?;
         Ok(Prepared {
-            source,
+            sources,
             version,
-            plan,
+            plan: planned.plan,
+            plan_time: planned.took,
+            plan_reused: planned.reused,
             gdr,
         })
+    }
+
+    /// The version the update brings in. A publisher (ipc, rdma, gdr)
+    /// serves the version asked for and names it ("latest" becomes its
+    /// real name); a snapshot request's version overrides the snapshot's
+    /// version.yaml. Several sources must agree (the plan checks).
+    fn name_version(&self, req: &UpdateRequest, sources: &[Box<dyn Source>]) -> Result<String> {
+        let from_source = sources.iter().find_map(|s| s.manifest().version.clone());
+        let named = match req.source {
+            SourceKind::Snapshot => req.version.clone().or(from_source),
+            _ => from_source.or_else(|| req.version.clone().filter(|v| v != "latest")),
+        };
+        let version = named.ok_or_else(|| {
+            Error::no_version(format!(
+                "no version: the request names none and {}",
+                sources[0].no_version_reason()
+            ))
+        })?;
+        check_version(&version)?;
+        Ok(version)
     }
 
     /// Bring released memory back, then stream the source through the
@@ -181,7 +199,7 @@ impl Manager {
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let swaps_host = run.req.mode == Mode::Atomic && run.req.hooks.tensor.is_none();
         self.restore_if_released(run, swaps_host)?;
-        let plan = &prepared.plan;
+        let plan = &*prepared.plan;
         let dests = plan
             .entries
             .iter()
@@ -234,7 +252,7 @@ impl Manager {
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
             .with_gdr(prepared.gdr);
-        if let Err(error) = prepared.source.stream(plan, &mut applier) {
+        if let Err(error) = stream_all(&mut prepared.sources, plan, &mut applier) {
             return Err(applier.failure(error));
         }
         let applied = applier.finish()?;
@@ -251,6 +269,9 @@ impl Manager {
             sync: applied.receive,
             update: applied.commit,
             total: Duration::ZERO,
+            plan_time: prepared.plan_time,
+            plan_reused: prepared.plan_reused,
+            source_bytes: source_bytes(plan, prepared.sources.len()),
         })
     }
 
@@ -265,7 +286,7 @@ impl Manager {
             "rank {}: updated to version {} from {} ({} tensors, {} bytes)",
             self.config.rank,
             stats.version,
-            prepared.source.describe(),
+            describe_all(&prepared.sources),
             stats.tensors,
             stats.bytes
         ));
@@ -283,6 +304,28 @@ impl Manager {
             self.record.lock().device_bytes_restored = taken;
         }
         Ok(())
+    }
+}
+
+/// Bytes the plan moves from each of `n` sources.
+fn source_bytes(plan: &Plan, n: usize) -> Vec<u64> {
+    let mut bytes = vec![0; n];
+    for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
+        bytes[e.source] += e.bytes;
+    }
+    bytes
+}
+
+/// The sources, for the log: the one, or how many and the first.
+fn describe_all(sources: &[Box<dyn Source>]) -> String {
+    match sources {
+        [one] => one.describe(),
+        [first, ..] => format!(
+            "{} sources ({} and others)",
+            sources.len(),
+            first.describe()
+        ),
+        [] => "no source".into(),
     }
 }
 

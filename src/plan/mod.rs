@@ -90,6 +90,10 @@ pub struct PlanOptions {
     /// Which replica of a box to read (the engine's rank, so that ranks
     /// spread over the sources holding the same bytes).
     pub spread: usize,
+    /// The sources checksum every part of a tensor they serve
+    /// (`Applier::expect_checksum`), so entries that move part of a tensor
+    /// can be verified too.
+    pub slice_sums: bool,
 }
 
 /// `rows` blocks of equal length move from entry `entry`'s tensor to
@@ -280,7 +284,7 @@ pub fn make_sharded_plan(
     }
     let plan = assemble(sources, found, opts.callback);
     if opts.verify {
-        unverifiable(&plan, &mut problems);
+        unverifiable(&plan, opts, &mut problems);
     }
     fail(problems, Error::mismatch)?;
     if plan.tensors == 0 {
@@ -395,8 +399,8 @@ fn whole_run(entry: usize, n: u64) -> Run {
 }
 
 /// With verification on, every moving entry needs its tensor's checksum,
-/// and (until slices carry their own sums) must move its whole tensor.
-fn unverifiable(plan: &Plan, problems: &mut Vec<String>) {
+/// and moves its whole tensor unless the sources checksum slices.
+fn unverifiable(plan: &Plan, opts: PlanOptions, problems: &mut Vec<String>) {
     for (i, e) in plan.entries.iter().enumerate() {
         if e.target == Target::Skip {
             continue;
@@ -407,11 +411,11 @@ fn unverifiable(plan: &Plan, problems: &mut Vec<String>) {
                  (for snapshots, write them with `wm manifest <dir>`)",
                 e.meta.name
             ));
-        } else if !plan.moves_whole(i) {
+        } else if !opts.slice_sums && !plan.moves_whole(i) {
             problems.push(format!(
                 "checksum verification was requested but only part of tensor '{}' moves \
-                 to '{}', and slices carry no checksums yet: turn verification off for \
-                 sharded updates",
+                 to '{}', and this source has no checksums of slices (snapshots: write \
+                 block sums with `wm manifest <dir>`)",
                 e.meta.name,
                 match e.target {
                     Target::Param(_) => "its param",

@@ -3,14 +3,19 @@
 //! (validation, checksums, staging, progress) is the applier's.
 
 pub mod ipc;
+pub mod locations;
 pub mod net;
 mod publisher_link;
 pub mod snapshot;
+mod streaming;
+
+pub use streaming::stream_all;
 
 use crate::apply::Applier;
 use crate::manifest::Manifest;
 use crate::plan::Plan;
-use crate::result::Result;
+use crate::result::{Error, Result};
+use std::time::Duration;
 
 /// The update paths. Numbers are part of the ABI (`wm_update_request.source`).
 #[repr(u32)]
@@ -49,13 +54,45 @@ impl SourceKind {
     }
 }
 
+/// What one [`Source::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Bytes moved (step again at once).
+    Moved,
+    /// Nothing came within the wait.
+    Waiting,
+    /// Every planned byte of this source was handed to the applier.
+    Done,
+}
+
+/// One source of an update. An update may read from several at once
+/// (trainer ranks each serving their shards): the plan numbers them, and
+/// source `me` hands over exactly the plan entries whose `source` is `me`.
+/// [`stream_all`] drives them together: `start` each, then `step` each in
+/// turn until every one is done, so that no source waits on another.
 pub trait Source {
     /// Every tensor the source will deliver, and the version it names.
     fn manifest(&self) -> &Manifest;
     /// Why the source names no version, for the no-version error.
     fn no_version_reason(&self) -> String;
-    /// Hand every planned tensor's bytes to `applier`, in batches.
-    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()>;
-    /// One line naming the source (for logs and `wm inspect`).
+    /// One line naming the source (for logs, errors and `wm inspect`).
     fn describe(&self) -> String;
+    /// Whether the source checksums every part of a tensor it serves
+    /// (`Applier::expect_checksum`), so that slices can be verified.
+    fn checks_slices(&self) -> bool {
+        false
+    }
+    /// Ask for this source's planned bytes (nothing is applied yet).
+    fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()>;
+    /// Hand what has come to `applier`, waiting at most about `wait` for
+    /// something to come.
+    fn step(
+        &mut self,
+        plan: &Plan,
+        me: usize,
+        applier: &mut Applier,
+        wait: Duration,
+    ) -> Result<Step>;
+    /// The update failed, here or at another source: tell the peer why.
+    fn abort(&mut self, _why: &Error) {}
 }

@@ -3,13 +3,14 @@
 //! the WANT that follows the plan, and the `Source` face of it all. Each
 //! source adds only how bucket bytes reach it.
 
+use super::Step;
 use crate::apply::Applier;
 use crate::manifest::Manifest;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::Frame;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Who this rank is and which version it asks for.
 pub struct Hello<'a> {
@@ -53,9 +54,9 @@ impl PublisherLink {
         Ok(PublisherLink { conn, manifest })
     }
 
-    /// Ask for every planned tensor that is not skipped.
-    pub fn send_want(&mut self, plan: &Plan) -> Result<()> {
-        if !plan.is_whole_tensors() {
+    /// Ask for every planned tensor of source `me` that is not skipped.
+    pub fn send_want(&mut self, plan: &Plan, me: usize) -> Result<()> {
+        if me != 0 || !plan.is_whole_tensors() {
             return Err(Error::unsupported(format!(
                 "{}: this engine's params need parts of the publisher's tensors (pieces or shards), \
                  and a publisher sends whole tensors only so far; use a snapshot",
@@ -79,7 +80,7 @@ pub fn unexpected(conn: &Conn, expected: &str, got: &Frame) -> Error {
 }
 
 /// A source fed by a publisher: the `Source` impl comes with it, and a failed
-/// stream tells the publisher why.
+/// update tells the publisher why.
 pub trait FromPublisher {
     fn link(&self) -> &PublisherLink;
     fn link_mut(&mut self) -> &mut PublisherLink;
@@ -100,14 +101,15 @@ impl<T: FromPublisher> super::Source for T {
         self.link().conn.peer().to_string()
     }
 
-    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let r = self
-            .link_mut()
-            .send_want(plan)
-            .and_then(|()| self.receive(plan, applier));
-        if let Err(e) = &r {
-            self.link_mut().conn.send_error(e);
-        }
-        r
+    fn start(&mut self, plan: &Plan, me: usize, _: &mut Applier) -> Result<()> {
+        self.link_mut().send_want(plan, me)
+    }
+
+    fn step(&mut self, plan: &Plan, _: usize, applier: &mut Applier, _: Duration) -> Result<Step> {
+        self.receive(plan, applier).map(|()| Step::Done)
+    }
+
+    fn abort(&mut self, why: &Error) {
+        self.link_mut().conn.send_error(why);
     }
 }

@@ -26,6 +26,7 @@ pub mod safetensors_file;
 pub mod shard_meta;
 pub mod version;
 
+use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::logging::Logger;
 use crate::manifest::{Manifest, TensorMeta};
@@ -211,12 +212,26 @@ impl super::Source for SnapshotSource {
         )
     }
 
-    fn stream(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+    fn start(&mut self, _: &Plan, _: usize, _: &mut Applier) -> Result<()> {
+        Ok(())
+    }
+
+    /// Files are read in one step: their reads do not wait on a peer.
+    fn step(&mut self, plan: &Plan, me: usize, applier: &mut Applier, _: Duration) -> Result<Step> {
+        self.read_all(plan, me, applier).map(|()| Step::Done)
+    }
+}
+
+impl SnapshotSource {
+    /// Read source `me`'s planned bytes, file by file, batch by batch.
+    fn read_all(&self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         for (fi, (path, planned_len)) in self.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
                 .filter(|&e| {
                     let entry = &plan.entries[e];
-                    self.locations[entry.tensor].0 == fi && entry.target != Target::Skip
+                    entry.source == me
+                        && self.locations[entry.tensor].0 == fi
+                        && entry.target != Target::Skip
                 })
                 .collect();
             if wanted.is_empty() {

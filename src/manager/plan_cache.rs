@@ -1,0 +1,135 @@
+//! The plan is kept and reused while the layouts do not change: an RL run
+//! updates the same params from the same trainer layout every step, so
+//! after the first update the cost is the bytes, not the planning (a
+//! static schedule). What decides reuse is a fingerprint of everything the
+//! plan depends on: every source's tensors (names, dtypes, shapes, sizes,
+//! placements), every param (name, dtype, shape, pieces) and the plan's
+//! options. Checksums change every version and are not part of it: a
+//! reused plan takes the new ones.
+
+use crate::checksum::Checksum;
+use crate::logging::Logger;
+use crate::manifest::Manifest;
+use crate::plan::{make_sharded_plan, Plan, PlanOptions};
+use crate::registry::Registry;
+use crate::result::Result;
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A plan, how long it took to get, and whether it was the last one again.
+pub(super) struct Planned {
+    pub plan: Arc<Plan>,
+    pub took: Duration,
+    pub reused: bool,
+}
+
+#[derive(Default)]
+pub(super) struct PlanCache {
+    last: Mutex<Option<(u128, Arc<Plan>)>>,
+}
+
+impl PlanCache {
+    /// The plan of `sources` against `registry`: the last one when nothing
+    /// it depends on changed, else a new one (kept for next time).
+    pub fn plan(
+        &self,
+        sources: &[&Manifest],
+        registry: &Registry,
+        opts: PlanOptions,
+        logger: &Logger,
+    ) -> Result<Planned> {
+        let start = Instant::now();
+        let key = fingerprint(sources, registry, opts);
+        let last = self.last.lock().clone();
+        if let Some((k, plan)) = last.filter(|(k, _)| *k == key) {
+            let plan = with_checksums(plan, sources);
+            *self.last.lock() = Some((k, plan.clone()));
+            return Ok(Planned {
+                plan,
+                took: start.elapsed(),
+                reused: true,
+            });
+        }
+        let plan = Arc::new(make_sharded_plan(sources, registry, opts, logger)?);
+        *self.last.lock() = Some((key, plan.clone()));
+        Ok(Planned {
+            plan,
+            took: start.elapsed(),
+            reused: false,
+        })
+    }
+}
+
+/// `plan` with the checksums of `sources` (a copy only when one changed).
+fn with_checksums(mut plan: Arc<Plan>, sources: &[&Manifest]) -> Arc<Plan> {
+    let fresh = |e: &crate::plan::PlanEntry| sources[e.source].tensors[e.tensor].checksum;
+    if plan.entries.iter().any(|e| e.meta.checksum != fresh(e)) {
+        for e in &mut Arc::make_mut(&mut plan).entries {
+            e.meta.checksum = fresh(e);
+        }
+    }
+    plan
+}
+
+/// What the plan depends on, hashed.
+fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) -> u128 {
+    let mut h = Hasher(Checksum::default());
+    let PlanOptions {
+        skip_unknown,
+        callback,
+        verify,
+        spread,
+        slice_sums,
+    } = opts;
+    h.nums(&[
+        skip_unknown as u64,
+        callback as u64,
+        verify as u64,
+        spread as u64,
+        slice_sums as u64,
+    ]);
+    h.nums(&[sources.len() as u64]);
+    for m in sources {
+        h.nums(&[m.tensors.len() as u64]);
+        for t in &m.tensors {
+            h.text(&t.name);
+            h.nums(&[t.dtype as u64, t.nbytes]);
+            h.nums(&t.shape);
+            h.nums(t.global_shape());
+            h.nums(&t.placement.as_ref().map_or(vec![], |p| p.offset.clone()));
+        }
+    }
+    h.nums(&[registry.len() as u64]);
+    for p in registry.params() {
+        h.text(&p.name);
+        h.nums(&[p.dtype as u64]);
+        h.nums(&p.shape);
+        h.nums(&[p.pieces.len() as u64]);
+        for piece in &p.pieces {
+            h.text(&piece.tensor);
+            h.nums(&piece.global.offset);
+            h.nums(&piece.global.len);
+            h.nums(&piece.at);
+        }
+    }
+    h.0.digest()
+}
+
+/// Feeds values with their lengths, so that no two layouts hash alike by
+/// running together.
+struct Hasher(Checksum);
+
+impl Hasher {
+    fn nums(&mut self, v: &[u64]) {
+        self.0.update(&(v.len() as u64).to_le_bytes());
+        for x in v {
+            self.0.update(&x.to_le_bytes());
+        }
+    }
+
+    fn text(&mut self, s: &str) {
+        self.nums(&[s.len() as u64]);
+        self.0.update(s.as_bytes());
+    }
+}
