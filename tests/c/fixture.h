@@ -10,7 +10,7 @@
 
 typedef struct {
   const char *name;
-  uint64_t shape[2];
+  uint64_t shape[3];
   size_t ndim;
   const float *data;
 } fixture_tensor;
@@ -59,6 +59,34 @@ static int fixture_write_version(const char *dir, const char *step) {
   if (!f) return -1;
   fprintf(f, "step: %s\n", step);
   return fclose(f);
+}
+
+/* The value of element `i` of tensor number `t` in the tensor-parallel
+ * example model of step `step` (every byte is checkable by formula). */
+static inline float fixture_tp_value(int step, int t, size_t i) {
+  return (float)(step * 10000 + t * 1000) + (float)i;
+}
+
+/* The tensor-parallel example model, HuggingFace style (one
+ * model.safetensors every rank reads from): "o" f32[4,8], "q" f32[8,4],
+ * "k" f32[4,4], "v" f32[4,4], "experts" f32[4,2,4], in that order. */
+static inline int fixture_tp_model(const char *dir, int step) {
+  static float o[32], q[32], k[16], v[16], e[32];
+  float *data[5] = {o, q, k, v, e};
+  size_t numel[5] = {32, 32, 16, 16, 32};
+  for (int t = 0; t < 5; t++)
+    for (size_t i = 0; i < numel[t]; i++) data[t][i] = fixture_tp_value(step, t, i);
+  fixture_tensor ts[5] = {{"o", {4, 8}, 2, o},
+                          {"q", {8, 4}, 2, q},
+                          {"k", {4, 4}, 2, k},
+                          {"v", {4, 4}, 2, v},
+                          {"experts", {4, 2, 4}, 3, e}};
+  char path[1024], step_text[32];
+  mkdir(dir, 0700);
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  if (fixture_write(path, ts, 5) != 0) return -1;
+  snprintf(step_text, sizeof step_text, "%d", step);
+  return fixture_write_version(dir, step_text);
 }
 
 /* The example model: "w" f32[4,4] and "b" f32[4], values base + index. */

@@ -269,6 +269,28 @@ static void test_enums(void) {
   wm_update_request_init(&r); /* no location and no model_dir */
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(last_error(m), "model_dir") != NULL);
+  /* A list of locations: a NULL list with a count, a NULL entry, too many. */
+  wm_update_request_init(&r);
+  r.source = WM_SOURCE_IPC;
+  r.nlocations = 2;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "locations") != NULL);
+  const char *two[2] = {"/nonexistent/a.sock", NULL};
+  r.locations = two;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "locations[1]") != NULL);
+  r.nlocations = WM_MAX_SOURCES + 1;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  /* Every listed source is opened: the first missing one is named. */
+  r.nlocations = 1;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NOT_FOUND);
+  CHECK(strstr(last_error(m), "/nonexistent/a.sock") != NULL);
+  /* Bytes per source: none before an update; NULL out with a capacity. */
+  size_t count = 9;
+  CHECK_RC(wm_update_source_bytes(m, NULL, 0, &count), WM_OK);
+  CHECK(count == 0);
+  CHECK_RC(wm_update_source_bytes(m, NULL, 1, &count), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_update_source_bytes(m, NULL, 0, NULL), WM_ERR_NULL_ARGUMENT);
   wm_destroy(m);
 }
 
@@ -299,6 +321,11 @@ static void test_lifecycle(void) {
   CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "1") == 0 && s.updates == 1);
   CHECK(s.resident_bytes == 80 && s.last_result == WM_OK);
   CHECK(strcmp(s.last_update.version, "1") == 0 && s.last_update.bytes == 80);
+  CHECK(st.sources == 1 && st.plan_reused == 0);
+  uint64_t per_source[2] = {0, 0};
+  size_t count = 0;
+  CHECK_RC(wm_update_source_bytes(m, per_source, 2, &count), WM_OK);
+  CHECK(count == 1 && per_source[0] == 80 && per_source[1] == 0);
 
   CHECK_RC(wm_clear(m), WM_OK);
   CHECK_RC(wm_status(m, &s), WM_OK);

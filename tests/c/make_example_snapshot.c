@@ -1,5 +1,6 @@
 /* Writes the snapshot c_examples/engine_snapshot.c loads: version 1 in DIR
- * and version 2 in DIR/next. */
+ * and version 2 in DIR/next; and the tensor-parallel model
+ * c_examples/engine_tp.c loads, step 3, in DIR/tp. */
 #include <stdio.h>
 #include "fixture.h"
 
@@ -10,7 +11,10 @@ int main(int argc, char **argv) {
   }
   char next[1024];
   snprintf(next, sizeof next, "%s/next", argv[1]);
-  if (fixture_example_model(argv[1], 1.0f, "1") != 0 || fixture_example_model(next, 2.0f, "2") != 0) {
+  char tp[1024];
+  snprintf(tp, sizeof tp, "%s/tp", argv[1]);
+  if (fixture_example_model(argv[1], 1.0f, "1") != 0 || fixture_example_model(next, 2.0f, "2") != 0 ||
+      fixture_tp_model(tp, 3) != 0) {
     perror("writing example snapshot");
     return 1;
   }
