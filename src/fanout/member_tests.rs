@@ -120,6 +120,13 @@ fn host_bounce() -> Bounce {
     Bounce::Host(HostRegion::new("test landing", n).unwrap())
 }
 
+/// The member's side of one broadcast from `root`, through `a`.
+fn receive(a: &mut Applier, bounce: Option<&Bounce>, root: &mut Loopback) -> Result<()> {
+    let mut landing = MemberLanding::new(a, &SIZES, bounce, "test");
+    let timeout = Duration::from_secs(5);
+    move_batches(&SIZES, LIMIT, timeout, root, &mut landing)
+}
+
 #[test]
 fn in_place_the_bytes_land_in_the_params_and_progress_is_the_appliers() {
     let (plan, mut params, mut kept) = (plan(), old_params(), None);
@@ -130,15 +137,7 @@ fn in_place_the_bytes_land_in_the_params_and_progress_is_the_appliers() {
     };
     let mut a = applier(&plan, &mut params, Mode::InPlace, &mut progress, &mut kept);
     let mut root = Loopback::new(None);
-    let mut landing = MemberLanding::new(&mut a, &SIZES, None, "test");
-    move_batches(
-        &SIZES,
-        LIMIT,
-        Duration::from_secs(5),
-        &mut root,
-        &mut landing,
-    )
-    .unwrap();
+    receive(&mut a, None, &mut root).unwrap();
     assert!(a.wrote_params());
     let applied = a.finish().map_err(|f| f.error).unwrap();
     assert_eq!((applied.tensors, applied.bytes), (3, 164));
@@ -153,15 +152,7 @@ fn atomic_the_params_change_only_at_the_appliers_commit() {
     let mut a = applier(&plan, &mut params, Mode::Atomic, &mut progress, &mut kept);
     let bounce = host_bounce();
     let mut root = Loopback::new(None);
-    let mut landing = MemberLanding::new(&mut a, &SIZES, Some(&bounce), "test");
-    move_batches(
-        &SIZES,
-        LIMIT,
-        Duration::from_secs(5),
-        &mut root,
-        &mut landing,
-    )
-    .unwrap();
+    receive(&mut a, Some(&bounce), &mut root).unwrap();
     assert!(!a.wrote_params());
     assert_eq!(params, old_params());
     a.finish().map_err(|f| f.error).unwrap();
@@ -186,15 +177,7 @@ fn atomic_a_failure_midway_keeps_the_old_weights_and_stops_the_group() {
         let mut a = applier(&plan, &mut params, Mode::Atomic, &mut progress, &mut kept);
         let bounce = host_bounce();
         let mut root = Loopback::new((!cancel).then_some(2));
-        let mut landing = MemberLanding::new(&mut a, &SIZES, Some(&bounce), "test");
-        let e = move_batches(
-            &SIZES,
-            LIMIT,
-            Duration::from_secs(5),
-            &mut root,
-            &mut landing,
-        )
-        .unwrap_err();
+        let e = receive(&mut a, Some(&bounce), &mut root).unwrap_err();
         assert!(root.aborted, "the other ranks must not wait for this one");
         let failure = a.failure(e);
         assert!(!failure.params_written(), "{}", failure.error);
