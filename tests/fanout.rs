@@ -1,7 +1,8 @@
 //! NCCL fan-out without a GPU: how NCCL is found and refused, the meetings
 //! through which a fan-out group agrees on its communicator, and the
 //! manager's checks. The transfer itself needs two GPUs and NCCL: see
-//! tests/gpu.rs (`fanout_between_two_gpus`).
+//! tests/gpu.rs (`fanout_between_two_gpus`); where a member's bytes land
+//! (its applier) is tested without them in `fanout::member_tests`.
 
 use std::path::Path;
 use std::process::Command;

@@ -24,12 +24,17 @@
 //!    the members' updates with its reason; their weights stay as they were.
 //! 5. The root broadcasts every announced tensor from its params, now
 //!    verified and committed, in batches of at most the net bucket size.
-//!    Members receive in place, or in atomic mode into a device arena that
-//!    is copied to the params once every byte arrived.
+//!    A member's bytes go through its applier like any source's
+//!    (`member.rs`): in place straight into the params; atomic into a GPU
+//!    landing buffer of one batch, from which the applier copies them into
+//!    its staging and, once every byte arrived, commits them to the params.
 //!
-//! The manager's side: `manager/fanout_root.rs` wraps the root's ordinary
-//! update in steps 2, 3 and 5; `manager/fanout_member.rs` is a member's
-//! whole update.
+//! Files: `session.rs` (the communicator and one update's exchanges),
+//! `transfer.rs` (the batch loop shared by root and members), `member.rs`
+//! (where a member's bytes land), `nccl.rs` (NCCL itself). The manager's
+//! side: `manager/fanout_root.rs` wraps the root's ordinary update in steps
+//! 2, 3 and 5; `manager/fanout_member.rs` is a member's whole update, its
+//! plan made from the announcement.
 //!
 //! **Decisions.** Members receive after the root committed, not bucket by
 //! bucket as the root receives: members only ever get bytes the root
@@ -46,17 +51,22 @@
 //! reports the fan-out failure too (FAILED, though its own weights are
 //! new): the next update brings the group back in step.
 
+mod member;
+#[cfg(test)]
+mod member_tests;
 pub mod nccl;
+mod session;
+pub mod transfer;
 
-use crate::plan::{Plan, Target};
+pub use member::{Bounce, MemberLanding};
+pub use session::{FanoutLink, FanoutSession};
+
+use crate::manifest::TensorMeta;
+use crate::plan::{Plan, PlanEntry, Target};
 use crate::registry::Registry;
 use crate::result::{Error, Result};
-use crate::signal::fanout::FanoutMeeting;
-use crate::signal::SignalPlane;
-use nccl::{Comm, Nccl};
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use std::time::Instant;
 
 /// How a rank takes part in fan-out.
 #[derive(Clone, Debug)]
@@ -178,6 +188,26 @@ pub fn match_announcement(
         .collect()
 }
 
+/// A member's plan: every announced tensor whole into its param
+/// ([`match_announcement`]), sized by the param (not by the root's word).
+/// No checksums: members trust the root's verification (module docs).
+pub fn member_plan(a: &Announcement, registry: &Registry, ordinal: i32, rank: u32) -> Result<Plan> {
+    let params = match_announcement(a, registry, ordinal, rank)?;
+    let entries = params.into_iter().enumerate().map(|(k, i)| {
+        let p = &registry.params()[i];
+        let meta = TensorMeta {
+            name: p.name.clone(),
+            dtype: p.dtype,
+            shape: p.shape.clone(),
+            nbytes: p.nbytes as u64,
+            checksum: None,
+            placement: None,
+        };
+        PlanEntry::new(meta, k, Target::Param(i))
+    });
+    Ok(Plan::new(entries.collect()))
+}
+
 fn device_param(registry: &Registry, i: usize, ordinal: i32, who: &str) -> Result<()> {
     let p = &registry.params()[i];
     match p.device {
@@ -193,210 +223,6 @@ fn device_param(registry: &Registry, i: usize, ordinal: i32, who: &str) -> Resul
     }
 }
 
-/// Consecutive runs of `sizes` holding at most `limit` bytes each (a
-/// larger tensor is a batch of its own): the broadcasts waited for together.
-pub fn batches(sizes: &[usize], limit: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut bytes) = (0, 0usize);
-    for (i, &n) in sizes.iter().enumerate() {
-        if i > start && bytes + n > limit {
-            out.push(start..i);
-            start = i;
-            bytes = 0;
-        }
-        bytes += n;
-    }
-    if start < sizes.len() {
-        out.push(start..sizes.len());
-    }
-    out
-}
-
-/// A rank's fan-out state, kept across updates: its communicator.
-pub struct FanoutLink {
-    pub settings: FanoutSettings,
-    /// This rank's GPU.
-    pub ordinal: i32,
-    comm: Option<(u64, Comm)>,
-}
-
-impl FanoutLink {
-    pub fn new(settings: FanoutSettings, ordinal: i32) -> FanoutLink {
-        FanoutLink {
-            settings,
-            ordinal,
-            comm: None,
-        }
-    }
-
-    fn nccl(&self) -> Result<&'static Nccl> {
-        nccl::nccl(self.settings.nccl_library.as_deref())
-    }
-
-    /// Meet the group and have a working communicator (module docs, step 1).
-    pub fn start(
-        &mut self,
-        signal: &SignalPlane,
-        rank: u32,
-        deadline: Instant,
-    ) -> Result<FanoutSession<'_>> {
-        let nccl = self.nccl()?;
-        if self.comm.as_ref().is_some_and(|(_, c)| c.failed()) {
-            self.comm = None;
-        }
-        let have = self.comm.as_ref().map_or(0, |(g, _)| *g);
-        let meeting = signal.fanout_meet(have, || Ok(nccl.unique_id()?.internal), deadline)?;
-        if let Some(id) = meeting.id {
-            // The group moved on from the old communicator: stop it (a
-            // local, immediate call; finalizing would wait on peers that
-            // already left it).
-            if let Some((_, mut old)) = self.comm.take() {
-                old.abort();
-            }
-            let alive = member_check(&meeting);
-            let comm = Comm::join(
-                nccl,
-                nccl::UniqueId { internal: id },
-                meeting.ranks.len(),
-                meeting.index,
-                self.ordinal,
-                deadline,
-                &alive,
-            )
-            .map_err(|e| e.context(format!("rank {rank}: building the fan-out communicator")))?;
-            self.comm = Some((meeting.gen, comm));
-        }
-        let (_, comm) = self
-            .comm
-            .as_mut()
-            .expect("a communicator after the meeting");
-        Ok(FanoutSession {
-            comm,
-            meeting,
-            rank,
-        })
-    }
-}
-
-/// Fails once a rank of the meeting is gone (this one is alive while it
-/// asks).
-fn member_check(meeting: &FanoutMeeting) -> impl Fn() -> Result<()> + '_ {
-    move || match meeting.dead_rank() {
-        Some((r, pid)) => Err(Error::peer(format!(
-            "fan-out rank {r} (pid {pid}) died during the update"
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// One update's fan-out, after the meeting.
-pub struct FanoutSession<'a> {
-    comm: &'a mut Comm,
-    meeting: FanoutMeeting,
-    rank: u32,
-}
-
-impl FanoutSession<'_> {
-    pub fn is_root(&self) -> bool {
-        self.meeting.index == 0
-    }
-
-    pub fn root_rank(&self) -> u32 {
-        self.meeting.ranks[0]
-    }
-
-    /// The other ranks of the group.
-    pub fn members(&self) -> &[u32] {
-        &self.meeting.ranks[1..]
-    }
-
-    /// The root says `word`; members hear it.
-    pub fn word<T: Serialize + DeserializeOwned>(
-        &mut self,
-        word: Option<&Word<T>>,
-        deadline: Instant,
-    ) -> Result<Word<T>> {
-        let bytes = match word {
-            Some(w) if self.is_root() => serde_json::to_vec(w)
-                .map_err(|e| Error::format(format!("encoding a fan-out message: {e}")))?,
-            _ => Vec::new(),
-        };
-        let alive = member_check(&self.meeting);
-        let got = self.comm.broadcast_message(&bytes, 0, deadline, &alive)?;
-        serde_json::from_slice(&got).map_err(|e| {
-            Error::format(format!(
-                "a fan-out message from rank {} is not valid: {e}",
-                self.root_rank()
-            ))
-        })
-    }
-
-    /// Every rank's vote: Ok(()) when all accept, else the error naming the
-    /// lowest refusing rank (this rank's own error when it refused).
-    pub fn vote(&mut self, mine: Result<()>, deadline: Instant) -> Result<()> {
-        let value = if mine.is_ok() {
-            i32::MAX
-        } else {
-            self.rank as i32
-        };
-        let alive = member_check(&self.meeting);
-        let lowest = self.comm.min(value, deadline, &alive)?;
-        mine?;
-        if lowest == i32::MAX {
-            return Ok(());
-        }
-        Err(Error::state(format!(
-            "fan-out rank {lowest} refused the update (its wm_status has why); no bytes moved"
-        )))
-    }
-
-    /// Broadcast `spans` (device address, bytes) from the root, batch by
-    /// batch (`batches` of at most `limit` bytes), waiting for each (a
-    /// bounded wait per batch); `done` is told the bytes moved so far.
-    pub fn move_tensors(
-        &mut self,
-        spans: &[(u64, usize)],
-        limit: usize,
-        batch_timeout: std::time::Duration,
-        mut done: impl FnMut(u64, usize) -> Result<()>,
-    ) -> Result<()> {
-        let sizes: Vec<usize> = spans.iter().map(|s| s.1).collect();
-        let alive = member_check(&self.meeting);
-        let mut moved = 0u64;
-        for batch in batches(&sizes, limit) {
-            let end = batch.end;
-            let deadline = Instant::now() + batch_timeout;
-            for &(ptr, len) in &spans[batch] {
-                // SAFETY: the caller hands device memory of this rank's GPU
-                // (params or the arena) that nothing else uses meanwhile.
-                unsafe { self.comm.broadcast(ptr, len, 0, deadline, &alive)? };
-                moved += len as u64;
-            }
-            self.comm
-                .synchronize("a fan-out broadcast", deadline, &alive)?;
-            if let Err(e) = done(moved, end) {
-                // The others must not wait for bytes this rank stopped taking.
-                self.comm.abort();
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// Copy device memory on the fan-out stream and wait (atomic commit).
-    ///
-    /// # Safety
-    /// Every (dst, src, len) names device memory of this rank's GPU.
-    pub unsafe fn commit(&mut self, copies: &[(u64, u64, usize)], deadline: Instant) -> Result<()> {
-        for &(dst, src, len) in copies {
-            self.comm.copy(dst, src, len)?;
-        }
-        let alive = || Ok(());
-        self.comm
-            .synchronize("copying the fan-out arena to the params", deadline, &alive)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -409,14 +235,6 @@ mod tests {
         let mut r = Registry::default();
         r.allocate(&ParamSpec::host("w", DType::F32, &[4])).unwrap();
         r
-    }
-
-    #[test]
-    fn batches_hold_at_most_the_limit_and_big_tensors_alone() {
-        assert_eq!(batches(&[4, 4, 4, 4], 8), vec![0..2, 2..4]);
-        assert_eq!(batches(&[10, 2, 3], 8), vec![0..1, 1..3]);
-        assert_eq!(batches(&[2, 10, 2], 8), vec![0..1, 1..2, 2..3]);
-        assert!(batches(&[], 8).is_empty());
     }
 
     #[test]

@@ -438,18 +438,6 @@ impl Comm {
         Ok(out)
     }
 
-    /// Queue a device-to-device copy on this communicator's stream.
-    ///
-    /// # Safety
-    /// Both ranges are device memory valid until the stream is synchronized.
-    pub unsafe fn copy(&mut self, dst: u64, src: u64, len: usize) -> Result<()> {
-        self.usable()?;
-        check(
-            sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream as sys::CUstream),
-            "cuMemcpyDtoDAsync",
-        )
-    }
-
     pub fn failed(&self) -> bool {
         self.failed
     }

@@ -1,25 +1,15 @@
 //! A fan-out member's update (see [`crate::fanout`]): the root's
-//! announcement, the vote, the root's outcome, then the bytes. In place,
-//! the bytes land in the params; atomic, in a device arena copied to the
-//! params once all arrived.
+//! announcement, the member's plan and applier, the vote, the root's
+//! outcome, then the bytes, through the applier like every source's
+//! (`fanout/member.rs` says where they land) and committed by it.
 
 use super::update::UpdateRun;
 use super::{check_version, Manager, UpdateStats};
-use crate::apply::ApplyFailure;
-use crate::apply::{Mode, Progress};
-use crate::fanout::{Announcement, FanoutSession, Word};
-use crate::memory::aligned_offsets;
-use crate::memory::device::DeviceAllocation;
-use crate::registry::Registry;
+use crate::apply::{Applier, ApplyFailure, Mode};
+use crate::fanout::{Announcement, Bounce, FanoutSession, MemberLanding, Word};
+use crate::plan::Plan;
 use crate::result::{Error, Result};
-use std::time::Instant;
-
-/// An atomic member's landing place: a slot per announced tensor, packed
-/// like every staging arena.
-struct Arena {
-    memory: DeviceAllocation,
-    offsets: Vec<usize>,
-}
+use std::time::{Duration, Instant};
 
 impl Manager {
     pub(super) fn receive_fanout(
@@ -38,154 +28,110 @@ impl Manager {
                 .into())
             }
         };
-        let (offsets, arena_size) = aligned_offsets(announcement.tensors.iter().map(|t| t.nbytes))
-            .ok_or_else(|| Error::out_of_memory("the fan-out announcement is too large"))?;
-        let accepted = self.accept_announcement(run, &announcement, arena_size);
-        s.vote(
-            accepted.as_ref().map(|_| ()).map_err(Clone::clone),
-            deadline,
-        )?;
-        let (params, memory) = accepted?;
-        let arena = memory.map(|memory| Arena { memory, offsets });
-        match s.word::<()>(None, deadline)? {
-            Word::Go(()) => {}
-            Word::Stop(why) => {
-                return Err(Error::peer(format!(
-                    "the fan-out root, rank {root}, failed its update ({why}); this rank keeps its weights"
-                ))
-                .into())
-            }
-        }
-        let received = Instant::now();
-        let spans = landing_spans(run.registry, &params, arena.as_ref());
-        let bytes_total: u64 = spans.iter().map(|s| s.1 as u64).sum();
-        self.receive_bytes(run, s, &spans).map_err(|e| {
-            let e = e.context(format!("receiving the fan-out from rank {root}"));
-            ApplyFailure::new(e, arena.is_none())
-        })?;
-        let sync = received.elapsed();
-        let committed = Instant::now();
-        if let Some(a) = &arena {
-            commit_arena(s, run.registry, &params, a).map_err(ApplyFailure::after_writing)?;
-        }
+        let (plan, sizes, bounce) = match self.accept_announcement(run, &announcement) {
+            Ok(accepted) => accepted,
+            Err(e) => return Err(refuse(s, e, deadline).into()),
+        };
+        let batch_timeout = crate::defaults::BUCKET_TIMEOUT.min(run.req.timeout);
+        // Members trust the root's verification (no checksums announced,
+        // and no GPU hash kernel yet): a request's `verify` is the root's.
+        run.req.verify = false;
+        // The applier (and its atomic staging) is made before the vote, so
+        // a rank that cannot take the update refuses it before any byte
+        // moves; everything after the vote happens inside.
+        let mut voted = false;
+        // The member's device params are written by NCCL directly, as gdr
+        // writes them: in place, the applier hands out their addresses.
+        let applied = self.apply_plan(run, &plan, true, |applier| {
+            voted = true;
+            s.vote(Ok(()), deadline)?;
+            self.hear_outcome(s, deadline)?;
+            self.receive_bytes(s, applier, &sizes, bounce.as_ref(), batch_timeout)
+                .map_err(|e| e.context(format!("receiving the fan-out from rank {root}")))
+        });
+        let applied = match applied {
+            Err(f) if !voted => return Err(refuse(s, f.error, deadline).into()),
+            r => r?,
+        };
         self.config.logger.info(&format!(
-            "rank {}: updated to version {} by fan-out from rank {root} ({} tensors, {bytes_total} bytes)",
-            self.config.rank,
-            announcement.version,
-            spans.len()
+            "rank {}: updated to version {} by fan-out from rank {root} ({} tensors, {} bytes)",
+            self.config.rank, announcement.version, applied.tensors, applied.bytes
         ));
         Ok(UpdateStats {
             version: announcement.version,
             rank: self.config.rank,
-            tensors: spans.len() as u64,
-            bytes: bytes_total,
-            sync,
-            update: committed.elapsed(),
+            tensors: applied.tensors as u64,
+            bytes: applied.bytes,
+            sync: applied.receive,
+            update: applied.commit,
             total: run.start.elapsed(),
             ..Default::default()
         })
     }
 
-    /// This rank's vote: can it take the announced tensors? Returns the
-    /// params they go to and, atomic, the arena they land in first.
+    /// Can this rank take the announced tensors? Its plan for them, their
+    /// sizes and, atomic, the GPU buffer each batch lands in first.
     fn accept_announcement(
         &self,
         run: &mut UpdateRun,
         announcement: &Announcement,
-        arena_size: usize,
-    ) -> Result<(Vec<usize>, Option<DeviceAllocation>)> {
+    ) -> Result<(Plan, Vec<usize>, Option<Bounce>)> {
         let ordinal = self.config.device;
         crate::fanout::refuse_tensor_hook(run.req.hooks.tensor.is_some())?;
         check_version(&announcement.version)?;
-        let params = crate::fanout::match_announcement(
-            announcement,
-            run.registry,
-            ordinal,
-            self.config.rank,
-        )?;
+        let plan =
+            crate::fanout::member_plan(announcement, run.registry, ordinal, self.config.rank)?;
         self.restore_if_released(run, false)?;
-        let mut arena = None;
+        let sizes: Vec<usize> = plan.entries.iter().map(|e| e.bytes as usize).collect();
+        let mut bounce = None;
         if run.req.mode == Mode::Atomic {
-            arena = Some(DeviceAllocation::new(
-                "the fan-out atomic arena",
+            let n = Bounce::size_for(&sizes, self.config.net.bucket_size)?;
+            let memory = crate::memory::device::DeviceAllocation::new(
+                "the fan-out landing buffer",
                 ordinal,
-                arena_size,
-            )?);
+                n,
+            )?;
+            bounce = Some(Bounce::Device(memory));
         }
-        Ok((params, arena))
+        Ok((plan, sizes, bounce))
     }
 
-    /// Receive the root's broadcast into `spans`, telling the progress hook.
+    /// The root's outcome: its update went through, or why not.
+    fn hear_outcome(&self, s: &mut FanoutSession, deadline: Instant) -> Result<()> {
+        match s.word::<()>(None, deadline)? {
+            Word::Go(()) => Ok(()),
+            Word::Stop(why) => Err(Error::peer(format!(
+                "the fan-out root, rank {}, failed its update ({why}); this rank keeps its weights",
+                s.root_rank()
+            ))),
+        }
+    }
+
+    /// Receive the root's broadcast where the applier says.
     fn receive_bytes(
         &self,
-        run: &mut UpdateRun,
         s: &mut FanoutSession,
-        spans: &[(u64, usize)],
+        applier: &mut Applier,
+        sizes: &[usize],
+        bounce: Option<&Bounce>,
+        batch_timeout: Duration,
     ) -> Result<()> {
-        let bytes_total: u64 = spans.iter().map(|s| s.1 as u64).sum();
-        let mut progress = run.req.hooks.progress.take();
+        let origin = format!("the fan-out from rank {}", s.root_rank());
+        let mut landing = MemberLanding::new(applier, sizes, bounce, &origin);
         s.move_tensors(
-            spans,
+            sizes,
             self.config.net.bucket_size,
-            crate::defaults::BUCKET_TIMEOUT.min(run.req.timeout),
-            |bytes_done, tensors_done| {
-                let p = Progress {
-                    bytes_done,
-                    bytes_total,
-                    tensors_done: tensors_done as u64,
-                    tensors_total: spans.len() as u64,
-                };
-                if let Some(hook) = progress.as_mut() {
-                    if !hook(&p) {
-                        return Err(Error::cancelled(
-                            "the progress callback cancelled the update",
-                        ));
-                    }
-                }
-                Ok(())
-            },
+            batch_timeout,
+            &mut landing,
         )
     }
 }
 
-/// Where each announced tensor lands: (device address, bytes).
-fn landing_spans(
-    registry: &Registry,
-    params: &[usize],
-    arena: Option<&Arena>,
-) -> Vec<(u64, usize)> {
-    params
-        .iter()
-        .enumerate()
-        .map(|(k, &i)| {
-            let p = &registry.params()[i];
-            match arena {
-                Some(a) => (a.memory.ptr() + a.offsets[k] as u64, p.nbytes),
-                None => (p.ptr() as u64, p.nbytes),
-            }
-        })
-        .collect()
-}
-
-/// Atomic commit: copy the arena to the params.
-fn commit_arena(
-    s: &mut FanoutSession,
-    registry: &Registry,
-    params: &[usize],
-    a: &Arena,
-) -> Result<()> {
-    let copies: Vec<(u64, u64, usize)> = params
-        .iter()
-        .enumerate()
-        .map(|(k, &i)| {
-            let p = &registry.params()[i];
-            (
-                p.ptr() as u64,
-                a.memory.ptr() + a.offsets[k] as u64,
-                p.nbytes,
-            )
-        })
-        .collect();
-    // SAFETY: params of this rank's GPU (matched above) and the arena.
-    unsafe { s.commit(&copies, Instant::now() + crate::defaults::BUCKET_TIMEOUT) }
+/// This rank refuses the update for `why`: its vote says so; returns the
+/// vote's error (`why`, or what went wrong voting).
+fn refuse(s: &mut FanoutSession, why: Error, deadline: Instant) -> Error {
+    match s.vote(Err(why.clone()), deadline) {
+        Err(e) => e,
+        Ok(()) => why,
+    }
 }

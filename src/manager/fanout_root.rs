@@ -7,6 +7,7 @@
 use super::update::{Prepared, UpdateRun};
 use super::{Manager, UpdateStats};
 use crate::apply::ApplyFailure;
+use crate::fanout::transfer::FromParams;
 use crate::fanout::{Announcement, FanoutSession, Word};
 use crate::logging::Logger;
 use crate::registry::Registry;
@@ -83,19 +84,14 @@ impl FanoutRoot<'_, '_> {
     /// broadcast the announced params.
     fn after(&mut self, registry: &Registry, bucket_size: usize) -> Result<()> {
         self.session.word(Some(&Word::Go(())), self.said_by)?;
-        let spans: Vec<(u64, usize)> = self
-            .params
-            .iter()
-            .map(|&i| {
-                let p = &registry.params()[i];
-                (p.ptr() as u64, p.nbytes)
-            })
-            .collect();
+        let params = self.params.iter().map(|&i| &registry.params()[i]);
+        let (at, sizes): (Vec<u64>, Vec<usize>) =
+            params.map(|p| (p.ptr() as u64, p.nbytes)).unzip();
         self.session.move_tensors(
-            &spans,
+            &sizes,
             bucket_size,
             crate::defaults::BUCKET_TIMEOUT,
-            |_, _| Ok(()),
+            &mut FromParams(&at),
         )
     }
 

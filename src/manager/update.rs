@@ -5,7 +5,9 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
-use crate::apply::{Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress};
+use crate::apply::{
+    Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
+};
 use crate::memory::host::HostRegion;
 use crate::plan::{Plan, PlanOptions, Target};
 use crate::registry::{Param, ParamMemory, Registry};
@@ -199,7 +201,38 @@ impl Manager {
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let swaps_host = run.req.mode == Mode::Atomic && run.req.hooks.tensor.is_none();
         self.restore_if_released(run, swaps_host)?;
-        let plan = &*prepared.plan;
+        let Prepared {
+            sources, plan, gdr, ..
+        } = prepared;
+        let plan = &**plan;
+        let applied = self.apply_plan(run, plan, *gdr, |applier| {
+            stream_all(sources, plan, applier)
+        })?;
+        Ok(UpdateStats {
+            version: prepared.version.clone(),
+            rank: self.config.rank,
+            tensors: applied.tensors as u64,
+            bytes: applied.bytes,
+            sync: applied.receive,
+            update: applied.commit,
+            total: Duration::ZERO,
+            plan_time: prepared.plan_time,
+            plan_reused: prepared.plan_reused,
+            source_bytes: source_bytes(plan, prepared.sources.len()),
+        })
+    }
+
+    /// Build the applier for `plan` (the request's mode, hooks and
+    /// timeout, cancellation, the manager's staging), let `feed` hand it
+    /// every byte, then commit. Every update's bytes go through here: the
+    /// sources' streams, or a fan-out member's broadcasts.
+    pub(super) fn apply_plan(
+        &self,
+        run: &mut UpdateRun,
+        plan: &Plan,
+        gdr: bool,
+        feed: impl FnOnce(&mut Applier) -> Result<()>,
+    ) -> std::result::Result<Applied, ApplyFailure> {
         let dests = plan
             .entries
             .iter()
@@ -251,8 +284,8 @@ impl Manager {
         };
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
-            .with_gdr(prepared.gdr);
-        if let Err(error) = stream_all(&mut prepared.sources, plan, &mut applier) {
+            .with_gdr(gdr);
+        if let Err(error) = feed(&mut applier) {
             return Err(applier.failure(error));
         }
         let applied = applier.finish()?;
@@ -261,18 +294,7 @@ impl Manager {
                 .lock()
                 .prepare(library_host_sizes(run.registry));
         }
-        Ok(UpdateStats {
-            version: prepared.version.clone(),
-            rank: self.config.rank,
-            tensors: applied.tensors as u64,
-            bytes: applied.bytes,
-            sync: applied.receive,
-            update: applied.commit,
-            total: Duration::ZERO,
-            plan_time: prepared.plan_time,
-            plan_reused: prepared.plan_reused,
-            source_bytes: source_bytes(plan, prepared.sources.len()),
-        })
+        Ok(applied)
     }
 
     /// The update went through: say so, and time the whole call.

@@ -1,0 +1,109 @@
+//! Moving the announced tensors from the root to the members, batch by
+//! batch: the same loop on every rank, with what moves the bytes (NCCL in
+//! a session, [`Mover`]) apart from where they are on this rank
+//! ([`Landing`]: the root's params, or the member's applier).
+
+use crate::result::Result;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// Consecutive runs of `sizes` holding at most `limit` bytes each (a
+/// larger tensor is a batch of its own): the broadcasts waited for together.
+pub fn batches(sizes: &[usize], limit: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    for (i, &n) in sizes.iter().enumerate() {
+        if i > start && bytes + n > limit {
+            out.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += n;
+    }
+    if start < sizes.len() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
+/// What moves a broadcast's bytes between the ranks.
+pub trait Mover {
+    /// Queue the broadcast of `len` bytes at `at` from the root (its bytes)
+    /// to every other rank (written there); bounded by `deadline`.
+    ///
+    /// # Safety
+    /// `at..at + len` is memory this mover can reach that nothing else
+    /// touches until [`Mover::wait`] returns.
+    unsafe fn broadcast(&mut self, at: u64, len: usize, deadline: Instant) -> Result<()>;
+    /// Wait until every queued broadcast finished, at most until `deadline`.
+    fn wait(&mut self, deadline: Instant) -> Result<()>;
+    /// Stop for good, so that no rank waits for bytes this one no longer
+    /// moves.
+    fn abort(&mut self);
+}
+
+/// Where a batch of broadcast tensors is on this rank.
+pub trait Landing {
+    /// Each tensor of `batch`: where it is sent from (the root) or lands (a
+    /// member), asked right before its broadcasts are queued. The memory
+    /// must stay valid until [`Landing::moved`] is called for the batch.
+    fn place(&mut self, batch: Range<usize>) -> Result<Vec<u64>>;
+    /// Every byte of `batch` moved.
+    fn moved(&mut self, batch: Range<usize>) -> Result<()>;
+}
+
+/// The root's side: it sends every tensor from its param (at `self.0[t]`).
+pub struct FromParams<'a>(pub &'a [u64]);
+
+impl Landing for FromParams<'_> {
+    fn place(&mut self, batch: Range<usize>) -> Result<Vec<u64>> {
+        Ok(self.0[batch].to_vec())
+    }
+
+    fn moved(&mut self, _: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Broadcast tensors of `sizes` from the root, in `batches` of at most
+/// `limit` bytes, each batch bounded by `batch_timeout`. Any failure
+/// aborts the mover, so the other ranks stop too instead of waiting.
+pub fn move_batches(
+    sizes: &[usize],
+    limit: usize,
+    batch_timeout: Duration,
+    mover: &mut dyn Mover,
+    landing: &mut dyn Landing,
+) -> Result<()> {
+    for batch in batches(sizes, limit) {
+        let deadline = Instant::now() + batch_timeout;
+        let moved = (|| {
+            let at = landing.place(batch.clone())?;
+            for (&at, &len) in at.iter().zip(&sizes[batch.clone()]) {
+                // SAFETY: the landing hands memory of this rank that
+                // nothing else uses until the batch moved.
+                unsafe { mover.broadcast(at, len, deadline)? };
+            }
+            mover.wait(deadline)?;
+            landing.moved(batch)
+        })();
+        if let Err(e) = moved {
+            mover.abort();
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_hold_at_most_the_limit_and_big_tensors_alone() {
+        assert_eq!(batches(&[4, 4, 4, 4], 8), vec![0..2, 2..4]);
+        assert_eq!(batches(&[10, 2, 3], 8), vec![0..1, 1..3]);
+        assert_eq!(batches(&[2, 10, 2], 8), vec![0..1, 1..2, 2..3]);
+        assert!(batches(&[], 8).is_empty());
+    }
+}

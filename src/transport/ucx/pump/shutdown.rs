@@ -1,0 +1,88 @@
+//! The worker's end, bounded: cancel what is posted, take in messages
+//! nobody asked for, close the endpoint, destroy the worker (or leak it
+//! when UCX still holds requests).
+
+use super::post::blank_param;
+use super::worker::{Kind, Worker};
+use crate::transport::ucx::sys;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long shutdown waits for cancelled requests to finish.
+const DRAIN: Duration = Duration::from_secs(2);
+/// How long shutdown spends taking in messages nobody asked for, and the
+/// largest it takes (a network message is at most 1 MiB).
+const DRAIN_UNEXPECTED: Duration = Duration::from_millis(500);
+const MAX_UNEXPECTED: usize = 64 << 20;
+
+impl Worker<'_> {
+    pub(super) fn shutdown(mut self) {
+        let api = &self.ucx.lib().api;
+        for p in &self.pending {
+            // SAFETY: live requests of this worker.
+            unsafe { (api.ucp_request_cancel)(self.worker, p.req) };
+        }
+        let (tx, _rx) = mpsc::channel();
+        self.settle(Instant::now() + DRAIN, &tx);
+        // Messages that arrived for receives never posted (the caller
+        // stopped early) are taken into scratch memory and dropped: UCX
+        // would otherwise warn about each one when the worker is destroyed.
+        let mut scratch: Vec<Vec<u8>> = Vec::new();
+        let until = Instant::now() + DRAIN_UNEXPECTED;
+        while self.pending.is_empty() && Instant::now() < until {
+            let mut info = sys::TagRecvInfo {
+                sender_tag: 0,
+                length: 0,
+            };
+            // SAFETY: our worker; remove = 1 hands the message to us.
+            let msg = unsafe { (api.ucp_tag_probe_nb)(self.worker, 0, 0, 1, &mut info) };
+            if msg.is_null() || info.length > MAX_UNEXPECTED {
+                break;
+            }
+            let mut buf = vec![0u8; info.length];
+            let mut param = blank_param();
+            param.op_attr_mask = sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+            // SAFETY: `buf` is kept until the request is done (or leaked with
+            // the worker, below).
+            let req = unsafe {
+                (api.ucp_tag_msg_recv_nbx)(
+                    self.worker,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    msg,
+                    &param,
+                )
+            };
+            scratch.push(buf);
+            self.track(info.sender_tag, req, Kind::Recv, &tx);
+            self.settle(until, &tx);
+        }
+        if !self.ep.is_null() {
+            let mut param = blank_param();
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+            // SAFETY: our endpoint, closed once.
+            let req = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
+            if sys::ptr_status(req).is_none() {
+                let until = Instant::now() + DRAIN;
+                // SAFETY: polling and freeing the close request.
+                unsafe {
+                    while (api.ucp_request_check_status)(req) == sys::UCS_INPROGRESS
+                        && Instant::now() < until
+                    {
+                        (api.ucp_worker_progress)(self.worker);
+                    }
+                    (api.ucp_request_free)(req);
+                }
+            }
+        }
+        if self.pending.is_empty() {
+            // SAFETY: nothing of this worker is in use any more.
+            unsafe { (api.ucp_worker_destroy)(self.worker) };
+        } else {
+            std::mem::forget(scratch);
+        }
+        // Otherwise UCX still holds requests: the worker is leaked rather than
+        // destroyed under them (and it makes no progress, so no more bytes land).
+    }
+}
