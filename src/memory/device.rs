@@ -216,7 +216,7 @@ impl DeviceSpan {
 }
 
 /// Plain device memory (`cuMemAlloc`), freed on drop: CUDA IPC buffers and
-/// the fan-out's scratch and atomic arena.
+/// the fan-out's scratch and a member's landing buffer.
 #[derive(Debug)]
 pub struct DeviceAllocation {
     span: DeviceSpan,
