@@ -32,9 +32,11 @@ const FORMAT: &str = "weight_manager.checksums.v1";
 struct FileJson {
     format: String,
     algorithm: String,
-    /// Bytes per block of `blocks` (absent in files without block sums).
+    /// Bytes per block of `blocks` (absent in files without block sums). A
+    /// JSON number of any kind, so that a bad one is named, not a parse
+    /// error without a field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    block_size: Option<u64>,
+    block_size: Option<serde_json::Number>,
     files: BTreeMap<String, FileEntryJson>,
 }
 
@@ -89,7 +91,12 @@ impl Checksums {
             )));
         }
         let block_size = match json.block_size {
-            Some(b) => Some(block_sums::check_block_size(b).map_err(bad)?),
+            Some(n) => Some(
+                n.as_u64()
+                    .ok_or_else(|| format!("block_size {n} is not a whole number of bytes"))
+                    .and_then(block_sums::check_block_size)
+                    .map_err(bad)?,
+            ),
             None => None,
         };
         let mut files = HashMap::new();
@@ -273,7 +280,7 @@ pub fn write_with_progress(
     let mut out = FileJson {
         format: FORMAT.into(),
         algorithm: "xxh3-128".into(),
-        block_size: Some(BLOCK_SIZE),
+        block_size: Some(BLOCK_SIZE.into()),
         files: BTreeMap::new(),
     };
     let mut written = Written::default();
