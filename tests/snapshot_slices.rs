@@ -154,7 +154,7 @@ fn column_split_verified_with_block_sums() {
     let d = tempfile::tempdir().unwrap();
     // [512, 2048] f32: 4 MiB, rows of 8 KiB; 4 ranks take 512 columns each.
     let w = tensor("w", &[512, 2048], 1);
-    checkpoint(d.path(), &[w.clone()], "1");
+    checkpoint(d.path(), std::slice::from_ref(&w), "1");
     manifest(d.path());
     let ranks: Vec<_> = (0..4).map(|_| manager()).collect();
     let params: Vec<_> = (0..4)
@@ -186,7 +186,7 @@ fn row_split_reads_its_blocks_only() {
     let d = tempfile::tempdir().unwrap();
     // [1024, 1024] f32: 4 MiB; 4 ranks take 256 rows (1 MiB, one block) each.
     let w = tensor("w", &[1024, 1024], 2);
-    checkpoint(d.path(), &[w.clone()], "1");
+    checkpoint(d.path(), std::slice::from_ref(&w), "1");
     manifest(d.path());
     let ranks: Vec<_> = (0..4).map(|_| manager()).collect();
     let pieces: Vec<_> = (0..4).map(|r| narrow(&w, 0, 256 * r, 256)).collect();
@@ -249,7 +249,7 @@ fn expert_range_verified_and_corruption_named() {
     let d = tempfile::tempdir().unwrap();
     // 8 experts of [256, 512] f32 (512 KiB each); the rank takes 3..6.
     let e = tensor("experts", &[8, 256, 512], 4);
-    checkpoint(d.path(), &[e.clone()], "1");
+    checkpoint(d.path(), std::slice::from_ref(&e), "1");
     manifest(d.path());
     let m = manager();
     let piece = narrow(&e, 0, 3, 3);
@@ -282,7 +282,7 @@ fn old_checksum_files_verify_whole_tensors_and_refuse_slices() {
     let _one = ONE_AT_A_TIME.lock();
     let d = tempfile::tempdir().unwrap();
     let w = tensor("w", &[256, 1024], 5);
-    checkpoint(d.path(), &[w.clone()], "1");
+    checkpoint(d.path(), std::slice::from_ref(&w), "1");
     manifest(d.path());
     strip_blocks(d.path());
     let whole = manager();
@@ -308,7 +308,7 @@ fn short_close_segments_share_a_covering_read_and_others_do_not() {
         let d = tempfile::tempdir().unwrap();
         let cols = row / 4;
         let w = tensor("w", &[2048, cols], 6);
-        checkpoint(d.path(), &[w.clone()], "1");
+        checkpoint(d.path(), std::slice::from_ref(&w), "1");
         let m = manager();
         let piece = narrow(&w, 1, cols - 128, 128);
         let p = param(&m, "w.tp", &[2048, 128], vec![piece.clone()]);
@@ -339,7 +339,7 @@ fn hostile_block_sums_are_refused_naming_the_field() {
     let _one = ONE_AT_A_TIME.lock();
     let d = tempfile::tempdir().unwrap();
     let w = tensor("w", &[1024, 1024], 7);
-    checkpoint(d.path(), &[w.clone()], "1");
+    checkpoint(d.path(), std::slice::from_ref(&w), "1");
     let blocks = |j: &mut serde_json::Value| -> String {
         j["files"]["model.safetensors"]["blocks"]["w"]
             .as_str()
