@@ -30,7 +30,7 @@ pub const BLOCK_SIZE: u64 = 1 << 20;
 /// Block sizes a checksum file may name: powers of two in this range (the
 /// largest must fit the snapshot source's read window).
 pub const MIN_BLOCK_SIZE: u64 = 4 << 10;
-pub const MAX_BLOCK_SIZE: u64 = 64 << 20;
+pub const MAX_BLOCK_SIZE: u64 = 8 << 20;
 /// Hex digits of one block's sum.
 const HEX_PER_BLOCK: usize = 32;
 

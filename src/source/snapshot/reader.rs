@@ -27,7 +27,7 @@ use std::os::unix::fs::FileExt;
 
 /// The covering-read buffer: a multiple of every block size
 /// (`block_sums::MAX_BLOCK_SIZE` at most).
-pub(crate) const WINDOW_BYTES: u64 = 64 << 20;
+pub(crate) const WINDOW_BYTES: u64 = 8 << 20;
 
 /// Hands one file's planned bytes to the applier, batch by batch.
 pub(super) struct FileReader<'f> {
