@@ -244,6 +244,51 @@ fn fused_qkv_from_three_tensors() {
 }
 
 #[test]
+fn whole_tensors_fused_into_a_param_check_their_whole_checksums() {
+    let _one = ONE_AT_A_TIME.lock();
+    let d = tempfile::tempdir().unwrap();
+    let ts = [
+        tensor("q", &[256, 1024], 8),
+        tensor("k", &[64, 1024], 8),
+        tensor("v", &[64, 1024], 8),
+    ];
+    checkpoint(d.path(), &ts, "1");
+    manifest(d.path());
+    let pieces: Vec<Piece> = [0, 256, 320]
+        .iter()
+        .zip(&ts)
+        .map(|(&row, t)| Piece {
+            at: vec![row, 0],
+            ..Piece::whole(&t.name, &t.shape)
+        })
+        .collect();
+    let m = manager();
+    let qkv = param(&m, "qkv", &[384, 1024], pieces);
+    update(&m, d.path(), true).0.unwrap();
+    assert!(
+        qkv == stacked(
+            &[&ts[0], &ts[1], &ts[2]],
+            &[
+                Piece::whole("q", &ts[0].shape),
+                Piece::whole("k", &ts[1].shape),
+                Piece::whole("v", &ts[2].shape),
+            ]
+        )
+    );
+    // k moves whole to row 256: its whole checksum applies, no block is
+    // needed (the applier's error, not a block's).
+    let old = qkv.to_vec();
+    flip(d.path(), "k", 1000);
+    let e = update(&m, d.path(), true).0.unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{e}");
+    assert!(
+        e.message.contains("tensor 'k'") && !e.message.contains("block"),
+        "{e}"
+    );
+    assert!(qkv == old);
+}
+
+#[test]
 fn expert_range_verified_and_corruption_named() {
     let _one = ONE_AT_A_TIME.lock();
     let d = tempfile::tempdir().unwrap();

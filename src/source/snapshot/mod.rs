@@ -274,11 +274,9 @@ impl SnapshotSource {
             }
             let mut reader = reader::FileReader::new(&file, &shown);
             for e in wanted {
-                let (tensor, at) = (
-                    plan.entries[e].tensor,
-                    self.locations[plan.entries[e].tensor].1,
-                );
-                reader.entry(applier, plan, (e, at), self.slice_sums(plan, e, tensor))?;
+                let tensor = plan.entries[e].tensor;
+                let sums = self.slice_sums(plan, (e, tensor), applier)?;
+                reader.entry(applier, plan, (e, self.locations[tensor].1), sums)?;
             }
             reader.flush(applier)?;
         }
@@ -287,15 +285,31 @@ impl SnapshotSource {
 }
 
 impl SnapshotSource {
-    /// The block sums entry `e` (of manifest tensor `tensor`) is checked
-    /// against: those of its tensor when it moves part of it. Whole
-    /// tensors are checked by the applier against their whole checksums.
-    fn slice_sums(&self, plan: &Plan, e: usize, tensor: usize) -> Option<&BlockSums> {
+    /// What entry `e` (of manifest tensor `tensor`) is checked against
+    /// besides what the applier does itself: nothing when it moves its
+    /// whole tensor unchanged (the applier checks the whole checksum); the
+    /// whole checksum as its slice sum when it takes all of its tensor to
+    /// other offsets (a whole tensor fused into a param: its wanted bytes
+    /// are the tensor's); otherwise the block sums of its tensor, the
+    /// blocks returned checked as they are read.
+    fn slice_sums(
+        &self,
+        plan: &Plan,
+        (e, tensor): (usize, usize),
+        applier: &mut Applier,
+    ) -> Result<Option<&BlockSums>> {
         // The applier does not say whether this update verifies, so a
-        // slice is checked whenever its block sums exist.
-        match plan.moves_whole(e) {
-            true => None,
-            false => self.blocks[tensor].as_ref(),
+        // slice is checked whenever it can be.
+        let entry = &plan.entries[e];
+        if plan.moves_whole(e) {
+            return Ok(None);
+        }
+        match entry.meta.checksum {
+            Some(sum) if entry.bytes == entry.meta.nbytes => {
+                applier.expect_checksum(e, sum)?;
+                Ok(None)
+            }
+            _ => Ok(self.blocks[tensor].as_ref()),
         }
     }
 }
