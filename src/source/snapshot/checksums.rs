@@ -147,6 +147,12 @@ impl Checksums {
         }
     }
 
+    /// The size of the blocks the file has sums of (None: it has none, as
+    /// files written before block sums).
+    pub fn block_size(&self) -> Option<u64> {
+        self.block_size
+    }
+
     /// The block sums of tensor `tensor` (`nbytes` bytes) of file `file`,
     /// decoded and checked against its size; `Ok(None)` when the file has
     /// none for it.
