@@ -10,7 +10,12 @@
 //! - bytes moved by each rank / bytes of its params: 1.00;
 //! - each rank's update GB/s beside a plain `pread` of the same byte
 //!   ranges into the same buffers, on as many threads as the library's
-//!   copier, in the same process (target at least 0.8).
+//!   copier, in the same process (target at least 0.8 unverified);
+//!   verified, the floor also hashes those bytes once (xxh3-128), the
+//!   least verification costs. The library does more for a verified
+//!   slice: each block read is hashed against its sum, the wanted bytes
+//!   are hashed for the applier, which hashes them again as they land,
+//!   and they are copied out of the read buffer; so no target is set.
 //!
 //! The ranks run at once, so on a small machine they share its cores: the
 //! floor is measured under the same load, alternating with the updates.
@@ -160,16 +165,18 @@ fn report(split: &str, verify: bool, dim: usize, total: u64, rs: &[RankResult]) 
     for (i, r) in rs.iter().enumerate() {
         let moved = r.moved as f64 / r.param_bytes as f64;
         let (got, floor) = (gbps(r.moved, r.update), gbps(r.moved, r.floor));
+        let (kind, target) = match verify {
+            true => ("pread+xxh3", ""),
+            false => ("pread", " (target >= 0.8)"),
+        };
         println!(
-            "  rank {i}: moved {} / params {} = {moved:.2}; {got:.2} GB/s vs pread floor \
-             {floor:.2} GB/s = {:.2} (target >= 0.8)",
+            "  rank {i}: moved {} / params {} = {moved:.2}; {got:.2} GB/s vs {kind} floor \
+             {floor:.2} GB/s = {:.2}{target}",
             fmt::bytes(r.moved),
             fmt::bytes(r.param_bytes),
             got / floor
         );
-        ok &= r.moved == r.param_bytes;
-        // Verified inner splits read and hash every block: no 0.8 target.
-        ok &= (verify && dim == 1) || got / floor >= 0.8;
+        ok &= r.moved == r.param_bytes && (verify || got / floor >= 0.8);
     }
     ok
 }
@@ -228,7 +235,7 @@ pub fn rank(a: &Args) -> Result<(), String> {
     let floor = best(|| {
         let (t, rd, mv) = update()?;
         (read, moved, took) = (rd, mv, took.min(t));
-        pread_floor(&file, &ranges)
+        pread_floor(&file, &ranges, verify)
     })?;
     println!(
         "rank {read} {moved} {param_bytes} {} {}",
@@ -260,8 +267,9 @@ fn slice_ranges(
 }
 
 /// Plain `pread`s of `ranges` into their destinations, at most 8 MiB
-/// each, taken from a shared counter by as many threads as the copier.
-fn pread_floor(file: &File, ranges: &[(u64, u64, usize)]) -> Result<Duration, String> {
+/// each, taken from a shared counter by as many threads as the copier;
+/// with `hash`, each piece is hashed once read.
+fn pread_floor(file: &File, ranges: &[(u64, u64, usize)], hash: bool) -> Result<Duration, String> {
     const PIECE: u64 = 8 << 20;
     let pieces: Vec<(u64, u64, usize)> = ranges
         .iter()
@@ -288,6 +296,9 @@ fn pread_floor(file: &File, ranges: &[(u64, u64, usize)]) -> Result<Duration, St
                         let buf =
                             unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len as usize) };
                         file.read_exact_at(buf, off)?;
+                        if hash {
+                            std::hint::black_box(weight_manager::checksum::of(buf));
+                        }
                     }
                 })
             })
