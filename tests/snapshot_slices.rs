@@ -174,17 +174,18 @@ fn column_split_verified_with_block_sums() {
         // Every row has a segment: every block is read.
         assert!(read >= 4 * MIB, "rank {r} read {read}");
     }
-    // Row 300, column 700 (rank 1's slice): byte 300 * 8192 + 2800, block 2.
+    // Row 300, column 700 (rank 1's slice).
     let old = params[1].to_vec();
-    flip(d.path(), "w", 300 * 8192 + 2800);
-    fails_naming(&ranks[1], d.path(), ("w", 2), params[1], &old);
+    let at = 300 * 8192 + 2800;
+    flip(d.path(), "w", at);
+    fails_naming(&ranks[1], d.path(), ("w", at / BLOCK_SIZE), params[1], &old);
 }
 
 #[test]
 fn row_split_reads_its_blocks_only() {
     let _one = ONE_AT_A_TIME.lock();
     let d = tempfile::tempdir().unwrap();
-    // [1024, 1024] f32: 4 MiB; 4 ranks take 256 rows (1 MiB, one block) each.
+    // [1024, 1024] f32: 4 MiB; 4 ranks take 256 rows (1 MiB, whole blocks) each.
     let w = tensor("w", &[1024, 1024], 2);
     checkpoint(d.path(), std::slice::from_ref(&w), "1");
     manifest(d.path());
@@ -197,18 +198,19 @@ fn row_split_reads_its_blocks_only() {
         let (res, read) = update(&ranks[r], d.path(), true);
         res.unwrap();
         assert!(params[r] == box_bytes(&w, &pieces[r]));
-        // Its block, plus headers and the checksum file: far from 4 MiB.
+        // Its blocks, plus headers and the checksum file: far from 4 MiB.
         assert!((MIB..2 * MIB).contains(&read), "rank {r} read {read}");
     }
     // A byte of rank 3's rows: rank 0 does not read it (and so cannot see
     // it); rank 3 fails naming its block.
-    flip(d.path(), "w", 3 * MIB + 12_345);
+    let at = 3 * MIB + 12_345;
+    flip(d.path(), "w", at);
     write_version(d.path(), "2");
     let (res, _) = update(&ranks[0], d.path(), true);
     res.unwrap();
     assert_eq!(ranks[0].status().version.as_deref(), Some("2"));
     let old = params[3].to_vec();
-    fails_naming(&ranks[3], d.path(), ("w", 3), params[3], &old);
+    fails_naming(&ranks[3], d.path(), ("w", at / BLOCK_SIZE), params[3], &old);
 }
 
 #[test]
@@ -238,9 +240,9 @@ fn fused_qkv_from_three_tensors() {
     res.unwrap();
     assert!(qkv == stacked(&[&q, &k, &v], &pieces));
     let old = qkv.to_vec();
-    // Row 100 of k (inside the rank's rows 64..128) is byte 409600: block 0.
+    // Row 100 of k (inside the rank's rows 64..128).
     flip(d.path(), "k", 100 * 4096);
-    fails_naming(&m, d.path(), ("k", 0), qkv, &old);
+    fails_naming(&m, d.path(), ("k", 100 * 4096 / BLOCK_SIZE), qkv, &old);
 }
 
 #[test]
@@ -302,11 +304,17 @@ fn expert_range_verified_and_corruption_named() {
     let (res, read) = update(&m, d.path(), true);
     res.unwrap();
     assert!(p == box_bytes(&e, &piece));
-    // Experts 3..6 are bytes 1.5..3 MiB: blocks 1 and 2.
-    assert!((2 * MIB..3 * MIB).contains(&read), "read {read}");
+    // Experts 3..6 are bytes 1.5..3 MiB: the blocks covering them.
+    let blocks = 3 * MIB / BLOCK_SIZE - 3 * MIB / 2 / BLOCK_SIZE;
+    let covering = blocks * BLOCK_SIZE;
+    assert!(
+        (covering..covering + MIB / 4).contains(&read),
+        "read {read}"
+    );
     let old = p.to_vec();
-    flip(d.path(), "experts", 5 * 512 * 1024 + 77);
-    fails_naming(&m, d.path(), ("experts", 2), p, &old);
+    let at = 5 * 512 * 1024 + 77;
+    flip(d.path(), "experts", at);
+    fails_naming(&m, d.path(), ("experts", at / BLOCK_SIZE), p, &old);
 }
 
 /// Remove the block sums from the checksum file (as written before they
@@ -391,6 +399,13 @@ fn hostile_block_sums_are_refused_naming_the_field() {
             .unwrap()
             .to_string()
     };
+    let count = 4 * MIB / BLOCK_SIZE;
+    let short = format!(
+        "blocks of 'w' in model.safetensors: {} hex digits hold {} block sums",
+        32 * (count - 1),
+        count - 1
+    );
+    let doubled = format!("are {} blocks", count / 2);
     type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(Edit, &str)> = vec![
         (
@@ -398,7 +413,7 @@ fn hostile_block_sums_are_refused_naming_the_field() {
                 let b = blocks(j);
                 j["files"]["model.safetensors"]["blocks"]["w"] = b[32..].into();
             }),
-            "blocks of 'w' in model.safetensors: 96 hex digits hold 3 block sums",
+            &short,
         ),
         (
             Box::new(|j| j["block_size"] = 3.into()),
@@ -406,7 +421,7 @@ fn hostile_block_sums_are_refused_naming_the_field() {
         ),
         (
             Box::new(|j| j["block_size"] = (BLOCK_SIZE * 2).into()),
-            "are 2 blocks",
+            &doubled,
         ),
         (
             Box::new(|j| j["block_size"] = u64::MAX.into()),
