@@ -95,16 +95,15 @@ impl<'f> FileReader<'f> {
     ) -> Result<()> {
         let mut next = r.segs.start;
         let mut from = r.span.start;
+        let name = &plan.entries[e].meta.name;
+        let shown = self.shown;
+        let what = || format!("tensor '{name}' in {shown}");
         while from < r.span.end {
             let to = (from + WINDOW_BYTES).min(r.span.end);
-            let i = self.fill(applier, at + from, to - from)?;
+            let i = self.reserve(applier, to - from)?;
+            let bytes = &mut self.buf[i..i + (to - from) as usize];
+            read_checked(self.file, bytes, (at, from), sums, &what)?;
             let bytes = &self.buf[i..i + (to - from) as usize];
-            if let Some(s) = sums {
-                let name = &plan.entries[e].meta.name;
-                s.check(from / s.block, bytes, &|| {
-                    format!("tensor '{name}' in {}", self.shown)
-                })?;
-            }
             // The segments in this window, in order.
             while next < r.segs.end && segs[next].source + segs[next].len <= from {
                 next += 1;
@@ -128,9 +127,9 @@ impl<'f> FileReader<'f> {
         Ok(())
     }
 
-    /// Read `len` bytes at `offset` into the buffer (applying the pending
-    /// batch first when they do not fit); returns where they start in it.
-    fn fill(&mut self, applier: &mut Applier, offset: u64, len: u64) -> Result<usize> {
+    /// Room for `len` bytes in the buffer (applying the pending batch
+    /// first when they do not fit); returns where it starts.
+    fn reserve(&mut self, applier: &mut Applier, len: u64) -> Result<usize> {
         applier.check_deadline()?;
         if self.buf.is_empty() {
             self.buf = vec![0u8; WINDOW_BYTES as usize];
@@ -139,9 +138,6 @@ impl<'f> FileReader<'f> {
             self.flush(applier)?;
         }
         let at = self.used;
-        self.file
-            .read_exact_at(&mut self.buf[at..at + len as usize], offset)
-            .map_err(|e| Error::io(format!("reading {}", self.shown), e))?;
         self.used += len as usize;
         Ok(at)
     }
@@ -176,4 +172,51 @@ impl<'f> FileReader<'f> {
         self.used = 0;
         Ok(())
     }
+}
+
+/// Below this a covering read is one pread on the calling thread.
+const PARALLEL_PIECE: u64 = 1 << 20;
+
+/// Fill `buf` with the tensor's bytes from byte `from` (the tensor starts
+/// at byte `at` of `file`) and check them against `sums` (`from` is then a
+/// block boundary), in pieces of at least [`PARALLEL_PIECE`] on up to one
+/// thread per core: a verified slice is read and hashed as widely as the
+/// applier copies.
+fn read_checked(
+    file: &File,
+    buf: &mut [u8],
+    (at, from): (u64, u64),
+    sums: Option<&BlockSums>,
+    what: &(dyn Fn() -> String + Sync),
+) -> Result<()> {
+    let block = sums.map_or(1, |s| s.block);
+    let piece = PARALLEL_PIECE.div_ceil(block) * block;
+    let pieces = (buf.len() as u64).div_ceil(piece) as usize;
+    let threads = crate::memory::copy::default_threads().clamp(1, pieces.max(1));
+    // Each thread takes a run of whole pieces.
+    let per = pieces.div_ceil(threads) * piece as usize;
+    let work = |(k, part): (usize, &mut [u8])| -> Result<()> {
+        let start = from + (k * per) as u64;
+        file.read_exact_at(part, at + start)
+            .map_err(|e| Error::io(format!("reading {}", what()), e))?;
+        match sums {
+            Some(s) => s.check(start / s.block, part, what),
+            None => Ok(()),
+        }
+    };
+    if threads == 1 {
+        return work((0, buf));
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = buf
+            .chunks_mut(per)
+            .enumerate()
+            .map(|job| scope.spawn(move || work(job)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("read thread"))
+            .collect::<Result<Vec<()>>>()
+    })?;
+    Ok(())
 }
