@@ -35,10 +35,17 @@ pub fn inspect(a: &Args) -> Result<(), String> {
     let sums = checksums::Checksums::load(&found.dir, deadline).map_err(|e| e.to_string())?;
     println!(
         "checksums: {}",
-        if sums.is_some() {
-            checksums::CHECKSUM_FILE
-        } else {
-            "none (write them with `wm manifest <dir>`)"
+        match sums.as_ref().map(|s| s.block_size()) {
+            Some(Some(b)) => format!(
+                "{} (block sums every {})",
+                checksums::CHECKSUM_FILE,
+                fmt::bytes(b)
+            ),
+            Some(None) => format!(
+                "{} (no block sums: slices cannot be verified; run `wm manifest <dir>` again)",
+                checksums::CHECKSUM_FILE
+            ),
+            None => "none (write them with `wm manifest <dir>`)".into(),
         }
     );
     let mut total = 0u64;
@@ -99,11 +106,13 @@ pub fn manifest(a: &Args) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     println!(
-        "wrote {}/{}: {} tensors in {} file(s), {} hashed in {} ({:.2} GB/s)",
+        "wrote {}/{}: {} tensors in {} file(s) with block sums every {}, {} hashed in {} \
+         ({:.2} GB/s)",
         dir,
         checksums::CHECKSUM_FILE,
         w.tensors,
         w.files,
+        fmt::bytes(weight_manager::source::snapshot::block_sums::BLOCK_SIZE),
         fmt::bytes(w.bytes),
         fmt::ms(t.elapsed()),
         fmt::gbps(w.bytes, t.elapsed())

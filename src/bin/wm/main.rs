@@ -12,6 +12,8 @@
 //! - `wm bench ipc`: same-node IPC update throughput beside its floor.
 //! - `wm bench net`: rdma over UCX beside the raw UCX floor.
 //! - `wm bench gpu`: device params on a real GPU beside their floors.
+//! - `wm bench shard-snapshot`: ranks slicing one checkpoint, bytes read
+//!   and GB/s beside their floors.
 //! - `wm serve --ipc | --net`: the trainer side, publishing a snapshot.
 //! - `wm pull --ipc | --net`: an engine rank that checks what it received.
 //! - `wm signal get|set|wait|request`: the controller's side of the cell.
@@ -24,6 +26,7 @@ mod bench_atomic;
 mod bench_gpu;
 mod bench_ipc;
 mod bench_net;
+mod bench_shard_snapshot;
 mod bench_signal;
 mod demo;
 mod fixtures;
@@ -46,6 +49,7 @@ const USAGE: &str = "usage:
   wm bench ipc [--gib N] [--bucket-mib M]
   wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
   wm bench gpu [--gib N]                               (needs an NVIDIA GPU)
+  wm bench shard-snapshot [--gib N | --quick] [--dir DIR]   (4 rank processes slicing one checkpoint)
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
@@ -141,7 +145,7 @@ fn run(argv: &[String]) -> Result<(), String> {
             shard::run(&a)
         }
         "bench" => {
-            let a = Args::parse(rest, &[])?;
+            let a = Args::parse(rest, &["quick"])?;
             a.check_known(&[
                 "gib",
                 "small",
@@ -159,6 +163,9 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "engines",
                 "runs",
                 "mode",
+                "quick",
+                "split",
+                "verify",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
@@ -169,7 +176,11 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("net") => bench_net::run(&a),
                 Some("net-publisher") => bench_net::publisher(&a),
                 Some("gpu") => bench_gpu::run(&a),
-                _ => Err("usage: wm bench snapshot|signal|ipc|net|gpu [options]".into()),
+                Some("shard-snapshot") => bench_shard_snapshot::run(&a),
+                Some("shard-snapshot-rank") => bench_shard_snapshot::rank(&a),
+                _ => Err(
+                    "usage: wm bench snapshot|signal|ipc|net|gpu|shard-snapshot [options]".into(),
+                ),
             }
         }
         "signal" => {

@@ -2,11 +2,15 @@
 //!
 //! safetensors has no place for checksums, so `wm manifest <dir>` writes
 //! `wm_checksums.json` beside the weights: per file its size and, per tensor,
-//! the xxh3-128 of the tensor's bytes. Updates attach these to the manifest
-//! and verify them when the request asks. A file whose size differs from the
-//! recorded one was rewritten after the checksums: that is an error, not a
-//! silent skip.
+//! the xxh3-128 of the tensor's bytes and the xxh3-128 of each of its
+//! blocks (`block_size` bytes, `block_sums.rs`), for ranks that read only a
+//! slice. Updates attach these to the manifest and verify them when the
+//! request asks. A file whose size differs from the recorded one was
+//! rewritten after the checksums: that is an error, not a silent skip.
+//! Files written before block sums existed have no `block_size` and no
+//! `blocks`; they load, and verify whole tensors as before.
 
+use super::block_sums::{self, BlockSums, BLOCK_SIZE};
 use super::regular_file::read_bounded;
 use super::safetensors_file;
 use crate::manifest::{checksum_hex, parse_checksum_hex};
@@ -14,20 +18,25 @@ use crate::result::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 pub const CHECKSUM_FILE: &str = "wm_checksums.json";
-/// Largest checksum file read (about 100 bytes per tensor).
-pub(crate) const MAX_CHECKSUM_FILE_BYTES: u64 = 64 << 20;
+/// Largest checksum file read: about 100 bytes per tensor and 64 per MiB
+/// of block sums (116 MiB for a 2 TB checkpoint, a 1T-parameter bf16 model).
+pub(crate) const MAX_CHECKSUM_FILE_BYTES: u64 = 256 << 20;
 const FORMAT: &str = "weight_manager.checksums.v1";
 
 #[derive(Serialize, Deserialize)]
 struct FileJson {
     format: String,
     algorithm: String,
+    /// Bytes per block of `blocks` (absent in files without block sums). A
+    /// JSON number of any kind, so that a bad one is named, not a parse
+    /// error without a field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    block_size: Option<serde_json::Number>,
     files: BTreeMap<String, FileEntryJson>,
 }
 
@@ -35,12 +44,26 @@ struct FileJson {
 struct FileEntryJson {
     size: u64,
     tensors: BTreeMap<String, String>,
+    /// Per tensor, its block sums back to back (32 hex digits each).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    blocks: BTreeMap<String, String>,
+}
+
+/// The checksums of one file of the snapshot.
+pub struct FileSums {
+    pub size: u64,
+    /// Per tensor (stored name), the xxh3-128 of its bytes.
+    pub tensors: HashMap<String, u128>,
+    /// Per tensor, its block sums as written (decoded when a tensor's size
+    /// is known: [`Checksums::block_sums`]).
+    blocks: HashMap<String, String>,
 }
 
 /// Checksums loaded from a directory's checksum file.
 pub struct Checksums {
     path: std::path::PathBuf,
-    files: HashMap<String, (u64, HashMap<String, u128>)>,
+    block_size: Option<u64>,
+    files: HashMap<String, FileSums>,
 }
 
 impl Checksums {
@@ -67,8 +90,23 @@ impl Checksums {
                 json.algorithm.escape_debug()
             )));
         }
+        let block_size = match json.block_size {
+            Some(n) => Some(
+                n.as_u64()
+                    .ok_or_else(|| format!("block_size {n} is not a whole number of bytes"))
+                    .and_then(block_sums::check_block_size)
+                    .map_err(bad)?,
+            ),
+            None => None,
+        };
         let mut files = HashMap::new();
         for (name, entry) in json.files {
+            if block_size.is_none() && !entry.blocks.is_empty() {
+                return Err(bad(format!(
+                    "blocks of {} given without block_size",
+                    name.escape_debug()
+                )));
+            }
             let mut tensors = HashMap::new();
             for (t, hex) in entry.tensors {
                 let c = parse_checksum_hex(&hex).ok_or_else(|| {
@@ -80,26 +118,61 @@ impl Checksums {
                 })?;
                 tensors.insert(t, c);
             }
-            files.insert(name, (entry.size, tensors));
+            let sums = FileSums {
+                size: entry.size,
+                tensors,
+                blocks: entry.blocks.into_iter().collect(),
+            };
+            files.insert(name, sums);
         }
         Ok(Checksums {
             path: path.to_path_buf(),
+            block_size,
             files,
         })
     }
 
     /// Checksums of file `name` (a name in the directory), checked against its
     /// current size.
-    pub fn for_file(&self, name: &str, size: u64) -> Result<Option<&HashMap<String, u128>>> {
+    pub fn for_file(&self, name: &str, size: u64) -> Result<Option<&FileSums>> {
         match self.files.get(name) {
             None => Ok(None),
-            Some((recorded, _)) if *recorded != size => Err(Error::checksum(format!(
-                "{} records {name} as {recorded} bytes but it is now {size}: \
+            Some(f) if f.size != size => Err(Error::checksum(format!(
+                "{} records {name} as {} bytes but it is now {size}: \
                  the file changed after its checksums were written (run `wm manifest` again)",
-                self.path.display()
+                self.path.display(),
+                f.size
             ))),
-            Some((_, t)) => Ok(Some(t)),
+            Some(f) => Ok(Some(f)),
         }
+    }
+
+    /// The size of the blocks the file has sums of (None: it has none, as
+    /// files written before block sums).
+    pub fn block_size(&self) -> Option<u64> {
+        self.block_size
+    }
+
+    /// The block sums of tensor `tensor` (`nbytes` bytes) of file `file`,
+    /// decoded and checked against its size; `Ok(None)` when the file has
+    /// none for it.
+    pub fn block_sums(&self, file: &str, tensor: &str, nbytes: u64) -> Result<Option<BlockSums>> {
+        let (Some(block), Some(hex)) = (
+            self.block_size,
+            self.files.get(file).and_then(|f| f.blocks.get(tensor)),
+        ) else {
+            return Ok(None);
+        };
+        BlockSums::decode(hex, block, nbytes)
+            .map(Some)
+            .map_err(|why| {
+                Error::format(format!(
+                    "{}: blocks of '{}' in {}: {why}",
+                    self.path.display(),
+                    tensor.escape_debug(),
+                    file.escape_debug()
+                ))
+            })
     }
 }
 
@@ -111,23 +184,6 @@ pub struct Written {
     pub bytes: u64,
 }
 
-fn hash_range(
-    file: &std::fs::File,
-    offset: u64,
-    len: u64,
-    buf: &mut [u8],
-) -> std::io::Result<u128> {
-    let mut h = crate::checksum::Checksum::default();
-    let mut done = 0u64;
-    while done < len {
-        let n = (len - done).min(buf.len() as u64) as usize;
-        file.read_exact_at(&mut buf[..n], offset + done)?;
-        h.update(&buf[..n]);
-        done += n as u64;
-    }
-    Ok(h.digest())
-}
-
 /// The xxh3-128 of each `(file index, offset, length)` range of `files`, on
 /// `threads` threads; `progress(bytes hashed, bytes in all)` as each ends.
 pub(crate) fn hash_file_ranges(
@@ -136,24 +192,39 @@ pub(crate) fn hash_file_ranges(
     threads: usize,
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Vec<std::io::Result<u128>> {
+    hash_ranges_and_blocks(files, ranges, None, threads, progress)
+        .into_iter()
+        .map(|r| r.map(|(whole, _)| whole))
+        .collect()
+}
+
+/// [`hash_file_ranges`], with `block` also the sums of each range's blocks.
+fn hash_ranges_and_blocks(
+    files: &[&File],
+    ranges: &[(usize, u64, u64)],
+    block: Option<u64>,
+    threads: usize,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Vec<std::io::Result<(u128, Vec<u128>)>> {
     let total: u64 = ranges.iter().map(|r| r.2).sum();
     let hashed = std::sync::atomic::AtomicU64::new(0);
     let next = AtomicUsize::new(0);
     let results = parking_lot::Mutex::new(
         (0..ranges.len())
-            .map(|_| Ok(0u128))
-            .collect::<Vec<std::io::Result<u128>>>(),
+            .map(|_| Ok((0u128, Vec::new())))
+            .collect::<Vec<_>>(),
     );
     std::thread::scope(|s| {
         for _ in 0..threads.clamp(1, ranges.len().max(1)) {
             s.spawn(|| {
-                let mut buf = vec![0u8; 8 << 20];
+                // Powers of two both: a multiple of the block size.
+                let mut buf = vec![0u8; block.unwrap_or(0).max(8 << 20) as usize];
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&(fi, off, len)) = ranges.get(i) else {
                         break;
                     };
-                    let r = hash_range(files[fi], off, len, &mut buf);
+                    let r = block_sums::hash_range(files[fi], (off, len), block, &mut buf);
                     results.lock()[i] = r;
                     progress(hashed.fetch_add(len, Ordering::Relaxed) + len, total);
                 }
@@ -211,10 +282,11 @@ pub fn write_with_progress(
         .iter()
         .map(|&(fi, _, off, len)| (fi, off, len))
         .collect();
-    let results = hash_file_ranges(&handles, &ranges, threads, progress);
+    let results = hash_ranges_and_blocks(&handles, &ranges, Some(BLOCK_SIZE), threads, progress);
     let mut out = FileJson {
         format: FORMAT.into(),
         algorithm: "xxh3-128".into(),
+        block_size: Some(BLOCK_SIZE.into()),
         files: BTreeMap::new(),
     };
     let mut written = Written::default();
@@ -224,19 +296,23 @@ pub fn write_with_progress(
             FileEntryJson {
                 size: header.file_len,
                 tensors: BTreeMap::new(),
+                blocks: BTreeMap::new(),
             },
         );
         written.files += 1;
     }
     for (&(fi, ti, _, len), r) in jobs.iter().zip(results) {
         let name = &names[fi];
-        let c = r.map_err(|e| Error::io(format!("reading {}", dir.join(name).display()), e))?;
+        let (c, sums) =
+            r.map_err(|e| Error::io(format!("reading {}", dir.join(name).display()), e))?;
         let tensor = files[fi].1.tensors[ti].name.clone();
-        out.files
-            .get_mut(name)
-            .expect("file entry")
-            .tensors
-            .insert(tensor, checksum_hex(c));
+        let entry = out.files.get_mut(name).expect("file entry");
+        let blocks = BlockSums {
+            block: BLOCK_SIZE,
+            sums,
+        };
+        entry.blocks.insert(tensor.clone(), blocks.encode());
+        entry.tensors.insert(tensor, checksum_hex(c));
         written.tensors += 1;
         written.bytes += len;
     }

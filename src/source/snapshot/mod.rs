@@ -8,6 +8,11 @@
 //! with `pread` on every core, and closed before the next file is touched, so
 //! at most one part is open at a time.
 //!
+//! A rank whose params are slices of the stored tensors reads only its
+//! segments' bytes, by the rule in `reads.rs` (short segments close together
+//! share one covering read), and, when the checksum file has block sums,
+//! the blocks covering them, each checked against its sum (`reader.rs`).
+//!
 //! Trust: a model directory is written by someone else. Every file in it is
 //! opened only if it is a regular file (a FIFO or device is an error naming
 //! it, never a blocked `open`), every header and side file is read with a
@@ -19,20 +24,23 @@
 //! short read (a clean error, old weights kept in atomic mode) rather than a
 //! SIGBUS that would kill the engine.
 
+pub mod block_sums;
 pub mod checksums;
 pub mod layout;
+mod reader;
+pub mod reads;
 pub mod regular_file;
 pub mod safetensors_file;
 pub mod shard_meta;
 pub mod version;
 
 use super::Step;
-use crate::apply::{Applier, Chunk};
+use crate::apply::Applier;
 use crate::logging::Logger;
 use crate::manifest::{Manifest, TensorMeta};
-use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
+use block_sums::BlockSums;
 pub use layout::{gpu_id, Layout, LayoutKind, SnapshotLocation, DEFAULT_FALLBACK_DIR};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -53,6 +61,8 @@ pub struct SnapshotSource {
     manifest: Manifest,
     /// Per manifest tensor: (file index, absolute offset in that file).
     locations: Vec<(usize, u64)>,
+    /// Per manifest tensor: its block sums, when the checksum file has them.
+    blocks: Vec<Option<BlockSums>>,
     no_version: String,
 }
 
@@ -82,6 +92,7 @@ impl SnapshotSource {
         let mut files = Vec::new();
         let mut manifest = Manifest::default();
         let mut locations = Vec::new();
+        let mut blocks = Vec::new();
         let mut stored = HashSet::new();
         for (fi, path) in layout.files.iter().enumerate() {
             let (_file, header) = safetensors_file::open(path, deadline)?;
@@ -101,7 +112,11 @@ impl SnapshotSource {
                     check_in_index(index, path, file_name, &t.name)?;
                     stored.insert(t.name.clone());
                 }
-                let checksum = sums.and_then(|s| s.get(&t.name).copied());
+                let checksum = sums.and_then(|s| s.tensors.get(&t.name).copied());
+                blocks.push(match &checksums {
+                    Some(c) => c.block_sums(file_name, &t.name, t.nbytes)?,
+                    None => None,
+                });
                 locations.push((fi, t.offset));
                 let (name, placement) = match t.shard {
                     Some(s) => (s.tensor, Some(s.placement)),
@@ -135,6 +150,7 @@ impl SnapshotSource {
             files,
             manifest,
             locations,
+            blocks,
             no_version,
         })
     }
@@ -212,6 +228,13 @@ impl super::Source for SnapshotSource {
         )
     }
 
+    /// Decided when the source is opened, before the plan (the manager
+    /// plans with `slice_sums` from this): every tensor of the snapshot has
+    /// block sums.
+    fn checks_slices(&self) -> bool {
+        !self.blocks.is_empty() && self.blocks.iter().all(Option::is_some)
+    }
+
     fn start(&mut self, _: &Plan, _: usize, _: &mut Applier) -> Result<()> {
         Ok(())
     }
@@ -249,33 +272,44 @@ impl SnapshotSource {
                     "{shown} changed after the plan was made (was {planned_len} bytes, now {len})"
                 )));
             }
-            let mut batch: Vec<Chunk> = Vec::new();
-            let mut batch_bytes = 0u64;
+            let mut reader = reader::FileReader::new(&file, &shown);
             for e in wanted {
-                // Only the bytes the entry's segments need are read.
-                let at = self.locations[plan.entries[e].tensor].1;
-                for s in plan.segments(e) {
-                    batch.push(Chunk {
-                        tensor: e,
-                        offset: s.wanted,
-                        len: s.len as usize,
-                        src: CopySource::File {
-                            file: &file,
-                            offset: at + s.source,
-                        },
-                    });
-                    batch_bytes += s.len;
-                    if batch_bytes >= BATCH_BYTES {
-                        applier.apply_batch(&shown, &batch)?;
-                        batch.clear();
-                        batch_bytes = 0;
-                    }
-                }
+                let tensor = plan.entries[e].tensor;
+                let sums = self.slice_sums(plan, (e, tensor), applier)?;
+                reader.entry(applier, plan, (e, self.locations[tensor].1), sums)?;
             }
-            if !batch.is_empty() {
-                applier.apply_batch(&shown, &batch)?;
-            }
+            reader.flush(applier)?;
         }
         Ok(())
+    }
+}
+
+impl SnapshotSource {
+    /// What entry `e` (of manifest tensor `tensor`) is checked against
+    /// besides what the applier does itself: nothing when it moves its
+    /// whole tensor unchanged (the applier checks the whole checksum); the
+    /// whole checksum as its slice sum when it takes all of its tensor to
+    /// other offsets (a whole tensor fused into a param: its wanted bytes
+    /// are the tensor's); otherwise the block sums of its tensor, the
+    /// blocks returned checked as they are read.
+    fn slice_sums(
+        &self,
+        plan: &Plan,
+        (e, tensor): (usize, usize),
+        applier: &mut Applier,
+    ) -> Result<Option<&BlockSums>> {
+        // The applier does not say whether this update verifies, so a
+        // slice is checked whenever it can be.
+        let entry = &plan.entries[e];
+        if plan.moves_whole(e) {
+            return Ok(None);
+        }
+        match entry.meta.checksum {
+            Some(sum) if entry.bytes == entry.meta.nbytes => {
+                applier.expect_checksum(e, sum)?;
+                Ok(None)
+            }
+            _ => Ok(self.blocks[tensor].as_ref()),
+        }
     }
 }
