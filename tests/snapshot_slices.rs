@@ -456,3 +456,24 @@ fn hostile_block_sums_are_refused_naming_the_field() {
     }
     assert_eq!(m.status().version, None);
 }
+
+#[test]
+fn unverified_slices_read_only_their_segments_even_with_block_sums() {
+    let _one = ONE_AT_A_TIME.lock();
+    let d = tempfile::tempdir().unwrap();
+    // [512, 2048] f32 rows of 8 KiB, 2 KiB per row for rank 1: segments
+    // too long to share covering reads, so only they are read.
+    let w = tensor("w", &[512, 2048], 1);
+    checkpoint(d.path(), std::slice::from_ref(&w), "1");
+    manifest(d.path());
+    let m = manager();
+    let piece = narrow(&w, 1, 512, 512);
+    let p = param(&m, "w.tp", &[512, 512], vec![piece.clone()]);
+    // A flipped byte in another rank's columns of a block rank 1 reads
+    // from when verifying: unverified, it reads neither it nor its block.
+    flip(d.path(), "w", 300 * 8192 + 100);
+    let (r, read) = update(&m, d.path(), false);
+    r.unwrap();
+    assert!(p == box_bytes(&w, &piece));
+    assert!(read < 2 * MIB, "read {read} bytes for a 1 MiB slice");
+}

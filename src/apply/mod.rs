@@ -175,6 +175,12 @@ impl<'p, 'h> Applier<'p, 'h> {
         })
     }
 
+    /// Whether this update verifies checksums (a source that checks slices
+    /// reads more when it does).
+    pub fn verifies(&self) -> bool {
+        self.opts.verify
+    }
+
     /// Upload device params through `staging` (required when any param is
     /// device memory).
     pub fn with_staging(mut self, staging: &'p mut DeviceStaging) -> Self {

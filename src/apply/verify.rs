@@ -18,16 +18,16 @@ use crate::result::{Error, Result};
 impl Applier<'_, '_> {
     /// The bytes entry `entry` receives (its segments back to back) must
     /// hash to `sum` (xxh3-128). Only entries that move part of their
-    /// tensor take one (whole ones have the manifest's); a source that
+    /// tensor take one (the others have the manifest's); a source that
     /// verifies slices calls this before the entry's last byte is applied.
     pub fn expect_checksum(&mut self, entry: usize, sum: u128) -> Result<()> {
         match self.plan.entries.get(entry) {
-            Some(_) if !self.plan.moves_whole(entry) => {
+            Some(_) if !self.plan.takes_all(entry) => {
                 self.slice_sums.insert(entry, sum);
                 Ok(())
             }
             Some(e) => Err(Error::peer(format!(
-                "a slice checksum for tensor '{}', which moves whole",
+                "a slice checksum for tensor '{}', all of which moves (its own checksum applies)",
                 e.meta.name
             ))),
             None => Err(Error::peer(format!(
@@ -76,7 +76,8 @@ impl Applier<'_, '_> {
         let regions: Vec<(SendPtr, usize)> = whole
             .iter()
             .map(|&t| {
-                // Verified entries are whole tensors (the plan insists): one span.
+                // Entries not hashed chunk by chunk arrived whole in one
+                // chunk and move whole (`batch`): one span.
                 let n = self.plan.entries[t].bytes;
                 Ok((self.receive_spans(t, 0, n)?[0].dst, n as usize))
             })
@@ -90,7 +91,7 @@ impl Applier<'_, '_> {
     }
 
     pub(super) fn check_checksum(&self, origin: &str, t: usize, got: u128) -> Result<()> {
-        let (want, what) = match self.plan.moves_whole(t) {
+        let (want, what) = match self.plan.takes_all(t) {
             true => (self.plan.entries[t].meta.checksum, ""),
             false => (
                 self.slice_sums.get(&t).copied(),

@@ -208,6 +208,14 @@ impl Plan {
         self.entries[entry].is_whole(self.segments(entry))
     }
 
+    /// Entry `entry` takes every byte of its tensor, in order (to the
+    /// same offsets or not: a whole tensor fused into a param), so the
+    /// tensor's own checksum covers what it receives.
+    pub fn takes_all(&self, entry: usize) -> bool {
+        let e = &self.entries[entry];
+        e.bytes == e.meta.nbytes
+    }
+
     /// Every entry moves its whole tensor, and entry `i` is tensor `i` of
     /// the only source (what sources that cannot send parts of tensors yet
     /// need).
@@ -411,7 +419,7 @@ fn unverifiable(plan: &Plan, opts: PlanOptions, problems: &mut Vec<String>) {
                  (for snapshots, write them with `wm manifest <dir>`)",
                 e.meta.name
             ));
-        } else if !opts.slice_sums && !plan.moves_whole(i) {
+        } else if !opts.slice_sums && !plan.takes_all(i) {
             problems.push(format!(
                 "checksum verification was requested but only part of tensor '{}' moves \
                  to '{}', and this source has no checksums of slices (snapshots: write \

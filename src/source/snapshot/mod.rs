@@ -290,26 +290,20 @@ impl SnapshotSource {
     /// whole tensor unchanged (the applier checks the whole checksum); the
     /// whole checksum as its slice sum when it takes all of its tensor to
     /// other offsets (a whole tensor fused into a param: its wanted bytes
-    /// are the tensor's); otherwise the block sums of its tensor, the
-    /// blocks returned checked as they are read.
+    /// are the tensor's, checked by the applier against the whole sum);
+    /// otherwise, verifying, the block sums of its tensor, the blocks
+    /// returned checked as they are read.
     fn slice_sums(
         &self,
         plan: &Plan,
         (e, tensor): (usize, usize),
         applier: &mut Applier,
     ) -> Result<Option<&BlockSums>> {
-        // The applier does not say whether this update verifies, so a
-        // slice is checked whenever it can be.
-        let entry = &plan.entries[e];
-        if plan.moves_whole(e) {
+        // Unverified updates read only their segments; an entry that takes
+        // all of its tensor's bytes is checked against the whole sum.
+        if !applier.verifies() || plan.takes_all(e) {
             return Ok(None);
         }
-        match entry.meta.checksum {
-            Some(sum) if entry.bytes == entry.meta.nbytes => {
-                applier.expect_checksum(e, sum)?;
-                Ok(None)
-            }
-            _ => Ok(self.blocks[tensor].as_ref()),
-        }
+        Ok(self.blocks[tensor].as_ref())
     }
 }
