@@ -51,8 +51,8 @@
 //!   each);
 //! - `streamer`: the one bucket streamer: BUCKET frames, the window of
 //!   acknowledgements, END;
-//! - `plan`: which bytes go in which bucket; `shard`: one rank's manifest
-//!   and bytes, and packing them; `buffers`: the pooled bucket buffers;
+//! - `plan`: which request bytes go in which bucket; `shard`: one rank's
+//!   manifest and bytes, and packing them; `sums`: slice checksums (SUMS); `buffers`: the pooled bucket buffers;
 //! - `versions`: published versions and their copies; `offer`: what
 //!   sessions serve; `socket`: the listener and the connections to shut
 //!   down; `config`, `stats`; `hooks`: test-only hooks.
@@ -71,6 +71,7 @@ mod shard;
 mod socket;
 mod stats;
 mod streamer;
+mod sums;
 mod versions;
 
 pub(crate) use crate::manager::check_version;

@@ -13,7 +13,7 @@ use super::streamer::SessionIo;
 use super::{ipc, net};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::Frame;
+use crate::wire::{check_requests, Frame};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,18 +80,13 @@ fn serve(
         tensors: shard.manifest.tensors.clone(),
     })?;
     let want = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Want { tensors } => tensors,
+        Frame::Want { requests } => requests,
         other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
     };
-    let n_tensors = shard.manifest.tensors.len();
-    let mut seen = vec![false; n_tensors];
-    for &t in &want {
-        if t as usize >= n_tensors || std::mem::replace(&mut seen[t as usize], true) {
-            return Err(Error::peer(format!(
-                "rank {rank} wants tensor #{t} twice or out of range"
-            )));
-        }
-    }
+    // Every request checked against this rank's tensors before anything
+    // is planned or packed.
+    let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
+    check_requests(&want, &sizes)?;
     let mut stats = SessionStats {
         rank,
         version: have,
