@@ -42,6 +42,7 @@ pub(super) fn run(
         pool,
         start,
     );
+    let r = r.map_err(|e| engine_reason(&mut conn).unwrap_or(e));
     if let Err(e) = &r {
         conn.send_error(e);
     }
@@ -49,6 +50,18 @@ pub(super) fn run(
         total: start.elapsed(),
         ..stats
     })
+}
+
+/// The engine's own reason, when it gave up (an ERROR frame waiting) and
+/// this side then failed writing to it: the engine's is the cause.
+fn engine_reason(conn: &mut Conn) -> Option<Error> {
+    if !conn.readable() {
+        return None;
+    }
+    match conn.recv(Instant::now() + Duration::from_millis(100)) {
+        Err(e) if e.message.contains(" reports: ") => Some(e),
+        _ => None,
+    }
 }
 
 /// The session after the handshake: `hello` is the engine's rank, GPU id

@@ -41,7 +41,7 @@ use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
-use crate::wire::{check_bucket, BucketEntry, Frame};
+use crate::wire::{check_bucket, BucketEntry, Frame, ALIGN};
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -245,7 +245,7 @@ fn checked_bucket<'b>(
             buffers.len()
         ))
     })?;
-    check_bucket(seq, entries, mem.len() as u64, link.requests())
+    check_bucket(seq, entries, mem.len() as u64, link.requests(), ALIGN)
         .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
     Ok(mem)
 }

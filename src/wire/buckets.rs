@@ -1,7 +1,9 @@
 //! Bucket entries: splitting them into network messages, and checking a
 //! peer's entries against the buffer they claim to lie in.
 
-use super::{BucketEntry, Request, ALIGN};
+#[cfg(doc)]
+use super::ALIGN;
+use super::{BucketEntry, Request};
 use crate::result::{Error, Result};
 
 /// Largest UCX message of a network session: a bucket's entries are split
@@ -55,12 +57,15 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
 }
 
 /// Check a bucket's entries against its buffer before any byte is read: each
-/// range inside the buffer, 256-byte aligned, entries not overlapping.
+/// range inside the buffer, `align`-byte aligned (IPC: [`ALIGN`]; network
+/// messages, which may be blocks of a strided request: 1), entries not
+/// overlapping.
 pub fn check_bucket(
     seq: u64,
     entries: &[BucketEntry],
     buffer_len: u64,
     requests: usize,
+    align: u64,
 ) -> Result<()> {
     let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(entries.len());
     for e in entries {
@@ -68,9 +73,9 @@ pub fn check_bucket(
         if e.request as usize >= requests {
             return bad(format!("entry names request #{} of {requests}", e.request));
         }
-        if e.buffer_offset % ALIGN != 0 {
+        if e.buffer_offset % align != 0 {
             return bad(format!(
-                "offset {} is not {ALIGN}-byte aligned",
+                "offset {} is not {align}-byte aligned",
                 e.buffer_offset
             ));
         }

@@ -403,20 +403,21 @@ mod tests {
             len,
             buffer_offset: off,
         };
-        assert!(check_bucket(0, &[e(0, 100)], 1024, 1).is_ok());
-        assert!(check_bucket(0, &[e(10, 100)], 1024, 1)
+        assert!(check_bucket(0, &[e(0, 100)], 1024, 1, ALIGN).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1, 1).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("aligned"));
-        assert!(check_bucket(0, &[e(768, 512)], 1024, 1)
+        assert!(check_bucket(0, &[e(768, 512)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("run past"));
-        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1)
+        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("overlap"));
-        assert!(check_bucket(0, &[e(0, 1)], 1024, 0)
+        assert!(check_bucket(0, &[e(0, 1)], 1024, 0, ALIGN)
             .unwrap_err()
             .message
             .contains("#0"));

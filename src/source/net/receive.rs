@@ -165,7 +165,10 @@ impl Receiver {
             other => return Err(unexpected(&p.link.conn, "BUCKET or END", &other)),
         };
         self.check_bucket_order(p, seq, buffer)?;
-        check_bucket(seq, &entries, p.opts.bucket_size as u64, p.link.requests())?;
+        // Messages are blocks of requests: where they sit in a slot needs
+        // no alignment (nothing maps it).
+        let slot_size = p.opts.bucket_size as u64;
+        check_bucket(seq, &entries, slot_size, p.link.requests(), 1)?;
         let digests = match p.opts.keyed {
             true => recv_digests(p.link, seq, entries.len(), frame_deadline)?,
             false => Vec::new(),
