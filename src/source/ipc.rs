@@ -142,10 +142,15 @@ impl FromPublisher for IpcSource {
     /// (applied and acknowledged), or END.
     fn advance(&mut self, _: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step> {
         applier.check_deadline()?;
-        // Past its due time a frame is waited for once more, and the read
-        // says why it did not come.
-        if !self.link.conn.readable_within(wait) && Instant::now() < self.due {
-            return Ok(Step::Waiting);
+        if !self.link.conn.readable_within(wait) {
+            if Instant::now() < self.due {
+                return Ok(Step::Waiting);
+            }
+            return Err(Error::timeout(format!(
+                "{}: no frame came within {:?} (the bucket timeout)",
+                self.link.conn.peer(),
+                self.timeout
+            )));
         }
         let deadline = self.next_deadline(applier);
         let Some(buffers) = &self.buffers else {
