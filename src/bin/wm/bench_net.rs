@@ -61,10 +61,10 @@ pub fn publisher(a: &Args) -> Result<(), String> {
 }
 
 /// A TP rank's half of every layer, verified with slice checksums: the
-/// rows (one range of each tensor, sent from the trainer's tensors in
-/// 1 MiB messages), and the columns (a strided run: one message per 4 KiB
-/// row half).
-const HALVES: [(&str, usize); 2] = [
+/// rows (one range of each tensor; over the network sent from the
+/// trainer's tensors in 1 MiB messages), and the columns (a strided run;
+/// over the network one message per 4 KiB row half, over IPC packed).
+pub(crate) const HALVES: [(&str, usize); 2] = [
     ("row half (TP piece), verified", 0),
     ("column half (TP piece), verified", 1),
 ];
@@ -72,7 +72,7 @@ const HALVES: [(&str, usize); 2] = [
 /// Library-owned params holding the second half of every layer along
 /// dimension `dim` (a first half named like its tensor would read as the
 /// whole tensor of the param's shape: `ParamSpec::is_whole_tensor`).
-fn half_params(m: &Manager, count: usize, dim: usize) -> Result<(), String> {
+pub(crate) fn half_params(m: &Manager, count: usize, dim: usize) -> Result<(), String> {
     let full = crate::bench::LAYER_SHAPE;
     for i in 0..count {
         let name = format!("layers.{i}.w");
