@@ -313,8 +313,10 @@ fn pieces_from_two_network_publishers_at_once() {
 }
 
 /// A publisher whose bytes are corrupted after it hashed them (the
-/// test-only hook flips a bit of "w" once packed) fails the update with a
-/// checksum error naming the tensor; atomic, the old weights stay.
+/// test-only hook flips a bit of the tensor once packed) fails the update
+/// with a checksum error naming the tensor; atomic, the old weights stay.
+/// "w" is a column slice (the publisher's SUMS catch it); "k" lands whole
+/// inside the fused "qkv" (the manifest's checksum does).
 fn corrupted_slice_is_caught(via: Via) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
@@ -328,21 +330,24 @@ fn corrupted_slice_is_caught(via: Via) {
         .unwrap();
     drop(ps);
     let new = model(2);
-    let corrupt = |r: u64| PublisherConfig {
-        corrupt_tensor: (r == 1).then(|| "w".to_string()),
-        ..small_buckets(r)
-    };
-    let ps = publishers(dir.path(), via, ["v2", "v2"], &new, corrupt);
-    let (r, _) = serving(&ps, || m.update(request(via, &ps, Mode::Atomic)));
-    let e = r.unwrap_err();
-    assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{via:?}: {e}");
-    assert!(
-        e.message.contains("tensor 'w' (the part this rank takes)")
-            && e.message.contains("source 1"),
-        "{via:?}: {e}"
-    );
-    assert_holds(&ptrs, &params_old, "old weights kept");
-    assert_eq!(m.status().version.as_deref(), Some("v1"));
+    for victim in ["w", "k"] {
+        let corrupt = |r: u64| PublisherConfig {
+            corrupt_tensor: (r == 1).then(|| victim.to_string()),
+            ..small_buckets(r)
+        };
+        let ps = publishers(dir.path(), via, ["v2", "v2"], &new, corrupt);
+        let (r, _) = serving(&ps, || m.update(request(via, &ps, Mode::Atomic)));
+        let e = r.unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{via:?}: {e}");
+        let named = format!("tensor '{victim}' (the part this rank takes)");
+        assert!(
+            e.message.contains(&named) && e.message.contains("source 1"),
+            "{via:?}: {e}"
+        );
+        assert_holds(&ptrs, &params_old, "old weights kept");
+        assert_eq!(m.status().version.as_deref(), Some("v1"));
+        drop(ps);
+    }
 }
 
 #[test]
