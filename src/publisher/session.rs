@@ -1,5 +1,5 @@
 //! One engine rank's session after its handshake: the version it asked
-//! for, its manifest, the tensors it wants, then its buckets over IPC
+//! for, its manifest, the requests it wants (checked), then its buckets over IPC
 //! (`ipc`) or the network (`net`), both through the one streamer
 //! (`streamer`).
 

@@ -2,8 +2,9 @@
 //! shared memory over a Unix socket (protocol in `docs/wire.md`).
 //!
 //! The engine connects, checks the publisher's uid (SO_PEERCRED), says which
-//! rank it is, gets its manifest, tells which tensors it wants (after the
-//! plan, so skipped tensors are never packed), receives the shared buffers
+//! rank it is, gets its manifest, asks for exactly the bytes its plan needs
+//! (WANT: a request per plan entry, after the plan, so skipped tensors and
+//! unneeded parts are never packed), receives the shared buffers
 //! once, then applies bucket after bucket, acknowledging each so the
 //! publisher can refill its buffer while the next one is applied. Each
 //! step takes one frame, waiting only as long as it is told, so several

@@ -3,9 +3,11 @@
 //!
 //! The engine connects over TCP, proves it holds the shared secret (and
 //! checks that the publisher does), names its rank and the version it wants
-//! ("latest" by default), gets its manifest, says which tensors it wants and
-//! where its UCX worker is, then receives bucket after bucket. Every bucket
-//! entry (at most `wire::NET_MESSAGE` bytes) is its own UCX message:
+//! ("latest" by default), gets its manifest, asks for exactly the bytes its
+//! plan needs (WANT's requests) and says where its UCX worker is, then
+//! receives bucket after bucket (`receive`, a step at a time). Every bucket
+//! entry (at most `wire::NET_MESSAGE` bytes, within one block of its
+//! request) is its own UCX message:
 //!
 //! - **direct** (rdma by default, gdr always): received straight where the
 //!   applier wants the bytes (`Applier::receive_buffer_for`): the param itself in
