@@ -22,7 +22,7 @@ use weight_manager::source::snapshot::checksums::Checksums;
 use weight_manager::source::snapshot::safetensors_file::parse_header;
 use weight_manager::source::snapshot::version::parse_version_yaml;
 use weight_manager::tensor::DType;
-use weight_manager::wire::{BucketEntry, CudaBuffer, Frame};
+use weight_manager::wire::{BucketEntry, CudaBuffer, Frame, Request};
 
 const JSON_TOKENS: &[&[u8]] = &[
     b"{",
@@ -144,7 +144,14 @@ fn frames() -> Vec<Frame> {
             ],
         },
         Frame::Want {
-            tensors: vec![0, 1, 5],
+            requests: vec![
+                Request::whole(0, 64, false),
+                Request::of_blocks(5, [(8, 4), (24, 4), (40, 4)], true),
+            ],
+        },
+        Frame::Sums {
+            seq: 4,
+            sums: vec![(1, 1 << 90)],
         },
         Frame::Buffers {
             sizes: vec![4096, 8],
@@ -159,8 +166,8 @@ fn frames() -> Vec<Frame> {
             seq: 4,
             buffer: 1,
             entries: vec![BucketEntry {
-                tensor: 0,
-                tensor_offset: 8,
+                request: 0,
+                offset: 8,
                 len: 16,
                 buffer_offset: 0,
             }],

@@ -175,8 +175,8 @@ fn a_tebibyte_callback_tensor_is_refused_in_place_and_atomic() {
                 buffer: sealed_memfd(4096, &[0x5a; 256]),
                 announced: 4096,
                 entries: vec![BucketEntry {
-                    tensor: 0,
-                    tensor_offset: 0,
+                    request: 0,
+                    offset: 0,
                     len: 256,
                     buffer_offset: 0,
                 }],
@@ -224,8 +224,8 @@ fn the_callback_staging_limit_is_the_engines_setting() {
         let bytes: Vec<u8> = (0..8192u32).map(|i| (i * 13) as u8).collect();
         let entries = (0..2u32)
             .map(|t| BucketEntry {
-                tensor: t,
-                tensor_offset: 0,
+                request: t,
+                offset: 0,
                 len: 3072,
                 buffer_offset: u64::from(t) * 4096,
             })
@@ -285,8 +285,8 @@ fn a_sparse_shared_buffer_is_not_faulted_in_whole() {
             buffer: sealed_memfd(1 << 30, &fresh),
             announced: 1 << 30,
             entries: vec![BucketEntry {
-                tensor: 0,
-                tensor_offset: 0,
+                request: 0,
+                offset: 0,
                 len: 4096,
                 buffer_offset: 0,
             }],
@@ -327,8 +327,8 @@ fn a_shared_buffer_too_small_for_the_plan_is_refused_naming_it() {
                 buffer: sealed_memfd(size, &[1; 256]),
                 announced,
                 entries: vec![BucketEntry {
-                    tensor: 0,
-                    tensor_offset: 0,
+                    request: 0,
+                    offset: 0,
                     len: 4096,
                     buffer_offset: 0,
                 }],
@@ -360,8 +360,8 @@ fn a_shared_buffer_larger_than_the_machine_is_refused() {
             buffer: sealed_memfd(petabyte, &[1; 4096]),
             announced: petabyte,
             entries: vec![BucketEntry {
-                tensor: 0,
-                tensor_offset: 0,
+                request: 0,
+                offset: 0,
                 len: 4096,
                 buffer_offset: 0,
             }],

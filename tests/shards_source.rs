@@ -291,7 +291,7 @@ fn an_engine_of_another_protocol_version_is_told_why() {
             version: String::new(),
         }
         .encode();
-        hello[9..13].copy_from_slice(&1u32.to_le_bytes()); // protocol 1
+        hello[9..13].copy_from_slice(&2u32.to_le_bytes()); // protocol 2
         let mut stream = UnixStream::connect(&sock).unwrap();
         std::io::Write::write_all(&mut stream, &hello).unwrap();
         let mut conn = Conn::new(stream, "the publisher");
@@ -299,7 +299,7 @@ fn an_engine_of_another_protocol_version_is_told_why() {
             .recv(Instant::now() + Duration::from_secs(10))
             .unwrap_err();
         assert!(
-            e.message.contains("protocol version 1") && e.message.contains("publisher 2"),
+            e.message.contains("protocol version 2") && e.message.contains("publisher 3"),
             "{e}"
         );
         assert!(serving.join().unwrap().is_err(), "no engine was admitted");

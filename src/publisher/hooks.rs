@@ -6,7 +6,7 @@
 
 use super::config::PublisherConfig;
 use crate::manifest::Manifest;
-use crate::wire::BucketEntry;
+use crate::wire::{BucketEntry, Request};
 
 /// The tensor whose first byte sessions flip after packing it (the
 /// `corrupt_tensor` test hook); None in a product build.
@@ -20,17 +20,20 @@ pub(super) fn corrupt_victim(cfg: &PublisherConfig) -> Option<&str> {
     }
 }
 
-/// Flip the lowest bit of the first byte of `victim` in this bucket (packed
-/// at `base`); nothing without a victim.
+/// Flip the lowest bit of the first byte each request of tensor `victim`
+/// gets, in this bucket (packed at `base`), after it was hashed (it stands
+/// for bytes corrupted on the way); nothing without a victim.
 pub(super) fn corrupt(
     manifest: &Manifest,
+    requests: &[Request],
     entries: &[BucketEntry],
     base: *mut u8,
     victim: Option<&str>,
 ) {
     let Some(victim) = victim else { return };
     for e in entries {
-        if manifest.tensors[e.tensor as usize].name == victim && e.tensor_offset == 0 && e.len > 0 {
+        let tensor = requests[e.request as usize].tensor as usize;
+        if manifest.tensors[tensor].name == victim && e.offset == 0 && e.len > 0 {
             // SAFETY: inside the entry's range in our own buffer.
             unsafe { *base.add(e.buffer_offset as usize) ^= 1 };
         }

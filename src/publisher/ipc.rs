@@ -9,63 +9,118 @@
 use super::buffers::take_buffers;
 use super::hooks;
 use super::offer::Published;
-use super::plan::{plan_buckets, windows};
+use super::plan::{plan_buckets, request_sizes, windows};
 use super::shard::{fill, Shard};
 use super::stats::SessionStats;
 use super::streamer::{BucketSink, SessionIo};
+use super::sums::SliceSums;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{BucketEntry, CudaBuffer, Frame};
+use crate::wire::{BucketEntry, CudaBuffer, Frame, Request};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
-/// Stream the `want`ed tensors of `shard` to the engine at `conn`.
-pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, want: &[u32]) -> Result<()> {
+/// Stream the `requests` of `shard` to the engine at `conn`.
+pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
     // The corruption test hook needs a packed copy to flip a bit in.
     match (shard.published.clone(), hooks::corrupt_victim(io.cfg)) {
         (Some(Published::Device(_)), Some(_)) => Err(Error::invalid_argument(
             "the corrupt-tensor test option does not apply to a GPU version",
         )),
-        (Some(published), None) => stream_published(io, shard, &published, want),
-        _ => stream_packed(io, shard, want),
+        (Some(published), None) => stream_published(io, shard, &published, requests),
+        _ => stream_packed(io, shard, requests),
     }
 }
 
-/// A published version: its buffer handed over, buckets as windows into it.
+/// A published version: its buffer handed over, buckets as windows into
+/// it, when every request is one aligned range of it; packed otherwise
+/// (host versions).
 fn stream_published(
     io: &mut SessionIo,
-    shard: &Shard,
+    shard: &mut Shard,
     published: &Published,
-    want: &[u32],
+    requests: &[Request],
 ) -> Result<()> {
     let (base, handover) = match published {
         Published::Host(b) => (b.ptr() as u64, Handover::Shared(vec![&**b])),
         Published::Device(d) => (d.ptr(), Handover::Cuda(d)),
     };
-    let buckets = windows(shard, base, want, io.cfg.bucket_size);
+    let windows = windows(shard, base, requests, io.cfg.bucket_size);
+    let sums = SliceSums::new(requests);
+    let on_device = matches!(handover, Handover::Cuda(_));
+    let buckets = match windows {
+        Some(_) if on_device && sums.any() => {
+            return Err(device_refusal(
+                shard,
+                requests,
+                |q| q.sums,
+                "slice checksums",
+            ))
+        }
+        Some(b) => b,
+        None if on_device => {
+            // Whole tensors are always windows: some request is a part.
+            let part = |q: &Request| !q.is_whole(shard.manifest.tensors[q.tensor as usize].nbytes);
+            return Err(device_refusal(shard, requests, part, "parts"));
+        }
+        None => return stream_packed(io, shard, requests),
+    };
     handover.send(io.conn)?;
-    let mut sink = IpcSink(|_: u64, _: &[BucketEntry]| Ok(0));
+    let mut sink = IpcSink {
+        pack: |_: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
+            if !on_device {
+                // SAFETY: the windows lie in the version's host buffer.
+                unsafe { sums.hash(entries, |e| (base + e.buffer_offset) as *const u8) };
+            }
+            Ok(0)
+        },
+        sums,
+    };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
 }
 
-/// Live tensors or files: packed into pooled bucket buffers.
-fn stream_packed(io: &mut SessionIo, shard: &mut Shard, want: &[u32]) -> Result<()> {
+/// What a GPU version does not serve yet (`what`, for the first request
+/// `hit` picks), naming its tensor.
+fn device_refusal(
+    shard: &Shard,
+    requests: &[Request],
+    hit: impl Fn(&Request) -> bool,
+    what: &str,
+) -> Error {
+    let name = requests.iter().find(|q| hit(q)).map_or("?", |q| {
+        shard.manifest.tensors[q.tensor as usize].name.as_str()
+    });
+    Error::unsupported(format!(
+        "tensor '{name}': {what} of a GPU version are not served over IPC yet (whole tensors, \
+         and parts that are one aligned range, are); publish from host memory"
+    ))
+}
+
+/// Live tensors, files, or parts of a host version that are not one
+/// aligned range: packed into pooled bucket buffers.
+fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
-    let buckets = plan_buckets(&shard.manifest, want, cfg.bucket_size);
+    let buckets = plan_buckets(&request_sizes(requests), cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);
     let buffers = take_buffers(pool, n_buf, largest)?;
     let threads = cfg.pack_threads();
     let victim = hooks::corrupt_victim(cfg);
-    let mut sink = IpcSink(|seq: u64, entries: &[BucketEntry]| {
-        let slot = seq as usize % n_buf;
-        let buf = &buffers[slot];
-        fill(shard, entries, buf.ptr(), threads)?;
-        hooks::corrupt(&shard.manifest, entries, buf.ptr(), victim);
-        Ok(slot as u32)
-    });
+    let mut sink = IpcSink {
+        pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
+            let slot = seq as usize % n_buf;
+            let buf = buffers[slot].ptr();
+            fill(shard, requests, entries, buf, threads)?;
+            // Hashed right after packing, while the bytes are in cache.
+            // SAFETY: the entries were just packed into the buffer.
+            unsafe { sums.hash(entries, |e| buf.wrapping_add(e.buffer_offset as usize)) };
+            hooks::corrupt(&shard.manifest, requests, entries, buf, victim);
+            Ok(slot as u32)
+        },
+        sums: SliceSums::new(requests),
+    };
     let r = Handover::Shared(buffers.iter().collect())
         .send(io.conn)
         .and_then(|()| io.stream(&buckets, n_buf, &mut sink));
@@ -78,11 +133,17 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, want: &[u32]) -> Result<
 }
 
 /// IPC buckets: the engine reads them from the buffers it mapped, so
-/// nothing goes out but the BUCKET frame. `0` packs bucket `seq` and
-/// returns the buffer it is in.
-struct IpcSink<F>(F);
+/// nothing goes out but the BUCKET frame (and SUMS). `pack` gets bucket
+/// `seq` ready (and hashed into the sums) and returns the buffer it is in.
+struct IpcSink<F> {
+    pack: F,
+    sums: SliceSums,
+}
 
-impl<F: FnMut(u64, &[BucketEntry]) -> Result<u32>> BucketSink for IpcSink<F> {
+impl<F> BucketSink for IpcSink<F>
+where
+    F: FnMut(u64, &[BucketEntry], &mut SliceSums) -> Result<u32>,
+{
     const END_BEFORE_LAST_ACKS: bool = false;
 
     fn prepare(
@@ -92,13 +153,16 @@ impl<F: FnMut(u64, &[BucketEntry]) -> Result<u32>> BucketSink for IpcSink<F> {
         stats: &mut SessionStats,
     ) -> Result<u32> {
         let t = Instant::now();
-        let buffer = (self.0)(seq, entries)?;
+        let buffer = (self.pack)(seq, entries, &mut self.sums)?;
         stats.pack += t.elapsed();
         Ok(buffer)
     }
 
-    fn send(&mut self, _: &mut Conn, _: u64, _: &[BucketEntry]) -> Result<()> {
-        Ok(())
+    fn send(&mut self, conn: &mut Conn, seq: u64, _: &[BucketEntry]) -> Result<()> {
+        match self.sums.frame(seq) {
+            Some(f) => conn.send(&f),
+            None => Ok(()),
+        }
     }
 
     fn release(&mut self, _: &mut Conn, _: u64, _: Instant) -> Result<()> {

@@ -33,9 +33,10 @@
 //! name, or for "latest". Without any `publish`, the current content is the
 //! one version served (the trainer keeps its tensors unchanged while serving).
 //!
-//! **Buckets.** Wanted tensors are packed in order into buckets of at most
-//! `bucket_size` bytes at 256-byte aligned offsets (a tensor larger than a
-//! bucket is split). Buffers alternate: while the engine applies bucket i,
+//! **Buckets.** The engine's requests (WANT: a tensor's bytes as strided
+//! runs, one request per engine plan entry, checked before anything is
+//! packed) are packed in order into buckets of at most `bucket_size` bytes
+//! at 256-byte aligned offsets (a request larger than a bucket is split). Buffers alternate: while the engine applies bucket i,
 //! bucket i+1 is packed into the other buffer, and a buffer is refilled only
 //! after the engine acknowledged the bucket in it. Buffers return to a pool
 //! when a session ends and serve the next session (sequential updates of an
@@ -51,8 +52,8 @@
 //!   each);
 //! - `streamer`: the one bucket streamer: BUCKET frames, the window of
 //!   acknowledgements, END;
-//! - `plan`: which bytes go in which bucket; `shard`: one rank's manifest
-//!   and bytes, and packing them; `buffers`: the pooled bucket buffers;
+//! - `plan`: which request bytes go in which bucket; `shard`: one rank's
+//!   manifest and bytes, and packing them; `sums`: slice checksums (SUMS); `buffers`: the pooled bucket buffers;
 //! - `versions`: published versions and their copies; `offer`: what
 //!   sessions serve; `socket`: the listener and the connections to shut
 //!   down; `config`, `stats`; `hooks`: test-only hooks.
@@ -71,6 +72,7 @@ mod shard;
 mod socket;
 mod stats;
 mod streamer;
+mod sums;
 mod versions;
 
 pub(crate) use crate::manager::check_version;

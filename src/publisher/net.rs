@@ -21,17 +21,20 @@
 
 use super::buffers::take_buffers;
 use super::hooks;
-use super::plan::plan_buckets;
+use super::plan::{plan_buckets, request_sizes};
 use super::shard::{fill, Shard};
 use super::stats::SessionStats;
 use super::streamer::{Bucket, BucketSink, SessionIo};
+use super::sums::SliceSums;
 use crate::checksum::KEYED;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
-use crate::wire::{message_tag as tag, split_entries, BucketEntry, Frame, ALIGN, MAX_BUFFERS};
+use crate::wire::{
+    message_tag as tag, split_entries, BucketEntry, Frame, Request, ALIGN, MAX_BUFFERS,
+};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -46,17 +49,17 @@ struct Ready {
     keyed: bool,
 }
 
-/// Stream the `want`ed tensors of `shard` to the engine at `conn`, whose
-/// bucket bytes' digests are keyed with `key`.
+/// Stream the `requests` of `shard` to the engine at `conn`, whose bucket
+/// bytes' digests are keyed with `key`.
 pub(super) fn stream(
     io: &mut SessionIo,
     key: &[u8; KEYED],
     shard: &mut Shard,
-    want: &[u32],
+    requests: &[Request],
 ) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
-    let buckets = plan_messages(shard, want, ready.bucket_size);
+    let buckets = plan_messages(requests, ready.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = ready.depth.min(buckets.len()).max(1);
     let victim = hooks::corrupt_victim(cfg);
@@ -80,6 +83,7 @@ pub(super) fn stream(
     let mut sink = NetSink {
         pump,
         shard,
+        requests,
         origin: Origin {
             unpacked,
             buffers: &buffers,
@@ -89,7 +93,8 @@ pub(super) fn stream(
         keyed: ready.keyed,
         threads: cfg.pack_threads(),
         victim,
-        sums: Vec::new(),
+        digests: Vec::new(),
+        sums: SliceSums::new(requests),
         in_flight: HashMap::new(),
     };
     io.stream(&buckets, n_buf, &mut sink)?;
@@ -127,11 +132,15 @@ fn recv_ready(conn: &mut Conn, deadline: Instant) -> Result<Ready> {
     Ok(ready)
 }
 
-/// The buckets, each entry no longer than a message (one message per entry).
-fn plan_messages(shard: &Shard, want: &[u32], bucket_size: u64) -> Vec<Bucket> {
-    let mut buckets = plan_buckets(&shard.manifest, want, bucket_size as usize);
+/// The buckets, each entry one message: no longer than `NET_MESSAGE`, and
+/// within one block of its request. A strided request goes as a message
+/// per block, sent from where the block is (nothing packed): the engine
+/// lands each message in one contiguous place (its param or staging), and
+/// UCX tagged messages are contiguous buffers.
+fn plan_messages(requests: &[Request], bucket_size: u64) -> Vec<Bucket> {
+    let mut buckets = plan_buckets(&request_sizes(requests), bucket_size as usize);
     for (entries, _) in &mut buckets {
-        *entries = split_entries(entries);
+        *entries = split_entries(entries, requests);
     }
     buckets
 }
@@ -141,13 +150,16 @@ fn plan_messages(shard: &Shard, want: &[u32], bucket_size: u64) -> Vec<Bucket> {
 struct NetSink<'a> {
     pump: Pump,
     shard: &'a mut Shard,
+    requests: &'a [Request],
     origin: Origin<'a>,
     key: &'a [u8; KEYED],
     keyed: bool,
     threads: usize,
     victim: Option<&'a str>,
     /// The digests of the bucket prepared last, sent with it.
-    sums: Vec<[u8; KEYED]>,
+    digests: Vec<[u8; KEYED]>,
+    /// Slice checksums asked for (SUMS after the BUCKET frame).
+    sums: SliceSums,
     /// Messages of each bucket still on the wire.
     in_flight: HashMap<u64, usize>,
 }
@@ -168,12 +180,15 @@ impl Origin<'_> {
         seq as usize % self.slots
     }
 
-    /// Where entry `e` of bucket `seq` is sent from.
-    fn at(&self, seq: u64, e: &BucketEntry) -> *const u8 {
+    /// Where entry `e` (of `requests`; one block's bytes at most) of
+    /// bucket `seq` is sent from.
+    fn at(&self, seq: u64, e: &BucketEntry, requests: &[Request]) -> *const u8 {
         match &self.unpacked {
-            Some(tensors) => tensors[e.tensor as usize]
-                .0
-                .wrapping_add(e.tensor_offset as usize),
+            Some(tensors) => {
+                let q = &requests[e.request as usize];
+                let from = q.pieces(e.offset, e.len).first().map_or(0, |p| p.0);
+                tensors[q.tensor as usize].0.wrapping_add(from as usize)
+            }
             None => self.buffers[self.slot(seq)]
                 .ptr()
                 .wrapping_add(e.buffer_offset as usize),
@@ -191,31 +206,35 @@ impl BucketSink for NetSink<'_> {
         stats: &mut SessionStats,
     ) -> Result<u32> {
         let slot = self.origin.slot(seq);
-        let origin = &self.origin;
-        let from = |e: &BucketEntry| origin.at(seq, e);
-        if origin.unpacked.is_some() {
-            if self.keyed {
-                self.sums = digests(self.key, entries, from, self.threads);
-            }
-            return Ok(slot as u32);
-        }
-        let buf = origin.buffers[slot].ptr();
+        let (origin, requests) = (&self.origin, self.requests);
+        let from = |e: &BucketEntry| origin.at(seq, e, requests);
         let t = Instant::now();
-        fill(self.shard, entries, buf, self.threads)?;
-        if self.keyed {
-            // Before the corruption test hook, which stands for bytes
-            // altered on the way.
-            self.sums = digests(self.key, entries, from, self.threads);
+        if origin.unpacked.is_none() {
+            let buf = origin.buffers[slot].ptr();
+            fill(self.shard, requests, entries, buf, self.threads)?;
         }
-        hooks::corrupt(&self.shard.manifest, entries, buf, self.victim);
-        stats.pack += t.elapsed();
+        // Before the corruption test hook, which stands for bytes altered
+        // on the way; right after packing, while the bytes are in cache.
+        if self.keyed {
+            self.digests = digests(self.key, entries, from, self.threads);
+        }
+        // SAFETY: each entry's bytes are packed, or held where `at` says.
+        unsafe { self.sums.hash(entries, from) };
+        if origin.unpacked.is_none() {
+            let buf = origin.buffers[slot].ptr();
+            hooks::corrupt(&self.shard.manifest, requests, entries, buf, self.victim);
+            stats.pack += t.elapsed();
+        }
         Ok(slot as u32)
     }
 
     fn send(&mut self, conn: &mut Conn, seq: u64, entries: &[BucketEntry]) -> Result<()> {
         if self.keyed {
-            let digests = std::mem::take(&mut self.sums);
+            let digests = std::mem::take(&mut self.digests);
             conn.send(&Frame::Digests { seq, digests })?;
+        }
+        if let Some(sums) = self.sums.frame(seq) {
+            conn.send(&sums)?;
         }
         // SAFETY: the buffer is neither refilled nor freed before the send
         // completes (`release`) or the pump is dropped (with the sink, before
@@ -224,8 +243,11 @@ impl BucketSink for NetSink<'_> {
         // promise).
         unsafe {
             for (k, e) in entries.iter().enumerate() {
-                self.pump
-                    .send(tag(seq, k), self.origin.at(seq, e), e.len as usize)?;
+                self.pump.send(
+                    tag(seq, k),
+                    self.origin.at(seq, e, self.requests),
+                    e.len as usize,
+                )?;
             }
         }
         self.in_flight.insert(seq, entries.len());

@@ -1,5 +1,5 @@
 //! One engine rank's session after its handshake: the version it asked
-//! for, its manifest, the tensors it wants, then its buckets over IPC
+//! for, its manifest, the requests it wants (checked), then its buckets over IPC
 //! (`ipc`) or the network (`net`), both through the one streamer
 //! (`streamer`).
 
@@ -13,7 +13,7 @@ use super::streamer::SessionIo;
 use super::{ipc, net};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::Frame;
+use crate::wire::{check_requests, Frame};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,6 +42,7 @@ pub(super) fn run(
         pool,
         start,
     );
+    let r = r.map_err(|e| engine_reason(&mut conn).unwrap_or(e));
     if let Err(e) = &r {
         conn.send_error(e);
     }
@@ -49,6 +50,18 @@ pub(super) fn run(
         total: start.elapsed(),
         ..stats
     })
+}
+
+/// The engine's own reason, when it gave up (an ERROR frame waiting) and
+/// this side then failed writing to it: the engine's is the cause.
+fn engine_reason(conn: &mut Conn) -> Option<Error> {
+    if !conn.readable() {
+        return None;
+    }
+    match conn.recv(Instant::now() + Duration::from_millis(100)) {
+        Err(e) if e.message.contains(" reports: ") => Some(e),
+        _ => None,
+    }
 }
 
 /// The session after the handshake: `hello` is the engine's rank, GPU id
@@ -80,18 +93,13 @@ fn serve(
         tensors: shard.manifest.tensors.clone(),
     })?;
     let want = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Want { tensors } => tensors,
+        Frame::Want { requests } => requests,
         other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
     };
-    let n_tensors = shard.manifest.tensors.len();
-    let mut seen = vec![false; n_tensors];
-    for &t in &want {
-        if t as usize >= n_tensors || std::mem::replace(&mut seen[t as usize], true) {
-            return Err(Error::peer(format!(
-                "rank {rank} wants tensor #{t} twice or out of range"
-            )));
-        }
-    }
+    // Every request checked against this rank's tensors before anything
+    // is planned or packed.
+    let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
+    check_requests(&want, &sizes)?;
     let mut stats = SessionStats {
         rank,
         version: have,

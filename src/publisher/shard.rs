@@ -11,7 +11,7 @@ use crate::source::snapshot::checksums::hash_file_ranges;
 use crate::source::snapshot::regular_file::open_regular;
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
 use crate::source::Source;
-use crate::wire::BucketEntry;
+use crate::wire::{BucketEntry, Request};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -191,54 +191,65 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     Ok(ranges.iter().map(|&(_, _, n)| n).sum())
 }
 
-/// Copy the entries' bytes into the bucket buffer at `base` (which holds
-/// every entry's range).
+/// Copy the entries' bytes (of `requests`) into the bucket buffer at
+/// `base` (which holds every entry's range): one copy per block of a
+/// request's runs.
 pub(super) fn fill(
     shard: &mut Shard,
+    requests: &[Request],
     entries: &[BucketEntry],
     base: *mut u8,
     threads: usize,
 ) -> Result<()> {
-    let dst = |e: &BucketEntry| SendPtr(base.wrapping_add(e.buffer_offset as usize));
+    // (tensor, tensor offset, destination, length) of each block.
+    let blocks: Vec<(usize, u64, SendPtr, usize)> = entries
+        .iter()
+        .flat_map(|e| {
+            let q = &requests[e.request as usize];
+            q.pieces(e.offset, e.len)
+                .into_iter()
+                .map(move |(src, at, len)| {
+                    let dst = base.wrapping_add((e.buffer_offset + at - e.offset) as usize);
+                    (q.tensor as usize, src, SendPtr(dst), len as usize)
+                })
+        })
+        .collect();
     match &mut shard.bytes {
         ShardBytes::Memory(ptrs) => {
-            let jobs: Vec<CopyJob> = entries
+            let jobs: Vec<CopyJob> = blocks
                 .iter()
-                .map(|e| CopyJob {
-                    src: CopySource::Memory(SendPtr(
-                        ptrs[e.tensor as usize]
-                            .0
-                            .wrapping_add(e.tensor_offset as usize),
-                    )),
-                    dst: dst(e),
-                    len: e.len as usize,
-                    tag: e.tensor as usize,
+                .map(|&(t, src, dst, len)| CopyJob {
+                    src: CopySource::Memory(SendPtr(ptrs[t].0.wrapping_add(src as usize))),
+                    dst,
+                    len,
+                    tag: t,
                 })
                 .collect();
             // SAFETY: entries lie inside the buffer (planned from its size) and
-            // inside their tensors; the trainer keeps tensors unchanged.
+            // requests inside their tensors (checked when WANT came); the
+            // trainer keeps tensors unchanged.
             unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
         ShardBytes::Files { source, open } => {
-            for e in entries {
-                let (path, _) = source.tensor_location(e.tensor as usize);
+            for &(t, ..) in &blocks {
+                let (path, _) = source.tensor_location(t);
                 if !open.contains_key(path) {
                     let f = open_regular(path)?;
                     open.insert(path.to_path_buf(), f);
                 }
             }
-            let jobs: Vec<CopyJob> = entries
+            let jobs: Vec<CopyJob> = blocks
                 .iter()
-                .map(|e| {
-                    let (path, offset) = source.tensor_location(e.tensor as usize);
+                .map(|&(t, src, dst, len)| {
+                    let (path, offset) = source.tensor_location(t);
                     CopyJob {
                         src: CopySource::File {
                             file: &open[path],
-                            offset: offset + e.tensor_offset,
+                            offset: offset + src,
                         },
-                        dst: dst(e),
-                        len: e.len as usize,
-                        tag: e.tensor as usize,
+                        dst,
+                        len,
+                        tag: t,
                     }
                 })
                 .collect();

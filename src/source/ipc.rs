@@ -2,10 +2,13 @@
 //! shared memory over a Unix socket (protocol in `docs/wire.md`).
 //!
 //! The engine connects, checks the publisher's uid (SO_PEERCRED), says which
-//! rank it is, gets its manifest, tells which tensors it wants (after the
-//! plan, so skipped tensors are never packed), receives the shared buffers
+//! rank it is, gets its manifest, asks for exactly the bytes its plan needs
+//! (WANT: a request per plan entry, after the plan, so skipped tensors and
+//! unneeded parts are never packed), receives the shared buffers
 //! once, then applies bucket after bucket, acknowledging each so the
-//! publisher can refill its buffer while the next one is applied.
+//! publisher can refill its buffer while the next one is applied. Each
+//! step takes one frame, waiting only as long as it is told, so several
+//! publishers (one socket each) are read at once.
 //!
 //! Trust: the socket's mode and the publisher's uid decide who may connect;
 //! a publisher of the same uid is trusted with the bytes but not with the
@@ -31,6 +34,7 @@
 //! for its copies out of a bucket before acknowledging it.
 
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
+use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;
 use crate::memory::shared::{check_announced, BucketMemory, MappedBuffers, SharedBuffer};
@@ -38,7 +42,7 @@ use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
-use crate::wire::{check_bucket, BucketEntry, Frame};
+use crate::wire::{check_bucket, BucketEntry, Frame, ALIGN};
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -68,6 +72,10 @@ pub struct IpcSource {
     /// The manager's mappings of the last session's buffers.
     mapped: Arc<Mutex<MappedBuffers>>,
     gpu: i32,
+    /// This session's buffers, once BUFFERS (or CUDA_BUFFERS) came.
+    buffers: Option<Vec<BucketMemory>>,
+    /// When the next frame must have come.
+    due: Instant,
 }
 
 impl IpcSource {
@@ -111,6 +119,8 @@ impl IpcSource {
             timeout: opts.bucket_timeout,
             mapped,
             gpu: opts.gpu,
+            buffers: None,
+            due: Instant::now(),
         })
     }
 }
@@ -124,52 +134,62 @@ impl FromPublisher for IpcSource {
         &mut self.link
     }
 
-    fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let r = self.receive_buckets(plan, applier);
-        let mut mapped = self.mapped.lock();
-        match r {
-            Ok(buffers) => {
-                mapped.keep(buffers);
-                Ok(())
+    fn begin(&mut self, _: &Plan, _: &mut Applier) -> Result<()> {
+        self.due = Instant::now() + self.timeout;
+        Ok(())
+    }
+
+    /// The next frame, when one comes within `wait`: the buffers, a bucket
+    /// (applied and acknowledged), or END.
+    fn advance(&mut self, _: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step> {
+        applier.check_deadline()?;
+        if !self.link.conn.readable_within(wait) {
+            if Instant::now() < self.due {
+                return Ok(Step::Waiting);
             }
-            Err(e) => {
-                // The publisher may be gone: hold none of its memory.
-                mapped.forget();
-                Err(e)
-            }
+            return Err(Error::timeout(format!(
+                "{}: no frame came within {:?} (the bucket timeout)",
+                self.link.conn.peer(),
+                self.timeout
+            )));
         }
+        let deadline = self.next_deadline(applier);
+        let Some(buffers) = &self.buffers else {
+            self.buffers = Some(self.take_buffers(applier)?);
+            self.due = self.next_deadline(applier);
+            return Ok(Step::Moved);
+        };
+        match self.link.conn.recv(deadline)? {
+            Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            } => {
+                let mem = checked_bucket(&self.link, buffers, seq, buffer, &entries)?;
+                self.link.recv_sums(seq, &entries, deadline, applier)?;
+                apply_bucket(&self.link, applier, mem, seq, &entries)?;
+                self.link.conn.send(&Frame::Ack { seq })?;
+                self.due = self.next_deadline(applier);
+                Ok(Step::Moved)
+            }
+            Frame::End { .. } => {
+                applier.settle_uploads()?;
+                let buffers = self.buffers.take().unwrap_or_default();
+                self.mapped.lock().keep(host_buffers(buffers));
+                Ok(Step::Done)
+            }
+            other => Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
+        }
+    }
+
+    /// The publisher may be gone: hold none of its memory.
+    fn give_up(&mut self) {
+        self.buffers = None;
+        self.mapped.lock().forget();
     }
 }
 
 impl IpcSource {
-    /// Every bucket, applied and acknowledged; returns the buffers mapped.
-    fn receive_buckets(
-        &mut self,
-        plan: &Plan,
-        applier: &mut Applier,
-    ) -> Result<Vec<Arc<SharedBuffer>>> {
-        let buffers = self.take_buffers(applier)?;
-        loop {
-            applier.check_deadline()?;
-            let deadline = self.next_deadline(applier);
-            match self.link.conn.recv(deadline)? {
-                Frame::Bucket {
-                    seq,
-                    buffer,
-                    entries,
-                } => {
-                    apply_bucket(plan, applier, &buffers, seq, buffer, &entries)?;
-                    self.link.conn.send(&Frame::Ack { seq })?;
-                }
-                Frame::End { .. } => {
-                    applier.settle_uploads()?;
-                    return Ok(host_buffers(buffers));
-                }
-                other => return Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
-            }
-        }
-    }
-
     /// When the next frame must have come.
     fn next_deadline(&self, applier: &Applier) -> Instant {
         (Instant::now() + self.timeout).min(applier.deadline())
@@ -216,24 +236,35 @@ impl IpcSource {
     }
 }
 
-/// Check bucket `seq` (in `buffers[buffer]`) and apply its entries; device
-/// copies out of it are done when this returns.
-fn apply_bucket(
-    plan: &Plan,
-    applier: &mut Applier,
-    buffers: &[BucketMemory],
+/// Bucket `seq`'s buffer, `buffers[buffer]`, once its entries are checked
+/// to lie in it and to name requests of this session.
+fn checked_bucket<'b>(
+    link: &PublisherLink,
+    buffers: &'b [BucketMemory],
     seq: u64,
     buffer: u32,
     entries: &[BucketEntry],
-) -> Result<()> {
+) -> Result<&'b BucketMemory> {
     let mem = buffers.get(buffer as usize).ok_or_else(|| {
         Error::peer(format!(
             "bucket {seq} names buffer {buffer} of {}",
             buffers.len()
         ))
     })?;
-    check_bucket(seq, entries, mem.len() as u64, plan.entries.len())
+    check_bucket(seq, entries, mem.len() as u64, link.requests(), ALIGN)
         .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+    Ok(mem)
+}
+
+/// Apply bucket `seq`'s entries (checked), in `mem`; device copies out of
+/// it are done when this returns.
+fn apply_bucket(
+    link: &PublisherLink,
+    applier: &mut Applier,
+    mem: &BucketMemory,
+    seq: u64,
+    entries: &[BucketEntry],
+) -> Result<()> {
     if let BucketMemory::Host(b) = mem {
         // Only the windows this bucket reads (checked above to lie in the
         // buffer) are faulted in.
@@ -245,12 +276,7 @@ fn apply_bucket(
     }
     let chunks: Vec<Chunk> = entries
         .iter()
-        .map(|e| Chunk {
-            tensor: e.tensor as usize,
-            offset: e.tensor_offset,
-            len: e.len as usize,
-            src: mem.source(e.buffer_offset),
-        })
+        .map(|e| link.chunk(e, mem.source(e.buffer_offset)))
         .collect();
     applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
     if let BucketMemory::Device(_) = mem {

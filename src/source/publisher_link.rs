@@ -1,15 +1,18 @@
 //! What the ipc and network sources share: the control connection to a
 //! trainer's publisher, the handshake that ends with this rank's manifest,
-//! the WANT that follows the plan, and the `Source` face of it all. Each
-//! source adds only how bucket bytes reach it.
+//! the WANT that follows the plan (a request per plan entry: exactly the
+//! bytes it needs), bucket entries mapped back to plan entries, slice
+//! checksums (SUMS), and the `Source` face of it all. Each source adds only
+//! how bucket bytes reach it.
 
 use super::Step;
-use crate::apply::Applier;
+use crate::apply::{Applier, Chunk};
 use crate::manifest::Manifest;
+use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::Frame;
+use crate::wire::{BucketEntry, Frame, Request};
 use std::time::{Duration, Instant};
 
 /// Who this rank is and which version it asks for.
@@ -24,6 +27,7 @@ pub struct Hello<'a> {
 pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
+    wanted: Wanted,
 }
 
 impl PublisherLink {
@@ -51,23 +55,114 @@ impl PublisherLink {
             },
             other => return Err(unexpected(&conn, "MANIFEST", &other)),
         };
-        Ok(PublisherLink { conn, manifest })
+        Ok(PublisherLink {
+            conn,
+            manifest,
+            wanted: Wanted::default(),
+        })
     }
 
-    /// Ask for every planned tensor of source `me` that is not skipped.
-    pub fn send_want(&mut self, plan: &Plan, me: usize) -> Result<()> {
-        if me != 0 || !plan.is_whole_tensors() {
-            return Err(Error::unsupported(format!(
-                "{}: this engine's params need parts of the publisher's tensors (pieces or shards), \
-                 and a publisher sends whole tensors only so far; use a snapshot",
-                self.conn.peer()
-            )));
+    /// Ask for exactly the bytes of source `me` the plan's entries need:
+    /// a request per entry that is not skipped, its segments as strided
+    /// runs. An entry moving part of its tensor gets its slice checksum
+    /// from the publisher (SUMS), or, when it takes the whole tensor in
+    /// another place (a fused param), the manifest's.
+    pub fn send_want(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
+        let mut requests = Vec::new();
+        let mut wanted = Wanted::default();
+        for (i, e) in plan.entries.iter().enumerate() {
+            if e.source != me || e.target == Target::Skip {
+                continue;
+            }
+            let blocks = plan.segments(i).iter().filter(|s| s.len > 0);
+            let mut q =
+                Request::of_blocks(e.tensor as u32, blocks.map(|s| (s.source, s.len)), false);
+            if !plan.moves_whole(i) {
+                match e.meta.checksum {
+                    Some(sum) if q.is_whole(e.meta.nbytes) => applier.expect_checksum(i, sum)?,
+                    _ => q.sums = true,
+                }
+            }
+            wanted.entries.push(i);
+            wanted.bytes.push(q.bytes());
+            wanted.sums.push(q.sums);
+            requests.push(q);
         }
-        let tensors = (0..plan.entries.len() as u32)
-            .filter(|&i| plan.entries[i as usize].target != Target::Skip)
-            .collect();
-        self.conn.send(&Frame::Want { tensors })
+        self.conn.send(&Frame::Want { requests })?;
+        self.wanted = wanted;
+        Ok(())
     }
+
+    /// The chunk of bucket entry `e` (checked against the bucket: a request
+    /// of this WANT) with its bytes at `src`.
+    pub fn chunk<'a>(&self, e: &BucketEntry, src: CopySource<'a>) -> Chunk<'a> {
+        Chunk {
+            tensor: self.wanted.entries[e.request as usize],
+            offset: e.offset,
+            len: e.len as usize,
+            src,
+        }
+    }
+
+    /// How many requests WANT made (bucket entries name one of them).
+    pub fn requests(&self) -> usize {
+        self.wanted.entries.len()
+    }
+
+    /// The plan entry of bucket entry `e`.
+    pub fn entry(&self, e: &BucketEntry) -> usize {
+        self.wanted.entries[e.request as usize]
+    }
+
+    /// When bucket `seq` (its `entries` checked) holds the last byte of a
+    /// request that asked for a slice checksum, its SUMS frame follows:
+    /// take it before `deadline` and hand each sum to the applier, before
+    /// any byte of the bucket is applied.
+    pub fn recv_sums(
+        &mut self,
+        seq: u64,
+        entries: &[BucketEntry],
+        deadline: Instant,
+        applier: &mut Applier,
+    ) -> Result<()> {
+        let w = &self.wanted;
+        let completes = |e: &BucketEntry| {
+            let k = e.request as usize;
+            w.sums[k] && e.len > 0 && e.offset + e.len == w.bytes[k]
+        };
+        if !entries.iter().any(completes) {
+            return Ok(());
+        }
+        let sums = match self.conn.recv(deadline)? {
+            Frame::Sums { seq: s, sums } if s == seq => sums,
+            other => {
+                return Err(unexpected(
+                    &self.conn,
+                    &format!("SUMS of bucket {seq}"),
+                    &other,
+                ))
+            }
+        };
+        for (k, sum) in sums {
+            if !self.wanted.sums.get(k as usize).copied().unwrap_or(false) {
+                return Err(Error::peer(format!(
+                    "{}: bucket {seq}: a sum for request #{k}, which asked for none",
+                    self.conn.peer()
+                )));
+            }
+            applier.expect_checksum(self.wanted.entries[k as usize], sum)?;
+        }
+        Ok(())
+    }
+}
+
+/// What WANT asked for: request `k` is plan entry `entries[k]`, of
+/// `bytes[k]` bytes, and asked for a slice checksum when `sums[k]`.
+#[derive(Default)]
+struct Wanted {
+    entries: Vec<usize>,
+    bytes: Vec<u64>,
+    sums: Vec<bool>,
 }
 
 /// "<peer>: expected X, got Y".
@@ -84,8 +179,13 @@ pub fn unexpected(conn: &Conn, expected: &str, got: &Frame) -> Error {
 pub trait FromPublisher {
     fn link(&self) -> &PublisherLink;
     fn link_mut(&mut self) -> &mut PublisherLink;
-    /// WANT is sent; receive and apply every bucket.
-    fn receive(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()>;
+    /// WANT is sent: get ready to receive (nothing is applied yet).
+    fn begin(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()>;
+    /// Take what came (one bucket, or one landed entry) to the applier,
+    /// waiting at most about `wait` for it.
+    fn advance(&mut self, plan: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step>;
+    /// The update failed: hold none of the publisher's memory any more.
+    fn give_up(&mut self);
 }
 
 impl<T: FromPublisher> super::Source for T {
@@ -101,15 +201,33 @@ impl<T: FromPublisher> super::Source for T {
         self.link().conn.peer().to_string()
     }
 
-    fn start(&mut self, plan: &Plan, me: usize, _: &mut Applier) -> Result<()> {
-        self.link_mut().send_want(plan, me)
+    /// Parts of tensors come with their xxh3-128 (SUMS), computed by the
+    /// publisher as it serves them.
+    fn checks_slices(&self) -> bool {
+        true
     }
 
-    fn step(&mut self, plan: &Plan, _: usize, applier: &mut Applier, _: Duration) -> Result<Step> {
-        self.receive(plan, applier).map(|()| Step::Done)
+    fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
+        self.link_mut().send_want(plan, me, applier)?;
+        self.begin(plan, applier)
+    }
+
+    fn step(
+        &mut self,
+        plan: &Plan,
+        _: usize,
+        applier: &mut Applier,
+        wait: Duration,
+    ) -> Result<Step> {
+        let r = self.advance(plan, applier, wait);
+        if r.is_err() {
+            self.give_up();
+        }
+        r
     }
 
     fn abort(&mut self, why: &Error) {
         self.link_mut().conn.send_error(why);
+        self.give_up();
     }
 }

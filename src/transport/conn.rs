@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Most descriptors accepted with one message.
 const MAX_FDS: usize = 8;
@@ -107,13 +107,20 @@ impl Conn {
     /// Frames are read straight from the socket, never buffered here, so
     /// the socket tells.
     pub fn readable(&self) -> bool {
+        self.readable_within(Duration::ZERO)
+    }
+
+    /// True when bytes of the next frame (or a hang-up) came within `wait`
+    /// (a source stepping among several waits a little, not a frame long).
+    pub fn readable_within(&self, wait: Duration) -> bool {
         let mut p = libc::pollfd {
             fd: self.stream.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
-        // SAFETY: one pollfd, no wait.
-        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+        let ms = wait.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) > 0 }
     }
 
     pub fn send(&mut self, frame: &Frame) -> Result<()> {

@@ -14,12 +14,9 @@ impl Frame {
         let frame = match i.u8()? {
             kind::HELLO => hello(&mut i)?,
             kind::MANIFEST => manifest(&mut i)?,
-            kind::WANT => {
-                let n = i.count(4, "tensor indices")?;
-                Frame::Want {
-                    tensors: (0..n).map(|_| i.u32()).collect::<Result<_>>()?,
-                }
-            }
+            kind::WANT => Frame::Want {
+                requests: super::want::decode(&mut i)?,
+            },
             kind::BUFFERS => {
                 let n = buffer_count(&mut i, 8, "buffers")?;
                 Frame::Buffers {
@@ -50,6 +47,17 @@ impl Frame {
                 Frame::Digests { seq, digests }
             }
             kind::CUDA_BUFFERS => cuda_buffers(&mut i)?,
+            kind::SUMS => {
+                let seq = i.u64()?;
+                let n = i.count(4 + 16, "sums")?;
+                let sums = (0..n)
+                    .map(|_| {
+                        let k = i.u32()?;
+                        Ok((k, u128::from_le_bytes(i.take(16)?.try_into().expect("16"))))
+                    })
+                    .collect::<Result<_>>()?;
+                Frame::Sums { seq, sums }
+            }
             t => return Err(Error::peer(format!("wire: unknown frame type {t}"))),
         };
         i.done()?;
@@ -161,8 +169,8 @@ fn bucket(i: &mut In) -> Result<Frame> {
     let mut entries = Vec::with_capacity(n);
     for _ in 0..n {
         entries.push(BucketEntry {
-            tensor: i.u32()?,
-            tensor_offset: i.u64()?,
+            request: i.u32()?,
+            offset: i.u64()?,
             len: i.u64()?,
             buffer_offset: i.u64()?,
         });

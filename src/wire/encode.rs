@@ -25,10 +25,7 @@ impl Frame {
                 o.str(version);
             }
             Frame::Manifest { version, tensors } => manifest(&mut o, version, tensors),
-            Frame::Want { tensors } => {
-                o.u32(tensors.len() as u32);
-                tensors.iter().for_each(|t| o.u32(*t));
-            }
+            Frame::Want { requests } => super::want::encode(&mut o, requests),
             Frame::Buffers { sizes } => {
                 o.u32(sizes.len() as u32);
                 sizes.iter().for_each(|s| o.u64(*s));
@@ -69,6 +66,14 @@ impl Frame {
                 digests.iter().for_each(|d| o.0.extend_from_slice(d));
             }
             Frame::CudaBuffers { buffers } => cuda_buffers(&mut o, buffers),
+            Frame::Sums { seq, sums } => {
+                o.u64(*seq);
+                o.u32(sums.len() as u32);
+                for (k, sum) in sums {
+                    o.u32(*k);
+                    o.0.extend_from_slice(&sum.to_le_bytes());
+                }
+            }
         }
         let len = (o.0.len() - 4) as u32;
         o.0[..4].copy_from_slice(&len.to_le_bytes());
@@ -91,6 +96,7 @@ impl Frame {
             Frame::Ready { .. } => kind::READY,
             Frame::CudaBuffers { .. } => kind::CUDA_BUFFERS,
             Frame::Digests { .. } => kind::DIGESTS,
+            Frame::Sums { .. } => kind::SUMS,
         }
     }
 }
@@ -127,8 +133,8 @@ fn bucket(o: &mut Out, seq: u64, buffer: u32, entries: &[BucketEntry]) {
     o.u32(buffer);
     o.u32(entries.len() as u32);
     for e in entries {
-        o.u32(e.tensor);
-        o.u64(e.tensor_offset);
+        o.u32(e.request);
+        o.u64(e.offset);
         o.u64(e.len);
         o.u64(e.buffer_offset);
     }

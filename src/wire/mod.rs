@@ -17,15 +17,18 @@ mod buckets;
 mod decode;
 mod encode;
 mod fields;
+mod want;
 
 use crate::manifest::TensorMeta;
 
 pub use buckets::{check_bucket, message_tag, net_message_bytes, split_entries};
 pub(crate) use fields::{In, Out};
+pub use want::{check_requests, Request, WantRun};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
-/// 2: manifest tensors carry their shard placement.
-pub(crate) const PROTOCOL: u32 = 2;
+/// 2: manifest tensors carry their shard placement. 3: WANT asks for
+/// requests (strided runs of a tensor), buckets carry request bytes, SUMS.
+pub(crate) const PROTOCOL: u32 = 3;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
@@ -52,14 +55,16 @@ mod kind {
     pub(super) const READY: u8 = 11;
     pub(super) const CUDA_BUFFERS: u8 = 12;
     pub(super) const DIGESTS: u8 = 13;
+    pub(super) const SUMS: u8 = 14;
 }
 
-/// One bucket entry: `len` bytes of tensor `tensor` starting at its byte
-/// `tensor_offset`, found at `buffer_offset` in the bucket's buffer.
+/// One bucket entry: `len` bytes of WANT request `request` starting at its
+/// byte `offset` (request bytes: its runs' blocks back to back), found at
+/// `buffer_offset` in the bucket's buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketEntry {
-    pub tensor: u32,
-    pub tensor_offset: u64,
+    pub request: u32,
+    pub offset: u64,
     pub len: u64,
     pub buffer_offset: u64,
 }
@@ -85,8 +90,9 @@ pub enum Frame {
         version: String,
         tensors: Vec<TensorMeta>,
     },
-    /// Engine to publisher: indices of the manifest tensors it wants.
-    Want { tensors: Vec<u32> },
+    /// Engine to publisher: the bytes it wants, one request per plan entry
+    /// (`want.rs`).
+    Want { requests: Vec<Request> },
     /// Publisher to engine: sizes of the shared buffers whose descriptors
     /// travel with this frame (SCM_RIGHTS).
     Buffers { sizes: Vec<u64> },
@@ -128,6 +134,10 @@ pub enum Frame {
     /// asked for it: the keyed BLAKE3 digest of each entry's bytes, in
     /// entry order (`checksum::keyed`, key from the session).
     Digests { seq: u64, digests: Vec<[u8; 32]> },
+    /// Publisher to engine, right after BUCKET `seq` (and its DIGESTS) when
+    /// the bucket holds the last byte of requests that asked for sums: the
+    /// xxh3-128 of each such request's bytes, as (request, sum).
+    Sums { seq: u64, sums: Vec<(u32, u128)> },
 }
 
 impl Frame {
@@ -146,6 +156,7 @@ impl Frame {
             Frame::Ready { .. } => "READY",
             Frame::CudaBuffers { .. } => "CUDA_BUFFERS",
             Frame::Digests { .. } => "DIGESTS",
+            Frame::Sums { .. } => "SUMS",
         }
     }
 }
@@ -186,7 +197,14 @@ mod tests {
             tensors: vec![shard(&[2, 3], &[4, 3], &[2, 0]), shard(&[], &[], &[])],
         });
         round_trip(Frame::Want {
-            tensors: vec![0, 2],
+            requests: vec![
+                Request::whole(0, 12, false),
+                Request::of_blocks(2, [(4, 4), (12, 4), (40, 8)], true),
+            ],
+        });
+        round_trip(Frame::Sums {
+            seq: 2,
+            sums: vec![(1, 7 << 100), (4, 9)],
         });
         round_trip(Frame::Buffers {
             sizes: vec![1 << 20, 1 << 20],
@@ -206,8 +224,8 @@ mod tests {
             seq: 1,
             buffer: 1,
             entries: vec![BucketEntry {
-                tensor: 0,
-                tensor_offset: 0,
+                request: 0,
+                offset: 0,
                 len: 12,
                 buffer_offset: 256,
             }],
@@ -380,25 +398,26 @@ mod tests {
             .message
             .contains("GPU buffers (1 to"));
         let e = |off, len| BucketEntry {
-            tensor: 0,
-            tensor_offset: 0,
+            request: 0,
+            offset: 0,
             len,
             buffer_offset: off,
         };
-        assert!(check_bucket(0, &[e(0, 100)], 1024, 1).is_ok());
-        assert!(check_bucket(0, &[e(10, 100)], 1024, 1)
+        assert!(check_bucket(0, &[e(0, 100)], 1024, 1, ALIGN).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1, 1).is_ok());
+        assert!(check_bucket(0, &[e(10, 100)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("aligned"));
-        assert!(check_bucket(0, &[e(768, 512)], 1024, 1)
+        assert!(check_bucket(0, &[e(768, 512)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("run past"));
-        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1)
+        assert!(check_bucket(0, &[e(0, 512), e(256, 10)], 1024, 1, ALIGN)
             .unwrap_err()
             .message
             .contains("overlap"));
-        assert!(check_bucket(0, &[e(0, 1)], 1024, 0)
+        assert!(check_bucket(0, &[e(0, 1)], 1024, 0, ALIGN)
             .unwrap_err()
             .message
             .contains("#0"));

@@ -37,14 +37,22 @@ pub fn publisher(a: &Args) -> Result<(), String> {
     let count = crate::bench::layer_count(a.number("gib", 4.0)?);
     let threads: usize = a.number("threads", 1)?;
     let bucket_mib: usize = a.number("bucket-mib", 512)?;
-    let engines: usize = a.number("engines", 2 * (WARM_UPS + 1))?;
+    // Live: also a TP rank's halves, verified (`halves`).
+    let halves = if published {
+        0
+    } else {
+        3 * crate::bench_net::HALVES.len()
+    };
+    let engines: usize = a.number("engines", 2 * (WARM_UPS + 1) + halves)?;
     let data = crate::bench::trainer_layers(count);
     let p = Publisher::bind(
         std::path::Path::new(socket),
         PublisherConfig {
             bucket_size: bucket_mib << 20,
             threads,
-            checksums: false,
+            // Live: hashed once, by the first session of the serve call
+            // (a warm-up), for the verified halves.
+            checksums: !published,
             ..Default::default()
         },
     )
@@ -269,5 +277,42 @@ fn measure(
         fmt::ms(zc.sync)
     );
     std::hint::black_box(touched.get());
+    if mode == "live" {
+        halves(socket, side, params.len(), floors)?;
+    }
     Ok((copy, zc, first))
+}
+
+/// A TP rank's halves of every layer (`bench_net::HALVES`), verified with
+/// the publisher's slice checksums and unverified, one run each after a
+/// warm-up.
+fn halves(
+    socket: &std::path::Path,
+    side: usize,
+    count: usize,
+    floors: &Floors,
+) -> Result<(), String> {
+    for (what, dim) in crate::bench_net::HALVES {
+        let m = Manager::new(ManagerConfig {
+            threads: side,
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())?;
+        crate::bench_net::half_params(&m, count, dim)?;
+        let run = |verify: bool| {
+            let mut r = request(socket);
+            r.verify = verify;
+            m.update(r).map_err(|e| e.to_string())
+        };
+        run(true)?; // faults the params, maps the buffers
+        let (v, u) = (run(true)?, run(false)?);
+        let (vr, ur) = (gbps(v.bytes, v.sync), gbps(u.bytes, u.sync));
+        println!(
+            "    {what:<34}{vr:>7.2} GB/s   ratio {:.2} to memcpy; unverified {ur:.2} GB/s ({:.2}); {} (one run each)",
+            vr / floors.memcpy,
+            ur / floors.memcpy,
+            fmt::bytes(v.bytes)
+        );
+    }
+    Ok(())
 }

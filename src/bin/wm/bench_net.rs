@@ -14,6 +14,7 @@ use crate::fmt::{self, gbps};
 use crate::Args;
 use std::time::{Duration, Instant};
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats};
+use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
@@ -55,6 +56,33 @@ pub fn publisher(a: &Args) -> Result<(), String> {
             s.hashed,
             s.hash.as_nanos()
         );
+    }
+    Ok(())
+}
+
+/// A TP rank's half of every layer, verified with slice checksums: the
+/// rows (one range of each tensor; over the network sent from the
+/// trainer's tensors in 1 MiB messages), and the columns (a strided run;
+/// over the network one message per 4 KiB row half, over IPC packed).
+pub(crate) const HALVES: [(&str, usize); 2] = [
+    ("row half (TP piece), verified", 0),
+    ("column half (TP piece), verified", 1),
+];
+
+/// Library-owned params holding the second half of every layer along
+/// dimension `dim` (a first half named like its tensor would read as the
+/// whole tensor of the param's shape: `ParamSpec::is_whole_tensor`).
+pub(crate) fn half_params(m: &Manager, count: usize, dim: usize) -> Result<(), String> {
+    let full = crate::bench::LAYER_SHAPE;
+    for i in 0..count {
+        let name = format!("layers.{i}.w");
+        let mut shape = full.to_vec();
+        shape[dim] /= 2;
+        let spec = ParamSpec {
+            pieces: vec![Piece::narrow(&name, &full, dim, shape[dim], shape[dim])],
+            ..ParamSpec::host(&name, DType::Bf16, &shape)
+        };
+        m.allocate(&spec).map_err(|e| e.to_string())?;
     }
     Ok(())
 }
@@ -135,7 +163,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     // Sessions: direct (the default) and staged, each a warm-up then RUNS verified and
     // RUNS unverified; small buckets; one with keyed digests; then the probes.
     let runs: usize = a.number("runs", 5)?;
-    let engines = 2 * (1 + 2 * runs) + 1 + 1 + probes;
+    let engines = 2 * (1 + 2 * runs) + 1 + 1 + 3 * HALVES.len() + probes;
     let args = ["bench", "net-publisher", "--gib", &gib.to_string()]
         .into_iter()
         .map(String::from)
@@ -248,6 +276,17 @@ pub fn run(a: &Args) -> Result<(), String> {
     crate::bench::register_layers(&keyed, &mut params)?;
     let keyed_run = keyed.update(request(true)).map_err(|e| e.to_string())?;
     drop(keyed);
+    let halves = HALVES
+        .iter()
+        .map(|&(what, dim)| {
+            let m = engine(bucket, 0)?;
+            half_params(&m, count, dim)?;
+            m.update(request(false)).map_err(|e| e.to_string())?; // faults the params
+            let v = m.update(request(false)).map_err(|e| e.to_string())?;
+            let u = m.update(request(true)).map_err(|e| e.to_string())?;
+            Ok((what, v, u))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
 
     let floor = gbps(total as u64, floor_t);
     println!(
@@ -293,6 +332,17 @@ pub fn run(a: &Args) -> Result<(), String> {
         "rdma direct, keyed BLAKE3 digests",
         gbps(keyed_run.bytes, keyed_run.total)
     );
+    for (what, v, u) in &halves {
+        println!(
+            "  wm     {what:<36}{:>7.2} GB/s   ratio {:.2} to the best floor; unverified {:.2} GB/s ({:.2}); {} of {} (one run each)",
+            gbps(v.bytes, v.total),
+            gbps(v.bytes, v.total) / floor,
+            gbps(u.bytes, u.total),
+            gbps(u.bytes, u.total) / floor,
+            fmt::bytes(v.bytes),
+            fmt::bytes(total as u64)
+        );
+    }
     hash_rates(&floor_src);
     // Time to first byte: a whole update of one 4 KiB tensor.
     let mut best = Duration::MAX;

@@ -1,0 +1,403 @@
+//! Receiving one network session, a step at a time: BUCKET frames get
+//! their UCX receives posted as soon as they come, landed entries are
+//! applied (verified) one by one while their bytes are in cache, and each
+//! bucket is acknowledged once its last entry is. The pump and the receive
+//! state live here between steps, so several network sources are read at
+//! once (one UCX worker each).
+
+use super::{NetOptions, SLOTS};
+use crate::apply::Applier;
+use crate::checksum::KEYED;
+use crate::memory::copy::CopySource;
+use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
+use crate::plan::Plan;
+use crate::result::{Error, Result};
+use crate::source::publisher_link::{unexpected, PublisherLink};
+use crate::source::Step;
+use crate::transport::ucx::{Completion, Pump};
+use crate::wire::message_tag as net_tag;
+use crate::wire::{check_bucket, BucketEntry, Frame};
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The session's side that a step reads: the control connection, the
+/// options, and the key of the bucket bytes' digests.
+pub(super) struct Peer<'a> {
+    pub link: &'a mut PublisherLink,
+    pub opts: &'a NetOptions,
+    pub key: &'a [u8; KEYED],
+}
+
+/// One session's receive, from READY to the last ACK. Dropping it cancels
+/// the posted receives (the pump goes first) and only then returns the
+/// staging slots; the applier's memory (direct receives) outlives it.
+pub(super) struct Receiver {
+    pump: Option<Pump>,
+    /// Staged: the staging slots (empty: direct).
+    slots: Vec<HostRegion>,
+    st: Receiving,
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.pump = None;
+        if !self.slots.is_empty() {
+            SLOTS.give_back(std::mem::take(&mut self.slots));
+        }
+    }
+}
+
+/// Where one receive stands: posted buckets, oldest first, and how far the
+/// oldest is applied.
+struct Receiving {
+    /// Completions that came before their turn, by tag.
+    early: HashMap<u64, Result<usize>>,
+    pending: VecDeque<Posted>,
+    /// Entries of the oldest pending bucket applied so far.
+    applied: usize,
+    /// The sequence number the next BUCKET must carry.
+    next: u64,
+    /// END came: no more buckets.
+    ended: bool,
+    /// When something last moved (a frame, a landed entry, an ACK).
+    waiting_since: Instant,
+}
+
+impl Receiver {
+    /// Take the staging slots (staged), start this session's UCX worker and
+    /// tell the publisher where it is (READY).
+    pub(super) fn start(link: &mut PublisherLink, opts: &NetOptions) -> Result<Receiver> {
+        let slots = if opts.direct {
+            Vec::new()
+        } else {
+            let (size, depth) = (opts.bucket_size, opts.depth);
+            let threads = crate::memory::copy::default_threads();
+            SLOTS.take(depth, size, |_| {
+                HostRegion::staging("network staging slot", size, threads)
+            })?
+        };
+        let mut rx = Receiver {
+            pump: None,
+            slots,
+            st: Receiving {
+                early: HashMap::new(),
+                pending: VecDeque::new(),
+                applied: 0,
+                next: 0,
+                ended: false,
+                waiting_since: Instant::now(),
+            },
+        };
+        let pump = rx.pump.insert(Pump::start("engine")?);
+        link.conn.send(&Frame::Ready {
+            address: pump.address().to_vec(),
+            bucket_size: opts.bucket_size as u64,
+            depth: opts.depth as u32,
+            direct: opts.direct,
+            keyed: opts.keyed,
+        })?;
+        Ok(rx)
+    }
+
+    /// One pass: a BUCKET frame waiting gets its receives posted (so its
+    /// bytes flow while earlier buckets are applied); else the oldest
+    /// bucket's next entry is applied once it lands, or the bucket is
+    /// acknowledged once all have. Waits at most about `wait`.
+    pub(super) fn advance(
+        &mut self,
+        p: &mut Peer,
+        plan: &Plan,
+        applier: &mut Applier,
+        wait: Duration,
+    ) -> Result<Step> {
+        applier.check_deadline()?;
+        if !self.st.ended {
+            let idle = self.st.pending.is_empty();
+            let conn = &p.link.conn;
+            let frame = match idle {
+                true => conn.readable_within(wait),
+                false => conn.readable(),
+            };
+            if frame {
+                self.take_frame(p, applier)?;
+                return Ok(Step::Moved);
+            }
+            if idle {
+                check_stall(self.st.waiting_since, p, self.st.next)?;
+                return Ok(Step::Waiting);
+            }
+        }
+        let Some(oldest) = self.st.pending.front() else {
+            return Ok(Step::Done); // ended, and every bucket acknowledged
+        };
+        if self.st.applied < oldest.entries.len() {
+            return self.apply_next_entry(p, plan, applier, wait);
+        }
+        p.link.conn.send(&Frame::Ack { seq: oldest.seq })?;
+        self.st.pending.pop_front();
+        self.st.applied = 0;
+        self.st.waiting_since = Instant::now();
+        Ok(Step::Moved)
+    }
+
+    /// The next control frame: a BUCKET (with its DIGESTS and SUMS) gets
+    /// its receives posted, END marks the stream ended.
+    fn take_frame(&mut self, p: &mut Peer, applier: &mut Applier) -> Result<()> {
+        let frame_deadline = (Instant::now() + p.opts.bucket_timeout).min(applier.deadline());
+        let (seq, buffer, entries) = match p.link.conn.recv(frame_deadline)? {
+            Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            } => (seq, buffer, entries),
+            Frame::End { buckets } if buckets == self.st.next => {
+                self.st.ended = true;
+                return Ok(());
+            }
+            Frame::End { buckets } => {
+                return Err(Error::peer(format!(
+                    "{}: END after {buckets} buckets, {} received",
+                    p.link.conn.peer(),
+                    self.st.next
+                )))
+            }
+            other => return Err(unexpected(&p.link.conn, "BUCKET or END", &other)),
+        };
+        self.check_bucket_order(p, seq, buffer)?;
+        // Messages are blocks of requests: where they sit in a slot needs
+        // no alignment (nothing maps it).
+        let slot_size = p.opts.bucket_size as u64;
+        check_bucket(seq, &entries, slot_size, p.link.requests(), 1)?;
+        let digests = match p.opts.keyed {
+            true => recv_digests(p.link, seq, entries.len(), frame_deadline)?,
+            false => Vec::new(),
+        };
+        p.link.recv_sums(seq, &entries, frame_deadline, applier)?;
+        let slot = self.slots.get(buffer as usize).map(HostRegion::ptr);
+        if self.st.pending.is_empty() {
+            self.st.waiting_since = Instant::now();
+        }
+        let pump = self.pump.as_ref().expect("started");
+        let mut posted = post(pump, p.link, seq, entries, slot, applier)?;
+        posted.digests = digests;
+        self.st.pending.push_back(posted);
+        self.st.next += 1;
+        Ok(())
+    }
+
+    /// BUCKET `seq` in slot `buffer` must be the next one, in its slot (when
+    /// staged), within the window of `depth` unacknowledged buckets.
+    fn check_bucket_order(&self, p: &Peer, seq: u64, buffer: u32) -> Result<()> {
+        let (depth, st) = (p.opts.depth, &self.st);
+        if seq != st.next
+            || (!self.slots.is_empty() && buffer as u64 != seq % depth as u64)
+            || st.pending.len() >= depth
+        {
+            return Err(Error::peer(format!(
+                "{}: bucket {seq} in slot {buffer} with {} unacknowledged, expected bucket {} in slot {} with fewer than {depth}",
+                p.link.conn.peer(),
+                st.pending.len(),
+                st.next,
+                st.next % depth as u64
+            )));
+        }
+        Ok(())
+    }
+
+    /// Wait (at most `wait`) for the oldest bucket's next entry to land,
+    /// then check its length and digest and hand it to the applier
+    /// (copied, verified) at once, while its bytes are still in cache.
+    fn apply_next_entry(
+        &mut self,
+        p: &mut Peer,
+        plan: &Plan,
+        applier: &mut Applier,
+        wait: Duration,
+    ) -> Result<Step> {
+        // Wait briefly when another frame may come, so it is posted soon.
+        let slice = match self.st.pending.len() < p.opts.depth && !self.st.ended {
+            true => Duration::from_millis(1),
+            false => Duration::from_millis(50),
+        }
+        .min(wait);
+        let st = &mut self.st;
+        let oldest = st.pending.front().expect("a posted bucket");
+        let k = st.applied;
+        let tag = net_tag(oldest.seq, k);
+        let pump = self.pump.as_ref().expect("started");
+        let Some(got) = poll_bytes(pump, p.link, &mut st.early, tag, oldest.seq, slice)? else {
+            check_stall(st.waiting_since, p, oldest.seq)?;
+            return Ok(Step::Waiting);
+        };
+        let e = &oldest.entries[k];
+        if got as u64 != e.len {
+            return Err(Error::peer(format!(
+                "{}: bucket {} entry {k} brought {got} bytes, {} announced",
+                p.link.conn.peer(),
+                oldest.seq,
+                e.len
+            )));
+        }
+        if let Some(want) = oldest.digests.get(k) {
+            check_digest(p, oldest, k, want, plan)?;
+        }
+        apply_landed(applier, p.link, oldest, k)?;
+        st.applied += 1;
+        st.waiting_since = Instant::now();
+        Ok(Step::Moved)
+    }
+}
+
+/// Nothing moved since `since`, for the bucket timeout: bucket `seq` is late.
+fn check_stall(since: Instant, p: &Peer, seq: u64) -> Result<()> {
+    if since.elapsed() <= p.opts.bucket_timeout {
+        return Ok(());
+    }
+    Err(Error::timeout(format!(
+        "{}: the bytes of bucket {seq} did not arrive within {:?}",
+        p.link.conn.peer(),
+        p.opts.bucket_timeout
+    )))
+}
+
+/// The DIGESTS frame that follows BUCKET `seq` (of `n` entries).
+fn recv_digests(
+    link: &mut PublisherLink,
+    seq: u64,
+    n: usize,
+    deadline: Instant,
+) -> Result<Vec<[u8; KEYED]>> {
+    let conn = &mut link.conn;
+    match conn.recv(deadline)? {
+        Frame::Digests { seq: s, digests } if s == seq && digests.len() == n => Ok(digests),
+        Frame::Digests { seq: s, digests } => Err(Error::peer(format!(
+            "{}: digests of bucket {s} ({} entries) after bucket {seq} ({n} entries)",
+            conn.peer(),
+            digests.len()
+        ))),
+        other => Err(unexpected(conn, "DIGESTS", &other)),
+    }
+}
+
+/// Entry `k` of `bucket` landed: its bytes must match their keyed digest.
+fn check_digest(
+    p: &Peer,
+    bucket: &Posted,
+    k: usize,
+    want: &[u8; KEYED],
+    plan: &Plan,
+) -> Result<()> {
+    let e = &bucket.entries[k];
+    // SAFETY: the entry's receive completed into this range (a slot or
+    // the applier's landing, both host memory: keyed excludes gdr).
+    let bytes = unsafe { std::slice::from_raw_parts(bucket.landing[k].0, e.len as usize) };
+    if crate::checksum::keyed_matches(p.key, bytes, want) {
+        return Ok(());
+    }
+    Err(Error::checksum(format!(
+        "tensor '{}' from bucket {} of {}: its bytes do not match their keyed BLAKE3 digest \
+         (altered or corrupted on the way)",
+        plan.entries[p.link.entry(e)].meta.name,
+        bucket.seq,
+        p.link.conn.peer()
+    )))
+}
+
+/// The length that message `tag` (of bucket `seq`) brought, once it
+/// landed; None when it has not within `slice`. A publisher that closed
+/// the control connection (it died, or gave up) is an error at once.
+fn poll_bytes(
+    pump: &Pump,
+    link: &mut PublisherLink,
+    early: &mut HashMap<u64, Result<usize>>,
+    tag: u64,
+    seq: u64,
+    slice: Duration,
+) -> Result<Option<usize>> {
+    if let Some(r) = early.remove(&tag) {
+        return r.map(Some).map_err(|e| e.context(format!("bucket {seq}")));
+    }
+    match pump.next(Instant::now() + slice)? {
+        Some(Completion { tag: t, result }) if t == tag => result
+            .map(Some)
+            .map_err(|e| e.context(format!("bucket {seq}"))),
+        Some(Completion { tag, result }) => {
+            early.insert(tag, result);
+            Ok(None)
+        }
+        None if link.conn.peer_hung_up() => {
+            // Prefer the publisher's own reason, when it sent one.
+            let e = match link.conn.recv(Instant::now() + Duration::from_millis(100)) {
+                Err(e) => e,
+                Ok(f) => Error::peer(format!("{}: unexpected {}", link.conn.peer(), f.name())),
+            };
+            Err(e.context(format!("waiting for bucket {seq}")))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Entry `k` of `bucket` landed: hand it to the applier, from its staging
+/// slot or (direct) from where it already is.
+fn apply_landed(
+    applier: &mut Applier,
+    link: &PublisherLink,
+    bucket: &Posted,
+    k: usize,
+) -> Result<()> {
+    let e = &bucket.entries[k];
+    let at = bucket.slot.map_or(std::ptr::null_mut(), |slot| {
+        slot.0.wrapping_add(e.buffer_offset as usize)
+    });
+    let chunk = link.chunk(e, CopySource::Memory(SendPtr(at)));
+    let origin = format!("bucket {}", bucket.seq);
+    match bucket.slot {
+        Some(_) => applier.apply_batch(&origin, &[chunk]),
+        None => applier.account_landed(&origin, &[chunk]),
+    }
+}
+
+/// A bucket whose receives are posted, and its staging slot (None: direct).
+struct Posted {
+    seq: u64,
+    entries: Vec<BucketEntry>,
+    slot: Option<SendPtr>,
+    /// Where each entry lands.
+    landing: Vec<SendPtr>,
+    /// Each entry's keyed digest (empty: not asked for).
+    digests: Vec<[u8; KEYED]>,
+}
+
+/// Post one receive per entry of bucket `seq`: at the entry's offset in its
+/// staging slot (at `slot`), or (direct) where the applier wants the bytes.
+fn post(
+    pump: &Pump,
+    link: &PublisherLink,
+    seq: u64,
+    entries: Vec<BucketEntry>,
+    slot: Option<*mut u8>,
+    applier: &mut Applier,
+) -> Result<Posted> {
+    let mut landing = Vec::with_capacity(entries.len());
+    for (k, e) in entries.iter().enumerate() {
+        let at = match slot {
+            Some(slot) => SendPtr(slot.wrapping_add(e.buffer_offset as usize)),
+            None => applier.receive_buffer_for(link.entry(e), e.offset, e.len as usize)?,
+        };
+        // SAFETY: the range is inside the slot (entries checked against the
+        // bucket size) or the entry's memory (checked by the applier). The
+        // pump is dropped, cancelling any receive, before that memory goes;
+        // a slot is reposted only after its bucket was applied (the
+        // publisher waits for the ACK).
+        unsafe { pump.recv(net_tag(seq, k), at.0, e.len as usize)? };
+        landing.push(at);
+    }
+    Ok(Posted {
+        seq,
+        entries,
+        slot: slot.map(SendPtr),
+        landing,
+        digests: Vec::new(),
+    })
+}

@@ -1,0 +1,299 @@
+//! WANT's requests (protocol 3): exactly the bytes of a publisher's tensor
+//! one engine entry needs, as strided runs, and where a request's bytes
+//! lie in its tensor.
+//!
+//! A request's bytes are its runs' blocks back to back, in order: block
+//! `i` of run `r` is `r.len` bytes at `r.offset + i * r.stride` of the
+//! tensor. A whole tensor is one run `{0, nbytes, 1, nbytes}`.
+
+use super::fields::{In, Out};
+use crate::result::{Error, Result};
+
+/// Most requests in one WANT (engine entries of one source).
+pub(crate) const MAX_REQUESTS: usize = 1 << 20;
+/// Most runs in one WANT, all requests together.
+pub(crate) const MAX_RUNS: usize = 1 << 20;
+
+/// `rows` blocks of `len` bytes, the first at byte `offset` of the tensor,
+/// each next `stride` bytes after the one before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WantRun {
+    pub offset: u64,
+    pub len: u64,
+    pub rows: u64,
+    pub stride: u64,
+}
+
+/// One engine entry's bytes of manifest tensor `tensor`; `sums` asks for
+/// the xxh3-128 of the request's bytes (a SUMS frame) as they are served.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub tensor: u32,
+    pub runs: Vec<WantRun>,
+    pub sums: bool,
+}
+
+impl Request {
+    /// All of a tensor of `nbytes` bytes, in order (no run for 0 bytes).
+    pub fn whole(tensor: u32, nbytes: u64, sums: bool) -> Request {
+        let runs = match nbytes {
+            0 => Vec::new(),
+            n => vec![WantRun {
+                offset: 0,
+                len: n,
+                rows: 1,
+                stride: n,
+            }],
+        };
+        Request { tensor, runs, sums }
+    }
+
+    /// The request of `blocks` ((tensor offset, length), in the order the
+    /// bytes are wanted): equal blocks equally spaced make one strided run.
+    pub fn of_blocks(
+        tensor: u32,
+        blocks: impl IntoIterator<Item = (u64, u64)>,
+        sums: bool,
+    ) -> Self {
+        let mut runs: Vec<WantRun> = Vec::new();
+        for (offset, len) in blocks {
+            match runs.last_mut() {
+                Some(r)
+                    if r.len == len
+                        && (r.rows == 1 && offset >= r.offset + len
+                            || r.rows > 1 && offset == r.offset + r.rows * r.stride) =>
+                {
+                    r.stride = offset - r.offset - (r.rows - 1) * r.stride;
+                    r.rows += 1;
+                }
+                _ => runs.push(WantRun {
+                    offset,
+                    len,
+                    rows: 1,
+                    stride: len,
+                }),
+            }
+        }
+        Request { tensor, runs, sums }
+    }
+
+    /// The request's byte count (checked requests only: no overflow).
+    pub fn bytes(&self) -> u64 {
+        self.runs.iter().map(|r| r.len * r.rows).sum()
+    }
+
+    /// The request reads its tensor's bytes in one contiguous range from
+    /// `offset`: Some(offset).
+    pub fn contiguous(&self) -> Option<u64> {
+        match self.runs.as_slice() {
+            [] => Some(0),
+            [r] if r.rows == 1 || r.stride == r.len => Some(r.offset),
+            _ => None,
+        }
+    }
+
+    /// The request is its whole tensor of `nbytes`, in order.
+    pub fn is_whole(&self, nbytes: u64) -> bool {
+        self.contiguous() == Some(0) && self.bytes() == nbytes
+    }
+
+    /// Where request bytes `[at, at + len)` lie in the tensor: (tensor
+    /// offset, request offset, length) of each contiguous piece, in order.
+    pub fn pieces(&self, at: u64, len: u64) -> Vec<(u64, u64, u64)> {
+        let (end, mut base, mut out) = (at + len, 0u64, Vec::new());
+        for r in &self.runs {
+            let n = r.len * r.rows;
+            if base + n > at && base < end {
+                let first = at.saturating_sub(base) / r.len;
+                let last = (end - base).min(n).div_ceil(r.len);
+                for row in first..last {
+                    let (b0, b1) = (base + row * r.len, base + (row + 1) * r.len);
+                    let (from, to) = (b0.max(at), b1.min(end));
+                    out.push((r.offset + row * r.stride + (from - b0), from, to - from));
+                }
+            }
+            base += n;
+            if base >= end {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Check the request against its publisher's tensors (`sizes`, bytes
+    /// by manifest index): the tensor exists, and every run has blocks
+    /// (`len > 0`, `rows > 0`), blocks that do not overlap (`stride >= len`
+    /// when `rows > 1`) and lies inside the tensor, with no overflow.
+    pub fn check(&self, k: usize, sizes: &[u64]) -> Result<()> {
+        let bad = |why: String| Err(Error::peer(format!("WANT request #{k}: {why}")));
+        let Some(&n) = sizes.get(self.tensor as usize) else {
+            return bad(format!("names tensor #{} of {}", self.tensor, sizes.len()));
+        };
+        let mut total = 0u64;
+        for (i, r) in self.runs.iter().enumerate() {
+            if r.len == 0 || r.rows == 0 || (r.rows > 1 && r.stride < r.len) {
+                return bad(format!(
+                    "run {i} has len {}, rows {}, stride {} (len and rows at least 1, \
+                     stride at least len)",
+                    r.len, r.rows, r.stride
+                ));
+            }
+            let end = (r.rows - 1)
+                .checked_mul(r.stride)
+                .and_then(|s| s.checked_add(r.offset))
+                .and_then(|s| s.checked_add(r.len));
+            total = match (end, r.len.checked_mul(r.rows)) {
+                (Some(end), Some(b)) if end <= n => total.saturating_add(b),
+                _ => {
+                    return bad(format!(
+                        "run {i} ({} rows of {} bytes from byte {}, stride {}) runs past \
+                         the {n} bytes of tensor #{}",
+                        r.rows, r.len, r.offset, r.stride, self.tensor
+                    ))
+                }
+            };
+        }
+        // An entry's blocks are distinct bytes of its tensor: more is a
+        // request for the same bytes again (and a way to make a publisher
+        // plan without bound).
+        if total > n {
+            return bad(format!(
+                "{total} bytes asked of the {n} bytes of tensor #{}",
+                self.tensor
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Check every request of a WANT against the publisher's tensors (`sizes`)
+/// before anything is packed.
+pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
+    requests
+        .iter()
+        .enumerate()
+        .try_for_each(|(k, r)| r.check(k, sizes))
+}
+
+pub(super) fn encode(o: &mut Out, requests: &[Request]) {
+    o.u32(requests.len() as u32);
+    for q in requests {
+        o.u32(q.tensor);
+        o.u8(q.sums as u8);
+        o.u32(q.runs.len() as u32);
+        for r in &q.runs {
+            o.u64(r.offset);
+            o.u64(r.len);
+            o.u64(r.rows);
+            o.u64(r.stride);
+        }
+    }
+}
+
+pub(super) fn decode(i: &mut In) -> Result<Vec<Request>> {
+    let n = i.count(4 + 1 + 4, "requests")?;
+    if n > MAX_REQUESTS {
+        return Err(Error::peer(format!(
+            "wire: WANT of {n} requests (at most {MAX_REQUESTS})"
+        )));
+    }
+    let mut runs_left = MAX_RUNS;
+    let mut out = Vec::with_capacity(n);
+    for k in 0..n {
+        let tensor = i.u32()?;
+        let sums = match i.u8()? {
+            0 => false,
+            1 => true,
+            f => return Err(Error::peer(format!("wire: request #{k}: sums flag {f}"))),
+        };
+        let m = i.count(32, "runs")?;
+        if m > runs_left {
+            return Err(Error::peer(format!(
+                "wire: WANT of more than {MAX_RUNS} runs"
+            )));
+        }
+        runs_left -= m;
+        let runs = (0..m)
+            .map(|_| {
+                Ok(WantRun {
+                    offset: i.u64()?,
+                    len: i.u64()?,
+                    rows: i.u64()?,
+                    stride: i.u64()?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        out.push(Request { tensor, runs, sums });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(offset: u64, len: u64, rows: u64, stride: u64) -> WantRun {
+        WantRun {
+            offset,
+            len,
+            rows,
+            stride,
+        }
+    }
+
+    #[test]
+    fn blocks_join_into_strided_runs_and_map_back() {
+        // Columns 2..4 of a [3, 4] u8 tensor, then a lone block.
+        let q = Request::of_blocks(0, [(2, 2), (6, 2), (10, 2), (20, 5)], false);
+        assert_eq!(q.runs, vec![run(2, 2, 3, 4), run(20, 5, 1, 5)]);
+        assert_eq!(q.bytes(), 11);
+        assert_eq!(q.contiguous(), None);
+        // Request bytes 1..8: the end of row 0, rows 1 and 2, 2 of the lone block.
+        assert_eq!(
+            q.pieces(1, 8),
+            vec![(3, 1, 1), (6, 2, 2), (10, 4, 2), (20, 6, 3)]
+        );
+        let w = Request::whole(1, 16, false);
+        assert!(w.is_whole(16) && !w.is_whole(17));
+        assert_eq!(w.pieces(4, 8), vec![(4, 4, 8)]);
+        // Equal blocks back to back are one contiguous run.
+        let c = Request::of_blocks(0, [(8, 4), (12, 4)], false);
+        assert_eq!(c.contiguous(), Some(8));
+    }
+
+    #[test]
+    fn bad_requests_are_refused_naming_the_problem() {
+        let sizes = [100u64, 16];
+        let check = |runs: Vec<WantRun>, tensor| {
+            Request {
+                tensor,
+                runs,
+                sums: false,
+            }
+            .check(3, &sizes)
+        };
+        assert!(check(vec![run(0, 10, 10, 10)], 0).is_ok());
+        let cases = [
+            (check(vec![run(0, 4, 1, 4)], 2), "names tensor #2 of 2"),
+            (check(vec![run(0, 0, 1, 0)], 0), "len 0"),
+            (check(vec![run(0, 4, 2, 3)], 0), "stride 3"),
+            (
+                check(vec![run(0, 10, 11, 10)], 0),
+                "runs past the 100 bytes",
+            ),
+            (check(vec![run(u64::MAX, 2, 1, 2)], 1), "runs past"),
+            (check(vec![run(0, 1, u64::MAX, u64::MAX)], 1), "runs past"),
+            (
+                check(vec![run(0, 8, 1, 8), run(0, 16, 1, 16)], 1),
+                "24 bytes asked",
+            ),
+        ];
+        for (r, want) in cases {
+            let e = r.unwrap_err();
+            assert!(
+                e.message.contains("request #3") && e.message.contains(want),
+                "{want}: {e}"
+            );
+        }
+    }
+}
