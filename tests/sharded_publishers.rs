@@ -339,7 +339,12 @@ fn corrupted_slice_is_caught(via: Via) {
         let (r, _) = serving(&ps, || m.update(request(via, &ps, Mode::Atomic)));
         let e = r.unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{via:?}: {e}");
-        let named = format!("tensor '{victim}' (the part this rank takes)");
+        // "w" moves in part (checked against the publisher's slice sum),
+        // "k" whole into the fused param (against the manifest's).
+        let named = match victim {
+            "w" => "tensor 'w' (the part this rank takes)".to_string(),
+            _ => format!("tensor '{victim}' from"),
+        };
         assert!(
             e.message.contains(&named) && e.message.contains("source 1"),
             "{via:?}: {e}"

@@ -7,6 +7,9 @@ the engine checks every byte it received against the full tensors.
     python sharded_ranks.py trainer RANK RANKS ipc|net WHERE VERSIONS ENGINES_SESSIONS
     python sharded_ranks.py engine RANK ipc|net|snapshot LOCATIONS VERSIONS [--kill PID]
 
+(--kill: the engine kills process PID at its first progress report of the
+last version's update.)
+
 The trainer prints its address on its first line once it listens; the
 engine prints one JSON line per update."""
 
@@ -30,7 +33,7 @@ GLOBALS = {
     "k": (4, 6),
     "v": (4, 6),
     "experts": (8, 4, 6),   # engine: each rank holds a range of experts
-    "big": (1024, 1024),    # engine: row split; many buckets, so a killed trainer dies mid-stream
+    "big": (8192, 1024),    # engine: row split; many buckets, so a killed trainer dies mid-stream
 }
 
 
@@ -85,7 +88,7 @@ def layout(rank: int) -> dict:
                                              t["v"][v0:v0 + vn]])),
         "experts.ep": ((en, 4, 6), [Piece.narrow("experts", g["experts"], 0, e0, en)],
                        lambda t: t["experts"][e0:e0 + en]),
-        "big.tp": ((bn, 1024), [Piece.narrow("big", g["big"], 0, b0, bn)],
+        "big.tp": ((bn, g["big"][1]), [Piece.narrow("big", g["big"], 0, b0, bn)],
                    lambda t: t["big"][b0:b0 + bn]),
     }
 
@@ -100,7 +103,8 @@ def engine(rank: int, transport: str, locations: list, versions: list, kill: int
             killed = []
 
             def progress(p):
-                if kill and not killed:
+                # The kill comes in the last update, once bytes flow.
+                if kill and v == versions[-1] and not killed:
                     os.kill(kill, signal.SIGKILL)
                     killed.append(kill)
 

@@ -141,17 +141,17 @@ def test_a_trainer_rank_killed_mid_update_fails_it_naming_the_rank(tmp_path, tra
     sessions = sharded_ranks.ENGINE_RANKS * len(VERSIONS)
     procs, addrs = start_trainers(tmp_path, transport, VERSIONS, sessions)
     try:
-        first = run_engines(transport, addrs, VERSIONS[:1], ranks=1)
-        assert first[0][0]["ok"], first
-        # The engine kills trainer rank 3 at its first progress report of
-        # the next update: rank 3 has several buckets of "big" left.
-        results = run_engines(transport, addrs, VERSIONS[1:], kill=procs[3].pid, ranks=1)
+        # Engine rank 0 updates to step-1, then kills trainer rank 1 at its
+        # first progress report of step-2: rank 1 serves it 8 MiB of "big"
+        # in 1 MiB buckets, most of them still to come.
+        results = run_engines(transport, addrs, VERSIONS, kill=procs[1].pid, ranks=1)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    u = results[0][0]
+    assert results[0][0]["ok"], results
+    u = results[0][1]
     assert not u["ok"], u
-    assert addrs[3] in u["error"], u
+    assert addrs[1] in u["error"], u
     # Atomic: the old version and every old byte stay.
     assert u["state"] == "NORMAL" and u["now"] == VERSIONS[0] and u["matches"], u

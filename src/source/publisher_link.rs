@@ -64,9 +64,10 @@ impl PublisherLink {
 
     /// Ask for exactly the bytes of source `me` the plan's entries need:
     /// a request per entry that is not skipped, its segments as strided
-    /// runs. An entry moving part of its tensor gets its slice checksum
-    /// from the publisher (SUMS), or, when it takes the whole tensor in
-    /// another place (a fused param), the manifest's.
+    /// runs. Verifying, an entry moving part of its tensor gets its slice
+    /// checksum from the publisher (SUMS); one taking all of its tensor
+    /// (also in another place: a fused param) is checked against the
+    /// manifest's.
     pub fn send_want(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         let mut requests = Vec::new();
         let mut wanted = Wanted::default();
@@ -77,12 +78,10 @@ impl PublisherLink {
             let blocks = plan.segments(i).iter().filter(|s| s.len > 0);
             let mut q =
                 Request::of_blocks(e.tensor as u32, blocks.map(|s| (s.source, s.len)), false);
-            if !plan.moves_whole(i) {
-                match e.meta.checksum {
-                    Some(sum) if q.is_whole(e.meta.nbytes) => applier.expect_checksum(i, sum)?,
-                    _ => q.sums = true,
-                }
-            }
+            // A part of a tensor is checked against the sum the publisher
+            // computes as it serves it; all of a tensor (also when it
+            // lands in a fused param) against the manifest's.
+            q.sums = applier.verifies() && !plan.takes_all(i);
             wanted.entries.push(i);
             wanted.bytes.push(q.bytes());
             wanted.sums.push(q.sums);
