@@ -24,10 +24,13 @@ pub(super) struct ShardRef {
 pub(super) struct Held {
     pub region: TensorBox,
     pub replicas: Vec<ShardRef>,
+    /// The shard carries a placement (named by its box in messages).
+    placed: bool,
 }
 
 #[derive(Debug)]
-pub(super) struct GlobalTensor {
+pub(super) struct GlobalTensor<'a> {
+    pub name: &'a str,
     pub dtype: DType,
     pub shape: Vec<u64>,
     /// Distinct boxes, sorted by offset.
@@ -36,7 +39,7 @@ pub(super) struct GlobalTensor {
     max_len0: u64,
 }
 
-impl GlobalTensor {
+impl GlobalTensor<'_> {
     /// The boxes that may meet `b` (same rank): those starting along
     /// dimension 0 before `b` ends and not ending before it starts.
     pub fn candidates(&self, b: &TensorBox) -> &[Held] {
@@ -52,10 +55,20 @@ impl GlobalTensor {
     }
 }
 
-/// Who has what. `name_of` keeps the names' first-seen order for messages.
+/// Who has what: the global tensors in first-seen order (for messages),
+/// found by name (borrowed from the manifests: nothing is copied per
+/// shard).
 #[derive(Debug, Default)]
-pub(super) struct Globals {
-    pub tensors: HashMap<String, GlobalTensor>,
+pub(super) struct Globals<'a> {
+    pub tensors: Vec<GlobalTensor<'a>>,
+    by_name: HashMap<&'a str, usize>,
+}
+
+impl<'a> Globals<'a> {
+    /// The index of global tensor `name` in `tensors`.
+    pub fn find(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
 }
 
 /// The box tensor `t` holds of its global tensor.
@@ -71,7 +84,7 @@ pub(super) fn region_of(t: &TensorMeta) -> TensorBox {
 
 /// Group every tensor of every source by global tensor; every problem
 /// found is appended to `problems`.
-pub(super) fn collect(sources: &[&Manifest], problems: &mut Vec<String>) -> Globals {
+pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) -> Globals<'a> {
     let mut g = Globals::default();
     for (s, m) in sources.iter().enumerate() {
         for (i, t) in m.tensors.iter().enumerate() {
@@ -90,15 +103,15 @@ pub(super) fn collect(sources: &[&Manifest], problems: &mut Vec<String>) -> Glob
             );
         }
     }
-    for (name, t) in g.tensors.iter_mut() {
-        t.held.sort_by(|a, b| a.region.offset.cmp(&b.region.offset));
+    for t in g.tensors.iter_mut() {
+        join_replicas(t, problems);
         t.max_len0 = t
             .held
             .iter()
             .map(|h| h.region.len.first().copied().unwrap_or(1))
             .max()
             .unwrap_or(0);
-        overlaps(name, t, sources, problems);
+        overlaps(t, sources, problems);
     }
     g
 }
@@ -129,17 +142,20 @@ fn shard_problem(t: &TensorMeta) -> Option<String> {
     })
 }
 
-fn add(g: &mut Globals, t: &TensorMeta, at: ShardRef, problems: &mut Vec<String>) {
-    let shape = t.global_shape().to_vec();
-    let entry = g
-        .tensors
-        .entry(t.name.clone())
-        .or_insert_with(|| GlobalTensor {
+fn add<'a>(g: &mut Globals<'a>, t: &'a TensorMeta, at: ShardRef, problems: &mut Vec<String>) {
+    let shape = t.global_shape();
+    let next = g.tensors.len();
+    let index = *g.by_name.entry(t.name.as_str()).or_insert(next);
+    if index == next {
+        g.tensors.push(GlobalTensor {
+            name: &t.name,
             dtype: t.dtype,
-            shape: shape.clone(),
+            shape: shape.to_vec(),
             held: Vec::new(),
             max_len0: 0,
         });
+    }
+    let entry = &mut g.tensors[index];
     if entry.dtype != t.dtype || entry.shape != shape {
         problems.push(format!(
             "tensor '{}': sources disagree on it: {} {} and {} {}",
@@ -147,33 +163,51 @@ fn add(g: &mut Globals, t: &TensorMeta, at: ShardRef, problems: &mut Vec<String>
             entry.dtype,
             shape_text(&entry.shape),
             t.dtype,
-            shape_text(&shape)
+            shape_text(shape)
         ));
         return;
     }
-    let region = region_of(t);
-    match entry.held.iter_mut().find(|h| h.region == region) {
-        Some(h) if h.replicas.iter().any(|r| r.source == at.source) => {
-            let which = match t.placement {
-                Some(_) => format!(" {region}"),
-                None => String::new(),
-            };
-            problems.push(format!(
-                "tensor '{}'{which} appears more than once in the source",
-                t.name
-            ))
+    entry.held.push(Held {
+        region: region_of(t),
+        replicas: vec![at],
+        placed: t.placement.is_some(),
+    });
+}
+
+/// Sort `t`'s boxes by offset and join equal ones into one box with its
+/// replicas (in source order); the same box twice from one source is a
+/// problem. Sorting keeps this linear-logarithmic in the shards.
+fn join_replicas(t: &mut GlobalTensor, problems: &mut Vec<String>) {
+    t.held
+        .sort_by(|a, b| (&a.region.offset, &a.region.len).cmp(&(&b.region.offset, &b.region.len)));
+    let mut joined: Vec<Held> = Vec::with_capacity(t.held.len());
+    for h in t.held.drain(..) {
+        match joined.last_mut() {
+            Some(last) if last.region == h.region => {
+                let at = h.replicas[0];
+                if last.replicas.iter().any(|r| r.source == at.source) {
+                    let which = match h.placed {
+                        true => format!(" {}", h.region),
+                        false => String::new(),
+                    };
+                    problems.push(format!(
+                        "tensor '{}'{which} appears more than once in the source",
+                        t.name
+                    ));
+                } else {
+                    last.replicas.push(at);
+                }
+            }
+            _ => joined.push(h),
         }
-        Some(h) => h.replicas.push(at),
-        None => entry.held.push(Held {
-            region,
-            replicas: vec![at],
-        }),
     }
+    t.held = joined;
 }
 
 /// Distinct boxes of one tensor must not share an element. Boxes are
 /// sorted by offset; only those still open along dimension 0 are compared.
-fn overlaps(name: &str, t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>) {
+fn overlaps(t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>) {
+    let name = t.name;
     let mut open: Vec<usize> = Vec::new();
     for (i, h) in t.held.iter().enumerate() {
         let start0 = h.region.offset.first().copied().unwrap_or(0);

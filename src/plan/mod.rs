@@ -20,7 +20,9 @@
 //! against shards), `runs.rs` (common boxes into runs and segments).
 
 mod cover;
+mod fingerprint;
 mod global;
+mod params;
 mod runs;
 #[cfg(test)]
 mod sharded_tests;
@@ -29,11 +31,12 @@ mod tests;
 
 use crate::logging::Logger;
 use crate::manifest::{Manifest, TensorMeta};
-use crate::registry::Registry;
 use crate::result::{Error, Result};
-use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::OnceLock;
+
+pub use fingerprint::fingerprint;
+pub use params::{ParamLayout, ParamView, Params};
 
 /// Where one plan entry's bytes go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,22 +236,22 @@ fn fail(problems: Vec<String>, code: fn(String) -> Error) -> Result<()> {
     Err(code(msg))
 }
 
-/// Check one source's `manifest` against `registry` and say where every
-/// byte goes.
-pub fn make_plan(
+/// Check one source's `manifest` against `params` (a `Registry`, or
+/// layouts without memory) and say where every byte goes.
+pub fn make_plan<P: Params + ?Sized>(
     manifest: &Manifest,
-    registry: &Registry,
+    params: &P,
     opts: PlanOptions,
     logger: &Logger,
 ) -> Result<Plan> {
-    make_sharded_plan(&[manifest], registry, opts, logger)
+    make_sharded_plan(&[manifest], params, opts, logger)
 }
 
 /// Check the manifests of `sources`, which serve one version together,
-/// against `registry` and say where every byte goes.
-pub fn make_sharded_plan(
+/// against `params` and say where every byte goes.
+pub fn make_sharded_plan<P: Params + ?Sized>(
     sources: &[&Manifest],
-    registry: &Registry,
+    params: &P,
     opts: PlanOptions,
     logger: &Logger,
 ) -> Result<Plan> {
@@ -264,11 +267,11 @@ pub fn make_sharded_plan(
     let mut problems = Vec::new();
     let mut found = Vec::new();
     if !opts.callback {
-        let mut used = HashSet::new();
-        for (i, p) in registry.params().iter().enumerate() {
+        let mut used = vec![false; globals.tensors.len()];
+        for i in 0..params.count() {
             cover::cover_param(
                 i,
-                p,
+                params.param(i),
                 &globals,
                 opts.spread,
                 &mut used,
@@ -276,7 +279,7 @@ pub fn make_sharded_plan(
                 &mut problems,
             );
         }
-        unknown_tensors(sources, &used, opts, logger, &mut problems);
+        unknown_tensors(&globals, &used, opts, logger, &mut problems);
     }
     let plan = assemble(sources, found, opts.callback);
     if opts.verify {
@@ -306,19 +309,16 @@ fn check_versions(sources: &[&Manifest], problems: &mut Vec<String>) {
     }
 }
 
-/// Global tensors no piece names are an error, or skipped with a warning.
+/// Global tensors no piece names are an error, or skipped with a warning
+/// (in the order the sources name them).
 fn unknown_tensors(
-    sources: &[&Manifest],
-    used: &HashSet<String>,
+    globals: &global::Globals,
+    used: &[bool],
     opts: PlanOptions,
     logger: &Logger,
     problems: &mut Vec<String>,
 ) {
-    let mut seen = HashSet::new();
-    for t in sources.iter().flat_map(|m| &m.tensors) {
-        if used.contains(&t.name) || !seen.insert(t.name.as_str()) {
-            continue;
-        }
+    for (t, _) in globals.tensors.iter().zip(used).filter(|(_, &u)| !u) {
         if opts.skip_unknown {
             logger.warn(&format!(
                 "skipping tensor '{}': not a registered param",

@@ -5,7 +5,7 @@ use super::tests::meta;
 use super::*;
 use crate::manifest::Placement;
 use crate::pieces::Piece;
-use crate::registry::ParamSpec;
+use crate::registry::{ParamSpec, Registry};
 use crate::tensor::{byte_size, DType};
 use crate::tensor_box::TensorBox;
 

@@ -1,5 +1,5 @@
 use super::*;
-use crate::registry::ParamSpec;
+use crate::registry::{ParamSpec, Registry};
 use crate::tensor::byte_size;
 use crate::tensor::DType;
 

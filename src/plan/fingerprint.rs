@@ -1,0 +1,72 @@
+//! A fingerprint of what a plan was made from, so that a caller holding a
+//! plan can tell, for the price of one pass over the layouts (no
+//! intersections, no runs), whether it still holds: same sources (names,
+//! dtypes, shapes, placements, checksums, version) and same params (names,
+//! dtypes, shapes, pieces). Options are the caller's to compare.
+
+use super::params::Params;
+use crate::checksum::Checksum;
+use crate::manifest::Manifest;
+
+/// Feeds numbers and strings unambiguously (strings length-prefixed).
+struct Feed(Checksum);
+
+impl Feed {
+    fn num(&mut self, n: u64) {
+        self.0.update(&n.to_le_bytes());
+    }
+
+    fn text(&mut self, s: &str) {
+        self.num(s.len() as u64);
+        self.0.update(s.as_bytes());
+    }
+
+    fn dims(&mut self, d: &[u64]) {
+        self.num(d.len() as u64);
+        for &x in d {
+            self.num(x);
+        }
+    }
+}
+
+/// XXH3-128 of everything of `sources` and `params` a plan depends on.
+pub fn fingerprint<P: Params + ?Sized>(sources: &[&Manifest], params: &P) -> u128 {
+    let mut f = Feed(Checksum::default());
+    f.num(sources.len() as u64);
+    for m in sources {
+        f.text(m.version.as_deref().unwrap_or(""));
+        f.num(m.tensors.len() as u64);
+        for t in &m.tensors {
+            f.text(&t.name);
+            f.num(t.dtype as u64);
+            f.dims(&t.shape);
+            f.num(t.nbytes);
+            let sum = t.checksum.unwrap_or(0);
+            f.num(u64::from(t.checksum.is_some()));
+            f.num(sum as u64);
+            f.num((sum >> 64) as u64);
+            match &t.placement {
+                Some(p) => {
+                    f.dims(&p.global_shape);
+                    f.dims(&p.offset);
+                }
+                None => f.num(u64::MAX),
+            }
+        }
+    }
+    f.num(params.count() as u64);
+    for i in 0..params.count() {
+        let p = params.param(i);
+        f.text(p.name);
+        f.num(p.dtype as u64);
+        f.dims(p.shape);
+        f.num(p.pieces.len() as u64);
+        for piece in p.pieces {
+            f.text(&piece.tensor);
+            f.dims(&piece.global.offset);
+            f.dims(&piece.global.len);
+            f.dims(&piece.at);
+        }
+    }
+    f.0.digest()
+}
