@@ -29,7 +29,7 @@ pub(super) fn cover_param(
     if param.pieces.is_empty() {
         problems.push(format!("param '{}' has no pieces", param.name));
     }
-    let implicit = param.is_whole_tensor();
+    let implicit = param.whole;
     for (k, piece) in param.pieces.iter().enumerate() {
         let what = || match implicit {
             true => format!("param '{}'", param.name),

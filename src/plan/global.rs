@@ -118,7 +118,8 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
 
 /// A tensor whose byte size or placement is wrong.
 fn shard_problem(t: &TensorMeta) -> Option<String> {
-    match byte_size(&format!("tensor '{}'", t.name), t.dtype, &t.shape) {
+    // The name is only formatted for an error (this runs for every shard).
+    match byte_size("", t.dtype, &t.shape) {
         Ok(n) if n == t.nbytes => {}
         Ok(n) => {
             return Some(format!(
@@ -129,7 +130,10 @@ fn shard_problem(t: &TensorMeta) -> Option<String> {
                 shape_text(&t.shape)
             ))
         }
-        Err(e) => return Some(e.message),
+        Err(_) => {
+            let what = format!("tensor '{}'", t.name);
+            return byte_size(&what, t.dtype, &t.shape).err().map(|e| e.message);
+        }
     }
     let p = t.placement.as_ref()?;
     let region = region_of(t);

@@ -16,12 +16,19 @@
 //! (named as a box), missing checksums when verification is asked for, and
 //! an empty source.
 //!
-//! Files: `global.rs` (the shards by global tensor), `cover.rs` (pieces
-//! against shards), `runs.rs` (common boxes into runs and segments).
+//! Files: `build.rs` (the steps, and [`Sources`]: the sources checked and
+//! indexed once, planned against many engine ranks' params), `global.rs`
+//! (the shards by global tensor), `cover.rs` (pieces against shards),
+//! `runs.rs` (common boxes into runs and segments), `params.rs` (what the
+//! plan needs of params: a `Registry`, or [`ParamLayout`]s without
+//! memory), `fingerprint.rs` (has what a plan was made from changed),
+//! `layout/` (trainer and engine layouts in JSON, for `wm plan`).
 
+mod build;
 mod cover;
 mod fingerprint;
 mod global;
+pub mod layout;
 mod params;
 mod runs;
 #[cfg(test)]
@@ -29,12 +36,12 @@ mod sharded_tests;
 #[cfg(test)]
 mod tests;
 
-use crate::logging::Logger;
-use crate::manifest::{Manifest, TensorMeta};
-use crate::result::{Error, Result};
+use crate::manifest::TensorMeta;
+use build::entry_of;
 use std::ops::Range;
 use std::sync::OnceLock;
 
+pub use build::{make_plan, make_sharded_plan, Sources};
 pub use fingerprint::fingerprint;
 pub use params::{ParamLayout, ParamView, Params};
 
@@ -214,210 +221,5 @@ impl Plan {
         self.entries.iter().enumerate().all(|(i, e)| {
             e.source == 0 && e.tensor == i && (e.target == Target::Skip || e.bytes == e.meta.nbytes)
         }) && self.runs.iter().all(|r| r.rows == 1 && r.source == r.param)
-    }
-}
-
-/// At most this many problems are listed in one error message.
-const MAX_LISTED: usize = 5;
-
-fn fail(problems: Vec<String>, code: fn(String) -> Error) -> Result<()> {
-    if problems.is_empty() {
-        return Ok(());
-    }
-    let n = problems.len();
-    let mut msg = problems
-        .into_iter()
-        .take(MAX_LISTED)
-        .collect::<Vec<_>>()
-        .join("; ");
-    if n > MAX_LISTED {
-        msg.push_str(&format!("; and {} more", n - MAX_LISTED));
-    }
-    Err(code(msg))
-}
-
-/// Check one source's `manifest` against `params` (a `Registry`, or
-/// layouts without memory) and say where every byte goes.
-pub fn make_plan<P: Params + ?Sized>(
-    manifest: &Manifest,
-    params: &P,
-    opts: PlanOptions,
-    logger: &Logger,
-) -> Result<Plan> {
-    make_sharded_plan(&[manifest], params, opts, logger)
-}
-
-/// Check the manifests of `sources`, which serve one version together,
-/// against `params` and say where every byte goes.
-pub fn make_sharded_plan<P: Params + ?Sized>(
-    sources: &[&Manifest],
-    params: &P,
-    opts: PlanOptions,
-    logger: &Logger,
-) -> Result<Plan> {
-    if sources.iter().all(|m| m.tensors.is_empty()) {
-        return Err(Error::not_found(
-            "the source holds no tensors (empty source)",
-        ));
-    }
-    let mut problems = Vec::new();
-    check_versions(sources, &mut problems);
-    let globals = global::collect(sources, &mut problems);
-    fail(problems, Error::format)?;
-    let mut problems = Vec::new();
-    let mut found = Vec::new();
-    if !opts.callback {
-        let mut used = vec![false; globals.tensors.len()];
-        for i in 0..params.count() {
-            cover::cover_param(
-                i,
-                params.param(i),
-                &globals,
-                opts.spread,
-                &mut used,
-                &mut found,
-                &mut problems,
-            );
-        }
-        unknown_tensors(&globals, &used, opts, logger, &mut problems);
-    }
-    let plan = assemble(sources, found, opts.callback);
-    if opts.verify {
-        unverifiable(&plan, &mut problems);
-    }
-    fail(problems, Error::mismatch)?;
-    if plan.tensors == 0 {
-        return Err(Error::mismatch(
-            "no tensor of the source matches a registered param",
-        ));
-    }
-    Ok(plan)
-}
-
-/// Sources that name a version must name the same one.
-fn check_versions(sources: &[&Manifest], problems: &mut Vec<String>) {
-    let named: Vec<(usize, &str)> = sources
-        .iter()
-        .enumerate()
-        .filter_map(|(i, m)| m.version.as_deref().map(|v| (i, v)))
-        .collect();
-    if let Some(&(i, v)) = named.iter().find(|(_, v)| *v != named[0].1) {
-        problems.push(format!(
-            "the sources serve different versions: source {} '{}', source {i} '{v}'",
-            named[0].0, named[0].1
-        ));
-    }
-}
-
-/// Global tensors no piece names are an error, or skipped with a warning
-/// (in the order the sources name them).
-fn unknown_tensors(
-    globals: &global::Globals,
-    used: &[bool],
-    opts: PlanOptions,
-    logger: &Logger,
-    problems: &mut Vec<String>,
-) {
-    for (t, _) in globals.tensors.iter().zip(used).filter(|(_, &u)| !u) {
-        if opts.skip_unknown {
-            logger.warn(&format!(
-                "skipping tensor '{}': not a registered param",
-                t.name
-            ));
-        } else {
-            problems.push(format!("tensor '{}' is not a registered param", t.name));
-        }
-    }
-}
-
-/// One entry per (source, tensor, target) in that order, runs numbered by
-/// entry. In callback mode every tensor goes whole to the callback.
-fn assemble(sources: &[&Manifest], mut found: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    found.sort_by_key(|(s, param, r)| (s.source, s.tensor, *param, r.source.start));
-    let mut entries = Vec::new();
-    let mut runs = Vec::with_capacity(found.len());
-    let mut next = found.into_iter().peekable();
-    for (s, m) in sources.iter().enumerate() {
-        for (i, meta) in m.tensors.iter().enumerate() {
-            let mut any = false;
-            while let Some((at, param, _)) = next.peek() {
-                if (at.source, at.tensor) != (s, i) {
-                    break;
-                }
-                let param = *param;
-                let entry = entries.len();
-                while let Some((_, _, mut r)) =
-                    next.next_if(|(a, p, _)| (a.source, a.tensor, *p) == (s, i, param))
-                {
-                    r.entry = entry;
-                    runs.push(r);
-                }
-                entries.push(entry_of(meta, s, i, Target::Param(param)));
-                any = true;
-            }
-            if !any {
-                let target = if callback {
-                    Target::Callback
-                } else {
-                    Target::Skip
-                };
-                entries.push(entry_of(meta, s, i, target));
-                if callback {
-                    runs.push(whole_run(entries.len() - 1, meta.nbytes));
-                }
-            }
-        }
-    }
-    runs::sort_and_merge(&mut runs);
-    Plan::from_parts(entries, runs)
-}
-
-fn entry_of(meta: &TensorMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
-    PlanEntry {
-        meta: meta.clone(),
-        source,
-        tensor,
-        target,
-        bytes: 0,
-    }
-}
-
-fn whole_run(entry: usize, n: u64) -> Run {
-    Run {
-        entry,
-        target: Target::Callback,
-        source: 0..n,
-        param: 0..n,
-        rows: 1,
-        source_stride: n,
-        param_stride: n,
-    }
-}
-
-/// With verification on, every moving entry needs its tensor's checksum,
-/// and (until slices carry their own sums) must move its whole tensor.
-fn unverifiable(plan: &Plan, problems: &mut Vec<String>) {
-    for (i, e) in plan.entries.iter().enumerate() {
-        if e.target == Target::Skip {
-            continue;
-        }
-        if e.meta.checksum.is_none() {
-            problems.push(format!(
-                "checksum verification was requested but tensor '{}' has no checksum \
-                 (for snapshots, write them with `wm manifest <dir>`)",
-                e.meta.name
-            ));
-        } else if !plan.moves_whole(i) {
-            problems.push(format!(
-                "checksum verification was requested but only part of tensor '{}' moves \
-                 to '{}', and slices carry no checksums yet: turn verification off for \
-                 sharded updates",
-                e.meta.name,
-                match e.target {
-                    Target::Param(_) => "its param",
-                    _ => "the callback",
-                }
-            ));
-        }
     }
 }

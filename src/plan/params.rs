@@ -13,20 +13,15 @@ pub struct ParamView<'a> {
     pub name: &'a str,
     pub dtype: DType,
     pub shape: &'a [u64],
-    /// At least one piece (a param registered without pieces holds all of
-    /// the global tensor of its name).
+    /// At least one piece.
     pub pieces: &'a [Piece],
+    /// Described without pieces: all of the global tensor of its name, of
+    /// its shape (a longer tensor is a shape mismatch, not one it holds the
+    /// start of).
+    pub whole: bool,
 }
 
 impl ParamView<'_> {
-    /// True when the param is the whole global tensor of its own name.
-    pub fn is_whole_tensor(&self) -> bool {
-        matches!(self.pieces, [p] if p.tensor == self.name
-            && p.global.offset.iter().all(|&o| o == 0)
-            && p.global.len == self.shape
-            && p.at.iter().all(|&a| a == 0))
-    }
-
     /// The param's bytes (saturating: an overflowing shape was refused
     /// when the param was described).
     pub fn nbytes(&self) -> u64 {
@@ -54,6 +49,7 @@ impl Params for Registry {
             dtype: p.dtype,
             shape: &p.shape,
             pieces: &p.pieces,
+            whole: p.is_whole_tensor(),
         }
     }
 }
@@ -66,18 +62,22 @@ pub struct ParamLayout {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<u64>,
-    /// Empty: all of the global tensor named like the param.
+    /// At least one piece.
     pub pieces: Vec<Piece>,
+    /// See [`ParamView::whole`].
+    pub whole: bool,
 }
 
 impl ParamLayout {
-    /// All of global tensor `name`, as a param of that name and shape.
+    /// All of global tensor `name`, as a param of that name and shape
+    /// (a param registered without pieces).
     pub fn whole(name: &str, dtype: DType, shape: &[u64]) -> ParamLayout {
         ParamLayout {
             name: name.to_string(),
             dtype,
             shape: shape.to_vec(),
             pieces: vec![Piece::whole(name, shape)],
+            whole: true,
         }
     }
 }
@@ -94,6 +94,7 @@ impl Params for [ParamLayout] {
             dtype: p.dtype,
             shape: &p.shape,
             pieces: &p.pieces,
+            whole: p.whole,
         }
     }
 }

@@ -3,6 +3,8 @@
 
 use super::tests::meta;
 use super::*;
+use crate::logging::Logger;
+use crate::manifest::Manifest;
 use crate::manifest::Placement;
 use crate::pieces::Piece;
 use crate::registry::{ParamSpec, Registry};

@@ -1,5 +1,8 @@
 use super::*;
+use crate::logging::Logger;
+use crate::manifest::Manifest;
 use crate::registry::{ParamSpec, Registry};
+use crate::result::Result;
 use crate::tensor::byte_size;
 use crate::tensor::DType;
 
