@@ -3,13 +3,14 @@
 //! covered exactly once (shards do not overlap, so "at least once" by
 //! volume is "exactly once"); each common box becomes runs.
 
-use super::global::{GlobalTensor, Globals, Held, ShardRef};
+use super::global::{meets, GlobalTensor, Globals, Held, ShardRef};
 use super::params::ParamView;
 use super::runs::push_runs;
 use super::{Run, Target};
 use crate::pieces::Piece;
 use crate::tensor::shape_text;
 use crate::tensor_box::TensorBox;
+use std::borrow::Cow;
 
 /// Runs found for one (shard, param) pair; `Run::entry` is set later.
 pub(super) type FoundRun = (ShardRef, usize, Run);
@@ -99,15 +100,27 @@ fn cover_piece(
     let candidates = g.candidates(&piece.global);
     let mut covered = 0u64;
     let mut runs: Vec<Run> = Vec::new();
-    for h in candidates {
+    for h in candidates
+        .iter()
+        .filter(|h| meets(&piece.global, &h.region))
+    {
         let Some(common) = piece.global.intersect(&h.region) else {
             continue;
         };
         covered += common.volume().unwrap_or(0);
-        let shard = h.replicas[spread % h.replicas.len()];
+        let shard = h.replica(spread);
+        // Padded copies only when the piece has more dimensions than its
+        // tensor (an expert stacked into a param).
+        let (common, region) = match extra {
+            0 => (Cow::Owned(common), Cow::Borrowed(&h.region)),
+            _ => (
+                Cow::Owned(common.padded(extra)),
+                Cow::Owned(h.region.padded(extra)),
+            ),
+        };
         push_runs(
-            &common.padded(extra),
-            &h.region.padded(extra),
+            &common,
+            &region,
             &aligned,
             esize,
             (0, Target::Param(index)),

@@ -8,17 +8,32 @@ use super::params::Params;
 use crate::checksum::Checksum;
 use crate::manifest::Manifest;
 
-/// Feeds numbers and strings unambiguously (strings length-prefixed).
-struct Feed(Checksum);
+/// Feeds numbers and strings unambiguously (strings length-prefixed),
+/// through a buffer: the hasher is slow on a few bytes at a time.
+struct Feed {
+    hash: Checksum,
+    buf: Vec<u8>,
+}
 
 impl Feed {
+    const FLUSH: usize = 64 << 10;
+
     fn num(&mut self, n: u64) {
-        self.0.update(&n.to_le_bytes());
+        self.buf.extend_from_slice(&n.to_le_bytes());
+        if self.buf.len() >= Self::FLUSH {
+            self.hash.update(&self.buf);
+            self.buf.clear();
+        }
     }
 
     fn text(&mut self, s: &str) {
         self.num(s.len() as u64);
-        self.0.update(s.as_bytes());
+        self.buf.extend_from_slice(s.as_bytes());
+    }
+
+    fn digest(mut self) -> u128 {
+        self.hash.update(&self.buf);
+        self.hash.digest()
     }
 
     fn dims(&mut self, d: &[u64]) {
@@ -31,7 +46,10 @@ impl Feed {
 
 /// XXH3-128 of everything of `sources` and `params` a plan depends on.
 pub fn fingerprint<P: Params + ?Sized>(sources: &[&Manifest], params: &P) -> u128 {
-    let mut f = Feed(Checksum::default());
+    let mut f = Feed {
+        hash: Checksum::default(),
+        buf: Vec::with_capacity(Feed::FLUSH + 4096),
+    };
     f.num(sources.len() as u64);
     for m in sources {
         f.text(m.version.as_deref().unwrap_or(""));
@@ -68,5 +86,5 @@ pub fn fingerprint<P: Params + ?Sized>(sources: &[&Manifest], params: &P) -> u12
             f.dims(&piece.at);
         }
     }
-    f.0.digest()
+    f.digest()
 }

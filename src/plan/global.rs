@@ -19,13 +19,29 @@ pub(super) struct ShardRef {
     pub tensor: usize,
 }
 
-/// A box of a global tensor and every source holding it (replicas).
+/// A box of a global tensor and every source holding it (replicas: the
+/// first inline, since most boxes have one, and the others in source order).
 #[derive(Debug)]
 pub(super) struct Held {
     pub region: TensorBox,
-    pub replicas: Vec<ShardRef>,
+    first: ShardRef,
+    more: Vec<ShardRef>,
     /// The shard carries a placement (named by its box in messages).
     placed: bool,
+}
+
+impl Held {
+    /// The replica an engine rank with `spread` reads.
+    pub fn replica(&self, spread: usize) -> ShardRef {
+        match spread % (1 + self.more.len()) {
+            0 => self.first,
+            i => self.more[i - 1],
+        }
+    }
+
+    fn holds_from(&self, source: usize) -> bool {
+        self.first.source == source || self.more.iter().any(|r| r.source == source)
+    }
 }
 
 #[derive(Debug)]
@@ -136,8 +152,15 @@ fn shard_problem(t: &TensorMeta) -> Option<String> {
         }
     }
     let p = t.placement.as_ref()?;
-    let region = region_of(t);
-    (p.offset.len() != t.shape.len() || !region.inside(&p.global_shape)).then(|| {
+    let inside = p.offset.len() == t.shape.len()
+        && p.global_shape.len() == t.shape.len()
+        && (0..t.shape.len()).all(|d| {
+            p.offset[d]
+                .checked_add(t.shape[d])
+                .is_some_and(|end| end <= p.global_shape[d])
+        });
+    (!inside).then(|| {
+        let region = region_of(t);
         format!(
             "tensor '{}': shard {region} is not a box of its global shape {}",
             t.name,
@@ -173,7 +196,8 @@ fn add<'a>(g: &mut Globals<'a>, t: &'a TensorMeta, at: ShardRef, problems: &mut 
     }
     entry.held.push(Held {
         region: region_of(t),
-        replicas: vec![at],
+        first: at,
+        more: Vec::new(),
         placed: t.placement.is_some(),
     });
 }
@@ -184,28 +208,26 @@ fn add<'a>(g: &mut Globals<'a>, t: &'a TensorMeta, at: ShardRef, problems: &mut 
 fn join_replicas(t: &mut GlobalTensor, problems: &mut Vec<String>) {
     t.held
         .sort_by(|a, b| (&a.region.offset, &a.region.len).cmp(&(&b.region.offset, &b.region.len)));
-    let mut joined: Vec<Held> = Vec::with_capacity(t.held.len());
-    for h in t.held.drain(..) {
-        match joined.last_mut() {
-            Some(last) if last.region == h.region => {
-                let at = h.replicas[0];
-                if last.replicas.iter().any(|r| r.source == at.source) {
-                    let which = match h.placed {
-                        true => format!(" {}", h.region),
-                        false => String::new(),
-                    };
-                    problems.push(format!(
-                        "tensor '{}'{which} appears more than once in the source",
-                        t.name
-                    ));
-                } else {
-                    last.replicas.push(at);
-                }
-            }
-            _ => joined.push(h),
+    let name = t.name;
+    // `later` is dropped after its replica joins `kept`.
+    t.held.dedup_by(|later, kept| {
+        if later.region != kept.region {
+            return false;
         }
-    }
-    t.held = joined;
+        let at = later.first;
+        if kept.holds_from(at.source) {
+            let which = match later.placed {
+                true => format!(" {}", later.region),
+                false => String::new(),
+            };
+            problems.push(format!(
+                "tensor '{name}'{which} appears more than once in the source"
+            ));
+        } else {
+            kept.more.push(at);
+        }
+        true
+    });
 }
 
 /// Distinct boxes of one tensor must not share an element. Boxes are
@@ -219,12 +241,12 @@ fn overlaps(t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>)
             let r = &t.held[j].region;
             r.offset.first().is_none_or(|&o| o + r.len[0] > start0)
         });
-        for &j in &open {
+        for &j in open
+            .iter()
+            .filter(|&&j| meets(&t.held[j].region, &h.region))
+        {
             if let Some(common) = t.held[j].region.intersect(&h.region) {
-                let who = |k: usize| {
-                    let r = t.held[k].replicas[0];
-                    describe(sources, r)
-                };
+                let who = |k: usize| describe(sources, t.held[k].first);
                 problems.push(format!(
                     "tensor '{name}': shards {} ({}) and {} ({}) overlap at {common}",
                     t.held[j].region,
@@ -237,6 +259,13 @@ fn overlaps(t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>)
         }
         open.push(i);
     }
+}
+
+/// Two boxes of one rank share an element (without building the common box).
+pub(super) fn meets(a: &TensorBox, b: &TensorBox) -> bool {
+    (0..a.ndim()).all(|d| {
+        a.offset[d].max(b.offset[d]) < (a.offset[d] + a.len[d]).min(b.offset[d] + b.len[d])
+    })
 }
 
 fn describe(sources: &[&Manifest], r: ShardRef) -> String {

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use weight_manager::logging::Logger;
 use weight_manager::manifest::Manifest;
 use weight_manager::plan::layout::{EngineLayout, TrainerLayout};
-use weight_manager::plan::{fingerprint, make_sharded_plan, PlanOptions, Sources};
+use weight_manager::plan::{
+    fingerprint, make_sharded_plan, PlanEntry, PlanOptions, Sources, Target,
+};
 
 /// The target for planning 10,000 pieces over 8 sources.
 const TARGET: Duration = Duration::from_millis(10);
@@ -57,6 +59,18 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
             .map(drop)
             .map_err(|e| e.to_string())
     })?;
+    // The floor: what every plan of these sources builds whatever its
+    // params, one entry per shard with a copy of the shard's metadata
+    // (`PlanEntry::meta`), then drops.
+    let floor = best(runs, || {
+        let entries: Vec<PlanEntry> = manifests
+            .iter()
+            .flat_map(|m| m.tensors.iter().enumerate())
+            .map(|(i, t)| PlanEntry::new(t.clone(), i, Target::Skip))
+            .collect();
+        drop(std::hint::black_box(entries));
+        Ok(())
+    })?;
     let check = best(runs, || {
         std::hint::black_box(fingerprint(&manifests, &params));
         Ok(())
@@ -73,6 +87,16 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
             ok: scratch <= TARGET,
         },
         Row {
+            what: format!(
+                "floor: {} plan entries built and dropped",
+                shards(&manifests)
+            ),
+            value: ms(floor),
+            beside: format!("planning {}", ms(scratch)),
+            ratio: ratio(scratch, floor),
+            ok: true,
+        },
+        Row {
             what: "plan again, sources indexed once".into(),
             value: ms(again),
             beside: format!("target {}", ms(TARGET)),
@@ -87,6 +111,10 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
             ok: check < scratch,
         },
     ])
+}
+
+fn shards(manifests: &[&Manifest]) -> usize {
+    manifests.iter().map(|m| m.tensors.len()).sum()
 }
 
 /// The fastest of `runs` timings of `f`.

@@ -8,6 +8,7 @@ mod report;
 
 use crate::Args;
 use report::{Report, Totals};
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -17,10 +18,10 @@ use weight_manager::manifest::Manifest;
 use weight_manager::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
 use weight_manager::plan::{Params, PlanOptions, Sources, Target};
 
-pub const OPTIONS: &[&str] = &["trainer", "engine", "link-gbps", "json"];
+pub const OPTIONS: &[&str] = &["trainer", "engine", "link-gbps", "json", "engine-ranks"];
 pub const FLAGS: &[&str] = &["json"];
-const USAGE: &str =
-    "usage: wm plan --trainer TRAINER.json --engine ENGINE.json [--link-gbps 400] [--json]";
+const USAGE: &str = "usage: wm plan --trainer TRAINER.json --engine ENGINE.json \
+     [--link-gbps 400] [--engine-ranks FIRST:END] [--json]";
 
 pub fn run(a: &Args) -> Result<(), String> {
     let trainer_path = a.value("trainer").ok_or(USAGE)?;
@@ -33,13 +34,31 @@ pub fn run(a: &Args) -> Result<(), String> {
     let trainer = read_trainer(Path::new(trainer_path)).map_err(|e| e.to_string())?;
     let engine = read_engine(Path::new(engine_path)).map_err(|e| e.to_string())?;
     let read = t0.elapsed();
-    let totals = plan_all(&trainer, &engine)?;
+    let ranks = engine_ranks(a, engine.ranks)?;
+    let totals = plan_all(&trainer, &engine, ranks)?;
     let report = Report::new(&trainer, &engine, totals, read, gbps);
     match a.flag("json") {
         true => println!("{}", report.json()),
         false => print!("{}", report.text()),
     }
     Ok(())
+}
+
+/// `--engine-ranks FIRST:END` (default all): plan only those engine ranks.
+fn engine_ranks(a: &Args, ranks: usize) -> Result<Range<usize>, String> {
+    let Some(v) = a.value("engine-ranks") else {
+        return Ok(0..ranks);
+    };
+    let bad = || format!("--engine-ranks {v}: needs FIRST:END with FIRST < END <= {ranks}");
+    let (first, end) = v.split_once(':').ok_or_else(bad)?;
+    let (first, end) = (
+        first.parse().map_err(|_| bad())?,
+        end.parse().map_err(|_| bad())?,
+    );
+    if first >= end || end > ranks {
+        return Err(bad());
+    }
+    Ok(first..end)
 }
 
 /// What one engine rank's plan moves.
@@ -96,24 +115,28 @@ pub fn plan_rank(
 
 /// Every engine rank's plan, on as many threads as there are cores; the
 /// first error (lowest rank) wins.
-fn plan_all(trainer: &TrainerLayout, engine: &EngineLayout) -> Result<Totals, String> {
+fn plan_all(
+    trainer: &TrainerLayout,
+    engine: &EngineLayout,
+    ranks: Range<usize>,
+) -> Result<Totals, String> {
     let manifests: Vec<&Manifest> = trainer.manifests.iter().collect();
     let t0 = Instant::now();
     let sources = Sources::new(&manifests).map_err(|e| format!("trainer layout: {e}"))?;
     let index = t0.elapsed();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let next = Mutex::new(0usize);
+    let next = Mutex::new(ranks.start);
     let failed = AtomicBool::new(false);
     let done: Mutex<Vec<(usize, Result<RankPlan, String>)>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
-        for _ in 0..threads.min(engine.ranks) {
+        for _ in 0..threads.min(ranks.len()) {
             s.spawn(|| loop {
                 let rank = {
                     let mut n = next.lock().unwrap();
                     *n += 1;
                     *n - 1
                 };
-                if rank >= engine.ranks || failed.load(Ordering::Relaxed) {
+                if rank >= ranks.end || failed.load(Ordering::Relaxed) {
                     return;
                 }
                 let r = plan_rank(trainer, engine, &sources, rank);
@@ -126,6 +149,7 @@ fn plan_all(trainer: &TrainerLayout, engine: &EngineLayout) -> Result<Totals, St
     let mut done = done.into_inner().unwrap();
     done.sort_by_key(|(r, _)| *r);
     let mut totals = Totals::new(trainer, index, wall, threads);
+    totals.first_rank = ranks.start;
     for (_, r) in done {
         totals.add(r?);
     }

@@ -13,6 +13,8 @@ use weight_manager::plan::layout::{EngineLayout, TrainerLayout};
 const REFERENCE_S: f64 = 1.3;
 
 pub struct Totals {
+    /// The engine rank of `ranks[0]` (`--engine-ranks`).
+    pub first_rank: usize,
     ranks: Vec<RankPlan>,
     /// Bytes per trainer rank, over every engine rank.
     sent: Vec<u64>,
@@ -26,6 +28,7 @@ pub struct Totals {
 impl Totals {
     pub fn new(trainer: &TrainerLayout, index: Duration, wall: Duration, threads: usize) -> Totals {
         Totals {
+            first_rank: 0,
             ranks: Vec::new(),
             sent: vec![0; trainer.manifests.len()],
             read: vec![false; trainer.tensors.len()],
@@ -90,14 +93,15 @@ impl Report {
             "trainer": {"ranks": trainer.manifests.len(), "tensors": trainer.tensors.len(),
                         "elements": trainer.elements() as f64,
                         "shards": trainer.manifests.iter().map(|m| m.tensors.len()).sum::<usize>()},
-            "engine": {"ranks": engine.ranks, "params": r.iter().map(|p| p.params).sum::<usize>(),
+            "engine": {"ranks": engine.ranks, "planned": r.len(), "first_planned": t.first_rank,
+                       "params": r.iter().map(|p| p.params).sum::<usize>(),
                        "pieces": r.iter().map(|p| p.pieces).sum::<usize>()},
             "read_layouts_s": read_time.as_secs_f64(),
             "planning": {"wall_s": t.wall.as_secs_f64(), "threads": t.threads,
                          "index_sources_s": t.index.as_secs_f64(),
                          "per_rank_ms": {"min": time_min.1 as f64 / 1e6, "max": time_max.1 as f64 / 1e6,
                                          "mean": time_sum as f64 / 1e6 / r.len().max(1) as f64,
-                                         "slowest_rank": time_max.0}},
+                                         "slowest_rank": t.first_rank + time_max.0}},
             "runs": {"total": r.iter().map(|p| p.runs).sum::<usize>(),
                      "per_engine_rank": {"min": runs_min.1, "max": runs_max.1}},
             "bytes": {"moved": moved, "params": param_bytes,
@@ -106,7 +110,7 @@ impl Report {
                       "per_trainer_rank": {"min": send_min.1, "max": send_max.1,
                                            "total": t.sent.iter().sum::<u64>()}},
             "busiest": {"sender": {"trainer_rank": send_max.0, "bytes": send_max.1},
-                        "receiver": {"engine_rank": recv_max.0, "bytes": recv_max.1}},
+                        "receiver": {"engine_rank": t.first_rank + recv_max.0, "bytes": recv_max.1}},
             "tensors_no_rank_reads": {"count": unread.len(), "first": unread.first()},
             "prediction": {"link_gbps": gbps, "seconds": busiest as f64 / link,
                            "model": "max(busiest sender bytes, busiest receiver bytes) / link speed: \
@@ -136,11 +140,20 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "engine:  {} ranks, {} params, {} pieces",
+            "engine:  {} ranks, {} params, {} pieces (in the ranks planned)",
             n("/engine/ranks"),
             n("/engine/params"),
             n("/engine/pieces")
         );
+        if n("/engine/planned") < n("/engine/ranks") {
+            let _ = writeln!(
+                s,
+                "only engine ranks {}..{} planned (--engine-ranks): trainer-side bytes and the \
+                 prediction count those ranks only",
+                n("/engine/first_planned"),
+                n("/engine/first_planned") + n("/engine/planned")
+            );
+        }
         let _ = writeln!(
             s,
             "planned every engine rank in {:.2} s on {} threads (layouts read in {:.2} s, \
