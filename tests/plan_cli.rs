@@ -249,3 +249,21 @@ fn the_whole_1t_layout_plans() {
     assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
     assert_eq!(num(&v, "/tensors_no_rank_reads/count"), 0.0);
 }
+
+/// The example of `docs/layouts.md` is complete and plans.
+#[test]
+fn the_documented_example_plans() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/layouts.md"))
+            .unwrap();
+    let blocks: Vec<Value> = doc
+        .split("```json\n")
+        .skip(1)
+        .map(|b| serde_json::from_str(b.split("```").next().unwrap()).unwrap())
+        .collect();
+    assert_eq!(blocks.len(), 2);
+    let (_d, t, e) = write_pair(&blocks[0], &blocks[1]);
+    let v = report(&wm_plan(&t, &e, &["--json"]));
+    assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
+    assert_eq!(num(&v, "/engine/ranks"), 2.0);
+}
