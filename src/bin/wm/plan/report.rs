@@ -60,6 +60,15 @@ fn min_max(v: impl Iterator<Item = u64> + Clone) -> ((usize, u64), (usize, u64))
     (min, max)
 }
 
+/// A time in the unit that keeps three significant places readable.
+fn seconds(s: f64) -> String {
+    match s {
+        s if s >= 0.1 => format!("{s:.3} s"),
+        s if s >= 1e-4 => format!("{:.3} ms", s * 1e3),
+        s => format!("{:.3} us", s * 1e6),
+    }
+}
+
 pub struct Report {
     v: serde_json::Value,
 }
@@ -126,9 +135,21 @@ impl Report {
     }
 
     pub fn text(&self) -> String {
-        let v = &self.v;
-        let n = |p: &str| v.pointer(p).and_then(|x| x.as_f64()).unwrap_or(0.0);
-        let b = |p: &str| fmt::bytes(n(p) as u64);
+        let mut s = self.sizes_text();
+        s.push_str(&self.moves_text());
+        s
+    }
+
+    fn num(&self, pointer: &str) -> f64 {
+        self.v
+            .pointer(pointer)
+            .and_then(|x| x.as_f64())
+            .unwrap_or(0.0)
+    }
+
+    /// The layouts and the planning time.
+    fn sizes_text(&self) -> String {
+        let n = |p: &str| self.num(p);
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -156,7 +177,7 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "planned every engine rank in {:.2} s on {} threads (layouts read in {:.2} s, \
+            "planned every engine rank in {:.2} s on {} thread(s) (layouts read in {:.2} s, \
              sources checked and indexed once in {:.2} s); per rank {:.2} ms mean, {:.2} min, \
              {:.2} max (rank {})",
             n("/planning/wall_s"),
@@ -168,6 +189,15 @@ impl Report {
             n("/planning/per_rank_ms/max"),
             n("/planning/per_rank_ms/slowest_rank")
         );
+        s
+    }
+
+    /// Runs, bytes, links and the prediction.
+    fn moves_text(&self) -> String {
+        let v = &self.v;
+        let n = |p: &str| self.num(p);
+        let b = |p: &str| fmt::bytes(n(p) as u64);
+        let mut s = String::new();
         let _ = writeln!(
             s,
             "runs: {} in all; per engine rank {} min, {} max",
@@ -215,11 +245,11 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "predicted transfer at {} Gb/s per rank: {:.3} s  (Perplexity measured {} s for \
+            "predicted transfer at {} Gb/s per rank: {}  (Perplexity measured {} s for \
              Kimi-K2, 256 -> 128 GPUs)\n  model: max(busiest sender, busiest receiver bytes) / \
              link speed; assumes every trainer rank sends at once and each rank has its own link",
             n("/prediction/link_gbps"),
-            n("/prediction/seconds"),
+            seconds(n("/prediction/seconds")),
             REFERENCE_S
         );
         s
