@@ -190,12 +190,7 @@ fn assemble(sources: &[&Manifest], mut found: Vec<cover::FoundRun>, callback: bo
     Plan::from_parts(entries, runs)
 }
 
-pub(super) fn entry_of(
-    meta: &TensorMeta,
-    source: usize,
-    tensor: usize,
-    target: Target,
-) -> PlanEntry {
+fn entry_of(meta: &TensorMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
     PlanEntry {
         meta: meta.clone(),
         source,

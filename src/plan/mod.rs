@@ -37,7 +37,6 @@ mod sharded_tests;
 mod tests;
 
 use crate::manifest::TensorMeta;
-use build::entry_of;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -77,7 +76,13 @@ pub struct PlanEntry {
 impl PlanEntry {
     /// Tensor `tensor` of the only source, going to `target`.
     pub fn new(meta: TensorMeta, tensor: usize, target: Target) -> PlanEntry {
-        entry_of(&meta, 0, tensor, target)
+        PlanEntry {
+            meta,
+            source: 0,
+            tensor,
+            target,
+            bytes: 0,
+        }
     }
 
     /// The entry moves all of its tensor, in order, to the same offsets

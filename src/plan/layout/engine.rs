@@ -101,16 +101,17 @@ impl EngineLayout {
                 .clone()
                 .map_or(vec![None], |r| r.map(Some).collect());
             for layer in layers {
-                let p = rule
-                    .param(layer, index, trainer)
-                    .map_err(|e| e.context(format!("engine rank {rank}")))?;
-                pieces += p.pieces.len();
-                if pieces > MAX_PIECES {
+                // Bounded before the param's pieces are built.
+                if pieces + rule.pieces_per_param() > MAX_PIECES {
                     return Err(bad(
                         &rule.path,
                         format!("engine rank {rank}: more than {MAX_PIECES} pieces"),
                     ));
                 }
+                let p = rule
+                    .param(layer, index, trainer)
+                    .map_err(|e| e.context(format!("engine rank {rank}")))?;
+                pieces += p.pieces.len();
                 if !names.insert(p.name.clone()) {
                     return Err(bad(
                         &rule.path,
@@ -176,6 +177,15 @@ impl ParamRule {
             experts,
             pieces,
         })
+    }
+
+    /// How many pieces one param of this rule has.
+    fn pieces_per_param(&self) -> usize {
+        let experts = self
+            .experts
+            .as_ref()
+            .map_or(1, |(e, ep)| ((e.end - e.start) / ep) as usize);
+        experts.saturating_mul(self.pieces.len().max(1))
     }
 
     /// The param of `layer` on the rank at `index` among the rule's ranks.

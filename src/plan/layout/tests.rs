@@ -83,6 +83,8 @@ fn trainer_mistakes_name_the_field() {
          "trainer.tensors[0].shape: 9 dimensions, at most 8"),
         (json!({"ranks": 2, "dtype": "bf16", "tensors": [{"name": "w", "experts": 200000, "shape": [4]}]}),
          "trainer.tensors[0].experts: ends at 200000, past 100000"),
+        (json!({"ranks": 2, "dtype": "bf16", "tensors": [{"name": "s", "shape": [], "split": 0}]}),
+         "trainer.tensors[0].split: a scalar has no dimension to split"),
     ];
     for (v, want) in cases {
         let e = trainer_err(v);

@@ -247,6 +247,12 @@ enum Placing {
 
 impl Placing {
     fn of(rule: &Obj, shape: &[u64]) -> Result<Placing> {
+        if shape.is_empty() && rule.has("split") {
+            return Err(bad(
+                &rule.field("split"),
+                "a scalar has no dimension to split",
+            ));
+        }
         let split = rule.num("split", shape.len().saturating_sub(1) as u64);
         let split =
             split.map_err(|e| e.context(format!("the shape has {} dimensions", shape.len())))?;

@@ -65,8 +65,15 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
     let floor = best(runs, || {
         let entries: Vec<PlanEntry> = manifests
             .iter()
-            .flat_map(|m| m.tensors.iter().enumerate())
-            .map(|(i, t)| PlanEntry::new(t.clone(), i, Target::Skip))
+            .enumerate()
+            .flat_map(|(s, m)| m.tensors.iter().enumerate().map(move |(i, t)| (s, i, t)))
+            .map(|(source, tensor, t)| PlanEntry {
+                meta: t.clone(),
+                source,
+                tensor,
+                target: Target::Skip,
+                bytes: 0,
+            })
             .collect();
         drop(std::hint::black_box(entries));
         Ok(())
