@@ -273,14 +273,8 @@ impl ParamRule {
                 None => {
                     let at = stacked(&global, self.stack, cursor, &rule.path)?;
                     cursor += global.len[self.stack];
-                    let mut grown = global.len.clone();
-                    grown[self.stack] = cursor;
-                    match &shape {
-                        Some(s) if self.shape.is_none() && !stacks_on(s, &grown, self.stack) => {
-                            return Err(bad(&rule.path, format!("box {global} does not stack along dimension {} on the pieces before it", self.stack)));
-                        }
-                        _ if self.shape.is_none() => shape = Some(grown),
-                        _ => {}
+                    if self.shape.is_none() {
+                        shape = Some(grow(shape.take(), &global, self.stack, cursor, &rule.path)?);
                     }
                     at
                 }
@@ -294,6 +288,26 @@ impl ParamRule {
             )
         })?;
         Ok((shape, pieces))
+    }
+}
+
+/// The block's shape once `global` is stacked on `shape`, ending at
+/// `cursor` along `dim`; the other dimensions must agree.
+fn grow(
+    shape: Option<Vec<u64>>,
+    global: &TensorBox,
+    dim: usize,
+    cursor: u64,
+    path: &str,
+) -> Result<Vec<u64>> {
+    let mut grown = global.len.clone();
+    grown[dim] = cursor;
+    match shape {
+        Some(s) if !stacks_on(&s, &grown, dim) => Err(bad(
+            path,
+            format!("box {global} does not stack along dimension {dim} on the pieces before it"),
+        )),
+        _ => Ok(grown),
     }
 }
 

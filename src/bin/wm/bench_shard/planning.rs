@@ -138,14 +138,21 @@ fn best(runs: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Durati
 /// A dense model of `layers` layers, hidden size 64, on `tp` trainer
 /// ranks (dimension 0 split) and `tp` engine ranks (tensor parallel).
 pub fn layouts(layers: u64, tp: u64) -> weight_manager::Result<(TrainerLayout, EngineLayout)> {
-    let t = |name: &str, shape: [u64; 2]| json!({"name": format!("layers.{{L}}.{name}"), "layers": layers, "shape": shape, "split": 0});
+    let layered = |name: &str| format!("layers.{{L}}.{name}");
+    let t = |name: &str, shape: [u64; 2]| {
+        let name = layered(name);
+        json!({"name": name, "layers": layers, "shape": shape, "split": 0})
+    };
     let trainer = json!({"ranks": tp, "dtype": "bf16", "tensors": [
         t("q", [64, 64]), t("k", [16, 64]), t("v", [16, 64]), t("o", [64, 64]),
         t("gate", [128, 64]), t("up", [128, 64]), t("down", [64, 128]),
         {"name": "layers.{L}.norm", "layers": layers, "shape": [64], "split": 0},
     ]});
-    let piece = |name: &str, dim: u64| json!({"tensor": format!("layers.{{L}}.{name}"), "split": dim, "tp": tp});
-    let param = |name: &str, pieces: Vec<serde_json::Value>| json!({"name": format!("layers.{{L}}.{name}"), "layers": layers, "pieces": pieces});
+    let piece = |name: &str, dim: u64| json!({"tensor": layered(name), "split": dim, "tp": tp});
+    let param = |name: &str, pieces: Vec<serde_json::Value>| {
+        let name = layered(name);
+        json!({"name": name, "layers": layers, "pieces": pieces})
+    };
     let engine = json!({"ranks": tp, "dtype": "bf16", "params": [
         param("qkv", vec![piece("q", 0), piece("k", 0), piece("v", 0)]),
         param("o", vec![piece("o", 1)]),
