@@ -79,7 +79,8 @@ impl<'a> Sources<'a> {
         logger: &Logger,
     ) -> Result<Plan> {
         let mut problems = Vec::new();
-        let mut found = Vec::new();
+        // Most pieces meet one or two shards.
+        let mut found = Vec::with_capacity(2 * params.count());
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
             for i in 0..params.count() {

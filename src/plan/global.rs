@@ -119,6 +119,7 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
             );
         }
     }
+    let mut open = Vec::new();
     for t in g.tensors.iter_mut() {
         join_replicas(t, problems);
         t.max_len0 = t
@@ -127,7 +128,7 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
             .map(|h| h.region.len.first().copied().unwrap_or(1))
             .max()
             .unwrap_or(0);
-        overlaps(t, sources, problems);
+        overlaps(t, sources, &mut open, problems);
     }
     g
 }
@@ -232,9 +233,14 @@ fn join_replicas(t: &mut GlobalTensor, problems: &mut Vec<String>) {
 
 /// Distinct boxes of one tensor must not share an element. Boxes are
 /// sorted by offset; only those still open along dimension 0 are compared.
-fn overlaps(t: &GlobalTensor, sources: &[&Manifest], problems: &mut Vec<String>) {
+fn overlaps(
+    t: &GlobalTensor,
+    sources: &[&Manifest],
+    open: &mut Vec<usize>,
+    problems: &mut Vec<String>,
+) {
     let name = t.name;
-    let mut open: Vec<usize> = Vec::new();
+    open.clear();
     for (i, h) in t.held.iter().enumerate() {
         let start0 = h.region.offset.first().copied().unwrap_or(0);
         open.retain(|&j| {
