@@ -267,3 +267,30 @@ fn the_documented_example_plans() {
     assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
     assert_eq!(num(&v, "/engine/ranks"), 2.0);
 }
+
+/// `wm bench shard` runs its planning section small and prints every
+/// figure beside its target or floor; an unknown section is refused.
+#[test]
+fn bench_shard_prints_planning_beside_its_target_and_floor() {
+    let out = Command::new(WM)
+        .args(["bench", "shard", "--pieces", "80", "--runs", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "plan 80 pieces x 8 sources, dim-0 shards (FSDP)",
+        "target 10.000 ms",
+        "floor: 640 plan entries built and dropped",
+        "reuse: fingerprint of the layouts",
+        "whole layers (PP)",
+    ] {
+        assert!(text.contains(want), "want '{want}' in: {text}");
+    }
+    let out = Command::new(WM)
+        .args(["bench", "shard", "--section", "nope"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--section nope: not one of planning"));
+}
