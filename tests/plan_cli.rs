@@ -80,6 +80,13 @@ fn the_small_layout_moves_the_bytes_worked_out_by_hand() {
     assert_eq!(num(&v, "/bytes/per_trainer_rank/min"), 448.0);
     assert_eq!(num(&v, "/bytes/per_trainer_rank/max"), 976.0);
     assert_eq!(num(&v, "/busiest/sender/trainer_rank"), 0.0);
+    let sent: Vec<f64> = v["bytes"]["per_trainer_rank"]["each"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(sent, [976.0, 976.0, 960.0, 448.0]);
     assert_eq!(num(&v, "/trainer/elements"), 1672.0);
     assert_eq!(num(&v, "/tensors_no_rank_reads/count"), 0.0);
     let predicted = num(&v, "/prediction/seconds");
