@@ -85,13 +85,16 @@ pub struct Param {
     /// What it holds of which global tensors (at least one piece; a param
     /// registered without pieces holds all of the tensor of its name).
     pub pieces: Vec<Piece>,
+    /// Registered without pieces. Not inferred from `pieces`: TP rank 0's
+    /// first slice of a tensor named like the param looks the same.
+    pub whole: bool,
 }
 
 impl Param {
-    /// True when the param is the whole global tensor of its own name (the
-    /// layout every update had before pieces).
+    /// True when the param was registered without pieces: the whole global
+    /// tensor of its own name (the layout every update had before pieces).
     pub fn is_whole_tensor(&self) -> bool {
-        matches!(self.pieces.as_slice(), [p] if p == &Piece::whole(&self.name, &self.shape))
+        self.whole
     }
 }
 
@@ -174,6 +177,7 @@ impl Registry {
             memory,
             device,
             resident: true,
+            whole: spec.pieces.is_empty(),
             pieces: if spec.pieces.is_empty() {
                 vec![Piece::whole(&spec.name, &spec.shape)]
             } else {

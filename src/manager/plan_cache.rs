@@ -4,8 +4,8 @@
 //! static schedule). What decides reuse is a fingerprint of everything the
 //! plan depends on: every source's tensors (names, dtypes, shapes, sizes,
 //! placements), every param (name, dtype, shape, pieces) and the plan's
-//! options. Checksums change every version and are not part of it: a
-//! reused plan takes the new ones.
+//! options (`plan::fingerprint`, with the options). Checksums change every
+//! version and are not part of it: a reused plan takes the new ones.
 
 use crate::checksum::Checksum;
 use crate::logging::Logger;
@@ -72,9 +72,9 @@ fn with_checksums(mut plan: Arc<Plan>, sources: &[&Manifest]) -> Arc<Plan> {
     plan
 }
 
-/// What the plan depends on, hashed.
+/// What the plan depends on: the layouts (`plan::fingerprint`) and the
+/// options, hashed together.
 fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) -> u128 {
-    let mut h = Hasher(Checksum::default());
     let PlanOptions {
         skip_unknown,
         callback,
@@ -82,54 +82,12 @@ fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) ->
         spread,
         slice_sums,
     } = opts;
-    h.nums(&[
-        skip_unknown as u64,
-        callback as u64,
-        verify as u64,
-        spread as u64,
-        slice_sums as u64,
-    ]);
-    h.nums(&[sources.len() as u64]);
-    for m in sources {
-        h.nums(&[m.tensors.len() as u64]);
-        for t in &m.tensors {
-            h.text(&t.name);
-            h.nums(&[t.dtype as u64, t.nbytes]);
-            h.nums(&t.shape);
-            h.nums(t.global_shape());
-            h.nums(&t.placement.as_ref().map_or(vec![], |p| p.offset.clone()));
-        }
+    let layouts = crate::plan::fingerprint(sources, registry);
+    let mut h = Checksum::default();
+    h.update(&layouts.to_le_bytes());
+    for x in [skip_unknown, callback, verify, slice_sums] {
+        h.update(&[x as u8]);
     }
-    h.nums(&[registry.len() as u64]);
-    for p in registry.params() {
-        h.text(&p.name);
-        h.nums(&[p.dtype as u64]);
-        h.nums(&p.shape);
-        h.nums(&[p.pieces.len() as u64]);
-        for piece in &p.pieces {
-            h.text(&piece.tensor);
-            h.nums(&piece.global.offset);
-            h.nums(&piece.global.len);
-            h.nums(&piece.at);
-        }
-    }
-    h.0.digest()
-}
-
-/// Feeds values with their lengths, so that no two layouts hash alike by
-/// running together.
-struct Hasher(Checksum);
-
-impl Hasher {
-    fn nums(&mut self, v: &[u64]) {
-        self.0.update(&(v.len() as u64).to_le_bytes());
-        for x in v {
-            self.0.update(&x.to_le_bytes());
-        }
-    }
-
-    fn text(&mut self, s: &str) {
-        self.nums(&[s.len() as u64]);
-        self.0.update(s.as_bytes());
-    }
+    h.update(&(spread as u64).to_le_bytes());
+    h.digest()
 }

@@ -3,49 +3,61 @@
 //! covered exactly once (shards do not overlap, so "at least once" by
 //! volume is "exactly once"); each common box becomes runs.
 
-use super::global::{GlobalTensor, Globals, Held, ShardRef};
+use super::global::{meets, GlobalTensor, Globals, Held, ShardRef};
+use super::params::ParamView;
 use super::runs::push_runs;
 use super::{Run, Target};
 use crate::pieces::Piece;
-use crate::registry::Param;
 use crate::tensor::shape_text;
 use crate::tensor_box::TensorBox;
-use std::collections::HashSet;
+use std::borrow::Cow;
 
 /// Runs found for one (shard, param) pair; `Run::entry` is set later.
 pub(super) type FoundRun = (ShardRef, usize, Run);
 
-/// Cover param `index`'s pieces; `used` collects the global tensors named.
+/// Cover param `index`'s pieces; `used` marks the global tensors named
+/// (indexed like `globals.tensors`). Messages are only formatted for
+/// problems: planning a large layout allocates nothing per piece.
 pub(super) fn cover_param(
     index: usize,
-    param: &Param,
+    param: ParamView,
     globals: &Globals,
     spread: usize,
-    used: &mut HashSet<String>,
+    used: &mut [bool],
     out: &mut Vec<FoundRun>,
     problems: &mut Vec<String>,
 ) {
-    let implicit = param.is_whole_tensor();
+    if param.pieces.is_empty() {
+        problems.push(format!("param '{}' has no pieces", param.name));
+    }
+    let implicit = param.whole;
     for (k, piece) in param.pieces.iter().enumerate() {
-        used.insert(piece.tensor.clone());
-        let what = match implicit {
+        let what = || match implicit {
             true => format!("param '{}'", param.name),
             false => format!(
                 "param '{}': piece {k} ('{}' {})",
                 param.name, piece.tensor, piece.global
             ),
         };
-        let Some(g) = globals.tensors.get(&piece.tensor) else {
+        let Some(g) = globals.find(&piece.tensor) else {
             problems.push(match implicit {
                 true => format!("param '{}' is registered but not in the source", param.name),
-                false => format!("{what}: global tensor '{}' is in no source", piece.tensor),
+                false => format!(
+                    "{}: global tensor '{}' is in no source",
+                    what(),
+                    piece.tensor
+                ),
             });
             continue;
         };
+        used[g] = true;
+        let g = &globals.tensors[g];
         if g.dtype != param.dtype {
             problems.push(format!(
-                "{what}: dtype mismatch: registered {}, source {}",
-                param.dtype, g.dtype
+                "{}: dtype mismatch: registered {}, source {}",
+                what(),
+                param.dtype,
+                g.dtype
             ));
             continue;
         }
@@ -54,12 +66,14 @@ pub(super) fn cover_param(
         if !piece.global.inside(&g.shape) || (implicit && g.shape != param.shape) {
             problems.push(match implicit {
                 true => format!(
-                    "{what}: shape mismatch: registered {}, source {}",
-                    shape_text(&param.shape),
+                    "{}: shape mismatch: registered {}, source {}",
+                    what(),
+                    shape_text(param.shape),
                     shape_text(&g.shape)
                 ),
                 false => format!(
-                    "{what}: outside the global tensor's shape {}",
+                    "{}: outside the global tensor's shape {}",
+                    what(),
                     shape_text(&g.shape)
                 ),
             });
@@ -67,8 +81,8 @@ pub(super) fn cover_param(
         }
         let esize = param.dtype.size() as u64;
         let target = (index, esize, spread + k);
-        if let Err(p) = cover_piece(piece, &param.shape, g, target, out) {
-            problems.push(format!("{what}: {p}"));
+        if let Err(p) = cover_piece(piece, param.shape, g, target, out) {
+            problems.push(format!("{}: {p}", what()));
         }
     }
 }
@@ -85,22 +99,34 @@ fn cover_piece(
     let extra = aligned.global.ndim() - g.shape.len();
     let candidates = g.candidates(&piece.global);
     let mut covered = 0u64;
-    for h in candidates {
+    let mut runs: Vec<Run> = Vec::new();
+    for h in candidates
+        .iter()
+        .filter(|h| meets(&piece.global, &h.region))
+    {
         let Some(common) = piece.global.intersect(&h.region) else {
             continue;
         };
         covered += common.volume().unwrap_or(0);
-        let shard = h.replicas[spread % h.replicas.len()];
-        let mut runs = Vec::new();
+        let shard = h.replica(spread);
+        // Padded copies only when the piece has more dimensions than its
+        // tensor (an expert stacked into a param).
+        let (common, region) = match extra {
+            0 => (Cow::Owned(common), Cow::Borrowed(&h.region)),
+            _ => (
+                Cow::Owned(common.padded(extra)),
+                Cow::Owned(h.region.padded(extra)),
+            ),
+        };
         push_runs(
-            &common.padded(extra),
-            &h.region.padded(extra),
+            &common,
+            &region,
             &aligned,
             esize,
             (0, Target::Param(index)),
             &mut runs,
         );
-        out.extend(runs.into_iter().map(|r| (shard, index, r)));
+        out.extend(runs.drain(..).map(|r| (shard, index, r)));
     }
     let need = piece.global.volume().unwrap_or(0);
     if covered == need {

@@ -16,24 +16,33 @@
 //! (named as a box), missing checksums when verification is asked for, and
 //! an empty source.
 //!
-//! Files: `global.rs` (the shards by global tensor), `cover.rs` (pieces
-//! against shards), `runs.rs` (common boxes into runs and segments).
+//! Files: `build.rs` (the steps, and [`Sources`]: the sources checked and
+//! indexed once, planned against many engine ranks' params), `global.rs`
+//! (the shards by global tensor), `cover.rs` (pieces against shards),
+//! `runs.rs` (common boxes into runs and segments), `params.rs` (what the
+//! plan needs of params: a `Registry`, or [`ParamLayout`]s without
+//! memory), `fingerprint.rs` (has what a plan was made from changed),
+//! `layout/` (trainer and engine layouts in JSON, for `wm plan`).
 
+mod build;
 mod cover;
+mod fingerprint;
 mod global;
+pub mod layout;
+mod params;
 mod runs;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]
 mod tests;
 
-use crate::logging::Logger;
-use crate::manifest::{Manifest, TensorMeta};
-use crate::registry::Registry;
-use crate::result::{Error, Result};
-use std::collections::HashSet;
+use crate::manifest::TensorMeta;
 use std::ops::Range;
 use std::sync::OnceLock;
+
+pub use build::{make_plan, make_sharded_plan, Sources};
+pub use fingerprint::fingerprint;
+pub use params::{ParamLayout, ParamView, Params};
 
 /// Where one plan entry's bytes go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,7 +76,13 @@ pub struct PlanEntry {
 impl PlanEntry {
     /// Tensor `tensor` of the only source, going to `target`.
     pub fn new(meta: TensorMeta, tensor: usize, target: Target) -> PlanEntry {
-        entry_of(&meta, 0, tensor, target)
+        PlanEntry {
+            meta,
+            source: 0,
+            tensor,
+            target,
+            bytes: 0,
+        }
     }
 
     /// The entry moves all of its tensor, in order, to the same offsets
@@ -214,223 +229,5 @@ impl Plan {
     pub fn takes_all(&self, entry: usize) -> bool {
         let e = &self.entries[entry];
         e.bytes == e.meta.nbytes
-    }
-
-    /// Every entry moves its whole tensor, and entry `i` is tensor `i` of
-    /// the only source (what sources that cannot send parts of tensors yet
-    /// need).
-    pub fn is_whole_tensors(&self) -> bool {
-        self.entries.iter().enumerate().all(|(i, e)| {
-            e.source == 0 && e.tensor == i && (e.target == Target::Skip || e.bytes == e.meta.nbytes)
-        }) && self.runs.iter().all(|r| r.rows == 1 && r.source == r.param)
-    }
-}
-
-/// At most this many problems are listed in one error message.
-const MAX_LISTED: usize = 5;
-
-fn fail(problems: Vec<String>, code: fn(String) -> Error) -> Result<()> {
-    if problems.is_empty() {
-        return Ok(());
-    }
-    let n = problems.len();
-    let mut msg = problems
-        .into_iter()
-        .take(MAX_LISTED)
-        .collect::<Vec<_>>()
-        .join("; ");
-    if n > MAX_LISTED {
-        msg.push_str(&format!("; and {} more", n - MAX_LISTED));
-    }
-    Err(code(msg))
-}
-
-/// Check one source's `manifest` against `registry` and say where every
-/// byte goes.
-pub fn make_plan(
-    manifest: &Manifest,
-    registry: &Registry,
-    opts: PlanOptions,
-    logger: &Logger,
-) -> Result<Plan> {
-    make_sharded_plan(&[manifest], registry, opts, logger)
-}
-
-/// Check the manifests of `sources`, which serve one version together,
-/// against `registry` and say where every byte goes.
-pub fn make_sharded_plan(
-    sources: &[&Manifest],
-    registry: &Registry,
-    opts: PlanOptions,
-    logger: &Logger,
-) -> Result<Plan> {
-    if sources.iter().all(|m| m.tensors.is_empty()) {
-        return Err(Error::not_found(
-            "the source holds no tensors (empty source)",
-        ));
-    }
-    let mut problems = Vec::new();
-    check_versions(sources, &mut problems);
-    let globals = global::collect(sources, &mut problems);
-    fail(problems, Error::format)?;
-    let mut problems = Vec::new();
-    let mut found = Vec::new();
-    if !opts.callback {
-        let mut used = HashSet::new();
-        for (i, p) in registry.params().iter().enumerate() {
-            cover::cover_param(
-                i,
-                p,
-                &globals,
-                opts.spread,
-                &mut used,
-                &mut found,
-                &mut problems,
-            );
-        }
-        unknown_tensors(sources, &used, opts, logger, &mut problems);
-    }
-    let plan = assemble(sources, found, opts.callback);
-    if opts.verify {
-        unverifiable(&plan, opts, &mut problems);
-    }
-    fail(problems, Error::mismatch)?;
-    if plan.tensors == 0 {
-        return Err(Error::mismatch(
-            "no tensor of the source matches a registered param",
-        ));
-    }
-    Ok(plan)
-}
-
-/// Sources that name a version must name the same one.
-fn check_versions(sources: &[&Manifest], problems: &mut Vec<String>) {
-    let named: Vec<(usize, &str)> = sources
-        .iter()
-        .enumerate()
-        .filter_map(|(i, m)| m.version.as_deref().map(|v| (i, v)))
-        .collect();
-    if let Some(&(i, v)) = named.iter().find(|(_, v)| *v != named[0].1) {
-        problems.push(format!(
-            "the sources serve different versions: source {} '{}', source {i} '{v}'",
-            named[0].0, named[0].1
-        ));
-    }
-}
-
-/// Global tensors no piece names are an error, or skipped with a warning.
-fn unknown_tensors(
-    sources: &[&Manifest],
-    used: &HashSet<String>,
-    opts: PlanOptions,
-    logger: &Logger,
-    problems: &mut Vec<String>,
-) {
-    let mut seen = HashSet::new();
-    for t in sources.iter().flat_map(|m| &m.tensors) {
-        if used.contains(&t.name) || !seen.insert(t.name.as_str()) {
-            continue;
-        }
-        if opts.skip_unknown {
-            logger.warn(&format!(
-                "skipping tensor '{}': not a registered param",
-                t.name
-            ));
-        } else {
-            problems.push(format!("tensor '{}' is not a registered param", t.name));
-        }
-    }
-}
-
-/// One entry per (source, tensor, target) in that order, runs numbered by
-/// entry. In callback mode every tensor goes whole to the callback.
-fn assemble(sources: &[&Manifest], mut found: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    found.sort_by_key(|(s, param, r)| (s.source, s.tensor, *param, r.source.start));
-    let mut entries = Vec::new();
-    let mut runs = Vec::with_capacity(found.len());
-    let mut next = found.into_iter().peekable();
-    for (s, m) in sources.iter().enumerate() {
-        for (i, meta) in m.tensors.iter().enumerate() {
-            let mut any = false;
-            while let Some((at, param, _)) = next.peek() {
-                if (at.source, at.tensor) != (s, i) {
-                    break;
-                }
-                let param = *param;
-                let entry = entries.len();
-                while let Some((_, _, mut r)) =
-                    next.next_if(|(a, p, _)| (a.source, a.tensor, *p) == (s, i, param))
-                {
-                    r.entry = entry;
-                    runs.push(r);
-                }
-                entries.push(entry_of(meta, s, i, Target::Param(param)));
-                any = true;
-            }
-            if !any {
-                let target = if callback {
-                    Target::Callback
-                } else {
-                    Target::Skip
-                };
-                entries.push(entry_of(meta, s, i, target));
-                if callback {
-                    runs.push(whole_run(entries.len() - 1, meta.nbytes));
-                }
-            }
-        }
-    }
-    runs::sort_and_merge(&mut runs);
-    Plan::from_parts(entries, runs)
-}
-
-fn entry_of(meta: &TensorMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
-    PlanEntry {
-        meta: meta.clone(),
-        source,
-        tensor,
-        target,
-        bytes: 0,
-    }
-}
-
-fn whole_run(entry: usize, n: u64) -> Run {
-    Run {
-        entry,
-        target: Target::Callback,
-        source: 0..n,
-        param: 0..n,
-        rows: 1,
-        source_stride: n,
-        param_stride: n,
-    }
-}
-
-/// With verification on, every moving entry needs its tensor's checksum,
-/// and moves its whole tensor unless the sources checksum slices.
-fn unverifiable(plan: &Plan, opts: PlanOptions, problems: &mut Vec<String>) {
-    for (i, e) in plan.entries.iter().enumerate() {
-        if e.target == Target::Skip {
-            continue;
-        }
-        let sliced = opts.slice_sums && !plan.takes_all(i);
-        if e.meta.checksum.is_none() && !sliced {
-            problems.push(format!(
-                "checksum verification was requested but tensor '{}' has no checksum \
-                 (for snapshots, write them with `wm manifest <dir>`)",
-                e.meta.name
-            ));
-        } else if !opts.slice_sums && !plan.takes_all(i) {
-            problems.push(format!(
-                "checksum verification was requested but only part of tensor '{}' moves \
-                 to '{}', and this source has no checksums of slices (snapshots: write \
-                 block sums with `wm manifest <dir>`)",
-                e.meta.name,
-                match e.target {
-                    Target::Param(_) => "its param",
-                    _ => "the callback",
-                }
-            ));
-        }
     }
 }

@@ -11,11 +11,17 @@
 
 use super::{Run, Segment, Target};
 use crate::pieces::AlignedPiece;
+use crate::tensor::MAX_NDIM;
 use crate::tensor_box::TensorBox;
 
+/// Per-dimension numbers on the stack: every box here has at most
+/// `MAX_NDIM` dimensions (checked where shapes and pieces come in), and
+/// this runs for every common box, so it allocates nothing.
+type Dims = [u64; MAX_NDIM];
+
 /// Row-major byte strides of a tensor of `shape` with `esize`-byte elements.
-fn strides(shape: &[u64], esize: u64) -> Vec<u64> {
-    let mut s = vec![esize; shape.len()];
+fn strides(shape: &[u64], esize: u64) -> Dims {
+    let mut s = [esize; MAX_NDIM];
     for d in (0..shape.len().saturating_sub(1)).rev() {
         s[d] = s[d + 1] * shape[d + 1];
     }
@@ -36,12 +42,11 @@ pub(super) fn push_runs(
     let ndim = common.ndim();
     let src_shape = &shard.len;
     let dst_shape = &piece.param_shape;
-    let src_off: Vec<u64> = (0..ndim)
-        .map(|d| common.offset[d] - shard.offset[d])
-        .collect();
-    let dst_off: Vec<u64> = (0..ndim)
-        .map(|d| piece.in_param.offset[d] + common.offset[d] - piece.global.offset[d])
-        .collect();
+    let (mut src_off, mut dst_off): (Dims, Dims) = Default::default();
+    for d in 0..ndim {
+        src_off[d] = common.offset[d] - shard.offset[d];
+        dst_off[d] = piece.in_param.offset[d] + common.offset[d] - piece.global.offset[d];
+    }
     let (ss, ds) = (strides(src_shape, esize), strides(dst_shape, esize));
     // The innermost dimension `k` not spanned whole on both sides; the
     // block is `common.len[k]` of its rows (all of the inner dimensions).
@@ -54,10 +59,8 @@ pub(super) fn push_runs(
     } else {
         common.len[k] * ss[k]
     };
-    let start = |off: &[u64], strides: &[u64], idx: &[u64]| -> u64 {
-        (0..ndim)
-            .map(|d| (off[d] + idx.get(d).copied().unwrap_or(0)) * strides[d])
-            .sum()
+    let start = |off: &Dims, strides: &Dims, idx: &Dims| -> u64 {
+        (0..ndim).map(|d| (off[d] + idx[d]) * strides[d]).sum()
     };
     // Dimension `k - 1` (if any) is the run's rows; those outside it are
     // walked index by index.
@@ -67,7 +70,8 @@ pub(super) fn push_runs(
         (common.len[k - 1], Some(k - 1))
     };
     let outer = rows_dim.unwrap_or(0);
-    let mut idx = vec![0u64; outer];
+    // Indexes of the dimensions outside the rows; those inside stay 0.
+    let mut idx: Dims = [0; MAX_NDIM];
     loop {
         let (src, dst) = (start(&src_off, &ss, &idx), start(&dst_off, &ds, &idx));
         out.push(Run {

@@ -3,9 +3,12 @@
 
 use super::tests::meta;
 use super::*;
+use crate::logging::Logger;
+use crate::manifest::Manifest;
 use crate::manifest::Placement;
 use crate::pieces::Piece;
-use crate::registry::ParamSpec;
+use crate::plan::ParamLayout;
+use crate::registry::{ParamSpec, Registry};
 use crate::tensor::{byte_size, DType};
 use crate::tensor_box::TensorBox;
 
@@ -323,6 +326,154 @@ fn replicas_are_spread_and_unneeded_shards_are_skipped() {
             .collect();
         assert_eq!(moving, [spread]);
         assert_eq!(p.bytes, 48);
-        assert!(!p.is_whole_tensors());
     }
+}
+
+fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
+    specs
+        .iter()
+        .map(|s| ParamLayout {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            pieces: s.pieces.clone(),
+            whole: false,
+        })
+        .collect()
+}
+
+#[test]
+fn params_without_memory_plan_like_a_registry_and_sources_are_reused() {
+    let sources = trainer(4);
+    let ms: Vec<&Manifest> = sources.iter().map(|(m, _)| m).collect();
+    let indexed = Sources::new(&ms).unwrap();
+    for rank in 0..2 {
+        let specs = engine_rank(rank);
+        let opts = PlanOptions {
+            spread: rank as usize,
+            ..Default::default()
+        };
+        let log = Logger::default();
+        let a = make_sharded_plan(&ms, &registry_of(&specs), opts, &log).unwrap();
+        let b = make_sharded_plan(&ms, &layouts_of(&specs), opts, &log).unwrap();
+        let c = indexed.plan(&layouts_of(&specs), opts, &log).unwrap();
+        for p in [&b, &c] {
+            assert_eq!(p.runs, a.runs, "rank {rank}");
+            let key = |p: &Plan| -> Vec<_> {
+                p.entries
+                    .iter()
+                    .map(|e| (e.source, e.tensor, e.target, e.bytes))
+                    .collect()
+            };
+            assert_eq!(key(p), key(&a), "rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_first_slice_named_like_its_param_is_not_the_whole_tensor() {
+    // TP rank 0 of 'o' [6, 8] split along dim 0, registered as 'o': its one
+    // piece looks like "all of 'o' of the param's shape" but holds rows 0..3.
+    let whole = Manifest {
+        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0],
+        version: None,
+    };
+    let spec = ParamSpec {
+        pieces: vec![Piece::narrow("o", &[6, 8], 0, 0, 3)],
+        ..ParamSpec::host("o", DType::Bf16, &[3, 8])
+    };
+    let p = make_sharded_plan(
+        &[&whole],
+        &registry_of(std::slice::from_ref(&spec)),
+        PlanOptions::default(),
+        &Logger::default(),
+    )
+    .unwrap();
+    assert_eq!(p.bytes, 48);
+    // Registered without pieces, a shorter param is still a mismatch.
+    let e = sharded_err(&[&whole], &[ParamSpec::host("o", DType::Bf16, &[3, 8])]);
+    assert!(
+        e.contains("param 'o': shape mismatch: registered [3, 8], source [6, 8]"),
+        "{e}"
+    );
+}
+
+fn ms3_of(sources: &[(Manifest, Vec<Vec<u8>>)]) -> Vec<&Manifest> {
+    sources.iter().map(|(m, _)| m).collect()
+}
+
+#[test]
+fn the_fingerprint_follows_every_layout_change() {
+    let sources = trainer(2);
+    let ms: Vec<&Manifest> = sources.iter().map(|(m, _)| m).collect();
+    let params = layouts_of(&engine_rank(0));
+    let base = fingerprint(&ms, &params);
+    assert_eq!(base, fingerprint(&ms, &params), "deterministic");
+    let mut moved = sources.clone();
+    moved[1].0.tensors[0].placement.as_mut().unwrap().offset[0] += 1;
+    let ms2: Vec<&Manifest> = moved.iter().map(|(m, _)| m).collect();
+    assert_ne!(base, fingerprint(&ms2, &params), "a placement");
+    let mut versioned = sources.clone();
+    versioned[0].0.version = Some("8".into());
+    // A new version with new checksums is the same layout (the plan is
+    // reused, taking the new sums); a checksum gone is not.
+    versioned[0].0.tensors[0].checksum = Some(7);
+    let summed = fingerprint(&ms3_of(&versioned), &params);
+    versioned[0].0.version = Some("9".into());
+    versioned[0].0.tensors[0].checksum = Some(8);
+    assert_eq!(
+        summed,
+        fingerprint(&ms3_of(&versioned), &params),
+        "a version"
+    );
+    versioned[0].0.tensors[0].checksum = None;
+    assert_ne!(
+        summed,
+        fingerprint(&ms3_of(&versioned), &params),
+        "no checksum"
+    );
+    let mut other = params.clone();
+    other[1].pieces[2].at[0] -= 1;
+    assert_ne!(base, fingerprint(&ms, &other), "a piece's place");
+    let mut renamed = params.clone();
+    renamed[0].name.push('x');
+    assert_ne!(base, fingerprint(&ms, &renamed), "a name");
+    assert_ne!(base, fingerprint(&ms[..1], &params), "a source fewer");
+}
+
+#[test]
+fn many_replicas_of_one_box_are_joined_and_a_box_twice_in_one_source_is_named() {
+    // 64 sources each hold all of 'o': one box, 64 replicas, spread by rank.
+    let one = Manifest {
+        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0],
+        version: None,
+    };
+    let ms: Vec<&Manifest> = (0..64).map(|_| &one).collect();
+    let spec = ParamSpec {
+        pieces: vec![Piece::narrow("o", &[6, 8], 0, 0, 3)],
+        ..ParamSpec::host("o.top", DType::Bf16, &[3, 8])
+    };
+    let layouts = layouts_of(std::slice::from_ref(&spec));
+    let indexed = Sources::new(&ms).unwrap();
+    for spread in [0, 17, 63, 64] {
+        let opts = PlanOptions {
+            spread,
+            ..Default::default()
+        };
+        let p = indexed.plan(&layouts, opts, &Logger::default()).unwrap();
+        let from: Vec<usize> = p
+            .entries
+            .iter()
+            .filter(|e| e.target != Target::Skip)
+            .map(|e| e.source)
+            .collect();
+        assert_eq!(from, [spread % 64]);
+    }
+    let mut twice = one.clone();
+    twice.tensors.push(twice.tensors[0].clone());
+    let e = sharded_err(&[&twice], std::slice::from_ref(&spec));
+    assert!(
+        e.contains("tensor 'o' [0:6, 0:8] appears more than once in the source"),
+        "{e}"
+    );
 }

@@ -7,13 +7,16 @@
 //! - `wm manifest <dir>`: write `wm_checksums.json` for the snapshot in `dir`.
 //! - `wm shard <file|dir> --out DIR --ranks N`: per-rank shard files, each
 //!   tensor's placement in its file's metadata.
+//! - `wm plan --trainer T.json --engine E.json`: plan every engine rank of
+//!   two layouts (no weights, no memory): runs, bytes per rank, busiest
+//!   link, predicted transfer time (`docs/layouts.md`).
 //! - `wm bench snapshot`: snapshot update throughput beside its floors.
 //! - `wm bench signal`: per-step latency of the signal across real ranks.
 //! - `wm bench ipc`: same-node IPC update throughput beside its floor.
 //! - `wm bench net`: rdma over UCX beside the raw UCX floor.
 //! - `wm bench gpu`: device params on a real GPU beside their floors.
-//! - `wm bench shard-snapshot`: ranks slicing one checkpoint, bytes read
-//!   and GB/s beside their floors.
+//! - `wm bench shard`: sharded updates (planning; snapshot ranks slicing
+//!   one checkpoint) beside their targets and floors.
 //! - `wm serve --ipc | --net`: the trainer side, publishing a snapshot.
 //! - `wm pull --ipc | --net`: an engine rank that checks what it received.
 //! - `wm signal get|set|wait|request`: the controller's side of the cell.
@@ -26,13 +29,14 @@ mod bench_atomic;
 mod bench_gpu;
 mod bench_ipc;
 mod bench_net;
-mod bench_shard_snapshot;
+mod bench_shard;
 mod bench_signal;
 mod demo;
 mod fixtures;
 mod fmt;
 mod inspect;
 mod ipc;
+mod plan;
 mod shard;
 mod signal;
 mod worker;
@@ -44,12 +48,13 @@ const USAGE: &str = "usage:
   wm inspect <file|dir> [--rank R] [--gpu G] [--all]
   wm manifest <dir>
   wm shard <file|dir> --out DIR --ranks N [--dim D]     (per-rank shard files, placement in their metadata)
+  wm plan --trainer TRAINER.json --engine ENGINE.json [--link-gbps 400] [--json]   (docs/layouts.md)
   wm bench snapshot [--gib N] [--small N] [--threads N] [--dir DIR]
   wm bench signal [--steps N] [--ranks 2,4,8] [--work-us US]
   wm bench ipc [--gib N] [--bucket-mib M]
   wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
   wm bench gpu [--gib N]                               (needs an NVIDIA GPU)
-  wm bench shard-snapshot [--gib N | --quick] [--dir DIR]   (4 rank processes slicing one checkpoint)
+  wm bench shard [--section planning|snapshot] [--pieces 10000] [--sources 8] [--runs 20] [--gib N | --quick] [--dir DIR]
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
@@ -144,6 +149,11 @@ fn run(argv: &[String]) -> Result<(), String> {
             a.check_known(shard::OPTIONS)?;
             shard::run(&a)
         }
+        "plan" => {
+            let a = Args::parse(rest, plan::FLAGS)?;
+            a.check_known(plan::OPTIONS)?;
+            plan::run(&a)
+        }
         "bench" => {
             let a = Args::parse(rest, &["quick"])?;
             a.check_known(&[
@@ -166,6 +176,9 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "quick",
                 "split",
                 "verify",
+                "section",
+                "pieces",
+                "sources",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
@@ -176,11 +189,9 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("net") => bench_net::run(&a),
                 Some("net-publisher") => bench_net::publisher(&a),
                 Some("gpu") => bench_gpu::run(&a),
-                Some("shard-snapshot") => bench_shard_snapshot::run(&a),
-                Some("shard-snapshot-rank") => bench_shard_snapshot::rank(&a),
-                _ => Err(
-                    "usage: wm bench snapshot|signal|ipc|net|gpu|shard-snapshot [options]".into(),
-                ),
+                Some("shard") => bench_shard::run(&a),
+                Some("shard-snapshot-rank") => bench_shard::snapshot::rank(&a),
+                _ => Err("usage: wm bench snapshot|signal|ipc|net|gpu|shard [options]".into()),
             }
         }
         "signal" => {

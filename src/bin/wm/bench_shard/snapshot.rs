@@ -1,5 +1,5 @@
-//! `wm bench shard-snapshot`: 4 engine ranks, each a separate process
-//! (`wm bench shard-snapshot-rank`), slicing one whole-tensor checkpoint
+//! `wm bench shard`, section snapshot: 4 engine ranks, each a separate
+//! process (`wm bench shard-snapshot-rank`), slicing one whole-tensor checkpoint
 //! (bf16 [8192, 4096] layers, 64 MiB each) by rows (outer dimension) or by
 //! columns (inner: a 2 KiB segment of every 8 KiB row), unverified and
 //! verified with block sums. Every figure beside its floor or target:
@@ -19,11 +19,11 @@
 //!
 //! The ranks run at once, so on a small machine they share its cores: the
 //! floor is measured under the same load, alternating with the updates.
-//! The unverified runs read a hard link of the checkpoint in a directory
-//! without `wm_checksums.json` (with block sums there, the snapshot source
-//! checks slices whenever they exist).
+//! Verified and unverified runs read the same directory (block sums are
+//! read only when verifying).
 
-use crate::bench::{best, buffer, verdict, Scratch};
+use super::Row;
+use crate::bench::{best, buffer, Scratch};
 use crate::fixtures;
 use crate::fmt::{self, gbps};
 use crate::Args;
@@ -55,34 +55,30 @@ struct RankResult {
     floor: Duration,
 }
 
-pub fn run(a: &Args) -> Result<(), String> {
+pub fn run(a: &Args) -> Result<Vec<Row>, String> {
     let gib: f64 = a.number("gib", if a.flag("quick") { 0.25 } else { 2.0 })?;
     let layers = ((gib * (1u64 << 30) as f64) / LAYER as f64).ceil().max(1.0) as u64;
     let base = a.value("dir").map_or_else(std::env::temp_dir, Into::into);
     let scratch = Scratch(base.join(format!("wm-bench-shard-snapshot-{}", std::process::id())));
-    let (plain, sums) = (scratch.0.join("plain"), scratch.0.join("sums"));
-    for d in [&plain, &sums] {
-        std::fs::create_dir_all(d).map_err(|e| e.to_string())?;
-    }
-    write_checkpoint(&sums.join(FILE), layers)?;
-    std::fs::hard_link(sums.join(FILE), plain.join(FILE)).map_err(|e| e.to_string())?;
-    checksums::write(&sums, default_threads()).map_err(|e| e.to_string())?;
+    let dir = &scratch.0;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_checkpoint(&dir.join(FILE), layers)?;
+    checksums::write(dir, default_threads()).map_err(|e| e.to_string())?;
     let total = layers * LAYER;
     println!(
-        "checkpoint: {layers} bf16 layers of {SHAPE:?} ({}), {RANKS} rank processes at once, \
+        "    checkpoint: {layers} bf16 layers of {SHAPE:?} ({}), {RANKS} rank processes at once, \
          {} copier thread(s) each",
         fmt::bytes(total),
         default_threads()
     );
-    let mut ok = true;
-    for (split, dim) in [("outer (rows)", 0), ("inner (columns)", 1)] {
-        for (verify, dir) in [(false, &plain), (true, &sums)] {
+    let mut rows = Vec::new();
+    for (split, dim) in [("outer split", 0), ("inner split", 1)] {
+        for verify in [false, true] {
             let results = run_ranks(dir, dim, verify)?;
-            ok &= report(split, verify, dim, total, &results);
+            report(&mut rows, (split, dim, verify), total, &results);
         }
     }
-    println!("verdict: {}", verdict(ok));
-    Ok(())
+    Ok(rows)
 }
 
 /// `layers` layers of random bf16 in `path`, read once (page cache warm).
@@ -145,40 +141,43 @@ fn run_ranks(dir: &Path, dim: usize, verify: bool) -> Result<Vec<RankResult>, St
         .collect()
 }
 
-/// Print one configuration's figures; true when they meet their targets.
-fn report(split: &str, verify: bool, dim: usize, total: u64, rs: &[RankResult]) -> bool {
+/// One configuration's figures: bytes read by all ranks / checkpoint
+/// (target at most 1.05 for outer splits), and per rank bytes moved /
+/// params (1.00) and GB/s beside its pread floor (target 0.8 unverified).
+fn report(
+    rows: &mut Vec<Row>,
+    (split, dim, verify): (&str, usize, bool),
+    total: u64,
+    rs: &[RankResult],
+) {
+    let how = if verify { "verified" } else { "unverified" };
     let read: u64 = rs.iter().map(|r| r.read).sum();
     let ratio = read as f64 / total as f64;
-    let read_ok = dim == 1 || ratio <= 1.05;
-    let target = if dim == 0 { " (target <= 1.05)" } else { "" };
-    println!(
-        "\n{split} split, {}:\n  read by all ranks {} / checkpoint {} = {ratio:.3}{target}",
-        if verify {
-            "verified with block sums"
-        } else {
-            "unverified"
-        },
-        fmt::bytes(read),
-        fmt::bytes(total),
-    );
-    let mut ok = read_ok;
+    rows.push(Row {
+        what: format!("{split}, {how}: read by all ranks / checkpoint"),
+        value: fmt::bytes(read),
+        beside: format!("checkpoint {}", fmt::bytes(total)),
+        ratio,
+        ok: (dim == 0).then_some(ratio <= 1.05),
+    });
     for (i, r) in rs.iter().enumerate() {
-        let moved = r.moved as f64 / r.param_bytes as f64;
+        rows.push(Row {
+            what: format!("{split}, {how}: rank {i} moved / its params"),
+            value: fmt::bytes(r.moved),
+            beside: format!("params {}", fmt::bytes(r.param_bytes)),
+            ratio: r.moved as f64 / r.param_bytes as f64,
+            ok: Some(r.moved == r.param_bytes),
+        });
         let (got, floor) = (gbps(r.moved, r.update), gbps(r.moved, r.floor));
-        let (kind, target) = match verify {
-            true => ("pread+xxh3", ""),
-            false => ("pread", " (target >= 0.8)"),
-        };
-        println!(
-            "  rank {i}: moved {} / params {} = {moved:.2}; {got:.2} GB/s vs {kind} floor \
-             {floor:.2} GB/s = {:.2}{target}",
-            fmt::bytes(r.moved),
-            fmt::bytes(r.param_bytes),
-            got / floor
-        );
-        ok &= r.moved == r.param_bytes && (verify || got / floor >= 0.8);
+        let kind = if verify { "pread+xxh3" } else { "pread" };
+        rows.push(Row {
+            what: format!("{split}, {how}: rank {i} GB/s"),
+            value: format!("{got:.2} GB/s"),
+            beside: format!("{kind} {floor:.2} GB/s"),
+            ratio: got / floor,
+            ok: (!verify).then_some(got / floor >= 0.8),
+        });
     }
-    ok
 }
 
 /// `wm bench shard-snapshot-rank`: one engine rank; prints `rank <bytes

@@ -1,0 +1,69 @@
+//! `wm bench shard`: sharded updates, each figure printed beside its target
+//! or a floor measured in the same run, with their ratio.
+//!
+//! A section is a file of this folder with a `run(&Args) -> Result<Vec<Row>,
+//! String>`; adding one is one line in `SECTIONS` (and its `mod` line).
+//! `--section NAME` runs only that one.
+
+mod planning;
+pub mod snapshot;
+// other sections: `mod ipc;`, `mod net;`
+
+use crate::Args;
+
+/// One figure: what was measured, its value, what it is compared with, and
+/// the ratio (measured / target for times: at most 1 meets the target).
+/// `ok` is None for a figure with no target (a floor).
+pub struct Row {
+    pub what: String,
+    pub value: String,
+    pub beside: String,
+    pub ratio: f64,
+    pub ok: Option<bool>,
+}
+
+type Section = fn(&Args) -> Result<Vec<Row>, String>;
+
+const SECTIONS: &[(&str, Section)] = &[
+    ("planning", planning::run),
+    ("snapshot", snapshot::run),
+    // other sections: ("ipc", ipc::run), ("net", net::run),
+];
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let only = a.value("section");
+    if let Some(name) = only {
+        if !SECTIONS.iter().any(|(n, _)| *n == name) {
+            let known: Vec<&str> = SECTIONS.iter().map(|(n, _)| *n).collect();
+            return Err(format!("--section {name}: not one of {}", known.join(", ")));
+        }
+    }
+    println!("wm bench shard");
+    let mut all_ok = true;
+    for (name, section) in SECTIONS
+        .iter()
+        .filter(|(n, _)| only.is_none_or(|o| o == *n))
+    {
+        println!("  {name}");
+        for r in section(a)? {
+            println!(
+                "    {:<62} {:>10}   {:<22} ratio {:>6.3} {}",
+                r.what,
+                r.value,
+                r.beside,
+                r.ratio,
+                r.ok.map_or("", crate::bench::verdict)
+            );
+            all_ok &= r.ok.unwrap_or(true);
+        }
+    }
+    println!(
+        "  {}",
+        if all_ok {
+            "every figure meets its target"
+        } else {
+            "some figures miss their target"
+        }
+    );
+    Ok(())
+}
