@@ -5,9 +5,11 @@
 //! weights. Every update follows one path, whatever the source:
 //!
 //! ```text
-//! source -> manifest -> plan (checked against the registry, before any byte
-//! moves) -> chunks -> applier (range checks, parallel copy, checksums,
-//! staging) -> commit (version, stats, state NORMAL)
+//! sources -> manifests -> plan (runs: every piece of every param against
+//! every shard, checked before any byte moves, kept while the layouts do
+//! not change) -> chunks (the sources stepped together) -> applier (range
+//! checks, parallel copy, checksums, staging) -> commit (version, stats,
+//! state NORMAL)
 //! ```
 //!
 //! Module map, roughly bottom up:
@@ -15,16 +17,20 @@
 //!   default value, once. [`logging`]: per-manager log sinks.
 //! - [`tensor`]: dtypes, shapes, byte math. [`checksum`]: XXH3-128 of
 //!   tensors. [`state`]: the manager's states (the control word's values).
-//! - [`registry`]: params by name. [`manifest`]: what a source offers.
-//!   [`plan`]: the manifest checked against the registry. [`apply`]: the
-//!   applier (landing, verification, staging, commit).
+//! - [`tensor_box`], [`pieces`]: boxes of global tensors; what a param
+//!   holds of which. [`registry`]: params by name. [`manifest`]: what a
+//!   source offers (shards, placed in their global tensors).
+//!   [`plan`]: the sources' manifests against the params, cut into runs
+//!   (also without memory, for `wm plan`). [`apply`]: the applier
+//!   (landing, verification, staging, commit).
 //! - [`memory`]: library-owned host and GPU memory, pinned staging, CUDA
 //!   IPC buffers, the parallel copier.
 //! - [`wire`]: the frames of the IPC and network protocol (`docs/wire.md`).
 //!   [`transport`]: frames over Unix and TCP sockets, peer checks and
 //!   authentication, UCX (loaded at run time).
 //! - [`source`]: where bytes come from: snapshot files, same-node IPC from
-//!   a publisher, the network (rdma, gdr) over UCX.
+//!   publishers, the network (rdma, gdr) over UCX; several at once
+//!   (`source/streaming.rs`).
 //! - [`publisher`]: the trainer side, serving versions over IPC or the
 //!   network.
 //! - [`signal`]: the control cell, rank groups, fan-out meetings, the
@@ -34,13 +40,14 @@
 //! - [`ffi`]: the C boundary, and nothing else.
 //!
 //! Where things go:
-//! - A network chunk: `source/net/mod.rs` posts each bucket entry's UCX
+//! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
 //!   receive where `Applier::receive_buffer_for` says (`apply/receive.rs`: in
 //!   place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
 //!   routes it (`apply/route.rs`, `apply/batch.rs`) and checks it against
-//!   the manifest's checksum while it is still in cache (`apply/verify.rs`);
+//!   the manifest's checksum (or, for a part of a tensor, the publisher's
+//!   slice sum) while it is still in cache (`apply/verify.rs`);
 //!   keyed digests, when asked for, are checked by the source first.
 //! - A new source: a module under [`source`] implementing
 //!   [`source::Source`], its [`source::SourceKind`] number, and one arm in
