@@ -312,6 +312,27 @@ fn pieces_from_two_network_publishers_at_once() {
     pieces_from_two_publishers(Via::Net);
 }
 
+/// An engine updated to "v1" from two publishers (then gone): the manager,
+/// its params' memory and their bytes.
+type Held = (
+    Manager,
+    Vec<(*mut u8, usize)>,
+    Vec<(ParamSpec, Vec<u8>, [u64; 2])>,
+);
+
+fn engine_at_v1(dir: &std::path::Path, via: Via) -> Held {
+    let old = model(1);
+    let params_old = engine_params(&old);
+    let m = engine();
+    let ptrs = register(&m, &params_old);
+    let ps = publishers(dir, via, ["v1", "v1"], &old, small_buckets);
+    serving(&ps, || m.update(request(via, &ps, Mode::Atomic)))
+        .0
+        .unwrap();
+    drop(ps);
+    (m, ptrs, params_old)
+}
+
 /// A publisher whose bytes are corrupted after it hashed them (the
 /// test-only hook flips a bit of the tensor once packed) fails the update
 /// with a checksum error naming the tensor; atomic, the old weights stay.
@@ -320,15 +341,7 @@ fn pieces_from_two_network_publishers_at_once() {
 fn corrupted_slice_is_caught(via: Via) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let old = model(1);
-    let params_old = engine_params(&old);
-    let m = engine();
-    let ptrs = register(&m, &params_old);
-    let ps = publishers(dir.path(), via, ["v1", "v1"], &old, small_buckets);
-    serving(&ps, || m.update(request(via, &ps, Mode::Atomic)))
-        .0
-        .unwrap();
-    drop(ps);
+    let (m, ptrs, params_old) = engine_at_v1(dir.path(), via);
     let new = model(2);
     for victim in ["w", "k"] {
         let corrupt = |r: u64| PublisherConfig {
@@ -370,15 +383,7 @@ fn a_corrupted_slice_over_the_network_fails_the_update_naming_the_tensor() {
 fn a_publisher_dying_mid_update(via: Via) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let old = model(1);
-    let params_old = engine_params(&old);
-    let m = engine();
-    let ptrs = register(&m, &params_old);
-    let ps = publishers(dir.path(), via, ["v1", "v1"], &old, small_buckets);
-    serving(&ps, || m.update(request(via, &ps, Mode::Atomic)))
-        .0
-        .unwrap();
-    drop(ps);
+    let (m, ptrs, params_old) = engine_at_v1(dir.path(), via);
     let new = model(2);
     let ps = publishers(dir.path(), via, ["v2", "v2"], &new, small_buckets);
     let victim = ps[1].address();
