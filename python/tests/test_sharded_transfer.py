@@ -155,3 +155,33 @@ def test_a_trainer_rank_killed_mid_update_fails_it_naming_the_rank(tmp_path, tra
     assert addrs[1] in u["error"], u
     # Atomic: the old version and every old byte stay.
     assert u["state"] == "NORMAL" and u["now"] == VERSIONS[0] and u["matches"], u
+
+
+def test_the_per_tensor_callback_is_told_which_box_it_holds(tmp_path):
+    """A shard handed to on_tensor comes with its place in the global
+    tensor; a two-argument callback still gets (name, array)."""
+    import threading
+
+    from weight_manager import Manager, Placement, Publisher
+
+    full = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    sock = str(tmp_path / "shard.sock")
+    seen, plain = [], []
+    with Publisher(sock) as pub:
+        pub.add_shard("w", np.ascontiguousarray(full[4:8]), (8, 6), (4, 0))
+        pub.add("b", np.ones(3, np.float32))
+        pub.set_version("v1")
+        pub.publish()
+        server = threading.Thread(target=pub.serve, kwargs={"engines": 2, "timeout": 30})
+        server.start()
+        with Manager(fallback_dir="") as m:
+            m.update(sock, source="ipc", in_place=True,
+                     on_tensor=lambda name, a, where: seen.append((name, a.copy(), where)))
+            m.update(sock, source="ipc", in_place=True,
+                     on_tensor=lambda name, a: plain.append(name))
+        server.join(timeout=30)
+    by_name = {n: (a, w) for n, a, w in seen}
+    assert by_name["w"][1] == Placement((8, 6), (4, 0))
+    assert np.array_equal(by_name["w"][0], full[4:8])
+    assert by_name["b"][1] == Placement((3,), (0,))
+    assert sorted(plain) == ["b", "w"]
