@@ -7,8 +7,8 @@ the engine checks every byte it received against the full tensors.
     python sharded_ranks.py trainer RANK RANKS ipc|net WHERE VERSIONS ENGINES_SESSIONS
     python sharded_ranks.py engine RANK ipc|net|snapshot LOCATIONS VERSIONS [--kill PID]
 
-(--kill: the engine kills process PID at its first progress report of the
-last version's update.)
+(--kill: the engine kills process PID once a quarter of the last version's
+bytes came.)
 
 The trainer prints its address on its first line once it listens; the
 engine prints one JSON line per update."""
@@ -95,7 +95,9 @@ def layout(rank: int) -> dict:
 
 def engine(rank: int, transport: str, locations: list, versions: list, kill: int):
     params = {}
-    with Manager(rank, ENGINE_RANKS, fallback_dir="") as m:
+    # 1 MiB network buckets, at most 2 in flight: a trainer rank killed at
+    # the first progress report still has most of its bytes to send.
+    with Manager(rank, ENGINE_RANKS, fallback_dir="", net_bucket_size=1 << 20) as m:
         for name, (shape, pieces, _) in layout(rank).items():
             params[name] = m.allocate(name, np.float32, shape, pieces=pieces)
         param_bytes = sum(a.nbytes for a in params.values())
@@ -103,8 +105,10 @@ def engine(rank: int, transport: str, locations: list, versions: list, kill: int
             killed = []
 
             def progress(p):
-                # The kill comes in the last update, once bytes flow.
-                if kill and v == versions[-1] and not killed:
+                # The kill comes in the last update, once a quarter of its
+                # bytes came: every trainer rank is sending by then (its
+                # UCX connection set up), none is done.
+                if kill and v == versions[-1] and not killed and 4 * p.bytes_done >= p.bytes_total:
                     os.kill(kill, signal.SIGKILL)
                     killed.append(kill)
 

@@ -141,9 +141,9 @@ def test_a_trainer_rank_killed_mid_update_fails_it_naming_the_rank(tmp_path, tra
     sessions = sharded_ranks.ENGINE_RANKS * len(VERSIONS)
     procs, addrs = start_trainers(tmp_path, transport, VERSIONS, sessions)
     try:
-        # Engine rank 0 updates to step-1, then kills trainer rank 1 at its
-        # first progress report of step-2: rank 1 serves it 8 MiB of "big"
-        # in 1 MiB buckets, most of them still to come.
+        # Engine rank 0 updates to step-1, then kills trainer rank 1 once a
+        # quarter of step-2 came: rank 1 serves it 8 MiB of "big" in 1 MiB
+        # buckets, most of them still to come.
         results = run_engines(transport, addrs, VERSIONS, kill=procs[1].pid, ranks=1)
     finally:
         for p in procs:

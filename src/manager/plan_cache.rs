@@ -41,7 +41,10 @@ impl PlanCache {
     ) -> Result<Planned> {
         let start = Instant::now();
         let key = fingerprint(sources, registry, opts);
-        let last = self.last.lock().clone();
+        // Taken, not cloned: the cache then holds the only reference (the
+        // last update's is gone), so new checksums are written in place
+        // instead of copying the whole plan.
+        let last = self.last.lock().take();
         if let Some((k, plan)) = last.filter(|(k, _)| *k == key) {
             let plan = with_checksums(plan, sources);
             *self.last.lock() = Some((k, plan.clone()));

@@ -275,7 +275,7 @@ impl SnapshotSource {
             let mut reader = reader::FileReader::new(&file, &shown);
             for e in wanted {
                 let tensor = plan.entries[e].tensor;
-                let sums = self.slice_sums(plan, (e, tensor), applier)?;
+                let sums = self.block_sums(plan, (e, tensor), applier.verifies());
                 reader.entry(applier, plan, (e, self.locations[tensor].1), sums)?;
             }
             reader.flush(applier)?;
@@ -285,25 +285,20 @@ impl SnapshotSource {
 }
 
 impl SnapshotSource {
-    /// What entry `e` (of manifest tensor `tensor`) is checked against
-    /// besides what the applier does itself: nothing when it moves its
-    /// whole tensor unchanged (the applier checks the whole checksum); the
-    /// whole checksum as its slice sum when it takes all of its tensor to
-    /// other offsets (a whole tensor fused into a param: its wanted bytes
-    /// are the tensor's, checked by the applier against the whole sum);
-    /// otherwise, verifying, the block sums of its tensor, the blocks
-    /// returned checked as they are read.
-    fn slice_sums(
+    /// The block sums entry `e` (of manifest tensor `tensor`) is read
+    /// through: only when verifying a part of a tensor. Unverified updates
+    /// read only their segments; an entry that takes all of its tensor's
+    /// bytes (also fused into a param) is checked by the applier against
+    /// the tensor's own checksum.
+    fn block_sums(
         &self,
         plan: &Plan,
         (e, tensor): (usize, usize),
-        applier: &mut Applier,
-    ) -> Result<Option<&BlockSums>> {
-        // Unverified updates read only their segments; an entry that takes
-        // all of its tensor's bytes is checked against the whole sum.
-        if !applier.verifies() || plan.takes_all(e) {
-            return Ok(None);
+        verifies: bool,
+    ) -> Option<&BlockSums> {
+        match verifies && !plan.takes_all(e) {
+            true => self.blocks[tensor].as_ref(),
+            false => None,
         }
-        Ok(self.blocks[tensor].as_ref())
     }
 }
