@@ -383,6 +383,20 @@ typedef struct {
   // `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
   // update ends, and every atomic update faults in fresh memory.
   uint32_t free_atomic_staging;
+  // Atomic mode, library-owned device params (`wm_allocate_param` with
+  // device memory) that an update writes whole: non-zero commits them
+  // by a device page swap. The update is uploaded into fresh GPU memory
+  // while the engine's kernels may still read the old weights; the
+  // commit (inside `wm_update`, after the uploads finished) waits for
+  // the device, maps the new memory at the param's addresses (they never
+  // change) and frees the old memory. Costs one more copy of those
+  // params in GPU memory during each update (an update that cannot get
+  // it fails before reading anything, the old weights kept). The engine
+  // must not run kernels reading such a param while `wm_update` runs:
+  // between unmapping the old memory and mapping the new one its
+  // addresses hold nothing. Default 0: the commit uploads into the
+  // params themselves.
+  uint32_t swap_device_params;
 } wm_config;
 
 // One piece of a param: the box (`offset`, `len` per dimension, `ndim`

@@ -89,6 +89,7 @@ class Config(ctypes.Structure):
         ("net_keyed_digests", ctypes.c_uint32),
         ("callback_staging_limit", ctypes.c_uint64),
         ("free_atomic_staging", ctypes.c_uint32),
+        ("swap_device_params", ctypes.c_uint32),
     ]
 
 

@@ -249,7 +249,8 @@ class Manager(OwnedHandle):
                  net_depth: int = 0, net_staged: bool = False, gdr_fallback: bool = False,
                  fanout_group: Optional[int] = None, nccl_library=None,
                  net_keyed_digests: bool = False,
-                 callback_staging_limit: int = 0, keep_atomic_staging: bool = True):
+                 callback_staging_limit: int = 0, keep_atomic_staging: bool = True,
+                 swap_device_params: bool = False):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -279,6 +280,10 @@ class Manager(OwnedHandle):
         # Atomic staging kept between updates (README "Atomic updates");
         # False frees it after each update.
         cfg.free_atomic_staging = int(not keep_atomic_staging)
+        # Atomic updates of library-owned device params by a device page
+        # swap (README "States and transitions"); costs one more copy of
+        # them in GPU memory during each update.
+        cfg.swap_device_params = int(swap_device_params)
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:

@@ -39,6 +39,10 @@ pub struct AtomicStaging<'p> {
     /// Shadows faulted in ahead, per param number: used for the params
     /// that get a shadow of their own when the size matches.
     pub ready: HashMap<usize, HostRegion>,
+    /// Per param number: the library-owned device region of the param,
+    /// when the manager swaps device pages (`apply::device_swap`); empty
+    /// otherwise.
+    pub device: Vec<Option<&'p crate::memory::device::DeviceRegion>>,
 }
 
 /// Where a param's shadow is.

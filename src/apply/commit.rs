@@ -1,7 +1,8 @@
 //! The end of an update: check that every planned byte arrived, then make
 //! the bytes the engine's weights. Atomic: swap shadows into library-owned
 //! host params, copy the rest into engine-owned ones, upload device params,
-//! hand callback tensors out. In place: only callback
+//! hand callback tensors out, and once the uploads settled swap device
+//! shadows in (`device_swap.rs`). In place: only callback
 //! tensors not yet delivered (empty ones) are left. Either way, wait for
 //! the uploads.
 
@@ -34,6 +35,7 @@ impl<'p> Applier<'p, '_> {
             }
         }
         self.settle_uploads()?;
+        self.swap_device_shadows()?;
         Ok(Applied {
             tensors: self.plan.tensors,
             bytes: self.plan.bytes,

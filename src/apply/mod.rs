@@ -41,6 +41,7 @@ mod arena;
 mod batch;
 mod callback;
 mod commit;
+mod device_swap;
 mod failure;
 mod progress;
 mod receive;
@@ -68,6 +69,7 @@ use crate::memory::SendPtr;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use arena::Arena;
+use device_swap::DeviceShadows;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -82,6 +84,9 @@ pub struct Applier<'p, 'h> {
     /// Atomic mode: per param number, the library-owned region its shadow
     /// is swapped into at commit.
     swappable: Vec<Option<&'p HostRegion>>,
+    /// Atomic mode: shadows of library-owned device params, swapped in at
+    /// commit (`device_swap.rs`).
+    device_shadows: DeviceShadows<'p>,
     /// Atomic mode: where the arena's packed region is kept for the next
     /// update (None: freed).
     keep: Option<&'p mut Option<HostRegion>>,
@@ -142,9 +147,13 @@ impl<'p, 'h> Applier<'p, 'h> {
             opts.mode == Mode::Atomic,
             opts.callback_staging_limit,
         )?;
-        let arena = match opts.mode {
-            Mode::Atomic => Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
-            Mode::InPlace => None,
+        // Device memory first: it fails fast, before host staging is faulted in.
+        let (device_shadows, arena) = match opts.mode {
+            Mode::Atomic => (
+                DeviceShadows::for_plan(plan, &staging.device)?,
+                Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
+            ),
+            Mode::InPlace => (DeviceShadows::default(), None),
         };
         let started = Instant::now();
         Ok(Applier {
@@ -152,6 +161,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             hooks,
             params,
             arena,
+            device_shadows,
             swappable: staging.swappable,
             keep: staging.keep,
             loose: LooseBuffers::new(opts.callback_staging_limit),

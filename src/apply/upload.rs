@@ -2,10 +2,12 @@
 //! (a pinned buffer of their own, or any host bytes through the staging's
 //! shared buffers), and chunks in a source's GPU memory are copied device
 //! to device. All are queued on the staging's streams; the applier waits for
-//! them before the update counts as done.
+//! them before the update counts as done. Atomic, a param with a device
+//! shadow (`device_swap.rs`) gets its bytes in the shadow instead.
 
 use super::Applier;
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
+use crate::plan::Target;
 use crate::result::{Error, Result};
 
 /// The host bytes of a whole tensor on its way to a device param.
@@ -28,15 +30,21 @@ impl Applier<'_, '_> {
     }
 
     /// Queue the copy of whole, verified tensor `t` to its device param
-    /// (`ptr` on GPU `ordinal`), run by run.
+    /// (`ptr` on GPU `ordinal`), run by run; to the param's shadow instead
+    /// when it has one (`device_swap.rs`: the param is not written).
     pub(super) fn upload(
         &mut self,
         origin: &str,
         t: usize,
-        (ptr, ordinal): (u64, i32),
+        (param, ordinal): (u64, i32),
         from: UploadFrom,
     ) -> Result<()> {
-        self.wrote_params = true;
+        let shadow = match self.plan.entries[t].target {
+            Target::Param(i) => self.device_shadows.target(i),
+            _ => None,
+        };
+        self.wrote_params |= shadow.is_none();
+        let ptr = shadow.unwrap_or(param);
         let (threads, deadline, plan) = (self.opts.threads, self.deadline, self.plan);
         let name = &plan.entries[t].meta.name;
         let context =

@@ -149,6 +149,20 @@ pub struct wm_config {
     /// `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
     /// update ends, and every atomic update faults in fresh memory.
     pub free_atomic_staging: u32,
+    /// Atomic mode, library-owned device params (`wm_allocate_param` with
+    /// device memory) that an update writes whole: non-zero commits them
+    /// by a device page swap. The update is uploaded into fresh GPU memory
+    /// while the engine's kernels may still read the old weights; the
+    /// commit (inside `wm_update`, after the uploads finished) waits for
+    /// the device, maps the new memory at the param's addresses (they never
+    /// change) and frees the old memory. Costs one more copy of those
+    /// params in GPU memory during each update (an update that cannot get
+    /// it fails before reading anything, the old weights kept). The engine
+    /// must not run kernels reading such a param while `wm_update` runs:
+    /// between unmapping the old memory and mapping the new one its
+    /// addresses hold nothing. Default 0: the commit uploads into the
+    /// params themselves.
+    pub swap_device_params: u32,
 }
 
 /// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
@@ -191,6 +205,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             net_keyed_digests: 0,
             callback_staging_limit: 0,
             free_atomic_staging: 0,
+            swap_device_params: 0,
         });
         wm_result::WM_OK
     })
@@ -249,6 +264,7 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
             n => n,
         },
         keep_atomic_staging: c.free_atomic_staging == 0,
+        swap_device_pages: c.swap_device_params != 0,
     })
 }
 

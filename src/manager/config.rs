@@ -68,6 +68,14 @@ pub struct ManagerConfig {
     /// params while the engine runs, freed by `clear` and the manager's
     /// end. Default true (`free_atomic_staging` = 0 in C).
     pub keep_atomic_staging: bool,
+    /// Atomic mode: commit library-owned device params that an update
+    /// writes whole by a device page swap (`apply/device_swap.rs`): the
+    /// update is uploaded into fresh device memory while the engine still
+    /// reads the old weights, and the commit maps it at the param's
+    /// addresses and frees the old memory. Costs one more copy of those
+    /// params in device memory during each update. Default false: the
+    /// commit uploads into the params themselves.
+    pub swap_device_pages: bool,
 }
 
 /// Settings of the network paths.
@@ -123,6 +131,7 @@ impl Default for ManagerConfig {
             fanout: None,
             callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
             keep_atomic_staging: true,
+            swap_device_pages: false,
         }
     }
 }

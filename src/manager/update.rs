@@ -8,6 +8,7 @@ use super::{check_version, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
 };
+use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::plan::{Plan, PlanOptions, Target};
 use crate::registry::{Param, ParamMemory, Registry};
@@ -82,7 +83,10 @@ impl Manager {
         let restored = run.restored;
         let state = match &outcome {
             Ok(_) => State::Normal,
-            Err(f) if f.params_written() => State::Failed,
+            Err(f) if f.params_written() => {
+                note_unmapped(&mut registry);
+                State::Failed
+            }
             Err(_) if restored => self.release_again(&mut registry, prev),
             Err(_) => prev,
         };
@@ -281,6 +285,15 @@ impl Manager {
                 true => self.next_shadows.lock().take(),
                 false => Default::default(),
             },
+            device: match self.config.swap_device_pages {
+                true => run
+                    .registry
+                    .params()
+                    .iter()
+                    .map(library_device_region)
+                    .collect(),
+                false => Vec::new(),
+            },
         };
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
@@ -357,6 +370,26 @@ fn library_host_region(p: &Param) -> Option<&HostRegion> {
     match &p.memory {
         ParamMemory::Library(r) => Some(r),
         _ => None,
+    }
+}
+
+/// A library-owned device param's region: with `swap_device_pages`, an
+/// atomic update swaps fresh device memory in (`apply/device_swap.rs`).
+fn library_device_region(p: &Param) -> Option<&DeviceRegion> {
+    match &p.memory {
+        ParamMemory::LibraryDevice(r) => Some(r),
+        _ => None,
+    }
+}
+
+/// A device page swap that failed and could not map the old memory back
+/// leaves its param without memory: not resident, so the next update maps
+/// fresh memory there (`restore`), as after a clear.
+fn note_unmapped(registry: &mut Registry) {
+    for p in registry.params_mut() {
+        if let ParamMemory::LibraryDevice(r) = &p.memory {
+            p.resident &= r.is_mapped();
+        }
     }
 }
 

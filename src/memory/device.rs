@@ -20,13 +20,16 @@ use parking_lot::Mutex;
 /// allocation mapped into it.
 #[derive(Debug)]
 pub struct DeviceRegion {
-    ordinal: i32,
-    ptr: u64,
+    pub(super) ordinal: i32,
+    pub(super) ptr: u64,
+    /// The param's bytes.
+    len: usize,
     /// Bytes reserved and mapped: the param's size rounded up to the
     /// allocation granularity (at least one granule).
-    mapped: usize,
-    /// The physical allocation while mapped.
-    handle: Mutex<Option<sys::CUmemGenericAllocationHandle>>,
+    pub(super) mapped: usize,
+    /// The physical allocation while mapped (after a page swap, the one
+    /// swapped in: `device_swap`).
+    pub(super) handle: Mutex<Option<sys::CUmemGenericAllocationHandle>>,
 }
 
 fn properties(ordinal: i32) -> sys::CUmemAllocationProp {
@@ -77,6 +80,7 @@ impl DeviceRegion {
         let region = DeviceRegion {
             ordinal,
             ptr,
+            len,
             mapped,
             handle: Mutex::new(None),
         };
@@ -90,6 +94,15 @@ impl DeviceRegion {
 
     pub fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+
+    /// The param's bytes (what was asked for, before rounding).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Unmap and release the physical memory; the addresses stay reserved.
@@ -118,40 +131,12 @@ impl DeviceRegion {
         if handle.is_some() {
             return Ok(());
         }
-        let cuda = cuda()?;
-        cuda.make_current(self.ordinal)?;
-        let prop = properties(self.ordinal);
-        let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out-pointer and properties.
-        check(
-            unsafe { sys::cuMemCreate(&mut h, self.mapped, &prop, 0) },
-            "cuMemCreate",
-        )
-        .map_err(|e| {
-            e.context(format!(
-                "allocating {} bytes on GPU {}",
-                self.mapped, self.ordinal
-            ))
-        })?;
-        let access = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        cuda()?.make_current(self.ordinal)?;
+        let h = create(self.ordinal, self.mapped)?;
         // SAFETY: the range is ours and unmapped; `h` is the size of the range.
-        let mapped = unsafe {
-            check(sys::cuMemMap(self.ptr, self.mapped, 0, h, 0), "cuMemMap").and_then(|()| {
-                check(
-                    sys::cuMemSetAccess(self.ptr, self.mapped, &access, 1),
-                    "cuMemSetAccess",
-                )
-            })
-        };
-        if let Err(e) = mapped {
-            // SAFETY: undo what succeeded; the handle is ours.
-            unsafe {
-                sys::cuMemUnmap(self.ptr, self.mapped);
-                sys::cuMemRelease(h);
-            }
+        if let Err(e) = unsafe { map_rw(self.ordinal, self.ptr, self.mapped, h) } {
+            // SAFETY: our handle, mapped nowhere.
+            unsafe { sys::cuMemRelease(h) };
             return Err(e);
         }
         *handle = Some(h);
@@ -161,6 +146,55 @@ impl DeviceRegion {
             "cuMemsetD8",
         )
     }
+
+    /// True while physical memory is mapped at the region's addresses.
+    pub fn is_mapped(&self) -> bool {
+        self.handle.lock().is_some()
+    }
+
+    /// Bytes reserved and mapped (the param's size rounded up to the
+    /// allocation granularity).
+    pub fn mapped_len(&self) -> usize {
+        self.mapped
+    }
+}
+
+/// A physical allocation of `len` bytes on GPU `ordinal` (its context
+/// current).
+pub(super) fn create(ordinal: i32, len: usize) -> Result<sys::CUmemGenericAllocationHandle> {
+    let prop = properties(ordinal);
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid out-pointer and properties.
+    check(
+        unsafe { sys::cuMemCreate(&mut h, len, &prop, 0) },
+        "cuMemCreate",
+    )
+    .map_err(|e| e.context(format!("allocating {len} bytes on GPU {ordinal}")))?;
+    Ok(h)
+}
+
+/// Map allocation `h` read-write at `[ptr, ptr + len)` of GPU `ordinal`;
+/// on failure nothing stays mapped there.
+///
+/// # Safety
+/// The range is a reservation of ours with nothing mapped; `h` is `len`
+/// bytes of that GPU.
+pub(super) unsafe fn map_rw(
+    ordinal: i32,
+    ptr: u64,
+    len: usize,
+    h: sys::CUmemGenericAllocationHandle,
+) -> Result<()> {
+    check(sys::cuMemMap(ptr, len, 0, h, 0), "cuMemMap")?;
+    let access = sys::CUmemAccessDesc {
+        location: properties(ordinal).location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let r = check(sys::cuMemSetAccess(ptr, len, &access, 1), "cuMemSetAccess");
+    if r.is_err() {
+        sys::cuMemUnmap(ptr, len);
+    }
+    r
 }
 
 impl Drop for DeviceRegion {

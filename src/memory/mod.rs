@@ -12,12 +12,15 @@
 //! - [`cuda`]: the CUDA driver (loaded at run time) and device params.
 //! - [`cuda_ipc`]: GPU memory shared between processes (CUDA IPC handles).
 //! - [`device`]: library-owned device memory at stable addresses (CUDA VMM).
+//! - [`device_swap`]: the page swap that commits an atomic update into a
+//!   library-owned device param without writing its memory.
 //! - [`staging`]: pinned host buffers and asynchronous uploads to the GPU.
 
 pub mod copy;
 pub mod cuda;
 pub mod cuda_ipc;
 pub mod device;
+pub mod device_swap;
 pub mod host;
 pub mod loose;
 pub mod pool;
