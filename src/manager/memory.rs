@@ -51,7 +51,7 @@ impl Manager {
             p.resident = true;
         }
         let after = device_free(registry)?;
-        Ok(free_change(&after, &before))
+        Ok(free_change(&before, &after))
     }
 
     pub(super) fn release(&self, registry: &mut Registry) -> Result<ClearStats> {
@@ -86,7 +86,7 @@ impl Manager {
             stats.params += 1;
             stats.bytes_released += p.nbytes as u64;
         }
-        stats.device_bytes_freed = free_change(&before, &device_free(registry)?);
+        stats.device_bytes_freed = free_change(&device_free(registry)?, &before);
         Ok(stats)
     }
 }

@@ -1,0 +1,391 @@
+//! The device page swap (`ManagerConfig::swap_device_pages`) without a
+//! GPU: each test runs again in a child process that loads a test-only
+//! driver (`tests/fake_cuda.c`, built here with the system C compiler and
+//! found first through LD_LIBRARY_PATH), whose device memory is host
+//! memory mapped and unmapped for real by the VMM calls. The library's own
+//! code runs unchanged: the manager, the snapshot source, the applier, the
+//! pinned staging and `DeviceRegion`. What the fake adds: which allocation
+//! is mapped at an address, the bytes alive, and calls made to fail, to
+//! check the order of a swap and what each failure leaves. The same checks
+//! on a real GPU are in tests/gpu.rs.
+
+mod common;
+
+use common::*;
+use cudarc::driver::sys;
+use std::ffi::{c_char, CString};
+use std::path::Path;
+use std::process::Command;
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::registry::{MemoryKind, ParamSpec};
+use weight_manager::state::State;
+use weight_manager::wm_result;
+
+const FAKE: &str = include_str!("fake_cuda.c");
+/// The fake's allocation granularity: every param here takes one granule.
+const GRANULE: u64 = 2 << 20;
+
+/// True in the child that runs test `name` under the fake driver; in the
+/// parent, runs that child and checks it passed.
+fn under_fake_driver(name: &str, no_device: bool) -> bool {
+    if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
+        return true;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    build_fake(dir.path());
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", dir.path())
+        .env("WM_UNDER_FAKE_CUDA", "1")
+        .env("FAKE_CUDA_NO_DEVICE", if no_device { "1" } else { "0" })
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{name} under the fake driver:\n{text}"
+    );
+    assert!(text.contains("1 passed"), "{name} did not run:\n{text}");
+    false
+}
+
+fn build_fake(dir: &Path) {
+    let src = dir.join("fake_cuda.c");
+    std::fs::write(&src, FAKE).unwrap();
+    let out = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&src)
+        .output()
+        .expect("running cc");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One file under both names, so the loader maps it once.
+    std::os::unix::fs::symlink(dir.join("libcuda.so"), dir.join("libcuda.so.1")).unwrap();
+}
+
+/// The fake driver's control functions.
+struct Fake {
+    lib: *mut std::ffi::c_void,
+}
+
+impl Fake {
+    fn open() -> Fake {
+        weight_manager::memory::cuda::cuda().expect("the fake driver loads");
+        // SAFETY: the file the driver was loaded from (same inode).
+        let lib = unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW) };
+        assert!(!lib.is_null());
+        Fake { lib }
+    }
+
+    fn sym(&self, name: &str) -> *mut std::ffi::c_void {
+        let n = CString::new(name).unwrap();
+        // SAFETY: a valid handle and name.
+        let f = unsafe { libc::dlsym(self.lib, n.as_ptr()) };
+        assert!(!f.is_null(), "{name} not in the fake driver");
+        f
+    }
+
+    /// The call `name` after `skip` more calls of it fails.
+    fn fail(&self, name: &str, skip: i32) {
+        let n = CString::new(name).unwrap();
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn(*const c_char, i32) =
+            unsafe { std::mem::transmute(self.sym("fake_cuda_fail")) };
+        f(n.as_ptr(), skip)
+    }
+
+    fn get(&self, name: &str) -> u64 {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(self.sym(name)) };
+        f()
+    }
+
+    /// Bytes of device memory alive.
+    fn used(&self) -> u64 {
+        self.get("fake_cuda_used")
+    }
+
+    /// The most alive since the last `reset_peak`.
+    fn peak(&self) -> u64 {
+        self.get("fake_cuda_peak")
+    }
+
+    fn reset_peak(&self) {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn() = unsafe { std::mem::transmute(self.sym("fake_cuda_reset_peak")) };
+        f()
+    }
+
+    fn set_total(&self, bytes: u64) {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn(u64) = unsafe { std::mem::transmute(self.sym("fake_cuda_set_total")) };
+        f(bytes)
+    }
+
+    /// The allocation mapped at each of `ptrs` (0: none).
+    fn handles(&self, ptrs: &[u64]) -> Vec<u64> {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn(u64) -> u64 =
+            unsafe { std::mem::transmute(self.sym("fake_cuda_handle_at")) };
+        ptrs.iter().map(|&p| f(p)).collect()
+    }
+}
+
+fn device_spec(t: &T) -> ParamSpec {
+    let mut spec = ParamSpec::host(&t.name, t.dtype, &t.shape);
+    spec.memory = MemoryKind::Device;
+    spec.device_ordinal = 0;
+    spec
+}
+
+/// `model(seed)` as the snapshot in `dir`, version `seed`.
+fn write_model(dir: &Path, seed: u8) -> Vec<T> {
+    let v = model(seed);
+    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), &v);
+    write_version(dir, &seed.to_string());
+    v
+}
+
+/// A manager with library-owned device params for `model`, updated to
+/// version 1: the manager, the params' addresses, the snapshot directory.
+fn engine(swap: bool) -> (Manager, Vec<u64>, tempfile::TempDir) {
+    let m = Manager::new(ManagerConfig {
+        swap_device_pages: swap,
+        ..Default::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let v1 = write_model(dir.path(), 1);
+    let ptrs: Vec<u64> = v1
+        .iter()
+        .map(|t| m.allocate(&device_spec(t)).unwrap().0 as u64)
+        .collect();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v1, "version 1");
+    (m, ptrs, dir)
+}
+
+fn assert_holds(ptrs: &[u64], ts: &[T], what: &str) {
+    for (t, &p) in ts.iter().zip(ptrs) {
+        let mut out = vec![0u8; t.data.len()];
+        // SAFETY: p is a device param of t's size.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), p, out.len()) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        assert!(out == t.data, "{what}: '{}' differs", t.name);
+    }
+}
+
+fn assert_kept_version_1(m: &Manager) {
+    let st = m.status();
+    assert_eq!(st.state, State::Normal);
+    assert_eq!(st.version.as_deref(), Some("1"));
+}
+
+#[test]
+fn a_swap_keeps_the_addresses_and_frees_the_old_memory() {
+    if !under_fake_driver("a_swap_keeps_the_addresses_and_frees_the_old_memory", false) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let params = ptrs.len() as u64 * GRANULE;
+    let before = f.handles(&ptrs);
+    assert!(before.iter().all(|&h| h != 0));
+    f.reset_peak();
+    let v2 = write_model(dir.path(), 2);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v2, "swapped in");
+    let after = f.handles(&ptrs);
+    for (b, a) in before.iter().zip(&after) {
+        assert!(
+            *a != 0 && a != b,
+            "the param's memory was written, not swapped"
+        );
+    }
+    assert_eq!(f.used(), params, "old memory or shadows left alive");
+    assert_eq!(
+        f.peak(),
+        2 * params,
+        "one shadow per param during the update"
+    );
+    assert_eq!(m.status().version.as_deref(), Some("2"));
+
+    // In place, nothing is swapped: the bytes go into the params.
+    let v3 = write_model(dir.path(), 3);
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.mode = weight_manager::apply::Mode::InPlace;
+    m.update(req).unwrap();
+    assert_holds(&ptrs, &v3, "in place");
+    assert_eq!(f.handles(&ptrs), after);
+
+    // Off (the default), an atomic update uploads into the params: no
+    // device memory besides them, exactly as before the swap existed.
+    drop(m);
+    let (m, ptrs, dir) = engine(false);
+    let before = f.handles(&ptrs);
+    f.reset_peak();
+    let v2 = write_model(dir.path(), 2);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v2, "uploaded");
+    assert_eq!(f.handles(&ptrs), before);
+    assert_eq!(f.peak(), params);
+}
+
+#[test]
+fn a_failed_swap_puts_every_param_back() {
+    if !under_fake_driver("a_failed_swap_puts_every_param_back", false) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let (before, used) = (f.handles(&ptrs), f.used());
+    let v2 = write_model(dir.path(), 2);
+    // The update maps a shadow per param, then swaps in param order: the
+    // second param's swap cannot map its new memory.
+    f.fail("cuMemMap", ptrs.len() as i32 + 1);
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert!(
+        e.message.contains(&format!("param '{}'", v2[1].name))
+            && e.message.contains("the old memory is mapped again"),
+        "{e}"
+    );
+    assert_kept_version_1(&m);
+    assert_holds(&ptrs, &model(1), "after the failed swap");
+    assert_eq!(
+        f.handles(&ptrs),
+        before,
+        "the first param was not swapped back"
+    );
+    assert_eq!(f.used(), used, "shadows left alive");
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v2, "the next update");
+}
+
+#[test]
+fn a_param_left_without_memory_is_failed_and_restored_by_the_next_update() {
+    let name = "a_param_left_without_memory_is_failed_and_restored_by_the_next_update";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let v2 = write_model(dir.path(), 2);
+    // The first swap cannot map the new memory, nor the old one again.
+    f.fail("cuMemMap", ptrs.len() as i32);
+    f.fail("cuMemMap", 0);
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert!(
+        e.message.contains(&format!("param '{}'", v2[0].name))
+            && e.message.contains("holds no memory until the next update"),
+        "{e}"
+    );
+    assert_eq!(m.status().state, State::Failed);
+    assert_eq!(f.handles(&ptrs[..1]), vec![0]);
+    assert_holds(&ptrs[1..], &model(1)[1..], "params not swapped");
+    assert_eq!(f.used(), (ptrs.len() as u64 - 1) * GRANULE);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_eq!(m.status().state, State::Normal);
+    assert_holds(&ptrs, &v2, "the next update");
+    assert_eq!(f.used(), ptrs.len() as u64 * GRANULE);
+}
+
+#[test]
+fn shadows_that_do_not_fit_fail_the_update_before_it_reads() {
+    if !under_fake_driver(
+        "shadows_that_do_not_fit_fail_the_update_before_it_reads",
+        false,
+    ) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let used = f.used();
+    // Room for three shadows of six.
+    f.set_total(used + 3 * GRANULE);
+    write_model(dir.path(), 2);
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+    assert!(
+        e.message.contains("device page swap shadow") && e.message.contains("param '"),
+        "{e}"
+    );
+    assert_kept_version_1(&m);
+    assert_holds(&ptrs, &model(1), "after the refused update");
+    assert_eq!(f.used(), used);
+}
+
+#[test]
+fn a_truncated_file_leaves_the_old_weights_and_frees_the_shadows() {
+    let name = "a_truncated_file_leaves_the_old_weights_and_frees_the_shadows";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let (before, used) = (f.handles(&ptrs), f.used());
+    write_model(dir.path(), 2);
+    let file = dir.path().join("model_state.tp0.0.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_kept_version_1(&m);
+    assert_holds(&ptrs, &model(1), "after the truncated file");
+    assert_eq!(f.handles(&ptrs), before);
+    assert_eq!(f.used(), used);
+}
+
+#[test]
+fn clear_and_restore_after_a_swap_keep_the_addresses() {
+    if !under_fake_driver("clear_and_restore_after_a_swap_keep_the_addresses", false) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let params = ptrs.len() as u64 * GRANULE;
+    write_model(dir.path(), 2);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    // The regions own the memory swapped in: a clear frees it all (and
+    // says so, from the driver's free-memory query).
+    let cleared = m.clear().unwrap();
+    assert_eq!(f.used(), 0);
+    assert_eq!(cleared.device_bytes_freed, params);
+    assert_eq!(f.handles(&ptrs), vec![0; ptrs.len()]);
+    let v3 = write_model(dir.path(), 3);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v3, "after clear and restore");
+    assert_eq!(m.status().device_bytes_restored, params);
+    assert_eq!(f.used(), params);
+}
+
+#[test]
+fn the_swap_is_harmless_where_the_driver_sees_no_device() {
+    if !under_fake_driver("the_swap_is_harmless_where_the_driver_sees_no_device", true) {
+        return;
+    }
+    let m = Manager::new(ManagerConfig {
+        swap_device_pages: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let v = write_model(dir.path(), 1);
+    let e = m.allocate(&device_spec(&v[0])).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED);
+    assert!(e.message.contains("no device"), "{e}");
+    let params = register(&m, &v);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_params(&params, &v);
+}
