@@ -45,3 +45,15 @@ def test_library_owned_params_keep_their_arrays_across_atomic_updates(tmp_path, 
             np.testing.assert_array_equal(arrays[n], t)
         assert {n: a.ctypes.data for n, a in arrays.items()} == addresses
         assert m.status().version == "3"
+
+
+def test_swap_device_params_leaves_host_params_as_they_were(tmp_path):
+    # The device page swap touches only library-owned device params: with
+    # none (and here no GPU), atomic updates of host params are unchanged.
+    d = snapshot(tmp_path / "v1", model(1), 1)
+    with Manager(fallback_dir="", swap_device_params=True) as m:
+        arrays = {n: m.allocate(n, t.dtype, t.shape) for n, t in model(1).items()}
+        m.update(d)
+        for n, t in model(1).items():
+            np.testing.assert_array_equal(arrays[n], t)
+        assert m.status().state == State.NORMAL
