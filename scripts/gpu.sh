@@ -11,8 +11,10 @@
 # when present) at run time, so nothing else needs to travel. Runs the GPU
 # test suite (tests/gpu.rs: every path into device params, CUDA IPC between
 # two processes, library-owned clear/restore at identical addresses, bad
-# pointers and ordinals, NCCL fan-out when two GPUs and NCCL are here), the
-# stub-driver checks (tests/cuda.rs), the NCCL loader and meetings
+# pointers and ordinals, the device page swap, NCCL fan-out when two GPUs
+# and NCCL are here), the stub-driver checks (tests/cuda.rs), the device
+# page swap's failure ordering on a test-only driver (tests/device_swap.rs),
+# the NCCL loader and meetings
 # (tests/fanout.rs), `wm
 # devices`, and the GPU benchmark (`wm bench gpu`; WM_GPU_BENCH_GIB sets its
 # size, 0 skips it).
@@ -23,7 +25,7 @@ kit=gpu-kit
 pack() {
     rm -rf "$kit" && mkdir -p "$kit"
     local list
-    list=$(cargo test --release --locked --no-run --test gpu --test cuda --test fanout \
+    list=$(cargo test --release --locked --no-run --test gpu --test cuda --test device_swap --test fanout \
         --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -56,6 +58,8 @@ run() {
     WM_BIN="$PWD/$kit/wm" "$kit/test-gpu" --test-threads=1 --nocapture
     echo "== tests/cuda.rs"
     WM_BIN="$PWD/$kit/wm" "$kit/test-cuda" --test-threads=1
+    echo "== tests/device_swap.rs"
+    "$kit/test-device_swap" --test-threads=1
     echo "== tests/fanout.rs"
     "$kit/test-fanout" --test-threads=1
     echo "== GPU suite passed"

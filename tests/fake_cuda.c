@@ -186,3 +186,18 @@ int cuEventCreate(void **e, unsigned flags) { (void)flags; *e = (void *)0x3; ret
 int cuEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
 int cuEventQuery(void *e) { (void)e; return OK; }
 int cuEventDestroy_v2(void *e) { (void)e; return OK; }
+
+/* Device memory is what is mapped: its type, GPU 0, the mapping's range. */
+int cuPointerGetAttribute(void *out, int attr, u64 ptr) {
+    for (int i = 0; i < MAX; i++)
+        if (maps[i].size && ptr >= maps[i].ptr && ptr < maps[i].ptr + maps[i].size) {
+            switch (attr) {
+            case 2: *(unsigned *)out = 2; return OK;   /* MEMORY_TYPE: DEVICE */
+            case 9: *(int *)out = 0; return OK;        /* DEVICE_ORDINAL */
+            case 11: *(u64 *)out = maps[i].ptr; return OK; /* RANGE_START_ADDR */
+            case 12: *(size_t *)out = maps[i].size; return OK; /* RANGE_SIZE */
+            default: return INVALID_VALUE;
+            }
+        }
+    return INVALID_VALUE;
+}

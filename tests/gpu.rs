@@ -10,8 +10,12 @@
 //! verified or atomic, and device pointers handed to the zero-copy
 //! callback); library-owned device params (CUDA VMM) cleared and restored
 //! at identical addresses with the memory really returned (the driver's
-//! free-memory query); and bad device pointers, lengths and ordinals
-//! refused with errors naming the param.
+//! free-memory query); the device page swap (`swap_device_pages`): atomic
+//! updates of library-owned device params mapped in at the same
+//! addresses, the old memory given back, a failed update keeping the old
+//! bytes and freeing its shadows, clear and restore after a swap; and bad
+//! device pointers, lengths and ordinals refused with errors naming the
+//! param. (The swap's failure ordering, without a GPU: tests/device_swap.rs.)
 
 mod common;
 
@@ -450,4 +454,107 @@ fn fanout_between_two_gpus() {
     }
     let _ = weight_manager::signal::shm::unlink(&cell);
     let _ = weight_manager::signal::shm::unlink(&format!("{cell}.wm_report"));
+}
+
+/// Library-owned device params of `ts` on GPU 0 in a manager with the
+/// device page swap: the manager and the params' addresses.
+fn swapping_engine(ts: &[T]) -> (Manager, Vec<u64>) {
+    let m = Manager::new(ManagerConfig {
+        swap_device_pages: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let ptrs = ts
+        .iter()
+        .map(|t| m.allocate(&device_spec(t)).unwrap().0 as u64)
+        .collect();
+    (m, ptrs)
+}
+
+fn assert_on_gpu(c: &Cuda, ptrs: &[u64], ts: &[T], what: &str) {
+    for (t, &p) in ts.iter().zip(ptrs) {
+        assert!(
+            read_device(c, p, t.data.len()) == t.data,
+            "{what}: '{}'",
+            t.name
+        );
+    }
+}
+
+/// What a leak of the old memory (or of the shadows) would show at the
+/// least: every param takes at least one granule (2 MiB on current GPUs).
+const SWAP_SLACK: usize = 1 << 20;
+
+#[test]
+fn device_page_swap_keeps_addresses_and_gives_the_old_memory_back() {
+    let Some(c) = gpu() else { return };
+    use weight_manager::memory::device::memory_info;
+    let (dir, v1) = snapshot_of(1);
+    let (m, ptrs) = swapping_engine(&v1);
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_on_gpu(c, &ptrs, &v1, "version 1");
+    let (free_before, _) = memory_info(0).unwrap();
+    let v2 = model(2);
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v2);
+    write_version(dir.path(), "2");
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    // The same addresses hold the new bytes, still device memory of GPU 0.
+    assert_on_gpu(c, &ptrs, &v2, "swapped in");
+    for (t, &p) in v2.iter().zip(&ptrs) {
+        c.check_device_range(0, p, t.data.len(), &t.name).unwrap();
+    }
+    let (free_after, _) = memory_info(0).unwrap();
+    assert!(
+        free_after + SWAP_SLACK >= free_before,
+        "the swap kept {} bytes of GPU memory",
+        free_before - free_after
+    );
+    // A failing update (a truncated file) keeps the old bytes and frees
+    // its shadows.
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &model(3));
+    write_version(dir.path(), "3");
+    let file = dir.path().join("model_state.tp0.0.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_eq!(m.status().version.as_deref(), Some("2"));
+    assert_on_gpu(c, &ptrs, &v2, "after the failed update");
+    let (free_failed, _) = memory_info(0).unwrap();
+    assert!(
+        free_failed + SWAP_SLACK >= free_before,
+        "the failed update kept {} bytes of GPU memory",
+        free_before - free_failed
+    );
+}
+
+#[test]
+fn clear_and_restore_after_a_device_page_swap() {
+    let Some(c) = gpu() else { return };
+    use weight_manager::memory::device::memory_info;
+    let (dir, v1) = snapshot_of(1);
+    let (m, ptrs) = swapping_engine(&v1);
+    let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    let (free_before, _) = memory_info(0).unwrap();
+    // The regions own the memory swapped in: the clear gives it back.
+    let cleared = m.clear().unwrap();
+    let (free_after, _) = memory_info(0).unwrap();
+    assert!(
+        cleared.device_bytes_freed >= total && free_after >= free_before + total as usize,
+        "clear freed {} bytes by its count, {} by the driver's; params hold {total}",
+        cleared.device_bytes_freed,
+        free_after.saturating_sub(free_before)
+    );
+    let v2 = model(2);
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v2);
+    write_version(dir.path(), "2");
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_on_gpu(c, &ptrs, &v2, "after clear and restore");
+    assert!(m.status().device_bytes_restored >= total);
 }

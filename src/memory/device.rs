@@ -8,6 +8,9 @@
 //! them, stay valid without a recapture. `cudaMalloc`'d memory cannot do
 //! this: freeing it gives the address away.
 //!
+//! An atomic update may instead map fresh physical memory it filled in
+//! place of the old (`device_swap`), at the same addresses too.
+//!
 //! Restored memory is zeroed before use (fresh physical memory holds
 //! whatever the last owner left), like host params after a clear.
 

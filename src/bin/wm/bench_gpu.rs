@@ -9,7 +9,10 @@
 //!   GPU tensors, this engine's device params written from its CUDA IPC
 //!   buffer) beside a plain `cuMemcpyDtoD` of the same bytes; target at
 //!   least 0.9;
-//! - clear and restore of library-owned device params (CUDA VMM), per GiB.
+//! - clear and restore of library-owned device params (CUDA VMM), per GiB;
+//! - atomic updates of library-owned device params with the device page
+//!   swap (`swap_device_pages`) beside the same updates uploading into the
+//!   params (informational: the swap buys atomicity, not speed).
 //!
 //! Without a GPU it says so and exits with an error.
 
@@ -119,6 +122,27 @@ fn timed(m: &Manager, req: UpdateRequest) -> Result<Duration, String> {
     let t = Instant::now();
     m.update(req).map_err(|e| e.to_string())?;
     Ok(t.elapsed())
+}
+
+/// Library-owned device params updated atomically, best of [`RUNS`]
+/// after a warm-up, with the device page swap on or off.
+fn library_owned_atomic(
+    dir: &std::path::Path,
+    count: usize,
+    swap: bool,
+) -> Result<Duration, String> {
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        swap_device_pages: swap,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    for i in 0..count {
+        m.allocate(&device_spec(i)).map_err(|e| e.to_string())?;
+    }
+    m.update(UpdateRequest::snapshot(dir))
+        .map_err(|e| e.to_string())?;
+    best(|| timed(&m, UpdateRequest::snapshot(dir)))
 }
 
 fn verdict(ratio: f64, target: f64) -> &'static str {
@@ -245,5 +269,12 @@ pub fn run(a: &Args) -> Result<(), String> {
             fmt::ms(steady)
         );
     }
+
+    let plain = gbps(total as u64, library_owned_atomic(&dir, count, false)?);
+    let swapped = gbps(total as u64, library_owned_atomic(&dir, count, true)?);
+    println!(
+        "  wm     atomic, device page swap    {swapped:>8.2} GB/s   ratio {:.2} to uploading into the params ({plain:.2} GB/s; informational)",
+        swapped / plain
+    );
     Ok(())
 }
