@@ -298,6 +298,33 @@ fn a_param_left_without_memory_is_failed_and_restored_by_the_next_update() {
 }
 
 #[test]
+fn an_upload_that_fails_at_commit_keeps_the_old_weights_only_with_the_swap() {
+    let name = "an_upload_that_fails_at_commit_keeps_the_old_weights_only_with_the_swap";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let f = Fake::open();
+    for swap in [true, false] {
+        let (m, ptrs, dir) = engine(swap);
+        let used = f.used();
+        write_model(dir.path(), 2);
+        // The third upload of the commit fails.
+        f.fail("cuMemcpyAsync", 2);
+        let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+        assert!(e.message.contains("cuMemcpyAsync"), "{e}");
+        if swap {
+            // The uploads went to the shadows: the params never changed.
+            assert_kept_version_1(&m);
+            assert_holds(&ptrs, &model(1), "after the failed upload");
+            assert_eq!(f.used(), used);
+        } else {
+            // Uploaded into the params: some hold new bytes, some old.
+            assert_eq!(m.status().state, State::Failed);
+        }
+    }
+}
+
+#[test]
 fn shadows_that_do_not_fit_fail_the_update_before_it_reads() {
     if !under_fake_driver(
         "shadows_that_do_not_fit_fail_the_update_before_it_reads",
