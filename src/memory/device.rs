@@ -30,6 +30,8 @@ pub struct DeviceRegion {
     /// Bytes reserved and mapped: the param's size rounded up to the
     /// allocation granularity (at least one granule).
     pub(super) mapped: usize,
+    /// The allocation granularity, the reservation's alignment.
+    pub(super) granule: usize,
     /// The physical allocation while mapped (after a page swap, the one
     /// swapped in: `device_swap`).
     pub(super) handle: Mutex<Option<sys::CUmemGenericAllocationHandle>>,
@@ -85,6 +87,7 @@ impl DeviceRegion {
             ptr,
             len,
             mapped,
+            granule,
             handle: Mutex::new(None),
         };
         region.restore().map_err(|e| e.context(what))?;

@@ -91,9 +91,9 @@ impl DeviceRegion {
         let context = |e: Error| e.context(format!("{what}: device page swap shadow"));
         cuda().map_err(context)?.make_current(self.ordinal)?;
         let mut ptr = 0u64;
-        // SAFETY: valid out-pointer; any address, default alignment.
+        // SAFETY: valid out-pointer; any address, aligned as the param's.
         check(
-            unsafe { sys::cuMemAddressReserve(&mut ptr, self.mapped, 0, 0, 0) },
+            unsafe { sys::cuMemAddressReserve(&mut ptr, self.mapped, self.granule, 0, 0) },
             "cuMemAddressReserve",
         )
         .map_err(context)?;
