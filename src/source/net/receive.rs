@@ -345,7 +345,8 @@ fn check_digest(
 
 /// The length that message `tag` (of bucket `seq`) brought, once it
 /// landed; None when it has not within `slice`. A publisher that closed
-/// the control connection (it died, or gave up) is an error at once.
+/// the control connection (it died, or gave up) is an error at once; so is
+/// a message UCX could not receive (longer than its entry), naming it.
 fn poll_bytes(
     pump: &Pump,
     link: &mut PublisherLink,
@@ -354,13 +355,15 @@ fn poll_bytes(
     seq: u64,
     slice: Duration,
 ) -> Result<Option<usize>> {
+    let named = |e: Error| {
+        let k = (tag & 0xffff_ffff).saturating_sub(1);
+        e.context(format!("{}: bucket {seq} entry {k}", link.conn.peer()))
+    };
     if let Some(r) = early.remove(&tag) {
-        return r.map(Some).map_err(|e| e.context(format!("bucket {seq}")));
+        return r.map(Some).map_err(named);
     }
     match pump.next(Instant::now() + slice)? {
-        Some(Completion { tag: t, result }) if t == tag => result
-            .map(Some)
-            .map_err(|e| e.context(format!("bucket {seq}"))),
+        Some(Completion { tag: t, result }) if t == tag => result.map(Some).map_err(named),
         Some(Completion { tag, result }) => {
             early.insert(tag, result);
             Ok(None)
