@@ -451,7 +451,7 @@ fn a_publisher_lying_about_a_packed_messages_length_is_named() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let liar = lying_publisher(listener, (65536 + delta) as usize);
-        let mut req = request(&[addr.clone()], Mode::Atomic);
+        let mut req = request(std::slice::from_ref(&addr), Mode::Atomic);
         // The liar sends no slice sums.
         (req.verify, req.skip_network_checksums) = (false, true);
         req.timeout = Duration::from_secs(20);
