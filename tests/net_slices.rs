@@ -267,7 +267,8 @@ fn publishers(globals: &[Global], version: &str) -> Vec<Publisher> {
         .collect()
 }
 
-fn engine(staged: bool) -> Manager {
+/// `keyed`: each message checked against a keyed digest too.
+fn engine(staged: bool, keyed: bool) -> Manager {
     Manager::new(ManagerConfig {
         fallback_dir: None,
         net: NetSettings {
@@ -276,6 +277,7 @@ fn engine(staged: bool) -> Manager {
             // inside blocks.
             bucket_size: 192 << 10,
             staged,
+            keyed_digests: keyed,
             ..Default::default()
         },
         ..Default::default()
@@ -327,19 +329,20 @@ fn holds(ptrs: &[(*mut u8, usize)], want: &[Vec<u8>], specs: &[ParamSpec], what:
     }
 }
 
-/// Staged and direct, atomic and in place, a new version each time: every
-/// byte of every param right, and each publisher sent its blocks in fewer
+/// Staged and direct (with keyed digests too), atomic and in place, a new
+/// version each time, verified with slice sums: every byte of every param
+/// right, and each publisher sent its blocks in fewer
 /// messages than blocks (the small ones packed).
 #[test]
 fn column_splits_and_fused_params_from_two_publishers_staged_and_direct() {
     let _serial = serial();
     let specs = specs();
     let mut seed = 1;
-    for staged in [false, true] {
-        let m = engine(staged);
+    for (staged, keyed) in [(false, false), (true, false), (false, true)] {
+        let m = engine(staged, keyed);
         let ptrs: Vec<_> = specs.iter().map(|s| m.allocate(s).unwrap()).collect();
         for mode in [Mode::Atomic, Mode::InPlace] {
-            let what = format!("staged {staged}, {mode:?}");
+            let what = format!("staged {staged}, keyed {keyed}, {mode:?}");
             let globals = model(seed);
             seed += 1;
             let ps = publishers(&globals, &format!("v{seed}"));
@@ -443,7 +446,7 @@ fn lying_publisher(listener: TcpListener, sent: usize) -> std::thread::JoinHandl
 fn a_publisher_lying_about_a_packed_messages_length_is_named() {
     let _serial = serial();
     for (staged, delta) in [(false, -256i64), (true, -256), (false, 256), (true, 256)] {
-        let m = engine(staged);
+        let m = engine(staged, false);
         let spec = &specs()[0];
         let (p, n) = m.allocate(spec).unwrap();
         // SAFETY: library-owned, nothing else writes it.
