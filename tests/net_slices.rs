@@ -476,3 +476,28 @@ fn a_publisher_lying_about_a_packed_messages_length_is_named() {
         );
     }
 }
+
+/// `wm bench shard --section ucx`, small: two trainer and two engine-rank
+/// processes over UCX, each pattern's figures beside its raw UCX floor,
+/// and the column halves' 4 KiB blocks packed into 1 MiB messages.
+#[test]
+fn bench_shard_ucx_prints_each_pattern_beside_its_floor() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
+        .args(["bench", "shard", "--section", "ucx", "--quick"])
+        .args(["--gib", "0.0625", "--runs", "1", "--bucket-mib", "16"])
+        .env("UCX_TLS", "tcp")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "row halves: raw UCX floor, 2 pairs at once",
+        "row halves, verified, aggregate of 2 ranks",
+        "column halves: raw UCX floor, 4 pairs at once",
+        "column halves, unverified, aggregate of 2 ranks",
+        // 64 MiB: a quarter to each session, 4 KiB blocks, 1 MiB messages.
+        "a column-halves session sent 16 UCX messages for 4096 blocks of 4 KiB",
+    ] {
+        assert!(text.contains(want), "want '{want}' in: {text}");
+    }
+}

@@ -62,8 +62,8 @@ pub fn publisher(a: &Args) -> Result<(), String> {
 
 /// A TP rank's half of every layer, verified with slice checksums: the
 /// rows (one range of each tensor; over the network sent from the
-/// trainer's tensors in 1 MiB messages), and the columns (a strided run;
-/// over the network one message per 4 KiB row half, over IPC packed).
+/// trainer's tensors in 1 MiB messages), and the columns (a strided run
+/// of 4 KiB row halves, packed: over the network 256 to a message).
 pub(crate) const HALVES: [(&str, usize); 2] = [
     ("row half (TP piece), verified", 0),
     ("column half (TP piece), verified", 1),
