@@ -35,6 +35,7 @@
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
 
 mod connect;
+mod landing;
 mod receive;
 
 use connect::{authenticate, connect};

@@ -4,26 +4,20 @@
 //! bucket is acknowledged once its last entry is. The pump and the receive
 //! state live here between steps, so several network sources are read at
 //! once (one UCX worker each).
-//!
-//! Where a message lands is this side's decision, from its own plan: in a
-//! staging slot (staged), or straight where the applier wants it (direct)
-//! when it lies there in one piece; a message packing several small blocks
-//! of a strided request does not, and lands in a bounce buffer, from which
-//! the applier scatters it like a staged one.
+//! Where each message lands is `landing`'s.
 
+use super::landing::{apply_landed, post, Bounce, Landings, Posted};
 use super::{NetOptions, SLOTS};
 use crate::apply::Applier;
 use crate::checksum::KEYED;
-use crate::memory::copy::CopySource;
 use crate::memory::host::HostRegion;
-use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::source::publisher_link::{unexpected, PublisherLink};
 use crate::source::Step;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::{check_bucket, BucketEntry, Frame};
+use crate::wire::{check_bucket, Frame};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -37,7 +31,8 @@ pub(super) struct Peer<'a> {
 
 /// One session's receive, from READY to the last ACK. Dropping it cancels
 /// the posted receives (the pump goes first) and only then returns the
-/// staging slots; the applier's memory (direct receives) outlives it.
+/// staging slots and bounce buffers; the applier's memory (direct
+/// receives) outlives it.
 pub(super) struct Receiver {
     pump: Option<Pump>,
     /// Staged: the staging slots (empty: direct).
@@ -53,31 +48,6 @@ impl Drop for Receiver {
         if !self.slots.is_empty() {
             SLOTS.give_back(std::mem::take(&mut self.slots));
         }
-        SLOTS.give_back(self.bounce.0.iter_mut().filter_map(Option::take).collect());
-    }
-}
-
-/// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
-/// uses `seq % depth`): taken when a bucket first needs one, from the
-/// staging slots' pool, and grown as needed. A bucket's messages lie
-/// inside the engine's bucket size without overlapping, so none needs more.
-struct Bounce(Vec<Option<HostRegion>>);
-
-impl Bounce {
-    /// At least `need` bytes for bucket `seq` (its earlier user, bucket
-    /// `seq - depth`, is acknowledged: nothing is received there any more).
-    fn take(&mut self, seq: u64, need: u64) -> Result<*mut u8> {
-        let i = seq as usize % self.0.len();
-        if self.0[i].as_ref().is_none_or(|r| (r.len() as u64) < need) {
-            let size = need.next_power_of_two().max(1 << 16) as usize;
-            let threads = crate::memory::copy::default_threads();
-            let fresh = SLOTS.take(1, size, |_| {
-                HostRegion::staging("network bounce buffer", size, threads)
-            })?;
-            let old = std::mem::replace(&mut self.0[i], fresh.into_iter().next());
-            SLOTS.give_back(old.into_iter().collect());
-        }
-        Ok(self.0[i].as_ref().expect("taken").ptr())
     }
 }
 
@@ -113,7 +83,7 @@ impl Receiver {
         let mut rx = Receiver {
             pump: None,
             slots,
-            bounce: Bounce((0..opts.depth).map(|_| None).collect()),
+            bounce: Bounce::new(opts.depth, opts.bucket_size as u64),
             st: Receiving {
                 early: HashMap::new(),
                 pending: VecDeque::new(),
@@ -378,117 +348,4 @@ fn poll_bytes(
         }
         None => Ok(None),
     }
-}
-
-/// Entry `k` of `bucket` landed: hand it to the applier, from its staging
-/// slot or bounce buffer, or (where the applier wanted it) from where it
-/// already is.
-fn apply_landed(
-    applier: &mut Applier,
-    link: &PublisherLink,
-    bucket: &Posted,
-    k: usize,
-) -> Result<()> {
-    let e = &bucket.entries[k];
-    let origin = format!("bucket {}", bucket.seq);
-    match bucket.landing[k] {
-        Landing::Staged(at) => {
-            applier.apply_batch(&origin, &[link.chunk(e, CopySource::Memory(at))])
-        }
-        Landing::Applier(_) => {
-            let nowhere = CopySource::Memory(SendPtr(std::ptr::null_mut()));
-            applier.account_landed(&origin, &[link.chunk(e, nowhere)])
-        }
-    }
-}
-
-/// Where a message is received.
-#[derive(Clone, Copy)]
-enum Landing {
-    /// Where the applier wants its bytes: accounted for once landed.
-    Applier(SendPtr),
-    /// In a staging slot or bounce buffer: copied on (scattered) once landed.
-    Staged(SendPtr),
-}
-
-impl Landing {
-    fn at(self) -> SendPtr {
-        match self {
-            Landing::Applier(at) | Landing::Staged(at) => at,
-        }
-    }
-}
-
-/// A bucket whose receives are posted.
-struct Posted {
-    seq: u64,
-    entries: Vec<BucketEntry>,
-    /// Where each entry lands.
-    landing: Vec<Landing>,
-    /// Each entry's keyed digest (empty: not asked for).
-    digests: Vec<[u8; KEYED]>,
-}
-
-/// Where a bucket's messages may land: its staging slot (staged), or the
-/// bounce buffers (direct).
-struct Landings<'a> {
-    slot: Option<*mut u8>,
-    bounce: &'a mut Bounce,
-}
-
-/// Post one receive per entry of bucket `seq`: at the entry's offset in its
-/// staging slot, or (direct) where the applier wants the bytes when they
-/// lie there in one piece, else back to back in the bucket's bounce buffer.
-fn post(
-    pump: &Pump,
-    link: &PublisherLink,
-    seq: u64,
-    entries: Vec<BucketEntry>,
-    to: Landings,
-    applier: &mut Applier,
-) -> Result<Posted> {
-    let mut landing = Vec::with_capacity(entries.len());
-    // Bytes of the messages that go to the bounce buffer (None: none do).
-    let mut bounced: Option<u64> = None;
-    for e in &entries {
-        landing.push(match to.slot {
-            Some(slot) => Landing::Staged(SendPtr(slot.wrapping_add(e.buffer_offset as usize))),
-            None => {
-                match applier.contiguous_receive_buffer(link.entry(e), e.offset, e.len as usize)? {
-                    Some(at) => Landing::Applier(at),
-                    None => {
-                        // Placed below, once the bounce buffer's size is known.
-                        bounced = Some(bounced.unwrap_or(0) + e.len);
-                        Landing::Staged(SendPtr(std::ptr::null_mut()))
-                    }
-                }
-            }
-        });
-    }
-    if let Some(bytes) = bounced {
-        // At most the bucket size: the entries were checked against it.
-        let base = to.bounce.take(seq, bytes)?;
-        let mut at = 0u64;
-        for (l, e) in landing.iter_mut().zip(&entries) {
-            if let Landing::Staged(p) = l {
-                *p = SendPtr(base.wrapping_add(at as usize));
-                at += e.len;
-            }
-        }
-    }
-    for (k, (e, l)) in entries.iter().zip(&landing).enumerate() {
-        // SAFETY: the range is inside the slot (entries checked against the
-        // bucket size), the bounce buffer (sized for the bucket's bounced
-        // messages) or the entry's memory (checked by the applier). The
-        // pump is dropped, cancelling any receive, before that memory goes;
-        // a slot or bounce buffer is reposted only after its bucket was
-        // applied (the publisher waits for the ACK).
-        unsafe { pump.recv(net_tag(seq, k), l.at().0, e.len as usize)? };
-    }
-    Ok(Posted {
-        seq,
-        entries,
-        landing,
-        digests: Vec::new(),
-    })
 }
