@@ -35,11 +35,14 @@ pub fn pack_below_bytes() -> usize {
 
 /// Blocks shorter than this travel packed: consecutive blocks of a
 /// request, copied back to back into one message of up to
-/// [`NET_MESSAGE`] bytes. A UCX message costs about as much as moving
-/// tens of KiB over TCP on the CI machine, so a column split of 4 KiB rows
-/// sent a message per row ran at a fifth of raw UCX; from this size up a
-/// block goes alone, straight from the publisher's memory (`wm bench shard
-/// --section ucx` measures both patterns).
+/// [`NET_MESSAGE`] bytes; from this size up a block goes alone, straight
+/// from the publisher's memory, with no copy. Raw UCX over TCP loopback on
+/// the 2-core CI machine (one pair, the machine busy) moved 4 KiB messages
+/// at 0.3-0.65 GB/s, 16 KiB at 0.4-0.9, and 32 KiB to 1 MiB at 0.7-1.1 (up
+/// to 1.6 at 256 KiB): below a few tens of KiB a message costs more than
+/// its bytes, so a column split of 4 KiB rows sent a message per row ran at
+/// a fifth of raw UCX (`wm bench shard --section ucx` measures both
+/// patterns).
 pub(crate) const PACK_BELOW: u64 = 64 << 10;
 
 /// Split entries into messages of a network bucket: at most
