@@ -253,6 +253,25 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// the params count as written from now on. Report the bytes with
     /// [`Applier::account_landed`] once they are there.
     pub fn receive_buffer_for(&mut self, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
+        self.contiguous_receive_buffer(t, offset, len)?
+            .ok_or_else(|| {
+                Error::format(format!(
+                "tensor '{}': {len} bytes from byte {offset} are not contiguous where they land",
+                self.name(t)
+            ))
+            })
+    }
+
+    /// [`Applier::receive_buffer_for`], or None when the bytes would not
+    /// lie in one piece where they land (several blocks of a strided
+    /// request): the source then receives them elsewhere and hands them
+    /// over with [`Applier::apply_batch`], which scatters them.
+    pub fn contiguous_receive_buffer(
+        &mut self,
+        t: usize,
+        offset: u64,
+        len: usize,
+    ) -> Result<Option<SendPtr>> {
         let Some(entry) = self.plan.entries.get(t) else {
             return Err(Error::format(format!(
                 "chunk names tensor #{t} but the plan has {}",
@@ -267,16 +286,13 @@ impl<'p, 'h> Applier<'p, 'h> {
                 entry.meta.name
             )));
         }
+        let [span] = self.receive_spans(t, offset, len as u64)?[..] else {
+            return Ok(None);
+        };
         if self.received_in_param(t) {
             self.wrote_params = true;
         }
-        match self.receive_spans(t, offset, len as u64)?.as_slice() {
-            [span] => Ok(span.dst),
-            _ => Err(Error::format(format!(
-                "tensor '{}': {len} bytes from byte {offset} are not contiguous where they land",
-                entry.meta.name
-            ))),
-        }
+        Ok(Some(span.dst))
     }
 
     /// Account for chunks a source already wrote where [`Applier::receive_buffer_for`]

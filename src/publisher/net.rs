@@ -1,13 +1,14 @@
 //! A network session's buckets, sent over UCX to the engine's worker as one
-//! message per entry (entries split to at most `wire::NET_MESSAGE` bytes):
-//! the engine receives each into its staging slot at the entry's buffer
-//! offset (staged), or straight into its params (`direct`: gdr, or host
-//! landing), as it decides alone.
+//! message per entry (`wire::split_entries`: at most `wire::NET_MESSAGE`
+//! bytes, one block of a request or several small ones packed): the engine
+//! receives each into its staging slot at the entry's buffer offset
+//! (staged), or straight into its params (`direct`: gdr, or host landing)
+//! when it lands there in one piece, as it decides alone.
 //!
-//! Buckets whose tensors are in this process's memory (published copies,
-//! tensors the trainer added) are not packed at all: each entry is sent from
-//! the tensor itself. Tensors read from files are packed into bucket buffers
-//! first.
+//! Tensors in this process's memory (published copies, tensors the trainer
+//! added) are not packed where a message is one block: it is sent from the
+//! tensor itself. Messages of packed small blocks are copied into the
+//! bucket buffer, back to back; tensors read from files are packed whole.
 //!
 //! The engine names the bucket size and how many buckets may be in flight
 //! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
@@ -33,7 +34,8 @@ use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
 use crate::wire::{
-    message_tag as tag, split_entries, BucketEntry, Frame, Request, ALIGN, MAX_BUFFERS,
+    message_source, message_tag as tag, split_entries, BucketEntry, Frame, Request, ALIGN,
+    MAX_BUFFERS,
 };
 use std::collections::HashMap;
 use std::time::Instant;
@@ -60,20 +62,20 @@ pub(super) fn stream(
     let (cfg, pool) = (io.cfg, io.pool);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
     let buckets = plan_messages(requests, ready.bucket_size);
-    let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = ready.depth.min(buckets.len()).max(1);
     let victim = hooks::corrupt_victim(cfg);
-    // Tensors already in memory are sent from the tensors themselves: each
-    // message is one entry, so nothing needs packing, and no bucket buffers
-    // are taken. (The corruption test hook needs a packed copy to flip a
-    // bit in.)
-    let unpacked: Option<Vec<SendPtr>> = shard
+    // Tensors already in memory are sent from the tensors themselves where
+    // a message is one block: only packed small blocks need a bucket
+    // buffer. (The corruption test hook needs a packed copy to flip a bit
+    // in.)
+    let tensors: Option<Vec<SendPtr>> = shard
         .in_memory()
         .filter(|_| victim.is_none())
         .map(<[SendPtr]>::to_vec);
-    let buffers = match unpacked {
-        Some(_) => Vec::new(),
-        None => take_buffers(pool, n_buf, largest)?,
+    let largest = buffer_bytes(&buckets, requests, tensors.is_some());
+    let buffers = match largest {
+        0 => Vec::new(),
+        n => take_buffers(pool, n_buf, n as usize)?,
     };
     let pump = Pump::start("publisher")?;
     pump.connect(&ready.address)
@@ -85,7 +87,7 @@ pub(super) fn stream(
         shard,
         requests,
         origin: Origin {
-            unpacked,
+            tensors,
             buffers: &buffers,
             slots: n_buf,
         },
@@ -94,6 +96,7 @@ pub(super) fn stream(
         threads: cfg.pack_threads(),
         victim,
         digests: Vec::new(),
+        from: Vec::new(),
         sums: SliceSums::new(requests),
         in_flight: HashMap::new(),
     };
@@ -133,16 +136,30 @@ fn recv_ready(conn: &mut Conn, deadline: Instant) -> Result<Ready> {
 }
 
 /// The buckets, each entry one message: no longer than `NET_MESSAGE`, and
-/// within one block of its request. A strided request goes as a message
-/// per block, sent from where the block is (nothing packed): the engine
-/// lands each message in one contiguous place (its param or staging), and
-/// UCX tagged messages are contiguous buffers.
+/// one block of its request (sent from where it is) or several small ones
+/// (packed). UCX tagged messages are contiguous buffers, and a message per
+/// small block (a row of a column split) costs more than its bytes.
 fn plan_messages(requests: &[Request], bucket_size: u64) -> Vec<Bucket> {
     let mut buckets = plan_buckets(&request_sizes(requests), bucket_size as usize);
     for (entries, _) in &mut buckets {
         *entries = split_entries(entries, requests);
     }
     buckets
+}
+
+/// The bucket buffer bytes a session needs: every bucket's when all is
+/// packed; with tensors in memory, the most that one bucket's packed
+/// messages hold (0: no buffer at all).
+fn buffer_bytes(buckets: &[Bucket], requests: &[Request], in_memory: bool) -> u64 {
+    let need = |(entries, used): &Bucket| match in_memory {
+        false => (*used).max(1),
+        true => entries
+            .iter()
+            .filter(|e| message_source(e, requests).is_none())
+            .map(|e| e.len)
+            .sum(),
+    };
+    buckets.iter().map(need).max().unwrap_or(0)
 }
 
 /// Network buckets: UCX messages to the engine's worker, one per entry,
@@ -158,6 +175,8 @@ struct NetSink<'a> {
     victim: Option<&'a str>,
     /// The digests of the bucket prepared last, sent with it.
     digests: Vec<[u8; KEYED]>,
+    /// Where each message of the bucket prepared last is sent from.
+    from: Vec<SendPtr>,
     /// Slice checksums asked for (SUMS after the BUCKET frame).
     sums: SliceSums,
     /// Messages of each bucket still on the wire.
@@ -166,9 +185,10 @@ struct NetSink<'a> {
 
 /// Where a bucket's bytes are sent from.
 struct Origin<'a> {
-    /// Where each tensor is in memory, when sent without packing.
-    unpacked: Option<Vec<SendPtr>>,
-    /// Bucket buffers, when packing.
+    /// Where each tensor is in memory: messages of one block are sent from
+    /// there (None: every message is packed).
+    tensors: Option<Vec<SendPtr>>,
+    /// Bucket buffers, when anything is packed.
     buffers: &'a [SharedBuffer],
     /// Buckets in flight: bucket `seq` is in slot `seq % slots` (the
     /// engine's staging slot, and the bucket buffer when packing).
@@ -180,19 +200,45 @@ impl Origin<'_> {
         seq as usize % self.slots
     }
 
-    /// Where entry `e` (of `requests`; one block's bytes at most) of
-    /// bucket `seq` is sent from.
-    fn at(&self, seq: u64, e: &BucketEntry, requests: &[Request]) -> *const u8 {
-        match &self.unpacked {
-            Some(tensors) => {
-                let q = &requests[e.request as usize];
-                let from = q.pieces(e.offset, e.len).first().map_or(0, |p| p.0);
-                tensors[q.tensor as usize].0.wrapping_add(from as usize)
+    /// Where each message of bucket `seq` is sent from, and the messages
+    /// to pack into its bucket buffer first (at their buffer offsets there:
+    /// the bucket's own when all is packed, else back to back).
+    fn layout(
+        &self,
+        seq: u64,
+        entries: &[BucketEntry],
+        requests: &[Request],
+    ) -> (Vec<SendPtr>, Vec<BucketEntry>) {
+        let buf = self.buffers.get(self.slot(seq)).map(SharedBuffer::ptr);
+        let in_buf = |at: u64| {
+            SendPtr(
+                buf.expect("a buffer to pack into")
+                    .wrapping_add(at as usize),
+            )
+        };
+        let (mut from, mut pack, mut packed) = (Vec::with_capacity(entries.len()), Vec::new(), 0);
+        for e in entries {
+            let Some(tensors) = &self.tensors else {
+                from.push(in_buf(e.buffer_offset));
+                pack.push(*e);
+                continue;
+            };
+            match message_source(e, requests) {
+                Some(at) => {
+                    let t = tensors[requests[e.request as usize].tensor as usize];
+                    from.push(SendPtr(t.0.wrapping_add(at as usize)));
+                }
+                None => {
+                    from.push(in_buf(packed));
+                    pack.push(BucketEntry {
+                        buffer_offset: packed,
+                        ..*e
+                    });
+                    packed += e.len;
+                }
             }
-            None => self.buffers[self.slot(seq)]
-                .ptr()
-                .wrapping_add(e.buffer_offset as usize),
         }
+        (from, pack)
     }
 }
 
@@ -206,25 +252,28 @@ impl BucketSink for NetSink<'_> {
         stats: &mut SessionStats,
     ) -> Result<u32> {
         let slot = self.origin.slot(seq);
-        let (origin, requests) = (&self.origin, self.requests);
-        let from = |e: &BucketEntry| origin.at(seq, e, requests);
         let t = Instant::now();
-        if origin.unpacked.is_none() {
-            let buf = origin.buffers[slot].ptr();
-            fill(self.shard, requests, entries, buf, self.threads)?;
+        let (from, pack) = self.origin.layout(seq, entries, self.requests);
+        let buf = self.origin.buffers.get(slot).map(SharedBuffer::ptr);
+        if let Some(buf) = buf.filter(|_| !pack.is_empty()) {
+            fill(self.shard, self.requests, &pack, buf, self.threads)?;
         }
         // Before the corruption test hook, which stands for bytes altered
         // on the way; right after packing, while the bytes are in cache.
         if self.keyed {
-            self.digests = digests(self.key, entries, from, self.threads);
+            self.digests = digests(self.key, entries, &from, self.threads);
         }
-        // SAFETY: each entry's bytes are packed, or held where `at` says.
-        unsafe { self.sums.hash(entries, from) };
-        if origin.unpacked.is_none() {
-            let buf = origin.buffers[slot].ptr();
-            hooks::corrupt(&self.shard.manifest, requests, entries, buf, self.victim);
+        for (e, at) in entries.iter().zip(&from) {
+            // SAFETY: each message's bytes are packed, or held, at `at`.
+            unsafe { self.sums.hash(std::slice::from_ref(e), |_| at.0) };
+        }
+        if let Some(buf) = buf.filter(|_| !pack.is_empty()) {
+            let manifest = &self.shard.manifest;
+            hooks::corrupt(manifest, self.requests, &pack, buf, self.victim);
             stats.pack += t.elapsed();
         }
+        stats.messages += entries.len() as u64;
+        self.from = from;
         Ok(slot as u32)
     }
 
@@ -242,12 +291,8 @@ impl BucketSink for NetSink<'_> {
         // copies are held by the offer; added tensors by the trainer's
         // promise).
         unsafe {
-            for (k, e) in entries.iter().enumerate() {
-                self.pump.send(
-                    tag(seq, k),
-                    self.origin.at(seq, e, self.requests),
-                    e.len as usize,
-                )?;
+            for (k, (e, at)) in entries.iter().zip(&self.from).enumerate() {
+                self.pump.send(tag(seq, k), at.0, e.len as usize)?;
             }
         }
         self.in_flight.insert(seq, entries.len());
@@ -272,24 +317,25 @@ impl BucketSink for NetSink<'_> {
     }
 }
 
-/// The keyed digest of each entry's bytes, from `at(entry)`, on `threads`.
+/// The keyed digest of each message's bytes (at `from`), on `threads`.
 fn digests(
     key: &[u8; KEYED],
     entries: &[BucketEntry],
-    at: impl Fn(&BucketEntry) -> *const u8 + Sync,
+    from: &[SendPtr],
     threads: usize,
 ) -> Vec<[u8; KEYED]> {
-    let one = |e: &BucketEntry| {
-        // SAFETY: the entry's bytes are packed (or held) and unchanged
+    let one = |(e, at): (&BucketEntry, &SendPtr)| {
+        // SAFETY: the message's bytes are packed (or held) and unchanged
         // until their send completes.
-        let bytes = unsafe { std::slice::from_raw_parts(at(e), e.len as usize) };
+        let bytes = unsafe { std::slice::from_raw_parts(at.0, e.len as usize) };
         crate::checksum::keyed(key, bytes)
     };
     let per = entries.len().div_ceil(threads.max(1)).max(1);
     std::thread::scope(|s| {
         let parts: Vec<_> = entries
             .chunks(per)
-            .map(|part| s.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .zip(from.chunks(per))
+            .map(|(part, at)| s.spawn(move || part.iter().zip(at).map(one).collect::<Vec<_>>()))
             .collect();
         parts
             .into_iter()

@@ -16,6 +16,9 @@ pub struct SessionStats {
     /// earlier session of the same serve call hashed).
     pub hashed: u64,
     pub hash: Duration,
+    /// Network: UCX messages sent (one per bucket entry; small blocks of a
+    /// request travel packed, several to a message). IPC: 0.
+    pub messages: u64,
     /// Time spent packing buckets into the shared buffers.
     pub pack: Duration,
     /// Time spent waiting for the engine's acknowledgements.

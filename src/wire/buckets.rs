@@ -28,10 +28,28 @@ pub fn message_tag(seq: u64, k: usize) -> u64 {
     (seq << 32) | (k as u64 + 1)
 }
 
+/// [`PACK_BELOW`], for benchmarks that mirror a session's messages.
+pub fn pack_below_bytes() -> usize {
+    PACK_BELOW as usize
+}
+
+/// Blocks shorter than this travel packed: consecutive blocks of a
+/// request, copied back to back into one message of up to
+/// [`NET_MESSAGE`] bytes; from this size up a block goes alone, straight
+/// from the publisher's memory, with no copy. Raw UCX over TCP loopback on
+/// the 2-core CI machine (one pair, the machine busy) moved 4 KiB messages
+/// at 0.3-0.65 GB/s, 16 KiB at 0.4-0.9, and 32 KiB to 1 MiB at 0.7-1.1 (up
+/// to 1.6 at 256 KiB): below a few tens of KiB a message costs more than
+/// its bytes, so a column split of 4 KiB rows sent a message per row ran at
+/// a fifth of raw UCX (`wm bench shard --section ucx` measures both
+/// patterns).
+pub(crate) const PACK_BELOW: u64 = 64 << 10;
+
 /// Split entries into messages of a network bucket: at most
-/// [`NET_MESSAGE`] bytes each, and each within one block of its request
+/// [`NET_MESSAGE`] bytes each. A block of at least [`PACK_BELOW`] bytes
 /// (contiguous in the publisher's tensor, and where it lands in the
-/// engine's param: see `docs/wire.md`).
+/// engine's param) goes as messages of its own; consecutive smaller blocks
+/// of an entry go together, packed, in one message (see `docs/wire.md`).
 pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<BucketEntry> {
     let mut out = Vec::with_capacity(entries.len());
     for e in entries {
@@ -39,21 +57,54 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
             out.push(*e);
             continue;
         }
+        // The entry's bytes from request offset `at`: buffer offsets
+        // follow request offsets.
+        let piece = |at: u64, len: u64| BucketEntry {
+            request: e.request,
+            offset: at,
+            len,
+            buffer_offset: e.buffer_offset + (at - e.offset),
+        };
+        // Small blocks gathered so far: (first request offset, bytes).
+        let mut packed: Option<(u64, u64)> = None;
         for (_, at, len) in requests[e.request as usize].pieces(e.offset, e.len) {
+            if let Some((from, n)) = packed {
+                if len >= PACK_BELOW || n + len > NET_MESSAGE {
+                    out.push(piece(from, n));
+                    packed = None;
+                }
+            }
+            if len < PACK_BELOW {
+                let (from, n) = packed.unwrap_or((at, 0));
+                packed = Some((from, n + len));
+                continue;
+            }
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(NET_MESSAGE);
-                out.push(BucketEntry {
-                    request: e.request,
-                    offset: at + done,
-                    len: n,
-                    buffer_offset: e.buffer_offset + (at - e.offset) + done,
-                });
+                out.push(piece(at + done, n));
                 done += n;
             }
         }
+        if let Some((from, n)) = packed {
+            out.push(piece(from, n));
+        }
     }
     out
+}
+
+/// Where network message `e` starts in its publisher's tensor when it is
+/// (part of) one block, sent from the tensor itself; None when it packs
+/// several blocks ([`split_entries`]).
+pub fn message_source(e: &BucketEntry, requests: &[Request]) -> Option<u64> {
+    match requests[e.request as usize]
+        .pieces(e.offset, e.len)
+        .as_slice()
+    {
+        [] => Some(0),
+        [(from, ..)] => Some(*from),
+        _ => None,
+    }
 }
 
 /// Check a bucket's entries against its buffer before any byte is read: each
@@ -120,21 +171,44 @@ mod tests {
         assert_eq!(got, vec![(0, 0, m, 0), (1, 0, m, m), (1, m, m / 2, 2 * m)]);
         // A zero-length entry stays one entry.
         assert_eq!(split_entries(&[e(0, 0, 0)], &whole).len(), 1);
-        // A strided request: one message per block (rows of 8 bytes).
+        // A strided request of small blocks (rows of 8 bytes): packed into
+        // one message.
         let cols = [Request::of_blocks(0, [(8, 8), (24, 8), (40, 8)], false)];
-        let split = split_entries(
-            &[BucketEntry {
-                request: 0,
-                offset: 4,
-                len: 20,
-                buffer_offset: 256,
-            }],
-            &cols,
-        );
-        let got: Vec<(u64, u64, u64)> = split
+        let entry = |offset, len| BucketEntry {
+            request: 0,
+            offset,
+            len,
+            buffer_offset: 256,
+        };
+        let got = split_entries(&[entry(4, 20)], &cols);
+        assert_eq!(got, vec![entry(4, 20)]);
+        // Large blocks go alone (split at the message size), small ones
+        // between them packed, at most a message's worth each.
+        let (big, small) = (PACK_BELOW, PACK_BELOW - 1);
+        let per = NET_MESSAGE / small; // small blocks a message holds
+        let mut blocks = vec![(0, big)];
+        let mut at = 4 * big;
+        for _ in 0..per + 1 {
+            blocks.push((at, small));
+            at += 2 * small;
+        }
+        blocks.push((at, 2 * m));
+        let q = [Request::of_blocks(0, blocks, false)];
+        let all = q[0].bytes();
+        let got: Vec<(u64, u64)> = split_entries(&[entry(0, all)], &q)
             .iter()
-            .map(|x| (x.offset, x.len, x.buffer_offset))
+            .map(|x| (x.offset, x.len))
             .collect();
-        assert_eq!(got, vec![(4, 4, 256), (8, 8, 260), (16, 8, 268)]);
+        let tail = big + (per + 1) * small;
+        assert_eq!(
+            got,
+            vec![
+                (0, big),
+                (big, per * small),
+                (big + per * small, small),
+                (tail, m),
+                (tail + m, m)
+            ]
+        );
     }
 }

@@ -21,7 +21,9 @@ mod want;
 
 use crate::manifest::TensorMeta;
 
-pub use buckets::{check_bucket, message_tag, net_message_bytes, split_entries};
+pub use buckets::{
+    check_bucket, message_source, message_tag, net_message_bytes, pack_below_bytes, split_entries,
+};
 pub(crate) use fields::{In, Out};
 pub use want::{check_requests, Request, WantRun};
 

@@ -62,8 +62,8 @@ pub fn publisher(a: &Args) -> Result<(), String> {
 
 /// A TP rank's half of every layer, verified with slice checksums: the
 /// rows (one range of each tensor; over the network sent from the
-/// trainer's tensors in 1 MiB messages), and the columns (a strided run;
-/// over the network one message per 4 KiB row half, over IPC packed).
+/// trainer's tensors in 1 MiB messages), and the columns (a strided run
+/// of 4 KiB row halves, packed: over the network 256 to a message).
 pub(crate) const HALVES: [(&str, usize); 2] = [
     ("row half (TP piece), verified", 0),
     ("column half (TP piece), verified", 1),
@@ -94,16 +94,51 @@ struct Measured {
     median_ratio: f64,
 }
 
-/// Raw UCX, sending `total` bytes as a session does: messages of `src.len()`
-/// bytes (the session's message size), `slots.len()` of them in flight (the
-/// messages of `depth` buckets). `slots` are the receiving buffers,
-/// allocated once by the caller: fresh memory each run would cost page
-/// faults and compaction.
-fn raw_floor(src: &[u8], message: usize, slots: &mut [Vec<u8>]) -> Result<Duration, String> {
-    let (total, in_flight) = (src.len(), slots.len());
-    let tx = Pump::start("floor-tx").map_err(|e| e.to_string())?;
-    let rx = Pump::start("floor-rx").map_err(|e| e.to_string())?;
-    tx.connect(rx.address()).map_err(|e| e.to_string())?;
+/// One sender and one receiver of a raw UCX floor: `src`'s bytes, sent as
+/// a session does, in messages of `message` bytes (the session's message
+/// size), `slots.len()` of them in flight (the messages of `depth`
+/// buckets). `slots` are the receiving buffers, allocated once by the
+/// caller: fresh memory each run would cost page faults and compaction.
+pub(crate) struct FloorPair<'a> {
+    pub src: &'a [u8],
+    pub message: usize,
+    pub slots: &'a mut [Vec<u8>],
+}
+
+/// Raw UCX, every pair at once (each its own two workers, as each session
+/// has): the time from when all are connected until the last one is done.
+pub(crate) fn raw_floor(pairs: &mut [FloorPair]) -> Result<Duration, String> {
+    let connected = std::sync::Barrier::new(pairs.len());
+    std::thread::scope(|s| {
+        let runs: Vec<_> = pairs
+            .iter_mut()
+            .map(|p| s.spawn(|| floor_pair(p, &connected)))
+            .collect();
+        let mut span: Option<(Instant, Instant)> = None;
+        for r in runs {
+            let (a, b) = r.join().map_err(|_| "a floor thread panicked")??;
+            span = Some(span.map_or((a, b), |(x, y)| (x.min(a), y.max(b))));
+        }
+        Ok(span.map_or(Duration::ZERO, |(a, b)| b - a))
+    })
+}
+
+/// One pair of [`raw_floor`]: connect, wait for the others, move the
+/// bytes; when it started moving them and when it was done.
+fn floor_pair(
+    p: &mut FloorPair,
+    connected: &std::sync::Barrier,
+) -> Result<(Instant, Instant), String> {
+    let (total, in_flight, message) = (p.src.len(), p.slots.len(), p.message);
+    let pumps = Pump::start("floor-tx").and_then(|tx| {
+        let rx = Pump::start("floor-rx")?;
+        tx.connect(rx.address())?;
+        Ok((tx, rx))
+    });
+    // Every pair reaches the barrier, connected or not: none waits forever.
+    connected.wait();
+    let (tx, rx) = pumps.map_err(|e| e.to_string())?;
+    let (src, slots) = (p.src, &mut *p.slots);
     let n = total.div_ceil(message) as u64;
     let deadline = Instant::now() + Duration::from_secs(300);
     let t = Instant::now();
@@ -136,9 +171,8 @@ fn raw_floor(src: &[u8], message: usize, slots: &mut [Vec<u8>]) -> Result<Durati
             posted += 1;
         }
     }
-    let elapsed = t.elapsed();
     // The pumps, declared after the buffers, are dropped before them.
-    Ok(elapsed)
+    Ok((t, Instant::now()))
 }
 
 /// Message `k`'s bytes: its own part of `src`, as a session sends each
@@ -225,11 +259,18 @@ pub fn run(a: &Args) -> Result<(), String> {
         // Each wm run sits between two floor runs and is compared with
         // their mean: the machine's drift then moves both sides alike. The
         // floor after one run is the floor before the next.
-        let mut before = raw_floor(&floor_src, message, &mut floor_slots)?;
+        let mut floor = || {
+            raw_floor(&mut [FloorPair {
+                src: &floor_src,
+                message,
+                slots: &mut floor_slots,
+            }])
+        };
+        let mut before = floor()?;
         floor_t = floor_t.min(before);
         for _ in 0..runs {
             let s = m.update(request(skip)).map_err(|e| e.to_string())?;
-            let after = raw_floor(&floor_src, message, &mut floor_slots)?;
+            let after = floor()?;
             floor_t = floor_t.min(after);
             let around = (gbps(total as u64, before) + gbps(total as u64, after)) / 2.0;
             let ratio = gbps(s.bytes, s.total) / around;

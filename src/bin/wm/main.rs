@@ -179,6 +179,7 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "section",
                 "pieces",
                 "sources",
+                "addresses",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
@@ -191,6 +192,8 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("gpu") => bench_gpu::run(&a),
                 Some("shard") => bench_shard::run(&a),
                 Some("shard-snapshot-rank") => bench_shard::snapshot::rank(&a),
+                Some("shard-ucx-publisher") => bench_shard::ucx::publisher(&a),
+                Some("shard-ucx-rank") => bench_shard::ucx::rank(&a),
                 _ => Err("usage: wm bench snapshot|signal|ipc|net|gpu|shard [options]".into()),
             }
         }

@@ -6,14 +6,16 @@
 //! ("latest" by default), gets its manifest, asks for exactly the bytes its
 //! plan needs (WANT's requests) and says where its UCX worker is, then
 //! receives bucket after bucket (`receive`, a step at a time). Every bucket
-//! entry (at most `wire::NET_MESSAGE` bytes, within one block of its
-//! request) is its own UCX message:
+//! entry (at most `wire::NET_MESSAGE` bytes: one block of its request, or
+//! several small ones packed) is its own UCX message:
 //!
 //! - **direct** (rdma by default, gdr always): received straight where the
-//!   applier wants the bytes (`Applier::receive_buffer_for`): the param itself in
-//!   place, the atomic staging arena otherwise, and for device params
-//!   without gdr a host buffer (pinned where it can) that goes up to the
-//!   GPU. On RDMA hardware the NIC writes the params. gdr (straight into GPU
+//!   applier wants the bytes (`Applier::contiguous_receive_buffer`): the
+//!   param itself in place, the atomic staging arena otherwise, and for
+//!   device params without gdr a host buffer (pinned where it can) that
+//!   goes up to the GPU. On RDMA hardware the NIC writes the params. A
+//!   message that would not lie there in one piece (packed small blocks
+//!   of a column split) lands in a bounce buffer and is scattered from it. gdr (straight into GPU
 //!   memory) also needs device params and a UCX built with CUDA; without
 //!   either it is refused with a clear error (or, when allowed, runs as
 //!   rdma with a warning).
@@ -33,6 +35,7 @@
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
 
 mod connect;
+mod landing;
 mod receive;
 
 use connect::{authenticate, connect};

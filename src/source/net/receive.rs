@@ -4,20 +4,20 @@
 //! bucket is acknowledged once its last entry is. The pump and the receive
 //! state live here between steps, so several network sources are read at
 //! once (one UCX worker each).
+//! Where each message lands is `landing`'s.
 
+use super::landing::{apply_landed, post, Bounce, Landings, Posted};
 use super::{NetOptions, SLOTS};
 use crate::apply::Applier;
 use crate::checksum::KEYED;
-use crate::memory::copy::CopySource;
 use crate::memory::host::HostRegion;
-use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::source::publisher_link::{unexpected, PublisherLink};
 use crate::source::Step;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::{check_bucket, BucketEntry, Frame};
+use crate::wire::{check_bucket, Frame};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -31,11 +31,14 @@ pub(super) struct Peer<'a> {
 
 /// One session's receive, from READY to the last ACK. Dropping it cancels
 /// the posted receives (the pump goes first) and only then returns the
-/// staging slots; the applier's memory (direct receives) outlives it.
+/// staging slots and bounce buffers; the applier's memory (direct
+/// receives) outlives it.
 pub(super) struct Receiver {
     pump: Option<Pump>,
     /// Staged: the staging slots (empty: direct).
     slots: Vec<HostRegion>,
+    /// Direct: where messages that do not land in one piece go.
+    bounce: Bounce,
     st: Receiving,
 }
 
@@ -80,6 +83,7 @@ impl Receiver {
         let mut rx = Receiver {
             pump: None,
             slots,
+            bounce: Bounce::new(opts.depth, opts.bucket_size as u64),
             st: Receiving {
                 early: HashMap::new(),
                 pending: VecDeque::new(),
@@ -179,7 +183,11 @@ impl Receiver {
             self.st.waiting_since = Instant::now();
         }
         let pump = self.pump.as_ref().expect("started");
-        let mut posted = post(pump, p.link, seq, entries, slot, applier)?;
+        let at = Landings {
+            slot,
+            bounce: &mut self.bounce,
+        };
+        let mut posted = post(pump, p.link, seq, entries, at, applier)?;
         posted.digests = digests;
         self.st.pending.push_back(posted);
         self.st.next += 1;
@@ -291,7 +299,8 @@ fn check_digest(
     let e = &bucket.entries[k];
     // SAFETY: the entry's receive completed into this range (a slot or
     // the applier's landing, both host memory: keyed excludes gdr).
-    let bytes = unsafe { std::slice::from_raw_parts(bucket.landing[k].0, e.len as usize) };
+    let at = bucket.landing[k].at();
+    let bytes = unsafe { std::slice::from_raw_parts(at.0, e.len as usize) };
     if crate::checksum::keyed_matches(p.key, bytes, want) {
         return Ok(());
     }
@@ -306,7 +315,8 @@ fn check_digest(
 
 /// The length that message `tag` (of bucket `seq`) brought, once it
 /// landed; None when it has not within `slice`. A publisher that closed
-/// the control connection (it died, or gave up) is an error at once.
+/// the control connection (it died, or gave up) is an error at once; so is
+/// a message UCX could not receive (longer than its entry), naming it.
 fn poll_bytes(
     pump: &Pump,
     link: &mut PublisherLink,
@@ -315,13 +325,15 @@ fn poll_bytes(
     seq: u64,
     slice: Duration,
 ) -> Result<Option<usize>> {
+    let named = |e: Error| {
+        let k = (tag & 0xffff_ffff).saturating_sub(1);
+        e.context(format!("{}: bucket {seq} entry {k}", link.conn.peer()))
+    };
     if let Some(r) = early.remove(&tag) {
-        return r.map(Some).map_err(|e| e.context(format!("bucket {seq}")));
+        return r.map(Some).map_err(named);
     }
     match pump.next(Instant::now() + slice)? {
-        Some(Completion { tag: t, result }) if t == tag => result
-            .map(Some)
-            .map_err(|e| e.context(format!("bucket {seq}"))),
+        Some(Completion { tag: t, result }) if t == tag => result.map(Some).map_err(named),
         Some(Completion { tag, result }) => {
             early.insert(tag, result);
             Ok(None)
@@ -336,68 +348,4 @@ fn poll_bytes(
         }
         None => Ok(None),
     }
-}
-
-/// Entry `k` of `bucket` landed: hand it to the applier, from its staging
-/// slot or (direct) from where it already is.
-fn apply_landed(
-    applier: &mut Applier,
-    link: &PublisherLink,
-    bucket: &Posted,
-    k: usize,
-) -> Result<()> {
-    let e = &bucket.entries[k];
-    let at = bucket.slot.map_or(std::ptr::null_mut(), |slot| {
-        slot.0.wrapping_add(e.buffer_offset as usize)
-    });
-    let chunk = link.chunk(e, CopySource::Memory(SendPtr(at)));
-    let origin = format!("bucket {}", bucket.seq);
-    match bucket.slot {
-        Some(_) => applier.apply_batch(&origin, &[chunk]),
-        None => applier.account_landed(&origin, &[chunk]),
-    }
-}
-
-/// A bucket whose receives are posted, and its staging slot (None: direct).
-struct Posted {
-    seq: u64,
-    entries: Vec<BucketEntry>,
-    slot: Option<SendPtr>,
-    /// Where each entry lands.
-    landing: Vec<SendPtr>,
-    /// Each entry's keyed digest (empty: not asked for).
-    digests: Vec<[u8; KEYED]>,
-}
-
-/// Post one receive per entry of bucket `seq`: at the entry's offset in its
-/// staging slot (at `slot`), or (direct) where the applier wants the bytes.
-fn post(
-    pump: &Pump,
-    link: &PublisherLink,
-    seq: u64,
-    entries: Vec<BucketEntry>,
-    slot: Option<*mut u8>,
-    applier: &mut Applier,
-) -> Result<Posted> {
-    let mut landing = Vec::with_capacity(entries.len());
-    for (k, e) in entries.iter().enumerate() {
-        let at = match slot {
-            Some(slot) => SendPtr(slot.wrapping_add(e.buffer_offset as usize)),
-            None => applier.receive_buffer_for(link.entry(e), e.offset, e.len as usize)?,
-        };
-        // SAFETY: the range is inside the slot (entries checked against the
-        // bucket size) or the entry's memory (checked by the applier). The
-        // pump is dropped, cancelling any receive, before that memory goes;
-        // a slot is reposted only after its bucket was applied (the
-        // publisher waits for the ACK).
-        unsafe { pump.recv(net_tag(seq, k), at.0, e.len as usize)? };
-        landing.push(at);
-    }
-    Ok(Posted {
-        seq,
-        entries,
-        slot: slot.map(SendPtr),
-        landing,
-        digests: Vec::new(),
-    })
 }

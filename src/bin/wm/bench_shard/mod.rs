@@ -7,6 +7,7 @@
 
 mod planning;
 pub mod snapshot;
+pub mod ucx;
 // other sections: `mod ipc;`, `mod net;`
 
 use crate::Args;
@@ -27,6 +28,7 @@ type Section = fn(&Args) -> Result<Vec<Row>, String>;
 const SECTIONS: &[(&str, Section)] = &[
     ("planning", planning::run),
     ("snapshot", snapshot::run),
+    ("ucx", ucx::run),
     // other sections: ("ipc", ipc::run), ("net", net::run),
 ];
 
