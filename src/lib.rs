@@ -41,8 +41,10 @@
 //!
 //! Where things go:
 //! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
-//!   receive where `Applier::receive_buffer_for` says (`apply/receive.rs`: in
-//!   place the param itself, atomic the staging arena, a device param
+//!   receive where `source/net/landing.rs` decides: a staging slot; where
+//!   `Applier::contiguous_receive_buffer` says, when the message lands
+//!   there in one piece; else a bounce buffer the applier scatters from
+//!   (`apply/receive.rs`: in place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
 //!   routes it (`apply/route.rs`, `apply/batch.rs`) and checks it against
