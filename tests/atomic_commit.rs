@@ -476,3 +476,35 @@ fn a_failure_among_back_to_back_updates_leaves_the_old_bytes() {
     assert_params(&ptrs, &versions[2].1);
     assert_eq!(m.status().version.as_deref(), Some("4"));
 }
+
+/// `wm bench snapshot` on a small model: every atomic row is printed
+/// beside the floor or the in-place figure it is measured against (PyTorch
+/// is left out: `WM_PYTHON` names no Python).
+#[test]
+fn bench_snapshot_prints_every_atomic_row_beside_its_floor() {
+    let _s = serial();
+    let out = std::process::Command::new(WM)
+        .args(["bench", "snapshot", "--gib", "0.125", "--small", "0"])
+        .env("WM_PYTHON", "/nonexistent/python")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in [
+        "floor  fault in fresh memory ",
+        "floor  fault in fresh memory, read",
+        "to in-place (page swap, 2 s apart",
+        "to in-place, ",
+        "to fault in + read (back to back",
+        "to fault in + read (atomic, library-owned)",
+        "to fault in + two passes (atomic, engine-owned)",
+        "to two passes (kept staging",
+        "torch  load_file + copy_()            skipped",
+    ] {
+        assert!(text.contains(row), "no '{row}' in:\n{text}");
+    }
+}

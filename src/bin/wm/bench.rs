@@ -188,11 +188,49 @@ fn warm(path: &Path) -> Result<(), String> {
     }
 }
 
+/// An engine's param memory, every page touched (filled with 1s): a heap
+/// buffer (4 KiB pages), or a 2 MiB aligned mapping with the huge-page
+/// hint, as PyTorch allocates with `THP_MEM_ALLOC_ENABLE=1`.
+pub(crate) enum EngineMemory {
+    Heap(Vec<u8>),
+    Huge(weight_manager::memory::host::HostRegion),
+}
+
+impl EngineMemory {
+    fn new(n: usize, huge: bool) -> Result<EngineMemory, String> {
+        if !huge {
+            return Ok(EngineMemory::Heap(buffer(n)));
+        }
+        let r = weight_manager::memory::host::HostRegion::new("engine param", n)
+            .map_err(|e| e.to_string())?;
+        r.advise_huge(true);
+        // SAFETY: the region is n bytes of our own writable memory.
+        unsafe { std::ptr::write_bytes(r.ptr(), 1, n) };
+        Ok(EngineMemory::Huge(r))
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        match self {
+            EngineMemory::Heap(b) => b.as_mut_ptr(),
+            EngineMemory::Huge(r) => r.ptr(),
+        }
+    }
+}
+
 /// Engine-owned, pre-faulted params for every tensor of `model`.
 pub(crate) fn engine(
     model: &crate::bench_atomic::Model,
     threads: usize,
-) -> Result<(Manager, Vec<Vec<u8>>), String> {
+) -> Result<(Manager, Vec<EngineMemory>), String> {
+    engine_in(model, threads, false)
+}
+
+/// [`engine`], its params in huge pages when `huge`.
+pub(crate) fn engine_in(
+    model: &crate::bench_atomic::Model,
+    threads: usize,
+    huge: bool,
+) -> Result<(Manager, Vec<EngineMemory>), String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         threads,
@@ -201,16 +239,10 @@ pub(crate) fn engine(
     .map_err(|e| e.to_string())?;
     let mut bufs = Vec::new();
     for (name, dtype, shape, n) in model {
-        let mut b = buffer(*n);
+        let mut b = EngineMemory::new(*n, huge)?;
         // SAFETY: the buffers are returned with the manager and outlive it.
-        unsafe {
-            m.register(
-                &ParamSpec::host(name, *dtype, shape),
-                b.as_mut_ptr(),
-                b.len(),
-            )
-        }
-        .map_err(|e| e.to_string())?;
+        unsafe { m.register(&ParamSpec::host(name, *dtype, shape), b.ptr(), *n) }
+            .map_err(|e| e.to_string())?;
         bufs.push(b);
     }
     Ok((m, bufs))

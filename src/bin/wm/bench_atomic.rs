@@ -1,8 +1,10 @@
 //! `wm bench snapshot`'s atomic rows: atomic updates of library-owned
-//! params (page swap) beside in-place ones, of engine-owned params (kept
-//! staging) beside the two-pass floor, the first update of a fresh
-//! manager, and the PyTorch way (`safetensors.torch.load_file` then
-//! `copy_()` into preallocated tensors) when Python has torch.
+//! params (page swap) beside in-place ones, apart and back to back, of
+//! engine-owned params (kept staging) beside the two-pass floor, the first
+//! update of a fresh manager, and the PyTorch way
+//! (`safetensors.torch.load_file`, which maps the file, then `copy_()`
+//! into preallocated tensors: one copy) when Python has torch, also with
+//! both sides' params in huge pages.
 //!
 //! Floors of passes done one after the other cost the sum of their times
 //! per byte: two passes (staging, then copying) is 1 / (1 / read +
@@ -55,16 +57,21 @@ pub(crate) fn rows(
 
     let run = &mut 0;
     let mut timed = |m: &Manager, mode| timed_update(m, dir, mode, run);
-    let (first_lib, inplace_lib, back_to_back, apart) = {
+    // A manager of its own: after an atomic update the manager faults in
+    // the next shadows on one core, which in-place updates would share.
+    let inplace_lib = {
+        let m = library(model, threads)?;
+        gbps(total, best(|| timed(&m, Mode::InPlace))?)
+    };
+    let (first_lib, back_to_back, apart) = {
         let m = library(model, threads)?;
         let first = gbps(total, timed(&m, Mode::Atomic)?);
-        let inplace = gbps(total, best(|| timed(&m, Mode::InPlace))?);
         let back_to_back = gbps(total, best(|| timed(&m, Mode::Atomic))?);
         let apart = best(|| {
             std::thread::sleep(GAP);
             timed(&m, Mode::Atomic)
         })?;
-        (first, inplace, back_to_back, gbps(total, apart))
+        (first, back_to_back, gbps(total, apart))
     };
     println!("  wm     update in-place, library-owned {inplace_lib:>7.2} GB/s");
     let r = apart / inplace_lib;
@@ -97,7 +104,7 @@ pub(crate) fn rows(
         "  wm     first update, fresh manager    {first_eng:>7.2} GB/s   ratio {:.2} to fault in + two passes (atomic, engine-owned)",
         first_eng / fresh_two_pass
     );
-    let torch = match torch_way(path) {
+    let torch = match torch_way(path, false) {
         Ok(t) => gbps(total, t),
         Err(e) => {
             println!("  torch  load_file + copy_()            skipped: {e}");
@@ -105,13 +112,22 @@ pub(crate) fn rows(
         }
     };
     println!("  torch  load_file + copy_()            {torch:>7.2} GB/s   (mapped file, one copy)");
-    for (what, ours) in [
-        ("in-place", inplace),
-        ("atomic, library-owned", apart),
-        ("atomic, library-owned, back to back", back_to_back),
-        ("atomic, engine-owned", atomic_eng),
+    // Both with params in huge pages (PyTorch: THP_MEM_ALLOC_ENABLE=1).
+    let torch_huge = gbps(total, torch_way(path, true)?);
+    let inplace_huge = {
+        let (m, _bufs) = crate::bench::engine_in(model, threads, true)?;
+        gbps(total, best(|| timed(&m, Mode::InPlace))?)
+    };
+    println!("  torch  load_file + copy_(), huge pages {torch_huge:>6.2} GB/s   (THP_MEM_ALLOC_ENABLE=1)");
+    println!("  wm     update in-place, huge pages     {inplace_huge:>6.2} GB/s   (engine params in huge pages)");
+    for (what, ours, theirs) in [
+        ("in-place", inplace, torch),
+        ("in-place, both in huge pages", inplace_huge, torch_huge),
+        ("atomic, library-owned", apart, torch),
+        ("atomic, library-owned, back to back", back_to_back, torch),
+        ("atomic, engine-owned", atomic_eng, torch),
     ] {
-        let r = ours / torch;
+        let r = ours / theirs;
         println!(
             "  wm / torch  {what:<36} {r:.2} (target >= 1.00) {}",
             verdict(r >= 1.0)
@@ -162,9 +178,11 @@ for _ in range(3):
 print(best)
 "#;
 
-fn torch_way(path: &Path) -> Result<Duration, String> {
+/// `huge`: PyTorch allocates the params in huge pages.
+fn torch_way(path: &Path, huge: bool) -> Result<Duration, String> {
     let py = python();
     let out = Command::new(&py)
+        .env("THP_MEM_ALLOC_ENABLE", if huge { "1" } else { "0" })
         .args(["-c", TORCH_WAY])
         .arg(path)
         .output()
