@@ -50,10 +50,10 @@ impl SharedBuffer {
     /// A new sealed buffer of `len` bytes with no page allocated yet. The
     /// caller writes every page with `pwrite` on [`SharedBuffer::fd`]
     /// before anyone maps it (a full /dev/shm is then an error of that
-    /// write, not a SIGBUS of a reader), then maps them here with
-    /// [`SharedBuffer::reserve`]: the kernel does not zero a page a write
-    /// fills, so this costs one pass over the bytes where
-    /// [`SharedBuffer::create`] and a copy cost two.
+    /// write, not a SIGBUS of a reader), and maps them in this process
+    /// with [`SharedBuffer::reserve`] before copying into the mapping: the
+    /// kernel does not zero a page a write fills, so this costs one pass
+    /// over the bytes where [`SharedBuffer::create`] and a copy cost two.
     pub fn create_unreserved(what: &str, len: usize) -> Result<SharedBuffer> {
         let name = std::ffi::CString::new("wm-bucket").expect("no NUL");
         // SAFETY: libc calls on our own descriptor.

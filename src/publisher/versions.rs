@@ -22,6 +22,9 @@ pub(super) struct Versions {
     /// of the buffers it read lately, so a reused buffer costs it nothing
     /// to map again (a fresh 4 GiB one costs about 0.3 s of page faults).
     retired: Mutex<VecDeque<Arc<SharedBuffer>>>,
+    /// Buffers written with `pwrite` (by address) whose pages this
+    /// process has not mapped yet: mapped on every core when reused.
+    unmapped: Mutex<std::collections::HashSet<usize>>,
 }
 
 impl Versions {
@@ -125,10 +128,16 @@ impl Versions {
         };
         let host_only = ts.iter().all(|t| t.device.is_none());
         let shared = match spare {
-            Some(b) => b,
+            Some(b) => {
+                if self.unmapped.lock().remove(&(b.ptr() as usize)) {
+                    b.reserve(&format!("version '{version}'"))?;
+                }
+                b
+            }
             None if host_only => {
                 let b = write_fresh(ts, &offsets, total, version)?;
                 point_at_copies(ts, &offsets, &b);
+                self.unmapped.lock().insert(b.ptr() as usize);
                 return Ok(b);
             }
             None => SharedBuffer::create(&format!("version '{version}'"), total)?,
@@ -164,11 +173,13 @@ fn point_at_copies(ts: &mut [HostTensor], offsets: &[usize], shared: &SharedBuff
 /// `offsets` and zeros between them, written with `pwrite`: a fresh page a
 /// write fills is not zeroed first, so this is one pass over the bytes,
 /// where faulting the buffer in and copying into it are two (measured on
-/// the 2-core test machine, busy: 0.62 s per GiB against 1.04-1.18 s,
-/// and mapping the written pages after it 0.17 s on one core).
+/// the 2-core test machine, busy: 0.62 s per GiB against 1.04-1.18 s).
 /// Writes to one memory file run one at a time in the kernel, so this is
 /// one thread. Every page is written, so none is left for a reader's
-/// fault to allocate.
+/// fault to allocate. This process does not map the pages (0.2-0.6 s per
+/// GiB of page-table work for 4 KiB shared pages) until a later publish
+/// reuses the buffer and copies into it (`Versions::copy_to_shared`);
+/// a publisher that never reuses it never pays that.
 fn write_fresh(
     ts: &[HostTensor],
     offsets: &[usize],
@@ -187,10 +198,6 @@ fn write_fresh(
         end = at + t.len;
     }
     write_zeros(&shared, (end, total), &zeros, &what)?;
-    // Map the written pages here too, on every core (no allocation, no
-    // zeroing left): a later publish that reuses this buffer copies into
-    // it without a page fault per 4 KiB.
-    shared.reserve(&what)?;
     Ok(shared)
 }
 
