@@ -414,3 +414,97 @@ fn shadows_faulted_in_ahead_are_used_and_freed_by_a_clear() {
     m.update(atomic(&root.path().join("v3"))).unwrap();
     assert_params(&ptrs, &versions[2]);
 }
+
+/// Versions `vs` written as snapshots under `root` (`v<N>` each); returns
+/// (directory, tensors) per version.
+fn snapshots(root: &Path, vs: std::ops::Range<u64>) -> Vec<(std::path::PathBuf, Vec<T>)> {
+    vs.map(|v| {
+        let dir = root.join(format!("v{v}"));
+        let ts = snapshot(&dir, v);
+        (dir, ts)
+    })
+    .collect()
+}
+
+#[test]
+fn back_to_back_updates_keep_every_address_and_memory_flat() {
+    let _s = serial();
+    let root = tempfile::tempdir().unwrap();
+    // Written first, so that the updates follow each other with no pause:
+    // each comes while the shadows of the next are still being faulted in.
+    let versions = snapshots(root.path(), 2..8);
+    let base = rss();
+    let (m, ptrs, _) = updated_once(root.path(), true);
+    let total: usize = SIZES.iter().sum();
+    for (dir, ts) in &versions {
+        m.update(atomic(dir)).unwrap();
+        assert_params(&ptrs, ts);
+    }
+    assert_eq!(m.status().version.as_deref(), Some("7"));
+    // The params and at most one set of next shadows: every swap freed the
+    // pages it replaced, and every set of shadows taken was used or freed.
+    let grown = rss().saturating_sub(base);
+    assert!(
+        grown < 2 * total + total / 2,
+        "resident memory grew by {grown} bytes for a model of {total}"
+    );
+    m.clear().unwrap();
+    assert!(rss().saturating_sub(base) < total / 2);
+}
+
+#[test]
+fn a_failure_among_back_to_back_updates_leaves_the_old_bytes() {
+    let _s = serial();
+    let root = tempfile::tempdir().unwrap();
+    let versions = snapshots(root.path(), 2..5);
+    let (m, ptrs, _) = updated_once(root.path(), true);
+    assert_eq!(versions[1].1.len(), SIZES.len());
+    m.update(atomic(&versions[0].0)).unwrap();
+    // Version 3 (in two part files) is cancelled after its first file,
+    // right after version 2.
+    let v3 = root.path().join("v3-parts");
+    snapshot_in_parts(&v3, 3);
+    let mut stop = |_: &Progress| false;
+    let mut req = atomic(&v3);
+    req.hooks.progress = Some(&mut stop);
+    assert_eq!(m.update(req).unwrap_err().code, wm_result::WM_ERR_CANCELLED);
+    let s = m.status();
+    assert_eq!((s.state, s.version.as_deref()), (State::Normal, Some("2")));
+    assert_params(&ptrs, &versions[0].1);
+    // And the next one, right after, goes through at the same addresses.
+    m.update(atomic(&versions[2].0)).unwrap();
+    assert_params(&ptrs, &versions[2].1);
+    assert_eq!(m.status().version.as_deref(), Some("4"));
+}
+
+/// `wm bench snapshot` on a small model: every atomic row is printed
+/// beside the floor or the in-place figure it is measured against (PyTorch
+/// is left out: `WM_PYTHON` names no Python).
+#[test]
+fn bench_snapshot_prints_every_atomic_row_beside_its_floor() {
+    let _s = serial();
+    let out = std::process::Command::new(WM)
+        .args(["bench", "snapshot", "--gib", "0.125", "--small", "0"])
+        .env("WM_PYTHON", "/nonexistent/python")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in [
+        "floor  fault in fresh memory ",
+        "floor  fault in fresh memory, read",
+        "to in-place (page swap, 2 s apart",
+        "to in-place, ",
+        "to fault in + read (back to back",
+        "to fault in + read (atomic, library-owned)",
+        "to fault in + two passes (atomic, engine-owned)",
+        "to two passes (kept staging",
+        "torch  load_file + copy_()            skipped",
+    ] {
+        assert!(text.contains(row), "no '{row}' in:\n{text}");
+    }
+}

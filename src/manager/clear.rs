@@ -27,7 +27,7 @@ impl Manager {
         self.ipc_buffers.lock().forget();
         self.staging.lock().release();
         self.atomic_staging.lock().take();
-        self.next_shadows.lock().take();
+        self.next_shadows.lock().discard();
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();

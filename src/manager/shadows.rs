@@ -4,64 +4,168 @@
 //! A shadow swapped into a param takes the param's place, and the kernel
 //! frees the old pages, so every atomic update needs fresh pages, and the
 //! kernel zeroes fresh pages as they are faulted in: on the test machine
-//! 0.45-0.75 s per GiB, several times what reading the update costs. With
-//! `keep_atomic_staging` the manager faults in the next update's shadows
-//! on one thread of its own once an update is done, while the engine runs;
-//! the next atomic update takes them ready (waiting for the thread if it is
-//! still at work: it only faults in memory, nothing it waits on can hang)
-//! and reads straight into them. Memory: one more copy of the
-//! library-owned params while the engine runs, the same as the staging the
-//! update itself needs; a clear or the manager's end frees it.
+//! 0.45-0.75 s per GiB on one core, several times what reading the update
+//! costs. With `keep_atomic_staging` the manager faults in the next
+//! update's shadows on one thread of its own once an update is done, while
+//! the engine runs (one core, huge pages: the engine keeps the others).
+//!
+//! An update that comes before that thread is done (back to back) does not
+//! wait for it at one core's pace: it stops the thread (which ends after
+//! the piece it is faulting in) and faults in what is left on every core
+//! the copier uses, without the huge-page hint (a huge page fault may wait
+//! for the kernel to compact memory, which an update must not), then reads
+//! straight into the shadows. Memory: one more copy of the library-owned
+//! params while the engine runs, the same as the staging the update itself
+//! needs; a clear or the manager's end frees it.
 
-use crate::memory::host::{populate_all, HostRegion};
+use crate::memory::host::{populate_ranges, HostRegion};
+use crate::memory::SendPtr;
 use crate::result::Result;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// Shadows per param number.
 pub(crate) type Shadows = HashMap<usize, HostRegion>;
 
+/// The thread faults in this much at a time between looks at its stop
+/// flag: what an update that stops it may wait for (a few ms at worst).
+const STEP: usize = 16 << 20;
+
+/// What the thread made: every shadow (mapped), and per shadow the bytes
+/// from its start that are faulted in.
+struct Made {
+    shadows: Shadows,
+    done: HashMap<usize, usize>,
+}
+
+struct Preparing {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Result<Made>>,
+}
+
 #[derive(Default)]
 pub(crate) struct NextShadows {
-    preparing: Option<JoinHandle<Result<Shadows>>>,
+    preparing: Option<Preparing>,
 }
 
 impl NextShadows {
     /// Start faulting in a shadow of `len` bytes for each (param, len).
     pub fn prepare(&mut self, params: Vec<(usize, usize)>) {
-        self.take();
+        self.discard();
         if params.is_empty() {
             return;
         }
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
         let spawned = std::thread::Builder::new()
             .name("wm-shadows".into())
-            .spawn(move || {
-                let mut shadows = Shadows::new();
-                for (i, len) in params {
-                    shadows.insert(i, HostRegion::new("atomic shadow", len)?);
-                }
-                // Huge pages: slow to fault in, but this is off the update's
-                // path, and the swap that replaces them frees them fast.
-                populate_all(&shadows.values().collect::<Vec<_>>(), 1, true)?;
-                Ok(shadows)
-            });
+            .spawn(move || fault_in(params, &stopped));
         // Without a thread the next update faults in its own shadows.
-        self.preparing = spawned.ok();
+        self.preparing = spawned.ok().map(|thread| Preparing { stop, thread });
     }
 
-    /// The shadows prepared since the last update (waiting for them if
-    /// they are still being faulted in); empty when none were, or when
-    /// preparing them failed (the update then makes its own).
-    pub fn take(&mut self) -> Shadows {
-        match self.preparing.take().map(JoinHandle::join) {
-            Some(Ok(Ok(shadows))) => shadows,
-            _ => Shadows::new(),
+    /// The shadows prepared since the last update, every byte faulted in:
+    /// what the thread has not done yet is done now on `threads` threads.
+    /// Empty when none were prepared, or when preparing them failed (the
+    /// update then makes its own).
+    pub fn take(&mut self, threads: usize) -> Shadows {
+        let Some(made) = self.stop() else {
+            return Shadows::new();
+        };
+        let mut left = Vec::new();
+        for (i, r) in &made.shadows {
+            let done = made.done.get(i).copied().unwrap_or(0);
+            if done < r.mapped() {
+                r.advise_huge(false);
+                left.push((SendPtr(r.ptr().wrapping_add(done)), r.mapped() - done));
+            }
+        }
+        match populate_ranges(&left, threads) {
+            Ok(()) => made.shadows,
+            Err(_) => Shadows::new(),
         }
     }
+
+    /// Stop preparing and free whatever was prepared.
+    pub fn discard(&mut self) {
+        self.stop();
+    }
+
+    /// Stop the thread (it ends after its current piece) and take what it
+    /// made.
+    fn stop(&mut self) -> Option<Made> {
+        let p = self.preparing.take()?;
+        p.stop.store(true, Ordering::Relaxed);
+        p.thread.join().ok()?.ok()
+    }
+}
+
+/// The thread's work: map every shadow, then fault them in piece by piece
+/// with the huge-page hint (slow to fault in, but this is off the update's
+/// path, and the swap that replaces them frees them fast) until done or
+/// told to stop.
+fn fault_in(params: Vec<(usize, usize)>, stop: &AtomicBool) -> Result<Made> {
+    let mut made = Made {
+        shadows: Shadows::new(),
+        done: HashMap::new(),
+    };
+    for &(i, len) in &params {
+        let r = HostRegion::new("atomic shadow", len)?;
+        r.advise_huge(true);
+        made.shadows.insert(i, r);
+    }
+    for (i, _) in params {
+        let r = &made.shadows[&i];
+        let mut done = 0;
+        while done < r.mapped() && !stop.load(Ordering::Relaxed) {
+            let n = STEP.min(r.mapped() - done);
+            populate_ranges(&[(SendPtr(r.ptr().wrapping_add(done)), n)], 1)?;
+            done += n;
+        }
+        made.done.insert(i, done);
+    }
+    Ok(made)
 }
 
 impl Drop for NextShadows {
     fn drop(&mut self) {
-        self.take();
+        self.discard();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn taken_right_away_every_shadow_is_faulted_in() {
+        let mut next = NextShadows::default();
+        // Far more than the thread does before it is stopped.
+        let sizes = [(0, 96 * MIB), (3, 40 * MIB + 4096), (7, 8)];
+        next.prepare(sizes.to_vec());
+        let shadows = next.take(2);
+        assert_eq!(shadows.len(), sizes.len());
+        for (i, len) in sizes {
+            let r = &shadows[&i];
+            assert_eq!(r.len(), len);
+            assert_eq!(r.resident_bytes().unwrap(), r.mapped(), "shadow {i}");
+        }
+        // Nothing is prepared twice.
+        assert!(next.take(2).is_empty());
+    }
+
+    #[test]
+    fn discarded_shadows_are_freed_and_a_later_prepare_starts_afresh() {
+        let mut next = NextShadows::default();
+        next.prepare(vec![(0, 64 * MIB)]);
+        next.discard();
+        assert!(next.take(2).is_empty());
+        next.prepare(vec![(1, 4 * MIB)]);
+        let shadows = next.take(1);
+        assert_eq!(shadows[&1].resident_bytes().unwrap(), 4 * MIB);
     }
 }

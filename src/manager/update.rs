@@ -282,7 +282,7 @@ impl Manager {
                 .collect(),
             keep: keep.then_some(&mut *kept),
             ready: match atomic_mode {
-                true => self.next_shadows.lock().take(),
+                true => self.next_shadows.lock().take(self.threads),
                 false => Default::default(),
             },
             device: match self.config.swap_device_pages {

@@ -42,6 +42,19 @@ const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEA
 impl SharedBuffer {
     /// A new zeroed buffer of `len` bytes, every page reserved, sealed.
     pub fn create(what: &str, len: usize) -> Result<SharedBuffer> {
+        let b = Self::create_unreserved(what, len)?;
+        b.reserve(what)?;
+        Ok(b)
+    }
+
+    /// A new sealed buffer of `len` bytes with no page allocated yet. The
+    /// caller writes every page with `pwrite` on [`SharedBuffer::fd`]
+    /// before anyone maps it (a full /dev/shm is then an error of that
+    /// write, not a SIGBUS of a reader), and maps them in this process
+    /// with [`SharedBuffer::reserve`] before copying into the mapping: the
+    /// kernel does not zero a page a write fills, so this costs one pass
+    /// over the bytes where [`SharedBuffer::create`] and a copy cost two.
+    pub fn create_unreserved(what: &str, len: usize) -> Result<SharedBuffer> {
         let name = std::ffi::CString::new("wm-bucket").expect("no NUL");
         // SAFETY: libc calls on our own descriptor.
         unsafe {
@@ -67,9 +80,7 @@ impl SharedBuffer {
                 ));
             }
             let file = file_identity(&fd).map_err(|e| Error::io(format!("{what}: stat"), e))?;
-            let b = Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, file, what)?;
-            b.reserve(what)?;
-            Ok(b)
+            Self::map(fd, len, libc::PROT_READ | libc::PROT_WRITE, file, what)
         }
     }
 
@@ -81,8 +92,10 @@ impl SharedBuffer {
     /// machine, 0.47-0.56 s per GiB against 0.34 s for a populate on both
     /// cores (the kernel zeroes every new page either way; more cores
     /// share that out further). Kernels without `MADV_POPULATE_WRITE`
-    /// (before 5.14) get the `fallocate`.
-    fn reserve(&self, what: &str) -> Result<()> {
+    /// (before 5.14) get the `fallocate`. Pages already written (a buffer
+    /// from [`SharedBuffer::create_unreserved`]) are only mapped, so that
+    /// a later copy into the buffer takes no page faults either.
+    pub(crate) fn reserve(&self, what: &str) -> Result<()> {
         const MADV_POPULATE_WRITE: libc::c_int = 23;
         let no_room = |e: std::io::Error| match e.raw_os_error() {
             Some(libc::ENOSPC | libc::ENOMEM | libc::EFAULT) => Error::out_of_memory(format!(

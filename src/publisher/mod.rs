@@ -392,6 +392,69 @@ impl Drop for Publisher {
 mod tests {
     use super::*;
 
+    /// A fresh version's buffer is written whole (not faulted in, then
+    /// copied into): each tensor at its aligned offset, zeros between, and
+    /// every page of the file allocated, so no reader's fault has to.
+    #[test]
+    fn a_fresh_version_is_written_whole() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+        let sizes = [3000usize, 5, 70_001, 1 << 20];
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j % 251 + 1) as u8).collect())
+            .collect();
+        for (i, d) in data.iter().enumerate() {
+            // SAFETY: `d` outlives the publish, which copies it.
+            unsafe {
+                p.add_tensor(
+                    &format!("t{i}"),
+                    DType::U8,
+                    &[d.len() as u64],
+                    d.as_ptr(),
+                    d.len(),
+                    None,
+                )
+            }
+            .unwrap();
+        }
+        p.set_version(Some("v".into()));
+        p.publish().unwrap();
+        let published = p.versions.published.lock();
+        let offer = published.back().unwrap();
+        let shared = offer.shared().unwrap();
+        // SAFETY: the version's own bytes, kept while it is published.
+        let all = unsafe { std::slice::from_raw_parts(shared.ptr(), shared.len()) };
+        let Content::Tensors(ts) = &offer.content else {
+            panic!("tensors")
+        };
+        let mut end = 0;
+        for (t, d) in ts.iter().zip(&data) {
+            let at = t.data.0 as usize - shared.ptr() as usize;
+            assert_eq!(at % crate::wire::ALIGN as usize, 0);
+            assert!(
+                all[end..at].iter().all(|&b| b == 0),
+                "gap before {}",
+                t.name
+            );
+            assert_eq!(&all[at..at + d.len()], &d[..], "{}", t.name);
+            end = at + d.len();
+        }
+        assert!(all[end..].iter().all(|&b| b == 0));
+        // SAFETY: fstat on the buffer's own descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(shared.fd().as_raw_fd(), &mut st) }, 0);
+        let page = crate::memory::page_size() as u64;
+        let whole = (shared.len() as u64).next_multiple_of(page);
+        assert!(
+            st.st_blocks as u64 * 512 >= whole,
+            "{} of {whole} bytes allocated",
+            st.st_blocks * 512
+        );
+    }
+
     /// Steady publishing with two versions kept cycles through the same
     /// shared buffers (engines keep them mapped), with each version's bytes.
     #[test]

@@ -1,11 +1,15 @@
 //! `wm bench snapshot`'s atomic rows: atomic updates of library-owned
-//! params (page swap) beside in-place ones, of engine-owned params (kept
-//! staging) beside the two-pass floor, the first update of a fresh
-//! manager, and the PyTorch way (`safetensors.torch.load_file` then
-//! `copy_()` into preallocated tensors) when Python has torch.
+//! params (page swap) beside in-place ones, apart and back to back, of
+//! engine-owned params (kept staging) beside the two-pass floor, the first
+//! update of a fresh manager, and the PyTorch way
+//! (`safetensors.torch.load_file`, which maps the file, then `copy_()`
+//! into preallocated tensors: one copy) when Python has torch, also with
+//! both sides' params in huge pages.
 //!
-//! The two-pass floor is what staging then copying costs at the measured
-//! floors: 1 / (1 / read + 1 / memcpy).
+//! Floors of passes done one after the other cost the sum of their times
+//! per byte: two passes (staging, then copying) is 1 / (1 / read +
+//! 1 / memcpy); a first update or a back-to-back one also faults in fresh
+//! memory (the kernel zeroes it) before the bytes land.
 
 use crate::bench::{best, engine, timed_update, verdict, Floors};
 use crate::fmt::gbps;
@@ -35,42 +39,51 @@ fn library(model: &Model, threads: usize) -> Result<Manager, String> {
     Ok(m)
 }
 
-/// Print the atomic rows for the snapshot in `dir` (`total` bytes of
-/// `model`, in the page cache); `path` is its file.
+/// Print the atomic rows and the PyTorch comparison for the snapshot in
+/// `dir` (its file `path`, `total` bytes of `model`, in the page cache);
+/// `inplace`: the in-place update's GB/s into engine-owned params.
 pub(crate) fn rows(
     model: &Model,
-    dir: &Path,
-    path: &Path,
+    (dir, path): (&Path, &Path),
     total: u64,
-    floors: Floors,
+    (floors, inplace): (Floors, f64),
     threads: usize,
 ) -> Result<(), String> {
-    let two_pass = 1.0 / (1.0 / floors.read + 1.0 / floors.memcpy);
+    let two_pass = per_byte(&[floors.read, floors.memcpy]);
+    let fresh_read = per_byte(&[floors.fresh, floors.read]);
+    let fresh_two_pass = per_byte(&[floors.fresh, floors.read, floors.memcpy]);
     println!("  floor  two passes (read, then memcpy) {two_pass:>7.2} GB/s");
+    println!("  floor  fault in fresh memory, read    {fresh_read:>7.2} GB/s");
 
     let run = &mut 0;
     let mut timed = |m: &Manager, mode| timed_update(m, dir, mode, run);
-    let (first_lib, inplace_lib, back_to_back, apart) = {
+    // A manager of its own: after an atomic update the manager faults in
+    // the next shadows on one core, which in-place updates would share.
+    let inplace_lib = {
+        let m = library(model, threads)?;
+        gbps(total, best(|| timed(&m, Mode::InPlace))?)
+    };
+    let (first_lib, back_to_back, apart) = {
         let m = library(model, threads)?;
         let first = gbps(total, timed(&m, Mode::Atomic)?);
-        let inplace = gbps(total, best(|| timed(&m, Mode::InPlace))?);
         let back_to_back = gbps(total, best(|| timed(&m, Mode::Atomic))?);
         let apart = best(|| {
             std::thread::sleep(GAP);
             timed(&m, Mode::Atomic)
         })?;
-        (first, inplace, back_to_back, gbps(total, apart))
+        (first, back_to_back, gbps(total, apart))
     };
     println!("  wm     update in-place, library-owned {inplace_lib:>7.2} GB/s");
-    println!(
-        "  wm     update atomic, library-owned   {back_to_back:>7.2} GB/s   ratio {:.2} to in-place (page swap, back to back: fresh shadows)",
-        back_to_back / inplace_lib
-    );
     let r = apart / inplace_lib;
     println!(
         "  wm     update atomic, library-owned   {apart:>7.2} GB/s   ratio {r:.2} to in-place (page swap, {} s apart: shadows faulted in ahead; target >= 0.90) {}",
         GAP.as_secs(),
         verdict(r >= 0.9)
+    );
+    println!(
+        "  wm     update atomic, library-owned   {back_to_back:>7.2} GB/s   ratio {:.2} to in-place, {:.2} to fault in + read (back to back: shadows not ready, faulted in on every thread)",
+        back_to_back / inplace_lib,
+        back_to_back / fresh_read
     );
     let (first_eng, atomic_eng) = {
         let (m, _bufs) = engine(model, threads)?;
@@ -84,20 +97,48 @@ pub(crate) fn rows(
         verdict(r >= 0.8)
     );
     println!(
-        "  wm     first update, fresh manager   {first_lib:>7.2} GB/s library-owned, {first_eng:.2} GB/s engine-owned (atomic)"
+        "  wm     first update, fresh manager    {first_lib:>7.2} GB/s   ratio {:.2} to fault in + read (atomic, library-owned)",
+        first_lib / fresh_read
     );
-    match torch_way(path) {
-        Ok(t) => {
-            let torch = gbps(total, t);
-            println!(
-                "  torch  load_file + copy_()            {torch:>7.2} GB/s   wm atomic / torch: {:.2} library-owned, {:.2} engine-owned",
-                apart / torch,
-                atomic_eng / torch
-            );
+    println!(
+        "  wm     first update, fresh manager    {first_eng:>7.2} GB/s   ratio {:.2} to fault in + two passes (atomic, engine-owned)",
+        first_eng / fresh_two_pass
+    );
+    let torch = match torch_way(path, false) {
+        Ok(t) => gbps(total, t),
+        Err(e) => {
+            println!("  torch  load_file + copy_()            skipped: {e}");
+            return Ok(());
         }
-        Err(e) => println!("  torch  load_file + copy_()            skipped: {e}"),
+    };
+    println!("  torch  load_file + copy_()            {torch:>7.2} GB/s   (mapped file, one copy)");
+    // Both with params in huge pages (PyTorch: THP_MEM_ALLOC_ENABLE=1).
+    let torch_huge = gbps(total, torch_way(path, true)?);
+    let inplace_huge = {
+        let (m, _bufs) = crate::bench::engine_in(model, threads, true)?;
+        gbps(total, best(|| timed(&m, Mode::InPlace))?)
+    };
+    println!("  torch  load_file + copy_(), huge pages {torch_huge:>6.2} GB/s   (THP_MEM_ALLOC_ENABLE=1)");
+    println!("  wm     update in-place, huge pages     {inplace_huge:>6.2} GB/s   (engine params in huge pages)");
+    for (what, ours, theirs) in [
+        ("in-place", inplace, torch),
+        ("in-place, both in huge pages", inplace_huge, torch_huge),
+        ("atomic, library-owned", apart, torch),
+        ("atomic, library-owned, back to back", back_to_back, torch),
+        ("atomic, engine-owned", atomic_eng, torch),
+    ] {
+        let r = ours / theirs;
+        println!(
+            "  wm / torch  {what:<36} {r:.2} (target >= 1.00) {}",
+            verdict(r >= 1.0)
+        );
     }
     Ok(())
+}
+
+/// GB/s of passes done one after the other at these GB/s each.
+fn per_byte(passes: &[f64]) -> f64 {
+    1.0 / passes.iter().map(|g| 1.0 / g).sum::<f64>()
 }
 
 /// Time between atomic updates of library-owned params in the row that
@@ -137,9 +178,11 @@ for _ in range(3):
 print(best)
 "#;
 
-fn torch_way(path: &Path) -> Result<Duration, String> {
+/// `huge`: PyTorch allocates the params in huge pages.
+fn torch_way(path: &Path, huge: bool) -> Result<Duration, String> {
     let py = python();
     let out = Command::new(&py)
+        .env("THP_MEM_ALLOC_ENABLE", if huge { "1" } else { "0" })
         .args(["-c", TORCH_WAY])
         .arg(path)
         .output()

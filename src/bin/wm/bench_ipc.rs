@@ -16,7 +16,9 @@
 //! Each side gets half of the cores (as on a real node, where both have
 //! their own). Each engine's first updates map the trainer's buffers (page
 //! faults, slow on a VM); steady RL updates reuse the mappings, as timed
-//! after them.
+//! after them. A publish that creates its buffer writes it in one pass
+//! (`publisher/versions.rs`); its floor is the plain way's two: faulting
+//! in fresh memory (the kernel zeroes it), then a memcpy into it.
 
 use crate::fmt::{self, gbps};
 use crate::Args;
@@ -95,6 +97,9 @@ fn memcpy_floor(bytes: usize, threads: usize) -> Result<Duration, String> {
 struct Floors {
     memcpy: f64,
     two_at_once: f64,
+    /// Faulting in fresh memory, then copying into it: what a first
+    /// publish would cost done the plain way (`bench::fresh_memory_floor`).
+    fresh_then_copy: f64,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -120,9 +125,16 @@ pub fn run(a: &Args) -> Result<(), String> {
     })?;
     let two_at_once = gbps(floor_bytes as u64, two);
     println!("  floor  two memcpys at once            {two_at_once:>7.2} GB/s each");
+    let fresh = gbps(
+        floor_bytes as u64,
+        crate::bench::best(|| crate::bench::fresh_memory_floor(floor_bytes, side))?,
+    );
+    let fresh_then_copy = 1.0 / (1.0 / fresh + 1.0 / memcpy);
+    println!("  floor  fault in fresh memory, memcpy  {fresh_then_copy:>7.2} GB/s (a first publish done the plain way)");
     let floors = Floors {
         memcpy,
         two_at_once,
+        fresh_then_copy,
     };
     let mut params = crate::bench::layer_params(count);
     for mode in ["published", "live"] {
@@ -167,7 +179,7 @@ fn run_mode(
     let _ = std::fs::remove_dir_all(&dir);
     let (copy, zero, first) = result?;
     let sessions = sessions?;
-    first_rows(mode, &sessions, &first, &copy);
+    first_rows(mode, &sessions, (&first, &copy), floors);
     let copy_at = WARM_UPS;
     let zero_at = 2 * WARM_UPS + 1;
     for (name, s, engine) in [
@@ -196,18 +208,25 @@ fn run_mode(
 /// What an RL run pays at its start (and whenever buffers are recreated):
 /// the trainer's first publishes, which create their shared buffers, and
 /// the engine's first updates, which map them; beside the steady ones.
-fn first_rows(mode: &str, sessions: &[Vec<u64>], first: &[Duration], steady: &UpdateStats) {
+fn first_rows(
+    mode: &str,
+    sessions: &[Vec<u64>],
+    (first, steady): (&[Duration], &UpdateStats),
+    floors: &Floors,
+) {
     let rate = |bytes: u64, d: Duration| format!("{} ({:.2} GB/s)", fmt::ms(d), gbps(bytes, d));
-    if mode == "published" {
-        let publishes: Vec<String> = sessions
-            .iter()
-            .filter(|s| s.len() == 3)
-            .take(WARM_UPS + 1)
-            .map(|s| rate(s[0], Duration::from_nanos(s[1])))
-            .collect();
+    let publishes: Vec<(u64, Duration)> = sessions
+        .iter()
+        .filter(|s| s.len() == 3)
+        .take(WARM_UPS + 1)
+        .map(|s| (s[0], Duration::from_nanos(s[1])))
+        .collect();
+    if let (Some(&(bytes, d)), "published") = (publishes.first(), mode) {
+        let shown: Vec<String> = publishes.iter().map(|&(b, d)| rate(b, d)).collect();
         println!(
-            "    first publishes (buffers created, then reused) {}",
-            publishes.join(", ")
+            "    first publishes (buffers created, then reused) {}; the first {:.2} of fault in + memcpy",
+            shown.join(", "),
+            gbps(bytes, d) / floors.fresh_then_copy
         );
     }
     let updates: Vec<String> = first.iter().map(|d| rate(steady.bytes, *d)).collect();
