@@ -190,7 +190,8 @@ impl FromPublisher for IpcSource {
             Frame::End { .. } => {
                 applier.settle_uploads()?;
                 let buffers = self.buffers.take().unwrap_or_default();
-                self.mapped.lock().keep(host_buffers(buffers));
+                let peer = self.link.conn.peer().to_string();
+                self.mapped.lock().keep(&peer, host_buffers(buffers));
                 Ok(Step::Done)
             }
             other => Err(unexpected(&self.link.conn, "BUCKET or END", &other)),

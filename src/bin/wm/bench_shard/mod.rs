@@ -5,9 +5,10 @@
 //! String>`; adding one is one line in `SECTIONS` (and its `mod` line).
 //! `--section NAME` runs only that one.
 
+pub mod ipc;
 mod planning;
 pub mod snapshot;
-// other sections: `mod ipc;`, `mod net;`
+// other sections: `mod net;`
 
 use crate::Args;
 
@@ -27,7 +28,8 @@ type Section = fn(&Args) -> Result<Vec<Row>, String>;
 const SECTIONS: &[(&str, Section)] = &[
     ("planning", planning::run),
     ("snapshot", snapshot::run),
-    // other sections: ("ipc", ipc::run), ("net", net::run),
+    ("ipc", ipc::run),
+    // other sections: ("net", net::run),
 ];
 
 pub fn run(a: &Args) -> Result<(), String> {
