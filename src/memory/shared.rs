@@ -20,6 +20,7 @@
 
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// A memfd mapped read-write (sender) or read-only (receiver).
@@ -31,7 +32,14 @@ pub struct SharedBuffer {
     /// The file's identity (device, inode): a descriptor received again for
     /// the same file is the same memory, already mapped.
     file: (u64, u64),
+    /// A received buffer: one bit per [`POPULATE_CHUNK`] faulted in already
+    /// (empty for the sender's own buffers).
+    populated: Vec<AtomicU64>,
 }
+
+/// [`SharedBuffer::populate`] faults in, and remembers, whole chunks of
+/// this many bytes.
+const POPULATE_CHUNK: u64 = 64 << 10;
 
 // SAFETY: plain shared memory; the protocol decides who writes when.
 unsafe impl Send for SharedBuffer {}
@@ -159,13 +167,18 @@ impl SharedBuffer {
                     st.st_size
                 )));
             }
-            Self::map(
+            let mut b = Self::map(
                 fd,
                 len,
                 libc::PROT_READ,
                 (st.st_dev as u64, st.st_ino as u64),
                 what,
-            )
+            )?;
+            let chunks = (len as u64).div_ceil(POPULATE_CHUNK);
+            b.populated = (0..chunks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect();
+            Ok(b)
         }
     }
 
@@ -183,6 +196,7 @@ impl SharedBuffer {
                 ptr: std::ptr::NonNull::dangling().as_ptr(),
                 len,
                 file,
+                populated: Vec::new(),
             });
         }
         let p = libc::mmap(
@@ -212,6 +226,7 @@ impl SharedBuffer {
             ptr: p.cast(),
             len,
             file,
+            populated: Vec::new(),
         })
     }
 
@@ -231,32 +246,61 @@ impl SharedBuffer {
         &self.fd
     }
 
-    /// Fault in the pages of the byte ranges `windows` (start, end), which
-    /// the caller checked lie in the buffer, one call per run of nearby
-    /// ranges rather than one fault per 4 KiB during the copy. Only these
-    /// pages: the rest of the buffer stays unmapped. A kernel without
-    /// `MADV_POPULATE_READ` just faults during the copy.
+    /// Fault in the byte ranges `windows` (start, end) of a received
+    /// buffer, which the caller checked lie in it, widened to whole
+    /// [`POPULATE_CHUNK`]s: one call per run of chunks rather than one
+    /// fault per 4 KiB during the copy. Only these chunks: the rest of the
+    /// buffer stays unmapped. Chunks faulted in once are remembered and
+    /// skipped: a buffer mapped again for the next session (the mappings
+    /// are kept) has its pages mapped already, and asking again cost as much
+    /// as a third of the copy (a page-table walk per page, on the applying
+    /// thread). A kernel without `MADV_POPULATE_READ` just faults during
+    /// the copy.
     pub fn populate(&self, windows: impl IntoIterator<Item = (u64, u64)>) {
-        const MADV_POPULATE_READ: libc::c_int = 22;
-        let page = super::page_size() as u64;
-        for (start, end) in page_runs(windows, page) {
-            let end = end.min(self.len as u64);
-            if start >= end {
-                continue;
+        let len = self.len as u64;
+        for (start, end) in page_runs(windows, POPULATE_CHUNK) {
+            let (mut c, last) = (
+                start / POPULATE_CHUNK,
+                end.min(len).div_ceil(POPULATE_CHUNK),
+            );
+            while c < last {
+                let first = c;
+                while c < last && !self.mark_populated(c) {
+                    c += 1;
+                }
+                if c > first {
+                    self.madvise_populate(first * POPULATE_CHUNK, (c * POPULATE_CHUNK).min(len));
+                }
+                c += 1;
             }
-            // SAFETY: advice on a page-aligned range of our own mapping.
-            unsafe {
-                libc::madvise(
-                    self.ptr.add(start as usize).cast(),
-                    (end - start) as usize,
-                    MADV_POPULATE_READ,
-                )
-            };
         }
+    }
+
+    /// Note chunk `c` as faulted in; true when it was already.
+    fn mark_populated(&self, c: u64) -> bool {
+        let Some(word) = self.populated.get((c / 64) as usize) else {
+            return true; // not a received buffer: nothing to fault in
+        };
+        let bit = 1u64 << (c % 64);
+        word.fetch_or(bit, Ordering::Relaxed) & bit != 0
+    }
+
+    /// `MADV_POPULATE_READ` of bytes `[start, end)` (page aligned at the start).
+    fn madvise_populate(&self, start: u64, end: u64) {
+        const MADV_POPULATE_READ: libc::c_int = 22;
+        // SAFETY: advice on a page-aligned range of our own mapping.
+        unsafe {
+            libc::madvise(
+                self.ptr.add(start as usize).cast(),
+                (end - start) as usize,
+                MADV_POPULATE_READ,
+            )
+        };
     }
 }
 
-/// `windows` widened to whole pages, sorted, and merged where they touch.
+/// `windows` widened to whole pages (of `page` bytes), sorted, and merged
+/// where they touch.
 fn page_runs(windows: impl IntoIterator<Item = (u64, u64)>, page: u64) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = windows
         .into_iter()
@@ -484,6 +528,10 @@ mod tests {
         assert_eq!(unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, SEALS) }, 0);
         let b = SharedBuffer::receive(fd, len, "sparse").unwrap();
         b.populate([(0, 8192)]);
+        // The chunk is remembered (the next populate skips it); the next
+        // one was not touched.
+        assert!(b.mark_populated(0));
+        assert!(!b.mark_populated(1));
         let page = crate::memory::page_size();
         let mut vec = vec![0u8; len / page];
         assert_eq!(

@@ -10,13 +10,19 @@
 //! step takes one frame, waiting only as long as it is told, so several
 //! publishers (one socket each) are read at once.
 //!
+//! A published version comes as WINDOWS: each entry says where its
+//! request's tensor starts in the version's buffer, and the engine expands
+//! it by its own request into blocks (a strided request's rows), each
+//! copied straight out of the buffer (`wire::check_windows`).
+//!
 //! Trust: the socket's mode and the publisher's uid decide who may connect;
 //! a publisher of the same uid is trusted with the bytes but not with the
-//! engine's memory. Every bucket entry is range-checked against its buffer
-//! and the plan; a buffer is mapped, never faulted in whole (only the
-//! windows a bucket reads are), so a sparse buffer announced far larger
-//! than the update costs address space, not memory; callback tensors are
-//! bounded by the manager's `callback_staging_limit` (`memory::loose`).
+//! engine's memory. Every bucket entry (every block of a window) is
+//! range-checked against its buffer and the plan; a buffer is mapped, never
+//! faulted in whole (only the 64 KiB chunks a bucket reads are, once), so
+//! a sparse buffer announced far larger than the update costs address
+//! space, not memory; callback tensors are bounded by the manager's
+//! `callback_staging_limit` (`memory::loose`).
 //!
 //! Copy mode copies from the buffers into params. Zero-copy mode is the
 //! per-tensor callback in in-place mode: a tensor that lies whole in one

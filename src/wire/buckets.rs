@@ -164,12 +164,23 @@ pub fn check_windows(
                 ));
             }
             extent = (extent.0.min(start), extent.1.max(end));
-            out.blocks.push(BucketEntry {
-                request: e.request,
-                offset,
-                len,
-                buffer_offset: start,
-            });
+            match out.blocks.last_mut() {
+                // Blocks that follow on in the buffer (rows of a range) are
+                // one copy.
+                Some(b)
+                    if b.request == e.request
+                        && b.buffer_offset + b.len == start
+                        && b.offset + b.len == offset =>
+                {
+                    b.len += len
+                }
+                _ => out.blocks.push(BucketEntry {
+                    request: e.request,
+                    offset,
+                    len,
+                    buffer_offset: start,
+                }),
+            }
         }
         out.extents.push(extent);
     }
@@ -254,6 +265,10 @@ mod tests {
             ]
         );
         assert_eq!(w.extents, vec![(268, 336), (552, 576)]);
+        // Equal blocks back to back (a run of rows of a range) are one block.
+        let rows = [Request::of_blocks(0, (0..4).map(|r| (r * 32, 32)), false)];
+        let w = check_windows(0, &[window(0, 8, 100, 256)], 1024, &rows).unwrap();
+        assert_eq!(w.blocks, vec![window(0, 8, 100, 264)]);
         // The same bytes twice (two requests of one tensor) are fine.
         assert!(check_windows(
             0,

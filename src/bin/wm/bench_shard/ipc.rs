@@ -14,7 +14,8 @@
 //!
 //! Floor: each engine copies the same blocks (same sizes, same layout,
 //! into its params) out of buffers of its own with plain memcpy, on as
-//! many threads as its copier, both engines at once. Figures are aggregate
+//! many threads as its copier, both engines at once, before each update
+//! (so the two see the same load; best of all). Figures are aggregate
 //! GB/s (both engines' bytes / the slower engine's time) of the first
 //! update (which maps the trainers' buffers) and of steady updates (best
 //! of the last ones, after both of a trainer's alternating version
@@ -47,7 +48,6 @@ const SHARD: u64 = SHARD_ROWS * ROW;
 /// Updates per pattern: the first two map the trainers' two alternating
 /// version buffers; the rest are steady.
 const UPDATES: usize = 5;
-const FLOORS: usize = 3;
 
 pub fn run(a: &Args) -> Result<Vec<Row>, String> {
     let gib: f64 = a.number("gib", if a.flag("quick") { 0.25 } else { 1.0 })?;
@@ -136,13 +136,12 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
             Duration::from_nanos(slowest),
         ))
     };
+    // The floor alternates with the updates, so both see the same load.
     let mut floor = Duration::MAX;
-    for _ in 0..FLOORS {
-        floor = floor.min(both("floor", "floor")?.1);
-    }
     let mut times = Vec::new();
     let mut bytes = 0;
     for k in 0..UPDATES {
+        floor = floor.min(both("floor", "floor")?.1);
         for t in &mut trainers {
             t.expect(&format!("published {k}"))?;
         }
@@ -377,14 +376,6 @@ fn engine(dir: &Path, rank: u64, layers: u64, dim: usize, a: &Args) -> Result<()
                 r.source = SourceKind::Ipc;
                 r.mode = Mode::InPlace;
                 let stats = m.update(r).map_err(|e| e.to_string())?;
-                eprintln!(
-                    "DEBUG e{rank} wall {:?} total {:?} sync {:?} update {:?} plan {:?}",
-                    t.elapsed(),
-                    stats.total,
-                    stats.sync,
-                    stats.update,
-                    stats.plan_time
-                );
                 println!("updated {} {}", stats.bytes, t.elapsed().as_nanos());
             }
             other => return Err(format!("unknown command '{other}'")),
