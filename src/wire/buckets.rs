@@ -114,9 +114,11 @@ pub struct WindowBlocks {
 /// the engine's own request (`requests`, as sent in WANT): request bytes
 /// `[offset, offset + len)` are blocks of the tensor, each at
 /// `buffer_offset` plus its tensor offset. Refused, naming the entry: a
-/// request not in WANT, a range past the request's bytes, an unaligned
-/// offset, or any block past the buffer. Windows only read the buffer, so
-/// entries may overlap (two requests for the same bytes).
+/// request not in WANT, a range past the request's bytes, an entry not
+/// starting where the same request's entry before it in the bucket ended,
+/// an unaligned offset, or any block past the buffer. Windows only read
+/// the buffer, so entries of different requests may overlap (two requests
+/// for the same bytes).
 pub fn check_windows(
     seq: u64,
     entries: &[BucketEntry],
@@ -124,6 +126,10 @@ pub fn check_windows(
     requests: &[Request],
 ) -> Result<WindowBlocks> {
     let mut out = WindowBlocks::default();
+    // Where each request's last entry in this bucket ended: its next entry
+    // must start there, so the blocks expanded here are at most those of
+    // the engine's own requests, however many entries a peer sends.
+    let mut ends: std::collections::HashMap<u32, u64> = Default::default();
     for (k, e) in entries.iter().enumerate() {
         let bad = |why: String| Err(Error::peer(format!("bucket {seq}: entry {k}: {why}")));
         let Some(q) = requests.get(e.request as usize) else {
@@ -145,6 +151,15 @@ pub fn check_windows(
                 "tensor offset {} is not {ALIGN}-byte aligned",
                 e.buffer_offset
             ));
+        }
+        match ends.insert(e.request, e.offset + e.len) {
+            Some(end) if end != e.offset => {
+                return bad(format!(
+                    "starts at byte {} of request #{}, whose entry before it ended at {end}",
+                    e.offset, e.request
+                ))
+            }
+            _ => {}
         }
         if e.len == 0 {
             out.blocks.push(*e);
@@ -269,14 +284,10 @@ mod tests {
         let rows = [Request::of_blocks(0, (0..4).map(|r| (r * 32, 32)), false)];
         let w = check_windows(0, &[window(0, 8, 100, 256)], 1024, &rows).unwrap();
         assert_eq!(w.blocks, vec![window(0, 8, 100, 264)]);
-        // The same bytes twice (two requests of one tensor) are fine.
-        assert!(check_windows(
-            0,
-            &[window(1, 0, 24, 0), window(1, 0, 24, 0)],
-            64,
-            &requests
-        )
-        .is_ok());
+        // The same bytes for two requests (of one tensor) are fine.
+        let twice = [requests[1].clone(), requests[1].clone()];
+        let both = [window(0, 0, 24, 0), window(1, 0, 24, 0)];
+        assert!(check_windows(0, &both, 64, &twice).is_ok());
     }
 
     #[test]
@@ -293,11 +304,11 @@ mod tests {
         };
         let cases = [
             (
-                refuse(window(0, 0, 32, 1 << 20), 1 << 20),
+                refuse(window(0, 8, 24, 1 << 20), 1 << 20),
                 "runs past the 1048576-byte buffer",
             ),
             (
-                refuse(window(0, 0, 32, 768), 800),
+                refuse(window(0, 8, 24, 768), 800),
                 "block of 8 bytes at 808 (request #0) runs past the 800-byte buffer",
             ),
             (
@@ -306,6 +317,10 @@ mod tests {
             ),
             (refuse(window(0, u64::MAX, 2, 0), 1024), "run past"),
             (refuse(window(1, 0, 8, 0), 1024), "names request #1 of 1"),
+            (
+                refuse(window(0, 0, 8, 0), 1024),
+                "starts at byte 0 of request #0, whose entry before it ended at 8",
+            ),
             (
                 refuse(window(0, 0, 8, 100), 1024),
                 "tensor offset 100 is not 256-byte aligned",
