@@ -520,3 +520,31 @@ fn hostile_windows_are_refused_naming_them() {
         }
     }
 }
+
+/// `wm bench shard --section ipc`, small: 2 trainer and 2 engine processes
+/// run both patterns, and every figure is printed beside its floor.
+#[test]
+fn bench_shard_ipc_prints_each_pattern_beside_its_floor() {
+    let _serial = serial();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
+        .args(["bench", "shard", "--section", "ipc", "--gib", "0.0625"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for pattern in ["row halves", "column halves"] {
+        for what in [
+            "first update (maps the buffers)",
+            "steady update, 4 processes at once",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.contains(&format!("{pattern}: {what}")))
+                .unwrap_or_else(|| panic!("no '{pattern}: {what}' in: {text}"));
+            assert!(
+                line.contains("GB/s   memcpy") && line.contains("ratio"),
+                "{line}"
+            );
+        }
+    }
+}
