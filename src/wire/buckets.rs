@@ -131,36 +131,8 @@ pub fn check_windows(
     // the engine's own requests, however many entries a peer sends.
     let mut ends: std::collections::HashMap<u32, u64> = Default::default();
     for (k, e) in entries.iter().enumerate() {
-        let bad = |why: String| Err(Error::peer(format!("bucket {seq}: entry {k}: {why}")));
-        let Some(q) = requests.get(e.request as usize) else {
-            return bad(format!(
-                "names request #{} of {}",
-                e.request,
-                requests.len()
-            ));
-        };
-        let size = q.bytes();
-        if e.offset.checked_add(e.len).is_none_or(|end| end > size) {
-            return bad(format!(
-                "{} bytes from byte {} run past the {size} bytes of request #{}",
-                e.len, e.offset, e.request
-            ));
-        }
-        if e.buffer_offset % ALIGN != 0 {
-            return bad(format!(
-                "tensor offset {} is not {ALIGN}-byte aligned",
-                e.buffer_offset
-            ));
-        }
-        match ends.insert(e.request, e.offset + e.len) {
-            Some(end) if end != e.offset => {
-                return bad(format!(
-                    "starts at byte {} of request #{}, whose entry before it ended at {end}",
-                    e.offset, e.request
-                ))
-            }
-            _ => {}
-        }
+        let bad = |why: String| Error::peer(format!("bucket {seq}: entry {k}: {why}"));
+        let q = check_window(e, requests, &mut ends).map_err(bad)?;
         if e.len == 0 {
             out.blocks.push(*e);
             continue;
@@ -169,14 +141,14 @@ pub fn check_windows(
         for (at, offset, len) in q.pieces(e.offset, e.len) {
             let start = e.buffer_offset.checked_add(at);
             let Some((start, end)) = start.and_then(|s| Some((s, s.checked_add(len)?))) else {
-                return bad(format!("tensor offset {} overflows", e.buffer_offset));
+                return Err(bad(format!("tensor offset {} overflows", e.buffer_offset)));
             };
             if end > buffer_len {
-                return bad(format!(
+                return Err(bad(format!(
                     "block of {len} bytes at {start} (request #{}) runs past the \
                      {buffer_len}-byte buffer",
                     e.request
-                ));
+                )));
             }
             extent = (extent.0.min(start), extent.1.max(end));
             match out.blocks.last_mut() {
@@ -200,6 +172,43 @@ pub fn check_windows(
         out.extents.push(extent);
     }
     Ok(out)
+}
+
+/// Window `e`'s request (one of `requests`), once its range lies in the
+/// request's bytes, follows on from the request's entry before it (`ends`)
+/// and its tensor offset is aligned; else why not.
+fn check_window<'q>(
+    e: &BucketEntry,
+    requests: &'q [Request],
+    ends: &mut std::collections::HashMap<u32, u64>,
+) -> std::result::Result<&'q Request, String> {
+    let Some(q) = requests.get(e.request as usize) else {
+        return Err(format!(
+            "names request #{} of {}",
+            e.request,
+            requests.len()
+        ));
+    };
+    let size = q.bytes();
+    if e.offset.checked_add(e.len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "{} bytes from byte {} run past the {size} bytes of request #{}",
+            e.len, e.offset, e.request
+        ));
+    }
+    if e.buffer_offset % ALIGN != 0 {
+        return Err(format!(
+            "tensor offset {} is not {ALIGN}-byte aligned",
+            e.buffer_offset
+        ));
+    }
+    match ends.insert(e.request, e.offset + e.len) {
+        Some(end) if end != e.offset => Err(format!(
+            "starts at byte {} of request #{}, whose entry before it ended at {end}",
+            e.offset, e.request
+        )),
+        _ => Ok(q),
+    }
 }
 
 #[cfg(test)]
