@@ -20,6 +20,7 @@
 
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// A memfd mapped read-write (sender) or read-only (receiver).
@@ -31,7 +32,14 @@ pub struct SharedBuffer {
     /// The file's identity (device, inode): a descriptor received again for
     /// the same file is the same memory, already mapped.
     file: (u64, u64),
+    /// A received buffer: one bit per [`POPULATE_CHUNK`] faulted in already
+    /// (empty for the sender's own buffers).
+    populated: Vec<AtomicU64>,
 }
+
+/// [`SharedBuffer::populate`] faults in, and remembers, whole chunks of
+/// this many bytes.
+const POPULATE_CHUNK: u64 = 64 << 10;
 
 // SAFETY: plain shared memory; the protocol decides who writes when.
 unsafe impl Send for SharedBuffer {}
@@ -172,13 +180,18 @@ impl SharedBuffer {
                     st.st_size
                 )));
             }
-            Self::map(
+            let mut b = Self::map(
                 fd,
                 len,
                 libc::PROT_READ,
                 (st.st_dev as u64, st.st_ino as u64),
                 what,
-            )
+            )?;
+            let chunks = (len as u64).div_ceil(POPULATE_CHUNK);
+            b.populated = (0..chunks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect();
+            Ok(b)
         }
     }
 
@@ -196,6 +209,7 @@ impl SharedBuffer {
                 ptr: std::ptr::NonNull::dangling().as_ptr(),
                 len,
                 file,
+                populated: Vec::new(),
             });
         }
         let p = libc::mmap(
@@ -225,6 +239,7 @@ impl SharedBuffer {
             ptr: p.cast(),
             len,
             file,
+            populated: Vec::new(),
         })
     }
 
@@ -244,32 +259,61 @@ impl SharedBuffer {
         &self.fd
     }
 
-    /// Fault in the pages of the byte ranges `windows` (start, end), which
-    /// the caller checked lie in the buffer, one call per run of nearby
-    /// ranges rather than one fault per 4 KiB during the copy. Only these
-    /// pages: the rest of the buffer stays unmapped. A kernel without
-    /// `MADV_POPULATE_READ` just faults during the copy.
+    /// Fault in the byte ranges `windows` (start, end) of a received
+    /// buffer, which the caller checked lie in it, widened to whole
+    /// [`POPULATE_CHUNK`]s: one call per run of chunks rather than one
+    /// fault per 4 KiB during the copy. Only these chunks: the rest of the
+    /// buffer stays unmapped. Chunks faulted in once are remembered and
+    /// skipped: a buffer mapped again for the next session (the mappings
+    /// are kept) has its pages mapped already, and asking again cost as much
+    /// as a third of the copy (a page-table walk per page, on the applying
+    /// thread). A kernel without `MADV_POPULATE_READ` just faults during
+    /// the copy.
     pub fn populate(&self, windows: impl IntoIterator<Item = (u64, u64)>) {
-        const MADV_POPULATE_READ: libc::c_int = 22;
-        let page = super::page_size() as u64;
-        for (start, end) in page_runs(windows, page) {
-            let end = end.min(self.len as u64);
-            if start >= end {
-                continue;
+        let len = self.len as u64;
+        for (start, end) in page_runs(windows, POPULATE_CHUNK) {
+            let (mut c, last) = (
+                start / POPULATE_CHUNK,
+                end.min(len).div_ceil(POPULATE_CHUNK),
+            );
+            while c < last {
+                let first = c;
+                while c < last && !self.mark_populated(c) {
+                    c += 1;
+                }
+                if c > first {
+                    self.madvise_populate(first * POPULATE_CHUNK, (c * POPULATE_CHUNK).min(len));
+                }
+                c += 1;
             }
-            // SAFETY: advice on a page-aligned range of our own mapping.
-            unsafe {
-                libc::madvise(
-                    self.ptr.add(start as usize).cast(),
-                    (end - start) as usize,
-                    MADV_POPULATE_READ,
-                )
-            };
         }
+    }
+
+    /// Note chunk `c` as faulted in; true when it was already.
+    fn mark_populated(&self, c: u64) -> bool {
+        let Some(word) = self.populated.get((c / 64) as usize) else {
+            return true; // not a received buffer: nothing to fault in
+        };
+        let bit = 1u64 << (c % 64);
+        word.fetch_or(bit, Ordering::Relaxed) & bit != 0
+    }
+
+    /// `MADV_POPULATE_READ` of bytes `[start, end)` (page aligned at the start).
+    fn madvise_populate(&self, start: u64, end: u64) {
+        const MADV_POPULATE_READ: libc::c_int = 22;
+        // SAFETY: advice on a page-aligned range of our own mapping.
+        unsafe {
+            libc::madvise(
+                self.ptr.add(start as usize).cast(),
+                (end - start) as usize,
+                MADV_POPULATE_READ,
+            )
+        };
     }
 }
 
-/// `windows` widened to whole pages, sorted, and merged where they touch.
+/// `windows` widened to whole pages (of `page` bytes), sorted, and merged
+/// where they touch.
 fn page_runs(windows: impl IntoIterator<Item = (u64, u64)>, page: u64) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = windows
         .into_iter()
@@ -337,31 +381,40 @@ fn file_identity(fd: &OwnedFd) -> std::io::Result<(u64, u64)> {
     }
 }
 
-/// The shared buffers an engine mapped in its last two IPC sessions, kept
-/// for the next ones.
+/// The shared buffers an engine mapped in the last two IPC sessions of
+/// each publisher, kept for the next ones.
 ///
 /// A publisher reuses its buffers: its two bucket buffers from session to
 /// session, and the shared buffers of published versions, which alternate
-/// when it keeps two versions. Mapping 1 GiB of them costs about 80 ms of
-/// page-table work (plus 25 ms to unmap) on the reference VM, a fifth of a
-/// 4 GiB update. A descriptor received again for a file already mapped
-/// (same device and inode, same length) reuses the mapping; its seals
-/// cannot have been removed (`F_SEAL_SEAL`). The buffers of the last two
-/// sessions are kept, so a trainer that moved on (or died) holds memory
-/// here until two more updates, `wm_clear`, or the manager's end.
+/// when it keeps one version (two buffers). Mapping 1 GiB of them costs
+/// about 80 ms of page-table work (plus 25 ms to unmap) on the reference
+/// VM, a fifth of a 4 GiB update. A descriptor received again for a file
+/// already mapped (same device and inode, same length) reuses the mapping;
+/// its seals cannot have been removed (`F_SEAL_SEAL`). Sessions are kept
+/// per publisher (its address), so an update reading several publishers
+/// at once keeps both alternating buffers of each: kept across the whole
+/// manager instead, the other publishers' sessions pushed them out and
+/// every update mapped and faulted in its buffers again. The last two
+/// sessions of at most [`MappedBuffers::PUBLISHERS`] publishers are kept
+/// (the least recently seen goes first), so a trainer that moved on (or
+/// died) holds memory here until two more of its sessions, that many other
+/// publishers' sessions, a failed update, `wm_clear`, or the manager's end.
 #[derive(Default)]
 pub struct MappedBuffers {
-    /// Per session, oldest first; at most [`MappedBuffers::SESSIONS`].
-    kept: std::collections::VecDeque<Vec<Arc<SharedBuffer>>>,
+    /// Per publisher, its sessions' buffers, oldest first; publishers in
+    /// order of their last session, the most recent last.
+    kept: std::collections::VecDeque<(String, std::collections::VecDeque<Vec<Arc<SharedBuffer>>>)>,
 }
 
 impl MappedBuffers {
     const SESSIONS: usize = 2;
+    /// Publishers whose sessions are kept.
+    pub const PUBLISHERS: usize = 32;
 
     /// Map `fd` read-only for `len` bytes, reusing a kept mapping of the same file.
     pub fn receive(&mut self, fd: OwnedFd, len: usize, what: &str) -> Result<Arc<SharedBuffer>> {
         let file = file_identity(&fd).map_err(|e| Error::io(format!("{what}: stat"), e))?;
-        for session in &mut self.kept {
+        for session in self.kept.iter_mut().flat_map(|(_, s)| s.iter_mut()) {
             if let Some(i) = session.iter().position(|b| b.file == file && b.len == len) {
                 return Ok(session.swap_remove(i));
             }
@@ -369,10 +422,20 @@ impl MappedBuffers {
         SharedBuffer::receive(fd, len, what).map(Arc::new)
     }
 
-    /// Keep `buffers` (a finished session's), unmapping those of older sessions.
-    pub fn keep(&mut self, buffers: Vec<Arc<SharedBuffer>>) {
-        self.kept.push_back(buffers);
-        while self.kept.len() > Self::SESSIONS {
+    /// Keep `buffers` (a finished session's with publisher `peer`),
+    /// unmapping those of its older sessions, and of the least recently
+    /// seen publisher beyond [`MappedBuffers::PUBLISHERS`].
+    pub fn keep(&mut self, peer: &str, buffers: Vec<Arc<SharedBuffer>>) {
+        let mut sessions = match self.kept.iter().position(|(p, _)| p == peer) {
+            Some(i) => self.kept.remove(i).map(|(_, s)| s).unwrap_or_default(),
+            None => Default::default(),
+        };
+        sessions.push_back(buffers);
+        while sessions.len() > Self::SESSIONS {
+            sessions.pop_front();
+        }
+        self.kept.push_back((peer.to_string(), sessions));
+        while self.kept.len() > Self::PUBLISHERS {
             self.kept.pop_front();
         }
     }
@@ -384,7 +447,8 @@ impl MappedBuffers {
 
     /// Bytes mapped and kept.
     pub fn bytes(&self) -> usize {
-        self.kept.iter().flatten().map(|b| b.len).sum()
+        let sessions = self.kept.iter().flat_map(|(_, s)| s.iter());
+        sessions.flatten().map(|b| b.len).sum()
     }
 }
 
@@ -477,6 +541,10 @@ mod tests {
         assert_eq!(unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, SEALS) }, 0);
         let b = SharedBuffer::receive(fd, len, "sparse").unwrap();
         b.populate([(0, 8192)]);
+        // The chunk is remembered (the next populate skips it); the next
+        // one was not touched.
+        assert!(b.mark_populated(0));
+        assert!(!b.mark_populated(1));
         let page = crate::memory::page_size();
         let mut vec = vec![0u8; len / page];
         assert_eq!(
@@ -501,8 +569,8 @@ mod tests {
         let a = cache.receive(fd(0), mib, "a").unwrap();
         let b = cache.receive(fd(1), mib, "b").unwrap();
         let (pa, pb) = (a.ptr(), b.ptr());
-        cache.keep(vec![a]);
-        cache.keep(vec![b]);
+        cache.keep("p", vec![a]);
+        cache.keep("p", vec![b]);
         assert_eq!(cache.bytes(), 2 * mib);
         // Same file, same length: the same mapping, whatever the descriptor,
         // from either of the last two sessions.
@@ -511,11 +579,11 @@ mod tests {
         // Another length is mapped anew.
         let short = cache.receive(fd(1), 4096, "b").unwrap();
         assert_ne!(short.ptr(), pb);
-        cache.keep(vec![a, short]);
+        cache.keep("p", vec![a, short]);
         // Two sessions are kept: b's old mapping (the session before) still is.
         assert_eq!(cache.bytes(), 2 * mib + 4096);
         let c = cache.receive(fd(2), mib, "c").unwrap();
-        cache.keep(vec![c]);
+        cache.keep("p", vec![c]);
         // The oldest session (b's mapping) is gone; the last two remain, and
         // b is mapped anew (a hit would have taken it out of the cache).
         assert_eq!(cache.bytes(), 2 * mib + 4096);
@@ -523,5 +591,42 @@ mod tests {
         assert_eq!(cache.bytes(), 2 * mib + 4096);
         cache.forget();
         assert_eq!(cache.bytes(), 0);
+    }
+
+    /// Two publishers read at once, each alternating two version buffers:
+    /// every update finds all four mapped (kept per publisher). Beyond
+    /// `PUBLISHERS`, the least recently seen publisher's are unmapped.
+    #[test]
+    fn each_publishers_last_two_sessions_are_kept() {
+        let mib = 1usize << 20;
+        let files: Vec<SharedBuffer> = (0..4)
+            .map(|i| SharedBuffer::create(&format!("f{i}"), mib).unwrap())
+            .collect();
+        let fd = |i: usize| files[i].fd().try_clone().unwrap();
+        let mut cache = MappedBuffers::default();
+        let mut first = Vec::new();
+        for update in 0..6 {
+            for p in 0..2 {
+                // Publisher p's version buffers are files 2p and 2p + 1.
+                let i = 2 * p + update % 2;
+                let b = cache.receive(fd(i), mib, "v").unwrap();
+                if update < 2 {
+                    first.push(b.ptr());
+                } else {
+                    let k = 2 * (update % 2) + p;
+                    assert_eq!(b.ptr(), first[k], "update {update}, publisher {p}");
+                }
+                cache.keep(&format!("publisher {p}"), vec![b]);
+            }
+        }
+        assert_eq!(cache.bytes(), 4 * mib);
+        for p in 0..MappedBuffers::PUBLISHERS {
+            cache.keep(&format!("other {p}"), Vec::new());
+        }
+        assert_eq!(
+            cache.bytes(),
+            0,
+            "the two publishers seen least recently are gone"
+        );
     }
 }

@@ -2,9 +2,11 @@
 //!
 //! A published version's buffer (host shared memory, or a GPU buffer shared
 //! by CUDA IPC) is handed over whole and every bucket is a set of windows
-//! into it: nothing is packed. Live tensors and files are packed into
-//! pooled bucket buffers, which alternate: while the engine applies bucket
-//! i, bucket i+1 is packed into the other one.
+//! into it (WINDOWS frames), whatever the requests' shapes: nothing is
+//! packed, and the engine copies each block of a strided request straight
+//! out of the buffer. Live tensors and files are packed into pooled bucket
+//! buffers, which alternate: while the engine applies bucket i, bucket i+1
+//! is packed into the other one.
 
 use super::buffers::take_buffers;
 use super::hooks;
@@ -18,7 +20,7 @@ use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{BucketEntry, CudaBuffer, Frame, Request};
+use crate::wire::{check_windows, BucketEntry, CudaBuffer, Frame, Request};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
@@ -34,49 +36,50 @@ pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]
     }
 }
 
-/// A published version: its buffer handed over, buckets as windows into
-/// it, when every request is one aligned range of it; packed otherwise
-/// (host versions).
+/// A published version: its buffer handed over, buckets as WINDOWS into
+/// it (the engine copies each block of its requests straight out of it).
+/// A GPU version serves whole tensors and contiguous parts only.
 fn stream_published(
     io: &mut SessionIo,
     shard: &mut Shard,
     published: &Published,
     requests: &[Request],
 ) -> Result<()> {
-    let (base, handover) = match published {
-        Published::Host(b) => (b.ptr() as u64, Handover::Shared(vec![&**b])),
-        Published::Device(d) => (d.ptr(), Handover::Cuda(d)),
+    let (base, len, handover) = match published {
+        Published::Host(b) => (b.ptr() as u64, b.len(), Handover::Shared(vec![&**b])),
+        Published::Device(d) => (d.ptr(), d.len(), Handover::Cuda(d)),
     };
-    let windows = windows(shard, base, requests, io.cfg.bucket_size);
     let sums = SliceSums::new(requests);
-    let on_device = matches!(handover, Handover::Cuda(_));
-    let buckets = match windows {
-        Some(_) if on_device && sums.any() => {
+    if let Handover::Cuda(_) = handover {
+        if sums.any() {
             return Err(device_refusal(
                 shard,
                 requests,
                 |q| q.sums,
                 "slice checksums",
-            ))
+            ));
         }
-        Some(b) => b,
-        None if on_device => {
-            // Whole tensors are always windows: some request is a part.
-            let part = |q: &Request| !q.is_whole(shard.manifest.tensors[q.tensor as usize].nbytes);
-            return Err(device_refusal(shard, requests, part, "parts"));
+        // A strided part would be a device copy per block.
+        if requests.iter().any(|q| q.contiguous().is_none()) {
+            let strided = |q: &Request| q.contiguous().is_none();
+            return Err(device_refusal(shard, requests, strided, "strided parts"));
         }
-        None => return stream_packed(io, shard, requests),
-    };
+    }
+    let buckets = windows(shard, base, requests, io.cfg.bucket_size);
     handover.send(io.conn)?;
     let mut sink = IpcSink {
-        pack: |_: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
-            if !on_device {
-                // SAFETY: the windows lie in the version's host buffer.
-                unsafe { sums.hash(entries, |e| (base + e.buffer_offset) as *const u8) };
+        pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
+            if sums.any() {
+                // Hashed block by block where the engine reads them (only a
+                // host version asks: see above).
+                let blocks = check_windows(seq, entries, len as u64, requests)?.blocks;
+                // SAFETY: the blocks were just checked to lie in the buffer.
+                unsafe { sums.hash(&blocks, |b| (base + b.buffer_offset) as *const u8) };
             }
             Ok(0)
         },
         sums,
+        windows: true,
     };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
 }
@@ -94,12 +97,11 @@ fn device_refusal(
     });
     Error::unsupported(format!(
         "tensor '{name}': {what} of a GPU version are not served over IPC yet (whole tensors, \
-         and parts that are one aligned range, are); publish from host memory"
+         and parts that are one range of their tensor, are); publish from host memory"
     ))
 }
 
-/// Live tensors, files, or parts of a host version that are not one
-/// aligned range: packed into pooled bucket buffers.
+/// Live tensors and files: packed into pooled bucket buffers.
 fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
     let buckets = plan_buckets(&request_sizes(requests), cfg.bucket_size);
@@ -120,6 +122,7 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
             Ok(slot as u32)
         },
         sums: SliceSums::new(requests),
+        windows: false,
     };
     let r = Handover::Shared(buffers.iter().collect())
         .send(io.conn)
@@ -133,11 +136,14 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
 }
 
 /// IPC buckets: the engine reads them from the buffers it mapped, so
-/// nothing goes out but the BUCKET frame (and SUMS). `pack` gets bucket
-/// `seq` ready (and hashed into the sums) and returns the buffer it is in.
+/// nothing goes out but the BUCKET (or WINDOWS) frame and SUMS. `pack`
+/// gets bucket `seq` ready (and hashed into the sums) and returns the
+/// buffer it is in.
 struct IpcSink<F> {
     pack: F,
     sums: SliceSums,
+    /// The entries are windows into a published version (WINDOWS frames).
+    windows: bool,
 }
 
 impl<F> BucketSink for IpcSink<F>
@@ -156,6 +162,22 @@ where
         let buffer = (self.pack)(seq, entries, &mut self.sums)?;
         stats.pack += t.elapsed();
         Ok(buffer)
+    }
+
+    fn announce(&self, seq: u64, buffer: u32, entries: &[BucketEntry]) -> Frame {
+        let entries = entries.to_vec();
+        match self.windows {
+            true => Frame::Windows {
+                seq,
+                buffer,
+                entries,
+            },
+            false => Frame::Bucket {
+                seq,
+                buffer,
+                entries,
+            },
+        }
     }
 
     fn send(&mut self, conn: &mut Conn, seq: u64, _: &[BucketEntry]) -> Result<()> {

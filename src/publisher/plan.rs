@@ -64,34 +64,28 @@ pub(super) fn request_sizes(requests: &[Request]) -> Vec<u64> {
     requests.iter().map(Request::bytes).collect()
 }
 
-/// Buckets of a published version whose requests are each contiguous in
-/// their tensor and start 256-byte aligned in its buffer (None otherwise:
-/// they are packed, as bucket entries must be aligned): planned as for packing
-/// (so each holds at most `bucket` bytes, ramping up and down), but every
-/// entry points at its bytes where they already are in the version's
-/// buffer (at `base`, a host or a device address).
+/// Buckets of a published version (sent as WINDOWS): planned as for
+/// packing over the requests' bytes (so each holds at most `bucket` bytes,
+/// ramping up and down), but every entry is a window: its `buffer_offset`
+/// is where its request's tensor starts in the version's buffer (at
+/// `base`, a host or a device address; 256-byte aligned, as `publish` lays
+/// tensors out), and the engine finds the entry's bytes there by its own
+/// request's runs. Any request is served this way, strided ones included:
+/// nothing is packed, and each block is copied once, by the engine.
 pub(super) fn windows(
     shard: &Shard,
     base: u64,
     requests: &[Request],
     bucket: usize,
-) -> Option<Vec<(Vec<BucketEntry>, u64)>> {
+) -> Vec<(Vec<BucketEntry>, u64)> {
     let ptrs = shard.in_memory().expect("a published shard is in memory");
-    let starts: Vec<u64> = requests
-        .iter()
-        .map(|q| Some(ptrs[q.tensor as usize].0 as u64 - base + q.contiguous()?))
-        .map(|start| start.filter(|s| s % ALIGN == 0))
-        .collect::<Option<_>>()?;
-    // Whole multiples of the alignment, so split requests' pieces stay
-    // aligned (a request's start within its tensor need not be).
-    let bucket = (bucket as u64 / ALIGN * ALIGN) as usize;
     let mut buckets = plan_buckets(&request_sizes(requests), bucket);
     for (entries, _) in &mut buckets {
         for e in entries {
-            e.buffer_offset = starts[e.request as usize] + e.offset;
+            e.buffer_offset = ptrs[requests[e.request as usize].tensor as usize].0 as u64 - base;
         }
     }
-    Some(buckets)
+    buckets
 }
 
 #[cfg(test)]

@@ -38,6 +38,16 @@ pub(super) trait BucketSink {
         stats: &mut SessionStats,
     ) -> Result<u32>;
 
+    /// The frame announcing bucket `seq` in `buffer`: BUCKET, or WINDOWS
+    /// for windows into a published version.
+    fn announce(&self, seq: u64, buffer: u32, entries: &[BucketEntry]) -> Frame {
+        Frame::Bucket {
+            seq,
+            buffer,
+            entries: entries.to_vec(),
+        }
+    }
+
     /// Send bucket `seq`'s bytes, right after its BUCKET frame (IPC:
     /// nothing, the engine reads the shared buffer).
     fn send(&mut self, conn: &mut Conn, seq: u64, entries: &[BucketEntry]) -> Result<()>;
@@ -100,11 +110,7 @@ pub(super) fn stream_buckets<S: BucketSink>(
         }
         let buffer = sink.prepare(seq, entries, stats)?;
         stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
-        conn.send(&Frame::Bucket {
-            seq,
-            buffer,
-            entries: entries.clone(),
-        })?;
+        conn.send(&sink.announce(seq, buffer, entries))?;
         sink.send(conn, seq, entries)?;
     }
     let end = Frame::End {

@@ -10,13 +10,19 @@
 //! step takes one frame, waiting only as long as it is told, so several
 //! publishers (one socket each) are read at once.
 //!
+//! A published version comes as WINDOWS: each entry says where its
+//! request's tensor starts in the version's buffer, and the engine expands
+//! it by its own request into blocks (a strided request's rows), each
+//! copied straight out of the buffer (`wire::check_windows`).
+//!
 //! Trust: the socket's mode and the publisher's uid decide who may connect;
 //! a publisher of the same uid is trusted with the bytes but not with the
-//! engine's memory. Every bucket entry is range-checked against its buffer
-//! and the plan; a buffer is mapped, never faulted in whole (only the
-//! windows a bucket reads are), so a sparse buffer announced far larger
-//! than the update costs address space, not memory; callback tensors are
-//! bounded by the manager's `callback_staging_limit` (`memory::loose`).
+//! engine's memory. Every bucket entry (every block of a window) is
+//! range-checked against its buffer and the plan; a buffer is mapped, never
+//! faulted in whole (only the 64 KiB chunks a bucket reads are, once), so
+//! a sparse buffer announced far larger than the update costs address
+//! space, not memory; callback tensors are bounded by the manager's
+//! `callback_staging_limit` (`memory::loose`).
 //!
 //! Copy mode copies from the buffers into params. Zero-copy mode is the
 //! per-tensor callback in in-place mode: a tensor that lies whole in one
@@ -42,7 +48,7 @@ use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
-use crate::wire::{check_bucket, BucketEntry, Frame, ALIGN};
+use crate::wire::{check_bucket, check_windows, BucketEntry, Frame, ALIGN};
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -167,15 +173,31 @@ impl FromPublisher for IpcSource {
             } => {
                 let mem = checked_bucket(&self.link, buffers, seq, buffer, &entries)?;
                 self.link.recv_sums(seq, &entries, deadline, applier)?;
-                apply_bucket(&self.link, applier, mem, seq, &entries)?;
-                self.link.conn.send(&Frame::Ack { seq })?;
-                self.due = self.next_deadline(applier);
-                Ok(Step::Moved)
+                let windows = entries
+                    .iter()
+                    .map(|e| (e.buffer_offset, e.buffer_offset + e.len));
+                apply_bucket(&self.link, applier, mem, seq, windows, &entries)?;
+                self.acknowledge(seq, applier)
+            }
+            Frame::Windows {
+                seq,
+                buffer,
+                entries,
+            } => {
+                let mem = bucket_buffer(buffers, seq, buffer)?;
+                let expanded =
+                    check_windows(seq, &entries, mem.len() as u64, self.link.sent_requests())
+                        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+                self.link.recv_sums(seq, &entries, deadline, applier)?;
+                let extents = expanded.extents.iter().copied();
+                apply_bucket(&self.link, applier, mem, seq, extents, &expanded.blocks)?;
+                self.acknowledge(seq, applier)
             }
             Frame::End { .. } => {
                 applier.settle_uploads()?;
                 let buffers = self.buffers.take().unwrap_or_default();
-                self.mapped.lock().keep(host_buffers(buffers));
+                let peer = self.link.conn.peer().to_string();
+                self.mapped.lock().keep(&peer, host_buffers(buffers));
                 Ok(Step::Done)
             }
             other => Err(unexpected(&self.link.conn, "BUCKET or END", &other)),
@@ -190,6 +212,13 @@ impl FromPublisher for IpcSource {
 }
 
 impl IpcSource {
+    /// Bucket `seq` is applied: tell the publisher, and wait for the next.
+    fn acknowledge(&mut self, seq: u64, applier: &Applier) -> Result<Step> {
+        self.link.conn.send(&Frame::Ack { seq })?;
+        self.due = self.next_deadline(applier);
+        Ok(Step::Moved)
+    }
+
     /// When the next frame must have come.
     fn next_deadline(&self, applier: &Applier) -> Instant {
         (Instant::now() + self.timeout).min(applier.deadline())
@@ -236,6 +265,16 @@ impl IpcSource {
     }
 }
 
+/// The buffer bucket `seq` names.
+fn bucket_buffer(buffers: &[BucketMemory], seq: u64, buffer: u32) -> Result<&BucketMemory> {
+    buffers.get(buffer as usize).ok_or_else(|| {
+        Error::peer(format!(
+            "bucket {seq} names buffer {buffer} of {}",
+            buffers.len()
+        ))
+    })
+}
+
 /// Bucket `seq`'s buffer, `buffers[buffer]`, once its entries are checked
 /// to lie in it and to name requests of this session.
 fn checked_bucket<'b>(
@@ -245,34 +284,27 @@ fn checked_bucket<'b>(
     buffer: u32,
     entries: &[BucketEntry],
 ) -> Result<&'b BucketMemory> {
-    let mem = buffers.get(buffer as usize).ok_or_else(|| {
-        Error::peer(format!(
-            "bucket {seq} names buffer {buffer} of {}",
-            buffers.len()
-        ))
-    })?;
+    let mem = bucket_buffer(buffers, seq, buffer)?;
     check_bucket(seq, entries, mem.len() as u64, link.requests(), ALIGN)
         .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
     Ok(mem)
 }
 
-/// Apply bucket `seq`'s entries (checked), in `mem`; device copies out of
-/// it are done when this returns.
+/// Apply bucket `seq`'s entries (checked: contiguous ranges in `mem`),
+/// faulting in the byte ranges `windows` of `mem` first; device copies out
+/// of it are done when this returns.
 fn apply_bucket(
     link: &PublisherLink,
     applier: &mut Applier,
     mem: &BucketMemory,
     seq: u64,
+    windows: impl IntoIterator<Item = (u64, u64)>,
     entries: &[BucketEntry],
 ) -> Result<()> {
     if let BucketMemory::Host(b) = mem {
-        // Only the windows this bucket reads (checked above to lie in the
+        // Only the windows this bucket reads (checked to lie in the
         // buffer) are faulted in.
-        b.populate(
-            entries
-                .iter()
-                .map(|e| (e.buffer_offset, e.buffer_offset + e.len)),
-        );
+        b.populate(windows);
     }
     let chunks: Vec<Chunk> = entries
         .iter()

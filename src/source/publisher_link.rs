@@ -87,7 +87,11 @@ impl PublisherLink {
             wanted.sums.push(q.sums);
             requests.push(q);
         }
-        self.conn.send(&Frame::Want { requests })?;
+        let want = Frame::Want { requests };
+        self.conn.send(&want)?;
+        if let Frame::Want { requests } = want {
+            wanted.requests = requests;
+        }
         self.wanted = wanted;
         Ok(())
     }
@@ -106,6 +110,12 @@ impl PublisherLink {
     /// How many requests WANT made (bucket entries name one of them).
     pub fn requests(&self) -> usize {
         self.wanted.entries.len()
+    }
+
+    /// The requests WANT made, as sent (WINDOWS entries are expanded by
+    /// them).
+    pub fn sent_requests(&self) -> &[Request] {
+        &self.wanted.requests
     }
 
     /// The plan entry of bucket entry `e`.
@@ -155,10 +165,12 @@ impl PublisherLink {
     }
 }
 
-/// What WANT asked for: request `k` is plan entry `entries[k]`, of
-/// `bytes[k]` bytes, and asked for a slice checksum when `sums[k]`.
+/// What WANT asked for: request `k` (`requests[k]`) is plan entry
+/// `entries[k]`, of `bytes[k]` bytes, and asked for a slice checksum when
+/// `sums[k]`.
 #[derive(Default)]
 struct Wanted {
+    requests: Vec<Request>,
     entries: Vec<usize>,
     bytes: Vec<u64>,
     sums: Vec<bool>,

@@ -1,9 +1,8 @@
-//! Bucket entries: splitting them into network messages, and checking a
-//! peer's entries against the buffer they claim to lie in.
+//! Bucket entries: splitting them into network messages, checking a
+//! peer's entries against the buffer they claim to lie in, and expanding
+//! WINDOWS entries into the blocks they stand for.
 
-#[cfg(doc)]
-use super::ALIGN;
-use super::{BucketEntry, Request};
+use super::{BucketEntry, Request, ALIGN};
 use crate::result::{Error, Result};
 
 /// Largest UCX message of a network session: a bucket's entries are split
@@ -149,6 +148,120 @@ pub fn check_bucket(
     Ok(())
 }
 
+/// A WINDOWS bucket's entries, checked and expanded into the contiguous
+/// blocks they stand for: `blocks` (entries with BUCKET's meaning: request
+/// bytes at their buffer offset, in entry order) and, per entry with bytes,
+/// the extent of the buffer its blocks lie in (first byte, end).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct WindowBlocks {
+    pub blocks: Vec<BucketEntry>,
+    pub extents: Vec<(u64, u64)>,
+}
+
+/// Check and expand the entries of WINDOWS bucket `seq` in a buffer of
+/// `buffer_len` bytes, before any byte is read. An entry's `buffer_offset`
+/// is where byte 0 of its request's tensor lies ([`ALIGN`]-byte aligned, so
+/// a whole tensor handed to a callback is aligned); its bytes are found by
+/// the engine's own request (`requests`, as sent in WANT): request bytes
+/// `[offset, offset + len)` are blocks of the tensor, each at
+/// `buffer_offset` plus its tensor offset. Refused, naming the entry: a
+/// request not in WANT, a range past the request's bytes, an entry not
+/// starting where the same request's entry before it in the bucket ended,
+/// an unaligned offset, or any block past the buffer. Windows only read
+/// the buffer, so entries of different requests may overlap (two requests
+/// for the same bytes).
+pub fn check_windows(
+    seq: u64,
+    entries: &[BucketEntry],
+    buffer_len: u64,
+    requests: &[Request],
+) -> Result<WindowBlocks> {
+    let mut out = WindowBlocks::default();
+    // Where each request's last entry in this bucket ended: its next entry
+    // must start there, so the blocks expanded here are at most those of
+    // the engine's own requests, however many entries a peer sends.
+    let mut ends: std::collections::HashMap<u32, u64> = Default::default();
+    for (k, e) in entries.iter().enumerate() {
+        let bad = |why: String| Error::peer(format!("bucket {seq}: entry {k}: {why}"));
+        let q = check_window(e, requests, &mut ends).map_err(bad)?;
+        if e.len == 0 {
+            out.blocks.push(*e);
+            continue;
+        }
+        let mut extent = (u64::MAX, 0);
+        for (at, offset, len) in q.pieces(e.offset, e.len) {
+            let start = e.buffer_offset.checked_add(at);
+            let Some((start, end)) = start.and_then(|s| Some((s, s.checked_add(len)?))) else {
+                return Err(bad(format!("tensor offset {} overflows", e.buffer_offset)));
+            };
+            if end > buffer_len {
+                return Err(bad(format!(
+                    "block of {len} bytes at {start} (request #{}) runs past the \
+                     {buffer_len}-byte buffer",
+                    e.request
+                )));
+            }
+            extent = (extent.0.min(start), extent.1.max(end));
+            match out.blocks.last_mut() {
+                // Blocks that follow on in the buffer (rows of a range) are
+                // one copy.
+                Some(b)
+                    if b.request == e.request
+                        && b.buffer_offset + b.len == start
+                        && b.offset + b.len == offset =>
+                {
+                    b.len += len
+                }
+                _ => out.blocks.push(BucketEntry {
+                    request: e.request,
+                    offset,
+                    len,
+                    buffer_offset: start,
+                }),
+            }
+        }
+        out.extents.push(extent);
+    }
+    Ok(out)
+}
+
+/// Window `e`'s request (one of `requests`), once its range lies in the
+/// request's bytes, follows on from the request's entry before it (`ends`)
+/// and its tensor offset is aligned; else why not.
+fn check_window<'q>(
+    e: &BucketEntry,
+    requests: &'q [Request],
+    ends: &mut std::collections::HashMap<u32, u64>,
+) -> std::result::Result<&'q Request, String> {
+    let Some(q) = requests.get(e.request as usize) else {
+        return Err(format!(
+            "names request #{} of {}",
+            e.request,
+            requests.len()
+        ));
+    };
+    let size = q.bytes();
+    if e.offset.checked_add(e.len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "{} bytes from byte {} run past the {size} bytes of request #{}",
+            e.len, e.offset, e.request
+        ));
+    }
+    if e.buffer_offset % ALIGN != 0 {
+        return Err(format!(
+            "tensor offset {} is not {ALIGN}-byte aligned",
+            e.buffer_offset
+        ));
+    }
+    match ends.insert(e.request, e.offset + e.len) {
+        Some(end) if end != e.offset => Err(format!(
+            "starts at byte {} of request #{}, whose entry before it ended at {end}",
+            e.offset, e.request
+        )),
+        _ => Ok(q),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,5 +323,97 @@ mod tests {
                 (tail + m, m)
             ]
         );
+    }
+
+    fn window(request: u32, offset: u64, len: u64, tensor_at: u64) -> BucketEntry {
+        BucketEntry {
+            request,
+            offset,
+            len,
+            buffer_offset: tensor_at,
+        }
+    }
+
+    /// Columns 8..16 of rows of 32 bytes (a strided request) and a range
+    /// of another tensor: expanded into their blocks where they lie.
+    #[test]
+    fn windows_expand_into_blocks_inside_the_buffer() {
+        let cols = Request::of_blocks(0, (0..4).map(|r| (r * 32 + 8, 8)), false);
+        let range = Request::of_blocks(1, [(40, 24)], false);
+        let requests = [cols, range];
+        let w = check_windows(
+            3,
+            &[window(0, 4, 20, 256), window(1, 0, 24, 512)],
+            1024,
+            &requests,
+        )
+        .unwrap();
+        let got: Vec<(u32, u64, u64, u64)> = w
+            .blocks
+            .iter()
+            .map(|b| (b.request, b.offset, b.len, b.buffer_offset))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 4, 4, 256 + 12),
+                (0, 8, 8, 256 + 40),
+                (0, 16, 8, 256 + 72),
+                (1, 0, 24, 552)
+            ]
+        );
+        assert_eq!(w.extents, vec![(268, 336), (552, 576)]);
+        // Equal blocks back to back (a run of rows of a range) are one block.
+        let rows = [Request::of_blocks(0, (0..4).map(|r| (r * 32, 32)), false)];
+        let w = check_windows(0, &[window(0, 8, 100, 256)], 1024, &rows).unwrap();
+        assert_eq!(w.blocks, vec![window(0, 8, 100, 264)]);
+        // The same bytes for two requests (of one tensor) are fine.
+        let twice = [requests[1].clone(), requests[1].clone()];
+        let both = [window(0, 0, 24, 0), window(1, 0, 24, 0)];
+        assert!(check_windows(0, &both, 64, &twice).is_ok());
+    }
+
+    #[test]
+    fn hostile_windows_are_refused_naming_the_entry() {
+        let requests = [Request::of_blocks(
+            0,
+            (0..4).map(|r| (r * 32 + 8, 8)),
+            false,
+        )];
+        let refuse = |e: BucketEntry, len: u64| {
+            check_windows(7, &[window(0, 0, 8, 0), e], len, &requests)
+                .unwrap_err()
+                .message
+        };
+        let cases = [
+            (
+                refuse(window(0, 8, 24, 1 << 20), 1 << 20),
+                "runs past the 1048576-byte buffer",
+            ),
+            (
+                refuse(window(0, 8, 24, 768), 800),
+                "block of 8 bytes at 808 (request #0) runs past the 800-byte buffer",
+            ),
+            (
+                refuse(window(0, 8, 32, 0), 1024),
+                "32 bytes from byte 8 run past the 32 bytes of request #0",
+            ),
+            (refuse(window(0, u64::MAX, 2, 0), 1024), "run past"),
+            (refuse(window(1, 0, 8, 0), 1024), "names request #1 of 1"),
+            (
+                refuse(window(0, 0, 8, 0), 1024),
+                "starts at byte 0 of request #0, whose entry before it ended at 8",
+            ),
+            (
+                refuse(window(0, 0, 8, 100), 1024),
+                "tensor offset 100 is not 256-byte aligned",
+            ),
+        ];
+        for (message, want) in cases {
+            assert!(
+                message.contains("bucket 7: entry 1: ") && message.contains(want),
+                "{want}: {message}"
+            );
+        }
     }
 }

@@ -23,7 +23,22 @@ impl Frame {
                     sizes: (0..n).map(|_| i.u64()).collect::<Result<_>>()?,
                 }
             }
-            kind::BUCKET => bucket(&mut i)?,
+            kind::BUCKET => {
+                let (seq, buffer, entries) = bucket(&mut i)?;
+                Frame::Bucket {
+                    seq,
+                    buffer,
+                    entries,
+                }
+            }
+            kind::WINDOWS => {
+                let (seq, buffer, entries) = bucket(&mut i)?;
+                Frame::Windows {
+                    seq,
+                    buffer,
+                    entries,
+                }
+            }
             kind::ACK => Frame::Ack { seq: i.u64()? },
             kind::END => Frame::End { buckets: i.u64()? },
             kind::ERROR => Frame::Error {
@@ -162,7 +177,8 @@ fn placement(i: &mut In, name: &str, dtype: DType, shape: &[u64]) -> Result<Plac
     Ok(p)
 }
 
-fn bucket(i: &mut In) -> Result<Frame> {
+/// BUCKET's and WINDOWS' payload: sequence, buffer, entries.
+fn bucket(i: &mut In) -> Result<(u64, u32, Vec<BucketEntry>)> {
     let seq = i.u64()?;
     let buffer = i.u32()?;
     let n = i.count(28, "bucket entries")?;
@@ -175,11 +191,7 @@ fn bucket(i: &mut In) -> Result<Frame> {
             buffer_offset: i.u64()?,
         });
     }
-    Ok(Frame::Bucket {
-        seq,
-        buffer,
-        entries,
-    })
+    Ok((seq, buffer, entries))
 }
 
 fn ready(i: &mut In) -> Result<Frame> {

@@ -34,6 +34,11 @@ impl Frame {
                 seq,
                 buffer,
                 entries,
+            }
+            | Frame::Windows {
+                seq,
+                buffer,
+                entries,
             } => bucket(&mut o, *seq, *buffer, entries),
             Frame::Ack { seq } => o.u64(*seq),
             Frame::End { buckets } => o.u64(*buckets),
@@ -88,6 +93,7 @@ impl Frame {
             Frame::Want { .. } => kind::WANT,
             Frame::Buffers { .. } => kind::BUFFERS,
             Frame::Bucket { .. } => kind::BUCKET,
+            Frame::Windows { .. } => kind::WINDOWS,
             Frame::Ack { .. } => kind::ACK,
             Frame::End { .. } => kind::END,
             Frame::Error { .. } => kind::ERROR,

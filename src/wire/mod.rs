@@ -22,7 +22,8 @@ mod want;
 use crate::manifest::TensorMeta;
 
 pub use buckets::{
-    check_bucket, message_source, message_tag, net_message_bytes, pack_below_bytes, split_entries,
+    check_bucket, check_windows, message_source, message_tag, net_message_bytes, pack_below_bytes,
+    split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};
 pub use want::{check_requests, Request, WantRun};
@@ -30,7 +31,9 @@ pub use want::{check_requests, Request, WantRun};
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 2: manifest tensors carry their shard placement. 3: WANT asks for
 /// requests (strided runs of a tensor), buckets carry request bytes, SUMS.
-pub(crate) const PROTOCOL: u32 = 3;
+/// 4: a published version's buckets are WINDOWS (entries the engine
+/// expands from its own requests), whatever the requests' shapes.
+pub(crate) const PROTOCOL: u32 = 4;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
@@ -58,6 +61,7 @@ mod kind {
     pub(super) const CUDA_BUFFERS: u8 = 12;
     pub(super) const DIGESTS: u8 = 13;
     pub(super) const SUMS: u8 = 14;
+    pub(super) const WINDOWS: u8 = 15;
 }
 
 /// One bucket entry: `len` bytes of WANT request `request` starting at its
@@ -107,6 +111,16 @@ pub enum Frame {
         buffer: u32,
         entries: Vec<BucketEntry>,
     },
+    /// Publisher to engine (IPC): bucket `seq` is ready as windows into
+    /// buffer `buffer`, which holds the requests' tensors as they are (a
+    /// published version): each entry's `buffer_offset` is where byte 0 of
+    /// its request's tensor is, and the engine finds the entry's bytes by
+    /// its own request's runs (`docs/wire.md`, "Published versions").
+    Windows {
+        seq: u64,
+        buffer: u32,
+        entries: Vec<BucketEntry>,
+    },
     /// Engine to publisher: bucket `seq` is applied; its buffer may be reused.
     Ack { seq: u64 },
     /// Publisher to engine: every bucket was sent.
@@ -150,6 +164,7 @@ impl Frame {
             Frame::Want { .. } => "WANT",
             Frame::Buffers { .. } => "BUFFERS",
             Frame::Bucket { .. } => "BUCKET",
+            Frame::Windows { .. } => "WINDOWS",
             Frame::Ack { .. } => "ACK",
             Frame::End { .. } => "END",
             Frame::Error { .. } => "ERROR",
@@ -230,6 +245,16 @@ mod tests {
                 offset: 0,
                 len: 12,
                 buffer_offset: 256,
+            }],
+        });
+        round_trip(Frame::Windows {
+            seq: 2,
+            buffer: 0,
+            entries: vec![BucketEntry {
+                request: 1,
+                offset: 8,
+                len: 40,
+                buffer_offset: 512,
             }],
         });
         round_trip(Frame::Ack { seq: 9 });

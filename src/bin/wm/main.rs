@@ -54,7 +54,7 @@ const USAGE: &str = "usage:
   wm bench ipc [--gib N] [--bucket-mib M]
   wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
   wm bench gpu [--gib N]                               (needs an NVIDIA GPU)
-  wm bench shard [--section planning|snapshot] [--pieces 10000] [--sources 8] [--runs 20] [--gib N | --quick] [--dir DIR]
+  wm bench shard [--section planning|snapshot|ipc] [--pieces 10000] [--sources 8] [--runs 20] [--gib N | --quick] [--dir DIR]
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
   wm pull --ipc SOCKET [--rank R --world W --gpu G] [--check DIR] [--verify true] [--version V]
@@ -194,6 +194,7 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("shard-snapshot-rank") => bench_shard::snapshot::rank(&a),
                 Some("shard-ucx-publisher") => bench_shard::ucx::publisher(&a),
                 Some("shard-ucx-rank") => bench_shard::ucx::rank(&a),
+                Some("shard-ipc-rank") => bench_shard::ipc::rank(&a),
                 _ => Err("usage: wm bench snapshot|signal|ipc|net|gpu|shard [options]".into()),
             }
         }

@@ -5,10 +5,10 @@
 //! String>`; adding one is one line in `SECTIONS` (and its `mod` line).
 //! `--section NAME` runs only that one.
 
+pub mod ipc;
 mod planning;
 pub mod snapshot;
 pub mod ucx;
-// other sections: `mod ipc;`, `mod net;`
 
 use crate::Args;
 
@@ -29,7 +29,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("planning", planning::run),
     ("snapshot", snapshot::run),
     ("ucx", ucx::run),
-    // other sections: ("ipc", ipc::run), ("net", net::run),
+    ("ipc", ipc::run),
 ];
 
 pub fn run(a: &Args) -> Result<(), String> {

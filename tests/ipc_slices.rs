@@ -1,0 +1,550 @@
+//! Slices of published versions over IPC, served as windows: two trainer
+//! ranks (in-process `Publisher`s on threads, real Unix sockets and shared
+//! memory), each publishing the row half of every tensor, and one engine
+//! (this process's `Manager`) whose params cut across both: a column split,
+//! a row range that starts off the 256-byte grid, a fused QKV of unequal
+//! parts (its column half), and an expert range cut by columns. Every byte
+//! is checked, atomic and in place, verified (slice sums) and not. On the
+//! wire, a published version answers any request with WINDOWS into its one
+//! buffer (nothing packed); a hostile publisher's window that points past
+//! the buffer or past its request is refused naming it, weights intact.
+
+mod common;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use weight_manager::apply::{Mode, TensorView};
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::manifest::{Placement, TensorMeta};
+use weight_manager::memory::shared::SharedBuffer;
+use weight_manager::pieces::Piece;
+use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
+use weight_manager::registry::ParamSpec;
+use weight_manager::source::SourceKind;
+use weight_manager::tensor::DType;
+use weight_manager::tensor_box::TensorBox;
+use weight_manager::transport::conn::Conn;
+use weight_manager::wire::{check_windows, BucketEntry, Frame, Request};
+use weight_manager::wm_result;
+
+const F32: u64 = 4;
+/// Small buckets: requests are split across buckets too.
+const SMALL: usize = 4096;
+
+/// Tests here bind sockets and share the machine's memory: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A global f32 tensor and its bytes (different for each `seed`).
+struct Global {
+    name: &'static str,
+    shape: Vec<u64>,
+    bytes: Vec<u8>,
+}
+
+impl Global {
+    fn new(name: &'static str, shape: &[u64], seed: u8) -> Global {
+        let n = shape.iter().product::<u64>() * F32;
+        let salt = name
+            .bytes()
+            .fold(seed, |a, b| a.wrapping_mul(31).wrapping_add(b));
+        let bytes = (0..n)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt) ^ (i >> 7) as u8)
+            .collect();
+        Global {
+            name,
+            shape: shape.to_vec(),
+            bytes,
+        }
+    }
+
+    /// Bytes of rows `from..to` of dimension 0.
+    fn rows(&self, from: u64, to: u64) -> &[u8] {
+        let row = self.shape[1..].iter().product::<u64>() * F32;
+        &self.bytes[(from * row) as usize..(to * row) as usize]
+    }
+}
+
+fn model(seed: u8) -> Vec<Global> {
+    vec![
+        Global::new("w", &[64, 48], seed),
+        Global::new("q", &[32, 48], seed),
+        Global::new("k", &[16, 48], seed),
+        Global::new("v", &[16, 48], seed),
+        Global::new("experts", &[8, 16, 48], seed),
+    ]
+}
+
+/// Trainer rank `r` of 2: the rows `r` half of every tensor, published as
+/// `version` (one shared buffer, 256-byte aligned tensors), serving
+/// buckets of at most `bucket` bytes.
+fn publisher(sock: &Path, r: u64, globals: &[Global], version: &str, bucket: usize) -> Publisher {
+    let cfg = PublisherConfig {
+        bucket_size: bucket,
+        bucket_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let p = Publisher::bind(sock, cfg).unwrap();
+    for g in globals {
+        let half = g.shape[0] / 2;
+        let mut shape = g.shape.clone();
+        shape[0] = half;
+        let mut offset = vec![0; g.shape.len()];
+        offset[0] = r * half;
+        let bytes = g.rows(r * half, (r + 1) * half);
+        let placement = Placement {
+            global_shape: g.shape.clone(),
+            offset,
+        };
+        // SAFETY: publish copies the bytes before `globals` goes.
+        unsafe {
+            p.add_shard(
+                g.name,
+                DType::F32,
+                &shape,
+                &placement,
+                bytes.as_ptr(),
+                bytes.len(),
+                None,
+            )
+        }
+        .unwrap();
+    }
+    p.set_version(Some(version.into()));
+    p.publish().unwrap();
+    p.clear_tensors();
+    p
+}
+
+/// The box `offset`/`len` of global tensor `tensor`, at `at` in its param.
+fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
+    Piece {
+        tensor: tensor.into(),
+        global: TensorBox {
+            offset: offset.to_vec(),
+            len: len.to_vec(),
+        },
+        at: at.to_vec(),
+    }
+}
+
+/// The engine's params, each cutting across both trainer ranks' halves.
+fn specs() -> Vec<ParamSpec> {
+    let spec = |name: &str, shape: &[u64], pieces: Vec<Piece>| ParamSpec {
+        pieces,
+        ..ParamSpec::host(name, DType::F32, shape)
+    };
+    let qkv = |t: &str, rows: u64, at: u64| piece(t, &[0, 24], &[rows, 24], &[at, 0]);
+    vec![
+        // Columns 8..32 of "w": a strided run of 96 of every 192 bytes.
+        spec(
+            "w_cols",
+            &[64, 24],
+            vec![piece("w", &[0, 8], &[64, 24], &[0, 0])],
+        ),
+        // Rows 21..45 of "w": from rank 0 it starts at byte 4032 of its
+        // shard, off the 256-byte grid.
+        spec(
+            "w_rows",
+            &[24, 48],
+            vec![piece("w", &[21, 0], &[24, 48], &[0, 0])],
+        ),
+        // The column half of q, k and v (32, 16 and 16 rows) stacked.
+        spec(
+            "qkv",
+            &[64, 24],
+            vec![qkv("q", 32, 0), qkv("k", 16, 32), qkv("v", 16, 48)],
+        ),
+        // Experts 3..6 (one on rank 0, two on rank 1), columns 16..40.
+        spec(
+            "experts",
+            &[3, 16, 24],
+            vec![piece("experts", &[3, 0, 16], &[3, 16, 24], &[0, 0, 0])],
+        ),
+    ]
+}
+
+/// What param `spec` must hold of `globals`, element by element.
+fn expected(spec: &ParamSpec, globals: &[Global]) -> Vec<u8> {
+    let n: u64 = spec.shape.iter().product();
+    let mut out = vec![0u8; (n * F32) as usize];
+    for p in &spec.pieces {
+        let g = globals.iter().find(|g| g.name == p.tensor).unwrap();
+        let len = &p.global.len;
+        let linear =
+            |shape: &[u64], at: &[u64]| at.iter().zip(shape).fold(0, |a, (i, d)| a * d + i);
+        let count: u64 = len.iter().product();
+        for flat in 0..count {
+            let mut idx = vec![0u64; len.len()];
+            let mut rest = flat;
+            for d in (0..len.len()).rev() {
+                (idx[d], rest) = (rest % len[d], rest / len[d]);
+            }
+            let from: Vec<u64> = idx
+                .iter()
+                .zip(&p.global.offset)
+                .map(|(i, o)| i + o)
+                .collect();
+            let to: Vec<u64> = idx.iter().zip(&p.at).map(|(i, o)| i + o).collect();
+            let (s, d) = (
+                linear(&g.shape, &from) * F32,
+                linear(&spec.shape, &to) * F32,
+            );
+            out[d as usize..(d + F32) as usize]
+                .copy_from_slice(&g.bytes[s as usize..(s + F32) as usize]);
+        }
+    }
+    out
+}
+
+fn request<'h>(socks: &[PathBuf], mode: Mode, verify: bool) -> UpdateRequest<'h> {
+    let mut r = UpdateRequest::snapshot(PathBuf::new());
+    r.locations = socks.to_vec();
+    r.source = SourceKind::Ipc;
+    r.verify = verify;
+    r.mode = mode;
+    r.timeout = Duration::from_secs(60);
+    r
+}
+
+/// Run `update` while each publisher serves one engine.
+fn serving<T>(
+    ps: &[Publisher],
+    update: impl FnOnce() -> T,
+) -> (T, Vec<weight_manager::Result<ServeStats>>) {
+    std::thread::scope(|s| {
+        let serves: Vec<_> = ps
+            .iter()
+            .map(|p| s.spawn(move || p.serve(1, Duration::from_secs(30))))
+            .collect();
+        let out = update();
+        (out, serves.into_iter().map(|h| h.join().unwrap()).collect())
+    })
+}
+
+/// The engine's pieces from both ranks' published versions at once, every
+/// byte right, atomic and in place, verified and not; each rank sent
+/// exactly what it holds of them.
+#[test]
+fn slices_of_published_versions_from_two_publishers() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let specs = specs();
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let ptrs: Vec<(*mut u8, usize)> = specs.iter().map(|s| m.allocate(s).unwrap()).collect();
+    let cases = [
+        (Mode::Atomic, true),
+        (Mode::Atomic, false),
+        (Mode::InPlace, true),
+        (Mode::InPlace, false),
+    ];
+    for (k, (mode, verify)) in cases.into_iter().enumerate() {
+        let what = format!("{mode:?}, verify {verify}");
+        let globals = model(k as u8 + 1);
+        let version = format!("v{k}");
+        let socks: Vec<PathBuf> = (0..2)
+            .map(|r| dir.path().join(format!("p{k}-{r}.sock")))
+            .collect();
+        let ps: Vec<Publisher> = (0..2)
+            .map(|r| publisher(&socks[r], r as u64, &globals, &version, SMALL))
+            .collect();
+        let (r, served) = serving(&ps, || m.update(request(&socks, mode, verify)));
+        r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        for ((p, n), spec) in ptrs.iter().zip(&specs) {
+            // SAFETY: library-owned params; nothing writes them now.
+            let got = unsafe { std::slice::from_raw_parts(*p, *n) };
+            assert!(
+                got == expected(spec, &globals),
+                "{what}: param '{}' differs",
+                spec.name
+            );
+        }
+        assert_eq!(m.status().version.as_deref(), Some(version.as_str()));
+        let param_bytes: u64 = ptrs.iter().map(|p| p.1 as u64).sum();
+        let sent: u64 = served
+            .into_iter()
+            .map(|s| s.unwrap().sessions[0].bytes)
+            .sum();
+        assert_eq!(
+            sent, param_bytes,
+            "{what}: the ranks sent exactly the params' bytes"
+        );
+    }
+}
+
+/// Zero-copy: each rank's shards handed to the callback where they lie in
+/// its published buffer (each lies whole in a bucket), 256-byte aligned,
+/// every byte right.
+#[test]
+fn zero_copy_hands_out_published_shards_whole_and_aligned() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let globals = model(9);
+    let socks: Vec<PathBuf> = (0..2)
+        .map(|r| dir.path().join(format!("z{r}.sock")))
+        .collect();
+    let ps: Vec<Publisher> = (0..2)
+        .map(|r| publisher(&socks[r], r as u64, &globals, "z", 1 << 20))
+        .collect();
+    let m = Manager::new(ManagerConfig::default()).unwrap();
+    let mut seen = Vec::new();
+    let mut cb = |t: &TensorView| {
+        let g = globals.iter().find(|g| g.name == t.name).unwrap();
+        let half = g.shape[0] / 2;
+        let r = t.offset[0] / half;
+        let aligned = t.data.as_ptr() as usize % 256 == 0;
+        seen.push((
+            t.name.to_string(),
+            r,
+            aligned,
+            t.data == g.rows(r * half, (r + 1) * half),
+        ));
+        Ok(())
+    };
+    let mut req = request(&socks, Mode::InPlace, true);
+    req.hooks.tensor = Some(&mut cb);
+    let (r, _) = serving(&ps, || m.update(req));
+    r.unwrap();
+    seen.sort();
+    assert_eq!(seen.len(), 2 * globals.len(), "{seen:?}");
+    assert!(seen.iter().all(|s| s.2 && s.3), "{seen:?}");
+}
+
+/// On the wire: a published version answers a strided request and an
+/// unaligned range with BUFFERS (its one buffer) and WINDOWS frames,
+/// whose blocks hold exactly the bytes asked for.
+#[test]
+fn a_published_version_serves_strided_requests_as_windows() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let globals = model(5);
+    let sock = dir.path().join("wire.sock");
+    let p = publisher(&sock, 0, &globals, "w1", SMALL);
+    std::thread::scope(|s| {
+        let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut conn = Conn::new(UnixStream::connect(&sock).unwrap(), "the publisher");
+        conn.send(&Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+        })
+        .unwrap();
+        let Frame::Manifest { tensors, .. } = conn.recv(deadline).unwrap() else {
+            panic!("no manifest")
+        };
+        let w = tensors.iter().position(|t| t.name == "w").unwrap() as u32;
+        // Columns 8..32 of the shard's 32 rows of 192 bytes, then rows 21..32.
+        let cols = Request::of_blocks(w, (0..32).map(|r| (r * 192 + 32, 96)), true);
+        let rows = Request::of_blocks(w, [(21 * 192, 11 * 192)], false);
+        let requests = vec![cols, rows];
+        conn.send(&Frame::Want {
+            requests: requests.clone(),
+        })
+        .unwrap();
+        let Frame::Buffers { sizes } = conn.recv(deadline).unwrap() else {
+            panic!("no BUFFERS")
+        };
+        assert_eq!(
+            sizes.len(),
+            1,
+            "a published version hands over its one buffer"
+        );
+        let fd = conn.take_fds(1).unwrap().pop().unwrap();
+        let buffer = SharedBuffer::receive(fd, sizes[0] as usize, "version").unwrap();
+        let mut got: Vec<Vec<u8>> = vec![Vec::new(); 2];
+        loop {
+            match conn.recv(deadline).unwrap() {
+                Frame::Windows { seq, entries, .. } => {
+                    let blocks = check_windows(seq, &entries, sizes[0], &requests).unwrap();
+                    for b in blocks.blocks {
+                        assert_eq!(b.offset, got[b.request as usize].len() as u64);
+                        // SAFETY: checked to lie in the mapped buffer.
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts(
+                                buffer.ptr().add(b.buffer_offset as usize),
+                                b.len as usize,
+                            )
+                        };
+                        got[b.request as usize].extend_from_slice(bytes);
+                    }
+                    conn.send(&Frame::Ack { seq }).unwrap();
+                }
+                Frame::Sums { .. } => {}
+                Frame::End { .. } => break,
+                other => panic!("expected WINDOWS, got {}", other.name()),
+            }
+        }
+        let g = &globals[0];
+        let want_cols: Vec<u8> = (0..32)
+            .flat_map(|r| g.rows(r, r + 1)[32..128].to_vec())
+            .collect();
+        assert!(got[0] == want_cols, "the column blocks");
+        assert!(got[1] == g.rows(21, 32), "the unaligned row range");
+        drop(conn);
+        serve.join().unwrap().unwrap();
+    });
+}
+
+/// A hostile publisher: HELLO, MANIFEST of one u8 tensor "w" [64, 64],
+/// WANT, then its one buffer of 4096 bytes and a WINDOWS bucket of
+/// `entries`; END once acknowledged.
+fn hostile(sock: &Path, entries: Vec<BucketEntry>) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (stream, _) = listener.accept().unwrap();
+        let mut conn = Conn::new(stream, "the engine");
+        if conn.recv(deadline).is_err() {
+            return;
+        }
+        let w = TensorMeta {
+            name: "w".into(),
+            dtype: DType::U8,
+            shape: vec![64, 64],
+            nbytes: 4096,
+            checksum: None,
+            placement: None,
+        };
+        let manifest = Frame::Manifest {
+            version: "hostile".into(),
+            tensors: vec![w],
+        };
+        if conn.send(&manifest).is_err() || conn.recv(deadline).is_err() {
+            return;
+        }
+        let fd = sealed_memfd(4096);
+        let buffers = Frame::Buffers { sizes: vec![4096] };
+        let _ = conn.send_with_fds(&buffers, &[fd.as_raw_fd()]);
+        let bucket = Frame::Windows {
+            seq: 0,
+            buffer: 0,
+            entries,
+        };
+        if conn.send(&bucket).is_ok() && conn.recv(deadline).is_ok() {
+            let _ = conn.send(&Frame::End { buckets: 1 });
+        }
+    })
+}
+
+/// A sealed memfd of `len` bytes of 0xee.
+fn sealed_memfd(len: usize) -> OwnedFd {
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    let raw = unsafe { libc::memfd_create(c"hostile".as_ptr(), flags) };
+    assert!(raw >= 0);
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let data = vec![0xeeu8; len];
+    assert_eq!(
+        unsafe { libc::pwrite(raw, data.as_ptr().cast(), len, 0) },
+        len as isize
+    );
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    assert_eq!(unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, seals) }, 0);
+    fd
+}
+
+/// The engine takes columns 0..32 of "w" [64, 64] (a strided request of 64
+/// blocks of 32 bytes). A window whose blocks run past the 4096-byte buffer,
+/// or which covers more than its request, is refused naming the entry and
+/// the buffer, before any byte is read: the weights and version stay.
+#[test]
+fn hostile_windows_are_refused_naming_them() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("model");
+    std::fs::create_dir(&model_dir).unwrap();
+    let full = common::tensor("w", DType::U8, &[64, 64], 3);
+    common::write_safetensors(
+        &model_dir.join("model.safetensors"),
+        std::slice::from_ref(&full),
+    );
+    common::write_version(&model_dir, "v1");
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let spec = ParamSpec {
+        pieces: vec![piece("w", &[0, 0], &[64, 32], &[0, 0])],
+        ..ParamSpec::host("w", DType::U8, &[64, 32])
+    };
+    let (p, n) = m.allocate(&spec).unwrap();
+    m.update(UpdateRequest::snapshot(&model_dir)).unwrap();
+    let before: Vec<u8> = (0..64)
+        .flat_map(|r| full.data[r * 64..r * 64 + 32].to_vec())
+        .collect();
+    let window = |len, tensor_at| BucketEntry {
+        request: 0,
+        offset: 0,
+        len,
+        buffer_offset: tensor_at,
+    };
+    let cases = [
+        (
+            window(2048, 256),
+            "block of 32 bytes at 4096 (request #0) runs past the 4096-byte buffer",
+        ),
+        (
+            window(4096, 0),
+            "4096 bytes from byte 0 run past the 2048 bytes of request #0",
+        ),
+    ];
+    for (k, (entry, want)) in cases.into_iter().enumerate() {
+        for mode in [Mode::Atomic, Mode::InPlace] {
+            let sock = dir.path().join(format!("h{k}-{mode:?}.sock"));
+            let publisher = hostile(&sock, vec![entry]);
+            let mut req = UpdateRequest::snapshot(&sock);
+            req.source = SourceKind::Ipc;
+            req.mode = mode;
+            req.timeout = Duration::from_secs(30);
+            let e = m.update(req).unwrap_err();
+            publisher.join().unwrap();
+            assert_eq!(e.code, wm_result::WM_ERR_PEER, "{mode:?}: {e}");
+            for part in ["shared buffer 0", "bucket 0: entry 0: ", want] {
+                assert!(e.message.contains(part), "{mode:?}: {part}: {e}");
+            }
+            // SAFETY: a library-owned param; nothing writes it now.
+            let held = unsafe { std::slice::from_raw_parts(p, n) };
+            assert!(held == before, "{mode:?}: the weights were touched");
+            assert_eq!(m.status().version.as_deref(), Some("v1"), "{mode:?}");
+        }
+    }
+}
+
+/// `wm bench shard --section ipc`, small: 2 trainer and 2 engine processes
+/// run both patterns, and every figure is printed beside its floor.
+#[test]
+fn bench_shard_ipc_prints_each_pattern_beside_its_floor() {
+    let _serial = serial();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
+        .args(["bench", "shard", "--section", "ipc", "--gib", "0.0625"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for pattern in ["row halves", "column halves"] {
+        for what in [
+            "first update (maps the buffers)",
+            "steady update, 4 processes at once",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.contains(&format!("{pattern}: {what}")))
+                .unwrap_or_else(|| panic!("no '{pattern}: {what}' in: {text}"));
+            assert!(
+                line.contains("GB/s   memcpy") && line.contains("ratio"),
+                "{line}"
+            );
+        }
+    }
+}
