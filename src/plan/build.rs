@@ -4,7 +4,7 @@
 use super::params::Params;
 use super::{cover, global, runs, Plan, PlanEntry, PlanOptions, Run, Target};
 use crate::logging::{LogLevel, Logger};
-use crate::manifest::{Manifest, TensorMeta};
+use crate::manifest::{Manifest, SharedMeta};
 use crate::result::{Error, Result};
 
 /// At most this many problems are listed in one error message.
@@ -151,49 +151,88 @@ fn unknown_tensors(
 
 /// One entry per (source, tensor, target) in that order, runs numbered by
 /// entry. In callback mode every tensor goes whole to the callback.
-fn assemble(sources: &[&Manifest], mut found: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    found.sort_by_key(|(s, param, r)| (s.source, s.tensor, *param, r.source.start));
-    let mut entries = Vec::with_capacity(sources.iter().map(|m| m.tensors.len()).sum());
+fn assemble(sources: &[&Manifest], found: Vec<cover::FoundRun>, callback: bool) -> Plan {
+    let by_shard = ByShard::new(sources, &found);
+    let mut entries = Vec::with_capacity(by_shard.shards());
     let mut runs = Vec::with_capacity(found.len());
-    let mut next = found.into_iter().peekable();
-    for (s, m) in sources.iter().enumerate() {
-        for (i, meta) in m.tensors.iter().enumerate() {
-            let mut any = false;
-            while let Some((at, param, _)) = next.peek() {
-                if (at.source, at.tensor) != (s, i) {
-                    break;
-                }
-                let param = *param;
-                let entry = entries.len();
-                while let Some((_, _, mut r)) =
-                    next.next_if(|(a, p, _)| (a.source, a.tensor, *p) == (s, i, param))
-                {
-                    r.entry = entry;
-                    runs.push(r);
-                }
-                entries.push(entry_of(meta, s, i, Target::Param(param)));
-                any = true;
+    let shards = sources
+        .iter()
+        .enumerate()
+        .flat_map(|(s, m)| (0..m.tensors.len()).map(move |i| (s, i, &m.tensors)));
+    for (k, (s, i, tensors)) in shards.enumerate() {
+        let mut here = by_shard
+            .of(k)
+            .iter()
+            .map(|&f| &found[f as usize])
+            .peekable();
+        let mut any = false;
+        while let Some(target) = here.peek().map(|r| r.target) {
+            let entry = entries.len();
+            while let Some(r) = here.next_if(|r| r.target == target) {
+                runs.push(Run { entry, ..r.clone() });
             }
-            if !any {
-                let target = if callback {
-                    Target::Callback
-                } else {
-                    Target::Skip
-                };
-                entries.push(entry_of(meta, s, i, target));
-                if callback {
-                    runs.push(whole_run(entries.len() - 1, meta.nbytes));
-                }
+            entries.push(entry_of(SharedMeta::new(tensors, i), s, i, target));
+            any = true;
+        }
+        if !any {
+            let target = if callback {
+                Target::Callback
+            } else {
+                Target::Skip
+            };
+            let meta = SharedMeta::new(tensors, i);
+            if callback {
+                runs.push(whole_run(entries.len(), meta.nbytes));
             }
+            entries.push(entry_of(meta, s, i, target));
         }
     }
+    drop(found);
     runs::sort_and_merge(&mut runs);
     Plan::from_parts(entries, runs)
 }
 
-fn entry_of(meta: &TensorMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
+/// The runs found, grouped by shard (`Run::entry` until entries are made)
+/// in the order they were found, which is param order: a counting sort,
+/// linear in shards and runs.
+struct ByShard {
+    /// The runs of shard `k` are `order[first[k]..first[k + 1]]`.
+    first: Vec<u32>,
+    order: Vec<u32>,
+}
+
+impl ByShard {
+    fn new(sources: &[&Manifest], found: &[cover::FoundRun]) -> ByShard {
+        let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
+        let mut first = vec![0u32; shards + 1];
+        for r in found {
+            first[r.entry + 1] += 1;
+        }
+        for k in 0..shards {
+            first[k + 1] += first[k];
+        }
+        let mut next = first.clone();
+        let mut order = vec![0u32; found.len()];
+        for (i, r) in found.iter().enumerate() {
+            let at = &mut next[r.entry];
+            order[*at as usize] = i as u32;
+            *at += 1;
+        }
+        ByShard { first, order }
+    }
+
+    fn shards(&self) -> usize {
+        self.first.len() - 1
+    }
+
+    fn of(&self, shard: usize) -> &[u32] {
+        &self.order[self.first[shard] as usize..self.first[shard + 1] as usize]
+    }
+}
+
+fn entry_of(meta: SharedMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
     PlanEntry {
-        meta: meta.clone(),
+        meta,
         source,
         tensor,
         target,

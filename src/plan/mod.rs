@@ -30,13 +30,14 @@ mod fingerprint;
 mod global;
 pub mod layout;
 mod params;
+mod region;
 mod runs;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]
 mod tests;
 
-use crate::manifest::TensorMeta;
+use crate::manifest::{Manifest, SharedMeta, TensorMeta};
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -63,7 +64,10 @@ pub enum Target {
 /// target, entry `i` is tensor `i` of the manifest.
 #[derive(Clone, Debug)]
 pub struct PlanEntry {
-    pub meta: TensorMeta,
+    /// The tensor's metadata, shared with its source's manifest (not a
+    /// copy: a plan of 80,000 shards would otherwise spend most of its
+    /// time copying names and shapes).
+    pub meta: SharedMeta,
     /// Which source (its index among those the plan was made from).
     pub source: usize,
     /// The tensor's index in its source's manifest.
@@ -77,7 +81,7 @@ impl PlanEntry {
     /// Tensor `tensor` of the only source, going to `target`.
     pub fn new(meta: TensorMeta, tensor: usize, target: Target) -> PlanEntry {
         PlanEntry {
-            meta,
+            meta: meta.into(),
             source: 0,
             tensor,
             target,
@@ -210,6 +214,26 @@ impl Plan {
         let from = self.runs.partition_point(|r| r.entry < entry);
         let to = self.runs.partition_point(|r| r.entry <= entry);
         &self.runs[from..to]
+    }
+
+    /// Take the metadata of `sources` (checksums, version), which must
+    /// have the layouts this plan was made from (`fingerprint`): every
+    /// entry then refers into their manifests instead (a reference count
+    /// each; the old manifests are released).
+    pub fn take_sources(&mut self, sources: &[&Manifest]) {
+        for e in &mut self.entries {
+            let tensors = &sources[e.source].tensors;
+            if !e.meta.is_in(tensors) {
+                e.meta = SharedMeta::new(tensors, e.tensor);
+            }
+        }
+    }
+
+    /// Whether every entry already refers into `sources`' manifests.
+    pub fn has_sources(&self, sources: &[&Manifest]) -> bool {
+        self.entries
+            .iter()
+            .all(|e| e.meta.is_in(&sources[e.source].tensors))
     }
 
     /// Entry `entry`'s segments, in source order.

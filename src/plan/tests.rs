@@ -28,7 +28,7 @@ fn registry() -> Registry {
 fn plan(m: Vec<TensorMeta>, opts: PlanOptions) -> Result<Plan> {
     make_plan(
         &Manifest {
-            tensors: m,
+            tensors: m.into(),
             version: None,
         },
         &registry(),
