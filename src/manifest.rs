@@ -239,6 +239,42 @@ mod tests {
         }
     }
 
+    fn meta(name: &str, checksum: Option<u128>) -> TensorMeta {
+        TensorMeta {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: vec![2],
+            nbytes: 8,
+            checksum,
+            placement: None,
+        }
+    }
+
+    #[test]
+    fn shared_metadata_reads_its_tensor_and_a_write_copies_the_list() {
+        let mut m = Manifest {
+            tensors: vec![meta("a", Some(1)), meta("b", Some(2))].into(),
+            version: None,
+        };
+        let b = SharedMeta::new(&m.tensors, 1);
+        assert_eq!((b.name.as_str(), b.checksum), ("b", Some(2)));
+        assert!(b.is_in(&m.tensors));
+        // The plan's reference keeps what it saw; the manifest gets a copy.
+        m.tensors[1].checksum = Some(3);
+        assert_eq!(b.checksum, Some(2));
+        assert_eq!(m.tensors[1].checksum, Some(3));
+        assert!(!b.is_in(&m.tensors));
+        // An equal list is not the same list.
+        let copy = m.clone();
+        assert!(copy.tensors.same(&m.tensors));
+        let other: Tensors = m.tensors.iter().cloned().collect();
+        assert!(other == m.tensors && !other.same(&m.tensors));
+        // A tensor on its own, and its Debug being the tensor's.
+        let alone = SharedMeta::from(meta("c", None));
+        assert_eq!(*alone, meta("c", None));
+        assert_eq!(format!("{alone:?}"), format!("{:?}", meta("c", None)));
+    }
+
     #[test]
     fn a_placement_is_checked_against_its_box() {
         assert!(at(&[8, 4], &[4, 0]).check("w", &[4, 4]).is_ok());

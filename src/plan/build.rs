@@ -151,83 +151,51 @@ fn unknown_tensors(
 
 /// One entry per (source, tensor, target) in that order, runs numbered by
 /// entry. In callback mode every tensor goes whole to the callback.
-fn assemble(sources: &[&Manifest], found: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    let by_shard = ByShard::new(sources, &found);
-    let mut entries = Vec::with_capacity(by_shard.shards());
-    let mut runs = Vec::with_capacity(found.len());
-    let shards = sources
-        .iter()
-        .enumerate()
-        .flat_map(|(s, m)| (0..m.tensors.len()).map(move |i| (s, i, &m.tensors)));
-    for (k, (s, i, tensors)) in shards.enumerate() {
-        let mut here = by_shard
-            .of(k)
-            .iter()
-            .map(|&f| &found[f as usize])
-            .peekable();
-        let mut any = false;
-        while let Some(target) = here.peek().map(|r| r.target) {
-            let entry = entries.len();
-            while let Some(r) = here.next_if(|r| r.target == target) {
-                runs.push(Run { entry, ..r.clone() });
+fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: bool) -> Plan {
+    // In (shard, param) order, in place: the found runs become the plan's.
+    // The key orders distinct runs totally (two runs of one shard and param
+    // start at different bytes of the param), so an unstable sort is as
+    // good as a stable one.
+    let param = |t: Target| match t {
+        Target::Param(p) => p,
+        _ => usize::MAX,
+    };
+    runs.sort_unstable_by_key(|r| (r.entry, param(r.target), r.source.start, r.param.start));
+    let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
+    let mut entries = Vec::with_capacity(shards);
+    let mut next = 0;
+    let mut whole = Vec::new();
+    let mut shard = 0;
+    for (s, m) in sources.iter().enumerate() {
+        for i in 0..m.tensors.len() {
+            let mut any = false;
+            while next < runs.len() && runs[next].entry == shard {
+                let (target, entry) = (runs[next].target, entries.len());
+                while next < runs.len() && runs[next].entry == shard && runs[next].target == target
+                {
+                    runs[next].entry = entry;
+                    next += 1;
+                }
+                entries.push(entry_of(SharedMeta::new(&m.tensors, i), s, i, target));
+                any = true;
             }
-            entries.push(entry_of(SharedMeta::new(tensors, i), s, i, target));
-            any = true;
-        }
-        if !any {
-            let target = if callback {
-                Target::Callback
-            } else {
-                Target::Skip
-            };
-            let meta = SharedMeta::new(tensors, i);
-            if callback {
-                runs.push(whole_run(entries.len(), meta.nbytes));
+            if !any {
+                let meta = SharedMeta::new(&m.tensors, i);
+                let target = match callback {
+                    true => Target::Callback,
+                    false => Target::Skip,
+                };
+                if callback {
+                    whole.push(whole_run(entries.len(), meta.nbytes));
+                }
+                entries.push(entry_of(meta, s, i, target));
             }
-            entries.push(entry_of(meta, s, i, target));
+            shard += 1;
         }
     }
-    drop(found);
+    runs.append(&mut whole);
     runs::sort_and_merge(&mut runs);
     Plan::from_parts(entries, runs)
-}
-
-/// The runs found, grouped by shard (`Run::entry` until entries are made)
-/// in the order they were found, which is param order: a counting sort,
-/// linear in shards and runs.
-struct ByShard {
-    /// The runs of shard `k` are `order[first[k]..first[k + 1]]`.
-    first: Vec<u32>,
-    order: Vec<u32>,
-}
-
-impl ByShard {
-    fn new(sources: &[&Manifest], found: &[cover::FoundRun]) -> ByShard {
-        let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
-        let mut first = vec![0u32; shards + 1];
-        for r in found {
-            first[r.entry + 1] += 1;
-        }
-        for k in 0..shards {
-            first[k + 1] += first[k];
-        }
-        let mut next = first.clone();
-        let mut order = vec![0u32; found.len()];
-        for (i, r) in found.iter().enumerate() {
-            let at = &mut next[r.entry];
-            order[*at as usize] = i as u32;
-            *at += 1;
-        }
-        ByShard { first, order }
-    }
-
-    fn shards(&self) -> usize {
-        self.first.len() - 1
-    }
-
-    fn of(&self, shard: usize) -> &[u32] {
-        &self.order[self.first[shard] as usize..self.first[shard + 1] as usize]
-    }
 }
 
 fn entry_of(meta: SharedMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {

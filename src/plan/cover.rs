@@ -103,7 +103,7 @@ fn cover_piece(
     let candidates = g.candidates(want);
     let mut covered = 0u64;
     for h in candidates {
-        let Some(common) = want.intersect(h.region()) else {
+        let Some(common) = want.intersect(g.region(h)) else {
             continue;
         };
         covered += common.volume().unwrap_or(0);
@@ -112,7 +112,7 @@ fn cover_piece(
         // expert stacked into a param).
         push_runs(
             &common.span().padded(extra),
-            &h.region().padded(extra),
+            &g.region(h).padded(extra),
             &lined,
             esize,
             Target::Param(index),
@@ -123,7 +123,7 @@ fn cover_piece(
     if covered == need {
         return Ok(());
     }
-    Err(match uncovered(&piece.global, candidates) {
+    Err(match uncovered(&piece.global, g, candidates) {
         Some(b) => format!("{b} of '{}' is held by no source", piece.tensor),
         None => format!("sources hold {covered} of its {need} elements"),
     })
@@ -131,14 +131,14 @@ fn cover_piece(
 
 /// A box of `piece` that no candidate holds, found on the grid of every
 /// box's edges (bounded work; None when the grid is too large to walk).
-fn uncovered(piece: &TensorBox, candidates: &[Held]) -> Option<TensorBox> {
+fn uncovered(piece: &TensorBox, g: &GlobalTensor, candidates: &[Held]) -> Option<TensorBox> {
     let ndim = piece.ndim();
     let cuts: Vec<Vec<u64>> = (0..ndim)
         .map(|d| {
             let (lo, hi) = (piece.offset[d], piece.offset[d] + piece.len[d]);
             let mut c = vec![lo, hi];
             for h in candidates {
-                let r = h.region();
+                let r = g.region(h);
                 let (s, e) = (r.offset[d], r.offset[d] + r.len[d]);
                 c.extend([s, e].into_iter().filter(|&x| x > lo && x < hi));
             }
@@ -161,7 +161,7 @@ fn uncovered(piece: &TensorBox, candidates: &[Held]) -> Option<TensorBox> {
         };
         if !candidates
             .iter()
-            .any(|h| Span::of_box(&cell).intersect(h.region()).is_some())
+            .any(|h| Span::of_box(&cell).intersect(g.region(h)).is_some())
         {
             return Some(cell);
         }

@@ -24,24 +24,17 @@ pub(super) struct ShardRef {
 /// first inline, since most boxes have one, and the others in source order).
 #[derive(Debug)]
 pub(super) struct Held<'a> {
-    /// The first replica's metadata (its box: [`Held::region`]).
+    /// The first replica's metadata (named in messages).
     meta: &'a TensorMeta,
-    /// The box along dimension 0, kept here: sorting, sweeping and
-    /// searching by it then read no shard's metadata (80,000 shards'
-    /// metadata is spread over the heap).
-    start0: u64,
-    len0: u64,
+    /// Where its box is in its global tensor's `boxes`.
+    at: usize,
     first: ShardRef,
     /// Rare, so a boxed slice (two words, nothing allocated while empty):
     /// every byte of `Held` is paid per shard.
     more: Box<[ShardRef]>,
 }
 
-impl<'a> Held<'a> {
-    pub fn region(&self) -> Span<'a> {
-        Span::of_shard(self.meta)
-    }
-
+impl Held<'_> {
     fn replicas(&self) -> &[ShardRef] {
         &self.more
     }
@@ -66,11 +59,20 @@ pub(super) struct GlobalTensor<'a> {
     pub shape: &'a [u64],
     /// Distinct boxes, sorted by offset.
     pub held: Vec<Held<'a>>,
+    /// The boxes of `held`, copied together: per box its offset then its
+    /// lengths. Sorting, sweeping and intersecting them then reads this,
+    /// not metadata spread over the heap (80,000 shards' of it).
+    boxes: Vec<u64>,
     /// The longest box along dimension 0 (to find the boxes a piece meets).
     max_len0: u64,
 }
 
 impl<'a> GlobalTensor<'a> {
+    /// The box of `h` (one of `held`).
+    pub fn region(&self, h: &Held) -> Span<'_> {
+        region_in(&self.boxes, self.shape.len(), h)
+    }
+
     /// The boxes that may meet `b` (same rank): those starting along
     /// dimension 0 before `b` ends and not ending before it starts.
     pub fn candidates(&self, b: Span) -> &[Held<'a>] {
@@ -79,8 +81,10 @@ impl<'a> GlobalTensor<'a> {
         }
         let (start, len) = (b.start0(), b.len0());
         let from = start.saturating_sub(self.max_len0);
-        let lo = self.held.partition_point(|h| h.start0 < from);
-        let hi = self.held.partition_point(|h| h.start0 < start + len);
+        let lo = self.held.partition_point(|h| self.boxes[h.at] < from);
+        let hi = self
+            .held
+            .partition_point(|h| self.boxes[h.at] < start + len);
         &self.held[lo..hi]
     }
 }
@@ -125,16 +129,13 @@ impl<'a> Globals<'a> {
                 dtype: t.dtype,
                 shape: t.global_shape(),
                 held: Vec::new(),
+                boxes: Vec::new(),
                 max_len0: 0,
             });
         }
         k
     }
 }
-
-/// A shard refused (its problem is listed), in [`collect`]'s table of
-/// which global tensor each shard is of.
-const REFUSED: usize = usize::MAX;
 
 /// Group every tensor of every source by global tensor; every problem
 /// found is appended to `problems`.
@@ -144,55 +145,42 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
         g.first_shard.push(g.shards);
         g.shards += m.tensors.len();
     }
-    // Which global tensor each shard is of, source by source, and how many
-    // shards each has, so that each `held` is allocated once.
-    let mut of = Vec::with_capacity(g.shards);
-    let mut count: Vec<usize> = Vec::new();
-    let mut previous = 0..0;
-    for m in sources {
-        let first = of.len();
+    // At least the largest source's tensors are distinct global tensors.
+    let most = sources.iter().map(|m| m.tensors.len()).max().unwrap_or(0);
+    g.tensors.reserve(most);
+    g.by_name.reserve(most);
+    // The global tensor of each shard of the previous source, by position
+    // (guesses for the next source's), and of this one's.
+    let (mut previous, mut current) = (Vec::new(), Vec::new());
+    for (s, m) in sources.iter().enumerate() {
         for (i, t) in m.tensors.iter().enumerate() {
-            let guess = (i < previous.len())
-                .then(|| of[previous.start + i])
-                .filter(|&k| k != REFUSED);
-            of.push(match global_of(&mut g, t, guess, problems) {
-                Some(k) => {
-                    count.resize(g.tensors.len(), 0);
-                    count[k] += 1;
-                    k
-                }
-                None => REFUSED,
+            let guess = previous.get(i).copied().flatten();
+            let k = global_of(&mut g, t, guess, problems);
+            current.push(k);
+            let Some(k) = k else { continue };
+            let global = &mut g.tensors[k];
+            let region = Span::of_shard(t);
+            global.held.push(Held {
+                meta: t,
+                at: global.boxes.len(),
+                first: ShardRef {
+                    source: s as u32,
+                    tensor: i as u32,
+                },
+                more: Box::default(),
             });
+            // Element by element: a few numbers are not worth a memcpy call.
+            for &x in region.offset.iter().chain(region.len) {
+                global.boxes.push(x);
+            }
         }
-        previous = first..of.len();
-    }
-    for (t, &n) in g.tensors.iter_mut().zip(&count) {
-        t.held.reserve_exact(n);
-    }
-    let shards = sources
-        .iter()
-        .enumerate()
-        .flat_map(|(s, m)| m.tensors.iter().enumerate().map(move |(i, t)| (s, i, t)));
-    for ((source, tensor, t), &k) in shards.zip(&of) {
-        if k == REFUSED {
-            continue;
-        }
-        let region = Span::of_shard(t);
-        g.tensors[k].held.push(Held {
-            meta: t,
-            start0: region.start0(),
-            len0: region.len0(),
-            first: ShardRef {
-                source: source as u32,
-                tensor: tensor as u32,
-            },
-            more: Box::default(),
-        });
+        std::mem::swap(&mut previous, &mut current);
+        current.clear();
     }
     let mut open = Vec::new();
     for t in g.tensors.iter_mut() {
         join_replicas(t, problems);
-        t.max_len0 = t.held.iter().map(|h| h.len0).max().unwrap_or(0);
+        t.max_len0 = t.held.iter().map(|h| t.region(h).len0()).max().unwrap_or(0);
         overlaps(t, sources, &mut open, problems);
     }
     g
@@ -268,20 +256,22 @@ fn shard_problem(t: &TensorMeta) -> Option<String> {
 /// Sort `t`'s boxes by offset and join equal ones into one box with its
 /// replicas (in source order); the same box twice from one source is a
 /// problem. Sorting keeps this linear-logarithmic in the shards.
-fn join_replicas<'a>(t: &mut GlobalTensor<'a>, problems: &mut Vec<String>) {
-    let key = |h: &Held<'a>| (h.start0, h.len0, h.region().offset, h.region().len);
-    t.held.sort_by(|a, b| key(a).cmp(&key(b)));
-    let name = t.name;
+fn join_replicas(t: &mut GlobalTensor, problems: &mut Vec<String>) {
+    let (boxes, ndim, name) = (&t.boxes, t.shape.len(), t.name);
+    let region = |h: &Held| region_in(boxes, ndim, h);
+    t.held.sort_by(|a, b| {
+        let (a, b) = (region(a), region(b));
+        (a.offset, a.len).cmp(&(b.offset, b.len))
+    });
     // `later` is dropped after its replica joins `kept`.
     t.held.dedup_by(|later, kept| {
-        if (later.start0, later.len0) != (kept.start0, kept.len0) || later.region() != kept.region()
-        {
+        if region(later) != region(kept) {
             return false;
         }
         let at = later.first;
         if kept.holds_from(at.source) {
             let which = match later.meta.placement.is_some() {
-                true => format!(" {}", later.region()),
+                true => format!(" {}", region(later)),
                 false => String::new(),
             };
             problems.push(format!(
@@ -305,18 +295,18 @@ fn overlaps(
     let name = t.name;
     open.clear();
     for (i, h) in t.held.iter().enumerate() {
+        let here = t.region(h);
         open.retain(|&j| {
-            let r = &t.held[j];
-            r.meta.shape.is_empty() || r.start0 + r.len0 > h.start0
+            let r = t.region(&t.held[j]);
+            r.ndim() == 0 || r.start0() + r.len0() > here.start0()
         });
         for &j in open.iter() {
-            if let Some(common) = t.held[j].region().intersect(h.region()) {
+            let there = t.region(&t.held[j]);
+            if let Some(common) = there.intersect(here) {
                 let who = |k: usize| describe(sources, t.held[k].first);
                 problems.push(format!(
-                    "tensor '{name}': shards {} ({}) and {} ({}) overlap at {}",
-                    t.held[j].region(),
+                    "tensor '{name}': shards {there} ({}) and {here} ({}) overlap at {}",
                     who(j),
-                    h.region(),
                     who(i),
                     common.span()
                 ));
@@ -325,6 +315,12 @@ fn overlaps(
         }
         open.push(i);
     }
+}
+
+/// The box at `h.at` in `boxes` (a global tensor's, of `ndim` dimensions).
+fn region_in<'b>(boxes: &'b [u64], ndim: usize, h: &Held) -> Span<'b> {
+    let (offset, len) = boxes[h.at..h.at + 2 * ndim].split_at(ndim);
+    Span { offset, len }
 }
 
 fn describe(sources: &[&Manifest], r: ShardRef) -> String {

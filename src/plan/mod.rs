@@ -166,8 +166,14 @@ pub struct Plan {
     /// Entries and bytes that will move (Skip excluded).
     pub tensors: usize,
     pub bytes: u64,
-    /// Per entry, its segments, worked out from the runs on first use (by
-    /// the applier and the source alike). The runs do not change after.
+    /// The entries that move (not `Skip`), in order; `segments[i]` is
+    /// entry `moving[i]`'s. Skipped entries have no runs, so no segments,
+    /// and most entries of a sharded plan are skipped: a slot each would
+    /// be most of the plan's memory.
+    moving: Vec<u32>,
+    /// Per moving entry, its segments, worked out from the runs on first
+    /// use (by the applier and the source alike). The runs do not change
+    /// after.
     segments: Vec<OnceLock<Vec<Segment>>>,
 }
 
@@ -199,11 +205,15 @@ impl Plan {
         for r in &runs {
             entries[r.entry].bytes += r.bytes();
         }
-        let moving = entries.iter().filter(|e| e.target != Target::Skip);
+        let moving: Vec<u32> = (0..entries.len())
+            .filter(|&i| entries[i].target != Target::Skip)
+            .map(|i| u32::try_from(i).expect("a plan's entries are numbered in 32 bits"))
+            .collect();
         Plan {
-            tensors: moving.clone().count(),
-            bytes: moving.map(|e| e.bytes).sum(),
-            segments: entries.iter().map(|_| OnceLock::new()).collect(),
+            tensors: moving.len(),
+            bytes: moving.iter().map(|&i| entries[i as usize].bytes).sum(),
+            segments: moving.iter().map(|_| OnceLock::new()).collect(),
+            moving,
             entries,
             runs,
         }
@@ -238,7 +248,12 @@ impl Plan {
 
     /// Entry `entry`'s segments, in source order.
     pub fn segments(&self, entry: usize) -> &[Segment] {
-        self.segments[entry].get_or_init(|| runs::segments(self.runs_of(entry)))
+        let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
+        match slot {
+            Ok(Ok(slot)) => self.segments[slot].get_or_init(|| runs::segments(self.runs_of(entry))),
+            // A skipped entry (or none): no runs.
+            _ => &[],
+        }
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

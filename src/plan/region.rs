@@ -84,9 +84,14 @@ impl<'a> Span<'a> {
             ndim: extra + self.ndim(),
             ..Region::default()
         };
-        out.len[..extra].fill(1);
-        out.offset[extra..out.ndim].copy_from_slice(self.offset);
-        out.len[extra..out.ndim].copy_from_slice(self.len);
+        // Element by element: a copy of a few numbers is not worth a call
+        // to memcpy, and this runs for every common box.
+        for d in 0..extra {
+            out.len[d] = 1;
+        }
+        for d in 0..self.ndim() {
+            (out.offset[extra + d], out.len[extra + d]) = (self.offset[d], self.len[d]);
+        }
         out
     }
 
@@ -154,8 +159,9 @@ impl Lined {
         let ndim = global.ndim().max(param_shape.len());
         let extra = ndim - param_shape.len();
         let (mut in_param, mut shape) = ([0; MAX_NDIM], [1; MAX_NDIM]);
-        in_param[extra..ndim].copy_from_slice(&piece.at);
-        shape[extra..ndim].copy_from_slice(param_shape);
+        for (d, (&at, &n)) in piece.at.iter().zip(param_shape).enumerate() {
+            (in_param[extra + d], shape[extra + d]) = (at, n);
+        }
         Lined {
             global: global.padded(ndim - global.ndim()),
             in_param,
