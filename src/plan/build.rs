@@ -79,8 +79,16 @@ impl<'a> Sources<'a> {
         logger: &Logger,
     ) -> Result<Plan> {
         let mut problems = Vec::new();
-        // Most pieces meet one or two shards.
-        let mut found = Vec::with_capacity(2 * params.count());
+        // Most pieces meet one or two shards; a split along an inner
+        // dimension meets every shard of its tensor. Reserved, not
+        // touched: pages never written cost nothing, while growing by
+        // doubling would copy every run found so far.
+        let shards = self
+            .manifests
+            .iter()
+            .map(|m| m.tensors.len())
+            .sum::<usize>();
+        let mut found = Vec::with_capacity(2 * params.count() + shards);
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
             for i in 0..params.count() {

@@ -90,8 +90,8 @@ impl<'a> GlobalTensor<'a> {
 }
 
 /// Who has what: the global tensors in first-seen order (for messages),
-/// found by name. Everything is borrowed from the manifests: nothing is
-/// copied or allocated per shard.
+/// found by name. Names, shapes and metadata are borrowed from the
+/// manifests; only each shard's box is copied (beside its tensor's others).
 #[derive(Debug, Default)]
 pub(super) struct Globals<'a> {
     pub tensors: Vec<GlobalTensor<'a>>,
@@ -149,33 +149,51 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
     let most = sources.iter().map(|m| m.tensors.len()).max().unwrap_or(0);
     g.tensors.reserve(most);
     g.by_name.reserve(most);
-    // The global tensor of each shard of the previous source, by position
-    // (guesses for the next source's), and of this one's.
-    let (mut previous, mut current) = (Vec::new(), Vec::new());
+    // Which global tensor each shard is of (None: refused), and how many
+    // shards each has, so that its boxes are allocated once, not grown.
+    let mut of: Vec<Option<u32>> = Vec::with_capacity(g.shards);
+    let mut count: Vec<usize> = Vec::with_capacity(most);
     for (s, m) in sources.iter().enumerate() {
+        // The previous source's shards, by position: guesses for this one's.
+        let previous = match s {
+            0 => 0..0,
+            _ => g.first_shard[s - 1]..g.first_shard[s],
+        };
         for (i, t) in m.tensors.iter().enumerate() {
-            let guess = previous.get(i).copied().flatten();
-            let k = global_of(&mut g, t, guess, problems);
-            current.push(k);
-            let Some(k) = k else { continue };
-            let global = &mut g.tensors[k];
-            let region = Span::of_shard(t);
-            global.held.push(Held {
-                meta: t,
-                at: global.boxes.len(),
-                first: ShardRef {
-                    source: s as u32,
-                    tensor: i as u32,
-                },
-                more: Box::default(),
-            });
-            // Element by element: a few numbers are not worth a memcpy call.
-            for &x in region.offset.iter().chain(region.len) {
-                global.boxes.push(x);
+            let guess = previous.clone().nth(i).and_then(|j| of[j]);
+            let k = global_of(&mut g, t, guess.map(|k| k as usize), problems);
+            if let Some(k) = k {
+                count.resize(g.tensors.len(), 0);
+                count[k] += 1;
             }
+            of.push(k.map(|k| k as u32));
         }
-        std::mem::swap(&mut previous, &mut current);
-        current.clear();
+    }
+    for (t, &n) in g.tensors.iter_mut().zip(&count) {
+        t.held.reserve_exact(n);
+        t.boxes.reserve_exact(n * 2 * t.shape.len());
+    }
+    let shards = sources
+        .iter()
+        .enumerate()
+        .flat_map(|(s, m)| m.tensors.iter().enumerate().map(move |(i, t)| (s, i, t)));
+    for ((s, i, t), k) in shards.zip(of) {
+        let Some(k) = k else { continue };
+        let global = &mut g.tensors[k as usize];
+        let region = Span::of_shard(t);
+        global.held.push(Held {
+            meta: t,
+            at: global.boxes.len(),
+            first: ShardRef {
+                source: s as u32,
+                tensor: i as u32,
+            },
+            more: Box::default(),
+        });
+        // Element by element: a few numbers are not worth a memcpy call.
+        for &x in region.offset.iter().chain(region.len) {
+            global.boxes.push(x);
+        }
     }
     let mut open = Vec::new();
     for t in g.tensors.iter_mut() {
