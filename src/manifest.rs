@@ -4,6 +4,9 @@
 
 use crate::result::{Error, Result};
 use crate::tensor::{shape_text, DType, MAX_NDIM};
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
@@ -88,7 +91,7 @@ impl Placement {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Manifest {
-    pub tensors: Vec<TensorMeta>,
+    pub tensors: Tensors,
     /// The version the source names, if any (snapshot: `version.yaml`).
     pub version: Option<String>,
 }
@@ -98,6 +101,120 @@ impl Manifest {
         self.tensors.iter().map(|t| t.nbytes).sum()
     }
 }
+
+/// A manifest's tensors, shared rather than copied: a plan's entries
+/// refer to them ([`SharedMeta`]), so planning 80,000 shards copies no
+/// name, shape or placement. Reads are a `Vec`'s; a write to a list that
+/// something else still shares copies it first (so a plan never sees a
+/// manifest change under it).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Tensors(Arc<Vec<TensorMeta>>);
+
+impl Tensors {
+    /// Both are the same list (not merely equal ones).
+    pub fn same(&self, other: &Tensors) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Deref for Tensors {
+    type Target = Vec<TensorMeta>;
+
+    fn deref(&self) -> &Vec<TensorMeta> {
+        &self.0
+    }
+}
+
+impl DerefMut for Tensors {
+    fn deref_mut(&mut self) -> &mut Vec<TensorMeta> {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+impl From<Vec<TensorMeta>> for Tensors {
+    fn from(v: Vec<TensorMeta>) -> Tensors {
+        Tensors(Arc::new(v))
+    }
+}
+
+impl FromIterator<TensorMeta> for Tensors {
+    fn from_iter<I: IntoIterator<Item = TensorMeta>>(iter: I) -> Tensors {
+        Tensors::from(iter.into_iter().collect::<Vec<_>>())
+    }
+}
+
+impl<'a> IntoIterator for &'a Tensors {
+    type Item = &'a TensorMeta;
+    type IntoIter = std::slice::Iter<'a, TensorMeta>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl fmt::Debug for Tensors {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Tensor `index` of a manifest's [`Tensors`], sharing the list: cloning
+/// or dropping one is a reference count, and it reads as the
+/// [`TensorMeta`] itself (`meta.name`, `meta.checksum`).
+#[derive(Clone)]
+pub struct SharedMeta {
+    tensors: Tensors,
+    index: usize,
+}
+
+impl SharedMeta {
+    /// Tensor `index` of `tensors`. Panics when `index` is out of range
+    /// (a plan only names tensors it found in the list).
+    pub fn new(tensors: &Tensors, index: usize) -> SharedMeta {
+        assert!(index < tensors.len(), "tensor {index} of {}", tensors.len());
+        SharedMeta {
+            tensors: tensors.clone(),
+            index,
+        }
+    }
+
+    /// This refers into `tensors` itself (the same list, not an equal one).
+    pub fn is_in(&self, tensors: &Tensors) -> bool {
+        self.tensors.same(tensors)
+    }
+}
+
+impl Deref for SharedMeta {
+    type Target = TensorMeta;
+
+    fn deref(&self) -> &TensorMeta {
+        &self.tensors[self.index]
+    }
+}
+
+/// A tensor on its own (a list of one).
+impl From<TensorMeta> for SharedMeta {
+    fn from(meta: TensorMeta) -> SharedMeta {
+        SharedMeta {
+            tensors: Tensors::from(vec![meta]),
+            index: 0,
+        }
+    }
+}
+
+impl fmt::Debug for SharedMeta {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+impl PartialEq for SharedMeta {
+    fn eq(&self, other: &SharedMeta) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for SharedMeta {}
 
 /// Checksum as written in files and messages: 32 lower-case hex digits.
 pub fn checksum_hex(c: u128) -> String {
@@ -120,6 +237,42 @@ mod tests {
             global_shape: global.to_vec(),
             offset: offset.to_vec(),
         }
+    }
+
+    fn meta(name: &str, checksum: Option<u128>) -> TensorMeta {
+        TensorMeta {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: vec![2],
+            nbytes: 8,
+            checksum,
+            placement: None,
+        }
+    }
+
+    #[test]
+    fn shared_metadata_reads_its_tensor_and_a_write_copies_the_list() {
+        let mut m = Manifest {
+            tensors: vec![meta("a", Some(1)), meta("b", Some(2))].into(),
+            version: None,
+        };
+        let b = SharedMeta::new(&m.tensors, 1);
+        assert_eq!((b.name.as_str(), b.checksum), ("b", Some(2)));
+        assert!(b.is_in(&m.tensors));
+        // The plan's reference keeps what it saw; the manifest gets a copy.
+        m.tensors[1].checksum = Some(3);
+        assert_eq!(b.checksum, Some(2));
+        assert_eq!(m.tensors[1].checksum, Some(3));
+        assert!(!b.is_in(&m.tensors));
+        // An equal list is not the same list.
+        let copy = m.clone();
+        assert!(copy.tensors.same(&m.tensors));
+        let other: Tensors = m.tensors.iter().cloned().collect();
+        assert!(other == m.tensors && !other.same(&m.tensors));
+        // A tensor on its own, and its Debug being the tensor's.
+        let alone = SharedMeta::from(meta("c", None));
+        assert_eq!(*alone, meta("c", None));
+        assert_eq!(format!("{alone:?}"), format!("{:?}", meta("c", None)));
     }
 
     #[test]

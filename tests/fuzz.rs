@@ -350,7 +350,7 @@ fn manifest_from(bytes: &[u8]) -> Manifest {
         });
     }
     Manifest {
-        tensors,
+        tensors: tensors.into(),
         version: None,
     }
 }

@@ -64,13 +64,12 @@ impl PlanCache {
     }
 }
 
-/// `plan` with the checksums of `sources` (a copy only when one changed).
+/// `plan` with the metadata of `sources` (their checksums), taken in place
+/// when the cache holds the only reference; entries refer into the
+/// manifests, so taking them copies no tensor's metadata either.
 fn with_checksums(mut plan: Arc<Plan>, sources: &[&Manifest]) -> Arc<Plan> {
-    let fresh = |e: &crate::plan::PlanEntry| sources[e.source].tensors[e.tensor].checksum;
-    if plan.entries.iter().any(|e| e.meta.checksum != fresh(e)) {
-        for e in &mut Arc::make_mut(&mut plan).entries {
-            e.meta.checksum = fresh(e);
-        }
+    if !plan.has_sources(sources) {
+        Arc::make_mut(&mut plan).take_sources(sources);
     }
     plan
 }

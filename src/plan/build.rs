@@ -4,7 +4,7 @@
 use super::params::Params;
 use super::{cover, global, runs, Plan, PlanEntry, PlanOptions, Run, Target};
 use crate::logging::{LogLevel, Logger};
-use crate::manifest::{Manifest, TensorMeta};
+use crate::manifest::{Manifest, SharedMeta};
 use crate::result::{Error, Result};
 
 /// At most this many problems are listed in one error message.
@@ -79,8 +79,16 @@ impl<'a> Sources<'a> {
         logger: &Logger,
     ) -> Result<Plan> {
         let mut problems = Vec::new();
-        // Most pieces meet one or two shards.
-        let mut found = Vec::with_capacity(2 * params.count());
+        // Most pieces meet one or two shards; a split along an inner
+        // dimension meets every shard of its tensor. Reserved, not
+        // touched: pages never written cost nothing, while growing by
+        // doubling would copy every run found so far.
+        let shards = self
+            .manifests
+            .iter()
+            .map(|m| m.tensors.len())
+            .sum::<usize>();
+        let mut found = Vec::with_capacity(2 * params.count() + shards);
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
             for i in 0..params.count() {
@@ -151,49 +159,56 @@ fn unknown_tensors(
 
 /// One entry per (source, tensor, target) in that order, runs numbered by
 /// entry. In callback mode every tensor goes whole to the callback.
-fn assemble(sources: &[&Manifest], mut found: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    found.sort_by_key(|(s, param, r)| (s.source, s.tensor, *param, r.source.start));
-    let mut entries = Vec::with_capacity(sources.iter().map(|m| m.tensors.len()).sum());
-    let mut runs = Vec::with_capacity(found.len());
-    let mut next = found.into_iter().peekable();
+fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: bool) -> Plan {
+    // In (shard, param) order, in place: the found runs become the plan's.
+    // The key orders distinct runs totally (two runs of one shard and param
+    // start at different bytes of the param), so an unstable sort is as
+    // good as a stable one.
+    let param = |t: Target| match t {
+        Target::Param(p) => p,
+        _ => usize::MAX,
+    };
+    runs.sort_unstable_by_key(|r| (r.entry, param(r.target), r.source.start, r.param.start));
+    let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
+    let mut entries = Vec::with_capacity(shards);
+    let mut next = 0;
+    let mut whole = Vec::new();
+    let mut shard = 0;
     for (s, m) in sources.iter().enumerate() {
-        for (i, meta) in m.tensors.iter().enumerate() {
+        for i in 0..m.tensors.len() {
             let mut any = false;
-            while let Some((at, param, _)) = next.peek() {
-                if (at.source, at.tensor) != (s, i) {
-                    break;
-                }
-                let param = *param;
-                let entry = entries.len();
-                while let Some((_, _, mut r)) =
-                    next.next_if(|(a, p, _)| (a.source, a.tensor, *p) == (s, i, param))
+            while next < runs.len() && runs[next].entry == shard {
+                let (target, entry) = (runs[next].target, entries.len());
+                while next < runs.len() && runs[next].entry == shard && runs[next].target == target
                 {
-                    r.entry = entry;
-                    runs.push(r);
+                    runs[next].entry = entry;
+                    next += 1;
                 }
-                entries.push(entry_of(meta, s, i, Target::Param(param)));
+                entries.push(entry_of(SharedMeta::new(&m.tensors, i), s, i, target));
                 any = true;
             }
             if !any {
-                let target = if callback {
-                    Target::Callback
-                } else {
-                    Target::Skip
+                let meta = SharedMeta::new(&m.tensors, i);
+                let target = match callback {
+                    true => Target::Callback,
+                    false => Target::Skip,
                 };
-                entries.push(entry_of(meta, s, i, target));
                 if callback {
-                    runs.push(whole_run(entries.len() - 1, meta.nbytes));
+                    whole.push(whole_run(entries.len(), meta.nbytes));
                 }
+                entries.push(entry_of(meta, s, i, target));
             }
+            shard += 1;
         }
     }
+    runs.append(&mut whole);
     runs::sort_and_merge(&mut runs);
     Plan::from_parts(entries, runs)
 }
 
-fn entry_of(meta: &TensorMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
+fn entry_of(meta: SharedMeta, source: usize, tensor: usize, target: Target) -> PlanEntry {
     PlanEntry {
-        meta: meta.clone(),
+        meta,
         source,
         tensor,
         target,

@@ -3,17 +3,19 @@
 //! covered exactly once (shards do not overlap, so "at least once" by
 //! volume is "exactly once"); each common box becomes runs.
 
-use super::global::{meets, GlobalTensor, Globals, Held, ShardRef};
+use super::global::{GlobalTensor, Globals, Held};
 use super::params::ParamView;
+use super::region::{Lined, Span};
 use super::runs::push_runs;
 use super::{Run, Target};
 use crate::pieces::Piece;
 use crate::tensor::shape_text;
 use crate::tensor_box::TensorBox;
-use std::borrow::Cow;
 
-/// Runs found for one (shard, param) pair; `Run::entry` is set later.
-pub(super) type FoundRun = (ShardRef, usize, Run);
+/// A run found: `Run::entry` is the number of its shard
+/// ([`Globals::shard_number`]) until entries are made, `Run::target` its
+/// param.
+pub(super) type FoundRun = Run;
 
 /// Cover param `index`'s pieces; `used` marks the global tensors named
 /// (indexed like `globals.tensors`). Messages are only formatted for
@@ -63,25 +65,25 @@ pub(super) fn cover_param(
         }
         // A param registered without pieces is all of its tensor: a longer
         // tensor is a mismatch, not a tensor it holds the start of.
-        if !piece.global.inside(&g.shape) || (implicit && g.shape != param.shape) {
+        if !piece.global.inside(g.shape) || (implicit && g.shape != param.shape) {
             problems.push(match implicit {
                 true => format!(
                     "{}: shape mismatch: registered {}, source {}",
                     what(),
                     shape_text(param.shape),
-                    shape_text(&g.shape)
+                    shape_text(g.shape)
                 ),
                 false => format!(
                     "{}: outside the global tensor's shape {}",
                     what(),
-                    shape_text(&g.shape)
+                    shape_text(g.shape)
                 ),
             });
             continue;
         }
         let esize = param.dtype.size() as u64;
         let target = (index, esize, spread + k);
-        if let Err(p) = cover_piece(piece, param.shape, g, target, out) {
+        if let Err(p) = cover_piece(piece, param.shape, (globals, g), target, out) {
             problems.push(format!("{}: {p}", what()));
         }
     }
@@ -91,48 +93,37 @@ pub(super) fn cover_param(
 fn cover_piece(
     piece: &Piece,
     param_shape: &[u64],
-    g: &GlobalTensor,
+    (globals, g): (&Globals, &GlobalTensor),
     (index, esize, spread): (usize, u64, usize),
     out: &mut Vec<FoundRun>,
 ) -> std::result::Result<(), String> {
-    let aligned = piece.aligned(param_shape);
-    let extra = aligned.global.ndim() - g.shape.len();
-    let candidates = g.candidates(&piece.global);
+    let lined = Lined::new(piece, param_shape);
+    let extra = lined.ndim() - g.shape.len();
+    let want = Span::of_box(&piece.global);
+    let candidates = g.candidates(want);
     let mut covered = 0u64;
-    let mut runs: Vec<Run> = Vec::new();
-    for h in candidates
-        .iter()
-        .filter(|h| meets(&piece.global, &h.region))
-    {
-        let Some(common) = piece.global.intersect(&h.region) else {
+    for h in candidates {
+        let Some(common) = want.intersect(g.region(h)) else {
             continue;
         };
         covered += common.volume().unwrap_or(0);
-        let shard = h.replica(spread);
-        // Padded copies only when the piece has more dimensions than its
-        // tensor (an expert stacked into a param).
-        let (common, region) = match extra {
-            0 => (Cow::Owned(common), Cow::Borrowed(&h.region)),
-            _ => (
-                Cow::Owned(common.padded(extra)),
-                Cow::Owned(h.region.padded(extra)),
-            ),
-        };
+        let shard = globals.shard_number(h.replica(spread));
+        // Padded when the piece has more dimensions than its tensor (an
+        // expert stacked into a param).
         push_runs(
-            &common,
-            &region,
-            &aligned,
+            &common.span().padded(extra),
+            &g.region(h).padded(extra),
+            &lined,
             esize,
-            (0, Target::Param(index)),
-            &mut runs,
+            Target::Param(index),
+            |r| out.push(Run { entry: shard, ..r }),
         );
-        out.extend(runs.drain(..).map(|r| (shard, index, r)));
     }
     let need = piece.global.volume().unwrap_or(0);
     if covered == need {
         return Ok(());
     }
-    Err(match uncovered(&piece.global, candidates) {
+    Err(match uncovered(&piece.global, g, candidates) {
         Some(b) => format!("{b} of '{}' is held by no source", piece.tensor),
         None => format!("sources hold {covered} of its {need} elements"),
     })
@@ -140,14 +131,15 @@ fn cover_piece(
 
 /// A box of `piece` that no candidate holds, found on the grid of every
 /// box's edges (bounded work; None when the grid is too large to walk).
-fn uncovered(piece: &TensorBox, candidates: &[Held]) -> Option<TensorBox> {
+fn uncovered(piece: &TensorBox, g: &GlobalTensor, candidates: &[Held]) -> Option<TensorBox> {
     let ndim = piece.ndim();
     let cuts: Vec<Vec<u64>> = (0..ndim)
         .map(|d| {
             let (lo, hi) = (piece.offset[d], piece.offset[d] + piece.len[d]);
             let mut c = vec![lo, hi];
             for h in candidates {
-                let (s, e) = (h.region.offset[d], h.region.offset[d] + h.region.len[d]);
+                let r = g.region(h);
+                let (s, e) = (r.offset[d], r.offset[d] + r.len[d]);
                 c.extend([s, e].into_iter().filter(|&x| x > lo && x < hi));
             }
             c.sort_unstable();
@@ -169,7 +161,7 @@ fn uncovered(piece: &TensorBox, candidates: &[Held]) -> Option<TensorBox> {
         };
         if !candidates
             .iter()
-            .any(|h| cell.intersect(&h.region).is_some())
+            .any(|h| Span::of_box(&cell).intersect(g.region(h)).is_some())
         {
             return Some(cell);
         }

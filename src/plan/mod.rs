@@ -30,13 +30,14 @@ mod fingerprint;
 mod global;
 pub mod layout;
 mod params;
+mod region;
 mod runs;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]
 mod tests;
 
-use crate::manifest::TensorMeta;
+use crate::manifest::{Manifest, SharedMeta, TensorMeta};
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -63,7 +64,10 @@ pub enum Target {
 /// target, entry `i` is tensor `i` of the manifest.
 #[derive(Clone, Debug)]
 pub struct PlanEntry {
-    pub meta: TensorMeta,
+    /// The tensor's metadata, shared with its source's manifest (not a
+    /// copy: a plan of 80,000 shards would otherwise spend most of its
+    /// time copying names and shapes).
+    pub meta: SharedMeta,
     /// Which source (its index among those the plan was made from).
     pub source: usize,
     /// The tensor's index in its source's manifest.
@@ -77,7 +81,7 @@ impl PlanEntry {
     /// Tensor `tensor` of the only source, going to `target`.
     pub fn new(meta: TensorMeta, tensor: usize, target: Target) -> PlanEntry {
         PlanEntry {
-            meta,
+            meta: meta.into(),
             source: 0,
             tensor,
             target,
@@ -162,8 +166,14 @@ pub struct Plan {
     /// Entries and bytes that will move (Skip excluded).
     pub tensors: usize,
     pub bytes: u64,
-    /// Per entry, its segments, worked out from the runs on first use (by
-    /// the applier and the source alike). The runs do not change after.
+    /// The entries that move (not `Skip`), in order; `segments[i]` is
+    /// entry `moving[i]`'s. Skipped entries have no runs, so no segments,
+    /// and most entries of a sharded plan are skipped: a slot each would
+    /// be most of the plan's memory.
+    moving: Vec<u32>,
+    /// Per moving entry, its segments, worked out from the runs on first
+    /// use (by the applier and the source alike). The runs do not change
+    /// after.
     segments: Vec<OnceLock<Vec<Segment>>>,
 }
 
@@ -195,11 +205,15 @@ impl Plan {
         for r in &runs {
             entries[r.entry].bytes += r.bytes();
         }
-        let moving = entries.iter().filter(|e| e.target != Target::Skip);
+        let moving: Vec<u32> = (0..entries.len())
+            .filter(|&i| entries[i].target != Target::Skip)
+            .map(|i| u32::try_from(i).expect("a plan's entries are numbered in 32 bits"))
+            .collect();
         Plan {
-            tensors: moving.clone().count(),
-            bytes: moving.map(|e| e.bytes).sum(),
-            segments: entries.iter().map(|_| OnceLock::new()).collect(),
+            tensors: moving.len(),
+            bytes: moving.iter().map(|&i| entries[i as usize].bytes).sum(),
+            segments: moving.iter().map(|_| OnceLock::new()).collect(),
+            moving,
             entries,
             runs,
         }
@@ -212,9 +226,34 @@ impl Plan {
         &self.runs[from..to]
     }
 
+    /// Take the metadata of `sources` (checksums, version), which must
+    /// have the layouts this plan was made from (`fingerprint`): every
+    /// entry then refers into their manifests instead (a reference count
+    /// each; the old manifests are released).
+    pub fn take_sources(&mut self, sources: &[&Manifest]) {
+        for e in &mut self.entries {
+            let tensors = &sources[e.source].tensors;
+            if !e.meta.is_in(tensors) {
+                e.meta = SharedMeta::new(tensors, e.tensor);
+            }
+        }
+    }
+
+    /// Whether every entry already refers into `sources`' manifests.
+    pub fn has_sources(&self, sources: &[&Manifest]) -> bool {
+        self.entries
+            .iter()
+            .all(|e| e.meta.is_in(&sources[e.source].tensors))
+    }
+
     /// Entry `entry`'s segments, in source order.
     pub fn segments(&self, entry: usize) -> &[Segment] {
-        self.segments[entry].get_or_init(|| runs::segments(self.runs_of(entry)))
+        let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
+        match slot {
+            Ok(Ok(slot)) => self.segments[slot].get_or_init(|| runs::segments(self.runs_of(entry))),
+            // A skipped entry (or none): no runs.
+            _ => &[],
+        }
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

@@ -9,15 +9,9 @@
 //! equally spaced on both sides and make one strided [`Run`]; dimensions
 //! further out give one run per index.
 
+use super::region::{Dims, Lined, Region};
 use super::{Run, Segment, Target};
-use crate::pieces::AlignedPiece;
 use crate::tensor::MAX_NDIM;
-use crate::tensor_box::TensorBox;
-
-/// Per-dimension numbers on the stack: every box here has at most
-/// `MAX_NDIM` dimensions (checked where shapes and pieces come in), and
-/// this runs for every common box, so it allocates nothing.
-type Dims = [u64; MAX_NDIM];
 
 /// Row-major byte strides of a tensor of `shape` with `esize`-byte elements.
 fn strides(shape: &[u64], esize: u64) -> Dims {
@@ -29,23 +23,25 @@ fn strides(shape: &[u64], esize: u64) -> Dims {
 }
 
 /// The runs moving `common` (global coordinates, a part of both the piece
-/// and `shard`, all padded to the piece's rank) from entry `entry`'s shard
-/// into `target`, appended to `out`.
+/// and `shard`, all padded to the piece's rank) from a shard into
+/// `target`, each handed to `emit` (`Run::entry` is 0, set later). Every
+/// box here lives on the stack: this runs for every common box, and
+/// allocates nothing.
 pub(super) fn push_runs(
-    common: &TensorBox,
-    shard: &TensorBox,
-    piece: &AlignedPiece,
+    common: &Region,
+    shard: &Region,
+    piece: &Lined,
     esize: u64,
-    (entry, target): (usize, Target),
-    out: &mut Vec<Run>,
+    target: Target,
+    mut emit: impl FnMut(Run),
 ) {
     let ndim = common.ndim();
-    let src_shape = &shard.len;
-    let dst_shape = &piece.param_shape;
+    let src_shape = &shard.len[..ndim];
+    let dst_shape = &piece.param_shape[..ndim];
     let (mut src_off, mut dst_off): (Dims, Dims) = Default::default();
     for d in 0..ndim {
         src_off[d] = common.offset[d] - shard.offset[d];
-        dst_off[d] = piece.in_param.offset[d] + common.offset[d] - piece.global.offset[d];
+        dst_off[d] = piece.in_param[d] + common.offset[d] - piece.global.offset[d];
     }
     let (ss, ds) = (strides(src_shape, esize), strides(dst_shape, esize));
     // The innermost dimension `k` not spanned whole on both sides; the
@@ -74,8 +70,8 @@ pub(super) fn push_runs(
     let mut idx: Dims = [0; MAX_NDIM];
     loop {
         let (src, dst) = (start(&src_off, &ss, &idx), start(&dst_off, &ds, &idx));
-        out.push(Run {
-            entry,
+        emit(Run {
+            entry: 0,
             target,
             source: src..src + block,
             param: dst..dst + block,
@@ -103,24 +99,30 @@ pub(super) fn push_runs(
 /// follow on from each other on both sides.
 pub(super) fn sort_and_merge(runs: &mut Vec<Run>) {
     runs.sort_by_key(|r| (r.entry, r.source.start));
-    let mut out: Vec<Run> = Vec::with_capacity(runs.len());
-    for r in runs.drain(..) {
-        match out.last_mut() {
-            Some(last)
-                if last.entry == r.entry
-                    && last.target == r.target
-                    && last.rows == 1
-                    && r.rows == 1
-                    && last.source.end == r.source.start
-                    && last.param.end == r.param.start =>
-            {
-                last.source.end = r.source.end;
-                last.param.end = r.param.end;
-            }
-            _ => out.push(r),
+    // Merged in place: `kept` runs are `runs[..kept]`.
+    let mut kept = 0;
+    for i in 0..runs.len() {
+        if kept > 0 && follows(&runs[kept - 1], &runs[i]) {
+            let end = (runs[i].source.end, runs[i].param.end);
+            let last = &mut runs[kept - 1];
+            (last.source.end, last.param.end) = end;
+        } else {
+            runs.swap(kept, i);
+            kept += 1;
         }
     }
-    *runs = out;
+    runs.truncate(kept);
+}
+
+/// `r` is a single block that follows on from single block `last` on both
+/// sides, for the same entry and target.
+fn follows(last: &Run, r: &Run) -> bool {
+    last.entry == r.entry
+        && last.target == r.target
+        && last.rows == 1
+        && r.rows == 1
+        && last.source.end == r.source.start
+        && last.param.end == r.param.start
 }
 
 /// Every block of `runs` (one entry's), in source order, joined where
@@ -157,15 +159,18 @@ pub(super) fn segments(runs: &[Run]) -> Vec<Segment> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::region::Span;
     use super::*;
     use crate::pieces::Piece;
+    use crate::tensor_box::TensorBox;
 
     fn runs_for(piece: &Piece, param: &[u64], shard: &TensorBox) -> Vec<Run> {
-        let a = piece.aligned(param);
-        let shard = shard.padded(a.global.ndim() - shard.ndim());
-        let common = a.global.intersect(&shard).unwrap();
+        let a = Lined::new(piece, param);
+        let extra = a.ndim() - shard.ndim();
+        let shard = Span::of_box(shard).padded(extra);
+        let common = a.global.span().intersect(shard.span()).unwrap();
         let mut out = Vec::new();
-        push_runs(&common, &shard, &a, 2, (0, Target::Param(0)), &mut out);
+        push_runs(&common, &shard, &a, 2, Target::Param(0), |r| out.push(r));
         sort_and_merge(&mut out);
         out
     }

@@ -156,7 +156,7 @@ fn trainer(ranks: u64) -> Vec<(Manifest, Vec<Vec<u8>>)> {
         .map(|_| {
             (
                 Manifest {
-                    tensors: vec![],
+                    tensors: vec![].into(),
                     version: Some("7".into()),
                 },
                 vec![],
@@ -298,7 +298,7 @@ fn uncovered_overlapping_outside_and_mismatched_versions_are_named() {
 fn replicas_are_spread_and_unneeded_shards_are_skipped() {
     // Two sources each hold all of 'o' (replicas); rank r reads from source r.
     let whole = |v: &str| Manifest {
-        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0],
+        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0].into(),
         version: Some(v.into()),
     };
     let (a, b) = (whole("1"), whole("1"));
@@ -375,7 +375,7 @@ fn a_first_slice_named_like_its_param_is_not_the_whole_tensor() {
     // TP rank 0 of 'o' [6, 8] split along dim 0, registered as 'o': its one
     // piece looks like "all of 'o' of the param's shape" but holds rows 0..3.
     let whole = Manifest {
-        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0],
+        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0].into(),
         version: None,
     };
     let spec = ParamSpec {
@@ -445,7 +445,7 @@ fn the_fingerprint_follows_every_layout_change() {
 fn many_replicas_of_one_box_are_joined_and_a_box_twice_in_one_source_is_named() {
     // 64 sources each hold all of 'o': one box, 64 replicas, spread by rank.
     let one = Manifest {
-        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0],
+        tensors: vec![shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0].into(),
         version: None,
     };
     let ms: Vec<&Manifest> = (0..64).map(|_| &one).collect();
@@ -470,7 +470,8 @@ fn many_replicas_of_one_box_are_joined_and_a_box_twice_in_one_source_is_named() 
         assert_eq!(from, [spread % 64]);
     }
     let mut twice = one.clone();
-    twice.tensors.push(twice.tensors[0].clone());
+    let again = twice.tensors[0].clone();
+    twice.tensors.push(again);
     let e = sharded_err(&[&twice], std::slice::from_ref(&spec));
     assert!(
         e.contains("tensor 'o' [0:6, 0:8] appears more than once in the source"),

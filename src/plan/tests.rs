@@ -28,7 +28,7 @@ fn registry() -> Registry {
 fn plan(m: Vec<TensorMeta>, opts: PlanOptions) -> Result<Plan> {
     make_plan(
         &Manifest {
-            tensors: m,
+            tensors: m.into(),
             version: None,
         },
         &registry(),
@@ -175,6 +175,90 @@ fn a_whole_param_is_not_the_start_of_a_longer_tensor() {
     assert!(
         e.message
             .contains("param 'b': shape mismatch: registered [4], source [8]"),
+        "{e}"
+    );
+}
+
+fn manifest(tensors: Vec<TensorMeta>) -> Manifest {
+    Manifest {
+        tensors: tensors.into(),
+        version: None,
+    }
+}
+
+#[test]
+fn entries_share_the_manifest_and_take_the_next_versions() {
+    let sums = |a, b| {
+        let mut m = vec![meta("b", DType::F32, &[4]), meta("a", DType::Bf16, &[2, 3])];
+        (m[0].checksum, m[1].checksum) = (Some(a), Some(b));
+        manifest(m)
+    };
+    let (first, next) = (sums(1, 2), sums(3, 4));
+    let logger = Logger::default();
+    let mut p = make_plan(&first, &registry(), PlanOptions::default(), &logger).unwrap();
+    assert!(p.has_sources(&[&first]) && !p.has_sources(&[&next]));
+    assert!(p.entries.iter().all(|e| e.meta.is_in(&first.tensors)));
+    // Same layout (the same fingerprint), new checksums: taken in place.
+    assert_eq!(
+        fingerprint(&[&first], &registry()),
+        fingerprint(&[&next], &registry())
+    );
+    p.take_sources(&[&next]);
+    assert!(p.has_sources(&[&next]));
+    let got: Vec<_> = p.entries.iter().map(|e| e.meta.checksum).collect();
+    assert_eq!(got, [Some(3), Some(4)]);
+    assert_eq!((p.tensors, p.bytes), (2, 28));
+}
+
+#[test]
+fn sources_listing_tensors_in_other_orders_plan_alike() {
+    // The second source's shards are looked up by guessing the first
+    // source's tensor at the same position; a wrong guess must not matter.
+    let rows = |name: &str, row: u64| {
+        let mut t = meta(name, DType::F32, &[2]);
+        t.placement = Some(crate::manifest::Placement {
+            global_shape: vec![4],
+            offset: vec![row],
+        });
+        t
+    };
+    let mut r = Registry::default();
+    for name in ["x", "y"] {
+        r.allocate(&ParamSpec::host(name, DType::F32, &[4]))
+            .unwrap();
+    }
+    let first = manifest(vec![rows("x", 0), rows("y", 0)]);
+    let logger = Logger::default();
+    let mut plans = Vec::new();
+    for second in [
+        vec![rows("x", 2), rows("y", 2)],
+        vec![rows("y", 2), rows("x", 2)],
+        vec![rows("y", 2), meta("z", DType::F32, &[1]), rows("x", 2)],
+    ] {
+        let second = manifest(second);
+        let opts = PlanOptions {
+            skip_unknown: true,
+            ..Default::default()
+        };
+        let p = make_sharded_plan(&[&first, &second], &r, opts, &logger).unwrap();
+        let mut moved: Vec<_> = p
+            .entries
+            .iter()
+            .zip(0..)
+            .filter(|(e, _)| e.target != Target::Skip)
+            .map(|(e, i)| (e.meta.name.clone(), e.source, p.segments(i).to_vec()))
+            .collect();
+        moved.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        plans.push(moved);
+    }
+    assert_eq!(plans[0].len(), 4, "{:?}", plans[0]);
+    assert!(plans.iter().all(|p| *p == plans[0]), "{plans:?}");
+    // And a wrong guess that names a tensor of another shape is still
+    // refused by name, not mixed up with the guess.
+    let bad = manifest(vec![rows("y", 2), meta("x", DType::F32, &[3])]);
+    let e = make_sharded_plan(&[&first, &bad], &r, PlanOptions::default(), &logger).unwrap_err();
+    assert!(
+        e.message.contains("tensor 'x': sources disagree on it"),
         "{e}"
     );
 }

@@ -90,7 +90,7 @@ fn serve(
     let have = shard.manifest.version.clone().unwrap_or_default();
     conn.send(&Frame::Manifest {
         version: have.clone(),
-        tensors: shard.manifest.tensors.clone(),
+        tensors: shard.manifest.tensors.to_vec(),
     })?;
     let want = match conn.recv(step(cfg.bucket_timeout))? {
         Frame::Want { requests } => requests,

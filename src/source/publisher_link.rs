@@ -50,7 +50,7 @@ impl PublisherLink {
         before_manifest(&mut conn, &hello.encode())?;
         let manifest = match conn.recv(deadline)? {
             Frame::Manifest { version, tensors } => Manifest {
-                tensors,
+                tensors: tensors.into(),
                 version: (!version.is_empty()).then_some(version),
             },
             other => return Err(unexpected(&conn, "MANIFEST", &other)),
