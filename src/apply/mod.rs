@@ -14,7 +14,8 @@
 //! its param's.
 //!
 //! Files: `batch.rs` (one batch, a function per route), `receive.rs` (where
-//! a tensor's bytes are received), `commit.rs` (the end of an update),
+//! a tensor's bytes are received), `spans.rs` (received bytes to param
+//! bytes, walking an entry's segments once per batch), `commit.rs` (the end of an update),
 //! `failure.rs` (what a failed update left), `types.rs`, `progress.rs`.
 //!
 //! Modes:
@@ -46,6 +47,7 @@ mod failure;
 mod progress;
 mod receive;
 mod route;
+mod spans;
 mod types;
 mod upload;
 mod verify;
