@@ -244,7 +244,11 @@ impl<'p, 'h> Applier<'p, 'h> {
     }
 
     /// Copy one batch of chunks. `origin` names where they came from (a file,
-    /// a bucket) in error messages.
+    /// a bucket) in error messages. Consecutive chunks of one tensor, each
+    /// starting where the one before ended, from the same kind of source,
+    /// are checked and routed as one run (`batch.rs`), so a source hands
+    /// many small blocks (a strided request's rows) as they are, at about
+    /// the cost of copying them.
     pub fn apply_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
         self.batch(origin, chunks, false)
     }
