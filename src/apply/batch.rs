@@ -6,6 +6,7 @@
 //! reported.
 
 use super::route::Route;
+use super::spans::SegmentWalk;
 use super::upload::UploadFrom;
 use super::{Applier, Chunk, Dest, DeviceBytes};
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
@@ -42,28 +43,55 @@ impl Applier<'_, '_> {
     ) -> Result<()> {
         self.check_deadline()?;
         let mut work = BatchWork::default();
-        for c in chunks {
-            let Some(end) = self.accept(origin, c)? else {
-                continue;
-            };
-            let complete = end == self.plan.entries[c.tensor].bytes;
-            let whole = c.offset == 0 && complete && self.plan.moves_whole(c.tensor);
-            match self.route(c, whole, landed) {
-                Route::Copy | Route::Landed => {
-                    self.receive_in_memory(c, whole, complete, landed, &mut work)?
-                }
-                Route::HostView { src } => work.host_views.push((c.tensor, src)),
-                Route::DeviceView(bytes) => work.device_views.push((c.tensor, bytes)),
-                Route::DeviceToDevice { src, param } => {
-                    self.copy_device_to_device(c, src, param, complete, &mut work)?
-                }
-                Route::OnDevice { param } => {
-                    self.account_on_device(origin, c, param, landed, complete, &mut work)?
-                }
-            }
-            self.progress.bytes_done += c.len as u64;
+        let mut rest = chunks;
+        while !rest.is_empty() {
+            let (run, tail) = rest.split_at(run_length(rest));
+            rest = tail;
+            self.take_run(origin, run, landed, &mut work)?;
         }
         self.run_batch(origin, work)
+    }
+
+    /// Check, route and take the chunks of `run` (one tensor, following
+    /// on, one kind of source) as one: a tensor's many small blocks cost
+    /// one check and one route, and their spans come from one walk of its
+    /// segments.
+    fn take_run<'c>(
+        &mut self,
+        origin: &str,
+        run: &[Chunk<'c>],
+        landed: bool,
+        work: &mut BatchWork<'c>,
+    ) -> Result<()> {
+        let bytes = run
+            .iter()
+            .try_fold(0u64, |n, c| n.checked_add(c.len as u64))
+            .unwrap_or(u64::MAX); // refused by `accept` as running past
+        let all = Chunk {
+            len: bytes as usize,
+            ..run[0]
+        };
+        let Some(end) = self.accept(origin, &all)? else {
+            return Ok(());
+        };
+        let t = all.tensor;
+        let complete = end == self.plan.entries[t].bytes;
+        let whole = run.len() == 1 && all.offset == 0 && complete && self.plan.moves_whole(t);
+        match self.route(&all, whole, landed) {
+            Route::Copy | Route::Landed => {
+                self.receive_in_memory(run, whole, complete, landed, work)?
+            }
+            Route::HostView { src } => work.host_views.push((t, src)),
+            Route::DeviceView(bytes) => work.device_views.push((t, bytes)),
+            Route::DeviceToDevice { param } => {
+                self.copy_device_to_device(run, param, complete, work)?
+            }
+            Route::OnDevice { param } => {
+                self.account_on_device(origin, run, param, landed, complete, work)?
+            }
+        }
+        self.progress.bytes_done += bytes;
+        Ok(())
     }
 
     /// Check chunk `c` against the plan and what was received before;
@@ -106,38 +134,47 @@ impl Applier<'_, '_> {
         Ok(Some(end))
     }
 
-    /// Route::Copy and Route::Landed: the chunk's bytes are (copied) where
-    /// its tensor is received in host memory.
+    /// Route::Copy and Route::Landed: the run's bytes are (copied) where
+    /// its tensor is received in host memory, a copy job per span.
     fn receive_in_memory<'c>(
         &mut self,
-        c: &Chunk<'c>,
+        run: &[Chunk<'c>],
         whole: bool,
         complete: bool,
         landed: bool,
         work: &mut BatchWork<'c>,
     ) -> Result<()> {
-        let t = c.tensor;
-        let spans = self.receive_spans(t, c.offset, c.len as u64)?;
-        if self.opts.verify && !whole {
+        let t = run[0].tensor;
+        let mut spans = self.spans_from(t, run[0].offset)?;
+        let hashing = self.opts.verify && !whole;
+        for c in run {
             // Bytes in memory are hashed where they already are (just
             // landed, so still in cache); a file's once copied, span by
             // span in the order received.
-            match (landed, c.src) {
-                (false, CopySource::Memory(src)) => work.hash_chunks.push((t, src, c.len)),
-                _ => work
-                    .hash_chunks
-                    .extend(spans.iter().map(|s| (t, s.dst, s.len as usize))),
-            }
-        }
-        if !landed {
-            for s in spans {
-                work.copies.push(CopyJob {
-                    src: c.src.advanced(s.at),
-                    dst: s.dst,
-                    len: s.len as usize,
-                    tag: t,
-                });
-            }
+            let hash_src = match (hashing, landed, c.src) {
+                (true, false, CopySource::Memory(src)) => {
+                    work.hash_chunks.push((t, src, c.len));
+                    false
+                }
+                _ => hashing,
+            };
+            let copies = &mut work.copies;
+            let hash_chunks = &mut work.hash_chunks;
+            spans
+                .map(c.offset, c.len as u64, |s| {
+                    if hash_src {
+                        hash_chunks.push((t, s.dst, s.len as usize));
+                    }
+                    if !landed {
+                        copies.push(CopyJob {
+                            src: c.src.advanced(s.at),
+                            dst: s.dst,
+                            len: s.len as usize,
+                            tag: t,
+                        });
+                    }
+                })
+                .map_err(|at| self.no_run(t, at))?;
         }
         if matches!(self.plan.entries[t].target, Target::Param(_)) && self.arena.is_none() {
             self.wrote_params = true;
@@ -151,15 +188,23 @@ impl Applier<'_, '_> {
     /// Route::DeviceToDevice: queued once the batch is checked.
     fn copy_device_to_device(
         &mut self,
-        c: &Chunk,
-        src: u64,
+        run: &[Chunk],
         (ptr, ordinal): (u64, i32),
         complete: bool,
         work: &mut BatchWork,
     ) -> Result<()> {
-        for (at, p, len) in self.param_spans(c.tensor, c.offset, c.len as u64)? {
-            work.device_copies
-                .push((ordinal, ptr + p, src + at, len as usize));
+        let t = run[0].tensor;
+        let mut walk = SegmentWalk::at(self.plan.segments(t), run[0].offset);
+        for c in run {
+            // The run's chunks are all GPU memory (`run_length`).
+            let CopySource::Device { ptr: src, .. } = c.src else {
+                continue;
+            };
+            let copies = &mut work.device_copies;
+            walk.map(c.offset, c.len as u64, |at, p, len| {
+                copies.push((ordinal, ptr + p, src + at, len as usize))
+            })
+            .map_err(|at| self.no_run(t, at))?;
         }
         self.wrote_params = true;
         work.completed_on_device += u64::from(complete);
@@ -171,13 +216,13 @@ impl Applier<'_, '_> {
     fn account_on_device(
         &mut self,
         origin: &str,
-        c: &Chunk,
+        run: &[Chunk],
         (ptr, ordinal): (u64, i32),
         landed: bool,
         complete: bool,
         work: &mut BatchWork,
     ) -> Result<()> {
-        let t = c.tensor;
+        let t = run[0].tensor;
         if !landed {
             return Err(Error::format(format!(
                 "{origin}: tensor '{}' must land in its GPU param (gdr), not be copied",
@@ -185,8 +230,10 @@ impl Applier<'_, '_> {
             )));
         }
         if self.opts.verify {
-            let at = ptr + self.param_offset(t, c.offset, c.len as u64)?;
-            self.hash_on_device(origin, t, (at, ordinal), c.len)?;
+            for c in run {
+                let at = ptr + self.param_offset(t, c.offset, c.len as u64)?;
+                self.hash_on_device(origin, t, (at, ordinal), c.len)?;
+            }
         }
         if complete {
             work.completed.push(t);
@@ -210,11 +257,7 @@ impl Applier<'_, '_> {
             // allocated for n.
             unsafe { self.loose.filled(t, n) };
         }
-        for &(t, at, len) in &work.hash_chunks {
-            // SAFETY: the chunk's bytes are in place (landed or just
-            // copied) and nothing writes them during the batch.
-            self.hash_chunk(t, unsafe { std::slice::from_raw_parts(at.0, len) });
-        }
+        self.hash_chunks(&work.hash_chunks);
         self.verify(origin, &work.completed)?;
         self.progress.tensors_done += work.completed.len() as u64 + work.completed_on_device;
         for &copy in &work.device_copies {
@@ -271,4 +314,23 @@ impl Applier<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// How many chunks from the first are one run: of one tensor, each
+/// starting where the one before it ended, all from the same kind of
+/// source (memory, a file, GPU memory), so they take one route.
+fn run_length(chunks: &[Chunk]) -> usize {
+    let first = &chunks[0];
+    let kind = std::mem::discriminant(&first.src);
+    let mut end = first.offset.checked_add(first.len as u64);
+    1 + chunks[1..]
+        .iter()
+        .take_while(|c| {
+            let follows = c.tensor == first.tensor
+                && Some(c.offset) == end
+                && std::mem::discriminant(&c.src) == kind;
+            end = end.and_then(|e| e.checked_add(c.len as u64));
+            follows
+        })
+        .count()
 }

@@ -14,7 +14,8 @@
 //! its param's.
 //!
 //! Files: `batch.rs` (one batch, a function per route), `receive.rs` (where
-//! a tensor's bytes are received), `commit.rs` (the end of an update),
+//! a tensor's bytes are received), `spans.rs` (received bytes to param
+//! bytes, walking an entry's segments once per batch), `commit.rs` (the end of an update),
 //! `failure.rs` (what a failed update left), `types.rs`, `progress.rs`.
 //!
 //! Modes:
@@ -46,6 +47,7 @@ mod failure;
 mod progress;
 mod receive;
 mod route;
+mod spans;
 mod types;
 mod upload;
 mod verify;
@@ -242,7 +244,11 @@ impl<'p, 'h> Applier<'p, 'h> {
     }
 
     /// Copy one batch of chunks. `origin` names where they came from (a file,
-    /// a bucket) in error messages.
+    /// a bucket) in error messages. Consecutive chunks of one tensor, each
+    /// starting where the one before ended, from the same kind of source,
+    /// are checked and routed as one run (`batch.rs`), so a source hands
+    /// many small blocks (a strided request's rows) as they are, at about
+    /// the cost of copying them.
     pub fn apply_batch(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {
         self.batch(origin, chunks, false)
     }

@@ -4,6 +4,7 @@
 //! buffer. The policy for device params (which sizes get a pinned buffer)
 //! is `memory::staging`'s.
 
+use super::spans::SegmentWalk;
 use super::{Applier, Dest};
 use crate::memory::staging::lands_in_own_pinned_buffer;
 use crate::memory::SendPtr;
@@ -18,7 +19,41 @@ pub(super) struct Span {
     pub len: u64,
 }
 
-impl Applier<'_, '_> {
+/// Where an entry's received bytes go, chunk after chunk (in order).
+pub(super) enum Spans<'s> {
+    /// Back to back from here (the entry's own buffer or arena slot).
+    Packed(*mut u8),
+    /// In memory laid out like the param, at `base`.
+    Param {
+        base: *mut u8,
+        walk: SegmentWalk<'s>,
+    },
+}
+
+impl Spans<'_> {
+    /// Received bytes `[offset, offset + len)` (following on from the last
+    /// call's), as spans handed to `f` in order. Err: a byte in no run.
+    pub(super) fn map(
+        &mut self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(Span),
+    ) -> Result<(), u64> {
+        match self {
+            Spans::Packed(base) => {
+                let dst = SendPtr(base.wrapping_add(offset as usize));
+                f(Span { at: 0, dst, len });
+                Ok(())
+            }
+            Spans::Param { base, walk } => walk.map(offset, len, |at, p, len| {
+                let dst = SendPtr(base.wrapping_add(p as usize));
+                f(Span { at, dst, len })
+            }),
+        }
+    }
+}
+
+impl<'p> Applier<'p, '_> {
     /// The device param of entry `t` when a source writes its bytes into it
     /// directly (gdr, in place): its address and GPU.
     pub(super) fn gdr_param(&self, t: usize) -> Option<(u64, i32)> {
@@ -42,47 +77,43 @@ impl Applier<'_, '_> {
             && (matches!(self.params[t], Some(Dest::Host(_))) || self.gdr_param(t).is_some())
     }
 
-    /// Where received bytes `[offset, offset + len)` of entry `t` go, as
-    /// (byte of the chunk, destination, length) spans: one span in the
-    /// arena or a buffer of the entry's own (which hold the entry's bytes
-    /// as received), one per segment in the param itself.
-    pub(super) fn receive_spans(&mut self, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
+    /// Where received bytes of entry `t` go, from received byte `offset`
+    /// on: the arena or a buffer of the entry's own (which hold the
+    /// entry's bytes as received), or memory laid out like its param (the
+    /// param itself, or its shadow), cut at segment edges.
+    pub(super) fn spans_from(&mut self, t: usize, offset: u64) -> Result<Spans<'p>> {
+        let plan = self.plan;
+        let laid_out = |base: *mut u8| Spans::Param {
+            base,
+            walk: SegmentWalk::at(plan.segments(t), offset),
+        };
         if let Some(arena) = &self.arena {
-            if let Target::Param(i) = self.plan.entries[t].target {
-                return self.spans_at(arena.param_shadow(i), t, offset, len);
+            if let Target::Param(i) = plan.entries[t].target {
+                return Ok(laid_out(arena.param_shadow(i)));
             }
-            let dst = SendPtr(arena.callback_slot(t).wrapping_add(offset as usize));
-            return Ok(vec![Span { at: 0, dst, len }]);
+            return Ok(Spans::Packed(arena.callback_slot(t)));
         }
         let param = match (self.gdr_param(t), self.params[t]) {
             (Some((ptr, _)), _) => Some(ptr as *mut u8),
-            (None, Some(Dest::Host(p)))
-                if matches!(self.plan.entries[t].target, Target::Param(_)) =>
-            {
+            (None, Some(Dest::Host(p))) if matches!(plan.entries[t].target, Target::Param(_)) => {
                 Some(p.0)
             }
             _ => None,
         };
-        if let Some(base) = param {
-            return self.spans_at(base, t, offset, len);
+        match param {
+            Some(base) => Ok(laid_out(base)),
+            None => Ok(Spans::Packed(self.tensor_buffer(t)?.0)),
         }
-        let buffer = self.tensor_buffer(t)?;
-        let dst = SendPtr(buffer.0.wrapping_add(offset as usize));
-        Ok(vec![Span { at: 0, dst, len }])
     }
 
-    /// The spans of received bytes `[offset, offset + len)` of entry `t` in
-    /// memory laid out like its param (the param, or its shadow) at `base`.
-    fn spans_at(&self, base: *mut u8, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
-        let spans = self.param_spans(t, offset, len)?;
-        Ok(spans
-            .into_iter()
-            .map(|(at, p, len)| Span {
-                at,
-                dst: SendPtr(base.wrapping_add(p as usize)),
-                len,
-            })
-            .collect())
+    /// [`Applier::spans_from`] for the one range `[offset, offset + len)`.
+    pub(super) fn receive_spans(&mut self, t: usize, offset: u64, len: u64) -> Result<Vec<Span>> {
+        let mut out = Vec::new();
+        let mut spans = self.spans_from(t, offset)?;
+        spans
+            .map(offset, len, |s| out.push(s))
+            .map_err(|at| self.no_run(t, at))?;
+        Ok(out)
     }
 
     /// Received bytes `[offset, offset + len)` of entry `t` in the param,
@@ -93,23 +124,19 @@ impl Applier<'_, '_> {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, u64, u64)>> {
-        let segs = self.plan.segments(t);
-        let mut i = segs.partition_point(|s| s.wanted + s.len <= offset);
-        let (mut at, end) = (offset, offset + len);
         let mut out = Vec::new();
-        while at < end {
-            let s = segs.get(i).filter(|s| s.wanted <= at).ok_or_else(|| {
-                Error::format(format!(
-                    "tensor '{}': byte {at} is in no planned run",
-                    self.name(t)
-                ))
-            })?;
-            let n = (s.wanted + s.len).min(end) - at;
-            out.push((at - offset, s.param + (at - s.wanted), n));
-            at += n;
-            i += 1;
-        }
+        SegmentWalk::at(self.plan.segments(t), offset)
+            .map(offset, len, |at, p, n| out.push((at, p, n)))
+            .map_err(|at| self.no_run(t, at))?;
         Ok(out)
+    }
+
+    /// The error for received byte `at` of entry `t`, in none of its runs.
+    pub(super) fn no_run(&self, t: usize, at: u64) -> Error {
+        Error::format(format!(
+            "tensor '{}': byte {at} is in no planned run",
+            self.name(t)
+        ))
     }
 
     /// The param byte that received byte `offset` of entry `t` goes to,

@@ -1,4 +1,6 @@
-//! How a chunk's bytes reach where they end up, decided once per chunk.
+//! How a chunk's bytes reach where they end up, decided once per run of
+//! chunks (`batch.rs`: consecutive chunks of one tensor from one kind of
+//! source take the same route).
 
 use super::{Applier, Chunk, Dest, DeviceBytes};
 use crate::memory::copy::CopySource;
@@ -21,18 +23,19 @@ pub(super) enum Route {
     /// A whole callback tensor in the source's GPU memory (CUDA IPC), in
     /// place, unverified: handed to the callback as a device pointer.
     DeviceView(DeviceBytes),
-    /// The source's GPU memory at `src` into the device param at `param`
-    /// (address, GPU), in place, unverified: copied device to device on the
-    /// param's upload stream.
-    DeviceToDevice { src: u64, param: (u64, i32) },
+    /// The source's GPU memory (each chunk's `src`) into the device param
+    /// at `param` (address, GPU), in place, unverified: copied device to
+    /// device on the param's upload stream.
+    DeviceToDevice { param: (u64, i32) },
     /// gdr, in place: the source wrote it into the device param at `param`
     /// itself; verification reads it back to hash it.
     OnDevice { param: (u64, i32) },
 }
 
 impl Applier<'_, '_> {
-    /// The route of chunk `c`, which is whole when it holds its entire
-    /// tensor; `landed`: the source wrote its bytes itself.
+    /// The route of chunk `c` (a run of chunks as one: its first's source,
+    /// their bytes), which is whole when it holds its entire tensor in one
+    /// piece; `landed`: the source wrote its bytes itself.
     pub(super) fn route(&self, c: &Chunk, whole: bool, landed: bool) -> Route {
         let t = c.tensor;
         let target = self.plan.entries[t].target;
@@ -42,10 +45,7 @@ impl Applier<'_, '_> {
         {
             match (target, self.params[t]) {
                 (Target::Param(_), Some(Dest::Device { ptr, ordinal: to })) => {
-                    return Route::DeviceToDevice {
-                        src,
-                        param: (ptr, to),
-                    }
+                    return Route::DeviceToDevice { param: (ptr, to) }
                 }
                 (Target::Callback, _) if whole => {
                     let len = c.len;

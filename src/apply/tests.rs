@@ -212,3 +212,74 @@ fn chunks_land_where_their_run_says() {
         assert_eq!(param, [0, 0, 0, 0, 1, 2, 3, 4], "{mode:?}, landed {landed}");
     }
 }
+
+/// A column split: bytes 4..12 of each 16-byte row of a 16-row tensor go
+/// to 8 of every 12 param bytes (16 segments). The received bytes come as
+/// many small chunks of uneven lengths, most crossing a segment edge, in
+/// two batches: each byte lands exactly where its run says (the gaps keep
+/// their bytes), and the slice sum of the received bytes verifies (a
+/// wrong one fails naming the tensor), in place and atomically.
+#[test]
+fn many_small_chunks_across_segments_land_and_verify() {
+    let tensor: Vec<u8> = (0..256u32).map(|i| (i * 7 + 1) as u8).collect();
+    let mut plan = plan_of(&tensor);
+    plan.runs[0].source = 4..12;
+    plan.runs[0].param = 0..8;
+    plan.runs[0].rows = 16;
+    plan.runs[0].source_stride = 16;
+    plan.runs[0].param_stride = 12;
+    plan.entries[0].bytes = 128;
+    let received: Vec<u8> = tensor.chunks(16).flat_map(|r| r[4..12].to_vec()).collect();
+    let mut want = vec![0xEEu8; 192];
+    for (r, row) in received.chunks(8).enumerate() {
+        want[r * 12..r * 12 + 8].copy_from_slice(row);
+    }
+    let good = crate::checksum::of(&received);
+    for mode in [Mode::InPlace, Mode::Atomic] {
+        for sum in [good, good ^ 1] {
+            let got = apply_small_chunks(&plan, &received, mode, sum);
+            match (sum == good, got) {
+                (true, Ok(param)) => assert_eq!(param, want, "{mode:?}"),
+                (false, Err(e)) => {
+                    assert_eq!(e.code, crate::wm_result::WM_ERR_CHECKSUM, "{e}");
+                    assert!(e.message.contains("tensor 'w'"), "{e}");
+                }
+                (ok, got) => panic!("{mode:?}, good sum {ok}: {:?}", got.map(|_| ())),
+            }
+        }
+    }
+}
+
+/// Apply `received` (entry 0's bytes) in chunks of 1 to 20 bytes, split
+/// over two batches, into a 192-byte param of 0xEE bytes, verifying
+/// against slice sum `sum`.
+fn apply_small_chunks(plan: &Plan, received: &[u8], mode: Mode, sum: u128) -> Result<Vec<u8>> {
+    let mut param = vec![0xEEu8; 192];
+    let opts = ApplyOptions {
+        verify: true,
+        ..callback_opts(mode, 0)
+    };
+    let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+    let mut a = Applier::new(plan, vec![dest], opts, Hooks::default())?;
+    a.expect_checksum(0, sum)?;
+    let mut chunks = Vec::new();
+    let mut at = 0;
+    for len in [5usize, 11, 3, 20, 1, 8, 13].iter().cycle() {
+        let len = (*len).min(received.len() - at);
+        chunks.push(Chunk {
+            tensor: 0,
+            offset: at as u64,
+            len,
+            src: CopySource::Memory(SendPtr(received[at..].as_ptr().cast_mut())),
+        });
+        at += len;
+        if at == received.len() {
+            break;
+        }
+    }
+    let (first, second) = chunks.split_at(chunks.len() / 2);
+    a.apply_batch("test", first)?;
+    a.apply_batch("test", second)?;
+    a.finish().map_err(|f| f.error)?;
+    Ok(param)
+}

@@ -37,9 +37,18 @@ impl Applier<'_, '_> {
         }
     }
 
-    /// Add `bytes`, the next bytes of entry `t`, to its running hash.
-    pub(super) fn hash_chunk(&mut self, t: usize, bytes: &[u8]) {
-        self.hashing.entry(t).or_default().update(bytes);
+    /// Add each of `chunks` (entry, bytes, length: the next bytes of the
+    /// entry, in order) to its entry's running hash, looked up once per
+    /// run of the same entry.
+    pub(super) fn hash_chunks(&mut self, chunks: &[(usize, SendPtr, usize)]) {
+        for run in chunks.chunk_by(|a, b| a.0 == b.0) {
+            let hash = self.hashing.entry(run[0].0).or_default();
+            for &(_, at, len) in run {
+                // SAFETY: the chunk's bytes are in place (landed or just
+                // copied) and nothing writes them during the batch.
+                hash.update(unsafe { std::slice::from_raw_parts(at.0, len) });
+            }
+        }
     }
 
     /// gdr: add the `len` bytes at device address `at` (GPU `ordinal`) to
