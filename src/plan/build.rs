@@ -160,16 +160,8 @@ fn unknown_tensors(
 /// One entry per (source, tensor, target) in that order, runs numbered by
 /// entry. In callback mode every tensor goes whole to the callback.
 fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    // In (shard, param) order, in place: the found runs become the plan's.
-    // The key orders distinct runs totally (two runs of one shard and param
-    // start at different bytes of the param), so an unstable sort is as
-    // good as a stable one.
-    let param = |t: Target| match t {
-        Target::Param(p) => p,
-        _ => usize::MAX,
-    };
-    runs.sort_unstable_by_key(|r| (r.entry, param(r.target), r.source.start, r.param.start));
     let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
+    runs::order_by_shard(&mut runs, shards);
     let mut entries = Vec::with_capacity(shards);
     let mut next = 0;
     let mut whole = Vec::new();
@@ -201,8 +193,11 @@ fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: boo
             shard += 1;
         }
     }
+    // In callback mode no piece was covered: the runs are the whole ones,
+    // made in entry order. Otherwise none is whole. Either way the runs are
+    // in (entry, source offset) order already.
     runs.append(&mut whole);
-    runs::sort_and_merge(&mut runs);
+    runs::merge_ordered(&mut runs);
     Plan::from_parts(entries, runs)
 }
 
