@@ -158,11 +158,23 @@ fn unknown_tensors(
 }
 
 /// One entry per (source, tensor, target) in that order, runs numbered by
-/// entry. In callback mode every tensor goes whole to the callback.
+/// entry. In callback mode every tensor goes whole to the callback. A
+/// tensor no piece needs gets a `Skip` entry when there is one source
+/// (entry `i` is then tensor `i`: a source sending every tensor numbers
+/// them so), and none when there are several (each is asked for exactly
+/// what the entries need, and most of their shards are not).
 fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: bool) -> Plan {
     let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
     runs::order_by_shard(&mut runs, shards);
-    let mut entries = Vec::with_capacity(shards);
+    let unneeded = match (callback, sources.len()) {
+        (true, _) => Some(Target::Callback),
+        (false, 1) => Some(Target::Skip),
+        (false, _) => None,
+    };
+    let mut entries = Vec::with_capacity(match unneeded {
+        Some(_) => shards,
+        None => runs.len(),
+    });
     let mut next = 0;
     let mut whole = Vec::new();
     let mut shard = 0;
@@ -179,12 +191,8 @@ fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: boo
                 entries.push(entry_of(SharedMeta::new(&m.tensors, i), s, i, target));
                 any = true;
             }
-            if !any {
+            if let Some(target) = unneeded.filter(|_| !any) {
                 let meta = SharedMeta::new(&m.tensors, i);
-                let target = match callback {
-                    true => Target::Callback,
-                    false => Target::Skip,
-                };
                 if callback {
                     whole.push(whole_run(entries.len(), meta.nbytes));
                 }
