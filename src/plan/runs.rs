@@ -235,6 +235,42 @@ mod tests {
     }
 
     #[test]
+    fn found_runs_go_in_shard_then_param_then_offset_order() {
+        let run = |shard: usize, param: usize, at: u64| Run {
+            entry: shard,
+            target: Target::Param(param),
+            source: at..at + 4,
+            param: 0..4,
+            rows: 1,
+            source_stride: 4,
+            param_stride: 4,
+        };
+        let mut runs = vec![
+            run(2, 0, 0),
+            run(0, 1, 8),
+            run(1, 0, 0),
+            run(0, 0, 4),
+            run(0, 1, 0),
+        ];
+        order_by_shard(&mut runs, 4);
+        let order: Vec<(usize, Target, u64)> = runs
+            .iter()
+            .map(|r| (r.entry, r.target, r.source.start))
+            .collect();
+        let p = Target::Param;
+        assert_eq!(
+            order,
+            [
+                (0, p(0), 4),
+                (0, p(1), 0),
+                (0, p(1), 8),
+                (1, p(0), 0),
+                (2, p(0), 0)
+            ]
+        );
+    }
+
+    #[test]
     fn a_row_split_is_one_block() {
         // Param: rows 2..6 of [8, 4]; shard: rows 4..8.
         let runs = runs_for(
