@@ -297,7 +297,7 @@ fn bench_shard_prints_planning_beside_its_target_and_floor() {
     for want in [
         "plan 80 pieces x 8 sources, dim-0 shards (FSDP)",
         "target 10.000 ms",
-        "floor: 640 plan entries built and dropped",
+        "floor: 290 plan entries built and dropped (of 640 shards)",
         "reuse: fingerprint of the layouts",
         "whole layers (PP)",
     ] {

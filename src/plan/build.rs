@@ -158,19 +158,23 @@ fn unknown_tensors(
 }
 
 /// One entry per (source, tensor, target) in that order, runs numbered by
-/// entry. In callback mode every tensor goes whole to the callback.
+/// entry. In callback mode every tensor goes whole to the callback. A
+/// tensor no piece needs gets a `Skip` entry when there is one source
+/// (entry `i` is then tensor `i`: a source sending every tensor numbers
+/// them so), and none when there are several (each is asked for exactly
+/// what the entries need, and most of their shards are not).
 fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: bool) -> Plan {
-    // In (shard, param) order, in place: the found runs become the plan's.
-    // The key orders distinct runs totally (two runs of one shard and param
-    // start at different bytes of the param), so an unstable sort is as
-    // good as a stable one.
-    let param = |t: Target| match t {
-        Target::Param(p) => p,
-        _ => usize::MAX,
-    };
-    runs.sort_unstable_by_key(|r| (r.entry, param(r.target), r.source.start, r.param.start));
     let shards: usize = sources.iter().map(|m| m.tensors.len()).sum();
-    let mut entries = Vec::with_capacity(shards);
+    runs::order_by_shard(&mut runs, shards);
+    let unneeded = match (callback, sources.len()) {
+        (true, _) => Some(Target::Callback),
+        (false, 1) => Some(Target::Skip),
+        (false, _) => None,
+    };
+    let mut entries = Vec::with_capacity(match unneeded {
+        Some(_) => shards,
+        None => runs.len(),
+    });
     let mut next = 0;
     let mut whole = Vec::new();
     let mut shard = 0;
@@ -187,12 +191,8 @@ fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: boo
                 entries.push(entry_of(SharedMeta::new(&m.tensors, i), s, i, target));
                 any = true;
             }
-            if !any {
+            if let Some(target) = unneeded.filter(|_| !any) {
                 let meta = SharedMeta::new(&m.tensors, i);
-                let target = match callback {
-                    true => Target::Callback,
-                    false => Target::Skip,
-                };
                 if callback {
                     whole.push(whole_run(entries.len(), meta.nbytes));
                 }
@@ -201,8 +201,11 @@ fn assemble(sources: &[&Manifest], mut runs: Vec<cover::FoundRun>, callback: boo
             shard += 1;
         }
     }
+    // In callback mode no piece was covered: the runs are the whole ones,
+    // made in entry order. Otherwise none is whole. Either way the runs are
+    // in (entry, source offset) order already.
     runs.append(&mut whole);
-    runs::sort_and_merge(&mut runs);
+    runs::merge_ordered(&mut runs);
     Plan::from_parts(entries, runs)
 }
 

@@ -3,7 +3,7 @@
 //! covered exactly once (shards do not overlap, so "at least once" by
 //! volume is "exactly once"); each common box becomes runs.
 
-use super::global::{GlobalTensor, Globals, Held};
+use super::global::{Global, Globals, Held};
 use super::params::ParamView;
 use super::region::{Lined, Span};
 use super::runs::push_runs;
@@ -53,7 +53,7 @@ pub(super) fn cover_param(
             continue;
         };
         used[g] = true;
-        let g = &globals.tensors[g];
+        let g = globals.get(g);
         if g.dtype != param.dtype {
             problems.push(format!(
                 "{}: dtype mismatch: registered {}, source {}",
@@ -93,7 +93,7 @@ pub(super) fn cover_param(
 fn cover_piece(
     piece: &Piece,
     param_shape: &[u64],
-    (globals, g): (&Globals, &GlobalTensor),
+    (globals, g): (&Globals, Global),
     (index, esize, spread): (usize, u64, usize),
     out: &mut Vec<FoundRun>,
 ) -> std::result::Result<(), String> {
@@ -107,7 +107,7 @@ fn cover_piece(
             continue;
         };
         covered += common.volume().unwrap_or(0);
-        let shard = globals.shard_number(h.replica(spread));
+        let shard = globals.shard_number(g.replica(h, spread));
         // Padded when the piece has more dimensions than its tensor (an
         // expert stacked into a param).
         push_runs(
@@ -131,7 +131,7 @@ fn cover_piece(
 
 /// A box of `piece` that no candidate holds, found on the grid of every
 /// box's edges (bounded work; None when the grid is too large to walk).
-fn uncovered(piece: &TensorBox, g: &GlobalTensor, candidates: &[Held]) -> Option<TensorBox> {
+fn uncovered(piece: &TensorBox, g: Global, candidates: &[Held]) -> Option<TensorBox> {
     let ndim = piece.ndim();
     let cuts: Vec<Vec<u64>> = (0..ndim)
         .map(|d| {

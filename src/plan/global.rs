@@ -11,6 +11,11 @@ use super::region::Span;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::tensor::{byte_size, shape_text, DType};
 use std::collections::HashMap;
+use std::ops::Range;
+
+/// Names hashed with foldhash: SipHash was a tenth of planning 80,000
+/// shards, and these names come from the engine's own sources.
+type ByName<'a> = HashMap<&'a str, usize, foldhash::fast::RandomState>;
 
 /// One shard: tensor `tensor` of source `source` (32 bits each: there
 /// is one per shard in the index, which should stay small).
@@ -21,85 +26,91 @@ pub(super) struct ShardRef {
 }
 
 /// A box of a global tensor and every source holding it (replicas: the
-/// first inline, since most boxes have one, and the others in source order).
-#[derive(Debug)]
-pub(super) struct Held<'a> {
-    /// The first replica's metadata (named in messages).
-    meta: &'a TensorMeta,
-    /// Where its box is in its global tensor's `boxes`.
-    at: usize,
+/// first inline, since most boxes have one, and the others in source order
+/// in [`Globals`]' `more`). Sixteen bytes: one per shard is written and
+/// read back on every plan from scratch.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Held {
+    /// Where its box is in [`Globals`]' `boxes`.
+    at: u32,
+    /// 0: no other replica; else 1 + the index of the others in `more`.
+    more: u32,
     first: ShardRef,
-    /// Rare, so a boxed slice (two words, nothing allocated while empty):
-    /// every byte of `Held` is paid per shard.
-    more: Box<[ShardRef]>,
 }
 
-impl Held<'_> {
-    fn replicas(&self) -> &[ShardRef] {
-        &self.more
-    }
-
-    /// The replica an engine rank with `spread` reads.
-    pub fn replica(&self, spread: usize) -> ShardRef {
-        match spread % (1 + self.replicas().len()) {
-            0 => self.first,
-            i => self.replicas()[i - 1],
-        }
-    }
-
-    fn holds_from(&self, source: u32) -> bool {
-        self.first.source == source || self.replicas().iter().any(|r| r.source == source)
-    }
-}
-
+/// A global tensor's name, dtype and shape, and where its boxes are.
 #[derive(Debug)]
 pub(super) struct GlobalTensor<'a> {
     pub name: &'a str,
     pub dtype: DType,
     pub shape: &'a [u64],
-    /// Distinct boxes, sorted by offset.
-    pub held: Vec<Held<'a>>,
-    /// The boxes of `held`, copied together: per box its offset then its
-    /// lengths. Sorting, sweeping and intersecting them then reads this,
-    /// not metadata spread over the heap (80,000 shards' of it).
-    boxes: Vec<u64>,
+    /// Its distinct boxes in [`Globals`]' `held`, sorted by offset.
+    held: Range<usize>,
     /// The longest box along dimension 0 (to find the boxes a piece meets).
     max_len0: u64,
 }
 
-impl<'a> GlobalTensor<'a> {
-    /// The box of `h` (one of `held`).
+/// One global tensor with its boxes, borrowed from [`Globals`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Global<'g> {
+    pub name: &'g str,
+    pub dtype: DType,
+    pub shape: &'g [u64],
+    held: &'g [Held],
+    boxes: &'g [u64],
+    more: &'g [Box<[ShardRef]>],
+    max_len0: u64,
+}
+
+impl Global<'_> {
+    /// The box of `h` (one of this tensor's).
     pub fn region(&self, h: &Held) -> Span<'_> {
-        region_in(&self.boxes, self.shape.len(), h)
+        region_in(self.boxes, self.shape.len(), h)
+    }
+
+    /// The replica of `h` an engine rank with `spread` reads.
+    pub fn replica(&self, h: &Held, spread: usize) -> ShardRef {
+        let others = replicas_in(self.more, h);
+        match spread % (1 + others.len()) {
+            0 => h.first,
+            i => others[i - 1],
+        }
     }
 
     /// The boxes that may meet `b` (same rank): those starting along
     /// dimension 0 before `b` ends and not ending before it starts.
-    pub fn candidates(&self, b: Span) -> &[Held<'a>] {
+    pub fn candidates(&self, b: Span) -> &[Held] {
         if b.ndim() == 0 {
-            return &self.held;
+            return self.held;
         }
         let (start, len) = (b.start0(), b.len0());
         let from = start.saturating_sub(self.max_len0);
-        let lo = self.held.partition_point(|h| self.boxes[h.at] < from);
-        let hi = self
-            .held
-            .partition_point(|h| self.boxes[h.at] < start + len);
+        let start0 = |h: &Held| self.boxes[h.at as usize];
+        let lo = self.held.partition_point(|h| start0(h) < from);
+        let hi = self.held.partition_point(|h| start0(h) < start + len);
         &self.held[lo..hi]
     }
 }
 
 /// Who has what: the global tensors in first-seen order (for messages),
-/// found by name. Names, shapes and metadata are borrowed from the
-/// manifests; only each shard's box is copied (beside its tensor's others).
+/// found by name. Names and shapes are borrowed from the manifests; each
+/// shard's box is copied, beside its tensor's others, in one list for all.
 #[derive(Debug, Default)]
 pub(super) struct Globals<'a> {
     pub tensors: Vec<GlobalTensor<'a>>,
-    by_name: HashMap<&'a str, usize>,
+    by_name: ByName<'a>,
     /// Per source, the number of its first shard when all are numbered
     /// source by source.
     first_shard: Vec<usize>,
     shards: usize,
+    /// Every global tensor's distinct boxes, tensor after tensor.
+    held: Vec<Held>,
+    /// The boxes of `held`: per box its offset then its lengths. Sorting,
+    /// sweeping and intersecting them then reads this, not metadata spread
+    /// over the heap (80,000 shards' of it).
+    boxes: Vec<u64>,
+    /// The replicas of a box beyond its first (rare).
+    more: Vec<Box<[ShardRef]>>,
 }
 
 impl<'a> Globals<'a> {
@@ -111,6 +122,20 @@ impl<'a> Globals<'a> {
     /// The index of global tensor `name` in `tensors`.
     pub fn find(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// Global tensor `k` with its boxes.
+    pub fn get(&self, k: usize) -> Global<'_> {
+        let t = &self.tensors[k];
+        Global {
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+            held: &self.held[t.held.clone()],
+            boxes: &self.boxes,
+            more: &self.more,
+            max_len0: t.max_len0,
+        }
     }
 
     /// The index of shard `t`'s global tensor, added if new. `guess` is
@@ -128,13 +153,23 @@ impl<'a> Globals<'a> {
                 name: &t.name,
                 dtype: t.dtype,
                 shape: t.global_shape(),
-                held: Vec::new(),
-                boxes: Vec::new(),
+                held: 0..0,
                 max_len0: 0,
             });
         }
         k
     }
+}
+
+/// A shard refused by `global_of` (in `collect`'s per-shard list).
+const REFUSED: u32 = u32::MAX;
+
+/// A shard as the first pass found it: its global tensor (or
+/// [`REFUSED`]), and where its box was copied in [`Globals`]' `boxes`.
+#[derive(Clone, Copy)]
+struct Interned {
+    global: u32,
+    at: u32,
 }
 
 /// Group every tensor of every source by global tensor; every problem
@@ -149,10 +184,34 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
     let most = sources.iter().map(|m| m.tensors.len()).max().unwrap_or(0);
     g.tensors.reserve(most);
     g.by_name.reserve(most);
-    // Which global tensor each shard is of (None: refused), and how many
-    // shards each has, so that its boxes are allocated once, not grown.
-    let mut of: Vec<Option<u32>> = Vec::with_capacity(g.shards);
-    let mut count: Vec<usize> = Vec::with_capacity(most);
+    let of = intern_all(&mut g, sources, problems);
+    let ranges = group_by_tensor(&mut g, &of);
+    // Each tensor's distinct boxes are joined down to `held[kept..]`.
+    let (mut kept, mut open) = (0, Vec::new());
+    for (k, range) in ranges.into_iter().enumerate() {
+        let n = join_replicas(&mut g, k, range, kept, sources, problems);
+        g.tensors[k].held = kept..kept + n;
+        kept += n;
+        let t = g.get(k);
+        let max_len0 = t.held.iter().map(|h| t.region(h).len0()).max();
+        g.tensors[k].max_len0 = max_len0.unwrap_or(0);
+        overlaps(g.get(k), sources, &mut open, problems);
+    }
+    g.held.truncate(kept);
+    g
+}
+
+/// Every shard checked, interned and its box copied (in shard order): the
+/// one pass that reads the shards' metadata, spread over the heap.
+fn intern_all<'a>(
+    g: &mut Globals<'a>,
+    sources: &[&'a Manifest],
+    problems: &mut Vec<String>,
+) -> Vec<Interned> {
+    let mut of: Vec<Interned> = Vec::with_capacity(g.shards);
+    // Reserved for two dimensions a shard (not touched: unused pages cost
+    // nothing); more grows the list.
+    g.boxes.reserve(4 * g.shards);
     for (s, m) in sources.iter().enumerate() {
         // The previous source's shards, by position: guesses for this one's.
         let previous = match s {
@@ -160,48 +219,67 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
             _ => g.first_shard[s - 1]..g.first_shard[s],
         };
         for (i, t) in m.tensors.iter().enumerate() {
-            let guess = previous.clone().nth(i).and_then(|j| of[j]);
-            let k = global_of(&mut g, t, guess.map(|k| k as usize), problems);
-            if let Some(k) = k {
-                count.resize(g.tensors.len(), 0);
-                count[k] += 1;
+            let guess = previous.clone().nth(i).map(|j| of[j].global);
+            let guess = guess.filter(|&k| k != REFUSED).map(|k| k as usize);
+            let Some(k) = global_of(g, t, guess, problems) else {
+                of.push(Interned {
+                    global: REFUSED,
+                    at: 0,
+                });
+                continue;
+            };
+            let at = u32::try_from(g.boxes.len()).expect("shard boxes are numbered in 32 bits");
+            let global = u32::try_from(k).expect("global tensors are numbered in 32 bits");
+            of.push(Interned { global, at });
+            let region = Span::of_shard(t);
+            // Element by element: a few numbers are not worth a memcpy call.
+            for &x in region.offset.iter().chain(region.len) {
+                g.boxes.push(x);
             }
-            of.push(k.map(|k| k as u32));
         }
     }
-    for (t, &n) in g.tensors.iter_mut().zip(&count) {
-        t.held.reserve_exact(n);
-        t.boxes.reserve_exact(n * 2 * t.shape.len());
+    of
+}
+
+/// The shards not refused, in `held` grouped by global tensor (a counting
+/// sort), each tensor's in source order; per tensor, its range there.
+fn group_by_tensor(g: &mut Globals, of: &[Interned]) -> Vec<Range<usize>> {
+    let n = g.tensors.len();
+    let mut place = vec![0usize; n + 1];
+    for i in of.iter().filter(|i| i.global != REFUSED) {
+        place[i.global as usize + 1] += 1;
     }
-    let shards = sources
-        .iter()
-        .enumerate()
-        .flat_map(|(s, m)| m.tensors.iter().enumerate().map(move |(i, t)| (s, i, t)));
-    for ((s, i, t), k) in shards.zip(of) {
-        let Some(k) = k else { continue };
-        let global = &mut g.tensors[k as usize];
-        let region = Span::of_shard(t);
-        global.held.push(Held {
-            meta: t,
-            at: global.boxes.len(),
-            first: ShardRef {
-                source: s as u32,
-                tensor: i as u32,
-            },
-            more: Box::default(),
-        });
-        // Element by element: a few numbers are not worth a memcpy call.
-        for &x in region.offset.iter().chain(region.len) {
-            global.boxes.push(x);
+    for k in 0..n {
+        place[k + 1] += place[k];
+    }
+    let ranges = (0..n).map(|k| place[k]..place[k + 1]).collect();
+    let empty = Held {
+        at: 0,
+        more: 0,
+        first: ShardRef {
+            source: 0,
+            tensor: 0,
+        },
+    };
+    g.held = vec![empty; place[n]];
+    for (s, &first) in g.first_shard.iter().enumerate() {
+        let end = g.first_shard.get(s + 1).copied().unwrap_or(g.shards);
+        for (i, shard) in of[first..end].iter().enumerate() {
+            let Some(at) = place.get_mut(shard.global as usize) else {
+                continue;
+            };
+            g.held[*at] = Held {
+                at: shard.at,
+                more: 0,
+                first: ShardRef {
+                    source: s as u32,
+                    tensor: i as u32,
+                },
+            };
+            *at += 1;
         }
     }
-    let mut open = Vec::new();
-    for t in g.tensors.iter_mut() {
-        join_replicas(t, problems);
-        t.max_len0 = t.held.iter().map(|h| t.region(h).len0()).max().unwrap_or(0);
-        overlaps(t, sources, &mut open, problems);
-    }
-    g
+    ranges
 }
 
 /// The global tensor of shard `t` (interned), or None when the shard is
@@ -271,45 +349,61 @@ fn shard_problem(t: &TensorMeta) -> Option<String> {
     })
 }
 
-/// Sort `t`'s boxes by offset and join equal ones into one box with its
-/// replicas (in source order); the same box twice from one source is a
+/// Sort the boxes of global tensor `k` (`held[range]`) by offset and join
+/// equal ones into one box with its replicas (in source order), moved
+/// down to `held[to..]` (`to` is at most `range.start`); returns how many
+/// distinct boxes there are. The same box twice from one source is a
 /// problem. Sorting keeps this linear-logarithmic in the shards.
-fn join_replicas(t: &mut GlobalTensor, problems: &mut Vec<String>) {
-    let (boxes, ndim, name) = (&t.boxes, t.shape.len(), t.name);
+fn join_replicas(
+    g: &mut Globals,
+    k: usize,
+    range: Range<usize>,
+    to: usize,
+    sources: &[&Manifest],
+    problems: &mut Vec<String>,
+) -> usize {
+    let (boxes, ndim, name) = (&g.boxes, g.tensors[k].shape.len(), g.tensors[k].name);
     let region = |h: &Held| region_in(boxes, ndim, h);
-    t.held.sort_by(|a, b| {
+    let held = &mut g.held;
+    held[range.clone()].sort_by(|a, b| {
         let (a, b) = (region(a), region(b));
         (a.offset, a.len).cmp(&(b.offset, b.len))
     });
-    // `later` is dropped after its replica joins `kept`.
-    t.held.dedup_by(|later, kept| {
-        if region(later) != region(kept) {
-            return false;
+    let mut kept = 0;
+    for i in range {
+        if kept == 0 || region(&held[i]) != region(&held[to + kept - 1]) {
+            held[to + kept] = held[i];
+            kept += 1;
+            continue;
         }
-        let at = later.first;
-        if kept.holds_from(at.source) {
-            let which = match later.meta.placement.is_some() {
-                true => format!(" {}", region(later)),
+        let (at, last) = (held[i].first, &mut held[to + kept - 1]);
+        let others = replicas_in(&g.more, last);
+        if last.first.source == at.source || others.iter().any(|r| r.source == at.source) {
+            let shard = &sources[at.source as usize].tensors[at.tensor as usize];
+            let which = match shard.placement.is_some() {
+                true => format!(" {}", region(last)),
                 false => String::new(),
             };
             problems.push(format!(
                 "tensor '{name}'{which} appears more than once in the source"
             ));
-        } else {
-            kept.more = kept.more.iter().copied().chain([at]).collect();
+            continue;
         }
-        true
-    });
+        let joined = others.iter().copied().chain([at]).collect();
+        match last.more {
+            0 => {
+                g.more.push(joined);
+                last.more = u32::try_from(g.more.len()).expect("replicas are numbered in 32 bits");
+            }
+            m => g.more[m as usize - 1] = joined,
+        }
+    }
+    kept
 }
 
 /// Distinct boxes of one tensor must not share an element. Boxes are
 /// sorted by offset; only those still open along dimension 0 are compared.
-fn overlaps(
-    t: &GlobalTensor,
-    sources: &[&Manifest],
-    open: &mut Vec<usize>,
-    problems: &mut Vec<String>,
-) {
+fn overlaps(t: Global, sources: &[&Manifest], open: &mut Vec<usize>, problems: &mut Vec<String>) {
     let name = t.name;
     open.clear();
     for (i, h) in t.held.iter().enumerate() {
@@ -337,8 +431,17 @@ fn overlaps(
 
 /// The box at `h.at` in `boxes` (a global tensor's, of `ndim` dimensions).
 fn region_in<'b>(boxes: &'b [u64], ndim: usize, h: &Held) -> Span<'b> {
-    let (offset, len) = boxes[h.at..h.at + 2 * ndim].split_at(ndim);
+    let at = h.at as usize;
+    let (offset, len) = boxes[at..at + 2 * ndim].split_at(ndim);
     Span { offset, len }
+}
+
+/// The replicas of `h` beyond its first, in `more`.
+fn replicas_in<'m>(more: &'m [Box<[ShardRef]>], h: &Held) -> &'m [ShardRef] {
+    match h.more {
+        0 => &[],
+        m => &more[m as usize - 1],
+    }
 }
 
 fn describe(sources: &[&Manifest], r: ShardRef) -> String {

@@ -52,16 +52,19 @@ pub enum Target {
     Param(usize),
     /// Handed to the engine's per-tensor callback.
     Callback,
-    /// Not wanted (unknown name with `skip_unknown`, or a shard no piece of
-    /// this engine needs); its bytes are not read.
+    /// Not wanted (unknown name with `skip_unknown`, or a tensor no piece
+    /// of this engine needs, when there is one source); its bytes are not
+    /// read.
     Skip,
 }
 
 /// One source tensor's bytes for one target. A tensor that feeds several
 /// params (a whole-row shard of experts split over params) has an entry
-/// per param; a tensor nobody wants has one `Skip` entry. Entries are in
-/// (source, tensor) order, so with one source whose tensors each go to one
-/// target, entry `i` is tensor `i` of the manifest.
+/// per param. With one source, a tensor nobody wants has one `Skip` entry,
+/// so that when its tensors each go to one target, entry `i` is tensor `i`
+/// of the manifest. With several, a shard nobody wants has no entry: each
+/// source is asked for exactly what the entries need, and an engine rank
+/// reads few of 80,000 FSDP shards. Entries are in (source, tensor) order.
 #[derive(Clone, Debug)]
 pub struct PlanEntry {
     /// The tensor's metadata, shared with its source's manifest (not a
@@ -168,8 +171,7 @@ pub struct Plan {
     pub bytes: u64,
     /// The entries that move (not `Skip`), in order; `segments[i]` is
     /// entry `moving[i]`'s. Skipped entries have no runs, so no segments,
-    /// and most entries of a sharded plan are skipped: a slot each would
-    /// be most of the plan's memory.
+    /// and most tensors of a source with unknown names can be skipped.
     moving: Vec<u32>,
     /// Per moving entry, its segments, worked out from the runs on first
     /// use (by the applier and the source alike). The runs do not change

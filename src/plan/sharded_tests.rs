@@ -326,7 +326,27 @@ fn replicas_are_spread_and_unneeded_shards_are_skipped() {
             .collect();
         assert_eq!(moving, [spread]);
         assert_eq!(p.bytes, 48);
+        // With several sources, the replica not read has no entry at all.
+        assert_eq!(p.entries.len(), 1);
     }
+    // With one source, a tensor no piece needs keeps a `Skip` entry, so
+    // that entry `i` is still tensor `i` of the manifest.
+    let two = Manifest {
+        tensors: vec![
+            shard("n", &[2], TensorBox::whole(&[2])).0,
+            shard("o", &[6, 8], TensorBox::whole(&[6, 8])).0,
+        ]
+        .into(),
+        version: None,
+    };
+    let opts = PlanOptions {
+        skip_unknown: true,
+        ..Default::default()
+    };
+    let registry = registry_of(std::slice::from_ref(&spec));
+    let p = make_sharded_plan(&[&two], &registry, opts, &Logger::default()).unwrap();
+    let targets: Vec<(usize, Target)> = p.entries.iter().map(|e| (e.tensor, e.target)).collect();
+    assert_eq!(targets, [(0, Target::Skip), (1, Target::Param(0))]);
 }
 
 fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
