@@ -11,25 +11,25 @@
 
 mod common;
 
+use common::sharded::{piece, Global, F32};
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, TensorView};
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::manifest::{Placement, TensorMeta};
+use weight_manager::manifest::TensorMeta;
 use weight_manager::memory::shared::SharedBuffer;
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
-use weight_manager::tensor_box::TensorBox;
 use weight_manager::transport::conn::Conn;
 use weight_manager::wire::{check_windows, BucketEntry, Frame, Request};
 use weight_manager::wm_result;
 
-const F32: u64 = 4;
 /// Small buckets: requests are split across buckets too.
 const SMALL: usize = 4096;
 
@@ -38,36 +38,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A global f32 tensor and its bytes (different for each `seed`).
-struct Global {
-    name: &'static str,
-    shape: Vec<u64>,
-    bytes: Vec<u8>,
-}
-
-impl Global {
-    fn new(name: &'static str, shape: &[u64], seed: u8) -> Global {
-        let n = shape.iter().product::<u64>() * F32;
-        let salt = name
-            .bytes()
-            .fold(seed, |a, b| a.wrapping_mul(31).wrapping_add(b));
-        let bytes = (0..n)
-            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt) ^ (i >> 7) as u8)
-            .collect();
-        Global {
-            name,
-            shape: shape.to_vec(),
-            bytes,
-        }
-    }
-
-    /// Bytes of rows `from..to` of dimension 0.
-    fn rows(&self, from: u64, to: u64) -> &[u8] {
-        let row = self.shape[1..].iter().product::<u64>() * F32;
-        &self.bytes[(from * row) as usize..(to * row) as usize]
-    }
 }
 
 fn model(seed: u8) -> Vec<Global> {
@@ -91,46 +61,13 @@ fn publisher(sock: &Path, r: u64, globals: &[Global], version: &str, bucket: usi
     };
     let p = Publisher::bind(sock, cfg).unwrap();
     for g in globals {
-        let half = g.shape[0] / 2;
-        let mut shape = g.shape.clone();
-        shape[0] = half;
-        let mut offset = vec![0; g.shape.len()];
-        offset[0] = r * half;
-        let bytes = g.rows(r * half, (r + 1) * half);
-        let placement = Placement {
-            global_shape: g.shape.clone(),
-            offset,
-        };
         // SAFETY: publish copies the bytes before `globals` goes.
-        unsafe {
-            p.add_shard(
-                g.name,
-                DType::F32,
-                &shape,
-                &placement,
-                bytes.as_ptr(),
-                bytes.len(),
-                None,
-            )
-        }
-        .unwrap();
+        unsafe { g.add_half_to(&p, r) };
     }
     p.set_version(Some(version.into()));
     p.publish().unwrap();
     p.clear_tensors();
     p
-}
-
-/// The box `offset`/`len` of global tensor `tensor`, at `at` in its param.
-fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
-    Piece {
-        tensor: tensor.into(),
-        global: TensorBox {
-            offset: offset.to_vec(),
-            len: len.to_vec(),
-        },
-        at: at.to_vec(),
-    }
 }
 
 /// The engine's params, each cutting across both trainer ranks' halves.

@@ -8,12 +8,15 @@
 //! atomic and in place, verified. A hand-written publisher that lies about
 //! a packed message's length is named.
 
+mod common;
+
+use common::sharded::{piece, Global, F32};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager::manifest::{Placement, TensorMeta};
+use weight_manager::manifest::TensorMeta;
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
 use weight_manager::registry::ParamSpec;
@@ -28,7 +31,6 @@ use weight_manager::wire::{message_tag, split_entries, BucketEntry, Frame};
 use weight_manager::wm_result;
 
 const SECRET: &str = "net-slices-secret-0123456789";
-const F32: u64 = 4;
 
 /// Tests here share UCX (one environment per process): one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -36,36 +38,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     std::env::set_var("UCX_TLS", "tcp");
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A global f32 tensor: its name, shape and bytes (different per seed).
-struct Global {
-    name: &'static str,
-    shape: Vec<u64>,
-    bytes: Vec<u8>,
-}
-
-impl Global {
-    fn new(name: &'static str, shape: &[u64], seed: u8) -> Global {
-        let n = shape.iter().product::<u64>() * F32;
-        let salt = name.bytes().fold(seed, |a, b| a.wrapping_mul(31) ^ b);
-        let bytes = (0..n)
-            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt) ^ (i >> 9) as u8)
-            .collect();
-        Global {
-            name,
-            shape: shape.to_vec(),
-            bytes,
-        }
-    }
-
-    /// The row half `r` (of 2) along dimension 0: its box.
-    fn half(&self, r: u64) -> TensorBox {
-        let mut b = TensorBox::whole(&self.shape);
-        b.len[0] /= 2;
-        b.offset[0] = r * b.len[0];
-        b
-    }
 }
 
 fn model(seed: u8) -> Vec<Global> {
@@ -81,18 +53,6 @@ fn model(seed: u8) -> Vec<Global> {
         Global::new("k", &[32, 64], seed),
         Global::new("v", &[32, 64], seed),
     ]
-}
-
-/// A piece: box `offset`/`len` of global `tensor`, at `at` in its param.
-fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
-    Piece {
-        tensor: tensor.into(),
-        global: TensorBox {
-            offset: offset.to_vec(),
-            len: len.to_vec(),
-        },
-        at: at.to_vec(),
-    }
 }
 
 /// The engine rank's params: the TP half of each.
@@ -236,27 +196,8 @@ fn publishers(globals: &[Global], version: &str) -> Vec<Publisher> {
             };
             let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
             for g in globals {
-                let b = g.half(r);
-                let row = g.bytes.len() as u64 / g.shape[0];
-                let bytes = &g.bytes
-                    [(b.offset[0] * row) as usize..((b.offset[0] + b.len[0]) * row) as usize];
-                let placement = Placement {
-                    global_shape: g.shape.clone(),
-                    offset: b.offset.clone(),
-                };
                 // SAFETY: `globals` outlives the serving.
-                unsafe {
-                    p.add_shard(
-                        g.name,
-                        DType::F32,
-                        &b.len,
-                        &placement,
-                        bytes.as_ptr(),
-                        bytes.len(),
-                        None,
-                    )
-                }
-                .unwrap();
+                unsafe { g.add_half_to(&p, r) };
             }
             p.set_version(Some(version.into()));
             if r == 1 {

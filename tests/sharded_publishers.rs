@@ -7,11 +7,13 @@
 //! at once. Every byte is checked against the global tensors, and what
 //! each publisher sent against what it holds of the engine's pieces.
 
+mod common;
+
+use common::sharded::Global;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, Progress};
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager::manifest::Placement;
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
 use weight_manager::registry::ParamSpec;
@@ -22,7 +24,6 @@ use weight_manager::wire::{Frame, Request, WantRun};
 use weight_manager::wm_result;
 
 const SECRET: &str = "sharded-secret-0123456789";
-const F32: u64 = 4;
 
 /// Tests here share UCX (one environment per process) and bind sockets:
 /// one at a time.
@@ -36,40 +37,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 enum Via {
     Ipc,
     Net,
-}
-
-/// A global f32 tensor and its bytes (different for each `seed`).
-struct Global {
-    name: &'static str,
-    shape: Vec<u64>,
-    bytes: Vec<u8>,
-}
-
-impl Global {
-    fn new(name: &'static str, shape: &[u64], seed: u8) -> Global {
-        let n = shape.iter().product::<u64>() * F32;
-        let salt = name
-            .bytes()
-            .fold(seed, |a, b| a.wrapping_mul(31).wrapping_add(b));
-        let bytes = (0..n)
-            .map(|i| (i as u8).wrapping_mul(7).wrapping_add(salt) ^ (i >> 8) as u8)
-            .collect();
-        Global {
-            name,
-            shape: shape.to_vec(),
-            bytes,
-        }
-    }
-
-    /// Bytes of one index of dimension 0.
-    fn row(&self) -> u64 {
-        self.shape[1..].iter().product::<u64>() * F32
-    }
-
-    /// Rows `from..to` of dimension 0, as bytes.
-    fn rows(&self, from: u64, to: u64) -> &[u8] {
-        &self.bytes[(from * self.row()) as usize..(to * self.row()) as usize]
-    }
 }
 
 /// The model: "w" [64, 48] (the engine takes columns 8..32), "q" [32, 48],
@@ -99,29 +66,8 @@ fn add_shards(p: &Publisher, r: u64, globals: &[Global]) {
             }
             continue;
         }
-        let half = g.shape[0] / 2;
-        let mut shape = g.shape.clone();
-        shape[0] = half;
-        let mut offset = vec![0; g.shape.len()];
-        offset[0] = r * half;
-        let bytes = g.rows(r * half, (r + 1) * half);
-        let placement = Placement {
-            global_shape: g.shape.clone(),
-            offset,
-        };
         // SAFETY: as above.
-        unsafe {
-            p.add_shard(
-                g.name,
-                DType::F32,
-                &shape,
-                &placement,
-                bytes.as_ptr(),
-                bytes.len(),
-                None,
-            )
-        }
-        .unwrap();
+        unsafe { g.add_half_to(p, r) };
     }
 }
 

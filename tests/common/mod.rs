@@ -2,6 +2,8 @@
 //! with the `safetensors` crate, deterministic tensor bytes.
 #![allow(dead_code)]
 
+pub mod sharded;
+
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -1,0 +1,89 @@
+//! Global f32 tensors split by rows over trainer ranks, for the tests of
+//! sharded transfer (several publishers, engine params as pieces).
+
+use weight_manager::manifest::Placement;
+use weight_manager::pieces::Piece;
+use weight_manager::publisher::Publisher;
+use weight_manager::tensor::DType;
+use weight_manager::tensor_box::TensorBox;
+
+pub const F32: u64 = 4;
+
+/// A global f32 tensor: its name, shape and bytes (different per name and
+/// per `seed`, so a byte from the wrong tensor or version shows).
+pub struct Global {
+    pub name: &'static str,
+    pub shape: Vec<u64>,
+    pub bytes: Vec<u8>,
+}
+
+impl Global {
+    pub fn new(name: &'static str, shape: &[u64], seed: u8) -> Global {
+        let n = shape.iter().product::<u64>() * F32;
+        let salt = name
+            .bytes()
+            .fold(seed, |a, b| a.wrapping_mul(31).wrapping_add(b));
+        let bytes = (0..n)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt) ^ (i >> 7) as u8)
+            .collect();
+        Global {
+            name,
+            shape: shape.to_vec(),
+            bytes,
+        }
+    }
+
+    /// Bytes of one index of dimension 0.
+    pub fn row(&self) -> u64 {
+        self.shape[1..].iter().product::<u64>() * F32
+    }
+
+    /// Rows `from..to` of dimension 0, as bytes.
+    pub fn rows(&self, from: u64, to: u64) -> &[u8] {
+        &self.bytes[(from * self.row()) as usize..(to * self.row()) as usize]
+    }
+
+    /// The row half `r` (of 2) along dimension 0: its box.
+    pub fn half(&self, r: u64) -> TensorBox {
+        let mut b = TensorBox::whole(&self.shape);
+        b.len[0] /= 2;
+        b.offset[0] = r * b.len[0];
+        b
+    }
+
+    /// Add row half `r` (of 2) to `p` as a shard placed in this tensor.
+    ///
+    /// # Safety
+    /// `self` outlives `p`'s use of the bytes (its serving, or a publish,
+    /// which copies them).
+    pub unsafe fn add_half_to(&self, p: &Publisher, r: u64) {
+        let b = self.half(r);
+        let bytes = self.rows(b.offset[0], b.offset[0] + b.len[0]);
+        let placement = Placement {
+            global_shape: self.shape.clone(),
+            offset: b.offset.clone(),
+        };
+        p.add_shard(
+            self.name,
+            DType::F32,
+            &b.len,
+            &placement,
+            bytes.as_ptr(),
+            bytes.len(),
+            None,
+        )
+        .unwrap();
+    }
+}
+
+/// A piece: box `offset`/`len` of global `tensor`, at `at` in its param.
+pub fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
+    Piece {
+        tensor: tensor.into(),
+        global: TensorBox {
+            offset: offset.to_vec(),
+            len: len.to_vec(),
+        },
+        at: at.to_vec(),
+    }
+}
