@@ -29,7 +29,7 @@ use crate::fanout::FanoutLink;
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
 use crate::memory::host::HostRegion;
-use crate::memory::shared::MappedBuffers;
+use crate::memory::mapped::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
 use crate::registry::Registry;
 use crate::result::{Error, Result};

@@ -23,6 +23,7 @@ pub mod device;
 pub mod device_swap;
 pub mod host;
 pub mod loose;
+pub mod mapped;
 pub mod pool;
 pub mod shared;
 pub mod staging;
