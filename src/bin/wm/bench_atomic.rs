@@ -120,18 +120,34 @@ pub(crate) fn rows(
     };
     println!("  torch  load_file + copy_(), huge pages {torch_huge:>6.2} GB/s   (THP_MEM_ALLOC_ENABLE=1)");
     println!("  wm     update in-place, huge pages     {inplace_huge:>6.2} GB/s   (engine params in huge pages)");
-    for (what, ours, theirs) in [
-        ("in-place", inplace, torch),
-        ("in-place, both in huge pages", inplace_huge, torch_huge),
-        ("atomic, library-owned", apart, torch),
-        ("atomic, library-owned, back to back", back_to_back, torch),
-        ("atomic, engine-owned", atomic_eng, torch),
+    // In place both sides do the same job, so ours must be ahead; torch's
+    // way is never atomic (it writes into the live tensors), so the atomic
+    // rows say what atomicity costs against it, with no target.
+    for (what, ours, theirs, target) in [
+        ("in-place", inplace, torch, true),
+        (
+            "in-place, both in huge pages",
+            inplace_huge,
+            torch_huge,
+            true,
+        ),
+        ("atomic, library-owned", apart, torch, false),
+        (
+            "atomic, library-owned, back to back",
+            back_to_back,
+            torch,
+            false,
+        ),
+        ("atomic, engine-owned", atomic_eng, torch, false),
     ] {
         let r = ours / theirs;
-        println!(
-            "  wm / torch  {what:<36} {r:.2} (target >= 1.00) {}",
-            verdict(r >= 1.0)
-        );
+        match target {
+            true => println!(
+                "  wm / torch  {what:<36} {r:.2} (target >= 1.00) {}",
+                verdict(r >= 1.0)
+            ),
+            false => println!("  wm / torch  {what:<36} {r:.2} (torch is not atomic)"),
+        }
     }
     Ok(())
 }
