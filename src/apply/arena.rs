@@ -183,31 +183,20 @@ struct Layout {
 
 /// The arena's layout for `plan`, in plan order.
 fn layout(plan: &Plan, swappable: &[Option<&HostRegion>]) -> Layout {
-    // Per target param: its size (the furthest byte a run writes) and the
-    // bytes the runs cover (runs never overlap: the plan checked them).
-    let mut params: Vec<(usize, u64, u64)> = Vec::new();
-    let mut index: HashMap<usize, usize> = HashMap::new();
-    let mut packed = Vec::new();
-    for run in &plan.runs {
-        match run.target {
-            Target::Param(i) => {
-                let k = *index.entry(i).or_insert_with(|| {
-                    params.push((i, 0, 0));
-                    params.len() - 1
-                });
-                params[k].1 = params[k].1.max(run.param_end());
-                params[k].2 += run.bytes();
-            }
-            Target::Callback if run.source.start == 0 => packed.push((
+    let mut packed: Vec<(Slot, u64)> = plan
+        .runs
+        .iter()
+        .filter(|run| run.target == Target::Callback && run.source.start == 0)
+        .map(|run| {
+            (
                 Slot::Callback(run.entry),
                 plan.entries[run.entry].meta.nbytes,
-            )),
-            _ => {}
-        }
-    }
+            )
+        })
+        .collect();
     let mut own = Vec::new();
     let swaps = crate::memory::swap::swaps_here();
-    for (i, end, covered) in params {
+    for (i, end, covered) in plan.param_cover() {
         match swappable.get(i).copied().flatten() {
             // Swapped whole, so every byte of the param must be written.
             Some(r) if swaps && covered == r.len() as u64 && end == r.len() as u64 => {

@@ -31,26 +31,20 @@ use std::collections::BTreeMap;
 /// (the plan checked), so bytes covered = size and last byte = size mean
 /// every byte is written.
 pub(super) fn swapped_params(plan: &Plan, sizes: &[Option<u64>]) -> Vec<usize> {
-    // Per param: (bytes covered, end of the furthest run).
-    let mut cover: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
-    for run in &plan.runs {
-        if let Target::Param(i) = run.target {
-            let c = cover.entry(i).or_default();
-            c.0 += run.bytes();
-            c.1 = c.1.max(run.param_end());
-        }
-    }
-    cover
+    let mut swapped: Vec<usize> = plan
+        .param_cover()
         .into_iter()
-        .filter(|&(i, (covered, end))| {
+        .filter(|&(i, end, covered)| {
             sizes
                 .get(i)
                 .copied()
                 .flatten()
                 .is_some_and(|n| covered == n && end == n)
         })
-        .map(|(i, _)| i)
-        .collect()
+        .map(|(i, _, _)| i)
+        .collect();
+    swapped.sort_unstable();
+    swapped
 }
 
 /// An update's device shadows, per param number.

@@ -271,4 +271,25 @@ impl Plan {
         let e = &self.entries[entry];
         e.bytes == e.meta.nbytes
     }
+
+    /// Per param a run writes, in order of its first run: `(param, end,
+    /// covered)`, the furthest byte written and the bytes written. Runs
+    /// never overlap (checked when planning), so `covered == end == size`
+    /// means every byte of the param is written (a page swap may replace it
+    /// whole).
+    pub fn param_cover(&self) -> Vec<(usize, u64, u64)> {
+        let mut params: Vec<(usize, u64, u64)> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        for run in &self.runs {
+            if let Target::Param(i) = run.target {
+                let k = *index.entry(i).or_insert_with(|| {
+                    params.push((i, 0, 0));
+                    params.len() - 1
+                });
+                params[k].1 = params[k].1.max(run.param_end());
+                params[k].2 += run.bytes();
+            }
+        }
+        params
+    }
 }
