@@ -31,6 +31,8 @@ mod global;
 pub mod layout;
 mod params;
 mod region;
+#[cfg(test)]
+mod reuse_tests;
 mod runs;
 #[cfg(test)]
 mod sharded_tests;

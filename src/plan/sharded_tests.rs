@@ -102,7 +102,7 @@ fn piece_at(mut p: Piece, at: &[u64]) -> Piece {
 /// (q, k, v of unequal sizes, each row-split by TP), and a stacked expert
 /// param (experts 2..4 of a [4, 3, 5] tensor) plus two per-expert tensors
 /// stacked into one param.
-fn engine_rank(rank: u64) -> Vec<ParamSpec> {
+pub(super) fn engine_rank(rank: u64) -> Vec<ParamSpec> {
     let spec = |name: &str, shape: &[u64], pieces: Vec<Piece>| ParamSpec {
         pieces,
         ..ParamSpec::host(name, DType::Bf16, shape)
@@ -151,7 +151,7 @@ fn globals() -> Vec<(&'static str, Vec<u64>)> {
 }
 
 /// Four trainer ranks, each holding a row shard of every global tensor.
-fn trainer(ranks: u64) -> Vec<(Manifest, Vec<Vec<u8>>)> {
+pub(super) fn trainer(ranks: u64) -> Vec<(Manifest, Vec<Vec<u8>>)> {
     let mut out: Vec<(Manifest, Vec<Vec<u8>>)> = (0..ranks)
         .map(|_| {
             (
@@ -219,7 +219,7 @@ fn a_tp_engine_rank_gets_exactly_its_bytes_from_four_row_sharded_sources() {
     }
 }
 
-fn registry_of(specs: &[ParamSpec]) -> Registry {
+pub(super) fn registry_of(specs: &[ParamSpec]) -> Registry {
     let mut r = Registry::default();
     for s in specs {
         r.allocate(s).unwrap();
@@ -349,7 +349,7 @@ fn replicas_are_spread_and_unneeded_shards_are_skipped() {
     assert_eq!(targets, [(0, Target::Skip), (1, Target::Param(0))]);
 }
 
-fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
+pub(super) fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
     specs
         .iter()
         .map(|s| ParamLayout {
@@ -360,34 +360,6 @@ fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
             whole: false,
         })
         .collect()
-}
-
-#[test]
-fn params_without_memory_plan_like_a_registry_and_sources_are_reused() {
-    let sources = trainer(4);
-    let ms: Vec<&Manifest> = sources.iter().map(|(m, _)| m).collect();
-    let indexed = Sources::new(&ms).unwrap();
-    for rank in 0..2 {
-        let specs = engine_rank(rank);
-        let opts = PlanOptions {
-            spread: rank as usize,
-            ..Default::default()
-        };
-        let log = Logger::default();
-        let a = make_sharded_plan(&ms, &registry_of(&specs), opts, &log).unwrap();
-        let b = make_sharded_plan(&ms, &layouts_of(&specs), opts, &log).unwrap();
-        let c = indexed.plan(&layouts_of(&specs), opts, &log).unwrap();
-        for p in [&b, &c] {
-            assert_eq!(p.runs, a.runs, "rank {rank}");
-            let key = |p: &Plan| -> Vec<_> {
-                p.entries
-                    .iter()
-                    .map(|e| (e.source, e.tensor, e.target, e.bytes))
-                    .collect()
-            };
-            assert_eq!(key(p), key(&a), "rank {rank}");
-        }
-    }
 }
 
 #[test]
@@ -416,49 +388,6 @@ fn a_first_slice_named_like_its_param_is_not_the_whole_tensor() {
         e.contains("param 'o': shape mismatch: registered [3, 8], source [6, 8]"),
         "{e}"
     );
-}
-
-fn ms3_of(sources: &[(Manifest, Vec<Vec<u8>>)]) -> Vec<&Manifest> {
-    sources.iter().map(|(m, _)| m).collect()
-}
-
-#[test]
-fn the_fingerprint_follows_every_layout_change() {
-    let sources = trainer(2);
-    let ms: Vec<&Manifest> = sources.iter().map(|(m, _)| m).collect();
-    let params = layouts_of(&engine_rank(0));
-    let base = fingerprint(&ms, &params);
-    assert_eq!(base, fingerprint(&ms, &params), "deterministic");
-    let mut moved = sources.clone();
-    moved[1].0.tensors[0].placement.as_mut().unwrap().offset[0] += 1;
-    let ms2: Vec<&Manifest> = moved.iter().map(|(m, _)| m).collect();
-    assert_ne!(base, fingerprint(&ms2, &params), "a placement");
-    let mut versioned = sources.clone();
-    versioned[0].0.version = Some("8".into());
-    // A new version with new checksums is the same layout (the plan is
-    // reused, taking the new sums); a checksum gone is not.
-    versioned[0].0.tensors[0].checksum = Some(7);
-    let summed = fingerprint(&ms3_of(&versioned), &params);
-    versioned[0].0.version = Some("9".into());
-    versioned[0].0.tensors[0].checksum = Some(8);
-    assert_eq!(
-        summed,
-        fingerprint(&ms3_of(&versioned), &params),
-        "a version"
-    );
-    versioned[0].0.tensors[0].checksum = None;
-    assert_ne!(
-        summed,
-        fingerprint(&ms3_of(&versioned), &params),
-        "no checksum"
-    );
-    let mut other = params.clone();
-    other[1].pieces[2].at[0] -= 1;
-    assert_ne!(base, fingerprint(&ms, &other), "a piece's place");
-    let mut renamed = params.clone();
-    renamed[0].name.push('x');
-    assert_ne!(base, fingerprint(&ms, &renamed), "a name");
-    assert_ne!(base, fingerprint(&ms[..1], &params), "a source fewer");
 }
 
 #[test]
