@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::sharded::{piece, Global, F32};
+use common::sharded::{piece, serving, Global, F32};
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -22,7 +22,7 @@ use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::manifest::TensorMeta;
 use weight_manager::memory::shared::SharedBuffer;
 use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
+use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
@@ -147,21 +147,6 @@ fn request<'h>(socks: &[PathBuf], mode: Mode, verify: bool) -> UpdateRequest<'h>
     r.mode = mode;
     r.timeout = Duration::from_secs(60);
     r
-}
-
-/// Run `update` while each publisher serves one engine.
-fn serving<T>(
-    ps: &[Publisher],
-    update: impl FnOnce() -> T,
-) -> (T, Vec<weight_manager::Result<ServeStats>>) {
-    std::thread::scope(|s| {
-        let serves: Vec<_> = ps
-            .iter()
-            .map(|p| s.spawn(move || p.serve(1, Duration::from_secs(30))))
-            .collect();
-        let out = update();
-        (out, serves.into_iter().map(|h| h.join().unwrap()).collect())
-    })
 }
 
 /// The engine's pieces from both ranks' published versions at once, every

@@ -9,13 +9,13 @@
 
 mod common;
 
-use common::sharded::Global;
+use common::sharded::{serving, Global};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, Progress};
 use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
+use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
@@ -184,22 +184,6 @@ fn request<'h>(via: Via, ps: &[Publisher], mode: Mode) -> UpdateRequest<'h> {
     r.mode = mode;
     r.timeout = Duration::from_secs(60);
     r
-}
-
-/// Run `update` while each publisher serves one engine; the publishers'
-/// results come back with the update's.
-fn serving<T: Send>(
-    ps: &[Publisher],
-    update: impl FnOnce() -> T + Send,
-) -> (T, Vec<weight_manager::Result<ServeStats>>) {
-    std::thread::scope(|s| {
-        let serves: Vec<_> = ps
-            .iter()
-            .map(|p| s.spawn(move || p.serve(1, Duration::from_secs(30))))
-            .collect();
-        let out = update();
-        (out, serves.into_iter().map(|h| h.join().unwrap()).collect())
-    })
 }
 
 /// Register the params, library-owned; returns (address, length) of each.

@@ -1,9 +1,10 @@
 //! Global f32 tensors split by rows over trainer ranks, for the tests of
 //! sharded transfer (several publishers, engine params as pieces).
 
+use std::time::Duration;
 use weight_manager::manifest::Placement;
 use weight_manager::pieces::Piece;
-use weight_manager::publisher::Publisher;
+use weight_manager::publisher::{Publisher, ServeStats};
 use weight_manager::tensor::DType;
 use weight_manager::tensor_box::TensorBox;
 
@@ -86,4 +87,20 @@ pub fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
         },
         at: at.to_vec(),
     }
+}
+
+/// Run `update` while each publisher serves one engine; the publishers'
+/// results come back with the update's.
+pub fn serving<T>(
+    ps: &[Publisher],
+    update: impl FnOnce() -> T,
+) -> (T, Vec<weight_manager::Result<ServeStats>>) {
+    std::thread::scope(|s| {
+        let serves: Vec<_> = ps
+            .iter()
+            .map(|p| s.spawn(move || p.serve(1, Duration::from_secs(30))))
+            .collect();
+        let out = update();
+        (out, serves.into_iter().map(|h| h.join().unwrap()).collect())
+    })
 }
