@@ -11,133 +11,17 @@
 
 mod common;
 
+use common::fake_cuda::{under_fake_driver, Fake};
 use common::*;
 use cudarc::driver::sys;
-use std::ffi::{c_char, CString};
 use std::path::Path;
-use std::process::Command;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::registry::{MemoryKind, ParamSpec};
 use weight_manager::state::State;
 use weight_manager::wm_result;
 
-const FAKE: &str = include_str!("fake_cuda.c");
 /// The fake's allocation granularity: every param here takes one granule.
 const GRANULE: u64 = 2 << 20;
-
-/// True in the child that runs test `name` under the fake driver; in the
-/// parent, runs that child and checks it passed.
-fn under_fake_driver(name: &str, no_device: bool) -> bool {
-    if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
-        return true;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    build_fake(dir.path());
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env("LD_LIBRARY_PATH", dir.path())
-        .env("WM_UNDER_FAKE_CUDA", "1")
-        .env("FAKE_CUDA_NO_DEVICE", if no_device { "1" } else { "0" })
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "{name} under the fake driver:\n{text}"
-    );
-    assert!(text.contains("1 passed"), "{name} did not run:\n{text}");
-    false
-}
-
-fn build_fake(dir: &Path) {
-    let src = dir.join("fake_cuda.c");
-    std::fs::write(&src, FAKE).unwrap();
-    let out = Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(dir.join("libcuda.so"))
-        .arg(&src)
-        .output()
-        .expect("running cc");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // One file under both names, so the loader maps it once.
-    std::os::unix::fs::symlink(dir.join("libcuda.so"), dir.join("libcuda.so.1")).unwrap();
-}
-
-/// The fake driver's control functions.
-struct Fake {
-    lib: *mut std::ffi::c_void,
-}
-
-impl Fake {
-    fn open() -> Fake {
-        weight_manager::memory::cuda::cuda().expect("the fake driver loads");
-        // SAFETY: the file the driver was loaded from (same inode).
-        let lib = unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW) };
-        assert!(!lib.is_null());
-        Fake { lib }
-    }
-
-    fn sym(&self, name: &str) -> *mut std::ffi::c_void {
-        let n = CString::new(name).unwrap();
-        // SAFETY: a valid handle and name.
-        let f = unsafe { libc::dlsym(self.lib, n.as_ptr()) };
-        assert!(!f.is_null(), "{name} not in the fake driver");
-        f
-    }
-
-    /// The call `name` after `skip` more calls of it fails.
-    fn fail(&self, name: &str, skip: i32) {
-        let n = CString::new(name).unwrap();
-        // SAFETY: the fake's signature.
-        let f: extern "C" fn(*const c_char, i32) =
-            unsafe { std::mem::transmute(self.sym("fake_cuda_fail")) };
-        f(n.as_ptr(), skip)
-    }
-
-    fn get(&self, name: &str) -> u64 {
-        // SAFETY: the fake's signature.
-        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(self.sym(name)) };
-        f()
-    }
-
-    /// Bytes of device memory alive.
-    fn used(&self) -> u64 {
-        self.get("fake_cuda_used")
-    }
-
-    /// The most alive since the last `reset_peak`.
-    fn peak(&self) -> u64 {
-        self.get("fake_cuda_peak")
-    }
-
-    fn reset_peak(&self) {
-        // SAFETY: the fake's signature.
-        let f: extern "C" fn() = unsafe { std::mem::transmute(self.sym("fake_cuda_reset_peak")) };
-        f()
-    }
-
-    fn set_total(&self, bytes: u64) {
-        // SAFETY: the fake's signature.
-        let f: extern "C" fn(u64) = unsafe { std::mem::transmute(self.sym("fake_cuda_set_total")) };
-        f(bytes)
-    }
-
-    /// The allocation mapped at each of `ptrs` (0: none).
-    fn handles(&self, ptrs: &[u64]) -> Vec<u64> {
-        // SAFETY: the fake's signature.
-        let f: extern "C" fn(u64) -> u64 =
-            unsafe { std::mem::transmute(self.sym("fake_cuda_handle_at")) };
-        ptrs.iter().map(|&p| f(p)).collect()
-    }
-}
 
 fn device_spec(t: &T) -> ParamSpec {
     let mut spec = ParamSpec::host(&t.name, t.dtype, &t.shape);

@@ -15,13 +15,24 @@
  *   fake_cuda_used / _peak()     bytes of physical allocations alive now /
  *                                at most since the last reset_peak
  *   fake_cuda_handle_at(ptr)     the allocation mapped at ptr (0: none)
+ *   fake_cuda_calls(name)        how many times `name` was called (the
+ *                                copies only: cuMemcpy2D, cuMemcpy2DAsync,
+ *                                cuMemcpyAsync, cuMemcpyDtoH)
  * FAKE_CUDA_NO_DEVICE=1 in the environment: cuInit finds no device.
+ *
+ * Linear memory (cuMemAlloc) is a memory file mapped shared, so CUDA IPC
+ * works between real processes: a handle names the exporting process and
+ * the file's descriptor, and cuIpcOpenMemHandle maps /proc/<pid>/fd/<fd>
+ * (the same memory, as on a GPU).
  */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef unsigned long long u64;
@@ -33,6 +44,10 @@ struct alloc { int fd; size_t size; int maps; int released; };
 struct mapping { u64 ptr; size_t size; u64 handle; };
 static struct alloc allocs[MAX];
 static struct mapping maps[MAX];
+/* Linear memory: cuMemAlloc'd (exportable) or opened from a handle. */
+struct linear { u64 ptr; size_t size; int fd; int imported; };
+static struct linear linears[MAX];
+static struct linear *linear_at(u64 ptr);
 static u64 total = 1ull << 30, used, peak;
 
 struct rule { char name[64]; int skip; int armed; };
@@ -54,6 +69,18 @@ void fake_cuda_reset_peak(void) { peak = used; }
 u64 fake_cuda_handle_at(u64 ptr) {
     for (int i = 0; i < MAX; i++)
         if (maps[i].size && maps[i].ptr == ptr) return maps[i].handle;
+    return 0;
+}
+
+static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH"};
+static u64 counts[4];
+static void count(const char *name) {
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(counted[i], name)) __atomic_fetch_add(&counts[i], 1, __ATOMIC_RELAXED);
+}
+u64 fake_cuda_calls(const char *name) {
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(counted[i], name)) return __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -170,11 +197,17 @@ int cuMemUnmap(u64 ptr, size_t size) {
 int cuMemsetD8_v2(u64 ptr, unsigned char v, size_t n) { memset((void *)(uintptr_t)ptr, v, n); return OK; }
 int cuMemcpyAsync(u64 dst, u64 src, size_t n, void *stream) {
     (void)stream;
+    count("cuMemcpyAsync");
     if (failing("cuMemcpyAsync")) return INVALID_VALUE;
     memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return OK;
 }
-int cuMemcpyDtoH_v2(void *dst, u64 src, size_t n) { memcpy(dst, (const void *)(uintptr_t)src, n); return OK; }
+int cuMemcpyDtoH_v2(void *dst, u64 src, size_t n) {
+    count("cuMemcpyDtoH");
+    if (failing("cuMemcpyDtoH")) return INVALID_VALUE;
+    memcpy(dst, (const void *)(uintptr_t)src, n);
+    return OK;
+}
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n ? n : 1); return *p ? OK : OUT_OF_MEMORY; }
 int cuMemFreeHost(void *p) { free(p); return OK; }
 
@@ -187,17 +220,148 @@ int cuEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
 int cuEventQuery(void *e) { (void)e; return OK; }
 int cuEventDestroy_v2(void *e) { (void)e; return OK; }
 
-/* Device memory is what is mapped: its type, GPU 0, the mapping's range. */
+/* Device memory is what is mapped (VMM or linear): its type, GPU 0, the
+ * mapping's range. */
+static int attribute(void *out, int attr, u64 start, size_t size) {
+    switch (attr) {
+    case 2: *(unsigned *)out = 2; return OK;   /* MEMORY_TYPE: DEVICE */
+    case 9: *(int *)out = 0; return OK;        /* DEVICE_ORDINAL */
+    case 11: *(u64 *)out = start; return OK;   /* RANGE_START_ADDR */
+    case 12: *(size_t *)out = size; return OK; /* RANGE_SIZE */
+    default: return INVALID_VALUE;
+    }
+}
 int cuPointerGetAttribute(void *out, int attr, u64 ptr) {
     for (int i = 0; i < MAX; i++)
-        if (maps[i].size && ptr >= maps[i].ptr && ptr < maps[i].ptr + maps[i].size) {
-            switch (attr) {
-            case 2: *(unsigned *)out = 2; return OK;   /* MEMORY_TYPE: DEVICE */
-            case 9: *(int *)out = 0; return OK;        /* DEVICE_ORDINAL */
-            case 11: *(u64 *)out = maps[i].ptr; return OK; /* RANGE_START_ADDR */
-            case 12: *(size_t *)out = maps[i].size; return OK; /* RANGE_SIZE */
-            default: return INVALID_VALUE;
-            }
+        if (maps[i].size && ptr >= maps[i].ptr && ptr < maps[i].ptr + maps[i].size)
+            return attribute(out, attr, maps[i].ptr, maps[i].size);
+    struct linear *l = linear_at(ptr);
+    return l ? attribute(out, attr, l->ptr, l->size) : INVALID_VALUE;
+}
+
+/* ---- Linear memory and CUDA IPC between processes. ---- */
+
+
+static struct linear *linear_at(u64 ptr) {
+    for (int i = 0; i < MAX; i++)
+        if (linears[i].size && ptr >= linears[i].ptr && ptr < linears[i].ptr + linears[i].size)
+            return &linears[i];
+    return NULL;
+}
+
+static int add_linear(u64 *out, int fd, size_t size, int imported) {
+    for (int i = 0; i < MAX; i++)
+        if (!linears[i].size) {
+            void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (p == MAP_FAILED) return OUT_OF_MEMORY;
+            linears[i] = (struct linear){(u64)(uintptr_t)p, size, fd, imported};
+            *out = linears[i].ptr;
+            return OK;
         }
-    return INVALID_VALUE;
+    return OUT_OF_MEMORY;
+}
+
+static void drop_linear(struct linear *l) {
+    munmap((void *)(uintptr_t)l->ptr, l->size);
+    close(l->fd);
+    l->size = 0;
+}
+
+int cuMemAlloc_v2(u64 *ptr, size_t size) {
+    if (failing("cuMemAlloc") || size == 0) return INVALID_VALUE;
+    int fd = memfd_create("fake_cuda_linear", 0);
+    if (fd < 0 || ftruncate(fd, size) != 0) return OUT_OF_MEMORY;
+    int r = add_linear(ptr, fd, size, 0);
+    if (r != OK) close(fd);
+    return r;
+}
+int cuMemFree_v2(u64 ptr) {
+    struct linear *l = linear_at(ptr);
+    if (!l || l->ptr != ptr || l->imported) return INVALID_VALUE;
+    drop_linear(l);
+    return OK;
+}
+
+/* What a handle holds (CUipcMemHandle: 64 bytes). */
+typedef struct { char reserved[64]; } ipc_handle;
+struct handle_body { char magic[8]; int pid; int fd; u64 size; };
+
+int cuIpcGetMemHandle(ipc_handle *h, u64 ptr) {
+    struct linear *l = linear_at(ptr);
+    if (!l || l->ptr != ptr || l->imported) return INVALID_VALUE;
+    struct handle_body b = {"fakecud", getpid(), l->fd, l->size};
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &b, sizeof b);
+    return OK;
+}
+int cuIpcOpenMemHandle_v2(u64 *ptr, ipc_handle h, unsigned flags) {
+    (void)flags;
+    struct handle_body b;
+    memcpy(&b, h.reserved, sizeof b);
+    if (memcmp(b.magic, "fakecud", 8)) return INVALID_VALUE;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", b.pid, b.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) return INVALID_VALUE;
+    if (fstat(fd, &st) != 0 || (u64)st.st_size != b.size) { close(fd); return INVALID_VALUE; }
+    int r = add_linear(ptr, fd, b.size, 1);
+    if (r != OK) close(fd);
+    return r;
+}
+int cuIpcCloseMemHandle(u64 ptr) {
+    struct linear *l = linear_at(ptr);
+    if (!l || l->ptr != ptr || !l->imported) return INVALID_VALUE;
+    drop_linear(l);
+    return OK;
+}
+
+/* ---- Copies by address (device memory is host memory here). ---- */
+
+int cuMemcpy(u64 dst, u64 src, size_t n) {
+    memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return OK;
+}
+int cuMemcpyHtoD_v2(u64 dst, const void *src, size_t n) {
+    memcpy((void *)(uintptr_t)dst, src, n);
+    return OK;
+}
+
+/* CUDA_MEMCPY2D. Memory types: 1 host, 2 device, 4 unified. */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    u64 srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    u64 dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} memcpy2d;
+
+static int copy_2d(const memcpy2d *p) {
+    if (p->srcPitch < p->WidthInBytes || p->dstPitch < p->WidthInBytes) return INVALID_VALUE;
+    if (p->srcMemoryType == 3 || p->dstMemoryType == 3) return INVALID_VALUE; /* arrays */
+    const char *src = p->srcMemoryType == 1 ? (const char *)p->srcHost
+                                             : (const char *)(uintptr_t)p->srcDevice;
+    char *dst = p->dstMemoryType == 1 ? (char *)p->dstHost : (char *)(uintptr_t)p->dstDevice;
+    src += p->srcY * p->srcPitch + p->srcXInBytes;
+    dst += p->dstY * p->dstPitch + p->dstXInBytes;
+    for (size_t r = 0; r < p->Height; r++)
+        memcpy(dst + r * p->dstPitch, src + r * p->srcPitch, p->WidthInBytes);
+    return OK;
+}
+int cuMemcpy2D_v2(const memcpy2d *p) {
+    count("cuMemcpy2D");
+    return failing("cuMemcpy2D") ? INVALID_VALUE : copy_2d(p);
+}
+int cuMemcpy2DAsync_v2(const memcpy2d *p, void *stream) {
+    (void)stream;
+    count("cuMemcpy2DAsync");
+    return failing("cuMemcpy2DAsync") ? INVALID_VALUE : copy_2d(p);
 }

@@ -10,6 +10,7 @@ use super::spans::SegmentWalk;
 use super::upload::UploadFrom;
 use super::{Applier, Chunk, Dest, DeviceBytes};
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
+use crate::memory::strided;
 use crate::memory::SendPtr;
 use crate::plan::Target;
 use crate::result::{Error, Result};
@@ -260,8 +261,13 @@ impl Applier<'_, '_> {
         self.hash_chunks(&work.hash_chunks);
         self.verify(origin, &work.completed)?;
         self.progress.tensors_done += work.completed.len() as u64 + work.completed_on_device;
-        for &copy in &work.device_copies {
-            self.copy_on_device(origin, copy)?;
+        // Equally spaced blocks (a strided part's rows) go as one 2D copy.
+        let blocks = work
+            .device_copies
+            .iter()
+            .map(|&(g, dst, src, n)| (g, (dst, src, n)));
+        for run in strided::runs(blocks) {
+            self.copy_on_device(origin, run)?;
         }
         for &(t, bytes) in &work.device_views {
             self.deliver_view(t, &[], Some(bytes))?;

@@ -7,6 +7,7 @@
 
 use super::Applier;
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
+use crate::memory::strided::Strided;
 use crate::plan::Target;
 use crate::result::{Error, Result};
 
@@ -82,19 +83,19 @@ impl Applier<'_, '_> {
         }
     }
 
-    /// Queue a device-to-device copy of `len` bytes at `src` to `dst` on
-    /// GPU `ordinal`.
+    /// Queue a device-to-device copy of `run` (a block, or equally spaced
+    /// blocks as one 2D copy) on GPU `ordinal`.
     pub(super) fn copy_on_device(
         &mut self,
         origin: &str,
-        (ordinal, dst, src, len): (i32, u64, u64, usize),
+        (ordinal, run): (i32, Strided),
     ) -> Result<()> {
         let staging = self.staging()?;
-        // SAFETY: dst..dst+len lies in a device param (range checked when
-        // the chunk was accepted, the param's range at registration); the
-        // source's GPU memory stays put until the source waits for these
-        // copies.
-        unsafe { staging.copy_device(ordinal, dst, src, len) }
+        // SAFETY: every destination row lies in a device param (range
+        // checked when the chunk was accepted, the param's range at
+        // registration; rows never overlap); the source's GPU memory stays
+        // put until the source waits for these copies.
+        unsafe { staging.copy_device(ordinal, &run) }
             .map_err(|e| e.context(format!("{origin} to GPU {ordinal}")))
     }
 

@@ -219,6 +219,58 @@ fn run_piece(job: &CopyJob) -> Result<()> {
     Ok(())
 }
 
+/// Copy the jobs out of GPU memory that are runs of equally spaced blocks
+/// of one width (a strided part's rows: `memory::strided`), one 2D copy
+/// per run, on this thread; the other jobs are left for the workers (a
+/// single block, a large tensor among them, is split into pieces there).
+///
+/// # Safety
+/// As for [`copy_all`].
+unsafe fn copy_device_runs<'j, 'a>(
+    jobs: &'j [CopyJob<'a>],
+) -> std::result::Result<std::borrow::Cow<'j, [CopyJob<'a>]>, CopyError> {
+    let gpu = |j: &CopyJob| match j.src {
+        CopySource::Device { ptr, ordinal } if j.len > 0 => Some((ordinal, ptr)),
+        _ => None,
+    };
+    if !jobs.iter().any(|j| gpu(j).is_some()) {
+        return Ok(std::borrow::Cow::Borrowed(jobs));
+    }
+    let mut rest = Vec::with_capacity(jobs.len());
+    let mut i = 0;
+    while i < jobs.len() {
+        let Some((ordinal, _)) = gpu(&jobs[i]) else {
+            rest.push(jobs[i]);
+            i += 1;
+            continue;
+        };
+        // The device jobs from here on, of this GPU, none empty.
+        let n = jobs[i..]
+            .iter()
+            .take_while(|j| gpu(j).is_some_and(|(o, _)| o == ordinal))
+            .count();
+        let group = &jobs[i..i + n];
+        let blocks = group.iter().map(|j| {
+            let src = gpu(j).map_or(0, |(_, p)| p);
+            ((), (j.dst.0 as u64, src, j.len))
+        });
+        let mut k = 0;
+        for ((), run) in super::strided::runs(blocks) {
+            if run.height == 1 {
+                rest.push(group[k]);
+            } else {
+                super::cuda_ipc::download_2d(ordinal, &run).map_err(|error| CopyError {
+                    tag: group[k].tag,
+                    error,
+                })?;
+            }
+            k += run.height;
+        }
+        i += n;
+    }
+    Ok(std::borrow::Cow::Owned(rest))
+}
+
 /// Run every job on up to `threads` threads; the first failure stops the rest.
 ///
 /// # Safety
@@ -226,8 +278,9 @@ fn run_piece(job: &CopyJob) -> Result<()> {
 /// write the same byte, and memory sources must stay valid and unchanged until
 /// this returns.
 pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<(), CopyError> {
+    let jobs = copy_device_runs(jobs)?;
     let total: usize = jobs.iter().map(|j| j.len).sum();
-    let pieces = split(jobs);
+    let pieces = split(&jobs);
     let run = |group: &[CopyJob]| {
         group
             .iter()

@@ -260,3 +260,53 @@ impl Cuda {
         Ok(())
     }
 }
+
+/// Where a 2D copy's rows go: GPU memory (any GPU of this process, by
+/// unified addressing) or host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyTo {
+    Device,
+    Host,
+}
+
+/// Copy the rows of `run` out of GPU memory (by unified addressing) with
+/// one `cuMemcpy2DAsync` queued on `stream`, or, with None, one
+/// synchronous `cuMemcpy2D` (a host destination that is not pinned).
+/// In every driver since CUDA 4 (`memory::strided` says why it pays).
+///
+/// # Safety
+/// The context of the GPU holding `run.src` is current; every source row
+/// is readable device memory and every destination row writable memory of
+/// kind `to`, rows not overlapping; queued, both stay so until `stream` is
+/// synchronized.
+pub(crate) unsafe fn copy_2d(
+    run: &super::strided::Strided,
+    to: CopyTo,
+    stream: Option<sys::CUstream>,
+) -> Result<()> {
+    if run.bytes() == 0 {
+        return Ok(());
+    }
+    // SAFETY: a plain C struct; all-zero is a valid starting point.
+    let mut p: sys::CUDA_MEMCPY2D = std::mem::zeroed();
+    p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+    p.srcDevice = run.src;
+    p.srcPitch = run.src_pitch as usize;
+    match to {
+        CopyTo::Device => {
+            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+            p.dstDevice = run.dst;
+        }
+        CopyTo::Host => {
+            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+            p.dstHost = run.dst as *mut std::ffi::c_void;
+        }
+    }
+    p.dstPitch = run.dst_pitch as usize;
+    p.WidthInBytes = run.width;
+    p.Height = run.height;
+    match stream {
+        Some(s) => check(sys::cuMemcpy2DAsync_v2(&p, s), "cuMemcpy2DAsync"),
+        None => check(sys::cuMemcpy2D_v2(&p), "cuMemcpy2D"),
+    }
+}

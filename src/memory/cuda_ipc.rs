@@ -188,3 +188,18 @@ pub unsafe fn download(ordinal: i32, dst: *mut u8, src: u64, len: usize) -> Resu
     cuda()?.make_current(ordinal)?;
     check(sys::cuMemcpyDtoH_v2(dst.cast(), src, len), "cuMemcpyDtoH")
 }
+
+/// Copy the rows of `run` (equally spaced blocks of device memory valid in
+/// GPU `ordinal`'s context: `memory::strided`) to host memory with one 2D
+/// copy; returns once copied.
+///
+/// # Safety
+/// Every destination row is writable host memory, rows not overlapping;
+/// every source row device memory.
+pub unsafe fn download_2d(ordinal: i32, run: &super::strided::Strided) -> Result<()> {
+    if run.bytes() == 0 {
+        return Ok(());
+    }
+    cuda()?.make_current(ordinal)?;
+    super::cuda::copy_2d(run, super::cuda::CopyTo::Host, None)
+}

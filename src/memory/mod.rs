@@ -27,6 +27,7 @@ pub mod mapped;
 pub mod pool;
 pub mod shared;
 pub mod staging;
+pub mod strided;
 pub mod swap;
 
 /// A raw pointer that may cross threads. The owner guarantees the memory

@@ -32,7 +32,8 @@
 //! flight before freeing their buffers; if they never finish, the buffers
 //! are leaked rather than freed under a running DMA.
 
-use super::cuda::{check, cuda, new_stream};
+use super::cuda::{check, copy_2d, cuda, new_stream, CopyTo};
+use super::strided::Strided;
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
@@ -79,7 +80,8 @@ pub struct PinnedBuffer {
 unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {
-    fn new(ordinal: i32, cap: usize) -> Result<PinnedBuffer> {
+    /// `cap` bytes, page-locked for GPU `ordinal` (and portable to all).
+    pub(crate) fn new(ordinal: i32, cap: usize) -> Result<PinnedBuffer> {
         let c = cuda()?;
         c.make_current(ordinal)?;
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -428,23 +430,25 @@ impl DeviceStaging {
         lane.queue(src, Some(buf), dst, len)
     }
 
-    /// Queue a device-to-device copy of `len` bytes from `src` to `dst`
-    /// (a param of GPU `ordinal`), on that GPU's upload stream.
+    /// Queue a device-to-device copy of `run`'s rows (one block, or equally
+    /// spaced blocks copied with one 2D copy: `memory::strided`) to a
+    /// param of GPU `ordinal`, on that GPU's upload stream.
     ///
     /// # Safety
-    /// `src..src+len` is device memory that stays unchanged until
-    /// [`DeviceStaging::wait`] returns; `dst` as for [`DeviceStaging::upload_buffer`].
-    pub unsafe fn copy_device(
-        &mut self,
-        ordinal: i32,
-        dst: u64,
-        src: u64,
-        len: usize,
-    ) -> Result<()> {
-        if len == 0 {
+    /// The source rows are device memory that stays unchanged until
+    /// [`DeviceStaging::wait`] returns; the destination rows as `dst` for
+    /// [`DeviceStaging::upload_buffer`], not overlapping.
+    pub unsafe fn copy_device(&mut self, ordinal: i32, run: &Strided) -> Result<()> {
+        if run.bytes() == 0 {
             return Ok(());
         }
-        self.lane(ordinal)?.queue(src, None, dst, len)
+        let lane = self.lane(ordinal)?;
+        if run.height == 1 {
+            return lane.queue(run.src, None, run.dst, run.width);
+        }
+        cuda()?.make_current(ordinal)?;
+        copy_2d(run, CopyTo::Device, Some(lane.stream))?;
+        lane.queue_event(None)
     }
 
     /// Return a buffer that was taken and not sent.

@@ -9,6 +9,7 @@
 //! is packed into the other one.
 
 use super::buffers::take_buffers;
+use super::device_sums::DeviceSums;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, request_sizes, windows};
@@ -38,7 +39,8 @@ pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]
 
 /// A published version: its buffer handed over, buckets as WINDOWS into
 /// it (the engine copies each block of its requests straight out of it).
-/// A GPU version serves whole tensors and contiguous parts only.
+/// Slice sums are hashed block by block where the engine reads them: in
+/// the host buffer, or read back from the GPU buffer (`device_sums.rs`).
 fn stream_published(
     io: &mut SessionIo,
     shard: &mut Shard,
@@ -49,56 +51,30 @@ fn stream_published(
         Published::Host(b) => (b.ptr() as u64, b.len(), Handover::Shared(vec![&**b])),
         Published::Device(d) => (d.ptr(), d.len(), Handover::Cuda(d)),
     };
-    let sums = SliceSums::new(requests);
-    if let Handover::Cuda(_) = handover {
-        if sums.any() {
-            return Err(device_refusal(
-                shard,
-                requests,
-                |q| q.sums,
-                "slice checksums",
-            ));
-        }
-        // A strided part would be a device copy per block.
-        if requests.iter().any(|q| q.contiguous().is_none()) {
-            let strided = |q: &Request| q.contiguous().is_none();
-            return Err(device_refusal(shard, requests, strided, "strided parts"));
-        }
-    }
+    let mut device_sums = match published {
+        Published::Device(d) => Some(DeviceSums::new(d.ordinal())),
+        Published::Host(_) => None,
+    };
     let buckets = windows(shard, base, requests, io.cfg.bucket_size);
     handover.send(io.conn)?;
     let mut sink = IpcSink {
         pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
             if sums.any() {
-                // Hashed block by block where the engine reads them (only a
-                // host version asks: see above).
                 let blocks = check_windows(seq, entries, len as u64, requests)?.blocks;
-                // SAFETY: the blocks were just checked to lie in the buffer.
-                unsafe { sums.hash(&blocks, |b| (base + b.buffer_offset) as *const u8) };
+                match &mut device_sums {
+                    Some(d) => d.hash(sums, base, &blocks, requests)?,
+                    // SAFETY: the blocks were just checked to lie in the buffer.
+                    None => unsafe {
+                        sums.hash(&blocks, |b| (base + b.buffer_offset) as *const u8)
+                    },
+                }
             }
             Ok(0)
         },
-        sums,
+        sums: SliceSums::new(requests),
         windows: true,
     };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
-}
-
-/// What a GPU version does not serve yet (`what`, for the first request
-/// `hit` picks), naming its tensor.
-fn device_refusal(
-    shard: &Shard,
-    requests: &[Request],
-    hit: impl Fn(&Request) -> bool,
-    what: &str,
-) -> Error {
-    let name = requests.iter().find(|q| hit(q)).map_or("?", |q| {
-        shard.manifest.tensors[q.tensor as usize].name.as_str()
-    });
-    Error::unsupported(format!(
-        "tensor '{name}': {what} of a GPU version are not served over IPC yet (whole tensors, \
-         and parts that are one range of their tensor, are); publish from host memory"
-    ))
 }
 
 /// Live tensors and files: packed into pooled bucket buffers.

@@ -61,6 +61,7 @@
 mod accept;
 mod buffers;
 mod config;
+mod device_sums;
 mod handshake;
 mod hooks;
 mod ipc;

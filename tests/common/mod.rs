@@ -2,6 +2,7 @@
 //! with the `safetensors` crate, deterministic tensor bytes.
 #![allow(dead_code)]
 
+pub mod fake_cuda;
 pub mod sharded;
 
 use safetensors::tensor::{Dtype, TensorView};
