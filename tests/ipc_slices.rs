@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::sharded::{piece, serving, Global, F32};
+use common::sharded::{expected, piece, serving, Global};
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -104,39 +104,6 @@ fn specs() -> Vec<ParamSpec> {
             vec![piece("experts", &[3, 0, 16], &[3, 16, 24], &[0, 0, 0])],
         ),
     ]
-}
-
-/// What param `spec` must hold of `globals`, element by element.
-fn expected(spec: &ParamSpec, globals: &[Global]) -> Vec<u8> {
-    let n: u64 = spec.shape.iter().product();
-    let mut out = vec![0u8; (n * F32) as usize];
-    for p in &spec.pieces {
-        let g = globals.iter().find(|g| g.name == p.tensor).unwrap();
-        let len = &p.global.len;
-        let linear =
-            |shape: &[u64], at: &[u64]| at.iter().zip(shape).fold(0, |a, (i, d)| a * d + i);
-        let count: u64 = len.iter().product();
-        for flat in 0..count {
-            let mut idx = vec![0u64; len.len()];
-            let mut rest = flat;
-            for d in (0..len.len()).rev() {
-                (idx[d], rest) = (rest % len[d], rest / len[d]);
-            }
-            let from: Vec<u64> = idx
-                .iter()
-                .zip(&p.global.offset)
-                .map(|(i, o)| i + o)
-                .collect();
-            let to: Vec<u64> = idx.iter().zip(&p.at).map(|(i, o)| i + o).collect();
-            let (s, d) = (
-                linear(&g.shape, &from) * F32,
-                linear(&spec.shape, &to) * F32,
-            );
-            out[d as usize..(d + F32) as usize]
-                .copy_from_slice(&g.bytes[s as usize..(s + F32) as usize]);
-        }
-    }
-    out
 }
 
 fn request<'h>(socks: &[PathBuf], mode: Mode, verify: bool) -> UpdateRequest<'h> {

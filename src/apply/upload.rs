@@ -8,7 +8,7 @@
 use super::Applier;
 use crate::memory::staging::{DeviceStaging, PinnedBuffer};
 use crate::memory::strided::Strided;
-use crate::plan::Target;
+use crate::plan::{Segment, Target};
 use crate::result::{Error, Result};
 
 /// The host bytes of a whole tensor on its way to a device param.
@@ -69,14 +69,11 @@ impl Applier<'_, '_> {
                 // A shadow holds the param's bytes at their param offsets;
                 // other host bytes are the entry's as received.
                 let by_param = matches!(from, UploadFrom::ParamShadow(_));
-                for s in segments {
-                    let at = if by_param { s.param } else { s.wanted } as usize;
-                    let bytes = &data[at..at + s.len as usize];
+                for (at, param, len) in following_on(segments, by_param) {
+                    let bytes = &data[at as usize..(at + len) as usize];
                     // SAFETY: as above.
-                    unsafe {
-                        staging.upload_bytes(ordinal, ptr + s.param, bytes, threads, deadline)
-                    }
-                    .map_err(&context)?;
+                    unsafe { staging.upload_bytes(ordinal, ptr + param, bytes, threads, deadline) }
+                        .map_err(&context)?;
                 }
                 Ok(())
             }
@@ -110,5 +107,53 @@ impl Applier<'_, '_> {
                 .map_err(|e| e.context("uploading to the GPU")),
             None => Ok(()),
         }
+    }
+}
+
+/// `segments` as (offset in the host bytes, param offset, len), those that
+/// follow on in both joined: the rows of a column split come from far
+/// apart in the source but lie back to back in the received bytes and in
+/// the param, so they go up as one copy, not one per row. The host bytes
+/// are indexed by param offset when `by_param` (a shadow), else as
+/// received.
+fn following_on(segments: &[Segment], by_param: bool) -> Vec<(u64, u64, u64)> {
+    let mut out: Vec<(u64, u64, u64)> = Vec::new();
+    for s in segments {
+        let at = if by_param { s.param } else { s.wanted };
+        match out.last_mut() {
+            Some((a, p, n)) if *a + *n == at && *p + *n == s.param => *n += s.len,
+            _ => out.push((at, s.param, s.len)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_back_to_back_go_up_as_one_copy() {
+        let seg = |source, wanted, param, len| Segment {
+            source,
+            wanted,
+            param,
+            len,
+        };
+        // Three rows of a column split, then a row landing elsewhere.
+        let segments = [
+            seg(32, 0, 0, 96),
+            seg(224, 96, 96, 96),
+            seg(416, 192, 192, 96),
+            seg(608, 288, 1000, 96),
+        ];
+        assert_eq!(
+            following_on(&segments, false),
+            vec![(0, 0, 288), (288, 1000, 96)]
+        );
+        assert_eq!(
+            following_on(&segments, true),
+            vec![(0, 0, 288), (1000, 1000, 96)]
+        );
     }
 }

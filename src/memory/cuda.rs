@@ -287,24 +287,32 @@ pub(crate) unsafe fn copy_2d(
     if run.bytes() == 0 {
         return Ok(());
     }
-    // SAFETY: a plain C struct; all-zero is a valid starting point.
-    let mut p: sys::CUDA_MEMCPY2D = std::mem::zeroed();
-    p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
-    p.srcDevice = run.src;
-    p.srcPitch = run.src_pitch as usize;
-    match to {
-        CopyTo::Device => {
-            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
-            p.dstDevice = run.dst;
-        }
-        CopyTo::Host => {
-            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
-            p.dstHost = run.dst as *mut std::ffi::c_void;
-        }
-    }
-    p.dstPitch = run.dst_pitch as usize;
-    p.WidthInBytes = run.width;
-    p.Height = run.height;
+    let (dst_type, dst_host, dst_device) = match to {
+        CopyTo::Device => (
+            sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            std::ptr::null_mut(),
+            run.dst,
+        ),
+        CopyTo::Host => (sys::CUmemorytype::CU_MEMORYTYPE_HOST, run.dst as *mut _, 0),
+    };
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        srcHost: std::ptr::null(),
+        srcDevice: run.src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: run.src_pitch as usize,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: dst_type,
+        dstHost: dst_host,
+        dstDevice: dst_device,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: run.dst_pitch as usize,
+        WidthInBytes: run.width,
+        Height: run.height,
+    };
     match stream {
         Some(s) => check(sys::cuMemcpy2DAsync_v2(&p, s), "cuMemcpy2DAsync"),
         None => check(sys::cuMemcpy2D_v2(&p), "cuMemcpy2D"),

@@ -188,7 +188,7 @@ impl FromPublisher for IpcSource {
                 let mem = bucket_buffer(buffers, seq, buffer)?;
                 let expanded =
                     check_windows(seq, &entries, mem.len() as u64, self.link.sent_requests())
-                        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+                        .map_err(|e| e.context(buffer_name(mem, buffer)))?;
                 self.link.recv_sums(seq, &entries, deadline, applier)?;
                 let extents = expanded.extents.iter().copied();
                 apply_bucket(&self.link, applier, mem, seq, extents, &expanded.blocks)?;
@@ -276,6 +276,14 @@ fn bucket_buffer(buffers: &[BucketMemory], seq: u64, buffer: u32) -> Result<&Buc
     })
 }
 
+/// Buffer number `buffer` (`mem`), as errors name it.
+fn buffer_name(mem: &BucketMemory, buffer: u32) -> String {
+    match mem {
+        BucketMemory::Host(_) => format!("shared buffer {buffer}"),
+        BucketMemory::Device(_) => format!("the trainer's GPU buffer {buffer}"),
+    }
+}
+
 /// Bucket `seq`'s buffer, `buffers[buffer]`, once its entries are checked
 /// to lie in it and to name requests of this session.
 fn checked_bucket<'b>(
@@ -287,7 +295,7 @@ fn checked_bucket<'b>(
 ) -> Result<&'b BucketMemory> {
     let mem = bucket_buffer(buffers, seq, buffer)?;
     check_bucket(seq, entries, mem.len() as u64, link.requests(), ALIGN)
-        .map_err(|e| e.context(format!("shared buffer {buffer}")))?;
+        .map_err(|e| e.context(buffer_name(mem, buffer)))?;
     Ok(mem)
 }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 use weight_manager::manifest::Placement;
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, ServeStats};
+use weight_manager::registry::ParamSpec;
 use weight_manager::tensor::DType;
 use weight_manager::tensor_box::TensorBox;
 
@@ -103,4 +104,37 @@ pub fn serving<T>(
         let out = update();
         (out, serves.into_iter().map(|h| h.join().unwrap()).collect())
     })
+}
+
+/// What param `spec` must hold of `globals`, element by element.
+pub fn expected(spec: &ParamSpec, globals: &[Global]) -> Vec<u8> {
+    let n: u64 = spec.shape.iter().product();
+    let mut out = vec![0u8; (n * F32) as usize];
+    for p in &spec.pieces {
+        let g = globals.iter().find(|g| g.name == p.tensor).unwrap();
+        let len = &p.global.len;
+        let linear =
+            |shape: &[u64], at: &[u64]| at.iter().zip(shape).fold(0, |a, (i, d)| a * d + i);
+        let count: u64 = len.iter().product();
+        for flat in 0..count {
+            let mut idx = vec![0u64; len.len()];
+            let mut rest = flat;
+            for d in (0..len.len()).rev() {
+                (idx[d], rest) = (rest % len[d], rest / len[d]);
+            }
+            let from: Vec<u64> = idx
+                .iter()
+                .zip(&p.global.offset)
+                .map(|(i, o)| i + o)
+                .collect();
+            let to: Vec<u64> = idx.iter().zip(&p.at).map(|(i, o)| i + o).collect();
+            let (s, d) = (
+                linear(&g.shape, &from) * F32,
+                linear(&spec.shape, &to) * F32,
+            );
+            out[d as usize..(d + F32) as usize]
+                .copy_from_slice(&g.bytes[s as usize..(s + F32) as usize]);
+        }
+    }
+    out
 }

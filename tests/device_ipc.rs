@@ -1,0 +1,436 @@
+//! Parts of a GPU version over CUDA IPC, without a GPU: each test runs
+//! again in a child process under the test-only driver
+//! (`tests/fake_cuda.c`, `common::fake_cuda`), whose linear memory is a
+//! memory file that another process opens from its CUDA IPC handle. The
+//! trainer is a real `wm serve --gpu 0` process (the snapshot read into
+//! its fake GPU memory, published as a GPU version, served over a Unix
+//! socket); the engine is this child's `Manager`. The engine's params cut
+//! the trainer's tensors: a column split (strided), a row range starting
+//! off the 256-byte grid (larger than the trainer's 4 MiB staging for
+//! slice sums), the column half of a fused QKV. Every byte is checked, in
+//! device params and in host params, atomic and in place, verified (the
+//! trainer hashes each part read back from its GPU) and not; the blocks of
+//! a strided part are copied with one 2D copy per run, never one copy per
+//! block. A failed 2D copy keeps the old weights (atomic) or leaves the
+//! manager FAILED (in place); a hostile window into the GPU buffer is
+//! refused before any byte moves. The same on a real GPU: tests/gpu.rs.
+
+mod common;
+
+use common::fake_cuda::{under_fake_driver, Fake};
+use common::sharded::{expected, piece, Global};
+use cudarc::driver::sys;
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use weight_manager::apply::Mode;
+use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager::manifest::TensorMeta;
+use weight_manager::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager::registry::{MemoryKind, ParamSpec};
+use weight_manager::source::SourceKind;
+use weight_manager::state::State;
+use weight_manager::tensor::DType;
+use weight_manager::transport::conn::Conn;
+use weight_manager::wire::{BucketEntry, CudaBuffer, Frame};
+use weight_manager::wm_result;
+
+/// The trainer's tensors. "big" rows are 4000 bytes: a row range starts
+/// off the 256-byte grid.
+fn model() -> Vec<Global> {
+    vec![
+        Global::new("w", &[64, 48], 3),
+        Global::new("big", &[1536, 1000], 4),
+        Global::new("q", &[32, 48], 5),
+        Global::new("k", &[16, 48], 6),
+        Global::new("v", &[16, 48], 7),
+    ]
+}
+
+/// The engine's params, in device or host memory.
+fn specs(device: bool) -> Vec<ParamSpec> {
+    let spec = |name: &str, shape: &[u64], pieces| ParamSpec {
+        pieces,
+        memory: if device {
+            MemoryKind::Device
+        } else {
+            MemoryKind::Host
+        },
+        device_ordinal: 0,
+        ..ParamSpec::host(name, DType::F32, shape)
+    };
+    let qkv = |t: &str, rows: u64, at: u64| piece(t, &[0, 24], &[rows, 24], &[at, 0]);
+    vec![
+        // Columns 8..32 of "w": 64 blocks of 96 bytes, 192 apart.
+        spec(
+            "w_cols",
+            &[64, 24],
+            vec![piece("w", &[0, 8], &[64, 24], &[0, 0])],
+        ),
+        // Columns 100..356 of "big": 1536 blocks of 1024 bytes.
+        spec(
+            "big_cols",
+            &[1536, 256],
+            vec![piece("big", &[0, 100], &[1536, 256], &[0, 0])],
+        ),
+        // Rows 3..1403 of "big": 5.6 MB from byte 12000.
+        spec(
+            "big_rows",
+            &[1400, 1000],
+            vec![piece("big", &[3, 0], &[1400, 1000], &[0, 0])],
+        ),
+        // The column half of q, k and v stacked.
+        spec(
+            "qkv",
+            &[64, 24],
+            vec![qkv("q", 32, 0), qkv("k", 16, 32), qkv("v", 16, 48)],
+        ),
+    ]
+}
+
+/// `wm serve --gpu 0` of `globals` (version "7") for `engines` sessions,
+/// in buckets of 5 MiB.
+fn trainer(dir: &Path, globals: &[Global], engines: usize) -> (Child, std::path::PathBuf) {
+    let model_dir = dir.join("model");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    let ts: Vec<common::T> = globals
+        .iter()
+        .map(|g| common::T {
+            name: g.name.into(),
+            dtype: DType::F32,
+            shape: g.shape.clone(),
+            data: g.bytes.clone(),
+        })
+        .collect();
+    common::write_safetensors(&model_dir.join("model.safetensors"), &ts);
+    common::write_version(&model_dir, "7");
+    let sock = dir.join("gpu.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_wm"))
+        .args(["serve", "--ipc", sock.to_str().unwrap()])
+        .arg(&model_dir)
+        .args(["--gpu", "0", "--version", "7", "--bucket-mib", "5"])
+        .args(["--accept-timeout", "60"])
+        .args(["--engines", &engines.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    (child, sock)
+}
+
+/// Update `m` from the trainer at `sock`, waiting (bounded) for it to
+/// listen; a trainer that died first is reported with what it printed.
+fn pull(
+    m: &Manager,
+    (sock, trainer): (&Path, Option<&mut Child>),
+    mode: Mode,
+    verify: bool,
+) -> weight_manager::Result<()> {
+    let start = Instant::now();
+    let mut trainer = trainer;
+    loop {
+        if let Some(t) = trainer.as_deref_mut() {
+            if t.try_wait().unwrap().is_some() {
+                panic!("the trainer ended: {}", output(t));
+            }
+        }
+        let mut req = UpdateRequest::snapshot(sock);
+        req.source = SourceKind::Ipc;
+        req.mode = mode;
+        req.verify = verify;
+        req.timeout = Duration::from_secs(60);
+        match m.update(req) {
+            Err(e) if e.code == wm_result::WM_ERR_NOT_FOUND => {
+                assert!(start.elapsed().as_secs() < 60, "no trainer listened: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => return other.map(|_| ()),
+        }
+    }
+}
+
+/// What trainer `t` printed, once it ended (killed after 10 s).
+fn output(t: &mut Child) -> String {
+    let start = Instant::now();
+    while t.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(10) {
+            let _ = t.kill();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    use std::io::Read;
+    let mut text = String::new();
+    if let Some(mut o) = t.stdout.take() {
+        o.read_to_string(&mut text).unwrap();
+    }
+    if let Some(mut e) = t.stderr.take() {
+        e.read_to_string(&mut text).unwrap();
+    }
+    text
+}
+
+/// A param's bytes, from device or host memory.
+fn read(device: bool, (ptr, len): (*mut u8, usize)) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    if device {
+        // SAFETY: a library-owned device param of `len` bytes.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr as u64, len) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    } else {
+        // SAFETY: a library-owned host param; nothing writes it now.
+        out.copy_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
+    }
+    out
+}
+
+/// Zero every param (device or host), so each byte a case checks moved.
+fn zero(device: bool, params: &[(*mut u8, usize)]) {
+    for &(ptr, len) in params {
+        if device {
+            // SAFETY: a library-owned device param of `len` bytes.
+            let r = unsafe { sys::cuMemsetD8_v2(ptr as u64, 0, len) };
+            assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        } else {
+            // SAFETY: a library-owned host param; nothing reads it now.
+            unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        }
+    }
+}
+
+/// Copies by kind so far: (2D copies, copies of one block).
+fn copies(f: &Fake) -> (u64, u64) {
+    let two_d = f.calls("cuMemcpy2D") + f.calls("cuMemcpy2DAsync");
+    (two_d, f.calls("cuMemcpyAsync") + f.calls("cuMemcpyDtoH"))
+}
+
+fn engine(device: bool) -> (Manager, Vec<ParamSpec>, Vec<(*mut u8, usize)>) {
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let specs = specs(device);
+    let params = specs.iter().map(|s| m.allocate(s).unwrap()).collect();
+    (m, specs, params)
+}
+
+#[test]
+fn parts_of_a_gpu_version_into_device_and_host_params() {
+    let name = "parts_of_a_gpu_version_into_device_and_host_params";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let f = Fake::open();
+    let dir = tempfile::tempdir().unwrap();
+    let globals = model();
+    let (mut trainer, sock) = trainer(dir.path(), &globals, 8);
+    for device in [true, false] {
+        let (m, specs, params) = engine(device);
+        for (mode, verify) in [
+            (Mode::InPlace, false),
+            (Mode::InPlace, true),
+            (Mode::Atomic, false),
+            (Mode::Atomic, true),
+        ] {
+            let what = format!("device {device}, {mode:?}, verify {verify}");
+            zero(device, &params);
+            let before = copies(&f);
+            pull(&m, (&sock, Some(&mut trainer)), mode, verify)
+                .unwrap_or_else(|e| panic!("{what}: {e}\ntrainer: {}", output(&mut trainer)));
+            let after = copies(&f);
+            // One 2D copy per strided part (w_cols, big_cols, qkv's three)
+            // at most, and far fewer single copies than the 1600 blocks.
+            assert!(after.0 > before.0, "{what}: no 2D copy");
+            assert!(
+                after.1 - before.1 < 64,
+                "{what}: {} copies of one block (cuMemcpyAsync {}, cuMemcpyDtoH {})",
+                after.1 - before.1,
+                f.calls("cuMemcpyAsync"),
+                f.calls("cuMemcpyDtoH")
+            );
+            for (spec, &p) in specs.iter().zip(&params) {
+                assert!(
+                    read(device, p) == expected(spec, &globals),
+                    "{what}: param '{}' differs",
+                    spec.name
+                );
+            }
+            assert_eq!(m.status().version.as_deref(), Some("7"), "{what}");
+        }
+    }
+    let out = trainer.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "trainer: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A 2D copy the driver fails: atomic, the params keep their old bytes
+/// and the update fails naming the copy; in place, the manager is FAILED
+/// until the next update, which restores every byte.
+#[test]
+fn a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager() {
+    let name = "a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let f = Fake::open();
+    let dir = tempfile::tempdir().unwrap();
+    let globals = model();
+    let (mut trainer, sock) = trainer(dir.path(), &globals, 3);
+    let (m, specs, params) = engine(true);
+    let state = m.status().state;
+    // Atomic: the second 2D copy to the host fails.
+    f.fail("cuMemcpy2D", 1);
+    let e = pull(&m, (&sock, Some(&mut trainer)), Mode::Atomic, false).unwrap_err();
+    assert!(e.message.contains("cuMemcpy2D"), "{e}");
+    assert_eq!(m.status().state, state);
+    assert_eq!(m.status().version, None);
+    for &p in &params {
+        assert!(
+            read(true, p).iter().all(|b| *b == 0),
+            "atomic: a param was written"
+        );
+    }
+    // In place, device to device: the second 2D copy fails.
+    f.fail("cuMemcpy2DAsync", 1);
+    let e = pull(&m, (&sock, Some(&mut trainer)), Mode::InPlace, false).unwrap_err();
+    assert!(e.message.contains("cuMemcpy2DAsync"), "{e}");
+    assert_eq!(m.status().state, State::Failed);
+    pull(&m, (&sock, Some(&mut trainer)), Mode::InPlace, false).unwrap();
+    assert_eq!(m.status().state, State::Normal);
+    for (spec, &p) in specs.iter().zip(&params) {
+        assert!(
+            read(true, p) == expected(spec, &globals),
+            "after the failures: param '{}' differs",
+            spec.name
+        );
+    }
+    // The trainer's failed sessions are its errors to report; it served
+    // its three engines and is gone.
+    trainer.wait_with_output().unwrap();
+}
+
+/// A hostile publisher: HELLO, MANIFEST of one u8 tensor "w" [64, 64],
+/// WANT, then its one GPU buffer of 4096 bytes (CUDA_BUFFERS) and a
+/// WINDOWS bucket of `entries`; END once acknowledged.
+fn hostile(sock: &Path, entries: Vec<BucketEntry>) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (stream, _) = listener.accept().unwrap();
+        let mut conn = Conn::new(stream, "the engine");
+        if conn.recv(deadline).is_err() {
+            return;
+        }
+        let w = TensorMeta {
+            name: "w".into(),
+            dtype: DType::U8,
+            shape: vec![64, 64],
+            nbytes: 4096,
+            checksum: None,
+            placement: None,
+        };
+        let manifest = Frame::Manifest {
+            version: "hostile".into(),
+            tensors: vec![w],
+        };
+        if conn.send(&manifest).is_err() || conn.recv(deadline).is_err() {
+            return;
+        }
+        let gpu = ExportedDeviceBuffer::new("hostile", 0, 4096).unwrap();
+        let fill = vec![0xeeu8; 4096];
+        // SAFETY: host bytes of the buffer's length.
+        unsafe { gpu.copy_in(0, fill.as_ptr() as u64, 4096) }.unwrap();
+        let buffers = Frame::CudaBuffers {
+            buffers: vec![CudaBuffer {
+                handle: gpu.handle(),
+                size: 4096,
+            }],
+        };
+        let bucket = Frame::Windows {
+            seq: 0,
+            buffer: 0,
+            entries,
+        };
+        if conn.send(&buffers).is_ok() && conn.send(&bucket).is_ok() && conn.recv(deadline).is_ok()
+        {
+            let _ = conn.send(&Frame::End { buckets: 1 });
+        }
+    })
+}
+
+/// The engine takes columns 0..32 of "w" [64, 64] into a device param (a
+/// strided request of 64 blocks of 32 bytes, device to device in place).
+/// A window into the GPU buffer whose blocks run past it, or which covers
+/// more than its request, is refused naming the entry and the buffer
+/// before any byte moves: the weights and version stay.
+#[test]
+fn hostile_windows_into_a_gpu_buffer_are_refused() {
+    let name = "hostile_windows_into_a_gpu_buffer_are_refused";
+    if !under_fake_driver(name, false) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("model");
+    std::fs::create_dir(&model_dir).unwrap();
+    let full = common::tensor("w", DType::U8, &[64, 64], 3);
+    common::write_safetensors(
+        &model_dir.join("model.safetensors"),
+        std::slice::from_ref(&full),
+    );
+    common::write_version(&model_dir, "v1");
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let spec = ParamSpec {
+        pieces: vec![piece("w", &[0, 0], &[64, 32], &[0, 0])],
+        memory: MemoryKind::Device,
+        device_ordinal: 0,
+        ..ParamSpec::host("w", DType::U8, &[64, 32])
+    };
+    let param = m.allocate(&spec).unwrap();
+    m.update(UpdateRequest::snapshot(&model_dir)).unwrap();
+    let before: Vec<u8> = (0..64)
+        .flat_map(|r| full.data[r * 64..r * 64 + 32].to_vec())
+        .collect();
+    assert!(read(true, param) == before);
+    let window = |len, tensor_at| BucketEntry {
+        request: 0,
+        offset: 0,
+        len,
+        buffer_offset: tensor_at,
+    };
+    let cases = [
+        (
+            window(2048, 256),
+            "block of 32 bytes at 4096 (request #0) runs past the 4096-byte buffer",
+        ),
+        (
+            window(4096, 0),
+            "4096 bytes from byte 0 run past the 2048 bytes of request #0",
+        ),
+    ];
+    for (k, (entry, want)) in cases.into_iter().enumerate() {
+        for mode in [Mode::Atomic, Mode::InPlace] {
+            let sock = dir.path().join(format!("h{k}-{mode:?}.sock"));
+            let publisher = hostile(&sock, vec![entry]);
+            let e = pull(&m, (&sock, None), mode, false).unwrap_err();
+            publisher.join().unwrap();
+            assert_eq!(e.code, wm_result::WM_ERR_PEER, "{mode:?}: {e}");
+            for part in ["GPU buffer 0", "bucket 0: entry 0: ", want] {
+                assert!(e.message.contains(part), "{mode:?}: {part}: {e}");
+            }
+            assert!(
+                read(true, param) == before,
+                "{mode:?}: the weights were touched"
+            );
+            assert_eq!(m.status().version.as_deref(), Some("v1"), "{mode:?}");
+        }
+    }
+}
