@@ -18,201 +18,26 @@
 mod common;
 
 use common::fake_cuda::{under_fake_driver, Fake};
-use common::sharded::{expected, piece, Global};
-use cudarc::driver::sys;
+use common::gpu_parts::{engine, model, pull, pull_every_case, read, trainer};
+use common::sharded::{expected, piece};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager::manifest::TensorMeta;
 use weight_manager::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager::registry::{MemoryKind, ParamSpec};
-use weight_manager::source::SourceKind;
 use weight_manager::state::State;
 use weight_manager::tensor::DType;
 use weight_manager::transport::conn::Conn;
 use weight_manager::wire::{BucketEntry, CudaBuffer, Frame};
 use weight_manager::wm_result;
 
-/// The trainer's tensors. "big" rows are 4000 bytes: a row range starts
-/// off the 256-byte grid.
-fn model() -> Vec<Global> {
-    vec![
-        Global::new("w", &[64, 48], 3),
-        Global::new("big", &[1536, 1000], 4),
-        Global::new("q", &[32, 48], 5),
-        Global::new("k", &[16, 48], 6),
-        Global::new("v", &[16, 48], 7),
-    ]
-}
-
-/// The engine's params, in device or host memory.
-fn specs(device: bool) -> Vec<ParamSpec> {
-    let spec = |name: &str, shape: &[u64], pieces| ParamSpec {
-        pieces,
-        memory: if device {
-            MemoryKind::Device
-        } else {
-            MemoryKind::Host
-        },
-        device_ordinal: 0,
-        ..ParamSpec::host(name, DType::F32, shape)
-    };
-    let qkv = |t: &str, rows: u64, at: u64| piece(t, &[0, 24], &[rows, 24], &[at, 0]);
-    vec![
-        // Columns 8..32 of "w": 64 blocks of 96 bytes, 192 apart.
-        spec(
-            "w_cols",
-            &[64, 24],
-            vec![piece("w", &[0, 8], &[64, 24], &[0, 0])],
-        ),
-        // Columns 100..356 of "big": 1536 blocks of 1024 bytes.
-        spec(
-            "big_cols",
-            &[1536, 256],
-            vec![piece("big", &[0, 100], &[1536, 256], &[0, 0])],
-        ),
-        // Rows 3..1403 of "big": 5.6 MB from byte 12000.
-        spec(
-            "big_rows",
-            &[1400, 1000],
-            vec![piece("big", &[3, 0], &[1400, 1000], &[0, 0])],
-        ),
-        // The column half of q, k and v stacked.
-        spec(
-            "qkv",
-            &[64, 24],
-            vec![qkv("q", 32, 0), qkv("k", 16, 32), qkv("v", 16, 48)],
-        ),
-    ]
-}
-
-/// `wm serve --gpu 0` of `globals` (version "7") for `engines` sessions,
-/// in buckets of 5 MiB.
-fn trainer(dir: &Path, globals: &[Global], engines: usize) -> (Child, std::path::PathBuf) {
-    let model_dir = dir.join("model");
-    std::fs::create_dir_all(&model_dir).unwrap();
-    let ts: Vec<common::T> = globals
-        .iter()
-        .map(|g| common::T {
-            name: g.name.into(),
-            dtype: DType::F32,
-            shape: g.shape.clone(),
-            data: g.bytes.clone(),
-        })
-        .collect();
-    common::write_safetensors(&model_dir.join("model.safetensors"), &ts);
-    common::write_version(&model_dir, "7");
-    let sock = dir.join("gpu.sock");
-    let child = Command::new(env!("CARGO_BIN_EXE_wm"))
-        .args(["serve", "--ipc", sock.to_str().unwrap()])
-        .arg(&model_dir)
-        .args(["--gpu", "0", "--version", "7", "--bucket-mib", "5"])
-        .args(["--accept-timeout", "60"])
-        .args(["--engines", &engines.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    (child, sock)
-}
-
-/// Update `m` from the trainer at `sock`, waiting (bounded) for it to
-/// listen; a trainer that died first is reported with what it printed.
-fn pull(
-    m: &Manager,
-    (sock, trainer): (&Path, Option<&mut Child>),
-    mode: Mode,
-    verify: bool,
-) -> weight_manager::Result<()> {
-    let start = Instant::now();
-    let mut trainer = trainer;
-    loop {
-        if let Some(t) = trainer.as_deref_mut() {
-            if t.try_wait().unwrap().is_some() {
-                panic!("the trainer ended: {}", output(t));
-            }
-        }
-        let mut req = UpdateRequest::snapshot(sock);
-        req.source = SourceKind::Ipc;
-        req.mode = mode;
-        req.verify = verify;
-        req.timeout = Duration::from_secs(60);
-        match m.update(req) {
-            Err(e) if e.code == wm_result::WM_ERR_NOT_FOUND => {
-                assert!(start.elapsed().as_secs() < 60, "no trainer listened: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            other => return other.map(|_| ()),
-        }
-    }
-}
-
-/// What trainer `t` printed, once it ended (killed after 10 s).
-fn output(t: &mut Child) -> String {
-    let start = Instant::now();
-    while t.try_wait().unwrap().is_none() {
-        if start.elapsed() > Duration::from_secs(10) {
-            let _ = t.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    use std::io::Read;
-    let mut text = String::new();
-    if let Some(mut o) = t.stdout.take() {
-        o.read_to_string(&mut text).unwrap();
-    }
-    if let Some(mut e) = t.stderr.take() {
-        e.read_to_string(&mut text).unwrap();
-    }
-    text
-}
-
-/// A param's bytes, from device or host memory.
-fn read(device: bool, (ptr, len): (*mut u8, usize)) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    if device {
-        // SAFETY: a library-owned device param of `len` bytes.
-        let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr as u64, len) };
-        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
-    } else {
-        // SAFETY: a library-owned host param; nothing writes it now.
-        out.copy_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
-    }
-    out
-}
-
-/// Zero every param (device or host), so each byte a case checks moved.
-fn zero(device: bool, params: &[(*mut u8, usize)]) {
-    for &(ptr, len) in params {
-        if device {
-            // SAFETY: a library-owned device param of `len` bytes.
-            let r = unsafe { sys::cuMemsetD8_v2(ptr as u64, 0, len) };
-            assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
-        } else {
-            // SAFETY: a library-owned host param; nothing reads it now.
-            unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        }
-    }
-}
-
 /// Copies by kind so far: (2D copies, copies of one block).
 fn copies(f: &Fake) -> (u64, u64) {
     let two_d = f.calls("cuMemcpy2D") + f.calls("cuMemcpy2DAsync");
     (two_d, f.calls("cuMemcpyAsync") + f.calls("cuMemcpyDtoH"))
-}
-
-fn engine(device: bool) -> (Manager, Vec<ParamSpec>, Vec<(*mut u8, usize)>) {
-    let m = Manager::new(ManagerConfig {
-        fallback_dir: None,
-        ..Default::default()
-    })
-    .unwrap();
-    let specs = specs(device);
-    let params = specs.iter().map(|s| m.allocate(s).unwrap()).collect();
-    (m, specs, params)
 }
 
 #[test]
@@ -225,40 +50,19 @@ fn parts_of_a_gpu_version_into_device_and_host_params() {
     let dir = tempfile::tempdir().unwrap();
     let globals = model();
     let (mut trainer, sock) = trainer(dir.path(), &globals, 8);
-    for device in [true, false] {
-        let (m, specs, params) = engine(device);
-        for (mode, verify) in [
-            (Mode::InPlace, false),
-            (Mode::InPlace, true),
-            (Mode::Atomic, false),
-            (Mode::Atomic, true),
-        ] {
-            let what = format!("device {device}, {mode:?}, verify {verify}");
-            zero(device, &params);
-            let before = copies(&f);
-            pull(&m, (&sock, Some(&mut trainer)), mode, verify)
-                .unwrap_or_else(|e| panic!("{what}: {e}\ntrainer: {}", output(&mut trainer)));
-            let after = copies(&f);
-            // One 2D copy per strided part (w_cols, big_cols, qkv's three)
-            // at most, and far fewer single copies than the 1600 blocks.
-            assert!(after.0 > before.0, "{what}: no 2D copy");
-            assert!(
-                after.1 - before.1 < 64,
-                "{what}: {} copies of one block (cuMemcpyAsync {}, cuMemcpyDtoH {})",
-                after.1 - before.1,
-                f.calls("cuMemcpyAsync"),
-                f.calls("cuMemcpyDtoH")
-            );
-            for (spec, &p) in specs.iter().zip(&params) {
-                assert!(
-                    read(device, p) == expected(spec, &globals),
-                    "{what}: param '{}' differs",
-                    spec.name
-                );
-            }
-            assert_eq!(m.status().version.as_deref(), Some("7"), "{what}");
-        }
-    }
+    pull_every_case((&mut trainer, &sock), &globals, |what, pull| {
+        let before = copies(&f);
+        pull();
+        let after = copies(&f);
+        // One 2D copy per strided part (w_cols, big_cols, qkv's three)
+        // at most, and far fewer single copies than the 1600 blocks.
+        assert!(after.0 > before.0, "{what}: no 2D copy");
+        assert!(
+            after.1 - before.1 < 64,
+            "{what}: {} copies of one block",
+            after.1 - before.1
+        );
+    });
     let out = trainer.wait_with_output().unwrap();
     assert!(
         out.status.success(),

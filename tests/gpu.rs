@@ -8,7 +8,8 @@
 //! processes (a `wm serve --gpu` trainer publishing GPU tensors, this
 //! process's device params written device to device, through the host when
 //! verified or atomic, and device pointers handed to the zero-copy
-//! callback); library-owned device params (CUDA VMM) cleared and restored
+//! callback), and parts of a GPU version (strided, unaligned, fused;
+//! slice sums) into device and host params; library-owned device params (CUDA VMM) cleared and restored
 //! at identical addresses with the memory really returned (the driver's
 //! free-memory query); the device page swap (`swap_device_pages`): atomic
 //! updates of library-owned device params mapped in at the same
@@ -228,6 +229,8 @@ fn cuda_ipc_from_a_trainer_process_into_device_params() {
         .args([
             "--gpu",
             "0",
+            "--version",
+            "7",
             "--engines",
             "3",
             "--bucket-mib",
@@ -295,6 +298,29 @@ fn cuda_ipc_from_a_trainer_process_into_device_params() {
         out.status.success(),
         "trainer: {}{}",
         String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Parts of a GPU version (a column split, an unaligned row range, a
+/// fused QKV's column half) into device and host params, atomic and in
+/// place, verified (slice sums hashed from the trainer's GPU) and not:
+/// the scenario tests/device_ipc.rs runs under the fake driver, here on
+/// the GPU itself.
+#[test]
+fn cuda_ipc_parts_of_a_gpu_version() {
+    use common::gpu_parts::{model, pull_every_case, trainer};
+    if gpu().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let globals = model();
+    let (mut trainer, sock) = trainer(dir.path(), &globals, 8);
+    pull_every_case((&mut trainer, &sock), &globals, |_, pull| pull());
+    let out = trainer.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

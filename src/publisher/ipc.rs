@@ -4,7 +4,9 @@
 //! by CUDA IPC) is handed over whole and every bucket is a set of windows
 //! into it (WINDOWS frames), whatever the requests' shapes: nothing is
 //! packed, and the engine copies each block of a strided request straight
-//! out of the buffer. Live tensors and files are packed into pooled bucket
+//! out of the buffer (a GPU buffer's equally spaced blocks with one 2D copy
+//! per run). Slice sums are hashed where the engine reads the bytes: in
+//! the host buffer, or read back from the GPU buffer (`device_sums.rs`). Live tensors and files are packed into pooled bucket
 //! buffers, which alternate: while the engine applies bucket i, bucket i+1
 //! is packed into the other one.
 

@@ -36,8 +36,10 @@
 //! them at its end. In place and unverified, bytes go device to device into
 //! device params, and zero-copy hands the callback device pointers; host
 //! params, atomic mode (its staging is host memory) and verification (the
-//! hash runs on the CPU) copy the bytes to the host first. The engine waits
-//! for its copies out of a bucket before acknowledging it.
+//! hash runs on the CPU, slice sums included) copy the bytes to the host
+//! first. A strided part's blocks, equally spaced in the trainer's buffer,
+//! go as one 2D copy per run either way (`memory::strided`). The engine
+//! waits for its copies out of a bucket before acknowledging it.
 
 use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use super::Step;

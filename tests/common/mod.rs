@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod fake_cuda;
+pub mod gpu_parts;
 pub mod sharded;
 
 use safetensors::tensor::{Dtype, TensorView};
