@@ -72,9 +72,11 @@ fn parts_of_a_gpu_version_into_device_and_host_params() {
     );
 }
 
-/// A 2D copy the driver fails: atomic, the params keep their old bytes
-/// and the update fails naming the copy; in place, the manager is FAILED
-/// until the next update, which restores every byte.
+/// A 2D copy the driver fails: atomic (to the host), the params keep
+/// their old bytes and the update fails naming the copy. In place, device
+/// to device, a refused 2D copy is done row by row (the driver may refuse
+/// pitches it did not choose); when a row's copy fails too, the manager is
+/// FAILED until the next update, which restores every byte.
 #[test]
 fn a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager() {
     let name = "a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager";
@@ -84,9 +86,19 @@ fn a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager() {
     let f = Fake::open();
     let dir = tempfile::tempdir().unwrap();
     let globals = model();
-    let (mut trainer, sock) = trainer(dir.path(), &globals, 3);
+    let (mut trainer, sock) = trainer(dir.path(), &globals, 4);
     let (m, specs, params) = engine(true);
     let state = m.status().state;
+    let check_all = |what: &str| {
+        for (spec, &p) in specs.iter().zip(&params) {
+            let got = read(true, p);
+            assert!(
+                got == expected(spec, &globals),
+                "{what}: param '{}' differs",
+                spec.name
+            );
+        }
+    };
     // Atomic: the second 2D copy to the host fails.
     f.fail("cuMemcpy2D", 1);
     let e = pull(&m, (&sock, Some(&mut trainer)), Mode::Atomic, false).unwrap_err();
@@ -99,22 +111,23 @@ fn a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager() {
             "atomic: a param was written"
         );
     }
-    // In place, device to device: the second 2D copy fails.
-    f.fail("cuMemcpy2DAsync", 1);
+    // In place: the first 2D copy is refused; its rows go one by one.
+    let rows = f.calls("cuMemcpyAsync");
+    f.fail("cuMemcpy2DAsync", 0);
+    pull(&m, (&sock, Some(&mut trainer)), Mode::InPlace, false).unwrap();
+    assert!(f.calls("cuMemcpyAsync") > rows, "no row copied alone");
+    check_all("row by row");
+    // In place: a 2D copy is refused and its first row fails.
+    f.fail("cuMemcpy2DAsync", 0);
+    f.fail("cuMemcpyAsync", 0);
     let e = pull(&m, (&sock, Some(&mut trainer)), Mode::InPlace, false).unwrap_err();
-    assert!(e.message.contains("cuMemcpy2DAsync"), "{e}");
+    assert!(e.message.contains("cuMemcpyAsync (a row"), "{e}");
     assert_eq!(m.status().state, State::Failed);
     pull(&m, (&sock, Some(&mut trainer)), Mode::InPlace, false).unwrap();
     assert_eq!(m.status().state, State::Normal);
-    for (spec, &p) in specs.iter().zip(&params) {
-        assert!(
-            read(true, p) == expected(spec, &globals),
-            "after the failures: param '{}' differs",
-            spec.name
-        );
-    }
+    check_all("after the failures");
     // The trainer's failed sessions are its errors to report; it served
-    // its three engines and is gone.
+    // its engines and is gone.
     trainer.wait_with_output().unwrap();
 }
 

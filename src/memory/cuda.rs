@@ -273,6 +273,8 @@ pub(crate) enum CopyTo {
 /// one `cuMemcpy2DAsync` queued on `stream`, or, with None, one
 /// synchronous `cuMemcpy2D` (a host destination that is not pinned).
 /// In every driver since CUDA 4 (`memory::strided` says why it pays).
+/// Device to device, pitches the driver refuses (it may, for pitches
+/// `cuMemAllocPitch` did not choose) are copied row by row instead.
 ///
 /// # Safety
 /// The context of the GPU holding `run.src` is current; every source row
@@ -313,8 +315,22 @@ pub(crate) unsafe fn copy_2d(
         WidthInBytes: run.width,
         Height: run.height,
     };
-    match stream {
-        Some(s) => check(sys::cuMemcpy2DAsync_v2(&p, s), "cuMemcpy2DAsync"),
-        None => check(sys::cuMemcpy2D_v2(&p), "cuMemcpy2D"),
+    let Some(stream) = stream else {
+        return check(sys::cuMemcpy2D_v2(&p), "cuMemcpy2D");
+    };
+    let r = sys::cuMemcpy2DAsync_v2(&p, stream);
+    if to == CopyTo::Device && r == CUresult::CUDA_ERROR_INVALID_VALUE {
+        // The driver may refuse device-to-device pitches cuMemAllocPitch
+        // did not choose (its unaligned 2D copy has no asynchronous form):
+        // then the rows go one by one.
+        for k in 0..run.height as u64 {
+            let (dst, src) = (run.dst + k * run.dst_pitch, run.src + k * run.src_pitch);
+            check(
+                sys::cuMemcpyAsync(dst, src, run.width, stream),
+                "cuMemcpyAsync (a row, after cuMemcpy2DAsync refused the pitches)",
+            )?;
+        }
+        return Ok(());
     }
+    check(r, "cuMemcpy2DAsync")
 }
