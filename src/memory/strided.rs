@@ -26,7 +26,7 @@ pub struct Strided {
 /// Largest pitch a 2D copy is given: the driver refuses pitches above the
 /// device's `CU_DEVICE_ATTRIBUTE_MAX_PITCH`, which is 2^31 - 1 on every
 /// GPU so far. Blocks further apart are copied one by one.
-pub const MAX_PITCH: u64 = (1 << 31) - 1;
+pub(crate) const MAX_PITCH: u64 = (1 << 31) - 1;
 
 impl Strided {
     /// One block of `len` bytes.
