@@ -27,6 +27,7 @@
 pub mod block_sums;
 pub mod checksums;
 pub mod layout;
+pub mod mapped;
 mod reader;
 pub mod reads;
 pub mod regular_file;
