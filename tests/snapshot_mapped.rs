@@ -1,10 +1,12 @@
-//! Covering reads go through mapped windows of the file under the SIGBUS
+//! Snapshot reads go through mapped windows of the file under the SIGBUS
 //! guard (`source/snapshot/reader.rs`): a trainer truncating the file while
 //! an update reads it fails the update naming the file (atomic keeps the
 //! old bytes, in place is FAILED), never the engine; and an engine's own
 //! SIGBUS handler, installed before the library's, is still called for
 //! faults that are not ours. Real files, a real `truncate` process, and a
 //! fresh process for the handler test.
+//!
+//! Segments read alone (whole tensors here) are mapped too, in windows.
 
 mod common;
 
@@ -60,8 +62,38 @@ fn rank() -> (Manager, &'static [u8]) {
     (m, unsafe { std::slice::from_raw_parts(p, n) })
 }
 
+/// Update `m` from `dir` in `mode` while another process cuts the file
+/// after the first batch (the next windows are mapped past its end); the
+/// update fails naming the file. Returns the manager's state after.
+fn cut_during_update(m: &Manager, dir: &Path, mode: Mode) -> State {
+    let file = dir.join("model.safetensors");
+    let mut cut = |_: &Progress| {
+        let s = Command::new("truncate")
+            .args(["-s", "4096"])
+            .arg(&file)
+            .status()
+            .unwrap();
+        assert!(s.success());
+        true
+    };
+    let mut req = UpdateRequest::snapshot(dir);
+    req.mode = mode;
+    req.hooks = Hooks {
+        progress: Some(&mut cut),
+        tensor: None,
+    };
+    let e = m.update(req).unwrap_err();
+    assert!(
+        e.message.contains("truncated") && e.message.contains(&*file.to_string_lossy()),
+        "{mode:?}: {e}"
+    );
+    let s = m.status();
+    assert_eq!(s.version.as_deref(), Some("1"), "{mode:?}");
+    s.state
+}
+
 #[test]
-fn a_file_truncated_under_a_mapped_read_fails_the_update_not_the_engine() {
+fn a_file_truncated_under_a_covering_read_fails_the_update_not_the_engine() {
     for mode in [Mode::Atomic, Mode::InPlace] {
         let d = tempfile::tempdir().unwrap();
         let (v1, v2) = (weights(1), weights(2));
@@ -74,43 +106,66 @@ fn a_file_truncated_under_a_mapped_read_fails_the_update_not_the_engine() {
         assert!(mapped_bytes() - before >= 8 << 20, "{mode:?}");
 
         checkpoint(d.path(), &v2, "2");
-        // After the first window's batch, another process cuts the file:
-        // the next windows are mapped past its end.
-        let file = d.path().join("model.safetensors");
-        let mut cut = |_: &Progress| {
-            let s = Command::new("truncate")
-                .args(["-s", "4096"])
-                .arg(&file)
-                .status()
-                .unwrap();
-            assert!(s.success());
-            true
-        };
-        let mut req = UpdateRequest::snapshot(d.path());
-        req.mode = mode;
-        req.hooks = Hooks {
-            progress: Some(&mut cut),
-            tensor: None,
-        };
-        let e = m.update(req).unwrap_err();
-        assert!(
-            e.message.contains("truncated") && e.message.contains(&*file.to_string_lossy()),
-            "{mode:?}: {e}"
-        );
-        let s = m.status();
-        assert_eq!(s.version.as_deref(), Some("1"), "{mode:?}");
-        match mode {
-            Mode::Atomic => {
-                assert_eq!(s.state, State::Normal);
-                assert!(param == columns(&v1), "atomic keeps the old bytes");
+        match cut_during_update(&m, d.path(), mode) {
+            State::Normal if mode == Mode::Atomic => {
+                assert!(param == columns(&v1), "atomic keeps the old bytes")
             }
-            Mode::InPlace => assert_eq!(s.state, State::Failed),
+            s => assert_eq!((mode, s), (Mode::InPlace, State::Failed)),
         }
         // A whole file again: the next update succeeds.
         checkpoint(d.path(), &v2, "3");
         m.update(UpdateRequest::snapshot(d.path())).unwrap();
         assert!(param == columns(&v2), "{mode:?}");
         assert_eq!(m.status().state, State::Normal);
+    }
+}
+
+/// Whole tensors of 64 MiB, five of them: the first batch (256 MiB) is
+/// applied before the file is cut under the fifth.
+#[test]
+fn a_file_truncated_under_a_whole_tensor_read_fails_the_update_not_the_engine() {
+    let shape = [8192u64, 2048];
+    let model = |seed| -> Vec<T> {
+        (0..5)
+            .map(|i| tensor(&format!("layers.{i}.w"), DType::F32, &shape, seed))
+            .collect()
+    };
+    let (v1, v2) = (model(1), model(2));
+    for mode in [Mode::Atomic, Mode::InPlace] {
+        let d = tempfile::tempdir().unwrap();
+        write_safetensors(&d.path().join("model.safetensors"), &v1);
+        write_version(d.path(), "1");
+        let m = Manager::new(ManagerConfig {
+            fallback_dir: None,
+            ..Default::default()
+        })
+        .unwrap();
+        let params: Vec<&[u8]> = v1
+            .iter()
+            .map(|t| {
+                let (p, n) = m
+                    .allocate(&ParamSpec::host(&t.name, t.dtype, &shape))
+                    .unwrap();
+                // The manager outlives every read of its params here.
+                unsafe { std::slice::from_raw_parts(p as *const u8, n) }
+            })
+            .collect();
+        let before = mapped_bytes();
+        m.update(UpdateRequest::snapshot(d.path())).unwrap();
+        assert!(
+            mapped_bytes() - before >= 5 << 26,
+            "whole tensors are mapped"
+        );
+        assert!(params.iter().zip(&v1).all(|(p, t)| *p == t.data));
+
+        write_safetensors(&d.path().join("model.safetensors"), &v2);
+        write_version(d.path(), "2");
+        match cut_during_update(&m, d.path(), mode) {
+            State::Normal if mode == Mode::Atomic => {
+                assert!(params.iter().zip(&v1).all(|(p, t)| *p == t.data))
+            }
+            s => assert_eq!((mode, s), (Mode::InPlace, State::Failed)),
+        }
     }
 }
 

@@ -5,10 +5,10 @@
 //! - memcpy: host buffer to host buffer, one contiguous share per thread;
 //! - page-cache read: `pread` of the same file into a buffer, 8 MiB pieces
 //!   from a shared counter (the plainest fast loop);
-//! - mapped read (not a floor, the reader's choice): each 8 MiB piece
-//!   mapped, copied with the library's copy, unmapped; the library reads
-//!   whole segments with `pread` while this stays below it
-//!   (`source/snapshot/reader.rs`).
+//! - mapped read (not a floor: beside it, how the reader reads): each
+//!   8 MiB piece mapped, copied with the library's copy, unmapped
+//!   (`source/snapshot/reader.rs` maps segments when this is ahead of
+//!   `pread`, as it is for files written in large pieces).
 //!
 //! Ratio = wm GB/s / the lower floor (target: at least 0.8, in-place). The
 //! small-tensor run reports time per tensor beyond what its bytes cost at the
@@ -366,7 +366,7 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     println!("  floor  page-cache read (pread)        {read_gbps:>7.2} GB/s");
     let mapped_gbps = gbps(total, mapped_t);
     println!(
-        "  plain  page-cache read (mmap + copy)  {mapped_gbps:>7.2} GB/s   ratio {:.2} to pread (whole segments use pread: measured below 1, source/snapshot/reader.rs)",
+        "  plain  page-cache read (mmap + copy)  {mapped_gbps:>7.2} GB/s   ratio {:.2} to pread (the library maps segments of 1 MiB or more)",
         mapped_gbps / read_gbps
     );
     println!("  floor  fault in fresh memory          {fresh_gbps:>7.2} GB/s (the kernel zeroes every page)");

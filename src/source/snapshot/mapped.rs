@@ -1,9 +1,10 @@
 //! A window of a snapshot file read through a memory map, under the SIGBUS
 //! guard (`signal::sigbus`).
 //!
-//! Covering reads (`reads.rs`) use these: the segments are copied, and the
-//! blocks hashed, straight from the page cache, with no bounce buffer, and
-//! only the pages they touch are faulted in. A trainer that truncates the
+//! The reader (`reader.rs`) reads segments through these: the copier's
+//! threads copy them, and covering reads hash their blocks, straight from
+//! the page cache, with no bounce buffer, faulting in only the pages they
+//! touch. A trainer that truncates the
 //! file while it is mapped would otherwise kill the engine with SIGBUS; the
 //! guard maps zero pages over the window instead and marks it faulted, and
 //! the reader turns that into an error naming the file (as a short `pread`

@@ -5,29 +5,40 @@
 //! never a whole large tensor at once), checked against its block sums
 //! when it has them, and the applier copies the segments out of it.
 //!
-//! Which read where (measured on the 2-core machine, shared with two
-//! builds, 1 GiB file in the page cache, GB/s; `wm bench snapshot` prints
-//! the first row's figures as floors in every run):
+//! Which read where: segments are read through mapped windows of the
+//! file (`mapped.rs`, under the SIGBUS guard), and the applier's copier
+//! threads copy them out, one copy from the page cache, as PyTorch's
+//! `load_file` does. A segment read alone of at least [`MAP_MIN`] is
+//! mapped in windows of [`MAP_WINDOW`]; a covering read maps its window
+//! (no copy into a buffer, and only the pages holding segments are
+//! touched). Shorter segments read alone, and any window that cannot be
+//! mapped (no free guard slot, `mmap` failed), are read with `pread`.
 //!
-//! | bytes wanted                        | `pread`      | mapped window |
-//! |-------------------------------------|--------------|---------------|
-//! | whole, into 4 KiB pages (2 threads) | 7.9-14.1     | 5.9-13.2      |
-//! | whole, into huge pages              | 5.3-13.2     | 3.3-13.0      |
-//! | 64 B every 128 B (covering)         | 2.61         | 3.18          |
-//! | 512 B every 4 KiB (covering)        | 0.77         | 1.07          |
-//! | 4 KiB every 8 KiB (blocks)          | 2.47         | 2.87          |
+//! Measured on the 2-core machine while two builds shared it (1 GiB in
+//! the page cache, 2 threads, best of 5, GB/s, runs apart by load; `wm
+//! bench snapshot` prints a mapped read beside its `pread` floor in every
+//! run):
 //!
-//! (covering rows: one thread, GB/s of wanted bytes; `pread` is into the
-//! buffer then copied out.) A mapped read pays for a page-table entry per
-//! page, set up on the first touch and torn down at `munmap` (a third of
-//! its time in `perf`: `exc_page_fault`, `unmap_page_range`, rmap and
-//! memcg accounting), which a `pread` into memory already faulted in does
-//! not; no `MADV_SEQUENTIAL`, `MADV_WILLNEED`, `MAP_POPULATE` or window
-//! size (2 to 64 MiB) changed that. So a segment read whole stays a
-//! `pread` straight into its destination (one copy), and a covering read
-//! is mapped (`mapped.rs`): it saves the copy into the buffer and reads
-//! only the pages holding segments. A covering window that cannot be
-//! mapped (no free guard slot, `mmap` failed) is read into the buffer.
+//! | file written in         | into       | `pread`  | mmap 8 MiB | mmap 32 MiB |
+//! |-------------------------|------------|----------|------------|-------------|
+//! | 64 MiB writes           | 4 KiB pages| 7.5-9.8  | 9.1-10.7   | 10.3-11.5   |
+//! | 64 MiB writes           | huge pages | 9.3-12.2 | 10.7-15.0  | 11.2-18.8   |
+//! | small writes (a pipe)   | 4 KiB pages| 8.9-13.2 | 6.9-12.3   | 6.8-11.8    |
+//! | small writes (a pipe)   | huge pages | 12.9-14.1| 11.8-12.8  | 11.9-13.1   |
+//!
+//! A mapped read pays for a page-table entry per page, set up on the first
+//! touch and torn down at `munmap` (`perf`: `exc_page_fault`,
+//! `unmap_page_range`, rmap and memcg accounting); a page cache filled by
+//! large writes (a trainer's safetensors file) or by readahead holds large
+//! folios, mapped many pages per fault (a quarter of the faults per GiB),
+//! so the mapping wins by 1.1-1.7x; a file written in small pieces is in
+//! 4 KiB pages and `pread` wins by 5-25% there. `MADV_SEQUENTIAL`,
+//! `MADV_WILLNEED` and 2 MiB windows did not help; `MAP_POPULATE` helped a
+//! little where each thread maps its own piece, but here one thread maps
+//! and populating would serialize the page-table work, so it is not used.
+//! Covering reads (one thread, GB/s of wanted bytes; `pread` into the
+//! buffer then copied out): 64 B of every 128 B 2.61 / 3.18 mapped, 512 B
+//! of every 4 KiB 0.77 / 1.07, 4 KiB of every 8 KiB 2.47 / 2.87.
 //!
 //! A file truncated under a mapped window: the SIGBUS guard puts zero
 //! pages over it and marks it faulted; the batch pointing into it fails
@@ -60,6 +71,15 @@ use std::os::unix::fs::FileExt;
 /// (`block_sums::MAX_BLOCK_SIZE` at most).
 pub(crate) const WINDOW_BYTES: u64 = 8 << 20;
 
+/// Segments read alone from this long on are mapped: an `mmap`, a guard
+/// slot and an `munmap` cost microseconds, small against the ~100 us a
+/// MiB takes (not measured; shorter segments keep `pread`, which the
+/// 10,000-small-tensor row of `wm bench snapshot` measures).
+const MAP_MIN: u64 = 1 << 20;
+/// The mapped window of a segment read alone (32 MiB measured ahead of
+/// 8 MiB; a batch holds `BATCH_BYTES / MAP_WINDOW` guard slots at most).
+const MAP_WINDOW: u64 = 32 << 20;
+
 /// Hands one file's planned bytes to the applier, batch by batch.
 pub(super) struct FileReader<'f> {
     file: &'f File,
@@ -70,8 +90,9 @@ pub(super) struct FileReader<'f> {
     /// changes once allocated (chunks of the pending batch point into it).
     buf: Vec<u8>,
     used: usize,
-    /// Mapped covering windows the pending batch's chunks point into.
+    /// Mapped windows the pending batch's chunks point into.
     maps: Vec<MappedWindow>,
+    /// Covering bytes among them.
     mapped: usize,
 }
 
@@ -105,16 +126,40 @@ impl<'f> FileReader<'f> {
             if r.covering {
                 self.covering(applier, plan, (e, at), (&r, segs), sums, &mut wanted)?;
             } else {
-                let s = segs[r.segs.start];
-                let src = CopySource::File {
-                    file: self.file,
-                    offset: at + s.source,
-                };
-                self.push(applier, e, (s.wanted, s.len), src)?;
+                self.segment(applier, e, at, segs[r.segs.start])?;
             }
         }
         if let Some(h) = wanted {
             applier.expect_checksum(e, h.digest())?;
+        }
+        Ok(())
+    }
+
+    /// A segment read alone: mapped window by window when it is at least
+    /// [`MAP_MIN`] long, else (or where a window cannot be mapped) read
+    /// with `pread` by the copier, straight into its destination.
+    fn segment(&mut self, applier: &mut Applier, e: usize, at: u64, s: Segment) -> Result<()> {
+        let mut done = 0;
+        while done < s.len {
+            let n = (s.len - done).min(MAP_WINDOW);
+            let offset = at + s.source + done;
+            let window = match s.len >= MAP_MIN {
+                true => MappedWindow::map(self.file, offset, n as usize),
+                false => None,
+            };
+            let src = match window {
+                Some(w) => {
+                    let start = w.bytes().as_ptr();
+                    self.maps.push(w);
+                    CopySource::Memory(SendPtr(start as *mut u8))
+                }
+                None => CopySource::File {
+                    file: self.file,
+                    offset,
+                },
+            };
+            self.push(applier, e, (s.wanted + done, n), src)?;
+            done += n;
         }
         Ok(())
     }
