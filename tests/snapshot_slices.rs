@@ -1,8 +1,9 @@
 //! Ranks reading slices of a whole-tensor checkpoint: verified with block
 //! sums (`wm_checksums.json` written by `checksums::write`, as `wm
 //! manifest` does), and read by the covering-read rule. Real files; the
-//! bytes each update reads are measured from `/proc/self/io` (`rchar`), so
-//! the tests of this file run one at a time.
+//! bytes each update reads are measured from `/proc/self/io` (`rchar`,
+//! what `pread` read) plus the bytes mapped for covering reads
+//! (`mapped_bytes`), so the tests of this file run one at a time.
 
 mod common;
 
@@ -14,11 +15,12 @@ use weight_manager::pieces::Piece;
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::snapshot::block_sums::BLOCK_SIZE;
 use weight_manager::source::snapshot::checksums::{self, CHECKSUM_FILE};
+use weight_manager::source::snapshot::mapped::mapped_bytes;
 use weight_manager::source::snapshot::reads::{MAX_GAP, SHORT_SEGMENT};
 use weight_manager::tensor::DType;
 use weight_manager::wm_result;
 
-/// `rchar` is per process: one test at a time.
+/// `rchar` and `mapped_bytes` are per process: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const MIB: u64 = 1 << 20;
@@ -104,13 +106,16 @@ fn manifest(dir: &Path) {
     checksums::write(dir, 2).unwrap();
 }
 
-fn rchar() -> u64 {
+/// Bytes this process read so far: with `pread`, or through a mapping.
+fn bytes_read() -> u64 {
     let io = std::fs::read_to_string("/proc/self/io").unwrap();
-    io.lines()
+    let rchar: u64 = io
+        .lines()
         .find_map(|l| l.strip_prefix("rchar: "))
         .unwrap()
         .parse()
-        .unwrap()
+        .unwrap();
+    rchar + mapped_bytes()
 }
 
 /// Update `m` from `dir` (verified when `verify`), with the bytes the
@@ -118,9 +123,9 @@ fn rchar() -> u64 {
 fn update(m: &Manager, dir: &Path, verify: bool) -> (weight_manager::Result<()>, u64) {
     let mut req = UpdateRequest::snapshot(dir);
     req.verify = verify;
-    let before = rchar();
+    let before = bytes_read();
     let r = m.update(req).map(|_| ());
-    (r, rchar() - before)
+    (r, bytes_read() - before)
 }
 
 /// Flip one bit of byte `at` of tensor data (`model.safetensors`'s data

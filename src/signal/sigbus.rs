@@ -1,12 +1,16 @@
-//! Surviving a shared-memory object that shrinks under us.
+//! Surviving a shared-memory object or a file that shrinks under us.
 //!
 //! A peer of the same uid can truncate `/dev/shm/<cell>` (or a tmpfs can run
-//! out of pages) while a rank has it mapped; the next access then raises
-//! SIGBUS, which by default kills the engine. Reading the word through the
-//! descriptor instead would cost a syscall on every NORMAL step, so the
-//! mappings stay and this module makes such a fault survivable:
+//! out of pages) while a rank has it mapped, and a trainer can truncate a
+//! snapshot file while an update reads it through a mapping; the next
+//! access then raises SIGBUS, which by default kills the engine. Reading
+//! through the descriptor instead would cost a syscall on every NORMAL step
+//! (and a copy per snapshot byte), so the mappings stay and this module
+//! makes such a fault survivable:
 //!
-//! - every [`super::shm::SharedMapping`] registers its address range here;
+//! - every [`super::shm::SharedMapping`] and every mapped window of a
+//!   snapshot file (`source/snapshot/mapped.rs`) registers its address
+//!   range here;
 //! - a process-wide SIGBUS handler (installed once, chaining to the handler
 //!   it replaced) looks the faulting address up; for one of ours it maps
 //!   private zeroed pages over the whole range (so the faulting access and
@@ -22,14 +26,16 @@
 //! `mmap`, which is not on POSIX's async-signal-safe list but is a plain
 //! system call on Linux. A host that later installs its own SIGBUS handler
 //! without chaining to the previous one takes this protection away, and
-//! mappings beyond `SLOTS` at once are unguarded (a SIGBUS there ends the
+//! mappings beyond `SLOTS` at once are unguarded (snapshot windows are then
+//! read with `pread` instead; for the others a SIGBUS there ends the
 //! process as before). Recovery means reopening: the handle (controller,
 //! manager) stays in error for that object.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
 
-/// Registered ranges at once; each manager uses three, a controller one.
+/// Registered ranges at once; each manager uses three, a controller one,
+/// a snapshot update up to ten while a batch is pending.
 const SLOTS: usize = 1024;
 
 struct Range {

@@ -4,7 +4,11 @@
 //! Floors use the same number of threads as the library's copier:
 //! - memcpy: host buffer to host buffer, one contiguous share per thread;
 //! - page-cache read: `pread` of the same file into a buffer, 8 MiB pieces
-//!   from a shared counter (the plainest fast loop).
+//!   from a shared counter (the plainest fast loop);
+//! - mapped read (not a floor: beside it, how the reader reads): each
+//!   8 MiB piece mapped, copied with the library's copy, unmapped
+//!   (`source/snapshot/reader.rs` maps segments when this is ahead of
+//!   `pread`, as it is for files written in large pieces).
 //!
 //! Ratio = wm GB/s / the lower floor (target: at least 0.8, in-place). The
 //! small-tensor run reports time per tensor beyond what its bytes cost at the
@@ -152,6 +156,48 @@ fn read_floor(
         // SAFETY: pieces are disjoint ranges inside dst, which outlives the scope.
         let buf = unsafe { std::slice::from_raw_parts_mut((d.0 + start) as *mut u8, len) };
         file.read_exact_at(buf, offset + start as u64)
+    })
+}
+
+/// [`read_floor`] through mappings: each piece mapped (page-aligned),
+/// copied, unmapped.
+fn mapped_read(
+    file: &File,
+    offset: u64,
+    dst: &mut [u8],
+    threads: usize,
+) -> Result<Duration, String> {
+    use std::os::fd::AsRawFd;
+    let (d, fd) = (Addr(dst.as_mut_ptr() as usize), file.as_raw_fd());
+    pieces_in_parallel(dst.len(), threads, move |start, len| {
+        let d = d;
+        let at = offset + start as u64;
+        let skip = (at % 4096) as usize;
+        // SAFETY: a fresh read-only mapping of the bench's own file, which
+        // nobody truncates; unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len + skip,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd,
+                (at - skip as u64) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the piece is inside dst and the mapping holds its bytes.
+        unsafe {
+            weight_manager::memory::copy::copy_bytes(
+                (d.0 + start) as *mut u8,
+                (p as *const u8).add(skip),
+                len,
+            );
+            libc::munmap(p, len + skip);
+        }
+        Ok(())
     })
 }
 
@@ -303,13 +349,14 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let data_offset = header.tensors[0].offset;
-    let (mem_floor, read_floor_t) = {
+    let (mem_floor, read_floor_t, mapped_t) = {
         let mut src = buffer(total as usize);
         fixtures::fill(&mut src, 7);
         let mut dst = buffer(total as usize);
         let m = best(|| memcpy_floor(&src, &mut dst, threads))?;
         let r = best(|| read_floor(&file, data_offset, &mut dst, threads))?;
-        (m, r)
+        let mapped = best(|| mapped_read(&file, data_offset, &mut dst, threads))?;
+        (m, r, mapped)
     };
     let mem_gbps = gbps(total, mem_floor);
     let read_gbps = gbps(total, read_floor_t);
@@ -317,6 +364,11 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     let floor = mem_gbps.min(read_gbps);
     println!("  floor  memcpy (host to host)          {mem_gbps:>7.2} GB/s");
     println!("  floor  page-cache read (pread)        {read_gbps:>7.2} GB/s");
+    let mapped_gbps = gbps(total, mapped_t);
+    println!(
+        "  plain  page-cache read (mmap + copy)  {mapped_gbps:>7.2} GB/s   ratio {:.2} to pread (the library maps segments of 1 MiB or more)",
+        mapped_gbps / read_gbps
+    );
     println!("  floor  fault in fresh memory          {fresh_gbps:>7.2} GB/s (the kernel zeroes every page)");
 
     let model: Vec<_> = (0..count)

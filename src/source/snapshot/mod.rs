@@ -19,14 +19,15 @@
 //! size bound the engine controls and within the update's deadline, and
 //! every length, offset and name in a header is checked before it is used.
 //!
-//! Why `pread` and not a memory map for the data: one copy either way, the
-//! same speed from the page cache, and a file truncated under us becomes a
-//! short read (a clean error, old weights kept in atomic mode) rather than a
-//! SIGBUS that would kill the engine.
+//! A file truncated under a mapped read would raise SIGBUS; every window
+//! is registered with the SIGBUS guard (`signal::sigbus`), which puts zero
+//! pages over it, and the batch fails with an error naming the file, as a
+//! short `pread` does (old weights kept in atomic mode, FAILED in place).
 
 pub mod block_sums;
 pub mod checksums;
 pub mod layout;
+pub mod mapped;
 mod reader;
 pub mod reads;
 pub mod regular_file;

@@ -1,8 +1,9 @@
 //! Which file reads bring in one plan entry's segments.
 //!
-//! A segment is read straight into its destination (one `pread`, no extra
-//! copy) unless one of two things makes a covering read better; a covering
-//! read brings a stretch of the tensor into a bounded buffer and the
+//! A segment is read straight into its destination (one copy: a `pread`,
+//! or from a mapped window when it is long, `reader.rs`) unless one of two
+//! things makes a covering read better; a covering read brings a stretch
+//! of the tensor in (a mapped window, else a bounded buffer) and the
 //! applier copies the segments out of it.
 //!
 //! - **Verifying a slice**: the bytes must be checked against block sums,
@@ -35,6 +36,9 @@
 //!   is small against its bytes and the covering read copies them twice.
 //!   Cold files (not measured: dropping the page cache needs root) favour
 //!   covering reads more, a seek costing far more than a system call.
+//!   The covering reads of this table went through the buffer; mapped
+//!   (`reader.rs`), they skip its copy and touch only the pages holding
+//!   segments, so the limits here are on the safe side (not re-measured).
 
 use crate::plan::Segment;
 use std::ops::Range;
