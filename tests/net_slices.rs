@@ -3,7 +3,9 @@
 //! TP pieces over real TCP and UCX (`UCX_TLS=tcp`): column splits of small
 //! and large rows, a fused gate_up param (two column slices side by side),
 //! a column slice of stacked experts, and a QKV param of whole tensors.
-//! Small blocks travel packed, several to a UCX message; every byte of
+//! Small blocks travel packed, several to a UCX message (direct: 4 KiB
+//! blocks scattered by UCX straight into the param, smaller ones through a
+//! bounce buffer); every byte of
 //! every param is checked against the global tensors, staged and direct,
 //! atomic and in place, verified. A hand-written publisher that lies about
 //! a packed message's length is named.
@@ -46,6 +48,9 @@ fn model(seed: u8) -> Vec<Global> {
         Global::new("a", &[256, 256], seed),
         // 80 KiB blocks: each its own message, straight into the param.
         Global::new("b", &[16, 40960], seed),
+        // 4 KiB blocks: packed, and (direct) scattered by UCX into the
+        // param's rows.
+        Global::new("c", &[64, 2048], seed),
         Global::new("gate", &[128, 128], seed),
         Global::new("up", &[128, 128], seed),
         Global::new("experts", &[8, 32, 64], seed),
@@ -73,6 +78,11 @@ fn specs() -> Vec<ParamSpec> {
             vec![Piece::narrow("b", &[16, 40960], 1, 0, 20480)],
         ),
         // Gate and up columns 64..128 side by side.
+        spec(
+            "c",
+            &[64, 1024],
+            vec![Piece::narrow("c", &[64, 2048], 1, 1024, 1024)],
+        ),
         spec(
             "gate_up",
             &[128, 128],
@@ -296,8 +306,8 @@ fn column_splits_and_fused_params_from_two_publishers_staged_and_direct() {
             for (r, s) in served.iter().enumerate() {
                 let (sent, blocks) = (s.sessions[0].messages, blocks(&globals, &specs, r as u64));
                 // "a": 128 blocks of 256 bytes (32 KiB), "gate_up" 2 x 64 of
-                // 256, "experts" 64 of 128: a few messages each; "b": 8
-                // blocks of 80 KiB, one message each.
+                // 256, "experts" 64 of 128, "c" 32 of 4 KiB: a few messages
+                // each; "b": 8 blocks of 80 KiB, one message each.
                 assert!(blocks > 300, "{what}: publisher {r}: {blocks} blocks");
                 assert!(
                     sent <= 30,
