@@ -92,6 +92,24 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
     out
 }
 
+/// The smallest average block of a network message of several blocks
+/// that the engine receives straight where the blocks go (UCX scatters
+/// them: an IOV receive) rather than into a bounce buffer it scatters from
+/// after. Below it (rows of a few hundred bytes) one copy pass costs less
+/// than UCX stepping through that many pieces; from it up (a column half's
+/// 4 KiB rows) the second copy and the bounce buffer's memory traffic are
+/// what cost (`wm bench shard --section ucx`). The publisher still packs
+/// such messages on its copy threads: UCX packs an IOV send itself over
+/// TCP, on its one thread, which measured slower.
+pub(crate) const MIN_PIECE: u64 = 1024;
+
+/// Whether a message of `len` bytes that lands in `pieces` pieces is
+/// scattered into them by UCX: one piece always, several when they
+/// average at least [`MIN_PIECE`] bytes.
+pub fn in_pieces(len: u64, pieces: usize) -> bool {
+    pieces <= 1 || len / pieces as u64 >= MIN_PIECE
+}
+
 /// Where network message `e` starts in its publisher's tensor when it is
 /// (part of) one block, sent from the tensor itself; None when it packs
 /// several blocks ([`split_entries`]).
@@ -265,6 +283,18 @@ fn check_window<'q>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message lands in its pieces when it is one, or when they average
+    /// at least MIN_PIECE bytes (4 KiB rows of a column half); 256-byte
+    /// rows go through a bounce buffer.
+    #[test]
+    fn messages_of_large_enough_pieces_land_in_them() {
+        assert!(in_pieces(10, 1) && in_pieces(0, 0));
+        assert!(in_pieces(1 << 20, 256));
+        assert!(in_pieces(MIN_PIECE * 7, 7));
+        assert!(!in_pieces(MIN_PIECE * 7 - 1, 7));
+        assert!(!in_pieces(256 * 128, 128));
+    }
 
     #[test]
     fn network_entries_split_at_the_message_size_and_blocks() {

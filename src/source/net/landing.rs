@@ -4,7 +4,7 @@
 //! in one piece, or scattered by UCX into the pieces where a message's
 //! blocks (several small blocks of a strided request, packed into one
 //! message) lie, when those are large enough to be worth it
-//! ([`MIN_PIECE`]); else back to back in a bounce buffer, from which the
+//! (`wire::in_pieces`); else back to back in a bounce buffer, from which the
 //! applier scatters them as from a staging slot.
 
 use super::SLOTS;
@@ -17,17 +17,7 @@ use crate::result::Result;
 use crate::source::publisher_link::PublisherLink;
 use crate::transport::ucx::{Pieces, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::BucketEntry;
-
-/// The smallest average piece a direct message is scattered into by UCX:
-/// below it (tiny rows), a bounce buffer and one copy pass cost less than
-/// UCX stepping through that many pieces.
-pub(super) const MIN_PIECE: usize = 1024;
-
-/// Whether a message of `len` bytes lands straight in its `pieces` pieces.
-pub(super) fn lands_in_pieces(len: usize, pieces: usize) -> bool {
-    pieces == 1 || len / pieces.max(1) >= MIN_PIECE
-}
+use crate::wire::{in_pieces, BucketEntry};
 
 /// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
 /// uses `seq % depth`): taken when a bucket first needs one, from the
@@ -156,7 +146,7 @@ pub(super) fn post(
             None => {
                 let len = e.len as usize;
                 match applier.receive_pieces(link.entry(e), e.offset, len)? {
-                    Some(p) if lands_in_pieces(len, p.len()) => Landing::Applier(p),
+                    Some(p) if in_pieces(e.len, p.len()) => Landing::Applier(p),
                     _ => {
                         // Placed below, once the bounce buffer's size is known.
                         bounced = Some(bounced.unwrap_or(0) + e.len);
@@ -197,18 +187,6 @@ pub(super) fn post(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// One piece always lands in place; several only when they average
-    /// at least MIN_PIECE bytes (4 KiB rows of a column half do, 256-byte
-    /// ones go through a bounce buffer).
-    #[test]
-    fn messages_land_in_pieces_of_at_least_min_piece() {
-        assert!(lands_in_pieces(10, 1));
-        assert!(lands_in_pieces(1 << 20, 256));
-        assert!(lands_in_pieces(MIN_PIECE * 7, 7));
-        assert!(!lands_in_pieces(MIN_PIECE * 7 - 1, 7));
-        assert!(!lands_in_pieces(256 * 128, 128));
-    }
 
     /// A bounce buffer is at least what a bucket needs, grows in steps,
     /// and never beyond the bucket size for a need within it (even a bucket

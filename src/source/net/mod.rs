@@ -16,7 +16,7 @@
 //!   GPU. On RDMA hardware the NIC writes the params. A message that lies
 //!   there in several pieces (packed small blocks of a column split) is
 //!   scattered into them by UCX (an IOV receive) when they average at
-//!   least `landing::MIN_PIECE` bytes; smaller ones (and several pieces of
+//!   least `wire::MIN_PIECE` bytes; smaller ones (and several pieces of
 //!   GPU memory) land in a bounce buffer and are scattered from it. gdr (straight into GPU
 //!   memory) also needs device params and a UCX built with CUDA; without
 //!   either it is refused with a clear error (or, when allowed, runs as
