@@ -292,18 +292,21 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// order, for a source that scatters them there itself (a network
     /// receive into several blocks of a strided request): one (address,
     /// length) per piece. Range-checked; in place, the params count as
-    /// written from now on. None when they would land in GPU memory in
-    /// more than one piece (the source then receives them elsewhere, as
-    /// for [`Applier::contiguous_receive_buffer`]). Report the bytes with
+    /// written from now on. None, with nothing counted as written, when
+    /// they would land in more than `max_pieces` pieces, or in GPU memory
+    /// in more than one (the source then receives them elsewhere, as for
+    /// [`Applier::contiguous_receive_buffer`]). Report the bytes with
     /// [`Applier::account_landed`] once they are there.
     pub fn receive_pieces(
         &mut self,
         t: usize,
         offset: u64,
         len: usize,
+        max_pieces: usize,
     ) -> Result<Option<Vec<(SendPtr, usize)>>> {
         let spans = self.landing_spans(t, offset, len)?;
-        if spans.len() > 1 && self.gdr_param(t).is_some() {
+        let one = spans.len() <= 1;
+        if !one && (spans.len() > max_pieces || self.gdr_param(t).is_some()) {
             return Ok(None);
         }
         if self.received_in_param(t) {

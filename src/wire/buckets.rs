@@ -103,11 +103,10 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
 /// TCP, on its one thread, which measured slower.
 pub(crate) const MIN_PIECE: u64 = 1024;
 
-/// Whether a message of `len` bytes that lands in `pieces` pieces is
-/// scattered into them by UCX: one piece always, several when they
-/// average at least [`MIN_PIECE`] bytes.
-pub fn in_pieces(len: u64, pieces: usize) -> bool {
-    pieces <= 1 || len / pieces as u64 >= MIN_PIECE
+/// The most pieces a message of `len` bytes is scattered into by UCX: as
+/// many as average at least [`MIN_PIECE`] bytes, and always one.
+pub fn max_pieces(len: u64) -> usize {
+    (len / MIN_PIECE).max(1) as usize
 }
 
 /// Where network message `e` starts in its publisher's tensor when it is
@@ -288,12 +287,14 @@ mod tests {
     /// at least MIN_PIECE bytes (4 KiB rows of a column half); 256-byte
     /// rows go through a bounce buffer.
     #[test]
-    fn messages_of_large_enough_pieces_land_in_them() {
-        assert!(in_pieces(10, 1) && in_pieces(0, 0));
-        assert!(in_pieces(1 << 20, 256));
-        assert!(in_pieces(MIN_PIECE * 7, 7));
-        assert!(!in_pieces(MIN_PIECE * 7 - 1, 7));
-        assert!(!in_pieces(256 * 128, 128));
+    fn messages_land_in_pieces_averaging_min_piece() {
+        assert_eq!(max_pieces(0), 1);
+        assert_eq!(max_pieces(10), 1);
+        assert_eq!(max_pieces(1 << 20), 1024);
+        assert!(max_pieces(1 << 20) >= (1 << 20) / 4096, "4 KiB rows");
+        assert_eq!(max_pieces(MIN_PIECE * 7), 7);
+        assert_eq!(max_pieces(MIN_PIECE * 7 - 1), 6);
+        assert!(max_pieces(256 * 128) < 128, "256-byte rows");
     }
 
     #[test]

@@ -22,7 +22,7 @@ mod want;
 use crate::manifest::TensorMeta;
 
 pub use buckets::{
-    check_bucket, check_windows, in_pieces, message_source, message_tag, net_message_bytes,
+    check_bucket, check_windows, max_pieces, message_source, message_tag, net_message_bytes,
     pack_below_bytes, split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};

@@ -4,7 +4,7 @@
 //! in one piece, or scattered by UCX into the pieces where a message's
 //! blocks (several small blocks of a strided request, packed into one
 //! message) lie, when those are large enough to be worth it
-//! (`wire::in_pieces`); else back to back in a bounce buffer, from which the
+//! (`wire::max_pieces`); else back to back in a bounce buffer, from which the
 //! applier scatters them as from a staging slot.
 
 use super::SLOTS;
@@ -17,7 +17,7 @@ use crate::result::Result;
 use crate::source::publisher_link::PublisherLink;
 use crate::transport::ucx::{Pieces, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::{in_pieces, BucketEntry};
+use crate::wire::{max_pieces, BucketEntry};
 
 /// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
 /// uses `seq % depth`): taken when a bucket first needs one, from the
@@ -144,10 +144,10 @@ pub(super) fn post(
         landing.push(match to.slot {
             Some(slot) => Landing::Staged(SendPtr(slot.wrapping_add(e.buffer_offset as usize))),
             None => {
-                let len = e.len as usize;
-                match applier.receive_pieces(link.entry(e), e.offset, len)? {
-                    Some(p) if in_pieces(e.len, p.len()) => Landing::Applier(p),
-                    _ => {
+                let (t, most) = (link.entry(e), max_pieces(e.len));
+                match applier.receive_pieces(t, e.offset, e.len as usize, most)? {
+                    Some(pieces) => Landing::Applier(pieces),
+                    None => {
                         // Placed below, once the bounce buffer's size is known.
                         bounced = Some(bounced.unwrap_or(0) + e.len);
                         Landing::Staged(SendPtr(std::ptr::null_mut()))
