@@ -3,7 +3,9 @@
 //! TP pieces over real TCP and UCX (`UCX_TLS=tcp`): column splits of small
 //! and large rows, a fused gate_up param (two column slices side by side),
 //! a column slice of stacked experts, and a QKV param of whole tensors.
-//! Small blocks travel packed, several to a UCX message; every byte of
+//! Small blocks travel packed, several to a UCX message (direct: 4 KiB
+//! blocks scattered by UCX straight into the param, smaller ones through a
+//! bounce buffer); every byte of
 //! every param is checked against the global tensors, staged and direct,
 //! atomic and in place, verified. A hand-written publisher that lies about
 //! a packed message's length is named.
@@ -46,6 +48,9 @@ fn model(seed: u8) -> Vec<Global> {
         Global::new("a", &[256, 256], seed),
         // 80 KiB blocks: each its own message, straight into the param.
         Global::new("b", &[16, 40960], seed),
+        // 4 KiB blocks: packed, and (direct) scattered by UCX into the
+        // param's rows.
+        Global::new("c", &[64, 2048], seed),
         Global::new("gate", &[128, 128], seed),
         Global::new("up", &[128, 128], seed),
         Global::new("experts", &[8, 32, 64], seed),
@@ -73,6 +78,11 @@ fn specs() -> Vec<ParamSpec> {
             vec![Piece::narrow("b", &[16, 40960], 1, 0, 20480)],
         ),
         // Gate and up columns 64..128 side by side.
+        spec(
+            "c",
+            &[64, 1024],
+            vec![Piece::narrow("c", &[64, 2048], 1, 1024, 1024)],
+        ),
         spec(
             "gate_up",
             &[128, 128],
@@ -296,8 +306,8 @@ fn column_splits_and_fused_params_from_two_publishers_staged_and_direct() {
             for (r, s) in served.iter().enumerate() {
                 let (sent, blocks) = (s.sessions[0].messages, blocks(&globals, &specs, r as u64));
                 // "a": 128 blocks of 256 bytes (32 KiB), "gate_up" 2 x 64 of
-                // 256, "experts" 64 of 128: a few messages each; "b": 8
-                // blocks of 80 KiB, one message each.
+                // 256, "experts" 64 of 128, "c" 32 of 4 KiB: a few messages
+                // each; "b": 8 blocks of 80 KiB, one message each.
                 assert!(blocks > 300, "{what}: publisher {r}: {blocks} blocks");
                 assert!(
                     sent <= 30,
@@ -309,10 +319,11 @@ fn column_splits_and_fused_params_from_two_publishers_staged_and_direct() {
     }
 }
 
-/// A hostile network publisher: real handshake and sealed frames, then one
-/// bucket of one packed entry (all 256 blocks of 256 bytes the engine asks
-/// of "a"), whose UCX message is `sent` bytes instead.
-fn lying_publisher(listener: TcpListener, sent: usize) -> std::thread::JoinHandle<()> {
+/// A hostile network publisher of global tensor `g`: real handshake and
+/// sealed frames, then one bucket of one packed entry (every block the
+/// engine asks of `g`, 64 KiB in all), whose UCX message is `sent` bytes
+/// instead.
+fn lying_publisher(listener: TcpListener, g: Global, sent: usize) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let deadline = Instant::now() + Duration::from_secs(20);
         let (stream, _) = listener.accept().unwrap();
@@ -333,12 +344,11 @@ fn lying_publisher(listener: TcpListener, sent: usize) -> std::thread::JoinHandl
             &secret.session_keys(&mine, &theirs, &hello.encode()),
             Role::Publisher,
         );
-        let a = Global::new("a", &[256, 256], 1);
         let tensors = vec![TensorMeta {
-            name: "a".into(),
+            name: g.name.into(),
             dtype: DType::F32,
-            shape: a.shape.clone(),
-            nbytes: a.bytes.len() as u64,
+            shape: g.shape.clone(),
+            nbytes: g.bytes.len() as u64,
             checksum: None,
             placement: None,
         }];
@@ -369,9 +379,9 @@ fn lying_publisher(listener: TcpListener, sent: usize) -> std::thread::JoinHandl
         .unwrap();
         let pump = Pump::start("liar").unwrap();
         pump.connect(&address).unwrap();
-        // SAFETY: `a` outlives the pump (dropped first, below).
+        // SAFETY: `g` outlives the pump (dropped first, below).
         unsafe {
-            pump.send(message_tag(0, 0), a.bytes.as_ptr(), sent)
+            pump.send(message_tag(0, 0), g.bytes.as_ptr(), sent)
                 .unwrap()
         };
         let _ = pump.next(deadline);
@@ -382,25 +392,40 @@ fn lying_publisher(listener: TcpListener, sent: usize) -> std::thread::JoinHandl
 
 /// A packed message shorter or longer than its entry announces fails the
 /// update naming the publisher, the bucket and the entry; the old weights
-/// stay.
+/// stay. Staged and direct; direct, 256-byte blocks land in a bounce
+/// buffer and 4 KiB ones are scattered by UCX straight into the param's
+/// rows (atomic: its shadow).
 #[test]
 fn a_publisher_lying_about_a_packed_messages_length_is_named() {
     let _serial = serial();
-    for (staged, delta) in [(false, -256i64), (true, -256), (false, 256), (true, 256)] {
+    // Columns 64..128 of "a" (256-byte blocks); 1024..2048 of "c" (4 KiB).
+    let small = || (Global::new("a", &[256, 256], 1), specs()[0].clone());
+    let large = || {
+        let spec = ParamSpec {
+            pieces: vec![Piece::narrow("c", &[16, 2048], 1, 1024, 1024)],
+            ..ParamSpec::host("c", DType::F32, &[16, 1024])
+        };
+        (Global::new("c", &[16, 2048], 1), spec)
+    };
+    let cases = [(false, -256i64), (true, -256), (false, 256), (true, 256)];
+    for ((staged, delta), tensor) in cases
+        .into_iter()
+        .flat_map(|c| [(c, small as fn() -> (Global, ParamSpec)), (c, large)])
+    {
+        let (g, spec) = tensor();
         let m = engine(staged, false);
-        let spec = &specs()[0];
-        let (p, n) = m.allocate(spec).unwrap();
+        let (p, n) = m.allocate(&spec).unwrap();
         // SAFETY: library-owned, nothing else writes it.
         unsafe { std::ptr::write_bytes(p, 0x5a, n) };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let liar = lying_publisher(listener, (65536 + delta) as usize);
+        let liar = lying_publisher(listener, g, (65536 + delta) as usize);
         let mut req = request(std::slice::from_ref(&addr), Mode::Atomic);
         // The liar sends no slice sums.
         (req.verify, req.skip_network_checksums) = (false, true);
         req.timeout = Duration::from_secs(20);
         let e = m.update(req).unwrap_err();
-        let what = format!("staged {staged}, {delta:+} bytes");
+        let what = format!("'{}', staged {staged}, {delta:+} bytes", spec.name);
         assert_eq!(e.code, wm_result::WM_ERR_PEER, "{what}: {e}");
         assert!(
             e.message.contains(&format!("the publisher at {addr}"))

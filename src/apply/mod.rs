@@ -271,13 +271,55 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// [`Applier::receive_buffer_for`], or None when the bytes would not
     /// lie in one piece where they land (several blocks of a strided
     /// request): the source then receives them elsewhere and hands them
-    /// over with [`Applier::apply_batch`], which scatters them.
+    /// over with [`Applier::apply_batch`], which scatters them, or lands
+    /// them in pieces ([`Applier::receive_pieces`]).
     pub fn contiguous_receive_buffer(
         &mut self,
         t: usize,
         offset: u64,
         len: usize,
     ) -> Result<Option<SendPtr>> {
+        let [span] = self.landing_spans(t, offset, len)?[..] else {
+            return Ok(None);
+        };
+        if self.received_in_param(t) {
+            self.wrote_params = true;
+        }
+        Ok(Some(span.dst))
+    }
+
+    /// Where bytes `[offset, offset + len)` of plan entry `t` land, in
+    /// order, for a source that scatters them there itself (a network
+    /// receive into several blocks of a strided request): one (address,
+    /// length) per piece. Range-checked; in place, the params count as
+    /// written from now on. None, with nothing counted as written, when
+    /// they would land in more than `max_pieces` pieces, or in GPU memory
+    /// in more than one (the source then receives them elsewhere, as for
+    /// [`Applier::contiguous_receive_buffer`]). Report the bytes with
+    /// [`Applier::account_landed`] once they are there.
+    pub fn receive_pieces(
+        &mut self,
+        t: usize,
+        offset: u64,
+        len: usize,
+        max_pieces: usize,
+    ) -> Result<Option<Vec<(SendPtr, usize)>>> {
+        let spans = self.landing_spans(t, offset, len)?;
+        let one = spans.len() <= 1;
+        if !one && (spans.len() > max_pieces || self.gdr_param(t).is_some()) {
+            return Ok(None);
+        }
+        if self.received_in_param(t) {
+            self.wrote_params = true;
+        }
+        Ok(Some(
+            spans.iter().map(|s| (s.dst, s.len as usize)).collect(),
+        ))
+    }
+
+    /// Where bytes `[offset, offset + len)` of entry `t` land, cut at
+    /// segment edges, once checked against the entry.
+    fn landing_spans(&mut self, t: usize, offset: u64, len: usize) -> Result<Vec<receive::Span>> {
         let Some(entry) = self.plan.entries.get(t) else {
             return Err(Error::format(format!(
                 "chunk names tensor #{t} but the plan has {}",
@@ -292,13 +334,7 @@ impl<'p, 'h> Applier<'p, 'h> {
                 entry.meta.name
             )));
         }
-        let [span] = self.receive_spans(t, offset, len as u64)?[..] else {
-            return Ok(None);
-        };
-        if self.received_in_param(t) {
-            self.wrote_params = true;
-        }
-        Ok(Some(span.dst))
+        self.receive_spans(t, offset, len as u64)
     }
 
     /// Account for chunks a source already wrote where [`Applier::receive_buffer_for`]

@@ -283,3 +283,62 @@ fn apply_small_chunks(plan: &Plan, received: &[u8], mode: Mode, sum: u128) -> Re
     a.finish().map_err(|f| f.error)?;
     Ok(param)
 }
+
+/// A source scattering received bytes itself (a UCX IOV receive): the
+/// column split of `many_small_chunks_across_segments_land_and_verify`
+/// received in 40-byte messages, each written into the pieces
+/// `receive_pieces` names and accounted as landed: every byte where its
+/// run says, the slice sum verified, in place and atomically. A message
+/// in more pieces than the source takes gets None, and in place nothing
+/// counts as written yet.
+#[test]
+fn bytes_scattered_into_their_pieces_land_and_verify() {
+    let tensor: Vec<u8> = (0..256u32).map(|i| (i * 7 + 1) as u8).collect();
+    let mut plan = plan_of(&tensor);
+    plan.runs[0].source = 4..12;
+    plan.runs[0].param = 0..8;
+    plan.runs[0].rows = 16;
+    plan.runs[0].source_stride = 16;
+    plan.runs[0].param_stride = 12;
+    plan.entries[0].bytes = 128;
+    let received: Vec<u8> = tensor.chunks(16).flat_map(|r| r[4..12].to_vec()).collect();
+    let mut want = vec![0xEEu8; 192];
+    for (r, row) in received.chunks(8).enumerate() {
+        want[r * 12..r * 12 + 8].copy_from_slice(row);
+    }
+    for mode in [Mode::InPlace, Mode::Atomic] {
+        let mut param = vec![0xEEu8; 192];
+        let opts = ApplyOptions {
+            verify: true,
+            ..callback_opts(mode, 0)
+        };
+        let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+        let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
+        a.expect_checksum(0, crate::checksum::of(&received))
+            .unwrap();
+        // Bytes 4..44: pieces of 4, 8, 8, 8, 8 and 4 bytes.
+        assert!(a.receive_pieces(0, 4, 40, 5).unwrap().is_none());
+        assert!(!a.wrote_params, "{mode:?}: nothing written yet");
+        for at in (0..received.len()).step_by(40) {
+            let len = 40.min(received.len() - at);
+            let pieces = a.receive_pieces(0, at as u64, len, 8).unwrap().unwrap();
+            let mut from = at;
+            for (to, n) in pieces {
+                // SAFETY: a piece of the param (or its shadow), n bytes.
+                unsafe { std::ptr::copy_nonoverlapping(received[from..].as_ptr(), to.0, n) };
+                from += n;
+            }
+            assert_eq!(from, at + len, "{mode:?}: the pieces hold the message");
+            let nowhere = CopySource::Memory(SendPtr(std::ptr::null_mut()));
+            let chunk = Chunk {
+                tensor: 0,
+                offset: at as u64,
+                len,
+                src: nowhere,
+            };
+            a.account_landed("test", &[chunk]).unwrap();
+        }
+        a.finish().map_err(|f| f.error).unwrap();
+        assert_eq!(param, want, "{mode:?}");
+    }
+}

@@ -263,10 +263,8 @@ impl BucketSink for NetSink<'_> {
         if self.keyed {
             self.digests = digests(self.key, entries, &from, self.threads);
         }
-        for (e, at) in entries.iter().zip(&from) {
-            // SAFETY: each message's bytes are packed, or held, at `at`.
-            unsafe { self.sums.hash(std::slice::from_ref(e), |_| at.0) };
-        }
+        // SAFETY: each message's bytes are packed, or held, at `from`.
+        unsafe { self.sums.hash_on(entries, &from, self.threads) };
         if let Some(buf) = buf.filter(|_| !pack.is_empty()) {
             let manifest = &self.shard.manifest;
             hooks::corrupt(manifest, self.requests, &pack, buf, self.victim);

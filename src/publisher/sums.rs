@@ -7,7 +7,9 @@
 //! the trainer's memory before that.
 
 use crate::checksum::Checksum;
+use crate::memory::SendPtr;
 use crate::wire::{BucketEntry, Frame, Request};
+use std::collections::HashMap;
 
 pub(super) struct SliceSums {
     /// Per request: its running hash (None: no sum asked), and its size.
@@ -44,15 +46,76 @@ impl SliceSums {
         entries: &[BucketEntry],
         at: impl Fn(&BucketEntry) -> *const u8,
     ) {
-        for e in entries {
-            let (Some(h), size) = &mut self.hashing[e.request as usize] else {
-                continue;
-            };
-            // SAFETY: the caller's promise.
-            h.update(unsafe { std::slice::from_raw_parts(at(e), e.len as usize) });
-            if e.len > 0 && e.offset + e.len == *size {
-                self.ready.push((e.request, h.digest()));
+        let at: Vec<SendPtr> = entries.iter().map(|e| SendPtr(at(e).cast_mut())).collect();
+        // SAFETY: the caller's promise.
+        unsafe { self.hash_on(entries, &at, 1) }
+    }
+
+    /// [`SliceSums::hash`], entry `k`'s bytes at `at[k]`, on up to
+    /// `threads` threads: each request's
+    /// entries are hashed in order on one thread, different requests on
+    /// different threads (a bucket of a column split holds several
+    /// requests; one thread hashing them all held the bucket back).
+    ///
+    /// # Safety
+    /// As [`SliceSums::hash`].
+    pub(super) unsafe fn hash_on(
+        &mut self,
+        entries: &[BucketEntry],
+        at: &[SendPtr],
+        threads: usize,
+    ) {
+        // The running hashes of the requests this bucket touches, taken
+        // out while threads feed them, in the order first touched, each
+        // with its entries (their indices, in order).
+        let mut mine: Vec<(u32, Checksum, Vec<usize>)> = Vec::new();
+        let mut slot: HashMap<u32, usize> = HashMap::new();
+        for (k, e) in entries.iter().enumerate() {
+            let q = e.request;
+            if let Some(h) = self.hashing[q as usize].0.take() {
+                slot.insert(q, mine.len());
+                mine.push((q, h, Vec::new()));
             }
+            if let Some(&i) = slot.get(&q) {
+                mine[i].2.push(k);
+            }
+        }
+        let sizes: Vec<u64> = self.hashing.iter().map(|(_, n)| *n).collect();
+        let feed = |(q, mut h, ks): (u32, Checksum, Vec<usize>)| {
+            let mut done = None;
+            for k in ks {
+                let e = &entries[k];
+                // SAFETY: the caller's promise.
+                h.update(unsafe { std::slice::from_raw_parts(at[k].0, e.len as usize) });
+                if e.len > 0 && e.offset + e.len == sizes[q as usize] {
+                    done = Some(h.digest());
+                }
+            }
+            (q, h, done)
+        };
+        let per = mine.len().div_ceil(threads.max(1)).max(1);
+        let fed: Vec<(u32, Checksum, Option<u128>)> = match mine.len() <= per {
+            true => mine.into_iter().map(feed).collect(),
+            false => std::thread::scope(|s| {
+                let parts: Vec<_> = {
+                    let mut rest = mine;
+                    let mut parts = Vec::new();
+                    while !rest.is_empty() {
+                        let tail = rest.split_off(per.min(rest.len()));
+                        let part = std::mem::replace(&mut rest, tail);
+                        parts.push(s.spawn(|| part.into_iter().map(feed).collect::<Vec<_>>()));
+                    }
+                    parts
+                };
+                parts
+                    .into_iter()
+                    .flat_map(|p| p.join().expect("hashing does not panic"))
+                    .collect()
+            }),
+        };
+        for (q, h, done) in fed {
+            self.ready.extend(done.map(|sum| (q, sum)));
+            self.hashing[q as usize].0 = Some(h);
         }
     }
 
@@ -61,5 +124,69 @@ impl SliceSums {
     pub(super) fn frame(&mut self, seq: u64) -> Option<Frame> {
         let sums = std::mem::take(&mut self.ready);
         (!sums.is_empty()).then_some(Frame::Sums { seq, sums })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Five requests' bytes over two buckets, entries of different
+    /// requests interleaved and one request without a sum: on 3 threads,
+    /// each completed request's sum is the xxh3-128 of its bytes in order,
+    /// sent with the bucket that completes it.
+    #[test]
+    fn requests_hashed_on_several_threads_sum_their_bytes_in_order() {
+        let data: Vec<Vec<u8>> = (0..5u32)
+            .map(|q| (0..3000 + q * 100).map(|i| (i * 31 + q) as u8).collect())
+            .collect();
+        let requests: Vec<Request> = data
+            .iter()
+            .enumerate()
+            .map(|(q, d)| Request::whole(q as u32, d.len() as u64, q != 2))
+            .collect();
+        let entry = |q: u32, offset: u64, len: u64| BucketEntry {
+            request: q,
+            offset,
+            len,
+            buffer_offset: 0,
+        };
+        let mut first = Vec::new();
+        let mut second = Vec::new();
+        for (q, d) in data.iter().enumerate() {
+            let (q, n) = (q as u32, d.len() as u64);
+            first.extend([entry(q, 0, 1000), entry(q, 1000, 1000)]);
+            second.push(entry(q, 2000, n - 2000));
+        }
+        // Interleave: request 4's entries first, then the rest.
+        first.rotate_right(2);
+        let at = |es: &[BucketEntry]| -> Vec<SendPtr> {
+            es.iter()
+                .map(|e| {
+                    SendPtr(
+                        data[e.request as usize][e.offset as usize..]
+                            .as_ptr()
+                            .cast_mut(),
+                    )
+                })
+                .collect()
+        };
+        let mut sums = SliceSums::new(&requests);
+        unsafe { sums.hash_on(&first, &at(&first), 3) };
+        assert!(sums.frame(0).is_none(), "nothing completed yet");
+        unsafe { sums.hash_on(&second, &at(&second), 3) };
+        let Some(Frame::Sums {
+            seq: 1,
+            sums: mut got,
+        }) = sums.frame(1)
+        else {
+            panic!("no SUMS")
+        };
+        got.sort();
+        let want: Vec<(u32, u128)> = [0u32, 1, 3, 4]
+            .iter()
+            .map(|&q| (q, crate::checksum::of(&data[q as usize])))
+            .collect();
+        assert_eq!(got, want);
     }
 }

@@ -92,6 +92,23 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
     out
 }
 
+/// The smallest average block of a network message of several blocks
+/// that the engine receives straight where the blocks go (UCX scatters
+/// them: an IOV receive) rather than into a bounce buffer it scatters from
+/// after. Below it (rows of a few hundred bytes) one copy pass costs less
+/// than UCX stepping through that many pieces; from it up (a column half's
+/// 4 KiB rows) the second copy and the bounce buffer's memory traffic are
+/// what cost (`wm bench shard --section ucx`). The publisher still packs
+/// such messages on its copy threads: UCX packs an IOV send itself over
+/// TCP, on its one thread, which measured slower.
+pub(crate) const MIN_PIECE: u64 = 1024;
+
+/// The most pieces a message of `len` bytes is scattered into by UCX: as
+/// many as average at least [`MIN_PIECE`] bytes, and always one.
+pub fn max_pieces(len: u64) -> usize {
+    (len / MIN_PIECE).max(1) as usize
+}
+
 /// Where network message `e` starts in its publisher's tensor when it is
 /// (part of) one block, sent from the tensor itself; None when it packs
 /// several blocks ([`split_entries`]).
@@ -265,6 +282,20 @@ fn check_window<'q>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message lands in its pieces when it is one, or when they average
+    /// at least MIN_PIECE bytes (4 KiB rows of a column half); 256-byte
+    /// rows go through a bounce buffer.
+    #[test]
+    fn messages_land_in_pieces_averaging_min_piece() {
+        assert_eq!(max_pieces(0), 1);
+        assert_eq!(max_pieces(10), 1);
+        assert_eq!(max_pieces(1 << 20), 1024);
+        assert!(max_pieces(1 << 20) >= (1 << 20) / 4096, "4 KiB rows");
+        assert_eq!(max_pieces(MIN_PIECE * 7), 7);
+        assert_eq!(max_pieces(MIN_PIECE * 7 - 1), 6);
+        assert!(max_pieces(256 * 128) < 128, "256-byte rows");
+    }
 
     #[test]
     fn network_entries_split_at_the_message_size_and_blocks() {

@@ -22,8 +22,8 @@ mod want;
 use crate::manifest::TensorMeta;
 
 pub use buckets::{
-    check_bucket, check_windows, message_source, message_tag, net_message_bytes, pack_below_bytes,
-    split_entries, WindowBlocks,
+    check_bucket, check_windows, max_pieces, message_source, message_tag, net_message_bytes,
+    pack_below_bytes, split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};
 pub use want::{check_requests, Request, WantRun};

@@ -1,9 +1,11 @@
 //! Where a network session's messages land, this side's decision alone,
 //! from its own plan: in the bucket's staging slot at the entry's buffer
-//! offset (staged); or (direct) straight where the applier wants the bytes
-//! when they lie there in one piece, and otherwise (several small blocks of
-//! a strided request, packed into one message) back to back in a bounce
-//! buffer, from which the applier scatters them as from a staging slot.
+//! offset (staged); or (direct) straight where the applier wants the bytes:
+//! in one piece, or scattered by UCX into the pieces where a message's
+//! blocks (several small blocks of a strided request, packed into one
+//! message) lie, when those are large enough to be worth it
+//! (`wire::max_pieces`); else back to back in a bounce buffer, from which the
+//! applier scatters them as from a staging slot.
 
 use super::SLOTS;
 use crate::apply::Applier;
@@ -13,9 +15,9 @@ use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::Result;
 use crate::source::publisher_link::PublisherLink;
-use crate::transport::ucx::Pump;
+use crate::transport::ucx::{Pieces, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::BucketEntry;
+use crate::wire::{max_pieces, BucketEntry};
 
 /// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
 /// uses `seq % depth`): taken when a bucket first needs one, from the
@@ -76,9 +78,9 @@ pub(super) fn apply_landed(
 ) -> Result<()> {
     let e = &bucket.entries[k];
     let origin = format!("bucket {}", bucket.seq);
-    match bucket.landing[k] {
+    match &bucket.landing[k] {
         Landing::Staged(at) => {
-            applier.apply_batch(&origin, &[link.chunk(e, CopySource::Memory(at))])
+            applier.apply_batch(&origin, &[link.chunk(e, CopySource::Memory(*at))])
         }
         Landing::Applier(_) => {
             let nowhere = CopySource::Memory(SendPtr(std::ptr::null_mut()));
@@ -88,18 +90,20 @@ pub(super) fn apply_landed(
 }
 
 /// Where a message is received.
-#[derive(Clone, Copy)]
 pub(super) enum Landing {
-    /// Where the applier wants its bytes: accounted for once landed.
-    Applier(SendPtr),
+    /// Where the applier wants its bytes, in one piece or several:
+    /// accounted for once landed.
+    Applier(Pieces),
     /// In a staging slot or bounce buffer: copied on (scattered) once landed.
     Staged(SendPtr),
 }
 
 impl Landing {
-    pub(super) fn at(self) -> SendPtr {
+    /// The pieces the message's `len` bytes landed in, in order.
+    pub(super) fn pieces(&self, len: usize) -> Pieces {
         match self {
-            Landing::Applier(at) | Landing::Staged(at) => at,
+            Landing::Applier(pieces) => pieces.clone(),
+            Landing::Staged(at) => vec![(*at, len)],
         }
     }
 }
@@ -123,7 +127,8 @@ pub(super) struct Landings<'a> {
 
 /// Post one receive per entry of bucket `seq`: at the entry's offset in its
 /// staging slot, or (direct) where the applier wants the bytes when they
-/// lie there in one piece, else back to back in the bucket's bounce buffer.
+/// lie there in one piece or in pieces worth scattering into, else back to
+/// back in the bucket's bounce buffer.
 pub(super) fn post(
     pump: &Pump,
     link: &PublisherLink,
@@ -139,8 +144,9 @@ pub(super) fn post(
         landing.push(match to.slot {
             Some(slot) => Landing::Staged(SendPtr(slot.wrapping_add(e.buffer_offset as usize))),
             None => {
-                match applier.contiguous_receive_buffer(link.entry(e), e.offset, e.len as usize)? {
-                    Some(at) => Landing::Applier(at),
+                let (t, most) = (link.entry(e), max_pieces(e.len));
+                match applier.receive_pieces(t, e.offset, e.len as usize, most)? {
+                    Some(pieces) => Landing::Applier(pieces),
                     None => {
                         // Placed below, once the bounce buffer's size is known.
                         bounced = Some(bounced.unwrap_or(0) + e.len);
@@ -162,13 +168,13 @@ pub(super) fn post(
         }
     }
     for (k, (e, l)) in entries.iter().zip(&landing).enumerate() {
-        // SAFETY: the range is inside the slot (entries checked against the
-        // bucket size), the bounce buffer (sized for the bucket's bounced
-        // messages) or the entry's memory (checked by the applier). The
-        // pump is dropped, cancelling any receive, before that memory goes;
-        // a slot or bounce buffer is reposted only after its bucket was
-        // applied (the publisher waits for the ACK).
-        unsafe { pump.recv(net_tag(seq, k), l.at().0, e.len as usize)? };
+        // SAFETY: the ranges are inside the slot (entries checked against
+        // the bucket size), the bounce buffer (sized for the bucket's
+        // bounced messages) or the entry's memory (checked by the applier).
+        // The pump is dropped, cancelling any receive, before that memory
+        // goes; a slot or bounce buffer is reposted only after its bucket
+        // was applied (the publisher waits for the ACK).
+        unsafe { pump.recv_pieces(net_tag(seq, k), l.pieces(e.len as usize))? };
     }
     Ok(Posted {
         seq,

@@ -297,11 +297,14 @@ fn check_digest(
     plan: &Plan,
 ) -> Result<()> {
     let e = &bucket.entries[k];
-    // SAFETY: the entry's receive completed into this range (a slot or
-    // the applier's landing, both host memory: keyed excludes gdr).
-    let at = bucket.landing[k].at();
-    let bytes = unsafe { std::slice::from_raw_parts(at.0, e.len as usize) };
-    if crate::checksum::keyed_matches(p.key, bytes, want) {
+    let mut hash = blake3::Hasher::new_keyed(p.key);
+    for (at, len) in bucket.landing[k].pieces(e.len as usize) {
+        // SAFETY: the entry's receive completed into these pieces (a slot,
+        // or the applier's landing, both host memory: keyed excludes gdr).
+        hash.update(unsafe { std::slice::from_raw_parts(at.0, len) });
+    }
+    // blake3::Hash compares in constant time.
+    if hash.finalize() == blake3::Hash::from(*want) {
         return Ok(());
     }
     Err(Error::checksum(format!(

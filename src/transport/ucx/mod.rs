@@ -15,7 +15,7 @@
 mod pump;
 mod sys;
 
-pub use pump::{Completion, Pump};
+pub use pump::{Completion, Pieces, Pump};
 
 use crate::result::{Error, Result};
 use std::ffi::c_void;

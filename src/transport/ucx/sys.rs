@@ -27,6 +27,7 @@ pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 pub(crate) const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub(crate) const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+pub(crate) const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
 pub(crate) const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub(crate) const UCP_OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
 pub(crate) const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
@@ -78,6 +79,18 @@ pub struct RequestParam {
     pub recv_info: *mut c_void,
     pub memh: *mut c_void,
     pub spare: [u64; 8],
+}
+
+/// `ucp_dt_make_iov()`: the buffer is an array of [`DtIov`] and the count
+/// its length (UCX gathers a send from the pieces, scatters a receive into
+/// them, in order).
+pub(crate) const UCP_DATATYPE_IOV: u64 = 2;
+
+/// `ucp_dt_iov_t`: one piece of an IOV send or receive.
+#[repr(C)]
+pub struct DtIov {
+    pub buffer: *mut c_void,
+    pub length: usize,
 }
 
 #[repr(C)]

@@ -10,8 +10,8 @@
 //!   tensor: 2 streams, sent from the trainers' tensors in 1 MiB messages.
 //! - Column halves: every trainer holds a quarter of each rank's half, as
 //!   4 KiB blocks (half of an 8 KiB row): 4 streams, the blocks packed
-//!   into 1 MiB messages (`wire::split_entries`), which land in a bounce
-//!   buffer and are scattered into the params.
+//!   into 1 MiB messages (`wire::split_entries`), which UCX scatters
+//!   straight into the params' rows (an IOV receive, `wire::max_pieces`).
 //!
 //! Floor: raw UCX moving the same bytes in the same pattern (the same
 //! sender -> receiver pairs, all at once, each on its own two workers) in

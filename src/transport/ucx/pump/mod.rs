@@ -1,6 +1,7 @@
 //! One UCX worker driven by its own thread.
 //!
-//! The caller posts sends and receives (pointer, length, tag) and collects
+//! The caller posts sends and receives (tag, and the bytes: one range, or
+//! pieces UCX gathers from or scatters into, in order) and collects
 //! their completions; the pump thread makes progress in between, sleeping on
 //! the worker's event descriptor when nothing moves. A UCX worker in
 //! single-thread mode is touched only by the thread that created it, so no
@@ -39,9 +40,13 @@ pub struct Completion {
 
 enum Cmd {
     Connect(Vec<u8>, SyncSender<Result<()>>),
-    Send { tag: u64, ptr: SendPtr, len: usize },
-    Recv { tag: u64, ptr: SendPtr, cap: usize },
+    Send { tag: u64, pieces: Pieces },
+    Recv { tag: u64, pieces: Pieces },
 }
+
+/// A message's bytes: pieces (pointer, length) back to back in the
+/// message. One piece goes as contiguous bytes, several as a UCX IOV.
+pub type Pieces = Vec<(SendPtr, usize)>;
 
 pub struct Pump {
     cmds: Option<Sender<Cmd>>,
@@ -113,11 +118,17 @@ impl Pump {
     /// The bytes stay valid and unchanged until its completion is collected
     /// or the pump is dropped.
     pub unsafe fn send(&self, tag: u64, ptr: *const u8, len: usize) -> Result<()> {
-        self.post(Cmd::Send {
-            tag,
-            ptr: SendPtr(ptr as *mut u8),
-            len,
-        })
+        // SAFETY: the caller's promise.
+        unsafe { self.send_pieces(tag, vec![(SendPtr(ptr as *mut u8), len)]) }
+    }
+
+    /// Send `pieces`, back to back, as one message under `tag` (gathered by
+    /// UCX: nothing is packed here).
+    ///
+    /// # Safety
+    /// As [`Pump::send`], for every piece.
+    pub unsafe fn send_pieces(&self, tag: u64, pieces: Pieces) -> Result<()> {
+        self.post(Cmd::Send { tag, pieces })
     }
 
     /// Receive the message tagged `tag` (at most `cap` bytes) at `ptr`.
@@ -126,11 +137,17 @@ impl Pump {
     /// The memory stays valid and untouched until its completion is collected
     /// or the pump is dropped.
     pub unsafe fn recv(&self, tag: u64, ptr: *mut u8, cap: usize) -> Result<()> {
-        self.post(Cmd::Recv {
-            tag,
-            ptr: SendPtr(ptr),
-            cap,
-        })
+        // SAFETY: the caller's promise.
+        unsafe { self.recv_pieces(tag, vec![(SendPtr(ptr), cap)]) }
+    }
+
+    /// Receive the message tagged `tag` (at most the pieces' total) into
+    /// `pieces`, in order (scattered by UCX: no bounce buffer).
+    ///
+    /// # Safety
+    /// As [`Pump::recv`], for every piece.
+    pub unsafe fn recv_pieces(&self, tag: u64, pieces: Pieces) -> Result<()> {
+        self.post(Cmd::Recv { tag, pieces })
     }
 
     /// The next completion, or None when `deadline` (or the `poll` interval)

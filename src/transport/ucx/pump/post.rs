@@ -10,12 +10,11 @@ use std::ffi::c_void;
 use std::sync::mpsc::Sender;
 
 impl Worker<'_> {
-    /// Send `len` bytes at `ptr` under `tag` to the peer.
+    /// Send `pieces` as one message under `tag` to the peer.
     pub(super) fn post_send(
         &mut self,
         tag: u64,
-        ptr: SendPtr,
-        len: usize,
+        pieces: &[(SendPtr, usize)],
         done: &Sender<Completion>,
     ) {
         if self.ep.is_null() {
@@ -26,30 +25,33 @@ impl Worker<'_> {
             return;
         }
         let api = &self.ucx.lib().api;
-        let param = blank_param();
-        // SAFETY: the caller keeps the bytes valid (Pump::send's contract).
-        let req = unsafe { (api.ucp_tag_send_nbx)(self.ep, ptr.0.cast(), len, tag, &param) };
-        self.track(tag, req, Kind::Send(len), done);
+        let (param, buffer, count, iov) = describe(pieces);
+        let len = pieces.iter().map(|p| p.1).sum();
+        // SAFETY: the caller keeps the bytes valid (Pump::send's contract);
+        // the IOV array lives in the pending request until it finishes.
+        let req = unsafe { (api.ucp_tag_send_nbx)(self.ep, buffer, count, tag, &param) };
+        self.track(tag, req, Kind::Send(len), iov, done);
     }
 
-    /// Receive the message tagged `tag` (at most `cap` bytes) at `ptr`.
+    /// Receive the message tagged `tag` (at most the pieces' total) into
+    /// `pieces`.
     pub(super) fn post_recv(
         &mut self,
         tag: u64,
-        ptr: SendPtr,
-        cap: usize,
+        pieces: &[(SendPtr, usize)],
         done: &Sender<Completion>,
     ) {
         let api = &self.ucx.lib().api;
+        let (mut param, buffer, count, iov) = describe(pieces);
         // No immediate completion: the length received is then always
         // read from the request (ucp_tag_recv_request_test).
-        let mut param = blank_param();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-        // SAFETY: the caller keeps the memory valid (Pump::recv's contract).
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        // SAFETY: the caller keeps the memory valid (Pump::recv's contract);
+        // the IOV array lives in the pending request until it finishes.
         let req = unsafe {
-            (api.ucp_tag_recv_nbx)(self.worker, ptr.0.cast(), cap, tag, u64::MAX, &param)
+            (api.ucp_tag_recv_nbx)(self.worker, buffer.cast_mut(), count, tag, u64::MAX, &param)
         };
-        self.track(tag, req, Kind::Recv, done);
+        self.track(tag, req, Kind::Recv, iov, done);
     }
 
     pub(super) fn track(
@@ -57,10 +59,16 @@ impl Worker<'_> {
         tag: u64,
         req: *mut c_void,
         kind: Kind,
+        iov: Vec<sys::DtIov>,
         done: &Sender<Completion>,
     ) {
         match sys::ptr_status(req) {
-            None => self.pending.push(Pending { tag, req, kind }),
+            None => self.pending.push(Pending {
+                tag,
+                req,
+                kind,
+                _iov: iov,
+            }),
             Some(sys::UCS_OK) => {
                 let n = match kind {
                     Kind::Send(len) => len,
@@ -76,6 +84,30 @@ impl Worker<'_> {
             }
         }
     }
+}
+
+/// The request parameters, buffer and count of a message of `pieces`: one
+/// piece is contiguous bytes (its address and length); several an IOV
+/// (the array, which the caller keeps until the request finishes, and its
+/// length).
+fn describe(
+    pieces: &[(SendPtr, usize)],
+) -> (sys::RequestParam, *const c_void, usize, Vec<sys::DtIov>) {
+    let mut param = blank_param();
+    if let [(at, len)] = pieces {
+        return (param, at.0.cast_const().cast(), *len, Vec::new());
+    }
+    let iov: Vec<sys::DtIov> = pieces
+        .iter()
+        .map(|&(at, length)| sys::DtIov {
+            buffer: at.0.cast(),
+            length,
+        })
+        .collect();
+    param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = sys::UCP_DATATYPE_IOV;
+    // The Vec's heap array does not move when the Vec does.
+    (param, iov.as_ptr().cast(), iov.len(), iov)
 }
 
 pub(super) fn blank_param() -> sys::RequestParam {

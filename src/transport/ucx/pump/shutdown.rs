@@ -54,7 +54,7 @@ impl Worker<'_> {
                 )
             };
             scratch.push(buf);
-            self.track(info.sender_tag, req, Kind::Recv, &tx);
+            self.track(info.sender_tag, req, Kind::Recv, Vec::new(), &tx);
             self.settle(until, &tx);
         }
         if !self.ep.is_null() {
@@ -80,7 +80,9 @@ impl Worker<'_> {
             // SAFETY: nothing of this worker is in use any more.
             unsafe { (api.ucp_worker_destroy)(self.worker) };
         } else {
+            // So are the memory and IOV arrays of its requests.
             std::mem::forget(scratch);
+            std::mem::forget(std::mem::take(&mut self.pending));
         }
         // Otherwise UCX still holds requests: the worker is leaked rather than
         // destroyed under them (and it makes no progress, so no more bytes land).

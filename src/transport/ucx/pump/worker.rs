@@ -20,6 +20,9 @@ pub(super) struct Pending {
     pub tag: u64,
     pub req: *mut c_void,
     pub kind: Kind,
+    /// An IOV request's pieces: never read here, kept because UCX reads
+    /// the array until the request finishes.
+    pub _iov: Vec<sys::DtIov>,
 }
 
 /// The worker, its endpoint to the peer (null until connected) and its
@@ -96,8 +99,8 @@ impl Worker<'_> {
             Cmd::Connect(address, reply) => {
                 let _ = reply.send(self.connect(&address));
             }
-            Cmd::Send { tag, ptr, len } => self.post_send(tag, ptr, len, done),
-            Cmd::Recv { tag, ptr, cap } => self.post_recv(tag, ptr, cap, done),
+            Cmd::Send { tag, pieces } => self.post_send(tag, &pieces, done),
+            Cmd::Recv { tag, pieces } => self.post_recv(tag, &pieces, done),
         }
     }
 
