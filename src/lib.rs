@@ -42,8 +42,8 @@
 //! Where things go:
 //! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
 //!   receive where `source/net/landing.rs` decides: a staging slot; where
-//!   `Applier::contiguous_receive_buffer` says, when the message lands
-//!   there in one piece; else a bounce buffer the applier scatters from
+//!   `Applier::receive_pieces` says, in one piece or scattered by UCX into
+//!   the pieces it lands in; else a bounce buffer the applier scatters from
 //!   (`apply/receive.rs`: in place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
