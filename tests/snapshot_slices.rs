@@ -2,8 +2,8 @@
 //! sums (`wm_checksums.json` written by `checksums::write`, as `wm
 //! manifest` does), and read by the covering-read rule. Real files; the
 //! bytes each update reads are measured from `/proc/self/io` (`rchar`,
-//! what `pread` read) plus the bytes mapped for covering reads
-//! (`mapped_bytes`), so the tests of this file run one at a time.
+//! what `pread` read) plus the bytes read out of mapped windows
+//! (`mapped_read_bytes`), so the tests of this file run one at a time.
 
 mod common;
 
@@ -15,12 +15,12 @@ use weight_manager::pieces::Piece;
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::snapshot::block_sums::BLOCK_SIZE;
 use weight_manager::source::snapshot::checksums::{self, CHECKSUM_FILE};
-use weight_manager::source::snapshot::mapped::mapped_bytes;
+use weight_manager::source::snapshot::mapped::{mapped_bytes, mapped_read_bytes};
 use weight_manager::source::snapshot::reads::{MAX_GAP, SHORT_SEGMENT};
 use weight_manager::tensor::DType;
 use weight_manager::wm_result;
 
-/// `rchar` and `mapped_bytes` are per process: one test at a time.
+/// `rchar` and `mapped_read_bytes` are per process: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const MIB: u64 = 1 << 20;
@@ -115,7 +115,7 @@ fn bytes_read() -> u64 {
         .unwrap()
         .parse()
         .unwrap();
-    rchar + mapped_bytes()
+    rchar + mapped_read_bytes()
 }
 
 /// Update `m` from `dir` (verified when `verify`), with the bytes the
@@ -360,24 +360,28 @@ fn old_checksum_files_verify_whole_tensors_and_refuse_slices() {
 fn short_close_segments_share_a_covering_read_and_others_do_not() {
     let _one = ONE_AT_A_TIME.lock();
     // Columns of 512 B (128 f32) in rows of `row` bytes; no checksum file.
-    let seg = 512;
+    let (seg, rows) = (512, 256);
     for (row, covering) in [(seg + MAX_GAP, true), (seg + MAX_GAP + 1024, false)] {
         assert!(seg < SHORT_SEGMENT);
         let d = tempfile::tempdir().unwrap();
         let cols = row / 4;
-        let w = tensor("w", &[2048, cols], 6);
+        let w = tensor("w", &[rows, cols], 6);
         checkpoint(d.path(), std::slice::from_ref(&w), "1");
         let m = manager();
         let piece = narrow(&w, 1, cols - 128, 128);
-        let p = param(&m, "w.tp", &[2048, 128], vec![piece.clone()]);
+        let p = param(&m, "w.tp", &[rows, 128], vec![piece.clone()]);
+        let mapped = mapped_bytes();
         let (res, read) = update(&m, d.path(), false);
         res.unwrap();
+        let mapped = mapped_bytes() - mapped;
         assert!(p == box_bytes(&w, &piece), "row {row}");
-        // Covering: the span of every row's segment; otherwise the segments.
-        let (wanted, span) = (2048 * seg, 2047 * row + seg);
+        // Covering: one mapped read spanning every row's segment, of which
+        // only the segments are read; otherwise a `pread` per segment.
+        let (wanted, span) = (rows * seg, (rows - 1) * row + seg);
+        assert!(read < wanted + 64 * 1024, "row {row}: read {read}");
         match covering {
-            true => assert!(read >= span, "row {row}: read {read} < {span}"),
-            false => assert!(read < wanted + 64 * 1024, "row {row}: read {read}"),
+            true => assert!(mapped >= span, "row {row}: mapped {mapped} < {span}"),
+            false => assert_eq!(mapped, 0, "row {row}"),
         }
     }
 }
@@ -466,8 +470,8 @@ fn hostile_block_sums_are_refused_naming_the_field() {
 fn unverified_slices_read_only_their_segments_even_with_block_sums() {
     let _one = ONE_AT_A_TIME.lock();
     let d = tempfile::tempdir().unwrap();
-    // [512, 2048] f32 rows of 8 KiB, 2 KiB per row for rank 1: segments
-    // too long to share covering reads, so only they are read.
+    // [512, 2048] f32 rows of 8 KiB, 2 KiB per row for rank 1: one mapped
+    // covering read of the rows, of which only the segments are read.
     let w = tensor("w", &[512, 2048], 1);
     checkpoint(d.path(), std::slice::from_ref(&w), "1");
     manifest(d.path());
@@ -477,8 +481,11 @@ fn unverified_slices_read_only_their_segments_even_with_block_sums() {
     // A flipped byte in another rank's columns of a block rank 1 reads
     // from when verifying: unverified, it reads neither it nor its block.
     flip(d.path(), "w", 300 * 8192 + 100);
+    let mapped = mapped_bytes();
     let (r, read) = update(&m, d.path(), false);
     r.unwrap();
     assert!(p == box_bytes(&w, &piece));
     assert!(read < 2 * MIB, "read {read} bytes for a 1 MiB slice");
+    // The rows were covered by mappings (the gaps mapped, not read).
+    assert!(mapped_bytes() - mapped >= 4 * MIB - 8192);
 }

@@ -23,9 +23,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `/proc/self/io` counts what `pread` read): what a reader brought in.
 static MAPPED: AtomicU64 = AtomicU64::new(0);
 
+/// Bytes read out of those mappings (copied, or checked against block
+/// sums): what `rchar` would have counted had they been read with `pread`.
+/// A covering read maps the gaps between its segments but reads only the
+/// segments, so this is less than [`mapped_bytes`] there.
+static READ: AtomicU64 = AtomicU64::new(0);
+
 /// Bytes of snapshot files this process has mapped for reading so far.
 pub fn mapped_bytes() -> u64 {
     MAPPED.load(Ordering::Relaxed)
+}
+
+/// Bytes of snapshot files this process has read through mappings so far
+/// (the segments copied out, the blocks checked), the mapped counterpart
+/// of `rchar` in `/proc/self/io`.
+pub fn mapped_read_bytes() -> u64 {
+    READ.load(Ordering::Relaxed)
+}
+
+/// Count `n` bytes read out of a mapping.
+pub(super) fn count_read(n: u64) {
+    READ.fetch_add(n, Ordering::Relaxed);
 }
 
 /// Bytes `[offset, offset + len)` of a file, mapped read-only and guarded;

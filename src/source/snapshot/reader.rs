@@ -150,6 +150,7 @@ impl<'f> FileReader<'f> {
             let src = match window {
                 Some(w) => {
                     let start = w.bytes().as_ptr();
+                    super::mapped::count_read(n);
                     self.maps.push(w);
                     CopySource::Memory(SendPtr(start as *mut u8))
                 }
@@ -181,7 +182,7 @@ impl<'f> FileReader<'f> {
         let what = || format!("tensor '{name}' in {shown}");
         while from < r.span.end {
             let to = (from + WINDOW_BYTES).min(r.span.end);
-            let start = self.window(applier, (at, from, to), sums, &what)?;
+            let (start, mapped) = self.window(applier, (at, from, to), sums, &what)?;
             // SAFETY: the window holds `to - from` bytes and stays until the
             // batch pointing into it is applied (`flush`).
             let bytes = unsafe { std::slice::from_raw_parts(start, (to - from) as usize) };
@@ -194,6 +195,11 @@ impl<'f> FileReader<'f> {
                 let part = &bytes[(lo - from) as usize..(hi - from) as usize];
                 if let Some(h) = wanted.as_mut() {
                     h.update(part);
+                }
+                if mapped && sums.is_none() {
+                    // Only the segments are read out of a mapped window
+                    // that is not checked (a checked one counted itself).
+                    super::mapped::count_read(part.len() as u64);
                 }
                 self.batch.push(Chunk {
                     tensor: e,
@@ -211,14 +217,15 @@ impl<'f> FileReader<'f> {
     /// Bring in bytes `from..to` of the tensor at byte `at` of the file,
     /// checked against `sums`: mapped when it can be, else read into the
     /// buffer (applying the pending batch first when the batch's covering
-    /// bytes would pass [`WINDOW_BYTES`]); returns where they start.
+    /// bytes would pass [`WINDOW_BYTES`]); returns where they start, and
+    /// whether they are mapped.
     fn window(
         &mut self,
         applier: &mut Applier,
         (at, from, to): (u64, u64, u64),
         sums: Option<&BlockSums>,
         what: &(dyn Fn() -> String + Sync),
-    ) -> Result<*const u8> {
+    ) -> Result<(*const u8, bool)> {
         applier.check_deadline()?;
         let len = (to - from) as usize;
         if self.used + self.mapped + len > WINDOW_BYTES as usize {
@@ -226,9 +233,12 @@ impl<'f> FileReader<'f> {
         }
         if let Some(w) = MappedWindow::map(self.file, at + from, len) {
             let checked = match sums {
-                Some(s) => in_pieces(len, s.block, |k, n| {
-                    s.check((from + k as u64) / s.block, &w.bytes()[k..k + n], what)
-                }),
+                Some(s) => {
+                    super::mapped::count_read(len as u64);
+                    in_pieces(len, s.block, |k, n| {
+                        s.check((from + k as u64) / s.block, &w.bytes()[k..k + n], what)
+                    })
+                }
                 None => Ok(()),
             };
             let (start, faulted) = (w.bytes().as_ptr(), w.faulted());
@@ -237,7 +247,7 @@ impl<'f> FileReader<'f> {
             if faulted {
                 return Err(self.truncated());
             }
-            return checked.map(|()| start);
+            return checked.map(|()| (start, true));
         }
         if self.buf.is_empty() {
             self.buf = vec![0u8; WINDOW_BYTES as usize];
@@ -245,7 +255,7 @@ impl<'f> FileReader<'f> {
         let i = self.used;
         self.used += len;
         read_checked(self.file, &mut self.buf[i..i + len], (at, from), sums, what)?;
-        Ok(self.buf[i..].as_ptr())
+        Ok((self.buf[i..].as_ptr(), false))
     }
 
     /// A mapped window faulted: the file shrank while it was read.

@@ -5,8 +5,8 @@
 //! verified with block sums. Every figure beside its floor or target:
 //!
 //! - bytes read by all ranks together (each rank's `rchar` from
-//!   `/proc/<pid>/io` around its update, plus the bytes its covering
-//!   reads mapped) / checkpoint bytes: target at
+//!   `/proc/<pid>/io` around its update, plus the bytes it read out of
+//!   mapped windows) / checkpoint bytes: target at
 //!   most 1.05 for outer splits; inner splits verified read every block;
 //! - bytes moved by each rank / bytes of its params: 1.00;
 //! - each rank's update GB/s beside a plain `pread` of the same byte
@@ -312,7 +312,7 @@ fn pread_floor(file: &File, ranges: &[(u64, u64, usize)], hash: bool) -> Result<
 }
 
 /// Bytes this process has read so far: with `pread` (`rchar` of
-/// `/proc/<pid>/io`) and through the mappings of covering reads.
+/// `/proc/<pid>/io`) and out of mapped windows (`mapped_read_bytes`).
 fn rchar() -> Result<u64, String> {
     let io = std::fs::read_to_string("/proc/self/io").map_err(|e| e.to_string())?;
     let rchar = io
@@ -320,5 +320,5 @@ fn rchar() -> Result<u64, String> {
         .find_map(|l| l.strip_prefix("rchar: "))
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or_else(|| "no rchar in /proc/self/io".to_string())?;
-    Ok(rchar + weight_manager::source::snapshot::mapped::mapped_bytes())
+    Ok(rchar + weight_manager::source::snapshot::mapped::mapped_read_bytes())
 }
