@@ -26,6 +26,7 @@
 
 mod bench;
 mod bench_atomic;
+mod bench_floors;
 mod bench_gpu;
 mod bench_ipc;
 mod bench_net;
