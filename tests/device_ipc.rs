@@ -20,17 +20,13 @@ mod common;
 use common::fake_cuda::{under_fake_driver, Fake};
 use common::gpu_parts::{engine, model, pull, pull_every_case, read, trainer};
 use common::sharded::{expected, piece};
-use std::os::unix::net::UnixListener;
 use std::path::Path;
-use std::time::{Duration, Instant};
 use weight_manager::apply::Mode;
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::manifest::TensorMeta;
 use weight_manager::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager::registry::{MemoryKind, ParamSpec};
 use weight_manager::state::State;
 use weight_manager::tensor::DType;
-use weight_manager::transport::conn::Conn;
 use weight_manager::wire::{BucketEntry, CudaBuffer, Frame};
 use weight_manager::wm_result;
 
@@ -131,33 +127,10 @@ fn a_failed_2d_copy_keeps_the_old_weights_or_fails_the_manager() {
     trainer.wait_with_output().unwrap();
 }
 
-/// A hostile publisher: HELLO, MANIFEST of one u8 tensor "w" [64, 64],
-/// WANT, then its one GPU buffer of 4096 bytes (CUDA_BUFFERS) and a
-/// WINDOWS bucket of `entries`; END once acknowledged.
+/// A hostile publisher whose one buffer is a GPU buffer of 4096 bytes
+/// (CUDA_BUFFERS), then a WINDOWS bucket of `entries`.
 fn hostile(sock: &Path, entries: Vec<BucketEntry>) -> std::thread::JoinHandle<()> {
-    let listener = UnixListener::bind(sock).unwrap();
-    std::thread::spawn(move || {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (stream, _) = listener.accept().unwrap();
-        let mut conn = Conn::new(stream, "the engine");
-        if conn.recv(deadline).is_err() {
-            return;
-        }
-        let w = TensorMeta {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![64, 64],
-            nbytes: 4096,
-            checksum: None,
-            placement: None,
-        };
-        let manifest = Frame::Manifest {
-            version: "hostile".into(),
-            tensors: vec![w],
-        };
-        if conn.send(&manifest).is_err() || conn.recv(deadline).is_err() {
-            return;
-        }
+    common::hostile_windows::serve(sock, entries, |conn| {
         let gpu = ExportedDeviceBuffer::new("hostile", 0, 4096).unwrap();
         let fill = vec![0xeeu8; 4096];
         // SAFETY: host bytes of the buffer's length.
@@ -168,15 +141,7 @@ fn hostile(sock: &Path, entries: Vec<BucketEntry>) -> std::thread::JoinHandle<()
                 size: 4096,
             }],
         };
-        let bucket = Frame::Windows {
-            seq: 0,
-            buffer: 0,
-            entries,
-        };
-        if conn.send(&buffers).is_ok() && conn.send(&bucket).is_ok() && conn.recv(deadline).is_ok()
-        {
-            let _ = conn.send(&Frame::End { buckets: 1 });
-        }
+        conn.send(&buffers).ok().map(|()| gpu)
     })
 }
 

@@ -14,12 +14,11 @@ mod common;
 use common::sharded::{expected, piece, serving, Global};
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, TensorView};
 use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::manifest::TensorMeta;
 use weight_manager::memory::shared::SharedBuffer;
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig};
@@ -285,44 +284,14 @@ fn a_published_version_serves_strided_requests_as_windows() {
     });
 }
 
-/// A hostile publisher: HELLO, MANIFEST of one u8 tensor "w" [64, 64],
-/// WANT, then its one buffer of 4096 bytes and a WINDOWS bucket of
-/// `entries`; END once acknowledged.
+/// A hostile publisher whose one buffer is shared memory of 4096 bytes,
+/// then a WINDOWS bucket of `entries`.
 fn hostile(sock: &Path, entries: Vec<BucketEntry>) -> std::thread::JoinHandle<()> {
-    let listener = UnixListener::bind(sock).unwrap();
-    std::thread::spawn(move || {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (stream, _) = listener.accept().unwrap();
-        let mut conn = Conn::new(stream, "the engine");
-        if conn.recv(deadline).is_err() {
-            return;
-        }
-        let w = TensorMeta {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![64, 64],
-            nbytes: 4096,
-            checksum: None,
-            placement: None,
-        };
-        let manifest = Frame::Manifest {
-            version: "hostile".into(),
-            tensors: vec![w],
-        };
-        if conn.send(&manifest).is_err() || conn.recv(deadline).is_err() {
-            return;
-        }
+    common::hostile_windows::serve(sock, entries, |conn| {
         let fd = sealed_memfd(4096);
         let buffers = Frame::Buffers { sizes: vec![4096] };
         let _ = conn.send_with_fds(&buffers, &[fd.as_raw_fd()]);
-        let bucket = Frame::Windows {
-            seq: 0,
-            buffer: 0,
-            entries,
-        };
-        if conn.send(&bucket).is_ok() && conn.recv(deadline).is_ok() {
-            let _ = conn.send(&Frame::End { buckets: 1 });
-        }
+        Some(fd)
     })
 }
 
