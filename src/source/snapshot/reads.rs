@@ -44,7 +44,7 @@
 //!   shard --section snapshot` (4 ranks at once, a 2 KiB segment of every
 //!   8 KiB row, unverified, quiet 2-core machine): each rank at 0.53-0.96
 //!   of its `pread` floor with the old limits (4 KiB segments, 2 KiB
-//!   gaps: one `pread` per row), 0.96-2.28 with these. A covering read
+//!   gaps: one `pread` per row), 0.73-2.28 with these (four runs). A covering read
 //!   that cannot be mapped (no guard slot, `mmap` refused) reads the gaps
 //!   too, through the buffer: slower, still correct.
 
