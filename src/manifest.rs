@@ -47,6 +47,21 @@ impl TensorMeta {
     }
 }
 
+#[cfg(test)]
+impl TensorMeta {
+    /// A whole tensor without a checksum, for tests.
+    pub(crate) fn whole(name: &str, dtype: crate::tensor::DType, shape: &[u64]) -> TensorMeta {
+        TensorMeta {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            nbytes: crate::tensor::byte_size(name, dtype, shape).unwrap(),
+            checksum: None,
+            placement: None,
+        }
+    }
+}
+
 impl Placement {
     /// Check that a shard of box lengths `shape` fits this placement: as
     /// many dimensions as the global shape (at most `MAX_NDIM`), and per

@@ -59,13 +59,8 @@ fn parts_of_a_gpu_version_into_device_and_host_params() {
             after.1 - before.1
         );
     });
-    let out = trainer.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "trainer: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text) = common::output(trainer);
+    assert!(ok, "trainer: {text}");
 }
 
 /// A 2D copy the driver fails: atomic (to the host), the params keep
@@ -157,14 +152,7 @@ fn hostile_windows_into_a_gpu_buffer_are_refused() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model_dir = dir.path().join("model");
-    std::fs::create_dir(&model_dir).unwrap();
-    let full = common::tensor("w", DType::U8, &[64, 64], 3);
-    common::write_safetensors(
-        &model_dir.join("model.safetensors"),
-        std::slice::from_ref(&full),
-    );
-    common::write_version(&model_dir, "v1");
+    let (model_dir, full) = common::hostile_windows::first_version(dir.path());
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         ..Default::default()
@@ -182,23 +170,7 @@ fn hostile_windows_into_a_gpu_buffer_are_refused() {
         .flat_map(|r| full.data[r * 64..r * 64 + 32].to_vec())
         .collect();
     assert!(read(true, param) == before);
-    let window = |len, tensor_at| BucketEntry {
-        request: 0,
-        offset: 0,
-        len,
-        buffer_offset: tensor_at,
-    };
-    let cases = [
-        (
-            window(2048, 256),
-            "block of 32 bytes at 4096 (request #0) runs past the 4096-byte buffer",
-        ),
-        (
-            window(4096, 0),
-            "4096 bytes from byte 0 run past the 2048 bytes of request #0",
-        ),
-    ];
-    for (k, (entry, want)) in cases.into_iter().enumerate() {
+    for (k, (entry, want)) in common::hostile_windows::cases().into_iter().enumerate() {
         for mode in [Mode::Atomic, Mode::InPlace] {
             let sock = dir.path().join(format!("h{k}-{mode:?}.sock"));
             let publisher = hostile(&sock, vec![entry]);

@@ -243,14 +243,7 @@ fn a_truncated_file_leaves_the_old_weights_and_frees_the_shadows() {
     let (m, ptrs, dir) = engine(true);
     let (before, used) = (f.handles(&ptrs), f.used());
     write_model(dir.path(), 2);
-    let file = dir.path().join("model_state.tp0.0.safetensors");
-    let len = std::fs::metadata(&file).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_len(len - 100)
-        .unwrap();
+    shorten(&dir.path().join("model_state.tp0.0.safetensors"), 100);
     m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
     assert_kept_version_1(&m);
     assert_holds(&ptrs, &model(1), "after the truncated file");

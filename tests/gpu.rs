@@ -317,12 +317,8 @@ fn cuda_ipc_parts_of_a_gpu_version() {
     let globals = model();
     let (mut trainer, sock) = trainer(dir.path(), &globals, 8);
     pull_every_case((&mut trainer, &sock), &globals, |_, pull| pull());
-    let out = trainer.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text) = output(trainer);
+    assert!(ok, "trainer: {text}");
 }
 
 /// Device params through rdma (pinned staging behind the network path),
@@ -539,14 +535,7 @@ fn device_page_swap_keeps_addresses_and_gives_the_old_memory_back() {
     // its shadows.
     write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &model(3));
     write_version(dir.path(), "3");
-    let file = dir.path().join("model_state.tp0.0.safetensors");
-    let len = std::fs::metadata(&file).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_len(len - 100)
-        .unwrap();
+    shorten(&dir.path().join("model_state.tp0.0.safetensors"), 100);
     m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
     assert_eq!(m.status().version.as_deref(), Some("2"));
     assert_on_gpu(c, &ptrs, &v2, "after the failed update");

@@ -319,14 +319,7 @@ fn sealed_memfd(len: usize) -> OwnedFd {
 fn hostile_windows_are_refused_naming_them() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let model_dir = dir.path().join("model");
-    std::fs::create_dir(&model_dir).unwrap();
-    let full = common::tensor("w", DType::U8, &[64, 64], 3);
-    common::write_safetensors(
-        &model_dir.join("model.safetensors"),
-        std::slice::from_ref(&full),
-    );
-    common::write_version(&model_dir, "v1");
+    let (model_dir, full) = common::hostile_windows::first_version(dir.path());
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         ..Default::default()
@@ -341,23 +334,7 @@ fn hostile_windows_are_refused_naming_them() {
     let before: Vec<u8> = (0..64)
         .flat_map(|r| full.data[r * 64..r * 64 + 32].to_vec())
         .collect();
-    let window = |len, tensor_at| BucketEntry {
-        request: 0,
-        offset: 0,
-        len,
-        buffer_offset: tensor_at,
-    };
-    let cases = [
-        (
-            window(2048, 256),
-            "block of 32 bytes at 4096 (request #0) runs past the 4096-byte buffer",
-        ),
-        (
-            window(4096, 0),
-            "4096 bytes from byte 0 run past the 2048 bytes of request #0",
-        ),
-    ];
-    for (k, (entry, want)) in cases.into_iter().enumerate() {
+    for (k, (entry, want)) in common::hostile_windows::cases().into_iter().enumerate() {
         for mode in [Mode::Atomic, Mode::InPlace] {
             let sock = dir.path().join(format!("h{k}-{mode:?}.sock"));
             let publisher = hostile(&sock, vec![entry]);

@@ -138,15 +138,7 @@ mod tests {
     use crate::tensor::DType;
 
     fn entry(name: &str, n: u64, target: Target) -> PlanEntry {
-        let meta = TensorMeta {
-            name: name.into(),
-            dtype: DType::U8,
-            shape: vec![n],
-            nbytes: n,
-            checksum: None,
-            placement: None,
-        };
-        PlanEntry::new(meta, 0, target)
+        PlanEntry::new(TensorMeta::whole(name, DType::U8, &[n]), 0, target)
     }
 
     #[test]

@@ -66,7 +66,8 @@ pub use types::{
 use crate::checksum::Checksum;
 use crate::memory::host::HostRegion;
 use crate::memory::loose::{check_callback_staging, LooseBuffers};
-use crate::memory::staging::{DeviceStaging, PinnedBuffer};
+use crate::memory::pinned::PinnedBuffer;
+use crate::memory::staging::DeviceStaging;
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};

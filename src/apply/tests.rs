@@ -66,14 +66,7 @@ fn callback_plan(sizes: &[(&str, u64)]) -> Plan {
         .enumerate()
         .map(|(i, &(name, n))| {
             PlanEntry::new(
-                TensorMeta {
-                    name: name.into(),
-                    dtype: DType::U8,
-                    shape: vec![n],
-                    nbytes: n,
-                    checksum: None,
-                    placement: None,
-                },
+                TensorMeta::whole(name, DType::U8, &[n]),
                 i,
                 Target::Callback,
             )
@@ -213,14 +206,11 @@ fn chunks_land_where_their_run_says() {
     }
 }
 
-/// A column split: bytes 4..12 of each 16-byte row of a 16-row tensor go
-/// to 8 of every 12 param bytes (16 segments). The received bytes come as
-/// many small chunks of uneven lengths, most crossing a segment edge, in
-/// two batches: each byte lands exactly where its run says (the gaps keep
-/// their bytes), and the slice sum of the received bytes verifies (a
-/// wrong one fails naming the tensor), in place and atomically.
-#[test]
-fn many_small_chunks_across_segments_land_and_verify() {
+/// The column split of the tests below: bytes 4..12 of each 16-byte row
+/// of a 16-row tensor to 8 of every 12 bytes of a 192-byte param. Its
+/// plan, the bytes a source sends (the 16 row parts in order), and the
+/// param they make from one of 0xEE bytes.
+fn column_split() -> (Plan, Vec<u8>, Vec<u8>) {
     let tensor: Vec<u8> = (0..256u32).map(|i| (i * 7 + 1) as u8).collect();
     let mut plan = plan_of(&tensor);
     plan.runs[0].source = 4..12;
@@ -234,6 +224,18 @@ fn many_small_chunks_across_segments_land_and_verify() {
     for (r, row) in received.chunks(8).enumerate() {
         want[r * 12..r * 12 + 8].copy_from_slice(row);
     }
+    (plan, received, want)
+}
+
+/// A column split: bytes 4..12 of each 16-byte row of a 16-row tensor go
+/// to 8 of every 12 param bytes (16 segments). The received bytes come as
+/// many small chunks of uneven lengths, most crossing a segment edge, in
+/// two batches: each byte lands exactly where its run says (the gaps keep
+/// their bytes), and the slice sum of the received bytes verifies (a
+/// wrong one fails naming the tensor), in place and atomically.
+#[test]
+fn many_small_chunks_across_segments_land_and_verify() {
+    let (plan, received, want) = column_split();
     let good = crate::checksum::of(&received);
     for mode in [Mode::InPlace, Mode::Atomic] {
         for sum in [good, good ^ 1] {
@@ -293,19 +295,7 @@ fn apply_small_chunks(plan: &Plan, received: &[u8], mode: Mode, sum: u128) -> Re
 /// counts as written yet.
 #[test]
 fn bytes_scattered_into_their_pieces_land_and_verify() {
-    let tensor: Vec<u8> = (0..256u32).map(|i| (i * 7 + 1) as u8).collect();
-    let mut plan = plan_of(&tensor);
-    plan.runs[0].source = 4..12;
-    plan.runs[0].param = 0..8;
-    plan.runs[0].rows = 16;
-    plan.runs[0].source_stride = 16;
-    plan.runs[0].param_stride = 12;
-    plan.entries[0].bytes = 128;
-    let received: Vec<u8> = tensor.chunks(16).flat_map(|r| r[4..12].to_vec()).collect();
-    let mut want = vec![0xEEu8; 192];
-    for (r, row) in received.chunks(8).enumerate() {
-        want[r * 12..r * 12 + 8].copy_from_slice(row);
-    }
+    let (plan, received, want) = column_split();
     for mode in [Mode::InPlace, Mode::Atomic] {
         let mut param = vec![0xEEu8; 192];
         let opts = ApplyOptions {

@@ -6,7 +6,8 @@
 //! shadow (`device_swap.rs`) gets its bytes in the shadow instead.
 
 use super::Applier;
-use crate::memory::staging::{DeviceStaging, PinnedBuffer};
+use crate::memory::pinned::PinnedBuffer;
+use crate::memory::staging::DeviceStaging;
 use crate::memory::strided::Strided;
 use crate::plan::{Segment, Target};
 use crate::result::{Error, Result};

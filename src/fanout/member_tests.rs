@@ -68,14 +68,7 @@ impl Mover for Loopback {
 
 fn plan() -> Plan {
     let entries = SIZES.iter().enumerate().map(|(k, &n)| {
-        let meta = TensorMeta {
-            name: format!("p{k}"),
-            dtype: DType::U8,
-            shape: vec![n as u64],
-            nbytes: n as u64,
-            checksum: None,
-            placement: None,
-        };
+        let meta = TensorMeta::whole(&format!("p{k}"), DType::U8, &[n as u64]);
         PlanEntry::new(meta, k, Target::Param(k))
     });
     Plan::new(entries.collect())

@@ -24,6 +24,7 @@ pub mod device_swap;
 pub mod host;
 pub mod loose;
 pub mod mapped;
+pub mod pinned;
 pub mod pool;
 pub mod shared;
 pub mod staging;

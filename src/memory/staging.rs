@@ -33,6 +33,7 @@
 //! are leaked rather than freed under a running DMA.
 
 use super::cuda::{check, copy_2d, cuda, new_stream, CopyTo};
+use super::pinned::PinnedBuffer;
 use super::strided::Strided;
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
 use crate::memory::SendPtr;
@@ -67,49 +68,6 @@ pub(crate) fn lands_in_own_pinned_buffer(n: usize) -> bool {
 }
 /// How long dropping the staging waits for copies still in flight.
 const DROP_WAIT: Duration = Duration::from_secs(60);
-
-/// Page-locked host memory, freed with `cuMemFreeHost` on drop.
-#[derive(Debug)]
-pub struct PinnedBuffer {
-    ptr: *mut u8,
-    cap: usize,
-}
-
-// SAFETY: plain memory owned by this value; the driver does not tie it to a
-// thread (allocated PORTABLE, so any context may copy from it).
-unsafe impl Send for PinnedBuffer {}
-
-impl PinnedBuffer {
-    /// `cap` bytes, page-locked for GPU `ordinal` (and portable to all).
-    pub(crate) fn new(ordinal: i32, cap: usize) -> Result<PinnedBuffer> {
-        let c = cuda()?;
-        c.make_current(ordinal)?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; the flags ask for portable, cached memory.
-        check(
-            unsafe { sys::cuMemHostAlloc(&mut p, cap, sys::CU_MEMHOSTALLOC_PORTABLE) },
-            "cuMemHostAlloc",
-        )
-        .map_err(|e| e.context(format!("pinned staging buffer of {cap} bytes")))?;
-        Ok(PinnedBuffer { ptr: p.cast(), cap })
-    }
-
-    pub fn ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc; no copy reads it any more
-        // (the staging only drops buffers whose event completed).
-        unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
-    }
-}
 
 /// The index of the smallest capacity in `caps` that holds `n` bytes.
 fn best_fit(caps: impl Iterator<Item = usize>, n: usize) -> Option<usize> {
@@ -200,7 +158,7 @@ impl Lane {
     fn take(&mut self, n: usize, deadline: Instant) -> Result<Option<PinnedBuffer>> {
         self.reap(None)?;
         loop {
-            if let Some(i) = best_fit(self.free.iter().map(|b| b.cap), n) {
+            if let Some(i) = best_fit(self.free.iter().map(|b| b.cap()), n) {
                 self.outstanding += 1;
                 return Ok(Some(self.free.swap_remove(i)));
             }
@@ -212,7 +170,7 @@ impl Lane {
             }
             if !self.free.is_empty() {
                 // Every free buffer is too small: trade the smallest one in.
-                let i = best_fit(self.free.iter().map(|b| b.cap), 0).expect("not empty");
+                let i = best_fit(self.free.iter().map(|b| b.cap()), 0).expect("not empty");
                 drop(self.free.swap_remove(i));
                 self.outstanding += 1;
                 return PinnedBuffer::new(self.ordinal, rounded(n)).map(Some);
@@ -238,7 +196,7 @@ impl Lane {
         if self
             .filling
             .as_ref()
-            .is_some_and(|(b, used)| b.cap - used < len)
+            .is_some_and(|(b, used)| b.cap() - used < len)
         {
             self.close_filling()?;
         }

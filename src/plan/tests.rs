@@ -3,18 +3,10 @@ use crate::logging::Logger;
 use crate::manifest::Manifest;
 use crate::registry::{ParamSpec, Registry};
 use crate::result::Result;
-use crate::tensor::byte_size;
 use crate::tensor::DType;
 
 pub(super) fn meta(name: &str, dtype: DType, shape: &[u64]) -> TensorMeta {
-    TensorMeta {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-        nbytes: byte_size(name, dtype, shape).unwrap(),
-        checksum: None,
-        placement: None,
-    }
+    TensorMeta::whole(name, dtype, shape)
 }
 
 fn registry() -> Registry {

@@ -17,7 +17,7 @@
 
 use super::sums::SliceSums;
 use crate::memory::cuda_ipc::download_2d;
-use crate::memory::staging::PinnedBuffer;
+use crate::memory::pinned::PinnedBuffer;
 use crate::memory::strided::runs;
 use crate::result::Result;
 use crate::wire::{BucketEntry, Request};

@@ -4,7 +4,7 @@
 //! END once acknowledged. Stops quietly where the engine hangs up.
 
 use std::os::unix::net::UnixListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::manifest::TensorMeta;
 use weight_manager::tensor::DType;
@@ -54,4 +54,41 @@ pub fn serve<K: Send + 'static>(
             let _ = conn.send(&Frame::End { buckets: 1 });
         }
     })
+}
+
+/// The hostile WINDOWS entries against an engine taking columns 0..32 of
+/// "w" [64, 64] (a request of 64 blocks of 32 bytes), each with the text
+/// its refusal names: blocks running past the 4096-byte buffer, and a
+/// window covering more than its request.
+pub fn cases() -> [(BucketEntry, &'static str); 2] {
+    let window = |len, tensor_at| BucketEntry {
+        request: 0,
+        offset: 0,
+        len,
+        buffer_offset: tensor_at,
+    };
+    [
+        (
+            window(2048, 256),
+            "block of 32 bytes at 4096 (request #0) runs past the 4096-byte buffer",
+        ),
+        (
+            window(4096, 0),
+            "4096 bytes from byte 0 run past the 2048 bytes of request #0",
+        ),
+    ]
+}
+
+/// The engine's first version: "w" [64, 64] u8 in a snapshot at
+/// `dir`/model, version "v1"; the directory and the tensor.
+pub fn first_version(dir: &Path) -> (PathBuf, super::T) {
+    let model_dir = dir.join("model");
+    std::fs::create_dir(&model_dir).unwrap();
+    let full = super::tensor("w", DType::U8, &[64, 64], 3);
+    super::write_safetensors(
+        &model_dir.join("model.safetensors"),
+        std::slice::from_ref(&full),
+    );
+    super::write_version(&model_dir, "v1");
+    (model_dir, full)
 }

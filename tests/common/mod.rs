@@ -165,6 +165,17 @@ impl Drop for ShmNames {
     }
 }
 
+/// Cut the last `by` bytes off `file` (a snapshot truncated under an engine).
+pub fn shorten(file: &Path, by: u64) {
+    let len = std::fs::metadata(file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_len(len - by)
+        .unwrap();
+}
+
 /// A finished child's success and its stdout and stderr together.
 pub fn output(c: std::process::Child) -> (bool, String) {
     let out = c.wait_with_output().unwrap();

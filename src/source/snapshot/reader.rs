@@ -190,16 +190,12 @@ impl<'f> FileReader<'f> {
             while next < r.segs.end && segs[next].source + segs[next].len <= from {
                 next += 1;
             }
+            let batched = self.batch_bytes;
             for s in segs[next..r.segs.end].iter().take_while(|s| s.source < to) {
                 let (lo, hi) = (s.source.max(from), (s.source + s.len).min(to));
                 let part = &bytes[(lo - from) as usize..(hi - from) as usize];
                 if let Some(h) = wanted.as_mut() {
                     h.update(part);
-                }
-                if mapped && sums.is_none() {
-                    // Only the segments are read out of a mapped window
-                    // that is not checked (a checked one counted itself).
-                    super::mapped::count_read(part.len() as u64);
                 }
                 self.batch.push(Chunk {
                     tensor: e,
@@ -208,6 +204,11 @@ impl<'f> FileReader<'f> {
                     src: CopySource::Memory(SendPtr(part.as_ptr() as *mut u8)),
                 });
                 self.batch_bytes += part.len() as u64;
+            }
+            if mapped && sums.is_none() {
+                // Only the segments are read out of a mapped window that is
+                // not checked (a checked one counted itself).
+                super::mapped::count_read(self.batch_bytes - batched);
             }
             from = to;
         }
