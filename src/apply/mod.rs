@@ -292,7 +292,9 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// Where bytes `[offset, offset + len)` of plan entry `t` land, in
     /// order, for a source that scatters them there itself (a network
     /// receive into several blocks of a strided request): one (address,
-    /// length) per piece. Range-checked; in place, the params count as
+    /// length) per piece, pieces that follow each other joined (a column
+    /// split's rows are strided at the source but back to back in the
+    /// param: one piece). Range-checked; in place, the params count as
     /// written from now on. None, with nothing counted as written, when
     /// they would land in more than `max_pieces` pieces, or in GPU memory
     /// in more than one (the source then receives them elsewhere, as for
@@ -305,17 +307,15 @@ impl<'p, 'h> Applier<'p, 'h> {
         len: usize,
         max_pieces: usize,
     ) -> Result<Option<Vec<(SendPtr, usize)>>> {
-        let spans = self.landing_spans(t, offset, len)?;
-        let one = spans.len() <= 1;
-        if !one && (spans.len() > max_pieces || self.gdr_param(t).is_some()) {
+        let pieces = receive::joined(&self.landing_spans(t, offset, len)?);
+        let one = pieces.len() <= 1;
+        if !one && (pieces.len() > max_pieces || self.gdr_param(t).is_some()) {
             return Ok(None);
         }
         if self.received_in_param(t) {
             self.wrote_params = true;
         }
-        Ok(Some(
-            spans.iter().map(|s| (s.dst, s.len as usize)).collect(),
-        ))
+        Ok(Some(pieces))
     }
 
     /// Where bytes `[offset, offset + len)` of entry `t` land, cut at

@@ -19,6 +19,19 @@ pub(super) struct Span {
     pub len: u64,
 }
 
+/// `spans` as (address, length) pieces, in order, each run of spans that
+/// follow each other in memory joined into one.
+pub(super) fn joined(spans: &[Span]) -> Vec<(SendPtr, usize)> {
+    let mut out: Vec<(SendPtr, usize)> = Vec::with_capacity(spans.len());
+    for s in spans {
+        match out.last_mut() {
+            Some((at, n)) if at.0.wrapping_add(*n) == s.dst.0 => *n += s.len as usize,
+            _ => out.push((s.dst, s.len as usize)),
+        }
+    }
+    out
+}
+
 /// Where an entry's received bytes go, chunk after chunk (in order).
 pub(super) enum Spans<'s> {
     /// Back to back from here (the entry's own buffer or arena slot).

@@ -227,6 +227,21 @@ fn column_split() -> (Plan, Vec<u8>, Vec<u8>) {
     (plan, received, want)
 }
 
+/// A column split whose rows follow each other in the param (strided at
+/// the source only): a message of several rows is received in one piece,
+/// the param's own bytes, whatever the most pieces the source takes.
+#[test]
+fn rows_back_to_back_in_the_param_are_received_in_one_piece() {
+    let (mut plan, ..) = column_split();
+    plan.runs[0].param_stride = 8;
+    let mut param = vec![0u8; 128];
+    let opts = callback_opts(Mode::InPlace, 0);
+    let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+    let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
+    let pieces = a.receive_pieces(0, 12, 100, 1).unwrap().unwrap();
+    assert_eq!(pieces, vec![(SendPtr(param[12..].as_mut_ptr()), 100)]);
+}
+
 /// A column split: bytes 4..12 of each 16-byte row of a 16-row tensor go
 /// to 8 of every 12 param bytes (16 segments). The received bytes come as
 /// many small chunks of uneven lengths, most crossing a segment edge, in

@@ -10,6 +10,7 @@
 //! cluster leave UCX_TLS unset and UCX picks RDMA.
 //! `WM_BENCH_VERBOSE=1` prints every run (floors around it, wm, ratio) on stderr.
 
+use crate::bench_ucx_floor::{raw_floor, FloorPair, Take};
 use crate::fmt::{self, gbps};
 use crate::Args;
 use std::time::{Duration, Instant};
@@ -19,7 +20,6 @@ use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
-use weight_manager::transport::ucx::Pump;
 
 const SECRET: &str = "wm-bench-net-secret-0123456789";
 
@@ -92,99 +92,6 @@ pub(crate) fn half_params(m: &Manager, count: usize, dim: usize) -> Result<(), S
 struct Measured {
     best: UpdateStats,
     median_ratio: f64,
-}
-
-/// One sender and one receiver of a raw UCX floor: `src`'s bytes, sent as
-/// a session does, in messages of `message` bytes (the session's message
-/// size), `slots.len()` of them in flight (the messages of `depth`
-/// buckets). `slots` are the receiving buffers, allocated once by the
-/// caller: fresh memory each run would cost page faults and compaction.
-pub(crate) struct FloorPair<'a> {
-    pub src: &'a [u8],
-    pub message: usize,
-    pub slots: &'a mut [Vec<u8>],
-}
-
-/// Raw UCX, every pair at once (each its own two workers, as each session
-/// has): the time from when all are connected until the last one is done.
-pub(crate) fn raw_floor(pairs: &mut [FloorPair]) -> Result<Duration, String> {
-    let connected = std::sync::Barrier::new(pairs.len());
-    std::thread::scope(|s| {
-        let runs: Vec<_> = pairs
-            .iter_mut()
-            .map(|p| s.spawn(|| floor_pair(p, &connected)))
-            .collect();
-        let mut span: Option<(Instant, Instant)> = None;
-        for r in runs {
-            let (a, b) = r.join().map_err(|_| "a floor thread panicked")??;
-            span = Some(span.map_or((a, b), |(x, y)| (x.min(a), y.max(b))));
-        }
-        Ok(span.map_or(Duration::ZERO, |(a, b)| b - a))
-    })
-}
-
-/// One pair of [`raw_floor`]: connect, wait for the others, move the
-/// bytes; when it started moving them and when it was done.
-fn floor_pair(
-    p: &mut FloorPair,
-    connected: &std::sync::Barrier,
-) -> Result<(Instant, Instant), String> {
-    let (total, in_flight, message) = (p.src.len(), p.slots.len(), p.message);
-    let pumps = Pump::start("floor-tx").and_then(|tx| {
-        let rx = Pump::start("floor-rx")?;
-        tx.connect(rx.address())?;
-        Ok((tx, rx))
-    });
-    // Every pair reaches the barrier, connected or not: none waits forever.
-    connected.wait();
-    let (tx, rx) = pumps.map_err(|e| e.to_string())?;
-    let (src, slots) = (p.src, &mut *p.slots);
-    let n = total.div_ceil(message) as u64;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let t = Instant::now();
-    // SAFETY: the buffers outlive both pumps (dropped at the end of this scope).
-    unsafe {
-        for s in 0..(in_flight as u64).min(n) {
-            rx.recv(s, slots[s as usize % in_flight].as_mut_ptr(), message)
-                .map_err(|e| e.to_string())?;
-            tx.send(s, piece(src, s, message), message)
-                .map_err(|e| e.to_string())?;
-        }
-    }
-    let mut done = 0u64;
-    let mut posted = (in_flight as u64).min(n);
-    while done < n {
-        let c = rx
-            .next(deadline)
-            .map_err(|e| e.to_string())?
-            .ok_or("raw UCX transfer timed out")?;
-        c.result.map_err(|e| e.to_string())?;
-        done += 1;
-        if posted < n {
-            let slot = slots[c.tag as usize % in_flight].as_mut_ptr();
-            // SAFETY: as above.
-            unsafe {
-                rx.recv(posted, slot, message).map_err(|e| e.to_string())?;
-                tx.send(posted, piece(src, posted, message), message)
-                    .map_err(|e| e.to_string())?;
-            }
-            posted += 1;
-        }
-    }
-    // The pumps, declared after the buffers, are dropped before them.
-    Ok((t, Instant::now()))
-}
-
-/// Message `k`'s bytes: its own part of `src`, as a session sends each
-/// entry from its own tensor bytes (a last short part is padded by reading
-/// from the start, which only a size not a multiple of the message has).
-fn piece(src: &[u8], k: u64, message: usize) -> *const u8 {
-    let at = k as usize * message;
-    if at + message <= src.len() {
-        src[at..].as_ptr()
-    } else {
-        src.as_ptr()
-    }
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -264,6 +171,8 @@ pub fn run(a: &Args) -> Result<(), String> {
                 src: &floor_src,
                 message,
                 slots: &mut floor_slots,
+                take: Take::Contiguous,
+                packs: &mut [],
             }])
         };
         let mut before = floor()?;

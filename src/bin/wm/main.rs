@@ -32,6 +32,7 @@ mod bench_ipc;
 mod bench_net;
 mod bench_shard;
 mod bench_signal;
+mod bench_ucx_floor;
 mod demo;
 mod fixtures;
 mod fmt;
