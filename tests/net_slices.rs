@@ -319,11 +319,27 @@ fn column_splits_and_fused_params_from_two_publishers_staged_and_direct() {
     }
 }
 
+/// What a lying publisher sends once its message is out.
+#[derive(Clone, Copy, Debug)]
+enum Then {
+    /// Nothing: it waits for the engine's ERROR or hang-up.
+    Wait,
+    /// END, without the SUMS its bucket owes.
+    End,
+    /// SUMS of bucket 3, which it never sent.
+    StraySums,
+}
+
 /// A hostile network publisher of global tensor `g`: real handshake and
 /// sealed frames, then one bucket of one packed entry (every block the
 /// engine asks of `g`, 64 KiB in all), whose UCX message is `sent` bytes
-/// instead.
-fn lying_publisher(listener: TcpListener, g: Global, sent: usize) -> std::thread::JoinHandle<()> {
+/// (64 KiB: the truth), then `then`.
+fn lying_publisher(
+    listener: TcpListener,
+    g: Global,
+    sent: usize,
+    then: Then,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let deadline = Instant::now() + Duration::from_secs(20);
         let (stream, _) = listener.accept().unwrap();
@@ -385,6 +401,14 @@ fn lying_publisher(listener: TcpListener, g: Global, sent: usize) -> std::thread
                 .unwrap()
         };
         let _ = pump.next(deadline);
+        let _ = match then {
+            Then::Wait => Ok(()),
+            Then::End => conn.send(&Frame::End { buckets: 1 }),
+            Then::StraySums => conn.send(&Frame::Sums {
+                seq: 3,
+                sums: vec![(0, 1)],
+            }),
+        };
         let _ = conn.recv(deadline); // the engine's ERROR, or its hang-up
         drop(pump);
     })
@@ -419,7 +443,7 @@ fn a_publisher_lying_about_a_packed_messages_length_is_named() {
         unsafe { std::ptr::write_bytes(p, 0x5a, n) };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let liar = lying_publisher(listener, g, (65536 + delta) as usize);
+        let liar = lying_publisher(listener, g, (65536 + delta) as usize, Then::Wait);
         let mut req = request(std::slice::from_ref(&addr), Mode::Atomic);
         // The liar sends no slice sums.
         (req.verify, req.skip_network_checksums) = (false, true);
@@ -440,6 +464,54 @@ fn a_publisher_lying_about_a_packed_messages_length_is_named() {
                 .all(|&b| b == 0x5a),
             "{what}"
         );
+    }
+}
+
+/// Over the network a bucket's SUMS follows its messages, and the entry
+/// completing a part waits for it: a publisher that ends without the SUMS
+/// it owes or sends SUMS of a bucket not in flight fails the update
+/// naming it; one that never sends it, at the update's timeout. The old
+/// weights stay.
+#[test]
+fn a_publisher_withholding_or_misplacing_slice_sums_is_named() {
+    let _serial = serial();
+    let cases = [
+        (
+            Then::End,
+            wm_result::WM_ERR_PEER,
+            "END before the SUMS of bucket 0",
+        ),
+        (
+            Then::StraySums,
+            wm_result::WM_ERR_PEER,
+            "SUMS of bucket 3, which is not in flight",
+        ),
+        (
+            Then::Wait,
+            wm_result::WM_ERR_TIMEOUT,
+            "did not finish within 3s",
+        ),
+    ];
+    for (then, code, want) in cases {
+        let g = Global::new("a", &[256, 256], 1);
+        let spec = specs()[0].clone();
+        let m = engine(false, false);
+        let (p, n) = m.allocate(&spec).unwrap();
+        // SAFETY: library-owned, nothing else writes it.
+        unsafe { std::ptr::write_bytes(p, 0x5a, n) };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let liar = lying_publisher(listener, g, 65536, then);
+        let mut req = request(std::slice::from_ref(&addr), Mode::Atomic);
+        req.timeout = Duration::from_secs(3);
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, code, "{then:?}: {e}");
+        let named = code != wm_result::WM_ERR_PEER || e.message.contains(&addr);
+        assert!(named && e.message.contains(want), "{then:?}: {e}");
+        liar.join().unwrap();
+        // SAFETY: as above.
+        let param = unsafe { std::slice::from_raw_parts(p, n) };
+        assert!(param.iter().all(|&b| b == 0x5a), "{then:?}");
     }
 }
 

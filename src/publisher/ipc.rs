@@ -158,7 +158,13 @@ where
         }
     }
 
-    fn send(&mut self, conn: &mut Conn, seq: u64, _: &[BucketEntry]) -> Result<()> {
+    fn send(
+        &mut self,
+        conn: &mut Conn,
+        seq: u64,
+        _: &[BucketEntry],
+        _: &mut SessionStats,
+    ) -> Result<()> {
         match self.sums.frame(seq) {
             Some(f) => conn.send(&f),
             None => Ok(()),

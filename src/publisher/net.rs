@@ -23,7 +23,7 @@
 use super::buffers::take_buffers;
 use super::hooks;
 use super::plan::{plan_buckets, request_sizes};
-use super::shard::{fill, Shard};
+use super::shard::{fill, pack_message, Shard};
 use super::stats::SessionStats;
 use super::streamer::{Bucket, BucketSink, SessionIo};
 use super::sums::SliceSums;
@@ -38,6 +38,7 @@ use crate::wire::{
     MAX_BUFFERS,
 };
 use std::collections::HashMap;
+use std::ops::Range;
 use std::time::Instant;
 
 /// Largest bucket an engine may ask for.
@@ -96,7 +97,7 @@ pub(super) fn stream(
         threads: cfg.pack_threads(),
         victim,
         digests: Vec::new(),
-        from: Vec::new(),
+        bucket: Prepared::default(),
         sums: SliceSums::new(requests),
         in_flight: HashMap::new(),
     };
@@ -175,8 +176,9 @@ struct NetSink<'a> {
     victim: Option<&'a str>,
     /// The digests of the bucket prepared last, sent with it.
     digests: Vec<[u8; KEYED]>,
-    /// Where each message of the bucket prepared last is sent from.
-    from: Vec<SendPtr>,
+    /// The bucket prepared last: where each message is sent from, and what
+    /// is still to pack.
+    bucket: Prepared,
     /// Slice checksums asked for (SUMS after the BUCKET frame).
     sums: SliceSums,
     /// Messages of each bucket still on the wire.
@@ -202,13 +204,14 @@ impl Origin<'_> {
 
     /// Where each message of bucket `seq` is sent from, and the messages
     /// to pack into its bucket buffer first (at their buffer offsets there:
-    /// the bucket's own when all is packed, else back to back).
+    /// the bucket's own when all is packed, else back to back): entry
+    /// indices, and the entries as packed.
     fn layout(
         &self,
         seq: u64,
         entries: &[BucketEntry],
         requests: &[Request],
-    ) -> (Vec<SendPtr>, Vec<BucketEntry>) {
+    ) -> (Vec<SendPtr>, Vec<usize>, Vec<BucketEntry>) {
         let buf = self.buffers.get(self.slot(seq)).map(SharedBuffer::ptr);
         let in_buf = |at: u64| {
             SendPtr(
@@ -216,35 +219,128 @@ impl Origin<'_> {
                     .wrapping_add(at as usize),
             )
         };
-        let (mut from, mut pack, mut packed) = (Vec::with_capacity(entries.len()), Vec::new(), 0);
-        for e in entries {
-            let Some(tensors) = &self.tensors else {
-                from.push(in_buf(e.buffer_offset));
-                pack.push(*e);
-                continue;
+        let mut from = Vec::with_capacity(entries.len());
+        let (mut ks, mut pack, mut packed) = (Vec::new(), Vec::new(), 0);
+        for (k, e) in entries.iter().enumerate() {
+            let at = match &self.tensors {
+                None => e.buffer_offset,
+                Some(tensors) => match message_source(e, requests) {
+                    Some(at) => {
+                        let t = tensors[requests[e.request as usize].tensor as usize];
+                        from.push(SendPtr(t.0.wrapping_add(at as usize)));
+                        continue;
+                    }
+                    None => {
+                        packed += e.len;
+                        packed - e.len
+                    }
+                },
             };
-            match message_source(e, requests) {
-                Some(at) => {
-                    let t = tensors[requests[e.request as usize].tensor as usize];
-                    from.push(SendPtr(t.0.wrapping_add(at as usize)));
-                }
-                None => {
-                    from.push(in_buf(packed));
-                    pack.push(BucketEntry {
-                        buffer_offset: packed,
-                        ..*e
-                    });
-                    packed += e.len;
+            from.push(in_buf(at));
+            ks.push(k);
+            pack.push(BucketEntry {
+                buffer_offset: at,
+                ..*e
+            });
+        }
+        (from, ks, pack)
+    }
+}
+
+/// A bucket's messages: where each is sent from (`from`, by entry), and
+/// those packed into the bucket buffer at `buf` (entry indices `ks`, as
+/// packed `pack`), until `packed` they all are.
+#[derive(Default)]
+struct Prepared {
+    from: Vec<SendPtr>,
+    ks: Vec<usize>,
+    pack: Vec<BucketEntry>,
+    buf: Option<SendPtr>,
+    packed: bool,
+}
+
+/// How many bytes of messages are packed and hashed before they are sent:
+/// small enough that a packed message is still in cache when it is hashed
+/// and that the wire is busy while the next ones are packed.
+const PACK_CHUNK: u64 = 8 << 20;
+
+impl NetSink<'_> {
+    /// Pack the bucket's messages `range` (those not sent from where they
+    /// are) and hash them (slice sums).
+    ///
+    /// A message of a tensor in memory whose request asks for a sum is
+    /// packed on the thread hashing that request, right before its hash,
+    /// while it is in cache; the others first, here.
+    fn pack_and_hash(&mut self, entries: &[BucketEntry], range: Range<usize>) -> Result<()> {
+        let b = &self.bucket;
+        let tensors = self.shard.in_memory().map(<[SendPtr]>::to_vec);
+        let mut now = Vec::new();
+        let mut later = vec![false; range.len()];
+        for (&k, e) in b.ks.iter().zip(&b.pack) {
+            if range.contains(&k) {
+                match tensors.is_some() && self.sums.asks(e.request) {
+                    true => later[k - range.start] = true,
+                    false => now.push(*e),
                 }
             }
         }
-        (from, pack)
+        let buf = b.buf.map(|p| p.0);
+        if let Some(buf) = buf.filter(|_| !now.is_empty()) {
+            fill(self.shard, self.requests, &now, buf, self.threads)?;
+        }
+        let (requests, first) = (self.requests, range.start);
+        let pack_later = |k: usize| {
+            if let Some(tensors) = tensors.as_deref().filter(|_| later[k]) {
+                // SAFETY: message first + k has its `len` bytes at its
+                // `from` in the bucket buffer, and lies inside its tensor.
+                let (e, at) = (&entries[first + k], b.from[first + k].0);
+                unsafe { pack_message(tensors, requests, e, at) };
+            }
+        };
+        // SAFETY: each message's bytes are held at `from`, or packed there
+        // by `pack_later` before they are hashed.
+        let from = &b.from[range.clone()];
+        unsafe {
+            self.sums
+                .hash_on(&entries[range], from, self.threads, &pack_later)
+        };
+        Ok(())
     }
+
+    /// The corruption test hook on the packed messages of `range`, once
+    /// they are hashed (it stands for bytes altered on the way).
+    fn corrupt(&self, range: Range<usize>) {
+        let b = &self.bucket;
+        if let (Some(buf), Some(_)) = (b.buf, self.victim) {
+            let mine: Vec<BucketEntry> = (b.ks.iter().zip(&b.pack))
+                .filter(|(k, _)| range.contains(k))
+                .map(|(_, e)| *e)
+                .collect();
+            let manifest = &self.shard.manifest;
+            hooks::corrupt(manifest, self.requests, &mine, buf.0, self.victim);
+        }
+    }
+}
+
+/// The bucket's entries cut into runs of about `PACK_CHUNK` bytes.
+fn chunks(entries: &[BucketEntry]) -> Vec<Range<usize>> {
+    let (mut out, mut start, mut bytes) = (Vec::new(), 0, 0);
+    for (k, e) in entries.iter().enumerate() {
+        bytes += e.len;
+        if bytes >= PACK_CHUNK || k + 1 == entries.len() {
+            out.push(start..k + 1);
+            (start, bytes) = (k + 1, 0);
+        }
+    }
+    out
 }
 
 impl BucketSink for NetSink<'_> {
     const END_BEFORE_LAST_ACKS: bool = true;
 
+    /// Lay the bucket out. With keyed digests, which go out before its
+    /// bytes, pack and hash all of it now; else `send` does, a chunk at a
+    /// time.
     fn prepare(
         &mut self,
         seq: u64,
@@ -252,45 +348,64 @@ impl BucketSink for NetSink<'_> {
         stats: &mut SessionStats,
     ) -> Result<u32> {
         let slot = self.origin.slot(seq);
-        let t = Instant::now();
-        let (from, pack) = self.origin.layout(seq, entries, self.requests);
-        let buf = self.origin.buffers.get(slot).map(SharedBuffer::ptr);
-        if let Some(buf) = buf.filter(|_| !pack.is_empty()) {
-            fill(self.shard, self.requests, &pack, buf, self.threads)?;
-        }
-        // Before the corruption test hook, which stands for bytes altered
-        // on the way; right after packing, while the bytes are in cache.
+        let (from, ks, pack) = self.origin.layout(seq, entries, self.requests);
+        let buf = self.origin.buffers.get(slot).map(|b| SendPtr(b.ptr()));
+        self.bucket = Prepared {
+            buf: buf.filter(|_| !pack.is_empty()),
+            from,
+            ks,
+            pack,
+            packed: false,
+        };
         if self.keyed {
-            self.digests = digests(self.key, entries, &from, self.threads);
-        }
-        // SAFETY: each message's bytes are packed, or held, at `from`.
-        unsafe { self.sums.hash_on(entries, &from, self.threads) };
-        if let Some(buf) = buf.filter(|_| !pack.is_empty()) {
-            let manifest = &self.shard.manifest;
-            hooks::corrupt(manifest, self.requests, &pack, buf, self.victim);
+            let t = Instant::now();
+            self.pack_and_hash(entries, 0..entries.len())?;
+            self.bucket.packed = true;
+            self.digests = digests(self.key, entries, &self.bucket.from, self.threads);
+            self.corrupt(0..entries.len());
             stats.pack += t.elapsed();
         }
         stats.messages += entries.len() as u64;
-        self.from = from;
         Ok(slot as u32)
     }
 
-    fn send(&mut self, conn: &mut Conn, seq: u64, entries: &[BucketEntry]) -> Result<()> {
+    /// DIGESTS (keyed), then the messages, a chunk at a time: each chunk
+    /// packed and hashed, then sent while the next is packed, then SUMS of
+    /// the parts it completes (the engine takes it before it finishes
+    /// them).
+    fn send(
+        &mut self,
+        conn: &mut Conn,
+        seq: u64,
+        entries: &[BucketEntry],
+        stats: &mut SessionStats,
+    ) -> Result<()> {
         if self.keyed {
             let digests = std::mem::take(&mut self.digests);
             conn.send(&Frame::Digests { seq, digests })?;
         }
-        if let Some(sums) = self.sums.frame(seq) {
-            conn.send(&sums)?;
-        }
-        // SAFETY: the buffer is neither refilled nor freed before the send
-        // completes (`release`) or the pump is dropped (with the sink, before
-        // the buffers); tensors in memory outlive the session (published
-        // copies are held by the offer; added tensors by the trainer's
-        // promise).
-        unsafe {
-            for (k, (e, at)) in entries.iter().zip(&self.from).enumerate() {
-                self.pump.send(tag(seq, k), at.0, e.len as usize)?;
+        for range in chunks(entries) {
+            if !self.bucket.packed {
+                let t = Instant::now();
+                self.pack_and_hash(entries, range.clone())?;
+                self.corrupt(range.clone());
+                stats.pack += t.elapsed();
+            }
+            // SAFETY: the buffer is neither refilled nor freed before the
+            // send completes (`release`) or the pump is dropped (with the
+            // sink, before the buffers); tensors in memory outlive the
+            // session (published copies are held by the offer; added
+            // tensors by the trainer's promise).
+            unsafe {
+                for k in range {
+                    let (e, at) = (&entries[k], self.bucket.from[k]);
+                    self.pump.send(tag(seq, k), at.0, e.len as usize)?;
+                }
+            }
+            // The sums of the parts this chunk completes, so the engine
+            // finishes them while their last bytes are in its cache.
+            if let Some(sums) = self.sums.frame(seq) {
+                conn.send(&sums)?;
             }
         }
         self.in_flight.insert(seq, entries.len());

@@ -191,6 +191,32 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     Ok(ranges.iter().map(|&(_, _, n)| n).sum())
 }
 
+/// Copy message `e`'s bytes (of `requests`, tensors at `tensors`) to
+/// `dst`, back to back: one copy per block of its request's runs.
+///
+/// # Safety
+/// `dst` holds `e.len` writable bytes; the request lies inside its tensor
+/// (checked when WANT came), which the trainer keeps unchanged.
+pub(super) unsafe fn pack_message(
+    tensors: &[SendPtr],
+    requests: &[Request],
+    e: &BucketEntry,
+    dst: *mut u8,
+) {
+    let q = &requests[e.request as usize];
+    let base = tensors[q.tensor as usize].0;
+    for (src, at, len) in q.pieces(e.offset, e.len) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                base.add(src as usize),
+                dst.add((at - e.offset) as usize),
+                len as usize,
+            )
+        };
+    }
+}
+
 /// Copy the entries' bytes (of `requests`) into the bucket buffer at
 /// `base` (which holds every entry's range): one copy per block of a
 /// request's runs.

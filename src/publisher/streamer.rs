@@ -29,8 +29,8 @@ pub(super) trait BucketSink {
     const END_BEFORE_LAST_ACKS: bool;
 
     /// Get bucket `seq`'s bytes ready (pack them, or nothing when they are
-    /// sent from where they are) and return the buffer it is in. Adds the
-    /// time spent packing to `stats.pack`.
+    /// sent from where they are, or `send` packs them) and return the
+    /// buffer it is in. Adds the time spent packing to `stats.pack`.
     fn prepare(
         &mut self,
         seq: u64,
@@ -49,8 +49,15 @@ pub(super) trait BucketSink {
     }
 
     /// Send bucket `seq`'s bytes, right after its BUCKET frame (IPC:
-    /// nothing, the engine reads the shared buffer).
-    fn send(&mut self, conn: &mut Conn, seq: u64, entries: &[BucketEntry]) -> Result<()>;
+    /// nothing, the engine reads the shared buffer). Adds the time spent
+    /// packing to `stats.pack`.
+    fn send(
+        &mut self,
+        conn: &mut Conn,
+        seq: u64,
+        entries: &[BucketEntry],
+        stats: &mut SessionStats,
+    ) -> Result<()>;
 
     /// Wait, until `deadline`, for bucket `seq`'s buffer to be free again,
     /// once the engine acknowledged it (network: UCX reports its sends
@@ -111,7 +118,7 @@ pub(super) fn stream_buckets<S: BucketSink>(
         let buffer = sink.prepare(seq, entries, stats)?;
         stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
         conn.send(&sink.announce(seq, buffer, entries))?;
-        sink.send(conn, seq, entries)?;
+        sink.send(conn, seq, entries, stats)?;
     }
     let end = Frame::End {
         buckets: buckets.len() as u64,

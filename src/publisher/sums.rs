@@ -48,7 +48,14 @@ impl SliceSums {
     ) {
         let at: Vec<SendPtr> = entries.iter().map(|e| SendPtr(at(e).cast_mut())).collect();
         // SAFETY: the caller's promise.
-        unsafe { self.hash_on(entries, &at, 1) }
+        unsafe { self.hash_on(entries, &at, 1, &|_| {}) }
+    }
+
+    /// Whether request `q` asked for a sum.
+    pub(super) fn asks(&self, q: u32) -> bool {
+        self.hashing
+            .get(q as usize)
+            .is_some_and(|(h, _)| h.is_some())
     }
 
     /// [`SliceSums::hash`], entry `k`'s bytes at `at[k]`, on up to
@@ -56,14 +63,17 @@ impl SliceSums {
     /// entries are hashed in order on one thread, different requests on
     /// different threads (a bucket of a column split holds several
     /// requests; one thread hashing them all held the bucket back).
+    /// `before(k)` runs on that thread right before entry `k` is hashed
+    /// (a message packed there is hashed while it is in cache).
     ///
     /// # Safety
-    /// As [`SliceSums::hash`].
+    /// As [`SliceSums::hash`], once `before(k)` returned.
     pub(super) unsafe fn hash_on(
         &mut self,
         entries: &[BucketEntry],
         at: &[SendPtr],
         threads: usize,
+        before: &(dyn Fn(usize) + Sync),
     ) {
         // The running hashes of the requests this bucket touches, taken
         // out while threads feed them, in the order first touched, each
@@ -84,6 +94,7 @@ impl SliceSums {
         let feed = |(q, mut h, ks): (u32, Checksum, Vec<usize>)| {
             let mut done = None;
             for k in ks {
+                before(k);
                 let e = &entries[k];
                 // SAFETY: the caller's promise.
                 h.update(unsafe { std::slice::from_raw_parts(at[k].0, e.len as usize) });
@@ -172,9 +183,9 @@ mod tests {
                 .collect()
         };
         let mut sums = SliceSums::new(&requests);
-        unsafe { sums.hash_on(&first, &at(&first), 3) };
+        unsafe { sums.hash_on(&first, &at(&first), 3, &|_| {}) };
         assert!(sums.frame(0).is_none(), "nothing completed yet");
-        unsafe { sums.hash_on(&second, &at(&second), 3) };
+        unsafe { sums.hash_on(&second, &at(&second), 3, &|_| {}) };
         let Some(Frame::Sums {
             seq: 1,
             sums: mut got,

@@ -85,6 +85,7 @@ impl PublisherLink {
             wanted.entries.push(i);
             wanted.bytes.push(q.bytes());
             wanted.sums.push(q.sums);
+            wanted.got.push(false);
             requests.push(q);
         }
         let want = Frame::Want { requests };
@@ -123,6 +124,20 @@ impl PublisherLink {
         self.wanted.entries[e.request as usize]
     }
 
+    /// Whether bucket entry `e` holds the last byte of a request that
+    /// asked for a slice checksum (its sum must be in before it is
+    /// applied).
+    pub fn completes_sum(&self, e: &BucketEntry) -> bool {
+        let (w, k) = (&self.wanted, e.request as usize);
+        w.sums[k] && e.len > 0 && e.offset + e.len == w.bytes[k]
+    }
+
+    /// Whether bucket entry `e` completes a part whose sum has not come:
+    /// it must not be applied before.
+    pub fn awaits_sum(&self, e: &BucketEntry) -> bool {
+        self.completes_sum(e) && !self.wanted.got[e.request as usize]
+    }
+
     /// When bucket `seq` (its `entries` checked) holds the last byte of a
     /// request that asked for a slice checksum, its SUMS frame follows:
     /// take it before `deadline` and hand each sum to the applier, before
@@ -134,31 +149,44 @@ impl PublisherLink {
         deadline: Instant,
         applier: &mut Applier,
     ) -> Result<()> {
-        let w = &self.wanted;
-        let completes = |e: &BucketEntry| {
-            let k = e.request as usize;
-            w.sums[k] && e.len > 0 && e.offset + e.len == w.bytes[k]
-        };
-        if !entries.iter().any(completes) {
+        if !entries.iter().any(|e| self.completes_sum(e)) {
             return Ok(());
         }
-        let sums = match self.conn.recv(deadline)? {
-            Frame::Sums { seq: s, sums } if s == seq => sums,
-            other => {
-                return Err(unexpected(
-                    &self.conn,
-                    &format!("SUMS of bucket {seq}"),
-                    &other,
-                ))
-            }
-        };
+        match self.conn.recv(deadline)? {
+            Frame::Sums { seq: s, sums } if s == seq => self.take_sums(seq, entries, sums, applier),
+            other => Err(unexpected(
+                &self.conn,
+                &format!("SUMS of bucket {seq}"),
+                &other,
+            )),
+        }
+    }
+
+    /// Hand the sums of a SUMS frame of bucket `seq` (its `entries`) to
+    /// the applier: each for a request that asked for one, that the bucket
+    /// completes, and whose sum has not come yet.
+    pub fn take_sums(
+        &mut self,
+        seq: u64,
+        entries: &[BucketEntry],
+        sums: Vec<(u32, u128)>,
+        applier: &mut Applier,
+    ) -> Result<()> {
         for (k, sum) in sums {
-            if !self.wanted.sums.get(k as usize).copied().unwrap_or(false) {
+            let completes = |e: &BucketEntry| e.request == k && self.completes_sum(e);
+            let why = match self.wanted.sums.get(k as usize) {
+                None | Some(false) => "which asked for none",
+                Some(true) if self.wanted.got[k as usize] => "whose sum came already",
+                Some(true) if !entries.iter().any(completes) => "which it does not complete",
+                Some(true) => "",
+            };
+            if !why.is_empty() {
                 return Err(Error::peer(format!(
-                    "{}: bucket {seq}: a sum for request #{k}, which asked for none",
+                    "{}: bucket {seq}: a sum for request #{k}, {why}",
                     self.conn.peer()
                 )));
             }
+            self.wanted.got[k as usize] = true;
             applier.expect_checksum(self.wanted.entries[k as usize], sum)?;
         }
         Ok(())
@@ -174,6 +202,8 @@ struct Wanted {
     entries: Vec<usize>,
     bytes: Vec<u64>,
     sums: Vec<bool>,
+    /// Request k's sum came.
+    got: Vec<bool>,
 }
 
 /// "<peer>: expected X, got Y".

@@ -33,7 +33,10 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// requests (strided runs of a tensor), buckets carry request bytes, SUMS.
 /// 4: a published version's buckets are WINDOWS (entries the engine
 /// expands from its own requests), whatever the requests' shapes.
-pub(crate) const PROTOCOL: u32 = 4;
+/// 5: over the network, a bucket's SUMS follows its messages (the engine
+/// takes it before it finishes a part it covers), so the publisher packs
+/// and sends a bucket a chunk at a time.
+pub(crate) const PROTOCOL: u32 = 5;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).

@@ -145,8 +145,9 @@ impl Receiver {
         Ok(Step::Moved)
     }
 
-    /// The next control frame: a BUCKET (with its DIGESTS and SUMS) gets
-    /// its receives posted, END marks the stream ended.
+    /// The next control frame: a BUCKET (with its DIGESTS) gets its
+    /// receives posted, a SUMS hands a posted bucket's sums to the applier,
+    /// END marks the stream ended.
     fn take_frame(&mut self, p: &mut Peer, applier: &mut Applier) -> Result<()> {
         let frame_deadline = (Instant::now() + p.opts.bucket_timeout).min(applier.deadline());
         let (seq, buffer, entries) = match p.link.conn.recv(frame_deadline)? {
@@ -155,7 +156,16 @@ impl Receiver {
                 buffer,
                 entries,
             } => (seq, buffer, entries),
+            Frame::Sums { seq, sums } => return self.take_sums(p, applier, seq, sums),
             Frame::End { buckets } if buckets == self.st.next => {
+                let owes = |b: &&Posted| b.entries.iter().any(|e| p.link.awaits_sum(e));
+                if let Some(b) = self.st.pending.iter().find(owes) {
+                    return Err(Error::peer(format!(
+                        "{}: END before the SUMS of bucket {}",
+                        p.link.conn.peer(),
+                        b.seq
+                    )));
+                }
                 self.st.ended = true;
                 return Ok(());
             }
@@ -177,7 +187,6 @@ impl Receiver {
             true => recv_digests(p.link, seq, entries.len(), frame_deadline)?,
             false => Vec::new(),
         };
-        p.link.recv_sums(seq, &entries, frame_deadline, applier)?;
         let slot = self.slots.get(buffer as usize).map(HostRegion::ptr);
         if self.st.pending.is_empty() {
             self.st.waiting_since = Instant::now();
@@ -192,6 +201,24 @@ impl Receiver {
         self.st.pending.push_back(posted);
         self.st.next += 1;
         Ok(())
+    }
+
+    /// A SUMS frame of bucket `seq` (one of several, each after the chunk
+    /// of messages completing its parts): the bucket must be in flight.
+    fn take_sums(
+        &mut self,
+        p: &mut Peer,
+        applier: &mut Applier,
+        seq: u64,
+        sums: Vec<(u32, u128)>,
+    ) -> Result<()> {
+        let Some(bucket) = self.st.pending.iter().find(|b| b.seq == seq) else {
+            return Err(Error::peer(format!(
+                "{}: SUMS of bucket {seq}, which is not in flight",
+                p.link.conn.peer()
+            )));
+        };
+        p.link.take_sums(seq, &bucket.entries, sums, applier)
     }
 
     /// BUCKET `seq` in slot `buffer` must be the next one, in its slot (when
@@ -229,6 +256,10 @@ impl Receiver {
             false => Duration::from_millis(50),
         }
         .min(wait);
+        let oldest = self.st.pending.front().expect("a posted bucket");
+        if p.link.awaits_sum(&oldest.entries[self.st.applied]) {
+            return self.await_sums(p, applier, slice);
+        }
         let st = &mut self.st;
         let oldest = st.pending.front().expect("a posted bucket");
         let k = st.applied;
@@ -254,6 +285,27 @@ impl Receiver {
         st.applied += 1;
         st.waiting_since = Instant::now();
         Ok(Step::Moved)
+    }
+}
+
+impl Receiver {
+    /// The oldest bucket's next entry completes a part whose sum is still
+    /// to come (SUMS follows the bucket's messages): take the next frame
+    /// when one comes within `slice`.
+    fn await_sums(&mut self, p: &mut Peer, applier: &mut Applier, slice: Duration) -> Result<Step> {
+        if p.link.conn.readable_within(slice) {
+            self.take_frame(p, applier)?;
+            return Ok(Step::Moved);
+        }
+        let seq = self.st.pending.front().map_or(0, |b| b.seq);
+        if self.st.waiting_since.elapsed() > p.opts.bucket_timeout {
+            return Err(Error::timeout(format!(
+                "{}: the SUMS of bucket {seq} did not arrive within {:?}",
+                p.link.conn.peer(),
+                p.opts.bucket_timeout
+            )));
+        }
+        Ok(Step::Waiting)
     }
 }
 
