@@ -516,8 +516,9 @@ fn a_publisher_withholding_or_misplacing_slice_sums_is_named() {
 }
 
 /// `wm bench shard --section ucx`, small: two trainer and two engine-rank
-/// processes over UCX, each pattern's figures beside its raw UCX floor,
-/// and the column halves' 4 KiB blocks packed into 1 MiB messages.
+/// processes over UCX, each pattern's figures beside its raw UCX floor
+/// (column halves: the same 4 KiB blocks, and contiguous ranges), and the
+/// column halves' 4 KiB blocks packed into 1 MiB messages.
 #[test]
 fn bench_shard_ucx_prints_each_pattern_beside_its_floor() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
@@ -532,7 +533,10 @@ fn bench_shard_ucx_prints_each_pattern_beside_its_floor() {
         "row halves: raw UCX floor, 2 pairs at once",
         "row halves, verified, aggregate of 2 ranks",
         "column halves: raw UCX floor, 4 pairs at once",
+        "in flight, 4 KiB blocks gathered or packed",
+        "in flight, contiguous ranges",
         "column halves, unverified, aggregate of 2 ranks",
+        "column halves, verified, beside contiguous ranges",
         // 64 MiB: a quarter to each session, 4 KiB blocks, 1 MiB messages.
         "a column-halves session sent 16 UCX messages for 4096 blocks of 4 KiB",
     ] {

@@ -11,9 +11,11 @@
 //! bucket buffer, back to back; tensors read from files are packed whole.
 //!
 //! The engine names the bucket size and how many buckets may be in flight
-//! (READY). Bucket i is packed while buckets i-1.. are on the wire; its
-//! buffer is refilled only after the engine acknowledged the bucket and
-//! UCX reported the send complete.
+//! (READY). A bucket is packed, hashed and sent 8 MiB at a time
+//! (`PACK_CHUNK`), each chunk on the wire while the next is packed, with
+//! the SUMS of the parts a chunk completes right after it; its buffer is
+//! refilled only after the engine acknowledged the bucket and UCX reported
+//! the send complete.
 //!
 //! When READY asks for keyed digests, each BUCKET frame is followed by a
 //! DIGESTS frame: the keyed BLAKE3 digest of each entry's bytes (the key is
@@ -179,7 +181,7 @@ struct NetSink<'a> {
     /// The bucket prepared last: where each message is sent from, and what
     /// is still to pack.
     bucket: Prepared,
-    /// Slice checksums asked for (SUMS after the BUCKET frame).
+    /// Slice checksums asked for (SUMS after the messages completing them).
     sums: SliceSums,
     /// Messages of each bucket still on the wire.
     in_flight: HashMap<u64, usize>,

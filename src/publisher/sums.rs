@@ -1,7 +1,8 @@
 //! Slice checksums (SUMS): the xxh3-128 of each request that asked for
 //! one, hashed from the bytes as they are packed or sent (still in cache),
-//! and sent right after the BUCKET frame holding the request's last byte,
-//! before the engine can finish that entry. What they protect: the bytes
+//! and sent for the bucket holding the request's last byte before the
+//! engine can finish that entry: over IPC right after its BUCKET frame,
+//! over the network after the messages that complete the request. What they protect: the bytes
 //! from the publisher's memory to the engine's params (transport, shared
 //! memory, packing and landing); the publish-time whole-tensor sums cover
 //! the trainer's memory before that.

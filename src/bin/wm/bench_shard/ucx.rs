@@ -10,13 +10,15 @@
 //!   tensor: 2 streams, sent from the trainers' tensors in 1 MiB messages.
 //! - Column halves: every trainer holds a quarter of each rank's half, as
 //!   4 KiB blocks (half of an 8 KiB row): 4 streams, the blocks packed
-//!   into 1 MiB messages (`wire::split_entries`), which UCX scatters
-//!   straight into the params' rows (an IOV receive, `wire::max_pieces`).
+//!   into 1 MiB messages (`wire::split_entries`), each received as one
+//!   range (the rows follow each other in the engine's param).
 //!
 //! Floor: raw UCX moving the same bytes in the same pattern (the same
 //! sender -> receiver pairs, all at once, each on its own two workers) in
 //! 1 MiB messages, the session's message size, so as many messages as the
-//! sessions send; measured in this process before and after every update.
+//! sessions send; for column halves, the same 4 KiB blocks gathered by
+//! UCX or packed by a copy, the faster (`FloorSet`), with the contiguous
+//! floor beside it. Measured in this process before and after every update.
 //! Each figure: aggregate GB/s (bytes of both ranks over the wall time
 //! from both starting to both done) beside the floors around it, and the
 //! median of those ratios (target >= 0.8 for the default, verified).
