@@ -9,6 +9,7 @@ pub mod ipc;
 mod planning;
 pub mod snapshot;
 pub mod ucx;
+mod ucx_floors;
 
 use crate::Args;
 
