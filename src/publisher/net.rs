@@ -251,14 +251,13 @@ impl Origin<'_> {
 
 /// A bucket's messages: where each is sent from (`from`, by entry), and
 /// those packed into the bucket buffer at `buf` (entry indices `ks`, as
-/// packed `pack`), until `packed` they all are.
+/// packed `pack`).
 #[derive(Default)]
 struct Prepared {
     from: Vec<SendPtr>,
     ks: Vec<usize>,
     pack: Vec<BucketEntry>,
     buf: Option<SendPtr>,
-    packed: bool,
 }
 
 /// How many bytes of messages are packed and hashed before they are sent:
@@ -275,24 +274,24 @@ impl NetSink<'_> {
     /// while it is in cache; the others first, here.
     fn pack_and_hash(&mut self, entries: &[BucketEntry], range: Range<usize>) -> Result<()> {
         let b = &self.bucket;
-        let tensors = self.shard.in_memory().map(<[SendPtr]>::to_vec);
+        let in_memory = self.shard.in_memory().is_some();
         let mut now = Vec::new();
         let mut later = vec![false; range.len()];
         for (&k, e) in b.ks.iter().zip(&b.pack) {
             if range.contains(&k) {
-                match tensors.is_some() && self.sums.asks(e.request) {
+                match in_memory && self.sums.asks(e.request) {
                     true => later[k - range.start] = true,
                     false => now.push(*e),
                 }
             }
         }
-        let buf = b.buf.map(|p| p.0);
-        if let Some(buf) = buf.filter(|_| !now.is_empty()) {
-            fill(self.shard, self.requests, &now, buf, self.threads)?;
+        if let Some(buf) = b.buf.filter(|_| !now.is_empty()) {
+            fill(self.shard, self.requests, &now, buf.0, self.threads)?;
         }
+        let tensors = self.shard.in_memory();
         let (requests, first) = (self.requests, range.start);
         let pack_later = |k: usize| {
-            if let Some(tensors) = tensors.as_deref().filter(|_| later[k]) {
+            if let Some(tensors) = tensors.filter(|_| later[k]) {
                 // SAFETY: message first + k has its `len` bytes at its
                 // `from` in the bucket buffer, and lies inside its tensor.
                 let (e, at) = (&entries[first + k], b.from[first + k].0);
@@ -357,12 +356,10 @@ impl BucketSink for NetSink<'_> {
             from,
             ks,
             pack,
-            packed: false,
         };
         if self.keyed {
             let t = Instant::now();
             self.pack_and_hash(entries, 0..entries.len())?;
-            self.bucket.packed = true;
             self.digests = digests(self.key, entries, &self.bucket.from, self.threads);
             self.corrupt(0..entries.len());
             stats.pack += t.elapsed();
@@ -387,7 +384,8 @@ impl BucketSink for NetSink<'_> {
             conn.send(&Frame::Digests { seq, digests })?;
         }
         for range in chunks(entries) {
-            if !self.bucket.packed {
+            // Keyed, `prepare` packed and hashed all of it.
+            if !self.keyed {
                 let t = Instant::now();
                 self.pack_and_hash(entries, range.clone())?;
                 self.corrupt(range.clone());

@@ -191,8 +191,26 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     Ok(ranges.iter().map(|&(_, _, n)| n).sum())
 }
 
+/// Entry `e`'s blocks (of `requests`), its bytes landing back to back
+/// from `dst`: (tensor, tensor offset, destination, length) of each.
+fn blocks(
+    requests: &[Request],
+    e: &BucketEntry,
+    dst: *mut u8,
+) -> impl Iterator<Item = (usize, u64, SendPtr, usize)> {
+    let q = &requests[e.request as usize];
+    let (t, first) = (q.tensor as usize, e.offset);
+    q.pieces(e.offset, e.len)
+        .into_iter()
+        .map(move |(src, at, len)| {
+            let to = SendPtr(dst.wrapping_add((at - first) as usize));
+            (t, src, to, len as usize)
+        })
+}
+
 /// Copy message `e`'s bytes (of `requests`, tensors at `tensors`) to
-/// `dst`, back to back: one copy per block of its request's runs.
+/// `dst`, back to back: one copy per block of its request's runs, on this
+/// thread.
 ///
 /// # Safety
 /// `dst` holds `e.len` writable bytes; the request lies inside its tensor
@@ -203,17 +221,9 @@ pub(super) unsafe fn pack_message(
     e: &BucketEntry,
     dst: *mut u8,
 ) {
-    let q = &requests[e.request as usize];
-    let base = tensors[q.tensor as usize].0;
-    for (src, at, len) in q.pieces(e.offset, e.len) {
+    for (t, src, to, len) in blocks(requests, e, dst) {
         // SAFETY: the caller's promise.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                base.add(src as usize),
-                dst.add((at - e.offset) as usize),
-                len as usize,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(tensors[t].0.add(src as usize), to.0, len) };
     }
 }
 
@@ -227,18 +237,9 @@ pub(super) fn fill(
     base: *mut u8,
     threads: usize,
 ) -> Result<()> {
-    // (tensor, tensor offset, destination, length) of each block.
     let blocks: Vec<(usize, u64, SendPtr, usize)> = entries
         .iter()
-        .flat_map(|e| {
-            let q = &requests[e.request as usize];
-            q.pieces(e.offset, e.len)
-                .into_iter()
-                .map(move |(src, at, len)| {
-                    let dst = base.wrapping_add((e.buffer_offset + at - e.offset) as usize);
-                    (q.tensor as usize, src, SendPtr(dst), len as usize)
-                })
-        })
+        .flat_map(|e| blocks(requests, e, base.wrapping_add(e.buffer_offset as usize)))
         .collect();
     match &mut shard.bytes {
         ShardBytes::Memory(ptrs) => {

@@ -2,10 +2,10 @@
 //! one, hashed from the bytes as they are packed or sent (still in cache),
 //! and sent for the bucket holding the request's last byte before the
 //! engine can finish that entry: over IPC right after its BUCKET frame,
-//! over the network after the messages that complete the request. What they protect: the bytes
-//! from the publisher's memory to the engine's params (transport, shared
-//! memory, packing and landing); the publish-time whole-tensor sums cover
-//! the trainer's memory before that.
+//! over the network after the messages that complete the request. What
+//! they protect: the bytes from the publisher's memory to the engine's
+//! params (transport, shared memory, packing and landing); the
+//! publish-time whole-tensor sums cover the trainer's memory before that.
 
 use crate::checksum::Checksum;
 use crate::memory::SendPtr;

@@ -128,7 +128,7 @@ impl Receiver {
                 return Ok(Step::Moved);
             }
             if idle {
-                check_stall(self.st.waiting_since, p, self.st.next)?;
+                check_stall(self.st.waiting_since, p, "bytes", self.st.next)?;
                 return Ok(Step::Waiting);
             }
         }
@@ -266,7 +266,7 @@ impl Receiver {
         let tag = net_tag(oldest.seq, k);
         let pump = self.pump.as_ref().expect("started");
         let Some(got) = poll_bytes(pump, p.link, &mut st.early, tag, oldest.seq, slice)? else {
-            check_stall(st.waiting_since, p, oldest.seq)?;
+            check_stall(st.waiting_since, p, "bytes", oldest.seq)?;
             return Ok(Step::Waiting);
         };
         let e = &oldest.entries[k];
@@ -286,9 +286,7 @@ impl Receiver {
         st.waiting_since = Instant::now();
         Ok(Step::Moved)
     }
-}
 
-impl Receiver {
     /// The oldest bucket's next entry completes a part whose sum is still
     /// to come (SUMS follows the bucket's messages): take the next frame
     /// when one comes within `slice`.
@@ -298,24 +296,19 @@ impl Receiver {
             return Ok(Step::Moved);
         }
         let seq = self.st.pending.front().map_or(0, |b| b.seq);
-        if self.st.waiting_since.elapsed() > p.opts.bucket_timeout {
-            return Err(Error::timeout(format!(
-                "{}: the SUMS of bucket {seq} did not arrive within {:?}",
-                p.link.conn.peer(),
-                p.opts.bucket_timeout
-            )));
-        }
+        check_stall(self.st.waiting_since, p, "SUMS", seq)?;
         Ok(Step::Waiting)
     }
 }
 
-/// Nothing moved since `since`, for the bucket timeout: bucket `seq` is late.
-fn check_stall(since: Instant, p: &Peer, seq: u64) -> Result<()> {
+/// Nothing moved since `since`, for the bucket timeout: `what` ("bytes",
+/// "SUMS") of bucket `seq` is late.
+fn check_stall(since: Instant, p: &Peer, what: &str, seq: u64) -> Result<()> {
     if since.elapsed() <= p.opts.bucket_timeout {
         return Ok(());
     }
     Err(Error::timeout(format!(
-        "{}: the bytes of bucket {seq} did not arrive within {:?}",
+        "{}: the {what} of bucket {seq} did not arrive within {:?}",
         p.link.conn.peer(),
         p.opts.bucket_timeout
     )))
