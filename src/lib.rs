@@ -60,6 +60,7 @@
 //!   (`WM_BLESS=1 cargo test --test header`).
 
 pub mod apply;
+pub(crate) mod box_sweep;
 pub mod checksum;
 /// Not C API: the header's field comments state these values.
 /// cbindgen:ignore

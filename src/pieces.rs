@@ -18,6 +18,10 @@ use crate::result::{Error, Result};
 use crate::tensor::{check_name, shape_text, MAX_NDIM};
 use crate::tensor_box::TensorBox;
 
+/// The most pieces one param may have (checked before any is read from a
+/// caller): a bound the engine's own registration checks in `O(n log n)`.
+pub(crate) const MAX_PIECES_PER_PARAM: usize = 1 << 20;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
     /// The global tensor's name.
@@ -86,6 +90,12 @@ pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
     let bad = |i: usize, why: String| {
         Error::invalid_argument(format!("param '{name}': piece {i}: {why}"))
     };
+    if pieces.len() > MAX_PIECES_PER_PARAM {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': {} pieces, more than the {MAX_PIECES_PER_PARAM} one param may have",
+            pieces.len()
+        )));
+    }
     let mut placed = Vec::with_capacity(pieces.len());
     let mut total = 0u64;
     for (i, p) in pieces.iter().enumerate() {
@@ -137,18 +147,26 @@ pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
 }
 
 /// No two pieces of param `name` share an element (boxes in param
-/// coordinates, all of one rank).
+/// coordinates, all of one rank): a sweep, `O(n log n)` in the pieces.
 fn check_disjoint(name: &str, placed: &[TensorBox]) -> Result<()> {
-    for (i, a) in placed.iter().enumerate() {
-        for (j, b) in placed.iter().enumerate().skip(i + 1) {
-            if let Some(common) = a.intersect(b) {
-                return Err(Error::invalid_argument(format!(
-                    "param '{name}': pieces {i} and {j} both hold {common} of the param"
-                )));
-            }
+    let found = crate::box_sweep::find_overlap(placed.len(), |i| {
+        (&placed[i].offset[..], &placed[i].len[..])
+    });
+    match found {
+        Ok(None) => Ok(()),
+        Ok(Some((i, j))) => {
+            let common = placed[i].intersect(&placed[j]).map(|c| c.to_string());
+            let common = common.unwrap_or_default();
+            Err(Error::invalid_argument(format!(
+                "param '{name}': pieces {i} and {j} both hold {common} of the param"
+            )))
         }
+        Err(too) => Err(Error::invalid_argument(format!(
+            "param '{name}': its {} pieces vary along three or more dimensions in a way \
+             too costly to check for overlaps; register fewer, larger pieces",
+            too.boxes
+        ))),
     }
-    Ok(())
 }
 
 #[cfg(test)]

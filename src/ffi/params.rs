@@ -3,7 +3,7 @@
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, opt_str};
 use crate::manager::Manager;
-use crate::pieces::Piece;
+use crate::pieces::{Piece, MAX_PIECES_PER_PARAM};
 use crate::registry::{MemoryKind, ParamSpec};
 use crate::result::{wm_result, Error, Result};
 use crate::tensor::{DType, MAX_NDIM};
@@ -33,7 +33,8 @@ pub struct wm_param_desc {
     /// the global tensor named like the param, of the param's shape. The
     /// pieces must cover every element of the param exactly once
     /// (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
-    /// otherwise).
+    /// otherwise), and be at most `WM_MAX_PIECES` (checked before any is
+    /// read). Checking them costs `O(n log n)` in `npieces`.
     pub pieces: *const wm_piece,
     pub npieces: usize,
 }
@@ -138,6 +139,12 @@ unsafe fn pieces_from_c(d: &wm_param_desc, name: &str) -> Result<Vec<Piece>> {
             d.npieces
         )));
     }
+    if d.npieces > WM_MAX_PIECES {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': npieces {} is more than the {WM_MAX_PIECES} one param may have",
+            d.npieces
+        )));
+    }
     let bad =
         |i: usize, why: &str| Error::invalid_argument(format!("param '{name}': piece {i}: {why}"));
     let mut out = Vec::with_capacity(d.npieces.min(1 << 16));
@@ -169,6 +176,10 @@ unsafe fn pieces_from_c(d: &wm_param_desc, name: &str) -> Result<Vec<Piece>> {
 
 /// Most dimensions a param may have.
 pub const WM_MAX_NDIM: usize = 8;
+
+/// Most pieces one param may have (`wm_param_desc.npieces`).
+pub const WM_MAX_PIECES: usize = 1 << 20;
+const _: () = assert!(WM_MAX_PIECES == MAX_PIECES_PER_PARAM);
 const _: () = assert!(WM_MAX_NDIM == MAX_NDIM);
 
 /// Fill `desc` with defaults (host memory, f32 scalar, no name) and set `struct_size`.

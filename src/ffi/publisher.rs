@@ -25,7 +25,10 @@ pub struct wm_publisher_config {
     pub bucket_size: u64,
     /// Permissions of the socket file (default 0600).
     pub socket_mode: u32,
-    /// Non-zero: serve engines running as another uid (default 0).
+    /// Non-zero: serve engines running as another uid (default 0). A
+    /// published version is passed to an engine as one buffer holding all
+    /// of its tensors: every engine admitted can read the whole version,
+    /// other ranks' parts included. Admit only engines that may.
     pub allow_other_uids: u32,
     /// Bound on each engine acknowledgement, in ms (default 60000).
     pub bucket_timeout_ms: u64,

@@ -6,13 +6,18 @@
 //! placements), every param (name, dtype, shape, pieces) and the plan's
 //! options (`plan::fingerprint`, with the options). Checksums change every
 //! version and are not part of it: a reused plan takes the new ones.
+//!
+//! What changes every update is checked on every update, reused plan or
+//! not: the sources name the same version (`plan::check_versions`) and
+//! replicas carry the same checksums (`Plan::check_replicas`). A kept plan
+//! once let rank 0 at v2 and rank 1 at v1 commit as "v2".
 
 use crate::checksum::Checksum;
 use crate::logging::Logger;
 use crate::manifest::Manifest;
-use crate::plan::{make_sharded_plan, Plan, PlanOptions};
+use crate::plan::{check_versions, make_sharded_plan, Plan, PlanOptions};
 use crate::registry::Registry;
-use crate::result::Result;
+use crate::result::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,15 +36,18 @@ pub(super) struct PlanCache {
 
 impl PlanCache {
     /// The plan of `sources` against `registry`: the last one when nothing
-    /// it depends on changed, else a new one (kept for next time).
+    /// it depends on changed, else a new one (kept for next time). `name(i)`
+    /// says who source `i` is, in messages.
     pub fn plan(
         &self,
         sources: &[&Manifest],
         registry: &Registry,
         opts: PlanOptions,
-        logger: &Logger,
+        (logger, name): (&Logger, &dyn Fn(usize) -> String),
     ) -> Result<Planned> {
         let start = Instant::now();
+        let versions: Vec<_> = sources.iter().map(|m| m.version.as_deref()).collect();
+        check_versions(&versions, name).map_err(Error::format)?;
         let key = fingerprint(sources, registry, opts);
         // Taken, not cloned: the cache then holds the only reference (the
         // last update's is gone), so new checksums are written in place
@@ -48,12 +56,14 @@ impl PlanCache {
         if let Some((k, plan)) = last.filter(|(k, _)| *k == key) {
             let plan = with_checksums(plan, sources);
             *self.last.lock() = Some((k, plan.clone()));
+            plan.check_replicas(sources, name).map_err(Error::format)?;
             return Ok(Planned {
                 plan,
                 took: start.elapsed(),
                 reused: true,
             });
         }
+        // A failed plan keeps nothing: the cache was emptied above.
         let plan = Arc::new(make_sharded_plan(sources, registry, opts, logger)?);
         *self.last.lock() = Some((key, plan.clone()));
         Ok(Planned {
@@ -83,6 +93,7 @@ fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) ->
         verify,
         spread,
         slice_sums,
+        deadline: _,
     } = opts;
     let layouts = crate::plan::fingerprint(sources, registry);
     let mut h = Checksum::default();

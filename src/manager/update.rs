@@ -161,11 +161,13 @@ impl Manager {
             verify: req.verify,
             spread: self.config.rank as usize,
             slice_sums: sources.iter().all(|s| s.checks_slices()),
+            deadline: Some(run.start + req.timeout),
         };
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
+        let name = |i: usize| sources[i].describe();
         let planned = self
             .plans
-            .plan(&manifests, registry, opts, &self.config.logger)?;
+            .plan(&manifests, registry, opts, (&self.config.logger, &name))?;
         Ok(Prepared {
             sources,
             version,

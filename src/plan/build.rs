@@ -1,6 +1,7 @@
 //! The steps of a plan: the sources checked and indexed ([`Sources`]),
 //! every param's pieces covered, the runs assembled into entries.
 
+use super::clock::Clock;
 use super::params::Params;
 use super::{cover, global, runs, Plan, PlanEntry, PlanOptions, Run, Target};
 use crate::logging::{LogLevel, Logger};
@@ -45,7 +46,7 @@ pub fn make_sharded_plan<P: Params + ?Sized>(
     opts: PlanOptions,
     logger: &Logger,
 ) -> Result<Plan> {
-    Sources::new(sources)?.plan(params, opts, logger)
+    Sources::new_until(sources, opts.deadline)?.plan(params, opts, logger)
 }
 
 /// The sources checked (sizes, placements, overlaps, versions) and their
@@ -59,14 +60,27 @@ pub struct Sources<'a> {
 
 impl<'a> Sources<'a> {
     pub fn new(manifests: &'a [&'a Manifest]) -> Result<Sources<'a>> {
+        Sources::new_until(manifests, None)
+    }
+
+    /// [`Sources::new`], stopping with `WM_ERR_TIMEOUT` at `deadline`.
+    pub fn new_until(
+        manifests: &'a [&'a Manifest],
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Sources<'a>> {
         if manifests.iter().all(|m| m.tensors.is_empty()) {
             return Err(Error::not_found(
                 "the source holds no tensors (empty source)",
             ));
         }
         let mut problems = Vec::new();
-        check_versions(manifests, &mut problems);
-        let globals = global::collect(manifests, &mut problems);
+        let versions: Vec<_> = manifests.iter().map(|m| m.version.as_deref()).collect();
+        if let Err(p) = check_versions(&versions, &source_number(manifests.len())) {
+            problems.push(p);
+        }
+        let mut clock = Clock::until(deadline);
+        let globals = global::collect(manifests, &mut clock, &mut problems);
+        late(&clock, "checking the sources' shards")?;
         fail(problems, Error::format)?;
         Ok(Sources { manifests, globals })
     }
@@ -91,20 +105,25 @@ impl<'a> Sources<'a> {
         let mut found = Vec::with_capacity(2 * params.count() + shards);
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
+            let mut clock = Clock::until(opts.deadline);
             for i in 0..params.count() {
-                cover::cover_param(
-                    i,
-                    params.param(i),
-                    &self.globals,
-                    opts.spread,
-                    &mut used,
-                    &mut found,
-                    &mut problems,
-                );
+                let into = (&mut found, &mut problems, &mut clock);
+                cover::cover_param(i, params.param(i), &self.globals, opts.spread, &mut used, into);
             }
-            unknown_tensors(&self.globals, &used, opts, logger, &mut problems);
+            late(&clock, "covering the params' pieces")?;
+            let sharded = self.manifests.len() > 1
+                || self.globals.placed
+                || (0..params.count()).any(|i| !params.param(i).whole);
+            if !sharded {
+                unknown_tensors(&self.globals, &used, opts, logger, &mut problems);
+            }
         }
-        let plan = assemble(self.manifests, found, opts.callback);
+        let mut plan = assemble(self.manifests, found, opts.callback);
+        plan.set_replicas(&self.globals.replicas);
+        let name = source_number(self.manifests.len());
+        if let Err(p) = plan.check_replicas(self.manifests, &name) {
+            problems.push(p);
+        }
         if opts.verify {
             unverifiable(&plan, opts, &mut problems);
         }
@@ -118,23 +137,69 @@ impl<'a> Sources<'a> {
     }
 }
 
-/// Sources that name a version must name the same one.
-fn check_versions(sources: &[&Manifest], problems: &mut Vec<String>) {
-    let named: Vec<(usize, &str)> = sources
-        .iter()
-        .enumerate()
-        .filter_map(|(i, m)| m.version.as_deref().map(|v| (i, v)))
-        .collect();
-    if let Some(&(i, v)) = named.iter().find(|(_, v)| *v != named[0].1) {
-        problems.push(format!(
-            "the sources serve different versions: source {} '{}', source {i} '{v}'",
-            named[0].0, named[0].1
-        ));
+/// Planning stopped at the update's deadline.
+fn late(clock: &Clock, doing: &str) -> Result<()> {
+    match clock.expired() {
+        true => Err(Error::timeout(format!(
+            "the update's deadline passed while planning ({doing})"
+        ))),
+        false => Ok(()),
     }
 }
 
-/// Global tensors no piece names are an error, or skipped with a warning
-/// (in the order the sources name them).
+/// Sources serve one version together: all name the same one, or none
+/// names any. A source naming none beside ones that name a version is
+/// refused: its bytes may be of any version. `name(i)` says who source `i`
+/// is (a publisher's address, a directory) in the message. Every update
+/// checks this, whether its plan is new or kept (a kept plan says nothing
+/// about this update's versions).
+pub fn check_versions(
+    versions: &[Option<&str>],
+    name: &dyn Fn(usize) -> String,
+) -> std::result::Result<(), String> {
+    let Some(first) = versions.iter().position(Option::is_some) else {
+        return Ok(());
+    };
+    let v0 = versions[first].unwrap_or_default();
+    for (i, v) in versions.iter().enumerate() {
+        match v {
+            Some(v) if *v != v0 => {
+                return Err(format!(
+                    "the sources serve different versions: {} '{v0}', {} '{v}'",
+                    name(first),
+                    name(i)
+                ))
+            }
+            Some(_) => {}
+            None => {
+                return Err(format!(
+                    "the sources serve different versions: {} names no version, while {} \
+                     serves '{v0}' (every source must name the same version, or none may)",
+                    name(i),
+                    name(first)
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// "source i", for messages that have nothing better.
+pub fn source_number(count: usize) -> impl Fn(usize) -> String {
+    move |i| match count {
+        1 => "the source".to_string(),
+        _ => format!("source {i}"),
+    }
+}
+
+/// In a one-to-one update (one source of whole tensors, every param a whole
+/// tensor of its name), a tensor no param names is an error (a misnamed
+/// tensor is a bug), or skipped with a warning when the request says so
+/// (in the order the source names them). In a sharded update (several
+/// sources, placed shards, or params made of pieces) an engine rank reads
+/// only what its pieces name: the rest (other ranks' experts, other TP
+/// ranks' tensors) is no error and is not read; what a piece names and no
+/// source holds is still an error, found by `cover`.
 fn unknown_tensors(
     globals: &global::Globals,
     used: &[bool],

@@ -3,6 +3,7 @@
 //! covered exactly once (shards do not overlap, so "at least once" by
 //! volume is "exactly once"); each common box becomes runs.
 
+use super::clock::Clock;
 use super::global::{Global, Globals, Held};
 use super::params::ParamView;
 use super::region::{Lined, Span};
@@ -26,14 +27,16 @@ pub(super) fn cover_param(
     globals: &Globals,
     spread: usize,
     used: &mut [bool],
-    out: &mut Vec<FoundRun>,
-    problems: &mut Vec<String>,
+    (out, problems, clock): (&mut Vec<FoundRun>, &mut Vec<String>, &mut Clock),
 ) {
     if param.pieces.is_empty() {
         problems.push(format!("param '{}' has no pieces", param.name));
     }
     let implicit = param.whole;
     for (k, piece) in param.pieces.iter().enumerate() {
+        if !clock.tick() {
+            return;
+        }
         let what = || match implicit {
             true => format!("param '{}'", param.name),
             false => format!(
@@ -130,7 +133,8 @@ fn cover_piece(
 }
 
 /// A box of `piece` that no candidate holds, found on the grid of every
-/// box's edges (bounded work; None when the grid is too large to walk).
+/// box's edges (bounded work: None when the grid, times the candidates
+/// each cell is compared with, is too large to walk).
 fn uncovered(piece: &TensorBox, g: Global, candidates: &[Held]) -> Option<TensorBox> {
     let ndim = piece.ndim();
     let cuts: Vec<Vec<u64>> = (0..ndim)
@@ -147,10 +151,13 @@ fn uncovered(piece: &TensorBox, g: Global, candidates: &[Held]) -> Option<Tensor
             c
         })
         .collect();
-    let cells: usize = cuts.iter().map(|c| c.len() - 1).product();
-    if cells > 100_000 {
+    let cells = cuts
+        .iter()
+        .try_fold(1usize, |n, c| n.checked_mul(c.len() - 1));
+    let work = cells.and_then(|c| c.checked_mul(candidates.len().max(1)));
+    let Some(cells) = cells.filter(|_| work.is_some_and(|w| w <= 4_000_000)) else {
         return None;
-    }
+    };
     let mut idx = vec![0usize; ndim];
     for _ in 0..cells {
         let cell = TensorBox {

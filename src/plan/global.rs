@@ -7,7 +7,9 @@
 //! per source, and shards of one tensor that do not overlap (the same box
 //! from several sources is a replica, which is allowed).
 
+use super::clock::Clock;
 use super::region::Span;
+use crate::box_sweep;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::tensor::{byte_size, shape_text, DType};
 use std::collections::HashMap;
@@ -46,8 +48,11 @@ pub(super) struct GlobalTensor<'a> {
     pub shape: &'a [u64],
     /// Its distinct boxes in [`Globals`]' `held`, sorted by offset.
     held: Range<usize>,
-    /// The longest box along dimension 0 (to find the boxes a piece meets).
-    max_len0: u64,
+    /// The dimension its boxes are split along (sorted by their start
+    /// along it), and the longest box along it: together they find the
+    /// boxes a piece meets by a binary search.
+    split: usize,
+    max_len: u64,
 }
 
 /// One global tensor with its boxes, borrowed from [`Globals`].
@@ -59,7 +64,8 @@ pub(super) struct Global<'g> {
     held: &'g [Held],
     boxes: &'g [u64],
     more: &'g [Box<[ShardRef]>],
-    max_len0: u64,
+    split: usize,
+    max_len: u64,
 }
 
 impl Global<'_> {
@@ -77,17 +83,18 @@ impl Global<'_> {
         }
     }
 
-    /// The boxes that may meet `b` (same rank): those starting along
-    /// dimension 0 before `b` ends and not ending before it starts.
+    /// The boxes that may meet `b` (same rank): those starting along the
+    /// split dimension before `b` ends and not ending before it starts.
     pub fn candidates(&self, b: Span) -> &[Held] {
-        if b.ndim() == 0 {
+        let d = self.split;
+        if b.ndim() <= d {
             return self.held;
         }
-        let (start, len) = (b.start0(), b.len0());
-        let from = start.saturating_sub(self.max_len0);
-        let start0 = |h: &Held| self.boxes[h.at as usize];
-        let lo = self.held.partition_point(|h| start0(h) < from);
-        let hi = self.held.partition_point(|h| start0(h) < start + len);
+        let (start, len) = (b.offset[d], b.len[d]);
+        let from = start.saturating_sub(self.max_len);
+        let start_of = |h: &Held| self.boxes[h.at as usize + d];
+        let lo = self.held.partition_point(|h| start_of(h) < from);
+        let hi = self.held.partition_point(|h| start_of(h) < start + len);
         &self.held[lo..hi]
     }
 }
@@ -111,6 +118,10 @@ pub(super) struct Globals<'a> {
     boxes: Vec<u64>,
     /// The replicas of a box beyond its first (rare).
     more: Vec<Box<[ShardRef]>>,
+    /// Every replica beside the first holder of its box, as pairs.
+    pub replicas: Vec<(ShardRef, ShardRef)>,
+    /// Some shard is placed in a larger global tensor (sharded sources).
+    pub placed: bool,
 }
 
 impl<'a> Globals<'a> {
@@ -134,7 +145,8 @@ impl<'a> Globals<'a> {
             held: &self.held[t.held.clone()],
             boxes: &self.boxes,
             more: &self.more,
-            max_len0: t.max_len0,
+            split: t.split,
+            max_len: t.max_len,
         }
     }
 
@@ -154,7 +166,8 @@ impl<'a> Globals<'a> {
                 dtype: t.dtype,
                 shape: t.global_shape(),
                 held: 0..0,
-                max_len0: 0,
+                split: 0,
+                max_len: 0,
             });
         }
         k
@@ -174,7 +187,12 @@ struct Interned {
 
 /// Group every tensor of every source by global tensor; every problem
 /// found is appended to `problems`.
-pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) -> Globals<'a> {
+/// Stops early (incomplete) when `clock` runs out.
+pub(super) fn collect<'a>(
+    sources: &[&'a Manifest],
+    clock: &mut Clock,
+    problems: &mut Vec<String>,
+) -> Globals<'a> {
     let mut g = Globals::default();
     for m in sources {
         g.first_shard.push(g.shards);
@@ -184,21 +202,40 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
     let most = sources.iter().map(|m| m.tensors.len()).max().unwrap_or(0);
     g.tensors.reserve(most);
     g.by_name.reserve(most);
-    let of = intern_all(&mut g, sources, problems);
+    let of = intern_all(&mut g, sources, clock, problems);
     let ranges = group_by_tensor(&mut g, &of);
     // Each tensor's distinct boxes are joined down to `held[kept..]`.
-    let (mut kept, mut open) = (0, Vec::new());
+    let mut kept = 0;
     for (k, range) in ranges.into_iter().enumerate() {
+        if !clock.tick() {
+            break;
+        }
         let n = join_replicas(&mut g, k, range, kept, sources, problems);
         g.tensors[k].held = kept..kept + n;
         kept += n;
-        let t = g.get(k);
-        let max_len0 = t.held.iter().map(|h| t.region(h).len0()).max();
-        g.tensors[k].max_len0 = max_len0.unwrap_or(0);
-        overlaps(g.get(k), sources, &mut open, problems);
+        sort_along_split(&mut g, k);
+        overlaps(g.get(k), sources, problems);
     }
     g.held.truncate(kept);
     g
+}
+
+/// Find global tensor `k`'s split dimension and sort its boxes by their
+/// start along it (for [`Global::candidates`]).
+fn sort_along_split(g: &mut Globals, k: usize) {
+    let (boxes, ndim) = (&g.boxes, g.tensors[k].shape.len());
+    let held = &mut g.held[g.tensors[k].held.clone()];
+    let span = |h: &Held| region_in(boxes, ndim, h);
+    let split = box_sweep::split_dim(held.len(), |i| {
+        let r = span(&held[i]);
+        (r.offset, r.len)
+    });
+    let Some(d) = split else {
+        return;
+    };
+    held.sort_by_key(|h| span(h).offset[d]);
+    let max_len = held.iter().map(|h| span(h).len[d]).max();
+    (g.tensors[k].split, g.tensors[k].max_len) = (d, max_len.unwrap_or(0));
 }
 
 /// Every shard checked, interned and its box copied (in shard order): the
@@ -206,6 +243,7 @@ pub(super) fn collect<'a>(sources: &[&'a Manifest], problems: &mut Vec<String>) 
 fn intern_all<'a>(
     g: &mut Globals<'a>,
     sources: &[&'a Manifest],
+    clock: &mut Clock,
     problems: &mut Vec<String>,
 ) -> Vec<Interned> {
     let mut of: Vec<Interned> = Vec::with_capacity(g.shards);
@@ -219,6 +257,14 @@ fn intern_all<'a>(
             _ => g.first_shard[s - 1]..g.first_shard[s],
         };
         for (i, t) in m.tensors.iter().enumerate() {
+            if !clock.tick() {
+                // Unread shards are refused: nothing is planned from them.
+                of.push(Interned {
+                    global: REFUSED,
+                    at: 0,
+                });
+                continue;
+            }
             let guess = previous.clone().nth(i).map(|j| of[j].global);
             let guess = guess.filter(|&k| k != REFUSED).map(|k| k as usize);
             let Some(k) = global_of(g, t, guess, problems) else {
@@ -231,6 +277,7 @@ fn intern_all<'a>(
             let at = u32::try_from(g.boxes.len()).expect("shard boxes are numbered in 32 bits");
             let global = u32::try_from(k).expect("global tensors are numbered in 32 bits");
             of.push(Interned { global, at });
+            g.placed |= t.placement.is_some();
             let region = Span::of_shard(t);
             // Element by element: a few numbers are not worth a memcpy call.
             for &x in region.offset.iter().chain(region.len) {
@@ -389,6 +436,7 @@ fn join_replicas(
             ));
             continue;
         }
+        g.replicas.push((last.first, at));
         let joined = others.iter().copied().chain([at]).collect();
         match last.more {
             0 => {
@@ -401,31 +449,33 @@ fn join_replicas(
     kept
 }
 
-/// Distinct boxes of one tensor must not share an element. Boxes are
-/// sorted by offset; only those still open along dimension 0 are compared.
-fn overlaps(t: Global, sources: &[&Manifest], open: &mut Vec<usize>, problems: &mut Vec<String>) {
+/// Distinct boxes of one tensor must not share an element: a sweep along
+/// its split dimension (`box_sweep`), `O(n log n)` in its shards.
+fn overlaps(t: Global, sources: &[&Manifest], problems: &mut Vec<String>) {
     let name = t.name;
-    open.clear();
-    for (i, h) in t.held.iter().enumerate() {
-        let here = t.region(h);
-        open.retain(|&j| {
-            let r = t.region(&t.held[j]);
-            r.ndim() == 0 || r.start0() + r.len0() > here.start0()
-        });
-        for &j in open.iter() {
-            let there = t.region(&t.held[j]);
-            if let Some(common) = there.intersect(here) {
-                let who = |k: usize| describe(sources, t.held[k].first);
-                problems.push(format!(
-                    "tensor '{name}': shards {there} ({}) and {here} ({}) overlap at {}",
-                    who(j),
-                    who(i),
-                    common.span()
-                ));
-                return;
-            }
+    let found = box_sweep::find_overlap(t.held.len(), |i| {
+        let r = t.region(&t.held[i]);
+        (r.offset, r.len)
+    });
+    match found {
+        Ok(None) => {}
+        Ok(Some((j, i))) => {
+            let (there, here) = (t.region(&t.held[j]), t.region(&t.held[i]));
+            let common = there.intersect(here).map(|c| c.span().to_string());
+            let who = |k: usize| describe(sources, t.held[k].first);
+            problems.push(format!(
+                "tensor '{name}': shards {there} ({}) and {here} ({}) overlap at {}",
+                who(j),
+                who(i),
+                common.unwrap_or_default()
+            ));
         }
-        open.push(i);
+        Err(too) => problems.push(format!(
+            "tensor '{name}': its {} shards vary along three or more dimensions in a way \
+             too costly to check for overlaps (at most {} box comparisons)",
+            too.boxes,
+            box_sweep::budget(too.boxes)
+        )),
     }
 }
 

@@ -25,6 +25,7 @@
 //! `layout/` (trainer and engine layouts in JSON, for `wm plan`).
 
 mod build;
+mod clock;
 mod cover;
 mod fingerprint;
 mod global;
@@ -43,7 +44,7 @@ use crate::manifest::{Manifest, SharedMeta, TensorMeta};
 use std::ops::Range;
 use std::sync::OnceLock;
 
-pub use build::{make_plan, make_sharded_plan, Sources};
+pub use build::{check_versions, make_plan, make_sharded_plan, source_number, Sources};
 pub use fingerprint::fingerprint;
 pub use params::{ParamLayout, ParamView, Params};
 
@@ -118,6 +119,9 @@ pub struct PlanOptions {
     /// (`Applier::expect_checksum`), so entries that move part of a tensor
     /// can be verified too.
     pub slice_sums: bool,
+    /// When the update must be over: planning stops there with
+    /// `WM_ERR_TIMEOUT` (None: no deadline).
+    pub deadline: Option<std::time::Instant>,
 }
 
 /// `rows` blocks of equal length move from entry `entry`'s tensor to
@@ -179,6 +183,10 @@ pub struct Plan {
     /// use (by the applier and the source alike). The runs do not change
     /// after.
     segments: Vec<OnceLock<Vec<Segment>>>,
+    /// Shards announced for the same box as another source's, as
+    /// `(first holder, replica)` pairs of (source, tensor): their
+    /// checksums are compared on every update ([`Plan::check_replicas`]).
+    replicas: Vec<[(u32, u32); 2]>,
 }
 
 impl Plan {
@@ -220,7 +228,47 @@ impl Plan {
             moving,
             entries,
             runs,
+            replicas: Vec::new(),
         }
+    }
+
+    fn set_replicas(&mut self, pairs: &[(global::ShardRef, global::ShardRef)]) {
+        let pair = |r: global::ShardRef| (r.source, r.tensor);
+        self.replicas = pairs.iter().map(|&(a, b)| [pair(a), pair(b)]).collect();
+    }
+
+    /// Replicas (the same box from two sources) must hold the same bytes:
+    /// engine ranks spread their reads over them, so replicas that differ
+    /// would leave ranks with different weights under one version. Where
+    /// both manifests carry a checksum they are compared; without
+    /// checksums replicas are trusted to be equal (nothing can tell before
+    /// the bytes move, and each rank's verification checks only the
+    /// replica it read). `name(i)` says who source `i` is.
+    pub fn check_replicas(
+        &self,
+        sources: &[&Manifest],
+        name: &dyn Fn(usize) -> String,
+    ) -> std::result::Result<(), String> {
+        let meta = |(s, t): (u32, u32)| &sources[s as usize].tensors[t as usize];
+        for &[a, b] in &self.replicas {
+            let (x, y) = (meta(a), meta(b));
+            if let (Some(cx), Some(cy)) = (x.checksum, y.checksum) {
+                if cx != cy {
+                    return Err(format!(
+                        "tensor '{}' {}: replicas disagree: {} and {} hold the same box \
+                         with different checksums ({cx:032x} and {cy:032x})",
+                        x.name,
+                        crate::tensor_box::TensorBox {
+                            offset: x.offset(),
+                            len: x.shape.clone()
+                        },
+                        name(a.0 as usize),
+                        name(b.0 as usize)
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The runs of entry `entry`, in source order.

@@ -50,16 +50,6 @@ impl<'a> Span<'a> {
         self.len.len()
     }
 
-    /// Where the box starts along dimension 0 (0 for a scalar).
-    pub fn start0(&self) -> u64 {
-        self.offset.first().copied().unwrap_or(0)
-    }
-
-    /// The box's length along dimension 0 (1 for a scalar).
-    pub fn len0(&self) -> u64 {
-        self.len.first().copied().unwrap_or(1)
-    }
-
     /// The common part of two boxes of one rank; None when it is empty.
     pub fn intersect(&self, other: Span) -> Option<Region> {
         let mut out = Region {
@@ -200,7 +190,6 @@ mod tests {
         assert_eq!(Span::of_box(&x).to_string(), x.to_string());
         let scalar = b(&[], &[]);
         let s = Span::of_box(&scalar);
-        assert_eq!((s.start0(), s.len0()), (0, 1));
         assert_eq!(s.intersect(s).unwrap().volume(), Some(1));
     }
 

@@ -28,7 +28,7 @@ pub(super) fn plan_buckets(sizes: &[u64], bucket: usize) -> Vec<(Vec<BucketEntry
     for (t, &n) in sizes.iter().enumerate() {
         let mut done = 0u64;
         while done < n || (n == 0 && done == 0) {
-            let head = RAMP_MIN.checked_shl(out.len() as u32).unwrap_or(u64::MAX);
+            let head = ramp_head(out.len());
             let ramp_full = used >= head || (used >= RAMP_MIN && used >= left);
             let at = used.next_multiple_of(ALIGN);
             if !cur.is_empty()
@@ -57,6 +57,18 @@ pub(super) fn plan_buckets(sizes: &[u64], bucket: usize) -> Vec<(Vec<BucketEntry
         out.push((cur, used));
     }
     out
+}
+
+/// How much bucket `k` of the ramp up holds at least before it closes:
+/// `RAMP_MIN` doubled `k` times, and no bound once that passes `u64`
+/// (a plain shift wrapped to 0 after 40 buckets, closing every later
+/// bucket after one entry).
+fn ramp_head(k: usize) -> u64 {
+    u32::try_from(k)
+        .ok()
+        .and_then(|k| 1u64.checked_shl(k))
+        .and_then(|f| RAMP_MIN.checked_mul(f))
+        .unwrap_or(u64::MAX)
 }
 
 /// The byte count of each request.
@@ -128,5 +140,21 @@ mod tests {
         for (entries, _) in &b {
             assert!(entries.iter().all(|e| e.len == 64 * MIB));
         }
+    }
+
+    #[test]
+    fn buckets_past_the_fortieth_are_still_full() {
+        // 96 GiB of 64 MiB tensors in 1 GiB buckets: about 100 buckets.
+        const MIB: u64 = 1 << 20;
+        let b = plan_buckets(&[64 * MIB; 1536], 1 << 30);
+        let sizes: Vec<u64> = b.iter().map(|(_, used)| used.div_ceil(MIB)).collect();
+        let n = sizes.len();
+        assert!((96..=110).contains(&n), "{n} buckets: {sizes:?}");
+        // Between the ramps every bucket is full (16 tensors), the 40th
+        // and later ones included.
+        assert!(sizes[8..n - 8].iter().all(|&s| s == 1024), "{sizes:?}");
+        assert_eq!(ramp_head(39), RAMP_MIN << 39);
+        assert_eq!(ramp_head(40), u64::MAX);
+        assert_eq!(ramp_head(usize::MAX), u64::MAX);
     }
 }

@@ -272,7 +272,17 @@ impl ParamRule {
                 Some(at) => at.clone(),
                 None => {
                     let at = stacked(&global, self.stack, cursor, &rule.path)?;
-                    cursor += global.len[self.stack];
+                    // Checked: a wrapped cursor described a wrong shape.
+                    cursor = cursor.checked_add(global.len[self.stack]).ok_or_else(|| {
+                        bad(
+                            &rule.path,
+                            format!(
+                                "box {global} stacked after the pieces before it ends past \
+                                 2^64 along dimension {}",
+                                self.stack
+                            ),
+                        )
+                    })?;
                     if self.shape.is_none() {
                         shape = Some(grow(shape.take(), &global, self.stack, cursor, &rule.path)?);
                     }

@@ -227,3 +227,19 @@ fn the_repository_small_layout_gives_each_engine_rank_its_bytes() {
         assert_eq!(bytes, 1680, "rank {rank}");
     }
 }
+
+#[test]
+fn pieces_stacked_past_two_to_the_64_are_refused_as_such() {
+    // Four [2^62, 1] boxes stacked along dimension 0 end at 2^64: the
+    // cursor wrapped to 0 and the refusal described a [0, 1] param.
+    let t = trainer(json!({"ranks": 1, "dtype": "u8", "tensors": [
+        {"name": "big", "shape": [4611686018427387904u64, 1], "split": 0}
+    ]}));
+    let e = engine(json!({"ranks": 1, "dtype": "u8", "params": [{"name": "x", "pieces": [
+        {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}]}]}));
+    let msg = e.rank_params(0, &t).unwrap_err().message;
+    assert!(
+        msg.contains("engine.params[0].pieces[3]: box [0:4611686018427387904, 0:1] stacked after the pieces before it ends past 2^64 along dimension 0"),
+        "{msg}"
+    );
+}

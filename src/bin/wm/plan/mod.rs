@@ -83,6 +83,10 @@ pub fn plan_rank(
     rank: usize,
 ) -> Result<RankPlan, String> {
     let fail = |e: weight_manager::Error| format!("engine rank {rank}: {e}");
+    // The rank's time includes building and checking its params' pieces
+    // (as a registration does), not only the plan: that check was once
+    // the slowest part and the figure hid it.
+    let t0 = Instant::now();
     let params = engine.rank_params(rank, trainer).map_err(fail)?;
     let opts = PlanOptions {
         spread: rank,
@@ -92,7 +96,6 @@ pub fn plan_rank(
         ..Default::default()
     };
     let quiet = Logger::stderr(LogLevel::Off);
-    let t0 = Instant::now();
     let plan = sources.plan(&params, opts, &quiet).map_err(fail)?;
     let time = t0.elapsed();
     let mut sent = vec![0u64; trainer.manifests.len()];

@@ -179,7 +179,8 @@ impl Report {
         let _ = writeln!(
             s,
             "planned every engine rank in {:.2} s on {} thread(s) (layouts read in {:.2} s, \
-             sources checked and indexed once in {:.2} s); per rank {:.2} ms mean, {:.2} min, \
+             sources checked and indexed once in {:.2} s); per rank (its params' pieces built \
+             and checked, then planned) {:.2} ms mean, {:.2} min, \
              {:.2} max (rank {})",
             n("/planning/wall_s"),
             n("/planning/threads"),
