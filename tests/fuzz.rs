@@ -418,3 +418,150 @@ fn fuzz_plan_builder() {
         true
     });
 }
+
+/// The global tensor the geometry target splits: [512, 65536] f32 (no
+/// bytes exist: plans only read manifests).
+const GEOMETRY: [u64; 2] = [512, 65536];
+
+/// Shards (of any source) and engine pieces of "g" decoded from `bytes`,
+/// each a group of up to 65,536 boxes tiled along one dimension: one
+/// column or one row each, overlapping, stray, or out of bounds, as
+/// hostile trainers and engines announce them.
+fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager::plan::ParamLayout>) {
+    use weight_manager::pieces::Piece;
+    use weight_manager::plan::ParamLayout;
+    use weight_manager::tensor_box::TensorBox;
+    let mut sources: Vec<Vec<TensorMeta>> = vec![Vec::new(); 4];
+    let mut pieces = Vec::new();
+    for g in bytes.chunks_exact(6) {
+        let (who, dim) = (g[0] as usize % 5, (g[1] % 2) as usize);
+        let count = u16::from_le_bytes([g[2], g[3]]) as u64 + 1;
+        // A length of 0-15 shifted by 0-15 bits; starts in steps of 256.
+        let (len, start) = (((g[4] & 0x0f) as u64) << (g[4] >> 4), g[5] as u64 * 256);
+        for k in 0..count {
+            let mut b = TensorBox::whole(&GEOMETRY);
+            (b.offset[dim], b.len[dim]) = (start + k * len.max(1), len);
+            if who == 4 {
+                let at = vec![b.offset[0], b.offset[1]];
+                pieces.push(Piece {
+                    tensor: "g".into(),
+                    global: b,
+                    at,
+                });
+                continue;
+            }
+            sources[who].push(TensorMeta {
+                name: "g".into(),
+                dtype: DType::F32,
+                nbytes: b.len.iter().product::<u64>() * 4,
+                shape: b.len.clone(),
+                checksum: None,
+                placement: Some(Placement {
+                    global_shape: GEOMETRY.to_vec(),
+                    offset: b.offset.clone(),
+                }),
+            });
+        }
+    }
+    let manifests = sources
+        .into_iter()
+        .map(|t| Manifest {
+            tensors: t.into(),
+            version: None,
+        })
+        .collect();
+    let param = ParamLayout {
+        pieces,
+        whole: false,
+        ..ParamLayout::whole("g", DType::F32, &GEOMETRY)
+    };
+    (manifests, vec![param])
+}
+
+/// Hostile shard and piece geometry (tens of thousands of one-column or
+/// one-row boxes, overlaps, gaps) planned under a deadline: each input is
+/// planned or refused within the fuzzer's time bound and memory bound, and
+/// never by comparing every pair (80,000 column shards took 15 s).
+#[test]
+fn fuzz_sharded_plan_over_hostile_geometry() {
+    use weight_manager::pieces::check_pieces;
+    use weight_manager::plan::make_sharded_plan;
+    let logger = Logger::closure(LogLevel::Off, |_, _| {});
+    let group = |who: u8, dim: u8, count: u16, len: u8, start: u8| {
+        let c = count.to_le_bytes();
+        [who, dim, c[0], c[1], len, start]
+    };
+    // Valid: 65,536 one-column shards over 2 sources, and 2 column pieces
+    // of 32,768 columns (0xf1: 1 << 15).
+    let mut columns = Vec::new();
+    columns.extend(group(0, 1, 32767, 1, 0));
+    columns.extend(group(1, 1, 32767, 1, 128));
+    columns.extend(group(4, 1, 1, 0xf1, 0));
+    // Valid: 512 one-row shards, one piece of all 512 rows (1 << 9).
+    let mut rows = Vec::new();
+    rows.extend(group(2, 0, 511, 1, 0));
+    rows.extend(group(4, 0, 0, 0x91, 0));
+    let target = Target {
+        name: "sharded plan geometry",
+        seeds: vec![rows, columns],
+        tokens: &[
+            &[0xff, 0xff],
+            &[0, 1, 0xff, 0xff, 1, 0],
+            &[4, 1, 0xff, 0xff, 1, 0],
+        ],
+        max_len: 36,
+    };
+    fuzz(target, |bytes| {
+        let (manifests, params) = geometry_from(bytes);
+        let p = &params[0];
+        if check_pieces(&p.name, &p.shape, &p.pieces).is_err() {
+            return false;
+        }
+        let refs: Vec<&Manifest> = manifests.iter().collect();
+        let opts = PlanOptions {
+            deadline: Some(Instant::now() + Duration::from_secs(2)),
+            ..Default::default()
+        };
+        make_sharded_plan(&refs, &params, opts, &logger).is_ok()
+    });
+}
+
+/// A deadline that passes while planning stops the plan with TIMEOUT
+/// instead of finishing late (a 9 MiB shard file used to make a 5 s update
+/// succeed after 9-14 s).
+#[test]
+fn planning_stops_at_the_deadline() {
+    use weight_manager::plan::make_sharded_plan;
+    let logger = Logger::closure(LogLevel::Off, |_, _| {});
+    let mut bytes = Vec::new();
+    for who in 0..4u8 {
+        let c = 16383u16.to_le_bytes();
+        bytes.extend([who, 1, c[0], c[1], 1, who * 64]);
+    }
+    bytes.extend([4, 1, 0, 0, 0x01, 0]);
+    let (manifests, params) = geometry_from(&bytes);
+    let refs: Vec<&Manifest> = manifests.iter().collect();
+    let opts = PlanOptions {
+        deadline: Some(Instant::now()),
+        ..Default::default()
+    };
+    let e = make_sharded_plan(&refs, &params, opts, &logger).unwrap_err();
+    assert_eq!(e.code, weight_manager::wm_result::WM_ERR_TIMEOUT, "{e}");
+    assert!(e.message.contains("deadline passed while planning"), "{e}");
+}
+
+/// More pieces than a param may have are refused before they are checked.
+#[test]
+fn a_param_of_too_many_pieces_is_refused() {
+    use weight_manager::pieces::{check_pieces, Piece};
+    let n = (1u64 << 20) + 1;
+    let pieces: Vec<Piece> = (0..n)
+        .map(|i| Piece::narrow("g", &[n, 1], 0, i, 1))
+        .collect();
+    let e = check_pieces("g", &[n, 1], &pieces).unwrap_err();
+    assert!(
+        e.message
+            .contains("more than the 1048576 one param may have"),
+        "{e}"
+    );
+}

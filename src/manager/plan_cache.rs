@@ -66,6 +66,7 @@ impl PlanCache {
         // A failed plan keeps nothing: the cache was emptied above.
         let plan = Arc::new(make_sharded_plan(sources, registry, opts, logger)?);
         *self.last.lock() = Some((key, plan.clone()));
+        plan.check_replicas(sources, name).map_err(Error::format)?;
         Ok(Planned {
             plan,
             took: start.elapsed(),

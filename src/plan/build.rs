@@ -108,7 +108,14 @@ impl<'a> Sources<'a> {
             let mut clock = Clock::until(opts.deadline);
             for i in 0..params.count() {
                 let into = (&mut found, &mut problems, &mut clock);
-                cover::cover_param(i, params.param(i), &self.globals, opts.spread, &mut used, into);
+                cover::cover_param(
+                    i,
+                    params.param(i),
+                    &self.globals,
+                    opts.spread,
+                    &mut used,
+                    into,
+                );
             }
             late(&clock, "covering the params' pieces")?;
             let sharded = self.manifests.len() > 1
@@ -119,11 +126,9 @@ impl<'a> Sources<'a> {
             }
         }
         let mut plan = assemble(self.manifests, found, opts.callback);
+        // Checked by the update that uses the plan, every time
+        // (`Plan::check_replicas`): checksums change every version.
         plan.set_replicas(&self.globals.replicas);
-        let name = source_number(self.manifests.len());
-        if let Err(p) = plan.check_replicas(self.manifests, &name) {
-            problems.push(p);
-        }
         if opts.verify {
             unverifiable(&plan, opts, &mut problems);
         }

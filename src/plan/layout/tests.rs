@@ -235,8 +235,10 @@ fn pieces_stacked_past_two_to_the_64_are_refused_as_such() {
     let t = trainer(json!({"ranks": 1, "dtype": "u8", "tensors": [
         {"name": "big", "shape": [4611686018427387904u64, 1], "split": 0}
     ]}));
-    let e = engine(json!({"ranks": 1, "dtype": "u8", "params": [{"name": "x", "pieces": [
-        {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}]}]}));
+    let e = engine(
+        json!({"ranks": 1, "dtype": "u8", "params": [{"name": "x", "pieces": [
+        {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}, {"tensor": "big"}]}]}),
+    );
     let msg = e.rank_params(0, &t).unwrap_err().message;
     assert!(
         msg.contains("engine.params[0].pieces[3]: box [0:4611686018427387904, 0:1] stacked after the pieces before it ends past 2^64 along dimension 0"),
