@@ -24,6 +24,9 @@
 // Most dimensions a param may have.
 #define WM_MAX_NDIM 8
 
+// Most pieces one param may have (`wm_param_desc.npieces`).
+#define WM_MAX_PIECES (1 << 20)
+
 // Library version; matches Cargo.toml (tested).
 #define WM_VERSION_MAJOR 0
 
@@ -443,7 +446,8 @@ typedef struct {
   // the global tensor named like the param, of the param's shape. The
   // pieces must cover every element of the param exactly once
   // (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
-  // otherwise).
+  // otherwise), and be at most `WM_MAX_PIECES` (checked before any is
+  // read). Checking them costs `O(n log n)` in `npieces`.
   const wm_piece *pieces;
   size_t npieces;
 } wm_param_desc;
@@ -458,7 +462,10 @@ typedef struct {
   uint64_t bucket_size;
   // Permissions of the socket file (default 0600).
   uint32_t socket_mode;
-  // Non-zero: serve engines running as another uid (default 0).
+  // Non-zero: serve engines running as another uid (default 0). A
+  // published version is passed to an engine as one buffer holding all
+  // of its tensors: every engine admitted can read the whole version,
+  // other ranks' parts included. Admit only engines that may.
   uint32_t allow_other_uids;
   // Bound on each engine acknowledgement, in ms (default 60000).
   uint64_t bucket_timeout_ms;

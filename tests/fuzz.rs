@@ -501,9 +501,14 @@ fn fuzz_sharded_plan_over_hostile_geometry() {
     let mut rows = Vec::new();
     rows.extend(group(2, 0, 511, 1, 0));
     rows.extend(group(4, 0, 0, 0x91, 0));
+    // Valid: 512 one-row shards, 65,536 one-column pieces (a piece check
+    // comparing every pair took 31 s for 60,000).
+    let mut many = Vec::new();
+    many.extend(group(3, 0, 511, 1, 0));
+    many.extend(group(4, 1, 65535, 1, 0));
     let target = Target {
         name: "sharded plan geometry",
-        seeds: vec![rows, columns],
+        seeds: vec![rows, columns, many],
         tokens: &[
             &[0xff, 0xff],
             &[0, 1, 0xff, 0xff, 1, 0],

@@ -409,6 +409,23 @@ static void test_failures(void) {
   r.flags = 0;
   CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NO_VERSION);
   CHECK(strstr(last_error(m), "version.yaml") != NULL);
+
+  /* More pieces than WM_MAX_PIECES: refused before any is read (under
+     AddressSanitizer a read past the one piece given would be caught). */
+  wm_piece one;
+  wm_piece_init(&one);
+  wm_param_desc d;
+  wm_param_desc_init(&d);
+  uint64_t shape[1] = {4};
+  float mem[4];
+  d.name = "many";
+  d.dtype = WM_DTYPE_F32;
+  d.shape = shape;
+  d.ndim = 1;
+  d.pieces = &one;
+  d.npieces = (size_t)WM_MAX_PIECES + 1;
+  CHECK_RC(wm_register_param(m, &d, mem, sizeof mem), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "npieces 1048577 is more than the 1048576") != NULL);
   wm_destroy(m);
   remove_tmpdir();
 }
