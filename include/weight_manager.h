@@ -42,7 +42,10 @@
 #define WM_UPDATE_IN_PLACE 2
 
 // `wm_update_request.flags`: skip source tensors that are not registered
-// params (with a warning) instead of failing.
+// params (with a warning) instead of failing. Only a one-to-one update
+// (one source of whole tensors, every param registered whole) refuses
+// them; a sharded update (several sources, placed shards, or params with
+// pieces) never reads tensors no piece names, and needs no flag.
 #define WM_UPDATE_SKIP_UNKNOWN 4
 
 // `wm_update_request.flags`: on the network sources (rdma, gdr), which

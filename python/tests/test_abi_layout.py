@@ -129,6 +129,8 @@ def test_constants_match_header():
     for py, c in (("VERSION_BUF", "WM_VERSION_BUF"), ("MAX_NDIM", "WM_MAX_NDIM")):
         m = re.search(rf"#define {c} (\d+)", text)
         assert m and int(m.group(1)) == getattr(_lib, py), c
+    m = re.search(r"#define WM_MAX_PIECES \(1 << (\d+)\)", text)
+    assert m and 1 << int(m.group(1)) == _lib.MAX_PIECES, "WM_MAX_PIECES"
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ c_char_p = ctypes.c_char_p
 
 VERSION_BUF = 256
 MAX_NDIM = 8
+MAX_PIECES = 1 << 20  # WM_MAX_PIECES
 
 
 def _find_library() -> str:

@@ -309,6 +309,9 @@ class Manager(OwnedHandle):
         d.name, d.dtype, d.shape, d.ndim = name_b, int(dtype), dims, len(shape)
         keep = [name_b, dims]
         if pieces:
+            if len(pieces) > _lib.MAX_PIECES:
+                raise ValueError(f"param '{name}': {len(pieces)} pieces, more than the {_lib.MAX_PIECES} "
+                                 "one param may have")
             arr = (_lib.Piece * len(pieces))()
             for c, p in zip(arr, pieces):
                 LIB.wm_piece_init(ctypes.byref(c))

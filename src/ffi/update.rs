@@ -15,7 +15,10 @@ pub const WM_UPDATE_VERIFY_CHECKSUMS: u32 = 1;
 /// failure after bytes moved leaves the manager FAILED). Default: atomic.
 pub const WM_UPDATE_IN_PLACE: u32 = 2;
 /// `wm_update_request.flags`: skip source tensors that are not registered
-/// params (with a warning) instead of failing.
+/// params (with a warning) instead of failing. Only a one-to-one update
+/// (one source of whole tensors, every param registered whole) refuses
+/// them; a sharded update (several sources, placed shards, or params with
+/// pieces) never reads tensors no piece names, and needs no flag.
 pub const WM_UPDATE_SKIP_UNKNOWN: u32 = 4;
 /// `wm_update_request.flags`: on the network sources (rdma, gdr), which
 /// verify checksums by default, do not.
