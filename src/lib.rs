@@ -75,6 +75,7 @@ pub mod memory;
 pub mod pieces;
 pub mod plan;
 pub mod publisher;
+pub mod quant;
 pub mod registry;
 pub mod result;
 pub mod signal;

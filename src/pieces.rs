@@ -207,6 +207,23 @@ mod tests {
     }
 
     #[test]
+    fn more_pieces_than_a_param_may_have_are_refused_before_any_is_read() {
+        // Empty pieces (nothing allocated each): only the count is read.
+        let empty = Piece {
+            tensor: String::new(),
+            global: TensorBox::whole(&[]),
+            at: Vec::new(),
+        };
+        let pieces = vec![empty; MAX_PIECES_PER_PARAM + 1];
+        let e = check_pieces("g", &[4], &pieces).unwrap_err();
+        assert!(
+            e.message
+                .contains("1048577 pieces, more than the 1048576 one param may have"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn gaps_overlaps_and_misfits_are_named() {
         let e = check_pieces("w", &[4, 4], &[Piece::narrow("w", &[4, 8], 1, 0, 2)]).unwrap_err();
         assert!(

@@ -1,0 +1,311 @@
+//! Quantization of bf16/f16/f32 weights to FP8 E4M3, bit for bit as
+//! PyTorch computes the widely used reference on the CPU (DeepGEMM's
+//! `per_block_cast_to_fp8`; the same with one block for the whole tensor):
+//!
+//! ```text
+//! x         = the source element widened to f32 (bf16 and f16 exactly)
+//! amax      = max(|x|) over the block, in f32, clamped below at 1e-4
+//! q         = e4m3(x * (448 / amax))      f32 multiply, PyTorch's cast
+//! scale_inv = amax / 448                  dequantized = e4m3 value * scale_inv
+//! ```
+//!
+//! Two details make it PyTorch's and not merely close: `448 / amax` is
+//! `amax.reciprocal() * 448` (how `float / tensor` runs in PyTorch: two
+//! roundings, not one division), and the cast to E4M3 is PyTorch's
+//! ([`e4m3::from_f32`]: nearest even, saturating at 448). The product is
+//! taken in f32 in both schemes: per tensor the PyTorch expression is
+//! `(x.float() * (448.0 / amax)).to(torch.float8_e4m3fn)`; written without
+//! `.float()`, a 0-dimensional `amax` would leave the product in bf16 and
+//! round twice.
+//!
+//! Schemes: blocks of 128 x 128 over a 2-D `[M, N]` tensor (scales `[ceil(M /
+//! 128), ceil(N / 128)]`, edge blocks partial: the DeepSeek-V3 and Kimi-K2
+//! checkpoint format), and one scale per tensor. A NaN or an infinity in
+//! the source is refused naming the element: a diverged trainer must not
+//! reach an engine.
+//!
+//! The scale of a block is a function of its amax only, so a block split
+//! over several holders (trainer ranks) is quantized by each from the
+//! block's agreed amax: [`block_amax`] gives a holder's partial amax, the
+//! maximum of the partials is the block's, and [`quantize_with`] quantizes
+//! a holder's part with it.
+
+pub mod e4m3;
+
+use crate::tensor::DType;
+
+/// Block edge of the block-scaled scheme.
+pub const BLOCK: usize = 128;
+/// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
+pub const AMAX_FLOOR: f32 = 1e-4;
+
+/// How a tensor is quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheme {
+    /// FP8 E4M3 with one f32 `scale_inv` per 128 x 128 block.
+    Blocks128,
+    /// FP8 E4M3 with one f32 `scale_inv` for the tensor.
+    PerTensor,
+}
+
+impl Scheme {
+    /// The scales' shape for a `[rows, cols]` tensor.
+    pub fn scales_shape(self, rows: usize, cols: usize) -> [usize; 2] {
+        match self {
+            Scheme::Blocks128 => [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
+            Scheme::PerTensor => [1, 1],
+        }
+    }
+
+    /// Rows and columns of one block of a `[rows, cols]` tensor.
+    fn block(self, rows: usize, cols: usize) -> (usize, usize) {
+        match self {
+            Scheme::Blocks128 => (BLOCK, BLOCK),
+            Scheme::PerTensor => (rows.max(1), cols.max(1)),
+        }
+    }
+}
+
+/// Row-major source elements: `rows` x `cols` of `dtype` (bf16, f16 or
+/// f32, little-endian) in `bytes`.
+#[derive(Clone, Copy, Debug)]
+pub struct Source<'a> {
+    pub dtype: DType,
+    pub bytes: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Why a tensor cannot be quantized.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QuantError {
+    /// Element `index` (row-major) is NaN or infinite.
+    NonFinite { index: usize, value: f32 },
+    /// Not a dtype this quantizes from, or sizes that disagree.
+    Invalid(String),
+}
+
+/// Each block's amax over the part `src` holds (unclamped; 0 for a block
+/// the part does not touch), for a part whose element `[0, 0]` is element
+/// `origin` of the whole tensor of `[rows, cols]` (`whole`): `out` has the
+/// scales' shape of the whole tensor, row-major.
+pub fn block_amax(
+    scheme: Scheme,
+    src: Source,
+    origin: [usize; 2],
+    whole: [usize; 2],
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let [srows, scols] = scheme.scales_shape(whole[0], whole[1]);
+    check(src, out.len(), srows * scols)?;
+    let (bh, bw) = scheme.block(whole[0], whole[1]);
+    match src.dtype {
+        DType::Bf16 => amax_of::<Bf16>(src, origin, (bh, bw, scols), out),
+        DType::F16 => amax_of::<F16>(src, origin, (bh, bw, scols), out),
+        _ => amax_of::<F32>(src, origin, (bh, bw, scols), out),
+    }
+}
+
+/// Quantize the part `src` (at `origin` of the whole `[rows, cols]`
+/// tensor) with the blocks' agreed `amax` (the whole tensor's scales'
+/// shape, before the floor): its E4M3 bytes into `fp8` (one per element of
+/// the part), and every block's `scale_inv` into `scale_inv`.
+pub fn quantize_with(
+    scheme: Scheme,
+    src: Source,
+    (origin, whole): ([usize; 2], [usize; 2]),
+    amax: &[f32],
+    fp8: &mut [u8],
+    scale_inv: &mut [f32],
+) -> Result<(), QuantError> {
+    let [srows, scols] = scheme.scales_shape(whole[0], whole[1]);
+    check(src, amax.len(), srows * scols)?;
+    if fp8.len() != src.rows * src.cols || scale_inv.len() != amax.len() {
+        return Err(QuantError::Invalid(format!(
+            "{} fp8 bytes and {} scales for {} elements and {} blocks",
+            fp8.len(),
+            scale_inv.len(),
+            src.rows * src.cols,
+            amax.len()
+        )));
+    }
+    let mut factor = vec![0f32; amax.len()];
+    for ((f, s), &a) in factor.iter_mut().zip(scale_inv.iter_mut()).zip(amax) {
+        let a = a.max(AMAX_FLOOR);
+        (*f, *s) = ((1.0 / a) * e4m3::MAX, a / e4m3::MAX);
+    }
+    let (bh, bw) = scheme.block(whole[0], whole[1]);
+    let geometry = (origin, bh, bw, scols);
+    match src.dtype {
+        DType::Bf16 => scale_into::<Bf16>(src, geometry, &factor, fp8),
+        DType::F16 => scale_into::<F16>(src, geometry, &factor, fp8),
+        _ => scale_into::<F32>(src, geometry, &factor, fp8),
+    }
+    Ok(())
+}
+
+/// Quantize a whole `[rows, cols]` tensor: [`block_amax`] then
+/// [`quantize_with`].
+pub fn quantize(
+    scheme: Scheme,
+    src: Source,
+    fp8: &mut [u8],
+    scale_inv: &mut [f32],
+) -> Result<(), QuantError> {
+    let whole = [src.rows, src.cols];
+    let mut amax = vec![0f32; scale_inv.len()];
+    block_amax(scheme, src, [0, 0], whole, &mut amax)?;
+    quantize_with(scheme, src, ([0, 0], whole), &amax, fp8, scale_inv)
+}
+
+fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {
+    if !matches!(src.dtype, DType::Bf16 | DType::F16 | DType::F32) {
+        return Err(QuantError::Invalid(format!(
+            "FP8 quantization takes bf16, f16 or f32, not {}",
+            src.dtype
+        )));
+    }
+    let need = src
+        .rows
+        .checked_mul(src.cols)
+        .and_then(|n| n.checked_mul(src.dtype.size()));
+    if need != Some(src.bytes.len()) || scales != want {
+        return Err(QuantError::Invalid(format!(
+            "{} bytes for [{}, {}] {} and {scales} scales (want {want})",
+            src.bytes.len(),
+            src.rows,
+            src.cols,
+            src.dtype
+        )));
+    }
+    Ok(())
+}
+
+/// A source element type, widened to f32 exactly.
+trait Element {
+    const SIZE: usize;
+    fn read(b: &[u8]) -> f32;
+}
+
+struct Bf16;
+struct F16;
+struct F32;
+
+impl Element for Bf16 {
+    const SIZE: usize = 2;
+    #[inline]
+    fn read(b: &[u8]) -> f32 {
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    }
+}
+
+impl Element for F16 {
+    const SIZE: usize = 2;
+    #[inline]
+    fn read(b: &[u8]) -> f32 {
+        f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+    }
+}
+
+impl Element for F32 {
+    const SIZE: usize = 4;
+    #[inline]
+    fn read(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// IEEE half to single, exactly (subnormals, infinities and NaN kept).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let (exp, man) = (((h >> 10) & 0x1f) as u32, (h & 0x3ff) as u32);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: m * 2^-24, exact in f32.
+            let v = m as f32 * 2f32.powi(-24);
+            sign | v.to_bits()
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// Per row of the part, the running amax of each block it crosses.
+fn amax_of<E: Element>(
+    src: Source,
+    origin: [usize; 2],
+    (bh, bw, scols): (usize, usize, usize),
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let row_bytes = src.cols * E::SIZE;
+    for (r, row) in src
+        .bytes
+        .chunks_exact(row_bytes.max(1))
+        .enumerate()
+        .take(src.rows)
+    {
+        let brow = (origin[0] + r) / bh;
+        let mut c = 0;
+        while c < src.cols {
+            let b = (origin[1] + c) / bw;
+            let end = ((b + 1) * bw - origin[1]).min(src.cols);
+            let mut m = out[brow * scols + b];
+            let mut bad = false;
+            for x in row[c * E::SIZE..end * E::SIZE].chunks_exact(E::SIZE) {
+                let v = E::read(x);
+                bad |= !v.is_finite();
+                m = m.max(v.abs());
+            }
+            if bad {
+                return Err(non_finite::<E>(row, c..end, r * src.cols));
+            }
+            out[brow * scols + b] = m;
+            c = end;
+        }
+    }
+    Ok(())
+}
+
+fn non_finite<E: Element>(row: &[u8], cols: std::ops::Range<usize>, base: usize) -> QuantError {
+    let c = cols
+        .clone()
+        .find(|&c| !E::read(&row[c * E::SIZE..]).is_finite())
+        .unwrap_or(cols.start);
+    QuantError::NonFinite {
+        index: base + c,
+        value: E::read(&row[c * E::SIZE..]),
+    }
+}
+
+/// Each element times its block's factor, cast to E4M3.
+fn scale_into<E: Element>(
+    src: Source,
+    (origin, bh, bw, scols): ([usize; 2], usize, usize, usize),
+    factor: &[f32],
+    fp8: &mut [u8],
+) {
+    let row_bytes = src.cols * E::SIZE;
+    let rows = src
+        .bytes
+        .chunks_exact(row_bytes.max(1))
+        .zip(fp8.chunks_exact_mut(src.cols.max(1)));
+    for (r, (row, out)) in rows.enumerate().take(src.rows) {
+        let brow = (origin[0] + r) / bh;
+        let mut c = 0;
+        while c < src.cols {
+            let b = (origin[1] + c) / bw;
+            let end = ((b + 1) * bw - origin[1]).min(src.cols);
+            let f = factor[brow * scols + b];
+            let xs = row[c * E::SIZE..end * E::SIZE].chunks_exact(E::SIZE);
+            for (q, x) in out[c..end].iter_mut().zip(xs) {
+                *q = e4m3::from_f32(E::read(x) * f);
+            }
+            c = end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
