@@ -31,13 +31,15 @@
 //! a holder's part with it.
 
 pub mod e4m3;
+mod kernels;
 
 use crate::tensor::DType;
 
-/// Block edge of the block-scaled scheme.
-pub const BLOCK: usize = 128;
+/// Block edge of the block-scaled scheme (crate-internal like every
+/// constant here: cbindgen would export a public one to the C header).
+pub(crate) const BLOCK: usize = 128;
 /// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
-pub const AMAX_FLOOR: f32 = 1e-4;
+pub(crate) const AMAX_FLOOR: f32 = 1e-4;
 
 /// How a tensor is quantized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +51,11 @@ pub enum Scheme {
 }
 
 impl Scheme {
+    /// Rows (and columns) of one block of [`Scheme::Blocks128`].
+    pub fn block_edge() -> usize {
+        BLOCK
+    }
+
     /// The scales' shape for a `[rows, cols]` tensor.
     pub fn scales_shape(self, rows: usize, cols: usize) -> [usize; 2] {
         match self {
@@ -232,7 +239,8 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-/// Per row of the part, the running amax of each block it crosses.
+/// Per row of the part, the running amax of each block it crosses (on
+/// bit patterns: [`kernels::abs_bits_max`]).
 fn amax_of<E: Element>(
     src: Source,
     origin: [usize; 2],
@@ -251,17 +259,12 @@ fn amax_of<E: Element>(
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
-            let mut m = out[brow * scols + b];
-            let mut bad = false;
-            for x in row[c * E::SIZE..end * E::SIZE].chunks_exact(E::SIZE) {
-                let v = E::read(x);
-                bad |= !v.is_finite();
-                m = m.max(v.abs());
-            }
-            if bad {
+            let m = kernels::abs_bits_max::<E>(&row[c * E::SIZE..end * E::SIZE]);
+            if m >= 0x7f80_0000 {
                 return Err(non_finite::<E>(row, c..end, r * src.cols));
             }
-            out[brow * scols + b] = m;
+            let slot = &mut out[brow * scols + b];
+            *slot = slot.max(f32::from_bits(m));
             c = end;
         }
     }
@@ -297,11 +300,8 @@ fn scale_into<E: Element>(
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
-            let f = factor[brow * scols + b];
-            let xs = row[c * E::SIZE..end * E::SIZE].chunks_exact(E::SIZE);
-            for (q, x) in out[c..end].iter_mut().zip(xs) {
-                *q = e4m3::from_f32(E::read(x) * f);
-            }
+            let xs = &row[c * E::SIZE..end * E::SIZE];
+            kernels::scale_run::<E>(xs, factor[brow * scols + b], &mut out[c..end]);
             c = end;
         }
     }

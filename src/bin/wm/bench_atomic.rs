@@ -164,7 +164,7 @@ const GAP: Duration = Duration::from_secs(2);
 
 /// Python for the PyTorch row: `WM_PYTHON`, else `.venv/bin/python`, else
 /// `python3`.
-fn python() -> String {
+pub(crate) fn python() -> String {
     std::env::var("WM_PYTHON").unwrap_or_else(|_| {
         if Path::new(".venv/bin/python").exists() {
             ".venv/bin/python".into()
