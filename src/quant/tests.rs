@@ -10,27 +10,32 @@ use std::process::Command;
 
 const REFERENCE: &str = r#"
 import sys, numpy as np, torch
-d, dtype, M, N, scheme = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-t = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
-if scheme == "cast":
-    x = torch.from_numpy(np.fromfile(d + "/x.bin", dtype=np.float32))
-    x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tofile(d + "/q.bin")
-    sys.exit(0)
-x = torch.from_numpy(np.fromfile(d + "/x.bin", dtype=np.uint8)).view(t).reshape(M, N)
-if scheme == "blocks":
-    bm, bn = -(-M // 128), -(-N // 128)
-    xp = torch.zeros((bm * 128, bn * 128), dtype=t)
-    xp[:M, :N] = x
-    xv = xp.view(bm, 128, bn, 128)
-    amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn).view_as(xp)[:M, :N].contiguous()
-    s = (amax / 448.0).view(bm, bn)
-else:
-    amax = x.abs().float().amax().clamp(1e-4)
-    q = (x.float() * (448.0 / amax)).to(torch.float8_e4m3fn)
-    s = (amax / 448.0).view(1, 1)
-q.view(torch.uint8).numpy().tofile(d + "/q.bin")
-s.float().numpy().tofile(d + "/s.bin")
+d = sys.argv[1]
+for job in open(d + "/jobs").read().split("\n"):
+    if not job:
+        continue
+    name, dtype, M, N, scheme = job.split()
+    M, N, p = int(M), int(N), d + "/" + name
+    t = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
+    if scheme == "cast":
+        x = torch.from_numpy(np.fromfile(p + ".x", dtype=np.float32))
+        x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tofile(p + ".q")
+        continue
+    x = torch.from_numpy(np.fromfile(p + ".x", dtype=np.uint8)).view(t).reshape(M, N)
+    if scheme == "blocks":
+        bm, bn = -(-M // 128), -(-N // 128)
+        xp = torch.zeros((bm * 128, bn * 128), dtype=t)
+        xp[:M, :N] = x
+        xv = xp.view(bm, 128, bn, 128)
+        amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+        q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn).view_as(xp)[:M, :N].contiguous()
+        s = (amax / 448.0).view(bm, bn)
+    else:
+        amax = x.abs().float().amax().clamp(1e-4)
+        q = (x.float() * (448.0 / amax)).to(torch.float8_e4m3fn)
+        s = (amax / 448.0).view(1, 1)
+    q.view(torch.uint8).numpy().tofile(p + ".q")
+    s.float().numpy().tofile(p + ".s")
 "#;
 
 /// The Python with PyTorch: `WM_TEST_PYTHON`, else the repository's
@@ -59,19 +64,27 @@ fn python() -> Option<PathBuf> {
     }
 }
 
-/// PyTorch's E4M3 bytes and scales of `x` (`[m, n]` of `dtype`).
-fn reference(
-    py: &Path,
-    x: &[u8],
-    dtype: &str,
-    (m, n): (usize, usize),
-    scheme: &str,
-) -> (Vec<u8>, Vec<f32>) {
+/// One input for the reference: its bytes, dtype name, shape and scheme
+/// ("blocks", "tensor", or "cast": f32 values cast one by one).
+struct Job<'a> {
+    x: &'a [u8],
+    dtype: &'a str,
+    shape: (usize, usize),
+    scheme: &'a str,
+}
+
+/// PyTorch's E4M3 bytes and scales of each job, from one Python process.
+fn reference(py: &Path, jobs: &[Job]) -> Vec<(Vec<u8>, Vec<f32>)> {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("x.bin"), x).unwrap();
+    let mut list = String::new();
+    for (i, j) in jobs.iter().enumerate() {
+        std::fs::write(dir.path().join(format!("{i}.x")), j.x).unwrap();
+        let (m, n) = j.shape;
+        list.push_str(&format!("{i} {} {m} {n} {}\n", j.dtype, j.scheme));
+    }
+    std::fs::write(dir.path().join("jobs"), list).unwrap();
     let out = Command::new(py)
-        .args(["-c", REFERENCE, dir.path().to_str().unwrap(), dtype])
-        .args([m.to_string(), n.to_string(), scheme.to_string()])
+        .args(["-c", REFERENCE, dir.path().to_str().unwrap()])
         .output()
         .unwrap();
     assert!(
@@ -79,13 +92,16 @@ fn reference(
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let q = std::fs::read(dir.path().join("q.bin")).unwrap();
-    let s = std::fs::read(dir.path().join("s.bin")).unwrap_or_default();
-    let s = s
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    (q, s)
+    (0..jobs.len())
+        .map(|i| {
+            let q = std::fs::read(dir.path().join(format!("{i}.q"))).unwrap();
+            let s = std::fs::read(dir.path().join(format!("{i}.s"))).unwrap_or_default();
+            let s = s
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()));
+            (q, s.collect())
+        })
+        .collect()
 }
 
 struct Rng(u64);
@@ -210,7 +226,13 @@ fn the_cast_matches_pytorch_for_every_bf16_value_and_its_neighbours() {
         .collect();
     x.extend(more);
     let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let (rq, _) = reference(&py, &bytes, "f32", (x.len(), 1), "cast");
+    let job = Job {
+        x: &bytes,
+        dtype: "f32",
+        shape: (x.len(), 1),
+        scheme: "cast",
+    };
+    let (rq, _) = reference(&py, &[job]).remove(0);
     for (i, v) in x.iter().enumerate() {
         assert_eq!(e4m3::from_f32(*v), rq[i], "{v:e} ({:#010x})", v.to_bits());
     }
@@ -227,19 +249,35 @@ fn blocks_and_whole_tensors_match_pytorch_bit_for_bit() {
         (DType::F32, (77, 200)),
         (DType::Bf16, (1, 1000)),
     ];
-    for (dtype, shape) in cases {
-        let x = encode(&values(&mut rng, shape), dtype);
-        let name = match dtype {
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-            _ => "f32",
-        };
-        for (scheme, s) in [(Scheme::Blocks128, "blocks"), (Scheme::PerTensor, "tensor")] {
-            let what = format!("{name} {shape:?} {s}");
+    let inputs: Vec<(DType, (usize, usize), Vec<u8>)> = cases
+        .iter()
+        .map(|&(dtype, shape)| (dtype, shape, encode(&values(&mut rng, shape), dtype)))
+        .collect();
+    let name = |dtype: DType| match dtype {
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    };
+    let schemes = [(Scheme::Blocks128, "blocks"), (Scheme::PerTensor, "tensor")];
+    let mut jobs = Vec::new();
+    for (dtype, shape, x) in &inputs {
+        for (_, scheme) in schemes {
+            jobs.push(Job {
+                x,
+                dtype: name(*dtype),
+                shape: *shape,
+                scheme,
+            });
+        }
+    }
+    let mut theirs = reference(&py, &jobs).into_iter();
+    for (dtype, shape, x) in &inputs {
+        for (scheme, s) in schemes {
+            let what = format!("{} {shape:?} {s}", name(*dtype));
             same(
                 &what,
-                ours(scheme, dtype, &x, shape),
-                reference(&py, &x, name, shape, s),
+                ours(scheme, *dtype, x, *shape),
+                theirs.next().unwrap(),
             );
         }
     }
