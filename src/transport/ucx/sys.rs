@@ -2,6 +2,23 @@
 //! `dlopen` at run time so that the library builds, links and loads on
 //! machines without UCX.
 //!
+//! # The UCX version
+//!
+//! [`load`] refuses a UCX older than [`MIN_VERSION`] (1.14.0) unless
+//! `WM_UCX_ALLOW_OLD=1`, and then warns on stderr. UCX 1.13 and older (1.13.1
+//! is Debian 12's `libucx0`) abort the whole engine process on an internal
+//! assertion while purging an endpoint whose peer died during wire-up
+//! (`ucp_request.c:684 Assertion ... req %p ep %p: got REP message`), which a
+//! publisher killed at the wrong moment of an update triggers (4 of about 180
+//! random kills here). UCX removed that assertion in openucx/ucx pull request
+//! 8175 (merged in April 2022, after v1.13 branched; first released in
+//! 1.14.0). Refusing, not warning: a warning scrolls past, and an inference
+//! engine that aborts loses every request in flight, while a refusal is one
+//! clear error on the first network update that names the fix (`pip install
+//! libucx-cu12` and `WM_UCX_LIB`, or a newer system UCX). The test suite runs
+//! against the `libucx-cu12` wheel's UCX 1.22, which `tests/net_kill_loop.rs`
+//! kills publishers under hundreds of times.
+//!
 //! Struct layouts follow `ucp/api/ucp.h` (UCP API 1.10 and later). UCX reads
 //! a parameter struct only through the fields its `field_mask` names, and
 //! only ever appends fields, so each struct here is the stable prefix we set
@@ -146,7 +163,8 @@ unsafe impl Send for Lib {}
 unsafe impl Sync for Lib {}
 
 /// Where libucp is looked for: `WM_UCX_LIB` alone when set (a path, e.g. the
-/// libucx wheel's `libucx/lib/libucp.so.0`), else the dynamic linker's search
+/// libucx wheel's `libucx/lib/libucp.so.0`, which the Python package sets by
+/// default when that wheel is installed), else the dynamic linker's search
 /// path.
 fn candidates() -> Vec<String> {
     match std::env::var("WM_UCX_LIB") {
@@ -155,7 +173,14 @@ fn candidates() -> Vec<String> {
     }
 }
 
-pub(crate) const INSTALL_HINT: &str = "install UCX: Debian/Ubuntu `apt install libucx0`, or `pip install libucx-cu12` and set WM_UCX_LIB to its libucx/lib/libucp.so.0";
+/// The oldest UCX the network paths accept (see the module doc: older ones
+/// can abort the process when a publisher dies during wire-up).
+pub(crate) const MIN_VERSION: (u32, u32, u32) = (1, 14, 0);
+
+/// Set to `1` to run on a UCX older than [`MIN_VERSION`] anyway.
+pub(crate) const ALLOW_OLD_ENV: &str = "WM_UCX_ALLOW_OLD";
+
+pub(crate) const INSTALL_HINT: &str = "install UCX 1.14 or newer: `pip install libucx-cu12` (the weight_manager Python package then uses it by default; elsewhere set WM_UCX_LIB to its libucx/lib/libucp.so.0), or your distribution's UCX where it is 1.14 or newer (Debian 12's libucx0 is 1.13.1, too old)";
 
 pub fn load() -> Result<Lib, String> {
     let (handle, path) = crate::dynlib::open_first(&candidates()).map_err(|tried| {
@@ -169,11 +194,37 @@ pub fn load() -> Result<Lib, String> {
     let (mut a, mut b, mut r) = (0, 0, 0);
     // SAFETY: three out-parameters.
     unsafe { (api.ucp_get_version)(&mut a, &mut b, &mut r) };
-    Ok(Lib {
+    let lib = Lib {
         api,
         path,
         version: (a, b, r),
-    })
+    };
+    let allow_old = std::env::var(ALLOW_OLD_ENV).is_ok_and(|v| v == "1");
+    if let Some(why) = too_old(lib.version, &lib.path) {
+        if !allow_old {
+            return Err(format!(
+                "{why}; {INSTALL_HINT}; or set {ALLOW_OLD_ENV}=1 to use it at your own risk"
+            ));
+        }
+        // Loud on purpose: the caller chose a UCX that can abort the process.
+        eprintln!("weight_manager: WARNING: {why}; using it anyway ({ALLOW_OLD_ENV}=1)");
+    }
+    Ok(lib)
+}
+
+/// Why `version` (loaded from `path`) is refused, or None when it is new
+/// enough.
+fn too_old(version: (u32, u32, u32), path: &str) -> Option<String> {
+    if version >= MIN_VERSION {
+        return None;
+    }
+    let (a, b, c) = version;
+    let (x, y, z) = MIN_VERSION;
+    Some(format!(
+        "UCX {a}.{b}.{c} ({path}) is older than {x}.{y}.{z}, the oldest this library accepts: \
+         it can abort the process on an internal assertion when a publisher dies \
+         during an update (fixed in UCX 1.14, openucx/ucx pull request 8175)"
+    ))
 }
 
 impl Lib {
@@ -199,5 +250,21 @@ pub fn ptr_status(p: *mut c_void) -> Option<Status> {
         Some(v as isize as i8)
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_before_the_minimum_are_refused_with_the_reason() {
+        let why = too_old((1, 13, 1), "/usr/lib/libucp.so.0").unwrap();
+        assert!(why.contains("UCX 1.13.1 (/usr/lib/libucp.so.0)"), "{why}");
+        assert!(why.contains("older than 1.14.0"), "{why}");
+        assert!(too_old((0, 99, 0), "x").is_some());
+        assert!(too_old((1, 14, 0), "x").is_none());
+        assert!(too_old((1, 22, 0), "x").is_none());
+        assert!(too_old((2, 0, 0), "x").is_none());
     }
 }
