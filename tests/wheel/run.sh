@@ -29,6 +29,11 @@ missing = [n for n in ("weight_manager/libweight_manager.so", "weight_manager/__
            if n not in names]
 if not any(n.endswith(".data/scripts/wm") for n in names):
     missing.append("<name>.data/scripts/wm")
+# The `ucx` extra brings a UCX new enough (setup.py: extras_require).
+metadata = [n for n in names if n.endswith(".dist-info/METADATA")]
+text = zipfile.ZipFile(sys.argv[1]).read(metadata[0]).decode() if metadata else ""
+if "Requires-Dist: libucx-cu12>=1.14; extra == \"ucx\"" not in text:
+    missing.append("the ucx extra (libucx-cu12>=1.14) in METADATA")
 if missing:
     sys.exit(f"wheel test: {sys.argv[1]} lacks {missing}; it holds {names}")
 PY
