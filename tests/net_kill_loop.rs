@@ -51,6 +51,8 @@ impl Rng {
 }
 
 /// `wm serve --net` of `dir` for one engine; its address, read from stdout.
+/// The caller waits for the child it gets back.
+#[allow(clippy::zombie_processes)]
 fn serve(dir: &Path) -> (Child, String) {
     let mut c = Command::new(WM)
         .args(["serve", "--net", "127.0.0.1:0"])
