@@ -168,13 +168,45 @@ unsafe impl Sync for Lib {}
 
 /// Where libucp is looked for: `WM_UCX_LIB` alone when set (a path, e.g. the
 /// libucx wheel's `libucx/lib/libucp.so.0`, which the Python package sets by
-/// default when that wheel is installed), else the dynamic linker's search
+/// default when that wheel is installed), else that wheel beside this
+/// executable (see [`wheel_beside_exe`]), then the dynamic linker's search
 /// path.
 fn candidates() -> Vec<String> {
     match std::env::var("WM_UCX_LIB") {
         Ok(p) if !p.is_empty() => vec![p],
-        _ => vec!["libucp.so.0".into(), "libucp.so".into()],
+        _ => wheel_beside_exe()
+            .into_iter()
+            .chain(["libucp.so.0".into(), "libucp.so".into()])
+            .collect(),
     }
+}
+
+/// The libucx-cu12 wheel's libucp in the Python environment this executable
+/// was installed into (`<env>/bin/wm` beside
+/// `<env>/lib/python3.X/{site,dist}-packages/libucx/lib/libucp.so.0`), so that
+/// `wm` from `pip install weight_manager[ucx]` uses the same UCX as the
+/// Python package does. None elsewhere (a cargo build, an engine binary).
+fn wheel_beside_exe() -> Option<String> {
+    let exe = std::env::current_exe().ok()?;
+    let lib = exe.parent()?.parent()?.join("lib");
+    let mut pythons: Vec<_> = std::fs::read_dir(&lib)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("python3"))
+        })
+        .collect();
+    pythons.sort();
+    pythons.iter().find_map(|py| {
+        ["site-packages", "dist-packages"].iter().find_map(|dir| {
+            let libucp = py.join(dir).join("libucx/lib/libucp.so.0");
+            libucp
+                .is_file()
+                .then(|| libucp.to_string_lossy().into_owned())
+        })
+    })
 }
 
 /// The oldest UCX the network paths accept (see the module doc: older ones
@@ -198,6 +230,7 @@ pub fn load() -> Result<Lib, String> {
     let (mut a, mut b, mut r) = (0, 0, 0);
     // SAFETY: three out-parameters.
     unsafe { (api.ucp_get_version)(&mut a, &mut b, &mut r) };
+    let path = loaded_file(&api).unwrap_or(path);
     let lib = Lib {
         api,
         path,
@@ -214,6 +247,25 @@ pub fn load() -> Result<Lib, String> {
         eprintln!("weight_manager: WARNING: {why}; using it anyway ({ALLOW_OLD_ENV}=1)");
     }
     Ok(lib)
+}
+
+/// The file the library was loaded from (a name like `libucp.so.0` says
+/// little when the system has several UCX installs).
+fn loaded_file(api: &Api) -> Option<String> {
+    // SAFETY: Dl_info is plain data, filled by dladdr.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: any address may be asked about; this one is a function of the library.
+    let found = unsafe { libc::dladdr(api.ucp_get_version as *const c_void, &mut info) };
+    if found == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader,
+    // valid while the library stays loaded (for the process's life).
+    Some(
+        unsafe { CStr::from_ptr(info.dli_fname) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// Why `version` (loaded from `path`) is refused, or None when it is new
