@@ -6,7 +6,10 @@
 //! connection) keeping the old weights (atomic mode), and never abort the
 //! engine: the engines are Managers in this test process, so a UCX
 //! assertion (UCX 1.13's endpoint-purge abort, see `transport::ucx::sys`)
-//! kills the test binary and fails the run.
+//! kills the test binary and fails the run. On Debian's UCX 1.13.1
+//! (`WM_UCX_LIB=/usr/lib/x86_64-linux-gnu/libucp.so.0 WM_UCX_ALLOW_OLD=1`)
+//! every run aborted within its first 45 kills (6 runs); on the
+//! libucx-cu12 wheel's 1.22, which the suite uses, none has.
 //!
 //! Several lanes run side by side, each an engine and one publisher process
 //! at a time, so that kills, connection setups and endpoint purges overlap
@@ -202,8 +205,11 @@ impl Lane {
                     usual_us = (usual_us * 7 + took.as_micros() as u64) / 8;
                 }
                 Err(e) => {
+                    // PEER: died while connected; NOT_FOUND: no longer
+                    // listening when the engine connected.
                     let allowed = [
                         wm_result::WM_ERR_PEER,
+                        wm_result::WM_ERR_NOT_FOUND,
                         wm_result::WM_ERR_IO,
                         wm_result::WM_ERR_TIMEOUT,
                     ];
