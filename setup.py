@@ -87,6 +87,13 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     install_requires=["numpy"],
+    # `pip install weight_manager[ucx]`: a current UCX (the libucx-cu12
+    # wheel, 1.22 today) for the rdma and gdr paths, used by default once
+    # installed (_lib.default_ucx). An extra, not a dependency: it is 43 MB
+    # (140 MB installed) that IPC and snapshot users never load, and on RDMA
+    # clusters the system's UCX is the one to use (the wheel is built without
+    # InfiniBand verbs). The floor is the oldest UCX the library accepts.
+    extras_require={"ucx": ["libucx-cu12>=1.14"]},
     package_dir={"": relative(ROOT / "python")},
     packages=["weight_manager"],
     rust_extensions=[

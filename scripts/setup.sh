@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs what the tests need on a fresh machine: cmake, UCX (libucx0, for
-# the network paths; the library itself loads it at run time and works
-# without it), iproute2 (the network-namespace test), pkg-config as Debian packages, and
-# a Python virtual environment in .venv with numpy, safetensors and pytest.
+# Installs what the tests need on a fresh machine: cmake, Debian 12's UCX
+# 1.13.1 (libucx0: only for the test that an old UCX is refused; the tests
+# run on the libucx-cu12 wheel's UCX 1.22, see scripts/ucx_lib.sh),
+# iproute2 (the network-namespace test), pkg-config as Debian packages, and
+# a Python virtual environment in .venv with numpy, safetensors, pytest,
+# PyTorch and libucx-cu12.
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ fi
 
 stamp=.venv/.requirements
 if [ ! -f "$stamp" ] || ! cmp -s python/requirements-test.txt "$stamp"; then
-  echo "setup: creating .venv with $(tr '\n' ' ' < python/requirements-test.txt | sed 's/#[^ ]*//g')"
+  echo "setup: creating .venv with $(grep -v '^#' python/requirements-test.txt | tr '\n' ' ')"
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
   cp python/requirements-test.txt "$stamp"

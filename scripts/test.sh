@@ -12,6 +12,11 @@ bash scripts/setup.sh
 
 # No RDMA hardware here: the network tests run UCX over TCP on loopback.
 export UCX_TLS=tcp
+# Every network test (Rust, C, Python) runs against the libucx-cu12 wheel's
+# UCX 1.22 in .venv; a WM_UCX_LIB already set (another UCX) wins.
+WM_UCX_LIB=${WM_UCX_LIB:-$(bash scripts/ucx_lib.sh)}
+export WM_UCX_LIB
+echo "== UCX: $WM_UCX_LIB"
 
 echo "== Rust tests"
 cargo test --release --locked

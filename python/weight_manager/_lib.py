@@ -228,7 +228,37 @@ class ServeStats(ctypes.Structure):
     ]
 
 
+def default_ucx() -> None:
+    """Point the library at the libucx-cu12 wheel's UCX when that wheel is
+    installed (`pip install weight_manager[ucx]`) and WM_UCX_LIB is not set.
+
+    The Rust side loads libucp on the first network update, from WM_UCX_LIB
+    or else the system loader path, and refuses a UCX older than 1.14 (1.13,
+    Debian 12's, can abort the process when a publisher dies mid-update).
+    The wheel's UCX (1.22) is a current one wherever pip runs; setting the
+    variable here, before first use, also reaches `wm` processes started
+    from Python. A WM_UCX_LIB already set wins: `WM_UCX_LIB=libucp.so.0`
+    picks the system's (on RDMA clusters the wheel, built without verbs,
+    has no InfiniBand transports). Only the module's location is looked up:
+    importing `libucx` would load its libraries into this process.
+    """
+    if "WM_UCX_LIB" in os.environ:
+        return
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        libucp = Path(d) / "lib" / "libucp.so.0"
+        if libucp.is_file():
+            os.environ["WM_UCX_LIB"] = str(libucp)
+            return
+
+
 def load() -> ctypes.CDLL:
+    default_ucx()
     lib = ctypes.CDLL(_find_library())
     R = ctypes.c_uint32  # wm_result
     M = c_void_p  # wm_manager *

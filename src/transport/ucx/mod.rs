@@ -94,7 +94,7 @@ fn init() -> std::result::Result<Ucx, String> {
 }
 
 impl Ucx {
-    /// "UCX 1.13.1 (libucp.so.0)".
+    /// "UCX 1.22.0 (/path/to/libucp.so.0)".
     pub fn describe(&self) -> String {
         let (a, b, c) = self.lib.version;
         format!("UCX {a}.{b}.{c} ({})", self.lib.path)
