@@ -128,7 +128,7 @@ impl Receiver {
                 return Ok(Step::Moved);
             }
             if idle {
-                check_stall(self.st.waiting_since, p, "bytes", self.st.next)?;
+                check_stall(self.st.waiting_since, p, applier, ("bytes", self.st.next))?;
                 return Ok(Step::Waiting);
             }
         }
@@ -266,7 +266,7 @@ impl Receiver {
         let tag = net_tag(oldest.seq, k);
         let pump = self.pump.as_ref().expect("started");
         let Some(got) = poll_bytes(pump, p.link, &mut st.early, tag, oldest.seq, slice)? else {
-            check_stall(st.waiting_since, p, "bytes", oldest.seq)?;
+            check_stall(st.waiting_since, p, applier, ("bytes", oldest.seq))?;
             return Ok(Step::Waiting);
         };
         let e = &oldest.entries[k];
@@ -296,15 +296,23 @@ impl Receiver {
             return Ok(Step::Moved);
         }
         let seq = self.st.pending.front().map_or(0, |b| b.seq);
-        check_stall(self.st.waiting_since, p, "SUMS", seq)?;
+        check_stall(self.st.waiting_since, p, applier, ("SUMS", seq))?;
         Ok(Step::Waiting)
     }
 }
 
 /// Nothing moved since `since`, for the bucket timeout: `what` ("bytes",
-/// "SUMS") of bucket `seq` is late.
-fn check_stall(since: Instant, p: &Peer, what: &str, seq: u64) -> Result<()> {
-    if since.elapsed() <= p.opts.bucket_timeout {
+/// "SUMS") of bucket `seq` is late. Not when the update's own deadline
+/// comes first or with it: the update's timeout is then the one reported
+/// (both timers used to race at the same instant).
+fn check_stall(
+    since: Instant,
+    p: &Peer,
+    applier: &Applier,
+    (what, seq): (&str, u64),
+) -> Result<()> {
+    let bound = since + p.opts.bucket_timeout;
+    if Instant::now() <= bound || bound >= applier.deadline() {
         return Ok(());
     }
     Err(Error::timeout(format!(
