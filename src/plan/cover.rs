@@ -155,9 +155,7 @@ fn uncovered(piece: &TensorBox, g: Global, candidates: &[Held]) -> Option<Tensor
         .iter()
         .try_fold(1usize, |n, c| n.checked_mul(c.len() - 1));
     let work = cells.and_then(|c| c.checked_mul(candidates.len().max(1)));
-    let Some(cells) = cells.filter(|_| work.is_some_and(|w| w <= 4_000_000)) else {
-        return None;
-    };
+    let cells = cells.filter(|_| work.is_some_and(|w| w <= 4_000_000))?;
     let mut idx = vec![0usize; ndim];
     for _ in 0..cells {
         let cell = TensorBox {

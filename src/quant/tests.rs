@@ -301,18 +301,18 @@ fn a_block_split_over_holders_quantizes_as_the_whole() {
     };
     let [sr, sc] = Scheme::Blocks128.scales_shape(m, n);
     let mut amax = vec![0f32; sr * sc];
-    for k in 0..cuts.len() - 1 {
+    for (k, &at) in cuts[..cuts.len() - 1].iter().enumerate() {
         let mut mine = vec![0f32; sr * sc];
-        block_amax(Scheme::Blocks128, part(k), [cuts[k], 0], [m, n], &mut mine).unwrap();
+        block_amax(Scheme::Blocks128, part(k), [at, 0], [m, n], &mut mine).unwrap();
         amax.iter_mut().zip(&mine).for_each(|(a, b)| *a = a.max(*b));
     }
     let (mut q, mut s) = (Vec::new(), vec![0f32; sr * sc]);
-    for k in 0..cuts.len() - 1 {
+    for (k, &at) in cuts[..cuts.len() - 1].iter().enumerate() {
         let mut mine = vec![0u8; part(k).rows * n];
         quantize_with(
             Scheme::Blocks128,
             part(k),
-            ([cuts[k], 0], [m, n]),
+            ([at, 0], [m, n]),
             &amax,
             &mut mine,
             &mut s,
