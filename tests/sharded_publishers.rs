@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::sharded::{serving, Global};
+use common::sharded::{serial, serving, Global};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, Progress};
@@ -24,14 +24,6 @@ use weight_manager::wire::{Frame, Request, WantRun};
 use weight_manager::wm_result;
 
 const SECRET: &str = "sharded-secret-0123456789";
-
-/// Tests here share UCX (one environment per process) and bind sockets:
-/// one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Via {

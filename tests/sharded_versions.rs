@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::sharded::{serving, Global};
+use common::sharded::{serial, serving, Global};
 use std::path::PathBuf;
 use std::time::Duration;
 use weight_manager::apply::Mode;
@@ -24,13 +24,6 @@ use weight_manager::tensor::DType;
 use weight_manager::wm_result;
 
 const SECRET: &str = "sharded-versions-secret-0123";
-
-/// UCX is one environment per process and sockets are bound: one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Via {

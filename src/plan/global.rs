@@ -9,9 +9,10 @@
 
 use super::clock::Clock;
 use super::region::Span;
+use super::shard_check;
 use crate::box_sweep;
 use crate::manifest::{Manifest, TensorMeta};
-use crate::tensor::{byte_size, shape_text, DType};
+use crate::tensor::{shape_text, DType};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -338,7 +339,7 @@ fn global_of<'a>(
     guess: Option<usize>,
     problems: &mut Vec<String>,
 ) -> Option<usize> {
-    if let Some(p) = shard_problem(t) {
+    if let Some(p) = shard_check::shard_problem(t) {
         problems.push(p);
         return None;
     }
@@ -357,43 +358,6 @@ fn global_of<'a>(
         return None;
     }
     Some(k)
-}
-
-/// A tensor whose byte size or placement is wrong.
-fn shard_problem(t: &TensorMeta) -> Option<String> {
-    // The name is only formatted for an error (this runs for every shard).
-    match byte_size("", t.dtype, &t.shape) {
-        Ok(n) if n == t.nbytes => {}
-        Ok(n) => {
-            return Some(format!(
-                "tensor '{}': {} bytes but {} {} needs {n}",
-                t.name,
-                t.nbytes,
-                t.dtype,
-                shape_text(&t.shape)
-            ))
-        }
-        Err(_) => {
-            let what = format!("tensor '{}'", t.name);
-            return byte_size(&what, t.dtype, &t.shape).err().map(|e| e.message);
-        }
-    }
-    let p = t.placement.as_ref()?;
-    let inside = p.offset.len() == t.shape.len()
-        && p.global_shape.len() == t.shape.len()
-        && (0..t.shape.len()).all(|d| {
-            p.offset[d]
-                .checked_add(t.shape[d])
-                .is_some_and(|end| end <= p.global_shape[d])
-        });
-    (!inside).then(|| {
-        format!(
-            "tensor '{}': shard {} is not a box of its global shape {}",
-            t.name,
-            Span::of_shard(t),
-            shape_text(&p.global_shape)
-        )
-    })
 }
 
 /// Sort the boxes of global tensor `k` (`held[range]`) by offset and join

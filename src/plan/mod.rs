@@ -35,6 +35,7 @@ mod region;
 #[cfg(test)]
 mod reuse_tests;
 mod runs;
+mod shard_check;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]

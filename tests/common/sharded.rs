@@ -11,6 +11,14 @@ use weight_manager::tensor_box::TensorBox;
 
 pub const F32: u64 = 4;
 
+/// Tests of one binary share UCX (one environment per process) and bind
+/// sockets: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A global f32 tensor: its name, shape and bytes (different per name and
 /// per `seed`, so a byte from the wrong tensor or version shows).
 pub struct Global {
