@@ -310,3 +310,32 @@ fn bench_shard_prints_planning_beside_its_target_and_floor() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--section nope: not one of planning"));
 }
+
+/// `wm plan` applies the manager's rule to global tensors an engine rank
+/// does not read: skipped in a sharded layout (here each trainer rank holds
+/// every expert, each engine rank reads two), refused naming the tensor in
+/// a one-to-one layout (one trainer rank of whole tensors, every param
+/// whole), as an update would.
+#[test]
+fn unread_global_tensors_follow_the_managers_rule() {
+    let trainer = json!({"ranks": 2, "dtype": "bf16", "tensors": [
+        {"name": "e{E}", "experts": 4, "shape": [8, 4], "split": 0}
+    ]});
+    let engine = json!({"ranks": 2, "dtype": "bf16", "params": [
+        {"name": "experts", "experts": 4, "ep": 2, "stack": 0, "pieces": [{"tensor": "e{E}"}]}
+    ]});
+    let (_d, t, e) = write_pair(&trainer, &engine);
+    let v = report(&wm_plan(&t, &e, &["--json"]));
+    assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0, "{v}");
+    let one_to_one = json!({"ranks": 1, "dtype": "bf16", "tensors": [
+        {"name": "a", "shape": [8, 4], "replicate": true},
+        {"name": "extra", "shape": [8, 4], "replicate": true}
+    ]});
+    let engine = json!({"ranks": 1, "dtype": "bf16", "params": [{"name": "a"}]});
+    let (_d, t, e) = write_pair(&one_to_one, &engine);
+    let err = failure(&wm_plan(&t, &e, &[]));
+    assert!(
+        err.contains("tensor 'extra' is not a registered param"),
+        "{err}"
+    );
+}

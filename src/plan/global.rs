@@ -121,7 +121,8 @@ pub(super) struct Globals<'a> {
     more: Vec<Box<[ShardRef]>>,
     /// Every replica beside the first holder of its box, as pairs.
     pub replicas: Vec<(ShardRef, ShardRef)>,
-    /// Some shard is placed in a larger global tensor (sharded sources).
+    /// Some shard is a part of a larger global tensor (sharded sources; a
+    /// whole tensor announced with a placement is still whole).
     pub placed: bool,
 }
 
@@ -278,7 +279,10 @@ fn intern_all<'a>(
             let at = u32::try_from(g.boxes.len()).expect("shard boxes are numbered in 32 bits");
             let global = u32::try_from(k).expect("global tensors are numbered in 32 bits");
             of.push(Interned { global, at });
-            g.placed |= t.placement.is_some();
+            g.placed |= t
+                .placement
+                .as_ref()
+                .is_some_and(|p| p.global_shape != t.shape);
             let region = Span::of_shard(t);
             // Element by element: a few numbers are not worth a memcpy call.
             for &x in region.offset.iter().chain(region.len) {

@@ -88,11 +88,12 @@ pub fn plan_rank(
     // the slowest part and the figure hid it.
     let t0 = Instant::now();
     let params = engine.rank_params(rank, trainer).map_err(fail)?;
+    // The manager's rule, not a looser one: in a sharded layout (several
+    // trainer ranks, split tensors or params with pieces) what this rank
+    // does not read is skipped (the report counts what no rank reads); a
+    // one-to-one layout refuses a tensor no param names, as an update would.
     let opts = PlanOptions {
         spread: rank,
-        // A trainer holds every rank's experts: what this rank does not
-        // read is skipped (the report counts what no rank reads).
-        skip_unknown: true,
         ..Default::default()
     };
     let quiet = Logger::stderr(LogLevel::Off);
