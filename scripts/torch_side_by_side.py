@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The library beside PyTorch doing the same job, in the same process and
+the same state, alternating, and the median of the per-pair ratios: the
+comparison that cannot flatter either side (unlike a figure taken while one
+side's process holds more memory than the other's).
+
+    .venv/bin/python scripts/torch_side_by_side.py [--gib 1] [--pairs 10]
+
+Sections:
+- snapshot, in place: one bf16 safetensors file in the page cache, the same
+  pre-faulted torch params (registered with `Manager.register_module`);
+  PyTorch: `safetensors.torch.load_file(path)` then `param.copy_()` each;
+  ours: `Manager.update(dir, in_place=True)`. Floor beside it: the file
+  mapped and copied into the params by numpy (`np.memmap` + `copyto`).
+- quant: FP8 E4M3 128x128 blocks are measured by `wm bench quant` (the
+  library's quantizer has no Python binding yet).
+
+Prints one line per figure: ours, theirs, floor, and `ours / theirs` (above
+1: ours is faster). No figure is asserted: this is a benchmark.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def alternate(pairs: int, ours, theirs):
+    """Run ours and theirs `pairs` times, the order flipping each pair;
+    the median of theirs/ours (speedup) and each side's best time."""
+    ratios, best_o, best_t = [], float("inf"), float("inf")
+    for k in range(pairs):
+        if k % 2 == 0:
+            o, t = _timed(ours), _timed(theirs)
+        else:
+            t, o = _timed(theirs), _timed(ours)
+        ratios.append(t / o)
+        best_o, best_t = min(best_o, o), min(best_t, t)
+    return statistics.median(ratios), best_o, best_t
+
+
+def snapshot(gib: float, pairs: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from weight_manager import Manager
+
+    layer = (4096, 8192)  # 64 MiB of bf16
+    count = max(1, int(gib * 16))
+    with tempfile.TemporaryDirectory() as d:
+        g = torch.Generator().manual_seed(1)
+        tensors = {f"layers.{i}.w": torch.randn(layer, generator=g).to(torch.bfloat16) for i in range(count)}
+        path = Path(d) / "model_state.tp0.0.safetensors"
+        save_file(tensors, str(path))
+        (Path(d) / "version.yaml").write_text("step: 1\n")
+        del tensors
+        total = path.stat().st_size
+        with open(path, "rb") as f:  # into the page cache
+            while f.read(64 << 20):
+                pass
+        params = torch.nn.Module()
+        for i in range(count):
+            p = torch.nn.Parameter(torch.ones(layer, dtype=torch.bfloat16), requires_grad=False)
+            params.register_parameter(f"p{i}", p)
+        m = Manager(fallback_dir=None)
+        m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+        live = [getattr(params, f"p{i}") for i in range(count)]
+
+        def theirs():
+            loaded = load_file(str(path))
+            with torch.no_grad():
+                for i, p in enumerate(live):
+                    p.copy_(loaded[f"layers.{i}.w"])
+
+        def ours():
+            m.update(d, in_place=True)
+
+        # The floor: the file mapped, each tensor's bytes copied into its
+        # param by torch (its threads), with no parsing or allocation.
+        header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r").view(np.uint8))
+        meta = _header(path)
+        spans = [(header + meta[f"layers.{i}.w"]["data_offsets"][0], p) for i, p in enumerate(live)]
+
+        def floor():
+            with torch.no_grad():
+                for at, p in spans:
+                    n = p.numel() * p.element_size()
+                    p.view(-1).view(torch.uint8).copy_(mapped[at: at + n])
+
+        ratio, o, t = alternate(pairs, ours, theirs)
+        _, _, fl = alternate(max(3, pairs // 2), floor, floor)
+        print(f"snapshot in place, {total / 2**30:.2f} GiB bf16, {torch.get_num_threads()} torch threads: "
+              f"wm {total / o / 1e9:.2f} GB/s, torch load_file + copy_() {total / t / 1e9:.2f} GB/s, "
+              f"mapped file + copy floor {total / fl / 1e9:.2f} GB/s; "
+              f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs), wm / floor {fl / o:.2f}")
+        m.close()
+
+
+def _header(path: Path) -> dict:
+    import json
+    raw = path.read_bytes()[:8]
+    n = int.from_bytes(raw, "little")
+    with open(path, "rb") as f:
+        f.seek(8)
+        h = json.loads(f.read(n))
+    h.pop("__metadata__", None)
+    return h
+
+
+def main() -> None:
+    # np.memmap is read-only; torch warns once when it wraps it (it is only read).
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--pairs", type=int, default=10)
+    a = ap.parse_args()
+    snapshot(a.gib, a.pairs)
+
+
+if __name__ == "__main__":
+    main()
