@@ -65,6 +65,7 @@ pub mod checksum;
 /// Not C API: the header's field comments state these values.
 /// cbindgen:ignore
 pub mod defaults;
+pub mod delta;
 pub(crate) mod dynlib;
 pub mod fanout;
 pub mod ffi;

@@ -555,3 +555,47 @@ fn planning_stops_at_the_deadline() {
     assert_eq!(e.code, weight_manager::wm_result::WM_ERR_TIMEOUT, "{e}");
     assert!(e.message.contains("deadline passed while planning"), "{e}");
 }
+
+/// A delta (`weight_manager::delta`) applied onto a run of bf16 elements:
+/// hostile positions, counts, forms and lengths are refused or applied,
+/// never a panic, within the time and memory bounds; what applies
+/// re-encodes to a delta that gives the same bytes.
+#[test]
+fn fuzz_delta_apply() {
+    use weight_manager::delta::{apply, encode};
+    let elems = 70_000;
+    let old: Vec<u8> = (0..elems * 2).map(|i| (i * 7 % 251) as u8).collect();
+    let seeds: Vec<Vec<u8>> = [1usize, 53, 3, 1]
+        .iter()
+        .enumerate()
+        .map(|(k, &every)| {
+            let mut new = old.clone();
+            for (i, e) in new.chunks_exact_mut(2).enumerate() {
+                if k < 3 && i % every == 0 {
+                    e[1] ^= 0x40;
+                }
+            }
+            let mut d = Vec::new();
+            encode(&old, &new, 2, &mut d);
+            d
+        })
+        .collect();
+    let target = Target {
+        name: "delta apply",
+        seeds,
+        tokens: &[&[0], &[1], &[2], &[3], &[0x80, 0x80], &[0xff, 0xff, 0x03]],
+        max_len: 1 << 18,
+    };
+    fuzz(target, |bytes| {
+        let mut run = old.clone();
+        if apply(bytes, &mut run, 2).is_err() {
+            return false;
+        }
+        let mut again = Vec::new();
+        encode(&old, &run, 2, &mut again);
+        let mut check = old.clone();
+        apply(&again, &mut check, 2).expect("a delta the encoder wrote applies");
+        assert!(check == run, "re-encoded delta gives other bytes");
+        true
+    });
+}

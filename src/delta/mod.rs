@@ -1,0 +1,288 @@
+//! Deltas: the elements of a run that changed since a base, encoded per
+//! chunk in whichever form is smallest, and applied onto the base.
+//!
+//! From one RL step to the next most bf16 weights keep their exact bits, so
+//! a run is sent as its changes against the version the engine holds. A run
+//! is cut into chunks of [`CHUNK`] elements; each chunk is one of:
+//!
+//! | tag | form | bytes after the tag |
+//! |---|---|---|
+//! | 0 | unchanged | none |
+//! | 1 | whole | every element's new bytes |
+//! | 2 | bitmask | one bit per element (LSB first), then the changed elements' new bytes in order |
+//! | 3 | gaps | the count, then each changed element's distance from the previous one minus one (the first: its index), LEB128 varints; then their new bytes in order |
+//!
+//! The encoder picks the smallest (gaps for sparse changes: about 1 byte of
+//! position per change at 2% changed; bitmask for dense ones; whole when
+//! neither saves). Element bytes are compared and copied as bytes: the
+//! result is the new run exactly, whatever the dtype (NaN payloads, -0).
+//!
+//! The decoder trusts nothing: a position outside the chunk, a count that
+//! disagrees with the bytes, a tag it does not know, a run that ends early
+//! or has bytes left over is a [`DeltaError`] naming the chunk; it
+//! allocates nothing and its work is linear in the delta and the run.
+
+#[cfg(test)]
+mod tests;
+
+/// Elements per chunk (crate-internal: cbindgen exports public constants):
+/// positions in a chunk fit 16 bits, and a chunk's
+/// bitmask is 4 KiB.
+pub(crate) const CHUNK: usize = 1 << 15;
+
+const UNCHANGED: u8 = 0;
+const WHOLE: u8 = 1;
+const BITMASK: u8 = 2;
+const GAPS: u8 = 3;
+
+/// Why a delta cannot be applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeltaError(pub String);
+
+impl std::fmt::Display for DeltaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What an encoding made: chunks of each form, changed elements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Encoded {
+    pub unchanged: u64,
+    pub whole: u64,
+    pub bitmask: u64,
+    pub gaps: u64,
+    pub changed: u64,
+}
+
+/// Append the delta turning `old` into `new` (elements of `esize` bytes,
+/// same length) to `out`; returns what it chose.
+pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encoded {
+    assert!(esize > 0 && old.len() == new.len() && old.len() % esize == 0);
+    let mut stats = Encoded::default();
+    let mut diff = vec![0u64; CHUNK / 64];
+    let step = CHUNK * esize;
+    for (o, n) in old.chunks(step).zip(new.chunks(step)) {
+        if o == n {
+            out.push(UNCHANGED);
+            stats.unchanged += 1;
+            continue;
+        }
+        let elems = o.len() / esize;
+        let words = &mut diff[..elems.div_ceil(64)];
+        diff_bits(o, n, esize, words);
+        let changed = words.iter().map(|w| w.count_ones() as usize).sum::<usize>();
+        stats.changed += changed as u64;
+        let whole = elems * esize;
+        let bitmask = elems.div_ceil(8) + changed * esize;
+        let gaps = gaps_size(words, changed) + changed * esize;
+        if whole <= bitmask.min(gaps) {
+            out.push(WHOLE);
+            out.extend_from_slice(n);
+            stats.whole += 1;
+            continue;
+        }
+        if bitmask <= gaps {
+            out.push(BITMASK);
+            let bytes = words.iter().flat_map(|w| w.to_le_bytes());
+            out.extend(bytes.take(elems.div_ceil(8)));
+            stats.bitmask += 1;
+        } else {
+            out.push(GAPS);
+            put_varint(changed, out);
+            let mut prev = None;
+            for i in set_bits(words) {
+                put_varint(prev.map_or(i, |p: usize| i - p - 1), out);
+                prev = Some(i);
+            }
+            stats.gaps += 1;
+        }
+        for i in set_bits(words) {
+            out.extend_from_slice(&n[i * esize..(i + 1) * esize]);
+        }
+    }
+    stats
+}
+
+/// Apply `delta` (as [`encode`] writes it) onto `run`, which holds the base
+/// and ends holding the new bytes. On error `run` may hold part of the new
+/// bytes: apply onto a copy (atomic updates) or mark the run failed.
+pub fn apply(delta: &[u8], run: &mut [u8], esize: usize) -> Result<(), DeltaError> {
+    if esize == 0 || run.len() % esize != 0 {
+        return Err(DeltaError(format!(
+            "a run of {} bytes is not whole elements of {esize} bytes",
+            run.len()
+        )));
+    }
+    let mut r = Reader { b: delta, at: 0 };
+    for (k, chunk) in run.chunks_mut(CHUNK * esize).enumerate() {
+        let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
+        match r
+            .byte()
+            .ok_or_else(|| bad("the delta ends before it".into()))?
+        {
+            UNCHANGED => {}
+            WHOLE => chunk.copy_from_slice(r.take(chunk.len()).map_err(bad)?),
+            BITMASK => apply_bitmask(&mut r, chunk, esize).map_err(bad)?,
+            GAPS => apply_gaps(&mut r, chunk, esize).map_err(bad)?,
+            t => return Err(bad(format!("unknown form {t}"))),
+        }
+    }
+    match r.b.len() - r.at {
+        0 => Ok(()),
+        n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
+    }
+}
+
+/// One bit per element, set where its bytes differ (64 elements a word).
+fn diff_bits(o: &[u8], n: &[u8], esize: usize, words: &mut [u64]) {
+    let block = 64 * esize;
+    for ((w, a), b) in words.iter_mut().zip(o.chunks(block)).zip(n.chunks(block)) {
+        *w = match esize {
+            2 => word_of::<2>(a, b),
+            1 => word_of::<1>(a, b),
+            4 => word_of::<4>(a, b),
+            _ => a
+                .chunks_exact(esize)
+                .zip(b.chunks_exact(esize))
+                .enumerate()
+                .fold(0, |m, (j, (x, y))| m | ((x != y) as u64) << j),
+        };
+    }
+}
+
+#[inline(always)]
+fn word_of<const E: usize>(a: &[u8], b: &[u8]) -> u64 {
+    let mut m = 0u64;
+    for (j, (x, y)) in a.chunks_exact(E).zip(b.chunks_exact(E)).enumerate() {
+        let x: [u8; E] = x.try_into().expect("E bytes");
+        let y: [u8; E] = y.try_into().expect("E bytes");
+        m |= ((x != y) as u64) << j;
+    }
+    m
+}
+
+/// The indices of the set bits, in order.
+fn set_bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
+    words.iter().enumerate().flat_map(|(k, &w)| {
+        let mut w = w;
+        std::iter::from_fn(move || {
+            (w != 0).then(|| {
+                let i = w.trailing_zeros() as usize;
+                w &= w - 1;
+                k * 64 + i
+            })
+        })
+    })
+}
+
+fn gaps_size(words: &[u64], changed: usize) -> usize {
+    let mut prev = None;
+    let mut size = varint_len(changed);
+    for i in set_bits(words) {
+        size += varint_len(prev.map_or(i, |p: usize| i - p - 1));
+        prev = Some(i);
+    }
+    size
+}
+
+fn varint_len(x: usize) -> usize {
+    1 + (usize::BITS - x.max(1).leading_zeros()).saturating_sub(1) as usize / 7
+}
+
+fn put_varint(mut x: usize, out: &mut Vec<u8>) {
+    while x >= 0x80 {
+        out.push(x as u8 | 0x80);
+        x >>= 7;
+    }
+    out.push(x as u8);
+}
+
+/// The delta's bytes, read front to back with every length checked.
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn byte(&mut self) -> Option<u8> {
+        let x = *self.b.get(self.at)?;
+        self.at += 1;
+        Some(x)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
+        let end =
+            end.ok_or_else(|| format!("{n} bytes announced, {} left", self.b.len() - self.at))?;
+        let out = &self.b[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    /// A LEB128 varint of at most 5 bytes (positions fit 16 bits).
+    fn varint(&mut self) -> Result<usize, String> {
+        let mut x = 0usize;
+        for shift in (0..35).step_by(7) {
+            let b = self.byte().ok_or("a number cut short")?;
+            x |= ((b & 0x7f) as usize) << shift;
+            if b & 0x80 == 0 {
+                return Ok(x);
+            }
+        }
+        Err("a number of more than 5 bytes".into())
+    }
+}
+
+fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), String> {
+    let elems = chunk.len() / esize;
+    let mask = r.take(elems.div_ceil(8))?;
+    if elems % 8 != 0 && mask[mask.len() - 1] >> (elems % 8) != 0 {
+        return Err("bits set past the chunk's last element".into());
+    }
+    let count = mask.iter().map(|b| b.count_ones() as usize).sum::<usize>();
+    let values = r.take(count * esize)?;
+    let mut v = values.chunks_exact(esize);
+    for (byte_at, &bits) in mask.iter().enumerate() {
+        let mut bits = bits;
+        while bits != 0 {
+            let i = byte_at * 8 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let x = v.next().expect("counted");
+            chunk[i * esize..(i + 1) * esize].copy_from_slice(x);
+        }
+    }
+    Ok(())
+}
+
+fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), String> {
+    let elems = chunk.len() / esize;
+    let count = r.varint()?;
+    if count == 0 || count > elems {
+        return Err(format!("{count} changed elements in a chunk of {elems}"));
+    }
+    // Positions are read twice (checked, then applied), so nothing is
+    // allocated for them: the values follow the positions.
+    let start = r.at;
+    let mut next = 0usize;
+    for _ in 0..count {
+        let gap = r.varint()?;
+        next = next
+            .checked_add(gap)
+            .filter(|&p| p < elems)
+            .ok_or_else(|| format!("a position past the chunk's {elems} elements"))?
+            + 1;
+    }
+    let values = r.take(count * esize)?;
+    let mut pos = Reader {
+        b: &r.b[..r.at],
+        at: start,
+    };
+    let mut next = 0usize;
+    for x in values.chunks_exact(esize) {
+        let i = next + pos.varint()?;
+        chunk[i * esize..(i + 1) * esize].copy_from_slice(x);
+        next = i + 1;
+    }
+    Ok(())
+}

@@ -1,0 +1,129 @@
+use super::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// `old` with a `share` of its elements changed (at random places).
+fn changed(rng: &mut Rng, old: &[u8], esize: usize, share: f64) -> Vec<u8> {
+    let mut new = old.to_vec();
+    for e in new.chunks_exact_mut(esize) {
+        if (rng.next() % 1_000_000) as f64 / 1e6 < share {
+            e[0] ^= 1 + (rng.next() % 255) as u8;
+        }
+    }
+    new
+}
+
+fn round_trip(old: &[u8], new: &[u8], esize: usize) -> (usize, Encoded) {
+    let mut delta = Vec::new();
+    let stats = encode(old, new, esize, &mut delta);
+    let mut run = old.to_vec();
+    apply(&delta, &mut run, esize).unwrap();
+    assert!(
+        run == new,
+        "esize {esize}: the delta applied gives the new bytes"
+    );
+    (delta.len(), stats)
+}
+
+#[test]
+fn every_share_and_element_size_round_trips_exactly() {
+    let mut rng = Rng(3);
+    for esize in [1, 2, 3, 4] {
+        for len in [0, 1, 63, 64, 65, CHUNK - 1, CHUNK, 2 * CHUNK + 17] {
+            let old: Vec<u8> = (0..len * esize).map(|_| rng.next() as u8).collect();
+            for share in [0.0, 0.0001, 0.02, 0.3, 0.9, 1.0] {
+                let new = changed(&mut rng, &old, esize, share);
+                round_trip(&old, &new, esize);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_smallest_form_is_chosen_and_two_percent_costs_under_four_percent() {
+    let mut rng = Rng(5);
+    let old: Vec<u8> = (0..8 * CHUNK * 2).map(|_| rng.next() as u8).collect();
+    let same = round_trip(&old, &old, 2);
+    assert_eq!((same.0, same.1.unchanged), (8, 8));
+    // 2% of bf16 elements: gaps, about 3 bytes per change (a varint and
+    // the value): under 0.04 of the whole bytes.
+    let new = changed(&mut rng, &old, 2, 0.02);
+    let (n, s) = round_trip(&old, &new, 2);
+    assert_eq!(s.gaps, 8, "{s:?}");
+    let ratio = n as f64 / old.len() as f64;
+    assert!(ratio < 0.035, "2% changed: delta / whole = {ratio}");
+    // Half changed: a bitmask; all changed: whole.
+    let new = changed(&mut rng, &old, 2, 0.5);
+    assert_eq!(round_trip(&old, &new, 2).1.bitmask, 8);
+    let new: Vec<u8> = old.iter().map(|b| !b).collect();
+    assert_eq!(round_trip(&old, &new, 2).1.whole, 8);
+}
+
+/// A delta of one chunk of `elems` 2-byte elements: `body` after tag `tag`.
+fn hostile(tag: u8, body: &[u8], elems: usize) -> String {
+    let mut delta = vec![tag];
+    delta.extend_from_slice(body);
+    let mut run = vec![7u8; elems * 2];
+    let before = run.clone();
+    let e = apply(&delta, &mut run, 2).unwrap_err();
+    if tag > BITMASK || tag == UNCHANGED {
+        assert_eq!(run, before, "nothing written before the error was found");
+    }
+    e.0
+}
+
+#[test]
+fn hostile_deltas_are_refused_naming_the_chunk() {
+    let cases: Vec<(u8, Vec<u8>, usize, &str)> = vec![
+        // Gaps: a position past the chunk (8 elements, gap 8).
+        (
+            GAPS,
+            vec![1, 8, 0, 0],
+            8,
+            "chunk 0: a position past the chunk's 8 elements",
+        ),
+        // Two positions, the second past the end (0 then gap 7 -> 8).
+        (GAPS, vec![2, 0, 7, 0, 0, 0, 0], 8, "past the chunk"),
+        // A count that disagrees with the bytes: 3 announced, values for 1.
+        (GAPS, vec![3, 0, 0, 0, 9, 9], 8, "6 bytes announced, 2 left"),
+        (GAPS, vec![0], 8, "0 changed elements"),
+        (GAPS, vec![9], 8, "9 changed elements in a chunk of 8"),
+        (
+            GAPS,
+            vec![1, 0x80, 0x80, 0x80, 0x80, 0x80, 0],
+            8,
+            "more than 5 bytes",
+        ),
+        (GAPS, vec![1, 0x80], 8, "cut short"),
+        // Bitmask: bits past the last element, values missing.
+        (
+            BITMASK,
+            vec![0b1000_0000],
+            7,
+            "bits set past the chunk's last element",
+        ),
+        (BITMASK, vec![0b11, 1, 2], 8, "4 bytes announced, 2 left"),
+        (WHOLE, vec![1, 2, 3], 8, "16 bytes announced, 3 left"),
+        (9, vec![], 8, "unknown form 9"),
+    ];
+    for (tag, body, elems, want) in cases {
+        let e = hostile(tag, &body, elems);
+        assert!(e.contains(want), "want '{want}' in: {e}");
+    }
+    let mut run = vec![0u8; 16];
+    let e = apply(&[UNCHANGED, 0], &mut run, 2).unwrap_err();
+    assert!(e.0.contains("1 bytes after the run's last chunk"), "{e}");
+    let e = apply(&[], &mut run, 2).unwrap_err();
+    assert!(e.0.contains("chunk 0: the delta ends before it"), "{e}");
+    assert!(apply(&[], &mut run[..3], 2).is_err());
+}
