@@ -16,9 +16,8 @@
 //! weights (about 1e-2, a few blocks far larger or smaller).
 
 use crate::bench::Scratch;
+use crate::bench_torch::{alternate, TorchPeer};
 use crate::fmt::gbps;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager::quant::{self, Scheme, Source};
 use weight_manager::tensor::DType;
@@ -54,50 +53,6 @@ for line in sys.stdin:
     print(time.perf_counter() - t, flush=True)
 "#;
 
-struct TorchPeer {
-    child: Child,
-    stdin: ChildStdin,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
-}
-
-impl TorchPeer {
-    fn start(path: &std::path::Path, count: usize) -> Result<TorchPeer, String> {
-        let py = crate::bench_atomic::python();
-        let mut child = Command::new(&py)
-            .args(["-c", TORCH_PEER])
-            .arg(path)
-            .args([count, SHAPE[0], SHAPE[1]].map(|x| x.to_string()))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("running {py}: {e} (set WM_PYTHON)"))?;
-        let stdin = child.stdin.take().expect("piped");
-        let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-        match lines.next() {
-            Some(Ok(l)) if l == "ready" => Ok(TorchPeer {
-                child,
-                stdin,
-                lines,
-            }),
-            _ => Err(format!("{py} has no torch and numpy")),
-        }
-    }
-
-    fn run(&mut self, threads: usize) -> Result<Duration, String> {
-        writeln!(self.stdin, "run {threads}").map_err(|e| e.to_string())?;
-        let line = self.lines.next().and_then(|l| l.ok()).unwrap_or_default();
-        let secs: f64 = line.trim().parse().map_err(|_| "PyTorch printed no time")?;
-        Ok(Duration::from_secs_f64(secs))
-    }
-}
-
-impl Drop for TorchPeer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Quantize every tensor on `threads` threads (each a band of whole
 /// block rows: bands share no block, so each is quantized alone).
 fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize) -> Duration {
@@ -130,11 +85,6 @@ fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize)
         });
     }
     t.elapsed()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// bf16 weights: about 1e-2, every 16th block 1e3 times larger or smaller.
@@ -181,7 +131,9 @@ pub fn run(a: &crate::Args) -> Result<(), String> {
     std::fs::create_dir_all(&scratch.0).map_err(|e| e.to_string())?;
     let file = scratch.0.join("weights.bin");
     std::fs::write(&file, inputs.concat()).map_err(|e| e.to_string())?;
-    let mut torch = TorchPeer::start(&file, count);
+    let args = [file.display().to_string(), count.to_string()];
+    let args = [&args[..], &SHAPE.map(|x| x.to_string())].concat();
+    let mut torch = TorchPeer::start(TORCH_PEER, &args);
     if let Err(e) = &torch {
         println!("  torch  skipped: {e}");
     }
@@ -205,63 +157,40 @@ fn section(
     inputs: &[Vec<u8>],
     outputs: &mut [(Vec<u8>, Vec<f32>)],
     threads: usize,
-    mut torch: Option<&mut TorchPeer>,
+    torch: Option<&mut TorchPeer>,
     (total, pairs): (u64, usize),
 ) -> Result<(), String> {
     let mut dst: Vec<Vec<u8>> = inputs.iter().map(|x| vec![1u8; x.len()]).collect();
-    let (mut floor_ratio, mut torch_ratio) = (Vec::new(), Vec::new());
-    let (mut best_ours, mut best_copy, mut best_torch) =
-        (Duration::MAX, Duration::MAX, Duration::MAX);
-    for k in 0..pairs.max(1) {
-        let copy = |dst: &mut Vec<Vec<u8>>| {
-            let t = Instant::now();
-            for (d, x) in dst.iter_mut().zip(inputs) {
-                crate::bench_floors::memcpy_floor(x, d, threads)?;
-            }
-            Ok::<_, String>(t.elapsed())
-        };
-        let (o, c) = match k % 2 {
-            0 => (ours(inputs, outputs, threads), copy(&mut dst)?),
-            _ => {
-                let c = copy(&mut dst)?;
-                (ours(inputs, outputs, threads), c)
-            }
-        };
-        floor_ratio.push(c.as_secs_f64() / o.as_secs_f64());
-        (best_ours, best_copy) = (best_ours.min(o), best_copy.min(c));
-        if let Some(t) = torch.as_deref_mut() {
-            let (o2, p) = match k % 2 {
-                0 => (ours(inputs, outputs, threads), t.run(threads)?),
-                _ => {
-                    let p = t.run(threads)?;
-                    (ours(inputs, outputs, threads), p)
-                }
-            };
-            torch_ratio.push(p.as_secs_f64() / o2.as_secs_f64());
-            best_torch = best_torch.min(p);
+    let outputs = std::cell::RefCell::new(outputs);
+    let quantize = || Ok(ours(inputs, &mut outputs.borrow_mut(), threads));
+    let copy = || {
+        let t = Instant::now();
+        for (d, x) in dst.iter_mut().zip(inputs) {
+            crate::bench_floors::memcpy_floor(x, d, threads)?;
         }
-    }
-    let per_core = match threads {
-        1 => " per core",
-        _ => "",
+        Ok(t.elapsed())
     };
-    let r = median(floor_ratio);
+    let (r, o, c) = alternate(pairs, quantize, copy)?;
+    let per_core = if threads == 1 { " per core" } else { "" };
+    let verdict = if threads == 1 {
+        crate::bench::verdict(r >= 0.5)
+    } else {
+        ""
+    };
     println!(
-        "  {threads} thread(s): wm quantize {:.2} GB/s of bf16, memcpy of the same bytes {:.2} GB/s: ratio {r:.2} (median of {pairs} pairs; target >= 0.5{per_core}) {}",
-        gbps(total, best_ours),
-        gbps(total, best_copy),
-        match threads {
-            1 => crate::bench::verdict(r >= 0.5),
-            _ => "",
-        }
+        "  {threads} thread(s): wm quantize {:.2} GB/s of bf16, memcpy of the same bytes {:.2} GB/s: ratio {r:.2} (median of {pairs} pairs; target >= 0.5{per_core}) {verdict}",
+        gbps(total, o),
+        gbps(total, c),
     );
-    if !torch_ratio.is_empty() {
-        let r = median(torch_ratio);
-        println!(
-            "  {threads} thread(s): PyTorch (same expression, same bytes) {:.2} GB/s: wm / torch {r:.2}x (median of {pairs} alternating pairs; target >= 2) {}",
-            gbps(total, best_torch),
-            crate::bench::verdict(r >= 2.0)
-        );
-    }
+    let Some(t) = torch else {
+        return Ok(());
+    };
+    let command = format!("run {threads}");
+    let (r, _, p) = alternate(pairs, quantize, || t.run(&command))?;
+    println!(
+        "  {threads} thread(s): PyTorch (same expression, same bytes) {:.2} GB/s: wm / torch {r:.2}x (median of {pairs} alternating pairs; target >= 2) {}",
+        gbps(total, p),
+        crate::bench::verdict(r >= 2.0)
+    );
     Ok(())
 }

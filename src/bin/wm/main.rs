@@ -16,6 +16,7 @@
 //! - `wm bench net`: rdma over UCX beside the raw UCX floor.
 //! - `wm bench gpu`: device params on a real GPU beside their floors.
 //! - `wm bench quant`: FP8 block quantization beside memcpy and PyTorch.
+//! - `wm bench delta`: deltas between training steps beside memcpy and PyTorch.
 //! - `wm bench shard`: sharded updates (planning; snapshot ranks slicing
 //!   one checkpoint) beside their targets and floors.
 //! - `wm serve --ipc | --net`: the trainer side, publishing a snapshot.
@@ -27,6 +28,7 @@
 
 mod bench;
 mod bench_atomic;
+mod bench_delta;
 mod bench_floors;
 mod bench_gpu;
 mod bench_ipc;
@@ -34,6 +36,7 @@ mod bench_net;
 mod bench_quant;
 mod bench_shard;
 mod bench_signal;
+mod bench_torch;
 mod bench_ucx_floor;
 mod demo;
 mod fixtures;
@@ -59,6 +62,7 @@ const USAGE: &str = "usage:
   wm bench net [--gib N] [--bucket-mib M] [--runs N]   (UCX_TLS=tcp without RDMA hardware)
   wm bench gpu [--gib N]                               (needs an NVIDIA GPU)
   wm bench quant [--gib N] [--runs N]                  FP8 block quantization beside memcpy and PyTorch
+  wm bench delta [--data DIR] [--gib N] [--runs N]     deltas between training steps, beside memcpy and PyTorch
   wm bench shard [--section planning|snapshot|ipc] [--pieces 10000] [--sources 8] [--runs 20] [--gib N | --quick] [--dir DIR]
   wm serve --ipc SOCKET DIR [--engines N] [--bucket-mib M] [--version V] [--accept-timeout S]
   wm serve --net HOST:PORT DIR... [--keep K] [--engines N] [--bucket-mib M]   (secret: WM_NET_SECRET)
@@ -185,6 +189,7 @@ fn run(argv: &[String]) -> Result<(), String> {
                 "pieces",
                 "sources",
                 "addresses",
+                "data",
             ])?;
             match a.positional.first().map(String::as_str) {
                 Some("snapshot") => bench::snapshot(&a),
@@ -196,14 +201,16 @@ fn run(argv: &[String]) -> Result<(), String> {
                 Some("net-publisher") => bench_net::publisher(&a),
                 Some("gpu") => bench_gpu::run(&a),
                 Some("quant") => bench_quant::run(&a),
+                Some("delta") => bench_delta::run(&a),
                 Some("shard") => bench_shard::run(&a),
                 Some("shard-snapshot-rank") => bench_shard::snapshot::rank(&a),
                 Some("shard-ucx-publisher") => bench_shard::ucx::publisher(&a),
                 Some("shard-ucx-rank") => bench_shard::ucx::rank(&a),
                 Some("shard-ipc-rank") => bench_shard::ipc::rank(&a),
-                _ => {
-                    Err("usage: wm bench snapshot|signal|ipc|net|gpu|shard|quant [options]".into())
-                }
+                _ => Err(
+                    "usage: wm bench snapshot|signal|ipc|net|gpu|shard|quant|delta [options]"
+                        .into(),
+                ),
             }
         }
         "signal" => {
