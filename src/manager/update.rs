@@ -4,6 +4,7 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
+use super::geometry::check_plan_memory;
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
@@ -166,6 +167,8 @@ impl Manager {
         let planned = self
             .plans
             .plan(&manifests, registry, opts, &self.config.logger)?;
+        // Before any source is asked for a byte (a WANT lists the blocks).
+        check_plan_memory(&planned.plan, registry, &sources)?;
         Ok(Prepared {
             sources,
             version,

@@ -40,6 +40,7 @@ mod sharded_tests;
 mod tests;
 
 use crate::manifest::{Manifest, SharedMeta, TensorMeta};
+use crate::result::{Error, Result};
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -162,6 +163,35 @@ pub struct Segment {
     pub len: u64,
 }
 
+/// Blocks a param may be cut into whatever its size: a small param may
+/// be cut into rows of a few bytes.
+pub const BLOCKS_FLOOR: u64 = 1 << 16;
+
+/// Above [`BLOCKS_FLOOR`], a param's blocks average at least this many
+/// bytes: a block costs the engine a 32-byte segment kept with the plan
+/// (and a step of every copy), so a param cut finer costs more memory
+/// than a sixtieth of its bytes. Tensor-parallel column splits cut rows
+/// of hundreds of bytes and more; 4,096 one-column f32 shards cut rows of
+/// 4 bytes.
+pub const MIN_BLOCK_BYTES: u64 = 64;
+
+/// The most blocks a param of `nbytes` bytes may be cut into.
+pub fn max_blocks(nbytes: u64) -> u64 {
+    BLOCKS_FLOOR.max(nbytes / MIN_BLOCK_BYTES)
+}
+
+/// A param the runs cut into more blocks than [`max_blocks`] allows
+/// ([`Plan::check_blocks`]): its blocks and limit, and the entry (a source
+/// tensor) bringing the most of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TooManyBlocks {
+    pub param: usize,
+    pub blocks: u64,
+    pub limit: u64,
+    pub entry: usize,
+    pub entry_blocks: u64,
+}
+
 #[derive(Clone, Debug)]
 pub struct Plan {
     /// In (source, tensor, target) order.
@@ -250,13 +280,76 @@ impl Plan {
             .all(|e| e.meta.is_in(&sources[e.source].tensors))
     }
 
-    /// Entry `entry`'s segments, in source order.
+    /// Entry `entry`'s segments, in source order. An update works them
+    /// out fallibly first ([`Plan::try_segments`]); elsewhere (tools,
+    /// tests) memory running out here aborts, as any allocation does.
     pub fn segments(&self, entry: usize) -> &[Segment] {
+        self.try_segments(entry)
+            .unwrap_or_else(|e| panic!("the segments of a plan entry: {e}"))
+    }
+
+    /// Entry `entry`'s segments, in source order, worked out on first use:
+    /// `WM_ERR_OUT_OF_MEMORY` naming the tensor and its source (by
+    /// number) when there is no room for them.
+    pub fn try_segments(&self, entry: usize) -> Result<&[Segment]> {
         let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
-        match slot {
-            Ok(Ok(slot)) => self.segments[slot].get_or_init(|| runs::segments(self.runs_of(entry))),
+        let Ok(Ok(slot)) = slot else {
             // A skipped entry (or none): no runs.
-            _ => &[],
+            return Ok(&[]);
+        };
+        if let Some(segs) = self.segments[slot].get() {
+            return Ok(segs);
+        }
+        let runs = self.runs_of(entry);
+        let segs = runs::segments(runs).map_err(|e| {
+            let rows: u64 = runs.iter().map(|r| r.rows).sum();
+            let who = &self.entries[entry];
+            Error::out_of_memory(format!(
+                "tensor '{}' of source #{}: no room for its {rows} segments: {e}",
+                who.meta.name, who.source
+            ))
+        })?;
+        Ok(self.segments[slot].get_or_init(|| segs))
+    }
+
+    /// Check that the runs cut no param into more blocks (rows) than
+    /// [`max_blocks`] of its bytes (`param_bytes(i)`), before any block is
+    /// listed: each costs a segment kept with the plan and a step of every
+    /// copy, and a source's geometry (4,096 one-column shards of a param)
+    /// is what decides how many there are. Err: the first param over, with
+    /// its blocks, its limit, and the entry bringing the most of them.
+    pub fn check_blocks(
+        &self,
+        param_bytes: impl Fn(usize) -> u64,
+    ) -> std::result::Result<(), TooManyBlocks> {
+        // Per param: blocks, and the entry with the most (entry, blocks).
+        let mut per: std::collections::HashMap<usize, (u64, usize, u64)> = Default::default();
+        for same in self
+            .runs
+            .chunk_by(|a, b| a.entry == b.entry && a.target == b.target)
+        {
+            let Target::Param(i) = same[0].target else {
+                continue;
+            };
+            let rows = same.iter().map(|r| r.rows).fold(0, u64::saturating_add);
+            let p = per.entry(i).or_insert((0, same[0].entry, 0));
+            p.0 = p.0.saturating_add(rows);
+            if rows > p.2 {
+                (p.1, p.2) = (same[0].entry, rows);
+            }
+        }
+        let over = per
+            .into_iter()
+            .find(|&(i, (blocks, ..))| blocks > max_blocks(param_bytes(i)));
+        match over {
+            None => Ok(()),
+            Some((param, (blocks, entry, entry_blocks))) => Err(TooManyBlocks {
+                param,
+                blocks,
+                limit: max_blocks(param_bytes(param)),
+                entry,
+                entry_blocks,
+            }),
         }
     }
 

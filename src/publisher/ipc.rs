@@ -15,15 +15,15 @@ use super::device_sums::DeviceSums;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, request_sizes, windows};
-use super::shard::{fill, Shard};
+use super::shard::{fill, Shard, BLOCK_BATCH};
 use super::stats::SessionStats;
 use super::streamer::{BucketSink, SessionIo};
 use super::sums::SliceSums;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
-use crate::result::{Error, Result};
+use crate::result::{try_vec, Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_windows, BucketEntry, CudaBuffer, Frame, Request};
+use crate::wire::{BucketEntry, CudaBuffer, Frame, Request};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
@@ -62,14 +62,16 @@ fn stream_published(
     let mut sink = IpcSink {
         pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
             if sums.any() {
-                let blocks = check_windows(seq, entries, len as u64, requests)?.blocks;
-                match &mut device_sums {
-                    Some(d) => d.hash(sums, base, &blocks, requests)?,
-                    // SAFETY: the blocks were just checked to lie in the buffer.
-                    None => unsafe {
-                        sums.hash(&blocks, |b| (base + b.buffer_offset) as *const u8)
-                    },
-                }
+                window_blocks(seq, entries, len as u64, requests, |blocks| {
+                    match &mut device_sums {
+                        Some(d) => d.hash(sums, base, blocks, requests)?,
+                        // SAFETY: the blocks were just checked to lie in the buffer.
+                        None => unsafe {
+                            sums.hash(blocks, |b| (base + b.buffer_offset) as *const u8)
+                        },
+                    }
+                    Ok(())
+                })?;
             }
             Ok(0)
         },
@@ -77,6 +79,47 @@ fn stream_published(
         windows: true,
     };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
+}
+
+/// The blocks of WINDOWS bucket `seq` (this publisher's own windows into
+/// its buffer of `buffer_len` bytes), each checked to lie in the buffer,
+/// handed to `f` a batch at a time in order: walked, not listed whole (a
+/// request of one-byte rows would be 32 bytes of list per byte).
+fn window_blocks(
+    seq: u64,
+    entries: &[BucketEntry],
+    buffer_len: u64,
+    requests: &[Request],
+    mut f: impl FnMut(&[BucketEntry]) -> Result<()>,
+) -> Result<()> {
+    let mut batch: Vec<BucketEntry> = try_vec(BLOCK_BATCH, "hashing a bucket's blocks")?;
+    for e in entries {
+        let q = &requests[e.request as usize];
+        let zero = (e.len == 0).then_some((0, e.offset, 0));
+        for (at, offset, len) in zero.into_iter().chain(q.pieces(e.offset, e.len)) {
+            let start = e.buffer_offset.saturating_add(at);
+            if start.saturating_add(len) > buffer_len {
+                return Err(Error::invalid_argument(format!(
+                    "bucket {seq}: a block of {len} bytes at {start} runs past the \
+                     {buffer_len}-byte version buffer"
+                )));
+            }
+            if batch.len() == BLOCK_BATCH {
+                f(&batch)?;
+                batch.clear();
+            }
+            batch.push(BucketEntry {
+                request: e.request,
+                offset,
+                len,
+                buffer_offset: start,
+            });
+        }
+    }
+    match batch.is_empty() {
+        true => Ok(()),
+        false => f(&batch),
+    }
 }
 
 /// Live tensors and files: packed into pooled bucket buffers.

@@ -26,7 +26,7 @@ pub use buckets::{
     pack_below_bytes, split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};
-pub use want::{check_requests, Request, WantRun};
+pub use want::{check_requests, Request, RequestPieces, WantRun, MAX_BLOCKS};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 2: manifest tensors carry their shard placement. 3: WANT asks for
