@@ -4,7 +4,7 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
-use super::geometry::check_plan_memory;
+use super::geometry::{check_plan_memory, check_shards};
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
@@ -163,6 +163,13 @@ impl Manager {
             spread: self.config.rank as usize,
             slice_sums: sources.iter().all(|s| s.checks_slices()),
         };
+        // The bytes this engine takes bound how many shards it plans over.
+        let staged = match opts.callback {
+            true => self.config.callback_staging_limit,
+            false => 0,
+        };
+        let params: u64 = registry.params().iter().map(|p| p.nbytes as u64).sum();
+        check_shards(&sources, params.saturating_add(staged))?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let planned = self
             .plans

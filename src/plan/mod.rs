@@ -163,31 +163,33 @@ pub struct Segment {
     pub len: u64,
 }
 
-/// Blocks a param may be cut into whatever its size: a small param may
-/// be cut into rows of a few bytes.
+/// Blocks the params may be cut into whatever their size: small params
+/// may be cut into rows of a few bytes.
 pub const BLOCKS_FLOOR: u64 = 1 << 16;
 
-/// Above [`BLOCKS_FLOOR`], a param's blocks average at least this many
+/// Above [`BLOCKS_FLOOR`], the params' blocks average at least this many
 /// bytes: a block costs the engine a 32-byte segment kept with the plan
-/// (and a step of every copy), so a param cut finer costs more memory
-/// than a sixtieth of its bytes. Tensor-parallel column splits cut rows
-/// of hundreds of bytes and more; 4,096 one-column f32 shards cut rows of
-/// 4 bytes.
+/// (and a step of every copy), so params cut finer cost more memory than
+/// half their bytes. Tensor-parallel column splits cut rows of hundreds of
+/// bytes and more (a 896-wide bf16 embedding over 8 ranks: 224); 4,096
+/// one-column f32 shards of a param cut it into rows of 4 bytes.
 pub const MIN_BLOCK_BYTES: u64 = 64;
 
-/// The most blocks a param of `nbytes` bytes may be cut into.
+/// The most blocks params of `nbytes` bytes in all may be cut into.
 pub fn max_blocks(nbytes: u64) -> u64 {
-    BLOCKS_FLOOR.max(nbytes / MIN_BLOCK_BYTES)
+    BLOCKS_FLOOR.saturating_add(nbytes / MIN_BLOCK_BYTES)
 }
 
-/// A param the runs cut into more blocks than [`max_blocks`] allows
-/// ([`Plan::check_blocks`]): its blocks and limit, and the entry (a source
-/// tensor) bringing the most of them.
+/// Params the runs cut into more blocks than [`max_blocks`] allows
+/// ([`Plan::check_blocks`]): the blocks and limit of all of them, the
+/// param furthest over its share with its blocks, and the entry (a
+/// source tensor) bringing the most of those.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TooManyBlocks {
-    pub param: usize,
     pub blocks: u64,
     pub limit: u64,
+    pub param: usize,
+    pub param_blocks: u64,
     pub entry: usize,
     pub entry_blocks: u64,
 }
@@ -312,12 +314,13 @@ impl Plan {
         Ok(self.segments[slot].get_or_init(|| segs))
     }
 
-    /// Check that the runs cut no param into more blocks (rows) than
-    /// [`max_blocks`] of its bytes (`param_bytes(i)`), before any block is
-    /// listed: each costs a segment kept with the plan and a step of every
-    /// copy, and a source's geometry (4,096 one-column shards of a param)
-    /// is what decides how many there are. Err: the first param over, with
-    /// its blocks, its limit, and the entry bringing the most of them.
+    /// Check that the runs cut the params (`param_bytes(i)` bytes each)
+    /// into at most [`max_blocks`] of their bytes in all, before any block
+    /// is listed: each block costs a segment kept with the plan and a step
+    /// of every copy, and the sources' geometry (4,096 one-column shards
+    /// of a param) is what decides how many there are. Err: the param
+    /// furthest over its share, with its blocks, and the entry bringing
+    /// the most of them.
     pub fn check_blocks(
         &self,
         param_bytes: impl Fn(usize) -> u64,
@@ -338,19 +341,28 @@ impl Plan {
                 (p.1, p.2) = (same[0].entry, rows);
             }
         }
-        let over = per
-            .into_iter()
-            .find(|&(i, (blocks, ..))| blocks > max_blocks(param_bytes(i)));
-        match over {
-            None => Ok(()),
-            Some((param, (blocks, entry, entry_blocks))) => Err(TooManyBlocks {
-                param,
-                blocks,
-                limit: max_blocks(param_bytes(param)),
-                entry,
-                entry_blocks,
-            }),
+        let bytes: u64 = per.keys().map(|&i| param_bytes(i)).sum();
+        let blocks = per.values().map(|p| p.0).fold(0, u64::saturating_add);
+        let limit = max_blocks(bytes);
+        if blocks <= limit {
+            return Ok(());
         }
+        let excess = |(&i, p): (&usize, &(u64, usize, u64))| {
+            p.0.saturating_sub(param_bytes(i) / MIN_BLOCK_BYTES)
+        };
+        let worst = per
+            .iter()
+            .max_by_key(|&kv| excess(kv))
+            .expect("blocks over the limit are some param's");
+        let (&param, &(param_blocks, entry, entry_blocks)) = worst;
+        Err(TooManyBlocks {
+            param,
+            param_blocks,
+            blocks,
+            limit,
+            entry,
+            entry_blocks,
+        })
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor
