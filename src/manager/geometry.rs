@@ -30,8 +30,10 @@ pub(super) const MIN_SHARD_BYTES: u64 = 4096;
 /// one per [`MIN_SHARD_BYTES`]. Err: `WM_ERR_OUT_OF_MEMORY` naming the
 /// tensor with the most shards and the source announcing most of them.
 pub(super) fn check_shards(sources: &[Box<dyn Source>], taken: u64) -> Result<()> {
-    let count = |s: &Box<dyn Source>| s.manifest().tensors.len() as u64;
-    let total: u64 = sources.iter().map(count).sum();
+    let total: u64 = sources
+        .iter()
+        .map(|s| s.manifest().tensors.len() as u64)
+        .sum();
     let limit = SHARDS_FLOOR.saturating_add(taken / MIN_SHARD_BYTES);
     if total <= limit {
         return Ok(());
