@@ -49,13 +49,16 @@ pub(super) fn check_shards(sources: &[Box<dyn Source>], taken: u64) -> Result<()
         .iter()
         .max_by_key(|(_, (n, _))| *n)
         .expect("tensors over the limit have names");
-    let of = |s: &&Box<dyn Source>| {
-        let tensors = &s.manifest().tensors;
-        tensors.iter().filter(|t| t.name == *name).count()
+    let announced = |s: &dyn Source| {
+        s.manifest()
+            .tensors
+            .iter()
+            .filter(|t| t.name == *name)
+            .count()
     };
     let source = sources
         .iter()
-        .max_by_key(of)
+        .max_by_key(|s| announced(s.as_ref()))
         .expect("a source announced it");
     Err(Error::out_of_memory(format!(
         "{}: the sources announce {total} tensors, more than the {limit} allowed for \
