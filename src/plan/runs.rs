@@ -322,6 +322,56 @@ mod tests {
         );
     }
 
+    /// A strided run, `rows` blocks of `len` bytes.
+    fn strided(source: u64, param: u64, len: u64, rows: u64, strides: (u64, u64)) -> Run {
+        Run {
+            entry: 0,
+            target: Target::Param(0),
+            source: source..source + len,
+            param: param..param + len,
+            rows,
+            source_stride: strides.0,
+            param_stride: strides.1,
+        }
+    }
+
+    /// Runs whose rows interleave in the tensor (two column ranges of one
+    /// shard, into different places of the param) come out in source
+    /// order, as runs that do not (walked without listing): each block's
+    /// place among the received bytes follows the tensor's order.
+    #[test]
+    fn segments_follow_the_tensor_whether_runs_interleave_or_not() {
+        // Rows of 16 bytes: bytes 0..4 of each to param 100.., 8..12 to 200...
+        let interleaved = [
+            strided(0, 100, 4, 3, (16, 4)),
+            strided(8, 200, 4, 3, (16, 4)),
+        ];
+        let got: Vec<(u64, u64, u64, u64)> = segments(&interleaved)
+            .unwrap()
+            .iter()
+            .map(|s| (s.source, s.wanted, s.param, s.len))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 0, 100, 4),
+                (8, 4, 200, 4),
+                (16, 8, 104, 4),
+                (24, 12, 204, 4),
+                (32, 16, 108, 4),
+                (40, 20, 208, 4)
+            ]
+        );
+        // One after the other: rows back to back on both sides join.
+        let apart = [strided(0, 0, 4, 3, (4, 4)), strided(12, 100, 4, 2, (8, 8))];
+        let got: Vec<(u64, u64, u64, u64)> = segments(&apart)
+            .unwrap()
+            .iter()
+            .map(|s| (s.source, s.wanted, s.param, s.len))
+            .collect();
+        assert_eq!(got, [(0, 0, 0, 12), (12, 12, 100, 4), (20, 16, 108, 4)]);
+    }
+
     #[test]
     fn a_column_split_is_a_strided_run_of_rows() {
         // Param: columns 2..4 of [3, 4] (a [3, 2] param); shard: all of it.

@@ -333,6 +333,38 @@ mod tests {
         assert_eq!(c.contiguous(), Some(8));
     }
 
+    /// Rows back to back are one piece and one block; a WANT of more than
+    /// MAX_BLOCKS blocks in all is refused naming the request that passes
+    /// it, however few bytes it is.
+    #[test]
+    fn blocks_are_counted_walked_and_bounded() {
+        let rows = Request {
+            tensor: 0,
+            runs: vec![run(8, 4, 5, 4), run(100, 1, 3, 2)],
+            sums: false,
+        };
+        assert_eq!(rows.blocks(), 1 + 3);
+        assert_eq!(
+            rows.pieces(2, 20).collect::<Vec<_>>(),
+            vec![(10, 2, 18), (100, 20, 1), (102, 21, 1)]
+        );
+        let sizes = [1u64 << 40];
+        let every_other = |rows| Request {
+            tensor: 0,
+            runs: vec![run(0, 1, rows, 2)],
+            sums: false,
+        };
+        let fits = [every_other(MAX_BLOCKS / 2), every_other(MAX_BLOCKS / 2)];
+        assert!(check_requests(&fits, &sizes).is_ok());
+        let over = [every_other(MAX_BLOCKS / 2), every_other(MAX_BLOCKS / 2 + 1)];
+        let e = check_requests(&over, &sizes).unwrap_err();
+        assert!(
+            e.message.contains("WANT request #1")
+                && e.message.contains(&format!("{} blocks", MAX_BLOCKS + 1)),
+            "{e}"
+        );
+    }
+
     #[test]
     fn bad_requests_are_refused_naming_the_problem() {
         let sizes = [100u64, 16];
