@@ -259,6 +259,63 @@ fn a_want_of_too_many_blocks_is_refused_and_other_engines_are_served() {
     });
 }
 
+/// A WANT of 2^20 runs (one 32-byte block every 64 bytes of a 64 MiB
+/// tensor: 32 MB of WANT) to a publisher packing 4 KiB buckets is refused
+/// at once, naming the runs and the buckets: each of its 8,192 buckets
+/// would walk the runs from the first to find where its bytes start (the
+/// publisher spent about a minute of CPU on it before).
+#[test]
+fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let data = vec![7u8; (64 * MIB) as usize];
+    let p = publisher(&sock, &data, 4096);
+    std::thread::scope(|s| {
+        let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut conn = Conn::new(UnixStream::connect(&sock).unwrap(), "the publisher");
+        conn.send(&Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+        })
+        .unwrap();
+        let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
+            panic!("no MANIFEST")
+        };
+        let runs = (0..1u64 << 20)
+            .map(|i| WantRun {
+                offset: i * 64,
+                len: 32,
+                rows: 1,
+                stride: 32,
+            })
+            .collect();
+        let start = Instant::now();
+        conn.send(&Frame::Want {
+            requests: vec![Request {
+                tensor: 0,
+                runs,
+                sums: false,
+            }],
+        })
+        .unwrap();
+        let e = conn.recv(deadline).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "refused after {:?}",
+            start.elapsed()
+        );
+        for part in ["1048576 runs in buckets of 4096 bytes", "at most"] {
+            assert!(e.message.contains(part), "{part}: {e}");
+        }
+        drop(conn);
+        let _ = serve.join().unwrap();
+    });
+}
+
 /// Global "w" [2048, 4096] f32 (32 MiB) as 4,096 one-column shards.
 fn one_column_shards() -> Vec<TensorMeta> {
     (0..4096)

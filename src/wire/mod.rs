@@ -26,7 +26,9 @@ pub use buckets::{
     pack_below_bytes, split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};
-pub use want::{check_requests, Request, RequestPieces, WantRun, MAX_BLOCKS};
+pub use want::{
+    check_requests, check_run_steps, Request, RequestPieces, WantRun, MAX_BLOCKS, MAX_RUN_STEPS,
+};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 2: manifest tensors carry their shard placement. 3: WANT asks for

@@ -6,6 +6,7 @@
 //! `i` of run `r` is `r.len` bytes at `r.offset + i * r.stride` of the
 //! tensor. A whole tensor is one run `{0, nbytes, 1, nbytes}`.
 
+use super::buckets::PACK_BELOW;
 use super::fields::{In, Out};
 use crate::result::{try_vec, Error, Result};
 
@@ -248,6 +249,37 @@ pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
     Ok(())
 }
 
+/// Most runs passed over, in all, finding where a session's pieces start.
+/// A bucket entry or network message of a request walks its runs from
+/// the first to the one holding its first byte (a few nanoseconds each),
+/// so 2^20 runs in buckets of 256 bytes (a 32 MB WANT) would take the
+/// publisher minutes; a request's runs are few where its rows are equally
+/// spaced.
+pub const MAX_RUN_STEPS: u64 = 1 << 30;
+
+/// Check that cutting `requests` into buckets of `bucket` bytes (and
+/// network messages, of at least `PACK_BELOW` bytes where blocks are
+/// smaller) passes over at most [`MAX_RUN_STEPS`] runs, before any is
+/// planned: each request's runs, once per piece it is cut into (so a
+/// whole tensor of a TiB in 256-byte buckets, 2^32 pieces, is refused
+/// too).
+pub fn check_run_steps(requests: &[Request], bucket: u64) -> Result<()> {
+    let cut = bucket.clamp(1, PACK_BELOW);
+    let steps = requests
+        .iter()
+        .map(|q| (q.runs.len() as u64).saturating_mul(q.bytes() / cut + 2))
+        .fold(0u64, u64::saturating_add);
+    if steps > MAX_RUN_STEPS {
+        let runs: usize = requests.iter().map(|q| q.runs.len()).sum();
+        return Err(Error::peer(format!(
+            "WANT's {runs} runs in buckets of {bucket} bytes: {steps} runs to pass over \
+             finding where pieces start, at most {MAX_RUN_STEPS} (fewer runs, or larger \
+             buckets)"
+        )));
+    }
+    Ok(())
+}
+
 pub(super) fn encode(o: &mut Out, requests: &[Request]) {
     o.u32(requests.len() as u32);
     for q in requests {
@@ -363,6 +395,31 @@ mod tests {
                 && e.message.contains(&format!("{} blocks", MAX_BLOCKS + 1)),
             "{e}"
         );
+    }
+
+    /// Runs are passed over once per piece a request is cut into: many
+    /// runs in small buckets are refused, few runs (or large buckets) not.
+    #[test]
+    fn run_steps_are_bounded() {
+        let many = Request {
+            tensor: 0,
+            runs: (0..1u64 << 20).map(|i| run(i * 64, 32, 1, 32)).collect(),
+            sums: false,
+        };
+        let e = check_run_steps(std::slice::from_ref(&many), 4096).unwrap_err();
+        assert!(
+            e.message.contains("1048576 runs in buckets of 4096 bytes"),
+            "{e}"
+        );
+        // One run: its pieces alone (a TiB in MiB buckets, 4 GiB in 256-byte ones).
+        assert!(check_run_steps(&[Request::whole(0, 1 << 40, false)], 1 << 20).is_ok());
+        assert!(check_run_steps(&[Request::whole(0, 4 << 30, false)], 256).is_ok());
+        assert!(check_run_steps(&[Request::whole(0, 1 << 40, false)], 256).is_err());
+        let some = Request {
+            runs: many.runs[..1000].to_vec(),
+            ..many
+        };
+        assert!(check_run_steps(&[some], 256).is_ok());
     }
 
     #[test]
