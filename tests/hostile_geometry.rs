@@ -262,8 +262,10 @@ fn a_want_of_too_many_blocks_is_refused_and_other_engines_are_served() {
 /// A WANT of 2^20 runs (one 32-byte block every 64 bytes of a 64 MiB
 /// tensor: 32 MB of WANT) to a publisher packing 4 KiB buckets is refused
 /// at once, naming the runs and the buckets: each of its 8,192 buckets
-/// would walk the runs from the first to find where its bytes start (the
-/// publisher spent about a minute of CPU on it before).
+/// would walk the runs from the first to find where its bytes start
+/// (4 * 10^9 steps, seconds of a core; over the network, where every
+/// message walks them too and the engine picks buckets down to 256 bytes,
+/// minutes: 1,024 of 131,072 such 256-byte entries took 89 ms).
 #[test]
 fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
     let _serial = serial();
