@@ -23,13 +23,13 @@ use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::result::{try_vec, Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_run_steps, BucketEntry, CudaBuffer, Frame, Request};
+use crate::wire::{check_cuts, BucketEntry, CudaBuffer, Frame, Request};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 /// Stream the `requests` of `shard` to the engine at `conn`.
 pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
-    check_run_steps(requests, io.cfg.bucket_size as u64)?;
+    check_cuts(requests, io.cfg.bucket_size as u64, false)?;
     // The corruption test hook needs a packed copy to flip a bit in.
     match (shard.published.clone(), hooks::corrupt_victim(io.cfg)) {
         (Some(Published::Device(_)), Some(_)) => Err(Error::invalid_argument(

@@ -36,8 +36,8 @@ use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
 use crate::wire::{
-    check_run_steps, message_source, message_tag as tag, split_entries, BucketEntry, Frame,
-    Request, ALIGN, MAX_BUFFERS,
+    check_cuts, message_source, message_tag as tag, split_entries, BucketEntry, Frame, Request,
+    ALIGN, MAX_BUFFERS,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -64,7 +64,7 @@ pub(super) fn stream(
 ) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
-    check_run_steps(requests, ready.bucket_size)
+    check_cuts(requests, ready.bucket_size, true)
         .map_err(|e| e.context(format!("{}'s READY", io.conn.peer())))?;
     let buckets = plan_messages(requests, ready.bucket_size);
     let n_buf = ready.depth.min(buckets.len()).max(1);

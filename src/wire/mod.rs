@@ -27,7 +27,8 @@ pub use buckets::{
 };
 pub(crate) use fields::{In, Out};
 pub use want::{
-    check_requests, check_run_steps, Request, RequestPieces, WantRun, MAX_BLOCKS, MAX_RUN_STEPS,
+    check_cuts, check_requests, Request, RequestPieces, WantRun, MAX_BLOCKS, MAX_PIECES,
+    MAX_RUN_STEPS,
 };
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"

@@ -249,32 +249,49 @@ pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
     Ok(())
 }
 
+/// Most pieces (bucket entries, and network messages) a session's
+/// requests may be cut into: each is 32 bytes the publisher holds while
+/// it serves them, and a READY may ask for buckets of 256 bytes.
+pub const MAX_PIECES: u64 = 1 << 24;
+
 /// Most runs passed over, in all, finding where a session's pieces start.
-/// A bucket entry or network message of a request walks its runs from
-/// the first to the one holding its first byte (a few nanoseconds each),
-/// so 2^20 runs in buckets of 256 bytes (a 32 MB WANT) would take the
-/// publisher minutes; a request's runs are few where its rows are equally
-/// spaced.
+/// A piece of a request walks its runs from the first to the one holding
+/// its first byte (a few nanoseconds each), so 2^20 runs in buckets of 256
+/// bytes (a 32 MB WANT) would take the publisher minutes; a request's
+/// runs are few where its rows are equally spaced.
 pub const MAX_RUN_STEPS: u64 = 1 << 30;
 
-/// Check that cutting `requests` into buckets of `bucket` bytes (and
-/// network messages, of at least `PACK_BELOW` bytes where blocks are
-/// smaller) passes over at most [`MAX_RUN_STEPS`] runs, before any is
-/// planned: each request's runs, once per piece it is cut into (so a
-/// whole tensor of a TiB in 256-byte buckets, 2^32 pieces, is refused
-/// too).
-pub fn check_run_steps(requests: &[Request], bucket: u64) -> Result<()> {
-    let cut = bucket.clamp(1, PACK_BELOW);
-    let steps = requests
-        .iter()
-        .map(|q| (q.runs.len() as u64).saturating_mul(q.bytes() / cut + 2))
-        .fold(0u64, u64::saturating_add);
-    if steps > MAX_RUN_STEPS {
-        let runs: usize = requests.iter().map(|q| q.runs.len()).sum();
+/// Check what cutting `requests` into buckets of `bucket` bytes costs,
+/// before any is planned: at most [`MAX_PIECES`] pieces, and at most
+/// [`MAX_RUN_STEPS`] runs passed over (each request's runs, once per
+/// piece). `messages`: the buckets go over the network, as messages of at
+/// least `PACK_BELOW` bytes where blocks are smaller (counted as if all
+/// were that small).
+pub fn check_cuts(requests: &[Request], bucket: u64, messages: bool) -> Result<()> {
+    let cut = match messages {
+        true => bucket.clamp(1, PACK_BELOW),
+        false => bucket.max(1),
+    };
+    let (mut pieces, mut steps, mut runs) = (0u64, 0u64, 0usize);
+    for q in requests {
+        let n = q.bytes() / cut + 2;
+        pieces = pieces.saturating_add(n);
+        steps = steps.saturating_add((q.runs.len() as u64).saturating_mul(n));
+        runs += q.runs.len();
+    }
+    let what = format!(
+        "WANT's {} requests in buckets of {bucket} bytes",
+        requests.len()
+    );
+    if pieces > MAX_PIECES {
         return Err(Error::peer(format!(
-            "WANT's {runs} runs in buckets of {bucket} bytes: {steps} runs to pass over \
-             finding where pieces start, at most {MAX_RUN_STEPS} (fewer runs, or larger \
-             buckets)"
+            "{what}: {pieces} pieces to plan, at most {MAX_PIECES} (larger buckets)"
+        )));
+    }
+    if steps > MAX_RUN_STEPS {
+        return Err(Error::peer(format!(
+            "{what}: their {runs} runs passed over {steps} times finding where pieces \
+             start, at most {MAX_RUN_STEPS} (fewer runs, or larger buckets)"
         )));
     }
     Ok(())
@@ -398,28 +415,31 @@ mod tests {
     }
 
     /// Runs are passed over once per piece a request is cut into: many
-    /// runs in small buckets are refused, few runs (or large buckets) not.
+    /// runs in small buckets are refused, few runs (or large buckets) not;
+    /// so are too many pieces, however few runs.
     #[test]
-    fn run_steps_are_bounded() {
+    fn cuts_are_bounded() {
         let many = Request {
             tensor: 0,
             runs: (0..1u64 << 20).map(|i| run(i * 64, 32, 1, 32)).collect(),
             sums: false,
         };
-        let e = check_run_steps(std::slice::from_ref(&many), 4096).unwrap_err();
-        assert!(
-            e.message.contains("1048576 runs in buckets of 4096 bytes"),
-            "{e}"
-        );
-        // One run: its pieces alone (a TiB in MiB buckets, 4 GiB in 256-byte ones).
-        assert!(check_run_steps(&[Request::whole(0, 1 << 40, false)], 1 << 20).is_ok());
-        assert!(check_run_steps(&[Request::whole(0, 4 << 30, false)], 256).is_ok());
-        assert!(check_run_steps(&[Request::whole(0, 1 << 40, false)], 256).is_err());
+        let e = check_cuts(std::slice::from_ref(&many), 4096, false).unwrap_err();
+        assert!(e.message.contains("1048576 runs passed over"), "{e}");
+        assert!(check_cuts(std::slice::from_ref(&many), 1 << 30, false).is_ok());
         let some = Request {
             runs: many.runs[..1000].to_vec(),
             ..many
         };
-        assert!(check_run_steps(&[some], 256).is_ok());
+        assert!(check_cuts(&[some], 256, true).is_ok());
+        // One run: its pieces alone (a TiB in MiB messages, 1 GiB in
+        // 256-byte buckets).
+        let whole = |n| [Request::whole(0, n, false)];
+        assert!(check_cuts(&whole(1 << 40), 1 << 30, false).is_ok());
+        assert!(check_cuts(&whole(512 << 30), 1 << 20, true).is_ok());
+        assert!(check_cuts(&whole(1 << 30), 256, true).is_ok());
+        let e = check_cuts(&whole(64 << 30), 256, true).unwrap_err();
+        assert!(e.message.contains("pieces to plan"), "{e}");
     }
 
     #[test]
