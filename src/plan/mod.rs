@@ -165,7 +165,7 @@ pub struct Segment {
 
 /// Blocks the params may be cut into whatever their size: small params
 /// may be cut into rows of a few bytes.
-pub const BLOCKS_FLOOR: u64 = 1 << 16;
+pub(crate) const BLOCKS_FLOOR: u64 = 1 << 16;
 
 /// Above [`BLOCKS_FLOOR`], the params' blocks average at least this many
 /// bytes: a block costs the engine a 32-byte segment kept with the plan
@@ -173,7 +173,7 @@ pub const BLOCKS_FLOOR: u64 = 1 << 16;
 /// half their bytes. Tensor-parallel column splits cut rows of hundreds of
 /// bytes and more (a 896-wide bf16 embedding over 8 ranks: 224); 4,096
 /// one-column f32 shards of a param cut it into rows of 4 bytes.
-pub const MIN_BLOCK_BYTES: u64 = 64;
+pub(crate) const MIN_BLOCK_BYTES: u64 = 64;
 
 /// The most blocks params of `nbytes` bytes in all may be cut into.
 pub fn max_blocks(nbytes: u64) -> u64 {
