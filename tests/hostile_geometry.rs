@@ -9,6 +9,7 @@
 mod common;
 
 use std::io::Write;
+use std::net::TcpStream;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::process::Command;
@@ -20,7 +21,9 @@ use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
 use weight_manager::source::SourceKind;
 use weight_manager::tensor::DType;
+use weight_manager::transport::auth::{self, Secret};
 use weight_manager::transport::conn::Conn;
+use weight_manager::transport::seal::Role;
 use weight_manager::wire::{Frame, Request, WantRun, MAX_BLOCKS};
 use weight_manager::wm_result;
 
@@ -319,6 +322,113 @@ fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
         }
         drop(conn);
         let _ = serve.join().unwrap();
+    });
+}
+
+/// A hand-written network engine: HELLO, the challenge answered with the
+/// shared `secret`, then sealed frames; returns the connection after the
+/// publisher's MANIFEST.
+fn net_engine(addr: &str, secret: &[u8], deadline: Instant) -> Conn {
+    let mut conn = Conn::new(TcpStream::connect(addr).unwrap(), "the publisher");
+    let hello = Frame::Hello {
+        rank: 0,
+        world_size: 1,
+        gpu_id: "0".into(),
+        version: String::new(),
+    };
+    conn.send(&hello).unwrap();
+    let Frame::Challenge { nonce: theirs } = conn.recv(deadline).unwrap() else {
+        panic!("no CHALLENGE")
+    };
+    let secret = Secret::resolve(Some(secret)).unwrap();
+    let mine = auth::nonce().unwrap();
+    conn.send(&Frame::Proof {
+        mac: secret.engine_proof(&theirs, &mine),
+        nonce: mine,
+    })
+    .unwrap();
+    let Frame::Proof { .. } = conn.recv(deadline).unwrap() else {
+        panic!("no PROOF")
+    };
+    conn.secure(
+        &secret.session_keys(&theirs, &mine, &hello.encode()),
+        Role::Engine,
+    );
+    let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
+        panic!("no MANIFEST")
+    };
+    conn
+}
+
+/// Over the network the engine names the bucket size (READY): 2^20 runs
+/// (one 32-byte block every 64 bytes of a 64 MiB tensor) in 256-byte
+/// buckets are refused at READY, naming the runs and the buckets, before
+/// anything is planned. Every 256-byte entry and every message of one
+/// walked the runs from the first: 131,072 entries times half a million
+/// runs, minutes of a core (1,024 such entries took 89 ms).
+#[test]
+fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
+    let _serial = serial();
+    const SECRET: &[u8] = b"hostile-geometry-secret-0123456789";
+    let cfg = PublisherConfig {
+        secret: Some(SECRET.to_vec()),
+        bucket_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+    let data = vec![7u8; (64 * MIB) as usize];
+    let n = data.len() as u64;
+    // SAFETY: `data` outlives the serve call.
+    unsafe { p.add_tensor("big", DType::U8, &[n], data.as_ptr(), data.len(), None) }.unwrap();
+    p.set_version(Some("v1".into()));
+    let addr = p.address();
+    std::thread::scope(|s| {
+        let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut conn = net_engine(&addr, SECRET, deadline);
+        let runs = (0..1u64 << 20)
+            .map(|i| WantRun {
+                offset: i * 64,
+                len: 32,
+                rows: 1,
+                stride: 32,
+            })
+            .collect();
+        let requests = vec![Request {
+            tensor: 0,
+            runs,
+            sums: false,
+        }];
+        conn.send(&Frame::Want { requests }).unwrap();
+        let start = Instant::now();
+        conn.send(&Frame::Ready {
+            address: vec![0; 16],
+            bucket_size: 256,
+            depth: 1,
+            direct: false,
+            keyed: false,
+        })
+        .unwrap();
+        let e = conn.recv(deadline).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "refused after {:?}",
+            start.elapsed()
+        );
+        assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+        for part in [
+            "READY",
+            "in buckets of 256 bytes",
+            "1048576 runs passed over",
+        ] {
+            assert!(e.message.contains(part), "{part}: {e}");
+        }
+        drop(conn);
+        let e = serve.join().unwrap().unwrap_err();
+        assert!(
+            e.message.contains("runs passed over"),
+            "the publisher's own error: {e}"
+        );
     });
 }
 
