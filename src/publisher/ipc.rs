@@ -76,7 +76,7 @@ fn stream_published(
             }
             Ok(0)
         },
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         windows: true,
     };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
@@ -143,7 +143,7 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
             hooks::corrupt(&shard.manifest, requests, entries, buf, victim);
             Ok(slot as u32)
         },
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         windows: false,
     };
     let r = Handover::Shared(buffers.iter().collect())

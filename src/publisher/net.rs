@@ -102,7 +102,7 @@ pub(super) fn stream(
         victim,
         digests: Vec::new(),
         bucket: Prepared::default(),
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         in_flight: HashMap::new(),
     };
     io.stream(&buckets, n_buf, &mut sink)?;
