@@ -24,7 +24,7 @@ use weight_manager::source::snapshot::safetensors_file::parse_header;
 use weight_manager::source::snapshot::version::parse_version_yaml;
 use weight_manager::tensor::DType;
 use weight_manager::wire::{
-    check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, WantRun, MAX_BLOCKS,
+    check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,
 };
 
 const JSON_TOKENS: &[&[u8]] = &[
@@ -422,25 +422,6 @@ fn fuzz_plan_builder() {
     });
 }
 
-/// The bytes a WANT frame of `requests` has after its length.
-fn want_body(requests: Vec<Request>) -> Vec<u8> {
-    Frame::Want { requests }.encode()[4..].to_vec()
-}
-
-/// One run of `rows` blocks of `len` bytes from `offset`, `stride` apart.
-fn want_run(tensor: u32, (offset, len, rows, stride): (u64, u64, u64, u64)) -> Request {
-    Request {
-        tensor,
-        runs: vec![WantRun {
-            offset,
-            len,
-            rows,
-            stride,
-        }],
-        sums: false,
-    }
-}
-
 /// The WANT decoder over hostile geometry: a WANT that decodes and checks
 /// against a publisher's tensors (`check_requests`) is walked block by
 /// block as the publisher walks it (its network messages, then every
@@ -451,23 +432,21 @@ fn want_run(tensor: u32, (offset, len, rows, stride): (u64, u64, u64, u64)) -> R
 fn fuzz_want_geometry() {
     /// The publisher's tensors: 64 MiB, 1 MiB, 16 bytes and an empty one.
     const SIZES: [u64; 4] = [64 << 20, 1 << 20, 16, 0];
+    let body = |requests| Frame::Want { requests }.encode()[4..].to_vec();
+    let every_other = |from, n: u64| (0..n).map(move |i| (from + 2 * i, 1));
     let seeds = vec![
-        want_body(vec![Request::whole(0, SIZES[0], true)]),
-        want_body(vec![
-            want_run(1, (0, 1, 1000, 2)),
-            want_run(2, (3, 4, 3, 4)),
+        body(vec![Request::whole(0, SIZES[0], true)]),
+        body(vec![
+            Request::of_blocks(1, every_other(0, 1000), false),
+            Request::of_blocks(2, [(3, 4), (7, 4), (11, 4)], true),
         ]),
-        // Every other byte of 32 MiB: exactly MAX_BLOCKS blocks.
-        want_body(vec![want_run(0, (1, 1, MAX_BLOCKS, 2))]),
-        want_body(vec![Request::of_blocks(
-            1,
-            (0..64).map(|r| (r * 4096 + 8, 96)),
-            true,
-        )]),
+        // Every other byte of 32 MiB and columns: exactly MAX_BLOCKS blocks.
+        body(vec![
+            Request::of_blocks(0, every_other(1, MAX_BLOCKS - 64), false),
+            Request::of_blocks(1, (0..64).map(|r| (r * 4096 + 8, 96)), true),
+        ]),
     ];
-    let u64s: Vec<[u8; 8]> = [1u64, 2, 3, MAX_BLOCKS, MAX_BLOCKS + 1, 1 << 32, u64::MAX]
-        .map(u64::to_le_bytes)
-        .to_vec();
+    let u64s = [1u64, 2, 3, MAX_BLOCKS, MAX_BLOCKS + 1, 1 << 32, u64::MAX].map(u64::to_le_bytes);
     let tokens: Vec<&[u8]> = u64s.iter().map(|t| t.as_slice()).collect();
     let target = Target {
         name: "WANT geometry",
