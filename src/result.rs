@@ -183,6 +183,21 @@ impl Error {
     }
 }
 
+/// An empty vector with room for `n` items, or `WM_ERR_OUT_OF_MEMORY`
+/// naming `what`: for a count something outside announced (already
+/// checked against a bound), whose memory may still not be there: an
+/// infallible allocation would abort the whole process.
+pub(crate) fn try_vec<T>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        Error::out_of_memory(format!(
+            "{what}: room for {n} items of {} bytes: {e}",
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    Ok(v)
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ({})", self.message, self.code.name())

@@ -1,6 +1,7 @@
 //! Seeded mutation fuzzing of everything that parses untrusted bytes: the
 //! safetensors header parser, the wire frame decoder, the checksum file and
-//! version.yaml readers, and the plan builder (manifest against registry).
+//! version.yaml readers, the plan builder (manifest against registry), and
+//! WANT requests over hostile geometry (decoded, checked, walked).
 //! A target passes when every input parses or is refused with an error,
 //! without panic, within a time bound, and within bounded memory.
 //!
@@ -22,7 +23,9 @@ use weight_manager::source::snapshot::checksums::Checksums;
 use weight_manager::source::snapshot::safetensors_file::parse_header;
 use weight_manager::source::snapshot::version::parse_version_yaml;
 use weight_manager::tensor::DType;
-use weight_manager::wire::{BucketEntry, CudaBuffer, Frame, Request};
+use weight_manager::wire::{
+    check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,
+};
 
 const JSON_TOKENS: &[&[u8]] = &[
     b"{",
@@ -596,6 +599,76 @@ fn fuzz_delta_apply() {
         let mut check = old.clone();
         apply(&again, &mut check, 2).expect("a delta the encoder wrote applies");
         assert!(check == run, "re-encoded delta gives other bytes");
+        true
+    });
+}
+
+/// The WANT decoder over hostile geometry: a WANT that decodes and checks
+/// against a publisher's tensors (`check_requests`) is walked block by
+/// block as the publisher walks it (its network messages, then every
+/// block), within the fuzzer's time and memory bounds: a few bytes asking
+/// for millions of one-byte rows cost steps, never a list of them, and no
+/// more than `MAX_BLOCKS` of them pass the check.
+#[test]
+fn fuzz_want_geometry() {
+    /// The publisher's tensors: 64 MiB, 1 MiB, 16 bytes and an empty one.
+    const SIZES: [u64; 4] = [64 << 20, 1 << 20, 16, 0];
+    let body = |requests| Frame::Want { requests }.encode()[4..].to_vec();
+    let every_other = |from, n: u64| (0..n).map(move |i| (from + 2 * i, 1));
+    let seeds = vec![
+        body(vec![Request::whole(0, SIZES[0], true)]),
+        body(vec![
+            Request::of_blocks(1, every_other(0, 1000), false),
+            Request::of_blocks(2, [(3, 4), (7, 4), (11, 4)], true),
+        ]),
+        // Every other byte of 32 MiB and columns: exactly MAX_BLOCKS blocks.
+        body(vec![
+            Request::of_blocks(0, every_other(1, MAX_BLOCKS - 64), false),
+            Request::of_blocks(1, (0..64).map(|r| (r * 4096 + 8, 96)), true),
+        ]),
+    ];
+    let u64s = [1u64, 2, 3, MAX_BLOCKS, MAX_BLOCKS + 1, 1 << 32, u64::MAX].map(u64::to_le_bytes);
+    let tokens: Vec<&[u8]> = u64s.iter().map(|t| t.as_slice()).collect();
+    let target = Target {
+        name: "WANT geometry",
+        seeds,
+        tokens: &tokens,
+        max_len: 4096,
+    };
+    fuzz(target, |body| {
+        let Ok(Frame::Want { requests }) = Frame::decode(body) else {
+            return false;
+        };
+        if check_requests(&requests, &SIZES).is_err() {
+            return false;
+        }
+        let mut blocks = 0u64;
+        for (k, q) in requests.iter().enumerate() {
+            let (n, size) = (q.bytes(), SIZES[q.tensor as usize]);
+            assert!(n <= size, "request #{k}: {n} bytes of a {size}-byte tensor");
+            let whole = BucketEntry {
+                request: k as u32,
+                offset: 0,
+                len: n,
+                buffer_offset: 0,
+            };
+            let messages = split_entries(&[whole], &requests);
+            assert_eq!(messages.iter().map(|m| m.len).sum::<u64>(), n);
+            let mut at = 0;
+            for (src, offset, len) in q.pieces(0, n) {
+                assert_eq!(offset, at, "request #{k}: pieces in order");
+                assert!(
+                    len > 0 && src + len <= size,
+                    "request #{k}: a piece past its tensor"
+                );
+                at += len;
+                blocks += 1;
+            }
+            assert_eq!(at, n, "request #{k}: pieces cover its bytes");
+        }
+        let counted: u64 = requests.iter().map(Request::blocks).sum();
+        assert_eq!(blocks, counted, "blocks walked against blocks counted");
+        assert!(blocks <= MAX_BLOCKS, "{blocks} blocks passed the check");
         true
     });
 }

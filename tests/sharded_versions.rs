@@ -49,9 +49,15 @@ fn engine() -> Manager {
 
 /// A publisher for trainer rank `r`, with nothing added yet.
 fn publisher(dir: &std::path::Path, via: Via, r: usize) -> Publisher {
+    publisher_with(dir, via, r, None)
+}
+
+/// [`publisher`], corrupting tensor `corrupt` after hashing it (a test hook).
+fn publisher_with(dir: &std::path::Path, via: Via, r: usize, corrupt: Option<String>) -> Publisher {
     let cfg = PublisherConfig {
         bucket_size: 4096,
         bucket_timeout: Duration::from_secs(10),
+        corrupt_tensor: corrupt,
         ..Default::default()
     };
     match via {
@@ -320,6 +326,41 @@ fn an_expert_parallel_rank_skips_other_ranks_experts_by_default() {
         for s in served {
             assert_eq!(s.unwrap().sessions[0].bytes, 128, "{via:?}");
         }
+        drop(ps);
+    }
+}
+
+/// Item: the plan of a failed update is not kept. An update that fails
+/// after planning (a corrupted tensor, caught by its checksum) forgets its
+/// plan: the next update plans again instead of reusing it.
+#[test]
+fn a_failed_update_keeps_no_plan() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for via in BOTH {
+        let (v1, v2) = (model(1), model(2));
+        let (m, ptrs) = engine_at_v1(dir.path(), via, &v1);
+        let corrupt = |r: usize| {
+            let p = publisher_with(dir.path(), via, r, (r == 1).then(|| "w".to_string()));
+            for g in &v2 {
+                // SAFETY: the globals outlive the serving.
+                unsafe { g.add_half_to(&p, r as u64) };
+            }
+            p.set_version(Some("v2".into()));
+            p
+        };
+        let ps = vec![corrupt(0), corrupt(1)];
+        let (r, _) = serving(&ps, || m.update(request(via, &ps)));
+        assert_eq!(r.unwrap_err().code, wm_result::WM_ERR_CHECKSUM, "{via:?}");
+        assert!(holds(&ptrs, &v1), "{via:?}: old weights kept");
+        drop(ps);
+        let ps = row_halves(dir.path(), via, [&v2, &v2], [Some("v2"), Some("v2")]);
+        serving(&ps, || m.update(request(via, &ps))).0.unwrap();
+        assert!(holds(&ptrs, &v2), "{via:?}");
+        assert!(
+            !m.status().last_update.unwrap().plan_reused,
+            "{via:?}: planned again"
+        );
         drop(ps);
     }
 }

@@ -40,9 +40,12 @@ impl Manager {
         let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
         let has_tensor_hook = run.req.hooks.tensor.is_some();
         root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
-        let mut stats = self.apply(run, &mut prepared).map_err(|f| ApplyFailure {
-            error: root.stop(f.error),
-            weights: f.weights,
+        let mut stats = self.apply(run, &mut prepared).map_err(|f| {
+            self.plans.forget(&prepared.plan);
+            ApplyFailure {
+                error: root.stop(f.error),
+                weights: f.weights,
+            }
         })?;
         let sent = Instant::now();
         root.after(run.registry, self.config.net.bucket_size)

@@ -45,6 +45,7 @@ mod clear;
 mod config;
 mod fanout_member;
 mod fanout_root;
+mod geometry;
 mod memory;
 mod plan_cache;
 mod register;

@@ -75,6 +75,20 @@ impl PlanCache {
     }
 }
 
+impl PlanCache {
+    /// Forget the kept plan if it is `plan`: a failed update's plan (and the
+    /// segments it worked out) is not kept for the next one.
+    pub fn forget(&self, plan: &Arc<Plan>) {
+        let mut last = self.last.lock();
+        if last
+            .as_ref()
+            .is_some_and(|(_, kept)| Arc::ptr_eq(kept, plan))
+        {
+            *last = None;
+        }
+    }
+}
+
 /// `plan` with the metadata of `sources` (their checksums), taken in place
 /// when the cache holds the only reference; entries refer into the
 /// manifests, so taking them copies no tensor's metadata either.

@@ -4,6 +4,7 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
+use super::geometry::{check_plan_memory, check_shards};
 use super::{check_version, Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
@@ -141,7 +142,11 @@ impl Manager {
         run: &mut UpdateRun,
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut prepared = self.prepare(run)?;
-        let stats = self.apply(run, &mut prepared)?;
+        let stats = self.apply(run, &mut prepared).inspect_err(|_| {
+            // A failed update's plan is not kept (it may be a hostile
+            // source's geometry); the next update plans again.
+            self.plans.forget(&prepared.plan);
+        })?;
         Ok(self.updated(run, &prepared, stats))
     }
 
@@ -163,11 +168,24 @@ impl Manager {
             slice_sums: sources.iter().all(|s| s.checks_slices()),
             deadline: Some(run.start + req.timeout),
         };
+        // The bytes this engine takes bound how many shards it plans over.
+        let staged = match opts.callback {
+            true => self.config.callback_staging_limit,
+            false => 0,
+        };
+        let params: u64 = registry.params().iter().map(|p| p.nbytes as u64).sum();
+        check_shards(&sources, params.saturating_add(staged))?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
         let planned = self
             .plans
             .plan(&manifests, registry, opts, (&self.config.logger, &name))?;
+        // Before any source is asked for a byte (a WANT lists the blocks).
+        // A refused plan is not kept for the next update.
+        if let Err(e) = check_plan_memory(&planned.plan, registry, &sources) {
+            self.plans.forget(&planned.plan);
+            return Err(e);
+        }
         Ok(Prepared {
             sources,
             version,

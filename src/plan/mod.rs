@@ -42,6 +42,7 @@ mod sharded_tests;
 mod tests;
 
 use crate::manifest::{Manifest, SharedMeta, TensorMeta};
+use crate::result::{Error, Result};
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -165,6 +166,37 @@ pub struct Segment {
     pub wanted: u64,
     pub param: u64,
     pub len: u64,
+}
+
+/// Blocks the params may be cut into whatever their size: small params
+/// may be cut into rows of a few bytes.
+pub(crate) const BLOCKS_FLOOR: u64 = 1 << 16;
+
+/// Above [`BLOCKS_FLOOR`], the params' blocks average at least this many
+/// bytes: a block costs the engine a 32-byte segment kept with the plan
+/// (and a step of every copy), so params cut finer cost more memory than
+/// half their bytes. Tensor-parallel column splits cut rows of hundreds of
+/// bytes and more (a 896-wide bf16 embedding over 8 ranks: 224); 4,096
+/// one-column f32 shards of a param cut it into rows of 4 bytes.
+pub(crate) const MIN_BLOCK_BYTES: u64 = 64;
+
+/// The most blocks params of `nbytes` bytes in all may be cut into.
+pub fn max_blocks(nbytes: u64) -> u64 {
+    BLOCKS_FLOOR.saturating_add(nbytes / MIN_BLOCK_BYTES)
+}
+
+/// Params the runs cut into more blocks than [`max_blocks`] allows
+/// ([`Plan::check_blocks`]): the blocks and limit of all of them, the
+/// param furthest over its share with its blocks, and the entry (a
+/// source tensor) bringing the most of those.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TooManyBlocks {
+    pub blocks: u64,
+    pub limit: u64,
+    pub param: usize,
+    pub param_blocks: u64,
+    pub entry: usize,
+    pub entry_blocks: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -299,14 +331,87 @@ impl Plan {
             .all(|e| e.meta.is_in(&sources[e.source].tensors))
     }
 
-    /// Entry `entry`'s segments, in source order.
+    /// Entry `entry`'s segments, in source order. An update works them
+    /// out fallibly first ([`Plan::try_segments`]); elsewhere (tools,
+    /// tests) memory running out here aborts, as any allocation does.
     pub fn segments(&self, entry: usize) -> &[Segment] {
+        self.try_segments(entry)
+            .unwrap_or_else(|e| panic!("the segments of a plan entry: {e}"))
+    }
+
+    /// Entry `entry`'s segments, in source order, worked out on first use:
+    /// `WM_ERR_OUT_OF_MEMORY` naming the tensor and its source (by
+    /// number) when there is no room for them.
+    pub fn try_segments(&self, entry: usize) -> Result<&[Segment]> {
         let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
-        match slot {
-            Ok(Ok(slot)) => self.segments[slot].get_or_init(|| runs::segments(self.runs_of(entry))),
+        let Ok(Ok(slot)) = slot else {
             // A skipped entry (or none): no runs.
-            _ => &[],
+            return Ok(&[]);
+        };
+        if let Some(segs) = self.segments[slot].get() {
+            return Ok(segs);
         }
+        let runs = self.runs_of(entry);
+        let segs = runs::segments(runs).map_err(|e| {
+            let rows: u64 = runs.iter().map(|r| r.rows).sum();
+            let who = &self.entries[entry];
+            Error::out_of_memory(format!(
+                "tensor '{}' of source #{}: no room for its {rows} segments: {e}",
+                who.meta.name, who.source
+            ))
+        })?;
+        Ok(self.segments[slot].get_or_init(|| segs))
+    }
+
+    /// Check that the runs cut the params (`param_bytes(i)` bytes each)
+    /// into at most [`max_blocks`] of their bytes in all, before any block
+    /// is listed: each block costs a segment kept with the plan and a step
+    /// of every copy, and the sources' geometry (4,096 one-column shards
+    /// of a param) is what decides how many there are. Err: the param
+    /// furthest over its share, with its blocks, and the entry bringing
+    /// the most of them.
+    pub fn check_blocks(
+        &self,
+        param_bytes: impl Fn(usize) -> u64,
+    ) -> std::result::Result<(), TooManyBlocks> {
+        // Per param: blocks, and the entry with the most (entry, blocks).
+        let mut per: std::collections::HashMap<usize, (u64, usize, u64)> = Default::default();
+        for same in self
+            .runs
+            .chunk_by(|a, b| a.entry == b.entry && a.target == b.target)
+        {
+            let Target::Param(i) = same[0].target else {
+                continue;
+            };
+            let rows = same.iter().map(|r| r.rows).fold(0, u64::saturating_add);
+            let p = per.entry(i).or_insert((0, same[0].entry, 0));
+            p.0 = p.0.saturating_add(rows);
+            if rows > p.2 {
+                (p.1, p.2) = (same[0].entry, rows);
+            }
+        }
+        let bytes: u64 = per.keys().map(|&i| param_bytes(i)).sum();
+        let blocks = per.values().map(|p| p.0).fold(0, u64::saturating_add);
+        let limit = max_blocks(bytes);
+        if blocks <= limit {
+            return Ok(());
+        }
+        let excess = |(&i, p): (&usize, &(u64, usize, u64))| {
+            p.0.saturating_sub(param_bytes(i) / MIN_BLOCK_BYTES)
+        };
+        let worst = per
+            .iter()
+            .max_by_key(|&kv| excess(kv))
+            .expect("blocks over the limit are some param's");
+        let (&param, &(param_blocks, entry, entry_blocks)) = worst;
+        Err(TooManyBlocks {
+            param,
+            param_blocks,
+            blocks,
+            limit,
+            entry,
+            entry_blocks,
+        })
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

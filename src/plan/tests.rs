@@ -254,3 +254,38 @@ fn sources_listing_tensors_in_other_orders_plan_alike() {
         "{e}"
     );
 }
+
+/// One-column shards of a [4096, n] f32 param cut it into 4096 * n rows
+/// of 4 bytes: 4 shards are under the floor, 32 over it (73,728 blocks
+/// for its 512 KiB); the error names the param and the shard bringing the
+/// most. Segments are then worked out fallibly, a row each.
+#[test]
+fn blocks_are_bounded_by_the_params_bytes() {
+    let columns = |n: u64| {
+        let mut r = Registry::default();
+        r.allocate(&ParamSpec::host("w", DType::F32, &[4096, n]))
+            .unwrap();
+        let shard = |j: u64| TensorMeta {
+            placement: Some(crate::manifest::Placement {
+                global_shape: vec![4096, n],
+                offset: vec![0, j],
+            }),
+            ..meta("w", DType::F32, &[4096, 1])
+        };
+        let m = Manifest {
+            tensors: (0..n).map(shard).collect::<Vec<_>>().into(),
+            version: None,
+        };
+        make_plan(&m, &r, PlanOptions::default(), &Logger::default()).unwrap()
+    };
+    let few = columns(4);
+    assert_eq!(few.check_blocks(|_| 4096 * 4 * 4), Ok(()));
+    assert_eq!(few.try_segments(0).unwrap().len(), 4096);
+    let many = columns(32);
+    let e = many.check_blocks(|_| 4096 * 32 * 4).unwrap_err();
+    assert_eq!(
+        (e.param, e.blocks, e.param_blocks, e.limit, e.entry_blocks),
+        (0, 131_072, 131_072, BLOCKS_FLOOR + 8192, 4096)
+    );
+    assert_eq!(max_blocks(64 << 20), BLOCKS_FLOOR + (1 << 20));
+}

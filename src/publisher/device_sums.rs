@@ -15,6 +15,7 @@
 //! announced. Equally spaced blocks (a column split's rows) come down with
 //! one 2D copy per run, packed back to back.
 
+use super::shard::BLOCK_BATCH;
 use super::sums::SliceSums;
 use crate::memory::cuda_ipc::download_2d;
 use crate::memory::pinned::PinnedBuffer;
@@ -57,7 +58,8 @@ impl DeviceSums {
         let mut batch = Vec::new();
         let mut filled = 0u64;
         for piece in wanted.flat_map(pieces) {
-            if filled + piece.len > STAGE as u64 {
+            // Bounded in blocks too: one-byte rows would be millions.
+            if filled + piece.len > STAGE as u64 || batch.len() == BLOCK_BATCH {
                 self.hash_batch(sums, base, &batch)?;
                 (batch, filled) = (Vec::new(), 0);
             }

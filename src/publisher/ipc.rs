@@ -15,20 +15,21 @@ use super::device_sums::DeviceSums;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, request_sizes, windows};
-use super::shard::{fill, Shard};
+use super::shard::{fill, Shard, BLOCK_BATCH};
 use super::stats::SessionStats;
 use super::streamer::{BucketSink, SessionIo};
 use super::sums::SliceSums;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
-use crate::result::{Error, Result};
+use crate::result::{try_vec, Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_windows, BucketEntry, CudaBuffer, Frame, Request};
+use crate::wire::{check_cuts, BucketEntry, CudaBuffer, Frame, Request};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 /// Stream the `requests` of `shard` to the engine at `conn`.
 pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
+    check_cuts(requests, io.cfg.bucket_size as u64, false)?;
     // The corruption test hook needs a packed copy to flip a bit in.
     match (shard.published.clone(), hooks::corrupt_victim(io.cfg)) {
         (Some(Published::Device(_)), Some(_)) => Err(Error::invalid_argument(
@@ -62,21 +63,64 @@ fn stream_published(
     let mut sink = IpcSink {
         pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
             if sums.any() {
-                let blocks = check_windows(seq, entries, len as u64, requests)?.blocks;
-                match &mut device_sums {
-                    Some(d) => d.hash(sums, base, &blocks, requests)?,
-                    // SAFETY: the blocks were just checked to lie in the buffer.
-                    None => unsafe {
-                        sums.hash(&blocks, |b| (base + b.buffer_offset) as *const u8)
-                    },
-                }
+                window_blocks(seq, entries, len as u64, requests, |blocks| {
+                    match &mut device_sums {
+                        Some(d) => d.hash(sums, base, blocks, requests)?,
+                        // SAFETY: the blocks were just checked to lie in the buffer.
+                        None => unsafe {
+                            sums.hash(blocks, |b| (base + b.buffer_offset) as *const u8)
+                        },
+                    }
+                    Ok(())
+                })?;
             }
             Ok(0)
         },
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         windows: true,
     };
     io.stream(&buckets, io.cfg.buffers, &mut sink)
+}
+
+/// The blocks of WINDOWS bucket `seq` (this publisher's own windows into
+/// its buffer of `buffer_len` bytes), each checked to lie in the buffer,
+/// handed to `f` a batch at a time in order: walked, not listed whole (a
+/// request of one-byte rows would be 32 bytes of list per byte).
+fn window_blocks(
+    seq: u64,
+    entries: &[BucketEntry],
+    buffer_len: u64,
+    requests: &[Request],
+    mut f: impl FnMut(&[BucketEntry]) -> Result<()>,
+) -> Result<()> {
+    let mut batch: Vec<BucketEntry> = try_vec(BLOCK_BATCH, "hashing a bucket's blocks")?;
+    for e in entries {
+        let q = &requests[e.request as usize];
+        let zero = (e.len == 0).then_some((0, e.offset, 0));
+        for (at, offset, len) in zero.into_iter().chain(q.pieces(e.offset, e.len)) {
+            let start = e.buffer_offset.saturating_add(at);
+            if start.saturating_add(len) > buffer_len {
+                return Err(Error::invalid_argument(format!(
+                    "bucket {seq}: a block of {len} bytes at {start} runs past the \
+                     {buffer_len}-byte version buffer"
+                )));
+            }
+            if batch.len() == BLOCK_BATCH {
+                f(&batch)?;
+                batch.clear();
+            }
+            batch.push(BucketEntry {
+                request: e.request,
+                offset,
+                len,
+                buffer_offset: start,
+            });
+        }
+    }
+    match batch.is_empty() {
+        true => Ok(()),
+        false => f(&batch),
+    }
 }
 
 /// Live tensors and files: packed into pooled bucket buffers.
@@ -99,7 +143,7 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
             hooks::corrupt(&shard.manifest, requests, entries, buf, victim);
             Ok(slot as u32)
         },
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         windows: false,
     };
     let r = Handover::Shared(buffers.iter().collect())

@@ -36,8 +36,8 @@ use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
 use crate::wire::{
-    message_source, message_tag as tag, split_entries, BucketEntry, Frame, Request, ALIGN,
-    MAX_BUFFERS,
+    check_cuts, message_source, message_tag as tag, split_entries, BucketEntry, Frame, Request,
+    ALIGN, MAX_BUFFERS,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -64,6 +64,8 @@ pub(super) fn stream(
 ) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
+    check_cuts(requests, ready.bucket_size, true)
+        .map_err(|e| e.context(format!("{}'s READY", io.conn.peer())))?;
     let buckets = plan_messages(requests, ready.bucket_size);
     let n_buf = ready.depth.min(buckets.len()).max(1);
     let victim = hooks::corrupt_victim(cfg);
@@ -100,7 +102,7 @@ pub(super) fn stream(
         victim,
         digests: Vec::new(),
         bucket: Prepared::default(),
-        sums: SliceSums::new(requests),
+        sums: SliceSums::new(requests)?,
         in_flight: HashMap::new(),
     };
     io.stream(&buckets, n_buf, &mut sink)?;

@@ -9,30 +9,40 @@
 
 use crate::checksum::Checksum;
 use crate::memory::SendPtr;
+use crate::result::{try_vec, Result};
 use crate::wire::{BucketEntry, Frame, Request};
 use std::collections::HashMap;
 
 pub(super) struct SliceSums {
-    /// Per request: its running hash (None: no sum asked), and its size.
-    hashing: Vec<(Option<Checksum>, u64)>,
+    /// Per request: whether it asked for a sum, and its size.
+    asked: Vec<(bool, u64)>,
+    /// Whether any request asked for a sum.
+    any: bool,
+    /// The running hashes of requests begun and not complete. A hash's
+    /// state is hundreds of bytes: made when a request's first bytes are
+    /// hashed, not for each of a WANT's million requests up front.
+    running: HashMap<u32, Checksum>,
     /// The sums of the bucket hashed last, sent after its BUCKET frame.
     ready: Vec<(u32, u128)>,
 }
 
 impl SliceSums {
-    pub(super) fn new(requests: &[Request]) -> SliceSums {
-        SliceSums {
-            hashing: requests
-                .iter()
-                .map(|q| (q.sums.then(Checksum::default), q.bytes()))
-                .collect(),
+    /// The sums `requests` ask for; `WM_ERR_OUT_OF_MEMORY` when there is
+    /// no room to note them.
+    pub(super) fn new(requests: &[Request]) -> Result<SliceSums> {
+        let mut asked = try_vec(requests.len(), "noting the slice sums asked for")?;
+        asked.extend(requests.iter().map(|q| (q.sums, q.bytes())));
+        Ok(SliceSums {
+            any: requests.iter().any(|q| q.sums),
+            asked,
+            running: HashMap::new(),
             ready: Vec::new(),
-        }
+        })
     }
 
     /// Whether any request asked for a sum.
     pub(super) fn any(&self) -> bool {
-        self.hashing.iter().any(|(h, _)| h.is_some())
+        self.any
     }
 
     /// Hash the entries of the next bucket whose requests asked for sums,
@@ -52,11 +62,12 @@ impl SliceSums {
         unsafe { self.hash_on(entries, &at, 1, &|_| {}) }
     }
 
-    /// Whether request `q` asked for a sum.
+    /// Whether request `q` asked for a sum (of some bytes: an empty
+    /// request has none to send).
     pub(super) fn asks(&self, q: u32) -> bool {
-        self.hashing
+        self.asked
             .get(q as usize)
-            .is_some_and(|(h, _)| h.is_some())
+            .is_some_and(|&(sums, size)| sums && size > 0)
     }
 
     /// [`SliceSums::hash`], entry `k`'s bytes at `at[k]`, on up to
@@ -83,15 +94,17 @@ impl SliceSums {
         let mut slot: HashMap<u32, usize> = HashMap::new();
         for (k, e) in entries.iter().enumerate() {
             let q = e.request;
-            if let Some(h) = self.hashing[q as usize].0.take() {
-                slot.insert(q, mine.len());
+            if !self.asks(q) {
+                continue;
+            }
+            let i = *slot.entry(q).or_insert_with(|| {
+                let h = self.running.remove(&q).unwrap_or_default();
                 mine.push((q, h, Vec::new()));
-            }
-            if let Some(&i) = slot.get(&q) {
-                mine[i].2.push(k);
-            }
+                mine.len() - 1
+            });
+            mine[i].2.push(k);
         }
-        let sizes: Vec<u64> = self.hashing.iter().map(|(_, n)| *n).collect();
+        let asked = &self.asked;
         let feed = |(q, mut h, ks): (u32, Checksum, Vec<usize>)| {
             let mut done = None;
             for k in ks {
@@ -99,7 +112,7 @@ impl SliceSums {
                 let e = &entries[k];
                 // SAFETY: the caller's promise.
                 h.update(unsafe { std::slice::from_raw_parts(at[k].0, e.len as usize) });
-                if e.len > 0 && e.offset + e.len == sizes[q as usize] {
+                if e.len > 0 && e.offset + e.len == asked[q as usize].1 {
                     done = Some(h.digest());
                 }
             }
@@ -126,8 +139,12 @@ impl SliceSums {
             }),
         };
         for (q, h, done) in fed {
-            self.ready.extend(done.map(|sum| (q, sum)));
-            self.hashing[q as usize].0 = Some(h);
+            match done {
+                Some(sum) => self.ready.push((q, sum)),
+                None => {
+                    self.running.insert(q, h);
+                }
+            }
         }
     }
 
@@ -183,7 +200,7 @@ mod tests {
                 })
                 .collect()
         };
-        let mut sums = SliceSums::new(&requests);
+        let mut sums = SliceSums::new(&requests).unwrap();
         unsafe { sums.hash_on(&first, &at(&first), 3, &|_| {}) };
         assert!(sums.frame(0).is_none(), "nothing completed yet");
         unsafe { sums.hash_on(&second, &at(&second), 3, &|_| {}) };

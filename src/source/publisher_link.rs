@@ -12,7 +12,7 @@ use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{BucketEntry, Frame, Request};
+use crate::wire::{check_size, BucketEntry, Frame, Request};
 use std::time::{Duration, Instant};
 
 /// Who this rank is and which version it asks for.
@@ -88,6 +88,7 @@ impl PublisherLink {
             wanted.got.push(false);
             requests.push(q);
         }
+        check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
         let want = Frame::Want { requests };
         self.conn.send(&want)?;
         if let Frame::Want { requests } = want {

@@ -113,12 +113,10 @@ pub fn max_pieces(len: u64) -> usize {
 /// (part of) one block, sent from the tensor itself; None when it packs
 /// several blocks ([`split_entries`]).
 pub fn message_source(e: &BucketEntry, requests: &[Request]) -> Option<u64> {
-    match requests[e.request as usize]
-        .pieces(e.offset, e.len)
-        .as_slice()
-    {
-        [] => Some(0),
-        [(from, ..)] => Some(*from),
+    let mut pieces = requests[e.request as usize].pieces(e.offset, e.len);
+    match (pieces.next(), pieces.next()) {
+        (None, _) => Some(0),
+        (Some((from, ..)), None) => Some(from),
         _ => None,
     }
 }

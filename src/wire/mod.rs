@@ -18,6 +18,7 @@ mod decode;
 mod encode;
 mod fields;
 mod want;
+mod want_bounds;
 
 use crate::manifest::TensorMeta;
 
@@ -26,7 +27,8 @@ pub use buckets::{
     pack_below_bytes, split_entries, WindowBlocks,
 };
 pub(crate) use fields::{In, Out};
-pub use want::{check_requests, Request, WantRun};
+pub use want::{check_requests, Request, RequestPieces, WantRun, MAX_BLOCKS};
+pub use want_bounds::{check_cuts, check_size, MAX_PIECES, MAX_RUN_STEPS};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 2: manifest tensors carry their shard placement. 3: WANT asks for

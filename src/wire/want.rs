@@ -7,12 +7,20 @@
 //! tensor. A whole tensor is one run `{0, nbytes, 1, nbytes}`.
 
 use super::fields::{In, Out};
-use crate::result::{Error, Result};
+use crate::result::{try_vec, Error, Result};
 
 /// Most requests in one WANT (engine entries of one source).
 pub(crate) const MAX_REQUESTS: usize = 1 << 20;
 /// Most runs in one WANT, all requests together.
 pub(crate) const MAX_RUNS: usize = 1 << 20;
+/// Most contiguous blocks one WANT may ask for, all requests together
+/// (rows back to back count as one block). Bytes are bounded by the
+/// publisher's tensors, but a block costs the publisher a copy and a step
+/// whatever its length: 50 bytes on the wire asking for every other byte
+/// of a 64 MiB tensor are 32 Mi one-byte blocks. 16 Mi blocks take the
+/// publisher about a second to walk and copy; an engine's column split of
+/// a whole model is far fewer (a row per param row it takes).
+pub const MAX_BLOCKS: u64 = 1 << 24;
 
 /// `rows` blocks of `len` bytes, the first at byte `offset` of the tensor,
 /// each next `stride` bytes after the one before.
@@ -22,6 +30,63 @@ pub struct WantRun {
     pub len: u64,
     pub rows: u64,
     pub stride: u64,
+}
+
+impl WantRun {
+    /// Its contiguous blocks: (length, count). Rows back to back are one.
+    fn block_shape(&self) -> (u64, u64) {
+        match self.rows == 1 || self.stride == self.len {
+            true => (self.len.saturating_mul(self.rows), 1),
+            false => (self.len, self.rows),
+        }
+    }
+
+    /// How many contiguous blocks the run is.
+    pub fn blocks(&self) -> u64 {
+        self.block_shape().1
+    }
+}
+
+/// The contiguous pieces of a request's byte range ([`Request::pieces`]):
+/// (tensor offset, request offset, length) each.
+#[derive(Clone, Debug)]
+pub struct RequestPieces<'q> {
+    /// The runs not yet passed.
+    runs: &'q [WantRun],
+    /// The request offset where `runs[0]` starts.
+    base: u64,
+    /// The next request byte to place, and the end of the range.
+    at: u64,
+    end: u64,
+}
+
+impl Iterator for RequestPieces<'_> {
+    type Item = (u64, u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64, u64)> {
+        while let Some((r, rest)) = self.runs.split_first() {
+            if self.at >= self.end {
+                return None;
+            }
+            let (block, count) = r.block_shape();
+            let n = block.saturating_mul(count);
+            if self.at >= self.base.saturating_add(n) {
+                (self.runs, self.base) = (rest, self.base.saturating_add(n));
+                continue;
+            }
+            let row = (self.at - self.base) / block;
+            let start = self.base + row * block;
+            let to = (start + block).min(self.end);
+            let piece = (
+                r.offset + row * r.stride + (self.at - start),
+                self.at,
+                to - self.at,
+            );
+            self.at = to;
+            return Some(piece);
+        }
+        None
+    }
 }
 
 /// One engine entry's bytes of manifest tensor `tensor`; `sums` asks for
@@ -98,26 +163,25 @@ impl Request {
     }
 
     /// Where request bytes `[at, at + len)` lie in the tensor: (tensor
-    /// offset, request offset, length) of each contiguous piece, in order.
-    pub fn pieces(&self, at: u64, len: u64) -> Vec<(u64, u64, u64)> {
-        let (end, mut base, mut out) = (at + len, 0u64, Vec::new());
-        for r in &self.runs {
-            let n = r.len * r.rows;
-            if base + n > at && base < end {
-                let first = at.saturating_sub(base) / r.len;
-                let last = (end - base).min(n).div_ceil(r.len);
-                for row in first..last {
-                    let (b0, b1) = (base + row * r.len, base + (row + 1) * r.len);
-                    let (from, to) = (b0.max(at), b1.min(end));
-                    out.push((r.offset + row * r.stride + (from - b0), from, to - from));
-                }
-            }
-            base += n;
-            if base >= end {
-                break;
-            }
+    /// offset, request offset, length) of each contiguous piece, in order,
+    /// walked as they are asked for (a request of millions of one-byte
+    /// rows is never a list of them). A run of rows back to back
+    /// (`stride == len`) is one piece.
+    pub fn pieces(&self, at: u64, len: u64) -> RequestPieces<'_> {
+        RequestPieces {
+            runs: &self.runs,
+            base: 0,
+            at,
+            end: at.saturating_add(len),
         }
-        out
+    }
+
+    /// How many contiguous blocks the request's bytes lie in, as
+    /// [`Request::pieces`] walks them (saturating).
+    pub fn blocks(&self) -> u64 {
+        self.runs
+            .iter()
+            .fold(0u64, |n, r| n.saturating_add(r.blocks()))
     }
 
     /// Check the request against its publisher's tensors (`sizes`, bytes
@@ -167,12 +231,21 @@ impl Request {
 }
 
 /// Check every request of a WANT against the publisher's tensors (`sizes`)
-/// before anything is packed.
+/// before anything is planned or packed, and that all of them together ask
+/// for at most [`MAX_BLOCKS`] blocks.
 pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
-    requests
-        .iter()
-        .enumerate()
-        .try_for_each(|(k, r)| r.check(k, sizes))
+    let mut blocks = 0u64;
+    for (k, q) in requests.iter().enumerate() {
+        q.check(k, sizes)?;
+        blocks = blocks.saturating_add(q.blocks());
+        if blocks > MAX_BLOCKS {
+            return Err(Error::peer(format!(
+                "WANT request #{k}: {blocks} blocks asked for so far, at most \
+                 {MAX_BLOCKS} in one WANT"
+            )));
+        }
+    }
+    Ok(())
 }
 
 pub(super) fn encode(o: &mut Out, requests: &[Request]) {
@@ -198,7 +271,7 @@ pub(super) fn decode(i: &mut In) -> Result<Vec<Request>> {
         )));
     }
     let mut runs_left = MAX_RUNS;
-    let mut out = Vec::with_capacity(n);
+    let mut out = try_vec(n, "wire: WANT's requests")?;
     for k in 0..n {
         let tensor = i.u32()?;
         let sums = match i.u8()? {
@@ -213,16 +286,15 @@ pub(super) fn decode(i: &mut In) -> Result<Vec<Request>> {
             )));
         }
         runs_left -= m;
-        let runs = (0..m)
-            .map(|_| {
-                Ok(WantRun {
-                    offset: i.u64()?,
-                    len: i.u64()?,
-                    rows: i.u64()?,
-                    stride: i.u64()?,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let mut runs = try_vec(m, "wire: WANT's runs")?;
+        for _ in 0..m {
+            runs.push(WantRun {
+                offset: i.u64()?,
+                len: i.u64()?,
+                rows: i.u64()?,
+                stride: i.u64()?,
+            });
+        }
         out.push(Request { tensor, runs, sums });
     }
     Ok(out)
@@ -250,15 +322,47 @@ mod tests {
         assert_eq!(q.contiguous(), None);
         // Request bytes 1..8: the end of row 0, rows 1 and 2, 2 of the lone block.
         assert_eq!(
-            q.pieces(1, 8),
+            q.pieces(1, 8).collect::<Vec<_>>(),
             vec![(3, 1, 1), (6, 2, 2), (10, 4, 2), (20, 6, 3)]
         );
         let w = Request::whole(1, 16, false);
         assert!(w.is_whole(16) && !w.is_whole(17));
-        assert_eq!(w.pieces(4, 8), vec![(4, 4, 8)]);
+        assert_eq!(w.pieces(4, 8).collect::<Vec<_>>(), vec![(4, 4, 8)]);
         // Equal blocks back to back are one contiguous run.
         let c = Request::of_blocks(0, [(8, 4), (12, 4)], false);
         assert_eq!(c.contiguous(), Some(8));
+    }
+
+    /// Rows back to back are one piece and one block; a WANT of more than
+    /// MAX_BLOCKS blocks in all is refused naming the request that passes
+    /// it, however few bytes it is.
+    #[test]
+    fn blocks_are_counted_walked_and_bounded() {
+        let rows = Request {
+            tensor: 0,
+            runs: vec![run(8, 4, 5, 4), run(100, 1, 3, 2)],
+            sums: false,
+        };
+        assert_eq!(rows.blocks(), 1 + 3);
+        assert_eq!(
+            rows.pieces(2, 20).collect::<Vec<_>>(),
+            vec![(10, 2, 18), (100, 20, 1), (102, 21, 1)]
+        );
+        let sizes = [1u64 << 40];
+        let every_other = |rows| Request {
+            tensor: 0,
+            runs: vec![run(0, 1, rows, 2)],
+            sums: false,
+        };
+        let fits = [every_other(MAX_BLOCKS / 2), every_other(MAX_BLOCKS / 2)];
+        assert!(check_requests(&fits, &sizes).is_ok());
+        let over = [every_other(MAX_BLOCKS / 2), every_other(MAX_BLOCKS / 2 + 1)];
+        let e = check_requests(&over, &sizes).unwrap_err();
+        assert!(
+            e.message.contains("WANT request #1")
+                && e.message.contains(&format!("{} blocks", MAX_BLOCKS + 1)),
+            "{e}"
+        );
     }
 
     #[test]

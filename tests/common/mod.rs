@@ -5,6 +5,7 @@
 pub mod fake_cuda;
 pub mod gpu_parts;
 pub mod hostile_windows;
+pub mod peak;
 pub mod sharded;
 
 use safetensors::tensor::{Dtype, TensorView};
