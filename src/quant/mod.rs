@@ -161,8 +161,47 @@ pub fn quantize(
 ) -> Result<(), QuantError> {
     let whole = [src.rows, src.cols];
     let mut amax = vec![0f32; scale_inv.len()];
-    block_amax(scheme, src, [0, 0], whole, &mut amax)?;
-    quantize_with(scheme, src, ([0, 0], whole), &amax, fp8, scale_inv)
+    if scheme == Scheme::PerTensor || src.rows <= BLOCK {
+        block_amax(scheme, src, [0, 0], whole, &mut amax)?;
+        return quantize_with(scheme, src, ([0, 0], whole), &amax, fp8, scale_inv);
+    }
+    // Blocks: a band of 128 rows at a time, so the second pass reads the
+    // band from cache, not memory (0.44 of memcpy per core before).
+    check(
+        src,
+        scale_inv.len(),
+        scheme.scales_shape(src.rows, src.cols).iter().product(),
+    )?;
+    if fp8.len() != src.rows * src.cols {
+        return Err(QuantError::Invalid(format!(
+            "{} fp8 bytes for {} elements",
+            fp8.len(),
+            src.rows * src.cols
+        )));
+    }
+    let row_bytes = src.cols * src.dtype.size();
+    let bands = src
+        .bytes
+        .chunks(BLOCK * row_bytes)
+        .zip(fp8.chunks_mut(BLOCK * src.cols));
+    for (k, (bytes, q)) in bands.enumerate() {
+        let band = Source {
+            bytes,
+            rows: bytes.len() / row_bytes,
+            ..src
+        };
+        let origin = [k * BLOCK, 0];
+        // A band's element index counts from the band: from the tensor here.
+        block_amax(scheme, band, origin, whole, &mut amax).map_err(|e| match e {
+            QuantError::NonFinite { index, value } => QuantError::NonFinite {
+                index: index + origin[0] * src.cols,
+                value,
+            },
+            other => other,
+        })?;
+        quantize_with(scheme, band, (origin, whole), &amax, q, scale_inv)?;
+    }
+    Ok(())
 }
 
 fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {

@@ -351,6 +351,26 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
         quantize(Scheme::PerTensor, src, &mut q, &mut s),
         Err(QuantError::NonFinite { index: 213, .. })
     ));
+    // Past the first band of 128 rows: the index still counts from the
+    // tensor's first element.
+    let mut tall = vec![0.25f32; 300 * 30];
+    tall[200 * 30 + 4] = f32::INFINITY;
+    let x = encode(&tall, DType::Bf16);
+    let src = Source {
+        dtype: DType::Bf16,
+        bytes: &x,
+        rows: 300,
+        cols: 30,
+    };
+    let (mut q3, mut s3) = (vec![0u8; 9000], vec![0f32; 3]);
+    assert!(matches!(
+        quantize(Scheme::Blocks128, src, &mut q3, &mut s3),
+        Err(QuantError::NonFinite { index: 6004, .. })
+    ));
+    assert!(matches!(
+        quantize(Scheme::Blocks128, src, &mut q3[1..], &mut s3),
+        Err(QuantError::Invalid(_))
+    ));
     let ints = Source {
         dtype: DType::I32,
         bytes: &x,

@@ -67,19 +67,14 @@ fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize)
                 .zip(q.chunks_mut(band_rows * row));
             for ((xb, qb), sb) in bands.zip(s.chunks_mut(scale_row)) {
                 sc.spawn(move || {
-                    let rows = qb.len() / row;
                     let src = Source {
                         dtype: DType::Bf16,
                         bytes: xb,
-                        rows,
+                        rows: qb.len() / row,
                         cols: row,
                     };
-                    let mut amax = vec![0f32; sb.len()];
-                    let whole = [rows, row];
-                    quant::block_amax(Scheme::Blocks128, src, [0, 0], whole, &mut amax)
-                        .expect("finite weights");
-                    quant::quantize_with(Scheme::Blocks128, src, ([0, 0], whole), &amax, qb, sb)
-                        .expect("sizes agree");
+                    // Bands of whole block rows are tensors of their own.
+                    quant::quantize(Scheme::Blocks128, src, qb, sb).expect("finite weights");
                 });
             }
         });
