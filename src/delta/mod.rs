@@ -75,30 +75,30 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
         stats.changed += changed as u64;
         let whole = elems * esize;
         let bitmask = elems.div_ceil(8) + changed * esize;
-        let gaps = gaps_size(words, changed) + changed * esize;
-        if whole <= bitmask.min(gaps) {
-            out.push(WHOLE);
-            out.extend_from_slice(n);
-            stats.whole += 1;
-            continue;
+        // Gaps cost at least a byte per change: try them only when that
+        // could beat the bitmask, written in place and undone if larger.
+        let start = out.len();
+        out.reserve(1 + whole);
+        if changed < elems / 8 {
+            out.push(GAPS);
+            put_gaps(words, changed, out);
+            if out.len() - start + changed * esize < bitmask.min(whole) {
+                put_values(words, n, esize, changed, out);
+                stats.gaps += 1;
+                continue;
+            }
+            out.truncate(start);
         }
-        if bitmask <= gaps {
+        if bitmask < whole {
             out.push(BITMASK);
             let bytes = words.iter().flat_map(|w| w.to_le_bytes());
             out.extend(bytes.take(elems.div_ceil(8)));
+            put_values(words, n, esize, changed, out);
             stats.bitmask += 1;
         } else {
-            out.push(GAPS);
-            put_varint(changed, out);
-            let mut prev = None;
-            for i in set_bits(words) {
-                put_varint(prev.map_or(i, |p: usize| i - p - 1), out);
-                prev = Some(i);
-            }
-            stats.gaps += 1;
-        }
-        for i in set_bits(words) {
-            out.extend_from_slice(&n[i * esize..(i + 1) * esize]);
+            out.push(WHOLE);
+            out.extend_from_slice(n);
+            stats.whole += 1;
         }
     }
     stats
@@ -220,18 +220,23 @@ fn set_bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
     })
 }
 
-fn gaps_size(words: &[u64], changed: usize) -> usize {
+fn put_gaps(words: &[u64], changed: usize, out: &mut Vec<u8>) {
+    put_varint(changed, out);
     let mut prev = None;
-    let mut size = varint_len(changed);
     for i in set_bits(words) {
-        size += varint_len(prev.map_or(i, |p: usize| i - p - 1));
+        put_varint(prev.map_or(i, |p: usize| i - p - 1), out);
         prev = Some(i);
     }
-    size
 }
 
-fn varint_len(x: usize) -> usize {
-    1 + (usize::BITS - x.max(1).leading_zeros()).saturating_sub(1) as usize / 7
+/// The changed elements' new bytes, in order, written into room made once.
+fn put_values(words: &[u64], n: &[u8], esize: usize, changed: usize, out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(at + changed * esize, 0);
+    let dst = &mut out[at..];
+    for (k, i) in set_bits(words).enumerate() {
+        set(dst, k, &n[i * esize..(i + 1) * esize], esize);
+    }
 }
 
 fn put_varint(mut x: usize, out: &mut Vec<u8>) {
