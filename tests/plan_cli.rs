@@ -339,3 +339,44 @@ fn unread_global_tensors_follow_the_managers_rule() {
         "{err}"
     );
 }
+
+/// `--wire-dtype fp8`, `--delta-fraction` and `--goodput` scale the
+/// prediction by what the wire carries (FP8 with 128x128 block scales: a
+/// byte an element plus 4 per block; deltas: the codec's size model), and
+/// bad values are refused naming the option.
+#[test]
+fn the_prediction_follows_what_the_wire_carries() {
+    let dir = layouts("tp-small");
+    let (t, e) = (dir.join("trainer.json"), dir.join("engine.json"));
+    let base = report(&wm_plan(&t, &e, &["--json"]));
+    let whole = num(&base, "/prediction/seconds");
+    assert_eq!(num(&base, "/prediction/wire/seconds"), whole);
+    let fp8 = report(&wm_plan(
+        &t,
+        &e,
+        &["--json", "--wire-dtype", "fp8", "--goodput", "0.5"],
+    ));
+    let factor = 0.5 * (1.0 + 4.0 / 16384.0);
+    let got = num(&fp8, "/prediction/wire/seconds");
+    assert!(
+        (got - whole * factor / 0.5).abs() < 1e-12,
+        "{got} vs {whole}"
+    );
+    let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.02"]));
+    let f = num(&delta, "/prediction/wire/bytes_per_plan_byte");
+    assert!(
+        f > 0.02 && f < 0.04,
+        "2% of bf16 elements: {f} of the bytes"
+    );
+    for (args, want) in [
+        (["--goodput", "0"], "--goodput 0"),
+        (["--wire-dtype", "fp4"], "--wire-dtype fp4: bf16 or fp8"),
+        (
+            ["--delta-fraction", "2"],
+            "--delta-fraction 2: a share in [0, 1]",
+        ),
+    ] {
+        let err = failure(&wm_plan(&t, &e, &args));
+        assert!(err.contains(want), "want '{want}' in: {err}");
+    }
+}

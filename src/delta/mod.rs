@@ -104,6 +104,24 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
     stats
 }
 
+/// The delta / whole bytes [`encode`] is expected to reach when a share
+/// `fraction` of elements of `esize` bytes changed at random places (what
+/// `wm plan --delta-fraction` predicts with): per chunk the smallest of the
+/// forms, a gap's varint taking its expected length (gaps are geometric:
+/// one more byte with each 7 bits a gap may pass).
+pub fn predicted_ratio(fraction: f64, esize: usize) -> f64 {
+    let f = fraction.clamp(0.0, 1.0);
+    let (n, e) = (CHUNK as f64, esize as f64);
+    if f == 0.0 {
+        return 1.0 / (n * e);
+    }
+    let k = f * n;
+    let varint = 1.0 + (1.0 - f).powi(128) + (1.0 - f).powi(16384);
+    let gaps = k * (varint + e) + 3.0;
+    let bitmask = n / 8.0 + k * e;
+    (1.0 + gaps.min(bitmask).min(n * e)) / (n * e)
+}
+
 /// Apply `delta` (as [`encode`] writes it) onto `run`, which holds the base
 /// and ends holding the new bytes. On error `run` may hold part of the new
 /// bytes: apply onto a copy (atomic updates) or mark the run failed.

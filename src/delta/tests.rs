@@ -127,3 +127,19 @@ fn hostile_deltas_are_refused_naming_the_chunk() {
     assert!(e.0.contains("chunk 0: the delta ends before it"), "{e}");
     assert!(apply(&[], &mut run[..3], 2).is_err());
 }
+
+#[test]
+fn the_predicted_ratio_is_what_encoding_random_changes_gives() {
+    let mut rng = Rng(9);
+    let old: Vec<u8> = (0..16 * CHUNK * 2).map(|_| rng.next() as u8).collect();
+    for share in [0.001, 0.005, 0.02, 0.1, 0.5, 1.0] {
+        let new = changed(&mut rng, &old, 2, share);
+        let (n, _) = round_trip(&old, &new, 2);
+        let got = n as f64 / old.len() as f64;
+        let want = predicted_ratio(share, 2);
+        assert!(
+            (got - want).abs() <= 0.05 * want + 1e-4,
+            "{share}: encoded {got}, predicted {want}"
+        );
+    }
+}

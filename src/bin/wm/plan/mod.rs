@@ -2,7 +2,10 @@
 //! [--json]`: plan every engine rank of a layout against every trainer
 //! rank, as the manager would (spread = engine rank), without a byte of
 //! weights or a param's memory, and report what would move where and how
-//! long the busiest link would take (`docs/layouts.md`).
+//! long the busiest link would take (`docs/layouts.md`). `--goodput`,
+//! `--wire-dtype fp8` and `--delta-fraction` scale the prediction by what
+//! the link really carries, FP8 with 128x128 block scales on the wire, and
+//! deltas of that share of elements (the codec's own size model).
 
 mod report;
 
@@ -18,10 +21,20 @@ use weight_manager::manifest::Manifest;
 use weight_manager::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
 use weight_manager::plan::{Params, PlanOptions, Sources, Target};
 
-pub const OPTIONS: &[&str] = &["trainer", "engine", "link-gbps", "json", "engine-ranks"];
+pub const OPTIONS: &[&str] = &[
+    "trainer",
+    "engine",
+    "link-gbps",
+    "json",
+    "engine-ranks",
+    "goodput",
+    "wire-dtype",
+    "delta-fraction",
+];
 pub const FLAGS: &[&str] = &["json"];
 const USAGE: &str = "usage: wm plan --trainer TRAINER.json --engine ENGINE.json \
-     [--link-gbps 400] [--engine-ranks FIRST:END] [--json]";
+     [--link-gbps 400] [--goodput 1.0] [--wire-dtype bf16|fp8] [--delta-fraction F] \
+     [--engine-ranks FIRST:END] [--json]";
 
 pub fn run(a: &Args) -> Result<(), String> {
     let trainer_path = a.value("trainer").ok_or(USAGE)?;
@@ -30,13 +43,14 @@ pub fn run(a: &Args) -> Result<(), String> {
     if !(gbps > 0.0 && gbps.is_finite()) {
         return Err(format!("--link-gbps {gbps}: must be more than 0"));
     }
+    let wire = report::Wire::from_args(a)?;
     let t0 = Instant::now();
     let trainer = read_trainer(Path::new(trainer_path)).map_err(|e| e.to_string())?;
     let engine = read_engine(Path::new(engine_path)).map_err(|e| e.to_string())?;
     let read = t0.elapsed();
     let ranks = engine_ranks(a, engine.ranks)?;
     let totals = plan_all(&trainer, &engine, ranks)?;
-    let report = Report::new(&trainer, &engine, totals, read, gbps);
+    let report = Report::new(&trainer, &engine, totals, read, (gbps, wire));
     match a.flag("json") {
         true => println!("{}", report.json()),
         false => print!("{}", report.text()),

@@ -69,6 +69,58 @@ fn seconds(s: f64) -> String {
     }
 }
 
+/// What the wire carries, for the prediction: the share of line rate a
+/// link delivers, the dtype sent, and the share of elements changed since
+/// the engine's version (deltas; None: whole).
+#[derive(Clone, Copy, Debug)]
+pub struct Wire {
+    pub goodput: f64,
+    pub fp8: bool,
+    pub delta_fraction: Option<f64>,
+}
+
+impl Wire {
+    pub fn from_args(a: &crate::Args) -> Result<Wire, String> {
+        let goodput: f64 = a.number("goodput", 1.0)?;
+        if !(goodput > 0.0 && goodput <= 1.0) {
+            return Err(format!(
+                "--goodput {goodput}: a share of line rate, in (0, 1]"
+            ));
+        }
+        let fp8 = match a.value("wire-dtype").unwrap_or("bf16") {
+            "bf16" => false,
+            "fp8" => true,
+            other => return Err(format!("--wire-dtype {other}: bf16 or fp8")),
+        };
+        let delta_fraction = match a.value("delta-fraction") {
+            None => None,
+            Some(v) => match v.parse::<f64>() {
+                Ok(f) if (0.0..=1.0).contains(&f) => Some(f),
+                _ => return Err(format!("--delta-fraction {v}: a share in [0, 1]")),
+            },
+        };
+        Ok(Wire {
+            goodput,
+            fp8,
+            delta_fraction,
+        })
+    }
+
+    /// Bytes on the wire per byte of the (bf16) plan: FP8 is one byte an
+    /// element plus a 4-byte scale per 128x128 block; a delta costs what
+    /// the codec's model says for that share of changed elements.
+    pub fn factor(&self) -> f64 {
+        let (dtype, esize) = match self.fp8 {
+            true => (0.5 * (1.0 + 4.0 / (128.0 * 128.0)), 1),
+            false => (1.0, 2),
+        };
+        let delta = self
+            .delta_fraction
+            .map_or(1.0, |f| weight_manager::delta::predicted_ratio(f, esize));
+        dtype * delta
+    }
+}
+
 pub struct Report {
     v: serde_json::Value,
 }
@@ -79,7 +131,7 @@ impl Report {
         engine: &EngineLayout,
         t: Totals,
         read_time: Duration,
-        gbps: f64,
+        (gbps, wire): (f64, Wire),
     ) -> Report {
         let r = &t.ranks;
         let moved: u64 = r.iter().map(|p| p.bytes).sum();
@@ -123,6 +175,10 @@ impl Report {
                         "receiver": {"engine_rank": t.first_rank + recv_max.0, "bytes": recv_max.1}},
             "tensors_no_rank_reads": {"count": unread.len(), "first": unread.first()},
             "prediction": {"link_gbps": gbps, "seconds": busiest as f64 / link,
+                           "wire": {"goodput": wire.goodput, "dtype": if wire.fp8 { "fp8" } else { "bf16" },
+                                    "delta_fraction": wire.delta_fraction, "bytes_per_plan_byte": wire.factor(),
+                                    "busiest_bytes": busiest as f64 * wire.factor(),
+                                    "seconds": busiest as f64 * wire.factor() / (link * wire.goodput)},
                            "model": "max(busiest sender bytes, busiest receiver bytes) / link speed: \
                                      every trainer rank sends at once, each rank has its own link",
                            "reference_s": REFERENCE_S,
@@ -254,6 +310,32 @@ impl Report {
             seconds(n("/prediction/seconds")),
             REFERENCE_S
         );
+        s.push_str(&self.wire_text());
         s
+    }
+
+    /// The prediction with what the wire carries, when it differs from
+    /// whole bf16 at line rate.
+    fn wire_text(&self) -> String {
+        let n = |p: &str| self.num(p);
+        let w = |k: &str| self.v.pointer(&format!("/prediction/wire/{k}")).cloned();
+        let plain = w("dtype").is_some_and(|d| d == "bf16")
+            && w("delta_fraction").is_some_and(|d| d.is_null())
+            && n("/prediction/wire/goodput") == 1.0;
+        if plain {
+            return String::new();
+        }
+        let delta = match w("delta_fraction").and_then(|d| d.as_f64()) {
+            Some(f) => format!(", deltas of {:.2}% of elements", f * 100.0),
+            None => String::new(),
+        };
+        format!(
+            "with {} on the wire{delta} at {:.2} of line rate: busiest link {} ({:.4} of the plan's bytes), predicted {}\n",
+            w("dtype").and_then(|d| d.as_str().map(str::to_string)).unwrap_or_default(),
+            n("/prediction/wire/goodput"),
+            fmt::bytes(n("/prediction/wire/busiest_bytes") as u64),
+            n("/prediction/wire/bytes_per_plan_byte"),
+            seconds(n("/prediction/wire/seconds"))
+        )
     }
 }
