@@ -84,6 +84,8 @@ pub mod source;
 pub mod state;
 pub mod tensor;
 pub mod tensor_box;
+#[cfg(test)]
+mod test_rng;
 pub mod transport;
 pub mod wire;
 

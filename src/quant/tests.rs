@@ -5,6 +5,7 @@
 //! printed reason, except under CI (`CI` set), where it fails.
 
 use super::*;
+use crate::test_rng::Rng;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -102,18 +103,6 @@ fn reference(py: &Path, jobs: &[Job]) -> Vec<(Vec<u8>, Vec<f32>)> {
             (q, s.collect())
         })
         .collect()
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
 }
 
 /// Finite f32 values of every kind, block by block: each 128 x 128 block
