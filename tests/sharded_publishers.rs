@@ -13,7 +13,7 @@ use common::sharded::{serial, serving, Global};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager::apply::{Mode, Progress};
-use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager::manager::{Manager, UpdateRequest};
 use weight_manager::pieces::Piece;
 use weight_manager::publisher::{Publisher, PublisherConfig};
 use weight_manager::registry::ParamSpec;
@@ -116,17 +116,7 @@ fn engine_params(globals: &[Global]) -> Vec<(ParamSpec, Vec<u8>, [u64; 2])> {
 }
 
 fn engine() -> Manager {
-    std::env::set_var("UCX_TLS", "tcp");
-    Manager::new(ManagerConfig {
-        fallback_dir: None,
-        net: NetSettings {
-            secret: Some(SECRET.as_bytes().to_vec()),
-            bucket_size: 4096,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap()
+    common::sharded::net_engine(SECRET)
 }
 
 /// Two publishers, serving `versions[r]` with `cfg(r)`.

@@ -34,17 +34,7 @@ enum Via {
 const BOTH: [Via; 2] = [Via::Ipc, Via::Net];
 
 fn engine() -> Manager {
-    std::env::set_var("UCX_TLS", "tcp");
-    Manager::new(ManagerConfig {
-        fallback_dir: None,
-        net: NetSettings {
-            secret: Some(SECRET.as_bytes().to_vec()),
-            bucket_size: 4096,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap()
+    common::sharded::net_engine(SECRET)
 }
 
 /// A publisher for trainer rank `r`, with nothing added yet.

@@ -53,29 +53,23 @@ impl PlanCache {
         // last update's is gone), so new checksums are written in place
         // instead of copying the whole plan.
         let last = self.last.lock().take();
-        if let Some((k, plan)) = last.filter(|(k, _)| *k == key) {
-            let plan = with_checksums(plan, sources);
-            *self.last.lock() = Some((k, plan.clone()));
-            plan.check_replicas(sources, name).map_err(Error::format)?;
-            return Ok(Planned {
-                plan,
-                took: start.elapsed(),
-                reused: true,
-            });
-        }
-        // A failed plan keeps nothing: the cache was emptied above.
-        let plan = Arc::new(make_sharded_plan(sources, registry, opts, logger)?);
+        let (plan, reused) = match last.filter(|(k, _)| *k == key) {
+            Some((_, plan)) => (with_checksums(plan, sources), true),
+            // A failed plan keeps nothing: the cache was emptied above.
+            None => {
+                let plan = make_sharded_plan(sources, registry, opts, logger)?;
+                (Arc::new(plan), false)
+            }
+        };
         *self.last.lock() = Some((key, plan.clone()));
         plan.check_replicas(sources, name).map_err(Error::format)?;
         Ok(Planned {
             plan,
             took: start.elapsed(),
-            reused: false,
+            reused,
         })
     }
-}
 
-impl PlanCache {
     /// Forget the kept plan if it is `plan`: a failed update's plan (and the
     /// segments it worked out) is not kept for the next one.
     pub fn forget(&self, plan: &Arc<Plan>) {

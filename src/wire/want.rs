@@ -301,10 +301,10 @@ pub(super) fn decode(i: &mut In) -> Result<Vec<Request>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn run(offset: u64, len: u64, rows: u64, stride: u64) -> WantRun {
+    pub(crate) fn run(offset: u64, len: u64, rows: u64, stride: u64) -> WantRun {
         WantRun {
             offset,
             len,

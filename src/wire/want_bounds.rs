@@ -83,16 +83,7 @@ pub fn check_cuts(requests: &[Request], bucket: u64, messages: bool) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::WantRun;
-
-    fn run(offset: u64, len: u64, rows: u64, stride: u64) -> WantRun {
-        WantRun {
-            offset,
-            len,
-            rows,
-            stride,
-        }
-    }
+    use crate::wire::want::tests::run;
 
     /// A WANT over a publisher's limits by size alone is found before it
     /// is sent, naming the count.

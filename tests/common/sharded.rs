@@ -98,6 +98,23 @@ pub fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
     }
 }
 
+/// An engine for the sharded tests: host params, no fallback directory,
+/// the network with `secret` and small buckets, UCX over TCP.
+pub fn net_engine(secret: &str) -> weight_manager::manager::Manager {
+    use weight_manager::manager::{Manager, ManagerConfig, NetSettings};
+    std::env::set_var("UCX_TLS", "tcp");
+    Manager::new(ManagerConfig {
+        fallback_dir: None,
+        net: NetSettings {
+            secret: Some(secret.as_bytes().to_vec()),
+            bucket_size: 4096,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 /// Run `update` while each publisher serves one engine; the publishers'
 /// results come back with the update's.
 pub fn serving<T>(
