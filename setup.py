@@ -98,7 +98,7 @@ setup(
     packages=["weight_manager"],
     rust_extensions=[
         RustExtension(LIBRARY, path=manifest, binding=Binding.NoBinding, args=LIBRARY_ARGS),
-        RustBin("wm", path=manifest, args=["--bin", "wm", *CARGO_ARGS]),
+        RustBin("wm", path=relative(ROOT / "crates/wm/Cargo.toml"), args=["--bin", "wm", *CARGO_ARGS]),
     ],
     cmdclass={"build_ext": BuildExt, "bdist_wheel": BdistWheel},
     options={"build": {"build_base": scratch}, "egg_info": {"egg_base": scratch}},

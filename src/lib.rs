@@ -1,93 +1,294 @@
-//! weight_manager: swap new model weights into a running inference engine.
+//! The C boundary, and nothing else: pointer checks, struct sizes, integer
+//! enums, the panic guard, and translation to and from the Rust API. Every
+//! rule of the library lives in the plain Rust modules.
 //!
-//! An engine rank links this library (C ABI in `include/weight_manager.h`),
-//! registers its params, and calls `wm_update` when the trainer has new
-//! weights. Every update follows one path, whatever the source:
+//! Conventions (after rustls-ffi):
+//! - every exported function body is wrapped in `ffi_guard!` (or
+//!   `ffi_guard_or!` when it does not return `wm_result`); a panic becomes
+//!   `WM_ERR_PANIC` and never unwinds into C. `tests/header.rs`
+//!   (`every_export_uses_the_panic_guard`) checks that every `#[no_mangle]`
+//!   function does this.
+//! - outputs are written only on success.
+//! - a handle is a key into a table of live objects, never reused: a
+//!   destroyed or made-up handle is `WM_ERR_INVALID_HANDLE`, not a
+//!   use-after-free, and destroy waits for calls in flight (`handles.rs`).
+//! - a create-style call that fails leaves its reason for
+//!   `wm_last_create_error` on the calling thread (there is no handle).
 //!
-//! ```text
-//! sources -> manifests -> plan (runs: every piece of every param against
-//! every shard, checked before any byte moves, kept while the layouts do
-//! not change) -> chunks (the sources stepped together) -> applier (range
-//! checks, parallel copy, checksums, staging) -> commit (version, stats,
-//! state NORMAL)
-//! ```
-//!
-//! Module map, roughly bottom up:
-//! - [`result`]: result codes and the error type. [`defaults`]: every
-//!   default value, once. [`logging`]: per-manager log sinks.
-//! - [`tensor`]: dtypes, shapes, byte math. [`checksum`]: XXH3-128 of
-//!   tensors. [`state`]: the manager's states (the control word's values).
-//! - [`tensor_box`], [`pieces`]: boxes of global tensors; what a param
-//!   holds of which. [`registry`]: params by name. [`manifest`]: what a
-//!   source offers (shards, placed in their global tensors).
-//!   [`plan`]: the sources' manifests against the params, cut into runs
-//!   (also without memory, for `wm plan`). [`apply`]: the applier
-//!   (landing, verification, staging, commit).
-//! - [`memory`]: library-owned host and GPU memory, pinned staging, CUDA
-//!   IPC buffers, the parallel copier.
-//! - [`wire`]: the frames of the IPC and network protocol (`docs/wire.md`).
-//!   [`transport`]: frames over Unix and TCP sockets, peer checks and
-//!   authentication, UCX (loaded at run time).
-//! - [`source`]: where bytes come from: snapshot files, same-node IPC from
-//!   publishers, the network (rdma, gdr) over UCX; several at once
-//!   (`source/streaming.rs`).
-//! - [`publisher`]: the trainer side, serving versions over IPC or the
-//!   network.
-//! - [`signal`]: the control cell, rank groups, fan-out meetings, the
-//!   controller, the failure report. [`fanout`]: NCCL fan-out of an update
-//!   among a node's ranks.
-//! - [`manager`]: the state machine that runs updates and clears.
-//! - [`ffi`]: the C boundary, and nothing else.
-//!
-//! Where things go:
-//! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
-//!   receive where `source/net/landing.rs` decides: a staging slot; where
-//!   `Applier::receive_pieces` says, in one piece or scattered by UCX into
-//!   the pieces it lands in; else a bounce buffer the applier scatters from
-//!   (`apply/receive.rs`: in place the param itself, atomic the staging arena, a device param
-//!   without gdr a host buffer, pinned where it can, that goes up to the
-//!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
-//!   routes it (`apply/route.rs`, `apply/batch.rs`) and checks it against
-//!   the manifest's checksum (or, for a part of a tensor, the publisher's
-//!   slice sum) while it is still in cache (`apply/verify.rs`);
-//!   keyed digests, when asked for, are checked by the source first.
-//! - A new source: a module under [`source`] implementing
-//!   [`source::Source`], its [`source::SourceKind`] number, and one arm in
-//!   `manager/sources.rs` that opens it.
-//! - A new C function: the [`ffi`] file of its topic (`ffi/manager.rs`,
-//!   `ffi/update.rs`, `ffi/publisher.rs`, ...), inside `ffi_guard!`, with
-//!   its rules in a plain Rust module; then regenerate the header
-//!   (`WM_BLESS=1 cargo test --test header`).
+//! Files (a new C function goes in the file of its handle, then the header
+//! is regenerated: `WM_BLESS=1 cargo test --test header`): `result.rs`
+//! (codes, version), `manager.rs` (config, init, destroy, error text),
+//! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
+//! (status, signal), `controller.rs` (the controller's handle),
+//! `publisher.rs` (the trainer's publisher handle), `handles.rs` (the
+//! handle tables).
 
-pub mod apply;
-pub(crate) mod box_sweep;
-pub mod checksum;
-/// Not C API: the header's field comments state these values.
-/// cbindgen:ignore
-pub mod defaults;
-pub mod delta;
-pub(crate) mod dynlib;
-pub mod fanout;
-pub mod ffi;
-pub mod logging;
+#![allow(non_camel_case_types)]
+// Each export's doc comment states its C contract (ownership, NULL,
+// threads); that contract is its safety section, written for C readers.
+#![allow(clippy::missing_safety_doc)]
+
+pub(crate) use handles::HandleTable;
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use weight_manager_core::manager::Manager;
+use weight_manager_core::result::{wm_result, Error, Result};
+
+/// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
+macro_rules! ffi_guard {
+    ($body:block) => {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
+            || -> ::weight_manager_core::result::wm_result { $body },
+        )) {
+            Ok(r) => r,
+            Err(_) => ::weight_manager_core::result::wm_result::WM_ERR_PANIC,
+        }
+    };
+}
+
+/// Like [`ffi_guard!`] for functions that return a value: a panic gives `$default`.
+macro_rules! ffi_guard_or {
+    ($default:expr, $body:block) => {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| $body)) {
+            Ok(r) => r,
+            Err(_) => $default,
+        }
+    };
+}
+
+/// Return `WM_ERR_NULL_ARGUMENT` from the enclosing function if `$p` is NULL.
+macro_rules! check_null {
+    ($($p:expr),+) => {
+        $(if $p.is_null() { return ::weight_manager_core::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
+    };
+}
+
+/// Resolve a manager handle or return its error code from the enclosing function.
+macro_rules! try_handle {
+    ($p:expr) => {
+        try_get!($crate::MANAGERS, $p)
+    };
+}
+
+/// Resolve a handle of `$table` or return its error code.
+macro_rules! try_get {
+    ($table:expr, $p:expr) => {
+        match $table.get($p as *const std::ffi::c_void) {
+            Ok(h) => h,
+            Err(code) => return code,
+        }
+    };
+}
+
+pub mod controller;
+mod handles;
 pub mod manager;
-pub mod manifest;
-pub mod memory;
-pub mod pieces;
-pub mod plan;
+pub mod params;
 pub mod publisher;
-pub mod quant;
-pub mod registry;
 pub mod result;
-pub mod signal;
-pub mod source;
-pub mod state;
-pub mod tensor;
-pub mod tensor_box;
-#[cfg(test)]
-mod test_rng;
-pub mod transport;
-pub mod wire;
+pub mod status;
+pub mod update;
 
-pub use manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
-pub use result::{wm_result, Error, Result};
+/// A library object behind a C handle, with the text of its last failure
+/// (per handle, so two threads with two handles each read their own). The manager keeps its own, because
+/// `wm_status` reports it too.
+pub(crate) struct Handled<T> {
+    pub(crate) value: T,
+    last_error: parking_lot::Mutex<Option<Error>>,
+}
+
+impl<T> Handled<T> {
+    pub(crate) fn new(value: T) -> Handled<T> {
+        Handled {
+            value,
+            last_error: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// `r` with its error turned into a code, the error remembered.
+    pub(crate) fn code<R>(&self, r: Result<R>) -> std::result::Result<R, wm_result> {
+        r.map_err(|e| {
+            let code = e.code;
+            *self.last_error.lock() = Some(e);
+            code
+        })
+    }
+
+    /// [`Handled::code`] for calls with no output.
+    pub(crate) fn result(&self, r: Result<()>) -> wm_result {
+        self.code(r).err().unwrap_or(wm_result::WM_OK)
+    }
+
+    pub(crate) fn last_error_text(&self) -> String {
+        self.last_error
+            .lock()
+            .as_ref()
+            .map(|e| e.message.clone())
+            .unwrap_or_default()
+    }
+}
+
+pub(crate) static MANAGERS: HandleTable<Manager> = HandleTable::new();
+
+thread_local! {
+    /// Why this thread's last create-style call failed ("" after a success).
+    static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// The outcome of a create-style call (`wm_init`, `wm_publisher_create*`,
+/// `wm_controller_open`): on success the handle is published into `*out`;
+/// on failure the reason is kept for `wm_last_create_error`.
+///
+/// # Safety
+/// `out` is writable (checked non-NULL by the caller).
+pub(crate) unsafe fn created<T, H>(
+    table: &HandleTable<T>,
+    made: Result<T>,
+    out: *mut *mut H,
+) -> wm_result {
+    let (code, text) = match made {
+        Ok(value) => {
+            *out = table.publish(value).cast();
+            (wm_result::WM_OK, String::new())
+        }
+        Err(e) => (e.code, e.message),
+    };
+    LAST_CREATE_ERROR.with(|t| *t.borrow_mut() = text);
+    code
+}
+
+/// Copy why the last create-style call on this thread failed (`wm_init`,
+/// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
+/// the calls that have no handle to keep their reason) into `buf` (`len`
+/// bytes with the NUL), truncated to fit, and set `*out_written` to the
+/// bytes written without the NUL. After a successful create, or none yet
+/// on this thread: "". Per thread, so concurrent creates do not mix.
+///
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
+/// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_create_error(
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        let text = LAST_CREATE_ERROR.with(|t| t.borrow().clone());
+        copy_text_out(&text, buf, len, out_written)
+    })
+}
+
+/// The code of `r`, recording its error on the handle.
+pub(crate) fn code_of(m: &Manager, r: Result<()>) -> wm_result {
+    match r {
+        Ok(()) => wm_result::WM_OK,
+        Err(e) => m.record_error(e).code,
+    }
+}
+
+/// Check a growable struct's `struct_size` against the sizes this library
+/// accepts (every size the struct has had; one so far).
+pub(crate) fn check_struct_size(what: &str, got: u32, want: usize) -> Result<()> {
+    if got as usize != want {
+        return Err(Error::struct_size(format!(
+            "{what}.struct_size is {got}, this library's {what} is {want} bytes \
+             (set it with sizeof, or call the _init function)"
+        )));
+    }
+    Ok(())
+}
+
+/// Read an optional C string (NULL gives None).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn opt_str(p: *const c_char, what: &str) -> Result<Option<String>> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    CStr::from_ptr(p)
+        .to_str()
+        .map(|s| Some(s.to_string()))
+        .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
+}
+
+/// Read an optional C path (NULL gives None; any bytes allowed).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn opt_path(p: *const c_char) -> Option<PathBuf> {
+    (!p.is_null()).then(|| PathBuf::from(OsStr::from_bytes(CStr::from_ptr(p).to_bytes())))
+}
+
+/// The `*_last_error` calls: copy `text` into `buf` (`len` bytes with the
+/// NUL), truncated to fit, and store the bytes written without the NUL.
+///
+/// # Safety
+/// `buf` holds `len` bytes and `out_written` is writable (both checked non-NULL).
+pub(crate) unsafe fn copy_text_out(
+    text: &str,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    if buf.is_null() || out_written.is_null() {
+        return wm_result::WM_ERR_NULL_ARGUMENT;
+    }
+    if len == 0 {
+        return wm_result::WM_ERR_INVALID_ARGUMENT;
+    }
+    let dst = std::slice::from_raw_parts_mut(buf, len);
+    fill_chars(dst, text);
+    *out_written = dst.iter().position(|c| *c == 0).unwrap_or(0);
+    wm_result::WM_OK
+}
+
+/// Copy `s` into a fixed C char array, truncating at a UTF-8 boundary, NUL-terminated.
+pub(crate) fn fill_chars(dst: &mut [c_char], s: &str) {
+    let max = dst.len().saturating_sub(1);
+    let mut n = s.len().min(max);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    for (d, b) in dst.iter_mut().zip(&s.as_bytes()[..n]) {
+        *d = *b as c_char;
+    }
+    if let Some(d) = dst.get_mut(n) {
+        *d = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use weight_manager_core::result::wm_result;
+
+    #[test]
+    fn guard_turns_panics_into_codes() {
+        let r = ffi_guard!({
+            if std::hint::black_box(true) {
+                panic!("boom");
+            }
+            wm_result::WM_OK
+        });
+        assert_eq!(r, wm_result::WM_ERR_PANIC);
+        let v: u32 = ffi_guard_or!(7, {
+            if std::hint::black_box(true) {
+                panic!("boom");
+            }
+            1
+        });
+        assert_eq!(v, 7);
+    }
+
+    #[test]
+    fn fill_chars_truncates_on_char_boundary() {
+        let mut buf = [1 as std::ffi::c_char; 4];
+        super::fill_chars(&mut buf, "aé€");
+        assert_eq!(
+            buf[..4].iter().map(|c| *c as u8).collect::<Vec<_>>(),
+            vec![b'a', 0xc3, 0xa9, 0]
+        );
+    }
+}

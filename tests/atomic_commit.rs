@@ -14,16 +14,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use weight_manager::apply::{Hooks, Mode, Progress};
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::snapshot::checksums;
-use weight_manager::source::SourceKind;
-use weight_manager::state::State;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::apply::{Hooks, Mode, Progress};
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::snapshot::checksums;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::state::State;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 const MIB: usize = 1 << 20;
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -237,7 +237,7 @@ fn a_dead_publisher_leaves_the_old_bytes_and_frees_the_new_pages() {
     let _s = serial();
     fails_before_commit(|m, dir, peak| {
         let sock = dir.join("p.sock");
-        let mut publisher = std::process::Command::new(WM)
+        let mut publisher = std::process::Command::new(&*WM)
             .args([
                 "serve",
                 "--ipc",
@@ -483,7 +483,7 @@ fn a_failure_among_back_to_back_updates_leaves_the_old_bytes() {
 #[test]
 fn bench_snapshot_prints_every_atomic_row_beside_its_floor() {
     let _s = serial();
-    let out = std::process::Command::new(WM)
+    let out = std::process::Command::new(&*WM)
         .args(["bench", "snapshot", "--gib", "0.125", "--small", "0"])
         .env("WM_PYTHON", "/nonexistent/python")
         .output()

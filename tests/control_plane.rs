@@ -8,11 +8,11 @@ use common::ShmNames as Names;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::signal::controller::{Controller, RequestOutcome};
-use weight_manager::state::State;
-use weight_manager::tensor::DType;
+use weight_manager_core::signal::controller::{Controller, RequestOutcome};
+use weight_manager_core::state::State;
+use weight_manager_core::tensor::DType;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 
 fn unique(tag: &str) -> String {
     format!("wm_it_{tag}_{}", std::process::id())
@@ -35,7 +35,7 @@ struct Rank {
 fn spawn(dir: &Path, rank: u32, args: &[String]) -> Rank {
     let log = dir.join(format!("steps{rank}.log"));
     let err = dir.join(format!("stderr{rank}.log"));
-    let child = Command::new(WM)
+    let child = Command::new(&*WM)
         .arg("worker")
         .args(["--rank", &rank.to_string(), "--log"])
         .arg(&log)
@@ -283,7 +283,7 @@ fn a_failed_update_reaches_the_controller() {
     let t = Duration::from_secs(10);
     assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
     let e = c.request(State::Updating, t).unwrap_err();
-    assert_eq!(e.code, weight_manager::wm_result::WM_ERR_NOT_FOUND);
+    assert_eq!(e.code, weight_manager_core::wm_result::WM_ERR_NOT_FOUND);
     assert!(e.message.contains("update failed on rank 1"), "{e}");
     // The word does not claim NORMAL, and a new request is accepted from CLEARED.
     assert_eq!(c.get().unwrap(), State::Cleared);

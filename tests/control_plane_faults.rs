@@ -7,16 +7,16 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use weight_manager::manager::{Manager, ManagerConfig};
-use weight_manager::signal::controller::Controller;
-use weight_manager::state::State;
-use weight_manager::wm_result;
+use weight_manager_core::manager::{Manager, ManagerConfig};
+use weight_manager_core::signal::controller::Controller;
+use weight_manager_core::state::State;
+use weight_manager_core::wm_result;
 
 mod common;
 
 use common::ShmNames as Names;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 
 fn unique(tag: &str) -> String {
     format!("wm_ft_{tag}_{}", std::process::id())
@@ -161,7 +161,7 @@ fn request_within(
     action: State,
     timeout: Duration,
     limit: Duration,
-) -> weight_manager::result::Result<weight_manager::signal::controller::RequestOutcome> {
+) -> weight_manager_core::result::Result<weight_manager_core::signal::controller::RequestOutcome> {
     let (tx, rx) = mpsc::channel();
     let name = cell.to_string();
     std::thread::spawn(move || {
@@ -226,7 +226,7 @@ fn snapshot(dir: &Path) {
         &dir.join("model.safetensors"),
         &[common::tensor(
             "w",
-            weight_manager::tensor::DType::F32,
+            weight_manager_core::tensor::DType::F32,
             &[16],
             1,
         )],
@@ -263,7 +263,7 @@ fn worker_args(
 }
 
 fn worker(rank: u32, args: &[String]) -> Command {
-    let mut c = Command::new(WM);
+    let mut c = Command::new(&*WM);
     c.arg("worker")
         .args(["--rank", &rank.to_string()])
         .args(args)
@@ -358,7 +358,7 @@ fn running_group(world: u32, cell: &str, dir: &Path) -> Ranks {
     let outcome = c.request(State::Clearing, Duration::from_secs(60)).unwrap();
     assert_eq!(
         outcome,
-        weight_manager::signal::controller::RequestOutcome::Done
+        weight_manager_core::signal::controller::RequestOutcome::Done
     );
     r
 }

@@ -12,17 +12,20 @@
 //! The GPU suite proper (device params on every path) needs a GPU; see
 //! scripts/gpu.sh.
 
+#[path = "common/wm_bin.rs"]
+mod wm_bin;
 use std::path::Path;
 use std::process::Command;
-use weight_manager::manager::{Manager, ManagerConfig};
-use weight_manager::registry::{MemoryKind, ParamSpec};
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::manager::{Manager, ManagerConfig};
+use weight_manager_core::registry::{MemoryKind, ParamSpec};
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
+use wm_bin::WM;
 
 /// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh runs these
 /// tests as a prebuilt kit, away from the build tree).
 fn wm() -> String {
-    std::env::var("WM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_wm").to_string())
+    WM.to_string_lossy().into_owned()
 }
 
 const STUB: &str = r#"

@@ -15,15 +15,15 @@ mod mutator;
 use mutator::{fuzz, Target};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager::logging::{LogLevel, Logger};
-use weight_manager::manifest::{Manifest, Placement, TensorMeta};
-use weight_manager::plan::{make_plan, PlanOptions, Target as PlanTarget};
-use weight_manager::registry::{ParamSpec, Registry};
-use weight_manager::source::snapshot::checksums::Checksums;
-use weight_manager::source::snapshot::safetensors_file::parse_header;
-use weight_manager::source::snapshot::version::parse_version_yaml;
-use weight_manager::tensor::DType;
-use weight_manager::wire::{
+use weight_manager_core::logging::{LogLevel, Logger};
+use weight_manager_core::manifest::{Manifest, Placement, TensorMeta};
+use weight_manager_core::plan::{make_plan, PlanOptions, Target as PlanTarget};
+use weight_manager_core::registry::{ParamSpec, Registry};
+use weight_manager_core::source::snapshot::checksums::Checksums;
+use weight_manager_core::source::snapshot::safetensors_file::parse_header;
+use weight_manager_core::source::snapshot::version::parse_version_yaml;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wire::{
     check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,
 };
 
@@ -430,10 +430,10 @@ const GEOMETRY: [u64; 2] = [512, 32768];
 /// each a group of up to 16,384 boxes tiled along one dimension: one
 /// column or one row each, overlapping, stray, or out of bounds, as
 /// hostile trainers and engines announce them.
-fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager::plan::ParamLayout>) {
-    use weight_manager::pieces::Piece;
-    use weight_manager::plan::ParamLayout;
-    use weight_manager::tensor_box::TensorBox;
+fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager_core::plan::ParamLayout>) {
+    use weight_manager_core::pieces::Piece;
+    use weight_manager_core::plan::ParamLayout;
+    use weight_manager_core::tensor_box::TensorBox;
     let mut sources: Vec<Vec<TensorMeta>> = vec![Vec::new(); 4];
     let mut pieces = Vec::new();
     for g in bytes.chunks_exact(6) {
@@ -487,8 +487,8 @@ fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager::plan::Para
 /// never by comparing every pair (80,000 column shards took 15 s).
 #[test]
 fn fuzz_sharded_plan_over_hostile_geometry() {
-    use weight_manager::pieces::check_pieces;
-    use weight_manager::plan::make_sharded_plan;
+    use weight_manager_core::pieces::check_pieces;
+    use weight_manager_core::plan::make_sharded_plan;
     let logger = Logger::closure(LogLevel::Off, |_, _| {});
     let group = |who: u8, dim: u8, count: u16, len: u8, start: u8| {
         let c = count.to_le_bytes();
@@ -540,7 +540,7 @@ fn fuzz_sharded_plan_over_hostile_geometry() {
 /// succeed after 9-14 s).
 #[test]
 fn planning_stops_at_the_deadline() {
-    use weight_manager::plan::make_sharded_plan;
+    use weight_manager_core::plan::make_sharded_plan;
     let logger = Logger::closure(LogLevel::Off, |_, _| {});
     let mut bytes = Vec::new();
     for who in 0..4u8 {
@@ -555,17 +555,21 @@ fn planning_stops_at_the_deadline() {
         ..Default::default()
     };
     let e = make_sharded_plan(&refs, &params, opts, &logger).unwrap_err();
-    assert_eq!(e.code, weight_manager::wm_result::WM_ERR_TIMEOUT, "{e}");
+    assert_eq!(
+        e.code,
+        weight_manager_core::wm_result::WM_ERR_TIMEOUT,
+        "{e}"
+    );
     assert!(e.message.contains("deadline passed while planning"), "{e}");
 }
 
-/// A delta (`weight_manager::delta`) applied onto a run of bf16 elements:
+/// A delta (`weight_manager_core::delta`) applied onto a run of bf16 elements:
 /// hostile positions, counts, forms and lengths are refused or applied,
 /// never a panic, within the time and memory bounds; what applies
 /// re-encodes to a delta that gives the same bytes.
 #[test]
 fn fuzz_delta_apply() {
-    use weight_manager::delta::{apply, encode};
+    use weight_manager_core::delta::{apply, encode};
     let elems = 70_000;
     let old: Vec<u8> = (0..elems * 2).map(|i| (i * 7 % 251) as u8).collect();
     let seeds: Vec<Vec<u8>> = [1usize, 53, 3, 1]

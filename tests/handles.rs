@@ -10,15 +10,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
-use weight_manager::ffi::controller::*;
-use weight_manager::ffi::manager::*;
-use weight_manager::ffi::params::*;
-use weight_manager::ffi::publisher::*;
-use weight_manager::ffi::status::*;
-use weight_manager::ffi::update::*;
-use weight_manager::ffi::wm_last_create_error;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager::controller::*;
+use weight_manager::manager::*;
+use weight_manager::params::*;
+use weight_manager::publisher::*;
+use weight_manager::status::*;
+use weight_manager::update::*;
+use weight_manager::wm_last_create_error;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
 fn new_manager() -> *mut wm_manager {
     let mut cfg = std::mem::MaybeUninit::<wm_config>::uninit();

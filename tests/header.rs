@@ -47,16 +47,16 @@ fn version_macros_match_cargo_toml() {
         let line = format!("#define {name} {want}\n");
         assert!(header.contains(&line), "header lacks `{}`", line.trim());
     }
-    let v = unsafe { std::ffi::CStr::from_ptr(weight_manager::ffi::result::wm_version()) };
+    let v = unsafe { std::ffi::CStr::from_ptr(weight_manager::result::wm_version()) };
     assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
 }
 
-/// Names of `#[no_mangle]` functions in src/ffi, with whether their body
+/// Names of `#[no_mangle]` functions in src (the C API crate), with whether their body
 /// starts with the panic guard.
 fn exported_functions() -> Vec<(String, bool)> {
-    let mut files = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ffi")];
+    let mut files = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
     let mut out = Vec::new();
-    // Every .rs file under src/ffi, sub-folders included.
+    // Every .rs file under src, sub-folders included.
     while let Some(path) = files.pop() {
         if path.is_dir() {
             files.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));

@@ -11,14 +11,14 @@ use std::io::Write;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::manifest::{Placement, TensorMeta};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::transport::conn::Conn;
-use weight_manager::wire::Frame;
-use weight_manager::wm_result;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::manifest::{Placement, TensorMeta};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::wire::Frame;
+use weight_manager_core::wm_result;
 
 const MIB: u64 = 1 << 20;
 
@@ -80,7 +80,7 @@ fn announcing(sock: &Path, tensors: Vec<TensorMeta>) -> std::thread::JoinHandle<
 fn refused_update(
     m: &Manager,
     tensors: Vec<TensorMeta>,
-) -> (weight_manager::Error, u64, Vec<String>) {
+) -> (weight_manager_core::Error, u64, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("hostile.sock");
     let publisher = announcing(&sock, tensors);

@@ -12,17 +12,17 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::memory::shared::SharedBuffer;
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::transport::auth::{self, Secret};
-use weight_manager::transport::conn::Conn;
-use weight_manager::transport::seal::Role;
-use weight_manager::wire::{Frame, Request, WantRun, MAX_BLOCKS};
-use weight_manager::wm_result;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::shared::SharedBuffer;
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::transport::auth::{self, Secret};
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::transport::seal::Role;
+use weight_manager_core::wire::{Frame, Request, WantRun, MAX_BLOCKS};
+use weight_manager_core::wm_result;
 
 const MIB: u64 = 1 << 20;
 

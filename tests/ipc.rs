@@ -17,14 +17,14 @@ use common::*;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::apply::Mode;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::apply::Mode;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 
 fn manager(rank: u32, world: u32) -> Manager {
     Manager::new(ManagerConfig {
@@ -138,7 +138,7 @@ fn published_versions_are_served_from_their_shared_memory() {
 fn zero_copy_update(sock: &Path, version: Option<&str>) -> Vec<(String, Vec<u8>)> {
     let m = manager(0, 1);
     let mut got = Vec::new();
-    let mut cb = |t: &weight_manager::apply::TensorView| {
+    let mut cb = |t: &weight_manager_core::apply::TensorView| {
         got.push((t.name.to_string(), t.data.to_vec()));
         Ok(())
     };
@@ -239,7 +239,7 @@ fn another_version_or_no_publisher_is_a_clear_error() {
 }
 
 fn wm(args: &[&str]) -> Command {
-    let mut c = Command::new(WM);
+    let mut c = Command::new(&*WM);
     c.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }
@@ -267,7 +267,7 @@ fn one_publisher_serves_four_ranks_their_own_shards() {
         );
     }
     write_version(dir.path(), "40");
-    weight_manager::source::snapshot::checksums::write(dir.path(), 2).unwrap();
+    weight_manager_core::source::snapshot::checksums::write(dir.path(), 2).unwrap();
     let sock = dir.path().join("serve.sock");
     let d = dir.path().to_str().unwrap();
     let publisher = wm(&[
@@ -458,10 +458,10 @@ fn a_publisher_of_another_uid_is_refused() {
 fn gpu_buffers_without_a_driver_fail_cleanly() {
     let _serial = serial();
     use std::os::unix::net::UnixListener;
-    use weight_manager::manifest::TensorMeta;
-    use weight_manager::transport::conn::Conn;
-    use weight_manager::wire::{CudaBuffer, Frame};
-    if weight_manager::memory::cuda::cuda().is_ok() {
+    use weight_manager_core::manifest::TensorMeta;
+    use weight_manager_core::transport::conn::Conn;
+    use weight_manager_core::wire::{CudaBuffer, Frame};
+    if weight_manager_core::memory::cuda::cuda().is_ok() {
         println!("skipped: this machine has a GPU (tests/gpu.rs runs CUDA IPC for real)");
         return;
     }
@@ -510,7 +510,7 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
     });
     let zeros = vec![0u8; 256];
     assert!(unsafe { std::slice::from_raw_parts(params[0].0, params[0].1) } == &zeros[..]);
-    assert_ne!(m.status().state, weight_manager::state::State::Failed);
+    assert_ne!(m.status().state, weight_manager_core::state::State::Failed);
 }
 
 /// Serve `ts` once from `publisher` to a Manager over `sock`, checking
@@ -547,7 +547,7 @@ fn a_second_publisher_leaves_a_live_publishers_socket_alone() {
     write_safetensors(&snap.join("model.safetensors"), &ts);
     write_version(&snap, "41");
     let sock = dir.path().join("a.sock");
-    let mut a = Command::new(WM)
+    let mut a = Command::new(&*WM)
         .args([
             "serve",
             "--ipc",

@@ -17,17 +17,17 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager::apply::{Mode, TensorView};
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::memory::shared::SharedBuffer;
-use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::transport::conn::Conn;
-use weight_manager::wire::{check_windows, BucketEntry, Frame, Request};
-use weight_manager::wm_result;
+use weight_manager_core::apply::{Mode, TensorView};
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::shared::SharedBuffer;
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::wire::{check_windows, BucketEntry, Frame, Request};
+use weight_manager_core::wm_result;
 
 /// Small buckets: requests are split across buckets too.
 const SMALL: usize = 4096;
@@ -361,7 +361,7 @@ fn hostile_windows_are_refused_naming_them() {
 #[test]
 fn bench_shard_ipc_prints_each_pattern_beside_its_floor() {
     let _serial = serial();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
+    let out = std::process::Command::new(&*common::WM)
         .args(["bench", "shard", "--section", "ipc", "--gib", "0.0625"])
         .output()
         .unwrap();

@@ -9,15 +9,15 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::apply::Mode;
-use weight_manager::logging::Logger;
-use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::apply::Mode;
+use weight_manager_core::logging::Logger;
+use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 const SECRET: &str = "test-secret-0123456789";
 
 /// UCX reads its environment once per process: pin TCP before first use.
@@ -30,7 +30,7 @@ fn tcp_only() {
 fn capture() -> (Logger, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
     let lines = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let sink = lines.clone();
-    let log = Logger::closure(weight_manager::logging::LogLevel::Warn, move |_, m| {
+    let log = Logger::closure(weight_manager_core::logging::LogLevel::Warn, move |_, m| {
         sink.lock().push(m.to_string())
     });
     (log, lines)
@@ -79,7 +79,7 @@ fn publisher(secret: &str, logger: Logger) -> Publisher {
 }
 
 fn wm(args: &[&str]) -> Command {
-    let mut c = Command::new(WM);
+    let mut c = Command::new(&*WM);
     c.args(args)
         .env("UCX_TLS", "tcp")
         .env("WM_NET_SECRET", SECRET)
@@ -402,7 +402,7 @@ fn zero_copy_callback_and_in_place_over_the_network() {
     let addr = p.address();
     let m = manager(SECRET, 4096, Logger::default());
     let mut got = Vec::new();
-    let mut cb = |t: &weight_manager::apply::TensorView| {
+    let mut cb = |t: &weight_manager_core::apply::TensorView| {
         got.push((t.name.to_string(), t.data.to_vec()));
         Ok(())
     };
@@ -599,7 +599,8 @@ fn across_two_network_namespaces() {
     let d = dir.path().to_str().unwrap();
     let in_ns = |ns: &str, args: &[&str]| {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", ns, WM])
+        c.args(["netns", "exec", ns])
+            .arg(&*WM)
             .args(args)
             .env("UCX_TLS", "tcp")
             .env("WM_NET_SECRET", SECRET)

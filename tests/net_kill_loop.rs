@@ -23,13 +23,13 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::logging::Logger;
-use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::logging::Logger;
+use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 const SECRET: &str = "test-secret-0123456789";
 const LANES: usize = 4;
 
@@ -57,7 +57,7 @@ impl Rng {
 /// The caller waits for the child it gets back.
 #[allow(clippy::zombie_processes)]
 fn serve(dir: &Path) -> (Child, String) {
-    let mut c = Command::new(WM)
+    let mut c = Command::new(&*WM)
         .args(["serve", "--net", "127.0.0.1:0"])
         .arg(dir)
         .env("UCX_TLS", "tcp")
@@ -150,7 +150,7 @@ impl Lane {
     fn update(
         &mut self,
         kill_after: Option<Duration>,
-    ) -> (weight_manager::result::Result<()>, Duration) {
+    ) -> (weight_manager_core::result::Result<()>, Duration) {
         let next = (self.held.wrapping_add(1)) % 2;
         let (mut publisher, addr) = serve(&self.dirs[next]);
         let pid = publisher.id() as i32;

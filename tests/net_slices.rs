@@ -16,21 +16,21 @@ use common::sharded::{piece, Global, F32};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use weight_manager::apply::Mode;
-use weight_manager::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager::manifest::TensorMeta;
-use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, PublisherConfig, ServeStats};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::tensor_box::TensorBox;
-use weight_manager::transport::auth::{self, Secret};
-use weight_manager::transport::conn::Conn;
-use weight_manager::transport::seal::Role;
-use weight_manager::transport::ucx::Pump;
-use weight_manager::wire::{message_tag, split_entries, BucketEntry, Frame};
-use weight_manager::wm_result;
+use weight_manager_core::apply::Mode;
+use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::manifest::TensorMeta;
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::tensor_box::TensorBox;
+use weight_manager_core::transport::auth::{self, Secret};
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::transport::seal::Role;
+use weight_manager_core::transport::ucx::Pump;
+use weight_manager_core::wire::{message_tag, split_entries, BucketEntry, Frame};
+use weight_manager_core::wm_result;
 
 const SECRET: &str = "net-slices-secret-0123456789";
 
@@ -251,7 +251,7 @@ fn update(
     m: &Manager,
     ps: &[Publisher],
     mode: Mode,
-) -> (weight_manager::Result<String>, Vec<ServeStats>) {
+) -> (weight_manager_core::Result<String>, Vec<ServeStats>) {
     let addresses: Vec<String> = ps.iter().map(Publisher::address).collect();
     std::thread::scope(|s| {
         let serves: Vec<_> = ps
@@ -521,7 +521,7 @@ fn a_publisher_withholding_or_misplacing_slice_sums_is_named() {
 /// column halves' 4 KiB blocks packed into 1 MiB messages.
 #[test]
 fn bench_shard_ucx_prints_each_pattern_beside_its_floor() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wm"))
+    let out = std::process::Command::new(&*common::WM)
         .args(["bench", "shard", "--section", "ucx", "--quick"])
         .args(["--gib", "0.0625", "--runs", "1", "--bucket-mib", "16"])
         .env("UCX_TLS", "tcp")

@@ -6,7 +6,9 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+#[path = "common/wm_bin.rs"]
+mod wm_bin;
+use wm_bin::WM;
 
 fn layouts(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -15,7 +17,7 @@ fn layouts(name: &str) -> PathBuf {
 }
 
 fn wm_plan(trainer: &Path, engine: &Path, extra: &[&str]) -> Output {
-    Command::new(WM)
+    Command::new(&*WM)
         .arg("plan")
         .arg("--trainer")
         .arg(trainer)
@@ -279,7 +281,7 @@ fn the_documented_example_plans() {
 /// figure beside its target or floor; an unknown section is refused.
 #[test]
 fn bench_shard_prints_planning_beside_its_target_and_floor() {
-    let out = Command::new(WM)
+    let out = Command::new(&*WM)
         .args([
             "bench",
             "shard",
@@ -303,7 +305,7 @@ fn bench_shard_prints_planning_beside_its_target_and_floor() {
     ] {
         assert!(text.contains(want), "want '{want}' in: {text}");
     }
-    let out = Command::new(WM)
+    let out = Command::new(&*WM)
         .args(["bench", "shard", "--section", "nope"])
         .output()
         .unwrap();

@@ -5,11 +5,11 @@
 mod common;
 
 use common::*;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::pieces::Piece;
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::snapshot::checksums;
-use weight_manager::tensor::DType;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::snapshot::checksums;
+use weight_manager_core::tensor::DType;
 
 fn manager() -> Manager {
     Manager::new(ManagerConfig {

@@ -14,18 +14,18 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weight_manager::logging::Logger;
-use weight_manager::manifest::{Manifest, TensorMeta};
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::source::ipc::{IpcOptions, IpcSource};
-use weight_manager::source::snapshot::{SnapshotLocation, SnapshotSource};
-use weight_manager::source::Source;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::logging::Logger;
+use weight_manager_core::manifest::{Manifest, TensorMeta};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::source::ipc::{IpcOptions, IpcSource};
+use weight_manager_core::source::snapshot::{SnapshotLocation, SnapshotSource};
+use weight_manager_core::source::Source;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
+use common::WM;
 
-fn open(dir: &Path, rank: u32) -> weight_manager::Result<SnapshotSource> {
+fn open(dir: &Path, rank: u32) -> weight_manager_core::Result<SnapshotSource> {
     let loc = SnapshotLocation {
         model_dir: dir.to_path_buf(),
         fallback_dir: None,
@@ -36,7 +36,7 @@ fn open(dir: &Path, rank: u32) -> weight_manager::Result<SnapshotSource> {
 }
 
 fn wm_shard(input: &Path, out: &Path, ranks: u32, dim: u32) {
-    let o = Command::new(WM)
+    let o = Command::new(&*WM)
         .args([
             "shard",
             input.to_str().unwrap(),

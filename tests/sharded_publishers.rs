@@ -12,16 +12,16 @@ mod common;
 use common::sharded::{serial, serving, Global};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager::apply::{Mode, Progress};
-use weight_manager::manager::{Manager, UpdateRequest};
-use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::transport::conn::Conn;
-use weight_manager::wire::{Frame, Request, WantRun};
-use weight_manager::wm_result;
+use weight_manager_core::apply::{Mode, Progress};
+use weight_manager_core::manager::{Manager, UpdateRequest};
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::wire::{Frame, Request, WantRun};
+use weight_manager_core::wm_result;
 
 const SECRET: &str = "sharded-secret-0123456789";
 

@@ -10,16 +10,16 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weight_manager::manifest::{Manifest, Placement, TensorMeta};
-use weight_manager::publisher::{Publisher, PublisherConfig};
-use weight_manager::source::ipc::{IpcOptions, IpcSource};
-use weight_manager::source::net::{NetOptions, NetSource};
-use weight_manager::source::Source;
-use weight_manager::tensor::DType;
-use weight_manager::transport::auth::Secret;
-use weight_manager::transport::conn::Conn;
-use weight_manager::wire::Frame;
-use weight_manager::wm_result;
+use weight_manager_core::manifest::{Manifest, Placement, TensorMeta};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::source::ipc::{IpcOptions, IpcSource};
+use weight_manager_core::source::net::{NetOptions, NetSource};
+use weight_manager_core::source::Source;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::transport::auth::Secret;
+use weight_manager_core::transport::conn::Conn;
+use weight_manager_core::wire::Frame;
+use weight_manager_core::wm_result;
 
 const SECRET: &str = "shards-secret-0123456789";
 
@@ -82,7 +82,7 @@ fn check_rank_manifest(m: &Manifest, r: u64) {
     assert_eq!(b[0].placement, None, "a whole tensor stays whole");
 }
 
-fn ipc_manifest(sock: &Path) -> weight_manager::Result<Manifest> {
+fn ipc_manifest(sock: &Path) -> weight_manager_core::Result<Manifest> {
     let opts = IpcOptions {
         socket: sock.to_path_buf(),
         rank: 0,
@@ -141,7 +141,7 @@ fn two_trainer_ranks_serve_their_shards_over_ipc() {
 /// carries the same placements.
 #[test]
 fn a_network_publisher_serves_shards_with_their_placement() {
-    if weight_manager::transport::ucx::ucx().is_err() {
+    if weight_manager_core::transport::ucx::ucx().is_err() {
         println!("skipped: UCX is not installed");
         return;
     }
@@ -312,7 +312,7 @@ fn an_engine_of_another_protocol_version_is_told_why() {
 #[test]
 fn the_c_placement_struct_is_checked() {
     use std::ffi::CString;
-    use weight_manager::ffi::publisher::*;
+    use weight_manager::publisher::*;
     let dir = tempfile::tempdir().unwrap();
     let path = CString::new(dir.path().join("c.sock").to_str().unwrap()).unwrap();
     let mut p = std::ptr::null_mut();

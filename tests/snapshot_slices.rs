@@ -10,15 +10,15 @@ mod common;
 use common::write_version;
 use parking_lot::Mutex;
 use std::path::Path;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::pieces::Piece;
-use weight_manager::registry::ParamSpec;
-use weight_manager::source::snapshot::block_sums::BLOCK_SIZE;
-use weight_manager::source::snapshot::checksums::{self, CHECKSUM_FILE};
-use weight_manager::source::snapshot::mapped::{mapped_bytes, mapped_read_bytes};
-use weight_manager::source::snapshot::reads::{MAX_GAP, SHORT_SEGMENT};
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::snapshot::block_sums::BLOCK_SIZE;
+use weight_manager_core::source::snapshot::checksums::{self, CHECKSUM_FILE};
+use weight_manager_core::source::snapshot::mapped::{mapped_bytes, mapped_read_bytes};
+use weight_manager_core::source::snapshot::reads::{MAX_GAP, SHORT_SEGMENT};
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
 /// `rchar` and `mapped_read_bytes` are per process: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -120,7 +120,7 @@ fn bytes_read() -> u64 {
 
 /// Update `m` from `dir` (verified when `verify`), with the bytes the
 /// process read meanwhile.
-fn update(m: &Manager, dir: &Path, verify: bool) -> (weight_manager::Result<()>, u64) {
+fn update(m: &Manager, dir: &Path, verify: bool) -> (weight_manager_core::Result<()>, u64) {
     let mut req = UpdateRequest::snapshot(dir);
     req.verify = verify;
     let before = bytes_read();

@@ -7,21 +7,22 @@
 //! every byte checked.
 
 use super::sharded::{expected, piece, Global};
+use super::WM;
 use cudarc::driver::sys;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::apply::Mode;
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::memory::cuda::cuda;
-use weight_manager::registry::{MemoryKind, ParamSpec};
-use weight_manager::source::SourceKind;
-use weight_manager::tensor::DType;
-use weight_manager::wm_result;
+use weight_manager_core::apply::Mode;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::cuda::cuda;
+use weight_manager_core::registry::{MemoryKind, ParamSpec};
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::wm_result;
 
 /// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh).
 fn wm() -> String {
-    std::env::var("WM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_wm").to_string())
+    WM.to_string_lossy().into_owned()
 }
 
 /// The trainer's tensors. "big" rows are 4000 bytes: a row range starts
@@ -114,7 +115,7 @@ pub fn pull(
     (sock, trainer): (&Path, Option<&mut Child>),
     mode: Mode,
     verify: bool,
-) -> weight_manager::Result<()> {
+) -> weight_manager_core::Result<()> {
     let start = Instant::now();
     let mut trainer = trainer;
     loop {

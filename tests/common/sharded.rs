@@ -2,12 +2,12 @@
 //! sharded transfer (several publishers, engine params as pieces).
 
 use std::time::Duration;
-use weight_manager::manifest::Placement;
-use weight_manager::pieces::Piece;
-use weight_manager::publisher::{Publisher, ServeStats};
-use weight_manager::registry::ParamSpec;
-use weight_manager::tensor::DType;
-use weight_manager::tensor_box::TensorBox;
+use weight_manager_core::manifest::Placement;
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::publisher::{Publisher, ServeStats};
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::tensor::DType;
+use weight_manager_core::tensor_box::TensorBox;
 
 pub const F32: u64 = 4;
 
@@ -100,8 +100,8 @@ pub fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
 
 /// An engine for the sharded tests: host params, no fallback directory,
 /// the network with `secret` and small buckets, UCX over TCP.
-pub fn net_engine(secret: &str) -> weight_manager::manager::Manager {
-    use weight_manager::manager::{Manager, ManagerConfig, NetSettings};
+pub fn net_engine(secret: &str) -> weight_manager_core::manager::Manager {
+    use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings};
     std::env::set_var("UCX_TLS", "tcp");
     Manager::new(ManagerConfig {
         fallback_dir: None,
@@ -120,7 +120,7 @@ pub fn net_engine(secret: &str) -> weight_manager::manager::Manager {
 pub fn serving<T>(
     ps: &[Publisher],
     update: impl FnOnce() -> T,
-) -> (T, Vec<weight_manager::Result<ServeStats>>) {
+) -> (T, Vec<weight_manager_core::Result<ServeStats>>) {
     std::thread::scope(|s| {
         let serves: Vec<_> = ps
             .iter()

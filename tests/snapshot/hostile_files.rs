@@ -8,12 +8,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager::logging::{LogLevel, Logger};
-use weight_manager::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager::source::snapshot::layout;
-use weight_manager::{wm_result, Error, UpdateStats};
+use weight_manager_core::logging::{LogLevel, Logger};
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::source::snapshot::layout;
+use weight_manager_core::{wm_result, Error, UpdateStats};
 
-const WM: &str = env!("CARGO_BIN_EXE_wm");
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// When a run that should have ended is declared hung (and unblocked).
 const HUNG: Duration = Duration::from_secs(10);
@@ -79,7 +78,7 @@ fn update(
 
 fn inspect(dir: &Path, fifo: &Path) -> (Output, Duration) {
     bounded(fifo, || {
-        Command::new(WM)
+        Command::new(&*WM)
             .arg("inspect")
             .arg(dir)
             .stdin(Stdio::null())
@@ -184,7 +183,7 @@ fn version_yaml_aliases_and_size_are_refused() {
     // fail the process rather than the machine.
     let out = Command::new("sh")
         .args(["-c", "ulimit -v 1048576 && exec \"$0\" inspect \"$1\""])
-        .arg(WM)
+        .arg(&*WM)
         .arg(d.path())
         .output()
         .unwrap();
@@ -227,7 +226,7 @@ fn oversized_safetensors_header_is_refused() {
 // The child is reaped by wait4, which std cannot do but which reports its RSS.
 #[allow(clippy::zombie_processes)]
 fn inspect_peak_rss(dir: &Path) -> (u64, bool) {
-    let child = Command::new(WM)
+    let child = Command::new(&*WM)
         .arg("inspect")
         .arg(dir)
         .stdout(Stdio::null())
@@ -279,7 +278,7 @@ fn nul_in_a_tensor_name_is_refused_at_parse() {
         8,
     );
     let m = manager();
-    let mut on_tensor = |_: &weight_manager::apply::TensorView| Ok(());
+    let mut on_tensor = |_: &weight_manager_core::apply::TensorView| Ok(());
     let mut req = UpdateRequest::snapshot(d.path());
     req.version = Some("1".into());
     req.hooks.tensor = Some(&mut on_tensor);

@@ -1,0 +1,231 @@
+//! The manager: one per engine rank. It owns the registry and runs the state
+//! machine around updates and clears.
+//!
+//! Rules (each enforced here, tested from Rust and from C):
+//! - One update or clear at a time: a second concurrent one gets
+//!   `WM_ERR_BUSY` immediately (it does not wait).
+//! - Params may be registered only before the first update or clear
+//!   (`WM_ERR_STATE` after), so a plan never races a registration.
+//! - An update validates its whole plan before any byte moves; a failure
+//!   before bytes move leaves the state, version and weights as they were.
+//! - Atomic updates that fail keep the old weights and version. In-place
+//!   updates that fail after bytes moved leave the manager FAILED until a
+//!   later update succeeds.
+//! - A clear releases library-owned memory at stable addresses (checked with
+//!   `mincore`), hands engine-owned params to the release hook, and leaves the
+//!   manager CLEARED; clearing twice is a no-op.
+//!
+//! Where each job lives:
+//! - `config.rs`: the config, request and stats types (re-exported here);
+//! - `register.rs`: registering params (before the first update or clear);
+//! - `sources.rs`: opening the source a request names, and the gdr check;
+//! - `update.rs`: an update, from the source to the commit;
+//! - `fanout_root.rs`, `fanout_member.rs`: the update's NCCL fan-out
+//!   steps (see [`crate::fanout`]);
+//! - `memory.rs`: releasing and restoring param memory, with GPU accounting;
+//! - `clear.rs`: a clear; `cancel.rs`: stopping for good.
+
+use crate::fanout::FanoutLink;
+use crate::logging::Logger;
+use crate::memory::copy::default_threads;
+use crate::memory::host::HostRegion;
+use crate::memory::mapped::MappedBuffers;
+use crate::memory::staging::DeviceStaging;
+use crate::registry::Registry;
+use crate::result::{Error, Result};
+use crate::signal::SignalPlane;
+use crate::source::snapshot;
+use crate::state::State;
+use parking_lot::{Mutex, RwLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+mod cancel;
+mod clear;
+mod config;
+mod fanout_member;
+mod fanout_root;
+mod geometry;
+mod memory;
+mod plan_cache;
+mod register;
+mod shadows;
+mod sources;
+mod update;
+
+pub use config::{check_version, MAX_VERSION_LEN};
+pub use config::{
+    AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
+    UpdateRequest, UpdateStats, DEFAULT_SIGNAL_TIMEOUT, DEFAULT_TIMEOUT,
+};
+
+struct Record {
+    state: State,
+    version: Option<String>,
+    updates: u64,
+    last_update: Option<UpdateStats>,
+    last_error: Option<Error>,
+    registration_open: bool,
+    params: u64,
+    param_bytes: u64,
+    resident_bytes: u64,
+    device_bytes_freed: u64,
+    device_bytes_restored: u64,
+}
+
+pub struct Manager {
+    config: ManagerConfig,
+    gpu_id: String,
+    threads: usize,
+    op: Mutex<()>,
+    registry: RwLock<Registry>,
+    record: Mutex<Record>,
+    signal: SignalPlane,
+    /// The last IPC session's shared buffers, mapped (see `MappedBuffers`).
+    ipc_buffers: Arc<Mutex<MappedBuffers>>,
+    /// Pinned host buffers and upload streams for device params, kept from
+    /// one update to the next (freed by a clear).
+    staging: Mutex<DeviceStaging>,
+    /// Atomic mode's packed staging (engine-owned and device params,
+    /// callback tensors), kept from one update to the next when
+    /// `keep_atomic_staging` says so (freed by a clear).
+    atomic_staging: Mutex<Option<HostRegion>>,
+    /// With `keep_atomic_staging`: the next atomic update's shadows for
+    /// library-owned host params, faulted in between updates.
+    next_shadows: Mutex<shadows::NextShadows>,
+    /// The last plan, reused while the layouts do not change.
+    plans: plan_cache::PlanCache,
+    /// NCCL fan-out: the communicator, kept from one update to the next.
+    fanout: Option<Mutex<FanoutLink>>,
+    /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
+    /// stop at their next batch boundary and new ones are refused.
+    cancelled: AtomicBool,
+}
+
+impl Manager {
+    pub fn new(config: ManagerConfig) -> Result<Manager> {
+        config.check()?;
+        let cvd = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let gpu_id = snapshot::gpu_id(cvd.as_deref(), config.device)?;
+        let group = config.group_config();
+        let signal = SignalPlane::new(
+            config.rank,
+            config.world_size,
+            config.control_cell.as_deref(),
+            group,
+            config.logger.clone(),
+        )?;
+        let threads = if config.threads == 0 {
+            default_threads()
+        } else {
+            config.threads
+        };
+        Ok(Manager {
+            gpu_id,
+            threads,
+            ipc_buffers: Arc::default(),
+            staging: Mutex::default(),
+            atomic_staging: Mutex::default(),
+            next_shadows: Mutex::default(),
+            plans: Default::default(),
+            fanout: config
+                .fanout
+                .clone()
+                .map(|f| Mutex::new(FanoutLink::new(f, config.device))),
+            op: Mutex::new(()),
+            registry: RwLock::new(Registry::default()),
+            record: Mutex::new(Record {
+                state: State::Normal,
+                version: None,
+                updates: 0,
+                last_update: None,
+                last_error: None,
+                registration_open: true,
+                params: 0,
+                param_bytes: 0,
+                resident_bytes: 0,
+                device_bytes_freed: 0,
+                device_bytes_restored: 0,
+            }),
+            signal,
+            config,
+            cancelled: AtomicBool::new(false),
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.config.rank
+    }
+
+    pub fn logger(&self) -> &Logger {
+        &self.config.logger
+    }
+
+    /// Remember `e` as this handle's last error and return it.
+    pub fn record_error(&self, e: Error) -> Error {
+        self.record.lock().last_error = Some(e.clone());
+        e
+    }
+
+    fn busy(&self) -> Error {
+        Error::busy(format!(
+            "rank {}: another update or clear is running on this manager",
+            self.config.rank
+        ))
+    }
+
+    fn recorded<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.record_error(e))
+    }
+
+    pub fn status(&self) -> Status {
+        let r = self.record.lock();
+        Status {
+            state: r.state,
+            version: r.version.clone(),
+            updates: r.updates,
+            last_update: r.last_update.clone(),
+            last_error: r.last_error.clone(),
+            params: r.params,
+            param_bytes: r.param_bytes,
+            resident_bytes: r.resident_bytes,
+            device_bytes_freed: r.device_bytes_freed,
+            device_bytes_restored: r.device_bytes_restored,
+        }
+    }
+
+    /// The signal every rank should act on this step (see [`crate::signal`]).
+    pub fn broadcast_signal(&self) -> Result<State> {
+        self.recorded(self.signal.broadcast())
+    }
+
+    /// After an update or clear that the signal asked for: pass the group's
+    /// finishing barrier and let rank 0 report. A failure there (a dead peer)
+    /// turns a local success into an error saying so.
+    fn finish_action<T>(
+        &self,
+        action: State,
+        result: Result<T>,
+        version: impl Fn(&T) -> String,
+    ) -> Result<T> {
+        let outcome = result.as_ref().map(&version).map_err(Clone::clone);
+        match (self.signal.finish(action, &outcome), result) {
+            (Ok(()), r) => r,
+            (Err(e), Ok(_)) => Err(e.context(format!(
+                "the {} was applied on rank {}, but the group did not finish it",
+                if action == State::Updating {
+                    "update"
+                } else {
+                    "clear"
+                },
+                self.config.rank
+            ))),
+            (Err(fe), Err(e)) => {
+                self.config
+                    .logger
+                    .warn(&format!("finishing the failed action: {fe}"));
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! A param as pieces of global tensors (the engine's layout).
+//!
+//! A piece is a box of a named global tensor placed inside a param: the
+//! whole tensor, a narrow along one dimension (a tensor-parallel split),
+//! one of several tensors stacked into one param (fused QKV, gate_up), a
+//! range of experts of a stacked expert tensor, or one expert of several
+//! stacked into one param. The piece's box and the param line up at their
+//! last dimension; a dimension only one side has counts as length 1 on the
+//! other, so a `[out, in]` expert tensor stacks into a `[experts, out, in]`
+//! param at `[e, 0, 0]`.
+//!
+//! Registration checks what the engine alone decides: every piece fits in
+//! its param and the pieces cover every element of the param exactly once.
+//! Whether a piece lies inside its global tensor is known only from the
+//! sources, so the plan checks that.
+
+use crate::result::{Error, Result};
+use crate::tensor::{check_name, shape_text, MAX_NDIM};
+use crate::tensor_box::TensorBox;
+
+/// The most pieces one param may have (checked before any is read from a
+/// caller): a bound the engine's own registration checks in `O(n log n)`.
+pub const MAX_PIECES_PER_PARAM: usize = 1 << 20;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The global tensor's name.
+    pub tensor: String,
+    /// The box of the global tensor this piece holds.
+    pub global: TensorBox,
+    /// Where the box starts in the param, one entry per param dimension.
+    pub at: Vec<u64>,
+}
+
+/// A piece lined up with its param: both in `ndim` dimensions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AlignedPiece {
+    /// The piece's box in global coordinates, padded.
+    pub global: TensorBox,
+    /// The same box in param coordinates.
+    pub in_param: TensorBox,
+    /// The param's shape, padded.
+    pub param_shape: Vec<u64>,
+}
+
+impl Piece {
+    /// The whole of global tensor `tensor` of `shape`, as a param of that shape.
+    pub fn whole(tensor: &str, shape: &[u64]) -> Piece {
+        Piece {
+            tensor: tensor.to_string(),
+            global: TensorBox::whole(shape),
+            at: vec![0; shape.len()],
+        }
+    }
+
+    /// Global tensor `tensor` of `shape` narrowed to `[start, start+len)`
+    /// along `dim`, at the start of the param.
+    pub fn narrow(tensor: &str, shape: &[u64], dim: usize, start: u64, len: u64) -> Piece {
+        let mut p = Piece::whole(tensor, shape);
+        if let (Some(o), Some(n)) = (p.global.offset.get_mut(dim), p.global.len.get_mut(dim)) {
+            (*o, *n) = (start, len);
+        }
+        p
+    }
+
+    /// Both boxes in as many dimensions as the larger of the piece and the
+    /// param (`param_shape`), lined up at the last.
+    pub fn aligned(&self, param_shape: &[u64]) -> AlignedPiece {
+        let ndim = self.global.ndim().max(param_shape.len());
+        let global = self.global.padded(ndim - self.global.ndim());
+        let extra = ndim - param_shape.len();
+        let mut at = vec![0; extra];
+        at.extend_from_slice(&self.at);
+        let mut shape = vec![1; extra];
+        shape.extend_from_slice(param_shape);
+        AlignedPiece {
+            in_param: TensorBox {
+                offset: at,
+                len: global.len.clone(),
+            },
+            global,
+            param_shape: shape,
+        }
+    }
+}
+
+/// The pieces of param `name` (of `shape`) fit in it and cover each of its
+/// elements exactly once.
+pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
+    let bad = |i: usize, why: String| {
+        Error::invalid_argument(format!("param '{name}': piece {i}: {why}"))
+    };
+    if pieces.len() > MAX_PIECES_PER_PARAM {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': {} pieces, more than the {MAX_PIECES_PER_PARAM} one param may have",
+            pieces.len()
+        )));
+    }
+    let mut placed = Vec::with_capacity(pieces.len());
+    let mut total = 0u64;
+    for (i, p) in pieces.iter().enumerate() {
+        check_name(&p.tensor).map_err(|e| bad(i, e.message))?;
+        if p.global.ndim() > MAX_NDIM || p.global.offset.len() != p.global.ndim() {
+            return Err(bad(
+                i,
+                format!("a box needs one offset and one length per dimension, at most {MAX_NDIM}"),
+            ));
+        }
+        if p.at.len() != shape.len() {
+            return Err(bad(
+                i,
+                format!(
+                    "its place in the param has {} dimensions, the param {}",
+                    p.at.len(),
+                    shape.len()
+                ),
+            ));
+        }
+        let a = p.aligned(shape);
+        if !a.in_param.inside(&a.param_shape) {
+            return Err(bad(
+                i,
+                format!(
+                    "box {} of '{}' placed at {} does not fit in the param's {}",
+                    p.global,
+                    p.tensor,
+                    shape_text(&p.at),
+                    shape_text(shape)
+                ),
+            ));
+        }
+        total = a
+            .in_param
+            .volume()
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(|| bad(i, "its size overflows".into()))?;
+        placed.push(a.in_param);
+    }
+    check_disjoint(name, &placed)?;
+    let need = TensorBox::whole(shape).volume().unwrap_or(u64::MAX);
+    if total != need {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': its pieces hold {total} of its {need} elements (every element must be in exactly one piece)"
+        )));
+    }
+    Ok(())
+}
+
+/// No two pieces of param `name` share an element (boxes in param
+/// coordinates, all of one rank): a sweep, `O(n log n)` in the pieces.
+fn check_disjoint(name: &str, placed: &[TensorBox]) -> Result<()> {
+    let found = crate::box_sweep::find_overlap(placed.len(), |i| {
+        (&placed[i].offset[..], &placed[i].len[..])
+    });
+    match found {
+        Ok(None) => Ok(()),
+        Ok(Some((i, j))) => {
+            let common = placed[i].intersect(&placed[j]).map(|c| c.to_string());
+            let common = common.unwrap_or_default();
+            Err(Error::invalid_argument(format!(
+                "param '{name}': pieces {i} and {j} both hold {common} of the param"
+            )))
+        }
+        Err(too) => Err(Error::invalid_argument(format!(
+            "param '{name}': its {} pieces vary along three or more dimensions in a way \
+             too costly to check for overlaps; register fewer, larger pieces",
+            too.boxes
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_qkv_and_stacked_experts_cover_their_params() {
+        // q [8, 4], k and v [2, 4], stacked along dim 0 into [12, 4].
+        let qkv = [
+            Piece::whole("q", &[8, 4]),
+            Piece {
+                at: vec![8, 0],
+                ..Piece::whole("k", &[2, 4])
+            },
+            Piece {
+                at: vec![10, 0],
+                ..Piece::whole("v", &[2, 4])
+            },
+        ];
+        check_pieces("qkv", &[12, 4], &qkv).unwrap();
+        // Experts 2 and 3 of a [4, 3, 5] stacked tensor into [2, 3, 5] ...
+        let range = [Piece::narrow("w", &[4, 3, 5], 0, 2, 2)];
+        check_pieces("experts", &[2, 3, 5], &range).unwrap();
+        // ... and two per-expert [3, 5] tensors into [2, 3, 5].
+        let per_expert = [
+            Piece::whole("e0", &[3, 5]).placed(&[0, 0, 0]),
+            Piece::whole("e1", &[3, 5]).placed(&[1, 0, 0]),
+        ];
+        check_pieces("experts", &[2, 3, 5], &per_expert).unwrap();
+    }
+
+    impl Piece {
+        fn placed(mut self, at: &[u64]) -> Piece {
+            self.at = at.to_vec();
+            self
+        }
+    }
+
+    #[test]
+    fn more_pieces_than_a_param_may_have_are_refused_before_any_is_read() {
+        // Empty pieces (nothing allocated each): only the count is read.
+        let empty = Piece {
+            tensor: String::new(),
+            global: TensorBox::whole(&[]),
+            at: Vec::new(),
+        };
+        let pieces = vec![empty; MAX_PIECES_PER_PARAM + 1];
+        let e = check_pieces("g", &[4], &pieces).unwrap_err();
+        assert!(
+            e.message
+                .contains("1048577 pieces, more than the 1048576 one param may have"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gaps_overlaps_and_misfits_are_named() {
+        let e = check_pieces("w", &[4, 4], &[Piece::narrow("w", &[4, 8], 1, 0, 2)]).unwrap_err();
+        assert!(
+            e.message.contains("pieces hold 8 of its 16 elements"),
+            "{e}"
+        );
+        let two = [
+            Piece::narrow("a", &[4, 4], 0, 0, 3),
+            Piece::narrow("b", &[4, 4], 0, 0, 3).placed(&[2, 0]),
+        ];
+        let e = check_pieces("w", &[5, 4], &two).unwrap_err();
+        assert!(
+            e.message.contains("pieces 0 and 1 both hold [2:3, 0:4]"),
+            "{e}"
+        );
+        let e =
+            check_pieces("w", &[4, 4], &[Piece::whole("x", &[4, 4]).placed(&[1, 0])]).unwrap_err();
+        assert!(
+            e.message
+                .contains("piece 0: box [0:4, 0:4] of 'x' placed at [1, 0] does not fit"),
+            "{e}"
+        );
+        let e = check_pieces("w", &[4, 4], &[Piece::whole("x", &[4, 4]).placed(&[0])]).unwrap_err();
+        assert!(e.message.contains("1 dimensions, the param 2"), "{e}");
+    }
+}

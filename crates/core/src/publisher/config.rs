@@ -1,0 +1,112 @@
+//! The publisher's settings.
+
+use crate::defaults;
+use crate::logging::Logger;
+use crate::memory::copy::default_threads;
+use crate::result::{Error, Result};
+use std::time::Duration;
+
+#[derive(Clone)]
+pub struct PublisherConfig {
+    /// Largest bucket (default 512 MiB).
+    pub bucket_size: usize,
+    /// Buffers in flight (default 2).
+    pub buffers: usize,
+    /// Permissions of the socket file.
+    pub socket_mode: u32,
+    /// Serve engines running as another uid.
+    pub allow_other_uids: bool,
+    /// Bound on one engine's acknowledgement of a bucket.
+    pub bucket_timeout: Duration,
+    /// Bound on a new connection's handshake (HELLO, and the network
+    /// challenge): one that has not finished by then is dropped, and never
+    /// counts as one of the engines `serve` waits for.
+    pub handshake_timeout: Duration,
+    /// Bound on a whole session.
+    pub session_timeout: Duration,
+    /// Compute checksums of in-memory tensors for the manifest.
+    pub checksums: bool,
+    /// Threads packing buckets and copying and hashing published versions;
+    /// 0: one per core.
+    pub threads: usize,
+    /// Network: the shared secret (None: `WM_NET_SECRET`).
+    pub secret: Option<Vec<u8>>,
+    /// Versions kept by `publish` (the oldest is dropped first).
+    pub keep_versions: usize,
+    /// Test hook, in test builds only (`cfg(test)`, or the `test-hooks`
+    /// feature the integration tests turn on): flip one bit of this tensor
+    /// after packing it, to prove that verification catches corruption.
+    /// Sessions then pack every bucket (no zero-copy path), to have a copy
+    /// to flip the bit in (see `hooks`).
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub corrupt_tensor: Option<String>,
+    pub logger: Logger,
+}
+
+impl PublisherConfig {
+    /// The `corrupt_tensor` test hook, set where the build has it (the
+    /// `test-hooks` feature); an error naming the hook in a product build,
+    /// so that `wm serve --corrupt` needs no feature of its own.
+    pub fn with_corrupt_tensor(
+        self,
+        tensor: String,
+    ) -> std::result::Result<PublisherConfig, String> {
+        #[cfg(any(test, feature = "test-hooks"))]
+        return Ok(PublisherConfig {
+            corrupt_tensor: Some(tensor),
+            ..self
+        });
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        {
+            let _ = (self, tensor);
+            Err("--corrupt is a test hook, only in builds with the test-hooks feature".into())
+        }
+    }
+
+    /// Threads that pack buckets and copy and hash published versions (0
+    /// in the config: one per core).
+    pub(crate) fn pack_threads(&self) -> usize {
+        if self.threads == 0 {
+            default_threads()
+        } else {
+            self.threads
+        }
+    }
+}
+
+impl Default for PublisherConfig {
+    fn default() -> PublisherConfig {
+        PublisherConfig {
+            bucket_size: defaults::BUCKET_SIZE,
+            buffers: defaults::BUFFERS_IN_FLIGHT,
+            socket_mode: 0o600,
+            allow_other_uids: false,
+            bucket_timeout: defaults::BUCKET_TIMEOUT,
+            handshake_timeout: Duration::from_secs(5),
+            session_timeout: defaults::UPDATE_TIMEOUT,
+            checksums: true,
+            threads: 0,
+            #[cfg(any(test, feature = "test-hooks"))]
+            corrupt_tensor: None,
+            secret: None,
+            keep_versions: defaults::KEEP_VERSIONS,
+            logger: Logger::default(),
+        }
+    }
+}
+
+/// Refuse bucket sizes and buffer counts the wire format cannot carry.
+pub(super) fn check_config(cfg: &PublisherConfig) -> Result<()> {
+    if cfg.bucket_size < crate::wire::ALIGN as usize
+        || cfg.buffers == 0
+        || cfg.buffers > crate::wire::MAX_BUFFERS
+    {
+        return Err(Error::invalid_argument(format!(
+            "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
+            cfg.bucket_size,
+            cfg.buffers,
+            crate::wire::MAX_BUFFERS
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,507 @@
+//! The trainer side: serve weights to engine ranks on this node over IPC
+//! (protocol: `docs/wire.md`).
+//!
+//! A [`Publisher`] listens on a Unix socket (mode 0600 by default, peers of
+//! another uid refused unless allowed) and serves sessions, one per engine
+//! rank that connects, each on its own thread.
+//!
+//! **Shards: one manifest per rank.** A rank says who it is (rank, GPU id)
+//! in its HELLO and gets its own manifest:
+//! - serving a directory, the rank's files are found with the snapshot
+//!   layout rules (`model_state.tpR.G...`, or a HuggingFace directory that
+//!   every rank gets whole), exactly as a snapshot update would find them;
+//! - serving tensors from memory, each tensor is tagged with the rank it is
+//!   for, or with "every rank".
+//!
+//! **Shards of global tensors.** A trainer rank that holds only a piece of
+//! a global tensor serves it with [`Publisher::add_shard`]: the piece's own
+//! box, placed at an offset in the global shape; every engine's manifest
+//! carries the placement (`docs/wire.md`, protocol 2), and the engine takes
+//! the parts its params need. Several publishers, one per trainer rank,
+//! each on its own socket or address, serve one version together: nothing
+//! ties them but the version name, and an engine pulls from each.
+//!
+//! **Network.** [`Publisher::bind_net`] listens on a TCP address instead:
+//! control frames travel over TCP, after a shared-secret challenge
+//! (`transport::auth`), and bucket bytes over UCX (`transport::ucx`), one
+//! message per bucket entry; the engine lands each in its staging slot or
+//! straight in its params, as it decides alone.
+//!
+//! **Versions.** [`Publisher::publish`] keeps the current content as a named
+//! version (tensors are copied, so the trainer may overwrite its own at
+//! once); the last `keep_versions` are kept and an engine asks for one by
+//! name, or for "latest". Without any `publish`, the current content is the
+//! one version served (the trainer keeps its tensors unchanged while serving).
+//!
+//! **Buckets.** The engine's requests (WANT: a tensor's bytes as strided
+//! runs, one request per engine plan entry, checked before anything is
+//! packed) are packed in order into buckets of at most `bucket_size` bytes
+//! at 256-byte aligned offsets (a request larger than a bucket is split). Buffers alternate: while the engine applies bucket i,
+//! bucket i+1 is packed into the other buffer, and a buffer is refilled only
+//! after the engine acknowledged the bucket in it. Buffers return to a pool
+//! when a session ends and serve the next session (sequential updates of an
+//! RL run reuse them; concurrent sessions each take their own).
+//!
+//! **Files**, each importing only the ones below it:
+//! - here: [`Publisher`], what the trainer calls;
+//! - `accept`: admitting engines, one thread per connection;
+//! - `handshake`: an engine's HELLO and, over the network, the challenge;
+//! - `session`: one engine's session: manifest, WANT, then its buckets
+//!   through `ipc` or `net`;
+//! - `ipc`, `net`: how buckets go out over each (a `streamer::BucketSink`
+//!   each);
+//! - `streamer`: the one bucket streamer: BUCKET frames, the window of
+//!   acknowledgements, END;
+//! - `plan`: which request bytes go in which bucket; `shard`: one rank's
+//!   manifest and bytes, and packing them; `sums`: slice checksums (SUMS); `buffers`: the pooled bucket buffers;
+//! - `versions`: published versions and their copies; `offer`: what
+//!   sessions serve; `socket`: the listener and the connections to shut
+//!   down; `config`, `stats`; `hooks`: test-only hooks.
+
+mod accept;
+mod buffers;
+mod config;
+mod device_sums;
+mod handshake;
+mod hooks;
+mod ipc;
+mod net;
+mod offer;
+mod plan;
+mod session;
+mod shard;
+mod socket;
+mod stats;
+mod streamer;
+mod sums;
+mod versions;
+
+pub use crate::manager::check_version;
+use crate::manifest::Placement;
+use crate::result::{Error, Result};
+use crate::tensor::DType;
+use crate::transport::auth::Secret;
+use parking_lot::Mutex;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The UCX tag of a network bucket entry's message (`wire::message_tag`).
+pub use crate::wire::message_tag as net_tag;
+pub use config::PublisherConfig;
+pub use offer::{Content, HostTensor};
+pub use stats::{ServeStats, SessionStats};
+
+use accept::Acceptor;
+use config::check_config;
+use offer::Offer;
+use socket::{bind_unix, socket_identity, Connections, Listener};
+use versions::Versions;
+
+pub struct Publisher {
+    /// The socket path, or the TCP address.
+    path: PathBuf,
+    /// Shared buffers of finished sessions, reused by the next ones: fresh
+    /// shared memory costs a page fault (and, in a VM, more) per page.
+    pool: buffers::BufferPool,
+    listener: Listener,
+    /// Network sessions: the shared secret, checked when binding.
+    secret: Option<Secret>,
+    /// The socket file's device and inode as bound (IPC).
+    bound: Option<(u64, u64)>,
+    cfg: PublisherConfig,
+    content: Mutex<Content>,
+    version: Mutex<Option<String>>,
+    versions: Versions,
+    /// The connections of running sessions, for [`Publisher::stop`].
+    connections: Connections,
+}
+
+impl Publisher {
+    /// Listen on `path`. A stale socket file there (nothing accepts on it)
+    /// is replaced; a live publisher's socket, or any other file, is an
+    /// error and left alone.
+    pub fn bind(path: &Path, cfg: PublisherConfig) -> Result<Publisher> {
+        check_config(&cfg)?;
+        let (listener, bound) = bind_unix(path, cfg.socket_mode)?;
+        let mut p =
+            Publisher::with_listener(path.to_path_buf(), Listener::Unix(listener), None, cfg);
+        p.bound = bound;
+        Ok(p)
+    }
+
+    /// Listen on the TCP address `addr` ("host:port"; port 0 picks one, see
+    /// [`Publisher::address`]) for engines on other nodes. Needs UCX and a
+    /// shared secret (config, or `WM_NET_SECRET`).
+    pub fn bind_net(addr: &str, cfg: PublisherConfig) -> Result<Publisher> {
+        check_config(&cfg)?;
+        let secret = Secret::resolve(cfg.secret.as_deref())?;
+        crate::transport::ucx::ucx()?;
+        let listener =
+            TcpListener::bind(addr).map_err(|e| Error::io(format!("listening on {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?;
+        Ok(Publisher::with_listener(
+            PathBuf::from(local.to_string()),
+            Listener::Tcp(listener),
+            Some(secret),
+            cfg,
+        ))
+    }
+
+    fn with_listener(
+        path: PathBuf,
+        listener: Listener,
+        secret: Option<Secret>,
+        cfg: PublisherConfig,
+    ) -> Publisher {
+        Publisher {
+            path,
+            pool: buffers::BufferPool::default(),
+            listener,
+            secret,
+            bound: None,
+            cfg,
+            content: Mutex::new(Content::Tensors(Vec::new())),
+            version: Mutex::new(None),
+            versions: Versions::default(),
+            connections: Connections::default(),
+        }
+    }
+
+    /// The socket path, or the TCP address with the port actually bound.
+    pub fn address(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// Keep the current content as a version engines can ask for by name
+    /// (tensors are copied now; a directory is read when served). Returns
+    /// the version's name; the oldest beyond `keep_versions` is dropped.
+    ///
+    /// Tensors are copied into one shared-memory buffer, each at a 256-byte
+    /// aligned offset. That copy is the only one the trainer makes for the
+    /// version: IPC sessions hand the buffer itself to every rank and
+    /// announce buckets as windows into it, so no session packs anything
+    /// and the engine's copy into its params is the only copy per rank.
+    pub fn publish(&self) -> Result<String> {
+        let content = self.content.lock().clone();
+        let offer = Offer::new(self.version.lock().clone(), content);
+        let Some(name) = offer.version.clone() else {
+            return Err(Error::no_version(
+                "publish: set a version first (or serve a directory with a version.yaml)",
+            ));
+        };
+        check_version(&name).map_err(|e| e.context("publish"))?;
+        let on_device = matches!(self.listener, Listener::Unix(_));
+        self.versions.publish(offer, &name, on_device, &self.cfg)?;
+        Ok(name)
+    }
+
+    /// Names of the published versions, oldest first.
+    pub fn versions(&self) -> Vec<String> {
+        self.versions.names()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Serve the snapshot in `dir` (version from its `version.yaml`, unless set).
+    pub fn set_dir(&self, dir: &Path) {
+        *self.content.lock() = Content::Dir(dir.to_path_buf());
+    }
+
+    /// Serve a tensor from memory, for `rank` or (None) every rank.
+    ///
+    /// # Safety
+    /// `data..data+len` must stay valid and unchanged while sessions run.
+    pub unsafe fn add_tensor(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        data: *const u8,
+        len: usize,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
+        self.content.lock().add(t)
+    }
+
+    /// Serve a shard of the global tensor `name` from memory: `shape` is the
+    /// shard's own box, row-major at `data`, placed at `placement.offset` in
+    /// a global tensor of `placement.global_shape` (checked now: the box
+    /// inside the global shape, the byte size). One publisher may hold
+    /// several shards of a global tensor at different offsets (same dtype
+    /// and global shape); a shard at an offset already published for that
+    /// rank, or a whole tensor of that name, is an error. Engines get the
+    /// placement in the manifest and take the parts their params need.
+    ///
+    /// # Safety
+    /// As [`Publisher::add_tensor`].
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    pub unsafe fn add_shard(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        placement: &Placement,
+        data: *const u8,
+        len: usize,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let mut t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
+        t.placement = Some(placement.clone());
+        self.content.lock().add(t)
+    }
+
+    /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
+    /// address `ptr` of GPU `ordinal` (checked with the driver). GPU tensors
+    /// are served once published: [`Publisher::publish`] copies them into
+    /// one GPU buffer shared with engines by CUDA IPC (an IPC publisher),
+    /// or into host memory (a network publisher).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until the next `publish` returns.
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    pub unsafe fn add_device_tensor(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        ptr: u64,
+        len: usize,
+        ordinal: i32,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
+        self.add_device(t)
+    }
+
+    /// A shard (see [`Publisher::add_shard`]) in the trainer's GPU memory,
+    /// served like [`Publisher::add_device_tensor`]'s tensors.
+    ///
+    /// # Safety
+    /// As [`Publisher::add_device_tensor`].
+    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    pub unsafe fn add_device_shard(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        placement: &Placement,
+        ptr: u64,
+        len: usize,
+        ordinal: i32,
+        rank: Option<u32>,
+    ) -> Result<()> {
+        let mut t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
+        t.placement = Some(placement.clone());
+        self.add_device(t)
+    }
+
+    /// Add a GPU tensor once the driver says its range is memory of its GPU.
+    fn add_device(&self, t: HostTensor) -> Result<()> {
+        let what = format!("tensor '{}'", t.name);
+        let ordinal = t.device.expect("a device tensor");
+        crate::memory::cuda::cuda()
+            .map_err(|e| e.context(&what))?
+            .check_device_range(ordinal, t.data.0 as u64, t.len, &what)?;
+        self.content.lock().add(t)
+    }
+
+    /// Forget every tensor (before publishing the next version).
+    pub fn clear_tensors(&self) {
+        *self.content.lock() = Content::Tensors(Vec::new());
+    }
+
+    /// The version sessions announce (None: the directory's `version.yaml`).
+    /// A name engines would refuse is refused by `publish` and `serve`; see
+    /// [`check_version`] to refuse it here already.
+    pub fn set_version(&self, version: Option<String>) {
+        *self.version.lock() = version;
+    }
+
+    /// What sessions serve: the published versions, else the current content.
+    fn offers(&self) -> Vec<Arc<Offer>> {
+        let published = self.versions.published.lock();
+        if published.is_empty() {
+            vec![Arc::new(Offer::new(
+                self.version.lock().clone(),
+                self.content.lock().clone(),
+            ))]
+        } else {
+            published.iter().cloned().collect()
+        }
+    }
+
+    /// Serve `engines` engines, each on its own thread until done: a
+    /// connection counts once its handshake (HELLO, and over the network the
+    /// challenge) finished within `handshake_timeout`; the others are
+    /// dropped (see `accept`). Fails when fewer than `engines` got there
+    /// within `accept_timeout`. The first failed session's error is
+    /// returned (naming the rank); the others still run to their end.
+    pub fn serve(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
+        let offers = self.offers();
+        for version in offers.iter().filter_map(|o| o.version.as_deref()) {
+            check_version(version).map_err(|e| e.context("serve"))?;
+        }
+        static SERVES: AtomicU64 = AtomicU64::new(0);
+        let serve_id = SERVES.fetch_add(1, Ordering::Relaxed);
+        let acceptor = Acceptor {
+            path: &self.path,
+            listener: &self.listener,
+            secret: self.secret.as_ref(),
+            cfg: &self.cfg,
+            pool: &self.pool,
+            connections: &self.connections,
+        };
+        let r = acceptor.admit_and_serve(&offers, engines, accept_timeout, serve_id);
+        self.connections.forget(serve_id);
+        r
+    }
+
+    /// Stop serving for good: a `serve` running on another thread stops
+    /// accepting and shuts its sessions' connections down, so its sessions
+    /// end at their next read or write (a bucket being packed is finished
+    /// first) and it returns `WM_ERR_CANCELLED` or the sessions' errors;
+    /// later `serve` calls are refused. Does not wait: `serve` returns once
+    /// its session threads have ended, and only then stops reading the
+    /// trainer's tensors.
+    pub fn stop(&self) {
+        self.connections.stop();
+    }
+}
+
+impl Drop for Publisher {
+    /// Remove the socket file only if it is still the one this publisher
+    /// bound: another publisher may have replaced it since (ours was stale to
+    /// it only if we had stopped accepting), and its socket must stay.
+    fn drop(&mut self) {
+        if let (Listener::Unix(_), Some(bound)) = (&self.listener, self.bound) {
+            if socket_identity(&self.path) == Some(bound) {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh version's buffer is written whole (not faulted in, then
+    /// copied into): each tensor at its aligned offset, zeros between, and
+    /// every page of the file allocated, so no reader's fault has to.
+    #[test]
+    fn a_fresh_version_is_written_whole() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+        let sizes = [3000usize, 5, 70_001, 1 << 20];
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j % 251 + 1) as u8).collect())
+            .collect();
+        for (i, d) in data.iter().enumerate() {
+            // SAFETY: `d` outlives the publish, which copies it.
+            unsafe {
+                p.add_tensor(
+                    &format!("t{i}"),
+                    DType::U8,
+                    &[d.len() as u64],
+                    d.as_ptr(),
+                    d.len(),
+                    None,
+                )
+            }
+            .unwrap();
+        }
+        p.set_version(Some("v".into()));
+        p.publish().unwrap();
+        let published = p.versions.published.lock();
+        let offer = published.back().unwrap();
+        let shared = offer.shared().unwrap();
+        // SAFETY: the version's own bytes, kept while it is published.
+        let all = unsafe { std::slice::from_raw_parts(shared.ptr(), shared.len()) };
+        let Content::Tensors(ts) = &offer.content else {
+            panic!("tensors")
+        };
+        let mut end = 0;
+        for (t, d) in ts.iter().zip(&data) {
+            let at = t.data.0 as usize - shared.ptr() as usize;
+            assert_eq!(at % crate::wire::ALIGN as usize, 0);
+            assert!(
+                all[end..at].iter().all(|&b| b == 0),
+                "gap before {}",
+                t.name
+            );
+            assert_eq!(&all[at..at + d.len()], &d[..], "{}", t.name);
+            end = at + d.len();
+        }
+        assert!(all[end..].iter().all(|&b| b == 0));
+        // SAFETY: fstat on the buffer's own descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(shared.fd().as_raw_fd(), &mut st) }, 0);
+        let page = crate::memory::page_size() as u64;
+        let whole = (shared.len() as u64).next_multiple_of(page);
+        assert!(
+            st.st_blocks as u64 * 512 >= whole,
+            "{} of {whole} bytes allocated",
+            st.st_blocks * 512
+        );
+    }
+
+    /// Steady publishing with two versions kept cycles through the same
+    /// shared buffers (engines keep them mapped), with each version's bytes.
+    #[test]
+    fn publishing_reuses_the_buffers_of_dropped_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+        let mut seen = Vec::new();
+        for k in 0..6u8 {
+            let data = vec![k; 3000];
+            p.clear_tensors();
+            // SAFETY: `data` outlives the publish, which copies it.
+            unsafe { p.add_tensor("t", DType::U8, &[3000], data.as_ptr(), 3000, None) }.unwrap();
+            p.set_version(Some(format!("v{k}")));
+            p.publish().unwrap();
+            let published = p.versions.published.lock();
+            let newest = published.back().unwrap();
+            let Content::Tensors(ts) = &newest.content else {
+                panic!("tensors")
+            };
+            let shared = newest.shared().unwrap();
+            // SAFETY: the version's own bytes, kept while it is published.
+            let bytes = unsafe { std::slice::from_raw_parts(ts[0].data.0, 3000) };
+            assert!(bytes.iter().all(|&b| b == k));
+            assert_eq!(ts[0].data.0, shared.ptr(), "first tensor at offset 0");
+            seen.push(shared.ptr());
+        }
+        // v0 and v1 got new buffers; from v2 on each reuses the one of the
+        // version it pushed out.
+        assert_ne!(seen[0], seen[1]);
+        for k in 2..6 {
+            assert_eq!(seen[k], seen[k - 2], "{seen:?}");
+        }
+        // A version a session still serves is not reused: hold v4's offer.
+        let held = p.versions.published.lock().front().cloned().unwrap();
+        assert_eq!(held.version.as_deref(), Some("v4"));
+        p.set_version(Some("v6".into()));
+        p.publish().unwrap();
+        let v6 = p
+            .versions
+            .published
+            .lock()
+            .back()
+            .unwrap()
+            .shared()
+            .unwrap()
+            .ptr();
+        assert_ne!(v6, held.shared().unwrap().ptr());
+    }
+}

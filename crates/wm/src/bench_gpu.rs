@@ -1,0 +1,280 @@
+//! `wm bench gpu`: device params on a real GPU, each figure beside its
+//! floor measured in the same run (issue 6's targets):
+//!
+//! - snapshot from the page cache into device params (pinned staging,
+//!   asynchronous uploads) beside pinned host-to-device bandwidth (a
+//!   `cuMemcpyHtoDAsync` of the same bytes from page-locked memory);
+//!   target at least 0.85;
+//! - IPC device to device (a `wm serve --gpu` trainer process publishing
+//!   GPU tensors, this engine's device params written from its CUDA IPC
+//!   buffer) beside a plain `cuMemcpyDtoD` of the same bytes; target at
+//!   least 0.9;
+//! - clear and restore of library-owned device params (CUDA VMM), per GiB;
+//! - atomic updates of library-owned device params with the device page
+//!   swap (`swap_device_pages`) beside the same updates uploading into the
+//!   params (informational: the swap buys atomicity, not speed).
+//!
+//! Without a GPU it says so and exits with an error.
+
+use crate::bench::{best, layer_count, write_layers, Scratch, TrainerProcess, LAYER, LAYER_SHAPE};
+use crate::fmt::{self, gbps};
+use crate::Args;
+use cudarc::driver::sys;
+use std::time::{Duration, Instant};
+use weight_manager_core::apply::Mode;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::cuda::cuda;
+use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager_core::registry::{MemoryKind, ParamSpec};
+use weight_manager_core::source::SourceKind;
+use weight_manager_core::tensor::DType;
+
+/// Timed updates per figure (the best is kept); the IPC trainer serves one
+/// more for the warm-up.
+const RUNS: usize = 3;
+
+fn ok(r: sys::CUresult, call: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{call}: {r:?}"))
+    }
+}
+
+/// Pinned host-to-device bandwidth: `total` bytes copied from one
+/// page-locked buffer of 256 MiB into `dst`, asynchronously on one stream.
+fn pinned_floor(dst: &ExportedDeviceBuffer, total: usize) -> Result<Duration, String> {
+    const PIECE: usize = 256 << 20;
+    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: plain driver calls with valid out-pointers; every copy stays
+    // inside `dst` (total bytes) and the pinned piece.
+    unsafe {
+        ok(sys::cuMemHostAlloc(&mut host, PIECE, 0), "cuMemHostAlloc")?;
+        std::ptr::write_bytes(host.cast::<u8>(), 0x5a, PIECE);
+        ok(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")?;
+        let r = best(|| {
+            let t = Instant::now();
+            let mut at = 0;
+            while at < total {
+                let n = PIECE.min(total - at);
+                ok(
+                    sys::cuMemcpyHtoDAsync_v2(dst.ptr() + at as u64, host, n, stream),
+                    "cuMemcpyHtoDAsync",
+                )?;
+                at += n;
+            }
+            ok(sys::cuStreamSynchronize(stream), "cuStreamSynchronize")?;
+            Ok(t.elapsed())
+        });
+        sys::cuStreamDestroy_v2(stream);
+        sys::cuMemFreeHost(host);
+        r
+    }
+}
+
+/// A plain device-to-device copy of `total` bytes.
+fn dtod_floor(
+    dst: &ExportedDeviceBuffer,
+    src: &ExportedDeviceBuffer,
+    total: usize,
+) -> Result<Duration, String> {
+    best(|| {
+        let t = Instant::now();
+        // SAFETY: both buffers hold `total` bytes.
+        unsafe {
+            ok(
+                sys::cuMemcpyDtoD_v2(dst.ptr(), src.ptr(), total),
+                "cuMemcpyDtoD",
+            )?;
+            ok(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+        }
+        Ok(t.elapsed())
+    })
+}
+
+fn device_spec(i: usize) -> ParamSpec {
+    let mut spec = ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &LAYER_SHAPE);
+    spec.memory = MemoryKind::Device;
+    spec.device_ordinal = 0;
+    spec
+}
+
+/// An engine whose params are `count` layers of engine-owned GPU memory.
+fn engine(count: usize) -> Result<(Manager, Vec<ExportedDeviceBuffer>), String> {
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut params = Vec::new();
+    for i in 0..count {
+        let p = ExportedDeviceBuffer::new("param", 0, LAYER).map_err(|e| e.to_string())?;
+        // SAFETY: the GPU memory is returned with the manager and outlives it.
+        unsafe { m.register(&device_spec(i), p.ptr() as *mut u8, LAYER) }
+            .map_err(|e| e.to_string())?;
+        params.push(p);
+    }
+    Ok((m, params))
+}
+
+fn timed(m: &Manager, req: UpdateRequest) -> Result<Duration, String> {
+    let t = Instant::now();
+    m.update(req).map_err(|e| e.to_string())?;
+    Ok(t.elapsed())
+}
+
+/// Library-owned device params updated atomically, best of [`RUNS`]
+/// after a warm-up, with the device page swap on or off.
+fn library_owned_atomic(
+    dir: &std::path::Path,
+    count: usize,
+    swap: bool,
+) -> Result<Duration, String> {
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        swap_device_pages: swap,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    for i in 0..count {
+        m.allocate(&device_spec(i)).map_err(|e| e.to_string())?;
+    }
+    m.update(UpdateRequest::snapshot(dir))
+        .map_err(|e| e.to_string())?;
+    best(|| timed(&m, UpdateRequest::snapshot(dir)))
+}
+
+fn verdict(ratio: f64, target: f64) -> &'static str {
+    if ratio >= target {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let c = cuda().map_err(|e| format!("wm bench gpu needs a GPU: {e}"))?;
+    let (name, _) = c.device_info(0).map_err(|e| e.to_string())?;
+    let gib: f64 = a.number("gib", 4.0)?;
+    let count = layer_count(gib);
+    let total = count * LAYER;
+    let dir = std::env::temp_dir().join(format!("wm-bench-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let _scratch = Scratch(dir.clone());
+    write_layers(&dir, count)?;
+    std::fs::write(dir.join("version.yaml"), "version: gpu-bench\n").map_err(|e| e.to_string())?;
+    println!(
+        "wm bench gpu: {} of bf16 in {count} tensors of 64 MiB on GPU 0 ({name}), best of {RUNS}",
+        fmt::bytes(total as u64)
+    );
+
+    let a_buf = ExportedDeviceBuffer::new("floor", 0, total).map_err(|e| e.to_string())?;
+    let b_buf = ExportedDeviceBuffer::new("floor", 0, total).map_err(|e| e.to_string())?;
+    let htod = gbps(total as u64, pinned_floor(&a_buf, total)?);
+    let dtod = gbps(total as u64, dtod_floor(&b_buf, &a_buf, total)?);
+    drop((a_buf, b_buf));
+    println!("  floor  pinned host to device       {htod:>8.2} GB/s");
+    println!("  floor  device to device            {dtod:>8.2} GB/s");
+
+    {
+        let (m, _params) = engine(count)?;
+        for (mode, label) in [(Mode::InPlace, "in-place"), (Mode::Atomic, "atomic  ")] {
+            let d = best(|| {
+                let mut req = UpdateRequest::snapshot(&dir);
+                req.mode = mode;
+                timed(&m, req)
+            })?;
+            let r = gbps(total as u64, d) / htod;
+            let target = if mode == Mode::InPlace {
+                format!("(target >= 0.85) {}", verdict(r, 0.85))
+            } else {
+                "(stages the whole update first: informational)".into()
+            };
+            println!(
+                "  wm     snapshot -> GPU, {label}    {:>8.2} GB/s   ratio {r:.2} to pinned HtoD {target}",
+                gbps(total as u64, d)
+            );
+        }
+    }
+
+    {
+        let sock = dir.join("trainer.sock");
+        let args: Vec<String> = [
+            "serve",
+            "--ipc",
+            sock.to_str().unwrap_or_default(),
+            dir.to_str().unwrap_or_default(),
+            "--gpu",
+            "0",
+            "--engines",
+            &(RUNS + 1).to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (trainer, _) = TrainerProcess::start(&args, "wm serve: published")?;
+        let (m, _params) = engine(count)?;
+        let ipc = || {
+            let mut req = UpdateRequest::snapshot(&sock);
+            req.source = SourceKind::Ipc;
+            req.mode = Mode::InPlace;
+            req
+        };
+        // The first session waits for the trainer to listen, and opens its
+        // buffer for the first time.
+        let start = Instant::now();
+        while let Err(e) = m.update(ipc()) {
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(format!("the trainer did not serve: {e}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let d = best(|| timed(&m, ipc()))?;
+        let r = gbps(total as u64, d) / dtod;
+        println!(
+            "  wm     IPC device -> device        {:>8.2} GB/s   ratio {r:.2} to DtoD (target >= 0.90) {}",
+            gbps(total as u64, d),
+            verdict(r, 0.9)
+        );
+        trainer.finish()?;
+    }
+
+    {
+        let m = Manager::new(ManagerConfig {
+            fallback_dir: None,
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())?;
+        for i in 0..count {
+            m.allocate(&device_spec(i)).map_err(|e| e.to_string())?;
+        }
+        m.update(UpdateRequest::snapshot(&dir))
+            .map_err(|e| e.to_string())?;
+        let steady = best(|| timed(&m, UpdateRequest::snapshot(&dir)))?;
+        let t = Instant::now();
+        let cleared = m.clear().map_err(|e| e.to_string())?;
+        let clear = t.elapsed();
+        let after = timed(&m, UpdateRequest::snapshot(&dir))?;
+        let gib = total as f64 / (1u64 << 30) as f64;
+        println!(
+            "  wm     clear (library-owned)       {:>8} per GiB ({} freed, by the driver's count)",
+            fmt::ms(clear.div_f64(gib)),
+            fmt::bytes(cleared.device_bytes_freed)
+        );
+        println!(
+            "  wm     restore (map + zero)        {:>8} per GiB (update after clear {} - steady update {})",
+            fmt::ms(after.saturating_sub(steady).div_f64(gib)),
+            fmt::ms(after),
+            fmt::ms(steady)
+        );
+    }
+
+    let plain = gbps(total as u64, library_owned_atomic(&dir, count, false)?);
+    let swapped = gbps(total as u64, library_owned_atomic(&dir, count, true)?);
+    println!(
+        "  wm     atomic, device page swap    {swapped:>8.2} GB/s   ratio {:.2} to uploading into the params ({plain:.2} GB/s; informational)",
+        swapped / plain
+    );
+    Ok(())
+}

@@ -1,0 +1,337 @@
+//! `wm bench ipc`: a model over host shared memory from a trainer process
+//! (the publisher, its own process) into this engine process, in copy mode
+//! (into registered params) and zero-copy mode (per-tensor callback on the
+//! shared buffer), beside a memcpy floor measured in the same run.
+//!
+//! Two ways a trainer serves, each measured:
+//! - **published** (the RL loop): the trainer publishes each version
+//!   (`Publisher::publish`, one copy into shared memory, reported as its
+//!   packing time) and every session hands that memory over as it is; the
+//!   engine's copy into its params is the only copy during the update.
+//! - **live**: the trainer serves its own tensors and packs them per
+//!   session into two alternating bucket buffers, bucket i+1 while the
+//!   engine applies bucket i. Both copies run at once, so this one shares
+//!   memory bandwidth; its second floor is two memcpys running together.
+//!
+//! Each side gets half of the cores (as on a real node, where both have
+//! their own). Each engine's first updates map the trainer's buffers (page
+//! faults, slow on a VM); steady RL updates reuse the mappings, as timed
+//! after them. A publish that creates its buffer writes it in one pass
+//! (`publisher/versions.rs`); its floor is the plain way's two: faulting
+//! in fresh memory (the kernel zeroes it), then a memcpy into it.
+
+use crate::fmt::{self, gbps};
+use crate::Args;
+use std::time::{Duration, Instant};
+use weight_manager_core::apply::{Mode, TensorView};
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::source::SourceKind;
+
+/// Updates before the timed one: a publisher alternates two buffers.
+const WARM_UPS: usize = 2;
+
+/// The trainer process: builds the model in memory and serves it, either
+/// publishing a new version before each session or live.
+pub fn publisher(a: &Args) -> Result<(), String> {
+    let socket = a.value("socket").ok_or("--socket")?;
+    let published = a.value("mode") == Some("published");
+    let count = crate::bench::layer_count(a.number("gib", 4.0)?);
+    let threads: usize = a.number("threads", 1)?;
+    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    // Live: also a TP rank's halves, verified (`halves`).
+    let halves = if published {
+        0
+    } else {
+        3 * crate::bench_net::HALVES.len()
+    };
+    let engines: usize = a.number("engines", 2 * (WARM_UPS + 1) + halves)?;
+    let data = crate::bench::trainer_layers(count);
+    let p = Publisher::bind(
+        std::path::Path::new(socket),
+        PublisherConfig {
+            bucket_size: bucket_mib << 20,
+            threads,
+            // Live: hashed once, by the first session of the serve call
+            // (a warm-up), for the verified halves.
+            checksums: !published,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    crate::bench::add_layers(&p, &data, None)?;
+    println!("ready");
+    let mut lines = Vec::new();
+    if published {
+        for k in 0..engines {
+            p.set_version(Some(format!("v{k}")));
+            let t = Instant::now();
+            p.publish().map_err(|e| e.to_string())?;
+            let publish = t.elapsed();
+            let mut stats = p
+                .serve(1, Duration::from_secs(600))
+                .map_err(|e| e.to_string())?;
+            let s = stats.sessions.pop().ok_or("no session")?;
+            lines.push((s.bytes, publish, s.wait));
+        }
+    } else {
+        p.set_version(Some("bench".into()));
+        let stats = p
+            .serve(engines, Duration::from_secs(600))
+            .map_err(|e| e.to_string())?;
+        lines.extend(stats.sessions.iter().map(|s| (s.bytes, s.pack, s.wait)));
+    }
+    for (bytes, pack, wait) in lines {
+        println!("session {bytes} {} {}", pack.as_nanos(), wait.as_nanos());
+    }
+    Ok(())
+}
+
+/// The snapshot benchmark's memcpy floor on `bytes` of fresh buffers.
+fn memcpy_floor(bytes: usize, threads: usize) -> Result<Duration, String> {
+    let src = crate::bench::buffer(bytes);
+    let mut dst = crate::bench::buffer(bytes);
+    crate::bench::best(|| crate::bench::memcpy_floor(&src, &mut dst, threads))
+}
+
+struct Floors {
+    memcpy: f64,
+    two_at_once: f64,
+    /// Faulting in fresh memory, then copying into it: what a first
+    /// publish would cost done the plain way (`bench::fresh_memory_floor`).
+    fresh_then_copy: f64,
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let gib: f64 = a.number("gib", 4.0)?;
+    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let side: usize = a.number("threads", (cores / 2).max(1))?;
+    let count = crate::bench::layer_count(gib);
+    let total = (count * crate::bench::LAYER) as u64;
+    println!(
+        "wm bench ipc: {} of bf16 in {count} tensors, buckets of at most {bucket_mib} MiB, {side} thread(s) each for trainer and engine",
+        fmt::bytes(total)
+    );
+    let floor_bytes = (1usize << 30).min(total as usize);
+    let memcpy = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side)?);
+    println!("  floor  memcpy, {side} thread(s)                {memcpy:>7.2} GB/s");
+    // Live serving moves every byte twice at once, so its two copies share
+    // the memory bandwidth: this floor is two memcpys running together.
+    let two = std::thread::scope(|s| {
+        let a = s.spawn(|| memcpy_floor(floor_bytes, side));
+        let b = s.spawn(|| memcpy_floor(floor_bytes, side));
+        Ok::<_, String>(a.join().expect("floor")?.max(b.join().expect("floor")?))
+    })?;
+    let two_at_once = gbps(floor_bytes as u64, two);
+    println!("  floor  two memcpys at once            {two_at_once:>7.2} GB/s each");
+    let fresh = gbps(
+        floor_bytes as u64,
+        crate::bench::best(|| crate::bench::fresh_memory_floor(floor_bytes, side))?,
+    );
+    let fresh_then_copy = 1.0 / (1.0 / fresh + 1.0 / memcpy);
+    println!("  floor  fault in fresh memory, memcpy  {fresh_then_copy:>7.2} GB/s (a first publish done the plain way)");
+    let floors = Floors {
+        memcpy,
+        two_at_once,
+        fresh_then_copy,
+    };
+    let mut params = crate::bench::layer_params(count);
+    for mode in ["published", "live"] {
+        run_mode(mode, gib, bucket_mib, side, &mut params, &floors)?;
+    }
+    Ok(())
+}
+
+/// One trainer process serving in `mode`; copy-mode and zero-copy updates
+/// from it, each after its warm-ups.
+fn run_mode(
+    mode: &str,
+    gib: f64,
+    bucket_mib: usize,
+    side: usize,
+    params: &mut [Vec<u8>],
+    floors: &Floors,
+) -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let socket = dir.join("trainer.sock");
+    let args: Vec<String> = [
+        "bench",
+        "ipc-publisher",
+        "--socket",
+        socket.to_str().unwrap_or_default(),
+        "--mode",
+        mode,
+        "--gib",
+        &gib.to_string(),
+        "--threads",
+        &side.to_string(),
+        "--bucket-mib",
+        &bucket_mib.to_string(),
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let (trainer, _) = crate::bench::TrainerProcess::start(&args, "ready")?;
+    let result = measure(&socket, mode, side, params, floors);
+    let sessions = trainer.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+    let (copy, zero, first) = result?;
+    let sessions = sessions?;
+    first_rows(mode, &sessions, (&first, &copy), floors);
+    let copy_at = WARM_UPS;
+    let zero_at = 2 * WARM_UPS + 1;
+    for (name, s, engine) in [
+        ("copy mode", sessions.get(copy_at), &copy),
+        ("zero-copy", sessions.get(zero_at), &zero),
+    ] {
+        if let Some(s) = s.filter(|s| s.len() == 3) {
+            let pack = Duration::from_nanos(s[1]);
+            let what = if mode == "published" {
+                "trainer publish (its one copy)"
+            } else {
+                "trainer packing"
+            };
+            println!(
+                "    {name:<10} {what} {} ({:.2} GB/s), waiting for acks {}; engine receive+apply {}",
+                fmt::ms(pack),
+                gbps(s[0], pack),
+                fmt::ms(Duration::from_nanos(s[2])),
+                fmt::ms(engine.sync)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What an RL run pays at its start (and whenever buffers are recreated):
+/// the trainer's first publishes, which create their shared buffers, and
+/// the engine's first updates, which map them; beside the steady ones.
+fn first_rows(
+    mode: &str,
+    sessions: &[Vec<u64>],
+    (first, steady): (&[Duration], &UpdateStats),
+    floors: &Floors,
+) {
+    let rate = |bytes: u64, d: Duration| format!("{} ({:.2} GB/s)", fmt::ms(d), gbps(bytes, d));
+    let publishes: Vec<(u64, Duration)> = sessions
+        .iter()
+        .filter(|s| s.len() == 3)
+        .take(WARM_UPS + 1)
+        .map(|s| (s[0], Duration::from_nanos(s[1])))
+        .collect();
+    if let (Some(&(bytes, d)), "published") = (publishes.first(), mode) {
+        let shown: Vec<String> = publishes.iter().map(|&(b, d)| rate(b, d)).collect();
+        println!(
+            "    first publishes (buffers created, then reused) {}; the first {:.2} of fault in + memcpy",
+            shown.join(", "),
+            gbps(bytes, d) / floors.fresh_then_copy
+        );
+    }
+    let updates: Vec<String> = first.iter().map(|d| rate(steady.bytes, *d)).collect();
+    println!(
+        "    engine's first updates (map the buffers) {}; steady {}",
+        updates.join(", "),
+        rate(steady.bytes, steady.sync)
+    );
+}
+
+/// An in-place update from the publisher at `socket`.
+fn request<'a>(socket: &std::path::Path) -> UpdateRequest<'a> {
+    let mut r = UpdateRequest::snapshot(socket);
+    r.source = SourceKind::Ipc;
+    r.mode = Mode::InPlace;
+    r
+}
+
+/// The copy-mode and zero-copy updates of one mode, printed with their ratios.
+fn measure(
+    socket: &std::path::Path,
+    mode: &str,
+    side: usize,
+    params: &mut [Vec<u8>],
+    floors: &Floors,
+) -> Result<(UpdateStats, UpdateStats, Vec<Duration>), String> {
+    println!("  {mode}:");
+    let m = Manager::new(ManagerConfig {
+        threads: side,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    crate::bench::register_layers(&m, params)?;
+    let mut first = Vec::new();
+    for _ in 0..WARM_UPS {
+        first.push(m.update(request(socket)).map_err(|e| e.to_string())?.sync);
+    }
+    let copy = m.update(request(socket)).map_err(|e| e.to_string())?;
+    let rate = gbps(copy.bytes, copy.sync);
+    let ratio = rate / floors.memcpy;
+    print!(
+        "    copy mode (into params)         {rate:>7.2} GB/s   ratio {ratio:.2} to memcpy (target >= 0.80) {}",
+        if ratio >= 0.8 { "PASS" } else { "MISS" },
+    );
+    if mode == "live" {
+        print!("; {:.2} to two memcpys at once", rate / floors.two_at_once);
+    }
+    println!();
+    let zero = Manager::new(ManagerConfig::default()).map_err(|e| e.to_string())?;
+    let touched = std::cell::Cell::new(0u64);
+    let mut last = None;
+    for _ in 0..=WARM_UPS {
+        let mut cb = |t: &TensorView| {
+            touched.set(touched.get() + t.data[t.data.len() / 2] as u64);
+            Ok(())
+        };
+        let mut r = request(socket);
+        r.hooks.tensor = Some(&mut cb);
+        last = Some(zero.update(r).map_err(|e| e.to_string())?);
+    }
+    let zc = last.expect("updates ran");
+    let rate = gbps(zc.bytes, zc.sync);
+    // The callback reads one byte per tensor, so this times the session
+    // itself: for a published version nothing is copied at all.
+    println!(
+        "    zero-copy (callback on buffer)  {rate:>7.2} GB/s   {} for the update",
+        fmt::ms(zc.sync)
+    );
+    std::hint::black_box(touched.get());
+    if mode == "live" {
+        halves(socket, side, params.len(), floors)?;
+    }
+    Ok((copy, zc, first))
+}
+
+/// A TP rank's halves of every layer (`bench_net::HALVES`), verified with
+/// the publisher's slice checksums and unverified, one run each after a
+/// warm-up.
+fn halves(
+    socket: &std::path::Path,
+    side: usize,
+    count: usize,
+    floors: &Floors,
+) -> Result<(), String> {
+    for (what, dim) in crate::bench_net::HALVES {
+        let m = Manager::new(ManagerConfig {
+            threads: side,
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())?;
+        crate::bench_net::half_params(&m, count, dim)?;
+        let run = |verify: bool| {
+            let mut r = request(socket);
+            r.verify = verify;
+            m.update(r).map_err(|e| e.to_string())
+        };
+        run(true)?; // faults the params, maps the buffers
+        let (v, u) = (run(true)?, run(false)?);
+        let (vr, ur) = (gbps(v.bytes, v.sync), gbps(u.bytes, u.sync));
+        println!(
+            "    {what:<34}{vr:>7.2} GB/s   ratio {:.2} to memcpy; unverified {ur:.2} GB/s ({:.2}); {} (one run each)",
+            vr / floors.memcpy,
+            ur / floors.memcpy,
+            fmt::bytes(v.bytes)
+        );
+    }
+    Ok(())
+}

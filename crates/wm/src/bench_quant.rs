@@ -1,0 +1,191 @@
+//! `wm bench quant [--gib N] [--runs N]`: FP8 E4M3 quantization with
+//! 128 x 128 block scales of bf16 weights (the library's `quant`), beside
+//! its floor and beside PyTorch doing the same job, in the same run.
+//!
+//! - Floor: memcpy of the same bf16 bytes (one thread for the one-core
+//!   figure, every core for the all-core one). Target: quantizing runs at
+//!   >= 0.5 of it per core.
+//! - PyTorch peer: the reference expression the library matches bit for bit
+//!   (DeepGEMM's `per_block_cast_to_fp8`, vectorized by PyTorch) on the
+//!   same bytes, in a Python process kept running, with the same number of
+//!   threads (`torch.set_num_threads`). Ours and PyTorch's runs alternate
+//!   (the order flipping every pair), and the figure is the median of the
+//!   per-pair ratios. Target: ours >= 2x faster.
+//!
+//! Inputs: 64 MiB bf16 tensors of [4096, 8192] with values like trained
+//! weights (about 1e-2, a few blocks far larger or smaller).
+
+use crate::bench::Scratch;
+use crate::bench_torch::{alternate, TorchPeer};
+use crate::fmt::gbps;
+use std::time::{Duration, Instant};
+use weight_manager_core::quant::{self, Scheme, Source};
+use weight_manager_core::tensor::DType;
+
+const SHAPE: [usize; 2] = [4096, 8192];
+
+/// The block edge of the scheme measured.
+fn block() -> usize {
+    Scheme::block_edge()
+}
+
+/// PyTorch's side: reads the tensors once, then times the reference
+/// expression over all of them on each `run <threads>` line.
+const TORCH_PEER: &str = r#"
+import sys, time, numpy as np, torch
+path, n, M, N = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+xs = [raw[i * M * N * 2:(i + 1) * M * N * 2].view(torch.bfloat16).reshape(M, N) for i in range(n)]
+def quant(x):
+    m, n = x.shape
+    xp = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
+    xp[:m, :n] = x
+    xv = xp.view(-1, 128, xp.size(1) // 128, 128)
+    amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn)
+    return q.view_as(xp)[:m, :n].contiguous(), (amax / 448.0).view(xv.size(0), xv.size(2))
+print("ready", flush=True)
+for line in sys.stdin:
+    torch.set_num_threads(int(line.split()[1]))
+    t = time.perf_counter()
+    for x in xs:
+        quant(x)
+    print(time.perf_counter() - t, flush=True)
+"#;
+
+/// Quantize every tensor on `threads` threads (each a band of whole
+/// block rows: bands share no block, so each is quantized alone).
+fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize) -> Duration {
+    let t = Instant::now();
+    let band_rows = SHAPE[0].div_ceil(block()).div_ceil(threads.max(1)) * block();
+    for (x, (q, s)) in inputs.iter().zip(outputs.iter_mut()) {
+        let row = SHAPE[1];
+        let scale_row = SHAPE[1].div_ceil(block()) * band_rows / block();
+        std::thread::scope(|sc| {
+            let bands = x
+                .chunks(band_rows * row * 2)
+                .zip(q.chunks_mut(band_rows * row));
+            for ((xb, qb), sb) in bands.zip(s.chunks_mut(scale_row)) {
+                sc.spawn(move || {
+                    let src = Source {
+                        dtype: DType::Bf16,
+                        bytes: xb,
+                        rows: qb.len() / row,
+                        cols: row,
+                    };
+                    // Bands of whole block rows are tensors of their own.
+                    quant::quantize(Scheme::Blocks128, src, qb, sb).expect("finite weights");
+                });
+            }
+        });
+    }
+    t.elapsed()
+}
+
+/// bf16 weights: about 1e-2, every 16th block 1e3 times larger or smaller.
+fn weights(seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(SHAPE[0] * SHAPE[1] * 2);
+    for i in 0..SHAPE[0] {
+        for j in 0..SHAPE[1] {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let unit = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let scale = match ((i / block()) * 64 + j / block()) % 16 {
+                0 => 10.0,
+                1 => 1e-5,
+                _ => 0.02,
+            };
+            let bits = (unit * scale).to_bits();
+            let h = ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+            out.extend(h.to_le_bytes());
+        }
+    }
+    out
+}
+
+pub fn run(a: &crate::Args) -> Result<(), String> {
+    let gib: f64 = a.number("gib", 0.25)?;
+    let pairs: usize = a.number("runs", 5)?;
+    let bytes_each = SHAPE[0] * SHAPE[1] * 2;
+    let count = ((gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
+    let inputs: Vec<Vec<u8>> = (0..count).map(|i| weights(i as u64 + 1)).collect();
+    let total = (count * bytes_each) as u64;
+    let blocks = SHAPE[0].div_ceil(block()) * SHAPE[1].div_ceil(block());
+    let mut outputs: Vec<(Vec<u8>, Vec<f32>)> = (0..count)
+        .map(|_| (vec![1u8; SHAPE[0] * SHAPE[1]], vec![0f32; blocks]))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "wm bench quant: {count} bf16 tensors of {SHAPE:?} ({:.2} GiB) to FP8 E4M3, 128x128 block scales; {cores} cores",
+        total as f64 / (1u64 << 30) as f64
+    );
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("wm-bench-quant-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0).map_err(|e| e.to_string())?;
+    let file = scratch.0.join("weights.bin");
+    std::fs::write(&file, inputs.concat()).map_err(|e| e.to_string())?;
+    let args = [file.display().to_string(), count.to_string()];
+    let args = [&args[..], &SHAPE.map(|x| x.to_string())].concat();
+    let mut torch = TorchPeer::start(TORCH_PEER, &args);
+    if let Err(e) = &torch {
+        println!("  torch  skipped: {e}");
+    }
+    for threads in [1, cores] {
+        section(
+            &inputs,
+            &mut outputs,
+            threads,
+            torch.as_mut().ok(),
+            (total, pairs),
+        )?;
+        if cores == 1 {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// One thread count: ours beside memcpy, and beside PyTorch, alternating.
+fn section(
+    inputs: &[Vec<u8>],
+    outputs: &mut [(Vec<u8>, Vec<f32>)],
+    threads: usize,
+    torch: Option<&mut TorchPeer>,
+    (total, pairs): (u64, usize),
+) -> Result<(), String> {
+    let mut dst: Vec<Vec<u8>> = inputs.iter().map(|x| vec![1u8; x.len()]).collect();
+    let outputs = std::cell::RefCell::new(outputs);
+    let quantize = || Ok(ours(inputs, &mut outputs.borrow_mut(), threads));
+    let copy = || {
+        let t = Instant::now();
+        for (d, x) in dst.iter_mut().zip(inputs) {
+            crate::bench_floors::memcpy_floor(x, d, threads)?;
+        }
+        Ok(t.elapsed())
+    };
+    let (r, o, c) = alternate(pairs, quantize, copy)?;
+    let per_core = if threads == 1 { " per core" } else { "" };
+    let verdict = if threads == 1 {
+        crate::bench::verdict(r >= 0.5)
+    } else {
+        ""
+    };
+    println!(
+        "  {threads} thread(s): wm quantize {:.2} GB/s of bf16, memcpy of the same bytes {:.2} GB/s: ratio {r:.2} (median of {pairs} pairs; target >= 0.5{per_core}) {verdict}",
+        gbps(total, o),
+        gbps(total, c),
+    );
+    let Some(t) = torch else {
+        return Ok(());
+    };
+    let command = format!("run {threads}");
+    let (r, _, p) = alternate(pairs, quantize, || t.run(&command))?;
+    println!(
+        "  {threads} thread(s): PyTorch (same expression, same bytes) {:.2} GB/s: wm / torch {r:.2}x (median of {pairs} alternating pairs; target >= 2) {}",
+        gbps(total, p),
+        crate::bench::verdict(r >= 2.0)
+    );
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! `wm bench shard`, section snapshot: 4 engine ranks, each a separate
+//! process (`wm bench shard-snapshot-rank`), slicing one whole-tensor checkpoint
+//! (bf16 [8192, 4096] layers, 64 MiB each) by rows (outer dimension) or by
+//! columns (inner: a 2 KiB segment of every 8 KiB row), unverified and
+//! verified with block sums. Every figure beside its floor or target:
+//!
+//! - bytes read by all ranks together (each rank's `rchar` from
+//!   `/proc/<pid>/io` around its update, plus the bytes it read out of
+//!   mapped windows) / checkpoint bytes: target at
+//!   most 1.05 for outer splits; inner splits verified read every block;
+//! - bytes moved by each rank / bytes of its params: 1.00;
+//! - each rank's update GB/s beside a plain `pread` of the same byte
+//!   ranges into the same buffers, on as many threads as the library's
+//!   copier, in the same process (target at least 0.8 unverified);
+//!   verified, the floor also hashes those bytes once (xxh3-128), the
+//!   least verification costs. The library does more for a verified
+//!   slice: each block read is hashed against its sum, the wanted bytes
+//!   are hashed for the applier, which hashes them again as they land,
+//!   and they are copied out of the read buffer; so no target is set.
+//!
+//! The ranks run at once, so on a small machine they share its cores: the
+//! floor is measured under the same load, alternating with the updates.
+//! Verified and unverified runs read the same directory (block sums are
+//! read only when verifying).
+
+use super::Row;
+use crate::bench::{best, buffer, Scratch};
+use crate::fixtures;
+use crate::fmt::{self, gbps};
+use crate::Args;
+use std::fs::File;
+use std::io::BufRead;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use weight_manager_core::apply::Mode;
+use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::copy::default_threads;
+use weight_manager_core::pieces::Piece;
+use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::source::snapshot::{checksums, safetensors_file};
+use weight_manager_core::tensor::DType;
+
+const RANKS: u64 = 4;
+const FILE: &str = "model.safetensors";
+const SHAPE: [u64; 2] = [8192, 4096];
+const LAYER: u64 = SHAPE[0] * SHAPE[1] * 2;
+
+/// What one rank measured (`rank ...` line of its output).
+struct RankResult {
+    read: u64,
+    moved: u64,
+    param_bytes: u64,
+    update: Duration,
+    floor: Duration,
+}
+
+pub fn run(a: &Args) -> Result<Vec<Row>, String> {
+    let gib: f64 = a.number("gib", if a.flag("quick") { 0.25 } else { 2.0 })?;
+    let layers = ((gib * (1u64 << 30) as f64) / LAYER as f64).ceil().max(1.0) as u64;
+    let base = a.value("dir").map_or_else(std::env::temp_dir, Into::into);
+    let scratch = Scratch(base.join(format!("wm-bench-shard-snapshot-{}", std::process::id())));
+    let dir = &scratch.0;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_checkpoint(&dir.join(FILE), layers)?;
+    checksums::write(dir, default_threads()).map_err(|e| e.to_string())?;
+    let total = layers * LAYER;
+    println!(
+        "    checkpoint: {layers} bf16 layers of {SHAPE:?} ({}), {RANKS} rank processes at once, \
+         {} copier thread(s) each",
+        fmt::bytes(total),
+        default_threads()
+    );
+    let mut rows = Vec::new();
+    for (split, dim) in [("outer split", 0), ("inner split", 1)] {
+        for verify in [false, true] {
+            let results = run_ranks(dir, dim, verify)?;
+            report(&mut rows, (split, dim, verify), total, &results);
+        }
+    }
+    Ok(rows)
+}
+
+/// `layers` layers of random bf16 in `path`, read once (page cache warm).
+fn write_checkpoint(path: &Path, layers: u64) -> Result<(), String> {
+    let ts: Vec<_> = (0..layers)
+        .map(|i| fixtures::tensor(format!("layers.{i}.w"), DType::Bf16, &SHAPE, 7))
+        .collect();
+    fixtures::write(path, &ts)?;
+    drop(ts);
+    let f = File::open(path).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 8 << 20];
+    let mut off = 0;
+    while let Ok(n @ 1..) = f.read_at(&mut buf, off) {
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Start every rank at once; wait for their results.
+fn run_ranks(dir: &Path, dim: usize, verify: bool) -> Result<Vec<RankResult>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let children: Vec<_> = (0..RANKS)
+        .map(|r| {
+            Command::new(&exe)
+                .args(["bench", "shard-snapshot-rank", "--dir"])
+                .arg(dir)
+                .args(["--rank", &r.to_string(), "--split", &dim.to_string()])
+                .args(["--verify", if verify { "1" } else { "0" }])
+                .stdout(Stdio::piped())
+                .spawn()
+                .map_err(|e| e.to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut child)| {
+            let out = child.stdout.take().expect("piped");
+            let line = std::io::BufReader::new(out)
+                .lines()
+                .map_while(|l| l.ok())
+                .find(|l| l.starts_with("rank "));
+            let status = child.wait().map_err(|e| e.to_string())?;
+            let n: Vec<u64> = match (line, status.success()) {
+                (Some(l), true) => l
+                    .split_whitespace()
+                    .skip(1)
+                    .filter_map(|x| x.parse().ok())
+                    .collect(),
+                _ => return Err(format!("rank {r} failed ({status})")),
+            };
+            Ok(RankResult {
+                read: n[0],
+                moved: n[1],
+                param_bytes: n[2],
+                update: Duration::from_nanos(n[3]),
+                floor: Duration::from_nanos(n[4]),
+            })
+        })
+        .collect()
+}
+
+/// One configuration's figures: bytes read by all ranks / checkpoint
+/// (target at most 1.05 for outer splits), and per rank bytes moved /
+/// params (1.00) and GB/s beside its pread floor (target 0.8 unverified).
+fn report(
+    rows: &mut Vec<Row>,
+    (split, dim, verify): (&str, usize, bool),
+    total: u64,
+    rs: &[RankResult],
+) {
+    let how = if verify { "verified" } else { "unverified" };
+    let read: u64 = rs.iter().map(|r| r.read).sum();
+    let ratio = read as f64 / total as f64;
+    rows.push(Row {
+        what: format!("{split}, {how}: read by all ranks / checkpoint"),
+        value: fmt::bytes(read),
+        beside: format!("checkpoint {}", fmt::bytes(total)),
+        ratio,
+        ok: (dim == 0).then_some(ratio <= 1.05),
+    });
+    for (i, r) in rs.iter().enumerate() {
+        rows.push(Row {
+            what: format!("{split}, {how}: rank {i} moved / its params"),
+            value: fmt::bytes(r.moved),
+            beside: format!("params {}", fmt::bytes(r.param_bytes)),
+            ratio: r.moved as f64 / r.param_bytes as f64,
+            ok: Some(r.moved == r.param_bytes),
+        });
+        let (got, floor) = (gbps(r.moved, r.update), gbps(r.moved, r.floor));
+        let kind = if verify { "pread+xxh3" } else { "pread" };
+        rows.push(Row {
+            what: format!("{split}, {how}: rank {i} GB/s"),
+            value: format!("{got:.2} GB/s"),
+            beside: format!("{kind} {floor:.2} GB/s"),
+            ratio: got / floor,
+            ok: (!verify).then_some(got / floor >= 0.8),
+        });
+    }
+}
+
+/// `wm bench shard-snapshot-rank`: one engine rank; prints `rank <bytes
+/// read> <bytes moved> <param bytes> <update ns> <floor ns>`.
+pub fn rank(a: &Args) -> Result<(), String> {
+    let dir = Path::new(a.value("dir").ok_or("--dir is needed")?);
+    let (r, dim): (u64, usize) = (a.number("rank", 0)?, a.number("split", 0)?);
+    let verify = a.value("verify") == Some("1");
+    let (_, header) =
+        safetensors_file::open(&dir.join(FILE), Instant::now() + Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
+    // Declared before the manager: the params outlive it.
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let m = Manager::new(ManagerConfig {
+        rank: r as u32,
+        world_size: RANKS as u32,
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut ranges = Vec::new();
+    for t in &header.tensors {
+        let len = t.shape[dim] / RANKS;
+        let piece = Piece::narrow(&t.name, &t.shape, dim, r * len, len);
+        let mut shape = t.shape.clone();
+        shape[dim] = len;
+        let mut spec = ParamSpec::host(&format!("{}.tp", t.name), t.dtype, &shape);
+        spec.pieces = vec![piece];
+        let mut b = buffer((shape[0] * shape[1] * 2) as usize);
+        // SAFETY: the buffers live until the manager is dropped (end of fn).
+        unsafe { m.register(&spec, b.as_mut_ptr(), b.len()) }.map_err(|e| e.to_string())?;
+        ranges.extend(slice_ranges(
+            t.offset,
+            &t.shape,
+            dim,
+            r,
+            b.as_mut_ptr() as usize,
+        ));
+        bufs.push(b);
+    }
+    let param_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    let mut run = 0;
+    let mut update = || -> Result<(Duration, u64, u64), String> {
+        run += 1;
+        let mut req = UpdateRequest::snapshot(dir);
+        (req.mode, req.verify, req.version) = (Mode::InPlace, verify, Some(format!("v{run}")));
+        let (before, t) = (rchar()?, Instant::now());
+        let stats = m.update(req).map_err(|e| e.to_string())?;
+        Ok((t.elapsed(), rchar()? - before, stats.bytes))
+    };
+    update()?;
+    let file = File::open(dir.join(FILE)).map_err(|e| e.to_string())?;
+    let (mut read, mut moved, mut took) = (0, 0, Duration::MAX);
+    let floor = best(|| {
+        let (t, rd, mv) = update()?;
+        (read, moved, took) = (rd, mv, took.min(t));
+        pread_floor(&file, &ranges, verify)
+    })?;
+    println!(
+        "rank {read} {moved} {param_bytes} {} {}",
+        took.as_nanos(),
+        floor.as_nanos()
+    );
+    Ok(())
+}
+
+/// The file ranges rank `r` needs of a [rows, cols] bf16 tensor at `offset`,
+/// each with where it goes in the param at `dst`: (file offset, length,
+/// destination address).
+fn slice_ranges(
+    offset: u64,
+    shape: &[u64],
+    dim: usize,
+    r: u64,
+    dst: usize,
+) -> Vec<(u64, u64, usize)> {
+    let row = shape[1] * 2;
+    if dim == 0 {
+        let n = shape[0] / RANKS * row;
+        return vec![(offset + r * n, n, dst)];
+    }
+    let seg = row / RANKS;
+    (0..shape[0])
+        .map(|i| (offset + i * row + r * seg, seg, dst + (i * seg) as usize))
+        .collect()
+}
+
+/// Plain `pread`s of `ranges` into their destinations, at most 8 MiB
+/// each, taken from a shared counter by as many threads as the copier;
+/// with `hash`, each piece is hashed once read.
+fn pread_floor(file: &File, ranges: &[(u64, u64, usize)], hash: bool) -> Result<Duration, String> {
+    const PIECE: u64 = 8 << 20;
+    let pieces: Vec<(u64, u64, usize)> = ranges
+        .iter()
+        .flat_map(|&(off, len, dst)| {
+            (0..len.div_ceil(PIECE)).map(move |i| {
+                let at = i * PIECE;
+                (off + at, PIECE.min(len - at), dst + at as usize)
+            })
+        })
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..default_threads())
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(off, len, dst)) = pieces.get(i) else {
+                            return Ok(());
+                        };
+                        // SAFETY: the pieces are disjoint ranges of the rank's
+                        // param buffers, which outlive the scope; no update runs.
+                        let buf =
+                            unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len as usize) };
+                        file.read_exact_at(buf, off)?;
+                        if hash {
+                            std::hint::black_box(weight_manager_core::checksum::of(buf));
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().expect("floor thread"))
+    })
+    .map_err(|e| format!("floor: {e}"))?;
+    Ok(t.elapsed())
+}
+
+/// Bytes this process has read so far: with `pread` (`rchar` of
+/// `/proc/<pid>/io`) and out of mapped windows (`mapped_read_bytes`).
+fn rchar() -> Result<u64, String> {
+    let io = std::fs::read_to_string("/proc/self/io").map_err(|e| e.to_string())?;
+    let rchar = io
+        .lines()
+        .find_map(|l| l.strip_prefix("rchar: "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| "no rchar in /proc/self/io".to_string())?;
+    Ok(rchar + weight_manager_core::source::snapshot::mapped::mapped_read_bytes())
+}

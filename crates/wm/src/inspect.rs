@@ -1,0 +1,121 @@
+//! `wm inspect` and `wm manifest`.
+
+use crate::fmt;
+use crate::Args;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use weight_manager_core::logging::Logger;
+use weight_manager_core::source::snapshot::{checksums, layout, safetensors_file, version};
+use weight_manager_core::tensor::shape_text;
+
+const SHOWN: usize = 40;
+/// How long `wm inspect` may spend reading a snapshot's headers.
+const INSPECT_BOUND: Duration = Duration::from_secs(120);
+
+pub fn inspect(a: &Args) -> Result<(), String> {
+    let target = a
+        .positional
+        .first()
+        .ok_or("usage: wm inspect <file|dir> [--rank R] [--gpu G] [--all]")?;
+    let path = Path::new(target);
+    let loc = layout::SnapshotLocation {
+        model_dir: path.to_path_buf(),
+        fallback_dir: None,
+        rank: a.number("rank", 0)?,
+        gpu_id: a.value("gpu").unwrap_or("0").to_string(),
+    };
+    // Every read is bounded; a FIFO or device among the files is an error.
+    let deadline = Instant::now() + INSPECT_BOUND;
+    let found = layout::resolve(&loc, &Logger::default(), deadline).map_err(|e| e.to_string())?;
+    println!("{} ({})", path.display(), found.kind.describe());
+    match version::read_version_yaml(&found.dir, deadline) {
+        Ok(v) => println!("version: {v}"),
+        Err(why) => println!("version: none ({why})"),
+    }
+    let sums = checksums::Checksums::load(&found.dir, deadline).map_err(|e| e.to_string())?;
+    println!(
+        "checksums: {}",
+        match sums.as_ref().map(|s| s.block_size()) {
+            Some(Some(b)) => format!(
+                "{} (block sums every {})",
+                checksums::CHECKSUM_FILE,
+                fmt::bytes(b)
+            ),
+            Some(None) => format!(
+                "{} (no block sums: slices cannot be verified; run `wm manifest <dir>` again)",
+                checksums::CHECKSUM_FILE
+            ),
+            None => "none (write them with `wm manifest <dir>`)".into(),
+        }
+    );
+    let mut total = 0u64;
+    let mut count = 0usize;
+    println!(
+        "{:<48} {:<8} {:<20} {:>12}",
+        "tensor", "dtype", "shape", "bytes"
+    );
+    for file in &found.files {
+        let (_, header) = safetensors_file::open(file, deadline).map_err(|e| e.to_string())?;
+        if found.files.len() > 1 {
+            println!(
+                "-- {}",
+                file.file_name().unwrap_or_default().to_string_lossy()
+            );
+        }
+        for t in &header.tensors {
+            if count < SHOWN || a.flag("all") {
+                println!(
+                    "{:<48} {:<8} {:<20} {:>12}",
+                    t.name.escape_debug().to_string(),
+                    t.dtype.to_string(),
+                    shape_text(&t.shape),
+                    t.nbytes
+                );
+            }
+            count += 1;
+            total += t.nbytes;
+        }
+    }
+    if count > SHOWN && !a.flag("all") {
+        println!("... {} more (--all shows every tensor)", count - SHOWN);
+    }
+    println!(
+        "total: {count} tensors in {} file(s), {} ({total} bytes)",
+        found.files.len(),
+        fmt::bytes(total)
+    );
+    Ok(())
+}
+
+pub fn manifest(a: &Args) -> Result<(), String> {
+    let dir = a.positional.first().ok_or("usage: wm manifest <dir>")?;
+    let t = Instant::now();
+    let line = parking_lot::Mutex::new(fmt::progress_line("hashing"));
+    let progress = |done: u64, total: u64| {
+        let p = weight_manager_core::apply::Progress {
+            bytes_done: done,
+            bytes_total: total,
+            ..Default::default()
+        };
+        (line.lock())(&p);
+    };
+    let w = checksums::write_with_progress(
+        Path::new(dir),
+        weight_manager_core::memory::copy::default_threads(),
+        &progress,
+    )
+    .map_err(|e| e.to_string())?;
+    println!(
+        "wrote {}/{}: {} tensors in {} file(s) with block sums every {}, {} hashed in {} \
+         ({:.2} GB/s)",
+        dir,
+        checksums::CHECKSUM_FILE,
+        w.tensors,
+        w.files,
+        fmt::bytes(weight_manager_core::source::snapshot::block_sums::BLOCK_SIZE),
+        fmt::bytes(w.bytes),
+        fmt::ms(t.elapsed()),
+        fmt::gbps(w.bytes, t.elapsed())
+    );
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! `wm plan --trainer TRAINER.json --engine ENGINE.json [--link-gbps G]
+//! [--json]`: plan every engine rank of a layout against every trainer
+//! rank, as the manager would (spread = engine rank), without a byte of
+//! weights or a param's memory, and report what would move where and how
+//! long the busiest link would take (`docs/layouts.md`). `--goodput`,
+//! `--wire-dtype fp8` and `--delta-fraction` scale the prediction by what
+//! the link really carries, FP8 with 128x128 block scales on the wire, and
+//! deltas of that share of elements (the codec's own size model).
+
+mod report;
+
+use crate::Args;
+use report::{Report, Totals};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use weight_manager_core::logging::{LogLevel, Logger};
+use weight_manager_core::manifest::Manifest;
+use weight_manager_core::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
+use weight_manager_core::plan::{Params, PlanOptions, Sources, Target};
+
+pub const OPTIONS: &[&str] = &[
+    "trainer",
+    "engine",
+    "link-gbps",
+    "json",
+    "engine-ranks",
+    "goodput",
+    "wire-dtype",
+    "delta-fraction",
+];
+pub const FLAGS: &[&str] = &["json"];
+const USAGE: &str = "usage: wm plan --trainer TRAINER.json --engine ENGINE.json \
+     [--link-gbps 400] [--goodput 1.0] [--wire-dtype bf16|fp8] [--delta-fraction F] \
+     [--engine-ranks FIRST:END] [--json]";
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let trainer_path = a.value("trainer").ok_or(USAGE)?;
+    let engine_path = a.value("engine").ok_or(USAGE)?;
+    let gbps: f64 = a.number("link-gbps", 400.0)?;
+    if !(gbps > 0.0 && gbps.is_finite()) {
+        return Err(format!("--link-gbps {gbps}: must be more than 0"));
+    }
+    let wire = report::Wire::from_args(a)?;
+    let t0 = Instant::now();
+    let trainer = read_trainer(Path::new(trainer_path)).map_err(|e| e.to_string())?;
+    let engine = read_engine(Path::new(engine_path)).map_err(|e| e.to_string())?;
+    let read = t0.elapsed();
+    let ranks = engine_ranks(a, engine.ranks)?;
+    let totals = plan_all(&trainer, &engine, ranks)?;
+    let report = Report::new(&trainer, &engine, totals, read, (gbps, wire));
+    match a.flag("json") {
+        true => println!("{}", report.json()),
+        false => print!("{}", report.text()),
+    }
+    Ok(())
+}
+
+/// `--engine-ranks FIRST:END` (default all): plan only those engine ranks.
+fn engine_ranks(a: &Args, ranks: usize) -> Result<Range<usize>, String> {
+    let Some(v) = a.value("engine-ranks") else {
+        return Ok(0..ranks);
+    };
+    let bad = || format!("--engine-ranks {v}: needs FIRST:END with FIRST < END <= {ranks}");
+    let (first, end) = v.split_once(':').ok_or_else(bad)?;
+    let (first, end) = (
+        first.parse().map_err(|_| bad())?,
+        end.parse().map_err(|_| bad())?,
+    );
+    if first >= end || end > ranks {
+        return Err(bad());
+    }
+    Ok(first..end)
+}
+
+/// What one engine rank's plan moves.
+pub struct RankPlan {
+    pub runs: usize,
+    pub bytes: u64,
+    pub param_bytes: u64,
+    pub params: usize,
+    pub pieces: usize,
+    /// Bytes per trainer rank.
+    pub sent: Vec<u64>,
+    /// Global tensors (trainer layout indexes) this rank reads.
+    pub reads: Vec<usize>,
+    pub time: Duration,
+}
+
+/// Plan engine rank `rank` against all trainer ranks.
+pub fn plan_rank(
+    trainer: &TrainerLayout,
+    engine: &EngineLayout,
+    sources: &Sources,
+    rank: usize,
+) -> Result<RankPlan, String> {
+    let fail = |e: weight_manager_core::Error| format!("engine rank {rank}: {e}");
+    // The rank's time includes building and checking its params' pieces
+    // (as a registration does), not only the plan: that check was once
+    // the slowest part and the figure hid it.
+    let t0 = Instant::now();
+    let params = engine.rank_params(rank, trainer).map_err(fail)?;
+    // The manager's rule, not a looser one: in a sharded layout (several
+    // trainer ranks, split tensors or params with pieces) what this rank
+    // does not read is skipped (the report counts what no rank reads); a
+    // one-to-one layout refuses a tensor no param names, as an update would.
+    let opts = PlanOptions {
+        spread: rank,
+        ..Default::default()
+    };
+    let quiet = Logger::stderr(LogLevel::Off);
+    let plan = sources.plan(&params, opts, &quiet).map_err(fail)?;
+    let time = t0.elapsed();
+    let mut sent = vec![0u64; trainer.manifests.len()];
+    let mut reads = Vec::new();
+    for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
+        sent[e.source] += e.bytes;
+        reads.extend(trainer.index_of(&e.meta.name));
+    }
+    Ok(RankPlan {
+        runs: plan.runs.len(),
+        bytes: plan.bytes,
+        param_bytes: (0..params.count()).map(|i| params.param(i).nbytes()).sum(),
+        params: params.len(),
+        pieces: params.iter().map(|p| p.pieces.len()).sum(),
+        sent,
+        reads,
+        time,
+    })
+}
+
+/// Every engine rank's plan, on as many threads as there are cores; the
+/// first error (lowest rank) wins.
+fn plan_all(
+    trainer: &TrainerLayout,
+    engine: &EngineLayout,
+    ranks: Range<usize>,
+) -> Result<Totals, String> {
+    let manifests: Vec<&Manifest> = trainer.manifests.iter().collect();
+    let t0 = Instant::now();
+    let sources = Sources::new(&manifests).map_err(|e| format!("trainer layout: {e}"))?;
+    let index = t0.elapsed();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = Mutex::new(ranks.start);
+    let failed = AtomicBool::new(false);
+    let done: Mutex<Vec<(usize, Result<RankPlan, String>)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(ranks.len()) {
+            s.spawn(|| loop {
+                let rank = {
+                    let mut n = next.lock().unwrap();
+                    *n += 1;
+                    *n - 1
+                };
+                if rank >= ranks.end || failed.load(Ordering::Relaxed) {
+                    return;
+                }
+                let r = plan_rank(trainer, engine, &sources, rank);
+                failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                done.lock().unwrap().push((rank, r));
+            });
+        }
+    });
+    let wall = t0.elapsed() - index;
+    let mut done = done.into_inner().unwrap();
+    done.sort_by_key(|(r, _)| *r);
+    let mut totals = Totals::new(trainer, index, wall, threads);
+    totals.first_rank = ranks.start;
+    for (_, r) in done {
+        totals.add(r?);
+    }
+    Ok(totals)
+}

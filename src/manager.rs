@@ -1,0 +1,407 @@
+//! Manager handles: configuration, creation, destruction, error text.
+
+use super::{check_struct_size, opt_path, opt_str};
+use std::ffi::{c_char, c_void};
+use std::path::PathBuf;
+use weight_manager_core::defaults;
+use weight_manager_core::fanout::FanoutSettings;
+use weight_manager_core::logging::{LogLevel, Logger};
+use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
+use weight_manager_core::result::{wm_result, Error, Result};
+
+/// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
+pub struct wm_manager {
+    _private: [u8; 0],
+}
+
+/// Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
+/// message is valid only during the call. Called from any library thread, so
+/// it must be thread-safe, and it must not call back into the same manager.
+pub type wm_log_callback =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, level: u32, message: *const c_char)>;
+
+/// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
+/// The engine may free the memory; the library will not touch it again until
+/// the acquire callback (or, without one, the next update) hands it back.
+pub type wm_release_callback = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        name: *const c_char,
+        data: *mut c_void,
+        len: usize,
+    ),
+>;
+
+/// Called before the first update after a clear for each engine-owned param:
+/// `(user_data, name, old_data, len)`; returns the memory to write (`len`
+/// bytes, the old pointer or a new one) or NULL to fail the update.
+pub type wm_acquire_callback = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        name: *const c_char,
+        old_data: *mut c_void,
+        len: usize,
+    ) -> *mut c_void,
+>;
+
+/// Manager configuration. Fill with `wm_config_init`, then set fields.
+/// Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_config {
+    /// `sizeof(wm_config)`; set by `wm_config_init`.
+    pub struct_size: u32,
+    /// This rank's number, below `world_size`.
+    pub rank: u32,
+    /// Ranks in the engine (default 1).
+    pub world_size: u32,
+    /// CUDA device index of this rank, or -1 for a host-only engine (default).
+    /// Picks `G` in snapshot file names through `CUDA_VISIBLE_DEVICES`.
+    pub device: i32,
+    /// Default snapshot location (directory or file); NULL: requests must name one.
+    pub model_dir: *const c_char,
+    /// Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
+    pub fallback_dir: *const c_char,
+    /// Shared-memory control cell name (`/dev/shm/<name>`, e.g. FastDeploy's
+    /// `model_weights_status.<port>`), opened or created zeroed by rank 0,
+    /// which alone reads and writes it; NULL: no control cell (the signal is
+    /// always NORMAL).
+    pub control_cell: *const c_char,
+    /// Group name, required when `world_size` > 1: the ranks meet in
+    /// `/dev/shm/wm.<group_name>.n<node_rank>` and, across nodes, over TCP.
+    /// `wm_init` blocks until every rank arrived (bounded by `signal_timeout_ms`).
+    pub group_name: *const c_char,
+    /// Ranks on this node; 0 (default): all `world_size` ranks are on one node.
+    pub local_world_size: u32,
+    /// This rank's index on its node (ignored when `local_world_size` is 0).
+    pub local_rank: u32,
+    /// This node's index; rank 0 is on node 0.
+    pub node_rank: u32,
+    /// `host:port` where rank 0 listens for the other nodes' leaders; needed
+    /// when ranks span nodes.
+    pub rendezvous_addr: *const c_char,
+    /// Bound in milliseconds on rendezvous and on every per-step wait (a dead
+    /// or stalled rank is reported within it); 0: 60000.
+    pub signal_timeout_ms: u64,
+    /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
+    pub log_level: u32,
+    /// NULL: log to stderr.
+    pub log_callback: wm_log_callback,
+    pub log_user_data: *mut c_void,
+    /// Optional; see `wm_release_callback`.
+    pub release_callback: wm_release_callback,
+    /// Optional; see `wm_acquire_callback`.
+    pub acquire_callback: wm_acquire_callback,
+    /// Passed to the release and acquire callbacks.
+    pub callback_user_data: *mut c_void,
+    /// Copy threads; 0: one per core (default).
+    pub copy_threads: u32,
+    /// IPC: non-zero accepts a publisher running as another uid (checked with
+    /// SO_PEERCRED); default 0: the same uid only.
+    pub allow_other_uids: u32,
+    /// rdma/gdr: largest bucket (with `net_staged`, the size of each staging
+    /// slot); 0: 512 MiB.
+    pub net_bucket_size: u64,
+    /// rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
+    /// by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
+    pub net_secret: *const c_char,
+    /// rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
+    /// 8; 0: 2.
+    pub net_depth: u32,
+    /// gdr: non-zero lets an update that cannot land in GPU memory run as
+    /// rdma, with a warning; default 0: such an update fails.
+    pub gdr_fallback: u32,
+    /// rdma: non-zero receives each bucket into one of `net_depth` staging
+    /// slots first and copies it to the params from there; default 0:
+    /// bucket entries land straight in param memory (or the atomic staging
+    /// arena), one copy fewer (README "Decisions": direct receive).
+    pub net_staged: u32,
+    /// NCCL fan-out: ranks of one node with the same group number (0 or
+    /// more) and the same device params take an update from one of them
+    /// (the lowest local rank pulls from the source and broadcasts over
+    /// NCCL); needs `group_name` and `device`. Default -1: every rank pulls
+    /// its own (README "NCCL fan-out").
+    pub fanout_group: i32,
+    /// Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
+    /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
+    /// dynamic linker. Copied by `wm_init`.
+    pub nccl_library: *const c_char,
+    /// rdma: non-zero authenticates every bucket entry's bytes with a keyed
+    /// BLAKE3 digest (key from the session) that the publisher sends, for
+    /// untrusted networks: the manifest's XXH3 checksums catch corruption,
+    /// not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
+    /// prints its GB/s beside XXH3's). Not for gdr. Default 0.
+    pub net_keyed_digests: u32,
+    /// Bound in bytes on tensors for the per-tensor callback the library
+    /// stages: their sizes come from the source, with no registered param
+    /// to bound them. Atomic mode stages all of an update's callback
+    /// tensors at once, so together they must fit; in place, any one of
+    /// them (and those received at once). Over it, the update fails with
+    /// `WM_ERR_OUT_OF_MEMORY` naming the tensor before anything is
+    /// allocated. 0 (default): 4 GiB; `UINT64_MAX`: no bound.
+    pub callback_staging_limit: u64,
+    /// Atomic mode stages an update in host memory of its size. Default 0:
+    /// that memory is kept from one update to the next, so only the first
+    /// update faults it in: the staging of engine-owned host params,
+    /// device params and callback tensors, and for library-owned host
+    /// params (whose update is swapped in page by page) the next update's
+    /// pages, faulted in by a thread of the library after each update.
+    /// Costs one more copy of those params' bytes while the engine runs;
+    /// `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
+    /// update ends, and every atomic update faults in fresh memory.
+    pub free_atomic_staging: u32,
+    /// Atomic mode, library-owned device params (`wm_allocate_param` with
+    /// device memory) that an update writes whole: non-zero commits them
+    /// by a device page swap. The update is uploaded into fresh GPU memory
+    /// while the engine's kernels may still read the old weights; the
+    /// commit (inside `wm_update`, after the uploads finished) waits for
+    /// the device, maps the new memory at the param's addresses (they never
+    /// change) and frees the old memory. Costs one more copy of those
+    /// params in GPU memory during each update (an update that cannot get
+    /// it fails before reading anything, the old weights kept). The engine
+    /// must not run kernels reading such a param while `wm_update` runs:
+    /// between unmapping the old memory and mapping the new one its
+    /// addresses hold nothing. Default 0: the commit uploads into the
+    /// params themselves.
+    pub swap_device_params: u32,
+}
+
+/// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
+/// and set `struct_size`.
+///
+/// NULL `config`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
+    ffi_guard!({
+        check_null!(config);
+        config.write(wm_config {
+            struct_size: std::mem::size_of::<wm_config>() as u32,
+            rank: 0,
+            world_size: 1,
+            device: -1,
+            model_dir: std::ptr::null(),
+            fallback_dir: std::ptr::null(),
+            control_cell: std::ptr::null(),
+            group_name: std::ptr::null(),
+            local_world_size: 0,
+            local_rank: 0,
+            node_rank: 0,
+            rendezvous_addr: std::ptr::null(),
+            signal_timeout_ms: 0,
+            log_level: LogLevel::Warn as u32,
+            log_callback: None,
+            log_user_data: std::ptr::null_mut(),
+            release_callback: None,
+            acquire_callback: None,
+            callback_user_data: std::ptr::null_mut(),
+            copy_threads: 0,
+            allow_other_uids: 0,
+            net_bucket_size: 0,
+            net_secret: std::ptr::null(),
+            net_depth: 0,
+            gdr_fallback: 0,
+            net_staged: 0,
+            fanout_group: -1,
+            nccl_library: std::ptr::null(),
+            net_keyed_digests: 0,
+            callback_staging_limit: 0,
+            free_atomic_staging: 0,
+            swap_device_params: 0,
+        });
+        wm_result::WM_OK
+    })
+}
+
+#[derive(Clone, Copy)]
+struct UserData(*mut c_void);
+// SAFETY: the engine promised in wm_config that callback user data may be
+// used from any thread.
+unsafe impl Send for UserData {}
+unsafe impl Sync for UserData {}
+
+unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {
+    check_struct_size("wm_config", c.struct_size, std::mem::size_of::<wm_config>())?;
+    let fallback_dir = match opt_path(c.fallback_dir) {
+        None => Some(PathBuf::from(defaults::FALLBACK_DIR)),
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+    };
+    let rendezvous_addr = opt_str(c.rendezvous_addr, "rendezvous_addr")?;
+    let user = UserData(c.callback_user_data);
+    let release_hook = c
+        .release_callback
+        .map(|cb| -> weight_manager_core::manager::ReleaseHook {
+            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                let name = std::ffi::CString::new(name).unwrap_or_default();
+                let user = user;
+                // SAFETY: the engine registered this callback for exactly this use.
+                unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
+            })
+        });
+    let acquire_hook = c
+        .acquire_callback
+        .map(|cb| -> weight_manager_core::manager::AcquireHook {
+            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                let name = std::ffi::CString::new(name).unwrap_or_default();
+                let user = user;
+                // SAFETY: as above.
+                let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
+                (!p.is_null()).then_some(p.cast())
+            })
+        });
+    Ok(ManagerConfig {
+        rank: c.rank,
+        world_size: c.world_size,
+        device: c.device,
+        model_dir: opt_path(c.model_dir),
+        fallback_dir,
+        control_cell: opt_str(c.control_cell, "control_cell")?,
+        group: group_from_c(c, rendezvous_addr.clone())?,
+        logger,
+        threads: c.copy_threads as usize,
+        allow_other_uids: c.allow_other_uids != 0,
+        release_hook,
+        acquire_hook,
+        net: net_from_c(c)?,
+        fanout: fanout_from_c(c)?,
+        callback_staging_limit: match c.callback_staging_limit {
+            0 => defaults::CALLBACK_STAGING_LIMIT,
+            n => n,
+        },
+        keep_atomic_staging: c.free_atomic_staging == 0,
+        swap_device_pages: c.swap_device_params != 0,
+    })
+}
+
+/// The signal group's settings, when `group_name` names one.
+unsafe fn group_from_c(c: &wm_config, addr: Option<String>) -> Result<Option<GroupSettings>> {
+    Ok(
+        opt_str(c.group_name, "group_name")?.map(|name| GroupSettings {
+            name,
+            local_rank: (c.local_world_size != 0).then_some(c.local_rank),
+            local_world_size: (c.local_world_size != 0).then_some(c.local_world_size),
+            node_rank: c.node_rank,
+            addr,
+            timeout: match c.signal_timeout_ms {
+                0 => defaults::SIGNAL_TIMEOUT,
+                ms => std::time::Duration::from_millis(ms),
+            },
+        }),
+    )
+}
+
+/// The network paths' settings (0 means the default).
+unsafe fn net_from_c(c: &wm_config) -> Result<NetSettings> {
+    Ok(NetSettings {
+        secret: opt_str(c.net_secret, "net_secret")?.map(String::into_bytes),
+        bucket_size: match c.net_bucket_size {
+            0 => NetSettings::default().bucket_size,
+            n => usize::try_from(n).map_err(|_| {
+                Error::invalid_argument(format!("net_bucket_size {n} does not fit"))
+            })?,
+        },
+        depth: match c.net_depth {
+            0 => NetSettings::default().depth,
+            n => n as usize,
+        },
+        gdr_fallback: c.gdr_fallback != 0,
+        staged: c.net_staged != 0,
+        keyed_digests: c.net_keyed_digests != 0,
+    })
+}
+
+/// Fan-out: -1 none, a group number, anything else refused.
+unsafe fn fanout_from_c(c: &wm_config) -> Result<Option<FanoutSettings>> {
+    match c.fanout_group {
+        -1 => Ok(None),
+        g if g < 0 => Err(Error::invalid_argument(format!(
+            "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
+        ))),
+        g => Ok(Some(FanoutSettings {
+            group: g as u32,
+            nccl_library: opt_path(c.nccl_library),
+        })),
+    }
+}
+
+/// Create a manager for one engine rank.
+///
+/// `config` is read during the call only (strings are copied). On success
+/// `*out_manager` receives a new handle, owned by the caller and freed with
+/// `wm_destroy`; on failure it is left unchanged, the reason is logged
+/// through the config's log sink and kept for `wm_last_create_error`.
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
+/// open the control cell.
+#[no_mangle]
+pub unsafe extern "C" fn wm_init(
+    config: *const wm_config,
+    out_manager: *mut *mut wm_manager,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(config, out_manager);
+        let c = &*config;
+        let level = LogLevel::from_raw(c.log_level);
+        let logger = Logger::c_callback(
+            level.unwrap_or(LogLevel::Warn),
+            c.log_callback,
+            c.log_user_data,
+        );
+        let made = match level {
+            None => Err(Error::invalid_argument(format!(
+                "wm_config.log_level {} is not a wm_log_level",
+                c.log_level
+            ))),
+            Some(_) => config_from_c(c, logger.clone()).and_then(Manager::new),
+        };
+        if let Err(e) = &made {
+            logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
+        }
+        super::created(&super::MANAGERS, made, out_manager)
+    })
+}
+
+/// Destroy a manager. Library-owned param memory is unmapped (pointers from
+/// `wm_allocate_param` become invalid); engine-owned memory is untouched.
+///
+/// NULL, or a handle already destroyed: no-op. The handle is invalid to new
+/// calls at once (`WM_ERR_INVALID_HANDLE`; handle values are never reused).
+/// An update running on another thread is cancelled (`WM_ERR_CANCELLED`) at
+/// its next batch boundary (one bucket, or one batch of snapshot reads), or
+/// when the wait it is in ends (bounded by its request's and the
+/// publisher's timeouts); `wm_destroy` waits for it and for every other call
+/// on the handle to return, so when it returns the library will not touch
+/// engine-owned memory again and the engine may free it. A callback of the
+/// engine that blocks delays `wm_destroy` until it returns.
+///
+/// Called from inside one of this manager's own callbacks (progress,
+/// tensor, release, acquire) on the updating thread, it cannot wait for that
+/// update: it cancels it and returns at once; the update stops when the
+/// callback returns (nothing more is committed), and the manager is freed
+/// when `wm_update` returns. Engine memory must stay valid until then.
+#[no_mangle]
+pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
+    ffi_guard_or!((), {
+        super::MANAGERS.destroy(manager.cast(), Manager::cancel)
+    })
+}
+
+/// Copy the text of this handle's last error into `buf` (`len` bytes with
+/// the NUL), truncated to fit, and set `*out_written` to the bytes written
+/// without the NUL. No error yet: writes "".
+///
+/// The text is the handle's (not the thread's): with several threads, it is
+/// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
+/// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_error(
+    manager: *const wm_manager,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let m = try_handle!(manager);
+        let text = m.status().last_error.map(|e| e.message).unwrap_or_default();
+        super::copy_text_out(&text, buf, len, out_written)
+    })
+}

@@ -1,0 +1,321 @@
+//! Parameter registration: engine-owned and library-owned memory.
+
+use super::manager::wm_manager;
+use super::{check_struct_size, code_of, opt_str};
+use std::ffi::{c_char, c_void};
+use weight_manager_core::manager::Manager;
+use weight_manager_core::pieces::{Piece, MAX_PIECES_PER_PARAM};
+use weight_manager_core::registry::{MemoryKind, ParamSpec};
+use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::tensor::{DType, MAX_NDIM};
+use weight_manager_core::tensor_box::TensorBox;
+
+/// Describes one param. Fill with `wm_param_desc_init`, then set fields.
+/// Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_param_desc {
+    /// `sizeof(wm_param_desc)`; set by `wm_param_desc_init`.
+    pub struct_size: u32,
+    /// A `wm_dtype`.
+    pub dtype: u32,
+    /// A `wm_memory` (default `WM_MEMORY_HOST`).
+    pub memory: u32,
+    /// CUDA device ordinal for `WM_MEMORY_DEVICE`; ignored for host memory.
+    pub device_ordinal: i32,
+    /// NUL-terminated UTF-8 name, unique per manager; copied.
+    pub name: *const c_char,
+    /// `ndim` dimensions; copied. May be NULL when `ndim` is 0 (a scalar).
+    pub shape: *const u64,
+    /// At most `WM_MAX_NDIM`.
+    pub ndim: usize,
+    /// What the param holds of which global tensors: `npieces` pieces,
+    /// copied at registration. NULL with `npieces` 0 (the default): all of
+    /// the global tensor named like the param, of the param's shape. The
+    /// pieces must cover every element of the param exactly once
+    /// (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
+    /// otherwise), and be at most `WM_MAX_PIECES` (checked before any is
+    /// read). Checking them costs `O(n log n)` in `npieces`.
+    pub pieces: *const wm_piece,
+    pub npieces: usize,
+}
+
+/// One piece of a param: the box (`offset`, `len` per dimension, `ndim`
+/// dimensions) of global tensor `tensor`, placed in the param starting at
+/// `param_offset` (one entry per param dimension). The box and the param
+/// line up at their last dimension; a dimension only one side has counts
+/// as length 1 on the other (a `[out, in]` expert tensor stacks into a
+/// `[experts, out, in]` param at `{e, 0, 0}`). Fill with `wm_piece_init`
+/// or `wm_piece_narrow`. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_piece {
+    /// `sizeof(wm_piece)`; set by the init functions.
+    pub struct_size: u32,
+    /// NUL-terminated UTF-8 name of the global tensor; borrowed until the
+    /// registration that uses the piece returns (then copied).
+    pub tensor: *const c_char,
+    /// Dimensions of the box (the global tensor's rank), at most
+    /// `WM_MAX_NDIM`.
+    pub ndim: usize,
+    pub offset: [u64; WM_MAX_NDIM],
+    pub len: [u64; WM_MAX_NDIM],
+    /// Where the box starts in the param, per param dimension.
+    pub param_offset: [u64; WM_MAX_NDIM],
+}
+
+/// Fill `piece` with zeros (no tensor, a scalar box at the param's start)
+/// and set `struct_size`.
+///
+/// NULL `piece`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_piece_init(piece: *mut wm_piece) -> wm_result {
+    ffi_guard!({
+        check_null!(piece);
+        piece.write(empty_piece());
+        wm_result::WM_OK
+    })
+}
+
+fn empty_piece() -> wm_piece {
+    wm_piece {
+        struct_size: std::mem::size_of::<wm_piece>() as u32,
+        tensor: std::ptr::null(),
+        ndim: 0,
+        offset: [0; WM_MAX_NDIM],
+        len: [0; WM_MAX_NDIM],
+        param_offset: [0; WM_MAX_NDIM],
+    }
+}
+
+/// Fill `piece` with global tensor `tensor` (of `global_shape`, `ndim`
+/// dimensions) narrowed to `[start, start + length)` along `dim`: the
+/// common tensor-parallel split. It starts at the param's start; set
+/// `param_offset` afterwards to stack it after other pieces. `tensor` is
+/// borrowed, not copied (see `wm_piece.tensor`).
+///
+/// `*piece` is written only on success. NULL `piece`, `tensor` or
+/// `global_shape` (with `ndim` > 0): `WM_ERR_NULL_ARGUMENT`; `ndim` over
+/// `WM_MAX_NDIM`, `dim` not below `ndim`, or the range past the
+/// dimension's end: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_piece_narrow(
+    piece: *mut wm_piece,
+    tensor: *const c_char,
+    global_shape: *const u64,
+    ndim: usize,
+    dim: usize,
+    start: u64,
+    length: u64,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(piece, tensor);
+        if ndim > 0 && global_shape.is_null() {
+            return wm_result::WM_ERR_NULL_ARGUMENT;
+        }
+        if ndim > WM_MAX_NDIM || dim >= ndim {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let shape = std::slice::from_raw_parts(global_shape, ndim);
+        if start.checked_add(length).is_none_or(|end| end > shape[dim]) {
+            return wm_result::WM_ERR_INVALID_ARGUMENT;
+        }
+        let mut p = empty_piece();
+        p.tensor = tensor;
+        p.ndim = ndim;
+        p.len[..ndim].copy_from_slice(shape);
+        (p.offset[dim], p.len[dim]) = (start, length);
+        piece.write(p);
+        wm_result::WM_OK
+    })
+}
+
+/// The pieces of param `name` (of `param_ndim` dimensions) from C.
+unsafe fn pieces_from_c(d: &wm_param_desc, name: &str) -> Result<Vec<Piece>> {
+    if d.npieces == 0 {
+        return Ok(Vec::new());
+    }
+    if d.pieces.is_null() {
+        return Err(Error::null_argument(format!(
+            "param '{name}': pieces is NULL but npieces is {}",
+            d.npieces
+        )));
+    }
+    if d.npieces > WM_MAX_PIECES {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': npieces {} is more than the {WM_MAX_PIECES} one param may have",
+            d.npieces
+        )));
+    }
+    let bad =
+        |i: usize, why: &str| Error::invalid_argument(format!("param '{name}': piece {i}: {why}"));
+    let mut out = Vec::with_capacity(d.npieces.min(1 << 16));
+    for (i, p) in std::slice::from_raw_parts(d.pieces, d.npieces)
+        .iter()
+        .enumerate()
+    {
+        check_struct_size("wm_piece", p.struct_size, std::mem::size_of::<wm_piece>())
+            .map_err(|e| e.context(format!("param '{name}': piece {i}")))?;
+        let tensor =
+            opt_str(p.tensor, "wm_piece.tensor")?.ok_or_else(|| bad(i, "tensor is NULL"))?;
+        if p.ndim > WM_MAX_NDIM {
+            return Err(bad(
+                i,
+                &format!("ndim {} is more than {WM_MAX_NDIM}", p.ndim),
+            ));
+        }
+        out.push(Piece {
+            tensor,
+            global: TensorBox {
+                offset: p.offset[..p.ndim].to_vec(),
+                len: p.len[..p.ndim].to_vec(),
+            },
+            at: p.param_offset[..d.ndim.min(WM_MAX_NDIM)].to_vec(),
+        });
+    }
+    Ok(out)
+}
+
+/// Most dimensions a param may have.
+pub const WM_MAX_NDIM: usize = 8;
+
+/// Most pieces one param may have (`wm_param_desc.npieces`).
+pub const WM_MAX_PIECES: usize = 1 << 20;
+const _: () = assert!(WM_MAX_PIECES == MAX_PIECES_PER_PARAM);
+const _: () = assert!(WM_MAX_NDIM == MAX_NDIM);
+
+/// Fill `desc` with defaults (host memory, f32 scalar, no name) and set `struct_size`.
+///
+/// NULL `desc`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_param_desc_init(desc: *mut wm_param_desc) -> wm_result {
+    ffi_guard!({
+        check_null!(desc);
+        desc.write(wm_param_desc {
+            struct_size: std::mem::size_of::<wm_param_desc>() as u32,
+            dtype: DType::F32 as u32,
+            memory: MemoryKind::Host as u32,
+            device_ordinal: -1,
+            name: std::ptr::null(),
+            shape: std::ptr::null(),
+            ndim: 0,
+            pieces: std::ptr::null(),
+            npieces: 0,
+        });
+        wm_result::WM_OK
+    })
+}
+
+unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
+    check_struct_size(
+        "wm_param_desc",
+        d.struct_size,
+        std::mem::size_of::<wm_param_desc>(),
+    )?;
+    let name = opt_str(d.name, "wm_param_desc.name")?
+        .ok_or_else(|| Error::null_argument("wm_param_desc.name is NULL"))?;
+    let dtype = DType::from_raw(d.dtype).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "param '{name}': dtype {} is not a wm_dtype",
+            d.dtype
+        ))
+    })?;
+    let memory = MemoryKind::from_raw(d.memory).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "param '{name}': memory {} is not a wm_memory",
+            d.memory
+        ))
+    })?;
+    if d.ndim > MAX_NDIM {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': ndim {} is more than {MAX_NDIM}",
+            d.ndim
+        )));
+    }
+    if d.ndim > 0 && d.shape.is_null() {
+        return Err(Error::null_argument(format!(
+            "param '{name}': shape is NULL with ndim {}",
+            d.ndim
+        )));
+    }
+    let shape = if d.ndim == 0 {
+        Vec::new()
+    } else {
+        std::slice::from_raw_parts(d.shape, d.ndim).to_vec()
+    };
+    Ok(ParamSpec {
+        pieces: pieces_from_c(d, &name)?,
+        name,
+        dtype,
+        shape,
+        memory,
+        device_ordinal: d.device_ordinal,
+    })
+}
+
+/// Register engine-owned memory as a param: `len` bytes at `data`, which must
+/// equal the size of dtype x shape.
+///
+/// Ownership: the engine keeps `data`; it must stay valid until `wm_destroy`
+/// (or until the release callback hands it back). The library writes into it
+/// during updates and never frees it. `data` may be NULL only for a
+/// zero-byte param. Allowed only before the first update or clear
+/// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_register_param(
+    manager: *mut wm_manager,
+    desc: *const wm_param_desc,
+    data: *mut c_void,
+    len: usize,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        if desc.is_null() {
+            return code_of(
+                &m,
+                Err(Error::null_argument("wm_register_param: desc is NULL")),
+            );
+        }
+        let r = spec_from_c(&*desc).and_then(|spec| m.register(&spec, data.cast(), len));
+        code_of(&m, r)
+    })
+}
+
+/// Allocate a library-owned param. On success `*out_data` receives its
+/// address and `*out_len` its byte size; both are unchanged on failure.
+///
+/// Ownership: the library owns the memory; the address stays valid, and the
+/// same, until `wm_destroy` — across clears (which release the physical pages)
+/// and updates (which bring them back). Memory reads as zeros after a clear.
+///
+/// `WM_MEMORY_DEVICE`: `*out_data` is a CUDA device address on GPU
+/// `device_ordinal`, reserved with CUDA virtual memory management: a clear
+/// unmaps and releases the GPU memory behind it (reported in
+/// `wm_status_info.device_bytes_freed`), the next update maps fresh memory
+/// at the same address, so CUDA graphs that captured it stay valid. Without
+/// a usable driver or device: `WM_ERR_UNSUPPORTED` saying which.
+/// Allowed only before the first update or clear. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_allocate_param(
+    manager: *mut wm_manager,
+    desc: *const wm_param_desc,
+    out_data: *mut *mut c_void,
+    out_len: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_data, out_len);
+        let m = try_handle!(manager);
+        if desc.is_null() {
+            return code_of(
+                &m,
+                Err(Error::null_argument("wm_allocate_param: desc is NULL")),
+            );
+        }
+        match spec_from_c(&*desc).and_then(|spec| Manager::allocate(&m, &spec)) {
+            Ok((p, n)) => {
+                *out_data = p.cast();
+                *out_len = n;
+                wm_result::WM_OK
+            }
+            Err(e) => m.record_error(e).code,
+        }
+    })
+}

@@ -1,0 +1,142 @@
+//! Status and the per-step signal.
+
+use super::manager::wm_manager;
+use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
+use super::{check_struct_size, code_of, fill_chars};
+use weight_manager_core::result::{wm_result, Error};
+
+/// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
+#[repr(C)]
+pub struct wm_status_info {
+    /// Caller sets `sizeof(wm_status_info)`.
+    pub struct_size: u32,
+    /// A `wm_state`.
+    pub state: i32,
+    /// Result code of the last failed call on this handle, `WM_OK` if none
+    /// since the last successful update; text via `wm_last_error`.
+    pub last_result: u32,
+    /// Successful updates so far.
+    pub updates: u64,
+    pub params: u64,
+    pub param_bytes: u64,
+    /// Bytes of params holding memory now (0 after a clear).
+    pub resident_bytes: u64,
+    /// Version of the weights in the params; "" before the first update and after a clear.
+    pub version: [std::ffi::c_char; WM_VERSION_BUF],
+    /// Statistics of the last successful update (zeros before the first).
+    pub last_update: wm_update_stats,
+    /// GPU memory freed by the last clear (library-owned device params), as
+    /// the driver's free-memory query reports it; 0 without such params.
+    pub device_bytes_freed: u64,
+    /// GPU memory taken back by the first update after that clear, as the
+    /// driver reports it.
+    pub device_bytes_restored: u64,
+}
+
+/// Read the manager's state, version, counters and last update's statistics
+/// into `*out_status`, whose `struct_size` the caller sets.
+///
+/// Never blocks on a running update (the state then reads UPDATING).
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_status(
+    manager: *const wm_manager,
+    out_status: *mut wm_status_info,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_status);
+        let m = try_handle!(manager);
+        let size = (*out_status).struct_size;
+        if let Err(e) = check_struct_size(
+            "wm_status_info",
+            size,
+            std::mem::size_of::<wm_status_info>(),
+        ) {
+            return code_of(&m, Err(e));
+        }
+        let s = m.status();
+        let mut out = wm_status_info {
+            struct_size: size,
+            state: s.state as i32,
+            last_result: s.last_error.as_ref().map_or(wm_result::WM_OK, |e| e.code) as u32,
+            updates: s.updates,
+            params: s.params,
+            param_bytes: s.param_bytes,
+            resident_bytes: s.resident_bytes,
+            version: [0; WM_VERSION_BUF],
+            last_update: stats_to_c(&s.last_update.unwrap_or_default()),
+            device_bytes_freed: s.device_bytes_freed,
+            device_bytes_restored: s.device_bytes_restored,
+        };
+        fill_chars(&mut out.version, s.version.as_deref().unwrap_or(""));
+        out_status.write(out);
+        wm_result::WM_OK
+    })
+}
+
+/// The bytes the last successful update moved from each of its sources, in
+/// the order the request named them (`location`, then `locations`, with
+/// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
+/// the number of sources to `*out_count` (0 before any update). Call with
+/// `capacity` 0 (and `out_bytes` NULL) to learn the count.
+///
+/// NULL `out_count`, or NULL `out_bytes` with `capacity` above 0:
+/// `WM_ERR_NULL_ARGUMENT`. Never blocks on a running update. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_update_source_bytes(
+    manager: *const wm_manager,
+    out_bytes: *mut u64,
+    capacity: usize,
+    out_count: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_count);
+        let m = try_handle!(manager);
+        if out_bytes.is_null() && capacity > 0 {
+            let e = Error::null_argument("wm_update_source_bytes: out_bytes is NULL");
+            return code_of(&m, Err(e));
+        }
+        let bytes = m.status().last_update.map_or(vec![], |u| u.source_bytes);
+        for (i, b) in bytes.iter().take(capacity).enumerate() {
+            out_bytes.add(i).write(*b);
+        }
+        out_count.write(bytes.len());
+        wm_result::WM_OK
+    })
+}
+
+/// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
+/// UPDATING, CLEARING or CLEARED) into `*out_signal`.
+///
+/// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
+/// rank calls it once per step and all ranks get the same value for the same
+/// step: with world_size above 1 the ranks must be in a group (`group_name`
+/// in `wm_config`): shared memory among the ranks of a node, TCP between
+/// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
+/// value returns only after every rank got it (a barrier, bounded by the
+/// group timeout). Several ranks without a group: `WM_ERR_STATE`.
+///
+/// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
+/// naming it, on every surviving rank, and the group stays failed (restart
+/// the ranks); rank 0 then records the reason for the controller and moves a
+/// pending request in the cell to CLEARED. A control cell truncated under the
+/// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
+/// that is no state: `WM_ERR_FORMAT`.
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_broadcast_signal(
+    manager: *mut wm_manager,
+    out_signal: *mut i32,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_signal);
+        let m = try_handle!(manager);
+        match m.broadcast_signal() {
+            Ok(s) => {
+                *out_signal = s as i32;
+                wm_result::WM_OK
+            }
+            Err(e) => e.code,
+        }
+    })
+}
