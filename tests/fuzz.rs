@@ -15,13 +15,13 @@ mod mutator;
 use mutator::{fuzz, Target};
 use std::path::Path;
 use std::time::{Duration, Instant};
+use weight_manager_core::checkpoint::checksums::Checksums;
+use weight_manager_core::checkpoint::safetensors_file::parse_header;
+use weight_manager_core::checkpoint::version::parse_version_yaml;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manifest::{Manifest, Placement, TensorMeta};
 use weight_manager_core::plan::{make_plan, PlanOptions, Target as PlanTarget};
 use weight_manager_core::registry::{ParamSpec, Registry};
-use weight_manager_core::source::snapshot::checksums::Checksums;
-use weight_manager_core::source::snapshot::safetensors_file::parse_header;
-use weight_manager_core::source::snapshot::version::parse_version_yaml;
 use weight_manager_core::tensor::DType;
 use weight_manager_core::wire::{
     check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,

@@ -267,7 +267,7 @@ fn one_publisher_serves_four_ranks_their_own_shards() {
         );
     }
     write_version(dir.path(), "40");
-    weight_manager_core::source::snapshot::checksums::write(dir.path(), 2).unwrap();
+    weight_manager_core::checkpoint::checksums::write(dir.path(), 2).unwrap();
     let sock = dir.path().join("serve.sock");
     let d = dir.path().to_str().unwrap();
     let publisher = wm(&[

@@ -5,10 +5,10 @@
 mod common;
 
 use common::*;
+use weight_manager_core::checkpoint::checksums;
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::pieces::Piece;
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::checksums;
 use weight_manager_core::tensor::DType;
 
 fn manager() -> Manager {

@@ -14,25 +14,26 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weight_manager_core::checkpoint::layout::SnapshotLocation;
+use weight_manager_core::checkpoint::Checkpoint;
 use weight_manager_core::logging::Logger;
 use weight_manager_core::manifest::{Manifest, TensorMeta};
 use weight_manager_core::publisher::{Publisher, PublisherConfig};
 use weight_manager_core::source::ipc::{IpcOptions, IpcSource};
-use weight_manager_core::source::snapshot::{SnapshotLocation, SnapshotSource};
 use weight_manager_core::source::Source;
 use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
 
 use common::WM;
 
-fn open(dir: &Path, rank: u32) -> weight_manager_core::Result<SnapshotSource> {
+fn open(dir: &Path, rank: u32) -> weight_manager_core::Result<Checkpoint> {
     let loc = SnapshotLocation {
         model_dir: dir.to_path_buf(),
         fallback_dir: None,
         rank,
         gpu_id: "0".into(),
     };
-    SnapshotSource::open(&loc, &Logger::default())
+    Checkpoint::read(&loc, &Logger::default())
 }
 
 fn wm_shard(input: &Path, out: &Path, ranks: u32, dim: u32) {
@@ -80,7 +81,7 @@ fn check_ranks(out: &Path, model: &[T], ranks: u32, dim: usize) {
     let mut covered: HashMap<String, u64> = HashMap::new();
     for r in 0..ranks {
         let src = open(out, r).unwrap();
-        let m = src.manifest();
+        let m = &src.manifest;
         assert_eq!(m.version.as_deref(), Some("5"), "version.yaml copied");
         assert_eq!(m.tensors.len(), model.len());
         for (i, meta) in m.tensors.iter().enumerate() {
@@ -144,7 +145,7 @@ fn wm_shard_writes_rank_files_the_snapshot_source_reads_back() {
         2,
         0,
     );
-    let m = open(&again, 1).unwrap().manifest().clone();
+    let m = open(&again, 1).unwrap().manifest.clone();
     let embed = m.tensors.iter().find(|t| t.name == "embed.weight").unwrap();
     assert_eq!(
         (embed.offset(), embed.global_shape()),
@@ -191,7 +192,7 @@ fn a_file_may_hold_several_shards_of_one_tensor() {
     ];
     let file = dir.path().join("shards.safetensors");
     write_with_metadata(&file, &ts, &meta);
-    let m = open(&file, 0).unwrap().manifest().clone();
+    let m = open(&file, 0).unwrap().manifest.clone();
     let w: Vec<&TensorMeta> = m.tensors.iter().filter(|t| t.name == "w").collect();
     let offsets: Vec<Vec<u64>> = w.iter().map(|t| t.offset()).collect();
     assert_eq!(offsets.len(), 2);
@@ -290,7 +291,7 @@ fn a_publisher_serving_shard_files_sends_their_placement() {
         let _ = serving.join().unwrap(); // the engine stopped after the manifest
         m
     });
-    let from_file = open(&out, 1).unwrap().manifest().clone();
+    let from_file = open(&out, 1).unwrap().manifest.clone();
     let placements = |m: &Manifest| -> Vec<_> {
         m.tensors
             .iter()

@@ -8,9 +8,9 @@ mod hostile_files;
 use common::*;
 use std::sync::Arc;
 use weight_manager_core::apply::{Hooks, Mode};
+use weight_manager_core::checkpoint::checksums;
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::checksums;
 use weight_manager_core::state::State;
 use weight_manager_core::wm_result;
 

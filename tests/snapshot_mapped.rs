@@ -16,9 +16,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::{Hooks, Mode, Progress};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::memory::mapped_file::mapped_bytes;
 use weight_manager_core::pieces::Piece;
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::mapped::mapped_bytes;
 use weight_manager_core::state::State;
 use weight_manager_core::tensor::DType;
 

@@ -8,9 +8,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use weight_manager_core::checkpoint::layout;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::source::snapshot::layout;
 use weight_manager_core::{wm_result, Error, UpdateStats};
 
 const TIMEOUT: Duration = Duration::from_secs(3);

@@ -28,6 +28,8 @@
 //! - [`wire`]: the frames of the IPC and network protocol (`docs/wire.md`).
 //!   [`transport`]: frames over Unix and TCP sockets, peer checks and
 //!   authentication, UCX (loaded at run time).
+//! - [`checkpoint`]: checkpoints on disk for both wings (layouts,
+//!   safetensors headers, checksums files, `version.yaml`, the version rule).
 //! - [`source`]: where bytes come from: snapshot files, same-node IPC from
 //!   publishers, the network (rdma, gdr) over UCX; several at once
 //!   (`source/streaming.rs`).
@@ -64,6 +66,7 @@
 
 pub mod apply;
 pub(crate) mod box_sweep;
+pub mod checkpoint;
 pub mod checksum;
 /// Not C API: the header's field comments state these values.
 /// cbindgen:ignore

@@ -204,7 +204,7 @@ pub fn snapshot(a: &Args) -> Result<(), String> {
     );
 
     let file = File::open(&path).map_err(|e| e.to_string())?;
-    let header = weight_manager_core::source::snapshot::safetensors_file::read_header(
+    let header = weight_manager_core::checkpoint::safetensors_file::read_header(
         &file,
         &path,
         Instant::now() + Duration::from_secs(60),

@@ -7,10 +7,10 @@ use crate::Args;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use weight_manager_core::apply::Mode;
+use weight_manager_core::checkpoint::checksums;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::checksums;
 
 /// Removes the demo's own temporary directory on exit.
 struct TempDir(PathBuf);

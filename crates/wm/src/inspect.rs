@@ -4,8 +4,8 @@ use crate::fmt;
 use crate::Args;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use weight_manager_core::checkpoint::{checksums, layout, safetensors_file, version};
 use weight_manager_core::logging::Logger;
-use weight_manager_core::source::snapshot::{checksums, layout, safetensors_file, version};
 use weight_manager_core::tensor::shape_text;
 
 const SHOWN: usize = 40;
@@ -112,7 +112,7 @@ pub fn manifest(a: &Args) -> Result<(), String> {
         checksums::CHECKSUM_FILE,
         w.tensors,
         w.files,
-        fmt::bytes(weight_manager_core::source::snapshot::block_sums::BLOCK_SIZE),
+        fmt::bytes(weight_manager_core::checkpoint::block_sums::BLOCK_SIZE),
         fmt::bytes(w.bytes),
         fmt::ms(t.elapsed()),
         fmt::gbps(w.bytes, t.elapsed())

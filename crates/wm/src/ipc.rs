@@ -8,13 +8,14 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::{Mode, TensorView};
+use weight_manager_core::checkpoint::layout::SnapshotLocation;
+use weight_manager_core::checkpoint::Checkpoint;
 use weight_manager_core::defaults;
 use weight_manager_core::logging::Logger;
 use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::snapshot::{SnapshotLocation, SnapshotSource};
-use weight_manager_core::source::{Source, SourceKind};
+use weight_manager_core::source::SourceKind;
 
 pub const SERVE_OPTIONS: &[&str] = &[
     "ipc",
@@ -138,9 +139,9 @@ fn load_to_gpu(p: &Publisher, dir: &Path, gpu: i32) -> Result<Vec<ExportedDevice
         rank: 0,
         gpu_id: "0".into(),
     };
-    let src = SnapshotSource::open(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    let src = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
     let mut held = Vec::new();
-    for (i, t) in src.manifest().tensors.iter().enumerate() {
+    for (i, t) in src.manifest.tensors.iter().enumerate() {
         let (path, off) = src.tensor_location(i);
         let mut bytes = vec![0u8; t.nbytes as usize];
         std::fs::File::open(path)
@@ -190,8 +191,8 @@ pub fn pull(a: &Args) -> Result<(), String> {
                 rank,
                 gpu_id: a.value("gpu").unwrap_or("0").to_string(),
             };
-            let src = SnapshotSource::open(&loc, &Logger::default()).map_err(|e| e.to_string())?;
-            src.manifest()
+            let src = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+            src.manifest
                 .tensors
                 .iter()
                 .enumerate()

@@ -1,7 +1,7 @@
 //! `wm shard <file|dir> --out DIR --ranks N [--dim D]`: split a snapshot
 //! into N per-rank files `model_state.tpR.0.safetensors`, each holding rank
 //! R's shard of every tensor with its placement in the file's
-//! `__metadata__` (`source::snapshot::shard_meta`), as N trainer ranks
+//! `__metadata__` (`checkpoint::shard_meta`), as N trainer ranks
 //! would write them.
 //!
 //! A tensor is split along dim D (PyTorch's rule: chunks of ceil(n / N),
@@ -19,11 +19,11 @@ use std::io::{BufWriter, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use weight_manager_core::checkpoint::shard_meta::{shard_json, SHARD_KEY};
+use weight_manager_core::checkpoint::Checkpoint;
+use weight_manager_core::checkpoint::{checksums, layout, version};
 use weight_manager_core::logging::Logger;
 use weight_manager_core::manifest::{Placement, TensorMeta};
-use weight_manager_core::source::snapshot::shard_meta::{shard_json, SHARD_KEY};
-use weight_manager_core::source::snapshot::{checksums, layout, version, SnapshotSource};
-use weight_manager_core::source::Source;
 
 pub const OPTIONS: &[&str] = &["out", "ranks", "dim"];
 const USAGE: &str = "usage: wm shard <file|dir> --out DIR --ranks N [--dim D]";
@@ -53,7 +53,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         rank: 0,
         gpu_id: "0".into(),
     };
-    let source = SnapshotSource::open(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    let source = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
     let mut bytes = 0;
     for r in 0..ranks {
@@ -64,8 +64,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let deadline = Instant::now() + std::time::Duration::from_secs(60);
     // Copied as it is, once it reads as a version.
-    if version::read_version_yaml(&source.layout().dir, deadline).is_ok() {
-        let from = source.layout().dir.join(version::VERSION_FILE);
+    if version::read_version_yaml(&source.layout.dir, deadline).is_ok() {
+        let from = source.layout.dir.join(version::VERSION_FILE);
         std::fs::copy(&from, out.join(version::VERSION_FILE))
             .map_err(|e| format!("copying {}: {e}", from.display()))?;
     }
@@ -74,7 +74,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     println!(
         "wrote {ranks} rank file(s) to {}: {} tensors split along dim {dim}, {} in {}",
         out.display(),
-        source.manifest().tensors.len(),
+        source.manifest.tensors.len(),
         fmt::bytes(bytes),
         fmt::ms(t0.elapsed())
     );
@@ -82,8 +82,8 @@ pub fn run(a: &Args) -> Result<(), String> {
 }
 
 /// Rank `r`'s piece of every tensor of `source`.
-fn rank_pieces(source: &SnapshotSource, r: u64, ranks: u64, dim: usize) -> Vec<Piece<'_>> {
-    let tensors = &source.manifest().tensors;
+fn rank_pieces(source: &Checkpoint, r: u64, ranks: u64, dim: usize) -> Vec<Piece<'_>> {
+    let tensors = &source.manifest.tensors;
     tensors
         .iter()
         .enumerate()

@@ -15,8 +15,6 @@ use std::time::Duration;
 
 /// Default bound on a whole update (`UpdateRequest::timeout`).
 pub const DEFAULT_TIMEOUT: Duration = crate::defaults::UPDATE_TIMEOUT;
-/// Longest version string accepted (bytes).
-pub const MAX_VERSION_LEN: usize = 255;
 
 /// Called with (name, pointer, length) for each engine-owned param on clear.
 pub type ReleaseHook = Box<dyn Fn(&str, *mut u8, usize) + Send + Sync>;
@@ -33,7 +31,7 @@ pub struct ManagerConfig {
     pub device: i32,
     /// Default snapshot location when a request names none.
     pub model_dir: Option<PathBuf>,
-    /// Directory searched last for snapshot files (`source::snapshot::layout`);
+    /// Directory searched last for snapshot files (`checkpoint::layout`);
     /// `None` disables it.
     pub fallback_dir: Option<PathBuf>,
     /// Name of the shared-memory control cell (`/dev/shm/<name>`), if any;
@@ -276,19 +274,4 @@ pub struct Status {
     /// GPU memory taken back by the last update after a clear, as the
     /// driver reports it.
     pub device_bytes_restored: u64,
-}
-
-/// A version name engines accept: 1 to [`MAX_VERSION_LEN`] bytes (the
-/// publisher checks its versions with this too, so it never announces one
-/// every engine refuses).
-pub fn check_version(v: &str) -> Result<()> {
-    if v.is_empty() || v.len() > MAX_VERSION_LEN {
-        let shown: String = v.chars().take(40).collect();
-        let more = if shown.len() < v.len() { "..." } else { "" };
-        return Err(Error::invalid_argument(format!(
-            "version '{shown}{more}' is {} bytes; a version must be 1 to {MAX_VERSION_LEN} bytes",
-            v.len()
-        )));
-    }
-    Ok(())
 }

@@ -29,7 +29,7 @@ use crate::fanout::FanoutLink;
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
 use crate::memory::host::HostRegion;
-use crate::memory::mapped::MappedBuffers;
+use crate::memory::kept_mappings::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
@@ -53,7 +53,7 @@ mod shadows;
 mod sources;
 mod update;
 
-pub use config::{check_version, MAX_VERSION_LEN};
+pub use crate::checkpoint::version::{check_version, MAX_VERSION_LEN};
 pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
     UpdateRequest, UpdateStats, DEFAULT_SIGNAL_TIMEOUT, DEFAULT_TIMEOUT,

@@ -15,6 +15,12 @@
 //! - [`device_swap`]: the page swap that commits an atomic update into a
 //!   library-owned device param without writing its memory.
 //! - [`staging`]: pinned host buffers and asynchronous uploads to the GPU.
+//! - [`sigbus`]: the SIGBUS guard: a mapping whose file or shared-memory
+//!   object shrinks under us becomes an error, not a crash.
+//! - [`mapped_file`]: a window of a file read through a memory map, under
+//!   that guard.
+//! - [`kept_mappings`]: the IPC buffers an engine keeps mapped between
+//!   sessions.
 
 pub mod copy;
 pub mod cuda;
@@ -22,11 +28,13 @@ pub mod cuda_ipc;
 pub mod device;
 pub mod device_swap;
 pub mod host;
+pub mod kept_mappings;
 pub mod loose;
-pub mod mapped;
+pub mod mapped_file;
 pub mod pinned;
 pub mod pool;
 pub mod shared;
+pub mod sigbus;
 pub mod staging;
 pub mod strided;
 pub mod swap;

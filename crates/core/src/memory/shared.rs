@@ -16,7 +16,7 @@
 //!   (reading a hole of a memfd allocates a page, charged to the reader).
 //!
 //! What an engine keeps mapped between sessions, and where CUDA IPC
-//! buffers join host buffers, is `memory::mapped`.
+//! buffers join host buffers, is `memory::kept_mappings`.
 
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

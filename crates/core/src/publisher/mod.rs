@@ -76,7 +76,7 @@ mod streamer;
 mod sums;
 mod versions;
 
-pub use crate::manager::check_version;
+pub use crate::checkpoint::version::check_version;
 use crate::manifest::Placement;
 use crate::result::{Error, Result};
 use crate::tensor::DType;

@@ -1,12 +1,12 @@
 //! What sessions serve: the trainer's content (a directory, or tensors in
 //! memory), as versions ([`Offer`]), and picking the one a rank asks for.
 
+use crate::checkpoint::version::read_version_yaml;
 use crate::manifest::Placement;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use crate::source::snapshot::version::read_version_yaml;
 use crate::tensor::{byte_size, check_name, shape_text, DType};
 use parking_lot::Mutex;
 use std::collections::HashMap;

@@ -3,14 +3,14 @@
 
 use super::config::PublisherConfig;
 use super::offer::{Content, HostTensor, Offer, Published};
+use crate::checkpoint::checksums::hash_file_ranges;
+use crate::checkpoint::layout::SnapshotLocation;
+use crate::checkpoint::regular_file::open_regular;
+use crate::checkpoint::Checkpoint;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::SendPtr;
 use crate::result::{try_vec, Error, Result};
-use crate::source::snapshot::checksums::hash_file_ranges;
-use crate::source::snapshot::regular_file::open_regular;
-use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
-use crate::source::Source;
 use crate::wire::{BucketEntry, Request};
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 enum ShardBytes {
     Memory(Vec<SendPtr>),
     Files {
-        source: Box<SnapshotSource>,
+        checkpoint: Box<Checkpoint>,
         open: HashMap<PathBuf, File>,
     },
 }
@@ -76,10 +76,11 @@ fn dir_shard(
         rank,
         gpu_id: gpu_id.to_string(),
     };
-    let source = SnapshotSource::open(&loc, &cfg.logger)?;
-    let mut manifest = source.manifest().clone();
+    let deadline = std::time::Instant::now() + crate::checkpoint::OPEN_BOUND;
+    let checkpoint = Checkpoint::open(&loc, &cfg.logger, deadline, true)?;
+    let mut manifest = checkpoint.manifest.clone();
     let hashed = if cfg.checksums {
-        fill_missing_checksums(&source, &mut manifest)?
+        fill_missing_checksums(&checkpoint, &mut manifest)?
     } else {
         0
     };
@@ -89,7 +90,7 @@ fn dir_shard(
     Ok(Shard {
         manifest,
         bytes: ShardBytes::Files {
-            source: Box::new(source),
+            checkpoint: Box::new(checkpoint),
             open: HashMap::new(),
         },
         published: None,
@@ -159,14 +160,14 @@ fn tensors_shard(
 /// Hash the tensors a snapshot has no `wm_checksums.json` entry for, so the
 /// engine can verify them (the network paths verify by default). Returns
 /// the bytes hashed.
-fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> Result<u64> {
+fn fill_missing_checksums(checkpoint: &Checkpoint, manifest: &mut Manifest) -> Result<u64> {
     let todo: Vec<usize> = (0..manifest.tensors.len())
         .filter(|&i| manifest.tensors[i].checksum.is_none())
         .collect();
     if todo.is_empty() {
         return Ok(0);
     }
-    let paths: Vec<&std::path::Path> = source.files().collect();
+    let paths: Vec<&std::path::Path> = checkpoint.files().collect();
     let files = paths
         .iter()
         .map(|p| open_regular(p))
@@ -174,7 +175,7 @@ fn fill_missing_checksums(source: &SnapshotSource, manifest: &mut Manifest) -> R
     let ranges: Vec<(usize, u64, u64)> = todo
         .iter()
         .map(|&t| {
-            let (path, offset) = source.tensor_location(t);
+            let (path, offset) = checkpoint.tensor_location(t);
             let fi = paths
                 .iter()
                 .position(|p| *p == path)
@@ -274,16 +275,16 @@ fn copy_batch(bytes: &mut ShardBytes, batch: &[Block], threads: usize) -> Result
             // trainer keeps tensors unchanged.
             unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
-        ShardBytes::Files { source, open } => {
+        ShardBytes::Files { checkpoint, open } => {
             for &(t, ..) in batch {
-                let (path, _) = source.tensor_location(t);
+                let (path, _) = checkpoint.tensor_location(t);
                 if !open.contains_key(path) {
                     let f = open_regular(path)?;
                     open.insert(path.to_path_buf(), f);
                 }
             }
             jobs.extend(batch.iter().map(|&(t, src, dst, len)| {
-                let (path, offset) = source.tensor_location(t);
+                let (path, offset) = checkpoint.tensor_location(t);
                 CopyJob {
                     src: CopySource::File {
                         file: &open[path],

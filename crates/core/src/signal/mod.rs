@@ -34,7 +34,6 @@ pub mod group;
 pub mod link;
 pub mod report;
 pub mod shm;
-pub mod sigbus;
 
 use crate::logging::Logger;
 use crate::result::{wm_result, Error, Result};

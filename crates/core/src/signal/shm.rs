@@ -6,7 +6,7 @@
 //! live mapping, is caught by [`sigbus`] and reported by
 //! [`SharedMapping::check`].
 
-use super::sigbus;
+use crate::memory::sigbus;
 use crate::result::{Error, Result};
 use std::ffi::CString;
 

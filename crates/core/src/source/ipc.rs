@@ -45,7 +45,7 @@ use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
 use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;
-use crate::memory::mapped::{BucketMemory, MappedBuffers};
+use crate::memory::kept_mappings::{BucketMemory, MappedBuffers};
 use crate::memory::shared::{check_announced, SharedBuffer};
 use crate::plan::Plan;
 use crate::result::{Error, Result};

@@ -5,8 +5,8 @@
 //! file is the engine's own (it is read like a snapshot file: regular
 //! files only, bounded in size), and the list is bounded in length.
 
+use crate::checkpoint::regular_file::open_regular;
 use crate::result::{Error, Result};
-use crate::source::snapshot::regular_file::open_regular;
 use std::io::Read;
 use std::path::PathBuf;
 

@@ -35,11 +35,11 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
+use weight_manager_core::checkpoint::{checksums, safetensors_file};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::memory::copy::default_threads;
 use weight_manager_core::pieces::Piece;
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::{checksums, safetensors_file};
 use weight_manager_core::tensor::DType;
 
 const RANKS: u64 = 4;
@@ -320,5 +320,5 @@ fn rchar() -> Result<u64, String> {
         .find_map(|l| l.strip_prefix("rchar: "))
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or_else(|| "no rchar in /proc/self/io".to_string())?;
-    Ok(rchar + weight_manager_core::source::snapshot::mapped::mapped_read_bytes())
+    Ok(rchar + weight_manager_core::memory::mapped_file::mapped_read_bytes())
 }

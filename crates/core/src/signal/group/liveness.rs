@@ -12,7 +12,7 @@ impl Group {
         let h = self.header();
         let aborted = h.aborted.load(Ordering::Acquire);
         // Reads of a segment that shrank under us return zeros (see
-        // `signal::sigbus`): nothing read from it can be trusted any more.
+        // `memory::sigbus`): nothing read from it can be trusted any more.
         self.seg
             .check(|| format!("group '{}': segment", self.cfg.name))?;
         if aborted == 0 {

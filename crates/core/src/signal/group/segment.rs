@@ -114,7 +114,7 @@ impl Segment {
         unsafe { &*((self.map.ptr() as *const Header).add(1) as *const Slot).add(i as usize) }
     }
 
-    /// Fails when the segment shrank under us (see `signal::sigbus`).
+    /// Fails when the segment shrank under us (see `memory::sigbus`).
     pub(super) fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
         self.map.check(what)
     }

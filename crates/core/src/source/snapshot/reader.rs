@@ -53,13 +53,13 @@
 //! the blocks a rank reads are not read, so corruption there is not seen
 //! by that rank (the rank reading them sees it).
 
-use super::block_sums::BlockSums;
-use super::mapped::MappedWindow;
 use super::reads::{plan_reads, Read};
 use super::BATCH_BYTES;
 use crate::apply::{Applier, Chunk};
+use crate::checkpoint::block_sums::BlockSums;
 use crate::checksum::Checksum;
 use crate::memory::copy::CopySource;
+use crate::memory::mapped_file::MappedWindow;
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Segment};
 use crate::result::{Error, Result};
@@ -150,7 +150,7 @@ impl<'f> FileReader<'f> {
             let src = match window {
                 Some(w) => {
                     let start = w.bytes().as_ptr();
-                    super::mapped::count_read(n);
+                    crate::memory::mapped_file::count_read(n);
                     self.maps.push(w);
                     CopySource::Memory(SendPtr(start as *mut u8))
                 }
@@ -208,7 +208,7 @@ impl<'f> FileReader<'f> {
             if mapped && sums.is_none() {
                 // Only the segments are read out of a mapped window that is
                 // not checked (a checked one counted itself).
-                super::mapped::count_read(self.batch_bytes - batched);
+                crate::memory::mapped_file::count_read(self.batch_bytes - batched);
             }
             from = to;
         }
@@ -235,7 +235,7 @@ impl<'f> FileReader<'f> {
         if let Some(w) = MappedWindow::map(self.file, at + from, len) {
             let checked = match sums {
                 Some(s) => {
-                    super::mapped::count_read(len as u64);
+                    crate::memory::mapped_file::count_read(len as u64);
                     in_pieces(len, s.block, |k, n| {
                         s.check((from + k as u64) / s.block, &w.bytes()[k..k + n], what)
                     })

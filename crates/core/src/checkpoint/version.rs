@@ -1,4 +1,6 @@
-//! The version a snapshot names: `version.yaml`'s `step` field, as a string.
+//! Versions: the rule for a version's name ([`check_version`], which the
+//! engine, the publisher and the fan-out all apply), and the version a
+//! snapshot names: `version.yaml`'s `step` field, as a string.
 //!
 //! The file is read only when an update names no version. It is untrusted:
 //! at most `MAX_VERSION_FILE_BYTES`, a regular file only, and parsed as a
@@ -7,6 +9,7 @@
 //! expanded, and the update's deadline is checked as the events come.
 
 use super::regular_file::read_bounded;
+use crate::result::Error;
 use std::path::Path;
 use std::time::Instant;
 use yaml_rust2::parser::{Event, Parser};
@@ -126,6 +129,24 @@ fn scalar_text(v: &str, style: TScalarStyle, tagged: bool) -> Result<String, Str
         Yaml::String(s) | Yaml::Real(s) if !s.is_empty() => Ok(s),
         _ => not(),
     }
+}
+
+/// Longest version string accepted (bytes).
+pub const MAX_VERSION_LEN: usize = 255;
+
+/// A version name engines accept: 1 to [`MAX_VERSION_LEN`] bytes (the
+/// publisher checks its versions with this too, so it never announces one
+/// every engine refuses).
+pub fn check_version(v: &str) -> crate::result::Result<()> {
+    if v.is_empty() || v.len() > MAX_VERSION_LEN {
+        let shown: String = v.chars().take(40).collect();
+        let more = if shown.len() < v.len() { "..." } else { "" };
+        return Err(Error::invalid_argument(format!(
+            "version '{shown}{more}' is {} bytes; a version must be 1 to {MAX_VERSION_LEN} bytes",
+            v.len()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 //! (and a copy per snapshot byte), so the mappings stay and this module
 //! makes such a fault survivable:
 //!
-//! - every [`super::shm::SharedMapping`] and every mapped window of a
-//!   snapshot file (`source/snapshot/mapped.rs`) registers its address
+//! - every [`crate::signal::shm::SharedMapping`] and every mapped window of a
+//!   file ([`super::mapped_file`]) registers its address
 //!   range here;
 //! - a process-wide SIGBUS handler (installed once, chaining to the handler
 //!   it replaced) looks the faulting address up; for one of ours it maps

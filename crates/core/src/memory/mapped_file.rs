@@ -1,5 +1,5 @@
 //! A window of a snapshot file read through a memory map, under the SIGBUS
-//! guard (`signal::sigbus`).
+//! guard (`memory::sigbus`).
 //!
 //! The reader (`reader.rs`) reads segments through these: the copier's
 //! threads copy them, and covering reads hash their blocks, straight from
@@ -14,7 +14,7 @@
 //! caller reads with `pread` instead ([`MappedWindow::map`] returns None,
 //! as it does when `mmap` fails).
 
-use crate::signal::sigbus;
+use crate::memory::sigbus;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,13 +42,13 @@ pub fn mapped_read_bytes() -> u64 {
 }
 
 /// Count `n` bytes read out of a mapping.
-pub(super) fn count_read(n: u64) {
+pub(crate) fn count_read(n: u64) {
     READ.fetch_add(n, Ordering::Relaxed);
 }
 
 /// Bytes `[offset, offset + len)` of a file, mapped read-only and guarded;
 /// unmapped on drop.
-pub(super) struct MappedWindow {
+pub(crate) struct MappedWindow {
     /// The page-aligned mapping.
     base: *mut u8,
     map_len: usize,
@@ -66,7 +66,7 @@ unsafe impl Sync for MappedWindow {}
 impl MappedWindow {
     /// Map `len` (> 0) bytes of `file` from `offset`; None when no guard slot
     /// is free or the mapping fails (the caller reads with `pread`).
-    pub(super) fn map(file: &File, offset: u64, len: usize) -> Option<MappedWindow> {
+    pub(crate) fn map(file: &File, offset: u64, len: usize) -> Option<MappedWindow> {
         let page = page_size();
         let skip = (offset % page as u64) as usize;
         let map_len = skip.checked_add(len).filter(|_| len > 0)?;
@@ -102,14 +102,14 @@ impl MappedWindow {
 
     /// The window's bytes (zeros from where the file ended, once it was
     /// truncated under us: check [`MappedWindow::faulted`] after reading).
-    pub(super) fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: inside the mapping, which lives as long as self; a fault
         // on it is rescued by the guard registered in `map`.
         unsafe { std::slice::from_raw_parts(self.base.add(self.skip), self.len) }
     }
 
     /// Whether a read of the window faulted (the file shrank under us).
-    pub(super) fn faulted(&self) -> bool {
+    pub(crate) fn faulted(&self) -> bool {
         sigbus::faulted(self.slot)
     }
 }

@@ -1,0 +1,204 @@
+//! Checkpoints on disk, for both wings: the engine's snapshot source reads
+//! them, the trainer's publisher serves them, `wm` inspects and writes them.
+//! Nothing here knows of params, plans or peers.
+//!
+//! - [`layout`]: which files hold a rank's snapshot (README "Snapshot
+//!   layouts").
+//! - [`safetensors_file`]: strict reading of a safetensors header;
+//!   [`shard_meta`]: a shard's placement in its global tensor, kept in the
+//!   header's metadata.
+//! - [`checksums`]: the checksums file next to a snapshot, and
+//!   [`block_sums`], sums of fixed-size blocks for checking parts of a
+//!   tensor.
+//! - [`version`]: the rule for a version's name, and `version.yaml`.
+//! - [`regular_file`]: opening and reading files without trusting what sits
+//!   at a path (a FIFO or device is an error, every read bounded).
+//! - [`Checkpoint`]: one rank's checkpoint opened: its files, every header
+//!   read and checked, a manifest of what it holds.
+
+pub mod block_sums;
+pub mod checksums;
+pub mod layout;
+pub mod regular_file;
+pub mod safetensors_file;
+pub mod shard_meta;
+pub mod version;
+
+use crate::logging::Logger;
+use crate::manifest::{Manifest, TensorMeta};
+use crate::result::{Error, Result};
+use block_sums::BlockSums;
+use layout::{Layout, SnapshotLocation};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The bound on opening a checkpoint for a caller that has no deadline of
+/// its own (the publisher, `wm`): every read still ends.
+pub const OPEN_BOUND: Duration = crate::defaults::UPDATE_TIMEOUT;
+
+/// One rank's checkpoint, opened: every header read and checked (never any
+/// tensor data), the checksum file and `version.yaml` read.
+pub struct Checkpoint {
+    pub layout: Layout,
+    /// Each file and its length when its header was read.
+    pub files: Vec<(PathBuf, u64)>,
+    pub manifest: Manifest,
+    /// Per manifest tensor: (file index, absolute offset in that file).
+    pub locations: Vec<(usize, u64)>,
+    /// Per manifest tensor: its block sums, when the checksum file has them.
+    pub blocks: Vec<Option<BlockSums>>,
+    /// Why the manifest names no version ("" when it names one).
+    pub no_version: String,
+}
+
+impl Checkpoint {
+    /// [`Checkpoint::open`] within [`OPEN_BOUND`], reading `version.yaml`:
+    /// for callers without a deadline of their own.
+    pub fn read(loc: &SnapshotLocation, logger: &Logger) -> Result<Checkpoint> {
+        Checkpoint::open(loc, logger, Instant::now() + OPEN_BOUND, true)
+    }
+
+    /// Resolve the layout and read every header (and the checksum file, and
+    /// `version.yaml` when `read_version`: an update that names its version
+    /// never reads it) before `deadline`.
+    pub fn open(
+        loc: &SnapshotLocation,
+        logger: &Logger,
+        deadline: Instant,
+        read_version: bool,
+    ) -> Result<Checkpoint> {
+        let layout = layout::resolve(loc, logger, deadline)?;
+        logger.debug(&format!(
+            "rank {}: snapshot layout '{}' with {} file(s)",
+            loc.rank,
+            layout.kind.describe(),
+            layout.files.len()
+        ));
+        let checksums = checksums::Checksums::load(&layout.dir, deadline)?;
+        let mut c = Checkpoint {
+            files: Vec::new(),
+            manifest: Manifest::default(),
+            locations: Vec::new(),
+            blocks: Vec::new(),
+            no_version: String::new(),
+            layout,
+        };
+        let mut stored = HashSet::new();
+        for fi in 0..c.layout.files.len() {
+            c.read_file(fi, checksums.as_ref(), &mut stored, deadline)?;
+        }
+        if let Some(index) = &c.layout.index {
+            check_index_covered(index, &stored)?;
+        }
+        if !read_version {
+            c.no_version = "the caller named a version".to_string();
+        } else {
+            match version::read_version_yaml(&c.layout.dir, deadline) {
+                Ok(v) => c.manifest.version = Some(v),
+                Err(why) => c.no_version = why,
+            }
+        }
+        Ok(c)
+    }
+
+    /// Read file `fi`'s header into the manifest (`stored`: the stored
+    /// names found, for the HuggingFace index check).
+    fn read_file(
+        &mut self,
+        fi: usize,
+        checksums: Option<&checksums::Checksums>,
+        stored: &mut HashSet<String>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let path = self.layout.files[fi].clone();
+        let (_file, header) = safetensors_file::open(&path, deadline)?;
+        let file_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let sums = match checksums {
+            Some(c) => c.for_file(file_name, header.file_len)?,
+            None => None,
+        };
+        // Entries move into the manifest: a header is held once. Index and
+        // checksums know a tensor by its stored name; the manifest by its
+        // global one.
+        for t in header.tensors {
+            if let Some(index) = &self.layout.index {
+                check_in_index(index, &path, file_name, &t.name)?;
+                stored.insert(t.name.clone());
+            }
+            let checksum = sums.and_then(|s| s.tensors.get(&t.name).copied());
+            self.blocks.push(match checksums {
+                Some(c) => c.block_sums(file_name, &t.name, t.nbytes)?,
+                None => None,
+            });
+            self.locations.push((fi, t.offset));
+            let (name, placement) = match t.shard {
+                Some(s) => (s.tensor, Some(s.placement)),
+                None => (t.name, None),
+            };
+            self.manifest.tensors.push(TensorMeta {
+                name,
+                dtype: t.dtype,
+                shape: t.shape,
+                nbytes: t.nbytes,
+                checksum,
+                placement,
+            });
+        }
+        self.files.push((path, header.file_len));
+        Ok(())
+    }
+
+    /// File and absolute byte offset of manifest tensor `t`.
+    pub fn tensor_location(&self, t: usize) -> (&Path, u64) {
+        let (fi, offset) = self.locations[t];
+        (&self.files[fi].0, offset)
+    }
+
+    /// Every file of the checkpoint, in reading order.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+}
+
+/// A shard's tensor must be the one the HuggingFace index maps to it.
+fn check_in_index(
+    index: &HashMap<String, String>,
+    path: &Path,
+    file_name: &str,
+    tensor: &str,
+) -> Result<()> {
+    let mapped = index.get(tensor).map(String::as_str);
+    if mapped != Some(file_name) {
+        return Err(Error::format(format!(
+            "{}: tensor '{}' is in this shard but {} maps it to {}",
+            path.display(),
+            tensor.escape_debug(),
+            layout::HF_INDEX,
+            mapped.unwrap_or("nothing")
+        )));
+    }
+    Ok(())
+}
+
+/// Every tensor the HuggingFace index lists must be in some shard file
+/// (`stored`: the stored names found).
+fn check_index_covered(index: &HashMap<String, String>, stored: &HashSet<String>) -> Result<()> {
+    let missing: Vec<&str> = index
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !stored.contains(*n))
+        .take(5)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::format(format!(
+        "{} lists tensor(s) its shards do not hold: {}",
+        layout::HF_INDEX,
+        missing.join(", ")
+    )))
+}
