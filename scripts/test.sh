@@ -19,6 +19,9 @@ export WM_UCX_LIB
 echo "== UCX: $WM_UCX_LIB"
 
 echo "== Rust tests"
+# The integration tests drive `wm` (its own crate, so cargo does not build
+# it for them): built first, with the test hooks they use.
+cargo build --release --locked -p wm --features test-hooks
 cargo test --release --locked
 
 echo "== C tests (ctest)"

@@ -1,8 +1,9 @@
 //! Where the `wm` command of this build is. `wm` is its own crate, so
-//! cargo gives these tests no `CARGO_BIN_EXE_wm`: `cargo test` at the
-//! workspace root builds it beside the test programs (`target/<profile>/wm`,
-//! with the test hooks, since the features of one cargo run are unified).
-//! `WM_BIN` names another one (the GPU kit carries its own).
+//! cargo neither builds it for these tests nor gives them
+//! `CARGO_BIN_EXE_wm`: `scripts/test.sh` builds it first, with the test
+//! hooks some tests use (`cargo build --release -p wm --features
+//! test-hooks`), beside the test programs (`target/<profile>/wm`). `WM_BIN`
+//! names another one (the GPU kit carries its own).
 
 use std::path::PathBuf;
 use std::sync::LazyLock;
@@ -20,7 +21,7 @@ pub static WM: LazyLock<PathBuf> = LazyLock::new(|| {
         .join("wm");
     assert!(
         wm.exists(),
-        "{} is missing: run the tests from the workspace root (cargo test), which builds wm",
+        "{} is missing: build it first (cargo build --release -p wm --features test-hooks)",
         wm.display()
     );
     wm

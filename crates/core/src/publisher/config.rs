@@ -43,6 +43,11 @@ pub struct PublisherConfig {
     pub logger: Logger,
 }
 
+/// Whether this build has the test hooks (`cfg(test)` or the `test-hooks`
+/// feature): `wm --version` says so, and the tests check it before they
+/// drive `wm serve --corrupt`.
+pub const TEST_HOOKS: bool = cfg!(any(test, feature = "test-hooks"));
+
 impl PublisherConfig {
     /// The `corrupt_tensor` test hook, set where the build has it (the
     /// `test-hooks` feature); an error naming the hook in a product build,
