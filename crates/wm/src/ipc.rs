@@ -296,7 +296,7 @@ impl Checked {
     }
 
     /// Every tensor of the snapshot received and equal to it.
-    fn verdict(&self, rank: u32, expected: &Expected) -> Result<(), String> {
+    fn all_equal(&self, rank: u32, expected: &Expected) -> Result<(), String> {
         let (received, checked, n) = (self.received, self.checked, expected.len());
         if n > 0 && (checked != n || received != n) {
             return Err(format!(
@@ -337,7 +337,7 @@ pub fn pull(a: &PullArgs) -> Result<(), String> {
     let t = Instant::now();
     let stats = m.update(req).map_err(|e| format!("rank {rank}: {e}"))?;
     let elapsed = t.elapsed();
-    seen.verdict(rank, &expected)?;
+    seen.all_equal(rank, &expected)?;
     println!(
         "rank {rank}: version {}, {} tensors, {} in {} ({:.2} GB/s){}",
         stats.version,

@@ -172,7 +172,7 @@ impl NetFloor {
 /// runs just before and after it. Figures are the best of their runs; the
 /// verdict uses the median of those ratios, which drift and spikes do not
 /// sway.
-fn best_of(
+fn measured(
     net: &Net,
     floor: &mut NetFloor,
     m: &Manager,
@@ -260,14 +260,14 @@ fn measure(net: &Net, floor: &mut NetFloor) -> Result<Figures, String> {
     // The default, direct receive: each bucket entry lands in its param, no
     // staging slot and no copy out of it; the trainer sends from its
     // tensors, no packing either.
-    let verified = best_of(net, floor, &m, false)?;
-    let plain = best_of(net, floor, &m, true)?;
+    let verified = measured(net, floor, &m, false)?;
+    let plain = measured(net, floor, &m, true)?;
     // Staged (`net_staged`): into a slot, then copied to the params.
     let st = net.engine_with(bucket, 0, (true, false))?;
     model::register_layers(&st, &mut params)?;
     net.update(&st, false)?;
-    let staged = best_of(net, floor, &st, false)?;
-    let staged_plain = best_of(net, floor, &st, true)?;
+    let staged = measured(net, floor, &st, false)?;
+    let staged_plain = measured(net, floor, &st, true)?;
     drop(st);
     // Per-bucket overhead: the same bytes in 1 MiB buckets; keyed BLAKE3
     // digests of every entry (for untrusted networks), the XXH3 checksums

@@ -30,11 +30,16 @@ pub fn best_of(
     Ok(best)
 }
 
-/// How long `f` took.
-pub fn timed(f: impl FnOnce() -> Result<(), String>) -> Result<Duration, String> {
-    let t = Instant::now();
-    f()?;
-    Ok(t.elapsed())
+/// The fastest of `runs` timings of `f` (at least one).
+pub fn best_timed(
+    runs: usize,
+    mut f: impl FnMut() -> Result<(), String>,
+) -> Result<Duration, String> {
+    best_of(runs, || {
+        let t = Instant::now();
+        f()?;
+        Ok(t.elapsed())
+    })
 }
 
 /// The middle value (the upper one of an even count).

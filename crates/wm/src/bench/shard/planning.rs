@@ -19,7 +19,7 @@
 //! the manager's plan cache does).
 
 use super::{Args, Row};
-use crate::bench::harness::{best_of, timed};
+use crate::bench::harness::best_timed;
 use serde_json::json;
 use std::time::Duration;
 use weight_manager_core::logging::Logger;
@@ -77,7 +77,7 @@ fn measure(
     let quiet = Logger::stderr(weight_manager_core::logging::LogLevel::Off);
     let plan = || make_sharded_plan(&manifests, &params, opts, &quiet).map_err(|e| e.to_string());
     let runs_made = plan()?.runs.len();
-    let scratch = best(runs, || plan().map(drop))?;
+    let scratch = best_timed(runs, || plan().map(drop))?;
     let how = if split {
         "dim-0 shards (FSDP)"
     } else {
@@ -143,7 +143,7 @@ fn fsdp_rows(p: &Planned, scratch: Duration) -> Result<Vec<Row>, String> {
     let (manifests, params, runs) = (p.manifests, p.params, p.runs);
     let plan = || make_sharded_plan(manifests, params, p.opts, p.quiet).map_err(|e| e.to_string());
     let indexed = Sources::new(manifests).map_err(|e| e.to_string())?;
-    let again = best(runs, || {
+    let again = best_timed(runs, || {
         indexed
             .plan(params, p.opts, p.quiet)
             .map(drop)
@@ -157,7 +157,7 @@ fn fsdp_rows(p: &Planned, scratch: Duration) -> Result<Vec<Row>, String> {
         .iter()
         .map(|e| (e.source, e.tensor))
         .collect();
-    let floor = best(runs, || {
+    let floor = best_timed(runs, || {
         let entries: Vec<PlanEntry> = read
             .iter()
             .map(|&(source, tensor)| PlanEntry {
@@ -217,7 +217,7 @@ fn reuse_cost(
     mut plan: Plan,
     runs: usize,
 ) -> Result<Reuse, String> {
-    let check = best(runs, || {
+    let check = best_timed(runs, || {
         std::hint::black_box(fingerprint(manifests, params));
         Ok(())
     })?;
@@ -226,7 +226,7 @@ fn reuse_cost(
     let next: Vec<&Manifest> = next.iter().collect();
     let was = fingerprint(manifests, params);
     let mut round = 0;
-    let total = best(runs, || {
+    let total = best_timed(runs, || {
         round += 1;
         let sources = if round % 2 == 1 { &next } else { manifests };
         if fingerprint(sources, params) != was {
@@ -248,11 +248,6 @@ fn copied(m: &Manifest) -> Manifest {
 
 fn shards(manifests: &[&Manifest]) -> usize {
     manifests.iter().map(|m| m.tensors.len()).sum()
-}
-
-/// The fastest of `runs` timings of `f`.
-fn best(runs: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Duration, String> {
-    best_of(runs, || timed(&mut f))
 }
 
 /// A dense model of `layers` layers, hidden size 64, on `tp` trainer ranks
