@@ -11,16 +11,17 @@
 //! - `wm plan --trainer T.json --engine E.json`: plan every engine rank of
 //!   two layouts (no weights, no memory): runs, bytes per rank, busiest
 //!   link, predicted transfer time (`docs/layouts.md`).
-//! - `wm bench <kind>` (`bench/`, one harness shared by all):
-//! - `wm bench snapshot`: snapshot update throughput beside its floors.
-//! - `wm bench signal`: per-step latency of the signal across real ranks.
-//! - `wm bench ipc`: same-node IPC update throughput beside its floor.
-//! - `wm bench net`: rdma over UCX beside the raw UCX floor.
-//! - `wm bench gpu`: device params on a real GPU beside their floors.
-//! - `wm bench quant`: FP8 block quantization beside memcpy and PyTorch.
-//! - `wm bench delta`: deltas between training steps beside memcpy and PyTorch.
-//! - `wm bench shard`: sharded updates (planning; snapshot ranks slicing
-//!   one checkpoint) beside their targets and floors.
+//! - `wm bench <kind>` (folder `bench/`, one harness shared by every bench):
+//!   - `wm bench snapshot`: snapshot update throughput beside its floors.
+//!   - `wm bench signal`: per-step latency of the signal across real ranks.
+//!   - `wm bench ipc`: same-node IPC update throughput beside its floor.
+//!   - `wm bench net`: rdma over UCX beside the raw UCX floor.
+//!   - `wm bench gpu`: device params on a real GPU beside their floors.
+//!   - `wm bench quant`: FP8 block quantization beside memcpy and PyTorch.
+//!   - `wm bench delta`: deltas between training steps beside memcpy and
+//!     PyTorch.
+//!   - `wm bench shard`: sharded updates (planning; snapshot, UCX and IPC
+//!     ranks) beside their targets and floors.
 //! - `wm serve --ipc | --net`: the trainer side, publishing a snapshot.
 //! - `wm pull --ipc | --net`: an engine rank that checks what it received.
 //! - `wm signal get|set|wait|request`: the controller's side of the cell.
