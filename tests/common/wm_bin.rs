@@ -19,9 +19,13 @@ pub static WM: LazyLock<PathBuf> = LazyLock::new(|| {
         .and_then(|d| d.parent())
         .expect("target/<profile>")
         .join("wm");
+    // A product build of wm (no test hooks) would fail the tests that use
+    // them with a confusing error: say what to build instead.
+    let version = std::process::Command::new(&wm).arg("--version").output();
+    let hooked = version.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("(test hooks)"));
     assert!(
-        wm.exists(),
-        "{} is missing: build it first (cargo build --release -p wm --features test-hooks)",
+        hooked,
+        "{} is missing or has no test hooks: build it first (cargo build --release -p wm --features test-hooks)",
         wm.display()
     );
     wm

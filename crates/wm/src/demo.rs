@@ -3,7 +3,6 @@
 
 use crate::fixtures::{self, FakeTensor};
 use crate::fmt;
-use crate::Args;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use weight_manager_core::apply::Mode;
@@ -11,6 +10,14 @@ use weight_manager_core::checkpoint::checksums;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::registry::ParamSpec;
+
+/// `wm demo` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Folder for the demo's snapshot (default: a temporary one, removed)
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
 
 /// Removes the demo's own temporary directory on exit.
 struct TempDir(PathBuf);
@@ -54,28 +61,30 @@ fn check(params: &[(*mut u8, usize)], model: &[FakeTensor]) -> Result<u64, Strin
     Ok(n)
 }
 
-pub fn run(a: &Args) -> Result<(), String> {
-    let (dir, _cleanup) = match a.value("dir") {
+/// The demo's folder: `--dir` (created), or a temporary one removed when
+/// the second value is dropped.
+fn demo_dir(a: &Args) -> Result<(PathBuf, Option<TempDir>), String> {
+    match &a.dir {
         Some(d) => {
-            std::fs::create_dir_all(d).map_err(|e| format!("creating {d}: {e}"))?;
-            (PathBuf::from(d), None)
+            std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            Ok((d.clone(), None))
         }
         None => {
             let d = std::env::temp_dir().join(format!("wm-demo-{}", std::process::id()));
             std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
-            (d.clone(), Some(TempDir(d)))
+            Ok((d.clone(), Some(TempDir(d))))
         }
-    };
-    let v1 = fixtures::demo_model(100);
-    let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();
-    write_snapshot(&dir, &v1, 100)?;
+    }
+}
+
+fn print_header(model: &[FakeTensor], total: u64, dir: &Path) {
     println!(
         "weight_manager {} demo: one engine rank, host params, snapshot updates",
         env!("CARGO_PKG_VERSION")
     );
     println!(
         "model: {} tensors, {} (bf16 + f32) in {}",
-        v1.len(),
+        model.len(),
         fmt::bytes(total),
         dir.display()
     );
@@ -86,21 +95,22 @@ pub fn run(a: &Args) -> Result<(), String> {
         "{:<5} {:<24} {:<9} {:<8} {:>7} {:>10} {:>9} {:>7}",
         "step", "action", "state", "version", "tensors", "bytes", "time", "GB/s"
     );
+}
 
-    let m = Manager::new(ManagerConfig {
-        model_dir: Some(dir.clone()),
-        fallback_dir: None,
-        logger: Logger::stderr(LogLevel::Warn),
-        ..Default::default()
-    })
-    .map_err(|e| e.to_string())?;
-    let mut engine_buffers: Vec<Vec<u8>> = Vec::new();
+/// Register every tensor of `model` with `m`: even-numbered ones
+/// engine-owned (in `engine_buffers`), odd-numbered library-owned; every
+/// param's (address, length).
+fn register(
+    m: &Manager,
+    model: &[FakeTensor],
+    engine_buffers: &mut Vec<Vec<u8>>,
+) -> Result<Vec<(*mut u8, usize)>, String> {
     let mut params = Vec::new();
-    for (i, t) in v1.iter().enumerate() {
+    for (i, t) in model.iter().enumerate() {
         let spec = ParamSpec::host(&t.name, t.dtype, &t.shape);
         if i % 2 == 0 {
             let mut buf = vec![0u8; t.data.len()];
-            // SAFETY: the buffer lives in engine_buffers until the end of run.
+            // SAFETY: the caller keeps engine_buffers as long as the manager.
             unsafe { m.register(&spec, buf.as_mut_ptr(), buf.len()) }.map_err(|e| e.to_string())?;
             params.push((buf.as_mut_ptr(), buf.len()));
             engine_buffers.push(buf);
@@ -108,43 +118,42 @@ pub fn run(a: &Args) -> Result<(), String> {
             params.push(m.allocate(&spec).map_err(|e| e.to_string())?);
         }
     }
+    Ok(params)
+}
+
+/// One update from the snapshot in `dir`, verified, printed as row `step`.
+fn update(
+    m: &Manager,
+    dir: &Path,
+    (step, action): (usize, &str),
+    mode: Mode,
+) -> Result<(), String> {
+    let mut progress = fmt::progress_line(action);
+    let mut req = UpdateRequest::snapshot(dir);
+    req.verify = true;
+    req.mode = mode;
+    req.hooks.progress = Some(&mut progress);
+    let stats = m.update(req).map_err(|e| format!("{action}: {e}"))?;
     row(
-        1,
-        "init + register",
-        &m,
-        &v1.len().to_string(),
-        &fmt::bytes(total),
-        "-",
-        "-",
+        step,
+        action,
+        m,
+        &stats.tensors.to_string(),
+        &fmt::bytes(stats.bytes),
+        &fmt::ms(stats.total),
+        &format!("{:.2}", fmt::gbps(stats.bytes, stats.total)),
     );
+    Ok(())
+}
 
-    let update = |step: usize, action: &str, mode: Mode| -> Result<(), String> {
-        let mut progress = fmt::progress_line(action);
-        let mut req = UpdateRequest::snapshot(&dir);
-        req.verify = true;
-        req.mode = mode;
-        req.hooks.progress = Some(&mut progress);
-        let stats = m.update(req).map_err(|e| format!("{action}: {e}"))?;
-        row(
-            step,
-            action,
-            &m,
-            &stats.tensors.to_string(),
-            &fmt::bytes(stats.bytes),
-            &fmt::ms(stats.total),
-            &format!("{:.2}", fmt::gbps(stats.bytes, stats.total)),
-        );
-        Ok(())
-    };
-    update(2, "update (atomic, xxh3)", Mode::Atomic)?;
-    check(&params, &v1)?;
-
+/// Clear `m` (row 3); every library-owned byte must be released.
+fn clear(m: &Manager) -> Result<(), String> {
     let t = Instant::now();
     let cleared = m.clear().map_err(|e| e.to_string())?;
     row(
         3,
         "clear",
-        &m,
+        m,
         &cleared.params.to_string(),
         &format!("-{}", fmt::bytes(cleared.bytes_released)),
         &fmt::ms(t.elapsed()),
@@ -157,10 +166,32 @@ pub fn run(a: &Args) -> Result<(), String> {
             s.resident_bytes
         ));
     }
+    Ok(())
+}
 
+pub fn run(a: &Args) -> Result<(), String> {
+    let (dir, _cleanup) = demo_dir(a)?;
+    let v1 = fixtures::demo_model(100);
+    let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();
+    write_snapshot(&dir, &v1, 100)?;
+    print_header(&v1, total, &dir);
+    let m = Manager::new(ManagerConfig {
+        model_dir: Some(dir.clone()),
+        fallback_dir: None,
+        logger: Logger::stderr(LogLevel::Warn),
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut engine_buffers: Vec<Vec<u8>> = Vec::new();
+    let params = register(&m, &v1, &mut engine_buffers)?;
+    let n = v1.len().to_string();
+    row(1, "init + register", &m, &n, &fmt::bytes(total), "-", "-");
+    update(&m, &dir, (2, "update (atomic, xxh3)"), Mode::Atomic)?;
+    check(&params, &v1)?;
+    clear(&m)?;
     let v2 = fixtures::demo_model(200);
     write_snapshot(&dir, &v2, 200)?;
-    update(4, "update (in-place, xxh3)", Mode::InPlace)?;
+    update(&m, &dir, (4, "update (in-place, xxh3)"), Mode::InPlace)?;
     let checked = check(&params, &v2)?;
     // `check` read every param through the pointers taken at registration, so
     // the new bytes are at the old addresses.

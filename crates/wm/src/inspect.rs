@@ -1,8 +1,7 @@
 //! `wm inspect` and `wm manifest`.
 
 use crate::fmt;
-use crate::Args;
-use std::path::Path;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weight_manager_core::checkpoint::{checksums, layout, safetensors_file, version};
 use weight_manager_core::logging::Logger;
@@ -12,17 +11,37 @@ const SHOWN: usize = 40;
 /// How long `wm inspect` may spend reading a snapshot's headers.
 const INSPECT_BOUND: Duration = Duration::from_secs(120);
 
-pub fn inspect(a: &Args) -> Result<(), String> {
-    let target = a
-        .positional
-        .first()
-        .ok_or("usage: wm inspect <file|dir> [--rank R] [--gpu G] [--all]")?;
-    let path = Path::new(target);
+/// `wm inspect` options.
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// A safetensors file, or a snapshot folder
+    #[arg(value_name = "file|dir")]
+    target: PathBuf,
+    /// The engine rank whose files to read
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+    /// The GPU id in per-GPU file names
+    #[arg(long, default_value = "0")]
+    gpu: String,
+    /// Show every tensor (default: the first 40)
+    #[arg(long)]
+    all: bool,
+}
+
+/// `wm manifest` options.
+#[derive(clap::Args, Debug)]
+pub struct ManifestArgs {
+    /// The snapshot folder
+    dir: PathBuf,
+}
+
+pub fn inspect(a: &InspectArgs) -> Result<(), String> {
+    let path = a.target.as_path();
     let loc = layout::SnapshotLocation {
         model_dir: path.to_path_buf(),
         fallback_dir: None,
-        rank: a.number("rank", 0)?,
-        gpu_id: a.value("gpu").unwrap_or("0").to_string(),
+        rank: a.rank,
+        gpu_id: a.gpu.clone(),
     };
     // Every read is bounded; a FIFO or device among the files is an error.
     let deadline = Instant::now() + INSPECT_BOUND;
@@ -63,7 +82,7 @@ pub fn inspect(a: &Args) -> Result<(), String> {
             );
         }
         for t in &header.tensors {
-            if count < SHOWN || a.flag("all") {
+            if count < SHOWN || a.all {
                 println!(
                     "{:<48} {:<8} {:<20} {:>12}",
                     t.name.escape_debug().to_string(),
@@ -76,7 +95,7 @@ pub fn inspect(a: &Args) -> Result<(), String> {
             total += t.nbytes;
         }
     }
-    if count > SHOWN && !a.flag("all") {
+    if count > SHOWN && !a.all {
         println!("... {} more (--all shows every tensor)", count - SHOWN);
     }
     println!(
@@ -87,8 +106,8 @@ pub fn inspect(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-pub fn manifest(a: &Args) -> Result<(), String> {
-    let dir = a.positional.first().ok_or("usage: wm manifest <dir>")?;
+pub fn manifest(a: &ManifestArgs) -> Result<(), String> {
+    let dir = &a.dir;
     let t = Instant::now();
     let line = parking_lot::Mutex::new(fmt::progress_line("hashing"));
     let progress = |done: u64, total: u64| {
@@ -100,7 +119,7 @@ pub fn manifest(a: &Args) -> Result<(), String> {
         (line.lock())(&p);
     };
     let w = checksums::write_with_progress(
-        Path::new(dir),
+        dir,
         weight_manager_core::memory::copy::default_threads(),
         &progress,
     )
@@ -108,7 +127,7 @@ pub fn manifest(a: &Args) -> Result<(), String> {
     println!(
         "wrote {}/{}: {} tensors in {} file(s) with block sums every {}, {} hashed in {} \
          ({:.2} GB/s)",
-        dir,
+        dir.display(),
         checksums::CHECKSUM_FILE,
         w.tensors,
         w.files,

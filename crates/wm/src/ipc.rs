@@ -2,10 +2,9 @@
 //! engine rank that checks what it received).
 
 use crate::fmt;
-use crate::Args;
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::{Mode, TensorView};
 use weight_manager_core::checkpoint::layout::SnapshotLocation;
@@ -17,102 +16,129 @@ use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager_core::publisher::{Publisher, PublisherConfig};
 use weight_manager_core::source::SourceKind;
 
-pub const SERVE_OPTIONS: &[&str] = &[
-    "ipc",
-    "net",
-    "keep",
-    "engines",
-    "bucket-mib",
-    "accept-timeout",
-    "corrupt",
-    "version",
-    "gpu",
-];
-pub const PULL_OPTIONS: &[&str] = &[
-    "ipc",
-    "net",
-    "gdr",
-    "gdr-fallback",
-    "staged",
-    "keyed-digests",
-    "bucket-mib",
-    "bucket-bytes",
-    "depth",
-    "rank",
-    "world",
-    "gpu",
-    "verify",
-    "check",
-    "version",
-    "timeout",
-];
+/// `wm serve` options.
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("transport").required(true).args(["ipc", "net"])))]
+pub struct ServeArgs {
+    /// Serve over same-node IPC at this socket
+    #[arg(long, value_name = "SOCKET")]
+    ipc: Option<PathBuf>,
+    /// Serve over the network at this address (secret: WM_NET_SECRET)
+    #[arg(long, value_name = "HOST:PORT")]
+    net: Option<String>,
+    /// The snapshot folders to serve (over the network each is a version)
+    #[arg(value_name = "DIR", required = true)]
+    dirs: Vec<PathBuf>,
+    /// Engine sessions to serve before exiting
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    engines: usize,
+    /// Bucket size in MiB
+    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20)]
+    bucket_mib: usize,
+    /// Versions kept (network)
+    #[arg(long, value_name = "K", default_value_t = defaults::KEEP_VERSIONS)]
+    keep: usize,
+    /// Seconds to wait for the engines
+    #[arg(long, value_name = "S", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64())]
+    accept_timeout: f64,
+    /// Corrupt this tensor (test builds only)
+    #[arg(long, value_name = "TENSOR")]
+    corrupt: Option<String>,
+    /// Name of the version (default: the folder's version.yaml)
+    #[arg(long, value_name = "V")]
+    version: Option<String>,
+    /// Publish the snapshot from the memory of this GPU
+    #[arg(long, value_name = "ORDINAL")]
+    gpu: Option<i32>,
+}
+
+/// `wm pull` options.
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("transport").required(true).args(["ipc", "net"])))]
+pub struct PullArgs {
+    /// Pull over same-node IPC from this socket
+    #[arg(long, value_name = "SOCKET")]
+    ipc: Option<String>,
+    /// Pull over the network from this address
+    #[arg(long, value_name = "HOST:PORT")]
+    net: Option<String>,
+    /// Network: straight into GPU memory (GPUDirect RDMA)
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    gdr: bool,
+    /// Network: fall back to staging when GPUDirect cannot work
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    gdr_fallback: bool,
+    /// Network: receive into staging slots, then copy
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    staged: bool,
+    /// Network: keyed BLAKE3 digests of every entry
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    keyed_digests: bool,
+    /// Verify what arrives with the checksums
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    verify: bool,
+    /// Bucket size in MiB
+    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20)]
+    bucket_mib: usize,
+    /// Bucket size in bytes (instead of --bucket-mib)
+    #[arg(long, value_name = "BYTES")]
+    bucket_bytes: Option<usize>,
+    /// Buckets in flight
+    #[arg(long, value_name = "D", default_value_t = defaults::BUFFERS_IN_FLIGHT)]
+    depth: usize,
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    rank: u32,
+    #[arg(long, value_name = "W", default_value_t = 1)]
+    world: u32,
+    /// The GPU id in per-GPU file names (--check)
+    #[arg(long, value_name = "G", default_value = "0")]
+    gpu: String,
+    /// Compare every tensor with the snapshot in this folder
+    #[arg(long, value_name = "DIR")]
+    check: Option<PathBuf>,
+    /// The version to ask for (default: the latest)
+    #[arg(long, value_name = "V")]
+    version: Option<String>,
+    /// Seconds the update may take
+    #[arg(long, value_name = "SECONDS", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64())]
+    timeout: f64,
+}
 
 /// Serve the snapshot in DIR to `--engines` engine sessions, then exit.
 /// Over the network, every DIR given is published as a version (named by its
 /// `version.yaml`), and engines ask for one by name or for the latest.
-pub fn serve(a: &Args) -> Result<(), String> {
-    let usage =
-        "usage: wm serve (--ipc SOCKET | --net HOST:PORT) DIR... [--engines N] [--bucket-mib M] [--gpu ORDINAL]";
-    if a.positional.is_empty() {
-        return Err("wm serve: name the snapshot directory to serve".into());
-    }
-    let engines: usize = a.number("engines", 1)?;
-    let bucket_mib: usize = a.number("bucket-mib", defaults::BUCKET_SIZE >> 20)?;
+pub fn serve(a: &ServeArgs) -> Result<(), String> {
     let cfg = PublisherConfig {
-        bucket_size: bucket_mib << 20,
-        keep_versions: a.number("keep", defaults::KEEP_VERSIONS)?,
+        bucket_size: a.bucket_mib << 20,
+        keep_versions: a.keep,
         logger: Logger::default(),
         ..Default::default()
     };
     // --corrupt TENSOR: the publisher's corruption test hook, in test builds only.
-    let cfg = match a.value("corrupt") {
+    let cfg = match &a.corrupt {
         Some(t) => cfg
             .with_corrupt_tensor(t.to_string())
             .map_err(|e| format!("wm serve: {e}"))?,
         None => cfg,
     };
-    let p = match (a.value("ipc"), a.value("net")) {
-        (Some(socket), None) => Publisher::bind(Path::new(socket), cfg),
+    let p = match (&a.ipc, &a.net) {
+        (Some(socket), _) => Publisher::bind(socket, cfg),
         (None, Some(addr)) => Publisher::bind_net(addr, cfg),
-        _ => return Err(usage.into()),
+        (None, None) => unreachable!("clap requires --ipc or --net"),
     }
     .map_err(|e| e.to_string())?;
     // Kept alive while serving: the trainer's own GPU tensors (--gpu).
-    let mut _on_gpu = Vec::new();
-    if let Some(gpu) = a.value("gpu") {
-        let gpu: i32 = gpu
-            .parse()
-            .map_err(|_| format!("--gpu {gpu}: not a number"))?;
-        let dir = Path::new(&a.positional[0]);
-        _on_gpu = load_to_gpu(&p, dir, gpu)?;
-        p.set_version(a.value("version").map(str::to_string));
-        let v = p.publish().map_err(|e| format!("{}: {e}", dir.display()))?;
-        println!(
-            "wm serve: published {} from GPU {gpu} as version {v}",
-            dir.display()
-        );
-    } else if a.value("net").is_some() {
-        for dir in &a.positional {
-            p.set_dir(Path::new(dir));
-            p.set_version(a.value("version").map(str::to_string));
-            let v = p.publish().map_err(|e| format!("{dir}: {e}"))?;
-            println!("wm serve: published {dir} as version {v}");
-        }
-    } else {
-        p.set_dir(Path::new(&a.positional[0]));
-        p.set_version(a.value("version").map(str::to_string));
-    }
+    let _on_gpu = publish(&p, a)?;
     // Tests read the address (a port 0 is resolved here) from this line.
     println!(
-        "wm serve: listening on {}, waiting for {engines} engine(s)",
-        p.address()
+        "wm serve: listening on {}, waiting for {} engine(s)",
+        p.address(),
+        a.engines
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    let accept = Duration::from_secs_f64(
-        a.number("accept-timeout", defaults::UPDATE_TIMEOUT.as_secs_f64())?,
-    );
-    let stats = p.serve(engines, accept).map_err(|e| e.to_string())?;
+    let accept = Duration::from_secs_f64(a.accept_timeout);
+    let stats = p.serve(a.engines, accept).map_err(|e| e.to_string())?;
     for s in &stats.sessions {
         println!(
             "  rank {}: version {}, {} tensors, {} in {} buckets; packing {}, waiting for acks {}, total {}",
@@ -127,6 +153,37 @@ pub fn serve(a: &Args) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// Offer what `wm serve` serves: the first DIR's tensors from GPU memory
+/// (`--gpu`; the memory returned must outlive the serving), every DIR as a
+/// version (`--net`), or the first DIR as it is.
+fn publish(p: &Publisher, a: &ServeArgs) -> Result<Vec<ExportedDeviceBuffer>, String> {
+    let first = &a.dirs[0];
+    if let Some(gpu) = a.gpu {
+        let on_gpu = load_to_gpu(p, first, gpu)?;
+        p.set_version(a.version.clone());
+        let v = p
+            .publish()
+            .map_err(|e| format!("{}: {e}", first.display()))?;
+        println!(
+            "wm serve: published {} from GPU {gpu} as version {v}",
+            first.display()
+        );
+        return Ok(on_gpu);
+    }
+    if a.net.is_some() {
+        for dir in &a.dirs {
+            p.set_dir(dir);
+            p.set_version(a.version.clone());
+            let v = p.publish().map_err(|e| format!("{}: {e}", dir.display()))?;
+            println!("wm serve: published {} as version {v}", dir.display());
+        }
+    } else {
+        p.set_dir(first);
+        p.set_version(a.version.clone());
+    }
+    Ok(Vec::new())
 }
 
 /// Read rank 0's tensors of the snapshot in `dir` into memory of GPU `gpu`
@@ -169,97 +226,119 @@ fn load_to_gpu(p: &Publisher, dir: &Path, gpu: i32) -> Result<Vec<ExportedDevice
     Ok(held)
 }
 
-/// Receive this rank's shard (zero-copy callback) and, with `--check DIR`,
-/// compare every tensor with the snapshot files the rank would read.
-pub fn pull(a: &Args) -> Result<(), String> {
-    let (source, location) = match (a.value("ipc"), a.value("net")) {
-        (Some(socket), None) => (SourceKind::Ipc, socket),
-        (None, Some(addr)) if a.value("gdr").is_some_and(|v| v != "false") => (SourceKind::Gdr, addr),
-        (None, Some(addr)) => (SourceKind::Rdma, addr),
-        _ => {
-            return Err("usage: wm pull (--ipc SOCKET | --net HOST:PORT [--gdr true]) [--rank R --world W] [--check DIR] [--verify true]".into())
-        }
+/// Where each tensor of the snapshot in `--check DIR` is, as rank
+/// `--rank` would read it: (file, offset, bytes) by name.
+type Expected = HashMap<String, (PathBuf, u64, u64)>;
+
+fn expected(a: &PullArgs) -> Result<Expected, String> {
+    let Some(dir) = &a.check else {
+        return Ok(HashMap::new());
     };
-    let rank: u32 = a.number("rank", 0)?;
-    let world: u32 = a.number("world", 1)?;
-    let expected: HashMap<String, (std::path::PathBuf, u64, u64)> = match a.value("check") {
-        None => HashMap::new(),
-        Some(dir) => {
-            let loc = SnapshotLocation {
-                model_dir: dir.into(),
-                fallback_dir: None,
-                rank,
-                gpu_id: a.value("gpu").unwrap_or("0").to_string(),
-            };
-            let src = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
-            src.manifest
-                .tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    let (path, off) = src.tensor_location(i);
-                    (t.name.clone(), (path.to_path_buf(), off, t.nbytes))
-                })
-                .collect()
-        }
+    let loc = SnapshotLocation {
+        model_dir: dir.clone(),
+        fallback_dir: None,
+        rank: a.rank,
+        gpu_id: a.gpu.clone(),
     };
-    let m = Manager::new(ManagerConfig {
-        rank,
-        world_size: world,
+    let src = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    Ok(src
+        .manifest
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (path, off) = src.tensor_location(i);
+            (t.name.clone(), (path.to_path_buf(), off, t.nbytes))
+        })
+        .collect())
+}
+
+/// The engine rank `wm pull` runs.
+fn pull_manager(a: &PullArgs) -> Result<Manager, String> {
+    Manager::new(ManagerConfig {
+        rank: a.rank,
+        world_size: a.world,
         net: NetSettings {
-            bucket_size: a.number(
-                "bucket-bytes",
-                a.number::<usize>("bucket-mib", defaults::BUCKET_SIZE >> 20)? << 20,
-            )?,
-            depth: a.number("depth", defaults::BUFFERS_IN_FLIGHT)?,
-            gdr_fallback: a.value("gdr-fallback").is_some_and(|v| v != "false"),
-            staged: a.value("staged").is_some_and(|v| v != "false"),
-            keyed_digests: a.value("keyed-digests").is_some_and(|v| v != "false"),
+            bucket_size: a.bucket_bytes.unwrap_or(a.bucket_mib << 20),
+            depth: a.depth,
+            gdr_fallback: a.gdr_fallback,
+            staged: a.staged,
+            keyed_digests: a.keyed_digests,
             ..Default::default()
         },
         ..Default::default()
     })
-    .map_err(|e| e.to_string())?;
-    let mut mismatches = Vec::new();
-    let mut checked = 0usize;
-    let mut received = 0usize;
-    let mut on_tensor = |t: &TensorView| -> Result<(), String> {
-        received += 1;
+    .map_err(|e| e.to_string())
+}
+
+/// What the zero-copy callback saw: tensors received, checked against
+/// the snapshot, and those that differ.
+#[derive(Default)]
+struct Checked {
+    received: usize,
+    checked: usize,
+    mismatches: Vec<String>,
+}
+
+impl Checked {
+    fn tensor(&mut self, t: &TensorView, expected: &Expected) -> Result<(), String> {
+        self.received += 1;
         if let Some((path, off, n)) = expected.get(t.name) {
             let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
             let mut want = vec![0u8; *n as usize];
             f.read_exact_at(&mut want, *off)
                 .map_err(|e| e.to_string())?;
             if want != t.data {
-                mismatches.push(t.name.to_string());
+                self.mismatches.push(t.name.to_string());
             }
-            checked += 1;
+            self.checked += 1;
         }
         Ok(())
+    }
+
+    /// Every tensor of the snapshot received and equal to it.
+    fn all_equal(&self, rank: u32, expected: &Expected) -> Result<(), String> {
+        let (received, checked, n) = (self.received, self.checked, expected.len());
+        if n > 0 && (checked != n || received != n) {
+            return Err(format!(
+                "rank {rank}: received {received} tensors, checked {checked}, the snapshot has {n}"
+            ));
+        }
+        if !self.mismatches.is_empty() {
+            return Err(format!(
+                "rank {rank}: tensors differ from the snapshot: {}",
+                self.mismatches.join(", ")
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Receive this rank's shard (zero-copy callback) and, with `--check DIR`,
+/// compare every tensor with the snapshot files the rank would read.
+pub fn pull(a: &PullArgs) -> Result<(), String> {
+    let (source, location) = match (&a.ipc, &a.net) {
+        (Some(socket), _) => (SourceKind::Ipc, socket),
+        (None, Some(addr)) if a.gdr => (SourceKind::Gdr, addr),
+        (None, Some(addr)) => (SourceKind::Rdma, addr),
+        (None, None) => unreachable!("clap requires --ipc or --net"),
     };
+    let rank = a.rank;
+    let expected = expected(a)?;
+    let m = pull_manager(a)?;
+    let mut seen = Checked::default();
+    let mut on_tensor = |t: &TensorView| seen.tensor(t, &expected);
     let mut req = UpdateRequest::snapshot(location);
     req.source = source;
     req.mode = Mode::InPlace;
-    req.verify = a.value("verify").is_some_and(|v| v != "false");
-    req.version = a.value("version").map(str::to_string);
-    req.timeout =
-        Duration::from_secs_f64(a.number("timeout", defaults::UPDATE_TIMEOUT.as_secs_f64())?);
+    req.verify = a.verify;
+    req.version = a.version.clone();
+    req.timeout = Duration::from_secs_f64(a.timeout);
     req.hooks.tensor = Some(&mut on_tensor);
     let t = Instant::now();
     let stats = m.update(req).map_err(|e| format!("rank {rank}: {e}"))?;
     let elapsed = t.elapsed();
-    if !expected.is_empty() && (checked != expected.len() || received != expected.len()) {
-        return Err(format!(
-            "rank {rank}: received {received} tensors, checked {checked}, the snapshot has {}",
-            expected.len()
-        ));
-    }
-    if !mismatches.is_empty() {
-        return Err(format!(
-            "rank {rank}: tensors differ from the snapshot: {}",
-            mismatches.join(", ")
-        ));
-    }
+    seen.all_equal(rank, &expected)?;
     println!(
         "rank {rank}: version {}, {} tensors, {} in {} ({:.2} GB/s){}",
         stats.version,
@@ -270,7 +349,7 @@ pub fn pull(a: &Args) -> Result<(), String> {
         if expected.is_empty() {
             String::new()
         } else {
-            format!(", all {checked} equal to the snapshot")
+            format!(", all {} equal to the snapshot", seen.checked)
         }
     );
     Ok(())

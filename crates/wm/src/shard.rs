@@ -12,7 +12,6 @@
 //! for the new files.
 
 use crate::fmt;
-use crate::Args;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -20,13 +19,26 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use weight_manager_core::checkpoint::shard_meta::{shard_json, SHARD_KEY};
-use weight_manager_core::checkpoint::Checkpoint;
-use weight_manager_core::checkpoint::{checksums, layout, version};
+use weight_manager_core::checkpoint::{checksums, layout, version, Checkpoint};
 use weight_manager_core::logging::Logger;
 use weight_manager_core::manifest::{Placement, TensorMeta};
 
-pub const OPTIONS: &[&str] = &["out", "ranks", "dim"];
-const USAGE: &str = "usage: wm shard <file|dir> --out DIR --ranks N [--dim D]";
+/// `wm shard` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A safetensors file, or a snapshot folder
+    #[arg(value_name = "file|dir")]
+    input: PathBuf,
+    /// Folder for the rank files
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Trainer ranks (files)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    ranks: u64,
+    /// The dimension split
+    #[arg(long, value_name = "D", default_value_t = 0)]
+    dim: usize,
+}
 
 /// One stored tensor of an output file: its bytes are `runs` (offset,
 /// length) of `src`, in order.
@@ -39,22 +51,16 @@ struct Piece<'a> {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let input = a.positional.first().ok_or(USAGE)?;
-    let out = PathBuf::from(a.value("out").ok_or(USAGE)?);
-    let ranks: u64 = a.number("ranks", 0)?;
-    let dim: usize = a.number("dim", 0)?;
-    if ranks == 0 {
-        return Err(format!("--ranks must be 1 or more\n{USAGE}"));
-    }
+    let (input, out, ranks, dim) = (&a.input, &a.out, a.ranks, a.dim);
     let t0 = Instant::now();
     let loc = layout::SnapshotLocation {
-        model_dir: PathBuf::from(input),
+        model_dir: input.clone(),
         fallback_dir: None,
         rank: 0,
         gpu_id: "0".into(),
     };
     let source = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
-    std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
+    std::fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))?;
     let mut bytes = 0;
     for r in 0..ranks {
         let pieces = rank_pieces(&source, r, ranks, dim);
@@ -69,7 +75,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         std::fs::copy(&from, out.join(version::VERSION_FILE))
             .map_err(|e| format!("copying {}: {e}", from.display()))?;
     }
-    checksums::write(&out, weight_manager_core::memory::copy::default_threads())
+    checksums::write(out, weight_manager_core::memory::copy::default_threads())
         .map_err(|e| e.to_string())?;
     println!(
         "wrote {ranks} rank file(s) to {}: {} tensors split along dim {dim}, {} in {}",

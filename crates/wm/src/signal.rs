@@ -6,13 +6,43 @@
 //! - `wm signal request <cell> update|clear [--timeout S]`: the controller's
 //!   request, answered as `signal::controller` describes.
 
-use crate::Args;
 use std::time::Duration;
 use weight_manager_core::signal::controller::Controller;
 use weight_manager_core::state::State;
 
-const USAGE: &str =
-    "usage: wm signal get|set|wait|request <cell> [STATE|update|clear] [--timeout SECONDS]";
+/// `wm signal` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    verb: Verb,
+    /// Seconds to wait (wait, request)
+    #[arg(long, global = true, default_value_t = 60.0, value_name = "SECONDS")]
+    timeout: f64,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Verb {
+    /// Print the control word
+    Get { cell: String },
+    /// Store a state: NORMAL, UPDATING, CLEARING or CLEARED
+    Set {
+        cell: String,
+        #[arg(value_name = "STATE")]
+        state: String,
+    },
+    /// Wait until the word holds a state
+    Wait {
+        cell: String,
+        #[arg(value_name = "STATE")]
+        state: String,
+    },
+    /// The controller's request, answered as `signal::controller` describes
+    Request {
+        cell: String,
+        #[arg(value_name = "update|clear")]
+        action: String,
+    },
+}
 
 fn parse_state(s: &str) -> Result<State, String> {
     match s.to_ascii_uppercase().as_str() {
@@ -27,27 +57,27 @@ fn parse_state(s: &str) -> Result<State, String> {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let [_, verb, cell, rest @ ..] = a.positional.as_slice() else {
-        return Err(USAGE.into());
+    let cell = match &a.verb {
+        Verb::Get { cell } | Verb::Set { cell, .. } => cell,
+        Verb::Wait { cell, .. } | Verb::Request { cell, .. } => cell,
     };
     let c = Controller::open(cell).map_err(|e| e.to_string())?;
-    let timeout = Duration::from_secs_f64(a.number("timeout", 60.0)?);
-    match (verb.as_str(), rest) {
-        ("get", []) => println!("{}", c.get().map_err(|e| e.to_string())?),
-        ("set", [s]) => c.set(parse_state(s)?).map_err(|e| e.to_string())?,
-        ("wait", [s]) => c
-            .wait_for(parse_state(s)?, timeout)
+    let timeout = Duration::from_secs_f64(a.timeout);
+    match &a.verb {
+        Verb::Get { .. } => println!("{}", c.get().map_err(|e| e.to_string())?),
+        Verb::Set { state, .. } => c.set(parse_state(state)?).map_err(|e| e.to_string())?,
+        Verb::Wait { state, .. } => c
+            .wait_for(parse_state(state)?, timeout)
             .map_err(|e| e.to_string())?,
-        ("request", [what]) => {
+        Verb::Request { action: what, .. } => {
             let action = match what.as_str() {
                 "update" => State::Updating,
                 "clear" => State::Clearing,
-                _ => return Err(USAGE.into()),
+                _ => return Err(format!("'{what}' is not update or clear")),
             };
             let outcome = c.request(action, timeout).map_err(|e| e.to_string())?;
             println!("{what}: {outcome:?}");
         }
-        _ => return Err(USAGE.into()),
     }
     Ok(())
 }

@@ -10,8 +10,8 @@
 //! update logs `updated <version> w=<xxh3-128 of w's bytes, read back>`;
 //! `--fanout G` (and `--nccl PATH`) puts the rank in NCCL fan-out group G.
 
-use crate::Args;
 use std::io::Write;
+use std::path::PathBuf;
 use std::time::Duration;
 use weight_manager_core::checksum;
 use weight_manager_core::fanout::FanoutSettings;
@@ -21,107 +21,145 @@ use weight_manager_core::registry::{MemoryKind, ParamSpec};
 use weight_manager_core::state::State;
 use weight_manager_core::tensor::DType;
 
-pub const OPTIONS: &[&str] = &[
-    "group",
-    "rank",
-    "world",
-    "local-rank",
-    "local-world",
-    "node",
-    "addr",
-    "cell",
-    "model-dir",
-    "steps",
-    "step-us",
-    "timeout-ms",
-    "log",
-    "device",
-    "fanout",
-    "nccl",
-];
+/// `wm worker` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The snapshot folder updates read
+    #[arg(long, value_name = "DIR")]
+    model_dir: PathBuf,
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    rank: u32,
+    #[arg(long, value_name = "W", default_value_t = 1)]
+    world: u32,
+    /// The ranks' group (default: none, a lone rank)
+    #[arg(long, value_name = "NAME")]
+    group: Option<String>,
+    /// Group: this rank on its node
+    #[arg(long, value_name = "L")]
+    local_rank: Option<u32>,
+    /// Group: ranks on this node
+    #[arg(long, value_name = "N")]
+    local_world: Option<u32>,
+    /// Group: this node
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    node: u32,
+    /// Group: the address of the ranks' meeting point
+    #[arg(long, value_name = "HOST:PORT")]
+    addr: Option<String>,
+    /// The control cell
+    #[arg(long, value_name = "NAME")]
+    cell: Option<String>,
+    /// Steps to run
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    steps: u64,
+    /// Sleep of a serving step, in microseconds
+    #[arg(long, value_name = "US", default_value_t = 100)]
+    step_us: u64,
+    /// Group timeout in milliseconds
+    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    timeout_ms: u64,
+    /// Log each step's signal (and updates' checksums) to this file
+    #[arg(long, value_name = "FILE")]
+    log: Option<PathBuf>,
+    /// `w` in the memory of this GPU (default: host)
+    #[arg(long, value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    device: i32,
+    /// The rank's NCCL fan-out group
+    #[arg(long, value_name = "G")]
+    fanout: Option<u32>,
+    /// The NCCL library (fan-out)
+    #[arg(long, value_name = "PATH")]
+    nccl: Option<PathBuf>,
+}
 
-pub fn run(a: &Args) -> Result<(), String> {
-    let rank: u32 = a.number("rank", 0)?;
-    let world: u32 = a.number("world", 1)?;
-    let steps: u64 = a.number("steps", 1000)?;
-    let step_us: u64 = a.number("step-us", 100)?;
-    let timeout = Duration::from_millis(a.number("timeout-ms", 10_000)?);
-    let model_dir = a.value("model-dir").ok_or("wm worker needs --model-dir")?;
-    let group = a.value("group").map(|name| GroupSettings {
-        name: name.to_string(),
-        local_rank: a.value("local-rank").map(|v| v.parse().unwrap_or(0)),
-        local_world_size: a.value("local-world").map(|v| v.parse().unwrap_or(1)),
-        node_rank: a.value("node").map_or(0, |v| v.parse().unwrap_or(0)),
-        addr: a.value("addr").map(str::to_string),
-        timeout,
+/// The manager of a worker rank.
+fn manager(a: &Args) -> Result<Manager, String> {
+    let group = a.group.as_ref().map(|name| GroupSettings {
+        name: name.clone(),
+        local_rank: a.local_rank,
+        local_world_size: a.local_world,
+        node_rank: a.node,
+        addr: a.addr.clone(),
+        timeout: Duration::from_millis(a.timeout_ms),
     });
-    let device: i32 = a.number("device", -1)?;
-    let fanout = match a.value("fanout") {
-        Some(g) => Some(FanoutSettings {
-            group: g
-                .parse()
-                .map_err(|_| format!("--fanout {g} is not a group number"))?,
-            nccl_library: a.value("nccl").map(Into::into),
-        }),
-        None => None,
-    };
-    let m = Manager::new(ManagerConfig {
-        rank,
-        world_size: world,
-        device,
-        fallback_dir: None,
-        control_cell: a.value("cell").map(str::to_string),
+    let fanout = a.fanout.map(|group| FanoutSettings {
         group,
-        model_dir: Some(model_dir.into()),
+        nccl_library: a.nccl.clone(),
+    });
+    Manager::new(ManagerConfig {
+        rank: a.rank,
+        world_size: a.world,
+        device: a.device,
+        fallback_dir: None,
+        control_cell: a.cell.clone(),
+        group,
+        model_dir: Some(a.model_dir.clone()),
         fanout,
         ..Default::default()
     })
-    .map_err(|e| format!("rank {rank}: init: {e}"))?;
-    let mut spec = ParamSpec::host("w", DType::F32, &[16]);
-    if device >= 0 {
-        spec.memory = MemoryKind::Device;
-        spec.device_ordinal = device;
+    .map_err(|e| format!("rank {}: init: {e}", a.rank))
+}
+
+/// A worker rank's param `w` and the log of its steps.
+struct Rank<'a> {
+    a: &'a Args,
+    m: Manager,
+    w: (*mut u8, usize),
+    log: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl Rank<'_> {
+    /// Update from the snapshot; on a device, log `w`'s checksum.
+    fn update(&mut self) -> weight_manager_core::Result<()> {
+        let stats = self.m.update(UpdateRequest::snapshot(&self.a.model_dir))?;
+        let device = self.a.device;
+        if let (Some(l), true) = (self.log.as_mut(), device >= 0) {
+            let (w, w_len) = self.w;
+            let mut bytes = vec![0u8; w_len];
+            // SAFETY: `w` is this manager's device param of `w_len` bytes.
+            unsafe { download(device, bytes.as_mut_ptr(), w as u64, w_len)? };
+            let sum = checksum::of(&bytes);
+            let _ = writeln!(l, "updated {} w={sum:032x}", stats.version);
+        }
+        Ok(())
     }
-    let (w, w_len) = m.allocate(&spec).map_err(|e| format!("rank {rank}: {e}"))?;
-    let mut log = match a.value("log") {
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let rank = a.rank;
+    let m = manager(a)?;
+    let mut spec = ParamSpec::host("w", DType::F32, &[16]);
+    if a.device >= 0 {
+        spec.memory = MemoryKind::Device;
+        spec.device_ordinal = a.device;
+    }
+    let w = m.allocate(&spec).map_err(|e| format!("rank {rank}: {e}"))?;
+    let log = match &a.log {
         Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).map_err(|e| format!("creating {p}: {e}"))?,
+            std::fs::File::create(p).map_err(|e| format!("creating {}: {e}", p.display()))?,
         )),
         None => None,
     };
+    let mut r = Rank { a, m, w, log };
     let (mut updates, mut clears, mut failed) = (0, 0, 0);
-    for step in 0..steps {
-        let signal = m
-            .broadcast_signal()
-            .map_err(|e| format!("rank {rank}: step {step}: {e}"))?;
-        if let Some(l) = log.as_mut() {
+    for step in 0..a.steps {
+        let signal =
+            r.m.broadcast_signal()
+                .map_err(|e| format!("rank {rank}: step {step}: {e}"))?;
+        if let Some(l) = r.log.as_mut() {
             writeln!(l, "{step} {}", signal.name()).map_err(|e| e.to_string())?;
         }
         let outcome = match signal {
             State::Updating => {
                 updates += 1;
-                m.update(UpdateRequest::snapshot(model_dir))
-                    .and_then(|stats| {
-                        if let (Some(l), true) = (log.as_mut(), device >= 0) {
-                            let mut bytes = vec![0u8; w_len];
-                            // SAFETY: `w` is this manager's device param of `w_len` bytes.
-                            unsafe { download(device, bytes.as_mut_ptr(), w as u64, w_len)? };
-                            let _ = writeln!(
-                                l,
-                                "updated {} w={:032x}",
-                                stats.version,
-                                checksum::of(&bytes)
-                            );
-                        }
-                        Ok(())
-                    })
+                r.update()
             }
             State::Clearing => {
                 clears += 1;
-                m.clear().map(|_| ())
+                r.m.clear().map(|_| ())
             }
             _ => {
-                std::thread::sleep(Duration::from_micros(step_us));
+                std::thread::sleep(Duration::from_micros(a.step_us));
                 Ok(())
             }
         };
@@ -139,9 +177,10 @@ pub fn run(a: &Args) -> Result<(), String> {
             eprintln!("wm worker: rank {rank}: step {step}: {signal} failed: {e}");
         }
     }
-    if let Some(mut l) = log {
+    if let Some(mut l) = r.log.take() {
         l.flush().map_err(|e| e.to_string())?;
     }
+    let steps = a.steps;
     println!("rank {rank}: {steps} steps, {updates} updates, {clears} clears, {failed} failed");
     Ok(())
 }

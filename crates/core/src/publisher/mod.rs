@@ -90,7 +90,7 @@ use std::time::Duration;
 
 /// The UCX tag of a network bucket entry's message (`wire::message_tag`).
 pub use crate::wire::message_tag as net_tag;
-pub use config::PublisherConfig;
+pub use config::{PublisherConfig, TEST_HOOKS};
 pub use offer::{Content, HostTensor};
 pub use stats::{ServeStats, SessionStats};
 

@@ -9,10 +9,9 @@
 
 mod report;
 
-use crate::Args;
 use report::{Report, Totals};
 use std::ops::Range;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,37 +20,49 @@ use weight_manager_core::manifest::Manifest;
 use weight_manager_core::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
 use weight_manager_core::plan::{Params, PlanOptions, Sources, Target};
 
-pub const OPTIONS: &[&str] = &[
-    "trainer",
-    "engine",
-    "link-gbps",
-    "json",
-    "engine-ranks",
-    "goodput",
-    "wire-dtype",
-    "delta-fraction",
-];
-pub const FLAGS: &[&str] = &["json"];
-const USAGE: &str = "usage: wm plan --trainer TRAINER.json --engine ENGINE.json \
-     [--link-gbps 400] [--goodput 1.0] [--wire-dtype bf16|fp8] [--delta-fraction F] \
-     [--engine-ranks FIRST:END] [--json]";
+/// `wm plan` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The trainer's layout (docs/layouts.md)
+    #[arg(long, value_name = "TRAINER.json")]
+    trainer: PathBuf,
+    /// The engine's layout (docs/layouts.md)
+    #[arg(long, value_name = "ENGINE.json")]
+    engine: PathBuf,
+    /// Line rate of each link, in Gb/s
+    #[arg(long, default_value_t = 400.0)]
+    link_gbps: f64,
+    /// The share of line rate a link delivers, in (0, 1]
+    #[arg(long, default_value_t = 1.0)]
+    goodput: f64,
+    /// The dtype on the wire: bf16, or fp8 with 128x128 block scales
+    #[arg(long, value_name = "bf16|fp8", default_value = "bf16")]
+    wire_dtype: String,
+    /// Send deltas of this share of elements, in [0, 1] (default: whole)
+    #[arg(long, value_name = "F")]
+    delta_fraction: Option<f64>,
+    /// Plan only these engine ranks (default: all)
+    #[arg(long, value_name = "FIRST:END")]
+    engine_ranks: Option<String>,
+    /// Print one JSON object instead of the text report
+    #[arg(long)]
+    json: bool,
+}
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let trainer_path = a.value("trainer").ok_or(USAGE)?;
-    let engine_path = a.value("engine").ok_or(USAGE)?;
-    let gbps: f64 = a.number("link-gbps", 400.0)?;
+    let gbps = a.link_gbps;
     if !(gbps > 0.0 && gbps.is_finite()) {
         return Err(format!("--link-gbps {gbps}: must be more than 0"));
     }
     let wire = report::Wire::from_args(a)?;
     let t0 = Instant::now();
-    let trainer = read_trainer(Path::new(trainer_path)).map_err(|e| e.to_string())?;
-    let engine = read_engine(Path::new(engine_path)).map_err(|e| e.to_string())?;
+    let trainer = read_trainer(&a.trainer).map_err(|e| e.to_string())?;
+    let engine = read_engine(&a.engine).map_err(|e| e.to_string())?;
     let read = t0.elapsed();
-    let ranks = engine_ranks(a, engine.ranks)?;
+    let ranks = engine_ranks(a.engine_ranks.as_deref(), engine.ranks)?;
     let totals = plan_all(&trainer, &engine, ranks)?;
     let report = Report::new(&trainer, &engine, totals, read, (gbps, wire));
-    match a.flag("json") {
+    match a.json {
         true => println!("{}", report.json()),
         false => print!("{}", report.text()),
     }
@@ -59,8 +70,8 @@ pub fn run(a: &Args) -> Result<(), String> {
 }
 
 /// `--engine-ranks FIRST:END` (default all): plan only those engine ranks.
-fn engine_ranks(a: &Args, ranks: usize) -> Result<Range<usize>, String> {
-    let Some(v) = a.value("engine-ranks") else {
+fn engine_ranks(v: Option<&str>, ranks: usize) -> Result<Range<usize>, String> {
+    let Some(v) = v else {
         return Ok(0..ranks);
     };
     let bad = || format!("--engine-ranks {v}: needs FIRST:END with FIRST < END <= {ranks}");

@@ -80,24 +80,22 @@ pub struct Wire {
 }
 
 impl Wire {
-    pub fn from_args(a: &crate::Args) -> Result<Wire, String> {
-        let goodput: f64 = a.number("goodput", 1.0)?;
+    pub fn from_args(a: &super::Args) -> Result<Wire, String> {
+        let goodput = a.goodput;
         if !(goodput > 0.0 && goodput <= 1.0) {
             return Err(format!(
                 "--goodput {goodput}: a share of line rate, in (0, 1]"
             ));
         }
-        let fp8 = match a.value("wire-dtype").unwrap_or("bf16") {
+        let fp8 = match a.wire_dtype.as_str() {
             "bf16" => false,
             "fp8" => true,
             other => return Err(format!("--wire-dtype {other}: bf16 or fp8")),
         };
-        let delta_fraction = match a.value("delta-fraction") {
+        let delta_fraction = match a.delta_fraction {
             None => None,
-            Some(v) => match v.parse::<f64>() {
-                Ok(f) if (0.0..=1.0).contains(&f) => Some(f),
-                _ => return Err(format!("--delta-fraction {v}: a share in [0, 1]")),
-            },
+            Some(f) if (0.0..=1.0).contains(&f) => Some(f),
+            Some(v) => return Err(format!("--delta-fraction {v}: a share in [0, 1]")),
         };
         Ok(Wire {
             goodput,

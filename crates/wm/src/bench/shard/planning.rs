@@ -18,10 +18,10 @@
 //! then the plan taking the next version's manifests (`take_sources`, what
 //! the manager's plan cache does).
 
-use super::Row;
-use crate::Args;
+use super::{Args, Row};
+use crate::bench::harness::best_timed;
 use serde_json::json;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weight_manager_core::logging::Logger;
 use weight_manager_core::manifest::{Manifest, SharedMeta};
 use weight_manager_core::plan::layout::{EngineLayout, TrainerLayout};
@@ -34,9 +34,8 @@ const TARGET: Duration = Duration::from_millis(10);
 const PIECES_PER_LAYER: u64 = 8;
 
 pub fn run(a: &Args) -> Result<Vec<Row>, String> {
-    let pieces: u64 = a.number("pieces", 10_000)?;
-    let sources: u64 = a.number("sources", 8)?;
-    let runs: usize = a.number("runs", 20)?;
+    let (pieces, sources) = (a.pieces, a.sources);
+    let runs = a.runs.unwrap_or(20);
     if pieces < PIECES_PER_LAYER || !(1..=64).contains(&sources) || 64 % sources != 0 {
         return Err(format!(
             "--pieces must be {PIECES_PER_LAYER} or more, --sources divide 64"
@@ -78,29 +77,75 @@ fn measure(
     let quiet = Logger::stderr(weight_manager_core::logging::LogLevel::Off);
     let plan = || make_sharded_plan(&manifests, &params, opts, &quiet).map_err(|e| e.to_string());
     let runs_made = plan()?.runs.len();
-    let scratch = best(runs, || plan().map(drop))?;
-    let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
-    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-12);
+    let scratch = best_timed(runs, || plan().map(drop))?;
     let how = if split {
         "dim-0 shards (FSDP)"
     } else {
         "whole layers (PP)"
     };
     let sources = manifests.len();
-    let mut rows = vec![Row {
-        what: format!("plan {count} pieces x {sources} sources, {how}, {runs_made} runs"),
-        value: ms(scratch),
-        beside: format!("target {}", ms(TARGET)),
-        ratio: ratio(scratch, TARGET),
-        ok: Some(scratch <= TARGET),
-    }];
-    if !split {
-        return Ok(rows);
+    let mut rows = vec![timed_row(
+        format!("plan {count} pieces x {sources} sources, {how}, {runs_made} runs"),
+        scratch,
+        ("target", TARGET),
+        Some(scratch <= TARGET),
+    )];
+    if split {
+        let planned = Planned {
+            manifests: &manifests,
+            params: &params,
+            opts,
+            quiet: &quiet,
+            runs,
+        };
+        rows.extend(fsdp_rows(&planned, scratch)?);
     }
-    let indexed = Sources::new(&manifests).map_err(|e| e.to_string())?;
-    let again = best(runs, || {
+    Ok(rows)
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} ms", d.as_secs_f64() * 1e3)
+}
+
+fn ratio(a: Duration, b: Duration) -> f64 {
+    a.as_secs_f64() / b.as_secs_f64().max(1e-12)
+}
+
+/// A figure `t` beside `(name, against)`, their ratio.
+fn timed_row(
+    what: String,
+    t: Duration,
+    (name, against): (&str, Duration),
+    ok: Option<bool>,
+) -> Row {
+    Row {
+        what,
+        value: ms(t),
+        beside: format!("{name} {}", ms(against)),
+        ratio: ratio(t, against),
+        ok,
+    }
+}
+
+/// One engine rank's planning against its sources.
+struct Planned<'a> {
+    manifests: &'a [&'a Manifest],
+    params: &'a [ParamLayout],
+    opts: PlanOptions,
+    quiet: &'a Logger,
+    runs: usize,
+}
+
+/// The rows of FSDP sources beyond planning from scratch (`scratch`):
+/// planning again against sources indexed once, the floor of the entries
+/// a plan builds, and what reusing a plan costs.
+fn fsdp_rows(p: &Planned, scratch: Duration) -> Result<Vec<Row>, String> {
+    let (manifests, params, runs) = (p.manifests, p.params, p.runs);
+    let plan = || make_sharded_plan(manifests, params, p.opts, p.quiet).map_err(|e| e.to_string());
+    let indexed = Sources::new(manifests).map_err(|e| e.to_string())?;
+    let again = best_timed(runs, || {
         indexed
-            .plan(&params, opts, &quiet)
+            .plan(params, p.opts, p.quiet)
             .map(drop)
             .map_err(|e| e.to_string())
     })?;
@@ -112,7 +157,7 @@ fn measure(
         .iter()
         .map(|e| (e.source, e.tensor))
         .collect();
-    let floor = best(runs, || {
+    let floor = best_timed(runs, || {
         let entries: Vec<PlanEntry> = read
             .iter()
             .map(|&(source, tensor)| PlanEntry {
@@ -126,42 +171,36 @@ fn measure(
         drop(std::hint::black_box(entries));
         Ok(())
     })?;
-    let reuse = reuse_cost(&manifests, &params, plan()?, runs)?;
-    rows.extend([
+    let reuse = reuse_cost(manifests, params, plan()?, runs)?;
+    let floor_what = format!(
+        "  floor: {} plan entries built and dropped (of {} shards)",
+        read.len(),
+        shards(manifests)
+    );
+    Ok(vec![
         Row {
-            what: format!(
-                "  floor: {} plan entries built and dropped (of {} shards)",
-                read.len(),
-                shards(&manifests)
-            ),
-            value: ms(floor),
-            beside: format!("planning {}", ms(scratch)),
             ratio: ratio(scratch, floor),
-            ok: None,
+            ..timed_row(floor_what, floor, ("planning", scratch), None)
         },
-        Row {
-            what: "  plan again, sources indexed once".into(),
-            value: ms(again),
-            beside: format!("target {}", ms(TARGET)),
-            ratio: ratio(again, TARGET),
-            ok: Some(again <= TARGET),
-        },
-        Row {
-            what: "  reuse: fingerprint of the layouts".into(),
-            value: ms(reuse.check),
-            beside: format!("planning {}", ms(scratch)),
-            ratio: ratio(reuse.check, scratch),
-            ok: Some(reuse.check < scratch),
-        },
-        Row {
-            what: "  reuse: fingerprint, then the next version's manifests taken".into(),
-            value: ms(reuse.total),
-            beside: format!("planning {}", ms(scratch)),
-            ratio: ratio(reuse.total, scratch),
-            ok: Some(reuse.total < scratch),
-        },
-    ]);
-    Ok(rows)
+        timed_row(
+            "  plan again, sources indexed once".into(),
+            again,
+            ("target", TARGET),
+            Some(again <= TARGET),
+        ),
+        timed_row(
+            "  reuse: fingerprint of the layouts".into(),
+            reuse.check,
+            ("planning", scratch),
+            Some(reuse.check < scratch),
+        ),
+        timed_row(
+            "  reuse: fingerprint, then the next version's manifests taken".into(),
+            reuse.total,
+            ("planning", scratch),
+            Some(reuse.total < scratch),
+        ),
+    ])
 }
 
 /// What reusing a plan costs: the fingerprint alone, and the fingerprint
@@ -178,7 +217,7 @@ fn reuse_cost(
     mut plan: Plan,
     runs: usize,
 ) -> Result<Reuse, String> {
-    let check = best(runs, || {
+    let check = best_timed(runs, || {
         std::hint::black_box(fingerprint(manifests, params));
         Ok(())
     })?;
@@ -187,7 +226,7 @@ fn reuse_cost(
     let next: Vec<&Manifest> = next.iter().collect();
     let was = fingerprint(manifests, params);
     let mut round = 0;
-    let total = best(runs, || {
+    let total = best_timed(runs, || {
         round += 1;
         let sources = if round % 2 == 1 { &next } else { manifests };
         if fingerprint(sources, params) != was {
@@ -209,17 +248,6 @@ fn copied(m: &Manifest) -> Manifest {
 
 fn shards(manifests: &[&Manifest]) -> usize {
     manifests.iter().map(|m| m.tensors.len()).sum()
-}
-
-/// The fastest of `runs` timings of `f`.
-fn best(runs: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Duration, String> {
-    let mut best = Duration::MAX;
-    for _ in 0..runs.max(1) {
-        let t0 = Instant::now();
-        f()?;
-        best = best.min(t0.elapsed());
-    }
-    Ok(best)
 }
 
 /// A dense model of `layers` layers, hidden size 64, on `tp` trainer ranks

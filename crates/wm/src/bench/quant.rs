@@ -15,14 +15,26 @@
 //! Inputs: 64 MiB bf16 tensors of [4096, 8192] with values like trained
 //! weights (about 1e-2, a few blocks far larger or smaller).
 
-use crate::bench::Scratch;
-use crate::bench_torch::{alternate, TorchPeer};
+use super::harness::floors::memcpy_floor;
+use super::harness::torch::TorchPeer;
+use super::harness::{alternate, verdict, Scratch};
 use crate::fmt::gbps;
 use std::time::{Duration, Instant};
 use weight_manager_core::quant::{self, Scheme, Source};
 use weight_manager_core::tensor::DType;
 
 const SHAPE: [usize; 2] = [4096, 8192];
+
+/// `wm bench quant` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Bytes of bf16 weights in GiB (tensors of 64 MiB)
+    #[arg(long, default_value_t = 0.25)]
+    gib: f64,
+    /// Pairs of alternating runs
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+}
 
 /// The block edge of the scheme measured.
 fn block() -> usize {
@@ -105,9 +117,8 @@ fn weights(seed: u64) -> Vec<u8> {
     out
 }
 
-pub fn run(a: &crate::Args) -> Result<(), String> {
-    let gib: f64 = a.number("gib", 0.25)?;
-    let pairs: usize = a.number("runs", 5)?;
+pub fn run(a: &Args) -> Result<(), String> {
+    let (gib, pairs) = (a.gib, a.runs);
     let bytes_each = SHAPE[0] * SHAPE[1] * 2;
     let count = ((gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
     let inputs: Vec<Vec<u8>> = (0..count).map(|i| weights(i as u64 + 1)).collect();
@@ -121,9 +132,7 @@ pub fn run(a: &crate::Args) -> Result<(), String> {
         "wm bench quant: {count} bf16 tensors of {SHAPE:?} ({:.2} GiB) to FP8 E4M3, 128x128 block scales; {cores} cores",
         total as f64 / (1u64 << 30) as f64
     );
-    let scratch =
-        Scratch(std::env::temp_dir().join(format!("wm-bench-quant-{}", std::process::id())));
-    std::fs::create_dir_all(&scratch.0).map_err(|e| e.to_string())?;
+    let scratch = Scratch::temp("wm-bench-quant")?;
     let file = scratch.0.join("weights.bin");
     std::fs::write(&file, inputs.concat()).map_err(|e| e.to_string())?;
     let args = [file.display().to_string(), count.to_string()];
@@ -161,19 +170,15 @@ fn section(
     let copy = || {
         let t = Instant::now();
         for (d, x) in dst.iter_mut().zip(inputs) {
-            crate::bench_floors::memcpy_floor(x, d, threads)?;
+            memcpy_floor(x, d, threads)?;
         }
         Ok(t.elapsed())
     };
     let (r, o, c) = alternate(pairs, quantize, copy)?;
     let per_core = if threads == 1 { " per core" } else { "" };
-    let verdict = if threads == 1 {
-        crate::bench::verdict(r >= 0.5)
-    } else {
-        ""
-    };
+    let target = if threads == 1 { verdict(r >= 0.5) } else { "" };
     println!(
-        "  {threads} thread(s): wm quantize {:.2} GB/s of bf16, memcpy of the same bytes {:.2} GB/s: ratio {r:.2} (median of {pairs} pairs; target >= 0.5{per_core}) {verdict}",
+        "  {threads} thread(s): wm quantize {:.2} GB/s of bf16, memcpy of the same bytes {:.2} GB/s: ratio {r:.2} (median of {pairs} pairs; target >= 0.5{per_core}) {target}",
         gbps(total, o),
         gbps(total, c),
     );
@@ -185,7 +190,7 @@ fn section(
     println!(
         "  {threads} thread(s): PyTorch (same expression, same bytes) {:.2} GB/s: wm / torch {r:.2}x (median of {pairs} alternating pairs; target >= 2) {}",
         gbps(total, p),
-        crate::bench::verdict(r >= 2.0)
+        verdict(r >= 2.0)
     );
     Ok(())
 }

@@ -16,10 +16,12 @@
 //!
 //! Without a GPU it says so and exits with an error.
 
-use crate::bench::{best, layer_count, write_layers, Scratch, TrainerProcess, LAYER, LAYER_SHAPE};
+use super::harness::process::Proc;
+use super::harness::{best, verdict, Scratch, RUNS};
+use super::model::{layer_count, write_layers, LAYER, LAYER_SHAPE};
 use crate::fmt::{self, gbps};
-use crate::Args;
 use cudarc::driver::sys;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
@@ -29,9 +31,13 @@ use weight_manager_core::registry::{MemoryKind, ParamSpec};
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
 
-/// Timed updates per figure (the best is kept); the IPC trainer serves one
-/// more for the warm-up.
-const RUNS: usize = 3;
+/// `wm bench gpu` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model size in GiB (tensors of 64 MiB)
+    #[arg(long, default_value_t = 4.0)]
+    gib: f64,
+}
 
 fn ok(r: sys::CUresult, call: &str) -> Result<(), String> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -124,13 +130,9 @@ fn timed(m: &Manager, req: UpdateRequest) -> Result<Duration, String> {
     Ok(t.elapsed())
 }
 
-/// Library-owned device params updated atomically, best of [`RUNS`]
-/// after a warm-up, with the device page swap on or off.
-fn library_owned_atomic(
-    dir: &std::path::Path,
-    count: usize,
-    swap: bool,
-) -> Result<Duration, String> {
+/// A fresh manager with library-owned device params of `count` layers,
+/// updated once from the snapshot in `dir`.
+fn library_owned(dir: &Path, count: usize, swap: bool) -> Result<Manager, String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         swap_device_pages: swap,
@@ -142,33 +144,29 @@ fn library_owned_atomic(
     }
     m.update(UpdateRequest::snapshot(dir))
         .map_err(|e| e.to_string())?;
-    best(|| timed(&m, UpdateRequest::snapshot(dir)))
+    Ok(m)
 }
 
-fn verdict(ratio: f64, target: f64) -> &'static str {
-    if ratio >= target {
-        "PASS"
-    } else {
-        "MISS"
-    }
+/// Library-owned device params updated atomically, best of [`RUNS`]
+/// after a warm-up, with the device page swap on or off.
+fn library_owned_atomic(dir: &Path, count: usize, swap: bool) -> Result<Duration, String> {
+    let m = library_owned(dir, count, swap)?;
+    best(|| timed(&m, UpdateRequest::snapshot(dir)))
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
     let c = cuda().map_err(|e| format!("wm bench gpu needs a GPU: {e}"))?;
     let (name, _) = c.device_info(0).map_err(|e| e.to_string())?;
-    let gib: f64 = a.number("gib", 4.0)?;
-    let count = layer_count(gib);
+    let count = layer_count(a.gib);
     let total = count * LAYER;
-    let dir = std::env::temp_dir().join(format!("wm-bench-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let _scratch = Scratch(dir.clone());
-    write_layers(&dir, count)?;
+    let scratch = Scratch::temp("wm-bench-gpu")?;
+    let dir = &scratch.0;
+    write_layers(dir, count)?;
     std::fs::write(dir.join("version.yaml"), "version: gpu-bench\n").map_err(|e| e.to_string())?;
     println!(
         "wm bench gpu: {} of bf16 in {count} tensors of 64 MiB on GPU 0 ({name}), best of {RUNS}",
         fmt::bytes(total as u64)
     );
-
     let a_buf = ExportedDeviceBuffer::new("floor", 0, total).map_err(|e| e.to_string())?;
     let b_buf = ExportedDeviceBuffer::new("floor", 0, total).map_err(|e| e.to_string())?;
     let htod = gbps(total as u64, pinned_floor(&a_buf, total)?);
@@ -176,105 +174,106 @@ pub fn run(a: &Args) -> Result<(), String> {
     drop((a_buf, b_buf));
     println!("  floor  pinned host to device       {htod:>8.2} GB/s");
     println!("  floor  device to device            {dtod:>8.2} GB/s");
-
-    {
-        let (m, _params) = engine(count)?;
-        for (mode, label) in [(Mode::InPlace, "in-place"), (Mode::Atomic, "atomic  ")] {
-            let d = best(|| {
-                let mut req = UpdateRequest::snapshot(&dir);
-                req.mode = mode;
-                timed(&m, req)
-            })?;
-            let r = gbps(total as u64, d) / htod;
-            let target = if mode == Mode::InPlace {
-                format!("(target >= 0.85) {}", verdict(r, 0.85))
-            } else {
-                "(stages the whole update first: informational)".into()
-            };
-            println!(
-                "  wm     snapshot -> GPU, {label}    {:>8.2} GB/s   ratio {r:.2} to pinned HtoD {target}",
-                gbps(total as u64, d)
-            );
-        }
-    }
-
-    {
-        let sock = dir.join("trainer.sock");
-        let args: Vec<String> = [
-            "serve",
-            "--ipc",
-            sock.to_str().unwrap_or_default(),
-            dir.to_str().unwrap_or_default(),
-            "--gpu",
-            "0",
-            "--engines",
-            &(RUNS + 1).to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let (trainer, _) = TrainerProcess::start(&args, "wm serve: published")?;
-        let (m, _params) = engine(count)?;
-        let ipc = || {
-            let mut req = UpdateRequest::snapshot(&sock);
-            req.source = SourceKind::Ipc;
-            req.mode = Mode::InPlace;
-            req
-        };
-        // The first session waits for the trainer to listen, and opens its
-        // buffer for the first time.
-        let start = Instant::now();
-        while let Err(e) = m.update(ipc()) {
-            if start.elapsed() > Duration::from_secs(60) {
-                return Err(format!("the trainer did not serve: {e}"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let d = best(|| timed(&m, ipc()))?;
-        let r = gbps(total as u64, d) / dtod;
-        println!(
-            "  wm     IPC device -> device        {:>8.2} GB/s   ratio {r:.2} to DtoD (target >= 0.90) {}",
-            gbps(total as u64, d),
-            verdict(r, 0.9)
-        );
-        trainer.finish()?;
-    }
-
-    {
-        let m = Manager::new(ManagerConfig {
-            fallback_dir: None,
-            ..Default::default()
-        })
-        .map_err(|e| e.to_string())?;
-        for i in 0..count {
-            m.allocate(&device_spec(i)).map_err(|e| e.to_string())?;
-        }
-        m.update(UpdateRequest::snapshot(&dir))
-            .map_err(|e| e.to_string())?;
-        let steady = best(|| timed(&m, UpdateRequest::snapshot(&dir)))?;
-        let t = Instant::now();
-        let cleared = m.clear().map_err(|e| e.to_string())?;
-        let clear = t.elapsed();
-        let after = timed(&m, UpdateRequest::snapshot(&dir))?;
-        let gib = total as f64 / (1u64 << 30) as f64;
-        println!(
-            "  wm     clear (library-owned)       {:>8} per GiB ({} freed, by the driver's count)",
-            fmt::ms(clear.div_f64(gib)),
-            fmt::bytes(cleared.device_bytes_freed)
-        );
-        println!(
-            "  wm     restore (map + zero)        {:>8} per GiB (update after clear {} - steady update {})",
-            fmt::ms(after.saturating_sub(steady).div_f64(gib)),
-            fmt::ms(after),
-            fmt::ms(steady)
-        );
-    }
-
-    let plain = gbps(total as u64, library_owned_atomic(&dir, count, false)?);
-    let swapped = gbps(total as u64, library_owned_atomic(&dir, count, true)?);
+    snapshot_rows(dir, count, htod)?;
+    ipc_row(dir, count, dtod)?;
+    clear_rows(dir, count)?;
+    let plain = gbps(total as u64, library_owned_atomic(dir, count, false)?);
+    let swapped = gbps(total as u64, library_owned_atomic(dir, count, true)?);
     println!(
         "  wm     atomic, device page swap    {swapped:>8.2} GB/s   ratio {:.2} to uploading into the params ({plain:.2} GB/s; informational)",
         swapped / plain
+    );
+    Ok(())
+}
+
+/// Snapshot into engine-owned device params, in place and atomic, beside
+/// pinned host-to-device (`htod`, GB/s).
+fn snapshot_rows(dir: &Path, count: usize, htod: f64) -> Result<(), String> {
+    let total = (count * LAYER) as u64;
+    let (m, _params) = engine(count)?;
+    for (mode, label) in [(Mode::InPlace, "in-place"), (Mode::Atomic, "atomic  ")] {
+        let d = best(|| {
+            let mut req = UpdateRequest::snapshot(dir);
+            req.mode = mode;
+            timed(&m, req)
+        })?;
+        let r = gbps(total, d) / htod;
+        let target = if mode == Mode::InPlace {
+            format!("(target >= 0.85) {}", verdict(r >= 0.85))
+        } else {
+            "(stages the whole update first: informational)".into()
+        };
+        println!(
+            "  wm     snapshot -> GPU, {label}    {:>8.2} GB/s   ratio {r:.2} to pinned HtoD {target}",
+            gbps(total, d)
+        );
+    }
+    Ok(())
+}
+
+/// IPC device to device from a `wm serve --gpu` trainer process, beside
+/// a plain device-to-device copy (`dtod`, GB/s).
+fn ipc_row(dir: &Path, count: usize, dtod: f64) -> Result<(), String> {
+    let total = (count * LAYER) as u64;
+    let sock = dir.join("trainer.sock");
+    let engines = (RUNS + 1).to_string();
+    let mut trainer = Proc::wm(&[
+        "serve".as_ref(),
+        "--ipc".as_ref(),
+        sock.as_os_str(),
+        dir.as_os_str(),
+        "--gpu".as_ref(),
+        "0".as_ref(),
+        "--engines".as_ref(),
+        engines.as_ref(),
+    ])?;
+    trainer.line_after("wm serve: published")?;
+    let (m, _params) = engine(count)?;
+    let ipc = || {
+        let mut req = UpdateRequest::snapshot(&sock);
+        req.source = SourceKind::Ipc;
+        req.mode = Mode::InPlace;
+        req
+    };
+    // The first session waits for the trainer to listen, and opens its
+    // buffer for the first time.
+    let start = Instant::now();
+    while let Err(e) = m.update(ipc()) {
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err(format!("the trainer did not serve: {e}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let d = best(|| timed(&m, ipc()))?;
+    let r = gbps(total, d) / dtod;
+    println!(
+        "  wm     IPC device -> device        {:>8.2} GB/s   ratio {r:.2} to DtoD (target >= 0.90) {}",
+        gbps(total, d),
+        verdict(r >= 0.9)
+    );
+    trainer.finish()?;
+    Ok(())
+}
+
+/// Clear and restore of library-owned device params, per GiB.
+fn clear_rows(dir: &Path, count: usize) -> Result<(), String> {
+    let m = library_owned(dir, count, false)?;
+    let steady = best(|| timed(&m, UpdateRequest::snapshot(dir)))?;
+    let t = Instant::now();
+    let cleared = m.clear().map_err(|e| e.to_string())?;
+    let clear = t.elapsed();
+    let after = timed(&m, UpdateRequest::snapshot(dir))?;
+    let gib = (count * LAYER) as f64 / (1u64 << 30) as f64;
+    println!(
+        "  wm     clear (library-owned)       {:>8} per GiB ({} freed, by the driver's count)",
+        fmt::ms(clear.div_f64(gib)),
+        fmt::bytes(cleared.device_bytes_freed)
+    );
+    println!(
+        "  wm     restore (map + zero)        {:>8} per GiB (update after clear {} - steady update {})",
+        fmt::ms(after.saturating_sub(steady).div_f64(gib)),
+        fmt::ms(after),
+        fmt::ms(steady)
     );
     Ok(())
 }

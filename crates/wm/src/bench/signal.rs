@@ -9,13 +9,46 @@
 //! does its forward pass; on a machine with fewer cores than ranks, the p99
 //! includes scheduling delays of the oversubscribed cores.
 
-use crate::Args;
-use std::process::{Command, Stdio};
+use super::harness::process::Proc;
+use super::harness::{python, verdict};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig};
 use weight_manager_core::signal::shm::{self, OpenMode, SharedMapping};
 
 const BASELINE: &str = include_str!("signal_baseline.py");
+
+/// `wm bench signal` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Steps per rank
+    #[arg(long, default_value_t = 20_000)]
+    steps: usize,
+    /// Rank counts to run, comma-separated
+    #[arg(long, default_value = "2,4,8", value_delimiter = ',')]
+    ranks: Vec<u32>,
+    /// Sleep between steps, in microseconds (an engine's forward pass)
+    #[arg(long, default_value_t = 50)]
+    work_us: u64,
+}
+
+/// `wm bench signal-rank` options (one rank, a child process).
+#[derive(clap::Args, Debug)]
+pub struct RankArgs {
+    #[arg(long)]
+    group: String,
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+    #[arg(long, default_value_t = 2)]
+    world: u32,
+    #[arg(long, default_value_t = 20_000)]
+    steps: usize,
+    #[arg(long, default_value_t = 50)]
+    work_us: u64,
+    /// The control cell (default: none, the signal is NORMAL)
+    #[arg(long)]
+    cell: Option<String>,
+}
 
 fn percentiles(mut v: Vec<u64>) -> (u64, u64) {
     v.sort_unstable();
@@ -23,17 +56,15 @@ fn percentiles(mut v: Vec<u64>) -> (u64, u64) {
 }
 
 /// One rank of the benchmark (a child process).
-pub fn rank(a: &Args) -> Result<(), String> {
-    let rank: u32 = a.number("rank", 0)?;
-    let world: u32 = a.number("world", 2)?;
-    let steps: usize = a.number("steps", 20_000)?;
-    let work = Duration::from_micros(a.number("work-us", 50)?);
+pub fn rank(a: &RankArgs) -> Result<(), String> {
+    let (rank, steps) = (a.rank, a.steps);
+    let work = Duration::from_micros(a.work_us);
     let m = Manager::new(ManagerConfig {
         rank,
-        world_size: world,
-        control_cell: a.value("cell").map(str::to_string),
+        world_size: a.world,
+        control_cell: a.cell.clone(),
         group: Some(GroupSettings {
-            name: a.value("group").ok_or("--group")?.to_string(),
+            name: a.group.clone(),
             local_rank: None,
             local_world_size: None,
             node_rank: 0,
@@ -63,47 +94,26 @@ pub fn rank(a: &Args) -> Result<(), String> {
 }
 
 fn run_ranks(n: u32, steps: usize, work_us: u64, cell: Option<&str>) -> Result<(u64, u64), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let group = format!("wmbench{}n{n}{}", std::process::id(), cell.is_some() as u8);
-    let children: Vec<_> = (0..n)
+    let (world, steps, work_us) = (n.to_string(), steps.to_string(), work_us.to_string());
+    let children: Vec<Proc> = (0..n)
         .map(|r| {
-            let mut c = Command::new(&exe);
-            c.args([
-                "bench",
-                "signal-rank",
-                "--group",
-                &group,
-                "--rank",
-                &r.to_string(),
-                "--world",
-                &n.to_string(),
-            ])
-            .args([
-                "--steps",
-                &steps.to_string(),
-                "--work-us",
-                &work_us.to_string(),
-            ])
-            .stdout(Stdio::piped());
+            let rank = r.to_string();
+            let mut args = vec!["bench", "signal-rank", "--group", &group, "--rank", &rank];
+            args.extend(["--world", &world, "--steps", &steps, "--work-us", &work_us]);
             if let Some(cell) = cell {
-                c.args(["--cell", cell]);
+                args.extend(["--cell", cell]);
             }
-            c.spawn().map_err(|e| e.to_string())
+            Proc::wm(&args)
         })
         .collect::<Result<_, _>>()?;
     let mut worst = (0, 0);
-    for c in children {
-        let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(format!("a benchmark rank failed ({})", out.status));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Vec<u64> = text
-            .split_whitespace()
-            .filter_map(|x| x.parse().ok())
-            .collect();
+    for mut c in children {
+        let v = c.numbers_after("")?;
+        c.finish()
+            .map_err(|e| format!("a benchmark rank failed: {e}"))?;
         if v.len() != 2 {
-            return Err(format!("unexpected rank output '{text}'"));
+            return Err(format!("unexpected rank output {v:?}"));
         }
         worst = (worst.0.max(v[0]), worst.1.max(v[1]));
     }
@@ -129,12 +139,8 @@ fn shm_read_floor() -> Result<(u64, u64), String> {
 }
 
 fn python_baseline(n: u32, steps: usize) -> Result<(u64, u64), String> {
-    let python = if std::path::Path::new(".venv/bin/python").exists() {
-        ".venv/bin/python"
-    } else {
-        "python3"
-    };
-    let out = Command::new(python)
+    let python = python();
+    let out = Command::new(&python)
         .args(["-c", BASELINE, &n.to_string(), &steps.to_string()])
         .output()
         .map_err(|e| format!("running {python}: {e}"))?;
@@ -159,18 +165,7 @@ fn us(ns: u64) -> String {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let steps: usize = a.number("steps", 20_000)?;
-    let work_us: u64 = a.number("work-us", 50)?;
-    let ranks: Vec<u32> = a
-        .value("ranks")
-        .unwrap_or("2,4,8")
-        .split(',')
-        .map(|s| {
-            s.trim()
-                .parse()
-                .map_err(|_| format!("--ranks: '{s}' is not a number"))
-        })
-        .collect::<Result<_, _>>()?;
+    let (steps, work_us, ranks) = (a.steps, a.work_us, &a.ranks);
     println!(
         "wm bench signal: {steps} steps per rank, {work_us} us of work between steps, {} cores",
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -187,7 +182,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         us(py50),
         us(py99)
     );
-    for &n in &ranks {
+    for &n in ranks {
         let (p50, p99) = run_ranks(n, steps, work_us, None)?;
         let mut line = format!(
             "  wm     NORMAL, {n} ranks                     p50 {:>10}  p99 {:>10}  {:>6.1}x faster than Python, {:.1}x the shm read",
@@ -200,12 +195,16 @@ pub fn run(a: &Args) -> Result<(), String> {
             let ok = p50 <= 2_000 && py50 >= 50 * p50;
             line.push_str(&format!(
                 "  (target p50 <= 2 us and >= 50x: {})",
-                if ok { "PASS" } else { "MISS" }
+                verdict(ok)
             ));
         }
         println!("{line}");
     }
-    let n = *ranks.iter().max().unwrap_or(&8);
+    barrier_row(*ranks.iter().max().unwrap_or(&8), steps, work_us)
+}
+
+/// The largest rank count with the signal not NORMAL: every step a barrier.
+fn barrier_row(n: u32, steps: usize, work_us: u64) -> Result<(), String> {
     let cell = format!("wmbench_cell_{}", std::process::id());
     let c = weight_manager_core::signal::ControlCell::open_or_create(&cell)
         .map_err(|e| e.to_string())?;

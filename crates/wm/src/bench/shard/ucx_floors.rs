@@ -1,10 +1,11 @@
 //! The raw UCX floors of `wm bench shard`, section ucx: each pattern's
 //! bytes moved by plain UCX between the same pairs, as contiguous ranges
-//! and in the pattern itself (`bench_ucx_floor` moves them).
+//! and in the pattern itself (`bench::ucx_floor` moves them).
 
 use super::Row;
-use crate::bench::{buffer, LAYER_SHAPE};
-use crate::bench_ucx_floor::{raw_floor, FloorPair, Take};
+use crate::bench::harness::buffer;
+use crate::bench::model::LAYER_SHAPE;
+use crate::bench::ucx_floor::{raw_floor, FloorPair, Take};
 use crate::fmt::gbps;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ fn pair_bytes(total: u64, dim: usize, t: u64, e: u64) -> u64 {
 /// One floor measurement: raw UCX moving the pattern's bytes between the
 /// same pairs as contiguous ranges, and in the pattern itself.
 #[derive(Clone, Copy)]
-pub(super) struct Floors {
+pub(super) struct FloorTimes {
     pub contiguous: Duration,
     pub pattern: Duration,
 }
@@ -47,7 +48,7 @@ pub(super) struct FloorSet<'a> {
     message: usize,
     slots: Vec<Vec<Vec<u8>>>,
     packs: Vec<Vec<Vec<u8>>>,
-    best: Floors,
+    best: FloorTimes,
 }
 
 impl<'a> FloorSet<'a> {
@@ -77,7 +78,7 @@ impl<'a> FloorSet<'a> {
             pairs,
             dim,
             message,
-            best: Floors {
+            best: FloorTimes {
                 contiguous: Duration::MAX,
                 pattern: Duration::MAX,
             },
@@ -85,7 +86,7 @@ impl<'a> FloorSet<'a> {
     }
 
     /// Time the floors once (the pattern's two ways, for column halves).
-    pub fn measure(&mut self) -> Result<Floors, String> {
+    pub fn measure(&mut self) -> Result<FloorTimes, String> {
         let contiguous = self.time(Take::Contiguous)?;
         let pattern = match self.dim {
             0 => contiguous,
@@ -97,7 +98,7 @@ impl<'a> FloorSet<'a> {
         };
         self.best.contiguous = self.best.contiguous.min(contiguous);
         self.best.pattern = self.best.pattern.min(pattern);
-        Ok(Floors {
+        Ok(FloorTimes {
             contiguous,
             pattern,
         })

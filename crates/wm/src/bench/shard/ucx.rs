@@ -25,19 +25,18 @@
 //! Run with `UCX_TLS=tcp` on a machine without RDMA.
 
 use super::ucx_floors::{FloorSet, DEPTH, HALVES};
-use super::Row;
-use crate::bench::{buffer, layer_count, TrainerProcess, LAYER, LAYER_SHAPE};
+use super::{Args, Row};
+use crate::bench::harness::process::Proc;
+use crate::bench::harness::{around_floors, buffer, median};
+use crate::bench::model::{
+    layer_count, listen_and_serve, net_publisher, part_params, LAYER, LAYER_SHAPE,
+};
 use crate::fmt::{self, gbps};
-use crate::Args;
-use std::io::{BufRead, BufReader, Lines, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::io::Write;
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::manifest::Placement;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
 
@@ -45,17 +44,45 @@ const SECRET: &str = "wm-bench-shard-ucx-secret-0123456789";
 /// The TP split of each pattern: the dimension halved.
 const PATTERNS: [(&str, usize); 2] = [("row halves", 0), ("column halves", 1)];
 
+/// `wm bench shard-ucx-publisher` options (a trainer process).
+#[derive(clap::Args, Debug)]
+pub struct PublisherArgs {
+    #[arg(long, default_value_t = 0)]
+    rank: u64,
+    #[arg(long, default_value_t = 1.0)]
+    gib: f64,
+    /// Sessions to serve
+    #[arg(long, default_value_t = 1)]
+    engines: usize,
+}
+
+/// `wm bench shard-ucx-rank` options (an engine-rank process).
+#[derive(clap::Args, Debug)]
+pub struct RankArgs {
+    #[arg(long, default_value_t = 0)]
+    rank: u64,
+    /// The dimension split
+    #[arg(long, default_value_t = 0)]
+    split: usize,
+    #[arg(long, default_value_t = 1.0)]
+    gib: f64,
+    #[arg(long, default_value_t = 64)]
+    bucket_mib: usize,
+    /// The trainers' addresses, comma-separated
+    #[arg(long, value_delimiter = ',')]
+    addresses: Vec<String>,
+}
+
 pub fn run(a: &Args) -> Result<Vec<Row>, String> {
-    let quick = a.flag("quick");
-    let gib: f64 = a.number("gib", if quick { 0.25 } else { 1.0 })?;
-    let runs: usize = a.number("runs", if quick { 2 } else { 3 })?;
-    let bucket_mib: usize = a.number("bucket-mib", 64)?;
+    let gib = a.gib(1.0);
+    let runs = a.runs.unwrap_or(if a.quick { 2 } else { 3 });
+    let bucket_mib = a.bucket_mib;
     let count = layer_count(gib);
     let total = (count * LAYER) as u64;
     let sessions = PATTERNS.len() * HALVES as usize * (1 + 2 * runs);
-    let trainers = (0..HALVES)
+    let mut trainers = (0..HALVES)
         .map(|r| {
-            let args = [
+            Proc::wm(&[
                 "bench",
                 "shard-ucx-publisher",
                 "--rank",
@@ -64,11 +91,13 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
                 &gib.to_string(),
                 "--engines",
                 &sessions.to_string(),
-            ];
-            TrainerProcess::start(&args.map(String::from), "listening ")
+            ])
         })
         .collect::<Result<Vec<_>, String>>()?;
-    let addresses: Vec<String> = trainers.iter().map(|t| t.1.clone()).collect();
+    let addresses = trainers
+        .iter_mut()
+        .map(|t| t.line_after("listening "))
+        .collect::<Result<Vec<_>, String>>()?;
     println!(
         "    {} of bf16 in {count} layers, {HALVES} trainer processes x {HALVES} engine-rank processes, \
          buckets of {bucket_mib} MiB x {DEPTH}, UCX_TLS={}",
@@ -88,7 +117,7 @@ pub fn run(a: &Args) -> Result<Vec<Row>, String> {
         };
         rows.extend(measure(&setup, &src)?);
     }
-    for (r, (t, _)) in trainers.into_iter().enumerate() {
+    for (r, t) in trainers.into_iter().enumerate() {
         let sessions = t.finish()?;
         // Column sessions move a quarter of the model each.
         let cols: Vec<&Vec<u64>> = sessions
@@ -124,23 +153,25 @@ fn measure(s: &Setup, src: &[u8]) -> Result<Vec<Row>, String> {
     let total = src.len() as u64;
     let mut floors = FloorSet::new(s.dim, s.bucket_mib, src);
     let mut ranks = (0..HALVES)
-        .map(|e| EngineRank::start(s, e))
+        .map(|e| start_rank(s, e))
         .collect::<Result<Vec<_>, String>>()?;
     for r in &mut ranks {
-        r.expect("ready")?;
+        r.line_after("ready")?;
     }
     let around = |a: Duration, b: Duration| (gbps(total, a) + gbps(total, b)) / 2.0;
     let mut rows = Vec::new();
     for verify in [true, false] {
-        let mut before = floors.measure()?;
+        let runs = around_floors(
+            s.runs,
+            || floors.measure(),
+            || update_all(&mut ranks, verify),
+        )?;
         let (mut best, mut pattern, mut contiguous) = (0f64, Vec::new(), Vec::new());
-        for _ in 0..s.runs {
-            let (bytes, t) = update_all(&mut ranks, verify)?;
-            let after = floors.measure()?;
-            best = best.max(gbps(bytes, t));
-            pattern.push(gbps(bytes, t) / around(before.pattern, after.pattern));
-            contiguous.push(gbps(bytes, t) / around(before.contiguous, after.contiguous));
-            before = after;
+        for r in runs {
+            let got = gbps(r.run.0, r.run.1);
+            best = best.max(got);
+            pattern.push(got / around(r.before.pattern, r.after.pattern));
+            contiguous.push(got / around(r.before.contiguous, r.after.contiguous));
         }
         let how = if verify { "verified" } else { "unverified" };
         let ratio = median(pattern);
@@ -168,88 +199,45 @@ fn measure(s: &Setup, src: &[u8]) -> Result<Vec<Row>, String> {
     floor_rows.extend(rows);
     Ok(floor_rows)
 }
-/// The middle of `ratios`.
-fn median(mut ratios: Vec<f64>) -> f64 {
-    ratios.sort_by(f64::total_cmp);
-    ratios[ratios.len() / 2]
-}
-
 /// Update every rank at once; their bytes, and the wall time from the
 /// first starting to the last done.
-fn update_all(ranks: &mut [EngineRank], verify: bool) -> Result<(u64, Duration), String> {
+fn update_all(ranks: &mut [Proc], verify: bool) -> Result<(u64, Duration), String> {
     let t = Instant::now();
     for r in ranks.iter_mut() {
-        let word = if verify { "verified" } else { "unverified" };
-        writeln!(r.stdin, "{word}").map_err(|e| e.to_string())?;
+        r.say(if verify { "verified" } else { "unverified" })?;
     }
     let mut bytes = 0;
     for r in ranks.iter_mut() {
-        let line = r.expect("done ")?;
-        bytes += line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|b| b.parse::<u64>().ok())
-            .ok_or(format!("engine rank: bad line '{line}'"))?;
+        let n = r.numbers_after("done ")?;
+        bytes += n.first().ok_or("engine rank: no bytes after 'done'")?;
     }
     Ok((bytes, t.elapsed()))
 }
 
 /// An engine-rank process: told "verified" or "unverified" on its stdin,
 /// it runs one update and answers `done <bytes>`.
-struct EngineRank {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl EngineRank {
-    fn start(s: &Setup, e: u64) -> Result<EngineRank, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
-            .args(["bench", "shard-ucx-rank", "--rank", &e.to_string()])
-            .args(["--split", &s.dim.to_string(), "--gib"])
-            .arg(((s.count * LAYER) as f64 / (1u64 << 30) as f64).to_string())
-            .args(["--bucket-mib", &s.bucket_mib.to_string()])
-            .args(["--addresses", &s.addresses.join(",")])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let stdin = child.stdin.take().expect("piped");
-        let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-        Ok(EngineRank {
-            child,
-            stdin,
-            lines,
-        })
-    }
-
-    /// The next line, which must start with `what`.
-    fn expect(&mut self, what: &str) -> Result<String, String> {
-        match self.lines.next() {
-            Some(Ok(l)) if l.starts_with(what) => Ok(l),
-            other => Err(format!("engine rank: expected '{what}', got {other:?}")),
-        }
-    }
-
-    /// Close its stdin and wait for it to exit.
-    fn finish(self) -> Result<(), String> {
-        let EngineRank {
-            mut child, stdin, ..
-        } = self;
-        drop(stdin);
-        match child.wait().map_err(|e| e.to_string())?.success() {
-            true => Ok(()),
-            false => Err("an engine-rank process failed".into()),
-        }
-    }
+fn start_rank(s: &Setup, e: u64) -> Result<Proc, String> {
+    Proc::wm(&[
+        "bench",
+        "shard-ucx-rank",
+        "--rank",
+        &e.to_string(),
+        "--split",
+        &s.dim.to_string(),
+        "--gib",
+        &((s.count * LAYER) as f64 / (1u64 << 30) as f64).to_string(),
+        "--bucket-mib",
+        &s.bucket_mib.to_string(),
+        "--addresses",
+        &s.addresses.join(","),
+    ])
 }
 
 /// A trainer process: rank `--rank`'s row half of every layer, served to
 /// `--engines` sessions; one `session <bytes> <messages>` line each.
-pub fn publisher(a: &Args) -> Result<(), String> {
-    let r: u64 = a.number("rank", 0)?;
-    let count = layer_count(a.number("gib", 1.0)?);
+pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
+    let r = a.rank;
+    let count = layer_count(a.gib);
     let half = LAYER_SHAPE[0] / HALVES;
     let data: Vec<Vec<u8>> = (0..count)
         .map(|i| {
@@ -258,14 +246,7 @@ pub fn publisher(a: &Args) -> Result<(), String> {
             b
         })
         .collect();
-    let p = Publisher::bind_net(
-        "127.0.0.1:0",
-        PublisherConfig {
-            secret: Some(SECRET.into()),
-            ..Default::default()
-        },
-    )
-    .map_err(|e| e.to_string())?;
+    let p = net_publisher(SECRET)?;
     let placement = Placement {
         global_shape: LAYER_SHAPE.to_vec(),
         offset: vec![r * half, 0],
@@ -287,12 +268,7 @@ pub fn publisher(a: &Args) -> Result<(), String> {
         }
         .map_err(|e| e.to_string())?;
     }
-    p.set_version(Some("bench".into()));
-    println!("listening {}", p.address());
-    let _ = std::io::stdout().flush();
-    let stats = p
-        .serve(a.number("engines", 1)?, Duration::from_secs(600))
-        .map_err(|e| e.to_string())?;
+    let stats = listen_and_serve(&p, a.engines)?;
     for s in &stats.sessions {
         println!("session {} {}", s.bytes, s.messages);
     }
@@ -303,12 +279,9 @@ pub fn publisher(a: &Args) -> Result<(), String> {
 /// layer, library-owned, updated from every `--addresses` publisher at
 /// once. Prints "ready" after a first update (buffers created, params
 /// faulted in), then one `done <bytes>` per line it is told.
-pub fn rank(a: &Args) -> Result<(), String> {
-    let e: u64 = a.number("rank", 0)?;
-    let dim: usize = a.number("split", 0)?;
-    let count = layer_count(a.number("gib", 1.0)?);
-    let bucket_mib: usize = a.number("bucket-mib", 64)?;
-    let addresses: Vec<&str> = a.value("addresses").unwrap_or("").split(',').collect();
+pub fn rank(a: &RankArgs) -> Result<(), String> {
+    let (e, dim, bucket_mib, addresses) = (a.rank, a.split, a.bucket_mib, &a.addresses);
+    let count = layer_count(a.gib);
     let m = Manager::new(ManagerConfig {
         rank: e as u32,
         world_size: HALVES as u32,
@@ -321,17 +294,7 @@ pub fn rank(a: &Args) -> Result<(), String> {
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
-    let full = LAYER_SHAPE;
-    let mut shape = full.to_vec();
-    shape[dim] /= HALVES;
-    for i in 0..count {
-        let name = format!("layers.{i}.w");
-        let spec = ParamSpec {
-            pieces: vec![Piece::narrow(&name, &full, dim, e * shape[dim], shape[dim])],
-            ..ParamSpec::host(&name, DType::Bf16, &shape)
-        };
-        m.allocate(&spec).map_err(|e| e.to_string())?;
-    }
+    part_params(&m, count, dim, (e, HALVES))?;
     let update = |verify: bool| {
         let mut r = UpdateRequest::snapshot(std::path::PathBuf::new());
         r.locations = addresses.iter().map(std::path::PathBuf::from).collect();

@@ -16,7 +16,8 @@
 //!   `torch.nonzero(new != old)` plus gathering the values, and applying
 //!   with `index_put_` (target: ours >= 3x faster at each).
 
-use crate::bench_torch::{alternate, TorchPeer};
+use super::harness::torch::TorchPeer;
+use super::harness::{alternate, python, verdict, Scratch};
 use crate::fmt::gbps;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -51,23 +52,36 @@ for line in sys.stdin:
     print(dt, flush=True)
 "#;
 
-pub fn run(a: &crate::Args) -> Result<(), String> {
-    let pairs: usize = a.number("runs", 5)?;
-    let gib: f64 = a.number("gib", 0.0625)?;
+/// `wm bench delta` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The training steps `scripts/delta_steps.py` wrote (default: made
+    /// in a temporary folder)
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Bytes of the random bf16 weights in GiB
+    #[arg(long, default_value_t = 0.0625)]
+    gib: f64,
+    /// Pairs of alternating runs
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
     println!("wm bench delta: lossless deltas of bf16 weights between steps");
-    training_steps(a.value("data"))?;
+    training_steps(a.data.as_deref())?;
     synthetic(
-        ((gib * (1u64 << 30) as f64) as usize / 2).max(1 << 16),
-        pairs,
+        ((a.gib * (1u64 << 30) as f64) as usize / 2).max(1 << 16),
+        a.runs,
     )
 }
 
 /// The steps of each learning rate: per step, what changed and what a
 /// delta costs, in bf16 and FP8.
-fn training_steps(data: Option<&str>) -> Result<(), String> {
+fn training_steps(data: Option<&Path>) -> Result<(), String> {
     let scratch = std::env::temp_dir().join(format!("wm-bench-delta-{}", std::process::id()));
     let dir = match data {
-        Some(d) => PathBuf::from(d),
+        Some(d) => d.to_path_buf(),
         None => {
             let made = generate(&scratch);
             if let Err(e) = made {
@@ -101,7 +115,7 @@ fn training_steps(data: Option<&str>) -> Result<(), String> {
 
 /// Run the generator (`scripts/delta_steps.py`) with the bench's Python.
 fn generate(out: &Path) -> Result<(), String> {
-    let py = crate::bench_atomic::python();
+    let py = python();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/delta_steps.py");
     let status = std::process::Command::new(&py)
         .arg(&script)
@@ -211,8 +225,8 @@ fn synthetic(elems: usize, pairs: usize) -> Result<(), String> {
         "  random bf16, {:.0} MiB, one core:",
         total as f64 / (1u64 << 20) as f64
     );
-    let scratch = std::env::temp_dir().join(format!("wm-bench-delta-syn-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).map_err(|e| e.to_string())?;
+    let scratch = Scratch::temp("wm-bench-delta-syn")?;
+    let scratch = &scratch.0;
     std::fs::write(scratch.join("old.bin"), &old).map_err(|e| e.to_string())?;
     for (n, (_, s)) in news.iter().zip(SHARES) {
         std::fs::write(scratch.join(format!("new{s}.bin")), n).map_err(|e| e.to_string())?;
@@ -228,7 +242,6 @@ fn synthetic(elems: usize, pairs: usize) -> Result<(), String> {
     for (new, (_, share)) in news.iter().zip(SHARES) {
         share_lines(&old, new, share, torch.as_mut().ok(), (total, pairs))?;
     }
-    let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }
 
@@ -263,7 +276,7 @@ fn share_lines(
     let (enc_r, enc, _) = alternate(pairs, encode, || memcpy(&mut copy_dst))?;
     let (app_r, app, cp) = alternate(pairs, || apply(&mut run), || memcpy(&mut copy_dst))?;
     let target = if share == "2" {
-        format!(" (target <= 0.04) {}", crate::bench::verdict(ratio <= 0.04))
+        format!(" (target <= 0.04) {}", verdict(ratio <= 0.04))
     } else {
         String::new()
     };
@@ -271,9 +284,9 @@ fn share_lines(
         "    {share:>4}% changed: delta / whole {ratio:.4}{target}; encode {:.2} GB/s ({enc_r:.2} of memcpy {:.2} GB/s) {}, apply {:.2} GB/s ({app_r:.2} of memcpy) {}",
         gbps(total, enc),
         gbps(total, cp),
-        crate::bench::verdict(enc_r >= 0.5),
+        verdict(enc_r >= 0.5),
         gbps(total, app),
-        crate::bench::verdict(app_r >= 0.5),
+        verdict(app_r >= 0.5),
     );
     let Some(t) = torch else {
         return Ok(());
@@ -287,9 +300,9 @@ fn share_lines(
     println!(
         "          PyTorch nonzero + gather {:.2} GB/s: wm / torch {er:.1}x {}; index_put_ {:.2} GB/s: wm / torch {ar:.1}x {} (target >= 3x)",
         gbps(total, te),
-        crate::bench::verdict(er >= 3.0),
+        verdict(er >= 3.0),
         gbps(total, ta),
-        crate::bench::verdict(ar >= 3.0),
+        verdict(ar >= 3.0),
     );
     Ok(())
 }

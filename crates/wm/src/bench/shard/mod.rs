@@ -11,7 +11,46 @@ pub mod snapshot;
 pub mod ucx;
 mod ucx_floors;
 
-use crate::Args;
+/// `wm bench shard` options (each section reads those it uses).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Run only this section: planning, snapshot, ucx or ipc
+    #[arg(long)]
+    section: Option<String>,
+    /// planning: the engine rank's pieces
+    #[arg(long, default_value_t = 10_000)]
+    pieces: u64,
+    /// planning: trainer ranks (a divisor of 64)
+    #[arg(long, default_value_t = 8)]
+    sources: u64,
+    /// Timed runs (default: planning 20, ucx 3, or 2 with --quick)
+    #[arg(long)]
+    runs: Option<usize>,
+    /// Model size in GiB (default: snapshot 2, ucx and ipc 1, or 0.25 with --quick)
+    #[arg(long)]
+    gib: Option<f64>,
+    /// Small models and few runs
+    #[arg(long)]
+    quick: bool,
+    /// snapshot: folder for the checkpoint (default: the temporary folder)
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// ucx: bucket size in MiB
+    #[arg(long, default_value_t = 64)]
+    bucket_mib: usize,
+    /// ipc: copier threads of each engine (default: half of the cores)
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+impl Args {
+    /// `--gib`, else `full`, or 0.25 with `--quick`.
+    fn gib(&self, full: f64) -> f64 {
+        self.gib.unwrap_or(if self.quick { 0.25 } else { full })
+    }
+}
+
+use super::harness::verdict;
 
 /// One figure: what was measured, its value, what it is compared with, and
 /// the ratio (measured / target for times: at most 1 meets the target).
@@ -34,7 +73,7 @@ const SECTIONS: &[(&str, Section)] = &[
 ];
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let only = a.value("section");
+    let only = a.section.as_deref();
     if let Some(name) = only {
         if !SECTIONS.iter().any(|(n, _)| *n == name) {
             let known: Vec<&str> = SECTIONS.iter().map(|(n, _)| *n).collect();
@@ -55,7 +94,7 @@ pub fn run(a: &Args) -> Result<(), String> {
                 r.value,
                 r.beside,
                 r.ratio,
-                r.ok.map_or("", crate::bench::verdict)
+                r.ok.map_or("", verdict)
             );
             all_ok &= r.ok.unwrap_or(true);
         }

@@ -23,13 +23,11 @@
 //! of the last ones, after both of a trainer's alternating version
 //! buffers are mapped), beside the floor, with their ratio (target ≥ 0.8).
 
-use super::Row;
-use crate::bench::Scratch;
+use super::{Args, Row};
+use crate::bench::harness::process::Proc;
+use crate::bench::harness::Scratch;
 use crate::fmt::{self, gbps};
-use crate::Args;
-use std::io::{BufRead, BufReader, Lines, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
@@ -53,11 +51,32 @@ const SHARD: u64 = SHARD_ROWS * ROW;
 /// version buffers; the rest are steady.
 const UPDATES: usize = 7;
 
+/// `wm bench shard-ipc-rank` options (a rank process).
+#[derive(clap::Args, Debug)]
+pub struct RankArgs {
+    /// publisher or engine
+    #[arg(long)]
+    mode: String,
+    /// The folder of the trainers' sockets
+    #[arg(long)]
+    dir: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    rank: u64,
+    #[arg(long, default_value_t = 1.0)]
+    gib: f64,
+    /// The dimension split (engines)
+    #[arg(long, default_value_t = 0)]
+    split: usize,
+    /// Copier threads (engines)
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
 pub fn run(a: &Args) -> Result<Vec<Row>, String> {
-    let gib: f64 = a.number("gib", if a.flag("quick") { 0.25 } else { 1.0 })?;
+    let gib = a.gib(1.0);
     let layers = layers(gib);
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let threads: usize = a.number("threads", (cores / 2).max(1))?;
+    let threads = a.threads.unwrap_or((cores / 2).max(1));
     println!(
         "    {layers} bf16 layers of {SHAPE:?} ({}): 2 trainer processes (FSDP row halves, \
          published), 2 engine processes ({threads} copier thread(s) each), all at once",
@@ -100,7 +119,7 @@ fn layers(gib: f64) -> u64 {
 
 /// One pattern's times: bytes both engines moved per update, the floor
 /// (both at once, best), the first update and the best steady one.
-struct Measured {
+struct PatternTimes {
     bytes: u64,
     floor: Duration,
     first: Duration,
@@ -108,11 +127,8 @@ struct Measured {
 }
 
 /// Start the four processes, measure the floor, then the updates.
-fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String> {
-    let scratch = Scratch(
-        std::env::temp_dir().join(format!("wm-bench-shard-ipc-{}-{dim}", std::process::id())),
-    );
-    std::fs::create_dir_all(&scratch.0).map_err(|e| e.to_string())?;
+fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<PatternTimes, String> {
+    let scratch = Scratch::temp(&format!("wm-bench-shard-ipc-{dim}"))?;
     let dir = scratch.0.to_str().ok_or("temp dir is not UTF-8")?;
     let common = ["--dir", dir, "--gib", &gib.to_string()];
     let start = |mode: &str, rank: usize| {
@@ -121,11 +137,11 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
         args.extend(common);
         let (split, threads) = (dim.to_string(), threads.to_string());
         args.extend(["--split", &split, "--threads", &threads]);
-        Proc::start(&args)
+        Proc::wm(&args)
     };
     let mut trainers = vec![start("publisher", 0)?, start("publisher", 1)?];
     for t in &mut trainers {
-        t.expect("ready")?;
+        t.line_after("ready")?;
     }
     let mut engines = vec![start("engine", 0)?, start("engine", 1)?];
     // Both engines told at once; timed from the first command to the last
@@ -135,7 +151,7 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
         engines.iter_mut().try_for_each(|e| e.say(cmd))?;
         let got: Vec<Vec<u64>> = engines
             .iter_mut()
-            .map(|e| e.expect(answer))
+            .map(|e| e.numbers_after(answer))
             .collect::<Result<_, _>>()?;
         Ok((got.iter().map(|n| n[0]).sum(), t.elapsed()))
     };
@@ -146,7 +162,7 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
     for k in 0..UPDATES {
         // Once the trainers published (and idle), as for the update.
         for t in &mut trainers {
-            t.expect(&format!("published {k}"))?;
+            t.line_after(&format!("published {k}"))?;
         }
         floor = floor.min(both("floor", "floor")?.1);
         let (b, t) = both("update", "updated")?;
@@ -156,7 +172,7 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
     for p in engines.into_iter().chain(trainers) {
         p.finish()?;
     }
-    Ok(Measured {
+    Ok(PatternTimes {
         bytes,
         floor,
         first: times[0],
@@ -164,68 +180,13 @@ fn run_pattern(dim: usize, gib: f64, threads: usize) -> Result<Measured, String>
     })
 }
 
-/// A rank process: its stdin to command it, its stdout's lines to read.
-struct Proc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Result<Proc, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-        let stdin = child.stdin.take();
-        Ok(Proc {
-            child,
-            stdin,
-            lines,
-        })
-    }
-
-    fn say(&mut self, line: &str) -> Result<(), String> {
-        let stdin = self.stdin.as_mut().ok_or("stdin closed")?;
-        writeln!(stdin, "{line}").map_err(|e| format!("a rank process is gone: {e}"))
-    }
-
-    /// The numbers on the next line starting with `word`.
-    fn expect(&mut self, word: &str) -> Result<Vec<u64>, String> {
-        for line in self.lines.by_ref().map_while(|l| l.ok()) {
-            if let Some(rest) = line.strip_prefix(word) {
-                return Ok(rest
-                    .split_whitespace()
-                    .filter_map(|x| x.parse().ok())
-                    .collect());
-            }
-        }
-        Err(format!("a rank process ended before saying '{word}'"))
-    }
-
-    fn finish(mut self) -> Result<(), String> {
-        drop(self.stdin.take());
-        let status = self.child.wait().map_err(|e| e.to_string())?;
-        match status.success() {
-            true => Ok(()),
-            false => Err(format!("a rank process failed ({status})")),
-        }
-    }
-}
-
 /// `wm bench shard-ipc-rank --mode publisher|engine`: one rank process.
-pub fn rank(a: &Args) -> Result<(), String> {
-    let dir = PathBuf::from(a.value("dir").ok_or("--dir is needed")?);
-    let rank: u64 = a.number("rank", 0)?;
-    let layers = layers(a.number("gib", 1.0)?);
-    match a.value("mode") {
-        Some("publisher") => trainer(&dir, rank, layers),
-        Some("engine") => engine(&dir, rank, layers, a.number("split", 0)?, a),
-        other => Err(format!("--mode {other:?}: publisher or engine")),
+pub fn rank(a: &RankArgs) -> Result<(), String> {
+    let layers = layers(a.gib);
+    match a.mode.as_str() {
+        "publisher" => trainer(&a.dir, a.rank, layers),
+        "engine" => engine(&a.dir, (a.rank, layers, a.split), a.threads),
+        other => Err(format!("--mode {other}: publisher or engine")),
     }
 }
 
@@ -327,8 +288,11 @@ fn blocks(rank: u64, dim: usize) -> Vec<(usize, u64, u64, u64)> {
 
 /// Engine rank `rank`: answers `floor` and `update` lines on stdin with
 /// `floor <bytes> <ns>` and `updated <bytes> <ns>`.
-fn engine(dir: &Path, rank: u64, layers: u64, dim: usize, a: &Args) -> Result<(), String> {
-    let threads: usize = a.number("threads", 1)?;
+fn engine(
+    dir: &Path,
+    (rank, layers, dim): (u64, u64, usize),
+    threads: usize,
+) -> Result<(), String> {
     let m = Manager::new(ManagerConfig {
         threads,
         rank: rank as u32,

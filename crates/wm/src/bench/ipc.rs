@@ -20,8 +20,12 @@
 //! (`publisher/versions.rs`); its floor is the plain way's two: faulting
 //! in fresh memory (the kernel zeroes it), then a memcpy into it.
 
+use super::harness::floors::memcpy_floor;
+use super::harness::process::Proc;
+use super::harness::{best, buffer, per_byte, verdict, Floors};
+use super::model::{self, layer_count, HALVES};
 use crate::fmt::{self, gbps};
-use crate::Args;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::{Mode, TensorView};
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
@@ -31,24 +35,47 @@ use weight_manager_core::source::SourceKind;
 /// Updates before the timed one: a publisher alternates two buffers.
 const WARM_UPS: usize = 2;
 
+/// `wm bench ipc` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: model::ModelArgs,
+    /// Threads for each side (default: half of the cores)
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+/// `wm bench ipc-publisher` options (the trainer process).
+#[derive(clap::Args, Debug)]
+pub struct PublisherArgs {
+    #[arg(long)]
+    socket: PathBuf,
+    /// published or live
+    #[arg(long, default_value = "live")]
+    mode: String,
+    #[arg(long, default_value_t = 4.0)]
+    gib: f64,
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    #[arg(long, default_value_t = 512)]
+    bucket_mib: usize,
+    /// Sessions to serve (default: what `wm bench ipc` runs in that mode)
+    #[arg(long)]
+    engines: Option<usize>,
+}
+
 /// The trainer process: builds the model in memory and serves it, either
 /// publishing a new version before each session or live.
-pub fn publisher(a: &Args) -> Result<(), String> {
-    let socket = a.value("socket").ok_or("--socket")?;
-    let published = a.value("mode") == Some("published");
-    let count = crate::bench::layer_count(a.number("gib", 4.0)?);
-    let threads: usize = a.number("threads", 1)?;
-    let bucket_mib: usize = a.number("bucket-mib", 512)?;
+pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
+    let published = a.mode == "published";
+    let count = layer_count(a.gib);
     // Live: also a TP rank's halves, verified (`halves`).
-    let halves = if published {
-        0
-    } else {
-        3 * crate::bench_net::HALVES.len()
-    };
-    let engines: usize = a.number("engines", 2 * (WARM_UPS + 1) + halves)?;
-    let data = crate::bench::trainer_layers(count);
+    let halves = if published { 0 } else { 3 * HALVES.len() };
+    let engines = a.engines.unwrap_or(2 * (WARM_UPS + 1) + halves);
+    let (threads, bucket_mib, socket) = (a.threads, a.bucket_mib, &a.socket);
+    let data = model::trainer_layers(count);
     let p = Publisher::bind(
-        std::path::Path::new(socket),
+        socket,
         PublisherConfig {
             bucket_size: bucket_mib << 20,
             threads,
@@ -59,7 +86,7 @@ pub fn publisher(a: &Args) -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
-    crate::bench::add_layers(&p, &data, None)?;
+    model::add_layers(&p, &data, None)?;
     println!("ready");
     let mut lines = Vec::new();
     if published {
@@ -87,76 +114,79 @@ pub fn publisher(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// The snapshot benchmark's memcpy floor on `bytes` of fresh buffers.
-fn memcpy_floor(bytes: usize, threads: usize) -> Result<Duration, String> {
-    let src = crate::bench::buffer(bytes);
-    let mut dst = crate::bench::buffer(bytes);
-    crate::bench::best(|| crate::bench::memcpy_floor(&src, &mut dst, threads))
+/// A memcpy floor on `bytes` of fresh buffers.
+fn memcpy_time(bytes: usize, threads: usize) -> Result<Duration, String> {
+    let src = buffer(bytes);
+    let mut dst = buffer(bytes);
+    best(|| memcpy_floor(&src, &mut dst, threads))
 }
 
-struct Floors {
-    memcpy: f64,
+/// This bench's floors: the host floors, and two memcpys at once.
+struct IpcFloors {
+    host: Floors,
     two_at_once: f64,
+}
+
+impl IpcFloors {
     /// Faulting in fresh memory, then copying into it: what a first
-    /// publish would cost done the plain way (`bench::fresh_memory_floor`).
-    fresh_then_copy: f64,
+    /// publish would cost done the plain way.
+    fn fresh_then_copy(&self) -> f64 {
+        per_byte(&[self.host.fresh, self.host.memcpy])
+    }
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let gib: f64 = a.number("gib", 4.0)?;
-    let bucket_mib: usize = a.number("bucket-mib", 512)?;
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let side: usize = a.number("threads", (cores / 2).max(1))?;
-    let count = crate::bench::layer_count(gib);
-    let total = (count * crate::bench::LAYER) as u64;
+    let side = a.threads.unwrap_or((cores / 2).max(1));
+    let count = layer_count(a.model.gib);
+    let total = (count * model::LAYER) as u64;
     println!(
-        "wm bench ipc: {} of bf16 in {count} tensors, buckets of at most {bucket_mib} MiB, {side} thread(s) each for trainer and engine",
-        fmt::bytes(total)
+        "wm bench ipc: {} of bf16 in {count} tensors, buckets of at most {} MiB, {side} thread(s) each for trainer and engine",
+        fmt::bytes(total),
+        a.model.bucket_mib
     );
-    let floor_bytes = (1usize << 30).min(total as usize);
-    let memcpy = gbps(floor_bytes as u64, memcpy_floor(floor_bytes, side)?);
+    let floors = measure_floors((1usize << 30).min(total as usize), side)?;
+    let mut params = model::layer_params(count);
+    for mode in ["published", "live"] {
+        run_mode(mode, a, side, &mut params, &floors)?;
+    }
+    Ok(())
+}
+
+/// The floors on `bytes`, printed.
+fn measure_floors(bytes: usize, side: usize) -> Result<IpcFloors, String> {
+    let host = Floors::measure(&buffer(bytes), &mut buffer(bytes), side)?;
+    let memcpy = host.memcpy;
     println!("  floor  memcpy, {side} thread(s)                {memcpy:>7.2} GB/s");
     // Live serving moves every byte twice at once, so its two copies share
     // the memory bandwidth: this floor is two memcpys running together.
     let two = std::thread::scope(|s| {
-        let a = s.spawn(|| memcpy_floor(floor_bytes, side));
-        let b = s.spawn(|| memcpy_floor(floor_bytes, side));
+        let a = s.spawn(|| memcpy_time(bytes, side));
+        let b = s.spawn(|| memcpy_time(bytes, side));
         Ok::<_, String>(a.join().expect("floor")?.max(b.join().expect("floor")?))
     })?;
-    let two_at_once = gbps(floor_bytes as u64, two);
+    let two_at_once = gbps(bytes as u64, two);
     println!("  floor  two memcpys at once            {two_at_once:>7.2} GB/s each");
-    let fresh = gbps(
-        floor_bytes as u64,
-        crate::bench::best(|| crate::bench::fresh_memory_floor(floor_bytes, side))?,
+    let floors = IpcFloors { host, two_at_once };
+    println!(
+        "  floor  fault in fresh memory, memcpy  {:>7.2} GB/s (a first publish done the plain way)",
+        floors.fresh_then_copy()
     );
-    let fresh_then_copy = 1.0 / (1.0 / fresh + 1.0 / memcpy);
-    println!("  floor  fault in fresh memory, memcpy  {fresh_then_copy:>7.2} GB/s (a first publish done the plain way)");
-    let floors = Floors {
-        memcpy,
-        two_at_once,
-        fresh_then_copy,
-    };
-    let mut params = crate::bench::layer_params(count);
-    for mode in ["published", "live"] {
-        run_mode(mode, gib, bucket_mib, side, &mut params, &floors)?;
-    }
-    Ok(())
+    Ok(floors)
 }
 
 /// One trainer process serving in `mode`; copy-mode and zero-copy updates
 /// from it, each after its warm-ups.
 fn run_mode(
     mode: &str,
-    gib: f64,
-    bucket_mib: usize,
+    a: &Args,
     side: usize,
     params: &mut [Vec<u8>],
-    floors: &Floors,
+    floors: &IpcFloors,
 ) -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("wm-bench-ipc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let socket = dir.join("trainer.sock");
-    let args: Vec<String> = [
+    let scratch = super::harness::Scratch::temp("wm-bench-ipc")?;
+    let socket = scratch.0.join("trainer.sock");
+    let mut trainer = Proc::wm(&[
         "bench",
         "ipc-publisher",
         "--socket",
@@ -164,19 +194,15 @@ fn run_mode(
         "--mode",
         mode,
         "--gib",
-        &gib.to_string(),
+        &a.model.gib.to_string(),
         "--threads",
         &side.to_string(),
         "--bucket-mib",
-        &bucket_mib.to_string(),
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect();
-    let (trainer, _) = crate::bench::TrainerProcess::start(&args, "ready")?;
+        &a.model.bucket_mib.to_string(),
+    ])?;
+    trainer.line_after("ready")?;
     let result = measure(&socket, mode, side, params, floors);
     let sessions = trainer.finish();
-    let _ = std::fs::remove_dir_all(&dir);
     let (copy, zero, first) = result?;
     let sessions = sessions?;
     first_rows(mode, &sessions, (&first, &copy), floors);
@@ -212,7 +238,7 @@ fn first_rows(
     mode: &str,
     sessions: &[Vec<u64>],
     (first, steady): (&[Duration], &UpdateStats),
-    floors: &Floors,
+    floors: &IpcFloors,
 ) {
     let rate = |bytes: u64, d: Duration| format!("{} ({:.2} GB/s)", fmt::ms(d), gbps(bytes, d));
     let publishes: Vec<(u64, Duration)> = sessions
@@ -226,7 +252,7 @@ fn first_rows(
         println!(
             "    first publishes (buffers created, then reused) {}; the first {:.2} of fault in + memcpy",
             shown.join(", "),
-            gbps(bytes, d) / floors.fresh_then_copy
+            gbps(bytes, d) / floors.fresh_then_copy()
         );
     }
     let updates: Vec<String> = first.iter().map(|d| rate(steady.bytes, *d)).collect();
@@ -251,7 +277,7 @@ fn measure(
     mode: &str,
     side: usize,
     params: &mut [Vec<u8>],
-    floors: &Floors,
+    floors: &IpcFloors,
 ) -> Result<(UpdateStats, UpdateStats, Vec<Duration>), String> {
     println!("  {mode}:");
     let m = Manager::new(ManagerConfig {
@@ -259,17 +285,17 @@ fn measure(
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
-    crate::bench::register_layers(&m, params)?;
+    model::register_layers(&m, params)?;
     let mut first = Vec::new();
     for _ in 0..WARM_UPS {
         first.push(m.update(request(socket)).map_err(|e| e.to_string())?.sync);
     }
     let copy = m.update(request(socket)).map_err(|e| e.to_string())?;
     let rate = gbps(copy.bytes, copy.sync);
-    let ratio = rate / floors.memcpy;
+    let ratio = rate / floors.host.memcpy;
     print!(
         "    copy mode (into params)         {rate:>7.2} GB/s   ratio {ratio:.2} to memcpy (target >= 0.80) {}",
-        if ratio >= 0.8 { "PASS" } else { "MISS" },
+        verdict(ratio >= 0.8),
     );
     if mode == "live" {
         print!("; {:.2} to two memcpys at once", rate / floors.two_at_once);
@@ -302,22 +328,22 @@ fn measure(
     Ok((copy, zc, first))
 }
 
-/// A TP rank's halves of every layer (`bench_net::HALVES`), verified with
+/// A TP rank's halves of every layer (`model::HALVES`), verified with
 /// the publisher's slice checksums and unverified, one run each after a
 /// warm-up.
 fn halves(
     socket: &std::path::Path,
     side: usize,
     count: usize,
-    floors: &Floors,
+    floors: &IpcFloors,
 ) -> Result<(), String> {
-    for (what, dim) in crate::bench_net::HALVES {
+    for (what, dim) in HALVES {
         let m = Manager::new(ManagerConfig {
             threads: side,
             ..Default::default()
         })
         .map_err(|e| e.to_string())?;
-        crate::bench_net::half_params(&m, count, dim)?;
+        model::half_params(&m, count, dim)?;
         let run = |verify: bool| {
             let mut r = request(socket);
             r.verify = verify;
@@ -328,8 +354,8 @@ fn halves(
         let (vr, ur) = (gbps(v.bytes, v.sync), gbps(u.bytes, u.sync));
         println!(
             "    {what:<34}{vr:>7.2} GB/s   ratio {:.2} to memcpy; unverified {ur:.2} GB/s ({:.2}); {} (one run each)",
-            vr / floors.memcpy,
-            ur / floors.memcpy,
+            vr / floors.host.memcpy,
+            ur / floors.host.memcpy,
             fmt::bytes(v.bytes)
         );
     }

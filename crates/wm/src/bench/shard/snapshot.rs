@@ -23,16 +23,15 @@
 //! Verified and unverified runs read the same directory (block sums are
 //! read only when verifying).
 
-use super::Row;
-use crate::bench::{best, buffer, Scratch};
+use super::{Args, Row};
+use crate::bench::harness::process::Proc;
+use crate::bench::harness::{best, buffer, Scratch};
+use crate::bench::model::warm;
 use crate::fixtures;
 use crate::fmt::{self, gbps};
-use crate::Args;
 use std::fs::File;
-use std::io::BufRead;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
 use weight_manager_core::checkpoint::{checksums, safetensors_file};
@@ -56,13 +55,28 @@ struct RankResult {
     floor: Duration,
 }
 
+/// `wm bench shard-snapshot-rank` options (one rank, a child process).
+#[derive(clap::Args, Debug)]
+pub struct RankArgs {
+    /// The checkpoint's folder
+    #[arg(long)]
+    dir: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    rank: u64,
+    /// The dimension split
+    #[arg(long, default_value_t = 0)]
+    split: usize,
+    /// Verify with block sums
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    verify: bool,
+}
+
 pub fn run(a: &Args) -> Result<Vec<Row>, String> {
-    let gib: f64 = a.number("gib", if a.flag("quick") { 0.25 } else { 2.0 })?;
+    let gib = a.gib(2.0);
     let layers = ((gib * (1u64 << 30) as f64) / LAYER as f64).ceil().max(1.0) as u64;
-    let base = a.value("dir").map_or_else(std::env::temp_dir, Into::into);
-    let scratch = Scratch(base.join(format!("wm-bench-shard-snapshot-{}", std::process::id())));
+    let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let scratch = Scratch::new(&base, "wm-bench-shard-snapshot")?;
     let dir = &scratch.0;
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     write_checkpoint(&dir.join(FILE), layers)?;
     checksums::write(dir, default_threads()).map_err(|e| e.to_string())?;
     let total = layers * LAYER;
@@ -89,48 +103,28 @@ fn write_checkpoint(path: &Path, layers: u64) -> Result<(), String> {
         .collect();
     fixtures::write(path, &ts)?;
     drop(ts);
-    let f = File::open(path).map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; 8 << 20];
-    let mut off = 0;
-    while let Ok(n @ 1..) = f.read_at(&mut buf, off) {
-        off += n as u64;
-    }
-    Ok(())
+    warm(path)
 }
 
 /// Start every rank at once; wait for their results.
 fn run_ranks(dir: &Path, dim: usize, verify: bool) -> Result<Vec<RankResult>, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let children: Vec<_> = (0..RANKS)
+    let (split, verify) = (dim.to_string(), verify.to_string());
+    let children: Vec<Proc> = (0..RANKS)
         .map(|r| {
-            Command::new(&exe)
-                .args(["bench", "shard-snapshot-rank", "--dir"])
-                .arg(dir)
-                .args(["--rank", &r.to_string(), "--split", &dim.to_string()])
-                .args(["--verify", if verify { "1" } else { "0" }])
-                .stdout(Stdio::piped())
-                .spawn()
-                .map_err(|e| e.to_string())
+            let rank = r.to_string();
+            let mut args = vec!["bench", "shard-snapshot-rank", "--rank", &rank];
+            args.extend(["--split", &split, "--verify", &verify, "--dir"]);
+            args.push(dir.to_str().ok_or("the folder is not UTF-8")?);
+            Proc::wm(&args)
         })
         .collect::<Result<_, _>>()?;
     children
         .into_iter()
         .enumerate()
         .map(|(r, mut child)| {
-            let out = child.stdout.take().expect("piped");
-            let line = std::io::BufReader::new(out)
-                .lines()
-                .map_while(|l| l.ok())
-                .find(|l| l.starts_with("rank "));
-            let status = child.wait().map_err(|e| e.to_string())?;
-            let n: Vec<u64> = match (line, status.success()) {
-                (Some(l), true) => l
-                    .split_whitespace()
-                    .skip(1)
-                    .filter_map(|x| x.parse().ok())
-                    .collect(),
-                _ => return Err(format!("rank {r} failed ({status})")),
-            };
+            let n = child.numbers_after("rank ");
+            child.finish().map_err(|e| format!("rank {r}: {e}"))?;
+            let n = n.map_err(|e| format!("rank {r}: {e}"))?;
             Ok(RankResult {
                 read: n[0],
                 moved: n[1],
@@ -183,10 +177,8 @@ fn report(
 
 /// `wm bench shard-snapshot-rank`: one engine rank; prints `rank <bytes
 /// read> <bytes moved> <param bytes> <update ns> <floor ns>`.
-pub fn rank(a: &Args) -> Result<(), String> {
-    let dir = Path::new(a.value("dir").ok_or("--dir is needed")?);
-    let (r, dim): (u64, usize) = (a.number("rank", 0)?, a.number("split", 0)?);
-    let verify = a.value("verify") == Some("1");
+pub fn rank(a: &RankArgs) -> Result<(), String> {
+    let (dir, r, dim, verify) = (a.dir.as_path(), a.rank, a.split, a.verify);
     let (_, header) =
         safetensors_file::open(&dir.join(FILE), Instant::now() + Duration::from_secs(60))
             .map_err(|e| e.to_string())?;

@@ -11,27 +11,20 @@
 //! 1 / memcpy); a first update or a back-to-back one also faults in fresh
 //! memory (the kernel zeroes it) before the bytes land.
 
-use crate::bench::{best, engine, timed_update, verdict, Floors};
+use super::harness::{best, per_byte, python, verdict, Floors};
+use super::model::{engine, manager, timed_update, Model};
+use super::snapshot::Snapshot;
 use crate::fmt::gbps;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig};
+use weight_manager_core::manager::Manager;
 use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::tensor::DType;
-
-/// The model: (name, dtype, shape, bytes) per tensor.
-pub(crate) type Model = [(String, DType, Vec<u64>, usize)];
 
 /// A manager with library-owned params for `model`.
 fn library(model: &Model, threads: usize) -> Result<Manager, String> {
-    let m = Manager::new(ManagerConfig {
-        fallback_dir: None,
-        threads,
-        ..Default::default()
-    })
-    .map_err(|e| e.to_string())?;
+    let m = manager(threads)?;
     for (name, dtype, shape, _) in model {
         m.allocate(&ParamSpec::host(name, *dtype, shape))
             .map_err(|e| e.to_string())?;
@@ -39,32 +32,79 @@ fn library(model: &Model, threads: usize) -> Result<Manager, String> {
     Ok(m)
 }
 
-/// Print the atomic rows and the PyTorch comparison for the snapshot in
-/// `dir` (its file `path`, `total` bytes of `model`, in the page cache);
-/// `inplace`: the in-place update's GB/s into engine-owned params.
-pub(crate) fn rows(
-    model: &Model,
-    (dir, path): (&Path, &Path),
-    total: u64,
-    (floors, inplace): (Floors, f64),
+/// The GB/s of atomic and first updates measured for the rows.
+struct Atomic {
+    inplace_lib: f64,
+    first_lib: f64,
+    back_to_back: f64,
+    apart: f64,
+    first_eng: f64,
+    atomic_eng: f64,
+}
+
+/// Print the atomic rows and the PyTorch comparison for the snapshot `s`
+/// (in the page cache) beside `floors` and the page-cache read (`read`,
+/// GB/s); `inplace`: the in-place update's GB/s into engine-owned params.
+pub fn rows(
+    s: &Snapshot,
+    (floors, read, inplace): (Floors, f64, f64),
     threads: usize,
 ) -> Result<(), String> {
-    let two_pass = per_byte(&[floors.read, floors.memcpy]);
-    let fresh_read = per_byte(&[floors.fresh, floors.read]);
-    let fresh_two_pass = per_byte(&[floors.fresh, floors.read, floors.memcpy]);
+    let two_pass = per_byte(&[read, floors.memcpy]);
+    let fresh_read = per_byte(&[floors.fresh, read]);
+    let fresh_two_pass = per_byte(&[floors.fresh, read, floors.memcpy]);
     println!("  floor  two passes (read, then memcpy) {two_pass:>7.2} GB/s");
     println!("  floor  fault in fresh memory, read    {fresh_read:>7.2} GB/s");
+    let a = measure(s, threads)?;
+    println!(
+        "  wm     update in-place, library-owned {:>7.2} GB/s",
+        a.inplace_lib
+    );
+    let r = a.apart / a.inplace_lib;
+    println!(
+        "  wm     update atomic, library-owned   {:>7.2} GB/s   ratio {r:.2} to in-place (page swap, {} s apart: shadows faulted in ahead; target >= 0.90) {}",
+        a.apart,
+        GAP.as_secs(),
+        verdict(r >= 0.9)
+    );
+    println!(
+        "  wm     update atomic, library-owned   {:>7.2} GB/s   ratio {:.2} to in-place, {:.2} to fault in + read (back to back: shadows not ready, faulted in on every thread)",
+        a.back_to_back,
+        a.back_to_back / a.inplace_lib,
+        a.back_to_back / fresh_read
+    );
+    let r = a.atomic_eng / two_pass;
+    println!(
+        "  wm     update atomic, engine-owned    {:>7.2} GB/s   ratio {r:.2} to two passes (kept staging; target >= 0.80) {}",
+        a.atomic_eng,
+        verdict(r >= 0.8)
+    );
+    println!(
+        "  wm     first update, fresh manager    {:>7.2} GB/s   ratio {:.2} to fault in + read (atomic, library-owned)",
+        a.first_lib,
+        a.first_lib / fresh_read
+    );
+    println!(
+        "  wm     first update, fresh manager    {:>7.2} GB/s   ratio {:.2} to fault in + two passes (atomic, engine-owned)",
+        a.first_eng,
+        a.first_eng / fresh_two_pass
+    );
+    torch_rows(s, &a, inplace, threads)
+}
 
+/// The atomic and first updates, each manager of its own.
+fn measure(s: &Snapshot, threads: usize) -> Result<Atomic, String> {
     let run = &mut 0;
-    let mut timed = |m: &Manager, mode| timed_update(m, dir, mode, run);
+    let mut timed = |m: &Manager, mode| timed_update(m, s.dir, mode, run);
+    let total = s.total;
     // A manager of its own: after an atomic update the manager faults in
     // the next shadows on one core, which in-place updates would share.
     let inplace_lib = {
-        let m = library(model, threads)?;
+        let m = library(s.model, threads)?;
         gbps(total, best(|| timed(&m, Mode::InPlace))?)
     };
     let (first_lib, back_to_back, apart) = {
-        let m = library(model, threads)?;
+        let m = library(s.model, threads)?;
         let first = gbps(total, timed(&m, Mode::Atomic)?);
         let back_to_back = gbps(total, best(|| timed(&m, Mode::Atomic))?);
         let apart = best(|| {
@@ -73,38 +113,26 @@ pub(crate) fn rows(
         })?;
         (first, back_to_back, gbps(total, apart))
     };
-    println!("  wm     update in-place, library-owned {inplace_lib:>7.2} GB/s");
-    let r = apart / inplace_lib;
-    println!(
-        "  wm     update atomic, library-owned   {apart:>7.2} GB/s   ratio {r:.2} to in-place (page swap, {} s apart: shadows faulted in ahead; target >= 0.90) {}",
-        GAP.as_secs(),
-        verdict(r >= 0.9)
-    );
-    println!(
-        "  wm     update atomic, library-owned   {back_to_back:>7.2} GB/s   ratio {:.2} to in-place, {:.2} to fault in + read (back to back: shadows not ready, faulted in on every thread)",
-        back_to_back / inplace_lib,
-        back_to_back / fresh_read
-    );
     let (first_eng, atomic_eng) = {
-        let (m, _bufs) = engine(model, threads)?;
+        let (m, _bufs) = engine(s.model, threads, false)?;
         let first = gbps(total, timed(&m, Mode::Atomic)?);
         let atomic = gbps(total, best(|| timed(&m, Mode::Atomic))?);
         (first, atomic)
     };
-    let r = atomic_eng / two_pass;
-    println!(
-        "  wm     update atomic, engine-owned    {atomic_eng:>7.2} GB/s   ratio {r:.2} to two passes (kept staging; target >= 0.80) {}",
-        verdict(r >= 0.8)
-    );
-    println!(
-        "  wm     first update, fresh manager    {first_lib:>7.2} GB/s   ratio {:.2} to fault in + read (atomic, library-owned)",
-        first_lib / fresh_read
-    );
-    println!(
-        "  wm     first update, fresh manager    {first_eng:>7.2} GB/s   ratio {:.2} to fault in + two passes (atomic, engine-owned)",
-        first_eng / fresh_two_pass
-    );
-    let torch = match torch_way(path, false) {
+    Ok(Atomic {
+        inplace_lib,
+        first_lib,
+        back_to_back,
+        apart,
+        first_eng,
+        atomic_eng,
+    })
+}
+
+/// PyTorch's way beside ours, also with both sides' params in huge pages.
+fn torch_rows(s: &Snapshot, a: &Atomic, inplace: f64, threads: usize) -> Result<(), String> {
+    let total = s.total;
+    let torch = match torch_way(s.path, false) {
         Ok(t) => gbps(total, t),
         Err(e) => {
             println!("  torch  load_file + copy_()            skipped: {e}");
@@ -113,10 +141,14 @@ pub(crate) fn rows(
     };
     println!("  torch  load_file + copy_()            {torch:>7.2} GB/s   (mapped file, one copy)");
     // Both with params in huge pages (PyTorch: THP_MEM_ALLOC_ENABLE=1).
-    let torch_huge = gbps(total, torch_way(path, true)?);
+    let torch_huge = gbps(total, torch_way(s.path, true)?);
     let inplace_huge = {
-        let (m, _bufs) = crate::bench::engine_in(model, threads, true)?;
-        gbps(total, best(|| timed(&m, Mode::InPlace))?)
+        let (m, _bufs) = engine(s.model, threads, true)?;
+        let mut run = 0;
+        gbps(
+            total,
+            best(|| timed_update(&m, s.dir, Mode::InPlace, &mut run))?,
+        )
     };
     println!("  torch  load_file + copy_(), huge pages {torch_huge:>6.2} GB/s   (THP_MEM_ALLOC_ENABLE=1)");
     println!("  wm     update in-place, huge pages     {inplace_huge:>6.2} GB/s   (engine params in huge pages)");
@@ -131,14 +163,14 @@ pub(crate) fn rows(
             torch_huge,
             true,
         ),
-        ("atomic, library-owned", apart, torch, false),
+        ("atomic, library-owned", a.apart, torch, false),
         (
             "atomic, library-owned, back to back",
-            back_to_back,
+            a.back_to_back,
             torch,
             false,
         ),
-        ("atomic, engine-owned", atomic_eng, torch, false),
+        ("atomic, engine-owned", a.atomic_eng, torch, false),
     ] {
         let r = ours / theirs;
         match target {
@@ -152,27 +184,10 @@ pub(crate) fn rows(
     Ok(())
 }
 
-/// GB/s of passes done one after the other at these GB/s each.
-fn per_byte(passes: &[f64]) -> f64 {
-    1.0 / passes.iter().map(|g| 1.0 / g).sum::<f64>()
-}
-
 /// Time between atomic updates of library-owned params in the row that
 /// models an engine running between updates: the manager faults in the
 /// next update's shadows meanwhile (`manager/shadows.rs`).
 const GAP: Duration = Duration::from_secs(2);
-
-/// Python for the PyTorch row: `WM_PYTHON`, else `.venv/bin/python`, else
-/// `python3`.
-pub(crate) fn python() -> String {
-    std::env::var("WM_PYTHON").unwrap_or_else(|_| {
-        if Path::new(".venv/bin/python").exists() {
-            ".venv/bin/python".into()
-        } else {
-            "python3".into()
-        }
-    })
-}
 
 /// What an engine without this library does: load the file with
 /// safetensors into fresh tensors, then `copy_()` each into a preallocated

@@ -1,0 +1,128 @@
+//! `wm <command> --help` works for every command and subcommand (exit 0,
+//! the usage naming the command), and a bad option is refused by name.
+
+mod common;
+
+use common::WM;
+use std::process::{Command, Output};
+
+/// Every command and subcommand of `wm`, hidden ones (the benches' child
+/// processes) included.
+const COMMANDS: &[&str] = &[
+    "demo",
+    "inspect",
+    "manifest",
+    "shard",
+    "plan",
+    "bench",
+    "bench snapshot",
+    "bench signal",
+    "bench ipc",
+    "bench net",
+    "bench gpu",
+    "bench quant",
+    "bench delta",
+    "bench shard",
+    "bench signal-rank",
+    "bench ipc-publisher",
+    "bench net-publisher",
+    "bench shard-snapshot-rank",
+    "bench shard-ucx-publisher",
+    "bench shard-ucx-rank",
+    "bench shard-ipc-rank",
+    "serve",
+    "pull",
+    "signal",
+    "signal get",
+    "signal set",
+    "signal wait",
+    "signal request",
+    "worker",
+    "devices",
+];
+
+fn wm(args: &[&str]) -> Output {
+    Command::new(&*WM).args(args).output().unwrap()
+}
+
+fn text(out: &[u8]) -> String {
+    String::from_utf8_lossy(out).into_owned()
+}
+
+#[test]
+fn help_of_every_command_names_it() {
+    let top = wm(&["--help"]);
+    assert!(top.status.success(), "wm --help: {:?}", top.status);
+    let listed = text(&top.stdout);
+    for cmd in COMMANDS {
+        let mut args: Vec<&str> = cmd.split(' ').collect();
+        if args.len() == 1 {
+            assert!(
+                listed.contains(&format!("  {cmd} ")),
+                "wm --help lists {cmd}: {listed}"
+            );
+        }
+        args.push("--help");
+        let out = wm(&args);
+        let said = text(&out.stdout);
+        assert!(
+            out.status.success(),
+            "wm {cmd} --help: {:?} {said} {}",
+            out.status,
+            text(&out.stderr)
+        );
+        assert!(
+            said.contains(&format!("Usage: wm {cmd}")),
+            "wm {cmd} --help: {said}"
+        );
+    }
+}
+
+#[test]
+fn unknown_option_is_refused_by_name() {
+    for args in [
+        &[
+            "plan",
+            "--trainer",
+            "t.json",
+            "--engine",
+            "e.json",
+            "--no-such",
+        ][..],
+        &["bench", "snapshot", "--no-such", "1"],
+        &["pull", "--ipc", "/nonexistent.sock", "--no-such"],
+        &["signal", "get", "cell", "--no-such"],
+        &["demo", "--no-such"],
+    ] {
+        let out = wm(args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "wm {args:?} succeeded");
+        assert!(err.contains("--no-such"), "wm {args:?}: {err}");
+    }
+}
+
+#[test]
+fn bad_values_and_unknown_commands_are_refused_by_name() {
+    for (args, want) in [
+        (&["pull", "--ipc", "s", "--verify", "maybe"][..], "--verify"),
+        (&["bench", "quant", "--gib", "lots"], "--gib"),
+        (&["shard", "in", "--out", "o", "--ranks", "0"], "--ranks"),
+        (&["serve", "dir"], "--ipc"),
+        (&["no-such-command"], "no-such-command"),
+    ] {
+        let out = wm(args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "wm {args:?} succeeded");
+        assert!(err.contains(want), "wm {args:?}: want '{want}' in {err}");
+    }
+}
+
+#[test]
+fn version_prints_the_version() {
+    for args in [&["--version"][..], &["version"]] {
+        let out = wm(args);
+        assert!(out.status.success());
+        let said = text(&out.stdout);
+        assert_eq!(said.trim(), format!("wm {}", env!("CARGO_PKG_VERSION")));
+    }
+}
