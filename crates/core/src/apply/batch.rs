@@ -156,6 +156,7 @@ impl Applier<'_, '_> {
                 })
                 .map_err(|at| self.landing.no_run(t, at))?;
         }
+        // In place, the batch's copies (or the source) wrote the param.
         if matches!(self.plan.entries[t].target, Target::Param(_)) && self.landing.in_place() {
             self.landing.writes_params();
         }
@@ -186,6 +187,7 @@ impl Applier<'_, '_> {
             })
             .map_err(|at| self.landing.no_run(t, at))?;
         }
+        // The queued copies write the param itself.
         self.landing.writes_params();
         work.completed_on_device += u64::from(complete);
         Ok(())
