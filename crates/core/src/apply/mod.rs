@@ -138,7 +138,7 @@ impl<'p, 'h> Applier<'p, 'h> {
     }
 
     /// The bytes entry `entry` receives must hash to `sum` (see
-    /// [`Verifier::expect_checksum`]).
+    /// `Verifier::expect_checksum` in `verify.rs`).
     pub fn expect_checksum(&mut self, entry: usize, sum: u128) -> Result<()> {
         self.verifier.expect_checksum(entry, sum)
     }
@@ -199,7 +199,7 @@ impl<'p, 'h> Applier<'p, 'h> {
 
     /// The one landing call for a source that writes bytes itself: where
     /// bytes `[offset, offset + len)` of plan entry `t` land, in at most
-    /// `most` pieces (see [`Landing::receive_pieces`]; None: receive them
+    /// `most` pieces (see `Landing::receive_pieces`; None: receive them
     /// elsewhere and hand them over with [`Applier::apply_batch`]). Report
     /// the bytes with [`Applier::account_landed`] once they are there.
     pub fn receive_pieces(
