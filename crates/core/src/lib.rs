@@ -48,7 +48,7 @@
 //!   receive where `source/net/landing.rs` decides: a staging slot; where
 //!   `Applier::receive_pieces` says, in one piece or scattered by UCX into
 //!   the pieces it lands in; else a bounce buffer the applier scatters from
-//!   (`apply/receive.rs`: in place the param itself, atomic the staging arena, a device param
+//!   (`apply/landing.rs`: in place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
 //!   routes it (`apply/route.rs`, `apply/batch.rs`) and checks it against

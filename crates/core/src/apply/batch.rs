@@ -78,7 +78,7 @@ impl Applier<'_, '_> {
         let t = all.tensor;
         let complete = end == self.plan.entries[t].bytes;
         let whole = run.len() == 1 && all.offset == 0 && complete && self.plan.moves_whole(t);
-        match self.route(&all, whole, landed) {
+        match self.landing.route(&all, whole, landed, self.verifier.on) {
             Route::Copy | Route::Landed => {
                 self.receive_in_memory(run, whole, complete, landed, work)?
             }
@@ -91,7 +91,7 @@ impl Applier<'_, '_> {
                 self.account_on_device(origin, run, param, landed, complete, work)?
             }
         }
-        self.progress.bytes_done += bytes;
+        self.tally.now.bytes_done += bytes;
         Ok(())
     }
 
@@ -109,29 +109,8 @@ impl Applier<'_, '_> {
             return Ok(None);
         }
         // What the entry receives: its segments back to back.
-        let (t, n) = (c.tensor, entry.bytes);
-        if c.offset != self.received[t] {
-            return Err(Error::format(format!(
-                "{origin}: chunk of tensor '{}' starts at byte {} but byte {} was expected next",
-                self.name(t),
-                c.offset,
-                self.received[t]
-            )));
-        }
-        let end = c
-            .offset
-            .checked_add(c.len as u64)
-            .filter(|e| *e <= n)
-            .ok_or_else(|| {
-                Error::format(format!(
-                "{origin}: chunk of tensor '{}' covers {} bytes from byte {}, past its {} bytes",
-                self.name(t),
-                c.len,
-                c.offset,
-                n
-            ))
-            })?;
-        self.received[t] = end;
+        let what = (c.tensor, entry.meta.name.as_str(), entry.bytes);
+        let end = self.tally.accept(origin, what, c.offset, c.len)?;
         Ok(Some(end))
     }
 
@@ -146,8 +125,8 @@ impl Applier<'_, '_> {
         work: &mut BatchWork<'c>,
     ) -> Result<()> {
         let t = run[0].tensor;
-        let mut spans = self.spans_from(t, run[0].offset)?;
-        let hashing = self.opts.verify && !whole;
+        let mut spans = self.landing.spans_from(t, run[0].offset)?;
+        let hashing = self.verifier.on && !whole;
         for c in run {
             // Bytes in memory are hashed where they already are (just
             // landed, so still in cache); a file's once copied, span by
@@ -175,10 +154,11 @@ impl Applier<'_, '_> {
                         });
                     }
                 })
-                .map_err(|at| self.no_run(t, at))?;
+                .map_err(|at| self.landing.no_run(t, at))?;
         }
-        if matches!(self.plan.entries[t].target, Target::Param(_)) && self.arena.is_none() {
-            self.wrote_params = true;
+        // In place, the batch's copies (or the source) wrote the param.
+        if matches!(self.plan.entries[t].target, Target::Param(_)) && self.landing.in_place() {
+            self.landing.writes_params();
         }
         if complete {
             work.completed.push(t);
@@ -205,9 +185,10 @@ impl Applier<'_, '_> {
             walk.map(c.offset, c.len as u64, |at, p, len| {
                 copies.push((ordinal, ptr + p, src + at, len as usize))
             })
-            .map_err(|at| self.no_run(t, at))?;
+            .map_err(|at| self.landing.no_run(t, at))?;
         }
-        self.wrote_params = true;
+        // The queued copies write the param itself.
+        self.landing.writes_params();
         work.completed_on_device += u64::from(complete);
         Ok(())
     }
@@ -230,10 +211,10 @@ impl Applier<'_, '_> {
                 self.name(t)
             )));
         }
-        if self.opts.verify {
+        if self.verifier.on {
             for c in run {
-                let at = ptr + self.param_offset(t, c.offset, c.len as u64)?;
-                self.hash_on_device(origin, t, (at, ordinal), c.len)?;
+                let at = ptr + self.landing.param_offset(t, c.offset, c.len as u64)?;
+                (self.verifier).hash_on_device(origin, t, (at, ordinal), c.len)?;
             }
         }
         if complete {
@@ -256,33 +237,33 @@ impl Applier<'_, '_> {
             let n = self.plan.entries[t].bytes as usize;
             // SAFETY: every byte up to n was just written, into a buffer
             // allocated for n.
-            unsafe { self.loose.filled(t, n) };
+            unsafe { self.landing.loose.filled(t, n) };
         }
-        self.hash_chunks(&work.hash_chunks);
-        self.verify(origin, &work.completed)?;
-        self.progress.tensors_done += work.completed.len() as u64 + work.completed_on_device;
+        self.verifier.hash_chunks(&work.hash_chunks);
+        (self.verifier).verify(origin, &work.completed, &mut self.landing)?;
+        self.tally.now.tensors_done += work.completed.len() as u64 + work.completed_on_device;
         // Equally spaced blocks (a strided part's rows) go as one 2D copy.
         let blocks = work
             .device_copies
             .iter()
             .map(|&(g, dst, src, n)| (g, (dst, src, n)));
         for run in strided::runs(blocks) {
-            self.copy_on_device(origin, run)?;
+            self.landing.copy_on_device(origin, run)?;
         }
         for &(t, bytes) in &work.device_views {
             self.deliver_view(t, &[], Some(bytes))?;
-            self.progress.tensors_done += 1;
+            self.tally.now.tensors_done += 1;
         }
         for &(t, src) in &work.host_views {
             self.deliver_host_view(origin, t, src)?;
-            self.progress.tensors_done += 1;
+            self.tally.now.tensors_done += 1;
         }
-        if self.arena.is_none() {
+        if self.landing.in_place() {
             for &t in &work.completed {
                 self.pass_on(origin, t)?;
             }
         }
-        self.report_progress()
+        self.tally.report(self.hooks.progress.as_deref_mut())
     }
 
     /// Route::HostView: verify the tensor where it is and hand it out.
@@ -291,8 +272,8 @@ impl Applier<'_, '_> {
         // SAFETY: the source promises the bytes stay put during the batch;
         // the callback sees them only during its call.
         let data = unsafe { std::slice::from_raw_parts(src.0, n) };
-        if self.opts.verify {
-            self.check_checksum(origin, t, crate::checksum::of(data))?;
+        if self.verifier.on {
+            (self.verifier).check_checksum(origin, t, crate::checksum::of(data))?;
         }
         self.deliver(t, data)
     }
@@ -300,23 +281,24 @@ impl Applier<'_, '_> {
     /// In place: a tensor received whole in a buffer of the applier's goes
     /// on to its device param or the callback.
     fn pass_on(&mut self, origin: &str, t: usize) -> Result<()> {
-        let device = match self.params[t] {
+        let landing = &mut self.landing;
+        let device = match landing.params[t] {
             Some(Dest::Device { ptr, ordinal }) => Some((ptr, ordinal)),
             _ => None,
         };
-        if let (Some(param), Some(buf)) = (device, self.pinned.remove(&t)) {
-            return self.upload(origin, t, param, UploadFrom::Pinned(buf));
+        if let (Some(param), Some(buf)) = (device, landing.pinned.remove(&t)) {
+            return landing.upload(origin, t, param, UploadFrom::Pinned(buf));
         }
-        if self.gdr_param(t).is_some() {
+        if landing.gdr_param(t).is_some() {
             return Ok(()); // already in the param
         }
         if self.plan.entries[t].target == Target::Callback || device.is_some() {
-            let data = self.loose.take(t);
+            let data = landing.loose.take(t);
             match device {
-                Some(param) => self.upload(origin, t, param, UploadFrom::Host(&data))?,
+                Some(param) => landing.upload(origin, t, param, UploadFrom::Host(&data))?,
                 None => self.deliver(t, &data)?,
             }
-            self.loose.recycle(data);
+            self.landing.loose.recycle(data);
         }
         Ok(())
     }

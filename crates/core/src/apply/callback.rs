@@ -17,7 +17,7 @@ impl Applier<'_, '_> {
         data: &[u8],
         device: Option<DeviceBytes>,
     ) -> Result<()> {
-        self.delivered[t] = true;
+        self.tally.delivered(t);
         let meta = &self.plan.entries[t].meta;
         let Some(hook) = self.hooks.tensor.as_mut() else {
             return Err(Error::callback(format!(

@@ -15,11 +15,12 @@
 //! params, and the manager reports FAILED. The old memory of every swapped
 //! param is freed once all swaps went through.
 //!
+//! The swap itself runs from the landing's commit (`shadows.rs`).
+//!
 //! Memory: the device memory of the swapped params doubles for the update
 //! (the shadows are freed, or become the params, when it ends); the host
 //! staging is the same as without the swap.
 
-use super::Applier;
 use crate::memory::device::DeviceRegion;
 use crate::memory::device_swap::DevicePages;
 use crate::plan::{Plan, Target};
@@ -112,22 +113,9 @@ impl<'p> DeviceShadows<'p> {
 }
 
 /// "param 'NAME'" for param `i`, from the first plan entry that targets it.
-fn param_name(plan: &Plan, i: usize) -> String {
+pub(super) fn param_name(plan: &Plan, i: usize) -> String {
     let e = plan.entries.iter().find(|e| e.target == Target::Param(i));
     format!("param '{}'", e.map_or("?", |e| e.meta.name.as_str()))
-}
-
-impl Applier<'_, '_> {
-    /// Atomic, at commit after the uploads settled: swap the device
-    /// shadows in. A failure that left a param changed counts as written.
-    pub(super) fn swap_device_shadows(&mut self) -> Result<()> {
-        let plan = self.plan;
-        let name = |i: usize| param_name(plan, i);
-        self.device_shadows.swap_all(name).map_err(|(e, changed)| {
-            self.wrote_params |= changed;
-            e
-        })
-    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
-//! Progress of an update, counted as chunks are accepted and tensors
-//! complete, and reported to the progress hook after every batch.
+//! Progress of an update: what each entry received so far (so a source
+//! can never make the applier write a byte twice or past a tensor), which
+//! callback tensors were handed out, the counts the progress hook sees
+//! after every batch, and the update's clock.
 
-use super::Applier;
+use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
+use std::time::{Duration, Instant};
 
 /// Progress of an update, reported after every batch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -13,18 +16,117 @@ pub struct Progress {
     pub tensors_total: u64,
 }
 
-impl Applier<'_, '_> {
+/// The applier's counters and clock.
+pub(super) struct Tally {
+    /// Per plan entry: the bytes received, from its first on.
+    received: Vec<u64>,
+    /// Per plan entry: handed to the per-tensor callback.
+    delivered: Vec<bool>,
+    pub now: Progress,
+    pub started: Instant,
+    pub deadline: Instant,
+    timeout: Duration,
+}
+
+impl Tally {
+    pub fn new(plan: &Plan, timeout: Duration) -> Tally {
+        let started = Instant::now();
+        Tally {
+            received: vec![0; plan.entries.len()],
+            delivered: vec![false; plan.entries.len()],
+            now: Progress {
+                bytes_total: plan.bytes,
+                tensors_total: plan.tensors as u64,
+                ..Default::default()
+            },
+            started,
+            deadline: started + timeout,
+            timeout,
+        }
+    }
+
+    /// Fail with a timeout if the update's deadline has passed.
+    pub fn check_deadline(&self) -> Result<()> {
+        if Instant::now() > self.deadline {
+            return Err(Error::timeout(format!(
+                "update did not finish within {:?} ({} of {} bytes received)",
+                self.timeout, self.now.bytes_done, self.now.bytes_total
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bytes `[offset, offset + len)` of entry `t` (`n` bytes, named
+    /// `name`) arrive: they must follow on from what it received and fit
+    /// it. Returns where they end.
+    pub fn accept(
+        &mut self,
+        origin: &str,
+        (t, name, n): (usize, &str, u64),
+        offset: u64,
+        len: usize,
+    ) -> Result<u64> {
+        if offset != self.received[t] {
+            return Err(Error::format(format!(
+                "{origin}: chunk of tensor '{name}' starts at byte {offset} but byte {} was expected next",
+                self.received[t]
+            )));
+        }
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|e| *e <= n)
+            .ok_or_else(|| {
+                Error::format(format!(
+                    "{origin}: chunk of tensor '{name}' covers {len} bytes from byte {offset}, past its {n} bytes"
+                ))
+            })?;
+        self.received[t] = end;
+        Ok(end)
+    }
+
+    /// Entry `t` was handed to the callback.
+    pub fn delivered(&mut self, t: usize) {
+        self.delivered[t] = true;
+    }
+
+    pub fn was_delivered(&self, t: usize) -> bool {
+        self.delivered[t]
+    }
+
+    /// Every planned tensor arrived whole.
+    pub fn check_complete(&self, plan: &Plan) -> Result<()> {
+        let incomplete: Vec<String> = plan
+            .entries
+            .iter()
+            .zip(&self.received)
+            .filter(|(e, r)| e.target != Target::Skip && **r < e.bytes)
+            .map(|(e, r)| format!("'{}' ({r} of {} bytes)", e.meta.name, e.bytes))
+            .collect();
+        if incomplete.is_empty() {
+            return Ok(());
+        }
+        Err(Error::format(format!(
+            "the source ended before {} tensor(s) were complete: {}",
+            incomplete.len(),
+            incomplete
+                .into_iter()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))
+    }
+
     /// Tell the progress hook where the update stands; it may cancel it.
-    pub(super) fn report_progress(&mut self) -> Result<()> {
-        let Some(progress) = self.hooks.progress.as_mut() else {
+    pub fn report(&self, hook: Option<&mut (dyn FnMut(&Progress) -> bool + '_)>) -> Result<()> {
+        let Some(progress) = hook else {
             return Ok(());
         };
-        if progress(&self.progress) {
+        if progress(&self.now) {
             return Ok(());
         }
         Err(Error::cancelled(format!(
             "update cancelled by the progress callback after {} of {} bytes",
-            self.progress.bytes_done, self.progress.bytes_total
+            self.now.bytes_done, self.now.bytes_total
         )))
     }
 }

@@ -2,10 +2,12 @@
 //! chunks (`batch.rs`: consecutive chunks of one tensor from one kind of
 //! source take the same route).
 
-use super::{Applier, Chunk, Dest, DeviceBytes};
+use super::landing::Landing;
+use super::types::{Chunk, DeviceBytes};
 use crate::memory::copy::CopySource;
 use crate::memory::SendPtr;
 use crate::plan::Target;
+use crate::registry::Dest;
 
 /// The path of one chunk through the applier, with what that path needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,7 +16,7 @@ pub(super) enum Route {
     /// arena, a host param (in place), or a pinned or loose buffer on its
     /// way to a device param or the callback.
     Copy,
-    /// The source already wrote it where [`Applier::receive_buffer_for`] said, in
+    /// The source already wrote it where [`Landing::receive_pieces`] said, in
     /// host memory: only accounted for (and hashed).
     Landed,
     /// A whole callback tensor at `src` in the source's host memory, in
@@ -32,16 +34,17 @@ pub(super) enum Route {
     OnDevice { param: (u64, i32) },
 }
 
-impl Applier<'_, '_> {
+impl Landing<'_> {
     /// The route of chunk `c` (a run of chunks as one: its first's source,
     /// their bytes), which is whole when it holds its entire tensor in one
-    /// piece; `landed`: the source wrote its bytes itself.
-    pub(super) fn route(&self, c: &Chunk, whole: bool, landed: bool) -> Route {
+    /// piece; `landed`: the source wrote its bytes itself; `verify`: the
+    /// update checks checksums (which device views would skip).
+    pub(super) fn route(&self, c: &Chunk, whole: bool, landed: bool, verify: bool) -> Route {
         let t = c.tensor;
         let target = self.plan.entries[t].target;
         let in_place = self.arena.is_none();
         if let (CopySource::Device { ptr: src, ordinal }, false, true, false) =
-            (c.src, landed, in_place, self.opts.verify)
+            (c.src, landed, in_place, verify)
         {
             match (target, self.params[t]) {
                 (Target::Param(_), Some(Dest::Device { ptr, ordinal: to })) => {

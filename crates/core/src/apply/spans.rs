@@ -2,9 +2,67 @@
 //! entry's segments walked forward once, alongside the chunks that bring
 //! the bytes. Chunks of an entry arrive in order, so a batch of many small
 //! blocks (a column split's rows) costs one search for the first segment
-//! and a step per block after it, not a search per block.
+//! and a step per block after it, not a search per block. [`Spans`] says
+//! where an entry's received bytes go: back to back, or laid out like its
+//! param.
 
+use crate::memory::SendPtr;
 use crate::plan::Segment;
+
+/// Where part of a chunk goes: bytes `at..at + len` of the chunk to `dst`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Span {
+    pub at: u64,
+    pub dst: SendPtr,
+    pub len: u64,
+}
+
+/// `spans` as (address, length) pieces, in order, each run of spans that
+/// follow each other in memory joined into one.
+pub(super) fn joined(spans: &[Span]) -> Vec<(SendPtr, usize)> {
+    let mut out: Vec<(SendPtr, usize)> = Vec::with_capacity(spans.len());
+    for s in spans {
+        match out.last_mut() {
+            Some((at, n)) if at.0.wrapping_add(*n) == s.dst.0 => *n += s.len as usize,
+            _ => out.push((s.dst, s.len as usize)),
+        }
+    }
+    out
+}
+
+/// Where an entry's received bytes go, chunk after chunk (in order).
+pub(super) enum Spans<'s> {
+    /// Back to back from here (the entry's own buffer or arena slot).
+    Packed(*mut u8),
+    /// In memory laid out like the param, at `base`.
+    Param {
+        base: *mut u8,
+        walk: SegmentWalk<'s>,
+    },
+}
+
+impl Spans<'_> {
+    /// Received bytes `[offset, offset + len)` (following on from the last
+    /// call's), as spans handed to `f` in order. Err: a byte in no run.
+    pub(super) fn map(
+        &mut self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(Span),
+    ) -> Result<(), u64> {
+        match self {
+            Spans::Packed(base) => {
+                let dst = SendPtr(base.wrapping_add(offset as usize));
+                f(Span { at: 0, dst, len });
+                Ok(())
+            }
+            Spans::Param { base, walk } => walk.map(offset, len, |at, p, len| {
+                let dst = SendPtr(base.wrapping_add(p as usize));
+                f(Span { at, dst, len })
+            }),
+        }
+    }
+}
 
 /// A forward walk over an entry's segments (in the order received).
 pub(super) struct SegmentWalk<'s> {

@@ -24,6 +24,12 @@ fn plan_of(bytes: &[u8]) -> Plan {
     )])
 }
 
+/// Where `len` bytes of entry `t` from byte `offset` land, in one piece.
+fn one_piece(a: &mut Applier, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
+    let pieces = a.receive_pieces(t, offset, len, 1)?;
+    Ok(pieces.expect("one piece")[0].0)
+}
+
 /// Feed `src` to an in-place applier in chunks of `piece` bytes; the
 /// chunks are copied (`landed` false) or already in the param (true).
 fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Result<Vec<u8>> {
@@ -40,7 +46,7 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
     for at in (0..src.len()).step_by(piece) {
         let len = piece.min(src.len() - at);
         if landed {
-            let to = a.receive_buffer_for(0, at as u64, len)?;
+            let to = one_piece(&mut a, 0, at as u64, len)?;
             // SAFETY: the landing range is the param's, `len` bytes long.
             unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), to.0, len) };
         }
@@ -107,7 +113,7 @@ fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
     }
 }
 
-/// rdma lands callback tensors through `receive_buffer_for`: tensors received
+/// rdma lands callback tensors through `receive_pieces`: tensors received
 /// at once count together against the limit, each one alone fits.
 #[test]
 fn callback_tensors_received_at_once_share_the_limit() {
@@ -123,8 +129,8 @@ fn callback_tensors_received_at_once_share_the_limit() {
         tensor: Some(&mut hook),
     };
     let mut a = Applier::new(&plan, vec![None, None], opts, hooks).unwrap();
-    a.receive_buffer_for(0, 0, 1000).unwrap();
-    let e = a.receive_buffer_for(1, 0, 1000).unwrap_err();
+    one_piece(&mut a, 0, 0, 1000).unwrap();
+    let e = one_piece(&mut a, 1, 0, 1000).unwrap_err();
     assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
     assert!(
         e.message.contains("tensor 'b'") && e.message.contains("3000 bytes"),
@@ -138,7 +144,7 @@ fn callback_tensors_received_at_once_share_the_limit() {
         src: CopySource::Memory(SendPtr(std::ptr::null_mut())),
     };
     for t in 0..2 {
-        let at = a.receive_buffer_for(t, 0, 3000).unwrap();
+        let at = one_piece(&mut a, t, 0, 3000).unwrap();
         // SAFETY: the landing holds the tensor's 3000 bytes.
         unsafe { std::ptr::write_bytes(at.0, 1, 3000) };
         a.account_landed("test", &[whole(t)]).unwrap();
@@ -194,7 +200,7 @@ fn chunks_land_where_their_run_says() {
             src: CopySource::Memory(SendPtr(data.as_ptr().cast_mut())),
         };
         if landed {
-            let to = a.receive_buffer_for(0, 0, 4).unwrap();
+            let to = one_piece(&mut a, 0, 0, 4).unwrap();
             // SAFETY: the landing is the run's 4 bytes of the param.
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), to.0, 4) };
             a.account_landed("test", &[chunk]).unwrap();
@@ -323,7 +329,7 @@ fn bytes_scattered_into_their_pieces_land_and_verify() {
             .unwrap();
         // Bytes 4..44: pieces of 4, 8, 8, 8, 8 and 4 bytes.
         assert!(a.receive_pieces(0, 4, 40, 5).unwrap().is_none());
-        assert!(!a.wrote_params, "{mode:?}: nothing written yet");
+        assert!(!a.wrote_params(), "{mode:?}: nothing written yet");
         for at in (0..received.len()).step_by(40) {
             let len = 40.min(received.len() - at);
             let pieces = a.receive_pieces(0, at as u64, len, 8).unwrap().unwrap();

@@ -40,7 +40,7 @@ pub struct DeviceBytes {
 }
 
 /// Returns false to cancel the update.
-pub type ProgressHook<'h> = &'h mut dyn FnMut(&super::Progress) -> bool;
+pub type ProgressHook<'h> = &'h mut dyn FnMut(&super::progress::Progress) -> bool;
 /// Returns an error text to fail the update.
 pub type TensorHook<'h> = &'h mut dyn FnMut(&TensorView) -> std::result::Result<(), String>;
 

@@ -5,9 +5,8 @@
 //! them before the update counts as done. Atomic, a param with a device
 //! shadow (`device_swap.rs`) gets its bytes in the shadow instead.
 
-use super::Applier;
+use super::landing::Landing;
 use crate::memory::pinned::PinnedBuffer;
-use crate::memory::staging::DeviceStaging;
 use crate::memory::strided::Strided;
 use crate::plan::{Segment, Target};
 use crate::result::{Error, Result};
@@ -24,13 +23,7 @@ pub(super) enum UploadFrom<'d> {
     ParamShadow(&'d [u8]),
 }
 
-impl Applier<'_, '_> {
-    pub(super) fn staging(&mut self) -> Result<&mut DeviceStaging> {
-        self.staging.as_deref_mut().ok_or_else(|| {
-            Error::unsupported("device params need the manager's pinned staging (internal)")
-        })
-    }
-
+impl Landing<'_> {
     /// Queue the copy of whole, verified tensor `t` to its device param
     /// (`ptr` on GPU `ordinal`), run by run; to the param's shadow instead
     /// when it has one (`device_swap.rs`: the param is not written).
@@ -45,16 +38,16 @@ impl Applier<'_, '_> {
             Target::Param(i) => self.device_shadows.target(i),
             _ => None,
         };
-        self.wrote_params |= shadow.is_none();
+        if shadow.is_none() {
+            self.writes_params();
+        }
         let ptr = shadow.unwrap_or(param);
-        let (threads, deadline, plan) = (self.opts.threads, self.deadline, self.plan);
+        let (threads, deadline, plan) = (self.threads, self.deadline, self.plan);
         let name = &plan.entries[t].meta.name;
         let context =
             |e: Error| e.context(format!("tensor '{name}' from {origin} to GPU {ordinal}"));
         let segments = plan.segments(t);
-        let staging = self.staging.as_deref_mut().ok_or_else(|| {
-            Error::unsupported("device params need the manager's pinned staging (internal)")
-        })?;
+        let staging = self.staging()?;
         match from {
             // The staging policy gives a pinned buffer only to entries of
             // one segment.

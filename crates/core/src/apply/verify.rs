@@ -4,18 +4,51 @@
 //! catches corruption anywhere after). An entry that moves part of a
 //! tensor (a slice for a sharded param) is checked against the xxh3-128 of
 //! exactly the bytes it receives, which its source hands over with
-//! [`Applier::expect_checksum`] (a publisher hashes the slice it serves; a
+//! [`Verifier::expect_checksum`] (a publisher hashes the slice it serves; a
 //! snapshot hashes what it read after checking it against the file's block
 //! sums). An entry that arrives in several chunks is hashed chunk by chunk
 //! right after each lands (while its bytes are still in cache); one that
 //! arrives whole is hashed once whole, in parallel with the batch's others.
 
-use super::Applier;
+use super::landing::Landing;
+use crate::checksum::Checksum;
 use crate::memory::copy::hash_all;
 use crate::memory::SendPtr;
+use crate::plan::Plan;
 use crate::result::{Error, Result};
+use std::collections::HashMap;
 
-impl Applier<'_, '_> {
+/// An update's checksums: running hashes and the sums to check them by.
+pub(super) struct Verifier<'p> {
+    plan: &'p Plan,
+    /// Whether this update verifies at all.
+    pub on: bool,
+    threads: usize,
+    /// Host copy of a chunk that landed on the GPU, for its hash.
+    readback: Vec<u8>,
+    /// Running hashes of tensors arriving in several chunks.
+    hashing: HashMap<usize, Box<Checksum>>,
+    /// Per entry that moves part of its tensor: the checksum of the bytes
+    /// it receives, as its source computed them (`expect_checksum`).
+    slice_sums: HashMap<usize, u128>,
+}
+
+impl<'p> Verifier<'p> {
+    pub fn new(plan: &'p Plan, on: bool, threads: usize) -> Verifier<'p> {
+        Verifier {
+            plan,
+            on,
+            threads,
+            readback: Vec::new(),
+            hashing: HashMap::new(),
+            slice_sums: HashMap::new(),
+        }
+    }
+
+    fn name(&self, t: usize) -> &str {
+        &self.plan.entries[t].meta.name
+    }
+
     /// The bytes entry `entry` receives (its segments back to back) must
     /// hash to `sum` (xxh3-128). Only entries that move part of their
     /// tensor take one (the others have the manifest's); a source that
@@ -40,7 +73,7 @@ impl Applier<'_, '_> {
     /// Add each of `chunks` (entry, bytes, length: the next bytes of the
     /// entry, in order) to its entry's running hash, looked up once per
     /// run of the same entry.
-    pub(super) fn hash_chunks(&mut self, chunks: &[(usize, SendPtr, usize)]) {
+    pub fn hash_chunks(&mut self, chunks: &[(usize, SendPtr, usize)]) {
         for run in chunks.chunk_by(|a, b| a.0 == b.0) {
             let hash = self.hashing.entry(run[0].0).or_default();
             for &(_, at, len) in run {
@@ -53,7 +86,7 @@ impl Applier<'_, '_> {
 
     /// gdr: add the `len` bytes at device address `at` (GPU `ordinal`) to
     /// entry `t`'s running hash, through a host copy.
-    pub(super) fn hash_on_device(
+    pub fn hash_on_device(
         &mut self,
         origin: &str,
         t: usize,
@@ -61,7 +94,7 @@ impl Applier<'_, '_> {
         len: usize,
     ) -> Result<()> {
         self.readback.resize(len, 0);
-        // SAFETY: the device range was range-checked by receive_buffer_for and the
+        // SAFETY: the device range was range-checked by the landing and the
         // source wrote it; readback holds len bytes.
         unsafe { crate::memory::cuda_ipc::download(ordinal, self.readback.as_mut_ptr(), at, len) }
             .map_err(|e| e.context(format!("{origin}: reading tensor '{}' back", self.name(t))))?;
@@ -70,9 +103,10 @@ impl Applier<'_, '_> {
         Ok(())
     }
 
-    /// Check the checksums of `tensors`, all complete (when verifying).
-    pub(super) fn verify(&mut self, origin: &str, tensors: &[usize]) -> Result<()> {
-        if !self.opts.verify || tensors.is_empty() {
+    /// Check the checksums of `tensors`, all complete (when verifying),
+    /// where `landing` received them.
+    pub fn verify(&mut self, origin: &str, tensors: &[usize], landing: &mut Landing) -> Result<()> {
+        if !self.on || tensors.is_empty() {
             return Ok(());
         }
         let mut whole = Vec::with_capacity(tensors.len());
@@ -88,18 +122,18 @@ impl Applier<'_, '_> {
                 // Entries not hashed chunk by chunk arrived whole in one
                 // chunk and move whole (`batch`): one span.
                 let n = self.plan.entries[t].bytes;
-                Ok((self.receive_spans(t, 0, n)?[0].dst, n as usize))
+                Ok((landing.receive_spans(t, 0, n)?[0].dst, n as usize))
             })
             .collect::<Result<_>>()?;
         // SAFETY: the regions were fully written and nothing writes them now.
-        let got = unsafe { hash_all(&regions, self.opts.threads) };
+        let got = unsafe { hash_all(&regions, self.threads) };
         for (&t, got) in whole.iter().zip(got) {
             self.check_checksum(origin, t, got)?;
         }
         Ok(())
     }
 
-    pub(super) fn check_checksum(&self, origin: &str, t: usize, got: u128) -> Result<()> {
+    pub fn check_checksum(&self, origin: &str, t: usize, got: u128) -> Result<()> {
         let (want, what) = match self.plan.takes_all(t) {
             true => (self.plan.entries[t].meta.checksum, ""),
             false => (

@@ -1,7 +1,7 @@
 //! Where a member's broadcasts land: the applier decides, as for every
 //! source. In place the bytes land in the params themselves (the applier's
-//! `receive_buffer_for`, with device params written directly as with gdr)
-//! and are accounted for once moved. Atomic, the applier stages in host
+//! `receive_pieces`, in one piece, with device params written directly as
+//! with gdr) and are accounted for once moved. Atomic, the applier stages in host
 //! memory, which NCCL cannot write: each batch lands in a [`Bounce`]
 //! buffer on the GPU first and is handed to the applier from there
 //! (`apply_batch`), which copies it into its staging; its commit then
@@ -89,6 +89,18 @@ impl<'a, 'p, 'h> MemberLanding<'a, 'p, 'h> {
         }
     }
 
+    /// In place: where tensor `t`'s bytes land, all of them in one piece
+    /// (one broadcast writes them).
+    fn in_one_piece(&mut self, t: usize) -> Result<u64> {
+        let n = self.sizes[t];
+        match self.applier.receive_pieces(t, 0, n, 1)?.as_deref() {
+            Some([(at, _)]) => Ok(at.0 as u64),
+            _ => Err(Error::format(format!(
+                "tensor #{t}: its {n} bytes are not contiguous where they land"
+            ))),
+        }
+    }
+
     fn chunks(&self, batch: Range<usize>) -> Vec<Chunk<'static>> {
         batch
             .zip(&self.placed)
@@ -125,10 +137,7 @@ impl Landing for MemberLanding<'_, '_, '_> {
                 }
                 offsets.iter().map(|&o| b.base() + o as u64).collect()
             }
-            None => batch
-                .map(|t| self.applier.receive_buffer_for(t, 0, self.sizes[t]))
-                .map(|p| p.map(|p| p.0 as u64))
-                .collect::<Result<_>>()?,
+            None => batch.map(|t| self.in_one_piece(t)).collect::<Result<_>>()?,
         };
         Ok(self.placed.clone())
     }

@@ -22,12 +22,7 @@ impl Manager {
             }
             rec.state = State::Clearing;
         }
-        // A cleared engine holds no trainer memory, nor pinned or atomic
-        // staging.
-        self.ipc_buffers.lock().forget();
-        self.staging.lock().release();
-        self.atomic_staging.lock().take();
-        self.next_shadows.lock().discard();
+        self.kept.release();
         let mut registry = self.registry.write();
         let result = self.release(&mut registry);
         let mut rec = self.record.lock();

@@ -41,7 +41,7 @@ impl Manager {
         let has_tensor_hook = run.req.hooks.tensor.is_some();
         root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
         let mut stats = self.apply(run, &mut prepared).map_err(|f| {
-            self.plans.forget(&prepared.plan);
+            self.kept.plans.forget(&prepared.plan);
             ApplyFailure {
                 error: root.stop(f.error),
                 weights: f.weights,

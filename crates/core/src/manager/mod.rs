@@ -22,15 +22,15 @@
 //! - `update.rs`: an update, from the source to the commit;
 //! - `fanout_root.rs`, `fanout_member.rs`: the update's NCCL fan-out
 //!   steps (see [`crate::fanout`]);
+//! - `kept.rs`: what is kept between updates (plan cache, staging, the
+//!   IPC mapping, the fan-out link); `plan_cache.rs`, `shadows.rs`: two of
+//!   them;
 //! - `memory.rs`: releasing and restoring param memory, with GPU accounting;
 //! - `clear.rs`: a clear; `cancel.rs`: stopping for good.
 
 use crate::fanout::FanoutLink;
 use crate::logging::Logger;
 use crate::memory::copy::default_threads;
-use crate::memory::host::HostRegion;
-use crate::memory::kept_mappings::MappedBuffers;
-use crate::memory::staging::DeviceStaging;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
 use crate::signal::SignalPlane;
@@ -38,7 +38,6 @@ use crate::source::snapshot;
 use crate::state::State;
 use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 mod cancel;
 mod clear;
@@ -46,6 +45,7 @@ mod config;
 mod fanout_member;
 mod fanout_root;
 mod geometry;
+mod kept;
 mod memory;
 mod plan_cache;
 mod register;
@@ -81,22 +81,8 @@ pub struct Manager {
     registry: RwLock<Registry>,
     record: Mutex<Record>,
     signal: SignalPlane,
-    /// The last IPC session's shared buffers, mapped (see `MappedBuffers`).
-    ipc_buffers: Arc<Mutex<MappedBuffers>>,
-    /// Pinned host buffers and upload streams for device params, kept from
-    /// one update to the next (freed by a clear).
-    staging: Mutex<DeviceStaging>,
-    /// Atomic mode's packed staging (engine-owned and device params,
-    /// callback tensors), kept from one update to the next when
-    /// `keep_atomic_staging` says so (freed by a clear).
-    atomic_staging: Mutex<Option<HostRegion>>,
-    /// With `keep_atomic_staging`: the next atomic update's shadows for
-    /// library-owned host params, faulted in between updates.
-    next_shadows: Mutex<shadows::NextShadows>,
-    /// The last plan, reused while the layouts do not change.
-    plans: plan_cache::PlanCache,
-    /// NCCL fan-out: the communicator, kept from one update to the next.
-    fanout: Option<Mutex<FanoutLink>>,
+    /// Caches and buffers kept from one update to the next.
+    kept: kept::Kept,
     /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
     /// stop at their next batch boundary and new ones are refused.
     cancelled: AtomicBool,
@@ -123,15 +109,9 @@ impl Manager {
         Ok(Manager {
             gpu_id,
             threads,
-            ipc_buffers: Arc::default(),
-            staging: Mutex::default(),
-            atomic_staging: Mutex::default(),
-            next_shadows: Mutex::default(),
-            plans: Default::default(),
-            fanout: config
-                .fanout
-                .clone()
-                .map(|f| Mutex::new(FanoutLink::new(f, config.device))),
+            kept: kept::Kept::new(
+                (config.fanout.clone()).map(|f| FanoutLink::new(f, config.device)),
+            ),
             op: Mutex::new(()),
             registry: RwLock::new(Registry::default()),
             record: Mutex::new(Record {

@@ -83,7 +83,7 @@ impl Manager {
         Ok(Box::new(IpcSource::open(
             &opts,
             Instant::now() + req.timeout,
-            self.ipc_buffers.clone(),
+            self.kept.ipc_buffers.clone(),
         )?))
     }
 

@@ -121,6 +121,7 @@ impl Manager {
     /// The ordinary update, or a fan-out root's or member's.
     fn run_update(&self, run: &mut UpdateRun) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut link = self
+            .kept
             .fanout
             .as_ref()
             .filter(|_| self.signal.fanout_size() > 1)
@@ -145,7 +146,7 @@ impl Manager {
         let stats = self.apply(run, &mut prepared).inspect_err(|_| {
             // A failed update's plan is not kept (it may be a hostile
             // source's geometry); the next update plans again.
-            self.plans.forget(&prepared.plan);
+            self.kept.plans.forget(&prepared.plan);
         })?;
         Ok(self.updated(run, &prepared, stats))
     }
@@ -177,13 +178,14 @@ impl Manager {
         check_shards(&sources, params.saturating_add(staged))?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
-        let planned = self
-            .plans
-            .plan(&manifests, registry, opts, (&self.config.logger, &name))?;
+        let planned =
+            self.kept
+                .plans
+                .plan(&manifests, registry, opts, (&self.config.logger, &name))?;
         // Before any source is asked for a byte (a WANT lists the blocks).
         // A refused plan is not kept for the next update.
         if let Err(e) = check_plan_memory(&planned.plan, registry, &sources) {
-            self.plans.forget(&planned.plan);
+            self.kept.plans.forget(&planned.plan);
             return Err(e);
         }
         Ok(Prepared {
@@ -289,32 +291,11 @@ impl Manager {
                 None => None,
             },
         };
-        let mut staging = self.staging.lock();
-        let mut kept = self.atomic_staging.lock();
+        let mut staging = self.kept.staging.lock();
+        let mut kept = self.kept.atomic_staging.lock();
         let keep = self.config.keep_atomic_staging;
         let atomic_mode = apply_opts.mode == Mode::Atomic;
-        let atomic = AtomicStaging {
-            swappable: run
-                .registry
-                .params()
-                .iter()
-                .map(library_host_region)
-                .collect(),
-            keep: keep.then_some(&mut *kept),
-            ready: match atomic_mode {
-                true => self.next_shadows.lock().take(self.threads),
-                false => Default::default(),
-            },
-            device: match self.config.swap_device_pages {
-                true => run
-                    .registry
-                    .params()
-                    .iter()
-                    .map(library_device_region)
-                    .collect(),
-                false => Vec::new(),
-            },
-        };
+        let atomic = self.atomic_staging(run.registry, keep.then_some(&mut *kept), atomic_mode);
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
             .with_gdr(gdr);
@@ -323,11 +304,36 @@ impl Manager {
         }
         let applied = applier.finish()?;
         if keep && atomic_mode && crate::memory::swap::swaps_here() {
-            self.next_shadows
+            self.kept
+                .next_shadows
                 .lock()
                 .prepare(library_host_sizes(run.registry));
         }
         Ok(applied)
+    }
+
+    /// What an atomic update's arena may use besides fresh memory: the
+    /// library-owned regions it swaps into, the packed region kept in
+    /// `keep`, and (atomic) the shadows faulted in since the last update.
+    fn atomic_staging<'a>(
+        &self,
+        registry: &'a Registry,
+        keep: Option<&'a mut Option<HostRegion>>,
+        atomic_mode: bool,
+    ) -> AtomicStaging<'a> {
+        let params = registry.params();
+        AtomicStaging {
+            swappable: params.iter().map(library_host_region).collect(),
+            keep,
+            ready: match atomic_mode {
+                true => self.kept.next_shadows.lock().take(self.threads),
+                false => Default::default(),
+            },
+            device: match self.config.swap_device_pages {
+                true => params.iter().map(library_device_region).collect(),
+                false => Vec::new(),
+            },
+        }
     }
 
     /// The update went through: say so, and time the whole call.

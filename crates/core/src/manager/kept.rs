@@ -1,0 +1,54 @@
+//! What the manager keeps from one update to the next, in one place: each
+//! spares a later update a cost it would pay again (planning, mapping a
+//! trainer's buffers, pinning and faulting in staging, meeting the
+//! fan-out group). A clear drops what holds memory ([`Kept::release`]);
+//! a failed update forgets its plan (`plans.forget`).
+
+use super::plan_cache::PlanCache;
+use super::shadows::NextShadows;
+use crate::fanout::FanoutLink;
+use crate::memory::host::HostRegion;
+use crate::memory::kept_mappings::MappedBuffers;
+use crate::memory::staging::DeviceStaging;
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+pub(super) struct Kept {
+    /// The last plan, reused while the layouts do not change.
+    pub plans: PlanCache,
+    /// The last IPC session's shared buffers, mapped (see `MappedBuffers`).
+    pub ipc_buffers: Arc<Mutex<MappedBuffers>>,
+    /// Pinned host buffers and upload streams for device params.
+    pub staging: Mutex<DeviceStaging>,
+    /// Atomic mode's packed staging (engine-owned and device params,
+    /// callback tensors), kept when `keep_atomic_staging` says so.
+    pub atomic_staging: Mutex<Option<HostRegion>>,
+    /// With `keep_atomic_staging`: the next atomic update's shadows for
+    /// library-owned host params, faulted in between updates.
+    pub next_shadows: Mutex<NextShadows>,
+    /// NCCL fan-out: the communicator.
+    pub fanout: Option<Mutex<FanoutLink>>,
+}
+
+impl Kept {
+    /// Nothing kept yet; `fanout`: the link when the config asks for one.
+    pub fn new(fanout: Option<FanoutLink>) -> Kept {
+        Kept {
+            plans: PlanCache::default(),
+            ipc_buffers: Arc::default(),
+            staging: Mutex::default(),
+            atomic_staging: Mutex::default(),
+            next_shadows: Mutex::default(),
+            fanout: fanout.map(Mutex::new),
+        }
+    }
+
+    /// A clear: a cleared engine holds no trainer memory, nor pinned or
+    /// atomic staging. The plan and the fan-out link hold none and stay.
+    pub fn release(&self) {
+        self.ipc_buffers.lock().forget();
+        self.staging.lock().release();
+        self.atomic_staging.lock().take();
+        self.next_shadows.lock().discard();
+    }
+}
