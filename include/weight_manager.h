@@ -21,18 +21,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Most dimensions a param may have.
-#define WM_MAX_NDIM 8
-
-// Most pieces one param may have (`wm_param_desc.npieces`).
-#define WM_MAX_PIECES (1 << 20)
-
 // Library version; matches Cargo.toml (tested).
 #define WM_VERSION_MAJOR 0
 
 #define WM_VERSION_MINOR 1
 
 #define WM_VERSION_PATCH 0
+
+// Most dimensions a param may have.
+#define WM_MAX_NDIM 8
+
+// Most pieces one param may have (`wm_param_desc.npieces`).
+#define WM_MAX_PIECES (1 << 20)
 
 // `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
 #define WM_UPDATE_VERIFY_CHECKSUMS 1
@@ -455,113 +455,6 @@ typedef struct {
   size_t npieces;
 } wm_param_desc;
 
-// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
-typedef struct {
-  // `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
-  uint32_t struct_size;
-  // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
-  uint32_t buffers;
-  // Largest bucket in bytes (default 512 MiB).
-  uint64_t bucket_size;
-  // Permissions of the socket file (default 0600).
-  uint32_t socket_mode;
-  // Non-zero: serve engines running as another uid (default 0). A
-  // published version is passed to an engine as one buffer holding all
-  // of its tensors: every engine admitted can read the whole version,
-  // other ranks' parts included. Admit only engines that may.
-  uint32_t allow_other_uids;
-  // Bound on each engine acknowledgement, in ms (default 60000).
-  uint64_t bucket_timeout_ms;
-  // Non-zero (default): checksums of in-memory tensors go in the manifest.
-  uint32_t checksums;
-  // Versions kept by `wm_publisher_publish` (default 2).
-  uint32_t keep_versions;
-  // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
-  // at create); NULL: the `WM_NET_SECRET` environment variable.
-  const char *secret;
-} wm_publisher_config;
-
-// What `wm_publisher_serve` did, summed over its sessions.
-typedef struct {
-  // Caller sets `sizeof(wm_serve_stats)`.
-  uint32_t struct_size;
-  uint32_t sessions;
-  uint64_t bytes;
-  // Time packing buckets into the shared buffers.
-  uint64_t pack_ns;
-  // Time waiting for engines to acknowledge buckets.
-  uint64_t wait_ns;
-  // Longest session.
-  uint64_t total_ns;
-} wm_serve_stats;
-
-// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
-// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
-// The arrays are read during the call only.
-typedef struct {
-  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
-  uint32_t struct_size;
-  // The global tensor's shape: one value per dimension of the shard
-  // (its `ndim`).
-  const uint64_t *global_shape;
-  // Where the shard's box starts in the global tensor, per dimension
-  // (`ndim` values); the box's lengths are the shard's shape.
-  const uint64_t *offset;
-} wm_shard_placement;
-
-// Statistics of one update.
-typedef struct {
-  // Caller sets `sizeof(wm_update_stats)`.
-  uint32_t struct_size;
-  // This rank's number.
-  uint32_t rank;
-  uint64_t tensors;
-  uint64_t bytes;
-  // Sync cost: receiving source bytes, checksums included.
-  uint64_t sync_ns;
-  // Update cost: committing staged bytes into params, callbacks.
-  uint64_t update_ns;
-  // Total cost: the whole call.
-  uint64_t total_ns;
-  // Planning, within `total_ns` (near 0 when the last plan was reused).
-  uint64_t plan_ns;
-  // 1: the last update's plan was reused (the sources' layouts and the
-  // registry had not changed); 0: planned anew.
-  uint32_t plan_reused;
-  // How many sources the update read from (`wm_update_source_bytes`
-  // gives the bytes of each).
-  uint32_t sources;
-  // The version now in the params, NUL-terminated.
-  char version[WM_VERSION_BUF];
-} wm_update_stats;
-
-// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
-typedef struct {
-  // Caller sets `sizeof(wm_status_info)`.
-  uint32_t struct_size;
-  // A `wm_state`.
-  int32_t state;
-  // Result code of the last failed call on this handle, `WM_OK` if none
-  // since the last successful update; text via `wm_last_error`.
-  uint32_t last_result;
-  // Successful updates so far.
-  uint64_t updates;
-  uint64_t params;
-  uint64_t param_bytes;
-  // Bytes of params holding memory now (0 after a clear).
-  uint64_t resident_bytes;
-  // Version of the weights in the params; "" before the first update and after a clear.
-  char version[WM_VERSION_BUF];
-  // Statistics of the last successful update (zeros before the first).
-  wm_update_stats last_update;
-  // GPU memory freed by the last clear (library-owned device params), as
-  // the driver's free-memory query reports it; 0 without such params.
-  uint64_t device_bytes_freed;
-  // GPU memory taken back by the first update after that clear, as the
-  // driver reports it.
-  uint64_t device_bytes_restored;
-} wm_status_info;
-
 // Progress of an update, passed to the progress callback.
 typedef struct {
   uint64_t bytes_done;
@@ -641,6 +534,113 @@ typedef struct {
   size_t nlocations;
 } wm_update_request;
 
+// Statistics of one update.
+typedef struct {
+  // Caller sets `sizeof(wm_update_stats)`.
+  uint32_t struct_size;
+  // This rank's number.
+  uint32_t rank;
+  uint64_t tensors;
+  uint64_t bytes;
+  // Sync cost: receiving source bytes, checksums included.
+  uint64_t sync_ns;
+  // Update cost: committing staged bytes into params, callbacks.
+  uint64_t update_ns;
+  // Total cost: the whole call.
+  uint64_t total_ns;
+  // Planning, within `total_ns` (near 0 when the last plan was reused).
+  uint64_t plan_ns;
+  // 1: the last update's plan was reused (the sources' layouts and the
+  // registry had not changed); 0: planned anew.
+  uint32_t plan_reused;
+  // How many sources the update read from (`wm_update_source_bytes`
+  // gives the bytes of each).
+  uint32_t sources;
+  // The version now in the params, NUL-terminated.
+  char version[WM_VERSION_BUF];
+} wm_update_stats;
+
+// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
+typedef struct {
+  // Caller sets `sizeof(wm_status_info)`.
+  uint32_t struct_size;
+  // A `wm_state`.
+  int32_t state;
+  // Result code of the last failed call on this handle, `WM_OK` if none
+  // since the last successful update; text via `wm_last_error`.
+  uint32_t last_result;
+  // Successful updates so far.
+  uint64_t updates;
+  uint64_t params;
+  uint64_t param_bytes;
+  // Bytes of params holding memory now (0 after a clear).
+  uint64_t resident_bytes;
+  // Version of the weights in the params; "" before the first update and after a clear.
+  char version[WM_VERSION_BUF];
+  // Statistics of the last successful update (zeros before the first).
+  wm_update_stats last_update;
+  // GPU memory freed by the last clear (library-owned device params), as
+  // the driver's free-memory query reports it; 0 without such params.
+  uint64_t device_bytes_freed;
+  // GPU memory taken back by the first update after that clear, as the
+  // driver reports it.
+  uint64_t device_bytes_restored;
+} wm_status_info;
+
+// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
+typedef struct {
+  // `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
+  uint32_t struct_size;
+  // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
+  uint32_t buffers;
+  // Largest bucket in bytes (default 512 MiB).
+  uint64_t bucket_size;
+  // Permissions of the socket file (default 0600).
+  uint32_t socket_mode;
+  // Non-zero: serve engines running as another uid (default 0). A
+  // published version is passed to an engine as one buffer holding all
+  // of its tensors: every engine admitted can read the whole version,
+  // other ranks' parts included. Admit only engines that may.
+  uint32_t allow_other_uids;
+  // Bound on each engine acknowledgement, in ms (default 60000).
+  uint64_t bucket_timeout_ms;
+  // Non-zero (default): checksums of in-memory tensors go in the manifest.
+  uint32_t checksums;
+  // Versions kept by `wm_publisher_publish` (default 2).
+  uint32_t keep_versions;
+  // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
+  // at create); NULL: the `WM_NET_SECRET` environment variable.
+  const char *secret;
+} wm_publisher_config;
+
+// What `wm_publisher_serve` did, summed over its sessions.
+typedef struct {
+  // Caller sets `sizeof(wm_serve_stats)`.
+  uint32_t struct_size;
+  uint32_t sessions;
+  uint64_t bytes;
+  // Time packing buckets into the shared buffers.
+  uint64_t pack_ns;
+  // Time waiting for engines to acknowledge buckets.
+  uint64_t wait_ns;
+  // Longest session.
+  uint64_t total_ns;
+} wm_serve_stats;
+
+// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
+// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
+// The arrays are read during the call only.
+typedef struct {
+  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
+  uint32_t struct_size;
+  // The global tensor's shape: one value per dimension of the shard
+  // (its `ndim`).
+  const uint64_t *global_shape;
+  // Where the shard's box starts in the global tensor, per dimension
+  // (`ndim` values); the box's lengths are the shard's shape.
+  const uint64_t *offset;
+} wm_shard_placement;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -656,62 +656,22 @@ extern "C" {
 // `WM_ERR_INVALID_ARGUMENT`. Never blocks.
 wm_result wm_last_create_error(char *buf, size_t len, size_t *out_written);
 
-// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
-// return a controller handle in `*out_controller`, owned by the caller and
-// freed with `wm_controller_destroy`.
+// The library's version as a static NUL-terminated string ("0.1.0").
 //
-// The cell's page is reserved here: a full /dev/shm is
-// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
-// A cell truncated later, while open, makes the calls on this handle fail
-// with `WM_ERR_FORMAT` naming it, never a crash.
-// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
-// On failure `*out_controller` is unchanged and the reason is kept for
-// `wm_last_create_error`. Thread-safe, never blocks.
-wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
+// Ownership: the string is static; do not free it. Thread-safe, never blocks.
+const char *wm_version(void);
 
-// Destroy a controller handle (the cell itself stays). NULL or already
-// destroyed: no-op. The handle is invalid to new calls at once (handle
-// values are never reused). A controller holds none of the caller's
-// memory, so nothing is cancelled: destroy waits for calls running on
-// other threads to return (a request or wait runs to its own `timeout_ms`);
-// called from inside such a call's thread it returns at once.
-void wm_controller_destroy(wm_controller *controller);
+// Static NUL-terminated text describing a result code; unknown numbers give
+// "unknown result code".
+//
+// Ownership: static; do not free. Thread-safe, never blocks.
+const char *wm_result_text(uint32_t result);
 
-// Read the control word into `*out_state` (a `wm_state`). A value that is
-// none of the four states: `WM_ERR_FORMAT`. Never blocks.
-wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state);
-
-// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
-// For tools and resets; requests should use `wm_controller_request`.
-wm_result wm_controller_set(wm_controller *controller, int32_t state);
-
-// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
-// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
-// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
-// (up to date / already cleared), BUSY (the same action runs) or REFUSED
-// (the opposite action runs). The engine failing: its result code, with
-// the failing rank's reason in `wm_controller_last_error` (a rank that died:
-// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
-// rank 0 gone (it created the report beside the cell, whose pid no longer
-// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
-// last failure, and the word moved to CLEARED. No answer in time:
-// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
-// cell that never settles is named in the error instead of waited on. Blocks.
-wm_result wm_controller_request(wm_controller *controller,
-                                int32_t action,
-                                uint64_t timeout_ms,
-                                uint32_t *out_outcome);
-
-// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
-wm_result wm_controller_wait(wm_controller *controller, int32_t state, uint64_t timeout_ms);
-
-// Copy the text of this controller's last error into `buf` (`len` bytes
-// with the NUL), truncated to fit; `*out_written` gets the bytes written
-// without the NUL. Same rules as `wm_last_error`.
-wm_result wm_controller_last_error(const wm_controller *controller,
-                                   char *buf,
-                                   size_t len,
-                                   size_t *out_written);
+// Static NUL-terminated name of a state value ("NORMAL", "FAILED", ...);
+// unknown values give "UNKNOWN".
+//
+// Ownership: static; do not free. Thread-safe, never blocks.
+const char *wm_state_name(int32_t state);
 
 // Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
 // and set `struct_size`.
@@ -815,6 +775,131 @@ wm_result wm_allocate_param(wm_manager *manager,
                             const wm_param_desc *desc,
                             void **out_data,
                             size_t *out_len);
+
+// Fill `request` with defaults (snapshot from the config's model_dir,
+// atomic, no verification, 600 s) and set `struct_size`.
+//
+// NULL: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_update_request_init(wm_update_request *request);
+
+// Update the params from a source. Blocks until the update finished, failed
+// or timed out (`timeout_ms`). The whole plan is checked before any byte
+// moves. On success `*out_stats` (optional: NULL to skip; else its
+// `struct_size` must be set) receives the statistics; on failure it is not
+// written, the reason is in `wm_last_error`, and `wm_status` tells what was
+// left (atomic: old weights and version; in-place after bytes moved: FAILED).
+//
+// `request` and its strings are read during the call only; callbacks run on
+// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
+wm_result wm_update(wm_manager *manager,
+                    const wm_update_request *request,
+                    wm_update_stats *out_stats);
+
+// Release the weights' memory: library-owned params give back their
+// physical pages and keep their addresses (they read as zeros until the next
+// update); engine-owned params go to the release callback, if any. The
+// state becomes CLEARED and the version is forgotten; the next `wm_update`
+// brings memory back. Clearing when already CLEARED is a no-op.
+//
+// Blocks for the release only. `WM_ERR_BUSY` if an update or clear runs.
+wm_result wm_clear(wm_manager *manager);
+
+// Read the manager's state, version, counters and last update's statistics
+// into `*out_status`, whose `struct_size` the caller sets.
+//
+// Never blocks on a running update (the state then reads UPDATING).
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
+
+// The bytes the last successful update moved from each of its sources, in
+// the order the request named them (`location`, then `locations`, with
+// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
+// the number of sources to `*out_count` (0 before any update). Call with
+// `capacity` 0 (and `out_bytes` NULL) to learn the count.
+//
+// NULL `out_count`, or NULL `out_bytes` with `capacity` above 0:
+// `WM_ERR_NULL_ARGUMENT`. Never blocks on a running update. Thread-safe.
+wm_result wm_update_source_bytes(const wm_manager *manager,
+                                 uint64_t *out_bytes,
+                                 size_t capacity,
+                                 size_t *out_count);
+
+// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
+// UPDATING, CLEARING or CLEARED) into `*out_signal`.
+//
+// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
+// rank calls it once per step and all ranks get the same value for the same
+// step: with world_size above 1 the ranks must be in a group (`group_name`
+// in `wm_config`): shared memory among the ranks of a node, TCP between
+// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
+// value returns only after every rank got it (a barrier, bounded by the
+// group timeout). Several ranks without a group: `WM_ERR_STATE`.
+//
+// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
+// naming it, on every surviving rank, and the group stays failed (restart
+// the ranks); rank 0 then records the reason for the controller and moves a
+// pending request in the cell to CLEARED. A control cell truncated under the
+// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
+// that is no state: `WM_ERR_FORMAT`.
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
+wm_result wm_broadcast_signal(wm_manager *manager, int32_t *out_signal);
+
+// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
+// return a controller handle in `*out_controller`, owned by the caller and
+// freed with `wm_controller_destroy`.
+//
+// The cell's page is reserved here: a full /dev/shm is
+// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
+// A cell truncated later, while open, makes the calls on this handle fail
+// with `WM_ERR_FORMAT` naming it, never a crash.
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
+// On failure `*out_controller` is unchanged and the reason is kept for
+// `wm_last_create_error`. Thread-safe, never blocks.
+wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
+
+// Destroy a controller handle (the cell itself stays). NULL or already
+// destroyed: no-op. The handle is invalid to new calls at once (handle
+// values are never reused). A controller holds none of the caller's
+// memory, so nothing is cancelled: destroy waits for calls running on
+// other threads to return (a request or wait runs to its own `timeout_ms`);
+// called from inside such a call's thread it returns at once.
+void wm_controller_destroy(wm_controller *controller);
+
+// Read the control word into `*out_state` (a `wm_state`). A value that is
+// none of the four states: `WM_ERR_FORMAT`. Never blocks.
+wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state);
+
+// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
+// For tools and resets; requests should use `wm_controller_request`.
+wm_result wm_controller_set(wm_controller *controller, int32_t state);
+
+// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
+// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
+// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
+// (up to date / already cleared), BUSY (the same action runs) or REFUSED
+// (the opposite action runs). The engine failing: its result code, with
+// the failing rank's reason in `wm_controller_last_error` (a rank that died:
+// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
+// rank 0 gone (it created the report beside the cell, whose pid no longer
+// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
+// last failure, and the word moved to CLEARED. No answer in time:
+// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
+// cell that never settles is named in the error instead of waited on. Blocks.
+wm_result wm_controller_request(wm_controller *controller,
+                                int32_t action,
+                                uint64_t timeout_ms,
+                                uint32_t *out_outcome);
+
+// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
+wm_result wm_controller_wait(wm_controller *controller, int32_t state, uint64_t timeout_ms);
+
+// Copy the text of this controller's last error into `buf` (`len` bytes
+// with the NUL), truncated to fit; `*out_written` gets the bytes written
+// without the NUL. Same rules as `wm_last_error`.
+wm_result wm_controller_last_error(const wm_controller *controller,
+                                   char *buf,
+                                   size_t len,
+                                   size_t *out_written);
 
 // Fill `config` with defaults and set `struct_size`.
 wm_result wm_publisher_config_init(wm_publisher_config *config);
@@ -988,91 +1073,6 @@ wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
                                         size_t len,
                                         int32_t device,
                                         int32_t rank);
-
-// The library's version as a static NUL-terminated string ("0.1.0").
-//
-// Ownership: the string is static; do not free it. Thread-safe, never blocks.
-const char *wm_version(void);
-
-// Static NUL-terminated text describing a result code; unknown numbers give
-// "unknown result code".
-//
-// Ownership: static; do not free. Thread-safe, never blocks.
-const char *wm_result_text(uint32_t result);
-
-// Static NUL-terminated name of a state value ("NORMAL", "FAILED", ...);
-// unknown values give "UNKNOWN".
-//
-// Ownership: static; do not free. Thread-safe, never blocks.
-const char *wm_state_name(int32_t state);
-
-// Read the manager's state, version, counters and last update's statistics
-// into `*out_status`, whose `struct_size` the caller sets.
-//
-// Never blocks on a running update (the state then reads UPDATING).
-// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
-wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
-
-// The bytes the last successful update moved from each of its sources, in
-// the order the request named them (`location`, then `locations`, with
-// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
-// the number of sources to `*out_count` (0 before any update). Call with
-// `capacity` 0 (and `out_bytes` NULL) to learn the count.
-//
-// NULL `out_count`, or NULL `out_bytes` with `capacity` above 0:
-// `WM_ERR_NULL_ARGUMENT`. Never blocks on a running update. Thread-safe.
-wm_result wm_update_source_bytes(const wm_manager *manager,
-                                 uint64_t *out_bytes,
-                                 size_t capacity,
-                                 size_t *out_count);
-
-// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
-// UPDATING, CLEARING or CLEARED) into `*out_signal`.
-//
-// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
-// rank calls it once per step and all ranks get the same value for the same
-// step: with world_size above 1 the ranks must be in a group (`group_name`
-// in `wm_config`): shared memory among the ranks of a node, TCP between
-// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
-// value returns only after every rank got it (a barrier, bounded by the
-// group timeout). Several ranks without a group: `WM_ERR_STATE`.
-//
-// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
-// naming it, on every surviving rank, and the group stays failed (restart
-// the ranks); rank 0 then records the reason for the controller and moves a
-// pending request in the cell to CLEARED. A control cell truncated under the
-// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
-// that is no state: `WM_ERR_FORMAT`.
-// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
-wm_result wm_broadcast_signal(wm_manager *manager, int32_t *out_signal);
-
-// Fill `request` with defaults (snapshot from the config's model_dir,
-// atomic, no verification, 600 s) and set `struct_size`.
-//
-// NULL: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
-wm_result wm_update_request_init(wm_update_request *request);
-
-// Update the params from a source. Blocks until the update finished, failed
-// or timed out (`timeout_ms`). The whole plan is checked before any byte
-// moves. On success `*out_stats` (optional: NULL to skip; else its
-// `struct_size` must be set) receives the statistics; on failure it is not
-// written, the reason is in `wm_last_error`, and `wm_status` tells what was
-// left (atomic: old weights and version; in-place after bytes moved: FAILED).
-//
-// `request` and its strings are read during the call only; callbacks run on
-// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
-wm_result wm_update(wm_manager *manager,
-                    const wm_update_request *request,
-                    wm_update_stats *out_stats);
-
-// Release the weights' memory: library-owned params give back their
-// physical pages and keep their addresses (they read as zeros until the next
-// update); engine-owned params go to the release callback, if any. The
-// state becomes CLEARED and the version is forgotten; the next `wm_update`
-// brings memory back. Clearing when already CLEARED is a no-op.
-//
-// Blocks for the release only. `WM_ERR_BUSY` if an update or clear runs.
-wm_result wm_clear(wm_manager *manager);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -4,7 +4,9 @@
 use super::{HandleTable, Handled};
 use std::ffi::{c_char, CStr};
 use std::time::Duration;
-use weight_manager_core::result::{wm_result, Error, Result};
+use crate::enums::{wm_request_outcome, wm_state};
+use crate::result::wm_result;
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::signal::controller::Controller;
 use weight_manager_core::state::State;
 
@@ -25,7 +27,8 @@ macro_rules! try_controller {
 }
 
 fn state_arg(raw: i32) -> Result<State> {
-    State::from_raw(raw)
+    wm_state::from_raw(raw)
+        .map(State::from)
         .filter(|s| s.is_signal())
         .ok_or_else(|| {
             Error::invalid_argument(format!("{raw} is not a wm_state control-word value"))
@@ -82,7 +85,7 @@ pub unsafe extern "C" fn wm_controller_get(
         let h = try_controller!(controller);
         match h.code(h.value.get()) {
             Ok(s) => {
-                *out_state = s as i32;
+                *out_state = wm_state::from(s) as i32;
                 wm_result::WM_OK
             }
             Err(c) => c,
@@ -132,7 +135,7 @@ pub unsafe extern "C" fn wm_controller_request(
             state_arg(action).and_then(|a| h.value.request(a, Duration::from_millis(timeout_ms)));
         match h.code(r) {
             Ok(o) => {
-                *out_outcome = o as u32;
+                *out_outcome = wm_request_outcome::from(o) as u32;
                 wm_result::WM_OK
             }
             Err(c) => c,

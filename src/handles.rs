@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use weight_manager_core::result::wm_result;
+use crate::result::wm_result;
 
 /// Handle values start far above small integers a caller might make up,
 /// and step by 16 so they look like (aligned) pointers to C code.

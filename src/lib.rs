@@ -34,16 +34,17 @@ use std::ffi::{c_char, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use weight_manager_core::manager::Manager;
-use weight_manager_core::result::{wm_result, Error, Result};
+use result::wm_result;
+use weight_manager_core::result::{Error, Result};
 
 /// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
 macro_rules! ffi_guard {
     ($body:block) => {
         match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
-            || -> ::weight_manager_core::result::wm_result { $body },
+            || -> $crate::result::wm_result { $body },
         )) {
             Ok(r) => r,
-            Err(_) => ::weight_manager_core::result::wm_result::WM_ERR_PANIC,
+            Err(_) => $crate::result::wm_result::WM_ERR_PANIC,
         }
     };
 }
@@ -61,7 +62,7 @@ macro_rules! ffi_guard_or {
 /// Return `WM_ERR_NULL_ARGUMENT` from the enclosing function if `$p` is NULL.
 macro_rules! check_null {
     ($($p:expr),+) => {
-        $(if $p.is_null() { return ::weight_manager_core::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
+        $(if $p.is_null() { return $crate::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
     };
 }
 
@@ -82,14 +83,47 @@ macro_rules! try_get {
     };
 }
 
-pub mod controller;
-mod handles;
+/// One C enum mirroring a core enum: `ALL`, `from_raw`, and conversions both ways.
+macro_rules! mirror {
+    ($c:ident, $core:ident, $raw:ty, [$($v:ident),+ $(,)?]) => {
+        impl $c {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$c] = &[$($c::$v),+];
+
+            /// The variant with number `raw`, if there is one.
+            pub fn from_raw(raw: $raw) -> Option<$c> {
+                Self::ALL.iter().copied().find(|v| *v as $raw == raw)
+            }
+        }
+        impl From<$core> for $c {
+            fn from(v: $core) -> $c {
+                match v {
+                    $($core::$v => $c::$v),+
+                }
+            }
+        }
+        impl From<$c> for $core {
+            fn from(v: $c) -> $core {
+                match v {
+                    $($c::$v => $core::$v),+
+                }
+            }
+        }
+    };
+}
+
+// Module order is the header's order (cbindgen emits functions in module
+// order, each file's in source order): results and conventions, the
+// engine, params, update, status, controller, the trainer's publisher.
+pub mod result;
+pub mod enums;
 pub mod manager;
 pub mod params;
-pub mod publisher;
-pub mod result;
-pub mod status;
 pub mod update;
+pub mod status;
+pub mod controller;
+pub mod publisher;
+mod handles;
 
 /// A library object behind a C handle, with the text of its last failure
 /// (per handle, so two threads with two handles each read their own). The manager keeps its own, because
@@ -110,7 +144,7 @@ impl<T> Handled<T> {
     /// `r` with its error turned into a code, the error remembered.
     pub(crate) fn code<R>(&self, r: Result<R>) -> std::result::Result<R, wm_result> {
         r.map_err(|e| {
-            let code = e.code;
+            let code = e.code.into();
             *self.last_error.lock() = Some(e);
             code
         })
@@ -153,7 +187,7 @@ pub(crate) unsafe fn created<T, H>(
             *out = table.publish(value).cast();
             (wm_result::WM_OK, String::new())
         }
-        Err(e) => (e.code, e.message),
+        Err(e) => (e.code.into(), e.message),
     };
     LAST_CREATE_ERROR.with(|t| *t.borrow_mut() = text);
     code
@@ -184,7 +218,7 @@ pub unsafe extern "C" fn wm_last_create_error(
 pub(crate) fn code_of(m: &Manager, r: Result<()>) -> wm_result {
     match r {
         Ok(()) => wm_result::WM_OK,
-        Err(e) => m.record_error(e).code,
+        Err(e) => m.record_error(e).code.into(),
     }
 }
 
@@ -262,7 +296,7 @@ pub(crate) fn fill_chars(dst: &mut [c_char], s: &str) {
 
 #[cfg(test)]
 mod tests {
-    use weight_manager_core::result::wm_result;
+    use crate::result::wm_result;
 
     #[test]
     fn guard_turns_panics_into_codes() {

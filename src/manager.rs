@@ -7,7 +7,9 @@ use weight_manager_core::defaults;
 use weight_manager_core::fanout::FanoutSettings;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
-use weight_manager_core::result::{wm_result, Error, Result};
+use crate::enums::wm_log_level;
+use crate::result::wm_result;
+use weight_manager_core::result::{Error, Result};
 
 /// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
 pub struct wm_manager {
@@ -187,7 +189,7 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             node_rank: 0,
             rendezvous_addr: std::ptr::null(),
             signal_timeout_ms: 0,
-            log_level: LogLevel::Warn as u32,
+            log_level: wm_log_level::Warn as u32,
             log_callback: None,
             log_user_data: std::ptr::null_mut(),
             release_callback: None,
@@ -339,7 +341,7 @@ pub unsafe extern "C" fn wm_init(
     ffi_guard!({
         check_null!(config, out_manager);
         let c = &*config;
-        let level = LogLevel::from_raw(c.log_level);
+        let level = wm_log_level::from_raw(c.log_level).map(LogLevel::from);
         let logger = Logger::c_callback(
             level.unwrap_or(LogLevel::Warn),
             c.log_callback,

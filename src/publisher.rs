@@ -6,7 +6,8 @@ use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
 use std::ffi::c_char;
 use std::time::Duration;
 use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats};
-use weight_manager_core::result::{wm_result, Error};
+use crate::result::wm_result;
+use weight_manager_core::result::Error;
 
 /// A trainer's publisher. Opaque; create with `wm_publisher_create`, free
 /// with `wm_publisher_destroy`.

@@ -6,7 +6,9 @@ use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
 use weight_manager_core::apply::{Hooks, Mode, Progress, TensorView};
 use weight_manager_core::manager::{UpdateRequest, UpdateStats};
-use weight_manager_core::result::{wm_result, Error, Result};
+use crate::enums::wm_source;
+use crate::result::wm_result;
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::source::SourceKind;
 
 /// `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
@@ -159,7 +161,7 @@ pub unsafe extern "C" fn wm_update_request_init(request: *mut wm_update_request)
         check_null!(request);
         request.write(wm_update_request {
             struct_size: std::mem::size_of::<wm_update_request>() as u32,
-            source: SourceKind::Snapshot as u32,
+            source: wm_source::Snapshot as u32,
             flags: 0,
             location: std::ptr::null(),
             version: std::ptr::null(),
@@ -207,7 +209,7 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
         r.struct_size,
         std::mem::size_of::<wm_update_request>(),
     )?;
-    let source = SourceKind::from_raw(r.source).ok_or_else(|| {
+    let source = wm_source::from_raw(r.source).map(SourceKind::from).ok_or_else(|| {
         Error::invalid_argument(format!(
             "wm_update_request.source {} is not a wm_source",
             r.source
@@ -317,7 +319,7 @@ pub unsafe extern "C" fn wm_update(
                 }
                 wm_result::WM_OK
             }
-            Err(e) => e.code,
+            Err(e) => e.code.into(),
         }
     })
 }

@@ -2,10 +2,12 @@
 //! from the trainer's host or GPU memory.
 
 use super::{wm_publisher, PUBLISHERS};
+use crate::enums::wm_dtype;
 use crate::{check_struct_size, opt_str};
 use std::ffi::{c_char, c_void};
 use weight_manager_core::manifest::Placement;
-use weight_manager_core::result::{wm_result, Error};
+use crate::result::wm_result;
+use weight_manager_core::result::Error;
 use weight_manager_core::tensor::DType;
 
 /// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
@@ -229,7 +231,7 @@ unsafe fn tensor_desc<'a>(
     rank: i32,
 ) -> weight_manager_core::result::Result<(String, DType, &'a [u64], Option<u32>)> {
     let name = opt_str(name, "name")?.ok_or_else(|| Error::null_argument("tensor name is NULL"))?;
-    let dtype = DType::from_raw(dtype).ok_or_else(|| {
+    let dtype = wm_dtype::from_raw(dtype).map(DType::from).ok_or_else(|| {
         Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
     })?;
     if ndim > weight_manager_core::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
