@@ -10,6 +10,10 @@ use weight_manager_core::result::{Error, Result};
 use weight_manager_core::signal::controller::Controller;
 use weight_manager_core::state::State;
 
+/// ==========================================================================
+/// HANDLES: opaque; created and destroyed by their section's calls.
+/// ==========================================================================
+///
 /// A controller's view of one control cell. Opaque; create with
 /// `wm_controller_open`, free with `wm_controller_destroy`.
 pub struct wm_controller {
@@ -35,6 +39,10 @@ fn state_arg(raw: i32) -> Result<State> {
         })
 }
 
+/// ==========================================================================
+/// CONTROLLER: ask the engine for updates and clears through its control cell.
+/// ==========================================================================
+///
 /// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
 /// return a controller handle in `*out_controller`, owned by the caller and
 /// freed with `wm_controller_destroy`.
@@ -60,17 +68,6 @@ pub unsafe extern "C" fn wm_controller_open(
             .map(ControllerHandle::new);
         super::created(&CONTROLLERS, made, out_controller)
     })
-}
-
-/// Destroy a controller handle (the cell itself stays). NULL or already
-/// destroyed: no-op. The handle is invalid to new calls at once (handle
-/// values are never reused). A controller holds none of the caller's
-/// memory, so nothing is cancelled: destroy waits for calls running on
-/// other threads to return (a request or wait runs to its own `timeout_ms`);
-/// called from inside such a call's thread it returns at once.
-#[no_mangle]
-pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
-    ffi_guard_or!((), { CONTROLLERS.destroy(controller.cast(), |_| {}) })
 }
 
 /// Read the control word into `*out_state` (a `wm_state`). A value that is
@@ -177,4 +174,15 @@ pub unsafe extern "C" fn wm_controller_last_error(
         let text = h.last_error_text();
         super::copy_text_out(&text, buf, len, out_written)
     })
+}
+
+/// Destroy a controller handle (the cell itself stays). NULL or already
+/// destroyed: no-op. The handle is invalid to new calls at once (handle
+/// values are never reused). A controller holds none of the caller's
+/// memory, so nothing is cancelled: destroy waits for calls running on
+/// other threads to return (a request or wait runs to its own `timeout_ms`);
+/// called from inside such a call's thread it returns at once.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
+    ffi_guard_or!((), { CONTROLLERS.destroy(controller.cast(), |_| {}) })
 }

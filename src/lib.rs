@@ -17,7 +17,8 @@
 //!
 //! Files (a new C function goes in the file of its handle, then the header
 //! is regenerated: `WM_BLESS=1 cargo test --test header`): `result.rs`
-//! (codes, version), `manager.rs` (config, init, destroy, error text),
+//! (codes, version), `enums.rs` (the C enums), `manager.rs` (config,
+//! init, error text, destroy),
 //! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
 //! (status, signal), `controller.rs` (the controller's handle),
 //! `publisher.rs` (the trainer's publisher handle), `handles.rs` (the
@@ -168,7 +169,7 @@ pub(crate) static MANAGERS: HandleTable<Manager> = HandleTable::new();
 
 thread_local! {
     /// Why this thread's last create-style call failed ("" after a success).
-    static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    pub(crate) static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
 /// The outcome of a create-style call (`wm_init`, `wm_publisher_create*`,
@@ -191,27 +192,6 @@ pub(crate) unsafe fn created<T, H>(
     };
     LAST_CREATE_ERROR.with(|t| *t.borrow_mut() = text);
     code
-}
-
-/// Copy why the last create-style call on this thread failed (`wm_init`,
-/// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
-/// the calls that have no handle to keep their reason) into `buf` (`len`
-/// bytes with the NUL), truncated to fit, and set `*out_written` to the
-/// bytes written without the NUL. After a successful create, or none yet
-/// on this thread: "". Per thread, so concurrent creates do not mix.
-///
-/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
-/// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
-#[no_mangle]
-pub unsafe extern "C" fn wm_last_create_error(
-    buf: *mut c_char,
-    len: usize,
-    out_written: *mut usize,
-) -> wm_result {
-    ffi_guard!({
-        let text = LAST_CREATE_ERROR.with(|t| t.borrow().clone());
-        copy_text_out(&text, buf, len, out_written)
-    })
 }
 
 /// The code of `r`, recording its error on the handle.

@@ -41,6 +41,10 @@ pub struct wm_param_desc {
     pub npieces: usize,
 }
 
+/// ==========================================================================
+/// PARAMS: describing the engine's weights.
+/// ==========================================================================
+///
 /// One piece of a param: the box (`offset`, `len` per dimension, `ndim`
 /// dimensions) of global tensor `tensor`, placed in the param starting at
 /// `param_offset` (one entry per param dimension). The box and the param
@@ -64,6 +68,10 @@ pub struct wm_piece {
     pub param_offset: [u64; WM_MAX_NDIM],
 }
 
+/// ==========================================================================
+/// PARAMS: register the engine's weights (or let the library allocate them).
+/// ==========================================================================
+///
 /// Fill `piece` with zeros (no tensor, a scalar box at the param's start)
 /// and set `struct_size`.
 ///

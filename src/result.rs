@@ -8,6 +8,10 @@
 use std::ffi::c_char;
 use weight_manager_core::result::wm_result as CoreResult;
 
+/// ==========================================================================
+/// RESULTS AND CONVENTIONS: result codes and the enums.
+/// ==========================================================================
+///
 /// Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 /// cbindgen:rename-all=None
 #[repr(u32)]
@@ -93,11 +97,19 @@ impl From<weight_manager_core::result::Error> for wm_result {
     }
 }
 
+/// ==========================================================================
+/// CONSTANTS: the version, limits, update flags.
+/// ==========================================================================
+///
 /// Library version; matches Cargo.toml (tested).
 pub const WM_VERSION_MAJOR: u32 = 0;
 pub const WM_VERSION_MINOR: u32 = 1;
 pub const WM_VERSION_PATCH: u32 = 0;
 
+/// ==========================================================================
+/// RESULTS AND CONVENTIONS: the version, result and state text.
+/// ==========================================================================
+///
 /// The library's version as a static NUL-terminated string ("0.1.0").
 ///
 /// Ownership: the string is static; do not free it. Thread-safe, never blocks.

@@ -6,6 +6,10 @@ use super::{check_struct_size, code_of, fill_chars};
 use crate::result::wm_result;
 use weight_manager_core::result::Error;
 
+/// ==========================================================================
+/// STATUS AND SIGNAL
+/// ==========================================================================
+///
 /// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
 #[repr(C)]
 pub struct wm_status_info {
@@ -34,6 +38,10 @@ pub struct wm_status_info {
     pub device_bytes_restored: u64,
 }
 
+/// ==========================================================================
+/// STATUS AND SIGNAL: what the manager is doing, what the control cell says.
+/// ==========================================================================
+///
 /// Read the manager's state, version, counters and last update's statistics
 /// into `*out_status`, whose `struct_size` the caller sets.
 ///

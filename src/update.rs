@@ -40,6 +40,10 @@ const _: () = assert!(WM_MAX_SOURCES == weight_manager_core::source::locations::
 pub const WM_VERSION_BUF: usize = 256;
 const _: () = assert!(WM_VERSION_BUF == weight_manager_core::manager::MAX_VERSION_LEN + 1);
 
+/// ==========================================================================
+/// UPDATE AND CLEAR: the request, progress, per-tensor views, statistics.
+/// ==========================================================================
+///
 /// Progress of an update, passed to the progress callback.
 #[repr(C)]
 pub struct wm_progress {
@@ -151,6 +155,10 @@ pub struct wm_update_stats {
     pub version: [c_char; WM_VERSION_BUF],
 }
 
+/// ==========================================================================
+/// UPDATE AND CLEAR: new weights in, weight memory out.
+/// ==========================================================================
+///
 /// Fill `request` with defaults (snapshot from the config's model_dir,
 /// atomic, no verification, 600 s) and set `struct_size`.
 ///
