@@ -2,10 +2,10 @@
 //! the control cell (the controller's protocol: `signal::controller`).
 
 use super::{HandleTable, Handled};
-use std::ffi::{c_char, CStr};
-use std::time::Duration;
 use crate::enums::{wm_request_outcome, wm_state};
 use crate::result::wm_result;
+use std::ffi::{c_char, CStr};
+use std::time::Duration;
 use weight_manager_core::result::{Error, Result};
 use weight_manager_core::signal::controller::Controller;
 use weight_manager_core::state::State;

@@ -30,12 +30,12 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub(crate) use handles::HandleTable;
+use result::wm_result;
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use weight_manager_core::manager::Manager;
-use result::wm_result;
 use weight_manager_core::result::{Error, Result};
 
 /// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
@@ -116,15 +116,27 @@ macro_rules! mirror {
 // Module order is the header's order (cbindgen emits functions in module
 // order, each file's in source order): results and conventions, the
 // engine, params, update, status, controller, the trainer's publisher.
+// Blank lines apart, so that rustfmt (reorder_modules) keeps the order.
 pub mod result;
+
 pub mod enums;
+
 pub mod manager;
+
 pub mod params;
+
 pub mod update;
+
 pub mod status;
+
 pub mod controller;
+
 pub mod publisher;
+
 mod handles;
+
+/// Where it always was (it is the engine section's, in `manager.rs`).
+pub use manager::wm_last_create_error;
 
 /// A library object behind a C handle, with the text of its last failure
 /// (per handle, so two threads with two handles each read their own). The manager keeps its own, because

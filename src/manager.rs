@@ -1,14 +1,14 @@
 //! Manager handles: configuration, creation, destruction, error text.
 
 use super::{check_struct_size, opt_path, opt_str};
+use crate::enums::wm_log_level;
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 use weight_manager_core::defaults;
 use weight_manager_core::fanout::FanoutSettings;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
-use crate::enums::wm_log_level;
-use crate::result::wm_result;
 use weight_manager_core::result::{Error, Result};
 
 /// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
@@ -384,27 +384,29 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         Some(p) => Some(p),
     };
     let user = UserData(memory.callback_user_data);
-    let release_hook = memory
-        .release_callback
-        .map(|cb| -> weight_manager_core::manager::ReleaseHook {
-            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                let name = std::ffi::CString::new(name).unwrap_or_default();
-                let user = user;
-                // SAFETY: the engine registered this callback for exactly this use.
-                unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
-            })
-        });
-    let acquire_hook = memory
-        .acquire_callback
-        .map(|cb| -> weight_manager_core::manager::AcquireHook {
-            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                let name = std::ffi::CString::new(name).unwrap_or_default();
-                let user = user;
-                // SAFETY: as above.
-                let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
-                (!p.is_null()).then_some(p.cast())
-            })
-        });
+    let release_hook =
+        memory
+            .release_callback
+            .map(|cb| -> weight_manager_core::manager::ReleaseHook {
+                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                    let name = std::ffi::CString::new(name).unwrap_or_default();
+                    let user = user;
+                    // SAFETY: the engine registered this callback for exactly this use.
+                    unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
+                })
+            });
+    let acquire_hook =
+        memory
+            .acquire_callback
+            .map(|cb| -> weight_manager_core::manager::AcquireHook {
+                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                    let name = std::ffi::CString::new(name).unwrap_or_default();
+                    let user = user;
+                    // SAFETY: as above.
+                    let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
+                    (!p.is_null()).then_some(p.cast())
+                })
+            });
     Ok(ManagerConfig {
         rank: c.rank,
         world_size: c.world_size,

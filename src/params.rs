@@ -2,12 +2,12 @@
 
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, opt_str};
+use crate::enums::{wm_dtype, wm_memory};
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use weight_manager_core::manager::Manager;
 use weight_manager_core::pieces::{Piece, MAX_PIECES_PER_PARAM};
 use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use crate::enums::{wm_dtype, wm_memory};
-use crate::result::wm_result;
 use weight_manager_core::result::{Error, Result};
 use weight_manager_core::tensor::{DType, MAX_NDIM};
 use weight_manager_core::tensor_box::TensorBox;
@@ -222,18 +222,22 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
     )?;
     let name = opt_str(d.name, "wm_param_desc.name")?
         .ok_or_else(|| Error::null_argument("wm_param_desc.name is NULL"))?;
-    let dtype = wm_dtype::from_raw(d.dtype).map(DType::from).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "param '{name}': dtype {} is not a wm_dtype",
-            d.dtype
-        ))
-    })?;
-    let memory = wm_memory::from_raw(d.memory).map(MemoryKind::from).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "param '{name}': memory {} is not a wm_memory",
-            d.memory
-        ))
-    })?;
+    let dtype = wm_dtype::from_raw(d.dtype)
+        .map(DType::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "param '{name}': dtype {} is not a wm_dtype",
+                d.dtype
+            ))
+        })?;
+    let memory = wm_memory::from_raw(d.memory)
+        .map(MemoryKind::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "param '{name}': memory {} is not a wm_memory",
+                d.memory
+            ))
+        })?;
     if d.ndim > MAX_NDIM {
         return Err(Error::invalid_argument(format!(
             "param '{name}': ndim {} is more than {MAX_NDIM}",

@@ -3,10 +3,10 @@
 //! (`wm_publisher_create_net`: TCP control, UCX bytes, shared secret).
 
 use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
+use crate::result::wm_result;
 use std::ffi::c_char;
 use std::time::Duration;
 use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use crate::result::wm_result;
 use weight_manager_core::result::Error;
 
 /// A trainer's publisher. Opaque; create with `wm_publisher_create`, free

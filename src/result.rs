@@ -142,7 +142,9 @@ pub extern "C" fn wm_result_text(result: u32) -> *const c_char {
 pub extern "C" fn wm_state_name(state: i32) -> *const c_char {
     ffi_guard_or!(c"?".as_ptr(), {
         crate::enums::wm_state::from_raw(state)
-            .map_or(c"UNKNOWN", |s| weight_manager_core::state::State::from(s).c_name())
+            .map_or(c"UNKNOWN", |s| {
+                weight_manager_core::state::State::from(s).c_name()
+            })
             .as_ptr()
     })
 }

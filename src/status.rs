@@ -67,7 +67,10 @@ pub unsafe extern "C" fn wm_status(
         let mut out = wm_status_info {
             struct_size: size,
             state: crate::enums::wm_state::from(s.state) as i32,
-            last_result: s.last_error.as_ref().map_or(wm_result::WM_OK, |e| e.code.into()) as u32,
+            last_result: s
+                .last_error
+                .as_ref()
+                .map_or(wm_result::WM_OK, |e| e.code.into()) as u32,
             updates: s.updates,
             params: s.params,
             param_bytes: s.param_bytes,

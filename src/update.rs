@@ -2,12 +2,12 @@
 
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, fill_chars, opt_path, opt_str};
+use crate::enums::wm_source;
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
 use weight_manager_core::apply::{Hooks, Mode, Progress, TensorView};
 use weight_manager_core::manager::{UpdateRequest, UpdateStats};
-use crate::enums::wm_source;
-use crate::result::wm_result;
 use weight_manager_core::result::{Error, Result};
 use weight_manager_core::source::SourceKind;
 
@@ -217,12 +217,14 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
         r.struct_size,
         std::mem::size_of::<wm_update_request>(),
     )?;
-    let source = wm_source::from_raw(r.source).map(SourceKind::from).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "wm_update_request.source {} is not a wm_source",
-            r.source
-        ))
-    })?;
+    let source = wm_source::from_raw(r.source)
+        .map(SourceKind::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "wm_update_request.source {} is not a wm_source",
+                r.source
+            ))
+        })?;
     if r.flags & !KNOWN_FLAGS != 0 {
         return Err(Error::invalid_argument(format!(
             "wm_update_request.flags has unknown bits 0x{:x}",
