@@ -125,8 +125,9 @@ pub unsafe extern "C" fn wm_tensor_desc_init(desc: *mut wm_tensor_desc) -> wm_re
 /// memory and rank are values of their kind, the shape has at most
 /// `WM_MAX_NDIM` dimensions, `len` is its byte size, a shard's box lies
 /// inside its global shape, and the tensor clashes with nothing published
-/// for that rank. NULL `desc`: `WM_ERR_NULL_ARGUMENT`; NULL `name` or
-/// `data`, or a shard with one of its two arrays NULL: `WM_ERR_NULL_ARGUMENT`
+/// for that rank. NULL `desc`: `WM_ERR_NULL_ARGUMENT`; NULL `name`, NULL
+/// `data` with `len` > 0, or a shard with one of its two arrays NULL:
+/// `WM_ERR_NULL_ARGUMENT`
 /// (kept for `wm_publisher_last_error`); a bad `struct_size`:
 /// `WM_ERR_STRUCT_SIZE`.
 ///
