@@ -127,9 +127,8 @@ pub unsafe extern "C" fn wm_tensor_desc_init(desc: *mut wm_tensor_desc) -> wm_re
 /// inside its global shape, and the tensor clashes with nothing published
 /// for that rank. NULL `desc`: `WM_ERR_NULL_ARGUMENT`; NULL `name`, NULL
 /// `data` with `len` > 0, or a shard with one of its two arrays NULL:
-/// `WM_ERR_NULL_ARGUMENT`
-/// (kept for `wm_publisher_last_error`); a bad `struct_size`:
-/// `WM_ERR_STRUCT_SIZE`.
+/// `WM_ERR_NULL_ARGUMENT` (kept for `wm_publisher_last_error`); a bad
+/// `struct_size`: `WM_ERR_STRUCT_SIZE`.
 ///
 /// Ownership: `desc` and its arrays are read during the call only. The
 /// trainer keeps the bytes at `data`: host memory must stay valid and
