@@ -21,7 +21,8 @@
 //! init, error text, destroy),
 //! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
 //! (status, signal), `controller.rs` (the controller's handle),
-//! `publisher.rs` (the trainer's publisher handle), `handles.rs` (the
+//! `publisher.rs` (the trainer's publisher: create; `publisher/tensors.rs` what it
+//! serves, `publisher/serve.rs` publish, serve, destroy), `handles.rs` (the
 //! handle tables).
 
 #![allow(non_camel_case_types)]
