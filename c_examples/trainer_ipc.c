@@ -24,8 +24,21 @@ int main(int argc, char **argv) {
     return 1;
   }
   uint64_t w_shape[2] = {4, 4}, b_shape[1] = {4};
-  wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, w_shape, 2, w, sizeof w, -1);
-  wm_publisher_add_tensor(p, "b", WM_DTYPE_F32, b_shape, 1, b, sizeof b, -1);
+  wm_tensor_desc t;
+  wm_tensor_desc_init(&t); /* host memory, every rank, a whole tensor */
+  t.dtype = WM_DTYPE_F32;
+  t.name = "w";
+  t.shape = w_shape;
+  t.ndim = 2;
+  t.data = w;
+  t.len = sizeof w;
+  wm_publisher_add(p, &t);
+  t.name = "b";
+  t.shape = b_shape;
+  t.ndim = 1;
+  t.data = b;
+  t.len = sizeof b;
+  wm_publisher_add(p, &t);
   wm_publisher_set_version(p, "7");
 
   wm_serve_stats stats;

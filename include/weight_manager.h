@@ -13,6 +13,12 @@
  *   function, or set struct_size = sizeof(the struct) yourself.
  * - Every handle may be used from several threads; calls that cannot run
  *   together (two updates) return WM_ERR_BUSY.
+ *
+ * Layout: the constants, then the types, then the functions; types and
+ * functions each in the sections' order, in the order they are used:
+ * results and conventions; the engine (config, init, errors, destroy);
+ * params; update and clear; status and signal; controller; the trainer
+ * side (the publisher). A banner opens each section.
  */
 
 #ifndef WEIGHT_MANAGER_H
@@ -21,18 +27,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Most dimensions a param may have.
-#define WM_MAX_NDIM 8
-
-// Most pieces one param may have (`wm_param_desc.npieces`).
-#define WM_MAX_PIECES (1 << 20)
-
+// ==========================================================================
+// CONSTANTS: the version, limits, update flags.
+// ==========================================================================
+//
 // Library version; matches Cargo.toml (tested).
 #define WM_VERSION_MAJOR 0
 
 #define WM_VERSION_MINOR 1
 
 #define WM_VERSION_PATCH 0
+
+// Most dimensions a param may have.
+#define WM_MAX_NDIM 8
+
+// Most pieces one param may have (`wm_param_desc.npieces`).
+#define WM_MAX_PIECES (1 << 20)
 
 // `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
 #define WM_UPDATE_VERIFY_CHECKSUMS 1
@@ -60,6 +70,10 @@
 // version is at most 255 bytes plus the NUL).
 #define WM_VERSION_BUF 256
 
+// ==========================================================================
+// RESULTS AND CONVENTIONS: result codes and the enums.
+// ==========================================================================
+//
 // Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 enum wm_result
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -259,6 +273,10 @@ typedef uint32_t wm_request_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// ==========================================================================
+// HANDLES: opaque; created and destroyed by their section's calls.
+// ==========================================================================
+//
 // A controller's view of one control cell. Opaque; create with
 // `wm_controller_open`, free with `wm_controller_destroy`.
 typedef struct wm_controller wm_controller;
@@ -270,46 +288,25 @@ typedef struct wm_manager wm_manager;
 // with `wm_publisher_destroy`.
 typedef struct wm_publisher wm_publisher;
 
+// ==========================================================================
+// THE ENGINE: wm_config and its optional blocks, the callbacks.
+// ==========================================================================
+//
 // Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
 // message is valid only during the call. Called from any library thread, so
 // it must be thread-safe, and it must not call back into the same manager.
 typedef void (*wm_log_callback)(void *user_data, uint32_t level, const char *message);
 
-// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
-// The engine may free the memory; the library will not touch it again until
-// the acquire callback (or, without one, the next update) hands it back.
-typedef void (*wm_release_callback)(void *user_data, const char *name, void *data, size_t len);
-
-// Called before the first update after a clear for each engine-owned param:
-// `(user_data, name, old_data, len)`; returns the memory to write (`len`
-// bytes, the old pointer or a new one) or NULL to fail the update.
-typedef void *(*wm_acquire_callback)(void *user_data, const char *name, void *old_data, size_t len);
-
-// Manager configuration. Fill with `wm_config_init`, then set fields.
-// Growable: `struct_size` first.
+// The ranks' group (`wm_config.group`). Fill with `wm_group_config_init`,
+// then set `name`. Growable: `struct_size` first.
 typedef struct {
-  // `sizeof(wm_config)`; set by `wm_config_init`.
+  // `sizeof(wm_group_config)`; set by `wm_group_config_init`.
   uint32_t struct_size;
-  // This rank's number, below `world_size`.
-  uint32_t rank;
-  // Ranks in the engine (default 1).
-  uint32_t world_size;
-  // CUDA device index of this rank, or -1 for a host-only engine (default).
-  // Picks `G` in snapshot file names through `CUDA_VISIBLE_DEVICES`.
-  int32_t device;
-  // Default snapshot location (directory or file); NULL: requests must name one.
-  const char *model_dir;
-  // Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
-  const char *fallback_dir;
-  // Shared-memory control cell name (`/dev/shm/<name>`, e.g. FastDeploy's
-  // `model_weights_status.<port>`), opened or created zeroed by rank 0,
-  // which alone reads and writes it; NULL: no control cell (the signal is
-  // always NORMAL).
-  const char *control_cell;
-  // Group name, required when `world_size` > 1: the ranks meet in
-  // `/dev/shm/wm.<group_name>.n<node_rank>` and, across nodes, over TCP.
-  // `wm_init` blocks until every rank arrived (bounded by `signal_timeout_ms`).
-  const char *group_name;
+  // Group name, required: the ranks meet in
+  // `/dev/shm/wm.<name>.n<node_rank>` and, across nodes, over TCP.
+  // `wm_init` blocks until every rank arrived (bounded by
+  // `signal_timeout_ms`). NULL: no group.
+  const char *name;
   // Ranks on this node; 0 (default): all `world_size` ranks are on one node.
   uint32_t local_world_size;
   // This rank's index on its node (ignored when `local_world_size` is 0).
@@ -322,55 +319,76 @@ typedef struct {
   // Bound in milliseconds on rendezvous and on every per-step wait (a dead
   // or stalled rank is reported within it); 0: 60000.
   uint64_t signal_timeout_ms;
-  // A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
-  uint32_t log_level;
-  // NULL: log to stderr.
-  wm_log_callback log_callback;
-  void *log_user_data;
+} wm_group_config;
+
+// The network paths' settings, sources rdma and gdr (`wm_config.net`).
+// Fill with `wm_net_config_init`. Growable: `struct_size` first.
+typedef struct {
+  // `sizeof(wm_net_config)`; set by `wm_net_config_init`.
+  uint32_t struct_size;
+  // Largest bucket (with `staged`, the size of each staging slot); 0:
+  // 512 MiB.
+  uint64_t bucket_size;
+  // The shared secret (NUL-terminated, at least 16 bytes, copied by
+  // `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
+  const char *secret;
+  // Buckets in flight (with `staged`, staging slots), 1 to 8; 0: 2.
+  uint32_t depth;
+  // gdr: non-zero lets an update that cannot land in GPU memory run as
+  // rdma, with a warning; default 0: such an update fails.
+  uint32_t gdr_fallback;
+  // rdma: non-zero receives each bucket into one of `depth` staging
+  // slots first and copies it to the params from there; default 0:
+  // bucket entries land straight in param memory (or the atomic staging
+  // arena), one copy fewer (README "Decisions": direct receive).
+  uint32_t staged;
+  // rdma: non-zero authenticates every bucket entry's bytes with a keyed
+  // BLAKE3 digest (key from the session) that the publisher sends, for
+  // untrusted networks: the manifest's XXH3 checksums catch corruption,
+  // not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
+  // prints its GB/s beside XXH3's). Not for gdr. Default 0.
+  uint32_t keyed_digests;
+} wm_net_config;
+
+// NCCL fan-out (`wm_config.fanout`). Fill with `wm_fanout_config_init`,
+// then set `group`. Growable: `struct_size` first.
+typedef struct {
+  // `sizeof(wm_fanout_config)`; set by `wm_fanout_config_init`.
+  uint32_t struct_size;
+  // Ranks of one node with the same group number (0 or more) and the
+  // same device params take an update from one of them (the lowest
+  // local rank pulls from the source and broadcasts over NCCL); needs
+  // `wm_config.group` and `wm_config.device`. Default -1: every rank
+  // pulls its own (README "NCCL fan-out").
+  int32_t group;
+  // Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
+  // `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
+  // dynamic linker. Copied by `wm_init`.
+  const char *nccl_library;
+} wm_fanout_config;
+
+// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
+// The engine may free the memory; the library will not touch it again until
+// the acquire callback (or, without one, the next update) hands it back.
+typedef void (*wm_release_callback)(void *user_data, const char *name, void *data, size_t len);
+
+// Called before the first update after a clear for each engine-owned param:
+// `(user_data, name, old_data, len)`; returns the memory to write (`len`
+// bytes, the old pointer or a new one) or NULL to fail the update.
+typedef void *(*wm_acquire_callback)(void *user_data, const char *name, void *old_data, size_t len);
+
+// Param memory (`wm_config.memory`): the engine's release and acquire
+// callbacks, and how updates stage. Fill with `wm_memory_config_init`.
+// Growable: `struct_size` first.
+typedef struct {
+  // `sizeof(wm_memory_config)`; set by `wm_memory_config_init`.
+  uint32_t struct_size;
   // Optional; see `wm_release_callback`.
   wm_release_callback release_callback;
   // Optional; see `wm_acquire_callback`.
   wm_acquire_callback acquire_callback;
   // Passed to the release and acquire callbacks.
   void *callback_user_data;
-  // Copy threads; 0: one per core (default).
-  uint32_t copy_threads;
-  // IPC: non-zero accepts a publisher running as another uid (checked with
-  // SO_PEERCRED); default 0: the same uid only.
-  uint32_t allow_other_uids;
-  // rdma/gdr: largest bucket (with `net_staged`, the size of each staging
-  // slot); 0: 512 MiB.
-  uint64_t net_bucket_size;
-  // rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
-  // by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
-  const char *net_secret;
-  // rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
-  // 8; 0: 2.
-  uint32_t net_depth;
-  // gdr: non-zero lets an update that cannot land in GPU memory run as
-  // rdma, with a warning; default 0: such an update fails.
-  uint32_t gdr_fallback;
-  // rdma: non-zero receives each bucket into one of `net_depth` staging
-  // slots first and copies it to the params from there; default 0:
-  // bucket entries land straight in param memory (or the atomic staging
-  // arena), one copy fewer (README "Decisions": direct receive).
-  uint32_t net_staged;
-  // NCCL fan-out: ranks of one node with the same group number (0 or
-  // more) and the same device params take an update from one of them
-  // (the lowest local rank pulls from the source and broadcasts over
-  // NCCL); needs `group_name` and `device`. Default -1: every rank pulls
-  // its own (README "NCCL fan-out").
-  int32_t fanout_group;
-  // Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
-  // `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
-  // dynamic linker. Copied by `wm_init`.
-  const char *nccl_library;
-  // rdma: non-zero authenticates every bucket entry's bytes with a keyed
-  // BLAKE3 digest (key from the session) that the publisher sends, for
-  // untrusted networks: the manifest's XXH3 checksums catch corruption,
-  // not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
-  // prints its GB/s beside XXH3's). Not for gdr. Default 0.
-  uint32_t net_keyed_digests;
   // Bound in bytes on tensors for the per-tensor callback the library
   // stages: their sizes come from the source, with no registered param
   // to bound them. Atomic mode stages all of an update's callback
@@ -403,8 +421,66 @@ typedef struct {
   // addresses hold nothing. Default 0: the commit uploads into the
   // params themselves.
   uint32_t swap_device_params;
+} wm_memory_config;
+
+// Manager configuration. Fill with `wm_config_init`, then set fields.
+// Growable: `struct_size` first.
+//
+// The settings every engine has are fields here; the others come in
+// optional blocks, each its own growable struct with its own `_init`
+// (`wm_group_config`, `wm_net_config`, `wm_fanout_config`,
+// `wm_memory_config`), pointed to from here: NULL (what `wm_config_init`
+// sets) means that block's defaults. A new setting grows one block, not
+// this struct, and a block that grows leaves this struct's layout (and
+// every caller that does not use the block) as it was; the blocks are read
+// during `wm_init` only.
+typedef struct {
+  // `sizeof(wm_config)`; set by `wm_config_init`.
+  uint32_t struct_size;
+  // This rank's number, below `world_size`.
+  uint32_t rank;
+  // Ranks in the engine (default 1).
+  uint32_t world_size;
+  // CUDA device index of this rank, or -1 for a host-only engine (default).
+  // Picks `G` in snapshot file names through `CUDA_VISIBLE_DEVICES`.
+  int32_t device;
+  // Default snapshot location (directory or file); NULL: requests must name one.
+  const char *model_dir;
+  // Snapshot fallback directory; NULL: "/shared_ipc_meta"; "": none.
+  const char *fallback_dir;
+  // Shared-memory control cell name (`/dev/shm/<name>`, e.g. FastDeploy's
+  // `model_weights_status.<port>`), opened or created zeroed by rank 0,
+  // which alone reads and writes it; NULL: no control cell (the signal is
+  // always NORMAL).
+  const char *control_cell;
+  // A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
+  uint32_t log_level;
+  // NULL: log to stderr.
+  wm_log_callback log_callback;
+  void *log_user_data;
+  // Copy threads; 0: one per core (default).
+  uint32_t copy_threads;
+  // IPC: non-zero accepts a publisher running as another uid (checked with
+  // SO_PEERCRED); default 0: the same uid only.
+  uint32_t allow_other_uids;
+  // The ranks' group (`wm_group_config`), required when `world_size` > 1;
+  // NULL (default): no group.
+  const wm_group_config *group;
+  // The network paths' settings (`wm_net_config`, sources rdma and gdr);
+  // NULL (default): their defaults.
+  const wm_net_config *net;
+  // NCCL fan-out (`wm_fanout_config`); NULL (default): none, every rank
+  // pulls its own.
+  const wm_fanout_config *fanout;
+  // Param memory: the release and acquire callbacks, staging
+  // (`wm_memory_config`); NULL (default): no callbacks, default staging.
+  const wm_memory_config *memory;
 } wm_config;
 
+// ==========================================================================
+// PARAMS: describing the engine's weights.
+// ==========================================================================
+//
 // One piece of a param: the box (`offset`, `len` per dimension, `ndim`
 // dimensions) of global tensor `tensor`, placed in the param starting at
 // `param_offset` (one entry per param dimension). The box and the param
@@ -455,113 +531,10 @@ typedef struct {
   size_t npieces;
 } wm_param_desc;
 
-// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
-typedef struct {
-  // `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
-  uint32_t struct_size;
-  // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
-  uint32_t buffers;
-  // Largest bucket in bytes (default 512 MiB).
-  uint64_t bucket_size;
-  // Permissions of the socket file (default 0600).
-  uint32_t socket_mode;
-  // Non-zero: serve engines running as another uid (default 0). A
-  // published version is passed to an engine as one buffer holding all
-  // of its tensors: every engine admitted can read the whole version,
-  // other ranks' parts included. Admit only engines that may.
-  uint32_t allow_other_uids;
-  // Bound on each engine acknowledgement, in ms (default 60000).
-  uint64_t bucket_timeout_ms;
-  // Non-zero (default): checksums of in-memory tensors go in the manifest.
-  uint32_t checksums;
-  // Versions kept by `wm_publisher_publish` (default 2).
-  uint32_t keep_versions;
-  // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
-  // at create); NULL: the `WM_NET_SECRET` environment variable.
-  const char *secret;
-} wm_publisher_config;
-
-// What `wm_publisher_serve` did, summed over its sessions.
-typedef struct {
-  // Caller sets `sizeof(wm_serve_stats)`.
-  uint32_t struct_size;
-  uint32_t sessions;
-  uint64_t bytes;
-  // Time packing buckets into the shared buffers.
-  uint64_t pack_ns;
-  // Time waiting for engines to acknowledge buckets.
-  uint64_t wait_ns;
-  // Longest session.
-  uint64_t total_ns;
-} wm_serve_stats;
-
-// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
-// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
-// The arrays are read during the call only.
-typedef struct {
-  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
-  uint32_t struct_size;
-  // The global tensor's shape: one value per dimension of the shard
-  // (its `ndim`).
-  const uint64_t *global_shape;
-  // Where the shard's box starts in the global tensor, per dimension
-  // (`ndim` values); the box's lengths are the shard's shape.
-  const uint64_t *offset;
-} wm_shard_placement;
-
-// Statistics of one update.
-typedef struct {
-  // Caller sets `sizeof(wm_update_stats)`.
-  uint32_t struct_size;
-  // This rank's number.
-  uint32_t rank;
-  uint64_t tensors;
-  uint64_t bytes;
-  // Sync cost: receiving source bytes, checksums included.
-  uint64_t sync_ns;
-  // Update cost: committing staged bytes into params, callbacks.
-  uint64_t update_ns;
-  // Total cost: the whole call.
-  uint64_t total_ns;
-  // Planning, within `total_ns` (near 0 when the last plan was reused).
-  uint64_t plan_ns;
-  // 1: the last update's plan was reused (the sources' layouts and the
-  // registry had not changed); 0: planned anew.
-  uint32_t plan_reused;
-  // How many sources the update read from (`wm_update_source_bytes`
-  // gives the bytes of each).
-  uint32_t sources;
-  // The version now in the params, NUL-terminated.
-  char version[WM_VERSION_BUF];
-} wm_update_stats;
-
-// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
-typedef struct {
-  // Caller sets `sizeof(wm_status_info)`.
-  uint32_t struct_size;
-  // A `wm_state`.
-  int32_t state;
-  // Result code of the last failed call on this handle, `WM_OK` if none
-  // since the last successful update; text via `wm_last_error`.
-  uint32_t last_result;
-  // Successful updates so far.
-  uint64_t updates;
-  uint64_t params;
-  uint64_t param_bytes;
-  // Bytes of params holding memory now (0 after a clear).
-  uint64_t resident_bytes;
-  // Version of the weights in the params; "" before the first update and after a clear.
-  char version[WM_VERSION_BUF];
-  // Statistics of the last successful update (zeros before the first).
-  wm_update_stats last_update;
-  // GPU memory freed by the last clear (library-owned device params), as
-  // the driver's free-memory query reports it; 0 without such params.
-  uint64_t device_bytes_freed;
-  // GPU memory taken back by the first update after that clear, as the
-  // driver reports it.
-  uint64_t device_bytes_restored;
-} wm_status_info;
-
+// ==========================================================================
+// UPDATE AND CLEAR: the request, progress, per-tensor views, statistics.
+// ==========================================================================
+//
 // Progress of an update, passed to the progress callback.
 typedef struct {
   uint64_t bytes_done;
@@ -641,9 +614,235 @@ typedef struct {
   size_t nlocations;
 } wm_update_request;
 
+// Statistics of one update.
+typedef struct {
+  // Caller sets `sizeof(wm_update_stats)`.
+  uint32_t struct_size;
+  // This rank's number.
+  uint32_t rank;
+  uint64_t tensors;
+  uint64_t bytes;
+  // Sync cost: receiving source bytes, checksums included.
+  uint64_t sync_ns;
+  // Update cost: committing staged bytes into params, callbacks.
+  uint64_t update_ns;
+  // Total cost: the whole call.
+  uint64_t total_ns;
+  // Planning, within `total_ns` (near 0 when the last plan was reused).
+  uint64_t plan_ns;
+  // 1: the last update's plan was reused (the sources' layouts and the
+  // registry had not changed); 0: planned anew.
+  uint32_t plan_reused;
+  // How many sources the update read from (`wm_update_source_bytes`
+  // gives the bytes of each).
+  uint32_t sources;
+  // The version now in the params, NUL-terminated.
+  char version[WM_VERSION_BUF];
+} wm_update_stats;
+
+// ==========================================================================
+// STATUS AND SIGNAL
+// ==========================================================================
+//
+// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
+typedef struct {
+  // Caller sets `sizeof(wm_status_info)`.
+  uint32_t struct_size;
+  // A `wm_state`.
+  int32_t state;
+  // Result code of the last failed call on this handle, `WM_OK` if none
+  // since the last successful update; text via `wm_last_error`.
+  uint32_t last_result;
+  // Successful updates so far.
+  uint64_t updates;
+  uint64_t params;
+  uint64_t param_bytes;
+  // Bytes of params holding memory now (0 after a clear).
+  uint64_t resident_bytes;
+  // Version of the weights in the params; "" before the first update and after a clear.
+  char version[WM_VERSION_BUF];
+  // Statistics of the last successful update (zeros before the first).
+  wm_update_stats last_update;
+  // GPU memory freed by the last clear (library-owned device params), as
+  // the driver's free-memory query reports it; 0 without such params.
+  uint64_t device_bytes_freed;
+  // GPU memory taken back by the first update after that clear, as the
+  // driver reports it.
+  uint64_t device_bytes_restored;
+} wm_status_info;
+
+// ==========================================================================
+// THE TRAINER SIDE: the publisher's settings, what it serves, its statistics.
+// ==========================================================================
+//
+// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
+typedef struct {
+  // `sizeof(wm_publisher_config)`; set by `wm_publisher_config_init`.
+  uint32_t struct_size;
+  // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
+  uint32_t buffers;
+  // Largest bucket in bytes (default 512 MiB).
+  uint64_t bucket_size;
+  // Permissions of the socket file (default 0600).
+  uint32_t socket_mode;
+  // Non-zero: serve engines running as another uid (default 0). A
+  // published version is passed to an engine as one buffer holding all
+  // of its tensors: every engine admitted can read the whole version,
+  // other ranks' parts included. Admit only engines that may.
+  uint32_t allow_other_uids;
+  // Bound on each engine acknowledgement, in ms (default 60000).
+  uint64_t bucket_timeout_ms;
+  // Non-zero (default): checksums of in-memory tensors go in the manifest.
+  uint32_t checksums;
+  // Versions kept by `wm_publisher_publish` (default 2).
+  uint32_t keep_versions;
+  // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
+  // at create); NULL: the `WM_NET_SECRET` environment variable.
+  const char *secret;
+} wm_publisher_config;
+
+// One tensor, or one shard of a global tensor, for `wm_publisher_add`.
+// Fill with `wm_tensor_desc_init`, then set at least `name`, `dtype`,
+// `shape`/`ndim`, `data` and `len`. Growable: `struct_size` first. Read
+// during the call only (the arrays and the name too; the bytes at `data`
+// are the trainer's, see `wm_publisher_add`).
+typedef struct {
+  // `sizeof(wm_tensor_desc)`; set by `wm_tensor_desc_init`.
+  uint32_t struct_size;
+  // The tensor's name (NUL-terminated UTF-8); unique per rank. A shard:
+  // the global tensor's name.
+  const char *name;
+  // A `wm_dtype` (default `WM_DTYPE_F32`).
+  uint32_t dtype;
+  // The shape, `ndim` values (at most `WM_MAX_NDIM`); a shard: its own
+  // box's. NULL only with `ndim` 0 (a scalar).
+  const uint64_t *shape;
+  size_t ndim;
+  // The bytes, row-major: an address in the trainer's host memory, or
+  // with `memory` `WM_MEMORY_DEVICE` a device address of GPU
+  // `device_ordinal` (a PyTorch trainer passes `t.data_ptr()`).
+  const void *data;
+  // Bytes at `data`: dtype size x the shape's elements.
+  size_t len;
+  // A `wm_memory`: where `data` points (default `WM_MEMORY_HOST`).
+  uint32_t memory;
+  // Device memory: the CUDA device `data` is on (an ordinal of this
+  // process). Ignored for host memory (default -1).
+  int32_t device_ordinal;
+  // The engine rank this tensor is for; -1 (default): every rank. Below
+  // -1: `WM_ERR_INVALID_ARGUMENT`.
+  int32_t rank;
+  // A shard: the global tensor's shape, `ndim` values. NULL (default),
+  // with `offset` NULL: a whole tensor.
+  const uint64_t *global_shape;
+  // A shard: where its box starts in the global tensor, per dimension
+  // (`ndim` values); the box's lengths are `shape`. Set both
+  // `global_shape` and `offset`, or neither (one alone:
+  // `WM_ERR_NULL_ARGUMENT`).
+  const uint64_t *offset;
+} wm_tensor_desc;
+
+// Where a shard sits in its global tensor (the deprecated
+// `wm_publisher_add_shard`; new code sets `wm_tensor_desc.global_shape`
+// and `offset`). Fill with `wm_shard_placement_init`, then set both
+// arrays. Growable. The arrays are read during the call only.
+typedef struct {
+  // `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
+  uint32_t struct_size;
+  // The global tensor's shape: one value per dimension of the shard
+  // (its `ndim`).
+  const uint64_t *global_shape;
+  // Where the shard's box starts in the global tensor, per dimension
+  // (`ndim` values); the box's lengths are the shard's shape.
+  const uint64_t *offset;
+} wm_shard_placement;
+
+// What `wm_publisher_serve` did, summed over its sessions.
+typedef struct {
+  // Caller sets `sizeof(wm_serve_stats)`.
+  uint32_t struct_size;
+  uint32_t sessions;
+  uint64_t bytes;
+  // Time packing buckets into the shared buffers.
+  uint64_t pack_ns;
+  // Time waiting for engines to acknowledge buckets.
+  uint64_t wait_ns;
+  // Longest session.
+  uint64_t total_ns;
+} wm_serve_stats;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// ==========================================================================
+// RESULTS AND CONVENTIONS: the version, result and state text.
+// ==========================================================================
+//
+// The library's version as a static NUL-terminated string ("0.1.0").
+//
+// Ownership: the string is static; do not free it. Thread-safe, never blocks.
+const char *wm_version(void);
+
+// Static NUL-terminated text describing a result code; unknown numbers give
+// "unknown result code".
+//
+// Ownership: static; do not free. Thread-safe, never blocks.
+const char *wm_result_text(uint32_t result);
+
+// Static NUL-terminated name of a state value ("NORMAL", "FAILED", ...);
+// unknown values give "UNKNOWN".
+//
+// Ownership: static; do not free. Thread-safe, never blocks.
+const char *wm_state_name(int32_t state);
+
+// ==========================================================================
+// THE ENGINE: config, init, errors, destroy.
+// wm_config_init (and the blocks' _init) -> wm_init -> ... -> wm_destroy.
+// ==========================================================================
+//
+// Fill `config` with defaults (rank 0 of 1, host-only, warnings to
+// stderr, no optional blocks: `group`, `net`, `fanout` and `memory` NULL)
+// and set `struct_size`.
+//
+// NULL `config`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_config_init(wm_config *config);
+
+// Fill `group` with defaults (no name, all ranks on one node, node 0, a
+// 60 s bound) and set `struct_size`.
+//
+// NULL `group`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_group_config_init(wm_group_config *group);
+
+// Fill `net` with defaults (512 MiB buckets, 2 in flight, the secret from
+// `WM_NET_SECRET`, direct receive, no keyed digests, no gdr fallback) and
+// set `struct_size`.
+//
+// NULL `net`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_net_config_init(wm_net_config *net);
+
+// Fill `fanout` with defaults (group -1: no fan-out until it is set; NCCL
+// found as `nccl_library` says) and set `struct_size`.
+//
+// NULL `fanout`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_fanout_config_init(wm_fanout_config *fanout);
+
+// Fill `memory` with defaults (no callbacks, a 4 GiB callback staging
+// bound, atomic staging kept between updates, no device page swap) and
+// set `struct_size`.
+//
+// NULL `memory`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_memory_config_init(wm_memory_config *memory);
+
+// Create a manager for one engine rank.
+//
+// `config` is read during the call only (strings are copied). On success
+// `*out_manager` receives a new handle, owned by the caller and freed with
+// `wm_destroy`; on failure it is left unchanged, the reason is logged
+// through the config's log sink and kept for `wm_last_create_error`.
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
+// open the control cell.
+wm_result wm_init(const wm_config *config, wm_manager **out_manager);
 
 // Copy why the last create-style call on this thread failed (`wm_init`,
 // `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
@@ -656,78 +855,14 @@ extern "C" {
 // `WM_ERR_INVALID_ARGUMENT`. Never blocks.
 wm_result wm_last_create_error(char *buf, size_t len, size_t *out_written);
 
-// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
-// return a controller handle in `*out_controller`, owned by the caller and
-// freed with `wm_controller_destroy`.
+// Copy the text of this handle's last error into `buf` (`len` bytes with
+// the NUL), truncated to fit, and set `*out_written` to the bytes written
+// without the NUL. No error yet: writes "".
 //
-// The cell's page is reserved here: a full /dev/shm is
-// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
-// A cell truncated later, while open, makes the calls on this handle fail
-// with `WM_ERR_FORMAT` naming it, never a crash.
-// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
-// On failure `*out_controller` is unchanged and the reason is kept for
-// `wm_last_create_error`. Thread-safe, never blocks.
-wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
-
-// Destroy a controller handle (the cell itself stays). NULL or already
-// destroyed: no-op. The handle is invalid to new calls at once (handle
-// values are never reused). A controller holds none of the caller's
-// memory, so nothing is cancelled: destroy waits for calls running on
-// other threads to return (a request or wait runs to its own `timeout_ms`);
-// called from inside such a call's thread it returns at once.
-void wm_controller_destroy(wm_controller *controller);
-
-// Read the control word into `*out_state` (a `wm_state`). A value that is
-// none of the four states: `WM_ERR_FORMAT`. Never blocks.
-wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state);
-
-// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
-// For tools and resets; requests should use `wm_controller_request`.
-wm_result wm_controller_set(wm_controller *controller, int32_t state);
-
-// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
-// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
-// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
-// (up to date / already cleared), BUSY (the same action runs) or REFUSED
-// (the opposite action runs). The engine failing: its result code, with
-// the failing rank's reason in `wm_controller_last_error` (a rank that died:
-// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
-// rank 0 gone (it created the report beside the cell, whose pid no longer
-// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
-// last failure, and the word moved to CLEARED. No answer in time:
-// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
-// cell that never settles is named in the error instead of waited on. Blocks.
-wm_result wm_controller_request(wm_controller *controller,
-                                int32_t action,
-                                uint64_t timeout_ms,
-                                uint32_t *out_outcome);
-
-// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
-wm_result wm_controller_wait(wm_controller *controller, int32_t state, uint64_t timeout_ms);
-
-// Copy the text of this controller's last error into `buf` (`len` bytes
-// with the NUL), truncated to fit; `*out_written` gets the bytes written
-// without the NUL. Same rules as `wm_last_error`.
-wm_result wm_controller_last_error(const wm_controller *controller,
-                                   char *buf,
-                                   size_t len,
-                                   size_t *out_written);
-
-// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
-// and set `struct_size`.
-//
-// NULL `config`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
-wm_result wm_config_init(wm_config *config);
-
-// Create a manager for one engine rank.
-//
-// `config` is read during the call only (strings are copied). On success
-// `*out_manager` receives a new handle, owned by the caller and freed with
-// `wm_destroy`; on failure it is left unchanged, the reason is logged
-// through the config's log sink and kept for `wm_last_create_error`.
-// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe; may block briefly to
-// open the control cell.
-wm_result wm_init(const wm_config *config, wm_manager **out_manager);
+// The text is the handle's (not the thread's): with several threads, it is
+// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
+// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_last_error(const wm_manager *manager, char *buf, size_t len, size_t *out_written);
 
 // Destroy a manager. Library-owned param memory is unmapped (pointers from
 // `wm_allocate_param` become invalid); engine-owned memory is untouched.
@@ -749,15 +884,10 @@ wm_result wm_init(const wm_config *config, wm_manager **out_manager);
 // when `wm_update` returns. Engine memory must stay valid until then.
 void wm_destroy(wm_manager *manager);
 
-// Copy the text of this handle's last error into `buf` (`len` bytes with
-// the NUL), truncated to fit, and set `*out_written` to the bytes written
-// without the NUL. No error yet: writes "".
+// ==========================================================================
+// PARAMS: register the engine's weights (or let the library allocate them).
+// ==========================================================================
 //
-// The text is the handle's (not the thread's): with several threads, it is
-// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
-// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
-wm_result wm_last_error(const wm_manager *manager, char *buf, size_t len, size_t *out_written);
-
 // Fill `piece` with zeros (no tensor, a scalar box at the param's start)
 // and set `struct_size`.
 //
@@ -816,196 +946,42 @@ wm_result wm_allocate_param(wm_manager *manager,
                             void **out_data,
                             size_t *out_len);
 
-// Fill `config` with defaults and set `struct_size`.
-wm_result wm_publisher_config_init(wm_publisher_config *config);
-
-// Listen on the Unix socket `socket_path` (a stale socket there is
-// replaced; the file is removed on destroy). `config` may be NULL for
-// defaults. On success `*out_publisher` receives a handle owned by the
-// caller; on failure it is left unchanged and the reason (e.g. "... exists
-// and is not a socket") is kept for `wm_last_create_error`. Never blocks.
-wm_result wm_publisher_create(const char *socket_path,
-                              const wm_publisher_config *config,
-                              wm_publisher **out_publisher);
-
-// Listen for engines on other nodes at the TCP address `address`
-// ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
-// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
-// without it) and a shared secret (config or `WM_NET_SECRET`;
-// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
-// `*out_publisher` receives a handle owned by the caller; on failure the
-// reason is kept for `wm_last_create_error`. Never blocks.
-wm_result wm_publisher_create_net(const char *address,
-                                  const wm_publisher_config *config,
-                                  wm_publisher **out_publisher);
-
-// Copy where engines reach this publisher (the socket path, or the TCP
-// "host:port" with the port actually bound) into `buf` (NUL-terminated,
-// truncated to `len`); `*out_written` gets the full length.
-wm_result wm_publisher_address(const wm_publisher *publisher,
-                               char *buf,
-                               size_t len,
-                               size_t *out_written);
-
-// Keep the current tensors (copied now: the trainer may overwrite its own
-// at once) or directory as a version engines can ask for by name; the
-// oldest beyond `keep_versions` is dropped. The name is the one set with
-// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
-// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
-// version served.
+// ==========================================================================
+// UPDATE AND CLEAR: new weights in, weight memory out.
+// ==========================================================================
 //
-// Tensors are copied into one shared-memory buffer that IPC sessions hand
-// to every rank as is: the trainer's only copy of the version, and the
-// fastest way to serve engines on this node (nothing is packed per
-// session). A dropped version's buffer takes a later version once no
-// session serves it.
-wm_result wm_publisher_publish(wm_publisher *publisher);
-
-// Stop listening, remove the socket file and free the handle. NULL or
-// already destroyed: no-op. The handle is invalid to new calls at once
-// (handle values are never reused).
+// Fill `request` with defaults (snapshot from the config's model_dir,
+// atomic, no verification, 600 s) and set `struct_size`.
 //
-// A `wm_publisher_serve` running on another thread is stopped: it accepts
-// no more engines and its sessions' connections are shut down, so each
-// session ends at its next read or write (after finishing the bucket it is
-// packing); it returns `WM_ERR_CANCELLED` (or its sessions' errors).
-// `wm_publisher_destroy` waits for it and every other call on the handle
-// to return: when it returns, the library reads none of the trainer's
-// tensors again and the trainer may free them.
-void wm_publisher_destroy(wm_publisher *publisher);
+// NULL: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_update_request_init(wm_update_request *request);
 
-// Serve the snapshot in directory `dir` instead of in-memory tensors: each
-// rank gets the files the snapshot layout rules pick for it.
-wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
-
-// The version sessions announce; NULL: the directory's `version.yaml`.
-// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
-// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
-// (A `version.yaml` over the limit is refused by publish and serve.)
-wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
-
-// Forget every published tensor (before publishing the next version).
-wm_result wm_publisher_clear(wm_publisher *publisher);
-
-// Serve `engines` engine connections (each on its own thread), waiting at
-// most `accept_timeout_ms` for them to connect; returns when every session
-// ended. A failed session (engine died, refused, checksum...) gives its
-// error, the others still finish. `out_stats` is optional (NULL). Blocks.
-wm_result wm_publisher_serve(wm_publisher *publisher,
-                             uint32_t engines,
-                             uint64_t accept_timeout_ms,
-                             wm_serve_stats *out_stats);
-
-// Copy the text of this publisher's last error (see `wm_last_error`).
-wm_result wm_publisher_last_error(const wm_publisher *publisher,
-                                  char *buf,
-                                  size_t len,
-                                  size_t *out_written);
-
-// Publish a tensor from the trainer's host memory: `len` bytes at `data`
-// (dtype x shape), for engine rank `rank`, or for every rank with -1
-// (below -1: `WM_ERR_INVALID_ARGUMENT`).
+// Update the params from a source. Blocks until the update finished, failed
+// or timed out (`timeout_ms`). The whole plan is checked before any byte
+// moves. On success `*out_stats` (optional: NULL to skip; else its
+// `struct_size` must be set) receives the statistics; on failure it is not
+// written, the reason is in `wm_last_error`, and `wm_status` tells what was
+// left (atomic: old weights and version; in-place after bytes moved: FAILED).
 //
-// Ownership: the trainer keeps `data`; it must stay valid and unchanged
-// while `wm_publisher_serve` runs. Names are unique per rank.
-wm_result wm_publisher_add_tensor(wm_publisher *publisher,
-                                  const char *name,
-                                  uint32_t dtype,
-                                  const uint64_t *shape,
-                                  size_t ndim,
-                                  const void *data,
-                                  size_t len,
-                                  int32_t rank);
+// `request` and its strings are read during the call only; callbacks run on
+// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
+wm_result wm_update(wm_manager *manager,
+                    const wm_update_request *request,
+                    wm_update_stats *out_stats);
 
-// Publish a tensor from the trainer's GPU memory: `len` bytes at device
-// address `device_ptr` of CUDA device `device` (an ordinal of this
-// process; the range is checked with the driver), for engine rank `rank`,
-// or for every rank with -1 (below -1: `WM_ERR_INVALID_ARGUMENT`). A
-// PyTorch trainer passes `t.data_ptr()`.
+// Release the weights' memory: library-owned params give back their
+// physical pages and keep their addresses (they read as zeros until the next
+// update); engine-owned params go to the release callback, if any. The
+// state becomes CLEARED and the version is forgotten; the next `wm_update`
+// brings memory back. Clearing when already CLEARED is a no-op.
 //
-// GPU tensors are served once published: `wm_publisher_publish` waits for
-// the device (so kernels writing them have finished) and copies them into
-// one GPU buffer that engines on this node open by CUDA IPC handle (over
-// the network: into host memory). Engines then copy device to device.
+// Blocks for the release only. `WM_ERR_BUSY` if an update or clear runs.
+wm_result wm_clear(wm_manager *manager);
+
+// ==========================================================================
+// STATUS AND SIGNAL: what the manager is doing, what the control cell says.
+// ==========================================================================
 //
-// Ownership: the trainer keeps the memory; it must stay valid until the
-// next `wm_publisher_publish` returns.
-wm_result wm_publisher_add_device_tensor(wm_publisher *publisher,
-                                         const char *name,
-                                         uint32_t dtype,
-                                         const uint64_t *shape,
-                                         size_t ndim,
-                                         uint64_t device_ptr,
-                                         size_t len,
-                                         int32_t device,
-                                         int32_t rank);
-
-// Fill `placement` with empty arrays (NULL) and set `struct_size`.
-wm_result wm_shard_placement_init(wm_shard_placement *placement);
-
-// Publish a shard of the global tensor `name` from the trainer's host
-// memory: `len` bytes at `data`, the shard's own box (dtype x shape,
-// row-major), placed at `placement->offset` in a global tensor of shape
-// `placement->global_shape` (both `ndim` values), for engine rank `rank`
-// or every rank with -1. Engines get the placement in their manifest and
-// take the parts their params need.
-//
-// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the box lies
-// inside the global shape, `len` is the box's byte size, and the shard
-// clashes with nothing published for that rank. One publisher may hold
-// several shards of one global tensor at different offsets (same dtype and
-// global shape); the same offset twice, or a whole tensor of that name
-// beside shards, is refused. NULL `placement`: `WM_ERR_NULL_ARGUMENT`.
-//
-// Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
-// unchanged while `wm_publisher_serve` runs); `placement` is read during
-// the call only. Each trainer rank may run its own publisher (its own
-// socket or address): together they serve one version. Never blocks.
-wm_result wm_publisher_add_shard(wm_publisher *publisher,
-                                 const char *name,
-                                 uint32_t dtype,
-                                 const uint64_t *shape,
-                                 size_t ndim,
-                                 const wm_shard_placement *placement,
-                                 const void *data,
-                                 size_t len,
-                                 int32_t rank);
-
-// Publish a shard (see `wm_publisher_add_shard`) from the trainer's GPU
-// memory: `len` bytes at device address `device_ptr` of CUDA device
-// `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
-// published). Ownership: the memory stays valid until the next
-// `wm_publisher_publish` returns; `placement` is read during the call only.
-// Never blocks (the driver is asked about the range, nothing waits for
-// the device).
-wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
-                                        const char *name,
-                                        uint32_t dtype,
-                                        const uint64_t *shape,
-                                        size_t ndim,
-                                        const wm_shard_placement *placement,
-                                        uint64_t device_ptr,
-                                        size_t len,
-                                        int32_t device,
-                                        int32_t rank);
-
-// The library's version as a static NUL-terminated string ("0.1.0").
-//
-// Ownership: the string is static; do not free it. Thread-safe, never blocks.
-const char *wm_version(void);
-
-// Static NUL-terminated text describing a result code; unknown numbers give
-// "unknown result code".
-//
-// Ownership: static; do not free. Thread-safe, never blocks.
-const char *wm_result_text(uint32_t result);
-
-// Static NUL-terminated name of a state value ("NORMAL", "FAILED", ...);
-// unknown values give "UNKNOWN".
-//
-// Ownership: static; do not free. Thread-safe, never blocks.
-const char *wm_state_name(int32_t state);
-
 // Read the manager's state, version, counters and last update's statistics
 // into `*out_status`, whose `struct_size` the caller sets.
 //
@@ -1046,33 +1022,293 @@ wm_result wm_update_source_bytes(const wm_manager *manager,
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_broadcast_signal(wm_manager *manager, int32_t *out_signal);
 
-// Fill `request` with defaults (snapshot from the config's model_dir,
-// atomic, no verification, 600 s) and set `struct_size`.
+// ==========================================================================
+// CONTROLLER: ask the engine for updates and clears through its control cell.
+// ==========================================================================
 //
-// NULL: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
-wm_result wm_update_request_init(wm_update_request *request);
+// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
+// return a controller handle in `*out_controller`, owned by the caller and
+// freed with `wm_controller_destroy`.
+//
+// The cell's page is reserved here: a full /dev/shm is
+// `WM_ERR_OUT_OF_MEMORY` (naming /dev/shm) and leaves no object behind.
+// A cell truncated later, while open, makes the calls on this handle fail
+// with `WM_ERR_FORMAT` naming it, never a crash.
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a bad name: `WM_ERR_INVALID_ARGUMENT`.
+// On failure `*out_controller` is unchanged and the reason is kept for
+// `wm_last_create_error`. Thread-safe, never blocks.
+wm_result wm_controller_open(const char *cell_name, wm_controller **out_controller);
 
-// Update the params from a source. Blocks until the update finished, failed
-// or timed out (`timeout_ms`). The whole plan is checked before any byte
-// moves. On success `*out_stats` (optional: NULL to skip; else its
-// `struct_size` must be set) receives the statistics; on failure it is not
-// written, the reason is in `wm_last_error`, and `wm_status` tells what was
-// left (atomic: old weights and version; in-place after bytes moved: FAILED).
-//
-// `request` and its strings are read during the call only; callbacks run on
-// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
-wm_result wm_update(wm_manager *manager,
-                    const wm_update_request *request,
-                    wm_update_stats *out_stats);
+// Read the control word into `*out_state` (a `wm_state`). A value that is
+// none of the four states: `WM_ERR_FORMAT`. Never blocks.
+wm_result wm_controller_get(const wm_controller *controller, int32_t *out_state);
 
-// Release the weights' memory: library-owned params give back their
-// physical pages and keep their addresses (they read as zeros until the next
-// update); engine-owned params go to the release callback, if any. The
-// state becomes CLEARED and the version is forgotten; the next `wm_update`
-// brings memory back. Clearing when already CLEARED is a no-op.
+// Store `state` (NORMAL, UPDATING, CLEARING or CLEARED) unconditionally.
+// For tools and resets; requests should use `wm_controller_request`.
+wm_result wm_controller_set(wm_controller *controller, int32_t state);
+
+// Ask the engine for `action` (`WM_STATE_UPDATING` or `WM_STATE_CLEARING`)
+// and wait up to `timeout_ms` for it to finish (protocol: `signal::controller`). On
+// `WM_OK`, `*out_outcome` is a `wm_request_outcome`: DONE, ALREADY_DONE
+// (up to date / already cleared), BUSY (the same action runs) or REFUSED
+// (the opposite action runs). The engine failing: its result code, with
+// the failing rank's reason in `wm_controller_last_error` (a rank that died:
+// `WM_ERR_PEER` naming it, and the word is left at CLEARED). The engine's
+// rank 0 gone (it created the report beside the cell, whose pid no longer
+// runs in this pid namespace): `WM_ERR_PEER` saying so, with the engine's
+// last failure, and the word moved to CLEARED. No answer in time:
+// `WM_ERR_TIMEOUT` (the word still holds the request). A report beside the
+// cell that never settles is named in the error instead of waited on. Blocks.
+wm_result wm_controller_request(wm_controller *controller,
+                                int32_t action,
+                                uint64_t timeout_ms,
+                                uint32_t *out_outcome);
+
+// Wait up to `timeout_ms` until the control word holds `state`. Blocks.
+wm_result wm_controller_wait(wm_controller *controller, int32_t state, uint64_t timeout_ms);
+
+// Copy the text of this controller's last error into `buf` (`len` bytes
+// with the NUL), truncated to fit; `*out_written` gets the bytes written
+// without the NUL. Same rules as `wm_last_error`.
+wm_result wm_controller_last_error(const wm_controller *controller,
+                                   char *buf,
+                                   size_t len,
+                                   size_t *out_written);
+
+// Destroy a controller handle (the cell itself stays). NULL or already
+// destroyed: no-op. The handle is invalid to new calls at once (handle
+// values are never reused). A controller holds none of the caller's
+// memory, so nothing is cancelled: destroy waits for calls running on
+// other threads to return (a request or wait runs to its own `timeout_ms`);
+// called from inside such a call's thread it returns at once.
+void wm_controller_destroy(wm_controller *controller);
+
+// ==========================================================================
+// THE TRAINER SIDE: the publisher.
+// create -> wm_publisher_add (each tensor) -> set_version -> publish -> serve -> destroy.
+// ==========================================================================
 //
-// Blocks for the release only. `WM_ERR_BUSY` if an update or clear runs.
-wm_result wm_clear(wm_manager *manager);
+// Fill `config` with defaults and set `struct_size`.
+wm_result wm_publisher_config_init(wm_publisher_config *config);
+
+// Listen on the Unix socket `socket_path` (a stale socket there is
+// replaced; the file is removed on destroy). `config` may be NULL for
+// defaults. On success `*out_publisher` receives a handle owned by the
+// caller; on failure it is left unchanged and the reason (e.g. "... exists
+// and is not a socket") is kept for `wm_last_create_error`. Never blocks.
+wm_result wm_publisher_create(const char *socket_path,
+                              const wm_publisher_config *config,
+                              wm_publisher **out_publisher);
+
+// Listen for engines on other nodes at the TCP address `address`
+// ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
+// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
+// without it) and a shared secret (config or `WM_NET_SECRET`;
+// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
+// `*out_publisher` receives a handle owned by the caller; on failure the
+// reason is kept for `wm_last_create_error`. Never blocks.
+wm_result wm_publisher_create_net(const char *address,
+                                  const wm_publisher_config *config,
+                                  wm_publisher **out_publisher);
+
+// Copy where engines reach this publisher (the socket path, or the TCP
+// "host:port" with the port actually bound) into `buf` (NUL-terminated,
+// truncated to `len`); `*out_written` gets the full length.
+wm_result wm_publisher_address(const wm_publisher *publisher,
+                               char *buf,
+                               size_t len,
+                               size_t *out_written);
+
+// Copy the text of this publisher's last error (see `wm_last_error`).
+wm_result wm_publisher_last_error(const wm_publisher *publisher,
+                                  char *buf,
+                                  size_t len,
+                                  size_t *out_written);
+
+// ==========================================================================
+// Publisher: what it serves.
+// ==========================================================================
+//
+// Fill `desc` with defaults (no name, `WM_DTYPE_F32`, a scalar, host
+// memory, every rank, a whole tensor) and set `struct_size`.
+//
+// NULL `desc`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+wm_result wm_tensor_desc_init(wm_tensor_desc *desc);
+
+// Publish the tensor (or shard) `desc` describes.
+//
+// Host memory: `len` bytes at `data`, served from there by
+// `wm_publisher_serve`. Device memory (`memory` `WM_MEMORY_DEVICE`): `len`
+// bytes at device address `data` of CUDA device `device_ordinal`, the
+// range checked with the driver; served once published:
+// `wm_publisher_publish` waits for the device (so kernels writing it have
+// finished) and copies it into one GPU buffer that engines on this node
+// open by CUDA IPC handle (over the network: into host memory); engines
+// then copy device to device.
+//
+// A shard (`global_shape` and `offset` set): the shard's own box (dtype x
+// shape, row-major), placed at `offset` in a global tensor of shape
+// `global_shape`; engines get the placement in their manifest and take the
+// parts their params need. One publisher may hold several shards of one
+// global tensor at different offsets (same dtype and global shape); the
+// same offset twice, or a whole tensor of that name beside shards, is
+// refused. Each trainer rank may run its own publisher (its own socket or
+// address): together they serve one version.
+//
+// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the dtype,
+// memory and rank are values of their kind, the shape has at most
+// `WM_MAX_NDIM` dimensions, `len` is its byte size, a shard's box lies
+// inside its global shape, and the tensor clashes with nothing published
+// for that rank. NULL `desc`: `WM_ERR_NULL_ARGUMENT`; NULL `name`, NULL
+// `data` with `len` > 0, or a shard with one of its two arrays NULL:
+// `WM_ERR_NULL_ARGUMENT` (kept for `wm_publisher_last_error`); a bad
+// `struct_size`: `WM_ERR_STRUCT_SIZE`.
+//
+// Ownership: `desc` and its arrays are read during the call only. The
+// trainer keeps the bytes at `data`: host memory must stay valid and
+// unchanged while `wm_publisher_serve` runs; device memory until the next
+// `wm_publisher_publish` returns. Thread-safe; never blocks (the driver is
+// asked about a device range, nothing waits for the device).
+wm_result wm_publisher_add(wm_publisher *publisher, const wm_tensor_desc *desc);
+
+// Serve the snapshot in directory `dir` instead of in-memory tensors: each
+// rank gets the files the snapshot layout rules pick for it.
+wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);
+
+// Forget every published tensor (before publishing the next version).
+wm_result wm_publisher_clear(wm_publisher *publisher);
+
+// ==========================================================================
+// Publisher, deprecated: the positional add calls, kept for one release.
+// Each is a wrapper of wm_publisher_add; new code fills a wm_tensor_desc.
+// ==========================================================================
+//
+// Deprecated (kept for one release; use `wm_tensor_desc` and
+// `wm_publisher_add`, which this calls): publish a tensor from the
+// trainer's host memory: `len` bytes at `data` (dtype x shape), for engine
+// rank `rank`, or for every rank with -1 (below -1:
+// `WM_ERR_INVALID_ARGUMENT`).
+//
+// Ownership: the trainer keeps `data`; it must stay valid and unchanged
+// while `wm_publisher_serve` runs. Names are unique per rank.
+wm_result wm_publisher_add_tensor(wm_publisher *publisher,
+                                  const char *name,
+                                  uint32_t dtype,
+                                  const uint64_t *shape,
+                                  size_t ndim,
+                                  const void *data,
+                                  size_t len,
+                                  int32_t rank);
+
+// Deprecated (kept for one release; use `wm_publisher_add` with `memory`
+// `WM_MEMORY_DEVICE`, which this calls): publish a tensor from the
+// trainer's GPU memory: `len` bytes at device address `device_ptr` of CUDA
+// device `device` (an ordinal of this process; the range is checked with
+// the driver), for engine rank `rank`, or for every rank with -1 (below
+// -1: `WM_ERR_INVALID_ARGUMENT`). Served once published, as
+// `wm_publisher_add` says.
+//
+// Ownership: the trainer keeps the memory; it must stay valid until the
+// next `wm_publisher_publish` returns.
+wm_result wm_publisher_add_device_tensor(wm_publisher *publisher,
+                                         const char *name,
+                                         uint32_t dtype,
+                                         const uint64_t *shape,
+                                         size_t ndim,
+                                         uint64_t device_ptr,
+                                         size_t len,
+                                         int32_t device,
+                                         int32_t rank);
+
+// Fill `placement` with empty arrays (NULL) and set `struct_size`.
+wm_result wm_shard_placement_init(wm_shard_placement *placement);
+
+// Deprecated (kept for one release; use `wm_publisher_add` with
+// `global_shape` and `offset` set, which this calls): publish a shard of
+// the global tensor `name` from the trainer's host memory: `len` bytes at
+// `data`, the shard's own box (dtype x shape, row-major), placed at
+// `placement->offset` in a global tensor of shape
+// `placement->global_shape` (both `ndim` values), for engine rank `rank`
+// or every rank with -1. Checked as `wm_publisher_add` says. NULL
+// `placement`: `WM_ERR_NULL_ARGUMENT`.
+//
+// Ownership: as `wm_publisher_add` (`data` stays valid and unchanged while
+// `wm_publisher_serve` runs); `placement` is read during the call only.
+// Never blocks.
+wm_result wm_publisher_add_shard(wm_publisher *publisher,
+                                 const char *name,
+                                 uint32_t dtype,
+                                 const uint64_t *shape,
+                                 size_t ndim,
+                                 const wm_shard_placement *placement,
+                                 const void *data,
+                                 size_t len,
+                                 int32_t rank);
+
+// Deprecated (kept for one release; use `wm_publisher_add` with `memory`
+// `WM_MEMORY_DEVICE` and `global_shape` and `offset` set, which this
+// calls): publish a shard (see `wm_publisher_add_shard`) from the
+// trainer's GPU memory: `len` bytes at device address `device_ptr` of CUDA
+// device `device`, served as device tensors are (once published).
+// Ownership: the memory stays valid until the next `wm_publisher_publish`
+// returns; `placement` is read during the call only. Never blocks (the
+// driver is asked about the range, nothing waits for the device).
+wm_result wm_publisher_add_device_shard(wm_publisher *publisher,
+                                        const char *name,
+                                        uint32_t dtype,
+                                        const uint64_t *shape,
+                                        size_t ndim,
+                                        const wm_shard_placement *placement,
+                                        uint64_t device_ptr,
+                                        size_t len,
+                                        int32_t device,
+                                        int32_t rank);
+
+// ==========================================================================
+// Publisher: versions, serving, destroy.
+// ==========================================================================
+//
+// The version sessions announce; NULL: the directory's `version.yaml`.
+// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
+// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
+// (A `version.yaml` over the limit is refused by publish and serve.)
+wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version);
+
+// Keep the current tensors (copied now: the trainer may overwrite its own
+// at once) or directory as a version engines can ask for by name; the
+// oldest beyond `keep_versions` is dropped. The name is the one set with
+// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
+// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
+// version served.
+//
+// Tensors are copied into one shared-memory buffer that IPC sessions hand
+// to every rank as is: the trainer's only copy of the version, and the
+// fastest way to serve engines on this node (nothing is packed per
+// session). A dropped version's buffer takes a later version once no
+// session serves it.
+wm_result wm_publisher_publish(wm_publisher *publisher);
+
+// Serve `engines` engine connections (each on its own thread), waiting at
+// most `accept_timeout_ms` for them to connect; returns when every session
+// ended. A failed session (engine died, refused, checksum...) gives its
+// error, the others still finish. `out_stats` is optional (NULL). Blocks.
+wm_result wm_publisher_serve(wm_publisher *publisher,
+                             uint32_t engines,
+                             uint64_t accept_timeout_ms,
+                             wm_serve_stats *out_stats);
+
+// Stop listening, remove the socket file and free the handle. NULL or
+// already destroyed: no-op. The handle is invalid to new calls at once
+// (handle values are never reused).
+//
+// A `wm_publisher_serve` running on another thread is stopped: it accepts
+// no more engines and its sessions' connections are shut down, so each
+// session ends at its next read or write (after finishing the bucket it is
+// packing); it returns `WM_ERR_CANCELLED` (or its sessions' errors).
+// `wm_publisher_destroy` waits for it and every other call on the handle
+// to return: when it returns, the library reads none of the trainer's
+// tensors again and the trainer may free them.
+void wm_publisher_destroy(wm_publisher *publisher);
 
 #ifdef __cplusplus
 }  // extern "C"

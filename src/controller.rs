@@ -2,12 +2,18 @@
 //! the control cell (the controller's protocol: `signal::controller`).
 
 use super::{HandleTable, Handled};
+use crate::enums::{wm_request_outcome, wm_state};
+use crate::result::wm_result;
 use std::ffi::{c_char, CStr};
 use std::time::Duration;
-use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::signal::controller::Controller;
 use weight_manager_core::state::State;
 
+/// ==========================================================================
+/// HANDLES: opaque; created and destroyed by their section's calls.
+/// ==========================================================================
+///
 /// A controller's view of one control cell. Opaque; create with
 /// `wm_controller_open`, free with `wm_controller_destroy`.
 pub struct wm_controller {
@@ -25,13 +31,18 @@ macro_rules! try_controller {
 }
 
 fn state_arg(raw: i32) -> Result<State> {
-    State::from_raw(raw)
+    wm_state::from_raw(raw)
+        .map(State::from)
         .filter(|s| s.is_signal())
         .ok_or_else(|| {
             Error::invalid_argument(format!("{raw} is not a wm_state control-word value"))
         })
 }
 
+/// ==========================================================================
+/// CONTROLLER: ask the engine for updates and clears through its control cell.
+/// ==========================================================================
+///
 /// Open (or create, zeroed) the control cell `/dev/shm/<cell_name>` and
 /// return a controller handle in `*out_controller`, owned by the caller and
 /// freed with `wm_controller_destroy`.
@@ -59,17 +70,6 @@ pub unsafe extern "C" fn wm_controller_open(
     })
 }
 
-/// Destroy a controller handle (the cell itself stays). NULL or already
-/// destroyed: no-op. The handle is invalid to new calls at once (handle
-/// values are never reused). A controller holds none of the caller's
-/// memory, so nothing is cancelled: destroy waits for calls running on
-/// other threads to return (a request or wait runs to its own `timeout_ms`);
-/// called from inside such a call's thread it returns at once.
-#[no_mangle]
-pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
-    ffi_guard_or!((), { CONTROLLERS.destroy(controller.cast(), |_| {}) })
-}
-
 /// Read the control word into `*out_state` (a `wm_state`). A value that is
 /// none of the four states: `WM_ERR_FORMAT`. Never blocks.
 #[no_mangle]
@@ -82,7 +82,7 @@ pub unsafe extern "C" fn wm_controller_get(
         let h = try_controller!(controller);
         match h.code(h.value.get()) {
             Ok(s) => {
-                *out_state = s as i32;
+                *out_state = wm_state::from(s) as i32;
                 wm_result::WM_OK
             }
             Err(c) => c,
@@ -132,7 +132,7 @@ pub unsafe extern "C" fn wm_controller_request(
             state_arg(action).and_then(|a| h.value.request(a, Duration::from_millis(timeout_ms)));
         match h.code(r) {
             Ok(o) => {
-                *out_outcome = o as u32;
+                *out_outcome = wm_request_outcome::from(o) as u32;
                 wm_result::WM_OK
             }
             Err(c) => c,
@@ -174,4 +174,15 @@ pub unsafe extern "C" fn wm_controller_last_error(
         let text = h.last_error_text();
         super::copy_text_out(&text, buf, len, out_written)
     })
+}
+
+/// Destroy a controller handle (the cell itself stays). NULL or already
+/// destroyed: no-op. The handle is invalid to new calls at once (handle
+/// values are never reused). A controller holds none of the caller's
+/// memory, so nothing is cancelled: destroy waits for calls running on
+/// other threads to return (a request or wait runs to its own `timeout_ms`);
+/// called from inside such a call's thread it returns at once.
+#[no_mangle]
+pub unsafe extern "C" fn wm_controller_destroy(controller: *mut wm_controller) {
+    ffi_guard_or!((), { CONTROLLERS.destroy(controller.cast(), |_| {}) })
 }

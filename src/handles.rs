@@ -15,13 +15,13 @@
 //!   is below it on the stack: it cancels and returns, and the object is
 //!   freed when that call returns.
 
+use crate::result::wm_result;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use weight_manager_core::result::wm_result;
 
 /// Handle values start far above small integers a caller might make up,
 /// and step by 16 so they look like (aligned) pointers to C code.

@@ -17,10 +17,12 @@
 //!
 //! Files (a new C function goes in the file of its handle, then the header
 //! is regenerated: `WM_BLESS=1 cargo test --test header`): `result.rs`
-//! (codes, version), `manager.rs` (config, init, destroy, error text),
+//! (codes, version), `enums.rs` (the C enums), `manager.rs` (config,
+//! init, error text, destroy),
 //! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
 //! (status, signal), `controller.rs` (the controller's handle),
-//! `publisher.rs` (the trainer's publisher handle), `handles.rs` (the
+//! `publisher.rs` (the trainer's publisher: create; `publisher/tensors.rs` what it
+//! serves, `publisher/serve.rs` publish, serve, destroy), `handles.rs` (the
 //! handle tables).
 
 #![allow(non_camel_case_types)]
@@ -29,21 +31,22 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub(crate) use handles::HandleTable;
+use result::wm_result;
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use weight_manager_core::manager::Manager;
-use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::result::{Error, Result};
 
 /// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
 macro_rules! ffi_guard {
     ($body:block) => {
         match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
-            || -> ::weight_manager_core::result::wm_result { $body },
+            || -> $crate::result::wm_result { $body },
         )) {
             Ok(r) => r,
-            Err(_) => ::weight_manager_core::result::wm_result::WM_ERR_PANIC,
+            Err(_) => $crate::result::wm_result::WM_ERR_PANIC,
         }
     };
 }
@@ -61,7 +64,7 @@ macro_rules! ffi_guard_or {
 /// Return `WM_ERR_NULL_ARGUMENT` from the enclosing function if `$p` is NULL.
 macro_rules! check_null {
     ($($p:expr),+) => {
-        $(if $p.is_null() { return ::weight_manager_core::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
+        $(if $p.is_null() { return $crate::result::wm_result::WM_ERR_NULL_ARGUMENT; })+
     };
 }
 
@@ -82,14 +85,59 @@ macro_rules! try_get {
     };
 }
 
-pub mod controller;
-mod handles;
-pub mod manager;
-pub mod params;
-pub mod publisher;
+/// One C enum mirroring a core enum: `ALL`, `from_raw`, and conversions both ways.
+macro_rules! mirror {
+    ($c:ident, $core:ident, $raw:ty, [$($v:ident),+ $(,)?]) => {
+        impl $c {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$c] = &[$($c::$v),+];
+
+            /// The variant with number `raw`, if there is one.
+            pub fn from_raw(raw: $raw) -> Option<$c> {
+                Self::ALL.iter().copied().find(|v| *v as $raw == raw)
+            }
+        }
+        impl From<$core> for $c {
+            fn from(v: $core) -> $c {
+                match v {
+                    $($core::$v => $c::$v),+
+                }
+            }
+        }
+        impl From<$c> for $core {
+            fn from(v: $c) -> $core {
+                match v {
+                    $($c::$v => $core::$v),+
+                }
+            }
+        }
+    };
+}
+
+// Module order is the header's order (cbindgen emits functions in module
+// order, each file's in source order): results and conventions, the
+// engine, params, update, status, controller, the trainer's publisher.
+// Blank lines apart, so that rustfmt (reorder_modules) keeps the order.
 pub mod result;
-pub mod status;
+
+pub mod enums;
+
+pub mod manager;
+
+pub mod params;
+
 pub mod update;
+
+pub mod status;
+
+pub mod controller;
+
+pub mod publisher;
+
+mod handles;
+
+/// Where it always was (it is the engine section's, in `manager.rs`).
+pub use manager::wm_last_create_error;
 
 /// A library object behind a C handle, with the text of its last failure
 /// (per handle, so two threads with two handles each read their own). The manager keeps its own, because
@@ -110,7 +158,7 @@ impl<T> Handled<T> {
     /// `r` with its error turned into a code, the error remembered.
     pub(crate) fn code<R>(&self, r: Result<R>) -> std::result::Result<R, wm_result> {
         r.map_err(|e| {
-            let code = e.code;
+            let code = e.code.into();
             *self.last_error.lock() = Some(e);
             code
         })
@@ -134,7 +182,7 @@ pub(crate) static MANAGERS: HandleTable<Manager> = HandleTable::new();
 
 thread_local! {
     /// Why this thread's last create-style call failed ("" after a success).
-    static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    pub(crate) static LAST_CREATE_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
 /// The outcome of a create-style call (`wm_init`, `wm_publisher_create*`,
@@ -153,38 +201,17 @@ pub(crate) unsafe fn created<T, H>(
             *out = table.publish(value).cast();
             (wm_result::WM_OK, String::new())
         }
-        Err(e) => (e.code, e.message),
+        Err(e) => (e.code.into(), e.message),
     };
     LAST_CREATE_ERROR.with(|t| *t.borrow_mut() = text);
     code
-}
-
-/// Copy why the last create-style call on this thread failed (`wm_init`,
-/// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
-/// the calls that have no handle to keep their reason) into `buf` (`len`
-/// bytes with the NUL), truncated to fit, and set `*out_written` to the
-/// bytes written without the NUL. After a successful create, or none yet
-/// on this thread: "". Per thread, so concurrent creates do not mix.
-///
-/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
-/// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
-#[no_mangle]
-pub unsafe extern "C" fn wm_last_create_error(
-    buf: *mut c_char,
-    len: usize,
-    out_written: *mut usize,
-) -> wm_result {
-    ffi_guard!({
-        let text = LAST_CREATE_ERROR.with(|t| t.borrow().clone());
-        copy_text_out(&text, buf, len, out_written)
-    })
 }
 
 /// The code of `r`, recording its error on the handle.
 pub(crate) fn code_of(m: &Manager, r: Result<()>) -> wm_result {
     match r {
         Ok(()) => wm_result::WM_OK,
-        Err(e) => m.record_error(e).code,
+        Err(e) => m.record_error(e).code.into(),
     }
 }
 
@@ -262,7 +289,7 @@ pub(crate) fn fill_chars(dst: &mut [c_char], s: &str) {
 
 #[cfg(test)]
 mod tests {
-    use weight_manager_core::result::wm_result;
+    use crate::result::wm_result;
 
     #[test]
     fn guard_turns_panics_into_codes() {

@@ -1,19 +1,25 @@
 //! Manager handles: configuration, creation, destruction, error text.
 
 use super::{check_struct_size, opt_path, opt_str};
+use crate::enums::wm_log_level;
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 use weight_manager_core::defaults;
 use weight_manager_core::fanout::FanoutSettings;
 use weight_manager_core::logging::{LogLevel, Logger};
 use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
-use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::result::{Error, Result};
 
 /// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
 pub struct wm_manager {
     _private: [u8; 0],
 }
 
+/// ==========================================================================
+/// THE ENGINE: wm_config and its optional blocks, the callbacks.
+/// ==========================================================================
+///
 /// Log sink: `(user_data, level, message)`. `level` is a `wm_log_level`; the
 /// message is valid only during the call. Called from any library thread, so
 /// it must be thread-safe, and it must not call back into the same manager.
@@ -46,6 +52,15 @@ pub type wm_acquire_callback = Option<
 
 /// Manager configuration. Fill with `wm_config_init`, then set fields.
 /// Growable: `struct_size` first.
+///
+/// The settings every engine has are fields here; the others come in
+/// optional blocks, each its own growable struct with its own `_init`
+/// (`wm_group_config`, `wm_net_config`, `wm_fanout_config`,
+/// `wm_memory_config`), pointed to from here: NULL (what `wm_config_init`
+/// sets) means that block's defaults. A new setting grows one block, not
+/// this struct, and a block that grows leaves this struct's layout (and
+/// every caller that does not use the block) as it was; the blocks are read
+/// during `wm_init` only.
 #[repr(C)]
 pub struct wm_config {
     /// `sizeof(wm_config)`; set by `wm_config_init`.
@@ -66,10 +81,41 @@ pub struct wm_config {
     /// which alone reads and writes it; NULL: no control cell (the signal is
     /// always NORMAL).
     pub control_cell: *const c_char,
-    /// Group name, required when `world_size` > 1: the ranks meet in
-    /// `/dev/shm/wm.<group_name>.n<node_rank>` and, across nodes, over TCP.
-    /// `wm_init` blocks until every rank arrived (bounded by `signal_timeout_ms`).
-    pub group_name: *const c_char,
+    /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
+    pub log_level: u32,
+    /// NULL: log to stderr.
+    pub log_callback: wm_log_callback,
+    pub log_user_data: *mut c_void,
+    /// Copy threads; 0: one per core (default).
+    pub copy_threads: u32,
+    /// IPC: non-zero accepts a publisher running as another uid (checked with
+    /// SO_PEERCRED); default 0: the same uid only.
+    pub allow_other_uids: u32,
+    /// The ranks' group (`wm_group_config`), required when `world_size` > 1;
+    /// NULL (default): no group.
+    pub group: *const wm_group_config,
+    /// The network paths' settings (`wm_net_config`, sources rdma and gdr);
+    /// NULL (default): their defaults.
+    pub net: *const wm_net_config,
+    /// NCCL fan-out (`wm_fanout_config`); NULL (default): none, every rank
+    /// pulls its own.
+    pub fanout: *const wm_fanout_config,
+    /// Param memory: the release and acquire callbacks, staging
+    /// (`wm_memory_config`); NULL (default): no callbacks, default staging.
+    pub memory: *const wm_memory_config,
+}
+
+/// The ranks' group (`wm_config.group`). Fill with `wm_group_config_init`,
+/// then set `name`. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_group_config {
+    /// `sizeof(wm_group_config)`; set by `wm_group_config_init`.
+    pub struct_size: u32,
+    /// Group name, required: the ranks meet in
+    /// `/dev/shm/wm.<name>.n<node_rank>` and, across nodes, over TCP.
+    /// `wm_init` blocks until every rank arrived (bounded by
+    /// `signal_timeout_ms`). NULL: no group.
+    pub name: *const c_char,
     /// Ranks on this node; 0 (default): all `world_size` ranks are on one node.
     pub local_world_size: u32,
     /// This rank's index on its node (ignored when `local_world_size` is 0).
@@ -82,55 +128,69 @@ pub struct wm_config {
     /// Bound in milliseconds on rendezvous and on every per-step wait (a dead
     /// or stalled rank is reported within it); 0: 60000.
     pub signal_timeout_ms: u64,
-    /// A `wm_log_level` (default `WM_LOG_LEVEL_WARN`).
-    pub log_level: u32,
-    /// NULL: log to stderr.
-    pub log_callback: wm_log_callback,
-    pub log_user_data: *mut c_void,
+}
+
+/// The network paths' settings, sources rdma and gdr (`wm_config.net`).
+/// Fill with `wm_net_config_init`. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_net_config {
+    /// `sizeof(wm_net_config)`; set by `wm_net_config_init`.
+    pub struct_size: u32,
+    /// Largest bucket (with `staged`, the size of each staging slot); 0:
+    /// 512 MiB.
+    pub bucket_size: u64,
+    /// The shared secret (NUL-terminated, at least 16 bytes, copied by
+    /// `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
+    pub secret: *const c_char,
+    /// Buckets in flight (with `staged`, staging slots), 1 to 8; 0: 2.
+    pub depth: u32,
+    /// gdr: non-zero lets an update that cannot land in GPU memory run as
+    /// rdma, with a warning; default 0: such an update fails.
+    pub gdr_fallback: u32,
+    /// rdma: non-zero receives each bucket into one of `depth` staging
+    /// slots first and copies it to the params from there; default 0:
+    /// bucket entries land straight in param memory (or the atomic staging
+    /// arena), one copy fewer (README "Decisions": direct receive).
+    pub staged: u32,
+    /// rdma: non-zero authenticates every bucket entry's bytes with a keyed
+    /// BLAKE3 digest (key from the session) that the publisher sends, for
+    /// untrusted networks: the manifest's XXH3 checksums catch corruption,
+    /// not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
+    /// prints its GB/s beside XXH3's). Not for gdr. Default 0.
+    pub keyed_digests: u32,
+}
+
+/// NCCL fan-out (`wm_config.fanout`). Fill with `wm_fanout_config_init`,
+/// then set `group`. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_fanout_config {
+    /// `sizeof(wm_fanout_config)`; set by `wm_fanout_config_init`.
+    pub struct_size: u32,
+    /// Ranks of one node with the same group number (0 or more) and the
+    /// same device params take an update from one of them (the lowest
+    /// local rank pulls from the source and broadcasts over NCCL); needs
+    /// `wm_config.group` and `wm_config.device`. Default -1: every rank
+    /// pulls its own (README "NCCL fan-out").
+    pub group: i32,
+    /// Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
+    /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
+    /// dynamic linker. Copied by `wm_init`.
+    pub nccl_library: *const c_char,
+}
+
+/// Param memory (`wm_config.memory`): the engine's release and acquire
+/// callbacks, and how updates stage. Fill with `wm_memory_config_init`.
+/// Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_memory_config {
+    /// `sizeof(wm_memory_config)`; set by `wm_memory_config_init`.
+    pub struct_size: u32,
     /// Optional; see `wm_release_callback`.
     pub release_callback: wm_release_callback,
     /// Optional; see `wm_acquire_callback`.
     pub acquire_callback: wm_acquire_callback,
     /// Passed to the release and acquire callbacks.
     pub callback_user_data: *mut c_void,
-    /// Copy threads; 0: one per core (default).
-    pub copy_threads: u32,
-    /// IPC: non-zero accepts a publisher running as another uid (checked with
-    /// SO_PEERCRED); default 0: the same uid only.
-    pub allow_other_uids: u32,
-    /// rdma/gdr: largest bucket (with `net_staged`, the size of each staging
-    /// slot); 0: 512 MiB.
-    pub net_bucket_size: u64,
-    /// rdma/gdr: the shared secret (NUL-terminated, at least 16 bytes, copied
-    /// by `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
-    pub net_secret: *const c_char,
-    /// rdma/gdr: buckets in flight (with `net_staged`, staging slots), 1 to
-    /// 8; 0: 2.
-    pub net_depth: u32,
-    /// gdr: non-zero lets an update that cannot land in GPU memory run as
-    /// rdma, with a warning; default 0: such an update fails.
-    pub gdr_fallback: u32,
-    /// rdma: non-zero receives each bucket into one of `net_depth` staging
-    /// slots first and copies it to the params from there; default 0:
-    /// bucket entries land straight in param memory (or the atomic staging
-    /// arena), one copy fewer (README "Decisions": direct receive).
-    pub net_staged: u32,
-    /// NCCL fan-out: ranks of one node with the same group number (0 or
-    /// more) and the same device params take an update from one of them
-    /// (the lowest local rank pulls from the source and broadcasts over
-    /// NCCL); needs `group_name` and `device`. Default -1: every rank pulls
-    /// its own (README "NCCL fan-out").
-    pub fanout_group: i32,
-    /// Path of NCCL (`libnccl.so.2`, 2.14 or later); NULL: the
-    /// `WM_NCCL_LIB` environment variable, else `libnccl.so.2` through the
-    /// dynamic linker. Copied by `wm_init`.
-    pub nccl_library: *const c_char,
-    /// rdma: non-zero authenticates every bucket entry's bytes with a keyed
-    /// BLAKE3 digest (key from the session) that the publisher sends, for
-    /// untrusted networks: the manifest's XXH3 checksums catch corruption,
-    /// not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
-    /// prints its GB/s beside XXH3's). Not for gdr. Default 0.
-    pub net_keyed_digests: u32,
     /// Bound in bytes on tensors for the per-tensor callback the library
     /// stages: their sizes come from the source, with no registered param
     /// to bound them. Atomic mode stages all of an update's callback
@@ -165,7 +225,13 @@ pub struct wm_config {
     pub swap_device_params: u32,
 }
 
-/// Fill `config` with defaults (rank 0 of 1, host-only, warnings to stderr)
+/// ==========================================================================
+/// THE ENGINE: config, init, errors, destroy.
+/// wm_config_init (and the blocks' _init) -> wm_init -> ... -> wm_destroy.
+/// ==========================================================================
+///
+/// Fill `config` with defaults (rank 0 of 1, host-only, warnings to
+/// stderr, no optional blocks: `group`, `net`, `fanout` and `memory` NULL)
 /// and set `struct_size`.
 ///
 /// NULL `config`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
@@ -181,34 +247,122 @@ pub unsafe extern "C" fn wm_config_init(config: *mut wm_config) -> wm_result {
             model_dir: std::ptr::null(),
             fallback_dir: std::ptr::null(),
             control_cell: std::ptr::null(),
-            group_name: std::ptr::null(),
-            local_world_size: 0,
-            local_rank: 0,
-            node_rank: 0,
-            rendezvous_addr: std::ptr::null(),
-            signal_timeout_ms: 0,
-            log_level: LogLevel::Warn as u32,
+            log_level: wm_log_level::Warn as u32,
             log_callback: None,
             log_user_data: std::ptr::null_mut(),
-            release_callback: None,
-            acquire_callback: None,
-            callback_user_data: std::ptr::null_mut(),
             copy_threads: 0,
             allow_other_uids: 0,
-            net_bucket_size: 0,
-            net_secret: std::ptr::null(),
-            net_depth: 0,
-            gdr_fallback: 0,
-            net_staged: 0,
-            fanout_group: -1,
-            nccl_library: std::ptr::null(),
-            net_keyed_digests: 0,
-            callback_staging_limit: 0,
-            free_atomic_staging: 0,
-            swap_device_params: 0,
+            group: std::ptr::null(),
+            net: std::ptr::null(),
+            fanout: std::ptr::null(),
+            memory: std::ptr::null(),
         });
         wm_result::WM_OK
     })
+}
+
+/// Fill `group` with defaults (no name, all ranks on one node, node 0, a
+/// 60 s bound) and set `struct_size`.
+///
+/// NULL `group`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_group_config_init(group: *mut wm_group_config) -> wm_result {
+    ffi_guard!({
+        check_null!(group);
+        group.write(GROUP_DEFAULTS);
+        wm_result::WM_OK
+    })
+}
+
+/// Fill `net` with defaults (512 MiB buckets, 2 in flight, the secret from
+/// `WM_NET_SECRET`, direct receive, no keyed digests, no gdr fallback) and
+/// set `struct_size`.
+///
+/// NULL `net`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_net_config_init(net: *mut wm_net_config) -> wm_result {
+    ffi_guard!({
+        check_null!(net);
+        net.write(NET_DEFAULTS);
+        wm_result::WM_OK
+    })
+}
+
+/// Fill `fanout` with defaults (group -1: no fan-out until it is set; NCCL
+/// found as `nccl_library` says) and set `struct_size`.
+///
+/// NULL `fanout`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_fanout_config_init(fanout: *mut wm_fanout_config) -> wm_result {
+    ffi_guard!({
+        check_null!(fanout);
+        fanout.write(FANOUT_DEFAULTS);
+        wm_result::WM_OK
+    })
+}
+
+/// Fill `memory` with defaults (no callbacks, a 4 GiB callback staging
+/// bound, atomic staging kept between updates, no device page swap) and
+/// set `struct_size`.
+///
+/// NULL `memory`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_memory_config_init(memory: *mut wm_memory_config) -> wm_result {
+    ffi_guard!({
+        check_null!(memory);
+        memory.write(MEMORY_DEFAULTS);
+        wm_result::WM_OK
+    })
+}
+
+const GROUP_DEFAULTS: wm_group_config = wm_group_config {
+    struct_size: std::mem::size_of::<wm_group_config>() as u32,
+    name: std::ptr::null(),
+    local_world_size: 0,
+    local_rank: 0,
+    node_rank: 0,
+    rendezvous_addr: std::ptr::null(),
+    signal_timeout_ms: 0,
+};
+
+const NET_DEFAULTS: wm_net_config = wm_net_config {
+    struct_size: std::mem::size_of::<wm_net_config>() as u32,
+    bucket_size: 0,
+    secret: std::ptr::null(),
+    depth: 0,
+    gdr_fallback: 0,
+    staged: 0,
+    keyed_digests: 0,
+};
+
+const FANOUT_DEFAULTS: wm_fanout_config = wm_fanout_config {
+    struct_size: std::mem::size_of::<wm_fanout_config>() as u32,
+    group: -1,
+    nccl_library: std::ptr::null(),
+};
+
+const MEMORY_DEFAULTS: wm_memory_config = wm_memory_config {
+    struct_size: std::mem::size_of::<wm_memory_config>() as u32,
+    release_callback: None,
+    acquire_callback: None,
+    callback_user_data: std::ptr::null_mut(),
+    callback_staging_limit: 0,
+    free_atomic_staging: 0,
+    swap_device_params: 0,
+};
+
+/// An optional block of `wm_config`: NULL gives `defaults`; else its
+/// `struct_size` (its first field) is checked.
+///
+/// # Safety
+/// `p` is NULL or points to a `T` whose first field is a `u32` struct_size.
+unsafe fn block<'a, T>(p: *const T, defaults: &'a T, what: &str) -> Result<&'a T> {
+    if p.is_null() {
+        return Ok(defaults);
+    }
+    let size = *p.cast::<u32>();
+    check_struct_size(what, size, std::mem::size_of::<T>())?;
+    Ok(&*p)
 }
 
 #[derive(Clone, Copy)]
@@ -220,34 +374,39 @@ unsafe impl Sync for UserData {}
 
 unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {
     check_struct_size("wm_config", c.struct_size, std::mem::size_of::<wm_config>())?;
+    let group = block(c.group, &GROUP_DEFAULTS, "wm_group_config")?;
+    let net = block(c.net, &NET_DEFAULTS, "wm_net_config")?;
+    let fanout = block(c.fanout, &FANOUT_DEFAULTS, "wm_fanout_config")?;
+    let memory = block(c.memory, &MEMORY_DEFAULTS, "wm_memory_config")?;
     let fallback_dir = match opt_path(c.fallback_dir) {
         None => Some(PathBuf::from(defaults::FALLBACK_DIR)),
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p),
     };
-    let rendezvous_addr = opt_str(c.rendezvous_addr, "rendezvous_addr")?;
-    let user = UserData(c.callback_user_data);
-    let release_hook = c
-        .release_callback
-        .map(|cb| -> weight_manager_core::manager::ReleaseHook {
-            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                let name = std::ffi::CString::new(name).unwrap_or_default();
-                let user = user;
-                // SAFETY: the engine registered this callback for exactly this use.
-                unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
-            })
-        });
-    let acquire_hook = c
-        .acquire_callback
-        .map(|cb| -> weight_manager_core::manager::AcquireHook {
-            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                let name = std::ffi::CString::new(name).unwrap_or_default();
-                let user = user;
-                // SAFETY: as above.
-                let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
-                (!p.is_null()).then_some(p.cast())
-            })
-        });
+    let user = UserData(memory.callback_user_data);
+    let release_hook =
+        memory
+            .release_callback
+            .map(|cb| -> weight_manager_core::manager::ReleaseHook {
+                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                    let name = std::ffi::CString::new(name).unwrap_or_default();
+                    let user = user;
+                    // SAFETY: the engine registered this callback for exactly this use.
+                    unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
+                })
+            });
+    let acquire_hook =
+        memory
+            .acquire_callback
+            .map(|cb| -> weight_manager_core::manager::AcquireHook {
+                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                    let name = std::ffi::CString::new(name).unwrap_or_default();
+                    let user = user;
+                    // SAFETY: as above.
+                    let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
+                    (!p.is_null()).then_some(p.cast())
+                })
+            });
     Ok(ManagerConfig {
         rank: c.rank,
         world_size: c.world_size,
@@ -255,27 +414,28 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         model_dir: opt_path(c.model_dir),
         fallback_dir,
         control_cell: opt_str(c.control_cell, "control_cell")?,
-        group: group_from_c(c, rendezvous_addr.clone())?,
+        group: group_from_c(group)?,
         logger,
         threads: c.copy_threads as usize,
         allow_other_uids: c.allow_other_uids != 0,
         release_hook,
         acquire_hook,
-        net: net_from_c(c)?,
-        fanout: fanout_from_c(c)?,
-        callback_staging_limit: match c.callback_staging_limit {
+        net: net_from_c(net)?,
+        fanout: fanout_from_c(fanout)?,
+        callback_staging_limit: match memory.callback_staging_limit {
             0 => defaults::CALLBACK_STAGING_LIMIT,
             n => n,
         },
-        keep_atomic_staging: c.free_atomic_staging == 0,
-        swap_device_pages: c.swap_device_params != 0,
+        keep_atomic_staging: memory.free_atomic_staging == 0,
+        swap_device_pages: memory.swap_device_params != 0,
     })
 }
 
-/// The signal group's settings, when `group_name` names one.
-unsafe fn group_from_c(c: &wm_config, addr: Option<String>) -> Result<Option<GroupSettings>> {
+/// The signal group's settings, when the group block names one.
+unsafe fn group_from_c(c: &wm_group_config) -> Result<Option<GroupSettings>> {
+    let addr = opt_str(c.rendezvous_addr, "wm_group_config.rendezvous_addr")?;
     Ok(
-        opt_str(c.group_name, "group_name")?.map(|name| GroupSettings {
+        opt_str(c.name, "wm_group_config.name")?.map(|name| GroupSettings {
             name,
             local_rank: (c.local_world_size != 0).then_some(c.local_rank),
             local_world_size: (c.local_world_size != 0).then_some(c.local_world_size),
@@ -290,28 +450,28 @@ unsafe fn group_from_c(c: &wm_config, addr: Option<String>) -> Result<Option<Gro
 }
 
 /// The network paths' settings (0 means the default).
-unsafe fn net_from_c(c: &wm_config) -> Result<NetSettings> {
+unsafe fn net_from_c(c: &wm_net_config) -> Result<NetSettings> {
     Ok(NetSettings {
-        secret: opt_str(c.net_secret, "net_secret")?.map(String::into_bytes),
-        bucket_size: match c.net_bucket_size {
+        secret: opt_str(c.secret, "wm_net_config.secret")?.map(String::into_bytes),
+        bucket_size: match c.bucket_size {
             0 => NetSettings::default().bucket_size,
             n => usize::try_from(n).map_err(|_| {
-                Error::invalid_argument(format!("net_bucket_size {n} does not fit"))
+                Error::invalid_argument(format!("wm_net_config.bucket_size {n} does not fit"))
             })?,
         },
-        depth: match c.net_depth {
+        depth: match c.depth {
             0 => NetSettings::default().depth,
             n => n as usize,
         },
         gdr_fallback: c.gdr_fallback != 0,
-        staged: c.net_staged != 0,
-        keyed_digests: c.net_keyed_digests != 0,
+        staged: c.staged != 0,
+        keyed_digests: c.keyed_digests != 0,
     })
 }
 
 /// Fan-out: -1 none, a group number, anything else refused.
-unsafe fn fanout_from_c(c: &wm_config) -> Result<Option<FanoutSettings>> {
-    match c.fanout_group {
+unsafe fn fanout_from_c(c: &wm_fanout_config) -> Result<Option<FanoutSettings>> {
+    match c.group {
         -1 => Ok(None),
         g if g < 0 => Err(Error::invalid_argument(format!(
             "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
@@ -339,7 +499,7 @@ pub unsafe extern "C" fn wm_init(
     ffi_guard!({
         check_null!(config, out_manager);
         let c = &*config;
-        let level = LogLevel::from_raw(c.log_level);
+        let level = wm_log_level::from_raw(c.log_level).map(LogLevel::from);
         let logger = Logger::c_callback(
             level.unwrap_or(LogLevel::Warn),
             c.log_callback,
@@ -356,6 +516,49 @@ pub unsafe extern "C" fn wm_init(
             logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
         }
         super::created(&super::MANAGERS, made, out_manager)
+    })
+}
+
+/// Copy why the last create-style call on this thread failed (`wm_init`,
+/// `wm_publisher_create`, `wm_publisher_create_net`, `wm_controller_open`:
+/// the calls that have no handle to keep their reason) into `buf` (`len`
+/// bytes with the NUL), truncated to fit, and set `*out_written` to the
+/// bytes written without the NUL. After a successful create, or none yet
+/// on this thread: "". Per thread, so concurrent creates do not mix.
+///
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; `len` 0:
+/// `WM_ERR_INVALID_ARGUMENT`. Never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_create_error(
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        let text = super::LAST_CREATE_ERROR.with(|t| t.borrow().clone());
+        super::copy_text_out(&text, buf, len, out_written)
+    })
+}
+
+/// Copy the text of this handle's last error into `buf` (`len` bytes with
+/// the NUL), truncated to fit, and set `*out_written` to the bytes written
+/// without the NUL. No error yet: writes "".
+///
+/// The text is the handle's (not the thread's): with several threads, it is
+/// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
+/// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_last_error(
+    manager: *const wm_manager,
+    buf: *mut c_char,
+    len: usize,
+    out_written: *mut usize,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(buf, out_written);
+        let m = try_handle!(manager);
+        let text = m.status().last_error.map(|e| e.message).unwrap_or_default();
+        super::copy_text_out(&text, buf, len, out_written)
     })
 }
 
@@ -381,27 +584,5 @@ pub unsafe extern "C" fn wm_init(
 pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
     ffi_guard_or!((), {
         super::MANAGERS.destroy(manager.cast(), Manager::cancel)
-    })
-}
-
-/// Copy the text of this handle's last error into `buf` (`len` bytes with
-/// the NUL), truncated to fit, and set `*out_written` to the bytes written
-/// without the NUL. No error yet: writes "".
-///
-/// The text is the handle's (not the thread's): with several threads, it is
-/// the last error of any of them. NULL arguments: `WM_ERR_NULL_ARGUMENT`;
-/// `len` 0: `WM_ERR_INVALID_ARGUMENT`. Thread-safe, never blocks.
-#[no_mangle]
-pub unsafe extern "C" fn wm_last_error(
-    manager: *const wm_manager,
-    buf: *mut c_char,
-    len: usize,
-    out_written: *mut usize,
-) -> wm_result {
-    ffi_guard!({
-        check_null!(buf, out_written);
-        let m = try_handle!(manager);
-        let text = m.status().last_error.map(|e| e.message).unwrap_or_default();
-        super::copy_text_out(&text, buf, len, out_written)
     })
 }

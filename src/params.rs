@@ -2,11 +2,13 @@
 
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, opt_str};
+use crate::enums::{wm_dtype, wm_memory};
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use weight_manager_core::manager::Manager;
 use weight_manager_core::pieces::{Piece, MAX_PIECES_PER_PARAM};
 use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::tensor::{DType, MAX_NDIM};
 use weight_manager_core::tensor_box::TensorBox;
 
@@ -39,6 +41,10 @@ pub struct wm_param_desc {
     pub npieces: usize,
 }
 
+/// ==========================================================================
+/// PARAMS: describing the engine's weights.
+/// ==========================================================================
+///
 /// One piece of a param: the box (`offset`, `len` per dimension, `ndim`
 /// dimensions) of global tensor `tensor`, placed in the param starting at
 /// `param_offset` (one entry per param dimension). The box and the param
@@ -62,6 +68,10 @@ pub struct wm_piece {
     pub param_offset: [u64; WM_MAX_NDIM],
 }
 
+/// ==========================================================================
+/// PARAMS: register the engine's weights (or let the library allocate them).
+/// ==========================================================================
+///
 /// Fill `piece` with zeros (no tensor, a scalar box at the param's start)
 /// and set `struct_size`.
 ///
@@ -191,8 +201,8 @@ pub unsafe extern "C" fn wm_param_desc_init(desc: *mut wm_param_desc) -> wm_resu
         check_null!(desc);
         desc.write(wm_param_desc {
             struct_size: std::mem::size_of::<wm_param_desc>() as u32,
-            dtype: DType::F32 as u32,
-            memory: MemoryKind::Host as u32,
+            dtype: wm_dtype::F32 as u32,
+            memory: wm_memory::Host as u32,
             device_ordinal: -1,
             name: std::ptr::null(),
             shape: std::ptr::null(),
@@ -212,18 +222,22 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
     )?;
     let name = opt_str(d.name, "wm_param_desc.name")?
         .ok_or_else(|| Error::null_argument("wm_param_desc.name is NULL"))?;
-    let dtype = DType::from_raw(d.dtype).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "param '{name}': dtype {} is not a wm_dtype",
-            d.dtype
-        ))
-    })?;
-    let memory = MemoryKind::from_raw(d.memory).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "param '{name}': memory {} is not a wm_memory",
-            d.memory
-        ))
-    })?;
+    let dtype = wm_dtype::from_raw(d.dtype)
+        .map(DType::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "param '{name}': dtype {} is not a wm_dtype",
+                d.dtype
+            ))
+        })?;
+    let memory = wm_memory::from_raw(d.memory)
+        .map(MemoryKind::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "param '{name}': memory {} is not a wm_memory",
+                d.memory
+            ))
+        })?;
     if d.ndim > MAX_NDIM {
         return Err(Error::invalid_argument(format!(
             "param '{name}': ndim {} is more than {MAX_NDIM}",
@@ -315,7 +329,7 @@ pub unsafe extern "C" fn wm_allocate_param(
                 *out_len = n;
                 wm_result::WM_OK
             }
-            Err(e) => m.record_error(e).code,
+            Err(e) => m.record_error(e).code.into(),
         }
     })
 }

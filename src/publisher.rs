@@ -3,10 +3,11 @@
 //! (`wm_publisher_create_net`: TCP control, UCX bytes, shared secret).
 
 use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
+use crate::result::wm_result;
 use std::ffi::c_char;
 use std::time::Duration;
-use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats};
-use weight_manager_core::result::{wm_result, Error};
+use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::result::Error;
 
 /// A trainer's publisher. Opaque; create with `wm_publisher_create`, free
 /// with `wm_publisher_destroy`.
@@ -14,6 +15,10 @@ pub struct wm_publisher {
     _private: [u8; 0],
 }
 
+/// ==========================================================================
+/// THE TRAINER SIDE: the publisher's settings, what it serves, its statistics.
+/// ==========================================================================
+///
 /// Publisher settings. Fill with `wm_publisher_config_init`. Growable.
 #[repr(C)]
 pub struct wm_publisher_config {
@@ -69,7 +74,15 @@ macro_rules! try_publisher {
 /// What a publisher serves: tensors and shards from host or GPU memory.
 pub mod tensors;
 pub use tensors::*;
+/// Publishing versions and serving engines; destroy.
+pub mod serve;
+pub use serve::*;
 
+/// ==========================================================================
+/// THE TRAINER SIDE: the publisher.
+/// create -> wm_publisher_add (each tensor) -> set_version -> publish -> serve -> destroy.
+/// ==========================================================================
+///
 /// Fill `config` with defaults and set `struct_size`.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_config_init(config: *mut wm_publisher_config) -> wm_result {
@@ -180,141 +193,6 @@ pub unsafe extern "C" fn wm_publisher_address(
         check_null!(buf, out_written);
         let h = try_publisher!(publisher);
         super::copy_text_out(&h.value.address(), buf, len, out_written)
-    })
-}
-
-/// Keep the current tensors (copied now: the trainer may overwrite its own
-/// at once) or directory as a version engines can ask for by name; the
-/// oldest beyond `keep_versions` is dropped. The name is the one set with
-/// `wm_publisher_set_version` (or the directory's `version.yaml`); none:
-/// `WM_ERR_NO_VERSION`. Without any publish, the current content is the one
-/// version served.
-///
-/// Tensors are copied into one shared-memory buffer that IPC sessions hand
-/// to every rank as is: the trainer's only copy of the version, and the
-/// fastest way to serve engines on this node (nothing is packed per
-/// session). A dropped version's buffer takes a later version once no
-/// session serves it.
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_publish(publisher: *mut wm_publisher) -> wm_result {
-    ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = h.value.publish().map(|_| ());
-        h.result(r)
-    })
-}
-
-/// Stop listening, remove the socket file and free the handle. NULL or
-/// already destroyed: no-op. The handle is invalid to new calls at once
-/// (handle values are never reused).
-///
-/// A `wm_publisher_serve` running on another thread is stopped: it accepts
-/// no more engines and its sessions' connections are shut down, so each
-/// session ends at its next read or write (after finishing the bucket it is
-/// packing); it returns `WM_ERR_CANCELLED` (or its sessions' errors).
-/// `wm_publisher_destroy` waits for it and every other call on the handle
-/// to return: when it returns, the library reads none of the trainer's
-/// tensors again and the trainer may free them.
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_destroy(publisher: *mut wm_publisher) {
-    ffi_guard_or!((), {
-        PUBLISHERS.destroy(publisher.cast(), |h| h.value.stop())
-    })
-}
-
-/// Serve the snapshot in directory `dir` instead of in-memory tensors: each
-/// rank gets the files the snapshot layout rules pick for it.
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_set_dir(
-    publisher: *mut wm_publisher,
-    dir: *const c_char,
-) -> wm_result {
-    ffi_guard!({
-        check_null!(dir);
-        let h = try_publisher!(publisher);
-        h.value.set_dir(&opt_path(dir).expect("checked"));
-        wm_result::WM_OK
-    })
-}
-
-/// The version sessions announce; NULL: the directory's `version.yaml`.
-/// A version is 1 to 255 bytes of UTF-8 (what engines accept); anything
-/// else: `WM_ERR_INVALID_ARGUMENT`, and the version set before is kept.
-/// (A `version.yaml` over the limit is refused by publish and serve.)
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_set_version(
-    publisher: *mut wm_publisher,
-    version: *const c_char,
-) -> wm_result {
-    ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = opt_str(version, "version").and_then(|v| {
-            if let Some(v) = &v {
-                weight_manager_core::publisher::check_version(v)?;
-            }
-            h.value.set_version(v);
-            Ok(())
-        });
-        h.result(r)
-    })
-}
-
-/// Forget every published tensor (before publishing the next version).
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_clear(publisher: *mut wm_publisher) -> wm_result {
-    ffi_guard!({
-        let h = try_publisher!(publisher);
-        h.value.clear_tensors();
-        wm_result::WM_OK
-    })
-}
-
-/// Serve `engines` engine connections (each on its own thread), waiting at
-/// most `accept_timeout_ms` for them to connect; returns when every session
-/// ended. A failed session (engine died, refused, checksum...) gives its
-/// error, the others still finish. `out_stats` is optional (NULL). Blocks.
-#[no_mangle]
-pub unsafe extern "C" fn wm_publisher_serve(
-    publisher: *mut wm_publisher,
-    engines: u32,
-    accept_timeout_ms: u64,
-    out_stats: *mut wm_serve_stats,
-) -> wm_result {
-    ffi_guard!({
-        let h = try_publisher!(publisher);
-        if !out_stats.is_null() {
-            let size = (*out_stats).struct_size;
-            if let Err(e) = check_struct_size(
-                "wm_serve_stats",
-                size,
-                std::mem::size_of::<wm_serve_stats>(),
-            ) {
-                return h.result(Err(e));
-            }
-        }
-        match h
-            .value
-            .serve(engines as usize, Duration::from_millis(accept_timeout_ms))
-        {
-            Ok(ServeStats { sessions }) => {
-                if !out_stats.is_null() {
-                    out_stats.write(wm_serve_stats {
-                        struct_size: std::mem::size_of::<wm_serve_stats>() as u32,
-                        sessions: sessions.len() as u32,
-                        bytes: sessions.iter().map(|s| s.bytes).sum(),
-                        pack_ns: sessions.iter().map(|s| s.pack.as_nanos() as u64).sum(),
-                        wait_ns: sessions.iter().map(|s| s.wait.as_nanos() as u64).sum(),
-                        total_ns: sessions
-                            .iter()
-                            .map(|s| s.total.as_nanos() as u64)
-                            .max()
-                            .unwrap_or(0),
-                    });
-                }
-                wm_result::WM_OK
-            }
-            Err(e) => h.result(Err(e)),
-        }
     })
 }
 

@@ -3,8 +3,13 @@
 use super::manager::wm_manager;
 use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
 use super::{check_struct_size, code_of, fill_chars};
-use weight_manager_core::result::{wm_result, Error};
+use crate::result::wm_result;
+use weight_manager_core::result::Error;
 
+/// ==========================================================================
+/// STATUS AND SIGNAL
+/// ==========================================================================
+///
 /// A snapshot of a manager's state. Growable: the caller sets `struct_size`.
 #[repr(C)]
 pub struct wm_status_info {
@@ -33,6 +38,10 @@ pub struct wm_status_info {
     pub device_bytes_restored: u64,
 }
 
+/// ==========================================================================
+/// STATUS AND SIGNAL: what the manager is doing, what the control cell says.
+/// ==========================================================================
+///
 /// Read the manager's state, version, counters and last update's statistics
 /// into `*out_status`, whose `struct_size` the caller sets.
 ///
@@ -57,8 +66,11 @@ pub unsafe extern "C" fn wm_status(
         let s = m.status();
         let mut out = wm_status_info {
             struct_size: size,
-            state: s.state as i32,
-            last_result: s.last_error.as_ref().map_or(wm_result::WM_OK, |e| e.code) as u32,
+            state: crate::enums::wm_state::from(s.state) as i32,
+            last_result: s
+                .last_error
+                .as_ref()
+                .map_or(wm_result::WM_OK, |e| e.code.into()) as u32,
             updates: s.updates,
             params: s.params,
             param_bytes: s.param_bytes,
@@ -133,10 +145,10 @@ pub unsafe extern "C" fn wm_broadcast_signal(
         let m = try_handle!(manager);
         match m.broadcast_signal() {
             Ok(s) => {
-                *out_signal = s as i32;
+                *out_signal = crate::enums::wm_state::from(s) as i32;
                 wm_result::WM_OK
             }
-            Err(e) => e.code,
+            Err(e) => e.code.into(),
         }
     })
 }

@@ -2,11 +2,13 @@
 
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, fill_chars, opt_path, opt_str};
+use crate::enums::wm_source;
+use crate::result::wm_result;
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
 use weight_manager_core::apply::{Hooks, Mode, Progress, TensorView};
 use weight_manager_core::manager::{UpdateRequest, UpdateStats};
-use weight_manager_core::result::{wm_result, Error, Result};
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::source::SourceKind;
 
 /// `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
@@ -38,6 +40,10 @@ const _: () = assert!(WM_MAX_SOURCES == weight_manager_core::source::locations::
 pub const WM_VERSION_BUF: usize = 256;
 const _: () = assert!(WM_VERSION_BUF == weight_manager_core::manager::MAX_VERSION_LEN + 1);
 
+/// ==========================================================================
+/// UPDATE AND CLEAR: the request, progress, per-tensor views, statistics.
+/// ==========================================================================
+///
 /// Progress of an update, passed to the progress callback.
 #[repr(C)]
 pub struct wm_progress {
@@ -149,6 +155,10 @@ pub struct wm_update_stats {
     pub version: [c_char; WM_VERSION_BUF],
 }
 
+/// ==========================================================================
+/// UPDATE AND CLEAR: new weights in, weight memory out.
+/// ==========================================================================
+///
 /// Fill `request` with defaults (snapshot from the config's model_dir,
 /// atomic, no verification, 600 s) and set `struct_size`.
 ///
@@ -159,7 +169,7 @@ pub unsafe extern "C" fn wm_update_request_init(request: *mut wm_update_request)
         check_null!(request);
         request.write(wm_update_request {
             struct_size: std::mem::size_of::<wm_update_request>() as u32,
-            source: SourceKind::Snapshot as u32,
+            source: wm_source::Snapshot as u32,
             flags: 0,
             location: std::ptr::null(),
             version: std::ptr::null(),
@@ -207,12 +217,14 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
         r.struct_size,
         std::mem::size_of::<wm_update_request>(),
     )?;
-    let source = SourceKind::from_raw(r.source).ok_or_else(|| {
-        Error::invalid_argument(format!(
-            "wm_update_request.source {} is not a wm_source",
-            r.source
-        ))
-    })?;
+    let source = wm_source::from_raw(r.source)
+        .map(SourceKind::from)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "wm_update_request.source {} is not a wm_source",
+                r.source
+            ))
+        })?;
     if r.flags & !KNOWN_FLAGS != 0 {
         return Err(Error::invalid_argument(format!(
             "wm_update_request.flags has unknown bits 0x{:x}",
@@ -317,7 +329,7 @@ pub unsafe extern "C" fn wm_update(
                 }
                 wm_result::WM_OK
             }
-            Err(e) => e.code,
+            Err(e) => e.code.into(),
         }
     })
 }

@@ -14,11 +14,10 @@ use weight_manager::controller::*;
 use weight_manager::manager::*;
 use weight_manager::params::*;
 use weight_manager::publisher::*;
+use weight_manager::result::wm_result;
 use weight_manager::status::*;
 use weight_manager::update::*;
-use weight_manager::wm_last_create_error;
 use weight_manager_core::tensor::DType;
-use weight_manager_core::wm_result;
 
 fn new_manager() -> *mut wm_manager {
     let mut cfg = std::mem::MaybeUninit::<wm_config>::uninit();

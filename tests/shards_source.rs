@@ -313,6 +313,7 @@ fn an_engine_of_another_protocol_version_is_told_why() {
 fn the_c_placement_struct_is_checked() {
     use std::ffi::CString;
     use weight_manager::publisher::*;
+    use weight_manager::result::wm_result;
     let dir = tempfile::tempdir().unwrap();
     let path = CString::new(dir.path().join("c.sock").to_str().unwrap()).unwrap();
     let mut p = std::ptr::null_mut();

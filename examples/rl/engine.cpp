@@ -275,11 +275,14 @@ int run(const Options &o) {
   wm_config_init(&config);
   config.rank = o.rank;
   config.world_size = o.world;
-  config.group_name = o.group.c_str();
+  wm_group_config group;  // the ranks meet under this name
+  wm_group_config_init(&group);
+  group.name = o.group.c_str();
+  group.signal_timeout_ms = 30000;
+  config.group = &group;
   config.control_cell = o.cell.c_str();
-  config.signal_timeout_ms = 30000;
   config.copy_threads = 1;  // a tiny model: one copy thread is plenty
-  // net_secret NULL: the WM_NET_SECRET environment variable (rdma).
+  // config.net NULL: network defaults, the secret from WM_NET_SECRET (rdma).
   wm_manager *m = nullptr;
   if (wm_init(&config, &m) != WM_OK) {
     char why[1024];

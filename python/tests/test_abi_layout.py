@@ -140,6 +140,12 @@ def test_constants_match_header():
         ("wm_param_desc_init", "ParamDesc"),
         ("wm_update_request_init", "UpdateRequest"),
         ("wm_publisher_config_init", "PublisherConfig"),
+        ("wm_group_config_init", "GroupConfig"),
+        ("wm_net_config_init", "NetConfig"),
+        ("wm_fanout_config_init", "FanoutConfig"),
+        ("wm_memory_config_init", "MemoryConfig"),
+        ("wm_tensor_desc_init", "TensorDesc"),
+        ("wm_shard_placement_init", "ShardPlacement"),
     ],
 )
 def test_init_writes_the_python_size(init, cls):
@@ -150,3 +156,139 @@ def test_init_writes_the_python_size(init, cls):
     buf = ctypes.create_string_buffer(ctypes.sizeof(struct) + 4096)
     assert getattr(_lib.LIB, init)(ctypes.cast(buf, ctypes.POINTER(struct))) == 0
     assert ctypes.c_uint32.from_buffer(buf).value == ctypes.sizeof(struct)
+
+
+# -- functions and enums ----------------------------------------------------
+# The same check for what the binding declares beside its structs: every
+# function prototype in `_lib.PROTOTYPES` (restype and argtypes) against the
+# header's declaration, and every enum value the Python side copies against
+# the header's enums and macros.
+
+DECL_RE = re.compile(r"^(?P<ret>[\w ]+?\**)\s*\b(?P<name>wm_\w+)\((?P<params>[^)]*)\);", re.M | re.S)
+HANDLES = {"wm_manager", "wm_publisher", "wm_controller"}
+SCALARS = {
+    "uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint64_t": ctypes.c_uint64,
+    "size_t": ctypes.c_size_t, "wm_result": ctypes.c_uint32,
+}
+
+
+def header_text_without_comments():
+    text = HEADER.read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def header_functions():
+    """`{name: (return type, [parameter types])}`, types as written in C
+    (`const` dropped, pointers as trailing `*`)."""
+    out = {}
+    for m in DECL_RE.finditer(header_text_without_comments()):
+        params = [" ".join(p.split()) for p in m.group("params").split(",")]
+        types = []
+        for p in params:
+            if p in ("void", ""):
+                continue
+            p = p.replace("const ", "")
+            stars = p.count("*")
+            base = p.replace("*", " ").split()[0]  # the type; the last word is the name
+            types.append(base + "*" * stars)
+        ret = " ".join(m.group("ret").replace("const ", "").split()).replace(" *", "*")
+        out[m.group("name")] = (ret, types)
+    return out
+
+
+def ctype_of(c_type):
+    """The ctypes type the binding must use for a C type of the header."""
+    stars = len(c_type) - len(c_type.rstrip("*"))
+    base = c_type.rstrip("*")
+    if base == "void":
+        return {0: None, 1: ctypes.c_void_p, 2: ctypes.POINTER(ctypes.c_void_p)}[stars]
+    if base == "char" and stars == 1:
+        return ctypes.c_char_p
+    if base in HANDLES:  # opaque: a pointer-sized value, its address for out-params
+        return {1: ctypes.c_void_p, 2: ctypes.POINTER(ctypes.c_void_p)}[stars]
+    t = SCALARS.get(base) or getattr(_lib, python_name(base))
+    for _ in range(stars):
+        t = ctypes.POINTER(t)
+    return t
+
+
+def test_header_functions_parse():
+    fns = header_functions()
+    assert fns["wm_init"] == ("wm_result", ["wm_config*", "wm_manager**"])
+    assert fns["wm_version"] == ("char*", [])
+    assert fns["wm_destroy"] == ("void", ["wm_manager*"])
+    assert len(fns) >= 40
+
+
+def test_every_prototype_matches_the_header():
+    fns = header_functions()
+    problems = []
+    for name, (restype, argtypes) in _lib.PROTOTYPES.items():
+        if name not in fns:
+            problems.append(f"{name}: declared in _lib.py, not in the header")
+            continue
+        c_ret, c_args = fns[name]
+        if ctype_of(c_ret) is not restype:
+            problems.append(f"{name}: restype {restype} in Python, {c_ret} ({ctype_of(c_ret)}) in C")
+        want = [ctype_of(a) for a in c_args]
+        if len(want) != len(argtypes) or any(w is not a for w, a in zip(want, argtypes)):
+            problems.append(f"{name}: argtypes {argtypes} in Python, {c_args} in C")
+        fn = getattr(_lib.LIB, name)  # and the library got them
+        if fn.restype is not restype or list(fn.argtypes) != list(argtypes):
+            problems.append(f"{name}: the loaded function's prototype is not PROTOTYPES'")
+    assert problems == []
+
+
+def test_the_binding_uses_every_current_function():
+    """Every function of the header is declared, but the deprecated ones."""
+    deprecated = {"wm_publisher_add_tensor", "wm_publisher_add_device_tensor", "wm_publisher_add_shard",
+                  "wm_publisher_add_device_shard", "wm_shard_placement_init"}
+    missing = set(header_functions()) - set(_lib.PROTOTYPES) - deprecated
+    assert missing == set()
+
+
+def header_enums():
+    """`{enum name: {constant: value}}` from the header's `enum wm_x ... { ... };`."""
+    text = header_text_without_comments()
+    text = re.sub(r"^#.*$", "", text, flags=re.M)  # the C23 / C++ underlying-type lines
+    enums = {}
+    for m in re.finditer(r"enum (?P<name>wm_\w+)\s*(:\s*\w+\s*)?\{(?P<body>[^}]*)\}", text):
+        values = {}
+        for item in m.group("body").split(","):
+            item = item.strip()
+            if item:
+                k, v = (x.strip() for x in item.split("="))
+                values[k] = int(v)
+        enums[m.group("name")] = values
+    return enums
+
+
+def header_macros():
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (WM_\w+) (\d+)$", HEADER.read_text(), re.M)}
+
+
+def test_enum_values_match_header():
+    from weight_manager import manager, types
+
+    enums = header_enums()
+    assert len(enums) == 7, sorted(enums)
+
+    def same(c_enum, prefix, py):
+        want = {k[len(prefix):]: v for k, v in enums[c_enum].items()}
+        assert py == want, c_enum
+
+    same("wm_result", "WM_", {m.name: m.value for m in types.Result})
+    same("wm_state", "WM_STATE_", {m.name: m.value for m in types.State})
+    same("wm_source", "WM_SOURCE_", {m.name: m.value for m in types.Source})
+    # Python spells F8_E4M3 where C has F8E4M3.
+    same("wm_dtype", "WM_DTYPE_", {m.name.replace("_", ""): m.value for m in types.DType})
+    same("wm_log_level", "WM_LOG_LEVEL_", {k.upper(): v for k, v in manager._LOG_LEVELS.items()})
+    same("wm_request_outcome", "WM_REQUEST_OUTCOME_",
+         {name.upper(): i for i, name in enumerate(manager.Controller.OUTCOMES)})
+    assert enums["wm_memory"]["WM_MEMORY_DEVICE"] == manager.MEMORY_DEVICE
+    macros = header_macros()
+    for py in ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS"):
+        assert macros["WM_UPDATE_" + py] == getattr(types, py), py
+    assert {k for k in macros if k.startswith("WM_UPDATE_")} == {
+        "WM_UPDATE_" + p for p in ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS")}

@@ -1,5 +1,5 @@
-"""The callback staging bound (wm_config.callback_staging_limit) through the
-Python binding: the ctypes mirror of wm_config must match the C layout, and
+"""The callback staging bound (wm_memory_config.callback_staging_limit) through the
+Python binding: the ctypes mirrors of wm_config and its memory block must match the C layout, and
 the kwarg must reach the library."""
 
 import ctypes
@@ -16,7 +16,11 @@ def test_config_mirror_matches_the_c_layout():
     cfg = _lib.Config()
     LIB.wm_config_init(ctypes.byref(cfg))
     assert cfg.struct_size == ctypes.sizeof(_lib.Config)
-    assert cfg.callback_staging_limit == 0  # 0: the 4 GiB default
+    assert not cfg.memory  # NULL: the memory block's defaults
+    mem = _lib.MemoryConfig()
+    LIB.wm_memory_config_init(ctypes.byref(mem))
+    assert mem.struct_size == ctypes.sizeof(_lib.MemoryConfig)
+    assert mem.callback_staging_limit == 0  # 0: the 4 GiB default
 
 
 def test_callback_tensors_over_the_limit_fail_before_staging(tmp_path):

@@ -131,4 +131,4 @@ def test_signal_needs_a_group_name():
     with Manager(0, 2) as m:
         with pytest.raises(WeightManagerError) as e:
             m.broadcast_signal()
-        assert "group_name" in e.value.message
+        assert "wm_group_config" in e.value.message

@@ -57,6 +57,50 @@ RELEASE_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, c_char_p, c_void_p, ctypes.c
 ACQUIRE_CALLBACK = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_char_p, c_void_p, ctypes.c_size_t)
 
 
+class GroupConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("name", c_char_p),
+        ("local_world_size", ctypes.c_uint32),
+        ("local_rank", ctypes.c_uint32),
+        ("node_rank", ctypes.c_uint32),
+        ("rendezvous_addr", c_char_p),
+        ("signal_timeout_ms", ctypes.c_uint64),
+    ]
+
+
+class NetConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("bucket_size", ctypes.c_uint64),
+        ("secret", c_char_p),
+        ("depth", ctypes.c_uint32),
+        ("gdr_fallback", ctypes.c_uint32),
+        ("staged", ctypes.c_uint32),
+        ("keyed_digests", ctypes.c_uint32),
+    ]
+
+
+class FanoutConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("group", ctypes.c_int32),
+        ("nccl_library", c_char_p),
+    ]
+
+
+class MemoryConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("release_callback", RELEASE_CALLBACK),
+        ("acquire_callback", ACQUIRE_CALLBACK),
+        ("callback_user_data", c_void_p),
+        ("callback_staging_limit", ctypes.c_uint64),
+        ("free_atomic_staging", ctypes.c_uint32),
+        ("swap_device_params", ctypes.c_uint32),
+    ]
+
+
 class Config(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -66,31 +110,15 @@ class Config(ctypes.Structure):
         ("model_dir", c_char_p),
         ("fallback_dir", c_char_p),
         ("control_cell", c_char_p),
-        ("group_name", c_char_p),
-        ("local_world_size", ctypes.c_uint32),
-        ("local_rank", ctypes.c_uint32),
-        ("node_rank", ctypes.c_uint32),
-        ("rendezvous_addr", c_char_p),
-        ("signal_timeout_ms", ctypes.c_uint64),
         ("log_level", ctypes.c_uint32),
         ("log_callback", LOG_CALLBACK),
         ("log_user_data", c_void_p),
-        ("release_callback", RELEASE_CALLBACK),
-        ("acquire_callback", ACQUIRE_CALLBACK),
-        ("callback_user_data", c_void_p),
         ("copy_threads", ctypes.c_uint32),
         ("allow_other_uids", ctypes.c_uint32),
-        ("net_bucket_size", ctypes.c_uint64),
-        ("net_secret", c_char_p),
-        ("net_depth", ctypes.c_uint32),
-        ("gdr_fallback", ctypes.c_uint32),
-        ("net_staged", ctypes.c_uint32),
-        ("fanout_group", ctypes.c_int32),
-        ("nccl_library", c_char_p),
-        ("net_keyed_digests", ctypes.c_uint32),
-        ("callback_staging_limit", ctypes.c_uint64),
-        ("free_atomic_staging", ctypes.c_uint32),
-        ("swap_device_params", ctypes.c_uint32),
+        ("group", ctypes.POINTER(GroupConfig)),
+        ("net", ctypes.POINTER(NetConfig)),
+        ("fanout", ctypes.POINTER(FanoutConfig)),
+        ("memory", ctypes.POINTER(MemoryConfig)),
     ]
 
 
@@ -209,6 +237,23 @@ class PublisherConfig(ctypes.Structure):
     ]
 
 
+class TensorDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("name", c_char_p),
+        ("dtype", ctypes.c_uint32),
+        ("shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("ndim", ctypes.c_size_t),
+        ("data", c_void_p),
+        ("len", ctypes.c_size_t),
+        ("memory", ctypes.c_uint32),
+        ("device_ordinal", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("global_shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("offset", ctypes.POINTER(ctypes.c_uint64)),
+    ]
+
+
 class ShardPlacement(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -257,88 +302,79 @@ def default_ucx() -> None:
             return
 
 
+# Every function the binding calls: name -> (restype, argtypes), each
+# checked against the header's declaration by python/tests/test_abi_layout.py.
+R = ctypes.c_uint32  # wm_result
+M = c_void_p  # wm_manager *
+PROTOTYPES = {
+    "wm_version": (c_char_p, []),
+    "wm_result_text": (c_char_p, [ctypes.c_uint32]),
+    "wm_state_name": (c_char_p, [ctypes.c_int32]),
+    "wm_config_init": (R, [ctypes.POINTER(Config)]),
+    "wm_group_config_init": (R, [ctypes.POINTER(GroupConfig)]),
+    "wm_net_config_init": (R, [ctypes.POINTER(NetConfig)]),
+    "wm_fanout_config_init": (R, [ctypes.POINTER(FanoutConfig)]),
+    "wm_memory_config_init": (R, [ctypes.POINTER(MemoryConfig)]),
+    "wm_init": (R, [ctypes.POINTER(Config), ctypes.POINTER(M)]),
+    "wm_destroy": (None, [M]),
+    "wm_last_error": (R, [M, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+    "wm_param_desc_init": (R, [ctypes.POINTER(ParamDesc)]),
+    "wm_piece_init": (R, [ctypes.POINTER(Piece)]),
+    "wm_piece_narrow": (R, [ctypes.POINTER(Piece), c_char_p, ctypes.POINTER(ctypes.c_uint64),
+                            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64]),
+    "wm_register_param": (R, [M, ctypes.POINTER(ParamDesc), c_void_p, ctypes.c_size_t]),
+    "wm_allocate_param": (
+        R,
+        [M, ctypes.POINTER(ParamDesc), ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "wm_update_request_init": (R, [ctypes.POINTER(UpdateRequest)]),
+    "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
+    "wm_clear": (R, [M]),
+    "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
+    "wm_update_source_bytes": (
+        R,
+        [M, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "wm_broadcast_signal": (R, [M, ctypes.POINTER(ctypes.c_int32)]),
+    "wm_controller_open": (R, [c_char_p, ctypes.POINTER(c_void_p)]),
+    "wm_controller_destroy": (None, [c_void_p]),
+    "wm_controller_get": (R, [c_void_p, ctypes.POINTER(ctypes.c_int32)]),
+    "wm_controller_set": (R, [c_void_p, ctypes.c_int32]),
+    "wm_controller_request": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
+    "wm_controller_wait": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64]),
+    "wm_publisher_config_init": (R, [ctypes.POINTER(PublisherConfig)]),
+    "wm_publisher_create": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
+    "wm_publisher_create_net": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
+    "wm_publisher_address": (
+        R,
+        [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "wm_publisher_publish": (R, [c_void_p]),
+    "wm_publisher_destroy": (None, [c_void_p]),
+    # The one add call; the header's four positional add calls are
+    # deprecated and not declared here.
+    "wm_tensor_desc_init": (R, [ctypes.POINTER(TensorDesc)]),
+    "wm_publisher_add": (R, [c_void_p, ctypes.POINTER(TensorDesc)]),
+    "wm_publisher_set_dir": (R, [c_void_p, c_char_p]),
+    "wm_publisher_set_version": (R, [c_void_p, c_char_p]),
+    "wm_publisher_clear": (R, [c_void_p]),
+    "wm_publisher_serve": (R, [c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ServeStats)]),
+    "wm_publisher_last_error": (
+        R,
+        [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "wm_controller_last_error": (
+        R,
+        [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "wm_last_create_error": (R, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+}
+
+
 def load() -> ctypes.CDLL:
     default_ucx()
     lib = ctypes.CDLL(_find_library())
-    R = ctypes.c_uint32  # wm_result
-    M = c_void_p  # wm_manager *
-    protos = {
-        "wm_version": (c_char_p, []),
-        "wm_result_text": (c_char_p, [ctypes.c_uint32]),
-        "wm_state_name": (c_char_p, [ctypes.c_int32]),
-        "wm_config_init": (R, [ctypes.POINTER(Config)]),
-        "wm_init": (R, [ctypes.POINTER(Config), ctypes.POINTER(M)]),
-        "wm_destroy": (None, [M]),
-        "wm_last_error": (R, [M, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
-        "wm_param_desc_init": (R, [ctypes.POINTER(ParamDesc)]),
-        "wm_piece_init": (R, [ctypes.POINTER(Piece)]),
-        "wm_piece_narrow": (R, [ctypes.POINTER(Piece), c_char_p, ctypes.POINTER(ctypes.c_uint64),
-                                ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64]),
-        "wm_register_param": (R, [M, ctypes.POINTER(ParamDesc), c_void_p, ctypes.c_size_t]),
-        "wm_allocate_param": (
-            R,
-            [M, ctypes.POINTER(ParamDesc), ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t)],
-        ),
-        "wm_update_request_init": (R, [ctypes.POINTER(UpdateRequest)]),
-        "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
-        "wm_clear": (R, [M]),
-        "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
-        "wm_update_source_bytes": (
-            R,
-            [M, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
-        ),
-        "wm_broadcast_signal": (R, [M, ctypes.POINTER(ctypes.c_int32)]),
-        "wm_controller_open": (R, [c_char_p, ctypes.POINTER(c_void_p)]),
-        "wm_controller_destroy": (None, [c_void_p]),
-        "wm_controller_get": (R, [c_void_p, ctypes.POINTER(ctypes.c_int32)]),
-        "wm_controller_set": (R, [c_void_p, ctypes.c_int32]),
-        "wm_controller_request": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
-        "wm_controller_wait": (R, [c_void_p, ctypes.c_int32, ctypes.c_uint64]),
-        "wm_publisher_config_init": (R, [ctypes.POINTER(PublisherConfig)]),
-        "wm_publisher_create": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
-        "wm_publisher_create_net": (R, [c_char_p, ctypes.POINTER(PublisherConfig), ctypes.POINTER(c_void_p)]),
-        "wm_publisher_address": (
-            R,
-            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
-        ),
-        "wm_publisher_publish": (R, [c_void_p]),
-        "wm_publisher_destroy": (None, [c_void_p]),
-        "wm_publisher_add_device_tensor": (
-            R,
-            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
-             ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32],
-        ),
-        "wm_publisher_add_tensor": (
-            R,
-            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, c_void_p,
-             ctypes.c_size_t, ctypes.c_int32],
-        ),
-        "wm_shard_placement_init": (R, [ctypes.POINTER(ShardPlacement)]),
-        "wm_publisher_add_shard": (
-            R,
-            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
-             ctypes.POINTER(ShardPlacement), c_void_p, ctypes.c_size_t, ctypes.c_int32],
-        ),
-        "wm_publisher_add_device_shard": (
-            R,
-            [c_void_p, c_char_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
-             ctypes.POINTER(ShardPlacement), ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32],
-        ),
-        "wm_publisher_set_dir": (R, [c_void_p, c_char_p]),
-        "wm_publisher_set_version": (R, [c_void_p, c_char_p]),
-        "wm_publisher_clear": (R, [c_void_p]),
-        "wm_publisher_serve": (R, [c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ServeStats)]),
-        "wm_publisher_last_error": (
-            R,
-            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
-        ),
-        "wm_controller_last_error": (
-            R,
-            [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
-        ),
-        "wm_last_create_error": (R, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
-    }
-    for name, (restype, argtypes) in protos.items():
+    for name, (restype, argtypes) in PROTOTYPES.items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes

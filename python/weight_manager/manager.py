@@ -255,19 +255,28 @@ class Manager(OwnedHandle):
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
         cfg.rank, cfg.world_size, cfg.device = rank, world_size, device
+        # wm_config's optional blocks (each its own growable struct), all
+        # passed: their fields' defaults are those of a NULL block.
+        grp, net, fan, mem = _lib.GroupConfig(), _lib.NetConfig(), _lib.FanoutConfig(), _lib.MemoryConfig()
+        LIB.wm_group_config_init(ctypes.byref(grp))
+        LIB.wm_net_config_init(ctypes.byref(net))
+        LIB.wm_fanout_config_init(ctypes.byref(fan))
+        LIB.wm_memory_config_init(ctypes.byref(mem))
         self._keep = [_encode(model_dir and str(model_dir)), _encode(fallback_dir and str(fallback_dir)),
                       _encode(control_cell), _encode(group), _encode(rendezvous_addr), _encode(net_secret),
                       _encode(nccl_library and str(nccl_library))]
-        (cfg.model_dir, cfg.fallback_dir, cfg.control_cell, cfg.group_name,
-         cfg.rendezvous_addr, cfg.net_secret, cfg.nccl_library) = self._keep
+        (cfg.model_dir, cfg.fallback_dir, cfg.control_cell, grp.name,
+         grp.rendezvous_addr, net.secret, fan.nccl_library) = self._keep
         # NCCL fan-out (README "NCCL fan-out"): None, every rank pulls its own.
-        cfg.fanout_group = -1 if fanout_group is None else fanout_group
-        cfg.net_bucket_size, cfg.net_depth = net_bucket_size, net_depth
-        cfg.net_staged, cfg.gdr_fallback = int(net_staged), int(gdr_fallback)
-        cfg.net_keyed_digests = int(net_keyed_digests)
-        cfg.local_rank, cfg.local_world_size, cfg.node_rank = local_rank, local_world_size, node_rank
+        fan.group = -1 if fanout_group is None else fanout_group
+        net.bucket_size, net.depth = net_bucket_size, net_depth
+        net.staged, net.gdr_fallback = int(net_staged), int(gdr_fallback)
+        net.keyed_digests = int(net_keyed_digests)
+        grp.local_rank, grp.local_world_size, grp.node_rank = local_rank, local_world_size, node_rank
         if signal_timeout is not None:
-            cfg.signal_timeout_ms = max(1, int(signal_timeout * 1000))
+            grp.signal_timeout_ms = max(1, int(signal_timeout * 1000))
+        cfg.group, cfg.net = ctypes.pointer(grp), ctypes.pointer(net)
+        cfg.fanout, cfg.memory = ctypes.pointer(fan), ctypes.pointer(mem)
         if log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {sorted(_LOG_LEVELS)}")
         cfg.log_level = _LOG_LEVELS[log_level]
@@ -276,14 +285,14 @@ class Manager(OwnedHandle):
             cfg.log_callback = self._log_cb
         cfg.copy_threads = copy_threads
         # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
-        cfg.callback_staging_limit = callback_staging_limit
+        mem.callback_staging_limit = callback_staging_limit
         # Atomic staging kept between updates (README "Atomic updates");
         # False frees it after each update.
-        cfg.free_atomic_staging = int(not keep_atomic_staging)
+        mem.free_atomic_staging = int(not keep_atomic_staging)
         # Atomic updates of library-owned device params by a device page
         # swap (README "States and transitions"); costs one more copy of
         # them in GPU memory during each update.
-        cfg.swap_device_params = int(swap_device_params)
+        mem.swap_device_params = int(swap_device_params)
         handle = ctypes.c_void_p()
         rc = LIB.wm_init(ctypes.byref(cfg), ctypes.byref(handle))
         if rc != 0:

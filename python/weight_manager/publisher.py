@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib, torch_bridge
-from .manager import OwnedHandle, create_error, last_error_text, raise_for
+from .manager import MEMORY_DEVICE, OwnedHandle, create_error, last_error_text, raise_for
 from .types import parse_dtype
 
 LIB = _lib.LIB
@@ -169,25 +169,25 @@ class Publisher(OwnedHandle):
     def _add_memory(self, name: str, mem, rank: int, placement) -> None:
         """The one call into the library for every add: host or device
         memory, whole or a shard."""
-        dims = (ctypes.c_uint64 * max(len(mem.shape), 1))(*mem.shape)
-        args = (self._h(), name.encode(), int(mem.dtype), dims, len(mem.shape))
+        ndim = len(mem.shape)
+        dims = (ctypes.c_uint64 * max(ndim, 1))(*mem.shape)
+        desc = _lib.TensorDesc()
+        LIB.wm_tensor_desc_init(ctypes.byref(desc))
+        encoded = name.encode()
+        desc.name, desc.dtype, desc.ndim, desc.rank = encoded, int(mem.dtype), ndim, rank
+        desc.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_uint64))
+        desc.data, desc.len = mem.ptr or None, int(mem.nbytes)
+        if mem.device != torch_bridge.HOST:
+            desc.memory, desc.device_ordinal = MEMORY_DEVICE, int(mem.device)
         if placement is not None:
-            if len(placement.global_shape) != len(mem.shape) or len(placement.offset) != len(mem.shape):
+            if len(placement.global_shape) != ndim or len(placement.offset) != ndim:
                 raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
                                  f"{placement.offset} need one value per dimension of its {mem.shape}")
-            glob = (ctypes.c_uint64 * max(len(mem.shape), 1))(*placement.global_shape)
-            off = (ctypes.c_uint64 * max(len(mem.shape), 1))(*placement.offset)
-            pl = _lib.ShardPlacement()
-            LIB.wm_shard_placement_init(ctypes.byref(pl))
-            pl.global_shape, pl.offset = glob, off
-            args += (ctypes.byref(pl),)
-        if mem.device != torch_bridge.HOST:
-            fn = LIB.wm_publisher_add_device_tensor if placement is None else LIB.wm_publisher_add_device_shard
-            rc = fn(*args, int(mem.ptr), int(mem.nbytes), int(mem.device), rank)
-        else:
-            fn = LIB.wm_publisher_add_tensor if placement is None else LIB.wm_publisher_add_shard
-            rc = fn(*args, ctypes.c_void_p(mem.ptr or None), mem.nbytes, rank)
-        self._check(rc)
+            glob = (ctypes.c_uint64 * max(ndim, 1))(*placement.global_shape)
+            off = (ctypes.c_uint64 * max(ndim, 1))(*placement.offset)
+            desc.global_shape = ctypes.cast(glob, ctypes.POINTER(ctypes.c_uint64))
+            desc.offset = ctypes.cast(off, ctypes.POINTER(ctypes.c_uint64))
+        self._check(LIB.wm_publisher_add(self._h(), ctypes.byref(desc)))
 
     def set_dir(self, directory) -> None:
         """Serve a snapshot directory instead (per-rank files by the layout rules)."""

@@ -1,16 +1,64 @@
 //! What a publisher serves: whole tensors and shards of global tensors,
-//! from the trainer's host or GPU memory.
+//! from the trainer's host or GPU memory. One growable descriptor
+//! (`wm_tensor_desc`) and one call (`wm_publisher_add`); the four calls of
+//! positional arguments before them stay one release as deprecated wrappers.
 
 use super::{wm_publisher, PUBLISHERS};
-use crate::{check_struct_size, opt_str};
+use crate::enums::{wm_dtype, wm_memory};
+use crate::result::wm_result;
+use crate::{check_struct_size, opt_path, opt_str};
 use std::ffi::{c_char, c_void};
 use weight_manager_core::manifest::Placement;
-use weight_manager_core::result::{wm_result, Error};
+use weight_manager_core::publisher::TensorDesc;
+use weight_manager_core::result::{Error, Result};
 use weight_manager_core::tensor::DType;
 
-/// Where a shard sits in its global tensor (`wm_publisher_add_shard`).
-/// Fill with `wm_shard_placement_init`, then set both arrays. Growable.
-/// The arrays are read during the call only.
+/// One tensor, or one shard of a global tensor, for `wm_publisher_add`.
+/// Fill with `wm_tensor_desc_init`, then set at least `name`, `dtype`,
+/// `shape`/`ndim`, `data` and `len`. Growable: `struct_size` first. Read
+/// during the call only (the arrays and the name too; the bytes at `data`
+/// are the trainer's, see `wm_publisher_add`).
+#[repr(C)]
+pub struct wm_tensor_desc {
+    /// `sizeof(wm_tensor_desc)`; set by `wm_tensor_desc_init`.
+    pub struct_size: u32,
+    /// The tensor's name (NUL-terminated UTF-8); unique per rank. A shard:
+    /// the global tensor's name.
+    pub name: *const c_char,
+    /// A `wm_dtype` (default `WM_DTYPE_F32`).
+    pub dtype: u32,
+    /// The shape, `ndim` values (at most `WM_MAX_NDIM`); a shard: its own
+    /// box's. NULL only with `ndim` 0 (a scalar).
+    pub shape: *const u64,
+    pub ndim: usize,
+    /// The bytes, row-major: an address in the trainer's host memory, or
+    /// with `memory` `WM_MEMORY_DEVICE` a device address of GPU
+    /// `device_ordinal` (a PyTorch trainer passes `t.data_ptr()`).
+    pub data: *const c_void,
+    /// Bytes at `data`: dtype size x the shape's elements.
+    pub len: usize,
+    /// A `wm_memory`: where `data` points (default `WM_MEMORY_HOST`).
+    pub memory: u32,
+    /// Device memory: the CUDA device `data` is on (an ordinal of this
+    /// process). Ignored for host memory (default -1).
+    pub device_ordinal: i32,
+    /// The engine rank this tensor is for; -1 (default): every rank. Below
+    /// -1: `WM_ERR_INVALID_ARGUMENT`.
+    pub rank: i32,
+    /// A shard: the global tensor's shape, `ndim` values. NULL (default),
+    /// with `offset` NULL: a whole tensor.
+    pub global_shape: *const u64,
+    /// A shard: where its box starts in the global tensor, per dimension
+    /// (`ndim` values); the box's lengths are `shape`. Set both
+    /// `global_shape` and `offset`, or neither (one alone:
+    /// `WM_ERR_NULL_ARGUMENT`).
+    pub offset: *const u64,
+}
+
+/// Where a shard sits in its global tensor (the deprecated
+/// `wm_publisher_add_shard`; new code sets `wm_tensor_desc.global_shape`
+/// and `offset`). Fill with `wm_shard_placement_init`, then set both
+/// arrays. Growable. The arrays are read during the call only.
 #[repr(C)]
 pub struct wm_shard_placement {
     /// `sizeof(wm_shard_placement)`; set by `wm_shard_placement_init`.
@@ -23,9 +71,218 @@ pub struct wm_shard_placement {
     pub offset: *const u64,
 }
 
-/// Publish a tensor from the trainer's host memory: `len` bytes at `data`
-/// (dtype x shape), for engine rank `rank`, or for every rank with -1
-/// (below -1: `WM_ERR_INVALID_ARGUMENT`).
+/// ==========================================================================
+/// Publisher: what it serves.
+/// ==========================================================================
+///
+/// Fill `desc` with defaults (no name, `WM_DTYPE_F32`, a scalar, host
+/// memory, every rank, a whole tensor) and set `struct_size`.
+///
+/// NULL `desc`: `WM_ERR_NULL_ARGUMENT`. Thread-safe, never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_tensor_desc_init(desc: *mut wm_tensor_desc) -> wm_result {
+    ffi_guard!({
+        check_null!(desc);
+        desc.write(wm_tensor_desc {
+            struct_size: std::mem::size_of::<wm_tensor_desc>() as u32,
+            name: std::ptr::null(),
+            dtype: wm_dtype::F32 as u32,
+            shape: std::ptr::null(),
+            ndim: 0,
+            data: std::ptr::null(),
+            len: 0,
+            memory: wm_memory::Host as u32,
+            device_ordinal: -1,
+            rank: -1,
+            global_shape: std::ptr::null(),
+            offset: std::ptr::null(),
+        });
+        wm_result::WM_OK
+    })
+}
+
+/// Publish the tensor (or shard) `desc` describes.
+///
+/// Host memory: `len` bytes at `data`, served from there by
+/// `wm_publisher_serve`. Device memory (`memory` `WM_MEMORY_DEVICE`): `len`
+/// bytes at device address `data` of CUDA device `device_ordinal`, the
+/// range checked with the driver; served once published:
+/// `wm_publisher_publish` waits for the device (so kernels writing it have
+/// finished) and copies it into one GPU buffer that engines on this node
+/// open by CUDA IPC handle (over the network: into host memory); engines
+/// then copy device to device.
+///
+/// A shard (`global_shape` and `offset` set): the shard's own box (dtype x
+/// shape, row-major), placed at `offset` in a global tensor of shape
+/// `global_shape`; engines get the placement in their manifest and take the
+/// parts their params need. One publisher may hold several shards of one
+/// global tensor at different offsets (same dtype and global shape); the
+/// same offset twice, or a whole tensor of that name beside shards, is
+/// refused. Each trainer rank may run its own publisher (its own socket or
+/// address): together they serve one version.
+///
+/// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the dtype,
+/// memory and rank are values of their kind, the shape has at most
+/// `WM_MAX_NDIM` dimensions, `len` is its byte size, a shard's box lies
+/// inside its global shape, and the tensor clashes with nothing published
+/// for that rank. NULL `desc`: `WM_ERR_NULL_ARGUMENT`; NULL `name`, NULL
+/// `data` with `len` > 0, or a shard with one of its two arrays NULL:
+/// `WM_ERR_NULL_ARGUMENT` (kept for `wm_publisher_last_error`); a bad
+/// `struct_size`: `WM_ERR_STRUCT_SIZE`.
+///
+/// Ownership: `desc` and its arrays are read during the call only. The
+/// trainer keeps the bytes at `data`: host memory must stay valid and
+/// unchanged while `wm_publisher_serve` runs; device memory until the next
+/// `wm_publisher_publish` returns. Thread-safe; never blocks (the driver is
+/// asked about a device range, nothing waits for the device).
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add(
+    publisher: *mut wm_publisher,
+    desc: *const wm_tensor_desc,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(desc);
+        let h = try_publisher!(publisher);
+        let r = add(&h.value, &*desc, false);
+        h.result(r)
+    })
+}
+
+/// `wm_publisher_add` of a C descriptor: a shard when `shard` or either
+/// placement array is set.
+///
+/// # Safety
+/// `d`'s pointers are NULL or valid for what they describe.
+unsafe fn add(
+    p: &weight_manager_core::publisher::Publisher,
+    d: &wm_tensor_desc,
+    shard: bool,
+) -> Result<()> {
+    check_struct_size(
+        "wm_tensor_desc",
+        d.struct_size,
+        std::mem::size_of::<wm_tensor_desc>(),
+    )?;
+    let (name, dtype, shape, rank) = tensor_desc(d.name, d.dtype, d.shape, d.ndim, d.rank)?;
+    let device = match wm_memory::from_raw(d.memory) {
+        Some(wm_memory::Host) => None,
+        Some(wm_memory::Device) => Some(d.device_ordinal),
+        None => {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{name}': memory {} is not a wm_memory",
+                d.memory
+            )))
+        }
+    };
+    let placement = if shard || !d.global_shape.is_null() || !d.offset.is_null() {
+        Some(placement_arrays(d.global_shape, d.offset, d.ndim, &name)?)
+    } else {
+        None
+    };
+    p.add(TensorDesc {
+        name: &name,
+        dtype,
+        shape,
+        data: d.data as u64,
+        len: d.len,
+        device,
+        rank,
+        placement,
+    })
+}
+
+/// A descriptor from the deprecated calls' arguments.
+#[allow(clippy::too_many_arguments)] // the deprecated calls' arguments, one for one
+fn legacy_desc(
+    name: *const c_char,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    data: *const c_void,
+    len: usize,
+    device: Option<i32>,
+    rank: i32,
+) -> wm_tensor_desc {
+    wm_tensor_desc {
+        struct_size: std::mem::size_of::<wm_tensor_desc>() as u32,
+        name,
+        dtype,
+        shape,
+        ndim,
+        data,
+        len,
+        memory: match device {
+            None => wm_memory::Host,
+            Some(_) => wm_memory::Device,
+        } as u32,
+        device_ordinal: device.unwrap_or(-1),
+        rank,
+        global_shape: std::ptr::null(),
+        offset: std::ptr::null(),
+    }
+}
+
+/// A legacy shard: the descriptor with `placement`'s arrays (NULL
+/// `placement`: `WM_ERR_NULL_ARGUMENT`, naming the tensor).
+///
+/// # Safety
+/// `placement` is NULL or a `wm_shard_placement`; `name` NULL or a C string.
+unsafe fn with_placement(
+    mut d: wm_tensor_desc,
+    placement: *const wm_shard_placement,
+) -> Result<wm_tensor_desc> {
+    if placement.is_null() {
+        let name = opt_str(d.name, "name")?.unwrap_or_default();
+        return Err(Error::null_argument(format!(
+            "tensor '{name}': placement is NULL"
+        )));
+    }
+    let p = &*placement;
+    check_struct_size(
+        "wm_shard_placement",
+        p.struct_size,
+        std::mem::size_of::<wm_shard_placement>(),
+    )?;
+    d.global_shape = p.global_shape;
+    d.offset = p.offset;
+    Ok(d)
+}
+
+/// Serve the snapshot in directory `dir` instead of in-memory tensors: each
+/// rank gets the files the snapshot layout rules pick for it.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_set_dir(
+    publisher: *mut wm_publisher,
+    dir: *const c_char,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(dir);
+        let h = try_publisher!(publisher);
+        h.value.set_dir(&opt_path(dir).expect("checked"));
+        wm_result::WM_OK
+    })
+}
+
+/// Forget every published tensor (before publishing the next version).
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_clear(publisher: *mut wm_publisher) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        h.value.clear_tensors();
+        wm_result::WM_OK
+    })
+}
+
+/// ==========================================================================
+/// Publisher, deprecated: the positional add calls, kept for one release.
+/// Each is a wrapper of wm_publisher_add; new code fills a wm_tensor_desc.
+/// ==========================================================================
+///
+/// Deprecated (kept for one release; use `wm_tensor_desc` and
+/// `wm_publisher_add`, which this calls): publish a tensor from the
+/// trainer's host memory: `len` bytes at `data` (dtype x shape), for engine
+/// rank `rank`, or for every rank with -1 (below -1:
+/// `WM_ERR_INVALID_ARGUMENT`).
 ///
 /// Ownership: the trainer keeps `data`; it must stay valid and unchanged
 /// while `wm_publisher_serve` runs. Names are unique per rank.
@@ -41,26 +298,18 @@ pub unsafe extern "C" fn wm_publisher_add_tensor(
     rank: i32,
 ) -> wm_result {
     ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = (|| {
-            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
-            h.value
-                .add_tensor(&name, dtype, shape, data.cast(), len, rank)
-        })();
-        h.result(r)
+        let d = legacy_desc(name, dtype, shape, ndim, data, len, None, rank);
+        wm_publisher_add(publisher, &d)
     })
 }
 
-/// Publish a tensor from the trainer's GPU memory: `len` bytes at device
-/// address `device_ptr` of CUDA device `device` (an ordinal of this
-/// process; the range is checked with the driver), for engine rank `rank`,
-/// or for every rank with -1 (below -1: `WM_ERR_INVALID_ARGUMENT`). A
-/// PyTorch trainer passes `t.data_ptr()`.
-///
-/// GPU tensors are served once published: `wm_publisher_publish` waits for
-/// the device (so kernels writing them have finished) and copies them into
-/// one GPU buffer that engines on this node open by CUDA IPC handle (over
-/// the network: into host memory). Engines then copy device to device.
+/// Deprecated (kept for one release; use `wm_publisher_add` with `memory`
+/// `WM_MEMORY_DEVICE`, which this calls): publish a tensor from the
+/// trainer's GPU memory: `len` bytes at device address `device_ptr` of CUDA
+/// device `device` (an ordinal of this process; the range is checked with
+/// the driver), for engine rank `rank`, or for every rank with -1 (below
+/// -1: `WM_ERR_INVALID_ARGUMENT`). Served once published, as
+/// `wm_publisher_add` says.
 ///
 /// Ownership: the trainer keeps the memory; it must stay valid until the
 /// next `wm_publisher_publish` returns.
@@ -77,13 +326,9 @@ pub unsafe extern "C" fn wm_publisher_add_device_tensor(
     rank: i32,
 ) -> wm_result {
     ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = (|| {
-            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
-            h.value
-                .add_device_tensor(&name, dtype, shape, device_ptr, len, device, rank)
-        })();
-        h.result(r)
+        let data = device_ptr as usize as *const c_void;
+        let d = legacy_desc(name, dtype, shape, ndim, data, len, Some(device), rank);
+        wm_publisher_add(publisher, &d)
     })
 }
 
@@ -101,24 +346,18 @@ pub unsafe extern "C" fn wm_shard_placement_init(placement: *mut wm_shard_placem
     })
 }
 
-/// Publish a shard of the global tensor `name` from the trainer's host
-/// memory: `len` bytes at `data`, the shard's own box (dtype x shape,
-/// row-major), placed at `placement->offset` in a global tensor of shape
+/// Deprecated (kept for one release; use `wm_publisher_add` with
+/// `global_shape` and `offset` set, which this calls): publish a shard of
+/// the global tensor `name` from the trainer's host memory: `len` bytes at
+/// `data`, the shard's own box (dtype x shape, row-major), placed at
+/// `placement->offset` in a global tensor of shape
 /// `placement->global_shape` (both `ndim` values), for engine rank `rank`
-/// or every rank with -1. Engines get the placement in their manifest and
-/// take the parts their params need.
+/// or every rank with -1. Checked as `wm_publisher_add` says. NULL
+/// `placement`: `WM_ERR_NULL_ARGUMENT`.
 ///
-/// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the box lies
-/// inside the global shape, `len` is the box's byte size, and the shard
-/// clashes with nothing published for that rank. One publisher may hold
-/// several shards of one global tensor at different offsets (same dtype and
-/// global shape); the same offset twice, or a whole tensor of that name
-/// beside shards, is refused. NULL `placement`: `WM_ERR_NULL_ARGUMENT`.
-///
-/// Ownership: as `wm_publisher_add_tensor` (`data` stays valid and
-/// unchanged while `wm_publisher_serve` runs); `placement` is read during
-/// the call only. Each trainer rank may run its own publisher (its own
-/// socket or address): together they serve one version. Never blocks.
+/// Ownership: as `wm_publisher_add` (`data` stays valid and unchanged while
+/// `wm_publisher_serve` runs); `placement` is read during the call only.
+/// Never blocks.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_add_shard(
     publisher: *mut wm_publisher,
@@ -132,24 +371,19 @@ pub unsafe extern "C" fn wm_publisher_add_shard(
     rank: i32,
 ) -> wm_result {
     ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = (|| {
-            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
-            let placement = placement_from_c(placement, ndim, &name)?;
-            h.value
-                .add_shard(&name, dtype, shape, &placement, data.cast(), len, rank)
-        })();
-        h.result(r)
+        let d = legacy_desc(name, dtype, shape, ndim, data, len, None, rank);
+        legacy_shard(publisher, d, placement)
     })
 }
 
-/// Publish a shard (see `wm_publisher_add_shard`) from the trainer's GPU
-/// memory: `len` bytes at device address `device_ptr` of CUDA device
-/// `device`, served as `wm_publisher_add_device_tensor`'s tensors are (once
-/// published). Ownership: the memory stays valid until the next
-/// `wm_publisher_publish` returns; `placement` is read during the call only.
-/// Never blocks (the driver is asked about the range, nothing waits for
-/// the device).
+/// Deprecated (kept for one release; use `wm_publisher_add` with `memory`
+/// `WM_MEMORY_DEVICE` and `global_shape` and `offset` set, which this
+/// calls): publish a shard (see `wm_publisher_add_shard`) from the
+/// trainer's GPU memory: `len` bytes at device address `device_ptr` of CUDA
+/// device `device`, served as device tensors are (once published).
+/// Ownership: the memory stays valid until the next `wm_publisher_publish`
+/// returns; `placement` is read during the call only. Never blocks (the
+/// driver is asked about the range, nothing waits for the device).
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_add_device_shard(
     publisher: *mut wm_publisher,
@@ -164,40 +398,42 @@ pub unsafe extern "C" fn wm_publisher_add_device_shard(
     rank: i32,
 ) -> wm_result {
     ffi_guard!({
-        let h = try_publisher!(publisher);
-        let r = (|| {
-            let (name, dtype, shape, rank) = tensor_desc(name, dtype, shape, ndim, rank)?;
-            let placement = placement_from_c(placement, ndim, &name)?;
-            h.value.add_device_shard(
-                &name, dtype, shape, &placement, device_ptr, len, device, rank,
-            )
-        })();
-        h.result(r)
+        let data = device_ptr as usize as *const c_void;
+        let d = legacy_desc(name, dtype, shape, ndim, data, len, Some(device), rank);
+        legacy_shard(publisher, d, placement)
     })
 }
 
-/// A C placement of a shard of `ndim` dimensions (checked against the
-/// shard later, by the publisher).
+/// The deprecated shard calls: the tensor's arguments checked, then the
+/// placement's arrays into the descriptor, then what `wm_publisher_add`
+/// does (the errors, in the order they always came, kept on the handle).
 ///
 /// # Safety
-/// `placement` is NULL or a `wm_shard_placement` whose arrays, when not
-/// NULL, hold `ndim` values (`ndim` at most `WM_MAX_NDIM`, checked before).
-unsafe fn placement_from_c(
+/// As `wm_publisher_add`; `placement` is NULL or a `wm_shard_placement`.
+unsafe fn legacy_shard(
+    publisher: *mut wm_publisher,
+    d: wm_tensor_desc,
     placement: *const wm_shard_placement,
+) -> wm_result {
+    let h = try_publisher!(publisher);
+    let r = tensor_desc(d.name, d.dtype, d.shape, d.ndim, d.rank)
+        .and_then(|_| with_placement(d, placement))
+        .and_then(|d| add(&h.value, &d, true));
+    h.result(r)
+}
+
+/// A shard's placement from its two C arrays of `ndim` values (checked
+/// against the shard later, by the publisher).
+///
+/// # Safety
+/// The arrays, when not NULL, hold `ndim` values (`ndim` at most
+/// `WM_MAX_NDIM`, checked before).
+unsafe fn placement_arrays(
+    global_shape: *const u64,
+    offset: *const u64,
     ndim: usize,
     name: &str,
-) -> weight_manager_core::result::Result<Placement> {
-    if placement.is_null() {
-        return Err(Error::null_argument(format!(
-            "tensor '{name}': placement is NULL"
-        )));
-    }
-    let p = &*placement;
-    check_struct_size(
-        "wm_shard_placement",
-        p.struct_size,
-        std::mem::size_of::<wm_shard_placement>(),
-    )?;
+) -> Result<Placement> {
     let dims = |ptr: *const u64, what: &str| {
         if ndim > 0 && ptr.is_null() {
             return Err(Error::null_argument(format!(
@@ -211,8 +447,8 @@ unsafe fn placement_from_c(
         })
     };
     Ok(Placement {
-        global_shape: dims(p.global_shape, "global_shape")?,
-        offset: dims(p.offset, "offset")?,
+        global_shape: dims(global_shape, "global_shape")?,
+        offset: dims(offset, "offset")?,
     })
 }
 
@@ -227,9 +463,9 @@ unsafe fn tensor_desc<'a>(
     shape: *const u64,
     ndim: usize,
     rank: i32,
-) -> weight_manager_core::result::Result<(String, DType, &'a [u64], Option<u32>)> {
+) -> Result<(String, DType, &'a [u64], Option<u32>)> {
     let name = opt_str(name, "name")?.ok_or_else(|| Error::null_argument("tensor name is NULL"))?;
-    let dtype = DType::from_raw(dtype).ok_or_else(|| {
+    let dtype = wm_dtype::from_raw(dtype).map(DType::from).ok_or_else(|| {
         Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
     })?;
     if ndim > weight_manager_core::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
@@ -248,7 +484,7 @@ unsafe fn tensor_desc<'a>(
 
 /// A rank argument: 0 or more names one engine rank, -1 every rank;
 /// anything else is refused (it is not "every rank").
-fn rank_arg(rank: i32, tensor: &str) -> weight_manager_core::result::Result<Option<u32>> {
+fn rank_arg(rank: i32, tensor: &str) -> Result<Option<u32>> {
     match rank {
         -1 => Ok(None),
         r => u32::try_from(r).map(Some).map_err(|_| {

@@ -173,18 +173,45 @@ static void test_null_args(void) {
 }
 
 static void test_struct_size(void) {
+  char buf_create[256];
+  size_t created_len = 0;
   wm_config c;
   wm_config_init(&c);
   CHECK(c.struct_size == sizeof c);
-  CHECK(c.fanout_group == -1 && c.nccl_library == NULL); /* no fan-out */
-  CHECK(c.callback_staging_limit == 0); /* 0: the 4 GiB default */
+  /* The optional blocks: none by default, each with its own _init. */
+  CHECK(c.group == NULL && c.net == NULL && c.fanout == NULL && c.memory == NULL);
+  wm_group_config g;
+  wm_net_config net;
+  wm_fanout_config fan;
+  wm_memory_config mem;
+  CHECK_RC(wm_group_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_net_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_fanout_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_memory_config_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_group_config_init(&g), WM_OK);
+  CHECK_RC(wm_net_config_init(&net), WM_OK);
+  CHECK_RC(wm_fanout_config_init(&fan), WM_OK);
+  CHECK_RC(wm_memory_config_init(&mem), WM_OK);
+  CHECK(g.struct_size == sizeof g && g.name == NULL && g.signal_timeout_ms == 0);
+  CHECK(net.struct_size == sizeof net && net.secret == NULL && net.bucket_size == 0 && net.depth == 0);
+  CHECK(fan.struct_size == sizeof fan && fan.group == -1 && fan.nccl_library == NULL); /* no fan-out */
+  CHECK(mem.struct_size == sizeof mem && mem.callback_staging_limit == 0); /* 0: the 4 GiB default */
   wm_manager *m = (wm_manager *)0x1;
   c.struct_size = sizeof c - 8;
   CHECK_RC(wm_init(&c, &m), WM_ERR_STRUCT_SIZE);
   CHECK(m == (wm_manager *)0x1); /* out-param untouched */
+  /* A block's struct_size is checked too. */
+  wm_config_init(&c);
+  net.struct_size = 4;
+  c.net = &net;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_STRUCT_SIZE);
+  CHECK(m == (wm_manager *)0x1);
+  CHECK_RC(wm_last_create_error(buf_create, sizeof buf_create, &created_len), WM_OK);
+  CHECK(strstr(buf_create, "wm_net_config.struct_size is 4") != NULL);
   /* Fan-out needs the ranks in a group: refused at init, out-param untouched. */
   wm_config_init(&c);
-  c.fanout_group = 0;
+  fan.group = 0;
+  c.fanout = &fan;
   c.device = 0;
   CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
   CHECK(m == (wm_manager *)0x1);
@@ -492,8 +519,11 @@ static void test_callbacks(void) {
   c.model_dir = tmpdir;
   c.fallback_dir = "";
   c.log_callback = on_log;
-  c.release_callback = on_release;
-  c.acquire_callback = on_acquire;
+  wm_memory_config mem;
+  wm_memory_config_init(&mem);
+  mem.release_callback = on_release;
+  mem.acquire_callback = on_acquire;
+  c.memory = &mem;
   wm_manager *m = NULL;
   CHECK_RC(wm_init(&c, &m), WM_OK);
   wm_param_desc d;
@@ -669,15 +699,18 @@ static void test_signal(void) {
   m = NULL;
   CHECK_RC(wm_init(&c, &m), WM_OK);
   CHECK_RC(wm_broadcast_signal(m, &sig), WM_ERR_STATE);
-  CHECK(strstr(last_error(m), "group_name") != NULL);
+  CHECK(strstr(last_error(m), "wm_group_config") != NULL);
   wm_destroy(m);
   m = NULL;
   char group[64];
   snprintf(group, sizeof group, "wm_c_lonely_%d", (int)getpid());
   wm_config_init(&c);
   c.world_size = 2;
-  c.group_name = group;
-  c.signal_timeout_ms = 200;
+  wm_group_config g;
+  wm_group_config_init(&g);
+  g.name = group;
+  g.signal_timeout_ms = 200;
+  c.group = &g;
   CHECK_RC(wm_init(&c, &m), WM_ERR_TIMEOUT);
   CHECK(m == NULL);
 }
@@ -698,11 +731,14 @@ static void *rank_loop(void *arg) {
   wm_config_init(&c);
   c.rank = (uint32_t)r->rank;
   c.world_size = 2;
-  c.group_name = r->group;
+  wm_group_config g;
+  wm_group_config_init(&g);
+  g.name = r->group;
+  g.signal_timeout_ms = 5000;
+  c.group = &g;
   c.control_cell = r->cell;
   c.model_dir = tmpdir;
   c.fallback_dir = "";
-  c.signal_timeout_ms = 5000;
   wm_manager *m = NULL;
   r->rc = wm_init(&c, &m);
   if (r->rc != WM_OK) return NULL;
@@ -813,19 +849,82 @@ static void test_publisher(void) {
 
   static float w[16];
   uint64_t shape[2] = {4, 4};
-  CHECK_RC(wm_publisher_add_tensor(NULL, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, NULL, WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", 99, shape, 2, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, NULL, 2, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 9, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w - 4, -1), WM_ERR_INVALID_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, NULL, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_OK);
-  CHECK_RC(wm_publisher_add_tensor(p, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, 3), WM_ERR_INVALID_ARGUMENT);
+  wm_tensor_desc t;
+  CHECK_RC(wm_tensor_desc_init(NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_tensor_desc_init(&t), WM_OK);
+  CHECK(t.struct_size == sizeof t && t.name == NULL && t.dtype == WM_DTYPE_F32 && t.rank == -1);
+  CHECK(t.memory == WM_MEMORY_HOST && t.device_ordinal == -1 && t.global_shape == NULL && t.offset == NULL);
+  t.name = "w";
+  t.shape = shape;
+  t.ndim = 2;
+  t.data = w;
+  t.len = sizeof w;
+  wm_tensor_desc bad = t;
+  CHECK_RC(wm_publisher_add(NULL, &t), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add(p, NULL), WM_ERR_NULL_ARGUMENT);
+  bad.struct_size = 8;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_STRUCT_SIZE);
+  bad = t;
+  bad.name = NULL;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_NULL_ARGUMENT);
+  bad = t;
+  bad.dtype = 99;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad = t;
+  bad.shape = NULL;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad = t;
+  bad.ndim = 9;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad = t;
+  bad.len = sizeof w - 4;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad = t;
+  bad.data = NULL;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_NULL_ARGUMENT);
+  bad = t;
+  bad.memory = 7;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad = t;
+  bad.rank = -2;
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  uint64_t glob[2] = {8, 4};
+  bad = t;
+  bad.global_shape = glob; /* a shard needs its offset too */
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+  t.rank = 3;
+  CHECK_RC(wm_publisher_add(p, &t), WM_ERR_INVALID_ARGUMENT);
   char buf[256];
   size_t n = 0;
   CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
   CHECK(strstr(buf, "already published") != NULL);
+  /* The deprecated positional calls still work (wrappers of wm_publisher_add). */
+  CHECK_RC(wm_publisher_add_tensor(NULL, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, NULL, WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w", 99, shape, 2, w, sizeof w, -1), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_add_tensor(p, "w2", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_OK);
+  CHECK_RC(wm_publisher_add_tensor(p, "w2", WM_DTYPE_F32, shape, 2, w, sizeof w, 3), WM_ERR_INVALID_ARGUMENT);
+  wm_shard_placement pl;
+  CHECK_RC(wm_shard_placement_init(&pl), WM_OK);
+  CHECK_RC(wm_publisher_add_shard(p, "s", WM_DTYPE_F32, shape, 2, NULL, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_shard(p, "s", WM_DTYPE_F32, shape, 2, &pl, w, sizeof w, -1), WM_ERR_NULL_ARGUMENT);
+  pl.global_shape = glob;
+  uint64_t off[2] = {4, 0};
+  pl.offset = off;
+  CHECK_RC(wm_publisher_add_shard(p, "s", WM_DTYPE_F32, shape, 2, &pl, w, sizeof w, -1), WM_OK);
+  /* The same through the descriptor: another offset of the same global tensor. */
+  wm_tensor_desc sh = t;
+  uint64_t off0[2] = {0, 0};
+  sh.name = "s";
+  sh.rank = -1;
+  sh.global_shape = glob;
+  sh.offset = off0;
+  CHECK_RC(wm_publisher_add(p, &sh), WM_OK);
+  CHECK_RC(wm_publisher_add(p, &sh), WM_ERR_INVALID_ARGUMENT); /* same offset twice */
+  CHECK_RC(wm_publisher_clear(p), WM_OK);
+  t.rank = -1;
+  CHECK_RC(wm_publisher_add(p, &t), WM_OK);
   CHECK_RC(wm_publisher_last_error(p, NULL, sizeof buf, &n), WM_ERR_NULL_ARGUMENT);
   CHECK_RC(wm_publisher_last_error(p, buf, 0, &n), WM_ERR_INVALID_ARGUMENT);
   CHECK_RC(wm_publisher_set_version(p, "3"), WM_OK);
@@ -845,6 +944,14 @@ static void test_publisher(void) {
   CHECK(on_gpu == WM_ERR_UNSUPPORTED || on_gpu == WM_ERR_INVALID_ARGUMENT);
   CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
   CHECK(strstr(buf, "tensor 'g'") != NULL);
+  wm_tensor_desc gd = t;
+  gd.name = "g2";
+  gd.memory = WM_MEMORY_DEVICE;
+  gd.device_ordinal = 0;
+  on_gpu = wm_publisher_add(p, &gd);
+  CHECK(on_gpu == WM_ERR_UNSUPPORTED || on_gpu == WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "tensor 'g2'") != NULL);
 
   /* Network publisher: a shared secret is required; the bound port is reported. */
   wm_publisher *np = NULL;
@@ -864,7 +971,7 @@ static void test_publisher(void) {
   if (net == WM_OK) {
     CHECK_RC(wm_publisher_address(np, buf, sizeof buf, &n), WM_OK);
     CHECK(strncmp(buf, "127.0.0.1:", 10) == 0 && strcmp(buf, "127.0.0.1:0") != 0);
-    CHECK_RC(wm_publisher_add_tensor(np, "w", WM_DTYPE_F32, shape, 2, w, sizeof w, -1), WM_OK);
+    CHECK_RC(wm_publisher_add(np, &t), WM_OK);
     CHECK_RC(wm_publisher_set_version(np, "1"), WM_OK);
     CHECK_RC(wm_publisher_publish(np), WM_OK);
     wm_publisher_destroy(np);

@@ -119,6 +119,47 @@ pub struct Publisher {
     connections: Connections,
 }
 
+/// One tensor (or shard) for [`Publisher::add`].
+#[derive(Clone, Debug)]
+pub struct TensorDesc<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    /// The tensor's shape (a shard: its own box's).
+    pub shape: &'a [u64],
+    /// The host address of its bytes, or with `device` the device address.
+    pub data: u64,
+    pub len: usize,
+    /// None: host memory; Some(ordinal): memory of that GPU.
+    pub device: Option<i32>,
+    /// The engine rank it is for; None: every rank.
+    pub rank: Option<u32>,
+    /// None: a whole tensor; Some: a shard of a global tensor, placed there.
+    pub placement: Option<Placement>,
+}
+
+impl<'a> TensorDesc<'a> {
+    /// A whole tensor in host memory.
+    pub fn host(
+        name: &'a str,
+        dtype: DType,
+        shape: &'a [u64],
+        data: *const u8,
+        len: usize,
+        rank: Option<u32>,
+    ) -> TensorDesc<'a> {
+        TensorDesc {
+            name,
+            dtype,
+            shape,
+            data: data as u64,
+            len,
+            device: None,
+            rank,
+            placement: None,
+        }
+    }
+}
+
 impl Publisher {
     /// Listen on `path`. A stale socket file there (nothing accepts on it)
     /// is replaced; a live publisher's socket, or any other file, is an
@@ -214,7 +255,38 @@ impl Publisher {
         *self.content.lock() = Content::Dir(dir.to_path_buf());
     }
 
-    /// Serve a tensor from memory, for `rank` or (None) every rank.
+    /// Serve one tensor, or one shard of a global tensor, from the
+    /// trainer's host or GPU memory: the one entry point the others wrap.
+    ///
+    /// A shard (`placement` set) is its own box, row-major, placed at
+    /// `placement.offset` in a global tensor of `placement.global_shape`
+    /// (checked now: the box inside the global shape, the byte size). One
+    /// publisher may hold several shards of a global tensor at different
+    /// offsets (same dtype and global shape); a shard at an offset already
+    /// published for that rank, or a whole tensor of that name, is an
+    /// error. Engines get the placement in the manifest and take the parts
+    /// their params need.
+    ///
+    /// GPU memory (`device` set) is checked with the driver and served once
+    /// published: [`Publisher::publish`] copies it into one GPU buffer
+    /// shared with engines by CUDA IPC (an IPC publisher), or into host
+    /// memory (a network publisher).
+    ///
+    /// # Safety
+    /// Host memory: `data..data+len` must stay valid and unchanged while
+    /// sessions run. GPU memory: until the next `publish` returns.
+    pub unsafe fn add(&self, t: TensorDesc<'_>) -> Result<()> {
+        let mut host = HostTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
+        host.placement = t.placement;
+        if t.device.is_some() {
+            self.add_device(host)
+        } else {
+            self.content.lock().add(host)
+        }
+    }
+
+    /// Serve a tensor from memory, for `rank` or (None) every rank
+    /// ([`Publisher::add`] of a whole host tensor).
     ///
     /// # Safety
     /// `data..data+len` must stay valid and unchanged while sessions run.
@@ -227,22 +299,15 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
-        let t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
-        self.content.lock().add(t)
+        self.add(TensorDesc::host(name, dtype, shape, data, len, rank))
     }
 
-    /// Serve a shard of the global tensor `name` from memory: `shape` is the
-    /// shard's own box, row-major at `data`, placed at `placement.offset` in
-    /// a global tensor of `placement.global_shape` (checked now: the box
-    /// inside the global shape, the byte size). One publisher may hold
-    /// several shards of a global tensor at different offsets (same dtype
-    /// and global shape); a shard at an offset already published for that
-    /// rank, or a whole tensor of that name, is an error. Engines get the
-    /// placement in the manifest and take the parts their params need.
+    /// A shard of a global tensor from memory ([`Publisher::add`] with a
+    /// placement).
     ///
     /// # Safety
     /// As [`Publisher::add_tensor`].
-    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    #[allow(clippy::too_many_arguments)] // kept for the wm CLI's callers; new code: add
     pub unsafe fn add_shard(
         &self,
         name: &str,
@@ -253,20 +318,18 @@ impl Publisher {
         len: usize,
         rank: Option<u32>,
     ) -> Result<()> {
-        let mut t = HostTensor::new(name, dtype, shape, data as u64, len, rank, None);
-        t.placement = Some(placement.clone());
-        self.content.lock().add(t)
+        self.add(TensorDesc {
+            placement: Some(placement.clone()),
+            ..TensorDesc::host(name, dtype, shape, data, len, rank)
+        })
     }
 
-    /// Serve a tensor in the trainer's GPU memory: `len` bytes at device
-    /// address `ptr` of GPU `ordinal` (checked with the driver). GPU tensors
-    /// are served once published: [`Publisher::publish`] copies them into
-    /// one GPU buffer shared with engines by CUDA IPC (an IPC publisher),
-    /// or into host memory (a network publisher).
+    /// A tensor in the trainer's GPU memory: `len` bytes at device address
+    /// `ptr` of GPU `ordinal` ([`Publisher::add`] with a device).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the next `publish` returns.
-    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
+    #[allow(clippy::too_many_arguments)] // kept for the wm CLI's callers; new code: add
     pub unsafe fn add_device_tensor(
         &self,
         name: &str,
@@ -277,30 +340,11 @@ impl Publisher {
         ordinal: i32,
         rank: Option<u32>,
     ) -> Result<()> {
-        let t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
-        self.add_device(t)
-    }
-
-    /// A shard (see [`Publisher::add_shard`]) in the trainer's GPU memory,
-    /// served like [`Publisher::add_device_tensor`]'s tensors.
-    ///
-    /// # Safety
-    /// As [`Publisher::add_device_tensor`].
-    #[allow(clippy::too_many_arguments)] // the C API's arguments, one for one
-    pub unsafe fn add_device_shard(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        placement: &Placement,
-        ptr: u64,
-        len: usize,
-        ordinal: i32,
-        rank: Option<u32>,
-    ) -> Result<()> {
-        let mut t = HostTensor::new(name, dtype, shape, ptr, len, rank, Some(ordinal));
-        t.placement = Some(placement.clone());
-        self.add_device(t)
+        self.add(TensorDesc {
+            data: ptr,
+            device: Some(ordinal),
+            ..TensorDesc::host(name, dtype, shape, std::ptr::null(), len, rank)
+        })
     }
 
     /// Add a GPU tensor once the driver says its range is memory of its GPU.

@@ -127,7 +127,7 @@ impl SignalPlane {
             },
             None if self.world_size > 1 => {
                 return Err(Error::state(format!(
-                    "wm_broadcast_signal with world_size {} needs the ranks in a group: set group_name in wm_config",
+                    "wm_broadcast_signal with world_size {} needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",
                     self.world_size
                 )))
             }
@@ -163,7 +163,7 @@ impl SignalPlane {
         match self.group.lock().as_ref() {
             Some(g) => g.fanout_meet(have, make_id, deadline),
             None => Err(Error::state(
-                "a fan-out update needs the ranks in a group: set group_name in wm_config",
+                "a fan-out update needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",
             )),
         }
     }
