@@ -25,10 +25,15 @@
 //! serves, `publisher/serve.rs` publish, serve, destroy), `handles.rs` (the
 //! handle tables).
 
-#![allow(non_camel_case_types)]
-// Each export's doc comment states its C contract (ownership, NULL,
-// threads); that contract is its safety section, written for C readers.
-#![allow(clippy::missing_safety_doc)]
+#![expect(
+    non_camel_case_types,
+    reason = "the C names (wm_result, wm_config, ...) are the header's"
+)]
+#![expect(
+    clippy::missing_safety_doc,
+    reason = "each export's doc comment states its C contract (ownership, NULL, threads): that is its safety section, written for C readers"
+)]
+#![cfg_attr(not(test), warn(clippy::undocumented_unsafe_blocks))]
 
 pub(crate) use handles::HandleTable;
 use result::wm_result;

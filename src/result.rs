@@ -15,7 +15,7 @@ use weight_manager_core::result::wm_result as CoreResult;
 /// Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 /// cbindgen:rename-all=None
 #[repr(u32)]
-#[allow(non_camel_case_types)]
+#[expect(non_camel_case_types, reason = "the C name of the result codes")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum wm_result {
     /// Success.

@@ -192,7 +192,10 @@ unsafe fn add(
 }
 
 /// A descriptor from the deprecated calls' arguments.
-#[allow(clippy::too_many_arguments)] // the deprecated calls' arguments, one for one
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the deprecated calls' arguments, one for one"
+)]
 fn legacy_desc(
     name: *const c_char,
     dtype: u32,

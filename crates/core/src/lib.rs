@@ -64,6 +64,8 @@
 //!   inside `ffi_guard!`; then regenerate the header
 //!   (`WM_BLESS=1 cargo test --test header`).
 
+#![cfg_attr(not(test), warn(clippy::undocumented_unsafe_blocks))]
+
 pub mod apply;
 pub(crate) mod box_sweep;
 pub mod checkpoint;

@@ -11,7 +11,7 @@ use std::fmt;
 /// Outcome of every fallible call. `WM_OK` is 0; the others are fixed forever.
 /// cbindgen:rename-all=None
 #[repr(u32)]
-#[allow(non_camel_case_types)]
+#[expect(non_camel_case_types, reason = "the C name of the result codes")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum wm_result {
     /// Success.

@@ -33,6 +33,8 @@
 //! 1/0, yes/no and on/off ([`truth`]). An option given twice takes the last
 //! value.
 
+#![cfg_attr(not(test), warn(clippy::undocumented_unsafe_blocks))]
+
 mod bench;
 mod demo;
 mod fixtures;

@@ -46,7 +46,10 @@ struct Range {
     faulted: AtomicBool,
 }
 
-#[allow(clippy::declare_interior_mutable_const)] // only used to initialize RANGES
+#[expect(
+    clippy::declare_interior_mutable_const,
+    reason = "only used to initialize RANGES, each element its own atomic"
+)]
 const EMPTY: Range = Range {
     claim: AtomicUsize::new(0),
     start: AtomicUsize::new(0),
