@@ -44,7 +44,11 @@ pub(crate) fn open_first(candidates: &[String]) -> Result<(*mut c_void, String),
 /// names the first missing symbol.
 macro_rules! dynamic_api {
     ($lib:literal, $api:ident { $($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)* }) => {
-        #[expect(non_snake_case, reason = "the fields are the C library's function names")]
+        #[expect(
+            clippy::allow_attributes,
+            reason = "some libraries' names are snake case, where an expect would go unfulfilled"
+        )]
+        #[allow(non_snake_case, reason = "the fields are the C library's function names")]
         pub struct $api {
             $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
         }
