@@ -6,9 +6,9 @@ use crate::enums::{wm_request_outcome, wm_state};
 use crate::result::wm_result;
 use std::ffi::{c_char, CStr};
 use std::time::Duration;
-use weight_manager_core::result::{Error, Result};
-use weight_manager_core::signal::controller::Controller;
-use weight_manager_core::state::State;
+use weight_manager_core::Controller;
+use weight_manager_core::State;
+use weight_manager_core::{Error, Result};
 
 /// ==========================================================================
 /// HANDLES: opaque; created and destroyed by their section's calls.

@@ -7,12 +7,12 @@
 //! Fields and arguments of these types are plain integers in C
 //! (`uint32_t`, `int32_t`): the library validates them with `from_raw`.
 
-use weight_manager_core::logging::LogLevel as CoreLogLevel;
-use weight_manager_core::registry::MemoryKind as CoreMemoryKind;
-use weight_manager_core::signal::controller::RequestOutcome as CoreRequestOutcome;
-use weight_manager_core::source::SourceKind as CoreSourceKind;
-use weight_manager_core::state::State as CoreState;
-use weight_manager_core::tensor::DType as CoreDType;
+use weight_manager_core::DType as CoreDType;
+use weight_manager_core::LogLevel as CoreLogLevel;
+use weight_manager_core::MemoryKind as CoreMemoryKind;
+use weight_manager_core::RequestOutcome as CoreRequestOutcome;
+use weight_manager_core::SourceKind as CoreSourceKind;
+use weight_manager_core::State as CoreState;
 
 /// Element type of a param or tensor. Numbers are part of the ABI.
 #[repr(u32)]
@@ -132,7 +132,7 @@ mirror!(
 mod tests {
     use super::*;
     use crate::result::wm_result;
-    use weight_manager_core::result::wm_result as CoreResult;
+    use weight_manager_core::wm_result as CoreResult;
 
     /// Every C variant converts to the core variant of the same number, and
     /// back; and the numbers the core accepts are exactly the C ones.

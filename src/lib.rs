@@ -41,8 +41,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use weight_manager_core::manager::Manager;
-use weight_manager_core::result::{Error, Result};
+use weight_manager_core::Manager;
+use weight_manager_core::{Error, Result};
 
 /// Run an exported function's body; a panic becomes `WM_ERR_PANIC`.
 macro_rules! ffi_guard {

@@ -6,10 +6,10 @@ use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 use weight_manager_core::defaults;
-use weight_manager_core::fanout::FanoutSettings;
-use weight_manager_core::logging::{LogLevel, Logger};
-use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, NetSettings};
-use weight_manager_core::result::{Error, Result};
+use weight_manager_core::FanoutSettings;
+use weight_manager_core::{Error, Result};
+use weight_manager_core::{GroupSettings, Manager, ManagerConfig, NetSettings};
+use weight_manager_core::{LogLevel, Logger};
 
 /// An engine rank's manager. Opaque; create with `wm_init`, free with `wm_destroy`.
 pub struct wm_manager {
@@ -384,29 +384,27 @@ unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> 
         Some(p) => Some(p),
     };
     let user = UserData(memory.callback_user_data);
-    let release_hook =
-        memory
-            .release_callback
-            .map(|cb| -> weight_manager_core::manager::ReleaseHook {
-                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                    let name = std::ffi::CString::new(name).unwrap_or_default();
-                    let user = user;
-                    // SAFETY: the engine registered this callback for exactly this use.
-                    unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
-                })
-            });
-    let acquire_hook =
-        memory
-            .acquire_callback
-            .map(|cb| -> weight_manager_core::manager::AcquireHook {
-                Box::new(move |name: &str, ptr: *mut u8, len: usize| {
-                    let name = std::ffi::CString::new(name).unwrap_or_default();
-                    let user = user;
-                    // SAFETY: as above.
-                    let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
-                    (!p.is_null()).then_some(p.cast())
-                })
-            });
+    let release_hook = memory
+        .release_callback
+        .map(|cb| -> weight_manager_core::ReleaseHook {
+            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                let name = std::ffi::CString::new(name).unwrap_or_default();
+                let user = user;
+                // SAFETY: the engine registered this callback for exactly this use.
+                unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) }
+            })
+        });
+    let acquire_hook = memory
+        .acquire_callback
+        .map(|cb| -> weight_manager_core::AcquireHook {
+            Box::new(move |name: &str, ptr: *mut u8, len: usize| {
+                let name = std::ffi::CString::new(name).unwrap_or_default();
+                let user = user;
+                // SAFETY: as above.
+                let p = unsafe { cb(user.0, name.as_ptr(), ptr.cast(), len) };
+                (!p.is_null()).then_some(p.cast())
+            })
+        });
     Ok(ManagerConfig {
         rank: c.rank,
         world_size: c.world_size,

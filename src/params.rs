@@ -5,12 +5,12 @@ use super::{check_struct_size, code_of, opt_str};
 use crate::enums::{wm_dtype, wm_memory};
 use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
-use weight_manager_core::manager::Manager;
-use weight_manager_core::pieces::{Piece, MAX_PIECES_PER_PARAM};
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::result::{Error, Result};
-use weight_manager_core::tensor::{DType, MAX_NDIM};
-use weight_manager_core::tensor_box::TensorBox;
+use weight_manager_core::Manager;
+use weight_manager_core::TensorBox;
+use weight_manager_core::{DType, MAX_NDIM};
+use weight_manager_core::{Error, Result};
+use weight_manager_core::{MemoryKind, ParamSpec};
+use weight_manager_core::{Piece, MAX_PIECES_PER_PARAM};
 
 /// Describes one param. Fill with `wm_param_desc_init`, then set fields.
 /// Growable: `struct_size` first.

@@ -6,8 +6,8 @@ use super::{check_struct_size, opt_path, opt_str, HandleTable, Handled};
 use crate::result::wm_result;
 use std::ffi::c_char;
 use std::time::Duration;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::result::Error;
+use weight_manager_core::Error;
+use weight_manager_core::{Publisher, PublisherConfig};
 
 /// A trainer's publisher. Opaque; create with `wm_publisher_create`, free
 /// with `wm_publisher_destroy`.

@@ -1,12 +1,12 @@
 //! Result codes, result text and the library version.
 //!
 //! `wm_result` is defined here, at the C boundary, with the core's codes
-//! (`weight_manager_core::result::wm_result`) and numbers: the core's
+//! (`weight_manager_core::wm_result`) and numbers: the core's
 //! errors are translated at the boundary (`From`), and
 //! `enums::tests::every_variant_has_the_cores_number` checks every number.
 
 use std::ffi::c_char;
-use weight_manager_core::result::wm_result as CoreResult;
+use weight_manager_core::wm_result as CoreResult;
 
 /// ==========================================================================
 /// RESULTS AND CONVENTIONS: result codes and the enums.
@@ -91,8 +91,8 @@ mirror!(
     ]
 );
 
-impl From<weight_manager_core::result::Error> for wm_result {
-    fn from(e: weight_manager_core::result::Error) -> wm_result {
+impl From<weight_manager_core::Error> for wm_result {
+    fn from(e: weight_manager_core::Error) -> wm_result {
         e.code.into()
     }
 }
@@ -142,9 +142,7 @@ pub extern "C" fn wm_result_text(result: u32) -> *const c_char {
 pub extern "C" fn wm_state_name(state: i32) -> *const c_char {
     ffi_guard_or!(c"?".as_ptr(), {
         crate::enums::wm_state::from_raw(state)
-            .map_or(c"UNKNOWN", |s| {
-                weight_manager_core::state::State::from(s).c_name()
-            })
+            .map_or(c"UNKNOWN", |s| weight_manager_core::State::from(s).c_name())
             .as_ptr()
     })
 }

@@ -4,7 +4,7 @@ use super::manager::wm_manager;
 use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
 use super::{check_struct_size, code_of, fill_chars};
 use crate::result::wm_result;
-use weight_manager_core::result::Error;
+use weight_manager_core::Error;
 
 /// ==========================================================================
 /// STATUS AND SIGNAL

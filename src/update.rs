@@ -6,10 +6,10 @@ use crate::enums::wm_source;
 use crate::result::wm_result;
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
-use weight_manager_core::apply::{Hooks, Mode, Progress, TensorView};
-use weight_manager_core::manager::{UpdateRequest, UpdateStats};
-use weight_manager_core::result::{Error, Result};
-use weight_manager_core::source::SourceKind;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Error, Result};
+use weight_manager_core::{Hooks, Mode, Progress, TensorView};
+use weight_manager_core::{UpdateRequest, UpdateStats};
 
 /// `wm_update_request.flags`: verify every tensor's xxh3-128 checksum.
 pub const WM_UPDATE_VERIFY_CHECKSUMS: u32 = 1;
@@ -33,12 +33,12 @@ const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS
 /// Most sources one update may name (`location`, `locations` and the
 /// lists of `@FILE` locations together).
 pub const WM_MAX_SOURCES: usize = 4096;
-const _: () = assert!(WM_MAX_SOURCES == weight_manager_core::source::locations::MAX_SOURCES);
+const _: () = assert!(WM_MAX_SOURCES == weight_manager_core::MAX_SOURCES);
 
 /// Size of the version buffers in `wm_update_stats` and `wm_status` (a
 /// version is at most 255 bytes plus the NUL).
 pub const WM_VERSION_BUF: usize = 256;
-const _: () = assert!(WM_VERSION_BUF == weight_manager_core::manager::MAX_VERSION_LEN + 1);
+const _: () = assert!(WM_VERSION_BUF == weight_manager_core::MAX_VERSION_LEN + 1);
 
 /// ==========================================================================
 /// UPDATE AND CLEAR: the request, progress, per-tensor views, statistics.

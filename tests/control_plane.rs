@@ -8,9 +8,9 @@ use common::ShmNames as Names;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::signal::controller::{Controller, RequestOutcome};
-use weight_manager_core::state::State;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::State;
+use weight_manager_core::{Controller, RequestOutcome};
 
 use common::WM;
 

@@ -7,10 +7,10 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use weight_manager_core::manager::{Manager, ManagerConfig};
-use weight_manager_core::signal::controller::Controller;
-use weight_manager_core::state::State;
 use weight_manager_core::wm_result;
+use weight_manager_core::Controller;
+use weight_manager_core::State;
+use weight_manager_core::{Manager, ManagerConfig};
 
 mod common;
 
@@ -161,7 +161,7 @@ fn request_within(
     action: State,
     timeout: Duration,
     limit: Duration,
-) -> weight_manager_core::result::Result<weight_manager_core::signal::controller::RequestOutcome> {
+) -> weight_manager_core::Result<weight_manager_core::RequestOutcome> {
     let (tx, rx) = mpsc::channel();
     let name = cell.to_string();
     std::thread::spawn(move || {
@@ -226,7 +226,7 @@ fn snapshot(dir: &Path) {
         &dir.join("model.safetensors"),
         &[common::tensor(
             "w",
-            weight_manager_core::tensor::DType::F32,
+            weight_manager_core::DType::F32,
             &[16],
             1,
         )],
@@ -356,10 +356,7 @@ fn running_group(world: u32, cell: &str, dir: &Path) -> Ranks {
     let c = Controller::open(cell).unwrap();
     // A round trip through the engine: every rank has met and steps.
     let outcome = c.request(State::Clearing, Duration::from_secs(60)).unwrap();
-    assert_eq!(
-        outcome,
-        weight_manager_core::signal::controller::RequestOutcome::Done
-    );
+    assert_eq!(outcome, weight_manager_core::RequestOutcome::Done);
     r
 }
 

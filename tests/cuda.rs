@@ -16,10 +16,10 @@
 mod wm_bin;
 use std::path::Path;
 use std::process::Command;
-use weight_manager_core::manager::{Manager, ManagerConfig};
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::{Manager, ManagerConfig};
+use weight_manager_core::{MemoryKind, ParamSpec};
 use wm_bin::WM;
 
 /// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh runs these

@@ -21,14 +21,14 @@ use common::fake_cuda::{under_fake_driver, Fake};
 use common::gpu_parts::{engine, model, pull, pull_every_case, read, trainer};
 use common::sharded::{expected, piece};
 use std::path::Path;
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::state::State;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::wire::{BucketEntry, CudaBuffer, Frame};
+use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager_core::internals::wire::{BucketEntry, CudaBuffer, Frame};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::State;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// Copies by kind so far: (2D copies, copies of one block).
 fn copies(f: &Fake) -> (u64, u64) {

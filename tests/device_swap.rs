@@ -15,10 +15,10 @@ use common::fake_cuda::{under_fake_driver, Fake};
 use common::*;
 use cudarc::driver::sys;
 use std::path::Path;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::state::State;
 use weight_manager_core::wm_result;
+use weight_manager_core::State;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// The fake's allocation granularity: every param here takes one granule.
 const GRANULE: u64 = 2 << 20;
@@ -105,7 +105,7 @@ fn a_swap_keeps_the_addresses_and_frees_the_old_memory() {
     // In place, nothing is swapped: the bytes go into the params.
     let v3 = write_model(dir.path(), 3);
     let mut req = UpdateRequest::snapshot(dir.path());
-    req.mode = weight_manager_core::apply::Mode::InPlace;
+    req.mode = weight_manager_core::Mode::InPlace;
     m.update(req).unwrap();
     assert_holds(&ptrs, &v3, "in place");
     assert_eq!(f.handles(&ptrs), after);

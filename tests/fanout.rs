@@ -8,11 +8,11 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
-use weight_manager_core::fanout::nccl::nccl;
-use weight_manager_core::fanout::FanoutSettings;
-use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::signal::{Group, GroupConfig};
+use weight_manager_core::internals::fanout::nccl::nccl;
+use weight_manager_core::internals::signal::{Group, GroupConfig};
 use weight_manager_core::wm_result;
+use weight_manager_core::FanoutSettings;
+use weight_manager_core::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
 
 /// Build a stub `libnccl` from `source` in `dir`; returns its path.
 fn stub(dir: &Path, name: &str, source: &str) -> std::path::PathBuf {

@@ -18,14 +18,15 @@ use std::time::{Duration, Instant};
 use weight_manager_core::checkpoint::checksums::Checksums;
 use weight_manager_core::checkpoint::safetensors_file::parse_header;
 use weight_manager_core::checkpoint::version::parse_version_yaml;
-use weight_manager_core::logging::{LogLevel, Logger};
-use weight_manager_core::manifest::{Manifest, Placement, TensorMeta};
-use weight_manager_core::plan::{make_plan, PlanOptions, Target as PlanTarget};
-use weight_manager_core::registry::{ParamSpec, Registry};
-use weight_manager_core::tensor::DType;
-use weight_manager_core::wire::{
+use weight_manager_core::internals::wire::{
     check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,
 };
+use weight_manager_core::internals::Registry;
+use weight_manager_core::plan::{make_plan, PlanOptions, Target as PlanTarget};
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::{LogLevel, Logger};
+use weight_manager_core::{Manifest, Placement, TensorMeta};
 
 const JSON_TOKENS: &[&[u8]] = &[
     b"{",
@@ -431,9 +432,9 @@ const GEOMETRY: [u64; 2] = [512, 32768];
 /// column or one row each, overlapping, stray, or out of bounds, as
 /// hostile trainers and engines announce them.
 fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager_core::plan::ParamLayout>) {
-    use weight_manager_core::pieces::Piece;
     use weight_manager_core::plan::ParamLayout;
-    use weight_manager_core::tensor_box::TensorBox;
+    use weight_manager_core::Piece;
+    use weight_manager_core::TensorBox;
     let mut sources: Vec<Vec<TensorMeta>> = vec![Vec::new(); 4];
     let mut pieces = Vec::new();
     for g in bytes.chunks_exact(6) {
@@ -487,7 +488,7 @@ fn geometry_from(bytes: &[u8]) -> (Vec<Manifest>, Vec<weight_manager_core::plan:
 /// never by comparing every pair (80,000 column shards took 15 s).
 #[test]
 fn fuzz_sharded_plan_over_hostile_geometry() {
-    use weight_manager_core::pieces::check_pieces;
+    use weight_manager_core::internals::check_pieces;
     use weight_manager_core::plan::make_sharded_plan;
     let logger = Logger::closure(LogLevel::Off, |_, _| {});
     let group = |who: u8, dim: u8, count: u16, len: u8, start: u8| {

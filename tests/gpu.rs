@@ -22,11 +22,11 @@ mod common;
 
 use common::*;
 use cudarc::driver::sys;
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::cuda::{cuda, Cuda};
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
+use weight_manager_core::internals::memory::cuda::{cuda, Cuda};
 use weight_manager_core::wm_result;
+use weight_manager_core::Mode;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 fn gpu() -> Option<&'static Cuda> {
     match cuda() {
@@ -126,7 +126,7 @@ fn snapshot_into_device_params_atomic_and_in_place() {
 fn bad_device_pointers_lengths_and_ordinals_are_refused() {
     let Some(c) = gpu() else { return };
     let m = Manager::new(ManagerConfig::default()).unwrap();
-    let t = tensor("w", weight_manager_core::tensor::DType::F32, &[256], 1);
+    let t = tensor("w", weight_manager_core::DType::F32, &[256], 1);
     let buf = DeviceBuffer::new(c, t.data.len());
     let mut host = vec![0u8; t.data.len()];
     let e = unsafe { m.register(&device_spec(&t), host.as_mut_ptr(), host.len()) }.unwrap_err();
@@ -142,7 +142,7 @@ fn bad_device_pointers_lengths_and_ordinals_are_refused() {
     assert!(e.message.contains("out of range"), "{e}");
 
     // A param whose bytes run past the end of the allocation.
-    let big = tensor("w", weight_manager_core::tensor::DType::F32, &[512], 1);
+    let big = tensor("w", weight_manager_core::DType::F32, &[512], 1);
     let e = unsafe { m.register(&device_spec(&big), (buf.ptr) as *mut u8, big.data.len()) }
         .unwrap_err();
     assert!(e.message.contains("past the end of its allocation"), "{e}");
@@ -163,7 +163,7 @@ fn read_device(c: &Cuda, ptr: u64, len: usize) -> Vec<u8> {
 #[test]
 fn library_device_params_clear_and_restore_at_the_same_addresses() {
     let Some(c) = gpu() else { return };
-    use weight_manager_core::memory::device::memory_info;
+    use weight_manager_core::internals::memory::device::memory_info;
     let (dir, v1) = snapshot_of(1);
     let m = Manager::new(ManagerConfig::default()).unwrap();
     let ptrs: Vec<u64> = v1
@@ -213,7 +213,7 @@ fn wm() -> String {
 #[test]
 fn cuda_ipc_from_a_trainer_process_into_device_params() {
     use std::process::{Command, Stdio};
-    use weight_manager_core::source::SourceKind;
+    use weight_manager_core::SourceKind;
     let Some(c) = gpu() else { return };
     let (dir, v1) = snapshot_of(7);
     let sock = dir.path().join("gpu.sock");
@@ -280,7 +280,7 @@ fn cuda_ipc_from_a_trainer_process_into_device_params() {
     // Zero copy: the callback gets device pointers into the trainer's buffer.
     let engine = Manager::new(ManagerConfig::default()).unwrap();
     let mut seen = Vec::new();
-    let mut cb = |view: &weight_manager_core::apply::TensorView| {
+    let mut cb = |view: &weight_manager_core::TensorView| {
         let d = view.device.ok_or("a host view")?;
         seen.push((view.name.to_string(), read_device(c, d.ptr, d.len)));
         Ok(())
@@ -325,10 +325,10 @@ fn cuda_ipc_parts_of_a_gpu_version() {
 /// when UCX is here.
 #[test]
 fn rdma_into_device_params() {
-    use weight_manager_core::publisher::{Publisher, PublisherConfig};
-    use weight_manager_core::source::SourceKind;
+    use weight_manager_core::SourceKind;
+    use weight_manager_core::{Publisher, PublisherConfig};
     let Some(c) = gpu() else { return };
-    if let Err(e) = weight_manager_core::transport::ucx::ucx() {
+    if let Err(e) = weight_manager_core::internals::transport::ucx::ucx() {
         println!("skipped: no UCX here: {e}");
         return;
     }
@@ -345,10 +345,10 @@ fn rdma_into_device_params() {
     // Direct (the default) and staged receive, each in place and atomic;
     // gdr lands straight in the device params when this UCX reaches CUDA
     // memory, and is refused, saying why, otherwise.
-    let ucx = weight_manager_core::transport::ucx::ucx().unwrap();
+    let ucx = weight_manager_core::internals::transport::ucx::ucx().unwrap();
     for staged in [false, true] {
         let m = Manager::new(ManagerConfig {
-            net: weight_manager_core::manager::NetSettings {
+            net: weight_manager_core::NetSettings {
                 secret: Some(b"gpu-suite".to_vec()),
                 staged,
                 ..Default::default()
@@ -400,9 +400,9 @@ fn rdma_into_device_params() {
 #[test]
 fn fanout_between_two_gpus() {
     use std::process::Stdio;
-    use weight_manager_core::signal::controller::Controller;
-    use weight_manager_core::state::State;
-    use weight_manager_core::tensor::DType;
+    use weight_manager_core::Controller;
+    use weight_manager_core::DType;
+    use weight_manager_core::State;
     let Some(c) = gpu() else { return };
     if c.device_count() < 2 {
         println!(
@@ -411,7 +411,7 @@ fn fanout_between_two_gpus() {
         );
         return;
     }
-    if let Err(e) = weight_manager_core::fanout::nccl::nccl(None) {
+    if let Err(e) = weight_manager_core::internals::fanout::nccl::nccl(None) {
         println!("skipped: {e}");
         return;
     }
@@ -477,8 +477,8 @@ fn fanout_between_two_gpus() {
         let log = std::fs::read_to_string(&log).unwrap();
         assert_eq!(log.matches(&want).count(), 2, "{log}\n{err}");
     }
-    let _ = weight_manager_core::signal::shm::unlink(&cell);
-    let _ = weight_manager_core::signal::shm::unlink(&format!("{cell}.wm_report"));
+    let _ = weight_manager_core::internals::signal::shm::unlink(&cell);
+    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell}.wm_report"));
 }
 
 /// Library-owned device params of `ts` on GPU 0 in a manager with the
@@ -513,7 +513,7 @@ const SWAP_SLACK: usize = 1 << 20;
 #[test]
 fn device_page_swap_keeps_addresses_and_gives_the_old_memory_back() {
     let Some(c) = gpu() else { return };
-    use weight_manager_core::memory::device::memory_info;
+    use weight_manager_core::internals::memory::device::memory_info;
     let (dir, v1) = snapshot_of(1);
     let (m, ptrs) = swapping_engine(&v1);
     m.update(UpdateRequest::snapshot(dir.path())).unwrap();
@@ -553,7 +553,7 @@ fn device_page_swap_keeps_addresses_and_gives_the_old_memory_back() {
 #[test]
 fn clear_and_restore_after_a_device_page_swap() {
     let Some(c) = gpu() else { return };
-    use weight_manager_core::memory::device::memory_info;
+    use weight_manager_core::internals::memory::device::memory_info;
     let (dir, v1) = snapshot_of(1);
     let (m, ptrs) = swapping_engine(&v1);
     let total: u64 = v1.iter().map(|t| t.data.len() as u64).sum();

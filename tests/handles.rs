@@ -17,7 +17,7 @@ use weight_manager::publisher::*;
 use weight_manager::result::wm_result;
 use weight_manager::status::*;
 use weight_manager::update::*;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
 
 fn new_manager() -> *mut wm_manager {
     let mut cfg = std::mem::MaybeUninit::<wm_config>::uninit();

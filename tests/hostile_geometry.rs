@@ -11,14 +11,14 @@ use std::io::Write;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::manifest::{Placement, TensorMeta};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::Frame;
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::Frame;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Placement, TensorMeta};
 
 const MIB: u64 = 1 << 20;
 

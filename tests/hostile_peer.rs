@@ -11,14 +11,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Mode, TensorView};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::manifest::TensorMeta;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::{BucketEntry, Frame};
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::{BucketEntry, Frame};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::SourceKind;
+use weight_manager_core::TensorMeta;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Mode, TensorView};
 
 /// Tests here measure the process's RSS: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -396,18 +396,18 @@ fn a_tebibyte_callback_tensor_over_rdma_is_refused() {
         )
     };
     assert_ne!(huge, libc::MAP_FAILED);
-    let cfg = weight_manager_core::publisher::PublisherConfig {
+    let cfg = weight_manager_core::PublisherConfig {
         secret: Some(secret.clone()),
         checksums: false,
         bucket_timeout: Duration::from_secs(10),
         ..Default::default()
     };
-    let p = weight_manager_core::publisher::Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+    let p = weight_manager_core::Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
     unsafe { p.add_tensor("huge", DType::U8, &[TIB], huge.cast(), TIB as usize, None) }.unwrap();
     p.set_version(Some("hostile".into()));
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
-        net: weight_manager_core::manager::NetSettings {
+        net: weight_manager_core::NetSettings {
             secret: Some(secret),
             bucket_size: 4096,
             ..Default::default()

@@ -12,17 +12,17 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::shared::SharedBuffer;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::auth::{self, Secret};
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::transport::seal::Role;
-use weight_manager_core::wire::{Frame, Request, WantRun, MAX_BLOCKS};
+use weight_manager_core::internals::memory::shared::SharedBuffer;
+use weight_manager_core::internals::transport::auth::{self, Secret};
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::transport::seal::Role;
+use weight_manager_core::internals::wire::{Frame, Request, WantRun, MAX_BLOCKS};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 const MIB: u64 = 1 << 20;
 

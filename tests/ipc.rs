@@ -17,12 +17,12 @@ use common::*;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 use common::WM;
 
@@ -138,7 +138,7 @@ fn published_versions_are_served_from_their_shared_memory() {
 fn zero_copy_update(sock: &Path, version: Option<&str>) -> Vec<(String, Vec<u8>)> {
     let m = manager(0, 1);
     let mut got = Vec::new();
-    let mut cb = |t: &weight_manager_core::apply::TensorView| {
+    let mut cb = |t: &weight_manager_core::TensorView| {
         got.push((t.name.to_string(), t.data.to_vec()));
         Ok(())
     };
@@ -458,10 +458,10 @@ fn a_publisher_of_another_uid_is_refused() {
 fn gpu_buffers_without_a_driver_fail_cleanly() {
     let _serial = serial();
     use std::os::unix::net::UnixListener;
-    use weight_manager_core::manifest::TensorMeta;
-    use weight_manager_core::transport::conn::Conn;
-    use weight_manager_core::wire::{CudaBuffer, Frame};
-    if weight_manager_core::memory::cuda::cuda().is_ok() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::{CudaBuffer, Frame};
+    use weight_manager_core::TensorMeta;
+    if weight_manager_core::internals::memory::cuda::cuda().is_ok() {
         println!("skipped: this machine has a GPU (tests/gpu.rs runs CUDA IPC for real)");
         return;
     }
@@ -510,7 +510,7 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
     });
     let zeros = vec![0u8; 256];
     assert!(unsafe { std::slice::from_raw_parts(params[0].0, params[0].1) } == &zeros[..]);
-    assert_ne!(m.status().state, weight_manager_core::state::State::Failed);
+    assert_ne!(m.status().state, weight_manager_core::State::Failed);
 }
 
 /// Serve `ts` once from `publisher` to a Manager over `sock`, checking

@@ -17,17 +17,17 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Mode, TensorView};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::shared::SharedBuffer;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::{check_windows, BucketEntry, Frame, Request};
+use weight_manager_core::internals::memory::shared::SharedBuffer;
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::{check_windows, BucketEntry, Frame, Request};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Mode, TensorView};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 /// Small buckets: requests are split across buckets too.
 const SMALL: usize = 4096;

@@ -9,13 +9,13 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Logger;
+use weight_manager_core::Mode;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 use common::WM;
 const SECRET: &str = "test-secret-0123456789";
@@ -30,7 +30,7 @@ fn tcp_only() {
 fn capture() -> (Logger, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
     let lines = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let sink = lines.clone();
-    let log = Logger::closure(weight_manager_core::logging::LogLevel::Warn, move |_, m| {
+    let log = Logger::closure(weight_manager_core::LogLevel::Warn, move |_, m| {
         sink.lock().push(m.to_string())
     });
     (log, lines)
@@ -402,7 +402,7 @@ fn zero_copy_callback_and_in_place_over_the_network() {
     let addr = p.address();
     let m = manager(SECRET, 4096, Logger::default());
     let mut got = Vec::new();
-    let mut cb = |t: &weight_manager_core::apply::TensorView| {
+    let mut cb = |t: &weight_manager_core::TensorView| {
         got.push((t.name.to_string(), t.data.to_vec()));
         Ok(())
     };

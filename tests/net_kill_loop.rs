@@ -23,11 +23,11 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Logger;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 
 use common::WM;
 const SECRET: &str = "test-secret-0123456789";
@@ -150,7 +150,7 @@ impl Lane {
     fn update(
         &mut self,
         kill_after: Option<Duration>,
-    ) -> (weight_manager_core::result::Result<()>, Duration) {
+    ) -> (weight_manager_core::Result<()>, Duration) {
         let next = (self.held.wrapping_add(1)) % 2;
         let (mut publisher, addr) = serve(&self.dirs[next]);
         let pid = publisher.id() as i32;

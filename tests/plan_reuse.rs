@@ -6,10 +6,10 @@ mod common;
 
 use common::*;
 use weight_manager_core::checkpoint::checksums;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 fn manager() -> Manager {
     Manager::new(ManagerConfig {

@@ -16,13 +16,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weight_manager_core::checkpoint::layout::SnapshotLocation;
 use weight_manager_core::checkpoint::Checkpoint;
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manifest::{Manifest, TensorMeta};
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::ipc::{IpcOptions, IpcSource};
-use weight_manager_core::source::Source;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::source::ipc::{IpcOptions, IpcSource};
+use weight_manager_core::internals::source::Source;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Logger;
+use weight_manager_core::{Manifest, TensorMeta};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 use common::WM;
 

@@ -12,16 +12,16 @@ mod common;
 use common::sharded::{serial, serving, Global};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Mode, Progress};
-use weight_manager_core::manager::{Manager, UpdateRequest};
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::{Frame, Request, WantRun};
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::{Frame, Request, WantRun};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, UpdateRequest};
+use weight_manager_core::{Mode, Progress};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 const SECRET: &str = "sharded-secret-0123456789";
 

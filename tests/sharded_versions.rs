@@ -14,14 +14,14 @@ mod common;
 use common::sharded::{serial, serving, Global};
 use std::path::PathBuf;
 use std::time::Duration;
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 const SECRET: &str = "sharded-versions-secret-0123";
 

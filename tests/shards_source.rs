@@ -10,16 +10,16 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weight_manager_core::manifest::{Manifest, Placement, TensorMeta};
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::ipc::{IpcOptions, IpcSource};
-use weight_manager_core::source::net::{NetOptions, NetSource};
-use weight_manager_core::source::Source;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::auth::Secret;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::Frame;
+use weight_manager_core::internals::source::ipc::{IpcOptions, IpcSource};
+use weight_manager_core::internals::source::net::{NetOptions, NetSource};
+use weight_manager_core::internals::source::Source;
+use weight_manager_core::internals::transport::auth::Secret;
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::Frame;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::{Manifest, Placement, TensorMeta};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 const SECRET: &str = "shards-secret-0123456789";
 
@@ -141,7 +141,7 @@ fn two_trainer_ranks_serve_their_shards_over_ipc() {
 /// carries the same placements.
 #[test]
 fn a_network_publisher_serves_shards_with_their_placement() {
-    if weight_manager_core::transport::ucx::ucx().is_err() {
+    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
         println!("skipped: UCX is not installed");
         return;
     }

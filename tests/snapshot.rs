@@ -7,12 +7,12 @@ mod hostile_files;
 
 use common::*;
 use std::sync::Arc;
-use weight_manager_core::apply::{Hooks, Mode};
 use weight_manager_core::checkpoint::checksums;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::state::State;
 use weight_manager_core::wm_result;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::State;
+use weight_manager_core::{Hooks, Mode};
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 fn manager() -> Manager {
     Manager::new(ManagerConfig {
@@ -181,7 +181,7 @@ fn plan_failures_move_no_bytes() {
     let mut v2 = model(5);
     v2[2] = tensor(
         "layer0.mlp.up",
-        weight_manager_core::tensor::DType::F32,
+        weight_manager_core::DType::F32,
         &[48, 32],
         5,
     );
@@ -218,7 +218,7 @@ fn plan_failures_move_no_bytes() {
     let mut extra = model(6);
     extra.push(tensor(
         "lm_head.bias",
-        weight_manager_core::tensor::DType::F32,
+        weight_manager_core::DType::F32,
         &[3],
         6,
     ));
@@ -279,7 +279,7 @@ fn truncated_after_plan_atomic_and_in_place() {
         let p2 = parts.path().join("model_state.tp0.0.part2.safetensors");
         write_safetensors(&p2, &v2[3..]);
         let p2c = p2.clone();
-        let mut cut = move |p: &weight_manager_core::apply::Progress| {
+        let mut cut = move |p: &weight_manager_core::Progress| {
             if p.tensors_done == 3 {
                 std::fs::OpenOptions::new()
                     .write(true)
@@ -367,7 +367,7 @@ fn tensor_callback_receives_every_tensor() {
     for mode in [Mode::Atomic, Mode::InPlace] {
         let m = manager();
         let mut seen: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut on_tensor = |t: &weight_manager_core::apply::TensorView| {
+        let mut on_tensor = |t: &weight_manager_core::TensorView| {
             seen.push((t.name.to_string(), t.data.to_vec()));
             Ok(())
         };
@@ -381,7 +381,7 @@ fn tensor_callback_receives_every_tensor() {
         want.sort();
         assert_eq!(seen, want, "{mode:?}");
 
-        let mut failing = |t: &weight_manager_core::apply::TensorView| {
+        let mut failing = |t: &weight_manager_core::TensorView| {
             if t.name == "layer0.norm" {
                 Err("no room".to_string())
             } else {
@@ -411,7 +411,7 @@ fn state_rules_busy_and_registration() {
     let m2 = m.clone();
     let dir = d.path().to_path_buf();
     let t = std::thread::spawn(move || {
-        let mut hold = |_: &weight_manager_core::apply::Progress| {
+        let mut hold = |_: &weight_manager_core::Progress| {
             tx.send(()).unwrap();
             go_rx.recv().unwrap();
             true
@@ -430,13 +430,13 @@ fn state_rules_busy_and_registration() {
     let e = m
         .allocate(&ParamSpec::host(
             "late",
-            weight_manager_core::tensor::DType::F32,
+            weight_manager_core::DType::F32,
             &[1],
         ))
         .unwrap_err();
     assert_eq!(e.code, wm_result::WM_ERR_STATE);
     // Cancel through progress: atomic, so nothing changes.
-    let mut cancel = |_: &weight_manager_core::apply::Progress| false;
+    let mut cancel = |_: &weight_manager_core::Progress| false;
     let mut req = UpdateRequest::snapshot(d.path());
     req.version = Some("cancelled".into());
     req.hooks.progress = Some(&mut cancel);
@@ -454,12 +454,7 @@ fn state_rules_busy_and_registration() {
 #[test]
 fn engine_owned_release_and_acquire_hooks() {
     let d = tempfile::tempdir().unwrap();
-    let v = vec![tensor(
-        "w",
-        weight_manager_core::tensor::DType::F32,
-        &[16],
-        1,
-    )];
+    let v = vec![tensor("w", weight_manager_core::DType::F32, &[16], 1)];
     write_safetensors(&d.path().join("model_state.tp0.0.safetensors"), &v);
     write_version(d.path(), "1");
     let released = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
@@ -478,7 +473,7 @@ fn engine_owned_release_and_acquire_hooks() {
     let old = Box::leak(vec![0u8; 64].into_boxed_slice());
     unsafe {
         m.register(
-            &ParamSpec::host("w", weight_manager_core::tensor::DType::F32, &[16]),
+            &ParamSpec::host("w", weight_manager_core::DType::F32, &[16]),
             old.as_mut_ptr(),
             64,
         )

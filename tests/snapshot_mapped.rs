@@ -14,13 +14,13 @@ use common::{tensor, write_safetensors, write_version, T};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Hooks, Mode, Progress};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::mapped_file::mapped_bytes;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::state::State;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::mapped_file::mapped_bytes;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::State;
+use weight_manager_core::{Hooks, Mode, Progress};
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 /// Rows of 2560 B (640 f32), 8192 of them: 20 MiB, more than two covering
 /// windows (8 MiB each, a batch each).

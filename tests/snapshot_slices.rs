@@ -12,13 +12,13 @@ use parking_lot::Mutex;
 use std::path::Path;
 use weight_manager_core::checkpoint::block_sums::BLOCK_SIZE;
 use weight_manager_core::checkpoint::checksums::{self, CHECKSUM_FILE};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::mapped_file::{mapped_bytes, mapped_read_bytes};
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::snapshot::reads::{MAX_GAP, SHORT_SEGMENT};
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::mapped_file::{mapped_bytes, mapped_read_bytes};
+use weight_manager_core::internals::source::reads::{MAX_GAP, SHORT_SEGMENT};
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 /// `rchar` and `mapped_read_bytes` are per process: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());

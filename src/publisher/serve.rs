@@ -7,7 +7,7 @@ use crate::opt_str;
 use crate::result::wm_result;
 use std::ffi::c_char;
 use std::time::Duration;
-use weight_manager_core::publisher::ServeStats;
+use weight_manager_core::ServeStats;
 
 /// ==========================================================================
 /// Publisher: versions, serving, destroy.
@@ -26,7 +26,7 @@ pub unsafe extern "C" fn wm_publisher_set_version(
         let h = try_publisher!(publisher);
         let r = opt_str(version, "version").and_then(|v| {
             if let Some(v) = &v {
-                weight_manager_core::publisher::check_version(v)?;
+                weight_manager_core::check_version(v)?;
             }
             h.value.set_version(v);
             Ok(())

@@ -8,10 +8,10 @@ use crate::enums::{wm_dtype, wm_memory};
 use crate::result::wm_result;
 use crate::{check_struct_size, opt_path, opt_str};
 use std::ffi::{c_char, c_void};
-use weight_manager_core::manifest::Placement;
-use weight_manager_core::publisher::TensorDesc;
-use weight_manager_core::result::{Error, Result};
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::Placement;
+use weight_manager_core::TensorDesc;
+use weight_manager_core::{Error, Result};
 
 /// One tensor, or one shard of a global tensor, for `wm_publisher_add`.
 /// Fill with `wm_tensor_desc_init`, then set at least `name`, `dtype`,
@@ -153,11 +153,7 @@ pub unsafe extern "C" fn wm_publisher_add(
 ///
 /// # Safety
 /// `d`'s pointers are NULL or valid for what they describe.
-unsafe fn add(
-    p: &weight_manager_core::publisher::Publisher,
-    d: &wm_tensor_desc,
-    shard: bool,
-) -> Result<()> {
+unsafe fn add(p: &weight_manager_core::Publisher, d: &wm_tensor_desc, shard: bool) -> Result<()> {
     check_struct_size(
         "wm_tensor_desc",
         d.struct_size,
@@ -471,7 +467,7 @@ unsafe fn tensor_desc<'a>(
     let dtype = wm_dtype::from_raw(dtype).map(DType::from).ok_or_else(|| {
         Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
     })?;
-    if ndim > weight_manager_core::tensor::MAX_NDIM || (ndim > 0 && shape.is_null()) {
+    if ndim > weight_manager_core::MAX_NDIM || (ndim > 0 && shape.is_null()) {
         return Err(Error::invalid_argument(format!(
             "tensor '{name}': bad shape (ndim {ndim})"
         )));

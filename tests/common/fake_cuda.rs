@@ -63,7 +63,7 @@ pub struct Fake {
 
 impl Fake {
     pub fn open() -> Fake {
-        weight_manager_core::memory::cuda::cuda().expect("the fake driver loads");
+        weight_manager_core::internals::memory::cuda::cuda().expect("the fake driver loads");
         // SAFETY: the file the driver was loaded from (same inode).
         let lib = unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW) };
         assert!(!lib.is_null());

@@ -12,13 +12,13 @@ use cudarc::driver::sys;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::cuda::cuda;
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::cuda::cuda;
 use weight_manager_core::wm_result;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// The `wm` program: this build's, or `WM_BIN` (scripts/gpu.sh).
 fn wm() -> String {

@@ -6,10 +6,10 @@
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::manifest::TensorMeta;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::transport::conn::Conn;
-use weight_manager_core::wire::{BucketEntry, Frame};
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::{BucketEntry, Frame};
+use weight_manager_core::DType;
+use weight_manager_core::TensorMeta;
 
 /// Serve one engine at `sock`; `hand_over` sends the buffer and returns
 /// what must live until the session ends (the buffer), or None when the

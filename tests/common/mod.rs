@@ -14,7 +14,7 @@ pub use wm_bin::WM;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
 
 pub fn st_dtype(d: DType) -> Dtype {
     match d {
@@ -86,10 +86,10 @@ pub fn model(seed: u8) -> Vec<T> {
 }
 
 /// Library-owned host params for `ts`, as (pointer, length).
-pub fn register(m: &weight_manager_core::manager::Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
+pub fn register(m: &weight_manager_core::Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
     ts.iter()
         .map(|t| {
-            m.allocate(&weight_manager_core::registry::ParamSpec::host(
+            m.allocate(&weight_manager_core::ParamSpec::host(
                 &t.name, t.dtype, &t.shape,
             ))
             .unwrap()
@@ -109,7 +109,7 @@ pub fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
 }
 
 /// Publish every tensor of `ts` for every rank (`ts` outlives the serving).
-pub fn add_all(p: &weight_manager_core::publisher::Publisher, ts: &[T]) {
+pub fn add_all(p: &weight_manager_core::Publisher, ts: &[T]) {
     for t in ts {
         unsafe {
             p.add_tensor(
@@ -129,16 +129,16 @@ pub fn add_all(p: &weight_manager_core::publisher::Publisher, ts: &[T]) {
 /// timeout), killing the publisher's process `pid` with SIGKILL at the first
 /// progress report; the update must fail, and notice within 5 s.
 pub fn update_killing_publisher(
-    m: &weight_manager_core::manager::Manager,
-    source: weight_manager_core::source::SourceKind,
+    m: &weight_manager_core::Manager,
+    source: weight_manager_core::SourceKind,
     location: impl Into<std::path::PathBuf>,
     pid: u32,
-) -> weight_manager_core::result::Error {
-    let mut req = weight_manager_core::manager::UpdateRequest::snapshot(location);
+) -> weight_manager_core::Error {
+    let mut req = weight_manager_core::UpdateRequest::snapshot(location);
     req.source = source;
     req.timeout = std::time::Duration::from_secs(30);
     let mut killed = false;
-    let mut kill_after_first = |_: &weight_manager_core::apply::Progress| {
+    let mut kill_after_first = |_: &weight_manager_core::Progress| {
         if !killed {
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             killed = true;
@@ -163,8 +163,8 @@ pub struct ShmNames(pub Vec<String>);
 impl Drop for ShmNames {
     fn drop(&mut self) {
         for n in &self.0 {
-            let _ = weight_manager_core::signal::shm::unlink(n);
-            let _ = weight_manager_core::signal::shm::unlink(&format!("{n}.wm_report"));
+            let _ = weight_manager_core::internals::signal::shm::unlink(n);
+            let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{n}.wm_report"));
         }
     }
 }

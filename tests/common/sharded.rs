@@ -2,12 +2,12 @@
 //! sharded transfer (several publishers, engine params as pieces).
 
 use std::time::Duration;
-use weight_manager_core::manifest::Placement;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, ServeStats};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::tensor::DType;
-use weight_manager_core::tensor_box::TensorBox;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::Placement;
+use weight_manager_core::TensorBox;
+use weight_manager_core::{Publisher, ServeStats};
 
 pub const F32: u64 = 4;
 
@@ -100,8 +100,8 @@ pub fn piece(tensor: &str, offset: &[u64], len: &[u64], at: &[u64]) -> Piece {
 
 /// An engine for the sharded tests: host params, no fallback directory,
 /// the network with `secret` and small buckets, UCX over TCP.
-pub fn net_engine(secret: &str) -> weight_manager_core::manager::Manager {
-    use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings};
+pub fn net_engine(secret: &str) -> weight_manager_core::Manager {
+    use weight_manager_core::{Manager, ManagerConfig, NetSettings};
     std::env::set_var("UCX_TLS", "tcp");
     Manager::new(ManagerConfig {
         fallback_dir: None,

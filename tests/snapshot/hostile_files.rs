@@ -9,9 +9,9 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use weight_manager_core::checkpoint::layout;
-use weight_manager_core::logging::{LogLevel, Logger};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::{wm_result, Error, UpdateStats};
+use weight_manager_core::{LogLevel, Logger};
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// When a run that should have ended is declared hung (and unblocked).
@@ -278,7 +278,7 @@ fn nul_in_a_tensor_name_is_refused_at_parse() {
         8,
     );
     let m = manager();
-    let mut on_tensor = |_: &weight_manager_core::apply::TensorView| Ok(());
+    let mut on_tensor = |_: &weight_manager_core::TensorView| Ok(());
     let mut req = UpdateRequest::snapshot(d.path());
     req.version = Some("1".into());
     req.hooks.tensor = Some(&mut on_tensor);

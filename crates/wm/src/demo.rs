@@ -5,11 +5,11 @@ use crate::fixtures::{self, FakeTensor};
 use crate::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use weight_manager_core::apply::Mode;
 use weight_manager_core::checkpoint::checksums;
-use weight_manager_core::logging::{LogLevel, Logger};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::Mode;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::{LogLevel, Logger};
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 /// `wm demo` options.
 #[derive(clap::Args, Debug)]

@@ -4,7 +4,7 @@
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
 
 pub struct FakeTensor {
     pub name: String,

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::time::Duration;
-use weight_manager_core::apply::Progress;
+use weight_manager_core::Progress;
 
 pub fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

@@ -4,8 +4,8 @@ use crate::fmt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weight_manager_core::checkpoint::{checksums, layout, safetensors_file, version};
-use weight_manager_core::logging::Logger;
-use weight_manager_core::tensor::shape_text;
+use weight_manager_core::internals::shape_text;
+use weight_manager_core::Logger;
 
 const SHOWN: usize = 40;
 /// How long `wm inspect` may spend reading a snapshot's headers.
@@ -111,7 +111,7 @@ pub fn manifest(a: &ManifestArgs) -> Result<(), String> {
     let t = Instant::now();
     let line = parking_lot::Mutex::new(fmt::progress_line("hashing"));
     let progress = |done: u64, total: u64| {
-        let p = weight_manager_core::apply::Progress {
+        let p = weight_manager_core::Progress {
             bytes_done: done,
             bytes_total: total,
             ..Default::default()
@@ -120,7 +120,7 @@ pub fn manifest(a: &ManifestArgs) -> Result<(), String> {
     };
     let w = checksums::write_with_progress(
         dir,
-        weight_manager_core::memory::copy::default_threads(),
+        weight_manager_core::internals::memory::copy::default_threads(),
         &progress,
     )
     .map_err(|e| e.to_string())?;

@@ -6,15 +6,15 @@ use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Mode, TensorView};
 use weight_manager_core::checkpoint::layout::SnapshotLocation;
 use weight_manager_core::checkpoint::Checkpoint;
 use weight_manager_core::defaults;
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::SourceKind;
+use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager_core::Logger;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::{Mode, TensorView};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 /// `wm serve` options.
 #[derive(clap::Args, Debug)]

@@ -51,7 +51,7 @@ use std::process::ExitCode;
 
 /// The version `wm --version` prints; "(test hooks)" after it in a build
 /// with the core's test hooks, which the integration tests check for.
-const VERSION: &str = if weight_manager_core::publisher::TEST_HOOKS {
+const VERSION: &str = if weight_manager_core::TEST_HOOKS {
     concat!(env!("CARGO_PKG_VERSION"), " (test hooks)")
 } else {
     env!("CARGO_PKG_VERSION")
@@ -139,7 +139,7 @@ fn run(command: &Command) -> Result<(), String> {
 /// `wm devices`: what the CUDA backend sees; fails with the reason when
 /// device params cannot work here.
 fn devices() -> Result<(), String> {
-    let cuda = weight_manager_core::memory::cuda::cuda().map_err(|e| e.to_string())?;
+    let cuda = weight_manager_core::internals::memory::cuda::cuda().map_err(|e| e.to_string())?;
     println!("{}", cuda.describe());
     for d in 0..cuda.device_count() {
         let (name, total) = cuda.device_info(d).map_err(|e| e.to_string())?;

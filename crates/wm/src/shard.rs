@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use weight_manager_core::checkpoint::shard_meta::{shard_json, SHARD_KEY};
 use weight_manager_core::checkpoint::{checksums, layout, version, Checkpoint};
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manifest::{Placement, TensorMeta};
+use weight_manager_core::Logger;
+use weight_manager_core::{Placement, TensorMeta};
 
 /// `wm shard` options.
 #[derive(clap::Args, Debug)]
@@ -75,8 +75,11 @@ pub fn run(a: &Args) -> Result<(), String> {
         std::fs::copy(&from, out.join(version::VERSION_FILE))
             .map_err(|e| format!("copying {}: {e}", from.display()))?;
     }
-    checksums::write(out, weight_manager_core::memory::copy::default_threads())
-        .map_err(|e| e.to_string())?;
+    checksums::write(
+        out,
+        weight_manager_core::internals::memory::copy::default_threads(),
+    )
+    .map_err(|e| e.to_string())?;
     println!(
         "wrote {ranks} rank file(s) to {}: {} tensors split along dim {dim}, {} in {}",
         out.display(),

@@ -7,8 +7,8 @@
 //!   request, answered as `signal::controller` describes.
 
 use std::time::Duration;
-use weight_manager_core::signal::controller::Controller;
-use weight_manager_core::state::State;
+use weight_manager_core::Controller;
+use weight_manager_core::State;
 
 /// `wm signal` options.
 #[derive(clap::Args, Debug)]

@@ -14,12 +14,12 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 use weight_manager_core::checksum;
-use weight_manager_core::fanout::FanoutSettings;
-use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::cuda_ipc::download;
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::state::State;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::cuda_ipc::download;
+use weight_manager_core::DType;
+use weight_manager_core::FanoutSettings;
+use weight_manager_core::State;
+use weight_manager_core::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// `wm worker` options.
 #[derive(clap::Args, Debug)]

@@ -61,11 +61,11 @@ mod tests;
 
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;
-pub use failure::{ApplyFailure, Weights};
+pub use failure::ApplyFailure;
+#[cfg(test)]
+pub(crate) use types::ProgressHook;
 pub use progress::Progress;
-pub use types::{
-    Applied, ApplyOptions, Chunk, DeviceBytes, Hooks, Mode, ProgressHook, TensorHook, TensorView,
-};
+pub use types::{Applied, ApplyOptions, Chunk, DeviceBytes, Hooks, Mode, TensorView};
 
 use crate::memory::loose::check_callback_staging;
 use crate::memory::staging::DeviceStaging;

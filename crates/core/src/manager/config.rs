@@ -188,9 +188,6 @@ pub struct GroupSettings {
     pub timeout: Duration,
 }
 
-/// Default bound on rendezvous and per-step waits.
-pub const DEFAULT_SIGNAL_TIMEOUT: Duration = crate::defaults::SIGNAL_TIMEOUT;
-
 /// What to update from and how.
 pub struct UpdateRequest<'h> {
     pub source: SourceKind,

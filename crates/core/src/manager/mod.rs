@@ -53,10 +53,10 @@ mod shadows;
 mod sources;
 mod update;
 
-pub use crate::checkpoint::version::{check_version, MAX_VERSION_LEN};
+pub use crate::checkpoint::version::check_version;
 pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
-    UpdateRequest, UpdateStats, DEFAULT_SIGNAL_TIMEOUT, DEFAULT_TIMEOUT,
+    UpdateRequest, UpdateStats,
 };
 
 struct Record {

@@ -97,10 +97,6 @@ impl BucketMemory {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Where byte `offset` is, for the copier (callers have checked the range).
     pub fn source(&self, offset: u64) -> crate::memory::copy::CopySource<'static> {
         use crate::memory::copy::CopySource;

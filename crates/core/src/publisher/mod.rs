@@ -89,10 +89,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The UCX tag of a network bucket entry's message (`wire::message_tag`).
-pub use crate::wire::message_tag as net_tag;
 pub use config::{PublisherConfig, TEST_HOOKS};
 pub use offer::{Content, HostTensor};
-pub use stats::{ServeStats, SessionStats};
+pub use stats::ServeStats;
 
 use accept::Acceptor;
 use config::check_config;

@@ -27,11 +27,6 @@ pub fn message_tag(seq: u64, k: usize) -> u64 {
     (seq << 32) | (k as u64 + 1)
 }
 
-/// [`PACK_BELOW`], for benchmarks that mirror a session's messages.
-pub fn pack_below_bytes() -> usize {
-    PACK_BELOW as usize
-}
-
 /// Blocks shorter than this travel packed: consecutive blocks of a
 /// request, copied back to back into one message of up to
 /// [`NET_MESSAGE`] bytes; from this size up a block goes alone, straight

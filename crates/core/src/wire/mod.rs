@@ -24,11 +24,11 @@ use crate::manifest::TensorMeta;
 
 pub use buckets::{
     check_bucket, check_windows, max_pieces, message_source, message_tag, net_message_bytes,
-    pack_below_bytes, split_entries, WindowBlocks,
+    split_entries,
 };
 pub(crate) use fields::{In, Out};
-pub use want::{check_requests, Request, RequestPieces, WantRun, MAX_BLOCKS};
-pub use want_bounds::{check_cuts, check_size, MAX_PIECES, MAX_RUN_STEPS};
+pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
+pub use want_bounds::{check_cuts, check_size};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 2: manifest tensors carry their shard placement. 3: WANT asks for

@@ -18,9 +18,9 @@ use crate::fmt::gbps;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::Manager;
-use weight_manager_core::registry::ParamSpec;
+use weight_manager_core::Manager;
+use weight_manager_core::Mode;
+use weight_manager_core::ParamSpec;
 
 /// A manager with library-owned params for `model`.
 fn library(model: &Model, threads: usize) -> Result<Manager, String> {

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use weight_manager_core::delta;
 use weight_manager_core::quant::{self, Scheme, Source};
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
 
 const TORCH_PEER: &str = r#"
 import sys, time, numpy as np, torch

@@ -23,13 +23,13 @@ use crate::fmt::{self, gbps};
 use cudarc::driver::sys;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::cuda::cuda;
-use weight_manager_core::memory::cuda_ipc::ExportedDeviceBuffer;
-use weight_manager_core::registry::{MemoryKind, ParamSpec};
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::cuda::cuda;
+use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// `wm bench gpu` options.
 #[derive(clap::Args, Debug)]

@@ -27,10 +27,10 @@ use super::model::{self, layer_count, HALVES};
 use crate::fmt::{self, gbps};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::{Mode, TensorView};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
-use weight_manager_core::source::SourceKind;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
+use weight_manager_core::{Mode, TensorView};
+use weight_manager_core::{Publisher, PublisherConfig};
 
 /// Updates before the timed one: a publisher alternates two buffers.
 const WARM_UPS: usize = 2;

@@ -9,13 +9,13 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::host::HostRegion;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::host::HostRegion;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig, ServeStats};
 
 /// One layer's bytes.
 pub const LAYER: usize = 64 << 20;

@@ -16,12 +16,10 @@ use super::model::{self, half_params, layer_count, HALVES};
 use super::ucx_floor::{raw_floor, FloorPair, Take};
 use crate::fmt::{self, gbps};
 use std::time::{Duration, Instant};
-use weight_manager_core::manager::{
-    Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats,
-};
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats};
 
 const SECRET: &str = "wm-bench-net-secret-0123456789";
 
@@ -116,7 +114,7 @@ impl Net {
     fn request(&self, skip: bool) -> UpdateRequest<'_> {
         let mut r = UpdateRequest::snapshot(&self.addr);
         r.source = SourceKind::Rdma;
-        r.mode = weight_manager_core::apply::Mode::InPlace;
+        r.mode = weight_manager_core::Mode::InPlace;
         r.skip_network_checksums = skip;
         r
     }
@@ -139,7 +137,7 @@ struct NetFloor {
 
 impl NetFloor {
     fn new(total: usize, bucket: usize) -> NetFloor {
-        let message = weight_manager_core::wire::net_message_bytes().min(bucket);
+        let message = weight_manager_core::internals::wire::net_message_bytes().min(bucket);
         NetFloor {
             src: buffer(total),
             message,
@@ -225,7 +223,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         &engines.to_string(),
     ])?;
     let addr = trainer.line_after("listening ")?;
-    let ucx = weight_manager_core::transport::ucx::ucx().map_err(|e| e.to_string())?;
+    let ucx = weight_manager_core::internals::transport::ucx::ucx().map_err(|e| e.to_string())?;
     println!(
         "wm bench net: {} of bf16 in {count} tensors from a trainer process at {addr}, buckets of {} MiB x {DEPTH}, {}, UCX_TLS={}",
         fmt::bytes(total as u64),

@@ -21,7 +21,7 @@ use super::harness::{alternate, verdict, Scratch};
 use crate::fmt::gbps;
 use std::time::{Duration, Instant};
 use weight_manager_core::quant::{self, Scheme, Source};
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
 
 const SHAPE: [usize; 2] = [4096, 8192];
 

@@ -13,8 +13,8 @@ use super::harness::process::Proc;
 use super::harness::{python, verdict};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use weight_manager_core::manager::{GroupSettings, Manager, ManagerConfig};
-use weight_manager_core::signal::shm::{self, OpenMode, SharedMapping};
+use weight_manager_core::internals::signal::shm::{self, OpenMode, SharedMapping};
+use weight_manager_core::{GroupSettings, Manager, ManagerConfig};
 
 const BASELINE: &str = include_str!("signal_baseline.py");
 
@@ -206,9 +206,9 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// The largest rank count with the signal not NORMAL: every step a barrier.
 fn barrier_row(n: u32, steps: usize, work_us: u64) -> Result<(), String> {
     let cell = format!("wmbench_cell_{}", std::process::id());
-    let c = weight_manager_core::signal::ControlCell::open_or_create(&cell)
+    let c = weight_manager_core::internals::signal::ControlCell::open_or_create(&cell)
         .map_err(|e| e.to_string())?;
-    c.store(weight_manager_core::state::State::Cleared as i32)
+    c.store(weight_manager_core::State::Cleared as i32)
         .map_err(|e| e.to_string())?;
     let barrier = run_ranks(n, (steps / 4).max(1000), work_us, Some(&cell));
     let _ = shm::unlink(&cell);

@@ -22,8 +22,8 @@ use crate::fmt::{self, gbps};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
 
 /// `wm bench snapshot` options.
 #[derive(clap::Args, Debug)]
@@ -53,7 +53,7 @@ pub struct Snapshot<'a> {
 pub fn run(a: &Args) -> Result<(), String> {
     let threads = a
         .threads
-        .unwrap_or_else(weight_manager_core::memory::copy::default_threads);
+        .unwrap_or_else(weight_manager_core::internals::memory::copy::default_threads);
     let root = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     let scratch = Scratch::new(&root, "wm-bench")?;
     let dir = &scratch.0;

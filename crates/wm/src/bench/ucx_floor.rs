@@ -12,8 +12,8 @@
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use weight_manager_core::memory::SendPtr;
-use weight_manager_core::transport::ucx::Pump;
+use weight_manager_core::internals::memory::SendPtr;
+use weight_manager_core::internals::transport::ucx::Pump;
 
 /// How a pair's messages take their bytes from its source.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -15,10 +15,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use weight_manager_core::logging::{LogLevel, Logger};
-use weight_manager_core::manifest::Manifest;
 use weight_manager_core::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
 use weight_manager_core::plan::{Params, PlanOptions, Sources, Target};
+use weight_manager_core::Manifest;
+use weight_manager_core::{LogLevel, Logger};
 
 /// `wm plan` options.
 #[derive(clap::Args, Debug)]

@@ -30,9 +30,7 @@ pub mod reads;
 use super::Step;
 use crate::apply::Applier;
 use crate::checkpoint::block_sums::BlockSums;
-pub use crate::checkpoint::layout::{
-    gpu_id, Layout, LayoutKind, SnapshotLocation, DEFAULT_FALLBACK_DIR,
-};
+pub use crate::checkpoint::layout::{gpu_id, SnapshotLocation, DEFAULT_FALLBACK_DIR};
 use crate::checkpoint::regular_file;
 use crate::checkpoint::Checkpoint;
 use crate::logging::Logger;
@@ -52,16 +50,6 @@ pub struct SnapshotSource {
 }
 
 impl SnapshotSource {
-    /// Open with a generous deadline, reading `version.yaml`.
-    pub fn open(loc: &SnapshotLocation, logger: &Logger) -> Result<SnapshotSource> {
-        SnapshotSource::open_until(
-            loc,
-            logger,
-            Instant::now() + crate::checkpoint::OPEN_BOUND,
-            true,
-        )
-    }
-
     /// Open the checkpoint ([`Checkpoint::open`]) before `deadline`.
     pub fn open_until(
         loc: &SnapshotLocation,
@@ -71,10 +59,6 @@ impl SnapshotSource {
     ) -> Result<SnapshotSource> {
         let checkpoint = Checkpoint::open(loc, logger, deadline, read_version)?;
         Ok(SnapshotSource { checkpoint })
-    }
-
-    pub fn layout(&self) -> &Layout {
-        &self.checkpoint.layout
     }
 }
 

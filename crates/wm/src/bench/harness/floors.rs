@@ -139,7 +139,7 @@ pub(crate) fn mapped_read(
         }
         // SAFETY: the piece is inside dst and the mapping holds its bytes.
         unsafe {
-            weight_manager_core::memory::copy::copy_bytes(
+            weight_manager_core::internals::memory::copy::copy_bytes(
                 (d.0 + start) as *mut u8,
                 (p as *const u8).add(skip),
                 len,

@@ -22,12 +22,12 @@ use super::{Args, Row};
 use crate::bench::harness::best_timed;
 use serde_json::json;
 use std::time::Duration;
-use weight_manager_core::logging::Logger;
-use weight_manager_core::manifest::{Manifest, SharedMeta};
 use weight_manager_core::plan::layout::{EngineLayout, TrainerLayout};
 use weight_manager_core::plan::{
     fingerprint, make_sharded_plan, ParamLayout, Plan, PlanEntry, PlanOptions, Sources, Target,
 };
+use weight_manager_core::Logger;
+use weight_manager_core::{Manifest, SharedMeta};
 
 /// The target for planning 10,000 pieces over 8 sources.
 const TARGET: Duration = Duration::from_millis(10);
@@ -74,7 +74,7 @@ fn measure(
         skip_unknown: true,
         ..Default::default()
     };
-    let quiet = Logger::stderr(weight_manager_core::logging::LogLevel::Off);
+    let quiet = Logger::stderr(weight_manager_core::LogLevel::Off);
     let plan = || make_sharded_plan(&manifests, &params, opts, &quiet).map_err(|e| e.to_string());
     let runs_made = plan()?.runs.len();
     let scratch = best_timed(runs, || plan().map(drop))?;

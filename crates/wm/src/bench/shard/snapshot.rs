@@ -33,13 +33,13 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
 use weight_manager_core::checkpoint::{checksums, safetensors_file};
-use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::memory::copy::default_threads;
-use weight_manager_core::pieces::Piece;
-use weight_manager_core::registry::ParamSpec;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::internals::memory::copy::default_threads;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::ParamSpec;
+use weight_manager_core::Piece;
+use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 
 const RANKS: u64 = 4;
 const FILE: &str = "model.safetensors";
@@ -312,5 +312,5 @@ fn rchar() -> Result<u64, String> {
         .find_map(|l| l.strip_prefix("rchar: "))
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or_else(|| "no rchar in /proc/self/io".to_string())?;
-    Ok(rchar + weight_manager_core::memory::mapped_file::mapped_read_bytes())
+    Ok(rchar + weight_manager_core::internals::memory::mapped_file::mapped_read_bytes())
 }

@@ -34,11 +34,11 @@ use crate::bench::model::{
 use crate::fmt::{self, gbps};
 use std::io::Write;
 use std::time::{Duration, Instant};
-use weight_manager_core::apply::Mode;
-use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::manifest::Placement;
-use weight_manager_core::source::SourceKind;
-use weight_manager_core::tensor::DType;
+use weight_manager_core::DType;
+use weight_manager_core::Mode;
+use weight_manager_core::Placement;
+use weight_manager_core::SourceKind;
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 
 const SECRET: &str = "wm-bench-shard-ucx-secret-0123456789";
 /// The TP split of each pattern: the dimension halved.

@@ -54,7 +54,7 @@ pub(super) struct FloorSet<'a> {
 impl<'a> FloorSet<'a> {
     pub fn new(dim: usize, bucket_mib: usize, src: &'a [u8]) -> FloorSet<'a> {
         let total = src.len() as u64;
-        let message = weight_manager_core::wire::net_message_bytes();
+        let message = weight_manager_core::internals::wire::net_message_bytes();
         let in_flight = (DEPTH * (bucket_mib << 20) / message).clamp(1, 64);
         let (trainer, row) = (src.len() / HALVES as usize, row_bytes());
         let pairs: Vec<(&[u8], usize)> = (0..HALVES)
