@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use weight_manager_core::apply::{Mode, Progress};
 use weight_manager_core::manager::{Manager, UpdateRequest};
 use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::publisher::{Publisher, PublisherConfig, TensorDesc};
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
@@ -53,8 +53,16 @@ fn add_shards(p: &Publisher, r: u64, globals: &[Global]) {
         if g.name == "b" {
             if r == 1 {
                 // SAFETY: `globals` outlives the serving.
-                unsafe { p.add_tensor("b", DType::F32, &g.shape, g.bytes.as_ptr(), 192, None) }
-                    .unwrap();
+                unsafe {
+                    p.add(TensorDesc::host(
+                        "b",
+                        DType::F32,
+                        &g.shape,
+                        g.bytes.as_ptr(),
+                        192,
+                    ))
+                }
+                .unwrap();
             }
             continue;
         }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::publisher::{Publisher, PublisherConfig, TensorDesc};
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
@@ -236,14 +236,13 @@ fn replicas_with_different_checksums_are_refused_naming_both() {
                     let p = publisher(dir.path(), via, i);
                     // SAFETY: the globals outlive the serving.
                     unsafe {
-                        p.add_tensor(
+                        p.add(TensorDesc::host(
                             "r",
                             DType::F32,
                             &g.shape,
                             g.bytes.as_ptr(),
                             g.bytes.len(),
-                            None,
-                        )
+                        ))
                     }
                     .unwrap();
                     p.set_version(Some("v1".into()));

@@ -4,7 +4,7 @@
 use std::time::Duration;
 use weight_manager_core::manifest::Placement;
 use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, ServeStats};
+use weight_manager_core::publisher::{Publisher, ServeStats, TensorDesc};
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::tensor::DType;
 use weight_manager_core::tensor_box::TensorBox;
@@ -73,14 +73,9 @@ impl Global {
             global_shape: self.shape.clone(),
             offset: b.offset.clone(),
         };
-        p.add_shard(
-            self.name,
-            DType::F32,
-            &b.len,
-            &placement,
-            bytes.as_ptr(),
-            bytes.len(),
-            None,
+        p.add(
+            TensorDesc::host(self.name, DType::F32, &b.len, bytes.as_ptr(), bytes.len())
+                .shard_of(placement),
         )
         .unwrap();
     }

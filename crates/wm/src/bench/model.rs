@@ -13,7 +13,7 @@ use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::memory::host::HostRegion;
 use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats};
+use weight_manager_core::publisher::{Publisher, PublisherConfig, ServeStats, TensorDesc};
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::tensor::DType;
 
@@ -176,9 +176,9 @@ pub fn trainer_layers(count: usize) -> Vec<Vec<u8>> {
 pub fn add_layers(p: &Publisher, data: &[Vec<u8>], rank: Option<u32>) -> Result<(), String> {
     for (i, d) in data.iter().enumerate() {
         let name = format!("layers.{i}.w");
+        let t = TensorDesc::host(&name, DType::Bf16, &LAYER_SHAPE, d.as_ptr(), d.len());
         // SAFETY: the caller keeps `data` alive while `p` serves.
-        unsafe { p.add_tensor(&name, DType::Bf16, &LAYER_SHAPE, d.as_ptr(), d.len(), rank) }
-            .map_err(|e| e.to_string())?;
+        unsafe { p.add(t.for_rank(rank)) }.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

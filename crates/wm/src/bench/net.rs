@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use weight_manager_core::manager::{
     Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats,
 };
+use weight_manager_core::publisher::TensorDesc;
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
@@ -52,8 +53,10 @@ pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
     let p = model::net_publisher(SECRET)?;
     model::add_layers(&p, &data, Some(0))?;
     // SAFETY: `small` outlives the serving.
-    unsafe { p.add_tensor("probe", DType::U8, &[4096], small.as_ptr(), 4096, Some(1)) }
-        .map_err(|e| e.to_string())?;
+    unsafe {
+        p.add(TensorDesc::host("probe", DType::U8, &[4096], small.as_ptr(), 4096).for_rank(1))
+    }
+    .map_err(|e| e.to_string())?;
     let stats = model::listen_and_serve(&p, a.engines)?;
     for s in stats.sessions.iter().filter(|s| s.rank == 0) {
         println!(

@@ -36,7 +36,7 @@ use weight_manager_core::memory::copy::copy_bytes;
 use weight_manager_core::memory::shared::SharedBuffer;
 use weight_manager_core::memory::SendPtr;
 use weight_manager_core::pieces::Piece;
-use weight_manager_core::publisher::{Publisher, PublisherConfig};
+use weight_manager_core::publisher::{Publisher, PublisherConfig, TensorDesc};
 use weight_manager_core::registry::ParamSpec;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
@@ -218,14 +218,11 @@ fn trainer(dir: &Path, rank: u64, layers: u64) -> Result<(), String> {
     for (i, s) in shards.iter().enumerate() {
         // SAFETY: `shards` outlives the publisher's use of it.
         unsafe {
-            p.add_shard(
-                &format!("layers.{i}.w"),
-                DType::Bf16,
-                &[SHARD_ROWS, SHAPE[1]],
-                &placement,
-                s.as_ptr(),
-                s.len(),
-                None,
+            let name = format!("layers.{i}.w");
+            let shape = [SHARD_ROWS, SHAPE[1]];
+            p.add(
+                TensorDesc::host(&name, DType::Bf16, &shape, s.as_ptr(), s.len())
+                    .shard_of(placement.clone()),
             )
         }
         .map_err(|e| e.to_string())?;

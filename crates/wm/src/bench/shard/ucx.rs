@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use weight_manager_core::apply::Mode;
 use weight_manager_core::manager::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::manifest::Placement;
+use weight_manager_core::publisher::TensorDesc;
 use weight_manager_core::source::SourceKind;
 use weight_manager_core::tensor::DType;
 
@@ -256,14 +257,9 @@ pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
         let name = format!("layers.{i}.w");
         // SAFETY: `data` outlives the serving.
         unsafe {
-            p.add_shard(
-                &name,
-                DType::Bf16,
-                &shape,
-                &placement,
-                d.as_ptr(),
-                d.len(),
-                None,
+            p.add(
+                TensorDesc::host(&name, DType::Bf16, &shape, d.as_ptr(), d.len())
+                    .shard_of(placement.clone()),
             )
         }
         .map_err(|e| e.to_string())?;
