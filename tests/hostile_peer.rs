@@ -403,7 +403,18 @@ fn a_tebibyte_callback_tensor_over_rdma_is_refused() {
         ..Default::default()
     };
     let p = weight_manager_core::Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
-    unsafe { p.add_tensor("huge", DType::U8, &[TIB], huge.cast(), TIB as usize, None) }.unwrap();
+    // SAFETY: the mapping stays (unmapped only after serving ends); its
+    // pages read as zeros.
+    unsafe {
+        p.add(weight_manager_core::TensorDesc::host(
+            "huge",
+            DType::U8,
+            &[TIB],
+            huge.cast(),
+            TIB as usize,
+        ))
+    }
+    .unwrap();
     p.set_version(Some("hostile".into()));
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,

@@ -22,7 +22,7 @@ use weight_manager_core::DType;
 use weight_manager_core::ParamSpec;
 use weight_manager_core::SourceKind;
 use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 const MIB: u64 = 1 << 20;
 
@@ -52,7 +52,16 @@ fn publisher(sock: &Path, data: &[u8], bucket: usize) -> Publisher {
     let p = Publisher::bind(sock, cfg).unwrap();
     let n = data.len() as u64;
     // SAFETY: `data` outlives every serve call of the test.
-    unsafe { p.add_tensor("big", DType::U8, &[n], data.as_ptr(), data.len(), None) }.unwrap();
+    unsafe {
+        p.add(TensorDesc::host(
+            "big",
+            DType::U8,
+            &[n],
+            data.as_ptr(),
+            data.len(),
+        ))
+    }
+    .unwrap();
     p.set_version(Some("v1".into()));
     p
 }
@@ -410,7 +419,16 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
     let data = vec![7u8; (64 * MIB) as usize];
     let n = data.len() as u64;
     // SAFETY: `data` outlives the serve call.
-    unsafe { p.add_tensor("big", DType::U8, &[n], data.as_ptr(), data.len(), None) }.unwrap();
+    unsafe {
+        p.add(TensorDesc::host(
+            "big",
+            DType::U8,
+            &[n],
+            data.as_ptr(),
+            data.len(),
+        ))
+    }
+    .unwrap();
     p.set_version(Some("v1".into()));
     let addr = p.address();
     std::thread::scope(|s| {

@@ -21,7 +21,7 @@ use weight_manager_core::Piece;
 use weight_manager_core::SourceKind;
 use weight_manager_core::{Manager, UpdateRequest};
 use weight_manager_core::{Mode, Progress};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 const SECRET: &str = "sharded-secret-0123456789";
 
@@ -53,8 +53,16 @@ fn add_shards(p: &Publisher, r: u64, globals: &[Global]) {
         if g.name == "b" {
             if r == 1 {
                 // SAFETY: `globals` outlives the serving.
-                unsafe { p.add_tensor("b", DType::F32, &g.shape, g.bytes.as_ptr(), 192, None) }
-                    .unwrap();
+                unsafe {
+                    p.add(TensorDesc::host(
+                        "b",
+                        DType::F32,
+                        &g.shape,
+                        g.bytes.as_ptr(),
+                        192,
+                    ))
+                }
+                .unwrap();
             }
             continue;
         }

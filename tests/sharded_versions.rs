@@ -21,7 +21,7 @@ use weight_manager_core::ParamSpec;
 use weight_manager_core::Piece;
 use weight_manager_core::SourceKind;
 use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 const SECRET: &str = "sharded-versions-secret-0123";
 
@@ -236,14 +236,13 @@ fn replicas_with_different_checksums_are_refused_naming_both() {
                     let p = publisher(dir.path(), via, i);
                     // SAFETY: the globals outlive the serving.
                     unsafe {
-                        p.add_tensor(
+                        p.add(TensorDesc::host(
                             "r",
                             DType::F32,
                             &g.shape,
                             g.bytes.as_ptr(),
                             g.bytes.len(),
-                            None,
-                        )
+                        ))
                     }
                     .unwrap();
                     p.set_version(Some("v1".into()));

@@ -19,7 +19,7 @@ use weight_manager_core::internals::wire::Frame;
 use weight_manager_core::wm_result;
 use weight_manager_core::DType;
 use weight_manager_core::{Manifest, Placement, TensorMeta};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 const SECRET: &str = "shards-secret-0123456789";
 
@@ -38,28 +38,24 @@ fn add_rank_shards(p: &Publisher, r: u64, data: &[f32; 6], b: &[f32; 3]) {
     // SAFETY: `data` and `b` outlive the publisher's serving (the callers
     // keep them until serve returns).
     unsafe {
-        p.add_shard(
-            "w",
-            DType::F32,
-            &[1, 3],
-            &at(&[4, 3], &[2 * r, 0]),
-            row(0),
-            12,
-            None,
+        p.add(
+            TensorDesc::host("w", DType::F32, &[1, 3], row(0), 12)
+                .shard_of(at(&[4, 3], &[2 * r, 0])),
         )
         .unwrap();
-        p.add_shard(
-            "w",
-            DType::F32,
-            &[1, 3],
-            &at(&[4, 3], &[2 * r + 1, 0]),
-            row(1),
-            12,
-            None,
+        p.add(
+            TensorDesc::host("w", DType::F32, &[1, 3], row(1), 12)
+                .shard_of(at(&[4, 3], &[2 * r + 1, 0])),
         )
         .unwrap();
-        p.add_tensor("b", DType::F32, &[3], b.as_ptr().cast(), 12, None)
-            .unwrap();
+        p.add(TensorDesc::host(
+            "b",
+            DType::F32,
+            &[3],
+            b.as_ptr().cast(),
+            12,
+        ))
+        .unwrap();
     }
 }
 
@@ -198,10 +194,10 @@ fn bad_shards_are_refused_when_added() {
         let len = shape.iter().product::<u64>() as usize * DType::size(dtype);
         // SAFETY: `data` outlives the publisher; nothing is served.
         unsafe {
-            match pl {
-                Some(pl) => p.add_shard(name, dtype, shape, &pl, data.as_ptr(), len, rank),
-                None => p.add_tensor(name, dtype, shape, data.as_ptr(), len, rank),
-            }
+            p.add(TensorDesc {
+                placement: pl,
+                ..TensorDesc::host(name, dtype, shape, data.as_ptr(), len).for_rank(rank)
+            })
         }
     };
     add("w", DType::U8, &[2, 4], Some(at(&[4, 4], &[0, 0])), None).unwrap();

@@ -111,15 +111,15 @@ pub fn assert_params(ptrs: &[(*mut u8, usize)], ts: &[T]) {
 /// Publish every tensor of `ts` for every rank (`ts` outlives the serving).
 pub fn add_all(p: &weight_manager_core::Publisher, ts: &[T]) {
     for t in ts {
+        // SAFETY: the caller keeps `ts` alive while `p` serves.
         unsafe {
-            p.add_tensor(
+            p.add(weight_manager_core::TensorDesc::host(
                 &t.name,
                 t.dtype,
                 &t.shape,
                 t.data.as_ptr(),
                 t.data.len(),
-                None,
-            )
+            ))
         }
         .unwrap();
     }

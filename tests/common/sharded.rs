@@ -7,7 +7,7 @@ use weight_manager_core::ParamSpec;
 use weight_manager_core::Piece;
 use weight_manager_core::Placement;
 use weight_manager_core::TensorBox;
-use weight_manager_core::{Publisher, ServeStats};
+use weight_manager_core::{Publisher, ServeStats, TensorDesc};
 
 pub const F32: u64 = 4;
 
@@ -73,14 +73,9 @@ impl Global {
             global_shape: self.shape.clone(),
             offset: b.offset.clone(),
         };
-        p.add_shard(
-            self.name,
-            DType::F32,
-            &b.len,
-            &placement,
-            bytes.as_ptr(),
-            bytes.len(),
-            None,
+        p.add(
+            TensorDesc::host(self.name, DType::F32, &b.len, bytes.as_ptr(), bytes.len())
+                .shard_of(placement),
         )
         .unwrap();
     }

@@ -14,7 +14,7 @@ use weight_manager_core::Logger;
 use weight_manager_core::SourceKind;
 use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::{Mode, TensorView};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 /// `wm serve` options.
 #[derive(clap::Args, Debug)]
@@ -210,15 +210,14 @@ fn load_to_gpu(p: &Publisher, dir: &Path, gpu: i32) -> Result<Vec<ExportedDevice
         unsafe { mem.copy_in(0, bytes.as_ptr() as u64, bytes.len()) }.map_err(|e| e.to_string())?;
         // SAFETY: the GPU memory is kept (returned) until serving ends.
         unsafe {
-            p.add_device_tensor(
+            p.add(TensorDesc::device(
                 &t.name,
                 t.dtype,
                 &t.shape,
                 mem.ptr(),
                 bytes.len(),
                 gpu,
-                None,
-            )
+            ))
         }
         .map_err(|e| e.to_string())?;
         held.push(mem);

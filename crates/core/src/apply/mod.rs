@@ -62,9 +62,9 @@ mod tests;
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;
 pub use failure::ApplyFailure;
+pub use progress::Progress;
 #[cfg(test)]
 pub(crate) use types::ProgressHook;
-pub use progress::Progress;
 pub use types::{Applied, ApplyOptions, Chunk, DeviceBytes, Hooks, Mode, TensorView};
 
 use crate::memory::loose::check_callback_staging;

@@ -14,7 +14,8 @@
 //!   for, or with "every rank".
 //!
 //! **Shards of global tensors.** A trainer rank that holds only a piece of
-//! a global tensor serves it with [`Publisher::add_shard`]: the piece's own
+//! a global tensor serves it with [`Publisher::add`] and
+//! [`TensorDesc::shard_of`]: the piece's own
 //! box, placed at an offset in the global shape; every engine's manifest
 //! carries the placement (`docs/wire.md`, protocol 2), and the engine takes
 //! the parts its params need. Several publishers, one per trainer rank,
@@ -136,15 +137,30 @@ pub struct TensorDesc<'a> {
     pub placement: Option<Placement>,
 }
 
+/// Builders for the common cases, chained from [`TensorDesc::host`] or
+/// [`TensorDesc::device`]:
+///
+/// ```ignore
+/// // a whole host tensor, for every rank
+/// TensorDesc::host("w", DType::F32, &[4], ptr, 16)
+/// // for rank 1 only, a shard of a global [8] tensor at offset [4]
+/// TensorDesc::host("w", DType::F32, &[4], ptr, 16).for_rank(1).shard_of(placement)
+/// // 16 bytes of GPU 0's memory at device address `dptr`
+/// TensorDesc::device("w", DType::F32, &[4], dptr, 16, 0)
+/// ```
+///
+/// A descriptor only names memory, it owns nothing: the caller keeps the
+/// memory valid and unchanged as [`Publisher::add`] says (host memory while
+/// sessions run, GPU memory until the next `publish` returns).
 impl<'a> TensorDesc<'a> {
-    /// A whole tensor in host memory.
+    /// A whole tensor in host memory, `len` bytes at `data`, for every
+    /// rank. The memory stays the caller's: see [`Publisher::add`].
     pub fn host(
         name: &'a str,
         dtype: DType,
         shape: &'a [u64],
         data: *const u8,
         len: usize,
-        rank: Option<u32>,
     ) -> TensorDesc<'a> {
         TensorDesc {
             name,
@@ -153,8 +169,44 @@ impl<'a> TensorDesc<'a> {
             data: data as u64,
             len,
             device: None,
-            rank,
+            rank: None,
             placement: None,
+        }
+    }
+
+    /// A whole tensor in the memory of GPU `ordinal`: `len` bytes at device
+    /// address `ptr`, for every rank. The memory stays the caller's, and
+    /// must stay valid until the next [`Publisher::publish`] returns (which
+    /// copies it).
+    pub fn device(
+        name: &'a str,
+        dtype: DType,
+        shape: &'a [u64],
+        ptr: u64,
+        len: usize,
+        ordinal: i32,
+    ) -> TensorDesc<'a> {
+        TensorDesc {
+            data: ptr,
+            device: Some(ordinal),
+            ..TensorDesc::host(name, dtype, shape, std::ptr::null(), len)
+        }
+    }
+
+    /// For engine rank `rank` only (a `u32`), or with `None` every rank.
+    pub fn for_rank(self, rank: impl Into<Option<u32>>) -> TensorDesc<'a> {
+        TensorDesc {
+            rank: rank.into(),
+            ..self
+        }
+    }
+
+    /// A shard of a global tensor: this descriptor's shape is the shard's
+    /// own box, placed at `placement.offset` in `placement.global_shape`.
+    pub fn shard_of(self, placement: Placement) -> TensorDesc<'a> {
+        TensorDesc {
+            placement: Some(placement),
+            ..self
         }
     }
 }
@@ -255,7 +307,9 @@ impl Publisher {
     }
 
     /// Serve one tensor, or one shard of a global tensor, from the
-    /// trainer's host or GPU memory: the one entry point the others wrap.
+    /// trainer's host or GPU memory: the one entry point (the C API's
+    /// deprecated `wm_publisher_add_*` calls wrap it too). Build the
+    /// descriptor with [`TensorDesc::host`] or [`TensorDesc::device`].
     ///
     /// A shard (`placement` set) is its own box, row-major, placed at
     /// `placement.offset` in a global tensor of `placement.global_shape`
@@ -272,8 +326,11 @@ impl Publisher {
     /// memory (a network publisher).
     ///
     /// # Safety
-    /// Host memory: `data..data+len` must stay valid and unchanged while
-    /// sessions run. GPU memory: until the next `publish` returns.
+    /// The descriptor only names memory; the caller keeps owning it. Host
+    /// memory: `data..data+len` must stay valid and unchanged while
+    /// sessions run (and through any `publish`, which copies it). GPU
+    /// memory: the device range must stay valid until the next `publish`
+    /// returns.
     pub unsafe fn add(&self, t: TensorDesc<'_>) -> Result<()> {
         let mut host = HostTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
         host.placement = t.placement;
@@ -282,68 +339,6 @@ impl Publisher {
         } else {
             self.content.lock().add(host)
         }
-    }
-
-    /// Serve a tensor from memory, for `rank` or (None) every rank
-    /// ([`Publisher::add`] of a whole host tensor).
-    ///
-    /// # Safety
-    /// `data..data+len` must stay valid and unchanged while sessions run.
-    pub unsafe fn add_tensor(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        data: *const u8,
-        len: usize,
-        rank: Option<u32>,
-    ) -> Result<()> {
-        self.add(TensorDesc::host(name, dtype, shape, data, len, rank))
-    }
-
-    /// A shard of a global tensor from memory ([`Publisher::add`] with a
-    /// placement).
-    ///
-    /// # Safety
-    /// As [`Publisher::add_tensor`].
-    #[allow(clippy::too_many_arguments)] // kept for the wm CLI's callers; new code: add
-    pub unsafe fn add_shard(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        placement: &Placement,
-        data: *const u8,
-        len: usize,
-        rank: Option<u32>,
-    ) -> Result<()> {
-        self.add(TensorDesc {
-            placement: Some(placement.clone()),
-            ..TensorDesc::host(name, dtype, shape, data, len, rank)
-        })
-    }
-
-    /// A tensor in the trainer's GPU memory: `len` bytes at device address
-    /// `ptr` of GPU `ordinal` ([`Publisher::add`] with a device).
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must stay valid until the next `publish` returns.
-    #[allow(clippy::too_many_arguments)] // kept for the wm CLI's callers; new code: add
-    pub unsafe fn add_device_tensor(
-        &self,
-        name: &str,
-        dtype: DType,
-        shape: &[u64],
-        ptr: u64,
-        len: usize,
-        ordinal: i32,
-        rank: Option<u32>,
-    ) -> Result<()> {
-        self.add(TensorDesc {
-            data: ptr,
-            device: Some(ordinal),
-            ..TensorDesc::host(name, dtype, shape, std::ptr::null(), len, rank)
-        })
     }
 
     /// Add a GPU tensor once the driver says its range is memory of its GPU.
@@ -453,14 +448,14 @@ mod tests {
         for (i, d) in data.iter().enumerate() {
             // SAFETY: `d` outlives the publish, which copies it.
             unsafe {
-                p.add_tensor(
-                    &format!("t{i}"),
+                let name = format!("t{i}");
+                p.add(TensorDesc::host(
+                    &name,
                     DType::U8,
                     &[d.len() as u64],
                     d.as_ptr(),
                     d.len(),
-                    None,
-                )
+                ))
             }
             .unwrap();
         }
@@ -510,7 +505,16 @@ mod tests {
             let data = vec![k; 3000];
             p.clear_tensors();
             // SAFETY: `data` outlives the publish, which copies it.
-            unsafe { p.add_tensor("t", DType::U8, &[3000], data.as_ptr(), 3000, None) }.unwrap();
+            unsafe {
+                p.add(TensorDesc::host(
+                    "t",
+                    DType::U8,
+                    &[3000],
+                    data.as_ptr(),
+                    3000,
+                ))
+            }
+            .unwrap();
             p.set_version(Some(format!("v{k}")));
             p.publish().unwrap();
             let published = p.versions.published.lock();

@@ -151,7 +151,7 @@ pub(crate) struct Offer {
     pub(crate) published: Option<Published>,
     /// Checksums of live tensors, by index in the content, hashed by the
     /// first session of this serve call that sends them. The tensors stay
-    /// unchanged while sessions run (`add_tensor`'s contract) and an offer
+    /// unchanged while sessions run (`Publisher::add`'s contract) and an offer
     /// lives for one serve call, so its other sessions (ranks, or engines
     /// pulling again) reuse them; the next call hashes afresh.
     pub(crate) live_sums: Mutex<HashMap<usize, u128>>,

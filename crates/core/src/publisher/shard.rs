@@ -134,7 +134,7 @@ fn tensors_shard(
         .filter(|(i, t)| cfg.checksums && t.checksum.is_none() && !known.contains_key(i))
         .collect();
     let regions: Vec<(SendPtr, usize)> = todo.iter().map(|(_, t)| (t.data, t.len)).collect();
-    // SAFETY: add_tensor's contract keeps the memory valid and unchanged.
+    // SAFETY: add's contract keeps the memory valid and unchanged.
     let fresh = unsafe { hash_all(&regions, default_threads()) };
     known.extend(todo.iter().map(|(i, _)| *i).zip(fresh));
     let tensors = mine

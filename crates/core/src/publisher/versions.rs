@@ -153,7 +153,7 @@ impl Versions {
                 tag: i,
             })
             .collect();
-        // SAFETY: add_tensor's contract keeps each tensor valid for len bytes;
+        // SAFETY: add's contract keeps each tensor valid for len bytes;
         // the destinations are disjoint ranges of the new buffer.
         unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)?;
         point_at_copies(ts, &offsets, &shared);
@@ -192,7 +192,7 @@ fn write_fresh(
     let mut end = 0;
     for (t, &at) in ts.iter().zip(offsets) {
         write_zeros(&shared, (end, at), &zeros, &what)?;
-        // SAFETY: add_tensor's contract keeps a host tensor valid for len bytes.
+        // SAFETY: add's contract keeps a host tensor valid for len bytes.
         let bytes = unsafe { std::slice::from_raw_parts(t.data.0, t.len) };
         write_at(&shared, at, bytes, &what)?;
         end = at + t.len;
@@ -293,7 +293,7 @@ fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<Expo
     let (offsets, total) = packed_offsets(ts, version)?;
     let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
     for (t, &at) in ts.iter().zip(&offsets) {
-        // SAFETY: the tensor's memory is valid for len bytes (add_tensor's
+        // SAFETY: the tensor's memory is valid for len bytes (add's
         // contract); the range fits the buffer, which is sized for all.
         unsafe { buf.copy_in(at, t.data.0 as u64, t.len) }
             .map_err(|e| e.context(format!("publish '{version}': tensor '{}'", t.name)))?;

@@ -15,7 +15,7 @@ use weight_manager_core::Mode;
 use weight_manager_core::ParamSpec;
 use weight_manager_core::Piece;
 use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::{Publisher, PublisherConfig, ServeStats};
+use weight_manager_core::{Publisher, PublisherConfig, ServeStats, TensorDesc};
 
 /// One layer's bytes.
 pub const LAYER: usize = 64 << 20;
@@ -176,9 +176,9 @@ pub fn trainer_layers(count: usize) -> Vec<Vec<u8>> {
 pub fn add_layers(p: &Publisher, data: &[Vec<u8>], rank: Option<u32>) -> Result<(), String> {
     for (i, d) in data.iter().enumerate() {
         let name = format!("layers.{i}.w");
+        let t = TensorDesc::host(&name, DType::Bf16, &LAYER_SHAPE, d.as_ptr(), d.len());
         // SAFETY: the caller keeps `data` alive while `p` serves.
-        unsafe { p.add_tensor(&name, DType::Bf16, &LAYER_SHAPE, d.as_ptr(), d.len(), rank) }
-            .map_err(|e| e.to_string())?;
+        unsafe { p.add(t.for_rank(rank)) }.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

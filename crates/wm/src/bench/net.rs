@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use weight_manager_core::DType;
 use weight_manager_core::ParamSpec;
 use weight_manager_core::SourceKind;
+use weight_manager_core::TensorDesc;
 use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest, UpdateStats};
 
 const SECRET: &str = "wm-bench-net-secret-0123456789";
@@ -50,8 +51,10 @@ pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
     let p = model::net_publisher(SECRET)?;
     model::add_layers(&p, &data, Some(0))?;
     // SAFETY: `small` outlives the serving.
-    unsafe { p.add_tensor("probe", DType::U8, &[4096], small.as_ptr(), 4096, Some(1)) }
-        .map_err(|e| e.to_string())?;
+    unsafe {
+        p.add(TensorDesc::host("probe", DType::U8, &[4096], small.as_ptr(), 4096).for_rank(1))
+    }
+    .map_err(|e| e.to_string())?;
     let stats = model::listen_and_serve(&p, a.engines)?;
     for s in stats.sessions.iter().filter(|s| s.rank == 0) {
         println!(

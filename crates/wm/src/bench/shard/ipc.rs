@@ -40,7 +40,7 @@ use weight_manager_core::Placement;
 use weight_manager_core::SourceKind;
 use weight_manager_core::TensorBox;
 use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
-use weight_manager_core::{Publisher, PublisherConfig};
+use weight_manager_core::{Publisher, PublisherConfig, TensorDesc};
 
 const SHAPE: [u64; 2] = [8192, 4096];
 const ROW: u64 = SHAPE[1] * 2;
@@ -218,14 +218,11 @@ fn trainer(dir: &Path, rank: u64, layers: u64) -> Result<(), String> {
     for (i, s) in shards.iter().enumerate() {
         // SAFETY: `shards` outlives the publisher's use of it.
         unsafe {
-            p.add_shard(
-                &format!("layers.{i}.w"),
-                DType::Bf16,
-                &[SHARD_ROWS, SHAPE[1]],
-                &placement,
-                s.as_ptr(),
-                s.len(),
-                None,
+            let name = format!("layers.{i}.w");
+            let shape = [SHARD_ROWS, SHAPE[1]];
+            p.add(
+                TensorDesc::host(&name, DType::Bf16, &shape, s.as_ptr(), s.len())
+                    .shard_of(placement.clone()),
             )
         }
         .map_err(|e| e.to_string())?;

@@ -38,6 +38,7 @@ use weight_manager_core::DType;
 use weight_manager_core::Mode;
 use weight_manager_core::Placement;
 use weight_manager_core::SourceKind;
+use weight_manager_core::TensorDesc;
 use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 
 const SECRET: &str = "wm-bench-shard-ucx-secret-0123456789";
@@ -256,14 +257,9 @@ pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
         let name = format!("layers.{i}.w");
         // SAFETY: `data` outlives the serving.
         unsafe {
-            p.add_shard(
-                &name,
-                DType::Bf16,
-                &shape,
-                &placement,
-                d.as_ptr(),
-                d.len(),
-                None,
+            p.add(
+                TensorDesc::host(&name, DType::Bf16, &shape, d.as_ptr(), d.len())
+                    .shard_of(placement.clone()),
             )
         }
         .map_err(|e| e.to_string())?;
