@@ -367,9 +367,13 @@ unsafe fn block<'a, T>(p: *const T, defaults: &'a T, what: &str) -> Result<&'a T
 
 #[derive(Clone, Copy)]
 struct UserData(*mut c_void);
-// SAFETY: the engine promised in wm_config that callback user data may be
-// used from any thread.
+// SAFETY: the user data is only handed back to the engine's release and
+// acquire callbacks, which run on the thread calling wm_update or wm_clear
+// (the header: "callbacks run on the calling thread"): a thread the engine
+// itself calls from, so moving the pointer there is the engine's own use.
 unsafe impl Send for UserData {}
+// SAFETY: one update or clear runs at a time (WM_ERR_BUSY otherwise), so the
+// callbacks never get it on two threads at once.
 unsafe impl Sync for UserData {}
 
 unsafe fn config_from_c(c: &wm_config, logger: Logger) -> Result<ManagerConfig> {

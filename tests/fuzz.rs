@@ -108,7 +108,15 @@ fn fuzz_safetensors_header() {
     });
 }
 
+/// One frame of each kind, as the fuzzers' seeds.
 fn frames() -> Vec<Frame> {
+    let mut frames = plan_frames();
+    frames.extend(transfer_frames());
+    frames
+}
+
+/// The handshake and plan frames: hello, manifests, want, sums.
+fn plan_frames() -> Vec<Frame> {
     let meta = |name: &str, shape: &[u64], checksum| TensorMeta {
         name: name.into(),
         dtype: DType::F32,
@@ -157,6 +165,13 @@ fn frames() -> Vec<Frame> {
             seq: 4,
             sums: vec![(1, 1 << 90)],
         },
+    ]
+}
+
+/// The transfer frames: buffers, buckets, acknowledgements, errors,
+/// authentication, ready.
+fn transfer_frames() -> Vec<Frame> {
+    vec![
         Frame::Buffers {
             sizes: vec![4096, 8],
         },

@@ -210,21 +210,16 @@ fn wm() -> String {
     WM.to_string_lossy().into_owned()
 }
 
-#[test]
-fn cuda_ipc_from_a_trainer_process_into_device_params() {
+/// `wm serve --ipc sock` of `dir` from GPU 0, version 7, for three
+/// engine sessions.
+fn serve_from_gpu(sock: &std::path::Path, dir: &std::path::Path) -> std::process::Child {
     use std::process::{Command, Stdio};
-    use weight_manager_core::SourceKind;
-    let Some(c) = gpu() else { return };
-    let (dir, v1) = snapshot_of(7);
-    let sock = dir.path().join("gpu.sock");
-    // Three sessions: in place (device to device), atomic and verified
-    // (through the host), zero-copy callback (device pointers).
-    let trainer = Command::new(wm())
+    Command::new(wm())
         .args([
             "serve",
             "--ipc",
             sock.to_str().unwrap(),
-            dir.path().to_str().unwrap(),
+            dir.to_str().unwrap(),
         ])
         .args([
             "--gpu",
@@ -241,7 +236,18 @@ fn cuda_ipc_from_a_trainer_process_into_device_params() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn cuda_ipc_from_a_trainer_process_into_device_params() {
+    use weight_manager_core::SourceKind;
+    let Some(c) = gpu() else { return };
+    let (dir, v1) = snapshot_of(7);
+    let sock = dir.path().join("gpu.sock");
+    // Three sessions: in place (device to device), atomic and verified
+    // (through the host), zero-copy callback (device pointers).
+    let trainer = serve_from_gpu(&sock, dir.path());
     let m = Manager::new(ManagerConfig::default()).unwrap();
     let bufs = register_on_gpu(c, &m, &v1);
     let ipc = |mode: Mode, verify: bool| {

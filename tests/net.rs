@@ -90,7 +90,10 @@ fn wm(args: &[&str]) -> Command {
 
 /// Start `wm serve --net` and read the address it bound from its stdout.
 /// The caller waits for the child it gets back.
-#[allow(clippy::zombie_processes)]
+#[expect(
+    clippy::zombie_processes,
+    reason = "the child is handed to the caller, which waits for it"
+)]
 fn serve(args: &[&str]) -> (Child, String, BufReader<ChildStdout>) {
     let mut c = wm(&[&["serve", "--net", "127.0.0.1:0"], args].concat())
         .spawn()
@@ -535,6 +538,44 @@ fn a_ucx_older_than_1_14_is_refused_unless_allowed() {
     );
 }
 
+/// `ip args`, which must succeed.
+fn ip(args: &[&str]) {
+    let o = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Network namespaces, deleted on drop.
+struct Netns(Vec<String>);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// Add namespace `b` and join it to `a` (added already) by a veth pair:
+/// `a` is 10.231.0.1 and `b` 10.231.0.2, their links up.
+fn join_by_veth(a: &str, b: &str, tag: u32) {
+    ip(&["netns", "add", b]);
+    let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
+    ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb]);
+    ip(&["link", "set", &va, "netns", a]);
+    ip(&["link", "set", &vb, "netns", b]);
+    ip(&["-n", a, "addr", "add", "10.231.0.1/24", "dev", &va]);
+    ip(&["-n", b, "addr", "add", "10.231.0.2/24", "dev", &vb]);
+    for (ns, dev) in [(a, &va), (b, &vb)] {
+        ip(&["-n", ns, "link", "set", dev, "up"]);
+        ip(&["-n", ns, "link", "set", "lo", "up"]);
+    }
+}
+
 /// Two network namespaces joined by a veth pair: the publisher and the
 /// engine see each other only through a real (virtual) network link.
 #[test]
@@ -553,23 +594,6 @@ fn across_two_network_namespaces() {
     }
     let tag = std::process::id() % 10000;
     let (a, b) = (format!("wmA{tag}"), format!("wmB{tag}"));
-    let run = |args: &[&str]| {
-        let o = Command::new("ip").args(args).output().unwrap();
-        assert!(
-            o.status.success(),
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    struct Cleanup(Vec<String>);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            for ns in &self.0 {
-                let _ = Command::new("ip").args(["netns", "del", ns]).output();
-            }
-        }
-    }
     let probe = Command::new("ip")
         .args(["netns", "add", &a])
         .output()
@@ -581,18 +605,8 @@ fn across_two_network_namespaces() {
         );
         return;
     }
-    let _cleanup = Cleanup(vec![a.clone(), b.clone()]);
-    run(&["netns", "add", &b]);
-    let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
-    run(&["link", "add", &va, "type", "veth", "peer", "name", &vb]);
-    run(&["link", "set", &va, "netns", &a]);
-    run(&["link", "set", &vb, "netns", &b]);
-    run(&["-n", &a, "addr", "add", "10.231.0.1/24", "dev", &va]);
-    run(&["-n", &b, "addr", "add", "10.231.0.2/24", "dev", &vb]);
-    for (ns, dev) in [(&a, &va), (&b, &vb)] {
-        run(&["-n", ns, "link", "set", dev, "up"]);
-        run(&["-n", ns, "link", "set", "lo", "up"]);
-    }
+    let _cleanup = Netns(vec![a.clone(), b.clone()]);
+    join_by_veth(&a, &b, tag);
     let dir = tempfile::tempdir().unwrap();
     write_safetensors(&dir.path().join("model.safetensors"), &model(8));
     write_version(dir.path(), "8");
@@ -723,12 +737,10 @@ fn flipped(mut frame: Vec<u8>, at: usize) -> Vec<u8> {
     frame
 }
 
-/// An on-path proxy forwards the challenge untouched, then alters,
-/// replays, drops or reorders one control frame: the side that receives it
-/// fails with an authentication error, and the engine keeps its weights.
-#[test]
-fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
-    use proxy::{Dir, Proxy, Tamper};
+/// The tamperings of the control frames test: what each does, and
+/// whether the publisher sees it too.
+fn control_frame_tamperings() -> [(&'static str, Box<proxy::Tamper>, bool); 4] {
+    use proxy::{Dir, Tamper};
     // Frames each way: engine HELLO 0, PROOF 1, WANT 2, READY 3;
     // publisher CHALLENGE 0, PROOF 1, MANIFEST 2.
     let manifest_version_rewritten: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
@@ -753,7 +765,7 @@ fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
         (Dir::ToPublisher, 3) => vec![f, held.take().unwrap()],
         _ => vec![f],
     });
-    let cases = [
+    [
         (
             "manifest version rewritten",
             manifest_version_rewritten,
@@ -762,7 +774,16 @@ fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
         ("WANT replayed", want_replayed, true),
         ("WANT dropped", want_dropped, true),
         ("WANT and READY reordered", want_after_ready, true),
-    ];
+    ]
+}
+
+/// An on-path proxy forwards the challenge untouched, then alters,
+/// replays, drops or reorders one control frame: the side that receives it
+/// fails with an authentication error, and the engine keeps its weights.
+#[test]
+fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
+    use proxy::Proxy;
+    let cases = control_frame_tamperings();
     let (pub_log, pub_lines) = capture();
     let p = publisher(SECRET, pub_log);
     let ts = model(5);

@@ -55,7 +55,10 @@ impl Rng {
 
 /// `wm serve --net` of `dir` for one engine; its address, read from stdout.
 /// The caller waits for the child it gets back.
-#[allow(clippy::zombie_processes)]
+#[expect(
+    clippy::zombie_processes,
+    reason = "the child is handed to the caller, which waits for it"
+)]
 fn serve(dir: &Path) -> (Child, String) {
     let mut c = Command::new(&*WM)
         .args(["serve", "--net", "127.0.0.1:0"])

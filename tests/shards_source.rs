@@ -181,31 +181,10 @@ type AddCase<'a> = (
     &'a str,
 );
 
-/// Placements are checked when added, naming the tensor: a box outside the
-/// global shape, a duplicate offset, a whole tensor beside its shards, and
-/// shards that disagree on the global tensor are refused; the same offset
-/// for two different engine ranks is not a duplicate.
-#[test]
-fn bad_shards_are_refused_when_added() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
-    let data = [0u8; 64];
-    let add = |name: &str, dtype, shape: &[u64], pl: Option<Placement>, rank| {
-        let len = shape.iter().product::<u64>() as usize * DType::size(dtype);
-        // SAFETY: `data` outlives the publisher; nothing is served.
-        unsafe {
-            p.add(TensorDesc {
-                placement: pl,
-                ..TensorDesc::host(name, dtype, shape, data.as_ptr(), len).for_rank(rank)
-            })
-        }
-    };
-    add("w", DType::U8, &[2, 4], Some(at(&[4, 4], &[0, 0])), None).unwrap();
-    add("w", DType::U8, &[2, 4], Some(at(&[4, 4], &[2, 0])), Some(0)).unwrap();
-    add("w", DType::U8, &[1, 4], Some(at(&[4, 4], &[3, 0])), Some(1)).unwrap();
-    add("v", DType::U8, &[2], Some(at(&[4], &[2])), Some(0)).unwrap();
-    add("v", DType::U8, &[2], Some(at(&[4], &[2])), Some(1)).unwrap();
-    let cases: [AddCase; 7] = [
+/// Each shard refused beside the accepted ones, with the words its error
+/// must contain.
+fn refused_shard_cases() -> [AddCase<'static>; 7] {
+    [
         (
             "x",
             DType::U8,
@@ -262,7 +241,34 @@ fn bad_shards_are_refused_when_added() {
             None,
             "(global)",
         ),
-    ];
+    ]
+}
+
+/// Placements are checked when added, naming the tensor: a box outside the
+/// global shape, a duplicate offset, a whole tensor beside its shards, and
+/// shards that disagree on the global tensor are refused; the same offset
+/// for two different engine ranks is not a duplicate.
+#[test]
+fn bad_shards_are_refused_when_added() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let data = [0u8; 64];
+    let add = |name: &str, dtype, shape: &[u64], pl: Option<Placement>, rank| {
+        let len = shape.iter().product::<u64>() as usize * DType::size(dtype);
+        // SAFETY: `data` outlives the publisher; nothing is served.
+        unsafe {
+            p.add(TensorDesc {
+                placement: pl,
+                ..TensorDesc::host(name, dtype, shape, data.as_ptr(), len).for_rank(rank)
+            })
+        }
+    };
+    add("w", DType::U8, &[2, 4], Some(at(&[4, 4], &[0, 0])), None).unwrap();
+    add("w", DType::U8, &[2, 4], Some(at(&[4, 4], &[2, 0])), Some(0)).unwrap();
+    add("w", DType::U8, &[1, 4], Some(at(&[4, 4], &[3, 0])), Some(1)).unwrap();
+    add("v", DType::U8, &[2], Some(at(&[4], &[2])), Some(0)).unwrap();
+    add("v", DType::U8, &[2], Some(at(&[4], &[2])), Some(1)).unwrap();
+    let cases = refused_shard_cases();
     for (name, dtype, shape, pl, rank, want) in cases {
         let e = add(name, dtype, shape, pl, rank).unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_INVALID_ARGUMENT, "{want}: {e}");

@@ -223,8 +223,10 @@ fn oversized_safetensors_header_is_refused() {
 }
 
 /// Peak RSS of `wm inspect dir`, in bytes, and whether it succeeded.
-// The child is reaped by wait4, which std cannot do but which reports its RSS.
-#[allow(clippy::zombie_processes)]
+#[expect(
+    clippy::zombie_processes,
+    reason = "the child is reaped by wait4, which std cannot do but which reports its RSS"
+)]
 fn inspect_peak_rss(dir: &Path) -> (u64, bool) {
     let child = Command::new(&*WM)
         .arg("inspect")

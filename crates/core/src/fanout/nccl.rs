@@ -157,8 +157,8 @@ impl Nccl {
         let mut id = UniqueId {
             internal: [0; crate::signal::fanout::ID_BYTES],
         };
-        // SAFETY: one out-parameter.
         self.check(
+            // SAFETY: one out-parameter.
             unsafe { (self.api.ncclGetUniqueId)(&mut id) },
             "ncclGetUniqueId",
         )?;

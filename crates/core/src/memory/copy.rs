@@ -182,16 +182,22 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
 }
 
 fn run_piece(job: &CopyJob) -> Result<()> {
-    // SAFETY (every arm): the caller of `copy_all` guarantees dst..dst+len is
-    // writable, not written by another job, and src is readable for len.
+    // Only `copy_all` runs pieces (sub-ranges of its jobs): its caller
+    // guarantees dst..dst+len is writable, not written by another job, and a
+    // memory or device source readable for len until it returns.
     match job.src {
+        // SAFETY: as above; `src` is device memory of GPU `ordinal`.
         CopySource::Device { ptr, ordinal } => unsafe {
             crate::memory::cuda_ipc::download(ordinal, job.dst.0, ptr, job.len)?;
         },
+        // SAFETY: as above; the source stays unchanged while the destination
+        // is written, so the two cannot overlap.
         CopySource::Memory(src) => unsafe {
             copy_bytes(job.dst.0, src.0, job.len);
         },
         CopySource::File { file, offset } => {
+            // SAFETY: as above: dst..dst+len is writable mapped memory that no
+            // other job touches while this slice lives.
             let dst = unsafe { std::slice::from_raw_parts_mut(job.dst.0, job.len) };
             let mut done = 0;
             while done < dst.len() {

@@ -115,8 +115,8 @@ pub(crate) fn check(r: CUresult, call: &str) -> Result<()> {
 /// uploads (`memory::staging`) and fan-out (`fanout::nccl`).
 pub(crate) fn new_stream() -> Result<sys::CUstream> {
     let mut stream: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
     check(
+        // SAFETY: a valid out-pointer.
         unsafe {
             sys::cuStreamCreate(
                 &mut stream,

@@ -51,8 +51,8 @@ impl ExportedDeviceBuffer {
         let mut raw = sys::CUipcMemHandle_st {
             reserved: [0; HANDLE_BYTES],
         };
-        // SAFETY: a valid out-pointer and our own allocation (current context).
         check(
+            // SAFETY: a valid out-pointer and our own allocation (current context).
             unsafe { sys::cuIpcGetMemHandle(&mut raw, memory.ptr()) },
             "cuIpcGetMemHandle",
         )
@@ -131,9 +131,9 @@ impl ImportedDeviceBuffer {
             reserved: handle.map(|b| b as std::ffi::c_char),
         };
         let mut ptr = 0u64;
-        // SAFETY: a valid out-pointer; the handle is only bytes to the driver,
-        // which refuses one it did not issue.
         check(
+            // SAFETY: a valid out-pointer; the handle is only bytes to the driver,
+            // which refuses one it did not issue.
             unsafe {
                 sys::cuIpcOpenMemHandle_v2(
                     &mut ptr,

@@ -55,8 +55,8 @@ impl DeviceRegion {
         cuda.make_current(ordinal)?;
         let prop = properties(ordinal);
         let mut granule = 0usize;
-        // SAFETY: valid out-pointer and properties.
         check(
+            // SAFETY: valid out-pointer and properties.
             unsafe {
                 sys::cuMemGetAllocationGranularity(
                     &mut granule,
@@ -72,8 +72,8 @@ impl DeviceRegion {
             .checked_next_multiple_of(granule.max(1))
             .ok_or_else(|| Error::out_of_memory(format!("{what}: {len} bytes is too large")))?;
         let mut ptr = 0u64;
-        // SAFETY: valid out-pointer; no fixed address asked for.
         check(
+            // SAFETY: valid out-pointer; no fixed address asked for.
             unsafe { sys::cuMemAddressReserve(&mut ptr, mapped, granule, 0, 0) },
             "cuMemAddressReserve",
         )
@@ -146,8 +146,8 @@ impl DeviceRegion {
             return Err(e);
         }
         *handle = Some(h);
-        // SAFETY: the range was just mapped read-write on this device.
         check(
+            // SAFETY: the range was just mapped read-write on this device.
             unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.mapped) },
             "cuMemsetD8",
         )
@@ -170,8 +170,8 @@ impl DeviceRegion {
 pub(super) fn create(ordinal: i32, len: usize) -> Result<sys::CUmemGenericAllocationHandle> {
     let prop = properties(ordinal);
     let mut h: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: valid out-pointer and properties.
     check(
+        // SAFETY: valid out-pointer and properties.
         unsafe { sys::cuMemCreate(&mut h, len, &prop, 0) },
         "cuMemCreate",
     )
@@ -220,8 +220,8 @@ pub fn memory_info(ordinal: i32) -> Result<(usize, usize)> {
     let cuda = cuda()?;
     cuda.make_current(ordinal)?;
     let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: valid out-pointers.
     check(
+        // SAFETY: valid out-pointers.
         unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
         "cuMemGetInfo",
     )?;
@@ -277,8 +277,8 @@ impl DeviceAllocation {
         c.check_ordinal(ordinal, what)?;
         c.make_current(ordinal)?;
         let mut ptr = 0u64;
-        // SAFETY: a valid out-pointer.
         check(
+            // SAFETY: a valid out-pointer.
             unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) },
             "cuMemAlloc",
         )

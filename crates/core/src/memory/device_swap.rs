@@ -91,8 +91,8 @@ impl DeviceRegion {
         let context = |e: Error| e.context(format!("{what}: device page swap shadow"));
         cuda().map_err(context)?.make_current(self.ordinal)?;
         let mut ptr = 0u64;
-        // SAFETY: valid out-pointer; any address, aligned as the param's.
         check(
+            // SAFETY: valid out-pointer; any address, aligned as the param's.
             unsafe { sys::cuMemAddressReserve(&mut ptr, self.mapped, self.granule, 0, 0) },
             "cuMemAddressReserve",
         )
@@ -119,8 +119,8 @@ impl DeviceRegion {
         }
         pages.view = Some(ptr);
         let tail = self.mapped.saturating_sub(len);
-        // SAFETY: the last `tail` bytes of the view, just mapped read-write.
         check(
+            // SAFETY: the last `tail` bytes of the view, just mapped read-write.
             unsafe { sys::cuMemsetD8_v2(ptr + (self.mapped - tail) as u64, 0, tail) },
             "cuMemsetD8",
         )

@@ -258,9 +258,14 @@ impl Drop for HostRegion {
     }
 }
 
-// SAFETY: the region is plain memory; synchronisation of its contents is the
-// manager's job (one update or clear at a time).
+// SAFETY: the region is an anonymous mapping owned by this value, not tied to
+// the thread that made it; it is unmapped once, on drop.
 unsafe impl Send for HostRegion {}
+// SAFETY: its bytes are reached through `ptr()` (raw) or the unsafe
+// `as_slice`, whose callers keep readers and writers apart. The &self methods
+// that touch them, `release` and `restore`, are the manager's, which calls
+// them one update or clear at a time (through `&mut Registry`): the type does
+// not enforce that.
 unsafe impl Sync for HostRegion {}
 
 #[cfg(test)]

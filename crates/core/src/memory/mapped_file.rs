@@ -58,9 +58,12 @@ pub(crate) struct MappedWindow {
     slot: usize,
 }
 
-// SAFETY: the mapping is read-only shared memory owned by this value; any
-// thread may read it while the value lives.
+// SAFETY: the mapping is read-only (PROT_READ) and owned by this value; it
+// is not tied to a thread, and is unmapped (and its guard slot freed) once,
+// on drop.
 unsafe impl Send for MappedWindow {}
+// SAFETY: nothing in this process writes a read-only mapping: any thread may
+// read it through `bytes()` while the value lives.
 unsafe impl Sync for MappedWindow {}
 
 impl MappedWindow {

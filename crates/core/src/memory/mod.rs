@@ -44,9 +44,11 @@ pub mod swap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SendPtr(pub *mut u8);
 
-// SAFETY: SendPtr is only an address; every use is bounded by the plan's
-// ranges, which never overlap, and the memory outlives the copies.
+// SAFETY: SendPtr is only an address: reading or writing through it takes
+// unsafe code, whose caller answers for the memory being alive and free of
+// races (the plan's ranges never overlap; the memory outlives the copies).
 unsafe impl Send for SendPtr {}
+// SAFETY: as for Send: sharing the address shares no access.
 unsafe impl Sync for SendPtr {}
 
 /// Slots for `sizes` packed one after another at 256-byte aligned offsets

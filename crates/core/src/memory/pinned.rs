@@ -24,8 +24,8 @@ impl PinnedBuffer {
         let c = cuda()?;
         c.make_current(ordinal)?;
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; the flags ask for portable, cached memory.
         check(
+            // SAFETY: a valid out-pointer; the flags ask for portable, cached memory.
             unsafe { sys::cuMemHostAlloc(&mut p, cap, sys::CU_MEMHOSTALLOC_PORTABLE) },
             "cuMemHostAlloc",
         )

@@ -40,8 +40,12 @@ pub struct SharedBuffer {
 /// this many bytes.
 const POPULATE_CHUNK: u64 = 64 << 10;
 
-// SAFETY: plain shared memory; the protocol decides who writes when.
+// SAFETY: a memfd and its mapping, owned by this value and not tied to a
+// thread; unmapped once, on drop.
 unsafe impl Send for SharedBuffer {}
+// SAFETY: the bytes are reached only through `ptr()` (raw), in unsafe code
+// that follows the protocol (who writes when); the &self methods only advise
+// the kernel (`reserve`, `populate`) or set bits atomically (`populated`).
 unsafe impl Sync for SharedBuffer {}
 
 const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
@@ -358,8 +362,9 @@ pub fn check_announced(sizes: &[u64]) -> Result<()> {
 
 /// Bytes of RAM and swap (u64::MAX if the kernel does not say).
 fn machine_memory() -> u64 {
-    // SAFETY: sysinfo fills the struct we pass.
+    // SAFETY: sysinfo is integers (and padding); all zeroes is a valid value.
     let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: sysinfo fills the struct we pass, a live local.
     if unsafe { libc::sysinfo(&mut info) } != 0 {
         return u64::MAX;
     }

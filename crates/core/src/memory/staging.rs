@@ -224,9 +224,9 @@ impl Lane {
         unsafe { copy_all(&[job], threads) }.map_err(|e| e.error)?;
         *used = (*used + len).next_multiple_of(256);
         cuda()?.make_current(self.ordinal)?;
-        // SAFETY: the pinned bytes stay put until the buffer's event (recorded
-        // after this copy on the same stream) completes; dst is device memory.
         check(
+            // SAFETY: the pinned bytes stay put until the buffer's event (recorded
+            // after this copy on the same stream) completes; dst is device memory.
             unsafe { sys::cuMemcpyAsync(dst, at as u64, len, self.stream) },
             "cuMemcpyAsync",
         )
@@ -252,8 +252,8 @@ impl Lane {
             return Ok(e);
         }
         let mut e: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; no timing, so the event is cheap.
         check(
+            // SAFETY: a valid out-pointer; no timing, so the event is cheap.
             unsafe {
                 sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
             },

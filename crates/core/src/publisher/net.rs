@@ -294,15 +294,17 @@ impl NetSink<'_> {
         let (requests, first) = (self.requests, range.start);
         let pack_later = |k: usize| {
             if let Some(tensors) = tensors.filter(|_| later[k]) {
-                // SAFETY: message first + k has its `len` bytes at its
-                // `from` in the bucket buffer, and lies inside its tensor.
                 let (e, at) = (&entries[first + k], b.from[first + k].0);
+                // SAFETY: message first + k has its own `len` bytes at its
+                // `from` in the bucket buffer (`layout` packs messages back
+                // to back, so no other thread writes them), and its request
+                // lies inside its tensor (checked when WANT came).
                 unsafe { pack_message(tensors, requests, e, at) };
             }
         };
+        let from = &b.from[range.clone()];
         // SAFETY: each message's bytes are held at `from`, or packed there
         // by `pack_later` before they are hashed.
-        let from = &b.from[range.clone()];
         unsafe {
             self.sums
                 .hash_on(&entries[range], from, self.threads, &pack_later)

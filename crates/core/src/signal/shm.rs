@@ -17,8 +17,12 @@ pub struct SharedMapping {
     guard: Option<usize>,
 }
 
-// SAFETY: the mapping is shared memory; all access goes through atomics.
+// SAFETY: a shared mapping owned by this value, not tied to a thread;
+// unmapped (and its guard slot freed) once, on drop.
 unsafe impl Send for SharedMapping {}
+// SAFETY: the &self methods read only process-local guard flags; the mapped
+// bytes are reached through `ptr()` (raw), which the signal code reads and
+// writes only as atomics.
 unsafe impl Sync for SharedMapping {}
 
 /// Check a shared-memory object name: 1..=200 bytes, no '/' or NUL.

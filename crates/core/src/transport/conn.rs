@@ -268,8 +268,11 @@ fn sendmsg(fd: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
+    // SAFETY: CMSG_SPACE is arithmetic on a length; it touches no memory.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
     let mut control = vec![0u8; if fds.is_empty() { 0 } else { space }];
+    // SAFETY: msghdr is integers and raw pointers; all zeroes (null
+    // pointers, zero lengths) is a valid value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
@@ -307,9 +310,12 @@ fn recvmsg(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> std::io::R
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
+    // SAFETY: CMSG_SPACE is arithmetic on a length; it touches no memory.
     let space =
         unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
+    // SAFETY: msghdr is integers and raw pointers; all zeroes (null
+    // pointers, zero lengths) is a valid value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;

@@ -7,6 +7,7 @@ use std::os::unix::net::UnixStream;
 
 /// The uid of the process at the other end.
 pub fn peer_uid(stream: &UnixStream) -> Result<u32> {
+    // SAFETY: ucred is plain integers; all zeroes is a valid value.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt into a ucred of the right size.

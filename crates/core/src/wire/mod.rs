@@ -203,6 +203,28 @@ mod tests {
             gpu_id: "5".into(),
             version: "latest".into(),
         });
+        round_trip(Frame::Ack { seq: 9 });
+        round_trip(Frame::End { buckets: 4 });
+        round_trip(Frame::Error {
+            code: 6,
+            text: "boom".into(),
+        });
+        round_trip(Frame::Challenge { nonce: [7; 32] });
+        round_trip(Frame::Proof {
+            mac: [1; 32],
+            nonce: [2; 32],
+        });
+        round_trip(Frame::Ready {
+            address: vec![1, 2, 3],
+            bucket_size: 1 << 29,
+            depth: 2,
+            direct: true,
+            keyed: true,
+        });
+    }
+
+    #[test]
+    fn plan_frames_round_trip() {
         round_trip(Frame::Manifest {
             version: "12".into(),
             tensors: vec![TensorMeta {
@@ -228,6 +250,14 @@ mod tests {
             seq: 2,
             sums: vec![(1, 7 << 100), (4, 9)],
         });
+        round_trip(Frame::Digests {
+            seq: 3,
+            digests: vec![[7; 32], [9; 32]],
+        });
+    }
+
+    #[test]
+    fn transfer_frames_round_trip() {
         round_trip(Frame::Buffers {
             sizes: vec![1 << 20, 1 << 20],
         });
@@ -261,28 +291,6 @@ mod tests {
                 len: 40,
                 buffer_offset: 512,
             }],
-        });
-        round_trip(Frame::Ack { seq: 9 });
-        round_trip(Frame::End { buckets: 4 });
-        round_trip(Frame::Error {
-            code: 6,
-            text: "boom".into(),
-        });
-        round_trip(Frame::Challenge { nonce: [7; 32] });
-        round_trip(Frame::Proof {
-            mac: [1; 32],
-            nonce: [2; 32],
-        });
-        round_trip(Frame::Ready {
-            address: vec![1, 2, 3],
-            bucket_size: 1 << 29,
-            depth: 2,
-            direct: true,
-            keyed: true,
-        });
-        round_trip(Frame::Digests {
-            seq: 3,
-            digests: vec![[7; 32], [9; 32]],
         });
     }
 
@@ -358,6 +366,24 @@ mod tests {
             .unwrap_err()
             .message
             .contains("cannot fit"));
+        let mut ready = vec![11u8];
+        ready.extend_from_slice(&(MAX_ADDRESS as u32 + 1).to_le_bytes());
+        assert!(Frame::decode(&ready)
+            .unwrap_err()
+            .message
+            .contains("worker address"));
+        assert!(Frame::decode(&[9, 1, 2])
+            .unwrap_err()
+            .message
+            .contains("ends early"));
+        assert!(Frame::decode(&[42])
+            .unwrap_err()
+            .message
+            .contains("unknown frame type"));
+    }
+
+    #[test]
+    fn hostile_manifests_are_refused() {
         // A manifest whose byte size disagrees with its shape.
         let mut m = Frame::Manifest {
             version: "1".into(),
@@ -394,21 +420,11 @@ mod tests {
             .unwrap_err()
             .message
             .contains("claims 17 bytes"));
-        let mut ready = vec![11u8];
-        ready.extend_from_slice(&(MAX_ADDRESS as u32 + 1).to_le_bytes());
-        assert!(Frame::decode(&ready)
-            .unwrap_err()
-            .message
-            .contains("worker address"));
-        assert!(Frame::decode(&[9, 1, 2])
-            .unwrap_err()
-            .message
-            .contains("ends early"));
-        assert!(Frame::decode(&[42])
-            .unwrap_err()
-            .message
-            .contains("unknown frame type"));
-        // GPU buffers: none, or more than the limit.
+    }
+
+    /// GPU buffers: none, or more than the limit.
+    #[test]
+    fn hostile_gpu_buffer_counts_are_refused() {
         let mut none = vec![12u8];
         none.extend_from_slice(&0u32.to_le_bytes());
         assert!(Frame::decode(&none)
@@ -429,6 +445,10 @@ mod tests {
             .unwrap_err()
             .message
             .contains("GPU buffers (1 to"));
+    }
+
+    #[test]
+    fn hostile_buckets_are_refused() {
         let e = |off, len| BucketEntry {
             request: 0,
             offset: 0,

@@ -134,11 +134,15 @@ impl Sender<'_> {
     /// Send message `k` of `p`.
     fn post(&mut self, p: &mut FloorPair, k: usize) -> Result<(), String> {
         let tag = k as u64;
-        // SAFETY (all three): the source and the send buffers outlive the
-        // pumps, and a send buffer is not refilled before its send
-        // completed.
+        // In all three: the source and the send buffers outlive the pumps
+        // (dropped at the end of `floor_pair`), the source is never written,
+        // and a send buffer is not refilled before its send completed. The
+        // callers size the source in whole messages of whole blocks (it
+        // holds every byte a message reads: not checked here).
         let posted = match p.take {
+            // SAFETY: as above; `piece` is `message` bytes of the source.
             Take::Contiguous => unsafe { self.tx.send(tag, piece(p.src, k, p.message), p.message) },
+            // SAFETY: as above; every block lies in the source.
             Take::Gathered { block, stride } => unsafe {
                 self.tx.send_pieces(tag, p.blocks(k, block, stride))
             },
@@ -149,8 +153,13 @@ impl Sender<'_> {
                 }
                 let buf = p.packs[k % slots].as_mut_ptr();
                 for (i, (at, len)) in p.blocks(k, block, stride).into_iter().enumerate() {
+                    // SAFETY: block i of the source, to block i of this send
+                    // buffer (`message` bytes: message / block blocks), which
+                    // no send reads any more (message k - slots completed).
                     unsafe { std::ptr::copy_nonoverlapping(at.0, buf.add(i * block), len) };
                 }
+                // SAFETY: as above; the buffer holds `message` bytes and is
+                // not touched again before this send completes.
                 unsafe { self.tx.send(tag, buf, p.message) }
             }
         };

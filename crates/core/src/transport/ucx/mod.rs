@@ -31,6 +31,8 @@ pub struct Ucx {
 // SAFETY: the context is created with `mt_workers_shared`, so workers may be
 // created from any thread; it is never destroyed (process lifetime).
 unsafe impl Send for Ucx {}
+// SAFETY: as for Send: shared use of the context is creating workers on it,
+// which `mt_workers_shared` allows from several threads at once.
 unsafe impl Sync for Ucx {}
 
 static UCX: OnceLock<std::result::Result<Ucx, String>> = OnceLock::new();

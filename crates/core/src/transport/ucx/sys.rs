@@ -162,8 +162,10 @@ pub struct Lib {
     pub version: (u32, u32, u32),
 }
 
-// SAFETY: function pointers and an immutable path.
+// SAFETY: function pointers of a library never unloaded, an immutable path
+// and a version: nothing tied to a thread (the compiler would derive this).
 unsafe impl Send for Lib {}
+// SAFETY: as for Send: nothing in it is mutated after loading.
 unsafe impl Sync for Lib {}
 
 /// Where libucp is looked for: `WM_UCX_LIB` alone when set (a path, e.g. the

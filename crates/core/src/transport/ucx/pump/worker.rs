@@ -61,7 +61,10 @@ pub(super) fn start_worker(ucx: &'static Ucx) -> Result<(Worker<'static>, i32, V
     if st != sys::UCS_OK {
         return Err(ucx.error("getting the worker's address", st));
     }
+    // SAFETY: on UCS_OK ucp_worker_get_address gave `len` readable bytes at
+    // `addr`, valid until released below; they are copied out first.
     let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+    // SAFETY: the address this worker gave us, released once, not used after.
     unsafe { (api.ucp_worker_release_address)(worker, addr) };
     let w = Worker {
         ucx,
