@@ -675,7 +675,7 @@ fn fuzz_want_geometry() {
             let messages = split_entries(&[whole], &requests);
             assert_eq!(messages.iter().map(|m| m.len).sum::<u64>(), n);
             let mut at = 0;
-            for (src, offset, len) in q.pieces(0, n) {
+            for (src, offset, len) in q.extents(0, n) {
                 assert_eq!(offset, at, "request #{k}: pieces in order");
                 assert!(
                     len > 0 && src + len <= size,

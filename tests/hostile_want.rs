@@ -132,7 +132,7 @@ fn receive_packed(conn: &mut Conn, q: &Request, data: &[u8], deadline: Instant) 
                             e.len as usize,
                         )
                     };
-                    for (k, (src, _, len)) in q.pieces(e.offset, e.len).enumerate().take(64) {
+                    for (k, (src, _, len)) in q.extents(e.offset, e.len).enumerate().take(64) {
                         assert_eq!(len, 1);
                         assert_eq!(
                             bytes[k],

@@ -46,7 +46,7 @@
 //! Where things go:
 //! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
 //!   receive where `source/net/landing.rs` decides: a staging slot; where
-//!   `Applier::receive_pieces` says, in one piece or scattered by UCX into
+//!   `Applier::receive_scatter` says, in one piece or scattered by UCX into
 //!   the pieces it lands in; else a bounce buffer the applier scatters from
 //!   (`apply/landing.rs`: in place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the

@@ -55,7 +55,7 @@ pub(super) struct Landing<'p> {
     /// kept across updates).
     pub staging: Option<&'p mut DeviceStaging>,
     /// gdr, in place: a source writes device params' bytes straight into
-    /// them ([`Landing::receive_pieces`] gives device addresses).
+    /// them ([`Landing::receive_scatter`] gives device addresses).
     pub gdr: bool,
     pub threads: usize,
     pub deadline: Instant,
@@ -122,7 +122,7 @@ impl<'p> Landing<'p> {
     /// counted as written, when they would land in more than `most`
     /// pieces, or in GPU memory in more than one: the source then receives
     /// them elsewhere and hands them over to be copied.
-    pub fn receive_pieces(
+    pub fn receive_scatter(
         &mut self,
         t: usize,
         offset: u64,
@@ -262,7 +262,7 @@ impl<'p> Landing<'p> {
 
     /// The param byte that received byte `offset` of entry `t` goes to,
     /// when `len` bytes from there are contiguous in the param (segments
-    /// back to back count as one piece, as [`Landing::receive_pieces`]
+    /// back to back count as one piece, as [`Landing::receive_scatter`]
     /// joins them).
     pub(super) fn param_offset(&self, t: usize, offset: u64, len: u64) -> Result<u64> {
         let spans = self.param_spans(t, offset, len.max(1))?;

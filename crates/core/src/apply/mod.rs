@@ -199,21 +199,21 @@ impl<'p, 'h> Applier<'p, 'h> {
 
     /// The one landing call for a source that writes bytes itself: where
     /// bytes `[offset, offset + len)` of plan entry `t` land, in at most
-    /// `most` pieces (see `Landing::receive_pieces`; None: receive them
+    /// `most` pieces (see `Landing::receive_scatter`; None: receive them
     /// elsewhere and hand them over with [`Applier::apply_batch`]). Report
     /// the bytes with [`Applier::account_landed`] once they are there.
-    pub fn receive_pieces(
+    pub fn receive_scatter(
         &mut self,
         t: usize,
         offset: u64,
         len: usize,
         most: usize,
     ) -> Result<Option<Vec<(SendPtr, usize)>>> {
-        self.landing.receive_pieces(t, offset, len, most)
+        self.landing.receive_scatter(t, offset, len, most)
     }
 
     /// Account for chunks a source already wrote where
-    /// [`Applier::receive_pieces`] said (their `src` is ignored): the same
+    /// [`Applier::receive_scatter`] said (their `src` is ignored): the same
     /// checks, verification and delivery as [`Applier::apply_batch`],
     /// without the copy.
     pub fn account_landed(&mut self, origin: &str, chunks: &[Chunk]) -> Result<()> {

@@ -16,7 +16,7 @@ pub(super) enum Route {
     /// arena, a host param (in place), or a pinned or loose buffer on its
     /// way to a device param or the callback.
     Copy,
-    /// The source already wrote it where [`Landing::receive_pieces`] said, in
+    /// The source already wrote it where [`Landing::receive_scatter`] said, in
     /// host memory: only accounted for (and hashed).
     Landed,
     /// A whole callback tensor at `src` in the source's host memory, in

@@ -26,7 +26,7 @@ fn plan_of(bytes: &[u8]) -> Plan {
 
 /// Where `len` bytes of entry `t` from byte `offset` land, in one piece.
 fn one_piece(a: &mut Applier, t: usize, offset: u64, len: usize) -> Result<SendPtr> {
-    let pieces = a.receive_pieces(t, offset, len, 1)?;
+    let pieces = a.receive_scatter(t, offset, len, 1)?;
     Ok(pieces.expect("one piece")[0].0)
 }
 
@@ -113,7 +113,7 @@ fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
     }
 }
 
-/// rdma lands callback tensors through `receive_pieces`: tensors received
+/// rdma lands callback tensors through `receive_scatter`: tensors received
 /// at once count together against the limit, each one alone fits.
 #[test]
 fn callback_tensors_received_at_once_share_the_limit() {
@@ -244,7 +244,7 @@ fn rows_back_to_back_in_the_param_are_received_in_one_piece() {
     let opts = callback_opts(Mode::InPlace, 0);
     let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
     let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
-    let pieces = a.receive_pieces(0, 12, 100, 1).unwrap().unwrap();
+    let pieces = a.receive_scatter(0, 12, 100, 1).unwrap().unwrap();
     assert_eq!(pieces, vec![(SendPtr(param[12..].as_mut_ptr()), 100)]);
 }
 
@@ -310,7 +310,7 @@ fn apply_small_chunks(plan: &Plan, received: &[u8], mode: Mode, sum: u128) -> Re
 /// A source scattering received bytes itself (a UCX IOV receive): the
 /// column split of `many_small_chunks_across_segments_land_and_verify`
 /// received in 40-byte messages, each written into the pieces
-/// `receive_pieces` names and accounted as landed: every byte where its
+/// `receive_scatter` names and accounted as landed: every byte where its
 /// run says, the slice sum verified, in place and atomically. A message
 /// in more pieces than the source takes gets None, and in place nothing
 /// counts as written yet.
@@ -328,11 +328,11 @@ fn bytes_scattered_into_their_pieces_land_and_verify() {
         a.expect_checksum(0, crate::checksum::of(&received))
             .unwrap();
         // Bytes 4..44: pieces of 4, 8, 8, 8, 8 and 4 bytes.
-        assert!(a.receive_pieces(0, 4, 40, 5).unwrap().is_none());
+        assert!(a.receive_scatter(0, 4, 40, 5).unwrap().is_none());
         assert!(!a.wrote_params(), "{mode:?}: nothing written yet");
         for at in (0..received.len()).step_by(40) {
             let len = 40.min(received.len() - at);
-            let pieces = a.receive_pieces(0, at as u64, len, 8).unwrap().unwrap();
+            let pieces = a.receive_scatter(0, at as u64, len, 8).unwrap().unwrap();
             let mut from = at;
             for (to, n) in pieces {
                 // SAFETY: a piece of the param (or its shadow), n bytes.

@@ -1,6 +1,6 @@
 //! Where a member's broadcasts land: the applier decides, as for every
 //! source. In place the bytes land in the params themselves (the applier's
-//! `receive_pieces`, in one piece, with device params written directly as
+//! `receive_scatter`, in one piece, with device params written directly as
 //! with gdr) and are accounted for once moved. Atomic, the applier stages in host
 //! memory, which NCCL cannot write: each batch lands in a [`Bounce`]
 //! buffer on the GPU first and is handed to the applier from there
@@ -100,7 +100,7 @@ impl<'a, 'p, 'h> MemberLanding<'a, 'p, 'h> {
     /// (one broadcast writes them).
     fn in_one_piece(&mut self, t: usize) -> Result<u64> {
         let n = self.sizes[t];
-        match self.applier.receive_pieces(t, 0, n, 1)?.as_deref() {
+        match self.applier.receive_scatter(t, 0, n, 1)?.as_deref() {
             Some([(at, _)]) => Ok(at.0 as u64),
             _ => Err(Error::format(format!(
                 "tensor #{t}: its {n} bytes are not contiguous where they land"

@@ -131,7 +131,7 @@ fn claims(pieces: &[CopyJob]) -> Vec<usize> {
     ends
 }
 
-/// Pieces at least this large use streaming stores (see [`copy_bytes`]).
+/// ScatterList at least this large use streaming stores (see [`copy_bytes`]).
 const STREAM_MIN: usize = 1 << 20;
 
 /// Copy `len` bytes. Large copies on x86-64 with AVX2 use 32-byte loads and

@@ -97,7 +97,7 @@ fn window_blocks(
     for e in entries {
         let q = &requests[e.request as usize];
         let zero = (e.len == 0).then_some((0, e.offset, 0));
-        for (at, offset, len) in zero.into_iter().chain(q.pieces(e.offset, e.len)) {
+        for (at, offset, len) in zero.into_iter().chain(q.extents(e.offset, e.len)) {
             let start = e.buffer_offset.saturating_add(at);
             if start.saturating_add(len) > buffer_len {
                 return Err(Error::invalid_argument(format!(

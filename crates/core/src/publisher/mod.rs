@@ -91,7 +91,7 @@ use std::time::Duration;
 
 /// The UCX tag of a network bucket entry's message (`wire::message_tag`).
 pub use config::{PublisherConfig, TEST_HOOKS};
-pub use offer::{Content, HostTensor};
+pub use offer::{Content, ServedTensor};
 pub use stats::ServeStats;
 
 use accept::Acceptor;
@@ -332,7 +332,7 @@ impl Publisher {
     /// memory: the device range must stay valid until the next `publish`
     /// returns.
     pub unsafe fn add(&self, t: TensorDesc<'_>) -> Result<()> {
-        let mut host = HostTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
+        let mut host = ServedTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
         host.placement = t.placement;
         if t.device.is_some() {
             self.add_device(host)
@@ -342,7 +342,7 @@ impl Publisher {
     }
 
     /// Add a GPU tensor once the driver says its range is memory of its GPU.
-    fn add_device(&self, t: HostTensor) -> Result<()> {
+    fn add_device(&self, t: ServedTensor) -> Result<()> {
         let what = format!("tensor '{}'", t.name);
         let ordinal = t.device.expect("a device tensor");
         crate::memory::cuda::cuda()

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// A tensor in the trainer's memory.
 #[derive(Clone, Debug)]
-pub struct HostTensor {
+pub struct ServedTensor {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<u64>,
@@ -33,7 +33,7 @@ pub struct HostTensor {
     pub placement: Option<Placement>,
 }
 
-impl HostTensor {
+impl ServedTensor {
     /// A tensor the trainer adds (not yet checked: see [`Content::add`]).
     pub(super) fn new(
         name: &str,
@@ -43,8 +43,8 @@ impl HostTensor {
         len: usize,
         rank: Option<u32>,
         device: Option<i32>,
-    ) -> HostTensor {
-        HostTensor {
+    ) -> ServedTensor {
+        ServedTensor {
             name: name.to_string(),
             dtype,
             shape: shape.to_vec(),
@@ -64,7 +64,7 @@ pub enum Content {
     /// A snapshot directory; each rank gets the files the layout rules pick for it.
     Dir(PathBuf),
     /// Tensors in memory, which must stay valid and unchanged while served.
-    Tensors(Vec<HostTensor>),
+    Tensors(Vec<ServedTensor>),
 }
 
 impl Content {
@@ -72,7 +72,7 @@ impl Content {
     /// name, its byte size against its dtype and shape, its placement and
     /// its address checked, and nothing it would clash with for the same
     /// rank (see [`check_clash`]).
-    pub(super) fn add(&mut self, t: HostTensor) -> Result<()> {
+    pub(super) fn add(&mut self, t: ServedTensor) -> Result<()> {
         let name = &t.name;
         check_name(name)?;
         let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
@@ -101,7 +101,8 @@ impl Content {
         let Content::Tensors(ts) = self else {
             unreachable!()
         };
-        let same_ranks = |o: &HostTensor| o.rank.is_none() || t.rank.is_none() || o.rank == t.rank;
+        let same_ranks =
+            |o: &ServedTensor| o.rank.is_none() || t.rank.is_none() || o.rank == t.rank;
         for o in ts.iter().filter(|o| o.name == *name && same_ranks(o)) {
             check_clash(o, &t)?;
         }
@@ -113,7 +114,7 @@ impl Content {
 /// Two tensors of one name for the same rank: only shards of one global
 /// tensor (same dtype and global shape) at different offsets may be
 /// published side by side; a whole tensor is published once.
-fn check_clash(old: &HostTensor, new: &HostTensor) -> Result<()> {
+fn check_clash(old: &ServedTensor, new: &ServedTensor) -> Result<()> {
     let name = &new.name;
     let clash = |why: String| Err(Error::invalid_argument(format!("tensor '{name}': {why}")));
     match (&old.placement, &new.placement) {

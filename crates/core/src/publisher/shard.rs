@@ -2,7 +2,7 @@
 //! where its bytes come from, and packing those bytes into a bucket buffer.
 
 use super::config::PublisherConfig;
-use super::offer::{Content, HostTensor, Offer, Published};
+use super::offer::{Content, Offer, Published, ServedTensor};
 use crate::checkpoint::checksums::hash_file_ranges;
 use crate::checkpoint::layout::SnapshotLocation;
 use crate::checkpoint::regular_file::open_regular;
@@ -102,13 +102,13 @@ fn dir_shard(
 /// hashed once per serve call (published copies have theirs already).
 fn tensors_shard(
     offer: &Offer,
-    all: &[HostTensor],
+    all: &[ServedTensor],
     rank: u32,
     cfg: &PublisherConfig,
 ) -> Result<Shard> {
     let version = offer.version.clone();
     // This rank's tensors, with their index in the content.
-    let mine: Vec<(usize, &HostTensor)> = all
+    let mine: Vec<(usize, &ServedTensor)> = all
         .iter()
         .enumerate()
         .filter(|(_, t)| t.rank.is_none_or(|r| r == rank))
@@ -128,7 +128,7 @@ fn tensors_shard(
     // hashed. The lock is held while hashing, so sessions wanting
     // the same tensors wait for the sums instead of hashing again.
     let mut known = offer.live_sums.lock();
-    let todo: Vec<(usize, &HostTensor)> = mine
+    let todo: Vec<(usize, &ServedTensor)> = mine
         .iter()
         .copied()
         .filter(|(i, t)| cfg.checksums && t.checksum.is_none() && !known.contains_key(i))
@@ -201,7 +201,7 @@ fn blocks<'q>(
 ) -> impl Iterator<Item = Block> + 'q {
     let q = &requests[e.request as usize];
     let (t, first) = (q.tensor as usize, e.offset);
-    q.pieces(e.offset, e.len).map(move |(src, at, len)| {
+    q.extents(e.offset, e.len).map(move |(src, at, len)| {
         let to = SendPtr(dst.wrapping_add((at - first) as usize));
         (t, src, to, len as usize)
     })
@@ -311,7 +311,7 @@ mod tests {
     /// host memory).
     #[test]
     fn live_gpu_tensors_are_refused_by_name() {
-        let gpu_tensor = HostTensor {
+        let gpu_tensor = ServedTensor {
             name: "layers.0.w".into(),
             dtype: DType::F32,
             shape: vec![4],

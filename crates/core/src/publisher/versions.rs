@@ -3,7 +3,7 @@
 //! dropped ones reused by the next `publish`.
 
 use super::config::PublisherConfig;
-use super::offer::{Content, HostTensor, Offer, Published};
+use super::offer::{Content, Offer, Published, ServedTensor};
 use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
 use crate::memory::shared::SharedBuffer;
@@ -111,7 +111,7 @@ impl Versions {
     /// them at their copies.
     fn copy_to_shared(
         &self,
-        ts: &mut [HostTensor],
+        ts: &mut [ServedTensor],
         version: &str,
         threads: usize,
     ) -> Result<SharedBuffer> {
@@ -162,7 +162,7 @@ impl Versions {
 }
 
 /// Point `ts` at their copies in `shared` (at `offsets`).
-fn point_at_copies(ts: &mut [HostTensor], offsets: &[usize], shared: &SharedBuffer) {
+fn point_at_copies(ts: &mut [ServedTensor], offsets: &[usize], shared: &SharedBuffer) {
     for (t, &at) in ts.iter_mut().zip(offsets) {
         t.data = SendPtr(shared.ptr().wrapping_add(at));
         t.device = None;
@@ -181,7 +181,7 @@ fn point_at_copies(ts: &mut [HostTensor], offsets: &[usize], shared: &SharedBuff
 /// reuses the buffer and copies into it (`Versions::copy_to_shared`);
 /// a publisher that never reuses it never pays that.
 fn write_fresh(
-    ts: &[HostTensor],
+    ts: &[ServedTensor],
     offsets: &[usize],
     total: usize,
     version: &str,
@@ -258,7 +258,7 @@ fn write_at(shared: &SharedBuffer, offset: usize, bytes: &[u8], what: &str) -> R
 }
 
 /// Kernels still writing the trainer's GPU tensors finish first.
-fn synchronize_gpus(ts: &[HostTensor], name: &str) -> Result<()> {
+fn synchronize_gpus(ts: &[ServedTensor], name: &str) -> Result<()> {
     let mut gpus: Vec<i32> = ts.iter().filter_map(|t| t.device).collect();
     gpus.sort_unstable();
     gpus.dedup();
@@ -270,13 +270,13 @@ fn synchronize_gpus(ts: &[HostTensor], name: &str) -> Result<()> {
 
 /// Where each tensor of a version's copy starts (256-byte aligned, in
 /// order) and the bytes the copy needs.
-fn packed_offsets(ts: &[HostTensor], version: &str) -> Result<(Vec<usize>, usize)> {
+fn packed_offsets(ts: &[ServedTensor], version: &str) -> Result<(Vec<usize>, usize)> {
     crate::memory::aligned_offsets(ts.iter().map(|t| t.len as u64))
         .ok_or_else(|| Error::out_of_memory(format!("version '{version}' is too large")))
 }
 
 /// Where the copier reads tensor `t` (host memory, or GPU memory).
-fn tensor_source(t: &HostTensor) -> CopySource<'static> {
+fn tensor_source(t: &ServedTensor) -> CopySource<'static> {
     match t.device {
         Some(ordinal) => CopySource::Device {
             ptr: t.data.0 as u64,
@@ -289,7 +289,11 @@ fn tensor_source(t: &HostTensor) -> CopySource<'static> {
 /// Copy `ts` into one new GPU buffer on GPU `gpu` (256-byte aligned
 /// offsets; host tensors are uploaded, other GPUs' copied peer to peer)
 /// and point them at their copies.
-fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<ExportedDeviceBuffer> {
+fn copy_to_device(
+    ts: &mut [ServedTensor],
+    gpu: i32,
+    version: &str,
+) -> Result<ExportedDeviceBuffer> {
     let (offsets, total) = packed_offsets(ts, version)?;
     let buf = ExportedDeviceBuffer::new(&format!("version '{version}'"), gpu, total)?;
     for (t, &at) in ts.iter().zip(&offsets) {
@@ -306,7 +310,7 @@ fn copy_to_device(ts: &mut [HostTensor], gpu: i32, version: &str) -> Result<Expo
 }
 
 /// Checksums of a version's copies (GPU ones are read back to hash).
-fn hash_published(ts: &mut [HostTensor], threads: usize) -> Result<()> {
+fn hash_published(ts: &mut [ServedTensor], threads: usize) -> Result<()> {
     let host: Vec<(SendPtr, usize)> = ts
         .iter()
         .filter(|t| t.device.is_none())

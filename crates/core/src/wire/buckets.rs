@@ -61,7 +61,7 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
         };
         // Small blocks gathered so far: (first request offset, bytes).
         let mut packed: Option<(u64, u64)> = None;
-        for (_, at, len) in requests[e.request as usize].pieces(e.offset, e.len) {
+        for (_, at, len) in requests[e.request as usize].extents(e.offset, e.len) {
             if let Some((from, n)) = packed {
                 if len >= PACK_BELOW || n + len > NET_MESSAGE {
                     out.push(piece(from, n));
@@ -96,19 +96,19 @@ pub fn split_entries(entries: &[BucketEntry], requests: &[Request]) -> Vec<Bucke
 /// what cost (`wm bench shard --section ucx`). The publisher still packs
 /// such messages on its copy threads: UCX packs an IOV send itself over
 /// TCP, on its one thread, which measured slower.
-pub(crate) const MIN_PIECE: u64 = 1024;
+pub(crate) const MIN_SCATTER_PART: u64 = 1024;
 
 /// The most pieces a message of `len` bytes is scattered into by UCX: as
-/// many as average at least [`MIN_PIECE`] bytes, and always one.
-pub fn max_pieces(len: u64) -> usize {
-    (len / MIN_PIECE).max(1) as usize
+/// many as average at least [`MIN_SCATTER_PART`] bytes, and always one.
+pub fn max_scatter_parts(len: u64) -> usize {
+    (len / MIN_SCATTER_PART).max(1) as usize
 }
 
 /// Where network message `e` starts in its publisher's tensor when it is
 /// (part of) one block, sent from the tensor itself; None when it packs
 /// several blocks ([`split_entries`]).
 pub fn message_source(e: &BucketEntry, requests: &[Request]) -> Option<u64> {
-    let mut pieces = requests[e.request as usize].pieces(e.offset, e.len);
+    let mut pieces = requests[e.request as usize].extents(e.offset, e.len);
     match (pieces.next(), pieces.next()) {
         (None, _) => Some(0),
         (Some((from, ..)), None) => Some(from),
@@ -199,7 +199,7 @@ pub fn check_windows(
             continue;
         }
         let mut extent = (u64::MAX, 0);
-        for (at, offset, len) in q.pieces(e.offset, e.len) {
+        for (at, offset, len) in q.extents(e.offset, e.len) {
             let start = e.buffer_offset.checked_add(at);
             let Some((start, end)) = start.and_then(|s| Some((s, s.checked_add(len)?))) else {
                 return Err(bad(format!("tensor offset {} overflows", e.buffer_offset)));
@@ -277,17 +277,17 @@ mod tests {
     use super::*;
 
     /// A message lands in its pieces when it is one, or when they average
-    /// at least MIN_PIECE bytes (4 KiB rows of a column half); 256-byte
+    /// at least MIN_SCATTER_PART bytes (4 KiB rows of a column half); 256-byte
     /// rows go through a bounce buffer.
     #[test]
     fn messages_land_in_pieces_averaging_min_piece() {
-        assert_eq!(max_pieces(0), 1);
-        assert_eq!(max_pieces(10), 1);
-        assert_eq!(max_pieces(1 << 20), 1024);
-        assert!(max_pieces(1 << 20) >= (1 << 20) / 4096, "4 KiB rows");
-        assert_eq!(max_pieces(MIN_PIECE * 7), 7);
-        assert_eq!(max_pieces(MIN_PIECE * 7 - 1), 6);
-        assert!(max_pieces(256 * 128) < 128, "256-byte rows");
+        assert_eq!(max_scatter_parts(0), 1);
+        assert_eq!(max_scatter_parts(10), 1);
+        assert_eq!(max_scatter_parts(1 << 20), 1024);
+        assert!(max_scatter_parts(1 << 20) >= (1 << 20) / 4096, "4 KiB rows");
+        assert_eq!(max_scatter_parts(MIN_SCATTER_PART * 7), 7);
+        assert_eq!(max_scatter_parts(MIN_SCATTER_PART * 7 - 1), 6);
+        assert!(max_scatter_parts(256 * 128) < 128, "256-byte rows");
     }
 
     #[test]

@@ -23,7 +23,7 @@ mod want_bounds;
 use crate::manifest::TensorMeta;
 
 pub use buckets::{
-    check_bucket, check_windows, max_pieces, message_source, message_tag, net_message_bytes,
+    check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
     split_entries,
 };
 pub(crate) use fields::{In, Out};

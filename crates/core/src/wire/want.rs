@@ -47,10 +47,10 @@ impl WantRun {
     }
 }
 
-/// The contiguous pieces of a request's byte range ([`Request::pieces`]):
+/// The contiguous pieces of a request's byte range ([`Request::extents`]):
 /// (tensor offset, request offset, length) each.
 #[derive(Clone, Debug)]
-pub struct RequestPieces<'q> {
+pub struct Extents<'q> {
     /// The runs not yet passed.
     runs: &'q [WantRun],
     /// The request offset where `runs[0]` starts.
@@ -60,7 +60,7 @@ pub struct RequestPieces<'q> {
     end: u64,
 }
 
-impl Iterator for RequestPieces<'_> {
+impl Iterator for Extents<'_> {
     type Item = (u64, u64, u64);
 
     fn next(&mut self) -> Option<(u64, u64, u64)> {
@@ -163,12 +163,12 @@ impl Request {
     }
 
     /// Where request bytes `[at, at + len)` lie in the tensor: (tensor
-    /// offset, request offset, length) of each contiguous piece, in order,
+    /// offset, request offset, length) of each contiguous extent, in order,
     /// walked as they are asked for (a request of millions of one-byte
     /// rows is never a list of them). A run of rows back to back
     /// (`stride == len`) is one piece.
-    pub fn pieces(&self, at: u64, len: u64) -> RequestPieces<'_> {
-        RequestPieces {
+    pub fn extents(&self, at: u64, len: u64) -> Extents<'_> {
+        Extents {
             runs: &self.runs,
             base: 0,
             at,
@@ -177,7 +177,7 @@ impl Request {
     }
 
     /// How many contiguous blocks the request's bytes lie in, as
-    /// [`Request::pieces`] walks them (saturating).
+    /// [`Request::extents`] walks them (saturating).
     pub fn blocks(&self) -> u64 {
         self.runs
             .iter()
@@ -322,12 +322,12 @@ pub(crate) mod tests {
         assert_eq!(q.contiguous(), None);
         // Request bytes 1..8: the end of row 0, rows 1 and 2, 2 of the lone block.
         assert_eq!(
-            q.pieces(1, 8).collect::<Vec<_>>(),
+            q.extents(1, 8).collect::<Vec<_>>(),
             vec![(3, 1, 1), (6, 2, 2), (10, 4, 2), (20, 6, 3)]
         );
         let w = Request::whole(1, 16, false);
         assert!(w.is_whole(16) && !w.is_whole(17));
-        assert_eq!(w.pieces(4, 8).collect::<Vec<_>>(), vec![(4, 4, 8)]);
+        assert_eq!(w.extents(4, 8).collect::<Vec<_>>(), vec![(4, 4, 8)]);
         // Equal blocks back to back are one contiguous run.
         let c = Request::of_blocks(0, [(8, 4), (12, 4)], false);
         assert_eq!(c.contiguous(), Some(8));
@@ -345,7 +345,7 @@ pub(crate) mod tests {
         };
         assert_eq!(rows.blocks(), 1 + 3);
         assert_eq!(
-            rows.pieces(2, 20).collect::<Vec<_>>(),
+            rows.extents(2, 20).collect::<Vec<_>>(),
             vec![(10, 2, 18), (100, 20, 1), (102, 21, 1)]
         );
         let sizes = [1u64 << 40];

@@ -144,7 +144,7 @@ impl Sender<'_> {
             Take::Contiguous => unsafe { self.tx.send(tag, piece(p.src, k, p.message), p.message) },
             // SAFETY: as above; every block lies in the source.
             Take::Gathered { block, stride } => unsafe {
-                self.tx.send_pieces(tag, p.blocks(k, block, stride))
+                self.tx.send_scatter(tag, p.blocks(k, block, stride))
             },
             Take::Packed { block, stride } => {
                 let slots = p.packs.len();

@@ -4,7 +4,7 @@
 //! in one piece, or scattered by UCX into the pieces where a message's
 //! blocks (several small blocks of a strided request, packed into one
 //! message) lie, when those are large enough to be worth it
-//! (`wire::max_pieces`); else back to back in a bounce buffer, from which the
+//! (`wire::max_scatter_parts`); else back to back in a bounce buffer, from which the
 //! applier scatters them as from a staging slot.
 
 use super::SLOTS;
@@ -15,9 +15,9 @@ use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::Result;
 use crate::source::publisher_link::PublisherLink;
-use crate::transport::ucx::{Pieces, Pump};
+use crate::transport::ucx::{Pump, ScatterList};
 use crate::wire::message_tag as net_tag;
-use crate::wire::{max_pieces, BucketEntry};
+use crate::wire::{max_scatter_parts, BucketEntry};
 
 /// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
 /// uses `seq % depth`): taken when a bucket first needs one, from the
@@ -93,14 +93,14 @@ pub(super) fn apply_landed(
 pub(super) enum Landing {
     /// Where the applier wants its bytes, in one piece or several:
     /// accounted for once landed.
-    Applier(Pieces),
+    Applier(ScatterList),
     /// In a staging slot or bounce buffer: copied on (scattered) once landed.
     Staged(SendPtr),
 }
 
 impl Landing {
     /// The pieces the message's `len` bytes landed in, in order.
-    pub(super) fn pieces(&self, len: usize) -> Pieces {
+    pub(super) fn scatter_list(&self, len: usize) -> ScatterList {
         match self {
             Landing::Applier(pieces) => pieces.clone(),
             Landing::Staged(at) => vec![(*at, len)],
@@ -144,8 +144,8 @@ pub(super) fn post(
         landing.push(match to.slot {
             Some(slot) => Landing::Staged(SendPtr(slot.wrapping_add(e.buffer_offset as usize))),
             None => {
-                let (t, most) = (link.entry(e), max_pieces(e.len));
-                match applier.receive_pieces(t, e.offset, e.len as usize, most)? {
+                let (t, most) = (link.entry(e), max_scatter_parts(e.len));
+                match applier.receive_scatter(t, e.offset, e.len as usize, most)? {
                     Some(pieces) => Landing::Applier(pieces),
                     None => {
                         // Placed below, once the bounce buffer's size is known.
@@ -174,7 +174,7 @@ pub(super) fn post(
         // The pump is dropped, cancelling any receive, before that memory
         // goes; a slot or bounce buffer is reposted only after its bucket
         // was applied (the publisher waits for the ACK).
-        unsafe { pump.recv_pieces(net_tag(seq, k), l.pieces(e.len as usize))? };
+        unsafe { pump.recv_scatter(net_tag(seq, k), l.scatter_list(e.len as usize))? };
     }
     Ok(Posted {
         seq,

@@ -10,13 +10,13 @@
 //! several small ones packed) is its own UCX message:
 //!
 //! - **direct** (rdma by default, gdr always): received straight where the
-//!   applier wants the bytes (`Applier::receive_pieces`): the param itself
+//!   applier wants the bytes (`Applier::receive_scatter`): the param itself
 //!   in place, the atomic staging arena otherwise, and for device params
 //!   without gdr a host buffer (pinned where it can) that goes up to the
 //!   GPU. On RDMA hardware the NIC writes the params. A message that lies
 //!   there in several pieces (packed small blocks of a column split) is
 //!   scattered into them by UCX (an IOV receive) when they average at
-//!   least `wire::MIN_PIECE` bytes; smaller ones (and several pieces of
+//!   least `wire::MIN_SCATTER_PART` bytes; smaller ones (and several pieces of
 //!   GPU memory) land in a bounce buffer and are scattered from it. gdr (straight into GPU
 //!   memory) also needs device params and a UCX built with CUDA; without
 //!   either it is refused with a clear error (or, when allowed, runs as

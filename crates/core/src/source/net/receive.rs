@@ -351,7 +351,7 @@ fn check_digest(
 ) -> Result<()> {
     let e = &bucket.entries[k];
     let mut hash = blake3::Hasher::new_keyed(p.key);
-    for (at, len) in bucket.landing[k].pieces(e.len as usize) {
+    for (at, len) in bucket.landing[k].scatter_list(e.len as usize) {
         // SAFETY: the entry's receive completed into these pieces (a slot,
         // or the applier's landing, both host memory: keyed excludes gdr).
         hash.update(unsafe { std::slice::from_raw_parts(at.0, len) });

@@ -15,7 +15,7 @@
 mod pump;
 mod sys;
 
-pub use pump::{Completion, Pieces, Pump};
+pub use pump::{Completion, Pump, ScatterList};
 
 use crate::result::{Error, Result};
 use std::ffi::c_void;

@@ -40,13 +40,15 @@ pub struct Completion {
 
 enum Cmd {
     Connect(Vec<u8>, SyncSender<Result<()>>),
-    Send { tag: u64, pieces: Pieces },
-    Recv { tag: u64, pieces: Pieces },
+    Send { tag: u64, parts: ScatterList },
+    Recv { tag: u64, parts: ScatterList },
 }
 
-/// A message's bytes: pieces (pointer, length) back to back in the
-/// message. One piece goes as contiguous bytes, several as a UCX IOV.
-pub type Pieces = Vec<(SendPtr, usize)>;
+/// A message's bytes: its parts (pointer, length), back to back in the
+/// message. One part goes as contiguous bytes, several as a UCX IOV.
+/// ("Pieces" means something else here: a param's pieces of a global
+/// tensor.)
+pub type ScatterList = Vec<(SendPtr, usize)>;
 
 pub struct Pump {
     cmds: Option<Sender<Cmd>>,
@@ -119,7 +121,7 @@ impl Pump {
     /// or the pump is dropped.
     pub unsafe fn send(&self, tag: u64, ptr: *const u8, len: usize) -> Result<()> {
         // SAFETY: the caller's promise.
-        unsafe { self.send_pieces(tag, vec![(SendPtr(ptr as *mut u8), len)]) }
+        unsafe { self.send_scatter(tag, vec![(SendPtr(ptr as *mut u8), len)]) }
     }
 
     /// Send `pieces`, back to back, as one message under `tag` (gathered by
@@ -127,8 +129,8 @@ impl Pump {
     ///
     /// # Safety
     /// As [`Pump::send`], for every piece.
-    pub unsafe fn send_pieces(&self, tag: u64, pieces: Pieces) -> Result<()> {
-        self.post(Cmd::Send { tag, pieces })
+    pub unsafe fn send_scatter(&self, tag: u64, pieces: ScatterList) -> Result<()> {
+        self.post(Cmd::Send { tag, parts: pieces })
     }
 
     /// Receive the message tagged `tag` (at most `cap` bytes) at `ptr`.
@@ -138,7 +140,7 @@ impl Pump {
     /// or the pump is dropped.
     pub unsafe fn recv(&self, tag: u64, ptr: *mut u8, cap: usize) -> Result<()> {
         // SAFETY: the caller's promise.
-        unsafe { self.recv_pieces(tag, vec![(SendPtr(ptr), cap)]) }
+        unsafe { self.recv_scatter(tag, vec![(SendPtr(ptr), cap)]) }
     }
 
     /// Receive the message tagged `tag` (at most the pieces' total) into
@@ -146,8 +148,8 @@ impl Pump {
     ///
     /// # Safety
     /// As [`Pump::recv`], for every piece.
-    pub unsafe fn recv_pieces(&self, tag: u64, pieces: Pieces) -> Result<()> {
-        self.post(Cmd::Recv { tag, pieces })
+    pub unsafe fn recv_scatter(&self, tag: u64, pieces: ScatterList) -> Result<()> {
+        self.post(Cmd::Recv { tag, parts: pieces })
     }
 
     /// The next completion, or None when `deadline` (or the `poll` interval)

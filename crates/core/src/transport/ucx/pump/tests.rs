@@ -60,21 +60,21 @@ fn pieces_are_gathered_and_scattered_in_order() {
     let mut dst = vec![0xAAu8; 2 * block * n];
     let mut short = vec![0u8; 2 * block];
     let at = |base: *const u8, k: usize| SendPtr(base.wrapping_add(2 * block * k) as *mut u8);
-    let send: Pieces = (0..n).map(|k| (at(src.as_ptr(), k), block)).collect();
+    let send: ScatterList = (0..n).map(|k| (at(src.as_ptr(), k), block)).collect();
     // Received the other way round: block k of the message in the second
     // half of stride k.
     let second_halves = dst.as_mut_ptr().wrapping_add(block);
-    let recv: Pieces = (0..n).map(|k| (at(second_halves, k), block)).collect();
+    let recv: ScatterList = (0..n).map(|k| (at(second_halves, k), block)).collect();
     let two = vec![
         (SendPtr(short.as_mut_ptr()), block),
         (SendPtr(short.as_mut_ptr().wrapping_add(block)), block),
     ];
     let deadline = Instant::now() + Duration::from_secs(20);
     unsafe {
-        b.recv_pieces(1, recv).unwrap();
-        a.send_pieces(1, send.clone()).unwrap();
-        b.recv_pieces(2, two).unwrap();
-        a.send_pieces(2, send[..3].to_vec()).unwrap();
+        b.recv_scatter(1, recv).unwrap();
+        a.send_scatter(1, send.clone()).unwrap();
+        b.recv_scatter(2, two).unwrap();
+        a.send_scatter(2, send[..3].to_vec()).unwrap();
     }
     let mut got: Vec<Completion> = (0..2)
         .map(|_| b.next(deadline).unwrap().expect("a completion"))

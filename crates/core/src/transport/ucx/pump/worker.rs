@@ -102,8 +102,8 @@ impl Worker<'_> {
             Cmd::Connect(address, reply) => {
                 let _ = reply.send(self.connect(&address));
             }
-            Cmd::Send { tag, pieces } => self.post_send(tag, &pieces, done),
-            Cmd::Recv { tag, pieces } => self.post_recv(tag, &pieces, done),
+            Cmd::Send { tag, parts } => self.post_send(tag, &parts, done),
+            Cmd::Recv { tag, parts } => self.post_recv(tag, &parts, done),
         }
     }
 
