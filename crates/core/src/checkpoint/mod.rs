@@ -18,6 +18,7 @@
 
 pub mod block_sums;
 pub mod checksums;
+mod json_shape;
 pub mod layout;
 pub mod regular_file;
 pub mod safetensors_file;

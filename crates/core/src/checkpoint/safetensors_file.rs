@@ -14,13 +14,15 @@
 //! [`TensorEntry`] (no generic JSON tree), so a header costs a small multiple
 //! of its size.
 
+use super::json_shape::Shape;
 use super::regular_file::{check_deadline, open_regular, read_exact_at_until};
 use super::shard_meta::{self, ShardOf, SHARD_KEY};
 use crate::result::{Error, Result};
-use crate::tensor::{byte_size, shape_text, DType, MAX_NDIM};
-use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use crate::tensor::{byte_size, shape_text, DType};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
 use std::time::Instant;
@@ -46,37 +48,6 @@ pub struct SafetensorsHeader {
     /// In file order (ascending offset).
     pub tensors: Vec<TensorEntry>,
     pub file_len: u64,
-}
-
-/// A shape, refused while parsing once it has more than `MAX_NDIM` dims.
-pub(super) struct Shape(pub(super) Vec<u64>);
-
-impl<'de> Deserialize<'de> for Shape {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Shape;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                write!(f, "a list of at most {MAX_NDIM} non-negative integers")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(
-                self,
-                mut s: A,
-            ) -> std::result::Result<Shape, A::Error> {
-                let mut dims = Vec::new();
-                while let Some(d) = s.next_element::<u64>()? {
-                    if dims.len() == MAX_NDIM {
-                        return Err(serde::de::Error::custom(format!(
-                            "shape has more than {MAX_NDIM} dimensions"
-                        )));
-                    }
-                    dims.push(d);
-                }
-                Ok(Shape(dims))
-            }
-        }
-        d.deserialize_seq(V)
-    }
 }
 
 /// One tensor's entry as written; unknown keys are ignored.
@@ -233,7 +204,7 @@ pub fn parse_header(json: &[u8], file_len: u64, path: &Path) -> Result<Safetenso
     for (name, raw) in entries.0 {
         tensors.push(check_entry(&p, name, raw, data_start, data_len)?);
     }
-    shard_meta::attach(&p, entries.1, &mut tensors)?;
+    attach_shards(&p, entries.1, &mut tensors)?;
     let mut by_name: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
     by_name.sort_unstable();
     if let Some(w) = by_name.windows(2).find(|w| w[0] == w[1]) {
@@ -293,6 +264,46 @@ pub fn open(path: &Path, deadline: Instant) -> Result<(File, SafetensorsHeader)>
     let file = open_regular(path)?;
     let header = read_header(&file, path, deadline)?;
     Ok((file, header))
+}
+
+/// Attach the placements of `keys` (stored name, JSON value; the
+/// `__metadata__` entries whose key starts with [`SHARD_KEY`]) to the
+/// tensors of the file at `p` (named in errors).
+fn attach_shards(
+    p: &str,
+    keys: Vec<(Cow<str>, Cow<str>)>,
+    tensors: &mut [TensorEntry],
+) -> Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let index: HashMap<&str, usize> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    let mut found: Vec<(usize, ShardOf)> = Vec::with_capacity(keys.len());
+    let mut seen = vec![false; tensors.len()];
+    for (stored, value) in keys {
+        let shown = stored.escape_debug().to_string();
+        let bad =
+            |why: String| Error::format(format!("{p}: __metadata__ {SHARD_KEY}{shown}: {why}"));
+        let &i = index
+            .get(stored.as_ref())
+            .ok_or_else(|| bad("names no tensor of this file".into()))?;
+        if std::mem::replace(&mut seen[i], true) {
+            return Err(bad("given twice".into()));
+        }
+        let t = &tensors[i];
+        found.push((
+            i,
+            shard_meta::parse(&value, &t.shape, t.dtype).map_err(bad)?,
+        ));
+    }
+    for (i, shard) in found {
+        tensors[i].shard = Some(shard);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -19,13 +19,10 @@
 //! a key naming no tensor of the file, a key given twice, or a global name
 //! holding a NUL are errors naming the file and the tensor.
 
-use super::safetensors_file::{Shape, TensorEntry};
+use super::json_shape::Shape;
 use crate::manifest::Placement;
-use crate::result::{Error, Result};
-use crate::tensor::byte_size;
+use crate::tensor::{byte_size, DType};
 use serde::Deserialize;
-use std::borrow::Cow;
-use std::collections::HashMap;
 
 /// The `__metadata__` key prefix of a shard's placement.
 pub const SHARD_KEY: &str = "wm.shard.";
@@ -56,45 +53,10 @@ pub fn shard_json(global: &str, placement: &Placement) -> String {
     .to_string()
 }
 
-/// Attach the placements of `keys` (stored name, JSON value; the
-/// `__metadata__` entries whose key starts with [`SHARD_KEY`]) to the
-/// tensors of the file at `p` (named in errors).
-pub(super) fn attach(
-    p: &str,
-    keys: Vec<(Cow<str>, Cow<str>)>,
-    tensors: &mut [TensorEntry],
-) -> Result<()> {
-    if keys.is_empty() {
-        return Ok(());
-    }
-    let index: HashMap<&str, usize> = tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.as_str(), i))
-        .collect();
-    let mut found: Vec<(usize, ShardOf)> = Vec::with_capacity(keys.len());
-    let mut seen = vec![false; tensors.len()];
-    for (stored, value) in keys {
-        let shown = stored.escape_debug().to_string();
-        let bad =
-            |why: String| Error::format(format!("{p}: __metadata__ {SHARD_KEY}{shown}: {why}"));
-        let &i = index
-            .get(stored.as_ref())
-            .ok_or_else(|| bad("names no tensor of this file".into()))?;
-        if std::mem::replace(&mut seen[i], true) {
-            return Err(bad("given twice".into()));
-        }
-        let raw: ShardJson = serde_json::from_str(&value).map_err(|e| bad(format!("{e}")))?;
-        found.push((i, check(&raw, &tensors[i]).map_err(bad)?));
-    }
-    for (i, shard) in found {
-        tensors[i].shard = Some(shard);
-    }
-    Ok(())
-}
-
-/// A parsed placement checked against its stored tensor.
-fn check(raw: &ShardJson, t: &TensorEntry) -> std::result::Result<ShardOf, String> {
+/// The placement in a shard key's JSON `value`, checked against its stored
+/// tensor (`stored_shape`, `dtype`).
+pub(super) fn parse(value: &str, stored_shape: &[u64], dtype: DType) -> Result<ShardOf, String> {
+    let raw: ShardJson = serde_json::from_str(value).map_err(|e| format!("{e}"))?;
     let global = &raw.tensor;
     if global.is_empty() || global.contains('\0') {
         return Err("the global tensor name is empty or holds a NUL byte".into());
@@ -104,11 +66,11 @@ fn check(raw: &ShardJson, t: &TensorEntry) -> std::result::Result<ShardOf, Strin
         offset: raw.offset.0.clone(),
     };
     placement
-        .check(global, &t.shape)
+        .check(global, stored_shape)
         .and_then(|()| {
             byte_size(
                 &format!("tensor '{global}' (global)"),
-                t.dtype,
+                dtype,
                 &placement.global_shape,
             )
         })

@@ -4,8 +4,9 @@
 //! (`fanout/member.rs` says where they land) and committed by it.
 
 use super::update::UpdateRun;
-use super::{check_version, Manager, UpdateStats};
+use super::{Manager, UpdateStats};
 use crate::apply::{Applier, ApplyFailure, Mode};
+use crate::checkpoint::version::check_version;
 use crate::fanout::{Announcement, Bounce, FanoutSession, MemberLanding, Word};
 use crate::plan::Plan;
 use crate::result::{Error, Result};

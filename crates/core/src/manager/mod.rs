@@ -53,7 +53,6 @@ mod shadows;
 mod sources;
 mod update;
 
-pub use crate::checkpoint::version::check_version;
 pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
     UpdateRequest, UpdateStats,

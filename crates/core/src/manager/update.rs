@@ -5,10 +5,11 @@
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
 use super::geometry::{check_plan_memory, check_shards};
-use super::{check_version, Manager, UpdateRequest, UpdateStats};
+use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
 };
+use crate::checkpoint::version::check_version;
 use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::plan::{Plan, PlanOptions, Target};

@@ -12,8 +12,7 @@
 //! memory (the kernel zeroes it) before the bytes land.
 
 use super::harness::{best, per_byte, python, verdict, Floors};
-use super::model::{engine, manager, timed_update, Model};
-use super::snapshot::Snapshot;
+use super::model::{engine, manager, timed_update, Model, Snapshot};
 use crate::fmt::gbps;
 use std::path::Path;
 use std::process::Command;

@@ -17,6 +17,14 @@ use weight_manager_core::Piece;
 use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::{Publisher, PublisherConfig, ServeStats, TensorDesc};
 
+/// The snapshot measured: its folder and file, its bytes, and its model.
+pub struct Snapshot<'a> {
+    pub dir: &'a Path,
+    pub path: &'a Path,
+    pub total: u64,
+    pub model: &'a Model,
+}
+
 /// One layer's bytes.
 pub const LAYER: usize = 64 << 20;
 pub const LAYER_SHAPE: [u64; 2] = [8192, 4096];

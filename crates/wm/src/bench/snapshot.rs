@@ -16,7 +16,7 @@
 
 use super::harness::floors::{mapped_read, read_floor};
 use super::harness::{best, buffer, verdict, Floors, Scratch, RUNS};
-use super::model::{engine, layer_count, layer_model, timed_update, warm, write_layers};
+use super::model::{engine, layer_count, layer_model, timed_update, warm, write_layers, Snapshot};
 use crate::fixtures;
 use crate::fmt::{self, gbps};
 use std::fs::File;
@@ -40,14 +40,6 @@ pub struct Args {
     /// Folder for the scratch snapshot (default: the temporary folder)
     #[arg(long)]
     dir: Option<PathBuf>,
-}
-
-/// The snapshot measured: its folder and file, its bytes, and its model.
-pub struct Snapshot<'a> {
-    pub dir: &'a Path,
-    pub path: &'a Path,
-    pub total: u64,
-    pub model: &'a super::model::Model,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
