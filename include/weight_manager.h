@@ -34,7 +34,7 @@
 // Library version; matches Cargo.toml (tested).
 #define WM_VERSION_MAJOR 0
 
-#define WM_VERSION_MINOR 1
+#define WM_VERSION_MINOR 2
 
 #define WM_VERSION_PATCH 0
 
@@ -198,7 +198,7 @@ enum wm_source
   // Same node: buffers a trainer shares over a Unix socket.
   WM_SOURCE_IPC = 1,
   // Other node over UCX: received straight into param memory (or the
-  // atomic arena) by default; into staging slots first with `net_staged`.
+  // atomic arena) by default; into staging slots first with `wm_net_config.staged`.
   WM_SOURCE_RDMA = 2,
   // Other node: straight into GPU memory.
   WM_SOURCE_GDR = 3,
@@ -302,10 +302,11 @@ typedef void (*wm_log_callback)(void *user_data, uint32_t level, const char *mes
 typedef struct {
   // `sizeof(wm_group_config)`; set by `wm_group_config_init`.
   uint32_t struct_size;
-  // Group name, required: the ranks meet in
+  // The group's name: the ranks meet in
   // `/dev/shm/wm.<name>.n<node_rank>` and, across nodes, over TCP.
   // `wm_init` blocks until every rank arrived (bounded by
-  // `signal_timeout_ms`). NULL: no group.
+  // `signal_timeout_ms`). NULL (the init's default): no group, as if
+  // `wm_config.group` were NULL.
   const char *name;
   // Ranks on this node; 0 (default): all `world_size` ranks are on one node.
   uint32_t local_world_size;
@@ -463,8 +464,10 @@ typedef struct {
   // IPC: non-zero accepts a publisher running as another uid (checked with
   // SO_PEERCRED); default 0: the same uid only.
   uint32_t allow_other_uids;
-  // The ranks' group (`wm_group_config`), required when `world_size` > 1;
-  // NULL (default): no group.
+  // The ranks' group (`wm_group_config`); NULL (default): no group. Ranks
+  // of a `world_size` above 1 need one for `wm_broadcast_signal` and the
+  // fan-out (`WM_ERR_STATE` there without it); `wm_init` does not
+  // require it, so ranks that only update may do without.
   const wm_group_config *group;
   // The network paths' settings (`wm_net_config`, sources rdma and gdr);
   // NULL (default): their defaults.
@@ -1007,8 +1010,8 @@ wm_result wm_update_source_bytes(const wm_manager *manager,
 //
 // Rank 0's control cell decides; without a cell the signal is NORMAL. Every
 // rank calls it once per step and all ranks get the same value for the same
-// step: with world_size above 1 the ranks must be in a group (`group_name`
-// in `wm_config`): shared memory among the ranks of a node, TCP between
+// step: with world_size above 1 the ranks must be in a group
+// (`wm_config.group`, its `name`): shared memory among the ranks of a node, TCP between
 // nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
 // value returns only after every rank got it (a barrier, bounded by the
 // group timeout). Several ranks without a group: `WM_ERR_STATE`.
@@ -1287,6 +1290,24 @@ wm_result wm_publisher_set_version(wm_publisher *publisher, const char *version)
 // session). A dropped version's buffer takes a later version once no
 // session serves it.
 wm_result wm_publisher_publish(wm_publisher *publisher);
+
+// Make the shared buffers the next `count` publishes copy into, now,
+// sized for the tensors added so far: call it once after adding them and
+// before the trainer's first step, so no step pays for fresh shared pages
+// (which cost far more than the copy itself: 0.3-0.6 s per GiB on a
+// 2-core machine, where a publish into a ready buffer runs at memory
+// speed). Without it, the first `keep_versions + 1` publishes (more while
+// sessions still read old versions) each create their buffer.
+//
+// `count` 0: `keep_versions + 1`, the buffers steady publishing cycles
+// through; add one per version sessions may still be reading when the
+// next is published. At most 64. `*out_bytes` (optional, NULL) receives
+// the bytes made. No tensors added (or a served directory):
+// `WM_ERR_INVALID_ARGUMENT`; GPU tensors of an IPC publisher (published
+// into GPU memory): `WM_ERR_UNSUPPORTED`; no room in /dev/shm:
+// `WM_ERR_OUT_OF_MEMORY`, with nothing kept of the call. Tensors added
+// later that make a version larger than the buffers leave those unused.
+wm_result wm_publisher_prepare(wm_publisher *publisher, uint32_t count, uint64_t *out_bytes);
 
 // Serve `engines` engine connections (each on its own thread), waiting at
 // most `accept_timeout_ms` for them to connect; returns when every session

@@ -88,8 +88,10 @@ pub struct wm_config {
     /// IPC: non-zero accepts a publisher running as another uid (checked with
     /// SO_PEERCRED); default 0: the same uid only.
     pub allow_other_uids: u32,
-    /// The ranks' group (`wm_group_config`), required when `world_size` > 1;
-    /// NULL (default): no group.
+    /// The ranks' group (`wm_group_config`); NULL (default): no group. Ranks
+    /// of a `world_size` above 1 need one for `wm_broadcast_signal` and the
+    /// fan-out (`WM_ERR_STATE` there without it); `wm_init` does not
+    /// require it, so ranks that only update may do without.
     pub group: *const wm_group_config,
     /// The network paths' settings (`wm_net_config`, sources rdma and gdr);
     /// NULL (default): their defaults.
@@ -108,10 +110,11 @@ pub struct wm_config {
 pub struct wm_group_config {
     /// `sizeof(wm_group_config)`; set by `wm_group_config_init`.
     pub struct_size: u32,
-    /// Group name, required: the ranks meet in
+    /// The group's name: the ranks meet in
     /// `/dev/shm/wm.<name>.n<node_rank>` and, across nodes, over TCP.
     /// `wm_init` blocks until every rank arrived (bounded by
-    /// `signal_timeout_ms`). NULL: no group.
+    /// `signal_timeout_ms`). NULL (the init's default): no group, as if
+    /// `wm_config.group` were NULL.
     pub name: *const c_char,
     /// Ranks on this node; 0 (default): all `world_size` ranks are on one node.
     pub local_world_size: u32,

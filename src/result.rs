@@ -103,7 +103,7 @@ impl From<weight_manager_core::Error> for wm_result {
 ///
 /// Library version; matches Cargo.toml (tested).
 pub const WM_VERSION_MAJOR: u32 = 0;
-pub const WM_VERSION_MINOR: u32 = 1;
+pub const WM_VERSION_MINOR: u32 = 2;
 pub const WM_VERSION_PATCH: u32 = 0;
 
 /// ==========================================================================

@@ -122,8 +122,8 @@ pub unsafe extern "C" fn wm_update_source_bytes(
 ///
 /// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
 /// rank calls it once per step and all ranks get the same value for the same
-/// step: with world_size above 1 the ranks must be in a group (`group_name`
-/// in `wm_config`): shared memory among the ranks of a node, TCP between
+/// step: with world_size above 1 the ranks must be in a group
+/// (`wm_config.group`, its `name`): shared memory among the ranks of a node, TCP between
 /// nodes. NORMAL is cheap: one shared-memory read, no syscall; any other
 /// value returns only after every rank got it (a barrier, bounded by the
 /// group timeout). Several ranks without a group: `WM_ERR_STATE`.

@@ -150,3 +150,21 @@ def test_device_arrays_expose_the_cuda_array_interface():
     a = DeviceArray(0x7F0000001000, 4096, 1, DType.F16, (32, 64))
     assert a.__cuda_array_interface__ == {
         "shape": (32, 64), "typestr": "<f2", "data": (0x7F0000001000, False), "version": 3}
+
+
+def test_prepare_makes_the_buffers_publishes_copy_into(tmp_path):
+    data = np.arange(1000, dtype=np.float32)
+    with Publisher(str(tmp_path / "prep.sock")) as p:
+        with pytest.raises(WeightManagerError) as e:
+            p.prepare()
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT
+        assert "add the tensors" in str(e.value)
+        p.add("w", data)
+        with pytest.raises(WeightManagerError):
+            p.prepare(65)
+        # count 0: keep_versions + 1 buffers (the default keeps 2 versions).
+        assert p.prepare() == 3 * data.nbytes
+        assert p.prepare(2) == 2 * data.nbytes
+        for k in range(4):
+            p.set_version(f"v{k}")
+            p.publish()

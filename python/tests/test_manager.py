@@ -42,7 +42,7 @@ def engine(m: Manager, tensors: dict) -> dict:
 
 
 def test_version():
-    assert version() == "0.1.0"
+    assert version() == "0.2.0"
 
 
 def test_update_clear_update(tmp_path):
@@ -231,10 +231,10 @@ def test_fanout_config_is_checked_at_init():
     with pytest.raises(WeightManagerError) as e:
         Manager(fanout_group=0, log=lambda _lvl, msg: logs.append(msg))
     assert e.value.code == Result.ERR_INVALID_ARGUMENT
-    assert any("fanout_group needs the ranks in a group" in m for m in logs), logs
+    assert any("(Python: fanout_group) needs the ranks in a group" in m for m in logs), logs
     with pytest.raises(WeightManagerError) as e:
         Manager(fanout_group=-3, log=lambda _lvl, msg: logs.append(msg))
-    assert any("fanout_group -3 is not a group number" in m for m in logs), logs
+    assert any("wm_fanout_config.group -3 is not a group number" in m for m in logs), logs
     with Manager(fanout_group=None) as m:
         assert m.status().state == State.NORMAL
 

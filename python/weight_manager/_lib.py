@@ -350,6 +350,7 @@ PROTOTYPES = {
         [c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
     ),
     "wm_publisher_publish": (R, [c_void_p]),
+    "wm_publisher_prepare": (R, [c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]),
     "wm_publisher_destroy": (None, [c_void_p]),
     # The one add call; the header's four positional add calls are
     # deprecated and not declared here.

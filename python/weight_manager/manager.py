@@ -286,11 +286,11 @@ class Manager(OwnedHandle):
         cfg.copy_threads = copy_threads
         # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
         mem.callback_staging_limit = callback_staging_limit
-        # Atomic staging kept between updates (README "Atomic updates");
+        # Atomic staging kept between updates (README "States and transitions");
         # False frees it after each update.
         mem.free_atomic_staging = int(not keep_atomic_staging)
         # Atomic updates of library-owned device params by a device page
-        # swap (README "States and transitions"); costs one more copy of
+        # swap (README "GPU params and CUDA IPC"); costs one more copy of
         # them in GPU memory during each update.
         mem.swap_device_params = int(swap_device_params)
         handle = ctypes.c_void_p()

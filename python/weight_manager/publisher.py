@@ -71,6 +71,17 @@ class Publisher(OwnedHandle):
         keep_versions is dropped."""
         self._check(LIB.wm_publisher_publish(self._h()))
 
+    def prepare(self, count: int = 0) -> int:
+        """Make the shared buffers the next `count` publishes copy into, now,
+        sized for the tensors added so far (call it before the first
+        training step: a publish that has to create its buffer pays for
+        fresh shared pages, far slower than the copy). `count` 0:
+        keep_versions + 1, what steady publishing cycles through. Returns
+        the bytes made."""
+        out = ctypes.c_uint64(0)
+        self._check(LIB.wm_publisher_prepare(self._h(), count, ctypes.byref(out)))
+        return out.value
+
     def _check(self, rc: int):
         raise_for(rc, LIB.wm_publisher_last_error, self._h())
 

@@ -172,7 +172,7 @@ unsafe fn fanout_from_c(c: &wm_fanout_config) -> Result<Option<FanoutSettings>> 
     match c.group {
         -1 => Ok(None),
         g if g < 0 => Err(Error::invalid_argument(format!(
-            "fanout_group {g} is not a group number (0 or more) or -1 (no fan-out)"
+            "wm_fanout_config.group {g} is not a group number (0 or more) or -1 (no fan-out)"
         ))),
         g => Ok(Some(FanoutSettings {
             group: g as u32,

@@ -56,6 +56,39 @@ pub unsafe extern "C" fn wm_publisher_publish(publisher: *mut wm_publisher) -> w
     })
 }
 
+/// Make the shared buffers the next `count` publishes copy into, now,
+/// sized for the tensors added so far: call it once after adding them and
+/// before the trainer's first step, so no step pays for fresh shared pages
+/// (which cost far more than the copy itself: 0.3-0.6 s per GiB on a
+/// 2-core machine, where a publish into a ready buffer runs at memory
+/// speed). Without it, the first `keep_versions + 1` publishes (more while
+/// sessions still read old versions) each create their buffer.
+///
+/// `count` 0: `keep_versions + 1`, the buffers steady publishing cycles
+/// through; add one per version sessions may still be reading when the
+/// next is published. At most 64. `*out_bytes` (optional, NULL) receives
+/// the bytes made. No tensors added (or a served directory):
+/// `WM_ERR_INVALID_ARGUMENT`; GPU tensors of an IPC publisher (published
+/// into GPU memory): `WM_ERR_UNSUPPORTED`; no room in /dev/shm:
+/// `WM_ERR_OUT_OF_MEMORY`, with nothing kept of the call. Tensors added
+/// later that make a version larger than the buffers leave those unused.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_prepare(
+    publisher: *mut wm_publisher,
+    count: u32,
+    out_bytes: *mut u64,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        let r = h.value.prepare(count as usize).map(|bytes| {
+            if !out_bytes.is_null() {
+                out_bytes.write(bytes);
+            }
+        });
+        h.result(r)
+    })
+}
+
 /// Serve `engines` engine connections (each on its own thread), waiting at
 /// most `accept_timeout_ms` for them to connect; returns when every session
 /// ended. A failed session (engine died, refused, checksum...) gives its

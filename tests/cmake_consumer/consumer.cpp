@@ -15,5 +15,5 @@ int main() {
   status.struct_size = sizeof status;
   if (wm_status(m.get(), &status) != WM_OK || status.state != WM_STATE_NORMAL) return 1;
   std::printf("consumer: weight_manager %s, state %s\n", wm_version(), wm_state_name(status.state));
-  return std::strcmp(wm_version(), "0.1.0") == 0 ? 0 : 1;
+  return std::strcmp(wm_version(), "0.2.0") == 0 ? 0 : 1;
 }

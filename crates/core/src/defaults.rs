@@ -13,7 +13,7 @@ use std::time::Duration;
 pub const BUCKET_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Bound on rendezvous and on every per-step wait and barrier of a group
-/// (`wm_config.signal_timeout_ms` = 0): a dead or stalled rank is reported
+/// (`wm_group_config.signal_timeout_ms` = 0): a dead or stalled rank is reported
 /// within it.
 pub const SIGNAL_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -33,7 +33,7 @@ pub const BUFFERS_IN_FLIGHT: usize = 2;
 pub const FALLBACK_DIR: &str = "/shared_ipc_meta";
 
 /// Bound on the bytes the library stages for the per-tensor callback
-/// (`wm_config.callback_staging_limit` = 0). The library's own choice, as
+/// (`wm_memory_config.callback_staging_limit` = 0). The library's own choice, as
 /// the sizes come from the source with no registered param to bound them:
 /// above any single tensor of today's models, far below a node's memory.
 pub const CALLBACK_STAGING_LIMIT: u64 = 4 << 30;

@@ -89,7 +89,7 @@ fn candidates(explicit: Option<&Path>) -> Vec<String> {
 
 const INSTALL_HINT: &str =
     "install NCCL 2.14 or later (e.g. `pip install nvidia-nccl-cu12`) and set \
-     nccl_library in wm_config (or WM_NCCL_LIB) to its libnccl.so.2";
+     wm_fanout_config.nccl_library (or WM_NCCL_LIB) to its libnccl.so.2";
 
 static LOADED: Mutex<Option<&'static Nccl>> = Mutex::new(None);
 

@@ -146,12 +146,14 @@ impl ManagerConfig {
         if self.fanout.is_some() {
             if self.group.is_none() || self.world_size < 2 {
                 return Err(Error::invalid_argument(
-                    "fanout_group needs the ranks in a group (world_size > 1 and group_name)",
+                    "wm_fanout_config.group (Python: fanout_group) needs the ranks in a group \
+                     (world_size > 1 and wm_group_config.name)",
                 ));
             }
             if self.device < 0 {
                 return Err(Error::invalid_argument(
-                    "fanout_group needs this rank's GPU (device >= 0): fan-out moves device params",
+                    "wm_fanout_config.group (Python: fanout_group) needs this rank's GPU (device >= 0): \
+                     fan-out moves device params",
                 ));
             }
         }

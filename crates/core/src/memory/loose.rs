@@ -16,7 +16,7 @@ use crate::result::{Error, Result};
 use std::collections::HashMap;
 
 /// What the engine changes to raise the bound, named in errors.
-const RAISE: &str = "raise wm_config.callback_staging_limit (Python: \
+const RAISE: &str = "raise wm_memory_config.callback_staging_limit (Python: \
      Manager(callback_staging_limit=...)) if tensors this large are expected";
 
 /// Check, before any byte of the update is allocated, that its callback

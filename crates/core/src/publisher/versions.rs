@@ -11,6 +11,7 @@ use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[derive(Default)]
@@ -25,7 +26,19 @@ pub(super) struct Versions {
     /// Buffers written with `pwrite` (by address) whose pages this
     /// process has not mapped yet: mapped on every core when reused.
     unmapped: Mutex<std::collections::HashSet<usize>>,
+    /// How many retired buffers are kept: [`SPARES`], or as many as the
+    /// trainer prepared.
+    spares: AtomicUsize,
 }
+
+/// Retired buffers kept by default: two cover a publisher alternating
+/// versions.
+const SPARES: usize = 2;
+
+/// The most buffers one [`Versions::prepare`] makes: a bound on what a
+/// caller's count can allocate (the memory itself is bounded by
+/// /dev/shm, whose exhaustion is a clear error there).
+pub(super) const MAX_PREPARED: usize = 64;
 
 impl Versions {
     /// Keep `offer` as version `name`, its tensors copied now (onto the GPU
@@ -84,6 +97,41 @@ impl Versions {
         }
     }
 
+    /// Make `count` shared buffers for versions of `ts` now, each with
+    /// every page allocated and mapped in this process, and keep them as
+    /// spares that the next publishes copy into: a publish that has to
+    /// create its buffer pays for fresh shared pages (0.3-0.6 s per GiB on
+    /// the 2-core test machine), one that reuses one copies at memory
+    /// speed. Returns the bytes made. Buffers a publish cannot use (a
+    /// version grown past them) are dropped as spares are.
+    pub(super) fn prepare(&self, ts: &[ServedTensor], count: usize) -> Result<u64> {
+        if count > MAX_PREPARED {
+            return Err(Error::invalid_argument(format!(
+                "prepare: {count} buffers asked for; at most {MAX_PREPARED}"
+            )));
+        }
+        let (_, total) = packed_offsets(ts, "prepared")?;
+        let total = total.max(crate::wire::ALIGN as usize);
+        let mut made = Vec::with_capacity(count);
+        for k in 0..count {
+            let what = format!("prepared version buffer {} of {count}", k + 1);
+            made.push(Arc::new(SharedBuffer::create(&what, total)?));
+        }
+        self.spares.fetch_max(count, Ordering::Relaxed);
+        let mut retired = self.retired.lock();
+        retired.extend(made);
+        while retired.len() > self.spares.load(Ordering::Relaxed).max(SPARES) {
+            retired.pop_front();
+        }
+        Ok(total as u64 * count as u64)
+    }
+
+    /// Where the spare buffers are, for the tests.
+    #[cfg(test)]
+    pub(super) fn spare_ptrs(&self) -> Vec<*mut u8> {
+        self.retired.lock().iter().map(|b| b.ptr()).collect()
+    }
+
     /// Names of the published versions, oldest first.
     pub(super) fn names(&self) -> Vec<String> {
         self.published
@@ -99,8 +147,7 @@ impl Versions {
         if let Some(shared) = offer.shared().cloned() {
             let mut retired = self.retired.lock();
             retired.push_back(shared);
-            // Two spares cover a publisher alternating versions.
-            while retired.len() > 2 {
+            while retired.len() > self.spares.load(Ordering::Relaxed).max(SPARES) {
                 retired.pop_front();
             }
         }

@@ -26,7 +26,7 @@ pub enum SourceKind {
     /// Same node: buffers a trainer shares over a Unix socket.
     Ipc = 1,
     /// Other node over UCX: received straight into param memory (or the
-    /// atomic arena) by default; into staging slots first with `net_staged`.
+    /// atomic arena) by default; into staging slots first with `wm_net_config.staged`.
     Rdma = 2,
     /// Other node: straight into GPU memory.
     Gdr = 3,

@@ -263,7 +263,7 @@ fn measure(net: &Net, floor: &mut NetFloor) -> Result<Figures, String> {
     // tensors, no packing either.
     let verified = measured(net, floor, &m, false)?;
     let plain = measured(net, floor, &m, true)?;
-    // Staged (`net_staged`): into a slot, then copied to the params.
+    // Staged (`wm_net_config.staged`): into a slot, then copied to the params.
     let st = net.engine_with(bucket, 0, (true, false))?;
     model::register_layers(&st, &mut params)?;
     net.update(&st, false)?;
@@ -328,7 +328,11 @@ fn print_rows(net: &Net, floor: &NetFloor, f: &Figures) {
     };
     row("rdma direct, verified (default)", &f.verified, true);
     row("rdma direct, unverified", &f.plain, false);
-    row("rdma staged (net_staged), verified", &f.staged, false);
+    row(
+        "rdma staged (net config staged), verified",
+        &f.staged,
+        false,
+    );
     row("rdma staged, unverified", &f.staged_plain, false);
     let (n_big, n_small) = (
         total.div_ceil(bucket) as f64,
