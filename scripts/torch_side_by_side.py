@@ -12,6 +12,12 @@ Sections:
   PyTorch: `safetensors.torch.load_file(path)` then `param.copy_()` each;
   ours: `Manager.update(dir, in_place=True)`. Floor beside it: the file
   mapped and copied into the params by numpy (`np.memmap` + `copyto`).
+- publish: the trainer's steady publish, its buffers made ahead on both
+  sides. Ours: `Publisher.prepare()` once, then `publish()` per version
+  (one copy into shared memory that engines read in place). PyTorch: the
+  same tensors copied with `copy_()` into tensors made shared ahead with
+  `share_memory_()` (what a `torch.multiprocessing` trainer does). Floor:
+  the same copies into plain pre-faulted tensors.
 - quant: FP8 E4M3 128x128 blocks are measured by `wm bench quant` (the
   library's quantizer has no Python binding yet).
 
@@ -110,6 +116,47 @@ def snapshot(gib: float, pairs: int) -> None:
         m.close()
 
 
+def publish(gib: float, pairs: int) -> None:
+    import torch
+    from weight_manager import Publisher
+
+    layer = (4096, 8192)  # 64 MiB of bf16
+    count = max(1, int(gib * 16))
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(layer, generator=g).to(torch.bfloat16) for _ in range(count)]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    shared = [torch.empty_like(t).share_memory_().fill_(1) for t in tensors]
+    plain = [torch.empty_like(t).fill_(1) for t in tensors]
+    with tempfile.TemporaryDirectory() as d, Publisher(str(Path(d) / "p.sock")) as p:
+        for i, t in enumerate(tensors):
+            p.add_torch(f"layers.{i}.w", t)
+        prepare_s = _timed(p.prepare)
+        step = iter(range(10**9))
+
+        def ours():
+            p.set_version(f"v{next(step)}")
+            p.publish()
+
+        def theirs():
+            with torch.no_grad():
+                for s, t in zip(shared, tensors):
+                    s.copy_(t)
+
+        def floor():
+            with torch.no_grad():
+                for s, t in zip(plain, tensors):
+                    s.copy_(t)
+
+        ours()  # the first publish after prepare: no buffer is created
+        ratio, o, t = alternate(pairs, ours, theirs)
+        _, _, fl = alternate(max(3, pairs // 2), floor, floor)
+        print(f"trainer publish, {total / 2**30:.2f} GiB bf16, buffers made ahead "
+              f"(prepare {prepare_s:.2f} s): wm {total / o / 1e9:.2f} GB/s, "
+              f"torch copy_() into share_memory_() tensors {total / t / 1e9:.2f} GB/s, "
+              f"copy into plain tensors floor {total / fl / 1e9:.2f} GB/s; "
+              f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs), wm / floor {fl / o:.2f}")
+
+
 def _header(path: Path) -> dict:
     import json
     raw = path.read_bytes()[:8]
@@ -129,6 +176,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     a = ap.parse_args()
     snapshot(a.gib, a.pairs)
+    publish(a.gib, a.pairs)
 
 
 if __name__ == "__main__":
