@@ -923,8 +923,20 @@ static void test_publisher(void) {
   CHECK_RC(wm_publisher_add(p, &sh), WM_OK);
   CHECK_RC(wm_publisher_add(p, &sh), WM_ERR_INVALID_ARGUMENT); /* same offset twice */
   CHECK_RC(wm_publisher_clear(p), WM_OK);
+  /* prepare: nothing added yet is an error naming why; then the buffers of
+     keep_versions + 1 (default 2 + 1) versions of the tensors added. */
+  uint64_t made = 7;
+  CHECK_RC(wm_publisher_prepare(NULL, 0, &made), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_prepare(p, 0, &made), WM_ERR_INVALID_ARGUMENT);
+  CHECK(made == 7);
+  CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "add the tensors") != NULL);
   t.rank = -1;
   CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+  CHECK_RC(wm_publisher_prepare(p, 65, &made), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_prepare(p, 0, &made), WM_OK);
+  CHECK(made >= 3 * sizeof w && made % 3 == 0); /* buffers are at least 256 bytes */
+  CHECK_RC(wm_publisher_prepare(p, 1, NULL), WM_OK);
   CHECK_RC(wm_publisher_last_error(p, NULL, sizeof buf, &n), WM_ERR_NULL_ARGUMENT);
   CHECK_RC(wm_publisher_last_error(p, buf, 0, &n), WM_ERR_INVALID_ARGUMENT);
   CHECK_RC(wm_publisher_set_version(p, "3"), WM_OK);
