@@ -1,6 +1,15 @@
-//! weight_manager: swap new model weights into a running inference engine.
+//! weight_manager_core: the rules of weight_manager, which swaps new model
+//! weights into a running inference engine, as a Rust API. Start here.
 //!
-//! An engine rank links this library (C ABI in `include/weight_manager.h`),
+//! The chosen API is re-exported at this crate's root (the engine's
+//! `Manager` and its config, requests and params; the trainer's
+//! `Publisher` and `TensorDesc`; the `Controller`; manifests; errors), with
+//! the public modules [`checkpoint`], [`plan`], [`quant`], [`delta`],
+//! [`checksum`] and [`defaults`]. Everything else is `pub(crate)`; this
+//! workspace's tests and benchmarks reach what they need of it through
+//! [`internals`], one list.
+//!
+//! An engine rank links the library (C ABI in `include/weight_manager.h`),
 //! registers its params, and calls `wm_update` when the trainer has new
 //! weights. Every update follows one path, whatever the source:
 //!
@@ -46,8 +55,8 @@
 //! Where things go:
 //! - A network chunk: `source/net/receive.rs` posts each bucket entry's UCX
 //!   receive where `source/net/landing.rs` decides: a staging slot; where
-//!   `Applier::receive_scatter` says, in one piece or scattered by UCX into
-//!   the pieces it lands in; else a bounce buffer the applier scatters from
+//!   `Applier::receive_scatter` says, in one part or scattered by UCX into
+//!   the parts it lands in; else a bounce buffer the applier scatters from
 //!   (`apply/landing.rs`: in place the param itself, atomic the staging arena, a device param
 //!   without gdr a host buffer, pinned where it can, that goes up to the
 //!   GPU in `apply/upload.rs`; gdr GPU memory); when it lands the applier
