@@ -307,7 +307,7 @@ mod tests {
         ];
         for (p, shape, want) in cases {
             let e = p.check("layers.0.w", shape).unwrap_err();
-            assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_INVALID_ARGUMENT);
             assert!(e.message.contains("'layers.0.w'"), "{e}");
             assert!(e.message.contains(want), "{want}: {e}");
         }

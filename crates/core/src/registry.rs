@@ -307,12 +307,12 @@ mod tests {
                 16,
             )
             .unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_NULL_ARGUMENT);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_NULL_ARGUMENT);
         let mut dev = ParamSpec::host("d", DType::F32, &[4]);
         dev.memory = MemoryKind::Device;
         assert_eq!(
             r.allocate(&dev).unwrap_err().code,
-            crate::wm_result::WM_ERR_UNSUPPORTED
+            crate::result::wm_result::WM_ERR_UNSUPPORTED
         );
         let (p, n) = r
             .allocate(&ParamSpec::host("e", DType::Bf16, &[3, 5]))

@@ -107,7 +107,11 @@ fn a_callback_tensor_past_the_limit_is_refused_before_allocating() {
         ) else {
             panic!("{mode:?}: a 1 TiB callback tensor was accepted");
         };
-        assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+        assert_eq!(
+            e.code,
+            crate::result::wm_result::WM_ERR_OUT_OF_MEMORY,
+            "{e}"
+        );
         assert!(e.message.contains("tensor 'huge'"), "{e}");
         assert!(e.message.contains("callback_staging_limit"), "{e}");
     }
@@ -131,7 +135,11 @@ fn callback_tensors_received_at_once_share_the_limit() {
     let mut a = Applier::new(&plan, vec![None, None], opts, hooks).unwrap();
     one_piece(&mut a, 0, 0, 1000).unwrap();
     let e = one_piece(&mut a, 1, 0, 1000).unwrap_err();
-    assert_eq!(e.code, crate::wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+    assert_eq!(
+        e.code,
+        crate::result::wm_result::WM_ERR_OUT_OF_MEMORY,
+        "{e}"
+    );
     assert!(
         e.message.contains("tensor 'b'") && e.message.contains("3000 bytes"),
         "{e}"
@@ -167,7 +175,7 @@ fn tensors_in_chunks_are_verified_as_they_land() {
             let mut bad = good.clone();
             bad[2_500_000] ^= 0x10;
             let e = apply_in_pieces(&plan, &bad, piece, landed).unwrap_err();
-            assert_eq!(e.code, crate::wm_result::WM_ERR_CHECKSUM, "{e}");
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_CHECKSUM, "{e}");
             assert!(e.message.contains("tensor 'w'"), "{e}");
         }
     }
@@ -264,7 +272,7 @@ fn many_small_chunks_across_segments_land_and_verify() {
             match (sum == good, got) {
                 (true, Ok(param)) => assert_eq!(param, want, "{mode:?}"),
                 (false, Err(e)) => {
-                    assert_eq!(e.code, crate::wm_result::WM_ERR_CHECKSUM, "{e}");
+                    assert_eq!(e.code, crate::result::wm_result::WM_ERR_CHECKSUM, "{e}");
                     assert!(e.message.contains("tensor 'w'"), "{e}");
                 }
                 (ok, got) => panic!("{mode:?}, good sum {ok}: {:?}", got.map(|_| ())),

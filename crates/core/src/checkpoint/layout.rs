@@ -324,7 +324,7 @@ mod tests {
             l2.lock().push(m.into())
         });
         let e = resolve(&loc(d.path(), Some(fb.path())), &logger, later()).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_NOT_FOUND);
         for want in [
             "model_state.tp1.3.partN",
             "model_state.tp1.3.{",

@@ -10,8 +10,8 @@
 //! between them, so neither a huge file nor a slow disk holds an update past
 //! its timeout.
 
+use crate::result::wm_result;
 use crate::result::{Error, Result};
-use crate::wm_result;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};

@@ -383,7 +383,7 @@ mod tests {
         for (header, want) in cases {
             let p = write(d.path(), header, 8);
             let e = open(&p, later()).unwrap_err();
-            assert_eq!(e.code, crate::wm_result::WM_ERR_FORMAT, "{header}");
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_FORMAT, "{header}");
             assert!(e.message.contains(want), "{header}: {e}");
         }
         std::fs::write(d.path().join("junk"), b"hello").unwrap();

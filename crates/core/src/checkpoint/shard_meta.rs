@@ -86,7 +86,9 @@ mod tests {
     use super::super::safetensors_file::parse_header;
     use std::path::Path;
 
-    fn parse(metadata: &str) -> crate::Result<super::super::safetensors_file::SafetensorsHeader> {
+    fn parse(
+        metadata: &str,
+    ) -> crate::result::Result<super::super::safetensors_file::SafetensorsHeader> {
         let json = format!(
             r#"{{"__metadata__":{{{metadata}}},"a":{{"dtype":"U8","shape":[2,2],"data_offsets":[0,4]}}}}"#
         );

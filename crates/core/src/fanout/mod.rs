@@ -256,7 +256,7 @@ mod tests {
         );
         let plan = Plan::new(vec![PlanEntry::new(meta, 0, Target::Callback)]);
         let e = announce("v1", &plan, &r, 0).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_UNSUPPORTED);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_UNSUPPORTED);
         assert!(e.message.contains("tensor 'w'"), "{e}");
     }
 
@@ -273,13 +273,13 @@ mod tests {
             }],
         };
         let e = match_announcement(&sent("x", DType::F32, &[4]), &r, 0, 3).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_NOT_FOUND);
         assert!(
             e.message.contains("rank 3") && e.message.contains("'x'"),
             "{e}"
         );
         let e = match_announcement(&sent("w", DType::F16, &[8]), &r, 0, 3).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_MISMATCH);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_MISMATCH);
         assert!(e.message.contains("F32 [4] here, but F16 [8]"), "{e}");
         let e = match_announcement(&sent("w", DType::F32, &[4]), &r, 0, 3).unwrap_err();
         assert!(e.message.contains("host memory"), "{e}");

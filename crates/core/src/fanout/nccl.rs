@@ -125,7 +125,7 @@ pub fn nccl(explicit: Option<&Path>) -> Result<&'static Nccl> {
 }
 
 fn io_error(message: String) -> Error {
-    Error::new(crate::wm_result::WM_ERR_IO, message)
+    Error::new(crate::result::wm_result::WM_ERR_IO, message)
 }
 
 fn version_text(v: c_int) -> String {

@@ -16,7 +16,9 @@ impl Manager {
     /// A cancellation seen through the progress hook while the handle is
     /// being destroyed is the destroy's doing, not the engine callback's.
     pub(super) fn cancel_cause(&self, e: Error) -> Error {
-        if e.code == crate::wm_result::WM_ERR_CANCELLED && self.cancelled.load(Ordering::Acquire) {
+        if e.code == crate::result::wm_result::WM_ERR_CANCELLED
+            && self.cancelled.load(Ordering::Acquire)
+        {
             return Error::cancelled(format!(
                 "rank {}: the manager is being destroyed ({})",
                 self.config.rank, e.message

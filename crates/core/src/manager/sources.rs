@@ -108,7 +108,7 @@ impl Manager {
             ));
         }
         let source = NetSource::open(opts, Instant::now() + req.timeout).inspect_err(|e| {
-            if e.code == crate::wm_result::WM_ERR_AUTH {
+            if e.code == crate::result::wm_result::WM_ERR_AUTH {
                 self.config
                     .logger
                     .warn(&format!("{} update: {e}", req.source.name()));

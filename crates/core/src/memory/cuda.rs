@@ -104,7 +104,7 @@ pub(crate) fn check(r: CUresult, call: &str) -> Result<()> {
             "{call}: CUDA_ERROR_OUT_OF_MEMORY"
         ))),
         other => Err(Error::new(
-            crate::wm_result::WM_ERR_IO,
+            crate::result::wm_result::WM_ERR_IO,
             format!("{call}: {other:?}"),
         )),
     }

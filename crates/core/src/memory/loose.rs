@@ -159,7 +159,7 @@ impl LooseBuffers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wm_result::WM_ERR_OUT_OF_MEMORY;
+    use crate::result::wm_result::WM_ERR_OUT_OF_MEMORY;
 
     #[test]
     fn callback_tensors_are_checked_one_by_one_or_together() {

@@ -411,7 +411,7 @@ mod tests {
     fn buffers_larger_than_the_machine_are_refused() {
         check_announced(&[1 << 30, 4096]).unwrap();
         let e = check_announced(&[1 << 50]).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_PEER);
         assert!(e.message.contains("1125899906842624 bytes"), "{e}");
         assert!(check_announced(&[u64::MAX, 2]).is_err());
     }

@@ -48,7 +48,7 @@ fn dtype_is_compared_before_shape() {
         PlanOptions::default(),
     )
     .unwrap_err();
-    assert_eq!(e.code, crate::wm_result::WM_ERR_MISMATCH);
+    assert_eq!(e.code, crate::result::wm_result::WM_ERR_MISMATCH);
     assert!(
         e.message
             .contains("param 'a': dtype mismatch: registered bf16, source f16"),
@@ -98,7 +98,7 @@ fn unknown_missing_duplicate_and_empty() {
         PlanOptions::default(),
     )
     .unwrap_err();
-    assert_eq!(e.code, crate::wm_result::WM_ERR_FORMAT);
+    assert_eq!(e.code, crate::result::wm_result::WM_ERR_FORMAT);
     assert!(plan(vec![], PlanOptions::default())
         .unwrap_err()
         .message

@@ -176,7 +176,7 @@ impl Acceptor<'_> {
         for h in threads {
             let r = h.join().unwrap_or_else(|_| {
                 Some(Err(Error::new(
-                    crate::wm_result::WM_ERR_PANIC,
+                    crate::result::wm_result::WM_ERR_PANIC,
                     "session panicked",
                 )))
             });

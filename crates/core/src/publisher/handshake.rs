@@ -56,7 +56,7 @@ pub(super) fn handshake(
         Err(e) => {
             // A HELLO this side cannot read (another protocol version): say
             // why, so that the engine's error names the cause, not a hang-up.
-            if e.code == crate::wm_result::WM_ERR_PEER {
+            if e.code == crate::result::wm_result::WM_ERR_PEER {
                 conn.send_error(&e);
             }
             return Err(e.context("before its handshake"));

@@ -448,7 +448,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
         let e = p.prepare(0).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_INVALID_ARGUMENT);
         assert!(e.message.contains("add the tensors"), "{e}");
         let data = vec![7u8; 5000];
         // SAFETY: `data` outlives the publishes, which copy it.

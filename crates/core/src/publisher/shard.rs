@@ -326,7 +326,7 @@ mod tests {
         let e = shard_for(&offer, 0, "0", &PublisherConfig::default())
             .err()
             .expect("refused");
-        assert_eq!(e.code, crate::wm_result::WM_ERR_INVALID_ARGUMENT);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_INVALID_ARGUMENT);
         assert!(
             e.message.contains("'layers.0.w' is GPU memory") && e.message.contains("published"),
             "{e}"

@@ -195,7 +195,7 @@ mod tests {
         assert_ne!(keys.publisher_to_engine, other_keys.publisher_to_engine);
         assert_eq!(
             Secret::resolve(Some(b"short")).unwrap_err().code,
-            crate::wm_result::WM_ERR_AUTH
+            crate::result::wm_result::WM_ERR_AUTH
         );
     }
 }

@@ -219,9 +219,9 @@ impl Conn {
         match Frame::decode(body).map_err(|e| e.context(&self.peer))? {
             Frame::Error { code, text } => {
                 // The peer's own code, when it is one a peer may report.
-                let code = crate::wm_result::from_raw(code)
+                let code = crate::result::wm_result::from_raw(code)
                     .filter(|c| {
-                        use crate::wm_result::*;
+                        use crate::result::wm_result::*;
                         matches!(
                             c,
                             WM_ERR_NOT_FOUND
@@ -235,7 +235,7 @@ impl Conn {
                                 | WM_ERR_UNSUPPORTED
                         )
                     })
-                    .unwrap_or(crate::wm_result::WM_ERR_PEER);
+                    .unwrap_or(crate::result::wm_result::WM_ERR_PEER);
                 Err(Error::new(code, format!("{} reports: {text}", self.peer)))
             }
             f => Ok(f),
@@ -399,7 +399,7 @@ mod tests {
         let mut a = Conn::new(a, "the publisher");
         drop(b);
         let e = a.send(&Frame::Ack { seq: 1 }).unwrap_err();
-        assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_PEER);
         assert!(
             e.message.contains(
                 "the publisher closed the connection (did it exit or crash?) while we sent ACK"

@@ -127,7 +127,7 @@ mod tests {
             f
         }] {
             let e = rx.open(&bad[4..], "p").unwrap_err();
-            assert_eq!(e.code, crate::wm_result::WM_ERR_AUTH);
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_AUTH);
             assert!(e.message.contains("frame 1 from p"), "{e}");
         }
         assert!(rx.open(&frames[1][4..], "p").is_ok());

@@ -327,7 +327,7 @@ mod tests {
         ];
         for (t, want) in cases {
             let e = decode(t).unwrap_err();
-            assert_eq!(e.code, crate::wm_result::WM_ERR_PEER);
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_PEER);
             assert!(e.message.contains("'layers.0.w'"), "{e}");
             assert!(e.message.contains(want), "{want}: {e}");
         }

@@ -210,7 +210,7 @@ fn a_file_is_read_only_up_to_its_bound() {
     let e = json::read_file(&path, 64).unwrap_err();
     assert!(e.message.contains("larger than 64 bytes"), "{e}");
     let e = read_trainer(&dir.path().join("missing.json")).unwrap_err();
-    assert_eq!(e.code, crate::wm_result::WM_ERR_NOT_FOUND);
+    assert_eq!(e.code, crate::result::wm_result::WM_ERR_NOT_FOUND);
 }
 
 #[test]
