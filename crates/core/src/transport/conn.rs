@@ -65,6 +65,10 @@ pub struct Conn {
     seal: Option<FrameSeal>,
 }
 
+/// How long a send that found its peer gone reads for the peer's last
+/// frame (already in the socket, or not coming).
+const LAST_WORDS: Duration = Duration::from_millis(100);
+
 impl Conn {
     pub fn new(stream: impl Into<Stream>, peer: impl Into<String>) -> Conn {
         Conn {
@@ -136,23 +140,27 @@ impl Conn {
         let mut sent = 0;
         let mut attach = fds;
         while sent < bytes.len() {
-            let n = sendmsg(self.stream.as_raw_fd(), &bytes[sent..], attach).map_err(|e| {
+            let n = match sendmsg(self.stream.as_raw_fd(), &bytes[sent..], attach) {
+                Ok(n) => n,
                 // A peer that died between our reads and this write gets the
-                // same words as one noticed on a read.
-                if super::peer_gone(&e) {
-                    Error::peer(format!(
-                        "{} closed the connection (did it exit or crash?) while we sent {}",
-                        self.peer,
-                        frame.name()
-                    ))
-                } else {
-                    Error::peer(format!(
+                // same words as one noticed on a read, unless it said why.
+                Err(e) if super::peer_gone(&e) => {
+                    return Err(self.last_words().unwrap_or_else(|| {
+                        Error::peer(format!(
+                            "{} closed the connection (did it exit or crash?) while we sent {}",
+                            self.peer,
+                            frame.name()
+                        ))
+                    }));
+                }
+                Err(e) => {
+                    return Err(Error::peer(format!(
                         "{}: connection lost while sending {} ({e})",
                         self.peer,
                         frame.name()
-                    ))
+                    )))
                 }
-            })?;
+            };
             sent += n;
             attach = &[];
         }
@@ -200,6 +208,14 @@ impl Conn {
 
     /// Receive one frame before `deadline`; an ERROR frame becomes an error.
     pub fn recv(&mut self, deadline: Instant) -> Result<Frame> {
+        match self.recv_frame(deadline)? {
+            Frame::Error { code, text } => Err(self.reported(code, &text)),
+            f => Ok(f),
+        }
+    }
+
+    /// Receive one frame before `deadline`, an ERROR frame as it is.
+    fn recv_frame(&mut self, deadline: Instant) -> Result<Frame> {
         let mut len = [0u8; 4];
         self.read_exact(&mut len, deadline, "frame")?;
         let len = u32::from_le_bytes(len) as usize;
@@ -216,29 +232,43 @@ impl Conn {
             Some(seal) => seal.open(&body, &self.peer)?,
             None => &body[..],
         };
-        match Frame::decode(body).map_err(|e| e.context(&self.peer))? {
-            Frame::Error { code, text } => {
-                // The peer's own code, when it is one a peer may report.
-                let code = crate::result::wm_result::from_raw(code)
-                    .filter(|c| {
-                        use crate::result::wm_result::*;
-                        matches!(
-                            c,
-                            WM_ERR_NOT_FOUND
-                                | WM_ERR_AUTH
-                                | WM_ERR_CHECKSUM
-                                | WM_ERR_MISMATCH
-                                | WM_ERR_TIMEOUT
-                                | WM_ERR_IO
-                                | WM_ERR_FORMAT
-                                | WM_ERR_OUT_OF_MEMORY
-                                | WM_ERR_UNSUPPORTED
-                        )
-                    })
-                    .unwrap_or(crate::result::wm_result::WM_ERR_PEER);
-                Err(Error::new(code, format!("{} reports: {text}", self.peer)))
-            }
-            f => Ok(f),
+        Frame::decode(body).map_err(|e| e.context(&self.peer))
+    }
+
+    /// The error a peer's ERROR frame reports: its own code, when it is one
+    /// a peer may report.
+    fn reported(&self, code: u32, text: &str) -> Error {
+        let code = crate::result::wm_result::from_raw(code)
+            .filter(|c| {
+                use crate::result::wm_result::*;
+                matches!(
+                    c,
+                    WM_ERR_NOT_FOUND
+                        | WM_ERR_AUTH
+                        | WM_ERR_CHECKSUM
+                        | WM_ERR_MISMATCH
+                        | WM_ERR_TIMEOUT
+                        | WM_ERR_IO
+                        | WM_ERR_FORMAT
+                        | WM_ERR_OUT_OF_MEMORY
+                        | WM_ERR_UNSUPPORTED
+                )
+            })
+            .unwrap_or(crate::result::wm_result::WM_ERR_PEER);
+        Error::new(code, format!("{} reports: {text}", self.peer))
+    }
+
+    /// What a peer that closed the connection said before it did: its
+    /// ERROR frame, when one is waiting to be read (a peer that gives up
+    /// says why, then closes; a send that finds it gone reports that
+    /// reason, not only the close).
+    fn last_words(&mut self) -> Option<Error> {
+        if !self.readable() {
+            return None;
+        }
+        match self.recv_frame(Instant::now() + LAST_WORDS) {
+            Ok(Frame::Error { code, text }) => Some(self.reported(code, &text)),
+            _ => None,
         }
     }
 

@@ -26,6 +26,7 @@ use super::ucx;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -52,6 +53,9 @@ pub type ScatterList = Vec<(SendPtr, usize)>;
 
 pub struct Pump {
     cmds: Option<Sender<Cmd>>,
+    /// Set when the pump is dropped, before its commands stop: the thread
+    /// then runs none of those still queued.
+    closing: Arc<AtomicBool>,
     done: Receiver<Completion>,
     wake: Arc<OwnedFd>,
     thread: Option<JoinHandle<()>>,
@@ -73,15 +77,18 @@ impl Pump {
         let (done_tx, done_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread_wake = wake.clone();
+        let closing = Arc::new(AtomicBool::new(false));
+        let thread_closing = closing.clone();
         let thread = std::thread::Builder::new()
             .name(format!("wm-ucx-{name}"))
-            .spawn(move || thread::run(ucx, cmd_rx, done_tx, ready_tx, thread_wake))
+            .spawn(move || thread::run(ucx, cmd_rx, done_tx, ready_tx, thread_wake, thread_closing))
             .map_err(|e| Error::io("starting the UCX thread", e))?;
         let address = ready_rx
             .recv()
             .map_err(|_| Error::peer("UCX: the worker thread died while starting"))??;
         Ok(Pump {
             cmds: Some(cmd_tx),
+            closing,
             done: done_rx,
             wake,
             thread: Some(thread),
@@ -170,6 +177,7 @@ impl Drop for Pump {
     /// Cancel what is still posted, wait for UCX to let go of the memory
     /// (bounded), close the connection and destroy the worker.
     fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
         drop(self.cmds.take());
         let one = 1u64.to_ne_bytes();
         // SAFETY: as in post().

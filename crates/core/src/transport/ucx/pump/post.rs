@@ -24,6 +24,15 @@ impl Worker<'_> {
             });
             return;
         }
+        if self.peer_failed() {
+            let _ = done.send(Completion {
+                tag,
+                result: Err(Error::peer(
+                    "UCX: the peer failed; nothing more is sent to it",
+                )),
+            });
+            return;
+        }
         let api = &self.ucx.lib().api;
         let (param, buffer, count, iov) = describe(pieces);
         let len = pieces.iter().map(|p| p.1).sum();

@@ -14,6 +14,9 @@ const DRAIN: Duration = Duration::from_secs(2);
 /// largest it takes (a network message is at most 1 MiB).
 const DRAIN_UNEXPECTED: Duration = Duration::from_millis(500);
 const MAX_UNEXPECTED: usize = 64 << 20;
+/// Most progress calls before the endpoint is closed (each returns at once
+/// when nothing is scheduled).
+const PROGRESS_BEFORE_CLOSE: usize = 1000;
 
 impl Worker<'_> {
     pub(super) fn shutdown(mut self) {
@@ -57,6 +60,24 @@ impl Worker<'_> {
             self.track(info.sender_tag, req, Kind::Recv, Vec::new(), &tx);
             self.settle(until, &tx);
         }
+        // Let UCX run what it scheduled: a peer failure noticed on its
+        // async thread reaches the endpoint (and sets `failed`) only when
+        // the worker progresses.
+        for _ in 0..PROGRESS_BEFORE_CLOSE {
+            // SAFETY: our own worker, on its own thread.
+            if unsafe { (api.ucp_worker_progress)(self.worker) } == 0 {
+                break;
+            }
+        }
+        if !self.ep.is_null() && self.peer_failed() {
+            // UCX 1.22 may still be tearing down a failed TCP endpoint
+            // (its connection refused: the peer is gone); closing it then
+            // can touch freed memory. A failed endpoint is left, with its
+            // worker, as when requests are still held (below).
+            std::mem::forget(scratch);
+            std::mem::forget(std::mem::take(&mut self.pending));
+            return;
+        }
         if !self.ep.is_null() {
             let mut param = blank_param();
             param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
@@ -79,6 +100,9 @@ impl Worker<'_> {
         if self.pending.is_empty() {
             // SAFETY: nothing of this worker is in use any more.
             unsafe { (api.ucp_worker_destroy)(self.worker) };
+            // SAFETY: made by Box::into_raw in start_worker; the worker that
+            // could call back with it is gone.
+            drop(unsafe { Box::from_raw(self.failed.cast_mut()) });
         } else {
             // So are the memory and IOV arrays of its requests.
             std::mem::forget(scratch);

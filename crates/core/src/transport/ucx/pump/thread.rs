@@ -7,6 +7,7 @@ use super::{Cmd, Completion};
 use crate::result::Result;
 use crate::transport::ucx::{sys, Ucx};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{Receiver, Sender, SyncSender};
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ pub(super) fn run(
     done: Sender<Completion>,
     ready: SyncSender<Result<Vec<u8>>>,
     wake: Arc<OwnedFd>,
+    closing: Arc<AtomicBool>,
 ) {
     let (mut w, efd, address) = match start_worker(ucx) {
         Ok(started) => started,
@@ -29,7 +31,7 @@ pub(super) fn run(
     }
     let api = &ucx.lib().api;
     loop {
-        if !w.take_commands(&cmds, &done) {
+        if !w.take_commands(&cmds, &done, &closing) {
             break;
         }
         let mut moved = false;

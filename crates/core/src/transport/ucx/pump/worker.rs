@@ -6,6 +6,7 @@ use super::{Cmd, Completion};
 use crate::result::{Error, Result};
 use crate::transport::ucx::{sys, Ucx};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 
 /// What a posted request is: a send of so many bytes, or a receive (its
@@ -32,6 +33,13 @@ pub(super) struct Worker<'a> {
     pub worker: *mut c_void,
     pub ep: *mut c_void,
     pub pending: Vec<Pending>,
+    /// Set by UCX's error callback when the endpoint's peer failed: no
+    /// send is posted on the endpoint after that. UCX 1.22 can still route
+    /// a send posted then to the TCP endpoint it is tearing down, and
+    /// crash (seen as SIGSEGV in `uct_ep_am_zcopy`, or an assertion in
+    /// `stubs.c`) instead of failing it. The callback's argument: freed
+    /// with the worker, leaked with it.
+    pub failed: *const AtomicBool,
 }
 
 /// A worker of our own, its event descriptor and its address (what the
@@ -71,6 +79,7 @@ pub(super) fn start_worker(ucx: &'static Ucx) -> Result<(Worker<'static>, i32, V
         worker,
         ep: std::ptr::null_mut(),
         pending: Vec::new(),
+        failed: Box::into_raw(Box::new(AtomicBool::new(false))),
     };
     Ok((w, efd, bytes))
 }
@@ -78,23 +87,43 @@ pub(super) fn start_worker(ucx: &'static Ucx) -> Result<(Worker<'static>, i32, V
 /// UCX's endpoint error callback. A dead peer already fails the posted
 /// operations (their completions carry the error) and closes the TCP control
 /// connection, which both sides watch; without a callback UCX would print an
-/// ERROR line of its own for every endpoint whose peer went away.
-extern "C" fn peer_failed(_arg: *mut c_void, _ep: *mut c_void, _status: i8) {}
+/// ERROR line of its own for every endpoint whose peer went away. It marks
+/// the endpoint failed (`arg`: the worker's [`Worker::failed`]), so that
+/// nothing more is posted on it.
+extern "C" fn peer_failed(arg: *mut c_void, _ep: *mut c_void, _status: i8) {
+    // SAFETY: `arg` is the worker's flag, alive as long as the worker.
+    if let Some(failed) = unsafe { arg.cast::<AtomicBool>().as_ref() } {
+        failed.store(true, Ordering::Release);
+    }
+}
 
 impl Worker<'_> {
-    /// Run every command queued; false once the pump was dropped.
+    /// Run every command queued; false once the pump was dropped. Once the
+    /// pump is `closing`, commands still queued are answered, not run: a
+    /// pump is dropped when its session ends, often because the peer
+    /// failed, and what was queued for it must not reach the endpoint.
     pub(super) fn take_commands(
         &mut self,
         cmds: &Receiver<Cmd>,
         done: &Sender<Completion>,
+        closing: &AtomicBool,
     ) -> bool {
         loop {
             match cmds.try_recv() {
+                Ok(cmd) if closing.load(Ordering::Acquire) => {
+                    refuse(cmd, done, "the pump is closing")
+                }
                 Ok(cmd) => self.handle(cmd, done),
-                Err(mpsc::TryRecvError::Empty) => return true,
+                Err(mpsc::TryRecvError::Empty) => return !closing.load(Ordering::Acquire),
                 Err(mpsc::TryRecvError::Disconnected) => return false,
             }
         }
+    }
+
+    /// The peer failed (UCX called [`peer_failed`]).
+    pub(super) fn peer_failed(&self) -> bool {
+        // SAFETY: the flag lives as long as the worker.
+        unsafe { &*self.failed }.load(Ordering::Acquire)
     }
 
     fn handle(&mut self, cmd: Cmd, done: &Sender<Completion>) {
@@ -119,7 +148,7 @@ impl Worker<'_> {
             address: address.as_ptr().cast(),
             err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
             err_handler_cb: peer_failed as *const c_void,
-            err_handler_arg: std::ptr::null_mut(),
+            err_handler_arg: self.failed.cast_mut().cast(),
             user_data: std::ptr::null_mut(),
             flags: 0,
             spare: [0; 32],
@@ -132,5 +161,21 @@ impl Worker<'_> {
         }
         self.ep = std::ptr::null_mut();
         Err(self.ucx.error("connecting to the peer worker", st))
+    }
+}
+
+/// Answer `cmd` with an error instead of running it.
+fn refuse(cmd: Cmd, done: &Sender<Completion>, why: &str) {
+    let error = || Error::peer(format!("UCX: {why}"));
+    match cmd {
+        Cmd::Connect(_, reply) => {
+            let _ = reply.send(Err(error()));
+        }
+        Cmd::Send { tag, .. } | Cmd::Recv { tag, .. } => {
+            let _ = done.send(Completion {
+                tag,
+                result: Err(error()),
+            });
+        }
     }
 }
