@@ -27,9 +27,46 @@ impl Worker<'_> {
         }
         let (tx, _rx) = mpsc::channel();
         self.settle(Instant::now() + DRAIN, &tx);
-        // Messages that arrived for receives never posted (the caller
-        // stopped early) are taken into scratch memory and dropped: UCX
-        // would otherwise warn about each one when the worker is destroyed.
+        let scratch = self.take_unexpected(&tx);
+        // Let UCX run what it scheduled: a peer failure noticed on its
+        // async thread reaches the endpoint (and sets `failed`) only when
+        // the worker progresses.
+        for _ in 0..PROGRESS_BEFORE_CLOSE {
+            // SAFETY: our own worker, on its own thread.
+            if unsafe { (api.ucp_worker_progress)(self.worker) } == 0 {
+                break;
+            }
+        }
+        // UCX 1.22 may still be tearing down a failed TCP endpoint (its
+        // connection refused: the peer is gone); closing it then can touch
+        // freed memory. A failed endpoint is left, with its worker, as when
+        // requests are still held (below).
+        let failed = !self.ep.is_null() && self.peer_failed();
+        if !failed {
+            self.close_endpoint();
+        }
+        if self.pending.is_empty() && !failed {
+            // SAFETY: nothing of this worker is in use any more.
+            unsafe { (api.ucp_worker_destroy)(self.worker) };
+            // SAFETY: made by Box::into_raw in start_worker; the worker that
+            // could call back with it is gone.
+            drop(unsafe { Box::from_raw(self.failed.cast_mut()) });
+        } else {
+            // So are the memory and IOV arrays of its requests.
+            std::mem::forget(scratch);
+            std::mem::forget(std::mem::take(&mut self.pending));
+        }
+        // Otherwise UCX still holds requests (or a failed endpoint): the
+        // worker is leaked rather than destroyed under them (and it makes no
+        // progress, so no more bytes land).
+    }
+
+    /// Messages that arrived for receives never posted (the caller stopped
+    /// early), taken into scratch memory (returned: kept until the worker
+    /// is gone) and dropped: UCX would otherwise warn about each one when
+    /// the worker is destroyed.
+    fn take_unexpected(&mut self, tx: &mpsc::Sender<super::Completion>) -> Vec<Vec<u8>> {
+        let api = &self.ucx.lib().api;
         let mut scratch: Vec<Vec<u8>> = Vec::new();
         let until = Instant::now() + DRAIN_UNEXPECTED;
         while self.pending.is_empty() && Instant::now() < until {
@@ -46,7 +83,7 @@ impl Worker<'_> {
             let mut param = blank_param();
             param.op_attr_mask = sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
             // SAFETY: `buf` is kept until the request is done (or leaked with
-            // the worker, below).
+            // the worker).
             let req = unsafe {
                 (api.ucp_tag_msg_recv_nbx)(
                     self.worker,
@@ -57,58 +94,35 @@ impl Worker<'_> {
                 )
             };
             scratch.push(buf);
-            self.track(info.sender_tag, req, Kind::Recv, Vec::new(), &tx);
-            self.settle(until, &tx);
+            self.track(info.sender_tag, req, Kind::Recv, Vec::new(), tx);
+            self.settle(until, tx);
         }
-        // Let UCX run what it scheduled: a peer failure noticed on its
-        // async thread reaches the endpoint (and sets `failed`) only when
-        // the worker progresses.
-        for _ in 0..PROGRESS_BEFORE_CLOSE {
-            // SAFETY: our own worker, on its own thread.
-            if unsafe { (api.ucp_worker_progress)(self.worker) } == 0 {
-                break;
-            }
-        }
-        if !self.ep.is_null() && self.peer_failed() {
-            // UCX 1.22 may still be tearing down a failed TCP endpoint
-            // (its connection refused: the peer is gone); closing it then
-            // can touch freed memory. A failed endpoint is left, with its
-            // worker, as when requests are still held (below).
-            std::mem::forget(scratch);
-            std::mem::forget(std::mem::take(&mut self.pending));
+        scratch
+    }
+
+    /// Close the endpoint (when there is one), waiting for the close at
+    /// most [`DRAIN`].
+    fn close_endpoint(&mut self) {
+        if self.ep.is_null() {
             return;
         }
-        if !self.ep.is_null() {
-            let mut param = blank_param();
-            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-            param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
-            // SAFETY: our endpoint, closed once.
-            let req = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
-            if sys::ptr_status(req).is_none() {
-                let until = Instant::now() + DRAIN;
-                // SAFETY: polling and freeing the close request.
-                unsafe {
-                    while (api.ucp_request_check_status)(req) == sys::UCS_INPROGRESS
-                        && Instant::now() < until
-                    {
-                        (api.ucp_worker_progress)(self.worker);
-                    }
-                    (api.ucp_request_free)(req);
+        let api = &self.ucx.lib().api;
+        let mut param = blank_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: our endpoint, closed once.
+        let req = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
+        if sys::ptr_status(req).is_none() {
+            let until = Instant::now() + DRAIN;
+            // SAFETY: polling and freeing the close request.
+            unsafe {
+                while (api.ucp_request_check_status)(req) == sys::UCS_INPROGRESS
+                    && Instant::now() < until
+                {
+                    (api.ucp_worker_progress)(self.worker);
                 }
+                (api.ucp_request_free)(req);
             }
         }
-        if self.pending.is_empty() {
-            // SAFETY: nothing of this worker is in use any more.
-            unsafe { (api.ucp_worker_destroy)(self.worker) };
-            // SAFETY: made by Box::into_raw in start_worker; the worker that
-            // could call back with it is gone.
-            drop(unsafe { Box::from_raw(self.failed.cast_mut()) });
-        } else {
-            // So are the memory and IOV arrays of its requests.
-            std::mem::forget(scratch);
-            std::mem::forget(std::mem::take(&mut self.pending));
-        }
-        // Otherwise UCX still holds requests: the worker is leaked rather than
-        // destroyed under them (and it makes no progress, so no more bytes land).
     }
 }
