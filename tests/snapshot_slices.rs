@@ -67,7 +67,7 @@ fn box_bytes(t: &common::T, piece: &Piece) -> Vec<u8> {
     }
 }
 
-/// ScatterList stacked along dimension 0 of one param: their bytes back to back.
+/// Pieces stacked along dimension 0 of one param: their bytes back to back.
 fn stacked(ts: &[&common::T], pieces: &[Piece]) -> Vec<u8> {
     ts.iter()
         .zip(pieces)

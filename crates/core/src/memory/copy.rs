@@ -131,7 +131,7 @@ fn claims(pieces: &[CopyJob]) -> Vec<usize> {
     ends
 }
 
-/// ScatterList at least this large use streaming stores (see [`copy_bytes`]).
+/// Pieces at least this large use streaming stores (see [`copy_bytes`]).
 const STREAM_MIN: usize = 1 << 20;
 
 /// Copy `len` bytes. Large copies on x86-64 with AVX2 use 32-byte loads and
@@ -320,6 +320,48 @@ pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Bytes hashed then copied at a time by [`copy_and_hash_all`]: well
+/// inside L2, so the copy reads what the hash just brought into cache.
+const HASH_CHUNK: usize = 256 << 10;
+
+/// Copy each `(src, dst, len)` and return the xxh3-128 of each, in one
+/// pass: each chunk is hashed, then copied while still in cache, where a
+/// copy and then a hash read every byte twice from memory. Copies go to up
+/// to `threads` threads whole (a hash is a stream): callers use it when
+/// there are several copies per thread, so the threads stay busy.
+///
+/// # Safety
+/// Every source readable and unchanged, every destination writable and
+/// overlapping nothing else, until this returns.
+pub unsafe fn copy_and_hash_all(copies: &[(SendPtr, SendPtr, usize)], threads: usize) -> Vec<u128> {
+    let one = |&(src, dst, len): &(SendPtr, SendPtr, usize)| {
+        let mut sum = crate::checksum::Checksum::default();
+        for at in (0..len).step_by(HASH_CHUNK) {
+            let n = HASH_CHUNK.min(len - at);
+            // SAFETY: inside the caller's ranges.
+            unsafe {
+                sum.update(std::slice::from_raw_parts(src.0.add(at), n));
+                copy_bytes(dst.0.add(at), src.0.add(at), n);
+            }
+        }
+        sum.digest()
+    };
+    let next = AtomicUsize::new(0);
+    let slots: Vec<parking_lot::Mutex<u128>> = copies.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        let work = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(c) = copies.get(i) else { break };
+            *slots[i].lock() = one(c);
+        };
+        for _ in 1..threads.clamp(1, copies.len().max(1)) {
+            s.spawn(work);
+        }
+        work();
+    });
+    slots.into_iter().map(|s| s.into_inner()).collect()
 }
 
 /// xxh3-128 of each `(ptr, len)` region, computed on up to `threads` threads.

@@ -198,7 +198,7 @@ pub(crate) fn populate_ranges(ranges: &[(SendPtr, usize)], threads: usize) -> Re
     if total == 0 {
         return Ok(());
     }
-    // ScatterList of at most `step` bytes, never crossing a range's end.
+    // Pieces of at most `step` bytes, never crossing a range's end.
     let step = total.div_ceil(threads.max(1)).next_multiple_of(HUGE);
     let pieces: Vec<(SendPtr, usize)> = ranges
         .iter()

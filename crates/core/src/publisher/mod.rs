@@ -487,6 +487,44 @@ mod tests {
         }
     }
 
+    /// A publish of many tensors hashes each while copying it (one pass):
+    /// every checksum is the xxh3-128 of the copy.
+    #[test]
+    fn published_checksums_are_those_of_the_copies() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+        let data: Vec<Vec<u8>> = (0..16)
+            .map(|i| (0..300_000 + i * 4099).map(|j| (j * 7 + i) as u8).collect())
+            .collect();
+        for (i, d) in data.iter().enumerate() {
+            let name = format!("t{i}");
+            // SAFETY: `d` outlives the publish, which copies it.
+            unsafe {
+                p.add(TensorDesc::host(
+                    &name,
+                    DType::U8,
+                    &[d.len() as u64],
+                    d.as_ptr(),
+                    d.len(),
+                ))
+            }
+            .unwrap();
+        }
+        p.prepare(0).unwrap();
+        p.set_version(Some("v".into()));
+        p.publish().unwrap();
+        let published = p.versions.published.lock();
+        let Content::Tensors(ts) = &published.back().unwrap().content else {
+            panic!("tensors")
+        };
+        for (t, d) in ts.iter().zip(&data) {
+            // SAFETY: the version's own bytes, kept while it is published.
+            let copy = unsafe { std::slice::from_raw_parts(t.data.0, t.len) };
+            assert_eq!(copy, &d[..], "{}", t.name);
+            assert_eq!(t.checksum, Some(crate::checksum::of(d)), "{}", t.name);
+        }
+    }
+
     /// Steady publishing with two versions kept cycles through the same
     /// shared buffers (engines keep them mapped), with each version's bytes.
     #[test]

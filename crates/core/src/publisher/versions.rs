@@ -4,7 +4,7 @@
 
 use super::config::PublisherConfig;
 use super::offer::{Content, Offer, Published, ServedTensor};
-use crate::memory::copy::{copy_all, hash_all, CopyJob, CopySource};
+use crate::memory::copy::{copy_all, copy_and_hash_all, hash_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
@@ -62,7 +62,11 @@ impl Versions {
                 Some(gpu) if on_device => {
                     Published::Device(Arc::new(copy_to_device(ts, gpu, name)?))
                 }
-                _ => Published::Host(Arc::new(self.copy_to_shared(ts, name, threads)?)),
+                _ => Published::Host(Arc::new(self.copy_to_shared(
+                    ts,
+                    name,
+                    (threads, cfg.checksums),
+                )?)),
             });
             if cfg.checksums {
                 hash_published(ts, threads)?;
@@ -160,7 +164,7 @@ impl Versions {
         &self,
         ts: &mut [ServedTensor],
         version: &str,
-        threads: usize,
+        (threads, hash): (usize, bool),
     ) -> Result<SharedBuffer> {
         let (offsets, total) = packed_offsets(ts, version)?;
         // A memfd cannot be empty (fallocate refuses a zero length).
@@ -189,6 +193,22 @@ impl Versions {
             }
             None => SharedBuffer::create(&format!("version '{version}'"), total)?,
         };
+        if hash && host_only && ts.len() >= 2 * threads.max(1) {
+            let copies: Vec<(SendPtr, SendPtr, usize)> = ts
+                .iter()
+                .zip(&offsets)
+                .map(|(t, &at)| (t.data, SendPtr(shared.ptr().wrapping_add(at)), t.len))
+                .collect();
+            // SAFETY: add's contract keeps each tensor valid and unchanged
+            // for len bytes; the destinations are disjoint ranges of the
+            // buffer.
+            let sums = unsafe { copy_and_hash_all(&copies, threads) };
+            point_at_copies(ts, &offsets, &shared);
+            for (t, sum) in ts.iter_mut().zip(sums) {
+                t.checksum = Some(sum);
+            }
+            return Ok(shared);
+        }
         let jobs: Vec<CopyJob> = ts
             .iter()
             .zip(&offsets)
@@ -358,15 +378,17 @@ fn copy_to_device(
 
 /// Checksums of a version's copies (GPU ones are read back to hash).
 fn hash_published(ts: &mut [ServedTensor], threads: usize) -> Result<()> {
+    // Tensors hashed while they were copied (`copy_and_hash_all`) are done.
+    let unhashed = |t: &ServedTensor| t.checksum.is_none();
     let host: Vec<(SendPtr, usize)> = ts
         .iter()
-        .filter(|t| t.device.is_none())
+        .filter(|t| t.device.is_none() && unhashed(t))
         .map(|t| (t.data, t.len))
         .collect();
     // SAFETY: our own copies, unchanged from here on.
     let mut sums = unsafe { hash_all(&host, threads) }.into_iter();
     let mut scratch: Vec<u8> = Vec::new();
-    for t in ts.iter_mut() {
+    for t in ts.iter_mut().filter(|t| unhashed(t)) {
         t.checksum = Some(match t.device {
             None => sums.next().expect("one per host tensor"),
             Some(gpu) => {

@@ -41,7 +41,7 @@ pub mod limits {
     pub const MAX_SHARDS: usize = 4_000_000;
     /// `params` entries of an engine layout.
     pub const MAX_PARAM_RULES: usize = 100_000;
-    /// ScatterList of one engine rank's params together.
+    /// Pieces of one engine rank's params together.
     pub const MAX_PIECES: usize = 1_000_000;
 }
 

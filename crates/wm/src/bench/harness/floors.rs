@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-/// ScatterList of 8 MiB handed out from a shared counter to `threads` threads:
+/// Pieces of 8 MiB handed out from a shared counter to `threads` threads:
 /// the fastest plain way to move bytes on this machine, with no library
 /// logic in it, so it is the floor.
 const PIECE: usize = 8 << 20;
