@@ -348,15 +348,21 @@ pub unsafe fn copy_and_hash_all(copies: &[(SendPtr, SendPtr, usize)], threads: u
         }
         sum.digest()
     };
+    sum_each(copies, threads, one)
+}
+
+/// `one` of every item, the items handed out whole to up to `threads`
+/// threads from a shared counter (each sum is a stream: one thread each).
+fn sum_each<T: Sync>(items: &[T], threads: usize, one: impl Fn(&T) -> u128 + Sync) -> Vec<u128> {
     let next = AtomicUsize::new(0);
-    let slots: Vec<parking_lot::Mutex<u128>> = copies.iter().map(|_| Default::default()).collect();
+    let slots: Vec<parking_lot::Mutex<u128>> = items.iter().map(|_| Default::default()).collect();
     std::thread::scope(|s| {
         let work = || loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(c) = copies.get(i) else { break };
-            *slots[i].lock() = one(c);
+            let Some(item) = items.get(i) else { break };
+            *slots[i].lock() = one(item);
         };
-        for _ in 1..threads.clamp(1, copies.len().max(1)) {
+        for _ in 1..threads.clamp(1, items.len().max(1)) {
             s.spawn(work);
         }
         work();
@@ -369,34 +375,14 @@ pub unsafe fn copy_and_hash_all(copies: &[(SendPtr, SendPtr, usize)], threads: u
 /// # Safety
 /// Every region must be readable and unchanged until this returns.
 pub unsafe fn hash_all(regions: &[(SendPtr, usize)], threads: usize) -> Vec<u128> {
-    let mut out = vec![0u128; regions.len()];
     let total: usize = regions.iter().map(|r| r.1).sum();
     let one = |(ptr, len): &(SendPtr, usize)| {
         crate::checksum::of(std::slice::from_raw_parts(ptr.0, *len))
     };
     if threads <= 1 || regions.len() < 2 || total < PARALLEL_MIN {
-        for (o, r) in out.iter_mut().zip(regions) {
-            *o = one(r);
-        }
-        return out;
+        return regions.iter().map(one).collect();
     }
-    let next = AtomicUsize::new(0);
-    let slots: Vec<parking_lot::Mutex<u128>> = regions.iter().map(|_| Default::default()).collect();
-    std::thread::scope(|s| {
-        let work = || loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(r) = regions.get(i) else { break };
-            *slots[i].lock() = one(r);
-        };
-        for _ in 1..threads.min(regions.len()) {
-            s.spawn(work);
-        }
-        work();
-    });
-    for (o, s) in out.iter_mut().zip(slots) {
-        *o = s.into_inner();
-    }
-    out
+    sum_each(regions, threads, one)
 }
 
 #[cfg(test)]

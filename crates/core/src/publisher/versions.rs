@@ -122,12 +122,18 @@ impl Versions {
             made.push(Arc::new(SharedBuffer::create(&what, total)?));
         }
         self.spares.fetch_max(count, Ordering::Relaxed);
+        self.keep_spares(made);
+        Ok(total as u64 * count as u64)
+    }
+
+    /// Keep `buffers` as spares for later publishes, the oldest dropped
+    /// beyond the number kept.
+    fn keep_spares(&self, buffers: impl IntoIterator<Item = Arc<SharedBuffer>>) {
         let mut retired = self.retired.lock();
-        retired.extend(made);
+        retired.extend(buffers);
         while retired.len() > self.spares.load(Ordering::Relaxed).max(SPARES) {
             retired.pop_front();
         }
-        Ok(total as u64 * count as u64)
     }
 
     /// Where the spare buffers are, for the tests.
@@ -149,11 +155,7 @@ impl Versions {
     /// reused once no session serves the version any more).
     fn retire(&self, offer: Arc<Offer>) {
         if let Some(shared) = offer.shared().cloned() {
-            let mut retired = self.retired.lock();
-            retired.push_back(shared);
-            while retired.len() > self.spares.load(Ordering::Relaxed).max(SPARES) {
-                retired.pop_front();
-            }
+            self.keep_spares([shared]);
         }
     }
 
