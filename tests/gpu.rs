@@ -103,6 +103,13 @@ fn device_spec(t: &T) -> ParamSpec {
 fn snapshot_into_device_params_atomic_and_in_place() {
     let Some(c) = gpu() else { return };
     let (dir, v1) = snapshot_of(1);
+    // Checksums, so that the update can verify the bytes it wrote.
+    let manifest = std::process::Command::new(wm())
+        .arg("manifest")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(manifest.status.success(), "{manifest:?}");
     let m = Manager::new(ManagerConfig::default()).unwrap();
     let bufs = register_on_gpu(c, &m, &v1);
     for mode in [Mode::Atomic, Mode::InPlace] {
@@ -340,7 +347,7 @@ fn rdma_into_device_params() {
     }
     let v = model(9);
     let cfg = PublisherConfig {
-        secret: Some(b"gpu-suite".to_vec()),
+        secret: Some(b"gpu-suite-secret-0123".to_vec()),
         bucket_size: 1 << 20,
         ..Default::default()
     };
@@ -355,7 +362,7 @@ fn rdma_into_device_params() {
     for staged in [false, true] {
         let m = Manager::new(ManagerConfig {
             net: weight_manager_core::NetSettings {
-                secret: Some(b"gpu-suite".to_vec()),
+                secret: Some(b"gpu-suite-secret-0123".to_vec()),
                 staged,
                 ..Default::default()
             },
@@ -395,6 +402,138 @@ fn rdma_into_device_params() {
             serving.join().unwrap().unwrap();
         });
     }
+}
+
+/// UCX, or why not; with `WM_REQUIRE_GDR=1` (scripts/gpu.sh, when its
+/// kit carries a CUDA-capable UCX) a missing UCX or one that cannot reach
+/// CUDA memory fails the test instead of skipping it.
+fn cuda_ucx() -> Option<&'static weight_manager_core::internals::transport::ucx::Ucx> {
+    let required = std::env::var("WM_REQUIRE_GDR").is_ok_and(|v| v == "1");
+    let why = match weight_manager_core::internals::transport::ucx::ucx() {
+        Ok(u) if u.supports_cuda() => return Some(u),
+        Ok(_) => "this UCX cannot reach CUDA memory".to_string(),
+        Err(e) => format!("no UCX here: {e}"),
+    };
+    assert!(!required, "WM_REQUIRE_GDR=1 but {why}");
+    println!("skipped: {why}");
+    None
+}
+
+/// rdma and gdr from a `wm serve --net --gpu` trainer process (its tensors
+/// read into GPU 0, published from there) into this engine's device
+/// params on the same machine, in place and atomic; every byte read back
+/// from the device and compared with the files.
+#[test]
+fn rdma_and_gdr_from_a_gpu_trainer_process() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    use weight_manager_core::SourceKind;
+    let Some(c) = gpu() else { return };
+    if cuda_ucx().is_none() {
+        return;
+    }
+    let (dir, v) = snapshot_of(11);
+    let runs = [
+        (SourceKind::Gdr, Mode::InPlace),
+        (SourceKind::Gdr, Mode::Atomic),
+        (SourceKind::Rdma, Mode::InPlace),
+        (SourceKind::Rdma, Mode::Atomic),
+    ];
+    let mut trainer = Command::new(wm())
+        .args([
+            "serve",
+            "--net",
+            "127.0.0.1:0",
+            dir.path().to_str().unwrap(),
+        ])
+        .args(["--gpu", "0", "--bucket-mib", "1", "--accept-timeout", "60"])
+        .args(["--engines", &runs.len().to_string()])
+        .env("WM_NET_SECRET", "gpu-suite-secret-0123")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(trainer.stdout.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "wm serve exited before listening"
+        );
+        if let Some(rest) = line.trim().strip_prefix("wm serve: listening on ") {
+            break rest.split(',').next().unwrap().to_string();
+        }
+    };
+    let m = Manager::new(ManagerConfig {
+        net: weight_manager_core::NetSettings {
+            secret: Some(b"gpu-suite-secret-0123".to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let bufs = register_on_gpu(c, &m, &v);
+    for (source, mode) in runs {
+        let mut req = UpdateRequest::snapshot(&addr);
+        req.source = source;
+        req.mode = mode;
+        let stats = m.update(req).unwrap();
+        assert_eq!(stats.version, "11");
+        for (t, b) in v.iter().zip(&bufs) {
+            assert!(
+                b.read(c) == t.data,
+                "{source:?} {mode:?}: '{}' differs",
+                t.name
+            );
+            b.zero(c);
+        }
+        println!(
+            "{source:?} {mode:?}: {} bytes checked on the device",
+            stats.bytes
+        );
+    }
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    let done = trainer.wait_with_output().unwrap();
+    assert!(
+        done.status.success(),
+        "trainer: {rest}{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+}
+
+/// The NCCL loader and a communicator on this GPU with the image's NCCL
+/// (`WM_NCCL_LIB` or `libnccl.so.2`): one rank, since NCCL allows one rank
+/// per GPU (the two-rank broadcast is `fanout_between_two_gpus`). Joins,
+/// votes, broadcasts a device buffer (its own root) and synchronizes, each
+/// within a deadline. `WM_REQUIRE_NCCL=1` (scripts/gpu.sh, when it found
+/// the image's NCCL) makes a missing NCCL a failure.
+#[test]
+fn nccl_loader_and_a_one_rank_communicator() {
+    use std::time::{Duration, Instant};
+    use weight_manager_core::internals::fanout::nccl::{nccl, Comm};
+    let Some(c) = gpu() else { return };
+    let n = match nccl(None) {
+        Ok(n) => n,
+        Err(e) => {
+            assert!(
+                std::env::var("WM_REQUIRE_NCCL").map_or(true, |v| v != "1"),
+                "WM_REQUIRE_NCCL=1 but {e}"
+            );
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let alive = || Ok(());
+    let mut comm = Comm::join(n, n.unique_id().unwrap(), 1, 0, 0, deadline, &alive).unwrap();
+    assert_eq!(comm.min(42, deadline, &alive).unwrap(), 42);
+    let buf = DeviceBuffer::new(c, 1 << 20);
+    buf.zero(c);
+    unsafe { comm.broadcast(buf.ptr, buf.len, 0, deadline, &alive) }.unwrap();
+    comm.synchronize("the broadcast", deadline, &alive).unwrap();
+    assert!(buf.read(c).iter().all(|&b| b == 0));
+    assert!(!comm.failed());
 }
 
 /// NCCL fan-out between two `wm worker` ranks on GPUs 0 and 1: rank 0

@@ -293,3 +293,20 @@ def test_failed_creates_say_why(tmp_path):
     with pytest.raises(WeightManagerError) as e:
         Controller("bad/name")
     assert "must be 1 to 200 bytes" in str(e.value)
+
+
+def test_allocating_on_a_gpu_without_one_says_why():
+    """A library-owned device param (`allocate(..., device=0)`) where the
+    process sees no GPU: WM_ERR_UNSUPPORTED naming the driver, and the
+    manager keeps working (its host params unaffected). The GPU side of
+    the same call is python/tests/test_cuda_graphs.py."""
+    import ctypes.util
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is installed here")
+    with Manager() as m:
+        with pytest.raises(WeightManagerError) as e:
+            m.allocate("w", "f32", (4,), device=0)
+        assert e.value.code == Result.ERR_UNSUPPORTED
+        assert "libcuda" in str(e.value)
+        host = m.allocate("h", "f32", (4,))
+        assert host.shape == (4,)

@@ -147,8 +147,9 @@ def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarr
 
 @dataclass(frozen=True)
 class DeviceArray:
-    """A tensor in GPU memory handed to `on_tensor` (zero-copy from a
-    trainer's CUDA IPC buffer), valid only during the call. It carries
+    """A tensor in GPU memory: handed to `on_tensor` (zero-copy from a
+    trainer's CUDA IPC buffer; valid only during the call), or returned by
+    `Manager.allocate(..., device=N)` (valid until close()). It carries
     `__cuda_array_interface__`, so `torch.as_tensor(a, device="cuda")`, CuPy
     or Numba view it without a copy."""
     ptr: int
@@ -392,14 +393,27 @@ class Manager(OwnedHandle):
             self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
 
-    def allocate(self, name: str, dtype, shape, pieces=None) -> np.ndarray:
-        """Allocate a library-owned host param; returns a numpy view of its
-        memory, valid (at the same address) until close(). `pieces` as for
-        register()."""
+    def allocate(self, name: str, dtype, shape, pieces=None, *, device: Optional[int] = None):
+        """Allocate a library-owned param; `pieces` as for register().
+
+        Host (`device` None): returns a numpy view of its memory. On GPU
+        `device` (CUDA VMM memory): returns a `DeviceArray`, viewable through
+        `__cuda_array_interface__` (`torch.as_tensor(a, device="cuda")`).
+        Either stays valid at the same address until close(): a clear()
+        gives the memory back but keeps the address, and the next update
+        maps memory in there again, so kernels (and captured CUDA graphs)
+        that read it need no new pointer. Between a clear() and that update
+        the address holds no memory: do not run them then."""
         wm_dtype = parse_dtype(dtype)
         d, keep = self._desc(name, wm_dtype, shape, pieces)
+        if device is not None:
+            d.memory, d.device_ordinal = MEMORY_DEVICE, device
         ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
         self._check(LIB.wm_allocate_param(self._h(), ctypes.byref(d), ctypes.byref(ptr), ctypes.byref(n)))
+        if device is not None:
+            arr = DeviceArray(ptr.value or 0, n.value, device, wm_dtype, tuple(shape))
+            self._params[name] = arr
+            return arr
         arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self._keeper)
         self._params[name] = arr
         return arr

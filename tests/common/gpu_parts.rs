@@ -78,8 +78,9 @@ pub fn specs(device: bool) -> Vec<ParamSpec> {
     ]
 }
 
-/// `wm serve --gpu 0` of `globals` (version "7") for `engines` sessions,
-/// in buckets of 5 MiB.
+/// `wm serve --gpu 0` of `globals` for `engines` sessions, in buckets of
+/// 5 MiB; version "7" from the folder's version.yaml (no `--version`: a
+/// GPU trainer names its version as any served folder does).
 pub fn trainer(dir: &Path, globals: &[Global], engines: usize) -> (Child, PathBuf) {
     let model_dir = dir.join("model");
     std::fs::create_dir_all(&model_dir).unwrap();
@@ -98,7 +99,7 @@ pub fn trainer(dir: &Path, globals: &[Global], engines: usize) -> (Child, PathBu
     let child = Command::new(wm())
         .args(["serve", "--ipc", sock.to_str().unwrap()])
         .arg(&model_dir)
-        .args(["--gpu", "0", "--version", "7", "--bucket-mib", "5"])
+        .args(["--gpu", "0", "--bucket-mib", "5"])
         .args(["--accept-timeout", "60"])
         .args(["--engines", &engines.to_string()])
         .stdout(Stdio::piped())

@@ -162,7 +162,16 @@ fn publish(p: &Publisher, a: &ServeArgs) -> Result<Vec<ExportedDeviceBuffer>, St
     let first = &a.dirs[0];
     if let Some(gpu) = a.gpu {
         let on_gpu = load_to_gpu(p, first, gpu)?;
-        p.set_version(a.version.clone());
+        // Named as a served folder is: --version, else its version.yaml.
+        let version = match &a.version {
+            Some(v) => v.clone(),
+            None => weight_manager_core::checkpoint::version::read_version_yaml(
+                first,
+                std::time::Instant::now() + defaults::UPDATE_TIMEOUT,
+            )
+            .map_err(|e| format!("{}: {e}", first.display()))?,
+        };
+        p.set_version(Some(version));
         let v = p
             .publish()
             .map_err(|e| format!("{}: {e}", first.display()))?;

@@ -13,7 +13,7 @@
 use super::harness::process::Proc;
 use super::harness::{around_floors, buffer, median, verdict, Measured};
 use super::model::{self, half_params, layer_count, HALVES};
-use super::ucx_floor::{raw_floor, FloorPair, Take};
+use super::ucx_floor::{raw_floor, slots_of, FloorPair, Take};
 use crate::fmt::{self, gbps};
 use std::time::{Duration, Instant};
 use weight_manager_core::DType;
@@ -155,7 +155,7 @@ impl NetFloor {
         let t = raw_floor(&mut [FloorPair {
             src: &self.src,
             message: self.message,
-            slots: &mut self.slots,
+            slots: &slots_of(&mut self.slots),
             take: Take::Contiguous,
             packs: &mut [],
         }])?;

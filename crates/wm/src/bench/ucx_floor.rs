@@ -32,13 +32,14 @@ pub(crate) enum Take {
 /// One sender and one receiver of a raw UCX floor: `src`'s bytes, taken as
 /// `take` says, sent in messages of `message` bytes (the session's message
 /// size), `slots.len()` of them in flight (the messages of `depth`
-/// buckets). `slots` are the receiving buffers and `packs` the send buffers
-/// of `Take::Packed` (as many), allocated once by the caller: fresh memory
-/// each run would cost page faults and compaction.
+/// buckets). `slots` are the receiving buffers (`message` bytes each; host
+/// memory, or GPU memory for the gdr floor: UCX tells them apart) and
+/// `packs` the send buffers of `Take::Packed` (as many), allocated once by
+/// the caller: fresh memory each run would cost page faults and compaction.
 pub(crate) struct FloorPair<'a> {
     pub src: &'a [u8],
     pub message: usize,
-    pub slots: &'a mut [Vec<u8>],
+    pub slots: &'a [SendPtr],
     pub take: Take,
     pub packs: &'a mut [Vec<u8>],
 }
@@ -61,6 +62,14 @@ impl FloorPair<'_> {
             .map(|b| (SendPtr(self.src[b * stride..].as_ptr().cast_mut()), block))
             .collect()
     }
+}
+
+/// The receiving slots of host buffers (see [`FloorPair::slots`]).
+pub(crate) fn slots_of(buffers: &mut [Vec<u8>]) -> Vec<SendPtr> {
+    buffers
+        .iter_mut()
+        .map(|b| SendPtr(b.as_mut_ptr()))
+        .collect()
 }
 
 /// Raw UCX, every pair at once (each its own two workers, as each session
@@ -106,9 +115,10 @@ fn floor_pair(
     let mut posted = 0;
     for done in 0..n {
         while posted < n && posted < done + in_flight {
-            let slot = p.slots[posted % in_flight].as_mut_ptr();
-            // SAFETY: the buffers outlive both pumps (dropped at the end
-            // of this function, before the caller's buffers).
+            let slot = p.slots[posted % in_flight].0;
+            // SAFETY: the buffers (`message` bytes each, as the caller
+            // promises) outlive both pumps (dropped at the end of this
+            // function, before the caller's buffers).
             unsafe { rx.recv(posted as u64, slot, message) }.map_err(|e| e.to_string())?;
             sender.post(p, posted)?;
             posted += 1;

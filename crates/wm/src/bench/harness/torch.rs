@@ -25,6 +25,12 @@ impl TorchPeer {
         }
     }
 
+    /// Close its stdin (the script ends its loop and stops what it
+    /// started) and wait for it to exit.
+    pub fn finish(self) -> Result<(), String> {
+        self.0.finish().map(|_| ())
+    }
+
     /// Time one job: `command` is the line the script reads.
     pub fn run(&mut self, command: &str) -> Result<Duration, String> {
         self.0.say(command)?;

@@ -5,7 +5,7 @@
 use super::Row;
 use crate::bench::harness::buffer;
 use crate::bench::model::LAYER_SHAPE;
-use crate::bench::ucx_floor::{raw_floor, FloorPair, Take};
+use crate::bench::ucx_floor::{raw_floor, slots_of, FloorPair, Take};
 use crate::fmt::gbps;
 use std::time::Duration;
 
@@ -106,10 +106,11 @@ impl<'a> FloorSet<'a> {
 
     fn time(&mut self, take: Take) -> Result<Duration, String> {
         let message = self.message;
+        let slots: Vec<_> = self.slots.iter_mut().map(|s| slots_of(s)).collect();
         let mut pairs: Vec<FloorPair> = self
             .pairs
             .iter()
-            .zip(self.slots.iter_mut().zip(self.packs.iter_mut()))
+            .zip(slots.iter().zip(self.packs.iter_mut()))
             .map(|(&(src, n), (slots, packs))| FloorPair {
                 src: if take == Take::Contiguous {
                     &src[..n]

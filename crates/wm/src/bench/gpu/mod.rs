@@ -10,11 +10,19 @@
 //!   buffer) beside a plain `cuMemcpyDtoD` of the same bytes; target at
 //!   least 0.9;
 //! - clear and restore of library-owned device params (CUDA VMM), per GiB;
+//! - gdr from a `wm serve --net --gpu` trainer process straight into
+//!   device params, beside raw UCX moving the same bytes into GPU memory
+//!   (when this UCX reaches CUDA memory: `WM_UCX_LIB`);
+//! - PyTorch's way beside ours, alternating (`torch_peers`): snapshot
+//!   into CUDA params, and CUDA tensors shared by `torch.multiprocessing`;
 //! - atomic updates of library-owned device params with the device page
 //!   swap (`swap_device_pages`) beside the same updates uploading into the
 //!   params (informational: the swap buys atomicity, not speed).
 //!
 //! Without a GPU it says so and exits with an error.
+
+mod gdr;
+mod torch_peers;
 
 use super::harness::process::Proc;
 use super::harness::{best, verdict, Scratch, RUNS};
@@ -28,7 +36,7 @@ use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager_core::DType;
 use weight_manager_core::Mode;
 use weight_manager_core::SourceKind;
-use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
+use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// `wm bench gpu` options.
@@ -108,8 +116,17 @@ fn device_spec(i: usize) -> ParamSpec {
 
 /// An engine whose params are `count` layers of engine-owned GPU memory.
 fn engine(count: usize) -> Result<(Manager, Vec<ExportedDeviceBuffer>), String> {
+    engine_with(count, NetSettings::default())
+}
+
+/// [`engine`] with these network settings.
+fn engine_with(
+    count: usize,
+    net: NetSettings,
+) -> Result<(Manager, Vec<ExportedDeviceBuffer>), String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
+        net,
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
@@ -162,7 +179,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let scratch = Scratch::temp("wm-bench-gpu")?;
     let dir = &scratch.0;
     write_layers(dir, count)?;
-    std::fs::write(dir.join("version.yaml"), "version: gpu-bench\n").map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("version.yaml"), "step: gpu-bench\n").map_err(|e| e.to_string())?;
     println!(
         "wm bench gpu: {} of bf16 in {count} tensors of 64 MiB on GPU 0 ({name}), best of {RUNS}",
         fmt::bytes(total as u64)
@@ -177,6 +194,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     snapshot_rows(dir, count, htod)?;
     ipc_row(dir, count, dtod)?;
     clear_rows(dir, count)?;
+    gdr::gdr_rows(dir, count, total)?;
+    torch_peers::torch_rows(dir, count, total as u64)?;
     let plain = gbps(total as u64, library_owned_atomic(dir, count, false)?);
     let swapped = gbps(total as u64, library_owned_atomic(dir, count, true)?);
     println!(
@@ -190,6 +209,8 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// pinned host-to-device (`htod`, GB/s).
 fn snapshot_rows(dir: &Path, count: usize, htod: f64) -> Result<(), String> {
     let total = (count * LAYER) as u64;
+    let read = page_cache_floor(dir, total as usize)?;
+    println!("  floor  page cache -> host memory     {read:>8.2} GB/s   (the snapshot's other bound: its bytes read on every core)");
     let (m, _params) = engine(count)?;
     for (mode, label) in [(Mode::InPlace, "in-place"), (Mode::Atomic, "atomic  ")] {
         let d = best(|| {
@@ -199,7 +220,11 @@ fn snapshot_rows(dir: &Path, count: usize, htod: f64) -> Result<(), String> {
         })?;
         let r = gbps(total, d) / htod;
         let target = if mode == Mode::InPlace {
-            format!("(target >= 0.85) {}", verdict(r >= 0.85))
+            format!(
+                "(target >= 0.85) {}; {:.2} to the slower bound",
+                verdict(r >= 0.85),
+                gbps(total, d) / htod.min(read)
+            )
         } else {
             "(stages the whole update first: informational)".into()
         };
@@ -211,12 +236,41 @@ fn snapshot_rows(dir: &Path, count: usize, htod: f64) -> Result<(), String> {
     Ok(())
 }
 
+/// The snapshot file's bytes read from the page cache into ordinary
+/// (pre-faulted) host memory on every core, GB/s: the host half of the
+/// snapshot's pipeline, as pinned HtoD is the device half.
+fn page_cache_floor(dir: &Path, total: usize) -> Result<f64, String> {
+    let file = std::fs::File::open(dir.join("model_state.tp0.0.safetensors"))
+        .map_err(|e| e.to_string())?;
+    let mut dst = super::harness::buffer(total);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let d = best(|| super::harness::floors::read_floor(&file, 0, &mut dst, threads))?;
+    Ok(gbps(total as u64, d))
+}
+
 /// IPC device to device from a `wm serve --gpu` trainer process, beside
 /// a plain device-to-device copy (`dtod`, GB/s).
 fn ipc_row(dir: &Path, count: usize, dtod: f64) -> Result<(), String> {
     let total = (count * LAYER) as u64;
     let sock = dir.join("trainer.sock");
-    let engines = (RUNS + 1).to_string();
+    let trainer = serve_from_gpu(dir, &sock, RUNS + 1)?;
+    let (m, _params) = engine(count)?;
+    first_session(&m, &sock)?;
+    let d = best(|| timed(&m, ipc_request(&sock)))?;
+    let r = gbps(total, d) / dtod;
+    println!(
+        "  wm     IPC device -> device        {:>8.2} GB/s   ratio {r:.2} to DtoD (target >= 0.90) {}",
+        gbps(total, d),
+        verdict(r >= 0.9)
+    );
+    trainer.finish()?;
+    Ok(())
+}
+
+/// `wm serve --ipc sock` of `dir` from GPU 0 for `sessions` engine
+/// sessions, once it has published.
+fn serve_from_gpu(dir: &Path, sock: &Path, sessions: usize) -> Result<Proc, String> {
+    let sessions = sessions.to_string();
     let mut trainer = Proc::wm(&[
         "serve".as_ref(),
         "--ipc".as_ref(),
@@ -225,33 +279,30 @@ fn ipc_row(dir: &Path, count: usize, dtod: f64) -> Result<(), String> {
         "--gpu".as_ref(),
         "0".as_ref(),
         "--engines".as_ref(),
-        engines.as_ref(),
+        sessions.as_ref(),
     ])?;
     trainer.line_after("wm serve: published")?;
-    let (m, _params) = engine(count)?;
-    let ipc = || {
-        let mut req = UpdateRequest::snapshot(&sock);
-        req.source = SourceKind::Ipc;
-        req.mode = Mode::InPlace;
-        req
-    };
-    // The first session waits for the trainer to listen, and opens its
-    // buffer for the first time.
+    Ok(trainer)
+}
+
+/// An in-place IPC update from the trainer at `sock`.
+fn ipc_request(sock: &Path) -> UpdateRequest<'_> {
+    let mut req = UpdateRequest::snapshot(sock);
+    req.source = SourceKind::Ipc;
+    req.mode = Mode::InPlace;
+    req
+}
+
+/// The first session: waits for the trainer to listen, and opens its
+/// buffer for the first time (untimed).
+fn first_session(m: &Manager, sock: &Path) -> Result<(), String> {
     let start = Instant::now();
-    while let Err(e) = m.update(ipc()) {
+    while let Err(e) = m.update(ipc_request(sock)) {
         if start.elapsed() > Duration::from_secs(60) {
             return Err(format!("the trainer did not serve: {e}"));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let d = best(|| timed(&m, ipc()))?;
-    let r = gbps(total, d) / dtod;
-    println!(
-        "  wm     IPC device -> device        {:>8.2} GB/s   ratio {r:.2} to DtoD (target >= 0.90) {}",
-        gbps(total, d),
-        verdict(r >= 0.9)
-    );
-    trainer.finish()?;
     Ok(())
 }
 
