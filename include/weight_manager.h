@@ -982,6 +982,57 @@ wm_result wm_update(wm_manager *manager,
 wm_result wm_clear(wm_manager *manager);
 
 // ==========================================================================
+// TWO-PHASE UPDATES: stage the next version while serving, then switch.
+// ==========================================================================
+//
+// Stage the version `request` names without touching the params: fetch,
+// verify and hold every byte (atomic staging: memory for one more copy of
+// the params the update writes), so the engine's threads and GPU kernels
+// keep reading the old weights. Blocks until staged, failed or timed out
+// (`timeout_ms`); the staging runs on a thread of the library's, which
+// waits for `wm_commit` or `wm_abort`.
+//
+// `request` as for `wm_update`, but atomic only (`WM_UPDATE_IN_PLACE`:
+// `WM_ERR_INVALID_ARGUMENT`), without `progress_callback` or
+// `tensor_callback` (`WM_ERR_INVALID_ARGUMENT`), and not with NCCL
+// fan-out (`WM_ERR_UNSUPPORTED`). One staged version at a time: another
+// `wm_stage` is `WM_ERR_STATE`, and `wm_update` is `WM_ERR_BUSY` until the
+// commit or abort. The state reads `WM_STATE_UPDATING` from `wm_stage`
+// until `wm_commit` or `wm_abort` return; `wm_status`'s version stays the
+// old one until the commit.
+//
+// On success `*out_stats` (optional: NULL to skip; else its `struct_size`
+// must be set) receives the staged `version`, `rank` and `sync_ns` (the
+// staging's time); the other fields are 0 until `wm_commit`. On failure
+// nothing is staged, the old weights and version stay, and the reason is
+// in `wm_last_error`. `wm_clear` drops a staged version (then `wm_commit`
+// says so); `wm_destroy` aborts it.
+wm_result wm_stage(wm_manager *manager,
+                   const wm_update_request *request,
+                   wm_update_stats *out_stats);
+
+// Make the staged version the params' contents: page swaps into
+// library-owned host params, copies into engine-owned ones, uploads to
+// device params. The engine must not read the params while it runs (this
+// is the pause). Blocks until done (bounded by the staged request's
+// timeout). On success `*out_stats` (optional, as for `wm_update`) receives
+// the update's statistics, with `update_ns` = this call's time (the
+// pause) and `sync_ns` = the staging's receive time; the state is
+// `WM_STATE_NORMAL`.
+//
+// Nothing staged: `WM_ERR_STATE`. A staged version dropped by `wm_clear`:
+// `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
+// or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
+// atomic commit).
+wm_result wm_commit(wm_manager *manager, wm_update_stats *out_stats);
+
+// Drop the staged version: the params, version and state stay as they
+// were before `wm_stage`, and the staging memory is freed (or kept for
+// the next update, as `wm_memory_config.free_atomic_staging` says).
+// Nothing staged: `WM_ERR_STATE`.
+wm_result wm_abort(wm_manager *manager);
+
+// ==========================================================================
 // STATUS AND SIGNAL: what the manager is doing, what the control cell says.
 // ==========================================================================
 //

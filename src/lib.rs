@@ -19,7 +19,8 @@
 //! is regenerated: `WM_BLESS=1 cargo test --test header`): `result.rs`
 //! (codes, version), `enums.rs` (the C enums), `manager.rs` (config,
 //! init, error text, destroy),
-//! `params.rs` (registration), `update.rs` (update, clear), `status.rs`
+//! `params.rs` (registration), `update.rs` (update, clear), `stage.rs`
+//! (two-phase updates: stage, commit, abort), `status.rs`
 //! (status, signal), `controller.rs` (the controller's handle),
 //! `publisher.rs` (the trainer's publisher: create; `publisher/tensors.rs` what it
 //! serves, `publisher/serve.rs` publish, serve, destroy), `handles.rs` (the
@@ -133,6 +134,8 @@ pub mod params;
 
 pub mod update;
 
+pub mod stage;
+
 pub mod status;
 
 pub mod controller;
@@ -183,7 +186,30 @@ impl<T> Handled<T> {
     }
 }
 
-pub(crate) static MANAGERS: HandleTable<Manager> = HandleTable::new();
+pub(crate) static MANAGERS: HandleTable<EngineHandle> = HandleTable::new();
+
+/// What a manager handle holds: the manager (shared with the thread of a
+/// staged update) and the version staged on it, if any (`stage.rs`).
+pub(crate) struct EngineHandle {
+    manager: std::sync::Arc<Manager>,
+    staged: parking_lot::Mutex<Option<weight_manager_core::Staged>>,
+}
+
+impl EngineHandle {
+    pub(crate) fn new(manager: Manager) -> EngineHandle {
+        EngineHandle {
+            manager: std::sync::Arc::new(manager),
+            staged: parking_lot::Mutex::new(None),
+        }
+    }
+}
+
+impl std::ops::Deref for EngineHandle {
+    type Target = Manager;
+    fn deref(&self) -> &Manager {
+        &self.manager
+    }
+}
 
 thread_local! {
     /// Why this thread's last create-style call failed ("" after a success).

@@ -342,7 +342,9 @@ pub unsafe extern "C" fn wm_init(
                 "wm_config.log_level {} is not a wm_log_level",
                 c.log_level
             ))),
-            Some(_) => config_from_c(c, logger.clone()).and_then(Manager::new),
+            Some(_) => config_from_c(c, logger.clone())
+                .and_then(Manager::new)
+                .map(super::EngineHandle::new),
         };
         if let Err(e) = &made {
             logger.log(LogLevel::Error, &format!("wm_init failed: {e}"));
@@ -415,6 +417,6 @@ pub unsafe extern "C" fn wm_last_error(
 #[no_mangle]
 pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
     ffi_guard_or!((), {
-        super::MANAGERS.destroy(manager.cast(), Manager::cancel)
+        super::MANAGERS.destroy(manager.cast(), |h| h.cancel())
     })
 }

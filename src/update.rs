@@ -203,15 +203,9 @@ pub(crate) fn stats_to_c(s: &UpdateStats) -> wm_update_stats {
     out
 }
 
-struct CRequest {
-    source: SourceKind,
-    flags: u32,
-    locations: Vec<std::path::PathBuf>,
-    version: Option<String>,
-    timeout: Duration,
-}
-
-unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
+/// The request `r` describes, without its callbacks (the caller adds them
+/// as hooks, or refuses them).
+pub(crate) unsafe fn request_from_c<'h>(r: &wm_update_request) -> Result<UpdateRequest<'h>> {
     check_struct_size(
         "wm_update_request",
         r.struct_size,
@@ -231,15 +225,23 @@ unsafe fn request_from_c(r: &wm_update_request) -> Result<CRequest> {
             r.flags & !KNOWN_FLAGS
         )));
     }
-    Ok(CRequest {
+    let flag = |bit: u32| r.flags & bit != 0;
+    Ok(UpdateRequest {
         source,
-        flags: r.flags,
         locations: locations_from_c(r)?,
         version: opt_str(r.version, "wm_update_request.version")?,
+        verify: flag(WM_UPDATE_VERIFY_CHECKSUMS),
+        skip_network_checksums: flag(WM_UPDATE_SKIP_NETWORK_CHECKSUMS),
+        mode: match flag(WM_UPDATE_IN_PLACE) {
+            true => Mode::InPlace,
+            false => Mode::Atomic,
+        },
+        skip_unknown: flag(WM_UPDATE_SKIP_UNKNOWN),
         timeout: match r.timeout_ms {
             0 => weight_manager_core::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),
         },
+        hooks: Hooks::default(),
     })
 }
 
@@ -298,29 +300,15 @@ pub unsafe extern "C" fn wm_update(
             }
         }
         let r = &*request;
-        let c = match request_from_c(r) {
+        let mut req = match request_from_c(r) {
             Ok(c) => c,
             Err(e) => return code_of(&m, Err(e)),
         };
         let mut progress = progress_hook(r);
         let mut tensor = tensor_hook(r);
-        let req = UpdateRequest {
-            source: c.source,
-            locations: c.locations,
-            version: c.version,
-            verify: c.flags & WM_UPDATE_VERIFY_CHECKSUMS != 0,
-            skip_network_checksums: c.flags & WM_UPDATE_SKIP_NETWORK_CHECKSUMS != 0,
-            mode: if c.flags & WM_UPDATE_IN_PLACE != 0 {
-                Mode::InPlace
-            } else {
-                Mode::Atomic
-            },
-            skip_unknown: c.flags & WM_UPDATE_SKIP_UNKNOWN != 0,
-            timeout: c.timeout,
-            hooks: Hooks {
-                progress: progress.as_mut().map(|f| f as _),
-                tensor: tensor.as_mut().map(|f| f as _),
-            },
+        req.hooks = Hooks {
+            progress: progress.as_mut().map(|f| f as _),
+            tensor: tensor.as_mut().map(|f| f as _),
         };
         match m.update(req) {
             Ok(stats) => {

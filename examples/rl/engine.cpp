@@ -5,7 +5,11 @@
 // every step it asks for the signal; UPDATING: pull the new version from the
 // trainer (IPC or rdma, atomic); CLEARING: clear and exit; otherwise serve one
 // step, i.e. run the model's forward pass on its registered params for the
-// fixed probes and a greedy continuation.
+// fixed probes and a greedy continuation. Updates are two-phase: the next
+// version stages (wm_stage, on a side thread) while this thread keeps
+// generating from the old weights, then wm_commit switches between two
+// forward passes; OUT/rank<R>.updates records the staging time, the pause
+// and the tokens generated while staging.
 //
 // Every distinct output it computes is appended to OUT/rank<R>.bin, tagged
 // with the version wm_status reports for the params it computed with (see
@@ -17,6 +21,7 @@
 //                  --source ipc|rdma --location SOCKET|HOST:PORT --out DIR
 //                  [--deadline-s S]
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -313,15 +318,62 @@ int run(const Options &o) {
   Record record{}, previous{};
   bool have_previous = false;
   uint64_t computations = 0, records = 0, updates = 0;
+  // Serve one step with whatever the params hold now, tagged with the
+  // version wm_status says they hold; false when nothing is published yet.
+  auto serve_and_record = [&]() -> bool {
+    wm_status_info status;
+    status.struct_size = sizeof status;
+    check(m, wm_status(m, &status), "status");
+    if (status.version[0] == '\0') return false;
+    serve_one_step(model, record);
+    std::memcpy(record.version, status.version, sizeof record.version);
+    computations++;
+    // Identical outputs under the same version are written once: the
+    // comparison in run.py would find the same thing again.
+    if (have_previous && std::memcmp(&record, &previous, sizeof record) == 0) return true;
+    if (std::fwrite(&record, sizeof record, 1, files.records) != 1) throw std::runtime_error("writing records");
+    std::fflush(files.records);
+    previous = record;
+    have_previous = true;
+    records++;
+    return true;
+  };
   for (;;) {
     if (std::chrono::steady_clock::now() > deadline)
       throw std::runtime_error("no CLEARING within " + std::to_string(o.deadline_s) + " s");
     int32_t signal = 0;
     check(m, wm_broadcast_signal(m, &signal), "broadcast_signal");
     if (signal == WM_STATE_UPDATING) {
-      wm_update_stats stats;
-      stats.struct_size = sizeof stats;
-      wm_result rc = wm_update(m, &req, &stats);
+      // Two-phase: the next version stages on a side thread while this one
+      // keeps serving from the old weights (no signal is asked for
+      // meanwhile: the ranks' next group step is the update's finish,
+      // inside wm_commit); then the switch, between two forward passes.
+      wm_update_stats staged, stats;
+      staged.struct_size = stats.struct_size = sizeof stats;
+      std::atomic<bool> done{false};
+      wm_result rc = WM_OK;
+      std::thread stager([&] {
+        rc = wm_stage(m, &req, &staged);
+        done.store(true, std::memory_order_release);
+      });
+      uint64_t steps_while_staging = 0;
+      try {
+        while (!done.load(std::memory_order_acquire)) {
+          if (serve_and_record()) {
+            steps_while_staging++;
+          } else {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));  // nothing to serve yet
+          }
+        }
+      } catch (...) {
+        stager.join();
+        throw;
+      }
+      stager.join();
+      const auto commit_start = std::chrono::steady_clock::now();
+      if (rc == WM_OK) rc = wm_commit(m, &stats);
+      const auto pause_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - commit_start).count();
       if (rc != WM_OK) {
         // Rank 0 reports the failure to the controller (the word goes to
         // CLEARED); the old weights stay (atomic). Keep serving them.
@@ -329,8 +381,11 @@ int run(const Options &o) {
                      last_error(m).c_str());
       } else {
         updates++;
-        std::fprintf(files.updates, "%s %llu %llu %llu\n", stats.version, (unsigned long long)stats.bytes,
-                     (unsigned long long)stats.total_ns, (unsigned long long)stats.tensors);
+        // version bytes total_ns tensors stage_ns pause_ns tokens_generated_while_staging
+        std::fprintf(files.updates, "%s %llu %llu %llu %llu %llu %llu\n", stats.version,
+                     (unsigned long long)stats.bytes, (unsigned long long)(staged.sync_ns + pause_ns),
+                     (unsigned long long)stats.tensors, (unsigned long long)staged.sync_ns,
+                     (unsigned long long)pause_ns, (unsigned long long)(steps_while_staging * kGenerate));
         std::fflush(files.updates);
       }
     } else if (signal == WM_STATE_CLEARING) {
@@ -340,26 +395,7 @@ int run(const Options &o) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));  // wait for UPDATING
       continue;
     }
-    // Serve one step with whatever the params hold now, tagged with the
-    // version wm_status says they hold.
-    wm_status_info status;
-    status.struct_size = sizeof status;
-    check(m, wm_status(m, &status), "status");
-    if (status.version[0] == '\0') {  // nothing published yet
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      continue;
-    }
-    serve_one_step(model, record);
-    std::memcpy(record.version, status.version, sizeof record.version);
-    computations++;
-    // Identical outputs under the same version are written once: the
-    // comparison in run.py would find the same thing again.
-    if (have_previous && std::memcmp(&record, &previous, sizeof record) == 0) continue;
-    if (std::fwrite(&record, sizeof record, 1, files.records) != 1) throw std::runtime_error("writing records");
-    std::fflush(files.records);
-    previous = record;
-    have_previous = true;
-    records++;
+    if (!serve_and_record()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::printf("rl_engine: rank %d: %llu updates, %llu forward passes, %llu distinct outputs\n", o.rank,
               (unsigned long long)updates, (unsigned long long)computations, (unsigned long long)records);

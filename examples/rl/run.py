@@ -141,11 +141,12 @@ def run_loop(args, work, short_dir, deadline):
 
 
 def read_updates(work, rank):
-    """version -> (bytes, seconds) of each update the rank made."""
+    """version -> (bytes, seconds, staging seconds, pause seconds, tokens
+    generated while staging) of each update the rank made."""
     out = {}
     for line in (work / f"rank{rank}.updates").read_text().splitlines():
-        version, nbytes, total_ns, _tensors = line.split()
-        out[version] = (int(nbytes), int(total_ns) / 1e9)
+        version, nbytes, total_ns, _tensors, stage_ns, pause_ns, tokens = line.split()
+        out[version] = (int(nbytes), int(total_ns) / 1e9, int(stage_ns) / 1e9, int(pause_ns) / 1e9, int(tokens))
     return out
 
 
@@ -178,7 +179,8 @@ def check(args, work, steps):
                 problems.append(f"rank {rank} output {i} tagged {version}: max |logit diff| {diff:.3g} "
                                 f"(tolerance {ATOL:g} + {RTOL:g} x |logit|), {tokens}: computed with a model that is not {version}")
             verdict[version][rank].append((same, diff))
-    print(f"{'step':>4} {'loss':>7} {'train ms':>8} {'version':>8} {'update ms':>9} {'bytes':>8} {'max|diff|':>9}  engine agrees")
+    print(f"{'step':>4} {'loss':>7} {'train ms':>8} {'version':>8} {'stage ms':>8} {'pause ms':>8} "
+          f"{'tokens':>6} {'bytes':>8} {'max|diff|':>9}  engine agrees")
     for s in steps:
         v = s["version"]
         seen = verdict[v]
@@ -187,10 +189,15 @@ def check(args, work, steps):
             problems.append(f"{v}: rank(s) {missing} never computed with it")
         agree = not missing and all(ok for rank in seen for ok, _ in seen[rank])
         diff = max((d for rank in seen for _, d in seen[rank]), default=float("nan"))
-        ms = max((updates[rank].get(v, (0, float("nan")))[1] for rank in range(RANKS))) * 1e3
-        nbytes = updates[0].get(v, (0, 0))[0]
-        print(f"{s['step']:>4} {s['loss']:>7.4f} {s['train_s'] * 1e3:>8.1f} {v:>8} {ms:>9.2f} {nbytes:>8} {diff:>9.2e}  "
-              f"{'yes (both ranks)' if agree else 'NO'}", flush=True)
+        nan = (0, float("nan"), float("nan"), float("nan"), 0)
+        # Per rank: staging time, pause, tokens generated while staging;
+        # the slowest rank's times, the fewest tokens.
+        stage_ms = max(updates[rank].get(v, nan)[2] for rank in range(RANKS)) * 1e3
+        pause_ms = max(updates[rank].get(v, nan)[3] for rank in range(RANKS)) * 1e3
+        tokens = min(updates[rank].get(v, nan)[4] for rank in range(RANKS))
+        nbytes = updates[0].get(v, nan)[0]
+        print(f"{s['step']:>4} {s['loss']:>7.4f} {s['train_s'] * 1e3:>8.1f} {v:>8} {stage_ms:>8.2f} {pause_ms:>8.2f} "
+              f"{tokens:>6} {nbytes:>8} {diff:>9.2e}  {'yes (both ranks)' if agree else 'NO'}", flush=True)
     if len(steps) != args.steps:
         problems.append(f"the trainer finished {len(steps)} of {args.steps} steps")
     elif steps[-1]["loss"] >= steps[0]["loss"]:

@@ -330,6 +330,9 @@ PROTOTYPES = {
     "wm_update_request_init": (R, [ctypes.POINTER(UpdateRequest)]),
     "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
     "wm_clear": (R, [M]),
+    "wm_stage": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
+    "wm_commit": (R, [M, ctypes.POINTER(UpdateStats)]),
+    "wm_abort": (R, [M]),
     "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
     "wm_update_source_bytes": (
         R,

@@ -138,6 +138,30 @@ def _encode(s) -> Optional[bytes]:
     return s.encode() if isinstance(s, str) else bytes(s)
 
 
+def _request(location, version, source, verify, in_place, skip_unknown, timeout):
+    """A wm_update_request, and the encoded strings it points to (keep them
+    alive through the call)."""
+    req = _lib.UpdateRequest()
+    LIB.wm_update_request_init(ctypes.byref(req))
+    try:
+        req.source = int(Source[source.upper()])
+    except KeyError:
+        raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
+    locations = [location] if isinstance(location, (str, bytes, os.PathLike)) else list(location or [])
+    keep = [_encode(str(loc) if isinstance(loc, os.PathLike) else loc) for loc in locations]
+    if keep:
+        req.locations = (ctypes.c_char_p * len(keep))(*keep)
+        req.nlocations = len(keep)
+    encoded_version = _encode(version)
+    req.version = encoded_version
+    keep.append(encoded_version)
+    req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
+                (SKIP_UNKNOWN if skip_unknown else 0)
+    if timeout is not None:
+        req.timeout_ms = max(1, int(timeout * 1000))
+    return req, keep
+
+
 def _array_at(address: int, nbytes: int, dtype: DType, shape, owner) -> np.ndarray:
     buf = (ctypes.c_uint8 * nbytes).from_address(address) if nbytes else (ctypes.c_uint8 * 1)()
     buf._wm_owner = owner  # keeps the memory (a _HandleKeeper) alive as long as the array
@@ -436,22 +460,7 @@ class Manager(OwnedHandle):
         registered params. From a trainer's
         GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
         memory, viewable through `__cuda_array_interface__`."""
-        req = _lib.UpdateRequest()
-        LIB.wm_update_request_init(ctypes.byref(req))
-        try:
-            req.source = int(Source[source.upper()])
-        except KeyError:
-            raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
-        locations = [location] if isinstance(location, (str, bytes, os.PathLike)) else list(location or [])
-        keep = [_encode(str(loc) if isinstance(loc, os.PathLike) else loc) for loc in locations]
-        if keep:
-            req.locations = (ctypes.c_char_p * len(keep))(*keep)
-            req.nlocations = len(keep)
-        req.version = keep_version = _encode(version)
-        req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
-                    (SKIP_UNKNOWN if skip_unknown else 0)
-        if timeout is not None:
-            req.timeout_ms = max(1, int(timeout * 1000))
+        req, keep = _request(location, version, source, verify, in_place, skip_unknown, timeout)
         raised = []
         bar = None
         if progress is True:
@@ -493,7 +502,7 @@ class Manager(OwnedHandle):
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         rc = LIB.wm_update(self._h(), ctypes.byref(req), ctypes.byref(stats))
-        del keep, keep_version  # the request's strings lived through the call
+        del keep  # the request's strings lived through the call
         if bar is not None and rc == 0:
             bar.finish(_stats(stats))
         elif bar is not None:
@@ -504,6 +513,40 @@ class Manager(OwnedHandle):
                 raise err from raised[0]
             raise err
         return _stats(stats, self._source_bytes())
+
+    def stage(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
+              verify: bool = False, skip_unknown: bool = False,
+              timeout: Optional[float] = None) -> UpdateStats:
+        """Stage the next version while the engine keeps serving: fetch,
+        verify and hold every byte, the params untouched (memory for one
+        more copy of what the update writes). Returns once staged, with the
+        staged `version` and `sync` (the staging's time); the other fields
+        are 0 until commit(). Then commit() switches, abort() drops it.
+        Arguments as for update() (atomic only, no callbacks). One staged
+        version at a time; update() is refused (busy) until the commit or
+        abort; clear() drops it; close() aborts it."""
+        req, keep = _request(location, version, source, verify, False, skip_unknown, timeout)
+        stats = _lib.UpdateStats()
+        stats.struct_size = ctypes.sizeof(stats)
+        rc = LIB.wm_stage(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        del keep  # the request's strings lived through the call
+        self._check(rc)
+        return _stats(stats)
+
+    def commit(self) -> UpdateStats:
+        """Make the staged version the params' contents; `update` in the
+        result is the pause (this call's time), `sync` the staging's receive
+        time. Do not read the params while it runs. Nothing staged:
+        WeightManagerError (ERR_STATE)."""
+        stats = _lib.UpdateStats()
+        stats.struct_size = ctypes.sizeof(stats)
+        self._check(LIB.wm_commit(self._h(), ctypes.byref(stats)))
+        return _stats(stats, self._source_bytes())
+
+    def abort(self) -> None:
+        """Drop the staged version (the old weights and version stay).
+        Nothing staged: WeightManagerError (ERR_STATE)."""
+        self._check(LIB.wm_abort(self._h()))
 
     def _source_bytes(self) -> tuple:
         """Bytes the last update moved from each of its sources."""

@@ -1126,6 +1126,82 @@ static void test_create_error(void) {
   remove_tmpdir();
 }
 
+/* Two-phase updates: stage (params untouched), commit, abort; misuse. */
+static void test_two_phase(void) {
+  make_tmpdir();
+  char v2[300];
+  snprintf(v2, sizeof v2, "%s/v2", tmpdir);
+  CHECK(mkdir(v2, 0700) == 0);
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  CHECK(fixture_example_model(v2, 5.0f, "2") == 0);
+  float w[16] = {0};
+  float *b = NULL;
+  wm_manager *m = example_engine(tmpdir, w, &b);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  wm_update_stats st;
+  st.struct_size = sizeof st;
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+
+  /* Nothing staged yet. */
+  CHECK_RC(wm_commit(m, &st), WM_ERR_STATE);
+  CHECK_RC(wm_abort(m), WM_ERR_STATE);
+  CHECK_RC(wm_stage(NULL, &r, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_stage(m, NULL, NULL), WM_ERR_NULL_ARGUMENT);
+
+  /* Stage: the params still hold version 1. */
+  r.location = v2;
+  CHECK_RC(wm_stage(m, &r, &st), WM_OK);
+  CHECK(strcmp(st.version, "2") == 0 && st.tensors == 0);
+  CHECK(w[0] == 1.0f && b[0] == 101.0f);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_UPDATING && strcmp(s.version, "1") == 0);
+  CHECK_RC(wm_stage(m, &r, NULL), WM_ERR_STATE);   /* one at a time */
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_BUSY);   /* until commit or abort */
+  CHECK(strstr(last_error(m), "staged") != NULL);
+
+  /* Commit: version 2 everywhere. */
+  CHECK_RC(wm_commit(m, &st), WM_OK);
+  CHECK(strcmp(st.version, "2") == 0 && st.tensors == 2 && st.bytes == 80);
+  CHECK(w[0] == 5.0f && b[0] == 105.0f);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "2") == 0);
+  CHECK_RC(wm_commit(m, NULL), WM_ERR_STATE);      /* committed already */
+
+  /* Abort: version 2 stays. */
+  r.location = NULL;
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_abort(m), WM_OK);
+  CHECK(w[0] == 5.0f && b[0] == 105.0f);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "2") == 0);
+
+  /* Refused requests: in place, callbacks. Nothing staged after them. */
+  r.flags = WM_UPDATE_IN_PLACE;
+  CHECK_RC(wm_stage(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  r.flags = 0;
+  r.progress_callback = on_progress;
+  CHECK_RC(wm_stage(m, &r, NULL), WM_ERR_INVALID_ARGUMENT);
+  r.progress_callback = NULL;
+  CHECK_RC(wm_abort(m), WM_ERR_STATE);
+
+  /* A clear drops a staged version; the commit says so. */
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_clear(m), WM_OK);
+  CHECK_RC(wm_commit(m, NULL), WM_ERR_CANCELLED);
+  CHECK(strstr(last_error(m), "clear") != NULL);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK(w[0] == 1.0f && b[0] == 101.0f);
+
+  /* Destroy with a version staged: aborted, nothing leaks (ASan). */
+  r.location = v2;
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 static void test_static_link(void) {
 #ifdef WM_STATIC_BUILD
   printf("linked statically\n");
@@ -1143,7 +1219,7 @@ int main(int argc, char **argv) {
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
-      {"create_error", test_create_error},
+      {"create_error", test_create_error}, {"two_phase", test_two_phase},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 impl Applier<'_, '_> {
     pub(super) fn commit(&mut self) -> Result<Applied> {
-        let receive = self.tally.started.elapsed();
+        let receive = (self.tally.received_in).unwrap_or_else(|| self.tally.started.elapsed());
         self.tally.check_complete(self.plan)?;
         self.check_deadline()?;
         let commit_start = Instant::now();

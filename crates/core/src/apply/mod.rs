@@ -177,6 +177,24 @@ impl<'p, 'h> Applier<'p, 'h> {
         self.tally.deadline
     }
 
+    /// Check that every planned byte arrived (and so was verified: each
+    /// tensor is checked as it completes), before a staged update reports
+    /// itself staged. The commit checks again.
+    pub fn check_received(&mut self) -> Result<()> {
+        self.tally.check_complete(self.plan)?;
+        self.check_deadline()?;
+        self.tally.received_in = Some(self.tally.started.elapsed());
+        Ok(())
+    }
+
+    /// A new deadline, `timeout` from now, for what is left (a staged
+    /// update's commit, however long the engine took to decide).
+    pub fn renew_deadline(&mut self, timeout: std::time::Duration) {
+        let deadline = Instant::now() + timeout;
+        self.tally.deadline = deadline;
+        self.landing.deadline = deadline;
+    }
+
     /// Fail with a timeout if the update's deadline has passed. Sources that
     /// wait call this too.
     pub fn check_deadline(&self) -> Result<()> {

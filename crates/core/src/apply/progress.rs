@@ -24,6 +24,9 @@ pub(super) struct Tally {
     delivered: Vec<bool>,
     pub now: Progress,
     pub started: Instant,
+    /// A staged update: how long receiving took, taken when it was
+    /// staged (the wait for the commit is not receiving).
+    pub received_in: Option<Duration>,
     pub deadline: Instant,
     timeout: Duration,
 }
@@ -40,6 +43,7 @@ impl Tally {
                 ..Default::default()
             },
             started,
+            received_in: None,
             deadline: started + timeout,
             timeout,
         }

@@ -7,10 +7,15 @@ use std::sync::atomic::Ordering;
 impl Manager {
     /// Stop for good: an update in flight fails with `WM_ERR_CANCELLED` at
     /// its next batch boundary (before anything more is committed), and
-    /// later updates are refused. For destroying the manager while another
-    /// thread's update runs (see `wm_destroy`).
+    /// later updates are refused; a staged version is aborted. For
+    /// destroying the manager while another thread's update runs (see
+    /// `wm_destroy`).
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::Release);
+        // A staged version waits for a decision, not at a batch boundary.
+        if let Err(e) = self.abort_staged("the manager's destruction") {
+            self.config.logger.warn(&format!("cancel: {e}"));
+        }
     }
 
     /// A cancellation seen through the progress hook while the handle is

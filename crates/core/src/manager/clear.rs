@@ -13,6 +13,8 @@ impl Manager {
     }
 
     fn try_clear(&self) -> Result<ClearStats> {
+        // A staged version is dropped: a cleared engine holds no weights.
+        self.abort_staged("a clear")?;
         let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
         {
             let mut rec = self.record.lock();

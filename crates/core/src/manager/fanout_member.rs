@@ -43,7 +43,7 @@ impl Manager {
         let mut voted = false;
         // The member's device params are written by NCCL directly, as gdr
         // writes them: in place, the applier hands out their addresses.
-        let applied = self.apply_plan(run, &plan, true, |applier| {
+        let applied = self.apply_plan(run, (&plan, &announcement.version), true, |applier| {
             voted = true;
             s.vote(Ok(()), deadline)?;
             self.hear_outcome(s, deadline)?;

@@ -51,12 +51,14 @@ mod plan_cache;
 mod register;
 mod shadows;
 mod sources;
+mod staged;
 mod update;
 
 pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
     UpdateRequest, UpdateStats,
 };
+pub use staged::Staged;
 
 struct Record {
     state: State,
@@ -85,6 +87,12 @@ pub struct Manager {
     /// Set by [`Manager::cancel`] (the handle is being destroyed): updates
     /// stop at their next batch boundary and new ones are refused.
     cancelled: AtomicBool,
+    /// A staged update's decision channel, while one is staged
+    /// (`staged.rs`): a clear or cancel aborts it through this.
+    staged: Mutex<Option<std::sync::mpsc::Sender<staged::Decision>>>,
+    /// Why the staged version was dropped (a clear, a cancel), set while
+    /// it still stages too: that update stops at its next batch.
+    stage_dropped: Mutex<Option<String>>,
 }
 
 impl Manager {
@@ -129,6 +137,8 @@ impl Manager {
             signal,
             config,
             cancelled: AtomicBool::new(false),
+            staged: Mutex::new(None),
+            stage_dropped: Mutex::new(None),
         })
     }
 
@@ -147,10 +157,11 @@ impl Manager {
     }
 
     fn busy(&self) -> Error {
-        Error::busy(format!(
-            "rank {}: another update or clear is running on this manager",
-            self.config.rank
-        ))
+        let what = match self.staged.lock().is_some() {
+            true => "a version is staged (commit or abort it first)",
+            false => "another update or clear is running on this manager",
+        };
+        Error::busy(format!("rank {}: {what}", self.config.rank))
     }
 
     fn recorded<T>(&self, r: Result<T>) -> Result<T> {

@@ -30,7 +30,14 @@ pub(super) struct UpdateRun<'a, 'h> {
     /// Released memory was brought back; a failure before any write
     /// releases it again.
     pub restored: bool,
+    /// A staged update (`staged.rs`): called with the version once every
+    /// byte arrived and verified, before the commit; it returns when the
+    /// engine decided (an error: abort, nothing written).
+    pub gate: Option<CommitGate>,
 }
+
+/// The gate a staged update waits at before its commit.
+pub(super) type CommitGate = Box<dyn FnMut(&str) -> Result<()> + Send>;
 
 impl UpdateRun<'_, '_> {
     /// The end of the whole update.
@@ -56,12 +63,22 @@ pub(super) struct Prepared {
 impl Manager {
     /// Run one update. See the module docs for what failure leaves behind.
     pub fn update(&self, req: UpdateRequest) -> Result<UpdateStats> {
-        let r = self.try_update(req).map_err(|e| self.cancel_cause(e));
+        self.update_gated(req, None)
+    }
+
+    /// [`Manager::update`], stopping at `gate` before the commit when one
+    /// is given (a staged update).
+    pub(super) fn update_gated(
+        &self,
+        req: UpdateRequest,
+        gate: Option<CommitGate>,
+    ) -> Result<UpdateStats> {
+        let r = self.try_update(req, gate).map_err(|e| self.cancel_cause(e));
         let r = self.finish_action(State::Updating, r, |s| s.version.clone());
         self.recorded(r)
     }
 
-    fn try_update(&self, req: UpdateRequest) -> Result<UpdateStats> {
+    fn try_update(&self, req: UpdateRequest, gate: Option<CommitGate>) -> Result<UpdateStats> {
         let start = Instant::now();
         let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
         self.check_cancelled()?;
@@ -80,6 +97,7 @@ impl Manager {
             prev,
             start,
             restored: false,
+            gate,
         };
         let outcome = self.run_update(&mut run);
         let restored = run.restored;
@@ -232,7 +250,7 @@ impl Manager {
             sources, plan, gdr, ..
         } = prepared;
         let plan = &**plan;
-        let applied = self.apply_plan(run, plan, *gdr, |applier| {
+        let applied = self.apply_plan(run, (plan, &prepared.version), *gdr, |applier| {
             stream_all(sources, plan, applier)
         })?;
         Ok(UpdateStats {
@@ -256,7 +274,7 @@ impl Manager {
     pub(super) fn apply_plan(
         &self,
         run: &mut UpdateRun,
-        plan: &Plan,
+        (plan, version): (&Plan, &str),
         gdr: bool,
         feed: impl FnOnce(&mut Applier) -> Result<()>,
     ) -> std::result::Result<Applied, ApplyFailure> {
@@ -281,9 +299,10 @@ impl Manager {
         } = std::mem::take(&mut run.req.hooks);
         // Cancellation rides on the progress hook, which the applier calls
         // after every batch, before anything more moves.
+        let staging = run.gate.is_some();
         let mut progress = |p: &Progress| {
             let go_on = user_progress.as_mut().is_none_or(|f| f(p));
-            go_on && !self.is_cancelled()
+            go_on && !self.is_cancelled() && !(staging && self.stage_dropped())
         };
         let hooks = Hooks {
             progress: Some(&mut progress),
@@ -302,6 +321,14 @@ impl Manager {
             .with_gdr(gdr);
         if let Err(error) = feed(&mut applier) {
             return Err(applier.failure(error));
+        }
+        if let Some(gate) = run.gate.as_mut() {
+            // Staged: every byte is in and verified; wait for the engine.
+            let decided = applier.check_received().and_then(|()| gate(version));
+            if let Err(error) = decided {
+                return Err(applier.failure(error));
+            }
+            applier.renew_deadline(run.req.timeout);
         }
         let applied = applier.finish()?;
         if keep && atomic_mode && crate::memory::swap::swaps_here() {

@@ -16,6 +16,7 @@ mod quant;
 mod shard;
 mod signal;
 mod snapshot;
+mod stage;
 mod ucx_floor;
 
 use clap::Subcommand;
@@ -38,6 +39,8 @@ pub enum Bench {
     Delta(delta::Args),
     /// Sharded updates (planning; snapshot, UCX and IPC ranks) beside their targets and floors
     Shard(shard::Args),
+    /// Two-phase updates: the commit's pause beside the one-call update and memcpy
+    Stage(stage::Args),
     #[command(hide = true)]
     SignalRank(signal::RankArgs),
     #[command(hide = true)]
@@ -64,6 +67,7 @@ pub fn run(b: &Bench) -> Result<(), String> {
         Bench::Quant(a) => quant::run(a),
         Bench::Delta(a) => delta::run(a),
         Bench::Shard(a) => shard::run(a),
+        Bench::Stage(a) => stage::run(a),
         Bench::SignalRank(a) => signal::rank(a),
         Bench::IpcPublisher(a) => ipc::publisher(a),
         Bench::NetPublisher(a) => net::publisher(a),

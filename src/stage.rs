@@ -1,0 +1,167 @@
+//! Two-phase updates: stage, commit, abort (the rules: the core's
+//! `Manager::stage` and `Staged`). The handle keeps the one staged version.
+
+use super::manager::wm_manager;
+use super::update::{request_from_c, stats_to_c, wm_update_request, wm_update_stats};
+use super::{check_struct_size, code_of, EngineHandle};
+use crate::result::wm_result;
+use weight_manager_core::{Error, Result, UpdateStats};
+
+/// ==========================================================================
+/// TWO-PHASE UPDATES: stage the next version while serving, then switch.
+/// ==========================================================================
+///
+/// Stage the version `request` names without touching the params: fetch,
+/// verify and hold every byte (atomic staging: memory for one more copy of
+/// the params the update writes), so the engine's threads and GPU kernels
+/// keep reading the old weights. Blocks until staged, failed or timed out
+/// (`timeout_ms`); the staging runs on a thread of the library's, which
+/// waits for `wm_commit` or `wm_abort`.
+///
+/// `request` as for `wm_update`, but atomic only (`WM_UPDATE_IN_PLACE`:
+/// `WM_ERR_INVALID_ARGUMENT`), without `progress_callback` or
+/// `tensor_callback` (`WM_ERR_INVALID_ARGUMENT`), and not with NCCL
+/// fan-out (`WM_ERR_UNSUPPORTED`). One staged version at a time: another
+/// `wm_stage` is `WM_ERR_STATE`, and `wm_update` is `WM_ERR_BUSY` until the
+/// commit or abort. The state reads `WM_STATE_UPDATING` from `wm_stage`
+/// until `wm_commit` or `wm_abort` return; `wm_status`'s version stays the
+/// old one until the commit.
+///
+/// On success `*out_stats` (optional: NULL to skip; else its `struct_size`
+/// must be set) receives the staged `version`, `rank` and `sync_ns` (the
+/// staging's time); the other fields are 0 until `wm_commit`. On failure
+/// nothing is staged, the old weights and version stay, and the reason is
+/// in `wm_last_error`. `wm_clear` drops a staged version (then `wm_commit`
+/// says so); `wm_destroy` aborts it.
+#[no_mangle]
+pub unsafe extern "C" fn wm_stage(
+    manager: *mut wm_manager,
+    request: *const wm_update_request,
+    out_stats: *mut wm_update_stats,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        let staged = stats_size(out_stats)
+            .and_then(|()| request_to_stage(request))
+            .and_then(|req| m.stage_and_keep(req));
+        match staged {
+            Ok(stats) => {
+                if !out_stats.is_null() {
+                    out_stats.write(stats_to_c(&stats));
+                }
+                wm_result::WM_OK
+            }
+            Err(e) => code_of(&m, Err(e)),
+        }
+    })
+}
+
+/// Make the staged version the params' contents: page swaps into
+/// library-owned host params, copies into engine-owned ones, uploads to
+/// device params. The engine must not read the params while it runs (this
+/// is the pause). Blocks until done (bounded by the staged request's
+/// timeout). On success `*out_stats` (optional, as for `wm_update`) receives
+/// the update's statistics, with `update_ns` = this call's time (the
+/// pause) and `sync_ns` = the staging's receive time; the state is
+/// `WM_STATE_NORMAL`.
+///
+/// Nothing staged: `WM_ERR_STATE`. A staged version dropped by `wm_clear`:
+/// `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
+/// or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
+/// atomic commit).
+#[no_mangle]
+pub unsafe extern "C" fn wm_commit(
+    manager: *mut wm_manager,
+    out_stats: *mut wm_update_stats,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        let committed = stats_size(out_stats)
+            .and_then(|()| m.take_staged("wm_commit"))
+            .and_then(|s| s.commit());
+        match committed {
+            Ok(stats) => {
+                if !out_stats.is_null() {
+                    out_stats.write(stats_to_c(&stats));
+                }
+                wm_result::WM_OK
+            }
+            Err(e) => code_of(&m, Err(e)),
+        }
+    })
+}
+
+/// Drop the staged version: the params, version and state stay as they
+/// were before `wm_stage`, and the staging memory is freed (or kept for
+/// the next update, as `wm_memory_config.free_atomic_staging` says).
+/// Nothing staged: `WM_ERR_STATE`.
+#[no_mangle]
+pub unsafe extern "C" fn wm_abort(manager: *mut wm_manager) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        let r = m.take_staged("wm_abort").and_then(|s| s.abort());
+        code_of(&m, r)
+    })
+}
+
+/// `out_stats`, when given, must have this library's size.
+unsafe fn stats_size(out_stats: *const wm_update_stats) -> Result<()> {
+    match out_stats.is_null() {
+        true => Ok(()),
+        false => check_struct_size(
+            "wm_update_stats",
+            (*out_stats).struct_size,
+            std::mem::size_of::<wm_update_stats>(),
+        ),
+    }
+}
+
+/// The request to stage: callbacks refused (they would run on the stage
+/// thread).
+unsafe fn request_to_stage(
+    request: *const wm_update_request,
+) -> Result<weight_manager_core::UpdateRequest<'static>> {
+    if request.is_null() {
+        return Err(Error::null_argument("wm_stage: request is NULL"));
+    }
+    let r = &*request;
+    if r.progress_callback.is_some() || r.tensor_callback.is_some() {
+        return Err(Error::invalid_argument(
+            "wm_stage: progress_callback and tensor_callback must be NULL (staging runs on a thread of the library's)",
+        ));
+    }
+    request_from_c(r)
+}
+
+impl EngineHandle {
+    /// Stage on this handle's manager, keeping the staged version here.
+    fn stage_and_keep(&self, req: weight_manager_core::UpdateRequest) -> Result<UpdateStats> {
+        let mut slot = self.staged.lock();
+        // A staged version a clear or cancel dropped is gone from the
+        // manager; its leftover here is dropped (it ended already).
+        if slot.is_some() && !self.manager.is_staged() {
+            slot.take();
+        }
+        if slot.is_some() {
+            return Err(Error::state(
+                "wm_stage: a version is staged already: wm_commit or wm_abort it first",
+            ));
+        }
+        let staged = self.manager.stage(req)?;
+        let stats = UpdateStats {
+            version: staged.version().to_string(),
+            rank: self.manager.rank(),
+            sync: staged.staged_in(),
+            ..Default::default()
+        };
+        *slot = Some(staged);
+        Ok(stats)
+    }
+
+    fn take_staged(&self, call: &str) -> Result<weight_manager_core::Staged> {
+        self.staged
+            .lock()
+            .take()
+            .ok_or_else(|| Error::state(format!("{call}: nothing is staged (call wm_stage first)")))
+    }
+}
