@@ -178,6 +178,10 @@ enum wm_state
   // An in-place update failed after bytes moved: params are half-written.
   // Only a later successful update returns to NORMAL.
   WM_STATE_FAILED = -3,
+  // A signal only (`wm_broadcast_signal`), never a state: every rank
+  // staged the same version (two-phase updates); call `wm_commit` now,
+  // before the next step.
+  WM_STATE_COMMIT = 2,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1040,6 +1044,16 @@ wm_result wm_abort(wm_manager *manager);
 // into `*out_status`, whose `struct_size` the caller sets.
 //
 // Never blocks on a running update (the state then reads UPDATING).
+//
+// Two-phase updates (`wm_stage`): after UPDATING, until the update ends,
+// each call also carries this rank's vote on what it staged, and the
+// signal is rank 0's decision on the votes of the step before: UPDATING
+// (keep serving; stage if not yet), `WM_STATE_COMMIT` (every rank staged
+// the same version: call `wm_commit` before the next step; every rank
+// gets it at the same step), or CLEARED (a rank failed to stage, or the
+// ranks staged different versions: every rank's staged version was
+// dropped, `wm_last_error` says which rank and why, and rank 0 reported
+// it to the controller). Rank 0 decides only once it staged itself.
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 

@@ -56,12 +56,16 @@ pub enum wm_state {
     /// An in-place update failed after bytes moved: params are half-written.
     /// Only a later successful update returns to NORMAL.
     Failed = -3,
+    /// A signal only (`wm_broadcast_signal`), never a state: every rank
+    /// staged the same version (two-phase updates); call `wm_commit` now,
+    /// before the next step.
+    Commit = 2,
 }
 mirror!(
     wm_state,
     CoreState,
     i32,
-    [Normal, Updating, Clearing, Cleared, Failed]
+    [Normal, Updating, Clearing, Cleared, Failed, Commit]
 );
 
 /// The update paths. Numbers are part of the ABI (`wm_update_request.source`).

@@ -46,6 +46,16 @@ pub struct wm_status_info {
 /// into `*out_status`, whose `struct_size` the caller sets.
 ///
 /// Never blocks on a running update (the state then reads UPDATING).
+///
+/// Two-phase updates (`wm_stage`): after UPDATING, until the update ends,
+/// each call also carries this rank's vote on what it staged, and the
+/// signal is rank 0's decision on the votes of the step before: UPDATING
+/// (keep serving; stage if not yet), `WM_STATE_COMMIT` (every rank staged
+/// the same version: call `wm_commit` before the next step; every rank
+/// gets it at the same step), or CLEARED (a rank failed to stage, or the
+/// ranks staged different versions: every rank's staged version was
+/// dropped, `wm_last_error` says which rank and why, and rank 0 reported
+/// it to the controller). Rank 0 decides only once it staged itself.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_status(

@@ -326,3 +326,185 @@ fn rendezvous_names_the_ranks_that_never_arrived() {
         assert!(!r.child.wait().unwrap().success());
     }
 }
+
+/// `wm worker --two-phase` ranks, rank `r` reading `model(r)` and serving
+/// steps of `step_us(r)` microseconds.
+fn two_phase_ranks(
+    dir: &Path,
+    world: u32,
+    (group, cell): (&str, &str),
+    model: impl Fn(u32) -> PathBuf,
+    step_us: impl Fn(u32) -> u64,
+) -> Vec<Rank> {
+    (0..world)
+        .map(|rank| {
+            let args: Vec<String> = [
+                "--two-phase",
+                "--world",
+                &world.to_string(),
+                "--group",
+                group,
+                "--cell",
+                cell,
+                "--steps",
+                "3000",
+                "--timeout-ms",
+                "10000",
+                "--step-us",
+                &step_us(rank).to_string(),
+                "--model-dir",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([model(rank).to_string_lossy().into_owned()])
+            .collect();
+            spawn(dir, rank, &args)
+        })
+        .collect()
+}
+
+/// The step each rank's log says it committed `version` at.
+fn commit_steps(logs: &[String], version: &str) -> Vec<Option<u64>> {
+    let prefix = format!("committed {version} at ");
+    logs.iter()
+        .map(|l| {
+            l.lines()
+                .find_map(|line| line.strip_prefix(&prefix))
+                .map(|s| s.parse().unwrap())
+        })
+        .collect()
+}
+
+/// Two-phase updates under the controller: every rank stages while it
+/// keeps serving, and all commit at the same step (each logs the step it
+/// committed at), for 2 and 4 ranks, three versions each.
+#[test]
+fn two_phase_ranks_commit_at_the_same_step() {
+    for world in [2u32, 4] {
+        let dir = tempfile::tempdir().unwrap();
+        snapshot(dir.path());
+        let (group, cell) = (
+            unique(&format!("g2p{world}")),
+            unique(&format!("c2p{world}")),
+        );
+        let _names = Names(vec![cell.clone()]);
+        let mut ranks = two_phase_ranks(
+            dir.path(),
+            world,
+            (&group, &cell),
+            |_| dir.path().into(),
+            |_| 200,
+        );
+        let c = Controller::open(&cell).unwrap();
+        let t = Duration::from_secs(10);
+        assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+        for v in ["v1", "v2", "v3"] {
+            common::write_version(dir.path(), v);
+            assert_eq!(
+                c.request(State::Updating, t).unwrap(),
+                RequestOutcome::Done,
+                "{v}"
+            );
+            assert_eq!(c.get().unwrap(), State::Normal);
+            if v != "v3" {
+                assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+            }
+        }
+        let logs = finish(&mut ranks);
+        for v in ["v1", "v2", "v3"] {
+            let steps = commit_steps(&logs, v);
+            assert!(
+                steps[0].is_some(),
+                "{world} ranks: rank 0 never committed {v}"
+            );
+            assert!(
+                steps.iter().all(|s| *s == steps[0]),
+                "{world} ranks: {v} committed at steps {steps:?}"
+            );
+        }
+    }
+}
+
+/// One rank fails to stage (its model folder is empty): no rank commits,
+/// every rank learns why at the same step, and the controller hears which
+/// rank failed; the word goes to CLEARED.
+#[test]
+fn a_rank_that_fails_to_stage_stops_every_commit() {
+    let good = tempfile::tempdir().unwrap();
+    snapshot(good.path());
+    let empty = tempfile::tempdir().unwrap();
+    let (group, cell) = (unique("g2pf"), unique("c2pf"));
+    let _names = Names(vec![cell.clone()]);
+    let model = |rank: u32| match rank {
+        1 => empty.path().to_path_buf(),
+        _ => good.path().to_path_buf(),
+    };
+    let mut ranks = two_phase_ranks(good.path(), 3, (&group, &cell), model, |_| 200);
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    let e = c.request(State::Updating, t).unwrap_err();
+    assert!(e.message.contains("failed on rank 1"), "{e}");
+    assert_eq!(c.get().unwrap(), State::Cleared);
+    let logs = finish(&mut ranks);
+    let mut at = None;
+    for (r, log) in logs.iter().enumerate() {
+        assert!(!log.contains("committed"), "rank {r} committed: {log}");
+        let line = log.lines().find(|l| l.starts_with("no commit at"));
+        let line = line.unwrap_or_else(|| panic!("rank {r} never heard: {log}"));
+        assert!(line.contains("rank 1 failed to stage"), "rank {r}: {line}");
+        let step = line
+            .split_whitespace()
+            .nth(3)
+            .unwrap()
+            .trim_end_matches(':')
+            .to_string();
+        assert_eq!(
+            *at.get_or_insert(step.clone()),
+            step,
+            "rank {r} heard at another step"
+        );
+    }
+}
+
+/// A rank killed between stage and commit: the others name it and stop,
+/// and nobody commits. Rank 1 serves steps of 1.5 s, so the group steps
+/// that slowly: UPDATING is seen within 1.5 s of the request, the ranks
+/// stage at once, and COMMIT comes two steps later; rank 1 is killed in
+/// between.
+#[test]
+fn a_rank_killed_while_staging_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let (group, cell) = (unique("g2pk"), unique("c2pk"));
+    let _names = Names(vec![cell.clone()]);
+    let slow = |rank: u32| if rank == 1 { 1_500_000 } else { 200 };
+    let mut ranks = two_phase_ranks(dir.path(), 2, (&group, &cell), |_| dir.path().into(), slow);
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    assert!(c
+        .cell()
+        .compare_exchange(State::Cleared as i32, 1)
+        .unwrap()
+        .is_ok());
+    std::thread::sleep(Duration::from_millis(2000));
+    ranks[1].child.kill().unwrap();
+    ranks[1].child.wait().unwrap();
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = ranks[0].child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "rank 0 still running"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&ranks[0].err).unwrap();
+    assert!(err.contains("rank 1"), "rank 0 does not name rank 1: {err}");
+    let log = std::fs::read_to_string(&ranks[0].log).unwrap();
+    assert!(!log.contains("committed"), "{log}");
+}

@@ -5,11 +5,13 @@
 // every step it asks for the signal; UPDATING: pull the new version from the
 // trainer (IPC or rdma, atomic); CLEARING: clear and exit; otherwise serve one
 // step, i.e. run the model's forward pass on its registered params for the
-// fixed probes and a greedy continuation. Updates are two-phase: the next
-// version stages (wm_stage, on a side thread) while this thread keeps
-// generating from the old weights, then wm_commit switches between two
-// forward passes; OUT/rank<R>.updates records the staging time, the pause
-// and the tokens generated while staging.
+// fixed probes and a greedy continuation. Updates are two-phase: on
+// UPDATING the next version stages (wm_stage, on a side thread) while this
+// thread keeps generating from the old weights and asking for the signal;
+// when every rank staged it the signal says COMMIT, at the same step on
+// every rank, and wm_commit switches before the next forward pass.
+// OUT/rank<R>.updates records the staging time, the pause and the tokens
+// generated while staging.
 //
 // Every distinct output it computes is appended to OUT/rank<R>.bin, tagged
 // with the version wm_status reports for the params it computed with (see
@@ -21,7 +23,6 @@
 //                  --source ipc|rdma --location SOCKET|HOST:PORT --out DIR
 //                  [--deadline-s S]
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -338,56 +339,70 @@ int run(const Options &o) {
     records++;
     return true;
   };
+  // Two-phase: the staging thread of the pending update, and its outcome.
+  std::thread stager;
+  wm_update_stats staged;
+  wm_result stage_rc = WM_OK;
+  auto stage_start = std::chrono::steady_clock::now();
+  uint64_t steps_while_staging = 0;
+  struct JoinAtExit {
+    std::thread &t;
+    ~JoinAtExit() {
+      if (t.joinable()) t.join();
+    }
+  } join_at_exit{stager};
   for (;;) {
     if (std::chrono::steady_clock::now() > deadline)
       throw std::runtime_error("no CLEARING within " + std::to_string(o.deadline_s) + " s");
     int32_t signal = 0;
     check(m, wm_broadcast_signal(m, &signal), "broadcast_signal");
     if (signal == WM_STATE_UPDATING) {
-      // Two-phase: the next version stages on a side thread while this one
-      // keeps serving from the old weights (no signal is asked for
-      // meanwhile: the ranks' next group step is the update's finish,
-      // inside wm_commit); then the switch, between two forward passes.
-      wm_update_stats staged, stats;
-      staged.struct_size = stats.struct_size = sizeof stats;
-      std::atomic<bool> done{false};
-      wm_result rc = WM_OK;
-      std::thread stager([&] {
-        rc = wm_stage(m, &req, &staged);
-        done.store(true, std::memory_order_release);
-      });
-      uint64_t steps_while_staging = 0;
-      try {
-        while (!done.load(std::memory_order_acquire)) {
-          if (serve_and_record()) {
-            steps_while_staging++;
-          } else {
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));  // nothing to serve yet
-          }
-        }
-      } catch (...) {
-        stager.join();
-        throw;
+      // Two-phase: the first UPDATING starts staging the next version on a
+      // side thread; this thread keeps generating from the old weights and
+      // asking for the signal, which carries the ranks' vote on what they
+      // staged, until every rank staged the same version (COMMIT).
+      if (!stager.joinable()) {
+        staged.struct_size = sizeof staged;
+        stage_rc = WM_OK;
+        stage_start = std::chrono::steady_clock::now();
+        steps_while_staging = 0;
+        stager = std::thread([&] { stage_rc = wm_stage(m, &req, &staged); });
       }
+      if (serve_and_record()) {
+        steps_while_staging++;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));  // nothing to serve yet
+      }
+      continue;
+    } else if (signal == WM_STATE_COMMIT) {
+      // Every rank got COMMIT at this step: switch before the next one.
       stager.join();
+      wm_update_stats stats;
+      stats.struct_size = sizeof stats;
       const auto commit_start = std::chrono::steady_clock::now();
-      if (rc == WM_OK) rc = wm_commit(m, &stats);
+      wm_result rc = wm_commit(m, &stats);
       const auto pause_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 std::chrono::steady_clock::now() - commit_start).count();
       if (rc != WM_OK) {
-        // Rank 0 reports the failure to the controller (the word goes to
-        // CLEARED); the old weights stay (atomic). Keep serving them.
-        std::fprintf(stderr, "rl_engine: rank %d: update failed: %s: %s\n", o.rank, wm_result_text(rc),
+        std::fprintf(stderr, "rl_engine: rank %d: commit failed: %s: %s\n", o.rank, wm_result_text(rc),
                      last_error(m).c_str());
-      } else {
-        updates++;
-        // version bytes total_ns tensors stage_ns pause_ns tokens_generated_while_staging
-        std::fprintf(files.updates, "%s %llu %llu %llu %llu %llu %llu\n", stats.version,
-                     (unsigned long long)stats.bytes, (unsigned long long)(staged.sync_ns + pause_ns),
-                     (unsigned long long)stats.tensors, (unsigned long long)staged.sync_ns,
-                     (unsigned long long)pause_ns, (unsigned long long)(steps_while_staging * kGenerate));
-        std::fflush(files.updates);
+        continue;
       }
+      updates++;
+      const auto stage_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(commit_start - stage_start).count();
+      // version bytes total_ns tensors stage_ns pause_ns tokens_generated_while_staging
+      std::fprintf(files.updates, "%s %llu %llu %llu %llu %llu %llu\n", stats.version,
+                   (unsigned long long)stats.bytes, (unsigned long long)(stage_ns + pause_ns),
+                   (unsigned long long)stats.tensors, (unsigned long long)stage_ns,
+                   (unsigned long long)pause_ns, (unsigned long long)(steps_while_staging * kGenerate));
+      std::fflush(files.updates);
+    } else if (signal == WM_STATE_CLEARED && stager.joinable()) {
+      // No rank commits (one failed to stage): the old weights stay; rank 0
+      // reported it to the controller. Keep serving them.
+      stager.join();
+      std::fprintf(stderr, "rl_engine: rank %d: update dropped (stage: %s): %s\n", o.rank,
+                   wm_result_text(stage_rc), last_error(m).c_str());
+      continue;
     } else if (signal == WM_STATE_CLEARING) {
       check(m, wm_clear(m), "clear");
       break;

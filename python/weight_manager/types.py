@@ -35,6 +35,7 @@ class State(enum.IntEnum):
     CLEARING = -1
     CLEARED = -2
     FAILED = -3
+    COMMIT = 2  # a signal only: every rank staged the same version; commit now
 
 
 class Source(enum.IntEnum):

@@ -1202,6 +1202,55 @@ static void test_two_phase(void) {
   remove_tmpdir();
 }
 
+/* Two-phase under a control cell: UPDATING, stage, the signal says
+ * UPDATING until the vote saw the staged version, then COMMIT; the commit
+ * moves the word to NORMAL. */
+static void test_two_phase_signal(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 3.0f, "7") == 0);
+  char name[64];
+  snprintf(name, sizeof name, "wm_c_harness_2p_%d", (int)getpid());
+  wm_config c;
+  wm_config_init(&c);
+  c.control_cell = name;
+  c.model_dir = tmpdir;
+  c.fallback_dir = "";
+  wm_manager *m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  float w[16] = {0};
+  wm_param_desc d;
+  desc_w(&d);
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_OK);
+  char shm_name[80];
+  snprintf(shm_name, sizeof shm_name, "/%s", name);
+  int fd = shm_open(shm_name, O_RDWR, 0);
+  CHECK(fd >= 0);
+  int32_t *cell = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  *cell = WM_STATE_UPDATING;
+  int32_t sig = 99;
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
+  CHECK(sig == WM_STATE_UPDATING);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.flags = WM_UPDATE_SKIP_UNKNOWN; /* the model's "b" is not registered */
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  int steps = 0;
+  do {
+    CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
+    steps++;
+  } while (sig == WM_STATE_UPDATING && steps < 10);
+  CHECK(sig == WM_STATE_COMMIT && w[0] == 0.0f);
+  CHECK_RC(wm_commit(m, NULL), WM_OK);
+  CHECK(w[0] == 3.0f && *cell == WM_STATE_NORMAL);
+  CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
+  CHECK(sig == WM_STATE_NORMAL);
+  munmap(cell, 4);
+  shm_unlink(shm_name);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 static void test_static_link(void) {
 #ifdef WM_STATIC_BUILD
   printf("linked statically\n");
@@ -1220,6 +1269,7 @@ int main(int argc, char **argv) {
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
+      {"two_phase_signal", test_two_phase_signal},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

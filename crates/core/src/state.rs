@@ -1,6 +1,6 @@
 //! The manager's states. The first four are the control word's values
-//! (FastDeploy's: NORMAL 0, UPDATING 1, CLEARING -1, CLEARED -2); FAILED is the library's own and never appears in
-//! a control word.
+//! (FastDeploy's: NORMAL 0, UPDATING 1, CLEARING -1, CLEARED -2); FAILED
+//! and COMMIT are the library's own and never appear in a control word.
 
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -17,6 +17,10 @@ pub enum State {
     /// An in-place update failed after bytes moved: params are half-written.
     /// Only a later successful update returns to NORMAL.
     Failed = -3,
+    /// A signal only (`broadcast_signal`), never a state: every rank staged
+    /// the same version (two-phase updates); commit it now, before the
+    /// next step.
+    Commit = 2,
 }
 
 impl State {
@@ -27,13 +31,14 @@ impl State {
             -1 => Some(State::Clearing),
             -2 => Some(State::Cleared),
             -3 => Some(State::Failed),
+            2 => Some(State::Commit),
             _ => None,
         }
     }
 
     /// True for the four values a control word may hold.
     pub fn is_signal(self) -> bool {
-        self != State::Failed
+        !matches!(self, State::Failed | State::Commit)
     }
 
     /// The state's name as a C string ("NORMAL").
@@ -44,6 +49,7 @@ impl State {
             State::Clearing => c"CLEARING",
             State::Cleared => c"CLEARED",
             State::Failed => c"FAILED",
+            State::Commit => c"COMMIT",
         }
     }
 

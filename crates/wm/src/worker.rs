@@ -1,8 +1,12 @@
 //! `wm worker`: the engine's worker loop (README "The worker loop") as a
 //! real engine rank. Each step it
 //! asks for the signal; UPDATING: update from the snapshot; CLEARING: clear;
-//! otherwise serve (sleep `--step-us`). Used by the multi-process tests and
-//! as a reference for engine authors.
+//! otherwise serve (sleep `--step-us`). With `--two-phase`, UPDATING starts
+//! staging on a side thread while the rank keeps serving, COMMIT commits it
+//! (every rank at the same step), CLEARED after a stage means the ranks
+//! dropped it; the log says `committed <version> at <step>` or
+//! `no commit at <step>: <why>`. Used by the multi-process tests and as a
+//! reference for engine authors.
 //!
 //! The rank holds one library-owned param `w` (f32 [16]); the snapshot in
 //! `--model-dir` must hold it (any HuggingFace-style `*.safetensors`).
@@ -12,11 +16,13 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use weight_manager_core::checksum;
 use weight_manager_core::internals::memory::cuda_ipc::download;
 use weight_manager_core::DType;
 use weight_manager_core::FanoutSettings;
+use weight_manager_core::Staged;
 use weight_manager_core::State;
 use weight_manager_core::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
 use weight_manager_core::{MemoryKind, ParamSpec};
@@ -70,6 +76,10 @@ pub struct Args {
     /// The NCCL library (fan-out)
     #[arg(long, value_name = "PATH")]
     nccl: Option<PathBuf>,
+    /// Two-phase updates: on UPDATING stage on a side thread and keep
+    /// serving; commit when the signal says COMMIT
+    #[arg(long)]
+    two_phase: bool,
 }
 
 /// The manager of a worker rank.
@@ -103,12 +113,64 @@ fn manager(a: &Args) -> Result<Manager, String> {
 /// A worker rank's param `w` and the log of its steps.
 struct Rank<'a> {
     a: &'a Args,
-    m: Manager,
+    m: Arc<Manager>,
     w: (*mut u8, usize),
     log: Option<std::io::BufWriter<std::fs::File>>,
+    /// Two-phase: the side thread staging the pending update.
+    stager: Option<std::thread::JoinHandle<weight_manager_core::Result<Staged>>>,
 }
 
 impl Rank<'_> {
+    /// Two-phase: act on this step's signal (UPDATING: start staging once,
+    /// then serve; COMMIT: commit what was staged; CLEARED: the ranks
+    /// dropped it). True when the step served.
+    fn two_phase(&mut self, signal: State, step: u64) -> weight_manager_core::Result<bool> {
+        match signal {
+            State::Updating => {
+                if self.stager.is_none() {
+                    let (m, dir) = (Arc::clone(&self.m), self.a.model_dir.clone());
+                    let stage = move || m.stage(UpdateRequest::snapshot(dir));
+                    self.stager = Some(std::thread::spawn(stage));
+                }
+                Ok(true)
+            }
+            State::Commit => {
+                let staged = self.join_stager()?;
+                let stats = staged.commit()?;
+                if let Some(l) = self.log.as_mut() {
+                    let _ = writeln!(l, "committed {} at {step}", stats.version);
+                }
+                Ok(false)
+            }
+            State::Cleared => {
+                // Dropped by the ranks' vote (or a failed stage): say why.
+                if self.stager.is_some() {
+                    // What was staged is gone; the manager's last error says why.
+                    drop(self.join_stager());
+                    let why = self.m.status().last_error;
+                    let why = why.map_or("dropped".into(), |e| e.to_string());
+                    if let Some(l) = self.log.as_mut() {
+                        let _ = writeln!(l, "no commit at {step}: {why}");
+                    }
+                }
+                Ok(true)
+            }
+            _ => Ok(true),
+        }
+    }
+
+    fn join_stager(&mut self) -> weight_manager_core::Result<Staged> {
+        let t = self
+            .stager
+            .take()
+            .ok_or_else(|| weight_manager_core::Error::state("COMMIT without a stage in flight"))?;
+        t.join().unwrap_or_else(|_| {
+            Err(weight_manager_core::Error::state(
+                "the staging thread panicked",
+            ))
+        })
+    }
+
     /// Update from the snapshot; on a device, log `w`'s checksum.
     fn update(&mut self) -> weight_manager_core::Result<()> {
         let stats = self.m.update(UpdateRequest::snapshot(&self.a.model_dir))?;
@@ -140,7 +202,13 @@ pub fn run(a: &Args) -> Result<(), String> {
         )),
         None => None,
     };
-    let mut r = Rank { a, m, w, log };
+    let mut r = Rank {
+        a,
+        m: Arc::new(m),
+        w,
+        log,
+        stager: None,
+    };
     let (mut updates, mut clears, mut failed) = (0, 0, 0);
     for step in 0..a.steps {
         let signal =
@@ -150,6 +218,13 @@ pub fn run(a: &Args) -> Result<(), String> {
             writeln!(l, "{step} {}", signal.name()).map_err(|e| e.to_string())?;
         }
         let outcome = match signal {
+            State::Updating | State::Commit | State::Cleared if a.two_phase => {
+                r.two_phase(signal, step).map(|serve| {
+                    if serve {
+                        std::thread::sleep(Duration::from_micros(a.step_us));
+                    }
+                })
+            }
             State::Updating => {
                 updates += 1;
                 r.update()

@@ -52,6 +52,7 @@ mod register;
 mod shadows;
 mod sources;
 mod staged;
+mod staged_vote;
 mod update;
 
 pub use config::{
@@ -93,6 +94,9 @@ pub struct Manager {
     /// Why the staged version was dropped (a clear, a cancel), set while
     /// it still stages too: that update stops at its next batch.
     stage_dropped: Mutex<Option<String>>,
+    /// Where this rank's staging is, for the ranks' vote while an update
+    /// is pending (`staged_vote.rs`).
+    stage_status: Mutex<staged_vote::StageStatus>,
 }
 
 impl Manager {
@@ -139,6 +143,7 @@ impl Manager {
             cancelled: AtomicBool::new(false),
             staged: Mutex::new(None),
             stage_dropped: Mutex::new(None),
+            stage_status: Mutex::default(),
         })
     }
 
@@ -185,8 +190,15 @@ impl Manager {
     }
 
     /// The signal every rank should act on this step (see [`crate::signal`]).
+    /// While an update is pending, the step's signal carries this rank's
+    /// vote on a staged version (`staged_vote.rs`): UPDATING, COMMIT, or
+    /// CLEARED when no rank may commit.
     pub fn broadcast_signal(&self) -> Result<State> {
-        self.recorded(self.signal.broadcast())
+        let r = match self.signal.update_pending() {
+            true => self.broadcast_voting(),
+            false => self.signal.broadcast(),
+        };
+        self.recorded(r)
     }
 
     /// After an update or clear that the signal asked for: pass the group's

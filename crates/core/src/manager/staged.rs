@@ -21,10 +21,12 @@
 //! except the wait for the decision, which the engine owns (the `Staged`
 //! it holds; dropping it aborts).
 
+use super::staged_vote::StageStatus;
 use super::update::CommitGate;
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::Mode;
 use crate::result::{wm_result, Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -99,30 +101,18 @@ impl Manager {
         let (decide, decisions) = mpsc::channel();
         let (report, reports) = mpsc::channel();
         let timeout = parts.timeout;
-        let gate = commit_gate(decisions, report.clone());
         let m = Arc::clone(self);
         // Set before the thread starts, which clears it when it ends.
         *slot = Some(decide.clone());
         self.stage_dropped.lock().take();
+        // Under a pending update the ranks vote on this stage.
+        *self.stage_status.lock() = match self.signal.update_pending() {
+            true => StageStatus::Staging,
+            false => StageStatus::Idle,
+        };
         let thread = std::thread::Builder::new()
             .name("wm-stage".into())
-            .spawn(move || {
-                let r = m.update_gated(parts.into_request(), Some(gate));
-                let mut slot = m.staged.lock();
-                let dropped = m.stage_dropped.lock().take();
-                let r = r.map_err(|e| match dropped {
-                    Some(why) if e.code == wm_result::WM_ERR_CANCELLED => {
-                        Error::cancelled(format!(
-                            "rank {}: the staged version was dropped by {why}",
-                            m.config.rank
-                        ))
-                    }
-                    _ => e,
-                });
-                slot.take();
-                drop(slot);
-                let _ = report.send(Report::Done(r));
-            });
+            .spawn(move || m.run_stage(parts, decisions, report));
         let thread = match thread {
             Ok(t) => t,
             Err(e) => {
@@ -154,6 +144,70 @@ impl Manager {
                 "stage: not staged within the request's timeout ({timeout:?})"
             ))),
         }
+    }
+
+    /// The stage thread: the update up to its gate, the decision, its end.
+    fn run_stage(
+        self: Arc<Self>,
+        parts: HooklessParts,
+        decisions: mpsc::Receiver<Decision>,
+        report: mpsc::Sender<Report>,
+    ) {
+        let passed = AtomicBool::new(false);
+        let gate = self.commit_gate(decisions, report.clone(), &passed);
+        let r = self.update_gated(parts.into_request(), Some((gate, &passed)));
+        let mut slot = self.staged.lock();
+        let dropped = self.stage_dropped.lock().take();
+        let r = r.map_err(|e| match dropped {
+            Some(why) if e.code == wm_result::WM_ERR_CANCELLED => Error::cancelled(format!(
+                "rank {}: the staged version was dropped by {why}",
+                self.config.rank
+            )),
+            _ => e,
+        });
+        // A stage that failed on its own is this rank's vote until the
+        // ranks decide; anything else leaves nothing to vote on.
+        let mut status = self.stage_status.lock();
+        *status = match (&r, &*status) {
+            (Err(e), StageStatus::Staging) if !passed.load(Ordering::Acquire) => {
+                StageStatus::Failed(e.code)
+            }
+            _ => StageStatus::Idle,
+        };
+        drop(status);
+        slot.take();
+        drop(slot);
+        let _ = report.send(Report::Done(r));
+    }
+
+    /// The gate the stage thread's update stops at: report the version
+    /// staged (and vote for it), then wait for the decision (all senders
+    /// gone: aborted). `passed`: set when it lets the update commit.
+    fn commit_gate<'p>(
+        self: &Arc<Self>,
+        decisions: mpsc::Receiver<Decision>,
+        report: mpsc::Sender<Report>,
+        passed: &'p AtomicBool,
+    ) -> CommitGate<'p> {
+        let started = Instant::now();
+        let m = Arc::clone(self);
+        Box::new(move |version: &str| {
+            {
+                let mut status = m.stage_status.lock();
+                if *status == StageStatus::Staging {
+                    *status = StageStatus::Ready(version.to_string());
+                }
+            }
+            let _ = report.send(Report::Staged(version.to_string(), started.elapsed()));
+            match decisions.recv() {
+                Ok(Decision::Commit) => {
+                    passed.store(true, Ordering::Release);
+                    Ok(())
+                }
+                Ok(Decision::Abort(e)) => Err(e),
+                Err(_) => Err(Error::cancelled("the staged version was dropped")),
+            }
+        })
     }
 
     /// Abort the staged version, if any (a clear or a cancel), and wait
@@ -223,20 +277,6 @@ impl HooklessParts {
             hooks: Default::default(),
         }
     }
-}
-
-/// The gate the stage thread's update stops at: report the version staged,
-/// then wait for the decision (all senders gone: aborted).
-fn commit_gate(decisions: mpsc::Receiver<Decision>, report: mpsc::Sender<Report>) -> CommitGate {
-    let started = Instant::now();
-    Box::new(move |version: &str| {
-        let _ = report.send(Report::Staged(version.to_string(), started.elapsed()));
-        match decisions.recv() {
-            Ok(Decision::Commit) => Ok(()),
-            Ok(Decision::Abort(e)) => Err(e),
-            Err(_) => Err(Error::cancelled("the staged version was dropped")),
-        }
-    })
 }
 
 impl Staged {

@@ -33,11 +33,11 @@ pub(super) struct UpdateRun<'a, 'h> {
     /// A staged update (`staged.rs`): called with the version once every
     /// byte arrived and verified, before the commit; it returns when the
     /// engine decided (an error: abort, nothing written).
-    pub gate: Option<CommitGate>,
+    pub gate: Option<CommitGate<'a>>,
 }
 
 /// The gate a staged update waits at before its commit.
-pub(super) type CommitGate = Box<dyn FnMut(&str) -> Result<()> + Send>;
+pub(super) type CommitGate<'p> = Box<dyn FnMut(&str) -> Result<()> + Send + 'p>;
 
 impl UpdateRun<'_, '_> {
     /// The end of the whole update.
@@ -68,13 +68,22 @@ impl Manager {
 
     /// [`Manager::update`], stopping at `gate` before the commit when one
     /// is given (a staged update).
+    /// A staged update that ends before its gate let it commit (failed, or
+    /// dropped) is not finished with the group here: the ranks' vote on
+    /// staged versions finishes it (`staged_vote.rs`); `passed` says
+    /// whether the gate let it commit.
     pub(super) fn update_gated(
         &self,
         req: UpdateRequest,
-        gate: Option<CommitGate>,
+        gate: Option<(CommitGate, &std::sync::atomic::AtomicBool)>,
     ) -> Result<UpdateStats> {
+        let (gate, passed) = gate.unzip();
         let r = self.try_update(req, gate).map_err(|e| self.cancel_cause(e));
-        let r = self.finish_action(State::Updating, r, |s| s.version.clone());
+        let stopped = passed.is_some_and(|p| !p.load(std::sync::atomic::Ordering::Acquire));
+        let r = match stopped {
+            true => r,
+            false => self.finish_action(State::Updating, r, |s| s.version.clone()),
+        };
         self.recorded(r)
     }
 
@@ -101,6 +110,7 @@ impl Manager {
         };
         let outcome = self.run_update(&mut run);
         let restored = run.restored;
+        drop(run);
         let state = match &outcome {
             Ok(_) => State::Normal,
             Err(f) if f.params_written() => {

@@ -44,6 +44,9 @@ use parking_lot::Mutex;
 use report::ReportCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Rank 0's decision on every rank's vote ((rank, vote), sorted by rank).
+pub type Decide<'a> = dyn Fn(&[(u32, u32)]) -> i32 + 'a;
+
 pub struct SignalPlane {
     rank: u32,
     world_size: u32,
@@ -55,6 +58,9 @@ pub struct SignalPlane {
     pending: Mutex<Option<State>>,
     /// Set once the group failed: the report then outlives this engine.
     group_failed: AtomicBool,
+    /// Rank 0: every rank's non-zero contribution to the last step's
+    /// barrier (two-phase staging statuses, `broadcast_vote`).
+    votes: Mutex<Vec<(u32, u32)>>,
     logger: Logger,
 }
 
@@ -101,6 +107,7 @@ impl SignalPlane {
             group: Mutex::new(group),
             pending: Mutex::new(None),
             group_failed: AtomicBool::new(false),
+            votes: Mutex::new(Vec::new()),
             logger,
         })
     }
@@ -116,23 +123,13 @@ impl SignalPlane {
     /// This step's signal. NORMAL costs one shared-memory read; any other
     /// value returns only after every rank got it (barrier).
     pub fn broadcast(&self) -> Result<State> {
-        let mut group = self.group.lock();
-        let raw = match group.as_mut() {
-            Some(g) => match g.broadcast(|| self.read_cell()) {
-                Ok((_, raw)) => raw,
-                Err(e) => {
-                    self.group_failed(&e, g.failed_rank());
-                    return Err(e);
-                }
-            },
-            None if self.world_size > 1 => {
-                return Err(Error::state(format!(
-                    "wm_broadcast_signal with world_size {} needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",
-                    self.world_size
-                )))
-            }
-            None => self.read_cell()?,
-        };
+        let raw = self.broadcast_vote(0, None)?;
+        self.signal_of(raw)
+    }
+
+    /// The control word's value `raw` as this step's signal (UPDATING and
+    /// CLEARING become the pending action).
+    pub fn signal_of(&self, raw: i32) -> Result<State> {
         let state = State::from_raw(raw).filter(|s| s.is_signal()).ok_or_else(|| {
             Error::format(format!(
                 "the control word holds {raw}, which is not NORMAL(0), UPDATING(1), CLEARING(-1) or CLEARED(-2)"
@@ -142,6 +139,46 @@ impl SignalPlane {
             *self.pending.lock() = Some(state);
         }
         Ok(state)
+    }
+
+    /// This step's value while an update is pending and ranks stage it
+    /// (two-phase, see `manager::staged_vote`): every rank contributes
+    /// `mine` (its staging's status) to the barrier after the step; rank 0
+    /// serves `decide`'s decision on the statuses of the step before
+    /// instead of the control word when it stages too (`decide` given),
+    /// else the word. The raw value: the word's, or a decision.
+    pub fn broadcast_vote(&self, mine: i32, decide: Option<&Decide>) -> Result<i32> {
+        let read = || match decide {
+            Some(d) => Ok(d(&self.votes.lock())),
+            None => self.read_cell(),
+        };
+        let mut group = self.group.lock();
+        match group.as_mut() {
+            Some(g) => match g.broadcast(read, mine) {
+                Ok((_, raw, said)) => {
+                    if self.rank == 0 {
+                        *self.votes.lock() = said;
+                    }
+                    Ok(raw)
+                }
+                Err(e) => {
+                    self.group_failed(&e, g.failed_rank());
+                    Err(e)
+                }
+            },
+            None if self.world_size > 1 => Err(Error::state(format!(
+                "wm_broadcast_signal with world_size {} needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",
+                self.world_size
+            ))),
+            None => {
+                let raw = read()?;
+                *self.votes.lock() = match mine {
+                    0 => Vec::new(),
+                    m => vec![(self.rank, m as u32)],
+                };
+                Ok(raw)
+            }
+        }
     }
 
     /// Local ranks in this rank's fan-out group (itself included); 0 when
@@ -180,19 +217,44 @@ impl SignalPlane {
             *pending = None;
         }
         let code = outcome.as_ref().err().map_or(0, |e| e.code as u32);
-        let failures = match self.group.lock().as_mut() {
-            Some(g) => match g.barrier(code as i32) {
-                Ok(f) => f,
-                Err(e) => {
-                    self.group_failed(&e, g.failed_rank());
-                    return Err(e);
-                }
-            },
-            None if code != 0 => vec![(self.rank, code)],
-            None => Vec::new(),
-        };
+        let failures = self.gather(code as i32)?;
+        self.conclude(action, outcome, &failures);
+        Ok(())
+    }
+
+    /// Every rank contributes `code` (0: success); rank 0 gets the (rank,
+    /// code) of every non-zero one, sorted by rank; the others nothing.
+    fn gather(&self, code: i32) -> Result<Vec<(u32, u32)>> {
+        match self.group.lock().as_mut() {
+            Some(g) => g
+                .barrier(code)
+                .inspect_err(|e| self.group_failed(e, g.failed_rank())),
+            None if code != 0 => Ok(vec![(self.rank, code as u32)]),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Whether the last signal asked for an update that is not finished.
+    pub fn update_pending(&self) -> bool {
+        *self.pending.lock() == Some(State::Updating)
+    }
+
+    /// Finish the pending update as failed without another barrier (the
+    /// ranks agreed already, `broadcast_vote`): rank 0 reports `failures`
+    /// and moves the word; `outcome` is this rank's error.
+    pub fn finish_failed(&self, failures: &[(u32, u32)], outcome: &Error) {
+        if self.pending.lock().take() != Some(State::Updating) {
+            return;
+        }
+        self.conclude(State::Updating, &Err(outcome.clone()), failures);
+    }
+
+    /// After every rank finished `action` (`failures`: the non-zero
+    /// results, known to rank 0): rank 0 writes the report and moves the
+    /// word.
+    fn conclude(&self, action: State, outcome: &Result<String>, failures: &[(u32, u32)]) {
         let (Some(cell), Some(_)) = (&self.cell, &self.report) else {
-            return Ok(());
+            return;
         };
         let (done, target) = if action == State::Updating {
             ("update", State::Normal)
@@ -229,7 +291,6 @@ impl SignalPlane {
             }
         };
         self.move_word(cell, action as i32, target, done);
-        Ok(())
     }
 
     fn write_report(&self, code: u32, rank: u32, action: i32, version: &str, message: &str) {

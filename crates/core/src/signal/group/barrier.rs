@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// (rank, code) of every rank that contributed non-zero.
-type Failures = Vec<(u32, u32)>;
+pub(super) type Failures = Vec<(u32, u32)>;
 
 impl Group {
     /// Every rank passes together, contributing `result` (0 for success).

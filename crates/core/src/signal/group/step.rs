@@ -1,6 +1,7 @@
 //! One step (`Group::broadcast`): rank 0 reads the value, leaders write it
 //! into their node's ring, everybody else reads the ring entry of its step.
 
+use super::barrier::Failures;
 use super::segment::{pack, RING};
 use super::{list, Group, Link};
 use crate::result::{Error, Result};
@@ -56,12 +57,22 @@ impl Group {
     }
 
     /// Agree on this step's value: `read` runs on rank 0 only. Values other
-    /// than NORMAL (0) are followed by a barrier. Returns (step, value).
-    pub fn broadcast(&mut self, read: impl FnOnce() -> Result<i32>) -> Result<(u64, i32)> {
-        self.guarded(|g| g.broadcast_step(read))
+    /// than NORMAL (0) are followed by a barrier, to which this rank
+    /// contributes `mine` (0 for success, see [`Group::barrier`]). Returns
+    /// (step, value, and for rank 0 every non-zero contribution).
+    pub fn broadcast(
+        &mut self,
+        read: impl FnOnce() -> Result<i32>,
+        mine: i32,
+    ) -> Result<(u64, i32, Failures)> {
+        self.guarded(|g| g.broadcast_step(read, mine))
     }
 
-    fn broadcast_step(&mut self, read: impl FnOnce() -> Result<i32>) -> Result<(u64, i32)> {
+    fn broadcast_step(
+        &mut self,
+        read: impl FnOnce() -> Result<i32>,
+        mine: i32,
+    ) -> Result<(u64, i32, Failures)> {
         let k = self.step;
         let deadline = Instant::now() + self.cfg.timeout;
         let value = match &mut self.link {
@@ -84,10 +95,11 @@ impl Group {
         };
         self.me().consumed.store(k + 1, Ordering::Release);
         self.step += 1;
-        if value != 0 {
-            self.barrier_step(0)?;
-        }
-        Ok((k, value))
+        let said = match value {
+            0 => Vec::new(),
+            _ => self.barrier_step(mine)?,
+        };
+        Ok((k, value, said))
     }
 
     /// A leader of another node: the value of step `k`, from rank 0.
