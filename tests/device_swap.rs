@@ -293,3 +293,30 @@ fn the_swap_is_harmless_where_the_driver_sees_no_device() {
     m.update(UpdateRequest::snapshot(dir.path())).unwrap();
     assert_params(&params, &v);
 }
+
+/// A staged update (`Manager::stage`) of library-owned device params with
+/// the swap uploads into the shadows while it stages: the params still
+/// hold version 1 and the uploads are done when `stage` returns, so the
+/// commit (the pause) makes no upload, only the swap.
+#[test]
+fn a_staged_update_uploads_into_the_shadows_before_the_commit() {
+    if !under_fake_driver(
+        "a_staged_update_uploads_into_the_shadows_before_the_commit",
+        false,
+    ) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let m = std::sync::Arc::new(m);
+    let v1 = model(1);
+    let v2 = write_model(dir.path(), 2);
+    let before = f.calls("cuMemcpyAsync");
+    let staged = m.stage(UpdateRequest::snapshot(dir.path())).unwrap();
+    let staging = f.calls("cuMemcpyAsync");
+    assert!(staging > before, "nothing was uploaded while staging");
+    assert_holds(&ptrs, &v1, "staged");
+    staged.commit().unwrap();
+    assert_eq!(f.calls("cuMemcpyAsync"), staging, "the commit uploaded");
+    assert_holds(&ptrs, &v2, "committed");
+}

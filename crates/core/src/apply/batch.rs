@@ -262,6 +262,8 @@ impl Applier<'_, '_> {
             for &t in &work.completed {
                 self.pass_on(origin, t)?;
             }
+        } else {
+            self.upload_early(origin, &work.completed)?;
         }
         self.tally.report(self.hooks.progress.as_deref_mut())
     }
@@ -276,6 +278,27 @@ impl Applier<'_, '_> {
             (self.verifier).check_checksum(origin, t, crate::checksum::of(data))?;
         }
         self.deliver(t, data)
+    }
+
+    /// Atomic: completed tensors of device params with a device shadow go
+    /// up into the shadow now, while the rest still arrives (and, staged,
+    /// while the engine serves): the commit is left the swap alone.
+    fn upload_early(&mut self, origin: &str, completed: &[usize]) -> Result<()> {
+        let Some(arena) = self.landing.arena.take() else {
+            return Ok(());
+        };
+        let r = completed.iter().try_for_each(|&t| {
+            match (self.plan.entries[t].target, self.landing.params[t]) {
+                (Target::Param(i), Some(Dest::Device { ptr, ordinal }))
+                    if self.landing.uploads_early(i) =>
+                {
+                    (self.landing).upload_staged(origin, t, (i, (ptr, ordinal)), &arena)
+                }
+                _ => Ok(()),
+            }
+        });
+        self.landing.arena = Some(arena);
+        r
     }
 
     /// In place: a tensor received whole in a buffer of the applier's goes

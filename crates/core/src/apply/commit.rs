@@ -7,7 +7,6 @@
 //! the uploads.
 
 use super::arena::Arena;
-use super::upload::UploadFrom;
 use super::{Applied, Applier, Dest};
 use crate::plan::Target;
 use crate::result::Result;
@@ -48,15 +47,12 @@ impl Applier<'_, '_> {
         self.landing.copy_shadows(&arena)?;
         for t in 0..self.plan.entries.len() {
             match (self.plan.entries[t].target, self.landing.params[t]) {
-                (Target::Param(i), Some(Dest::Device { ptr, ordinal })) => {
-                    let end = self.plan.segments(t).iter().map(|s| s.param + s.len).max();
-                    // SAFETY: the shadow holds the param's verified bytes up
-                    // to its last run's end; the arena outlives this call.
-                    let shadow = unsafe {
-                        std::slice::from_raw_parts(arena.param_shadow(i), end.unwrap_or(0) as usize)
-                    };
-                    let from = UploadFrom::ParamShadow(shadow);
-                    (self.landing).upload("the staging arena", t, (ptr, ordinal), from)?
+                // Uploaded when it completed already (`uploads_early`).
+                (Target::Param(i), Some(Dest::Device { ptr, ordinal }))
+                    if !self.landing.uploads_early(i) =>
+                {
+                    let dest = (i, (ptr, ordinal));
+                    (self.landing).upload_staged("the staging arena", t, dest, &arena)?
                 }
                 (Target::Callback, _) => {
                     let n = self.plan.entries[t].meta.nbytes as usize;

@@ -6,8 +6,10 @@
 //! shadow (`memory::device_swap`) when the applier is made, before any
 //! byte moves, so an update that cannot get the device memory fails
 //! before it reads anything. Its bytes are staged in host memory as for
-//! every device param and uploaded at commit into the shadow instead of
-//! the param (that upload leaves the param as it was). After the uploads
+//! every device param and uploaded into the shadow instead of the param as
+//! soon as each tensor is complete and verified (`batch.rs`,
+//! `upload_early`: the param is left as it was, and a staged update's
+//! commit is left the swap alone). After the uploads
 //! are settled the shadows are swapped in, in param order; if one swap
 //! fails, those already made are swapped back, so the old weights stay
 //! whole. Only when a swap back fails too (or the failed swap could not

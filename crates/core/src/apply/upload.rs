@@ -74,6 +74,35 @@ impl Landing<'_> {
         }
     }
 
+    /// Atomic: upload whole, verified tensor `t` from its param's staged
+    /// bytes (the arena's shadow of param `i`) to its device param at
+    /// `dest`, into the param's device shadow when it has one. The one
+    /// upload of atomic mode: as soon as `t` is complete when the param
+    /// has a device shadow (the param is untouched: a staged update's
+    /// pause is then the swap alone), else at the commit.
+    pub(super) fn upload_staged(
+        &mut self,
+        origin: &str,
+        t: usize,
+        (i, dest): (usize, (u64, i32)),
+        arena: &super::arena::Arena,
+    ) -> Result<()> {
+        let end = self.plan.segments(t).iter().map(|s| s.param + s.len).max();
+        // SAFETY: the arena's shadow of param `i` holds its verified bytes
+        // up to its last run's end (every run of `t` arrived); the arena
+        // outlives this call, and `upload` copies the bytes into pinned
+        // buffers before it returns.
+        let shadow =
+            unsafe { std::slice::from_raw_parts(arena.param_shadow(i), end.unwrap_or(0) as usize) };
+        self.upload(origin, t, dest, UploadFrom::ParamShadow(shadow))
+    }
+
+    /// Whether param `i`'s tensors go up as they complete (atomic, with a
+    /// device shadow) rather than at the commit.
+    pub(super) fn uploads_early(&self, i: usize) -> bool {
+        self.device_shadows.target(i).is_some()
+    }
+
     /// Queue a device-to-device copy of `run` (a block, or equally spaced
     /// blocks as one 2D copy) on GPU `ordinal`.
     pub(super) fn copy_on_device(
