@@ -1,10 +1,13 @@
 """Two-phase updates from Python (Manager.stage, commit, abort) against the
-real library: a reader thread checksums every param while the next version
-stages and sees only the old one; after commit() only the new one. Misuse:
+real library: a reader thread (and, for a shared engine, another process
+reading the params in shared memory) checksums every param while the next
+version stages and sees only the old one; after commit() only the new
+one. Misuse:
 commit or abort with nothing staged, stage twice, update while staged,
 clear while staged, close while staged."""
 
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -87,3 +90,62 @@ def test_misuse_is_refused_and_nothing_committed_is_lost(tmp_path):
         # Closing with a version staged aborts it.
         m.stage(str(tmp_path / "v1"))
     assert digests(params) == expected(v2)
+
+
+def _shared_reader(shm_name, layout, reading, stop, out):
+    """A second process of a shared engine: checksums every param in the
+    shared memory until told to stop (saying when it read once); sends
+    the set of digests it saw."""
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name=shm_name)
+    try:
+        seen = set()
+        while not stop.is_set():
+            seen.add(tuple(zlib.crc32(shm.buf[o:o + n]) for o, n in layout))
+            reading.set()
+        out.put(seen)
+    finally:
+        shm.close()
+
+
+def test_a_second_process_sees_the_old_version_until_commit(tmp_path):
+    """A shared engine: params in shared memory (registered engine-owned),
+    read by another process while the next version stages: it sees only
+    the old bytes; after commit(), only the new ones."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+    rng = np.random.default_rng(5)
+    shapes = {"a": (1024, 1024), "b": (2048, 256), "c": (16,)}
+    v1 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    v2 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    write_snapshot(tmp_path / "v1", v1, step=1)
+    write_snapshot(tmp_path / "v2", v2, step=2)
+    layout, at = [], 0
+    for t in v1.values():
+        layout.append((at, t.nbytes))
+        at += t.nbytes
+    shm = shared_memory.SharedMemory(create=True, size=at)
+    ctx = mp.get_context("spawn")
+    try:
+        with Manager() as m:
+            for (name, t), (o, n) in zip(v1.items(), layout):
+                arr = np.ndarray(t.shape, dtype=t.dtype, buffer=shm.buf, offset=o)
+                m.register(name, arr)
+            m.update(str(tmp_path / "v1"))
+            old = tuple(zlib.crc32(shm.buf[o:o + n]) for o, n in layout)
+            reading, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+            reader = ctx.Process(target=_shared_reader, args=(shm.name, layout, reading, stop, out))
+            reader.start()
+            assert reading.wait(timeout=60), "the reader process never read"
+            m.stage(str(tmp_path / "v2"))
+            stop.set()
+            seen = out.get(timeout=60)
+            reader.join(timeout=60)
+            assert seen == {old}, "the other process saw bytes of the staged version"
+            m.commit()
+            for (name, t), (o, n) in zip(v2.items(), layout):
+                assert bytes(shm.buf[o:o + n]) == t.tobytes(), name
+            del arr
+    finally:
+        shm.close()
+        shm.unlink()
