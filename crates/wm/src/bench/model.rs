@@ -90,7 +90,7 @@ pub enum EngineMemory {
 }
 
 impl EngineMemory {
-    fn new(n: usize, huge: bool) -> Result<EngineMemory, String> {
+    pub fn new(n: usize, huge: bool) -> Result<EngineMemory, String> {
         if !huge {
             return Ok(EngineMemory::Heap(buffer(n)));
         }
@@ -101,7 +101,7 @@ impl EngineMemory {
         Ok(EngineMemory::Huge(r))
     }
 
-    fn ptr(&mut self) -> *mut u8 {
+    pub fn ptr(&mut self) -> *mut u8 {
         match self {
             EngineMemory::Heap(b) => b.as_mut_ptr(),
             EngineMemory::Huge(r) => r.ptr(),

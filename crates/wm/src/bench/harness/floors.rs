@@ -6,6 +6,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
+use weight_manager_core::internals::memory::copy::copy_bytes;
 
 /// Pieces of 8 MiB handed out from a shared counter to `threads` threads:
 /// the fastest plain way to move bytes on this machine, with no library
@@ -46,18 +47,47 @@ pub(crate) fn pieces_in_parallel(
 #[derive(Clone, Copy)]
 struct Addr(usize);
 
-/// Each thread copies one contiguous share with plain `memcpy`: large copies
-/// take glibc's streaming path, the fastest plain copy there is, so this is
-/// the floor (8 MiB pieces would stay below glibc's streaming threshold).
+/// The fastest plain copy of `src` into `dst` on `threads` threads, of
+/// three: glibc's `memcpy` of one contiguous share per thread (its
+/// streaming path), glibc's `memcpy` of 8 MiB pieces handed out in turn
+/// (cached stores), and 8 MiB pieces with AVX2 streaming stores (the
+/// library's `copy_bytes`: glibc's `rep movsb` slows to a third when the
+/// destination sits just ahead of the source modulo 4 KiB, as a heap
+/// param does behind page-aligned staging). Which wins depends on the
+/// machine and the buffers' offsets: the floor is the fastest way, so all
+/// run.
 pub(crate) fn memcpy_floor(src: &[u8], dst: &mut [u8], threads: usize) -> Result<Duration, String> {
-    let chunk = src.len().div_ceil(threads.max(1)).max(1);
+    let share = src.len().div_ceil(threads.max(1)).max(1);
+    let glibc = |d: &mut [u8], s: &[u8]| d.copy_from_slice(s);
+    // SAFETY: two slices of one length that do not overlap.
+    let stream =
+        |d: &mut [u8], s: &[u8]| unsafe { copy_bytes(d.as_mut_ptr(), s.as_ptr(), s.len()) };
+    Ok(memcpy_split(src, dst, share, threads, glibc)
+        .min(memcpy_split(src, dst, 8 << 20, threads, glibc))
+        .min(memcpy_split(src, dst, 8 << 20, threads, stream)))
+}
+
+/// `src` into `dst` with `copy` in pieces of `piece` bytes, `threads`
+/// threads taking the next piece in turn.
+fn memcpy_split(
+    src: &[u8],
+    dst: &mut [u8],
+    piece: usize,
+    threads: usize,
+    copy: impl Fn(&mut [u8], &[u8]) + Sync,
+) -> Duration {
+    let pieces = std::sync::Mutex::new(dst.chunks_mut(piece).zip(src.chunks(piece)));
     let t = Instant::now();
     std::thread::scope(|s| {
-        for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-            s.spawn(move || d.copy_from_slice(c));
+        for _ in 0..threads.max(1) {
+            s.spawn(|| loop {
+                let next = pieces.lock().unwrap_or_else(|e| e.into_inner()).next();
+                let Some((d, c)) = next else { break };
+                copy(d, c);
+            });
         }
     });
-    Ok(t.elapsed())
+    t.elapsed()
 }
 
 /// Fault in `len` bytes of fresh anonymous memory (the kernel zeroes
