@@ -18,6 +18,14 @@ Sections:
   same tensors copied with `copy_()` into tensors made shared ahead with
   `share_memory_()` (what a `torch.multiprocessing` trainer does). Floor:
   the same copies into plain pre-faulted tensors.
+- network: a trainer process holding the tensors serves them both ways
+  over loopback. Ours: `Manager.update(addr, source="rdma", in_place=True)`
+  (UCX, direct receive, checksums verified) into the engine's torch
+  params. PyTorch: `torch.distributed.broadcast` (gloo) of each tensor
+  straight into the same params. The first of each is not timed.
+- signal: two rank processes keep in step: ours `broadcast_signal` per
+  step (NORMAL: one shared-memory read on each rank); PyTorch: a gloo
+  `broadcast` of the control word per step.
 - quant: FP8 E4M3 128x128 blocks are measured by `wm bench quant` (the
   library's quantizer has no Python binding yet).
 
@@ -157,6 +165,162 @@ def publish(gib: float, pairs: int) -> None:
               f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs), wm / floor {fl / o:.2f}")
 
 
+def _net_trainer(port: int, wm_port_out, commands, gib: float, secret: str) -> None:
+    """The trainer process of the network section: gloo rank 0 and a wm
+    network publisher of the same tensors; on "wm" it serves one engine
+    session, on "gloo" it broadcasts every tensor, on "stop" it ends."""
+    import torch
+    import torch.distributed as dist
+    from weight_manager import Publisher
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    layer, count = (4096, 8192), max(1, int(gib * 16))
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(layer, generator=g).to(torch.bfloat16) for _ in range(count)]
+    with Publisher(net="127.0.0.1:0", secret=secret) as p:
+        for i, t in enumerate(tensors):
+            p.add_torch(f"layers.{i}.w", t)
+        p.set_version("1")
+        p.publish()
+        wm_port_out.send(p.address)
+        while True:
+            cmd = commands.recv()
+            if cmd == "wm":
+                p.serve(1, timeout=120)
+            elif cmd == "gloo":
+                for t in tensors:
+                    dist.broadcast(t, src=0)
+            else:
+                break
+    dist.destroy_process_group()
+
+
+def network(gib: float, pairs: int) -> None:
+    """rdma over UCX (direct, checksums verified) into the engine's torch
+    params, beside gloo broadcasting the same tensors straight into the
+    same params, over the same loopback, from the same trainer process."""
+    import multiprocessing as mp
+    import socket
+    import torch
+    import torch.distributed as dist
+    from weight_manager import Manager
+    os.environ.setdefault("UCX_TLS", "tcp")
+    secret = "side-by-side-secret-0123456789"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    addr_recv, addr_send = ctx.Pipe(duplex=False)
+    cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+    trainer = ctx.Process(target=_net_trainer, args=(port, addr_send, cmd_recv, gib, secret))
+    trainer.start()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+        addr = addr_recv.recv()
+        layer, count = (4096, 8192), max(1, int(gib * 16))
+        params = torch.nn.Module()
+        for i in range(count):
+            params.register_parameter(f"p{i}", torch.nn.Parameter(
+                torch.ones(layer, dtype=torch.bfloat16), requires_grad=False))
+        live = [getattr(params, f"p{i}") for i in range(count)]
+        total = sum(p.numel() * p.element_size() for p in live)
+        m = Manager(fallback_dir=None, net_secret=secret)
+        m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+
+        def ours():
+            cmd_send.send("wm")
+            m.update(addr, source="rdma", in_place=True)
+
+        def theirs():
+            cmd_send.send("gloo")
+            for p in live:
+                dist.broadcast(p.data, src=0)
+
+        ours()  # connects, plans, maps: the first session is not timed
+        theirs()
+        ratio, o, t = alternate(pairs, ours, theirs)
+        print(f"network (loopback, UCX_TLS={os.environ['UCX_TLS']}), {total / 2**30:.2f} GiB bf16: "
+              f"wm rdma direct verified {total / o / 1e9:.2f} GB/s, "
+              f"torch gloo broadcast into the params {total / t / 1e9:.2f} GB/s; "
+              f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs)")
+        m.close()
+    finally:
+        cmd_send.send("stop")
+        trainer.join(timeout=120)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _signal_rank(port: int, group: str, cell: str, commands) -> None:
+    """Rank 1 of the signal section: on ("wm", n) n broadcast_signal
+    steps, on ("gloo", n) n gloo broadcasts of the control word."""
+    import torch
+    import torch.distributed as dist
+    from weight_manager import Manager
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    word = torch.zeros(1, dtype=torch.int32)
+    with Manager(1, 2, group=group, control_cell=cell, fallback_dir=None) as m:
+        while True:
+            cmd, n = commands.recv()
+            if cmd == "wm":
+                for _ in range(n):
+                    m.broadcast_signal()
+            elif cmd == "gloo":
+                for _ in range(n):
+                    dist.broadcast(word, src=0)
+            else:
+                break
+    dist.destroy_process_group()
+
+
+def signal(steps: int, pairs: int) -> None:
+    """The per-step signal of 2 ranks: `broadcast_signal` (NORMAL: a
+    shared-memory read, the ranks in step) beside a gloo broadcast of the
+    control word per step, as a torch.distributed engine would keep its
+    ranks in step."""
+    import multiprocessing as mp
+    import socket
+    import torch
+    import torch.distributed as dist
+    from weight_manager import Manager
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group, cell = f"wm_sbs_g_{os.getpid()}", f"wm_sbs_c_{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+    rank1 = ctx.Process(target=_signal_rank, args=(port, group, cell, cmd_recv))
+    rank1.start()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        word = torch.zeros(1, dtype=torch.int32)
+        with Manager(0, 2, group=group, control_cell=cell, fallback_dir=None) as m:
+            def ours():
+                cmd_send.send(("wm", steps))
+                for _ in range(steps):
+                    m.broadcast_signal()
+
+            def theirs():
+                cmd_send.send(("gloo", steps))
+                for _ in range(steps):
+                    dist.broadcast(word, src=0)
+
+            ours()
+            theirs()
+            ratio, o, t = alternate(pairs, ours, theirs)
+            print(f"signal, 2 ranks, {steps} steps: wm broadcast_signal {o / steps * 1e6:.2f} us/step, "
+                  f"torch gloo broadcast of the word {t / steps * 1e6:.2f} us/step; "
+                  f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs)")
+            cmd_send.send(("stop", 0))
+    finally:
+        rank1.join(timeout=60)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            os.unlink(f"/dev/shm/{cell}")
+        except OSError:
+            pass
+
+
 def _header(path: Path) -> dict:
     import json
     raw = path.read_bytes()[:8]
@@ -177,6 +341,8 @@ def main() -> None:
     a = ap.parse_args()
     snapshot(a.gib, a.pairs)
     publish(a.gib, a.pairs)
+    network(a.gib, a.pairs)
+    signal(2000, a.pairs)
 
 
 if __name__ == "__main__":
