@@ -2,8 +2,10 @@
 //! `Manager::stage` and `Staged`). The handle keeps the one staged version.
 
 use super::manager::wm_manager;
-use super::update::{request_from_c, stats_to_c, wm_update_request, wm_update_stats};
-use super::{check_struct_size, code_of, EngineHandle};
+use super::update::{
+    check_stats_size, request_from_c, stats_out, wm_update_request, wm_update_stats,
+};
+use super::{code_of, EngineHandle};
 use crate::result::wm_result;
 use weight_manager_core::{Error, Result, UpdateStats};
 
@@ -41,18 +43,10 @@ pub unsafe extern "C" fn wm_stage(
 ) -> wm_result {
     ffi_guard!({
         let m = try_handle!(manager);
-        let staged = stats_size(out_stats)
+        let staged = check_stats_size(out_stats)
             .and_then(|()| request_to_stage(request))
             .and_then(|req| m.stage_and_keep(req));
-        match staged {
-            Ok(stats) => {
-                if !out_stats.is_null() {
-                    out_stats.write(stats_to_c(&stats));
-                }
-                wm_result::WM_OK
-            }
-            Err(e) => code_of(&m, Err(e)),
-        }
+        stats_out(staged.map_err(|e| m.record_error(e).code.into()), out_stats)
     })
 }
 
@@ -76,18 +70,13 @@ pub unsafe extern "C" fn wm_commit(
 ) -> wm_result {
     ffi_guard!({
         let m = try_handle!(manager);
-        let committed = stats_size(out_stats)
+        let committed = check_stats_size(out_stats)
             .and_then(|()| m.take_staged("wm_commit"))
             .and_then(|s| s.commit());
-        match committed {
-            Ok(stats) => {
-                if !out_stats.is_null() {
-                    out_stats.write(stats_to_c(&stats));
-                }
-                wm_result::WM_OK
-            }
-            Err(e) => code_of(&m, Err(e)),
-        }
+        stats_out(
+            committed.map_err(|e| m.record_error(e).code.into()),
+            out_stats,
+        )
     })
 }
 
@@ -102,18 +91,6 @@ pub unsafe extern "C" fn wm_abort(manager: *mut wm_manager) -> wm_result {
         let r = m.take_staged("wm_abort").and_then(|s| s.abort());
         code_of(&m, r)
     })
-}
-
-/// `out_stats`, when given, must have this library's size.
-unsafe fn stats_size(out_stats: *const wm_update_stats) -> Result<()> {
-    match out_stats.is_null() {
-        true => Ok(()),
-        false => check_struct_size(
-            "wm_update_stats",
-            (*out_stats).struct_size,
-            std::mem::size_of::<wm_update_stats>(),
-        ),
-    }
 }
 
 /// The request to stage: callbacks refused (they would run on the stage

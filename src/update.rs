@@ -289,15 +289,8 @@ pub unsafe extern "C" fn wm_update(
         if request.is_null() {
             return code_of(&m, Err(Error::null_argument("wm_update: request is NULL")));
         }
-        if !out_stats.is_null() {
-            let size = (*out_stats).struct_size;
-            if let Err(e) = check_struct_size(
-                "wm_update_stats",
-                size,
-                std::mem::size_of::<wm_update_stats>(),
-            ) {
-                return code_of(&m, Err(e));
-            }
+        if let Err(e) = check_stats_size(out_stats) {
+            return code_of(&m, Err(e));
         }
         let r = &*request;
         let mut req = match request_from_c(r) {
@@ -310,16 +303,44 @@ pub unsafe extern "C" fn wm_update(
             progress: progress.as_mut().map(|f| f as _),
             tensor: tensor.as_mut().map(|f| f as _),
         };
-        match m.update(req) {
-            Ok(stats) => {
-                if !out_stats.is_null() {
-                    out_stats.write(stats_to_c(&stats));
-                }
-                wm_result::WM_OK
-            }
-            Err(e) => e.code.into(),
-        }
+        // The update recorded its error on the manager already.
+        stats_out(m.update(req).map_err(|e| e.code.into()), out_stats)
     })
+}
+
+/// `out_stats`, when given, must have this library's size.
+///
+/// # Safety
+/// `out_stats` is NULL or readable.
+pub(crate) unsafe fn check_stats_size(out_stats: *const wm_update_stats) -> Result<()> {
+    match out_stats.is_null() {
+        true => Ok(()),
+        false => check_struct_size(
+            "wm_update_stats",
+            (*out_stats).struct_size,
+            std::mem::size_of::<wm_update_stats>(),
+        ),
+    }
+}
+
+/// Write the statistics of a call that succeeded to `out_stats` (optional);
+/// the call's code either way.
+///
+/// # Safety
+/// `out_stats` is NULL or writable (its size checked: `check_stats_size`).
+pub(crate) unsafe fn stats_out(
+    r: std::result::Result<UpdateStats, wm_result>,
+    out_stats: *mut wm_update_stats,
+) -> wm_result {
+    match r {
+        Ok(stats) => {
+            if !out_stats.is_null() {
+                out_stats.write(stats_to_c(&stats));
+            }
+            wm_result::WM_OK
+        }
+        Err(code) => code,
+    }
 }
 
 /// The engine's progress callback as the applier's hook (non-zero: cancel).
