@@ -229,10 +229,14 @@ fn run_mode(
             } else {
                 "trainer packing"
             };
+            // Steady: the version buffers exist (made by prepare, or by
+            // the first publishes); the trainer's copy beside memcpy.
             println!(
-                "    {name:<10} {what} {} ({:.2} GB/s), waiting for acks {}; engine receive+apply {}",
+                "    {name:<10} {what}, steady {} ({:.2} GB/s, ratio {:.2} to memcpy: target >= 0.80 {}), waiting for acks {}; engine receive+apply {}",
                 fmt::ms(pack),
                 gbps(s[0], pack),
+                gbps(s[0], pack) / floors.host.memcpy,
+                verdict(gbps(s[0], pack) / floors.host.memcpy >= 0.8),
                 fmt::ms(Duration::from_nanos(s[2])),
                 fmt::ms(engine.sync)
             );
