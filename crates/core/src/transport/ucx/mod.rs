@@ -57,6 +57,7 @@ fn init() -> std::result::Result<Ucx, String> {
             lib.status_text(st)
         ));
     }
+    choose_defaults(&lib, config);
     let params = sys::Params {
         field_mask: sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED,
         features: sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_WAKEUP,
@@ -93,6 +94,30 @@ fn init() -> std::result::Result<Ucx, String> {
     let st = unsafe { (api.ucp_context_query)(context, &mut attr) };
     let cuda = st == sys::UCS_OK && attr.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) != 0;
     Ok(Ucx { lib, context, cuda })
+}
+
+/// UCX settings the library chooses where the environment does not
+/// (`UCX_<NAME>` set: the user's value stands). Over TCP, UCX moves bytes in
+/// segments of 8 KiB (TX) and 64 KiB (RX) by default; buckets go as 1 MiB
+/// messages, and segments of 1 MiB (one per message) carry them at about
+/// 3x the speed on loopback here: raw UCX 1.1 -> 4 GB/s, an rdma update
+/// 0.9 -> 2.7-3.4 GB/s, from 0.35 to 0.87-0.92 of gloo broadcasting the
+/// same tensors (256 KiB: 0.68; 2 and 4 MiB: no better). Each TCP
+/// endpoint's receive buffers grow with the segment: a few MiB per
+/// session. RDMA transports ignore these.
+const CHOSEN: [(&str, &str); 2] = [("TCP_TX_SEG_SIZE", "1m"), ("TCP_RX_SEG_SIZE", "1m")];
+
+fn choose_defaults(lib: &sys::Lib, config: *mut c_void) {
+    for (name, value) in CHOSEN {
+        if std::env::var_os(format!("UCX_{name}")).is_some() {
+            continue;
+        }
+        let (n, v) = (std::ffi::CString::new(name), std::ffi::CString::new(value));
+        let (Ok(n), Ok(v)) = (n, v) else { continue };
+        // SAFETY: a live config from ucp_config_read and two C strings. A
+        // UCX without the setting refuses it; the default then stands.
+        let _ = unsafe { (lib.api.ucp_config_modify)(config, n.as_ptr(), v.as_ptr()) };
+    }
 }
 
 impl Ucx {

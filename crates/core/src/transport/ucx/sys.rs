@@ -133,6 +133,7 @@ crate::dynlib::dynamic_api! { "libucp", Api {
     ucp_get_version: fn(*mut c_uint, *mut c_uint, *mut c_uint);
     ucp_config_read: fn(*const c_char, *const c_char, *mut *mut c_void) -> Status;
     ucp_config_release: fn(*mut c_void);
+    ucp_config_modify: fn(*mut c_void, *const c_char, *const c_char) -> Status;
     ucp_init_version: fn(c_uint, c_uint, *const Params, *const c_void, *mut *mut c_void) -> Status;
     ucp_context_query: fn(*mut c_void, *mut ContextAttr) -> Status;
     ucp_worker_create: fn(*mut c_void, *const WorkerParams, *mut *mut c_void) -> Status;
