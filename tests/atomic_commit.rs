@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use weight_manager_core::checkpoint::checksums;
 use weight_manager_core::wm_result;
-use weight_manager_core::DType;
 use weight_manager_core::ParamSpec;
 use weight_manager_core::SourceKind;
 use weight_manager_core::State;
@@ -46,25 +45,10 @@ fn rss() -> usize {
 /// Large enough that a model's worth stands out of the process's noise.
 const SIZES: [usize; 5] = [24 * MIB, 13 * MIB + 4096, 64 * 1024, 4096, 8];
 
-/// Version `v` of the model: every 8-byte word of param `p` holds
-/// `v << 48 | p << 40 | word index`, so one word tells which version and
-/// place it comes from.
+/// Version `v` of the model (`common::word_tagged`: each word says its
+/// version and place).
 fn version(v: u64) -> Vec<T> {
-    SIZES
-        .iter()
-        .enumerate()
-        .map(|(p, &n)| {
-            let data = (0..n / 8)
-                .flat_map(|w| (v << 48 | (p as u64) << 40 | w as u64).to_le_bytes())
-                .collect();
-            T {
-                name: format!("p{p}"),
-                dtype: DType::F32,
-                shape: vec![(n / 4) as u64],
-                data,
-            }
-        })
-        .collect()
+    word_tagged(v, &SIZES)
 }
 
 /// Write version `v` as a snapshot with checksums in `dir`; returns it.

@@ -13,25 +13,14 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use weight_manager_core::wm_result;
-use weight_manager_core::{DType, ParamSpec, SourceKind, State};
 use weight_manager_core::{Manager, ManagerConfig, Mode, UpdateRequest};
+use weight_manager_core::{ParamSpec, SourceKind, State};
 use weight_manager_core::{Publisher, PublisherConfig};
 
 /// Version `v`: a few params of 1 MiB and less, each 8-byte word saying
-/// its version (`v << 48 | param << 40 | word`).
+/// its version (`common::word_tagged`).
 fn version(v: u64) -> Vec<T> {
-    [1 << 20, 256 << 10, 4096, 8]
-        .iter()
-        .enumerate()
-        .map(|(p, &n): (usize, &usize)| T {
-            name: format!("p{p}"),
-            dtype: DType::F32,
-            shape: vec![(n / 4) as u64],
-            data: (0..n / 8)
-                .flat_map(|w| (v << 48 | (p as u64) << 40 | w as u64).to_le_bytes())
-                .collect(),
-        })
-        .collect()
+    word_tagged(v, &[1 << 20, 256 << 10, 4096, 8])
 }
 
 fn snapshot(dir: &Path, v: u64) -> Vec<T> {

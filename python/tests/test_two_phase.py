@@ -24,10 +24,16 @@ def expected(tensors: dict) -> tuple:
     return tuple(hash(np.ascontiguousarray(t).tobytes()) for t in tensors.values())
 
 
-def test_readers_see_the_old_version_until_commit(tmp_path):
+def two_versions(tmp_path):
+    """Versions 1 and 2 of the test model, as snapshots v1/ and v2/."""
     v1, v2 = model(1), model(2)
     write_snapshot(tmp_path / "v1", v1, step=1)
     write_snapshot(tmp_path / "v2", v2, step=2)
+    return v1, v2
+
+
+def test_readers_see_the_old_version_until_commit(tmp_path):
+    v1, v2 = two_versions(tmp_path)
     with Manager() as m:
         params = engine(m, v1)
         m.update(str(tmp_path / "v1"))
@@ -53,9 +59,7 @@ def test_readers_see_the_old_version_until_commit(tmp_path):
 
 
 def test_misuse_is_refused_and_nothing_committed_is_lost(tmp_path):
-    v1, v2 = model(1), model(2)
-    write_snapshot(tmp_path / "v1", v1, step=1)
-    write_snapshot(tmp_path / "v2", v2, step=2)
+    v1, v2 = two_versions(tmp_path)
     with Manager() as m:
         params = engine(m, v1)
         m.update(str(tmp_path / "v1"))

@@ -659,6 +659,18 @@ static void test_destroyed(void) {
   CHECK_RC(wm_status((const wm_manager *)&not_a_manager, &s), WM_ERR_INVALID_HANDLE);
 }
 
+/* The control cell `name` a manager made (one int32 in /dev/shm), mapped;
+ * its shm name ("/name", for shm_unlink) goes to `shm_name`. */
+static int32_t *map_cell(const char *name, char *shm_name, size_t len) {
+  snprintf(shm_name, len, "/%s", name);
+  int fd = shm_open(shm_name, O_RDWR, 0);
+  CHECK(fd >= 0);
+  int32_t *cell = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  CHECK(cell != MAP_FAILED);
+  close(fd);
+  return cell;
+}
+
 static void test_signal(void) {
   wm_manager *m = new_manager(NULL);
   int32_t sig = 99;
@@ -674,12 +686,7 @@ static void test_signal(void) {
   c.control_cell = name;
   CHECK_RC(wm_init(&c, &m), WM_OK);
   char shm_name[80];
-  snprintf(shm_name, sizeof shm_name, "/%s", name);
-  int fd = shm_open(shm_name, O_RDWR, 0);
-  CHECK(fd >= 0);
-  int32_t *cell = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  CHECK(cell != MAP_FAILED);
-  close(fd);
+  int32_t *cell = map_cell(name, shm_name, sizeof shm_name);
   CHECK(*cell == 0);
   *cell = WM_STATE_UPDATING;
   CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);
@@ -1222,11 +1229,7 @@ static void test_two_phase_signal(void) {
   desc_w(&d);
   CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_OK);
   char shm_name[80];
-  snprintf(shm_name, sizeof shm_name, "/%s", name);
-  int fd = shm_open(shm_name, O_RDWR, 0);
-  CHECK(fd >= 0);
-  int32_t *cell = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  int32_t *cell = map_cell(name, shm_name, sizeof shm_name);
   *cell = WM_STATE_UPDATING;
   int32_t sig = 99;
   CHECK_RC(wm_broadcast_signal(m, &sig), WM_OK);

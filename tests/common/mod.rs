@@ -41,6 +41,25 @@ pub struct T {
     pub data: Vec<u8>,
 }
 
+/// Version `v` of a model of f32 params `p0`, `p1`, ... of `sizes` bytes:
+/// every 8-byte word of param `p` holds `v << 48 | p << 40 | word index`,
+/// so one word tells which version and place it comes from (a torn param
+/// shows two versions).
+pub fn word_tagged(v: u64, sizes: &[usize]) -> Vec<T> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(p, &n)| T {
+            name: format!("p{p}"),
+            dtype: DType::F32,
+            shape: vec![(n / 4) as u64],
+            data: (0..n / 8)
+                .flat_map(|w| (v << 48 | (p as u64) << 40 | w as u64).to_le_bytes())
+                .collect(),
+        })
+        .collect()
+}
+
 /// Deterministic bytes: differ by name and seed.
 pub fn tensor(name: &str, dtype: DType, shape: &[u64], seed: u8) -> T {
     let n = shape.iter().product::<u64>() as usize * dtype.size();
