@@ -155,6 +155,24 @@ pub fn timed_update(
     Ok(t.elapsed())
 }
 
+/// Stage a new version (`run` counts them) of the snapshot in `dir`, then
+/// commit it: how long each took (the commit is the engine's pause).
+pub fn stage_and_commit(
+    m: &std::sync::Arc<Manager>,
+    dir: &Path,
+    run: &mut u64,
+) -> Result<(Duration, Duration), String> {
+    *run += 1;
+    let mut req = UpdateRequest::snapshot(dir);
+    req.version = Some(format!("bench-{run}"));
+    let t = Instant::now();
+    let staged = m.stage(req).map_err(|e| e.to_string())?;
+    let stage = t.elapsed();
+    let t = Instant::now();
+    staged.commit().map_err(|e| e.to_string())?;
+    Ok((stage, t.elapsed()))
+}
+
 /// `count` layers of varied bytes, like real weights (pages of one repeated
 /// value can be merged by the host and then cost a copy-on-write fault when
 /// written); `seed` tells one model from another.

@@ -21,7 +21,8 @@
 use super::harness::floors::memcpy_floor;
 use super::harness::{alternate, best, buffer, verdict, Scratch, RUNS};
 use super::model::{
-    engine, layer_count, layer_model, manager, timed_update, write_layers, EngineMemory,
+    engine, layer_count, layer_model, manager, stage_and_commit, timed_update, write_layers,
+    EngineMemory,
 };
 use crate::fmt::{self, gbps};
 use std::path::Path;
@@ -154,24 +155,6 @@ fn pause_and_one_call(m: &Arc<Manager>, dir: &Path) -> Result<(Duration, Duratio
         pause = pause.min(p);
     }
     Ok((one_call, pause))
-}
-
-/// Stage a new version of the snapshot in `dir`, then commit it: how long
-/// each took.
-fn stage_and_commit(
-    m: &Arc<Manager>,
-    dir: &Path,
-    run: &mut u64,
-) -> Result<(Duration, Duration), String> {
-    *run += 1;
-    let mut req = UpdateRequest::snapshot(dir);
-    req.version = Some(format!("bench-{run}"));
-    let t = Instant::now();
-    let staged = m.stage(req).map_err(|e| e.to_string())?;
-    let stage = t.elapsed();
-    let t = Instant::now();
-    staged.commit().map_err(|e| e.to_string())?;
-    Ok((stage, t.elapsed()))
 }
 
 /// A reader summing every param over and over, as a serving engine reads

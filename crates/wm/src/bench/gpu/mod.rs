@@ -28,7 +28,7 @@ mod torch_peers;
 
 use super::harness::process::Proc;
 use super::harness::{best, verdict, Scratch, RUNS};
-use super::model::{layer_count, write_layers, LAYER, LAYER_SHAPE};
+use super::model::{layer_count, stage_and_commit, write_layers, LAYER, LAYER_SHAPE};
 use crate::fmt::{self, gbps};
 use cudarc::driver::sys;
 use std::path::Path;
@@ -214,14 +214,9 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// (`one_call`; target: at most 2% of it).
 fn staged_row(dir: &Path, count: usize, one_call: Duration) -> Result<(), String> {
     let m = std::sync::Arc::new(library_owned(dir, count, true)?);
-    let mut pause = Duration::MAX;
-    for run in 0..=RUNS {
-        let mut req = UpdateRequest::snapshot(dir);
-        req.version = Some(format!("staged-{run}"));
-        let staged = m.stage(req).map_err(|e| e.to_string())?;
-        let t = Instant::now();
-        staged.commit().map_err(|e| e.to_string())?;
-        pause = pause.min(t.elapsed());
+    let (mut pause, run) = (Duration::MAX, &mut 0);
+    for _ in 0..=RUNS {
+        pause = pause.min(stage_and_commit(&m, dir, run)?.1);
     }
     let gib = (count * LAYER) as f64 / (1u64 << 30) as f64;
     let r = pause.as_secs_f64() / one_call.as_secs_f64();
