@@ -8,6 +8,7 @@
 //! (`uint32_t`, `int32_t`): the library validates them with `from_raw`.
 
 use weight_manager_core::DType as CoreDType;
+use weight_manager_core::DeltaFallback as CoreDeltaFallback;
 use weight_manager_core::LogLevel as CoreLogLevel;
 use weight_manager_core::MemoryKind as CoreMemoryKind;
 use weight_manager_core::RequestOutcome as CoreRequestOutcome;
@@ -66,6 +67,36 @@ mirror!(
     CoreState,
     i32,
     [Normal, Updating, Clearing, Cleared, Failed, Commit]
+);
+
+/// Why runs of an update came whole (`wm_delta_stats.fallback`). Numbers
+/// are part of the ABI.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum wm_delta_fallback {
+    /// Deltas were asked for every run with a base; each came as a delta
+    /// unless that would not have been under half its bytes.
+    None = 0,
+    /// The params held no version: the first update, or one after a clear
+    /// or a failed update.
+    NoBase = 1,
+    /// The request asked for a whole update (`WM_UPDATE_WHOLE`).
+    Refused = 2,
+    /// A publisher no longer keeps the base version (or holds it where it
+    /// cannot diff it: GPU memory, a directory).
+    NotKept = 3,
+    /// Some params' bytes were not the base's (written since by something
+    /// else): those runs came whole.
+    Differs = 4,
+    /// The source sends whole (a snapshot), or no param has a base here
+    /// (device params, a tensor callback).
+    NotApplicable = 5,
+}
+mirror!(
+    wm_delta_fallback,
+    CoreDeltaFallback,
+    u32,
+    [None, NoBase, Refused, NotKept, Differs, NotApplicable]
 );
 
 /// The update paths. Numbers are part of the ABI (`wm_update_request.source`).
@@ -172,6 +203,9 @@ mod tests {
         // the C variants (checked above), so these are all there are.
         same_numbers!(wm_request_outcome, CoreRequestOutcome, u32, |raw: u32| {
             wm_request_outcome::from_raw(raw).map(CoreRequestOutcome::from)
+        });
+        same_numbers!(wm_delta_fallback, CoreDeltaFallback, u32, |raw: u32| {
+            wm_delta_fallback::from_raw(raw).map(CoreDeltaFallback::from)
         });
     }
 }

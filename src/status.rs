@@ -3,7 +3,9 @@
 use super::manager::wm_manager;
 use super::update::{stats_to_c, wm_update_stats, WM_VERSION_BUF};
 use super::{check_struct_size, code_of, fill_chars};
+use crate::enums::wm_delta_fallback;
 use crate::result::wm_result;
+use std::ffi::c_char;
 use weight_manager_core::Error;
 
 /// ==========================================================================
@@ -123,6 +125,69 @@ pub unsafe extern "C" fn wm_update_source_bytes(
             out_bytes.add(i).write(*b);
         }
         out_count.write(bytes.len());
+        wm_result::WM_OK
+    })
+}
+
+/// What the deltas of the last successful update did (all zero before the
+/// first). Its own call, not fields of `wm_update_stats`: that struct sits
+/// inside `wm_status_info`, so growing it would move the status fields
+/// after it under 0.2 callers. Growable: `struct_size` first.
+#[repr(C)]
+pub struct wm_delta_stats {
+    /// Caller sets `sizeof(wm_delta_stats)`.
+    pub struct_size: u32,
+    /// A `wm_delta_fallback`: why runs came whole (`WM_DELTA_FALLBACK_NONE`
+    /// when deltas were asked for every run with a base).
+    pub fallback: u32,
+    /// Runs (one param piece's bytes from one source) sent as deltas, and
+    /// whole.
+    pub runs_delta: u64,
+    pub runs_whole: u64,
+    /// Bytes the sources sent: the runs sent whole plus the deltas
+    /// (`wm_update_stats.bytes` is what the params took).
+    pub wire_bytes: u64,
+    /// Bytes the deltas rewrote in the params (every byte of a chunk of
+    /// 32,768 elements the delta carried whole).
+    pub rewritten_bytes: u64,
+    /// The version the deltas were taken against, NUL-terminated ("" when
+    /// the update named none).
+    pub base_version: [c_char; WM_VERSION_BUF],
+}
+
+/// The delta statistics of the last successful update into `*out_stats`
+/// (its `struct_size` set). Before any update: all zero, fallback NONE.
+///
+/// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a wrong `struct_size`:
+/// `WM_ERR_STRUCT_SIZE`. Never blocks on a running update. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_update_delta_stats(
+    manager: *const wm_manager,
+    out_stats: *mut wm_delta_stats,
+) -> wm_result {
+    ffi_guard!({
+        check_null!(out_stats);
+        let m = try_handle!(manager);
+        let size = check_struct_size(
+            "wm_delta_stats",
+            (*out_stats).struct_size,
+            std::mem::size_of::<wm_delta_stats>(),
+        );
+        if let Err(e) = size {
+            return code_of(&m, Err(e));
+        }
+        let d = m.status().last_update.map(|u| u.deltas).unwrap_or_default();
+        let mut out = wm_delta_stats {
+            struct_size: std::mem::size_of::<wm_delta_stats>() as u32,
+            fallback: wm_delta_fallback::from(d.fallback) as u32,
+            runs_delta: d.runs_delta,
+            runs_whole: d.runs_whole,
+            wire_bytes: d.wire_bytes,
+            rewritten_bytes: d.rewritten_bytes,
+            base_version: [0; WM_VERSION_BUF],
+        };
+        fill_chars(&mut out.base_version, &d.base_version);
+        out_stats.write(out);
         wm_result::WM_OK
     })
 }

@@ -25,10 +25,17 @@ pub const WM_UPDATE_SKIP_UNKNOWN: u32 = 4;
 /// `wm_update_request.flags`: on the network sources (rdma, gdr), which
 /// verify checksums by default, do not.
 pub const WM_UPDATE_SKIP_NETWORK_CHECKSUMS: u32 = 8;
+/// `wm_update_request.flags`: take no deltas; every run comes whole.
+/// Default: an update from publishers (ipc, rdma, gdr) after a successful
+/// one names the version the params hold, and a publisher that keeps it
+/// sends each run as its changes where that is under half its bytes
+/// (`wm_update_delta_stats`).
+pub const WM_UPDATE_WHOLE: u32 = 16;
 const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS
     | WM_UPDATE_IN_PLACE
     | WM_UPDATE_SKIP_UNKNOWN
-    | WM_UPDATE_SKIP_NETWORK_CHECKSUMS;
+    | WM_UPDATE_SKIP_NETWORK_CHECKSUMS
+    | WM_UPDATE_WHOLE;
 
 /// Most sources one update may name (`location`, `locations` and the
 /// lists of `@FILE` locations together).
@@ -237,6 +244,7 @@ pub(crate) unsafe fn request_from_c<'h>(r: &wm_update_request) -> Result<UpdateR
             false => Mode::Atomic,
         },
         skip_unknown: flag(WM_UPDATE_SKIP_UNKNOWN),
+        whole: flag(WM_UPDATE_WHOLE),
         timeout: match r.timeout_ms {
             0 => weight_manager_core::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),

@@ -19,7 +19,8 @@ use weight_manager_core::checkpoint::checksums::Checksums;
 use weight_manager_core::checkpoint::safetensors_file::parse_header;
 use weight_manager_core::checkpoint::version::parse_version_yaml;
 use weight_manager_core::internals::wire::{
-    check_requests, split_entries, BucketEntry, CudaBuffer, Frame, Request, MAX_BLOCKS,
+    check_requests, split_entries, BucketEntry, CudaBuffer, DeltaBase, DeltaRun, Frame, Request,
+    RunVerdict, MAX_BLOCKS,
 };
 use weight_manager_core::internals::Registry;
 use weight_manager_core::plan::{make_plan, PlanOptions, Target as PlanTarget};
@@ -160,6 +161,23 @@ fn plan_frames() -> Vec<Frame> {
                 Request::whole(0, 64, false),
                 Request::of_blocks(5, [(8, 4), (24, 4), (40, 4)], true),
             ],
+            base: Some(DeltaBase {
+                version: "step-1".into(),
+                fingerprints: vec![(0, 7), (1, 1 << 100)],
+            }),
+        },
+        Frame::Deltas {
+            kept: true,
+            runs: vec![DeltaRun {
+                request: 1,
+                verdict: RunVerdict::Delta,
+                len: 12,
+                sum: 3,
+            }],
+        },
+        Frame::Delta {
+            request: 1,
+            bytes: vec![3, 0, 1, 2],
         },
         Frame::Sums {
             seq: 4,
@@ -633,7 +651,14 @@ fn fuzz_delta_apply() {
 fn fuzz_want_geometry() {
     /// The publisher's tensors: 64 MiB, 1 MiB, 16 bytes and an empty one.
     const SIZES: [u64; 4] = [64 << 20, 1 << 20, 16, 0];
-    let body = |requests| Frame::Want { requests }.encode()[4..].to_vec();
+    let body = |requests| {
+        Frame::Want {
+            requests,
+            base: None,
+        }
+        .encode()[4..]
+            .to_vec()
+    };
     let every_other = |from, n: u64| (0..n).map(move |i| (from + 2 * i, 1));
     let seeds = vec![
         body(vec![Request::whole(0, SIZES[0], true)]),
@@ -656,7 +681,7 @@ fn fuzz_want_geometry() {
         max_len: 4096,
     };
     fuzz(target, |body| {
-        let Ok(Frame::Want { requests }) = Frame::decode(body) else {
+        let Ok(Frame::Want { requests, .. }) = Frame::decode(body) else {
             return false;
         };
         if check_requests(&requests, &SIZES).is_err() {

@@ -98,6 +98,7 @@ fn want_every_other_byte(sock: &Path, rows: u64, deadline: Instant) -> (Conn, Re
     };
     conn.send(&Frame::Want {
         requests: vec![q.clone()],
+        base: None,
     })
     .unwrap();
     (conn, q)
@@ -224,6 +225,7 @@ fn million_sums_child() {
         let mut conn = hello(&sock, deadline);
         conn.send(&Frame::Want {
             requests: requests.clone(),
+            base: None,
         })
         .unwrap();
         let Frame::Buffers { sizes } = conn.recv(deadline).unwrap() else {
@@ -345,6 +347,7 @@ fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
                 runs,
                 sums: false,
             }],
+            base: None,
         })
         .unwrap();
         let e = conn.recv(deadline).unwrap_err();
@@ -448,7 +451,11 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
             runs,
             sums: false,
         }];
-        conn.send(&Frame::Want { requests }).unwrap();
+        conn.send(&Frame::Want {
+            requests,
+            base: None,
+        })
+        .unwrap();
         let start = Instant::now();
         conn.send(&Frame::Ready {
             address: vec![0; 16],

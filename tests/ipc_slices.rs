@@ -238,6 +238,7 @@ fn a_published_version_serves_strided_requests_as_windows() {
         let requests = vec![cols, rows];
         conn.send(&Frame::Want {
             requests: requests.clone(),
+            base: None,
         })
         .unwrap();
         let Frame::Buffers { sizes } = conn.recv(deadline).unwrap() else {

@@ -373,7 +373,7 @@ fn lying_publisher(
             tensors,
         })
         .unwrap();
-        let Frame::Want { requests } = conn.recv(deadline).unwrap() else {
+        let Frame::Want { requests, .. } = conn.recv(deadline).unwrap() else {
             panic!("no WANT")
         };
         let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {

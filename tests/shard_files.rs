@@ -279,6 +279,7 @@ fn a_publisher_serving_shard_files_sends_their_placement() {
         world_size: 2,
         gpu_id: "0".into(),
         version: None,
+        base: None,
         allow_other_uids: false,
         bucket_timeout: Duration::from_secs(10),
         gpu: 0,

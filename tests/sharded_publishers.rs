@@ -444,7 +444,11 @@ fn a_bad_want_gets_an_error_naming_the_problem() {
                 conn.recv(deadline).unwrap(),
                 Frame::Manifest { .. }
             ));
-            conn.send(&Frame::Want { requests }).unwrap();
+            conn.send(&Frame::Want {
+                requests,
+                base: None,
+            })
+            .unwrap();
             let e = conn.recv(deadline).unwrap_err();
             assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
             assert!(e.message.contains(want), "{want}: {e}");

@@ -115,8 +115,8 @@ pub use checkpoint::version::{check_version, MAX_VERSION_LEN};
 pub use fanout::FanoutSettings;
 pub use logging::{LogLevel, Logger};
 pub use manager::{
-    AcquireHook, GroupSettings, Manager, ManagerConfig, NetSettings, ReleaseHook, Staged,
-    UpdateRequest, UpdateStats,
+    AcquireHook, DeltaFallback, DeltaStats, GroupSettings, Manager, ManagerConfig, NetSettings,
+    ReleaseHook, Staged, UpdateRequest, UpdateStats,
 };
 pub use pieces::{Piece, MAX_PIECES_PER_PARAM};
 pub use registry::{MemoryKind, ParamSpec};
@@ -164,7 +164,8 @@ pub mod internals {
     pub mod wire {
         pub use crate::wire::{
             check_requests, check_windows, message_tag, net_message_bytes, split_entries,
-            BucketEntry, CudaBuffer, Frame, Request, WantRun, MAX_BLOCKS,
+            BucketEntry, CudaBuffer, DeltaBase, DeltaRun, Frame, Request, RunVerdict, WantRun,
+            DELTA_PIECE, MAX_BLOCKS,
         };
     }
 }

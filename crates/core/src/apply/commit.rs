@@ -36,6 +36,7 @@ impl Applier<'_, '_> {
             bytes: self.plan.bytes,
             receive,
             commit: commit_start.elapsed(),
+            deltas: self.deltas.clone(),
         })
     }
 

@@ -42,6 +42,7 @@
 //! params, callbacks).
 
 mod arena;
+mod base;
 mod batch;
 mod callback;
 mod commit;
@@ -61,6 +62,7 @@ mod tests;
 
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;
+pub use base::DeltaTally;
 pub use failure::ApplyFailure;
 pub use progress::Progress;
 #[cfg(test)]
@@ -87,6 +89,8 @@ pub struct Applier<'p, 'h> {
     landing: Landing<'p>,
     verifier: Verifier<'p>,
     tally: Tally,
+    /// What deltas did (`base.rs`).
+    deltas: DeltaTally,
 }
 
 impl<'p, 'h> Applier<'p, 'h> {
@@ -128,6 +132,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             verifier: Verifier::new(plan, opts.verify, opts.threads),
             tally,
             opts,
+            deltas: DeltaTally::default(),
         })
     }
 

@@ -73,10 +73,12 @@ pub struct Chunk<'a> {
 }
 
 /// What an update moved and how long it took.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Applied {
     pub tensors: usize,
     pub bytes: u64,
     pub receive: Duration,
     pub commit: Duration,
+    /// What deltas did (none: all zero).
+    pub deltas: super::DeltaTally,
 }

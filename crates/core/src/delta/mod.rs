@@ -123,32 +123,96 @@ pub fn predicted_ratio(fraction: f64, esize: usize) -> f64 {
 }
 
 /// Apply `delta` (as [`encode`] writes it) onto `run`, which holds the base
-/// and ends holding the new bytes. On error `run` may hold part of the new
-/// bytes: apply onto a copy (atomic updates) or mark the run failed.
-pub fn apply(delta: &[u8], run: &mut [u8], esize: usize) -> Result<(), DeltaError> {
-    if esize == 0 || run.len() % esize != 0 {
-        return Err(DeltaError(format!(
-            "a run of {} bytes is not whole elements of {esize} bytes",
-            run.len()
-        )));
+/// and ends holding the new bytes; returns the elements it rewrote. On
+/// error `run` may hold part of the new bytes: apply onto a copy (atomic
+/// updates) or mark the run failed.
+pub fn apply(delta: &[u8], run: &mut [u8], esize: usize) -> Result<u64, DeltaError> {
+    let mut p = Patcher::new(delta, esize)?;
+    p.patch(run)?;
+    p.finish()
+}
+
+/// The element size a delta of a run uses: the dtype's when the run is
+/// whole elements of it, else bytes (both sides derive it the same way
+/// from the tensor's dtype and the run's length).
+pub fn element_size(dtype_size: usize, run_len: u64) -> usize {
+    match dtype_size > 0 && run_len % dtype_size as u64 == 0 {
+        true => dtype_size,
+        false => 1,
     }
-    let mut r = Reader { b: delta, at: 0 };
-    for (k, chunk) in run.chunks_mut(CHUNK * esize).enumerate() {
-        let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
-        match r
-            .byte()
-            .ok_or_else(|| bad("the delta ends before it".into()))?
-        {
-            UNCHANGED => {}
-            WHOLE => chunk.copy_from_slice(r.take(chunk.len()).map_err(bad)?),
-            BITMASK => apply_bitmask(&mut r, chunk, esize).map_err(bad)?,
-            GAPS => apply_gaps(&mut r, chunk, esize).map_err(bad)?,
-            t => return Err(bad(format!("unknown form {t}"))),
+}
+
+/// A delta applied a window of the run at a time, front to back, so a
+/// receiver patches a run of any size through a bounded buffer. Every
+/// window but the last is whole chunks ([`WINDOW_CHUNKS`] suits).
+pub struct Patcher<'a> {
+    r: Reader<'a>,
+    esize: usize,
+    /// Chunks patched so far (errors name the chunk).
+    chunk: usize,
+    /// Elements the whole, bitmask and gaps chunks rewrote.
+    rewritten: u64,
+    /// A window that was not whole chunks came: it must be the last.
+    ended: bool,
+}
+
+/// Chunks per window a receiver patches at once (4 MiB of bf16).
+pub const WINDOW_CHUNKS: usize = 64;
+
+impl<'a> Patcher<'a> {
+    pub fn new(delta: &'a [u8], esize: usize) -> Result<Patcher<'a>, DeltaError> {
+        if esize == 0 {
+            return Err(DeltaError("elements of 0 bytes".into()));
         }
+        Ok(Patcher {
+            r: Reader { b: delta, at: 0 },
+            esize,
+            chunk: 0,
+            rewritten: 0,
+            ended: false,
+        })
     }
-    match r.b.len() - r.at {
-        0 => Ok(()),
-        n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
+
+    /// Patch the next `window` of the run (holding the base's bytes there).
+    pub fn patch(&mut self, window: &mut [u8]) -> Result<(), DeltaError> {
+        let esize = self.esize;
+        if self.ended || window.len() % esize != 0 {
+            return Err(DeltaError(format!(
+                "a window of {} bytes after chunk {} (elements of {esize} bytes)",
+                window.len(),
+                self.chunk
+            )));
+        }
+        self.ended = window.len() % (CHUNK * esize) != 0;
+        for chunk in window.chunks_mut(CHUNK * esize) {
+            let k = self.chunk;
+            let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
+            let r = &mut self.r;
+            let form = r
+                .byte()
+                .ok_or_else(|| bad("the delta ends before it".into()))?;
+            self.rewritten += match form {
+                UNCHANGED => 0,
+                WHOLE => {
+                    chunk.copy_from_slice(r.take(chunk.len()).map_err(bad)?);
+                    (chunk.len() / esize) as u64
+                }
+                BITMASK => apply_bitmask(r, chunk, esize).map_err(bad)? as u64,
+                GAPS => apply_gaps(r, chunk, esize).map_err(bad)? as u64,
+                t => return Err(bad(format!("unknown form {t}"))),
+            };
+            self.chunk += 1;
+        }
+        Ok(())
+    }
+
+    /// Every window patched: the delta must have ended too. Returns the
+    /// elements rewritten (whole chunks count every element).
+    pub fn finish(self) -> Result<u64, DeltaError> {
+        match self.r.b.len() - self.r.at {
+            0 => Ok(self.rewritten),
+            n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
+        }
     }
 }
 
@@ -313,7 +377,7 @@ fn set(chunk: &mut [u8], i: usize, x: &[u8], esize: usize) {
     }
 }
 
-fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), String> {
+fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize, String> {
     let elems = chunk.len() / esize;
     let mask = r.take(elems.div_ceil(8))?;
     if elems % 8 != 0 && mask[mask.len() - 1] >> (elems % 8) != 0 {
@@ -330,10 +394,10 @@ fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), S
             set(chunk, i, v.next().expect("counted"), esize);
         }
     }
-    Ok(())
+    Ok(count)
 }
 
-fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), String> {
+fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize, String> {
     let elems = chunk.len() / esize;
     let count = r.varint()?;
     if count == 0 || count > elems {
@@ -362,5 +426,5 @@ fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<(), Stri
         set(chunk, i, x, esize);
         next = i + 1;
     }
-    Ok(())
+    Ok(count)
 }

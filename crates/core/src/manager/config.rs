@@ -206,6 +206,8 @@ pub struct UpdateRequest<'h> {
     pub skip_network_checksums: bool,
     pub mode: Mode,
     pub skip_unknown: bool,
+    /// Take no deltas: every run comes whole (`manager::deltas`).
+    pub whole: bool,
     pub timeout: Duration,
     pub hooks: Hooks<'h>,
 }
@@ -220,6 +222,7 @@ impl<'h> UpdateRequest<'h> {
             skip_network_checksums: false,
             mode: Mode::Atomic,
             skip_unknown: false,
+            whole: false,
             timeout: DEFAULT_TIMEOUT,
             hooks: Hooks::default(),
         }
@@ -245,6 +248,8 @@ pub struct UpdateStats {
     pub plan_reused: bool,
     /// Bytes moved from each source, in the order the request names them.
     pub source_bytes: Vec<u64>,
+    /// What deltas did.
+    pub deltas: super::DeltaStats,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -42,6 +42,7 @@ use std::sync::atomic::AtomicBool;
 mod cancel;
 mod clear;
 mod config;
+mod deltas;
 mod fanout_member;
 mod fanout_root;
 mod geometry;
@@ -59,6 +60,7 @@ pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
     UpdateRequest, UpdateStats,
 };
+pub use deltas::{DeltaFallback, DeltaStats};
 pub use staged::Staged;
 
 struct Record {

@@ -16,10 +16,13 @@ impl Manager {
     /// Open every source `req` names, in order. `gdr`: a gdr request that
     /// may land in GPU memory (`check_gdr`). A new source kind gets its
     /// arm here.
+    /// `base`: the version the params hold, named to publishers as the base
+    /// of deltas.
     pub(super) fn open_sources(
         &self,
         req: &UpdateRequest,
         gdr: bool,
+        base: Option<&String>,
     ) -> Result<Vec<Box<dyn Source>>> {
         let locations = locations::expand(&req.locations)?;
         if req.source == SourceKind::Snapshot && locations.len() <= 1 {
@@ -40,8 +43,8 @@ impl Manager {
             .iter()
             .map(|loc| match req.source {
                 SourceKind::Snapshot => self.open_snapshot(req, Some(loc)),
-                SourceKind::Ipc => self.open_ipc(req, loc),
-                SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr),
+                SourceKind::Ipc => self.open_ipc(req, loc, base.cloned()),
+                SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr, base.cloned()),
             })
             .collect()
     }
@@ -66,7 +69,12 @@ impl Manager {
         Ok(Box::new(source))
     }
 
-    fn open_ipc(&self, req: &UpdateRequest, socket: &Path) -> Result<Box<dyn Source>> {
+    fn open_ipc(
+        &self,
+        req: &UpdateRequest,
+        socket: &Path,
+        base: Option<String>,
+    ) -> Result<Box<dyn Source>> {
         let socket = socket.to_path_buf();
         let opts = IpcOptions {
             socket,
@@ -74,6 +82,7 @@ impl Manager {
             world_size: self.config.world_size,
             gpu_id: self.gpu_id.clone(),
             version: req.version.clone(),
+            base,
             allow_other_uids: self.config.allow_other_uids,
             bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
             // CUDA IPC buffers open on the rank's GPU (device
@@ -87,13 +96,20 @@ impl Manager {
         )?))
     }
 
-    fn open_net(&self, req: &UpdateRequest, address: &Path, gdr: bool) -> Result<Box<dyn Source>> {
+    fn open_net(
+        &self,
+        req: &UpdateRequest,
+        address: &Path,
+        gdr: bool,
+        base: Option<String>,
+    ) -> Result<Box<dyn Source>> {
         let opts = NetOptions {
             address: address.display().to_string(),
             rank: self.config.rank,
             world_size: self.config.world_size,
             gpu_id: self.gpu_id.clone(),
             version: req.version.clone(),
+            base,
             secret: Secret::resolve(self.config.net.secret.as_deref())?,
             bucket_size: self.config.net.bucket_size,
             depth: self.config.net.depth,

@@ -246,7 +246,7 @@ struct HooklessParts {
     source: crate::source::SourceKind,
     locations: Vec<std::path::PathBuf>,
     version: Option<String>,
-    flags: (bool, bool, bool),
+    flags: (bool, bool, bool, bool),
     mode: Mode,
     timeout: Duration,
 }
@@ -257,14 +257,14 @@ impl HooklessParts {
             source: r.source,
             locations: r.locations,
             version: r.version,
-            flags: (r.verify, r.skip_network_checksums, r.skip_unknown),
+            flags: (r.verify, r.skip_network_checksums, r.skip_unknown, r.whole),
             mode: r.mode,
             timeout: r.timeout,
         }
     }
 
     fn into_request(self) -> UpdateRequest<'static> {
-        let (verify, skip_network_checksums, skip_unknown) = self.flags;
+        let (verify, skip_network_checksums, skip_unknown, whole) = self.flags;
         UpdateRequest {
             source: self.source,
             locations: self.locations,
@@ -273,6 +273,7 @@ impl HooklessParts {
             skip_network_checksums,
             mode: self.mode,
             skip_unknown,
+            whole,
             timeout: self.timeout,
             hooks: Default::default(),
         }

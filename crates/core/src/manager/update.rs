@@ -4,6 +4,7 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
+use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards};
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
@@ -58,6 +59,9 @@ pub(super) struct Prepared {
     plan_reused: bool,
     /// A gdr request that lands in GPU memory (else it runs as rdma).
     gdr: bool,
+    /// The version the params hold, named to the sources as the base of
+    /// deltas, or why none is (`deltas.rs`).
+    delta_base: std::result::Result<String, DeltaFallback>,
 }
 
 impl Manager {
@@ -185,7 +189,8 @@ impl Manager {
         let (registry, req) = (&*run.registry, &mut run.req);
         // gdr lands in device params; when it may not, it runs as rdma.
         let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
-        let sources = self.open_sources(req, gdr)?;
+        let delta_base = deltas::base_of(run.prev, req, self.record.lock().version.clone());
+        let sources = self.open_sources(req, gdr, delta_base.as_ref().ok())?;
         let version = self.name_version(req, &sources)?;
         if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
             req.verify = true;
@@ -224,6 +229,7 @@ impl Manager {
             plan_time: planned.took,
             plan_reused: planned.reused,
             gdr,
+            delta_base,
         })
     }
 
@@ -274,6 +280,7 @@ impl Manager {
             plan_time: prepared.plan_time,
             plan_reused: prepared.plan_reused,
             source_bytes: source_bytes(plan, prepared.sources.len()),
+            deltas: deltas::stats_of(&prepared.delta_base, plan, &applied),
         })
     }
 

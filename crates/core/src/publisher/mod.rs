@@ -62,6 +62,7 @@
 mod accept;
 mod buffers;
 mod config;
+mod deltas;
 mod desc;
 mod device_sums;
 mod handshake;

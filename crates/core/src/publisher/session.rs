@@ -10,7 +10,7 @@ use super::offer::{pick, Offer};
 use super::shard::shard_for;
 use super::stats::SessionStats;
 use super::streamer::SessionIo;
-use super::{ipc, net};
+use super::{deltas, ipc, net};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::{check_requests, Frame};
@@ -92,20 +92,28 @@ fn serve(
         version: have.clone(),
         tensors: shard.manifest.tensors.to_vec(),
     })?;
-    let want = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Want { requests } => requests,
+    let (mut want, base) = match conn.recv(step(cfg.bucket_timeout))? {
+        Frame::Want { requests, base } => (requests, base),
         other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
     };
     // Every request checked against this rank's tensors before anything
     // is planned or packed.
     let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
     check_requests(&want, &sizes)?;
+    let tensors = want.len() as u64;
+    let deltas = match &base {
+        Some(base) => deltas::serve(conn, offers, (&shard, &mut want), base, (rank, gpu_id), cfg)?,
+        None => Default::default(),
+    };
     let mut stats = SessionStats {
         rank,
         version: have,
-        tensors: want.len() as u64,
+        tensors,
         hashed: shard.hashed,
         hash,
+        bytes: deltas.bytes,
+        delta_runs: deltas.runs,
+        delta_bytes: deltas.bytes,
         ..Default::default()
     };
     let ack_deadline = || step(cfg.bucket_timeout);

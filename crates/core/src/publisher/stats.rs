@@ -16,6 +16,10 @@ pub struct SessionStats {
     /// earlier session of the same serve call hashed).
     pub hashed: u64,
     pub hash: Duration,
+    /// Requests sent as deltas against the engine's base, and their bytes
+    /// (in `bytes` too).
+    pub delta_runs: u64,
+    pub delta_bytes: u64,
     /// Network: UCX messages sent (one per bucket entry; small blocks of a
     /// request travel packed, several to a message). IPC: 0.
     pub messages: u64,

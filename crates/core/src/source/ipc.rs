@@ -68,6 +68,8 @@ pub struct IpcOptions {
     pub gpu_id: String,
     /// Version asked for; None: the publisher's latest.
     pub version: Option<String>,
+    /// The version the params hold, to take deltas against (None: whole).
+    pub base: Option<String>,
     pub allow_other_uids: bool,
     pub bucket_timeout: Duration,
     /// The GPU (CUDA ordinal in this process) that opens a trainer's CUDA
@@ -116,6 +118,7 @@ impl IpcSource {
             world_size: opts.world_size,
             gpu_id: &opts.gpu_id,
             version: opts.version.as_deref(),
+            base: opts.base.as_deref(),
         };
         let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
         Ok(IpcSource {

@@ -2,6 +2,7 @@
 //! how to hand its bytes to the applier as chunks. Everything else
 //! (validation, checksums, staging, progress) is the applier's.
 
+mod deltas;
 pub mod ipc;
 pub mod locations;
 pub mod net;

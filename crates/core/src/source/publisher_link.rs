@@ -5,6 +5,7 @@
 //! checksums (SUMS), and the `Source` face of it all. Each source adds only
 //! how bucket bytes reach it.
 
+use super::deltas;
 use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::manifest::Manifest;
@@ -22,12 +23,19 @@ pub struct Hello<'a> {
     pub gpu_id: &'a str,
     /// None: the publisher's latest.
     pub version: Option<&'a str>,
+    /// The version this rank's params hold, to take deltas against (None:
+    /// everything whole).
+    pub base: Option<&'a str>,
 }
 
 pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
     wanted: Wanted,
+    /// The version to name as the base in WANT (`deltas.rs`), taken then.
+    base: Option<String>,
+    /// The fingerprints WANT named.
+    asked: Vec<(u32, u128)>,
 }
 
 impl PublisherLink {
@@ -40,6 +48,7 @@ impl PublisherLink {
         deadline: Instant,
         before_manifest: impl FnOnce(&mut Conn, &[u8]) -> Result<()>,
     ) -> Result<PublisherLink> {
+        let base = hello.base.map(str::to_string);
         let hello = Frame::Hello {
             rank: hello.rank,
             world_size: hello.world_size,
@@ -59,6 +68,8 @@ impl PublisherLink {
             conn,
             manifest,
             wanted: Wanted::default(),
+            base,
+            asked: Vec::new(),
         })
     }
 
@@ -89,13 +100,37 @@ impl PublisherLink {
             requests.push(q);
         }
         check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
-        let want = Frame::Want { requests };
+        let base = self
+            .base
+            .take()
+            .and_then(|v| deltas::base(v, &wanted.entries, applier));
+        let asked = base.is_some();
+        let want = Frame::Want { requests, base };
         self.conn.send(&want)?;
-        if let Frame::Want { requests } = want {
+        if let Frame::Want { requests, base } = want {
             wanted.requests = requests;
+            self.asked = base.map(|b| b.fingerprints).unwrap_or_default();
         }
         self.wanted = wanted;
-        Ok(())
+        match asked {
+            true => deltas::take(self, plan, applier),
+            false => Ok(()),
+        }
+    }
+
+    /// The plan entry of request `k` (checked: one of WANT's).
+    pub(super) fn entry_of(&self, k: u32) -> Option<usize> {
+        self.wanted.entries.get(k as usize).copied()
+    }
+
+    /// The requests WANT named a fingerprint for, with it.
+    pub(super) fn asked_base(&self) -> &[(u32, u128)] {
+        &self.asked
+    }
+
+    /// The bytes request `k` asked for.
+    pub(super) fn request_bytes(&self, k: u32) -> u64 {
+        self.wanted.bytes[k as usize]
     }
 
     /// The chunk of bucket entry `e` (checked against the bucket: a request

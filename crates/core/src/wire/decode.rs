@@ -14,8 +14,18 @@ impl Frame {
         let frame = match i.u8()? {
             kind::HELLO => hello(&mut i)?,
             kind::MANIFEST => manifest(&mut i)?,
-            kind::WANT => Frame::Want {
-                requests: super::want::decode(&mut i)?,
+            kind::WANT => {
+                let requests = super::want::decode(&mut i)?;
+                let base = super::deltas::decode_base(&mut i, requests.len())?;
+                Frame::Want { requests, base }
+            }
+            kind::DELTAS => {
+                let (kept, runs) = super::deltas::decode_deltas(&mut i)?;
+                Frame::Deltas { kept, runs }
+            }
+            kind::DELTA => Frame::Delta {
+                request: i.u32()?,
+                bytes: i.take(i.0.len())?.to_vec(),
             },
             kind::BUFFERS => {
                 let n = buffer_count(&mut i, 8, "buffers")?;

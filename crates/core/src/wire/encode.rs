@@ -25,7 +25,15 @@ impl Frame {
                 o.str(version);
             }
             Frame::Manifest { version, tensors } => manifest(&mut o, version, tensors),
-            Frame::Want { requests } => super::want::encode(&mut o, requests),
+            Frame::Want { requests, base } => {
+                super::want::encode(&mut o, requests);
+                super::deltas::encode_base(&mut o, base);
+            }
+            Frame::Deltas { kept, runs } => super::deltas::encode_deltas(&mut o, *kept, runs),
+            Frame::Delta { request, bytes } => {
+                o.u32(*request);
+                o.0.extend_from_slice(bytes);
+            }
             Frame::Buffers { sizes } => {
                 o.u32(sizes.len() as u32);
                 sizes.iter().for_each(|s| o.u64(*s));
@@ -91,6 +99,8 @@ impl Frame {
             Frame::Hello { .. } => kind::HELLO,
             Frame::Manifest { .. } => kind::MANIFEST,
             Frame::Want { .. } => kind::WANT,
+            Frame::Deltas { .. } => kind::DELTAS,
+            Frame::Delta { .. } => kind::DELTA,
             Frame::Buffers { .. } => kind::BUFFERS,
             Frame::Bucket { .. } => kind::BUCKET,
             Frame::Windows { .. } => kind::WINDOWS,

@@ -15,6 +15,7 @@
 
 mod buckets;
 mod decode;
+mod deltas;
 mod encode;
 mod fields;
 mod want;
@@ -26,6 +27,7 @@ pub use buckets::{
     check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
     split_entries,
 };
+pub use deltas::{DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
 pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
 pub use want_bounds::{check_cuts, check_size};
@@ -38,7 +40,10 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 5: over the network, a bucket's SUMS follows its messages (the engine
 /// takes it before it finishes a part it covers), so the publisher packs
 /// and sends a bucket a chunk at a time.
-pub(crate) const PROTOCOL: u32 = 5;
+/// 6: WANT may name the version the engine's params hold (a base, with
+/// fingerprints); the publisher answers DELTAS and DELTA frames
+/// (`deltas.rs`).
+pub(crate) const PROTOCOL: u32 = 6;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
@@ -67,6 +72,8 @@ mod kind {
     pub(super) const DIGESTS: u8 = 13;
     pub(super) const SUMS: u8 = 14;
     pub(super) const WINDOWS: u8 = 15;
+    pub(super) const DELTAS: u8 = 16;
+    pub(super) const DELTA: u8 = 17;
 }
 
 /// One bucket entry: `len` bytes of WANT request `request` starting at its
@@ -102,8 +109,19 @@ pub enum Frame {
         tensors: Vec<TensorMeta>,
     },
     /// Engine to publisher: the bytes it wants, one request per plan entry
-    /// (`want.rs`).
-    Want { requests: Vec<Request> },
+    /// (`want.rs`), and the version its params hold, when it would take
+    /// deltas against it (`deltas.rs`).
+    Want {
+        requests: Vec<Request>,
+        base: Option<DeltaBase>,
+    },
+    /// Publisher to engine, right after WANT when it named a base: whether
+    /// the publisher keeps that version, and how each request with a
+    /// fingerprint comes.
+    Deltas { kept: bool, runs: Vec<DeltaRun> },
+    /// Publisher to engine, after DELTAS: the next piece of request
+    /// `request`'s delta.
+    Delta { request: u32, bytes: Vec<u8> },
     /// Publisher to engine: sizes of the shared buffers whose descriptors
     /// travel with this frame (SCM_RIGHTS).
     Buffers { sizes: Vec<u64> },
@@ -167,6 +185,8 @@ impl Frame {
             Frame::Hello { .. } => "HELLO",
             Frame::Manifest { .. } => "MANIFEST",
             Frame::Want { .. } => "WANT",
+            Frame::Deltas { .. } => "DELTAS",
+            Frame::Delta { .. } => "DELTA",
             Frame::Buffers { .. } => "BUFFERS",
             Frame::Bucket { .. } => "BUCKET",
             Frame::Windows { .. } => "WINDOWS",
@@ -245,6 +265,35 @@ mod tests {
                 Request::whole(0, 12, false),
                 Request::of_blocks(2, [(4, 4), (12, 4), (40, 8)], true),
             ],
+            base: None,
+        });
+        round_trip(Frame::Want {
+            requests: vec![Request::whole(0, 12, false), Request::whole(1, 8, true)],
+            base: Some(DeltaBase {
+                version: "step-3".into(),
+                fingerprints: vec![(0, 5 << 90), (1, 3)],
+            }),
+        });
+        round_trip(Frame::Deltas {
+            kept: true,
+            runs: vec![
+                DeltaRun {
+                    request: 0,
+                    verdict: RunVerdict::Delta,
+                    len: 77,
+                    sum: 1 << 127,
+                },
+                DeltaRun {
+                    request: 1,
+                    verdict: RunVerdict::Differs,
+                    len: 0,
+                    sum: 0,
+                },
+            ],
+        });
+        round_trip(Frame::Delta {
+            request: 3,
+            bytes: vec![1, 2, 3],
         });
         round_trip(Frame::Sums {
             seq: 2,
@@ -254,6 +303,25 @@ mod tests {
             seq: 3,
             digests: vec![[7; 32], [9; 32]],
         });
+    }
+
+    #[test]
+    fn bad_bases_are_refused() {
+        let want = |fingerprints| {
+            Frame::Want {
+                requests: vec![Request::whole(0, 4, false), Request::whole(1, 4, false)],
+                base: Some(DeltaBase {
+                    version: "v".into(),
+                    fingerprints,
+                }),
+            }
+            .encode()
+        };
+        // A request past WANT's, and one named twice.
+        for bad in [vec![(2, 1)], vec![(1, 1), (1, 2)], vec![(1, 1), (0, 2)]] {
+            let e = Frame::decode(&want(bad)[4..]).unwrap_err();
+            assert!(e.message.contains("fingerprint for request"), "{e}");
+        }
     }
 
     #[test]

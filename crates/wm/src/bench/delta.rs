@@ -270,7 +270,9 @@ fn share_lines(
     };
     let apply = |run: &mut Vec<u8>| {
         run.copy_from_slice(old);
-        timed(&mut || delta::apply(&d, run, 2).expect("own delta"))
+        timed(&mut || {
+            delta::apply(&d, run, 2).expect("own delta");
+        })
     };
     let memcpy = |dst: &mut Vec<u8>| timed(&mut || dst.copy_from_slice(old));
     let (enc_r, enc, _) = alternate(pairs, encode, || memcpy(&mut copy_dst))?;

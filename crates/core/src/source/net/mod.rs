@@ -69,6 +69,8 @@ pub struct NetOptions {
     pub gpu_id: String,
     /// Version asked for; None: "latest".
     pub version: Option<String>,
+    /// The version the params hold, to take deltas against (None: whole).
+    pub base: Option<String>,
     pub secret: Secret,
     pub bucket_size: usize,
     pub depth: usize,
@@ -115,6 +117,7 @@ impl NetSource {
             world_size: opts.world_size,
             gpu_id: &opts.gpu_id,
             version: opts.version.as_deref(),
+            base: opts.base.as_deref(),
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
         let mut bytes_key = [0; KEYED];

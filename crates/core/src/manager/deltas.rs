@@ -1,0 +1,98 @@
+//! Which version an update takes deltas against, and what its deltas did.
+//!
+//! An update from publishers (ipc, rdma, gdr) names the version the params
+//! hold as its base when the update before it succeeded (NORMAL): after a
+//! clear or a failed update the params hold no version. The base is only a
+//! claim: each request carries the fingerprint of the param bytes it would
+//! patch, and the publisher sends a delta only where they are the base's
+//! (`source::deltas`). Snapshots, fan-out members and device params always
+//! move whole.
+
+use super::UpdateRequest;
+use crate::apply::Applied;
+use crate::plan::Plan;
+use crate::source::SourceKind;
+use crate::state::State;
+
+/// Why runs of an update came whole (`wm_delta_fallback`; numbers are ABI).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeltaFallback {
+    /// Deltas were asked for every run with a base; each came as a delta
+    /// unless that would not have been under half its bytes.
+    #[default]
+    None = 0,
+    /// The params held no version: the first update, or one after a clear
+    /// or a failed update.
+    NoBase = 1,
+    /// The request asked for a whole update (`WM_UPDATE_WHOLE`).
+    Refused = 2,
+    /// A publisher no longer keeps the base version (or holds it where it
+    /// cannot diff it: GPU memory, a directory).
+    NotKept = 3,
+    /// Some params' bytes were not the base's (written since by something
+    /// else): those runs came whole.
+    Differs = 4,
+    /// The source sends whole (a snapshot, a fan-out), or no param has a
+    /// base here (device params, a tensor callback).
+    NotApplicable = 5,
+}
+
+/// What an update's deltas did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeltaStats {
+    /// The version the deltas were against ("" when none was named).
+    pub base_version: String,
+    pub fallback: DeltaFallback,
+    /// Runs (a plan entry's bytes from its source) sent as deltas, and whole.
+    pub runs_delta: u64,
+    pub runs_whole: u64,
+    /// Bytes the sources sent: the runs sent whole plus the deltas.
+    pub wire_bytes: u64,
+    /// Bytes the deltas rewrote in the params (every byte of a chunk the
+    /// delta carried whole).
+    pub rewritten_bytes: u64,
+}
+
+/// The base an update of `req` names when the params hold `version` and
+/// the state before it was `prev`, or why it names none.
+pub(super) fn base_of(
+    prev: State,
+    req: &UpdateRequest,
+    version: Option<String>,
+) -> Result<String, DeltaFallback> {
+    if req.whole {
+        return Err(DeltaFallback::Refused);
+    }
+    if req.source == SourceKind::Snapshot {
+        return Err(DeltaFallback::NotApplicable);
+    }
+    match (prev, version) {
+        (State::Normal, Some(v)) => Ok(v),
+        _ => Err(DeltaFallback::NoBase),
+    }
+}
+
+/// The delta statistics of an update of `plan` that named `base`.
+pub(super) fn stats_of(
+    base: &Result<String, DeltaFallback>,
+    plan: &Plan,
+    applied: &Applied,
+) -> DeltaStats {
+    let d = &applied.deltas;
+    let fallback = match base {
+        Err(why) => *why,
+        Ok(_) if d.base_not_kept => DeltaFallback::NotKept,
+        Ok(_) if d.base_differs > 0 => DeltaFallback::Differs,
+        Ok(_) if d.asked == 0 => DeltaFallback::NotApplicable,
+        Ok(_) => DeltaFallback::None,
+    };
+    DeltaStats {
+        base_version: base.clone().unwrap_or_default(),
+        fallback,
+        runs_delta: d.runs_delta,
+        runs_whole: (plan.tensors as u64).saturating_sub(d.runs_delta),
+        wire_bytes: plan.bytes - d.covered_bytes + d.delta_bytes,
+        rewritten_bytes: d.rewritten_bytes,
+    }
+}

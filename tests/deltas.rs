@@ -1,0 +1,504 @@
+//! Delta updates through the Rust API with real publishers, sockets and
+//! UCX: a trainer publishes 5 consecutive versions (about 2% of bf16
+//! elements changed per step) to 2 engine ranks over IPC and rdma, every
+//! version's bytes checked, deltas from the second version on; the
+//! fallbacks to whole (the publisher no longer keeps the base, a param
+//! written since, a clear, the engine asking); and hostile publishers
+//! (bad DELTAS, bad deltas, a delta that does not give the announced
+//! checksum), refused with the old weights kept.
+
+mod common;
+
+use common::sharded::serial;
+use common::*;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use weight_manager_core::internals::transport::conn::Conn;
+use weight_manager_core::internals::wire::{DeltaRun, Frame, RunVerdict};
+use weight_manager_core::wm_result;
+use weight_manager_core::{DType, DeltaFallback, Manager, ManagerConfig, Mode, NetSettings};
+use weight_manager_core::{
+    ParamSpec, Publisher, PublisherConfig, SourceKind, State, UpdateRequest,
+};
+
+const SECRET: &[u8] = b"delta-test-secret-0123";
+
+/// A small model: bf16 weights of assorted sizes (one not a multiple of a
+/// chunk), an f32 vector.
+fn first() -> Vec<T> {
+    vec![
+        tensor("embed", DType::Bf16, &[512, 160], 1),
+        tensor("layer.w", DType::Bf16, &[300, 257], 2),
+        tensor("layer.b", DType::F32, &[33], 3),
+        tensor("head", DType::Bf16, &[64, 64], 4),
+    ]
+}
+
+/// The next training step: about 2% of elements get new bits
+/// (deterministic in `step`).
+fn next(ts: &[T], step: u64) -> Vec<T> {
+    let mut x = step.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    ts.iter()
+        .map(|t| {
+            let mut t = t.clone();
+            let e = t.dtype.size();
+            for i in 0..t.data.len() / e {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if x % 50 == 0 {
+                    t.data[i * e] = t.data[i * e].wrapping_add(1 + (x >> 8) as u8 % 200);
+                }
+            }
+            t
+        })
+        .collect()
+}
+
+enum Via {
+    Ipc,
+    Rdma,
+}
+
+struct Trainer {
+    publisher: Publisher,
+    location: String,
+    via: Via,
+    /// Versions still referenced by the publisher's live tensors.
+    live: Vec<Vec<T>>,
+}
+
+impl Trainer {
+    fn new(via: Via, dir: &Path, keep_versions: usize) -> Trainer {
+        let cfg = PublisherConfig {
+            keep_versions,
+            secret: Some(SECRET.to_vec()),
+            ..Default::default()
+        };
+        let (publisher, location) = match via {
+            Via::Ipc => {
+                let sock = dir.join("trainer.sock");
+                let p = Publisher::bind(&sock, cfg).unwrap();
+                (p, sock.display().to_string())
+            }
+            Via::Rdma => {
+                let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+                let a = p.address();
+                (p, a)
+            }
+        };
+        Trainer {
+            publisher,
+            location,
+            via,
+            live: Vec::new(),
+        }
+    }
+
+    /// Publish `ts` as version `v` (a copy the publisher keeps).
+    fn publish(&mut self, ts: &[T], v: u64) {
+        self.publisher.clear_tensors();
+        add_all(&self.publisher, ts);
+        self.publisher.set_version(Some(format!("step-{v}")));
+        self.publisher.publish().unwrap();
+        self.live = vec![ts.to_vec()];
+    }
+
+    fn request(&self) -> UpdateRequest<'static> {
+        let mut r = UpdateRequest::snapshot(&self.location);
+        r.source = match self.via {
+            Via::Ipc => SourceKind::Ipc,
+            Via::Rdma => SourceKind::Rdma,
+        };
+        r
+    }
+
+    /// Update every engine from this trainer at once (one session each).
+    fn update_all(
+        &self,
+        engines: &[Manager],
+        request: impl Fn() -> UpdateRequest<'static> + Sync,
+    ) -> Vec<weight_manager_core::Result<weight_manager_core::UpdateStats>> {
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| self.publisher.serve(engines.len(), Duration::from_secs(60)));
+            let updates: Vec<_> = engines
+                .iter()
+                .map(|m| s.spawn(|| m.update(request())))
+                .collect();
+            let out = updates.into_iter().map(|u| u.join().unwrap()).collect();
+            serving.join().unwrap().unwrap();
+            out
+        })
+    }
+}
+
+fn engine(rank: u32) -> Manager {
+    Manager::new(ManagerConfig {
+        rank,
+        world_size: 2,
+        fallback_dir: None,
+        net: NetSettings {
+            secret: Some(SECRET.to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Engine-owned params for `ts` (leaked for the test's life).
+fn own_params(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
+    ts.iter()
+        .map(|t| {
+            let buf: &'static mut [u8] = Box::leak(vec![0u8; t.data.len()].into_boxed_slice());
+            let spec = ParamSpec::host(&t.name, t.dtype, &t.shape);
+            unsafe { m.register(&spec, buf.as_mut_ptr(), buf.len()) }.unwrap();
+            (buf.as_mut_ptr(), buf.len())
+        })
+        .collect()
+}
+
+/// Five versions to two engine ranks (one with library-owned params, one
+/// with its own), `mode`: every version's bytes exact, deltas from the
+/// second version on, carrying a small share of the bytes.
+fn five_versions(via: Via, mode: Mode) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = Trainer::new(via, dir.path(), 2);
+    let mut ts = first();
+    let engines = [engine(0), engine(1)];
+    let params = [register(&engines[0], &ts), own_params(&engines[1], &ts)];
+    let whole: u64 = ts.iter().map(|t| t.data.len() as u64).sum();
+    for v in 1..=5u64 {
+        if v > 1 {
+            ts = next(&ts, v);
+        }
+        trainer.publish(&ts, v);
+        let results = trainer.update_all(&engines, || {
+            let mut r = trainer.request();
+            r.mode = mode;
+            r
+        });
+        for (rank, (r, ps)) in results.into_iter().zip(&params).enumerate() {
+            let stats = r.unwrap_or_else(|e| panic!("version {v}, rank {rank}: {e}"));
+            assert_params(ps, &ts);
+            let d = &stats.deltas;
+            if v == 1 {
+                assert_eq!(d.fallback, DeltaFallback::NoBase, "{d:?}");
+                assert_eq!((d.runs_delta, d.wire_bytes), (0, whole), "{d:?}");
+                continue;
+            }
+            assert_eq!(d.fallback, DeltaFallback::None, "version {v}: {d:?}");
+            assert_eq!(d.base_version, format!("step-{}", v - 1));
+            assert_eq!((d.runs_delta, d.runs_whole), (4, 0), "version {v}: {d:?}");
+            assert!(d.wire_bytes * 10 < whole, "version {v}: {d:?} of {whole}");
+            assert!(
+                d.rewritten_bytes > 0 && d.rewritten_bytes < whole / 10,
+                "{d:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ipc_five_versions_atomic() {
+    five_versions(Via::Ipc, Mode::Atomic);
+}
+
+#[test]
+fn ipc_five_versions_in_place() {
+    five_versions(Via::Ipc, Mode::InPlace);
+}
+
+#[test]
+fn rdma_five_versions() {
+    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
+        println!("skipped: no UCX");
+        return;
+    }
+    let _one = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    five_versions(Via::Rdma, Mode::Atomic);
+    five_versions(Via::Rdma, Mode::InPlace);
+}
+
+/// The fallbacks to whole, each with its reason and exact bytes after.
+#[test]
+fn fallbacks_to_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    // Keeping one version: the engine's base is gone once the next is out.
+    let mut trainer = Trainer::new(Via::Ipc, dir.path(), 1);
+    let m = [engine(0)];
+    let mut ts = first();
+    let ps = register(&m[0], &ts);
+    let update = |trainer: &Trainer, whole: bool| {
+        let r = trainer.update_all(&m, || {
+            let mut r = trainer.request();
+            r.whole = whole;
+            r
+        });
+        r.into_iter().next().unwrap().unwrap().deltas
+    };
+    trainer.publish(&ts, 1);
+    assert_eq!(update(&trainer, false).fallback, DeltaFallback::NoBase);
+    ts = next(&ts, 2);
+    trainer.publish(&ts, 2);
+    let d = update(&trainer, false);
+    assert_eq!(
+        (d.fallback, d.runs_delta),
+        (DeltaFallback::NotKept, 0),
+        "{d:?}"
+    );
+    assert_eq!(d.base_version, "step-1");
+    assert_params(&ps, &ts);
+
+    // Keeping two from here on.
+    drop(trainer);
+    let mut trainer = Trainer::new(Via::Ipc, dir.path(), 2);
+    trainer.publish(&ts, 2);
+    ts = next(&ts, 3);
+    trainer.publish(&ts, 3);
+    // The engine asks for whole.
+    let d = update(&trainer, true);
+    assert_eq!(
+        (d.fallback, d.runs_delta),
+        (DeltaFallback::Refused, 0),
+        "{d:?}"
+    );
+    assert_params(&ps, &ts);
+
+    // Something else wrote into one param since: that run comes whole.
+    ts = next(&ts, 4);
+    trainer.publish(&ts, 4);
+    let written = ps[1].0;
+    unsafe { *written ^= 0xff };
+    let d = update(&trainer, false);
+    assert_eq!(d.fallback, DeltaFallback::Differs, "{d:?}");
+    assert_eq!((d.runs_delta, d.runs_whole), (3, 1), "{d:?}");
+    assert_params(&ps, &ts);
+
+    // After a clear the params hold no version.
+    m[0].clear().unwrap();
+    ts = next(&ts, 5);
+    trainer.publish(&ts, 5);
+    let d = update(&trainer, false);
+    assert_eq!(
+        (d.fallback, d.runs_delta),
+        (DeltaFallback::NoBase, 0),
+        "{d:?}"
+    );
+    assert_params(&ps, &ts);
+
+    // Snapshots always move whole.
+    let snap = dir.path().join("snap");
+    std::fs::create_dir(&snap).unwrap();
+    write_safetensors(&snap.join("model.safetensors"), &ts);
+    write_version(&snap, "6");
+    let d = m[0].update(UpdateRequest::snapshot(&snap)).unwrap().deltas;
+    assert_eq!(d.fallback, DeltaFallback::NotApplicable, "{d:?}");
+}
+
+/// A hostile IPC publisher: the manifest of one u8 tensor "w" [64, 64]
+/// then after WANT the frames `answer` makes, and BUFFERS and END if the
+/// engine is still there. Returns the WANT.
+fn hostile(sock: &Path, answer: Vec<Frame>) -> std::thread::JoinHandle<Option<Frame>> {
+    let listener = UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (stream, _) = listener.accept().unwrap();
+        let mut conn = Conn::new(stream, "the engine");
+        conn.recv(deadline).ok()?;
+        let w = weight_manager_core::TensorMeta {
+            name: "w".into(),
+            dtype: DType::U8,
+            shape: vec![64, 64],
+            nbytes: 4096,
+            checksum: None,
+            placement: None,
+        };
+        let manifest = Frame::Manifest {
+            version: "v2".into(),
+            tensors: vec![w],
+        };
+        conn.send(&manifest).ok()?;
+        let want = conn.recv(deadline).ok()?;
+        for f in answer {
+            if conn.send(&f).is_err() {
+                return Some(want);
+            }
+        }
+        // No bucket: the buffers, then END.
+        let buffer = sealed_memfd(4096);
+        let buffers = Frame::Buffers { sizes: vec![4096] };
+        if conn.send_with_fds(&buffers, &[buffer.as_raw_fd()]).is_ok() {
+            let _ = conn.send(&Frame::End { buckets: 0 });
+            let _ = conn.recv(deadline);
+        }
+        Some(want)
+    })
+}
+
+/// A memfd of `len` zeros, sealed against resizing (as the engine demands).
+fn sealed_memfd(len: i64) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    let raw = unsafe { libc::memfd_create(c"deltas".as_ptr(), flags) };
+    assert!(raw >= 0);
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    assert_eq!(unsafe { libc::ftruncate(raw, len) }, 0);
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    assert_eq!(unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, seals) }, 0);
+    fd
+}
+
+fn deltas(len: u64, sum: u128) -> Frame {
+    Frame::Deltas {
+        kept: true,
+        runs: vec![DeltaRun {
+            request: 0,
+            verdict: RunVerdict::Delta,
+            len,
+            sum,
+        }],
+    }
+}
+
+fn piece(bytes: &[u8]) -> Frame {
+    Frame::Delta {
+        request: 0,
+        bytes: bytes.to_vec(),
+    }
+}
+
+/// Every hostile answer is refused naming what is wrong, and the old
+/// weights stay (atomic and in place: nothing was written).
+#[test]
+fn hostile_deltas_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let sum = |bytes: &[u8]| weight_manager_core::checksum::of(bytes);
+    let mut changed = v1.data.clone();
+    changed[5] ^= 1;
+    // GAPS: one change at element 5.
+    let good = [3u8, 1, 5, changed[5]];
+    let cases: Vec<(Vec<Frame>, &str)> = vec![
+        (
+            vec![deltas(4097, 0)],
+            "a delta of 4097 bytes for request #0 of 4096",
+        ),
+        (
+            vec![Frame::Deltas {
+                kept: false,
+                runs: vec![DeltaRun {
+                    request: 0,
+                    verdict: RunVerdict::Delta,
+                    len: 4,
+                    sum: 0,
+                }],
+            }],
+            "verdicts for a base it does not keep",
+        ),
+        (
+            vec![Frame::Deltas {
+                kept: true,
+                runs: vec![],
+            }],
+            "0 verdicts for 1 requests",
+        ),
+        // A position past the run (a gap of 5000 in 4096 elements).
+        (
+            vec![deltas(5, sum(&changed)), piece(&[3, 1, 0x88, 0x27, 7])],
+            "chunk 0: a position past the chunk's 4096 elements",
+        ),
+        // Three changes announced, one position given.
+        (
+            vec![deltas(4, sum(&changed)), piece(&[3, 3, 5, 1])],
+            "chunk 0:",
+        ),
+        // An unknown form.
+        (
+            vec![deltas(1, sum(&changed)), piece(&[9])],
+            "unknown form 9",
+        ),
+        // Bytes after the run's last chunk.
+        (
+            vec![
+                deltas(5, sum(&changed)),
+                piece(&[good.as_slice(), &[0]].concat()),
+            ],
+            "1 bytes after",
+        ),
+        // A valid delta that does not give the announced bytes.
+        (
+            vec![deltas(4, sum(&changed) ^ 1), piece(&good)],
+            "its delta does not give the new version's bytes",
+        ),
+        // A piece longer than the delta announced.
+        (
+            vec![
+                deltas(4, sum(&changed)),
+                piece(&[good.as_slice(), &[0, 0]].concat()),
+            ],
+            "DELTA of 6 bytes for request #0 while request #0's has 4 left",
+        ),
+        // A bucket where a DELTA is due.
+        (
+            vec![deltas(4, sum(&changed)), Frame::End { buckets: 0 }],
+            "expected DELTA, got END",
+        ),
+    ];
+    for (k, (answer, want)) in cases.into_iter().enumerate() {
+        for mode in [Mode::Atomic, Mode::InPlace] {
+            let m = Manager::new(ManagerConfig::default()).unwrap();
+            let p = register(&m, std::slice::from_ref(&v1));
+            m.update(UpdateRequest::snapshot(&model)).unwrap();
+            let sock = dir.path().join(format!("h{k}{mode:?}.sock"));
+            let publisher = hostile(&sock, answer.clone());
+            let mut r = UpdateRequest::snapshot(&sock);
+            (r.source, r.mode) = (SourceKind::Ipc, mode);
+            let e = m.update(r).unwrap_err();
+            assert!(e.message.contains(want), "case {k} {mode:?}: {e}");
+            assert!(
+                matches!(e.code, wm_result::WM_ERR_PEER | wm_result::WM_ERR_CHECKSUM),
+                "case {k}: {e}"
+            );
+            let Some(Frame::Want {
+                base: Some(base), ..
+            }) = publisher.join().unwrap()
+            else {
+                panic!("case {k}: WANT named no base");
+            };
+            assert_eq!(base.version, "v1");
+            assert_eq!(base.fingerprints, vec![(0, sum(&v1.data))]);
+            assert_params(&p, std::slice::from_ref(&v1));
+            let s = m.status();
+            assert_eq!((s.state, s.version.as_deref()), (State::Normal, Some("v1")));
+        }
+    }
+}
+
+/// The good delta of the hostile publisher's tensor applies: the frames
+/// the hostile cases bend are the ones a real publisher sends.
+#[test]
+fn a_hand_made_delta_applies() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let mut changed = v1.data.clone();
+    changed[5] ^= 1;
+    let sum = weight_manager_core::checksum::of(&changed);
+    let m = Manager::new(ManagerConfig::default()).unwrap();
+    let p = register(&m, std::slice::from_ref(&v1));
+    m.update(UpdateRequest::snapshot(&model)).unwrap();
+    let sock = dir.path().join("good.sock");
+    let publisher = hostile(&sock, vec![deltas(4, sum), piece(&[3, 1, 5, changed[5]])]);
+    let mut r = UpdateRequest::snapshot(&sock);
+    r.source = SourceKind::Ipc;
+    let stats = m.update(r).unwrap();
+    publisher.join().unwrap();
+    let mut want = v1.clone();
+    want.data = changed;
+    assert_params(&p, &[want]);
+    assert_eq!((stats.deltas.runs_delta, stats.deltas.wire_bytes), (1, 4));
+    assert_eq!(stats.deltas.rewritten_bytes, 1);
+}
