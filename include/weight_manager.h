@@ -62,6 +62,13 @@
 // verify checksums by default, do not.
 #define WM_UPDATE_SKIP_NETWORK_CHECKSUMS 8
 
+// `wm_update_request.flags`: take no deltas; every run comes whole.
+// Default: an update from publishers (ipc, rdma, gdr) after a successful
+// one names the version the params hold, and a publisher that keeps it
+// sends each run as its changes where that is under half its bytes
+// (`wm_update_delta_stats`).
+#define WM_UPDATE_WHOLE 16
+
 // Most sources one update may name (`location`, `locations` and the
 // lists of `@FILE` locations together).
 #define WM_MAX_SOURCES 4096
@@ -274,6 +281,39 @@ enum wm_request_outcome
 typedef enum wm_request_outcome wm_request_outcome;
 #else
 typedef uint32_t wm_request_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Why runs of an update came whole (`wm_delta_stats.fallback`). Numbers
+// are part of the ABI.
+enum wm_delta_fallback
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Deltas were asked for every run with a base; each came as a delta
+  // unless that would not have been under half its bytes.
+  WM_DELTA_FALLBACK_NONE = 0,
+  // The params held no version: the first update, or one after a clear
+  // or a failed update.
+  WM_DELTA_FALLBACK_NO_BASE = 1,
+  // The request asked for a whole update (`WM_UPDATE_WHOLE`).
+  WM_DELTA_FALLBACK_REFUSED = 2,
+  // A publisher no longer keeps the base version (or holds it where it
+  // cannot diff it: GPU memory, a directory).
+  WM_DELTA_FALLBACK_NOT_KEPT = 3,
+  // Some params' bytes were not the base's (written since by something
+  // else): those runs came whole.
+  WM_DELTA_FALLBACK_DIFFERS = 4,
+  // The source sends whole (a snapshot), or no param has a base here
+  // (device params, a tensor callback).
+  WM_DELTA_FALLBACK_NOT_APPLICABLE = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum wm_delta_fallback wm_delta_fallback;
+#else
+typedef uint32_t wm_delta_fallback;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -678,6 +718,31 @@ typedef struct {
   uint64_t device_bytes_restored;
 } wm_status_info;
 
+// What the deltas of the last successful update did (all zero before the
+// first). Its own call, not fields of `wm_update_stats`: that struct sits
+// inside `wm_status_info`, so growing it would move the status fields
+// after it under 0.2 callers. Growable: `struct_size` first.
+typedef struct {
+  // Caller sets `sizeof(wm_delta_stats)`.
+  uint32_t struct_size;
+  // A `wm_delta_fallback`: why runs came whole (`WM_DELTA_FALLBACK_NONE`
+  // when deltas were asked for every run with a base).
+  uint32_t fallback;
+  // Runs (one param piece's bytes from one source) sent as deltas, and
+  // whole.
+  uint64_t runs_delta;
+  uint64_t runs_whole;
+  // Bytes the sources sent: the runs sent whole plus the deltas
+  // (`wm_update_stats.bytes` is what the params took).
+  uint64_t wire_bytes;
+  // Bytes the deltas rewrote in the params (every byte of a chunk of
+  // 32,768 elements the delta carried whole).
+  uint64_t rewritten_bytes;
+  // The version the deltas were taken against, NUL-terminated ("" when
+  // the update named none).
+  char base_version[WM_VERSION_BUF];
+} wm_delta_stats;
+
 // ==========================================================================
 // THE TRAINER SIDE: the publisher's settings, what it serves, its statistics.
 // ==========================================================================
@@ -1069,6 +1134,13 @@ wm_result wm_update_source_bytes(const wm_manager *manager,
                                  uint64_t *out_bytes,
                                  size_t capacity,
                                  size_t *out_count);
+
+// The delta statistics of the last successful update into `*out_stats`
+// (its `struct_size` set). Before any update: all zero, fallback NONE.
+//
+// NULL arguments: `WM_ERR_NULL_ARGUMENT`; a wrong `struct_size`:
+// `WM_ERR_STRUCT_SIZE`. Never blocks on a running update. Thread-safe.
+wm_result wm_update_delta_stats(const wm_manager *manager, wm_delta_stats *out_stats);
 
 // Get the signal every rank acts on this step (a `wm_state`: NORMAL,
 // UPDATING, CLEARING or CLEARED) into `*out_signal`.

@@ -371,18 +371,15 @@ fn piece(bytes: &[u8]) -> Frame {
     }
 }
 
-/// Every hostile answer is refused naming what is wrong, and the old
-/// weights stay (atomic and in place: nothing was written).
-#[test]
-fn hostile_deltas_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let (model, v1) = hostile_windows::first_version(dir.path());
+/// The hostile answers to an engine holding `v1` (one u8 tensor), each
+/// with what its refusal names.
+fn hostile_cases(v1: &T) -> Vec<(Vec<Frame>, &'static str)> {
     let sum = |bytes: &[u8]| weight_manager_core::checksum::of(bytes);
     let mut changed = v1.data.clone();
     changed[5] ^= 1;
     // GAPS: one change at element 5.
     let good = [3u8, 1, 5, changed[5]];
-    let cases: Vec<(Vec<Frame>, &str)> = vec![
+    vec![
         (
             vec![deltas(4097, 0)],
             "a delta of 4097 bytes for request #0 of 4096",
@@ -447,7 +444,17 @@ fn hostile_deltas_are_refused() {
             vec![deltas(4, sum(&changed)), Frame::End { buckets: 0 }],
             "expected DELTA, got END",
         ),
-    ];
+    ]
+}
+
+/// Every hostile answer is refused naming what is wrong, and the old
+/// weights stay (atomic and in place: nothing was written).
+#[test]
+fn hostile_deltas_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let sum = |bytes: &[u8]| weight_manager_core::checksum::of(bytes);
+    let cases = hostile_cases(&v1);
     for (k, (answer, want)) in cases.into_iter().enumerate() {
         for mode in [Mode::Atomic, Mode::InPlace] {
             let m = Manager::new(ManagerConfig::default()).unwrap();

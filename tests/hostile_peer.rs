@@ -117,7 +117,11 @@ fn hostile_publisher(sock: &Path, script: Script) -> std::thread::JoinHandle<Vec
             tensors: script.manifest,
         };
         conn.send(&manifest).unwrap();
-        if !matches!(step(&mut conn), Some(Frame::Want { .. })) {
+        let want = step(&mut conn);
+        if !matches!(want, Some(Frame::Want { .. })) {
+            return seen;
+        }
+        if decline_base(&mut conn, want.as_ref().expect("a WANT")).is_err() {
             return seen;
         }
         let buffers = Frame::Buffers {

@@ -489,7 +489,9 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
                 }],
             })
             .unwrap();
-            assert!(matches!(conn.recv(deadline).unwrap(), Frame::Want { .. }));
+            let want = conn.recv(deadline).unwrap();
+            assert!(matches!(want, Frame::Want { .. }));
+            decline_base(&mut conn, &want).unwrap();
             conn.send(&Frame::CudaBuffers {
                 buffers: vec![CudaBuffer {
                     handle: [7; 64],

@@ -373,7 +373,9 @@ fn lying_publisher(
             tensors,
         })
         .unwrap();
-        let Frame::Want { requests, .. } = conn.recv(deadline).unwrap() else {
+        let want = conn.recv(deadline).unwrap();
+        common::decline_base(&mut conn, &want).unwrap();
+        let Frame::Want { requests, .. } = want else {
             panic!("no WANT")
         };
         let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {

@@ -232,6 +232,65 @@ fn pieces_from_two_network_publishers_at_once() {
     pieces_from_two_publishers(Via::Net);
 }
 
+/// Deltas from two publishers at once: both publish "v1" and then "v2"
+/// (a few elements of every tensor changed); the engine, at "v1", pulls
+/// "v2" as each run's changes from the publisher holding it: every byte
+/// right, every run a delta, far fewer bytes on the wire.
+fn deltas_from_two_publishers(via: Via) {
+    if via == Via::Net && weight_manager_core::internals::transport::ucx::ucx().is_err() {
+        println!("skipped: no UCX");
+        return;
+    }
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for mode in [Mode::Atomic, Mode::InPlace] {
+        let v1 = model(7);
+        let mut v2 = model(7);
+        for g in &mut v2 {
+            g.bytes.iter_mut().step_by(97).for_each(|b| *b ^= 0x40);
+        }
+        let m = engine();
+        let ptrs = register(&m, &engine_params(&v1));
+        let ps = publishers(dir.path(), via, ["v1", "v1"], &v1, small_buckets);
+        for (r, p) in ps.iter().enumerate() {
+            p.publish().unwrap();
+            p.clear_tensors();
+            add_shards(p, r as u64, &v2);
+            p.set_version(Some("v2".into()));
+            p.publish().unwrap();
+        }
+        let to = |version: &str| {
+            let mut r = request(via, &ps, mode);
+            r.version = Some(version.into());
+            r
+        };
+        serving(&ps, || m.update(to("v1"))).0.unwrap();
+        assert_holds(&ptrs, &engine_params(&v1), "v1");
+        let (r, _) = serving(&ps, || m.update(to("v2")));
+        let stats = r.unwrap_or_else(|e| panic!("{via:?} {mode:?}: {e}"));
+        assert_holds(&ptrs, &engine_params(&v2), &format!("{via:?} {mode:?}: v2"));
+        let d = &stats.deltas;
+        assert_eq!(
+            d.fallback,
+            weight_manager_core::DeltaFallback::None,
+            "{d:?}"
+        );
+        assert_eq!((d.runs_delta, d.runs_whole), (stats.tensors, 0), "{d:?}");
+        assert!(d.wire_bytes * 4 < stats.bytes, "{d:?} of {}", stats.bytes);
+        drop(ps);
+    }
+}
+
+#[test]
+fn deltas_from_two_ipc_publishers_at_once() {
+    deltas_from_two_publishers(Via::Ipc);
+}
+
+#[test]
+fn deltas_from_two_network_publishers_at_once() {
+    deltas_from_two_publishers(Via::Net);
+}
+
 /// An engine updated to "v1" from two publishers (then gone): the manager,
 /// its params' memory and their bytes.
 type Held = (

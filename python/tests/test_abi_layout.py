@@ -272,7 +272,7 @@ def test_enum_values_match_header():
     from weight_manager import manager, types
 
     enums = header_enums()
-    assert len(enums) == 7, sorted(enums)
+    assert len(enums) == 8, sorted(enums)
 
     def same(c_enum, prefix, py):
         want = {k[len(prefix):]: v for k, v in enums[c_enum].items()}
@@ -286,9 +286,10 @@ def test_enum_values_match_header():
     same("wm_log_level", "WM_LOG_LEVEL_", {k.upper(): v for k, v in manager._LOG_LEVELS.items()})
     same("wm_request_outcome", "WM_REQUEST_OUTCOME_",
          {name.upper(): i for i, name in enumerate(manager.Controller.OUTCOMES)})
+    same("wm_delta_fallback", "WM_DELTA_FALLBACK_", {m.name: m.value for m in types.DeltaFallback})
     assert enums["wm_memory"]["WM_MEMORY_DEVICE"] == manager.MEMORY_DEVICE
     macros = header_macros()
-    for py in ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS"):
+    flags = ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS", "WHOLE")
+    for py in flags:
         assert macros["WM_UPDATE_" + py] == getattr(types, py), py
-    assert {k for k in macros if k.startswith("WM_UPDATE_")} == {
-        "WM_UPDATE_" + p for p in ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS")}
+    assert {k for k in macros if k.startswith("WM_UPDATE_")} == {"WM_UPDATE_" + p for p in flags}

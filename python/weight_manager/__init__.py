@@ -12,10 +12,10 @@ PyTorch (never imported unless you pass torch objects):
     manager.register_module(model)                    # engine: updates in place
 """
 
-from .manager import (Controller, DeviceArray, Manager, Placement, Progress, RegisteredModule, Status, UpdateStats,
-                      WeightManagerError, version)
+from .manager import (Controller, DeltaStats, DeviceArray, Manager, Placement, Progress, RegisteredModule, Status,
+                      UpdateStats, WeightManagerError, version)
 from .publisher import Publisher, ServeStats
-from .types import DType, Piece, Result, Source, State
+from .types import DeltaFallback, DType, Piece, Result, Source, State
 
-__all__ = ["Controller", "DeviceArray", "Manager", "Placement", "Publisher", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "DeltaFallback", "DeltaStats", "DeviceArray", "Manager", "Placement", "Publisher", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Piece", "Result", "Source", "State"]

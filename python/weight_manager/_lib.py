@@ -207,6 +207,18 @@ class UpdateStats(ctypes.Structure):
     ]
 
 
+class DeltaStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("fallback", ctypes.c_uint32),
+        ("runs_delta", ctypes.c_uint64),
+        ("runs_whole", ctypes.c_uint64),
+        ("wire_bytes", ctypes.c_uint64),
+        ("rewritten_bytes", ctypes.c_uint64),
+        ("base_version", ctypes.c_char * VERSION_BUF),
+    ]
+
+
 class StatusInfo(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -334,6 +346,7 @@ PROTOTYPES = {
     "wm_commit": (R, [M, ctypes.POINTER(UpdateStats)]),
     "wm_abort": (R, [M]),
     "wm_status": (R, [M, ctypes.POINTER(StatusInfo)]),
+    "wm_update_delta_stats": (R, [M, ctypes.POINTER(DeltaStats)]),
     "wm_update_source_bytes": (
         R,
         [M, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],

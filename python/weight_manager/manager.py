@@ -11,8 +11,8 @@ import numpy as np
 from . import _lib, torch_bridge
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
-from .types import (DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, DType, Result,
-                    Source, State, parse_dtype)
+from .types import (DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback,
+                    DType, Result, Source, State, parse_dtype)
 
 LIB = _lib.LIB
 MEMORY_DEVICE = 1  # wm_memory: WM_MEMORY_DEVICE
@@ -31,6 +31,20 @@ class WeightManagerError(Exception):
         super().__init__(f"WM_{name}: {message}")
 
 
+@dataclass(frozen=True)
+class DeltaStats:
+    """What an update's deltas did: runs (a param piece's bytes from one
+    source) sent as deltas and whole, bytes the sources sent (whole runs
+    plus deltas), bytes the deltas rewrote, the version they were against
+    ("" when none was named), and why runs came whole."""
+    fallback: DeltaFallback = DeltaFallback.NONE
+    runs_delta: int = 0
+    runs_whole: int = 0
+    wire_bytes: int = 0
+    rewritten_bytes: int = 0
+    base_version: str = ""
+
+
 @dataclass
 class UpdateStats:
     version: str
@@ -46,6 +60,8 @@ class UpdateStats:
     plan_reused: bool = False
     # Bytes moved from each source, in the order the update named them.
     source_bytes: tuple = ()
+    # What deltas did (None where not asked: stage()'s result).
+    deltas: Optional[DeltaStats] = None
 
 
 @dataclass(frozen=True)
@@ -116,10 +132,10 @@ def raise_for(rc: int, last_error, handle) -> None:
         raise WeightManagerError(rc, last_error_text(last_error, handle) or LIB.wm_result_text(rc).decode())
 
 
-def _stats(s: _lib.UpdateStats, source_bytes=()) -> UpdateStats:
+def _stats(s: _lib.UpdateStats, source_bytes=(), deltas=None) -> UpdateStats:
     return UpdateStats(s.version.decode(), s.rank, s.tensors, s.bytes, s.sync_ns / 1e9,
                        s.update_ns / 1e9, s.total_ns / 1e9, s.plan_ns / 1e9, bool(s.plan_reused),
-                       tuple(source_bytes))
+                       tuple(source_bytes), deltas)
 
 
 def _takes_placement(fn) -> bool:
@@ -138,7 +154,7 @@ def _encode(s) -> Optional[bytes]:
     return s.encode() if isinstance(s, str) else bytes(s)
 
 
-def _request(location, version, source, verify, in_place, skip_unknown, timeout):
+def _request(location, version, source, verify, in_place, skip_unknown, timeout, whole=False):
     """A wm_update_request, and the encoded strings it points to (keep them
     alive through the call)."""
     req = _lib.UpdateRequest()
@@ -156,7 +172,7 @@ def _request(location, version, source, verify, in_place, skip_unknown, timeout)
     req.version = encoded_version
     keep.append(encoded_version)
     req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
-                (SKIP_UNKNOWN if skip_unknown else 0)
+                (SKIP_UNKNOWN if skip_unknown else 0) | (WHOLE if whole else 0)
     if timeout is not None:
         req.timeout_ms = max(1, int(timeout * 1000))
     return req, keep
@@ -447,7 +463,8 @@ class Manager(OwnedHandle):
                verify: bool = False, in_place: bool = False, skip_unknown: bool = False,
                timeout: Optional[float] = None,
                progress: Union[bool, Callable[[Progress], Optional[bool]], None] = None,
-               on_tensor: Optional[Callable[[str, np.ndarray], None]] = None) -> UpdateStats:
+               on_tensor: Optional[Callable[[str, np.ndarray], None]] = None,
+               whole: bool = False) -> UpdateStats:
         """Update the params. `location`: one location (snapshot dir or
         file, socket path, host:port) or a list of them (several publishers,
         one per trainer rank, serving one version together; "@FILE" names a
@@ -459,8 +476,14 @@ class Manager(OwnedHandle):
         is) when it takes a third argument, and replaces the plain copy into
         registered params. From a trainer's
         GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
-        memory, viewable through `__cuda_array_interface__`."""
-        req, keep = _request(location, version, source, verify, in_place, skip_unknown, timeout)
+        memory, viewable through `__cuda_array_interface__`.
+
+        From publishers (ipc, rdma) after a successful update, each run comes
+        as its changes since the version the params hold where the publisher
+        keeps it (`stats.deltas` says what happened); `whole=True` asks for
+        every byte instead."""
+        req, keep = _request(location, version, source, verify, in_place, skip_unknown, timeout,
+                             whole)
         raised = []
         bar = None
         if progress is True:
@@ -512,11 +535,11 @@ class Manager(OwnedHandle):
             if raised:
                 raise err from raised[0]
             raise err
-        return _stats(stats, self._source_bytes())
+        return _stats(stats, self._source_bytes(), self._delta_stats())
 
     def stage(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
               verify: bool = False, skip_unknown: bool = False,
-              timeout: Optional[float] = None) -> UpdateStats:
+              timeout: Optional[float] = None, whole: bool = False) -> UpdateStats:
         """Stage the next version while the engine keeps serving: fetch,
         verify and hold every byte, the params untouched (memory for one
         more copy of what the update writes). Returns once staged, with the
@@ -525,7 +548,8 @@ class Manager(OwnedHandle):
         Arguments as for update() (atomic only, no callbacks). One staged
         version at a time; update() is refused (busy) until the commit or
         abort; clear() drops it; close() aborts it."""
-        req, keep = _request(location, version, source, verify, False, skip_unknown, timeout)
+        req, keep = _request(location, version, source, verify, False, skip_unknown, timeout,
+                             whole)
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         rc = LIB.wm_stage(self._h(), ctypes.byref(req), ctypes.byref(stats))
@@ -541,12 +565,20 @@ class Manager(OwnedHandle):
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         self._check(LIB.wm_commit(self._h(), ctypes.byref(stats)))
-        return _stats(stats, self._source_bytes())
+        return _stats(stats, self._source_bytes(), self._delta_stats())
 
     def abort(self) -> None:
         """Drop the staged version (the old weights and version stay).
         Nothing staged: WeightManagerError (ERR_STATE)."""
         self._check(LIB.wm_abort(self._h()))
+
+    def _delta_stats(self) -> DeltaStats:
+        """What the last update's deltas did."""
+        d = _lib.DeltaStats()
+        d.struct_size = ctypes.sizeof(d)
+        self._check(LIB.wm_update_delta_stats(self._h(), ctypes.byref(d)))
+        return DeltaStats(DeltaFallback(d.fallback), d.runs_delta, d.runs_whole, d.wire_bytes,
+                          d.rewritten_bytes, d.base_version.decode())
 
     def _source_bytes(self) -> tuple:
         """Bytes the last update moved from each of its sources."""
@@ -564,7 +596,7 @@ class Manager(OwnedHandle):
         s = _lib.StatusInfo()
         s.struct_size = ctypes.sizeof(s)
         self._check(LIB.wm_status(self._h(), ctypes.byref(s)))
-        last = _stats(s.last_update, self._source_bytes()) if s.updates else None
+        last = _stats(s.last_update, self._source_bytes(), self._delta_stats()) if s.updates else None
         return Status(State(s.state), s.version.decode() or None, s.updates, s.params, s.param_bytes,
                       s.resident_bytes, Result(s.last_result), last,
                       s.device_bytes_freed, s.device_bytes_restored)

@@ -118,6 +118,17 @@ VERIFY_CHECKSUMS = 1
 IN_PLACE = 2
 SKIP_UNKNOWN = 4
 SKIP_NETWORK_CHECKSUMS = 8
+WHOLE = 16
+
+
+class DeltaFallback(enum.IntEnum):
+    """Why runs of an update came whole (`wm_delta_fallback`)."""
+    NONE = 0  # deltas asked for every run with a base
+    NO_BASE = 1  # the params held no version (first update, after a clear or a failure)
+    REFUSED = 2  # the update asked for whole (whole=True)
+    NOT_KEPT = 3  # a publisher no longer keeps the base
+    DIFFERS = 4  # some params' bytes were not the base's: those runs came whole
+    NOT_APPLICABLE = 5  # a snapshot, device params or a tensor callback
 
 
 class Piece:

@@ -1209,6 +1209,101 @@ static void test_two_phase(void) {
   remove_tmpdir();
 }
 
+/* Deltas over IPC: a publisher keeps versions 1 and 2 of "w" and "b"
+ * (one element of "w" changed); the engine at version 1 takes version 2 as
+ * deltas (wm_update_delta_stats says so), then asks for whole. */
+typedef struct {
+  wm_publisher *p;
+  int sessions;
+} serving;
+
+static void *serve_sessions(void *arg) {
+  serving *s = arg;
+  CHECK_RC(wm_publisher_serve(s->p, (uint32_t)s->sessions, 30000, NULL), WM_OK);
+  return NULL;
+}
+
+static void test_deltas(void) {
+  make_tmpdir();
+  char sock[300];
+  snprintf(sock, sizeof sock, "%s/p.sock", tmpdir);
+  wm_publisher_config pc;
+  wm_publisher_config_init(&pc);
+  wm_publisher *p = NULL;
+  CHECK_RC(wm_publisher_create(sock, &pc, &p), WM_OK);
+  static float w1[16], w2[16], b1[4];
+  for (int i = 0; i < 16; i++) w1[i] = w2[i] = (float)i;
+  w2[5] = 55.0f;
+  for (int i = 0; i < 4; i++) b1[i] = 100.0f + (float)i;
+  const float *ws[2] = {w1, w2};
+  for (int v = 0; v < 2; v++) {
+    wm_tensor_desc t;
+    wm_tensor_desc_init(&t);
+    t.name = "w";
+    t.dtype = WM_DTYPE_F32;
+    t.shape = w_shape;
+    t.ndim = 2;
+    t.data = ws[v];
+    t.len = sizeof w1;
+    CHECK_RC(wm_publisher_clear(p), WM_OK);
+    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+    t.name = "b";
+    t.shape = b_shape;
+    t.ndim = 1;
+    t.data = b1;
+    t.len = sizeof b1;
+    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+    CHECK_RC(wm_publisher_set_version(p, v == 0 ? "1" : "2"), WM_OK);
+    CHECK_RC(wm_publisher_publish(p), WM_OK);
+  }
+  serving s = {p, 3};
+  pthread_t t;
+  pthread_create(&t, NULL, serve_sessions, &s);
+  float w[16] = {0};
+  float *b = NULL;
+  wm_manager *m = example_engine(NULL, w, &b);
+  wm_delta_stats d;
+  d.struct_size = 1;
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_ERR_STRUCT_SIZE);
+  CHECK_RC(wm_update_delta_stats(m, NULL), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_update_delta_stats(NULL, &d), WM_ERR_NULL_ARGUMENT);
+  d.struct_size = sizeof d;
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_OK); /* before any update: zeros */
+  CHECK(d.runs_delta == 0 && d.wire_bytes == 0 && d.fallback == WM_DELTA_FALLBACK_NONE);
+
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.source = WM_SOURCE_IPC;
+  r.location = sock;
+  r.version = "1";
+  wm_update_stats st;
+  st.struct_size = sizeof st;
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_OK);
+  CHECK(d.fallback == WM_DELTA_FALLBACK_NO_BASE && d.runs_delta == 0 && d.wire_bytes == 80);
+
+  r.version = "2";
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK(w[5] == 55.0f && w[4] == 4.0f && b[3] == 103.0f);
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_OK);
+  CHECK(d.fallback == WM_DELTA_FALLBACK_NONE && d.runs_delta == 2 && d.runs_whole == 0);
+  CHECK(d.wire_bytes < st.bytes && d.rewritten_bytes == 4 && strcmp(d.base_version, "1") == 0);
+
+  r.version = "1";
+  r.flags = WM_UPDATE_WHOLE;
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK(w[5] == 5.0f);
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_OK);
+  CHECK(d.fallback == WM_DELTA_FALLBACK_REFUSED && d.runs_delta == 0 && d.runs_whole == 2);
+  CHECK(d.wire_bytes == st.bytes);
+  r.flags = 1u << 30; /* unknown flag */
+  CHECK_RC(wm_update(m, &r, &st), WM_ERR_INVALID_ARGUMENT);
+  pthread_join(t, NULL);
+  wm_destroy(m);
+  wm_publisher_destroy(p);
+  remove_tmpdir();
+}
+
 /* Two-phase under a control cell: UPDATING, stage, the signal says
  * UPDATING until the vote saw the staged version, then COMMIT; the commit
  * moves the word to NORMAL. */
@@ -1272,7 +1367,7 @@ int main(int argc, char **argv) {
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
-      {"two_phase_signal", test_two_phase_signal},
+      {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

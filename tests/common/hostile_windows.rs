@@ -39,8 +39,12 @@ pub fn serve<K: Send + 'static>(
             version: "hostile".into(),
             tensors: vec![w],
         };
-        if conn.send(&manifest).is_err() || conn.recv(deadline).is_err() {
+        if conn.send(&manifest).is_err() {
             return;
+        }
+        match conn.recv(deadline) {
+            Ok(want) if super::decline_base(&mut conn, &want).is_ok() => {}
+            _ => return,
         }
         let Some(_buffer) = hand_over(&mut conn) else {
             return;

@@ -224,3 +224,19 @@ pub fn expect_equal_to_snapshot(engines: Vec<std::process::Child>) {
         );
     }
 }
+
+/// A fake publisher's answer to a WANT that named a base (protocol 6): it
+/// keeps no versions, so DELTAS says not kept and everything comes whole.
+pub fn decline_base(
+    conn: &mut weight_manager_core::internals::transport::conn::Conn,
+    want: &weight_manager_core::internals::wire::Frame,
+) -> weight_manager_core::Result<()> {
+    use weight_manager_core::internals::wire::Frame;
+    match want {
+        Frame::Want { base: Some(_), .. } => conn.send(&Frame::Deltas {
+            kept: false,
+            runs: Vec::new(),
+        }),
+        _ => Ok(()),
+    }
+}

@@ -54,10 +54,12 @@ fn fingerprint(plan: &Plan, t: usize, base: SendPtr) -> u128 {
 }
 
 impl Applier<'_, '_> {
-    /// The param memory of entry `t`, when it has a base here (a host param).
+    /// The param memory of entry `t`, when it has a base here (a host
+    /// param, and bytes to patch).
     fn host_param(&self, t: usize) -> Option<SendPtr> {
-        match (self.plan.entries[t].target, self.landing.params[t]) {
-            (Target::Param(_), Some(Dest::Host(p))) => Some(p),
+        let e = &self.plan.entries[t];
+        match (e.target, self.landing.params[t]) {
+            (Target::Param(_), Some(Dest::Host(p))) if e.bytes > 0 => Some(p),
             _ => None,
         }
     }

@@ -159,6 +159,9 @@ fn encode_one(j: &Job, want: &[Request]) -> (DeltaRun, Vec<u8>) {
     let Some((old, old_sum)) = j.old else {
         return (whole(RunVerdict::Differs), Vec::new());
     };
+    if q.bytes() == 0 {
+        return (whole(RunVerdict::NotSmaller), Vec::new());
+    }
     let (new, new_sum, all) = j.new;
     let known_base = if all { old_sum } else { None };
     if known_base.is_some_and(|s| s != j.fingerprint) {

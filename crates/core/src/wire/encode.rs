@@ -59,20 +59,7 @@ impl Frame {
                 o.0.extend_from_slice(mac);
                 o.0.extend_from_slice(nonce);
             }
-            Frame::Ready {
-                address,
-                bucket_size,
-                depth,
-                direct,
-                keyed,
-            } => {
-                o.u32(address.len() as u32);
-                o.0.extend_from_slice(address);
-                o.u64(*bucket_size);
-                o.u32(*depth);
-                o.u8(*direct as u8);
-                o.u8(*keyed as u8);
-            }
+            Frame::Ready { .. } => ready(&mut o, self),
             Frame::Digests { seq, digests } => {
                 o.u64(*seq);
                 o.u32(digests.len() as u32);
@@ -141,6 +128,24 @@ fn manifest(o: &mut Out, version: &str, tensors: &[TensorMeta]) {
             }
             None => o.u8(0),
         }
+    }
+}
+
+fn ready(o: &mut Out, f: &Frame) {
+    if let Frame::Ready {
+        address,
+        bucket_size,
+        depth,
+        direct,
+        keyed,
+    } = f
+    {
+        o.u32(address.len() as u32);
+        o.0.extend_from_slice(address);
+        o.u64(*bucket_size);
+        o.u32(*depth);
+        o.u8(*direct as u8);
+        o.u8(*keyed as u8);
     }
 }
 

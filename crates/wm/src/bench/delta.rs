@@ -15,6 +15,9 @@
 //!   the same on the same bytes, one thread, alternating:
 //!   `torch.nonzero(new != old)` plus gathering the values, and applying
 //!   with `index_put_` (target: ours >= 3x faster at each).
+//! - Update time (`delta_update.rs`): a model's next version as deltas
+//!   against the engine's version and whole, over IPC and UCX, alternating
+//!   (target at 2%: >= 10x faster over UCX).
 
 use super::harness::torch::TorchPeer;
 use super::harness::{alternate, python, verdict, Scratch};
@@ -65,6 +68,12 @@ pub struct Args {
     /// Pairs of alternating runs
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// The update section's model in GiB (0: skip that section)
+    #[arg(long, default_value_t = 0.5)]
+    update_gib: f64,
+    /// The update section's shares of changed elements
+    #[arg(long, value_delimiter = ',', default_value = "0.02")]
+    update_shares: Vec<f64>,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -73,7 +82,11 @@ pub fn run(a: &Args) -> Result<(), String> {
     synthetic(
         ((a.gib * (1u64 << 30) as f64) as usize / 2).max(1 << 16),
         a.runs,
-    )
+    )?;
+    if a.update_gib > 0.0 {
+        super::delta_update::run(a.update_gib, &a.update_shares, a.runs)?;
+    }
+    Ok(())
 }
 
 /// The steps of each learning rate: per step, what changed and what a

@@ -7,6 +7,7 @@
 
 mod atomic;
 mod delta;
+mod delta_update;
 mod gpu;
 pub mod harness;
 mod ipc;

@@ -1,0 +1,149 @@
+"""Delta updates through the Python package with real processes: the
+generator (`scripts/delta_steps.py`, a small PyTorch transformer trained in
+bf16 with fp32 masters and AdamW) writes 5 steps; a trainer process
+publishes each as a version; 2 engine processes update to each over IPC and
+over UCX (tcp), check every param's bytes against the step's file, and
+report their delta statistics: deltas from the second version on, a small
+share of the bytes on the wire. Then a trainer keeping one version: whole,
+NOT_KEPT; and `whole=True`: REFUSED.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "UCX_TLS": "tcp"}
+SECRET = "delta-python-secret-0123"
+STEPS = 5
+
+COMMON = r'''
+import json, struct, sys, time
+from pathlib import Path
+import numpy as np
+
+DTYPES = {"BF16": ("bf16", np.uint16), "F32": ("f32", np.float32), "F16": ("f16", np.float16)}
+
+def read_safetensors(path):
+    """{name: (wm dtype, numpy array of the raw elements)}."""
+    raw = Path(path).read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in sorted(header.items()):
+        if name == "__metadata__":
+            continue
+        wm, np_dtype = DTYPES[t["dtype"]]
+        a, b = t["data_offsets"]
+        data = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=np_dtype).reshape(t["shape"]).copy()
+        out[name] = (wm, data)
+    return out
+
+def wait_for(path, timeout=120):
+    end = time.time() + timeout
+    while not Path(path).exists():
+        if time.time() > end:
+            sys.exit(f"timed out waiting for {path}")
+        time.sleep(0.01)
+'''
+
+TRAINER = COMMON + r'''
+from weight_manager import Publisher
+steps, work, via, where, keep = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+if via == "ipc":
+    p = Publisher(socket_path=where, keep_versions=keep)
+else:
+    p = Publisher(net=where, secret="''' + SECRET + r'''", keep_versions=keep)
+    (work / "address").write_text(p.address)
+for k in range(''' + str(STEPS) + r'''):
+    p.clear()
+    for name, (dtype, arr) in read_safetensors(f"{steps}/step{k}.safetensors").items():
+        p.add(name, arr, dtype=dtype)
+    p.set_version(f"step-{k}")
+    p.publish()
+    (work / f"ready{k}").touch()
+    p.serve(2, timeout=120)
+'''
+
+ENGINE = COMMON + r'''
+from weight_manager import Manager
+steps, work, via, rank, whole = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+first = read_safetensors(f"{steps}/step0.safetensors")
+m = Manager(rank=rank, world_size=2, net_secret="''' + SECRET + r'''")
+params = {}
+for name, (dtype, arr) in first.items():
+    params[name] = np.zeros_like(arr)
+    m.register(name, params[name], dtype=dtype)
+for k in range(''' + str(STEPS) + r'''):
+    wait_for(work / f"ready{k}")
+    if via == "ipc":
+        location = str(work / "trainer.sock")
+    else:
+        location = (work / "address").read_text()
+    s = m.update(location, f"step-{k}", source=via, whole=whole)
+    want = read_safetensors(f"{steps}/step{k}.safetensors")
+    wrong = [n for n, (_, a) in want.items() if params[n].tobytes() != a.tobytes()]
+    d = s.deltas
+    print(json.dumps({"step": k, "wrong": wrong, "bytes": s.bytes, "fallback": d.fallback.name,
+                      "runs_delta": d.runs_delta, "runs_whole": d.runs_whole,
+                      "wire": d.wire_bytes, "base": d.base_version}), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("steps")
+    subprocess.run([PY, str(ROOT / "scripts" / "delta_steps.py"), str(out), "--steps", str(STEPS - 1),
+                    "--lrs", "1e-5"], check=True, env=ENV, timeout=600)
+    (lr,) = list(out.iterdir())
+    return lr
+
+
+def run(steps, tmp_path, via, keep=2, whole=False):
+    """The trainer and 2 engines; each engine's report per step."""
+    if via == "rdma":
+        from weight_manager import _lib
+        if _lib.LIB is None:
+            pytest.skip("no library")
+    tmp_path.mkdir(exist_ok=True)
+    where = str(tmp_path / "trainer.sock") if via == "ipc" else "127.0.0.1:0"
+    trainer = subprocess.Popen([PY, "-c", TRAINER, str(steps), str(tmp_path), via, where, str(keep)],
+                               env=ENV)
+    engines = [subprocess.Popen([PY, "-c", ENGINE, str(steps), str(tmp_path), via, str(r), str(int(whole))],
+                                env=ENV, stdout=subprocess.PIPE, text=True) for r in range(2)]
+    reports = []
+    for e in engines:
+        out, _ = e.communicate(timeout=600)
+        assert e.returncode == 0, out
+        reports.append([json.loads(line) for line in out.splitlines()])
+    assert trainer.wait(timeout=120) == 0
+    for rep in reports:
+        assert [r["step"] for r in rep] == list(range(STEPS))
+        for r in rep:
+            assert r["wrong"] == [], r
+    return reports
+
+
+@pytest.mark.parametrize("via", ["ipc", "rdma"])
+def test_five_steps_to_two_ranks(steps, tmp_path, via):
+    for rep in run(steps, tmp_path, via):
+        assert rep[0]["fallback"] == "NO_BASE" and rep[0]["runs_delta"] == 0
+        for r in rep[1:]:
+            assert r["fallback"] == "NONE", r
+            assert r["base"] == f"step-{r['step'] - 1}"
+            assert r["runs_delta"] > 0, r
+            # AdamW at 1e-5 changes a few percent of bf16 elements a step.
+            assert r["wire"] < r["bytes"] / 2, r
+
+
+def test_base_not_kept_and_whole(steps, tmp_path):
+    for rep in run(steps, tmp_path / "one", "ipc", keep=1):
+        assert all(r["fallback"] == "NOT_KEPT" and r["runs_delta"] == 0 for r in rep[1:]), rep
+    for rep in run(steps, tmp_path / "asked", "ipc", whole=True):
+        assert all(r["fallback"] == "REFUSED" and r["wire"] == r["bytes"] for r in rep[1:]), rep
