@@ -63,11 +63,17 @@
 #define WM_UPDATE_SKIP_NETWORK_CHECKSUMS 8
 
 // `wm_update_request.flags`: take no deltas; every run comes whole.
-// Default: an update from publishers (ipc, rdma, gdr) after a successful
-// one names the version the params hold, and a publisher that keeps it
-// sends each run as its changes where that is under half its bytes
+// Default: an update over the network (rdma, gdr) after a successful one
+// names the version the params hold, and a publisher that keeps it sends
+// each run as its changes where that is under half its bytes
 // (`wm_update_delta_stats`).
 #define WM_UPDATE_WHOLE 16
+
+// `wm_update_request.flags`: take deltas over IPC too. Not the default:
+// on one node the whole copy runs at memory speed, and a delta's passes
+// cost more than the bytes they save (README "Deltas between steps").
+// With `WM_UPDATE_WHOLE` too: `WM_ERR_INVALID_ARGUMENT`.
+#define WM_UPDATE_DELTAS 32
 
 // Most sources one update may name (`location`, `locations` and the
 // lists of `@FILE` locations together).
@@ -308,6 +314,8 @@ enum wm_delta_fallback
   // The source sends whole (a snapshot), or no param has a base here
   // (device params, a tensor callback).
   WM_DELTA_FALLBACK_NOT_APPLICABLE = 5,
+  // An IPC update that did not ask for deltas (`WM_UPDATE_DELTAS`).
+  WM_DELTA_FALLBACK_NOT_ASKED = 6,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -91,12 +91,22 @@ pub enum wm_delta_fallback {
     /// The source sends whole (a snapshot), or no param has a base here
     /// (device params, a tensor callback).
     NotApplicable = 5,
+    /// An IPC update that did not ask for deltas (`WM_UPDATE_DELTAS`).
+    NotAsked = 6,
 }
 mirror!(
     wm_delta_fallback,
     CoreDeltaFallback,
     u32,
-    [None, NoBase, Refused, NotKept, Differs, NotApplicable]
+    [
+        None,
+        NoBase,
+        Refused,
+        NotKept,
+        Differs,
+        NotApplicable,
+        NotAsked
+    ]
 );
 
 /// The update paths. Numbers are part of the ABI (`wm_update_request.source`).

@@ -6,6 +6,7 @@ use crate::enums::wm_source;
 use crate::result::wm_result;
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
+use weight_manager_core::DeltaMode;
 use weight_manager_core::SourceKind;
 use weight_manager_core::{Error, Result};
 use weight_manager_core::{Hooks, Mode, Progress, TensorView};
@@ -26,16 +27,22 @@ pub const WM_UPDATE_SKIP_UNKNOWN: u32 = 4;
 /// verify checksums by default, do not.
 pub const WM_UPDATE_SKIP_NETWORK_CHECKSUMS: u32 = 8;
 /// `wm_update_request.flags`: take no deltas; every run comes whole.
-/// Default: an update from publishers (ipc, rdma, gdr) after a successful
-/// one names the version the params hold, and a publisher that keeps it
-/// sends each run as its changes where that is under half its bytes
+/// Default: an update over the network (rdma, gdr) after a successful one
+/// names the version the params hold, and a publisher that keeps it sends
+/// each run as its changes where that is under half its bytes
 /// (`wm_update_delta_stats`).
 pub const WM_UPDATE_WHOLE: u32 = 16;
+/// `wm_update_request.flags`: take deltas over IPC too. Not the default:
+/// on one node the whole copy runs at memory speed, and a delta's passes
+/// cost more than the bytes they save (README "Deltas between steps").
+/// With `WM_UPDATE_WHOLE` too: `WM_ERR_INVALID_ARGUMENT`.
+pub const WM_UPDATE_DELTAS: u32 = 32;
 const KNOWN_FLAGS: u32 = WM_UPDATE_VERIFY_CHECKSUMS
     | WM_UPDATE_IN_PLACE
     | WM_UPDATE_SKIP_UNKNOWN
     | WM_UPDATE_SKIP_NETWORK_CHECKSUMS
-    | WM_UPDATE_WHOLE;
+    | WM_UPDATE_WHOLE
+    | WM_UPDATE_DELTAS;
 
 /// Most sources one update may name (`location`, `locations` and the
 /// lists of `@FILE` locations together).
@@ -244,7 +251,16 @@ pub(crate) unsafe fn request_from_c<'h>(r: &wm_update_request) -> Result<UpdateR
             false => Mode::Atomic,
         },
         skip_unknown: flag(WM_UPDATE_SKIP_UNKNOWN),
-        whole: flag(WM_UPDATE_WHOLE),
+        deltas: match (flag(WM_UPDATE_WHOLE), flag(WM_UPDATE_DELTAS)) {
+            (true, true) => {
+                return Err(Error::invalid_argument(
+                    "wm_update_request.flags: WM_UPDATE_WHOLE and WM_UPDATE_DELTAS together",
+                ))
+            }
+            (true, false) => DeltaMode::Off,
+            (false, true) => DeltaMode::On,
+            (false, false) => DeltaMode::Auto,
+        },
         timeout: match r.timeout_ms {
             0 => weight_manager_core::defaults::UPDATE_TIMEOUT,
             ms => Duration::from_millis(ms),

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use weight_manager_core::internals::transport::conn::Conn;
 use weight_manager_core::internals::wire::{DeltaRun, Frame, RunVerdict};
 use weight_manager_core::wm_result;
-use weight_manager_core::{DType, DeltaFallback, Manager, ManagerConfig, Mode, NetSettings};
+use weight_manager_core::{
+    DType, DeltaFallback, DeltaMode, Manager, ManagerConfig, Mode, NetSettings,
+};
 use weight_manager_core::{
     ParamSpec, Publisher, PublisherConfig, SourceKind, State, UpdateRequest,
 };
@@ -112,6 +114,10 @@ impl Trainer {
             Via::Ipc => SourceKind::Ipc,
             Via::Rdma => SourceKind::Rdma,
         };
+        // IPC takes deltas when asked; the network by default.
+        if matches!(self.via, Via::Ipc) {
+            r.deltas = DeltaMode::On;
+        }
         r
     }
 
@@ -232,13 +238,16 @@ fn fallbacks_to_whole() {
     let m = [engine(0)];
     let mut ts = first();
     let ps = register(&m[0], &ts);
-    let update = |trainer: &Trainer, whole: bool| {
+    let update_as = |trainer: &Trainer, mode: DeltaMode| {
         let r = trainer.update_all(&m, || {
             let mut r = trainer.request();
-            r.whole = whole;
+            r.deltas = mode;
             r
         });
         r.into_iter().next().unwrap().unwrap().deltas
+    };
+    let update = |trainer: &Trainer, whole: bool| {
+        update_as(trainer, if whole { DeltaMode::Off } else { DeltaMode::On })
     };
     trainer.publish(&ts, 1);
     assert_eq!(update(&trainer, false).fallback, DeltaFallback::NoBase);
@@ -290,6 +299,17 @@ fn fallbacks_to_whole() {
     );
     assert_params(&ps, &ts);
 
+    // IPC without asking: whole, and said so.
+    ts = next(&ts, 6);
+    trainer.publish(&ts, 6);
+    let d = update_as(&trainer, DeltaMode::Auto);
+    assert_eq!(
+        (d.fallback, d.runs_delta),
+        (DeltaFallback::NotAsked, 0),
+        "{d:?}"
+    );
+    assert_params(&ps, &ts);
+
     // Snapshots always move whole.
     let snap = dir.path().join("snap");
     std::fs::create_dir(&snap).unwrap();
@@ -320,6 +340,7 @@ fn hostile(sock: &Path, answer: Vec<Frame>) -> std::thread::JoinHandle<Option<Fr
         let manifest = Frame::Manifest {
             version: "v2".into(),
             tensors: vec![w],
+            base_kept: true,
         };
         conn.send(&manifest).ok()?;
         let want = conn.recv(deadline).ok()?;
@@ -448,7 +469,8 @@ fn hostile_cases(v1: &T) -> Vec<(Vec<Frame>, &'static str)> {
 }
 
 /// Every hostile answer is refused naming what is wrong, and the old
-/// weights stay (atomic and in place: nothing was written).
+/// weights stay (atomic; in place too, but for a delta whose result fails
+/// its checksum: FAILED).
 #[test]
 fn hostile_deltas_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -463,7 +485,7 @@ fn hostile_deltas_are_refused() {
             let sock = dir.path().join(format!("h{k}{mode:?}.sock"));
             let publisher = hostile(&sock, answer.clone());
             let mut r = UpdateRequest::snapshot(&sock);
-            (r.source, r.mode) = (SourceKind::Ipc, mode);
+            (r.source, r.mode, r.deltas) = (SourceKind::Ipc, mode, DeltaMode::On);
             let e = m.update(r).unwrap_err();
             assert!(e.message.contains(want), "case {k} {mode:?}: {e}");
             assert!(
@@ -478,8 +500,15 @@ fn hostile_deltas_are_refused() {
             };
             assert_eq!(base.version, "v1");
             assert_eq!(base.fingerprints, vec![(0, sum(&v1.data))]);
-            assert_params(&p, std::slice::from_ref(&v1));
             let s = m.status();
+            // In place, a delta is patched into the param before its
+            // result's checksum is known: that one leaves FAILED. Every
+            // other refusal comes before a byte is written.
+            if mode == Mode::InPlace && want.contains("does not give") {
+                assert_eq!(s.state, State::Failed, "case {k}");
+                continue;
+            }
+            assert_params(&p, std::slice::from_ref(&v1));
             assert_eq!((s.state, s.version.as_deref()), (State::Normal, Some("v1")));
         }
     }
@@ -500,7 +529,7 @@ fn a_hand_made_delta_applies() {
     let sock = dir.path().join("good.sock");
     let publisher = hostile(&sock, vec![deltas(4, sum), piece(&[3, 1, 5, changed[5]])]);
     let mut r = UpdateRequest::snapshot(&sock);
-    r.source = SourceKind::Ipc;
+    (r.source, r.deltas) = (SourceKind::Ipc, DeltaMode::On);
     let stats = m.update(r).unwrap();
     publisher.join().unwrap();
     let mut want = v1.clone();

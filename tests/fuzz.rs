@@ -132,10 +132,12 @@ fn plan_frames() -> Vec<Frame> {
             world_size: 2,
             gpu_id: "3".into(),
             version: "v1".into(),
+            base: "v0".into(),
         },
         Frame::Manifest {
             version: "v1".into(),
             tensors: vec![meta("a", &[2, 3], Some(7)), meta("b", &[], None)],
+            base_kept: false,
         },
         Frame::Manifest {
             version: "v1".into(),
@@ -155,6 +157,7 @@ fn plan_frames() -> Vec<Frame> {
                     ..meta("e", &[0], None)
                 },
             ],
+            base_kept: true,
         },
         Frame::Want {
             requests: vec![
@@ -597,13 +600,14 @@ fn planning_stops_at_the_deadline() {
     assert!(e.message.contains("deadline passed while planning"), "{e}");
 }
 
-/// A delta (`weight_manager_core::delta`) applied onto a run of bf16 elements:
+/// A delta (`weight_manager_core::delta`) checked, and applied onto a run of
+/// bf16 elements:
 /// hostile positions, counts, forms and lengths are refused or applied,
 /// never a panic, within the time and memory bounds; what applies
 /// re-encodes to a delta that gives the same bytes.
 #[test]
 fn fuzz_delta_apply() {
-    use weight_manager_core::delta::{apply, encode};
+    use weight_manager_core::delta::{apply, check, encode};
     let elems = 70_000;
     let old: Vec<u8> = (0..elems * 2).map(|i| (i * 7 % 251) as u8).collect();
     let seeds: Vec<Vec<u8>> = [1usize, 53, 3, 1]
@@ -629,7 +633,14 @@ fn fuzz_delta_apply() {
     };
     fuzz(target, |bytes| {
         let mut run = old.clone();
-        if apply(bytes, &mut run, 2).is_err() {
+        let applied = apply(bytes, &mut run, 2);
+        // The check before writing refuses exactly what applying refuses.
+        assert_eq!(
+            check(bytes, old.len(), 2).is_ok(),
+            applied.is_ok(),
+            "{applied:?}"
+        );
+        if applied.is_err() {
             return false;
         }
         let mut again = Vec::new();

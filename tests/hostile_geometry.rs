@@ -53,6 +53,7 @@ fn announcing(sock: &Path, tensors: Vec<TensorMeta>) -> std::thread::JoinHandle<
     let manifest = Frame::Manifest {
         version: "hostile".into(),
         tensors,
+        base_kept: false,
     }
     .encode();
     let listener = UnixListener::bind(sock).unwrap();

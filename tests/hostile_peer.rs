@@ -115,6 +115,7 @@ fn hostile_publisher(sock: &Path, script: Script) -> std::thread::JoinHandle<Vec
         let manifest = Frame::Manifest {
             version: "hostile".into(),
             tensors: script.manifest,
+            base_kept: false,
         };
         conn.send(&manifest).unwrap();
         let want = step(&mut conn);

@@ -74,6 +74,7 @@ fn hello(sock: &Path, deadline: Instant) -> Conn {
         world_size: 1,
         gpu_id: "0".into(),
         version: String::new(),
+        base: String::new(),
     })
     .unwrap();
     let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
@@ -378,6 +379,7 @@ fn net_engine(addr: &str, secret: &[u8], deadline: Instant) -> Conn {
         world_size: 1,
         gpu_id: "0".into(),
         version: String::new(),
+        base: String::new(),
     };
     conn.send(&hello).unwrap();
     let Frame::Challenge { nonce: theirs } = conn.recv(deadline).unwrap() else {

@@ -487,6 +487,7 @@ fn gpu_buffers_without_a_driver_fail_cleanly() {
                     checksum: None,
                     placement: None,
                 }],
+                base_kept: false,
             })
             .unwrap();
             let want = conn.recv(deadline).unwrap();

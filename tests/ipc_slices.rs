@@ -226,6 +226,7 @@ fn a_published_version_serves_strided_requests_as_windows() {
             world_size: 1,
             gpu_id: "0".into(),
             version: String::new(),
+            base: String::new(),
         })
         .unwrap();
         let Frame::Manifest { tensors, .. } = conn.recv(deadline).unwrap() else {

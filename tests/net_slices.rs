@@ -371,6 +371,7 @@ fn lying_publisher(
         conn.send(&Frame::Manifest {
             version: "lie".into(),
             tensors,
+            base_kept: false,
         })
         .unwrap();
         let want = conn.recv(deadline).unwrap();

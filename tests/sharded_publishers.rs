@@ -262,6 +262,7 @@ fn deltas_from_two_publishers(via: Via) {
         let to = |version: &str| {
             let mut r = request(via, &ps, mode);
             r.version = Some(version.into());
+            r.deltas = weight_manager_core::DeltaMode::On;
             r
         };
         serving(&ps, || m.update(to("v1"))).0.unwrap();
@@ -497,6 +498,7 @@ fn a_bad_want_gets_an_error_naming_the_problem() {
                 world_size: 1,
                 gpu_id: "0".into(),
                 version: String::new(),
+                base: String::new(),
             })
             .unwrap();
             assert!(matches!(

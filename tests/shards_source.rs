@@ -293,6 +293,7 @@ fn an_engine_of_another_protocol_version_is_told_why() {
             world_size: 1,
             gpu_id: "0".into(),
             version: String::new(),
+            base: String::new(),
         }
         .encode();
         hello[9..13].copy_from_slice(&2u32.to_le_bytes()); // protocol 2

@@ -289,7 +289,7 @@ def test_enum_values_match_header():
     same("wm_delta_fallback", "WM_DELTA_FALLBACK_", {m.name: m.value for m in types.DeltaFallback})
     assert enums["wm_memory"]["WM_MEMORY_DEVICE"] == manager.MEMORY_DEVICE
     macros = header_macros()
-    flags = ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS", "WHOLE")
+    flags = ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS", "WHOLE", "DELTAS")
     for py in flags:
         assert macros["WM_UPDATE_" + py] == getattr(types, py), py
     assert {k for k in macros if k.startswith("WM_UPDATE_")} == {"WM_UPDATE_" + p for p in flags}

@@ -3,9 +3,10 @@ generator (`scripts/delta_steps.py`, a small PyTorch transformer trained in
 bf16 with fp32 masters and AdamW) writes 5 steps; a trainer process
 publishes each as a version; 2 engine processes update to each over IPC and
 over UCX (tcp), check every param's bytes against the step's file, and
-report their delta statistics: deltas from the second version on, a small
-share of the bytes on the wire. Then a trainer keeping one version: whole,
-NOT_KEPT; and `whole=True`: REFUSED.
+report their delta statistics: deltas from the second version on (over
+IPC when asked: `deltas=True`), a small share of the bytes on the wire.
+Then a trainer keeping one version: whole, NOT_KEPT; `deltas=False`:
+REFUSED; IPC by default: NOT_ASKED.
 """
 
 import json
@@ -72,7 +73,8 @@ for k in range(''' + str(STEPS) + r'''):
 
 ENGINE = COMMON + r'''
 from weight_manager import Manager
-steps, work, via, rank, whole = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+steps, work, via, rank, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+deltas = {"default": None, "on": True, "off": False}[mode]
 first = read_safetensors(f"{steps}/step0.safetensors")
 m = Manager(rank=rank, world_size=2, net_secret="''' + SECRET + r'''")
 params = {}
@@ -85,7 +87,7 @@ for k in range(''' + str(STEPS) + r'''):
         location = str(work / "trainer.sock")
     else:
         location = (work / "address").read_text()
-    s = m.update(location, f"step-{k}", source=via, whole=whole)
+    s = m.update(location, f"step-{k}", source=via, deltas=deltas)
     want = read_safetensors(f"{steps}/step{k}.safetensors")
     wrong = [n for n, (_, a) in want.items() if params[n].tobytes() != a.tobytes()]
     d = s.deltas
@@ -105,7 +107,7 @@ def steps(tmp_path_factory):
     return lr
 
 
-def run(steps, tmp_path, via, keep=2, whole=False):
+def run(steps, tmp_path, via, keep=2, deltas="on"):
     """The trainer and 2 engines; each engine's report per step."""
     if via == "rdma":
         from weight_manager import _lib
@@ -115,7 +117,7 @@ def run(steps, tmp_path, via, keep=2, whole=False):
     where = str(tmp_path / "trainer.sock") if via == "ipc" else "127.0.0.1:0"
     trainer = subprocess.Popen([PY, "-c", TRAINER, str(steps), str(tmp_path), via, where, str(keep)],
                                env=ENV)
-    engines = [subprocess.Popen([PY, "-c", ENGINE, str(steps), str(tmp_path), via, str(r), str(int(whole))],
+    engines = [subprocess.Popen([PY, "-c", ENGINE, str(steps), str(tmp_path), via, str(r), deltas],
                                 env=ENV, stdout=subprocess.PIPE, text=True) for r in range(2)]
     reports = []
     for e in engines:
@@ -132,7 +134,8 @@ def run(steps, tmp_path, via, keep=2, whole=False):
 
 @pytest.mark.parametrize("via", ["ipc", "rdma"])
 def test_five_steps_to_two_ranks(steps, tmp_path, via):
-    for rep in run(steps, tmp_path, via):
+    # Over rdma by default; over IPC when asked.
+    for rep in run(steps, tmp_path, via, deltas="on" if via == "ipc" else "default"):
         assert rep[0]["fallback"] == "NO_BASE" and rep[0]["runs_delta"] == 0
         for r in rep[1:]:
             assert r["fallback"] == "NONE", r
@@ -145,5 +148,7 @@ def test_five_steps_to_two_ranks(steps, tmp_path, via):
 def test_base_not_kept_and_whole(steps, tmp_path):
     for rep in run(steps, tmp_path / "one", "ipc", keep=1):
         assert all(r["fallback"] == "NOT_KEPT" and r["runs_delta"] == 0 for r in rep[1:]), rep
-    for rep in run(steps, tmp_path / "asked", "ipc", whole=True):
+    for rep in run(steps, tmp_path / "asked", "ipc", deltas="off"):
         assert all(r["fallback"] == "REFUSED" and r["wire"] == r["bytes"] for r in rep[1:]), rep
+    for rep in run(steps, tmp_path / "default", "ipc", deltas="default"):
+        assert all(r["fallback"] == "NOT_ASKED" and r["runs_delta"] == 0 for r in rep[1:]), rep

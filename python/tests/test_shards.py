@@ -57,7 +57,7 @@ def _recv_exact(conn, n: int) -> bytes:
 def manifest_over_ipc(sock_path: str) -> dict:
     """{name: [(shape, global_shape or None, offset or None)]}, as an engine
     of rank 0 decodes its MANIFEST."""
-    hello = struct.pack("<IIII", 0x574D4950, PROTOCOL, 0, 1) + _text("0") + _text("")
+    hello = struct.pack("<IIII", 0x574D4950, PROTOCOL, 0, 1) + _text("0") + _text("") + _text("")
     with socket.socket(socket.AF_UNIX) as conn:
         conn.settimeout(20)
         conn.connect(sock_path)

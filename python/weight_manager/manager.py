@@ -11,7 +11,7 @@ import numpy as np
 from . import _lib, torch_bridge
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
-from .types import (DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback,
+from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback,
                     DType, Result, Source, State, parse_dtype)
 
 LIB = _lib.LIB
@@ -154,7 +154,7 @@ def _encode(s) -> Optional[bytes]:
     return s.encode() if isinstance(s, str) else bytes(s)
 
 
-def _request(location, version, source, verify, in_place, skip_unknown, timeout, whole=False):
+def _request(location, version, source, verify, in_place, skip_unknown, timeout, deltas=None):
     """A wm_update_request, and the encoded strings it points to (keep them
     alive through the call)."""
     req = _lib.UpdateRequest()
@@ -172,7 +172,8 @@ def _request(location, version, source, verify, in_place, skip_unknown, timeout,
     req.version = encoded_version
     keep.append(encoded_version)
     req.flags = (VERIFY_CHECKSUMS if verify else 0) | (IN_PLACE if in_place else 0) | \
-                (SKIP_UNKNOWN if skip_unknown else 0) | (WHOLE if whole else 0)
+                (SKIP_UNKNOWN if skip_unknown else 0) | \
+                {None: 0, True: DELTAS, False: WHOLE}[None if deltas is None else bool(deltas)]
     if timeout is not None:
         req.timeout_ms = max(1, int(timeout * 1000))
     return req, keep
@@ -464,7 +465,7 @@ class Manager(OwnedHandle):
                timeout: Optional[float] = None,
                progress: Union[bool, Callable[[Progress], Optional[bool]], None] = None,
                on_tensor: Optional[Callable[[str, np.ndarray], None]] = None,
-               whole: bool = False) -> UpdateStats:
+               deltas: Optional[bool] = None) -> UpdateStats:
         """Update the params. `location`: one location (snapshot dir or
         file, socket path, host:port) or a list of them (several publishers,
         one per trainer rank, serving one version together; "@FILE" names a
@@ -478,12 +479,12 @@ class Manager(OwnedHandle):
         GPU version (CUDA IPC, in place) the array is a `DeviceArray`: GPU
         memory, viewable through `__cuda_array_interface__`.
 
-        From publishers (ipc, rdma) after a successful update, each run comes
-        as its changes since the version the params hold where the publisher
-        keeps it (`stats.deltas` says what happened); `whole=True` asks for
-        every byte instead."""
+        `deltas`: None (default) takes each run as its changes since the
+        version the params hold over the network (rdma) when the publisher
+        keeps it, and whole over IPC; True takes deltas over IPC too; False
+        never. `stats.deltas` says what happened."""
         req, keep = _request(location, version, source, verify, in_place, skip_unknown, timeout,
-                             whole)
+                             deltas)
         raised = []
         bar = None
         if progress is True:
@@ -539,7 +540,7 @@ class Manager(OwnedHandle):
 
     def stage(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
               verify: bool = False, skip_unknown: bool = False,
-              timeout: Optional[float] = None, whole: bool = False) -> UpdateStats:
+              timeout: Optional[float] = None, deltas: Optional[bool] = None) -> UpdateStats:
         """Stage the next version while the engine keeps serving: fetch,
         verify and hold every byte, the params untouched (memory for one
         more copy of what the update writes). Returns once staged, with the
@@ -549,7 +550,7 @@ class Manager(OwnedHandle):
         version at a time; update() is refused (busy) until the commit or
         abort; clear() drops it; close() aborts it."""
         req, keep = _request(location, version, source, verify, False, skip_unknown, timeout,
-                             whole)
+                             deltas)
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         rc = LIB.wm_stage(self._h(), ctypes.byref(req), ctypes.byref(stats))

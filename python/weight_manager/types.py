@@ -119,6 +119,7 @@ IN_PLACE = 2
 SKIP_UNKNOWN = 4
 SKIP_NETWORK_CHECKSUMS = 8
 WHOLE = 16
+DELTAS = 32
 
 
 class DeltaFallback(enum.IntEnum):
@@ -129,6 +130,7 @@ class DeltaFallback(enum.IntEnum):
     NOT_KEPT = 3  # a publisher no longer keeps the base
     DIFFERS = 4  # some params' bytes were not the base's: those runs came whole
     NOT_APPLICABLE = 5  # a snapshot, device params or a tensor callback
+    NOT_ASKED = 6  # an IPC update that did not ask for deltas (deltas=True)
 
 
 class Piece:

@@ -1278,10 +1278,14 @@ static void test_deltas(void) {
   r.version = "1";
   wm_update_stats st;
   st.struct_size = sizeof st;
-  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK_RC(wm_update(m, &r, &st), WM_OK); /* IPC takes deltas when asked */
   CHECK_RC(wm_update_delta_stats(m, &d), WM_OK);
-  CHECK(d.fallback == WM_DELTA_FALLBACK_NO_BASE && d.runs_delta == 0 && d.wire_bytes == 80);
+  CHECK(d.fallback == WM_DELTA_FALLBACK_NOT_ASKED && d.runs_delta == 0 && d.wire_bytes == 80);
+  r.flags = WM_UPDATE_WHOLE | WM_UPDATE_DELTAS;
+  CHECK_RC(wm_update(m, &r, &st), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "WM_UPDATE_WHOLE and WM_UPDATE_DELTAS") != NULL);
 
+  r.flags = WM_UPDATE_DELTAS;
   r.version = "2";
   CHECK_RC(wm_update(m, &r, &st), WM_OK);
   CHECK(w[5] == 55.0f && w[4] == 4.0f && b[3] == 103.0f);

@@ -38,6 +38,7 @@ pub fn serve<K: Send + 'static>(
         let manifest = Frame::Manifest {
             version: "hostile".into(),
             tensors: vec![w],
+            base_kept: false,
         };
         if conn.send(&manifest).is_err() {
             return;

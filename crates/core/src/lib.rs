@@ -115,8 +115,8 @@ pub use checkpoint::version::{check_version, MAX_VERSION_LEN};
 pub use fanout::FanoutSettings;
 pub use logging::{LogLevel, Logger};
 pub use manager::{
-    AcquireHook, DeltaFallback, DeltaStats, GroupSettings, Manager, ManagerConfig, NetSettings,
-    ReleaseHook, Staged, UpdateRequest, UpdateStats,
+    AcquireHook, DeltaFallback, DeltaMode, DeltaStats, GroupSettings, Manager, ManagerConfig,
+    NetSettings, ReleaseHook, Staged, UpdateRequest, UpdateStats,
 };
 pub use pieces::{Piece, MAX_PIECES_PER_PARAM};
 pub use registry::{MemoryKind, ParamSpec};

@@ -1,25 +1,36 @@
 //! Deltas land here: the bytes an entry's param holds now are the base a
 //! delta applies onto. [`Applier::base_fingerprints`] hashes them (the
 //! engine names them in WANT, so a param written by anything since is
-//! noticed); [`Applier::apply_delta`] reads them a window at a time, patches
-//! the window and hands it on as any source's chunk, so atomic staging,
-//! in-place writes, verification and progress are the ones every update
-//! uses. In atomic mode the params keep the old bytes until the commit; in
-//! place each window is written back where it was read.
+//! noticed); [`Applier::apply_deltas`] patches them where the entries'
+//! bytes land (`patch.rs`) and accounts for them as any source's landed
+//! bytes, so atomic staging, in-place writes and progress are the ones
+//! every update uses. In atomic mode the params keep the old bytes until
+//! the commit; in place the params are patched where they are.
 //!
 //! Only host params have a base here: a device param's would have to be
 //! read back from the GPU first, so its entries go whole.
 
+use super::patch::{patch_all, PatchJob};
 use super::{Applier, Chunk};
 use crate::checksum::Checksum;
-use crate::delta::{Patcher, CHUNK, WINDOW_CHUNKS};
+use crate::delta;
 use crate::memory::copy::CopySource;
 use crate::memory::SendPtr;
 use crate::plan::{Plan, Target};
 use crate::registry::Dest;
 use crate::result::{Error, Result};
 
-/// What the deltas of an update did (`wm_update_stats`' delta fields).
+/// One delta for [`Applier::apply_deltas`]: plan entry `entry`'s new
+/// bytes as a delta (elements of `esize` bytes) whose result hashes to
+/// `sum`.
+pub struct DeltaJob<'d> {
+    pub entry: usize,
+    pub delta: &'d [u8],
+    pub esize: usize,
+    pub sum: u128,
+}
+
+/// What the deltas of an update did (`wm_delta_stats`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeltaTally {
     /// Entries (an entry's bytes from one source: a request) sent as deltas.
@@ -90,85 +101,82 @@ impl Applier<'_, '_> {
         })
     }
 
-    /// Apply `delta` (elements of `esize` bytes) onto entry `t`'s base: the
-    /// new bytes must hash to `sum`, which is checked before the entry's
-    /// last window is handed on whether or not the update verifies (a
-    /// wrong base would otherwise go unnoticed). Returns the bytes it
-    /// rewrote. `origin` names the source in errors.
-    pub fn apply_delta(
-        &mut self,
-        origin: &str,
-        t: usize,
-        delta: &[u8],
-        esize: usize,
-        sum: u128,
-    ) -> Result<u64> {
-        let name = self.plan.entries[t].meta.name.clone();
-        let bad =
-            |why: String| Error::peer(format!("{origin}: the delta of tensor '{name}': {why}"));
-        let base = self
-            .host_param(t)
-            .ok_or_else(|| bad("its param has no base here".into()))?;
-        if self.verifies() && !self.plan.takes_all(t) {
-            self.expect_checksum(t, sum)?;
+    /// Apply each delta onto its entry's base (patched in parallel,
+    /// `patch.rs`). Every delta is checked before any byte is written; each
+    /// result must hash to its delta's `sum`, checked whether or not the
+    /// update verifies (a wrong base would otherwise go unnoticed), and
+    /// that check stands for the applier's own (so the bytes are hashed
+    /// once). In place, a result that fails its checksum was written: the
+    /// update then fails as any in-place failure after a write. `origin`
+    /// names the source in errors.
+    pub fn apply_deltas(&mut self, origin: &str, deltas: &[DeltaJob]) -> Result<()> {
+        for d in deltas {
+            self.check_delta(origin, d)?;
         }
-        let total = self.plan.entries[t].bytes;
-        let mut patcher = Some(Patcher::new(delta, esize).map_err(|e| bad(e.0))?);
-        let mut rewritten = 0;
-        let mut hash = Checksum::default();
-        let window = (CHUNK * WINDOW_CHUNKS * esize) as u64;
-        let mut buf = vec![0u8; window.min(total) as usize];
-        let mut at = 0;
-        while at < total {
-            let n = window.min(total - at);
-            let w = &mut buf[..n as usize];
-            self.read_base(base, t, at, w);
-            let p = patcher.as_mut().expect("until the last window");
-            p.patch(w).map_err(|e| bad(e.0))?;
-            hash.update(w);
-            if at + n == total {
-                let elems = patcher
-                    .take()
-                    .expect("once")
-                    .finish()
-                    .map_err(|e| bad(e.0))?;
-                rewritten = elems * esize as u64;
-                if hash.digest() != sum {
-                    return Err(Error::checksum(format!(
-                        "{origin}: tensor '{name}': its delta does not give the new version's \
-                         bytes (checksum mismatch)"
-                    )));
-                }
-                self.tally_delta(delta.len() as u64, total, rewritten);
+        let in_place = self.landing.in_place();
+        let mut jobs = Vec::with_capacity(deltas.len());
+        for d in deltas {
+            let total = self.plan.entries[d.entry].bytes;
+            let dst = self
+                .landing
+                .receive_scatter(d.entry, 0, total as usize, usize::MAX)?;
+            jobs.push(PatchJob {
+                delta: d.delta,
+                esize: d.esize,
+                total,
+                base: self.host_param(d.entry).expect("checked"),
+                segs: self.plan.segments(d.entry),
+                dst: dst.ok_or_else(|| Error::unsupported("a delta into GPU memory"))?,
+                in_place,
+            });
+        }
+        let done = patch_all(&jobs, self.opts.threads);
+        for ((d, job), r) in deltas.iter().zip(&jobs).zip(done) {
+            let name = &self.plan.entries[d.entry].meta.name;
+            let (rewritten, got) =
+                r.map_err(|e| Error::peer(format!("{origin}: the delta of tensor '{name}': {e}")))?;
+            if got != d.sum {
+                return Err(Error::checksum(format!(
+                    "{origin}: tensor '{name}': its delta does not give the new version's bytes \
+                     (checksum mismatch)"
+                )));
             }
-            let chunk = Chunk {
-                tensor: t,
-                offset: at,
-                len: n as usize,
-                src: CopySource::Memory(SendPtr(w.as_mut_ptr())),
+            let landed = Chunk {
+                tensor: d.entry,
+                offset: 0,
+                len: job.total as usize,
+                src: CopySource::Memory(job.dst[0].0),
             };
-            self.apply_batch(origin, &[chunk])?;
-            at += n;
+            // Checked just above: the applier need not hash it again.
+            let verifying = std::mem::replace(&mut self.verifier.on, false);
+            let r = self.account_landed(origin, &[landed]);
+            self.verifier.on = verifying;
+            r?;
+            self.tally_delta(d.delta.len() as u64, job.total, rewritten);
         }
-        Ok(rewritten)
+        Ok(())
     }
 
-    /// Bytes `[at, at + out.len())` of entry `t` as its param holds them.
-    fn read_base(&self, base: SendPtr, t: usize, at: u64, out: &mut [u8]) {
-        let segs = self.plan.segments(t);
-        let mut i = segs.partition_point(|s| s.wanted + s.len <= at);
-        let mut done = 0usize;
-        while done < out.len() {
-            let s = &segs[i];
-            let from = at + done as u64 - s.wanted;
-            let n = ((s.len - from) as usize).min(out.len() - done);
-            // SAFETY: as in `fingerprint`; in place, the window is read
-            // before it is written back.
-            let src =
-                unsafe { std::slice::from_raw_parts(base.0.add((s.param + from) as usize), n) };
-            out[done..done + n].copy_from_slice(src);
-            done += n;
-            i += 1;
+    /// Before any byte is written: the delta's entry has a base here, the
+    /// delta is well formed for its bytes, and (verifying) an entry taking
+    /// all of its tensor is promised the manifest's checksum.
+    fn check_delta(&self, origin: &str, d: &DeltaJob) -> Result<()> {
+        let e = &self.plan.entries[d.entry];
+        let bad = |why: String| {
+            Error::peer(format!(
+                "{origin}: the delta of tensor '{}': {why}",
+                e.meta.name
+            ))
+        };
+        if self.host_param(d.entry).is_none() {
+            return Err(bad("its param has no base here".into()));
+        }
+        delta::check(d.delta, e.bytes as usize, d.esize).map_err(|x| bad(x.0))?;
+        match e.meta.checksum {
+            Some(c) if self.verifies() && self.plan.takes_all(d.entry) && c != d.sum => {
+                Err(bad("its checksum is not the manifest's".into()))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -49,6 +49,7 @@ mod commit;
 mod device_swap;
 mod failure;
 mod landing;
+mod patch;
 mod progress;
 mod route;
 mod shadows;
@@ -62,7 +63,7 @@ mod tests;
 
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;
-pub use base::DeltaTally;
+pub use base::{DeltaJob, DeltaTally};
 pub use failure::ApplyFailure;
 pub use progress::Progress;
 #[cfg(test)]

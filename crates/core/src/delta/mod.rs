@@ -132,6 +132,37 @@ pub fn apply(delta: &[u8], run: &mut [u8], esize: usize) -> Result<u64, DeltaErr
     p.finish()
 }
 
+/// Check `delta` against a run of `run_len` bytes (elements of `esize`
+/// bytes) without applying it: every check [`Patcher`] makes, so a
+/// receiver can refuse a bad delta before it writes a byte.
+pub fn check(delta: &[u8], run_len: usize, esize: usize) -> Result<(), DeltaError> {
+    if esize == 0 || run_len % esize != 0 {
+        return Err(DeltaError(format!(
+            "a run of {run_len} bytes is not whole elements of {esize} bytes"
+        )));
+    }
+    let mut r = Reader { b: delta, at: 0 };
+    let elems = run_len / esize;
+    for k in 0..elems.div_ceil(CHUNK) {
+        let n = CHUNK.min(elems - k * CHUNK);
+        let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
+        let form = r
+            .byte()
+            .ok_or_else(|| bad("the delta ends before it".into()))?;
+        let _changed = match form {
+            UNCHANGED => 0,
+            WHOLE => r.take(n * esize).map_err(bad)?.len(),
+            BITMASK => apply_bitmask(&mut r, None, n, esize).map_err(bad)?,
+            GAPS => apply_gaps(&mut r, None, n, esize).map_err(bad)?,
+            t => return Err(bad(format!("unknown form {t}"))),
+        };
+    }
+    match r.b.len() - r.at {
+        0 => Ok(()),
+        n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
+    }
+}
+
 /// The element size a delta of a run uses: the dtype's when the run is
 /// whole elements of it, else bytes (both sides derive it the same way
 /// from the tensor's dtype and the run's length).
@@ -185,7 +216,7 @@ impl<'a> Patcher<'a> {
         }
         self.ended = window.len() % (CHUNK * esize) != 0;
         for chunk in window.chunks_mut(CHUNK * esize) {
-            let k = self.chunk;
+            let (k, elems) = (self.chunk, chunk.len() / esize);
             let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
             let r = &mut self.r;
             let form = r
@@ -197,8 +228,8 @@ impl<'a> Patcher<'a> {
                     chunk.copy_from_slice(r.take(chunk.len()).map_err(bad)?);
                     (chunk.len() / esize) as u64
                 }
-                BITMASK => apply_bitmask(r, chunk, esize).map_err(bad)? as u64,
-                GAPS => apply_gaps(r, chunk, esize).map_err(bad)? as u64,
+                BITMASK => apply_bitmask(r, Some(chunk), elems, esize).map_err(bad)? as u64,
+                GAPS => apply_gaps(r, Some(chunk), elems, esize).map_err(bad)? as u64,
                 t => return Err(bad(format!("unknown form {t}"))),
             };
             self.chunk += 1;
@@ -377,14 +408,23 @@ fn set(chunk: &mut [u8], i: usize, x: &[u8], esize: usize) {
     }
 }
 
-fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize, String> {
-    let elems = chunk.len() / esize;
+/// A bitmask chunk of `elems` elements: checked, and applied onto `chunk`
+/// when given (None: only checked).
+fn apply_bitmask(
+    r: &mut Reader,
+    chunk: Option<&mut [u8]>,
+    elems: usize,
+    esize: usize,
+) -> Result<usize, String> {
     let mask = r.take(elems.div_ceil(8))?;
     if elems % 8 != 0 && mask[mask.len() - 1] >> (elems % 8) != 0 {
         return Err("bits set past the chunk's last element".into());
     }
     let count = mask.iter().map(|b| b.count_ones() as usize).sum::<usize>();
     let values = r.take(count * esize)?;
+    let Some(chunk) = chunk else {
+        return Ok(count);
+    };
     let mut v = values.chunks_exact(esize);
     for (byte_at, &bits) in mask.iter().enumerate() {
         let mut bits = bits;
@@ -397,8 +437,14 @@ fn apply_bitmask(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize
     Ok(count)
 }
 
-fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize, String> {
-    let elems = chunk.len() / esize;
+/// A gaps chunk of `elems` elements: checked, and applied onto `chunk`
+/// when given (None: only checked).
+fn apply_gaps(
+    r: &mut Reader,
+    chunk: Option<&mut [u8]>,
+    elems: usize,
+    esize: usize,
+) -> Result<usize, String> {
     let count = r.varint()?;
     if count == 0 || count > elems {
         return Err(format!("{count} changed elements in a chunk of {elems}"));
@@ -416,6 +462,9 @@ fn apply_gaps(r: &mut Reader, chunk: &mut [u8], esize: usize) -> Result<usize, S
             + 1;
     }
     let values = r.take(count * esize)?;
+    let Some(chunk) = chunk else {
+        return Ok(count);
+    };
     let mut pos = Reader {
         b: &r.b[..r.at],
         at: start,

@@ -132,3 +132,42 @@ fn the_predicted_ratio_is_what_encoding_random_changes_gives() {
         );
     }
 }
+
+/// Patching window by window (whole chunks, a short last one) gives what
+/// one call gives, and counts the elements it rewrote; `check` takes what
+/// applies and refuses what does not, writing nothing.
+#[test]
+fn windows_and_checks_agree_with_apply() {
+    let elems = 3 * CHUNK + 777;
+    let old: Vec<u8> = (0..elems * 2).map(|i| (i * 13 % 251) as u8).collect();
+    let mut new = old.clone();
+    for i in (0..elems).step_by(41) {
+        new[2 * i] ^= 0x11;
+    }
+    let mut delta = Vec::new();
+    let stats = encode(&old, &new, 2, &mut delta);
+    check(&delta, old.len(), 2).unwrap();
+    let mut whole = old.clone();
+    assert_eq!(apply(&delta, &mut whole, 2).unwrap(), stats.changed);
+    let mut run = old.clone();
+    let mut p = Patcher::new(&delta, 2).unwrap();
+    for w in run.chunks_mut(2 * CHUNK * 2) {
+        p.patch(w).unwrap();
+    }
+    assert_eq!(p.finish().unwrap(), stats.changed);
+    assert!(run == new && whole == new);
+    // A short window must be the last.
+    let mut p = Patcher::new(&delta, 2).unwrap();
+    let _ = p.patch(&mut run[..10]);
+    let e = p.patch(&mut run[10..20]).unwrap_err();
+    assert!(e.0.contains("a window of 10 bytes"), "{e}");
+    // Cut short, or one byte over: refused by both.
+    for bad in [
+        &delta[..delta.len() - 1],
+        &[delta.as_slice(), &[0]].concat()[..],
+    ] {
+        let e = check(bad, old.len(), 2).unwrap_err();
+        assert_eq!(apply(bad, &mut old.clone(), 2).unwrap_err(), e);
+    }
+    assert!(check(&delta, old.len() + 1, 2).is_err());
+}

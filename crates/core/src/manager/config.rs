@@ -1,6 +1,7 @@
 //! What a manager is configured with, what an update asks for, and what
 //! updates and clears report back.
 
+use super::deltas::DeltaMode;
 use crate::apply::{Hooks, Mode};
 use crate::fanout::FanoutSettings;
 use crate::logging::Logger;
@@ -206,8 +207,8 @@ pub struct UpdateRequest<'h> {
     pub skip_network_checksums: bool,
     pub mode: Mode,
     pub skip_unknown: bool,
-    /// Take no deltas: every run comes whole (`manager::deltas`).
-    pub whole: bool,
+    /// Whether runs may come as deltas (`manager::deltas`).
+    pub deltas: DeltaMode,
     pub timeout: Duration,
     pub hooks: Hooks<'h>,
 }
@@ -222,7 +223,7 @@ impl<'h> UpdateRequest<'h> {
             skip_network_checksums: false,
             mode: Mode::Atomic,
             skip_unknown: false,
-            whole: false,
+            deltas: DeltaMode::Auto,
             timeout: DEFAULT_TIMEOUT,
             hooks: Hooks::default(),
         }

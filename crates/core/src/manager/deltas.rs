@@ -1,18 +1,33 @@
 //! Which version an update takes deltas against, and what its deltas did.
 //!
-//! An update from publishers (ipc, rdma, gdr) names the version the params
+//! An update over the network (rdma, gdr) names the version the params
 //! hold as its base when the update before it succeeded (NORMAL): after a
-//! clear or a failed update the params hold no version. The base is only a
-//! claim: each request carries the fingerprint of the param bytes it would
-//! patch, and the publisher sends a delta only where they are the base's
-//! (`source::deltas`). Snapshots, fan-out members and device params always
-//! move whole.
+//! clear or a failed update the params hold no version. An IPC update does
+//! only when asked ([`DeltaMode::On`]): on one node the whole copy runs at
+//! memory speed, and a delta's passes (the publisher reading both
+//! versions, the engine hashing its base and patching) cost more than the
+//! bytes they save. The base is only a claim: each request carries the
+//! fingerprint of the param bytes it would patch, and the publisher sends
+//! a delta only where they are the base's (`source::deltas`). Snapshots,
+//! fan-out members and device params always move whole.
 
 use super::UpdateRequest;
 use crate::apply::Applied;
 use crate::plan::Plan;
 use crate::source::SourceKind;
 use crate::state::State;
+
+/// Whether an update's runs may come as deltas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeltaMode {
+    /// Over the network (rdma, gdr) yes; over IPC no.
+    #[default]
+    Auto,
+    /// On every path that can (IPC too): `WM_UPDATE_DELTAS`.
+    On,
+    /// Never: `WM_UPDATE_WHOLE`.
+    Off,
+}
 
 /// Why runs of an update came whole (`wm_delta_fallback`; numbers are ABI).
 #[repr(u32)]
@@ -36,6 +51,8 @@ pub enum DeltaFallback {
     /// The source sends whole (a snapshot, a fan-out), or no param has a
     /// base here (device params, a tensor callback).
     NotApplicable = 5,
+    /// An IPC update that did not ask for deltas (`WM_UPDATE_DELTAS`).
+    NotAsked = 6,
 }
 
 /// What an update's deltas did.
@@ -61,11 +78,11 @@ pub(super) fn base_of(
     req: &UpdateRequest,
     version: Option<String>,
 ) -> Result<String, DeltaFallback> {
-    if req.whole {
-        return Err(DeltaFallback::Refused);
-    }
-    if req.source == SourceKind::Snapshot {
-        return Err(DeltaFallback::NotApplicable);
+    match (req.deltas, req.source) {
+        (DeltaMode::Off, _) => return Err(DeltaFallback::Refused),
+        (_, SourceKind::Snapshot) => return Err(DeltaFallback::NotApplicable),
+        (DeltaMode::Auto, SourceKind::Ipc) => return Err(DeltaFallback::NotAsked),
+        _ => {}
     }
     match (prev, version) {
         (State::Normal, Some(v)) => Ok(v),

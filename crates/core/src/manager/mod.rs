@@ -60,7 +60,7 @@ pub use config::{
     AcquireHook, ClearStats, GroupSettings, ManagerConfig, NetSettings, ReleaseHook, Status,
     UpdateRequest, UpdateStats,
 };
-pub use deltas::{DeltaFallback, DeltaStats};
+pub use deltas::{DeltaFallback, DeltaMode, DeltaStats};
 pub use staged::Staged;
 
 struct Record {

@@ -246,7 +246,8 @@ struct HooklessParts {
     source: crate::source::SourceKind,
     locations: Vec<std::path::PathBuf>,
     version: Option<String>,
-    flags: (bool, bool, bool, bool),
+    flags: (bool, bool, bool),
+    deltas: super::DeltaMode,
     mode: Mode,
     timeout: Duration,
 }
@@ -257,14 +258,15 @@ impl HooklessParts {
             source: r.source,
             locations: r.locations,
             version: r.version,
-            flags: (r.verify, r.skip_network_checksums, r.skip_unknown, r.whole),
+            flags: (r.verify, r.skip_network_checksums, r.skip_unknown),
+            deltas: r.deltas,
             mode: r.mode,
             timeout: r.timeout,
         }
     }
 
     fn into_request(self) -> UpdateRequest<'static> {
-        let (verify, skip_network_checksums, skip_unknown, whole) = self.flags;
+        let (verify, skip_network_checksums, skip_unknown) = self.flags;
         UpdateRequest {
             source: self.source,
             locations: self.locations,
@@ -273,7 +275,7 @@ impl HooklessParts {
             skip_network_checksums,
             mode: self.mode,
             skip_unknown,
-            whole,
+            deltas: self.deltas,
             timeout: self.timeout,
             hooks: Default::default(),
         }

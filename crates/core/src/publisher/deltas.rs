@@ -29,33 +29,50 @@ pub(super) struct DeltaTally {
     pub bytes: u64,
 }
 
-/// Answer `base` for the requests `want` of `shard` (the new version): send
-/// DELTAS and the deltas, and empty the requests they cover.
+/// The shard of version `held` (the one the engine's params hold) for
+/// this rank, when this publisher can send deltas against it: a published
+/// copy in host memory, and the new version's `shard` in host memory too.
+pub(super) fn base_shard(
+    offers: &[Arc<Offer>],
+    held: &str,
+    (rank, gpu_id): (u32, &str),
+    shard: &Shard,
+    cfg: &PublisherConfig,
+) -> Result<Option<Shard>> {
+    if held.is_empty() || on_host(shard).is_none() {
+        return Ok(None);
+    }
+    let Some(offer) = offers
+        .iter()
+        .find(|o| o.version.as_deref() == Some(held))
+        .filter(|o| matches!(o.published, Some(Published::Host(_))))
+    else {
+        return Ok(None);
+    };
+    let base = shard_for(offer, rank, gpu_id, cfg)?;
+    Ok(on_host(&base).is_some().then_some(base))
+}
+
+/// Answer WANT's `base` for the requests `want` of `shard` (the new
+/// version) against `base_shard` (HELLO's base, when kept): send DELTAS and
+/// the deltas, and empty the requests they cover. A WANT naming another
+/// base than HELLO's is answered as not kept.
 pub(super) fn serve(
     conn: &mut Conn,
-    offers: &[Arc<Offer>],
+    base_shard: Option<&Shard>,
     (shard, want): (&Shard, &mut [Request]),
     base: &DeltaBase,
-    (rank, gpu_id): (u32, &str),
     cfg: &PublisherConfig,
 ) -> Result<DeltaTally> {
-    let base_shard = offers
-        .iter()
-        .find(|o| o.version.as_deref() == Some(base.version.as_str()))
-        .filter(|o| matches!(o.published, Some(Published::Host(_))))
-        .map(|o| shard_for(o, rank, gpu_id, cfg))
-        .transpose()?;
-    let pair = match (&base_shard, on_host(shard)) {
-        (Some(b), Some(new)) => on_host(b).map(|old| (b, old, new)),
-        _ => None,
-    };
-    let Some((base_shard, old, new)) = pair else {
+    let kept = base_shard.filter(|b| b.manifest.version.as_deref() == Some(base.version.as_str()));
+    let (Some(base_shard), Some(new)) = (kept, on_host(shard)) else {
         conn.send(&Frame::Deltas {
             kept: false,
             runs: Vec::new(),
         })?;
         return Ok(DeltaTally::default());
     };
+    let old = on_host(base_shard).expect("checked by base_shard");
     let jobs: Vec<Job> = base
         .fingerprints
         .iter()
@@ -185,10 +202,12 @@ fn encode_one(j: &Job, want: &[Request]) -> (DeltaRun, Vec<u8>) {
             new_hash.update(w);
         }
         delta::encode(o, w, j.esize, &mut out);
-        if out.len() as u64 >= limit {
+        at += n;
+        // Not under half so far (a new version of other bytes, typically):
+        // give up after the first window rather than read both versions.
+        if out.len() as u64 >= limit || out.len() as u64 * 2 > at {
             return (whole(RunVerdict::NotSmaller), Vec::new());
         }
-        at += n;
     }
     if known_base.unwrap_or_else(|| base_hash.digest()) != j.fingerprint {
         return (whole(RunVerdict::Differs), Vec::new());

@@ -19,6 +19,8 @@ pub(super) struct Admitted {
     pub(super) rank: u32,
     pub(super) gpu_id: String,
     pub(super) version: String,
+    /// The version the engine's params hold ("" none), for deltas.
+    pub(super) base: String,
     /// Network sessions: the key of the bucket bytes' digests (None: IPC).
     pub(super) bytes_key: Option<[u8; 32]>,
 }
@@ -66,6 +68,7 @@ pub(super) fn handshake(
         rank,
         gpu_id,
         version,
+        base,
         ..
     } = &hello
     else {
@@ -86,6 +89,7 @@ pub(super) fn handshake(
         rank: *rank,
         gpu_id: gpu_id.clone(),
         version: version.clone(),
+        base: base.clone(),
         conn,
         bytes_key,
     })

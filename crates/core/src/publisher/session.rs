@@ -30,9 +30,10 @@ pub(super) fn run(
         rank,
         gpu_id,
         version,
+        base,
         bytes_key,
     } = admitted;
-    let hello = (rank, gpu_id.as_str(), version.as_str());
+    let hello = (rank, gpu_id.as_str(), version.as_str(), base.as_str());
     let r = serve(
         &mut conn,
         offers,
@@ -70,7 +71,7 @@ fn engine_reason(conn: &mut Conn) -> Option<Error> {
 fn serve(
     conn: &mut Conn,
     offers: &[Arc<Offer>],
-    (rank, gpu_id, wanted_version): (u32, &str, &str),
+    (rank, gpu_id, wanted_version, held): (u32, &str, &str, &str),
     bytes_key: Option<&[u8; 32]>,
     cfg: &PublisherConfig,
     pool: &BufferPool,
@@ -88,9 +89,11 @@ fn serve(
         Duration::ZERO
     };
     let have = shard.manifest.version.clone().unwrap_or_default();
+    let base_shard = deltas::base_shard(offers, held, (rank, gpu_id), &shard, cfg)?;
     conn.send(&Frame::Manifest {
         version: have.clone(),
         tensors: shard.manifest.tensors.to_vec(),
+        base_kept: base_shard.is_some(),
     })?;
     let (mut want, base) = match conn.recv(step(cfg.bucket_timeout))? {
         Frame::Want { requests, base } => (requests, base),
@@ -102,7 +105,7 @@ fn serve(
     check_requests(&want, &sizes)?;
     let tensors = want.len() as u64;
     let deltas = match &base {
-        Some(base) => deltas::serve(conn, offers, (&shard, &mut want), base, (rank, gpu_id), cfg)?,
+        Some(base) => deltas::serve(conn, base_shard.as_ref(), (&shard, &mut want), base, cfg)?,
         None => Default::default(),
     };
     let mut stats = SessionStats {

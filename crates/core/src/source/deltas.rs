@@ -2,8 +2,8 @@
 //! version the params hold with a fingerprint per request that could come
 //! as a delta (a host param's bytes; `Applier::base_fingerprints`), then,
 //! before any bucket, DELTAS says how each comes and the DELTA frames bring
-//! the deltas, each applied onto its param's base once whole
-//! (`Applier::apply_delta`, which checks the result's checksum).
+//! the deltas, applied onto their params' bases a batch at a time
+//! (`Applier::apply_deltas`, which checks each result's checksum).
 //!
 //! Nothing the publisher says is trusted: a request it names must be one
 //! that asked, once, in order; a delta may be at most its request's bytes
@@ -11,7 +11,7 @@
 //! the delta being received and fit what is left of it.
 
 use super::publisher_link::{unexpected, PublisherLink};
-use crate::apply::Applier;
+use crate::apply::{Applier, DeltaJob};
 use crate::delta::element_size;
 use crate::plan::Plan;
 use crate::result::{try_vec, Error, Result};
@@ -45,18 +45,46 @@ pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier)
     let asked = link.asked_base().len() as u64;
     applier.note_base(kept, asked, differs.count() as u64);
     let origin = link.conn.peer().to_string();
-    let mut delta = Vec::new();
-    for run in runs.iter().filter(|r| r.verdict == RunVerdict::Delta) {
-        receive(link, run, &mut delta, deadline)?;
-        let entry = link.entry_of(run.request).expect("checked");
-        let esize = element_size(
-            plan.entries[entry].meta.dtype.size(),
-            link.request_bytes(run.request),
-        );
-        applier.apply_delta(&origin, entry, &delta, esize, run.sum)?;
+    let due: Vec<&DeltaRun> = runs
+        .iter()
+        .filter(|r| r.verdict == RunVerdict::Delta)
+        .collect();
+    // Received a batch at a time (at most `BATCH` bytes of deltas, or one
+    // delta), each batch patched in parallel.
+    let mut start = 0;
+    while start < due.len() {
+        let (mut end, mut bytes) = (start, 0u64);
+        while end < due.len() && (end == start || bytes + due[end].len <= BATCH) {
+            bytes += due[end].len;
+            end += 1;
+        }
+        let mut received = Vec::with_capacity(end - start);
+        for run in &due[start..end] {
+            received.push(receive(link, run, deadline)?);
+        }
+        let jobs: Vec<DeltaJob> = due[start..end]
+            .iter()
+            .zip(&received)
+            .map(|(run, delta)| {
+                let entry = link.entry_of(run.request).expect("checked");
+                let dtype = plan.entries[entry].meta.dtype.size();
+                DeltaJob {
+                    entry,
+                    delta,
+                    esize: element_size(dtype, link.request_bytes(run.request)),
+                    sum: run.sum,
+                }
+            })
+            .collect();
+        applier.apply_deltas(&origin, &jobs)?;
+        start = end;
     }
     Ok(())
 }
+
+/// Deltas received before a batch is patched: a bound on what the deltas
+/// hold in memory at once, whatever a publisher sends.
+const BATCH: u64 = 256 << 20;
 
 /// DELTAS against what WANT asked: not kept, nothing listed; kept, every
 /// request that named a fingerprint once, in order, a delta no longer than
@@ -89,18 +117,14 @@ fn check_runs(link: &PublisherLink, kept: bool, runs: &[DeltaRun]) -> Result<()>
     Ok(())
 }
 
-/// Request `run`'s delta into `delta`, piece after piece.
+/// Request `run`'s delta, piece after piece.
 fn receive(
     link: &mut PublisherLink,
     run: &DeltaRun,
-    delta: &mut Vec<u8>,
     deadline: std::time::Instant,
-) -> Result<()> {
-    delta.clear();
+) -> Result<Vec<u8>> {
     let len = run.len as usize;
-    if delta.capacity() < len {
-        *delta = try_vec(len, "a delta")?;
-    }
+    let mut delta = try_vec(len, "a delta")?;
     while delta.len() < len {
         match link.conn.recv(deadline)? {
             Frame::Delta { request, bytes }
@@ -122,5 +146,5 @@ fn receive(
             other => return Err(unexpected(&link.conn, "DELTA", &other)),
         }
     }
-    Ok(())
+    Ok(delta)
 }

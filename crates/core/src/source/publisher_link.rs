@@ -32,8 +32,9 @@ pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
     wanted: Wanted,
-    /// The version to name as the base in WANT (`deltas.rs`), taken then.
-    base: Option<String>,
+    /// The version HELLO named as the params' (`deltas.rs`), and whether
+    /// the publisher keeps it; taken when WANT is sent.
+    base: Base,
     /// The fingerprints WANT named.
     asked: Vec<(u32, u128)>,
 }
@@ -48,21 +49,33 @@ impl PublisherLink {
         deadline: Instant,
         before_manifest: impl FnOnce(&mut Conn, &[u8]) -> Result<()>,
     ) -> Result<PublisherLink> {
-        let base = hello.base.map(str::to_string);
+        let held = hello.base.unwrap_or_default().to_string();
         let hello = Frame::Hello {
             rank: hello.rank,
             world_size: hello.world_size,
             gpu_id: hello.gpu_id.to_string(),
             version: hello.version.unwrap_or_default().to_string(),
+            base: held.clone(),
         };
         conn.send(&hello)?;
         before_manifest(&mut conn, &hello.encode())?;
-        let manifest = match conn.recv(deadline)? {
-            Frame::Manifest { version, tensors } => Manifest {
-                tensors: tensors.into(),
-                version: (!version.is_empty()).then_some(version),
-            },
+        let (manifest, kept) = match conn.recv(deadline)? {
+            Frame::Manifest {
+                version,
+                tensors,
+                base_kept,
+            } => {
+                let version = (!version.is_empty()).then_some(version);
+                let tensors = tensors.into();
+                (Manifest { tensors, version }, base_kept)
+            }
             other => return Err(unexpected(&conn, "MANIFEST", &other)),
+        };
+        // Fingerprints cost a read of the params: only for a kept base.
+        let base = match (held.is_empty(), kept) {
+            (true, _) => Base::None,
+            (false, true) => Base::Kept(held),
+            (false, false) => Base::NotKept,
         };
         Ok(PublisherLink {
             conn,
@@ -100,10 +113,14 @@ impl PublisherLink {
             requests.push(q);
         }
         check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
-        let base = self
-            .base
-            .take()
-            .and_then(|v| deltas::base(v, &wanted.entries, applier));
+        let base = match std::mem::replace(&mut self.base, Base::None) {
+            Base::Kept(v) => deltas::base(v, &wanted.entries, applier),
+            Base::NotKept => {
+                applier.note_base(false, 0, 0);
+                None
+            }
+            Base::None => None,
+        };
         let asked = base.is_some();
         let want = Frame::Want { requests, base };
         self.conn.send(&want)?;
@@ -227,6 +244,16 @@ impl PublisherLink {
         }
         Ok(())
     }
+}
+
+/// The version this rank's params hold, as the handshake left it.
+enum Base {
+    /// None is held (or deltas are not asked for).
+    None,
+    /// Held and kept by the publisher: WANT names it.
+    Kept(String),
+    /// Held, but the publisher does not keep it: everything comes whole.
+    NotKept,
 }
 
 /// What WANT asked for: request `k` (`requests[k]`) is plan entry

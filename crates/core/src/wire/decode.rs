@@ -110,6 +110,7 @@ fn hello(i: &mut In) -> Result<Frame> {
         world_size: i.u32()?,
         gpu_id: i.str()?,
         version: i.str()?,
+        base: i.str()?,
     })
 }
 
@@ -120,7 +121,11 @@ fn manifest(i: &mut In) -> Result<Frame> {
     for _ in 0..n {
         tensors.push(tensor_meta(i)?);
     }
-    Ok(Frame::Manifest { version, tensors })
+    Ok(Frame::Manifest {
+        version,
+        tensors,
+        base_kept: flag(i.u8()?, "base kept")?,
+    })
 }
 
 /// One manifest tensor, its byte size checked against its dtype and shape.

@@ -11,20 +11,15 @@ impl Frame {
         let mut o = Out(vec![0; 4]);
         o.u8(self.kind());
         match self {
-            Frame::Hello {
-                rank,
-                world_size,
-                gpu_id,
+            Frame::Hello { .. } => hello(&mut o, self),
+            Frame::Manifest {
                 version,
+                tensors,
+                base_kept,
             } => {
-                o.u32(MAGIC);
-                o.u32(PROTOCOL);
-                o.u32(*rank);
-                o.u32(*world_size);
-                o.str(gpu_id);
-                o.str(version);
+                manifest(&mut o, version, tensors);
+                o.u8(*base_kept as u8);
             }
-            Frame::Manifest { version, tensors } => manifest(&mut o, version, tensors),
             Frame::Want { requests, base } => {
                 super::want::encode(&mut o, requests);
                 super::deltas::encode_base(&mut o, base);
@@ -128,6 +123,25 @@ fn manifest(o: &mut Out, version: &str, tensors: &[TensorMeta]) {
             }
             None => o.u8(0),
         }
+    }
+}
+
+fn hello(o: &mut Out, f: &Frame) {
+    if let Frame::Hello {
+        rank,
+        world_size,
+        gpu_id,
+        version,
+        base,
+    } = f
+    {
+        o.u32(MAGIC);
+        o.u32(PROTOCOL);
+        o.u32(*rank);
+        o.u32(*world_size);
+        o.str(gpu_id);
+        o.str(version);
+        o.str(base);
     }
 }
 

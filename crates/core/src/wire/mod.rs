@@ -40,8 +40,9 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 5: over the network, a bucket's SUMS follows its messages (the engine
 /// takes it before it finishes a part it covers), so the publisher packs
 /// and sends a bucket a chunk at a time.
-/// 6: WANT may name the version the engine's params hold (a base, with
-/// fingerprints); the publisher answers DELTAS and DELTA frames
+/// 6: HELLO names the version the engine's params hold, MANIFEST says
+/// whether the publisher keeps it, WANT may name it as a base (with
+/// fingerprints), and the publisher answers DELTAS and DELTA frames
 /// (`deltas.rs`).
 pub(crate) const PROTOCOL: u32 = 6;
 /// Largest frame accepted (a manifest of ~500k tensors).
@@ -96,17 +97,21 @@ pub struct CudaBuffer {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
-    /// Engine to publisher: who asks, for which version ("" = latest).
+    /// Engine to publisher: who asks, for which version ("" = latest), and
+    /// the version its params hold, to take deltas against ("" = none).
     Hello {
         rank: u32,
         world_size: u32,
         gpu_id: String,
         version: String,
+        base: String,
     },
-    /// Publisher to engine: the tensors this rank gets, and their version.
+    /// Publisher to engine: the tensors this rank gets, their version, and
+    /// whether it keeps HELLO's base where it can send deltas against it.
     Manifest {
         version: String,
         tensors: Vec<TensorMeta>,
+        base_kept: bool,
     },
     /// Engine to publisher: the bytes it wants, one request per plan entry
     /// (`want.rs`), and the version its params hold, when it would take

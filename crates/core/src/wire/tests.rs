@@ -16,6 +16,7 @@ fn frames_round_trip() {
         world_size: 8,
         gpu_id: "5".into(),
         version: "latest".into(),
+        base: String::new(),
     });
     round_trip(Frame::Ack { seq: 9 });
     round_trip(Frame::End { buckets: 4 });
@@ -49,10 +50,12 @@ fn plan_frames_round_trip() {
             checksum: Some(0xabcdef),
             placement: None,
         }],
+        base_kept: false,
     });
     round_trip(Frame::Manifest {
         version: "12".into(),
         tensors: vec![shard(&[2, 3], &[4, 3], &[2, 0]), shard(&[], &[], &[])],
+        base_kept: false,
     });
     round_trip(Frame::Want {
         requests: vec![
@@ -179,6 +182,7 @@ fn hostile_placements_are_refused() {
         let f = Frame::Manifest {
             version: "1".into(),
             tensors: vec![t],
+            base_kept: false,
         };
         Frame::decode(&f.encode()[4..])
     };
@@ -196,6 +200,7 @@ fn hostile_placements_are_refused() {
     let good = Frame::Manifest {
         version: "1".into(),
         tensors: vec![shard(&[2], &[4], &[2])],
+        base_kept: false,
     }
     .encode();
     let flag = good.len() - 17; // the placement flag, then 2 dims
@@ -214,6 +219,7 @@ fn hostile_frames_are_refused() {
         world_size: 1,
         gpu_id: "0".into(),
         version: String::new(),
+        base: String::new(),
     }
     .encode();
     hello[9] = 99; // protocol version
@@ -257,6 +263,7 @@ fn hostile_manifests_are_refused() {
             checksum: None,
             placement: None,
         }],
+        base_kept: false,
     }
     .encode();
     // A tensor name holding a NUL (it would be cut in a C string).
@@ -270,6 +277,7 @@ fn hostile_manifests_are_refused() {
             checksum: None,
             placement: None,
         }],
+        base_kept: false,
     }
     .encode();
     assert!(Frame::decode(&nul[4..])

@@ -74,10 +74,16 @@ pub struct Args {
     /// The update section's shares of changed elements
     #[arg(long, value_delimiter = ',', default_value = "0.02")]
     update_shares: Vec<f64>,
+    /// Run the update section only
+    #[arg(long)]
+    update_only: bool,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
     println!("wm bench delta: lossless deltas of bf16 weights between steps");
+    if a.update_only {
+        return super::delta_update::run(a.update_gib, &a.update_shares, a.runs);
+    }
     training_steps(a.data.as_deref())?;
     synthetic(
         ((a.gib * (1u64 << 30) as f64) as usize / 2).max(1 << 16),
