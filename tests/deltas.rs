@@ -398,8 +398,8 @@ fn hostile_cases(v1: &T) -> Vec<(Vec<Frame>, &'static str)> {
     let sum = |bytes: &[u8]| weight_manager_core::checksum::of(bytes);
     let mut changed = v1.data.clone();
     changed[5] ^= 1;
-    // GAPS: one change at element 5.
-    let good = [3u8, 1, 5, changed[5]];
+    // GAPS: one change, its value, at element 5.
+    let good = [3u8, 1, changed[5], 5];
     vec![
         (
             vec![deltas(4097, 0)],
@@ -426,12 +426,12 @@ fn hostile_cases(v1: &T) -> Vec<(Vec<Frame>, &'static str)> {
         ),
         // A position past the run (a gap of 5000 in 4096 elements).
         (
-            vec![deltas(5, sum(&changed)), piece(&[3, 1, 0x88, 0x27, 7])],
+            vec![deltas(5, sum(&changed)), piece(&[3, 1, 7, 0x88, 0x27])],
             "chunk 0: a position past the chunk's 4096 elements",
         ),
         // Three changes announced, one position given.
         (
-            vec![deltas(4, sum(&changed)), piece(&[3, 3, 5, 1])],
+            vec![deltas(3, sum(&changed)), piece(&[3, 3, 5])],
             "chunk 0:",
         ),
         // An unknown form.
@@ -527,7 +527,7 @@ fn a_hand_made_delta_applies() {
     let p = register(&m, std::slice::from_ref(&v1));
     m.update(UpdateRequest::snapshot(&model)).unwrap();
     let sock = dir.path().join("good.sock");
-    let publisher = hostile(&sock, vec![deltas(4, sum), piece(&[3, 1, 5, changed[5]])]);
+    let publisher = hostile(&sock, vec![deltas(4, sum), piece(&[3, 1, changed[5], 5])]);
     let mut r = UpdateRequest::snapshot(&sock);
     (r.source, r.deltas) = (SourceKind::Ipc, DeltaMode::On);
     let stats = m.update(r).unwrap();
@@ -537,4 +537,40 @@ fn a_hand_made_delta_applies() {
     assert_params(&p, &[want]);
     assert_eq!((stats.deltas.runs_delta, stats.deltas.wire_bytes), (1, 4));
     assert_eq!(stats.deltas.rewritten_bytes, 1);
+}
+
+/// A staged update takes deltas too (over rdma, by default): the params
+/// keep the old version while it stages, hold the new one exactly after
+/// the commit, and the commit's stats say deltas came.
+#[test]
+fn a_staged_update_takes_deltas() {
+    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
+        println!("skipped: no UCX");
+        return;
+    }
+    let _one = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = Trainer::new(Via::Rdma, dir.path(), 2);
+    let v1 = first();
+    let v2 = next(&v1, 2);
+    let m = std::sync::Arc::new(engine(0));
+    let ps = register(&m, &v1);
+    trainer.publish(&v1, 1);
+    trainer.update_all(std::slice::from_ref(&*m), || trainer.request());
+    trainer.publish(&v2, 2);
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| trainer.publisher.serve(1, Duration::from_secs(60)));
+        let staged = m.stage(trainer.request()).unwrap();
+        assert_params(&ps, &v1);
+        let stats = staged.commit().unwrap();
+        serving.join().unwrap().unwrap();
+        assert_params(&ps, &v2);
+        let d = &stats.deltas;
+        assert_eq!(
+            (d.fallback, d.runs_delta),
+            (DeltaFallback::None, 4),
+            "{d:?}"
+        );
+    });
 }

@@ -10,7 +10,7 @@
 //! | 0 | unchanged | none |
 //! | 1 | whole | every element's new bytes |
 //! | 2 | bitmask | one bit per element (LSB first), then the changed elements' new bytes in order |
-//! | 3 | gaps | the count, then each changed element's distance from the previous one minus one (the first: its index), LEB128 varints; then their new bytes in order |
+//! | 3 | gaps | the count (a LEB128 varint), the changed elements' new bytes in order, then each one's distance from the previous one minus one (the first: its index), LEB128 varints |
 //!
 //! The encoder picks the smallest (gaps for sparse changes: about 1 byte of
 //! position per change at 2% changed; bitmask for dense ones; whole when
@@ -61,6 +61,7 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
     assert!(esize > 0 && old.len() == new.len() && old.len() % esize == 0);
     let mut stats = Encoded::default();
     let mut diff = vec![0u64; CHUNK / 64];
+    let mut positions = Vec::new();
     let step = CHUNK * esize;
     for (o, n) in old.chunks(step).zip(new.chunks(step)) {
         if o == n {
@@ -75,19 +76,21 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
         stats.changed += changed as u64;
         let whole = elems * esize;
         let bitmask = elems.div_ceil(8) + changed * esize;
-        // Gaps cost at least a byte per change: try them only when that
-        // could beat the bitmask, written in place and undone if larger.
-        let start = out.len();
+        // Gaps cost at least a byte per change: tried only when that could
+        // beat the bitmask. Values first, so a receiver applies a chunk in
+        // one pass over its positions.
         out.reserve(1 + whole);
         if changed < elems / 8 {
-            out.push(GAPS);
-            put_gaps(words, changed, out);
-            if out.len() - start + changed * esize < bitmask.min(whole) {
+            positions.clear();
+            gaps(words).for_each(|g| put_varint(g, &mut positions));
+            if 1 + varint_len(changed) + positions.len() + changed * esize < bitmask.min(whole) {
+                out.push(GAPS);
+                put_varint(changed, out);
                 put_values(words, n, esize, changed, out);
+                out.extend_from_slice(&positions);
                 stats.gaps += 1;
                 continue;
             }
-            out.truncate(start);
         }
         if bitmask < whole {
             out.push(BITMASK);
@@ -333,13 +336,19 @@ fn set_bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
     })
 }
 
-fn put_gaps(words: &[u64], changed: usize, out: &mut Vec<u8>) {
-    put_varint(changed, out);
+/// Each set bit's distance from the one before minus one (the first: its
+/// index): the gaps form's positions.
+fn gaps(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
     let mut prev = None;
-    for i in set_bits(words) {
-        put_varint(prev.map_or(i, |p: usize| i - p - 1), out);
+    set_bits(words).map(move |i| {
+        let gap = prev.map_or(i, |p: usize| i - p - 1);
         prev = Some(i);
-    }
+        gap
+    })
+}
+
+fn varint_len(x: usize) -> usize {
+    (usize::BITS - (x | 1).leading_zeros()).div_ceil(7) as usize
 }
 
 /// The changed elements' new bytes, in order, written into room made once.
@@ -438,10 +447,10 @@ fn apply_bitmask(
 }
 
 /// A gaps chunk of `elems` elements: checked, and applied onto `chunk`
-/// when given (None: only checked).
+/// when given (None: only checked), in one pass over its positions.
 fn apply_gaps(
     r: &mut Reader,
-    chunk: Option<&mut [u8]>,
+    mut chunk: Option<&mut [u8]>,
     elems: usize,
     esize: usize,
 ) -> Result<usize, String> {
@@ -449,30 +458,16 @@ fn apply_gaps(
     if count == 0 || count > elems {
         return Err(format!("{count} changed elements in a chunk of {elems}"));
     }
-    // Positions are read twice (checked, then applied), so nothing is
-    // allocated for them: the values follow the positions.
-    let start = r.at;
-    let mut next = 0usize;
-    for _ in 0..count {
-        let gap = r.varint()?;
-        next = next
-            .checked_add(gap)
-            .filter(|&p| p < elems)
-            .ok_or_else(|| format!("a position past the chunk's {elems} elements"))?
-            + 1;
-    }
     let values = r.take(count * esize)?;
-    let Some(chunk) = chunk else {
-        return Ok(count);
-    };
-    let mut pos = Reader {
-        b: &r.b[..r.at],
-        at: start,
-    };
     let mut next = 0usize;
     for x in values.chunks_exact(esize) {
-        let i = next + pos.varint()?;
-        set(chunk, i, x, esize);
+        let i = next
+            .checked_add(r.varint()?)
+            .filter(|&p| p < elems)
+            .ok_or_else(|| format!("a position past the chunk's {elems} elements"))?;
+        if let Some(chunk) = chunk.as_deref_mut() {
+            set(chunk, i, x, esize);
+        }
         next = i + 1;
     }
     Ok(count)

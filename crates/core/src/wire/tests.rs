@@ -203,7 +203,7 @@ fn hostile_placements_are_refused() {
         base_kept: false,
     }
     .encode();
-    let flag = good.len() - 17; // the placement flag, then 2 dims
+    let flag = good.len() - 18; // the placement flag, 2 dims, then base kept
     let mut bad_flag = good.clone();
     bad_flag[flag] = 2;
     let e = Frame::decode(&bad_flag[4..]).unwrap_err();
@@ -284,7 +284,7 @@ fn hostile_manifests_are_refused() {
         .unwrap_err()
         .message
         .contains("NUL"));
-    let at = m.len() - 10; // nbytes field, then two flags
+    let at = m.len() - 11; // nbytes field, then three flags
     m[at] = 17;
     assert!(Frame::decode(&m[4..])
         .unwrap_err()
