@@ -329,20 +329,8 @@ fn hostile(sock: &Path, answer: Vec<Frame>) -> std::thread::JoinHandle<Option<Fr
         let (stream, _) = listener.accept().unwrap();
         let mut conn = Conn::new(stream, "the engine");
         conn.recv(deadline).ok()?;
-        let w = weight_manager_core::TensorMeta {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![64, 64],
-            nbytes: 4096,
-            checksum: None,
-            placement: None,
-        };
-        let manifest = Frame::Manifest {
-            version: "v2".into(),
-            tensors: vec![w],
-            base_kept: true,
-        };
-        conn.send(&manifest).ok()?;
+        conn.send(&hostile_windows::manifest_of_w("v2", true))
+            .ok()?;
         let want = conn.recv(deadline).ok()?;
         for f in answer {
             if conn.send(&f).is_err() {

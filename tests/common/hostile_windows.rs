@@ -27,20 +27,7 @@ pub fn serve<K: Send + 'static>(
         if conn.recv(deadline).is_err() {
             return;
         }
-        let w = TensorMeta {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![64, 64],
-            nbytes: 4096,
-            checksum: None,
-            placement: None,
-        };
-        let manifest = Frame::Manifest {
-            version: "hostile".into(),
-            tensors: vec![w],
-            base_kept: false,
-        };
-        if conn.send(&manifest).is_err() {
+        if conn.send(&manifest_of_w("hostile", false)).is_err() {
             return;
         }
         match conn.recv(deadline) {
@@ -59,6 +46,24 @@ pub fn serve<K: Send + 'static>(
             let _ = conn.send(&Frame::End { buckets: 1 });
         }
     })
+}
+
+/// A MANIFEST of one u8 tensor "w" [64, 64] as version `version`, saying
+/// whether the engine's base is kept.
+pub fn manifest_of_w(version: &str, base_kept: bool) -> Frame {
+    let w = TensorMeta {
+        name: "w".into(),
+        dtype: DType::U8,
+        shape: vec![64, 64],
+        nbytes: 4096,
+        checksum: None,
+        placement: None,
+    };
+    Frame::Manifest {
+        version: version.into(),
+        tensors: vec![w],
+        base_kept,
+    }
 }
 
 /// The hostile WINDOWS entries against an engine taking columns 0..32 of
