@@ -127,6 +127,18 @@ impl Trainer {
         engines: &[Manager],
         request: impl Fn() -> UpdateRequest<'static> + Sync,
     ) -> Vec<weight_manager_core::Result<weight_manager_core::UpdateStats>> {
+        self.update_all_served(engines, request).0
+    }
+
+    /// [`Trainer::update_all`], with what the publisher's sessions did.
+    fn update_all_served(
+        &self,
+        engines: &[Manager],
+        request: impl Fn() -> UpdateRequest<'static> + Sync,
+    ) -> (
+        Vec<weight_manager_core::Result<weight_manager_core::UpdateStats>>,
+        weight_manager_core::ServeStats,
+    ) {
         std::thread::scope(|s| {
             let serving = s.spawn(|| self.publisher.serve(engines.len(), Duration::from_secs(60)));
             let updates: Vec<_> = engines
@@ -134,8 +146,7 @@ impl Trainer {
                 .map(|m| s.spawn(|| m.update(request())))
                 .collect();
             let out = updates.into_iter().map(|u| u.join().unwrap()).collect();
-            serving.join().unwrap().unwrap();
-            out
+            (out, serving.join().unwrap().unwrap())
         })
     }
 }
@@ -181,11 +192,21 @@ fn five_versions(via: Via, mode: Mode) {
             ts = next(&ts, v);
         }
         trainer.publish(&ts, v);
-        let results = trainer.update_all(&engines, || {
+        let (results, served) = trainer.update_all_served(&engines, || {
             let mut r = trainer.request();
             r.mode = mode;
             r
         });
+        // The two ranks take the same runs: each delta encoded once.
+        let (sent, cached) = served
+            .sessions
+            .iter()
+            .fold((0, 0), |(a, b), s| (a + s.delta_runs, b + s.delta_cached));
+        assert_eq!(
+            (sent, cached),
+            if v == 1 { (0, 0) } else { (8, 4) },
+            "version {v}"
+        );
         for (rank, (r, ps)) in results.into_iter().zip(&params).enumerate() {
             let stats = r.unwrap_or_else(|e| panic!("version {v}, rank {rank}: {e}"));
             assert_params(ps, &ts);

@@ -10,6 +10,7 @@
 //! base is not kept and everything goes whole.
 
 use super::config::PublisherConfig;
+use super::delta_cache::{self, DeltaCache, Encoded};
 use super::offer::{Offer, Published};
 use super::shard::{shard_for, Shard};
 use crate::checksum::Checksum;
@@ -27,6 +28,8 @@ pub(super) struct DeltaTally {
     /// Requests sent as deltas, and their delta bytes.
     pub runs: u64,
     pub bytes: u64,
+    /// Runs another session of the version had encoded already.
+    pub cached: u64,
 }
 
 /// The shard of version `held` (the one the engine's params hold) for
@@ -38,7 +41,7 @@ pub(super) fn base_shard(
     (rank, gpu_id): (u32, &str),
     shard: &Shard,
     cfg: &PublisherConfig,
-) -> Result<Option<Shard>> {
+) -> Result<Option<BaseShard>> {
     if held.is_empty() || on_host(shard).is_none() {
         return Ok(None);
     }
@@ -50,7 +53,16 @@ pub(super) fn base_shard(
         return Ok(None);
     };
     let base = shard_for(offer, rank, gpu_id, cfg)?;
-    Ok(on_host(&base).is_some().then_some(base))
+    Ok(on_host(&base).is_some().then(|| BaseShard {
+        offer: offer.clone(),
+        shard: base,
+    }))
+}
+
+/// The version an engine's params hold, as this publisher keeps it.
+pub(super) struct BaseShard {
+    offer: Arc<Offer>,
+    shard: Shard,
 }
 
 /// Answer WANT's `base` for the requests `want` of `shard` (the new
@@ -59,19 +71,20 @@ pub(super) fn base_shard(
 /// base than HELLO's is answered as not kept.
 pub(super) fn serve(
     conn: &mut Conn,
-    base_shard: Option<&Shard>,
+    (held, offer): (Option<&BaseShard>, &Offer),
     (shard, want): (&Shard, &mut [Request]),
     base: &DeltaBase,
     cfg: &PublisherConfig,
 ) -> Result<DeltaTally> {
-    let kept = base_shard.filter(|b| b.manifest.version.as_deref() == Some(base.version.as_str()));
-    let (Some(base_shard), Some(new)) = (kept, on_host(shard)) else {
+    let kept = held.filter(|b| b.shard.manifest.version.as_deref() == Some(base.version.as_str()));
+    let (Some(held), Some(new)) = (kept, on_host(shard)) else {
         conn.send(&Frame::Deltas {
             kept: false,
             runs: Vec::new(),
         })?;
         return Ok(DeltaTally::default());
     };
+    let base_shard = &held.shard;
     let old = on_host(base_shard).expect("checked by base_shard");
     let jobs: Vec<Job> = base
         .fingerprints
@@ -98,11 +111,15 @@ pub(super) fn serve(
             }
         })
         .collect();
-    let done = encode_all(&jobs, want, cfg.pack_threads());
-    let runs: Vec<DeltaRun> = done.iter().map(|(r, _)| *r).collect();
+    let cache = (&offer.deltas, &held.offer);
+    let done = encode_all(&jobs, want, cache, cfg.pack_threads());
+    let runs: Vec<DeltaRun> = done.iter().map(|(r, ..)| *r).collect();
     conn.send(&Frame::Deltas { kept: true, runs })?;
-    let mut tally = DeltaTally::default();
-    for (run, bytes) in &done {
+    let mut tally = DeltaTally {
+        cached: done.iter().filter(|d| d.2).count() as u64,
+        ..Default::default()
+    };
+    for (run, bytes, _) in &done {
         if run.verdict != RunVerdict::Delta {
             continue;
         }
@@ -145,14 +162,25 @@ struct Job {
     esize: usize,
 }
 
+/// The cache a version's sessions share, and the base offer it is for.
+type Cache<'c> = (&'c DeltaCache, &'c Arc<Offer>);
+
+/// A run's verdict, its delta (empty unless a delta) and whether another
+/// session had encoded it.
+type Answer = (DeltaRun, Arc<Vec<u8>>, bool);
+
 /// Every job's verdict and delta, in order, on up to `threads` threads.
-fn encode_all(jobs: &[Job], want: &[Request], threads: usize) -> Vec<(DeltaRun, Vec<u8>)> {
+fn encode_all(jobs: &[Job], want: &[Request], cache: Cache, threads: usize) -> Vec<Answer> {
     let per = jobs.len().div_ceil(threads.max(1)).max(1);
     std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .chunks(per)
             .map(|part| {
-                s.spawn(move || part.iter().map(|j| encode_one(j, want)).collect::<Vec<_>>())
+                s.spawn(move || {
+                    part.iter()
+                        .map(|j| answer(j, want, cache))
+                        .collect::<Vec<_>>()
+                })
             })
             .collect();
         handles
@@ -165,64 +193,88 @@ fn encode_all(jobs: &[Job], want: &[Request], threads: usize) -> Vec<(DeltaRun, 
 /// One request: whole when its base differs or its delta would not be under
 /// half its bytes (the engine then patches less than it receives whole, and
 /// a session holds at most half its bytes in deltas).
-fn encode_one(j: &Job, want: &[Request]) -> (DeltaRun, Vec<u8>) {
+fn answer(j: &Job, want: &[Request], (cache, base): Cache) -> Answer {
     let q = &want[j.request as usize];
-    let whole = |verdict| DeltaRun {
-        request: j.request,
-        verdict,
-        len: 0,
-        sum: 0,
+    let whole = |verdict| {
+        let run = DeltaRun {
+            request: j.request,
+            verdict,
+            len: 0,
+            sum: 0,
+        };
+        (run, Arc::default(), false)
     };
     let Some((old, old_sum)) = j.old else {
-        return (whole(RunVerdict::Differs), Vec::new());
+        return whole(RunVerdict::Differs);
     };
-    if q.bytes() == 0 {
-        return (whole(RunVerdict::NotSmaller), Vec::new());
-    }
     let (new, new_sum, all) = j.new;
     let known_base = if all { old_sum } else { None };
-    if known_base.is_some_and(|s| s != j.fingerprint) {
-        return (whole(RunVerdict::Differs), Vec::new());
+    if q.bytes() == 0 {
+        return whole(RunVerdict::NotSmaller);
     }
-    let mut base_hash = Checksum::default();
-    let mut new_hash = Checksum::default();
-    let limit = q.bytes() / 2;
+    if known_base.is_some_and(|s| s != j.fingerprint) {
+        return whole(RunVerdict::Differs);
+    }
+    let key = delta_cache::key(base, (old.0 as usize, new.0 as usize), j.esize, &q.runs);
+    let known = (known_base, new_sum.filter(|_| all));
+    let (cell, cached) = cache.get_or_encode(base, key, || encode(j.esize, (old, new), q, known));
+    let encoded = cell.get().expect("encoded");
+    let Some((sum, delta)) = &encoded.delta else {
+        return whole(RunVerdict::NotSmaller);
+    };
+    if known_base.or(encoded.base_sum) != Some(j.fingerprint) {
+        return whole(RunVerdict::Differs);
+    }
+    let run = DeltaRun {
+        request: j.request,
+        verdict: RunVerdict::Delta,
+        len: delta.len() as u64,
+        sum: *sum,
+    };
+    (run, delta.clone(), cached)
+}
+
+/// Encode request `q` of the tensors at `old` and `new` (elements of
+/// `esize` bytes), hashing what `known` (the base's and the new bytes'
+/// sums) does not give; gives up once the delta is not under half the
+/// bytes read (a version of other bytes costs one window, not both
+/// versions).
+fn encode(
+    esize: usize,
+    (old, new): (SendPtr, SendPtr),
+    q: &Request,
+    known: (Option<u128>, Option<u128>),
+) -> Encoded {
+    let (mut base_hash, mut new_hash) = (Checksum::default(), Checksum::default());
     let mut out = Vec::new();
-    let window = (CHUNK * WINDOW_CHUNKS * j.esize) as u64;
+    let window = (CHUNK * WINDOW_CHUNKS * esize) as u64;
     let (mut a, mut b) = (Vec::new(), Vec::new());
     let mut at = 0;
     while at < q.bytes() {
         let n = window.min(q.bytes() - at);
         let o = gather(old, q, at, n, &mut a);
         let w = gather(new, q, at, n, &mut b);
-        if known_base.is_none() {
+        if known.0.is_none() {
             base_hash.update(o);
         }
-        if !all || new_sum.is_none() {
+        if known.1.is_none() {
             new_hash.update(w);
         }
-        delta::encode(o, w, j.esize, &mut out);
+        delta::encode(o, w, esize, &mut out);
         at += n;
-        // Not under half so far (a new version of other bytes, typically):
-        // give up after the first window rather than read both versions.
-        if out.len() as u64 >= limit || out.len() as u64 * 2 > at {
-            return (whole(RunVerdict::NotSmaller), Vec::new());
+        if out.len() as u64 * 2 > at {
+            return Encoded {
+                base_sum: None,
+                delta: None,
+            };
         }
     }
-    if known_base.unwrap_or_else(|| base_hash.digest()) != j.fingerprint {
-        return (whole(RunVerdict::Differs), Vec::new());
+    let base_sum = known.0.is_none().then(|| base_hash.digest());
+    let sum = known.1.unwrap_or_else(|| new_hash.digest());
+    Encoded {
+        base_sum,
+        delta: Some((sum, Arc::new(out))),
     }
-    let sum = match (all, new_sum) {
-        (true, Some(s)) => s,
-        _ => new_hash.digest(),
-    };
-    let run = DeltaRun {
-        request: j.request,
-        verdict: RunVerdict::Delta,
-        len: out.len() as u64,
-        sum,
-    };
-    (run, out)
 }
 
 /// Request bytes `[at, at + n)` of the tensor at `t`: in place when they lie

@@ -62,6 +62,7 @@
 mod accept;
 mod buffers;
 mod config;
+mod delta_cache;
 mod deltas;
 mod desc;
 mod device_sums;

@@ -156,6 +156,8 @@ pub(crate) struct Offer {
     /// lives for one serve call, so its other sessions (ranks, or engines
     /// pulling again) reuse them; the next call hashes afresh.
     pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
+    /// Deltas of this version its sessions share (`delta_cache.rs`).
+    pub(crate) deltas: super::delta_cache::DeltaCache,
 }
 
 /// Where a published version's tensors were copied.
@@ -191,6 +193,7 @@ impl Offer {
             content,
             published: None,
             live_sums: Mutex::default(),
+            deltas: Default::default(),
         }
     }
 }

@@ -105,7 +105,13 @@ fn serve(
     check_requests(&want, &sizes)?;
     let tensors = want.len() as u64;
     let deltas = match &base {
-        Some(base) => deltas::serve(conn, base_shard.as_ref(), (&shard, &mut want), base, cfg)?,
+        Some(base) => deltas::serve(
+            conn,
+            (base_shard.as_ref(), offer),
+            (&shard, &mut want),
+            base,
+            cfg,
+        )?,
         None => Default::default(),
     };
     let mut stats = SessionStats {
@@ -116,6 +122,7 @@ fn serve(
         hash,
         bytes: deltas.bytes,
         delta_runs: deltas.runs,
+        delta_cached: deltas.cached,
         delta_bytes: deltas.bytes,
         ..Default::default()
     };

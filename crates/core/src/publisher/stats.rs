@@ -20,6 +20,9 @@ pub struct SessionStats {
     /// (in `bytes` too).
     pub delta_runs: u64,
     pub delta_bytes: u64,
+    /// Of those, the deltas another session of the version had encoded
+    /// already (engine ranks taking the same runs).
+    pub delta_cached: u64,
     /// Network: UCX messages sent (one per bucket entry; small blocks of a
     /// request travel packed, several to a message). IPC: 0.
     pub messages: u64,

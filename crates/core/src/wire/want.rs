@@ -24,7 +24,7 @@ pub const MAX_BLOCKS: u64 = 1 << 24;
 
 /// `rows` blocks of `len` bytes, the first at byte `offset` of the tensor,
 /// each next `stride` bytes after the one before.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WantRun {
     pub offset: u64,
     pub len: u64,
