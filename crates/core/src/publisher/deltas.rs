@@ -65,24 +65,29 @@ pub(super) struct BaseShard {
     shard: Shard,
 }
 
+/// Deltas a network session sends as UCX messages once the engine's worker
+/// is known: (request, delta).
+pub(super) type Messages = Vec<(u32, Arc<Vec<u8>>)>;
+
 /// Answer WANT's `base` for the requests `want` of `shard` (the new
-/// version) against `base_shard` (HELLO's base, when kept): send DELTAS and
-/// the deltas, and empty the requests they cover. A WANT naming another
-/// base than HELLO's is answered as not kept.
+/// version) against `base_shard` (HELLO's base, when kept): send DELTAS,
+/// then the deltas as DELTA frames (IPC), or return them to go as UCX
+/// messages (`messages`: the network); empty the requests they cover. A
+/// WANT naming another base than HELLO's is answered as not kept.
 pub(super) fn serve(
     conn: &mut Conn,
     (held, offer): (Option<&BaseShard>, &Offer),
     (shard, want): (&Shard, &mut [Request]),
     base: &DeltaBase,
-    cfg: &PublisherConfig,
-) -> Result<DeltaTally> {
+    (cfg, messages): (&PublisherConfig, bool),
+) -> Result<(DeltaTally, Messages)> {
     let kept = held.filter(|b| b.shard.manifest.version.as_deref() == Some(base.version.as_str()));
     let (Some(held), Some(new)) = (kept, on_host(shard)) else {
         conn.send(&Frame::Deltas {
             kept: false,
             runs: Vec::new(),
         })?;
-        return Ok(DeltaTally::default());
+        return Ok(Default::default());
     };
     let base_shard = &held.shard;
     let old = on_host(base_shard).expect("checked by base_shard");
@@ -119,22 +124,28 @@ pub(super) fn serve(
         cached: done.iter().filter(|d| d.2).count() as u64,
         ..Default::default()
     };
-    for (run, bytes, _) in &done {
+    let mut later = Messages::new();
+    for (run, bytes, _) in done {
         if run.verdict != RunVerdict::Delta {
             continue;
         }
-        for piece in bytes.chunks(DELTA_PIECE) {
-            conn.send(&Frame::Delta {
-                request: run.request,
-                bytes: piece.to_vec(),
-            })?;
+        match messages {
+            true => later.push((run.request, bytes)),
+            false => {
+                for piece in bytes.chunks(DELTA_PIECE) {
+                    conn.send(&Frame::Delta {
+                        request: run.request,
+                        bytes: piece.to_vec(),
+                    })?;
+                }
+            }
         }
         let q = &mut want[run.request as usize];
         (q.runs, q.sums) = (Vec::new(), false);
         tally.runs += 1;
         tally.bytes += run.len;
     }
-    Ok(tally)
+    Ok((tally, later))
 }
 
 /// A shard's tensors, when every one lies in host memory.

@@ -23,6 +23,7 @@
 //! as held, before anything could alter them on the way.
 
 use super::buffers::take_buffers;
+use super::deltas::Messages;
 use super::hooks;
 use super::plan::{plan_buckets, request_sizes};
 use super::shard::{fill, pack_message, Shard};
@@ -36,8 +37,8 @@ use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
 use crate::wire::{
-    check_cuts, message_source, message_tag as tag, split_entries, BucketEntry, Frame, Request,
-    ALIGN, MAX_BUFFERS,
+    check_cuts, delta_tag, message_source, message_tag as tag, split_entries, BucketEntry, Frame,
+    Request, ALIGN, MAX_BUFFERS,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -60,7 +61,7 @@ pub(super) fn stream(
     io: &mut SessionIo,
     key: &[u8; KEYED],
     shard: &mut Shard,
-    requests: &[Request],
+    (requests, deltas): (&[Request], &Messages),
 ) -> Result<()> {
     let (cfg, pool) = (io.cfg, io.pool);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
@@ -85,6 +86,8 @@ pub(super) fn stream(
     let pump = Pump::start("publisher")?;
     pump.connect(&ready.address)
         .map_err(|e| e.context(format!("reaching {}", io.conn.peer())))?;
+    send_deltas(&pump, deltas, (io.ack_deadline)())
+        .map_err(|e| e.context(format!("sending deltas to {}", io.conn.peer())))?;
     // The sink borrows the buffers, so it (and its pump, whose sends read
     // them) is gone before they are freed or pooled.
     let mut sink = NetSink {
@@ -108,6 +111,29 @@ pub(super) fn stream(
     io.stream(&buckets, n_buf, &mut sink)?;
     drop(sink);
     pool.give_back(buffers);
+    Ok(())
+}
+
+/// Send each delta as one message (`wire::delta_tag`), before any bucket,
+/// and wait until UCX has sent them all (the engine receives them a batch
+/// at a time, so a delta's send completes once its batch is posted).
+fn send_deltas(pump: &Pump, deltas: &Messages, deadline: Instant) -> Result<()> {
+    for (k, d) in deltas {
+        // SAFETY: `deltas` outlives the sends, which complete (or fail)
+        // before this returns, or the pump is dropped first.
+        unsafe { pump.send(delta_tag(*k), d.as_ptr(), d.len()) }?;
+    }
+    let mut left = deltas.len();
+    while left > 0 {
+        match pump.next(deadline)? {
+            Some(c) if c.tag >> 32 == u32::MAX as u64 => {
+                c.result?;
+                left -= 1;
+            }
+            Some(c) => return Err(Error::peer(format!("UCX: a completion for tag {}", c.tag))),
+            None => return Err(Error::timeout("the engine took no delta in time")),
+        }
+    }
     Ok(())
 }
 

@@ -104,13 +104,13 @@ fn serve(
     let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
     check_requests(&want, &sizes)?;
     let tensors = want.len() as u64;
-    let deltas = match &base {
+    let (deltas, messages) = match &base {
         Some(base) => deltas::serve(
             conn,
             (base_shard.as_ref(), offer),
             (&shard, &mut want),
             base,
-            cfg,
+            (cfg, bytes_key.is_some()),
         )?,
         None => Default::default(),
     };
@@ -135,7 +135,7 @@ fn serve(
         stats: &mut stats,
     };
     match bytes_key {
-        Some(key) => net::stream(&mut io, key, &mut shard, &want)?,
+        Some(key) => net::stream(&mut io, key, &mut shard, (&want, &messages))?,
         None => ipc::stream(&mut io, &mut shard, &want)?,
     }
     Ok(stats)

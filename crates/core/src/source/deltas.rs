@@ -1,9 +1,11 @@
 //! The engine's side of deltas (protocol in `wire::deltas`): WANT names the
 //! version the params hold with a fingerprint per request that could come
 //! as a delta (a host param's bytes; `Applier::base_fingerprints`), then,
-//! before any bucket, DELTAS says how each comes and the DELTA frames bring
-//! the deltas, applied onto their params' bases a batch at a time
-//! (`Applier::apply_deltas`, which checks each result's checksum).
+//! before any bucket, DELTAS says how each comes and the deltas follow:
+//! DELTA frames over IPC, UCX messages over the network (received by
+//! `net::deltas` once the worker is up), applied onto their params' bases a
+//! batch at a time (`Applier::apply_deltas`, which checks each result's
+//! checksum).
 //!
 //! Nothing the publisher says is trusted: a request it names must be one
 //! that asked, once, in order; a delta may be at most its request's bytes
@@ -44,42 +46,63 @@ pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier)
     let differs = runs.iter().filter(|r| r.verdict == RunVerdict::Differs);
     let asked = link.asked_base().len() as u64;
     applier.note_base(kept, asked, differs.count() as u64);
-    let origin = link.conn.peer().to_string();
-    let due: Vec<&DeltaRun> = runs
-        .iter()
+    let due: Vec<DeltaRun> = runs
+        .into_iter()
         .filter(|r| r.verdict == RunVerdict::Delta)
         .collect();
-    // Received a batch at a time (at most `BATCH` bytes of deltas, or one
-    // delta), each batch patched in parallel.
-    let mut start = 0;
-    while start < due.len() {
-        let (mut end, mut bytes) = (start, 0u64);
-        while end < due.len() && (end == start || bytes + due[end].len <= BATCH) {
-            bytes += due[end].len;
-            end += 1;
-        }
-        let mut received = Vec::with_capacity(end - start);
-        for run in &due[start..end] {
+    if link.deltas_by_message() {
+        // Over the network they come as UCX messages, after READY.
+        link.set_pending_deltas(due);
+        return Ok(());
+    }
+    for batch in batches(&due) {
+        let mut received = Vec::with_capacity(batch.len());
+        for run in batch {
             received.push(receive(link, run, deadline)?);
         }
-        let jobs: Vec<DeltaJob> = due[start..end]
-            .iter()
-            .zip(&received)
-            .map(|(run, delta)| {
-                let entry = link.entry_of(run.request).expect("checked");
-                let dtype = plan.entries[entry].meta.dtype.size();
-                DeltaJob {
-                    entry,
-                    delta,
-                    esize: element_size(dtype, link.request_bytes(run.request)),
-                    sum: run.sum,
-                }
-            })
-            .collect();
-        applier.apply_deltas(&origin, &jobs)?;
-        start = end;
+        apply(link, plan, applier, (batch, &received))?;
     }
     Ok(())
+}
+
+/// The deltas `due` in batches received before they are patched (in
+/// parallel): at most [`BATCH`] bytes of deltas, or one delta.
+pub(super) fn batches(due: &[DeltaRun]) -> impl Iterator<Item = &[DeltaRun]> {
+    let mut rest = due;
+    std::iter::from_fn(move || {
+        let (mut n, mut bytes) = (0, 0u64);
+        while n < rest.len() && (n == 0 || bytes + rest[n].len <= BATCH) {
+            bytes += rest[n].len;
+            n += 1;
+        }
+        let (batch, tail) = rest.split_at(n);
+        rest = tail;
+        (!batch.is_empty()).then_some(batch)
+    })
+}
+
+/// Patch the deltas of `runs` (`received`, in order) onto their params.
+pub(super) fn apply(
+    link: &PublisherLink,
+    plan: &Plan,
+    applier: &mut Applier,
+    (runs, received): (&[DeltaRun], &[Vec<u8>]),
+) -> Result<()> {
+    let jobs: Vec<DeltaJob> = runs
+        .iter()
+        .zip(received)
+        .map(|(run, delta)| {
+            let entry = link.entry_of(run.request).expect("checked");
+            let dtype = plan.entries[entry].meta.dtype.size();
+            DeltaJob {
+                entry,
+                delta,
+                esize: element_size(dtype, link.request_bytes(run.request)),
+                sum: run.sum,
+            }
+        })
+        .collect();
+    applier.apply_deltas(link.conn.peer(), &jobs)
 }
 
 /// Deltas received before a batch is patched: a bound on what the deltas

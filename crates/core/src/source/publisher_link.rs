@@ -13,7 +13,7 @@ use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_size, BucketEntry, Frame, Request};
+use crate::wire::{check_size, BucketEntry, DeltaRun, Frame, Request};
 use std::time::{Duration, Instant};
 
 /// Who this rank is and which version it asks for.
@@ -37,6 +37,10 @@ pub struct PublisherLink {
     base: Base,
     /// The fingerprints WANT named.
     asked: Vec<(u32, u128)>,
+    /// Deltas come as UCX messages (the network), not DELTA frames.
+    by_message: bool,
+    /// The deltas DELTAS announced, to be received as messages.
+    pending: Vec<DeltaRun>,
 }
 
 impl PublisherLink {
@@ -83,6 +87,8 @@ impl PublisherLink {
             wanted: Wanted::default(),
             base,
             asked: Vec::new(),
+            by_message: false,
+            pending: Vec::new(),
         })
     }
 
@@ -138,6 +144,24 @@ impl PublisherLink {
     /// The plan entry of request `k` (checked: one of WANT's).
     pub(super) fn entry_of(&self, k: u32) -> Option<usize> {
         self.wanted.entries.get(k as usize).copied()
+    }
+
+    /// Deltas come as UCX messages after READY (a network session).
+    pub(super) fn set_deltas_by_message(&mut self) {
+        self.by_message = true;
+    }
+
+    pub(super) fn deltas_by_message(&self) -> bool {
+        self.by_message
+    }
+
+    pub(super) fn set_pending_deltas(&mut self, due: Vec<DeltaRun>) {
+        self.pending = due;
+    }
+
+    /// The deltas still to receive as messages (taken).
+    pub(super) fn take_pending_deltas(&mut self) -> Vec<DeltaRun> {
+        std::mem::take(&mut self.pending)
     }
 
     /// The requests WANT named a fingerprint for, with it.

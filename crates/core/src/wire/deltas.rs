@@ -7,10 +7,12 @@
 //! publisher that keeps that version answers with DELTAS right after WANT:
 //! for each of those requests, whether it comes as a delta (its length and
 //! the xxh3-128 of the new bytes it gives) or whole (the fingerprint
-//! differs, or the delta is no smaller). The deltas follow as DELTA frames,
-//! in DELTAS order, each request's cut into pieces of at most
-//! [`DELTA_PIECE`] bytes; the requests sent as deltas are then absent from
-//! the buckets. Everything else is as without a base.
+//! differs, or the delta is no smaller). Over IPC the deltas follow as
+//! DELTA frames, in DELTAS order, each request's cut into pieces of at most
+//! [`DELTA_PIECE`] bytes; over the network each is one UCX message
+//! ([`delta_tag`]), sent after READY and before the first BUCKET. The
+//! requests sent as deltas are then absent from the buckets. Everything
+//! else is as without a base.
 
 use super::fields::{In, Out};
 use super::want::MAX_REQUESTS;
@@ -49,6 +51,12 @@ pub struct DeltaRun {
 
 /// The largest DELTA piece a publisher sends.
 pub const DELTA_PIECE: usize = 4 << 20;
+
+/// The UCX tag of the message carrying request `request`'s delta: above
+/// every bucket message's ([`super::message_tag`]).
+pub fn delta_tag(request: u32) -> u64 {
+    (u32::MAX as u64) << 32 | request as u64
+}
 
 pub(super) fn encode_base(o: &mut Out, base: &Option<DeltaBase>) {
     let Some(b) = base else {

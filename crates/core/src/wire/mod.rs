@@ -27,7 +27,7 @@ pub use buckets::{
     check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
     split_entries,
 };
-pub use deltas::{DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
+pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
 pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
 pub use want_bounds::{check_cuts, check_size};

@@ -37,6 +37,7 @@
 //! (fresh memory costs a page fault per page; a 512 MiB slot is ~130k).
 
 mod connect;
+mod deltas;
 mod landing;
 mod receive;
 
@@ -121,11 +122,12 @@ impl NetSource {
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
         let mut bytes_key = [0; KEYED];
-        let link =
+        let mut link =
             PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn, hello| {
                 bytes_key = authenticate(conn, &opts.secret, hello, step)?;
                 Ok(())
             })?;
+        link.set_deltas_by_message();
         Ok(NetSource {
             link,
             opts,
@@ -144,9 +146,9 @@ impl FromPublisher for NetSource {
         &mut self.link
     }
 
-    fn begin(&mut self, _: &Plan, _: &mut Applier) -> Result<()> {
-        self.rx = Some(Receiver::start(&mut self.link, &self.opts)?);
-        Ok(())
+    fn begin(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        let rx = self.rx.insert(Receiver::start(&mut self.link, &self.opts)?);
+        rx.receive_deltas(&mut self.link, plan, applier)
     }
 
     fn advance(&mut self, plan: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step> {

@@ -39,6 +39,9 @@ pub(super) struct Receiver {
     slots: Vec<HostRegion>,
     /// Direct: where messages that do not land in one piece go.
     bounce: Bounce,
+    /// The delta messages' buffers (`deltas.rs`): dropped after the pump,
+    /// which cancels any receive still posted into them.
+    pub(super) deltas: Vec<Vec<u8>>,
     st: Receiving,
 }
 
@@ -84,6 +87,7 @@ impl Receiver {
             pump: None,
             slots,
             bounce: Bounce::new(opts.depth, opts.bucket_size as u64),
+            deltas: Vec::new(),
             st: Receiving {
                 early: HashMap::new(),
                 pending: VecDeque::new(),
@@ -102,6 +106,11 @@ impl Receiver {
             keyed: opts.keyed,
         })?;
         Ok(rx)
+    }
+
+    /// The session's UCX worker.
+    pub(super) fn pump(&self) -> &Pump {
+        self.pump.as_ref().expect("started")
     }
 
     /// One pass: a BUCKET frame waiting gets its receives posted (so its
