@@ -583,3 +583,96 @@ fn a_staged_update_takes_deltas() {
         );
     });
 }
+
+/// A hostile network publisher: real handshake and sealed frames, MANIFEST
+/// of "w" saying the base is kept, DELTAS announcing one delta of
+/// `announced` bytes, then that delta's UCX message of `sent` bytes.
+fn lying_delta_publisher(
+    listener: std::net::TcpListener,
+    (announced, sent, sum): (u64, Vec<u8>, u128),
+) -> std::thread::JoinHandle<()> {
+    use weight_manager_core::internals::transport::auth::{self, Secret};
+    use weight_manager_core::internals::transport::seal::Role;
+    use weight_manager_core::internals::transport::ucx::Pump;
+    use weight_manager_core::internals::wire::delta_tag;
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (stream, _) = listener.accept().unwrap();
+        let mut conn = Conn::new(stream, "the engine");
+        let hello = conn.recv(deadline).unwrap();
+        let secret = Secret::resolve(Some(SECRET)).unwrap();
+        let mine = auth::nonce().unwrap();
+        conn.send(&Frame::Challenge { nonce: mine }).unwrap();
+        let Frame::Proof { nonce: theirs, .. } = conn.recv(deadline).unwrap() else {
+            panic!("no PROOF")
+        };
+        let proof = secret.publisher_proof(&theirs, &mine);
+        conn.send(&Frame::Proof {
+            mac: proof,
+            nonce: [0; 32],
+        })
+        .unwrap();
+        let keys = secret.session_keys(&mine, &theirs, &hello.encode());
+        conn.secure(&keys, Role::Publisher);
+        conn.send(&hostile_windows::manifest_of_w("v2", true))
+            .unwrap();
+        let Frame::Want { base: Some(_), .. } = conn.recv(deadline).unwrap() else {
+            panic!("no WANT with a base")
+        };
+        conn.send(&deltas(announced, sum)).unwrap();
+        let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
+            panic!("no READY")
+        };
+        let pump = Pump::start("liar").unwrap();
+        pump.connect(&address).unwrap();
+        // SAFETY: `sent` outlives the pump (dropped first, below).
+        unsafe { pump.send(delta_tag(0), sent.as_ptr(), sent.len()) }.unwrap();
+        let _ = pump.next(deadline);
+        let _ = conn.recv(deadline); // the engine's ERROR, or its hang-up
+        drop(pump);
+    })
+}
+
+/// Over the network a delta's message shorter or longer than DELTAS
+/// announced is refused naming the publisher; the old weights stay.
+#[test]
+fn a_network_delta_of_another_length_is_refused() {
+    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
+        println!("skipped: no UCX");
+        return;
+    }
+    let _one = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let mut changed = v1.data.clone();
+    changed[5] ^= 1;
+    let sum = weight_manager_core::checksum::of(&changed);
+    let good = vec![3u8, 1, changed[5], 5];
+    for (sent, want) in [
+        (
+            good[..3].to_vec(),
+            "a delta of 3 bytes for request #0 announced as 4",
+        ),
+        ([good.as_slice(), &[0]].concat(), "a delta"),
+    ] {
+        let m = engine(0);
+        let p = register(&m, std::slice::from_ref(&v1));
+        m.update(UpdateRequest::snapshot(&model)).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let liar = lying_delta_publisher(listener, (4, sent, sum));
+        let mut r = UpdateRequest::snapshot(&addr);
+        (r.source, r.timeout) = (SourceKind::Rdma, Duration::from_secs(20));
+        // Its manifest carries no checksums (the delta's own sum is checked).
+        r.skip_network_checksums = true;
+        let e = m.update(r).unwrap_err();
+        assert!(
+            e.message.contains(&format!("the publisher at {addr}")) && e.message.contains(want),
+            "{e}"
+        );
+        liar.join().unwrap();
+        assert_params(&p, std::slice::from_ref(&v1));
+        assert_eq!(m.status().state, State::Normal);
+    }
+}

@@ -163,9 +163,9 @@ pub mod internals {
     }
     pub mod wire {
         pub use crate::wire::{
-            check_requests, check_windows, message_tag, net_message_bytes, split_entries,
-            BucketEntry, CudaBuffer, DeltaBase, DeltaRun, Frame, Request, RunVerdict, WantRun,
-            DELTA_PIECE, MAX_BLOCKS,
+            check_requests, check_windows, delta_tag, message_tag, net_message_bytes,
+            split_entries, BucketEntry, CudaBuffer, DeltaBase, DeltaRun, Frame, Request,
+            RunVerdict, WantRun, DELTA_PIECE, MAX_BLOCKS,
         };
     }
 }
