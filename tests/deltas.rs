@@ -254,88 +254,77 @@ fn rdma_five_versions() {
 #[test]
 fn fallbacks_to_whole() {
     let dir = tempfile::tempdir().unwrap();
-    // Keeping one version: the engine's base is gone once the next is out.
-    let mut trainer = Trainer::new(Via::Ipc, dir.path(), 1);
     let m = [engine(0)];
     let mut ts = first();
     let ps = register(&m[0], &ts);
-    let update_as = |trainer: &Trainer, mode: DeltaMode| {
+    // Publish step `k` (the last one's with 2% changed), update to it with
+    // `mode`, check every byte; what the deltas did.
+    let mut step = |trainer: &mut Trainer, k: u64, mode: DeltaMode| {
+        if k > 1 {
+            ts = next(&ts, k);
+        }
+        trainer.publish(&ts, k);
         let r = trainer.update_all(&m, || {
             let mut r = trainer.request();
             r.deltas = mode;
             r
         });
+        assert_params(&ps, &ts);
         r.into_iter().next().unwrap().unwrap().deltas
     };
-    let update = |trainer: &Trainer, whole: bool| {
-        update_as(trainer, if whole { DeltaMode::Off } else { DeltaMode::On })
+    let expect = |d: weight_manager_core::DeltaStats, fallback, runs_delta| {
+        assert_eq!((d.fallback, d.runs_delta), (fallback, runs_delta), "{d:?}");
+        d
     };
-    trainer.publish(&ts, 1);
-    assert_eq!(update(&trainer, false).fallback, DeltaFallback::NoBase);
-    ts = next(&ts, 2);
-    trainer.publish(&ts, 2);
-    let d = update(&trainer, false);
-    assert_eq!(
-        (d.fallback, d.runs_delta),
-        (DeltaFallback::NotKept, 0),
-        "{d:?}"
+    // Keeping one version: the engine's base is gone once the next is out.
+    let mut trainer = Trainer::new(Via::Ipc, dir.path(), 1);
+    expect(
+        step(&mut trainer, 1, DeltaMode::On),
+        DeltaFallback::NoBase,
+        0,
+    );
+    let d = expect(
+        step(&mut trainer, 2, DeltaMode::On),
+        DeltaFallback::NotKept,
+        0,
     );
     assert_eq!(d.base_version, "step-1");
-    assert_params(&ps, &ts);
-
-    // Keeping two from here on.
+    // Keeping two from here on; the engine asks for whole.
     drop(trainer);
     let mut trainer = Trainer::new(Via::Ipc, dir.path(), 2);
-    trainer.publish(&ts, 2);
-    ts = next(&ts, 3);
-    trainer.publish(&ts, 3);
-    // The engine asks for whole.
-    let d = update(&trainer, true);
-    assert_eq!(
-        (d.fallback, d.runs_delta),
-        (DeltaFallback::Refused, 0),
-        "{d:?}"
+    trainer.publish(&first(), 0);
+    expect(
+        step(&mut trainer, 3, DeltaMode::Off),
+        DeltaFallback::Refused,
+        0,
     );
-    assert_params(&ps, &ts);
-
     // Something else wrote into one param since: that run comes whole.
-    ts = next(&ts, 4);
-    trainer.publish(&ts, 4);
     let written = ps[1].0;
     unsafe { *written ^= 0xff };
-    let d = update(&trainer, false);
-    assert_eq!(d.fallback, DeltaFallback::Differs, "{d:?}");
-    assert_eq!((d.runs_delta, d.runs_whole), (3, 1), "{d:?}");
-    assert_params(&ps, &ts);
-
+    let d = expect(
+        step(&mut trainer, 4, DeltaMode::On),
+        DeltaFallback::Differs,
+        3,
+    );
+    assert_eq!(d.runs_whole, 1, "{d:?}");
     // After a clear the params hold no version.
     m[0].clear().unwrap();
-    ts = next(&ts, 5);
-    trainer.publish(&ts, 5);
-    let d = update(&trainer, false);
-    assert_eq!(
-        (d.fallback, d.runs_delta),
-        (DeltaFallback::NoBase, 0),
-        "{d:?}"
+    expect(
+        step(&mut trainer, 5, DeltaMode::On),
+        DeltaFallback::NoBase,
+        0,
     );
-    assert_params(&ps, &ts);
-
     // IPC without asking: whole, and said so.
-    ts = next(&ts, 6);
-    trainer.publish(&ts, 6);
-    let d = update_as(&trainer, DeltaMode::Auto);
-    assert_eq!(
-        (d.fallback, d.runs_delta),
-        (DeltaFallback::NotAsked, 0),
-        "{d:?}"
+    expect(
+        step(&mut trainer, 6, DeltaMode::Auto),
+        DeltaFallback::NotAsked,
+        0,
     );
-    assert_params(&ps, &ts);
-
     // Snapshots always move whole.
     let snap = dir.path().join("snap");
     std::fs::create_dir(&snap).unwrap();
-    write_safetensors(&snap.join("model.safetensors"), &ts);
-    write_version(&snap, "6");
+    write_safetensors(&snap.join("model.safetensors"), &first());
+    write_version(&snap, "7");
     let d = m[0].update(UpdateRequest::snapshot(&snap)).unwrap().deltas;
     assert_eq!(d.fallback, DeltaFallback::NotApplicable, "{d:?}");
 }
