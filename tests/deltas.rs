@@ -177,6 +177,28 @@ fn own_params(m: &Manager, ts: &[T]) -> Vec<(*mut u8, usize)> {
         .collect()
 }
 
+/// UCX over TCP for this test, one network test at a time (None, said:
+/// no UCX here).
+fn ucx_over_tcp() -> Option<std::sync::MutexGuard<'static, ()>> {
+    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
+        println!("skipped: no UCX");
+        return None;
+    }
+    let one = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    Some(one)
+}
+
+/// The hostile publisher's tensor with element 5 changed, its checksum, and
+/// the delta (GAPS: one change, its value, at element 5) giving it.
+fn one_change(v1: &T) -> (Vec<u8>, u128, [u8; 4]) {
+    let mut changed = v1.data.clone();
+    changed[5] ^= 1;
+    let sum = weight_manager_core::checksum::of(&changed);
+    let good = [3u8, 1, changed[5], 5];
+    (changed, sum, good)
+}
+
 /// Five versions to two engine ranks (one with library-owned params, one
 /// with its own), `mode`: every version's bytes exact, deltas from the
 /// second version on, carrying a small share of the bytes.
@@ -240,12 +262,9 @@ fn ipc_five_versions_in_place() {
 
 #[test]
 fn rdma_five_versions() {
-    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
-        println!("skipped: no UCX");
+    let Some(_one) = ucx_over_tcp() else {
         return;
-    }
-    let _one = serial();
-    std::env::set_var("UCX_TLS", "tcp");
+    };
     five_versions(Via::Rdma, Mode::Atomic);
     five_versions(Via::Rdma, Mode::InPlace);
 }
@@ -393,11 +412,8 @@ fn piece(bytes: &[u8]) -> Frame {
 /// The hostile answers to an engine holding `v1` (one u8 tensor), each
 /// with what its refusal names.
 fn hostile_cases(v1: &T) -> Vec<(Vec<Frame>, &'static str)> {
+    let (changed, _, good) = one_change(v1);
     let sum = |bytes: &[u8]| weight_manager_core::checksum::of(bytes);
-    let mut changed = v1.data.clone();
-    changed[5] ^= 1;
-    // GAPS: one change, its value, at element 5.
-    let good = [3u8, 1, changed[5], 5];
     vec![
         (
             vec![deltas(4097, 0)],
@@ -518,14 +534,12 @@ fn hostile_deltas_are_refused() {
 fn a_hand_made_delta_applies() {
     let dir = tempfile::tempdir().unwrap();
     let (model, v1) = hostile_windows::first_version(dir.path());
-    let mut changed = v1.data.clone();
-    changed[5] ^= 1;
-    let sum = weight_manager_core::checksum::of(&changed);
+    let (changed, sum, good) = one_change(&v1);
     let m = Manager::new(ManagerConfig::default()).unwrap();
     let p = register(&m, std::slice::from_ref(&v1));
     m.update(UpdateRequest::snapshot(&model)).unwrap();
     let sock = dir.path().join("good.sock");
-    let publisher = hostile(&sock, vec![deltas(4, sum), piece(&[3, 1, changed[5], 5])]);
+    let publisher = hostile(&sock, vec![deltas(4, sum), piece(&good)]);
     let mut r = UpdateRequest::snapshot(&sock);
     (r.source, r.deltas) = (SourceKind::Ipc, DeltaMode::On);
     let stats = m.update(r).unwrap();
@@ -542,12 +556,9 @@ fn a_hand_made_delta_applies() {
 /// the commit, and the commit's stats say deltas came.
 #[test]
 fn a_staged_update_takes_deltas() {
-    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
-        println!("skipped: no UCX");
+    let Some(_one) = ucx_over_tcp() else {
         return;
-    }
-    let _one = serial();
-    std::env::set_var("UCX_TLS", "tcp");
+    };
     let dir = tempfile::tempdir().unwrap();
     let mut trainer = Trainer::new(Via::Rdma, dir.path(), 2);
     let v1 = first();
@@ -626,18 +637,12 @@ fn lying_delta_publisher(
 /// announced is refused naming the publisher; the old weights stay.
 #[test]
 fn a_network_delta_of_another_length_is_refused() {
-    if weight_manager_core::internals::transport::ucx::ucx().is_err() {
-        println!("skipped: no UCX");
+    let Some(_one) = ucx_over_tcp() else {
         return;
-    }
-    let _one = serial();
-    std::env::set_var("UCX_TLS", "tcp");
+    };
     let dir = tempfile::tempdir().unwrap();
     let (model, v1) = hostile_windows::first_version(dir.path());
-    let mut changed = v1.data.clone();
-    changed[5] ^= 1;
-    let sum = weight_manager_core::checksum::of(&changed);
-    let good = vec![3u8, 1, changed[5], 5];
+    let (_, sum, good) = one_change(&v1);
     for (sent, want) in [
         (
             good[..3].to_vec(),
