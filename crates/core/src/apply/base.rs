@@ -195,9 +195,4 @@ impl Applier<'_, '_> {
         self.deltas.asked += asked;
         self.deltas.base_differs += differs;
     }
-
-    /// What the deltas of this update did so far.
-    pub fn deltas(&self) -> &DeltaTally {
-        &self.deltas
-    }
 }
