@@ -2,7 +2,8 @@
 //! every param's pieces covered, the runs assembled into entries.
 
 use super::clock::Clock;
-use super::params::Params;
+use super::cover::Found;
+use super::params::{ParamView, Params};
 use super::{cover, global, runs, Plan, PlanEntry, PlanOptions, Run, Target};
 use crate::logging::{LogLevel, Logger};
 use crate::manifest::{Manifest, SharedMeta};
@@ -102,7 +103,15 @@ impl<'a> Sources<'a> {
             .iter()
             .map(|m| m.tensors.len())
             .sum::<usize>();
-        let mut found = Vec::with_capacity(2 * params.count() + shards);
+        let bytes = (0..params.count())
+            .map(|i| params.param(i).nbytes())
+            .fold(0, u64::saturating_add);
+        let limit = usize::try_from(super::max_blocks(bytes)).unwrap_or(usize::MAX);
+        let mut found = Found {
+            runs: Vec::with_capacity((2 * params.count() + shards).min(limit)),
+            limit,
+            over: None,
+        };
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
             let mut clock = Clock::until(opts.deadline);
@@ -118,6 +127,9 @@ impl<'a> Sources<'a> {
                 );
             }
             late(&clock, "covering the params' pieces")?;
+            if let Some(i) = found.over {
+                return Err(too_finely_cut(params.param(i), bytes, limit));
+            }
             let sharded = self.manifests.len() > 1
                 || self.globals.placed
                 || (0..params.count()).any(|i| !params.param(i).whole);
@@ -125,7 +137,7 @@ impl<'a> Sources<'a> {
                 unknown_tensors(&self.globals, &used, opts, logger, &mut problems);
             }
         }
-        let mut plan = assemble(self.manifests, found, opts.callback);
+        let mut plan = assemble(self.manifests, found.runs, opts.callback);
         // Checked by the update that uses the plan, every time
         // (`Plan::check_replicas`): checksums change every version.
         plan.set_replicas(&self.globals.replicas);
@@ -140,6 +152,19 @@ impl<'a> Sources<'a> {
         }
         Ok(plan)
     }
+}
+
+/// The sources' shards and the params' pieces meet in more boxes than the
+/// params may be cut into ([`super::max_blocks`]), counted before runs are
+/// joined; `param` is the one whose pieces went over.
+fn too_finely_cut(param: ParamView, bytes: u64, limit: usize) -> Error {
+    Error::out_of_memory(format!(
+        "the sources' shards and the params' pieces cut the params ({bytes} bytes) into \
+         more than {limit} runs (at most 65,536 plus one per 64 bytes of the params), \
+         going over at param '{}' ({} pieces): too finely cut to plan",
+        param.name,
+        param.pieces.len()
+    ))
 }
 
 /// Planning stopped at the update's deadline.

@@ -18,6 +18,27 @@ use crate::tensor_box::TensorBox;
 /// param.
 pub(super) type FoundRun = Run;
 
+/// The runs found so far, at most `limit` of them: every (piece, shard)
+/// pair sharing a box is a run before runs are joined, so the sources'
+/// geometry against the params' pieces (32,768 one-column pieces over 512
+/// one-row shards: 16.7 M runs, 1.4 GB) decides how many unless bounded
+/// by something the engine controls (its params' bytes, `max_blocks`).
+pub(super) struct Found {
+    pub runs: Vec<FoundRun>,
+    pub limit: usize,
+    /// The param whose pieces went over `limit` (nothing more is found).
+    pub over: Option<usize>,
+}
+
+impl Found {
+    fn push(&mut self, run: FoundRun, param: usize) {
+        match self.runs.len() < self.limit {
+            true => self.runs.push(run),
+            false => self.over = self.over.or(Some(param)),
+        }
+    }
+}
+
 /// Cover param `index`'s pieces; `used` marks the global tensors named
 /// (indexed like `globals.tensors`). Messages are only formatted for
 /// problems: planning a large layout allocates nothing per piece.
@@ -27,14 +48,14 @@ pub(super) fn cover_param(
     globals: &Globals,
     spread: usize,
     used: &mut [bool],
-    (out, problems, clock): (&mut Vec<FoundRun>, &mut Vec<String>, &mut Clock),
+    (out, problems, clock): (&mut Found, &mut Vec<String>, &mut Clock),
 ) {
     if param.pieces.is_empty() {
         problems.push(format!("param '{}' has no pieces", param.name));
     }
     let implicit = param.whole;
     for (k, piece) in param.pieces.iter().enumerate() {
-        if !clock.tick() {
+        if !clock.tick() || out.over.is_some() {
             return;
         }
         let what = || match implicit {
@@ -98,7 +119,7 @@ fn cover_piece(
     param_shape: &[u64],
     (globals, g): (&Globals, Global),
     (index, esize, spread): (usize, u64, usize),
-    out: &mut Vec<FoundRun>,
+    out: &mut Found,
 ) -> std::result::Result<(), String> {
     let lined = Lined::new(piece, param_shape);
     let extra = lined.ndim() - g.shape.len();
@@ -119,8 +140,11 @@ fn cover_piece(
             &lined,
             esize,
             Target::Param(index),
-            |r| out.push(Run { entry: shard, ..r }),
+            |r| out.push(Run { entry: shard, ..r }, index),
         );
+    }
+    if out.over.is_some() {
+        return Ok(());
     }
     let need = piece.global.volume().unwrap_or(0);
     if covered == need {

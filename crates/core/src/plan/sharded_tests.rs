@@ -427,3 +427,59 @@ fn many_replicas_of_one_box_are_joined_and_a_box_twice_in_one_source_is_named() 
         "{e}"
     );
 }
+
+/// One-row shards against one-column pieces meet in a box per (row,
+/// column) before runs are joined: planning refuses them with
+/// OUT_OF_MEMORY naming the param once they pass the params' block bound,
+/// instead of listing 16.7 M runs (1.4 GB) first.
+#[test]
+fn shards_and_pieces_cutting_a_param_too_finely_are_refused_before_listing() {
+    let (rows, cols) = (512u64, 32_768u64);
+    let shape = [rows, cols];
+    let tensors: Vec<TensorMeta> = (0..rows)
+        .map(|r| {
+            let mut m = meta("g", DType::F32, &[1, cols]);
+            m.placement = Some(Placement {
+                global_shape: shape.to_vec(),
+                offset: vec![r, 0],
+            });
+            m
+        })
+        .collect();
+    let m = Manifest {
+        tensors: tensors.into(),
+        version: None,
+    };
+    let piece = |c: u64| Piece {
+        tensor: "g".into(),
+        global: TensorBox {
+            offset: vec![0, c],
+            len: vec![rows, 1],
+        },
+        at: vec![0, c],
+    };
+    let param = ParamLayout {
+        pieces: (0..cols).map(piece).collect(),
+        whole: false,
+        ..ParamLayout::whole("g", DType::F32, &shape)
+    };
+    let params = [param];
+    let e = make_sharded_plan(
+        &[&m],
+        &params[..],
+        PlanOptions::default(),
+        &Logger::default(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.code,
+        crate::result::wm_result::WM_ERR_OUT_OF_MEMORY,
+        "{e}"
+    );
+    assert!(e.message.contains("param 'g' (32768 pieces)"), "{e}");
+    assert!(
+        e.message
+            .contains(&format!("more than {} runs", max_blocks(rows * cols * 4))),
+        "{e}"
+    );
+}
