@@ -8,6 +8,8 @@ use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::pieces::{check_pieces, Piece};
+use crate::quant::params::{check_declaration, Declared, QuantRole};
+use crate::quant::Scheme;
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, check_name, shape_text, DType};
 use std::collections::HashMap;
@@ -88,6 +90,8 @@ pub struct Param {
     /// Registered without pieces. Not inferred from `pieces`: TP rank 0's
     /// first slice of a tensor named like the param looks the same.
     pub whole: bool,
+    /// Quantized (or the scales of a quantized param): [`Registry::quantize`].
+    pub quant: QuantRole,
 }
 
 impl Param {
@@ -183,7 +187,37 @@ impl Registry {
             } else {
                 spec.pieces.clone()
             },
+            quant: QuantRole::Plain,
         });
+    }
+
+    /// Declare that registered param `weight` (F8_E4M3) holds its pieces
+    /// quantized with `scheme`, its scale_inv in registered param `scales`
+    /// (F32, the scheme's scales shape, no pieces): checked by
+    /// [`check_declaration`], nothing changed on error.
+    pub fn quantize(&mut self, weight: &str, scales: &str, scheme: Scheme) -> Result<()> {
+        let find = |name: &str| {
+            self.index_of(name).ok_or_else(|| {
+                Error::not_found(format!("param '{name}' is not registered (declare a quantized param after registering it and its scales)"))
+            })
+        };
+        let (w, s) = (find(weight)?, find(scales)?);
+        let declared = |i: usize| {
+            let p = &self.params[i];
+            Declared {
+                name: &p.name,
+                dtype: p.dtype,
+                shape: &p.shape,
+                pieces: &p.pieces,
+                whole: p.whole,
+                device: p.device.is_some() || matches!(p.memory, ParamMemory::LibraryDevice(_)),
+                role: p.quant,
+            }
+        };
+        check_declaration(&declared(w), &declared(s), scheme)?;
+        self.params[w].quant = QuantRole::Weight { scheme, scales: s };
+        self.params[s].quant = QuantRole::Scales { weight: w };
+        Ok(())
     }
 
     /// Register engine-owned memory of `len` bytes at `ptr`: host memory, or

@@ -197,7 +197,10 @@ fn layout(plan: &Plan, swappable: &[Option<&HostRegion>]) -> Layout {
     let mut own = Vec::new();
     let swaps = crate::memory::swap::swaps_here();
     for (i, end, covered) in plan.param_cover() {
-        match swappable.get(i).copied().flatten() {
+        // A quantized param's shadow holds its source's dtype (`end`
+        // bytes), quantized at commit, never swapped.
+        let swappable = swappable.get(i).copied().flatten();
+        match swappable.filter(|_| plan.quantized_from(i).is_none()) {
             // Swapped whole, so every byte of the param must be written.
             Some(r) if swaps && covered == r.len() as u64 && end == r.len() as u64 => {
                 own.push((i, r.len()))

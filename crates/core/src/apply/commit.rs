@@ -1,8 +1,9 @@
 //! The end of an update: check that every planned byte arrived, then make
 //! the bytes the engine's weights. Atomic: swap shadows into library-owned
 //! host params, copy the rest into engine-owned ones, upload device params,
-//! hand callback tensors out, and once the uploads settled swap device
-//! shadows in (`shadows.rs`, `device_swap.rs`). In place: only callback
+//! hand callback tensors out, quantize into FP8 params (`quantize.rs`),
+//! and once the uploads settled swap device shadows in (`shadows.rs`,
+//! `device_swap.rs`). In place: quantized params, and callback
 //! tensors not yet delivered (empty ones) are left. Either way, wait for
 //! the uploads.
 
@@ -19,10 +20,12 @@ impl Applier<'_, '_> {
         self.check_deadline()?;
         let commit_start = Instant::now();
         if let Some(arena) = self.landing.arena.take() {
+            self.check_quantized(Some(&arena))?;
             // `upload` copies the arena's bytes into pinned buffers before
             // it returns, so the arena may be reused or freed after this.
             self.commit_arena(arena)?;
         } else {
+            self.write_quantized(None)?;
             for t in 0..self.plan.entries.len() {
                 if self.plan.entries[t].target == Target::Callback && !self.tally.was_delivered(t) {
                     self.deliver(t, &[])?;
@@ -64,6 +67,7 @@ impl Applier<'_, '_> {
                 _ => {}
             }
         }
+        self.write_quantized(Some(&arena))?;
         self.landing.swap_shadows(&mut arena)?;
         self.landing.keep_packed(arena);
         Ok(())

@@ -51,6 +51,7 @@ mod failure;
 mod landing;
 mod patch;
 mod progress;
+mod quantize;
 mod route;
 mod shadows;
 mod spans;
@@ -66,6 +67,7 @@ pub use arena::AtomicStaging;
 pub use base::{DeltaJob, DeltaTally};
 pub use failure::ApplyFailure;
 pub use progress::Progress;
+pub use quantize::QuantTarget;
 #[cfg(test)]
 pub(crate) use types::ProgressHook;
 pub use types::{Applied, ApplyOptions, Chunk, DeviceBytes, Hooks, Mode, TensorView};
@@ -92,6 +94,8 @@ pub struct Applier<'p, 'h> {
     tally: Tally,
     /// What deltas did (`base.rs`).
     deltas: DeltaTally,
+    /// Params quantized at the end (`quantize.rs`).
+    quant: quantize::Quantizing,
 }
 
 impl<'p, 'h> Applier<'p, 'h> {
@@ -134,6 +138,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             tally,
             opts,
             deltas: DeltaTally::default(),
+            quant: Default::default(),
         })
     }
 
@@ -189,6 +194,10 @@ impl<'p, 'h> Applier<'p, 'h> {
     pub fn check_received(&mut self) -> Result<()> {
         self.tally.check_complete(self.plan)?;
         self.check_deadline()?;
+        let arena = self.landing.arena.take();
+        let checked = self.check_quantized(arena.as_ref());
+        self.landing.arena = arena;
+        checked?;
         self.tally.received_in = Some(self.tally.started.elapsed());
         Ok(())
     }

@@ -35,7 +35,10 @@ impl<'p> Landing<'p> {
             else {
                 continue;
             };
-            if self.swappable_region(i).is_some() && arena.has_own_shadow(i) {
+            // Quantized from the shadow (`quantize.rs`), not copied.
+            if (self.swappable_region(i).is_some() && arena.has_own_shadow(i))
+                || self.plan.quantized_from(i).is_some()
+            {
                 continue;
             }
             jobs.extend(segs.iter().filter(|s| s.len > 0).map(|s| {

@@ -25,6 +25,7 @@
 //! - `kept.rs`: what is kept between updates (plan cache, staging, the
 //!   IPC mapping, the fan-out link); `plan_cache.rs`, `shadows.rs`: two of
 //!   them;
+//! - `quantized.rs`: an update's quantized params (targets, buffers);
 //! - `memory.rs`: releasing and restoring param memory, with GPU accounting;
 //! - `clear.rs`: a clear; `cancel.rs`: stopping for good.
 
@@ -49,6 +50,7 @@ mod geometry;
 mod kept;
 mod memory;
 mod plan_cache;
+mod quantized;
 mod register;
 mod shadows;
 mod sources;

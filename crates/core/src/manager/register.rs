@@ -2,6 +2,7 @@
 //! never races a registration.
 
 use super::Manager;
+use crate::quant::Scheme;
 use crate::registry::{ParamSpec, Registry};
 use crate::result::{Error, Result};
 
@@ -37,5 +38,13 @@ impl Manager {
     /// Allocate a library-owned param; returns its stable address and length.
     pub fn allocate(&self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
         self.registering(|r| r.allocate(spec))
+    }
+
+    /// Declare that registered param `weight` (F8_E4M3) holds its global
+    /// tensors quantized with `scheme`, its scale_inv in registered param
+    /// `scales` (see [`Registry::quantize`]). Like registering: only before
+    /// the first update or clear.
+    pub fn quantize(&self, weight: &str, scales: &str, scheme: Scheme) -> Result<()> {
+        self.registering(|r| r.quantize(weight, scales, scheme))
     }
 }

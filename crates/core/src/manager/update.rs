@@ -6,6 +6,7 @@
 
 use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards};
+use super::quantized::Quantized;
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
@@ -295,14 +296,8 @@ impl Manager {
         gdr: bool,
         feed: impl FnOnce(&mut Applier) -> Result<()>,
     ) -> std::result::Result<Applied, ApplyFailure> {
-        let dests = plan
-            .entries
-            .iter()
-            .map(|e| match e.target {
-                Target::Param(i) => Some(run.registry.params()[i].dest()),
-                _ => None,
-            })
-            .collect();
+        let quantized = Quantized::of(run.registry, plan, run.req.mode)?;
+        let dests = quantized.dests(plan, run.registry);
         let apply_opts = ApplyOptions {
             mode: run.req.mode,
             verify: run.req.verify,
@@ -335,7 +330,8 @@ impl Manager {
         let atomic = self.atomic_staging(run.registry, keep.then_some(&mut *kept), atomic_mode);
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
-            .with_gdr(gdr);
+            .with_gdr(gdr)
+            .with_quantized(quantized.targets.clone());
         if let Err(error) = feed(&mut applier) {
             return Err(applier.failure(error));
         }

@@ -111,6 +111,7 @@ impl<'a> Sources<'a> {
             runs: Vec::with_capacity((2 * params.count() + shards).min(limit)),
             limit,
             over: None,
+            quantized: Vec::new(),
         };
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];
@@ -138,6 +139,7 @@ impl<'a> Sources<'a> {
             }
         }
         let mut plan = assemble(self.manifests, found.runs, opts.callback);
+        plan.quantized = found.quantized;
         // Checked by the update that uses the plan, every time
         // (`Plan::check_replicas`): checksums change every version.
         plan.set_replicas(&self.globals.replicas);

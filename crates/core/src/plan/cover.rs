@@ -10,7 +10,10 @@ use super::region::{Lined, Span};
 use super::runs::push_runs;
 use super::{Run, Target};
 use crate::pieces::Piece;
+use crate::quant::params::QuantRole;
+use crate::quant::Scheme;
 use crate::tensor::shape_text;
+use crate::tensor::DType;
 use crate::tensor_box::TensorBox;
 
 /// A run found: `Run::entry` is the number of its shard
@@ -28,6 +31,9 @@ pub(super) struct Found {
     pub limit: usize,
     /// The param whose pieces went over `limit` (nothing more is found).
     pub over: Option<usize>,
+    /// Quantized params covered: (param, the dtype their global tensors
+    /// have, which their runs' bytes are laid out in).
+    pub quantized: Vec<(usize, DType)>,
 }
 
 impl Found {
@@ -50,10 +56,17 @@ pub(super) fn cover_param(
     used: &mut [bool],
     (out, problems, clock): (&mut Found, &mut Vec<String>, &mut Clock),
 ) {
+    let scheme = match param.quant {
+        // Written by quantizing its weight: no source holds it.
+        QuantRole::Scales { .. } => return,
+        QuantRole::Weight { scheme, .. } => Some(scheme),
+        QuantRole::Plain => None,
+    };
     if param.pieces.is_empty() {
         problems.push(format!("param '{}' has no pieces", param.name));
     }
     let implicit = param.whole;
+    let mut wide = None;
     for (k, piece) in param.pieces.iter().enumerate() {
         if !clock.tick() || out.over.is_some() {
             return;
@@ -78,13 +91,17 @@ pub(super) fn cover_param(
         };
         used[g] = true;
         let g = globals.get(g);
-        if g.dtype != param.dtype {
-            problems.push(format!(
-                "{}: dtype mismatch: registered {}, source {}",
-                what(),
-                param.dtype,
-                g.dtype
-            ));
+        let dtype_problem = match scheme {
+            None => (g.dtype != param.dtype).then(|| {
+                format!(
+                    "dtype mismatch: registered {}, source {}",
+                    param.dtype, g.dtype
+                )
+            }),
+            Some(scheme) => quantized_problem(scheme, piece, g, *wide.get_or_insert(g.dtype)),
+        };
+        if let Some(p) = dtype_problem {
+            problems.push(format!("{}: {p}", what()));
             continue;
         }
         // A param registered without pieces is all of its tensor: a longer
@@ -105,12 +122,55 @@ pub(super) fn cover_param(
             });
             continue;
         }
-        let esize = param.dtype.size() as u64;
+        // A quantized param's bytes arrive as its global tensors hold them.
+        let esize = g.dtype.size() as u64;
         let target = (index, esize, spread + k);
         if let Err(p) = cover_piece(piece, param.shape, (globals, g), target, out) {
             problems.push(format!("{}: {p}", what()));
         }
     }
+    if let (Some(_), Some(dtype)) = (scheme, wide) {
+        out.quantized.push((index, dtype));
+    }
+}
+
+/// What keeps `piece` of a param quantized with `scheme` from global
+/// tensor `g`: a dtype FP8 is not made from, one other than the param's
+/// other pieces' (`wide`: the bytes of one param arrive in one dtype), or a
+/// partial block that is not at the tensor's edge (registration checked
+/// the param's side, `quant::params`).
+fn quantized_problem(scheme: Scheme, piece: &Piece, g: Global, wide: DType) -> Option<String> {
+    if !matches!(g.dtype, DType::Bf16 | DType::F16 | DType::F32) {
+        return Some(format!(
+            "{} quantization takes bf16, f16 or f32 tensors, not {}",
+            scheme.name(),
+            g.dtype
+        ));
+    }
+    if g.dtype != wide {
+        return Some(format!(
+            "its global tensor is {}, another piece's is {wide}: a quantized param's pieces share one dtype",
+            g.dtype
+        ));
+    }
+    let b = &piece.global;
+    if scheme == Scheme::PerTensor && (b.offset.iter().any(|&o| o != 0) || b.len != g.shape) {
+        return Some(format!(
+            "one scale per tensor needs all of the global tensor {}",
+            shape_text(g.shape)
+        ));
+    }
+    let n = b.ndim().min(g.shape.len());
+    for d in n.saturating_sub(2)..n {
+        let end = b.offset[d] + b.len[d];
+        if scheme == Scheme::Blocks128 && b.len[d] % 128 != 0 && end != g.shape[d] {
+            return Some(format!(
+                "dimension {d} ends at offset {end} of the global tensor {}, inside a 128x128 block",
+                shape_text(g.shape)
+            ));
+        }
+    }
+    None
 }
 
 /// The runs of one piece; Err names the part no source holds.

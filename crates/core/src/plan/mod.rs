@@ -43,6 +43,7 @@ mod tests;
 
 use crate::manifest::{Manifest, SharedMeta, TensorMeta};
 use crate::result::{Error, Result};
+use crate::tensor::DType;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -220,6 +221,10 @@ pub struct Plan {
     /// `(first holder, replica)` pairs of (source, tensor): their
     /// checksums are compared on every update ([`Plan::check_replicas`]).
     replicas: Vec<[(u32, u32); 2]>,
+    /// Params quantized from their global tensors, with the dtype those
+    /// hold: the runs into such a param lay its bytes out in that dtype
+    /// (the param's elements, wider), and the applier quantizes them.
+    pub quantized: Vec<(usize, DType)>,
 }
 
 impl Plan {
@@ -262,6 +267,7 @@ impl Plan {
             entries,
             runs,
             replicas: Vec::new(),
+            quantized: Vec::new(),
         }
     }
 
@@ -412,6 +418,14 @@ impl Plan {
             entry,
             entry_blocks,
         })
+    }
+
+    /// The dtype param `param`'s runs lay its bytes out in, when it is
+    /// quantized from its global tensors.
+    pub fn quantized_from(&self, param: usize) -> Option<DType> {
+        // Made in param order.
+        let k = self.quantized.binary_search_by_key(&param, |q| q.0).ok()?;
+        Some(self.quantized[k].1)
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

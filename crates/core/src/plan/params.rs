@@ -4,6 +4,7 @@
 //! allocating anything (`wm plan` at scales no machine here could hold).
 
 use crate::pieces::Piece;
+use crate::quant::params::QuantRole;
 use crate::registry::Registry;
 use crate::tensor::DType;
 
@@ -19,6 +20,9 @@ pub struct ParamView<'a> {
     /// its shape (a longer tensor is a shape mismatch, not one it holds the
     /// start of).
     pub whole: bool,
+    /// Quantized from its global tensors, or their scales (read from no
+    /// source).
+    pub quant: QuantRole,
 }
 
 impl ParamView<'_> {
@@ -50,6 +54,7 @@ impl Params for Registry {
             shape: &p.shape,
             pieces: &p.pieces,
             whole: p.is_whole_tensor(),
+            quant: p.quant,
         }
     }
 }
@@ -66,6 +71,8 @@ pub struct ParamLayout {
     pub pieces: Vec<Piece>,
     /// See [`ParamView::whole`].
     pub whole: bool,
+    /// See [`ParamView::quant`].
+    pub quant: QuantRole,
 }
 
 impl ParamLayout {
@@ -78,6 +85,7 @@ impl ParamLayout {
             shape: shape.to_vec(),
             pieces: vec![Piece::whole(name, shape)],
             whole: true,
+            quant: QuantRole::Plain,
         }
     }
 }
@@ -95,6 +103,7 @@ impl Params for [ParamLayout] {
             shape: &p.shape,
             pieces: &p.pieces,
             whole: p.whole,
+            quant: p.quant,
         }
     }
 }

@@ -358,6 +358,7 @@ pub(super) fn layouts_of(specs: &[ParamSpec]) -> Vec<ParamLayout> {
             shape: s.shape.clone(),
             pieces: s.pieces.clone(),
             whole: false,
+            quant: Default::default(),
         })
         .collect()
 }

@@ -30,8 +30,10 @@
 //! maximum of the partials is the block's, and [`quantize_with`] quantizes
 //! a holder's part with it.
 
+pub mod bands;
 pub mod e4m3;
 mod kernels;
+pub mod params;
 
 use crate::tensor::DType;
 
@@ -51,6 +53,15 @@ pub enum Scheme {
 }
 
 impl Scheme {
+    /// The scheme's name in messages and in Python (`fp8_block128`,
+    /// `fp8_tensor`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::Blocks128 => "fp8_block128",
+            Scheme::PerTensor => "fp8_tensor",
+        }
+    }
+
     /// Rows (and columns) of one block of [`Scheme::Blocks128`].
     pub fn block_edge() -> usize {
         BLOCK

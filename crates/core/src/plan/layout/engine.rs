@@ -225,6 +225,7 @@ impl ParamRule {
             shape,
             pieces,
             whole: false,
+            quant: Default::default(),
         })
     }
 

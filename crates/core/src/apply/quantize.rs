@@ -1,0 +1,167 @@
+//! Quantized params at the end of an update. Their bytes arrive as their
+//! global tensors hold them (bf16, f16 or f32: the plan lays the runs out
+//! in that dtype) into the atomic arena, or in place into a buffer of the
+//! manager's; they were verified against the sources' checksums as they
+//! arrived. Before anything is committed, every block's amax is found, so
+//! that a NaN or an infinity fails the update naming the tensor and the
+//! element while the params keep their old bytes (atomic; in place the
+//! other params are written by then, as with any late failure). Then,
+//! with the rest of the commit, the FP8 bytes and the scales are written
+//! into the two params together.
+
+use super::arena::Arena;
+use super::Applier;
+use crate::memory::SendPtr;
+use crate::pieces::Piece;
+use crate::quant::bands::{self, Wide};
+use crate::quant::{QuantError, Scheme};
+use crate::result::{Error, Result};
+use crate::tensor::DType;
+
+/// A quantized param an update writes.
+#[derive(Clone, Debug)]
+pub struct QuantTarget {
+    pub param: usize,
+    pub name: String,
+    pub scheme: Scheme,
+    pub shape: Vec<u64>,
+    /// To name the global tensor of an element in errors.
+    pub pieces: Vec<Piece>,
+    /// The FP8 param's memory (one byte per element).
+    pub fp8: SendPtr,
+    /// The scales param's memory, and how many f32 it holds.
+    pub scales: (SendPtr, usize),
+    /// In place: where its bytes land (the destination of its entries).
+    /// Atomic: None, they are in its shadow in the arena.
+    pub wide: Option<SendPtr>,
+}
+
+/// The quantized params of an update, and their amax once found.
+#[derive(Default)]
+pub(super) struct Quantizing {
+    pub targets: Vec<QuantTarget>,
+    amax: Option<Vec<Vec<f32>>>,
+}
+
+impl Applier<'_, '_> {
+    /// The params this update quantizes (see [`QuantTarget`]); those the
+    /// plan does not fill (the per-tensor callback's updates) are left.
+    pub fn with_quantized(mut self, targets: Vec<QuantTarget>) -> Self {
+        let plan = self.plan;
+        self.quant.targets = targets
+            .into_iter()
+            .filter(|t| plan.quantized_from(t.param).is_some())
+            .collect();
+        self
+    }
+
+    /// The bytes target `k` received, in its source's dtype.
+    fn wide(&self, k: usize, arena: Option<&Arena>) -> Wide<'_> {
+        let t = &self.quant.targets[k];
+        let dtype = self.plan.quantized_from(t.param).unwrap_or(DType::Bf16);
+        let elements = t.shape.iter().product::<u64>() as usize;
+        let at = match (arena, t.wide) {
+            (Some(a), _) => a.param_shadow(t.param),
+            (None, Some(p)) => p.0,
+            (None, None) => unreachable!("an in-place quantized param lands in its buffer"),
+        };
+        // SAFETY: the plan covered every element of the param in `dtype`
+        // (its runs end at `elements * size`), and every byte arrived
+        // (checked before this runs); nothing writes it meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts(at, elements * dtype.size()) };
+        Wide {
+            dtype,
+            shape: &t.shape,
+            bytes,
+        }
+    }
+
+    /// Find every quantized param's amax (once): Err names a non-finite
+    /// element. Runs before anything is committed (a staged update: when
+    /// it reports itself staged).
+    pub(super) fn check_quantized(&mut self, arena: Option<&Arena>) -> Result<()> {
+        if self.quant.amax.is_some() || self.quant.targets.is_empty() {
+            return Ok(());
+        }
+        let mut all = Vec::with_capacity(self.quant.targets.len());
+        for k in 0..self.quant.targets.len() {
+            let t = &self.quant.targets[k];
+            let found = bands::amax(t.scheme, self.wide(k, arena), self.opts.threads);
+            all.push(found.map_err(|e| quant_error(t, e))?);
+        }
+        self.quant.amax = Some(all);
+        Ok(())
+    }
+
+    /// Write every quantized param's FP8 bytes and scales (after
+    /// [`Applier::check_quantized`]).
+    pub(super) fn write_quantized(&mut self, arena: Option<&Arena>) -> Result<()> {
+        self.check_quantized(arena)?;
+        let Some(amax) = self.quant.amax.take() else {
+            return Ok(());
+        };
+        self.landing.writes_params();
+        for (k, a) in amax.iter().enumerate() {
+            let t = &self.quant.targets[k];
+            let n = t.shape.iter().product::<u64>() as usize;
+            // SAFETY: the registry sized both params for this scheme and
+            // shape (`quant::params::check_declaration`); they are the
+            // engine's weights, written only by the update that holds them.
+            let out = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(t.fp8.0, n),
+                    std::slice::from_raw_parts_mut(t.scales.0 .0.cast::<f32>(), t.scales.1),
+                )
+            };
+            let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
+            wrote.map_err(|e| quant_error(t, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// `e` for quantized param `t`: a non-finite element named by its global
+/// tensor and index there (and the param's).
+fn quant_error(t: &QuantTarget, e: QuantError) -> Error {
+    match e {
+        QuantError::NonFinite { index, value } => {
+            let at = unflatten(index as u64, &t.shape);
+            let global = t.pieces.iter().find_map(|p| global_index(p, &t.shape, &at));
+            Error::format(format!(
+                "{} is {value} (param '{}' element {at:?}): FP8 quantization refuses NaN and \
+                 infinity, so a diverged trainer does not reach the engine",
+                global.unwrap_or_else(|| format!("element {at:?}")),
+                t.name
+            ))
+        }
+        QuantError::Invalid(why) => Error::invalid_argument(format!("param '{}': {why}", t.name)),
+    }
+}
+
+/// "element [..] of tensor '..'" for element `at` of a `shape` param, when
+/// piece `p` holds it.
+fn global_index(p: &Piece, shape: &[u64], at: &[u64]) -> Option<String> {
+    let a = p.aligned(shape);
+    let nd = a.in_param.ndim();
+    let mut idx = vec![0; nd - at.len()];
+    idx.extend_from_slice(at);
+    let (o, n) = (&a.in_param.offset, &a.in_param.len);
+    if !(0..nd).all(|d| idx[d] >= o[d] && idx[d] < o[d] + n[d]) {
+        return None;
+    }
+    let g: Vec<u64> = (0..nd)
+        .map(|d| a.global.offset[d] + idx[d] - o[d])
+        .collect();
+    let g = &g[nd - p.global.ndim()..];
+    Some(format!("element {g:?} of tensor '{}'", p.tensor))
+}
+
+fn unflatten(mut flat: u64, shape: &[u64]) -> Vec<u64> {
+    let mut at = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        let n = shape[d].max(1);
+        at[d] = flat % n;
+        flat /= n;
+    }
+    at
+}

@@ -1,0 +1,79 @@
+//! What an update needs for its quantized params: where each one's FP8
+//! bytes and scales go, and in place a buffer its bytes land in (in their
+//! source's dtype, until they are quantized at the end of the update).
+//! Atomic updates need no buffer: the bytes land in the arena's shadow.
+
+use crate::apply::{Dest, Mode, QuantTarget};
+use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
+use crate::plan::{Plan, Target};
+use crate::quant::params::QuantRole;
+use crate::registry::Registry;
+use crate::result::Result;
+
+/// The update's quantized params, with their landing buffers (in place).
+pub(super) struct Quantized {
+    pub targets: Vec<QuantTarget>,
+    /// Per target in place, its buffer (freed when the update ends).
+    buffers: Vec<HostRegion>,
+}
+
+impl Quantized {
+    /// The quantized params `plan` fills, for an update in `mode`. In
+    /// place, each gets a buffer of its elements in its source's dtype
+    /// (allocated here, faulted in where the bytes land).
+    pub fn of(registry: &Registry, plan: &Plan, mode: Mode) -> Result<Quantized> {
+        let params = registry.params();
+        let mut out = Quantized {
+            targets: Vec::new(),
+            buffers: Vec::new(),
+        };
+        for &(i, dtype) in &plan.quantized {
+            let (p, QuantRole::Weight { scheme, scales }) = (&params[i], params[i].quant) else {
+                continue;
+            };
+            let s = &params[scales];
+            let wide = match mode {
+                Mode::Atomic => None,
+                Mode::InPlace => {
+                    let what = format!("param '{}': its {dtype} bytes before quantizing", p.name);
+                    let r = HostRegion::new(&what, p.nbytes * dtype.size())?;
+                    let at = SendPtr(r.ptr());
+                    out.buffers.push(r);
+                    Some(at)
+                }
+            };
+            out.targets.push(QuantTarget {
+                param: i,
+                name: p.name.clone(),
+                scheme,
+                shape: p.shape.clone(),
+                pieces: p.pieces.clone(),
+                fp8: SendPtr(p.ptr()),
+                scales: (SendPtr(s.ptr()), s.nbytes / 4),
+                wide,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Where the bytes of an entry into param `i` land: its buffer in
+    /// place; atomic, nowhere outside the arena (a null address nothing
+    /// writes: the landing sends a quantized param's bytes to its shadow).
+    /// None when `i` is not quantized.
+    pub fn dest(&self, i: usize) -> Option<Dest> {
+        let t = self.targets.iter().find(|t| t.param == i)?;
+        Some(Dest::Host(t.wide.unwrap_or(SendPtr(std::ptr::null_mut()))))
+    }
+
+    /// The destination of every plan entry, quantized params' included.
+    pub fn dests(&self, plan: &Plan, registry: &Registry) -> Vec<Option<Dest>> {
+        plan.entries
+            .iter()
+            .map(|e| match e.target {
+                Target::Param(i) => self.dest(i).or_else(|| Some(registry.params()[i].dest())),
+                _ => None,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,196 @@
+//! A whole param quantized in bands of at most 128 rows, on several
+//! threads: first every band's amax (so a NaN or an infinity is found
+//! before any FP8 byte is written), then every band quantized with it.
+//!
+//! A param of shape `[..., M, N]` is `prod(...)` matrices of `[M, N]`.
+//! With 128x128 blocks a band is up to 128 rows of one matrix, starting at
+//! a multiple of 128: its blocks are the matrix's, and it has one row of
+//! the scales (`[..., ceil(M/128), ceil(N/128)]`). With one scale per
+//! tensor the param is `[rows, N]` (N its last dimension, rows the rest)
+//! and every band shares the tensor's amax.
+
+use super::{block_amax, quantize_with, QuantError, Scheme, Source, BLOCK};
+use crate::tensor::DType;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Rows `rows` of the flattened `[all rows, cols]` param starting at row
+/// `row`, whose scales start at `scale` (`scales` of them).
+#[derive(Clone, Copy, Debug)]
+struct Band {
+    row: usize,
+    rows: usize,
+    scale: usize,
+    scales: usize,
+}
+
+/// The bands of a `shape` param quantized with `scheme`, and its columns.
+fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
+    let n = shape.len();
+    let cols = shape.last().copied().unwrap_or(1) as usize;
+    match scheme {
+        Scheme::PerTensor => {
+            let rows = shape[..n.saturating_sub(1)].iter().product::<u64>() as usize;
+            let bands = (0..rows.div_ceil(BLOCK))
+                .map(|b| Band {
+                    row: b * BLOCK,
+                    rows: BLOCK.min(rows - b * BLOCK),
+                    scale: 0,
+                    scales: 1,
+                })
+                .collect();
+            (bands, cols)
+        }
+        Scheme::Blocks128 => {
+            let m = shape[n - 2] as usize;
+            let matrices = shape[..n - 2].iter().product::<u64>() as usize;
+            let (per, scols) = (m.div_ceil(BLOCK), cols.div_ceil(BLOCK));
+            let mut out = Vec::with_capacity(matrices * per);
+            for k in 0..matrices {
+                for b in 0..per {
+                    out.push(Band {
+                        row: k * m + b * BLOCK,
+                        rows: BLOCK.min(m - b * BLOCK),
+                        scale: (k * per + b) * scols,
+                        scales: scols,
+                    });
+                }
+            }
+            (out, cols)
+        }
+    }
+}
+
+/// A param's bytes as its source holds them: `shape` elements of `dtype`.
+#[derive(Clone, Copy, Debug)]
+pub struct Wide<'a> {
+    pub dtype: DType,
+    pub shape: &'a [u64],
+    pub bytes: &'a [u8],
+}
+
+/// Every block's amax (the scales' shape, unclamped) of `wide` quantized
+/// with `scheme`. Err: the first non-finite element found, as
+/// `(flat index in the param, value)`.
+pub fn amax(scheme: Scheme, wide: Wide, threads: usize) -> Result<Vec<f32>, QuantError> {
+    let (bands, cols) = bands(scheme, wide.shape);
+    let scales = bands.last().map_or(1, |b| b.scale + b.scales);
+    let esize = wide.dtype.size();
+    let per_band = par_map(&bands, threads, |b| {
+        let src = Source {
+            dtype: wide.dtype,
+            bytes: &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize],
+            rows: b.rows,
+            cols,
+        };
+        let mut out = vec![0f32; b.scales];
+        let whole = [b.rows, cols];
+        block_amax(scheme, src, [0, 0], whole, &mut out).map_err(|e| match e {
+            QuantError::NonFinite { index, value } => QuantError::NonFinite {
+                index: index + b.row * cols,
+                value,
+            },
+            other => other,
+        })?;
+        Ok(out)
+    });
+    let mut amax = vec![0f32; scales];
+    for (b, got) in bands.iter().zip(per_band) {
+        for (slot, a) in amax[b.scale..b.scale + b.scales].iter_mut().zip(got?) {
+            *slot = slot.max(a);
+        }
+    }
+    Ok(amax)
+}
+
+/// Quantize `wide` with `scheme` and the amax [`amax`] found: its E4M3
+/// bytes into `fp8` (one per element), its scale_inv into `scale_inv`.
+pub fn write(
+    scheme: Scheme,
+    wide: Wide,
+    amax: &[f32],
+    (fp8, scale_inv): (&mut [u8], &mut [f32]),
+    threads: usize,
+) -> Result<(), QuantError> {
+    let (bands, cols) = bands(scheme, wide.shape);
+    let elements = wide.shape.iter().product::<u64>() as usize;
+    if fp8.len() != elements
+        || scale_inv.len() != amax.len()
+        || wide.bytes.len() != elements * wide.dtype.size()
+    {
+        return Err(QuantError::Invalid(format!(
+            "{} fp8 bytes, {} scales and {} source bytes for {elements} elements and {} blocks",
+            fp8.len(),
+            scale_inv.len(),
+            wide.bytes.len(),
+            amax.len()
+        )));
+    }
+    let esize = wide.dtype.size();
+    let (fp8_at, scales_at) = (fp8.as_mut_ptr() as usize, scale_inv.as_mut_ptr() as usize);
+    let done = par_map(&bands, threads, |b| {
+        let src = Source {
+            dtype: wide.dtype,
+            bytes: &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize],
+            rows: b.rows,
+            cols,
+        };
+        // SAFETY: bands are disjoint rows of the param, inside `fp8`.
+        let q = unsafe {
+            std::slice::from_raw_parts_mut((fp8_at as *mut u8).add(b.row * cols), b.rows * cols)
+        };
+        let mut own = [0f32];
+        let s: &mut [f32] = match scheme {
+            Scheme::PerTensor => &mut own,
+            // SAFETY: bands are disjoint rows of the scales, inside
+            // `scale_inv` (one per tensor: each band writes its own copy,
+            // stored once below).
+            Scheme::Blocks128 => unsafe {
+                std::slice::from_raw_parts_mut((scales_at as *mut f32).add(b.scale), b.scales)
+            },
+        };
+        let a = &amax[b.scale..b.scale + b.scales];
+        quantize_with(scheme, src, ([0, 0], [b.rows, cols]), a, q, s)?;
+        Ok(own[0])
+    });
+    for r in done {
+        let s = r?;
+        if scheme == Scheme::PerTensor {
+            scale_inv[0] = s;
+        }
+    }
+    if scheme == Scheme::PerTensor && bands.is_empty() {
+        scale_inv[0] = amax[0].max(super::AMAX_FLOOR) / super::e4m3::MAX;
+    }
+    Ok(())
+}
+
+/// `f` over every band on up to `threads` threads (each taking the next
+/// band not yet taken), results in band order.
+fn par_map<T: Send>(bands: &[Band], threads: usize, f: impl Fn(&Band) -> T + Sync) -> Vec<T> {
+    let threads = threads.clamp(1, bands.len().max(1));
+    if threads == 1 {
+        return bands.iter().map(f).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let mut out: Vec<(usize, T)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(b) = bands.get(i) else { break };
+                        mine.push((i, f(b)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("quantizing does not panic"))
+            .collect()
+    });
+    out.sort_unstable_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, t)| t).collect()
+}

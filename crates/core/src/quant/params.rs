@@ -1,0 +1,184 @@
+//! Quantized params: an engine declares that an F8_E4M3 param holds a
+//! global bf16/f16/f32 tensor (or pieces of one) quantized, with its f32
+//! `scale_inv` in another param. The rules here are the engine's alone
+//! (dtypes, shapes, where pieces cut blocks inside the param), checked when
+//! it declares; what needs the sources (the global tensor's dtype and
+//! shape) is the plan's (`plan::cover`).
+//!
+//! Blocks are over the last two dimensions; leading dimensions are a batch
+//! (stacked experts `[E, M, N]` have scales `[E, ceil(M/128),
+//! ceil(N/128)]`). A piece lines up with the global tensor's block grid
+//! when its box starts at a multiple of 128 in the tensor and in the param
+//! on both of the last two dimensions, and a length that is not a multiple
+//! of 128 ends at the param's edge (and, checked by the plan, at the global
+//! tensor's): then the param's blocks are exactly the global tensor's, and
+//! quantizing the param as a whole gives the global tensor's FP8 bytes and
+//! scales.
+
+use super::{Scheme, BLOCK};
+use crate::pieces::Piece;
+use crate::result::{Error, Result};
+use crate::tensor::{shape_text, DType};
+
+/// What a param is to quantization.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuantRole {
+    /// Written with its source's bytes as they are.
+    #[default]
+    Plain,
+    /// Holds its pieces quantized with `scheme`; `scales` is the param
+    /// number of its `scale_inv`.
+    Weight { scheme: Scheme, scales: usize },
+    /// The `scale_inv` of param `weight`: written by quantizing, read from
+    /// no source.
+    Scales { weight: usize },
+}
+
+/// A param as the declaration checks it.
+#[derive(Clone, Copy, Debug)]
+pub struct Declared<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [u64],
+    pub pieces: &'a [Piece],
+    /// Registered without pieces.
+    pub whole: bool,
+    pub device: bool,
+    pub role: QuantRole,
+}
+
+/// The scales' shape of a `shape` param quantized with `scheme`.
+pub fn scales_shape(scheme: Scheme, shape: &[u64]) -> Vec<u64> {
+    match scheme {
+        Scheme::PerTensor => vec![1],
+        Scheme::Blocks128 => {
+            let n = shape.len();
+            let mut s = shape[..n.saturating_sub(2)].to_vec();
+            s.extend(
+                shape[n.saturating_sub(2)..]
+                    .iter()
+                    .map(|d| d.div_ceil(BLOCK as u64)),
+            );
+            s
+        }
+    }
+}
+
+/// Check that `weight` may hold its pieces quantized with `scheme` and
+/// `scales` its scale_inv. Err (`WM_ERR_INVALID_ARGUMENT`, device params
+/// `WM_ERR_UNSUPPORTED`) names the param and what is wrong.
+pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<()> {
+    let bad = |p: &Declared, why: String| {
+        Err(Error::invalid_argument(format!(
+            "param '{}': {why}",
+            p.name
+        )))
+    };
+    for p in [weight, scales] {
+        if p.role != QuantRole::Plain {
+            return bad(
+                p,
+                "is already quantized or the scales of a quantized param".into(),
+            );
+        }
+        if p.device {
+            return Err(Error::unsupported(format!(
+                "param '{}': quantized device params are not supported yet (FP8 \
+                 quantization runs on the host; register host params)",
+                p.name
+            )));
+        }
+    }
+    if weight.name == scales.name {
+        return bad(weight, "cannot hold its own scales".into());
+    }
+    if weight.dtype != DType::F8E4m3 {
+        return bad(
+            weight,
+            format!(
+                "{} quantization writes {} params, not {}",
+                scheme.name(),
+                DType::F8E4m3,
+                weight.dtype
+            ),
+        );
+    }
+    if scheme == Scheme::Blocks128 && weight.shape.len() < 2 {
+        return bad(
+            weight,
+            format!(
+                "{} quantization needs at least 2 dimensions (blocks over the last two), not {}",
+                scheme.name(),
+                shape_text(weight.shape)
+            ),
+        );
+    }
+    let pieces = match scheme {
+        Scheme::Blocks128 => weight.pieces.iter().enumerate().try_for_each(|(k, p)| check_piece_blocks(weight, k, p)),
+        Scheme::PerTensor if weight.pieces.len() == 1 && weight.pieces[0].global.offset.iter().all(|&o| o == 0) => Ok(()),
+        Scheme::PerTensor => bad(weight, "one scale per tensor needs the whole global tensor in the param (one piece, at its start)".into()),
+    };
+    pieces?;
+    let want = scales_shape(scheme, weight.shape);
+    let one = scheme == Scheme::PerTensor && scales.shape.iter().product::<u64>() == 1;
+    if scales.dtype != DType::F32 || !(one || scales.shape == want.as_slice()) {
+        return bad(
+            scales,
+            format!(
+                "the scales of '{}' ({} {}) must be {} {}, not {} {}",
+                weight.name,
+                scheme.name(),
+                shape_text(weight.shape),
+                DType::F32,
+                shape_text(&want),
+                scales.dtype,
+                shape_text(scales.shape)
+            ),
+        );
+    }
+    if !scales.whole {
+        return bad(
+            scales,
+            "scales are made by quantizing, not read from a source: register them without pieces"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// Piece `k` of `weight` starts and ends on the block grid on the last
+/// two dimensions (a partial block only at the param's edge).
+fn check_piece_blocks(weight: &Declared, k: usize, piece: &Piece) -> Result<()> {
+    let (nd, gd) = (weight.shape.len(), piece.global.ndim());
+    let fail = |why: String| {
+        Err(Error::invalid_argument(format!(
+            "param '{}': piece {k} ('{}' {}) cuts a 128x128 block: {why}",
+            weight.name, piece.tensor, piece.global
+        )))
+    };
+    if gd < 2 {
+        return fail("its global tensor must have at least 2 dimensions".into());
+    }
+    for back in 1..=2 {
+        let (d, g) = (nd - back, gd - back);
+        let (start, len, at) = (piece.global.offset[g], piece.global.len[g], piece.at[d]);
+        let b = BLOCK as u64;
+        if start % b != 0 {
+            return fail(format!(
+                "dimension {d} starts at offset {start} of the tensor, not a multiple of 128"
+            ));
+        }
+        if at % b != 0 {
+            return fail(format!(
+                "dimension {d} starts at offset {at} of the param, not a multiple of 128"
+            ));
+        }
+        if len % b != 0 && at + len != weight.shape[d] {
+            return fail(format!(
+                "dimension {d} ends at offset {} of the param, inside a block (a partial block must end the param)",
+                at + len
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,471 @@
+//! Quantized params through the Rust API: bf16/f16/f32 global tensors from
+//! real snapshot files and real publishers land in F8_E4M3 params with
+//! their scales, byte for byte what `quant::quantize` (checked bit for bit
+//! against PyTorch in the crate's own tests) makes of the global tensors.
+
+mod common;
+
+use common::sharded::{piece, serial, serving};
+use common::{write_safetensors, write_version, T};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use weight_manager_core::quant::{quantize, Scheme, Source};
+use weight_manager_core::{
+    wm_result, DType, Manager, ManagerConfig, Mode, ParamSpec, Placement, Publisher,
+    PublisherConfig, SourceKind, State, TensorDesc, UpdateRequest,
+};
+
+fn manager() -> Manager {
+    Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Finite values of many magnitudes (a few tiny ones, some large), as
+/// `dtype` bytes; `seed` makes versions differ.
+fn values(dtype: DType, shape: &[u64], seed: u32) -> Vec<u8> {
+    let n = shape.iter().product::<u64>() as u32;
+    (0..n)
+        .flat_map(|i| {
+            let h = (i ^ seed.wrapping_mul(0x9e37_79b9))
+                .wrapping_mul(0x85eb_ca6b)
+                .rotate_left(13);
+            let unit = (h >> 8) as f32 / (1 << 24) as f32 - 0.5;
+            let x = unit * [1e-6f32, 0.03, 1.0, 7.0, 300.0][(h % 5) as usize];
+            match dtype {
+                DType::F32 => x.to_le_bytes().to_vec(),
+                DType::Bf16 => ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+                _ => half_bits(x).to_le_bytes().to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// f32 to IEEE half, truncating (any finite half will do as test data).
+fn half_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    match exp {
+        e if e <= 0 => sign,
+        e if e >= 31 => sign | 0x7bff,
+        e => sign | ((e as u16) << 10) | ((b >> 13) & 0x3ff) as u16,
+    }
+}
+
+fn t(name: &str, dtype: DType, shape: &[u64], seed: u32) -> T {
+    T {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        data: values(dtype, shape, seed),
+    }
+}
+
+/// The FP8 bytes and scales of a whole `[..., rows, cols]` tensor `t`
+/// (leading dimensions a batch of matrices with 128x128 blocks; one scale
+/// for all of it per tensor).
+fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
+    let n = t.shape.len();
+    let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
+    let (batch, per) = match scheme {
+        Scheme::Blocks128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
+        Scheme::PerTensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
+    };
+    let [sr, sc] = scheme.scales_shape(per, cols);
+    let (mut q, mut s) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
+    let esize = t.dtype.size();
+    for k in 0..batch {
+        let src = Source {
+            dtype: t.dtype,
+            bytes: &t.data[k * per * cols * esize..(k + 1) * per * cols * esize],
+            rows: per,
+            cols,
+        };
+        let (qk, sk) = (
+            &mut q[k * per * cols..(k + 1) * per * cols],
+            &mut s[k * sr * sc..(k + 1) * sr * sc],
+        );
+        quantize(scheme, src, qk, sk).unwrap();
+    }
+    (q, s)
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn read(p: (*mut u8, usize)) -> Vec<u8> {
+    // SAFETY: a registered param, not written while the test reads it.
+    unsafe { std::slice::from_raw_parts(p.0, p.1) }.to_vec()
+}
+
+/// Register FP8 param `name` of `shape` and its scales `name.scale_inv`,
+/// engine-owned when `engine`, and declare it quantized.
+fn quantized(m: &Manager, spec: ParamSpec, scheme: Scheme, engine: bool) -> [(*mut u8, usize); 2] {
+    let scales_shape = weight_manager_core::quant::params::scales_shape(scheme, &spec.shape);
+    let s = ParamSpec::host(
+        &format!("{}.scale_inv", spec.name),
+        DType::F32,
+        &scales_shape,
+    );
+    let out = [&spec, &s].map(|spec| match engine {
+        true => {
+            let n = spec.shape.iter().product::<u64>() as usize * spec.dtype.size();
+            let buf = Box::leak(vec![0u8; n].into_boxed_slice());
+            unsafe { m.register(spec, buf.as_mut_ptr(), n) }.unwrap();
+            (buf.as_mut_ptr(), n)
+        }
+        false => m.allocate(spec).unwrap(),
+    });
+    m.quantize(&spec.name, &s.name, scheme).unwrap();
+    out
+}
+
+/// The snapshot model: three tensors quantized three ways, one plain.
+fn snapshot_model(seed: u32) -> Vec<T> {
+    vec![
+        t("w", DType::Bf16, &[300, 200], seed),
+        t("experts", DType::F16, &[2, 200, 130], seed),
+        t("head", DType::F32, &[130, 129], seed),
+        t("norm", DType::F32, &[64], seed),
+    ]
+}
+
+/// `ts` as a snapshot of version `step`, with checksums.
+fn write_snapshot(dir: &Path, ts: &[T], step: &str) {
+    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), ts);
+    write_version(dir, step);
+    weight_manager_core::checkpoint::checksums::write(dir, 1).unwrap();
+}
+
+/// Every quantized param holds what quantizing its tensor gives, and the
+/// plain one its bytes: in both modes, engine- and library-owned, over
+/// two versions (the second from a kept plan).
+#[test]
+fn a_snapshot_lands_quantized_in_fp8_params_in_both_modes() {
+    for (mode, engine) in [
+        (Mode::Atomic, false),
+        (Mode::Atomic, true),
+        (Mode::InPlace, false),
+        (Mode::InPlace, true),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager();
+        let schemes = [Scheme::Blocks128, Scheme::Blocks128, Scheme::PerTensor];
+        let v1 = snapshot_model(1);
+        let params: Vec<_> = v1[..3]
+            .iter()
+            .zip(schemes)
+            .map(|(t, s)| {
+                quantized(
+                    &m,
+                    ParamSpec::host(&t.name, DType::F8E4m3, &t.shape),
+                    s,
+                    engine,
+                )
+            })
+            .collect();
+        let norm = m
+            .allocate(&ParamSpec::host("norm", DType::F32, &[64]))
+            .unwrap();
+        for (seed, step) in [(1, "1"), (2, "2")] {
+            let ts = snapshot_model(seed);
+            write_snapshot(dir.path(), &ts, step);
+            let mut req = UpdateRequest::snapshot(dir.path());
+            req.mode = mode;
+            req.verify = true;
+            let stats = m.update(req).unwrap();
+            assert_eq!(stats.version, step);
+            for ((t, scheme), [q, s]) in ts.iter().zip(schemes).zip(&params) {
+                let (want_q, want_s) = reference(t, scheme);
+                assert!(
+                    read(*q) == want_q,
+                    "{mode:?} engine {engine}: '{}' fp8 bytes differ",
+                    t.name
+                );
+                assert_eq!(
+                    f32s(&read(*s)),
+                    want_s,
+                    "{mode:?}: '{}' scales differ",
+                    t.name
+                );
+            }
+            assert_eq!(read(norm), ts[3].data);
+        }
+    }
+}
+
+/// A NaN or an infinity fails the update naming the tensor and the
+/// element; atomic, every param keeps the old version's bytes, and a
+/// staged update fails at staging.
+#[test]
+fn a_nan_or_infinity_fails_the_update_and_the_old_weights_stay() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(manager());
+    let model = |seed| {
+        let mut ts = snapshot_model(seed);
+        ts.remove(1);
+        ts
+    };
+    let v1 = model(1);
+    let [q, s] = quantized(
+        &m,
+        ParamSpec::host("w", DType::F8E4m3, &[300, 200]),
+        Scheme::Blocks128,
+        false,
+    );
+    let [hq, hs] = quantized(
+        &m,
+        ParamSpec::host("head", DType::F8E4m3, &[130, 129]),
+        Scheme::PerTensor,
+        true,
+    );
+    let norm = m
+        .allocate(&ParamSpec::host("norm", DType::F32, &[64]))
+        .unwrap();
+    write_snapshot(dir.path(), &v1, "1");
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    let before = [q, s, hq, hs, norm].map(read);
+    for (tensor, at, value) in [
+        ("w", [7u64, 150u64], f32::NAN),
+        ("head", [129, 0], f32::NEG_INFINITY),
+    ] {
+        let mut v2 = model(2);
+        let bad = v2.iter_mut().find(|t| t.name == tensor).unwrap();
+        let i = (at[0] * bad.shape[1] + at[1]) as usize;
+        match bad.dtype {
+            DType::Bf16 => bad.data[2 * i..2 * i + 2]
+                .copy_from_slice(&((value.to_bits() >> 16) as u16).to_le_bytes()),
+            _ => bad.data[4 * i..4 * i + 4].copy_from_slice(&value.to_le_bytes()),
+        }
+        write_snapshot(dir.path(), &v2, "2");
+        let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{e}");
+        let named = format!("element {at:?} of tensor '{tensor}' is {value}");
+        assert!(e.message.contains(&named), "{e}");
+        assert_eq!(m.status().state, State::Normal);
+        assert_eq!(m.status().version.as_deref(), Some("1"));
+        assert!(
+            [q, s, hq, hs, norm].map(read) == before,
+            "{tensor}: old weights changed"
+        );
+        let e = m
+            .stage(UpdateRequest::snapshot(dir.path()))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.message.contains(&named), "staged: {e}");
+        assert!(
+            [q, s, hq, hs, norm].map(read) == before,
+            "{tensor}: staging changed the weights"
+        );
+    }
+}
+
+/// Declarations of `wrong_declarations_are_refused_naming_the_param`:
+/// weight, scales, scheme, the error and what it says.
+const WRONG: [(&str, &str, Scheme, wm_result, &str); 8] = [
+    (
+        "bf",
+        "s",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 'bf': fp8_block128 quantization writes f8e4m3 params, not bf16",
+    ),
+    (
+        "w",
+        "s_wrong",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 's_wrong': the scales of 'w' (fp8_block128 [256, 300]) must be f32 [2, 3]",
+    ),
+    (
+        "w",
+        "s_f16",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "must be f32 [2, 3], not f16 [2, 3]",
+    ),
+    (
+        "v",
+        "one",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 'v': fp8_block128 quantization needs at least 2 dimensions",
+    ),
+    (
+        "cut",
+        "s",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 'cut': piece 0 ('g'",
+    ),
+    (
+        "tp",
+        "one",
+        Scheme::PerTensor,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 'tp': one scale per tensor needs the whole global tensor",
+    ),
+    (
+        "nope",
+        "s",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_NOT_FOUND,
+        "param 'nope' is not registered",
+    ),
+    (
+        "w",
+        "w",
+        Scheme::Blocks128,
+        wm_result::WM_ERR_INVALID_ARGUMENT,
+        "param 'w': cannot hold its own scales",
+    ),
+];
+
+/// Declarations the engine gets wrong are refused naming the param and
+/// what is wrong, and change nothing.
+#[test]
+fn wrong_declarations_are_refused_naming_the_param() {
+    let m = manager();
+    let alloc = |name: &str, dtype, shape: &[u64]| {
+        m.allocate(&ParamSpec::host(name, dtype, shape)).unwrap()
+    };
+    alloc("bf", DType::Bf16, &[256, 256]);
+    alloc("w", DType::F8E4m3, &[256, 300]);
+    alloc("s", DType::F32, &[2, 3]);
+    alloc("s_wrong", DType::F32, &[2, 2]);
+    alloc("s_f16", DType::F16, &[2, 3]);
+    alloc("one", DType::F32, &[1]);
+    alloc("v", DType::F8E4m3, &[300]);
+    let mut cut = ParamSpec::host("cut", DType::F8E4m3, &[256, 128]);
+    cut.pieces = vec![piece("g", &[64, 0], &[256, 128], &[0, 0])];
+    m.allocate(&cut).unwrap();
+    let mut tp = ParamSpec::host("tp", DType::F8E4m3, &[256, 128]);
+    tp.pieces = vec![piece("g", &[0, 128], &[256, 128], &[0, 0])];
+    m.allocate(&tp).unwrap();
+    for (w, s, scheme, code, says) in WRONG {
+        let e = m.quantize(w, s, scheme).unwrap_err();
+        assert_eq!(e.code, code, "{w}/{s}: {e}");
+        assert!(e.message.contains(says), "{w}/{s}: {e}");
+    }
+    let e = m.quantize("cut", "s", Scheme::Blocks128).unwrap_err();
+    assert!(
+        e.message
+            .contains("dimension 0 starts at offset 64 of the tensor, not a multiple of 128"),
+        "{e}"
+    );
+    m.quantize("w", "s", Scheme::Blocks128).unwrap();
+    let e = m.quantize("w", "s", Scheme::Blocks128).unwrap_err();
+    assert!(e.message.contains("already quantized"), "{e}");
+}
+
+/// What only the sources say is checked when planning, before any byte
+/// moves: an integer global tensor, and a partial block inside the tensor.
+#[test]
+fn planning_refuses_integer_tensors_and_blocks_cut_inside_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let ints = T {
+        name: "ints".into(),
+        dtype: DType::I32,
+        shape: vec![128, 128],
+        data: vec![0; 128 * 128 * 4],
+    };
+    write_snapshot(
+        dir.path(),
+        &[ints, t("g", DType::Bf16, &[300, 128], 1)],
+        "1",
+    );
+    let m = manager();
+    quantized(
+        &m,
+        ParamSpec::host("ints", DType::F8E4m3, &[128, 128]),
+        Scheme::Blocks128,
+        false,
+    );
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert!(
+        e.message.contains("param 'ints'")
+            && e.message
+                .contains("takes bf16, f16 or f32 tensors, not i32"),
+        "{e}"
+    );
+    let m = manager();
+    let mut top = ParamSpec::host("top", DType::F8E4m3, &[100, 128]);
+    top.pieces = vec![piece("g", &[0, 0], &[100, 128], &[0, 0])];
+    quantized(&m, top, Scheme::Blocks128, false);
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert!(e.message.contains("param 'top'") && e.message.contains("dimension 0 ends at offset 100 of the global tensor [300, 128], inside a 128x128 block"), "{e}");
+    assert_eq!(m.status().state, State::Normal);
+}
+
+/// A [300, 256] bf16 tensor in row shards of 75 (every 128-row block split
+/// over two or three publishers), from four publishers at once over IPC
+/// and over the network: an engine holding column half 1 (a TP split at a
+/// multiple of 128) gets that half of the global tensor's quantization.
+#[test]
+fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
+    let _serial = serial();
+    let g = t("g", DType::Bf16, &[300, 256], 3);
+    let (want_q, want_s) = reference(&g, Scheme::Blocks128);
+    let half_q: Vec<u8> = want_q
+        .chunks(256)
+        .flat_map(|row| row[128..].to_vec())
+        .collect();
+    let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
+    for via in [SourceKind::Ipc, SourceKind::Rdma] {
+        let dir = tempfile::tempdir().unwrap();
+        let ps = publishers(dir.path(), via, &g);
+        let m = common::sharded::net_engine("quantized-test-secret");
+        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+        let [q, s] = quantized(&m, spec, Scheme::Blocks128, false);
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+        req.source = via;
+        req.timeout = Duration::from_secs(60);
+        let (r, served) = serving(&ps, || m.update(req));
+        r.unwrap();
+        served.into_iter().for_each(|s| drop(s.unwrap()));
+        assert!(read(q) == half_q, "{via:?}: fp8 bytes differ");
+        assert_eq!(f32s(&read(s)), half_s, "{via:?}: scales differ");
+    }
+}
+
+fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
+    let row = 256 * 2;
+    (0..4u64)
+        .map(|r| {
+            let p = match via {
+                SourceKind::Ipc => {
+                    Publisher::bind(&dir.join(format!("p{r}.sock")), PublisherConfig::default())
+                        .unwrap()
+                }
+                _ => Publisher::bind_net(
+                    "127.0.0.1:0",
+                    PublisherConfig {
+                        secret: Some(b"quantized-test-secret".to_vec()),
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            };
+            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
+            let placement = Placement {
+                global_shape: g.shape.clone(),
+                offset: vec![r * 75, 0],
+            };
+            let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
+            // SAFETY: `g` outlives the serving.
+            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+            p.set_version(Some("1".into()));
+            p
+        })
+        .collect()
+}
