@@ -290,6 +290,29 @@ typedef uint32_t wm_request_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// How a quantized param holds its global tensors (`wm_quantize_param`).
+// Numbers are part of the ABI.
+enum wm_quant_scheme
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // FP8 E4M3 with one f32 scale_inv per 128x128 block of the last two
+  // dimensions (the DeepSeek-V3 / Kimi-K2 checkpoint format): scales
+  // `[..., ceil(M/128), ceil(N/128)]` for a `[..., M, N]` param.
+  WM_QUANT_SCHEME_FP8_BLOCK128 = 1,
+  // FP8 E4M3 with one f32 scale_inv for the whole global tensor: scales
+  // of one element.
+  WM_QUANT_SCHEME_FP8_TENSOR = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum wm_quant_scheme wm_quant_scheme;
+#else
+typedef uint32_t wm_quant_scheme;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Why runs of an update came whole (`wm_delta_stats.fallback`). Numbers
 // are part of the ABI.
 enum wm_delta_fallback
@@ -1025,6 +1048,34 @@ wm_result wm_allocate_param(wm_manager *manager,
                             const wm_param_desc *desc,
                             void **out_data,
                             size_t *out_len);
+
+// Declare that registered param `weight` holds its global tensors
+// quantized with `scheme` (a `wm_quant_scheme`), its scale_inv in
+// registered param `scales`. Every update then takes the global tensors as
+// the sources hold them (bf16, f16 or f32), verifies them against the
+// sources' checksums, and writes `weight` (`WM_DTYPE_F8E4M3`) and
+// `scales` (`WM_DTYPE_F32`, the scheme's scales shape, registered without
+// pieces) together at commit. The rule, bit for bit PyTorch's: amax =
+// max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
+// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
+// infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
+// element); atomic, every param keeps its old bytes.
+//
+// With `WM_QUANT_SCHEME_FP8_BLOCK128`, `weight` has at least 2
+// dimensions and each piece starts at a multiple of 128 on the last two,
+// in the global tensor and in the param, and a length that is not a
+// multiple of 128 ends the param (and, checked when planning, the global
+// tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
+// global tensor. Errors name the param and what is wrong:
+// `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
+// shape, a piece cutting a block, a param declared twice),
+// `WM_ERR_UNSUPPORTED` (device params: not yet). Nothing changes on
+// error. Like registering: only before the first update or clear
+// (`WM_ERR_STATE` after). Thread-safe.
+wm_result wm_quantize_param(wm_manager *manager,
+                            const char *weight,
+                            const char *scales,
+                            uint32_t scheme);
 
 // ==========================================================================
 // UPDATE AND CLEAR: new weights in, weight memory out.

@@ -7,6 +7,7 @@
 //! Fields and arguments of these types are plain integers in C
 //! (`uint32_t`, `int32_t`): the library validates them with `from_raw`.
 
+use weight_manager_core::quant::Scheme as CoreScheme;
 use weight_manager_core::DType as CoreDType;
 use weight_manager_core::DeltaFallback as CoreDeltaFallback;
 use weight_manager_core::LogLevel as CoreLogLevel;
@@ -68,6 +69,21 @@ mirror!(
     i32,
     [Normal, Updating, Clearing, Cleared, Failed, Commit]
 );
+
+/// How a quantized param holds its global tensors (`wm_quantize_param`).
+/// Numbers are part of the ABI.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum wm_quant_scheme {
+    /// FP8 E4M3 with one f32 scale_inv per 128x128 block of the last two
+    /// dimensions (the DeepSeek-V3 / Kimi-K2 checkpoint format): scales
+    /// `[..., ceil(M/128), ceil(N/128)]` for a `[..., M, N]` param.
+    Fp8Block128 = 1,
+    /// FP8 E4M3 with one f32 scale_inv for the whole global tensor: scales
+    /// of one element.
+    Fp8Tensor = 2,
+}
+mirror!(wm_quant_scheme, CoreScheme, u32, [Fp8Block128, Fp8Tensor]);
 
 /// Why runs of an update came whole (`wm_delta_stats.fallback`). Numbers
 /// are part of the ABI.
@@ -214,6 +230,7 @@ mod tests {
         same_numbers!(wm_request_outcome, CoreRequestOutcome, u32, |raw: u32| {
             wm_request_outcome::from_raw(raw).map(CoreRequestOutcome::from)
         });
+        same_numbers!(wm_quant_scheme, CoreScheme, u32, CoreScheme::from_raw);
         same_numbers!(wm_delta_fallback, CoreDeltaFallback, u32, |raw: u32| {
             wm_delta_fallback::from_raw(raw).map(CoreDeltaFallback::from)
         });

@@ -2,7 +2,7 @@
 
 use super::manager::wm_manager;
 use super::{check_struct_size, code_of, opt_str};
-use crate::enums::{wm_dtype, wm_memory};
+use crate::enums::{wm_dtype, wm_memory, wm_quant_scheme};
 use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
 use weight_manager_core::Manager;
@@ -331,5 +331,53 @@ pub unsafe extern "C" fn wm_allocate_param(
             }
             Err(e) => m.record_error(e).code.into(),
         }
+    })
+}
+
+/// Declare that registered param `weight` holds its global tensors
+/// quantized with `scheme` (a `wm_quant_scheme`), its scale_inv in
+/// registered param `scales`. Every update then takes the global tensors as
+/// the sources hold them (bf16, f16 or f32), verifies them against the
+/// sources' checksums, and writes `weight` (`WM_DTYPE_F8E4M3`) and
+/// `scales` (`WM_DTYPE_F32`, the scheme's scales shape, registered without
+/// pieces) together at commit. The rule, bit for bit PyTorch's: amax =
+/// max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
+/// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
+/// infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
+/// element); atomic, every param keeps its old bytes.
+///
+/// With `WM_QUANT_SCHEME_FP8_BLOCK128`, `weight` has at least 2
+/// dimensions and each piece starts at a multiple of 128 on the last two,
+/// in the global tensor and in the param, and a length that is not a
+/// multiple of 128 ends the param (and, checked when planning, the global
+/// tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
+/// global tensor. Errors name the param and what is wrong:
+/// `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
+/// shape, a piece cutting a block, a param declared twice),
+/// `WM_ERR_UNSUPPORTED` (device params: not yet). Nothing changes on
+/// error. Like registering: only before the first update or clear
+/// (`WM_ERR_STATE` after). Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_quantize_param(
+    manager: *mut wm_manager,
+    weight: *const c_char,
+    scales: *const c_char,
+    scheme: u32,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        let r = (|| {
+            let w = opt_str(weight, "weight")?
+                .ok_or_else(|| Error::null_argument("wm_quantize_param: weight is NULL"))?;
+            let s = opt_str(scales, "scales")?
+                .ok_or_else(|| Error::null_argument("wm_quantize_param: scales is NULL"))?;
+            let scheme = wm_quant_scheme::from_raw(scheme).ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "param '{w}': scheme {scheme} is not a wm_quant_scheme"
+                ))
+            })?;
+            m.quantize(&w, &s, scheme.into())
+        })();
+        code_of(&m, r)
     })
 }

@@ -72,8 +72,8 @@ fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
     let n = t.shape.len();
     let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
     let (batch, per) = match scheme {
-        Scheme::Blocks128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
-        Scheme::PerTensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
+        Scheme::Fp8Block128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
+        Scheme::Fp8Tensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
     };
     let [sr, sc] = scheme.scales_shape(per, cols);
     let (mut q, mut s) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
@@ -158,7 +158,7 @@ fn a_snapshot_lands_quantized_in_fp8_params_in_both_modes() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         let m = manager();
-        let schemes = [Scheme::Blocks128, Scheme::Blocks128, Scheme::PerTensor];
+        let schemes = [Scheme::Fp8Block128, Scheme::Fp8Block128, Scheme::Fp8Tensor];
         let v1 = snapshot_model(1);
         let params: Vec<_> = v1[..3]
             .iter()
@@ -218,13 +218,13 @@ fn a_nan_or_infinity_fails_the_update_and_the_old_weights_stay() {
     let [q, s] = quantized(
         &m,
         ParamSpec::host("w", DType::F8E4m3, &[300, 200]),
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         false,
     );
     let [hq, hs] = quantized(
         &m,
         ParamSpec::host("head", DType::F8E4m3, &[130, 129]),
-        Scheme::PerTensor,
+        Scheme::Fp8Tensor,
         true,
     );
     let norm = m
@@ -274,56 +274,56 @@ const WRONG: [(&str, &str, Scheme, wm_result, &str); 8] = [
     (
         "bf",
         "s",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 'bf': fp8_block128 quantization writes f8e4m3 params, not bf16",
     ),
     (
         "w",
         "s_wrong",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 's_wrong': the scales of 'w' (fp8_block128 [256, 300]) must be f32 [2, 3]",
     ),
     (
         "w",
         "s_f16",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "must be f32 [2, 3], not f16 [2, 3]",
     ),
     (
         "v",
         "one",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 'v': fp8_block128 quantization needs at least 2 dimensions",
     ),
     (
         "cut",
         "s",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 'cut': piece 0 ('g'",
     ),
     (
         "tp",
         "one",
-        Scheme::PerTensor,
+        Scheme::Fp8Tensor,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 'tp': one scale per tensor needs the whole global tensor",
     ),
     (
         "nope",
         "s",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_NOT_FOUND,
         "param 'nope' is not registered",
     ),
     (
         "w",
         "w",
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         wm_result::WM_ERR_INVALID_ARGUMENT,
         "param 'w': cannot hold its own scales",
     ),
@@ -355,14 +355,14 @@ fn wrong_declarations_are_refused_naming_the_param() {
         assert_eq!(e.code, code, "{w}/{s}: {e}");
         assert!(e.message.contains(says), "{w}/{s}: {e}");
     }
-    let e = m.quantize("cut", "s", Scheme::Blocks128).unwrap_err();
+    let e = m.quantize("cut", "s", Scheme::Fp8Block128).unwrap_err();
     assert!(
         e.message
             .contains("dimension 0 starts at offset 64 of the tensor, not a multiple of 128"),
         "{e}"
     );
-    m.quantize("w", "s", Scheme::Blocks128).unwrap();
-    let e = m.quantize("w", "s", Scheme::Blocks128).unwrap_err();
+    m.quantize("w", "s", Scheme::Fp8Block128).unwrap();
+    let e = m.quantize("w", "s", Scheme::Fp8Block128).unwrap_err();
     assert!(e.message.contains("already quantized"), "{e}");
 }
 
@@ -386,7 +386,7 @@ fn planning_refuses_integer_tensors_and_blocks_cut_inside_the_tensor() {
     quantized(
         &m,
         ParamSpec::host("ints", DType::F8E4m3, &[128, 128]),
-        Scheme::Blocks128,
+        Scheme::Fp8Block128,
         false,
     );
     let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
@@ -399,7 +399,7 @@ fn planning_refuses_integer_tensors_and_blocks_cut_inside_the_tensor() {
     let m = manager();
     let mut top = ParamSpec::host("top", DType::F8E4m3, &[100, 128]);
     top.pieces = vec![piece("g", &[0, 0], &[100, 128], &[0, 0])];
-    quantized(&m, top, Scheme::Blocks128, false);
+    quantized(&m, top, Scheme::Fp8Block128, false);
     let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
     assert!(e.message.contains("param 'top'") && e.message.contains("dimension 0 ends at offset 100 of the global tensor [300, 128], inside a 128x128 block"), "{e}");
     assert_eq!(m.status().state, State::Normal);
@@ -413,7 +413,7 @@ fn planning_refuses_integer_tensors_and_blocks_cut_inside_the_tensor() {
 fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
     let _serial = serial();
     let g = t("g", DType::Bf16, &[300, 256], 3);
-    let (want_q, want_s) = reference(&g, Scheme::Blocks128);
+    let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
     let half_q: Vec<u8> = want_q
         .chunks(256)
         .flat_map(|row| row[128..].to_vec())
@@ -425,7 +425,7 @@ fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
         let m = common::sharded::net_engine("quantized-test-secret");
         let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
         spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
-        let [q, s] = quantized(&m, spec, Scheme::Blocks128, false);
+        let [q, s] = quantized(&m, spec, Scheme::Fp8Block128, false);
         let mut req = UpdateRequest::snapshot(PathBuf::new());
         req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
         req.source = via;
@@ -468,4 +468,66 @@ fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
             p
         })
         .collect()
+}
+
+/// Over the network with deltas (the default there): from the second
+/// version on, a plain param comes as a delta and a quantized one whole
+/// (it holds FP8, not the bytes a delta patches); then a two-phase update
+/// quantizes at its commit.
+#[test]
+fn deltas_leave_quantized_params_whole_and_two_phase_commits_them() {
+    let _serial = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let p = Publisher::bind_net(
+        "127.0.0.1:0",
+        PublisherConfig {
+            secret: Some(b"quantized-test-secret".to_vec()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let versions: Vec<Vec<T>> = (1..=3)
+        .map(|v| {
+            vec![
+                t("w", DType::Bf16, &[256, 256], v),
+                t("norm", DType::F32, &[4096], 1),
+            ]
+        })
+        .collect();
+    let m = Arc::new(common::sharded::net_engine("quantized-test-secret"));
+    let [q, s] = quantized(
+        &m,
+        ParamSpec::host("w", DType::F8E4m3, &[256, 256]),
+        Scheme::Fp8Block128,
+        false,
+    );
+    let norm = m
+        .allocate(&ParamSpec::host("norm", DType::F32, &[4096]))
+        .unwrap();
+    let request = || {
+        let mut r = UpdateRequest::snapshot(PathBuf::from(p.address()));
+        r.source = SourceKind::Rdma;
+        r.timeout = Duration::from_secs(60);
+        r
+    };
+    for (k, ts) in versions.iter().enumerate() {
+        p.clear_tensors();
+        common::add_all(&p, ts);
+        p.set_version(Some(format!("v{k}")));
+        p.publish().unwrap();
+        let (r, served) = serving(std::slice::from_ref(&p), || match k {
+            2 => m.stage(request()).and_then(|staged| staged.commit()),
+            _ => m.update(request()),
+        });
+        let stats = r.unwrap();
+        served.into_iter().for_each(|s| drop(s.unwrap()));
+        let (want_q, want_s) = reference(&ts[0], Scheme::Fp8Block128);
+        assert!(read(q) == want_q, "v{k}: fp8 bytes differ");
+        assert_eq!(f32s(&read(s)), want_s, "v{k}: scales differ");
+        assert_eq!(read(norm), ts[1].data, "v{k}");
+        if k > 0 {
+            let d = &stats.deltas;
+            assert_eq!((d.runs_delta, d.runs_whole), (1, 1), "v{k}: {d:?}");
+        }
+    }
 }

@@ -272,7 +272,7 @@ def test_enum_values_match_header():
     from weight_manager import manager, types
 
     enums = header_enums()
-    assert len(enums) == 8, sorted(enums)
+    assert len(enums) == 9, sorted(enums)
 
     def same(c_enum, prefix, py):
         want = {k[len(prefix):]: v for k, v in enums[c_enum].items()}
@@ -287,6 +287,7 @@ def test_enum_values_match_header():
     same("wm_request_outcome", "WM_REQUEST_OUTCOME_",
          {name.upper(): i for i, name in enumerate(manager.Controller.OUTCOMES)})
     same("wm_delta_fallback", "WM_DELTA_FALLBACK_", {m.name: m.value for m in types.DeltaFallback})
+    same("wm_quant_scheme", "WM_QUANT_SCHEME_", {m.name: m.value for m in types.QuantScheme})
     assert enums["wm_memory"]["WM_MEMORY_DEVICE"] == manager.MEMORY_DEVICE
     macros = header_macros()
     flags = ("VERIFY_CHECKSUMS", "IN_PLACE", "SKIP_UNKNOWN", "SKIP_NETWORK_CHECKSUMS", "WHOLE", "DELTAS")

@@ -15,7 +15,7 @@ PyTorch (never imported unless you pass torch objects):
 from .manager import (Controller, DeltaStats, DeviceArray, Manager, Placement, Progress, RegisteredModule, Status,
                       UpdateStats, WeightManagerError, version)
 from .publisher import Publisher, ServeStats
-from .types import DeltaFallback, DType, Piece, Result, Source, State
+from .types import DeltaFallback, DType, Piece, QuantScheme, Result, Source, State
 
-__all__ = ["Controller", "DeltaFallback", "DeltaStats", "DeviceArray", "Manager", "Placement", "Publisher", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
+__all__ = ["Controller", "DeltaFallback", "DeltaStats", "DeviceArray", "Manager", "Placement", "Publisher", "QuantScheme", "ServeStats", "Progress", "RegisteredModule", "Status", "UpdateStats", "WeightManagerError", "version",
            "DType", "Piece", "Result", "Source", "State"]

@@ -339,6 +339,7 @@ PROTOTYPES = {
         R,
         [M, ctypes.POINTER(ParamDesc), ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t)],
     ),
+    "wm_quantize_param": (R, [M, c_char_p, c_char_p, ctypes.c_uint32]),
     "wm_update_request_init": (R, [ctypes.POINTER(UpdateRequest)]),
     "wm_update": (R, [M, ctypes.POINTER(UpdateRequest), ctypes.POINTER(UpdateStats)]),
     "wm_clear": (R, [M]),

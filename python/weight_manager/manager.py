@@ -11,7 +11,7 @@ import numpy as np
 from . import _lib, torch_bridge
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
-from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback,
+from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback, QuantScheme,
                     DType, Result, Source, State, parse_dtype)
 
 LIB = _lib.LIB
@@ -458,6 +458,22 @@ class Manager(OwnedHandle):
         arr = _array_at(ptr.value or 0, n.value, wm_dtype, shape, self._keeper)
         self._params[name] = arr
         return arr
+
+    def quantize(self, weight: str, scales: str, scheme="fp8_block128") -> None:
+        """Declare that registered param `weight` (float8_e4m3fn) holds its
+        global tensors quantized with `scheme` ("fp8_block128": one f32
+        scale_inv per 128x128 block of the last two dimensions, scales
+        shaped [..., ceil(M/128), ceil(N/128)]; "fp8_tensor": one for the
+        whole tensor), its scale_inv in registered param `scales` (float32,
+        registered without pieces). Updates then take the global bf16, f16
+        or f32 tensors, verify them, and write both params together at
+        commit, bit for bit as PyTorch computes
+        `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` with amax =
+        max(|x|) per block clamped at 1e-4, scale_inv = amax / 448. A NaN or
+        infinity fails the update naming the tensor and the element.
+        Like registering: only before the first update or clear."""
+        s = QuantScheme.parse(scheme)
+        self._check(LIB.wm_quantize_param(self._h(), weight.encode(), scales.encode(), int(s)))
 
     # -- the engine's calls -------------------------------------------------
     def update(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",

@@ -122,6 +122,22 @@ WHOLE = 16
 DELTAS = 32
 
 
+class QuantScheme(enum.IntEnum):
+    """How a quantized param holds its global tensors (`wm_quant_scheme`)."""
+    FP8_BLOCK128 = 1  # FP8 E4M3, one f32 scale_inv per 128x128 block of the last two dims
+    FP8_TENSOR = 2  # FP8 E4M3, one f32 scale_inv for the whole tensor
+
+    @staticmethod
+    def parse(value) -> "QuantScheme":
+        """A QuantScheme from itself or its name ("fp8_block128", "fp8_tensor")."""
+        if isinstance(value, QuantScheme):
+            return value
+        if isinstance(value, str) and value.upper() in QuantScheme.__members__:
+            return QuantScheme[value.upper()]
+        raise ValueError(f"quantization scheme {value!r} is not one of "
+                         f"{[m.lower() for m in QuantScheme.__members__]}")
+
+
 class DeltaFallback(enum.IntEnum):
     """Why runs of an update came whole (`wm_delta_fallback`)."""
     NONE = 0  # deltas asked for every run with a base

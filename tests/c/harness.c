@@ -2,6 +2,7 @@
  * header only. Each test is one argv[1] name, registered with ctest.
  * Built with -Wall -Wextra -Werror, and again with AddressSanitizer. */
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -1353,6 +1354,69 @@ static void test_two_phase_signal(void) {
   remove_tmpdir();
 }
 
+/* Quantized params: an f32 snapshot into an FP8 param with 128x128 block
+ * scales, values chosen so the expected bytes are known exactly (amax
+ * 256: factor 448/256 = 1.75, so 256 -> 448 = 0x7E, 128 -> 224 = 0x76);
+ * misuse refused; a NaN fails the update naming the element, weights kept. */
+static void test_quantized(void) {
+  make_tmpdir();
+  static float v1[130 * 129];
+  memset(v1, 0, sizeof v1);
+  v1[0] = 256.0f;
+  v1[1] = 128.0f;
+  v1[128 * 129 + 128] = -256.0f; /* block (1, 1): 2 rows by 1 column */
+  fixture_tensor ts[1] = {{"w", {130, 129}, 2, v1}};
+  char path[1024];
+  snprintf(path, sizeof path, "%s/model_state.tp0.0.safetensors", tmpdir);
+  CHECK(fixture_write(path, ts, 1) == 0);
+  CHECK(fixture_write_version(tmpdir, "1") == 0);
+  wm_manager *m = new_manager(tmpdir);
+  uint64_t shape[2] = {130, 129}, scales_shape[2] = {2, 2};
+  wm_param_desc d;
+  wm_param_desc_init(&d);
+  d.name = "w";
+  d.dtype = WM_DTYPE_F8E4M3;
+  d.shape = shape;
+  d.ndim = 2;
+  void *q = NULL, *s = NULL;
+  size_t n = 0;
+  CHECK_RC(wm_allocate_param(m, &d, &q, &n), WM_OK);
+  d.name = "w.scale_inv";
+  d.dtype = WM_DTYPE_F32;
+  d.shape = scales_shape;
+  CHECK_RC(wm_allocate_param(m, &d, &s, &n), WM_OK);
+  CHECK_RC(wm_quantize_param(NULL, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_quantize_param(m, NULL, "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_quantize_param(m, "w", NULL, WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", 7), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "scheme 7 is not a wm_quant_scheme") != NULL);
+  CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_TENSOR), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "must be f32 [1], not f32 [2, 2]") != NULL);
+  CHECK_RC(wm_quantize_param(m, "w", "nope", WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_NOT_FOUND);
+  CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_OK);
+
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  const uint8_t *fp8 = q;
+  const float *scale = s;
+  size_t nonzero = 0;
+  for (size_t i = 0; i < 130 * 129; i++) nonzero += fp8[i] != 0;
+  CHECK(fp8[0] == 0x7E && fp8[1] == 0x76 && fp8[128 * 129 + 128] == 0xFE && nonzero == 3);
+  CHECK(scale[0] == 256.0f / 448.0f && scale[3] == 256.0f / 448.0f);
+  CHECK(scale[1] == 1e-4f / 448.0f && scale[2] == 1e-4f / 448.0f);
+  CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_STATE);
+
+  v1[5] = NAN;
+  CHECK(fixture_write(path, ts, 1) == 0);
+  CHECK(fixture_write_version(tmpdir, "2") == 0);
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_FORMAT);
+  CHECK(strstr(last_error(m), "element [0, 5] of tensor 'w' is NaN") != NULL);
+  CHECK(fp8[0] == 0x7E && fp8[1] == 0x76 && scale[0] == 256.0f / 448.0f);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 static void test_static_link(void) {
 #ifdef WM_STATIC_BUILD
   printf("linked statically\n");
@@ -1372,6 +1436,7 @@ int main(int argc, char **argv) {
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
       {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
+      {"quantized", test_quantized},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

@@ -154,7 +154,7 @@ fn quantized_problem(scheme: Scheme, piece: &Piece, g: Global, wide: DType) -> O
         ));
     }
     let b = &piece.global;
-    if scheme == Scheme::PerTensor && (b.offset.iter().any(|&o| o != 0) || b.len != g.shape) {
+    if scheme == Scheme::Fp8Tensor && (b.offset.iter().any(|&o| o != 0) || b.len != g.shape) {
         return Some(format!(
             "one scale per tensor needs all of the global tensor {}",
             shape_text(g.shape)
@@ -163,7 +163,7 @@ fn quantized_problem(scheme: Scheme, piece: &Piece, g: Global, wide: DType) -> O
     let n = b.ndim().min(g.shape.len());
     for d in n.saturating_sub(2)..n {
         let end = b.offset[d] + b.len[d];
-        if scheme == Scheme::Blocks128 && b.len[d] % 128 != 0 && end != g.shape[d] {
+        if scheme == Scheme::Fp8Block128 && b.len[d] % 128 != 0 && end != g.shape[d] {
             return Some(format!(
                 "dimension {d} ends at offset {end} of the global tensor {}, inside a 128x128 block",
                 shape_text(g.shape)

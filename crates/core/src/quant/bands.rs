@@ -28,7 +28,7 @@ fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
     let n = shape.len();
     let cols = shape.last().copied().unwrap_or(1) as usize;
     match scheme {
-        Scheme::PerTensor => {
+        Scheme::Fp8Tensor => {
             let rows = shape[..n.saturating_sub(1)].iter().product::<u64>() as usize;
             let bands = (0..rows.div_ceil(BLOCK))
                 .map(|b| Band {
@@ -40,7 +40,7 @@ fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
                 .collect();
             (bands, cols)
         }
-        Scheme::Blocks128 => {
+        Scheme::Fp8Block128 => {
             let m = shape[n - 2] as usize;
             let matrices = shape[..n - 2].iter().product::<u64>() as usize;
             let (per, scols) = (m.div_ceil(BLOCK), cols.div_ceil(BLOCK));
@@ -140,11 +140,11 @@ pub fn write(
         };
         let mut own = [0f32];
         let s: &mut [f32] = match scheme {
-            Scheme::PerTensor => &mut own,
+            Scheme::Fp8Tensor => &mut own,
             // SAFETY: bands are disjoint rows of the scales, inside
             // `scale_inv` (one per tensor: each band writes its own copy,
             // stored once below).
-            Scheme::Blocks128 => unsafe {
+            Scheme::Fp8Block128 => unsafe {
                 std::slice::from_raw_parts_mut((scales_at as *mut f32).add(b.scale), b.scales)
             },
         };
@@ -154,11 +154,11 @@ pub fn write(
     });
     for r in done {
         let s = r?;
-        if scheme == Scheme::PerTensor {
+        if scheme == Scheme::Fp8Tensor {
             scale_inv[0] = s;
         }
     }
-    if scheme == Scheme::PerTensor && bands.is_empty() {
+    if scheme == Scheme::Fp8Tensor && bands.is_empty() {
         scale_inv[0] = amax[0].max(super::AMAX_FLOOR) / super::e4m3::MAX;
     }
     Ok(())

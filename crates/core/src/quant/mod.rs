@@ -43,26 +43,35 @@ pub(crate) const BLOCK: usize = 128;
 /// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
 pub(crate) const AMAX_FLOOR: f32 = 1e-4;
 
-/// How a tensor is quantized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a tensor is quantized. Numbers are part of the C ABI
+/// (`wm_quant_scheme`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// FP8 E4M3 with one f32 `scale_inv` per 128 x 128 block.
-    Blocks128,
+    Fp8Block128 = 1,
     /// FP8 E4M3 with one f32 `scale_inv` for the tensor.
-    PerTensor,
+    Fp8Tensor = 2,
 }
 
 impl Scheme {
+    /// The scheme numbered `raw` (`wm_quant_scheme`), if there is one.
+    pub fn from_raw(raw: u32) -> Option<Scheme> {
+        [Scheme::Fp8Block128, Scheme::Fp8Tensor]
+            .into_iter()
+            .find(|s| *s as u32 == raw)
+    }
+
     /// The scheme's name in messages and in Python (`fp8_block128`,
     /// `fp8_tensor`).
     pub fn name(self) -> &'static str {
         match self {
-            Scheme::Blocks128 => "fp8_block128",
-            Scheme::PerTensor => "fp8_tensor",
+            Scheme::Fp8Block128 => "fp8_block128",
+            Scheme::Fp8Tensor => "fp8_tensor",
         }
     }
 
-    /// Rows (and columns) of one block of [`Scheme::Blocks128`].
+    /// Rows (and columns) of one block of [`Scheme::Fp8Block128`].
     pub fn block_edge() -> usize {
         BLOCK
     }
@@ -70,16 +79,16 @@ impl Scheme {
     /// The scales' shape for a `[rows, cols]` tensor.
     pub fn scales_shape(self, rows: usize, cols: usize) -> [usize; 2] {
         match self {
-            Scheme::Blocks128 => [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
-            Scheme::PerTensor => [1, 1],
+            Scheme::Fp8Block128 => [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
+            Scheme::Fp8Tensor => [1, 1],
         }
     }
 
     /// Rows and columns of one block of a `[rows, cols]` tensor.
     fn block(self, rows: usize, cols: usize) -> (usize, usize) {
         match self {
-            Scheme::Blocks128 => (BLOCK, BLOCK),
-            Scheme::PerTensor => (rows.max(1), cols.max(1)),
+            Scheme::Fp8Block128 => (BLOCK, BLOCK),
+            Scheme::Fp8Tensor => (rows.max(1), cols.max(1)),
         }
     }
 }
@@ -172,7 +181,7 @@ pub fn quantize(
 ) -> Result<(), QuantError> {
     let whole = [src.rows, src.cols];
     let mut amax = vec![0f32; scale_inv.len()];
-    if scheme == Scheme::PerTensor || src.rows <= BLOCK {
+    if scheme == Scheme::Fp8Tensor || src.rows <= BLOCK {
         block_amax(scheme, src, [0, 0], whole, &mut amax)?;
         return quantize_with(scheme, src, ([0, 0], whole), &amax, fp8, scale_inv);
     }

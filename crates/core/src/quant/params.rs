@@ -50,8 +50,8 @@ pub struct Declared<'a> {
 /// The scales' shape of a `shape` param quantized with `scheme`.
 pub fn scales_shape(scheme: Scheme, shape: &[u64]) -> Vec<u64> {
     match scheme {
-        Scheme::PerTensor => vec![1],
-        Scheme::Blocks128 => {
+        Scheme::Fp8Tensor => vec![1],
+        Scheme::Fp8Block128 => {
             let n = shape.len();
             let mut s = shape[..n.saturating_sub(2)].to_vec();
             s.extend(
@@ -103,7 +103,7 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
             ),
         );
     }
-    if scheme == Scheme::Blocks128 && weight.shape.len() < 2 {
+    if scheme == Scheme::Fp8Block128 && weight.shape.len() < 2 {
         return bad(
             weight,
             format!(
@@ -114,13 +114,13 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
         );
     }
     let pieces = match scheme {
-        Scheme::Blocks128 => weight.pieces.iter().enumerate().try_for_each(|(k, p)| check_piece_blocks(weight, k, p)),
-        Scheme::PerTensor if weight.pieces.len() == 1 && weight.pieces[0].global.offset.iter().all(|&o| o == 0) => Ok(()),
-        Scheme::PerTensor => bad(weight, "one scale per tensor needs the whole global tensor in the param (one piece, at its start)".into()),
+        Scheme::Fp8Block128 => weight.pieces.iter().enumerate().try_for_each(|(k, p)| check_piece_blocks(weight, k, p)),
+        Scheme::Fp8Tensor if weight.pieces.len() == 1 && weight.pieces[0].global.offset.iter().all(|&o| o == 0) => Ok(()),
+        Scheme::Fp8Tensor => bad(weight, "one scale per tensor needs the whole global tensor in the param (one piece, at its start)".into()),
     };
     pieces?;
     let want = scales_shape(scheme, weight.shape);
-    let one = scheme == Scheme::PerTensor && scales.shape.iter().product::<u64>() == 1;
+    let one = scheme == Scheme::Fp8Tensor && scales.shape.iter().product::<u64>() == 1;
     if scales.dtype != DType::F32 || !(one || scales.shape == want.as_slice()) {
         return bad(
             scales,

@@ -281,7 +281,10 @@ fn blocks_and_whole_tensors_match_pytorch_bit_for_bit() {
         DType::F16 => "f16",
         _ => "f32",
     };
-    let schemes = [(Scheme::Blocks128, "blocks"), (Scheme::PerTensor, "tensor")];
+    let schemes = [
+        (Scheme::Fp8Block128, "blocks"),
+        (Scheme::Fp8Tensor, "tensor"),
+    ];
     let mut jobs = Vec::new();
     for (dtype, shape, x) in &inputs {
         for (_, scheme) in schemes {
@@ -314,7 +317,7 @@ fn a_block_split_over_holders_quantizes_as_the_whole() {
     let mut rng = Rng(11);
     let (m, n) = (300, 260);
     let x = encode(&values(&mut rng, (m, n)), DType::Bf16);
-    let whole = ours(Scheme::Blocks128, DType::Bf16, &x, (m, n));
+    let whole = ours(Scheme::Fp8Block128, DType::Bf16, &x, (m, n));
     let cuts = [0, 28, 56, 84, 112, m];
     let part = |k: usize| Source {
         dtype: DType::Bf16,
@@ -322,18 +325,18 @@ fn a_block_split_over_holders_quantizes_as_the_whole() {
         rows: cuts[k + 1] - cuts[k],
         cols: n,
     };
-    let [sr, sc] = Scheme::Blocks128.scales_shape(m, n);
+    let [sr, sc] = Scheme::Fp8Block128.scales_shape(m, n);
     let mut amax = vec![0f32; sr * sc];
     for (k, &at) in cuts[..cuts.len() - 1].iter().enumerate() {
         let mut mine = vec![0f32; sr * sc];
-        block_amax(Scheme::Blocks128, part(k), [at, 0], [m, n], &mut mine).unwrap();
+        block_amax(Scheme::Fp8Block128, part(k), [at, 0], [m, n], &mut mine).unwrap();
         amax.iter_mut().zip(&mine).for_each(|(a, b)| *a = a.max(*b));
     }
     let (mut q, mut s) = (Vec::new(), vec![0f32; sr * sc]);
     for (k, &at) in cuts[..cuts.len() - 1].iter().enumerate() {
         let mut mine = vec![0u8; part(k).rows * n];
         quantize_with(
-            Scheme::Blocks128,
+            Scheme::Fp8Block128,
             part(k),
             ([at, 0], [m, n]),
             &amax,
@@ -358,7 +361,7 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
         cols: 30,
     };
     let (mut q, mut s) = (vec![0u8; 1200], vec![0f32; 1]);
-    match quantize(Scheme::Blocks128, src, &mut q, &mut s) {
+    match quantize(Scheme::Fp8Block128, src, &mut q, &mut s) {
         Err(QuantError::NonFinite { index, value }) => assert!(index == 213 && value.is_nan()),
         other => panic!("{other:?}"),
     }
@@ -371,7 +374,7 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
         cols: 30,
     };
     assert!(matches!(
-        quantize(Scheme::PerTensor, src, &mut q, &mut s),
+        quantize(Scheme::Fp8Tensor, src, &mut q, &mut s),
         Err(QuantError::NonFinite { index: 213, .. })
     ));
     // Past the first band of 128 rows: the index still counts from the
@@ -387,11 +390,11 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
     };
     let (mut q3, mut s3) = (vec![0u8; 9000], vec![0f32; 3]);
     assert!(matches!(
-        quantize(Scheme::Blocks128, src, &mut q3, &mut s3),
+        quantize(Scheme::Fp8Block128, src, &mut q3, &mut s3),
         Err(QuantError::NonFinite { index: 6004, .. })
     ));
     assert!(matches!(
-        quantize(Scheme::Blocks128, src, &mut q3[1..], &mut s3),
+        quantize(Scheme::Fp8Block128, src, &mut q3[1..], &mut s3),
         Err(QuantError::Invalid(_))
     ));
     let ints = Source {
@@ -401,7 +404,7 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
         cols: 30,
     };
     assert!(matches!(
-        quantize(Scheme::PerTensor, ints, &mut q, &mut s),
+        quantize(Scheme::Fp8Tensor, ints, &mut q, &mut s),
         Err(QuantError::Invalid(_))
     ));
     let short = Source {
@@ -411,7 +414,7 @@ fn a_non_finite_element_is_named_and_bad_sizes_refused() {
         cols: 30,
     };
     assert!(matches!(
-        quantize(Scheme::PerTensor, short, &mut q, &mut s),
+        quantize(Scheme::Fp8Tensor, short, &mut q, &mut s),
         Err(QuantError::Invalid(_))
     ));
 }

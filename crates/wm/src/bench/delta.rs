@@ -201,7 +201,7 @@ fn step_line(prev: &Step, next: &Step) -> Result<String, String> {
 }
 
 fn fp8(bf16: &[u8], m: usize, n: usize) -> Result<(Vec<u8>, Vec<f32>), String> {
-    let [sr, sc] = Scheme::Blocks128.scales_shape(m, n);
+    let [sr, sc] = Scheme::Fp8Block128.scales_shape(m, n);
     let (mut q, mut s) = (vec![0u8; m * n], vec![0f32; sr * sc]);
     let src = Source {
         dtype: DType::Bf16,
@@ -209,7 +209,7 @@ fn fp8(bf16: &[u8], m: usize, n: usize) -> Result<(Vec<u8>, Vec<f32>), String> {
         rows: m,
         cols: n,
     };
-    quant::quantize(Scheme::Blocks128, src, &mut q, &mut s).map_err(|e| format!("{e:?}"))?;
+    quant::quantize(Scheme::Fp8Block128, src, &mut q, &mut s).map_err(|e| format!("{e:?}"))?;
     Ok((q, s))
 }
 

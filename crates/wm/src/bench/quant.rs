@@ -86,7 +86,7 @@ fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize)
                         cols: row,
                     };
                     // Bands of whole block rows are tensors of their own.
-                    quant::quantize(Scheme::Blocks128, src, qb, sb).expect("finite weights");
+                    quant::quantize(Scheme::Fp8Block128, src, qb, sb).expect("finite weights");
                 });
             }
         });

@@ -1,0 +1,192 @@
+"""Quantized params through the Python package, checked byte for byte
+against PyTorch's reference expressions (DeepGEMM's per_block_cast_to_fp8
+for 128x128 blocks; the same with one block for the whole tensor) run on
+the CPU: from a bf16 snapshot (random data, all-zero blocks, subnormals,
+values at a block's max, partial edge blocks, sizes not multiples of 128),
+from 4 trainer processes each holding 75 rows (every 128-row block split
+over two or three of them) over IPC and over UCX (tcp), and a NaN refused
+naming the tensor and the element with the old weights kept.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import save_file  # noqa: E402
+
+from weight_manager import Manager, Piece, QuantScheme, Result, WeightManagerError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "UCX_TLS": "tcp"}
+SECRET = "quantized-python-secret-01"
+TRAINERS = 4
+
+
+def ref_blocks(x):
+    """FP8 bytes (uint8) and scale_inv of `x` [..., M, N], 128x128 blocks."""
+    *batch, m, n = x.shape
+    pm, pn = -(-m // 128) * 128, -(-n // 128) * 128
+    padded = torch.zeros(*batch, pm, pn, dtype=x.dtype)
+    padded[..., :m, :n] = x
+    v = padded.view(*batch, pm // 128, 128, pn // 128, 128)
+    amax = v.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(1e-4)
+    q = (v.float() * (448.0 / amax)).to(torch.float8_e4m3fn).view(*batch, pm, pn)[..., :m, :n]
+    scales = (amax / 448.0).view(*batch, pm // 128, pn // 128)
+    return q.contiguous().view(torch.uint8).numpy(), scales.numpy()
+
+
+def ref_tensor(x):
+    amax = x.abs().float().max().clamp(1e-4)
+    q = (x.float() * (448.0 / amax)).to(torch.float8_e4m3fn)
+    return q.contiguous().view(torch.uint8).numpy(), (amax / 448.0).reshape(1).numpy()
+
+
+def model(seed):
+    """bf16, f16 and f32 tensors with the hard cases in them."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16)
+    w[:128, 128:] = 0  # an all-zero block
+    w[128:256, :128] = torch.tensor(1e-39).to(torch.bfloat16)  # subnormals
+    w[5, 7] = -w.abs().max() * 4  # the max of its block, negative
+    experts = (torch.randn(2, 200, 130, generator=g) * 3).to(torch.float16)
+    head = torch.randn(130, 129, generator=g) * 50
+    return {"w": w, "experts": experts, "head": head, "norm": torch.randn(64, generator=g)}
+
+
+def engine(m, params):
+    """Allocate FP8 params `{name: (shape, scheme, pieces)}` and their scales."""
+    out = {}
+    for name, (shape, scheme, pieces) in params.items():
+        q = m.allocate(name, "float8_e4m3fn", shape, pieces)
+        scales_shape = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)) \
+            if scheme == "fp8_block128" else (1,)
+        s = m.allocate(name + ".scale_inv", "float32", scales_shape)
+        m.quantize(name, name + ".scale_inv", scheme)
+        out[name] = (q, s)
+    return out
+
+
+SNAPSHOT = {"w": ((300, 200), "fp8_block128", None), "experts": ((2, 200, 130), "fp8_block128", None),
+            "head": ((130, 129), "fp8_tensor", None)}
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_bf16_snapshot_lands_in_fp8_params_as_pytorch_quantizes_it(tmp_path, in_place):
+    m = Manager()
+    params = engine(m, SNAPSHOT)
+    norm = m.allocate("norm", "float32", (64,))
+    for seed, step in [(1, "1"), (2, "2")]:
+        ts = model(seed)
+        save_file(ts, str(tmp_path / "model.safetensors"))
+        (tmp_path / "version.yaml").write_text(f"step: {step}\n")
+        assert m.update(str(tmp_path), in_place=in_place).version == step
+        for name, (q, s) in params.items():
+            ref = ref_blocks if SNAPSHOT[name][1] == "fp8_block128" else ref_tensor
+            want_q, want_s = ref(ts[name])
+            assert np.array_equal(q.view(np.uint8), want_q), name
+            assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32)), name
+        assert np.array_equal(norm, ts["norm"].numpy())
+    m.close()
+
+
+def test_a_nan_fails_naming_the_tensor_and_element_and_the_old_weights_stay(tmp_path):
+    m = Manager()
+    params = engine(m, SNAPSHOT)
+    m.allocate("norm", "float32", (64,))
+    ts = model(1)
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    m.update(str(tmp_path), version="1")
+    before = {k: (q.copy(), s.copy()) for k, (q, s) in params.items()}
+    bad = model(2)
+    bad["experts"][1, 150, 3] = float("nan")
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightManagerError) as e:
+        m.update(str(tmp_path), version="2")
+    assert e.value.code == Result.ERR_FORMAT
+    assert "element [1, 150, 3] of tensor 'experts' is NaN" in str(e.value)
+    assert m.status().version == "1"
+    for k, (q, s) in params.items():
+        assert np.array_equal(q.view(np.uint8), before[k][0].view(np.uint8)), k
+        assert np.array_equal(s, before[k][1]), k
+    m.close()
+
+
+def test_declarations_are_checked_naming_the_param():
+    m = Manager()
+    m.allocate("w", "float8_e4m3fn", (256, 256))
+    m.allocate("s", "float32", (2, 3))
+    with pytest.raises(WeightManagerError) as e:
+        m.quantize("w", "s", QuantScheme.FP8_BLOCK128)
+    assert e.value.code == Result.ERR_INVALID_ARGUMENT
+    assert "param 's': the scales of 'w' (fp8_block128 [256, 256]) must be f32 [2, 2]" in str(e.value)
+    with pytest.raises(ValueError, match="mxfp4"):
+        m.quantize("w", "s", "mxfp4")
+    m.close()
+
+
+TRAINER = r'''
+import sys, torch
+from weight_manager import Publisher
+sys.path.insert(0, sys.argv[5])
+from test_quantized import shared_model
+rank, ranks, via, where = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+p = Publisher(where) if via == "ipc" else Publisher(net=where, secret=sys.argv[6])
+full = shared_model()
+for name, t in full.items():
+    rows = t.shape[0] // ranks
+    p.add_shard(name, t[rank * rows:(rank + 1) * rows].contiguous(), tuple(t.shape),
+                (rank * rows,) + (0,) * (t.dim() - 1))
+p.set_version("1")
+p.publish()
+print(p.address, flush=True)
+p.serve(engines=1, timeout=60)
+'''
+
+
+def shared_model():
+    """What the trainer ranks hold: 300 rows each, in shards of 75."""
+    g = torch.Generator().manual_seed(7)
+    return {"g": (torch.randn(300, 256, generator=g) * 0.1).to(torch.bfloat16),
+            "h": (torch.randn(300, 130, generator=g) * 9).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("via", ["ipc", "net"])
+def test_blocks_split_over_four_trainer_processes(tmp_path, via):
+    procs, addrs = [], []
+    for r in range(TRAINERS):
+        where = str(tmp_path / f"t{r}.sock") if via == "ipc" else "127.0.0.1:0"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", TRAINER, str(r), str(TRAINERS), via, where, str(Path(__file__).parent),
+             SECRET], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV))
+    for p in procs:
+        line = p.stdout.readline().strip()
+        assert line, p.stderr.read()
+        addrs.append(line)
+    try:
+        m = Manager(net_secret=SECRET) if via == "net" else Manager()
+        half = [Piece("g", offset=(0, 128), length=(300, 128))]
+        params = engine(m, {"half": ((300, 128), "fp8_block128", half),
+                            "h": ((300, 130), "fp8_tensor", None)})
+        m.update(addrs, source="ipc" if via == "ipc" else "rdma", timeout=60)
+        full = shared_model()
+        want_q, want_s = ref_blocks(full["g"])
+        q, s = params["half"]
+        assert np.array_equal(q.view(np.uint8), want_q[:, 128:])
+        assert np.array_equal(s.view(np.uint32), want_s[:, 1:].view(np.uint32))
+        want_q, want_s = ref_tensor(full["h"])
+        q, s = params["h"]
+        assert np.array_equal(q.view(np.uint8), want_q)
+        assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32))
+        m.close()
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            finally:
+                if p.poll() is None:
+                    p.kill()
