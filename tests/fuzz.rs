@@ -168,6 +168,7 @@ fn plan_frames() -> Vec<Frame> {
                 version: "step-1".into(),
                 fingerprints: vec![(0, 7), (1, 1 << 100)],
             }),
+            quant: vec![],
         },
         Frame::Deltas {
             kept: true,
@@ -666,6 +667,7 @@ fn fuzz_want_geometry() {
         Frame::Want {
             requests,
             base: None,
+            quant: vec![],
         }
         .encode()[4..]
             .to_vec()

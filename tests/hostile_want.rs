@@ -100,6 +100,7 @@ fn want_every_other_byte(sock: &Path, rows: u64, deadline: Instant) -> (Conn, Re
     conn.send(&Frame::Want {
         requests: vec![q.clone()],
         base: None,
+        quant: vec![],
     })
     .unwrap();
     (conn, q)
@@ -227,6 +228,7 @@ fn million_sums_child() {
         conn.send(&Frame::Want {
             requests: requests.clone(),
             base: None,
+            quant: vec![],
         })
         .unwrap();
         let Frame::Buffers { sizes } = conn.recv(deadline).unwrap() else {
@@ -349,6 +351,7 @@ fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
                 sums: false,
             }],
             base: None,
+            quant: vec![],
         })
         .unwrap();
         let e = conn.recv(deadline).unwrap_err();
@@ -456,6 +459,7 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
         conn.send(&Frame::Want {
             requests,
             base: None,
+            quant: vec![],
         })
         .unwrap();
         let start = Instant::now();

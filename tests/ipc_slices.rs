@@ -240,6 +240,7 @@ fn a_published_version_serves_strided_requests_as_windows() {
         conn.send(&Frame::Want {
             requests: requests.clone(),
             base: None,
+            quant: vec![],
         })
         .unwrap();
         let Frame::Buffers { sizes } = conn.recv(deadline).unwrap() else {

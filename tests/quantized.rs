@@ -407,8 +407,10 @@ fn planning_refuses_integer_tensors_and_blocks_cut_inside_the_tensor() {
 
 /// A [300, 256] bf16 tensor in row shards of 75 (every 128-row block split
 /// over two or three publishers), from four publishers at once over IPC
-/// and over the network: an engine holding column half 1 (a TP split at a
-/// multiple of 128) gets that half of the global tensor's quantization.
+/// and over the network: the publishers agree each block's amax through
+/// the engine and send FP8, and an engine holding column half 1 (a TP
+/// split at a multiple of 128) gets that half of the global tensor's
+/// quantization.
 #[test]
 fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
     let _serial = serial();
@@ -431,8 +433,12 @@ fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
         req.source = via;
         req.timeout = Duration::from_secs(60);
         let (r, served) = serving(&ps, || m.update(req));
-        r.unwrap();
-        served.into_iter().for_each(|s| drop(s.unwrap()));
+        // The publishers quantized: FP8 on the wire, one byte an element.
+        assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}");
+        let sessions = served.into_iter().map(|s| s.unwrap().sessions[0].clone());
+        let (read_bytes, sent): (u64, u64) =
+            sessions.fold((0, 0), |(a, b), s| (a + s.quantized, b + s.bytes));
+        assert_eq!((read_bytes, sent), (300 * 128 * 2, 300 * 128), "{via:?}");
         assert!(read(q) == half_q, "{via:?}: fp8 bytes differ");
         assert_eq!(f32s(&read(s)), half_s, "{via:?}: scales differ");
     }

@@ -508,6 +508,7 @@ fn a_bad_want_gets_an_error_naming_the_problem() {
             conn.send(&Frame::Want {
                 requests,
                 base: None,
+                quant: vec![],
             })
             .unwrap();
             let e = conn.recv(deadline).unwrap_err();

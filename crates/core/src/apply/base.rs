@@ -71,7 +71,7 @@ impl Applier<'_, '_> {
         let e = &self.plan.entries[t];
         match (e.target, self.landing.params[t]) {
             // A quantized param holds FP8, not the bytes deltas patch.
-            (Target::Param(i), _) if self.plan.quantized_from(i).is_some() => None,
+            (Target::Param(i), _) if self.plan.quantized(i).is_some() => None,
             (Target::Param(_), Some(Dest::Host(p))) if e.bytes > 0 => Some(p),
             _ => None,
         }

@@ -51,6 +51,7 @@ mod failure;
 mod landing;
 mod patch;
 mod progress;
+mod quant_agree;
 mod quantize;
 mod route;
 mod shadows;
@@ -67,6 +68,7 @@ pub use arena::AtomicStaging;
 pub use base::{DeltaJob, DeltaTally};
 pub use failure::ApplyFailure;
 pub use progress::Progress;
+pub use quant_agree::QuantRequest;
 pub use quantize::QuantTarget;
 #[cfg(test)]
 pub(crate) use types::ProgressHook;

@@ -1,13 +1,22 @@
-//! Quantized params at the end of an update. Their bytes arrive as their
-//! global tensors hold them (bf16, f16 or f32: the plan lays the runs out
-//! in that dtype) into the atomic arena, or in place into a buffer of the
-//! manager's; they were verified against the sources' checksums as they
-//! arrived. Before anything is committed, every block's amax is found, so
-//! that a NaN or an infinity fails the update naming the tensor and the
-//! element while the params keep their old bytes (atomic; in place the
-//! other params are written by then, as with any late failure). Then,
-//! with the rest of the commit, the FP8 bytes and the scales are written
-//! into the two params together.
+//! Quantized params at the end of an update.
+//!
+//! Quantized here (a snapshot), their bytes arrive as their global tensors
+//! hold them (bf16, f16 or f32: the plan lays the runs out in that dtype)
+//! into the atomic arena, or in place into a buffer of the manager's; they
+//! were verified against the sources' checksums as they arrived. Before
+//! anything is committed, every block's amax is found, so that a NaN or an
+//! infinity fails the update naming the tensor and the element while the
+//! params keep their old bytes (atomic; in place the other params are
+//! written by then, as with any late failure). Then, with the rest of the
+//! commit, the FP8 bytes and the scales are written into the two params
+//! together.
+//!
+//! Quantized by the publishers (`on_wire`), their FP8 bytes arrive like
+//! any param's; each block's amax is agreed before any byte moves: every
+//! publisher reports the amax of the blocks its requests touch
+//! ([`Applier::offer_amax`]), the largest is the block's
+//! ([`Applier::agreed_amax`] answers each publisher), and the scales
+//! written at the commit are the agreed amax over 448.
 
 use super::arena::Arena;
 use super::Applier;
@@ -31,9 +40,11 @@ pub struct QuantTarget {
     pub fp8: SendPtr,
     /// The scales param's memory, and how many f32 it holds.
     pub scales: (SendPtr, usize),
-    /// In place: where its bytes land (the destination of its entries).
-    /// Atomic: None, they are in its shadow in the arena.
+    /// Quantized here, in place: where its bytes land (the destination
+    /// of its entries). Atomic, or quantized by the publishers: None.
     pub wide: Option<SendPtr>,
+    /// The publishers quantize it.
+    pub on_wire: bool,
 }
 
 /// The quantized params of an update, and their amax once found.
@@ -41,6 +52,9 @@ pub struct QuantTarget {
 pub(super) struct Quantizing {
     pub targets: Vec<QuantTarget>,
     amax: Option<Vec<Vec<f32>>>,
+    /// Quantized by the publishers: per target, each block's agreed amax
+    /// so far, and whether any publisher reported it.
+    pub(super) agreed: Vec<(Vec<f32>, Vec<bool>)>,
 }
 
 impl Applier<'_, '_> {
@@ -50,7 +64,13 @@ impl Applier<'_, '_> {
         let plan = self.plan;
         self.quant.targets = targets
             .into_iter()
-            .filter(|t| plan.quantized_from(t.param).is_some())
+            .filter(|t| plan.quantized(t.param).is_some())
+            .collect();
+        self.quant.agreed = (self.quant.targets.iter())
+            .map(|t| match t.on_wire {
+                true => (vec![0.0; t.scales.1], vec![false; t.scales.1]),
+                false => Default::default(),
+            })
             .collect();
         self
     }
@@ -86,6 +106,10 @@ impl Applier<'_, '_> {
         let mut all = Vec::with_capacity(self.quant.targets.len());
         for k in 0..self.quant.targets.len() {
             let t = &self.quant.targets[k];
+            if t.on_wire {
+                all.push(self.agreed_for(k)?);
+                continue;
+            }
             let found = bands::amax(t.scheme, self.wide(k, arena), self.opts.threads);
             all.push(found.map_err(|e| quant_error(t, e))?);
         }
@@ -113,6 +137,13 @@ impl Applier<'_, '_> {
                     std::slice::from_raw_parts_mut(t.scales.0 .0.cast::<f32>(), t.scales.1),
                 )
             };
+            if t.on_wire {
+                // The FP8 bytes came with the rest of the commit.
+                for (s, &a) in out.1.iter_mut().zip(a) {
+                    *s = crate::quant::scale_inv(a);
+                }
+                continue;
+            }
             let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
             wrote.map_err(|e| quant_error(t, e))?;
         }

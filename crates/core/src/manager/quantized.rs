@@ -1,7 +1,9 @@
 //! What an update needs for its quantized params: where each one's FP8
-//! bytes and scales go, and in place a buffer its bytes land in (in their
-//! source's dtype, until they are quantized at the end of the update).
-//! Atomic updates need no buffer: the bytes land in the arena's shadow.
+//! bytes and scales go, and, quantized here in place, a buffer its bytes
+//! land in (in their source's dtype, until they are quantized at the end of
+//! the update). Atomic updates need no buffer: the bytes land in the
+//! arena's shadow. Params the publishers quantize take their FP8 bytes
+//! like any param's.
 
 use crate::apply::{Dest, Mode, QuantTarget};
 use crate::memory::host::HostRegion;
@@ -28,12 +30,14 @@ impl Quantized {
             targets: Vec::new(),
             buffers: Vec::new(),
         };
-        for &(i, dtype) in &plan.quantized {
+        for q in &plan.quantized {
+            let (i, dtype) = (q.param, q.source);
             let (p, QuantRole::Weight { scheme, scales }) = (&params[i], params[i].quant) else {
                 continue;
             };
             let s = &params[scales];
             let wide = match mode {
+                _ if q.on_wire => None,
                 Mode::Atomic => None,
                 Mode::InPlace => {
                     let what = format!("param '{}': its {dtype} bytes before quantizing", p.name);
@@ -52,6 +56,7 @@ impl Quantized {
                 fp8: SendPtr(p.ptr()),
                 scales: (SendPtr(s.ptr()), s.nbytes / 4),
                 wide,
+                on_wire: q.on_wire,
             });
         }
         Ok(out)
@@ -62,7 +67,7 @@ impl Quantized {
     /// writes: the landing sends a quantized param's bytes to its shadow).
     /// None when `i` is not quantized.
     pub fn dest(&self, i: usize) -> Option<Dest> {
-        let t = self.targets.iter().find(|t| t.param == i)?;
+        let t = self.targets.iter().find(|t| t.param == i && !t.on_wire)?;
         Some(Dest::Host(t.wide.unwrap_or(SendPtr(std::ptr::null_mut()))))
     }
 

@@ -203,6 +203,11 @@ impl Manager {
             spread: self.config.rank as usize,
             slice_sums: sources.iter().all(|s| s.checks_slices()),
             deadline: Some(run.start + req.timeout),
+            // Publishers quantize what quantized params take, so the wire
+            // carries FP8; fan-out members take the root's bytes as they
+            // are, and quantize them themselves.
+            quantize_at_source: req.source != SourceKind::Snapshot
+                && self.signal.fanout_size() <= 1,
         };
         // The bytes this engine takes bound how many shards it plans over.
         let staged = match opts.callback {

@@ -112,6 +112,7 @@ impl<'a> Sources<'a> {
             limit,
             over: None,
             quantized: Vec::new(),
+            on_wire: opts.quantize_at_source,
         };
         if !opts.callback {
             let mut used = vec![false; self.globals.tensors.len()];

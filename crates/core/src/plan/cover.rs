@@ -14,6 +14,7 @@ use crate::quant::params::QuantRole;
 use crate::quant::Scheme;
 use crate::tensor::shape_text;
 use crate::tensor::DType;
+use super::QuantizedParam;
 use crate::tensor_box::TensorBox;
 
 /// A run found: `Run::entry` is the number of its shard
@@ -31,9 +32,11 @@ pub(super) struct Found {
     pub limit: usize,
     /// The param whose pieces went over `limit` (nothing more is found).
     pub over: Option<usize>,
-    /// Quantized params covered: (param, the dtype their global tensors
-    /// have, which their runs' bytes are laid out in).
-    pub quantized: Vec<(usize, DType)>,
+    /// Quantized params covered.
+    pub quantized: Vec<QuantizedParam>,
+    /// The sources quantize (publishers): runs into quantized params
+    /// count elements (`QuantizedParam::on_wire`).
+    pub on_wire: bool,
 }
 
 impl Found {
@@ -122,15 +125,23 @@ pub(super) fn cover_param(
             });
             continue;
         }
-        // A quantized param's bytes arrive as its global tensors hold them.
-        let esize = g.dtype.size() as u64;
+        // A quantized param's bytes arrive as its global tensors hold
+        // them, or quantized by the sources: one byte per element.
+        let esize = match (scheme, out.on_wire) {
+            (Some(_), true) => 1,
+            _ => g.dtype.size() as u64,
+        };
         let target = (index, esize, spread + k);
         if let Err(p) = cover_piece(piece, param.shape, (globals, g), target, out) {
             problems.push(format!("{}: {p}", what()));
         }
     }
     if let (Some(_), Some(dtype)) = (scheme, wide) {
-        out.quantized.push((index, dtype));
+        out.quantized.push(QuantizedParam {
+            param: index,
+            source: dtype,
+            on_wire: out.on_wire,
+        });
     }
 }
 

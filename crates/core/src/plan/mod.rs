@@ -125,6 +125,9 @@ pub struct PlanOptions {
     /// When the update must be over: planning stops there with
     /// `WM_ERR_TIMEOUT` (None: no deadline).
     pub deadline: Option<std::time::Instant>,
+    /// The sources quantize what quantized params take (publishers, over
+    /// the wire in FP8): see [`QuantizedParam::on_wire`].
+    pub quantize_at_source: bool,
 }
 
 /// `rows` blocks of equal length move from entry `entry`'s tensor to
@@ -221,10 +224,20 @@ pub struct Plan {
     /// `(first holder, replica)` pairs of (source, tensor): their
     /// checksums are compared on every update ([`Plan::check_replicas`]).
     replicas: Vec<[(u32, u32); 2]>,
-    /// Params quantized from their global tensors, with the dtype those
-    /// hold: the runs into such a param lay its bytes out in that dtype
-    /// (the param's elements, wider), and the applier quantizes them.
-    pub quantized: Vec<(usize, DType)>,
+    /// Params quantized from their global tensors, in param order.
+    pub quantized: Vec<QuantizedParam>,
+}
+
+/// A param quantized from global tensors of dtype `source`. Quantized
+/// here (`on_wire` false), the runs lay its bytes out in `source` (its
+/// elements, wider) and the applier quantizes them at the end; quantized
+/// by the publishers (`on_wire`), the runs count elements and bring its
+/// FP8 bytes, and the applier writes the scales the sources agreed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantizedParam {
+    pub param: usize,
+    pub source: DType,
+    pub on_wire: bool,
 }
 
 impl Plan {
@@ -420,12 +433,17 @@ impl Plan {
         })
     }
 
-    /// The dtype param `param`'s runs lay its bytes out in, when it is
-    /// quantized from its global tensors.
-    pub fn quantized_from(&self, param: usize) -> Option<DType> {
+    /// How param `param` is quantized, when it is.
+    pub fn quantized(&self, param: usize) -> Option<QuantizedParam> {
         // Made in param order.
-        let k = self.quantized.binary_search_by_key(&param, |q| q.0).ok()?;
-        Some(self.quantized[k].1)
+        let k = self.quantized.binary_search_by_key(&param, |q| q.param).ok()?;
+        Some(self.quantized[k])
+    }
+
+    /// The dtype param `param`'s runs lay its bytes out in, when it is
+    /// quantized here (not by the publishers) from its global tensors.
+    pub fn quantized_from(&self, param: usize) -> Option<DType> {
+        self.quantized(param).filter(|q| !q.on_wire).map(|q| q.source)
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

@@ -35,7 +35,10 @@ pub(super) fn stream(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]
         (Some(Published::Device(_)), Some(_)) => Err(Error::invalid_argument(
             "the corrupt-tensor test option does not apply to a GPU version",
         )),
-        (Some(published), None) => stream_published(io, shard, &published, requests),
+        // Quantized requests are images of this session's: packed.
+        (Some(published), None) if !shard.has_images() => {
+            stream_published(io, shard, &published, requests)
+        }
         _ => stream_packed(io, shard, requests),
     }
 }

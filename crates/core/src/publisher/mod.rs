@@ -72,6 +72,7 @@ mod ipc;
 mod net;
 mod offer;
 mod plan;
+mod quantize;
 mod session;
 mod shard;
 mod socket;

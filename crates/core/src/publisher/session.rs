@@ -10,7 +10,7 @@ use super::offer::{pick, Offer};
 use super::shard::shard_for;
 use super::stats::SessionStats;
 use super::streamer::SessionIo;
-use super::{deltas, ipc, net};
+use super::{deltas, ipc, net, quantize};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::{check_requests, Frame};
@@ -95,8 +95,12 @@ fn serve(
         tensors: shard.manifest.tensors.to_vec(),
         base_kept: base_shard.is_some(),
     })?;
-    let (mut want, base) = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Want { requests, base } => (requests, base),
+    let (mut want, base, quant) = match conn.recv(step(cfg.bucket_timeout))? {
+        Frame::Want {
+            requests,
+            base,
+            quant,
+        } => (requests, base, quant),
         other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
     };
     // Every request checked against this rank's tensors before anything
@@ -104,6 +108,17 @@ fn serve(
     let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
     check_requests(&want, &sizes)?;
     let tensors = want.len() as u64;
+    let quantizing = Instant::now();
+    let quantized = match quant.is_empty() {
+        true => 0,
+        false => quantize::serve(
+            conn,
+            &mut shard,
+            &mut want,
+            &quant,
+            (cfg.pack_threads(), step(cfg.bucket_timeout)),
+        )?,
+    };
     let (deltas, messages) = match &base {
         Some(base) => deltas::serve(
             conn,
@@ -124,6 +139,8 @@ fn serve(
         delta_runs: deltas.runs,
         delta_cached: deltas.cached,
         delta_bytes: deltas.bytes,
+        quantized,
+        quantize: quantizing.elapsed(),
         ..Default::default()
     };
     let ack_deadline = || step(cfg.bucket_timeout);

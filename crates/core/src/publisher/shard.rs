@@ -33,9 +33,31 @@ pub(super) struct Shard {
     pub(super) published: Option<Published>,
     /// Bytes hashed to build the manifest.
     pub(super) hashed: u64,
+    /// Bytes made for this session (FP8 images of quantized requests,
+    /// `quantize.rs`), served as tensors numbered after the manifest's.
+    images: Vec<Vec<u8>>,
 }
 
 impl Shard {
+    /// Serve `image` as a tensor of this session's: its number (after
+    /// the manifest's and earlier images). A shard in memory lists it with
+    /// its tensors; a shard of files reads it from memory.
+    pub(super) fn add_image(&mut self, image: Vec<u8>) -> u32 {
+        let t = self.manifest.tensors.len() + self.images.len();
+        if let ShardBytes::Memory(ptrs) = &mut self.bytes {
+            // The image's heap buffer stays put when `images` grows.
+            ptrs.push(SendPtr(image.as_ptr().cast_mut()));
+        }
+        self.images.push(image);
+        t as u32
+    }
+
+    /// Whether the session serves images of its own (they are packed:
+    /// no window into a published buffer holds them).
+    pub(super) fn has_images(&self) -> bool {
+        !self.images.is_empty()
+    }
+
     /// Where each tensor's bytes already are in this process's memory
     /// (published copies, or tensors the trainer added), so they can be sent
     /// without packing; None for a shard read from files.
@@ -95,6 +117,7 @@ fn dir_shard(
         },
         published: None,
         hashed,
+        images: Vec::new(),
     })
 }
 
@@ -154,6 +177,7 @@ fn tensors_shard(
         bytes: ShardBytes::Memory(mine.iter().map(|(_, t)| t.data).collect()),
         published: offer.published.clone(),
         hashed: regions.iter().map(|(_, n)| *n as u64).sum(),
+        images: Vec::new(),
     })
 }
 
@@ -255,12 +279,18 @@ pub(super) fn fill(
         if batch.is_empty() {
             return Ok(());
         }
-        copy_batch(&mut shard.bytes, &batch, threads)?;
+        let first_image = shard.manifest.tensors.len();
+        copy_batch(&mut shard.bytes, (&shard.images, first_image), &batch, threads)?;
     }
 }
 
 /// Copy `batch` from where the shard's bytes are, on `threads`.
-fn copy_batch(bytes: &mut ShardBytes, batch: &[Block], threads: usize) -> Result<()> {
+fn copy_batch(
+    bytes: &mut ShardBytes,
+    (images, first_image): (&[Vec<u8>], usize),
+    batch: &[Block],
+    threads: usize,
+) -> Result<()> {
     let mut jobs: Vec<CopyJob> = try_vec(batch.len(), "packing a bucket's copies")?;
     match bytes {
         ShardBytes::Memory(ptrs) => {
@@ -276,7 +306,7 @@ fn copy_batch(bytes: &mut ShardBytes, batch: &[Block], threads: usize) -> Result
             unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
         ShardBytes::Files { checkpoint, open } => {
-            for &(t, ..) in batch {
+            for &(t, ..) in batch.iter().filter(|b| b.0 < first_image) {
                 let (path, _) = checkpoint.tensor_location(t);
                 if !open.contains_key(path) {
                     let f = open_regular(path)?;
@@ -284,6 +314,15 @@ fn copy_batch(bytes: &mut ShardBytes, batch: &[Block], threads: usize) -> Result
                 }
             }
             jobs.extend(batch.iter().map(|&(t, src, dst, len)| {
+                if let Some(image) = t.checked_sub(first_image).map(|i| &images[i]) {
+                    let at = image.as_ptr().wrapping_add(src as usize).cast_mut();
+                    return CopyJob {
+                        src: CopySource::Memory(SendPtr(at)),
+                        dst,
+                        len,
+                        tag: t,
+                    };
+                }
                 let (path, offset) = checkpoint.tensor_location(t);
                 CopyJob {
                     src: CopySource::File {

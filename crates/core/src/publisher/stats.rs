@@ -23,6 +23,11 @@ pub struct SessionStats {
     /// Of those, the deltas another session of the version had encoded
     /// already (engine ranks taking the same runs).
     pub delta_cached: u64,
+    /// Source bytes of the requests quantized to FP8 for the engine, and
+    /// the time it took to read and quantize them (with the engine's
+    /// AMAX/SCALES round trip).
+    pub quantized: u64,
+    pub quantize: Duration,
     /// Network: UCX messages sent (one per bucket entry; small blocks of a
     /// request travel packed, several to a message). IPC: 0.
     pub messages: u64,

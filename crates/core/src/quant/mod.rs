@@ -31,6 +31,7 @@
 //! a holder's part with it.
 
 pub mod bands;
+pub mod blocks;
 pub mod e4m3;
 mod kernels;
 pub mod params;
@@ -222,6 +223,42 @@ pub fn quantize(
         quantize_with(scheme, band, (origin, whole), &amax, q, scale_inv)?;
     }
     Ok(())
+}
+
+/// The largest `|x|` of `xs` (elements of `dtype`, bf16, f16 or f32),
+/// Err with the index of the first NaN or infinity.
+pub fn segment_amax(dtype: DType, xs: &[u8]) -> Result<f32, usize> {
+    let bits = match dtype {
+        DType::Bf16 => kernels::abs_bits_max::<Bf16>(xs),
+        DType::F16 => kernels::abs_bits_max::<F16>(xs),
+        _ => kernels::abs_bits_max::<F32>(xs),
+    };
+    if bits < 0x7f80_0000 {
+        return Ok(f32::from_bits(bits));
+    }
+    let size = dtype.size();
+    let read = |x: &[u8]| match dtype {
+        DType::Bf16 => Bf16::read(x),
+        DType::F16 => F16::read(x),
+        _ => F32::read(x),
+    };
+    Err(xs.chunks_exact(size).position(|x| !read(x).is_finite()).unwrap_or(0))
+}
+
+/// Quantize `xs` (elements of `dtype`) of a block whose agreed amax is
+/// `amax` into `out` (one E4M3 byte each), as [`quantize_with`] does.
+pub fn segment_quantize(dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
+    let factor = (1.0 / amax.max(AMAX_FLOOR)) * e4m3::MAX;
+    match dtype {
+        DType::Bf16 => kernels::scale_run::<Bf16>(xs, factor, out),
+        DType::F16 => kernels::scale_run::<F16>(xs, factor, out),
+        _ => kernels::scale_run::<F32>(xs, factor, out),
+    }
+}
+
+/// A block's `scale_inv` from its agreed amax.
+pub fn scale_inv(amax: f32) -> f32 {
+    amax.max(AMAX_FLOOR) / e4m3::MAX
 }
 
 fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {

@@ -85,6 +85,12 @@ pub trait Source {
     }
     /// Ask for this source's planned bytes (nothing is applied yet).
     fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()>;
+    /// Once every source started: what comes of agreeing across them
+    /// (publishers quantizing to FP8 take the blocks' agreed amax), then
+    /// get ready to receive.
+    fn start_streaming(&mut self, _plan: &Plan, _me: usize, _applier: &mut Applier) -> Result<()> {
+        Ok(())
+    }
     /// Hand what has come to `applier`, waiting at most about `wait` for
     /// something to come.
     fn step(

@@ -7,7 +7,7 @@
 
 use super::deltas;
 use super::Step;
-use crate::apply::{Applier, Chunk};
+use crate::apply::{Applier, Chunk, QuantRequest};
 use crate::manifest::Manifest;
 use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
@@ -41,6 +41,10 @@ pub struct PublisherLink {
     by_message: bool,
     /// The deltas DELTAS announced, to be received as messages.
     pending: Vec<DeltaRun>,
+    /// WANT named a base: DELTAS follows (after SCALES).
+    deltas_asked: bool,
+    /// The requests this publisher quantizes, with their blocks.
+    quantized: Vec<(u32, QuantRequest)>,
 }
 
 impl PublisherLink {
@@ -89,6 +93,8 @@ impl PublisherLink {
             asked: Vec::new(),
             by_message: false,
             pending: Vec::new(),
+            deltas_asked: false,
+            quantized: Vec::new(),
         })
     }
 
@@ -101,6 +107,7 @@ impl PublisherLink {
     pub fn send_want(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         let mut requests = Vec::new();
         let mut wanted = Wanted::default();
+        let mut quantized = Vec::new();
         for (i, e) in plan.entries.iter().enumerate() {
             if e.source != me || e.target == Target::Skip {
                 continue;
@@ -112,6 +119,9 @@ impl PublisherLink {
             // computes as it serves it; all of a tensor (also when it
             // lands in a fused param) against the manifest's.
             q.sums = applier.verifies() && !plan.takes_all(i);
+            if let Some(r) = applier.quant_request(i)? {
+                quantized.push((requests.len() as u32, r));
+            }
             wanted.entries.push(i);
             wanted.bytes.push(q.bytes());
             wanted.sums.push(q.sums);
@@ -127,15 +137,60 @@ impl PublisherLink {
             }
             Base::None => None,
         };
-        let asked = base.is_some();
-        let want = Frame::Want { requests, base };
+        self.deltas_asked = base.is_some();
+        let quant = quantized.iter().map(|(k, r)| (*k, r.scheme)).collect();
+        let want = Frame::Want {
+            requests,
+            base,
+            quant,
+        };
         self.conn.send(&want)?;
-        if let Frame::Want { requests, base } = want {
+        if let Frame::Want { requests, base, .. } = want {
             wanted.requests = requests;
             self.asked = base.map(|b| b.fingerprints).unwrap_or_default();
         }
         self.wanted = wanted;
-        match asked {
+        self.quantized = quantized;
+        match self.quantized.is_empty() {
+            true => Ok(()),
+            false => self.take_amax(applier),
+        }
+    }
+
+    /// AMAX: the publisher's amax of every block of each quantized
+    /// request, offered to the applier's agreement.
+    fn take_amax(&mut self, applier: &mut Applier) -> Result<()> {
+        let values = match self.conn.recv(applier.deadline())? {
+            Frame::Amax { values } => values,
+            other => return Err(unexpected(&self.conn, "AMAX", &other)),
+        };
+        let fits = values.len() == self.quantized.len()
+            && values
+                .iter()
+                .zip(&self.quantized)
+                .all(|((k, v), (want, r))| k == want && v.len() == r.blocks.len());
+        if !fits {
+            return Err(Error::peer(format!(
+                "{}: AMAX does not give one value per block of each quantized request",
+                self.conn.peer()
+            )));
+        }
+        for ((_, v), (_, r)) in values.iter().zip(&self.quantized) {
+            applier.offer_amax(r, v);
+        }
+        Ok(())
+    }
+
+    /// Once every source offered its amax: SCALES with the agreed amax,
+    /// then the deltas WANT asked for.
+    pub fn after_agreement(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
+        if !self.quantized.is_empty() {
+            let values = (self.quantized.iter())
+                .map(|(k, r)| (*k, applier.agreed_amax(r)))
+                .collect();
+            self.conn.send(&Frame::Scales { values })?;
+        }
+        match self.deltas_asked {
             true => deltas::take(self, plan, applier),
             false => Ok(()),
         }
@@ -336,7 +391,11 @@ impl<T: FromPublisher> super::Source for T {
     }
 
     fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
-        self.link_mut().send_want(plan, me, applier)?;
+        self.link_mut().send_want(plan, me, applier)
+    }
+
+    fn start_streaming(&mut self, plan: &Plan, _: usize, applier: &mut Applier) -> Result<()> {
+        self.link_mut().after_agreement(plan, applier)?;
         self.begin(plan, applier)
     }
 

@@ -44,6 +44,9 @@ fn drive(sources: &mut [Box<dyn Source>], plan: &Plan, applier: &mut Applier) ->
     for (i, s) in sources.iter_mut().enumerate() {
         s.start(plan, i, applier).map_err(|e| named(i, &**s, e))?;
     }
+    for (i, s) in sources.iter_mut().enumerate() {
+        (s.start_streaming(plan, i, applier)).map_err(|e| named(i, &**s, e))?;
+    }
     let mut done = vec![false; sources.len()];
     let wait = if single { ALONE } else { SHARED };
     while done.iter().any(|d| !d) {

@@ -17,8 +17,19 @@ impl Frame {
             kind::WANT => {
                 let requests = super::want::decode(&mut i)?;
                 let base = super::deltas::decode_base(&mut i, requests.len())?;
-                Frame::Want { requests, base }
+                let quant = super::quant::decode_quant(&mut i, requests.len())?;
+                Frame::Want {
+                    requests,
+                    base,
+                    quant,
+                }
             }
+            kind::AMAX => Frame::Amax {
+                values: super::quant::decode_values(&mut i, "AMAX")?,
+            },
+            kind::SCALES => Frame::Scales {
+                values: super::quant::decode_values(&mut i, "SCALES")?,
+            },
             kind::DELTAS => {
                 let (kept, runs) = super::deltas::decode_deltas(&mut i)?;
                 Frame::Deltas { kept, runs }

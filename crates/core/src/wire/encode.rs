@@ -20,9 +20,17 @@ impl Frame {
                 manifest(&mut o, version, tensors);
                 o.u8(*base_kept as u8);
             }
-            Frame::Want { requests, base } => {
+            Frame::Want {
+                requests,
+                base,
+                quant,
+            } => {
                 super::want::encode(&mut o, requests);
                 super::deltas::encode_base(&mut o, base);
+                super::quant::encode_quant(&mut o, quant);
+            }
+            Frame::Amax { values } | Frame::Scales { values } => {
+                super::quant::encode_values(&mut o, values)
             }
             Frame::Deltas { kept, runs } => super::deltas::encode_deltas(&mut o, *kept, runs),
             Frame::Delta { request, bytes } => {
@@ -81,6 +89,8 @@ impl Frame {
             Frame::Hello { .. } => kind::HELLO,
             Frame::Manifest { .. } => kind::MANIFEST,
             Frame::Want { .. } => kind::WANT,
+            Frame::Amax { .. } => kind::AMAX,
+            Frame::Scales { .. } => kind::SCALES,
             Frame::Deltas { .. } => kind::DELTAS,
             Frame::Delta { .. } => kind::DELTA,
             Frame::Buffers { .. } => kind::BUFFERS,

@@ -18,10 +18,12 @@ mod decode;
 mod deltas;
 mod encode;
 mod fields;
+mod quant;
 mod want;
 mod want_bounds;
 
 use crate::manifest::TensorMeta;
+use crate::quant::Scheme;
 
 pub use buckets::{
     check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
@@ -29,6 +31,7 @@ pub use buckets::{
 };
 pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
+pub use quant::BlockValues;
 pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
 pub use want_bounds::{check_cuts, check_size};
 
@@ -44,7 +47,7 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// whether the publisher keeps it, WANT may name it as a base (with
 /// fingerprints), and the publisher answers DELTAS and DELTA frames
 /// (`deltas.rs`).
-pub(crate) const PROTOCOL: u32 = 6;
+pub(crate) const PROTOCOL: u32 = 7;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
@@ -75,6 +78,8 @@ mod kind {
     pub(super) const WINDOWS: u8 = 15;
     pub(super) const DELTAS: u8 = 16;
     pub(super) const DELTA: u8 = 17;
+    pub(super) const AMAX: u8 = 18;
+    pub(super) const SCALES: u8 = 19;
 }
 
 /// One bucket entry: `len` bytes of WANT request `request` starting at its
@@ -95,7 +100,7 @@ pub struct CudaBuffer {
     pub size: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Frame {
     /// Engine to publisher: who asks, for which version ("" = latest), and
     /// the version its params hold, to take deltas against ("" = none).
@@ -119,7 +124,16 @@ pub enum Frame {
     Want {
         requests: Vec<Request>,
         base: Option<DeltaBase>,
+        /// Requests to quantize to FP8 (`quant.rs`): their runs count
+        /// elements.
+        quant: Vec<(u32, Scheme)>,
     },
+    /// Publisher to engine, after WANT when it asked for quantized
+    /// requests: each one's blocks' amax (`quant.rs`).
+    Amax { values: BlockValues },
+    /// Engine to publisher, after every publisher's AMAX: the agreed amax
+    /// of the same blocks.
+    Scales { values: BlockValues },
     /// Publisher to engine, right after WANT when it named a base: whether
     /// the publisher keeps that version, and how each request with a
     /// fingerprint comes.
@@ -190,6 +204,8 @@ impl Frame {
             Frame::Hello { .. } => "HELLO",
             Frame::Manifest { .. } => "MANIFEST",
             Frame::Want { .. } => "WANT",
+            Frame::Amax { .. } => "AMAX",
+            Frame::Scales { .. } => "SCALES",
             Frame::Deltas { .. } => "DELTAS",
             Frame::Delta { .. } => "DELTA",
             Frame::Buffers { .. } => "BUFFERS",

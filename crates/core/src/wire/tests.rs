@@ -63,6 +63,7 @@ fn plan_frames_round_trip() {
             Request::of_blocks(2, [(4, 4), (12, 4), (40, 8)], true),
         ],
         base: None,
+        quant: vec![],
     });
     round_trip(Frame::Want {
         requests: vec![Request::whole(0, 12, false), Request::whole(1, 8, true)],
@@ -70,6 +71,7 @@ fn plan_frames_round_trip() {
             version: "step-3".into(),
             fingerprints: vec![(0, 5 << 90), (1, 3)],
         }),
+        quant: vec![],
     });
     round_trip(Frame::Deltas {
         kept: true,
@@ -111,6 +113,7 @@ fn bad_bases_are_refused() {
                 version: "v".into(),
                 fingerprints,
             }),
+            quant: vec![],
         }
         .encode()
     };
@@ -343,4 +346,47 @@ fn hostile_buckets_are_refused() {
         .unwrap_err()
         .message
         .contains("#0"));
+}
+
+/// Protocol 7's quantization: WANT's quantized requests, AMAX and SCALES
+/// round trip; bad ones are refused naming what is wrong.
+#[test]
+fn quantization_frames_round_trip_and_bad_ones_are_refused() {
+    use crate::quant::Scheme;
+    let want = |quant: Vec<(u32, Scheme)>| Frame::Want {
+        requests: vec![Request::whole(0, 4, false), Request::whole(1, 4, true)],
+        base: None,
+        quant,
+    };
+    round_trip(want(vec![(0, Scheme::Fp8Block128), (1, Scheme::Fp8Tensor)]));
+    round_trip(Frame::Amax {
+        values: vec![(0, vec![1.5, 0.0]), (3, vec![])],
+    });
+    round_trip(Frame::Scales {
+        values: vec![(2, vec![448.0])],
+    });
+    for (bad, says) in [
+        (want(vec![(2, Scheme::Fp8Block128)]), "quantized request #2 (of 2"),
+        (want(vec![(1, Scheme::Fp8Block128), (0, Scheme::Fp8Tensor)]), "quantized request #0"),
+    ] {
+        let e = Frame::decode(&bad.encode()[4..]).unwrap_err();
+        assert!(e.message.contains(says), "{e}");
+    }
+    let mut scheme = want(vec![(0, Scheme::Fp8Block128)]).encode();
+    let n = scheme.len();
+    scheme[n - 4..].copy_from_slice(&9u32.to_le_bytes());
+    let e = Frame::decode(&scheme[4..]).unwrap_err();
+    assert!(e.message.contains("quantization scheme 9"), "{e}");
+    for x in [f32::NAN, f32::INFINITY, -1.0] {
+        let amax = Frame::Amax {
+            values: vec![(0, vec![1.0, x])],
+        };
+        let e = Frame::decode(&amax.encode()[4..]).unwrap_err();
+        assert!(e.message.contains("AMAX: request #0: block value"), "{e}");
+    }
+    let twice = Frame::Scales {
+        values: vec![(1, vec![1.0]), (1, vec![2.0])],
+    };
+    let e = Frame::decode(&twice.encode()[4..]).unwrap_err();
+    assert!(e.message.contains("SCALES: request #1 out of order"), "{e}");
 }

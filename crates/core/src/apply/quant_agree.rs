@@ -1,0 +1,116 @@
+//! Agreeing the amax of the blocks of params the publishers quantize
+//! (`quantize.rs`): which blocks of its param each request touches, the
+//! publishers' amax of them, and the agreed (largest) one.
+
+use super::Applier;
+use crate::manifest::TensorMeta;
+use crate::plan::Target;
+use crate::quant::blocks::{walk, Placed};
+use crate::quant::{Scheme, BLOCK};
+use crate::result::{Error, Result};
+
+/// A request the publishers quantize: its scheme, and per block it
+/// touches (in `quant::blocks::touched` order) its param's block.
+pub struct QuantRequest {
+    pub scheme: Scheme,
+    target: usize,
+    pub blocks: Vec<usize>,
+}
+
+impl Applier<'_, '_> {
+    /// When plan entry `t` goes to a param the publishers quantize: its
+    /// request's blocks. Err: a global block that falls in two of the
+    /// param's blocks (pieces off the block grid; registration and the
+    /// plan refuse those).
+    pub fn quant_request(&self, t: usize) -> Result<Option<QuantRequest>> {
+        let e = &self.plan.entries[t];
+        let Target::Param(i) = e.target else {
+            return Ok(None);
+        };
+        let Some(k) = self.quant.targets.iter().position(|q| q.param == i && q.on_wire) else {
+            return Ok(None);
+        };
+        let q = &self.quant.targets[k];
+        let zeros = vec![0u64; e.meta.shape.len()];
+        let placed = placed(&e.meta, &zeros);
+        let segments = self.plan.segments(t).iter().map(|s| (s.source, s.len, s.param));
+        let mut pairs: Vec<(u64, usize)> = Vec::new();
+        walk(q.scheme, placed, segments, |dst, _, _, g| {
+            if pairs.last().is_none_or(|p| p.0 != g) {
+                pairs.push((g, param_block(q.scheme, &q.shape, dst)));
+            }
+        });
+        pairs.sort_unstable();
+        pairs.dedup();
+        if let Some(w) = pairs.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::mismatch(format!(
+                "param '{}': block {} of tensor '{}' falls in two of its blocks",
+                q.name, w[0].0, e.meta.name
+            )));
+        }
+        Ok(Some(QuantRequest {
+            scheme: q.scheme,
+            target: k,
+            blocks: pairs.into_iter().map(|p| p.1).collect(),
+        }))
+    }
+
+    /// A publisher's amax of the blocks of request `r` (one per block,
+    /// checked by the caller to be as many, finite, not negative).
+    pub fn offer_amax(&mut self, r: &QuantRequest, amax: &[f32]) {
+        let (agreed, seen) = &mut self.quant.agreed[r.target];
+        for (&b, &a) in r.blocks.iter().zip(amax) {
+            agreed[b] = agreed[b].max(a);
+            seen[b] = true;
+        }
+    }
+
+    /// The agreed amax of request `r`'s blocks, once every publisher
+    /// offered theirs.
+    pub fn agreed_amax(&self, r: &QuantRequest) -> Vec<f32> {
+        let agreed = &self.quant.agreed[r.target].0;
+        r.blocks.iter().map(|&b| agreed[b]).collect()
+    }
+
+    /// Target `k`'s agreed amax, every block reported.
+    pub(super) fn agreed_for(&self, k: usize) -> Result<Vec<f32>> {
+        let (agreed, seen) = &self.quant.agreed[k];
+        match seen.iter().position(|s| !s) {
+            None => Ok(agreed.clone()),
+            Some(b) => Err(Error::peer(format!(
+                "param '{}': no publisher reported the amax of its block {b}",
+                self.quant.targets[k].name
+            ))),
+        }
+    }
+}
+
+fn placed<'a>(meta: &'a TensorMeta, zeros: &'a [u64]) -> Placed<'a> {
+    match &meta.placement {
+        Some(p) => Placed {
+            shape: &meta.shape,
+            offset: &p.offset,
+            global: &p.global_shape,
+        },
+        None => Placed {
+            shape: &meta.shape,
+            offset: zeros,
+            global: &meta.shape,
+        },
+    }
+}
+
+/// The block of a `shape` param (its scales' row-major index) holding its
+/// element `e`.
+fn param_block(scheme: Scheme, shape: &[u64], e: u64) -> usize {
+    let n = shape.len();
+    if scheme == Scheme::Fp8Tensor || n < 2 {
+        return 0;
+    }
+    let b = BLOCK as u64;
+    let (rows, cols) = (shape[n - 2], shape[n - 1].max(1));
+    let (r, c) = (e / cols % rows.max(1), e % cols);
+    let batch = e / cols / rows.max(1);
+    let (srows, scols) = (rows.div_ceil(b), cols.div_ceil(b));
+    ((batch * srows + r / b) * scols + c / b) as usize
+}

@@ -1,0 +1,135 @@
+//! Which quantization block of a global tensor each element of a shard
+//! falls in, walked over the pieces a request reads (element offsets of
+//! the shard, row-major). The publisher and the engine walk the same
+//! request the same way, so both list the blocks it touches in the same
+//! order: AMAX and SCALES carry one value per touched block, in that order,
+//! without naming them.
+//!
+//! Blocks are numbered in the scales' row-major order of the global tensor
+//! (`[..., ceil(M/128), ceil(N/128)]` for 128x128 blocks; 0 for one scale
+//! per tensor).
+
+use super::{Scheme, BLOCK};
+
+/// A shard of a global tensor: its shape, where its box starts in the
+/// global tensor, and the global tensor's shape (a whole tensor: offset
+/// zeros, global shape its own).
+#[derive(Clone, Copy, Debug)]
+pub struct Placed<'a> {
+    pub shape: &'a [u64],
+    pub offset: &'a [u64],
+    pub global: &'a [u64],
+}
+
+impl Placed<'_> {
+    /// The global block of the shard's element `e`, and how many elements
+    /// from `e` on (along the last dimension, at most `left`) share it.
+    fn block_at(&self, scheme: Scheme, e: u64, left: u64) -> (u64, u64) {
+        let n = self.shape.len();
+        let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        let c = e % cols;
+        let in_row = (cols - c).min(left);
+        if scheme == Scheme::Fp8Tensor || n < 2 {
+            return (0, left);
+        }
+        // The shard's multi-index of `e`, then the global one.
+        let mut rest = e / cols;
+        let mut g = vec![0u64; n];
+        g[n - 1] = c + self.offset[n - 1];
+        for d in (0..n - 1).rev() {
+            g[d] = rest % self.shape[d] + self.offset[d];
+            rest /= self.shape[d];
+        }
+        let b = BLOCK as u64;
+        let (srows, scols) = (self.global[n - 2].div_ceil(b), self.global[n - 1].div_ceil(b));
+        let batch = (0..n - 2).fold(0, |k, d| k * self.global[d] + g[d]);
+        let block = (batch * srows + g[n - 2] / b) * scols + g[n - 1] / b;
+        let to_edge = b - g[n - 1] % b;
+        (block, in_row.min(to_edge))
+    }
+}
+
+/// Walk `pieces` ((shard element offset, count, destination offset): a
+/// request's blocks with where each goes) cut where the global block
+/// changes: `f(destination, count, shard element, block)` per cut, in
+/// order.
+pub fn walk(
+    scheme: Scheme,
+    placed: Placed,
+    pieces: impl IntoIterator<Item = (u64, u64, u64)>,
+    mut f: impl FnMut(u64, u64, u64, u64),
+) {
+    for (src, len, dst) in pieces {
+        let mut done = 0;
+        while done < len {
+            let (block, n) = placed.block_at(scheme, src + done, len - done);
+            f(dst + done, n, src + done, block);
+            done += n;
+        }
+    }
+}
+
+/// The blocks `pieces` touch, increasing, each once.
+pub fn touched(
+    scheme: Scheme,
+    placed: Placed,
+    pieces: impl IntoIterator<Item = (u64, u64, u64)>,
+) -> Vec<u64> {
+    let mut out: Vec<u64> = Vec::new();
+    walk(scheme, placed, pieces, |_, _, _, b| {
+        if out.last() != Some(&b) {
+            out.push(b);
+        }
+    });
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The multi-index of element `e` of a `shape` tensor placed at `offset`
+/// in its global tensor: its global index (for messages).
+pub fn global_index(placed: Placed, e: u64) -> Vec<u64> {
+    let n = placed.shape.len();
+    let mut rest = e;
+    let mut g = vec![0u64; n];
+    for d in (0..n).rev() {
+        let len = placed.shape[d].max(1);
+        g[d] = rest % len + placed.offset[d];
+        rest /= len;
+    }
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A [300, 256] tensor in row shards of 75: shard 1 (rows 75..150)
+    /// touches block rows 0 and 1; its element at row 53 (global 128),
+    /// column 130 is in block (1, 1) = 3.
+    #[test]
+    fn shards_walk_the_global_block_grid() {
+        let placed = Placed {
+            shape: &[75, 256],
+            offset: &[75, 0],
+            global: &[300, 256],
+        };
+        let all = [(0u64, 75 * 256, 0u64)];
+        assert_eq!(touched(Scheme::Fp8Block128, placed, all), vec![0, 1, 2, 3]);
+        let mut cuts = Vec::new();
+        walk(Scheme::Fp8Block128, placed, [(53 * 256 + 120, 20, 7)], |d, n, s, b| {
+            cuts.push((d, n, s, b))
+        });
+        assert_eq!(cuts, vec![(7, 8, 53 * 256 + 120, 2), (15, 12, 53 * 256 + 128, 3)]);
+        assert_eq!(touched(Scheme::Fp8Tensor, placed, all), vec![0]);
+        // Stacked: [2, 200, 130], blocks [2, 2, 2]; element [1, 130, 129].
+        let placed = Placed {
+            shape: &[2, 200, 130],
+            offset: &[0, 0, 0],
+            global: &[2, 200, 130],
+        };
+        let e = (200 + 130) * 130 + 129;
+        assert_eq!(touched(Scheme::Fp8Block128, placed, [(e, 1, 0)]), vec![7]);
+        assert_eq!(global_index(placed, e), vec![1, 130, 129]);
+    }
+}
