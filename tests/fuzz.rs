@@ -168,7 +168,13 @@ fn plan_frames() -> Vec<Frame> {
                 version: "step-1".into(),
                 fingerprints: vec![(0, 7), (1, 1 << 100)],
             }),
-            quant: vec![],
+            quant: vec![(1, weight_manager_core::quant::Scheme::Fp8Block128)],
+        },
+        Frame::Amax {
+            values: vec![(1, vec![0.5, 448.0, 0.0])],
+        },
+        Frame::Scales {
+            values: vec![(0, vec![]), (1, vec![1e-4])],
         },
         Frame::Deltas {
             kept: true,

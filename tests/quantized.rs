@@ -537,3 +537,43 @@ fn deltas_leave_quantized_params_whole_and_two_phase_commits_them() {
         }
     }
 }
+
+/// A NaN in a trainer rank's shard stops the update at that publisher,
+/// before any byte moves, naming the tensor and the element of the global
+/// tensor; the engine keeps its old weights.
+#[test]
+fn a_nan_at_a_publisher_is_named_and_the_old_weights_stay() {
+    let _serial = serial();
+    let good = t("g", DType::Bf16, &[300, 256], 3);
+    let mut bad = t("g", DType::Bf16, &[300, 256], 4);
+    let i = 100 * 256 + 200;
+    bad.data[2 * i..2 * i + 2].copy_from_slice(&((f32::NAN.to_bits() >> 16) as u16).to_le_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::sharded::net_engine("quantized-test-secret");
+    let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+    spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+    let [q, s] = quantized(&m, spec, Scheme::Fp8Block128, false);
+    for (k, g) in [&good, &bad].into_iter().enumerate() {
+        let sub = dir.path().join(format!("v{k}"));
+        std::fs::create_dir(&sub).unwrap();
+        let ps = publishers(&sub, SourceKind::Ipc, g);
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(60);
+        let before = (read(q), read(s));
+        let (r, _) = serving(&ps, || m.update(req));
+        if k == 0 {
+            r.unwrap();
+            continue;
+        }
+        let e = r.unwrap_err();
+        assert!(
+            e.message
+                .contains("tensor 'g': element [100, 200] (of the global tensor) is not finite"),
+            "{e}"
+        );
+        assert_eq!((read(q), read(s)), before);
+        assert_eq!(m.status().state, State::Normal);
+    }
+}

@@ -27,13 +27,22 @@ impl Applier<'_, '_> {
         let Target::Param(i) = e.target else {
             return Ok(None);
         };
-        let Some(k) = self.quant.targets.iter().position(|q| q.param == i && q.on_wire) else {
+        let Some(k) = self
+            .quant
+            .targets
+            .iter()
+            .position(|q| q.param == i && q.on_wire)
+        else {
             return Ok(None);
         };
         let q = &self.quant.targets[k];
         let zeros = vec![0u64; e.meta.shape.len()];
         let placed = placed(&e.meta, &zeros);
-        let segments = self.plan.segments(t).iter().map(|s| (s.source, s.len, s.param));
+        let segments = self
+            .plan
+            .segments(t)
+            .iter()
+            .map(|s| (s.source, s.len, s.param));
         let mut pairs: Vec<(u64, usize)> = Vec::new();
         walk(q.scheme, placed, segments, |dst, _, _, g| {
             if pairs.last().is_none_or(|p| p.0 != g) {

@@ -108,7 +108,13 @@ fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) ->
     let layouts = crate::plan::fingerprint(sources, registry);
     let mut h = Checksum::default();
     h.update(&layouts.to_le_bytes());
-    for x in [skip_unknown, callback, verify, slice_sums, quantize_at_source] {
+    for x in [
+        skip_unknown,
+        callback,
+        verify,
+        slice_sums,
+        quantize_at_source,
+    ] {
         h.update(&[x as u8]);
     }
     h.update(&(spread as u64).to_le_bytes());

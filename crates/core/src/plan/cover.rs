@@ -8,13 +8,13 @@ use super::global::{Global, Globals, Held};
 use super::params::ParamView;
 use super::region::{Lined, Span};
 use super::runs::push_runs;
+use super::QuantizedParam;
 use super::{Run, Target};
 use crate::pieces::Piece;
 use crate::quant::params::QuantRole;
 use crate::quant::Scheme;
 use crate::tensor::shape_text;
 use crate::tensor::DType;
-use super::QuantizedParam;
 use crate::tensor_box::TensorBox;
 
 /// A run found: `Run::entry` is the number of its shard

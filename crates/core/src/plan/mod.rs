@@ -436,14 +436,19 @@ impl Plan {
     /// How param `param` is quantized, when it is.
     pub fn quantized(&self, param: usize) -> Option<QuantizedParam> {
         // Made in param order.
-        let k = self.quantized.binary_search_by_key(&param, |q| q.param).ok()?;
+        let k = self
+            .quantized
+            .binary_search_by_key(&param, |q| q.param)
+            .ok()?;
         Some(self.quantized[k])
     }
 
     /// The dtype param `param`'s runs lay its bytes out in, when it is
     /// quantized here (not by the publishers) from its global tensors.
     pub fn quantized_from(&self, param: usize) -> Option<DType> {
-        self.quantized(param).filter(|q| !q.on_wire).map(|q| q.source)
+        self.quantized(param)
+            .filter(|q| !q.on_wire)
+            .map(|q| q.source)
     }
 
     /// Entry `entry` moves its whole tensor unchanged (whole-tensor

@@ -54,7 +54,12 @@ pub(super) fn serve(
     conn.send(&Frame::Amax { values })?;
     let agreed = match conn.recv(deadline)? {
         Frame::Scales { values } => values,
-        other => return Err(Error::peer(format!("expected SCALES, got {}", other.name()))),
+        other => {
+            return Err(Error::peer(format!(
+                "expected SCALES, got {}",
+                other.name()
+            )))
+        }
     };
     check_agreed(&jobs, &agreed)?;
     let mut read_bytes = 0;
@@ -133,7 +138,13 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         len: elements * esize,
         buffer_offset: 0,
     };
-    fill(shard, std::slice::from_ref(&bytes), &[all], wide.as_mut_ptr(), threads)?;
+    fill(
+        shard,
+        std::slice::from_ref(&bytes),
+        &[all],
+        wide.as_mut_ptr(),
+        threads,
+    )?;
     let meta = &shard.manifest.tensors[q.tensor as usize];
     let at = placed(meta);
     let blocks = touched(scheme, at, pieces(q));
@@ -207,7 +218,12 @@ fn quantized(shard: &Shard, q: &Request, job: &Job, amax: &[f32]) -> Result<Vec<
     walk(job.scheme, placed(meta), pieces(q), |dst, n, _, block| {
         let a = amax[job.blocks.binary_search(&block).expect("a touched block")];
         let xs = &job.wide[(dst * esize) as usize..((dst + n) * esize) as usize];
-        segment_quantize(job.dtype, xs, a, &mut image[dst as usize..(dst + n) as usize]);
+        segment_quantize(
+            job.dtype,
+            xs,
+            a,
+            &mut image[dst as usize..(dst + n) as usize],
+        );
     });
     Ok(image)
 }

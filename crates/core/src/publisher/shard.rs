@@ -280,7 +280,12 @@ pub(super) fn fill(
             return Ok(());
         }
         let first_image = shard.manifest.tensors.len();
-        copy_batch(&mut shard.bytes, (&shard.images, first_image), &batch, threads)?;
+        copy_batch(
+            &mut shard.bytes,
+            (&shard.images, first_image),
+            &batch,
+            threads,
+        )?;
     }
 }
 

@@ -41,7 +41,10 @@ impl Placed<'_> {
             rest /= self.shape[d];
         }
         let b = BLOCK as u64;
-        let (srows, scols) = (self.global[n - 2].div_ceil(b), self.global[n - 1].div_ceil(b));
+        let (srows, scols) = (
+            self.global[n - 2].div_ceil(b),
+            self.global[n - 1].div_ceil(b),
+        );
         let batch = (0..n - 2).fold(0, |k, d| k * self.global[d] + g[d]);
         let block = (batch * srows + g[n - 2] / b) * scols + g[n - 1] / b;
         let to_edge = b - g[n - 1] % b;
@@ -117,10 +120,16 @@ mod tests {
         let all = [(0u64, 75 * 256, 0u64)];
         assert_eq!(touched(Scheme::Fp8Block128, placed, all), vec![0, 1, 2, 3]);
         let mut cuts = Vec::new();
-        walk(Scheme::Fp8Block128, placed, [(53 * 256 + 120, 20, 7)], |d, n, s, b| {
-            cuts.push((d, n, s, b))
-        });
-        assert_eq!(cuts, vec![(7, 8, 53 * 256 + 120, 2), (15, 12, 53 * 256 + 128, 3)]);
+        walk(
+            Scheme::Fp8Block128,
+            placed,
+            [(53 * 256 + 120, 20, 7)],
+            |d, n, s, b| cuts.push((d, n, s, b)),
+        );
+        assert_eq!(
+            cuts,
+            vec![(7, 8, 53 * 256 + 120, 2), (15, 12, 53 * 256 + 128, 3)]
+        );
         assert_eq!(touched(Scheme::Fp8Tensor, placed, all), vec![0]);
         // Stacked: [2, 200, 130], blocks [2, 2, 2]; element [1, 130, 129].
         let placed = Placed {

@@ -242,7 +242,10 @@ pub fn segment_amax(dtype: DType, xs: &[u8]) -> Result<f32, usize> {
         DType::F16 => F16::read(x),
         _ => F32::read(x),
     };
-    Err(xs.chunks_exact(size).position(|x| !read(x).is_finite()).unwrap_or(0))
+    Err(xs
+        .chunks_exact(size)
+        .position(|x| !read(x).is_finite())
+        .unwrap_or(0))
 }
 
 /// Quantize `xs` (elements of `dtype`) of a block whose agreed amax is

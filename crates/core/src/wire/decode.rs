@@ -7,6 +7,18 @@ use crate::manifest::{Placement, TensorMeta};
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, DType, MAX_NDIM};
 
+/// WANT: its requests, base and quantized requests.
+fn want(i: &mut In) -> Result<Frame> {
+    let requests = super::want::decode(i)?;
+    let base = super::deltas::decode_base(i, requests.len())?;
+    let quant = super::quant::decode_quant(i, requests.len())?;
+    Ok(Frame::Want {
+        requests,
+        base,
+        quant,
+    })
+}
+
 impl Frame {
     /// Decode the body of a frame (type byte and payload, without the length).
     pub fn decode(body: &[u8]) -> Result<Frame> {
@@ -14,16 +26,7 @@ impl Frame {
         let frame = match i.u8()? {
             kind::HELLO => hello(&mut i)?,
             kind::MANIFEST => manifest(&mut i)?,
-            kind::WANT => {
-                let requests = super::want::decode(&mut i)?;
-                let base = super::deltas::decode_base(&mut i, requests.len())?;
-                let quant = super::quant::decode_quant(&mut i, requests.len())?;
-                Frame::Want {
-                    requests,
-                    base,
-                    quant,
-                }
-            }
+            kind::WANT => want(&mut i)?,
             kind::AMAX => Frame::Amax {
                 values: super::quant::decode_values(&mut i, "AMAX")?,
             },

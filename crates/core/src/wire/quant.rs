@@ -54,7 +54,8 @@ pub(super) fn encode_values(o: &mut Out, values: &BlockValues) {
     for (k, v) in values {
         o.u32(*k);
         o.u32(v.len() as u32);
-        v.iter().for_each(|x| o.0.extend_from_slice(&x.to_le_bytes()));
+        v.iter()
+            .for_each(|x| o.0.extend_from_slice(&x.to_le_bytes()));
     }
 }
 
@@ -68,7 +69,9 @@ pub(super) fn decode_values(i: &mut In, what: &str) -> Result<BlockValues> {
     for _ in 0..n {
         let k = i.u32()?;
         if out.last().is_some_and(|(p, _)| *p >= k) {
-            return Err(Error::peer(format!("wire: {what}: request #{k} out of order")));
+            return Err(Error::peer(format!(
+                "wire: {what}: request #{k} out of order"
+            )));
         }
         let m = i.count(4, "block values")?;
         total += m;

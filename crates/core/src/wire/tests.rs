@@ -366,8 +366,14 @@ fn quantization_frames_round_trip_and_bad_ones_are_refused() {
         values: vec![(2, vec![448.0])],
     });
     for (bad, says) in [
-        (want(vec![(2, Scheme::Fp8Block128)]), "quantized request #2 (of 2"),
-        (want(vec![(1, Scheme::Fp8Block128), (0, Scheme::Fp8Tensor)]), "quantized request #0"),
+        (
+            want(vec![(2, Scheme::Fp8Block128)]),
+            "quantized request #2 (of 2",
+        ),
+        (
+            want(vec![(1, Scheme::Fp8Block128), (0, Scheme::Fp8Tensor)]),
+            "quantized request #0",
+        ),
     ] {
         let e = Frame::decode(&bad.encode()[4..]).unwrap_err();
         assert!(e.message.contains(says), "{e}");
