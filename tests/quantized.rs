@@ -577,3 +577,92 @@ fn a_nan_at_a_publisher_is_named_and_the_old_weights_stay() {
         assert_eq!(m.status().state, State::Normal);
     }
 }
+
+/// A publisher answering AMAX with a value too many, and one whose AMAX
+/// is fine: the first update fails naming the problem, nothing written;
+/// the second's SCALES carries the largest amax of the two publishers.
+#[test]
+fn a_publisher_with_a_wrong_amax_is_refused_and_scales_are_the_largest() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::Frame;
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager();
+    let [q, _] = quantized(
+        &m,
+        ParamSpec::host("w", DType::F8E4m3, &[128, 128]),
+        Scheme::Fp8Block128,
+        false,
+    );
+    // Publisher `k` holds rows 64k..64k+64 of "w" [128, 128] bf16 and
+    // answers AMAX with `amax`.
+    let script = |k: u64, amax: Vec<f32>| {
+        let sock = dir.path().join(format!("p{k}.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let thread = std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            let (stream, _) = listener.accept().unwrap();
+            let mut conn = Conn::new(stream, "the engine");
+            conn.recv(deadline).unwrap();
+            let shard = weight_manager_core::TensorMeta {
+                name: "w".into(),
+                dtype: DType::Bf16,
+                shape: vec![64, 128],
+                nbytes: 64 * 128 * 2,
+                checksum: None,
+                placement: Some(Placement {
+                    global_shape: vec![128, 128],
+                    offset: vec![64 * k, 0],
+                }),
+            };
+            let manifest = Frame::Manifest {
+                version: "1".into(),
+                tensors: vec![shard],
+                base_kept: false,
+            };
+            conn.send(&manifest).unwrap();
+            let Frame::Want { quant, .. } = conn.recv(deadline).unwrap() else {
+                panic!("no WANT")
+            };
+            assert_eq!(quant, vec![(0, Scheme::Fp8Block128)]);
+            conn.send(&Frame::Amax {
+                values: vec![(0, amax)],
+            })
+            .unwrap();
+            conn.recv(deadline)
+        });
+        (sock, thread)
+    };
+    let update = |socks: Vec<PathBuf>| {
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = socks;
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(10);
+        m.update(req)
+    };
+    let (a, ta) = script(0, vec![1.0, 2.0]);
+    let (b, tb) = script(1, vec![3.0]);
+    let e = update(vec![a, b]).unwrap_err();
+    assert!(
+        e.message
+            .contains("AMAX does not give one value per block of each quantized request"),
+        "{e}"
+    );
+    assert!(matches!(
+        ta.join().unwrap(),
+        Ok(Frame::Error { .. }) | Err(_)
+    ));
+    drop(tb.join());
+    assert!(read(q).iter().all(|&x| x == 0));
+    for f in ["p0.sock", "p1.sock"] {
+        std::fs::remove_file(dir.path().join(f)).unwrap();
+    }
+    let (a, ta) = script(0, vec![1.5]);
+    let (b, tb) = script(1, vec![3.0]);
+    let _ = update(vec![a, b]);
+    for t in [ta, tb] {
+        let Ok(Frame::Scales { values }) = t.join().unwrap() else {
+            panic!("no SCALES")
+        };
+        assert_eq!(values, vec![(0, vec![3.0])]);
+    }
+}
