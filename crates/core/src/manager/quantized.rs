@@ -42,6 +42,9 @@ impl Quantized {
                 Mode::InPlace => {
                     let what = format!("param '{}': its {dtype} bytes before quantizing", p.name);
                     let r = HostRegion::new(&what, p.nbytes * dtype.size())?;
+                    // Huge pages: faulting 4 KiB pages in cost more than
+                    // quantizing their bytes.
+                    r.advise_huge(true);
                     let at = SendPtr(r.ptr());
                     out.buffers.push(r);
                     Some(at)

@@ -12,14 +12,17 @@
 //! engine. Memory: while a session quantizes, each quantized request's
 //! source bytes are held, then its image (one byte per element).
 
+use super::offer::Published;
 use super::shard::{fill, Shard};
 use crate::manifest::TensorMeta;
+use crate::memory::host::HostRegion;
 use crate::quant::blocks::{global_index, touched, walk, Placed};
 use crate::quant::{segment_amax, segment_quantize, Scheme};
 use crate::result::{try_vec, Error, Result};
 use crate::tensor::DType;
 use crate::transport::conn::Conn;
 use crate::wire::{BlockValues, BucketEntry, Frame, Request, WantRun};
+use std::ops::Range;
 use std::time::Instant;
 
 /// One quantized request: its source elements and blocks.
@@ -28,8 +31,9 @@ struct Job {
     scheme: Scheme,
     dtype: DType,
     tensor: usize,
-    /// Its elements as the tensor holds them, in request order.
-    wide: Vec<u8>,
+    /// A shard of files: its elements read, in request order. In memory:
+    /// None, read where they are.
+    wide: Option<Vec<u8>>,
     /// The blocks it touches (`quant::blocks::touched`), and their amax
     /// over its elements.
     blocks: Vec<u64>,
@@ -64,10 +68,10 @@ pub(super) fn serve(
     check_agreed(&jobs, &agreed)?;
     let mut read_bytes = 0;
     for (job, (_, amax)) in jobs.into_iter().zip(agreed) {
-        read_bytes += job.wide.len() as u64;
         let q = &want[job.request as usize];
-        let image = quantized(shard, q, &job, &amax)?;
-        let len = image.len() as u64;
+        read_bytes += q.bytes() * job.dtype.size() as u64;
+        let image = quantized(shard, q, &job, &amax, threads)?;
+        let len = q.bytes();
         let sums = q.sums;
         let t = shard.add_image(image);
         want[job.request as usize] = Request::whole(t, len, sums);
@@ -93,37 +97,116 @@ fn placed(meta: &TensorMeta) -> Placed<'_> {
 
 const ZEROS: [u64; crate::tensor::MAX_NDIM] = [0; crate::tensor::MAX_NDIM];
 
-/// Request `q` as (tensor element, count, request position) pieces.
-fn pieces(q: &Request) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-    q.extents(0, q.bytes()).map(|(src, at, len)| (src, len, at))
+/// Request `q` as (tensor element, count, request position) pieces,
+/// clipped to the request positions `part`.
+fn pieces(q: &Request, part: Range<u64>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+    q.extents(part.start, part.end - part.start)
+        .map(|(src, at, len)| (src, len, at))
 }
 
-/// Check quantized request `k` of `q`'s tensor, read its elements, and
-/// find its blocks' amax.
+/// The request's positions cut into `threads` parts.
+fn parts(q: &Request, threads: usize) -> Vec<Range<u64>> {
+    let n = q.bytes();
+    let per = n.div_ceil(threads.max(1) as u64).max(1 << 16);
+    (0..n)
+        .step_by(per as usize)
+        .map(|a| a..(a + per).min(n))
+        .collect()
+}
+
+/// Where the elements of a job are: the tensor in memory (element `src`),
+/// or its read copy (request position `dst`).
+#[derive(Clone, Copy)]
+struct Elements<'a> {
+    tensor: Option<&'a [u8]>,
+    wide: Option<&'a [u8]>,
+    esize: u64,
+}
+
+impl<'a> Elements<'a> {
+    fn at(&self, src: u64, dst: u64, n: u64) -> &'a [u8] {
+        let (bytes, from) = match (self.tensor, self.wide) {
+            (Some(t), _) => (t, src),
+            (None, Some(w)) => (w, dst),
+            (None, None) => unreachable!("a job's elements are somewhere"),
+        };
+        &bytes[(from * self.esize) as usize..((from + n) * self.esize) as usize]
+    }
+}
+
+/// The elements of tensor `t` of `shard` when it is in memory.
+fn in_memory(shard: &Shard, t: usize) -> Option<&[u8]> {
+    let ptr = shard.in_memory()?[t];
+    let n = shard.manifest.tensors[t].nbytes as usize;
+    // SAFETY: the trainer keeps a served tensor's memory valid and
+    // unchanged while it is served (`Publisher::add`'s contract).
+    Some(unsafe { std::slice::from_raw_parts(ptr.0, n) })
+}
+
+/// Check quantized request `k` of `q`'s tensor, read its elements where
+/// they are not in memory, and find its blocks' amax (on `threads`).
 fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usize) -> Result<Job> {
     let meta = &shard.manifest.tensors[q.tensor as usize];
     let dtype = meta.dtype;
+    if matches!(shard.published, Some(Published::Device(_))) {
+        return Err(Error::unsupported(format!(
+            "WANT request #{k}: tensor '{}' is in a GPU version: quantizing GPU tensors \
+             for the wire needs the CUDA kernel, not done yet",
+            meta.name
+        )));
+    }
     if !matches!(dtype, DType::Bf16 | DType::F16 | DType::F32) {
         return Err(Error::peer(format!(
             "WANT request #{k}: tensor '{}' is {dtype}: FP8 is made from bf16, f16 or f32",
             meta.name
         )));
     }
-    let esize = dtype.size() as u64;
     // Its runs count elements: checked against the tensors' elements.
     let elements: Vec<u64> = (shard.manifest.tensors.iter())
         .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
         .collect();
     q.check(k as usize, &elements)?;
-    let elements = q.bytes();
-    let mut wide: Vec<u8> = try_vec((elements * esize) as usize, "reading a quantized request")?;
-    wide.resize((elements * esize) as usize, 0);
+    let esize = dtype.size() as u64;
+    let wide = match in_memory(shard, q.tensor as usize) {
+        Some(_) => None,
+        None => Some(gather(shard, q, esize, threads)?),
+    };
+    let meta = &shard.manifest.tensors[q.tensor as usize];
+    let at = placed(meta);
+    let blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
+    let elements = Elements {
+        tensor: in_memory(shard, q.tensor as usize),
+        wide: wide.as_deref(),
+        esize,
+    };
+    let amax = amax(q, (scheme, dtype, at), elements, &blocks, threads).map_err(|e| {
+        Error::format(format!(
+            "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
+             refuses NaN and infinity, so a diverged trainer does not reach the engine",
+            meta.name,
+            global_index(at, e)
+        ))
+    })?;
+    Ok(Job {
+        request: k,
+        scheme,
+        dtype,
+        tensor: q.tensor as usize,
+        wide,
+        blocks,
+        amax,
+    })
+}
+
+/// Request `q`'s elements of a tensor read from files, in request order.
+fn gather(shard: &mut Shard, q: &Request, esize: u64, threads: usize) -> Result<Vec<u8>> {
+    let n = (q.bytes() * esize) as usize;
+    let mut wide: Vec<u8> = try_vec(n, "reading a quantized request")?;
+    wide.resize(n, 0);
     let bytes = Request {
         tensor: q.tensor,
         sums: false,
-        runs: q
-            .runs
-            .iter()
+        runs: (q.runs.iter())
             .map(|r| WantRun {
                 offset: r.offset * esize,
                 len: r.len * esize,
@@ -135,7 +218,7 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
     let all = BucketEntry {
         request: 0,
         offset: 0,
-        len: elements * esize,
+        len: n as u64,
         buffer_offset: 0,
     };
     fill(
@@ -145,40 +228,62 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         wide.as_mut_ptr(),
         threads,
     )?;
-    let meta = &shard.manifest.tensors[q.tensor as usize];
-    let at = placed(meta);
-    let blocks = touched(scheme, at, pieces(q));
-    let mut amax = vec![0f32; blocks.len()];
-    let mut bad = None;
-    walk(scheme, at, pieces(q), |dst, n, src, block| {
-        let xs = &wide[(dst * esize) as usize..((dst + n) * esize) as usize];
-        match segment_amax(dtype, xs) {
-            Ok(a) => {
-                let i = blocks.binary_search(&block).expect("a touched block");
-                amax[i] = amax[i].max(a);
-            }
-            Err(i) => {
-                bad.get_or_insert(src + i as u64);
-            }
-        }
+    Ok(wide)
+}
+
+/// Each of `blocks`' amax over request `q`'s elements, on `threads`; Err:
+/// a non-finite element (of the tensor).
+fn amax(
+    q: &Request,
+    (scheme, dtype, at): (Scheme, DType, Placed),
+    elements: Elements,
+    blocks: &[u64],
+    threads: usize,
+) -> std::result::Result<Vec<f32>, u64> {
+    let one = |part: Range<u64>| {
+        let mut amax = vec![0f32; blocks.len()];
+        let (mut bad, mut i) = (None, 0);
+        walk(
+            scheme,
+            at,
+            pieces(q, part),
+            |dst, n, src, block| match segment_amax(dtype, elements.at(src, dst, n)) {
+                Ok(a) => {
+                    i = index_of(blocks, block, i);
+                    amax[i] = amax[i].max(a);
+                }
+                Err(i) => {
+                    bad.get_or_insert(src + i as u64);
+                }
+            },
+        );
+        bad.map_or(Ok(amax), Err)
+    };
+    let per_part: Vec<_> = std::thread::scope(|s| {
+        let running: Vec<_> = (parts(q, threads).into_iter())
+            .map(|part| s.spawn(move || one(part)))
+            .collect();
+        running
+            .into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
     });
-    if let Some(e) = bad {
-        return Err(Error::format(format!(
-            "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
-             refuses NaN and infinity, so a diverged trainer does not reach the engine",
-            meta.name,
-            global_index(at, e)
-        )));
+    let mut amax = vec![0f32; blocks.len()];
+    for part in per_part {
+        for (a, b) in amax.iter_mut().zip(part?) {
+            *a = a.max(b);
+        }
     }
-    Ok(Job {
-        request: k,
-        scheme,
-        dtype,
-        tensor: q.tensor as usize,
-        wide,
-        blocks,
-        amax,
-    })
+    Ok(amax)
+}
+/// Where `block` is in `blocks` (one of them), looked for next to the
+/// last one found (`last`) first: a row walks consecutive blocks.
+fn index_of(blocks: &[u64], block: u64, last: usize) -> usize {
+    match blocks.get(last..last + 2) {
+        Some([b, _]) if *b == block => last,
+        Some([_, b]) if *b == block => last + 1,
+        _ => blocks.binary_search(&block).expect("a touched block"),
+    }
 }
 
 /// SCALES names the requests AMAX did, a value per block, none below
@@ -209,21 +314,50 @@ fn check_agreed(jobs: &[Job], agreed: &BlockValues) -> Result<()> {
     Ok(())
 }
 
-/// Job `job`'s elements quantized with the blocks' agreed `amax`.
-fn quantized(shard: &Shard, q: &Request, job: &Job, amax: &[f32]) -> Result<Vec<u8>> {
+/// Job `job`'s elements quantized with the blocks' agreed `amax`, on
+/// `threads`.
+fn quantized(
+    shard: &Shard,
+    q: &Request,
+    job: &Job,
+    amax: &[f32],
+    threads: usize,
+) -> Result<HostRegion> {
     let meta = &shard.manifest.tensors[job.tensor];
-    let esize = job.dtype.size() as u64;
-    let mut image: Vec<u8> = try_vec(q.bytes() as usize, "a quantized request's image")?;
-    image.resize(q.bytes() as usize, 0);
-    walk(job.scheme, placed(meta), pieces(q), |dst, n, _, block| {
-        let a = amax[job.blocks.binary_search(&block).expect("a touched block")];
-        let xs = &job.wide[(dst * esize) as usize..((dst + n) * esize) as usize];
-        segment_quantize(
-            job.dtype,
-            xs,
-            a,
-            &mut image[dst as usize..(dst + n) as usize],
-        );
+    let at = placed(meta);
+    let elements = Elements {
+        tensor: in_memory(shard, job.tensor),
+        wide: job.wide.as_deref(),
+        esize: job.dtype.size() as u64,
+    };
+    // Huge pages: a 4 KiB page fault each took about as long as
+    // quantizing its bytes.
+    let region = HostRegion::new("a quantized request's image", q.bytes() as usize)?;
+    region.advise_huge(true);
+    // SAFETY: the region is ours, `q.bytes()` bytes, written only here.
+    let image = unsafe { std::slice::from_raw_parts_mut(region.ptr(), q.bytes() as usize) };
+    let parts = parts(q, threads);
+    std::thread::scope(|s| {
+        let mut rest = &mut image[..];
+        for part in parts {
+            let (mine, more) = rest.split_at_mut((part.end - part.start) as usize);
+            rest = more;
+            s.spawn(move || {
+                let mut i = 0;
+                walk(
+                    job.scheme,
+                    at,
+                    pieces(q, part.clone()),
+                    |dst, n, src, block| {
+                        i = index_of(&job.blocks, block, i);
+                        let a = amax[i];
+                        let out =
+                            &mut mine[(dst - part.start) as usize..(dst - part.start + n) as usize];
+                        segment_quantize(job.dtype, elements.at(src, dst, n), a, out);
+                    },
+                );
+            });
+        }
     });
-    Ok(image)
+    Ok(region)
 }

@@ -9,6 +9,7 @@ use crate::checkpoint::regular_file::open_regular;
 use crate::checkpoint::Checkpoint;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::{try_vec, Error, Result};
 use crate::wire::{BucketEntry, Request};
@@ -35,18 +36,17 @@ pub(super) struct Shard {
     pub(super) hashed: u64,
     /// Bytes made for this session (FP8 images of quantized requests,
     /// `quantize.rs`), served as tensors numbered after the manifest's.
-    images: Vec<Vec<u8>>,
+    images: Vec<HostRegion>,
 }
 
 impl Shard {
     /// Serve `image` as a tensor of this session's: its number (after
     /// the manifest's and earlier images). A shard in memory lists it with
     /// its tensors; a shard of files reads it from memory.
-    pub(super) fn add_image(&mut self, image: Vec<u8>) -> u32 {
+    pub(super) fn add_image(&mut self, image: HostRegion) -> u32 {
         let t = self.manifest.tensors.len() + self.images.len();
         if let ShardBytes::Memory(ptrs) = &mut self.bytes {
-            // The image's heap buffer stays put when `images` grows.
-            ptrs.push(SendPtr(image.as_ptr().cast_mut()));
+            ptrs.push(SendPtr(image.ptr()));
         }
         self.images.push(image);
         t as u32
@@ -292,7 +292,7 @@ pub(super) fn fill(
 /// Copy `batch` from where the shard's bytes are, on `threads`.
 fn copy_batch(
     bytes: &mut ShardBytes,
-    (images, first_image): (&[Vec<u8>], usize),
+    (images, first_image): (&[HostRegion], usize),
     batch: &[Block],
     threads: usize,
 ) -> Result<()> {
@@ -320,7 +320,7 @@ fn copy_batch(
             }
             jobs.extend(batch.iter().map(|&(t, src, dst, len)| {
                 if let Some(image) = t.checked_sub(first_image).map(|i| &images[i]) {
-                    let at = image.as_ptr().wrapping_add(src as usize).cast_mut();
+                    let at = image.ptr().wrapping_add(src as usize);
                     return CopyJob {
                         src: CopySource::Memory(SendPtr(at)),
                         dst,

@@ -34,11 +34,11 @@ impl Placed<'_> {
         }
         // The shard's multi-index of `e`, then the global one.
         let mut rest = e / cols;
-        let mut g = vec![0u64; n];
+        let mut g = [0u64; crate::tensor::MAX_NDIM];
         g[n - 1] = c + self.offset[n - 1];
         for d in (0..n - 1).rev() {
-            g[d] = rest % self.shape[d] + self.offset[d];
-            rest /= self.shape[d];
+            g[d] = rest % self.shape[d].max(1) + self.offset[d];
+            rest /= self.shape[d].max(1);
         }
         let b = BLOCK as u64;
         let (srows, scols) = (
@@ -62,12 +62,28 @@ pub fn walk(
     pieces: impl IntoIterator<Item = (u64, u64, u64)>,
     mut f: impl FnMut(u64, u64, u64, u64),
 ) {
+    let row_blocks = scheme == Scheme::Fp8Block128 && placed.shape.len() >= 2;
     for (src, len, dst) in pieces {
         let mut done = 0;
         while done < len {
-            let (block, n) = placed.block_at(scheme, src + done, len - done);
-            f(dst + done, n, src + done, block);
-            done += n;
+            // The rest of this row of the shard: its first cut found from
+            // the indices, the next ones the blocks after it (the block
+            // columns of a row are consecutive).
+            let (mut block, mut n) = placed.block_at(scheme, src + done, len - done);
+            let cols = placed.shape.last().copied().unwrap_or(1).max(1);
+            let row_end = ((src + done) / cols + 1) * cols - src;
+            let end = match row_blocks {
+                true => row_end.min(len),
+                false => done + n,
+            };
+            loop {
+                f(dst + done, n, src + done, block);
+                done += n;
+                if done >= end {
+                    break;
+                }
+                (block, n) = (block + 1, (BLOCK as u64).min(end - done));
+            }
         }
     }
 }

@@ -14,6 +14,7 @@ mod ipc;
 mod model;
 mod net;
 mod quant;
+mod quant_update;
 mod shard;
 mod signal;
 mod snapshot;

@@ -1,4 +1,4 @@
-//! `wm bench quant [--gib N] [--runs N]`: FP8 E4M3 quantization with
+//! `wm bench quant [--gib N] [--runs N] [--update-gib N]`: FP8 E4M3 quantization with
 //! 128 x 128 block scales of bf16 weights (the library's `quant`), beside
 //! its floor and beside PyTorch doing the same job, in the same run.
 //!
@@ -11,6 +11,9 @@
 //!   threads (`torch.set_num_threads`). Ours and PyTorch's runs alternate
 //!   (the order flipping every pair), and the figure is the median of the
 //!   per-pair ratios. Target: ours >= 2x faster.
+//!
+//! Then (`--update-gib`) a bf16 model updated into FP8 params against the
+//! same into bf16 params (`quant_update.rs`).
 //!
 //! Inputs: 64 MiB bf16 tensors of [4096, 8192] with values like trained
 //! weights (about 1e-2, a few blocks far larger or smaller).
@@ -34,6 +37,10 @@ pub struct Args {
     /// Pairs of alternating runs
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Bytes of the bf16 model updated into FP8 params and into bf16 ones
+    /// (over UCX and from a snapshot), in GiB; 0 skips that section
+    #[arg(long, default_value_t = 0.25)]
+    update_gib: f64,
 }
 
 /// The block edge of the scheme measured.
@@ -152,6 +159,12 @@ pub fn run(a: &Args) -> Result<(), String> {
         if cores == 1 {
             break;
         }
+    }
+    drop((torch, outputs));
+    if a.update_gib > 0.0 {
+        let n = ((a.update_gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
+        let layers: Vec<Vec<u8>> = (0..n).map(|i| weights(i as u64 + 1)).collect();
+        super::quant_update::run(&layers, pairs)?;
     }
     Ok(())
 }
