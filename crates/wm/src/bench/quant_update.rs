@@ -41,9 +41,12 @@ pub fn run(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
     from_snapshot(layers, pairs)
 }
 
+/// A param's memory: address and length.
+type Memory = (*mut u8, usize);
+
 /// An engine with a param per layer: bf16, or FP8 with its scales
 /// (declared quantized). Library-owned; returns the FP8 params' memory.
-fn engine(layers: usize, fp8: bool) -> Result<(Manager, Vec<(*mut u8, usize)>), String> {
+fn engine(layers: usize, fp8: bool) -> Result<(Manager, Vec<Memory>), String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         net: NetSettings {
@@ -73,7 +76,7 @@ fn engine(layers: usize, fp8: bool) -> Result<(Manager, Vec<(*mut u8, usize)>), 
 }
 
 /// The FP8 bytes of layer 0 are `quant::quantize`'s.
-fn check(layer: &[u8], fp8: (*mut u8, usize)) -> Result<(), String> {
+fn check(layer: &[u8], fp8: Memory) -> Result<(), String> {
     let mut q = vec![0u8; layer.len() / 2];
     let mut s = vec![0f32; (SCALES[0] * SCALES[1]) as usize];
     let src = Source {
