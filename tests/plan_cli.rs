@@ -382,3 +382,36 @@ fn the_prediction_follows_what_the_wire_carries() {
         assert!(err.contains(want), "want '{want}' in: {err}");
     }
 }
+
+/// An engine layout that quantizes (`"quant"`): its 2-D params are FP8
+/// (one byte an element moves: publishers quantize), its 1-D ones stay;
+/// a TP split that cuts a 128x128 block is refused naming the param, the
+/// dimension and the offset; `--wire-dtype fp8` would count FP8 twice.
+#[test]
+fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
+    let trainer = json!({"ranks": 2, "dtype": "bf16",
+        "tensors": [{"name": "w", "shape": [256, 512], "split": 0}, {"name": "n", "shape": [256], "replicate": true}]});
+    let engine = |tp: u64| {
+        json!({"ranks": 2, "dtype": "bf16", "quant": "fp8_block128", "params": [
+            {"name": "w", "pieces": [{"tensor": "w", "split": 1, "tp": tp}]},
+            {"name": "n"}
+        ]})
+    };
+    let (_d, t, e) = write_pair(&trainer, &engine(2));
+    let v = report(&wm_plan(&t, &e, &["--json"]));
+    // 256 x 256 FP8 elements of w, and n in bf16, per engine rank.
+    assert_eq!(
+        num(&v, "/bytes/per_engine_rank/max"),
+        (256.0 * 256.0) + 512.0
+    );
+    assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
+    assert_eq!(v["prediction"]["wire"]["dtype"], "planned");
+    let err = failure(&wm_plan(&t, &e, &["--wire-dtype", "fp8"]));
+    assert!(err.contains("quantizes its params"), "{err}");
+    let (_d, t, e) = write_pair(&trainer, &engine(8));
+    let err = failure(&wm_plan(&t, &e, &[]));
+    assert!(
+        err.contains("engine rank 0: param 'w': piece 0 ('w' [0:256, 0:64]): dimension 1 ends at offset 64 of the global tensor [256, 512], inside a 128x128 block"),
+        "{err}"
+    );
+}

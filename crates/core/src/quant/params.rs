@@ -113,12 +113,7 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
             ),
         );
     }
-    let pieces = match scheme {
-        Scheme::Fp8Block128 => weight.pieces.iter().enumerate().try_for_each(|(k, p)| check_piece_blocks(weight, k, p)),
-        Scheme::Fp8Tensor if weight.pieces.len() == 1 && weight.pieces[0].global.offset.iter().all(|&o| o == 0) => Ok(()),
-        Scheme::Fp8Tensor => bad(weight, "one scale per tensor needs the whole global tensor in the param (one piece, at its start)".into()),
-    };
-    pieces?;
+    check_weight(weight.name, weight.shape, weight.pieces, scheme)?;
     let want = scales_shape(scheme, weight.shape);
     let one = scheme == Scheme::Fp8Tensor && scales.shape.iter().product::<u64>() == 1;
     if scales.dtype != DType::F32 || !(one || scales.shape == want.as_slice()) {
@@ -144,6 +139,39 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
         );
     }
     Ok(())
+}
+
+/// Check that param `name` of `shape` holding `pieces` may hold them
+/// quantized with `scheme` (`WM_ERR_INVALID_ARGUMENT` naming the param,
+/// the piece, the dimension and the offset): what a declaration checks of
+/// the weight, also for a layout's params (`wm plan`).
+pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme) -> Result<()> {
+    let weight = Declared {
+        name,
+        dtype: DType::F8E4m3,
+        shape,
+        pieces,
+        whole: false,
+        device: false,
+        role: QuantRole::Plain,
+    };
+    if scheme == Scheme::Fp8Block128 && shape.len() < 2 {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': {} quantization needs at least 2 dimensions (blocks over the last two), not {}",
+            scheme.name(),
+            shape_text(shape)
+        )));
+    }
+    match scheme {
+        Scheme::Fp8Block128 => (pieces.iter().enumerate())
+            .try_for_each(|(k, p)| check_piece_blocks(&weight, k, p)),
+        Scheme::Fp8Tensor if pieces.len() == 1 && pieces[0].global.offset.iter().all(|&o| o == 0) => {
+            Ok(())
+        }
+        Scheme::Fp8Tensor => Err(Error::invalid_argument(format!(
+            "param '{name}': one scale per tensor needs the whole global tensor in the param (one piece, at its start)"
+        ))),
+    }
 }
 
 /// Piece `k` of `weight` starts and ends on the block grid on the last

@@ -54,10 +54,18 @@ pub fn run(a: &Args) -> Result<(), String> {
     if !(gbps > 0.0 && gbps.is_finite()) {
         return Err(format!("--link-gbps {gbps}: must be more than 0"));
     }
-    let wire = report::Wire::from_args(a)?;
+    let mut wire = report::Wire::from_args(a)?;
     let t0 = Instant::now();
     let trainer = read_trainer(&a.trainer).map_err(|e| e.to_string())?;
     let engine = read_engine(&a.engine).map_err(|e| e.to_string())?;
+    if wire.fp8 && engine.quantizes() {
+        return Err(format!(
+            "--wire-dtype fp8 scales a bf16 layout's bytes; {} quantizes its params (\"quant\"), \
+             so its plan's bytes are FP8 already",
+            a.engine.display()
+        ));
+    }
+    wire.planned_fp8 = engine.quantizes();
     let read = t0.elapsed();
     let ranks = engine_ranks(a.engine_ranks.as_deref(), engine.ranks)?;
     let totals = plan_all(&trainer, &engine, ranks)?;
@@ -117,8 +125,11 @@ pub fn plan_rank(
     // trainer ranks, split tensors or params with pieces) what this rank
     // does not read is skipped (the report counts what no rank reads); a
     // one-to-one layout refuses a tensor no param names, as an update would.
+    // Publishers quantize what quantized params take (FP8 on the wire):
+    // their runs count elements, one byte each.
     let opts = PlanOptions {
         spread: rank,
+        quantize_at_source: true,
         ..Default::default()
     };
     let quiet = Logger::stderr(LogLevel::Off);

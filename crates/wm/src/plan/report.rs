@@ -77,6 +77,9 @@ pub struct Wire {
     pub goodput: f64,
     pub fp8: bool,
     pub delta_fraction: Option<f64>,
+    /// The engine layout quantizes its params: the plan's bytes are FP8
+    /// for them already.
+    pub planned_fp8: bool,
 }
 
 impl Wire {
@@ -101,7 +104,18 @@ impl Wire {
             goodput,
             fp8,
             delta_fraction,
+            planned_fp8: false,
         })
+    }
+
+    /// What the wire carries, named: "bf16", "fp8" (a bf16 layout scaled),
+    /// or "planned" (the plan's own dtypes: FP8 for quantized params).
+    pub fn dtype(&self) -> &'static str {
+        match (self.fp8, self.planned_fp8) {
+            (true, _) => "fp8",
+            (false, true) => "planned",
+            (false, false) => "bf16",
+        }
     }
 
     /// Bytes on the wire per byte of the (bf16) plan: FP8 is one byte an
@@ -173,7 +187,7 @@ impl Report {
                         "receiver": {"engine_rank": t.first_rank + recv_max.0, "bytes": recv_max.1}},
             "tensors_no_rank_reads": {"count": unread.len(), "first": unread.first()},
             "prediction": {"link_gbps": gbps, "seconds": busiest as f64 / link,
-                           "wire": {"goodput": wire.goodput, "dtype": if wire.fp8 { "fp8" } else { "bf16" },
+                           "wire": {"goodput": wire.goodput, "dtype": wire.dtype(),
                                     "delta_fraction": wire.delta_fraction, "bytes_per_plan_byte": wire.factor(),
                                     "busiest_bytes": busiest as f64 * wire.factor(),
                                     "seconds": busiest as f64 * wire.factor() / (link * wire.goodput)},
@@ -317,7 +331,7 @@ impl Report {
     fn wire_text(&self) -> String {
         let n = |p: &str| self.num(p);
         let w = |k: &str| self.v.pointer(&format!("/prediction/wire/{k}")).cloned();
-        let plain = w("dtype").is_some_and(|d| d == "bf16")
+        let plain = w("dtype").is_some_and(|d| d == "bf16" || d == "planned")
             && w("delta_fraction").is_some_and(|d| d.is_null())
             && n("/prediction/wire/goodput") == 1.0;
         if plain {
@@ -329,7 +343,10 @@ impl Report {
         };
         format!(
             "with {} on the wire{delta} at {:.2} of line rate: busiest link {} ({:.4} of the plan's bytes), predicted {}\n",
-            w("dtype").and_then(|d| d.as_str().map(str::to_string)).unwrap_or_default(),
+            match w("dtype").and_then(|d| d.as_str().map(str::to_string)) {
+                Some(d) if d == "planned" => "the plan's dtypes (FP8 for quantized params)".into(),
+                d => d.unwrap_or_default(),
+            },
             n("/prediction/wire/goodput"),
             fmt::bytes(n("/prediction/wire/busiest_bytes") as u64),
             n("/prediction/wire/bytes_per_plan_byte"),

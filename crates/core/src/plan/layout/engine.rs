@@ -6,6 +6,8 @@ use super::limits::*;
 use super::trainer::TrainerLayout;
 use crate::pieces::{check_pieces, Piece};
 use crate::plan::ParamLayout;
+use crate::quant::params::{check_weight, QuantRole};
+use crate::quant::Scheme;
 use crate::result::Result;
 use crate::tensor::{byte_size, DType};
 use crate::tensor_box::TensorBox;
@@ -33,6 +35,8 @@ struct ParamRule {
     experts: Option<(Range<u64>, u64)>,
     /// Empty: the whole global tensor of the param's name.
     pieces: Vec<PieceRule>,
+    /// Quantized from its global tensors (an F8_E4M3 param).
+    quant: Option<Scheme>,
 }
 
 #[derive(Debug)]
@@ -46,9 +50,10 @@ struct PieceRule {
     at: Option<Vec<u64>>,
 }
 
-const TOP: &[&str] = &["ranks", "dtype", "params"];
+const TOP: &[&str] = &["ranks", "dtype", "quant", "params"];
 const PARAM: &[&str] = &[
-    "name", "dtype", "layers", "ranks", "rank", "shape", "stack", "experts", "ep", "pieces",
+    "name", "dtype", "quant", "layers", "ranks", "rank", "shape", "stack", "experts", "ep",
+    "pieces",
 ];
 const PIECE: &[&str] = &["tensor", "offsets", "shape", "split", "tp", "at"];
 
@@ -63,6 +68,7 @@ impl EngineLayout {
             true => Some(top.dtype(None)?),
             false => None,
         };
+        let quant = quant_of(&top, None)?;
         let params = top.list("params")?;
         if params.len() > MAX_PARAM_RULES {
             return Err(bad(
@@ -75,13 +81,19 @@ impl EngineLayout {
             .enumerate()
             .map(|(i, p)| {
                 let p = Obj::new(p, format!("engine.params[{i}]"), PARAM)?;
-                ParamRule::read(&p, dtype, ranks)
+                ParamRule::read(&p, (dtype, quant), ranks)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(EngineLayout {
             ranks: ranks as usize,
             rules,
         })
+    }
+
+    /// Whether any param is quantized (`"quant"`): its bytes on the wire
+    /// are FP8 already.
+    pub fn quantizes(&self) -> bool {
+        self.rules.iter().any(|r| r.quant.is_some())
     }
 
     /// Engine rank `rank`'s params, their pieces checked as a registration
@@ -125,8 +137,26 @@ impl EngineLayout {
     }
 }
 
+/// `"quant"`: "fp8_block128", "fp8_tensor" or "none" (else `default`).
+fn quant_of(o: &Obj, default: Option<Scheme>) -> Result<Option<Scheme>> {
+    match o.text("quant")? {
+        None => Ok(default),
+        Some("none") => Ok(None),
+        Some("fp8_block128") => Ok(Some(Scheme::Fp8Block128)),
+        Some("fp8_tensor") => Ok(Some(Scheme::Fp8Tensor)),
+        Some(s) => Err(bad(
+            &o.field("quant"),
+            format!("'{s}' is not a scheme (fp8_block128, fp8_tensor or none)"),
+        )),
+    }
+}
+
 impl ParamRule {
-    fn read(p: &Obj, default: Option<DType>, ranks: u64) -> Result<ParamRule> {
+    fn read(
+        p: &Obj,
+        (default, quant): (Option<DType>, Option<Scheme>),
+        ranks: u64,
+    ) -> Result<ParamRule> {
         let ranks = match p.num("rank", ranks - 1)? {
             Some(r) if p.has("ranks") => {
                 return Err(bad(
@@ -176,6 +206,7 @@ impl ParamRule {
             stack: p.num("stack", 7)?.unwrap_or(0) as usize,
             experts,
             pieces,
+            quant: quant_of(p, quant)?,
         })
     }
 
@@ -211,7 +242,7 @@ impl ParamRule {
                 let p = ParamLayout::whole(&name, self.dtype, &shape);
                 byte_size(&format!("param '{name}'"), self.dtype, &shape)
                     .map_err(|e| e.context(&self.path))?;
-                return Ok(p);
+                return self.quantized(p);
             }
             None => self.block(layer, None, index, trainer)?,
             Some((experts, ep)) => self.experts(layer, experts, *ep, index, trainer)?,
@@ -219,7 +250,7 @@ impl ParamRule {
         byte_size(&format!("param '{name}'"), self.dtype, &shape)
             .and_then(|_| check_pieces(&name, &shape, &pieces))
             .map_err(|e| e.context(&self.path))?;
-        Ok(ParamLayout {
+        self.quantized(ParamLayout {
             name,
             dtype: self.dtype,
             shape,
@@ -227,6 +258,26 @@ impl ParamRule {
             whole: false,
             quant: Default::default(),
         })
+    }
+
+    /// `p` quantized as the rule says: F8_E4M3 holding its pieces with the
+    /// scheme, when it has the dimensions the scheme needs (a 1-D norm of a
+    /// quantized layout stays as it is), its pieces on the block grid.
+    fn quantized(&self, mut p: ParamLayout) -> Result<ParamLayout> {
+        let Some(scheme) = self.quant else {
+            return Ok(p);
+        };
+        if scheme == Scheme::Fp8Block128 && p.shape.len() < 2 {
+            return Ok(p);
+        }
+        check_weight(&p.name, &p.shape, &p.pieces, scheme).map_err(|e| e.context(&self.path))?;
+        p.dtype = DType::F8E4m3;
+        // The plan reads the scheme only; the scales are the engine's.
+        p.quant = QuantRole::Weight {
+            scheme,
+            scales: usize::MAX,
+        };
+        Ok(p)
     }
 
     /// The rank's experts stacked along a new first dimension, each one a
