@@ -19,9 +19,15 @@
 // ranks hold the whole model (replicated): tensor-parallel slices come with
 // sharded transfer.
 //
+// With --weights fp8 every 2-D weight is held in FP8 E4M3 with 128x128
+// block scales (an F8E4M3 param and an F32 `<name>.scale_inv` param,
+// declared with wm_quantize_param): the trainer's float32 weights are
+// quantized by its publisher on the way, and the forward pass computes with
+// the FP8 values times their scales (dequantized once per version).
+//
 // usage: rl_engine --rank R --world N --group NAME --cell CELL
 //                  --source ipc|rdma --location SOCKET|HOST:PORT --out DIR
-//                  [--deadline-s S]
+//                  [--deadline-s S] [--weights f32|fp8]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,6 +62,7 @@ struct Options {
   int rank = 0, world = 2;
   std::string group, cell, source, location, out;
   double deadline_s = 120;
+  bool fp8 = false;
 };
 
 [[noreturn]] void usage(const char *why) {
@@ -82,6 +89,10 @@ Options parse(int argc, char **argv) {
   o.location = need("--location");
   o.out = need("--out");
   if (kv.count("--deadline-s")) o.deadline_s = std::atof(kv["--deadline-s"].c_str());
+  if (kv.count("--weights")) {
+    if (kv["--weights"] != "f32" && kv["--weights"] != "fp8") usage("--weights must be f32 or fp8");
+    o.fp8 = kv["--weights"] == "fp8";
+  }
   if (o.source != "ipc" && o.source != "rdma") usage("--source must be ipc or rdma");
   return o;
 }
@@ -97,8 +108,19 @@ struct Layer {
   const float *ln2_w, *ln2_b, *fc_w, *fc_b, *mlp_proj_w, *mlp_proj_b;
 };
 
+// An FP8 weight: E4M3 bytes and one float32 scale_inv per 128x128 block.
+struct Fp8 {
+  std::vector<uint8_t> q;
+  std::vector<uint64_t> scale_shape;
+  std::vector<float> scale_inv;
+};
+
 struct Model {
   std::map<std::string, Tensor> tensors;
+  // --weights fp8: the registered FP8 params of the 2-D tensors; `tensors`
+  // then holds their dequantized values (of version `dequantized`).
+  std::map<std::string, Fp8> fp8;
+  std::string dequantized;
   const float *tok_emb, *pos_emb, *ln_f_w, *ln_f_b, *head;
   Layer layers[kLayers];
 
@@ -237,6 +259,29 @@ void serve_one_step(const Model &m, Record &r) {
   }
 }
 
+// ---- FP8 weights ----
+
+// An E4M3 byte's value (float8_e4m3fn: no infinities, 0x7f/0xff NaN).
+float e4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  const float v = (e == 15 && m == 7) ? NAN : mag;
+  return (b & 0x80) ? -v : v;
+}
+
+// Every FP8 weight's values into the float buffer the forward pass reads:
+// q * scale_inv of its block, in float32.
+void dequantize(Model &m) {
+  for (auto &[name, f] : m.fp8) {
+    Tensor &t = m.tensors[name];
+    const uint64_t cols = t.shape[1], scols = f.scale_shape[1];
+    for (size_t i = 0; i < t.data.size(); i++) {
+      const uint64_t r = i / cols, c = i % cols;
+      t.data[i] = e4m3(f.q[i]) * f.scale_inv[(r / 128) * scols + c / 128];
+    }
+  }
+}
+
 // ---- The engine: a manager, its params, the worker loop. ----
 
 std::string last_error(wm_manager *m) {
@@ -248,6 +293,37 @@ std::string last_error(wm_manager *m) {
 
 void check(wm_manager *m, wm_result rc, const std::string &what) {
   if (rc != WM_OK) throw std::runtime_error(what + ": " + wm_result_text(rc) + ": " + last_error(m));
+}
+
+void register_param(wm_manager *m, const std::string &name, uint32_t dtype, const std::vector<uint64_t> &shape,
+                    void *data, size_t bytes) {
+  wm_param_desc d;
+  wm_param_desc_init(&d);
+  d.name = name.c_str();
+  d.dtype = dtype;
+  d.shape = shape.data();
+  d.ndim = shape.size();
+  check(m, wm_register_param(m, &d, data, bytes), "registering " + name);
+}
+
+// FP8: each 2-D tensor as an F8E4M3 param and its scales, declared
+// quantized (128x128 blocks); the rest as float32.
+void register_fp8_params(wm_manager *m, Model &model) {
+  for (auto &[name, t] : model.tensors) {
+    if (t.shape.size() != 2) {
+      register_param(m, name, WM_DTYPE_F32, t.shape, t.data.data(), t.data.size() * sizeof(float));
+      continue;
+    }
+    Fp8 &f = model.fp8[name];
+    f.q.assign(t.data.size(), 0);
+    f.scale_shape = {(t.shape[0] + 127) / 128, (t.shape[1] + 127) / 128};
+    f.scale_inv.assign(f.scale_shape[0] * f.scale_shape[1], 0.0f);
+    const std::string scales = name + ".scale_inv";
+    register_param(m, name, WM_DTYPE_F8E4M3, t.shape, f.q.data(), f.q.size());
+    register_param(m, scales, WM_DTYPE_F32, f.scale_shape, f.scale_inv.data(), f.scale_inv.size() * sizeof(float));
+    check(m, wm_quantize_param(m, name.c_str(), scales.c_str(), WM_QUANT_SCHEME_FP8_BLOCK128),
+          "declaring " + name + " quantized");
+  }
 }
 
 void register_params(wm_manager *m, Model &model) {
@@ -302,7 +378,11 @@ int run(const Options &o) {
   } destroy{m};
 
   Model model;
-  register_params(m, model);
+  if (o.fp8) {
+    register_fp8_params(m, model);
+  } else {
+    register_params(m, model);
+  }
   const std::string prefix = o.out + "/rank" + std::to_string(o.rank);
   Files files{open_out(prefix + ".bin"), open_out(prefix + ".updates")};
   std::printf("rl_engine: rank %d ready, %zu params\n", o.rank, model.tensors.size());
@@ -326,6 +406,11 @@ int run(const Options &o) {
     status.struct_size = sizeof status;
     check(m, wm_status(m, &status), "status");
     if (status.version[0] == '\0') return false;
+    // Only this thread commits, so the params hold `status.version` now.
+    if (o.fp8 && model.dequantized != status.version) {
+      dequantize(model);
+      model.dequantized = status.version;
+    }
     serve_one_step(model, record);
     std::memcpy(record.version, status.version, sizeof record.version);
     computations++;

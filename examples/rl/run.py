@@ -49,6 +49,9 @@ def parse_args():
     p.add_argument("--transport", choices=("ipc", "rdma"), default="ipc",
                    help="ipc: Unix socket + shared memory; rdma: UCX (UCX_TLS=tcp without RDMA hardware)")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--weights", choices=("f32", "fp8"), default="f32",
+                   help="the engine's weights: float32, or FP8 E4M3 with 128x128 block scales "
+                        "(the trainer stays float32; publishers quantize on the wire)")
     p.add_argument("--work", help="directory for outputs, kept (default: a temporary one, removed unless the run fails)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
     return p.parse_args()
@@ -119,13 +122,15 @@ def run_loop(args, work, short_dir, deadline):
     children = []
     try:
         trainer = Child("trainer", [sys.executable, str(HERE / "trainer.py"), "--cell", cell, *where,
-                                    "--out", str(work), "--steps", str(args.steps), "--ranks", str(RANKS)], env)
+                                    "--out", str(work), "--steps", str(args.steps), "--ranks", str(RANKS),
+                                    "--weights", args.weights], env)
         children.append(trainer)
         address = json.loads(trainer.next_line(deadline))["address"]
         for rank in range(RANKS):
             children.append(Child(f"engine rank {rank}", [
                 args.engine, "--rank", str(rank), "--world", str(RANKS), "--group", group, "--cell", cell,
                 "--source", args.transport, "--location", address, "--out", str(work),
+                "--weights", args.weights,
                 "--deadline-s", str(max(1, int(deadline - time.monotonic())))], env))
         steps = [json.loads(line) for line in trainer.rest(deadline)]
         for engine in children[1:]:
@@ -226,7 +231,8 @@ def main():
     if problems:
         print("\n".join(problems), file=sys.stderr)
         sys.exit(f"rl loop: FAILED ({len(problems)} problems, outputs in {work})")
-    print(f"rl loop: {args.steps} steps, every version agrees over {args.transport} "
+    weights = " with FP8 weights" if args.weights == "fp8" else ""
+    print(f"rl loop: {args.steps} steps, every version agrees over {args.transport}{weights} "
           f"({checked} distinct engine outputs checked, max |logit diff| {worst:.2e})")
     if not args.work:  # kept only when asked for, or to look into a failure
         shutil.rmtree(work, ignore_errors=True)

@@ -11,6 +11,7 @@ which is the engine ranks' cue to exit.
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -33,6 +34,8 @@ def parse_args():
     p.add_argument("--ranks", type=int, default=2, help="engine ranks that pull each version")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weights", choices=("f32", "fp8"), default="f32",
+                   help="what the engines hold: references are computed with the same weights")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="bound on each serve and each wait, seconds")
     args = p.parse_args()
@@ -78,8 +81,28 @@ def wait_normal(controller, cell, version, timeout):
         time.sleep(0.001)
 
 
+def fp8_blocks(x):
+    """`x` [M, N] through FP8 E4M3 with 128x128 block scales and back, as
+    the engine holds it: PyTorch's reference expression (the one
+    weight_manager matches bit for bit), then q * scale_inv in float32."""
+    m, n = x.shape
+    pm, pn = -(-m // 128) * 128, -(-n // 128) * 128
+    padded = torch.zeros(pm, pn, dtype=x.dtype)
+    padded[:m, :n] = x
+    v = padded.view(pm // 128, 128, pn // 128, 128)
+    amax = v.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    q = (v.float() * (448.0 / amax)).to(torch.float8_e4m3fn)
+    return (q.float() * (amax / 448.0)).view(pm, pn)[:m, :n].contiguous()
+
+
 @torch.no_grad()
-def save_references(model, out, version):
+def save_references(model, out, version, weights="f32"):
+    if weights == "fp8":
+        # What the engines compute with: every 2-D weight quantized.
+        model = copy.deepcopy(model)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(fp8_blocks(p))
     logits = model(lm.probe_inputs()).numpy().astype(np.float32)
     continuation = np.array(lm.greedy_continuation(model), dtype=np.int32)
     np.savez(os.path.join(out, f"ref-{version}.npz"), logits=logits, continuation=continuation)
@@ -108,7 +131,7 @@ def main():
             controller.set(State.UPDATING)
             served = publisher.serve(args.ranks, timeout=args.timeout)
             wait_normal(controller, args.cell, version, args.timeout)
-            save_references(model, args.out, version)
+            save_references(model, args.out, version, args.weights)
             emit({"step": step, "loss": loss, "version": version, "train_s": train_s,
                   "served_bytes": served.bytes, "sessions": served.sessions})
         outcome = controller.request_clear(timeout=args.timeout)
