@@ -3,7 +3,6 @@
 //! publishers' amax of them, and the agreed (largest) one.
 
 use super::Applier;
-use crate::manifest::TensorMeta;
 use crate::plan::Target;
 use crate::quant::blocks::{walk, Placed};
 use crate::quant::{Scheme, BLOCK};
@@ -36,8 +35,7 @@ impl Applier<'_, '_> {
             return Ok(None);
         };
         let q = &self.quant.targets[k];
-        let zeros = vec![0u64; e.meta.shape.len()];
-        let placed = placed(&e.meta, &zeros);
+        let placed = Placed::of(&e.meta);
         let segments = self
             .plan
             .segments(t)
@@ -91,21 +89,6 @@ impl Applier<'_, '_> {
                 self.quant.targets[k].name
             ))),
         }
-    }
-}
-
-fn placed<'a>(meta: &'a TensorMeta, zeros: &'a [u64]) -> Placed<'a> {
-    match &meta.placement {
-        Some(p) => Placed {
-            shape: &meta.shape,
-            offset: &p.offset,
-            global: &p.global_shape,
-        },
-        None => Placed {
-            shape: &meta.shape,
-            offset: zeros,
-            global: &meta.shape,
-        },
     }
 }
 

@@ -94,35 +94,8 @@ pub(super) fn cover_param(
         };
         used[g] = true;
         let g = globals.get(g);
-        let dtype_problem = match scheme {
-            None => (g.dtype != param.dtype).then(|| {
-                format!(
-                    "dtype mismatch: registered {}, source {}",
-                    param.dtype, g.dtype
-                )
-            }),
-            Some(scheme) => quantized_problem(scheme, piece, g, *wide.get_or_insert(g.dtype)),
-        };
-        if let Some(p) = dtype_problem {
+        if let Some(p) = piece_problem(&param, (piece, g), scheme, &mut wide) {
             problems.push(format!("{}: {p}", what()));
-            continue;
-        }
-        // A param registered without pieces is all of its tensor: a longer
-        // tensor is a mismatch, not a tensor it holds the start of.
-        if !piece.global.inside(g.shape) || (implicit && g.shape != param.shape) {
-            problems.push(match implicit {
-                true => format!(
-                    "{}: shape mismatch: registered {}, source {}",
-                    what(),
-                    shape_text(param.shape),
-                    shape_text(g.shape)
-                ),
-                false => format!(
-                    "{}: outside the global tensor's shape {}",
-                    what(),
-                    shape_text(g.shape)
-                ),
-            });
             continue;
         }
         // A quantized param's bytes arrive as its global tensors hold
@@ -143,6 +116,46 @@ pub(super) fn cover_param(
             on_wire: out.on_wire,
         });
     }
+}
+
+/// What keeps `piece` of `param` from global tensor `g`: a dtype that does
+/// not match (or, quantized with `scheme`, one FP8 is not made from), or a
+/// box outside the tensor (a param registered without pieces is all of its
+/// tensor: a longer tensor is a mismatch, not a tensor it holds the start
+/// of). `wide`: the dtype of the param's first piece.
+fn piece_problem(
+    param: &ParamView,
+    (piece, g): (&Piece, Global),
+    scheme: Option<Scheme>,
+    wide: &mut Option<DType>,
+) -> Option<String> {
+    let dtype = match scheme {
+        None => (g.dtype != param.dtype).then(|| {
+            format!(
+                "dtype mismatch: registered {}, source {}",
+                param.dtype, g.dtype
+            )
+        }),
+        Some(scheme) => quantized_problem(scheme, piece, g, *wide.get_or_insert(g.dtype)),
+    };
+    if dtype.is_some() {
+        return dtype;
+    }
+    if param.whole && g.shape != param.shape {
+        return Some(format!(
+            "shape mismatch: registered {}, source {}",
+            shape_text(param.shape),
+            shape_text(g.shape)
+        ));
+    }
+    (!piece.global.inside(g.shape)).then(|| match param.whole {
+        true => format!(
+            "shape mismatch: registered {}, source {}",
+            shape_text(param.shape),
+            shape_text(g.shape)
+        ),
+        false => format!("outside the global tensor's shape {}", shape_text(g.shape)),
+    })
 }
 
 /// What keeps `piece` of a param quantized with `scheme` from global

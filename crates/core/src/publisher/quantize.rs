@@ -14,7 +14,6 @@
 
 use super::offer::Published;
 use super::shard::{fill, Shard};
-use crate::manifest::TensorMeta;
 use crate::memory::host::HostRegion;
 use crate::quant::blocks::{global_index, touched, walk, Placed};
 use crate::quant::{segment_amax, segment_quantize, Scheme};
@@ -78,24 +77,6 @@ pub(super) fn serve(
     }
     Ok(read_bytes)
 }
-
-/// Where tensor `meta` lies in its global tensor.
-fn placed(meta: &TensorMeta) -> Placed<'_> {
-    match &meta.placement {
-        Some(p) => Placed {
-            shape: &meta.shape,
-            offset: &p.offset,
-            global: &p.global_shape,
-        },
-        None => Placed {
-            shape: &meta.shape,
-            offset: &ZEROS[..meta.shape.len()],
-            global: &meta.shape,
-        },
-    }
-}
-
-const ZEROS: [u64; crate::tensor::MAX_NDIM] = [0; crate::tensor::MAX_NDIM];
 
 /// Request `q` as (tensor element, count, request position) pieces,
 /// clipped to the request positions `part`.
@@ -172,7 +153,7 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         None => Some(gather(shard, q, esize, threads)?),
     };
     let meta = &shard.manifest.tensors[q.tensor as usize];
-    let at = placed(meta);
+    let at = Placed::of(meta);
     let blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
     let elements = Elements {
         tensor: in_memory(shard, q.tensor as usize),
@@ -324,7 +305,7 @@ fn quantized(
     threads: usize,
 ) -> Result<HostRegion> {
     let meta = &shard.manifest.tensors[job.tensor];
-    let at = placed(meta);
+    let at = Placed::of(meta);
     let elements = Elements {
         tensor: in_memory(shard, job.tensor),
         wide: job.wide.as_deref(),

@@ -8,12 +8,14 @@ use super::config::PublisherConfig;
 use super::handshake::Admitted;
 use super::offer::{pick, Offer};
 use super::shard::shard_for;
+use super::shard::Shard;
 use super::stats::SessionStats;
 use super::streamer::SessionIo;
 use super::{deltas, ipc, net, quantize};
+use crate::quant::Scheme;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_requests, Frame};
+use crate::wire::{check_requests, DeltaBase, Frame, Request};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,18 +97,7 @@ fn serve(
         tensors: shard.manifest.tensors.to_vec(),
         base_kept: base_shard.is_some(),
     })?;
-    let (mut want, base, quant) = match conn.recv(step(cfg.bucket_timeout))? {
-        Frame::Want {
-            requests,
-            base,
-            quant,
-        } => (requests, base, quant),
-        other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
-    };
-    // Every request checked against this rank's tensors before anything
-    // is planned or packed.
-    let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
-    check_requests(&want, &sizes)?;
+    let (mut want, base, quant) = take_want(conn, &shard, step(cfg.bucket_timeout))?;
     let tensors = want.len() as u64;
     let quantizing = Instant::now();
     let quantized = match quant.is_empty() {
@@ -156,4 +147,24 @@ fn serve(
         None => ipc::stream(&mut io, &mut shard, &want)?,
     }
     Ok(stats)
+}
+
+/// WANT's requests, base and quantized requests.
+type Want = (Vec<Request>, Option<DeltaBase>, Vec<(u32, Scheme)>);
+
+/// WANT before `deadline`: its requests, each checked against this rank's
+/// tensors before anything is planned or packed, its base and its
+/// quantized requests.
+fn take_want(conn: &mut Conn, shard: &Shard, deadline: Instant) -> Result<Want> {
+    let (want, base, quant) = match conn.recv(deadline)? {
+        Frame::Want {
+            requests,
+            base,
+            quant,
+        } => (requests, base, quant),
+        other => return Err(Error::peer(format!("expected WANT, got {}", other.name()))),
+    };
+    let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
+    check_requests(&want, &sizes)?;
+    Ok((want, base, quant))
 }

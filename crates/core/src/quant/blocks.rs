@@ -10,6 +10,7 @@
 //! per tensor).
 
 use super::{Scheme, BLOCK};
+use crate::manifest::TensorMeta;
 
 /// A shard of a global tensor: its shape, where its box starts in the
 /// global tensor, and the global tensor's shape (a whole tensor: offset
@@ -19,6 +20,27 @@ pub struct Placed<'a> {
     pub shape: &'a [u64],
     pub offset: &'a [u64],
     pub global: &'a [u64],
+}
+
+const ZEROS: [u64; crate::tensor::MAX_NDIM] = [0; crate::tensor::MAX_NDIM];
+
+impl<'a> Placed<'a> {
+    /// Where tensor `meta` lies in its global tensor (a tensor without a
+    /// placement is all of its own).
+    pub fn of(meta: &'a TensorMeta) -> Placed<'a> {
+        match &meta.placement {
+            Some(p) => Placed {
+                shape: &meta.shape,
+                offset: &p.offset,
+                global: &p.global_shape,
+            },
+            None => Placed {
+                shape: &meta.shape,
+                offset: &ZEROS[..meta.shape.len()],
+                global: &meta.shape,
+            },
+        }
+    }
 }
 
 impl Placed<'_> {

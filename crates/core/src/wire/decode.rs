@@ -27,12 +27,7 @@ impl Frame {
             kind::HELLO => hello(&mut i)?,
             kind::MANIFEST => manifest(&mut i)?,
             kind::WANT => want(&mut i)?,
-            kind::AMAX => Frame::Amax {
-                values: super::quant::decode_values(&mut i, "AMAX")?,
-            },
-            kind::SCALES => Frame::Scales {
-                values: super::quant::decode_values(&mut i, "SCALES")?,
-            },
+            kind::AMAX | kind::SCALES => super::quant::decode_frame(&mut i, body[0] == kind::AMAX)?,
             kind::DELTAS => {
                 let (kept, runs) = super::deltas::decode_deltas(&mut i)?;
                 Frame::Deltas { kept, runs }

@@ -94,3 +94,15 @@ pub(super) fn decode_values(i: &mut In, what: &str) -> Result<BlockValues> {
     }
     Ok(out)
 }
+
+/// AMAX (`amax`) or SCALES.
+pub(super) fn decode_frame(i: &mut In, amax: bool) -> Result<super::Frame> {
+    Ok(match amax {
+        true => super::Frame::Amax {
+            values: decode_values(i, "AMAX")?,
+        },
+        false => super::Frame::Scales {
+            values: decode_values(i, "SCALES")?,
+        },
+    })
+}
