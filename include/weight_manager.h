@@ -1051,11 +1051,15 @@ wm_result wm_allocate_param(wm_manager *manager,
 
 // Declare that registered param `weight` holds its global tensors
 // quantized with `scheme` (a `wm_quant_scheme`), its scale_inv in
-// registered param `scales`. Every update then takes the global tensors as
-// the sources hold them (bf16, f16 or f32), verifies them against the
-// sources' checksums, and writes `weight` (`WM_DTYPE_F8E4M3`) and
-// `scales` (`WM_DTYPE_F32`, the scheme's scales shape, registered without
-// pieces) together at commit. The rule, bit for bit PyTorch's: amax =
+// registered param `scales`. Every update then fills `weight`
+// (`WM_DTYPE_F8E4M3`) and `scales` (`WM_DTYPE_F32`, the scheme's scales
+// shape, registered without pieces) from the global bf16, f16 or f32
+// tensors, and commits both together: publishers (IPC, rdma) quantize
+// before sending (one byte per element on the wire; each block's amax is
+// agreed across publishers first, so a block split over trainer ranks
+// gets one scale); a snapshot is read as it is, verified against its
+// checksums, and quantized by the engine. Quantized params always come
+// whole (never as deltas). The rule, bit for bit PyTorch's: amax =
 // max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
 // amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
 // infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
