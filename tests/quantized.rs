@@ -666,3 +666,45 @@ fn a_publisher_with_a_wrong_amax_is_refused_and_scales_are_the_largest() {
         assert_eq!(values, vec![(0, vec![3.0])]);
     }
 }
+
+/// In place, a NaN found once the bytes are in fails the update after
+/// other params were written: FAILED, as any in-place failure after bytes
+/// moved; the next good update brings NORMAL back.
+#[test]
+fn in_place_a_nan_leaves_failed_until_a_good_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager();
+    let [q, s] = quantized(
+        &m,
+        ParamSpec::host("w", DType::F8E4m3, &[300, 200]),
+        Scheme::Fp8Block128,
+        false,
+    );
+    m.allocate(&ParamSpec::host("norm", DType::F32, &[64]))
+        .unwrap();
+    let model = |seed| {
+        let mut ts = snapshot_model(seed);
+        ts.retain(|t| t.name == "w" || t.name == "norm");
+        ts
+    };
+    let mut bad = model(2);
+    bad[0].data[0..2].copy_from_slice(&((f32::INFINITY.to_bits() >> 16) as u16).to_le_bytes());
+    write_snapshot(dir.path(), &bad, "2");
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.mode = Mode::InPlace;
+    let e = m.update(req).unwrap_err();
+    assert!(
+        e.message.contains("element [0, 0] of tensor 'w' is inf"),
+        "{e}"
+    );
+    assert_eq!(m.status().state, State::Failed);
+    let good = model(3);
+    write_snapshot(dir.path(), &good, "3");
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.mode = Mode::InPlace;
+    m.update(req).unwrap();
+    assert_eq!(m.status().state, State::Normal);
+    let (want_q, want_s) = reference(&good[0], Scheme::Fp8Block128);
+    assert!(read(q) == want_q);
+    assert_eq!(f32s(&read(s)), want_s);
+}
