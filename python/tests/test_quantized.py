@@ -155,8 +155,8 @@ def shared_model():
             "h": (torch.randn(300, 130, generator=g) * 9).to(torch.bfloat16)}
 
 
-@pytest.mark.parametrize("via", ["ipc", "net"])
-def test_blocks_split_over_four_trainer_processes(tmp_path, via):
+def start_trainers(tmp_path, via):
+    """The 4 trainer processes serving `shared_model()`: (processes, addresses)."""
     procs, addrs = [], []
     for r in range(TRAINERS):
         where = str(tmp_path / f"t{r}.sock") if via == "ipc" else "127.0.0.1:0"
@@ -167,6 +167,21 @@ def test_blocks_split_over_four_trainer_processes(tmp_path, via):
         line = p.stdout.readline().strip()
         assert line, p.stderr.read()
         addrs.append(line)
+    return procs, addrs
+
+
+def finish(procs):
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("via", ["ipc", "net"])
+def test_blocks_split_over_four_trainer_processes(tmp_path, via):
+    procs, addrs = start_trainers(tmp_path, via)
     try:
         m = Manager(net_secret=SECRET) if via == "net" else Manager()
         half = [Piece("g", offset=(0, 128), length=(300, 128))]
@@ -184,9 +199,49 @@ def test_blocks_split_over_four_trainer_processes(tmp_path, via):
         assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32))
         m.close()
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            finally:
-                if p.poll() is None:
-                    p.kill()
+        finish(procs)
+
+
+class Fp8Linear(torch.nn.Module):
+    """A linear layer of an FP8 engine, as DeepSeek-V3 checkpoints hold it:
+    `weight` float8_e4m3fn and `weight_scale_inv` float32 per 128x128 block."""
+
+    def __init__(self, out_features, in_features):
+        super().__init__()
+        w = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.register_buffer("weight_scale_inv", torch.zeros(-(-out_features // 128), -(-in_features // 128)))
+
+    def forward(self, x):
+        scales = self.weight_scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        w = self.weight.float() * scales[:self.weight.shape[0], :self.weight.shape[1]]
+        return x @ w.t()
+
+
+def test_a_torch_fp8_module_takes_a_bf16_trainers_weights(tmp_path):
+    """register_module + quantize_module: the module's float8 weight and
+    its scales are filled from the 4 trainer processes' bf16 shards (FP8
+    on the wire), as PyTorch's reference quantizes them; its forward pass
+    then gives PyTorch's result with the dequantized weight."""
+    procs, addrs = start_trainers(tmp_path, "ipc")
+    try:
+        model = torch.nn.Module()
+        model.g = Fp8Linear(300, 256)
+        model.h = torch.nn.Linear(130, 300, bias=False).to(torch.bfloat16)
+        m = Manager()
+        registered = m.register_module(model, name_map={"g.weight": "g", "g.weight_scale_inv": "g_scale_inv",
+                                                        "h.weight": "h"})
+        assert m.quantize_module(registered) == ["g"]
+        m.update(addrs, source="ipc", timeout=60)
+        full = shared_model()
+        want_q, want_s = ref_blocks(full["g"])
+        assert np.array_equal(model.g.weight.view(torch.uint8).numpy(), want_q)
+        assert np.array_equal(model.g.weight_scale_inv.numpy().view(np.uint32), want_s.view(np.uint32))
+        assert torch.equal(model.h.weight, full["h"])
+        x = torch.randn(3, 256)
+        dequantized = torch.from_numpy(want_q).view(torch.float8_e4m3fn).float() * \
+            torch.from_numpy(want_s).repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :256]
+        assert torch.equal(model.g(x), x @ dequantized.t())
+        m.close()
+    finally:
+        finish(procs)

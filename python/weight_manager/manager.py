@@ -434,6 +434,23 @@ class Manager(OwnedHandle):
             self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
 
+    def quantize_module(self, registered: RegisteredModule, scheme="fp8_block128",
+                        scales_suffix: str = "_scale_inv") -> list:
+        """Declare every float8_e4m3fn tensor of a registered module that
+        has its scales beside it (the same name plus `scales_suffix`, as
+        DeepSeek-V3 / Kimi-K2 FP8 checkpoints name `weight_scale_inv`) as
+        quantized with `scheme` (see quantize()): updates then fill both
+        from the trainer's bf16/f16/f32 tensors of the weight's name.
+        Returns the weights declared; a float8 tensor without scales is
+        left as it is (copied as its source holds it)."""
+        declared = []
+        for name, tensor in registered.params.items():
+            scales = name + scales_suffix
+            if parse_dtype(tensor.dtype) == DType.F8_E4M3 and scales in registered.params:
+                self.quantize(name, scales, scheme)
+                declared.append(name)
+        return declared
+
     def allocate(self, name: str, dtype, shape, pieces=None, *, device: Optional[int] = None):
         """Allocate a library-owned param; `pieces` as for register().
 
