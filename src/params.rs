@@ -344,7 +344,9 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// agreed across publishers first, so a block split over trainer ranks
 /// gets one scale); a snapshot is read as it is, verified against its
 /// checksums, and quantized by the engine. Quantized params always come
-/// whole (never as deltas). The rule, bit for bit PyTorch's: amax =
+/// whole (never as deltas). A trainer's GPU version is not quantized for
+/// the wire yet (the update fails with `WM_ERR_UNSUPPORTED` naming the
+/// tensor). A weight with no elements is refused. The rule, bit for bit PyTorch's: amax =
 /// max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
 /// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
 /// infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the

@@ -708,3 +708,99 @@ fn in_place_a_nan_leaves_failed_until_a_good_update() {
     assert!(read(q) == want_q);
     assert_eq!(f32s(&read(s)), want_s);
 }
+
+/// A hand-written engine asking a real publisher for what no engine of
+/// ours asks: quantized requests overlapping (more elements than the rank
+/// holds), a request both quantized and fingerprinted for a delta, and
+/// SCALES below the publisher's own amax. Each is refused with an ERROR
+/// naming it, before anything is read or sent.
+#[test]
+fn hostile_quantized_wants_are_refused_by_the_publisher() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::{DeltaBase, Frame, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let g = t("g", DType::Bf16, &[256, 256], 5);
+    let whole = || Request::whole(0, 256 * 256, false);
+    let cases: Vec<(Frame, Option<Frame>, &str)> = vec![
+        (
+            Frame::Want {
+                requests: vec![whole(), whole()],
+                base: None,
+                quant: vec![(0, Scheme::Fp8Block128), (1, Scheme::Fp8Block128)],
+            },
+            None,
+            "asks for 131072 quantized elements, more than the 65536",
+        ),
+        (
+            Frame::Want {
+                requests: vec![whole()],
+                base: Some(DeltaBase {
+                    version: "0".into(),
+                    fingerprints: vec![(0, 7)],
+                }),
+                quant: vec![(0, Scheme::Fp8Block128)],
+            },
+            None,
+            "request #0 is both quantized and fingerprinted",
+        ),
+        (
+            Frame::Want {
+                requests: vec![whole()],
+                base: None,
+                quant: vec![(0, Scheme::Fp8Block128)],
+            },
+            Some(Frame::Scales {
+                values: vec![(0, vec![0.0; 4])],
+            }),
+            "an agreed amax below this publisher's own",
+        ),
+    ];
+    for (k, (want, scales, says)) in cases.into_iter().enumerate() {
+        let sock = dir.path().join(format!("p{k}.sock"));
+        let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+        let desc = TensorDesc::host("g", DType::Bf16, &[256, 256], g.data.as_ptr(), g.data.len());
+        // SAFETY: `g` outlives the serving.
+        unsafe { p.add(desc) }.unwrap();
+        p.set_version(Some("1".into()));
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+            let mut conn = Conn::new(stream, "the publisher");
+            let hello = Frame::Hello {
+                rank: 0,
+                world_size: 1,
+                gpu_id: "0".into(),
+                version: String::new(),
+                base: String::new(),
+            };
+            conn.send(&hello).unwrap();
+            assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
+            conn.send(&want).unwrap();
+            if let Some(scales) = scales {
+                assert!(matches!(conn.recv(deadline), Ok(Frame::Amax { .. })));
+                conn.send(&scales).unwrap();
+            }
+            let e = conn.recv(deadline).unwrap_err();
+            assert!(e.message.contains(says), "case {k}: {e}");
+            let served = serving.join().unwrap();
+            assert!(served.map_or(true, |s| s.sessions.is_empty()), "case {k}");
+        });
+    }
+}
+
+/// A weight with no elements is refused when declared.
+#[test]
+fn a_weight_with_no_elements_is_refused() {
+    let m = manager();
+    m.allocate(&ParamSpec::host("z", DType::F8E4m3, &[0, 128]))
+        .unwrap();
+    m.allocate(&ParamSpec::host("s", DType::F32, &[0, 1]))
+        .unwrap();
+    let e = m.quantize("z", "s", Scheme::Fp8Block128).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_INVALID_ARGUMENT);
+    assert!(
+        e.message.contains("param 'z': has no elements ([0, 128])"),
+        "{e}"
+    );
+}

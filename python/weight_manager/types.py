@@ -132,6 +132,8 @@ class QuantScheme(enum.IntEnum):
         """A QuantScheme from itself or its name ("fp8_block128", "fp8_tensor")."""
         if isinstance(value, QuantScheme):
             return value
+        if isinstance(value, int) and value in {m.value for m in QuantScheme}:
+            return QuantScheme(value)
         if isinstance(value, str) and value.upper() in QuantScheme.__members__:
             return QuantScheme[value.upper()]
         raise ValueError(f"quantization scheme {value!r} is not one of "

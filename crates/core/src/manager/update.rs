@@ -204,8 +204,8 @@ impl Manager {
             slice_sums: sources.iter().all(|s| s.checks_slices()),
             deadline: Some(run.start + req.timeout),
             // Publishers quantize what quantized params take, so the wire
-            // carries FP8; fan-out members take the root's bytes as they
-            // are, and quantize them themselves.
+            // carries FP8. The fan-out serves device params, never
+            // quantized ones: its plans are made as they always were.
             quantize_at_source: req.source != SourceKind::Snapshot
                 && self.signal.fanout_size() <= 1,
         };

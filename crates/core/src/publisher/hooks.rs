@@ -33,7 +33,13 @@ pub(super) fn corrupt(
     let Some(victim) = victim else { return };
     for e in entries {
         let tensor = requests[e.request as usize].tensor as usize;
-        if manifest.tensors[tensor].name == victim && e.offset == 0 && e.len > 0 {
+        // An image of the session's (`Shard::add_image`) is no manifest
+        // tensor: never a victim.
+        let named = manifest
+            .tensors
+            .get(tensor)
+            .is_some_and(|t| t.name == victim);
+        if named && e.offset == 0 && e.len > 0 {
             // SAFETY: inside the entry's range in our own buffer.
             unsafe { *base.add(e.buffer_offset as usize) ^= 1 };
         }

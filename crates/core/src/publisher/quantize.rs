@@ -47,15 +47,18 @@ pub(super) fn serve(
     shard: &mut Shard,
     want: &mut [Request],
     quant: &[(u32, Scheme)],
-    (threads, deadline): (usize, Instant),
+    (threads, deadline): (usize, &dyn Fn() -> Instant),
 ) -> Result<u64> {
+    check_total(shard, want, quant)?;
     let mut jobs = Vec::with_capacity(quant.len());
     for &(k, scheme) in quant {
         jobs.push(read(shard, &want[k as usize], (k, scheme), threads)?);
     }
     let values: BlockValues = jobs.iter().map(|j| (j.request, j.amax.clone())).collect();
     conn.send(&Frame::Amax { values })?;
-    let agreed = match conn.recv(deadline)? {
+    // The engine answers once every publisher's AMAX came: the wait starts
+    // now, not before this publisher's own reading.
+    let agreed = match conn.recv(deadline())? {
         Frame::Scales { values } => values,
         other => {
             return Err(Error::peer(format!(
@@ -76,6 +79,26 @@ pub(super) fn serve(
         want[job.request as usize] = Request::whole(t, len, sums);
     }
     Ok(read_bytes)
+}
+
+/// The quantized requests ask for at most as many elements as the shard
+/// holds: what a session reads and keeps for them (source bytes, then an
+/// image of a byte per element) is bounded by the shard, not by the
+/// engine's word (overlapping requests could ask for each element many
+/// times).
+fn check_total(shard: &Shard, want: &[Request], quant: &[(u32, Scheme)]) -> Result<()> {
+    let held: u64 = (shard.manifest.tensors.iter())
+        .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
+        .sum();
+    let asked = (quant.iter())
+        .map(|&(k, _)| want[k as usize].bytes())
+        .fold(0u64, u64::saturating_add);
+    match asked <= held {
+        true => Ok(()),
+        false => Err(Error::peer(format!(
+            "WANT asks for {asked} quantized elements, more than the {held} this rank's tensors hold"
+        ))),
+    }
 }
 
 /// Request `q` as (tensor element, count, request position) pieces,

@@ -107,7 +107,7 @@ fn serve(
             &mut shard,
             &mut want,
             &quant,
-            (cfg.pack_threads(), step(cfg.bucket_timeout)),
+            (cfg.pack_threads(), &|| step(cfg.bucket_timeout)),
         )?,
     };
     let (deltas, messages) = match &base {
@@ -166,5 +166,16 @@ fn take_want(conn: &mut Conn, shard: &Shard, deadline: Instant) -> Result<Want> 
     };
     let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
     check_requests(&want, &sizes)?;
+    // A quantized request comes as FP8 made for this session: there is no
+    // base of it to take a delta against.
+    let fingerprinted = |k: u32| {
+        base.as_ref()
+            .is_some_and(|b| b.fingerprints.binary_search_by_key(&k, |f| f.0).is_ok())
+    };
+    if let Some((k, _)) = quant.iter().find(|(k, _)| fingerprinted(*k)) {
+        return Err(Error::peer(format!(
+            "WANT request #{k} is both quantized and fingerprinted for a delta"
+        )));
+    }
     Ok((want, base, quant))
 }

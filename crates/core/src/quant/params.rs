@@ -92,6 +92,15 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
     if weight.name == scales.name {
         return bad(weight, "cannot hold its own scales".into());
     }
+    if weight.shape.contains(&0) {
+        return bad(
+            weight,
+            format!(
+                "has no elements ({}): nothing to quantize",
+                shape_text(weight.shape)
+            ),
+        );
+    }
     if weight.dtype != DType::F8E4m3 {
         return bad(
             weight,

@@ -85,9 +85,17 @@ pub trait Source {
     }
     /// Ask for this source's planned bytes (nothing is applied yet).
     fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()>;
-    /// Once every source started: what comes of agreeing across them
-    /// (publishers quantizing to FP8 take the blocks' agreed amax), then
-    /// get ready to receive.
+    /// Once every source started: what this source offers to an
+    /// agreement across the sources (publishers quantizing to FP8: each
+    /// block's amax, AMAX).
+    fn collect(&mut self, _applier: &mut Applier) -> Result<()> {
+        Ok(())
+    }
+    /// Once every source offered: the agreement's outcome (SCALES).
+    fn answer(&mut self, _applier: &Applier) -> Result<()> {
+        Ok(())
+    }
+    /// Once every source has the outcome: get ready to receive.
     fn start_streaming(&mut self, _plan: &Plan, _me: usize, _applier: &mut Applier) -> Result<()> {
         Ok(())
     }

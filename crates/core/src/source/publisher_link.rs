@@ -13,7 +13,7 @@ use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_size, BucketEntry, DeltaRun, Frame, Request};
+use crate::wire::{check_size, BucketEntry, DeltaRun, Frame, Request, MAX_BLOCK_VALUES};
 use std::time::{Duration, Instant};
 
 /// Who this rank is and which version it asks for.
@@ -129,6 +129,7 @@ impl PublisherLink {
             requests.push(q);
         }
         check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
+        self.check_blocks(&quantized)?;
         let base = match std::mem::replace(&mut self.base, Base::None) {
             Base::Kept(v) => deltas::base(v, &wanted.entries, applier),
             Base::NotKept => {
@@ -151,15 +152,29 @@ impl PublisherLink {
         }
         self.wanted = wanted;
         self.quantized = quantized;
-        match self.quantized.is_empty() {
+        Ok(())
+    }
+
+    /// The quantized requests' blocks fit in one AMAX (and SCALES) frame.
+    fn check_blocks(&self, quantized: &[(u32, QuantRequest)]) -> Result<()> {
+        let blocks: usize = quantized.iter().map(|(_, r)| r.blocks.len()).sum();
+        match blocks <= MAX_BLOCK_VALUES {
             true => Ok(()),
-            false => self.take_amax(applier),
+            false => Err(Error::out_of_memory(format!(
+                "asking {}: the quantized requests touch {blocks} blocks, more than the \
+                 {MAX_BLOCK_VALUES} one AMAX frame carries",
+                self.conn.peer()
+            ))),
         }
     }
 
     /// AMAX: the publisher's amax of every block of each quantized
-    /// request, offered to the applier's agreement.
-    fn take_amax(&mut self, applier: &mut Applier) -> Result<()> {
+    /// request, offered to the applier's agreement (nothing without
+    /// quantized requests).
+    pub fn take_amax(&mut self, applier: &mut Applier) -> Result<()> {
+        if self.quantized.is_empty() {
+            return Ok(());
+        }
         let values = match self.conn.recv(applier.deadline())? {
             Frame::Amax { values } => values,
             other => return Err(unexpected(&self.conn, "AMAX", &other)),
@@ -181,15 +196,20 @@ impl PublisherLink {
         Ok(())
     }
 
-    /// Once every source offered its amax: SCALES with the agreed amax,
-    /// then the deltas WANT asked for.
-    pub fn after_agreement(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        if !self.quantized.is_empty() {
-            let values = (self.quantized.iter())
-                .map(|(k, r)| (*k, applier.agreed_amax(r)))
-                .collect();
-            self.conn.send(&Frame::Scales { values })?;
+    /// Once every source offered its amax: SCALES with the agreed amax
+    /// (nothing without quantized requests).
+    pub fn send_scales(&mut self, applier: &Applier) -> Result<()> {
+        if self.quantized.is_empty() {
+            return Ok(());
         }
+        let values = (self.quantized.iter())
+            .map(|(k, r)| (*k, applier.agreed_amax(r)))
+            .collect();
+        self.conn.send(&Frame::Scales { values })
+    }
+
+    /// Once every source has its SCALES: the deltas WANT asked for.
+    pub fn take_deltas(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
         match self.deltas_asked {
             true => deltas::take(self, plan, applier),
             false => Ok(()),
@@ -394,8 +414,16 @@ impl<T: FromPublisher> super::Source for T {
         self.link_mut().send_want(plan, me, applier)
     }
 
+    fn collect(&mut self, applier: &mut Applier) -> Result<()> {
+        self.link_mut().take_amax(applier)
+    }
+
+    fn answer(&mut self, applier: &Applier) -> Result<()> {
+        self.link_mut().send_scales(applier)
+    }
+
     fn start_streaming(&mut self, plan: &Plan, _: usize, applier: &mut Applier) -> Result<()> {
-        self.link_mut().after_agreement(plan, applier)?;
+        self.link_mut().take_deltas(plan, applier)?;
         self.begin(plan, applier)
     }
 

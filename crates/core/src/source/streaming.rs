@@ -44,6 +44,14 @@ fn drive(sources: &mut [Box<dyn Source>], plan: &Plan, applier: &mut Applier) ->
     for (i, s) in sources.iter_mut().enumerate() {
         s.start(plan, i, applier).map_err(|e| named(i, &**s, e))?;
     }
+    // Every WANT is out before any AMAX is waited for, and every SCALES
+    // before any DELTAS: the publishers read and quantize at once.
+    for (i, s) in sources.iter_mut().enumerate() {
+        s.collect(applier).map_err(|e| named(i, &**s, e))?;
+    }
+    for (i, s) in sources.iter_mut().enumerate() {
+        s.answer(applier).map_err(|e| named(i, &**s, e))?;
+    }
     for (i, s) in sources.iter_mut().enumerate() {
         (s.start_streaming(plan, i, applier)).map_err(|e| named(i, &**s, e))?;
     }

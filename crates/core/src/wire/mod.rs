@@ -31,7 +31,7 @@ pub use buckets::{
 };
 pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
-pub use quant::BlockValues;
+pub use quant::{BlockValues, MAX_BLOCK_VALUES};
 pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
 pub use want_bounds::{check_cuts, check_size};
 
