@@ -112,17 +112,19 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
             ),
         );
     }
-    if scheme == Scheme::Fp8Block128 && weight.shape.len() < 2 {
-        return bad(
-            weight,
-            format!(
-                "{} quantization needs at least 2 dimensions (blocks over the last two), not {}",
-                scheme.name(),
-                shape_text(weight.shape)
-            ),
-        );
-    }
     check_weight(weight.name, weight.shape, weight.pieces, scheme)?;
+    check_scales(weight, scales, scheme)
+}
+
+/// `scales` is f32 of the scheme's scales shape for `weight` (one element
+/// for one scale per tensor) and registered without pieces.
+fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<()> {
+    let bad = |p: &Declared, why: String| {
+        Err(Error::invalid_argument(format!(
+            "param '{}': {why}",
+            p.name
+        )))
+    };
     let want = scales_shape(scheme, weight.shape);
     let one = scheme == Scheme::Fp8Tensor && scales.shape.iter().product::<u64>() == 1;
     if scales.dtype != DType::F32 || !(one || scales.shape == want.as_slice()) {
