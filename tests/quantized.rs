@@ -804,3 +804,43 @@ fn a_weight_with_no_elements_is_refused() {
         "{e}"
     );
 }
+
+/// A publisher holding a whole tensor quantizes it in the pass that finds
+/// its amax: the same bytes as the reference, and a NaN named by its
+/// element as on the slower path.
+#[test]
+fn a_publisher_holding_whole_blocks_quantizes_in_one_pass() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for (k, nan) in [(0, false), (1, true)] {
+        let mut g = t("g", DType::Bf16, &[300, 256], 8 + k);
+        if nan {
+            let i = 299 * 256 + 255;
+            g.data[2 * i..2 * i + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+        }
+        let sock = dir.path().join(format!("p{k}.sock"));
+        let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+        let desc = TensorDesc::host("g", DType::Bf16, &[300, 256], g.data.as_ptr(), g.data.len());
+        // SAFETY: `g` outlives the serving.
+        unsafe { p.add(desc) }.unwrap();
+        p.set_version(Some("1".into()));
+        let m = manager();
+        let [q, s] = quantized(&m, ParamSpec::host("g", DType::F8E4m3, &[300, 256]), Scheme::Fp8Block128, false);
+        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(30);
+        let (r, _) = serving(std::slice::from_ref(&p), || m.update(req));
+        match nan {
+            false => {
+                let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
+                assert_eq!(r.unwrap().bytes, 300 * 256);
+                assert!(read(q) == want_q);
+                assert_eq!(f32s(&read(s)), want_s);
+            }
+            true => {
+                let e = r.unwrap_err();
+                assert!(e.message.contains("tensor 'g': element [299, 255] (of the global tensor) is not finite"), "{e}");
+            }
+        }
+    }
+}

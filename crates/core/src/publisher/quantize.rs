@@ -15,8 +15,9 @@
 use super::offer::Published;
 use super::shard::{fill, Shard};
 use crate::memory::host::HostRegion;
+use crate::quant::bands::{self, Wide};
 use crate::quant::blocks::{global_index, touched, walk, Placed};
-use crate::quant::{segment_amax, segment_quantize, Scheme};
+use crate::quant::{segment_amax, segment_quantize, QuantError, Scheme};
 use crate::result::{try_vec, Error, Result};
 use crate::tensor::DType;
 use crate::transport::conn::Conn;
@@ -37,6 +38,9 @@ struct Job {
     /// over its elements.
     blocks: Vec<u64>,
     amax: Vec<f32>,
+    /// Quantized already with its own amax, when it holds its blocks
+    /// whole (`own_blocks`): kept if the agreed amax is its own.
+    image: Option<HostRegion>,
 }
 
 /// Answer WANT's quantized requests `quant` of `want` (their runs count
@@ -69,10 +73,14 @@ pub(super) fn serve(
     };
     check_agreed(&jobs, &agreed)?;
     let mut read_bytes = 0;
-    for (job, (_, amax)) in jobs.into_iter().zip(agreed) {
+    for (mut job, (_, amax)) in jobs.into_iter().zip(agreed) {
         let q = &want[job.request as usize];
         read_bytes += q.bytes() * job.dtype.size() as u64;
-        let image = quantized(shard, q, &job, &amax, threads)?;
+        let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
+        let image = match job.image.take() {
+            Some(image) if same(&job.amax) => image,
+            _ => quantized(shard, q, &job, &amax, threads)?,
+        };
         let len = q.bytes();
         let sums = q.sums;
         let t = shard.add_image(image);
@@ -177,29 +185,98 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
     };
     let meta = &shard.manifest.tensors[q.tensor as usize];
     let at = Placed::of(meta);
-    let blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
     let elements = Elements {
         tensor: in_memory(shard, q.tensor as usize),
         wide: wide.as_deref(),
         esize,
     };
-    let amax = amax(q, (scheme, dtype, at), elements, &blocks, threads).map_err(|e| {
+    let not_finite = |e: u64| {
         Error::format(format!(
             "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
              refuses NaN and infinity, so a diverged trainer does not reach the engine",
             meta.name,
             global_index(at, e)
         ))
-    })?;
-    Ok(Job {
+    };
+    let mut job = Job {
         request: k,
         scheme,
         dtype,
         tensor: q.tensor as usize,
-        wide,
-        blocks,
-        amax,
-    })
+        wide: None,
+        blocks: Vec::new(),
+        amax: Vec::new(),
+        image: None,
+    };
+    if let Some(own) = own_blocks(q, scheme, at) {
+        let (blocks, amax, image) =
+            quantize_own(q, own, (dtype, elements), threads).map_err(|e| match e {
+                Ok(error) => error,
+                Err(element) => not_finite(element),
+            })?;
+        (job.blocks, job.amax, job.image) = (blocks, amax, Some(image));
+    } else {
+        job.blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
+        job.amax =
+            amax(q, (scheme, dtype, at), elements, &job.blocks, threads).map_err(not_finite)?;
+    }
+    job.wide = wide;
+    Ok(job)
+}
+
+/// Where request `q` holds the 128x128 blocks it touches whole: all of
+/// the global tensor's columns, rows from a multiple of 128 to a multiple
+/// of 128 (or the tensor's end), in one contiguous run of a 2-D shard (an
+/// FSDP row shard at block edges, the common case). Then no other source
+/// holds a byte of its blocks, the agreed amax is its own, and it can be
+/// quantized while its amax is found. Returns (first global row, rows,
+/// columns).
+fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)> {
+    let b = crate::quant::blocks::BLOCK_EDGE;
+    let [run] = q.runs.as_slice() else {
+        return None;
+    };
+    let flat = scheme == Scheme::Fp8Block128 && at.shape.len() == 2 && run.rows == 1;
+    let cols = *at.shape.last()?;
+    let full_rows = cols > 0 && at.offset[1] == 0 && cols == at.global[1];
+    if !flat || !full_rows || run.offset % cols != 0 || run.len % cols != 0 {
+        return None;
+    }
+    let (first, rows) = (at.offset[0] + run.offset / cols, run.len / cols);
+    let ends = (first + rows) % b == 0 || first + rows == at.global[0];
+    (first % b == 0 && ends).then_some((first, rows, cols))
+}
+
+/// A request quantized with its own amax: its blocks, their amax, its
+/// image.
+type Quantized = (Vec<u64>, Vec<f32>, HostRegion);
+
+/// Quantize request `q` ([`own_blocks`]: `(first, rows, cols)`) with its
+/// own amax in one pass: its blocks, their amax, and its image. Err:
+/// Ok(error), or Err(a non-finite element of the tensor).
+fn quantize_own(
+    q: &Request,
+    (first, rows, cols): (u64, u64, u64),
+    (dtype, elements): (DType, Elements),
+    threads: usize,
+) -> std::result::Result<Quantized, std::result::Result<Error, u64>> {
+    let image = HostRegion::new("a quantized request's image", q.bytes() as usize).map_err(Ok)?;
+    image.advise_huge(true);
+    // SAFETY: the region is ours, `q.bytes()` bytes, written only here.
+    let out = unsafe { std::slice::from_raw_parts_mut(image.ptr(), q.bytes() as usize) };
+    let wide = Wide {
+        dtype,
+        shape: &[rows, cols],
+        bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
+    };
+    let amax = bands::quantize_own_blocks(wide, out, threads).map_err(|e| match e {
+        QuantError::NonFinite { index, .. } => Err(q.runs[0].offset + index as u64),
+        QuantError::Invalid(why) => Ok(Error::invalid_argument(why)),
+    })?;
+    let b = crate::quant::blocks::BLOCK_EDGE;
+    let (scols, band0) = (cols.div_ceil(b), first / b);
+    let blocks = (band0 * scols..(band0 + rows.div_ceil(b)) * scols).collect();
+    Ok((blocks, amax, image))
 }
 
 /// Request `q`'s elements of a tensor read from files, in request order.

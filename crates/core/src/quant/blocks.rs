@@ -10,6 +10,9 @@
 //! per tensor).
 
 use super::{Scheme, BLOCK};
+
+/// The edge of a 128x128 block, as the walk counts it.
+pub const BLOCK_EDGE: u64 = BLOCK as u64;
 use crate::manifest::TensorMeta;
 
 /// A shard of a global tensor: its shape, where its box starts in the
