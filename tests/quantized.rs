@@ -825,7 +825,12 @@ fn a_publisher_holding_whole_blocks_quantizes_in_one_pass() {
         unsafe { p.add(desc) }.unwrap();
         p.set_version(Some("1".into()));
         let m = manager();
-        let [q, s] = quantized(&m, ParamSpec::host("g", DType::F8E4m3, &[300, 256]), Scheme::Fp8Block128, false);
+        let [q, s] = quantized(
+            &m,
+            ParamSpec::host("g", DType::F8E4m3, &[300, 256]),
+            Scheme::Fp8Block128,
+            false,
+        );
         let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
         req.source = SourceKind::Ipc;
         req.timeout = Duration::from_secs(30);
@@ -839,7 +844,12 @@ fn a_publisher_holding_whole_blocks_quantizes_in_one_pass() {
             }
             true => {
                 let e = r.unwrap_err();
-                assert!(e.message.contains("tensor 'g': element [299, 255] (of the global tensor) is not finite"), "{e}");
+                assert!(
+                    e.message.contains(
+                        "tensor 'g': element [299, 255] (of the global tensor) is not finite"
+                    ),
+                    "{e}"
+                );
             }
         }
     }
