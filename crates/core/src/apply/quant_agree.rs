@@ -26,14 +26,13 @@ impl Applier<'_, '_> {
         let Target::Param(i) = e.target else {
             return Ok(None);
         };
-        let Some(k) = self
-            .quant
-            .targets
-            .iter()
-            .position(|q| q.param == i && q.on_wire)
-        else {
+        // Targets are in param order (the plan's).
+        let Ok(k) = self.quant.targets.binary_search_by_key(&i, |q| q.param) else {
             return Ok(None);
         };
+        if !self.quant.targets[k].on_wire {
+            return Ok(None);
+        }
         let q = &self.quant.targets[k];
         let placed = Placed::of(&e.meta);
         let segments = self

@@ -70,7 +70,10 @@ impl Quantized {
     /// writes: the landing sends a quantized param's bytes to its shadow).
     /// None when `i` is not quantized.
     pub fn dest(&self, i: usize) -> Option<Dest> {
-        let t = self.targets.iter().find(|t| t.param == i && !t.on_wire)?;
+        // Targets are in param order (the plan's): a search, not a scan
+        // per entry (a rank of a large model has 100,000s of entries).
+        let k = self.targets.binary_search_by_key(&i, |t| t.param).ok()?;
+        let t = Some(&self.targets[k]).filter(|t| !t.on_wire)?;
         Some(Dest::Host(t.wide.unwrap_or(SendPtr(std::ptr::null_mut()))))
     }
 
