@@ -53,10 +53,16 @@ pub(super) fn serve(
     quant: &[(u32, Scheme)],
     (threads, deadline): (usize, &dyn Fn() -> Instant),
 ) -> Result<u64> {
-    check_total(shard, want, quant)?;
+    // Quantized runs count elements: checked against the tensors'.
+    let elements: Vec<u64> = (shard.manifest.tensors.iter())
+        .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
+        .collect();
+    check_total(&elements, want, quant)?;
     let mut jobs = Vec::with_capacity(quant.len());
     for &(k, scheme) in quant {
-        jobs.push(read(shard, &want[k as usize], (k, scheme), threads)?);
+        let q = &want[k as usize];
+        q.check(k as usize, &elements)?;
+        jobs.push(read(shard, q, (k, scheme), threads)?);
     }
     let values: BlockValues = jobs.iter().map(|j| (j.request, j.amax.clone())).collect();
     conn.send(&Frame::Amax { values })?;
@@ -94,10 +100,8 @@ pub(super) fn serve(
 /// image of a byte per element) is bounded by the shard, not by the
 /// engine's word (overlapping requests could ask for each element many
 /// times).
-fn check_total(shard: &Shard, want: &[Request], quant: &[(u32, Scheme)]) -> Result<()> {
-    let held: u64 = (shard.manifest.tensors.iter())
-        .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
-        .sum();
+fn check_total(elements: &[u64], want: &[Request], quant: &[(u32, Scheme)]) -> Result<()> {
+    let held: u64 = elements.iter().sum();
     let asked = (quant.iter())
         .map(|&(k, _)| want[k as usize].bytes())
         .fold(0u64, u64::saturating_add);
@@ -173,11 +177,6 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
             meta.name
         )));
     }
-    // Its runs count elements: checked against the tensors' elements.
-    let elements: Vec<u64> = (shard.manifest.tensors.iter())
-        .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
-        .collect();
-    q.check(k as usize, &elements)?;
     let esize = dtype.size() as u64;
     let wide = match in_memory(shard, q.tensor as usize) {
         Some(_) => None,

@@ -23,6 +23,34 @@ struct Band {
     scales: usize,
 }
 
+impl Band {
+    /// The band's rows of `wide` (of `cols` columns), a tensor of its own:
+    /// its blocks are the param's.
+    fn source<'a>(&self, wide: Wide<'a>, cols: usize) -> Source<'a> {
+        let esize = wide.dtype.size();
+        Source {
+            dtype: wide.dtype,
+            bytes: &wide.bytes[self.row * cols * esize..(self.row + self.rows) * cols * esize],
+            rows: self.rows,
+            cols,
+        }
+    }
+
+    /// Its blocks' amax over `src` (its rows); a non-finite element's
+    /// index counted from the param's first element.
+    fn amax(&self, scheme: Scheme, src: Source, cols: usize) -> Result<Vec<f32>, QuantError> {
+        let mut out = vec![0f32; self.scales];
+        block_amax(scheme, src, [0, 0], [self.rows, cols], &mut out).map_err(|e| match e {
+            QuantError::NonFinite { index, value } => QuantError::NonFinite {
+                index: index + self.row * cols,
+                value,
+            },
+            other => other,
+        })?;
+        Ok(out)
+    }
+}
+
 /// The bands of a `shape` param quantized with `scheme`, and its columns.
 fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
     let n = shape.len();
@@ -74,24 +102,8 @@ pub struct Wide<'a> {
 pub fn amax(scheme: Scheme, wide: Wide, threads: usize) -> Result<Vec<f32>, QuantError> {
     let (bands, cols) = bands(scheme, wide.shape);
     let scales = bands.last().map_or(1, |b| b.scale + b.scales);
-    let esize = wide.dtype.size();
     let per_band = par_map(&bands, threads, |b| {
-        let src = Source {
-            dtype: wide.dtype,
-            bytes: &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize],
-            rows: b.rows,
-            cols,
-        };
-        let mut out = vec![0f32; b.scales];
-        let whole = [b.rows, cols];
-        block_amax(scheme, src, [0, 0], whole, &mut out).map_err(|e| match e {
-            QuantError::NonFinite { index, value } => QuantError::NonFinite {
-                index: index + b.row * cols,
-                value,
-            },
-            other => other,
-        })?;
-        Ok(out)
+        b.amax(scheme, b.source(wide, cols), cols)
     });
     let mut amax = vec![0f32; scales];
     for (b, got) in bands.iter().zip(per_band) {
@@ -125,15 +137,9 @@ pub fn write(
             amax.len()
         )));
     }
-    let esize = wide.dtype.size();
     let (fp8_at, scales_at) = (fp8.as_mut_ptr() as usize, scale_inv.as_mut_ptr() as usize);
     let done = par_map(&bands, threads, |b| {
-        let src = Source {
-            dtype: wide.dtype,
-            bytes: &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize],
-            rows: b.rows,
-            cols,
-        };
+        let src = b.source(wide, cols);
         // SAFETY: bands are disjoint rows of the param, inside `fp8`.
         let q = unsafe {
             std::slice::from_raw_parts_mut((fp8_at as *mut u8).add(b.row * cols), b.rows * cols)
@@ -188,21 +194,9 @@ pub fn quantize_own_blocks(
         )));
     }
     let per_band = par_map(&bands, threads, |b| {
-        let src = Source {
-            dtype: wide.dtype,
-            bytes: &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize],
-            rows: b.rows,
-            cols,
-        };
-        let mut amax = vec![0f32; b.scales];
+        let src = b.source(wide, cols);
+        let amax = b.amax(scheme, src, cols)?;
         let whole = [b.rows, cols];
-        block_amax(scheme, src, [0, 0], whole, &mut amax).map_err(|e| match e {
-            QuantError::NonFinite { index, value } => QuantError::NonFinite {
-                index: index + b.row * cols,
-                value,
-            },
-            other => other,
-        })?;
         // SAFETY: bands are disjoint rows of `fp8` (its length checked).
         let q = unsafe {
             std::slice::from_raw_parts_mut((fp8_at as *mut u8).add(b.row * cols), b.rows * cols)

@@ -157,15 +157,6 @@ fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<
 /// the piece, the dimension and the offset): what a declaration checks of
 /// the weight, also for a layout's params (`wm plan`).
 pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme) -> Result<()> {
-    let weight = Declared {
-        name,
-        dtype: DType::F8E4m3,
-        shape,
-        pieces,
-        whole: false,
-        device: false,
-        role: QuantRole::Plain,
-    };
     if scheme == Scheme::Fp8Block128 && shape.len() < 2 {
         return Err(Error::invalid_argument(format!(
             "param '{name}': {} quantization needs at least 2 dimensions (blocks over the last two), not {}",
@@ -175,7 +166,7 @@ pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme)
     }
     match scheme {
         Scheme::Fp8Block128 => (pieces.iter().enumerate())
-            .try_for_each(|(k, p)| check_piece_blocks(&weight, k, p)),
+            .try_for_each(|(k, p)| check_piece_blocks((name, shape), k, p)),
         Scheme::Fp8Tensor if pieces.len() == 1 && pieces[0].global.offset.iter().all(|&o| o == 0) => {
             Ok(())
         }
@@ -185,14 +176,15 @@ pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme)
     }
 }
 
-/// Piece `k` of `weight` starts and ends on the block grid on the last
-/// two dimensions (a partial block only at the param's edge).
-fn check_piece_blocks(weight: &Declared, k: usize, piece: &Piece) -> Result<()> {
-    let (nd, gd) = (weight.shape.len(), piece.global.ndim());
+/// Piece `k` of param `name` (of `shape`) starts and ends on the block
+/// grid on the last two dimensions (a partial block only at the param's
+/// edge).
+fn check_piece_blocks((name, shape): (&str, &[u64]), k: usize, piece: &Piece) -> Result<()> {
+    let (nd, gd) = (shape.len(), piece.global.ndim());
     let fail = |why: String| {
         Err(Error::invalid_argument(format!(
             "param '{}': piece {k} ('{}' {}) cuts a 128x128 block: {why}",
-            weight.name, piece.tensor, piece.global
+            name, piece.tensor, piece.global
         )))
     };
     if gd < 2 {
@@ -212,7 +204,7 @@ fn check_piece_blocks(weight: &Declared, k: usize, piece: &Piece) -> Result<()> 
                 "dimension {d} starts at offset {at} of the param, not a multiple of 128"
             ));
         }
-        if len % b != 0 && at + len != weight.shape[d] {
+        if len % b != 0 && at + len != shape[d] {
             return fail(format!(
                 "dimension {d} ends at offset {} of the param, inside a block (a partial block must end the param)",
                 at + len

@@ -7,10 +7,10 @@
 //! Target at 2% changed: deltas >= 10x faster than whole over UCX.
 
 use super::harness::{alternate, verdict, Scratch};
-use super::model::{add_layers, layer_count, register_layers, LAYER};
+use super::model::{add_layers, layer_count, net_manager, register_layers, LAYER};
 use crate::fmt::gbps;
 use std::time::{Duration, Instant};
-use weight_manager_core::{DeltaFallback, DeltaMode, Manager, ManagerConfig, NetSettings};
+use weight_manager_core::{DeltaFallback, DeltaMode, Manager};
 use weight_manager_core::{Publisher, PublisherConfig, SourceKind, UpdateRequest};
 
 const SECRET: &str = "wm-bench-delta-secret-0123456789";
@@ -93,15 +93,7 @@ fn one_path(
         SourceKind::Ipc => sock.display().to_string(),
         _ => p.address(),
     };
-    let m = Manager::new(ManagerConfig {
-        fallback_dir: None,
-        net: NetSettings {
-            secret: Some(SECRET.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .map_err(|e| e.to_string())?;
+    let m = net_manager(SECRET)?;
     let mut params: Vec<Vec<u8>> = base.iter().map(|l| vec![1u8; l.len()]).collect();
     register_layers(&m, &mut params)?;
     let sessions = 1 + 4 * pairs.max(1);

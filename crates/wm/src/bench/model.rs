@@ -119,6 +119,20 @@ pub fn manager(threads: usize) -> Result<Manager, String> {
     .map_err(|e| e.to_string())
 }
 
+/// A manager with no fallback folder that takes network updates with
+/// `secret`.
+pub fn net_manager(secret: &str) -> Result<Manager, String> {
+    Manager::new(ManagerConfig {
+        fallback_dir: None,
+        net: weight_manager_core::NetSettings {
+            secret: Some(secret.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())
+}
+
 /// Engine-owned, pre-faulted params for every tensor of `model`, in huge
 /// pages when `huge`.
 pub fn engine(

@@ -13,11 +13,12 @@
 //! checked bit for bit against PyTorch).
 
 use super::harness::{alternate, verdict, Scratch};
+use super::model::net_manager;
 use crate::fixtures;
 use crate::fmt::gbps;
 use std::time::{Duration, Instant};
 use weight_manager_core::quant::{self, Scheme, Source};
-use weight_manager_core::{DType, DeltaMode, Manager, ManagerConfig, Mode, NetSettings, ParamSpec};
+use weight_manager_core::{DType, DeltaMode, Manager, Mode, ParamSpec};
 use weight_manager_core::{Publisher, PublisherConfig, SourceKind, TensorDesc, UpdateRequest};
 
 const SECRET: &str = "wm-bench-quant-secret-0123456789";
@@ -47,15 +48,7 @@ type Memory = (*mut u8, usize);
 /// An engine with a param per layer: bf16, or FP8 with its scales
 /// (declared quantized). Library-owned; returns the FP8 params' memory.
 fn engine(layers: usize, fp8: bool) -> Result<(Manager, Vec<Memory>), String> {
-    let m = Manager::new(ManagerConfig {
-        fallback_dir: None,
-        net: NetSettings {
-            secret: Some(SECRET.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .map_err(|e| e.to_string())?;
+    let m = net_manager(SECRET)?;
     let mut fp8_params = Vec::new();
     for i in 0..layers {
         let name = format!("layers.{i}.w");
