@@ -16,9 +16,17 @@
  *                                at most since the last reset_peak
  *   fake_cuda_handle_at(ptr)     the allocation mapped at ptr (0: none)
  *   fake_cuda_calls(name)        how many times `name` was called (the
- *                                copies only: cuMemcpy2D, cuMemcpy2DAsync,
- *                                cuMemcpyAsync, cuMemcpyDtoH)
+ *                                copies and launches only: cuMemcpy2D,
+ *                                cuMemcpy2DAsync, cuMemcpyAsync,
+ *                                cuMemcpyDtoH, cuLaunchKernel)
  * FAKE_CUDA_NO_DEVICE=1 in the environment: cuInit finds no device.
+ *
+ * Kernels: the same file answers as NVRTC (libnvrtc.so is a link to it):
+ * a "compiled" program is its source, a module loaded from it has the
+ * FP8 quantizer's two kernels, and cuLaunchKernel runs a launch's threads
+ * one after another on the kernels' own source (crates/core/src/quant/
+ * fp8.cu, compiled into this file with the prelude below), so the
+ * library's launches, arguments and arithmetic are checked without a GPU.
  *
  * Linear memory (cuMemAlloc) is a memory file mapped shared, so CUDA IPC
  * works between real processes: a handle names the exporting process and
@@ -72,14 +80,14 @@ u64 fake_cuda_handle_at(u64 ptr) {
     return 0;
 }
 
-static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH"};
-static u64 counts[4];
+static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH", "cuLaunchKernel"};
+static u64 counts[5];
 static void count(const char *name) {
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (!strcmp(counted[i], name)) __atomic_fetch_add(&counts[i], 1, __ATOMIC_RELAXED);
 }
 u64 fake_cuda_calls(const char *name) {
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (!strcmp(counted[i], name)) return __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
     return 0;
 }
@@ -364,4 +372,84 @@ int cuMemcpy2DAsync_v2(const memcpy2d *p, void *stream) {
     (void)stream;
     count("cuMemcpy2DAsync");
     return failing("cuMemcpy2DAsync") ? INVALID_VALUE : copy_2d(p);
+}
+
+/* ---- NVRTC and kernels ---- */
+
+int cuDeviceGetAttribute(int *v, int attr, int dev) {
+    (void)dev;
+    *v = attr == 75 ? 9 : 0; /* compute capability 9.0 */
+    return OK;
+}
+
+struct program { char *src; char name[64]; };
+int nvrtcVersion(int *major, int *minor) { *major = 12; *minor = 8; return 0; }
+int nvrtcCreateProgram(struct program **p, const char *src, const char *name, int nh, const char *const *h, const char *const *n) {
+    (void)nh; (void)h; (void)n;
+    *p = calloc(1, sizeof **p);
+    (*p)->src = strdup(src);
+    strncpy((*p)->name, name ? name : "", 63);
+    return 0;
+}
+/* Fails (NVRTC_ERROR_COMPILATION, 6) without an architecture option. */
+int nvrtcCompileProgram(struct program *p, int n, const char *const *opts) {
+    (void)p;
+    for (int i = 0; i < n; i++)
+        if (!strncmp(opts[i], "--gpu-architecture=compute_", 27)) return failing("nvrtcCompileProgram") ? 6 : 0;
+    return 6;
+}
+static const char PTX[] = "// fake PTX: wm_fp8_amax wm_fp8_quantize";
+int nvrtcGetPTXSize(struct program *p, size_t *n) { (void)p; *n = sizeof PTX; return 0; }
+int nvrtcGetPTX(struct program *p, char *out) { (void)p; memcpy(out, PTX, sizeof PTX); return 0; }
+int nvrtcGetProgramLogSize(struct program *p, size_t *n) { (void)p; *n = 32; return 0; }
+int nvrtcGetProgramLog(struct program *p, char *out) { (void)p; strcpy(out, "fake: compilation refused"); return 0; }
+int nvrtcDestroyProgram(struct program **p) { free((*p)->src); free(*p); *p = 0; return 0; }
+
+int cuModuleLoadData(void **m, const void *image) {
+    if (strcmp(image, PTX)) return INVALID_VALUE;
+    *m = (void *)0x4;
+    return OK;
+}
+static int kernel_ids[2] = {1, 2};
+int cuModuleGetFunction(void **f, void *m, const char *name) {
+    (void)m;
+    if (!strcmp(name, "wm_fp8_amax")) *f = &kernel_ids[0];
+    else if (!strcmp(name, "wm_fp8_quantize")) *f = &kernel_ids[1];
+    else return 500; /* CUDA_ERROR_NOT_FOUND */
+    return OK;
+}
+
+/* The kernels' prelude on the host: a thread is a call. */
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+struct wm_dim { unsigned x; };
+static __thread struct wm_dim blockIdx, threadIdx, blockDim, gridDim;
+#define WM_KERNEL static
+#define WM_DEVICE static inline
+#define WM_FIRST_THREAD ((u64)blockIdx.x * blockDim.x + threadIdx.x)
+#define WM_THREADS ((u64)gridDim.x * blockDim.x)
+static inline float wm_mul(float a, float b) { return a * b; }
+static inline float wm_add(float a, float b) { return a + b; }
+static inline u32 wm_bits(float f) { u32 u; memcpy(&u, &f, 4); return u; }
+static inline float wm_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
+static inline void wm_min_u64(u64 *at, u64 v) { if (v < *at) *at = v; }
+static inline void wm_group_max(u32 *at, u64 key, u32 v) { (void)key; if (v > *at) *at = v; }
+#include "fp8.cu"
+
+int cuLaunchKernel(int *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **params, void **extra) {
+    (void)shared; (void)stream; (void)extra;
+    count("cuLaunchKernel");
+    if (failing("cuLaunchKernel") || gy != 1 || gz != 1 || by != 1 || bz != 1 || !gx || !bx || bx > 1024)
+        return INVALID_VALUE;
+    struct wm_fp8_run r = *(struct wm_fp8_run *)params[0];
+    gridDim.x = gx;
+    blockDim.x = bx;
+    for (blockIdx.x = 0; blockIdx.x < gx; blockIdx.x++)
+        for (threadIdx.x = 0; threadIdx.x < bx; threadIdx.x++) {
+            if (*f == 1) wm_fp8_amax(r, *(u32 **)params[1], *(u64 **)params[2]);
+            else wm_fp8_quantize(r, *(const float **)params[1], *(u8 **)params[2]);
+        }
+    return OK;
 }

@@ -9,6 +9,8 @@ use std::path::Path;
 use std::process::Command;
 
 const FAKE: &str = include_str!("../fake_cuda.c");
+/// The FP8 kernels the fake runs on the host (`#include`d by it).
+const KERNELS: &str = include_str!("../../crates/core/src/quant/fp8.cu");
 
 /// True in the child that runs test `name` under the fake driver; in the
 /// parent, runs that child and checks it passed.
@@ -41,6 +43,7 @@ pub fn under_fake_driver(name: &str, no_device: bool) -> bool {
 fn build_fake(dir: &Path) {
     let src = dir.join("fake_cuda.c");
     std::fs::write(&src, FAKE).unwrap();
+    std::fs::write(dir.join("fp8.cu"), KERNELS).unwrap();
     let out = Command::new("cc")
         .args(["-shared", "-fPIC", "-O1", "-o"])
         .arg(dir.join("libcuda.so"))
@@ -54,6 +57,8 @@ fn build_fake(dir: &Path) {
     );
     // One file under both names, so the loader maps it once.
     std::os::unix::fs::symlink(dir.join("libcuda.so"), dir.join("libcuda.so.1")).unwrap();
+    // The fake answers as NVRTC too.
+    std::os::unix::fs::symlink(dir.join("libcuda.so"), dir.join("libnvrtc.so")).unwrap();
 }
 
 /// The fake driver's control functions.
@@ -123,8 +128,9 @@ impl Fake {
         ptrs.iter().map(|&p| f(p)).collect()
     }
 
-    /// How many times the copy `name` was called in this process
-    /// (cuMemcpy2D, cuMemcpy2DAsync, cuMemcpyAsync, cuMemcpyDtoH).
+    /// How many times the copy or launch `name` was called in this
+    /// process (cuMemcpy2D, cuMemcpy2DAsync, cuMemcpyAsync, cuMemcpyDtoH,
+    /// cuLaunchKernel).
     pub fn calls(&self, name: &str) -> u64 {
         let n = CString::new(name).unwrap();
         // SAFETY: the fake's signature.

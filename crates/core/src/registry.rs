@@ -210,7 +210,7 @@ impl Registry {
                 shape: &p.shape,
                 pieces: &p.pieces,
                 whole: p.whole,
-                device: p.device.is_some() || matches!(p.memory, ParamMemory::LibraryDevice(_)),
+                device: p.device,
                 role: p.quant,
             }
         };

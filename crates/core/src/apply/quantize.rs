@@ -45,6 +45,9 @@ pub struct QuantTarget {
     pub wide: Option<SendPtr>,
     /// The publishers quantize it.
     pub on_wire: bool,
+    /// The GPU holding both params (their pointers are device addresses);
+    /// None: host memory.
+    pub device: Option<i32>,
 }
 
 /// The quantized params of an update, and their amax once found.
@@ -127,6 +130,10 @@ impl Applier<'_, '_> {
         self.landing.writes_params();
         for (k, a) in amax.iter().enumerate() {
             let t = &self.quant.targets[k];
+            if let Some(ordinal) = t.device {
+                self.write_on_device(k, ordinal, a, arena)?;
+                continue;
+            }
             let n = t.shape.iter().product::<u64>() as usize;
             // SAFETY: the registry sized both params for this scheme and
             // shape (`quant::params::check_declaration`); they are the
@@ -148,6 +155,46 @@ impl Applier<'_, '_> {
             wrote.map_err(|e| quant_error(t, e))?;
         }
         Ok(())
+    }
+}
+
+impl Applier<'_, '_> {
+    /// Target `k` on GPU `ordinal`: quantized by the kernels from the bytes
+    /// that arrived (unless the publishers did), its scales uploaded.
+    fn write_on_device(
+        &self,
+        k: usize,
+        ordinal: i32,
+        amax: &[f32],
+        arena: Option<&Arena>,
+    ) -> Result<()> {
+        let t = &self.quant.targets[k];
+        if !t.on_wire {
+            let wide = self.wide(k, arena);
+            crate::quant::device::write_from_host(ordinal, t.scheme, wide, amax, t.fp8.0 as u64)
+                .map_err(|e| e.context(format!("param '{}'", t.name)))?;
+        }
+        let scales: Vec<f32> = amax.iter().map(|&a| crate::quant::scale_inv(a)).collect();
+        let bytes = scales.len() * 4;
+        if bytes != t.scales.1 * 4 {
+            return Err(Error::invalid_argument(format!(
+                "param '{}': {} scales for {} blocks",
+                t.name,
+                t.scales.1,
+                scales.len()
+            )));
+        }
+        // SAFETY: the scales param is device memory of that GPU holding
+        // `scales.1` f32 (its registration); a synchronous copy.
+        unsafe {
+            crate::memory::cuda_ipc::upload(
+                ordinal,
+                t.scales.0 .0 as u64,
+                scales.as_ptr().cast(),
+                bytes,
+            )
+        }
+        .map_err(|e| e.context(format!("param '{}': its scales", t.name)))
     }
 }
 

@@ -60,6 +60,7 @@ impl Quantized {
                 scales: (SendPtr(s.ptr()), s.nbytes / 4),
                 wide,
                 on_wire: q.on_wire,
+                device: p.device,
             });
         }
         Ok(out)

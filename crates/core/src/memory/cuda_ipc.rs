@@ -189,6 +189,19 @@ pub unsafe fn download(ordinal: i32, dst: *mut u8, src: u64, len: usize) -> Resu
     check(sys::cuMemcpyDtoH_v2(dst.cast(), src, len), "cuMemcpyDtoH")
 }
 
+/// Copy `len` bytes of host memory at `src` to device address `dst`
+/// (valid in GPU `ordinal`'s context); returns once copied.
+///
+/// # Safety
+/// `src..src+len` is readable host memory and `dst..dst+len` device memory.
+pub unsafe fn upload(ordinal: i32, dst: u64, src: *const u8, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    cuda()?.make_current(ordinal)?;
+    check(sys::cuMemcpyHtoD_v2(dst, src.cast(), len), "cuMemcpyHtoD")
+}
+
 /// Copy the rows of `run` (equally spaced blocks of device memory valid in
 /// GPU `ordinal`'s context: `memory::strided`) to host memory with one 2D
 /// copy; returns once copied.

@@ -31,6 +31,7 @@ pub mod host;
 pub mod kept_mappings;
 pub mod loose;
 pub mod mapped_file;
+pub mod nvrtc;
 pub mod pinned;
 pub mod pool;
 pub mod shared;

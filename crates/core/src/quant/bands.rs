@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Rows `rows` of the flattened `[all rows, cols]` param starting at row
 /// `row`, whose scales start at `scale` (`scales` of them).
 #[derive(Clone, Copy, Debug)]
-struct Band {
-    row: usize,
-    rows: usize,
-    scale: usize,
-    scales: usize,
+pub(crate) struct Band {
+    pub(crate) row: usize,
+    pub(crate) rows: usize,
+    pub(crate) scale: usize,
+    pub(crate) scales: usize,
 }
 
 impl Band {
@@ -52,7 +52,7 @@ impl Band {
 }
 
 /// The bands of a `shape` param quantized with `scheme`, and its columns.
-fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
+pub(crate) fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
     let n = shape.len();
     let cols = shape.last().copied().unwrap_or(1) as usize;
     match scheme {

@@ -32,6 +32,7 @@
 
 pub mod bands;
 pub mod blocks;
+pub mod device;
 pub mod e4m3;
 mod kernels;
 pub mod params;

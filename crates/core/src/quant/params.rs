@@ -43,7 +43,8 @@ pub struct Declared<'a> {
     pub pieces: &'a [Piece],
     /// Registered without pieces.
     pub whole: bool,
-    pub device: bool,
+    /// The GPU holding it (None: host memory).
+    pub device: Option<i32>,
     pub role: QuantRole,
 }
 
@@ -65,8 +66,9 @@ pub fn scales_shape(scheme: Scheme, shape: &[u64]) -> Vec<u64> {
 }
 
 /// Check that `weight` may hold its pieces quantized with `scheme` and
-/// `scales` its scale_inv. Err (`WM_ERR_INVALID_ARGUMENT`, device params
-/// `WM_ERR_UNSUPPORTED`) names the param and what is wrong.
+/// `scales` its scale_inv. Err (`WM_ERR_INVALID_ARGUMENT`) names the param
+/// and what is wrong. Both live in the same place, host memory or one GPU:
+/// the quantizer writes them together (on a GPU, with its kernels).
 pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<()> {
     let bad = |p: &Declared, why: String| {
         Err(Error::invalid_argument(format!(
@@ -81,13 +83,18 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
                 "is already quantized or the scales of a quantized param".into(),
             );
         }
-        if p.device {
-            return Err(Error::unsupported(format!(
-                "param '{}': quantized device params are not supported yet (FP8 \
-                 quantization runs on the host; register host params)",
-                p.name
-            )));
-        }
+    }
+    if weight.device != scales.device {
+        let place = |d: Option<i32>| d.map_or("host memory".to_string(), |g| format!("GPU {g}"));
+        return bad(
+            weight,
+            format!(
+                "is in {} and its scales '{}' in {}: register both in the same place",
+                place(weight.device),
+                scales.name,
+                place(scales.device)
+            ),
+        );
     }
     if weight.name == scales.name {
         return bad(weight, "cannot hold its own scales".into());

@@ -1,0 +1,133 @@
+/* FP8 E4M3 quantization on the GPU (crate::quant::device), compiled at run
+ * time by NVRTC. The rule is the CPU quantizer's (quant/mod.rs), bit for
+ * bit: the factor 448 / amax and scale_inv come from the host (computed as
+ * the CPU does), the product is one f32 multiply rounded to nearest
+ * (__fmul_rn: never contracted), the cast is PyTorch's (e4m3 below).
+ *
+ * The same source compiles as C for the test driver (tests/fake_cuda.c),
+ * which defines the prelude below and runs a launch's threads one by one,
+ * so the host side and the arithmetic are tested without a GPU.
+ *
+ * A launch covers one run of a request: n = rows * len elements, row k of
+ * the run being len shard elements from offset + k * stride (row-major
+ * shard elements). Blocks are numbered in a grid local to the shard's box:
+ * (batch * brows + block row - the box's first) * bcols + block column -
+ * the box's first; the host maps them to global blocks. */
+
+#ifdef __CUDACC_RTC__
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define WM_KERNEL extern "C" __global__
+#define WM_DEVICE static __device__ __forceinline__
+#define WM_FIRST_THREAD ((u64)blockIdx.x * blockDim.x + threadIdx.x)
+#define WM_THREADS ((u64)gridDim.x * blockDim.x)
+WM_DEVICE float wm_mul(float a, float b) { return __fmul_rn(a, b); }
+WM_DEVICE float wm_add(float a, float b) { return __fadd_rn(a, b); }
+WM_DEVICE u32 wm_bits(float f) { return __float_as_uint(f); }
+WM_DEVICE float wm_float(u32 u) { return __uint_as_float(u); }
+WM_DEVICE void wm_min_u64(u64 *at, u64 v) { atomicMin(at, v); }
+/* The largest v of the warp's lanes that share `key`, into *at once per
+ * group (a row's 32 consecutive elements usually share their block). */
+WM_DEVICE void wm_group_max(u32 *at, u64 key, u32 v) {
+#if __CUDA_ARCH__ >= 800
+    unsigned peers = __match_any_sync(__activemask(), key);
+    v = __reduce_max_sync(peers, v);
+    if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicMax(at, v);
+#else
+    atomicMax(at, v);
+#endif
+}
+#endif
+
+/* One run's geometry (the host's quant::device::Run, #[repr(C)]). */
+struct wm_fp8_run {
+    u64 src;      /* device address of the shard's element 0 */
+    u64 n;        /* elements of the run: rows * len */
+    u64 offset;   /* shard element of the run's first */
+    u64 len;      /* elements per row of the run */
+    u64 stride;   /* shard elements from one row of the run to the next */
+    u64 rows;     /* the shard's rows (its second to last dimension; 1 for 1-D) */
+    u64 cols;     /* the shard's columns (its last dimension) */
+    u64 row0;     /* the box's first row and column in the global tensor */
+    u64 col0;
+    u64 brows;    /* block rows and columns the box spans */
+    u64 bcols;
+    u32 dtype;    /* 0 bf16, 1 f16, 2 f32 */
+    u32 blocked;  /* 1: 128 x 128 blocks; 0: one block */
+};
+
+/* IEEE half to single, exactly. */
+WM_DEVICE float wm_half(u16 h) {
+    u32 sign = (u32)(h & 0x8000u) << 16;
+    u32 e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+        if (m == 0) return wm_float(sign);
+        return wm_float(sign | wm_bits(wm_mul((float)m, 5.9604644775390625e-8f)));
+    }
+    if (e == 31) return wm_float(sign | 0x7f800000u | (m << 13));
+    return wm_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+WM_DEVICE float wm_load(const struct wm_fp8_run *r, u64 e) {
+    if (r->dtype == 0) return wm_float((u32)((const u16 *)r->src)[e] << 16);
+    if (r->dtype == 1) return wm_half(((const u16 *)r->src)[e]);
+    return ((const float *)r->src)[e];
+}
+
+/* PyTorch's cast to float8_e4m3fn: nearest even, saturating at 448, NaN
+ * kept (quant/e4m3.rs from_f32). */
+WM_DEVICE u8 wm_e4m3(float f) {
+    u32 bits = wm_bits(f), sign = bits & 0x80000000u, a = bits ^ sign, r;
+    if (a > 0x7f800000u) {
+        r = 0x7f;
+    } else if (a >= 0x43e00000u) {
+        r = 0x7e;
+    } else if (a < (121u << 23)) {
+        r = (wm_bits(wm_add(wm_float(a), wm_float(141u << 23))) - (141u << 23)) & 0xffu;
+    } else {
+        a = a + ((u32)(7 - 127) << 23) + 0x7ffffu + ((a >> 20) & 1u);
+        r = (a >> 20) & 0xffu;
+    }
+    return (u8)(r | (sign >> 24));
+}
+
+/* The shard element of the run's element i. */
+WM_DEVICE u64 wm_element(const struct wm_fp8_run *r, u64 i) {
+    return r->offset + (i / r->len) * r->stride + i % r->len;
+}
+
+/* The local block of shard element e. */
+WM_DEVICE u64 wm_block(const struct wm_fp8_run *r, u64 e) {
+    if (!r->blocked) return 0;
+    u64 col = e % r->cols, row = (e / r->cols) % r->rows, batch = e / (r->cols * r->rows);
+    u64 brow = (r->row0 + row) / 128 - r->row0 / 128;
+    u64 bcol = (r->col0 + col) / 128 - r->col0 / 128;
+    return (batch * r->brows + brow) * r->bcols + bcol;
+}
+
+/* Each block's amax over the run, as f32 bit patterns (|x|'s bits order as
+ * the values do), maxed into amax_bits; the smallest shard element that is
+ * NaN or infinite into *bad (left alone when there is none). */
+WM_KERNEL void wm_fp8_amax(struct wm_fp8_run r, u32 *amax_bits, u64 *bad) {
+    for (u64 i = WM_FIRST_THREAD; i < r.n; i += WM_THREADS) {
+        u64 e = wm_element(&r, i);
+        u32 a = wm_bits(wm_load(&r, e)) & 0x7fffffffu;
+        if (a >= 0x7f800000u) {
+            wm_min_u64(bad, e);
+            a = 0;
+        }
+        u64 b = wm_block(&r, e);
+        wm_group_max(&amax_bits[b], b, a);
+    }
+}
+
+/* The run's elements times their block's factor (448 / amax, from the
+ * host), cast to E4M3: element i of the run into out[i]. */
+WM_KERNEL void wm_fp8_quantize(struct wm_fp8_run r, const float *factor, u8 *out) {
+    for (u64 i = WM_FIRST_THREAD; i < r.n; i += WM_THREADS) {
+        u64 e = wm_element(&r, i);
+        out[i] = wm_e4m3(wm_mul(wm_load(&r, e), factor[wm_block(&r, e)]));
+    }
+}

@@ -1,0 +1,621 @@
+//! The FP8 quantizer's GPU kernels (`quant::device`, compiled by NVRTC at
+//! run time) against the CPU quantizer, byte for byte and amax for amax:
+//! whole tensors of every source dtype and both schemes, edge blocks,
+//! all-zero blocks, subnormals, a shard of a global tensor read through a
+//! strided run, a NaN found by its element, and a param written from host
+//! bytes a band at a time. The CPU quantizer is checked against PyTorch's
+//! reference in the core crate's tests (and the kernel against PyTorch
+//! directly there, on a GPU).
+//!
+//! Without a GPU (CI) the checks run under the test driver
+//! (`tests/fake_cuda.c`), which answers as NVRTC too and runs each launch's
+//! threads on the host over the kernels' own source. On a GPU
+//! (scripts/gpu.sh) the same checks run on the real driver and NVRTC.
+
+mod common;
+
+use common::fake_cuda::{under_fake_driver, Fake};
+use cudarc::driver::sys;
+use weight_manager_core::internals::memory::cuda::cuda;
+use weight_manager_core::internals::memory::device::DeviceAllocation;
+use weight_manager_core::quant::bands::Wide;
+use weight_manager_core::quant::blocks::Placed;
+use weight_manager_core::quant::device::{self, OnDevice, Rows};
+use weight_manager_core::quant::{self as q, Scheme, Source};
+use weight_manager_core::DType;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A finite value of every kind: normal, subnormal, zero, large.
+    fn value(&mut self) -> f32 {
+        match self.next() % 16 {
+            0 => 0.0,
+            1 => f32::from_bits((self.next() % 0x7f_ffff) as u32 + 1) * 1e3,
+            2 => (self.next() % 1000) as f32 * 1e3,
+            _ => ((self.next() % 20001) as f32 - 10000.0) / 997.0,
+        }
+    }
+}
+
+/// `n` finite elements of `dtype`, little-endian; every 5th 128-column
+/// stretch all zero (all-zero blocks).
+fn elements(rng: &mut Rng, dtype: DType, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * dtype.size());
+    for i in 0..n {
+        let v = if (i / 128) % 5 == 4 { 0.0 } else { rng.value() };
+        match dtype {
+            DType::Bf16 => out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f16_bits(v).to_le_bytes()),
+            _ => out.extend_from_slice(&v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// A half's bits near `v` (truncated; any finite half will do).
+fn f16_bits(v: f32) -> u16 {
+    let v = v.clamp(-65504.0, 65504.0);
+    let b = v.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let e = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    match e {
+        ..=0 => sign | ((v.abs() * 16_777_216.0) as u16 & 0x3ff),
+        1..=30 => sign | ((e as u16) << 10) | ((b >> 13) & 0x3ff) as u16,
+        _ => sign | 0x7bff,
+    }
+}
+
+fn upload(ordinal: i32, bytes: &[u8]) -> DeviceAllocation {
+    let d = DeviceAllocation::new("a test tensor", ordinal, bytes.len()).unwrap();
+    let r = unsafe { sys::cuMemcpyHtoD_v2(d.ptr(), bytes.as_ptr().cast(), bytes.len()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    d
+}
+
+fn download(ptr: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, len) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    out
+}
+
+/// Whole tensors: the kernels' amax and bytes are the CPU's.
+fn whole_tensors() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for dtype in [DType::Bf16, DType::F16, DType::F32] {
+        for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor] {
+            for (rows, cols) in [(1, 1), (5, 130), (128, 128), (129, 257), (300, 200)] {
+                let what = format!("{dtype} {scheme:?} [{rows}, {cols}]");
+                let bytes = elements(&mut rng, dtype, rows * cols);
+                let src = Source {
+                    dtype,
+                    bytes: &bytes,
+                    rows,
+                    cols,
+                };
+                let [sr, sc] = scheme.scales_shape(rows, cols);
+                let mut want_amax = vec![0f32; sr * sc];
+                q::block_amax(scheme, src, [0, 0], [rows, cols], &mut want_amax).unwrap();
+                let mut want = (vec![0u8; rows * cols], vec![0f32; sr * sc]);
+                q::quantize(scheme, src, &mut want.0, &mut want.1).unwrap();
+
+                let d = upload(0, &bytes);
+                let shape = [rows as u64, cols as u64];
+                let t = OnDevice {
+                    ordinal: 0,
+                    ptr: d.ptr(),
+                    dtype,
+                    scheme,
+                    placed: Placed {
+                        shape: &shape,
+                        offset: &[0, 0],
+                        global: &shape,
+                    },
+                };
+                let all = (rows * cols) as u64;
+                let runs = [Rows {
+                    offset: 0,
+                    len: all,
+                    rows: 1,
+                    stride: all,
+                }];
+                let amax = device::amax(&t, &runs).unwrap().unwrap();
+                assert_eq!(bits(&amax), bits(&want_amax), "{what}: amax");
+                let out = DeviceAllocation::new("out", 0, rows * cols).unwrap();
+                device::quantize(&t, &runs, &amax, out.ptr()).unwrap();
+                assert_same(&download(out.ptr(), rows * cols), &want.0, &what);
+
+                // The engine's way: host bytes a band at a time.
+                let fp8 = DeviceAllocation::new("param", 0, rows * cols).unwrap();
+                let wide = Wide {
+                    dtype,
+                    shape: &shape,
+                    bytes: &bytes,
+                };
+                device::write_from_host(0, scheme, wide, &want_amax, fp8.ptr()).unwrap();
+                assert_same(
+                    &download(fp8.ptr(), rows * cols),
+                    &want.0,
+                    &format!("{what} (from host)"),
+                );
+            }
+        }
+    }
+}
+
+/// A shard of a global tensor, read through a strided run and a whole one:
+/// blocks split across shards get the CPU's partial amax, and the bytes
+/// quantized with the agreed (global) amax are the CPU's.
+fn a_shard_through_runs() {
+    let mut rng = Rng(7);
+    let (global, shard_at, shard) = ([300u64, 260u64], [75u64, 0u64], [75u64, 260u64]);
+    let dtype = DType::Bf16;
+    let bytes = elements(&mut rng, dtype, (shard[0] * shard[1]) as usize);
+    let d = upload(0, &bytes);
+    let placed = Placed {
+        shape: &shard,
+        offset: &shard_at,
+        global: &global,
+    };
+    let t = OnDevice {
+        ordinal: 0,
+        ptr: d.ptr(),
+        dtype,
+        scheme: Scheme::Fp8Block128,
+        placed,
+    };
+    // Rows 3..40, columns 100..230 of the shard.
+    let (r0, nr, c0, nc) = (3usize, 37usize, 100usize, 130usize);
+    let run = Rows {
+        offset: (r0 * 260 + c0) as u64,
+        len: nc as u64,
+        rows: nr as u64,
+        stride: 260,
+    };
+    let mut part = Vec::new();
+    for r in r0..r0 + nr {
+        part.extend_from_slice(&bytes[(r * 260 + c0) * 2..(r * 260 + c0 + nc) * 2]);
+    }
+    let src = Source {
+        dtype,
+        bytes: &part,
+        rows: nr,
+        cols: nc,
+    };
+    let origin = [75 + r0, c0];
+    let whole = [300usize, 260usize];
+    let mut want = vec![0f32; 3 * 3];
+    q::block_amax(Scheme::Fp8Block128, src, origin, whole, &mut want).unwrap();
+    let local = device::amax(&t, &[run]).unwrap().unwrap();
+    assert_eq!(
+        t.local_blocks(),
+        2 * 3,
+        "rows 75..150 span block rows 0 and 1"
+    );
+    for (b, w) in want.iter().enumerate() {
+        let got = t.local_block(b as u64).map_or(0.0, |l| local[l]);
+        assert_eq!(got.to_bits(), w.to_bits(), "block {b}");
+    }
+    // Agreed amax: larger than this shard's own for some blocks.
+    let agreed: Vec<f32> = want
+        .iter()
+        .enumerate()
+        .map(|(b, a)| a * (1.0 + b as f32 / 3.0))
+        .collect();
+    let mut local_agreed = vec![0f32; t.local_blocks()];
+    for (b, a) in agreed.iter().enumerate() {
+        if let Some(l) = t.local_block(b as u64) {
+            local_agreed[l] = *a;
+        }
+    }
+    let out = DeviceAllocation::new("out", 0, nr * nc).unwrap();
+    device::quantize(&t, &[run], &local_agreed, out.ptr()).unwrap();
+    let (mut bytes_cpu, mut scales) = (vec![0u8; nr * nc], vec![0f32; 9]);
+    q::quantize_with(
+        Scheme::Fp8Block128,
+        src,
+        (origin, whole),
+        &agreed,
+        &mut bytes_cpu,
+        &mut scales,
+    )
+    .unwrap();
+    assert_same(
+        &download(out.ptr(), nr * nc),
+        &bytes_cpu,
+        "a strided run of a shard",
+    );
+}
+
+/// A NaN or an infinity is found, named by its (first) shard element.
+fn non_finite_elements() {
+    for (at, v) in [
+        (1000usize, f32::NAN),
+        (77, f32::INFINITY),
+        (5, f32::NEG_INFINITY),
+    ] {
+        let mut bytes = elements(&mut Rng(3), DType::F32, 64 * 40);
+        bytes[at * 4..at * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        bytes[2000 * 4..2000 * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let d = upload(0, &bytes);
+        let shape = [64u64, 40u64];
+        let t = OnDevice {
+            ordinal: 0,
+            ptr: d.ptr(),
+            dtype: DType::F32,
+            scheme: Scheme::Fp8Block128,
+            placed: Placed {
+                shape: &shape,
+                offset: &[0, 0],
+                global: &shape,
+            },
+        };
+        let all = [Rows {
+            offset: 0,
+            len: 64 * 40,
+            rows: 1,
+            stride: 0,
+        }];
+        assert_eq!(
+            device::amax(&t, &all).unwrap(),
+            Err(at as u64),
+            "{v} at {at}"
+        );
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: byte {i}: kernel {:#04x}, CPU {:#04x}",
+            got[i], want[i]
+        );
+    }
+    assert_eq!(got.len(), want.len(), "{what}");
+}
+
+fn all_checks() {
+    whole_tensors();
+    a_shard_through_runs();
+    non_finite_elements();
+}
+
+#[test]
+fn fp8_kernels_under_the_test_driver() {
+    if !under_fake_driver("fp8_kernels_under_the_test_driver", false) {
+        return;
+    }
+    let fake = Fake::open();
+    all_checks();
+    assert!(fake.calls("cuLaunchKernel") > 0, "the kernels ran");
+}
+
+#[test]
+fn fp8_kernels_on_a_gpu() {
+    if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
+        return;
+    }
+    if let Err(e) = cuda() {
+        println!("skipped: no usable GPU here: {e}");
+        return;
+    }
+    all_checks();
+}
+
+#[test]
+fn without_nvrtc_the_quantizer_says_so() {
+    if !under_fake_driver("without_nvrtc_the_quantizer_says_so", false) {
+        return;
+    }
+    // Read once: this child process has the test to itself.
+    std::env::set_var("WM_NVRTC_LIB", "/nonexistent/libnvrtc.so");
+    let d = upload(0, &[0u8; 8]);
+    let shape = [2u64, 2u64];
+    let t = OnDevice {
+        ordinal: 0,
+        ptr: d.ptr(),
+        dtype: DType::Bf16,
+        scheme: Scheme::Fp8Tensor,
+        placed: Placed {
+            shape: &shape,
+            offset: &[0, 0],
+            global: &shape,
+        },
+    };
+    let e = device::amax(
+        &t,
+        &[Rows {
+            offset: 0,
+            len: 4,
+            rows: 1,
+            stride: 4,
+        }],
+    )
+    .unwrap_err();
+    assert!(
+        e.message.contains("NVRTC is not available") && e.message.contains("WM_NVRTC_LIB"),
+        "{}",
+        e.message
+    );
+}
+
+// ---- FP8 params in GPU memory (the engine's side) ----
+
+use common::sharded::{piece, serving};
+use common::{write_safetensors, write_version, T};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use weight_manager_core::quant::params::scales_shape;
+use weight_manager_core::{
+    wm_result, Manager, ManagerConfig, MemoryKind, Mode, ParamSpec, Placement, Publisher,
+    PublisherConfig, SourceKind, TensorDesc, UpdateRequest,
+};
+
+fn manager() -> Manager {
+    Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn device(spec: ParamSpec) -> ParamSpec {
+    ParamSpec {
+        memory: MemoryKind::Device,
+        device_ordinal: 0,
+        ..spec
+    }
+}
+
+/// FP8 param `spec` and its scales `<name>.scale_inv` on GPU 0,
+/// library-owned or engine-owned (`engine`), declared quantized: their
+/// device addresses and sizes.
+fn quantized_on_gpu(
+    m: &Manager,
+    spec: ParamSpec,
+    scheme: Scheme,
+    engine: bool,
+) -> [(u64, usize); 2] {
+    let s = ParamSpec::host(
+        &format!("{}.scale_inv", spec.name),
+        DType::F32,
+        &scales_shape(scheme, &spec.shape),
+    );
+    let out = [device(spec.clone()), device(s.clone())].map(|spec| {
+        let n = spec.shape.iter().product::<u64>() as usize * spec.dtype.size();
+        if engine {
+            let d = Box::leak(Box::new(
+                DeviceAllocation::new("a test param", 0, n).unwrap(),
+            ));
+            unsafe { m.register(&spec, d.ptr() as *mut u8, n) }.unwrap();
+            (d.ptr(), n)
+        } else {
+            let (p, n) = m.allocate(&spec).unwrap();
+            (p as u64, n)
+        }
+    });
+    m.quantize(&spec.name, &s.name, scheme).unwrap();
+    out
+}
+
+fn tensor(name: &str, dtype: DType, shape: &[u64], seed: u64) -> T {
+    let n = shape.iter().product::<u64>() as usize;
+    T {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        data: elements(&mut Rng(seed * 31 + 1), dtype, n),
+    }
+}
+
+/// The whole-tensor quantization of `t` (`[..., rows, cols]`: a batch of
+/// matrices with 128x128 blocks; one scale for all of it per tensor).
+fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
+    let n = t.shape.len();
+    let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
+    let (batch, per) = match scheme {
+        Scheme::Fp8Block128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
+        Scheme::Fp8Tensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
+    };
+    let [sr, sc] = scheme.scales_shape(per, cols);
+    let (mut out, mut scales) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
+    let es = t.dtype.size();
+    for k in 0..batch {
+        let src = Source {
+            dtype: t.dtype,
+            bytes: &t.data[k * per * cols * es..(k + 1) * per * cols * es],
+            rows: per,
+            cols,
+        };
+        let (o, s) = (
+            &mut out[k * per * cols..(k + 1) * per * cols],
+            &mut scales[k * sr * sc..(k + 1) * sr * sc],
+        );
+        q::quantize(scheme, src, o, s).unwrap();
+    }
+    (out, scales)
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn write_snapshot(dir: &Path, ts: &[T], step: &str) {
+    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), ts);
+    write_version(dir, step);
+    weight_manager_core::checkpoint::checksums::write(dir, 1).unwrap();
+}
+
+/// A bf16/f16/f32 snapshot into FP8 params on the GPU, in both modes,
+/// library- and engine-owned, two versions: the kernels quantize what was
+/// read, byte for byte the CPU quantizer's, and the scales are uploaded.
+fn snapshot_into_device_params() {
+    let schemes = [Scheme::Fp8Block128, Scheme::Fp8Block128, Scheme::Fp8Tensor];
+    let model = |seed| {
+        vec![
+            tensor("w", DType::Bf16, &[300, 200], seed),
+            tensor("experts", DType::F16, &[2, 200, 130], seed),
+            tensor("head", DType::F32, &[130, 129], seed),
+        ]
+    };
+    for (mode, engine) in [
+        (Mode::Atomic, false),
+        (Mode::Atomic, true),
+        (Mode::InPlace, false),
+        (Mode::InPlace, true),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager();
+        let params: Vec<_> = (model(1).iter().zip(schemes))
+            .map(|(t, s)| {
+                quantized_on_gpu(
+                    &m,
+                    ParamSpec::host(&t.name, DType::F8E4m3, &t.shape),
+                    s,
+                    engine,
+                )
+            })
+            .collect();
+        for (seed, step) in [(1, "1"), (2, "2")] {
+            let ts = model(seed);
+            write_snapshot(dir.path(), &ts, step);
+            let mut req = UpdateRequest::snapshot(dir.path());
+            req.mode = mode;
+            req.verify = true;
+            assert_eq!(m.update(req).unwrap().version, step);
+            for ((t, scheme), [w, s]) in ts.iter().zip(schemes).zip(&params) {
+                let (want_q, want_s) = reference(t, scheme);
+                let what = format!("{mode:?} engine-owned {engine} v{step} '{}'", t.name);
+                assert_same(&download(w.0, w.1), &want_q, &what);
+                assert_eq!(f32s(&download(s.0, s.1)), want_s, "{what}: scales");
+            }
+        }
+    }
+}
+
+/// A [300, 256] bf16 tensor in row shards of 75 from four publishers
+/// (every 128-row block split over two or three of them), quantized by the
+/// publishers from host memory, into FP8 params on the GPU holding column
+/// half 1: the FP8 bytes arrive as any device param's, the scales are
+/// uploaded at the commit.
+fn publishers_into_device_params(via: SourceKind) {
+    let g = tensor("g", DType::Bf16, &[300, 256], 3);
+    let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
+    let half_q: Vec<u8> = want_q
+        .chunks(256)
+        .flat_map(|row| row[128..].to_vec())
+        .collect();
+    let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let ps = host_publishers(dir.path(), via, &g);
+    let m = common::sharded::net_engine("device-quant-test-secret");
+    let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+    spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+    let [w, s] = quantized_on_gpu(&m, spec, Scheme::Fp8Block128, false);
+    let mut req = UpdateRequest::snapshot(PathBuf::new());
+    req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+    req.source = via;
+    req.timeout = Duration::from_secs(60);
+    let (r, _) = serving(&ps, || m.update(req));
+    assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
+    assert_same(&download(w.0, w.1), &half_q, &format!("{via:?}: fp8 bytes"));
+    assert_eq!(f32s(&download(s.0, s.1)), half_s, "{via:?}: scales");
+}
+
+fn host_publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
+    let row = 256 * 2;
+    (0..4u64)
+        .map(|r| {
+            let p = match via {
+                SourceKind::Ipc => {
+                    Publisher::bind(&dir.join(format!("p{r}.sock")), PublisherConfig::default())
+                        .unwrap()
+                }
+                _ => Publisher::bind_net(
+                    "127.0.0.1:0",
+                    PublisherConfig {
+                        secret: Some(b"device-quant-test-secret".to_vec()),
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            };
+            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
+            let placement = Placement {
+                global_shape: g.shape.clone(),
+                offset: vec![r * 75, 0],
+            };
+            let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
+            // SAFETY: `g` outlives the serving.
+            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+            p.set_version(Some("1".into()));
+            p
+        })
+        .collect()
+}
+
+/// A weight and its scales in different places are refused, naming both.
+fn scales_elsewhere_are_refused() {
+    let m = manager();
+    m.allocate(&device(ParamSpec::host("w", DType::F8E4m3, &[256, 256])))
+        .unwrap();
+    m.allocate(&ParamSpec::host("w.scale_inv", DType::F32, &[2, 2]))
+        .unwrap();
+    let e = m
+        .quantize("w", "w.scale_inv", Scheme::Fp8Block128)
+        .unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_INVALID_ARGUMENT);
+    assert!(
+        e.message.contains("'w'")
+            && e.message.contains("GPU 0")
+            && e.message.contains("host memory"),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
+fn fp8_device_params_under_the_test_driver() {
+    if !under_fake_driver("fp8_device_params_under_the_test_driver", false) {
+        return;
+    }
+    let fake = Fake::open();
+    let before = fake.calls("cuLaunchKernel");
+    snapshot_into_device_params();
+    assert!(
+        fake.calls("cuLaunchKernel") > before,
+        "the kernels quantized the snapshot"
+    );
+    publishers_into_device_params(SourceKind::Ipc);
+    publishers_into_device_params(SourceKind::Rdma);
+    scales_elsewhere_are_refused();
+}
+
+#[test]
+fn fp8_device_params_on_a_gpu() {
+    if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
+        return;
+    }
+    if let Err(e) = cuda() {
+        println!("skipped: no usable GPU here: {e}");
+        return;
+    }
+    snapshot_into_device_params();
+    publishers_into_device_params(SourceKind::Ipc);
+    scales_elsewhere_are_refused();
+}
