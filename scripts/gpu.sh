@@ -23,7 +23,12 @@
 #   2. tests/cuda.rs, tests/device_swap.rs, tests/fanout.rs (the NCCL
 #      loader and meetings: WM_NCCL_LIB is pointed at the image's NCCL);
 #   3. the FP8 quantizer against PyTorch's CUDA kernels, bit for bit
-#      (the core crate's quant tests with WM_TEST_TORCH_DEVICE=cuda);
+#      (the core crate's quant tests with WM_TEST_TORCH_DEVICE=cuda), and
+#      its GPU kernels (compiled by NVRTC: WM_NVRTC_LIB is pointed at the
+#      image's libnvrtc) against PyTorch's CPU reference bit for bit, then
+#      tests/device_quant.rs: the kernels against the CPU quantizer, FP8
+#      device params from a snapshot and from publishers, and GPU versions
+#      quantized by their IPC publishers;
 #   4. CUDA graphs across clear and update (python/tests/test_cuda_graphs.py);
 #   5. `wm bench gpu` (WM_GPU_BENCH_GIB sets its size, 0 skips it).
 # With $OUT set, the log goes to $OUT/gpu.log too.
@@ -39,6 +44,7 @@ pack() {
     cargo build --release --locked -p wm --features test-hooks
     cargo build --release --locked -p weight_manager --lib
     list=$(cargo test --release --locked --no-run --test gpu --test cuda --test device_swap --test fanout \
+        --test device_quant \
         --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -99,6 +105,21 @@ graphs() {
         "$py" -m pytest -q -p no:cacheprovider python/tests/test_cuda_graphs.py -rs
 }
 
+# NVRTC: the PyTorch wheel's (nvidia-cuda-nvrtc), else the CUDA toolkit's.
+nvrtc_lib() {
+    "${WM_PYTHON:-python3}" - <<'PY' 2>/dev/null && return
+import glob, os, sys
+import nvidia
+for d in nvidia.__path__:
+    for p in sorted(glob.glob(os.path.join(d, "**", "libnvrtc.so*"), recursive=True)):
+        if "builtins" not in p:
+            print(p)
+            sys.exit(0)
+sys.exit(1)
+PY
+    ls /usr/local/cuda/lib64/libnvrtc.so* 2>/dev/null | grep -v builtins | head -1
+}
+
 nccl_lib() {
     "${WM_PYTHON:-python3}" - <<'PY' 2>/dev/null
 import glob, os
@@ -127,7 +148,11 @@ run() {
     nccl=$(nccl_lib)
     if [ -n "$nccl" ] && [ -z "${WM_NCCL_LIB:-}" ]; then export WM_NCCL_LIB="$nccl"; fi
     if [ -n "${WM_NCCL_LIB:-}" ]; then export WM_REQUIRE_NCCL=1; fi
-    echo "WM_UCX_LIB=${WM_UCX_LIB:-} WM_NCCL_LIB=${WM_NCCL_LIB:-}"
+    if [ -z "${WM_NVRTC_LIB:-}" ]; then
+        WM_NVRTC_LIB=$(nvrtc_lib)
+        export WM_NVRTC_LIB
+    fi
+    echo "WM_UCX_LIB=${WM_UCX_LIB:-} WM_NCCL_LIB=${WM_NCCL_LIB:-} WM_NVRTC_LIB=${WM_NVRTC_LIB:-}"
     export WM_BIN="$PWD/$kit/wm"
     stage "wm devices" "$kit/wm" devices
     stage "tests/gpu.rs" "$kit/test-gpu" --test-threads=1 --nocapture
@@ -136,6 +161,7 @@ run() {
     stage "tests/fanout.rs" "$kit/test-fanout" --test-threads=1 --nocapture
     stage "FP8 quantizer vs PyTorch CUDA" env WM_TEST_PYTHON="${WM_PYTHON:-python3}" \
         WM_TEST_TORCH_DEVICE=cuda CI=true "$kit/test-core" quant:: --test-threads=2
+    stage "tests/device_quant.rs (FP8 kernels)" "$kit/test-device_quant" --test-threads=1 --nocapture
     stage "CUDA graphs (python)" graphs
     local gib="${WM_GPU_BENCH_GIB:-4}"
     if [ "$gib" != 0 ]; then

@@ -569,6 +569,101 @@ fn host_publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
         .collect()
 }
 
+/// The same row shards published as a GPU version by four IPC publishers
+/// (each copies its shard into a GPU buffer): the publishers' kernels find
+/// the blocks' amax and quantize on the GPU, copy only the FP8 image to
+/// host memory, and the engine (FP8 params in host memory, then on the
+/// GPU) gets the global tensor's quantization; a NaN in one shard fails
+/// the update naming the tensor and its element, and the old weights stay.
+fn gpu_versions_quantized_by_their_publishers() {
+    let g = tensor("g", DType::Bf16, &[300, 256], 5);
+    let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
+    let half_q: Vec<u8> = want_q
+        .chunks(256)
+        .flat_map(|row| row[128..].to_vec())
+        .collect();
+    let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let row = 256 * 2;
+    let mut shards = Vec::new();
+    let ps: Vec<Publisher> = (0..4u64)
+        .map(|r| {
+            let p = Publisher::bind(
+                &dir.path().join(format!("g{r}.sock")),
+                PublisherConfig::default(),
+            )
+            .unwrap();
+            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
+            let d = upload(0, bytes);
+            let placement = Placement {
+                global_shape: g.shape.clone(),
+                offset: vec![r * 75, 0],
+            };
+            let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bytes.len(), 0);
+            // SAFETY: the device copy lives until publish returns (kept below).
+            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+            p.set_version(Some("1".into()));
+            p.publish().unwrap();
+            shards.push(d);
+            p
+        })
+        .collect();
+    for on_gpu in [false, true] {
+        let m = manager();
+        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+        let [w, s] = if on_gpu {
+            quantized_on_gpu(&m, spec, Scheme::Fp8Block128, false)
+        } else {
+            let sc = ParamSpec::host("half.scale_inv", DType::F32, &[3, 1]);
+            let (w, wn) = m.allocate(&spec).unwrap();
+            let (s, sn) = m.allocate(&sc).unwrap();
+            m.quantize("half", "half.scale_inv", Scheme::Fp8Block128)
+                .unwrap();
+            [(w as u64, wn), (s as u64, sn)]
+        };
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(60);
+        let (r, served) = serving(&ps, || m.update(req));
+        assert_eq!(
+            r.unwrap().bytes,
+            300 * 128,
+            "on GPU {on_gpu}: FP8 on the wire"
+        );
+        let quantized: u64 = served
+            .into_iter()
+            .map(|s| s.unwrap().sessions[0].quantized)
+            .sum();
+        assert_eq!(
+            quantized,
+            300 * 128 * 2,
+            "the publishers read each element once"
+        );
+        assert_same(
+            &download_any(w, on_gpu),
+            &half_q,
+            &format!("GPU version, params on GPU {on_gpu}"),
+        );
+        assert_eq!(
+            f32s(&download_any(s, on_gpu)),
+            half_s,
+            "GPU version: scales"
+        );
+    }
+    drop(shards);
+}
+
+/// A param's bytes: downloaded from the GPU, or read from host memory.
+fn download_any((ptr, len): (u64, usize), on_gpu: bool) -> Vec<u8> {
+    match on_gpu {
+        true => download(ptr, len),
+        // SAFETY: a registered host param, not written while read.
+        false => unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec(),
+    }
+}
+
 /// A weight and its scales in different places are refused, naming both.
 fn scales_elsewhere_are_refused() {
     let m = manager();
@@ -603,6 +698,12 @@ fn fp8_device_params_under_the_test_driver() {
     );
     publishers_into_device_params(SourceKind::Ipc);
     publishers_into_device_params(SourceKind::Rdma);
+    let before = fake.calls("cuLaunchKernel");
+    gpu_versions_quantized_by_their_publishers();
+    assert!(
+        fake.calls("cuLaunchKernel") > before,
+        "the publishers' kernels quantized"
+    );
     scales_elsewhere_are_refused();
 }
 
@@ -617,5 +718,6 @@ fn fp8_device_params_on_a_gpu() {
     }
     snapshot_into_device_params();
     publishers_into_device_params(SourceKind::Ipc);
+    gpu_versions_quantized_by_their_publishers();
     scales_elsewhere_are_refused();
 }

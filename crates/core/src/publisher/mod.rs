@@ -73,6 +73,7 @@ mod net;
 mod offer;
 mod plan;
 mod quantize;
+mod quantize_device;
 mod session;
 mod shard;
 mod socket;

@@ -13,6 +13,7 @@
 //! source bytes are held, then its image (one byte per element).
 
 use super::offer::Published;
+use super::quantize_device;
 use super::shard::{fill, Shard};
 use crate::memory::host::HostRegion;
 use crate::quant::bands::{self, Wide};
@@ -41,6 +42,8 @@ struct Job {
     /// Quantized already with its own amax, when it holds its blocks
     /// whole (`own_blocks`): kept if the agreed amax is its own.
     image: Option<HostRegion>,
+    /// In a GPU version on this GPU: quantized there (`quantize_device`).
+    device: Option<i32>,
 }
 
 /// Answer WANT's quantized requests `quant` of `want` (their runs count
@@ -83,8 +86,11 @@ pub(super) fn serve(
         let q = &want[job.request as usize];
         read_bytes += q.bytes() * job.dtype.size() as u64;
         let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
-        let image = match job.image.take() {
-            Some(image) if same(&job.amax) => image,
+        let image = match (job.image.take(), job.device) {
+            (Some(image), _) if same(&job.amax) => image,
+            (_, Some(gpu)) => {
+                quantize_device::image(shard, q, (job.scheme, gpu), &job.blocks, &amax)?
+            }
             _ => quantized(shard, q, &job, &amax, threads)?,
         };
         let len = q.bytes();
@@ -160,43 +166,17 @@ fn in_memory(shard: &Shard, t: usize) -> Option<&[u8]> {
 }
 
 /// Check quantized request `k` of `q`'s tensor, read its elements where
-/// they are not in memory, and find its blocks' amax (on `threads`).
+/// they are not in memory, and find its blocks' amax (on `threads`; in a
+/// GPU version, on that GPU).
 fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usize) -> Result<Job> {
     let meta = &shard.manifest.tensors[q.tensor as usize];
     let dtype = meta.dtype;
-    if matches!(shard.published, Some(Published::Device(_))) {
-        return Err(Error::unsupported(format!(
-            "WANT request #{k}: tensor '{}' is in a GPU version: quantizing GPU tensors \
-             for the wire needs the CUDA kernel, not done yet",
-            meta.name
-        )));
-    }
     if !matches!(dtype, DType::Bf16 | DType::F16 | DType::F32) {
         return Err(Error::peer(format!(
             "WANT request #{k}: tensor '{}' is {dtype}: FP8 is made from bf16, f16 or f32",
             meta.name
         )));
     }
-    let esize = dtype.size() as u64;
-    let wide = match in_memory(shard, q.tensor as usize) {
-        Some(_) => None,
-        None => Some(gather(shard, q, esize, threads)?),
-    };
-    let meta = &shard.manifest.tensors[q.tensor as usize];
-    let at = Placed::of(meta);
-    let elements = Elements {
-        tensor: in_memory(shard, q.tensor as usize),
-        wide: wide.as_deref(),
-        esize,
-    };
-    let not_finite = |e: u64| {
-        Error::format(format!(
-            "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
-             refuses NaN and infinity, so a diverged trainer does not reach the engine",
-            meta.name,
-            global_index(at, e)
-        ))
-    };
     let mut job = Job {
         request: k,
         scheme,
@@ -206,6 +186,36 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         blocks: Vec::new(),
         amax: Vec::new(),
         image: None,
+        device: match &shard.published {
+            Some(Published::Device(d)) => Some(d.ordinal()),
+            _ => None,
+        },
+    };
+    let esize = dtype.size() as u64;
+    // A GPU version's elements stay on the GPU (never viewed as host memory).
+    let wide = match job.device.is_none() && in_memory(shard, q.tensor as usize).is_none() {
+        true => Some(gather(shard, q, esize, threads)?),
+        false => None,
+    };
+    let meta = &shard.manifest.tensors[q.tensor as usize];
+    let at = Placed::of(meta);
+    let not_finite = |e: u64| {
+        Error::format(format!(
+            "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
+             refuses NaN and infinity, so a diverged trainer does not reach the engine",
+            meta.name,
+            global_index(at, e)
+        ))
+    };
+    if let Some(gpu) = job.device {
+        (job.blocks, job.amax) =
+            quantize_device::amax(shard, q, scheme, gpu)?.map_err(not_finite)?;
+        return Ok(job);
+    }
+    let elements = Elements {
+        tensor: in_memory(shard, q.tensor as usize),
+        wide: wide.as_deref(),
+        esize,
     };
     if let Some(own) = own_blocks(q, scheme, at) {
         let (blocks, amax, image) =

@@ -280,6 +280,10 @@ pub(super) fn fill(
             return Ok(());
         }
         let first_image = shard.manifest.tensors.len();
+        if let Some(Published::Device(d)) = &shard.published {
+            copy_from_gpu(&shard.bytes, (d.ordinal(), first_image), &batch)?;
+            continue;
+        }
         copy_batch(
             &mut shard.bytes,
             (&shard.images, first_image),
@@ -287,6 +291,34 @@ pub(super) fn fill(
             threads,
         )?;
     }
+}
+
+/// Copy `batch` of a GPU version's shard: its tensors' blocks out of GPU
+/// `ordinal` (one synchronous copy each), its images' (tensors from
+/// `first_image` on: quantized requests, made in host memory) from the
+/// host. Packing happens only for sessions with images: others hand the
+/// GPU buffer over and copy nothing here.
+fn copy_from_gpu(
+    bytes: &ShardBytes,
+    (ordinal, first_image): (i32, usize),
+    batch: &[Block],
+) -> Result<()> {
+    let ShardBytes::Memory(ptrs) = bytes else {
+        unreachable!("a published version is in memory")
+    };
+    for &(t, src, dst, len) in batch {
+        let from = ptrs[t].0.wrapping_add(src as usize);
+        if t >= first_image {
+            // SAFETY: an image of this session's, the block inside it; the
+            // destination inside the bucket buffer (planned from its size).
+            unsafe { std::ptr::copy_nonoverlapping(from, dst.0, len) };
+            continue;
+        }
+        // SAFETY: the block lies in the version's GPU buffer (requests
+        // were checked against their tensors when WANT came).
+        unsafe { crate::memory::cuda_ipc::download(ordinal, dst.0, from as u64, len) }?;
+    }
+    Ok(())
 }
 
 /// Copy `batch` from where the shard's bytes are, on `threads`.
