@@ -39,15 +39,14 @@ fn rows(q: &Request) -> Vec<Rows> {
         .collect()
 }
 
+/// The blocks a request touches and their amax; Err: a non-finite
+/// element of the tensor.
+type Found = std::result::Result<(Vec<u64>, Vec<f32>), u64>;
+
 /// The blocks request `q` touches (`quant::blocks::touched` order) and
 /// their amax over its elements, found on the GPU. Ok(Err(e)): element
 /// `e` of the tensor is NaN or infinite.
-pub(super) fn amax(
-    shard: &Shard,
-    q: &Request,
-    scheme: Scheme,
-    ordinal: i32,
-) -> Result<std::result::Result<(Vec<u64>, Vec<f32>), u64>> {
+pub(super) fn amax(shard: &Shard, q: &Request, scheme: Scheme, ordinal: i32) -> Result<Found> {
     let t = on_device(shard, q, scheme, ordinal);
     let pieces = q.extents(0, q.bytes()).map(|(src, at, len)| (src, len, at));
     let blocks = touched(scheme, t.placed, pieces);

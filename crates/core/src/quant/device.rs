@@ -164,8 +164,9 @@ impl OnDevice<'_> {
 pub fn amax(t: &OnDevice, runs: &[Rows]) -> Result<std::result::Result<Vec<f32>, u64>> {
     let kernel = nvrtc::kernel(t.ordinal, PROGRAM, SOURCE, "wm_fp8_amax")?;
     let blocks = t.local_blocks();
-    let scratch = DeviceAllocation::new("the FP8 quantizer's amax", t.ordinal, blocks * 4 + 8)?;
-    let (bits, bad) = (scratch.ptr(), scratch.ptr() + blocks as u64 * 4);
+    let scratch = DeviceAllocation::new("the FP8 quantizer's amax", t.ordinal, 8 + blocks * 4)?;
+    // The u64 first: its atomics need 8-byte alignment.
+    let (bad, bits) = (scratch.ptr(), scratch.ptr() + 8);
     // SAFETY: the scratch is ours and that large; its context is current.
     unsafe {
         check(sys::cuMemsetD8_v2(bits, 0, blocks * 4), "cuMemsetD8")?;

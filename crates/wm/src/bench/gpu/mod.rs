@@ -15,6 +15,8 @@
 //!   (when this UCX reaches CUDA memory: `WM_UCX_LIB`);
 //! - PyTorch's way beside ours, alternating (`torch_peers`): snapshot
 //!   into CUDA params, and CUDA tensors shared by `torch.multiprocessing`;
+//! - the FP8 quantizer's kernels on GPU memory beside a device-to-device
+//!   copy and PyTorch's reference expression (`quant`);
 //! - atomic updates of library-owned device params with the device page
 //!   swap (`swap_device_pages`) beside the same updates uploading into the
 //!   params (informational: the swap buys atomicity, not speed), and the
@@ -24,6 +26,7 @@
 //! Without a GPU it says so and exits with an error.
 
 mod gdr;
+mod quant;
 mod torch_peers;
 
 use super::harness::process::Proc;
@@ -198,6 +201,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     clear_rows(dir, count)?;
     gdr::gdr_rows(dir, count, total)?;
     torch_peers::torch_rows(dir, count, total as u64)?;
+    quant::quant_rows(total.min(1 << 30), dtod)?;
     let plain = gbps(total as u64, library_owned_atomic(dir, count, false)?);
     let one_call = library_owned_atomic(dir, count, true)?;
     let swapped = gbps(total as u64, one_call);
