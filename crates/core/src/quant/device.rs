@@ -32,6 +32,8 @@ use std::ffi::c_void;
 const SOURCE: &str = include_str!("fp8.cu");
 const PROGRAM: &str = "wm_fp8.cu";
 const THREADS: u32 = 256;
+/// Elements a thread takes at a time (`WM_CHUNK` of `fp8.cu`).
+const CHUNK: u64 = 16;
 /// Thread blocks of a launch at most (each thread loops over the rest).
 const MAX_BLOCKS: u64 = 1 << 16;
 
@@ -322,7 +324,11 @@ unsafe fn launch_run(kernel: Kernel, run: &Run, params: &mut [*mut c_void]) -> R
     if run.n == 0 {
         return Ok(());
     }
-    let blocks = run.n.div_ceil(THREADS as u64).min(MAX_BLOCKS) as u32;
+    let blocks = run
+        .n
+        .div_ceil(CHUNK)
+        .div_ceil(THREADS as u64)
+        .min(MAX_BLOCKS) as u32;
     nvrtc::launch(kernel, (blocks, THREADS), std::ptr::null_mut(), params)
 }
 

@@ -107,27 +107,64 @@ WM_DEVICE u64 wm_block(const struct wm_fp8_run *r, u64 e) {
     return (batch * r->brows + brow) * r->bcols + bcol;
 }
 
+/* Elements a thread takes at a time: the index arithmetic (64-bit
+ * divisions, the costly part on a GPU) is done once for them when they
+ * lie in one row and one block, as nearly all do. */
+#define WM_CHUNK 16
+
+/* Whether the run's elements i .. i + n (shard elements from e) lie in
+ * one row of the run, one row of the shard and one block. */
+WM_DEVICE int wm_one_block(const struct wm_fp8_run *r, u64 i, u64 e, u64 n) {
+    u64 col = e % r->cols;
+    if (i % r->len + n > r->len || col + n > r->cols) return 0;
+    return !r->blocked || (r->col0 + col) / 128 == (r->col0 + col + n - 1) / 128;
+}
+
 /* Each block's amax over the run, as f32 bit patterns (|x|'s bits order as
  * the values do), maxed into amax_bits; the smallest shard element that is
  * NaN or infinite into *bad (left alone when there is none). */
 WM_KERNEL void wm_fp8_amax(struct wm_fp8_run r, u32 *amax_bits, u64 *bad) {
-    for (u64 i = WM_FIRST_THREAD; i < r.n; i += WM_THREADS) {
-        u64 e = wm_element(&r, i);
-        u32 a = wm_bits(wm_load(&r, e)) & 0x7fffffffu;
-        if (a >= 0x7f800000u) {
-            wm_min_u64(bad, e);
-            a = 0;
+    u64 chunks = (r.n + WM_CHUNK - 1) / WM_CHUNK;
+    for (u64 c = WM_FIRST_THREAD; c < chunks; c += WM_THREADS) {
+        u64 i = c * WM_CHUNK, e = wm_element(&r, i);
+        u64 n = r.n - i < WM_CHUNK ? r.n - i : WM_CHUNK;
+        int one = wm_one_block(&r, i, e, n);
+        u32 m = 0;
+        for (u64 k = 0; k < n; k++) {
+            u64 ek = one ? e + k : wm_element(&r, i + k);
+            u32 a = wm_bits(wm_load(&r, ek)) & 0x7fffffffu;
+            if (a >= 0x7f800000u) {
+                wm_min_u64(bad, ek);
+                a = 0;
+            }
+            if (one) {
+                m = a > m ? a : m;
+            } else {
+                u64 b = wm_block(&r, ek);
+                wm_group_max(&amax_bits[b], b, a);
+            }
         }
-        u64 b = wm_block(&r, e);
-        wm_group_max(&amax_bits[b], b, a);
+        /* Lanes whose chunk crossed a block did theirs above: key ~0. */
+        u64 b = one ? wm_block(&r, e) : ~0ull;
+        wm_group_max(one ? &amax_bits[b] : amax_bits, b, one ? m : 0);
     }
 }
 
 /* The run's elements times their block's factor (448 / amax, from the
  * host), cast to E4M3: element i of the run into out[i]. */
 WM_KERNEL void wm_fp8_quantize(struct wm_fp8_run r, const float *factor, u8 *out) {
-    for (u64 i = WM_FIRST_THREAD; i < r.n; i += WM_THREADS) {
-        u64 e = wm_element(&r, i);
-        out[i] = wm_e4m3(wm_mul(wm_load(&r, e), factor[wm_block(&r, e)]));
+    u64 chunks = (r.n + WM_CHUNK - 1) / WM_CHUNK;
+    for (u64 c = WM_FIRST_THREAD; c < chunks; c += WM_THREADS) {
+        u64 i = c * WM_CHUNK, e = wm_element(&r, i);
+        u64 n = r.n - i < WM_CHUNK ? r.n - i : WM_CHUNK;
+        if (wm_one_block(&r, i, e, n)) {
+            float f = factor[wm_block(&r, e)];
+            for (u64 k = 0; k < n; k++) out[i + k] = wm_e4m3(wm_mul(wm_load(&r, e + k), f));
+            continue;
+        }
+        for (u64 k = 0; k < n; k++) {
+            u64 ek = wm_element(&r, i + k);
+            out[i + k] = wm_e4m3(wm_mul(wm_load(&r, ek), factor[wm_block(&r, ek)]));
+        }
     }
 }
