@@ -724,6 +724,7 @@ fn fp8_device_params_on_a_gpu() {
     }
     snapshot_into_device_params();
     publishers_into_device_params(SourceKind::Ipc);
+    publishers_into_device_params(SourceKind::Rdma);
     gpu_versions_quantized_by_their_publishers();
     scales_elsewhere_are_refused();
 }
