@@ -1059,9 +1059,13 @@ wm_result wm_allocate_param(wm_manager *manager,
 // agreed across publishers first, so a block split over trainer ranks
 // gets one scale); a snapshot is read as it is, verified against its
 // checksums, and quantized by the engine. Quantized params always come
-// whole (never as deltas). A trainer's GPU version is not quantized for
-// the wire yet (the update fails with `WM_ERR_UNSUPPORTED` naming the
-// tensor). A weight with no elements is refused. The rule, bit for bit PyTorch's: amax =
+// whole (never as deltas). Both params live in host memory, or both on
+// one GPU (device params): there the FP8 bytes are written by a CUDA
+// kernel compiled at run time by NVRTC (`WM_NVRTC_LIB`, else
+// `libnvrtc.so`), bit for bit the same; without NVRTC an update that must
+// quantize on the GPU fails with `WM_ERR_UNSUPPORTED`. A trainer's GPU
+// version is quantized on its GPU the same way. A weight with no elements
+// is refused. The rule, bit for bit PyTorch's: amax =
 // max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
 // amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
 // infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
@@ -1074,9 +1078,8 @@ wm_result wm_allocate_param(wm_manager *manager,
 // tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
 // global tensor. Errors name the param and what is wrong:
 // `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
-// shape, a piece cutting a block, a param declared twice),
-// `WM_ERR_UNSUPPORTED` (device params: not yet). Nothing changes on
-// error. Like registering: only before the first update or clear
+// shape, a piece cutting a block, a param declared twice, the weight
+// and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear
 // (`WM_ERR_STATE` after). Thread-safe.
 wm_result wm_quantize_param(wm_manager *manager,
                             const char *weight,

@@ -487,8 +487,12 @@ class Manager(OwnedHandle):
         commit, bit for bit as PyTorch computes
         `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` with amax =
         max(|x|) per block clamped at 1e-4, scale_inv = amax / 448. A NaN or
-        infinity fails the update naming the tensor and the element.
-        Like registering: only before the first update or clear."""
+        infinity fails the update naming the tensor and the element. Both
+        params in host memory, or both on one GPU (device params: a CUDA
+        kernel compiled by NVRTC quantizes there, bit for bit the same;
+        set WM_NVRTC_LIB to a libnvrtc.so, e.g. the one PyTorch's wheels
+        ship, if the loader does not find one). Like registering: only
+        before the first update or clear."""
         s = QuantScheme.parse(scheme)
         self._check(LIB.wm_quantize_param(self._h(), weight.encode(), scales.encode(), int(s)))
 
