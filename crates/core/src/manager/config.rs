@@ -63,9 +63,12 @@ pub struct ManagerConfig {
     /// only the first update faults it in: the packed staging of
     /// engine-owned host params, device params and callback tensors, and
     /// the next update's shadows of library-owned host params (faulted in
-    /// between updates, `shadows.rs`). Memory: one more copy of those
-    /// params while the engine runs, freed by `clear` and the manager's
-    /// end. Default true (`free_atomic_staging` = 0 in C).
+    /// between updates, `shadows.rs`); in place too, the buffers a
+    /// snapshot's bytes of quantized params land in before they are
+    /// quantized (their source dtype's bytes: faulting them in cost more
+    /// than quantizing). Memory: one more copy of those params while the
+    /// engine runs, freed by `clear` and the manager's end. Default true
+    /// (`free_atomic_staging` = 0 in C).
     pub keep_atomic_staging: bool,
     /// Atomic mode: commit library-owned device params that an update
     /// writes whole by a device page swap (`apply/device_swap.rs`): the

@@ -26,6 +26,9 @@ pub(super) struct Kept {
     /// With `keep_atomic_staging`: the next atomic update's shadows for
     /// library-owned host params, faulted in between updates.
     pub next_shadows: Mutex<NextShadows>,
+    /// In place, with `keep_atomic_staging`: each quantized param's
+    /// landing buffer (its source dtype's bytes), by param index.
+    pub quant_landing: Mutex<Vec<(usize, HostRegion)>>,
     /// NCCL fan-out: the communicator.
     pub fanout: Option<Mutex<FanoutLink>>,
 }
@@ -39,6 +42,7 @@ impl Kept {
             staging: Mutex::default(),
             atomic_staging: Mutex::default(),
             next_shadows: Mutex::default(),
+            quant_landing: Mutex::default(),
             fanout: fanout.map(Mutex::new),
         }
     }
@@ -50,5 +54,6 @@ impl Kept {
         self.staging.lock().release();
         self.atomic_staging.lock().take();
         self.next_shadows.lock().discard();
+        self.quant_landing.lock().clear();
     }
 }

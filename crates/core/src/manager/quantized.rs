@@ -12,23 +12,45 @@ use crate::plan::{Plan, Target};
 use crate::quant::params::QuantRole;
 use crate::registry::Registry;
 use crate::result::Result;
+use parking_lot::Mutex;
 
 /// The update's quantized params, with their landing buffers (in place).
-pub(super) struct Quantized {
+pub(super) struct Quantized<'k> {
     pub targets: Vec<QuantTarget>,
-    /// Per target in place, its buffer (freed when the update ends).
-    buffers: Vec<HostRegion>,
+    /// Per target in place, its buffer by param index: given back to
+    /// `keep` when the update ends (freed without one).
+    buffers: Vec<(usize, HostRegion)>,
+    keep: Option<&'k Mutex<Vec<(usize, HostRegion)>>>,
 }
 
-impl Quantized {
+impl Drop for Quantized<'_> {
+    fn drop(&mut self) {
+        if let Some(keep) = self.keep {
+            keep.lock().append(&mut self.buffers);
+        }
+    }
+}
+
+impl<'k> Quantized<'k> {
     /// The quantized params `plan` fills, for an update in `mode`. In
-    /// place, each gets a buffer of its elements in its source's dtype
-    /// (allocated here, faulted in where the bytes land).
-    pub fn of(registry: &Registry, plan: &Plan, mode: Mode) -> Result<Quantized> {
+    /// place, each gets a buffer of its elements in its source's dtype:
+    /// the one an earlier update left in `keep` for that param, else a new
+    /// one (faulted in where the bytes land); with `keep`, they go back
+    /// there when the update ends.
+    pub fn of(
+        registry: &Registry,
+        plan: &Plan,
+        mode: Mode,
+        keep: Option<&'k Mutex<Vec<(usize, HostRegion)>>>,
+    ) -> Result<Quantized<'k>> {
         let params = registry.params();
+        let mut spare = keep
+            .map(|k| std::mem::take(&mut *k.lock()))
+            .unwrap_or_default();
         let mut out = Quantized {
             targets: Vec::new(),
             buffers: Vec::new(),
+            keep,
         };
         for q in &plan.quantized {
             let (i, dtype) = (q.param, q.source);
@@ -40,13 +62,22 @@ impl Quantized {
                 _ if q.on_wire => None,
                 Mode::Atomic => None,
                 Mode::InPlace => {
-                    let what = format!("param '{}': its {dtype} bytes before quantizing", p.name);
-                    let r = HostRegion::new(&what, p.nbytes * dtype.size())?;
-                    // Huge pages: faulting 4 KiB pages in cost more than
-                    // quantizing their bytes.
-                    r.advise_huge(true);
+                    let len = p.nbytes * dtype.size();
+                    let kept = spare.iter().position(|(k, r)| *k == i && r.len() == len);
+                    let r = match kept {
+                        Some(k) => spare.swap_remove(k).1,
+                        None => {
+                            let what =
+                                format!("param '{}': its {dtype} bytes before quantizing", p.name);
+                            let r = HostRegion::new(&what, len)?;
+                            // Huge pages: faulting 4 KiB pages in cost more
+                            // than quantizing their bytes.
+                            r.advise_huge(true);
+                            r
+                        }
+                    };
                     let at = SendPtr(r.ptr());
-                    out.buffers.push(r);
+                    out.buffers.push((i, r));
                     Some(at)
                 }
             };

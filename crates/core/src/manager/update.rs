@@ -301,7 +301,9 @@ impl Manager {
         gdr: bool,
         feed: impl FnOnce(&mut Applier) -> Result<()>,
     ) -> std::result::Result<Applied, ApplyFailure> {
-        let quantized = Quantized::of(run.registry, plan, run.req.mode)?;
+        let keep = self.config.keep_atomic_staging;
+        let landing = keep.then_some(&self.kept.quant_landing);
+        let quantized = Quantized::of(run.registry, plan, run.req.mode, landing)?;
         let dests = quantized.dests(plan, run.registry);
         let apply_opts = ApplyOptions {
             mode: run.req.mode,
@@ -330,7 +332,6 @@ impl Manager {
         };
         let mut staging = self.kept.staging.lock();
         let mut kept = self.kept.atomic_staging.lock();
-        let keep = self.config.keep_atomic_staging;
         let atomic_mode = apply_opts.mode == Mode::Atomic;
         let atomic = self.atomic_staging(run.registry, keep.then_some(&mut *kept), atomic_mode);
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
