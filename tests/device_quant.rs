@@ -353,6 +353,7 @@ fn without_nvrtc_the_quantizer_says_so() {
 
 // ---- FP8 params in GPU memory (the engine's side) ----
 
+use common::quant::{reference, row_publishers};
 use common::sharded::{piece, serving};
 use common::{write_safetensors, write_version, T};
 use std::path::{Path, PathBuf};
@@ -420,32 +421,13 @@ fn tensor(name: &str, dtype: DType, shape: &[u64], seed: u64) -> T {
     }
 }
 
-/// The whole-tensor quantization of `t` (`[..., rows, cols]`: a batch of
-/// matrices with 128x128 blocks; one scale for all of it per tensor).
-fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
-    let n = t.shape.len();
-    let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
-    let (batch, per) = match scheme {
-        Scheme::Fp8Block128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
-        Scheme::Fp8Tensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
-    };
-    let [sr, sc] = scheme.scales_shape(per, cols);
-    let (mut out, mut scales) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
-    let es = t.dtype.size();
-    for k in 0..batch {
-        let src = Source {
-            dtype: t.dtype,
-            bytes: &t.data[k * per * cols * es..(k + 1) * per * cols * es],
-            rows: per,
-            cols,
-        };
-        let (o, s) = (
-            &mut out[k * per * cols..(k + 1) * per * cols],
-            &mut scales[k * sr * sc..(k + 1) * sr * sc],
-        );
-        q::quantize(scheme, src, o, s).unwrap();
-    }
-    (out, scales)
+/// An update pulling from publishers `ps` over `via`.
+fn pull(ps: &[Publisher], via: SourceKind) -> UpdateRequest<'static> {
+    let mut req = UpdateRequest::snapshot(PathBuf::new());
+    req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+    req.source = via;
+    req.timeout = Duration::from_secs(60);
+    req
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -522,51 +504,16 @@ fn publishers_into_device_params(via: SourceKind) {
         .collect();
     let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
     let dir = tempfile::tempdir().unwrap();
-    let ps = host_publishers(dir.path(), via, &g);
+    let ps = row_publishers(dir.path(), via, &g, b"device-quant-test-secret");
     let m = common::sharded::net_engine("device-quant-test-secret");
     let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
     spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
     let [w, s] = quantized_on_gpu(&m, spec, Scheme::Fp8Block128, false);
-    let mut req = UpdateRequest::snapshot(PathBuf::new());
-    req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
-    req.source = via;
-    req.timeout = Duration::from_secs(60);
+    let req = pull(&ps, via);
     let (r, _) = serving(&ps, || m.update(req));
     assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
     assert_same(&download(w.0, w.1), &half_q, &format!("{via:?}: fp8 bytes"));
     assert_eq!(f32s(&download(s.0, s.1)), half_s, "{via:?}: scales");
-}
-
-fn host_publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
-    let row = 256 * 2;
-    (0..4u64)
-        .map(|r| {
-            let p = match via {
-                SourceKind::Ipc => {
-                    Publisher::bind(&dir.join(format!("p{r}.sock")), PublisherConfig::default())
-                        .unwrap()
-                }
-                _ => Publisher::bind_net(
-                    "127.0.0.1:0",
-                    PublisherConfig {
-                        secret: Some(b"device-quant-test-secret".to_vec()),
-                        ..Default::default()
-                    },
-                )
-                .unwrap(),
-            };
-            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
-            let placement = Placement {
-                global_shape: g.shape.clone(),
-                offset: vec![r * 75, 0],
-            };
-            let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
-            // SAFETY: `g` outlives the serving.
-            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
-            p.set_version(Some("1".into()));
-            p
-        })
-        .collect()
 }
 
 /// The same row shards published as a GPU version by four IPC publishers
@@ -608,7 +555,7 @@ fn gpu_versions_quantized_by_their_publishers() {
             p
         })
         .collect();
-    for on_gpu in [false, true] {
+    for on_gpu in [true, false] {
         let m = manager();
         let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
         spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
@@ -622,10 +569,7 @@ fn gpu_versions_quantized_by_their_publishers() {
                 .unwrap();
             [(w as u64, wn), (s as u64, sn)]
         };
-        let mut req = UpdateRequest::snapshot(PathBuf::new());
-        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
-        req.source = SourceKind::Ipc;
-        req.timeout = Duration::from_secs(60);
+        let req = pull(&ps, SourceKind::Ipc);
         let (r, served) = serving(&ps, || m.update(req));
         assert_eq!(
             r.unwrap().bytes,
@@ -651,6 +595,39 @@ fn gpu_versions_quantized_by_their_publishers() {
             half_s,
             "GPU version: scales"
         );
+        if on_gpu {
+            continue;
+        }
+        // Version 2: a NaN in rank 2's shard at its row 3, column 200
+        // (global [153, 200]); the update fails naming it, and the FP8
+        // bytes of version 1 stay.
+        let mut bad = g.data[150 * row as usize..225 * row as usize].to_vec();
+        let at = (3 * 256 + 200) * 2;
+        bad[at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+        let d = upload(0, &bad);
+        let placement = Placement {
+            global_shape: g.shape.clone(),
+            offset: vec![150, 0],
+        };
+        for (r, p) in ps.iter().enumerate() {
+            p.set_version(Some("2".into()));
+            if r == 2 {
+                p.clear_tensors();
+                let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bad.len(), 0);
+                // SAFETY: the device copy lives until publish returns.
+                unsafe { p.add(desc.shard_of(placement.clone())) }.unwrap();
+            }
+            p.publish().unwrap();
+        }
+        let (r, _) = serving(&ps, || m.update(pull(&ps, SourceKind::Ipc)));
+        let e = r.unwrap_err();
+        assert!(
+            e.message.contains("tensor 'g'") && e.message.contains("[153, 200]"),
+            "{}",
+            e.message
+        );
+        assert_same(&download_any(w, false), &half_q, "version 1 stays");
+        shards.push(d);
     }
     drop(shards);
 }

@@ -5,12 +5,13 @@
 
 mod common;
 
+use common::quant::{reference, row_publishers};
 use common::sharded::{piece, serial, serving};
 use common::{write_safetensors, write_version, T};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use weight_manager_core::quant::{quantize, Scheme, Source};
+use weight_manager_core::quant::Scheme;
 use weight_manager_core::{
     wm_result, DType, Manager, ManagerConfig, Mode, ParamSpec, Placement, Publisher,
     PublisherConfig, SourceKind, State, TensorDesc, UpdateRequest,
@@ -63,35 +64,6 @@ fn t(name: &str, dtype: DType, shape: &[u64], seed: u32) -> T {
         shape: shape.to_vec(),
         data: values(dtype, shape, seed),
     }
-}
-
-/// The FP8 bytes and scales of a whole `[..., rows, cols]` tensor `t`
-/// (leading dimensions a batch of matrices with 128x128 blocks; one scale
-/// for all of it per tensor).
-fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
-    let n = t.shape.len();
-    let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
-    let (batch, per) = match scheme {
-        Scheme::Fp8Block128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
-        Scheme::Fp8Tensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
-    };
-    let [sr, sc] = scheme.scales_shape(per, cols);
-    let (mut q, mut s) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
-    let esize = t.dtype.size();
-    for k in 0..batch {
-        let src = Source {
-            dtype: t.dtype,
-            bytes: &t.data[k * per * cols * esize..(k + 1) * per * cols * esize],
-            rows: per,
-            cols,
-        };
-        let (qk, sk) = (
-            &mut q[k * per * cols..(k + 1) * per * cols],
-            &mut s[k * sr * sc..(k + 1) * sr * sc],
-        );
-        quantize(scheme, src, qk, sk).unwrap();
-    }
-    (q, s)
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -445,35 +417,7 @@ fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
 }
 
 fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
-    let row = 256 * 2;
-    (0..4u64)
-        .map(|r| {
-            let p = match via {
-                SourceKind::Ipc => {
-                    Publisher::bind(&dir.join(format!("p{r}.sock")), PublisherConfig::default())
-                        .unwrap()
-                }
-                _ => Publisher::bind_net(
-                    "127.0.0.1:0",
-                    PublisherConfig {
-                        secret: Some(b"quantized-test-secret".to_vec()),
-                        ..Default::default()
-                    },
-                )
-                .unwrap(),
-            };
-            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
-            let placement = Placement {
-                global_shape: g.shape.clone(),
-                offset: vec![r * 75, 0],
-            };
-            let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
-            // SAFETY: `g` outlives the serving.
-            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
-            p.set_version(Some("1".into()));
-            p
-        })
-        .collect()
+    row_publishers(dir, via, g, b"quantized-test-secret")
 }
 
 /// Over the network with deltas (the default there): from the second

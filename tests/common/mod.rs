@@ -9,6 +9,7 @@ pub mod fake_cuda;
 pub mod gpu_parts;
 pub mod hostile_windows;
 pub mod peak;
+pub mod quant;
 pub mod sharded;
 pub mod wm_bin;
 

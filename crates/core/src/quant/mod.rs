@@ -408,4 +408,6 @@ fn scale_into<E: Element>(
 }
 
 #[cfg(test)]
+mod device_tests;
+#[cfg(test)]
 mod tests;
