@@ -531,30 +531,7 @@ fn gpu_versions_quantized_by_their_publishers() {
         .collect();
     let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
     let dir = tempfile::tempdir().unwrap();
-    let row = 256 * 2;
-    let mut shards = Vec::new();
-    let ps: Vec<Publisher> = (0..4u64)
-        .map(|r| {
-            let p = Publisher::bind(
-                &dir.path().join(format!("g{r}.sock")),
-                PublisherConfig::default(),
-            )
-            .unwrap();
-            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
-            let d = upload(0, bytes);
-            let placement = Placement {
-                global_shape: g.shape.clone(),
-                offset: vec![r * 75, 0],
-            };
-            let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bytes.len(), 0);
-            // SAFETY: the device copy lives until publish returns (kept below).
-            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
-            p.set_version(Some("1".into()));
-            p.publish().unwrap();
-            shards.push(d);
-            p
-        })
-        .collect();
+    let ps = gpu_publishers(dir.path(), &g);
     for on_gpu in [true, false] {
         let m = manager();
         let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
@@ -598,38 +575,65 @@ fn gpu_versions_quantized_by_their_publishers() {
         if on_gpu {
             continue;
         }
-        // Version 2: a NaN in rank 2's shard at its row 3, column 200
-        // (global [153, 200]); the update fails naming it, and the FP8
-        // bytes of version 1 stay.
-        let mut bad = g.data[150 * row as usize..225 * row as usize].to_vec();
-        let at = (3 * 256 + 200) * 2;
-        bad[at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
-        let d = upload(0, &bad);
-        let placement = Placement {
-            global_shape: g.shape.clone(),
-            offset: vec![150, 0],
-        };
-        for (r, p) in ps.iter().enumerate() {
-            p.set_version(Some("2".into()));
-            if r == 2 {
-                p.clear_tensors();
-                let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bad.len(), 0);
-                // SAFETY: the device copy lives until publish returns.
-                unsafe { p.add(desc.shard_of(placement.clone())) }.unwrap();
-            }
-            p.publish().unwrap();
-        }
-        let (r, _) = serving(&ps, || m.update(pull(&ps, SourceKind::Ipc)));
-        let e = r.unwrap_err();
-        assert!(
-            e.message.contains("tensor 'g'") && e.message.contains("[153, 200]"),
-            "{}",
-            e.message
-        );
-        assert_same(&download_any(w, false), &half_q, "version 1 stays");
-        shards.push(d);
+        a_nan_in_a_gpu_version(&ps, &m, &g, (w, &half_q));
     }
-    drop(shards);
+}
+
+/// Four IPC publishers, each with its 75 rows of `g` published as a GPU
+/// version (copied into a GPU buffer of its own by `publish`).
+fn gpu_publishers(dir: &Path, g: &T) -> Vec<Publisher> {
+    let row = 256 * 2;
+    (0..4u64)
+        .map(|r| {
+            let p = Publisher::bind(&dir.join(format!("g{r}.sock")), PublisherConfig::default())
+                .unwrap();
+            let bytes = &g.data[(r * 75 * row) as usize..((r + 1) * 75 * row) as usize];
+            let d = upload(0, bytes);
+            let placement = Placement {
+                global_shape: g.shape.clone(),
+                offset: vec![r * 75, 0],
+            };
+            let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bytes.len(), 0);
+            // SAFETY: the device copy lives until publish returns.
+            unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+            p.set_version(Some("1".into()));
+            p.publish().unwrap();
+            p
+        })
+        .collect()
+}
+
+/// Version 2 of `ps` with a NaN in rank 2's shard at its row 3, column
+/// 200 (global [153, 200]): the update fails naming it, and the host FP8
+/// param `w` keeps version 1's bytes `old`.
+fn a_nan_in_a_gpu_version(ps: &[Publisher], m: &Manager, g: &T, (w, old): ((u64, usize), &[u8])) {
+    let row = 256 * 2usize;
+    let mut bad = g.data[150 * row..225 * row].to_vec();
+    let at = (3 * 256 + 200) * 2;
+    bad[at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    let d = upload(0, &bad);
+    let placement = Placement {
+        global_shape: g.shape.clone(),
+        offset: vec![150, 0],
+    };
+    for (r, p) in ps.iter().enumerate() {
+        p.set_version(Some("2".into()));
+        if r == 2 {
+            p.clear_tensors();
+            let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bad.len(), 0);
+            // SAFETY: the device copy lives until publish returns.
+            unsafe { p.add(desc.shard_of(placement.clone())) }.unwrap();
+        }
+        p.publish().unwrap();
+    }
+    let (r, _) = serving(ps, || m.update(pull(ps, SourceKind::Ipc)));
+    let e = r.unwrap_err();
+    assert!(
+        e.message.contains("tensor 'g'") && e.message.contains("[153, 200]"),
+        "{}",
+        e.message
+    );
+    assert_same(&download_any(w, false), old, "version 1 stays");
 }
 
 /// A param's bytes: downloaded from the GPU, or read from host memory.
