@@ -235,6 +235,63 @@ fn a_shard_through_runs() {
     );
 }
 
+/// A shard of more than 2^32 elements (the kernels' 64-bit index
+/// arithmetic; smaller ones take 32-bit): a run over its first rows, which
+/// are all the memory it reads, gives the CPU's amax and bytes.
+fn indices_past_32_bits() {
+    let shape = [1u64 << 20, 8192];
+    let (rows, cols) = (3usize, 8192usize);
+    let bytes = elements(&mut Rng(13), DType::Bf16, rows * cols);
+    let d = upload(0, &bytes);
+    let placed = Placed {
+        shape: &shape,
+        offset: &[0, 0],
+        global: &shape,
+    };
+    let t = OnDevice {
+        ordinal: 0,
+        ptr: d.ptr(),
+        dtype: DType::Bf16,
+        scheme: Scheme::Fp8Block128,
+        placed,
+    };
+    let n = (rows * cols) as u64;
+    let runs = [Rows {
+        offset: 0,
+        len: n,
+        rows: 1,
+        stride: n,
+    }];
+    let src = Source {
+        dtype: DType::Bf16,
+        bytes: &bytes,
+        rows,
+        cols,
+    };
+    let whole = [1usize << 20, cols];
+    let mut want = vec![0f32; t.local_blocks()];
+    q::block_amax(Scheme::Fp8Block128, src, [0, 0], whole, &mut want).unwrap();
+    let amax = device::amax(&t, &runs).unwrap().unwrap();
+    assert_eq!(bits(&amax), bits(&want), "amax past 32 bits");
+    let out = DeviceAllocation::new("out", 0, rows * cols).unwrap();
+    device::quantize(&t, &runs, &amax, out.ptr()).unwrap();
+    let (mut cpu, mut scales) = (vec![0u8; rows * cols], vec![0f32; want.len()]);
+    q::quantize_with(
+        Scheme::Fp8Block128,
+        src,
+        ([0, 0], whole),
+        &want,
+        &mut cpu,
+        &mut scales,
+    )
+    .unwrap();
+    assert_same(
+        &download(out.ptr(), rows * cols),
+        &cpu,
+        "bytes past 32 bits",
+    );
+}
+
 /// A NaN or an infinity is found, named by its (first) shard element.
 fn non_finite_elements() {
     for (at, v) in [
@@ -289,6 +346,7 @@ fn assert_same(got: &[u8], want: &[u8], what: &str) {
 fn all_checks() {
     whole_tensors();
     a_shard_through_runs();
+    indices_past_32_bits();
     non_finite_elements();
 }
 

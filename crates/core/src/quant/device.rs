@@ -54,6 +54,8 @@ struct Run {
     bcols: u64,
     dtype: u32,
     blocked: u32,
+    small: u32,
+    unused: u32,
 }
 
 /// Rows of a request's run: `rows` times `len` shard elements, row `k`
@@ -295,11 +297,17 @@ pub fn write_from_host(
 }
 
 fn run_of(t: &OnDevice, r: &Rows) -> Run {
+    let elements: u64 = t.placed.shape.iter().product();
+    // The run's last element, and every index the kernel divides, lie
+    // below the shard's element count (and the run's own length).
+    let last = r.offset + r.rows.saturating_sub(1) * r.stride + r.len;
+    let small = elements.max(last).max(r.rows * r.len) < 1 << 32;
     Run {
         n: r.rows * r.len,
         offset: r.offset,
         len: r.len.max(1),
         stride: r.stride,
+        small: small as u32,
         ..t.geometry()
     }
 }
