@@ -589,7 +589,7 @@ fn gpu_versions_quantized_by_their_publishers() {
         .collect();
     let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
     let dir = tempfile::tempdir().unwrap();
-    let ps = gpu_publishers(dir.path(), &g);
+    let (ps, _tensors) = gpu_publishers(dir.path(), &g);
     for on_gpu in [true, false] {
         let m = manager();
         let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
@@ -638,8 +638,10 @@ fn gpu_versions_quantized_by_their_publishers() {
 }
 
 /// Four IPC publishers, each with its 75 rows of `g` published as a GPU
-/// version (copied into a GPU buffer of its own by `publish`).
-fn gpu_publishers(dir: &Path, g: &T) -> Vec<Publisher> {
+/// version (copied into a GPU buffer of its own by `publish`), and the
+/// device memory of their tensors (a later publish copies it again: the
+/// caller keeps it).
+fn gpu_publishers(dir: &Path, g: &T) -> (Vec<Publisher>, Vec<DeviceAllocation>) {
     let row = 256 * 2;
     (0..4u64)
         .map(|r| {
@@ -652,13 +654,13 @@ fn gpu_publishers(dir: &Path, g: &T) -> Vec<Publisher> {
                 offset: vec![r * 75, 0],
             };
             let desc = TensorDesc::device("g", DType::Bf16, &[75, 256], d.ptr(), bytes.len(), 0);
-            // SAFETY: the device copy lives until publish returns.
+            // SAFETY: the caller keeps the device memory while `p` lives.
             unsafe { p.add(desc.shard_of(placement)) }.unwrap();
             p.set_version(Some("1".into()));
             p.publish().unwrap();
-            p
+            (p, d)
         })
-        .collect()
+        .unzip()
 }
 
 /// Version 2 of `ps` with a NaN in rank 2's shard at its row 3, column

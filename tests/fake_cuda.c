@@ -435,6 +435,8 @@ static inline u32 wm_bits(float f) { u32 u; memcpy(&u, &f, 4); return u; }
 static inline float wm_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 static inline void wm_min_u64(u64 *at, u64 v) { if (v < *at) *at = v; }
 static inline void wm_group_max(u32 *at, u64 key, u32 v) { (void)key; if (v > *at) *at = v; }
+static inline void wm_load32(const void *p, u32 *w) { memcpy(w, p, 32); }
+static inline void wm_store16(void *p, const u32 *w) { memcpy(p, w, 16); }
 #include "fp8.cu"
 
 int cuLaunchKernel(int *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,

@@ -28,6 +28,18 @@ WM_DEVICE float wm_add(float a, float b) { return __fadd_rn(a, b); }
 WM_DEVICE u32 wm_bits(float f) { return __float_as_uint(f); }
 WM_DEVICE float wm_float(u32 u) { return __uint_as_float(u); }
 WM_DEVICE void wm_min_u64(u64 *at, u64 v) { atomicMin(at, v); }
+/* 32 bytes at p (16-byte aligned) as 8 words; 16 bytes of words to p. */
+WM_DEVICE void wm_load32(const void *p, u32 *w) {
+    const uint4 *q = (const uint4 *)p;
+    uint4 a = q[0], b = q[1];
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+WM_DEVICE void wm_store16(void *p, const u32 *w) {
+    uint4 a;
+    a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
+    *(uint4 *)p = a;
+}
 /* The largest v of the warp's lanes that share `key`, into *at once per
  * group (a row's 32 consecutive elements usually share their block). */
 WM_DEVICE void wm_group_max(u32 *at, u64 key, u32 v) {
@@ -129,6 +141,22 @@ WM_DEVICE u64 wm_block(const struct wm_fp8_run *r, u64 e) {
  * lie in one row and one block, as nearly all do. */
 #define WM_CHUNK 16
 
+/* The WM_CHUNK shard elements from e, widened: two 16-byte loads of 16
+ * bf16 or f16 where they are aligned so, else one load each. */
+WM_DEVICE void wm_load_chunk(const struct wm_fp8_run *r, u64 e, float *x) {
+    u64 at = r->src + e * 2;
+    if (r->dtype < 2 && (at & 15) == 0) {
+        u32 w[8];
+        wm_load32((const void *)at, w);
+        for (int k = 0; k < WM_CHUNK; k++) {
+            u16 h = (u16)(w[k / 2] >> (16 * (k & 1)));
+            x[k] = r->dtype == 0 ? wm_float((u32)h << 16) : wm_half(h);
+        }
+        return;
+    }
+    for (int k = 0; k < WM_CHUNK; k++) x[k] = wm_load(r, e + k);
+}
+
 /* Whether the run's elements i .. i + n (shard elements from e) lie in
  * one row of the run, one row of the shard and one block. */
 WM_DEVICE int wm_one_block(const struct wm_fp8_run *r, u64 i, u64 e, u64 n) {
@@ -148,6 +176,19 @@ WM_KERNEL void wm_fp8_amax(struct wm_fp8_run r, u32 *amax_bits, u64 *bad) {
         u64 n = r.n - i < WM_CHUNK ? r.n - i : WM_CHUNK;
         int one = wm_one_block(&r, i, e, n);
         u32 m = 0;
+        if (one && n == WM_CHUNK) {
+            float x[WM_CHUNK];
+            wm_load_chunk(&r, e, x);
+            for (int k = 0; k < WM_CHUNK; k++) {
+                u32 a = wm_bits(x[k]) & 0x7fffffffu;
+                if (a >= 0x7f800000u) {
+                    wm_min_u64(bad, e + k);
+                    a = 0;
+                }
+                m = a > m ? a : m;
+            }
+            n = 0; /* done: only the group's maximum is left */
+        }
         for (u64 k = 0; k < n; k++) {
             u64 ek = one ? e + k : wm_element(&r, i + k);
             u32 a = wm_bits(wm_load(&r, ek)) & 0x7fffffffu;
@@ -177,6 +218,15 @@ WM_KERNEL void wm_fp8_quantize(struct wm_fp8_run r, const float *factor, u8 *out
         u64 n = r.n - i < WM_CHUNK ? r.n - i : WM_CHUNK;
         if (wm_one_block(&r, i, e, n)) {
             float f = factor[wm_block(&r, e)];
+            if (n == WM_CHUNK && ((u64)(out + i) & 15) == 0) {
+                float x[WM_CHUNK];
+                u32 w[4] = {0, 0, 0, 0};
+                wm_load_chunk(&r, e, x);
+                for (int k = 0; k < WM_CHUNK; k++)
+                    w[k / 4] |= (u32)wm_e4m3(wm_mul(x[k], f)) << (8 * (k & 3));
+                wm_store16(out + i, w);
+                continue;
+            }
             for (u64 k = 0; k < n; k++) out[i + k] = wm_e4m3(wm_mul(wm_load(&r, e + k), f));
             continue;
         }
