@@ -17,7 +17,10 @@ Sections:
   (one copy into shared memory that engines read in place). PyTorch: the
   same tensors copied with `copy_()` into tensors made shared ahead with
   `share_memory_()` (what a `torch.multiprocessing` trainer does). Floor:
-  the same copies into plain pre-faulted tensors.
+  the same copies into plain pre-faulted tensors. Two rows: without
+  checksums (the same job as torch's copy) and with them (the default:
+  every tensor also hashed so engines can verify, work torch's copy does
+  not do).
 - network: a trainer process holding the tensors serves them both ways
   over loopback. Ours: `Manager.update(addr, source="rdma", in_place=True)`
   (UCX, direct receive, checksums verified) into the engine's torch
@@ -135,7 +138,19 @@ def publish(gib: float, pairs: int) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors)
     shared = [torch.empty_like(t).share_memory_().fill_(1) for t in tensors]
     plain = [torch.empty_like(t).fill_(1) for t in tensors]
-    with tempfile.TemporaryDirectory() as d, Publisher(str(Path(d) / "p.sock")) as p:
+    for checksums in (False, True):
+        _publish_row(tensors, shared, plain, total, pairs, checksums)
+
+
+def _publish_row(tensors, shared, plain, total, pairs, checksums: bool) -> None:
+    """One publish row: without checksums the publish does what torch's copy
+    does (the same job); with them it also hashes every tensor for the
+    engines to verify, which torch's copy does not."""
+    import torch
+    from weight_manager import Publisher
+
+    with tempfile.TemporaryDirectory() as d, \
+            Publisher(str(Path(d) / "p.sock"), checksums=checksums) as p:
         for i, t in enumerate(tensors):
             p.add_torch(f"layers.{i}.w", t)
         prepare_s = _timed(p.prepare)
@@ -158,7 +173,9 @@ def publish(gib: float, pairs: int) -> None:
         ours()  # the first publish after prepare: no buffer is created
         ratio, o, t = alternate(pairs, ours, theirs)
         _, _, fl = alternate(max(3, pairs // 2), floor, floor)
-        print(f"trainer publish, {total / 2**30:.2f} GiB bf16, buffers made ahead "
+        what = "with checksums (also hashes every tensor)" if checksums else \
+            "without checksums (the same job as torch's copy)"
+        print(f"trainer publish {what}, {total / 2**30:.2f} GiB bf16, buffers made ahead "
               f"(prepare {prepare_s:.2f} s): wm {total / o / 1e9:.2f} GB/s, "
               f"torch copy_() into share_memory_() tensors {total / t / 1e9:.2f} GB/s, "
               f"copy into plain tensors floor {total / fl / 1e9:.2f} GB/s; "
