@@ -86,8 +86,15 @@ impl<'p> DeviceShadows<'p> {
         name: impl Fn(usize) -> String,
     ) -> std::result::Result<(), (Error, bool)> {
         let mut done: Vec<(usize, &DeviceRegion, Option<DevicePages>)> = Vec::new();
+        // One wait per GPU for the engine's queued kernels and the
+        // uploads, not one per param: the pause is the swaps.
+        let gpus: std::collections::BTreeSet<i32> =
+            self.shadows.values().map(|(r, _)| r.ordinal()).collect();
+        for gpu in gpus {
+            crate::memory::cuda_ipc::synchronize(gpu).map_err(|e| (e, false))?;
+        }
         for (i, (region, pages)) in std::mem::take(&mut self.shadows) {
-            match region.swap_in(pages) {
+            match region.swap_in_synchronized(pages) {
                 Ok(old) => done.push((i, region, old)),
                 Err(e) => {
                     let mut error = e.context(name(i));

@@ -14,7 +14,9 @@
 //! Between the unmap and the map the range has no memory: a kernel reading
 //! the param then faults. So the engine must not run kernels that read a
 //! swapped param while `wm_update` commits (the device is synchronized
-//! before each unmap, so work queued before the commit is safe).
+//! before the first unmap, so work queued before the commit is safe; a
+//! commit of many params waits once, [`DeviceRegion::swap_in_synchronized`],
+//! and the memory it takes out is freed without waiting again).
 //!
 //! Failure: a swap that cannot map the new allocation maps the old one
 //! again; if even that fails, the region holds no memory
@@ -37,6 +39,9 @@ pub struct DevicePages {
     len: usize,
     /// The range reserved for it and mapped, for a shadow.
     view: Option<u64>,
+    /// Taken out of a param after the device was synchronized: nothing
+    /// can use it, so dropping it needs no wait.
+    idle: bool,
 }
 
 impl DevicePages {
@@ -70,7 +75,7 @@ impl DevicePages {
 impl Drop for DevicePages {
     fn drop(&mut self) {
         if let Ok(c) = cuda() {
-            if c.make_current(self.ordinal).is_ok() {
+            if c.make_current(self.ordinal).is_ok() && !self.idle {
                 // Uploads into a shadow may still run after a failure.
                 // SAFETY: plain driver call.
                 unsafe { sys::cuCtxSynchronize() };
@@ -110,6 +115,7 @@ impl DeviceRegion {
             handle,
             len: self.mapped,
             view: None,
+            idle: false,
         };
         // SAFETY: a fresh reservation of the allocation's size.
         if let Err(e) = unsafe { map_rw(self.ordinal, ptr, self.mapped, handle) } {
@@ -136,6 +142,16 @@ impl DeviceRegion {
     /// or, when mapping that again failed too, nothing
     /// ([`DeviceRegion::is_mapped`] false).
     pub fn swap_in(&self, pages: DevicePages) -> Result<Option<DevicePages>> {
+        self.swap(pages, true)
+    }
+
+    /// [`DeviceRegion::swap_in`] when the caller has just synchronized the
+    /// device (a commit swapping many params waits once, not per param).
+    pub fn swap_in_synchronized(&self, pages: DevicePages) -> Result<Option<DevicePages>> {
+        self.swap(pages, false)
+    }
+
+    fn swap(&self, pages: DevicePages, wait: bool) -> Result<Option<DevicePages>> {
         if pages.len != self.mapped || pages.ordinal != self.ordinal {
             return Err(Error::invalid_argument(format!(
                 "device page swap: {} bytes of GPU {} cannot replace {} bytes of GPU {}",
@@ -148,7 +164,9 @@ impl DeviceRegion {
         unsafe {
             // Nothing may read or write the old memory when it goes: the
             // engine's queued kernels, the uploads into `pages`.
-            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            if wait {
+                check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            }
             if handle.is_some() {
                 check(sys::cuMemUnmap(self.ptr, self.mapped), "cuMemUnmap")?;
             }
@@ -158,6 +176,7 @@ impl DeviceRegion {
             handle: h,
             len: self.mapped,
             view: None,
+            idle: true,
         });
         // SAFETY: the range is ours, unmapped; the allocation is its size.
         match unsafe { map_rw(self.ordinal, self.ptr, self.mapped, pages.handle) } {
