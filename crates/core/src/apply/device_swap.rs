@@ -32,11 +32,14 @@ use std::collections::BTreeMap;
 /// The params `plan` swaps: every param `i` with a region (`sizes[i]`, its
 /// bytes) whose runs cover all of it, in param order. Runs never overlap
 /// (the plan checked), so bytes covered = size and last byte = size mean
-/// every byte is written.
+/// every byte is written. Quantized params are not swapped: their bytes
+/// land in their source's dtype elsewhere and the quantizer writes the
+/// param at the commit (`quantize.rs`).
 pub(super) fn swapped_params(plan: &Plan, sizes: &[Option<u64>]) -> Vec<usize> {
     let mut swapped: Vec<usize> = plan
         .param_cover()
         .into_iter()
+        .filter(|&(i, _, _)| plan.quantized_from(i).is_none())
         .filter(|&(i, end, covered)| {
             sizes
                 .get(i)
