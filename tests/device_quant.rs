@@ -513,14 +513,21 @@ fn snapshot_into_device_params() {
             tensor("head", DType::F32, &[130, 129], seed),
         ]
     };
-    for (mode, engine) in [
-        (Mode::Atomic, false),
-        (Mode::Atomic, true),
-        (Mode::InPlace, false),
-        (Mode::InPlace, true),
+    // (mode, engine-owned, the device page swap on)
+    for (mode, engine, swap) in [
+        (Mode::Atomic, false, false),
+        (Mode::Atomic, false, true),
+        (Mode::Atomic, true, false),
+        (Mode::InPlace, false, false),
+        (Mode::InPlace, true, false),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let m = manager();
+        let m = Manager::new(ManagerConfig {
+            fallback_dir: None,
+            swap_device_pages: swap,
+            ..Default::default()
+        })
+        .unwrap();
         let params: Vec<_> = (model(1).iter().zip(schemes))
             .map(|(t, s)| {
                 quantized_on_gpu(
@@ -540,7 +547,10 @@ fn snapshot_into_device_params() {
             assert_eq!(m.update(req).unwrap().version, step);
             for ((t, scheme), [w, s]) in ts.iter().zip(schemes).zip(&params) {
                 let (want_q, want_s) = reference(t, scheme);
-                let what = format!("{mode:?} engine-owned {engine} v{step} '{}'", t.name);
+                let what = format!(
+                    "{mode:?} engine-owned {engine} swap {swap} v{step} '{}'",
+                    t.name
+                );
                 assert_same(&download(w.0, w.1), &want_q, &what);
                 assert_eq!(f32s(&download(s.0, s.1)), want_s, "{what}: scales");
             }
