@@ -478,7 +478,9 @@ typedef struct {
   // update faults it in: the staging of engine-owned host params,
   // device params and callback tensors, and for library-owned host
   // params (whose update is swapped in page by page) the next update's
-  // pages, faulted in by a thread of the library after each update.
+  // pages, faulted in by a thread of the library after each update; in
+  // place too, the buffers a snapshot's bytes of FP8 (quantized) params
+  // land in before they are quantized.
   // Costs one more copy of those params' bytes while the engine runs;
   // `wm_clear` and `wm_destroy` free it. Non-zero: it is freed when each
   // update ends, and every atomic update faults in fresh memory.
