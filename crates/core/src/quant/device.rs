@@ -340,7 +340,10 @@ unsafe fn launch_run(kernel: Kernel, run: &Run, params: &mut [*mut c_void]) -> R
     nvrtc::launch(kernel, (blocks, THREADS), std::ptr::null_mut(), params)
 }
 
-/// Wait for the launches (a kernel's fault surfaces here).
+/// Wait for the launches (a kernel's fault surfaces here). Not bounded by
+/// a deadline, on purpose: the kernels are finite loops over the elements
+/// they were given, and returning before they end would free the scratch
+/// and factors they still read.
 fn finish() -> Result<()> {
     // SAFETY: the legacy stream of the current context.
     check(
