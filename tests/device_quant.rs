@@ -15,8 +15,8 @@
 mod common;
 
 use common::fake_cuda::{under_fake_driver, Fake};
-use cudarc::driver::sys;
 use weight_manager_core::internals::memory::cuda::cuda;
+use weight_manager_core::internals::memory::cuda_ipc;
 use weight_manager_core::internals::memory::device::DeviceAllocation;
 use weight_manager_core::quant::bands::Wide;
 use weight_manager_core::quant::blocks::Placed;
@@ -73,17 +73,19 @@ fn f16_bits(v: f32) -> u16 {
     }
 }
 
+/// `bytes` in new device memory of GPU `ordinal`.
 fn upload(ordinal: i32, bytes: &[u8]) -> DeviceAllocation {
     let d = DeviceAllocation::new("a test tensor", ordinal, bytes.len()).unwrap();
-    let r = unsafe { sys::cuMemcpyHtoD_v2(d.ptr(), bytes.as_ptr().cast(), bytes.len()) };
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: the allocation holds `bytes.len()` bytes.
+    unsafe { cuda_ipc::upload(ordinal, d.ptr(), bytes.as_ptr(), bytes.len()) }.unwrap();
     d
 }
 
+/// `len` bytes of GPU 0's memory at `ptr`.
 fn download(ptr: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
-    let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, len) };
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: `out` holds `len` bytes; the caller names device memory.
+    unsafe { cuda_ipc::download(0, out.as_mut_ptr(), ptr, len) }.unwrap();
     out
 }
 
@@ -114,19 +116,10 @@ fn whole_tensors() {
                     ptr: d.ptr(),
                     dtype,
                     scheme,
-                    placed: Placed {
-                        shape: &shape,
-                        offset: &[0, 0],
-                        global: &shape,
-                    },
+                    placed: Placed::whole(&shape),
                 };
                 let all = (rows * cols) as u64;
-                let runs = [Rows {
-                    offset: 0,
-                    len: all,
-                    rows: 1,
-                    stride: all,
-                }];
+                let runs = [Rows::all(all)];
                 let amax = device::amax(&t, &runs).unwrap().unwrap();
                 assert_eq!(bits(&amax), bits(&want_amax), "{what}: amax");
                 let out = DeviceAllocation::new("out", 0, rows * cols).unwrap();
@@ -243,11 +236,7 @@ fn indices_past_32_bits() {
     let (rows, cols) = (3usize, 8192usize);
     let bytes = elements(&mut Rng(13), DType::Bf16, rows * cols);
     let d = upload(0, &bytes);
-    let placed = Placed {
-        shape: &shape,
-        offset: &[0, 0],
-        global: &shape,
-    };
+    let placed = Placed::whole(&shape);
     let t = OnDevice {
         ordinal: 0,
         ptr: d.ptr(),
@@ -256,12 +245,7 @@ fn indices_past_32_bits() {
         placed,
     };
     let n = (rows * cols) as u64;
-    let runs = [Rows {
-        offset: 0,
-        len: n,
-        rows: 1,
-        stride: n,
-    }];
+    let runs = [Rows::all(n)];
     let src = Source {
         dtype: DType::Bf16,
         bytes: &bytes,
@@ -309,18 +293,9 @@ fn non_finite_elements() {
             ptr: d.ptr(),
             dtype: DType::F32,
             scheme: Scheme::Fp8Block128,
-            placed: Placed {
-                shape: &shape,
-                offset: &[0, 0],
-                global: &shape,
-            },
+            placed: Placed::whole(&shape),
         };
-        let all = [Rows {
-            offset: 0,
-            len: 64 * 40,
-            rows: 1,
-            stride: 0,
-        }];
+        let all = [Rows::all(64 * 40)];
         assert_eq!(
             device::amax(&t, &all).unwrap(),
             Err(at as u64),
@@ -360,13 +335,22 @@ fn fp8_kernels_under_the_test_driver() {
     assert!(fake.calls("cuLaunchKernel") > 0, "the kernels ran");
 }
 
-#[test]
-fn fp8_kernels_on_a_gpu() {
+/// Whether this process runs on a real GPU (not the test driver's child;
+/// without one the test says it is skipped).
+fn real_gpu() -> bool {
     if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
-        return;
+        return false;
     }
     if let Err(e) = cuda() {
         println!("skipped: no usable GPU here: {e}");
+        return false;
+    }
+    true
+}
+
+#[test]
+fn fp8_kernels_on_a_gpu() {
+    if !real_gpu() {
         return;
     }
     all_checks();
@@ -386,22 +370,9 @@ fn without_nvrtc_the_quantizer_says_so() {
         ptr: d.ptr(),
         dtype: DType::Bf16,
         scheme: Scheme::Fp8Tensor,
-        placed: Placed {
-            shape: &shape,
-            offset: &[0, 0],
-            global: &shape,
-        },
+        placed: Placed::whole(&shape),
     };
-    let e = device::amax(
-        &t,
-        &[Rows {
-            offset: 0,
-            len: 4,
-            rows: 1,
-            stride: 4,
-        }],
-    )
-    .unwrap_err();
+    let e = device::amax(&t, &[Rows::all(4)]).unwrap_err();
     assert!(
         e.message.contains("NVRTC is not available") && e.message.contains("WM_NVRTC_LIB"),
         "{}",
@@ -411,9 +382,9 @@ fn without_nvrtc_the_quantizer_says_so() {
 
 // ---- FP8 params in GPU memory (the engine's side) ----
 
-use common::quant::{reference, row_publishers};
+use common::quant::{f32s, reference, row_publishers, write_snapshot};
 use common::sharded::{piece, serving};
-use common::{write_safetensors, write_version, T};
+use common::T;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use weight_manager_core::quant::params::scales_shape;
@@ -486,19 +457,6 @@ fn pull(ps: &[Publisher], via: SourceKind) -> UpdateRequest<'static> {
     req.source = via;
     req.timeout = Duration::from_secs(60);
     req
-}
-
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn write_snapshot(dir: &Path, ts: &[T], step: &str) {
-    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), ts);
-    write_version(dir, step);
-    weight_manager_core::checkpoint::checksums::write(dir, 1).unwrap();
 }
 
 /// A bf16/f16/f32 snapshot into FP8 params on the GPU, in both modes,
@@ -766,11 +724,7 @@ fn fp8_device_params_under_the_test_driver() {
 
 #[test]
 fn fp8_device_params_on_a_gpu() {
-    if std::env::var_os("WM_UNDER_FAKE_CUDA").is_some() {
-        return;
-    }
-    if let Err(e) = cuda() {
-        println!("skipped: no usable GPU here: {e}");
+    if !real_gpu() {
         return;
     }
     snapshot_into_device_params();

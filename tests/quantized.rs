@@ -5,9 +5,9 @@
 
 mod common;
 
-use common::quant::{reference, row_publishers};
+use common::quant::{f32s, reference, row_publishers, write_snapshot};
 use common::sharded::{piece, serial, serving};
-use common::{write_safetensors, write_version, T};
+use common::T;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,13 +66,6 @@ fn t(name: &str, dtype: DType, shape: &[u64], seed: u32) -> T {
     }
 }
 
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
 fn read(p: (*mut u8, usize)) -> Vec<u8> {
     // SAFETY: a registered param, not written while the test reads it.
     unsafe { std::slice::from_raw_parts(p.0, p.1) }.to_vec()
@@ -108,13 +101,6 @@ fn snapshot_model(seed: u32) -> Vec<T> {
         t("head", DType::F32, &[130, 129], seed),
         t("norm", DType::F32, &[64], seed),
     ]
-}
-
-/// `ts` as a snapshot of version `step`, with checksums.
-fn write_snapshot(dir: &Path, ts: &[T], step: &str) {
-    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), ts);
-    write_version(dir, step);
-    weight_manager_core::checkpoint::checksums::write(dir, 1).unwrap();
 }
 
 /// Every quantized param holds what quantizing its tensor gives, and the

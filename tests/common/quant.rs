@@ -3,7 +3,7 @@
 //! publishers each serving 75 rows of a `[300, 256]` bf16 tensor (every
 //! 128-row block split over two or three of them).
 
-use super::T;
+use super::{write_safetensors, write_version, T};
 use std::path::Path;
 use weight_manager_core::quant::{quantize, Scheme, Source};
 use weight_manager_core::{DType, Placement, Publisher, PublisherConfig, SourceKind, TensorDesc};
@@ -70,4 +70,19 @@ pub fn row_publishers(dir: &Path, via: SourceKind, g: &T, secret: &[u8]) -> Vec<
             p
         })
         .collect()
+}
+
+/// A param's f32 values from its little-endian bytes.
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// `ts` as a one-file snapshot of version `step` in `dir`, with checksums.
+pub fn write_snapshot(dir: &Path, ts: &[T], step: &str) {
+    write_safetensors(&dir.join("model_state.tp0.0.safetensors"), ts);
+    write_version(dir, step);
+    weight_manager_core::checkpoint::checksums::write(dir, 1).unwrap();
 }

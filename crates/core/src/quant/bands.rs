@@ -165,7 +165,7 @@ pub fn write(
         }
     }
     if scheme == Scheme::Fp8Tensor && bands.is_empty() {
-        scale_inv[0] = amax[0].max(super::AMAX_FLOOR) / super::e4m3::MAX;
+        scale_inv[0] = super::scale_inv(amax[0]);
     }
     Ok(())
 }

@@ -37,16 +37,21 @@ impl<'a> Placed<'a> {
                 offset: &p.offset,
                 global: &p.global_shape,
             },
-            None => Placed {
-                shape: &meta.shape,
-                offset: &ZEROS[..meta.shape.len()],
-                global: &meta.shape,
-            },
+            None => Placed::whole(&meta.shape),
         }
     }
 }
 
-impl Placed<'_> {
+impl<'a> Placed<'a> {
+    /// A whole tensor of `shape`: at offset zero, its own global tensor.
+    pub fn whole(shape: &'a [u64]) -> Placed<'a> {
+        Placed {
+            shape,
+            offset: &ZEROS[..shape.len()],
+            global: shape,
+        }
+    }
+
     /// The global block of the shard's element `e`, and how many elements
     /// from `e` on (along the last dimension, at most `left`) share it.
     fn block_at(&self, scheme: Scheme, e: u64, left: u64) -> (u64, u64) {

@@ -20,8 +20,9 @@
 
 use super::bands::{bands, Wide};
 use super::blocks::Placed;
-use super::{e4m3, Scheme, AMAX_FLOOR, BLOCK};
+use super::{Scheme, BLOCK};
 use crate::memory::cuda::check;
+use crate::memory::cuda_ipc::{download, upload};
 use crate::memory::device::DeviceAllocation;
 use crate::memory::nvrtc::{self, Kernel};
 use crate::result::Result;
@@ -66,6 +67,18 @@ pub struct Rows {
     pub len: u64,
     pub rows: u64,
     pub stride: u64,
+}
+
+impl Rows {
+    /// The first `n` elements, as one row.
+    pub fn all(n: u64) -> Rows {
+        Rows {
+            offset: 0,
+            len: n,
+            rows: 1,
+            stride: n,
+        }
+    }
 }
 
 /// A tensor, or a shard of a global one, in GPU memory.
@@ -193,14 +206,8 @@ pub fn amax(t: &OnDevice, runs: &[Rows]) -> Result<std::result::Result<Vec<f32>,
     // SAFETY: synchronous copies out of the scratch (after the launches,
     // on the same stream), into buffers of that size.
     unsafe {
-        check(
-            sys::cuMemcpyDtoH_v2(found.as_mut_ptr().cast(), bits, blocks * 4),
-            "cuMemcpyDtoH(the blocks' amax)",
-        )?;
-        check(
-            sys::cuMemcpyDtoH_v2((&mut first_bad as *mut u64).cast(), bad, 8),
-            "cuMemcpyDtoH(the first non-finite element)",
-        )?;
+        download(t.ordinal, found.as_mut_ptr().cast(), bits, blocks * 4)?;
+        download(t.ordinal, (&mut first_bad as *mut u64).cast(), bad, 8)?;
     }
     if first_bad != u64::MAX {
         return Ok(Err(first_bad));
@@ -256,30 +263,16 @@ pub fn write_from_host(
         let bytes = &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize];
         // SAFETY: the scratch holds a band; a synchronous copy, after the
         // previous band's launch on the same stream.
-        let r = unsafe { sys::cuMemcpyHtoD_v2(scratch.ptr(), bytes.as_ptr().cast(), bytes.len()) };
-        check(r, "cuMemcpyHtoD(a band to quantize)")?;
+        unsafe { upload(ordinal, scratch.ptr(), bytes.as_ptr(), bytes.len()) }?;
         let shape = [b.rows as u64, cols as u64];
         let band = OnDevice {
             ordinal,
             ptr: scratch.ptr(),
             dtype: wide.dtype,
             scheme,
-            placed: Placed {
-                shape: &shape,
-                offset: &[0, 0],
-                global: &shape,
-            },
+            placed: Placed::whole(&shape),
         };
-        let all = (b.rows * cols) as u64;
-        let mut run = run_of(
-            &band,
-            &Rows {
-                offset: 0,
-                len: all,
-                rows: 1,
-                stride: all,
-            },
-        );
+        let mut run = run_of(&band, &Rows::all((b.rows * cols) as u64));
         let (mut f, mut o) = (
             factors.ptr() + 4 * b.scale as u64,
             fp8 + (b.row * cols) as u64,
@@ -314,13 +307,10 @@ fn run_of(t: &OnDevice, r: &Rows) -> Run {
 
 /// Each block's factor, `448 / amax` as the CPU computes it, on the GPU.
 fn upload_factors(ordinal: i32, amax: &[f32]) -> Result<DeviceAllocation> {
-    let factors: Vec<f32> = (amax.iter())
-        .map(|a| (1.0 / a.max(AMAX_FLOOR)) * e4m3::MAX)
-        .collect();
+    let factors: Vec<f32> = amax.iter().map(|&a| super::factor(a)).collect();
     let d = DeviceAllocation::new("the FP8 quantizer's factors", ordinal, factors.len() * 4)?;
     // SAFETY: a synchronous copy into an allocation of that size.
-    let r = unsafe { sys::cuMemcpyHtoD_v2(d.ptr(), factors.as_ptr().cast(), factors.len() * 4) };
-    check(r, "cuMemcpyHtoD(the blocks' factors)")?;
+    unsafe { upload(ordinal, d.ptr(), factors.as_ptr().cast(), factors.len() * 4) }?;
     Ok(d)
 }
 

@@ -74,19 +74,10 @@ fn on_gpu(scheme: Scheme, dtype: DType, x: &[u8], (m, n): (usize, usize)) -> (Ve
         ptr: src.ptr(),
         dtype,
         scheme,
-        placed: super::blocks::Placed {
-            shape: &shape,
-            offset: &[0, 0],
-            global: &shape,
-        },
+        placed: super::blocks::Placed::whole(&shape),
     };
     let all = (m * n) as u64;
-    let runs = [super::device::Rows {
-        offset: 0,
-        len: all,
-        rows: 1,
-        stride: all,
-    }];
+    let runs = [super::device::Rows::all(all)];
     let mut q = vec![0u8; m * n];
     // SAFETY: synchronous copies within the allocations' sizes.
     unsafe {

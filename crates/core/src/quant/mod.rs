@@ -160,8 +160,7 @@ pub fn quantize_with(
     }
     let mut factor = vec![0f32; amax.len()];
     for ((f, s), &a) in factor.iter_mut().zip(scale_inv.iter_mut()).zip(amax) {
-        let a = a.max(AMAX_FLOOR);
-        (*f, *s) = ((1.0 / a) * e4m3::MAX, a / e4m3::MAX);
+        (*f, *s) = (self::factor(a), self::scale_inv(a));
     }
     let (bh, bw) = scheme.block(whole[0], whole[1]);
     let geometry = (origin, bh, bw, scols);
@@ -252,12 +251,20 @@ pub fn segment_amax(dtype: DType, xs: &[u8]) -> Result<f32, usize> {
 /// Quantize `xs` (elements of `dtype`) of a block whose agreed amax is
 /// `amax` into `out` (one E4M3 byte each), as [`quantize_with`] does.
 pub fn segment_quantize(dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
-    let factor = (1.0 / amax.max(AMAX_FLOOR)) * e4m3::MAX;
+    let factor = self::factor(amax);
     match dtype {
         DType::Bf16 => kernels::scale_run::<Bf16>(xs, factor, out),
         DType::F16 => kernels::scale_run::<F16>(xs, factor, out),
         _ => kernels::scale_run::<F32>(xs, factor, out),
     }
+}
+
+/// What a block's elements are multiplied by before the cast, from its
+/// agreed amax: `448 / amax` as PyTorch runs it (`amax.reciprocal() * 448`:
+/// two roundings). The one place the rule is written: the CPU loops and
+/// the GPU kernels (`device.rs`) both take it from here.
+pub(crate) fn factor(amax: f32) -> f32 {
+    (1.0 / amax.max(AMAX_FLOOR)) * e4m3::MAX
 }
 
 /// A block's `scale_inv` from its agreed amax.

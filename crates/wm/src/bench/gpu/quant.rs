@@ -72,18 +72,9 @@ pub(super) fn quant_rows(bytes: usize, dtod: f64) -> Result<(), String> {
         ptr: src.ptr(),
         dtype: DType::Bf16,
         scheme: Scheme::Fp8Block128,
-        placed: Placed {
-            shape: &shape,
-            offset: &[0, 0],
-            global: &shape,
-        },
+        placed: Placed::whole(&shape),
     };
-    let all = [Rows {
-        offset: 0,
-        len: n as u64,
-        rows: 1,
-        stride: n as u64,
-    }];
+    let all = [Rows::all(n as u64)];
     let ours = || -> Result<Duration, String> {
         let t0 = Instant::now();
         let amax = device::amax(&t, &all)
