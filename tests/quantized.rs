@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use weight_manager_core::quant::Scheme;
 use weight_manager_core::{
-    wm_result, DType, Manager, ManagerConfig, Mode, ParamSpec, Placement, Publisher,
-    PublisherConfig, SourceKind, State, TensorDesc, UpdateRequest,
+    wm_result, DType, DeltaFallback, DeltaMode, DeltaStats, Manager, ManagerConfig, Mode,
+    ParamSpec, Placement, Publisher, PublisherConfig, SourceKind, State, TensorDesc, UpdateRequest,
 };
 
 fn manager() -> Manager {
@@ -407,11 +407,11 @@ fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
 }
 
 /// Over the network with deltas (the default there): from the second
-/// version on, a plain param comes as a delta and a quantized one whole
-/// (it holds FP8, not the bytes a delta patches); then a two-phase update
-/// quantizes at its commit.
+/// version on, the FP8 param comes as a delta of its FP8 bytes (the
+/// publisher keeps the image it made of the base) beside a plain param's
+/// delta; then a two-phase update commits them.
 #[test]
-fn deltas_leave_quantized_params_whole_and_two_phase_commits_them() {
+fn deltas_of_quantized_params_over_the_network_and_a_two_phase_commit() {
     let _serial = serial();
     std::env::set_var("UCX_TLS", "tcp");
     let p = Publisher::bind_net(
@@ -422,12 +422,11 @@ fn deltas_leave_quantized_params_whole_and_two_phase_commits_them() {
         },
     )
     .unwrap();
-    let versions: Vec<Vec<T>> = (1..=3)
+    let mut w = t("w", DType::Bf16, &[256, 256], 1);
+    let versions: Vec<Vec<T>> = (1..=3u32)
         .map(|v| {
-            vec![
-                t("w", DType::Bf16, &[256, 256], v),
-                t("norm", DType::F32, &[4096], 1),
-            ]
+            w = nudged(&w, v, 200);
+            vec![w.clone(), t("norm", DType::F32, &[4096], 1)]
         })
         .collect();
     let m = Arc::new(common::sharded::net_engine("quantized-test-secret"));
@@ -463,8 +462,168 @@ fn deltas_leave_quantized_params_whole_and_two_phase_commits_them() {
         assert_eq!(read(norm), ts[1].data, "v{k}");
         if k > 0 {
             let d = &stats.deltas;
-            assert_eq!((d.runs_delta, d.runs_whole), (1, 1), "v{k}: {d:?}");
+            assert_eq!((d.runs_delta, d.runs_whole), (2, 0), "v{k}: {d:?}");
+            assert_eq!(d.fallback, DeltaFallback::None, "v{k}: {d:?}");
+            assert!(d.wire_bytes < 256 * 256 / 4, "v{k}: {d:?}");
         }
+    }
+}
+
+/// `t` with `n` of its bf16 elements moved by one unit in the last place
+/// (elements picked by `seed`), as a training step moves a few weights.
+fn nudged(t: &T, seed: u32, n: usize) -> T {
+    let mut out = t.clone();
+    let elements = out.data.len() / 2;
+    for i in 0..n {
+        let h = (i as u32 ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
+        let at = 2 * ((h as usize >> 3) % elements);
+        let x = u16::from_le_bytes([out.data[at], out.data[at + 1]]);
+        out.data[at..at + 2].copy_from_slice(&(x ^ 1).to_le_bytes());
+    }
+    out
+}
+
+/// Publish `g` as version `v` from four row publishers (75 rows each, so
+/// every 128-row block is split between two of them), as published
+/// copies: the bases deltas are taken against.
+fn publish_rows(ps: &[Publisher], g: &T, v: &str) {
+    let row = 256 * 2;
+    for (r, p) in ps.iter().enumerate() {
+        let bytes = &g.data[r * 75 * row..(r + 1) * 75 * row];
+        let placement = Placement {
+            global_shape: g.shape.clone(),
+            offset: vec![r as u64 * 75, 0],
+        };
+        let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
+        p.clear_tensors();
+        // SAFETY: `publish` copies the bytes before this returns.
+        unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+        p.set_version(Some(v.into()));
+        p.publish().unwrap();
+    }
+}
+
+/// Four bf16 versions of a [300, 256] tensor, each a few ulps from the
+/// one before; at v2 a new largest element changes block (1, 1)'s scale.
+fn stepped_versions() -> Vec<T> {
+    let mut versions = vec![t("g", DType::Bf16, &[300, 256], 3)];
+    for v in 1..4u32 {
+        let mut next = nudged(&versions[versions.len() - 1], v, 300);
+        if v == 2 {
+            let at = 2 * (200 * 256 + 200);
+            next.data[at..at + 2].copy_from_slice(&0x4480u16.to_le_bytes());
+        }
+        versions.push(next);
+    }
+    versions
+}
+
+/// The reference FP8 bytes and scales of `g`'s column half [.., 128..].
+fn column_half(g: &T) -> (Vec<u8>, Vec<f32>) {
+    let (q, s) = reference(g, Scheme::Fp8Block128);
+    let q = q.chunks(256).flat_map(|r| r[128..].to_vec()).collect();
+    (q, s.chunks(2).map(|r| r[1]).collect())
+}
+
+/// A network engine holding `g`'s column half quantized: (manager, FP8
+/// param, scales param).
+fn half_engine() -> (Manager, [(*mut u8, usize); 2]) {
+    let m = common::sharded::net_engine("quantized-test-secret");
+    let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+    spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+    let params = quantized(&m, spec, Scheme::Fp8Block128, false);
+    (m, params)
+}
+
+/// Update `m` from publishers `ps` with deltas asked: its delta stats.
+fn delta_update(m: &Manager, ps: &[Publisher], via: SourceKind, mode: Mode) -> DeltaStats {
+    let mut req = UpdateRequest::snapshot(PathBuf::new());
+    req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+    (req.source, req.mode, req.deltas) = (via, mode, DeltaMode::On);
+    req.timeout = Duration::from_secs(60);
+    let (r, served) = serving(ps, || m.update(req));
+    served.into_iter().for_each(|s| drop(s.unwrap()));
+    r.unwrap().deltas
+}
+
+/// FP8 deltas from four trainer ranks whose shards split every block, into
+/// a TP column half, over IPC and UCX, atomic and in place: every
+/// version's FP8 bytes and scales are the reference's, every run from the
+/// second version on is a delta (but the part of a block whose amax
+/// changed, which comes whole: every byte changed), the wire carries a
+/// fraction of the FP8 bytes. Then FP8 bytes written since: that run
+/// comes whole ("differs").
+#[test]
+fn fp8_params_take_deltas_of_their_fp8_bytes_from_sharded_publishers() {
+    let _serial = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let versions = stepped_versions();
+    for (via, mode) in [
+        (SourceKind::Ipc, Mode::Atomic),
+        (SourceKind::Rdma, Mode::InPlace),
+        (SourceKind::Rdma, Mode::Atomic),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let ps = publishers(dir.path(), via, &versions[0]);
+        let (m, [q, s]) = half_engine();
+        for (k, g) in versions.iter().enumerate() {
+            publish_rows(&ps, g, &format!("v{k}"));
+            let d = delta_update(&m, &ps, via, mode);
+            let (want_q, want_s) = column_half(g);
+            let at = format!("{via:?} {mode:?} v{k}");
+            assert!(read(q) == want_q, "{at}: fp8 bytes differ");
+            assert_eq!(f32s(&read(s)), want_s, "{at}: scales differ");
+            if k == 0 {
+                assert_eq!(d.fallback, DeltaFallback::NoBase, "{at}: {d:?}");
+                continue;
+            }
+            // At v2 the rank holding most of block (1, 1) sends its part
+            // whole: with the block's new scale every byte changed.
+            let whole = if k == 2 { 1 } else { 0 };
+            assert_eq!(
+                (d.runs_delta, d.runs_whole),
+                (4 - whole, whole),
+                "{at}: {d:?}"
+            );
+            assert_eq!(d.fallback, DeltaFallback::None, "{at}: {d:?}");
+            let most = if k == 2 { 300 * 128 / 2 } else { 300 * 128 / 8 };
+            assert!(d.wire_bytes < most, "{at}: {d:?}");
+        }
+        // SAFETY: no update is running; the param is the engine's.
+        unsafe { *q.0.add(5) ^= 1 };
+        let g = nudged(&versions[3], 9, 300);
+        publish_rows(&ps, &g, "v4");
+        let d = delta_update(&m, &ps, via, mode);
+        assert!(
+            read(q) == column_half(&g).0,
+            "{via:?} {mode:?}: after a write"
+        );
+        assert_eq!(d.fallback, DeltaFallback::Differs, "{d:?}");
+        assert_eq!((d.runs_delta, d.runs_whole), (3, 1), "{d:?}");
+    }
+}
+
+/// A base the engine took from a snapshot: the publishers keep the
+/// version but made no FP8 image of it, so the runs come whole ("not
+/// kept"), and the next version comes as deltas again.
+#[test]
+fn fp8_params_whose_base_came_from_a_snapshot_take_it_whole_first() {
+    let _serial = serial();
+    let versions = stepped_versions();
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("snap");
+    std::fs::create_dir(&snap).unwrap();
+    write_snapshot(&snap, &versions[0..1], "v0");
+    let ps = publishers(dir.path(), SourceKind::Ipc, &versions[0]);
+    let (m, [q, s]) = half_engine();
+    m.update(UpdateRequest::snapshot(&snap)).unwrap();
+    publish_rows(&ps, &versions[0], "v0");
+    for (k, want) in [(1, DeltaFallback::NotKept), (2, DeltaFallback::None)] {
+        publish_rows(&ps, &versions[k], &format!("v{k}"));
+        let d = delta_update(&m, &ps, SourceKind::Ipc, Mode::Atomic);
+        assert_eq!(d.fallback, want, "v{k}: {d:?}");
+        assert!(read(q) == column_half(&versions[k]).0, "v{k}");
+        assert_eq!(f32s(&read(s)), column_half(&versions[k]).1, "v{k}");
     }
 }
 
@@ -641,13 +800,12 @@ fn in_place_a_nan_leaves_failed_until_a_good_update() {
 
 /// A hand-written engine asking a real publisher for what no engine of
 /// ours asks: quantized requests overlapping (more elements than the rank
-/// holds), a request both quantized and fingerprinted for a delta, and
-/// SCALES below the publisher's own amax. Each is refused with an ERROR
+/// holds) and SCALES below the publisher's own amax. Each is refused with an ERROR
 /// naming it, before anything is read or sent.
 #[test]
 fn hostile_quantized_wants_are_refused_by_the_publisher() {
     use weight_manager_core::internals::transport::conn::Conn;
-    use weight_manager_core::internals::wire::{DeltaBase, Frame, Request};
+    use weight_manager_core::internals::wire::{Frame, Request};
     let dir = tempfile::tempdir().unwrap();
     let g = t("g", DType::Bf16, &[256, 256], 5);
     let whole = || Request::whole(0, 256 * 256, false);
@@ -660,18 +818,6 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
             },
             None,
             "asks for 131072 quantized elements, more than the 65536",
-        ),
-        (
-            Frame::Want {
-                requests: vec![whole()],
-                base: Some(DeltaBase {
-                    version: "0".into(),
-                    fingerprints: vec![(0, 7)],
-                }),
-                quant: vec![(0, Scheme::Fp8Block128)],
-            },
-            None,
-            "request #0 is both quantized and fingerprinted",
         ),
         (
             Frame::Want {

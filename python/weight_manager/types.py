@@ -145,7 +145,7 @@ class DeltaFallback(enum.IntEnum):
     NONE = 0  # deltas asked for every run with a base
     NO_BASE = 1  # the params held no version (first update, after a clear or a failure)
     REFUSED = 2  # the update asked for whole (deltas=False)
-    NOT_KEPT = 3  # a publisher no longer keeps the base
+    NOT_KEPT = 3  # a publisher no longer keeps the base (or an FP8 param's image of it)
     DIFFERS = 4  # some params' bytes were not the base's: those runs came whole
     NOT_APPLICABLE = 5  # a snapshot, device params or a tensor callback
     NOT_ASKED = 6  # an IPC update that did not ask for deltas (deltas=True)

@@ -8,7 +8,10 @@
 //! the commit; in place the params are patched where they are.
 //!
 //! Only host params have a base here: a device param's would have to be
-//! read back from the GPU first, so its entries go whole.
+//! read back from the GPU first, so its entries go whole. An FP8 param
+//! quantized by the publishers has its FP8 bytes as the base (elements of
+//! one byte); its scales are written whole at every commit from the
+//! agreed amax, so they need none.
 
 use super::patch::{patch_all, PatchJob};
 use super::{Applier, Chunk};
@@ -64,14 +67,26 @@ fn fingerprint(plan: &Plan, t: usize, base: SendPtr) -> u128 {
     hash.digest()
 }
 
+/// The element size of entry deltas: an FP8 param's elements are bytes,
+/// whatever its source's dtype.
+pub fn delta_element_size(plan: &Plan, entry: usize, request_bytes: u64) -> usize {
+    let e = &plan.entries[entry];
+    match e.target {
+        Target::Param(i) if plan.quantized(i).is_some() => 1,
+        _ => delta::element_size(e.meta.dtype.size(), request_bytes),
+    }
+}
+
 impl Applier<'_, '_> {
     /// The param memory of entry `t`, when it has a base here (a host
     /// param, and bytes to patch).
     fn host_param(&self, t: usize) -> Option<SendPtr> {
         let e = &self.plan.entries[t];
         match (e.target, self.landing.params[t]) {
-            // A quantized param holds FP8, not the bytes deltas patch.
-            (Target::Param(i), _) if self.plan.quantized(i).is_some() => None,
+            // Quantized here, a param's runs bring its source's bytes, not
+            // the FP8 it holds; quantized by the publishers, they bring
+            // FP8 bytes like those it holds, and deltas patch those.
+            (Target::Param(i), _) if self.plan.quantized(i).is_some_and(|q| !q.on_wire) => None,
             (Target::Param(_), Some(Dest::Host(p))) if e.bytes > 0 => Some(p),
             _ => None,
         }
@@ -174,8 +189,11 @@ impl Applier<'_, '_> {
             return Err(bad("its param has no base here".into()));
         }
         delta::check(d.delta, e.bytes as usize, d.esize).map_err(|x| bad(x.0))?;
+        // A quantized entry's manifest checksum is its source's (bf16),
+        // not the FP8 bytes': its SUMS are what vouch for those.
+        let fp8 = matches!(e.target, Target::Param(i) if self.plan.quantized(i).is_some());
         match e.meta.checksum {
-            Some(c) if self.verifies() && self.plan.takes_all(d.entry) && c != d.sum => {
+            Some(c) if self.verifies() && self.plan.takes_all(d.entry) && !fp8 && c != d.sum => {
                 Err(bad("its checksum is not the manifest's".into()))
             }
             _ => Ok(()),

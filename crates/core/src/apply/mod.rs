@@ -65,7 +65,7 @@ mod tests;
 
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;
-pub use base::{DeltaJob, DeltaTally};
+pub use base::{delta_element_size, DeltaJob, DeltaTally};
 pub use failure::ApplyFailure;
 pub use progress::Progress;
 pub use quant_agree::QuantRequest;

@@ -8,19 +8,26 @@
 //! published copy (immutable; a live tensor may have changed since), the
 //! new one a published copy or live tensors. Otherwise DELTAS says the
 //! base is not kept and everything goes whole.
+//!
+//! A quantized request's bytes are this session's FP8 image: its base is
+//! the image kept with the base version for the same request
+//! (`kept_images.rs`), its elements are bytes, and without a kept image it
+//! comes whole (verdict `NoBaseImage`).
 
 use super::config::PublisherConfig;
 use super::delta_cache::{self, DeltaCache, Encoded};
 use super::offer::{Offer, Published};
+use super::quantize::Images;
 use super::shard::{shard_for, Shard};
 use crate::checksum::Checksum;
 use crate::delta::{self, CHUNK, WINDOW_CHUNKS};
 use crate::manifest::TensorMeta;
+use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::Result;
 use crate::transport::conn::Conn;
 use crate::wire::{DeltaBase, DeltaRun, Frame, Request, RunVerdict, DELTA_PIECE};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// What the deltas of one session came to.
 #[derive(Clone, Copy, Debug, Default)]
@@ -77,7 +84,7 @@ pub(super) type Messages = Vec<(u32, Arc<Vec<u8>>)>;
 pub(super) fn serve(
     conn: &mut Conn,
     (held, offer): (Option<&BaseShard>, &Offer),
-    (shard, want): (&Shard, &mut [Request]),
+    (shard, want, images): (&Shard, &mut [Request], &Images),
     base: &DeltaBase,
     (cfg, messages): (&PublisherConfig, bool),
 ) -> Result<(DeltaTally, Messages)> {
@@ -97,6 +104,14 @@ pub(super) fn serve(
         .map(|&(k, fingerprint)| {
             let q = &want[k as usize];
             let t = q.tensor as usize;
+            if let Ok(i) = images.binary_search_by_key(&k, |(r, _)| *r) {
+                return image_job(
+                    (k, fingerprint),
+                    q,
+                    new[t],
+                    held.offer.images.get(&images[i].1),
+                );
+            }
             let meta = &shard.manifest.tensors[t];
             let was = base_shard
                 .manifest
@@ -113,6 +128,7 @@ pub(super) fn serve(
                 ),
                 old: was.map(|b| (old[b], base_shard.manifest.tensors[b].checksum)),
                 esize: delta::element_size(meta.dtype.size(), q.bytes()),
+                image: None,
             }
         })
         .collect();
@@ -148,6 +164,26 @@ pub(super) fn serve(
     Ok((tally, later))
 }
 
+/// Quantized request `k` (all of its image at `new`) against the image
+/// kept for the same request of the base version (`kept`, when it is one
+/// of the request's size): FP8 bytes, elements of one byte.
+fn image_job(
+    (request, fingerprint): (u32, u128),
+    q: &Request,
+    new: SendPtr,
+    kept: Option<Arc<HostRegion>>,
+) -> Job {
+    let kept = kept.filter(|i| i.len() as u64 == q.bytes());
+    Job {
+        request,
+        fingerprint,
+        new: (new, None, false),
+        old: kept.as_ref().map(|i| (SendPtr(i.ptr()), None)),
+        esize: 1,
+        image: Some(kept),
+    }
+}
+
 /// A shard's tensors, when every one lies in host memory.
 fn on_host(shard: &Shard) -> Option<&[SendPtr]> {
     match shard.published {
@@ -171,6 +207,9 @@ struct Job {
     /// The base's tensor of the same name and shape, with its checksum.
     old: Option<(SendPtr, Option<u128>)>,
     esize: usize,
+    /// A quantized request: the base's image kept for it, if any (held
+    /// while encoding).
+    image: Option<Option<Arc<HostRegion>>>,
 }
 
 /// The cache a version's sessions share, and the base offer it is for.
@@ -216,7 +255,10 @@ fn answer(j: &Job, want: &[Request], (cache, base): Cache) -> Answer {
         (run, Arc::default(), false)
     };
     let Some((old, old_sum)) = j.old else {
-        return whole(RunVerdict::Differs);
+        return whole(match j.image {
+            Some(_) => RunVerdict::NoBaseImage,
+            None => RunVerdict::Differs,
+        });
     };
     let (new, new_sum, all) = j.new;
     let known_base = if all { old_sum } else { None };
@@ -226,9 +268,19 @@ fn answer(j: &Job, want: &[Request], (cache, base): Cache) -> Answer {
     if known_base.is_some_and(|s| s != j.fingerprint) {
         return whole(RunVerdict::Differs);
     }
-    let key = delta_cache::key(base, (old.0 as usize, new.0 as usize), j.esize, &q.runs);
     let known = (known_base, new_sum.filter(|_| all));
-    let (cell, cached) = cache.get_or_encode(base, key, || encode(j.esize, (old, new), q, known));
+    // A session's image is its own (freed with the session, its address
+    // reused): not named in the cache.
+    let (cell, cached) = match j.image {
+        Some(_) => (
+            Arc::new(OnceLock::from(encode(j.esize, (old, new), q, known))),
+            false,
+        ),
+        None => {
+            let key = delta_cache::key(base, (old.0 as usize, new.0 as usize), j.esize, &q.runs);
+            cache.get_or_encode(base, key, || encode(j.esize, (old, new), q, known))
+        }
+    };
     let encoded = cell.get().expect("encoded");
     let Some((sum, delta)) = &encoded.delta else {
         return whole(RunVerdict::NotSmaller);

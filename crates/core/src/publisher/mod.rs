@@ -69,6 +69,7 @@ mod device_sums;
 mod handshake;
 mod hooks;
 mod ipc;
+mod kept_images;
 mod net;
 mod offer;
 mod plan;

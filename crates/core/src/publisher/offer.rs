@@ -158,6 +158,11 @@ pub(crate) struct Offer {
     pub(crate) live_sums: Mutex<HashMap<usize, u128>>,
     /// Deltas of this version its sessions share (`delta_cache.rs`).
     pub(crate) deltas: super::delta_cache::DeltaCache,
+    /// FP8 images its sessions made, kept as bases of the next version's
+    /// deltas (`kept_images.rs`), and the bytes they may take: one per
+    /// element of the version.
+    pub(crate) images: super::kept_images::KeptImages,
+    pub(crate) elements: u64,
 }
 
 /// Where a published version's tensors were copied.
@@ -188,12 +193,20 @@ impl Offer {
             }
             Content::Tensors(_) => None,
         });
+        let elements = match &content {
+            Content::Tensors(ts) => (ts.iter())
+                .map(|t| t.len as u64 / t.dtype.size().max(1) as u64)
+                .sum(),
+            Content::Dir(_) => 0,
+        };
         Offer {
             version,
             content,
             published: None,
             live_sums: Mutex::default(),
             deltas: Default::default(),
+            images: Default::default(),
+            elements,
         }
     }
 }

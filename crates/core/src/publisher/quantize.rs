@@ -12,7 +12,8 @@
 //! engine. Memory: while a session quantizes, each quantized request's
 //! source bytes are held, then its image (one byte per element).
 
-use super::offer::Published;
+use super::kept_images::ImageKey;
+use super::offer::{Offer, Published};
 use super::quantize_device;
 use super::shard::{fill, Shard};
 use crate::memory::host::HostRegion;
@@ -24,6 +25,7 @@ use crate::tensor::DType;
 use crate::transport::conn::Conn;
 use crate::wire::{BlockValues, BucketEntry, Frame, Request, WantRun};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One quantized request: its source elements and blocks.
@@ -46,16 +48,22 @@ struct Job {
     device: Option<i32>,
 }
 
+/// The quantized requests of a session, each with the name of its image
+/// (what deltas against it are looked up by).
+pub(super) type Images = Vec<(u32, ImageKey)>;
+
 /// Answer WANT's quantized requests `quant` of `want` (their runs count
 /// elements): AMAX, then SCALES before `deadline`; each then becomes all
-/// of its image. Returns the bytes read for them.
+/// of its image, kept with `offer` when it is a published host copy (the
+/// base of the next version's deltas, `kept_images.rs`). Returns the bytes
+/// read for them and the images' names.
 pub(super) fn serve(
     conn: &mut Conn,
-    shard: &mut Shard,
+    (offer, shard): (&Offer, &mut Shard),
     want: &mut [Request],
     quant: &[(u32, Scheme)],
     (threads, deadline): (usize, &dyn Fn() -> Instant),
-) -> Result<u64> {
+) -> Result<(u64, Images)> {
     // Quantized runs count elements: checked against the tensors'.
     let elements: Vec<u64> = (shard.manifest.tensors.iter())
         .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
@@ -82,6 +90,8 @@ pub(super) fn serve(
     };
     check_agreed(&jobs, &agreed)?;
     let mut read_bytes = 0;
+    let mut images = Images::with_capacity(jobs.len());
+    let keeps = matches!(offer.published, Some(Published::Host(_)));
     for (mut job, (_, amax)) in jobs.into_iter().zip(agreed) {
         let q = &want[job.request as usize];
         read_bytes += q.bytes() * job.dtype.size() as u64;
@@ -93,12 +103,26 @@ pub(super) fn serve(
             }
             _ => quantized(shard, q, &job, &amax, threads)?,
         };
-        let len = q.bytes();
-        let sums = q.sums;
+        let (len, sums) = (q.bytes(), q.sums);
+        let meta = &shard.manifest.tensors[job.tensor];
+        let key = ImageKey {
+            name: meta.name.clone(),
+            offset: meta
+                .placement
+                .as_ref()
+                .map_or(Vec::new(), |p| p.offset.clone()),
+            scheme: job.scheme,
+            runs: q.runs.clone(),
+        };
+        let image = Arc::new(image);
+        if keeps {
+            offer.images.keep(key.clone(), &image, offer.elements);
+        }
+        images.push((job.request, key));
         let t = shard.add_image(image);
         want[job.request as usize] = Request::whole(t, len, sums);
     }
-    Ok(read_bytes)
+    Ok((read_bytes, images))
 }
 
 /// The quantized requests ask for at most as many elements as the shard

@@ -100,11 +100,11 @@ fn serve(
     let (mut want, base, quant) = take_want(conn, &shard, step(cfg.bucket_timeout))?;
     let tensors = want.len() as u64;
     let quantizing = Instant::now();
-    let quantized = match quant.is_empty() {
-        true => 0,
+    let (quantized, images) = match quant.is_empty() {
+        true => Default::default(),
         false => quantize::serve(
             conn,
-            &mut shard,
+            (offer, &mut shard),
             &mut want,
             &quant,
             (cfg.pack_threads(), &|| step(cfg.bucket_timeout)),
@@ -114,7 +114,7 @@ fn serve(
         Some(base) => deltas::serve(
             conn,
             (base_shard.as_ref(), offer),
-            (&shard, &mut want),
+            (&shard, &mut want, &images),
             base,
             (cfg, bytes_key.is_some()),
         )?,
@@ -166,16 +166,5 @@ fn take_want(conn: &mut Conn, shard: &Shard, deadline: Instant) -> Result<Want> 
     };
     let sizes: Vec<u64> = shard.manifest.tensors.iter().map(|t| t.nbytes).collect();
     check_requests(&want, &sizes)?;
-    // A quantized request comes as FP8 made for this session: there is no
-    // base of it to take a delta against.
-    let fingerprinted = |k: u32| {
-        base.as_ref()
-            .is_some_and(|b| b.fingerprints.binary_search_by_key(&k, |f| f.0).is_ok())
-    };
-    if let Some((k, _)) = quant.iter().find(|(k, _)| fingerprinted(*k)) {
-        return Err(Error::peer(format!(
-            "WANT request #{k} is both quantized and fingerprinted for a delta"
-        )));
-    }
     Ok((want, base, quant))
 }

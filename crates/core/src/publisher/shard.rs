@@ -16,6 +16,7 @@ use crate::wire::{BucketEntry, Request};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Where one shard's tensor bytes come from.
 enum ShardBytes {
@@ -36,14 +37,14 @@ pub(super) struct Shard {
     pub(super) hashed: u64,
     /// Bytes made for this session (FP8 images of quantized requests,
     /// `quantize.rs`), served as tensors numbered after the manifest's.
-    images: Vec<HostRegion>,
+    images: Vec<Arc<HostRegion>>,
 }
 
 impl Shard {
     /// Serve `image` as a tensor of this session's: its number (after
     /// the manifest's and earlier images). A shard in memory lists it with
     /// its tensors; a shard of files reads it from memory.
-    pub(super) fn add_image(&mut self, image: HostRegion) -> u32 {
+    pub(super) fn add_image(&mut self, image: Arc<HostRegion>) -> u32 {
         let t = self.manifest.tensors.len() + self.images.len();
         if let ShardBytes::Memory(ptrs) = &mut self.bytes {
             ptrs.push(SendPtr(image.ptr()));
@@ -324,7 +325,7 @@ fn copy_from_gpu(
 /// Copy `batch` from where the shard's bytes are, on `threads`.
 fn copy_batch(
     bytes: &mut ShardBytes,
-    (images, first_image): (&[HostRegion], usize),
+    (images, first_image): (&[Arc<HostRegion>], usize),
     batch: &[Block],
     threads: usize,
 ) -> Result<()> {

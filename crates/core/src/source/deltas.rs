@@ -13,8 +13,7 @@
 //! the delta being received and fit what is left of it.
 
 use super::publisher_link::{unexpected, PublisherLink};
-use crate::apply::{Applier, DeltaJob};
-use crate::delta::element_size;
+use crate::apply::{delta_element_size, Applier, DeltaJob};
 use crate::plan::Plan;
 use crate::result::{try_vec, Error, Result};
 use crate::wire::{DeltaBase, DeltaRun, Frame, RunVerdict};
@@ -45,7 +44,10 @@ pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier)
     check_runs(link, kept, &runs)?;
     let differs = runs.iter().filter(|r| r.verdict == RunVerdict::Differs);
     let asked = link.asked_base().len() as u64;
-    applier.note_base(kept, asked, differs.count() as u64);
+    // A quantized request's base image not kept: the base, as this
+    // publisher can diff it, is not kept.
+    let no_image = runs.iter().any(|r| r.verdict == RunVerdict::NoBaseImage);
+    applier.note_base(kept && !no_image, asked, differs.count() as u64);
     let due: Vec<DeltaRun> = runs
         .into_iter()
         .filter(|r| r.verdict == RunVerdict::Delta)
@@ -93,11 +95,10 @@ pub(super) fn apply(
         .zip(received)
         .map(|(run, delta)| {
             let entry = link.entry_of(run.request).expect("checked");
-            let dtype = plan.entries[entry].meta.dtype.size();
             DeltaJob {
                 entry,
                 delta,
-                esize: element_size(dtype, link.request_bytes(run.request)),
+                esize: delta_element_size(plan, entry, link.request_bytes(run.request)),
                 sum: run.sum,
             }
         })

@@ -36,6 +36,9 @@ pub enum RunVerdict {
     Differs = 1,
     /// Whole: the delta would be no smaller.
     NotSmaller = 2,
+    /// Whole: a quantized request whose base image (the FP8 bytes this
+    /// publisher made for it at the base version) is not kept.
+    NoBaseImage = 3,
 }
 
 /// One request's verdict in DELTAS.
@@ -122,6 +125,7 @@ pub(super) fn decode_deltas(i: &mut In) -> Result<(bool, Vec<DeltaRun>)> {
             0 => RunVerdict::Delta,
             1 => RunVerdict::Differs,
             2 => RunVerdict::NotSmaller,
+            3 => RunVerdict::NoBaseImage,
             v => return Err(Error::peer(format!("wire: DELTAS: verdict {v}"))),
         };
         runs.push(DeltaRun {

@@ -46,8 +46,10 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// 6: HELLO names the version the engine's params hold, MANIFEST says
 /// whether the publisher keeps it, WANT may name it as a base (with
 /// fingerprints), and the publisher answers DELTAS and DELTA frames
-/// (`deltas.rs`).
-pub(crate) const PROTOCOL: u32 = 7;
+/// (`deltas.rs`). 7: WANT names quantized requests, AMAX and SCALES
+/// agree their blocks' amax (`quant.rs`). 8: a quantized request may be
+/// fingerprinted (its delta is over FP8 bytes), DELTAS' verdict 3.
+pub(crate) const PROTOCOL: u32 = 8;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).

@@ -88,6 +88,18 @@ fn plan_frames_round_trip() {
                 len: 0,
                 sum: 0,
             },
+            DeltaRun {
+                request: 2,
+                verdict: RunVerdict::NotSmaller,
+                len: 0,
+                sum: 0,
+            },
+            DeltaRun {
+                request: 3,
+                verdict: RunVerdict::NoBaseImage,
+                len: 0,
+                sum: 0,
+            },
         ],
     });
     round_trip(Frame::Delta {
