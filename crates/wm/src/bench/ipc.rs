@@ -32,8 +32,10 @@ use weight_manager_core::{Manager, ManagerConfig, UpdateRequest, UpdateStats};
 use weight_manager_core::{Mode, TensorView};
 use weight_manager_core::{Publisher, PublisherConfig};
 
-/// Updates before the timed one: a publisher alternates two buffers.
-const WARM_UPS: usize = 2;
+/// Updates before the timed one: a publisher rotates its published
+/// versions through `keep_versions + 1` buffers, which the engine maps
+/// once each.
+const WARM_UPS: usize = weight_manager_core::defaults::KEEP_VERSIONS + 1;
 
 /// `wm bench ipc` options.
 #[derive(clap::Args, Debug)]
