@@ -21,6 +21,11 @@ Sections:
   checksums (the same job as torch's copy) and with them (the default:
   every tensor also hashed so engines can verify, work torch's copy does
   not do).
+- ipc: the engine's side of a same-node update from a version published
+  ahead: ours `Manager.update(socket, source="ipc", in_place=True)`;
+  PyTorch: the trainer's tensors shared with `share_memory_()`, received
+  once through a torch.multiprocessing queue, then `copy_()` into the
+  same params. The first of each (mapping) is not timed.
 - network: a trainer process holding the tensors serves them both ways
   over loopback. Ours: `Manager.update(addr, source="rdma", in_place=True)`
   (UCX, direct receive, checksums verified) into the engine's torch
@@ -180,6 +185,85 @@ def _publish_row(tensors, shared, plain, total, pairs, checksums: bool) -> None:
               f"torch copy_() into share_memory_() tensors {total / t / 1e9:.2f} GB/s, "
               f"copy into plain tensors floor {total / fl / 1e9:.2f} GB/s; "
               f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs), wm / floor {fl / o:.2f}")
+
+
+def _ipc_trainer(sock: str, shared_out, commands, gib: float) -> None:
+    """The trainer process of the IPC section: a wm publisher of a
+    published version on `sock`, and the same tensors made shared for
+    torch.multiprocessing and handed over once; on "wm" it serves one
+    engine session, on "stop" it ends."""
+    import torch
+    from weight_manager import Publisher
+    layer, count = (4096, 8192), max(1, int(gib * 16))
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(layer, generator=g).to(torch.bfloat16) for _ in range(count)]
+    with Publisher(socket_path=sock) as p:
+        for i, t in enumerate(tensors):
+            p.add_torch(f"layers.{i}.w", t)
+        p.prepare()
+        p.set_version("1")
+        p.publish()
+        shared = [t.clone().share_memory_() for t in tensors]
+        shared_out.put(shared)
+        while True:
+            cmd = commands.recv()
+            if cmd == "wm":
+                p.serve(1, timeout=120)
+            else:
+                break
+
+
+def ipc(gib: float, pairs: int) -> None:
+    """The engine's side of a same-node update, the trainer's version
+    published ahead on both sides: ours `Manager.update(socket,
+    source="ipc", in_place=True)` into the engine's torch params (one
+    session: manifest, plan, the published buffer mapped once and kept,
+    one copy); PyTorch: the trainer's tensors made shared
+    (`share_memory_()`) and received once through a torch.multiprocessing
+    queue, then `copy_()` into the same params. The first of each is not
+    timed (mapping)."""
+    import torch
+    import torch.multiprocessing as tmp
+    from weight_manager import Manager
+    ctx = tmp.get_context("spawn")
+    queue = ctx.Queue()
+    cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+    with tempfile.TemporaryDirectory() as d:
+        sock = str(Path(d) / "trainer.sock")
+        trainer = ctx.Process(target=_ipc_trainer, args=(sock, queue, cmd_recv, gib))
+        trainer.start()
+        try:
+            shared = queue.get(timeout=300)
+            layer, count = (4096, 8192), len(shared)
+            params = torch.nn.Module()
+            for i in range(count):
+                params.register_parameter(f"p{i}", torch.nn.Parameter(
+                    torch.ones(layer, dtype=torch.bfloat16), requires_grad=False))
+            live = [getattr(params, f"p{i}") for i in range(count)]
+            total = sum(p.numel() * p.element_size() for p in live)
+            m = Manager(fallback_dir=None)
+            m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+
+            def ours():
+                cmd_send.send("wm")
+                m.update(sock, source="ipc", in_place=True)
+
+            def theirs():
+                with torch.no_grad():
+                    for p, t in zip(live, shared):
+                        p.copy_(t)
+
+            ours()
+            assert all(torch.equal(p, t) for p, t in zip(live, shared)), "wm updated other bytes"
+            theirs()
+            ratio, o, t = alternate(pairs, ours, theirs)
+            print(f"IPC engine update (published version), {total / 2**30:.2f} GiB bf16: "
+                  f"wm {total / o / 1e9:.2f} GB/s, torch.multiprocessing shared tensors + copy_() "
+                  f"{total / t / 1e9:.2f} GB/s; wm / torch {ratio:.2f} (median of {pairs} alternating pairs)")
+            m.close()
+        finally:
+            cmd_send.send("stop")
+            trainer.join(timeout=120)
 
 
 def _net_trainer(port: int, wm_port_out, commands, gib: float, secret: str) -> None:
@@ -358,6 +442,7 @@ def main() -> None:
     a = ap.parse_args()
     snapshot(a.gib, a.pairs)
     publish(a.gib, a.pairs)
+    ipc(a.gib, a.pairs)
     network(a.gib, a.pairs)
     signal(2000, a.pairs)
 
