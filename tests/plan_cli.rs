@@ -386,7 +386,8 @@ fn the_prediction_follows_what_the_wire_carries() {
 /// An engine layout that quantizes (`"quant"`): its 2-D params are FP8
 /// (one byte an element moves: publishers quantize), its 1-D ones stay;
 /// a TP split that cuts a 128x128 block is refused naming the param, the
-/// dimension and the offset; `--wire-dtype fp8` would count FP8 twice.
+/// dimension and the offset; `--wire-dtype fp8` would count FP8 twice;
+/// deltas are predicted as FP8 deltas.
 #[test]
 fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
     let trainer = json!({"ranks": 2, "dtype": "bf16",
@@ -406,6 +407,12 @@ fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
     );
     assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
     assert_eq!(v["prediction"]["wire"]["dtype"], "planned");
+    // Its deltas are FP8 deltas: elements of one byte.
+    let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.02"]));
+    assert_eq!(
+        num(&delta, "/prediction/wire/bytes_per_plan_byte"),
+        weight_manager_core::delta::predicted_ratio(0.02, 1)
+    );
     let err = failure(&wm_plan(&t, &e, &["--wire-dtype", "fp8"]));
     assert!(err.contains("quantizes its params"), "{err}");
     let (_d, t, e) = write_pair(&trainer, &engine(8));

@@ -120,11 +120,16 @@ impl Wire {
 
     /// Bytes on the wire per byte of the (bf16) plan: FP8 is one byte an
     /// element plus a 4-byte scale per 128x128 block; a delta costs what
-    /// the codec's model says for that share of changed elements.
+    /// the codec's model says for that share of changed elements. A
+    /// layout that quantizes takes FP8 deltas (elements of one byte) for
+    /// its quantized params; its other bytes are counted the same way,
+    /// which overestimates them slightly (two-byte elements' deltas are
+    /// smaller per byte).
     pub fn factor(&self) -> f64 {
-        let (dtype, esize) = match self.fp8 {
-            true => (0.5 * (1.0 + 4.0 / (128.0 * 128.0)), 1),
-            false => (1.0, 2),
+        let (dtype, esize) = match (self.fp8, self.planned_fp8) {
+            (true, _) => (0.5 * (1.0 + 4.0 / (128.0 * 128.0)), 1),
+            (false, true) => (1.0, 1),
+            (false, false) => (1.0, 2),
         };
         let delta = self.delta_fraction.map_or(1.0, |f| {
             weight_manager_core::delta::predicted_ratio(f, esize)
