@@ -61,7 +61,7 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
     assert!(esize > 0 && old.len() == new.len() && old.len() % esize == 0);
     let mut stats = Encoded::default();
     let mut diff = vec![0u64; CHUNK / 64];
-    let mut positions = Vec::new();
+    let (mut positions, mut values) = (Vec::new(), Vec::new());
     let step = CHUNK * esize;
     for (o, n) in old.chunks(step).zip(new.chunks(step)) {
         if o == n {
@@ -80,23 +80,33 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
         // beat the bitmask. Values first, so a receiver applies a chunk in
         // one pass over its positions.
         out.reserve(1 + whole);
-        if changed < elems / 8 {
-            positions.clear();
-            gaps(words).for_each(|g| put_varint(g, &mut positions));
-            if 1 + varint_len(changed) + positions.len() + changed * esize < bitmask.min(whole) {
-                out.push(GAPS);
-                put_varint(changed, out);
-                put_values(words, n, esize, changed, out);
-                out.extend_from_slice(&positions);
-                stats.gaps += 1;
-                continue;
-            }
+        let sparse = changed < elems / 8;
+        if bitmask < whole || sparse {
+            // One pass over the changes: their values, and their gaps
+            // when the gaps form could win.
+            gather(
+                words,
+                n,
+                esize,
+                &mut values,
+                sparse.then_some(&mut positions),
+            );
+        }
+        if sparse
+            && 1 + varint_len(changed) + positions.len() + changed * esize < bitmask.min(whole)
+        {
+            out.push(GAPS);
+            put_varint(changed, out);
+            out.extend_from_slice(&values);
+            out.extend_from_slice(&positions);
+            stats.gaps += 1;
+            continue;
         }
         if bitmask < whole {
             out.push(BITMASK);
             let bytes = words.iter().flat_map(|w| w.to_le_bytes());
             out.extend(bytes.take(elems.div_ceil(8)));
-            put_values(words, n, esize, changed, out);
+            out.extend_from_slice(&values);
             stats.bitmask += 1;
         } else {
             out.push(WHOLE);
@@ -257,6 +267,11 @@ fn diff_bits(o: &[u8], n: &[u8], esize: usize, words: &mut [u64]) {
         // SAFETY: the CPU has AVX2 (checked just above).
         return unsafe { diff_bits_2_avx2(o, n, words) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if esize == 1 && avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { diff_bits_1_avx2(o, n, words) };
+    }
     let block = 64 * esize;
     for ((w, a), b) in words.iter_mut().zip(o.chunks(block)).zip(n.chunks(block)) {
         *w = match esize {
@@ -311,6 +326,33 @@ unsafe fn diff_bits_2_avx2(o: &[u8], n: &[u8], words: &mut [u64]) {
     }
 }
 
+/// [`diff_bits`] of 1-byte elements (FP8), 64 at a time: equal bytes
+/// compared and their top bits gathered, inverted. A last partial word
+/// goes through the plain loop.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn diff_bits_1_avx2(o: &[u8], n: &[u8], words: &mut [u64]) {
+    use std::arch::x86_64::*;
+    let full = (o.len() / 64).min(words.len());
+    for (k, w) in words[..full].iter_mut().enumerate() {
+        let at = k * 64;
+        // SAFETY: `at + 64 <= 64 * full <= o.len() == n.len()`: the two
+        // 32-byte loads from `at` stay inside both slices.
+        let equal = |i: usize| unsafe {
+            let ld = |s: &[u8]| _mm256_loadu_si256(s.as_ptr().add(i).cast());
+            _mm256_movemask_epi8(_mm256_cmpeq_epi8(ld(o), ld(n))) as u32 as u64
+        };
+        *w = !(equal(at) | equal(at + 32) << 32);
+    }
+    for ((w, a), b) in words[full..]
+        .iter_mut()
+        .zip(o[full * 64..].chunks(64))
+        .zip(n[full * 64..].chunks(64))
+    {
+        *w = word_of::<1>(a, b);
+    }
+}
+
 #[inline(always)]
 fn word_of<const E: usize>(a: &[u8], b: &[u8]) -> u64 {
     let mut m = 0u64;
@@ -351,14 +393,70 @@ fn varint_len(x: usize) -> usize {
     (usize::BITS - (x | 1).leading_zeros()).div_ceil(7) as usize
 }
 
-/// The changed elements' new bytes, in order, written into room made once.
-fn put_values(words: &[u64], n: &[u8], esize: usize, changed: usize, out: &mut Vec<u8>) {
-    let at = out.len();
-    out.resize(at + changed * esize, 0);
-    let dst = &mut out[at..];
-    for (k, i) in set_bits(words).enumerate() {
-        set(dst, k, &n[i * esize..(i + 1) * esize], esize);
+/// The changed elements' new bytes, in order, into `values`, and with
+/// `gaps` their gaps as varints (the gaps form's positions), in one pass
+/// over the set bits of `words`.
+fn gather(words: &[u64], n: &[u8], esize: usize, values: &mut Vec<u8>, gaps: Option<&mut Vec<u8>>) {
+    match esize {
+        1 => gather_e::<1>(words, n, values, gaps),
+        2 => gather_e::<2>(words, n, values, gaps),
+        4 => gather_e::<4>(words, n, values, gaps),
+        _ => {
+            values.clear();
+            for i in set_bits(words) {
+                values.extend_from_slice(&n[i * esize..(i + 1) * esize]);
+            }
+            if let Some(g) = gaps {
+                g.clear();
+                self::gaps(words).for_each(|x| put_varint(x, g));
+            }
+        }
     }
+}
+
+/// [`gather`] of `E`-byte elements: fixed-size copies, the gaps' varints
+/// written into room made once (at most 3 bytes each: a chunk's positions
+/// fit 16 bits).
+#[inline(always)]
+fn gather_e<const E: usize>(
+    words: &[u64],
+    n: &[u8],
+    values: &mut Vec<u8>,
+    gaps: Option<&mut Vec<u8>>,
+) {
+    let changed: usize = words.iter().map(|w| w.count_ones() as usize).sum();
+    values.clear();
+    values.resize(changed * E, 0);
+    let with_gaps = gaps.is_some();
+    let mut room = Vec::new();
+    let g = gaps.unwrap_or(&mut room);
+    g.clear();
+    if with_gaps {
+        g.resize(changed * 3, 0);
+    }
+    let (mut k, mut at, mut next) = (0, 0, 0usize);
+    for (w, &word) in words.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let i = w * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let v: [u8; E] = n[i * E..i * E + E].try_into().expect("E bytes");
+            values[k * E..k * E + E].copy_from_slice(&v);
+            k += 1;
+            if with_gaps {
+                let mut x = i - next;
+                next = i + 1;
+                while x >= 0x80 {
+                    g[at] = x as u8 | 0x80;
+                    x >>= 7;
+                    at += 1;
+                }
+                g[at] = x as u8;
+                at += 1;
+            }
+        }
+    }
+    g.truncate(at);
 }
 
 fn put_varint(mut x: usize, out: &mut Vec<u8>) {

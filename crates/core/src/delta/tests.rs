@@ -170,3 +170,27 @@ fn windows_and_checks_agree_with_apply() {
     }
     assert!(check(&delta, old.len() + 1, 2).is_err());
 }
+
+/// The vectorized change masks (1- and 2-byte elements) are the plain
+/// loop's, word for word, partial last words included.
+#[test]
+fn the_vector_change_masks_match_the_plain_loop() {
+    let mut rng = Rng(11);
+    for esize in [1, 2] {
+        for elems in [0, 1, 63, 64, 65, 127, 1000, CHUNK] {
+            let old: Vec<u8> = (0..elems * esize).map(|_| rng.next() as u8).collect();
+            let new = changed(&mut rng, &old, esize, 0.1);
+            let mut got = vec![0u64; elems.div_ceil(64)];
+            super::diff_bits(&old, &new, esize, &mut got);
+            let want: Vec<u64> = (0..elems.div_ceil(64))
+                .map(|w| {
+                    (0..64.min(elems - w * 64)).fold(0u64, |m, j| {
+                        let i = (w * 64 + j) * esize;
+                        m | ((old[i..i + esize] != new[i..i + esize]) as u64) << j
+                    })
+                })
+                .collect();
+            assert_eq!(got, want, "esize {esize}, {elems} elements");
+        }
+    }
+}

@@ -259,7 +259,20 @@ fn synthetic(elems: usize, pairs: usize) -> Result<(), String> {
         println!("    torch skipped: {e}");
     }
     for (new, (_, share)) in news.iter().zip(SHARES) {
-        share_lines(&old, new, share, torch.as_mut().ok(), (total, pairs))?;
+        share_lines(&old, new, share, torch.as_mut().ok(), (total, pairs, 2))?;
+    }
+    // FP8 params take deltas of their bytes, one byte an element.
+    let old = &old[..old.len() / 2];
+    println!(
+        "  random FP8 (one byte an element), {:.0} MiB, one core:",
+        old.len() as f64 / (1u64 << 20) as f64
+    );
+    for &(share, name) in &SHARES[..2] {
+        let cut = (share * (1u64 << 32) as f64) as u64;
+        let new: Vec<u8> = (old.iter())
+            .map(|&b| if next() & 0xffff_ffff < cut { b ^ 1 } else { b })
+            .collect();
+        share_lines(old, &new, name, None, (old.len() as u64, pairs, 1))?;
     }
     Ok(())
 }
@@ -269,10 +282,10 @@ fn share_lines(
     new: &[u8],
     share: &str,
     torch: Option<&mut TorchPeer>,
-    (total, pairs): (u64, usize),
+    (total, pairs, esize): (u64, usize, usize),
 ) -> Result<(), String> {
     let mut d = Vec::with_capacity(old.len() / 8);
-    delta::encode(old, new, 2, &mut d);
+    delta::encode(old, new, esize, &mut d);
     let ratio = d.len() as f64 / old.len() as f64;
     let mut run = old.to_vec();
     let mut copy_dst = vec![0u8; old.len()];
@@ -284,19 +297,19 @@ fn share_lines(
     let encode = || {
         let mut out = Vec::with_capacity(old.len() / 8);
         timed(&mut || {
-            delta::encode(old, new, 2, &mut out);
+            delta::encode(old, new, esize, &mut out);
         })
     };
     let apply = |run: &mut Vec<u8>| {
         run.copy_from_slice(old);
         timed(&mut || {
-            delta::apply(&d, run, 2).expect("own delta");
+            delta::apply(&d, run, esize).expect("own delta");
         })
     };
     let memcpy = |dst: &mut Vec<u8>| timed(&mut || dst.copy_from_slice(old));
     let (enc_r, enc, _) = alternate(pairs, encode, || memcpy(&mut copy_dst))?;
     let (app_r, app, cp) = alternate(pairs, || apply(&mut run), || memcpy(&mut copy_dst))?;
-    let target = if share == "2" {
+    let target = if share == "2" && esize == 2 {
         format!(" (target <= 0.04) {}", verdict(ratio <= 0.04))
     } else {
         String::new()
