@@ -1417,6 +1417,94 @@ static void test_quantized(void) {
   remove_tmpdir();
 }
 
+/* An FP8 engine param taking deltas of its FP8 bytes from a publisher of
+ * f32 versions: the second version comes as a delta (one element moved),
+ * and its bytes and scales are those a whole update of it gives. */
+static wm_manager *fp8_engine(void **q, void **s) {
+  wm_manager *m = new_manager(tmpdir);
+  uint64_t shape[2] = {130, 129}, scales_shape[2] = {2, 2};
+  wm_param_desc d;
+  wm_param_desc_init(&d);
+  d.name = "w";
+  d.dtype = WM_DTYPE_F8E4M3;
+  d.shape = shape;
+  d.ndim = 2;
+  size_t n = 0;
+  CHECK_RC(wm_allocate_param(m, &d, q, &n), WM_OK);
+  d.name = "w.scale_inv";
+  d.dtype = WM_DTYPE_F32;
+  d.shape = scales_shape;
+  CHECK_RC(wm_allocate_param(m, &d, s, &n), WM_OK);
+  CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_OK);
+  return m;
+}
+
+static void test_quantized_deltas(void) {
+  make_tmpdir();
+  char sock[300];
+  snprintf(sock, sizeof sock, "%s/p.sock", tmpdir);
+  wm_publisher_config pc;
+  wm_publisher_config_init(&pc);
+  wm_publisher *p = NULL;
+  CHECK_RC(wm_publisher_create(sock, &pc, &p), WM_OK);
+  static float v1[130 * 129], v2[130 * 129];
+  for (int i = 0; i < 130 * 129; i++) v1[i] = v2[i] = (float)(i % 97 - 48) * 0.5f;
+  v2[7] = 10.0f; /* inside block (0, 0), below its amax (24) */
+  static const uint64_t shape[2] = {130, 129};
+  const float *vs[2] = {v1, v2};
+  for (int v = 0; v < 2; v++) {
+    wm_tensor_desc t;
+    wm_tensor_desc_init(&t);
+    t.name = "w";
+    t.dtype = WM_DTYPE_F32;
+    t.shape = shape;
+    t.ndim = 2;
+    t.data = vs[v];
+    t.len = sizeof v1;
+    CHECK_RC(wm_publisher_clear(p), WM_OK);
+    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+    CHECK_RC(wm_publisher_set_version(p, v == 0 ? "1" : "2"), WM_OK);
+    CHECK_RC(wm_publisher_publish(p), WM_OK);
+  }
+  serving sv = {p, 3};
+  pthread_t th;
+  pthread_create(&th, NULL, serve_sessions, &sv);
+  void *q = NULL, *s = NULL, *q2 = NULL, *s2 = NULL;
+  wm_manager *m = fp8_engine(&q, &s);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.source = WM_SOURCE_IPC;
+  r.location = sock;
+  r.version = "1";
+  r.flags = WM_UPDATE_DELTAS;
+  wm_update_stats st;
+  st.struct_size = sizeof st;
+  wm_delta_stats d;
+  d.struct_size = sizeof d;
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK(st.bytes == 130 * 129); /* FP8 on the wire */
+  static uint8_t before[130 * 129];
+  memcpy(before, q, sizeof before);
+  r.version = "2";
+  CHECK_RC(wm_update(m, &r, &st), WM_OK);
+  CHECK_RC(wm_update_delta_stats(m, &d), WM_OK);
+  CHECK(d.fallback == WM_DELTA_FALLBACK_NONE && d.runs_delta == 1 && d.runs_whole == 0);
+  CHECK(d.wire_bytes < 100 && strcmp(d.base_version, "1") == 0);
+  size_t moved = 0;
+  for (size_t i = 0; i < sizeof before; i++) moved += before[i] != ((uint8_t *)q)[i];
+  CHECK(moved == 1 && before[7] != ((uint8_t *)q)[7]);
+  /* The same version taken whole by another engine: the same bytes. */
+  wm_manager *whole = fp8_engine(&q2, &s2);
+  r.flags = WM_UPDATE_WHOLE;
+  CHECK_RC(wm_update(whole, &r, &st), WM_OK);
+  CHECK(memcmp(q, q2, 130 * 129) == 0 && memcmp(s, s2, 4 * sizeof(float)) == 0);
+  pthread_join(th, NULL);
+  wm_destroy(whole);
+  wm_destroy(m);
+  wm_publisher_destroy(p);
+  remove_tmpdir();
+}
+
 static void test_static_link(void) {
 #ifdef WM_STATIC_BUILD
   printf("linked statically\n");
@@ -1436,7 +1524,7 @@ int main(int argc, char **argv) {
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
       {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
-      {"quantized", test_quantized},
+      {"quantized", test_quantized}, {"quantized_deltas", test_quantized_deltas},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;
