@@ -181,7 +181,7 @@ fn the_vector_change_masks_match_the_plain_loop() {
             let old: Vec<u8> = (0..elems * esize).map(|_| rng.next() as u8).collect();
             let new = changed(&mut rng, &old, esize, 0.1);
             let mut got = vec![0u64; elems.div_ceil(64)];
-            super::diff_bits(&old, &new, esize, &mut got);
+            super::changes::diff_bits(&old, &new, esize, &mut got);
             let want: Vec<u64> = (0..elems.div_ceil(64))
                 .map(|w| {
                     (0..64.min(elems - w * 64)).fold(0u64, |m, j| {
