@@ -217,7 +217,10 @@ pub struct wm_memory_config {
     /// while the engine's kernels may still read the old weights; the
     /// commit (inside `wm_update`, after the uploads finished) waits for
     /// the device, maps the new memory at the param's addresses (they never
-    /// change) and frees the old memory. Costs one more copy of those
+    /// change) and frees the old memory (after a staged commit, `wm_commit`,
+    /// on a library thread right after it returns: the pause is the remaps
+    /// alone; the next update, `wm_clear` and `wm_destroy` wait for it).
+    /// Costs one more copy of those
     /// params in GPU memory during each update (an update that cannot get
     /// it fails before reading anything, the old weights kept). The engine
     /// must not run kernels reading such a param while `wm_update` runs:

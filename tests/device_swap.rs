@@ -320,3 +320,40 @@ fn a_staged_update_uploads_into_the_shadows_before_the_commit() {
     assert_eq!(f.calls("cuMemcpyAsync"), staging, "the commit uploaded");
     assert_holds(&ptrs, &v2, "committed");
 }
+
+/// A staged commit's pause is the remaps alone: the memory it takes out
+/// of the params (and the shadows' own views) is freed by a thread of its
+/// own once the commit returned, and the next update waits for that
+/// thread before it takes device memory.
+#[test]
+fn a_staged_commit_frees_the_old_memory_after_it_returned() {
+    if !under_fake_driver(
+        "a_staged_commit_frees_the_old_memory_after_it_returned",
+        false,
+    ) {
+        return;
+    }
+    let f = Fake::open();
+    let (m, ptrs, dir) = engine(true);
+    let params = ptrs.len() as u64 * GRANULE;
+    let m = std::sync::Arc::new(m);
+    let v2 = write_model(dir.path(), 2);
+    f.hold_freeing(true);
+    let staged = m.stage(UpdateRequest::snapshot(dir.path())).unwrap();
+    staged.commit().unwrap();
+    // Returned while the old memory still waits to be freed.
+    assert_holds(&ptrs, &v2, "committed");
+    assert_eq!(f.used(), 2 * params, "freed before the commit returned");
+    f.hold_freeing(false);
+    assert!(!f.hold_expired(), "the commit waited for the freeing");
+    let v3 = write_model(dir.path(), 3);
+    f.reset_peak();
+    m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_holds(&ptrs, &v3, "the next update");
+    assert_eq!(f.used(), params, "old memory left alive");
+    assert_eq!(
+        f.peak(),
+        2 * params,
+        "the next update ran beside the freeing"
+    );
+}

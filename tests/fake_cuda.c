@@ -15,6 +15,11 @@
  *   fake_cuda_used / _peak()     bytes of physical allocations alive now /
  *                                at most since the last reset_peak
  *   fake_cuda_handle_at(ptr)     the allocation mapped at ptr (0: none)
+ *   fake_cuda_hold_freeing(on)   while on, cuMemUnmap, cuMemAddressFree
+ *                                and cuMemRelease called from the library's
+ *                                deferred-release thread ("wm-device-free")
+ *                                wait (at most 20 s; then
+ *                                fake_cuda_hold_expired() says 1)
  *   fake_cuda_calls(name)        how many times `name` was called (the
  *                                copies and launches only: cuMemcpy2D,
  *                                cuMemcpy2DAsync, cuMemcpyAsync,
@@ -42,6 +47,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <pthread.h>
 
 typedef unsigned long long u64;
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100 };
@@ -114,6 +120,18 @@ static void unaccount(u64 h) {
     }
 }
 
+static int hold_freeing, hold_expired;
+void fake_cuda_hold_freeing(int on) { __atomic_store_n(&hold_freeing, on, __ATOMIC_SEQ_CST); }
+u64 fake_cuda_hold_expired(void) { return (u64)__atomic_load_n(&hold_expired, __ATOMIC_SEQ_CST); }
+/* A call from the deferred-release thread waits while freeing is held. */
+static void hold_point(void) {
+    char name[32] = {0};
+    if (pthread_getname_np(pthread_self(), name, sizeof name) != 0 || strcmp(name, "wm-device-free"))
+        return;
+    for (int i = 0; i < 20000 && __atomic_load_n(&hold_freeing, __ATOMIC_SEQ_CST); i++) usleep(1000);
+    if (__atomic_load_n(&hold_freeing, __ATOMIC_SEQ_CST)) __atomic_store_n(&hold_expired, 1, __ATOMIC_SEQ_CST);
+}
+
 int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
 int cuInit(unsigned flags) {
     (void)flags;
@@ -140,7 +158,7 @@ int cuMemAddressReserve(u64 *ptr, size_t size, size_t align, u64 addr, u64 flags
     *ptr = (u64)(uintptr_t)p;
     return OK;
 }
-int cuMemAddressFree(u64 ptr, size_t size) { munmap((void *)(uintptr_t)ptr, size); return OK; }
+int cuMemAddressFree(u64 ptr, size_t size) { hold_point(); munmap((void *)(uintptr_t)ptr, size); return OK; }
 
 int cuMemCreate(u64 *handle, size_t size, const void *prop, u64 flags) {
     (void)prop; (void)flags;
@@ -158,6 +176,7 @@ int cuMemCreate(u64 *handle, size_t size, const void *prop, u64 flags) {
     return OK;
 }
 int cuMemRelease(u64 h) {
+    hold_point();
     if (h == 0 || h > MAX || allocs[h - 1].released) return INVALID_VALUE;
     allocs[h - 1].released = 1;
     unaccount(h);
@@ -187,6 +206,7 @@ int cuMemSetAccess(u64 ptr, size_t size, const void *desc, size_t count) {
     return fake_cuda_handle_at(ptr) && size ? OK : INVALID_VALUE;
 }
 int cuMemUnmap(u64 ptr, size_t size) {
+    hold_point();
     if (failing("cuMemUnmap")) return INVALID_VALUE;
     for (int i = 0; i < MAX; i++)
         if (maps[i].size && maps[i].ptr == ptr && maps[i].size == size) {

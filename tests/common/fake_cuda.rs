@@ -101,6 +101,20 @@ impl Fake {
         f()
     }
 
+    /// While `on`, the library's deferred-release thread waits before
+    /// unmapping or freeing device memory (at most 20 s: `hold_expired`).
+    pub fn hold_freeing(&self, on: bool) {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn(i32) =
+            unsafe { std::mem::transmute(self.sym("fake_cuda_hold_freeing")) };
+        f(on as i32)
+    }
+
+    /// Whether a hold ran out before it was lifted.
+    pub fn hold_expired(&self) -> bool {
+        self.get("fake_cuda_hold_expired") != 0
+    }
+
     /// Bytes of device memory alive.
     pub fn used(&self) -> u64 {
         self.get("fake_cuda_used")

@@ -43,6 +43,9 @@ pub struct AtomicStaging<'p> {
     /// when the manager swaps device pages (`apply::device_swap`); empty
     /// otherwise.
     pub device: Vec<Option<&'p crate::memory::device::DeviceRegion>>,
+    /// A staged commit: where the device memory it takes out of params
+    /// goes to be freed after the commit returned (None: freed at once).
+    pub release_later: Option<&'p crate::memory::device_swap::DeferredRelease>,
 }
 
 /// Where a param's shadow is.

@@ -15,7 +15,9 @@
 //! whole. Only when a swap back fails too (or the failed swap could not
 //! map the old memory again) does the update count as having written
 //! params, and the manager reports FAILED. The old memory of every swapped
-//! param is freed once all swaps went through.
+//! param is freed once all swaps went through: right there in a one-call
+//! update, on a thread of its own after a staged commit (the engine's
+//! pause is then the remaps alone).
 //!
 //! The swap itself runs from the landing's commit (`shadows.rs`).
 //!
@@ -24,7 +26,7 @@
 //! staging is the same as without the swap.
 
 use crate::memory::device::DeviceRegion;
-use crate::memory::device_swap::DevicePages;
+use crate::memory::device_swap::{DeferredRelease, DevicePages};
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use std::collections::BTreeMap;
@@ -53,10 +55,13 @@ pub(super) fn swapped_params(plan: &Plan, sizes: &[Option<u64>]) -> Vec<usize> {
     swapped
 }
 
-/// An update's device shadows, per param number.
+/// An update's device shadows, per param number, and where the memory
+/// the commit takes out goes: freed off the pause (a staged commit,
+/// `memory::device_swap::DeferredRelease`), or here.
 #[derive(Default)]
 pub(super) struct DeviceShadows<'p> {
     shadows: BTreeMap<usize, (&'p DeviceRegion, DevicePages)>,
+    release: Option<&'p DeferredRelease>,
 }
 
 impl<'p> DeviceShadows<'p> {
@@ -65,7 +70,7 @@ impl<'p> DeviceShadows<'p> {
     /// whole.
     pub fn for_plan(
         plan: &Plan,
-        regions: &[Option<&'p DeviceRegion>],
+        (regions, release): (&[Option<&'p DeviceRegion>], Option<&'p DeferredRelease>),
     ) -> Result<DeviceShadows<'p>> {
         let sizes: Vec<Option<u64>> = regions.iter().map(|r| r.map(|r| r.len() as u64)).collect();
         let mut shadows = BTreeMap::new();
@@ -74,7 +79,7 @@ impl<'p> DeviceShadows<'p> {
             let pages = region.shadow(region.len(), &param_name(plan, i))?;
             shadows.insert(i, (region, pages));
         }
-        Ok(DeviceShadows { shadows })
+        Ok(DeviceShadows { shadows, release })
     }
 
     /// Where param `i`'s bytes go instead of the param: its shadow.
@@ -119,6 +124,11 @@ impl<'p> DeviceShadows<'p> {
                     return Err((error, changed));
                 }
             }
+        }
+        let taken_out = done.into_iter().filter_map(|(_, _, old)| old).collect();
+        match self.release {
+            Some(release) => release.later(taken_out),
+            None => drop(taken_out),
         }
         Ok(())
     }

@@ -77,7 +77,7 @@ impl<'p> Landing<'p> {
     ) -> Result<Landing<'p>> {
         let (device_shadows, arena) = match opts.mode {
             Mode::Atomic => (
-                DeviceShadows::for_plan(plan, &staging.device)?,
+                DeviceShadows::for_plan(plan, (&staging.device, staging.release_later))?,
                 Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
             ),
             Mode::InPlace => (DeviceShadows::default(), None),

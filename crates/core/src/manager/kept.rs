@@ -7,6 +7,7 @@
 use super::plan_cache::PlanCache;
 use super::shadows::NextShadows;
 use crate::fanout::FanoutLink;
+use crate::memory::device_swap::DeferredRelease;
 use crate::memory::host::HostRegion;
 use crate::memory::kept_mappings::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
@@ -29,6 +30,8 @@ pub(super) struct Kept {
     /// In place, with `keep_atomic_staging`: each quantized param's
     /// landing buffer (its source dtype's bytes), by param index.
     pub quant_landing: Mutex<Vec<(usize, HostRegion)>>,
+    /// Device memory staged commits took out of params, being freed.
+    pub device_release: DeferredRelease,
     /// NCCL fan-out: the communicator.
     pub fanout: Option<Mutex<FanoutLink>>,
 }
@@ -43,6 +46,7 @@ impl Kept {
             atomic_staging: Mutex::default(),
             next_shadows: Mutex::default(),
             quant_landing: Mutex::default(),
+            device_release: DeferredRelease::default(),
             fanout: fanout.map(Mutex::new),
         }
     }
@@ -55,5 +59,6 @@ impl Kept {
         self.atomic_staging.lock().take();
         self.next_shadows.lock().discard();
         self.quant_landing.lock().clear();
+        self.device_release.wait();
     }
 }

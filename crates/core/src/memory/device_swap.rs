@@ -11,6 +11,13 @@
 //! without a mapping, kept until every swap of the update went through, so
 //! that a later failure can swap it back; dropping it frees it.
 //!
+//! What a commit takes out is freed off the engine's pause when the commit
+//! is a staged one ([`DeferredRelease`]): each swap leaves the old
+//! allocation, and the shadow's own view of the new one, to be unmapped
+//! and released by a thread of their own once the commit returned (on the
+//! H200 those driver calls were most of a staged commit's pause); the next
+//! update, a clear or the manager's end waits for that thread first.
+//!
 //! Between the unmap and the map the range has no memory: a kernel reading
 //! the param then faults. So the engine must not run kernels that read a
 //! swapped param while `wm_update` commits (the device is synchronized
@@ -37,7 +44,10 @@ pub struct DevicePages {
     ordinal: i32,
     handle: sys::CUmemGenericAllocationHandle,
     len: usize,
-    /// The range reserved for it and mapped, for a shadow.
+    /// The range reserved for a shadow and mapped to it. After a swap,
+    /// the memory taken out carries the shadow's range instead (mapped to
+    /// the memory that went in, which keeps the param's own mapping), so
+    /// that unmapping it goes with freeing the old memory, off the pause.
     view: Option<u64>,
     /// Taken out of a param after the device was synchronized: nothing
     /// can use it, so dropping it needs no wait.
@@ -54,21 +64,76 @@ impl DevicePages {
     /// the handle returned).
     fn into_handle(mut self) -> sys::CUmemGenericAllocationHandle {
         self.unview();
-        let h = self.handle;
+        self.into_parts().0
+    }
+
+    /// The allocation (as its handle) and the view, still mapped.
+    fn into_parts(mut self) -> (sys::CUmemGenericAllocationHandle, Option<u64>) {
+        let parts = (self.handle, self.view.take());
         std::mem::forget(self);
-        h
+        parts
     }
 
     fn unview(&mut self) {
-        let Some(ptr) = self.view.take() else { return };
-        if cuda().and_then(|c| c.make_current(self.ordinal)).is_ok() {
-            // SAFETY: our view, mapped once; copies into it are done (the
-            // device was synchronized by the caller or by drop).
-            unsafe {
-                sys::cuMemUnmap(ptr, self.len);
-                sys::cuMemAddressFree(ptr, self.len);
-            }
+        if let Some(ptr) = self.view.take() {
+            unmap_view(self.ordinal, ptr, self.len);
         }
+    }
+}
+
+/// Unmap a view of `len` bytes at `ptr` on GPU `ordinal` and free its
+/// addresses.
+fn unmap_view(ordinal: i32, ptr: u64, len: usize) {
+    if cuda().and_then(|c| c.make_current(ordinal)).is_ok() {
+        // SAFETY: a view of ours, mapped once; copies into it are done
+        // (the device was synchronized by the caller or by drop).
+        unsafe {
+            sys::cuMemUnmap(ptr, len);
+            sys::cuMemAddressFree(ptr, len);
+        }
+    }
+}
+
+/// The memory staged commits took out of device params, freed on a thread
+/// of its own so that the engine does not wait for it (module docs). One
+/// batch at a time: a new one, [`DeferredRelease::wait`] and drop wait for
+/// the last.
+#[derive(Default)]
+pub struct DeferredRelease {
+    freeing: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl DeferredRelease {
+    /// Free `pages` on a thread of its own (here, when none can start).
+    pub fn later(&self, pages: Vec<DevicePages>) {
+        self.wait();
+        if pages.is_empty() {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("wm-device-free".into())
+            .spawn(move || drop(rx.recv()));
+        match spawned {
+            Ok(thread) => {
+                let _ = tx.send(pages);
+                *self.freeing.lock() = Some(thread);
+            }
+            Err(_) => drop(pages),
+        }
+    }
+
+    /// Wait until what [`DeferredRelease::later`] was given is freed.
+    pub fn wait(&self) {
+        if let Some(thread) = self.freeing.lock().take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for DeferredRelease {
+    fn drop(&mut self) {
+        self.wait();
     }
 }
 
@@ -181,8 +246,22 @@ impl DeviceRegion {
         // SAFETY: the range is ours, unmapped; the allocation is its size.
         match unsafe { map_rw(self.ordinal, self.ptr, self.mapped, pages.handle) } {
             Ok(()) => {
-                *handle = Some(pages.into_handle());
-                Ok(old)
+                let (new, view) = pages.into_parts();
+                *handle = Some(new);
+                // The shadow's view goes with the old memory (field docs),
+                // or now when the region held none.
+                match old {
+                    Some(mut old) => {
+                        old.view = view;
+                        Ok(Some(old))
+                    }
+                    None => {
+                        if let Some(ptr) = view {
+                            unmap_view(self.ordinal, ptr, self.mapped);
+                        }
+                        Ok(None)
+                    }
+                }
             }
             Err(e) => {
                 drop(pages);
