@@ -187,6 +187,20 @@ def _publish_row(tensors, shared, plain, total, pairs, checksums: bool) -> None:
               f"wm / torch {ratio:.2f} (median of {pairs} alternating pairs), wm / floor {fl / o:.2f}")
 
 
+def _engine_params(m, count: int):
+    """`count` bf16 [4096, 8192] torch params of an engine module,
+    registered with `m` as the trainer's "layers.{i}.w": the params and
+    their bytes."""
+    import torch
+    params = torch.nn.Module()
+    for i in range(count):
+        params.register_parameter(f"p{i}", torch.nn.Parameter(
+            torch.ones((4096, 8192), dtype=torch.bfloat16), requires_grad=False))
+    m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+    live = [getattr(params, f"p{i}") for i in range(count)]
+    return live, sum(p.numel() * p.element_size() for p in live)
+
+
 def _ipc_trainer(sock: str, shared_out, commands, gib: float) -> None:
     """The trainer process of the IPC section: a wm publisher of a
     published version on `sock`, and the same tensors made shared for
@@ -234,15 +248,8 @@ def ipc(gib: float, pairs: int) -> None:
         trainer.start()
         try:
             shared = queue.get(timeout=300)
-            layer, count = (4096, 8192), len(shared)
-            params = torch.nn.Module()
-            for i in range(count):
-                params.register_parameter(f"p{i}", torch.nn.Parameter(
-                    torch.ones(layer, dtype=torch.bfloat16), requires_grad=False))
-            live = [getattr(params, f"p{i}") for i in range(count)]
-            total = sum(p.numel() * p.element_size() for p in live)
             m = Manager(fallback_dir=None)
-            m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+            live, total = _engine_params(m, len(shared))
 
             def ours():
                 cmd_send.send("wm")
@@ -317,15 +324,8 @@ def network(gib: float, pairs: int) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
         addr = addr_recv.recv()
-        layer, count = (4096, 8192), max(1, int(gib * 16))
-        params = torch.nn.Module()
-        for i in range(count):
-            params.register_parameter(f"p{i}", torch.nn.Parameter(
-                torch.ones(layer, dtype=torch.bfloat16), requires_grad=False))
-        live = [getattr(params, f"p{i}") for i in range(count)]
-        total = sum(p.numel() * p.element_size() for p in live)
         m = Manager(fallback_dir=None, net_secret=secret)
-        m.register_module(params, name_map=lambda n: f"layers.{n[1:]}.w")
+        live, total = _engine_params(m, max(1, int(gib * 16)))
 
         def ours():
             cmd_send.send("wm")

@@ -67,9 +67,12 @@ pub struct CopyError {
     pub error: Error,
 }
 
-/// Number of worker threads copies use: one per core.
+/// Number of worker threads copies use: one per core. Asked once: the
+/// answer reads the cgroup's CPU quota files, half a millisecond each
+/// session paid before its manifest.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get())
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
 }
 
 /// A worker takes consecutive pieces until they hold at least this many

@@ -29,6 +29,10 @@ use std::time::{Duration, Instant};
 /// Handshakes in progress at once, at most.
 const MAX_HANDSHAKES: usize = 64;
 
+/// The longest the accept loop waits for a connection before it looks at
+/// `stop` and its deadline again (a connection wakes it at once).
+const ACCEPT_TICK: Duration = Duration::from_millis(20);
+
 /// What the accept loop and the handshake threads share.
 struct Admission {
     engines: usize,
@@ -109,7 +113,9 @@ impl Acceptor<'_> {
                         threads.push(s.spawn(move || self.one_engine(stream, offers, gate)));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(2));
+                        // Bounded, so that a stop or the deadline is
+                        // noticed within it.
+                        self.listener.wait_incoming(ACCEPT_TICK);
                     }
                     Err(e) => {
                         accept_error = Some(Error::io("accepting an engine", e));

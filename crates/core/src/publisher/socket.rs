@@ -25,6 +25,25 @@ impl Listener {
         }
     }
 
+    /// Wait until a connection may be waiting, at most `most` (poll on the
+    /// listening socket: a connection is taken at once, not at the next
+    /// tick of a sleep).
+    pub(super) fn wait_incoming(&self, most: std::time::Duration) {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            Listener::Unix(l) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        };
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of a socket this listener owns; the wait is
+        // bounded by `most`.
+        unsafe { libc::poll(&mut p, 1, most.as_millis().clamp(1, 1000) as i32) };
+    }
+
     pub(super) fn accept(&self) -> std::io::Result<Stream> {
         Ok(match self {
             Listener::Unix(l) => {
