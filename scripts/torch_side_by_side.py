@@ -27,9 +27,10 @@ Sections:
   once through a torch.multiprocessing queue, then `copy_()` into the
   same params. The first of each (mapping) is not timed.
 - network: a trainer process holding the tensors serves them both ways
-  over loopback. Ours: `Manager.update(addr, source="rdma", in_place=True)`
-  (UCX, direct receive, checksums verified) into the engine's torch
-  params. PyTorch: `torch.distributed.broadcast` (gloo) of each tensor
+  over loopback. Ours: `Manager.update(addr, source="rdma", in_place=True,
+  deltas=False)` (UCX, direct receive, checksums verified, every byte moved:
+  the same version is served each time, which deltas would send empty)
+  into the engine's torch params. PyTorch: `torch.distributed.broadcast` (gloo) of each tensor
   straight into the same params. The first of each is not timed.
 - signal: two rank processes keep in step: ours `broadcast_signal` per
   step (NORMAL: one shared-memory read on each rank); PyTorch: a gloo
@@ -329,7 +330,10 @@ def network(gib: float, pairs: int) -> None:
 
         def ours():
             cmd_send.send("wm")
-            m.update(addr, source="rdma", in_place=True)
+            # Whole, as gloo moves it: the trainer serves the same version
+            # every time, which deltas (on by default over the network)
+            # would send as empty deltas.
+            m.update(addr, source="rdma", in_place=True, deltas=False)
 
         def theirs():
             cmd_send.send("gloo")
