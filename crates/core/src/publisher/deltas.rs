@@ -96,10 +96,50 @@ pub(super) fn serve(
         })?;
         return Ok(Default::default());
     };
+    let jobs = jobs(base, (held, new), (shard, want, images));
+    let cache = (&offer.deltas, &held.offer);
+    let done = encode_all(&jobs, want, cache, cfg.pack_threads());
+    let runs: Vec<DeltaRun> = done.iter().map(|(r, ..)| *r).collect();
+    conn.send(&Frame::Deltas { kept: true, runs })?;
+    let mut tally = DeltaTally {
+        cached: done.iter().filter(|d| d.2).count() as u64,
+        ..Default::default()
+    };
+    let mut later = Messages::new();
+    for (run, bytes, _) in done {
+        if run.verdict != RunVerdict::Delta {
+            continue;
+        }
+        match messages {
+            true => later.push((run.request, bytes)),
+            false => {
+                for piece in bytes.chunks(DELTA_PIECE) {
+                    conn.send(&Frame::Delta {
+                        request: run.request,
+                        bytes: piece.to_vec(),
+                    })?;
+                }
+            }
+        }
+        let q = &mut want[run.request as usize];
+        (q.runs, q.sums) = (Vec::new(), false);
+        tally.runs += 1;
+        tally.bytes += run.len;
+    }
+    Ok((tally, later))
+}
+
+/// A job per request `base` fingerprinted: a quantized one against the
+/// image kept for it (`images`), any other against the base's tensor of
+/// the same name and shape.
+fn jobs(
+    base: &DeltaBase,
+    (held, new): (&BaseShard, &[SendPtr]),
+    (shard, want, images): (&Shard, &[Request], &Images),
+) -> Vec<Job> {
     let base_shard = &held.shard;
     let old = on_host(base_shard).expect("checked by base_shard");
-    let jobs: Vec<Job> = base
-        .fingerprints
+    base.fingerprints
         .iter()
         .map(|&(k, fingerprint)| {
             let q = &want[k as usize];
@@ -131,37 +171,7 @@ pub(super) fn serve(
                 image: None,
             }
         })
-        .collect();
-    let cache = (&offer.deltas, &held.offer);
-    let done = encode_all(&jobs, want, cache, cfg.pack_threads());
-    let runs: Vec<DeltaRun> = done.iter().map(|(r, ..)| *r).collect();
-    conn.send(&Frame::Deltas { kept: true, runs })?;
-    let mut tally = DeltaTally {
-        cached: done.iter().filter(|d| d.2).count() as u64,
-        ..Default::default()
-    };
-    let mut later = Messages::new();
-    for (run, bytes, _) in done {
-        if run.verdict != RunVerdict::Delta {
-            continue;
-        }
-        match messages {
-            true => later.push((run.request, bytes)),
-            false => {
-                for piece in bytes.chunks(DELTA_PIECE) {
-                    conn.send(&Frame::Delta {
-                        request: run.request,
-                        bytes: piece.to_vec(),
-                    })?;
-                }
-            }
-        }
-        let q = &mut want[run.request as usize];
-        (q.runs, q.sums) = (Vec::new(), false);
-        tally.runs += 1;
-        tally.bytes += run.len;
-    }
-    Ok((tally, later))
+        .collect()
 }
 
 /// Quantized request `k` (all of its image at `new`) against the image
