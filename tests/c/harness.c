@@ -1224,36 +1224,43 @@ static void *serve_sessions(void *arg) {
   return NULL;
 }
 
-static void test_deltas(void) {
-  make_tmpdir();
-  char sock[300];
-  snprintf(sock, sizeof sock, "%s/p.sock", tmpdir);
+/* A publisher on `sock` (tmpdir/p.sock, written there). */
+static wm_publisher *ipc_publisher(char *sock, size_t n) {
+  snprintf(sock, n, "%s/p.sock", tmpdir);
   wm_publisher_config pc;
   wm_publisher_config_init(&pc);
   wm_publisher *p = NULL;
   CHECK_RC(wm_publisher_create(sock, &pc, &p), WM_OK);
+  return p;
+}
+
+/* Add f32 tensor `name` of `shape` (`ndim` dims) at `data`, `len` bytes. */
+static void add_f32(wm_publisher *p, const char *name, const uint64_t *shape, size_t ndim,
+                    const float *data, size_t len) {
+  wm_tensor_desc t;
+  wm_tensor_desc_init(&t);
+  t.name = name;
+  t.dtype = WM_DTYPE_F32;
+  t.shape = shape;
+  t.ndim = ndim;
+  t.data = data;
+  t.len = len;
+  CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+}
+
+static void test_deltas(void) {
+  make_tmpdir();
+  char sock[300];
+  wm_publisher *p = ipc_publisher(sock, sizeof sock);
   static float w1[16], w2[16], b1[4];
   for (int i = 0; i < 16; i++) w1[i] = w2[i] = (float)i;
   w2[5] = 55.0f;
   for (int i = 0; i < 4; i++) b1[i] = 100.0f + (float)i;
   const float *ws[2] = {w1, w2};
   for (int v = 0; v < 2; v++) {
-    wm_tensor_desc t;
-    wm_tensor_desc_init(&t);
-    t.name = "w";
-    t.dtype = WM_DTYPE_F32;
-    t.shape = w_shape;
-    t.ndim = 2;
-    t.data = ws[v];
-    t.len = sizeof w1;
     CHECK_RC(wm_publisher_clear(p), WM_OK);
-    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
-    t.name = "b";
-    t.shape = b_shape;
-    t.ndim = 1;
-    t.data = b1;
-    t.len = sizeof b1;
-    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+    add_f32(p, "w", w_shape, 2, ws[v], sizeof w1);
+    add_f32(p, "b", b_shape, 1, b1, sizeof b1);
     CHECK_RC(wm_publisher_set_version(p, v == 0 ? "1" : "2"), WM_OK);
     CHECK_RC(wm_publisher_publish(p), WM_OK);
   }
@@ -1442,27 +1449,15 @@ static wm_manager *fp8_engine(void **q, void **s) {
 static void test_quantized_deltas(void) {
   make_tmpdir();
   char sock[300];
-  snprintf(sock, sizeof sock, "%s/p.sock", tmpdir);
-  wm_publisher_config pc;
-  wm_publisher_config_init(&pc);
-  wm_publisher *p = NULL;
-  CHECK_RC(wm_publisher_create(sock, &pc, &p), WM_OK);
+  wm_publisher *p = ipc_publisher(sock, sizeof sock);
   static float v1[130 * 129], v2[130 * 129];
   for (int i = 0; i < 130 * 129; i++) v1[i] = v2[i] = (float)(i % 97 - 48) * 0.5f;
   v2[7] = 10.0f; /* inside block (0, 0), below its amax (24) */
   static const uint64_t shape[2] = {130, 129};
   const float *vs[2] = {v1, v2};
   for (int v = 0; v < 2; v++) {
-    wm_tensor_desc t;
-    wm_tensor_desc_init(&t);
-    t.name = "w";
-    t.dtype = WM_DTYPE_F32;
-    t.shape = shape;
-    t.ndim = 2;
-    t.data = vs[v];
-    t.len = sizeof v1;
     CHECK_RC(wm_publisher_clear(p), WM_OK);
-    CHECK_RC(wm_publisher_add(p, &t), WM_OK);
+    add_f32(p, "w", shape, 2, vs[v], sizeof v1);
     CHECK_RC(wm_publisher_set_version(p, v == 0 ? "1" : "2"), WM_OK);
     CHECK_RC(wm_publisher_publish(p), WM_OK);
   }
