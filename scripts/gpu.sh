@@ -29,9 +29,15 @@
 #      tests/device_quant.rs: the kernels against the CPU quantizer, FP8
 #      device params from a snapshot and from publishers, and GPU versions
 #      quantized by their IPC publishers;
-#   4. CUDA graphs across clear and update (python/tests/test_cuda_graphs.py);
-#   5. `wm bench gpu` (WM_GPU_BENCH_GIB sets its size, 0 skips it).
-# With $OUT set, the log goes to $OUT/gpu.log too.
+#   4. tests/device_deltas.rs: the GPU's XXH3-128 against the host's, and
+#      deltas into device params from IPC and rdma publishers (in place on
+#      the GPU, atomic through the host staging);
+#   5. CUDA graphs across clear and update (python/tests/test_cuda_graphs.py);
+#   6. `wm bench gpu` and `wm bench delta --gpu 0` (the update section:
+#      deltas vs whole into device params) (WM_GPU_BENCH_GIB sets their
+#      size, 0 skips them).
+# With $OUT set, the log goes to $OUT/gpu.log too. WM_GPU_ONLY (an extended
+# regex) runs only the stages whose names it matches.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=gpu-kit
@@ -44,7 +50,7 @@ pack() {
     cargo build --release --locked -p wm --features test-hooks
     cargo build --release --locked -p weight_manager --lib
     list=$(cargo test --release --locked --no-run --test gpu --test cuda --test device_swap --test fanout \
-        --test device_quant \
+        --test device_quant --test device_deltas \
         --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -88,6 +94,10 @@ failed=()
 stage() {
     local name=$1
     shift
+    # WM_GPU_ONLY (an extended regex): run only the stages it matches.
+    if [ -n "${WM_GPU_ONLY:-}" ] && ! grep -qE -- "$WM_GPU_ONLY" <<<"$name"; then
+        return 0
+    fi
     echo
     echo "== $name"
     local t0=$SECONDS
@@ -162,10 +172,13 @@ run() {
     stage "FP8 quantizer vs PyTorch CUDA" env WM_TEST_PYTHON="${WM_PYTHON:-python3}" \
         WM_TEST_TORCH_DEVICE=cuda CI=true "$kit/test-core" quant:: --test-threads=2
     stage "tests/device_quant.rs (FP8 kernels)" "$kit/test-device_quant" --test-threads=1 --nocapture
+    stage "tests/device_deltas.rs (GPU deltas)" "$kit/test-device_deltas" --test-threads=1 --nocapture
     stage "CUDA graphs (python)" graphs
     local gib="${WM_GPU_BENCH_GIB:-4}"
     if [ "$gib" != 0 ]; then
         stage "wm bench gpu --gib $gib" env WM_PYTHON="${WM_PYTHON:-python3}" "$kit/wm" bench gpu --gib "$gib"
+        stage "wm bench delta --gpu 0 --update-gib $gib" env UCX_TLS="${UCX_TLS:-tcp}" \
+            "$kit/wm" bench delta --update-only --gpu 0 --update-gib "$gib" --runs 3
     fi
     echo
     if [ ${#failed[@]} -eq 0 ]; then

@@ -106,7 +106,9 @@ pub enum wm_delta_fallback {
     /// else): those runs came whole.
     Differs = 4,
     /// The source sends whole (a snapshot), or no param has a base here
-    /// (device params, a tensor callback).
+    /// (a tensor callback; device params whose GPU cannot run the delta
+    /// kernels, without NVRTC; GPU params an entry lands in as several
+    /// runs).
     NotApplicable = 5,
     /// An IPC update that did not ask for deltas (`WM_UPDATE_DELTAS`).
     NotAsked = 6,

@@ -10,6 +10,7 @@
 mod common;
 
 use common::sharded::serial;
+use common::steps::{first, next};
 use common::*;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
@@ -18,46 +19,12 @@ use std::time::{Duration, Instant};
 use weight_manager_core::internals::transport::conn::Conn;
 use weight_manager_core::internals::wire::{DeltaRun, Frame, RunVerdict};
 use weight_manager_core::wm_result;
-use weight_manager_core::{
-    DType, DeltaFallback, DeltaMode, Manager, ManagerConfig, Mode, NetSettings,
-};
+use weight_manager_core::{DeltaFallback, DeltaMode, Manager, ManagerConfig, Mode, NetSettings};
 use weight_manager_core::{
     ParamSpec, Publisher, PublisherConfig, SourceKind, State, UpdateRequest,
 };
 
 const SECRET: &[u8] = b"delta-test-secret-0123";
-
-/// A small model: bf16 weights of assorted sizes (one not a multiple of a
-/// chunk), an f32 vector.
-fn first() -> Vec<T> {
-    vec![
-        tensor("embed", DType::Bf16, &[512, 160], 1),
-        tensor("layer.w", DType::Bf16, &[300, 257], 2),
-        tensor("layer.b", DType::F32, &[33], 3),
-        tensor("head", DType::Bf16, &[64, 64], 4),
-    ]
-}
-
-/// The next training step: about 2% of elements get new bits
-/// (deterministic in `step`).
-fn next(ts: &[T], step: u64) -> Vec<T> {
-    let mut x = step.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    ts.iter()
-        .map(|t| {
-            let mut t = t.clone();
-            let e = t.dtype.size();
-            for i in 0..t.data.len() / e {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if x % 50 == 0 {
-                    t.data[i * e] = t.data[i * e].wrapping_add(1 + (x >> 8) as u8 % 200);
-                }
-            }
-            t
-        })
-        .collect()
-}
 
 enum Via {
     Ipc,

@@ -28,9 +28,10 @@
  *
  * Kernels: the same file answers as NVRTC (libnvrtc.so is a link to it):
  * a "compiled" program is its source, a module loaded from it has the
- * FP8 quantizer's two kernels, and cuLaunchKernel runs a launch's threads
- * one after another on the kernels' own source (crates/core/src/quant/
- * fp8.cu, compiled into this file with the prelude below), so the
+ * FP8 quantizer's and the GPU deltas' kernels, and cuLaunchKernel runs a
+ * launch's threads one after another on the kernels' own source
+ * (crates/core/src/quant/fp8.cu and crates/core/src/delta/device.cu,
+ * compiled into this file with the prelude below), so the
  * library's launches, arguments and arithmetic are checked without a GPU.
  *
  * Linear memory (cuMemAlloc) is a memory file mapped shared, so CUDA IPC
@@ -418,7 +419,7 @@ int nvrtcCompileProgram(struct program *p, int n, const char *const *opts) {
         if (!strncmp(opts[i], "--gpu-architecture=compute_", 27)) return failing("nvrtcCompileProgram") ? 6 : 0;
     return 6;
 }
-static const char PTX[] = "// fake PTX: wm_fp8_amax wm_fp8_quantize";
+static const char PTX[] = "// fake PTX: the kernels of fp8.cu and delta.cu";
 int nvrtcGetPTXSize(struct program *p, size_t *n) { (void)p; *n = sizeof PTX; return 0; }
 int nvrtcGetPTX(struct program *p, char *out) { (void)p; memcpy(out, PTX, sizeof PTX); return 0; }
 int nvrtcGetProgramLogSize(struct program *p, size_t *n) { (void)p; *n = 32; return 0; }
@@ -430,13 +431,17 @@ int cuModuleLoadData(void **m, const void *image) {
     *m = (void *)0x4;
     return OK;
 }
-static int kernel_ids[2] = {1, 2};
+static const char *kernel_names[] = {"wm_fp8_amax", "wm_fp8_quantize", "wm_xxh3_blocks",
+                                     "wm_xxh3_chain", "wm_delta_scatter"};
+static int kernel_ids[5] = {1, 2, 3, 4, 5};
 int cuModuleGetFunction(void **f, void *m, const char *name) {
     (void)m;
-    if (!strcmp(name, "wm_fp8_amax")) *f = &kernel_ids[0];
-    else if (!strcmp(name, "wm_fp8_quantize")) *f = &kernel_ids[1];
-    else return 500; /* CUDA_ERROR_NOT_FOUND */
-    return OK;
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(name, kernel_names[i])) {
+            *f = &kernel_ids[i];
+            return OK;
+        }
+    return 500; /* CUDA_ERROR_NOT_FOUND */
 }
 
 /* The kernels' prelude on the host: a thread is a call. */
@@ -458,6 +463,27 @@ static inline void wm_group_max(u32 *at, u64 key, u32 v) { (void)key; if (v > *a
 static inline void wm_load32(const void *p, u32 *w) { memcpy(w, p, 32); }
 static inline void wm_store16(void *p, const u32 *w) { memcpy(p, w, 16); }
 #include "fp8.cu"
+#include "delta.cu"
+
+#define ARG(i, type) (*(type *)params[i])
+/* One thread of kernel `id`'s launch. */
+static void run_thread(int id, void **params) {
+    switch (id) {
+    case 1: wm_fp8_amax(ARG(0, struct wm_fp8_run), ARG(1, u32 *), ARG(2, u64 *)); break;
+    case 2: wm_fp8_quantize(ARG(0, struct wm_fp8_run), ARG(1, const float *), ARG(2, u8 *)); break;
+    case 3:
+        wm_xxh3_blocks(ARG(0, const struct wm_hash_piece *), ARG(1, u64), ARG(2, u64),
+                       ARG(3, const u8 *), ARG(4, u64 *));
+        break;
+    case 4:
+        wm_xxh3_chain(ARG(0, const struct wm_hash_piece *), ARG(1, u64), ARG(2, const u8 *),
+                      ARG(3, const u64 *), ARG(4, u64 *));
+        break;
+    default:
+        wm_delta_scatter(ARG(0, u8 *), ARG(1, const u64 *), ARG(2, const u8 *), ARG(3, u64),
+                         ARG(4, u32));
+    }
+}
 
 int cuLaunchKernel(int *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned shared, void *stream, void **params, void **extra) {
@@ -465,13 +491,9 @@ int cuLaunchKernel(int *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, u
     count("cuLaunchKernel");
     if (failing("cuLaunchKernel") || gy != 1 || gz != 1 || by != 1 || bz != 1 || !gx || !bx || bx > 1024)
         return INVALID_VALUE;
-    struct wm_fp8_run r = *(struct wm_fp8_run *)params[0];
     gridDim.x = gx;
     blockDim.x = bx;
     for (blockIdx.x = 0; blockIdx.x < gx; blockIdx.x++)
-        for (threadIdx.x = 0; threadIdx.x < bx; threadIdx.x++) {
-            if (*f == 1) wm_fp8_amax(r, *(u32 **)params[1], *(u64 **)params[2]);
-            else wm_fp8_quantize(r, *(const float **)params[1], *(u8 **)params[2]);
-        }
+        for (threadIdx.x = 0; threadIdx.x < bx; threadIdx.x++) run_thread(*f, params);
     return OK;
 }

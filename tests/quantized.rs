@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::quant::{f32s, reference, row_publishers, write_snapshot};
+use common::quant::{f32s, publish_rows, reference, row_publishers, write_snapshot};
 use common::sharded::{piece, serial, serving};
 use common::T;
 use std::path::{Path, PathBuf};
@@ -481,26 +481,6 @@ fn nudged(t: &T, seed: u32, n: usize) -> T {
         out.data[at..at + 2].copy_from_slice(&(x ^ 1).to_le_bytes());
     }
     out
-}
-
-/// Publish `g` as version `v` from four row publishers (75 rows each, so
-/// every 128-row block is split between two of them), as published
-/// copies: the bases deltas are taken against.
-fn publish_rows(ps: &[Publisher], g: &T, v: &str) {
-    let row = 256 * 2;
-    for (r, p) in ps.iter().enumerate() {
-        let bytes = &g.data[r * 75 * row..(r + 1) * 75 * row];
-        let placement = Placement {
-            global_shape: g.shape.clone(),
-            offset: vec![r as u64 * 75, 0],
-        };
-        let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
-        p.clear_tensors();
-        // SAFETY: `publish` copies the bytes before this returns.
-        unsafe { p.add(desc.shard_of(placement)) }.unwrap();
-        p.set_version(Some(v.into()));
-        p.publish().unwrap();
-    }
 }
 
 /// Four bf16 versions of a [300, 256] tensor, each a few ulps from the

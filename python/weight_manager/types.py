@@ -147,7 +147,7 @@ class DeltaFallback(enum.IntEnum):
     REFUSED = 2  # the update asked for whole (deltas=False)
     NOT_KEPT = 3  # a publisher no longer keeps the base (or an FP8 param's image of it)
     DIFFERS = 4  # some params' bytes were not the base's: those runs came whole
-    NOT_APPLICABLE = 5  # a snapshot, device params or a tensor callback
+    NOT_APPLICABLE = 5  # a snapshot, a tensor callback, or device params without NVRTC
     NOT_ASKED = 6  # an IPC update that did not ask for deltas (deltas=True)
 
 

@@ -11,6 +11,8 @@ use std::process::Command;
 const FAKE: &str = include_str!("../fake_cuda.c");
 /// The FP8 kernels the fake runs on the host (`#include`d by it).
 const KERNELS: &str = include_str!("../../crates/core/src/quant/fp8.cu");
+/// The GPU deltas' kernels, likewise.
+const DELTA_KERNELS: &str = include_str!("../../crates/core/src/delta/device.cu");
 
 /// True in the child that runs test `name` under the fake driver; in the
 /// parent, runs that child and checks it passed.
@@ -47,6 +49,7 @@ fn build_fake(dir: &Path) {
     let src = dir.join("fake_cuda.c");
     std::fs::write(&src, FAKE).unwrap();
     std::fs::write(dir.join("fp8.cu"), KERNELS).unwrap();
+    std::fs::write(dir.join("delta.cu"), DELTA_KERNELS).unwrap();
     let out = Command::new("cc")
         .args(["-shared", "-fPIC", "-O1", "-o"])
         .arg(dir.join("libcuda.so"))

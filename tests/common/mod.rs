@@ -11,6 +11,7 @@ pub mod hostile_windows;
 pub mod peak;
 pub mod quant;
 pub mod sharded;
+pub mod steps;
 pub mod wm_bin;
 
 pub use wm_bin::WM;

@@ -72,6 +72,26 @@ pub fn row_publishers(dir: &Path, via: SourceKind, g: &T, secret: &[u8]) -> Vec<
         .collect()
 }
 
+/// Publish `g` as version `v` from four row publishers (75 rows each, so
+/// every 128-row block is split between two of them), as published
+/// copies: the bases deltas are taken against.
+pub fn publish_rows(ps: &[Publisher], g: &T, v: &str) {
+    let row = 256 * 2;
+    for (r, p) in ps.iter().enumerate() {
+        let bytes = &g.data[r * 75 * row..(r + 1) * 75 * row];
+        let placement = Placement {
+            global_shape: g.shape.clone(),
+            offset: vec![r as u64 * 75, 0],
+        };
+        let desc = TensorDesc::host("g", DType::Bf16, &[75, 256], bytes.as_ptr(), bytes.len());
+        p.clear_tensors();
+        // SAFETY: `publish` copies the bytes before this returns.
+        unsafe { p.add(desc.shard_of(placement)) }.unwrap();
+        p.set_version(Some(v.into()));
+        p.publish().unwrap();
+    }
+}
+
 /// A param's f32 values from its little-endian bytes.
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes

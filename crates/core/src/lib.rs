@@ -149,7 +149,18 @@ pub mod internals {
         pub use crate::fanout::nccl;
     }
     pub mod memory {
-        pub use crate::memory::{copy, cuda, cuda_ipc, device, host, mapped_file, shared, SendPtr};
+        pub use crate::memory::{
+            copy, cuda, cuda_ipc, device, host, mapped_file, nvrtc, shared, SendPtr,
+        };
+    }
+
+    /// Every GPU kernel source the library compiles at run time: (program
+    /// name, source).
+    pub fn kernel_sources() -> [(&'static str, &'static str); 2] {
+        [
+            (crate::quant::device::PROGRAM, crate::quant::device::SOURCE),
+            (crate::delta::device::PROGRAM, crate::delta::device::SOURCE),
+        ]
     }
     pub mod signal {
         pub use crate::signal::{shm, ControlCell, Group, GroupConfig};

@@ -7,13 +7,20 @@
 //! every update uses. In atomic mode the params keep the old bytes until
 //! the commit; in place the params are patched where they are.
 //!
-//! Only host params have a base here: a device param's would have to be
-//! read back from the GPU first, so its entries go whole. An FP8 param
-//! quantized by the publishers has its FP8 bytes as the base (elements of
-//! one byte); its scales are written whole at every commit from the
-//! agreed amax, so they need none.
+//! A GPU param has a base when the entry's bytes are one contiguous run
+//! of it: the GPU hashes it where it is (`delta::device`). In place, the
+//! delta's changes are written there by a kernel and the result hashed on
+//! the GPU again, so only the delta crosses PCIe. Atomic, the new bytes
+//! are staged in host memory like every device param's (uploaded at the
+//! commit, or into the page swap's shadow): the base is read back into
+//! the staging a window at a time and patched there. An entry spread over
+//! several runs of a GPU param (a column split's rows) goes whole.
+//!
+//! An FP8 param quantized by the publishers has its FP8 bytes as the base
+//! (elements of one byte); its scales are written whole at every commit
+//! from the agreed amax, so they need none.
 
-use super::patch::{patch_all, PatchJob};
+use super::patch::{patch_all, Base, PatchJob};
 use super::{Applier, Chunk};
 use crate::checksum::Checksum;
 use crate::delta;
@@ -78,35 +85,52 @@ pub fn delta_element_size(plan: &Plan, entry: usize, request_bytes: u64) -> usiz
 }
 
 impl Applier<'_, '_> {
-    /// The param memory of entry `t`, when it has a base here (a host
-    /// param, and bytes to patch).
-    fn host_param(&self, t: usize) -> Option<SendPtr> {
+    /// Where entry `t`'s base is, when it has one here (a host param, or
+    /// one contiguous run of a GPU param, and bytes to patch).
+    fn base(&self, t: usize) -> Option<Base> {
         let e = &self.plan.entries[t];
-        match (e.target, self.landing.params[t]) {
-            // Quantized here, a param's runs bring its source's bytes, not
-            // the FP8 it holds; quantized by the publishers, they bring
-            // FP8 bytes like those it holds, and deltas patch those.
-            (Target::Param(i), _) if self.plan.quantized(i).is_some_and(|q| !q.on_wire) => None,
-            (Target::Param(_), Some(Dest::Host(p))) if e.bytes > 0 => Some(p),
-            _ => None,
+        let Target::Param(i) = e.target else {
+            return None;
+        };
+        // Quantized here, a param's runs bring its source's bytes, not the
+        // FP8 it holds; quantized by the publishers, they bring FP8 bytes
+        // like those it holds, and deltas patch those.
+        if e.bytes == 0 || self.plan.quantized(i).is_some_and(|q| !q.on_wire) {
+            return None;
+        }
+        match self.landing.params[t]? {
+            Dest::Host(p) => Some(Base::Host(p)),
+            Dest::Device { ptr, ordinal } => {
+                let offset = self.landing.param_offset(t, 0, e.bytes).ok()?;
+                Some(Base::Device {
+                    at: ptr + offset,
+                    ordinal,
+                })
+            }
         }
     }
 
     /// Per entry of `entries`: the xxh3-128 of the bytes its param holds
     /// where the entry's bytes land (its segments in order), None without a
-    /// base. Hashed on the applier's threads.
+    /// base. Host params hashed on the applier's threads, GPU params on
+    /// their GPU (one call per GPU: the runs are hashed side by side); a
+    /// GPU that cannot hash (no NVRTC to compile the kernels, say) leaves
+    /// its params without a base: they come whole, as without deltas.
     pub fn base_fingerprints(&self, entries: &[usize]) -> Vec<Option<u128>> {
         let plan = self.plan;
-        let jobs: Vec<(usize, Option<SendPtr>)> =
-            entries.iter().map(|&t| (t, self.host_param(t))).collect();
-        let per = jobs.len().div_ceil(self.opts.threads.max(1)).max(1);
-        std::thread::scope(|s| {
-            let hashing: Vec<_> = jobs
+        let bases: Vec<(usize, Option<Base>)> =
+            entries.iter().map(|&t| (t, self.base(t))).collect();
+        let per = bases.len().div_ceil(self.opts.threads.max(1)).max(1);
+        let mut found: Vec<Option<u128>> = std::thread::scope(|s| {
+            let hashing: Vec<_> = bases
                 .chunks(per)
                 .map(|part| {
                     s.spawn(move || {
                         part.iter()
-                            .map(|&(t, base)| Some(fingerprint(plan, t, base?)))
+                            .map(|&(t, base)| match base? {
+                                Base::Host(p) => Some(fingerprint(plan, t, p)),
+                                Base::Device { .. } => None,
+                            })
                             .collect::<Vec<_>>()
                     })
                 })
@@ -115,21 +139,42 @@ impl Applier<'_, '_> {
                 .into_iter()
                 .flat_map(|j| j.join().expect("hashing does not panic"))
                 .collect()
-        })
+        });
+        let on_device: Vec<(usize, (u64, u64), i32)> = (bases.iter().enumerate())
+            .filter_map(|(k, &(t, base))| match base? {
+                Base::Device { at, ordinal } => Some((k, (at, plan.entries[t].bytes), ordinal)),
+                Base::Host(_) => None,
+            })
+            .collect();
+        for (k, sum) in hash_on_devices(&on_device) {
+            found[k] = sum.ok();
+        }
+        found
     }
 
-    /// Apply each delta onto its entry's base (patched in parallel,
-    /// `patch.rs`). Every delta is checked before any byte is written; each
-    /// result must hash to its delta's `sum`, checked whether or not the
-    /// update verifies (a wrong base would otherwise go unnoticed), and
-    /// that check stands for the applier's own (so the bytes are hashed
-    /// once). In place, a result that fails its checksum was written: the
-    /// update then fails as any in-place failure after a write. `origin`
-    /// names the source in errors.
+    /// Apply each delta onto its entry's base. Every delta is checked
+    /// before any byte is written; each result must hash to its delta's
+    /// `sum`, checked whether or not the update verifies (a wrong base
+    /// would otherwise go unnoticed), and that check stands for the
+    /// applier's own (so the bytes are hashed once). In place, a result
+    /// that fails its checksum was written: the update then fails as any
+    /// in-place failure after a write. `origin` names the source in errors.
     pub fn apply_deltas(&mut self, origin: &str, deltas: &[DeltaJob]) -> Result<()> {
         for d in deltas {
             self.check_delta(origin, d)?;
         }
+        // In place, a GPU param's deltas are written on its GPU; all
+        // others where the entry's bytes land in host memory.
+        let in_place = self.landing.in_place();
+        let (on_gpu, in_memory): (Vec<&DeltaJob>, Vec<&DeltaJob>) = deltas
+            .iter()
+            .partition(|d| in_place && matches!(self.base(d.entry), Some(Base::Device { .. })));
+        self.patch_in_memory(origin, &in_memory)?;
+        self.patch_on_gpus(origin, &on_gpu)
+    }
+
+    /// Deltas landing in host memory, patched in parallel (`patch.rs`).
+    fn patch_in_memory(&mut self, origin: &str, deltas: &[&DeltaJob]) -> Result<()> {
         let in_place = self.landing.in_place();
         let mut jobs = Vec::with_capacity(deltas.len());
         for d in deltas {
@@ -141,7 +186,7 @@ impl Applier<'_, '_> {
                 delta: d.delta,
                 esize: d.esize,
                 total,
-                base: self.host_param(d.entry).expect("checked"),
+                base: self.base(d.entry).expect("checked"),
                 segs: self.plan.segments(d.entry),
                 dst: dst.ok_or_else(|| Error::unsupported("a delta into GPU memory"))?,
                 in_place,
@@ -152,12 +197,7 @@ impl Applier<'_, '_> {
             let name = &self.plan.entries[d.entry].meta.name;
             let (rewritten, got) =
                 r.map_err(|e| Error::peer(format!("{origin}: the delta of tensor '{name}': {e}")))?;
-            if got != d.sum {
-                return Err(Error::checksum(format!(
-                    "{origin}: tensor '{name}': its delta does not give the new version's bytes \
-                     (checksum mismatch)"
-                )));
-            }
+            self.check_result(origin, d, got)?;
             let landed = Chunk {
                 tensor: d.entry,
                 offset: 0,
@@ -174,6 +214,104 @@ impl Applier<'_, '_> {
         Ok(())
     }
 
+    /// In place, deltas of GPU params: decoded on the applier's threads,
+    /// their changes written on each GPU at once (`delta::device`), then
+    /// every result hashed there.
+    fn patch_on_gpus(&mut self, origin: &str, deltas: &[&DeltaJob]) -> Result<()> {
+        let runs: Vec<(usize, (u64, u64), i32)> = (deltas.iter().enumerate())
+            .map(|(k, d)| match self.base(d.entry) {
+                Some(Base::Device { at, ordinal }) => {
+                    (k, (at, self.plan.entries[d.entry].bytes), ordinal)
+                }
+                _ => unreachable!("partitioned by their base"),
+            })
+            .collect();
+        let decoded = self.decode_all(origin, deltas)?;
+        self.landing.writes_params();
+        for g in ordinals(&runs) {
+            let jobs: Vec<delta::device::OnGpu> = (runs.iter().filter(|r| r.2 == g))
+                .map(|&(k, (at, _), _)| delta::device::OnGpu {
+                    dst: at,
+                    changes: &decoded[k],
+                    delta: deltas[k].delta,
+                    esize: deltas[k].esize,
+                })
+                .collect();
+            // SAFETY: each `at` is the run of the param its entry's bytes
+            // land in (checked by the plan against its registered size,
+            // entries never overlapping), which its delta was checked
+            // against; in place, the update writes it.
+            unsafe { delta::device::apply(g, &jobs) }
+                .map_err(|x| x.context(format!("{origin}: deltas on GPU {g}")))?;
+        }
+        for (k, got) in hash_on_devices(&runs) {
+            let d = deltas[k];
+            let name = &self.plan.entries[d.entry].meta.name;
+            let got =
+                got.map_err(|x| x.context(format!("{origin}: tensor '{name}': hashing it")))?;
+            self.check_result(origin, d, got)?;
+        }
+        for (d, c) in deltas.iter().zip(&decoded) {
+            let e = &self.plan.entries[d.entry];
+            let whole: usize = c.whole.iter().map(|w| w.1.len()).sum();
+            let rewritten = (c.positions.len() * d.esize + whole) as u64;
+            self.tally.accept(
+                origin,
+                (d.entry, e.meta.name.as_str(), e.bytes),
+                0,
+                e.bytes as usize,
+            )?;
+            self.tally.now.bytes_done += e.bytes;
+            self.tally.now.tensors_done += 1;
+            self.tally_delta(d.delta.len() as u64, e.bytes, rewritten);
+        }
+        self.tally.report(self.hooks.progress.as_deref_mut())
+    }
+
+    /// Every delta's changes as lists (`delta::list_changes`), decoded on
+    /// the applier's threads.
+    fn decode_all(&self, origin: &str, deltas: &[&DeltaJob]) -> Result<Vec<delta::Changes>> {
+        let plan = self.plan;
+        let per = deltas.len().div_ceil(self.opts.threads.max(1)).max(1);
+        let decoded: Vec<_> = std::thread::scope(|s| {
+            let parts: Vec<_> = deltas
+                .chunks(per)
+                .map(|part| {
+                    s.spawn(move || {
+                        part.iter()
+                            .map(|d| {
+                                let n = plan.entries[d.entry].bytes as usize;
+                                delta::list_changes(d.delta, n, d.esize)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .flat_map(|p| p.join().expect("decoding does not panic"))
+                .collect()
+        });
+        (deltas.iter().zip(decoded))
+            .map(|(d, r)| {
+                let name = &plan.entries[d.entry].meta.name;
+                r.map_err(|x| Error::peer(format!("{origin}: the delta of tensor '{name}': {x}")))
+            })
+            .collect()
+    }
+
+    /// A delta's result hashes to the new version's bytes.
+    fn check_result(&self, origin: &str, d: &DeltaJob, got: u128) -> Result<()> {
+        match got == d.sum {
+            true => Ok(()),
+            false => Err(Error::checksum(format!(
+                "{origin}: tensor '{}': its delta does not give the new version's bytes \
+                 (checksum mismatch)",
+                self.plan.entries[d.entry].meta.name
+            ))),
+        }
+    }
+
     /// Before any byte is written: the delta's entry has a base here, the
     /// delta is well formed for its bytes, and (verifying) an entry taking
     /// all of its tensor is promised the manifest's checksum.
@@ -185,7 +323,7 @@ impl Applier<'_, '_> {
                 e.meta.name
             ))
         };
-        if self.host_param(d.entry).is_none() {
+        if self.base(d.entry).is_none() {
             return Err(bad("its param has no base here".into()));
         }
         delta::check(d.delta, e.bytes as usize, d.esize).map_err(|x| bad(x.0))?;
@@ -215,4 +353,26 @@ impl Applier<'_, '_> {
         self.deltas.asked += asked;
         self.deltas.base_differs += differs;
     }
+}
+
+/// The GPUs of `runs`, each once.
+fn ordinals<K>(runs: &[(K, (u64, u64), i32)]) -> Vec<i32> {
+    let mut out: Vec<i32> = runs.iter().map(|r| r.2).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The checksums of `runs` (tag, run, GPU) on their GPUs, one call per GPU.
+fn hash_on_devices<K: Copy>(runs: &[(K, (u64, u64), i32)]) -> Vec<(K, Result<u128>)> {
+    let mut out = Vec::with_capacity(runs.len());
+    for g in ordinals(runs) {
+        let mine: Vec<_> = runs.iter().filter(|r| r.2 == g).collect();
+        let spans: Vec<(u64, u64)> = mine.iter().map(|r| r.1).collect();
+        match delta::device::checksums(g, &spans) {
+            Ok(sums) => out.extend(mine.iter().zip(sums).map(|(r, s)| (r.0, Ok(s)))),
+            Err(e) => out.extend(mine.iter().map(|r| (r.0, Err(e.clone())))),
+        }
+    }
+    out
 }

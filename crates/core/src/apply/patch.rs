@@ -1,14 +1,26 @@
-//! Patching deltas onto their bases, entries in parallel: each entry's
-//! base is read from its param a window at a time into where its new bytes
-//! land (the atomic arena; in place, the param itself, so nothing is
-//! copied), patched there and hashed while the window is in cache. An
-//! entry landing in several pieces (a column split's rows) goes through a
-//! window buffer and is scattered from it.
+//! Patching deltas onto their bases in host memory, entries in parallel:
+//! each entry's base is read from its param a window at a time into where
+//! its new bytes land (the atomic arena; in place, a host param itself, so
+//! nothing is copied), patched there and hashed while the window is in
+//! cache. A GPU param's base (atomic mode) is read back from the GPU a
+//! window at a time. An entry landing in several pieces (a column split's
+//! rows) goes through a window buffer and is scattered from it.
 
 use crate::checksum::Checksum;
 use crate::delta::{DeltaError, Patcher, CHUNK, WINDOW_CHUNKS};
+use crate::memory::cuda_ipc::download;
 use crate::memory::SendPtr;
 use crate::plan::Segment;
+
+/// Where an entry's base is.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Base {
+    /// A host param: the entry's segments in it.
+    Host(SendPtr),
+    /// A GPU param holding the entry's bytes as one run at device address
+    /// `at`.
+    Device { at: u64, ordinal: i32 },
+}
 
 /// One entry's delta and where its bytes are.
 pub(super) struct PatchJob<'d> {
@@ -16,8 +28,8 @@ pub(super) struct PatchJob<'d> {
     pub esize: usize,
     /// The entry's bytes.
     pub total: u64,
-    /// Its param (the base) and the entry's segments in it.
-    pub base: SendPtr,
+    /// Its base, and (a host param) the entry's segments in it.
+    pub base: Base,
     pub segs: &'d [Segment],
     /// Where its new bytes land: pieces in order, joined.
     pub dst: Vec<(SendPtr, usize)>,
@@ -61,7 +73,7 @@ fn patch_one(j: &PatchJob) -> Result<(u64, u128), DeltaError> {
             false => &mut buf[..n],
         };
         if !(single && j.in_place) {
-            read_base(j, at, w);
+            read_base(j, at, w)?;
         }
         patcher.patch(w)?;
         hash.update(w);
@@ -74,7 +86,16 @@ fn patch_one(j: &PatchJob) -> Result<(u64, u128), DeltaError> {
 }
 
 /// Bytes `[at, at + out.len())` of the job's entry as its param holds them.
-fn read_base(j: &PatchJob, at: u64, out: &mut [u8]) {
+fn read_base(j: &PatchJob, at: u64, out: &mut [u8]) -> Result<(), DeltaError> {
+    let base = match j.base {
+        Base::Host(p) => p,
+        Base::Device { at: run, ordinal } => {
+            // SAFETY: the entry's run of the GPU param (checked by the plan
+            // against its size), into a window of the entry's bytes.
+            return unsafe { download(ordinal, out.as_mut_ptr(), run + at, out.len()) }
+                .map_err(|e| DeltaError(format!("reading its base back from GPU {ordinal}: {e}")));
+        }
+    };
     let mut i = j.segs.partition_point(|s| s.wanted + s.len <= at);
     let mut done = 0usize;
     while done < out.len() {
@@ -84,11 +105,12 @@ fn read_base(j: &PatchJob, at: u64, out: &mut [u8]) {
         // SAFETY: the plan checked every segment against its param's size;
         // in place a window is read before it is written back, and the
         // entries' segments do not overlap.
-        let src = unsafe { std::slice::from_raw_parts(j.base.0.add((s.param + from) as usize), n) };
+        let src = unsafe { std::slice::from_raw_parts(base.0.add((s.param + from) as usize), n) };
         out[done..done + n].copy_from_slice(src);
         done += n;
         i += 1;
     }
+    Ok(())
 }
 
 /// Bytes written front to back into pieces.

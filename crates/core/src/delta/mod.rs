@@ -23,6 +23,7 @@
 //! allocates nothing and its work is linear in the delta and the run.
 
 mod changes;
+pub mod device;
 #[cfg(test)]
 mod tests;
 
@@ -168,8 +169,8 @@ pub fn check(delta: &[u8], run_len: usize, esize: usize) -> Result<(), DeltaErro
         let _changed = match form {
             UNCHANGED => 0,
             WHOLE => r.take(n * esize).map_err(bad)?.len(),
-            BITMASK => apply_bitmask(&mut r, None, n, esize).map_err(bad)?,
-            GAPS => apply_gaps(&mut r, None, n, esize).map_err(bad)?,
+            BITMASK => apply_bitmask(&mut r, &mut Checked, n, esize).map_err(bad)?,
+            GAPS => apply_gaps(&mut r, &mut Checked, n, esize).map_err(bad)?,
             t => return Err(bad(format!("unknown form {t}"))),
         };
     }
@@ -177,6 +178,53 @@ pub fn check(delta: &[u8], run_len: usize, esize: usize) -> Result<(), DeltaErro
         0 => Ok(()),
         n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
     }
+}
+
+/// A delta's changes as lists, for a receiver that applies them elsewhere
+/// (a GPU param: `device.rs`): the chunks sent whole, and every other
+/// changed element with its new bytes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Chunks sent whole: (byte of the run, range of the delta's bytes).
+    pub whole: Vec<(u64, std::ops::Range<usize>)>,
+    /// Changed elements of the other chunks, as element indices of the
+    /// run, distinct and ascending.
+    pub positions: Vec<u64>,
+    /// Their new bytes, `esize` per position, in the same order.
+    pub values: Vec<u8>,
+}
+
+/// Decode `delta` against a run of `run_len` bytes (elements of `esize`
+/// bytes) into [`Changes`], with every check [`check`] makes. What it
+/// allocates is bounded by the delta's size: each listed change took at
+/// least `esize` bytes of it, its position costs 8 more.
+pub fn list_changes(delta: &[u8], run_len: usize, esize: usize) -> Result<Changes, DeltaError> {
+    check(delta, run_len, esize)?;
+    let mut r = Reader { b: delta, at: 0 };
+    let mut out = Changes::default();
+    let elems = run_len / esize;
+    for k in 0..elems.div_ceil(CHUNK) {
+        let n = CHUNK.min(elems - k * CHUNK);
+        let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
+        let first = (k * CHUNK) as u64;
+        let form = r.byte();
+        if form == Some(WHOLE) {
+            let at = r.at;
+            r.take(n * esize).map_err(bad)?;
+            out.whole.push((first * esize as u64, at..at + n * esize));
+            continue;
+        }
+        let mut listed = Listed {
+            changes: &mut out,
+            first,
+        };
+        match form {
+            Some(BITMASK) => _ = apply_bitmask(&mut r, &mut listed, n, esize).map_err(bad)?,
+            Some(GAPS) => _ = apply_gaps(&mut r, &mut listed, n, esize).map_err(bad)?,
+            _ => {} // unchanged (`check` refused any other form)
+        }
+    }
+    Ok(out)
 }
 
 /// The element size a delta of a run uses: the dtype's when the run is
@@ -244,8 +292,8 @@ impl<'a> Patcher<'a> {
                     chunk.copy_from_slice(r.take(chunk.len()).map_err(bad)?);
                     (chunk.len() / esize) as u64
                 }
-                BITMASK => apply_bitmask(r, Some(chunk), elems, esize).map_err(bad)? as u64,
-                GAPS => apply_gaps(r, Some(chunk), elems, esize).map_err(bad)? as u64,
+                BITMASK => apply_bitmask(r, &mut InChunk(chunk), elems, esize).map_err(bad)? as u64,
+                GAPS => apply_gaps(r, &mut InChunk(chunk), elems, esize).map_err(bad)? as u64,
                 t => return Err(bad(format!("unknown form {t}"))),
             };
             self.chunk += 1;
@@ -311,11 +359,50 @@ fn set(chunk: &mut [u8], i: usize, x: &[u8], esize: usize) {
     }
 }
 
-/// A bitmask chunk of `elems` elements: checked, and applied onto `chunk`
-/// when given (None: only checked).
-fn apply_bitmask(
+/// Where a decoded chunk's changed elements go.
+trait Sink {
+    /// False: the chunk is only checked (nothing needs its elements).
+    const WRITES: bool = true;
+    /// Element `i` of the chunk becomes `x` (`esize` bytes).
+    fn set(&mut self, i: usize, x: &[u8], esize: usize);
+}
+
+/// Only checked.
+struct Checked;
+
+impl Sink for Checked {
+    const WRITES: bool = false;
+    fn set(&mut self, _: usize, _: &[u8], _: usize) {}
+}
+
+/// Patched onto the chunk's bytes.
+struct InChunk<'c>(&'c mut [u8]);
+
+impl Sink for InChunk<'_> {
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: &[u8], esize: usize) {
+        set(self.0, i, x, esize)
+    }
+}
+
+/// Listed, for a chunk whose first element is element `first` of the run.
+struct Listed<'c> {
+    changes: &'c mut Changes,
+    first: u64,
+}
+
+impl Sink for Listed<'_> {
+    fn set(&mut self, i: usize, x: &[u8], _: usize) {
+        self.changes.positions.push(self.first + i as u64);
+        self.changes.values.extend_from_slice(x);
+    }
+}
+
+/// A bitmask chunk of `elems` elements: checked, and its changes given to
+/// `sink`.
+fn apply_bitmask<S: Sink>(
     r: &mut Reader,
-    chunk: Option<&mut [u8]>,
+    sink: &mut S,
     elems: usize,
     esize: usize,
 ) -> Result<usize, String> {
@@ -325,26 +412,26 @@ fn apply_bitmask(
     }
     let count = mask.iter().map(|b| b.count_ones() as usize).sum::<usize>();
     let values = r.take(count * esize)?;
-    let Some(chunk) = chunk else {
+    if !S::WRITES {
         return Ok(count);
-    };
+    }
     let mut v = values.chunks_exact(esize);
     for (byte_at, &bits) in mask.iter().enumerate() {
         let mut bits = bits;
         while bits != 0 {
             let i = byte_at * 8 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            set(chunk, i, v.next().expect("counted"), esize);
+            sink.set(i, v.next().expect("counted"), esize);
         }
     }
     Ok(count)
 }
 
-/// A gaps chunk of `elems` elements: checked, and applied onto `chunk`
-/// when given (None: only checked), in one pass over its positions.
-fn apply_gaps(
+/// A gaps chunk of `elems` elements: checked, and its changes given to
+/// `sink`, in one pass over its positions.
+fn apply_gaps<S: Sink>(
     r: &mut Reader,
-    mut chunk: Option<&mut [u8]>,
+    sink: &mut S,
     elems: usize,
     esize: usize,
 ) -> Result<usize, String> {
@@ -359,8 +446,8 @@ fn apply_gaps(
             .checked_add(r.varint()?)
             .filter(|&p| p < elems)
             .ok_or_else(|| format!("a position past the chunk's {elems} elements"))?;
-        if let Some(chunk) = chunk.as_deref_mut() {
-            set(chunk, i, x, esize);
+        if S::WRITES {
+            sink.set(i, x, esize);
         }
         next = i + 1;
     }

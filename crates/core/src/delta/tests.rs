@@ -21,6 +21,24 @@ fn round_trip(old: &[u8], new: &[u8], esize: usize) -> (usize, Encoded) {
         run == new,
         "esize {esize}: the delta applied gives the new bytes"
     );
+    // The listed changes (a GPU receiver's) give the same bytes.
+    let listed = list_changes(&delta, old.len(), esize).unwrap();
+    let mut run = old.to_vec();
+    for (at, bytes) in &listed.whole {
+        run[*at as usize..*at as usize + bytes.len()].copy_from_slice(&delta[bytes.clone()]);
+    }
+    assert!(listed.positions.windows(2).all(|w| w[0] < w[1]));
+    for (p, x) in listed
+        .positions
+        .iter()
+        .zip(listed.values.chunks_exact(esize))
+    {
+        run[*p as usize * esize..(*p as usize + 1) * esize].copy_from_slice(x);
+    }
+    assert!(
+        run == new,
+        "esize {esize}: the listed changes give the new bytes"
+    );
     (delta.len(), stats)
 }
 
@@ -67,6 +85,7 @@ fn hostile(tag: u8, body: &[u8], elems: usize) -> String {
     let mut run = vec![7u8; elems * 2];
     let e = apply(&delta, &mut run, 2).unwrap_err();
     assert_eq!(check(&delta, elems * 2, 2).unwrap_err(), e);
+    assert_eq!(list_changes(&delta, elems * 2, 2).unwrap_err(), e);
     e.0
 }
 

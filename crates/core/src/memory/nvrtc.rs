@@ -1,7 +1,8 @@
 //! CUDA C compiled at run time: NVRTC turns a kernel source into PTX for
 //! the GPU at hand, the driver loads it as a module (once per GPU and
 //! source, kept for the process's life), and [`launch`] runs its kernels.
-//! The FP8 quantizer (`quant::device`) is the one user.
+//! Users: the FP8 quantizer (`quant::device`) and deltas of GPU params
+//! (`delta::device`).
 //!
 //! NVRTC is loaded with `dlopen` like UCX and NCCL (`dynlib`), not with
 //! cudarc's `nvrtc` feature: cudarc looks only for the file names of the
@@ -9,8 +10,8 @@
 //! while an engine's image may carry NVRTC 13, or only the copy a PyTorch
 //! wheel ships (`nvidia/cuda_nvrtc/lib`). Looked for: `$WM_NVRTC_LIB`,
 //! then `libnvrtc.so`, `.so.13`, `.so.12`. Nothing is needed at build
-//! time; without NVRTC only the GPU quantizer is unavailable, with an
-//! error saying so.
+//! time; without NVRTC the GPU quantizer is unavailable, with an error
+//! saying so, and GPU params take no deltas (their runs come whole).
 
 use super::cuda::{check, cuda};
 use crate::dynlib::{dynamic_api, open_first};
@@ -49,8 +50,8 @@ fn nvrtc() -> Result<&'static Api> {
     }
     let (handle, path) = open_first(&candidates()).map_err(|tried| {
         Error::unsupported(format!(
-            "NVRTC is not available ({}): quantizing GPU memory compiles its kernel at run \
-             time; install the CUDA runtime compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12`) \
+            "NVRTC is not available ({}): the GPU kernels (FP8 quantization, deltas of GPU \
+             params) are compiled at run time; install the CUDA runtime compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12`) \
              and set WM_NVRTC_LIB to its libnvrtc.so",
             tried.join("; ")
         ))
@@ -132,10 +133,31 @@ fn compute_capability(ordinal: i32) -> Result<(i32, i32)> {
 
 /// `source` compiled to PTX (NUL-terminated) for compute capability
 /// `(major, minor)`. No fast-math: the quantizer's arithmetic is IEEE's.
+/// What every kernel source starts with under NVRTC: the integer types
+/// and the kernel macros it is written with (the test driver, which
+/// compiles the same sources as C, defines them its own way).
+const PRELUDE: &str = "typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define WM_KERNEL extern \"C\" __global__
+#define WM_DEVICE static __device__ __forceinline__
+#define WM_FIRST_THREAD ((u64)blockIdx.x * blockDim.x + threadIdx.x)
+#define WM_THREADS ((u64)gridDim.x * blockDim.x)
+";
+
+/// The PTX of `source` for compute capability `arch`, as the library
+/// compiles it (no GPU needed: the tests compile every kernel source with
+/// a real NVRTC where no GPU is).
+#[doc(hidden)]
+pub fn compile_to_ptx(program: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    compile(program, source, arch)
+}
+
 fn compile(program: &str, source: &str, (major, minor): (i32, i32)) -> Result<Vec<u8>> {
     let api = nvrtc()?;
-    let src =
-        CString::new(source).map_err(|_| Error::invalid_argument("a kernel source with NUL"))?;
+    let src = CString::new(format!("{PRELUDE}{source}"))
+        .map_err(|_| Error::invalid_argument("a kernel source with NUL"))?;
     let name =
         CString::new(program).map_err(|_| Error::invalid_argument("a program name with NUL"))?;
     let arch = CString::new(format!("--gpu-architecture=compute_{major}{minor}")).expect("no NUL");

@@ -30,8 +30,8 @@ use crate::tensor::DType;
 use cudarc::driver::sys;
 use std::ffi::c_void;
 
-const SOURCE: &str = include_str!("fp8.cu");
-const PROGRAM: &str = "wm_fp8.cu";
+pub(crate) const SOURCE: &str = include_str!("fp8.cu");
+pub(crate) const PROGRAM: &str = "wm_fp8.cu";
 const THREADS: u32 = 256;
 /// Elements a thread takes at a time (`WM_CHUNK` of `fp8.cu`).
 const CHUNK: u64 = 16;

@@ -15,14 +15,8 @@
  * the box's first; the host maps them to global blocks. */
 
 #ifdef __CUDACC_RTC__
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-#define WM_KERNEL extern "C" __global__
-#define WM_DEVICE static __device__ __forceinline__
-#define WM_FIRST_THREAD ((u64)blockIdx.x * blockDim.x + threadIdx.x)
-#define WM_THREADS ((u64)gridDim.x * blockDim.x)
+/* The integer types and WM_KERNEL, WM_DEVICE, WM_FIRST_THREAD and
+ * WM_THREADS come from memory::nvrtc's prelude. */
 WM_DEVICE float wm_mul(float a, float b) { return __fmul_rn(a, b); }
 WM_DEVICE float wm_add(float a, float b) { return __fadd_rn(a, b); }
 WM_DEVICE u32 wm_bits(float f) { return __float_as_uint(f); }

@@ -17,7 +17,8 @@
 //!   with `index_put_` (target: ours >= 3x faster at each).
 //! - Update time (`delta_update.rs`): a model's next version as deltas
 //!   against the engine's version and whole, over IPC and UCX, alternating
-//!   (target at 2%: >= 10x faster over UCX).
+//!   (target at 2%: >= 10x faster over UCX); with `--gpu N` into device
+//!   params on GPU N, in place and atomic.
 
 use super::harness::torch::TorchPeer;
 use super::harness::{alternate, python, verdict, Scratch};
@@ -77,12 +78,17 @@ pub struct Args {
     /// Run the update section only
     #[arg(long)]
     update_only: bool,
+    /// The update section's params on this GPU (library-owned device
+    /// params, in place and atomic) instead of host memory
+    #[arg(long)]
+    gpu: Option<i32>,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
     println!("wm bench delta: lossless deltas of bf16 weights between steps");
+    let update = || super::delta_update::run(a.update_gib, &a.update_shares, a.runs, a.gpu);
     if a.update_only {
-        return super::delta_update::run(a.update_gib, &a.update_shares, a.runs);
+        return update();
     }
     training_steps(a.data.as_deref())?;
     synthetic(
@@ -90,7 +96,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         a.runs,
     )?;
     if a.update_gib > 0.0 {
-        super::delta_update::run(a.update_gib, &a.update_shares, a.runs)?;
+        update()?;
     }
     Ok(())
 }

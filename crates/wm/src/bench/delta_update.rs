@@ -2,27 +2,45 @@
 //! share of its bf16 elements, updated as deltas against the version the
 //! engine holds and whole (`WM_UPDATE_WHOLE`), over IPC and over UCX
 //! (`UCX_TLS=tcp`), alternating in one process against one publisher that
-//! keeps both versions. Between timed updates the engine goes back to the
-//! base (untimed), so every timed update starts from the same state.
+//! keeps both versions. Before each timed update the publisher publishes
+//! both versions afresh, so no delta encoded for an earlier update is
+//! reused (the encoding is part of what one engine waits for), and the
+//! engine goes back to the base (untimed), so every timed update starts
+//! from the same state.
 //! Target at 2% changed: deltas >= 10x faster than whole over UCX.
+//!
+//! With a GPU, the params are library-owned device params, updated in
+//! place (the deltas' changes written and the results hashed on the GPU)
+//! and atomic (the base read back into the host staging and patched
+//! there, the commit uploading as for any update).
 
 use super::harness::{alternate, verdict, Scratch};
-use super::model::{add_layers, layer_count, net_manager, register_layers, LAYER};
+use super::model::{add_layers, layer_count, net_manager, register_layers, LAYER, LAYER_SHAPE};
 use crate::fmt::gbps;
 use std::time::{Duration, Instant};
-use weight_manager_core::{DeltaFallback, DeltaMode, Manager};
+use weight_manager_core::internals::memory::cuda_ipc;
+use weight_manager_core::UpdateStats;
+use weight_manager_core::{DType, DeltaFallback, DeltaMode, Manager, MemoryKind, Mode, ParamSpec};
 use weight_manager_core::{Publisher, PublisherConfig, SourceKind, UpdateRequest};
 
 const SECRET: &str = "wm-bench-delta-secret-0123456789";
 
-/// Both ways of updating to the next version, per path, at each share.
-pub fn run(gib: f64, shares: &[f64], pairs: usize) -> Result<(), String> {
+/// Both ways of updating to the next version, per path, at each share;
+/// into device params on GPU `gpu` when given.
+pub fn run(gib: f64, shares: &[f64], pairs: usize, gpu: Option<i32>) -> Result<(), String> {
     let count = layer_count(gib);
+    let into = gpu.map_or("host params".into(), |g| {
+        format!("device params on GPU {g}")
+    });
     println!(
-        "  update time, {count} bf16 layers of 64 MiB, deltas against the engine's version \
-         vs whole, alternating ({pairs} pairs):"
+        "  update time, {count} bf16 layers of 64 MiB into {into}, deltas against the \
+         engine's version vs whole, alternating ({pairs} pairs):"
     );
     let base = layers(count, None);
+    let modes: &[Mode] = match gpu {
+        Some(_) => &[Mode::InPlace, Mode::Atomic],
+        None => &[Mode::Atomic],
+    };
     for &share in shares {
         let next = layers(count, Some(share));
         for source in [SourceKind::Ipc, SourceKind::Rdma] {
@@ -32,10 +50,57 @@ pub fn run(gib: f64, shares: &[f64], pairs: usize) -> Result<(), String> {
                 println!("    rdma: skipped (no UCX)");
                 continue;
             }
-            one_path(source, share, (&base, &next), pairs)?;
+            for &mode in modes {
+                one_path((source, mode, gpu), share, (&base, &next), pairs)?;
+            }
         }
     }
     Ok(())
+}
+
+/// The engine's params: host buffers it owns, or library-owned device
+/// params (address, bytes).
+enum Params {
+    Host(Vec<Vec<u8>>),
+    Device(i32, Vec<(u64, usize)>),
+}
+
+impl Params {
+    fn new(m: &Manager, base: &[Vec<u8>], gpu: Option<i32>) -> Result<Params, String> {
+        let Some(g) = gpu else {
+            let mut params: Vec<Vec<u8>> = base.iter().map(|l| vec![1u8; l.len()]).collect();
+            register_layers(m, &mut params)?;
+            return Ok(Params::Host(params));
+        };
+        let mut out = Vec::with_capacity(base.len());
+        for i in 0..base.len() {
+            let mut spec = ParamSpec::host(&format!("layers.{i}.w"), DType::Bf16, &LAYER_SHAPE);
+            (spec.memory, spec.device_ordinal) = (MemoryKind::Device, g);
+            let (p, n) = m.allocate(&spec).map_err(|e| e.to_string())?;
+            out.push((p as u64, n));
+        }
+        Ok(Params::Device(g, out))
+    }
+
+    /// Whether every param holds `want`'s bytes.
+    fn hold(&self, want: &[Vec<u8>]) -> Result<bool, String> {
+        match self {
+            Params::Host(params) => Ok(params.iter().zip(want).all(|(a, b)| a == b)),
+            Params::Device(g, params) => {
+                let mut buf = vec![0u8; LAYER];
+                for (&(p, n), w) in params.iter().zip(want) {
+                    // SAFETY: the param's device memory, into a buffer of
+                    // its size (one layer).
+                    unsafe { cuda_ipc::download(*g, buf.as_mut_ptr(), p, n) }
+                        .map_err(|e| e.to_string())?;
+                    if buf[..n] != w[..] {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            }
+        }
+    }
 }
 
 /// `count` layers of bf16 bytes; `Some(share)`: the same with that share of
@@ -64,9 +129,51 @@ fn layers(count: usize, share: Option<f64>) -> Vec<Vec<u8>> {
     out
 }
 
+/// One path's engine and publisher.
+struct Path<'a> {
+    p: &'a Publisher,
+    m: &'a Manager,
+    versions: [(&'static str, &'a [Vec<u8>]); 2],
+    source: SourceKind,
+    mode: Mode,
+    location: String,
+}
+
+impl Path<'_> {
+    /// Publish both versions afresh: no delta of an earlier publish is
+    /// kept (a delta is encoded once per version and shared by the
+    /// engines that take the same runs; one engine pays for encoding it).
+    fn publish(&self) -> Result<(), String> {
+        for (name, data) in self.versions {
+            self.p.clear_tensors();
+            add_layers(self.p, data, None)?;
+            self.p.set_version(Some(name.into()));
+            self.p.publish().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Update the engine to `version`, whole or as deltas, served by a
+    /// session of its own; the time the update call took.
+    fn update(&self, version: &str, whole: bool) -> Result<(UpdateStats, Duration), String> {
+        let mut r = UpdateRequest::snapshot(self.location.as_str());
+        r.deltas = if whole { DeltaMode::Off } else { DeltaMode::On };
+        (r.source, r.version, r.mode) = (self.source, Some(version.into()), self.mode);
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| self.p.serve(1, Duration::from_secs(600)));
+            let t = Instant::now();
+            let stats = self.m.update(r).map_err(|e| e.to_string());
+            let took = t.elapsed();
+            let served = serving.join().map_err(|_| "the publisher panicked")?;
+            served.map_err(|e| e.to_string())?;
+            Ok((stats?, took))
+        })
+    }
+}
+
 /// Serve both versions from one publisher; time each way of updating.
 fn one_path(
-    source: SourceKind,
+    (source, mode, gpu): (SourceKind, Mode, Option<i32>),
     share: f64,
     (base, next): (&[Vec<u8>], &[Vec<u8>]),
     pairs: usize,
@@ -83,64 +190,44 @@ fn one_path(
         _ => Publisher::bind_net("127.0.0.1:0", cfg),
     }
     .map_err(|e| e.to_string())?;
-    for (name, data) in [("base", base), ("next", next)] {
-        p.clear_tensors();
-        add_layers(&p, data, None)?;
-        p.set_version(Some(name.into()));
-        p.publish().map_err(|e| e.to_string())?;
-    }
     let location = match source {
         SourceKind::Ipc => sock.display().to_string(),
         _ => p.address(),
     };
     let m = net_manager(SECRET)?;
-    let mut params: Vec<Vec<u8>> = base.iter().map(|l| vec![1u8; l.len()]).collect();
-    register_layers(&m, &mut params)?;
-    let sessions = 1 + 4 * pairs.max(1);
-    std::thread::scope(|s| {
-        let serving = s.spawn(|| p.serve(sessions, Duration::from_secs(600)));
-        let r = timed_pairs(&m, (source, &location), share, pairs);
-        let served = serving
-            .join()
-            .map_err(|_| "the publisher panicked".to_string())?;
-        served.map_err(|e| e.to_string())?;
-        r
-    })?;
+    let params = Params::new(&m, base, gpu)?;
+    let path = Path {
+        p: &p,
+        m: &m,
+        versions: [("base", base), ("next", next)],
+        source,
+        mode,
+        location,
+    };
+    timed_pairs(&path, share, pairs)?;
     // Each timed update ended with a delta update back to the base.
-    if params.iter().zip(base).any(|(a, b)| a != b) {
+    if !params.hold(base)? {
         return Err("the engine's params are not the base version".into());
     }
     Ok(())
 }
 
 /// Go to the base (untimed), then time an update to the next version as
-/// deltas (ours) or whole (theirs), alternating; print the figures.
-fn timed_pairs(
-    m: &Manager,
-    (source, location): (SourceKind, &str),
-    share: f64,
-    pairs: usize,
-) -> Result<(), String> {
-    let request = |version: &str, whole: bool| {
-        let mut r = UpdateRequest::snapshot(location);
-        r.deltas = if whole { DeltaMode::Off } else { DeltaMode::On };
-        (r.source, r.version) = (source, Some(version.into()));
-        r
-    };
-    m.update(request("base", true)).map_err(|e| e.to_string())?;
+/// deltas (ours) or whole (theirs), alternating, each from freshly
+/// published versions; print the figures.
+fn timed_pairs(path: &Path, share: f64, pairs: usize) -> Result<(), String> {
+    let (source, mode) = (path.source, path.mode);
+    path.publish()?;
+    path.update("base", true)?;
     let to_next = |whole: bool, wire: &mut (u64, u64)| -> Result<Duration, String> {
-        let t = Instant::now();
-        let stats = m
-            .update(request("next", whole))
-            .map_err(|e| e.to_string())?;
-        let took = t.elapsed();
+        path.publish()?;
+        let (stats, took) = path.update("next", whole)?;
         let d = &stats.deltas;
         if !whole && (d.fallback != DeltaFallback::None || d.runs_delta == 0) {
             return Err(format!("the delta update moved no deltas: {d:?}"));
         }
         *wire = (d.wire_bytes, stats.bytes);
-        m.update(request("base", false))
-            .map_err(|e| e.to_string())?;
+        path.update("base", false)?;
         Ok(took)
     };
     let mut delta_wire = (0, 0);
@@ -152,10 +239,11 @@ fn timed_pairs(
     )?;
     let wire = (delta_wire.0, whole_wire.0.max(1));
     let bytes = delta_wire.1;
-    let name = if source == SourceKind::Ipc {
-        "ipc "
-    } else {
-        "rdma"
+    let name = match (source, mode) {
+        (SourceKind::Ipc, Mode::Atomic) => "ipc ",
+        (SourceKind::Ipc, _) => "ipc, in place, ",
+        (_, Mode::Atomic) => "rdma",
+        _ => "rdma, in place,",
     };
     let target = source == SourceKind::Ipc || ratio >= 10.0;
     println!(

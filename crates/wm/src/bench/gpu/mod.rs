@@ -17,6 +17,9 @@
 //!   into CUDA params, and CUDA tensors shared by `torch.multiprocessing`;
 //! - the FP8 quantizer's kernels on GPU memory beside a device-to-device
 //!   copy and PyTorch's reference expression (`quant`);
+//! - the checksum of GPU params on the GPU (what delta updates of them
+//!   run) beside a device-to-device copy and reading back + hashing on
+//!   the host (`hash`);
 //! - atomic updates of library-owned device params with the device page
 //!   swap (`swap_device_pages`) beside the same updates uploading into the
 //!   params (informational: the swap buys atomicity, not speed), and the
@@ -26,6 +29,7 @@
 //! Without a GPU it says so and exits with an error.
 
 mod gdr;
+mod hash;
 mod quant;
 mod torch_peers;
 
@@ -202,6 +206,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     gdr::gdr_rows(dir, count, total)?;
     torch_peers::torch_rows(dir, count, total as u64)?;
     quant::quant_rows(total.min(1 << 30), dtod)?;
+    hash::hash_rows(count, LAYER, dtod)?;
     let plain = gbps(total as u64, library_owned_atomic(dir, count, false)?);
     let one_call = library_owned_atomic(dir, count, true)?;
     let swapped = gbps(total as u64, one_call);
