@@ -10,8 +10,8 @@
  * one per accumulator: wm_xxh3_chain, which also adds the last partial
  * block and the last stripe). The host merges the 8 accumulators into the
  * 128-bit digest, as XXH3 does. Long runs go in rounds of at most a
- * scratch's worth of blocks: a run continued in the next round is a piece
- * of it, its accumulators carried in device memory.
+ * scratch's worth of blocks, each run taking a share of every round (its
+ * piece), its accumulators carried in device memory.
  *
  * The same source compiles as C for the test driver (tests/fake_cuda.c),
  * which runs a launch's threads one by one, so the host side and the
@@ -53,6 +53,13 @@ WM_DEVICE u64 wm_stripe(const u8 *in, const u8 *key, u32 lane) {
     return v + (k & 0xffffffffull) * (k >> 32);
 }
 
+/* XXH3's scramble of one accumulator after a block. */
+WM_DEVICE u64 wm_scramble(u64 acc, u64 key) {
+    acc ^= acc >> 47;
+    acc ^= key;
+    return acc * WM_XXH3_PRIME32_1;
+}
+
 /* The piece holding scratch block g: the last whose first is <= g. */
 WM_DEVICE u64 wm_piece_of(const struct wm_hash_piece *pieces, u64 npieces, u64 g) {
     u64 lo = 0, hi = npieces;
@@ -90,15 +97,15 @@ WM_KERNEL void wm_xxh3_chain(const struct wm_hash_piece *pieces, u64 npieces, co
         u64 acc = accs[p->acc * 8 + lane];
         u64 key = wm_read64(secret + WM_XXH3_SECRET - 64 + 8 * lane);
         const u64 *s = sums + p->sums * 8 + lane;
-#ifdef __CUDACC_RTC__
-#pragma unroll 8
-#endif
-        for (u64 b = 0; b < p->blocks; b++) {
-            acc += s[b * 8];
-            acc ^= acc >> 47;
-            acc ^= key;
-            acc *= WM_XXH3_PRIME32_1;
+        /* The chain is sequential; its loads are not: 16 at a time, so
+         * their latency is paid once per 16 blocks, not per block. */
+        u64 b = 0;
+        for (; b + 16 <= p->blocks; b += 16) {
+            u64 c[16];
+            for (int k = 0; k < 16; k++) c[k] = s[(b + k) * 8];
+            for (int k = 0; k < 16; k++) acc = wm_scramble(acc + c[k], key);
         }
+        for (; b < p->blocks; b++) acc = wm_scramble(acc + s[b * 8], key);
         if (p->last) {
             u64 whole = (p->len - 1) / WM_XXH3_BLOCK;
             const u8 *in = (const u8 *)(p->src + whole * WM_XXH3_BLOCK);

@@ -137,10 +137,9 @@ fn hash_long(ordinal: i32, runs: &[(u64, u64)], round_blocks: u64) -> Result<Vec
         upload(ordinal, accs.ptr(), init.as_ptr().cast(), init.len() * 8)?;
     }
     // Per run: the next block to hash.
-    let mut next = vec![0u64; runs.len()];
-    let mut first = 0;
-    while first < runs.len() {
-        let (round, used) = next_round(runs, &mut next, &mut first, round_blocks);
+    let mut next: Vec<Option<u64>> = vec![Some(0); runs.len()];
+    while next.iter().any(Option::is_some) {
+        let (round, used) = next_round(runs, &mut next, round_blocks);
         // SAFETY: the round's pieces fit the allocation (one per run at
         // most); the previous round's launches are done (a synchronous
         // copy waits for the legacy stream).
@@ -196,36 +195,38 @@ fn hash_long(ordinal: i32, runs: &[(u64, u64)], round_blocks: u64) -> Result<Vec
     Ok(found)
 }
 
-/// The pieces of the next round from run `first` on: runs in order until
-/// `round_blocks` blocks are used up; a run cut there goes on in the next
-/// round (`next`: per run, the next block to hash). Returns the pieces and
-/// the blocks they use; `first` moves past the runs they end.
+/// The pieces of the next round: a share of `round_blocks` for every run
+/// not yet hashed (so the runs' chains go side by side, each round), in
+/// run order (`next`: per run, the next block to hash; None once its last
+/// piece was planned). Returns the pieces and the blocks they use.
 fn next_round(
     runs: &[(u64, u64)],
-    next: &mut [u64],
-    first: &mut usize,
+    next: &mut [Option<u64>],
     round_blocks: u64,
 ) -> (Vec<Piece>, u64) {
     let whole = |len: u64| (len - 1) / BLOCK;
+    let left = next.iter().filter(|n| n.is_some()).count() as u64;
+    let share = (round_blocks / left.max(1)).max(1);
     let mut round = Vec::new();
     let mut used = 0;
-    for (j, &(src, len)) in runs.iter().enumerate().skip(*first) {
-        let take = (whole(len) - next[j]).min(round_blocks - used);
-        let last = next[j] + take == whole(len);
+    for (j, &(src, len)) in runs.iter().enumerate() {
+        let Some(at) = next[j] else { continue };
+        let take = (whole(len) - at).min(share).min(round_blocks - used);
+        let last = at + take == whole(len);
+        if take == 0 && !last {
+            continue; // the round is full: next round
+        }
         round.push(Piece {
             src,
             len,
-            block0: next[j],
+            block0: at,
             blocks: take,
             sums: used,
             acc: j as u64,
             last: last as u64,
         });
-        (next[j], used) = (next[j] + take, used + take);
-        if !last {
-            break;
-        }
-        *first = j + 1;
+        used += take;
+        next[j] = (!last).then_some(at + take);
     }
     (round, used)
 }
