@@ -119,6 +119,9 @@ impl Net {
         r.source = SourceKind::Rdma;
         r.mode = weight_manager_core::Mode::InPlace;
         r.skip_network_checksums = skip;
+        // Every byte moves, as the floors move them: the engine holds the
+        // version it asks for again, which deltas would send as nothing.
+        r.deltas = weight_manager_core::DeltaMode::Off;
         r
     }
 

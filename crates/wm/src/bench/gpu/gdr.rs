@@ -53,6 +53,9 @@ pub(super) fn gdr_rows(dir: &Path, count: usize, total: usize) -> Result<(), Str
         req.source = SourceKind::Gdr;
         req.mode = Mode::InPlace;
         req.skip_network_checksums = skip;
+        // Every byte moves, as the floor moves them: device params take
+        // deltas too, and the same version again would come as nothing.
+        req.deltas = weight_manager_core::DeltaMode::Off;
         timed(&m, req)
     };
     gdr(false)?;

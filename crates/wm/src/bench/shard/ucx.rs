@@ -298,6 +298,9 @@ pub fn rank(a: &RankArgs) -> Result<(), String> {
         r.mode = Mode::InPlace;
         r.verify = verify;
         r.skip_network_checksums = !verify;
+        // Every byte moves (the same version again would come as empty
+        // deltas).
+        r.deltas = weight_manager_core::DeltaMode::Off;
         m.update(r).map_err(|e| e.to_string())
     };
     update(true)?;
