@@ -480,7 +480,7 @@ static void run_thread(int id, void **params) {
                       ARG(3, const u64 *), ARG(4, u64 *));
         break;
     default:
-        wm_delta_scatter(ARG(0, u8 *), ARG(1, const u64 *), ARG(2, const u8 *), ARG(3, u64),
+        wm_delta_scatter(ARG(0, u8 *), ARG(1, const u32 *), ARG(2, const u8 *), ARG(3, u64),
                          ARG(4, u32));
     }
 }

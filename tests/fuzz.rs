@@ -611,10 +611,11 @@ fn planning_stops_at_the_deadline() {
 /// bf16 elements:
 /// hostile positions, counts, forms and lengths are refused or applied,
 /// never a panic, within the time and memory bounds; what applies
-/// re-encodes to a delta that gives the same bytes.
+/// re-encodes to a delta that gives the same bytes, and its changes as a
+/// GPU receiver lists them give them too.
 #[test]
 fn fuzz_delta_apply() {
-    use weight_manager_core::delta::{apply, check, encode};
+    use weight_manager_core::delta::{apply, check, encode, list_changes};
     let elems = 70_000;
     let old: Vec<u8> = (0..elems * 2).map(|i| (i * 7 % 251) as u8).collect();
     let seeds: Vec<Vec<u8>> = [1usize, 53, 3, 1]
@@ -647,9 +648,20 @@ fn fuzz_delta_apply() {
             applied.is_ok(),
             "{applied:?}"
         );
-        if applied.is_err() {
+        let listed = list_changes(bytes, old.len(), 2);
+        assert_eq!(listed.is_ok(), applied.is_ok(), "{applied:?}");
+        let Ok(listed) = listed else {
             return false;
+        };
+        let mut patched = old.clone();
+        for (at, range) in &listed.whole {
+            patched[*at as usize..*at as usize + range.len()]
+                .copy_from_slice(&bytes[range.clone()]);
         }
+        for (p, x) in listed.positions.iter().zip(listed.values.chunks_exact(2)) {
+            patched[*p as usize * 2..*p as usize * 2 + 2].copy_from_slice(x);
+        }
+        assert!(patched == run, "the listed changes give other bytes");
         let mut again = Vec::new();
         encode(&old, &run, 2, &mut again);
         let mut check = old.clone();

@@ -93,6 +93,7 @@ pub(crate) mod logging;
 pub(crate) mod manager;
 pub(crate) mod manifest;
 pub(crate) mod memory;
+pub(crate) mod parallel;
 pub(crate) mod pieces;
 pub mod plan;
 pub(crate) mod publisher;

@@ -26,6 +26,7 @@ use crate::checksum::Checksum;
 use crate::delta;
 use crate::memory::copy::CopySource;
 use crate::memory::SendPtr;
+use crate::parallel;
 use crate::plan::{Plan, Target};
 use crate::registry::Dest;
 use crate::result::{Error, Result};
@@ -100,6 +101,9 @@ impl Applier<'_, '_> {
         }
         match self.landing.params[t]? {
             Dest::Host(p) => Some(Base::Host(p)),
+            // The scatter kernel's positions are 32-bit: a run over 4 GiB
+            // comes whole.
+            Dest::Device { .. } if e.bytes > u32::MAX as u64 => None,
             Dest::Device { ptr, ordinal } => {
                 let offset = self.landing.param_offset(t, 0, e.bytes).ok()?;
                 Some(Base::Device {
@@ -120,26 +124,16 @@ impl Applier<'_, '_> {
         let plan = self.plan;
         let bases: Vec<(usize, Option<Base>)> =
             entries.iter().map(|&t| (t, self.base(t))).collect();
-        let per = bases.len().div_ceil(self.opts.threads.max(1)).max(1);
-        let mut found: Vec<Option<u128>> = std::thread::scope(|s| {
-            let hashing: Vec<_> = bases
-                .chunks(per)
-                .map(|part| {
-                    s.spawn(move || {
-                        part.iter()
-                            .map(|&(t, base)| match base? {
-                                Base::Host(p) => Some(fingerprint(plan, t, p)),
-                                Base::Device { .. } => None,
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            hashing
-                .into_iter()
-                .flat_map(|j| j.join().expect("hashing does not panic"))
-                .collect()
-        });
+        let mut found =
+            parallel::map(
+                &bases,
+                self.opts.threads,
+                "hashing bases",
+                |&(t, base)| match base? {
+                    Base::Host(p) => Some(fingerprint(plan, t, p)),
+                    Base::Device { .. } => None,
+                },
+            );
         let on_device: Vec<(usize, (u64, u64), i32)> = (bases.iter().enumerate())
             .filter_map(|(k, &(t, base))| match base? {
                 Base::Device { at, ordinal } => Some((k, (at, plan.entries[t].bytes), ordinal)),
@@ -160,17 +154,19 @@ impl Applier<'_, '_> {
     /// that fails its checksum was written: the update then fails as any
     /// in-place failure after a write. `origin` names the source in errors.
     pub fn apply_deltas(&mut self, origin: &str, deltas: &[DeltaJob]) -> Result<()> {
-        for d in deltas {
-            self.check_delta(origin, d)?;
-        }
         // In place, a GPU param's deltas are written on its GPU; all
         // others where the entry's bytes land in host memory.
         let in_place = self.landing.in_place();
         let (on_gpu, in_memory): (Vec<&DeltaJob>, Vec<&DeltaJob>) = deltas
             .iter()
             .partition(|d| in_place && matches!(self.base(d.entry), Some(Base::Device { .. })));
+        // Checked before any byte is written: the form of those patched
+        // here now, of those written on a GPU as they are decoded.
+        self.check_deltas(origin, &in_memory, true)?;
+        self.check_deltas(origin, &on_gpu, false)?;
+        let decoded = self.decode_all(origin, &on_gpu)?;
         self.patch_in_memory(origin, &in_memory)?;
-        self.patch_on_gpus(origin, &on_gpu)
+        self.patch_on_gpus(origin, &on_gpu, &decoded)
     }
 
     /// Deltas landing in host memory, patched in parallel (`patch.rs`).
@@ -217,7 +213,12 @@ impl Applier<'_, '_> {
     /// In place, deltas of GPU params: decoded on the applier's threads,
     /// their changes written on each GPU at once (`delta::device`), then
     /// every result hashed there.
-    fn patch_on_gpus(&mut self, origin: &str, deltas: &[&DeltaJob]) -> Result<()> {
+    fn patch_on_gpus(
+        &mut self,
+        origin: &str,
+        deltas: &[&DeltaJob],
+        decoded: &[delta::Changes],
+    ) -> Result<()> {
         let runs: Vec<(usize, (u64, u64), i32)> = (deltas.iter().enumerate())
             .map(|(k, d)| match self.base(d.entry) {
                 Some(Base::Device { at, ordinal }) => {
@@ -226,7 +227,6 @@ impl Applier<'_, '_> {
                 _ => unreachable!("partitioned by their base"),
             })
             .collect();
-        let decoded = self.decode_all(origin, deltas)?;
         self.landing.writes_params();
         for g in ordinals(&runs) {
             let jobs: Vec<delta::device::OnGpu> = (runs.iter().filter(|r| r.2 == g))
@@ -251,7 +251,7 @@ impl Applier<'_, '_> {
                 got.map_err(|x| x.context(format!("{origin}: tensor '{name}': hashing it")))?;
             self.check_result(origin, d, got)?;
         }
-        for (d, c) in deltas.iter().zip(&decoded) {
+        for (d, c) in deltas.iter().zip(decoded) {
             let e = &self.plan.entries[d.entry];
             let whole: usize = c.whole.iter().map(|w| w.1.len()).sum();
             let rewritten = (c.positions.len() * d.esize + whole) as u64;
@@ -268,29 +268,12 @@ impl Applier<'_, '_> {
         self.tally.report(self.hooks.progress.as_deref_mut())
     }
 
-    /// Every delta's changes as lists (`delta::list_changes`), decoded on
-    /// the applier's threads.
+    /// Every delta's changes as lists (`delta::list_changes`, which checks
+    /// their form), decoded on the applier's threads.
     fn decode_all(&self, origin: &str, deltas: &[&DeltaJob]) -> Result<Vec<delta::Changes>> {
         let plan = self.plan;
-        let per = deltas.len().div_ceil(self.opts.threads.max(1)).max(1);
-        let decoded: Vec<_> = std::thread::scope(|s| {
-            let parts: Vec<_> = deltas
-                .chunks(per)
-                .map(|part| {
-                    s.spawn(move || {
-                        part.iter()
-                            .map(|d| {
-                                let n = plan.entries[d.entry].bytes as usize;
-                                delta::list_changes(d.delta, n, d.esize)
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            parts
-                .into_iter()
-                .flat_map(|p| p.join().expect("decoding does not panic"))
-                .collect()
+        let decoded = parallel::map(deltas, self.opts.threads, "decoding deltas", |d| {
+            delta::list_changes(d.delta, plan.entries[d.entry].bytes as usize, d.esize)
         });
         (deltas.iter().zip(decoded))
             .map(|(d, r)| {
@@ -312,10 +295,27 @@ impl Applier<'_, '_> {
         }
     }
 
-    /// Before any byte is written: the delta's entry has a base here, the
-    /// delta is well formed for its bytes, and (verifying) an entry taking
-    /// all of its tensor is promised the manifest's checksum.
-    fn check_delta(&self, origin: &str, d: &DeltaJob) -> Result<()> {
+    /// Before any byte is written: each delta's entry has a base here,
+    /// (`form`) the delta is well formed for its bytes (checked on the
+    /// applier's threads), and (verifying) an entry taking all of its
+    /// tensor is promised the manifest's checksum.
+    fn check_deltas(&self, origin: &str, deltas: &[&DeltaJob], form: bool) -> Result<()> {
+        let plan = self.plan;
+        let forms = match form {
+            true => parallel::map(deltas, self.opts.threads, "checking deltas", |d| {
+                delta::check(d.delta, plan.entries[d.entry].bytes as usize, d.esize)
+            }),
+            false => vec![Ok(()); deltas.len()],
+        };
+        (deltas.iter().zip(forms)).try_for_each(|(d, f)| self.check_delta(origin, d, f))
+    }
+
+    fn check_delta(
+        &self,
+        origin: &str,
+        d: &DeltaJob,
+        form: std::result::Result<(), delta::DeltaError>,
+    ) -> Result<()> {
         let e = &self.plan.entries[d.entry];
         let bad = |why: String| {
             Error::peer(format!(
@@ -326,7 +326,7 @@ impl Applier<'_, '_> {
         if self.base(d.entry).is_none() {
             return Err(bad("its param has no base here".into()));
         }
-        delta::check(d.delta, e.bytes as usize, d.esize).map_err(|x| bad(x.0))?;
+        form.map_err(|x| bad(x.0))?;
         // A quantized entry's manifest checksum is its source's (bf16),
         // not the FP8 bytes': its SUMS are what vouch for those.
         let fp8 = matches!(e.target, Target::Param(i) if self.plan.quantized(i).is_some());

@@ -40,17 +40,7 @@ pub(super) struct PatchJob<'d> {
 /// Patch every job on up to `threads` threads: per job, the elements it
 /// rewrote and the xxh3-128 of its new bytes.
 pub(super) fn patch_all(jobs: &[PatchJob], threads: usize) -> Vec<Result<(u64, u128), DeltaError>> {
-    let per = jobs.len().div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = jobs
-            .chunks(per)
-            .map(|part| s.spawn(move || part.iter().map(patch_one).collect::<Vec<_>>()))
-            .collect();
-        parts
-            .into_iter()
-            .flat_map(|p| p.join().expect("patching does not panic"))
-            .collect()
-    })
+    crate::parallel::map(jobs, threads, "patching deltas", patch_one)
 }
 
 fn patch_one(j: &PatchJob) -> Result<(u64, u128), DeltaError> {

@@ -121,10 +121,10 @@ WM_KERNEL void wm_xxh3_chain(const struct wm_hash_piece *pieces, u64 npieces, co
  * `esize` bytes) of the run at `dst` becomes values[k]. Positions are
  * distinct (the host decoded and checked them), so threads never write
  * the same bytes. */
-WM_KERNEL void wm_delta_scatter(u8 *dst, const u64 *positions, const u8 *values, u64 n,
+WM_KERNEL void wm_delta_scatter(u8 *dst, const u32 *positions, const u8 *values, u64 n,
                                 u32 esize) {
     for (u64 k = WM_FIRST_THREAD; k < n; k += WM_THREADS) {
-        u8 *to = dst + positions[k] * esize;
+        u8 *to = dst + (u64)positions[k] * esize;
         const u8 *from = values + k * esize;
         for (u32 b = 0; b < esize; b++) to[b] = from[b];
     }

@@ -281,10 +281,10 @@ pub unsafe fn apply(ordinal: i32, jobs: &[OnGpu]) -> Result<()> {
         }
     }
     // Per job: where its positions go in the scratch (values follow them,
-    // padded to 8 bytes so every job's positions stay aligned).
+    // padded to 4 bytes so every job's positions stay aligned).
     let sizes: Vec<usize> = jobs
         .iter()
-        .map(|j| j.changes.positions.len() * 8 + j.changes.values.len().next_multiple_of(8))
+        .map(|j| j.changes.positions.len() * 4 + j.changes.values.len().next_multiple_of(4))
         .collect();
     let total: usize = sizes.iter().sum();
     if total == 0 {
@@ -296,12 +296,12 @@ pub unsafe fn apply(ordinal: i32, jobs: &[OnGpu]) -> Result<()> {
     for (j, size) in jobs.iter().zip(sizes) {
         let c = j.changes;
         let n = c.positions.len();
-        let (mut p, mut v) = (at, at + n as u64 * 8);
+        let (mut p, mut v) = (at, at + n as u64 * 4);
         at += size as u64;
         if n == 0 {
             continue;
         }
-        upload(ordinal, p, c.positions.as_ptr().cast(), n * 8)?;
+        upload(ordinal, p, c.positions.as_ptr().cast(), n * 4)?;
         upload(ordinal, v, c.values.as_ptr(), c.values.len())?;
         let (mut d, mut count, mut e) = (j.dst, n as u64, j.esize as u32);
         let mut params = [

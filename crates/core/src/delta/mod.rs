@@ -189,42 +189,54 @@ pub struct Changes {
     pub whole: Vec<(u64, std::ops::Range<usize>)>,
     /// Changed elements of the other chunks, as element indices of the
     /// run, distinct and ascending.
-    pub positions: Vec<u64>,
+    pub positions: Vec<u32>,
     /// Their new bytes, `esize` per position, in the same order.
     pub values: Vec<u8>,
 }
 
 /// Decode `delta` against a run of `run_len` bytes (elements of `esize`
-/// bytes) into [`Changes`], with every check [`check`] makes. What it
-/// allocates is bounded by the delta's size: each listed change took at
-/// least `esize` bytes of it, its position costs 8 more.
+/// bytes, at most 2^32 of them) into [`Changes`], in one pass making every
+/// check [`check`] makes. What it allocates is bounded by the delta's
+/// size: each listed change took at least `esize` bytes of it, its
+/// position costs 4 more.
 pub fn list_changes(delta: &[u8], run_len: usize, esize: usize) -> Result<Changes, DeltaError> {
-    check(delta, run_len, esize)?;
+    if esize == 0 || run_len % esize != 0 || (run_len / esize) as u64 > 1 << 32 {
+        return Err(DeltaError(format!(
+            "a run of {run_len} bytes is not whole elements of {esize} bytes, or has more \
+             than 2^32 of them"
+        )));
+    }
     let mut r = Reader { b: delta, at: 0 };
     let mut out = Changes::default();
     let elems = run_len / esize;
     for k in 0..elems.div_ceil(CHUNK) {
         let n = CHUNK.min(elems - k * CHUNK);
         let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
-        let first = (k * CHUNK) as u64;
-        let form = r.byte();
-        if form == Some(WHOLE) {
-            let at = r.at;
-            r.take(n * esize).map_err(bad)?;
-            out.whole.push((first * esize as u64, at..at + n * esize));
-            continue;
-        }
+        let first = (k * CHUNK) as u32;
+        let form = r
+            .byte()
+            .ok_or_else(|| bad("the delta ends before it".into()))?;
         let mut listed = Listed {
             changes: &mut out,
             first,
         };
         match form {
-            Some(BITMASK) => _ = apply_bitmask(&mut r, &mut listed, n, esize).map_err(bad)?,
-            Some(GAPS) => _ = apply_gaps(&mut r, &mut listed, n, esize).map_err(bad)?,
-            _ => {} // unchanged (`check` refused any other form)
+            UNCHANGED => {}
+            WHOLE => {
+                let at = r.at;
+                r.take(n * esize).map_err(bad)?;
+                let byte = first as u64 * esize as u64;
+                out.whole.push((byte, at..at + n * esize));
+            }
+            BITMASK => _ = apply_bitmask(&mut r, &mut listed, n, esize).map_err(bad)?,
+            GAPS => _ = apply_gaps(&mut r, &mut listed, n, esize).map_err(bad)?,
+            t => return Err(bad(format!("unknown form {t}"))),
         }
     }
-    Ok(out)
+    match r.b.len() - r.at {
+        0 => Ok(out),
+        n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
+    }
 }
 
 /// The element size a delta of a run uses: the dtype's when the run is
@@ -363,6 +375,8 @@ fn set(chunk: &mut [u8], i: usize, x: &[u8], esize: usize) {
 trait Sink {
     /// False: the chunk is only checked (nothing needs its elements).
     const WRITES: bool = true;
+    /// `count` changes come next (checked against the chunk).
+    fn expect(&mut self, _count: usize, _esize: usize) {}
     /// Element `i` of the chunk becomes `x` (`esize` bytes).
     fn set(&mut self, i: usize, x: &[u8], esize: usize);
 }
@@ -388,12 +402,19 @@ impl Sink for InChunk<'_> {
 /// Listed, for a chunk whose first element is element `first` of the run.
 struct Listed<'c> {
     changes: &'c mut Changes,
-    first: u64,
+    first: u32,
 }
 
 impl Sink for Listed<'_> {
+    fn expect(&mut self, count: usize, esize: usize) {
+        self.changes.positions.reserve(count);
+        self.changes.values.reserve(count * esize);
+    }
+
+    #[inline(always)]
     fn set(&mut self, i: usize, x: &[u8], _: usize) {
-        self.changes.positions.push(self.first + i as u64);
+        // In range: the run has at most 2^32 elements (`list_changes`).
+        self.changes.positions.push(self.first + i as u32);
         self.changes.values.extend_from_slice(x);
     }
 }
@@ -415,6 +436,7 @@ fn apply_bitmask<S: Sink>(
     if !S::WRITES {
         return Ok(count);
     }
+    sink.expect(count, esize);
     let mut v = values.chunks_exact(esize);
     for (byte_at, &bits) in mask.iter().enumerate() {
         let mut bits = bits;
@@ -440,6 +462,7 @@ fn apply_gaps<S: Sink>(
         return Err(format!("{count} changed elements in a chunk of {elems}"));
     }
     let values = r.take(count * esize)?;
+    sink.expect(count, esize);
     let mut next = 0usize;
     for x in values.chunks_exact(esize) {
         let i = next

@@ -11,7 +11,6 @@
 
 use super::{block_amax, quantize_with, QuantError, Scheme, Source, BLOCK};
 use crate::tensor::DType;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Rows `rows` of the flattened `[all rows, cols]` param starting at row
 /// `row`, whose scales start at `scale` (`scales` of them).
@@ -212,33 +211,7 @@ pub fn quantize_own_blocks(
     Ok(out)
 }
 
-/// `f` over every band on up to `threads` threads (each taking the next
-/// band not yet taken), results in band order.
+/// `f` over every band on up to `threads` threads, results in band order.
 fn par_map<T: Send>(bands: &[Band], threads: usize, f: impl Fn(&Band) -> T + Sync) -> Vec<T> {
-    let threads = threads.clamp(1, bands.len().max(1));
-    if threads == 1 {
-        return bands.iter().map(f).collect();
-    }
-    let next = AtomicUsize::new(0);
-    let mut out: Vec<(usize, T)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(b) = bands.get(i) else { break };
-                        mine.push((i, f(b)));
-                    }
-                    mine
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().expect("quantizing does not panic"))
-            .collect()
-    });
-    out.sort_unstable_by_key(|(i, _)| *i);
-    out.into_iter().map(|(_, t)| t).collect()
+    crate::parallel::map(bands, threads, "quantizing", f)
 }
