@@ -10,7 +10,7 @@
 mod common;
 
 use common::sharded::serial;
-use common::steps::{first, next};
+use common::steps::{bind_trainer, first, next, publish_step};
 use common::*;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
@@ -46,18 +46,11 @@ impl Trainer {
             secret: Some(SECRET.to_vec()),
             ..Default::default()
         };
-        let (publisher, location) = match via {
-            Via::Ipc => {
-                let sock = dir.join("trainer.sock");
-                let p = Publisher::bind(&sock, cfg).unwrap();
-                (p, sock.display().to_string())
-            }
-            Via::Rdma => {
-                let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
-                let a = p.address();
-                (p, a)
-            }
+        let kind = match via {
+            Via::Ipc => SourceKind::Ipc,
+            Via::Rdma => SourceKind::Rdma,
         };
+        let (publisher, location) = bind_trainer(kind, dir, cfg);
         Trainer {
             publisher,
             location,
@@ -68,10 +61,7 @@ impl Trainer {
 
     /// Publish `ts` as version `v` (a copy the publisher keeps).
     fn publish(&mut self, ts: &[T], v: u64) {
-        self.publisher.clear_tensors();
-        add_all(&self.publisher, ts);
-        self.publisher.set_version(Some(format!("step-{v}")));
-        self.publisher.publish().unwrap();
+        publish_step(&self.publisher, ts, v);
         self.live = vec![ts.to_vec()];
     }
 

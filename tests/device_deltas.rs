@@ -20,8 +20,8 @@ mod common;
 use common::fake_cuda::{under_fake_driver, Fake};
 use common::quant::{f32s, publish_rows, reference, row_publishers};
 use common::sharded::{net_engine, piece, serving};
-use common::steps::{first, next};
-use common::{add_all, T};
+use common::steps::{bind_trainer, first, next, publish_step};
+use common::T;
 use std::path::PathBuf;
 use std::time::Duration;
 use weight_manager_core::delta::device::{checksums, checksums_in_rounds};
@@ -140,20 +140,7 @@ impl Trainer {
             secret: Some(SECRET.to_vec()),
             ..Default::default()
         };
-        let (publisher, location) = match via {
-            SourceKind::Ipc => {
-                let sock = dir.join("trainer.sock");
-                (
-                    Publisher::bind(&sock, cfg).unwrap(),
-                    sock.display().to_string(),
-                )
-            }
-            _ => {
-                let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
-                let a = p.address();
-                (p, a)
-            }
-        };
+        let (publisher, location) = bind_trainer(via, dir, cfg);
         Trainer {
             publisher,
             location,
@@ -162,10 +149,7 @@ impl Trainer {
     }
 
     fn publish(&self, ts: &[T], v: u64) {
-        self.publisher.clear_tensors();
-        add_all(&self.publisher, ts);
-        self.publisher.set_version(Some(format!("step-{v}")));
-        self.publisher.publish().unwrap();
+        publish_step(&self.publisher, ts, v);
     }
 
     fn update(&self, m: &Manager, mode: Mode) -> weight_manager_core::UpdateStats {

@@ -1,8 +1,9 @@
 //! A small model and its training steps for the delta tests: each step
 //! changes about 2% of the elements (deterministic in the step).
 
-use super::{tensor, T};
-use weight_manager_core::DType;
+use super::{add_all, tensor, T};
+use std::path::Path;
+use weight_manager_core::{DType, Publisher, PublisherConfig, SourceKind};
 
 /// A small model: bf16 weights of assorted sizes (one not a multiple of a
 /// chunk), an f32 vector.
@@ -34,4 +35,29 @@ pub fn next(ts: &[T], step: u64) -> Vec<T> {
             t
         })
         .collect()
+}
+
+/// A trainer's publisher for `via` (IPC: a socket in `dir`; the network:
+/// a loopback port) and the location engines pull from.
+pub fn bind_trainer(via: SourceKind, dir: &Path, cfg: PublisherConfig) -> (Publisher, String) {
+    match via {
+        SourceKind::Ipc => {
+            let sock = dir.join("trainer.sock");
+            let p = Publisher::bind(&sock, cfg).unwrap();
+            (p, sock.display().to_string())
+        }
+        _ => {
+            let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+            let a = p.address();
+            (p, a)
+        }
+    }
+}
+
+/// Publish `ts` as version `step-<v>` (a copy the publisher keeps).
+pub fn publish_step(p: &Publisher, ts: &[T], v: u64) {
+    p.clear_tensors();
+    add_all(p, ts);
+    p.set_version(Some(format!("step-{v}")));
+    p.publish().unwrap();
 }
