@@ -343,8 +343,10 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// before sending (one byte per element on the wire; each block's amax is
 /// agreed across publishers first, so a block split over trainer ranks
 /// gets one scale); a snapshot is read as it is, verified against its
-/// checksums, and quantized by the engine. Quantized params always come
-/// whole (never as deltas). Both params live in host memory, or both on
+/// checksums, and quantized by the engine. From publishers that keep the
+/// version the params hold, the FP8 bytes come as deltas of the FP8 bytes
+/// the param holds (README "Deltas of FP8 params"); the scales are written
+/// whole at every commit. Both params live in host memory, or both on
 /// one GPU (device params): there the FP8 bytes are written by a CUDA
 /// kernel compiled at run time by NVRTC (`WM_NVRTC_LIB`, else
 /// `libnvrtc.so`), bit for bit the same; without NVRTC an update that must
