@@ -87,13 +87,61 @@ fn gpu_checksums_are_the_hosts() {
     }
 }
 
+/// Deltas of every form written on the GPU (`delta::device::apply`), in
+/// one slice and in many (a scratch of a few changes): the run holds the
+/// new bytes exactly.
+fn deltas_written_on_the_gpu() {
+    use weight_manager_core::delta::device::{apply, apply_in_slices, OnGpu};
+    use weight_manager_core::delta::{encode, list_changes};
+    let old = bytes(2 * 70_000, 3);
+    let mut new = old.clone();
+    for (i, e) in new.chunks_exact_mut(2).enumerate() {
+        // Sparse in the first chunk (gaps), dense in the second (bitmask),
+        // all in the third (whole).
+        if i < 32_768 && i % 97 == 0 || (32_768..65_536).contains(&i) && i % 3 == 0 || i >= 65_536 {
+            e[0] ^= 0x5a;
+        }
+    }
+    let mut delta = Vec::new();
+    let stats = encode(&old, &new, 2, &mut delta);
+    assert!(
+        stats.gaps == 1 && stats.bitmask == 1 && stats.whole == 1,
+        "{stats:?}"
+    );
+    let changes = list_changes(&delta, old.len(), 2).unwrap();
+    for scratch in [usize::MAX, 64, 7] {
+        let d = upload(&old);
+        let job = OnGpu {
+            dst: d.ptr(),
+            changes: &changes,
+            delta: &delta,
+            esize: 2,
+        };
+        match scratch {
+            usize::MAX => unsafe { apply(0, &[job]) }.unwrap(),
+            n => unsafe { apply_in_slices(0, &[job], n) }.unwrap(),
+        }
+        assert!(
+            download(d.ptr(), new.len()) == new,
+            "a scratch of {scratch} bytes"
+        );
+    }
+}
+
 fn engine() -> Manager {
+    engine_with(false)
+}
+
+/// An engine; `swap`: atomic updates of library-owned device params swap
+/// their pages in (`swap_device_pages`).
+fn engine_with(swap: bool) -> Manager {
     Manager::new(ManagerConfig {
         fallback_dir: None,
         net: NetSettings {
             secret: Some(SECRET.to_vec()),
             ..Default::default()
         },
+        swap_device_pages: swap,
         ..Default::default()
     })
     .unwrap()
@@ -226,11 +274,13 @@ fn five_versions(via: SourceKind, mode: Mode, engine_owned: bool) {
 }
 
 /// A two-phase update into GPU params takes deltas like a one-call one:
-/// staged (the params keep the old version meanwhile), then committed.
-fn a_staged_delta_update() {
+/// staged (the params keep the old version meanwhile), then committed;
+/// with the device page swap (`swap`) too, the deltas' results uploaded
+/// into the shadows the commit swaps in.
+fn a_staged_delta_update(swap: bool) {
     let dir = tempfile::tempdir().unwrap();
     let trainer = Trainer::new(SourceKind::Ipc, dir.path());
-    let m = std::sync::Arc::new(engine());
+    let m = std::sync::Arc::new(engine_with(swap));
     let v1 = first();
     let params = device_params(&m, &v1, false);
     trainer.publish(&v1, 1);
@@ -371,12 +421,14 @@ fn ucx() -> bool {
 
 fn all_checks(rdma: bool) {
     gpu_checksums_are_the_hosts();
+    deltas_written_on_the_gpu();
     for mode in [Mode::InPlace, Mode::Atomic] {
         for engine_owned in [false, true] {
             five_versions(SourceKind::Ipc, mode, engine_owned);
         }
     }
-    a_staged_delta_update();
+    a_staged_delta_update(false);
+    a_staged_delta_update(true);
     sharded_fp8_into_gpu_params(SourceKind::Ipc, Mode::InPlace);
     sharded_fp8_into_gpu_params(SourceKind::Ipc, Mode::Atomic);
     if rdma && ucx() {

@@ -38,6 +38,8 @@ const THREADS: u32 = 256;
 /// GPU's processors.
 const CHAIN_THREADS: u32 = 32;
 const MAX_BLOCKS: u64 = 1 << 16;
+/// The most device memory the changes of deltas take on their way up.
+const SCRATCH: usize = 64 << 20;
 
 /// XXH3's default secret (the seed-0 digest's; also in the kernels' reads
 /// of it, uploaded with each call).
@@ -261,15 +263,25 @@ pub struct OnGpu<'d> {
 }
 
 /// Write every delta of `jobs` into its run on GPU `ordinal`: the chunks
-/// sent whole copied up, the other changes through one scratch (their
-/// positions and values, uploaded) and a launch per run. Returns once
-/// written.
+/// sent whole copied up, the other changes through one scratch of at most
+/// 64 MiB (their positions and values, uploaded a slice at a time) and a
+/// launch per slice. Returns once written.
 ///
 /// # Safety
 /// Each `dst` is device memory holding at least the run its changes were
 /// checked against (`delta::list_changes`), which nothing else writes
 /// meanwhile; the runs do not overlap.
 pub unsafe fn apply(ordinal: i32, jobs: &[OnGpu]) -> Result<()> {
+    apply_in_slices(ordinal, jobs, SCRATCH)
+}
+
+/// [`apply`] through a scratch of at most `scratch` bytes (tests cut the
+/// changes into many slices with a small one).
+///
+/// # Safety
+/// As [`apply`].
+#[doc(hidden)]
+pub unsafe fn apply_in_slices(ordinal: i32, jobs: &[OnGpu], scratch: usize) -> Result<()> {
     for j in jobs {
         for (at, bytes) in &j.changes.whole {
             upload(
@@ -280,38 +292,39 @@ pub unsafe fn apply(ordinal: i32, jobs: &[OnGpu]) -> Result<()> {
             )?;
         }
     }
-    // Per job: where its positions go in the scratch (values follow them,
-    // padded to 4 bytes so every job's positions stay aligned).
-    let sizes: Vec<usize> = jobs
-        .iter()
-        .map(|j| j.changes.positions.len() * 4 + j.changes.values.len().next_multiple_of(4))
-        .collect();
-    let total: usize = sizes.iter().sum();
-    if total == 0 {
+    // The changes go up a slice at a time through one scratch of at most
+    // `scratch` bytes (whatever a publisher's deltas hold): a slice's
+    // positions, then its values. Reusing it is safe: a copy from pageable
+    // memory waits for the launches before it on the stream.
+    let slice = |esize: usize| (scratch / (4 + esize)).max(1);
+    let largest = (jobs.iter())
+        .map(|j| j.changes.positions.len().min(slice(j.esize)) * (4 + j.esize))
+        .max()
+        .unwrap_or(0);
+    if largest == 0 {
         return Ok(());
     }
     let kernel = nvrtc::kernel(ordinal, PROGRAM, SOURCE, "wm_delta_scatter")?;
-    let scratch = DeviceAllocation::new("a delta's changes on the GPU", ordinal, total)?;
-    let mut at = scratch.ptr();
-    for (j, size) in jobs.iter().zip(sizes) {
+    let buf = DeviceAllocation::new("a delta's changes on the GPU", ordinal, largest)?;
+    for j in jobs {
         let c = j.changes;
-        let n = c.positions.len();
-        let (mut p, mut v) = (at, at + n as u64 * 4);
-        at += size as u64;
-        if n == 0 {
-            continue;
+        let per = slice(j.esize);
+        for (k, positions) in c.positions.chunks(per).enumerate() {
+            let n = positions.len();
+            let values = &c.values[k * per * j.esize..(k * per + n) * j.esize];
+            let (mut p, mut v) = (buf.ptr(), buf.ptr() + n as u64 * 4);
+            upload(ordinal, p, positions.as_ptr().cast(), n * 4)?;
+            upload(ordinal, v, values.as_ptr(), values.len())?;
+            let (mut d, mut count, mut e) = (j.dst, n as u64, j.esize as u32);
+            let mut params = [
+                ptr(&mut d),
+                ptr(&mut p),
+                ptr(&mut v),
+                ptr(&mut count),
+                ptr(&mut e),
+            ];
+            launch(kernel, n as u64, THREADS, &mut params)?;
         }
-        upload(ordinal, p, c.positions.as_ptr().cast(), n * 4)?;
-        upload(ordinal, v, c.values.as_ptr(), c.values.len())?;
-        let (mut d, mut count, mut e) = (j.dst, n as u64, j.esize as u32);
-        let mut params = [
-            ptr(&mut d),
-            ptr(&mut p),
-            ptr(&mut v),
-            ptr(&mut count),
-            ptr(&mut e),
-        ];
-        launch(kernel, n as u64, THREADS, &mut params)?;
     }
     // Wait before the scratch is freed (a kernel's fault surfaces here).
     check(
