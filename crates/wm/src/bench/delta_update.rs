@@ -9,10 +9,11 @@
 //! from the same state.
 //! Target at 2% changed: deltas >= 10x faster than whole over UCX.
 //!
-//! With a GPU, the params are library-owned device params, updated in
-//! place (the deltas' changes written and the results hashed on the GPU)
-//! and atomic (the base read back into the host staging and patched
-//! there, the commit uploading as for any update).
+//! Each path in place (the deltas patch the params where they are) and
+//! atomic (the base copied into the staging and patched there, the commit
+//! as for any update). With a GPU, the params are library-owned device
+//! params: in place the deltas' changes are written and the results
+//! hashed on the GPU; atomic, the base is read back into the host staging.
 
 use super::harness::{alternate, verdict, Scratch};
 use super::model::{add_layers, layer_count, net_manager, register_layers, LAYER, LAYER_SHAPE};
@@ -37,10 +38,6 @@ pub fn run(gib: f64, shares: &[f64], pairs: usize, gpu: Option<i32>) -> Result<(
          engine's version vs whole, alternating ({pairs} pairs):"
     );
     let base = layers(count, None);
-    let modes: &[Mode] = match gpu {
-        Some(_) => &[Mode::InPlace, Mode::Atomic],
-        None => &[Mode::Atomic],
-    };
     for &share in shares {
         let next = layers(count, Some(share));
         for source in [SourceKind::Ipc, SourceKind::Rdma] {
@@ -50,7 +47,7 @@ pub fn run(gib: f64, shares: &[f64], pairs: usize, gpu: Option<i32>) -> Result<(
                 println!("    rdma: skipped (no UCX)");
                 continue;
             }
-            for &mode in modes {
+            for mode in [Mode::InPlace, Mode::Atomic] {
                 one_path((source, mode, gpu), share, (&base, &next), pairs)?;
             }
         }
