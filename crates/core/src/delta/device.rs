@@ -125,8 +125,7 @@ pub fn checksums_in_rounds(
 fn hash_long(ordinal: i32, runs: &[(u64, u64)], round_blocks: u64) -> Result<Vec<[u64; 8]>> {
     let blocks_kernel = nvrtc::kernel(ordinal, PROGRAM, SOURCE, "wm_xxh3_blocks")?;
     let chain_kernel = nvrtc::kernel(ordinal, PROGRAM, SOURCE, "wm_xxh3_chain")?;
-    let whole = |len: u64| (len - 1) / BLOCK;
-    let total: u64 = runs.iter().map(|&(_, len)| whole(len)).sum();
+    let total: u64 = runs.iter().map(|&(_, len)| whole_blocks(len)).sum();
     let what = "the GPU checksum's scratch";
     let secret = DeviceAllocation::new(what, ordinal, SECRET.len())?;
     let accs = DeviceAllocation::new(what, ordinal, runs.len() * 64)?;
@@ -206,15 +205,14 @@ fn next_round(
     next: &mut [Option<u64>],
     round_blocks: u64,
 ) -> (Vec<Piece>, u64) {
-    let whole = |len: u64| (len - 1) / BLOCK;
     let left = next.iter().filter(|n| n.is_some()).count() as u64;
     let share = (round_blocks / left.max(1)).max(1);
     let mut round = Vec::new();
     let mut used = 0;
     for (j, &(src, len)) in runs.iter().enumerate() {
         let Some(at) = next[j] else { continue };
-        let take = (whole(len) - at).min(share).min(round_blocks - used);
-        let last = at + take == whole(len);
+        let take = (whole_blocks(len) - at).min(share).min(round_blocks - used);
+        let last = at + take == whole_blocks(len);
         if take == 0 && !last {
             continue; // the round is full: next round
         }
@@ -231,6 +229,12 @@ fn next_round(
         next[j] = (!last).then_some(at + take);
     }
     (round, used)
+}
+
+/// The whole blocks of a long run of `len` bytes that chain before its
+/// tail (the last block is never whole: XXH3 takes it with the tail).
+fn whole_blocks(len: u64) -> u64 {
+    (len - 1) / BLOCK
 }
 
 /// XXH3-128's end of a long input of `len` bytes from its accumulators.

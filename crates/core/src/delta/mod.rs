@@ -158,21 +158,31 @@ pub fn check(delta: &[u8], run_len: usize, esize: usize) -> Result<(), DeltaErro
             "a run of {run_len} bytes is not whole elements of {esize} bytes"
         )));
     }
+    walk(delta, run_len / esize, esize, &mut Checked)
+}
+
+/// Every chunk of `delta` for a run of `elems` elements of `esize` bytes,
+/// front to back with every check, its changes given to `sink`.
+fn walk<S: Sink>(delta: &[u8], elems: usize, esize: usize, sink: &mut S) -> Result<(), DeltaError> {
     let mut r = Reader { b: delta, at: 0 };
-    let elems = run_len / esize;
     for k in 0..elems.div_ceil(CHUNK) {
         let n = CHUNK.min(elems - k * CHUNK);
         let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
         let form = r
             .byte()
             .ok_or_else(|| bad("the delta ends before it".into()))?;
-        let _changed = match form {
-            UNCHANGED => 0,
-            WHOLE => r.take(n * esize).map_err(bad)?.len(),
-            BITMASK => apply_bitmask(&mut r, &mut Checked, n, esize).map_err(bad)?,
-            GAPS => apply_gaps(&mut r, &mut Checked, n, esize).map_err(bad)?,
+        sink.begin(k * CHUNK);
+        match form {
+            UNCHANGED => {}
+            WHOLE => {
+                let at = r.at;
+                r.take(n * esize).map_err(bad)?;
+                sink.whole(at..at + n * esize);
+            }
+            BITMASK => _ = apply_bitmask(&mut r, sink, n, esize).map_err(bad)?,
+            GAPS => _ = apply_gaps(&mut r, sink, n, esize).map_err(bad)?,
             t => return Err(bad(format!("unknown form {t}"))),
-        };
+        }
     }
     match r.b.len() - r.at {
         0 => Ok(()),
@@ -206,37 +216,14 @@ pub fn list_changes(delta: &[u8], run_len: usize, esize: usize) -> Result<Change
              than 2^32 of them"
         )));
     }
-    let mut r = Reader { b: delta, at: 0 };
     let mut out = Changes::default();
-    let elems = run_len / esize;
-    for k in 0..elems.div_ceil(CHUNK) {
-        let n = CHUNK.min(elems - k * CHUNK);
-        let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
-        let first = (k * CHUNK) as u32;
-        let form = r
-            .byte()
-            .ok_or_else(|| bad("the delta ends before it".into()))?;
-        let mut listed = Listed {
-            changes: &mut out,
-            first,
-        };
-        match form {
-            UNCHANGED => {}
-            WHOLE => {
-                let at = r.at;
-                r.take(n * esize).map_err(bad)?;
-                let byte = first as u64 * esize as u64;
-                out.whole.push((byte, at..at + n * esize));
-            }
-            BITMASK => _ = apply_bitmask(&mut r, &mut listed, n, esize).map_err(bad)?,
-            GAPS => _ = apply_gaps(&mut r, &mut listed, n, esize).map_err(bad)?,
-            t => return Err(bad(format!("unknown form {t}"))),
-        }
-    }
-    match r.b.len() - r.at {
-        0 => Ok(out),
-        n => Err(DeltaError(format!("{n} bytes after the run's last chunk"))),
-    }
+    let mut listed = Listed {
+        changes: &mut out,
+        first: 0,
+        esize,
+    };
+    walk(delta, run_len / esize, esize, &mut listed)?;
+    Ok(out)
 }
 
 /// The element size a delta of a run uses: the dtype's when the run is
@@ -375,6 +362,10 @@ fn set(chunk: &mut [u8], i: usize, x: &[u8], esize: usize) {
 trait Sink {
     /// False: the chunk is only checked (nothing needs its elements).
     const WRITES: bool = true;
+    /// The next chunk starts at element `first` of the run.
+    fn begin(&mut self, _first: usize) {}
+    /// That chunk was sent whole: its bytes are `bytes` of the delta.
+    fn whole(&mut self, _bytes: std::ops::Range<usize>) {}
     /// `count` changes come next (checked against the chunk).
     fn expect(&mut self, _count: usize, _esize: usize) {}
     /// Element `i` of the chunk becomes `x` (`esize` bytes).
@@ -399,13 +390,24 @@ impl Sink for InChunk<'_> {
     }
 }
 
-/// Listed, for a chunk whose first element is element `first` of the run.
+/// Listed, the chunk at hand starting at element `first` of the run.
 struct Listed<'c> {
     changes: &'c mut Changes,
     first: u32,
+    esize: usize,
 }
 
 impl Sink for Listed<'_> {
+    fn begin(&mut self, first: usize) {
+        // In range: the run has at most 2^32 elements (`list_changes`).
+        self.first = first as u32;
+    }
+
+    fn whole(&mut self, bytes: std::ops::Range<usize>) {
+        let byte = self.first as u64 * self.esize as u64;
+        self.changes.whole.push((byte, bytes));
+    }
+
     fn expect(&mut self, count: usize, esize: usize) {
         self.changes.positions.reserve(count);
         self.changes.values.reserve(count * esize);
