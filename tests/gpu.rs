@@ -411,7 +411,7 @@ fn cuda_ucx() -> Option<&'static weight_manager_core::internals::transport::ucx:
     let required = std::env::var("WM_REQUIRE_GDR").is_ok_and(|v| v == "1");
     let why = match weight_manager_core::internals::transport::ucx::ucx() {
         Ok(u) if u.supports_cuda() => return Some(u),
-        Ok(_) => "this UCX cannot reach CUDA memory".to_string(),
+        Ok(u) => u.no_cuda_reason(),
         Err(e) => format!("no UCX here: {e}"),
     };
     assert!(!required, "WM_REQUIRE_GDR=1 but {why}");

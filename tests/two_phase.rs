@@ -333,3 +333,35 @@ fn requests_that_cannot_stage_are_refused_before_anything_moves() {
     );
     assert_eq!(versions_seen(&ps), vec![0]);
 }
+
+/// At `WM_LOG_LEVEL_DEBUG` an update says where its time went, and a
+/// staged one when its commit began (README "Two-phase updates").
+#[test]
+fn debug_lines_name_the_update_phases_and_the_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let keep = Arc::clone(&lines);
+    let logger =
+        weight_manager_core::Logger::closure(weight_manager_core::LogLevel::Debug, move |_, l| {
+            keep.lock().unwrap().push(l.to_string())
+        });
+    let cfg = ManagerConfig {
+        logger,
+        ..Default::default()
+    };
+    let (m, _) = engine_at_v1(dir.path(), true, cfg);
+    snapshot(&dir.path().join("v2"), 2);
+    lines.lock().unwrap().clear();
+    let staged = m
+        .stage(UpdateRequest::snapshot(dir.path().join("v2")))
+        .unwrap();
+    staged.commit().unwrap();
+    let lines = lines.lock().unwrap();
+    let at = |needle: &str| lines.iter().position(|l| l.contains(needle));
+    let committing = at("rank 0: staged version 2: committing").expect("the commit's start");
+    let phases = at("rank 0: version 2: planned in ").expect("the phases");
+    assert!(committing < phases, "{lines:?}");
+    for part in ["received in", "committed in", "(device page swap"] {
+        assert!(lines[phases].contains(part), "{}", lines[phases]);
+    }
+}

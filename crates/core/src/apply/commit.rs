@@ -33,12 +33,14 @@ impl Applier<'_, '_> {
             }
         }
         self.landing.settle_uploads()?;
+        let swap_start = Instant::now();
         self.landing.swap_device_shadows()?;
         Ok(Applied {
             tensors: self.plan.tensors,
             bytes: self.plan.bytes,
             receive,
             commit: commit_start.elapsed(),
+            device_swap: swap_start.elapsed(),
             deltas: self.deltas.clone(),
         })
     }

@@ -101,6 +101,9 @@ impl<'p> DeviceShadows<'p> {
         for gpu in gpus {
             crate::memory::cuda_ipc::synchronize(gpu).map_err(|e| (e, false))?;
         }
+        // One thread: on an H200 (32 params of 64 MiB) the swaps took
+        // 1.8 ms in a row and 2.7, 2.9 and 3.3 ms spread over 2, 4 and 8
+        // threads (the driver serializes its mapping calls).
         for (i, (region, pages)) in std::mem::take(&mut self.shadows) {
             match region.swap_in_synchronized(pages) {
                 Ok(old) => done.push((i, region, old)),

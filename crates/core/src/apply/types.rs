@@ -79,6 +79,9 @@ pub struct Applied {
     pub bytes: u64,
     pub receive: Duration,
     pub commit: Duration,
+    /// Of `commit`: swapping device shadows in (the device page swap,
+    /// its wait for the GPU included).
+    pub device_swap: Duration,
     /// What deltas did (none: all zero).
     pub deltas: super::DeltaTally,
 }

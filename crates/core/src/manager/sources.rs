@@ -143,10 +143,7 @@ impl Manager {
         let why = if !on_gpu {
             "this manager's params are host memory (gdr needs device params)".to_string()
         } else if !ucx.supports_cuda() {
-            format!(
-                "{} cannot reach CUDA memory (install a CUDA-enabled UCX, e.g. the libucx-cu12 wheel, and set WM_UCX_LIB)",
-                ucx.describe()
-            )
+            ucx.no_cuda_reason()
         } else {
             return Ok(true);
         };

@@ -201,6 +201,10 @@ impl Manager {
             let _ = report.send(Report::Staged(version.to_string(), started.elapsed()));
             match decisions.recv() {
                 Ok(Decision::Commit) => {
+                    m.config.logger.debug(&format!(
+                        "rank {}: staged version {version}: committing",
+                        m.config.rank
+                    ));
                     passed.store(true, Ordering::Release);
                     Ok(())
                 }

@@ -12,6 +12,7 @@ use crate::apply::{
     Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
 };
 use crate::checkpoint::version::check_version;
+use crate::logging::LogLevel;
 use crate::memory::device::DeviceRegion;
 use crate::memory::host::HostRegion;
 use crate::plan::{Plan, PlanOptions, Target};
@@ -275,6 +276,21 @@ impl Manager {
         let applied = self.apply_plan(run, (plan, &prepared.version), *gdr, |applier| {
             stream_all(sources, plan, applier)
         })?;
+        // Where an update's time went, for engine authors tuning (and the
+        // GPU bench's breakdown of a staged commit's pause).
+        let logger = &self.config.logger;
+        if logger.enabled(LogLevel::Debug) {
+            logger.debug(&format!(
+                "rank {}: version {}: planned in {:?}, received in {:?}, committed in {:?} \
+             (device page swap {:?})",
+                self.config.rank,
+                prepared.version,
+                prepared.plan_time,
+                applied.receive,
+                applied.commit,
+                applied.device_swap
+            ));
+        }
         Ok(UpdateStats {
             version: prepared.version.clone(),
             rank: self.config.rank,
@@ -348,8 +364,12 @@ impl Manager {
             return Err(applier.failure(error));
         }
         if let Some(gate) = run.gate.as_mut() {
-            // Staged: every byte is in and verified; wait for the engine.
-            let decided = applier.check_received().and_then(|()| gate(version));
+            // Staged: every byte is in, verified and (for device params)
+            // uploaded, so the commit is the switch alone; wait for the
+            // engine.
+            let decided = (applier.check_received())
+                .and_then(|()| applier.settle_uploads())
+                .and_then(|()| gate(version));
             if let Err(error) = decided {
                 return Err(applier.failure(error));
             }

@@ -22,10 +22,17 @@
 //!   second way, rather than waiting for a buffer that cannot come back.
 //!
 //! The buffers are allocated once and kept for the next update (the
-//! manager owns one [`DeviceStaging`]); at most [`DEPTH`] per GPU are free,
-//! in flight or held, plus one filling buffer, so at most about
-//! `(DEPTH + 1) * PINNED_TENSOR_MAX` bytes are pinned. A clear frees them (a
+//! manager owns one [`DeviceStaging`]); free, in flight, held and filling
+//! together they pin at most [`PINNED_BYTES`] per GPU (one buffer more when
+//! the caller holds them all, so that it progresses). A clear frees them (a
 //! cleared engine holds no weight memory of the library's).
+//!
+//! Why a budget of bytes and its size: a snapshot batch (256 MiB) holds
+//! every buffer it lands in until its DMA is queued, so a budget of one
+//! batch (what a count of 4 buffers gave for 64 MiB tensors) made the next
+//! batch wait for the last one's copies: reading and the DMA took turns
+//! (on an H200, snapshot into device params at 0.45-0.53 of pinned HtoD).
+//! Two batches' worth lets one fill while the other's DMA runs.
 //!
 //! Every wait polls with the update's deadline: a wedged GPU is a timeout
 //! error, never a hang. Dropping the staging waits (bounded) for copies in
@@ -42,9 +49,9 @@ use cudarc::driver::sys::{self, CUresult};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-/// Pinned buffers per GPU: two being filled or copied while two more wait
-/// keeps the DMA engine busy without pinning much memory.
-pub(crate) const DEPTH: usize = 4;
+/// Pinned bytes per GPU (module docs): two snapshot batches, one filled
+/// while the other's DMA runs.
+pub(crate) const PINNED_BYTES: usize = 2 * (256 << 20);
 /// In place, tensors above [`SMALL_TENSOR`] and up to this size land in a
 /// pinned buffer of their own; larger ones land in ordinary memory and go
 /// up in pieces of this size.
@@ -96,8 +103,9 @@ struct Lane {
     /// its copies are queued as they come and it joins `busy` when full or
     /// when the update waits.
     filling: Option<(PinnedBuffer, usize)>,
-    /// Buffers handed out by `take` and not sent or given back yet.
-    outstanding: usize,
+    /// The bytes of buffers handed out by `take` and not sent or given
+    /// back yet.
+    outstanding_bytes: usize,
 }
 
 // SAFETY: the stream and events are driver handles usable from any thread
@@ -116,7 +124,7 @@ impl Lane {
             busy: VecDeque::new(),
             events: Vec::new(),
             filling: None,
-            outstanding: 0,
+            outstanding_bytes: 0,
         })
     }
 
@@ -159,27 +167,48 @@ impl Lane {
         self.reap(None)?;
         loop {
             if let Some(i) = best_fit(self.free.iter().map(|b| b.cap()), n) {
-                self.outstanding += 1;
-                return Ok(Some(self.free.swap_remove(i)));
+                let buf = self.free.swap_remove(i);
+                return Ok(Some(self.hand_out(buf)));
             }
-            let in_flight = self.busy.iter().filter(|(_, b)| b.is_some()).count();
-            let held = self.outstanding + usize::from(self.filling.is_some());
-            if self.free.len() + in_flight + held < DEPTH {
-                self.outstanding += 1;
-                return PinnedBuffer::new(self.ordinal, rounded(n)).map(Some);
+            if self.pinned_bytes() + rounded(n) <= PINNED_BYTES {
+                let buf = PinnedBuffer::new(self.ordinal, rounded(n))?;
+                return Ok(Some(self.hand_out(buf)));
             }
             if !self.free.is_empty() {
-                // Every free buffer is too small: trade the smallest one in.
+                // Every free buffer is too small: trade the smallest in.
                 let i = best_fit(self.free.iter().map(|b| b.cap()), 0).expect("not empty");
                 drop(self.free.swap_remove(i));
-                self.outstanding += 1;
-                return PinnedBuffer::new(self.ordinal, rounded(n)).map(Some);
+                continue;
             }
-            if in_flight == 0 {
+            if !self.busy.iter().any(|(_, b)| b.is_some()) {
                 return Ok(None);
             }
             self.reap(Some(deadline))?;
         }
+    }
+
+    fn hand_out(&mut self, buf: PinnedBuffer) -> PinnedBuffer {
+        self.outstanding_bytes += buf.cap();
+        buf
+    }
+
+    /// A buffer handed out came back (queued or given back).
+    fn returned(&mut self, cap: usize) {
+        self.outstanding_bytes = self.outstanding_bytes.saturating_sub(cap);
+    }
+
+    /// Every byte this lane keeps pinned: free, in flight, handed out,
+    /// filling.
+    fn pinned_bytes(&self) -> usize {
+        let free: usize = self.free.iter().map(|b| b.cap()).sum();
+        let busy: usize = self
+            .busy
+            .iter()
+            .filter_map(|(_, b)| b.as_ref())
+            .map(|b| b.cap())
+            .sum();
+        let filling = self.filling.as_ref().map_or(0, |(b, _)| b.cap());
+        free + busy + filling + self.outstanding_bytes
     }
 
     /// Copy `src` to device address `dst` through the filling buffer: the
@@ -204,7 +233,7 @@ impl Lane {
             let want = len.max(FILL_SIZE);
             let buf = match self.take(want, deadline)? {
                 Some(b) => {
-                    self.outstanding -= 1;
+                    self.returned(b.cap());
                     b
                 }
                 // The caller holds every buffer: one more, for progress.
@@ -384,7 +413,7 @@ impl DeviceStaging {
     ) -> Result<()> {
         let (src, len) = (buf.ptr() as u64, len.min(buf.cap()));
         let lane = self.lane(ordinal)?;
-        lane.outstanding = lane.outstanding.saturating_sub(1);
+        lane.returned(buf.cap());
         lane.queue(src, Some(buf), dst, len)
     }
 
@@ -412,7 +441,7 @@ impl DeviceStaging {
     /// Return a buffer that was taken and not sent.
     pub fn give_back(&mut self, ordinal: i32, buf: PinnedBuffer) {
         if let Some(lane) = self.lanes.get_mut(&ordinal) {
-            lane.outstanding = lane.outstanding.saturating_sub(1);
+            lane.returned(buf.cap());
             lane.free.push(buf);
         }
     }

@@ -132,6 +132,25 @@ impl Ucx {
         self.cuda
     }
 
+    /// Why this UCX cannot reach CUDA memory, for an error message: the
+    /// usual cause on a machine with a CUDA-enabled UCX is a `UCX_TLS`
+    /// that leaves out its CUDA transports.
+    pub fn no_cuda_reason(&self) -> String {
+        let tls = std::env::var("UCX_TLS").ok();
+        match tls.as_deref().filter(|t| tls_leave_out_cuda(t)) {
+            Some(t) => format!(
+                "{} cannot reach CUDA memory: UCX_TLS={t} leaves out its CUDA transports \
+                 (add cuda_copy, or unset UCX_TLS)",
+                self.describe()
+            ),
+            None => format!(
+                "{} cannot reach CUDA memory (install a CUDA-enabled UCX, e.g. the libucx-cu12 \
+                 wheel, and set WM_UCX_LIB)",
+                self.describe()
+            ),
+        }
+    }
+
     pub(crate) fn lib(&self) -> &sys::Lib {
         &self.lib
     }
@@ -142,5 +161,33 @@ impl Ucx {
 
     fn error(&self, what: &str, st: sys::Status) -> Error {
         Error::peer(format!("UCX: {what}: {}", self.lib.status_text(st)))
+    }
+}
+
+/// Whether a `UCX_TLS` value selects no CUDA transport: a list naming
+/// none (`tcp`, `rc,sm`), not `all`, and not a `^` list of exclusions
+/// (which keeps every transport it does not name).
+fn tls_leave_out_cuda(tls: &str) -> bool {
+    let t = tls.trim();
+    !t.starts_with('^')
+        && !t
+            .split(',')
+            .any(|x| x.trim() == "all" || x.contains("cuda"))
+}
+
+#[cfg(test)]
+mod tls_tests {
+    #[test]
+    fn a_tls_list_without_cuda_is_named() {
+        for (tls, out) in [
+            ("tcp", true),
+            ("rc,sm,self", true),
+            ("tcp,cuda_copy", false),
+            ("all", false),
+            ("^ib", false),
+            ("^cuda_copy", false),
+        ] {
+            assert_eq!(super::tls_leave_out_cuda(tls), out, "{tls}");
+        }
     }
 }

@@ -26,7 +26,7 @@ pub(super) fn gdr_rows(dir: &Path, count: usize, total: usize) -> Result<(), Str
     match weight_manager_core::internals::transport::ucx::ucx() {
         Ok(u) if u.supports_cuda() => {}
         Ok(u) => {
-            println!("  (gdr rows skipped: {} cannot reach CUDA memory; set WM_UCX_LIB to a CUDA-enabled UCX)", u.describe());
+            println!("  (gdr rows skipped: {})", u.no_cuda_reason());
             return Ok(());
         }
         Err(e) => {

@@ -35,17 +35,18 @@ mod torch_peers;
 
 use super::harness::process::Proc;
 use super::harness::{best, verdict, Scratch, RUNS};
-use super::model::{layer_count, stage_and_commit, write_layers, LAYER, LAYER_SHAPE};
+use super::model::{layer_count, write_layers, LAYER, LAYER_SHAPE};
 use crate::fmt::{self, gbps};
 use cudarc::driver::sys;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weight_manager_core::internals::memory::cuda::cuda;
 use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
 use weight_manager_core::DType;
 use weight_manager_core::Mode;
 use weight_manager_core::SourceKind;
-use weight_manager_core::{Manager, ManagerConfig, NetSettings, UpdateRequest};
+use weight_manager_core::{LogLevel, Logger, Manager, ManagerConfig, NetSettings, UpdateRequest};
 use weight_manager_core::{MemoryKind, ParamSpec};
 
 /// `wm bench gpu` options.
@@ -159,9 +160,19 @@ fn timed(m: &Manager, req: UpdateRequest) -> Result<Duration, String> {
 /// A fresh manager with library-owned device params of `count` layers,
 /// updated once from the snapshot in `dir`.
 fn library_owned(dir: &Path, count: usize, swap: bool) -> Result<Manager, String> {
+    library_owned_logged(dir, count, swap, Logger::default())
+}
+
+fn library_owned_logged(
+    dir: &Path,
+    count: usize,
+    swap: bool,
+    logger: Logger,
+) -> Result<Manager, String> {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         swap_device_pages: swap,
+        logger,
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
@@ -222,11 +233,16 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// the remap) beside the one-call atomic update with the swap
 /// (`one_call`; target: at most 2% of it).
 fn staged_row(dir: &Path, count: usize, one_call: Duration) -> Result<(), String> {
-    let m = std::sync::Arc::new(library_owned(dir, count, true)?);
-    let (mut pause, run) = (Duration::MAX, &mut 0);
-    for _ in 0..=RUNS {
-        pause = pause.min(stage_and_commit(&m, dir, run)?.1);
-    }
+    let log = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
+    let keep = Arc::clone(&log);
+    let logger = Logger::closure(LogLevel::Debug, move |_, line| {
+        keep.lock()
+            .unwrap()
+            .push((Instant::now(), line.to_string()))
+    });
+    let m = Arc::new(library_owned_logged(dir, count, true, logger)?);
+    let run = &mut 0;
+    let (pause, parts) = best_pause(&m, dir, &log, run)?;
     let gib = (count * LAYER) as f64 / (1u64 << 30) as f64;
     let r = pause.as_secs_f64() / one_call.as_secs_f64();
     println!(
@@ -237,7 +253,52 @@ fn staged_row(dir: &Path, count: usize, one_call: Duration) -> Result<(), String
         fmt::ms(one_call),
         verdict(r <= 0.02)
     );
+    println!("         where that pause went: {parts}");
     Ok(())
+}
+
+/// The shortest staged commit of [`RUNS`] + 1 (and its breakdown from the
+/// manager's debug lines in `log`).
+fn best_pause(
+    m: &Arc<Manager>,
+    dir: &Path,
+    log: &Mutex<Vec<(Instant, String)>>,
+    run: &mut u64,
+) -> Result<(Duration, String), String> {
+    let (mut pause, mut parts) = (Duration::MAX, String::new());
+    for _ in 0..=RUNS {
+        *run += 1;
+        let mut req = UpdateRequest::snapshot(dir);
+        req.version = Some(format!("bench-{run}"));
+        let staged = m.stage(req).map_err(|e| e.to_string())?;
+        log.lock().unwrap().clear();
+        let start = Instant::now();
+        staged.commit().map_err(|e| e.to_string())?;
+        let end = Instant::now();
+        if end - start < pause {
+            pause = end - start;
+            parts = pause_parts(&log.lock().unwrap(), start, end);
+        }
+    }
+    Ok((pause, parts))
+}
+
+/// A staged commit's pause (`start..end`) cut at the manager's debug
+/// lines: the decision reaching the update thread, the applier's commit
+/// (and its device page swap), what the update did after, and the thread
+/// ending (its resources dropped) until `commit` returned.
+fn pause_parts(log: &[(Instant, String)], start: Instant, end: Instant) -> String {
+    let at = |needle: &str| log.iter().find(|(_, l)| l.contains(needle));
+    let (Some((gate, _)), Some((applied, line))) = (at(": committing"), at("committed in")) else {
+        return "(the manager's debug lines were not logged)".into();
+    };
+    let commit = line.split("committed in ").nth(1).unwrap_or("?");
+    format!(
+        "decision to the update thread {}, commit {commit} ended {} later, then the thread's end {}",
+        fmt::ms(gate.saturating_duration_since(start)),
+        fmt::ms(applied.saturating_duration_since(*gate)),
+        fmt::ms(end.saturating_duration_since(*applied)),
+    )
 }
 
 /// Snapshot into engine-owned device params, in place and atomic, beside
