@@ -129,7 +129,7 @@ pub use tensor_box::TensorBox;
 // What a source offers, and where a shard lies in its global tensor.
 pub use manifest::{Manifest, Placement, SharedMeta, TensorMeta};
 // The trainer side.
-pub use publisher::{Publisher, PublisherConfig, ServeStats, TensorDesc, TEST_HOOKS};
+pub use publisher::{Publisher, PublisherConfig, ServeStats, SessionStats, TensorDesc, TEST_HOOKS};
 // The controller of a group's control cell.
 pub use signal::controller::{Controller, RequestOutcome};
 // Errors.

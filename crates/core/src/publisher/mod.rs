@@ -97,7 +97,7 @@ use std::time::Duration;
 pub use config::{PublisherConfig, TEST_HOOKS};
 pub use desc::TensorDesc;
 pub use offer::{Content, ServedTensor};
-pub use stats::ServeStats;
+pub use stats::{ServeStats, SessionStats};
 #[cfg(test)]
 use versions::MAX_PREPARED;
 

@@ -16,10 +16,12 @@ use super::harness::{alternate, verdict, Scratch};
 use super::model::net_manager;
 use crate::fixtures;
 use crate::fmt::gbps;
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 use weight_manager_core::quant::{self, Scheme, Source};
 use weight_manager_core::{DType, DeltaMode, Manager, Mode, ParamSpec};
-use weight_manager_core::{Publisher, PublisherConfig, SourceKind, TensorDesc, UpdateRequest};
+use weight_manager_core::{Publisher, PublisherConfig, SessionStats, SourceKind, TensorDesc};
+use weight_manager_core::{UpdateRequest, UpdateStats};
 
 const SECRET: &str = "wm-bench-quant-secret-0123456789";
 
@@ -95,13 +97,50 @@ fn update(
     location: &str,
     mode: Mode,
 ) -> Result<(Duration, u64), String> {
+    update_stats(m, source, location, mode).map(|(t, s)| (t, s.bytes))
+}
+
+/// [`update`], with the update's statistics.
+fn update_stats(
+    m: &Manager,
+    source: SourceKind,
+    location: &str,
+    mode: Mode,
+) -> Result<(Duration, UpdateStats), String> {
     let mut r = UpdateRequest::snapshot(location);
     r.source = source;
     r.mode = mode;
     r.deltas = DeltaMode::Off;
     let t = Instant::now();
     let stats = m.update(r).map_err(|e| e.to_string())?;
-    Ok((t.elapsed(), stats.bytes))
+    Ok((t.elapsed(), stats))
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+/// Where a kind of publisher session spent its time, on average.
+fn session_parts(sessions: &[&SessionStats]) -> String {
+    let n = sessions.len().max(1) as u32;
+    let mean =
+        |f: fn(&SessionStats) -> Duration| ms(sessions.iter().map(|s| f(s)).sum::<Duration>() / n);
+    format!(
+        "total {}: hashing {}, reading and quantizing {}, packing {}, waiting for the engine {}",
+        mean(|s| s.total),
+        mean(|s| s.hash),
+        mean(|s| s.quantize),
+        mean(|s| s.pack),
+        mean(|s| s.wait)
+    )
+}
+
+/// The engine's receive and commit times, on average.
+fn engine_parts(stats: &[UpdateStats]) -> String {
+    let n = stats.len().max(1) as u32;
+    let receive: Duration = stats.iter().map(|s| s.sync).sum::<Duration>() / n;
+    let commit: Duration = stats.iter().map(|s| s.update).sum::<Duration>() / n;
+    format!("receiving {}, committing {}", ms(receive), ms(commit))
 }
 
 fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
@@ -125,22 +164,24 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
     let (fp8, fp8_params) = engine(layers.len(), true)?;
     let (bf16, _) = engine(layers.len(), false)?;
     let mut wire = (0, 0);
+    let (fp8_stats, bf16_stats) = (RefCell::new(Vec::new()), RefCell::new(Vec::new()));
     std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(2 + 2 * pairs.max(1), Duration::from_secs(600)));
         let r = (|| {
             update(&fp8, SourceKind::Rdma, &address, Mode::Atomic)?;
             update(&bf16, SourceKind::Rdma, &address, Mode::Atomic)?;
             check(&layers[0], fp8_params[0])?;
-            let timed = |m: &Manager, bytes: &mut u64| {
-                let (t, b) = update(m, SourceKind::Rdma, &address, Mode::Atomic)?;
-                *bytes = b;
+            let timed = |m: &Manager, bytes: &mut u64, all: &RefCell<Vec<UpdateStats>>| {
+                let (t, stats) = update_stats(m, SourceKind::Rdma, &address, Mode::Atomic)?;
+                *bytes = stats.bytes;
+                all.borrow_mut().push(stats);
                 Ok(t)
             };
             let (mut on_fp8, mut on_bf16) = (0, 0);
             let r = alternate(
                 pairs,
-                || timed(&fp8, &mut on_fp8),
-                || timed(&bf16, &mut on_bf16),
+                || timed(&fp8, &mut on_fp8, &fp8_stats),
+                || timed(&bf16, &mut on_bf16, &bf16_stats),
             )?;
             wire = (on_fp8, on_bf16);
             Ok::<_, String>(r)
@@ -155,6 +196,12 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
             .map(|s| s.quantize)
             .collect();
         let mean = quantizing.iter().sum::<Duration>() / quantizing.len().max(1) as u32;
+        let fp8_sessions: Vec<_> = served.sessions.iter().filter(|s| s.quantized > 0).collect();
+        let bf16_sessions: Vec<_> = served
+            .sessions
+            .iter()
+            .filter(|s| s.quantized == 0)
+            .collect();
         let share = wire.0 as f64 / wire.1.max(1) as f64;
         let total: u64 = layers.iter().map(|l| l.len() as u64).sum();
         println!(
@@ -168,6 +215,19 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
         println!(
             "      of which the publisher reading, agreeing (AMAX/SCALES) and quantizing: {:.1} ms",
             mean.as_secs_f64() * 1e3
+        );
+        println!(
+            "      publisher sessions (mean): FP8 {}",
+            session_parts(&fp8_sessions)
+        );
+        println!(
+            "                                 bf16 {}",
+            session_parts(&bf16_sessions)
+        );
+        println!(
+            "      engine (mean of the timed updates): FP8 {}; bf16 {}",
+            engine_parts(&fp8_stats.borrow()),
+            engine_parts(&bf16_stats.borrow())
         );
         Ok(())
     })
