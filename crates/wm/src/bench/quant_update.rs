@@ -120,13 +120,37 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
 }
 
+/// Where the FP8 and bf16 updates' time went: the publisher's sessions
+/// (those that quantized, and the others) and the engines' updates.
+fn where_it_went(sessions: &[SessionStats], fp8: &[UpdateStats], bf16: &[UpdateStats]) {
+    let of = |quantized: bool| -> Vec<&SessionStats> {
+        sessions
+            .iter()
+            .filter(|s| (s.quantized > 0) == quantized)
+            .collect()
+    };
+    println!(
+        "      publisher sessions (mean): FP8 {}",
+        session_parts(&of(true))
+    );
+    println!(
+        "                                 bf16 {}",
+        session_parts(&of(false))
+    );
+    println!(
+        "      engine (mean of the timed updates): FP8 {}; bf16 {}",
+        engine_parts(fp8),
+        engine_parts(bf16)
+    );
+}
+
 /// Where a kind of publisher session spent its time, on average.
 fn session_parts(sessions: &[&SessionStats]) -> String {
     let n = sessions.len().max(1) as u32;
     let mean =
         |f: fn(&SessionStats) -> Duration| ms(sessions.iter().map(|s| f(s)).sum::<Duration>() / n);
     format!(
-        "total {}: hashing {}, reading and quantizing {}, packing {}, waiting for the engine {}",
+        "total {}: hashing {}, reading, agreeing (AMAX/SCALES) and quantizing {}, packing {}, waiting for the engine {}",
         mean(|s| s.total),
         mean(|s| s.hash),
         mean(|s| s.quantize),
@@ -191,17 +215,6 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
             .map_err(|_| "the publisher panicked".to_string())?;
         let served = served.map_err(|e| e.to_string())?;
         let (ratio, o, t) = r?;
-        let quantizing: Vec<Duration> = (served.sessions.iter())
-            .filter(|s| s.quantized > 0)
-            .map(|s| s.quantize)
-            .collect();
-        let mean = quantizing.iter().sum::<Duration>() / quantizing.len().max(1) as u32;
-        let fp8_sessions: Vec<_> = served.sessions.iter().filter(|s| s.quantized > 0).collect();
-        let bf16_sessions: Vec<_> = served
-            .sessions
-            .iter()
-            .filter(|s| s.quantized == 0)
-            .collect();
         let share = wire.0 as f64 / wire.1.max(1) as f64;
         let total: u64 = layers.iter().map(|l| l.len() as u64).sum();
         println!(
@@ -212,23 +225,7 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
             verdict(ratio >= 1.7),
             verdict(share <= 0.52)
         );
-        println!(
-            "      of which the publisher reading, agreeing (AMAX/SCALES) and quantizing: {:.1} ms",
-            mean.as_secs_f64() * 1e3
-        );
-        println!(
-            "      publisher sessions (mean): FP8 {}",
-            session_parts(&fp8_sessions)
-        );
-        println!(
-            "                                 bf16 {}",
-            session_parts(&bf16_sessions)
-        );
-        println!(
-            "      engine (mean of the timed updates): FP8 {}; bf16 {}",
-            engine_parts(&fp8_stats.borrow()),
-            engine_parts(&bf16_stats.borrow())
-        );
+        where_it_went(&served.sessions, &fp8_stats.borrow(), &bf16_stats.borrow());
         Ok(())
     })
 }
