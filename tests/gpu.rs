@@ -425,8 +425,6 @@ fn cuda_ucx() -> Option<&'static weight_manager_core::internals::transport::ucx:
 /// from the device and compared with the files.
 #[test]
 fn rdma_and_gdr_from_a_gpu_trainer_process() {
-    use std::io::BufRead;
-    use std::process::{Command, Stdio};
     use weight_manager_core::SourceKind;
     let Some(c) = gpu() else { return };
     if cuda_ucx().is_none() {
@@ -439,31 +437,7 @@ fn rdma_and_gdr_from_a_gpu_trainer_process() {
         (SourceKind::Rdma, Mode::InPlace),
         (SourceKind::Rdma, Mode::Atomic),
     ];
-    let mut trainer = Command::new(wm())
-        .args([
-            "serve",
-            "--net",
-            "127.0.0.1:0",
-            dir.path().to_str().unwrap(),
-        ])
-        .args(["--gpu", "0", "--bucket-mib", "1", "--accept-timeout", "60"])
-        .args(["--engines", &runs.len().to_string()])
-        .env("WM_NET_SECRET", "gpu-suite-secret-0123")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(trainer.stdout.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "wm serve exited before listening"
-        );
-        if let Some(rest) = line.trim().strip_prefix("wm serve: listening on ") {
-            break rest.split(',').next().unwrap().to_string();
-        }
-    };
+    let (trainer, mut out, addr) = serve_net(dir.path(), &["--gpu", "0"], runs.len());
     let m = Manager::new(ManagerConfig {
         net: weight_manager_core::NetSettings {
             secret: Some(b"gpu-suite-secret-0123".to_vec()),
@@ -500,6 +474,85 @@ fn rdma_and_gdr_from_a_gpu_trainer_process() {
         "trainer: {rest}{}",
         String::from_utf8_lossy(&done.stderr)
     );
+}
+
+/// `wm serve --net` of `dir` in a process of its own for `engines`
+/// sessions (1 MiB buckets, the suite's secret, `extra` arguments): the
+/// process, its stdout after the listening line, and its address.
+fn serve_net(
+    dir: &std::path::Path,
+    extra: &[&str],
+    engines: usize,
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut trainer = Command::new(wm())
+        .args(["serve", "--net", "127.0.0.1:0", dir.to_str().unwrap()])
+        .args(extra)
+        .args(["--bucket-mib", "1", "--accept-timeout", "60"])
+        .args(["--engines", &engines.to_string()])
+        .env("WM_NET_SECRET", "gpu-suite-secret-0123")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(trainer.stdout.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "wm serve exited before listening"
+        );
+        if let Some(rest) = line.trim().strip_prefix("wm serve: listening on ") {
+            break rest.split(',').next().unwrap().to_string();
+        }
+    };
+    (trainer, out, addr)
+}
+
+/// gdr verifies where the bytes land: a publisher that corrupts a tensor
+/// after hashing it (`wm serve --corrupt`, a test build's hook) is caught
+/// by the checksum computed on the GPU, naming the tensor, in place and
+/// atomic; atomic keeps the old weights.
+#[test]
+fn gdr_catches_corrupted_bytes_on_the_device() {
+    use weight_manager_core::{wm_result, SourceKind};
+    let Some(c) = gpu() else { return };
+    if cuda_ucx().is_none() {
+        return;
+    }
+    let (dir, v) = snapshot_of(12);
+    let bad = v[0].name.clone();
+    let m = Manager::new(ManagerConfig {
+        net: weight_manager_core::NetSettings {
+            secret: Some(b"gpu-suite-secret-0123".to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let bufs = register_on_gpu(c, &m, &v);
+    for mode in [Mode::InPlace, Mode::Atomic] {
+        bufs.iter().for_each(|b| b.zero(c));
+        let (trainer, _out, addr) = serve_net(dir.path(), &["--corrupt", &bad], 1);
+        let mut req = UpdateRequest::snapshot(&addr);
+        req.source = SourceKind::Gdr;
+        req.mode = mode;
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_CHECKSUM, "{mode:?}: {e}");
+        assert!(e.message.contains(&format!("'{bad}'")), "{mode:?}: {e}");
+        if mode == Mode::Atomic {
+            for b in &bufs {
+                assert!(b.read(c).iter().all(|&x| x == 0), "atomic wrote a param");
+            }
+        }
+        let _ = trainer.wait_with_output();
+        println!("gdr {mode:?}: {e}");
+    }
 }
 
 /// The NCCL loader and a communicator on this GPU with the image's NCCL

@@ -140,7 +140,7 @@ impl Applier<'_, '_> {
                 Base::Host(_) => None,
             })
             .collect();
-        for (k, sum) in hash_on_devices(&on_device) {
+        for (k, sum) in delta::device::checksums_by_gpu(&on_device) {
             found[k] = sum.ok();
         }
         found
@@ -228,7 +228,10 @@ impl Applier<'_, '_> {
             })
             .collect();
         self.landing.writes_params();
-        for g in ordinals(&runs) {
+        let mut gpus: Vec<i32> = runs.iter().map(|r| r.2).collect();
+        gpus.sort_unstable();
+        gpus.dedup();
+        for g in gpus {
             let jobs: Vec<delta::device::OnGpu> = (runs.iter().filter(|r| r.2 == g))
                 .map(|&(k, (at, _), _)| delta::device::OnGpu {
                     dst: at,
@@ -244,7 +247,7 @@ impl Applier<'_, '_> {
             unsafe { delta::device::apply(g, &jobs) }
                 .map_err(|x| x.context(format!("{origin}: deltas on GPU {g}")))?;
         }
-        for (k, got) in hash_on_devices(&runs) {
+        for (k, got) in delta::device::checksums_by_gpu(&runs) {
             let d = deltas[k];
             let name = &self.plan.entries[d.entry].meta.name;
             let got =
@@ -353,26 +356,4 @@ impl Applier<'_, '_> {
         self.deltas.asked += asked;
         self.deltas.base_differs += differs;
     }
-}
-
-/// The GPUs of `runs`, each once.
-fn ordinals<K>(runs: &[(K, (u64, u64), i32)]) -> Vec<i32> {
-    let mut out: Vec<i32> = runs.iter().map(|r| r.2).collect();
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
-/// The checksums of `runs` (tag, run, GPU) on their GPUs, one call per GPU.
-fn hash_on_devices<K: Copy>(runs: &[(K, (u64, u64), i32)]) -> Vec<(K, Result<u128>)> {
-    let mut out = Vec::with_capacity(runs.len());
-    for g in ordinals(runs) {
-        let mine: Vec<_> = runs.iter().filter(|r| r.2 == g).collect();
-        let spans: Vec<(u64, u64)> = mine.iter().map(|r| r.1).collect();
-        match delta::device::checksums(g, &spans) {
-            Ok(sums) => out.extend(mine.iter().zip(sums).map(|(r, s)| (r.0, Ok(s)))),
-            Err(e) => out.extend(mine.iter().map(|r| (r.0, Err(e.clone())))),
-        }
-    }
-    out
 }

@@ -194,7 +194,7 @@ impl Applier<'_, '_> {
     }
 
     /// Route::OnDevice: the bytes are in the device param already (gdr);
-    /// verifying, they are read back and hashed.
+    /// verifying, they are hashed there once the tensor is complete.
     fn account_on_device(
         &mut self,
         origin: &str,
@@ -214,7 +214,7 @@ impl Applier<'_, '_> {
         if self.verifier.on {
             for c in run {
                 let at = ptr + self.landing.param_offset(t, c.offset, c.len as u64)?;
-                (self.verifier).hash_on_device(origin, t, (at, ordinal), c.len)?;
+                (self.verifier).landed_on_device(t, (at, ordinal), c.len);
             }
         }
         if complete {

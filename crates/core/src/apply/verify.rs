@@ -18,14 +18,19 @@ use crate::plan::Plan;
 use crate::result::{Error, Result};
 use std::collections::HashMap;
 
+/// Where an entry landed on a GPU: its ordinal and the runs (device
+/// address, bytes) in the order its bytes came.
+type DeviceRuns = (i32, Vec<(u64, u64)>);
+
 /// An update's checksums: running hashes and the sums to check them by.
 pub(super) struct Verifier<'p> {
     plan: &'p Plan,
     /// Whether this update verifies at all.
     pub on: bool,
     threads: usize,
-    /// Host copy of a chunk that landed on the GPU, for its hash.
-    readback: Vec<u8>,
+    /// gdr: per entry, where its bytes landed on the GPU so far (runs
+    /// that follow on merged), hashed there once the entry is complete.
+    on_device: HashMap<usize, DeviceRuns>,
     /// Running hashes of tensors arriving in several chunks.
     hashing: HashMap<usize, Box<Checksum>>,
     /// Per entry that moves part of its tensor: the checksum of the bytes
@@ -39,7 +44,7 @@ impl<'p> Verifier<'p> {
             plan,
             on,
             threads,
-            readback: Vec::new(),
+            on_device: HashMap::new(),
             hashing: HashMap::new(),
             slice_sums: HashMap::new(),
         }
@@ -84,23 +89,79 @@ impl<'p> Verifier<'p> {
         }
     }
 
-    /// gdr: add the `len` bytes at device address `at` (GPU `ordinal`) to
-    /// entry `t`'s running hash, through a host copy.
-    pub fn hash_on_device(
-        &mut self,
+    /// gdr: the next `len` bytes of entry `t` landed at device address
+    /// `at` of GPU `ordinal`; they are hashed where they are once the
+    /// entry is complete ([`Verifier::verify`]).
+    pub fn landed_on_device(&mut self, t: usize, (at, ordinal): (u64, i32), len: usize) {
+        let (_, runs) = self.on_device.entry(t).or_insert((ordinal, Vec::new()));
+        match runs.last_mut() {
+            Some((start, n)) if *start + *n == at => *n += len as u64,
+            _ => runs.push((at, len as u64)),
+        }
+    }
+
+    /// The digests of complete entries that landed on GPUs: on the GPU
+    /// (`delta::device::checksums`, XXH3-128 where the bytes are) when an
+    /// entry is one run of device memory, else (several runs: a column
+    /// slice; or no NVRTC) read back run by run and hashed here.
+    fn device_digests(&mut self, origin: &str, tensors: &[usize]) -> Result<Vec<(usize, u128)>> {
+        let mine: Vec<(usize, DeviceRuns)> = tensors
+            .iter()
+            .filter_map(|t| self.on_device.remove(t).map(|r| (*t, r)))
+            .collect();
+        let one_run: Vec<(usize, (u64, u64), i32)> = (mine.iter())
+            .filter(|(_, (_, runs))| runs.len() == 1)
+            .map(|(t, (g, runs))| (*t, runs[0], *g))
+            .collect();
+        let mut out = Vec::with_capacity(mine.len());
+        let mut on_gpu = std::collections::HashSet::new();
+        for (t, sum) in crate::delta::device::checksums_by_gpu(&one_run) {
+            if let Ok(sum) = sum {
+                out.push((t, sum));
+                on_gpu.insert(t);
+            }
+        }
+        for (t, (g, runs)) in mine.iter().filter(|(t, _)| !on_gpu.contains(t)) {
+            out.push((*t, self.read_back_digest(origin, *t, *g, runs)?));
+        }
+        Ok(out)
+    }
+
+    /// Entry `t`'s bytes (device `runs` of GPU `ordinal`, in order) read
+    /// back a bounded piece at a time and hashed.
+    fn read_back_digest(
+        &self,
         origin: &str,
         t: usize,
-        (at, ordinal): (u64, i32),
-        len: usize,
-    ) -> Result<()> {
-        self.readback.resize(len, 0);
-        // SAFETY: the device range was range-checked by the landing and the
-        // source wrote it; readback holds len bytes.
-        unsafe { crate::memory::cuda_ipc::download(ordinal, self.readback.as_mut_ptr(), at, len) }
-            .map_err(|e| e.context(format!("{origin}: reading tensor '{}' back", self.name(t))))?;
-        let hash = self.hashing.entry(t).or_default();
-        hash.update(&self.readback);
-        Ok(())
+        ordinal: i32,
+        runs: &[(u64, u64)],
+    ) -> Result<u128> {
+        const PIECE: u64 = 8 << 20;
+        let mut hash = Checksum::default();
+        let mut buf = Vec::new();
+        for &(at, len) in runs {
+            let mut done = 0;
+            while done < len {
+                let n = PIECE.min(len - done);
+                buf.resize(n as usize, 0);
+                // SAFETY: the device range was range-checked by the landing
+                // and the source wrote it; `buf` holds n bytes.
+                unsafe {
+                    crate::memory::cuda_ipc::download(
+                        ordinal,
+                        buf.as_mut_ptr(),
+                        at + done,
+                        buf.len(),
+                    )
+                }
+                .map_err(|e| {
+                    e.context(format!("{origin}: reading tensor '{}' back", self.name(t)))
+                })?;
+                hash.update(&buf);
+                done += n;
+            }
+        }
+        Ok(hash.digest())
     }
 
     /// Check the checksums of `tensors`, all complete (when verifying),
@@ -109,8 +170,13 @@ impl<'p> Verifier<'p> {
         if !self.on || tensors.is_empty() {
             return Ok(());
         }
+        let mut on_device = std::collections::HashSet::new();
+        for (t, got) in self.device_digests(origin, tensors)? {
+            self.check_checksum(origin, t, got)?;
+            on_device.insert(t);
+        }
         let mut whole = Vec::with_capacity(tensors.len());
-        for &t in tensors {
+        for &t in tensors.iter().filter(|t| !on_device.contains(*t)) {
             match self.hashing.remove(&t) {
                 Some(h) => self.check_checksum(origin, t, h.digest())?,
                 None => whole.push(t),

@@ -89,6 +89,25 @@ pub fn checksums(ordinal: i32, runs: &[(u64, u64)]) -> Result<Vec<u128>> {
     checksums_in_rounds(ordinal, runs, ROUND_BLOCKS)
 }
 
+/// The checksums of `runs` (tag, (device address, bytes), GPU), one
+/// [`checksums`] call per GPU; a GPU whose call failed (no NVRTC, a driver
+/// error) gives that error for each of its runs.
+pub fn checksums_by_gpu<K: Copy>(runs: &[(K, (u64, u64), i32)]) -> Vec<(K, Result<u128>)> {
+    let mut gpus: Vec<i32> = runs.iter().map(|r| r.2).collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    let mut out = Vec::with_capacity(runs.len());
+    for g in gpus {
+        let mine: Vec<_> = runs.iter().filter(|r| r.2 == g).collect();
+        let spans: Vec<(u64, u64)> = mine.iter().map(|r| r.1).collect();
+        match checksums(g, &spans) {
+            Ok(sums) => out.extend(mine.iter().zip(sums).map(|(r, s)| (r.0, Ok(s)))),
+            Err(e) => out.extend(mine.iter().map(|r| (r.0, Err(e.clone())))),
+        }
+    }
+    out
+}
+
 /// [`checksums`] with rounds of at most `round_blocks` blocks (tests cut
 /// runs across rounds with small ones).
 #[doc(hidden)]
