@@ -296,8 +296,9 @@ fn the_swap_is_harmless_where_the_driver_sees_no_device() {
 
 /// A staged update (`Manager::stage`) of library-owned device params with
 /// the swap uploads into the shadows while it stages: the params still
-/// hold version 1 and the uploads are done when `stage` returns, so the
-/// commit (the pause) makes no upload, only the swap.
+/// hold version 1 and the uploads are done (and the shadows' views
+/// unmapped) when `stage` returns, so the commit (the pause) makes no
+/// upload, only the swap.
 #[test]
 fn a_staged_update_uploads_into_the_shadows_before_the_commit() {
     if !under_fake_driver(
@@ -316,9 +317,21 @@ fn a_staged_update_uploads_into_the_shadows_before_the_commit() {
     let staging = f.calls("cuMemcpyAsync");
     assert!(staging > before, "nothing was uploaded while staging");
     assert_holds(&ptrs, &v1, "staged");
+    let unmaps = f.calls("cuMemUnmap");
     staged.commit().unwrap();
+    assert_eq!(
+        f.calls("cuMemUnmap"),
+        staging_unmaps(unmaps, ptrs.len()),
+        "the commit unmapped more than the params' old memory"
+    );
     assert_eq!(f.calls("cuMemcpyAsync"), staging, "the commit uploaded");
     assert_holds(&ptrs, &v2, "committed");
+}
+
+/// The shadows' views are unmapped before `stage` returns: the commit
+/// (and the release of the old memory after it) unmaps each param once.
+fn staging_unmaps(before_commit: u64, params: usize) -> u64 {
+    before_commit + params as u64
 }
 
 /// A staged commit's pause is the remaps alone: the memory it takes out

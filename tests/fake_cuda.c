@@ -21,9 +21,10 @@
  *                                wait (at most 20 s; then
  *                                fake_cuda_hold_expired() says 1)
  *   fake_cuda_calls(name)        how many times `name` was called (the
- *                                copies and launches only: cuMemcpy2D,
- *                                cuMemcpy2DAsync, cuMemcpyAsync,
- *                                cuMemcpyDtoH, cuLaunchKernel)
+ *                                copies, launches and unmaps only:
+ *                                cuMemcpy2D, cuMemcpy2DAsync,
+ *                                cuMemcpyAsync, cuMemcpyDtoH,
+ *                                cuLaunchKernel, cuMemUnmap)
  * FAKE_CUDA_NO_DEVICE=1 in the environment: cuInit finds no device.
  *
  * Kernels: the same file answers as NVRTC (libnvrtc.so is a link to it):
@@ -87,14 +88,14 @@ u64 fake_cuda_handle_at(u64 ptr) {
     return 0;
 }
 
-static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH", "cuLaunchKernel"};
-static u64 counts[5];
+static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH", "cuLaunchKernel", "cuMemUnmap"};
+static u64 counts[6];
 static void count(const char *name) {
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (!strcmp(counted[i], name)) __atomic_fetch_add(&counts[i], 1, __ATOMIC_RELAXED);
 }
 u64 fake_cuda_calls(const char *name) {
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (!strcmp(counted[i], name)) return __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
     return 0;
 }
@@ -208,6 +209,7 @@ int cuMemSetAccess(u64 ptr, size_t size, const void *desc, size_t count) {
 }
 int cuMemUnmap(u64 ptr, size_t size) {
     hold_point();
+    count("cuMemUnmap");
     if (failing("cuMemUnmap")) return INVALID_VALUE;
     for (int i = 0; i < MAX; i++)
         if (maps[i].size && maps[i].ptr == ptr && maps[i].size == size) {

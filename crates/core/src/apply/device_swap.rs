@@ -87,6 +87,27 @@ impl<'p> DeviceShadows<'p> {
         self.shadows.get(&i).and_then(|(_, p)| p.ptr())
     }
 
+    /// Whether param `i` has a shadow (its view dropped or not).
+    pub fn has(&self, i: usize) -> bool {
+        self.shadows.contains_key(&i)
+    }
+
+    /// A staged update, every upload settled: wait for each GPU once, then
+    /// unmap the shadows' views, so the commit's swaps map each shadow's
+    /// memory at one place (the param's) and the views are not left for
+    /// the deferred release. Nothing may be uploaded after this.
+    pub fn drop_views(&mut self) -> Result<()> {
+        let gpus: std::collections::BTreeSet<i32> =
+            self.shadows.values().map(|(r, _)| r.ordinal()).collect();
+        for gpu in gpus {
+            crate::memory::cuda_ipc::synchronize(gpu)?;
+        }
+        for (_, pages) in self.shadows.values_mut() {
+            pages.drop_view();
+        }
+        Ok(())
+    }
+
     /// Swap every shadow in, all or none (module docs). On error, the
     /// bool says whether a param was left changed.
     pub fn swap_all(

@@ -261,6 +261,13 @@ impl<'p, 'h> Applier<'p, 'h> {
         self.landing.settle_uploads()
     }
 
+    /// A staged update before its gate: every upload settled and the
+    /// device shadows' views dropped, so the commit is the swaps alone.
+    pub fn ready_to_commit(&mut self) -> Result<()> {
+        self.landing.settle_uploads()?;
+        self.landing.device_shadows.drop_views()
+    }
+
     /// Check that every planned tensor arrived, then commit (atomic) and hand
     /// out what is left for the callback. A failure says whether params may
     /// have been written.

@@ -34,10 +34,16 @@ impl Landing<'_> {
         (param, ordinal): (u64, i32),
         from: UploadFrom,
     ) -> Result<()> {
-        let shadow = match self.plan.entries[t].target {
-            Target::Param(i) => self.device_shadows.target(i),
-            _ => None,
+        let (shadow, has_shadow) = match self.plan.entries[t].target {
+            Target::Param(i) => (self.device_shadows.target(i), self.device_shadows.has(i)),
+            _ => (None, false),
         };
+        if has_shadow && shadow.is_none() {
+            return Err(Error::state(format!(
+                "{origin}: tensor '{}' uploaded after its shadow's view was dropped",
+                self.plan.entries[t].meta.name
+            )));
+        }
         if shadow.is_none() {
             self.writes_params();
         }
@@ -100,7 +106,7 @@ impl Landing<'_> {
     /// Whether param `i`'s tensors go up as they complete (atomic, with a
     /// device shadow) rather than at the commit.
     pub(super) fn uploads_early(&self, i: usize) -> bool {
-        self.device_shadows.target(i).is_some()
+        self.device_shadows.has(i)
     }
 
     /// Queue a device-to-device copy of `run` (a block, or equally spaced

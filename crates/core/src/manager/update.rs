@@ -368,7 +368,7 @@ impl Manager {
             // uploaded, so the commit is the switch alone; wait for the
             // engine.
             let decided = (applier.check_received())
-                .and_then(|()| applier.settle_uploads())
+                .and_then(|()| applier.ready_to_commit())
                 .and_then(|()| gate(version));
             if let Err(error) = decided {
                 return Err(applier.failure(error));

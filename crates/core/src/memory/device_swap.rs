@@ -13,10 +13,13 @@
 //!
 //! What a commit takes out is freed off the engine's pause when the commit
 //! is a staged one ([`DeferredRelease`]): each swap leaves the old
-//! allocation, and the shadow's own view of the new one, to be unmapped
-//! and released by a thread of their own once the commit returned (on the
-//! H200 those driver calls were most of a staged commit's pause); the next
-//! update, a clear or the manager's end waits for that thread first.
+//! allocation to be released by a thread of its own once the commit
+//! returned (on the H200 those driver calls were most of a staged commit's
+//! pause); the next update, a clear or the manager's end waits for that
+//! thread first. A staged update also unmaps each shadow's view before it
+//! reports staged ([`DevicePages::drop_view`]), so the commit maps the new
+//! memory at the param's addresses only; a one-call update leaves the
+//! view to go with the old memory.
 //!
 //! Between the unmap and the map the range has no memory: a kernel reading
 //! the param then faults. So the engine must not run kernels that read a
@@ -58,6 +61,13 @@ impl DevicePages {
     /// The shadow's device address (None: mapped nowhere).
     pub fn ptr(&self) -> Option<u64> {
         self.view
+    }
+
+    /// Unmap the view (a shadow's, once every copy into it finished: the
+    /// caller synchronized the device), so that the swap maps the memory
+    /// at the param's addresses only.
+    pub fn drop_view(&mut self) {
+        self.unview();
     }
 
     /// Unmap the view and free its addresses; the allocation lives on (as

@@ -31,6 +31,7 @@
 mod gdr;
 mod hash;
 mod quant;
+mod swap_floor;
 mod torch_peers;
 
 use super::harness::process::Proc;
@@ -254,6 +255,17 @@ fn staged_row(dir: &Path, count: usize, one_call: Duration) -> Result<(), String
         verdict(r <= 0.02)
     );
     println!("         where that pause went: {parts}");
+    match swap_floor::swap_floors(count, LAYER, 2 * RUNS) {
+        Ok((apart, together, [u, m, a])) => println!(
+            "  floor  the swaps' driver calls alone {:>8} per param (unmap {}, map {}, access {}); {} in one reservation (one unmap, a map per param, one access)",
+            fmt::ms(apart),
+            fmt::ms(u),
+            fmt::ms(m),
+            fmt::ms(a),
+            fmt::ms(together)
+        ),
+        Err(e) => println!("  floor  the swaps' driver calls alone: {e}"),
+    }
     Ok(())
 }
 
