@@ -438,14 +438,7 @@ fn rdma_and_gdr_from_a_gpu_trainer_process() {
         (SourceKind::Rdma, Mode::Atomic),
     ];
     let (trainer, mut out, addr) = serve_net(dir.path(), &["--gpu", "0"], runs.len());
-    let m = Manager::new(ManagerConfig {
-        net: weight_manager_core::NetSettings {
-            secret: Some(b"gpu-suite-secret-0123".to_vec()),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let m = net_engine();
     let bufs = register_on_gpu(c, &m, &v);
     for (source, mode) in runs {
         let mut req = UpdateRequest::snapshot(&addr);
@@ -476,6 +469,21 @@ fn rdma_and_gdr_from_a_gpu_trainer_process() {
     );
 }
 
+/// An engine that takes network updates with the suite's secret.
+fn net_engine() -> Manager {
+    Manager::new(ManagerConfig {
+        net: weight_manager_core::NetSettings {
+            secret: Some(SECRET.to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// The shared secret of the suite's network publishers and engines.
+const SECRET: &[u8] = b"gpu-suite-secret-0123";
+
 /// `wm serve --net` of `dir` in a process of its own for `engines`
 /// sessions (1 MiB buckets, the suite's secret, `extra` arguments): the
 /// process, its stdout after the listening line, and its address.
@@ -495,7 +503,7 @@ fn serve_net(
         .args(extra)
         .args(["--bucket-mib", "1", "--accept-timeout", "60"])
         .args(["--engines", &engines.to_string()])
-        .env("WM_NET_SECRET", "gpu-suite-secret-0123")
+        .env("WM_NET_SECRET", std::str::from_utf8(SECRET).unwrap())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -527,14 +535,7 @@ fn gdr_catches_corrupted_bytes_on_the_device() {
     }
     let (dir, v) = snapshot_of(12);
     let bad = v[0].name.clone();
-    let m = Manager::new(ManagerConfig {
-        net: weight_manager_core::NetSettings {
-            secret: Some(b"gpu-suite-secret-0123".to_vec()),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let m = net_engine();
     let bufs = register_on_gpu(c, &m, &v);
     for mode in [Mode::InPlace, Mode::Atomic] {
         bufs.iter().for_each(|b| b.zero(c));
