@@ -24,7 +24,9 @@
 //!   swap (`swap_device_pages`) beside the same updates uploading into the
 //!   params (informational: the swap buys atomicity, not speed), and the
 //!   pause of a staged update of them (its commit: the remap) beside the
-//!   one-call update (target: at most 2%).
+//!   one-call update (target: at most 2%), where that pause went (the
+//!   manager's debug lines), and its floor: the same driver calls alone
+//!   (`swap_floor`).
 //!
 //! Without a GPU it says so and exits with an error.
 
@@ -257,7 +259,7 @@ fn staged_row(dir: &Path, count: usize, one_call: Duration) -> Result<(), String
     println!("         where that pause went: {parts}");
     match swap_floor::swap_floors(count, LAYER, 2 * RUNS) {
         Ok((apart, together, [u, m, a])) => println!(
-            "  floor  the swaps' driver calls alone {:>8} per param (unmap {}, map {}, access {}); {} in one reservation (one unmap, a map per param, one access)",
+            "  floor  the swaps' driver calls alone {:>8} a param at a time (unmap {}, map {}, access {}); {} in one reservation (one unmap, a map per param, one access)",
             fmt::ms(apart),
             fmt::ms(u),
             fmt::ms(m),
