@@ -140,7 +140,8 @@ impl Ucx {
         match tls.as_deref().filter(|t| tls_leave_out_cuda(t)) {
             Some(t) => format!(
                 "{} cannot reach CUDA memory: UCX_TLS={t} leaves out its CUDA transports \
-                 (add cuda_copy, or unset UCX_TLS)",
+                 (add cuda_copy, or unset UCX_TLS); or it is not built with CUDA (install a \
+                 CUDA-enabled UCX, e.g. the libucx-cu12 wheel, and set WM_UCX_LIB)",
                 self.describe()
             ),
             None => format!(
