@@ -1,0 +1,211 @@
+//! The publisher's own tests: how `publish` writes, reuses and hashes
+//! its versions' shared buffers.
+
+use super::*;
+use crate::tensor::DType;
+
+/// A fresh version's buffer is written whole (not faulted in, then
+/// copied into): each tensor at its aligned offset, zeros between, and
+/// every page of the file allocated, so no reader's fault has to.
+#[test]
+fn a_fresh_version_is_written_whole() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let sizes = [3000usize, 5, 70_001, 1 << 20];
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| (i * 31 + j % 251 + 1) as u8).collect())
+        .collect();
+    for (i, d) in data.iter().enumerate() {
+        // SAFETY: `d` outlives the publish, which copies it.
+        unsafe {
+            let name = format!("t{i}");
+            p.add(TensorDesc::host(
+                &name,
+                DType::U8,
+                &[d.len() as u64],
+                d.as_ptr(),
+                d.len(),
+            ))
+        }
+        .unwrap();
+    }
+    p.set_version(Some("v".into()));
+    p.publish().unwrap();
+    let published = p.versions.published.lock();
+    let offer = published.back().unwrap();
+    let shared = offer.shared().unwrap();
+    // SAFETY: the version's own bytes, kept while it is published.
+    let all = unsafe { std::slice::from_raw_parts(shared.ptr(), shared.len()) };
+    let Content::Tensors(ts) = &offer.content else {
+        panic!("tensors")
+    };
+    let mut end = 0;
+    for (t, d) in ts.iter().zip(&data) {
+        let at = t.data.0 as usize - shared.ptr() as usize;
+        assert_eq!(at % crate::wire::ALIGN as usize, 0);
+        assert!(
+            all[end..at].iter().all(|&b| b == 0),
+            "gap before {}",
+            t.name
+        );
+        assert_eq!(&all[at..at + d.len()], &d[..], "{}", t.name);
+        end = at + d.len();
+    }
+    assert!(all[end..].iter().all(|&b| b == 0));
+    // SAFETY: fstat on the buffer's own descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::fstat(shared.fd().as_raw_fd(), &mut st) }, 0);
+    let page = crate::memory::page_size() as u64;
+    let whole = (shared.len() as u64).next_multiple_of(page);
+    assert!(
+        st.st_blocks as u64 * 512 >= whole,
+        "{} of {whole} bytes allocated",
+        st.st_blocks * 512
+    );
+}
+
+/// Buffers made by `prepare` before the first publish are the ones
+/// every publish copies into: none of them creates a buffer. Nothing to
+/// prepare, or too many buffers, is an error naming why.
+#[test]
+fn prepared_buffers_take_every_publish() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let e = p.prepare(0).unwrap_err();
+    assert_eq!(e.code, crate::result::wm_result::WM_ERR_INVALID_ARGUMENT);
+    assert!(e.message.contains("add the tensors"), "{e}");
+    let data = vec![7u8; 5000];
+    // SAFETY: `data` outlives the publishes, which copy it.
+    unsafe {
+        p.add(TensorDesc::host(
+            "t",
+            DType::U8,
+            &[5000],
+            data.as_ptr(),
+            5000,
+        ))
+    }
+    .unwrap();
+    let e = p.prepare(MAX_PREPARED + 1).unwrap_err();
+    assert!(e.message.contains("at most"), "{e}");
+    let keep = p.cfg.keep_versions.max(1);
+    let made = p.prepare(0).unwrap();
+    assert_eq!(
+        made,
+        (keep as u64 + 1) * 5000,
+        "keep_versions + 1 buffers of 5000 bytes"
+    );
+    let prepared: Vec<*mut u8> = p.versions.spare_ptrs();
+    assert_eq!(prepared.len(), keep + 1);
+    for k in 0..6u8 {
+        // SAFETY: the trainer's tensor, not read while it is written.
+        unsafe { std::ptr::write_bytes(data.as_ptr().cast_mut(), k, 5000) };
+        p.set_version(Some(format!("v{k}")));
+        p.publish().unwrap();
+        let published = p.versions.published.lock();
+        let at = published.back().unwrap().shared().unwrap().ptr();
+        assert!(prepared.contains(&at), "publish {k} made a new buffer");
+        // SAFETY: the version's own bytes, kept while it is published.
+        let bytes = unsafe { std::slice::from_raw_parts(at, 5000) };
+        assert!(bytes.iter().all(|&b| b == k), "version v{k}'s bytes");
+    }
+}
+
+/// A publish of many tensors hashes each while copying it (one pass):
+/// every checksum is the xxh3-128 of the copy.
+#[test]
+fn published_checksums_are_those_of_the_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let data: Vec<Vec<u8>> = (0..16)
+        .map(|i| (0..300_000 + i * 4099).map(|j| (j * 7 + i) as u8).collect())
+        .collect();
+    for (i, d) in data.iter().enumerate() {
+        let name = format!("t{i}");
+        // SAFETY: `d` outlives the publish, which copies it.
+        unsafe {
+            p.add(TensorDesc::host(
+                &name,
+                DType::U8,
+                &[d.len() as u64],
+                d.as_ptr(),
+                d.len(),
+            ))
+        }
+        .unwrap();
+    }
+    p.prepare(0).unwrap();
+    p.set_version(Some("v".into()));
+    p.publish().unwrap();
+    let published = p.versions.published.lock();
+    let Content::Tensors(ts) = &published.back().unwrap().content else {
+        panic!("tensors")
+    };
+    for (t, d) in ts.iter().zip(&data) {
+        // SAFETY: the version's own bytes, kept while it is published.
+        let copy = unsafe { std::slice::from_raw_parts(t.data.0, t.len) };
+        assert_eq!(copy, &d[..], "{}", t.name);
+        assert_eq!(t.checksum, Some(crate::checksum::of(d)), "{}", t.name);
+    }
+}
+
+/// Steady publishing with two versions kept cycles through the same
+/// shared buffers (engines keep them mapped), with each version's bytes.
+#[test]
+fn publishing_reuses_the_buffers_of_dropped_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let mut seen = Vec::new();
+    for k in 0..6u8 {
+        let data = vec![k; 3000];
+        p.clear_tensors();
+        // SAFETY: `data` outlives the publish, which copies it.
+        unsafe {
+            p.add(TensorDesc::host(
+                "t",
+                DType::U8,
+                &[3000],
+                data.as_ptr(),
+                3000,
+            ))
+        }
+        .unwrap();
+        p.set_version(Some(format!("v{k}")));
+        p.publish().unwrap();
+        let published = p.versions.published.lock();
+        let newest = published.back().unwrap();
+        let Content::Tensors(ts) = &newest.content else {
+            panic!("tensors")
+        };
+        let shared = newest.shared().unwrap();
+        // SAFETY: the version's own bytes, kept while it is published.
+        let bytes = unsafe { std::slice::from_raw_parts(ts[0].data.0, 3000) };
+        assert!(bytes.iter().all(|&b| b == k));
+        assert_eq!(ts[0].data.0, shared.ptr(), "first tensor at offset 0");
+        seen.push(shared.ptr());
+    }
+    // v0 and v1 got new buffers; from v2 on each reuses the one of the
+    // version it pushed out.
+    assert_ne!(seen[0], seen[1]);
+    for k in 2..6 {
+        assert_eq!(seen[k], seen[k - 2], "{seen:?}");
+    }
+    // A version a session still serves is not reused: hold v4's offer.
+    let held = p.versions.published.lock().front().cloned().unwrap();
+    assert_eq!(held.version.as_deref(), Some("v4"));
+    p.set_version(Some("v6".into()));
+    p.publish().unwrap();
+    let v6 = p
+        .versions
+        .published
+        .lock()
+        .back()
+        .unwrap()
+        .shared()
+        .unwrap()
+        .ptr();
+    assert_ne!(v6, held.shared().unwrap().ptr());
+}
