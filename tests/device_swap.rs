@@ -335,9 +335,9 @@ fn staging_unmaps(before_commit: u64, params: usize) -> u64 {
 }
 
 /// A staged commit's pause is the remaps alone: the memory it takes out
-/// of the params (and the shadows' own views) is freed by a thread of its
-/// own once the commit returned, and the next update waits for that
-/// thread before it takes device memory.
+/// of the params is freed by a thread of its own once the commit
+/// returned (the shadows' views were unmapped while staging), and the
+/// next update waits for that thread before it takes device memory.
 #[test]
 fn a_staged_commit_frees_the_old_memory_after_it_returned() {
     if !under_fake_driver(

@@ -522,10 +522,10 @@ fn serve_net(
     (trainer, out, addr)
 }
 
-/// gdr verifies where the bytes land: a publisher that corrupts a tensor
-/// after hashing it (`wm serve --corrupt`, a test build's hook) is caught
-/// by the checksum computed on the GPU, naming the tensor, in place and
-/// atomic; atomic keeps the old weights.
+/// A publisher that corrupts a tensor after hashing it (`wm serve
+/// --corrupt`, a test build's hook) is caught naming the tensor: in place
+/// gdr lands in the params and is hashed on the GPU; atomic lands in the
+/// host staging (hashed there) and keeps the old weights.
 #[test]
 fn gdr_catches_corrupted_bytes_on_the_device() {
     use weight_manager_core::{wm_result, SourceKind};

@@ -92,15 +92,17 @@ impl<'p> DeviceShadows<'p> {
         self.shadows.contains_key(&i)
     }
 
-    /// A staged update, every upload settled: wait for each GPU once, then
-    /// unmap the shadows' views, so the commit's swaps map each shadow's
-    /// memory at one place (the param's) and the views are not left for
-    /// the deferred release. Nothing may be uploaded after this.
-    pub fn drop_views(&mut self) -> Result<()> {
+    /// A staged update, every upload settled: wait (until `deadline`) for
+    /// what else wrote the shadows (the zeroing of their tails, queued on
+    /// the default stream when they were made), then unmap their views, so
+    /// the commit's swaps map each shadow's memory at one place (the
+    /// param's). Nothing may be uploaded after this.
+    pub fn drop_views(&mut self, deadline: std::time::Instant) -> Result<()> {
         let gpus: std::collections::BTreeSet<i32> =
             self.shadows.values().map(|(r, _)| r.ordinal()).collect();
         for gpu in gpus {
-            crate::memory::cuda_ipc::synchronize(gpu)?;
+            let what = "the shadows' zeroing";
+            crate::memory::cuda_ipc::wait_default_stream(gpu, deadline, what)?;
         }
         for (_, pages) in self.shadows.values_mut() {
             pages.drop_view();

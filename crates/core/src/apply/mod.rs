@@ -265,7 +265,8 @@ impl<'p, 'h> Applier<'p, 'h> {
     /// device shadows' views dropped, so the commit is the swaps alone.
     pub fn ready_to_commit(&mut self) -> Result<()> {
         self.landing.settle_uploads()?;
-        self.landing.device_shadows.drop_views()
+        let deadline = self.deadline();
+        self.landing.device_shadows.drop_views(deadline)
     }
 
     /// Check that every planned tensor arrived, then commit (atomic) and hand

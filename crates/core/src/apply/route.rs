@@ -30,7 +30,7 @@ pub(super) enum Route {
     /// device on the param's upload stream.
     DeviceToDevice { param: (u64, i32) },
     /// gdr, in place: the source wrote it into the device param at `param`
-    /// itself; verification reads it back to hash it.
+    /// itself; verification hashes it there once the tensor is complete.
     OnDevice { param: (u64, i32) },
 }
 

@@ -40,7 +40,7 @@ impl Landing<'_> {
         };
         if has_shadow && shadow.is_none() {
             return Err(Error::state(format!(
-                "{origin}: tensor '{}' uploaded after its shadow's view was dropped",
+                "internal: {origin}: tensor '{}' uploaded after its shadow's view was dropped",
                 self.plan.entries[t].meta.name
             )));
         }

@@ -9,6 +9,8 @@
 //! sums). An entry that arrives in several chunks is hashed chunk by chunk
 //! right after each lands (while its bytes are still in cache); one that
 //! arrives whole is hashed once whole, in parallel with the batch's others.
+//! An entry a source wrote straight into GPU memory (gdr) is hashed there
+//! once complete ([`Verifier::landed_on_device`]).
 
 use super::landing::Landing;
 use crate::checksum::Checksum;
@@ -31,6 +33,9 @@ pub(super) struct Verifier<'p> {
     /// gdr: per entry, where its bytes landed on the GPU so far (runs
     /// that follow on merged), hashed there once the entry is complete.
     on_device: HashMap<usize, DeviceRuns>,
+    /// Hashing on a GPU failed once this update (no NVRTC, a compile or
+    /// driver error): later entries are read back without trying again.
+    no_device_hash: bool,
     /// Running hashes of tensors arriving in several chunks.
     hashing: HashMap<usize, Box<Checksum>>,
     /// Per entry that moves part of its tensor: the checksum of the bytes
@@ -45,6 +50,7 @@ impl<'p> Verifier<'p> {
             on,
             threads,
             on_device: HashMap::new(),
+            no_device_hash: false,
             hashing: HashMap::new(),
             slice_sums: HashMap::new(),
         }
@@ -110,15 +116,18 @@ impl<'p> Verifier<'p> {
             .filter_map(|t| self.on_device.remove(t).map(|r| (*t, r)))
             .collect();
         let one_run: Vec<(usize, (u64, u64), i32)> = (mine.iter())
-            .filter(|(_, (_, runs))| runs.len() == 1)
+            .filter(|(_, (_, runs))| runs.len() == 1 && !self.no_device_hash)
             .map(|(t, (g, runs))| (*t, runs[0], *g))
             .collect();
         let mut out = Vec::with_capacity(mine.len());
         let mut on_gpu = std::collections::HashSet::new();
         for (t, sum) in crate::delta::device::checksums_by_gpu(&one_run) {
-            if let Ok(sum) = sum {
-                out.push((t, sum));
-                on_gpu.insert(t);
+            match sum {
+                Ok(sum) => {
+                    out.push((t, sum));
+                    on_gpu.insert(t);
+                }
+                Err(_) => self.no_device_hash = true,
             }
         }
         for (t, (g, runs)) in mine.iter().filter(|(t, _)| !on_gpu.contains(t)) {

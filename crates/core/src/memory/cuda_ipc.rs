@@ -29,6 +29,44 @@ pub fn synchronize(ordinal: i32) -> Result<()> {
     check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }
 
+/// Wait, until `deadline`, for the work queued so far on GPU `ordinal`'s
+/// legacy default stream (which follows every blocking stream's earlier
+/// work): an event recorded there, polled. A wedged GPU is a timeout
+/// error naming `what`, never a hang.
+pub fn wait_default_stream(ordinal: i32, deadline: std::time::Instant, what: &str) -> Result<()> {
+    cuda()?.make_current(ordinal)?;
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    check(
+        // SAFETY: a valid out-pointer; the event is destroyed below.
+        unsafe { sys::cuEventCreate(&mut event, flags) },
+        "cuEventCreate",
+    )?;
+    let r = check(
+        // SAFETY: our event, on the current context's legacy stream.
+        unsafe { sys::cuEventRecord(event, std::ptr::null_mut()) },
+        "cuEventRecord",
+    )
+    .and_then(|()| loop {
+        // SAFETY: an event recorded above.
+        match unsafe { sys::cuEventQuery(event) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(20))
+            }
+            sys::CUresult::CUDA_ERROR_NOT_READY => {
+                return Err(Error::timeout(format!(
+                    "GPU {ordinal}: {what} did not finish in time"
+                )))
+            }
+            other => return check(other, "cuEventQuery"),
+        }
+    });
+    // SAFETY: our event; destroying it while pending is allowed.
+    unsafe { sys::cuEventDestroy_v2(event) };
+    r
+}
+
 /// Device memory this process allocated and shares by handle.
 #[derive(Debug)]
 pub struct ExportedDeviceBuffer {

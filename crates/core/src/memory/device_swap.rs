@@ -47,10 +47,11 @@ pub struct DevicePages {
     ordinal: i32,
     handle: sys::CUmemGenericAllocationHandle,
     len: usize,
-    /// The range reserved for a shadow and mapped to it. After a swap,
-    /// the memory taken out carries the shadow's range instead (mapped to
-    /// the memory that went in, which keeps the param's own mapping), so
-    /// that unmapping it goes with freeing the old memory, off the pause.
+    /// The range reserved for a shadow and mapped to it (a staged update
+    /// unmaps it before its commit: `drop_view`). After a one-call
+    /// update's swap, the memory taken out carries the shadow's range
+    /// instead (mapped to the memory that went in, which keeps the param's
+    /// own mapping), so that unmapping it goes with freeing the old memory.
     view: Option<u64>,
     /// Taken out of a param after the device was synchronized: nothing
     /// can use it, so dropping it needs no wait.

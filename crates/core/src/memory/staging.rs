@@ -160,9 +160,11 @@ impl Lane {
         Ok(())
     }
 
-    /// A free buffer of at least `n` bytes; None when every buffer of this
-    /// GPU is held by the caller (nothing in flight will come back), so the
-    /// caller uses ordinary memory instead of waiting forever.
+    /// A buffer of at least `n` bytes: a free one, or a new one while the
+    /// budget has room (free ones too small are traded in when that makes
+    /// room); else wait for copies in flight; None when none is in flight
+    /// (the caller holds the budget), so the caller uses ordinary memory
+    /// instead of waiting forever.
     fn take(&mut self, n: usize, deadline: Instant) -> Result<Option<PinnedBuffer>> {
         self.reap(None)?;
         loop {
@@ -174,8 +176,10 @@ impl Lane {
                 let buf = PinnedBuffer::new(self.ordinal, rounded(n))?;
                 return Ok(Some(self.hand_out(buf)));
             }
-            if !self.free.is_empty() {
-                // Every free buffer is too small: trade the smallest in.
+            let free: usize = self.free.iter().map(|b| b.cap()).sum();
+            if !self.free.is_empty() && self.pinned_bytes() - free + rounded(n) <= PINNED_BYTES {
+                // Every free buffer is too small, and freeing them makes
+                // room: trade the smallest in.
                 let i = best_fit(self.free.iter().map(|b| b.cap()), 0).expect("not empty");
                 drop(self.free.swap_remove(i));
                 continue;
@@ -386,9 +390,10 @@ impl DeviceStaging {
 
     /// A pinned buffer of at least `n` bytes to fill with bytes for GPU
     /// `ordinal`; hand it to [`DeviceStaging::upload_buffer`] or
-    /// [`DeviceStaging::give_back`]. Waits (until `deadline`) while every
-    /// buffer of that GPU is being copied; None when the caller holds them
-    /// all (land the bytes in ordinary memory and [`DeviceStaging::upload_bytes`]).
+    /// [`DeviceStaging::give_back`]. Waits (until `deadline`) for copies in
+    /// flight while the byte budget leaves no room; None when nothing in
+    /// flight would make room (the caller holds the budget: land the bytes
+    /// in ordinary memory and [`DeviceStaging::upload_bytes`]).
     pub fn take(
         &mut self,
         ordinal: i32,

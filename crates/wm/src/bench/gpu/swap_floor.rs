@@ -26,22 +26,25 @@ pub(super) fn swap_floors(
     // Each swap trades the two sets of allocations between the layouts.
     for run in 0..runs {
         let t = Instant::now();
-        let c = l.swap_apart(1 - run % 2)?;
+        // Sets 0 and 2 take turns under the ranges apart, 1 and 3 under
+        // the one reservation: each swap maps memory mapped nowhere else.
+        let c = l.swap_apart(2 - 2 * (run % 2))?;
         if t.elapsed() < apart {
             (apart, calls) = (t.elapsed(), c);
         }
         let t = Instant::now();
-        l.swap_together(run % 2)?;
+        l.swap_together(3 - 2 * (run % 2))?;
         together = together.min(t.elapsed());
     }
     Ok((apart, together, calls))
 }
 
-/// Two sets of `count` allocations of `len` bytes, the first mapped at
-/// ranges reserved apart, the second back to back in one reservation.
+/// Four sets of `count` allocations of `len` bytes: set 0 mapped at ranges
+/// reserved apart, set 1 back to back in one reservation, sets 2 and 3
+/// mapped nowhere (what the swaps put in).
 struct Layouts {
     len: usize,
-    handles: [Vec<sys::CUmemGenericAllocationHandle>; 2],
+    handles: [Vec<sys::CUmemGenericAllocationHandle>; 4],
     apart: Vec<u64>,
     together: u64,
     access: sys::CUmemAccessDesc,
@@ -60,7 +63,7 @@ impl Layouts {
         };
         let mut l = Layouts {
             len,
-            handles: [Vec::new(), Vec::new()],
+            handles: Default::default(),
             apart: Vec::new(),
             together: 0,
             access,
@@ -115,8 +118,8 @@ impl Layouts {
         let len = self.len;
         let mut took = [Duration::ZERO; 3];
         for (&p, &h) in self.apart.iter().zip(&self.handles[set]) {
-            // SAFETY: `p` is mapped (to the other set's allocation); `h`
-            // is unmapped and `len` bytes.
+            // SAFETY: `p` is mapped (to the set taking turns with this
+            // one); `h` is mapped nowhere and `len` bytes.
             unsafe {
                 let t = Instant::now();
                 ok(sys::cuMemUnmap(p, len), "cuMemUnmap")?;
@@ -139,8 +142,9 @@ impl Layouts {
     /// map per range, one access.
     fn swap_together(&self, set: usize) -> Result<(), String> {
         let total = self.apart.len() * self.len;
-        // SAFETY: the reservation is mapped whole (to the other set); the
-        // set's allocations are unmapped, `len` bytes each.
+        // SAFETY: the reservation is mapped whole (to the set taking turns
+        // with this one); the set's allocations are mapped nowhere, `len`
+        // bytes each.
         unsafe {
             ok(
                 sys::cuMemUnmap(self.together, total),
