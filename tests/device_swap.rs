@@ -370,3 +370,43 @@ fn a_staged_commit_frees_the_old_memory_after_it_returned() {
         "the next update ran beside the freeing"
     );
 }
+
+/// The pinned staging of device params holds at most its budget, 512 MiB
+/// per GPU (README "GPU params and CUDA IPC"), and more than one 256 MiB
+/// snapshot batch, so the next batch is read while the last one's copies
+/// run: 24 tensors of 32 MiB in place into library-owned device params,
+/// with every copy kept in flight for a while (the fake's event delay).
+#[test]
+fn the_pinned_staging_keeps_to_its_budget() {
+    if !under_fake_driver("the_pinned_staging_keeps_to_its_budget", false) {
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    let f = Fake::open();
+    f.set_total(2048 * MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let f32 = weight_manager_core::DType::F32;
+    let v: Vec<T> = (0..24)
+        .map(|i| tensor(&format!("layers.{i}"), f32, &[8 << 20], 1))
+        .collect();
+    write_safetensors(&dir.path().join("model_state.tp0.0.safetensors"), &v);
+    write_version(dir.path(), "1");
+    let m = Manager::new(ManagerConfig::default()).unwrap();
+    let ptrs: Vec<u64> = v
+        .iter()
+        .map(|t| m.allocate(&device_spec(t)).unwrap().0 as u64)
+        .collect();
+    f.event_delay(200);
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.mode = weight_manager_core::Mode::InPlace;
+    m.update(req).unwrap();
+    assert_holds(&ptrs, &v, "the update");
+    let peak = f.pinned_peak();
+    println!("pinned at most {} MiB", peak / MIB);
+    assert!(peak <= 512 * MIB + 64 * MIB, "{} MiB pinned", peak / MIB);
+    assert!(
+        peak > 256 * MIB,
+        "only {} MiB pinned: one batch at a time",
+        peak / MIB
+    );
+}

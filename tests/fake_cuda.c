@@ -25,6 +25,10 @@
  *                                cuMemcpy2D, cuMemcpy2DAsync,
  *                                cuMemcpyAsync, cuMemcpyDtoH,
  *                                cuLaunchKernel, cuMemUnmap)
+ *   fake_cuda_pinned_peak()      the most page-locked host bytes alive
+ *                                at once (cuMemHostAlloc / cuMemFreeHost)
+ *   fake_cuda_event_delay(n)     an event recorded answers NOT_READY to
+ *                                its next n queries (copies in flight)
  * FAKE_CUDA_NO_DEVICE=1 in the environment: cuInit finds no device.
  *
  * Kernels: the same file answers as NVRTC (libnvrtc.so is a link to it):
@@ -239,16 +243,64 @@ int cuMemcpyDtoH_v2(void *dst, u64 src, size_t n) {
     memcpy(dst, (const void *)(uintptr_t)src, n);
     return OK;
 }
-int cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n ? n : 1); return *p ? OK : OUT_OF_MEMORY; }
-int cuMemFreeHost(void *p) { free(p); return OK; }
+/* Page-locked host memory is malloc'd; its bytes alive are counted. */
+static struct { void *p; size_t n; } pinned_blocks[1024];
+static u64 pinned_now, pinned_top;
+static pthread_mutex_t pinned_lock = PTHREAD_MUTEX_INITIALIZER;
+u64 fake_cuda_pinned_peak(void) { return __atomic_load_n(&pinned_top, __ATOMIC_RELAXED); }
+int cuMemHostAlloc(void **p, size_t n, unsigned flags) {
+    (void)flags;
+    *p = malloc(n ? n : 1);
+    if (!*p) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&pinned_lock);
+    for (int i = 0; i < 1024; i++)
+        if (!pinned_blocks[i].p) {
+            pinned_blocks[i].p = *p;
+            pinned_blocks[i].n = n;
+            pinned_now += n;
+            if (pinned_now > pinned_top) pinned_top = pinned_now;
+            break;
+        }
+    pthread_mutex_unlock(&pinned_lock);
+    return OK;
+}
+int cuMemFreeHost(void *p) {
+    pthread_mutex_lock(&pinned_lock);
+    for (int i = 0; i < 1024; i++)
+        if (pinned_blocks[i].p == p) {
+            pinned_now -= pinned_blocks[i].n;
+            pinned_blocks[i].p = NULL;
+            break;
+        }
+    pthread_mutex_unlock(&pinned_lock);
+    free(p);
+    return OK;
+}
 
 int cuStreamCreate(void **s, unsigned flags) { (void)flags; *s = (void *)0x2; return OK; }
 int cuStreamDestroy_v2(void *s) { (void)s; return OK; }
 int cuStreamSynchronize(void *s) { (void)s; return OK; }
 int cuStreamQuery(void *s) { (void)s; return OK; }
 int cuEventCreate(void **e, unsigned flags) { (void)flags; *e = (void *)0x3; return OK; }
-int cuEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
-int cuEventQuery(void *e) { (void)e; return OK; }
+/* With fake_cuda_event_delay(n), an event recorded is NOT_READY for its
+ * next n queries (one countdown shared by every event: a copy "in
+ * flight" for a while, so buffers waiting on events stay busy). */
+static u64 event_delay, event_left;
+void fake_cuda_event_delay(u64 n) { __atomic_store_n(&event_delay, n, __ATOMIC_RELAXED); }
+int cuEventRecord(void *e, void *s) {
+    (void)e; (void)s;
+    __atomic_store_n(&event_left, __atomic_load_n(&event_delay, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+    return OK;
+}
+int cuEventQuery(void *e) {
+    (void)e;
+    u64 left = __atomic_load_n(&event_left, __ATOMIC_RELAXED);
+    while (left > 0) {
+        if (__atomic_compare_exchange_n(&event_left, &left, left - 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return 600; /* CUDA_ERROR_NOT_READY */
+    }
+    return OK;
+}
 int cuEventDestroy_v2(void *e) { (void)e; return OK; }
 
 /* Device memory is what is mapped (VMM or linear): its type, GPU 0, the

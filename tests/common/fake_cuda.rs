@@ -104,6 +104,20 @@ impl Fake {
         f()
     }
 
+    /// The most page-locked host bytes alive at once so far.
+    pub fn pinned_peak(&self) -> u64 {
+        self.get("fake_cuda_pinned_peak")
+    }
+
+    /// Every event recorded from now on answers NOT_READY to its next `n`
+    /// queries: copies stay in flight for a while.
+    pub fn event_delay(&self, n: u64) {
+        // SAFETY: the fake's signature.
+        let f: extern "C" fn(u64) =
+            unsafe { std::mem::transmute(self.sym("fake_cuda_event_delay")) };
+        f(n)
+    }
+
     /// While `on`, the library's deferred-release thread waits before
     /// unmapping or freeing device memory (at most 20 s: `hold_expired`).
     pub fn hold_freeing(&self, on: bool) {
