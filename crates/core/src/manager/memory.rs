@@ -117,3 +117,14 @@ fn free_change(more: &[(i32, u64)], less: &[(i32, u64)]) -> u64 {
         .map(|(a, b)| a.1.saturating_sub(b.1))
         .sum()
 }
+
+/// A device page swap that failed and could not map the old memory back
+/// leaves its param without memory: not resident, so the next update maps
+/// fresh memory there (`restore`), as after a clear.
+pub(super) fn note_unmapped(registry: &mut Registry) {
+    for p in registry.params_mut() {
+        if let ParamMemory::LibraryDevice(r) = &p.memory {
+            p.resident &= r.is_mapped();
+        }
+    }
+}

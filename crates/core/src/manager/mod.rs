@@ -40,6 +40,7 @@ use crate::state::State;
 use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::AtomicBool;
 
+mod atomic_staging;
 mod cancel;
 mod clear;
 mod config;

@@ -4,19 +4,17 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
+use super::atomic_staging::library_host_sizes;
 use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards};
+use super::memory::note_unmapped;
 use super::quantized::Quantized;
 use super::{Manager, UpdateRequest, UpdateStats};
-use crate::apply::{
-    Applied, Applier, ApplyFailure, ApplyOptions, AtomicStaging, Hooks, Mode, Progress,
-};
+use crate::apply::{Applied, Applier, ApplyFailure, ApplyOptions, Hooks, Mode, Progress};
 use crate::checkpoint::version::check_version;
 use crate::logging::LogLevel;
-use crate::memory::device::DeviceRegion;
-use crate::memory::host::HostRegion;
 use crate::plan::{Plan, PlanOptions, Target};
-use crate::registry::{Param, ParamMemory, Registry};
+use crate::registry::Registry;
 use crate::result::{Error, Result};
 use crate::source::{stream_all, Source, SourceKind};
 use crate::state::State;
@@ -385,31 +383,6 @@ impl Manager {
         Ok(applied)
     }
 
-    /// What an atomic update's arena may use besides fresh memory: the
-    /// library-owned regions it swaps into, the packed region kept in
-    /// `keep`, and (atomic) the shadows faulted in since the last update.
-    fn atomic_staging<'a>(
-        &self,
-        registry: &'a Registry,
-        keep: Option<&'a mut Option<HostRegion>>,
-        atomic_mode: bool,
-    ) -> AtomicStaging<'a> {
-        let params = registry.params();
-        AtomicStaging {
-            swappable: params.iter().map(library_host_region).collect(),
-            keep,
-            ready: match atomic_mode {
-                true => self.kept.next_shadows.lock().take(self.threads),
-                false => Default::default(),
-            },
-            device: match self.config.swap_device_pages {
-                true => params.iter().map(library_device_region).collect(),
-                false => Vec::new(),
-            },
-            release_later: None,
-        }
-    }
-
     /// The update went through: say so, and time the whole call.
     pub(super) fn updated(
         &self,
@@ -462,41 +435,4 @@ fn describe_all(sources: &[Box<dyn Source>]) -> String {
         ),
         [] => "no source".into(),
     }
-}
-
-/// A library-owned host param's region: an atomic update swaps its shadow
-/// in instead of copying.
-fn library_host_region(p: &Param) -> Option<&HostRegion> {
-    match &p.memory {
-        ParamMemory::Library(r) => Some(r),
-        _ => None,
-    }
-}
-
-/// A library-owned device param's region: with `swap_device_pages`, an
-/// atomic update swaps fresh device memory in (`apply/device_swap.rs`).
-fn library_device_region(p: &Param) -> Option<&DeviceRegion> {
-    match &p.memory {
-        ParamMemory::LibraryDevice(r) => Some(r),
-        _ => None,
-    }
-}
-
-/// A device page swap that failed and could not map the old memory back
-/// leaves its param without memory: not resident, so the next update maps
-/// fresh memory there (`restore`), as after a clear.
-fn note_unmapped(registry: &mut Registry) {
-    for p in registry.params_mut() {
-        if let ParamMemory::LibraryDevice(r) = &p.memory {
-            p.resident &= r.is_mapped();
-        }
-    }
-}
-
-/// (param number, bytes) of every library-owned host param.
-fn library_host_sizes(registry: &Registry) -> Vec<(usize, usize)> {
-    let params = registry.params().iter().enumerate();
-    params
-        .filter_map(|(i, p)| library_host_region(p).map(|r| (i, r.len())))
-        .collect()
 }
