@@ -20,17 +20,7 @@ fn a_fresh_version_is_written_whole() {
         .collect();
     for (i, d) in data.iter().enumerate() {
         // SAFETY: `d` outlives the publish, which copies it.
-        unsafe {
-            let name = format!("t{i}");
-            p.add(TensorDesc::host(
-                &name,
-                DType::U8,
-                &[d.len() as u64],
-                d.as_ptr(),
-                d.len(),
-            ))
-        }
-        .unwrap();
+        unsafe { add_bytes(&p, &format!("t{i}"), d) };
     }
     p.set_version(Some("v".into()));
     p.publish().unwrap();
@@ -79,16 +69,7 @@ fn prepared_buffers_take_every_publish() {
     assert!(e.message.contains("add the tensors"), "{e}");
     let data = vec![7u8; 5000];
     // SAFETY: `data` outlives the publishes, which copy it.
-    unsafe {
-        p.add(TensorDesc::host(
-            "t",
-            DType::U8,
-            &[5000],
-            data.as_ptr(),
-            5000,
-        ))
-    }
-    .unwrap();
+    unsafe { add_bytes(&p, "t", &data) };
     let e = p.prepare(MAX_PREPARED + 1).unwrap_err();
     assert!(e.message.contains("at most"), "{e}");
     let keep = p.cfg.keep_versions.max(1);
@@ -124,18 +105,8 @@ fn published_checksums_are_those_of_the_copies() {
         .map(|i| (0..300_000 + i * 4099).map(|j| (j * 7 + i) as u8).collect())
         .collect();
     for (i, d) in data.iter().enumerate() {
-        let name = format!("t{i}");
         // SAFETY: `d` outlives the publish, which copies it.
-        unsafe {
-            p.add(TensorDesc::host(
-                &name,
-                DType::U8,
-                &[d.len() as u64],
-                d.as_ptr(),
-                d.len(),
-            ))
-        }
-        .unwrap();
+        unsafe { add_bytes(&p, &format!("t{i}"), d) };
     }
     p.prepare(0).unwrap();
     p.set_version(Some("v".into()));
@@ -163,16 +134,7 @@ fn publishing_reuses_the_buffers_of_dropped_versions() {
         let data = vec![k; 3000];
         p.clear_tensors();
         // SAFETY: `data` outlives the publish, which copies it.
-        unsafe {
-            p.add(TensorDesc::host(
-                "t",
-                DType::U8,
-                &[3000],
-                data.as_ptr(),
-                3000,
-            ))
-        }
-        .unwrap();
+        unsafe { add_bytes(&p, "t", &data) };
         p.set_version(Some(format!("v{k}")));
         p.publish().unwrap();
         let published = p.versions.published.lock();
@@ -208,4 +170,16 @@ fn publishing_reuses_the_buffers_of_dropped_versions() {
         .unwrap()
         .ptr();
     assert_ne!(v6, held.shared().unwrap().ptr());
+}
+
+/// Serve `bytes` as the U8 tensor `name`.
+///
+/// # Safety
+/// `bytes` stays valid and unchanged while `p` serves it (until the
+/// publishes that copy it are done).
+unsafe fn add_bytes(p: &Publisher, name: &str, bytes: &[u8]) {
+    let (n, shape) = (bytes.len(), [bytes.len() as u64]);
+    let desc = TensorDesc::host(name, DType::U8, &shape, bytes.as_ptr(), n);
+    // SAFETY: the caller's promise.
+    unsafe { p.add(desc) }.unwrap();
 }
