@@ -861,11 +861,11 @@ fn a_weight_with_no_elements_is_refused() {
     );
 }
 
-/// A publisher holding a whole tensor quantizes it in the pass that finds
-/// its amax: the same bytes as the reference, and a NaN named by its
-/// element as on the slower path.
+/// A publisher holding a whole tensor finds its amax and quantizes it band
+/// by band (the images made behind the stream): the same bytes as the
+/// reference, and a NaN named by its element as on the walking path.
 #[test]
-fn a_publisher_holding_whole_blocks_quantizes_in_one_pass() {
+fn a_publisher_holding_whole_blocks_quantizes_them_band_by_band() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     for (k, nan) in [(0, false), (1, true)] {

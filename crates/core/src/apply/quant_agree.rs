@@ -34,30 +34,29 @@ impl Applier<'_, '_> {
             return Ok(None);
         }
         let q = &self.quant.targets[k];
-        let placed = Placed::of(&e.meta);
-        let segments = self
-            .plan
-            .segments(t)
-            .iter()
-            .map(|s| (s.source, s.len, s.param));
-        let mut pairs: Vec<(u64, usize)> = Vec::new();
-        walk(q.scheme, placed, segments, |dst, _, _, g| {
-            if pairs.last().is_none_or(|p| p.0 != g) {
-                pairs.push((g, param_block(q.scheme, &q.shape, dst)));
+        let blocks = self.plan.quant_blocks(t, || {
+            let placed = Placed::of(&e.meta);
+            let segments = (self.plan.segments(t).iter()).map(|s| (s.source, s.len, s.param));
+            let mut pairs: Vec<(u64, usize)> = Vec::new();
+            walk(q.scheme, placed, segments, |dst, _, _, g| {
+                if pairs.last().is_none_or(|p| p.0 != g) {
+                    pairs.push((g, param_block(q.scheme, &q.shape, dst)));
+                }
+            });
+            pairs.sort_unstable();
+            pairs.dedup();
+            if let Some(w) = pairs.windows(2).find(|w| w[0].0 == w[1].0) {
+                return Err(Error::mismatch(format!(
+                    "param '{}': block {} of tensor '{}' falls in two of its blocks",
+                    q.name, w[0].0, e.meta.name
+                )));
             }
-        });
-        pairs.sort_unstable();
-        pairs.dedup();
-        if let Some(w) = pairs.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(Error::mismatch(format!(
-                "param '{}': block {} of tensor '{}' falls in two of its blocks",
-                q.name, w[0].0, e.meta.name
-            )));
-        }
+            Ok(pairs.into_iter().map(|p| p.1).collect())
+        })?;
         Ok(Some(QuantRequest {
             scheme: q.scheme,
             target: k,
-            blocks: pairs.into_iter().map(|p| p.1).collect(),
+            blocks: blocks.to_vec(),
         }))
     }
 

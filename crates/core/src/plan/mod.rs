@@ -220,6 +220,11 @@ pub struct Plan {
     /// use (by the applier and the source alike). The runs do not change
     /// after.
     segments: Vec<OnceLock<Vec<Segment>>>,
+    /// Per moving entry into a param the publishers quantize, the param's
+    /// block of each global block it touches (by global block), worked
+    /// out on first use: walking every row of a large tensor took longer
+    /// than quantizing it, and a reused plan asks again every update.
+    quant_blocks: Vec<OnceLock<Vec<usize>>>,
     /// Shards announced for the same box as another source's, as
     /// `(first holder, replica)` pairs of (source, tensor): their
     /// checksums are compared on every update ([`Plan::check_replicas`]).
@@ -276,6 +281,7 @@ impl Plan {
             tensors: moving.len(),
             bytes: moving.iter().map(|&i| entries[i as usize].bytes).sum(),
             segments: moving.iter().map(|_| OnceLock::new()).collect(),
+            quant_blocks: moving.iter().map(|_| OnceLock::new()).collect(),
             moving,
             entries,
             runs,
@@ -380,6 +386,24 @@ impl Plan {
             ))
         })?;
         Ok(self.segments[slot].get_or_init(|| segs))
+    }
+
+    /// Entry `entry`'s quantized blocks ([`Plan::quant_blocks`]'s field),
+    /// `find` working them out the first time. A skipped entry has none.
+    pub fn quant_blocks(
+        &self,
+        entry: usize,
+        find: impl FnOnce() -> Result<Vec<usize>>,
+    ) -> Result<&[usize]> {
+        let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
+        let Ok(Ok(slot)) = slot else {
+            return Ok(&[]);
+        };
+        if let Some(blocks) = self.quant_blocks[slot].get() {
+            return Ok(blocks);
+        }
+        let blocks = find()?;
+        Ok(self.quant_blocks[slot].get_or_init(|| blocks))
     }
 
     /// Check that the runs cut the params (`param_bytes(i)` bytes each)

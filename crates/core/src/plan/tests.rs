@@ -289,3 +289,31 @@ fn blocks_are_bounded_by_the_params_bytes() {
     );
     assert_eq!(max_blocks(64 << 20), BLOCKS_FLOOR + (1 << 20));
 }
+
+/// A moving entry's quantized blocks are worked out once per plan (a
+/// reused plan asks every update); a failure is not kept, so it is found
+/// again; a skipped entry has none.
+#[test]
+fn quantized_blocks_are_found_once_per_plan_and_failures_again() {
+    let p = plan(
+        vec![meta("b", DType::F32, &[4]), meta("a", DType::Bf16, &[2, 3])],
+        PlanOptions::default(),
+    )
+    .unwrap();
+    let calls = std::cell::Cell::new(0);
+    let failing = || -> Result<Vec<usize>> {
+        calls.set(calls.get() + 1);
+        Err(crate::result::Error::mismatch("cut"))
+    };
+    assert!(p.quant_blocks(1, failing).is_err());
+    assert!(p.quant_blocks(1, failing).is_err());
+    assert_eq!(calls.get(), 2, "a failure is looked for again");
+    let found = || {
+        calls.set(calls.get() + 1);
+        Ok(vec![0, 2])
+    };
+    assert_eq!(p.quant_blocks(1, found).unwrap(), &[0, 2]);
+    assert_eq!(p.quant_blocks(1, found).unwrap(), &[0, 2]);
+    assert_eq!(calls.get(), 3, "found once");
+    assert_eq!(p.quant_blocks(7, found).unwrap(), &[] as &[usize]);
+}

@@ -11,7 +11,7 @@
 //! the loop stops accepting for a moment and the kernel's backlog holds the
 //! rest.
 
-use super::buffers::BufferPool;
+use super::buffers::Pools;
 use super::config::PublisherConfig;
 use super::handshake;
 use super::offer::Offer;
@@ -62,7 +62,7 @@ pub(super) struct Acceptor<'a> {
     /// Network publishers: the shared secret of the challenge.
     pub(super) secret: Option<&'a Secret>,
     pub(super) cfg: &'a PublisherConfig,
-    pub(super) pool: &'a BufferPool,
+    pub(super) pool: &'a Pools,
     pub(super) connections: &'a Connections,
 }
 

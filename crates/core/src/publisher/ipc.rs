@@ -128,7 +128,7 @@ fn window_blocks(
 
 /// Live tensors and files: packed into pooled bucket buffers.
 fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) -> Result<()> {
-    let (cfg, pool) = (io.cfg, io.pool);
+    let (cfg, pool) = (io.cfg, &io.pool.buffers);
     let buckets = plan_buckets(&request_sizes(requests), cfg.bucket_size);
     let largest = buckets.iter().map(|b| b.1).max().unwrap_or(0).max(1) as usize;
     let n_buf = cfg.buffers.min(buckets.len()).max(1);

@@ -74,6 +74,7 @@ mod net;
 mod offer;
 mod plan;
 mod quantize;
+mod quantize_behind;
 mod quantize_device;
 mod session;
 mod shard;
@@ -112,7 +113,7 @@ pub struct Publisher {
     path: PathBuf,
     /// Shared buffers of finished sessions, reused by the next ones: fresh
     /// shared memory costs a page fault (and, in a VM, more) per page.
-    pool: buffers::BufferPool,
+    pool: buffers::Pools,
     listener: Listener,
     /// Network sessions: the shared secret, checked when binding.
     secret: Option<Secret>,
@@ -167,7 +168,7 @@ impl Publisher {
     ) -> Publisher {
         Publisher {
             path,
-            pool: buffers::BufferPool::default(),
+            pool: buffers::Pools::default(),
             listener,
             secret,
             bound: None,

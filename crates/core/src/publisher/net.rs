@@ -63,7 +63,7 @@ pub(super) fn stream(
     shard: &mut Shard,
     (requests, deltas): (&[Request], &Messages),
 ) -> Result<()> {
-    let (cfg, pool) = (io.cfg, io.pool);
+    let (cfg, pool) = (io.cfg, &io.pool.buffers);
     let ready = recv_ready(io.conn, (io.ack_deadline)())?;
     check_cuts(requests, ready.bucket_size, true)
         .map_err(|e| e.context(format!("{}'s READY", io.conn.peer())))?;

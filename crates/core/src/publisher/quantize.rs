@@ -5,18 +5,24 @@
 //! into an image of one E4M3 byte each, which the session then serves as a
 //! tensor of its own (`Shard::add_image`): the request becomes all of that
 //! image, so the buckets, slice sums and both transports carry it as any
-//! other tensor.
+//! other tensor. Images in host memory are made behind the stream
+//! (`quantize_behind.rs`): [`serve`] returns them to be made while the
+//! buckets before them go out.
 //!
 //! A NaN or an infinity fails the session naming the tensor and the
-//! element (in the global tensor): a diverged trainer does not reach the
-//! engine. Memory: while a session quantizes, each quantized request's
-//! source bytes are held, then its image (one byte per element).
+//! element (in the global tensor) before AMAX goes out: a diverged trainer
+//! does not reach the engine. Memory: while a session quantizes, each
+//! quantized request's source bytes (read from files) are held, then its
+//! image (one byte per element).
 
+use super::buffers::ImagePool;
 use super::kept_images::ImageKey;
 use super::offer::{Offer, Published};
 use super::quantize_device;
 use super::shard::{fill, Shard};
+use crate::manifest::TensorMeta;
 use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
 use crate::quant::bands::{self, Wide};
 use crate::quant::blocks::{global_index, touched, walk, Placed};
 use crate::quant::{segment_amax, segment_quantize, QuantError, Scheme};
@@ -41,9 +47,9 @@ struct Job {
     /// over its elements.
     blocks: Vec<u64>,
     amax: Vec<f32>,
-    /// Quantized already with its own amax, when it holds its blocks
-    /// whole (`own_blocks`): kept if the agreed amax is its own.
-    image: Option<HostRegion>,
+    /// Where it holds its blocks whole ([`own_blocks`]): quantized a band
+    /// of 128 rows at a time.
+    own: Option<(u64, u64, u64)>,
     /// In a GPU version on this GPU: quantized there (`quantize_device`).
     device: Option<i32>,
 }
@@ -52,18 +58,45 @@ struct Job {
 /// (what deltas against it are looked up by).
 pub(super) type Images = Vec<(u32, ImageKey)>;
 
+/// What [`serve`] did and left to do.
+#[derive(Default)]
+pub(super) struct Served {
+    /// Source bytes of the quantized requests.
+    pub read_bytes: u64,
+    pub images: Images,
+    /// Whether each image (tensor `first_image + i` of the shard) is made.
+    pub made: Vec<bool>,
+    /// The images still to make, in request order, with their numbers:
+    /// [`ImageToMake::make`] each (`quantize_behind.rs`).
+    pub to_make: Vec<(usize, ImageToMake)>,
+}
+
+/// An image in host memory to make once the agreed amax is known; owns
+/// what it reads but the tensor in memory (which the trainer keeps
+/// unchanged while it is served).
+pub(super) struct ImageToMake {
+    job: Job,
+    request: Request,
+    meta: TensorMeta,
+    tensor: Option<SendPtr>,
+    agreed: Vec<f32>,
+    image: Arc<HostRegion>,
+    /// Kept with the offer once made, as the base of the next version's
+    /// deltas.
+    keep: Option<ImageKey>,
+}
+
 /// Answer WANT's quantized requests `quant` of `want` (their runs count
 /// elements): AMAX, then SCALES before `deadline`; each then becomes all
-/// of its image, kept with `offer` when it is a published host copy (the
-/// base of the next version's deltas, `kept_images.rs`). Returns the bytes
-/// read for them and the images' names.
+/// of its image. Images on the GPU are made here; those in host memory are
+/// returned to be made ([`Served::to_make`]).
 pub(super) fn serve(
     conn: &mut Conn,
-    (offer, shard): (&Offer, &mut Shard),
+    (offer, shard, pool): (&Offer, &mut Shard, &ImagePool),
     want: &mut [Request],
     quant: &[(u32, Scheme)],
     (threads, deadline): (usize, &dyn Fn() -> Instant),
-) -> Result<(u64, Images)> {
+) -> Result<Served> {
     // Quantized runs count elements: checked against the tensors'.
     let elements: Vec<u64> = (shard.manifest.tensors.iter())
         .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
@@ -89,22 +122,12 @@ pub(super) fn serve(
         }
     };
     check_agreed(&jobs, &agreed)?;
-    let mut read_bytes = 0;
-    let mut images = Images::with_capacity(jobs.len());
+    let mut served = Served::default();
     let keeps = matches!(offer.published, Some(Published::Host(_)));
-    for (mut job, (_, amax)) in jobs.into_iter().zip(agreed) {
-        let q = &want[job.request as usize];
-        read_bytes += q.bytes() * job.dtype.size() as u64;
-        let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
-        let image = match (job.image.take(), job.device) {
-            (Some(image), _) if same(&job.amax) => image,
-            (_, Some(gpu)) => {
-                quantize_device::image(shard, q, (job.scheme, gpu), &job.blocks, &amax)?
-            }
-            _ => quantized(shard, q, &job, &amax, threads)?,
-        };
-        let (len, sums) = (q.bytes(), q.sums);
-        let meta = &shard.manifest.tensors[job.tensor];
+    for (job, (_, amax)) in jobs.into_iter().zip(agreed) {
+        let q = want[job.request as usize].clone();
+        served.read_bytes += q.bytes() * job.dtype.size() as u64;
+        let meta = shard.manifest.tensors[job.tensor].clone();
         let key = ImageKey {
             name: meta.name.clone(),
             offset: meta
@@ -114,15 +137,35 @@ pub(super) fn serve(
             scheme: job.scheme,
             runs: q.runs.clone(),
         };
-        let image = Arc::new(image);
-        if keeps {
-            offer.images.keep(key.clone(), &image, offer.elements);
-        }
-        images.push((job.request, key));
-        let t = shard.add_image(image);
-        want[job.request as usize] = Request::whole(t, len, sums);
+        let (len, sums, request) = (q.bytes(), q.sums, job.request);
+        let number = served.made.len();
+        let t = match job.device {
+            Some(gpu) => {
+                let image =
+                    quantize_device::image(shard, &q, (job.scheme, gpu), &job.blocks, &amax)?;
+                served.made.push(true);
+                shard.add_image(Arc::new(image))
+            }
+            None => {
+                let image = Arc::new(pool.take(len as usize)?);
+                served.made.push(false);
+                let to_make = ImageToMake {
+                    tensor: in_memory(shard, job.tensor).map(|b| SendPtr(b.as_ptr().cast_mut())),
+                    job,
+                    request: q,
+                    meta,
+                    agreed: amax,
+                    image: image.clone(),
+                    keep: keeps.then(|| key.clone()),
+                };
+                served.to_make.push((number, to_make));
+                shard.add_image(image)
+            }
+        };
+        served.images.push((request, key));
+        want[request as usize] = Request::whole(t, len, sums);
     }
-    Ok((read_bytes, images))
+    Ok(served)
 }
 
 /// The quantized requests ask for at most as many elements as the shard
@@ -209,7 +252,7 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         wide: None,
         blocks: Vec::new(),
         amax: Vec::new(),
-        image: None,
+        own: None,
         device: match &shard.published {
             Some(Published::Device(d)) => Some(d.ordinal()),
             _ => None,
@@ -242,12 +285,11 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         esize,
     };
     if let Some(own) = own_blocks(q, scheme, at) {
-        let (blocks, amax, image) =
-            quantize_own(q, own, (dtype, elements), threads).map_err(|e| match e {
-                Ok(error) => error,
-                Err(element) => not_finite(element),
-            })?;
-        (job.blocks, job.amax, job.image) = (blocks, amax, Some(image));
+        let (blocks, amax) = own_amax(q, own, (dtype, elements), threads).map_err(|e| match e {
+            Ok(error) => error,
+            Err(element) => not_finite(element),
+        })?;
+        (job.blocks, job.amax, job.own) = (blocks, amax, Some(own));
     } else {
         job.blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
         job.amax =
@@ -261,9 +303,9 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
 /// the global tensor's columns, rows from a multiple of 128 to a multiple
 /// of 128 (or the tensor's end), in one contiguous run of a 2-D shard (an
 /// FSDP row shard at block edges, the common case). Then no other source
-/// holds a byte of its blocks, the agreed amax is its own, and it can be
-/// quantized while its amax is found. Returns (first global row, rows,
-/// columns).
+/// holds a byte of its blocks, the agreed amax is its own, and its amax
+/// and its quantizing go a band of 128 rows at a time, on as many threads.
+/// Returns (first global row, rows, columns).
 fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)> {
     let b = crate::quant::blocks::BLOCK_EDGE;
     let [run] = q.runs.as_slice() else {
@@ -280,36 +322,28 @@ fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)
     (first % b == 0 && ends).then_some((first, rows, cols))
 }
 
-/// A request quantized with its own amax: its blocks, their amax, its
-/// image.
-type Quantized = (Vec<u64>, Vec<f32>, HostRegion);
-
-/// Quantize request `q` ([`own_blocks`]: `(first, rows, cols)`) with its
-/// own amax in one pass: its blocks, their amax, and its image. Err:
-/// Ok(error), or Err(a non-finite element of the tensor).
-fn quantize_own(
+/// Request `q` ([`own_blocks`]: `(first, rows, cols)`) as bands of its
+/// own: its blocks and their amax. Err: Ok(error), or Err(a non-finite
+/// element of the tensor).
+fn own_amax(
     q: &Request,
     (first, rows, cols): (u64, u64, u64),
     (dtype, elements): (DType, Elements),
     threads: usize,
-) -> std::result::Result<Quantized, std::result::Result<Error, u64>> {
-    let image = HostRegion::new("a quantized request's image", q.bytes() as usize).map_err(Ok)?;
-    image.advise_huge(true);
-    // SAFETY: the region is ours, `q.bytes()` bytes, written only here.
-    let out = unsafe { std::slice::from_raw_parts_mut(image.ptr(), q.bytes() as usize) };
+) -> std::result::Result<(Vec<u64>, Vec<f32>), std::result::Result<Error, u64>> {
     let wide = Wide {
         dtype,
         shape: &[rows, cols],
         bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
     };
-    let amax = bands::quantize_own_blocks(wide, out, threads).map_err(|e| match e {
+    let amax = bands::amax(Scheme::Fp8Block128, wide, threads).map_err(|e| match e {
         QuantError::NonFinite { index, .. } => Err(q.runs[0].offset + index as u64),
         QuantError::Invalid(why) => Ok(Error::invalid_argument(why)),
     })?;
     let b = crate::quant::blocks::BLOCK_EDGE;
     let (scols, band0) = (cols.div_ceil(b), first / b);
     let blocks = (band0 * scols..(band0 + rows.div_ceil(b)) * scols).collect();
-    Ok((blocks, amax, image))
+    Ok((blocks, amax))
 }
 
 /// Request `q`'s elements of a tensor read from files, in request order.
@@ -428,28 +462,71 @@ fn check_agreed(jobs: &[Job], agreed: &BlockValues) -> Result<()> {
     Ok(())
 }
 
-/// Job `job`'s elements quantized with the blocks' agreed `amax`, on
-/// `threads`.
-fn quantized(
-    shard: &Shard,
+impl ImageToMake {
+    /// Quantize the request's elements with the blocks' agreed amax into
+    /// its image, on `threads`; then keep the image with `offer` when it
+    /// is the base of later deltas.
+    pub(super) fn make(self, offer: &Offer, threads: usize) -> Result<()> {
+        let job = &self.job;
+        let q = &self.request;
+        let n = q.bytes() as usize;
+        // SAFETY: the image is this session's, `n` bytes (its length),
+        // written only here; the streamer reads it once it is marked made.
+        let image = unsafe { std::slice::from_raw_parts_mut(self.image.ptr(), n) };
+        let tensor = self.tensor.map(|p| {
+            // SAFETY: the trainer keeps a served tensor's memory valid and
+            // unchanged while it is served (`Publisher::add`'s contract).
+            unsafe { std::slice::from_raw_parts(p.0, self.meta.nbytes as usize) }
+        });
+        let elements = Elements {
+            tensor,
+            wide: job.wide.as_deref(),
+            esize: job.dtype.size() as u64,
+        };
+        match job.own {
+            Some((_, rows, cols)) => {
+                let wide = Wide {
+                    dtype: job.dtype,
+                    shape: &[rows, cols],
+                    bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
+                };
+                let mut scales = vec![0f32; self.agreed.len()];
+                bands::write(
+                    job.scheme,
+                    wide,
+                    &self.agreed,
+                    (image, &mut scales),
+                    threads,
+                )
+                .map_err(|e| Error::invalid_argument(format!("{e:?}")))?;
+            }
+            None => walk_quantize(
+                q,
+                job,
+                (Placed::of(&self.meta), elements),
+                &self.agreed,
+                image,
+                threads,
+            ),
+        }
+        if let Some(key) = self.keep {
+            offer.images.keep(key, &self.image, offer.elements);
+        }
+        Ok(())
+    }
+}
+
+/// Job `job`'s elements (of `at`) quantized with the blocks' agreed
+/// `amax` into `image`, on `threads`: block by block as the request's
+/// runs cross them.
+fn walk_quantize(
     q: &Request,
     job: &Job,
+    (at, elements): (Placed, Elements),
     amax: &[f32],
+    image: &mut [u8],
     threads: usize,
-) -> Result<HostRegion> {
-    let meta = &shard.manifest.tensors[job.tensor];
-    let at = Placed::of(meta);
-    let elements = Elements {
-        tensor: in_memory(shard, job.tensor),
-        wide: job.wide.as_deref(),
-        esize: job.dtype.size() as u64,
-    };
-    // Huge pages: a 4 KiB page fault each took about as long as
-    // quantizing its bytes.
-    let region = HostRegion::new("a quantized request's image", q.bytes() as usize)?;
-    region.advise_huge(true);
-    // SAFETY: the region is ours, `q.bytes()` bytes, written only here.
-    let image = unsafe { std::slice::from_raw_parts_mut(region.ptr(), q.bytes() as usize) };
+) {
     let parts = parts(q, threads);
     std::thread::scope(|s| {
         let mut rest = &mut image[..];
@@ -473,5 +550,4 @@ fn quantized(
             });
         }
     });
-    Ok(region)
 }

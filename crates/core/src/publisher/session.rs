@@ -3,10 +3,11 @@
 //! (`ipc`) or the network (`net`), both through the one streamer
 //! (`streamer`).
 
-use super::buffers::BufferPool;
+use super::buffers::Pools;
 use super::config::PublisherConfig;
 use super::handshake::Admitted;
 use super::offer::{pick, Offer};
+use super::quantize_behind::Behind;
 use super::shard::shard_for;
 use super::shard::Shard;
 use super::stats::SessionStats;
@@ -15,7 +16,7 @@ use super::{deltas, ipc, net, quantize};
 use crate::quant::Scheme;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_requests, DeltaBase, Frame, Request};
+use crate::wire::{check_requests, BucketEntry, DeltaBase, Frame, Request};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +25,7 @@ pub(super) fn run(
     admitted: Admitted,
     offers: &[Arc<Offer>],
     cfg: &PublisherConfig,
-    pool: &BufferPool,
+    pool: &Pools,
 ) -> Result<SessionStats> {
     let start = Instant::now();
     let Admitted {
@@ -76,7 +77,7 @@ fn serve(
     (rank, gpu_id, wanted_version, held): (u32, &str, &str, &str),
     bytes_key: Option<&[u8; 32]>,
     cfg: &PublisherConfig,
-    pool: &BufferPool,
+    pool: &Pools,
     start: Instant,
 ) -> Result<SessionStats> {
     let session_deadline = start + cfg.session_timeout;
@@ -98,54 +99,134 @@ fn serve(
         base_kept: base_shard.is_some(),
     })?;
     let (mut want, base, quant) = take_want(conn, &shard, step(cfg.bucket_timeout))?;
-    let tensors = want.len() as u64;
     let quantizing = Instant::now();
-    let (quantized, images) = match quant.is_empty() {
+    let served = match quant.is_empty() {
         true => Default::default(),
         false => quantize::serve(
             conn,
-            (offer, &mut shard),
+            (offer, &mut shard, &pool.images),
             &mut want,
             &quant,
             (cfg.pack_threads(), &|| step(cfg.bucket_timeout)),
         )?,
     };
-    let (deltas, messages) = match &base {
-        Some(base) => deltas::serve(
-            conn,
-            (base_shard.as_ref(), offer),
-            (&shard, &mut want, &images),
-            base,
-            (cfg, bytes_key.is_some()),
-        )?,
-        None => Default::default(),
-    };
-    let mut stats = SessionStats {
+    let stats = SessionStats {
         rank,
         version: have,
-        tensors,
+        tensors: want.len() as u64,
         hashed: shard.hashed,
         hash,
-        bytes: deltas.bytes,
-        delta_runs: deltas.runs,
-        delta_cached: deltas.cached,
-        delta_bytes: deltas.bytes,
-        quantized,
+        quantized: served.read_bytes,
         quantize: quantizing.elapsed(),
         ..Default::default()
     };
-    let ack_deadline = || step(cfg.bucket_timeout);
-    let mut io = SessionIo {
-        conn,
-        cfg,
-        pool,
-        ack_deadline: &ack_deadline,
-        stats: &mut stats,
+    let delivery = Delivery {
+        shard,
+        want,
+        base,
+        base_shard,
+        served,
     };
-    match bytes_key {
-        Some(key) => net::stream(&mut io, key, &mut shard, (&want, &messages))?,
-        None => ipc::stream(&mut io, &mut shard, &want)?,
-    }
+    let bucket_deadline = || step(cfg.bucket_timeout);
+    deliver(
+        conn,
+        offer,
+        delivery,
+        (bytes_key, cfg, pool, &bucket_deadline),
+        stats,
+    )
+}
+
+/// What a session sends once WANT is answered as far as quantizing goes.
+struct Delivery {
+    shard: Shard,
+    want: Vec<Request>,
+    base: Option<DeltaBase>,
+    base_shard: Option<deltas::BaseShard>,
+    served: quantize::Served,
+}
+
+/// The deltas, then the buckets of `d`, each bucket within
+/// `bucket_deadline()`; `stats` filled in. The FP8 images in host memory
+/// are made while the buckets before them go out (`quantize_behind.rs`);
+/// the scope joins their maker whatever happens.
+fn deliver(
+    conn: &mut Conn,
+    offer: &Offer,
+    d: Delivery,
+    (bytes_key, cfg, pool, bucket_deadline): (
+        Option<&[u8; 32]>,
+        &PublisherConfig,
+        &Pools,
+        &dyn Fn() -> Instant,
+    ),
+    stats: SessionStats,
+) -> Result<SessionStats> {
+    let Delivery {
+        mut shard,
+        mut want,
+        base,
+        base_shard,
+        served,
+    } = d;
+    let behind = Behind::new(shard.manifest.tensors.len(), served.made);
+    let to_make = served.to_make;
+    let stats = std::thread::scope(|s| {
+        if !to_make.is_empty() {
+            let (behind, threads) = (&behind, cfg.pack_threads());
+            s.spawn(move || behind.run(to_make, |image| image.make(offer, threads)));
+        }
+        let r = (|| {
+            let (deltas, messages) = match &base {
+                Some(base) => {
+                    // Deltas are taken against whole images.
+                    behind.wait_all(bucket_deadline())?;
+                    deltas::serve(
+                        conn,
+                        (base_shard.as_ref(), offer),
+                        (&shard, &mut want, &served.images),
+                        base,
+                        (cfg, bytes_key.is_some()),
+                    )?
+                }
+                None => Default::default(),
+            };
+            let mut stats = SessionStats {
+                bytes: deltas.bytes,
+                delta_runs: deltas.runs,
+                delta_cached: deltas.cached,
+                delta_bytes: deltas.bytes,
+                ..stats
+            };
+            let ready = |entries: &[BucketEntry]| {
+                let tensors = entries
+                    .iter()
+                    .map(|e| want[e.request as usize].tensor as usize);
+                behind.wait_for(tensors, bucket_deadline())
+            };
+            let mut io = SessionIo {
+                conn,
+                cfg,
+                pool,
+                ack_deadline: bucket_deadline,
+                images_ready: &ready,
+                stats: &mut stats,
+            };
+            match bytes_key {
+                Some(key) => net::stream(&mut io, key, &mut shard, (&want, &messages))?,
+                None => ipc::stream(&mut io, &mut shard, &want)?,
+            }
+            Ok(stats)
+        })();
+        if r.is_err() {
+            behind.stop();
+        }
+        r
+    });
+    // The images go back to the pool once the maker is done with them.
+    pool.images.give_back(shard.take_images(), offer.elements);
+    let mut stats = stats?;
+    stats.quantize += behind.waited();
     Ok(stats)
 }
 

@@ -53,6 +53,11 @@ impl Shard {
         t as u32
     }
 
+    /// The session's images, once it is done with them.
+    pub(super) fn take_images(&mut self) -> Vec<Arc<HostRegion>> {
+        std::mem::take(&mut self.images)
+    }
+
     /// Whether the session serves images of its own (they are packed:
     /// no window into a published buffer holds them).
     pub(super) fn has_images(&self) -> bool {

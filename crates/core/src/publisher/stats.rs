@@ -24,8 +24,10 @@ pub struct SessionStats {
     /// already (engine ranks taking the same runs).
     pub delta_cached: u64,
     /// Source bytes of the requests quantized to FP8 for the engine, and
-    /// the time it took to read and quantize them (with the engine's
-    /// AMAX/SCALES round trip).
+    /// the time the session spent on them: reading them and finding their
+    /// amax, the engine's AMAX/SCALES round trip, quantizing on the GPU,
+    /// and waiting for images in host memory, which are quantized while
+    /// the buckets before them go out.
     pub quantized: u64,
     pub quantize: Duration,
     /// Network: UCX messages sent (one per bucket entry; small blocks of a

@@ -4,7 +4,7 @@
 //! ([`BucketSink`]: `ipc::IpcSink`, `net::NetSink`); the window of
 //! acknowledgements and the order of the frames are the streamer's.
 
-use super::buffers::BufferPool;
+use super::buffers::Pools;
 use super::config::PublisherConfig;
 use super::stats::SessionStats;
 use crate::result::{Error, Result};
@@ -71,69 +71,56 @@ pub(super) trait BucketSink {
 pub(super) struct SessionIo<'a> {
     pub conn: &'a mut Conn,
     pub cfg: &'a PublisherConfig,
-    pub pool: &'a BufferPool,
+    pub pool: &'a Pools,
     pub ack_deadline: &'a dyn Fn() -> Instant,
+    /// Wait until the FP8 images a bucket's entries hold are made
+    /// (`quantize_behind.rs`).
+    pub images_ready: &'a dyn Fn(&[BucketEntry]) -> Result<()>,
     pub stats: &'a mut SessionStats,
 }
 
 impl SessionIo<'_> {
-    /// Stream `buckets` through `sink` on this session.
+    /// Stream `buckets` through `sink` on this session, at most
+    /// `in_flight` unacknowledged; each acknowledgement within
+    /// `ack_deadline()`.
     pub fn stream<S: BucketSink>(
         &mut self,
         buckets: &[Bucket],
         in_flight: usize,
         sink: &mut S,
     ) -> Result<()> {
-        stream_buckets(
-            self.conn,
-            buckets,
-            in_flight,
-            sink,
-            self.ack_deadline,
-            self.stats,
-        )
-    }
-}
-
-/// Stream `buckets` through `sink`, at most `in_flight` unacknowledged;
-/// each acknowledgement within `ack_deadline()`.
-pub(super) fn stream_buckets<S: BucketSink>(
-    conn: &mut Conn,
-    buckets: &[Bucket],
-    in_flight: usize,
-    sink: &mut S,
-    ack_deadline: &dyn Fn() -> Instant,
-    stats: &mut SessionStats,
-) -> Result<()> {
-    let in_flight = in_flight.max(1);
-    let mut window = AckWindow {
-        acked: 0,
-        ack_deadline,
-    };
-    for (i, (entries, _)) in buckets.iter().enumerate() {
-        let seq = i as u64;
-        if i >= in_flight {
+        let (conn, stats) = (&mut *self.conn, &mut *self.stats);
+        let in_flight = in_flight.max(1);
+        let mut window = AckWindow {
+            acked: 0,
+            ack_deadline: self.ack_deadline,
+        };
+        for (i, (entries, _)) in buckets.iter().enumerate() {
+            let seq = i as u64;
+            if i >= in_flight {
+                window.wait_free(conn, sink, stats)?;
+            }
+            (self.images_ready)(entries)?;
+            let buffer = sink.prepare(seq, entries, stats)?;
+            stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
+            conn.send(&sink.announce(seq, buffer, entries))?;
+            sink.send(conn, seq, entries, stats)?;
+        }
+        let end = Frame::End {
+            buckets: buckets.len() as u64,
+        };
+        if S::END_BEFORE_LAST_ACKS {
+            conn.send(&end)?;
+        }
+        for _ in buckets.len().saturating_sub(in_flight)..buckets.len() {
             window.wait_free(conn, sink, stats)?;
         }
-        let buffer = sink.prepare(seq, entries, stats)?;
-        stats.bytes += entries.iter().map(|e| e.len).sum::<u64>();
-        conn.send(&sink.announce(seq, buffer, entries))?;
-        sink.send(conn, seq, entries, stats)?;
+        if !S::END_BEFORE_LAST_ACKS {
+            conn.send(&end)?;
+        }
+        stats.buckets = buckets.len() as u64;
+        Ok(())
     }
-    let end = Frame::End {
-        buckets: buckets.len() as u64,
-    };
-    if S::END_BEFORE_LAST_ACKS {
-        conn.send(&end)?;
-    }
-    for _ in buckets.len().saturating_sub(in_flight)..buckets.len() {
-        window.wait_free(conn, sink, stats)?;
-    }
-    if !S::END_BEFORE_LAST_ACKS {
-        conn.send(&end)?;
-    }
-    stats.buckets = buckets.len() as u64;
-    Ok(())
 }
 
 /// The acknowledgements: they come in order, one per bucket.

@@ -169,48 +169,6 @@ pub fn write(
     Ok(())
 }
 
-/// Quantize `wide` (`[rows, cols]`, its bands' blocks whole: a part of a
-/// global tensor starting at a multiple of 128 rows, all of its columns)
-/// with 128x128 blocks and its own amax, each band quantized right after
-/// its amax is found, while it is in cache: one read of the source bytes
-/// from memory instead of two. Returns every block's amax (unclamped,
-/// band-major); Err: a NaN or an infinity (flat index in `wide`), found
-/// before its band is written.
-pub fn quantize_own_blocks(
-    wide: Wide,
-    fp8: &mut [u8],
-    threads: usize,
-) -> Result<Vec<f32>, QuantError> {
-    let scheme = Scheme::Fp8Block128;
-    let (bands, cols) = bands(scheme, wide.shape);
-    let esize = wide.dtype.size();
-    let fp8_at = fp8.as_mut_ptr() as usize;
-    if fp8.len() * esize != wide.bytes.len() {
-        return Err(QuantError::Invalid(format!(
-            "{} fp8 bytes for {} source bytes",
-            fp8.len(),
-            wide.bytes.len()
-        )));
-    }
-    let per_band = par_map(&bands, threads, |b| {
-        let src = b.source(wide, cols);
-        let amax = b.amax(scheme, src, cols)?;
-        let whole = [b.rows, cols];
-        // SAFETY: bands are disjoint rows of `fp8` (its length checked).
-        let q = unsafe {
-            std::slice::from_raw_parts_mut((fp8_at as *mut u8).add(b.row * cols), b.rows * cols)
-        };
-        let mut scales = vec![0f32; b.scales];
-        quantize_with(scheme, src, ([0, 0], whole), &amax, q, &mut scales)?;
-        Ok(amax)
-    });
-    let mut out = Vec::with_capacity(bands.last().map_or(0, |b| b.scale + b.scales));
-    for amax in per_band {
-        out.extend(amax?);
-    }
-    Ok(out)
-}
-
 /// `f` over every band on up to `threads` threads, results in band order.
 fn par_map<T: Send>(bands: &[Band], threads: usize, f: impl Fn(&Band) -> T + Sync) -> Vec<T> {
     crate::parallel::map(bands, threads, "quantizing", f)

@@ -1,0 +1,193 @@
+//! FP8 images made behind the stream. Once the engine has agreed every
+//! block's amax (SCALES), a session's images in host memory are quantized
+//! in request order on a thread of their own while the streamer sends the
+//! buckets that are ready: quantizing overlaps the wire instead of
+//! preceding it (before, every image was made before the first byte left,
+//! and an FP8 update over a fast link took longer than the bf16 one).
+//!
+//! The streamer waits for the images a bucket holds before it packs or
+//! sends it ([`Behind::wait_for`], bounded by the bucket timeout); a
+//! failed or stopped maker fails the wait with its reason.
+
+use crate::result::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Which of a session's images are made, shared by their maker and the
+/// streamer.
+pub(super) struct Behind {
+    state: Mutex<State>,
+    changed: Condvar,
+    /// The tensor number of image 0 (images follow the manifest's tensors).
+    first_image: usize,
+}
+
+struct State {
+    /// By image: made (images made before the stream starts are).
+    made: Vec<bool>,
+    failed: Option<Error>,
+    /// The session gave up: the maker stops before its next image.
+    stop: bool,
+    /// How long the streamer waited for images.
+    waited: Duration,
+}
+
+impl Behind {
+    /// Images numbered from tensor `first_image`, `made` saying which are.
+    pub(super) fn new(first_image: usize, made: Vec<bool>) -> Behind {
+        Behind {
+            state: Mutex::new(State {
+                made,
+                failed: None,
+                stop: false,
+                waited: Duration::ZERO,
+            }),
+            changed: Condvar::new(),
+            first_image,
+        }
+    }
+
+    /// Make `work`'s images in order (`make` each; the image number with
+    /// it), marking each made as it is done, until one fails or the
+    /// session stops. A panic in `make` marks the rest failed, so nobody
+    /// waits for them.
+    pub(super) fn run<T>(&self, work: Vec<(usize, T)>, make: impl Fn(T) -> Result<()>) {
+        struct FailUnlessDone<'a>(&'a Behind, bool);
+        impl Drop for FailUnlessDone<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    self.0.fail(Error::state(
+                        "quantizing the session's images stopped midway",
+                    ));
+                }
+            }
+        }
+        let mut guard = FailUnlessDone(self, false);
+        for (image, item) in work {
+            if self.state.lock().stop {
+                break;
+            }
+            if let Err(e) = make(item) {
+                self.fail(e);
+                break;
+            }
+            self.state.lock().made[image] = true;
+            self.changed.notify_all();
+        }
+        guard.1 = true;
+    }
+
+    /// Wait until `deadline` for every image among `tensors` (tensor
+    /// numbers; those below the first image are the version's own).
+    pub(super) fn wait_for(
+        &self,
+        tensors: impl Iterator<Item = usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let images: Vec<usize> = tensors
+            .filter_map(|t| t.checked_sub(self.first_image))
+            .collect();
+        let start = Instant::now();
+        let mut s = self.state.lock();
+        let r = loop {
+            if let Some(e) = &s.failed {
+                break Err(e.clone());
+            }
+            if images
+                .iter()
+                .all(|&i| s.made.get(i).copied().unwrap_or(true))
+            {
+                break Ok(());
+            }
+            if self.changed.wait_until(&mut s, deadline).timed_out() {
+                break Err(Error::timeout(
+                    "the session's FP8 images were not made within the bucket timeout",
+                ));
+            }
+        };
+        s.waited += start.elapsed();
+        r
+    }
+
+    /// Wait until `deadline` for every image.
+    pub(super) fn wait_all(&self, deadline: Instant) -> Result<()> {
+        let n = self.state.lock().made.len();
+        self.wait_for((0..n).map(|i| i + self.first_image), deadline)
+    }
+
+    /// The session gave up: no more images are made (and nobody waits
+    /// for them).
+    pub(super) fn stop(&self) {
+        let mut s = self.state.lock();
+        s.stop = true;
+        s.failed
+            .get_or_insert(Error::cancelled("the session stopped"));
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// How long the streamer waited for images.
+    pub(super) fn waited(&self) -> Duration {
+        self.state.lock().waited
+    }
+
+    fn fail(&self, e: Error) {
+        self.state.lock().failed.get_or_insert(e);
+        self.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_for_the_images_a_bucket_holds_and_no_others() {
+        let behind = Behind::new(3, vec![true, false, false]);
+        let soon = || Instant::now() + Duration::from_millis(20);
+        // Tensors of the version, and a made image: no wait.
+        assert!(behind.wait_for([0, 2, 3].into_iter(), soon()).is_ok());
+        let late = behind.wait_for([4].into_iter(), soon()).unwrap_err();
+        assert!(late.message.contains("not made"), "{}", late.message);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                behind.run(vec![(1, 10), (2, 20)], |ms| {
+                    std::thread::sleep(Duration::from_millis(ms));
+                    Ok(())
+                })
+            });
+            let deadline = Instant::now() + Duration::from_secs(10);
+            assert!(behind.wait_for([5].into_iter(), deadline).is_ok());
+        });
+        assert!(behind.waited() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn a_failed_or_panicking_maker_fails_the_wait_at_once() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let behind = Behind::new(0, vec![false, false]);
+        behind.run(vec![(0, ()), (1, ())], |()| Err(Error::format("bad")));
+        let e = behind.wait_for([1].into_iter(), deadline).unwrap_err();
+        assert_eq!(e.message, "bad");
+        let behind = Behind::new(0, vec![false]);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            behind.run(vec![(0, ())], |()| panic!("in make"))
+        }));
+        assert!(panicked.is_err());
+        let e = behind.wait_all(deadline).unwrap_err();
+        assert!(e.message.contains("stopped"), "{}", e.message);
+        assert!(Instant::now() < deadline);
+    }
+
+    #[test]
+    fn a_stopped_session_makes_no_more_images() {
+        let behind = Behind::new(0, vec![false, false]);
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        behind.run(vec![(0, ()), (1, ())], |()| {
+            made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            behind.stop();
+            Ok(())
+        });
+        assert_eq!(made.into_inner(), 1);
+    }
+}
