@@ -76,6 +76,7 @@ mod plan;
 mod quantize;
 mod quantize_behind;
 mod quantize_device;
+mod quantize_job;
 mod session;
 mod shard;
 mod socket;

@@ -18,14 +18,14 @@
 use super::buffers::ImagePool;
 use super::kept_images::ImageKey;
 use super::offer::{Offer, Published};
+use super::quantize_behind::ImageToMake;
 use super::quantize_device;
+use super::quantize_job::{index_of, parts, pieces, Elements, Job};
 use super::shard::{fill, Shard};
-use crate::manifest::TensorMeta;
-use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::quant::bands::{self, Wide};
 use crate::quant::blocks::{global_index, touched, walk, Placed};
-use crate::quant::{segment_amax, segment_quantize, QuantError, Scheme};
+use crate::quant::{segment_amax, QuantError, Scheme};
 use crate::result::{try_vec, Error, Result};
 use crate::tensor::DType;
 use crate::transport::conn::Conn;
@@ -33,26 +33,6 @@ use crate::wire::{BlockValues, BucketEntry, Frame, Request, WantRun};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// One quantized request: its source elements and blocks.
-struct Job {
-    request: u32,
-    scheme: Scheme,
-    dtype: DType,
-    tensor: usize,
-    /// A shard of files: its elements read, in request order. In memory:
-    /// None, read where they are.
-    wide: Option<Vec<u8>>,
-    /// The blocks it touches (`quant::blocks::touched`), and their amax
-    /// over its elements.
-    blocks: Vec<u64>,
-    amax: Vec<f32>,
-    /// Where it holds its blocks whole ([`own_blocks`]): quantized a band
-    /// of 128 rows at a time.
-    own: Option<(u64, u64, u64)>,
-    /// In a GPU version on this GPU: quantized there (`quantize_device`).
-    device: Option<i32>,
-}
 
 /// The quantized requests of a session, each with the name of its image
 /// (what deltas against it are looked up by).
@@ -69,21 +49,6 @@ pub(super) struct Served {
     /// The images still to make, in request order, with their numbers:
     /// [`ImageToMake::make`] each (`quantize_behind.rs`).
     pub to_make: Vec<(usize, ImageToMake)>,
-}
-
-/// An image in host memory to make once the agreed amax is known; owns
-/// what it reads but the tensor in memory (which the trainer keeps
-/// unchanged while it is served).
-pub(super) struct ImageToMake {
-    job: Job,
-    request: Request,
-    meta: TensorMeta,
-    tensor: Option<SendPtr>,
-    agreed: Vec<f32>,
-    image: Arc<HostRegion>,
-    /// Kept with the offer once made, as the base of the next version's
-    /// deltas.
-    keep: Option<ImageKey>,
 }
 
 /// Answer WANT's quantized requests `quant` of `want` (their runs count
@@ -183,43 +148,6 @@ fn check_total(elements: &[u64], want: &[Request], quant: &[(u32, Scheme)]) -> R
         false => Err(Error::peer(format!(
             "WANT asks for {asked} quantized elements, more than the {held} this rank's tensors hold"
         ))),
-    }
-}
-
-/// Request `q` as (tensor element, count, request position) pieces,
-/// clipped to the request positions `part`.
-fn pieces(q: &Request, part: Range<u64>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-    q.extents(part.start, part.end - part.start)
-        .map(|(src, at, len)| (src, len, at))
-}
-
-/// The request's positions cut into `threads` parts.
-fn parts(q: &Request, threads: usize) -> Vec<Range<u64>> {
-    let n = q.bytes();
-    let per = n.div_ceil(threads.max(1) as u64).max(1 << 16);
-    (0..n)
-        .step_by(per as usize)
-        .map(|a| a..(a + per).min(n))
-        .collect()
-}
-
-/// Where the elements of a job are: the tensor in memory (element `src`),
-/// or its read copy (request position `dst`).
-#[derive(Clone, Copy)]
-struct Elements<'a> {
-    tensor: Option<&'a [u8]>,
-    wide: Option<&'a [u8]>,
-    esize: u64,
-}
-
-impl<'a> Elements<'a> {
-    fn at(&self, src: u64, dst: u64, n: u64) -> &'a [u8] {
-        let (bytes, from) = match (self.tensor, self.wide) {
-            (Some(t), _) => (t, src),
-            (None, Some(w)) => (w, dst),
-            (None, None) => unreachable!("a job's elements are somewhere"),
-        };
-        &bytes[(from * self.esize) as usize..((from + n) * self.esize) as usize]
     }
 }
 
@@ -424,16 +352,6 @@ fn amax(
     }
     Ok(amax)
 }
-/// Where `block` is in `blocks` (one of them), looked for next to the
-/// last one found (`last`) first: a row walks consecutive blocks.
-fn index_of(blocks: &[u64], block: u64, last: usize) -> usize {
-    match blocks.get(last..last + 2) {
-        Some([b, _]) if *b == block => last,
-        Some([_, b]) if *b == block => last + 1,
-        _ => blocks.binary_search(&block).expect("a touched block"),
-    }
-}
-
 /// SCALES names the requests AMAX did, a value per block, none below
 /// this publisher's own amax (an agreed amax is the largest of all).
 fn check_agreed(jobs: &[Job], agreed: &BlockValues) -> Result<()> {
@@ -460,94 +378,4 @@ fn check_agreed(jobs: &[Job], agreed: &BlockValues) -> Result<()> {
         }
     }
     Ok(())
-}
-
-impl ImageToMake {
-    /// Quantize the request's elements with the blocks' agreed amax into
-    /// its image, on `threads`; then keep the image with `offer` when it
-    /// is the base of later deltas.
-    pub(super) fn make(self, offer: &Offer, threads: usize) -> Result<()> {
-        let job = &self.job;
-        let q = &self.request;
-        let n = q.bytes() as usize;
-        // SAFETY: the image is this session's, `n` bytes (its length),
-        // written only here; the streamer reads it once it is marked made.
-        let image = unsafe { std::slice::from_raw_parts_mut(self.image.ptr(), n) };
-        let tensor = self.tensor.map(|p| {
-            // SAFETY: the trainer keeps a served tensor's memory valid and
-            // unchanged while it is served (`Publisher::add`'s contract).
-            unsafe { std::slice::from_raw_parts(p.0, self.meta.nbytes as usize) }
-        });
-        let elements = Elements {
-            tensor,
-            wide: job.wide.as_deref(),
-            esize: job.dtype.size() as u64,
-        };
-        match job.own {
-            Some((_, rows, cols)) => {
-                let wide = Wide {
-                    dtype: job.dtype,
-                    shape: &[rows, cols],
-                    bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
-                };
-                let mut scales = vec![0f32; self.agreed.len()];
-                bands::write(
-                    job.scheme,
-                    wide,
-                    &self.agreed,
-                    (image, &mut scales),
-                    threads,
-                )
-                .map_err(|e| Error::invalid_argument(format!("{e:?}")))?;
-            }
-            None => walk_quantize(
-                q,
-                job,
-                (Placed::of(&self.meta), elements),
-                &self.agreed,
-                image,
-                threads,
-            ),
-        }
-        if let Some(key) = self.keep {
-            offer.images.keep(key, &self.image, offer.elements);
-        }
-        Ok(())
-    }
-}
-
-/// Job `job`'s elements (of `at`) quantized with the blocks' agreed
-/// `amax` into `image`, on `threads`: block by block as the request's
-/// runs cross them.
-fn walk_quantize(
-    q: &Request,
-    job: &Job,
-    (at, elements): (Placed, Elements),
-    amax: &[f32],
-    image: &mut [u8],
-    threads: usize,
-) {
-    let parts = parts(q, threads);
-    std::thread::scope(|s| {
-        let mut rest = &mut image[..];
-        for part in parts {
-            let (mine, more) = rest.split_at_mut((part.end - part.start) as usize);
-            rest = more;
-            s.spawn(move || {
-                let mut i = 0;
-                walk(
-                    job.scheme,
-                    at,
-                    pieces(q, part.clone()),
-                    |dst, n, src, block| {
-                        i = index_of(&job.blocks, block, i);
-                        let a = amax[i];
-                        let out =
-                            &mut mine[(dst - part.start) as usize..(dst - part.start + n) as usize];
-                        segment_quantize(job.dtype, elements.at(src, dst, n), a, out);
-                    },
-                );
-            });
-        }
-    });
 }

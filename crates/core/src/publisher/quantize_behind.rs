@@ -7,10 +7,24 @@
 //!
 //! The streamer waits for the images a bucket holds before it packs or
 //! sends it ([`Behind::wait_for`], bounded by the bucket timeout); a
-//! failed or stopped maker fails the wait with its reason.
+//! failed or stopped maker fails the wait with its reason. Making one
+//! image is [`ImageToMake::make`]: the request's elements quantized with
+//! the agreed amax, a band of 128 rows at a time where it holds its blocks
+//! whole, else block by block as its runs cross them.
 
+use super::kept_images::ImageKey;
+use super::offer::Offer;
+use super::quantize_job::{index_of, parts, pieces, Elements, Job};
+use crate::manifest::TensorMeta;
+use crate::memory::host::HostRegion;
+use crate::memory::SendPtr;
+use crate::quant::bands::{self, Wide};
+use crate::quant::blocks::{walk, Placed};
+use crate::quant::segment_quantize;
 use crate::result::{Error, Result};
+use crate::wire::Request;
 use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Which of a session's images are made, shared by their maker and the
@@ -135,6 +149,111 @@ impl Behind {
         self.state.lock().failed.get_or_insert(e);
         self.changed.notify_all();
     }
+}
+
+/// An image in host memory to make once the agreed amax is known; owns
+/// what it reads but the tensor in memory (which the trainer keeps
+/// unchanged while it is served).
+pub(super) struct ImageToMake {
+    pub(super) job: Job,
+    pub(super) request: Request,
+    pub(super) meta: TensorMeta,
+    pub(super) tensor: Option<SendPtr>,
+    pub(super) agreed: Vec<f32>,
+    pub(super) image: Arc<HostRegion>,
+    /// Kept with the offer once made, as the base of the next version's
+    /// deltas.
+    pub(super) keep: Option<ImageKey>,
+}
+
+impl ImageToMake {
+    /// Quantize the request's elements with the blocks' agreed amax into
+    /// its image, on `threads`; then keep the image with `offer` when it
+    /// is the base of later deltas.
+    pub(super) fn make(self, offer: &Offer, threads: usize) -> Result<()> {
+        let job = &self.job;
+        let q = &self.request;
+        let n = q.bytes() as usize;
+        // SAFETY: the image is this session's, `n` bytes (its length),
+        // written only here; the streamer reads it once it is marked made.
+        let image = unsafe { std::slice::from_raw_parts_mut(self.image.ptr(), n) };
+        let tensor = self.tensor.map(|p| {
+            // SAFETY: the trainer keeps a served tensor's memory valid and
+            // unchanged while it is served (`Publisher::add`'s contract).
+            unsafe { std::slice::from_raw_parts(p.0, self.meta.nbytes as usize) }
+        });
+        let elements = Elements {
+            tensor,
+            wide: job.wide.as_deref(),
+            esize: job.dtype.size() as u64,
+        };
+        match job.own {
+            Some((_, rows, cols)) => {
+                let wide = Wide {
+                    dtype: job.dtype,
+                    shape: &[rows, cols],
+                    bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
+                };
+                let mut scales = vec![0f32; self.agreed.len()];
+                bands::write(
+                    job.scheme,
+                    wide,
+                    &self.agreed,
+                    (image, &mut scales),
+                    threads,
+                )
+                .map_err(|e| Error::invalid_argument(format!("{e:?}")))?;
+            }
+            None => walk_quantize(
+                q,
+                job,
+                (Placed::of(&self.meta), elements),
+                &self.agreed,
+                image,
+                threads,
+            ),
+        }
+        if let Some(key) = self.keep {
+            offer.images.keep(key, &self.image, offer.elements);
+        }
+        Ok(())
+    }
+}
+
+/// Job `job`'s elements (of `at`) quantized with the blocks' agreed
+/// `amax` into `image`, on `threads`: block by block as the request's
+/// runs cross them.
+fn walk_quantize(
+    q: &Request,
+    job: &Job,
+    (at, elements): (Placed, Elements),
+    amax: &[f32],
+    image: &mut [u8],
+    threads: usize,
+) {
+    let parts = parts(q, threads);
+    std::thread::scope(|s| {
+        let mut rest = &mut image[..];
+        for part in parts {
+            let (mine, more) = rest.split_at_mut((part.end - part.start) as usize);
+            rest = more;
+            s.spawn(move || {
+                let mut i = 0;
+                walk(
+                    job.scheme,
+                    at,
+                    pieces(q, part.clone()),
+                    |dst, n, src, block| {
+                        i = index_of(&job.blocks, block, i);
+                        let a = amax[i];
+                        let out =
+                            &mut mine[(dst - part.start) as usize..(dst - part.start + n) as usize];
+                        segment_quantize(job.dtype, elements.at(src, dst, n), a, out);
+                    },
+                );
+            });
+        }
+    });
 }
 
 #[cfg(test)]
