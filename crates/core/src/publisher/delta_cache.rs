@@ -8,11 +8,12 @@
 //! lies (published copies: they do not change while kept), its element size
 //! and its runs. The cache holds a weak reference to each base offer it
 //! names, so that no other offer can take that address while an entry
-//! names it.
+//! names it. (It holds them as `dyn Any`: the offer holds the cache, and
+//! the cache need not know what an offer is.)
 
-use super::offer::Offer;
 use crate::wire::WantRun;
 use parking_lot::Mutex;
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -39,7 +40,7 @@ pub(super) struct RunKey {
 #[derive(Default)]
 pub(crate) struct DeltaCache {
     runs: Mutex<HashMap<RunKey, Arc<OnceLock<Encoded>>>>,
-    bases: Mutex<Vec<Weak<Offer>>>,
+    bases: Mutex<Vec<Weak<dyn Any + Send + Sync>>>,
 }
 
 impl std::fmt::Debug for DeltaCache {
@@ -51,9 +52,9 @@ impl std::fmt::Debug for DeltaCache {
 impl DeltaCache {
     /// The encoding of `key` against `base`: this session's (`encode`), or
     /// another's, waited for. The flag says whether it was another's.
-    pub(super) fn get_or_encode(
+    pub(super) fn get_or_encode<B: Any + Send + Sync>(
         &self,
-        base: &Arc<Offer>,
+        base: &Arc<B>,
         key: RunKey,
         encode: impl FnOnce() -> Encoded,
     ) -> (Arc<OnceLock<Encoded>>, bool) {
@@ -61,9 +62,9 @@ impl DeltaCache {
             let mut bases = self.bases.lock();
             if !bases
                 .iter()
-                .any(|b| std::ptr::eq(b.as_ptr(), Arc::as_ptr(base)))
+                .any(|b| std::ptr::addr_eq(b.as_ptr(), Arc::as_ptr(base)))
             {
-                bases.push(Arc::downgrade(base));
+                bases.push(Arc::downgrade(base) as Weak<dyn Any + Send + Sync>);
             }
         }
         let cell = self.runs.lock().entry(key).or_default().clone();
@@ -78,8 +79,8 @@ impl DeltaCache {
 
 /// The key of a run: `base`'s offer, the tensors' addresses, its element
 /// size and runs.
-pub(super) fn key(
-    base: &Arc<Offer>,
+pub(super) fn key<B>(
+    base: &Arc<B>,
     (old, new): (usize, usize),
     esize: usize,
     runs: &[WantRun],

@@ -16,23 +16,7 @@ use super::publisher_link::{unexpected, PublisherLink};
 use crate::apply::{delta_element_size, Applier, DeltaJob};
 use crate::plan::Plan;
 use crate::result::{try_vec, Error, Result};
-use crate::wire::{DeltaBase, DeltaRun, Frame, RunVerdict};
-
-/// The base to name in WANT: `version` and the fingerprints of the requests
-/// (request `k` is plan entry `entries[k]`) whose params hold a base here.
-/// None when none does.
-pub(super) fn base(version: String, entries: &[usize], applier: &Applier) -> Option<DeltaBase> {
-    let sums = applier.base_fingerprints(entries);
-    let fingerprints: Vec<(u32, u128)> = sums
-        .into_iter()
-        .enumerate()
-        .filter_map(|(k, s)| Some((k as u32, s?)))
-        .collect();
-    (!fingerprints.is_empty()).then_some(DeltaBase {
-        version,
-        fingerprints,
-    })
-}
+use crate::wire::{DeltaRun, Frame, RunVerdict};
 
 /// Take DELTAS and the deltas after WANT named a base, and apply them.
 pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier) -> Result<()> {

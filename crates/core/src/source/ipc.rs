@@ -41,7 +41,8 @@
 //! go as one 2D copy per run either way (`memory::strided`). The engine
 //! waits for its copies out of a bucket before acknowledging it.
 
-use super::publisher_link::{unexpected, FromPublisher, Hello, PublisherLink};
+use super::from_publisher::FromPublisher;
+use super::publisher_link::{unexpected, Hello, PublisherLink};
 use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;

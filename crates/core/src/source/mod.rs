@@ -3,6 +3,7 @@
 //! (validation, checksums, staging, progress) is the applier's.
 
 mod deltas;
+mod from_publisher;
 pub mod ipc;
 pub mod locations;
 pub mod net;

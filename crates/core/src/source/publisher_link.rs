@@ -2,19 +2,17 @@
 //! trainer's publisher, the handshake that ends with this rank's manifest,
 //! the WANT that follows the plan (a request per plan entry: exactly the
 //! bytes it needs), bucket entries mapped back to plan entries, slice
-//! checksums (SUMS), and the `Source` face of it all. Each source adds only
-//! how bucket bytes reach it.
+//! checksums (SUMS). Each source adds only how bucket bytes reach it
+//! (`from_publisher.rs` makes the `Source` of it).
 
-use super::deltas;
-use super::Step;
 use crate::apply::{Applier, Chunk, QuantRequest};
 use crate::manifest::Manifest;
 use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_size, BucketEntry, DeltaRun, Frame, Request, MAX_BLOCK_VALUES};
-use std::time::{Duration, Instant};
+use crate::wire::{check_size, BucketEntry, DeltaBase, DeltaRun, Frame, Request, MAX_BLOCK_VALUES};
+use std::time::Instant;
 
 /// Who this rank is and which version it asks for.
 pub struct Hello<'a> {
@@ -131,7 +129,7 @@ impl PublisherLink {
         check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
         self.check_blocks(&quantized)?;
         let base = match std::mem::replace(&mut self.base, Base::None) {
-            Base::Kept(v) => deltas::base(v, &wanted.entries, applier),
+            Base::Kept(v) => delta_base(v, &wanted.entries, applier),
             Base::NotKept => {
                 applier.note_base(false, 0, 0);
                 None
@@ -208,12 +206,9 @@ impl PublisherLink {
         self.conn.send(&Frame::Scales { values })
     }
 
-    /// Once every source has its SCALES: the deltas WANT asked for.
-    pub fn take_deltas(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        match self.deltas_asked {
-            true => deltas::take(self, plan, applier),
-            false => Ok(()),
-        }
+    /// Whether WANT named a base (the deltas come next).
+    pub(super) fn deltas_asked(&self) -> bool {
+        self.deltas_asked
     }
 
     /// The plan entry of request `k` (checked: one of WANT's).
@@ -377,72 +372,18 @@ pub fn unexpected(conn: &Conn, expected: &str, got: &Frame) -> Error {
     ))
 }
 
-/// A source fed by a publisher: the `Source` impl comes with it, and a failed
-/// update tells the publisher why.
-pub trait FromPublisher {
-    fn link(&self) -> &PublisherLink;
-    fn link_mut(&mut self) -> &mut PublisherLink;
-    /// WANT is sent: get ready to receive (nothing is applied yet).
-    fn begin(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()>;
-    /// Take what came (one bucket, or one landed entry) to the applier,
-    /// waiting at most about `wait` for it.
-    fn advance(&mut self, plan: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step>;
-    /// The update failed: hold none of the publisher's memory any more.
-    fn give_up(&mut self);
-}
-
-impl<T: FromPublisher> super::Source for T {
-    fn manifest(&self) -> &Manifest {
-        &self.link().manifest
-    }
-
-    fn no_version_reason(&self) -> String {
-        format!("{} named no version", self.link().conn.peer())
-    }
-
-    fn describe(&self) -> String {
-        self.link().conn.peer().to_string()
-    }
-
-    /// Parts of tensors come with their xxh3-128 (SUMS), computed by the
-    /// publisher as it serves them.
-    fn checks_slices(&self) -> bool {
-        true
-    }
-
-    fn start(&mut self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
-        self.link_mut().send_want(plan, me, applier)
-    }
-
-    fn collect(&mut self, applier: &mut Applier) -> Result<()> {
-        self.link_mut().take_amax(applier)
-    }
-
-    fn answer(&mut self, applier: &Applier) -> Result<()> {
-        self.link_mut().send_scales(applier)
-    }
-
-    fn start_streaming(&mut self, plan: &Plan, _: usize, applier: &mut Applier) -> Result<()> {
-        self.link_mut().take_deltas(plan, applier)?;
-        self.begin(plan, applier)
-    }
-
-    fn step(
-        &mut self,
-        plan: &Plan,
-        _: usize,
-        applier: &mut Applier,
-        wait: Duration,
-    ) -> Result<Step> {
-        let r = self.advance(plan, applier, wait);
-        if r.is_err() {
-            self.give_up();
-        }
-        r
-    }
-
-    fn abort(&mut self, why: &Error) {
-        self.link_mut().conn.send_error(why);
-        self.give_up();
-    }
+/// The base to name in WANT: `version` and the fingerprints of the requests
+/// (request `k` is plan entry `entries[k]`) whose params hold a base here.
+/// None when none does.
+fn delta_base(version: String, entries: &[usize], applier: &Applier) -> Option<DeltaBase> {
+    let sums = applier.base_fingerprints(entries);
+    let fingerprints: Vec<(u32, u128)> = sums
+        .into_iter()
+        .enumerate()
+        .filter_map(|(k, s)| Some((k as u32, s?)))
+        .collect();
+    (!fingerprints.is_empty()).then_some(DeltaBase {
+        version,
+        fingerprints,
+    })
 }

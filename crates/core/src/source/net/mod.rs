@@ -44,7 +44,8 @@ mod receive;
 use connect::{authenticate, connect};
 use receive::{Peer, Receiver};
 
-use super::publisher_link::{FromPublisher, Hello, PublisherLink};
+use super::from_publisher::FromPublisher;
+use super::publisher_link::{Hello, PublisherLink};
 use super::Step;
 use crate::apply::Applier;
 use crate::checksum::KEYED;
