@@ -119,17 +119,37 @@ pub fn walk(
 }
 
 /// The blocks `pieces` touch, increasing, each once.
+///
+/// A row's part touches the blocks its first element's block and its
+/// columns decide, so a part with the same first block and columns as the
+/// part before it (the next row of the same band: 127 of every 128 rows)
+/// adds nothing and is not walked: walking and sorting every row of a
+/// large tensor took longer than reading it.
 pub fn touched(
     scheme: Scheme,
     placed: Placed,
     pieces: impl IntoIterator<Item = (u64, u64, u64)>,
 ) -> Vec<u64> {
+    let cols = placed.shape.last().copied().unwrap_or(1).max(1);
     let mut out: Vec<u64> = Vec::new();
-    walk(scheme, placed, pieces, |_, _, _, b| {
-        if out.last() != Some(&b) {
-            out.push(b);
+    let mut last = None;
+    for (src, len, dst) in pieces {
+        let mut done = 0;
+        while done < len {
+            let e = src + done;
+            let in_row = (cols - e % cols).min(len - done);
+            let part = (placed.block_at(scheme, e, in_row).0, e % cols, in_row);
+            if last != Some(part) {
+                walk(scheme, placed, [(e, in_row, dst + done)], |_, _, _, b| {
+                    if out.last() != Some(&b) {
+                        out.push(b);
+                    }
+                });
+                last = Some(part);
+            }
+            done += in_row;
         }
-    });
+    }
     out.sort_unstable();
     out.dedup();
     out
@@ -186,5 +206,59 @@ mod tests {
         let e = (200 + 130) * 130 + 129;
         assert_eq!(touched(Scheme::Fp8Block128, placed, [(e, 1, 0)]), vec![7]);
         assert_eq!(global_index(placed, e), vec![1, 130, 129]);
+    }
+
+    /// Skipping the rows that repeat the one before lists the same blocks
+    /// as walking every element: row and column shards, stacked tensors,
+    /// pieces starting and ending inside rows, one scale per tensor.
+    #[test]
+    fn touched_lists_what_walking_every_element_finds() {
+        let every = |scheme, placed: Placed, pieces: &[(u64, u64, u64)]| {
+            let mut all = Vec::new();
+            walk(scheme, placed, pieces.iter().copied(), |_, _, _, b| {
+                all.push(b)
+            });
+            all.sort_unstable();
+            all.dedup();
+            all
+        };
+        let cases: [(&[u64], &[u64], &[u64]); 4] = [
+            (&[300, 256], &[0, 0], &[300, 256]),
+            (&[75, 130], &[150, 126], &[300, 512]),
+            (&[28, 1000], &[100, 0], &[257, 1000]),
+            (&[3, 140, 300], &[1, 120, 0], &[5, 400, 300]),
+        ];
+        let mut rng = crate::test_rng::Rng(7);
+        let mut below = |k: u64| rng.next() % k;
+        for (shape, offset, global) in cases {
+            let placed = Placed {
+                shape,
+                offset,
+                global,
+            };
+            let n: u64 = shape.iter().product();
+            let cols = shape[shape.len() - 1];
+            for k in 0..40 {
+                let mut pieces = Vec::new();
+                for _ in 0..1 + below(3) {
+                    let src = below(n);
+                    let len = 1 + below(n - src);
+                    pieces.push((src, len, 0));
+                }
+                if k % 4 == 0 {
+                    // A column split's rows: one piece per row.
+                    let (from, width) = (below(cols), 1 + below(cols / 2));
+                    let width = width.min(cols - from);
+                    pieces = (0..n / cols).map(|r| (r * cols + from, width, 0)).collect();
+                }
+                for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor] {
+                    assert_eq!(
+                        touched(scheme, placed, pieces.iter().copied()),
+                        every(scheme, placed, &pieces),
+                        "{shape:?} at {offset:?} of {global:?}: {pieces:?}"
+                    );
+                }
+            }
+        }
     }
 }
