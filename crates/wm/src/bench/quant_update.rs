@@ -150,7 +150,7 @@ fn session_parts(sessions: &[&SessionStats]) -> String {
     let mean =
         |f: fn(&SessionStats) -> Duration| ms(sessions.iter().map(|s| f(s)).sum::<Duration>() / n);
     format!(
-        "total {}: hashing {}, reading, agreeing (AMAX/SCALES) and quantizing {}, packing {}, waiting for the engine {}",
+        "total {}: hashing {}, reading, agreeing (AMAX/SCALES) and waiting for images {}, packing {}, waiting for the engine {}",
         mean(|s| s.total),
         mean(|s| s.hash),
         mean(|s| s.quantize),
