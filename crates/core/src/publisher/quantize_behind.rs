@@ -63,32 +63,30 @@ impl Behind {
 
     /// Make `work`'s images in order (`make` each; the image number with
     /// it), marking each made as it is done, until one fails or the
-    /// session stops. A panic in `make` marks the rest failed, so nobody
-    /// waits for them.
+    /// session stops. A panic in `make` fails the session like an error,
+    /// with its message (the session ends with an ERROR to the engine,
+    /// not a panic of its thread).
     pub(super) fn run<T>(&self, work: Vec<(usize, T)>, make: impl Fn(T) -> Result<()>) {
-        struct FailUnlessDone<'a>(&'a Behind, bool);
-        impl Drop for FailUnlessDone<'_> {
-            fn drop(&mut self) {
-                if !self.1 {
-                    self.0.fail(Error::state(
-                        "quantizing the session's images stopped midway",
-                    ));
-                }
-            }
-        }
-        let mut guard = FailUnlessDone(self, false);
         for (image, item) in work {
             if self.state.lock().stop {
                 break;
             }
-            if let Err(e) = make(item) {
+            let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(item)));
+            let failed = match made {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(panic) => Some(Error::state(format!(
+                    "quantizing an FP8 image panicked: {}",
+                    panic_message(&*panic)
+                ))),
+            };
+            if let Some(e) = failed {
                 self.fail(e);
                 break;
             }
             self.state.lock().made[image] = true;
             self.changed.notify_all();
         }
-        guard.1 = true;
     }
 
     /// Wait until `deadline` for every image among `tensors` (tensor
@@ -121,12 +119,6 @@ impl Behind {
         };
         s.waited += start.elapsed();
         r
-    }
-
-    /// Wait until `deadline` for every image.
-    pub(super) fn wait_all(&self, deadline: Instant) -> Result<()> {
-        let n = self.state.lock().made.len();
-        self.wait_for((0..n).map(|i| i + self.first_image), deadline)
     }
 
     /// The session gave up: no more images are made (and nobody waits
@@ -202,7 +194,9 @@ impl ImageToMake {
                     (image, &mut scales),
                     threads,
                 )
-                .map_err(|e| Error::invalid_argument(format!("{e:?}")))?;
+                .map_err(|e| {
+                    Error::invalid_argument(format!("tensor '{}': {e:?}", self.meta.name))
+                })?;
             }
             None => walk_quantize(
                 q,
@@ -256,6 +250,15 @@ fn walk_quantize(
     });
 }
 
+/// What a panic said, when it said it with a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s,
+        (_, Some(s)) => s,
+        _ => "(no message)",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,12 +292,9 @@ mod tests {
         let e = behind.wait_for([1].into_iter(), deadline).unwrap_err();
         assert_eq!(e.message, "bad");
         let behind = Behind::new(0, vec![false]);
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            behind.run(vec![(0, ())], |()| panic!("in make"))
-        }));
-        assert!(panicked.is_err());
-        let e = behind.wait_all(deadline).unwrap_err();
-        assert!(e.message.contains("stopped"), "{}", e.message);
+        behind.run(vec![(0, ())], |()| panic!("in make"));
+        let e = behind.wait_for([0].into_iter(), deadline).unwrap_err();
+        assert!(e.message.contains("panicked: in make"), "{}", e.message);
         assert!(Instant::now() < deadline);
     }
 

@@ -179,8 +179,12 @@ fn deliver(
         let r = (|| {
             let (deltas, messages) = match &base {
                 Some(base) => {
-                    // Deltas are taken against whole images.
-                    behind.wait_all(bucket_deadline())?;
+                    // Deltas of quantized requests are taken between whole
+                    // images: those the base fingerprinted are made first.
+                    let fingerprinted = (base.fingerprints.iter())
+                        .filter_map(|&(k, _)| want.get(k as usize))
+                        .map(|q| q.tensor as usize);
+                    behind.wait_for(fingerprinted, bucket_deadline())?;
                     deltas::serve(
                         conn,
                         (base_shard.as_ref(), offer),
@@ -223,8 +227,13 @@ fn deliver(
         }
         r
     });
-    // The images go back to the pool once the maker is done with them.
-    pool.images.give_back(shard.take_images(), offer.elements);
+    // A clean session's images go back to the pool once the maker is done
+    // with them; a failed session's are freed (a send of one may still be
+    // draining when the network session gave up).
+    match &stats {
+        Ok(_) => pool.images.give_back(shard.take_images(), offer.elements),
+        Err(_) => drop(shard.take_images()),
+    }
     let mut stats = stats?;
     stats.quantize += behind.waited();
     Ok(stats)
