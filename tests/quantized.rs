@@ -910,3 +910,81 @@ fn a_publisher_holding_whole_blocks_quantizes_them_band_by_band() {
         }
     }
 }
+
+/// An engine that gives up in the middle of an FP8 session (its progress
+/// callback cancels after the first bucket) fails that session, which
+/// stops quantizing behind the stream; the publisher goes on serving, and
+/// the next sessions (their image memory taken from the pool the failed
+/// one did not feed, then from the clean one's) land the reference's bytes
+/// of the trainer's tensors as they are then, every byte rewritten.
+#[test]
+fn an_engine_giving_up_mid_stream_leaves_the_fp8_publisher_serving() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let cfg = PublisherConfig {
+        bucket_size: 64 << 10,
+        ..Default::default()
+    };
+    let p = Publisher::bind(&sock, cfg).unwrap();
+    let shape = [256u64, 256];
+    let mut layers: Vec<T> = (0..6u32)
+        .map(|i| t(&format!("l{i}"), DType::Bf16, &shape, 40 + i))
+        .collect();
+    let names: Vec<String> = layers.iter().map(|g| g.name.clone()).collect();
+    for g in &layers {
+        let desc = TensorDesc::host(&g.name, DType::Bf16, &shape, g.data.as_ptr(), g.data.len());
+        // SAFETY: `layers` outlives the serving; its buffers never move
+        // (rewritten in place below, between sessions).
+        unsafe { p.add(desc) }.unwrap();
+    }
+    let engine = || {
+        let m = manager();
+        let params: Vec<_> = (names.iter())
+            .map(|name| {
+                let spec = ParamSpec::host(name, DType::F8E4m3, &shape);
+                quantized(&m, spec, Scheme::Fp8Block128, false)
+            })
+            .collect();
+        (m, params)
+    };
+    let request = || {
+        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(30);
+        req
+    };
+    p.set_version(Some("1".into()));
+    let (m, _) = engine();
+    let mut calls = 0;
+    let mut give_up = |_: &weight_manager_core::Progress| {
+        calls += 1;
+        calls < 2
+    };
+    let mut req = request();
+    req.hooks.progress = Some(&mut give_up);
+    let (r, served) = serving(std::slice::from_ref(&p), || m.update(req));
+    assert_eq!(r.unwrap_err().code, wm_result::WM_ERR_CANCELLED);
+    assert!(served[0].is_err(), "the session failed");
+    for (k, seed) in [(2, 50), (3, 60)] {
+        // The trainer's next step, in place.
+        for (i, g) in layers.iter_mut().enumerate() {
+            let new = t(&g.name, DType::Bf16, &shape, seed + i as u32);
+            g.data.copy_from_slice(&new.data);
+        }
+        p.set_version(Some(k.to_string()));
+        let (m, params) = engine();
+        let (r, served) = serving(std::slice::from_ref(&p), || m.update(request()));
+        assert_eq!(
+            r.unwrap().bytes,
+            6 * 256 * 256,
+            "version {k}: FP8 on the wire"
+        );
+        assert!(served[0].is_ok());
+        for (g, [q, s]) in layers.iter().zip(&params) {
+            let (want_q, want_s) = reference(g, Scheme::Fp8Block128);
+            assert!(read(*q) == want_q, "version {k}: {}'s FP8 bytes", g.name);
+            assert_eq!(f32s(&read(*s)), want_s, "version {k}: {}'s scales", g.name);
+        }
+    }
+}
