@@ -33,9 +33,10 @@
 #      deltas into device params from IPC and rdma publishers (in place on
 #      the GPU, atomic through the host staging);
 #   5. CUDA graphs across clear and update (python/tests/test_cuda_graphs.py);
-#   6. `wm bench gpu` and `wm bench delta --gpu 0` (the update section:
-#      deltas vs whole into device params) (WM_GPU_BENCH_GIB sets their
-#      size, 0 skips them).
+#   6. `wm bench gpu`, `wm bench delta --gpu 0` (the update section:
+#      deltas vs whole into device params) and `wm bench quant`'s update
+#      section (FP8 over UCX and from a snapshot, on the host's many cores)
+#      (WM_GPU_BENCH_GIB sets their size, 0 skips them).
 # With $OUT set, the log goes to $OUT/gpu.log too. WM_GPU_ONLY (an extended
 # regex) runs only the stages whose names it matches.
 set -uo pipefail
@@ -179,6 +180,8 @@ run() {
         stage "wm bench gpu --gib $gib" env WM_PYTHON="${WM_PYTHON:-python3}" "$kit/wm" bench gpu --gib "$gib"
         stage "wm bench delta --gpu 0 --update-gib $gib" env UCX_TLS="${UCX_TLS:-tcp}" \
             "$kit/wm" bench delta --update-only --gpu 0 --update-gib "$gib" --runs 3
+        stage "wm bench quant --update-gib $gib" env UCX_TLS="${UCX_TLS:-tcp}" \
+            "$kit/wm" bench quant --gib 0 --update-gib "$gib" --runs 5
     fi
     echo
     if [ ${#failed[@]} -eq 0 ]; then
