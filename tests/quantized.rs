@@ -988,3 +988,56 @@ fn an_engine_giving_up_mid_stream_leaves_the_fp8_publisher_serving() {
         }
     }
 }
+
+/// Engine replicas taking the same version of a published copy share the
+/// publisher's images: the first session reads and quantizes, the next
+/// ones are served the image it kept (no element read), the same bytes;
+/// an engine asking for another part of the tensor gets its own.
+#[test]
+fn replicas_of_an_fp8_engine_are_served_the_image_the_first_made() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+    let g = t("g", DType::Bf16, &[512, 256], 70);
+    common::add_all(&p, std::slice::from_ref(&g));
+    p.set_version(Some("1".into()));
+    p.publish().unwrap();
+    let request = || {
+        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(30);
+        req
+    };
+    let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
+    for replica in 0..3 {
+        let m = manager();
+        let [q, s] = quantized(
+            &m,
+            ParamSpec::host("g", DType::F8E4m3, &[512, 256]),
+            Scheme::Fp8Block128,
+            false,
+        );
+        let (r, served) = serving(std::slice::from_ref(&p), || m.update(request()));
+        assert_eq!(r.unwrap().bytes, 512 * 256);
+        let read_for_it = served[0].as_ref().unwrap().sessions[0].quantized;
+        match replica {
+            0 => assert_eq!(read_for_it, 512 * 256 * 2, "the first session reads"),
+            _ => assert_eq!(read_for_it, 0, "replica {replica} is served the kept image"),
+        }
+        assert!(read(q) == want_q, "replica {replica}: FP8 bytes");
+        assert_eq!(f32s(&read(s)), want_s, "replica {replica}: scales");
+    }
+    // Rows 128..384 only: another request, another image.
+    let m = manager();
+    let mut spec = ParamSpec::host("half", DType::F8E4m3, &[256, 256]);
+    spec.pieces = vec![piece("g", &[128, 0], &[256, 256], &[0, 0])];
+    let [q, _] = quantized(&m, spec, Scheme::Fp8Block128, false);
+    let (r, served) = serving(std::slice::from_ref(&p), || m.update(request()));
+    r.unwrap();
+    assert_eq!(
+        served[0].as_ref().unwrap().sessions[0].quantized,
+        256 * 256 * 2
+    );
+    assert!(read(q) == want_q[128 * 256..384 * 256]);
+}

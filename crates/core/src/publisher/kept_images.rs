@@ -8,6 +8,11 @@
 //! the name: the engine's fingerprint decides whether its bytes are the
 //! kept image's (a later session of the same request replaces it).
 //!
+//! A later session of the same version asking for the same request (an
+//! engine replica, or a rank pulling again) is served the kept image when
+//! the engines agree the same amax: this publisher's own amax of the
+//! request is kept with it, so that session reads and quantizes nothing.
+//!
 //! Kept only for published host copies (the only versions deltas are taken
 //! against), and at most one byte per element of the version in all (one
 //! FP8 copy): engines whose requests overlap others' beyond that get their
@@ -40,27 +45,44 @@ pub(crate) struct KeptImages {
 
 #[derive(Debug, Default)]
 struct Kept {
-    images: HashMap<ImageKey, Arc<HostRegion>>,
+    images: HashMap<ImageKey, KeptImage>,
     bytes: u64,
+}
+
+/// A kept image and what it was made with.
+#[derive(Clone, Debug)]
+pub(super) struct KeptImage {
+    pub image: Arc<HostRegion>,
+    /// The blocks the request touches, this publisher's amax of each over
+    /// its elements (what its AMAX said), and the agreed amax the image
+    /// was quantized with.
+    pub blocks: Vec<u64>,
+    pub own: Vec<f32>,
+    pub agreed: Vec<f32>,
 }
 
 impl KeptImages {
     /// Keep `image` as `key`'s (replacing an earlier one), unless the kept
     /// bytes would pass `limit`. Returns whether it is kept.
-    pub(super) fn keep(&self, key: ImageKey, image: &Arc<HostRegion>, limit: u64) -> bool {
+    pub(super) fn keep(&self, key: ImageKey, image: KeptImage, limit: u64) -> bool {
         let mut k = self.inner.lock();
-        let old = k.images.get(&key).map_or(0, |i| i.len() as u64);
-        let bytes = k.bytes - old + image.len() as u64;
+        let old = k.images.get(&key).map_or(0, |i| i.image.len() as u64);
+        let bytes = k.bytes - old + image.image.len() as u64;
         if bytes > limit {
             return false;
         }
         k.bytes = bytes;
-        k.images.insert(key, image.clone());
+        k.images.insert(key, image);
         true
     }
 
     /// The image kept as `key`'s.
     pub(super) fn get(&self, key: &ImageKey) -> Option<Arc<HostRegion>> {
+        self.inner.lock().images.get(key).map(|i| i.image.clone())
+    }
+
+    /// The image kept as `key`'s, with what it was made with.
+    pub(super) fn made(&self, key: &ImageKey) -> Option<KeptImage> {
         self.inner.lock().images.get(key).cloned()
     }
 }
@@ -88,12 +110,20 @@ mod tests {
         let kept = KeptImages::default();
         let region = |n| Arc::new(HostRegion::new("test", n).unwrap());
         let (a, b, c) = (region(4096), region(4096), region(8192));
-        assert!(kept.keep(key("a"), &a, 8192));
-        assert!(kept.keep(key("b"), &b, 8192));
-        assert!(!kept.keep(key("c"), &c, 8192), "over the limit");
+        let made = |image: &Arc<HostRegion>| KeptImage {
+            image: image.clone(),
+            blocks: vec![0],
+            own: vec![1.5],
+            agreed: vec![2.0],
+        };
+        assert!(kept.keep(key("a"), made(&a), 8192));
+        assert!(kept.keep(key("b"), made(&b), 8192));
+        assert!(!kept.keep(key("c"), made(&c), 8192), "over the limit");
         assert!(kept.get(&key("c")).is_none());
         // Replacing counts the old image's bytes out.
-        assert!(kept.keep(key("a"), &b, 8192));
+        assert!(kept.keep(key("a"), made(&b), 8192));
         assert_eq!(kept.get(&key("a")).unwrap().ptr(), b.ptr());
+        let again = kept.made(&key("a")).unwrap();
+        assert_eq!((again.own, again.agreed), (vec![1.5], vec![2.0]));
     }
 }

@@ -7,7 +7,10 @@
 //! image, so the buckets, slice sums and both transports carry it as any
 //! other tensor. Images in host memory are made behind the stream
 //! (`quantize_behind.rs`): [`serve`] returns them to be made while the
-//! buckets before them go out.
+//! buckets before them go out. A request of a published host copy whose
+//! image an earlier session kept (`kept_images.rs`) is not read: AMAX
+//! repeats the amax it was made with, and when the engines agree the same
+//! the kept image is served as it is.
 //!
 //! A NaN or an infinity fails the session naming the tensor and the
 //! element (in the global tensor) before AMAX goes out: a diverged trainer
@@ -16,12 +19,13 @@
 //! image (one byte per element).
 
 use super::buffers::ImagePool;
-use super::kept_images::ImageKey;
+use super::kept_images::{ImageKey, KeptImage};
 use super::offer::{Offer, Published};
 use super::quantize_behind::ImageToMake;
 use super::quantize_device;
 use super::quantize_job::{index_of, parts, pieces, Elements, Job};
 use super::shard::{fill, Shard};
+use crate::manifest::TensorMeta;
 use crate::memory::SendPtr;
 use crate::quant::bands::{self, Wide};
 use crate::quant::blocks::{global_index, touched, walk, Placed};
@@ -41,7 +45,8 @@ pub(super) type Images = Vec<(u32, ImageKey)>;
 /// What [`serve`] did and left to do.
 #[derive(Default)]
 pub(super) struct Served {
-    /// Source bytes of the quantized requests.
+    /// Source bytes of the quantized requests read and quantized (not those
+    /// served a kept image).
     pub read_bytes: u64,
     pub images: Images,
     /// Whether each image (tensor `first_image + i` of the shard) is made.
@@ -67,11 +72,22 @@ pub(super) fn serve(
         .map(|t| t.nbytes / t.dtype.size().max(1) as u64)
         .collect();
     check_total(&elements, want, quant)?;
+    // A published host copy keeps its images (`kept_images.rs`): a
+    // request made by an earlier session of the version is not read again.
+    let keeps = matches!(offer.published, Some(Published::Host(_)));
     let mut jobs = Vec::with_capacity(quant.len());
+    let mut kept = Vec::with_capacity(quant.len());
     for &(k, scheme) in quant {
         let q = &want[k as usize];
         q.check(k as usize, &elements)?;
-        jobs.push(read(shard, q, (k, scheme), threads)?);
+        let key = image_key(&shard.manifest.tensors[q.tensor as usize], scheme, q);
+        let made = (keeps.then(|| offer.images.made(&key)).flatten())
+            .filter(|m| m.image.len() as u64 == q.bytes());
+        jobs.push(match &made {
+            Some(m) => kept_job(shard, q, (k, scheme), m),
+            None => read(shard, q, (k, scheme), threads)?,
+        });
+        kept.push(made);
     }
     let values: BlockValues = jobs.iter().map(|j| (j.request, j.amax.clone())).collect();
     conn.send(&Frame::Amax { values })?;
@@ -88,22 +104,21 @@ pub(super) fn serve(
     };
     check_agreed(&jobs, &agreed)?;
     let mut served = Served::default();
-    let keeps = matches!(offer.published, Some(Published::Host(_)));
-    for (job, (_, amax)) in jobs.into_iter().zip(agreed) {
+    for ((job, (_, amax)), made) in jobs.into_iter().zip(agreed).zip(kept) {
         let q = want[job.request as usize].clone();
-        served.read_bytes += q.bytes() * job.dtype.size() as u64;
         let meta = shard.manifest.tensors[job.tensor].clone();
-        let key = ImageKey {
-            name: meta.name.clone(),
-            offset: meta
-                .placement
-                .as_ref()
-                .map_or(Vec::new(), |p| p.offset.clone()),
-            scheme: job.scheme,
-            runs: q.runs.clone(),
-        };
+        let key = image_key(&meta, job.scheme, &q);
         let (len, sums, request) = (q.bytes(), q.sums, job.request);
         let number = served.made.len();
+        let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
+        if let Some(m) = made.filter(|m| same(&m.agreed)) {
+            served.made.push(true);
+            served.images.push((request, key));
+            let t = shard.add_image(m.image);
+            want[request as usize] = Request::whole(t, len, sums);
+            continue;
+        }
+        served.read_bytes += q.bytes() * job.dtype.size() as u64;
         let t = match job.device {
             Some(gpu) => {
                 let image =
@@ -131,6 +146,35 @@ pub(super) fn serve(
         want[request as usize] = Request::whole(t, len, sums);
     }
     Ok(served)
+}
+
+/// The name an image of request `q` of tensor `meta` with `scheme` is
+/// kept by.
+fn image_key(meta: &TensorMeta, scheme: Scheme, q: &Request) -> ImageKey {
+    ImageKey {
+        name: meta.name.clone(),
+        offset: (meta.placement.as_ref()).map_or(Vec::new(), |p| p.offset.clone()),
+        scheme,
+        runs: q.runs.clone(),
+    }
+}
+
+/// Request `k` (`q`, with `scheme`) of a version whose earlier session
+/// made and kept its image (`made`): its blocks and this publisher's amax
+/// of them as they were found then (a published copy does not change), no
+/// element read.
+fn kept_job(shard: &Shard, q: &Request, (k, scheme): (u32, Scheme), made: &KeptImage) -> Job {
+    Job {
+        request: k,
+        scheme,
+        dtype: shard.manifest.tensors[q.tensor as usize].dtype,
+        tensor: q.tensor as usize,
+        wide: None,
+        blocks: made.blocks.clone(),
+        amax: made.own.clone(),
+        own: None,
+        device: None,
+    }
 }
 
 /// The quantized requests ask for at most as many elements as the shard

@@ -12,7 +12,7 @@
 //! the agreed amax, a band of 128 rows at a time where it holds its blocks
 //! whole, else block by block as its runs cross them.
 
-use super::kept_images::ImageKey;
+use super::kept_images::{ImageKey, KeptImage};
 use super::offer::Offer;
 use super::quantize_job::{index_of, parts, pieces, Elements, Job};
 use crate::manifest::TensorMeta;
@@ -208,7 +208,13 @@ impl ImageToMake {
             ),
         }
         if let Some(key) = self.keep {
-            offer.images.keep(key, &self.image, offer.elements);
+            let made = KeptImage {
+                image: self.image.clone(),
+                blocks: self.job.blocks.clone(),
+                own: self.job.amax.clone(),
+                agreed: self.agreed.clone(),
+            };
+            offer.images.keep(key, made, offer.elements);
         }
         Ok(())
     }

@@ -23,7 +23,9 @@ pub struct SessionStats {
     /// Of those, the deltas another session of the version had encoded
     /// already (engine ranks taking the same runs).
     pub delta_cached: u64,
-    /// Source bytes of the requests quantized to FP8 for the engine, and
+    /// Source bytes of the requests quantized to FP8 for the engine (0 for
+    /// a request served the image an earlier session of the same published
+    /// version made: `kept_images.rs`), and
     /// the time the session spent on them: reading them and finding their
     /// amax, the engine's AMAX/SCALES round trip, quantizing on the GPU,
     /// and waiting for images in host memory, which are quantized while
