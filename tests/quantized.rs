@@ -1041,3 +1041,51 @@ fn replicas_of_an_fp8_engine_are_served_the_image_the_first_made() {
     );
     assert!(read(q) == want_q[128 * 256..384 * 256]);
 }
+
+/// Tensors given to one engine rank each, under one name: a rank's kept
+/// image is never served to another rank, each lands its own tensor.
+#[test]
+fn a_ranks_kept_image_is_not_served_to_another_rank() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+    let per_rank: Vec<T> = (0..2u32)
+        .map(|r| t("g", DType::Bf16, &[256, 256], 80 + r))
+        .collect();
+    for (r, g) in per_rank.iter().enumerate() {
+        let desc = TensorDesc::host("g", DType::Bf16, &[256, 256], g.data.as_ptr(), g.data.len())
+            .for_rank(r as u32);
+        // SAFETY: `per_rank` outlives the serving.
+        unsafe { p.add(desc) }.unwrap();
+    }
+    p.set_version(Some("1".into()));
+    p.publish().unwrap();
+    for (r, g) in per_rank.iter().enumerate() {
+        let m = Manager::new(ManagerConfig {
+            rank: r as u32,
+            world_size: 2,
+            fallback_dir: None,
+            ..Default::default()
+        })
+        .unwrap();
+        let [q, s] = quantized(
+            &m,
+            ParamSpec::host("g", DType::F8E4m3, &[256, 256]),
+            Scheme::Fp8Block128,
+            false,
+        );
+        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
+        req.source = SourceKind::Ipc;
+        req.timeout = Duration::from_secs(30);
+        let (r_, served) = serving(std::slice::from_ref(&p), || m.update(req));
+        r_.unwrap();
+        assert_eq!(
+            served[0].as_ref().unwrap().sessions[0].quantized,
+            256 * 256 * 2
+        );
+        let (want_q, want_s) = reference(g, Scheme::Fp8Block128);
+        assert!(read(q) == want_q, "rank {r}: its own tensor's FP8 bytes");
+        assert_eq!(f32s(&read(s)), want_s, "rank {r}");
+    }
+}

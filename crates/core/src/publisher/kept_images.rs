@@ -3,8 +3,8 @@
 //! bytes an engine's FP8 params hold: those bytes are the image this
 //! publisher made for the same request of the base version.
 //!
-//! An image is named by what made it: the tensor (name and placement), the
-//! scheme and the request's element runs. The agreed amax is not part of
+//! An image is named by what made it: the engine rank's tensor (rank, name,
+//! dtype and placement), the scheme and the request's element runs. The agreed amax is not part of
 //! the name: the engine's fingerprint decides whether its bytes are the
 //! kept image's (a later session of the same request replaces it).
 //!
@@ -21,6 +21,7 @@
 
 use crate::memory::host::HostRegion;
 use crate::quant::Scheme;
+use crate::tensor::DType;
 use crate::wire::WantRun;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -29,7 +30,12 @@ use std::sync::Arc;
 /// What an image was made from.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct ImageKey {
+    /// The engine rank whose shard the tensor is of (a tensor given to
+    /// one rank may share its name with another rank's), and the tensor's
+    /// name and dtype.
+    pub rank: u32,
     pub name: String,
+    pub dtype: DType,
     /// The shard's offset in its global tensor (empty: whole).
     pub offset: Vec<u64>,
     pub scheme: Scheme,
@@ -93,7 +99,9 @@ mod tests {
 
     fn key(name: &str) -> ImageKey {
         ImageKey {
+            rank: 0,
             name: name.into(),
+            dtype: DType::Bf16,
             offset: vec![],
             scheme: Scheme::Fp8Block128,
             runs: vec![WantRun {

@@ -80,7 +80,8 @@ pub(super) fn serve(
     for &(k, scheme) in quant {
         let q = &want[k as usize];
         q.check(k as usize, &elements)?;
-        let key = image_key(&shard.manifest.tensors[q.tensor as usize], scheme, q);
+        let meta = &shard.manifest.tensors[q.tensor as usize];
+        let key = image_key(shard.rank, meta, scheme, q);
         let made = (keeps.then(|| offer.images.made(&key)).flatten())
             .filter(|m| m.image.len() as u64 == q.bytes());
         jobs.push(match &made {
@@ -107,7 +108,7 @@ pub(super) fn serve(
     for ((job, (_, amax)), made) in jobs.into_iter().zip(agreed).zip(kept) {
         let q = want[job.request as usize].clone();
         let meta = shard.manifest.tensors[job.tensor].clone();
-        let key = image_key(&meta, job.scheme, &q);
+        let key = image_key(shard.rank, &meta, job.scheme, &q);
         let (len, sums, request) = (q.bytes(), q.sums, job.request);
         let number = served.made.len();
         let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -148,11 +149,13 @@ pub(super) fn serve(
     Ok(served)
 }
 
-/// The name an image of request `q` of tensor `meta` with `scheme` is
-/// kept by.
-fn image_key(meta: &TensorMeta, scheme: Scheme, q: &Request) -> ImageKey {
+/// The name an image of request `q` of tensor `meta` of rank `rank`'s
+/// shard with `scheme` is kept by.
+fn image_key(rank: u32, meta: &TensorMeta, scheme: Scheme, q: &Request) -> ImageKey {
     ImageKey {
+        rank,
         name: meta.name.clone(),
+        dtype: meta.dtype,
         offset: (meta.placement.as_ref()).map_or(Vec::new(), |p| p.offset.clone()),
         scheme,
         runs: q.runs.clone(),

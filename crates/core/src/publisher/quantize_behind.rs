@@ -154,7 +154,8 @@ pub(super) struct ImageToMake {
     pub(super) agreed: Vec<f32>,
     pub(super) image: Arc<HostRegion>,
     /// Kept with the offer once made, as the base of the next version's
-    /// deltas.
+    /// deltas and for later sessions of the same request
+    /// (`kept_images.rs`).
     pub(super) keep: Option<ImageKey>,
 }
 

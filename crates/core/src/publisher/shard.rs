@@ -28,6 +28,8 @@ enum ShardBytes {
 }
 
 pub(super) struct Shard {
+    /// The engine rank it is for (tensors may be given to one rank only).
+    pub(super) rank: u32,
     pub(super) manifest: Manifest,
     bytes: ShardBytes,
     /// The published version's buffer, which every tensor of the shard
@@ -116,6 +118,7 @@ fn dir_shard(
         manifest.version = version;
     }
     Ok(Shard {
+        rank,
         manifest,
         bytes: ShardBytes::Files {
             checkpoint: Box::new(checkpoint),
@@ -179,6 +182,7 @@ fn tensors_shard(
         .collect();
     drop(known);
     Ok(Shard {
+        rank,
         manifest: Manifest { tensors, version },
         bytes: ShardBytes::Memory(mine.iter().map(|(_, t)| t.data).collect()),
         published: offer.published.clone(),
