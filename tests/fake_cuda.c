@@ -325,29 +325,47 @@ int cuPointerGetAttribute(void *out, int attr, u64 ptr) {
 /* ---- Linear memory and CUDA IPC between processes. ---- */
 
 
+/* The table is shared by every thread of the process (publishers and an
+ * engine allocate at once in one test process): one lock around finding a
+ * free entry and filling it, and around emptying one, or two threads
+ * could take the same entry and be handed the same memory. */
+static pthread_mutex_t linear_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static struct linear *linear_at(u64 ptr) {
-    for (int i = 0; i < MAX; i++)
+    struct linear *found = NULL;
+    pthread_mutex_lock(&linear_lock);
+    for (int i = 0; i < MAX && !found; i++)
         if (linears[i].size && ptr >= linears[i].ptr && ptr < linears[i].ptr + linears[i].size)
-            return &linears[i];
-    return NULL;
+            found = &linears[i];
+    pthread_mutex_unlock(&linear_lock);
+    return found;
 }
 
 static int add_linear(u64 *out, int fd, size_t size, int imported) {
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&linear_lock);
     for (int i = 0; i < MAX; i++)
         if (!linears[i].size) {
-            void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (p == MAP_FAILED) return OUT_OF_MEMORY;
             linears[i] = (struct linear){(u64)(uintptr_t)p, size, fd, imported};
             *out = linears[i].ptr;
+            pthread_mutex_unlock(&linear_lock);
             return OK;
         }
+    pthread_mutex_unlock(&linear_lock);
+    munmap(p, size);
     return OUT_OF_MEMORY;
 }
 
 static void drop_linear(struct linear *l) {
-    munmap((void *)(uintptr_t)l->ptr, l->size);
-    close(l->fd);
+    pthread_mutex_lock(&linear_lock);
+    u64 ptr = l->ptr;
+    size_t size = l->size;
+    int fd = l->fd;
     l->size = 0;
+    pthread_mutex_unlock(&linear_lock);
+    munmap((void *)(uintptr_t)ptr, size);
+    close(fd);
 }
 
 int cuMemAlloc_v2(u64 *ptr, size_t size) {
@@ -357,6 +375,15 @@ int cuMemAlloc_v2(u64 *ptr, size_t size) {
     int r = add_linear(ptr, fd, size, 0);
     if (r != OK) close(fd);
     return r;
+}
+/* UCX's CUDA memory hooks (libucm_cuda), when they patch this library's
+ * cuMemFree, ask it for the freed range. */
+int cuMemGetAddressRange_v2(u64 *base, size_t *size, u64 ptr) {
+    struct linear *l = linear_at(ptr);
+    if (!l) return INVALID_VALUE;
+    if (base) *base = l->ptr;
+    if (size) *size = l->size;
+    return OK;
 }
 int cuMemFree_v2(u64 ptr) {
     struct linear *l = linear_at(ptr);
