@@ -887,10 +887,7 @@ fn a_publisher_holding_whole_blocks_quantizes_them_band_by_band() {
             Scheme::Fp8Block128,
             false,
         );
-        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
-        req.source = SourceKind::Ipc;
-        req.timeout = Duration::from_secs(30);
-        let (r, _) = serving(std::slice::from_ref(&p), || m.update(req));
+        let (r, _) = serving(std::slice::from_ref(&p), || m.update(ipc_pull(&sock)));
         match nan {
             false => {
                 let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
@@ -948,12 +945,7 @@ fn an_engine_giving_up_mid_stream_leaves_the_fp8_publisher_serving() {
             .collect();
         (m, params)
     };
-    let request = || {
-        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
-        req.source = SourceKind::Ipc;
-        req.timeout = Duration::from_secs(30);
-        req
-    };
+    let request = || ipc_pull(&sock);
     p.set_version(Some("1".into()));
     let (m, _) = engine();
     let mut calls = 0;
@@ -1003,12 +995,7 @@ fn replicas_of_an_fp8_engine_are_served_the_image_the_first_made() {
     common::add_all(&p, std::slice::from_ref(&g));
     p.set_version(Some("1".into()));
     p.publish().unwrap();
-    let request = || {
-        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
-        req.source = SourceKind::Ipc;
-        req.timeout = Duration::from_secs(30);
-        req
-    };
+    let request = || ipc_pull(&sock);
     let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
     for replica in 0..3 {
         let m = manager();
@@ -1075,10 +1062,7 @@ fn a_ranks_kept_image_is_not_served_to_another_rank() {
             Scheme::Fp8Block128,
             false,
         );
-        let mut req = UpdateRequest::snapshot(PathBuf::from(&sock));
-        req.source = SourceKind::Ipc;
-        req.timeout = Duration::from_secs(30);
-        let (r_, served) = serving(std::slice::from_ref(&p), || m.update(req));
+        let (r_, served) = serving(std::slice::from_ref(&p), || m.update(ipc_pull(&sock)));
         r_.unwrap();
         assert_eq!(
             served[0].as_ref().unwrap().sessions[0].quantized,
@@ -1088,4 +1072,12 @@ fn a_ranks_kept_image_is_not_served_to_another_rank() {
         assert!(read(q) == want_q, "rank {r}: its own tensor's FP8 bytes");
         assert_eq!(f32s(&read(s)), want_s, "rank {r}");
     }
+}
+
+/// A whole update from the IPC publisher at `sock`, within 30 s.
+fn ipc_pull<'h>(sock: &Path) -> UpdateRequest<'h> {
+    let mut req = UpdateRequest::snapshot(PathBuf::from(sock));
+    req.source = SourceKind::Ipc;
+    req.timeout = Duration::from_secs(30);
+    req
 }

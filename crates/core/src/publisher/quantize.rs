@@ -90,6 +90,20 @@ pub(super) fn serve(
         });
         kept.push(made);
     }
+    let agreed = agree(conn, &jobs, deadline)?;
+    let mut served = Served::default();
+    for ((job, (_, amax)), made) in jobs.into_iter().zip(agreed).zip(kept) {
+        let request = job.request;
+        let q = want[request as usize].clone();
+        let t = place(&mut served, (shard, pool, keeps), (job, &q), (amax, made))?;
+        want[request as usize] = Request::whole(t, q.bytes(), q.sums);
+    }
+    Ok(served)
+}
+
+/// AMAX with `jobs`' amax, then SCALES before `deadline`: the blocks'
+/// agreed amax, checked.
+fn agree(conn: &mut Conn, jobs: &[Job], deadline: &dyn Fn() -> Instant) -> Result<BlockValues> {
     let values: BlockValues = jobs.iter().map(|j| (j.request, j.amax.clone())).collect();
     conn.send(&Frame::Amax { values })?;
     // The engine answers once every publisher's AMAX came: the wait starts
@@ -103,50 +117,49 @@ pub(super) fn serve(
             )))
         }
     };
-    check_agreed(&jobs, &agreed)?;
-    let mut served = Served::default();
-    for ((job, (_, amax)), made) in jobs.into_iter().zip(agreed).zip(kept) {
-        let q = want[job.request as usize].clone();
-        let meta = shard.manifest.tensors[job.tensor].clone();
-        let key = image_key(shard.rank, &meta, job.scheme, &q);
-        let (len, sums, request) = (q.bytes(), q.sums, job.request);
-        let number = served.made.len();
-        let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
-        if let Some(m) = made.filter(|m| same(&m.agreed)) {
-            served.made.push(true);
-            served.images.push((request, key));
-            let t = shard.add_image(m.image);
-            want[request as usize] = Request::whole(t, len, sums);
-            continue;
-        }
-        served.read_bytes += q.bytes() * job.dtype.size() as u64;
-        let t = match job.device {
-            Some(gpu) => {
-                let image =
-                    quantize_device::image(shard, &q, (job.scheme, gpu), &job.blocks, &amax)?;
-                served.made.push(true);
-                shard.add_image(Arc::new(image))
-            }
-            None => {
-                let image = Arc::new(pool.take(len as usize)?);
-                served.made.push(false);
-                let to_make = ImageToMake {
-                    tensor: in_memory(shard, job.tensor).map(|b| SendPtr(b.as_ptr().cast_mut())),
-                    job,
-                    request: q,
-                    meta,
-                    agreed: amax,
-                    image: image.clone(),
-                    keep: keeps.then(|| key.clone()),
-                };
-                served.to_make.push((number, to_make));
-                shard.add_image(image)
-            }
-        };
-        served.images.push((request, key));
-        want[request as usize] = Request::whole(t, len, sums);
+    check_agreed(jobs, &agreed)?;
+    Ok(agreed)
+}
+
+/// Request `q`'s image with the blocks' agreed `amax`, added to `shard` as
+/// a tensor (its number returned): the kept image `made` when it was made
+/// with the same amax, quantized on the GPU for a GPU version, else one to
+/// make behind the stream (in `served`, kept with the version when
+/// `keeps`).
+fn place(
+    served: &mut Served,
+    (shard, pool, keeps): (&mut Shard, &ImagePool, bool),
+    (job, q): (Job, &Request),
+    (amax, made): (Vec<f32>, Option<KeptImage>),
+) -> Result<u32> {
+    let meta = shard.manifest.tensors[job.tensor].clone();
+    let key = image_key(shard.rank, &meta, job.scheme, q);
+    let number = served.made.len();
+    served.images.push((job.request, key.clone()));
+    let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
+    if let Some(m) = made.filter(|m| same(&m.agreed)) {
+        served.made.push(true);
+        return Ok(shard.add_image(m.image));
     }
-    Ok(served)
+    served.read_bytes += q.bytes() * job.dtype.size() as u64;
+    if let Some(gpu) = job.device {
+        let image = quantize_device::image(shard, q, (job.scheme, gpu), &job.blocks, &amax)?;
+        served.made.push(true);
+        return Ok(shard.add_image(Arc::new(image)));
+    }
+    let image = Arc::new(pool.take(q.bytes() as usize)?);
+    served.made.push(false);
+    let to_make = ImageToMake {
+        tensor: in_memory(shard, job.tensor).map(|b| SendPtr(b.as_ptr().cast_mut())),
+        job,
+        request: q.clone(),
+        meta,
+        agreed: amax,
+        image: image.clone(),
+        keep: keeps.then_some(key),
+    };
+    served.to_make.push((number, to_make));
+    Ok(shard.add_image(image))
 }
 
 /// The name an image of request `q` of tensor `meta` of rank `rank`'s

@@ -7,7 +7,7 @@ use super::buffers::Pools;
 use super::config::PublisherConfig;
 use super::handshake::Admitted;
 use super::offer::{pick, Offer};
-use super::quantize_behind::Behind;
+use super::quantize_behind::{Behind, ImageToMake};
 use super::shard::shard_for;
 use super::shard::Shard;
 use super::stats::SessionStats;
@@ -125,13 +125,13 @@ fn serve(
         want,
         base,
         base_shard,
-        served,
+        images: served.images,
     };
     let bucket_deadline = || step(cfg.bucket_timeout);
     deliver(
-        conn,
-        offer,
+        (conn, offer),
         delivery,
+        (served.made, served.to_make),
         (bytes_key, cfg, pool, &bucket_deadline),
         stats,
     )
@@ -143,85 +143,38 @@ struct Delivery {
     want: Vec<Request>,
     base: Option<DeltaBase>,
     base_shard: Option<deltas::BaseShard>,
-    served: quantize::Served,
+    /// The quantized requests' images.
+    images: quantize::Images,
 }
 
-/// The deltas, then the buckets of `d`, each bucket within
-/// `bucket_deadline()`; `stats` filled in. The FP8 images in host memory
-/// are made while the buckets before them go out (`quantize_behind.rs`);
-/// the scope joins their maker whatever happens.
+/// How a session's bytes go out: the network key (None: IPC), the
+/// publisher's config and pools, and the deadline of the next bucket.
+type Link<'a> = (
+    Option<&'a [u8; 32]>,
+    &'a PublisherConfig,
+    &'a Pools,
+    &'a dyn Fn() -> Instant,
+);
+
+/// The deltas, then the buckets of `d`; `stats` filled in. The FP8 images
+/// in host memory (`to_make`; `made` says which of the images are) are made
+/// while the buckets before them go out (`quantize_behind.rs`); the scope
+/// joins their maker whatever happens.
 fn deliver(
-    conn: &mut Conn,
-    offer: &Offer,
-    d: Delivery,
-    (bytes_key, cfg, pool, bucket_deadline): (
-        Option<&[u8; 32]>,
-        &PublisherConfig,
-        &Pools,
-        &dyn Fn() -> Instant,
-    ),
+    (conn, offer): (&mut Conn, &Offer),
+    mut d: Delivery,
+    (made, to_make): (Vec<bool>, Vec<(usize, ImageToMake)>),
+    link: Link,
     stats: SessionStats,
 ) -> Result<SessionStats> {
-    let Delivery {
-        mut shard,
-        mut want,
-        base,
-        base_shard,
-        served,
-    } = d;
-    let behind = Behind::new(shard.manifest.tensors.len(), served.made);
-    let to_make = served.to_make;
+    let (cfg, pool) = (link.1, link.2);
+    let behind = Behind::new(d.shard.manifest.tensors.len(), made);
     let stats = std::thread::scope(|s| {
         if !to_make.is_empty() {
             let (behind, threads) = (&behind, cfg.pack_threads());
             s.spawn(move || behind.run(to_make, |image| image.make(offer, threads)));
         }
-        let r = (|| {
-            let (deltas, messages) = match &base {
-                Some(base) => {
-                    // Deltas of quantized requests are taken between whole
-                    // images: those the base fingerprinted are made first.
-                    let fingerprinted = (base.fingerprints.iter())
-                        .filter_map(|&(k, _)| want.get(k as usize))
-                        .map(|q| q.tensor as usize);
-                    behind.wait_for(fingerprinted, bucket_deadline())?;
-                    deltas::serve(
-                        conn,
-                        (base_shard.as_ref(), offer),
-                        (&shard, &mut want, &served.images),
-                        base,
-                        (cfg, bytes_key.is_some()),
-                    )?
-                }
-                None => Default::default(),
-            };
-            let mut stats = SessionStats {
-                bytes: deltas.bytes,
-                delta_runs: deltas.runs,
-                delta_cached: deltas.cached,
-                delta_bytes: deltas.bytes,
-                ..stats
-            };
-            let ready = |entries: &[BucketEntry]| {
-                let tensors = entries
-                    .iter()
-                    .map(|e| want[e.request as usize].tensor as usize);
-                behind.wait_for(tensors, bucket_deadline())
-            };
-            let mut io = SessionIo {
-                conn,
-                cfg,
-                pool,
-                ack_deadline: bucket_deadline,
-                images_ready: &ready,
-                stats: &mut stats,
-            };
-            match bytes_key {
-                Some(key) => net::stream(&mut io, key, &mut shard, (&want, &messages))?,
-                None => ipc::stream(&mut io, &mut shard, &want)?,
-            }
-            Ok(stats)
-        })();
+        let r = send(conn, offer, &mut d, &behind, link, stats);
         if r.is_err() {
             behind.stop();
         }
@@ -231,11 +184,67 @@ fn deliver(
     // with them; a failed session's are freed (a send of one may still be
     // draining when the network session gave up).
     match &stats {
-        Ok(_) => pool.images.give_back(shard.take_images(), offer.elements),
-        Err(_) => drop(shard.take_images()),
+        Ok(_) => pool.images.give_back(d.shard.take_images(), offer.elements),
+        Err(_) => drop(d.shard.take_images()),
     }
     let mut stats = stats?;
     stats.quantize += behind.waited();
+    Ok(stats)
+}
+
+/// [`deliver`]'s sending: DELTAS (once the images the base fingerprinted
+/// are made: deltas are taken between whole images), then the buckets,
+/// each once the images it holds are made.
+fn send(
+    conn: &mut Conn,
+    offer: &Offer,
+    d: &mut Delivery,
+    behind: &Behind,
+    (bytes_key, cfg, pool, bucket_deadline): Link,
+    stats: SessionStats,
+) -> Result<SessionStats> {
+    let (deltas, messages) = match &d.base {
+        Some(base) => {
+            let fingerprinted = (base.fingerprints.iter())
+                .filter_map(|&(k, _)| d.want.get(k as usize))
+                .map(|q| q.tensor as usize);
+            behind.wait_for(fingerprinted, bucket_deadline())?;
+            deltas::serve(
+                conn,
+                (d.base_shard.as_ref(), offer),
+                (&d.shard, &mut d.want, &d.images),
+                base,
+                (cfg, bytes_key.is_some()),
+            )?
+        }
+        None => Default::default(),
+    };
+    let mut stats = SessionStats {
+        bytes: deltas.bytes,
+        delta_runs: deltas.runs,
+        delta_cached: deltas.cached,
+        delta_bytes: deltas.bytes,
+        ..stats
+    };
+    let want = &d.want;
+    let ready = |entries: &[BucketEntry]| {
+        let tensors = entries
+            .iter()
+            .map(|e| want[e.request as usize].tensor as usize);
+        behind.wait_for(tensors, bucket_deadline())
+    };
+    let mut io = SessionIo {
+        conn,
+        cfg,
+        pool,
+        ack_deadline: bucket_deadline,
+        images_ready: &ready,
+        stats: &mut stats,
+    };
+    match bytes_key {
+        Some(key) => net::stream(&mut io, key, &mut d.shard, (want, &messages))?,
+        None => ipc::stream(&mut io, &mut d.shard, want)?,
+    }
     Ok(stats)
 }
 
