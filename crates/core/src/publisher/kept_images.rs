@@ -3,8 +3,10 @@
 //! bytes an engine's FP8 params hold: those bytes are the image this
 //! publisher made for the same request of the base version.
 //!
-//! An image is named by what made it: the engine rank's tensor (rank, name,
-//! dtype and placement), the scheme and the request's element runs. The agreed amax is not part of
+//! An image is named by what made it: the tensor (the rank it is given to
+//! alone, if any, its name, dtype and placement), the scheme and the
+//! request's element runs. Engine ranks asking for the same runs of a
+//! tensor every rank shares share its image. The agreed amax is not part of
 //! the name: the engine's fingerprint decides whether its bytes are the
 //! kept image's (a later session of the same request replaces it).
 //!
@@ -30,10 +32,10 @@ use std::sync::Arc;
 /// What an image was made from.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct ImageKey {
-    /// The engine rank whose shard the tensor is of (a tensor given to
-    /// one rank may share its name with another rank's), and the tensor's
+    /// The engine rank the tensor is given to alone (None: every rank's;
+    /// tensors given to one rank each may share a name), and the tensor's
     /// name and dtype.
-    pub rank: u32,
+    pub rank: Option<u32>,
     pub name: String,
     pub dtype: DType,
     /// The shard's offset in its global tensor (empty: whole).
@@ -99,7 +101,7 @@ mod tests {
 
     fn key(name: &str) -> ImageKey {
         ImageKey {
-            rank: 0,
+            rank: None,
             name: name.into(),
             dtype: DType::Bf16,
             offset: vec![],

@@ -81,7 +81,7 @@ pub(super) fn serve(
         let q = &want[k as usize];
         q.check(k as usize, &elements)?;
         let meta = &shard.manifest.tensors[q.tensor as usize];
-        let key = image_key(shard.rank, meta, scheme, q);
+        let key = image_key(shard.for_rank[q.tensor as usize], meta, scheme, q);
         let made = (keeps.then(|| offer.images.made(&key)).flatten())
             .filter(|m| m.image.len() as u64 == q.bytes());
         jobs.push(match &made {
@@ -133,7 +133,7 @@ fn place(
     (amax, made): (Vec<f32>, Option<KeptImage>),
 ) -> Result<u32> {
     let meta = shard.manifest.tensors[job.tensor].clone();
-    let key = image_key(shard.rank, &meta, job.scheme, q);
+    let key = image_key(shard.for_rank[job.tensor], &meta, job.scheme, q);
     let number = served.made.len();
     served.images.push((job.request, key.clone()));
     let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -162,9 +162,9 @@ fn place(
     Ok(shard.add_image(image))
 }
 
-/// The name an image of request `q` of tensor `meta` of rank `rank`'s
-/// shard with `scheme` is kept by.
-fn image_key(rank: u32, meta: &TensorMeta, scheme: Scheme, q: &Request) -> ImageKey {
+/// The name an image of request `q` of tensor `meta` (given to engine rank
+/// `rank` alone, or to every rank) with `scheme` is kept by.
+fn image_key(rank: Option<u32>, meta: &TensorMeta, scheme: Scheme, q: &Request) -> ImageKey {
     ImageKey {
         rank,
         name: meta.name.clone(),

@@ -28,8 +28,9 @@ enum ShardBytes {
 }
 
 pub(super) struct Shard {
-    /// The engine rank it is for (tensors may be given to one rank only).
-    pub(super) rank: u32,
+    /// Per tensor of the manifest, the engine rank it is given to alone
+    /// (None: every rank's): what tells two tensors of one name apart.
+    pub(super) for_rank: Vec<Option<u32>>,
     pub(super) manifest: Manifest,
     bytes: ShardBytes,
     /// The published version's buffer, which every tensor of the shard
@@ -118,7 +119,8 @@ fn dir_shard(
         manifest.version = version;
     }
     Ok(Shard {
-        rank,
+        // A rank's files are its own.
+        for_rank: vec![Some(rank); manifest.tensors.len()],
         manifest,
         bytes: ShardBytes::Files {
             checkpoint: Box::new(checkpoint),
@@ -182,7 +184,7 @@ fn tensors_shard(
         .collect();
     drop(known);
     Ok(Shard {
-        rank,
+        for_rank: mine.iter().map(|(_, t)| t.rank).collect(),
         manifest: Manifest { tensors, version },
         bytes: ShardBytes::Memory(mine.iter().map(|(_, t)| t.data).collect()),
         published: offer.published.clone(),
