@@ -1,7 +1,7 @@
 //! Buffers kept between sessions: fresh memory costs a page fault per page
 //! (and, in a VM, more), so the sequential updates of an RL run reuse what
-//! the previous one had. Used for the publisher's bucket buffers and the
-//! engine's network staging slots.
+//! the previous one had. Used for the publisher's bucket buffers and FP8
+//! images, and the engine's network staging slots.
 
 use crate::result::Result;
 use parking_lot::Mutex;
@@ -62,5 +62,39 @@ impl<T: Buffer> Pool<T> {
 
     pub fn give_back(&self, buffers: Vec<T>) {
         self.0.lock().extend(buffers);
+    }
+
+    /// The bytes of the buffers the pool holds.
+    #[cfg(test)]
+    pub fn held_bytes(&self) -> u64 {
+        self.0.lock().iter().map(|b| b.capacity() as u64).sum()
+    }
+
+    /// A pooled buffer of exactly `len` bytes, else `create()`.
+    pub fn take_exact(&self, len: usize, create: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut free = self.0.lock();
+        match free.iter().position(|b| b.capacity() == len) {
+            Some(i) => Ok(free.remove(i)),
+            None => {
+                drop(free);
+                create()
+            }
+        }
+    }
+
+    /// [`Pool::give_back`], then free the oldest until the pool holds at
+    /// most `bound` bytes.
+    pub fn give_back_bounded(&self, buffers: Vec<T>, bound: u64) {
+        let mut free = self.0.lock();
+        free.extend(buffers);
+        let mut total = 0u64;
+        let keep = (free.iter().rev())
+            .take_while(|b| {
+                total += b.capacity() as u64;
+                total <= bound
+            })
+            .count();
+        let oldest = free.len() - keep;
+        free.drain(..oldest);
     }
 }

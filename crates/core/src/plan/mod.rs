@@ -368,8 +368,7 @@ impl Plan {
     /// `WM_ERR_OUT_OF_MEMORY` naming the tensor and its source (by
     /// number) when there is no room for them.
     pub fn try_segments(&self, entry: usize) -> Result<&[Segment]> {
-        let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
-        let Ok(Ok(slot)) = slot else {
+        let Some(slot) = self.moving_slot(entry) else {
             // A skipped entry (or none): no runs.
             return Ok(&[]);
         };
@@ -388,6 +387,13 @@ impl Plan {
         Ok(self.segments[slot].get_or_init(|| segs))
     }
 
+    /// Where entry `entry` is among the moving ones (its segments' and
+    /// quantized blocks' slot); None: skipped, or no entry.
+    fn moving_slot(&self, entry: usize) -> Option<usize> {
+        let entry = u32::try_from(entry).ok()?;
+        self.moving.binary_search(&entry).ok()
+    }
+
     /// Entry `entry`'s quantized blocks ([`Plan::quant_blocks`]'s field),
     /// `find` working them out the first time. A skipped entry has none.
     pub fn quant_blocks(
@@ -395,8 +401,7 @@ impl Plan {
         entry: usize,
         find: impl FnOnce() -> Result<Vec<usize>>,
     ) -> Result<&[usize]> {
-        let slot = u32::try_from(entry).map(|e| self.moving.binary_search(&e));
-        let Ok(Ok(slot)) = slot else {
+        let Some(slot) = self.moving_slot(entry) else {
             return Ok(&[]);
         };
         if let Some(blocks) = self.quant_blocks[slot].get() {

@@ -8,7 +8,6 @@ use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
 use crate::memory::shared::SharedBuffer;
 use crate::result::Result;
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// The publisher's bucket buffers, kept between sessions.
@@ -30,53 +29,33 @@ pub(super) fn take_buffers(pool: &BufferPool, n: usize, len: usize) -> Result<Ve
 
 /// The memory of finished sessions' FP8 images, by length.
 #[derive(Default)]
-pub(super) struct ImagePool(Mutex<Vec<HostRegion>>);
+pub(super) struct ImagePool(Pool<HostRegion>);
 
 impl ImagePool {
     /// Memory for an image of `len` bytes: a pooled region of that length,
     /// else a new one (its contents are whatever they were: an image is
     /// written whole).
     pub(super) fn take(&self, len: usize) -> Result<HostRegion> {
-        let mut free = self.0.lock();
-        if let Some(i) = free.iter().position(|r| r.len() == len) {
-            return Ok(free.swap_remove(i));
-        }
-        drop(free);
-        let region = HostRegion::new("a quantized request's image", len)?;
-        // Huge pages: a 4 KiB page fault each took about as long as
-        // quantizing its bytes.
-        region.advise_huge(true);
-        Ok(region)
+        self.0.take_exact(len, || {
+            let region = HostRegion::new("a quantized request's image", len)?;
+            // Huge pages: a 4 KiB page fault each took about as long as
+            // quantizing its bytes.
+            region.advise_huge(true);
+            Ok(region)
+        })
     }
 
     /// Keep a finished session's `images` that nothing else holds (an
-    /// image kept as the base of later deltas is not), newest first, up
-    /// to `bound` bytes in all.
+    /// image the version keeps is not), newest first, up to `bound` bytes
+    /// in all.
     pub(super) fn give_back(&self, images: Vec<Arc<HostRegion>>, bound: u64) {
-        let mut free = self.0.lock();
-        for image in images {
-            let Ok(region) = Arc::try_unwrap(image) else {
-                continue;
-            };
-            free.push(region);
-        }
-        let mut total = 0u64;
-        // The oldest beyond the bound are freed.
-        let keep = free
-            .iter()
-            .rev()
-            .take_while(|r| {
-                total += r.len() as u64;
-                total <= bound
-            })
-            .count();
-        let drop_n = free.len() - keep;
-        free.drain(..drop_n);
+        let free = images.into_iter().filter_map(|i| Arc::try_unwrap(i).ok());
+        self.0.give_back_bounded(free.collect(), bound);
     }
 
     #[cfg(test)]
     fn bytes(&self) -> u64 {
-        self.0.lock().iter().map(|r| r.len() as u64).sum()
+        self.0.held_bytes()
     }
 }
 

@@ -88,7 +88,7 @@ pub(super) fn serve(
             Some(m) => kept_job(shard, q, (k, scheme), m),
             None => read(shard, q, (k, scheme), threads)?,
         });
-        kept.push(made);
+        kept.push((key, made));
     }
     let agreed = agree(conn, &jobs, deadline)?;
     let mut served = Served::default();
@@ -121,19 +121,18 @@ fn agree(conn: &mut Conn, jobs: &[Job], deadline: &dyn Fn() -> Instant) -> Resul
     Ok(agreed)
 }
 
-/// Request `q`'s image with the blocks' agreed `amax`, added to `shard` as
-/// a tensor (its number returned): the kept image `made` when it was made
-/// with the same amax, quantized on the GPU for a GPU version, else one to
-/// make behind the stream (in `served`, kept with the version when
-/// `keeps`).
+/// Request `q`'s image (named `key`) with the blocks' agreed `amax`, added
+/// to `shard` as a tensor (its number returned): the kept image `made` when
+/// it was made with the same amax, quantized on the GPU for a GPU version,
+/// else one to make behind the stream (in `served`, kept with the version
+/// when `keeps`).
 fn place(
     served: &mut Served,
     (shard, pool, keeps): (&mut Shard, &ImagePool, bool),
     (job, q): (Job, &Request),
-    (amax, made): (Vec<f32>, Option<KeptImage>),
+    (amax, (key, made)): (Vec<f32>, (ImageKey, Option<KeptImage>)),
 ) -> Result<u32> {
     let meta = shard.manifest.tensors[job.tensor].clone();
-    let key = image_key(shard.for_rank[job.tensor], &meta, job.scheme, q);
     let number = served.made.len();
     served.images.push((job.request, key.clone()));
     let same = |a: &[f32]| a.iter().zip(&amax).all(|(x, y)| x.to_bits() == y.to_bits());

@@ -39,9 +39,9 @@ pub(super) struct Behind {
 struct State {
     /// By image: made (images made before the stream starts are).
     made: Vec<bool>,
+    /// Why the images stopped: a maker's error, or the session giving up
+    /// ([`Behind::stop`]); the maker makes no image after it.
     failed: Option<Error>,
-    /// The session gave up: the maker stops before its next image.
-    stop: bool,
     /// How long the streamer waited for images.
     waited: Duration,
 }
@@ -53,7 +53,6 @@ impl Behind {
             state: Mutex::new(State {
                 made,
                 failed: None,
-                stop: false,
                 waited: Duration::ZERO,
             }),
             changed: Condvar::new(),
@@ -68,7 +67,7 @@ impl Behind {
     /// not a panic of its thread).
     pub(super) fn run<T>(&self, work: Vec<(usize, T)>, make: impl Fn(T) -> Result<()>) {
         for (image, item) in work {
-            if self.state.lock().stop {
+            if self.state.lock().failed.is_some() {
                 break;
             }
             let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(item)));
@@ -124,12 +123,7 @@ impl Behind {
     /// The session gave up: no more images are made (and nobody waits
     /// for them).
     pub(super) fn stop(&self) {
-        let mut s = self.state.lock();
-        s.stop = true;
-        s.failed
-            .get_or_insert(Error::cancelled("the session stopped"));
-        drop(s);
-        self.changed.notify_all();
+        self.fail(Error::cancelled("the session stopped"));
     }
 
     /// How long the streamer waited for images.
