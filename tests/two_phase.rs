@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use weight_manager_core::wm_result;
-use weight_manager_core::{Manager, ManagerConfig, Mode, UpdateRequest};
+use weight_manager_core::{DeltaFallback, DeltaMode, Manager, ManagerConfig, Mode, UpdateRequest};
 use weight_manager_core::{ParamSpec, SourceKind, State};
 use weight_manager_core::{Publisher, PublisherConfig};
 
@@ -298,6 +298,61 @@ fn abort_clear_and_drop_keep_what_was_committed() {
     // And the manager updates again.
     m.update(UpdateRequest::snapshot(&d2)).unwrap();
     assert_eq!(versions_seen(&ps), vec![2]);
+}
+
+/// An aborted stage that took deltas leaves the state and the base as they
+/// were (it once left FAILED: an atomic update counted its deltas as param
+/// writes), so the next update takes deltas against the same version.
+#[test]
+fn an_aborted_delta_stage_keeps_the_state_and_the_base() {
+    let v1 = version(1);
+    let mut v2 = version(1);
+    for t in &mut v2 {
+        t.data[..8].copy_from_slice(&(2u64 << 48).to_le_bytes());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("p.sock");
+    let cfg = PublisherConfig {
+        keep_versions: 2,
+        ..Default::default()
+    };
+    let p = Publisher::bind(&sock, cfg).unwrap();
+    let publish = |ts: &[T], v: &str| {
+        p.clear_tensors();
+        add_all(&p, ts);
+        p.set_version(Some(v.into()));
+        p.publish().unwrap();
+    };
+    let request = |v: &str| {
+        let mut r = UpdateRequest::snapshot(&sock);
+        (r.source, r.version, r.deltas) = (SourceKind::Ipc, Some(v.into()), DeltaMode::On);
+        r
+    };
+    let served = |f: &dyn Fn()| {
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(1, std::time::Duration::from_secs(30)));
+            f();
+            serving.join().unwrap().unwrap();
+        })
+    };
+    let m = Arc::new(Manager::new(ManagerConfig::default()).unwrap());
+    let ps = params(&m, &v1, true);
+    publish(&v1, "1");
+    served(&|| drop(m.update(request("1")).unwrap()));
+    publish(&v2, "2");
+    served(&|| m.stage(request("2")).unwrap().abort().unwrap());
+    assert_eq!(m.status().state, State::Normal);
+    assert_eq!(m.status().version.as_deref(), Some("1"));
+    assert_eq!(versions_seen(&ps), vec![1]);
+    served(&|| {
+        let d = m.update(request("2")).unwrap().deltas;
+        assert_eq!((d.fallback, d.base_version.as_str()), (DeltaFallback::None, "1"));
+        assert!(d.runs_delta > 0, "{d:?}");
+    });
+    // Each param's first word is version 2's now, the rest version 1's.
+    let mut seen = versions_seen(&ps);
+    seen.sort_unstable();
+    assert_eq!(seen, vec![1, 2]);
 }
 
 #[test]

@@ -219,6 +219,11 @@ impl Applier<'_, '_> {
         deltas: &[&DeltaJob],
         decoded: &[delta::Changes],
     ) -> Result<()> {
+        // None (every atomic update's case): no param byte is written, and
+        // a later failure (an aborted stage) must leave the state as it was.
+        if deltas.is_empty() {
+            return Ok(());
+        }
         let runs: Vec<(usize, (u64, u64), i32)> = (deltas.iter().enumerate())
             .map(|(k, d)| match self.base(d.entry) {
                 Some(Base::Device { at, ordinal }) => {

@@ -52,16 +52,16 @@ pub fn from_f32_branchless(f: f32) -> u8 {
     let bits = f.to_bits();
     let sign = bits & 0x8000_0000;
     let a = bits ^ sign;
-    let normal = a
-        .wrapping_add(((7i32 - 127) as u32) << 23)
-        .wrapping_add(0x7ffff)
-        .wrapping_add((a >> 20) & 1)
+    // Saturation by a clamp, not a select: 448's own rounding is 0x7e.
+    let c = a.min(FP8_MAX);
+    let normal = c
+        .wrapping_add((((7i32 - 127) as u32) << 23).wrapping_add(0x7ffff))
+        .wrapping_add((c >> 20) & 1)
         >> 20;
-    let small = (f32::from_bits(a) + f32::from_bits(DENORM_MASK))
+    let small = (f32::from_bits(c) + f32::from_bits(DENORM_MASK))
         .to_bits()
         .wrapping_sub(DENORM_MASK);
-    let r = if a < (121 << 23) { small } else { normal };
-    let r = if a >= FP8_MAX { 0x7e } else { r };
+    let r = if c < (121 << 23) { small } else { normal };
     let r = if a > INFINITY { 0x7f } else { r };
     (r | (sign >> 24)) as u8
 }
@@ -101,13 +101,16 @@ mod tests {
 
     #[test]
     fn the_branchless_cast_gives_the_same_byte() {
-        // Every bf16 pattern and a spread of other f32 bit patterns.
+        // Every bf16 pattern, the f32 patterns either side of it (E4M3's
+        // ties, its thresholds and 448 are bf16 values) and a spread of
+        // other f32 bit patterns.
         let mut x = 0x9e37_79b9u32;
         for h in 0..=u16::MAX as u32 {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
-            for bits in [h << 16, x] {
+            let b = h << 16;
+            for bits in [b, b.wrapping_sub(1), b | 1, x] {
                 let f = f32::from_bits(bits);
                 assert_eq!(from_f32_branchless(f), from_f32(f), "{bits:#010x}");
             }
