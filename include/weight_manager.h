@@ -324,7 +324,8 @@ enum wm_delta_fallback
   // unless that would not have been under half its bytes.
   WM_DELTA_FALLBACK_NONE = 0,
   // The params held no version: the first update, or one after a clear
-  // or a failed update.
+  // or after an update that failed having written params (FAILED; an
+  // atomic update that failed leaves the version held).
   WM_DELTA_FALLBACK_NO_BASE = 1,
   // The request asked for a whole update (`WM_UPDATE_WHOLE`).
   WM_DELTA_FALLBACK_REFUSED = 2,

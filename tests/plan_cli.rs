@@ -344,7 +344,8 @@ fn unread_global_tensors_follow_the_managers_rule() {
 
 /// `--wire-dtype fp8`, `--delta-fraction` and `--goodput` scale the
 /// prediction by what the wire carries (FP8 with 128x128 block scales: a
-/// byte an element plus 4 per block; deltas: the codec's size model), and
+/// byte an element plus 4 per block; deltas: the codec's size model, whole
+/// where a delta would pass half the bytes), and
 /// bad values are refused naming the option.
 #[test]
 fn the_prediction_follows_what_the_wire_carries() {
@@ -370,6 +371,14 @@ fn the_prediction_follows_what_the_wire_carries() {
         f > 0.02 && f < 0.04,
         "2% of bf16 elements: {f} of the bytes"
     );
+    // Where a delta would be more than half the bytes, publishers send the
+    // run whole: 45% changed predicts 0.51 by the codec, the wire 1.
+    let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.45"]));
+    assert!(weight_manager_core::delta::predicted_ratio(0.45, 2) > 0.5);
+    assert_eq!(num(&delta, "/prediction/wire/bytes_per_plan_byte"), 1.0);
+    let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.3"]));
+    let f = num(&delta, "/prediction/wire/bytes_per_plan_byte");
+    assert!(f > 0.3 && f < 0.5, "30% of bf16 elements: {f} of the bytes");
     for (args, want) in [
         (["--goodput", "0"], "--goodput 0"),
         (["--wire-dtype", "fp4"], "--wire-dtype fp4: bf16 or fp8"),

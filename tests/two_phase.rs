@@ -346,7 +346,10 @@ fn an_aborted_delta_stage_keeps_the_state_and_the_base() {
     assert_eq!(versions_seen(&ps), vec![1]);
     served(&|| {
         let d = m.update(request("2")).unwrap().deltas;
-        assert_eq!((d.fallback, d.base_version.as_str()), (DeltaFallback::None, "1"));
+        assert_eq!(
+            (d.fallback, d.base_version.as_str()),
+            (DeltaFallback::None, "1")
+        );
         assert!(d.runs_delta > 0, "{d:?}");
     });
     // Each param's first word is version 2's now, the rest version 1's.

@@ -143,7 +143,7 @@ class QuantScheme(enum.IntEnum):
 class DeltaFallback(enum.IntEnum):
     """Why runs of an update came whole (`wm_delta_fallback`)."""
     NONE = 0  # deltas asked for every run with a base
-    NO_BASE = 1  # the params held no version (first update, after a clear or a failure)
+    NO_BASE = 1  # the params held no version (first update, after a clear or a FAILED update)
     REFUSED = 2  # the update asked for whole (deltas=False)
     NOT_KEPT = 3  # a publisher no longer keeps the base (or an FP8 param's image of it)
     DIFFERS = 4  # some params' bytes were not the base's: those runs came whole

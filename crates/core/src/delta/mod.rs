@@ -122,10 +122,10 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
 }
 
 /// The delta / whole bytes [`encode`] is expected to reach when a share
-/// `fraction` of elements of `esize` bytes changed at random places (what
-/// `wm plan --delta-fraction` predicts with): per chunk the smallest of the
+/// `fraction` of elements of `esize` bytes changed at random places: per chunk the smallest of the
 /// forms, a gap's varint taking its expected length (gaps are geometric:
-/// one more byte with each 7 bits a gap may pass).
+/// one more byte with each 7 bits a gap may pass). What the wire carries:
+/// [`predicted_wire_ratio`].
 pub fn predicted_ratio(fraction: f64, esize: usize) -> f64 {
     let f = fraction.clamp(0.0, 1.0);
     let (n, e) = (CHUNK as f64, esize as f64);
@@ -137,6 +137,27 @@ pub fn predicted_ratio(fraction: f64, esize: usize) -> f64 {
     let gaps = k * (varint + e) + 3.0;
     let bitmask = n / 8.0 + k * e;
     (1.0 + gaps.min(bitmask).min(n * e)) / (n * e)
+}
+
+/// Whether a delta of `delta` bytes is sent for `bytes` of a run: under
+/// half of them (else the run goes whole: the engine then patches
+/// less than it would receive, and a session holds at most half its bytes
+/// in deltas). A publisher gives up encoding a run once its delta is not under
+/// half of what it read so far.
+pub fn worth_sending(delta: u64, bytes: u64) -> bool {
+    delta.saturating_mul(2) < bytes
+}
+
+/// The wire bytes / whole bytes of a run when a share `fraction` of its
+/// elements changed at random places: [`predicted_ratio`], or 1 where
+/// that delta is not [`worth_sending`] (what `wm plan --delta-fraction`
+/// predicts with).
+pub fn predicted_wire_ratio(fraction: f64, esize: usize) -> f64 {
+    let r = predicted_ratio(fraction, esize);
+    match r * 2.0 < 1.0 {
+        true => r,
+        false => 1.0,
+    }
 }
 
 /// Apply `delta` (as [`encode`] writes it) onto `run`, which holds the base

@@ -38,7 +38,8 @@ pub enum DeltaFallback {
     #[default]
     None = 0,
     /// The params held no version: the first update, or one after a clear
-    /// or a failed update.
+    /// or after an update that failed having written params (FAILED; an
+    /// atomic update that failed leaves the version held).
     NoBase = 1,
     /// The request asked for a whole update (`WM_UPDATE_WHOLE`).
     Refused = 2,

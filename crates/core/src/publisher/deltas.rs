@@ -335,7 +335,7 @@ fn encode(
         }
         delta::encode(o, w, esize, &mut out);
         at += n;
-        if out.len() as u64 * 2 > at {
+        if !delta::worth_sending(out.len() as u64, at) {
             return Encoded {
                 base_sum: None,
                 delta: None,

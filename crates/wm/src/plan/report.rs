@@ -120,7 +120,8 @@ impl Wire {
 
     /// Bytes on the wire per byte of the (bf16) plan: FP8 is one byte an
     /// element plus a 4-byte scale per 128x128 block; a delta costs what
-    /// the codec's model says for that share of changed elements. A
+    /// the codec's model says for that share of changed elements (whole
+    /// where that is not under half the bytes, as publishers send it). A
     /// layout that quantizes takes FP8 deltas (elements of one byte) for
     /// its quantized params; its other bytes are counted the same way,
     /// which overestimates them slightly (two-byte elements' deltas are
@@ -132,7 +133,7 @@ impl Wire {
             (false, false) => (1.0, 2),
         };
         let delta = self.delta_fraction.map_or(1.0, |f| {
-            weight_manager_core::delta::predicted_ratio(f, esize)
+            weight_manager_core::delta::predicted_wire_ratio(f, esize)
         });
         dtype * delta
     }
