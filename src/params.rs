@@ -343,7 +343,8 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// before sending (one byte per element on the wire; each block's amax is
 /// agreed across publishers first, so a block split over trainer ranks
 /// gets one scale); a snapshot is read as it is, verified against its
-/// checksums, and quantized by the engine. From publishers that keep the
+/// (bf16) checksums when the update verifies (`WM_UPDATE_VERIFY_CHECKSUMS`),
+/// and quantized by the engine. From publishers that keep the
 /// version the params hold, the FP8 bytes come as deltas of the FP8 bytes
 /// the param holds (README "Deltas of FP8 params"); the scales are written
 /// whole at every commit. Both params live in host memory, or both on

@@ -424,6 +424,15 @@ fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
     );
     let err = failure(&wm_plan(&t, &e, &["--wire-dtype", "fp8"]));
     assert!(err.contains("quantizes its params"), "{err}");
+    // One scale per tensor: w whole on each rank, n still bf16.
+    let per_tensor = json!({"ranks": 2, "dtype": "bf16", "quant": "fp8_tensor",
+        "params": [{"name": "w"}, {"name": "n"}]});
+    let (_d, t2, e2) = write_pair(&trainer, &per_tensor);
+    let v = report(&wm_plan(&t2, &e2, &["--json"]));
+    assert_eq!(
+        num(&v, "/bytes/per_engine_rank/max"),
+        (256.0 * 512.0) + 512.0
+    );
     let (_d, t, e) = write_pair(&trainer, &engine(8));
     let err = failure(&wm_plan(&t, &e, &[]));
     assert!(

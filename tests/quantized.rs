@@ -160,6 +160,39 @@ fn a_snapshot_lands_quantized_in_fp8_params_in_both_modes() {
     }
 }
 
+/// A source tensor named like a scales param (a checkpoint's own scales
+/// beside its bf16 weights) is refused saying the engine makes those
+/// scales; skipping unknown tensors takes the update, the scales made by
+/// quantizing.
+#[test]
+fn a_source_tensor_named_like_a_scales_param_is_refused_saying_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager();
+    let w = t("w", DType::Bf16, &[300, 200], 1);
+    let [q, s] = quantized(
+        &m,
+        ParamSpec::host("w", DType::F8E4m3, &w.shape),
+        Scheme::Fp8Block128,
+        false,
+    );
+    let theirs = t("w.scale_inv", DType::F32, &[3, 2], 2);
+    write_snapshot(dir.path(), &[w.clone(), theirs], "1");
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_MISMATCH, "{e}");
+    assert!(
+        e.message.contains(
+            "tensor 'w.scale_inv' is not a registered param: param 'w.scale_inv' of that name holds the scales of quantized param 'w'"
+        ),
+        "{e}"
+    );
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.skip_unknown = true;
+    m.update(req).unwrap();
+    let (want_q, want_s) = reference(&w, Scheme::Fp8Block128);
+    assert!(read(q) == want_q);
+    assert_eq!(f32s(&read(s)), want_s);
+}
+
 /// A NaN or an infinity fails the update naming the tensor and the
 /// element; atomic, every param keeps the old version's bytes, and a
 /// staged update fails at staging.
@@ -308,6 +341,15 @@ fn wrong_declarations_are_refused_naming_the_param() {
     let mut tp = ParamSpec::host("tp", DType::F8E4m3, &[256, 128]);
     tp.pieces = vec![piece("g", &[0, 128], &[256, 128], &[0, 0])];
     m.allocate(&tp).unwrap();
+    // Two experts stacked: the second's piece starts at column 64 of its
+    // 2-D tensor (its dimension 1; the param's dimension 2).
+    let mut stacked = ParamSpec::host("stacked", DType::F8E4m3, &[2, 128, 128]);
+    stacked.pieces = vec![
+        piece("e0", &[0, 0], &[128, 128], &[0, 0, 0]),
+        piece("e1", &[0, 64], &[128, 128], &[1, 0, 0]),
+    ];
+    m.allocate(&stacked).unwrap();
+    alloc("s_stacked", DType::F32, &[2, 1, 1]);
     for (w, s, scheme, code, says) in WRONG {
         let e = m.quantize(w, s, scheme).unwrap_err();
         assert_eq!(e.code, code, "{w}/{s}: {e}");
@@ -317,6 +359,15 @@ fn wrong_declarations_are_refused_naming_the_param() {
     assert!(
         e.message
             .contains("dimension 0 starts at offset 64 of the tensor, not a multiple of 128"),
+        "{e}"
+    );
+    let e = m
+        .quantize("stacked", "s_stacked", Scheme::Fp8Block128)
+        .unwrap_err();
+    assert!(
+        e.message.contains(
+            "piece 1 ('e1' [0:128, 64:192]) cuts a 128x128 block: dimension 1 starts at offset 64 of the tensor"
+        ),
         "{e}"
     );
     m.quantize("w", "s", Scheme::Fp8Block128).unwrap();

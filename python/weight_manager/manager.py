@@ -483,7 +483,8 @@ class Manager(OwnedHandle):
         shaped [..., ceil(M/128), ceil(N/128)]; "fp8_tensor": one for the
         whole tensor), its scale_inv in registered param `scales` (float32,
         registered without pieces). Updates then take the global bf16, f16
-        or f32 tensors, verify them, and write both params together at
+        or f32 tensors (verified against their checksums when the update
+        verifies), and write both params together at
         commit, bit for bit as PyTorch computes
         `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` with amax =
         max(|x|) per block clamped at 1e-4, scale_inv = amax / 448. A NaN or

@@ -7,6 +7,7 @@ use super::params::{ParamView, Params};
 use super::{cover, global, runs, Plan, PlanEntry, PlanOptions, Run, Target};
 use crate::logging::{LogLevel, Logger};
 use crate::manifest::{Manifest, SharedMeta};
+use crate::quant::params::QuantRole;
 use crate::result::{Error, Result};
 
 /// At most this many problems are listed in one error message.
@@ -136,7 +137,8 @@ impl<'a> Sources<'a> {
                 || self.globals.placed
                 || (0..params.count()).any(|i| !params.param(i).whole);
             if !sharded {
-                unknown_tensors(&self.globals, &used, opts, logger, &mut problems);
+                let into = (logger, &mut problems);
+                unknown_tensors(&self.globals, &used, params, opts, into);
             }
         }
         let mut plan = assemble(self.manifests, found.runs, opts.callback);
@@ -233,13 +235,14 @@ pub fn source_number(count: usize) -> impl Fn(usize) -> String {
 /// only what its pieces name: the rest (other ranks' experts, other TP
 /// ranks' tensors) is no error and is not read; what a piece names and no
 /// source holds is still an error, found by `cover`.
-fn unknown_tensors(
+fn unknown_tensors<P: Params + ?Sized>(
     globals: &global::Globals,
     used: &[bool],
+    params: &P,
     opts: PlanOptions,
-    logger: &Logger,
-    problems: &mut Vec<String>,
+    (logger, problems): (&Logger, &mut Vec<String>),
 ) {
+    let mut scales = None;
     for (t, _) in globals.tensors.iter().zip(used).filter(|(_, &u)| !u) {
         if opts.skip_unknown {
             if !logger.enabled(LogLevel::Warn) {
@@ -249,10 +252,30 @@ fn unknown_tensors(
                 "skipping tensor '{}': not a registered param",
                 t.name
             ));
-        } else {
-            problems.push(format!("tensor '{}' is not a registered param", t.name));
+            continue;
         }
+        // A quantized param's scales share no name with a source's tensor
+        // the engine reads: say so where one does (a checkpoint's own
+        // scales beside bf16 weights, say).
+        let scales = scales.get_or_insert_with(|| scales_of(params));
+        problems.push(match scales.get(t.name) {
+            Some(weight) => format!(
+                "tensor '{}' is not a registered param: param '{}' of that name holds the scales of quantized param '{weight}', made by quantizing it, never read from a source (skip such tensors with WM_UPDATE_SKIP_UNKNOWN)",
+                t.name, t.name
+            ),
+            None => format!("tensor '{}' is not a registered param", t.name),
+        });
     }
+}
+
+/// Each scales param's name, with its quantized weight's.
+fn scales_of<P: Params + ?Sized>(params: &P) -> std::collections::HashMap<&str, &str> {
+    (0..params.count())
+        .filter_map(|i| match params.param(i).quant {
+            QuantRole::Scales { weight } => Some((params.param(i).name, params.param(weight).name)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// One entry per (source, tensor, target) in that order, runs numbered by

@@ -199,11 +199,13 @@ fn check_piece_blocks((name, shape): (&str, &[u64]), k: usize, piece: &Piece) ->
     }
     for back in 1..=2 {
         let (d, g) = (nd - back, gd - back);
+        // Offsets of the tensor are named by the tensor's dimension, those
+        // of the param by the param's (stacked experts: one more).
         let (start, len, at) = (piece.global.offset[g], piece.global.len[g], piece.at[d]);
         let b = BLOCK as u64;
         if start % b != 0 {
             return fail(format!(
-                "dimension {d} starts at offset {start} of the tensor, not a multiple of 128"
+                "dimension {g} starts at offset {start} of the tensor, not a multiple of 128"
             ));
         }
         if at % b != 0 {

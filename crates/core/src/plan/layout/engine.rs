@@ -261,13 +261,14 @@ impl ParamRule {
     }
 
     /// `p` quantized as the rule says: F8_E4M3 holding its pieces with the
-    /// scheme, when it has the dimensions the scheme needs (a 1-D norm of a
-    /// quantized layout stays as it is), its pieces on the block grid.
+    /// scheme, when it has at least 2 dimensions (a 1-D norm of a quantized
+    /// layout stays as it is, whatever the scheme), its pieces on the block
+    /// grid.
     fn quantized(&self, mut p: ParamLayout) -> Result<ParamLayout> {
         let Some(scheme) = self.quant else {
             return Ok(p);
         };
-        if scheme == Scheme::Fp8Block128 && p.shape.len() < 2 {
+        if p.shape.len() < 2 {
             return Ok(p);
         }
         check_weight(&p.name, &p.shape, &p.pieces, scheme).map_err(|e| e.context(&self.path))?;
