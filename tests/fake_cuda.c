@@ -436,6 +436,16 @@ int cuMemcpyHtoD_v2(u64 dst, const void *src, size_t n) {
     memcpy((void *)(uintptr_t)dst, src, n);
     return OK;
 }
+/* The fan-out's small copies (votes, message lengths): synchronous too. */
+int cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *stream) {
+    (void)stream;
+    return cuMemcpyHtoD_v2(dst, src, n);
+}
+int cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *stream) {
+    (void)stream;
+    memcpy(dst, (const void *)(uintptr_t)src, n);
+    return OK;
+}
 
 /* CUDA_MEMCPY2D. Memory types: 1 host, 2 device, 4 unified. */
 typedef struct {

@@ -1,8 +1,13 @@
 //! NCCL fan-out without a GPU: how NCCL is found and refused, the meetings
-//! through which a fan-out group agrees on its communicator, and the
-//! manager's checks. The transfer itself needs two GPUs and NCCL: see
-//! tests/gpu.rs (`fanout_between_two_gpus`); where a member's bytes land
-//! (its applier) is tested without them in `fanout::member_tests`.
+//! through which a fan-out group agrees on its communicator, the manager's
+//! checks, and the whole fan-out between two `wm worker` processes on the
+//! fake CUDA driver (`tests/fake_cuda.c`) and a fake NCCL
+//! (`tests/fake_nccl.c`: the ranks meet in shared memory), one-call and
+//! two-phase. The same run on two GPUs and NCCL is tests/gpu.rs
+//! (`fanout_between_two_gpus`); where a member's bytes land (its applier)
+//! is tested alone in `fanout::member_tests`.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
@@ -78,6 +83,24 @@ fn nccl_that_is_missing_old_or_partial_is_a_clear_error() {
         e.message.contains("not a usable NCCL") && e.message.contains("ncclGetUniqueId"),
         "{e}"
     );
+}
+
+/// The fan-out end to end between two `wm worker` processes, each with
+/// its own fake GPU 0, over the fake NCCL: rank 1 gets its weights only
+/// from rank 0's broadcast, twice (the communicator reused).
+#[test]
+fn two_ranks_fan_out_on_the_fake_driver_and_nccl() {
+    if !common::fake_cuda::under_fake_driver("two_ranks_fan_out_on_the_fake_driver_and_nccl", false)
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let nccl = stub(dir.path(), "fake_nccl", include_str!("fake_nccl.c"));
+    common::fanout_ranks::fan_out_twice(common::fanout_ranks::Ranks {
+        devices: [0, 0],
+        nccl: Some(&nccl),
+        two_phase: false,
+    });
 }
 
 fn unique(tag: &str) -> String {

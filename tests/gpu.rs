@@ -590,18 +590,13 @@ fn nccl_loader_and_a_one_rank_communicator() {
     assert!(!comm.failed());
 }
 
-/// NCCL fan-out between two `wm worker` ranks on GPUs 0 and 1: rank 0
-/// reads the snapshot, rank 1's model directory is empty, so its weights
-/// can only arrive by fan-out. Two updates through the control cell (the
-/// second reuses the communicator); both ranks read `w` back from their
-/// GPU and log its checksum. Needs two GPUs (NCCL allows one rank per GPU)
-/// and NCCL (`WM_NCCL_LIB` or `libnccl.so.2`).
+/// NCCL fan-out between two `wm worker` ranks on GPUs 0 and 1
+/// (`common::fanout_ranks`). Needs two GPUs (NCCL allows one rank per GPU)
+/// and NCCL (`WM_NCCL_LIB` or `libnccl.so.2`); the same run on the fake
+/// driver and NCCL is in `tests/fanout.rs`.
 #[test]
 fn fanout_between_two_gpus() {
-    use std::process::Stdio;
-    use weight_manager_core::Controller;
-    use weight_manager_core::DType;
-    use weight_manager_core::State;
+    use common::fanout_ranks::{fan_out_twice, Ranks};
     let Some(c) = gpu() else { return };
     if c.device_count() < 2 {
         println!(
@@ -614,70 +609,13 @@ fn fanout_between_two_gpus() {
         println!("skipped: {e}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
-    std::fs::create_dir_all(&empty).unwrap();
-    std::fs::create_dir_all(&full).unwrap();
-    let w = tensor("w", DType::F32, &[16], 21);
-    write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
-    write_version(&full, "1");
-    let tag = std::process::id();
-    let (group, cell) = (format!("wm_gpu_fo_{tag}"), format!("wm_gpu_fo_cell_{tag}"));
-    let mut ranks: Vec<_> = (0..2u32)
-        .map(|rank| {
-            let log = dir.path().join(format!("rank{rank}.log"));
-            let err = dir.path().join(format!("rank{rank}.err"));
-            let child = std::process::Command::new(wm())
-                .arg("worker")
-                .args(["--rank", &rank.to_string(), "--world", "2"])
-                .args(["--group", &group, "--cell", &cell])
-                .args(["--device", &rank.to_string(), "--fanout", "0"])
-                .args([
-                    "--steps",
-                    "3000",
-                    "--step-us",
-                    "1000",
-                    "--timeout-ms",
-                    "30000",
-                ])
-                .arg("--model-dir")
-                .arg(if rank == 0 { &full } else { &empty })
-                .arg("--log")
-                .arg(&log)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&err).unwrap())
-                .spawn()
-                .unwrap();
-            (child, log, err)
-        })
-        .collect();
-    let ctl = Controller::open(&cell).unwrap();
-    for _ in 0..2 {
-        ctl.wait_for(State::Normal, std::time::Duration::from_secs(60))
-            .unwrap();
-        ctl.cell().compare_exchange(0, 1).unwrap().unwrap();
-        let done = ctl.wait_for(State::Normal, std::time::Duration::from_secs(120));
-        if done.is_err() {
-            for (child, _, err) in ranks.iter_mut() {
-                let _ = child.kill();
-                println!("{}", std::fs::read_to_string(&*err).unwrap_or_default());
-            }
-            panic!("the fan-out update did not finish: {done:?}");
-        }
+    for two_phase in [false, true] {
+        fan_out_twice(Ranks {
+            devices: [0, 1],
+            nccl: None,
+            two_phase,
+        });
     }
-    let want = format!(
-        "updated 1 w={:032x}",
-        weight_manager_core::checksum::of(&w.data)
-    );
-    for (mut child, log, err) in ranks {
-        let status = child.wait().unwrap();
-        let err = std::fs::read_to_string(&err).unwrap_or_default();
-        assert!(status.success(), "{err}");
-        let log = std::fs::read_to_string(&log).unwrap();
-        assert_eq!(log.matches(&want).count(), 2, "{log}\n{err}");
-    }
-    let _ = weight_manager_core::internals::signal::shm::unlink(&cell);
-    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell}.wm_report"));
 }
 
 /// Library-owned device params of `ts` on GPU 0 in a manager with the

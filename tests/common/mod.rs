@@ -6,6 +6,7 @@
 )]
 
 pub mod fake_cuda;
+pub mod fanout_ranks;
 pub mod gpu_parts;
 pub mod hostile_windows;
 pub mod peak;

@@ -1,0 +1,94 @@
+//! NCCL fan-out between two `wm worker` ranks, driven through the control
+//! cell: rank 0 reads the snapshot, rank 1's model directory is empty, so
+//! its weights can only arrive by fan-out. Two updates (the second reuses
+//! the communicator); both ranks read `w` back from their GPU and log its
+//! checksum. Shared by `tests/gpu.rs` (two real GPUs and NCCL) and
+//! `tests/fanout.rs` (the fake driver and the fake NCCL, one "GPU" per
+//! process).
+
+use super::{tensor, write_safetensors, write_version, WM};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use weight_manager_core::{Controller, DType, State};
+
+/// How the two ranks run.
+pub struct Ranks<'a> {
+    /// Each rank's GPU.
+    pub devices: [i32; 2],
+    /// `--nccl` (None: the worker's default lookup).
+    pub nccl: Option<&'a Path>,
+    /// `--two-phase`: stage on UPDATING, commit on COMMIT.
+    pub two_phase: bool,
+}
+
+/// Run two updates of version 1 through the cell; both ranks must log
+/// `w`'s checksum after each.
+pub fn fan_out_twice(r: Ranks) {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::create_dir_all(&full).unwrap();
+    let w = tensor("w", DType::F32, &[16], 21);
+    write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
+    write_version(&full, "1");
+    let tag = std::process::id();
+    let (group, cell) = (format!("wm_fo_{tag}"), format!("wm_fo_cell_{tag}"));
+    let mut ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let log = dir.path().join(format!("rank{rank}.log"));
+            let err = dir.path().join(format!("rank{rank}.err"));
+            let mut cmd = Command::new(&*WM);
+            cmd.arg("worker")
+                .args(["--rank", &rank.to_string(), "--world", "2"])
+                .args(["--group", &group, "--cell", &cell])
+                .args(["--device", &r.devices[rank as usize].to_string()])
+                .args(["--fanout", "0"])
+                .args(["--steps", "3000", "--step-us", "1000"])
+                .args(["--timeout-ms", "30000"])
+                .arg("--model-dir")
+                .arg(if rank == 0 { &full } else { &empty })
+                .arg("--log")
+                .arg(&log);
+            if let Some(n) = r.nccl {
+                cmd.arg("--nccl").arg(n);
+            }
+            if r.two_phase {
+                cmd.arg("--two-phase");
+            }
+            let child = cmd
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&err).unwrap())
+                .spawn()
+                .unwrap();
+            (child, log, err)
+        })
+        .collect();
+    let ctl = Controller::open(&cell).unwrap();
+    for _ in 0..2 {
+        ctl.wait_for(State::Normal, Duration::from_secs(60))
+            .unwrap();
+        ctl.cell().compare_exchange(0, 1).unwrap().unwrap();
+        let done = ctl.wait_for(State::Normal, Duration::from_secs(120));
+        if done.is_err() {
+            for (child, _, err) in ranks.iter_mut() {
+                let _ = child.kill();
+                println!("{}", std::fs::read_to_string(&*err).unwrap_or_default());
+            }
+            panic!("the fan-out update did not finish: {done:?}");
+        }
+    }
+    let want = format!(
+        "updated 1 w={:032x}",
+        weight_manager_core::checksum::of(&w.data)
+    );
+    for (mut child, log, err) in ranks {
+        let status = child.wait().unwrap();
+        let err = std::fs::read_to_string(&err).unwrap_or_default();
+        assert!(status.success(), "{err}");
+        let log = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(log.matches(&want).count(), 2, "{log}\n{err}");
+    }
+    let _ = weight_manager_core::internals::signal::shm::unlink(&cell);
+    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell}.wm_report"));
+}
