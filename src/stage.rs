@@ -22,8 +22,9 @@ use weight_manager_core::{Error, Result, UpdateStats};
 ///
 /// `request` as for `wm_update`, but atomic only (`WM_UPDATE_IN_PLACE`:
 /// `WM_ERR_INVALID_ARGUMENT`), without `progress_callback` or
-/// `tensor_callback` (`WM_ERR_INVALID_ARGUMENT`), and not with NCCL
-/// fan-out (`WM_ERR_UNSUPPORTED`). One staged version at a time: another
+/// `tensor_callback` (`WM_ERR_INVALID_ARGUMENT`). With NCCL fan-out the
+/// root broadcasts its staged bytes before its commit, so every member
+/// stages the same version. One staged version at a time: another
 /// `wm_stage` is `WM_ERR_STATE`, and `wm_update` is `WM_ERR_BUSY` until the
 /// commit or abort. The state reads `WM_STATE_UPDATING` from `wm_stage`
 /// until `wm_commit` or `wm_abort` return; `wm_status`'s version stays the

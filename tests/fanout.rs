@@ -87,7 +87,9 @@ fn nccl_that_is_missing_old_or_partial_is_a_clear_error() {
 
 /// The fan-out end to end between two `wm worker` processes, each with
 /// its own fake GPU 0, over the fake NCCL: rank 1 gets its weights only
-/// from rank 0's broadcast, twice (the communicator reused).
+/// from rank 0's broadcast, twice (the communicator reused); one-call,
+/// then two-phase (the root broadcasts its staging, both ranks commit on
+/// the signal's COMMIT).
 #[test]
 fn two_ranks_fan_out_on_the_fake_driver_and_nccl() {
     if !common::fake_cuda::under_fake_driver("two_ranks_fan_out_on_the_fake_driver_and_nccl", false)
@@ -96,11 +98,13 @@ fn two_ranks_fan_out_on_the_fake_driver_and_nccl() {
     }
     let dir = tempfile::tempdir().unwrap();
     let nccl = stub(dir.path(), "fake_nccl", include_str!("fake_nccl.c"));
-    common::fanout_ranks::fan_out_twice(common::fanout_ranks::Ranks {
-        devices: [0, 0],
-        nccl: Some(&nccl),
-        two_phase: false,
-    });
+    for two_phase in [false, true] {
+        common::fanout_ranks::fan_out_twice(common::fanout_ranks::Ranks {
+            devices: [0, 0],
+            nccl: Some(&nccl),
+            two_phase,
+        });
+    }
 }
 
 fn unique(tag: &str) -> String {

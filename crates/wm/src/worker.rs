@@ -140,6 +140,7 @@ impl Rank<'_> {
                 if let Some(l) = self.log.as_mut() {
                     let _ = writeln!(l, "committed {} at {step}", stats.version);
                 }
+                self.log_device_w(&stats.version)?;
                 Ok(false)
             }
             State::Cleared => {
@@ -174,6 +175,11 @@ impl Rank<'_> {
     /// Update from the snapshot; on a device, log `w`'s checksum.
     fn update(&mut self) -> weight_manager_core::Result<()> {
         let stats = self.m.update(UpdateRequest::snapshot(&self.a.model_dir))?;
+        self.log_device_w(&stats.version)
+    }
+
+    /// On a device, log `w`'s checksum as version `version` left it.
+    fn log_device_w(&mut self, version: &str) -> weight_manager_core::Result<()> {
         let device = self.a.device;
         if let (Some(l), true) = (self.log.as_mut(), device >= 0) {
             let (w, w_len) = self.w;
@@ -181,7 +187,7 @@ impl Rank<'_> {
             // SAFETY: `w` is this manager's device param of `w_len` bytes.
             unsafe { download(device, bytes.as_mut_ptr(), w as u64, w_len)? };
             let sum = checksum::of(&bytes);
-            let _ = writeln!(l, "updated {} w={sum:032x}", stats.version);
+            let _ = writeln!(l, "updated {version} w={sum:032x}");
         }
         Ok(())
     }

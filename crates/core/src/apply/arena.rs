@@ -129,10 +129,15 @@ impl Arena {
 
     /// The start of param `i`'s shadow (the param's byte 0).
     pub fn param_shadow(&self, i: usize) -> *mut u8 {
-        match &self.shadows[&i] {
+        self.shadow_of(i).expect("a target param has a shadow")
+    }
+
+    /// The start of param `i`'s shadow, if it is a target param.
+    pub fn shadow_of(&self, i: usize) -> Option<*mut u8> {
+        Some(match self.shadows.get(&i)? {
             Shadow::Own(r) => r.ptr(),
             Shadow::Packed(at) => self.packed_at(*at),
-        }
+        })
     }
 
     /// The start of callback tensor `t`'s slot (plan entry `t`).

@@ -190,6 +190,15 @@ impl<'p, 'h> Applier<'p, 'h> {
         self.tally.deadline
     }
 
+    /// Atomic: where param `i`'s new bytes are staged, in host memory (all
+    /// of the param; read only once [`Applier::check_received`] passed),
+    /// for a fan-out root that passes a staged version on before its
+    /// commit. None in place, or for a param the plan does not write.
+    pub fn staged_param(&self, i: usize) -> Option<SendPtr> {
+        let arena = self.landing.arena.as_ref()?;
+        arena.shadow_of(i).map(SendPtr)
+    }
+
     /// Check that every planned byte arrived (and so was verified: each
     /// tensor is checked as it completes), before a staged update reports
     /// itself staged. The commit checks again.

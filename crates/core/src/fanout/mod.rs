@@ -36,6 +36,11 @@
 //! 2, 3 and 5; `manager/fanout_member.rs` is a member's whole update, its
 //! plan made from the announcement.
 //!
+//! **Staged** (`wm_stage`): step 5 comes before the root's commit, from
+//! its staging (`transfer::FromStaged`, through a GPU bounce buffer):
+//! members stage the bytes as they would take them, and every rank commits
+//! at the same step through the signal's vote (`manager/fanout_root.rs`).
+//!
 //! **Decisions.** Members receive after the root committed, not bucket by
 //! bucket as the root receives: members only ever get bytes the root
 //! verified, the root's atomicity is untouched, and NVLink moves bytes

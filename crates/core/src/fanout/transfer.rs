@@ -3,7 +3,10 @@
 //! a session, [`Mover`]) apart from where they are on this rank
 //! ([`Landing`]: the root's params, or the member's applier).
 
-use crate::result::Result;
+use crate::memory::aligned_offsets;
+use crate::memory::device::DeviceAllocation;
+use crate::memory::SendPtr;
+use crate::result::{Error, Result};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -58,6 +61,52 @@ pub struct FromParams<'a>(pub &'a [u64]);
 impl Landing for FromParams<'_> {
     fn place(&mut self, batch: Range<usize>) -> Result<Vec<u64>> {
         Ok(self.0[batch].to_vec())
+    }
+
+    fn moved(&mut self, _: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The root of a staged update: it sends every tensor from its staging
+/// (host memory, `staged[t]`, `sizes[t]` bytes), which NCCL cannot read:
+/// each batch is uploaded into `bounce` on the root's GPU first (sized by
+/// [`crate::fanout::Bounce::size_for`] with the broadcast's limit).
+pub struct FromStaged<'a> {
+    pub staged: &'a [SendPtr],
+    pub sizes: &'a [usize],
+    pub bounce: &'a DeviceAllocation,
+}
+
+impl Landing for FromStaged<'_> {
+    fn place(&mut self, batch: Range<usize>) -> Result<Vec<u64>> {
+        let sizes = self.sizes[batch.clone()].iter().map(|&n| n as u64);
+        let (offsets, n) = aligned_offsets(sizes)
+            .ok_or_else(|| Error::out_of_memory("a fan-out batch is too large"))?;
+        if n > self.bounce.len() {
+            return Err(Error::state(format!(
+                "a fan-out batch of {n} bytes does not fit the {}-byte bounce buffer (internal)",
+                self.bounce.len()
+            )));
+        }
+        let mut at = Vec::with_capacity(offsets.len());
+        for (t, o) in batch.zip(offsets) {
+            let dst = self.bounce.ptr() + o as u64;
+            // SAFETY: the staging holds `sizes[t]` bytes at `staged[t]`
+            // (every byte received, nothing writes it until the commit);
+            // `dst` lies in the bounce buffer (checked just above), which
+            // no broadcast reads until this batch is queued.
+            unsafe {
+                crate::memory::cuda_ipc::upload(
+                    self.bounce.ordinal(),
+                    dst,
+                    self.staged[t].0,
+                    self.sizes[t],
+                )?;
+            }
+            at.push(dst);
+        }
+        Ok(at)
     }
 
     fn moved(&mut self, _: Range<usize>) -> Result<()> {

@@ -3,13 +3,20 @@
 //! the members' vote) and one after the commit (tell the members the
 //! outcome, then broadcast the params). When the root fails before its
 //! commit, it tells the members why (they stop too).
+//!
+//! Staged (`staged.rs`), the root sends before its commit instead: once
+//! every byte arrived and verified, it tells the members it staged, then
+//! broadcasts its staging (host memory, through a GPU bounce buffer), so
+//! each member stages the same bytes; every rank then commits at the same
+//! step through the signal's vote, or none does.
 
 use super::update::{Prepared, UpdateRun};
 use super::{Manager, UpdateStats};
-use crate::apply::ApplyFailure;
-use crate::fanout::transfer::FromParams;
-use crate::fanout::{Announcement, FanoutSession, Word};
+use crate::apply::{Applier, ApplyFailure};
+use crate::fanout::transfer::{FromParams, FromStaged};
+use crate::fanout::{Announcement, Bounce, FanoutSession, Word};
 use crate::logging::Logger;
+use crate::memory::device::DeviceAllocation;
 use crate::registry::Registry;
 use crate::result::{Error, Result};
 use std::time::Instant;
@@ -40,23 +47,36 @@ impl Manager {
         let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
         let has_tensor_hook = run.req.hooks.tensor.is_some();
         root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
-        let mut stats = self.apply(run, &mut prepared).map_err(|f| {
+        let staged = run.gate.is_some();
+        let sizes = root.sizes(run.registry);
+        let bucket = self.config.net.bucket_size;
+        let applied = match staged {
+            true => {
+                let mut send =
+                    |a: &mut Applier| root.send_staged(a, &sizes, (bucket, self.config.device));
+                self.apply(run, &mut prepared, Some(&mut send))
+            }
+            false => self.apply(run, &mut prepared, None),
+        };
+        let mut stats = applied.map_err(|f| {
             self.kept.plans.forget(&prepared.plan);
             ApplyFailure {
                 error: root.stop(f.error),
                 weights: f.weights,
             }
         })?;
+        if staged {
+            return Ok(self.updated(run, &prepared, stats));
+        }
         let sent = Instant::now();
-        root.after(run.registry, self.config.net.bucket_size)
-            .map_err(|e| {
-                ApplyFailure::after_writing(e.context(format!(
-                    "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
-                    stats.version,
-                    self.config.rank,
-                    crate::signal::group::list(root.session.members())
-                )))
-            })?;
+        root.after(&sizes, run.registry, bucket).map_err(|e| {
+            ApplyFailure::after_writing(e.context(format!(
+                "the update to {} was applied on rank {}, but its fan-out to rank(s) {} failed",
+                stats.version,
+                self.config.rank,
+                crate::signal::group::list(root.session.members())
+            )))
+        })?;
         stats.update += sent.elapsed();
         Ok(self.updated(run, &prepared, stats))
     }
@@ -83,18 +103,59 @@ impl FanoutRoot<'_, '_> {
         self.session.vote(Ok(()), self.said_by)
     }
 
+    /// The announced params' sizes, in broadcast order.
+    fn sizes(&self, registry: &Registry) -> Vec<usize> {
+        let params = registry.params();
+        self.params.iter().map(|&i| params[i].nbytes).collect()
+    }
+
     /// After the root's commit: tell the members it went through, then
     /// broadcast the announced params.
-    fn after(&mut self, registry: &Registry, bucket_size: usize) -> Result<()> {
+    fn after(&mut self, sizes: &[usize], registry: &Registry, bucket_size: usize) -> Result<()> {
         self.session.word(Some(&Word::Go(())), self.said_by)?;
-        let params = self.params.iter().map(|&i| &registry.params()[i]);
-        let (at, sizes): (Vec<u64>, Vec<usize>) =
-            params.map(|p| (p.ptr() as u64, p.nbytes)).unzip();
+        let at: Vec<u64> = (self.params.iter())
+            .map(|&i| registry.params()[i].ptr() as u64)
+            .collect();
         self.session.move_tensors(
-            &sizes,
+            sizes,
             bucket_size,
             crate::defaults::BUCKET_TIMEOUT,
             &mut FromParams(&at),
+        )
+    }
+
+    /// Staged, before the gate: every byte arrived and verified, tell the
+    /// members so, then broadcast the staging (`sizes`, in at most
+    /// `bucket_size`-byte batches through a bounce buffer on GPU
+    /// `ordinal`). The bounce buffer is taken before the word, so a
+    /// failure to take it stops the members with its reason.
+    fn send_staged(
+        &mut self,
+        applier: &mut Applier,
+        sizes: &[usize],
+        (bucket_size, ordinal): (usize, i32),
+    ) -> Result<()> {
+        applier.check_received()?;
+        let staged = (self.params.iter())
+            .map(|&i| {
+                applier.staged_param(i).ok_or_else(|| {
+                    Error::state(format!("fan-out: param #{i} has no staging (internal)"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let n = Bounce::size_for(sizes, bucket_size)?;
+        let bounce = DeviceAllocation::new("the fan-out root's bounce buffer", ordinal, n)?;
+        self.session.word(Some(&Word::Go(())), self.said_by)?;
+        let mut from = FromStaged {
+            staged: &staged,
+            sizes,
+            bounce: &bounce,
+        };
+        self.session.move_tensors(
+            sizes,
+            bucket_size,
+            crate::defaults::BUCKET_TIMEOUT,
+            &mut from,
         )
     }
 

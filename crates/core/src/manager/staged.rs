@@ -64,7 +64,8 @@ impl Manager {
     /// Stage the version `req` names: returns once every byte arrived and
     /// verified, the params untouched. Atomic mode only, without the
     /// per-tensor callback or a progress hook (they would run on the stage
-    /// thread), and not with NCCL fan-out.
+    /// thread). With NCCL fan-out the root broadcasts its staging before
+    /// its commit, so members stage the same bytes (`fanout_root.rs`).
     pub fn stage(self: &Arc<Self>, req: UpdateRequest) -> Result<Staged> {
         let r = self
             .check_stage(&req)
@@ -81,11 +82,6 @@ impl Manager {
         if req.hooks.tensor.is_some() || req.hooks.progress.is_some() {
             return Err(Error::invalid_argument(
                 "stage: the per-tensor callback and the progress hook are not taken (staging runs on a thread of the library's)",
-            ));
-        }
-        if self.kept.fanout.is_some() && self.signal.fanout_size() > 1 {
-            return Err(Error::unsupported(
-                "stage: not with NCCL fan-out yet (members receive after the root's commit); use update",
             ));
         }
         self.check_cancelled()

@@ -37,6 +37,9 @@ pub(super) struct UpdateRun<'a, 'h> {
     pub gate: Option<CommitGate<'a>>,
 }
 
+/// A step once every source is streamed, before the gate and the commit.
+pub(super) type AfterStreaming<'f> = &'f mut dyn FnMut(&mut Applier) -> Result<()>;
+
 /// The gate a staged update waits at before its commit.
 pub(super) type CommitGate<'p> = Box<dyn FnMut(&str) -> Result<()> + Send + 'p>;
 
@@ -176,7 +179,7 @@ impl Manager {
         run: &mut UpdateRun,
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let mut prepared = self.prepare(run)?;
-        let stats = self.apply(run, &mut prepared).inspect_err(|_| {
+        let stats = self.apply(run, &mut prepared, None).inspect_err(|_| {
             // A failed update's plan is not kept (it may be a hostile
             // source's geometry); the next update plans again.
             self.kept.plans.forget(&prepared.plan);
@@ -260,10 +263,14 @@ impl Manager {
 
     /// Bring released memory back, then stream the source through the
     /// applier and commit. The stats' `total` is left for [`Self::updated`].
+    /// Stream the prepared sources into the params through the applier;
+    /// `then`, once they are all streamed, before the gate and the commit
+    /// (a staged fan-out root sends its staging on).
     pub(super) fn apply(
         &self,
         run: &mut UpdateRun,
         prepared: &mut Prepared,
+        then: Option<AfterStreaming>,
     ) -> std::result::Result<UpdateStats, ApplyFailure> {
         let swaps_host = run.req.mode == Mode::Atomic && run.req.hooks.tensor.is_none();
         self.restore_if_released(run, swaps_host)?;
@@ -272,7 +279,8 @@ impl Manager {
         } = prepared;
         let plan = &**plan;
         let applied = self.apply_plan(run, (plan, &prepared.version), *gdr, |applier| {
-            stream_all(sources, plan, applier)
+            stream_all(sources, plan, applier)?;
+            then.map_or(Ok(()), |then| then(applier))
         })?;
         // Where an update's time went, for engine authors tuning (and the
         // GPU bench's breakdown of a staged commit's pause).
