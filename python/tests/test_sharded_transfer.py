@@ -136,6 +136,39 @@ def test_sources_serving_different_versions_are_refused_before_bytes_move(tmp_pa
         assert u["state"] == "NORMAL" and u["now"] is None, u
 
 
+def test_snapshot_folders_at_different_versions_are_refused_even_when_the_request_names_one(tmp_path):
+    """Two folders, each a row half of `w` with its own version.yaml: a mix
+    is refused (before, naming a version skipped reading version.yaml and
+    committed half of each version)."""
+    from weight_manager import Manager, WeightManagerError
+
+    full = np.arange(32, dtype=np.float32).reshape(8, 4)
+
+    def folder(name, rows, data, step):
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"wm.shard.w_part": json.dumps(
+            {"tensor": "w", "global_shape": [8, 4], "offset": [rows[0], 0]})}
+        save_file({"w_part": np.ascontiguousarray(data[rows[0]:rows[1]])},
+                  str(d / "model.safetensors"), metadata=meta)
+        if step is not None:
+            (d / "version.yaml").write_text(f"step: {step}\n")
+        return str(d)
+
+    a = folder("a", (0, 4), full, 1)
+    b = folder("b", (4, 8), full + 100, 2)
+    same = folder("c", (4, 8), full, 1)
+    with Manager(fallback_dir="") as m:
+        w = m.allocate("w", np.float32, (8, 4))
+        for version in [None, "1", "2"]:
+            with pytest.raises(WeightManagerError, match="different versions"):
+                m.update([a, b], version=version)
+            assert m.status().version is None and not w.any()
+        # Folders of one version: the request's version names the update.
+        assert m.update([a, same], version="v-one").version == "v-one"
+        assert np.array_equal(w, full)
+
+
 @pytest.mark.parametrize("transport", ["ipc", "net"])
 def test_a_trainer_rank_killed_mid_update_fails_it_naming_the_rank(tmp_path, transport):
     sessions = sharded_ranks.ENGINE_RANKS * len(VERSIONS)

@@ -26,7 +26,12 @@ impl Manager {
     ) -> Result<Vec<Box<dyn Source>>> {
         let locations = locations::expand(&req.locations)?;
         if req.source == SourceKind::Snapshot && locations.len() <= 1 {
-            return Ok(vec![self.open_snapshot(req, locations.first())?]);
+            let read_version = req.version.is_none();
+            return Ok(vec![self.open_snapshot(
+                req,
+                locations.first(),
+                read_version,
+            )?]);
         }
         if locations.is_empty() {
             return Err(Error::invalid_argument(match req.source {
@@ -42,14 +47,22 @@ impl Manager {
         locations
             .iter()
             .map(|loc| match req.source {
-                SourceKind::Snapshot => self.open_snapshot(req, Some(loc)),
+                // Several snapshots: each one's version.yaml is read even
+                // when the request names the version, so that the plan
+                // refuses a mix of versions (the request's still names it).
+                SourceKind::Snapshot => self.open_snapshot(req, Some(loc), true),
                 SourceKind::Ipc => self.open_ipc(req, loc, base.cloned()),
                 SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr, base.cloned()),
             })
             .collect()
     }
 
-    fn open_snapshot(&self, req: &UpdateRequest, at: Option<&PathBuf>) -> Result<Box<dyn Source>> {
+    fn open_snapshot(
+        &self,
+        req: &UpdateRequest,
+        at: Option<&PathBuf>,
+        read_version: bool,
+    ) -> Result<Box<dyn Source>> {
         let dir = at
             .cloned()
             .or_else(|| self.config.model_dir.clone())
@@ -64,7 +77,7 @@ impl Manager {
             rank: self.config.rank,
             gpu_id: self.gpu_id.clone(),
         };
-        let (deadline, read_version) = (Instant::now() + req.timeout, req.version.is_none());
+        let deadline = Instant::now() + req.timeout;
         let source = SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)?;
         Ok(Box::new(source))
     }

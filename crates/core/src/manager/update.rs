@@ -261,11 +261,10 @@ impl Manager {
         Ok(version)
     }
 
-    /// Bring released memory back, then stream the source through the
-    /// applier and commit. The stats' `total` is left for [`Self::updated`].
-    /// Stream the prepared sources into the params through the applier;
-    /// `then`, once they are all streamed, before the gate and the commit
-    /// (a staged fan-out root sends its staging on).
+    /// Bring released memory back, then stream the prepared sources
+    /// through the applier and commit; `then`, once they are all streamed,
+    /// before the gate and the commit (a staged fan-out root sends its
+    /// staging on). The stats' `total` is left for [`Self::updated`].
     pub(super) fn apply(
         &self,
         run: &mut UpdateRun,
