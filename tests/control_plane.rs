@@ -294,6 +294,61 @@ fn a_failed_update_reaches_the_controller() {
     }
 }
 
+/// Two ranks whose snapshots hold different versions both update, but
+/// the word does not go to NORMAL over a mix: CLEARED, the controller told
+/// which rank took another version (`WM_ERR_MISMATCH`).
+#[test]
+fn ranks_that_took_different_versions_are_not_reported_done() {
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    snapshot(one.path());
+    snapshot(two.path());
+    common::write_version(two.path(), "2");
+    let (group, cell) = (unique("gv"), unique("cv"));
+    let _names = Names(vec![cell.clone()]);
+    let mut ranks = Vec::new();
+    for (rank, model) in [one.path(), two.path()].into_iter().enumerate() {
+        let args: Vec<String> = [
+            "--world",
+            "2",
+            "--group",
+            &group,
+            "--cell",
+            &cell,
+            "--steps",
+            "4000",
+            "--step-us",
+            "200",
+            "--timeout-ms",
+            "10000",
+            "--model-dir",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([model.to_string_lossy().into_owned()])
+        .collect();
+        ranks.push(spawn(one.path(), rank as u32, &args));
+    }
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    let e = c.request(State::Updating, t).unwrap_err();
+    assert_eq!(
+        e.code,
+        weight_manager_core::wm_result::WM_ERR_MISMATCH,
+        "{e}"
+    );
+    assert!(
+        e.message
+            .contains("rank 1 took another version than rank 0's '1'"),
+        "{e}"
+    );
+    assert_eq!(c.get().unwrap(), State::Cleared);
+    for r in &mut ranks {
+        let _ = r.child.kill();
+        let _ = r.child.wait();
+    }
+}
+
 #[test]
 fn rendezvous_names_the_ranks_that_never_arrived() {
     let dir = tempfile::tempdir().unwrap();

@@ -25,6 +25,7 @@
 
 use super::Manager;
 use crate::result::{wm_result, Error, Result};
+use crate::signal::version_hash;
 use crate::state::State;
 
 /// Where this rank's staging is, for the vote.
@@ -97,7 +98,7 @@ impl Decision {
 pub(super) fn vote_of(status: &StageStatus) -> i32 {
     let v = match status {
         StageStatus::Idle | StageStatus::Staging => NOT_READY,
-        StageStatus::Ready(version) => READY | (hash(version) & HASH_BITS),
+        StageStatus::Ready(version) => READY | (version_hash(version) & HASH_BITS),
         StageStatus::Failed(code) => (*code as u32).clamp(1, 254),
     };
     v as i32
@@ -125,13 +126,6 @@ pub(super) fn decide(votes: &[(u32, u32)], world: u32) -> Decision {
         true => Decision::Commit,
         false => Decision::Wait,
     }
-}
-
-/// FNV-1a, 32 bits: the versions' fingerprint in a vote.
-fn hash(s: &str) -> u32 {
-    s.bytes().fold(0x811c_9dc5u32, |h, b| {
-        (h ^ b as u32).wrapping_mul(0x0100_0193)
-    })
 }
 
 impl Manager {

@@ -12,7 +12,11 @@
 //! only rank 0 writes it: after an update (or clear) that the signal asked
 //! for, every rank passes a barrier carrying its result; rank 0 then writes
 //! the report and moves the word by compare-and-swap from the value being
-//! served: UPDATING to NORMAL if every rank succeeded, CLEARING to CLEARED.
+//! served: UPDATING to NORMAL if every rank succeeded with the same version
+//! (each rank's result carries its version's hash), CLEARING to CLEARED.
+//! Ranks that took different versions (each source named its own) go to
+//! CLEARED too, the report naming a rank whose version is not rank 0's:
+//! an engine must not serve a mix.
 //! After any failure the word goes to CLEARED (never NORMAL): the engine has
 //! no complete new model, the controller's wait ends, and CLEARED is the
 //! state from which a controller may ask for an update again; the report says
@@ -46,6 +50,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Rank 0's decision on every rank's vote ((rank, vote), sorted by rank).
 pub type Decide<'a> = dyn Fn(&[(u32, u32)]) -> i32 + 'a;
+
+/// A rank's result in a finishing barrier: an error's code (below this),
+/// or done with 28 bits of its version's hash, so that rank 0 learns
+/// whether every rank took the same version.
+const DONE: u32 = 0x4000_0000;
+const HASH_BITS: u32 = 0x0fff_ffff;
+
+/// FNV-1a, 32 bits: a version's fingerprint in the ranks' barriers and
+/// votes.
+pub fn version_hash(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    })
+}
 
 pub struct SignalPlane {
     rank: u32,
@@ -216,9 +234,24 @@ impl SignalPlane {
             }
             *pending = None;
         }
-        let code = outcome.as_ref().err().map_or(0, |e| e.code as u32);
-        let failures = self.gather(code as i32)?;
-        self.conclude(action, outcome, &failures);
+        let result = match outcome {
+            Ok(version) => DONE | (version_hash(version) & HASH_BITS),
+            Err(e) => (e.code as u32).clamp(1, DONE - 1),
+        };
+        let results = self.gather(result as i32)?;
+        let failures: Vec<(u32, u32)> = (results.iter())
+            .filter(|(_, r)| *r < DONE)
+            .copied()
+            .collect();
+        // Every rank succeeded: do they hold one version?
+        let differs = match (failures.is_empty(), results.first()) {
+            (true, Some(&(_, first))) if action == State::Updating => results
+                .iter()
+                .find(|(_, r)| *r != first)
+                .map(|&(rank, _)| rank),
+            _ => None,
+        };
+        self.conclude(action, outcome, (&failures, differs));
         Ok(())
     }
 
@@ -246,13 +279,20 @@ impl SignalPlane {
         if self.pending.lock().take() != Some(State::Updating) {
             return;
         }
-        self.conclude(State::Updating, &Err(outcome.clone()), failures);
+        self.conclude(State::Updating, &Err(outcome.clone()), (failures, None));
     }
 
     /// After every rank finished `action` (`failures`: the non-zero
     /// results, known to rank 0): rank 0 writes the report and moves the
     /// word.
-    fn conclude(&self, action: State, outcome: &Result<String>, failures: &[(u32, u32)]) {
+    /// `differs`: every rank succeeded, but this one took another version
+    /// than rank 0.
+    fn conclude(
+        &self,
+        action: State,
+        outcome: &Result<String>,
+        (failures, differs): (&[(u32, u32)], Option<u32>),
+    ) {
         let (Some(cell), Some(_)) = (&self.cell, &self.report) else {
             return;
         };
@@ -263,6 +303,22 @@ impl SignalPlane {
         };
         let version = outcome.as_ref().map(String::as_str).unwrap_or("");
         let target = match failures.first() {
+            None if differs.is_some() => {
+                let rank = differs.unwrap_or_default();
+                let msg = format!(
+                    "{done} done on every rank, but rank {rank} took another version than rank 0's '{version}': \
+                     the ranks hold different versions (each rank's wm_status names its own); \
+                     update again with one version for every rank"
+                );
+                self.write_report(
+                    wm_result::WM_ERR_MISMATCH as u32,
+                    rank,
+                    action as i32,
+                    version,
+                    &msg,
+                );
+                State::Cleared
+            }
             None => {
                 self.write_report(
                     0,
