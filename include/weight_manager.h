@@ -746,7 +746,9 @@ typedef struct {
   uint64_t param_bytes;
   // Bytes of params holding memory now (0 after a clear).
   uint64_t resident_bytes;
-  // Version of the weights in the params; "" before the first update and after a clear.
+  // Version of the weights in the params; "" before the first update,
+  // after a clear, and after an update that left them half-written
+  // (`WM_STATE_FAILED`).
   char version[WM_VERSION_BUF];
   // Statistics of the last successful update (zeros before the first).
   wm_update_stats last_update;

@@ -28,7 +28,9 @@ pub struct wm_status_info {
     pub param_bytes: u64,
     /// Bytes of params holding memory now (0 after a clear).
     pub resident_bytes: u64,
-    /// Version of the weights in the params; "" before the first update and after a clear.
+    /// Version of the weights in the params; "" before the first update,
+    /// after a clear, and after an update that left them half-written
+    /// (`WM_STATE_FAILED`).
     pub version: [std::ffi::c_char; WM_VERSION_BUF],
     /// Statistics of the last successful update (zeros before the first).
     pub last_update: wm_update_stats,

@@ -269,7 +269,9 @@ pub struct ClearStats {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
     pub state: State,
-    /// Version of the weights in the params (None before the first update and after a clear).
+    /// Version of the weights in the params (None before the first update,
+    /// after a clear, and after an update that left them half-written:
+    /// FAILED).
     pub version: Option<String>,
     pub updates: u64,
     pub last_update: Option<UpdateStats>,

@@ -130,6 +130,11 @@ impl Manager {
         let result = outcome.map_err(|f| f.error);
         let mut rec = self.record.lock();
         rec.state = state;
+        // Half-written params hold no version (the next update names no
+        // delta base either).
+        if state == State::Failed {
+            rec.version = None;
+        }
         rec.resident_bytes = registry.resident_bytes();
         if let Ok(stats) = &result {
             rec.version = Some(stats.version.clone());
