@@ -216,12 +216,50 @@ pub fn unlink(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether process `pid` is alive (signal 0 probe).
+/// Whether process `pid` is alive: it exists (signal 0 probe) and is not
+/// a zombie (a killed rank whose parent has not reaped it yet answers
+/// signal 0 but runs no more: waiting for it would last the whole timeout).
 pub fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return true;
     }
     // SAFETY: kill with signal 0 only checks for existence.
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    if rc != 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    }
+    !exited(pid)
+}
+
+/// Whether `/proc` says process `pid` exited (zombie or dead); false when
+/// it cannot tell.
+fn exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command's name, which may hold any byte but
+    // ends at the last ')'.
+    let state = stat.iter().rposition(|&b| b == b')').and_then(|i| stat.get(i + 2));
+    matches!(state, Some(b'Z' | b'X'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_that_exited_unreaped_is_not_alive() {
+        assert!(pid_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Exited, not yet reaped: a zombie, which signal 0 still finds.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pid_alive(pid) && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!pid_alive(pid), "a zombie counted as alive");
+        // SAFETY: signal 0 only probes.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, 0) }, 0);
+        child.wait().unwrap();
+    }
 }
