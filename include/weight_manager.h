@@ -738,7 +738,9 @@ typedef struct {
   // A `wm_state`.
   int32_t state;
   // Result code of the last failed call on this handle, `WM_OK` if none
-  // since the last successful update; text via `wm_last_error`.
+  // since the last successful update; text via `wm_last_error`. A call
+  // refused for a NULL pointer argument or a bad handle says so by its
+  // return code alone (nothing is recorded on the handle).
   uint32_t last_result;
   // Successful updates so far.
   uint64_t updates;
@@ -893,7 +895,8 @@ extern "C" {
 // RESULTS AND CONVENTIONS: the version, result and state text.
 // ==========================================================================
 //
-// The library's version as a static NUL-terminated string ("0.1.0").
+// The library's version as a static NUL-terminated string (the crate's
+// version, "0.2.0" in this release).
 //
 // Ownership: the string is static; do not free it. Thread-safe, never blocks.
 const char *wm_version(void);
@@ -1336,7 +1339,8 @@ wm_result wm_publisher_create_net(const char *address,
 
 // Copy where engines reach this publisher (the socket path, or the TCP
 // "host:port" with the port actually bound) into `buf` (NUL-terminated,
-// truncated to `len`); `*out_written` gets the full length.
+// truncated to `len`); `*out_written` gets the full length (without the
+// NUL), so a caller whose buffer was too small learns the size it needs.
 wm_result wm_publisher_address(const wm_publisher *publisher,
                                char *buf,
                                size_t len,

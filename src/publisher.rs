@@ -181,7 +181,8 @@ pub unsafe extern "C" fn wm_publisher_create_net(
 
 /// Copy where engines reach this publisher (the socket path, or the TCP
 /// "host:port" with the port actually bound) into `buf` (NUL-terminated,
-/// truncated to `len`); `*out_written` gets the full length.
+/// truncated to `len`); `*out_written` gets the full length (without the
+/// NUL), so a caller whose buffer was too small learns the size it needs.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_address(
     publisher: *const wm_publisher,
@@ -192,7 +193,12 @@ pub unsafe extern "C" fn wm_publisher_address(
     ffi_guard!({
         check_null!(buf, out_written);
         let h = try_publisher!(publisher);
-        super::copy_text_out(&h.value.address(), buf, len, out_written)
+        let address = h.value.address();
+        let rc = super::copy_text_out(&address, buf, len, out_written);
+        if rc == wm_result::WM_OK {
+            *out_written = address.len();
+        }
+        rc
     })
 }
 

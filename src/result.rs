@@ -110,7 +110,8 @@ pub const WM_VERSION_PATCH: u32 = 0;
 /// RESULTS AND CONVENTIONS: the version, result and state text.
 /// ==========================================================================
 ///
-/// The library's version as a static NUL-terminated string ("0.1.0").
+/// The library's version as a static NUL-terminated string (the crate's
+/// version, "0.2.0" in this release).
 ///
 /// Ownership: the string is static; do not free it. Thread-safe, never blocks.
 #[no_mangle]

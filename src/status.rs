@@ -20,7 +20,9 @@ pub struct wm_status_info {
     /// A `wm_state`.
     pub state: i32,
     /// Result code of the last failed call on this handle, `WM_OK` if none
-    /// since the last successful update; text via `wm_last_error`.
+    /// since the last successful update; text via `wm_last_error`. A call
+    /// refused for a NULL pointer argument or a bad handle says so by its
+    /// return code alone (nothing is recorded on the handle).
     pub last_result: u32,
     /// Successful updates so far.
     pub updates: u64,

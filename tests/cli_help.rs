@@ -109,6 +109,25 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
         (&["shard", "in", "--out", "o", "--ranks", "0"], "--ranks"),
         (&["serve", "dir"], "--ipc"),
         (&["no-such-command"], "no-such-command"),
+        // Waits that are no number of seconds (they panicked converting).
+        (
+            &["serve", "--ipc", "s", "--accept-timeout", "nan", "d"],
+            "--accept-timeout",
+        ),
+        (
+            &["serve", "--ipc", "s", "--accept-timeout", "1e30", "d"],
+            "--accept-timeout",
+        ),
+        (&["pull", "--ipc", "s", "--timeout=-5"], "--timeout"),
+        (&["pull", "--ipc", "s", "--timeout", "inf"], "--timeout"),
+        (
+            &["signal", "--timeout=-1", "wait", "c", "CLEARED"],
+            "--timeout",
+        ),
+        (
+            &["serve", "--ipc", "s", "--bucket-mib", "99999999999", "d"],
+            "--bucket-mib",
+        ),
     ] {
         let out = wm(args);
         let err = text(&out.stderr);

@@ -168,3 +168,27 @@ def test_prepare_makes_the_buffers_publishes_copy_into(tmp_path):
         for k in range(4):
             p.set_version(f"v{k}")
             p.publish()
+
+
+def test_an_empty_version_and_impossible_waits_are_refused(tmp_path):
+    """set_version("") is refused (None alone means version.yaml) and the
+    version set before stays; a negative, infinite or NaN wait and a
+    negative engine count raise ERR_INVALID_ARGUMENT instead of wrapping
+    into a wait of years."""
+    t = trainer_tensors(3)
+    with Publisher(str(tmp_path / "p.sock")) as p:
+        for name, a in t.items():
+            p.add(name, a)
+        p.set_version("v1")
+        with pytest.raises(WeightManagerError) as e:
+            p.set_version("")
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT
+        p.publish()  # still v1: publishing needs a version
+        for engines, timeout in [(-1, 1.0), (1, -1.0), (1, float("inf")), (1, float("nan"))]:
+            with pytest.raises(WeightManagerError) as e:
+                p.serve(engines, timeout)
+            assert e.value.code == Result.ERR_INVALID_ARGUMENT, (engines, timeout)
+    with Manager() as m:
+        with pytest.raises(WeightManagerError) as e:
+            m.update(str(tmp_path), timeout=float("inf"))
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT and "timeout" in str(e.value)

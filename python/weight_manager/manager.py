@@ -126,6 +126,24 @@ def create_error(rc: int, what: str) -> WeightManagerError:
     return WeightManagerError(rc, f"{what}: {text or LIB.wm_result_text(rc).decode()}")
 
 
+# The longest wait a call may ask for: 7 days (the C ABI's millisecond
+# counts would take more, which no engine means).
+_MAX_SECONDS = 7 * 24 * 3600
+
+
+def millis(seconds, what: str) -> int:
+    """`seconds` (a wait) in whole milliseconds; anything but a number from
+    0 to 7 days raises WeightManagerError(ERR_INVALID_ARGUMENT) naming it."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        s = float("nan")
+    if not 0 <= s <= _MAX_SECONDS:
+        raise WeightManagerError(Result.ERR_INVALID_ARGUMENT,
+                                 f"{what}: {seconds!r} is not a number of seconds from 0 to {_MAX_SECONDS}")
+    return int(s * 1000)
+
+
 def raise_for(rc: int, last_error, handle) -> None:
     """Raise WeightManagerError for a failed call, with the handle's text."""
     if rc != 0:
@@ -175,7 +193,7 @@ def _request(location, version, source, verify, in_place, skip_unknown, timeout,
                 (SKIP_UNKNOWN if skip_unknown else 0) | \
                 {None: 0, True: DELTAS, False: WHOLE}[None if deltas is None else bool(deltas)]
     if timeout is not None:
-        req.timeout_ms = max(1, int(timeout * 1000))
+        req.timeout_ms = max(1, millis(timeout, "timeout"))
     return req, keep
 
 
@@ -316,7 +334,7 @@ class Manager(OwnedHandle):
         net.keyed_digests = int(net_keyed_digests)
         grp.local_rank, grp.local_world_size, grp.node_rank = local_rank, local_world_size, node_rank
         if signal_timeout is not None:
-            grp.signal_timeout_ms = max(1, int(signal_timeout * 1000))
+            grp.signal_timeout_ms = max(1, millis(signal_timeout, "signal_timeout"))
         cfg.group, cfg.net = ctypes.pointer(grp), ctypes.pointer(net)
         cfg.fanout, cfg.memory = ctypes.pointer(fan), ctypes.pointer(mem)
         if log_level not in _LOG_LEVELS:
@@ -686,11 +704,12 @@ class Controller(OwnedHandle):
         self._check(LIB.wm_controller_set(self._h(), int(state)))
 
     def wait(self, state: State, timeout: float = 60.0) -> None:
-        self._check(LIB.wm_controller_wait(self._h(), int(state), int(timeout * 1000)))
+        self._check(LIB.wm_controller_wait(self._h(), int(state), millis(timeout, "timeout")))
 
     def _request(self, action: State, timeout: float) -> str:
         out = ctypes.c_uint32()
-        self._check(LIB.wm_controller_request(self._h(), int(action), int(timeout * 1000), ctypes.byref(out)))
+        self._check(LIB.wm_controller_request(self._h(), int(action), millis(timeout, "timeout"),
+                                              ctypes.byref(out)))
         return self.OUTCOMES[out.value]
 
     def request_update(self, timeout: float = 60.0) -> str:

@@ -8,7 +8,8 @@ from typing import Optional
 import numpy as np
 
 from . import _lib, torch_bridge
-from .manager import MEMORY_DEVICE, OwnedHandle, create_error, last_error_text, raise_for
+from .manager import MEMORY_DEVICE, OwnedHandle, WeightManagerError, create_error, last_error_text, millis, raise_for
+from .types import Result
 from .types import parse_dtype
 
 LIB = _lib.LIB
@@ -205,7 +206,8 @@ class Publisher(OwnedHandle):
         self._check(LIB.wm_publisher_set_dir(self._h(), str(directory).encode()))
 
     def set_version(self, version: Optional[str]) -> None:
-        self._check(LIB.wm_publisher_set_version(self._h(), version.encode() if version else None))
+        # "" goes to the library, which refuses it; None means version.yaml.
+        self._check(LIB.wm_publisher_set_version(self._h(), None if version is None else version.encode()))
 
     def clear(self) -> None:
         self._check(LIB.wm_publisher_clear(self._h()))
@@ -215,7 +217,10 @@ class Publisher(OwnedHandle):
         """Serve `engines` engine connections; blocks until they are done."""
         st = _lib.ServeStats()
         st.struct_size = ctypes.sizeof(st)
-        self._check(LIB.wm_publisher_serve(self._h(), engines, int(timeout * 1000), ctypes.byref(st)))
+        if not isinstance(engines, int) or not 0 <= engines <= 2**32 - 1:
+            raise WeightManagerError(Result.ERR_INVALID_ARGUMENT,
+                                     f"serve: engines {engines!r} is not a count from 0 to 2^32 - 1")
+        self._check(LIB.wm_publisher_serve(self._h(), engines, millis(timeout, "serve: timeout"), ctypes.byref(st)))
         return ServeStats(st.sessions, st.bytes, st.pack_ns / 1e9, st.wait_ns / 1e9, st.total_ns / 1e9)
 
     def _on_close(self) -> None:

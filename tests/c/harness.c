@@ -216,6 +216,20 @@ static void test_struct_size(void) {
   c.device = 0;
   CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
   CHECK(m == (wm_manager *)0x1);
+  /* Out-of-range settings are refused at init, naming them. */
+  wm_config_init(&c);
+  CHECK_RC(wm_net_config_init(&net), WM_OK);
+  net.depth = 9;
+  c.net = &net;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_last_create_error(buf_create, sizeof buf_create, &created_len), WM_OK);
+  CHECK(strstr(buf_create, "depth 9") != NULL);
+  wm_config_init(&c);
+  c.device = -5;
+  CHECK_RC(wm_init(&c, &m), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_last_create_error(buf_create, sizeof buf_create, &created_len), WM_OK);
+  CHECK(strstr(buf_create, "device -5") != NULL);
+  CHECK(m == (wm_manager *)0x1);
   m = new_manager(NULL);
 
   wm_param_desc d;
@@ -829,6 +843,8 @@ static void test_group(void) {
   CHECK_RC(wm_controller_get(ctl, &state), WM_ERR_INVALID_HANDLE);
   CHECK_RC(wm_controller_open(NULL, &ctl), WM_ERR_NULL_ARGUMENT);
   CHECK_RC(wm_controller_open("bad/name", &ctl), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_controller_open(".", &ctl), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_controller_open("..", &ctl), WM_ERR_INVALID_ARGUMENT);
   shm_unlink(cell[0] == '/' ? cell : (snprintf(buf, sizeof buf, "/%s", cell), buf));
   snprintf(buf, sizeof buf, "/%s.wm_report", cell);
   shm_unlink(buf);
@@ -952,6 +968,11 @@ static void test_publisher(void) {
   CHECK_RC(wm_publisher_set_dir(p, NULL), WM_ERR_NULL_ARGUMENT);
   CHECK_RC(wm_publisher_address(p, buf, sizeof buf, &n), WM_OK);
   CHECK(strcmp(buf, sock) == 0 && n == strlen(sock));
+  { /* Too small a buffer: truncated, and the full length says what it needs. */
+    char small[8];
+    CHECK_RC(wm_publisher_address(p, small, sizeof small, &n), WM_OK);
+    CHECK(n == strlen(sock) && strlen(small) == sizeof small - 1 && strncmp(small, sock, 7) == 0);
+  }
   CHECK_RC(wm_publisher_publish(p), WM_ERR_NO_VERSION); /* no version set */
 
   /* GPU tensors: a host address is never device memory. Without a driver
@@ -1198,6 +1219,9 @@ static void test_two_phase(void) {
   /* A clear drops a staged version; the commit says so. */
   CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
   CHECK_RC(wm_clear(m), WM_OK);
+  /* The clear succeeded: the dropped stage is no failed call (yet). */
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.last_result != WM_ERR_CANCELLED);
   CHECK_RC(wm_commit(m, NULL), WM_ERR_CANCELLED);
   CHECK(strstr(last_error(m), "clear") != NULL);
   CHECK_RC(wm_update(m, &r, NULL), WM_OK);

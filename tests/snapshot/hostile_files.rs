@@ -136,6 +136,24 @@ fn fifos_in_a_snapshot_fail_promptly_naming_the_file() {
         assert!(said.contains(name) && said.contains("FIFO"), "{said}");
         assert_eq!(out.status.success(), name == "version.yaml", "{said}");
     }
+    // The only snapshot file a FIFO (per-rank or Hugging Face name), or the
+    // location itself one: refused naming it, not "no snapshot here".
+    for name in ["model_state.tp0.0.safetensors", "model.safetensors"] {
+        let d = tempfile::tempdir().unwrap();
+        write_version(d.path(), "5");
+        let fifo = d.path().join(name);
+        mkfifo(&fifo);
+        for at in [d.path(), fifo.as_path()] {
+            let (r, took) = update(at, None, &fifo);
+            assert!(took < 2 * TIMEOUT, "{name}: the update took {took:?}");
+            let e = r.expect_err(name);
+            assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{name}: {e}");
+            assert!(
+                e.message.contains(name) && e.message.contains("FIFO"),
+                "{e}"
+            );
+        }
+    }
     // A request that names its version never opens version.yaml.
     let d = tempfile::tempdir().unwrap();
     write_safetensors(&d.path().join("model_state.tp0.0.safetensors"), &model(1));

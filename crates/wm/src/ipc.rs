@@ -32,14 +32,14 @@ pub struct ServeArgs {
     /// Engine sessions to serve before exiting
     #[arg(long, value_name = "N", default_value_t = 1)]
     engines: usize,
-    /// Bucket size in MiB
-    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20)]
+    /// Bucket size in MiB (1 to 4096)
+    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20, value_parser = crate::bucket_mib)]
     bucket_mib: usize,
     /// Versions kept (network)
     #[arg(long, value_name = "K", default_value_t = defaults::KEEP_VERSIONS)]
     keep: usize,
     /// Seconds to wait for the engines
-    #[arg(long, value_name = "S", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64())]
+    #[arg(long, value_name = "S", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64(), value_parser = crate::seconds)]
     accept_timeout: f64,
     /// Corrupt this tensor (test builds only)
     #[arg(long, value_name = "TENSOR")]
@@ -77,8 +77,8 @@ pub struct PullArgs {
     /// Verify what arrives with the checksums
     #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
     verify: bool,
-    /// Bucket size in MiB
-    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20)]
+    /// Bucket size in MiB (1 to 4096)
+    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20, value_parser = crate::bucket_mib)]
     bucket_mib: usize,
     /// Bucket size in bytes (instead of --bucket-mib)
     #[arg(long, value_name = "BYTES")]
@@ -100,7 +100,7 @@ pub struct PullArgs {
     #[arg(long, value_name = "V")]
     version: Option<String>,
     /// Seconds the update may take
-    #[arg(long, value_name = "SECONDS", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64())]
+    #[arg(long, value_name = "SECONDS", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64(), value_parser = crate::seconds)]
     timeout: f64,
 }
 

@@ -104,6 +104,28 @@ pub fn truth(v: &str) -> Result<bool, String> {
     }
 }
 
+/// The longest wait an option may ask for: 7 days.
+const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// A wait in seconds: a number from 0 to 7 days (NaN, infinities and
+/// negative values are refused, naming the value).
+pub fn seconds(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(s) if (0.0..=MAX_SECONDS).contains(&s) => Ok(s),
+        _ => Err(format!(
+            "seconds from 0 to {MAX_SECONDS} (7 days), not '{v}'"
+        )),
+    }
+}
+
+/// A bucket size in MiB: 1 to 4096.
+pub fn bucket_mib(v: &str) -> Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(m) if (1..=4096).contains(&m) => Ok(m),
+        _ => Err(format!("MiB from 1 to 4096, not '{v}'")),
+    }
+}
+
 /// `c` and every subcommand under it: an option given twice takes the
 /// last value.
 fn last_wins(c: clap::Command) -> clap::Command {

@@ -16,7 +16,7 @@ pub struct Args {
     #[command(subcommand)]
     verb: Verb,
     /// Seconds to wait (wait, request)
-    #[arg(long, global = true, default_value_t = 60.0, value_name = "SECONDS")]
+    #[arg(long, global = true, default_value_t = 60.0, value_name = "SECONDS", value_parser = crate::seconds)]
     timeout: f64,
 }
 

@@ -90,8 +90,11 @@ pub fn gpu_id(cuda_visible_devices: Option<&str>, device_index: i32) -> Result<S
     }
 }
 
+/// `path` when something is there: a FIFO, device or directory named
+/// like a snapshot file is taken too, so that opening it fails naming it
+/// (`regular_file::open_regular`) instead of the file going unseen.
 fn existing(path: PathBuf) -> Option<PathBuf> {
-    path.is_file().then_some(path)
+    path.exists().then_some(path)
 }
 
 fn per_rank(dir: &Path, stem: &str) -> Option<PathBuf> {
@@ -198,7 +201,7 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
         .iter()
         .filter(|n| n.ends_with(".safetensors") && !n.starts_with("model_state."))
         .map(|n| dir.join(n))
-        .filter(|p| p.is_file())
+        .filter(|p| p.exists())
         .collect();
     Ok((!shards.is_empty()).then(|| Layout {
         kind: LayoutKind::HfShards,
@@ -212,7 +215,9 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
 /// error names every place checked.
 pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Result<Layout> {
     let dir = &loc.model_dir;
-    if dir.is_file() {
+    // Not a directory but there (a file, or a FIFO or device that opening
+    // refuses, naming it): the snapshot is that one file.
+    if dir.exists() && !dir.is_dir() {
         return Ok(Layout {
             kind: LayoutKind::File,
             files: vec![dir.clone()],

@@ -59,7 +59,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
         .file_type();
     if !ft.is_file() {
         return Err(Error::format(format!(
-            "{} is {}, not a regular file; snapshot files must be regular files",
+            "{} is {}, not a regular file (files read here must be regular files)",
             path.display(),
             kind_of(ft)
         )));

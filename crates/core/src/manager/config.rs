@@ -147,6 +147,23 @@ impl ManagerConfig {
                 self.rank, self.world_size
             )));
         }
+        if self.device < -1 {
+            return Err(Error::invalid_argument(format!(
+                "device {} is not a CUDA device index (0 or more) or -1 (a host-only engine)",
+                self.device
+            )));
+        }
+        let max = crate::wire::MAX_BUFFERS;
+        if !(1..=max).contains(&self.net.depth)
+            || self.net.bucket_size < crate::wire::ALIGN as usize
+        {
+            return Err(Error::invalid_argument(format!(
+                "net depth {} (1 to {max}) or bucket size {} (at least {}) is out of range",
+                self.net.depth,
+                self.net.bucket_size,
+                crate::wire::ALIGN
+            )));
+        }
         if self.fanout.is_some() {
             if self.group.is_none() || self.world_size < 2 {
                 return Err(Error::invalid_argument(

@@ -91,7 +91,12 @@ impl Manager {
             true => r,
             false => self.finish_action(State::Updating, r, |s| s.version.clone()),
         };
-        self.recorded(r)
+        // A staged version the engine dropped (its clear or cancel, which
+        // succeeded) is no failed call: its commit says why, if called.
+        match stopped && self.stage_dropped() {
+            true => r,
+            false => self.recorded(r),
+        }
     }
 
     fn try_update(&self, req: UpdateRequest, gate: Option<CommitGate>) -> Result<UpdateStats> {

@@ -27,9 +27,11 @@ unsafe impl Sync for SharedMapping {}
 
 /// Check a shared-memory object name: 1..=200 bytes, no '/' or NUL.
 pub fn check_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > 200 || name.contains('/') || name.contains('\0') {
+    // "." and ".." name /dev/shm itself and its parent, never an object.
+    let dots = name == "." || name == "..";
+    if name.is_empty() || name.len() > 200 || name.contains('/') || name.contains('\0') || dots {
         return Err(Error::invalid_argument(format!(
-            "shared-memory name '{name}' must be 1 to 200 bytes with no '/' or NUL"
+            "shared-memory name '{name}' must be 1 to 200 bytes with no '/' or NUL, and not '.' or '..'"
         )));
     }
     Ok(())
@@ -239,7 +241,10 @@ fn exited(pid: u32) -> bool {
     };
     // The state follows the command's name, which may hold any byte but
     // ends at the last ')'.
-    let state = stat.iter().rposition(|&b| b == b')').and_then(|i| stat.get(i + 2));
+    let state = stat
+        .iter()
+        .rposition(|&b| b == b')')
+        .and_then(|i| stat.get(i + 2));
     matches!(state, Some(b'Z' | b'X'))
 }
 

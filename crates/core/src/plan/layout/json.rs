@@ -170,8 +170,9 @@ pub(super) fn parse_dtype(s: &str) -> Option<DType> {
 pub(super) fn read_file(path: &std::path::Path, max_bytes: u64) -> Result<Value> {
     use std::io::Read;
     let name = path.display();
-    let f =
-        std::fs::File::open(path).map_err(|e| Error::not_found(format!("layout {name}: {e}")))?;
+    // A FIFO or device would block the read: only regular files.
+    let f = crate::checkpoint::regular_file::open_regular(path)
+        .map_err(|e| e.context(format!("layout {name}")))?;
     let mut text = Vec::new();
     f.take(max_bytes + 1)
         .read_to_end(&mut text)
