@@ -695,7 +695,8 @@ typedef struct {
   // a location as above. Several publishers (one per trainer rank, each
   // serving its shards) serve one version together, and the engine
   // pulls from all of them at once. A location `@PATH` names a file
-  // listing locations, one per line (`#` comments). At most
+  // listing locations, one per line (blank lines and lines starting with
+  // `#` skipped; a `#` later in a line is part of its location). At most
   // `WM_MAX_SOURCES` in all. NULL with 0: none. Read during the call only.
   const char *const *locations;
   size_t nlocations;
@@ -1229,7 +1230,8 @@ wm_result wm_update_source_bytes(const wm_manager *manager,
 wm_result wm_update_delta_stats(const wm_manager *manager, wm_delta_stats *out_stats);
 
 // Get the signal every rank acts on this step (a `wm_state`: NORMAL,
-// UPDATING, CLEARING or CLEARED) into `*out_signal`.
+// UPDATING, CLEARING or CLEARED; and COMMIT while a two-phase update is
+// voted on: see `wm_stage` and `wm_status`) into `*out_signal`.
 //
 // Rank 0's control cell decides; without a cell the signal is NORMAL. Every
 // rank calls it once per step and all ranks get the same value for the same

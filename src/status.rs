@@ -197,7 +197,8 @@ pub unsafe extern "C" fn wm_update_delta_stats(
 }
 
 /// Get the signal every rank acts on this step (a `wm_state`: NORMAL,
-/// UPDATING, CLEARING or CLEARED) into `*out_signal`.
+/// UPDATING, CLEARING or CLEARED; and COMMIT while a two-phase update is
+/// voted on: see `wm_stage` and `wm_status`) into `*out_signal`.
 ///
 /// Rank 0's control cell decides; without a cell the signal is NORMAL. Every
 /// rank calls it once per step and all ranks get the same value for the same

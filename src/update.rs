@@ -136,7 +136,8 @@ pub struct wm_update_request {
     /// a location as above. Several publishers (one per trainer rank, each
     /// serving its shards) serve one version together, and the engine
     /// pulls from all of them at once. A location `@PATH` names a file
-    /// listing locations, one per line (`#` comments). At most
+    /// listing locations, one per line (blank lines and lines starting with
+    /// `#` skipped; a `#` later in a line is part of its location). At most
     /// `WM_MAX_SOURCES` in all. NULL with 0: none. Read during the call only.
     pub locations: *const *const c_char,
     pub nlocations: usize,

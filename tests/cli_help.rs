@@ -128,6 +128,15 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
             &["serve", "--ipc", "s", "--bucket-mib", "99999999999", "d"],
             "--bucket-mib",
         ),
+        // Folders: several only over the network; a missing one named.
+        (
+            &["serve", "--ipc", "s", "tests", "src"],
+            "only over the network (--net)",
+        ),
+        (
+            &["serve", "--ipc", "s", "no/such/folder"],
+            "no/such/folder: no such folder",
+        ),
     ] {
         let out = wm(args);
         let err = text(&out.stderr);

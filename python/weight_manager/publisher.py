@@ -111,6 +111,10 @@ class Publisher(OwnedHandle):
                             dtype, rank, placement)
 
     def _add_array(self, name: str, array: np.ndarray, dtype, rank: int, placement) -> None:
+        if not isinstance(array, np.ndarray):
+            # As Manager.register: the memory must be an array's (a list has none to serve).
+            raise TypeError(f"tensor '{name}': expected a numpy array (torch tensors: add_shard or add_state_dict), "
+                            f"got {type(array).__name__}")
         if not array.flags.c_contiguous:
             raise ValueError(f"tensor '{name}': array must be C-contiguous")
         wm_dtype = parse_dtype(dtype if dtype is not None else array.dtype)

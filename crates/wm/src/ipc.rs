@@ -108,6 +108,7 @@ pub struct PullArgs {
 /// Over the network, every DIR given is published as a version (named by its
 /// `version.yaml`), and engines ask for one by name or for the latest.
 pub fn serve(a: &ServeArgs) -> Result<(), String> {
+    check_dirs(a)?;
     let cfg = PublisherConfig {
         bucket_size: a.bucket_mib << 20,
         keep_versions: a.keep,
@@ -153,6 +154,23 @@ pub fn serve(a: &ServeArgs) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// The DIRs `wm serve` was given, checked before anything listens (an
+/// engine would only learn of them later): they exist, and several only
+/// over the network, where each is a version.
+fn check_dirs(a: &ServeArgs) -> Result<(), String> {
+    if a.dirs.len() > 1 && (a.net.is_none() || a.gpu.is_some()) {
+        return Err(format!(
+            "{} folders given: several are served only over the network (--net), each as a version; \
+             over IPC or from a GPU, give one",
+            a.dirs.len()
+        ));
+    }
+    match a.dirs.iter().find(|d| !d.exists()) {
+        Some(missing) => Err(format!("{}: no such folder or file", missing.display())),
+        None => Ok(()),
+    }
 }
 
 /// Offer what `wm serve` serves: the first DIR's tensors from GPU memory
