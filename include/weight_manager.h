@@ -1539,6 +1539,10 @@ wm_result wm_publisher_prepare(wm_publisher *publisher, uint32_t count, uint64_t
 // most `accept_timeout_ms` for them to connect; returns when every session
 // ended. A failed session (engine died, refused, checksum...) gives its
 // error, the others still finish. `out_stats` is optional (NULL). Blocks.
+// It offers the versions published (or the tensors added) when it was
+// called: a version published while it runs is offered by the next
+// `wm_publisher_serve`, so a trainer that publishes every step serves in
+// a loop of short calls.
 wm_result wm_publisher_serve(wm_publisher *publisher,
                              uint32_t engines,
                              uint64_t accept_timeout_ms,

@@ -218,7 +218,9 @@ class Publisher(OwnedHandle):
         self._arrays.clear()
 
     def serve(self, engines: int = 1, timeout: float = 600.0) -> ServeStats:
-        """Serve `engines` engine connections; blocks until they are done."""
+        """Serve `engines` engine connections; blocks until they are done.
+        Offers what was published when called: a version published
+        meanwhile is offered by the next serve()."""
         st = _lib.ServeStats()
         st.struct_size = ctypes.sizeof(st)
         if not isinstance(engines, int) or not 0 <= engines <= 2**32 - 1:

@@ -93,6 +93,10 @@ pub unsafe extern "C" fn wm_publisher_prepare(
 /// most `accept_timeout_ms` for them to connect; returns when every session
 /// ended. A failed session (engine died, refused, checksum...) gives its
 /// error, the others still finish. `out_stats` is optional (NULL). Blocks.
+/// It offers the versions published (or the tensors added) when it was
+/// called: a version published while it runs is offered by the next
+/// `wm_publisher_serve`, so a trainer that publishes every step serves in
+/// a loop of short calls.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_serve(
     publisher: *mut wm_publisher,
