@@ -440,3 +440,24 @@ fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
         "{err}"
     );
 }
+
+/// A layout path that is a FIFO is refused at once naming it (reading it
+/// would block until something writes).
+#[test]
+fn a_fifo_as_a_layout_is_refused_not_waited_on() {
+    let (_d, t, e) = write_pair(
+        &json!({"ranks": 1, "dtype": "bf16", "tensors": [{"name": "w", "shape": [4]}]}),
+        &json!({"ranks": 1, "dtype": "bf16", "params": [{"name": "w"}]}),
+    );
+    std::fs::remove_file(&t).unwrap();
+    let c = std::ffi::CString::new(t.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let started = std::time::Instant::now();
+    let err = failure(&wm_plan(&t, &e, &[]));
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    assert!(
+        err.contains("trainer.json") && err.contains("FIFO"),
+        "{err}"
+    );
+}
