@@ -349,6 +349,73 @@ fn ranks_that_took_different_versions_are_not_reported_done() {
     }
 }
 
+/// Ranks misconfigured against each other are told so, naming the
+/// setting: a rank number given twice (at once), and a rank given another
+/// world size than its node's rank 0 (at its group timeout).
+#[test]
+fn a_rank_number_given_twice_or_another_world_size_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    snapshot(d.path());
+    let args = |group: &str, world: &str| -> Vec<String> {
+        let model = d.path().to_string_lossy().into_owned();
+        [
+            "--world",
+            world,
+            "--group",
+            group,
+            "--steps",
+            "300",
+            "--step-us",
+            "10000",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            "--timeout-ms".into(),
+            "3000".into(),
+            "--model-dir".into(),
+            model,
+        ])
+        .collect()
+    };
+    let stderr = |r: &mut Rank| {
+        let status = r.child.wait().unwrap();
+        (status, std::fs::read_to_string(&r.err).unwrap_or_default())
+    };
+    // Rank 1 twice in a group of three: the second is refused at once.
+    let group = unique("dup");
+    let first: Vec<Rank> = (0..2)
+        .map(|r| spawn(d.path(), r, &args(&group, "3")))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let dup_dir = tempfile::tempdir().unwrap();
+    let mut dup = spawn(dup_dir.path(), 1, &args(&group, "3"));
+    let (status, err) = stderr(&mut dup);
+    assert!(!status.success());
+    assert!(
+        err.contains("local rank 1 of node 0 is taken by process"),
+        "{err}"
+    );
+    for mut r in first {
+        let _ = r.child.kill();
+        let _ = r.child.wait();
+    }
+    // Rank 1 told a world of three where rank 0 was told two.
+    let group = unique("size");
+    let mut zero = spawn(d.path(), 0, &args(&group, "2"));
+    std::thread::sleep(Duration::from_millis(300));
+    let other_dir = tempfile::tempdir().unwrap();
+    let mut one = spawn(other_dir.path(), 1, &args(&group, "3"));
+    let (status, err) = stderr(&mut one);
+    assert!(!status.success());
+    assert!(
+        err.contains("made the group for 2 local rank(s), but rank 1 was told 3"),
+        "{err}"
+    );
+    let _ = zero.child.kill();
+    let _ = zero.child.wait();
+}
+
 #[test]
 fn rendezvous_names_the_ranks_that_never_arrived() {
     let dir = tempfile::tempdir().unwrap();

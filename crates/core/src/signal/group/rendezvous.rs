@@ -41,6 +41,17 @@ impl Group {
             failed_rank: AtomicU32::new(NO_RANK),
         };
         let me = g.me();
+        let holder = me.pid.load(Ordering::Relaxed);
+        if me.joined.load(Ordering::Acquire) != 0
+            && holder != std::process::id()
+            && shm::pid_alive(holder)
+        {
+            return Err(Error::invalid_argument(format!(
+                "group '{}': local rank {} of node {} is taken by process {holder}: \
+                 every rank must be given its own number",
+                g.cfg.name, g.cfg.local_rank, g.cfg.node_rank
+            )));
+        }
         me.pid.store(std::process::id(), Ordering::Relaxed);
         me.rank.store(g.cfg.rank, Ordering::Relaxed);
         me.fanout
@@ -60,9 +71,24 @@ impl Group {
 
     /// A member: wait for the leader's live segment.
     fn attach(name: &str, cfg: &GroupConfig, deadline: Instant) -> Result<Segment> {
+        let mut tries = 0u64;
         loop {
+            tries += 1;
             if let Some(seg) = Segment::open_existing(name, cfg.local_world_size)? {
                 return Ok(seg);
+            }
+            // A live group of another size (looked for every 50 ms): the
+            // ranks disagree on the world size, which no wait mends.
+            let other = (tries % 50 == 0)
+                .then(|| Segment::live_local_world(name))
+                .flatten()
+                .filter(|&n| n != cfg.local_world_size);
+            if let Some(n) = other {
+                return Err(Error::invalid_argument(format!(
+                    "group '{}': local rank 0 of node {} made the group for {n} local rank(s), \
+                     but rank {} was told {}: every rank must be given the same world size",
+                    cfg.name, cfg.node_rank, cfg.rank, cfg.local_world_size
+                )));
             }
             if Instant::now() >= deadline {
                 return Err(Error::timeout(format!(

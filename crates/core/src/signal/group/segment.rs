@@ -104,6 +104,19 @@ impl Segment {
         Ok(fresh.then_some(seg))
     }
 
+    /// The local world a live leader made the segment `name` for, if there
+    /// is one (however many slots it has): what a member that cannot
+    /// attach names in its error.
+    pub(super) fn live_local_world(name: &str) -> Option<u32> {
+        let len = std::mem::size_of::<Header>();
+        let map = SharedMapping::open(name, len, OpenMode::Existing).ok()??;
+        let seg = Segment { map };
+        let h = seg.header();
+        let live = h.magic.load(Ordering::Acquire) == MAGIC
+            && crate::signal::shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
+        live.then(|| h.local_world.load(Ordering::Relaxed))
+    }
+
     pub(super) fn header(&self) -> &Header {
         // SAFETY: the mapping holds a Header at offset 0 (size checked when mapped).
         unsafe { &*(self.map.ptr() as *const Header) }
