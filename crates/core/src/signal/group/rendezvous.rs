@@ -13,6 +13,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// How much longer than local rank 0 the other local ranks wait to meet.
+const MEMBER_GRACE: Duration = Duration::from_secs(1);
+
 impl Group {
     /// Rendezvous: returns once every rank of the group has joined, or fails
     /// at the timeout naming the ranks that never arrived.
@@ -104,6 +107,13 @@ impl Group {
     /// arrived and then died is named at once: the group never meets with a
     /// dead member.
     fn meet(&mut self, deadline: Instant) -> Result<()> {
+        // Local rank 0 decides when the group cannot meet; the others wait a
+        // little longer, so they learn its reason (the abort) instead of
+        // racing it to the same deadline (it would name them as dead).
+        let deadline = match self.cfg.local_rank {
+            0 => deadline,
+            _ => deadline + MEMBER_GRACE,
+        };
         self.meet_locally(deadline)?;
         if self.cfg.local_rank == 0 {
             self.link = if self.cfg.world_size == self.cfg.local_world_size {
@@ -138,6 +148,9 @@ impl Group {
     fn meet_locally(&self, deadline: Instant) -> Result<()> {
         let n = self.cfg.local_world_size;
         loop {
+            if self.cfg.local_rank != 0 {
+                self.check_abort()?;
+            }
             self.check_arrived_alive()?;
             let missing: Vec<u32> = (0..n)
                 .filter(|&i| self.slot(i).joined.load(Ordering::Acquire) == 0)
