@@ -253,6 +253,59 @@ fn plan_failures_move_no_bytes() {
     assert_eq!(e.code, wm_result::WM_ERR_NOT_FOUND);
 }
 
+/// A part file replaced (a rename) or rewritten in place by one of the
+/// same size after the plan was made is refused naming it, also when the
+/// update does not verify (its bytes would be another version's), and
+/// atomic mode keeps the old weights.
+#[test]
+fn a_file_replaced_by_one_of_the_same_size_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let v1 = model(7);
+    write_safetensors(&d.path().join("model_state.tp0.0.safetensors"), &v1);
+    write_version(d.path(), "1");
+    let m = manager();
+    let ptrs = register(&m, &v1);
+    m.update(UpdateRequest::snapshot(d.path())).unwrap();
+    let (v2, v3) = (model(8), model(9));
+    for (rename, says) in [(true, "replaced by another file"), (false, "rewritten")] {
+        let parts = tempfile::tempdir().unwrap();
+        let p1 = parts.path().join("model_state.tp0.0.part1.safetensors");
+        let p2 = parts.path().join("model_state.tp0.0.part2.safetensors");
+        write_safetensors(&p1, &v2[..3]);
+        write_safetensors(&p2, &v2[3..]);
+        let other = parts.path().join("other.tmp");
+        write_safetensors(&other, &v3[3..]);
+        let (p2c, otherc) = (p2.clone(), other.clone());
+        let mut swap = move |p: &weight_manager_core::Progress| {
+            if p.tensors_done == 3 && otherc.exists() {
+                if rename {
+                    std::fs::rename(&otherc, &p2c).unwrap();
+                } else {
+                    // Same inode, same length, another version's bytes.
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    std::fs::write(&p2c, std::fs::read(&otherc).unwrap()).unwrap();
+                    std::fs::remove_file(&otherc).unwrap();
+                }
+            }
+            true
+        };
+        let mut req = UpdateRequest::snapshot(parts.path());
+        req.version = Some("2".into());
+        req.hooks = Hooks {
+            progress: Some(&mut swap),
+            tensor: None,
+        };
+        let e = m.update(req).unwrap_err();
+        assert_eq!(e.code, weight_manager_core::wm_result::WM_ERR_FORMAT, "{e}");
+        assert!(
+            e.message.contains("part2") && e.message.contains(says),
+            "{e}"
+        );
+        assert_eq!(m.status().version.as_deref(), Some("1"));
+        assert_params(&ptrs, &v1);
+    }
+}
+
 /// A file truncated after the plan was made: atomic mode keeps the old
 /// weights; in-place mode reports FAILED until a later update succeeds.
 #[test]

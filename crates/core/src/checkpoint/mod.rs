@@ -42,8 +42,9 @@ pub const OPEN_BOUND: Duration = crate::defaults::UPDATE_TIMEOUT;
 /// tensor data), the checksum file and `version.yaml` read.
 pub struct Checkpoint {
     pub layout: Layout,
-    /// Each file and its length when its header was read.
-    pub files: Vec<(PathBuf, u64)>,
+    /// Each file and its stamp (length, inode, modification time) when its
+    /// header was read.
+    pub files: Vec<(PathBuf, regular_file::FileStamp)>,
     pub manifest: Manifest,
     /// Per manifest tensor: (file index, absolute offset in that file).
     pub locations: Vec<(usize, u64)>,
@@ -113,7 +114,8 @@ impl Checkpoint {
         deadline: Instant,
     ) -> Result<()> {
         let path = self.layout.files[fi].clone();
-        let (_file, header) = safetensors_file::open(&path, deadline)?;
+        let (file, header) = safetensors_file::open(&path, deadline)?;
+        let stamp = regular_file::FileStamp::of(&file, &path)?;
         let file_name = path
             .file_name()
             .and_then(|n| n.to_str())
@@ -149,7 +151,7 @@ impl Checkpoint {
                 placement,
             });
         }
-        self.files.push((path, header.file_len));
+        self.files.push((path, stamp));
         Ok(())
     }
 

@@ -185,3 +185,50 @@ mod tests {
         assert!(!read_exact_at_until(&f, &mut buf, 8, later(), &p).unwrap());
     }
 }
+
+/// What tells a file's contents apart cheaply: its length, its inode (a
+/// file replaced by a rename is another one) and its modification time (a
+/// file rewritten in place), as `fstat` gives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileStamp {
+    pub len: u64,
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+}
+
+impl FileStamp {
+    /// The stamp of the open `file` (`path` named in errors).
+    pub fn of(file: &File, path: &Path) -> Result<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        Ok(FileStamp {
+            len: m.len(),
+            dev: m.dev(),
+            ino: m.ino(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+        })
+    }
+
+    /// Err naming `path` when `now` is not this stamp: the file changed
+    /// since (`when` says since what).
+    pub fn check(&self, now: &FileStamp, path: &Path, when: &str) -> Result<()> {
+        if now == self {
+            return Ok(());
+        }
+        let how = match (
+            now.len != self.len,
+            (now.dev, now.ino) != (self.dev, self.ino),
+        ) {
+            (true, _) => format!("was {} bytes, now {}", self.len, now.len),
+            (_, true) => "replaced by another file".to_string(),
+            _ => "rewritten".to_string(),
+        };
+        Err(Error::format(format!(
+            "{} changed {when} ({how}): its bytes may be another version's",
+            path.display()
+        )))
+    }
+}

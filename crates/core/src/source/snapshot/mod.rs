@@ -36,7 +36,7 @@ use crate::checkpoint::Checkpoint;
 use crate::logging::Logger;
 use crate::manifest::Manifest;
 use crate::plan::{Plan, Target};
-use crate::result::{Error, Result};
+use crate::result::Result;
 use std::time::{Duration, Instant};
 
 /// Bytes handed to the applier per batch: bounds the memory a callback-mode
@@ -102,7 +102,7 @@ impl SnapshotSource {
     /// Read source `me`'s planned bytes, file by file, batch by batch.
     fn read_all(&self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         let c = &self.checkpoint;
-        for (fi, (path, planned_len)) in c.files.iter().enumerate() {
+        for (fi, (path, planned)) in c.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
                 .filter(|&e| {
                     let entry = &plan.entries[e];
@@ -117,15 +117,11 @@ impl SnapshotSource {
             applier.check_deadline()?;
             let shown = path.display().to_string();
             let file = regular_file::open_regular(path)?;
-            let len = file
-                .metadata()
-                .map_err(|e| Error::io(format!("stat {shown}"), e))?
-                .len();
-            if len != *planned_len {
-                return Err(Error::format(format!(
-                    "{shown} changed after the plan was made (was {planned_len} bytes, now {len})"
-                )));
-            }
+            // Replaced or rewritten since its header was read, or while it
+            // was read: its bytes may be another version's (an unverified
+            // update would not notice otherwise).
+            let stamp = |file| regular_file::FileStamp::of(file, path);
+            planned.check(&stamp(&file)?, path, "after the plan was made")?;
             let mut reader = reader::FileReader::new(&file, &shown);
             for e in wanted {
                 let tensor = plan.entries[e].tensor;
@@ -133,6 +129,9 @@ impl SnapshotSource {
                 reader.entry(applier, plan, (e, c.locations[tensor].1), sums)?;
             }
             reader.flush(applier)?;
+            let by_path = regular_file::open_regular(path)
+                .and_then(|now| regular_file::FileStamp::of(&now, path))?;
+            planned.check(&by_path, path, "while it was read")?;
         }
         Ok(())
     }
