@@ -644,7 +644,9 @@ typedef struct {
   uint32_t dtype;
   size_t ndim;
   const uint64_t *shape;
-  // The tensor's `len` bytes: host memory when `device` is -1, else a
+  // The tensor's `len` bytes, read-only (zero-copy they are the
+  // publisher's, mapped read-only: a write faults), valid during the
+  // call only: host memory when `device` is -1, else a
   // CUDA device address valid on GPU `device` (zero-copy from a trainer's
   // CUDA IPC buffer; copy it with cudaMemcpy, do not dereference it).
   const void *data;
@@ -683,7 +685,10 @@ typedef struct {
   // Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
   // for ipc, rdma and gdr: the publisher's latest).
   const char *version;
-  // Bound on the whole update in milliseconds; 0: 600000.
+  // Bound on the whole update in milliseconds; 0: 600000. It bounds what
+  // the library waits for; the engine's own callbacks are not cut short
+  // (a deadline passed while one ran fails the update after it returns,
+  // except at an atomic commit, which hands every tensor over once begun).
   uint64_t timeout_ms;
   // Optional.
   wm_progress_callback progress_callback;

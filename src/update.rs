@@ -78,7 +78,9 @@ pub struct wm_tensor_view {
     pub dtype: u32,
     pub ndim: usize,
     pub shape: *const u64,
-    /// The tensor's `len` bytes: host memory when `device` is -1, else a
+    /// The tensor's `len` bytes, read-only (zero-copy they are the
+    /// publisher's, mapped read-only: a write faults), valid during the
+    /// call only: host memory when `device` is -1, else a
     /// CUDA device address valid on GPU `device` (zero-copy from a trainer's
     /// CUDA IPC buffer; copy it with cudaMemcpy, do not dereference it).
     pub data: *const c_void,
@@ -124,7 +126,10 @@ pub struct wm_update_request {
     /// Version name (1 to 255 bytes); NULL: the source's own (`version.yaml`;
     /// for ipc, rdma and gdr: the publisher's latest).
     pub version: *const c_char,
-    /// Bound on the whole update in milliseconds; 0: 600000.
+    /// Bound on the whole update in milliseconds; 0: 600000. It bounds what
+    /// the library waits for; the engine's own callbacks are not cut short
+    /// (a deadline passed while one ran fails the update after it returns,
+    /// except at an atomic commit, which hands every tensor over once begun).
     pub timeout_ms: u64,
     /// Optional.
     pub progress_callback: wm_progress_callback,

@@ -53,8 +53,15 @@ def test_numpy_tensors_over_ipc_copy_and_zero_copy(tmp_path):
             np.testing.assert_array_equal(params[name], t)
     with Manager(fallback_dir="") as m:
         got = {}
-        m.update(sock, source="ipc", in_place=True, on_tensor=lambda n, a: got.__setitem__(n, a.copy()))
-        assert set(got) == set(want)
+        writable = []
+
+        def keep(n, a):
+            # Zero-copy: the publisher's memory, mapped read-only; the view
+            # says so (a write would fault) instead of crashing the engine.
+            writable.append(a.flags.writeable)
+            got[n] = a.copy()
+        m.update(sock, source="ipc", in_place=True, on_tensor=keep)
+        assert set(got) == set(want) and not any(writable)
         np.testing.assert_array_equal(got["qkv"], want["qkv"])
     trainer.join(30)
     assert trainer.exitcode == 0

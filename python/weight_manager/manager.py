@@ -310,7 +310,7 @@ class Manager(OwnedHandle):
                  fanout_group: Optional[int] = None, nccl_library=None,
                  net_keyed_digests: bool = False,
                  callback_staging_limit: int = 0, keep_atomic_staging: bool = True,
-                 swap_device_params: bool = False):
+                 swap_device_params: bool = False, allow_other_uids: bool = False):
         self._handle = None
         cfg = _lib.Config()
         LIB.wm_config_init(ctypes.byref(cfg))
@@ -344,6 +344,8 @@ class Manager(OwnedHandle):
             self._log_cb = _lib.LOG_CALLBACK(lambda _u, level, msg: log(level, msg.decode(errors="replace")))
             cfg.log_callback = self._log_cb
         cfg.copy_threads = copy_threads
+        # IPC: accept a publisher running as another uid (both sides check).
+        cfg.allow_other_uids = int(allow_other_uids)
         # Bytes of per-tensor-callback tensors an update may stage; 0: 4 GiB.
         mem.callback_staging_limit = callback_staging_limit
         # Atomic staging kept between updates (README "States and transitions");
@@ -528,7 +530,8 @@ class Manager(OwnedHandle):
         file listing locations, one per line). `progress`: a callable
         (returning False cancels), or True for a bar on stderr when it is a
         terminal (bytes, GB/s, tensors) and one final line otherwise;
-        `on_tensor` receives (name, array valid only during the call) for
+        `on_tensor` receives (name, read-only array valid only during the
+        call: copy what you keep) for
         every tensor, plus a `Placement` (which box of the global tensor it
         is) when it takes a third argument, and replaces the plain copy into
         registered params. From a trainer's
@@ -568,6 +571,9 @@ class Manager(OwnedHandle):
                         view = DeviceArray(t.data or 0, t.len, t.device, dtype, tuple(shape))
                     else:
                         view = _array_at(t.data or 0, t.len, dtype, shape, None)
+                        # The library's memory (zero-copy: the publisher's,
+                        # mapped read-only): a write would crash the engine.
+                        view.flags.writeable = False
                     if with_placement:
                         placement = Placement(tuple(t.global_shape[i] for i in range(t.ndim)),
                                               tuple(t.offset[i] for i in range(t.ndim)))

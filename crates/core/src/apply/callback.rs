@@ -18,6 +18,9 @@ impl Applier<'_, '_> {
         device: Option<DeviceBytes>,
     ) -> Result<()> {
         self.tally.delivered(t);
+        // The callback writes the engine's own weights: from here a failure
+        // leaves them half-written, as a param write does (FAILED in place).
+        self.landing.writes_params();
         let meta = &self.plan.entries[t].meta;
         let Some(hook) = self.hooks.tensor.as_mut() else {
             return Err(Error::callback(format!(

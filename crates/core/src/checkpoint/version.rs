@@ -146,6 +146,14 @@ pub fn check_version(v: &str) -> crate::result::Result<()> {
             v.len()
         )));
     }
+    // C callers read versions as NUL-terminated strings: one inside would
+    // cut the name short (and make two versions look alike).
+    if v.contains('\0') {
+        return Err(Error::invalid_argument(format!(
+            "version {:?} holds a NUL byte; a version must not",
+            v
+        )));
+    }
     Ok(())
 }
 
@@ -185,6 +193,13 @@ mod tests {
             let e = read().unwrap_err();
             assert!(e.contains(why) && e.contains(VERSION_FILE), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_version_holding_a_nul_is_refused() {
+        assert!(check_version("a").is_ok());
+        let e = check_version("a\0b").unwrap_err();
+        assert!(e.message.contains("NUL"), "{e}");
     }
 
     #[test]

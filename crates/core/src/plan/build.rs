@@ -147,7 +147,7 @@ impl<'a> Sources<'a> {
         // (`Plan::check_replicas`): checksums change every version.
         plan.set_replicas(&self.globals.replicas);
         if opts.verify {
-            unverifiable(&plan, opts, &mut problems);
+            unverifiable(&plan, params, opts, &mut problems);
         }
         fail(problems, Error::mismatch)?;
         if plan.tensors == 0 {
@@ -354,7 +354,12 @@ fn whole_run(entry: usize, n: u64) -> Run {
 
 /// With verification on, every moving entry needs its tensor's checksum,
 /// and moves all of its tensor unless the sources checksum slices.
-fn unverifiable(plan: &Plan, opts: PlanOptions, problems: &mut Vec<String>) {
+fn unverifiable<P: Params + ?Sized>(
+    plan: &Plan,
+    params: &P,
+    opts: PlanOptions,
+    problems: &mut Vec<String>,
+) {
     for (i, e) in plan.entries.iter().enumerate() {
         if e.target == Target::Skip {
             continue;
@@ -369,12 +374,12 @@ fn unverifiable(plan: &Plan, opts: PlanOptions, problems: &mut Vec<String>) {
         } else if !opts.slice_sums && !plan.takes_all(i) {
             problems.push(format!(
                 "checksum verification was requested but only part of tensor '{}' moves \
-                 to '{}', and this source has no checksums of slices (snapshots: write \
+                 to {}, and this source has no checksums of slices (snapshots: write \
                  block sums with `wm manifest <dir>`)",
                 e.meta.name,
                 match e.target {
-                    Target::Param(_) => "its param",
-                    _ => "the callback",
+                    Target::Param(p) => format!("param '{}'", params.param(p).name),
+                    _ => "the callback".to_string(),
                 }
             ));
         }
