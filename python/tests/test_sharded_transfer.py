@@ -167,6 +167,11 @@ def test_snapshot_folders_at_different_versions_are_refused_even_when_the_reques
         # Folders of one version: the request's version names the update.
         assert m.update([a, same], version="v-one").version == "v-one"
         assert np.array_equal(w, full)
+        # A folder without version.yaml beside one that has it: as before,
+        # taken when the request names the version (it names none to differ).
+        unnamed = folder("d", (4, 8), full + 7, None)
+        assert m.update([a, unnamed], version="v-two").version == "v-two"
+        assert np.array_equal(w[4:], full[4:] + 7)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "net"])

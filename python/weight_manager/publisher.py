@@ -2,6 +2,7 @@
 ranks on this node over IPC, or on other nodes over the network (UCX)."""
 
 import ctypes
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -223,9 +224,14 @@ class Publisher(OwnedHandle):
         meanwhile is offered by the next serve()."""
         st = _lib.ServeStats()
         st.struct_size = ctypes.sizeof(st)
-        if not isinstance(engines, int) or not 0 <= engines <= 2**32 - 1:
+        try:
+            count = operator.index(engines)  # ints, numpy integers; not floats
+        except TypeError:
+            count = -1
+        if not 0 <= count <= 2**32 - 1:
             raise WeightManagerError(Result.ERR_INVALID_ARGUMENT,
                                      f"serve: engines {engines!r} is not a count from 0 to 2^32 - 1")
+        engines = count
         self._check(LIB.wm_publisher_serve(self._h(), engines, millis(timeout, "serve: timeout"), ctypes.byref(st)))
         return ServeStats(st.sessions, st.bytes, st.pack_ns / 1e9, st.wait_ns / 1e9, st.total_ns / 1e9)
 

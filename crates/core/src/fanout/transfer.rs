@@ -106,6 +106,16 @@ impl Landing for FromStaged<'_> {
             }
             at.push(dst);
         }
+        // A copy from pageable memory may return before its DMA ended, and
+        // the broadcast's stream does not wait for the default one: the
+        // members must not get a batch's stale tail.
+        // SAFETY: a driver call on the current context (the uploads made
+        // the bounce buffer's GPU current).
+        let synced = unsafe { cudarc::driver::sys::cuStreamSynchronize(std::ptr::null_mut()) };
+        crate::memory::cuda::check(
+            synced,
+            "cuStreamSynchronize(the fan-out root's staged batch)",
+        )?;
         Ok(at)
     }
 

@@ -27,6 +27,10 @@ struct FanoutRoot<'a, 'l> {
     logger: &'a Logger,
     /// Bound on every word to the members.
     said_by: Instant,
+    /// Staged: the members were told it staged (and got its bytes); from
+    /// then on the signal's vote decides for every rank, and no Stop word
+    /// follows (the members listen for none).
+    staged_sent: bool,
     /// The params announced, by registry index, in broadcast order.
     params: Vec<usize>,
 }
@@ -42,6 +46,7 @@ impl Manager {
             session,
             logger: &self.config.logger,
             said_by: run.deadline(),
+            staged_sent: false,
             params: Vec::new(),
         };
         let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
@@ -146,6 +151,7 @@ impl FanoutRoot<'_, '_> {
         let n = Bounce::size_for(sizes, bucket_size)?;
         let bounce = DeviceAllocation::new("the fan-out root's bounce buffer", ordinal, n)?;
         self.session.word(Some(&Word::Go(())), self.said_by)?;
+        self.staged_sent = true;
         let mut from = FromStaged {
             staged: &staged,
             sizes,
@@ -161,6 +167,9 @@ impl FanoutRoot<'_, '_> {
 
     /// Tell the members why the root stops (they stop too); hand the error on.
     fn stop(&mut self, e: Error) -> Error {
+        if self.staged_sent {
+            return e;
+        }
         let word: Word<Announcement> = Word::Stop(e.to_string());
         if let Err(se) = self.session.word(Some(&word), self.said_by) {
             self.logger

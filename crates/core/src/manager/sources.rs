@@ -27,11 +27,11 @@ impl Manager {
         let locations = locations::expand(&req.locations)?;
         if req.source == SourceKind::Snapshot && locations.len() <= 1 {
             let read_version = req.version.is_none();
-            return Ok(vec![self.open_snapshot(
-                req,
-                locations.first(),
-                read_version,
-            )?]);
+            let one = self.open_snapshot(req, locations.first(), read_version)?;
+            return Ok(vec![Box::new(one)]);
+        }
+        if req.source == SourceKind::Snapshot {
+            return self.open_snapshots(req, &locations);
         }
         if locations.is_empty() {
             return Err(Error::invalid_argument(match req.source {
@@ -47,14 +47,33 @@ impl Manager {
         locations
             .iter()
             .map(|loc| match req.source {
-                // Several snapshots: each one's version.yaml is read even
-                // when the request names the version, so that the plan
-                // refuses a mix of versions (the request's still names it).
-                SourceKind::Snapshot => self.open_snapshot(req, Some(loc), true),
                 SourceKind::Ipc => self.open_ipc(req, loc, base.cloned()),
                 SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr, base.cloned()),
+                SourceKind::Snapshot => Err(Error::state("snapshots are opened above (internal)")),
             })
             .collect()
+    }
+
+    /// Several snapshot folders: each one's version.yaml is read even when
+    /// the request names the version, so that the plan refuses folders of
+    /// different versions (the request's still names the update); a folder
+    /// without one, beside folders that name one, holds theirs.
+    fn open_snapshots(
+        &self,
+        req: &UpdateRequest,
+        locations: &[PathBuf],
+    ) -> Result<Vec<Box<dyn Source>>> {
+        let mut folders = (locations.iter())
+            .map(|loc| self.open_snapshot(req, Some(loc), true))
+            .collect::<Result<Vec<_>>>()?;
+        let named = folders.iter().find_map(|f| f.manifest().version.clone());
+        if let (Some(v), Some(_)) = (named, &req.version) {
+            folders.iter_mut().for_each(|f| f.name_if_unnamed(&v));
+        }
+        Ok(folders
+            .into_iter()
+            .map(|f| Box::new(f) as Box<dyn Source>)
+            .collect())
     }
 
     fn open_snapshot(
@@ -62,7 +81,7 @@ impl Manager {
         req: &UpdateRequest,
         at: Option<&PathBuf>,
         read_version: bool,
-    ) -> Result<Box<dyn Source>> {
+    ) -> Result<SnapshotSource> {
         let dir = at
             .cloned()
             .or_else(|| self.config.model_dir.clone())
@@ -78,8 +97,7 @@ impl Manager {
             gpu_id: self.gpu_id.clone(),
         };
         let deadline = Instant::now() + req.timeout;
-        let source = SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)?;
-        Ok(Box::new(source))
+        SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)
     }
 
     fn open_ipc(

@@ -233,19 +233,27 @@ pub fn pid_alive(pid: u32) -> bool {
     !exited(pid)
 }
 
-/// Whether `/proc` says process `pid` exited (zombie or dead); false when
-/// it cannot tell.
+/// Whether `/proc` says process `pid` exited (dead, or a zombie with no
+/// thread left: a leader thread that exited while others run shows Z too);
+/// false when it cannot tell.
 fn exited(pid: u32) -> bool {
     let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
         return false;
     };
-    // The state follows the command's name, which may hold any byte but
-    // ends at the last ')'.
-    let state = stat
-        .iter()
-        .rposition(|&b| b == b')')
-        .and_then(|i| stat.get(i + 2));
-    matches!(state, Some(b'Z' | b'X'))
+    // The fields follow the command's name, which may hold any byte but
+    // ends at the last ')': the state first, the thread count 18th.
+    let Some(end) = stat.iter().rposition(|&b| b == b')') else {
+        return false;
+    };
+    let fields = String::from_utf8_lossy(&stat[end + 1..]);
+    let mut fields = fields.split_ascii_whitespace();
+    let state = fields.next();
+    let threads = fields.nth(16).and_then(|n| n.parse::<u64>().ok());
+    match state {
+        Some("X") => true,
+        Some("Z") => threads.is_some_and(|n| n <= 1),
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -62,6 +62,18 @@ impl SnapshotSource {
     }
 }
 
+impl SnapshotSource {
+    /// Name this snapshot's version `v` when its folder names none (one of
+    /// several folders the request names the version of, beside folders
+    /// that name theirs: it holds no version to disagree with).
+    pub fn name_if_unnamed(&mut self, v: &str) {
+        let version = &mut self.checkpoint.manifest.version;
+        if version.is_none() {
+            *version = Some(v.to_string());
+        }
+    }
+}
+
 impl super::Source for SnapshotSource {
     fn manifest(&self) -> &Manifest {
         &self.checkpoint.manifest
@@ -117,9 +129,11 @@ impl SnapshotSource {
             applier.check_deadline()?;
             let shown = path.display().to_string();
             let file = regular_file::open_regular(path)?;
-            // Replaced or rewritten since its header was read, or while it
-            // was read: its bytes may be another version's (an unverified
-            // update would not notice otherwise).
+            // Replaced or rewritten since its header was read (opened again
+            // by its path), or rewritten while it was read (the open file):
+            // its bytes may be another version's, which an unverified update
+            // would not notice. A file renamed or removed once read was read
+            // whole: no error.
             let stamp = |file| regular_file::FileStamp::of(file, path);
             planned.check(&stamp(&file)?, path, "after the plan was made")?;
             let mut reader = reader::FileReader::new(&file, &shown);
@@ -129,9 +143,7 @@ impl SnapshotSource {
                 reader.entry(applier, plan, (e, c.locations[tensor].1), sums)?;
             }
             reader.flush(applier)?;
-            let by_path = regular_file::open_regular(path)
-                .and_then(|now| regular_file::FileStamp::of(&now, path))?;
-            planned.check(&by_path, path, "while it was read")?;
+            planned.check(&stamp(&file)?, path, "while it was read")?;
         }
         Ok(())
     }
