@@ -165,6 +165,27 @@ impl Checkpoint {
     pub fn files(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().map(|(p, _)| p.as_path())
     }
+
+    /// Open file `path` of this checkpoint to read its data: a regular
+    /// file, and the one its header was read from (not replaced or
+    /// rewritten since: its bytes would be another version's).
+    pub fn open_data(&self, path: &Path) -> Result<std::fs::File> {
+        let file = regular_file::open_regular(path)?;
+        self.check_unchanged(path, &file, "after the plan was made")?;
+        Ok(file)
+    }
+
+    /// Err naming `path` when the open `file` changed since its header was
+    /// read (`when` says when it was noticed): checked after reading its
+    /// data, a rewrite during the read.
+    pub fn check_unchanged(&self, path: &Path, file: &std::fs::File, when: &str) -> Result<()> {
+        match self.files.iter().find(|(p, _)| p == path) {
+            Some((_, planned)) => {
+                planned.check(&regular_file::FileStamp::of(file, path)?, path, when)
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 /// A shard's tensor must be the one the HuggingFace index maps to it.

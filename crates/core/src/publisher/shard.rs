@@ -5,7 +5,6 @@ use super::config::PublisherConfig;
 use super::offer::{Content, Offer, Published, ServedTensor};
 use crate::checkpoint::checksums::hash_file_ranges;
 use crate::checkpoint::layout::SnapshotLocation;
-use crate::checkpoint::regular_file::open_regular;
 use crate::checkpoint::Checkpoint;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
@@ -206,7 +205,7 @@ fn fill_missing_checksums(checkpoint: &Checkpoint, manifest: &mut Manifest) -> R
     let paths: Vec<&std::path::Path> = checkpoint.files().collect();
     let files = paths
         .iter()
-        .map(|p| open_regular(p))
+        .map(|p| checkpoint.open_data(p))
         .collect::<Result<Vec<File>>>()?;
     let ranges: Vec<(usize, u64, u64)> = todo
         .iter()
@@ -224,6 +223,10 @@ fn fill_missing_checksums(checkpoint: &Checkpoint, manifest: &mut Manifest) -> R
     for ((&t, r), &(fi, _, _)) in todo.iter().zip(sums).zip(&ranges) {
         let sum = r.map_err(|e| Error::io(format!("hashing {}", paths[fi].display()), e))?;
         manifest.tensors[t].checksum = Some(sum);
+    }
+    // Sums of a file rewritten while it was hashed would vouch for a mix.
+    for (path, file) in paths.iter().zip(&files) {
+        checkpoint.check_unchanged(path, file, "while it was hashed")?;
     }
     Ok(ranges.iter().map(|&(_, _, n)| n).sum())
 }
@@ -358,7 +361,7 @@ fn copy_batch(
             for &(t, ..) in batch.iter().filter(|b| b.0 < first_image) {
                 let (path, _) = checkpoint.tensor_location(t);
                 if !open.contains_key(path) {
-                    let f = open_regular(path)?;
+                    let f = checkpoint.open_data(path)?;
                     open.insert(path.to_path_buf(), f);
                 }
             }
@@ -384,7 +387,13 @@ fn copy_batch(
                 }
             }));
             // SAFETY: as above; file reads are bounds-checked by pread.
-            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
+            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)?;
+            // A file rewritten while this batch was read: the batch may hold
+            // another version's bytes under this one's name and sums.
+            for (path, file) in open.iter() {
+                checkpoint.check_unchanged(path, file, "while it was served")?;
+            }
+            Ok(())
         }
     }
 }

@@ -31,7 +31,6 @@ use super::Step;
 use crate::apply::Applier;
 use crate::checkpoint::block_sums::BlockSums;
 pub use crate::checkpoint::layout::{gpu_id, SnapshotLocation, DEFAULT_FALLBACK_DIR};
-use crate::checkpoint::regular_file;
 use crate::checkpoint::Checkpoint;
 use crate::logging::Logger;
 use crate::manifest::Manifest;
@@ -114,7 +113,7 @@ impl SnapshotSource {
     /// Read source `me`'s planned bytes, file by file, batch by batch.
     fn read_all(&self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         let c = &self.checkpoint;
-        for (fi, (path, planned)) in c.files.iter().enumerate() {
+        for (fi, (path, _)) in c.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
                 .filter(|&e| {
                     let entry = &plan.entries[e];
@@ -128,14 +127,12 @@ impl SnapshotSource {
             }
             applier.check_deadline()?;
             let shown = path.display().to_string();
-            let file = regular_file::open_regular(path)?;
             // Replaced or rewritten since its header was read (opened again
             // by its path), or rewritten while it was read (the open file):
             // its bytes may be another version's, which an unverified update
             // would not notice. A file renamed or removed once read was read
             // whole: no error.
-            let stamp = |file| regular_file::FileStamp::of(file, path);
-            planned.check(&stamp(&file)?, path, "after the plan was made")?;
+            let file = c.open_data(path)?;
             let mut reader = reader::FileReader::new(&file, &shown);
             for e in wanted {
                 let tensor = plan.entries[e].tensor;
@@ -143,7 +140,7 @@ impl SnapshotSource {
                 reader.entry(applier, plan, (e, c.locations[tensor].1), sums)?;
             }
             reader.flush(applier)?;
-            planned.check(&stamp(&file)?, path, "while it was read")?;
+            c.check_unchanged(path, &file, "while it was read")?;
         }
         Ok(())
     }
