@@ -105,6 +105,11 @@ fn two_ranks_fan_out_on_the_fake_driver_and_nccl() {
             two_phase,
         });
     }
+    common::fanout_ranks::mixed_modes_are_refused(common::fanout_ranks::Ranks {
+        devices: [0, 0],
+        nccl: Some(&nccl),
+        two_phase: true,
+    });
 }
 
 fn unique(tag: &str) -> String {

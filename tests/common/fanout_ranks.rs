@@ -22,6 +22,78 @@ pub struct Ranks<'a> {
     pub two_phase: bool,
 }
 
+/// Start rank `rank` of two in fan-out group 0 (`two_phase` its mode),
+/// logging to `log`; its model folder is `model`.
+fn spawn_rank(
+    r: &Ranks,
+    rank: u32,
+    (group, cell): (&str, &str),
+    (model, log, err): (&Path, &Path, &Path),
+    two_phase: bool,
+) -> std::process::Child {
+    let mut cmd = Command::new(&*WM);
+    cmd.arg("worker")
+        .args(["--rank", &rank.to_string(), "--world", "2"])
+        .args(["--group", group, "--cell", cell])
+        .args(["--device", &r.devices[rank as usize].to_string()])
+        .args(["--fanout", "0"])
+        .args(["--steps", "3000", "--step-us", "1000"])
+        .args(["--timeout-ms", "30000"])
+        .arg("--model-dir")
+        .arg(model)
+        .arg("--log")
+        .arg(log);
+    if let Some(n) = r.nccl {
+        cmd.arg("--nccl").arg(n);
+    }
+    if two_phase {
+        cmd.arg("--two-phase");
+    }
+    cmd.stdout(Stdio::null())
+        .stderr(std::fs::File::create(err).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// The root stages while the member updates in one call: the member
+/// refuses before any byte moves (it would commit a version the ranks may
+/// drop), no rank commits, and the controller is told.
+pub fn mixed_modes_are_refused(r: Ranks) {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::create_dir_all(&full).unwrap();
+    let w = tensor("w", DType::F32, &[16], 21);
+    write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
+    write_version(&full, "1");
+    let tag = std::process::id();
+    let (group, cell) = (format!("wm_fom_{tag}"), format!("wm_fom_cell_{tag}"));
+    let mut children: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let log = dir.path().join(format!("rank{rank}.log"));
+            let err = dir.path().join(format!("rank{rank}.err"));
+            let model = if rank == 0 { &full } else { &empty };
+            let child = spawn_rank(&r, rank, (&group, &cell), (model, &log, &err), rank == 0);
+            (child, log)
+        })
+        .collect();
+    let ctl = Controller::open(&cell).unwrap();
+    ctl.wait_for(State::Normal, Duration::from_secs(60))
+        .unwrap();
+    ctl.cell().compare_exchange(0, 1).unwrap().unwrap();
+    // Refused: the word goes to CLEARED, never NORMAL.
+    ctl.wait_for(State::Cleared, Duration::from_secs(120))
+        .unwrap();
+    for (child, log) in children.iter_mut() {
+        let _ = child.kill();
+        let _ = child.wait();
+        let log = std::fs::read_to_string(&*log).unwrap_or_default();
+        assert!(!log.contains("updated 1"), "a rank committed: {log}");
+    }
+    let _ = weight_manager_core::internals::signal::shm::unlink(&cell);
+    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell}.wm_report"));
+}
+
 /// Run two updates of version 1 through the cell; both ranks must log
 /// `w`'s checksum after each.
 pub fn fan_out_twice(r: Ranks) {

@@ -97,6 +97,11 @@ pub struct Announced {
 pub struct Announcement {
     pub version: String,
     pub tensors: Vec<Announced>,
+    /// The root stages (two-phase): its bytes come before any commit, so
+    /// a member must stage too, or it would commit a version the ranks may
+    /// yet drop.
+    #[serde(default)]
+    pub staged: bool,
 }
 
 /// The root's word at a step: go on (with what), or stop (why).
@@ -153,6 +158,7 @@ pub fn announce(
         Announcement {
             version: version.to_string(),
             tensors,
+            staged: false,
         },
         params,
     ))
@@ -270,6 +276,7 @@ mod tests {
         let r = registry();
         let sent = |name: &str, dtype: DType, shape: &[u64]| Announcement {
             version: "v1".into(),
+            staged: false,
             tensors: vec![Announced {
                 name: name.into(),
                 dtype: dtype as u32,
@@ -295,6 +302,7 @@ mod tests {
         let w: Word<Announcement> = Word::Go(Announcement {
             version: "v".into(),
             tensors: vec![],
+            staged: true,
         });
         let back: Word<Announcement> =
             serde_json::from_slice(&serde_json::to_vec(&w).unwrap()).unwrap();

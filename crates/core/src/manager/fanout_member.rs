@@ -79,6 +79,20 @@ impl Manager {
     ) -> Result<(Plan, Vec<usize>, Option<Bounce>)> {
         let ordinal = self.config.device;
         crate::fanout::refuse_tensor_hook(run.req.hooks.tensor.is_some())?;
+        let staging = run.gate.is_some();
+        if announcement.staged != staging {
+            let how = |staged: bool| match staged {
+                true => "stages it (wm_stage)",
+                false => "updates in one call (wm_update)",
+            };
+            return Err(Error::state(format!(
+                "fan-out: the root {} but rank {} {}: every rank of a fan-out group must \
+                 update the same way (a one-call member would commit a version the ranks may drop)",
+                how(announcement.staged),
+                self.config.rank,
+                how(staging)
+            )));
+        }
         check_version(&announcement.version)?;
         let plan =
             crate::fanout::member_plan(announcement, run.registry, ordinal, self.config.rank)?;

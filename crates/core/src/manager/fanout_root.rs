@@ -51,8 +51,13 @@ impl Manager {
         };
         let mut prepared = self.prepare(run).map_err(|e| root.stop(e))?;
         let has_tensor_hook = run.req.hooks.tensor.is_some();
-        root.before(&prepared, run.registry, has_tensor_hook, self.config.device)?;
         let staged = run.gate.is_some();
+        root.before(
+            &prepared,
+            run.registry,
+            has_tensor_hook,
+            (self.config.device, staged),
+        )?;
         let sizes = root.sizes(run.registry);
         let bucket = self.config.net.bucket_size;
         let applied = match staged {
@@ -96,12 +101,13 @@ impl FanoutRoot<'_, '_> {
         prepared: &Prepared,
         registry: &Registry,
         has_tensor_hook: bool,
-        ordinal: i32,
+        (ordinal, staged): (i32, bool),
     ) -> Result<()> {
         let announced = crate::fanout::refuse_tensor_hook(has_tensor_hook).and_then(|()| {
             crate::fanout::announce(&prepared.version, &prepared.plan, registry, ordinal)
         });
-        let (announcement, params) = announced.map_err(|e| self.stop(e))?;
+        let (mut announcement, params) = announced.map_err(|e| self.stop(e))?;
+        announcement.staged = staged;
         self.params = params;
         self.session
             .word(Some(&Word::Go(announcement)), self.said_by)?;
