@@ -110,29 +110,8 @@ pub fn fan_out_twice(r: Ranks) {
         .map(|rank| {
             let log = dir.path().join(format!("rank{rank}.log"));
             let err = dir.path().join(format!("rank{rank}.err"));
-            let mut cmd = Command::new(&*WM);
-            cmd.arg("worker")
-                .args(["--rank", &rank.to_string(), "--world", "2"])
-                .args(["--group", &group, "--cell", &cell])
-                .args(["--device", &r.devices[rank as usize].to_string()])
-                .args(["--fanout", "0"])
-                .args(["--steps", "3000", "--step-us", "1000"])
-                .args(["--timeout-ms", "30000"])
-                .arg("--model-dir")
-                .arg(if rank == 0 { &full } else { &empty })
-                .arg("--log")
-                .arg(&log);
-            if let Some(n) = r.nccl {
-                cmd.arg("--nccl").arg(n);
-            }
-            if r.two_phase {
-                cmd.arg("--two-phase");
-            }
-            let child = cmd
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&err).unwrap())
-                .spawn()
-                .unwrap();
+            let model = if rank == 0 { &full } else { &empty };
+            let child = spawn_rank(&r, rank, (&group, &cell), (model, &log, &err), r.two_phase);
             (child, log, err)
         })
         .collect();
