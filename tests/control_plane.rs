@@ -248,6 +248,20 @@ fn a_killed_rank_is_named_within_the_timeout() {
     );
 }
 
+/// `wm worker` options of one of two ranks in `group` with `cell`, each
+/// reading `model`.
+fn two_rank_args((group, cell): (&str, &str), model: &Path) -> Vec<String> {
+    let model = model.to_string_lossy().into_owned();
+    [
+        "--world", "2", "--group", group, "--cell", cell, "--steps", "4000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(["--step-us", "200", "--timeout-ms", "10000", "--model-dir"].map(String::from))
+    .chain([model])
+    .collect()
+}
+
 #[test]
 fn a_failed_update_reaches_the_controller() {
     let good = tempfile::tempdir().unwrap();
@@ -258,25 +272,7 @@ fn a_failed_update_reaches_the_controller() {
     let mut ranks = Vec::new();
     for rank in 0..2u32 {
         let model = if rank == 1 { empty.path() } else { good.path() };
-        let args: Vec<String> = [
-            "--world",
-            "2",
-            "--group",
-            &group,
-            "--cell",
-            &cell,
-            "--steps",
-            "4000",
-            "--step-us",
-            "200",
-            "--timeout-ms",
-            "10000",
-            "--model-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([model.to_string_lossy().into_owned()])
-        .collect();
+        let args = two_rank_args((&group, &cell), model);
         ranks.push(spawn(good.path(), rank, &args));
     }
     let c = Controller::open(&cell).unwrap();
@@ -307,25 +303,7 @@ fn ranks_that_took_different_versions_are_not_reported_done() {
     let _names = Names(vec![cell.clone()]);
     let mut ranks = Vec::new();
     for (rank, model) in [one.path(), two.path()].into_iter().enumerate() {
-        let args: Vec<String> = [
-            "--world",
-            "2",
-            "--group",
-            &group,
-            "--cell",
-            &cell,
-            "--steps",
-            "4000",
-            "--step-us",
-            "200",
-            "--timeout-ms",
-            "10000",
-            "--model-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([model.to_string_lossy().into_owned()])
-        .collect();
+        let args = two_rank_args((&group, &cell), model);
         ranks.push(spawn(one.path(), rank as u32, &args));
     }
     let c = Controller::open(&cell).unwrap();

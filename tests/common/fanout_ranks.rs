@@ -6,10 +6,11 @@
 //! `tests/fanout.rs` (the fake driver and the fake NCCL, one "GPU" per
 //! process).
 
-use super::{tensor, write_safetensors, write_version, WM};
-use std::path::Path;
-use std::process::{Command, Stdio};
+use super::{tensor, write_safetensors, write_version, T, WM};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+use tempfile::TempDir;
 use weight_manager_core::{Controller, DType, State};
 
 /// How the two ranks run.
@@ -58,7 +59,16 @@ fn spawn_rank(
 /// The root stages while the member updates in one call: the member
 /// refuses before any byte moves (it would commit a version the ranks may
 /// drop), no rank commits, and the controller is told.
-pub fn mixed_modes_are_refused(r: Ranks) {
+/// Two ranks of fan-out group 0 reading version 1 of `w`: rank 0 from a
+/// snapshot, rank 1 from an empty folder (its weights can only come from
+/// the fan-out); `two_phase(rank)` is each one's mode. Returns the folder
+/// (kept alive), the control cell, `w`, and each rank's process, log and
+/// stderr.
+fn start_two(
+    r: &Ranks,
+    tag: &str,
+    two_phase: impl Fn(u32) -> bool,
+) -> (TempDir, String, T, Vec<(Child, PathBuf, PathBuf)>) {
     let dir = tempfile::tempdir().unwrap();
     let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
     std::fs::create_dir_all(&empty).unwrap();
@@ -66,17 +76,23 @@ pub fn mixed_modes_are_refused(r: Ranks) {
     let w = tensor("w", DType::F32, &[16], 21);
     write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
     write_version(&full, "1");
-    let tag = std::process::id();
-    let (group, cell) = (format!("wm_fom_{tag}"), format!("wm_fom_cell_{tag}"));
-    let mut children: Vec<_> = (0..2u32)
+    let pid = std::process::id();
+    let (group, cell) = (format!("wm_{tag}_{pid}"), format!("wm_{tag}_cell_{pid}"));
+    let ranks = (0..2u32)
         .map(|rank| {
             let log = dir.path().join(format!("rank{rank}.log"));
             let err = dir.path().join(format!("rank{rank}.err"));
             let model = if rank == 0 { &full } else { &empty };
-            let child = spawn_rank(&r, rank, (&group, &cell), (model, &log, &err), rank == 0);
-            (child, log)
+            let io = (model.as_path(), log.as_path(), err.as_path());
+            let child = spawn_rank(r, rank, (&group, &cell), io, two_phase(rank));
+            (child, log, err)
         })
         .collect();
+    (dir, cell, w, ranks)
+}
+
+pub fn mixed_modes_are_refused(r: Ranks) {
+    let (_dir, cell, _w, mut children) = start_two(&r, "fom", |rank| rank == 0);
     let ctl = Controller::open(&cell).unwrap();
     ctl.wait_for(State::Normal, Duration::from_secs(60))
         .unwrap();
@@ -84,7 +100,7 @@ pub fn mixed_modes_are_refused(r: Ranks) {
     // Refused: the word goes to CLEARED, never NORMAL.
     ctl.wait_for(State::Cleared, Duration::from_secs(120))
         .unwrap();
-    for (child, log) in children.iter_mut() {
+    for (child, log, _) in children.iter_mut() {
         let _ = child.kill();
         let _ = child.wait();
         let log = std::fs::read_to_string(&*log).unwrap_or_default();
@@ -97,24 +113,7 @@ pub fn mixed_modes_are_refused(r: Ranks) {
 /// Run two updates of version 1 through the cell; both ranks must log
 /// `w`'s checksum after each.
 pub fn fan_out_twice(r: Ranks) {
-    let dir = tempfile::tempdir().unwrap();
-    let (full, empty) = (dir.path().join("full"), dir.path().join("empty"));
-    std::fs::create_dir_all(&empty).unwrap();
-    std::fs::create_dir_all(&full).unwrap();
-    let w = tensor("w", DType::F32, &[16], 21);
-    write_safetensors(&full.join("model.safetensors"), std::slice::from_ref(&w));
-    write_version(&full, "1");
-    let tag = std::process::id();
-    let (group, cell) = (format!("wm_fo_{tag}"), format!("wm_fo_cell_{tag}"));
-    let mut ranks: Vec<_> = (0..2u32)
-        .map(|rank| {
-            let log = dir.path().join(format!("rank{rank}.log"));
-            let err = dir.path().join(format!("rank{rank}.err"));
-            let model = if rank == 0 { &full } else { &empty };
-            let child = spawn_rank(&r, rank, (&group, &cell), (model, &log, &err), r.two_phase);
-            (child, log, err)
-        })
-        .collect();
+    let (_dir, cell, w, mut ranks) = start_two(&r, "fo", |_| r.two_phase);
     let ctl = Controller::open(&cell).unwrap();
     for _ in 0..2 {
         ctl.wait_for(State::Normal, Duration::from_secs(60))
