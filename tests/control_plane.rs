@@ -378,6 +378,21 @@ fn a_rank_number_given_twice_or_another_world_size_is_named() {
         let _ = r.child.kill();
         let _ = r.child.wait();
     }
+    // Rank 0 twice while the first still meets its ranks: the second
+    // would replace the group's segment; it is refused at once.
+    let group = unique("dup0");
+    let mut leader = spawn(d.path(), 0, &args(&group, "3"));
+    std::thread::sleep(Duration::from_millis(300));
+    let dup_dir = tempfile::tempdir().unwrap();
+    let mut dup = spawn(dup_dir.path(), 0, &args(&group, "3"));
+    let (status, err) = stderr(&mut dup);
+    assert!(!status.success());
+    assert!(
+        err.contains("local rank 0 of node 0 is taken by process"),
+        "{err}"
+    );
+    let _ = leader.child.kill();
+    let _ = leader.child.wait();
     // Rank 1 told a world of three where rank 0 was told two.
     let group = unique("size");
     let mut zero = spawn(d.path(), 0, &args(&group, "2"));

@@ -24,6 +24,14 @@ impl Group {
         let deadline = Instant::now() + cfg.timeout;
         let name = cfg.segment_name();
         let seg = if cfg.local_rank == 0 {
+            // A live leader meeting under this name: a second local rank 0
+            // would replace its segment and split the group.
+            let holder = Segment::live(&name)
+                .map(|(pid, _)| pid)
+                .filter(|&p| p != std::process::id());
+            if let Some(holder) = holder {
+                return Err(Self::taken(&cfg, holder));
+            }
             Segment::create(&name, cfg.local_world_size)?
         } else {
             Self::attach(&name, &cfg, deadline)?
@@ -44,18 +52,21 @@ impl Group {
             failed_rank: AtomicU32::new(NO_RANK),
         };
         let me = g.me();
-        let holder = me.pid.load(Ordering::Relaxed);
-        if me.joined.load(Ordering::Acquire) != 0
-            && holder != std::process::id()
-            && shm::pid_alive(holder)
-        {
-            return Err(Error::invalid_argument(format!(
-                "group '{}': local rank {} of node {} is taken by process {holder}: \
-                 every rank must be given its own number",
-                g.cfg.name, g.cfg.local_rank, g.cfg.node_rank
-            )));
+        // Claim the slot by compare-and-swap: of two processes given the
+        // same rank at the same instant, one wins and the other sees it.
+        let mine = std::process::id();
+        loop {
+            let holder = me.pid.load(Ordering::Acquire);
+            if holder != 0 && holder != mine && shm::pid_alive(holder) {
+                return Err(Self::taken(&g.cfg, holder));
+            }
+            let claimed = me
+                .pid
+                .compare_exchange(holder, mine, Ordering::AcqRel, Ordering::Acquire);
+            if claimed.is_ok() {
+                break;
+            }
         }
-        me.pid.store(std::process::id(), Ordering::Relaxed);
         me.rank.store(g.cfg.rank, Ordering::Relaxed);
         me.fanout
             .store(g.cfg.fanout.map_or(0, |f| f + 1), Ordering::Relaxed);
@@ -72,6 +83,15 @@ impl Group {
         result.map(|_| g)
     }
 
+    /// The error for a local rank that a live process `holder` holds.
+    fn taken(cfg: &GroupConfig, holder: u32) -> Error {
+        Error::invalid_argument(format!(
+            "group '{}': local rank {} of node {} is taken by process {holder}: \
+             every rank must be given its own number",
+            cfg.name, cfg.local_rank, cfg.node_rank
+        ))
+    }
+
     /// A member: wait for the leader's live segment.
     fn attach(name: &str, cfg: &GroupConfig, deadline: Instant) -> Result<Segment> {
         let mut tries = 0u64;
@@ -83,8 +103,9 @@ impl Group {
             // A live group of another size (looked for every 50 ms): the
             // ranks disagree on the world size, which no wait mends.
             let other = (tries % 50 == 0)
-                .then(|| Segment::live_local_world(name))
+                .then(|| Segment::live(name))
                 .flatten()
+                .map(|(_, n)| n)
                 .filter(|&n| n != cfg.local_world_size);
             if let Some(n) = other {
                 return Err(Error::invalid_argument(format!(

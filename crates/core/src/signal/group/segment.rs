@@ -104,17 +104,18 @@ impl Segment {
         Ok(fresh.then_some(seg))
     }
 
-    /// The local world a live leader made the segment `name` for, if there
-    /// is one (however many slots it has): what a member that cannot
-    /// attach names in its error.
-    pub(super) fn live_local_world(name: &str) -> Option<u32> {
+    /// The live segment `name`'s creator and the local world it was made
+    /// for, if there is one (its creator alive, whatever its size): a
+    /// leader still meeting its ranks, which a second local rank 0 must not
+    /// replace and a member that cannot attach names in its error.
+    pub(super) fn live(name: &str) -> Option<(u32, u32)> {
         let len = std::mem::size_of::<Header>();
         let map = SharedMapping::open(name, len, OpenMode::Existing).ok()??;
         let seg = Segment { map };
         let h = seg.header();
-        let live = h.magic.load(Ordering::Acquire) == MAGIC
-            && crate::signal::shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
-        live.then(|| h.local_world.load(Ordering::Relaxed))
+        let pid = h.creator_pid.load(Ordering::Relaxed);
+        let live = h.magic.load(Ordering::Acquire) == MAGIC && crate::signal::shm::pid_alive(pid);
+        live.then(|| (pid, h.local_world.load(Ordering::Relaxed)))
     }
 
     pub(super) fn header(&self) -> &Header {
