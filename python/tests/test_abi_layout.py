@@ -85,7 +85,7 @@ def python_structs():
     return {
         name: cls
         for name, cls in vars(_lib).items()
-        if isinstance(cls, type) and issubclass(cls, ctypes.Structure) and cls is not ctypes.Structure
+        if isinstance(cls, type) and issubclass(cls, ctypes.Structure) and cls not in (ctypes.Structure, _lib._Struct)
     }
 
 

@@ -18,11 +18,64 @@ package sits in, then the system loader path.
 
 import ctypes
 import ctypes.util
+import operator
 import os
 from pathlib import Path
 
+from .types import Result, WeightManagerError
+
 c_void_p = ctypes.c_void_p
 c_char_p = ctypes.c_char_p
+
+# ctypes wraps an integer that does not fit its C type (2**32 + 1 becomes 1
+# in a uint32_t) and cuts text at a NUL byte, silently: a rank, a piece's
+# offset or a name would reach the library as another value. Every struct
+# field, array and function argument below is checked first, and such a
+# value is refused with ERR_INVALID_ARGUMENT naming it.
+_INT_TYPES = (ctypes.c_int8, ctypes.c_uint8, ctypes.c_int16, ctypes.c_uint16, ctypes.c_int32, ctypes.c_uint32,
+              ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint, ctypes.c_long,
+              ctypes.c_ulong)
+
+
+def _int_range(ctype) -> tuple:
+    bits = 8 * ctypes.sizeof(ctype)
+    signed = ctype(-1).value == -1
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+
+
+def check_value(what: str, ctype, value) -> None:
+    """Refuse an integer outside `ctype`'s range and text holding NUL
+    (anything else is left to ctypes, which raises on a wrong type)."""
+    if ctype in _INT_TYPES and not isinstance(value, float):
+        try:
+            v = operator.index(value)
+        except TypeError:
+            return
+        lo, hi = _int_range(ctype)
+        if not lo <= v <= hi:
+            raise WeightManagerError(Result.ERR_INVALID_ARGUMENT,
+                                     f"{what}: {v} does not fit ({lo} to {hi})")
+    elif ctype is c_char_p and isinstance(value, (bytes, bytearray)) and b"\0" in value:
+        raise WeightManagerError(Result.ERR_INVALID_ARGUMENT, f"{what}: {bytes(value)!r} holds a NUL byte")
+
+
+def array(ctype, values, what: str):
+    """A C array of `values`, each checked against `ctype` (at least one
+    element, so its address is never NULL)."""
+    values = list(values)
+    for i, v in enumerate(values):
+        check_value(f"{what}[{i}]", ctype, v)
+    return (ctype * max(len(values), 1))(*values)
+
+
+class _Struct(ctypes.Structure):
+    """A header struct whose integer and text fields are checked when set."""
+
+    def __setattr__(self, name, value):
+        ctype = dict(self._fields_).get(name)
+        if ctype is not None:
+            check_value(f"{type(self).__name__}.{name}", ctype, value)
+        super().__setattr__(name, value)
 
 VERSION_BUF = 256
 MAX_NDIM = 8
@@ -57,7 +110,7 @@ RELEASE_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, c_char_p, c_void_p, ctypes.c
 ACQUIRE_CALLBACK = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_char_p, c_void_p, ctypes.c_size_t)
 
 
-class GroupConfig(ctypes.Structure):
+class GroupConfig(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("name", c_char_p),
@@ -69,7 +122,7 @@ class GroupConfig(ctypes.Structure):
     ]
 
 
-class NetConfig(ctypes.Structure):
+class NetConfig(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("bucket_size", ctypes.c_uint64),
@@ -81,7 +134,7 @@ class NetConfig(ctypes.Structure):
     ]
 
 
-class FanoutConfig(ctypes.Structure):
+class FanoutConfig(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("group", ctypes.c_int32),
@@ -89,7 +142,7 @@ class FanoutConfig(ctypes.Structure):
     ]
 
 
-class MemoryConfig(ctypes.Structure):
+class MemoryConfig(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("release_callback", RELEASE_CALLBACK),
@@ -101,7 +154,7 @@ class MemoryConfig(ctypes.Structure):
     ]
 
 
-class Config(ctypes.Structure):
+class Config(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("rank", ctypes.c_uint32),
@@ -122,7 +175,7 @@ class Config(ctypes.Structure):
     ]
 
 
-class Piece(ctypes.Structure):
+class Piece(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("tensor", c_char_p),
@@ -133,7 +186,7 @@ class Piece(ctypes.Structure):
     ]
 
 
-class ParamDesc(ctypes.Structure):
+class ParamDesc(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("dtype", ctypes.c_uint32),
@@ -147,7 +200,7 @@ class ParamDesc(ctypes.Structure):
     ]
 
 
-class Progress(ctypes.Structure):
+class Progress(_Struct):
     _fields_ = [
         ("bytes_done", ctypes.c_uint64),
         ("bytes_total", ctypes.c_uint64),
@@ -156,7 +209,7 @@ class Progress(ctypes.Structure):
     ]
 
 
-class TensorView(ctypes.Structure):
+class TensorView(_Struct):
     _fields_ = [
         ("name", c_char_p),
         ("dtype", ctypes.c_uint32),
@@ -174,7 +227,7 @@ PROGRESS_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, c_void_p, ctypes.POINTER(Pr
 TENSOR_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, c_void_p, ctypes.POINTER(TensorView))
 
 
-class UpdateRequest(ctypes.Structure):
+class UpdateRequest(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("source", ctypes.c_uint32),
@@ -191,7 +244,7 @@ class UpdateRequest(ctypes.Structure):
     ]
 
 
-class UpdateStats(ctypes.Structure):
+class UpdateStats(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("rank", ctypes.c_uint32),
@@ -207,7 +260,7 @@ class UpdateStats(ctypes.Structure):
     ]
 
 
-class DeltaStats(ctypes.Structure):
+class DeltaStats(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("fallback", ctypes.c_uint32),
@@ -219,7 +272,7 @@ class DeltaStats(ctypes.Structure):
     ]
 
 
-class StatusInfo(ctypes.Structure):
+class StatusInfo(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("state", ctypes.c_int32),
@@ -235,7 +288,7 @@ class StatusInfo(ctypes.Structure):
     ]
 
 
-class PublisherConfig(ctypes.Structure):
+class PublisherConfig(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("buffers", ctypes.c_uint32),
@@ -249,7 +302,7 @@ class PublisherConfig(ctypes.Structure):
     ]
 
 
-class TensorDesc(ctypes.Structure):
+class TensorDesc(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("name", c_char_p),
@@ -266,7 +319,7 @@ class TensorDesc(ctypes.Structure):
     ]
 
 
-class ShardPlacement(ctypes.Structure):
+class ShardPlacement(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("global_shape", ctypes.POINTER(ctypes.c_uint64)),
@@ -274,7 +327,7 @@ class ShardPlacement(ctypes.Structure):
     ]
 
 
-class ServeStats(ctypes.Structure):
+class ServeStats(_Struct):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("sessions", ctypes.c_uint32),
@@ -389,14 +442,49 @@ PROTOTYPES = {
 }
 
 
-def load() -> ctypes.CDLL:
+class _Checked:
+    """A library function whose integer and text arguments are checked
+    (`check_value`) before ctypes converts them."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+        self.checks = [(i, t) for i, t in enumerate(fn.argtypes) if t in _INT_TYPES or t is c_char_p]
+
+    @property
+    def restype(self):
+        return self.fn.restype
+
+    @property
+    def argtypes(self):
+        return self.fn.argtypes
+
+    def __call__(self, *args):
+        for i, t in self.checks:
+            if i < len(args):
+                check_value(f"{self.name}: argument {i + 1}", t, args[i])
+        return self.fn(*args)
+
+
+class _Library:
+    """The loaded library: its functions, checked (see `_Checked`)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.cdll = lib
+        for name, (restype, argtypes) in PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, _Checked(name, fn) if argtypes else fn)
+
+    def __getattr__(self, name):
+        # A function the binding does not declare (tests call a few): as
+        # ctypes finds it, unchecked.
+        return getattr(self.cdll, name)
+
+
+def load() -> "_Library":
     default_ucx()
-    lib = ctypes.CDLL(_find_library())
-    for name, (restype, argtypes) in PROTOTYPES.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
+    return _Library(ctypes.CDLL(_find_library()))
 
 
 LIB = load()

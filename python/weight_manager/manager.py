@@ -2,6 +2,7 @@
 
 import ctypes
 import inspect
+import operator
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -12,23 +13,10 @@ from . import _lib, torch_bridge
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
 from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback, QuantScheme,
-                    DType, Result, Source, State, parse_dtype)
+                    DType, Result, Source, State, WeightManagerError, parse_dtype)
 
 LIB = _lib.LIB
 MEMORY_DEVICE = 1  # wm_memory: WM_MEMORY_DEVICE
-
-
-class WeightManagerError(Exception):
-    """A failed call: `code` (a Result), and the library's message."""
-
-    def __init__(self, code: int, message: str):
-        try:
-            self.code = Result(code)
-        except ValueError:
-            self.code = code
-        self.message = message
-        name = self.code.name if isinstance(self.code, Result) else str(code)
-        super().__init__(f"WM_{name}: {message}")
 
 
 @dataclass(frozen=True)
@@ -167,9 +155,33 @@ def _takes_placement(fn) -> bool:
 
 
 def _encode(s) -> Optional[bytes]:
+    """Text for the library: str, bytes or a path (a NUL in it is refused
+    where it is set, see `_lib.check_value`)."""
     if s is None:
         return None
-    return s.encode() if isinstance(s, str) else bytes(s)
+    if isinstance(s, os.PathLike):
+        s = os.fspath(s)
+    if isinstance(s, str):
+        return s.encode()
+    if isinstance(s, (bytes, bytearray)):
+        return bytes(s)
+    raise TypeError(f"expected text (str, bytes or a path), got {type(s).__name__} {s!r}")
+
+
+def _dims(what: str, shape) -> tuple:
+    """A shape's sizes as ints, each checked to fit a uint64_t: no bools,
+    no floats (int() would truncate 2.5 to 2)."""
+    out = []
+    for i, d in enumerate(shape):
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            v = operator.index(d)
+        except TypeError:
+            raise TypeError(f"{what}[{i}]: {d!r} is not a size (an int)") from None
+        _lib.check_value(f"{what}[{i}]", ctypes.c_uint64, v)
+        out.append(v)
+    return tuple(out)
 
 
 def _request(location, version, source, verify, in_place, skip_unknown, timeout, deltas=None):
@@ -182,9 +194,9 @@ def _request(location, version, source, verify, in_place, skip_unknown, timeout,
     except KeyError:
         raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
     locations = [location] if isinstance(location, (str, bytes, os.PathLike)) else list(location or [])
-    keep = [_encode(str(loc) if isinstance(loc, os.PathLike) else loc) for loc in locations]
+    keep = [_encode(loc) for loc in locations]
     if keep:
-        req.locations = (ctypes.c_char_p * len(keep))(*keep)
+        req.locations = _lib.array(ctypes.c_char_p, keep, "location")
         req.nlocations = len(keep)
     encoded_version = _encode(version)
     req.version = encoded_version
@@ -362,6 +374,7 @@ class Manager(OwnedHandle):
         self._keeper = _HandleKeeper(handle)
         self._handle = handle
         self._params = {}
+        self._engine_owned = set()  # names of the params register() gave memory to
 
     # -- plumbing ---------------------------------------------------------
     def last_error(self) -> str:
@@ -372,11 +385,11 @@ class Manager(OwnedHandle):
 
     @staticmethod
     def _desc(name: str, dtype: DType, shape, pieces=None) -> tuple:
-        shape = tuple(int(d) for d in shape)
+        shape = _dims(f"param '{name}': shape", shape)
         d = _lib.ParamDesc()
         LIB.wm_param_desc_init(ctypes.byref(d))
         name_b = name.encode()
-        dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+        dims = _lib.array(ctypes.c_uint64, shape, f"param '{name}': shape")
         d.name, d.dtype, d.shape, d.ndim = name_b, int(dtype), dims, len(shape)
         keep = [name_b, dims]
         if pieces:
@@ -395,8 +408,10 @@ class Manager(OwnedHandle):
                 tensor_b = p.tensor.encode()
                 keep.append(tensor_b)
                 c.tensor, c.ndim = tensor_b, len(p.offset)
-                c.offset[:len(p.offset)], c.len[:len(p.length)] = p.offset, p.length
-                c.param_offset[:len(at)] = at
+                piece = f"param '{name}': piece of '{p.tensor}'"
+                c.offset[:len(p.offset)] = _dims(f"{piece}: offset", p.offset)
+                c.len[:len(p.length)] = _dims(f"{piece}: length", p.length)
+                c.param_offset[:len(at)] = _dims(f"{piece}: at", at)
             d.pieces, d.npieces = arr, len(pieces)
             keep.append(arr)
         return d, keep
@@ -427,6 +442,7 @@ class Manager(OwnedHandle):
             d.memory, d.device_ordinal = MEMORY_DEVICE, device
         self._check(LIB.wm_register_param(self._h(), ctypes.byref(d), ctypes.c_void_p(ptr or None), nbytes))
         self._params[name] = owner
+        self._engine_owned.add(name)
 
     def register_module(self, module, name_map=None, prefix: str = "") -> RegisteredModule:
         """Register every tensor of a torch.nn.Module's state_dict (parameters
@@ -587,18 +603,20 @@ class Manager(OwnedHandle):
             req.tensor_callback = _lib.TENSOR_CALLBACK(_tensor)
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
-        rc = LIB.wm_update(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        held = self._held()
+        h = held.handle
+        rc = LIB.wm_update(h, ctypes.byref(req), ctypes.byref(stats))
         del keep  # the request's strings lived through the call
         if bar is not None and rc == 0:
             bar.finish(_stats(stats))
         elif bar is not None:
             bar.abort()
         if rc != 0:
-            err = WeightManagerError(rc, self.last_error())
+            err = WeightManagerError(rc, last_error_text(LIB.wm_last_error, h))
             if raised:
                 raise err from raised[0]
             raise err
-        return _stats(stats, self._source_bytes(), self._delta_stats())
+        return _stats(stats, self._source_bytes(h), self._delta_stats(h))
 
     def stage(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
               verify: bool = False, skip_unknown: bool = False,
@@ -615,9 +633,10 @@ class Manager(OwnedHandle):
                              deltas)
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
-        rc = LIB.wm_stage(self._h(), ctypes.byref(req), ctypes.byref(stats))
+        held = self._held()
+        rc = LIB.wm_stage(held.handle, ctypes.byref(req), ctypes.byref(stats))
         del keep  # the request's strings lived through the call
-        self._check(rc)
+        raise_for(rc, LIB.wm_last_error, held.handle)
         return _stats(stats)
 
     def commit(self) -> UpdateStats:
@@ -627,39 +646,43 @@ class Manager(OwnedHandle):
         WeightManagerError (ERR_STATE)."""
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
-        self._check(LIB.wm_commit(self._h(), ctypes.byref(stats)))
-        return _stats(stats, self._source_bytes(), self._delta_stats())
+        held = self._held()
+        h = held.handle
+        raise_for(LIB.wm_commit(h, ctypes.byref(stats)), LIB.wm_last_error, h)
+        return _stats(stats, self._source_bytes(h), self._delta_stats(h))
 
     def abort(self) -> None:
         """Drop the staged version (the old weights and version stay).
         Nothing staged: WeightManagerError (ERR_STATE)."""
         self._check(LIB.wm_abort(self._h()))
 
-    def _delta_stats(self) -> DeltaStats:
+    def _delta_stats(self, h) -> DeltaStats:
         """What the last update's deltas did."""
         d = _lib.DeltaStats()
         d.struct_size = ctypes.sizeof(d)
-        self._check(LIB.wm_update_delta_stats(self._h(), ctypes.byref(d)))
+        raise_for(LIB.wm_update_delta_stats(h, ctypes.byref(d)), LIB.wm_last_error, h)
         return DeltaStats(DeltaFallback(d.fallback), d.runs_delta, d.runs_whole, d.wire_bytes,
                           d.rewritten_bytes, d.base_version.decode())
 
-    def _source_bytes(self) -> tuple:
+    def _source_bytes(self, h) -> tuple:
         """Bytes the last update moved from each of its sources."""
         n = ctypes.c_size_t()
-        self._check(LIB.wm_update_source_bytes(self._h(), None, 0, ctypes.byref(n)))
+        raise_for(LIB.wm_update_source_bytes(h, None, 0, ctypes.byref(n)), LIB.wm_last_error, h)
         out = (ctypes.c_uint64 * max(1, n.value))()
-        self._check(LIB.wm_update_source_bytes(self._h(), out, n.value, ctypes.byref(n)))
+        raise_for(LIB.wm_update_source_bytes(h, out, n.value, ctypes.byref(n)), LIB.wm_last_error, h)
         return tuple(out[:n.value])
 
     def clear(self) -> None:
         """Release weight memory (library-owned params keep their addresses)."""
-        self._check(LIB.wm_clear(self._h()))
+        held = self._held()
+        raise_for(LIB.wm_clear(held.handle), LIB.wm_last_error, held.handle)
 
     def status(self) -> Status:
         s = _lib.StatusInfo()
         s.struct_size = ctypes.sizeof(s)
         self._check(LIB.wm_status(self._h(), ctypes.byref(s)))
-        last = _stats(s.last_update, self._source_bytes(), self._delta_stats()) if s.updates else None
+        h = self._h()
+        last = _stats(s.last_update, self._source_bytes(h), self._delta_stats(h)) if s.updates else None
         return Status(State(s.state), s.version.decode() or None, s.updates, s.params, s.param_bytes,
                       s.resident_bytes, Result(s.last_result), last,
                       s.device_bytes_freed, s.device_bytes_restored)
@@ -672,14 +695,34 @@ class Manager(OwnedHandle):
     def close(self) -> None:
         """Close the manager: every call on it is refused from now on. Its
         handle is destroyed now, or, while arrays from allocate() are alive,
-        when the last of them is gone (it keeps the memory they view)."""
+        when the last of them is gone (it keeps the memory they view). An
+        update, stage or commit running on another thread is not cancelled:
+        it ends as it would have (its result is returned to that thread) and
+        the handle is destroyed after it; the arrays given to register() are
+        kept until then. To stop an update early, return False from its
+        progress callback."""
         if self._handle is not None:
             self._handle = None
             self._on_close()
 
+    def _held(self) -> "_HandleKeeper":
+        """The handle's keeper, for a call to hold while it runs: a close()
+        on another thread meanwhile leaves the handle (and the arrays the
+        call may write) alive until the call returns."""
+        keeper = self._keeper
+        if keeper is None or self._handle is None:
+            self._h()  # raises: closed
+        return keeper
+
     def _on_close(self) -> None:
+        # The registered arrays live as long as the handle: a call running
+        # on another thread (it holds the keeper) may still write them.
+        # (Not the allocate() arrays: they hold the keeper themselves.)
+        if self._keeper is not None:
+            self._keeper.arrays = {n: self._params[n] for n in self._engine_owned}
         self._params.clear()
-        # Destroys the handle unless an allocate() array still holds it.
+        # Destroys the handle unless an allocate() array or a running call
+        # still holds it.
         self._keeper = None
 
 

@@ -3,6 +3,7 @@ ranks on this node over IPC, or on other nodes over the network (UCX)."""
 
 import ctypes
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,6 +61,9 @@ class Publisher(OwnedHandle):
             raise create_error(rc, f"listening on {where}")
         self._handle = handle
         self._arrays = []
+        # Arrays cleared while a serve() ran, kept until no serve() runs.
+        self._retired, self._serving = [], 0
+        self._serving_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -187,7 +191,7 @@ class Publisher(OwnedHandle):
         """The one call into the library for every add: host or device
         memory, whole or a shard."""
         ndim = len(mem.shape)
-        dims = (ctypes.c_uint64 * max(ndim, 1))(*mem.shape)
+        dims = _lib.array(ctypes.c_uint64, mem.shape, f"tensor '{name}': shape")
         desc = _lib.TensorDesc()
         LIB.wm_tensor_desc_init(ctypes.byref(desc))
         encoded = name.encode()
@@ -200,8 +204,8 @@ class Publisher(OwnedHandle):
             if len(placement.global_shape) != ndim or len(placement.offset) != ndim:
                 raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
                                  f"{placement.offset} need one value per dimension of its {mem.shape}")
-            glob = (ctypes.c_uint64 * max(ndim, 1))(*placement.global_shape)
-            off = (ctypes.c_uint64 * max(ndim, 1))(*placement.offset)
+            glob = _lib.array(ctypes.c_uint64, placement.global_shape, f"tensor '{name}': global_shape")
+            off = _lib.array(ctypes.c_uint64, placement.offset, f"tensor '{name}': offset")
             desc.global_shape = ctypes.cast(glob, ctypes.POINTER(ctypes.c_uint64))
             desc.offset = ctypes.cast(off, ctypes.POINTER(ctypes.c_uint64))
         self._check(LIB.wm_publisher_add(self._h(), ctypes.byref(desc)))
@@ -215,8 +219,14 @@ class Publisher(OwnedHandle):
         self._check(LIB.wm_publisher_set_version(self._h(), None if version is None else version.encode()))
 
     def clear(self) -> None:
+        """Forget every tensor added (before adding the next version's).
+        A serve() running on another thread may still read them: their
+        references are kept until every running serve() returned."""
         self._check(LIB.wm_publisher_clear(self._h()))
-        self._arrays.clear()
+        with self._serving_lock:
+            if self._serving:
+                self._retired.extend(self._arrays)
+            self._arrays = []
 
     def serve(self, engines: int = 1, timeout: float = 600.0) -> ServeStats:
         """Serve `engines` engine connections; blocks until they are done.
@@ -232,7 +242,16 @@ class Publisher(OwnedHandle):
             raise WeightManagerError(Result.ERR_INVALID_ARGUMENT,
                                      f"serve: engines {engines!r} is not a count from 0 to 2^32 - 1")
         engines = count
-        self._check(LIB.wm_publisher_serve(self._h(), engines, millis(timeout, "serve: timeout"), ctypes.byref(st)))
+        wait = millis(timeout, "serve: timeout")
+        with self._serving_lock:
+            self._serving += 1
+        try:
+            self._check(LIB.wm_publisher_serve(self._h(), engines, wait, ctypes.byref(st)))
+        finally:
+            with self._serving_lock:
+                self._serving -= 1
+                if not self._serving:
+                    self._retired = []
         return ServeStats(st.sessions, st.bytes, st.pack_ns / 1e9, st.wait_ns / 1e9, st.total_ns / 1e9)
 
     def _on_close(self) -> None:

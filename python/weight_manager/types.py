@@ -29,6 +29,19 @@ class Result(enum.IntEnum):
     ERR_AUTH = 20
 
 
+class WeightManagerError(Exception):
+    """A failed call: `code` (a Result), and the library's message."""
+
+    def __init__(self, code: int, message: str):
+        try:
+            self.code = Result(code)
+        except ValueError:
+            self.code = code
+        self.message = message
+        name = self.code.name if isinstance(self.code, Result) else str(code)
+        super().__init__(f"WM_{name}: {message}")
+
+
 class State(enum.IntEnum):
     NORMAL = 0
     UPDATING = 1

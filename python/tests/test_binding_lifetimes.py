@@ -1,0 +1,154 @@
+"""What the binding keeps alive for the library, and what it refuses before
+ctypes would change it: a close() or a clear() while another thread's call
+runs must not free memory that call writes or reads, and a value ctypes
+would wrap or cut (an int out of its C type's range, text with a NUL) is an
+error naming it."""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from weight_manager import Controller, Manager, Piece, Publisher, Result, State, WeightManagerError
+
+N = 4 << 20  # floats: 16 MiB, several buckets of 1 MiB
+
+
+def _hold_first_progress(first, go):
+    def progress(_p):
+        if not first.is_set():
+            first.set()
+            go.wait(20)
+    return progress
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_close_during_an_update_keeps_its_memory_and_its_result(tmp_path, in_place):
+    """The registered array is held by the manager alone; close() runs while
+    the update is between buckets. The update ends as it would have and
+    returns its result (it used to write into freed memory, or raise
+    INVALID_HANDLE after committing)."""
+    sock = str(tmp_path / "t.sock")
+    p = Publisher(sock, bucket_size=1 << 20)
+    p.add("big", np.full(N, 3.0, np.float32))
+    p.add("small", np.ones(16, np.float32))
+    p.set_version("v1")
+    served = threading.Thread(target=lambda: p.serve(1, timeout=30))
+    served.start()
+    m = Manager(fallback_dir="")
+    m.register("big", np.zeros(N, np.float32))  # only the manager holds it
+    small = m.allocate("small", "f32", (16,))  # keeps the handle alive past close()
+    first, go = threading.Event(), threading.Event()
+    out = {}
+
+    def update():
+        try:
+            out["version"] = m.update(sock, source="ipc", in_place=in_place,
+                                      progress=_hold_first_progress(first, go)).version
+        except WeightManagerError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=update)
+    t.start()
+    assert first.wait(20)
+    m.close()
+    gc.collect()
+    # Memory freed too early would now hold these, and the update write them.
+    junk = [np.zeros(N, np.float32) for _ in range(4)]
+    go.set()
+    t.join(30)
+    served.join(30)
+    p.close()
+    assert out == {"version": "v1"}, out
+    assert all(float(j.max()) == 0.0 for j in junk)
+    assert (small == 1.0).all()
+    with pytest.raises(WeightManagerError) as e:
+        m.status()
+    assert e.value.code == Result.ERR_INVALID_HANDLE
+
+
+def test_publisher_clear_while_serving_keeps_the_tensors_until_serve_returns(tmp_path):
+    sock = str(tmp_path / "t.sock")
+    p = Publisher(sock, bucket_size=1 << 18)
+    p.add("a", np.full(N, 1.5, np.float32))  # only the publisher holds it
+    p.set_version("v1")
+    served = threading.Thread(target=lambda: p.serve(1, timeout=30))
+    served.start()
+    m = Manager(fallback_dir="")
+    a = np.zeros(N, np.float32)
+    m.register("a", a)
+    first, go = threading.Event(), threading.Event()
+    out = {}
+
+    def update():
+        out["version"] = m.update(sock, source="ipc", verify=True,
+                                  progress=_hold_first_progress(first, go), timeout=20).version
+
+    t = threading.Thread(target=update)
+    t.start()
+    assert first.wait(20)
+    p.clear()
+    gc.collect()
+    junk = [np.full(N, 9.0, np.float32) for _ in range(3)]
+    go.set()
+    t.join(30)
+    served.join(30)
+    p.close()
+    m.close()
+    assert out == {"version": "v1"}
+    assert (a == 1.5).all()
+    del junk
+
+
+def test_values_ctypes_would_change_are_refused_naming_them(tmp_path):
+    save_file({"q": np.arange(40, dtype=np.float32).reshape(8, 5)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "version.yaml").write_text("step: 1\n")
+
+    def refused(call, *names):
+        with pytest.raises(WeightManagerError) as e:
+            call()
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT, e.value
+        for n in names:
+            assert n in e.value.message, e.value.message
+
+    refused(lambda: Manager(rank=2**32 + 1, world_size=2), "rank", str(2**32 + 1))
+    refused(lambda: Manager(copy_threads=2**32), "copy_threads")
+    with Manager(model_dir=tmp_path, fallback_dir="") as m:
+        # A piece offset of 2**64 + 4 used to become 4: rows nobody asked for.
+        refused(lambda: m.register("p", np.zeros((4, 5), np.float32),
+                                   pieces=[Piece("q", (2**64 + 4, 0), (4, 5))]), "offset[0]")
+        refused(lambda: m.register("p", np.zeros((4, 5), np.float32),
+                                   pieces=[Piece("q", (-1, 0), (4, 5))]), "offset[0]")
+        refused(lambda: m.allocate("q", "f32", (2**64 + 8, 5)), "param 'q'", "shape[0]")
+        with pytest.raises(TypeError):
+            m.allocate("q", "f32", (8.0, 5))
+        with pytest.raises(TypeError):
+            m.allocate("q", "f32", (True, 5))
+        # Text with a NUL used to be cut there: "w\0x" registered as "w".
+        refused(lambda: m.register("q\0x", np.zeros((8, 5), np.float32)), "name", "NUL")
+        assert m.status().params == 0  # nothing half-registered
+        q = np.zeros((8, 5), np.float32)
+        m.register("q", q)
+        refused(lambda: m.update(version="v1\0hidden"), "version", "NUL")
+        refused(lambda: m.update(str(tmp_path) + "\0/elsewhere"), "location", "NUL")
+        with pytest.raises(TypeError):
+            m.update(version=7)  # used to become seven NUL bytes
+        assert m.status().updates == 0 and not q.any()
+        assert m.update().version == "1" and q[7, 4] == 39.0
+    with Publisher(str(tmp_path / "p.sock")) as p:
+        refused(lambda: p.set_version("ok\0bad"), "NUL")
+        refused(lambda: p.prepare(2**32 + 1), "argument 2")
+    from multiprocessing import shared_memory
+    import os
+    name = f"model_weights_status.wmwrap{os.getpid()}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=4)
+    try:
+        with Controller(name) as c:
+            c.set(State.CLEARED)
+            refused(lambda: c.set(2**32), "argument 2")  # used to become 0, NORMAL
+            assert c.get() == State.CLEARED
+    finally:
+        shm.close()
+        shm.unlink()
