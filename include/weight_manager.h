@@ -125,7 +125,9 @@ enum wm_result
   WM_ERR_OUT_OF_MEMORY = 14,
   // An engine callback reported failure.
   WM_ERR_CALLBACK = 15,
-  // The progress callback asked to stop the update.
+  // The update was stopped: the progress callback asked to, the handle
+  // was destroyed while it ran, or a clear or an abort dropped the
+  // version it staged.
   WM_ERR_CANCELLED = 16,
   // A peer process died or broke the protocol.
   WM_ERR_PEER = 17,
@@ -745,8 +747,10 @@ typedef struct {
   int32_t state;
   // Result code of the last failed call on this handle, `WM_OK` if none
   // since the last successful update; text via `wm_last_error`. A call
-  // refused for a NULL pointer argument or a bad handle says so by its
-  // return code alone (nothing is recorded on the handle).
+  // refused for a bad handle says so by its return code alone (nothing
+  // is recorded on any handle); every other refusal, a NULL pointer
+  // argument after the handle included, is recorded here with a text
+  // naming the argument.
   uint32_t last_result;
   // Successful updates so far.
   uint64_t updates;
@@ -1190,7 +1194,8 @@ wm_result wm_commit(wm_manager *manager, wm_update_stats *out_stats);
 // Drop the staged version: the params, version and state stay as they
 // were before `wm_stage`, and the staging memory is freed (or kept for
 // the next update, as `wm_memory_config.free_atomic_staging` says).
-// Nothing staged: `WM_ERR_STATE`.
+// Nothing staged: `WM_ERR_STATE`. A staged version `wm_clear` dropped
+// already: `WM_OK` (there is nothing left to drop).
 wm_result wm_abort(wm_manager *manager);
 
 // ==========================================================================

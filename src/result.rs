@@ -50,7 +50,9 @@ pub enum wm_result {
     WM_ERR_OUT_OF_MEMORY = 14,
     /// An engine callback reported failure.
     WM_ERR_CALLBACK = 15,
-    /// The progress callback asked to stop the update.
+    /// The update was stopped: the progress callback asked to, the handle
+    /// was destroyed while it ran, or a clear or an abort dropped the
+    /// version it staged.
     WM_ERR_CANCELLED = 16,
     /// A peer process died or broke the protocol.
     WM_ERR_PEER = 17,

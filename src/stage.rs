@@ -84,7 +84,8 @@ pub unsafe extern "C" fn wm_commit(
 /// Drop the staged version: the params, version and state stay as they
 /// were before `wm_stage`, and the staging memory is freed (or kept for
 /// the next update, as `wm_memory_config.free_atomic_staging` says).
-/// Nothing staged: `WM_ERR_STATE`.
+/// Nothing staged: `WM_ERR_STATE`. A staged version `wm_clear` dropped
+/// already: `WM_OK` (there is nothing left to drop).
 #[no_mangle]
 pub unsafe extern "C" fn wm_abort(manager: *mut wm_manager) -> wm_result {
     ffi_guard!({

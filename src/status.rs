@@ -21,8 +21,10 @@ pub struct wm_status_info {
     pub state: i32,
     /// Result code of the last failed call on this handle, `WM_OK` if none
     /// since the last successful update; text via `wm_last_error`. A call
-    /// refused for a NULL pointer argument or a bad handle says so by its
-    /// return code alone (nothing is recorded on the handle).
+    /// refused for a bad handle says so by its return code alone (nothing
+    /// is recorded on any handle); every other refusal, a NULL pointer
+    /// argument after the handle included, is recorded here with a text
+    /// naming the argument.
     pub last_result: u32,
     /// Successful updates so far.
     pub updates: u64,

@@ -1131,6 +1131,40 @@ static void test_destroy_in_flight(void) {
   remove_tmpdir();
 }
 
+typedef struct {
+  wm_manager *m;
+  int calls;
+} destroy_in_callback_state;
+
+static int32_t destroy_on_first_tensor(void *user, const wm_tensor_view *t) {
+  (void)t;
+  destroy_in_callback_state *s = user;
+  if (s->calls++ == 0) wm_destroy(s->m);
+  return 0;
+}
+
+/* wm_destroy from inside the update's own tensor callback: the update stops
+ * when that callback returns (no other tensor is handed over), in atomic
+ * mode and in place, and returns WM_ERR_CANCELLED. */
+static void test_destroy_in_callback(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  for (int in_place = 0; in_place < 2; in_place++) {
+    destroy_in_callback_state s = {new_manager(tmpdir), 0};
+    wm_update_request r;
+    wm_update_request_init(&r);
+    r.tensor_callback = destroy_on_first_tensor;
+    r.tensor_user_data = &s;
+    r.flags = in_place ? WM_UPDATE_IN_PLACE : 0;
+    CHECK_RC(wm_update(s.m, &r, NULL), WM_ERR_CANCELLED);
+    CHECK(s.calls == 1); /* "w" and "b" both go to the callback otherwise */
+    wm_status_info st;
+    st.struct_size = sizeof st;
+    CHECK_RC(wm_status(s.m, &st), WM_ERR_INVALID_HANDLE);
+  }
+  remove_tmpdir();
+}
+
 /* Issue 15: a failed create call leaves its reason for wm_last_create_error. */
 static void test_create_error(void) {
   make_tmpdir();
@@ -1541,6 +1575,7 @@ int main(int argc, char **argv) {
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
+      {"destroy_in_callback", test_destroy_in_callback},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
       {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
       {"quantized", test_quantized}, {"quantized_deltas", test_quantized_deltas},

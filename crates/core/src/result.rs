@@ -46,7 +46,9 @@ pub enum wm_result {
     WM_ERR_OUT_OF_MEMORY = 14,
     /// An engine callback reported failure.
     WM_ERR_CALLBACK = 15,
-    /// The progress callback asked to stop the update.
+    /// The update was stopped: the progress callback asked to, the handle
+    /// was destroyed while it ran, or a clear or an abort dropped the
+    /// version it staged.
     WM_ERR_CANCELLED = 16,
     /// A peer process died or broke the protocol.
     WM_ERR_PEER = 17,
@@ -108,7 +110,7 @@ impl wm_result {
             wm_result::WM_ERR_NO_VERSION => "no version given or found\0",
             wm_result::WM_ERR_OUT_OF_MEMORY => "out of memory\0",
             wm_result::WM_ERR_CALLBACK => "an engine callback failed\0",
-            wm_result::WM_ERR_CANCELLED => "cancelled by the progress callback\0",
+            wm_result::WM_ERR_CANCELLED => "cancelled (the progress callback, a destroy, or a clear or abort of a staged version)\0",
             wm_result::WM_ERR_PEER => "peer died or broke the protocol\0",
             wm_result::WM_ERR_PANIC => "internal panic caught at the C boundary\0",
             wm_result::WM_ERR_INVALID_HANDLE => "not a live weight_manager handle\0",

@@ -18,10 +18,12 @@ impl Manager {
         }
     }
 
-    /// A cancellation seen through the progress hook while the handle is
-    /// being destroyed is the destroy's doing, not the engine callback's.
+    /// A cancellation seen through the progress hook, or a tensor callback
+    /// stopped after it destroyed the handle, while the handle is being
+    /// destroyed is the destroy's doing, not the engine callback's.
     pub(super) fn cancel_cause(&self, e: Error) -> Error {
-        if e.code == crate::result::wm_result::WM_ERR_CANCELLED
+        use crate::result::wm_result::{WM_ERR_CALLBACK, WM_ERR_CANCELLED};
+        if (e.code == WM_ERR_CANCELLED || e.code == WM_ERR_CALLBACK)
             && self.cancelled.load(Ordering::Acquire)
         {
             return Error::cancelled(format!(

@@ -36,6 +36,8 @@ impl Manager {
                                 p.name
                             ))
                         })?);
+                        // A destroy from inside the callback: stop here.
+                        self.check_cancelled()?;
                         if let Some(ordinal) = p.device {
                             // New device memory gets the registration's checks.
                             crate::registry::check_device_memory(

@@ -167,11 +167,20 @@ impl Manager {
     }
 
     fn busy(&self) -> Error {
-        let what = match self.staged.lock().is_some() {
-            true => "a version is staged (commit or abort it first)",
-            false => "another update or clear is running on this manager",
-        };
-        Error::busy(format!("rank {}: {what}", self.config.rank))
+        match self.staged.lock().is_some() {
+            true => Error::busy(format!(
+                "rank {}: a version is staged or staging (commit or abort it first)",
+                self.config.rank
+            )),
+            false => self.busy_running(),
+        }
+    }
+
+    fn busy_running(&self) -> Error {
+        Error::busy(format!(
+            "rank {}: another update or clear is running on this manager",
+            self.config.rank
+        ))
     }
 
     fn recorded<T>(&self, r: Result<T>) -> Result<T> {

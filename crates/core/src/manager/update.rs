@@ -101,7 +101,13 @@ impl Manager {
 
     fn try_update(&self, req: UpdateRequest, gate: Option<CommitGate>) -> Result<UpdateStats> {
         let start = Instant::now();
-        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+        // The staging thread's own update finds the op taken by another
+        // call: its stage slot is not what makes it busy.
+        let busy = || match gate.is_some() {
+            true => self.busy_running(),
+            false => self.busy(),
+        };
+        let _op = self.op.try_lock().ok_or_else(busy)?;
         self.check_cancelled()?;
         if let Some(v) = &req.version {
             check_version(v)?;
@@ -354,10 +360,21 @@ impl Manager {
             let go_on = user_progress.as_mut().is_none_or(|f| f(p));
             go_on && !self.is_cancelled() && !(staging && self.stage_dropped())
         };
+        // A destroy from inside a tensor callback stops the update when the
+        // callback returns: no more tensors are handed over.
+        let mut tensor = user_tensor.as_mut().map(|t| {
+            move |view: &crate::apply::TensorView| {
+                t(view)?;
+                match self.is_cancelled() {
+                    true => Err("the manager is being destroyed".to_string()),
+                    false => Ok(()),
+                }
+            }
+        });
         let hooks = Hooks {
             progress: Some(&mut progress),
-            tensor: match user_tensor.as_mut() {
-                Some(t) => Some(&mut **t),
+            tensor: match tensor.as_mut() {
+                Some(t) => Some(t),
                 None => None,
             },
         };

@@ -60,9 +60,9 @@ impl Group {
             if holder != 0 && holder != mine && shm::pid_alive(holder) {
                 return Err(Self::taken(&g.cfg, holder));
             }
-            let claimed = me
-                .pid
-                .compare_exchange(holder, mine, Ordering::AcqRel, Ordering::Acquire);
+            let claimed =
+                me.pid
+                    .compare_exchange(holder, mine, Ordering::AcqRel, Ordering::Acquire);
             if claimed.is_ok() {
                 break;
             }
