@@ -1050,7 +1050,10 @@ wm_result wm_param_desc_init(wm_param_desc *desc);
 // Ownership: the engine keeps `data`; it must stay valid until `wm_destroy`
 // (or until the release callback hands it back). The library writes into it
 // during updates and never frees it. `data` may be NULL only for a
-// zero-byte param. Allowed only before the first update or clear
+// zero-byte param. A param's memory holds one tensor's bytes: memory that
+// shares a byte with a param registered before (host memory, or the same
+// GPU's) is `WM_ERR_INVALID_ARGUMENT` naming both (register a tied weight
+// once, under one name). Allowed only before the first update or clear
 // (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe.
 wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void *data, size_t len);
 

@@ -152,3 +152,20 @@ def test_values_ctypes_would_change_are_refused_naming_them(tmp_path):
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_params_sharing_memory_are_refused_naming_both():
+    """An engine that registered one buffer under two names (a tied weight)
+    took two different tensors into it: the commit wrote one over the other
+    after both verified. Refused at registration now."""
+    buf = np.zeros((8, 4), np.float32)
+    with Manager(fallback_dir="") as m:
+        m.register("embed", buf)
+        with pytest.raises(WeightManagerError) as e:
+            m.register("lm_head", buf)
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT
+        assert "'lm_head'" in e.value.message and "'embed'" in e.value.message
+        with pytest.raises(WeightManagerError):
+            m.register("half", buf[4:])  # a view into it
+        m.register("other", np.zeros((8, 4), np.float32))
+        assert m.status().params == 2

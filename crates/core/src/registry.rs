@@ -12,7 +12,7 @@ use crate::quant::params::{check_declaration, Declared, QuantRole};
 use crate::quant::Scheme;
 use crate::result::{Error, Result};
 use crate::tensor::{byte_size, check_name, shape_text, DType};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Where a param's memory is. Numbers are part of the ABI.
 #[repr(u32)]
@@ -152,6 +152,12 @@ pub fn check_device_memory(ordinal: i32, ptr: *mut u8, len: usize, what: &str) -
 pub struct Registry {
     params: Vec<Param>,
     by_name: HashMap<String, usize>,
+    /// Engine-owned memory as registered, by (device ordinal, -1 for host;
+    /// start): (end, param index). Two params sharing bytes would take two
+    /// tensors' bytes, the last written winning, after both verified (an
+    /// atomic update's commit copies one after the other): refused at
+    /// registration ([`Registry::check_disjoint`]), in O(log n).
+    engine_ranges: BTreeMap<(i32, usize), (usize, usize)>,
 }
 
 impl Registry {
@@ -240,6 +246,11 @@ impl Registry {
                 spec.name
             )));
         }
+        let device = match spec.memory {
+            MemoryKind::Device => spec.device_ordinal,
+            _ => -1,
+        };
+        let range = self.check_disjoint(&spec.name, device, ptr as usize, nbytes)?;
         if spec.memory == MemoryKind::Device {
             check_device_memory(
                 spec.device_ordinal,
@@ -248,8 +259,63 @@ impl Registry {
                 &format!("param '{}'", spec.name),
             )?;
         }
+        if let Some((start, end)) = range {
+            (self.engine_ranges).insert((device, start), (end, self.params.len()));
+        }
         self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
         Ok(())
+    }
+
+    /// Record engine-owned memory again after the acquire callback moved
+    /// some (a clear gave it back): later registrations are checked
+    /// against where the params are now.
+    pub fn reindex_engine_memory(&mut self) {
+        self.engine_ranges = (self.params.iter().enumerate())
+            .filter_map(|(i, p)| match p.memory {
+                ParamMemory::Engine { ptr } if p.nbytes > 0 => {
+                    let start = ptr.0 as usize;
+                    let end = start.saturating_add(p.nbytes);
+                    Some(((p.device.unwrap_or(-1), start), (end, i)))
+                }
+                _ => None,
+            })
+            .collect();
+    }
+
+    /// `len` bytes at `start` on `device` (-1: host) share no byte with an
+    /// engine-owned param registered before; returns the range to record
+    /// (none when empty). A param's memory holds one tensor's bytes.
+    fn check_disjoint(
+        &self,
+        name: &str,
+        device: i32,
+        start: usize,
+        len: usize,
+    ) -> Result<Option<(usize, usize)>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        let end = start.checked_add(len).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "param '{name}': {len} bytes at {start:#x} wrap around"
+            ))
+        })?;
+        let before = self.engine_ranges.range(..=(device, start)).next_back();
+        let after = self.engine_ranges.range((device, start)..).next();
+        let hit = [before, after]
+            .into_iter()
+            .flatten()
+            .find(|(&(d, s), &(e, _))| d == device && s < end && start < e);
+        if let Some((&(_, s), &(e, i))) = hit {
+            return Err(Error::invalid_argument(format!(
+                "param '{name}': its memory ({len} bytes at {start:#x}) overlaps param '{}' \
+                 ({} bytes at {s:#x}): an update would write one tensor over the other; \
+                 register shared memory once (a tied weight under one name)",
+                self.params[i].name,
+                e - s
+            )));
+        }
+        Ok(Some((start, end)))
     }
 
     /// Allocate library-owned host memory; returns its stable address and length.
@@ -304,6 +370,35 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn params_sharing_memory_are_refused_naming_both() {
+        let mut r = Registry::default();
+        let mut buf = vec![0u8; 64];
+        let base = buf.as_mut_ptr();
+        let at = |o: usize| base.wrapping_add(o);
+        let f32s = |name: &str, n: u64| ParamSpec::host(name, DType::F32, &[n]);
+        r.register_engine(&f32s("a", 4), at(16), 16).unwrap();
+        // Either side touching, none sharing a byte: fine.
+        r.register_engine(&f32s("before", 4), at(0), 16).unwrap();
+        r.register_engine(&f32s("after", 4), at(32), 16).unwrap();
+        for (name, off, n) in [
+            ("same", 16, 4u64),
+            ("inside", 20, 1),
+            ("across", 28, 2),
+            ("over", 8, 8),
+        ] {
+            let e = r
+                .register_engine(&f32s(name, n), at(off), 4 * n as usize)
+                .unwrap_err();
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_INVALID_ARGUMENT);
+            assert!(e.message.contains(&format!("param '{name}'")), "{e}");
+            assert!(e.message.contains("overlaps param '"), "{e}");
+        }
+        assert_eq!(r.len(), 3);
+        // Empty params hold no bytes.
+        r.register_engine(&f32s("empty", 0), at(20), 0).unwrap();
+    }
 
     #[test]
     fn registration_rules() {
