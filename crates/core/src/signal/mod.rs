@@ -65,6 +65,12 @@ pub fn version_hash(s: &str) -> u32 {
     })
 }
 
+/// A second, independent fingerprint of a version (the top bits of its
+/// xxh3-128), for the finishing barrier's second round.
+fn version_hash_2(s: &str) -> u32 {
+    (crate::checksum::of(s.as_bytes()) >> 96) as u32
+}
+
 pub struct SignalPlane {
     rank: u32,
     world_size: u32,
@@ -234,18 +240,26 @@ impl SignalPlane {
             }
             *pending = None;
         }
-        let result = match outcome {
-            Ok(version) => DONE | (version_hash(version) & HASH_BITS),
-            Err(e) => (e.code as u32).clamp(1, DONE - 1),
+        // Two rounds, each with 28 bits of another hash of the version:
+        // ranks holding different versions pass as one only if both
+        // collide (about 2^-56 for two names; one FNV round alone let
+        // names such as 'step-19324' and 'step-58640' pass).
+        let result = |hash: fn(&str) -> u32| match outcome {
+            Ok(version) => (DONE | (hash(version) & HASH_BITS)) as i32,
+            Err(e) => (e.code as u32).clamp(1, DONE - 1) as i32,
         };
-        let results = self.gather(result as i32)?;
+        let results = self.gather(result(version_hash))?;
+        let seconds = self.gather(result(version_hash_2))?;
         let failures: Vec<(u32, u32)> = (results.iter())
             .filter(|(_, r)| *r < DONE)
             .copied()
             .collect();
         // Every rank succeeded: do they hold one version?
-        let differs = match (failures.is_empty(), results.first()) {
-            (true, Some(&(_, first))) if action == State::Updating => results
+        let both: Vec<(u32, (u32, u32))> = (results.iter().zip(&seconds))
+            .map(|(&(rank, a), &(_, b))| (rank, (a, b)))
+            .collect();
+        let differs = match (failures.is_empty(), both.first()) {
+            (true, Some(&(_, first))) if action == State::Updating => both
                 .iter()
                 .find(|(_, r)| *r != first)
                 .map(|&(rank, _)| rank),
