@@ -116,6 +116,19 @@ pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
                 ),
             ));
         }
+        // The box's end in its global tensor must be a number: a tensor's
+        // sizes are u64, so an end past that names no element of any.
+        let wraps =
+            (p.global.offset.iter().zip(&p.global.len)).any(|(o, l)| o.checked_add(*l).is_none());
+        if wraps {
+            return Err(bad(
+                i,
+                format!(
+                    "box {} of '{}' ends past 2^64 - 1 in some dimension",
+                    p.global, p.tensor
+                ),
+            ));
+        }
         let a = p.aligned(shape);
         if !a.in_param.inside(&a.param_shape) {
             return Err(bad(
@@ -219,6 +232,23 @@ mod tests {
         assert!(
             e.message
                 .contains("1048577 pieces, more than the 1048576 one param may have"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_box_ending_past_u64_is_refused_at_registration() {
+        let p = Piece {
+            tensor: "q".into(),
+            global: TensorBox {
+                offset: vec![u64::MAX - 1, 0],
+                len: vec![4, 4],
+            },
+            at: vec![0, 0],
+        };
+        let e = check_pieces("w", &[4, 4], &[p]).unwrap_err();
+        assert!(
+            e.message.contains("piece 0") && e.message.contains("ends past 2^64 - 1"),
             "{e}"
         );
     }

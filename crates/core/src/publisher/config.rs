@@ -100,15 +100,19 @@ impl Default for PublisherConfig {
     }
 }
 
-/// Refuse bucket sizes and buffer counts the wire format cannot carry.
+/// Refuse bucket sizes and buffer counts the wire format cannot carry,
+/// naming the setting that is out of range.
 pub(super) fn check_config(cfg: &PublisherConfig) -> Result<()> {
-    if cfg.bucket_size < crate::wire::ALIGN as usize
-        || cfg.buffers == 0
-        || cfg.buffers > crate::wire::MAX_BUFFERS
-    {
+    let align = crate::wire::ALIGN as usize;
+    if cfg.bucket_size < align {
         return Err(Error::invalid_argument(format!(
-            "publisher: bucket_size {} (at least 256) and buffers {} (1 to {}) are out of range",
-            cfg.bucket_size,
+            "publisher: bucket_size {} is below the smallest bucket, {align} bytes",
+            cfg.bucket_size
+        )));
+    }
+    if cfg.buffers == 0 || cfg.buffers > crate::wire::MAX_BUFFERS {
+        return Err(Error::invalid_argument(format!(
+            "publisher: buffers {} is out of range (1 to {})",
             cfg.buffers,
             crate::wire::MAX_BUFFERS
         )));

@@ -101,13 +101,17 @@ static SLOTS: Pool<HostRegion> = Pool::new();
 
 impl NetSource {
     pub fn open(opts: NetOptions, deadline: Instant) -> Result<NetSource> {
-        if opts.bucket_size < crate::wire::ALIGN as usize
-            || opts.depth == 0
-            || opts.depth > MAX_BUFFERS
-        {
+        let align = crate::wire::ALIGN as usize;
+        if opts.bucket_size < align {
             return Err(Error::invalid_argument(format!(
-                "network bucket size {} (at least 256) and depth {} (1 to {MAX_BUFFERS}) are out of range",
-                opts.bucket_size, opts.depth
+                "network bucket size {} is below the smallest bucket, {align} bytes",
+                opts.bucket_size
+            )));
+        }
+        if opts.depth == 0 || opts.depth > MAX_BUFFERS {
+            return Err(Error::invalid_argument(format!(
+                "network depth {} is out of range (1 to {MAX_BUFFERS})",
+                opts.depth
             )));
         }
         // Fail before connecting when UCX is missing: nothing to receive with.
