@@ -56,6 +56,8 @@ def test_readers_see_the_old_version_until_commit(tmp_path):
         assert digests(params) == expected(v2)
         st = m.status()
         assert (st.state, st.version) == (State.NORMAL, "2")
+        # The status's last update is what commit() returned (the pause).
+        assert (st.last_update.update_s, st.last_update.total_s) == (done.update_s, done.total_s)
 
 
 def test_misuse_is_refused_and_nothing_committed_is_lost(tmp_path):

@@ -58,6 +58,8 @@ pub struct Staged {
     reports: mpsc::Receiver<Report>,
     thread: Option<JoinHandle<()>>,
     timeout: Duration,
+    /// Where the commit's own figures go (`wm_status`'s last update).
+    manager: Arc<Manager>,
 }
 
 impl Manager {
@@ -124,6 +126,7 @@ impl Manager {
             reports,
             thread: Some(thread),
             timeout,
+            manager: Arc::clone(self),
         };
         match staged.reports.recv_timeout(timeout + END_MARGIN) {
             Ok(Report::Staged(version, took)) => {
@@ -305,6 +308,13 @@ impl Staged {
         let mut stats = self.outcome()?;
         stats.update = t.elapsed();
         stats.total = self.staged_in + stats.update;
+        // The status reports what this call returns (the pause as its
+        // update time), not the stage thread's own timing.
+        if let Some(last) = self.manager.record.lock().last_update.as_mut() {
+            if last.version == stats.version {
+                *last = stats.clone();
+            }
+        }
         Ok(stats)
     }
 
