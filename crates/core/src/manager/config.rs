@@ -154,14 +154,26 @@ impl ManagerConfig {
             )));
         }
         let max = crate::wire::MAX_BUFFERS;
-        if !(1..=max).contains(&self.net.depth)
-            || self.net.bucket_size < crate::wire::ALIGN as usize
-        {
+        if !(1..=max).contains(&self.net.depth) {
             return Err(Error::invalid_argument(format!(
-                "net depth {} (1 to {max}) or bucket size {} (at least {}) is out of range",
-                self.net.depth,
+                "net depth {} is out of range (1 to {max})",
+                self.net.depth
+            )));
+        }
+        if self.net.bucket_size < crate::wire::ALIGN as usize {
+            return Err(Error::invalid_argument(format!(
+                "net bucket size {} is below the smallest bucket, {} bytes",
                 self.net.bucket_size,
                 crate::wire::ALIGN
+            )));
+        }
+        // A short secret would fail every network update with AUTH later:
+        // said here, at init.
+        let min = crate::transport::auth::MIN_SECRET;
+        if let Some(secret) = self.net.secret.as_ref().filter(|s| s.len() < min) {
+            return Err(Error::invalid_argument(format!(
+                "net secret has {} bytes; at least {min} are required",
+                secret.len()
             )));
         }
         if self.fanout.is_some() {
