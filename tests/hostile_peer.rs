@@ -458,3 +458,40 @@ fn a_tebibyte_callback_tensor_over_rdma_is_refused() {
     }
     unsafe { libc::munmap(huge, TIB as usize) };
 }
+
+/// A publisher serving another version than the one asked for (a real one
+/// answers NOT_FOUND): refused before any byte moves, naming both, where
+/// the update used to commit its bytes.
+#[test]
+fn a_publisher_serving_another_version_than_asked_is_refused() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("hostile.sock");
+    let (m, ptrs, ts) = engine_with_weights(dir.path());
+    let publisher = hostile_publisher(
+        &sock,
+        Script {
+            manifest: vec![meta("w", 4096)],
+            buffer: sealed_memfd(4096, &[1; 256]),
+            announced: 4096,
+            entries: vec![BucketEntry {
+                request: 0,
+                offset: 0,
+                len: 4096,
+                buffer_offset: 0,
+            }],
+        },
+    );
+    let mut req = ipc_request(&sock, Mode::Atomic);
+    req.version = Some("v2".into());
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_MISMATCH, "{e}");
+    assert!(
+        e.message
+            .contains("asked for version 'v2', it serves 'hostile'"),
+        "{e}"
+    );
+    assert_params(&ptrs, &ts);
+    assert_eq!(m.status().version.as_deref(), Some("v1"));
+    publisher.join().unwrap();
+}

@@ -91,8 +91,15 @@ impl Acceptor<'_> {
         };
         std::thread::scope(|s| {
             let mut threads = Vec::new();
+            let mut ended = Vec::new();
             let mut accept_error = None;
             while gate.admitted.load(Ordering::SeqCst) < engines {
+                // Joined as they end (connections turned away, mostly), so
+                // a peer connecting over and over holds no thread.
+                let (done, running): (Vec<Handle>, Vec<Handle>) =
+                    threads.drain(..).partition(|h: &Handle| h.is_finished());
+                ended.extend(done.into_iter().map(join_session));
+                threads = running;
                 if let Err(e) = self.connections.check_stopping(self.path) {
                     accept_error = Some(e);
                     break;
@@ -107,10 +114,16 @@ impl Acceptor<'_> {
                 }
                 match self.listener.accept() {
                     Ok(stream) => {
-                        self.connections.track(serve_id, &stream);
+                        let tracked = self.connections.track(serve_id, &stream);
                         gate.handshaking.fetch_add(1, Ordering::SeqCst);
                         let gate = &gate;
-                        threads.push(s.spawn(move || self.one_engine(stream, offers, gate)));
+                        threads.push(s.spawn(move || {
+                            // The stream is closed when this returns; its
+                            // second handle goes with it.
+                            let r = self.one_engine(stream, offers, gate);
+                            self.connections.untrack(tracked);
+                            r
+                        }));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         // Bounded, so that a stop or the deadline is
@@ -123,7 +136,8 @@ impl Acceptor<'_> {
                     }
                 }
             }
-            self.collect(threads, accept_error)
+            ended.extend(threads.into_iter().map(join_session));
+            self.collect(ended, accept_error)
         })
     }
 
@@ -174,18 +188,12 @@ impl Acceptor<'_> {
     /// failed session's (each logged).
     fn collect(
         &self,
-        threads: Vec<std::thread::ScopedJoinHandle<'_, Option<Result<SessionStats>>>>,
+        ended: Vec<Option<Result<SessionStats>>>,
         accept_error: Option<Error>,
     ) -> Result<ServeStats> {
         let mut stats = ServeStats::default();
         let mut first_error = accept_error;
-        for h in threads {
-            let r = h.join().unwrap_or_else(|_| {
-                Some(Err(Error::new(
-                    crate::result::wm_result::WM_ERR_PANIC,
-                    "session panicked",
-                )))
-            });
+        for r in ended {
             match r {
                 None => {}
                 Some(Ok(st)) => stats.sessions.push(st),
@@ -200,4 +208,16 @@ impl Acceptor<'_> {
             None => Ok(stats),
         }
     }
+}
+
+/// A connection's thread: its session's outcome (None: turned away).
+type Handle<'s> = std::thread::ScopedJoinHandle<'s, Option<Result<SessionStats>>>;
+
+fn join_session(h: Handle<'_>) -> Option<Result<SessionStats>> {
+    h.join().unwrap_or_else(|_| {
+        Some(Err(Error::new(
+            crate::result::wm_result::WM_ERR_PANIC,
+            "session panicked",
+        )))
+    })
 }

@@ -32,6 +32,10 @@ impl Admitted {
     }
 }
 
+/// The largest frame a publisher reads before the engine is authenticated
+/// (network) or its HELLO read (IPC).
+const HANDSHAKE_FRAME: usize = 64 << 10;
+
 /// Read the engine's HELLO and, with a `secret` (a network publisher), run
 /// the challenge, all within `cfg.handshake_timeout`: a connection that
 /// does not is dropped, having cost one thread and no buffers.
@@ -52,6 +56,9 @@ pub(super) fn handshake(
         },
     };
     let mut conn = Conn::new(stream, who);
+    // HELLO and PROOF are small (three strings; 64 bytes): nothing larger
+    // is read, or allocated, before the peer proved it holds the secret.
+    conn.limit_frames(HANDSHAKE_FRAME);
     let hello = match conn.recv(deadline) {
         Ok(f @ Frame::Hello { .. }) => f,
         Ok(other) => Err(Error::peer(format!("expected HELLO, got {}", other.name())))?,
@@ -85,6 +92,8 @@ pub(super) fn handshake(
             }
         }
     }
+    // The handshake is done: a session's frames (a WANT) may be large.
+    conn.limit_frames(usize::MAX);
     Ok(Admitted {
         rank: *rank,
         gpu_id: gpu_id.clone(),

@@ -68,16 +68,20 @@ pub(super) struct Connections {
     /// Set by `stop`: `serve` stops accepting and its sessions'
     /// connections are shut down.
     stopping: AtomicBool,
-    /// Second handles on the connections of running sessions, by serve
-    /// call.
-    live: Mutex<Vec<(u64, Stream)>>,
+    /// Second handles on the connections of running sessions: (serve
+    /// call, connection number, handle). A connection's handle goes when
+    /// its session ends (`untrack`): kept until its serve call returned, a
+    /// peer that connects and leaves over and over would hold the
+    /// publisher's file descriptors until accepting failed.
+    live: Mutex<Vec<(u64, u64, Stream)>>,
+    next: std::sync::atomic::AtomicU64,
 }
 
 impl Connections {
     /// Stop for good: shut every tracked connection down, refuse new ones.
     pub(super) fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
-        for (_, stream) in self.live.lock().iter() {
+        for (_, _, stream) in self.live.lock().iter() {
             shut_down(stream);
         }
     }
@@ -95,24 +99,34 @@ impl Connections {
 
     /// Keep a second handle on a session's connection for `stop` (shut
     /// down at once when the stop came first).
-    pub(super) fn track(&self, serve_id: u64, stream: &Stream) {
+    /// Returns the connection's number for `untrack` (none without a
+    /// second handle: out of fds, the session still ends by its own
+    /// timeouts).
+    pub(super) fn track(&self, serve_id: u64, stream: &Stream) -> Option<u64> {
         let second = match stream {
             Stream::Unix(s) => s.try_clone().map(Stream::Unix),
             Stream::Tcp(s) => s.try_clone().map(Stream::Tcp),
         };
-        // Without a second handle (out of fds) the session still ends by
-        // its own timeouts.
-        let Ok(second) = second else { return };
+        let second = second.ok()?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
         let mut live = self.live.lock();
         if self.stopping.load(Ordering::SeqCst) {
             shut_down(&second);
         }
-        live.push((serve_id, second));
+        live.push((serve_id, id, second));
+        Some(id)
+    }
+
+    /// Drop the second handle of connection `id` (its session ended).
+    pub(super) fn untrack(&self, id: Option<u64>) {
+        if let Some(id) = id {
+            self.live.lock().retain(|(_, c, _)| *c != id);
+        }
     }
 
     /// Forget the connections of serve call `serve_id` (it returned).
     pub(super) fn forget(&self, serve_id: u64) {
-        self.live.lock().retain(|(id, _)| *id != serve_id);
+        self.live.lock().retain(|(id, _, _)| *id != serve_id);
     }
 }
 

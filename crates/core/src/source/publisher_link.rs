@@ -56,6 +56,7 @@ impl PublisherLink {
         before_manifest: impl FnOnce(&mut Conn, &[u8]) -> Result<()>,
     ) -> Result<PublisherLink> {
         let held = hello.base.unwrap_or_default().to_string();
+        let hello_version = hello.version;
         let hello = Frame::Hello {
             rank: hello.rank,
             world_size: hello.world_size,
@@ -77,6 +78,21 @@ impl PublisherLink {
             }
             other => return Err(unexpected(&conn, "MANIFEST", &other)),
         };
+        // The version asked for is the one served, or the update would
+        // commit other bytes under the name asked for (or another name).
+        let asked = hello_version.filter(|v| !v.is_empty() && *v != "latest");
+        if let Some(asked) = asked {
+            if manifest.version.as_deref() != Some(asked) {
+                return Err(Error::mismatch(format!(
+                    "{}: asked for version '{asked}', it serves {}",
+                    conn.peer(),
+                    manifest
+                        .version
+                        .as_deref()
+                        .map_or("no version".to_string(), |v| format!("'{v}'"))
+                )));
+            }
+        }
         // Fingerprints cost a read of the params: only for a kept base.
         let base = match (held.is_empty(), kept) {
             (true, _) => Base::None,

@@ -63,6 +63,9 @@ pub struct Conn {
     fds: VecDeque<OwnedFd>,
     /// Set once the network handshake is done: every frame is authenticated.
     seal: Option<FrameSeal>,
+    /// The largest frame taken (`limit_frames`): MAX_FRAME, or less while
+    /// a peer is not yet authenticated.
+    max_frame: usize,
 }
 
 /// How long a send that found its peer gone reads for the peer's last
@@ -76,13 +79,22 @@ impl Conn {
             peer: peer.into(),
             fds: VecDeque::new(),
             seal: None,
+            max_frame: MAX_FRAME,
         }
+    }
+
+    /// Take frames of at most `max` bytes (at most MAX_FRAME) from now on:
+    /// a handshake takes small frames only, so that a peer without the
+    /// secret cannot make this side allocate 64 MiB per connection.
+    pub fn limit_frames(&mut self, max: usize) {
+        self.max_frame = max.min(MAX_FRAME);
     }
 
     /// Authenticate every frame from now on, both ways, with this
     /// session's keys (`role`: which end this side is).
     pub fn secure(&mut self, keys: &SessionKeys, role: Role) {
         self.seal = Some(FrameSeal::new(keys, role));
+        self.max_frame = MAX_FRAME;
     }
 
     pub fn peer(&self) -> &str {
@@ -219,7 +231,7 @@ impl Conn {
         let mut len = [0u8; 4];
         self.read_exact(&mut len, deadline, "frame")?;
         let len = u32::from_le_bytes(len) as usize;
-        let max = MAX_FRAME + if self.seal.is_some() { TAG } else { 0 };
+        let max = self.max_frame + if self.seal.is_some() { TAG } else { 0 };
         if len == 0 || len > max {
             return Err(Error::peer(format!(
                 "{}: frame of {len} bytes (1 to {max} allowed)",
