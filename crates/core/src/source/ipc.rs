@@ -122,13 +122,11 @@ impl IpcSource {
             base: opts.base.as_deref(),
         };
         let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
+        let mut link =
+            PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_, _| Ok(()))?;
+        link.set_frame_timeout(opts.bucket_timeout);
         Ok(IpcSource {
-            link: PublisherLink::handshake(
-                Conn::new(stream, who),
-                &hello,
-                deadline,
-                |_, _| Ok(()),
-            )?,
+            link,
             timeout: opts.bucket_timeout,
             mapped,
             gpu: opts.gpu,

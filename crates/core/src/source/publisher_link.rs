@@ -29,6 +29,11 @@ pub struct Hello<'a> {
 pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
+    /// How long one frame between WANT and the buckets (AMAX, DELTAS,
+    /// DELTA) may take, besides the update's deadline: the source's bucket
+    /// timeout (`set_frame_timeout`), so that a publisher gone silent there
+    /// is given up as soon as one gone silent between buckets.
+    frame_timeout: Option<std::time::Duration>,
     wanted: Wanted,
     /// The version HELLO named as the params' (`deltas.rs`), and whether
     /// the publisher keeps it; taken when WANT is sent.
@@ -102,6 +107,7 @@ impl PublisherLink {
         Ok(PublisherLink {
             conn,
             manifest,
+            frame_timeout: None,
             wanted: Wanted::default(),
             base,
             asked: Vec::new(),
@@ -182,6 +188,23 @@ impl PublisherLink {
         }
     }
 
+    /// Bound each frame between WANT and the buckets by `timeout` too.
+    pub fn set_frame_timeout(&mut self, timeout: std::time::Duration) {
+        self.frame_timeout = Some(timeout);
+    }
+
+    /// The next frame `what` before `deadline` and this link's frame
+    /// timeout; a timeout says which frame was awaited.
+    pub fn recv_before(&mut self, deadline: Instant, what: &str) -> Result<Frame> {
+        let due = match self.frame_timeout {
+            Some(t) => deadline.min(Instant::now() + t),
+            None => deadline,
+        };
+        self.conn
+            .recv(due)
+            .map_err(|e| e.context(format!("waiting for {what}")))
+    }
+
     /// AMAX: the publisher's amax of every block of each quantized
     /// request, offered to the applier's agreement (nothing without
     /// quantized requests).
@@ -189,7 +212,7 @@ impl PublisherLink {
         if self.quantized.is_empty() {
             return Ok(());
         }
-        let values = match self.conn.recv(applier.deadline())? {
+        let values = match self.recv_before(applier.deadline(), "AMAX")? {
             Frame::Amax { values } => values,
             other => return Err(unexpected(&self.conn, "AMAX", &other)),
         };

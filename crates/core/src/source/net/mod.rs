@@ -133,6 +133,7 @@ impl NetSource {
                 Ok(())
             })?;
         link.set_deltas_by_message();
+        link.set_frame_timeout(opts.bucket_timeout);
         Ok(NetSource {
             link,
             opts,
