@@ -495,3 +495,33 @@ fn a_publisher_serving_another_version_than_asked_is_refused() {
     assert_eq!(m.status().version.as_deref(), Some("v1"));
     publisher.join().unwrap();
 }
+
+/// A MANIFEST announcing more tensors than the engine's bound (65,536 plus
+/// one per 4 KiB of its params) is refused from its count, before any
+/// tensor is decoded (decoded, one costs several times its wire bytes).
+#[test]
+fn a_manifest_of_more_tensors_than_the_engine_takes_is_refused_from_its_count() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("hostile.sock");
+    let (m, ptrs, ts) = engine_with_weights(dir.path());
+    let many: Vec<TensorMeta> = (0..70_000).map(|i| meta(&format!("t{i}"), 0)).collect();
+    let publisher = hostile_publisher(
+        &sock,
+        Script {
+            manifest: many,
+            buffer: sealed_memfd(4096, &[1; 256]),
+            announced: 4096,
+            entries: Vec::new(),
+        },
+    );
+    let e = m.update(ipc_request(&sock, Mode::Atomic)).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+    assert!(
+        e.message
+            .contains("MANIFEST announces 70000 tensors, more than the 655"),
+        "{e}"
+    );
+    assert_params(&ptrs, &ts);
+    publisher.join().unwrap();
+}

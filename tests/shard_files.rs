@@ -282,6 +282,7 @@ fn a_publisher_serving_shard_files_sends_their_placement() {
         base: None,
         allow_other_uids: false,
         bucket_timeout: Duration::from_secs(10),
+        manifest_tensors: usize::MAX,
         gpu: 0,
     };
     let m: Manifest = std::thread::scope(|s| {

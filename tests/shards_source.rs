@@ -88,6 +88,7 @@ fn ipc_manifest(sock: &Path) -> weight_manager_core::Result<Manifest> {
         base: None,
         allow_other_uids: false,
         bucket_timeout: Duration::from_secs(10),
+        manifest_tensors: usize::MAX,
         gpu: 0,
     };
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -163,6 +164,7 @@ fn a_network_publisher_serves_shards_with_their_placement() {
         bucket_size: 1 << 20,
         depth: 2,
         bucket_timeout: Duration::from_secs(10),
+        manifest_tensors: usize::MAX,
         direct: false,
         keyed: false,
     };

@@ -24,6 +24,14 @@ pub(super) const SHARDS_FLOOR: u64 = 1 << 16;
 /// cost 750 MB), so this keeps that under a fifth of the bytes.
 pub(super) const MIN_SHARD_BYTES: u64 = 4096;
 
+/// The most tensors the sources may announce for an engine taking `taken`
+/// bytes: [`SHARDS_FLOOR`] plus one per [`MIN_SHARD_BYTES`]. Each source's
+/// MANIFEST is held to it as it is decoded, all of them together by
+/// [`check_shards`].
+pub(super) fn tensor_limit(taken: u64) -> u64 {
+    SHARDS_FLOOR.saturating_add(taken / MIN_SHARD_BYTES)
+}
+
 /// Check how many tensors the `sources` announce against `taken`, the
 /// bytes the engine takes (its params', and what its per-tensor callback
 /// may stage), before anything is planned: at most [`SHARDS_FLOOR`] plus
@@ -34,7 +42,7 @@ pub(super) fn check_shards(sources: &[Box<dyn Source>], taken: u64) -> Result<()
         .iter()
         .map(|s| s.manifest().tensors.len() as u64)
         .sum();
-    let limit = SHARDS_FLOOR.saturating_add(taken / MIN_SHARD_BYTES);
+    let limit = tensor_limit(taken);
     if total <= limit {
         return Ok(());
     }

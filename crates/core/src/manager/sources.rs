@@ -17,12 +17,13 @@ impl Manager {
     /// may land in GPU memory (`check_gdr`). A new source kind gets its
     /// arm here.
     /// `base`: the version the params hold, named to publishers as the base
-    /// of deltas.
+    /// of deltas. `most`: the most tensors one publisher may announce.
     pub(super) fn open_sources(
         &self,
         req: &UpdateRequest,
         gdr: bool,
         base: Option<&String>,
+        most: usize,
     ) -> Result<Vec<Box<dyn Source>>> {
         let locations = locations::expand(&req.locations)?;
         if req.source == SourceKind::Snapshot && locations.len() <= 1 {
@@ -47,8 +48,10 @@ impl Manager {
         locations
             .iter()
             .map(|loc| match req.source {
-                SourceKind::Ipc => self.open_ipc(req, loc, base.cloned()),
-                SourceKind::Rdma | SourceKind::Gdr => self.open_net(req, loc, gdr, base.cloned()),
+                SourceKind::Ipc => self.open_ipc(req, loc, (base.cloned(), most)),
+                SourceKind::Rdma | SourceKind::Gdr => {
+                    self.open_net(req, loc, gdr, (base.cloned(), most))
+                }
                 SourceKind::Snapshot => Err(Error::state("snapshots are opened above (internal)")),
             })
             .collect()
@@ -104,7 +107,7 @@ impl Manager {
         &self,
         req: &UpdateRequest,
         socket: &Path,
-        base: Option<String>,
+        (base, manifest_tensors): (Option<String>, usize),
     ) -> Result<Box<dyn Source>> {
         let socket = socket.to_path_buf();
         let opts = IpcOptions {
@@ -116,6 +119,7 @@ impl Manager {
             base,
             allow_other_uids: self.config.allow_other_uids,
             bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
+            manifest_tensors,
             // CUDA IPC buffers open on the rank's GPU (device
             // copies to params on other GPUs go peer to peer).
             gpu: self.config.device.max(0),
@@ -132,7 +136,7 @@ impl Manager {
         req: &UpdateRequest,
         address: &Path,
         gdr: bool,
-        base: Option<String>,
+        (base, manifest_tensors): (Option<String>, usize),
     ) -> Result<Box<dyn Source>> {
         let opts = NetOptions {
             address: address.display().to_string(),
@@ -145,6 +149,7 @@ impl Manager {
             bucket_size: self.config.net.bucket_size,
             depth: self.config.net.depth,
             bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
+            manifest_tensors,
             direct: gdr || !self.config.net.staged,
             keyed: self.config.net.keyed_digests,
         };

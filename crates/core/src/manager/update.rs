@@ -6,7 +6,7 @@
 
 use super::atomic_staging::library_host_sizes;
 use super::deltas::{self, DeltaFallback};
-use super::geometry::{check_plan_memory, check_shards};
+use super::geometry::{check_plan_memory, check_shards, tensor_limit};
 use super::memory::note_unmapped;
 use super::quantized::Quantized;
 use super::{Manager, UpdateRequest, UpdateStats};
@@ -209,7 +209,16 @@ impl Manager {
         // gdr lands in device params; when it may not, it runs as rdma.
         let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
         let delta_base = deltas::base_of(run.prev, req, self.record.lock().version.clone());
-        let sources = self.open_sources(req, gdr, delta_base.as_ref().ok())?;
+        // The bytes this engine takes bound how many shards it plans over,
+        // and what one publisher's MANIFEST may announce.
+        let staged = match req.hooks.tensor.is_some() {
+            true => self.config.callback_staging_limit,
+            false => 0,
+        };
+        let params: u64 = registry.params().iter().map(|p| p.nbytes as u64).sum();
+        let taken = params.saturating_add(staged);
+        let most = usize::try_from(tensor_limit(taken)).unwrap_or(usize::MAX);
+        let sources = self.open_sources(req, gdr, delta_base.as_ref().ok(), most)?;
         let version = self.name_version(req, &sources)?;
         if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
             req.verify = true;
@@ -227,13 +236,7 @@ impl Manager {
             quantize_at_source: req.source != SourceKind::Snapshot
                 && self.signal.fanout_size() <= 1,
         };
-        // The bytes this engine takes bound how many shards it plans over.
-        let staged = match opts.callback {
-            true => self.config.callback_staging_limit,
-            false => 0,
-        };
-        let params: u64 = registry.params().iter().map(|p| p.nbytes as u64).sum();
-        check_shards(&sources, params.saturating_add(staged))?;
+        check_shards(&sources, taken)?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
         let planned =

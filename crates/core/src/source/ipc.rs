@@ -73,6 +73,9 @@ pub struct IpcOptions {
     pub base: Option<String>,
     pub allow_other_uids: bool,
     pub bucket_timeout: Duration,
+    /// The most tensors the publisher's MANIFEST may announce (the
+    /// engine's bound, from the bytes it takes).
+    pub manifest_tensors: usize,
     /// The GPU (CUDA ordinal in this process) that opens a trainer's CUDA
     /// IPC buffers: the rank's device, or 0 when the config names none.
     pub gpu: i32,
@@ -120,6 +123,7 @@ impl IpcSource {
             gpu_id: &opts.gpu_id,
             version: opts.version.as_deref(),
             base: opts.base.as_deref(),
+            manifest_tensors: opts.manifest_tensors,
         };
         let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
         let mut link =

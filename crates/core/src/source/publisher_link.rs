@@ -24,6 +24,8 @@ pub struct Hello<'a> {
     /// The version this rank's params hold, to take deltas against (None:
     /// everything whole).
     pub base: Option<&'a str>,
+    /// The most tensors the MANIFEST may announce (the engine's bound).
+    pub manifest_tensors: usize,
 }
 
 pub struct PublisherLink {
@@ -62,6 +64,7 @@ impl PublisherLink {
     ) -> Result<PublisherLink> {
         let held = hello.base.unwrap_or_default().to_string();
         let hello_version = hello.version;
+        let manifest_tensors = hello.manifest_tensors;
         let hello = Frame::Hello {
             rank: hello.rank,
             world_size: hello.world_size,
@@ -71,6 +74,7 @@ impl PublisherLink {
         };
         conn.send(&hello)?;
         before_manifest(&mut conn, &hello.encode())?;
+        conn.limit_manifest(manifest_tensors);
         let (manifest, kept) = match conn.recv(deadline)? {
             Frame::Manifest {
                 version,

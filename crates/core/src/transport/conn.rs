@@ -66,6 +66,8 @@ pub struct Conn {
     /// The largest frame taken (`limit_frames`): MAX_FRAME, or less while
     /// a peer is not yet authenticated.
     max_frame: usize,
+    /// The most tensors a MANIFEST may announce (`limit_manifest`).
+    manifest_tensors: usize,
 }
 
 /// How long a send that found its peer gone reads for the peer's last
@@ -80,7 +82,14 @@ impl Conn {
             fds: VecDeque::new(),
             seal: None,
             max_frame: MAX_FRAME,
+            manifest_tensors: usize::MAX,
         }
+    }
+
+    /// Refuse a MANIFEST of more than `tensors` tensors before decoding
+    /// them (a bound the engine sets from its params).
+    pub fn limit_manifest(&mut self, tensors: usize) {
+        self.manifest_tensors = tensors;
     }
 
     /// Take frames of at most `max` bytes (at most MAX_FRAME) from now on:
@@ -244,7 +253,7 @@ impl Conn {
             Some(seal) => seal.open(&body, &self.peer)?,
             None => &body[..],
         };
-        Frame::decode(body).map_err(|e| e.context(&self.peer))
+        Frame::decode_within(body, self.manifest_tensors).map_err(|e| e.context(&self.peer))
     }
 
     /// The error a peer's ERROR frame reports: its own code, when it is one

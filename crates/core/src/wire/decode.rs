@@ -22,10 +22,17 @@ fn want(i: &mut In) -> Result<Frame> {
 impl Frame {
     /// Decode the body of a frame (type byte and payload, without the length).
     pub fn decode(body: &[u8]) -> Result<Frame> {
+        Frame::decode_within(body, usize::MAX)
+    }
+
+    /// [`Frame::decode`], refusing a MANIFEST of more than
+    /// `manifest_tensors` tensors before any of them is decoded (a tensor
+    /// costs several times its wire bytes once decoded).
+    pub fn decode_within(body: &[u8], manifest_tensors: usize) -> Result<Frame> {
         let mut i = In(body);
         let frame = match i.u8()? {
             kind::HELLO => hello(&mut i)?,
-            kind::MANIFEST => manifest(&mut i)?,
+            kind::MANIFEST => manifest(&mut i, manifest_tensors)?,
             kind::WANT => want(&mut i)?,
             kind::AMAX | kind::SCALES => super::quant::decode_frame(&mut i, body[0] == kind::AMAX)?,
             kind::DELTAS => {
@@ -123,9 +130,15 @@ fn hello(i: &mut In) -> Result<Frame> {
     })
 }
 
-fn manifest(i: &mut In) -> Result<Frame> {
+fn manifest(i: &mut In, most: usize) -> Result<Frame> {
     let version = i.str()?;
     let n = i.count(4 + 4 + 4 + 8 + 1 + 1, "tensors")?;
+    if n > most {
+        return Err(Error::out_of_memory(format!(
+            "wire: MANIFEST announces {n} tensors, more than the {most} this engine takes \
+             from one publisher (one per 4096 bytes of its params, plus 65536)"
+        )));
+    }
     let mut tensors = Vec::with_capacity(n);
     for _ in 0..n {
         tensors.push(tensor_meta(i)?);

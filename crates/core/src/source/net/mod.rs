@@ -77,6 +77,9 @@ pub struct NetOptions {
     pub bucket_size: usize,
     pub depth: usize,
     pub bucket_timeout: Duration,
+    /// The most tensors the publisher's MANIFEST may announce (the
+    /// engine's bound, from the bytes it takes).
+    pub manifest_tensors: usize,
     /// Receive each bucket entry straight where the applier wants it (param
     /// memory in place, the staging arena when atomic) instead of into a
     /// staging slot first: gdr always, rdma when asked.
@@ -124,6 +127,7 @@ impl NetSource {
             gpu_id: &opts.gpu_id,
             version: opts.version.as_deref(),
             base: opts.base.as_deref(),
+            manifest_tensors: opts.manifest_tensors,
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
         let mut bytes_key = [0; KEYED];
