@@ -22,9 +22,13 @@ pub struct wm_status_info {
     /// Result code of the last failed call on this handle, `WM_OK` if none
     /// since the last successful update; text via `wm_last_error`. A call
     /// refused for a bad handle says so by its return code alone (nothing
-    /// is recorded on any handle); every other refusal, a NULL pointer
-    /// argument after the handle included, is recorded here with a text
-    /// naming the argument.
+    /// is recorded on any handle), as does one refused for a NULL pointer
+    /// the call writes its result through (`wm_status`'s `out_status`,
+    /// `wm_update_source_bytes`'s `out_count`, `wm_update_delta_stats`'s
+    /// `out_stats`, `wm_broadcast_signal`'s `out_signal`,
+    /// `wm_allocate_param`'s `out_data` and `out_len`); every other
+    /// refusal, a NULL input (a request, a descriptor, a name) or array
+    /// included, is recorded here with a text naming the argument.
     pub last_result: u32,
     /// Successful updates so far.
     pub updates: u64,

@@ -169,3 +169,23 @@ def test_params_sharing_memory_are_refused_naming_both():
             m.register("half", buf[4:])  # a view into it
         m.register("other", np.zeros((8, 4), np.float32))
         assert m.status().params == 2
+
+
+def test_register_module_refuses_views_of_one_buffer_before_registering_any():
+    """Two state_dict entries over the same bytes with another dtype (not
+    tied weights: those are registered once) are refused naming both, with
+    nothing registered, instead of failing midway."""
+    torch = pytest.importorskip("torch")
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("a", torch.zeros(8))
+            self.register_buffer("first", torch.zeros(4))
+            self.register_buffer("b", self.a.view(torch.int32))
+
+    with Manager(fallback_dir="") as m:
+        with pytest.raises(ValueError) as e:
+            m.register_module(Views())
+        assert "'a'" in str(e.value) and "'b'" in str(e.value)
+        assert m.status().params == 0

@@ -466,6 +466,7 @@ class Manager(OwnedHandle):
             if published is not None:
                 named.append((published, tensor))
         unique, aliases = torch_bridge.unique_memory(named)
+        torch_bridge.check_disjoint(unique)
         for name, tensor, mem in unique:
             self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)

@@ -121,6 +121,19 @@ def unique_memory(named_tensors):
     return unique, aliases
 
 
+def check_disjoint(unique) -> None:
+    """Refuse, before anything is registered, two distinct tensors of
+    `unique` (unique_memory's first list) whose memory overlaps (a buffer
+    viewed with another shape or dtype): a param's memory takes one
+    tensor's bytes, and the library would refuse the second param midway."""
+    spans = sorted((mem.device, mem.ptr, mem.ptr + mem.nbytes, name)
+                   for name, _, mem in unique if mem.nbytes)
+    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
+        if dev_a == dev_b and start_b < end_a:
+            raise ValueError(f"tensors '{a}' and '{b}' share memory without being the same tensor (a view "
+                             f"with another shape or dtype): register one of them (name_map can skip the other)")
+
+
 def module_state(module):
     """A module's (name, tensor) pairs as its state_dict names them (every
     parameter and persistent buffer, tied names included), as the module's

@@ -98,7 +98,8 @@ impl Acceptor<'_> {
                 // a peer connecting over and over holds no thread.
                 let (done, running): (Vec<Handle>, Vec<Handle>) =
                     threads.drain(..).partition(|h: &Handle| h.is_finished());
-                ended.extend(done.into_iter().map(join_session));
+                // (Turned away: nothing to keep.)
+                ended.extend(done.into_iter().filter_map(join_session));
                 threads = running;
                 if let Err(e) = self.connections.check_stopping(self.path) {
                     accept_error = Some(e);
@@ -136,7 +137,7 @@ impl Acceptor<'_> {
                     }
                 }
             }
-            ended.extend(threads.into_iter().map(join_session));
+            ended.extend(threads.into_iter().filter_map(join_session));
             self.collect(ended, accept_error)
         })
     }
@@ -188,16 +189,15 @@ impl Acceptor<'_> {
     /// failed session's (each logged).
     fn collect(
         &self,
-        ended: Vec<Option<Result<SessionStats>>>,
+        ended: Vec<Result<SessionStats>>,
         accept_error: Option<Error>,
     ) -> Result<ServeStats> {
         let mut stats = ServeStats::default();
         let mut first_error = accept_error;
         for r in ended {
             match r {
-                None => {}
-                Some(Ok(st)) => stats.sessions.push(st),
-                Some(Err(e)) => {
+                Ok(st) => stats.sessions.push(st),
+                Err(e) => {
                     self.cfg.logger.warn(&format!("publisher: {e}"));
                     first_error.get_or_insert(e);
                 }

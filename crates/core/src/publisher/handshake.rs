@@ -73,14 +73,24 @@ pub(super) fn handshake(
     };
     let Frame::Hello {
         rank,
+        world_size,
         gpu_id,
         version,
         base,
-        ..
     } = &hello
     else {
         unreachable!("matched above")
     };
+    if rank >= world_size {
+        // Every engine's config has rank < world_size: a HELLO without is
+        // no engine's, and rank shards are picked by these numbers.
+        let e = Error::peer(format!(
+            "{}: HELLO says rank {rank} of a world of {world_size}",
+            conn.peer()
+        ));
+        conn.send_error(&e);
+        return Err(e);
+    }
     conn.set_peer(format!("engine rank {rank} ({})", conn.peer()));
     let mut bytes_key = None;
     if let Some(secret) = secret {

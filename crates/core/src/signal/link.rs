@@ -9,7 +9,9 @@ use std::net::TcpStream;
 use std::time::Instant;
 
 const MAGIC: u32 = 0x574d_5347; // "WMSG"
-const PROTOCOL: u32 = 1;
+/// 2: the finishing barrier has two rounds (a release mixing with 1
+/// would pair one rank's second round with another's next barrier).
+const PROTOCOL: u32 = 2;
 const MAX_FRAME: u32 = 1 << 20;
 
 #[derive(Clone, Debug, PartialEq, Eq)]

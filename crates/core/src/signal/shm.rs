@@ -56,8 +56,8 @@ fn os_err(what: String) -> Error {
 pub enum OpenMode {
     /// Open it if it exists (it must be at least `len` bytes), else create it zeroed.
     OpenOrCreate,
-    /// Remove any object of that name, then create a new zeroed one.
-    CreateFresh,
+    /// Create a new zeroed object; `Ok(None)` if one of that name exists.
+    CreateNew,
     /// Open an existing object only; `Ok(None)` if absent or shorter than `len`.
     Existing,
 }
@@ -120,17 +120,17 @@ impl SharedMapping {
 fn open_fd(cname: &CString, what: &str, mode: OpenMode) -> Result<Option<(i32, bool)>> {
     // SAFETY: libc calls on a checked name.
     unsafe {
-        if mode == OpenMode::CreateFresh {
-            libc::shm_unlink(cname.as_ptr());
-        }
         if mode != OpenMode::Existing {
             let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
             let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
             if fd >= 0 {
                 return Ok(Some((fd, true)));
             }
-            if mode == OpenMode::CreateFresh || *libc::__errno_location() != libc::EEXIST {
+            if *libc::__errno_location() != libc::EEXIST {
                 return Err(os_err(format!("creating {what}")));
+            }
+            if mode == OpenMode::CreateNew {
+                return Ok(None);
             }
         }
         let fd = libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0o600);
@@ -221,6 +221,17 @@ pub fn unlink(name: &str) -> Result<()> {
 /// Whether process `pid` is alive: it exists (signal 0 probe) and is not
 /// a zombie (a killed rank whose parent has not reaped it yet answers
 /// signal 0 but runs no more: waiting for it would last the whole timeout).
+/// When process `pid` started (`/proc/PID/stat`'s 22nd field, in clock
+/// ticks since boot): with its pid, it names one process, where a pid
+/// alone may have been given to another since. None when it cannot tell.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.iter().rposition(|&b| b == b')')?;
+    let fields = String::from_utf8_lossy(&stat[end + 1..]).into_owned();
+    // The state is the 3rd field, the first after the name.
+    fields.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
 pub fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return true;

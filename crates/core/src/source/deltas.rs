@@ -21,7 +21,7 @@ use crate::wire::{DeltaRun, Frame, RunVerdict};
 /// Take DELTAS and the deltas after WANT named a base, and apply them.
 pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier) -> Result<()> {
     let deadline = applier.deadline();
-    let (kept, runs) = match link.recv_before(deadline, "DELTAS")? {
+    let (kept, runs) = match link.recv_awaiting(deadline, "DELTAS", false)? {
         Frame::Deltas { kept, runs } => (kept, runs),
         other => return Err(unexpected(&link.conn, "DELTAS", &other)),
     };
@@ -134,7 +134,7 @@ fn receive(
     let len = run.len as usize;
     let mut delta = try_vec(len, "a delta")?;
     while delta.len() < len {
-        match link.recv_before(deadline, "DELTA")? {
+        match link.recv_awaiting(deadline, "DELTA", true)? {
             Frame::Delta { request, bytes }
                 if request == run.request
                     && !bytes.is_empty()

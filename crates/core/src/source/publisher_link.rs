@@ -31,10 +31,11 @@ pub struct Hello<'a> {
 pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
-    /// How long one frame between WANT and the buckets (AMAX, DELTAS,
-    /// DELTA) may take, besides the update's deadline: the source's bucket
-    /// timeout (`set_frame_timeout`), so that a publisher gone silent there
-    /// is given up as soon as one gone silent between buckets.
+    /// How long a DELTA frame may take after the one before, besides the
+    /// update's deadline: the source's bucket timeout
+    /// (`set_frame_timeout`), as between buckets. AMAX and DELTAS have the
+    /// update's deadline alone: the publisher reads or diffs all it serves
+    /// before sending them, which grows with the shard.
     frame_timeout: Option<std::time::Duration>,
     wanted: Wanted,
     /// The version HELLO named as the params' (`deltas.rs`), and whether
@@ -192,15 +193,15 @@ impl PublisherLink {
         }
     }
 
-    /// Bound each frame between WANT and the buckets by `timeout` too.
+    /// Bound each DELTA frame by `timeout` too.
     pub fn set_frame_timeout(&mut self, timeout: std::time::Duration) {
         self.frame_timeout = Some(timeout);
     }
 
-    /// The next frame `what` before `deadline` and this link's frame
-    /// timeout; a timeout says which frame was awaited.
-    pub fn recv_before(&mut self, deadline: Instant, what: &str) -> Result<Frame> {
-        let due = match self.frame_timeout {
+    /// The next frame `what` before `deadline` and, `bounded`, this
+    /// link's frame timeout; a timeout says which frame was awaited.
+    pub fn recv_awaiting(&mut self, deadline: Instant, what: &str, bounded: bool) -> Result<Frame> {
+        let due = match self.frame_timeout.filter(|_| bounded) {
             Some(t) => deadline.min(Instant::now() + t),
             None => deadline,
         };
@@ -216,7 +217,7 @@ impl PublisherLink {
         if self.quantized.is_empty() {
             return Ok(());
         }
-        let values = match self.recv_before(applier.deadline(), "AMAX")? {
+        let values = match self.recv_awaiting(applier.deadline(), "AMAX", false)? {
             Frame::Amax { values } => values,
             other => return Err(unexpected(&self.conn, "AMAX", &other)),
         };

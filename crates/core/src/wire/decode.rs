@@ -136,7 +136,8 @@ fn manifest(i: &mut In, most: usize) -> Result<Frame> {
     if n > most {
         return Err(Error::out_of_memory(format!(
             "wire: MANIFEST announces {n} tensors, more than the {most} this engine takes \
-             from one publisher (one per 4096 bytes of its params, plus 65536)"
+             (65536, plus one per 4096 bytes it takes: its params, and what its per-tensor \
+             callback may stage)"
         )));
     }
     let mut tensors = Vec::with_capacity(n);

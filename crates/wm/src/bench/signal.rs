@@ -122,9 +122,10 @@ fn run_ranks(n: u32, steps: usize, work_us: u64, cell: Option<&str>) -> Result<(
 
 fn shm_read_floor() -> Result<(u64, u64), String> {
     let name = format!("wmbench_floor_{}", std::process::id());
-    let map = SharedMapping::open(&name, 4, OpenMode::CreateFresh)
+    let _ = shm::unlink(&name);
+    let map = SharedMapping::open(&name, 4, OpenMode::CreateNew)
         .map_err(|e| e.to_string())?
-        .expect("created");
+        .ok_or("the floor's shared word exists already")?;
     let _ = shm::unlink(&name);
     // SAFETY: a 4-byte aligned shared word read atomically.
     let word = unsafe { &*(map.ptr() as *const std::sync::atomic::AtomicI32) };

@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 /// How much longer than local rank 0 the other local ranks wait to meet.
 const MEMBER_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a leader finding an unstamped segment waits for its stamp.
+const STAMP_GRACE: Duration = Duration::from_millis(200);
+
 impl Group {
     /// Rendezvous: returns once every rank of the group has joined, or fails
     /// at the timeout naming the ranks that never arrived.
@@ -24,15 +27,7 @@ impl Group {
         let deadline = Instant::now() + cfg.timeout;
         let name = cfg.segment_name();
         let seg = if cfg.local_rank == 0 {
-            // A live leader meeting under this name: a second local rank 0
-            // would replace its segment and split the group.
-            let holder = Segment::live(&name)
-                .map(|(pid, _)| pid)
-                .filter(|&p| p != std::process::id());
-            if let Some(holder) = holder {
-                return Err(Self::taken(&cfg, holder));
-            }
-            Segment::create(&name, cfg.local_world_size)?
+            Self::lead(&name, &cfg)?
         } else {
             Self::attach(&name, &cfg, deadline)?
         };
@@ -81,6 +76,36 @@ impl Group {
             g.abort(e);
         }
         result.map(|_| g)
+    }
+
+    /// Local rank 0: create the segment, exclusively. One already there is
+    /// a live leader's (a second local rank 0 would split the group:
+    /// refused naming it) or a stale one (its creator gone: replaced).
+    /// A segment not stamped yet may be a leader's of an instant ago: it
+    /// counts as stale only when still unstamped after [`STAMP_GRACE`].
+    fn lead(name: &str, cfg: &GroupConfig) -> Result<Segment> {
+        for _ in 0..3 {
+            if let Some(seg) = Segment::create_new(name, cfg.local_world_size)? {
+                return Ok(seg);
+            }
+            let until = Instant::now() + STAMP_GRACE;
+            let live = loop {
+                match Segment::live(name) {
+                    Some((pid, _)) => break Some(pid),
+                    None if Instant::now() >= until => break None,
+                    None => std::thread::sleep(Duration::from_millis(5)),
+                }
+            };
+            match live {
+                Some(pid) if pid != std::process::id() => return Err(Self::taken(cfg, pid)),
+                _ => shm::unlink(name)?,
+            }
+        }
+        Err(Error::busy(format!(
+            "group '{}': local rank 0 of node {} could not create the group's segment \
+             (another process keeps creating it)",
+            cfg.name, cfg.node_rank
+        )))
     }
 
     /// The error for a local rank that a live process `holder` holds.

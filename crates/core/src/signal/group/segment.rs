@@ -7,7 +7,9 @@ use crate::result::Result;
 use crate::signal::shm::{OpenMode, SharedMapping};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-pub(super) const MAGIC: u64 = 0x574d_4752_4f55_5032; // "WMGROUP2"
+// "WMGROUP3": 3 added the creator's start time and a second round in the
+// finishing barrier (a group mixing releases is refused, not misread).
+pub(super) const MAGIC: u64 = 0x574d_4752_4f55_5033;
 /// Entries of the ring of step values.
 pub(super) const RING: u64 = 64;
 
@@ -21,7 +23,11 @@ pub(super) struct Header {
     pub(super) local_world: AtomicU32,
     /// Set by the leader once the whole group (all nodes) met.
     pub(super) ready: AtomicU32,
-    _p0: [u32; 11],
+    _p0: u32,
+    /// When the creator started (`shm::start_time`; 0: unknown): a pid
+    /// reused by another process since does not pass for the creator.
+    pub(super) creator_start: AtomicU64,
+    _p0b: [u32; 8],
     /// `(step + 1) as u32` of the newest ring entry; futex word for readers.
     pub(super) published: AtomicU32,
     pub(super) pub_waiters: AtomicU32,
@@ -37,6 +43,17 @@ pub(super) struct Header {
     /// Set once when any rank gives up; every waiter then fails with `abort_msg`.
     pub(super) aborted: AtomicU32,
     pub(super) abort_msg: [AtomicU8; 252],
+}
+
+impl Header {
+    /// The process that made the segment is alive, and is that process (not
+    /// another given its pid since).
+    fn creator_alive(&self) -> bool {
+        let pid = self.creator_pid.load(Ordering::Relaxed);
+        let start = self.creator_start.load(Ordering::Relaxed);
+        crate::signal::shm::pid_alive(pid)
+            && (start == 0 || crate::signal::shm::start_time(pid).is_none_or(|s| s == start))
+    }
 }
 
 /// One local rank's place in the segment.
@@ -77,16 +94,22 @@ impl Segment {
         std::mem::size_of::<Header>() + local_world as usize * std::mem::size_of::<Slot>()
     }
 
-    /// The leader's fresh segment, stamped so members can tell it is live.
-    pub(super) fn create(name: &str, local_world: u32) -> Result<Segment> {
+    /// The leader's new segment, stamped so members can tell it is live;
+    /// None when one of that name is there (live or stale: `live` tells).
+    pub(super) fn create_new(name: &str, local_world: u32) -> Result<Option<Segment>> {
         let size = Self::size_for(local_world);
-        let map = SharedMapping::open(name, size, OpenMode::CreateFresh)?.expect("created");
+        let Some(map) = SharedMapping::open(name, size, OpenMode::CreateNew)? else {
+            return Ok(None);
+        };
         let seg = Segment { map };
         let h = seg.header();
-        h.creator_pid.store(std::process::id(), Ordering::Relaxed);
+        let me = std::process::id();
+        h.creator_pid.store(me, Ordering::Relaxed);
+        let start = crate::signal::shm::start_time(me).unwrap_or(0);
+        h.creator_start.store(start, Ordering::Relaxed);
         h.local_world.store(local_world, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
-        Ok(seg)
+        Ok(Some(seg))
     }
 
     /// A member's view of the leader's segment; None while there is none
@@ -100,7 +123,7 @@ impl Segment {
         let h = seg.header();
         let fresh = h.magic.load(Ordering::Acquire) == MAGIC
             && h.local_world.load(Ordering::Relaxed) == local_world
-            && crate::signal::shm::pid_alive(h.creator_pid.load(Ordering::Relaxed));
+            && h.creator_alive();
         Ok(fresh.then_some(seg))
     }
 
@@ -114,7 +137,7 @@ impl Segment {
         let seg = Segment { map };
         let h = seg.header();
         let pid = h.creator_pid.load(Ordering::Relaxed);
-        let live = h.magic.load(Ordering::Acquire) == MAGIC && crate::signal::shm::pid_alive(pid);
+        let live = h.magic.load(Ordering::Acquire) == MAGIC && h.creator_alive();
         live.then(|| (pid, h.local_world.load(Ordering::Relaxed)))
     }
 
@@ -131,5 +154,36 @@ impl Segment {
     /// Fails when the segment shrank under us (see `memory::sigbus`).
     pub(super) fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
         self.map.check(what)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A second leader finds the first's segment live; a segment whose
+    /// creator is gone, or whose creator's pid now names another process
+    /// (another start time), is stale.
+    #[test]
+    fn a_segment_is_live_only_while_its_own_creator_runs() {
+        let name = format!("wmtest_segment_{}", std::process::id());
+        let _ = crate::signal::shm::unlink(&name);
+        let seg = Segment::create_new(&name, 2).unwrap().expect("created");
+        assert!(Segment::create_new(&name, 2).unwrap().is_none());
+        assert_eq!(Segment::live(&name), Some((std::process::id(), 2)));
+        // The same pid, started at another time: another process.
+        let h = seg.header();
+        let start = h.creator_start.load(Ordering::Relaxed);
+        assert_ne!(start, 0, "/proc gives this process's start time");
+        h.creator_start.store(start + 1, Ordering::Relaxed);
+        assert_eq!(Segment::live(&name), None);
+        h.creator_start.store(start, Ordering::Relaxed);
+        // A creator that exited.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        h.creator_pid.store(dead, Ordering::Relaxed);
+        assert_eq!(Segment::live(&name), None);
+        crate::signal::shm::unlink(&name).unwrap();
     }
 }
