@@ -171,6 +171,43 @@ fn write_with_metadata(path: &Path, tensors: &[T], meta: &[(&str, &str)]) {
 
 /// One file may hold several shards of one global tensor under different
 /// stored names; other metadata is left alone.
+/// `--out` naming the input's folder is refused before anything is
+/// written (the rank files replaced the files later ranks were read from,
+/// and the run reported success); rank files of an earlier run with more
+/// ranks are removed, not left under the new checksums.
+#[test]
+fn wm_shard_refuses_its_input_folder_and_removes_stale_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("model");
+    std::fs::create_dir(&input).unwrap();
+    let model = model(3);
+    let file = input.join("model.safetensors");
+    write_safetensors(&file, &model);
+    write_version(&input, "5");
+    let before = std::fs::read(&file).unwrap();
+    let o = Command::new(&*WM)
+        .args([
+            "shard",
+            input.to_str().unwrap(),
+            "--out",
+            input.to_str().unwrap(),
+        ])
+        .args(["--ranks", "2"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("is the input's folder"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+    assert_eq!(std::fs::read_dir(&input).unwrap().count(), 2);
+    let out = dir.path().join("out");
+    wm_shard(&input, &out, 4, 0);
+    wm_shard(&input, &out, 2, 0);
+    check_ranks(&out, &model, 2, 0);
+    assert!(!out.join("model_state.tp2.0.safetensors").exists());
+    assert!(!out.join("model_state.tp3.0.safetensors").exists());
+}
+
 #[test]
 fn a_file_may_hold_several_shards_of_one_tensor() {
     let dir = tempfile::tempdir().unwrap();

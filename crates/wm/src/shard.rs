@@ -61,9 +61,24 @@ pub fn run(a: &Args) -> Result<(), String> {
     };
     let source = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))?;
+    // Rank files written into the input's folder would replace the files
+    // the next ranks are read from.
+    let same = |a: &std::path::Path, b: &std::path::Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
+    if same(out, &source.layout.dir) {
+        return Err(format!(
+            "--out {} is the input's folder: the rank files would overwrite the files they are \
+             read from; write them to another folder",
+            out.display()
+        ));
+    }
+    let stale = remove_stale_ranks(out, ranks)?;
     let mut bytes = 0;
+    let mut split = 0;
     for r in 0..ranks {
         let pieces = rank_pieces(&source, r, ranks, dim);
+        if r == 0 {
+            split = pieces.iter().filter(|p| p.shape != p.meta.shape).count();
+        }
         let path = out.join(format!("model_state.tp{r}.0.safetensors"));
         bytes +=
             write_file(&path, &pieces).map_err(|e| format!("writing {}: {e}", path.display()))?;
@@ -81,13 +96,38 @@ pub fn run(a: &Args) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     println!(
-        "wrote {ranks} rank file(s) to {}: {} tensors split along dim {dim}, {} in {}",
+        "wrote {ranks} rank file(s) to {}: {split} of {} tensors split along dim {dim}, {} in {}{}",
         out.display(),
         source.manifest.tensors.len(),
         fmt::bytes(bytes),
-        fmt::ms(t0.elapsed())
+        fmt::ms(t0.elapsed()),
+        match stale {
+            0 => String::new(),
+            n => format!(" ({n} rank file(s) of an earlier run with more ranks removed)"),
+        }
     );
     Ok(())
+}
+
+/// Remove `out`'s rank files of ranks `ranks` and up (an earlier run with
+/// more ranks wrote them): the checksums written next would cover them
+/// under the new version. Returns how many went.
+fn remove_stale_ranks(out: &std::path::Path, ranks: u64) -> Result<usize, String> {
+    let entries = std::fs::read_dir(out).map_err(|e| format!("reading {}: {e}", out.display()))?;
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let rank = (name.to_str())
+            .and_then(|n| n.strip_prefix("model_state.tp"))
+            .and_then(|n| n.strip_suffix(".0.safetensors"))
+            .and_then(|r| r.parse::<u64>().ok());
+        if rank.is_some_and(|r| r >= ranks) {
+            let path = entry.path();
+            std::fs::remove_file(&path).map_err(|e| format!("removing {}: {e}", path.display()))?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
 }
 
 /// Rank `r`'s piece of every tensor of `source`.
@@ -136,6 +176,9 @@ fn rank_pieces(source: &Checkpoint, r: u64, ranks: u64, dim: usize) -> Vec<Piece
                 runs,
             }
         })
+        // A rank past the last chunk holds nothing of that tensor: left
+        // out, as FSDP leaves it (the other ranks' pieces cover it).
+        .filter(|p| p.shape == p.meta.shape || p.shape[dim] > 0)
         .collect()
 }
 
