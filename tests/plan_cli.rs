@@ -461,3 +461,24 @@ fn a_fifo_as_a_layout_is_refused_not_waited_on() {
         "{err}"
     );
 }
+
+/// FP8 on the wire is one byte an element whatever the layout's dtype: an
+/// f32 layout's prediction is a quarter of its bytes (it was half, as if
+/// bf16), and without `--wire-dtype` the wire is named as planned, not
+/// "bf16".
+#[test]
+fn the_wire_prediction_follows_the_layouts_element_size() {
+    let trainer = json!({"ranks": 2, "dtype": "f32",
+        "tensors": [{"name": "w", "shape": [256, 256], "split": 0}]});
+    let engine = json!({"ranks": 1, "dtype": "f32", "params": [{"name": "w"}]});
+    let (_d, t, e) = write_pair(&trainer, &engine);
+    let plain = report(&wm_plan(&t, &e, &["--json"]));
+    assert_eq!(num(&plain, "/bytes/per_engine_rank/max"), 262144.0);
+    assert_eq!(
+        plain.pointer("/prediction/wire/dtype"),
+        Some(&json!("planned"))
+    );
+    let fp8 = report(&wm_plan(&t, &e, &["--json", "--wire-dtype", "fp8"]));
+    let want = 65536.0 + 4.0 * 4.0; // one byte an element, a scale per block
+    assert_eq!(num(&fp8, "/prediction/wire/busiest_bytes"), want);
+}

@@ -35,7 +35,9 @@ pub struct Args {
     /// The share of line rate a link delivers, in (0, 1]
     #[arg(long, default_value_t = 1.0)]
     goodput: f64,
-    /// The dtype on the wire: bf16, or fp8 with 128x128 block scales
+    /// The dtype on the wire: bf16 (the layout's own dtypes, as the
+    /// trainer holds them), or fp8 with 128x128 block scales (one byte an
+    /// element, whatever the layout's dtype)
     #[arg(long, value_name = "bf16|fp8", default_value = "bf16")]
     wire_dtype: String,
     /// Send deltas of this share of elements, in [0, 1] (default: whole)
@@ -66,6 +68,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         ));
     }
     wire.planned_fp8 = engine.quantizes();
+    wire.element_size = mean_element_size(&trainer);
     let read = t0.elapsed();
     let ranks = engine_ranks(a.engine_ranks.as_deref(), engine.ranks)?;
     let totals = plan_all(&trainer, &engine, ranks)?;
@@ -75,6 +78,22 @@ pub fn run(a: &Args) -> Result<(), String> {
         false => print!("{}", report.text()),
     }
     Ok(())
+}
+
+/// The trainer layout's bytes per element, over all its tensors (2 for a
+/// bf16 layout; more with f32 tensors among them).
+fn mean_element_size(trainer: &TrainerLayout) -> f64 {
+    let (mut bytes, mut elements) = (0f64, 0f64);
+    for t in &trainer.tensors {
+        let n: f64 = t.shape.iter().map(|&d| d as f64).product();
+        bytes += n * t.dtype.size() as f64;
+        elements += n;
+    }
+    if elements > 0.0 {
+        bytes / elements
+    } else {
+        2.0
+    }
 }
 
 /// `--engine-ranks FIRST:END` (default all): plan only those engine ranks.

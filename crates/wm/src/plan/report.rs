@@ -80,6 +80,10 @@ pub struct Wire {
     /// The engine layout quantizes its params: the plan's bytes are FP8
     /// for them already.
     pub planned_fp8: bool,
+    /// The trainer layout's bytes per element (2: bf16): FP8 sends one
+    /// byte an element of whatever dtype, and a delta's size depends on
+    /// the element's.
+    pub element_size: f64,
 }
 
 impl Wire {
@@ -105,16 +109,19 @@ impl Wire {
             fp8,
             delta_fraction,
             planned_fp8: false,
+            element_size: 2.0,
         })
     }
 
-    /// What the wire carries, named: "bf16", "fp8" (a bf16 layout scaled),
-    /// or "planned" (the plan's own dtypes: FP8 for quantized params).
+    /// What the wire carries, named: "bf16" (a layout of two-byte
+    /// elements), "fp8" (the layout's elements at one byte each), or
+    /// "planned" (the plan's own dtypes: FP8 for quantized params, and
+    /// any layout whose elements are not all two bytes).
     pub fn dtype(&self) -> &'static str {
         match (self.fp8, self.planned_fp8) {
             (true, _) => "fp8",
-            (false, true) => "planned",
-            (false, false) => "bf16",
+            (false, false) if self.element_size == 2.0 => "bf16",
+            (false, _) => "planned",
         }
     }
 
@@ -128,9 +135,9 @@ impl Wire {
     /// smaller per byte).
     pub fn factor(&self) -> f64 {
         let (dtype, esize) = match (self.fp8, self.planned_fp8) {
-            (true, _) => (0.5 * (1.0 + 4.0 / (128.0 * 128.0)), 1),
+            (true, _) => ((1.0 + 4.0 / (128.0 * 128.0)) / self.element_size, 1),
             (false, true) => (1.0, 1),
-            (false, false) => (1.0, 2),
+            (false, false) => (1.0, self.element_size.round().max(1.0) as usize),
         };
         let delta = self.delta_fraction.map_or(1.0, |f| {
             weight_manager_core::delta::predicted_wire_ratio(f, esize)
