@@ -128,6 +128,30 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
             &["serve", "--ipc", "s", "--bucket-mib", "99999999999", "d"],
             "--bucket-mib",
         ),
+        // A group timeout of 584 million years (it waited on).
+        (
+            &[
+                "worker",
+                "--rank",
+                "0",
+                "--timeout-ms",
+                "18446744073709551615",
+            ],
+            "--timeout-ms",
+        ),
+        // A log that is a device (a FIFO would wait for a reader).
+        (
+            &[
+                "worker",
+                "--rank",
+                "0",
+                "--model-dir",
+                "tests",
+                "--log",
+                "/dev/null",
+            ],
+            "--log /dev/null: not a regular file",
+        ),
         // Folders: several only over the network; a missing one named.
         (
             &["serve", "--ipc", "s", "tests", "src"],

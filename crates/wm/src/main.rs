@@ -118,6 +118,17 @@ pub fn seconds(v: &str) -> Result<f64, String> {
     }
 }
 
+/// A wait in milliseconds: a whole number from 0 to 7 days.
+pub fn millis(v: &str) -> Result<u64, String> {
+    match v.trim().parse::<u64>() {
+        Ok(ms) if ms as f64 <= MAX_SECONDS * 1000.0 => Ok(ms),
+        _ => Err(format!(
+            "milliseconds from 0 to {} (7 days), not '{v}'",
+            MAX_SECONDS as u64 * 1000
+        )),
+    }
+}
+
 /// A bucket size in MiB: 1 to 4096.
 pub fn bucket_mib(v: &str) -> Result<usize, String> {
     match v.trim().parse::<usize>() {
@@ -171,6 +182,10 @@ fn devices() -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // A closed stdout (`wm inspect DIR | head -1`) ends wm quietly, as it
+    // does any command line tool, instead of a panic in println!.
+    // SAFETY: setting a signal's disposition to the default, at start-up.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let matches = last_wins(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match run(&cli.command) {

@@ -61,8 +61,8 @@ pub struct Args {
     /// Sleep of a serving step, in microseconds
     #[arg(long, value_name = "US", default_value_t = 100)]
     step_us: u64,
-    /// Group timeout in milliseconds
-    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    /// Group timeout in milliseconds (at most 7 days)
+    #[arg(long, value_name = "MS", default_value_t = 10_000, value_parser = crate::millis)]
     timeout_ms: u64,
     /// Log each step's signal (and updates' checksums) to this file
     #[arg(long, value_name = "FILE")]
@@ -203,10 +203,20 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let w = m.allocate(&spec).map_err(|e| format!("rank {rank}: {e}"))?;
     let log = match &a.log {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).map_err(|e| format!("creating {}: {e}", p.display()))?,
-        )),
+        Some(p) => {
+            // Opening a FIFO for writing waits for a reader: refused.
+            if std::fs::metadata(p).is_ok_and(|m| !m.is_file()) {
+                return Err(format!("--log {}: not a regular file", p.display()));
+            }
+            let f =
+                std::fs::File::create(p).map_err(|e| format!("creating {}: {e}", p.display()))?;
+            Some(std::io::BufWriter::new(f))
+        }
         None => None,
+    };
+    let log_error = |e: std::io::Error| {
+        let path = a.log.as_deref().unwrap_or(std::path::Path::new("the log"));
+        format!("writing {}: {e}", path.display())
     };
     let mut r = Rank {
         a,
@@ -221,7 +231,7 @@ pub fn run(a: &Args) -> Result<(), String> {
             r.m.broadcast_signal()
                 .map_err(|e| format!("rank {rank}: step {step}: {e}"))?;
         if let Some(l) = r.log.as_mut() {
-            writeln!(l, "{step} {}", signal.name()).map_err(|e| e.to_string())?;
+            writeln!(l, "{step} {}", signal.name()).map_err(log_error)?;
         }
         let outcome = match signal {
             State::Updating | State::Commit | State::Cleared if a.two_phase => {
@@ -259,7 +269,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         }
     }
     if let Some(mut l) = r.log.take() {
-        l.flush().map_err(|e| e.to_string())?;
+        l.flush().map_err(log_error)?;
     }
     let steps = a.steps;
     println!("rank {rank}: {steps} steps, {updates} updates, {clears} clears, {failed} failed");

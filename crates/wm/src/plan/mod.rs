@@ -139,7 +139,10 @@ pub fn plan_rank(
     // (as a registration does), not only the plan: that check was once
     // the slowest part and the figure hid it.
     let t0 = Instant::now();
-    let params = engine.rank_params(rank, trainer).map_err(fail)?;
+    // Its errors name the engine rank already.
+    let params = engine
+        .rank_params(rank, trainer)
+        .map_err(|e| e.to_string())?;
     // The manager's rule, not a looser one: in a sharded layout (several
     // trainer ranks, split tensors or params with pieces) what this rank
     // does not read is skipped (the report counts what no rank reads); a

@@ -115,20 +115,18 @@ impl EngineLayout {
             for layer in layers {
                 // Bounded before the param's pieces are built.
                 if pieces + rule.pieces_per_param() > MAX_PIECES {
-                    return Err(bad(
-                        &rule.path,
-                        format!("engine rank {rank}: more than {MAX_PIECES} pieces"),
-                    ));
+                    return Err(bad(&rule.path, format!("more than {MAX_PIECES} pieces"))
+                        .context(format!("engine rank {rank}")));
                 }
                 let p = rule
                     .param(layer, index, trainer)
                     .map_err(|e| e.context(format!("engine rank {rank}")))?;
                 pieces += p.pieces.len();
                 if !names.insert(p.name.clone()) {
-                    return Err(bad(
-                        &rule.path,
-                        format!("engine rank {rank}: param '{}' is described twice", p.name),
-                    ));
+                    return Err(
+                        bad(&rule.path, format!("param '{}' is described twice", p.name))
+                            .context(format!("engine rank {rank}")),
+                    );
                 }
                 out.push(p);
             }
