@@ -370,53 +370,34 @@ fn a_rank_number_given_twice_or_another_world_size_is_named() {
         let status = r.child.wait().unwrap();
         (status, std::fs::read_to_string(&r.err).unwrap_or_default())
     };
+    // Ranks started first (rank, world size), then one more that must be
+    // refused, naming why.
+    let late_rank_is_refused = |tag: &str, first: &[(u32, &str)], late: (u32, &str), want: &str| {
+        let group = unique(tag);
+        let first: Vec<Rank> = (first.iter())
+            .map(|&(r, world)| spawn(d.path(), r, &args(&group, world)))
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let late_dir = tempfile::tempdir().unwrap();
+        let mut late = spawn(late_dir.path(), late.0, &args(&group, late.1));
+        let (status, err) = stderr(&mut late);
+        assert!(!status.success());
+        assert!(err.contains(want), "{tag}: {err}");
+        for mut r in first {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+    };
     // Rank 1 twice in a group of three: the second is refused at once.
-    let group = unique("dup");
-    let first: Vec<Rank> = (0..2)
-        .map(|r| spawn(d.path(), r, &args(&group, "3")))
-        .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let dup_dir = tempfile::tempdir().unwrap();
-    let mut dup = spawn(dup_dir.path(), 1, &args(&group, "3"));
-    let (status, err) = stderr(&mut dup);
-    assert!(!status.success());
-    assert!(
-        err.contains("local rank 1 of node 0 is taken by process"),
-        "{err}"
-    );
-    for mut r in first {
-        let _ = r.child.kill();
-        let _ = r.child.wait();
-    }
+    let taken = "local rank 1 of node 0 is taken by process";
+    late_rank_is_refused("dup", &[(0, "3"), (1, "3")], (1, "3"), taken);
     // Rank 0 twice while the first still meets its ranks: the second
     // would replace the group's segment; it is refused at once.
-    let group = unique("dup0");
-    let mut leader = spawn(d.path(), 0, &args(&group, "3"));
-    std::thread::sleep(Duration::from_millis(300));
-    let dup_dir = tempfile::tempdir().unwrap();
-    let mut dup = spawn(dup_dir.path(), 0, &args(&group, "3"));
-    let (status, err) = stderr(&mut dup);
-    assert!(!status.success());
-    assert!(
-        err.contains("local rank 0 of node 0 is taken by process"),
-        "{err}"
-    );
-    let _ = leader.child.kill();
-    let _ = leader.child.wait();
+    let taken = "local rank 0 of node 0 is taken by process";
+    late_rank_is_refused("dup0", &[(0, "3")], (0, "3"), taken);
     // Rank 1 told a world of three where rank 0 was told two.
-    let group = unique("size");
-    let mut zero = spawn(d.path(), 0, &args(&group, "2"));
-    std::thread::sleep(Duration::from_millis(300));
-    let other_dir = tempfile::tempdir().unwrap();
-    let mut one = spawn(other_dir.path(), 1, &args(&group, "3"));
-    let (status, err) = stderr(&mut one);
-    assert!(!status.success());
-    assert!(
-        err.contains("made the group for 2 local rank(s), but rank 1 was told 3"),
-        "{err}"
-    );
-    let _ = zero.child.kill();
-    let _ = zero.child.wait();
+    let other = "made the group for 2 local rank(s), but rank 1 was told 3";
+    late_rank_is_refused("size", &[(0, "2")], (1, "3"), other);
 }
 
 #[test]

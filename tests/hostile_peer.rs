@@ -161,6 +161,35 @@ fn engine_with_weights(dir: &Path) -> (Manager, Vec<(*mut u8, usize)>, Vec<T>) {
     (m, ptrs, ts)
 }
 
+/// An engine holding "v1" (`engine_with_weights`) updates from a
+/// hostile publisher following `script`, its request as `ask` makes it from
+/// the IPC request: the update must fail, leaving every param and the
+/// version as they were. Returns the error.
+fn refused_keeping_v1(
+    script: Script,
+    ask: impl FnOnce(&Path) -> UpdateRequest<'static>,
+) -> weight_manager_core::Error {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("hostile.sock");
+    let (m, ptrs, ts) = engine_with_weights(dir.path());
+    let publisher = hostile_publisher(&sock, script);
+    let e = m.update(ask(&sock)).unwrap_err();
+    assert_params(&ptrs, &ts);
+    assert_eq!(m.status().version.as_deref(), Some("v1"));
+    publisher.join().unwrap();
+    e
+}
+
+/// One bucket entry: the first 4096 bytes of request 0 at the buffer's start.
+fn first_4096() -> Vec<BucketEntry> {
+    vec![BucketEntry {
+        request: 0,
+        offset: 0,
+        len: 4096,
+        buffer_offset: 0,
+    }]
+}
+
 /// A manifest announcing a 1 TiB tensor for the per-tensor callback, then a
 /// 256-byte chunk of it: the engine must refuse it against its
 /// callback_staging_limit before allocating or faulting in anything (it
@@ -322,29 +351,16 @@ fn a_shared_buffer_too_small_for_the_plan_is_refused_naming_it() {
         (2048, 2048, "run past the 2048-byte buffer"),
     ];
     for (size, announced, says) in cases {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("hostile.sock");
-        let (m, ptrs, ts) = engine_with_weights(dir.path());
-        let publisher = hostile_publisher(
-            &sock,
-            Script {
-                manifest: vec![meta("w", 4096)],
-                buffer: sealed_memfd(size, &[1; 256]),
-                announced,
-                entries: vec![BucketEntry {
-                    request: 0,
-                    offset: 0,
-                    len: 4096,
-                    buffer_offset: 0,
-                }],
-            },
-        );
-        let e = m.update(ipc_request(&sock, Mode::Atomic)).unwrap_err();
+        let script = Script {
+            manifest: vec![meta("w", 4096)],
+            buffer: sealed_memfd(size, &[1; 256]),
+            announced,
+            entries: first_4096(),
+        };
+        let e = refused_keeping_v1(script, |sock| ipc_request(sock, Mode::Atomic));
         assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
         assert!(e.message.contains("shared buffer 0"), "{e}");
         assert!(e.message.contains(says), "{e}");
-        assert_params(&ptrs, &ts);
-        publisher.join().unwrap();
     }
 }
 
@@ -354,30 +370,16 @@ fn a_shared_buffer_too_small_for_the_plan_is_refused_naming_it() {
 #[test]
 fn a_shared_buffer_larger_than_the_machine_is_refused() {
     let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("hostile.sock");
-    let (m, ptrs, ts) = engine_with_weights(dir.path());
     let petabyte = 1u64 << 50;
-    let publisher = hostile_publisher(
-        &sock,
-        Script {
-            manifest: vec![meta("w", 4096)],
-            buffer: sealed_memfd(petabyte, &[1; 4096]),
-            announced: petabyte,
-            entries: vec![BucketEntry {
-                request: 0,
-                offset: 0,
-                len: 4096,
-                buffer_offset: 0,
-            }],
-        },
-    );
-    let e = m.update(ipc_request(&sock, Mode::InPlace)).unwrap_err();
+    let script = Script {
+        manifest: vec![meta("w", 4096)],
+        buffer: sealed_memfd(petabyte, &[1; 4096]),
+        announced: petabyte,
+        entries: first_4096(),
+    };
+    let e = refused_keeping_v1(script, |sock| ipc_request(sock, Mode::InPlace));
     assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
     assert!(e.message.contains("memory and swap"), "{e}");
-    assert_params(&ptrs, &ts);
-    assert_eq!(m.status().version.as_deref(), Some("v1"));
-    publisher.join().unwrap();
 }
 
 /// Over rdma, the same manifest from a real network publisher (UCX over
@@ -465,35 +467,20 @@ fn a_tebibyte_callback_tensor_over_rdma_is_refused() {
 #[test]
 fn a_publisher_serving_another_version_than_asked_is_refused() {
     let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("hostile.sock");
-    let (m, ptrs, ts) = engine_with_weights(dir.path());
-    let publisher = hostile_publisher(
-        &sock,
-        Script {
-            manifest: vec![meta("w", 4096)],
-            buffer: sealed_memfd(4096, &[1; 256]),
-            announced: 4096,
-            entries: vec![BucketEntry {
-                request: 0,
-                offset: 0,
-                len: 4096,
-                buffer_offset: 0,
-            }],
-        },
-    );
-    let mut req = ipc_request(&sock, Mode::Atomic);
-    req.version = Some("v2".into());
-    let e = m.update(req).unwrap_err();
+    let script = Script {
+        manifest: vec![meta("w", 4096)],
+        buffer: sealed_memfd(4096, &[1; 256]),
+        announced: 4096,
+        entries: first_4096(),
+    };
+    let e = refused_keeping_v1(script, |sock| {
+        let mut req = ipc_request(sock, Mode::Atomic);
+        req.version = Some("v2".into());
+        req
+    });
     assert_eq!(e.code, wm_result::WM_ERR_MISMATCH, "{e}");
-    assert!(
-        e.message
-            .contains("asked for version 'v2', it serves 'hostile'"),
-        "{e}"
-    );
-    assert_params(&ptrs, &ts);
-    assert_eq!(m.status().version.as_deref(), Some("v1"));
-    publisher.join().unwrap();
+    let says = "asked for version 'v2', it serves 'hostile'";
+    assert!(e.message.contains(says), "{e}");
 }
 
 /// A MANIFEST announcing more tensors than the engine's bound (65,536 plus
@@ -502,26 +489,14 @@ fn a_publisher_serving_another_version_than_asked_is_refused() {
 #[test]
 fn a_manifest_of_more_tensors_than_the_engine_takes_is_refused_from_its_count() {
     let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("hostile.sock");
-    let (m, ptrs, ts) = engine_with_weights(dir.path());
-    let many: Vec<TensorMeta> = (0..70_000).map(|i| meta(&format!("t{i}"), 0)).collect();
-    let publisher = hostile_publisher(
-        &sock,
-        Script {
-            manifest: many,
-            buffer: sealed_memfd(4096, &[1; 256]),
-            announced: 4096,
-            entries: Vec::new(),
-        },
-    );
-    let e = m.update(ipc_request(&sock, Mode::Atomic)).unwrap_err();
+    let script = Script {
+        manifest: (0..70_000).map(|i| meta(&format!("t{i}"), 0)).collect(),
+        buffer: sealed_memfd(4096, &[1; 256]),
+        announced: 4096,
+        entries: Vec::new(),
+    };
+    let e = refused_keeping_v1(script, |sock| ipc_request(sock, Mode::Atomic));
     assert_eq!(e.code, wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
-    assert!(
-        e.message
-            .contains("MANIFEST announces 70000 tensors, more than the 655"),
-        "{e}"
-    );
-    assert_params(&ptrs, &ts);
-    publisher.join().unwrap();
+    let says = "MANIFEST announces 70000 tensors, more than the 655";
+    assert!(e.message.contains(says), "{e}");
 }

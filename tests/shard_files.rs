@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -121,14 +121,20 @@ fn check_ranks(out: &Path, model: &[T], ranks: u32, dim: usize) {
     }
 }
 
-#[test]
-fn wm_shard_writes_rank_files_the_snapshot_source_reads_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("model");
+/// A one-file snapshot of `model(3)` at version 5 in `dir`/model.
+fn input_model(dir: &Path) -> (PathBuf, Vec<T>) {
+    let input = dir.join("model");
     std::fs::create_dir(&input).unwrap();
     let model = model(3);
     write_safetensors(&input.join("model.safetensors"), &model);
     write_version(&input, "5");
+    (input, model)
+}
+
+#[test]
+fn wm_shard_writes_rank_files_the_snapshot_source_reads_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, model) = input_model(dir.path());
     for (ranks, dim) in [(3, 0), (4, 1)] {
         let out = dir.path().join(format!("tp{ranks}"));
         wm_shard(&input, &out, ranks, dim);
@@ -178,12 +184,8 @@ fn write_with_metadata(path: &Path, tensors: &[T], meta: &[(&str, &str)]) {
 #[test]
 fn wm_shard_refuses_its_input_folder_and_removes_stale_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("model");
-    std::fs::create_dir(&input).unwrap();
-    let model = model(3);
+    let (input, model) = input_model(dir.path());
     let file = input.join("model.safetensors");
-    write_safetensors(&file, &model);
-    write_version(&input, "5");
     let before = std::fs::read(&file).unwrap();
     let o = Command::new(&*WM)
         .args([
