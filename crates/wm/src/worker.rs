@@ -202,18 +202,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         spec.device_ordinal = a.device;
     }
     let w = m.allocate(&spec).map_err(|e| format!("rank {rank}: {e}"))?;
-    let log = match &a.log {
-        Some(p) => {
-            // Opening a FIFO for writing waits for a reader: refused.
-            if std::fs::metadata(p).is_ok_and(|m| !m.is_file()) {
-                return Err(format!("--log {}: not a regular file", p.display()));
-            }
-            let f =
-                std::fs::File::create(p).map_err(|e| format!("creating {}: {e}", p.display()))?;
-            Some(std::io::BufWriter::new(f))
-        }
-        None => None,
-    };
+    let log = a.log.as_deref().map(open_log).transpose()?;
     let log_error = |e: std::io::Error| {
         let path = a.log.as_deref().unwrap_or(std::path::Path::new("the log"));
         format!("writing {}: {e}", path.display())
@@ -274,4 +263,14 @@ pub fn run(a: &Args) -> Result<(), String> {
     let steps = a.steps;
     println!("rank {rank}: {steps} steps, {updates} updates, {clears} clears, {failed} failed");
     Ok(())
+}
+
+/// The worker's log at `path`, created (a regular file only: opening a
+/// FIFO for writing waits for a reader).
+fn open_log(path: &std::path::Path) -> Result<std::io::BufWriter<std::fs::File>, String> {
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(format!("--log {}: not a regular file", path.display()));
+    }
+    let f = std::fs::File::create(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+    Ok(std::io::BufWriter::new(f))
 }

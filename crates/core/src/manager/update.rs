@@ -399,16 +399,7 @@ impl Manager {
             return Err(applier.failure(error));
         }
         if let Some(gate) = run.gate.as_mut() {
-            // Staged: every byte is in, verified and (for device params)
-            // uploaded, so the commit is the switch alone; wait for the
-            // engine.
-            let decided = (applier.check_received())
-                .and_then(|()| applier.ready_to_commit())
-                .and_then(|()| gate(version));
-            if let Err(error) = decided {
-                return Err(applier.failure(error));
-            }
-            applier.renew_deadline(run.req.timeout);
+            pass_gate(&mut applier, gate, version, run.req.timeout)?;
         }
         let applied = applier.finish()?;
         if keep && atomic_mode && crate::memory::swap::swaps_here() {
@@ -472,4 +463,23 @@ fn describe_all(sources: &[Box<dyn Source>]) -> String {
         ),
         [] => "no source".into(),
     }
+}
+
+/// Staged: every byte is in, verified and (for device params) uploaded, so
+/// the commit is the switch alone; wait for the engine's decision (`gate`),
+/// then give the applier `timeout` again for the commit.
+fn pass_gate(
+    applier: &mut Applier,
+    gate: &mut CommitGate,
+    version: &str,
+    timeout: std::time::Duration,
+) -> std::result::Result<(), ApplyFailure> {
+    let decided = (applier.check_received())
+        .and_then(|()| applier.ready_to_commit())
+        .and_then(|()| gate(version));
+    if let Err(error) = decided {
+        return Err(applier.failure(error));
+    }
+    applier.renew_deadline(timeout);
+    Ok(())
 }

@@ -92,7 +92,8 @@ impl Group {
             let live = loop {
                 match Segment::live(name) {
                     Some((pid, _)) => break Some(pid),
-                    None if Instant::now() >= until => break None,
+                    // Stamped by a creator gone: stale at once.
+                    None if Segment::stamped(name) || Instant::now() >= until => break None,
                     None => std::thread::sleep(Duration::from_millis(5)),
                 }
             };

@@ -141,6 +141,17 @@ impl Segment {
         live.then(|| (pid, h.local_world.load(Ordering::Relaxed)))
     }
 
+    /// Whether the segment `name` carries a leader's stamp (live or not):
+    /// an unstamped one may be a leader's of an instant ago.
+    pub(super) fn stamped(name: &str) -> bool {
+        let len = std::mem::size_of::<Header>();
+        let Ok(Some(map)) = SharedMapping::open(name, len, OpenMode::Existing) else {
+            return false;
+        };
+        let seg = Segment { map };
+        seg.header().magic.load(Ordering::Acquire) == MAGIC
+    }
+
     pub(super) fn header(&self) -> &Header {
         // SAFETY: the mapping holds a Header at offset 0 (size checked when mapped).
         unsafe { &*(self.map.ptr() as *const Header) }
