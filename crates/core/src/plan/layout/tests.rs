@@ -168,7 +168,7 @@ fn engine_mistakes_name_the_rank_and_field() {
         ),
         (
             json!({"ranks": 2, "dtype": "bf16", "params": [{"name": "n"}, {"name": "n"}]}),
-            "engine rank 1: param 'n' is described twice",
+            "engine rank 1: engine.params[1]: param 'n' is described twice",
         ),
         (
             json!({"ranks": 2, "dtype": "bf16", "params": [{"name": "w", "experts": 4, "ep": 3, "pieces": [{"tensor": "e{E}.up"}]}]}),
