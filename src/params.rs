@@ -164,8 +164,13 @@ unsafe fn pieces_from_c(d: &wm_param_desc, name: &str) -> Result<Vec<Piece>> {
     {
         check_struct_size("wm_piece", p.struct_size, std::mem::size_of::<wm_piece>())
             .map_err(|e| e.context(format!("param '{name}': piece {i}")))?;
-        let tensor =
-            opt_str(p.tensor, "wm_piece.tensor")?.ok_or_else(|| bad(i, "tensor is NULL"))?;
+        // Named like every NULL pointer field (`WM_ERR_NULL_ARGUMENT`), and
+        // a name that is not UTF-8 with its param and piece.
+        let tensor = opt_str(p.tensor, "wm_piece.tensor")
+            .map_err(|e| e.context(format!("param '{name}': piece {i}")))?
+            .ok_or_else(|| {
+                Error::null_argument(format!("param '{name}': piece {i}: tensor is NULL"))
+            })?;
         if p.ndim > WM_MAX_NDIM {
             return Err(bad(
                 i,

@@ -468,6 +468,11 @@ static void test_failures(void) {
   d.npieces = (size_t)WM_MAX_PIECES + 1;
   CHECK_RC(wm_register_param(m, &d, mem, sizeof mem), WM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(last_error(m), "npieces 1048577 is more than the 1048576") != NULL);
+  /* A piece whose tensor is NULL: a NULL pointer field, named with its
+     param and piece, as every other one. */
+  d.npieces = 1;
+  CHECK_RC(wm_register_param(m, &d, mem, sizeof mem), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "param 'many': piece 0: tensor is NULL") != NULL);
   wm_destroy(m);
   remove_tmpdir();
 }
