@@ -131,6 +131,12 @@ impl Acceptor<'_> {
                         // noticed within it.
                         self.listener.wait_incoming(ACCEPT_TICK);
                     }
+                    // Out of descriptors or memory for now (a flood of
+                    // connections in their handshakes): those end within
+                    // the handshake timeout, so wait, not give up serving.
+                    Err(e) if out_of_resources(&e) => {
+                        std::thread::sleep(ACCEPT_TICK);
+                    }
                     Err(e) => {
                         accept_error = Some(Error::io("accepting an engine", e));
                         break;
@@ -220,4 +226,13 @@ fn join_session(h: Handle<'_>) -> Option<Result<SessionStats>> {
             "session panicked",
         )))
     })
+}
+
+/// An accept that failed for want of descriptors or memory, which
+/// connections ending give back.
+fn out_of_resources(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
