@@ -33,6 +33,9 @@ const MAX_HANDSHAKES: usize = 64;
 /// `stop` and its deadline again (a connection wakes it at once).
 const ACCEPT_TICK: Duration = Duration::from_millis(20);
 
+/// At most one line a second about connections turned away.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
+
 /// What the accept loop and the handshake threads share.
 struct Admission {
     engines: usize,
@@ -40,6 +43,8 @@ struct Admission {
     handshaking: AtomicUsize,
     /// Why the last connection was turned away, for the timeout's message.
     last_refusal: Mutex<Option<Error>>,
+    /// When a refusal was last logged, and how many were not since.
+    refusals_unlogged: Mutex<(Option<Instant>, u64)>,
 }
 
 impl Admission {
@@ -88,6 +93,7 @@ impl Acceptor<'_> {
             admitted: AtomicUsize::new(0),
             handshaking: AtomicUsize::new(0),
             last_refusal: Mutex::new(None),
+            refusals_unlogged: Mutex::new((None, 0)),
         };
         std::thread::scope(|s| {
             let mut threads = Vec::new();
@@ -148,6 +154,25 @@ impl Acceptor<'_> {
         })
     }
 
+    /// Log a connection turned away: at most one line a second, saying how
+    /// many were not logged since (a flood would write a line per
+    /// connection, and a log nobody reads would fill and stop this thread).
+    fn log_refusal(&self, gate: &Admission, e: &Error) {
+        let mut unlogged = gate.refusals_unlogged.lock();
+        let (last, skipped) = *unlogged;
+        if last.is_some_and(|t| t.elapsed() < REFUSAL_LOG_EVERY) {
+            unlogged.1 += 1;
+            return;
+        }
+        *unlogged = (Some(Instant::now()), 0);
+        drop(unlogged);
+        let more = match skipped {
+            0 => String::new(),
+            n => format!(" ({n} more turned away since the last such line)"),
+        };
+        (self.cfg.logger).warn(&format!("publisher: turned a connection away: {e}{more}"));
+    }
+
     /// One connection: its handshake, then (if it was in time and a place
     /// is left) its session; None when it was turned away.
     fn one_engine(
@@ -161,9 +186,7 @@ impl Acceptor<'_> {
         let admitted = match shook {
             Ok(a) => a,
             Err(e) => {
-                self.cfg
-                    .logger
-                    .warn(&format!("publisher: turned a connection away: {e}"));
+                self.log_refusal(gate, &e);
                 *gate.last_refusal.lock() = Some(e);
                 return None;
             }
