@@ -36,8 +36,9 @@ fn open(dir: &Path, rank: u32) -> weight_manager_core::Result<Checkpoint> {
     Checkpoint::read(&loc, &Logger::default())
 }
 
-fn wm_shard(input: &Path, out: &Path, ranks: u32, dim: u32) {
-    let o = Command::new(&*WM)
+/// `wm shard INPUT --out OUT --ranks RANKS --dim DIM`, as run.
+fn run_shard(input: &Path, out: &Path, ranks: u32, dim: u32) -> std::process::Output {
+    Command::new(&*WM)
         .args([
             "shard",
             input.to_str().unwrap(),
@@ -46,7 +47,11 @@ fn wm_shard(input: &Path, out: &Path, ranks: u32, dim: u32) {
         ])
         .args(["--ranks", &ranks.to_string(), "--dim", &dim.to_string()])
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+fn wm_shard(input: &Path, out: &Path, ranks: u32, dim: u32) {
+    let o = run_shard(input, out, ranks, dim);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -187,16 +192,7 @@ fn wm_shard_refuses_its_input_folder_and_removes_stale_ranks() {
     let (input, model) = input_model(dir.path());
     let file = input.join("model.safetensors");
     let before = std::fs::read(&file).unwrap();
-    let o = Command::new(&*WM)
-        .args([
-            "shard",
-            input.to_str().unwrap(),
-            "--out",
-            input.to_str().unwrap(),
-        ])
-        .args(["--ranks", "2"])
-        .output()
-        .unwrap();
+    let o = run_shard(&input, &input, 2, 0);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("is the input's folder"), "{err}");

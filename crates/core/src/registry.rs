@@ -156,7 +156,9 @@ pub struct Registry {
     /// start): (end, param index). Two params sharing bytes would take two
     /// tensors' bytes, the last written winning, after both verified (an
     /// atomic update's commit copies one after the other): refused at
-    /// registration ([`Registry::check_disjoint`]), in O(log n).
+    /// registration ([`Registry::check_disjoint`]), in O(log n). Where
+    /// the memory was registered is enough: registration closes at the
+    /// first update or clear, before an acquire callback can move any.
     engine_ranges: BTreeMap<(i32, usize), (usize, usize)>,
 }
 
@@ -264,22 +266,6 @@ impl Registry {
         }
         self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
         Ok(())
-    }
-
-    /// Record engine-owned memory again after the acquire callback moved
-    /// some (a clear gave it back): later registrations are checked
-    /// against where the params are now.
-    pub fn reindex_engine_memory(&mut self) {
-        self.engine_ranges = (self.params.iter().enumerate())
-            .filter_map(|(i, p)| match p.memory {
-                ParamMemory::Engine { ptr } if p.nbytes > 0 => {
-                    let start = ptr.0 as usize;
-                    let end = start.saturating_add(p.nbytes);
-                    Some(((p.device.unwrap_or(-1), start), (end, i)))
-                }
-                _ => None,
-            })
-            .collect();
     }
 
     /// `len` bytes at `start` on `device` (-1: host) share no byte with an

@@ -52,9 +52,6 @@ impl Manager {
             }
             p.resident = true;
         }
-        if self.config.acquire_hook.is_some() {
-            registry.reindex_engine_memory();
-        }
         let after = device_free(registry)?;
         Ok(free_change(&before, &after))
     }
