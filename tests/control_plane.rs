@@ -573,10 +573,50 @@ fn a_rank_that_fails_to_stage_stops_every_commit() {
     }
 }
 
+/// Two ranks staging versions whose names' first 28-bit hashes collide
+/// ('step-19324' and 'step-58640'): the vote's other hash tells them
+/// apart, so no rank commits (before, both committed and the finishing
+/// barrier caught it after the fact), and the controller hears
+/// `WM_ERR_MISMATCH`.
+#[test]
+fn ranks_staging_colliding_names_do_not_commit() {
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    snapshot(one.path());
+    snapshot(two.path());
+    common::write_version(one.path(), "step-19324");
+    common::write_version(two.path(), "step-58640");
+    let (group, cell) = (unique("g2pc"), unique("c2pc"));
+    let _names = Names(vec![cell.clone()]);
+    let model = |rank: u32| match rank {
+        0 => one.path().to_path_buf(),
+        _ => two.path().to_path_buf(),
+    };
+    let mut ranks = two_phase_ranks(one.path(), 2, (&group, &cell), model, |_| 200);
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    let e = c.request(State::Updating, t).unwrap_err();
+    assert_eq!(
+        e.code,
+        weight_manager_core::wm_result::WM_ERR_MISMATCH,
+        "{e}"
+    );
+    assert_eq!(c.get().unwrap(), State::Cleared);
+    for (r, log) in finish(&mut ranks).iter().enumerate() {
+        assert!(!log.contains("committed"), "rank {r} committed: {log}");
+        let line = log.lines().find(|l| l.starts_with("no commit at"));
+        let line = line.unwrap_or_else(|| panic!("rank {r} never heard: {log}"));
+        assert!(
+            line.contains("rank 1 staged another version"),
+            "rank {r}: {line}"
+        );
+    }
+}
+
 /// A rank killed between stage and commit: the others name it and stop,
 /// and nobody commits. Rank 1 serves steps of 1.5 s, so the group steps
 /// that slowly: UPDATING is seen within 1.5 s of the request, the ranks
-/// stage at once, and COMMIT comes two steps later; rank 1 is killed in
+/// stage at once, and COMMIT comes three steps later; rank 1 is killed in
 /// between.
 #[test]
 fn a_rank_killed_while_staging_is_named() {

@@ -102,6 +102,9 @@ pub struct Manager {
     /// Where this rank's staging is, for the ranks' vote while an update
     /// is pending (`staged_vote.rs`).
     stage_status: Mutex<staged_vote::StageStatus>,
+    /// Flips every voting step: a staged rank's vote carries the second
+    /// hash of its version at every other step (`staged_vote.rs`).
+    vote_second: AtomicBool,
 }
 
 impl Manager {
@@ -149,6 +152,7 @@ impl Manager {
             staged: Mutex::new(None),
             stage_dropped: Mutex::new(None),
             stage_status: Mutex::default(),
+            vote_second: AtomicBool::new(false),
         })
     }
 

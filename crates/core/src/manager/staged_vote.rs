@@ -10,7 +10,12 @@
 //! and serves the decision as the next step's signal, so every rank gets
 //! it at the same step:
 //!
-//! - every rank staged the same version: COMMIT. Each rank calls commit
+//! - every rank staged the same version: COMMIT. A staged rank's vote
+//!   carries 28 bits of one of two independent hashes of the version's
+//!   name, the other at the next step, so rank 0 commits once every rank
+//!   was ready at two steps in a row and both hashes agree: two names pass
+//!   as one only if both collide (about 2^-56; one 28-bit hash let
+//!   'step-19324' and 'step-58640' pass). Each rank calls commit
 //!   before its next step; the commit's finish (a barrier with every
 //!   rank's result) then reports to the controller, as a one-call update;
 //! - a rank failed to stage, or ranks staged different versions: no rank
@@ -25,8 +30,10 @@
 
 use super::Manager;
 use crate::result::{wm_result, Error, Result};
-use crate::signal::version_hash;
+use crate::signal::{version_hash, version_hash_2, Votes};
 use crate::state::State;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 
 /// Where this rank's staging is, for the vote.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -43,8 +50,11 @@ pub(super) enum StageStatus {
 
 /// A rank's vote: not ready.
 const NOT_READY: u32 = 0x7000_0000;
-/// A rank's vote: staged, with 28 bits of the version's hash.
+/// A rank's vote: staged, with 28 bits of the version's first hash
+/// ([`version_hash`]); every other step, with its second
+/// ([`version_hash_2`]).
 const READY: u32 = 0x4000_0000;
+const READY_SECOND: u32 = 0x5000_0000;
 const HASH_BITS: u32 = 0x0fff_ffff;
 /// An abort's code when the ranks staged different versions.
 const VERSIONS_DIFFER: u32 = 255;
@@ -94,35 +104,62 @@ impl Decision {
 }
 
 /// A rank's vote for `status` (never 0, so that every rank's vote reaches
-/// rank 0).
-pub(super) fn vote_of(status: &StageStatus) -> i32 {
+/// rank 0); a staged rank carries its version's `second` hash at every
+/// other step.
+pub(super) fn vote_of(status: &StageStatus, second: bool) -> i32 {
     let v = match status {
         StageStatus::Idle | StageStatus::Staging => NOT_READY,
+        StageStatus::Ready(version) if second => {
+            READY_SECOND | (version_hash_2(version) & HASH_BITS)
+        }
         StageStatus::Ready(version) => READY | (version_hash(version) & HASH_BITS),
         StageStatus::Failed(code) => (*code as u32).clamp(1, 254),
     };
     v as i32
 }
 
-/// Rank 0's decision on every rank's vote (`votes`: (rank, vote), sorted
-/// by rank; `world` ranks in all).
-pub(super) fn decide(votes: &[(u32, u32)], world: u32) -> Decision {
-    if let Some(&(rank, code)) = votes.iter().find(|(_, v)| *v < READY) {
+/// Which of its two hashes a ready vote carries, and the hash.
+fn ready_hash(vote: u32) -> Option<(usize, u32)> {
+    match vote & !HASH_BITS {
+        READY => Some((0, vote & HASH_BITS)),
+        READY_SECOND => Some((1, vote & HASH_BITS)),
+        _ => None,
+    }
+}
+
+/// Rank 0's decision on every rank's votes at the last two steps
+/// (`world` ranks in all). A rank ready at the last step also counts its
+/// hash of the step before: no rank goes from one staged version to
+/// another in one step (a commit or an abort ends each, and the next
+/// update's staging starts at a later step).
+pub(super) fn decide(votes: &Votes, world: u32) -> Decision {
+    if let Some(&(rank, code)) = votes.last.iter().find(|(_, v)| *v < READY) {
         return Decision::Abort { rank, code };
     }
-    let ready: Vec<_> = votes
-        .iter()
-        .filter(|(_, v)| v & !HASH_BITS == READY)
-        .collect();
-    if let Some(first) = ready.first() {
-        if let Some(&&(rank, _)) = ready.iter().find(|(_, v)| *v != first.1) {
-            return Decision::Abort {
-                rank,
-                code: VERSIONS_DIFFER,
-            };
+    let mut hashes: BTreeMap<u32, [Option<u32>; 2]> = BTreeMap::new();
+    for &(rank, vote) in &votes.last {
+        if let Some((i, hash)) = ready_hash(vote) {
+            hashes.entry(rank).or_default()[i] = Some(hash);
         }
     }
-    match ready.len() == world as usize && votes.len() == world as usize {
+    for &(rank, vote) in &votes.before {
+        if let (Some(h), Some((i, hash))) = (hashes.get_mut(&rank), ready_hash(vote)) {
+            h[i].get_or_insert(hash);
+        }
+    }
+    for i in 0..2 {
+        let mut known = hashes.iter().filter_map(|(&rank, h)| Some((rank, h[i]?)));
+        if let Some((_, first)) = known.next() {
+            if let Some((rank, _)) = known.find(|&(_, hash)| hash != first) {
+                return Decision::Abort {
+                    rank,
+                    code: VERSIONS_DIFFER,
+                };
+            }
+        }
+    }
+    let both = hashes.values().filter(|h| h[0].is_some() && h[1].is_some());
+    match both.count() == world as usize {
         true => Decision::Commit,
         false => Decision::Wait,
     }
@@ -134,9 +171,11 @@ impl Manager {
     pub(super) fn broadcast_voting(&self) -> Result<State> {
         let status = self.stage_status.lock().clone();
         let world = self.config.world_size;
-        let decide = |votes: &[(u32, u32)]| decide(votes, world).encode();
+        let decide = |votes: &Votes| decide(votes, world).encode();
         let staging = status != StageStatus::Idle;
-        let raw = (self.signal).broadcast_vote(vote_of(&status), staging.then_some(&decide))?;
+        let second = self.vote_second.fetch_xor(true, Ordering::Relaxed);
+        let vote = vote_of(&status, second);
+        let raw = (self.signal).broadcast_vote(vote, staging.then_some(&decide))?;
         match Decision::decode(raw) {
             Some(Decision::Wait) => Ok(State::Updating),
             Some(Decision::Commit) => Ok(State::Commit),
@@ -178,41 +217,76 @@ impl Manager {
 mod tests {
     use super::*;
 
-    fn votes(v: &[StageStatus]) -> Vec<(u32, u32)> {
-        v.iter()
-            .enumerate()
-            .map(|(r, s)| (r as u32, vote_of(s) as u32))
-            .collect()
+    /// Every rank's votes at two steps in a row: `before`, then `last`
+    /// (each rank flips its hash between them, as `broadcast_voting` does).
+    fn steps(before: &[StageStatus], last: &[StageStatus]) -> Votes {
+        let said = |v: &[StageStatus], second| -> Vec<(u32, u32)> {
+            (v.iter().enumerate())
+                .map(|(r, s)| (r as u32, vote_of(s, second) as u32))
+                .collect()
+        };
+        Votes {
+            before: said(before, false),
+            last: said(last, true),
+        }
+    }
+
+    /// The same statuses at both steps.
+    fn twice(v: &[StageStatus]) -> Votes {
+        steps(v, v)
     }
 
     #[test]
-    fn every_rank_ready_with_one_version_commits() {
+    fn every_rank_ready_twice_with_one_version_commits() {
         let ready = StageStatus::Ready("step-7".into());
+        let both = [ready.clone(), ready.clone()];
+        assert_eq!(decide(&twice(&both), 2), Decision::Commit);
         assert_eq!(
-            decide(&votes(&[ready.clone(), ready.clone()]), 2),
-            Decision::Commit
-        );
-        assert_eq!(
-            decide(&votes(std::slice::from_ref(&ready)), 1),
+            decide(&twice(std::slice::from_ref(&ready)), 1),
             Decision::Commit
         );
         // A rank missing from the votes (it said nothing) is not ready.
-        assert_eq!(decide(&votes(&[ready]), 2), Decision::Wait);
+        assert_eq!(decide(&twice(&[ready.clone()]), 2), Decision::Wait);
+        // Ready at one step only: one hash seen, wait for the other.
+        let staging = [ready.clone(), StageStatus::Staging];
+        assert_eq!(decide(&steps(&staging, &both), 2), Decision::Wait);
+        assert_eq!(decide(&steps(&[], &both), 2), Decision::Wait);
+    }
+
+    #[test]
+    fn names_whose_first_hashes_collide_do_not_commit() {
+        // 28 bits of FNV-1a: these two pass the first hash as one.
+        let (a, b) = ("step-19324", "step-58640");
+        assert_eq!(version_hash(a) & HASH_BITS, version_hash(b) & HASH_BITS);
+        let v = [StageStatus::Ready(a.into()), StageStatus::Ready(b.into())];
+        let differ = Decision::Abort {
+            rank: 1,
+            code: VERSIONS_DIFFER,
+        };
+        assert_eq!(decide(&twice(&v), 2), differ);
+        // Seen with the first hash alone, they wait (never commit).
+        let first_only = Votes {
+            before: Vec::new(),
+            last: (v.iter().enumerate())
+                .map(|(r, s)| (r as u32, vote_of(s, false) as u32))
+                .collect(),
+        };
+        assert_eq!(decide(&first_only, 2), Decision::Wait);
     }
 
     #[test]
     fn a_rank_not_ready_waits_and_a_failure_or_another_version_aborts() {
         let ready = StageStatus::Ready("step-7".into());
         let other = StageStatus::Ready("step-8".into());
-        let d = decide(&votes(&[ready.clone(), StageStatus::Staging]), 2);
+        let d = decide(&twice(&[ready.clone(), StageStatus::Staging]), 2);
         assert_eq!(d, Decision::Wait);
-        let d = decide(&votes(&[StageStatus::Idle, ready.clone()]), 2);
+        let d = decide(&twice(&[StageStatus::Idle, ready.clone()]), 2);
         assert_eq!(d, Decision::Wait);
         let failed = StageStatus::Failed(wm_result::WM_ERR_NOT_FOUND);
-        let d = decide(&votes(&[StageStatus::Staging, failed]), 2);
+        let d = decide(&twice(&[StageStatus::Staging, failed]), 2);
         let code = wm_result::WM_ERR_NOT_FOUND as u32;
         assert_eq!(d, Decision::Abort { rank: 1, code });
-        let d = decide(&votes(&[ready, StageStatus::Staging, other]), 3);
+        let d = decide(&twice(&[ready, StageStatus::Staging, other]), 3);
         assert_eq!(
             d,
             Decision::Abort {

@@ -48,8 +48,23 @@ use parking_lot::Mutex;
 use report::ReportCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Rank 0's decision on every rank's vote ((rank, vote), sorted by rank).
-pub type Decide<'a> = dyn Fn(&[(u32, u32)]) -> i32 + 'a;
+/// Rank 0's decision on every rank's vote ((rank, vote), sorted by rank)
+/// at the step before and at the one before that.
+pub type Decide<'a> = dyn Fn(&Votes) -> i32 + 'a;
+
+/// Every rank's non-zero contribution to the last two steps' barriers
+/// ((rank, vote), sorted by rank), as rank 0 got them.
+#[derive(Debug, Default)]
+pub struct Votes {
+    pub before: Vec<(u32, u32)>,
+    pub last: Vec<(u32, u32)>,
+}
+
+impl Votes {
+    fn push(&mut self, said: Vec<(u32, u32)>) {
+        self.before = std::mem::replace(&mut self.last, said);
+    }
+}
 
 /// A rank's result in a finishing barrier: an error's code (below this),
 /// or done with 28 bits of its version's hash, so that rank 0 learns
@@ -66,8 +81,9 @@ pub fn version_hash(s: &str) -> u32 {
 }
 
 /// A second, independent fingerprint of a version (the top bits of its
-/// xxh3-128), for the finishing barrier's second round.
-fn version_hash_2(s: &str) -> u32 {
+/// xxh3-128), for the finishing barrier's second round and the two-phase
+/// vote's other step.
+pub fn version_hash_2(s: &str) -> u32 {
     (crate::checksum::of(s.as_bytes()) >> 96) as u32
 }
 
@@ -82,9 +98,9 @@ pub struct SignalPlane {
     pending: Mutex<Option<State>>,
     /// Set once the group failed: the report then outlives this engine.
     group_failed: AtomicBool,
-    /// Rank 0: every rank's non-zero contribution to the last step's
-    /// barrier (two-phase staging statuses, `broadcast_vote`).
-    votes: Mutex<Vec<(u32, u32)>>,
+    /// Rank 0: every rank's non-zero contribution to the last two steps'
+    /// barriers (two-phase staging statuses, `broadcast_vote`).
+    votes: Mutex<Votes>,
     logger: Logger,
 }
 
@@ -131,7 +147,7 @@ impl SignalPlane {
             group: Mutex::new(group),
             pending: Mutex::new(None),
             group_failed: AtomicBool::new(false),
-            votes: Mutex::new(Vec::new()),
+            votes: Mutex::default(),
             logger,
         })
     }
@@ -168,7 +184,7 @@ impl SignalPlane {
     /// This step's value while an update is pending and ranks stage it
     /// (two-phase, see `manager::staged_vote`): every rank contributes
     /// `mine` (its staging's status) to the barrier after the step; rank 0
-    /// serves `decide`'s decision on the statuses of the step before
+    /// serves `decide`'s decision on the statuses of the two steps before
     /// instead of the control word when it stages too (`decide` given),
     /// else the word. The raw value: the word's, or a decision.
     pub fn broadcast_vote(&self, mine: i32, decide: Option<&Decide>) -> Result<i32> {
@@ -181,7 +197,7 @@ impl SignalPlane {
             Some(g) => match g.broadcast(read, mine) {
                 Ok((_, raw, said)) => {
                     if self.rank == 0 {
-                        *self.votes.lock() = said;
+                        self.votes.lock().push(said);
                     }
                     Ok(raw)
                 }
@@ -196,10 +212,10 @@ impl SignalPlane {
             ))),
             None => {
                 let raw = read()?;
-                *self.votes.lock() = match mine {
+                self.votes.lock().push(match mine {
                     0 => Vec::new(),
                     m => vec![(self.rank, m as u32)],
-                };
+                });
                 Ok(raw)
             }
         }
