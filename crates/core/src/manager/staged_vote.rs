@@ -241,12 +241,10 @@ mod tests {
         let ready = StageStatus::Ready("step-7".into());
         let both = [ready.clone(), ready.clone()];
         assert_eq!(decide(&twice(&both), 2), Decision::Commit);
-        assert_eq!(
-            decide(&twice(std::slice::from_ref(&ready)), 1),
-            Decision::Commit
-        );
+        let one = std::slice::from_ref(&ready);
+        assert_eq!(decide(&twice(one), 1), Decision::Commit);
         // A rank missing from the votes (it said nothing) is not ready.
-        assert_eq!(decide(&twice(&[ready.clone()]), 2), Decision::Wait);
+        assert_eq!(decide(&twice(one), 2), Decision::Wait);
         // Ready at one step only: one hash seen, wait for the other.
         let staging = [ready.clone(), StageStatus::Staging];
         assert_eq!(decide(&steps(&staging, &both), 2), Decision::Wait);
