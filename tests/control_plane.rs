@@ -539,38 +539,12 @@ fn a_rank_that_fails_to_stage_stops_every_commit() {
     let good = tempfile::tempdir().unwrap();
     snapshot(good.path());
     let empty = tempfile::tempdir().unwrap();
-    let (group, cell) = (unique("g2pf"), unique("c2pf"));
-    let _names = Names(vec![cell.clone()]);
     let model = |rank: u32| match rank {
         1 => empty.path().to_path_buf(),
         _ => good.path().to_path_buf(),
     };
-    let mut ranks = two_phase_ranks(good.path(), 3, (&group, &cell), model, |_| 200);
-    let c = Controller::open(&cell).unwrap();
-    let t = Duration::from_secs(10);
-    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
-    let e = c.request(State::Updating, t).unwrap_err();
+    let e = no_rank_commits(("2pf", good.path()), 3, model, "rank 1 failed to stage");
     assert!(e.message.contains("failed on rank 1"), "{e}");
-    assert_eq!(c.get().unwrap(), State::Cleared);
-    let logs = finish(&mut ranks);
-    let mut at = None;
-    for (r, log) in logs.iter().enumerate() {
-        assert!(!log.contains("committed"), "rank {r} committed: {log}");
-        let line = log.lines().find(|l| l.starts_with("no commit at"));
-        let line = line.unwrap_or_else(|| panic!("rank {r} never heard: {log}"));
-        assert!(line.contains("rank 1 failed to stage"), "rank {r}: {line}");
-        let step = line
-            .split_whitespace()
-            .nth(3)
-            .unwrap()
-            .trim_end_matches(':')
-            .to_string();
-        assert_eq!(
-            *at.get_or_insert(step.clone()),
-            step,
-            "rank {r} heard at another step"
-        );
-    }
 }
 
 /// Two ranks staging versions whose names' first 28-bit hashes collide
@@ -585,32 +559,59 @@ fn ranks_staging_colliding_names_do_not_commit() {
     snapshot(two.path());
     common::write_version(one.path(), "step-19324");
     common::write_version(two.path(), "step-58640");
-    let (group, cell) = (unique("g2pc"), unique("c2pc"));
-    let _names = Names(vec![cell.clone()]);
     let model = |rank: u32| match rank {
         0 => one.path().to_path_buf(),
         _ => two.path().to_path_buf(),
     };
-    let mut ranks = two_phase_ranks(one.path(), 2, (&group, &cell), model, |_| 200);
+    let e = no_rank_commits(
+        ("2pc", one.path()),
+        2,
+        model,
+        "rank 1 staged another version",
+    );
+    let mismatch = weight_manager_core::wm_result::WM_ERR_MISMATCH;
+    assert_eq!(e.code, mismatch, "{e}");
+}
+
+/// `world` two-phase ranks reading `model(rank)` (group and cell named
+/// after `tag`) are asked for an update
+/// that no rank may commit: the controller's error (the word goes to
+/// CLEARED), after checking that no rank committed and every rank heard
+/// `why` at the same step.
+fn no_rank_commits(
+    (tag, dir): (&str, &Path),
+    world: u32,
+    model: impl Fn(u32) -> PathBuf,
+    why: &str,
+) -> weight_manager_core::Error {
+    let (group, cell) = (unique(&format!("g{tag}")), unique(&format!("c{tag}")));
+    let _names = Names(vec![cell.clone()]);
+    let mut ranks = two_phase_ranks(dir, world, (&group, &cell), model, |_| 200);
     let c = Controller::open(&cell).unwrap();
     let t = Duration::from_secs(10);
     assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
     let e = c.request(State::Updating, t).unwrap_err();
-    assert_eq!(
-        e.code,
-        weight_manager_core::wm_result::WM_ERR_MISMATCH,
-        "{e}"
-    );
     assert_eq!(c.get().unwrap(), State::Cleared);
-    for (r, log) in finish(&mut ranks).iter().enumerate() {
+    let logs = finish(&mut ranks);
+    let mut at = None;
+    for (r, log) in logs.iter().enumerate() {
         assert!(!log.contains("committed"), "rank {r} committed: {log}");
         let line = log.lines().find(|l| l.starts_with("no commit at"));
         let line = line.unwrap_or_else(|| panic!("rank {r} never heard: {log}"));
-        assert!(
-            line.contains("rank 1 staged another version"),
-            "rank {r}: {line}"
+        assert!(line.contains(why), "rank {r}: {line}");
+        let step = line
+            .split_whitespace()
+            .nth(3)
+            .unwrap()
+            .trim_end_matches(':')
+            .to_string();
+        assert_eq!(
+            *at.get_or_insert(step.clone()),
+            step,
+            "rank {r} heard at another step"
         );
     }
+    e
 }
 
 /// A rank killed between stage and commit: the others name it and stop,
