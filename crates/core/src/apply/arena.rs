@@ -20,6 +20,7 @@
 //! its own shadows, so the new pages go and the old ones stay.
 
 use crate::memory::aligned_offsets;
+use crate::memory::deferred::DeferredRelease;
 use crate::memory::host::{populate_all, HostRegion};
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
@@ -45,7 +46,11 @@ pub struct AtomicStaging<'p> {
     pub device: Vec<Option<&'p crate::memory::device::DeviceRegion>>,
     /// A staged commit: where the device memory it takes out of params
     /// goes to be freed after the commit returned (None: freed at once).
-    pub release_later: Option<&'p crate::memory::device_swap::DeferredRelease>,
+    pub device_release_later: Option<&'p DeferredRelease>,
+    /// A staged commit: where the old pages of library-owned host params
+    /// go to be freed after the commit returned (`memory::swap`'s
+    /// `swap_in_deferring`; None: the swap frees them).
+    pub host_release_later: Option<&'p DeferredRelease>,
 }
 
 /// Where a param's shadow is.

@@ -25,8 +25,9 @@
 //! (the shadows are freed, or become the params, when it ends); the host
 //! staging is the same as without the swap.
 
+use crate::memory::deferred::DeferredRelease;
 use crate::memory::device::DeviceRegion;
-use crate::memory::device_swap::{DeferredRelease, DevicePages};
+use crate::memory::device_swap::DevicePages;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use std::collections::BTreeMap;
@@ -57,7 +58,7 @@ pub(super) fn swapped_params(plan: &Plan, sizes: &[Option<u64>]) -> Vec<usize> {
 
 /// An update's device shadows, per param number, and where the memory
 /// the commit takes out goes: freed off the pause (a staged commit,
-/// `memory::device_swap::DeferredRelease`), or here.
+/// `memory::deferred::DeferredRelease`), or here.
 #[derive(Default)]
 pub(super) struct DeviceShadows<'p> {
     shadows: BTreeMap<usize, (&'p DeviceRegion, DevicePages)>,

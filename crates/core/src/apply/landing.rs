@@ -18,6 +18,7 @@ use super::arena::{Arena, AtomicStaging};
 use super::device_swap::DeviceShadows;
 use super::spans::{joined, SegmentWalk, Span, Spans};
 use super::types::{ApplyOptions, Mode};
+use crate::memory::deferred::DeferredRelease;
 use crate::memory::host::HostRegion;
 use crate::memory::loose::LooseBuffers;
 use crate::memory::pinned::PinnedBuffer;
@@ -40,6 +41,9 @@ pub(super) struct Landing<'p> {
     /// Atomic mode: per param number, the library-owned region its shadow
     /// is swapped into at commit.
     pub swappable: Vec<Option<&'p HostRegion>>,
+    /// A staged commit: the old pages of swapped params go here, freed
+    /// after the commit returned (None: the swap frees them).
+    pub host_release: Option<&'p DeferredRelease>,
     /// Atomic mode: shadows of library-owned device params, swapped in at
     /// commit (`device_swap.rs`).
     pub device_shadows: DeviceShadows<'p>,
@@ -77,7 +81,7 @@ impl<'p> Landing<'p> {
     ) -> Result<Landing<'p>> {
         let (device_shadows, arena) = match opts.mode {
             Mode::Atomic => (
-                DeviceShadows::for_plan(plan, (&staging.device, staging.release_later))?,
+                DeviceShadows::for_plan(plan, (&staging.device, staging.device_release_later))?,
                 Some(Arena::for_plan(plan, &mut staging, opts.threads)?),
             ),
             Mode::InPlace => (DeviceShadows::default(), None),
@@ -87,6 +91,7 @@ impl<'p> Landing<'p> {
             params,
             arena,
             swappable: staging.swappable,
+            host_release: staging.host_release_later,
             device_shadows,
             keep: staging.keep,
             loose: LooseBuffers::new(opts.callback_staging_limit),

@@ -9,7 +9,7 @@ use super::device_swap::param_name;
 use super::landing::Landing;
 use crate::memory::copy::{copy_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
-use crate::memory::swap::swap_in;
+use crate::memory::swap::{swap_in, swap_in_deferring};
 use crate::memory::SendPtr;
 use crate::plan::Target;
 use crate::result::Result;
@@ -54,17 +54,30 @@ impl<'p> Landing<'p> {
         jobs
     }
 
-    /// Swap every own shadow into its library-owned param.
+    /// Swap every own shadow into its library-owned param. A staged
+    /// commit's old pages are freed after it returned (`host_release`).
     pub fn swap_shadows(&mut self, arena: &mut Arena) -> Result<()> {
+        let mut old_pages = Vec::new();
+        let mut swapped = Ok(());
         for i in 0..self.swappable.len() {
             let (Some(param), Some(shadow)) = (self.swappable_region(i), arena.take_own_shadow(i))
             else {
                 continue;
             };
             self.writes_params();
-            swap_in(param, shadow).map_err(|e| e.context(param_name(self.plan, i)))?;
+            let swap = match self.host_release {
+                Some(_) => swap_in_deferring(param, shadow).map(|old| old_pages.extend(old)),
+                None => swap_in(param, shadow),
+            };
+            if let Err(e) = swap {
+                swapped = Err(e.context(param_name(self.plan, i)));
+                break;
+            }
         }
-        Ok(())
+        if let Some(release) = self.host_release {
+            release.later(old_pages);
+        }
+        swapped
     }
 
     fn swappable_region(&self, i: usize) -> Option<&'p HostRegion> {

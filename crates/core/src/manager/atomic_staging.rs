@@ -32,7 +32,8 @@ impl Manager {
                 true => params.iter().map(library_device_region).collect(),
                 false => Vec::new(),
             },
-            release_later: None,
+            device_release_later: None,
+            host_release_later: None,
         }
     }
 }

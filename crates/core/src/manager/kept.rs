@@ -7,7 +7,7 @@
 use super::plan_cache::PlanCache;
 use super::shadows::NextShadows;
 use crate::fanout::FanoutLink;
-use crate::memory::device_swap::DeferredRelease;
+use crate::memory::deferred::DeferredRelease;
 use crate::memory::host::HostRegion;
 use crate::memory::kept_mappings::MappedBuffers;
 use crate::memory::staging::DeviceStaging;
@@ -32,6 +32,9 @@ pub(super) struct Kept {
     pub quant_landing: Mutex<Vec<(usize, HostRegion)>>,
     /// Device memory staged commits took out of params, being freed.
     pub device_release: DeferredRelease,
+    /// Host pages staged commits took out of library-owned params, being
+    /// freed.
+    pub host_release: DeferredRelease,
     /// NCCL fan-out: the communicator.
     pub fanout: Option<Mutex<FanoutLink>>,
 }
@@ -47,6 +50,7 @@ impl Kept {
             next_shadows: Mutex::default(),
             quant_landing: Mutex::default(),
             device_release: DeferredRelease::default(),
+            host_release: DeferredRelease::default(),
             fanout: fanout.map(Mutex::new),
         }
     }
@@ -59,6 +63,12 @@ impl Kept {
         self.atomic_staging.lock().take();
         self.next_shadows.lock().discard();
         self.quant_landing.lock().clear();
+        self.wait_released();
+    }
+
+    /// Wait until what staged commits took out of params is freed.
+    pub fn wait_released(&self) {
         self.device_release.wait();
+        self.host_release.wait();
     }
 }

@@ -384,12 +384,13 @@ impl Manager {
         let mut staging = self.kept.staging.lock();
         let mut kept = self.kept.atomic_staging.lock();
         let atomic_mode = apply_opts.mode == Mode::Atomic;
-        // A staged commit before this one may still be freeing device
-        // memory: done before this update takes any.
-        self.kept.device_release.wait();
+        // A staged commit before this one may still be freeing memory:
+        // done before this update takes any.
+        self.kept.wait_released();
         let mut atomic = self.atomic_staging(run.registry, keep.then_some(&mut *kept), atomic_mode);
         if run.gate.is_some() {
-            atomic.release_later = Some(&self.kept.device_release);
+            atomic.device_release_later = Some(&self.kept.device_release);
+            atomic.host_release_later = Some(&self.kept.host_release);
         }
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)

@@ -12,7 +12,7 @@
 //! that a later failure can swap it back; dropping it frees it.
 //!
 //! What a commit takes out is freed off the engine's pause when the commit
-//! is a staged one ([`DeferredRelease`]): each swap leaves the old
+//! is a staged one ([`super::deferred::DeferredRelease`]): each swap leaves the old
 //! allocation to be released by a thread of its own once the commit
 //! returned (on the H200 those driver calls were most of a staged commit's
 //! pause); the next update, a clear or the manager's end waits for that
@@ -102,49 +102,6 @@ fn unmap_view(ordinal: i32, ptr: u64, len: usize) {
             sys::cuMemUnmap(ptr, len);
             sys::cuMemAddressFree(ptr, len);
         }
-    }
-}
-
-/// The memory staged commits took out of device params, freed on a thread
-/// of its own so that the engine does not wait for it (module docs). One
-/// batch at a time: a new one, [`DeferredRelease::wait`] and drop wait for
-/// the last.
-#[derive(Default)]
-pub struct DeferredRelease {
-    freeing: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl DeferredRelease {
-    /// Free `pages` on a thread of its own (here, when none can start).
-    pub fn later(&self, pages: Vec<DevicePages>) {
-        self.wait();
-        if pages.is_empty() {
-            return;
-        }
-        let (tx, rx) = std::sync::mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name("wm-device-free".into())
-            .spawn(move || drop(rx.recv()));
-        match spawned {
-            Ok(thread) => {
-                let _ = tx.send(pages);
-                *self.freeing.lock() = Some(thread);
-            }
-            Err(_) => drop(pages),
-        }
-    }
-
-    /// Wait until what [`DeferredRelease::later`] was given is freed.
-    pub fn wait(&self) {
-        if let Some(thread) = self.freeing.lock().take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl Drop for DeferredRelease {
-    fn drop(&mut self) {
-        self.wait();
     }
 }
 

@@ -4,6 +4,8 @@
 //!   and brought back at the same address.
 //! - [`swap`]: the page swap that commits an atomic update into a
 //!   library-owned host param without copying.
+//! - [`deferred`]: what a staged commit took out of params, freed after
+//!   the commit returned.
 //! - [`loose`]: bounded, fallible buffers for tensors received outside params.
 //! - [`copy`]: the parallel copier every source uses (memory to memory, and
 //!   file to memory with `pread`), plus parallel checksums.
@@ -25,6 +27,7 @@
 pub mod copy;
 pub mod cuda;
 pub mod cuda_ipc;
+pub mod deferred;
 pub mod device;
 pub mod device_swap;
 pub mod host;

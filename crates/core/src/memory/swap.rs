@@ -12,6 +12,17 @@
 //! mix of bytes. Both regions start on 2 MiB boundaries (`HostRegion::new`),
 //! so huge pages move as single page-table entries.
 //!
+//! A staged commit (`wm_commit`: the engine reads no param while it runs)
+//! frees nothing: [`swap_in_deferring`] first moves the param's old pages
+//! out of the way (`MREMAP_DONTUNMAP`, which moves page-table entries and
+//! leaves the param's range mapped and empty), then moves the shadow's in,
+//! and the caller frees the old pages after the commit returned. Freeing
+//! them was most of the pause: 16 params of 64 MiB took 2.7 ms to swap
+//! with the old pages freed by the swap and 0.5 ms without (2 MiB pages,
+//! this 2-core VM). A thread that read the param between the two moves
+//! would read zeros, which is why a one-call update, where readers may
+//! run, keeps the single move ([`swap_in`]).
+//!
 //! Why `mremap` of private anonymous memory and not a memfd mapped over
 //! the param with `mmap(MAP_FIXED)`: the memfd route keeps the old pages
 //! (a double buffer that could be reused without zeroing) but its shared
@@ -83,6 +94,48 @@ pub fn swap_in(param: &HostRegion, shadow: HostRegion) -> Result<()> {
     Ok(())
 }
 
+/// As [`swap_in`], but the param's old pages are not freed: they come
+/// back as a region of their own for the caller to drop later (module
+/// docs). Between the two moves the param's range reads as zeros, so only
+/// for a commit the engine does not read during. Where the kernel cannot
+/// move pages out and leave the range mapped (`MREMAP_DONTUNMAP`: Linux
+/// 5.7 on, for private anonymous memory; memory accounting may refuse the
+/// second mapping), it swaps as [`swap_in`] and returns None.
+pub fn swap_in_deferring(param: &HostRegion, shadow: HostRegion) -> Result<Option<HostRegion>> {
+    if shadow.mapped() != param.mapped() {
+        return swap_in(param, shadow).map(|()| None);
+    }
+    // Where the old pages go: a fresh reservation, aligned as the param
+    // (2 MiB for regions that large), so that huge pages move whole.
+    let Ok(old) = HostRegion::new("a param's old pages", param.mapped()) else {
+        return swap_in(param, shadow).map(|()| None);
+    };
+    // SAFETY: both ranges are whole mappings of ours, of equal size; the
+    // param's pages move over the reservation, which then owns them, and
+    // the param's range stays mapped, empty.
+    let moved = unsafe {
+        libc::syscall(
+            libc::SYS_mremap,
+            param.ptr(),
+            param.mapped(),
+            param.mapped(),
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP,
+            old.ptr(),
+        )
+    };
+    if moved == -1 {
+        return swap_in(param, shadow).map(|()| None);
+    }
+    match swap_in(param, shadow) {
+        Ok(()) => Ok(Some(old)),
+        Err(e) => {
+            // The param's range is mapped and empty: put the old pages back.
+            swap_in(param, old).map_err(|back| back.context(e.message.clone()))?;
+            Err(e)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +152,25 @@ mod tests {
             assert_eq!(param.ptr(), addr);
             assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 2));
             assert_eq!(param.resident_bytes().unwrap(), param.mapped());
+        }
+    }
+
+    #[test]
+    fn a_deferring_swap_hands_the_old_pages_back() {
+        for len in [100, 3 << 20] {
+            let param = HostRegion::new("param", len).unwrap();
+            unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
+            let shadow = HostRegion::new("shadow", len).unwrap();
+            unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+            let addr = param.ptr();
+            let old = swap_in_deferring(&param, shadow).unwrap();
+            assert_eq!(param.ptr(), addr);
+            assert!(unsafe { param.as_slice() }.iter().all(|b| *b == 2));
+            assert_eq!(param.resident_bytes().unwrap(), param.mapped());
+            // This kernel moves pages out (5.7 on): the old bytes, intact.
+            let old = old.expect("MREMAP_DONTUNMAP");
+            assert_eq!(old.mapped(), param.mapped());
+            assert!(unsafe { old.as_slice() }[..len].iter().all(|b| *b == 1));
         }
     }
 
