@@ -92,6 +92,35 @@ fn update_clear_update_per_rank_file() {
     assert_eq!(m.status().resident_bytes, m.status().param_bytes);
 }
 
+/// Files found in the fallback directory take their version from the
+/// model directory's `version.yaml`, and from the fallback's own when the
+/// model directory has none; with neither, the error names both.
+#[test]
+fn a_fallback_snapshot_is_named_by_the_model_directory() {
+    let (dir, fallback) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let v1 = model(1);
+    write_safetensors(&fallback.path().join("model_state.tp0.0.safetensors"), &v1);
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: Some(fallback.path().to_path_buf()),
+        ..Default::default()
+    })
+    .unwrap();
+    let ptrs = register(&m, &v1);
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_NO_VERSION, "{e}");
+    for place in [dir.path(), fallback.path()] {
+        let file = place.join("version.yaml");
+        assert!(e.message.contains(&*file.to_string_lossy()), "{e}");
+    }
+    write_version(fallback.path(), "41");
+    let stats = m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_eq!(stats.version, "41");
+    write_version(dir.path(), "42");
+    let stats = m.update(UpdateRequest::snapshot(dir.path())).unwrap();
+    assert_eq!(stats.version, "42");
+    assert_params(&ptrs, &v1);
+}
+
 #[test]
 fn part_files_hf_shards_and_index() {
     let v = model(3);

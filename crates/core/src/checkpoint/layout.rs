@@ -69,8 +69,12 @@ pub struct Layout {
     pub files: Vec<PathBuf>,
     /// HuggingFace index: tensor name -> shard file name.
     pub index: Option<HashMap<String, String>>,
-    /// Directory holding `version.yaml` and the checksum file.
+    /// Directory holding the checksum file and `version.yaml`.
     pub dir: PathBuf,
+    /// Files found in the fallback directory: the model directory, whose
+    /// `version.yaml` is read first (the version is named in the model
+    /// directory; the fallback's own is read when it has none).
+    pub model_dir: Option<PathBuf>,
 }
 
 /// `G` for a rank: the entry of `CUDA_VISIBLE_DEVICES` at the rank's device
@@ -195,6 +199,7 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
             files: paths,
             index: Some(index),
             dir: dir.to_path_buf(),
+            model_dir: None,
         }));
     }
     let shards: Vec<PathBuf> = names
@@ -208,6 +213,7 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
         files: shards,
         index: None,
         dir: dir.to_path_buf(),
+        model_dir: None,
     }))
 }
 
@@ -225,6 +231,7 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Re
             dir: dir
                 .parent()
                 .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+            model_dir: None,
         });
     }
     if !dir.is_dir() {
@@ -236,11 +243,12 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Re
     let (r, g) = (loc.rank, &loc.gpu_id);
     let stem = format!("model_state.tp{r}.{g}");
     let names = list_dir(dir)?;
-    let one = |kind, path: PathBuf, dir: &Path| Layout {
+    let one = |kind, path: PathBuf, at: &Path| Layout {
         kind,
         files: vec![path],
         index: None,
-        dir: dir.to_path_buf(),
+        dir: at.to_path_buf(),
+        model_dir: (kind == LayoutKind::Fallback).then(|| dir.to_path_buf()),
     };
     let parts = part_files(dir, &names, &stem, logger);
     if !parts.is_empty() {
@@ -249,6 +257,7 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Re
             files: parts,
             index: None,
             dir: dir.clone(),
+            model_dir: None,
         });
     }
     if let Some(p) = per_rank(dir, &stem) {

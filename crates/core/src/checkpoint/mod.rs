@@ -96,7 +96,14 @@ impl Checkpoint {
         if !read_version {
             c.no_version = "the caller named a version".to_string();
         } else {
-            match version::read_version_yaml(&c.layout.dir, deadline) {
+            let read = |dir: &Path| version::read_version_yaml(dir, deadline);
+            let found = match &c.layout.model_dir {
+                Some(model_dir) => read(model_dir).or_else(|first| {
+                    read(&c.layout.dir).map_err(|then| format!("{first}, and {then}"))
+                }),
+                None => read(&c.layout.dir),
+            };
+            match found {
                 Ok(v) => c.manifest.version = Some(v),
                 Err(why) => c.no_version = why,
             }
