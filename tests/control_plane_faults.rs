@@ -454,3 +454,50 @@ fn init_fails_when_a_member_on_another_node_died_during_the_rendezvous() {
         "rank 0: {err}"
     );
 }
+
+/// A call refused with BUSY while the update (or clear) the signal asked
+/// for runs is not that action: the controller hears the running call's
+/// result, not the refusal (before, the refusal ended the action as failed
+/// and the word went to CLEARED while the update went on and committed).
+#[test]
+fn a_call_refused_as_busy_does_not_end_the_signals_action() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let cell = unique("busy");
+    let _names = Names(vec![cell.clone()]);
+    let m = std::sync::Arc::new(
+        Manager::new(ManagerConfig {
+            control_cell: Some(cell.clone()),
+            fallback_dir: None,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let spec = weight_manager_core::ParamSpec::host("w", weight_manager_core::DType::F32, &[16]);
+    m.allocate(&spec).unwrap();
+    let c = Controller::open(&cell).unwrap();
+    assert!(c.set(State::Updating).is_ok());
+    assert_eq!(m.broadcast_signal().unwrap(), State::Updating);
+    let (running, refused) = (mpsc::channel(), mpsc::channel::<()>());
+    let worker = {
+        let (m, dir) = (m.clone(), dir.path().to_path_buf());
+        std::thread::spawn(move || {
+            // Holds the update until the other thread was refused.
+            let mut hold = |_: &weight_manager_core::Progress| {
+                let _ = running.0.send(());
+                let _ = refused.1.recv_timeout(Duration::from_secs(10));
+                true
+            };
+            let mut req = weight_manager_core::UpdateRequest::snapshot(&dir);
+            req.hooks.progress = Some(&mut hold);
+            m.update(req).map(|s| s.version)
+        })
+    };
+    running.1.recv_timeout(Duration::from_secs(10)).unwrap();
+    let req = weight_manager_core::UpdateRequest::snapshot(dir.path());
+    assert_eq!(m.update(req).unwrap_err().code, wm_result::WM_ERR_BUSY);
+    assert_eq!(m.clear().unwrap_err().code, wm_result::WM_ERR_BUSY);
+    refused.0.send(()).unwrap();
+    assert_eq!(worker.join().unwrap().unwrap(), "1");
+    assert_eq!(c.get().unwrap(), State::Normal);
+}

@@ -7,15 +7,21 @@ use crate::state::State;
 impl Manager {
     /// Release weight memory; the next update brings it back.
     pub fn clear(&self) -> Result<ClearStats> {
-        let r = self.try_clear();
+        // A staged version is dropped: a cleared engine holds no weights.
+        // Refused because another call runs: this call finishes nothing
+        // the signal asked for (the running one does).
+        let op = (self.abort_staged("a clear"))
+            .and_then(|()| self.op.try_lock().ok_or_else(|| self.busy()));
+        let r = match op {
+            Ok(op) => self.try_clear(op),
+            Err(refused) => return self.recorded(Err(refused)),
+        };
         let r = self.finish_action(State::Clearing, r, |_| String::new());
         self.recorded(r)
     }
 
-    fn try_clear(&self) -> Result<ClearStats> {
-        // A staged version is dropped: a cleared engine holds no weights.
-        self.abort_staged("a clear")?;
-        let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
+    /// The clear, holding the manager's `_op`.
+    fn try_clear(&self, _op: parking_lot::MutexGuard<'_, ()>) -> Result<ClearStats> {
         {
             let mut rec = self.record.lock();
             rec.registration_open = false;

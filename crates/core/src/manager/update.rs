@@ -85,7 +85,19 @@ impl Manager {
         gate: Option<(CommitGate, &std::sync::atomic::AtomicBool)>,
     ) -> Result<UpdateStats> {
         let (gate, passed) = gate.unzip();
-        let r = self.try_update(req, gate).map_err(|e| self.cancel_cause(e));
+        // Refused because another call runs: this call finishes nothing
+        // the signal asked for (the running one does).
+        let Some(op) = self.op.try_lock() else {
+            // The staging thread's own update finds the op taken by
+            // another call: its stage slot is not what makes it busy.
+            return self.recorded(Err(match gate.is_some() {
+                true => self.busy_running(),
+                false => self.busy(),
+            }));
+        };
+        let r = self
+            .try_update(op, req, gate)
+            .map_err(|e| self.cancel_cause(e));
         let stopped = passed.is_some_and(|p| !p.load(std::sync::atomic::Ordering::Acquire));
         let r = match stopped {
             true => r,
@@ -99,15 +111,14 @@ impl Manager {
         }
     }
 
-    fn try_update(&self, req: UpdateRequest, gate: Option<CommitGate>) -> Result<UpdateStats> {
+    /// The update, holding the manager's `_op`.
+    fn try_update(
+        &self,
+        _op: parking_lot::MutexGuard<'_, ()>,
+        req: UpdateRequest,
+        gate: Option<CommitGate>,
+    ) -> Result<UpdateStats> {
         let start = Instant::now();
-        // The staging thread's own update finds the op taken by another
-        // call: its stage slot is not what makes it busy.
-        let busy = || match gate.is_some() {
-            true => self.busy_running(),
-            false => self.busy(),
-        };
-        let _op = self.op.try_lock().ok_or_else(busy)?;
         self.check_cancelled()?;
         if let Some(v) = &req.version {
             check_version(v)?;
