@@ -319,6 +319,7 @@ fn a_publisher_serving_shard_files_sends_their_placement() {
         bucket_timeout: Duration::from_secs(10),
         manifest_tensors: usize::MAX,
         gpu: 0,
+        stop: None,
     };
     let m: Manifest = std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));

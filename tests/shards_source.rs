@@ -90,6 +90,7 @@ fn ipc_manifest(sock: &Path) -> weight_manager_core::Result<Manifest> {
         bucket_timeout: Duration::from_secs(10),
         manifest_tensors: usize::MAX,
         gpu: 0,
+        stop: None,
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     let src = IpcSource::open(&opts, deadline, Arc::new(Mutex::new(Default::default())))?;
@@ -167,6 +168,7 @@ fn a_network_publisher_serves_shards_with_their_placement() {
         manifest_tensors: usize::MAX,
         direct: false,
         keyed: false,
+        stop: None,
     };
     let m = serve_one(&p, || {
         let src = NetSource::open(opts, Instant::now() + Duration::from_secs(20)).unwrap();

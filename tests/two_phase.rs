@@ -423,3 +423,58 @@ fn debug_lines_name_the_update_phases_and_the_commit() {
         assert!(lines[phases].contains(part), "{}", lines[phases]);
     }
 }
+
+/// A stage waiting for a publisher that never serves (bound, not serving)
+/// is stopped by a clear within moments, not after its wait for the
+/// publisher (up to the bucket timeout, 60 s): the clear returns OK and
+/// the stage says the clear dropped it. A one-call update waiting the same
+/// way stops as promptly when the manager is cancelled (a destroy).
+#[test]
+fn a_clear_or_destroy_stops_a_wait_for_a_silent_publisher() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("silent.sock");
+    let _silent = publisher(&sock, &version(2));
+    let (m, ps) = engine_at_v1(dir.path(), true, ManagerConfig::default());
+    let ipc = move |sock: &Path| {
+        let mut r = UpdateRequest::snapshot(sock);
+        r.source = SourceKind::Ipc;
+        r
+    };
+    let stopped_within = |stop: &dyn Fn(), waiting: std::thread::JoinHandle<wm_result>| {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        stop();
+        let code = waiting.join().unwrap();
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
+        code
+    };
+    let stage = {
+        let (m, sock) = (m.clone(), sock.clone());
+        std::thread::spawn(move || {
+            m.stage(ipc(&sock))
+                .err()
+                .map_or(wm_result::WM_OK, |e| e.code)
+        })
+    };
+    let code = stopped_within(&|| m.clear().map(|_| ()).unwrap(), stage);
+    assert_eq!(code, wm_result::WM_ERR_CANCELLED);
+    assert_eq!(m.status().state, State::Cleared);
+    m.update(UpdateRequest::snapshot(dir.path().join("v1")))
+        .unwrap();
+    assert_eq!(versions_seen(&ps), vec![1]);
+    let update = {
+        let (m, sock) = (m.clone(), sock.clone());
+        std::thread::spawn(move || {
+            m.update(ipc(&sock))
+                .err()
+                .map_or(wm_result::WM_OK, |e| e.code)
+        })
+    };
+    let code = stopped_within(&|| m.cancel(), update);
+    assert_eq!(code, wm_result::WM_ERR_CANCELLED);
+    assert_eq!(versions_seen(&ps), vec![1]);
+}

@@ -2,6 +2,7 @@
 
 use super::Manager;
 use crate::result::{Error, Result};
+use crate::transport::conn::StopFlag;
 use std::sync::atomic::Ordering;
 
 impl Manager {
@@ -11,7 +12,8 @@ impl Manager {
     /// destroying the manager while another thread's update runs (see
     /// `wm_destroy`).
     pub fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.stop_waiting();
         // A staged version waits for a decision, not at a batch boundary.
         if let Err(e) = self.abort_staged("the manager's destruction") {
             self.config.logger.warn(&format!("cancel: {e}"));
@@ -42,6 +44,26 @@ impl Manager {
             )));
         }
         Ok(())
+    }
+
+    /// The flag that ends the waits of the update that starts now for its
+    /// publishers; set already when the manager is being destroyed (a
+    /// destroy sets `cancelled` before it looks for the flag, and this
+    /// registers the flag before it looks at `cancelled`).
+    pub(super) fn watch_stops(&self) -> StopFlag {
+        let flag = StopFlag::default();
+        *self.stop_waits.lock() = Some(flag.clone());
+        if self.cancelled.load(Ordering::SeqCst) {
+            flag.store(true, Ordering::SeqCst);
+        }
+        flag
+    }
+
+    /// End the running update's waits for its publishers (`watch_stops`).
+    pub(super) fn stop_waiting(&self) {
+        if let Some(flag) = self.stop_waits.lock().as_ref() {
+            flag.store(true, Ordering::SeqCst);
+        }
     }
 
     /// Whether [`Manager::cancel`] was called.

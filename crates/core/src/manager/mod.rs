@@ -102,6 +102,10 @@ pub struct Manager {
     /// Where this rank's staging is, for the ranks' vote while an update
     /// is pending (`staged_vote.rs`).
     stage_status: Mutex<staged_vote::StageStatus>,
+    /// The running update's flag that ends its waits for a publisher
+    /// (`transport::conn::StopFlag`): set by a destroy, and by a clear or
+    /// abort of the version it stages (`cancel.rs`).
+    stop_waits: Mutex<Option<crate::transport::conn::StopFlag>>,
     /// Flips every voting step: a staged rank's vote carries the second
     /// hash of its version at every other step (`staged_vote.rs`).
     vote_second: AtomicBool,
@@ -152,6 +156,7 @@ impl Manager {
             staged: Mutex::new(None),
             stage_dropped: Mutex::new(None),
             stage_status: Mutex::default(),
+            stop_waits: Mutex::default(),
             vote_second: AtomicBool::new(false),
         })
     }

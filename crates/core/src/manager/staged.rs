@@ -227,6 +227,9 @@ impl Manager {
             if Instant::now() > until {
                 return Err(self.busy());
             }
+            // Again each time: the stage thread's update may not have
+            // registered its flag yet (`watch_stops`).
+            self.stop_waiting();
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())

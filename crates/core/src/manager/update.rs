@@ -119,6 +119,7 @@ impl Manager {
         gate: Option<CommitGate>,
     ) -> Result<UpdateStats> {
         let start = Instant::now();
+        self.watch_stops();
         self.check_cancelled()?;
         if let Some(v) = &req.version {
             check_version(v)?;

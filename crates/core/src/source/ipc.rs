@@ -50,7 +50,7 @@ use crate::memory::kept_mappings::{BucketMemory, MappedBuffers};
 use crate::memory::shared::{check_announced, SharedBuffer};
 use crate::plan::Plan;
 use crate::result::{Error, Result};
-use crate::transport::conn::Conn;
+use crate::transport::conn::{Conn, StopFlag};
 use crate::transport::unix::check_peer_uid;
 use crate::wire::{check_bucket, check_windows, BucketEntry, Frame, ALIGN};
 use parking_lot::Mutex;
@@ -79,6 +79,9 @@ pub struct IpcOptions {
     /// The GPU (CUDA ordinal in this process) that opens a trainer's CUDA
     /// IPC buffers: the rank's device, or 0 when the config names none.
     pub gpu: i32,
+    /// Ends the update's waits for this publisher once set (the engine's
+    /// destroy, or a clear of the version it stages).
+    pub stop: Option<StopFlag>,
 }
 
 pub struct IpcSource {
@@ -126,8 +129,9 @@ impl IpcSource {
             manifest_tensors: opts.manifest_tensors,
         };
         let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
-        let mut link =
-            PublisherLink::handshake(Conn::new(stream, who), &hello, deadline, |_, _| Ok(()))?;
+        let mut conn = Conn::new(stream, who);
+        conn.stop_when(opts.stop.clone());
+        let mut link = PublisherLink::handshake(conn, &hello, deadline, |_, _| Ok(()))?;
         link.set_frame_timeout(opts.bucket_timeout);
         Ok(IpcSource {
             link,

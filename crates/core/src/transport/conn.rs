@@ -68,7 +68,17 @@ pub struct Conn {
     max_frame: usize,
     /// The most tensors a MANIFEST may announce (`limit_manifest`).
     manifest_tensors: usize,
+    /// Set by the engine to stop waiting for this peer (`stop_when`).
+    stop: Option<StopFlag>,
 }
+
+/// A flag another thread sets to end a wait for a peer's frame: an
+/// engine's destroy, or a clear of the version it stages, while the
+/// update waits for a publisher that sends nothing.
+pub type StopFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+/// How often a wait looks at its stop flag.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 /// How long a send that found its peer gone reads for the peer's last
 /// frame (already in the socket, or not coming).
@@ -82,8 +92,15 @@ impl Conn {
             fds: VecDeque::new(),
             seal: None,
             max_frame: MAX_FRAME,
+            stop: None,
             manifest_tensors: usize::MAX,
         }
+    }
+
+    /// End every later wait for a frame, within 50 ms, once `stop` is set
+    /// (`WM_ERR_CANCELLED`).
+    pub fn stop_when(&mut self, stop: Option<StopFlag>) {
+        self.stop = stop;
     }
 
     /// Refuse a MANIFEST of more than `tensors` tensors before decoding
@@ -198,8 +215,18 @@ impl Conn {
                     self.peer
                 )));
             }
+            let slice = match &self.stop {
+                Some(stop) if stop.load(std::sync::atomic::Ordering::Acquire) => {
+                    return Err(Error::cancelled(format!(
+                        "stopped while waiting for a {what} from {}",
+                        self.peer
+                    )))
+                }
+                Some(_) => (deadline - now).min(STOP_POLL),
+                None => deadline - now,
+            };
             self.stream
-                .set_read_timeout(Some(deadline - now))
+                .set_read_timeout(Some(slice))
                 .map_err(|e| Error::io("setting a read timeout", e))?;
             match recvmsg(self.stream.as_raw_fd(), &mut buf[done..], &mut self.fds) {
                 Ok(0) => {

@@ -54,7 +54,7 @@ use crate::memory::pool::Pool;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::transport::auth::Secret;
-use crate::transport::conn::Conn;
+use crate::transport::conn::{Conn, StopFlag};
 use crate::wire::MAX_BUFFERS;
 use std::time::{Duration, Instant};
 
@@ -88,6 +88,9 @@ pub struct NetOptions {
     /// publisher sends (DIGESTS): authenticates the bytes themselves, where
     /// the manifest's XXH3 only catches corruption. Host landing only.
     pub keyed: bool,
+    /// Ends the update's waits for this publisher once set (the engine's
+    /// destroy, or a clear of the version it stages).
+    pub stop: Option<StopFlag>,
 }
 
 pub struct NetSource {
@@ -131,11 +134,12 @@ impl NetSource {
         };
         let step = deadline.min(Instant::now() + opts.bucket_timeout);
         let mut bytes_key = [0; KEYED];
-        let mut link =
-            PublisherLink::handshake(Conn::new(stream, who), &hello, step, |conn, hello| {
-                bytes_key = authenticate(conn, &opts.secret, hello, step)?;
-                Ok(())
-            })?;
+        let mut conn = Conn::new(stream, who);
+        conn.stop_when(opts.stop.clone());
+        let mut link = PublisherLink::handshake(conn, &hello, step, |conn, hello| {
+            bytes_key = authenticate(conn, &opts.secret, hello, step)?;
+            Ok(())
+        })?;
         link.set_deltas_by_message();
         link.set_frame_timeout(opts.bucket_timeout);
         Ok(NetSource {
