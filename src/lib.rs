@@ -192,7 +192,15 @@ pub(crate) static MANAGERS: HandleTable<EngineHandle> = HandleTable::new();
 /// staged update) and the version staged on it, if any (`stage.rs`).
 pub(crate) struct EngineHandle {
     manager: std::sync::Arc<Manager>,
-    staged: parking_lot::Mutex<Option<weight_manager_core::Staged>>,
+    staged: parking_lot::Mutex<Option<StageSlot>>,
+}
+
+/// A handle's two-phase slot (`stage.rs`). `Staging` holds the slot while
+/// a `wm_stage` runs, so that other calls answer at once instead of
+/// waiting for a staging that may wait on a stalled trainer.
+pub(crate) enum StageSlot {
+    Staging,
+    Staged(weight_manager_core::Staged),
 }
 
 impl EngineHandle {

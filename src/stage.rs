@@ -5,7 +5,7 @@ use super::manager::wm_manager;
 use super::update::{
     check_stats_size, request_from_c, stats_out, wm_update_request, wm_update_stats,
 };
-use super::{code_of, EngineHandle};
+use super::{code_of, EngineHandle, StageSlot};
 use crate::result::wm_result;
 use weight_manager_core::{Error, Result, UpdateStats};
 
@@ -114,18 +114,31 @@ unsafe fn request_to_stage(
 
 impl EngineHandle {
     /// Stage on this handle's manager, keeping the staged version here.
+    /// The slot is not held while the staging runs (`StageSlot::Staging`).
     fn stage_and_keep(&self, req: weight_manager_core::UpdateRequest) -> Result<UpdateStats> {
-        let mut slot = self.staged.lock();
-        // A staged version a clear or cancel dropped is gone from the
-        // manager; its leftover here is dropped (it ended already).
-        if slot.is_some() && !self.manager.is_staged() {
-            slot.take();
+        {
+            let mut slot = self.staged.lock();
+            // A staged version a clear or cancel dropped is gone from the
+            // manager; its leftover here is dropped (it ended already).
+            if matches!(*slot, Some(StageSlot::Staged(_))) && !self.manager.is_staged() {
+                slot.take();
+            }
+            match *slot {
+                Some(StageSlot::Staging) => {
+                    return Err(Error::state(
+                        "wm_stage: another wm_stage is running on this handle",
+                    ))
+                }
+                Some(StageSlot::Staged(_)) => {
+                    return Err(Error::state(
+                        "wm_stage: a version is staged already: wm_commit or wm_abort it first",
+                    ))
+                }
+                None => *slot = Some(StageSlot::Staging),
+            }
         }
-        if slot.is_some() {
-            return Err(Error::state(
-                "wm_stage: a version is staged already: wm_commit or wm_abort it first",
-            ));
-        }
+        // The slot leaves Staging however the stage ends (a panic too).
+        let _unstage = Unstage(&self.staged);
         let staged = self.manager.stage(req)?;
         let stats = UpdateStats {
             version: staged.version().to_string(),
@@ -133,14 +146,35 @@ impl EngineHandle {
             sync: staged.staged_in(),
             ..Default::default()
         };
-        *slot = Some(staged);
+        *self.staged.lock() = Some(StageSlot::Staged(staged));
         Ok(stats)
     }
 
     fn take_staged(&self, call: &str) -> Result<weight_manager_core::Staged> {
-        self.staged
-            .lock()
-            .take()
-            .ok_or_else(|| Error::state(format!("{call}: nothing is staged (call wm_stage first)")))
+        let mut slot = self.staged.lock();
+        match slot.take() {
+            Some(StageSlot::Staged(staged)) => Ok(staged),
+            Some(StageSlot::Staging) => {
+                *slot = Some(StageSlot::Staging);
+                Err(Error::state(format!(
+                    "{call}: a version is still staging (wm_stage has not returned)"
+                )))
+            }
+            None => Err(Error::state(format!(
+                "{call}: nothing is staged (call wm_stage first)"
+            ))),
+        }
+    }
+}
+
+/// Empties a slot still `Staging` when dropped.
+struct Unstage<'a>(&'a parking_lot::Mutex<Option<StageSlot>>);
+
+impl Drop for Unstage<'_> {
+    fn drop(&mut self) {
+        let mut slot = self.0.lock();
+        if matches!(*slot, Some(StageSlot::Staging)) {
+            *slot = None;
+        }
     }
 }

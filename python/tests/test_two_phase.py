@@ -155,3 +155,41 @@ def test_a_second_process_sees_the_old_version_until_commit(tmp_path):
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_calls_answer_at_once_while_a_stage_waits_on_a_silent_trainer(tmp_path):
+    """A stage waiting on a publisher that never serves: commit, abort and
+    a second stage say ERR_STATE at once (they waited for the whole
+    staging), and clear stops the staging at once (it waited for the
+    publisher, up to the bucket timeout); the old weights stay."""
+    import time
+    from weight_manager import Publisher
+    v1, _ = two_versions(tmp_path)
+    sock = str(tmp_path / "silent.sock")
+    with Publisher(sock), Manager() as m:
+        params = engine(m, v1)
+        m.update(str(tmp_path / "v1"))
+        ended = []
+        stager = threading.Thread(
+            target=lambda: ended.append(_code_of(lambda: m.stage(sock, source="ipc", timeout=30))))
+        stager.start()
+        time.sleep(0.3)
+        for call in (m.commit, m.abort, lambda: m.stage(str(tmp_path / "v2"))):
+            t = time.monotonic()
+            assert _code_of(call) == Result.ERR_STATE
+            assert time.monotonic() - t < 2
+        t = time.monotonic()
+        m.clear()
+        stager.join(10)
+        assert not stager.is_alive() and time.monotonic() - t < 5
+        assert ended == [Result.ERR_CANCELLED]
+        m.update(str(tmp_path / "v1"))
+        assert digests(params) == expected(v1)
+
+
+def _code_of(call):
+    try:
+        call()
+        return Result.OK
+    except WeightManagerError as e:
+        return e.code
