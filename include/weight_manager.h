@@ -1168,8 +1168,9 @@ wm_result wm_clear(wm_manager *manager);
 // `tensor_callback` (`WM_ERR_INVALID_ARGUMENT`). With NCCL fan-out the
 // root broadcasts its staged bytes before its commit, so every member
 // stages the same version. One staged version at a time: another
-// `wm_stage` is `WM_ERR_STATE`, and `wm_update` is `WM_ERR_BUSY` until the
-// commit or abort. The state reads `WM_STATE_UPDATING` from `wm_stage`
+// `wm_stage` (while this one runs, or after it staged) is
+// `WM_ERR_STATE`, and `wm_update` is `WM_ERR_BUSY` until the commit or
+// abort. The state reads `WM_STATE_UPDATING` from `wm_stage`
 // until `wm_commit` or `wm_abort` return; `wm_status`'s version stays the
 // old one until the commit.
 //
@@ -1192,7 +1193,8 @@ wm_result wm_stage(wm_manager *manager,
 // pause) and `sync_ns` = the staging's receive time; the state is
 // `WM_STATE_NORMAL`.
 //
-// Nothing staged: `WM_ERR_STATE`. A staged version dropped by `wm_clear`:
+// Nothing staged, or a `wm_stage` still running on another thread:
+// `WM_ERR_STATE` (at once). A staged version dropped by `wm_clear`:
 // `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
 // or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
 // atomic commit).
@@ -1201,8 +1203,10 @@ wm_result wm_commit(wm_manager *manager, wm_update_stats *out_stats);
 // Drop the staged version: the params, version and state stay as they
 // were before `wm_stage`, and the staging memory is freed (or kept for
 // the next update, as `wm_memory_config.free_atomic_staging` says).
-// Nothing staged: `WM_ERR_STATE`. A staged version `wm_clear` dropped
-// already: `WM_OK` (there is nothing left to drop).
+// Nothing staged, or a `wm_stage` still running on another thread:
+// `WM_ERR_STATE` (at once; `wm_clear` stops a running stage). A staged
+// version `wm_clear` dropped already: `WM_OK` (there is nothing left to
+// drop).
 wm_result wm_abort(wm_manager *manager);
 
 // ==========================================================================
