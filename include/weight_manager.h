@@ -452,11 +452,19 @@ typedef struct {
 // Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
 // The engine may free the memory; the library will not touch it again until
 // the acquire callback (or, without one, the next update) hands it back.
+// Also when an update after a clear fails after the acquire callbacks ran
+// (the memory is given back again): on the updating thread, which for
+// `wm_stage` is a thread of the library's.
 typedef void (*wm_release_callback)(void *user_data, const char *name, void *data, size_t len);
 
 // Called before the first update after a clear for each engine-owned param:
 // `(user_data, name, old_data, len)`; returns the memory to write (`len`
-// bytes, the old pointer or a new one) or NULL to fail the update.
+// bytes, the old pointer or a new one) or NULL to fail the update. Runs
+// on the updating thread: for `wm_stage`, the library's staging thread
+// (set the CUDA device there if the callback allocates on a GPU). Calls
+// from it into this manager answer at once: `wm_update`, `wm_clear`,
+// `wm_stage` `WM_ERR_BUSY` or `WM_ERR_STATE`, `wm_destroy` stops the
+// update after the callback returns.
 typedef void *(*wm_acquire_callback)(void *user_data, const char *name, void *old_data, size_t len);
 
 // Param memory (`wm_config.memory`): the engine's release and acquire

@@ -121,6 +121,19 @@ impl<T> HandleTable<T> {
     /// and forget it. Returns at once when this thread is inside a call on
     /// it (the object is freed when that call returns).
     pub(crate) fn destroy(&self, p: *const c_void, cancel: impl FnOnce(&T)) {
+        self.destroy_inside(p, cancel, |_| false)
+    }
+
+    /// [`HandleTable::destroy`], for an object whose own threads run the
+    /// caller's callbacks too: `inside` says whether this thread is one of
+    /// them, running a call's work (then, as inside a call on this thread,
+    /// it cancels and returns at once).
+    pub(crate) fn destroy_inside(
+        &self,
+        p: *const c_void,
+        cancel: impl FnOnce(&T),
+        inside: impl Fn(&T) -> bool,
+    ) {
         let key = p as usize;
         let (slot, first) = {
             let table = self.0.write();
@@ -135,7 +148,7 @@ impl<T> HandleTable<T> {
         if first {
             cancel(&slot.value);
         }
-        if IN_CALL.with(|c| c.borrow().contains(&key)) {
+        if IN_CALL.with(|c| c.borrow().contains(&key)) || inside(&slot.value) {
             self.0.write().remove(&key);
             return;
         }

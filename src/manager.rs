@@ -26,6 +26,9 @@ pub type wm_log_callback =
 /// Called on `wm_clear` for each engine-owned param: `(user_data, name, data, len)`.
 /// The engine may free the memory; the library will not touch it again until
 /// the acquire callback (or, without one, the next update) hands it back.
+/// Also when an update after a clear fails after the acquire callbacks ran
+/// (the memory is given back again): on the updating thread, which for
+/// `wm_stage` is a thread of the library's.
 pub type wm_release_callback = Option<
     unsafe extern "C" fn(
         user_data: *mut c_void,
@@ -37,7 +40,12 @@ pub type wm_release_callback = Option<
 
 /// Called before the first update after a clear for each engine-owned param:
 /// `(user_data, name, old_data, len)`; returns the memory to write (`len`
-/// bytes, the old pointer or a new one) or NULL to fail the update.
+/// bytes, the old pointer or a new one) or NULL to fail the update. Runs
+/// on the updating thread: for `wm_stage`, the library's staging thread
+/// (set the CUDA device there if the callback allocates on a GPU). Calls
+/// from it into this manager answer at once: `wm_update`, `wm_clear`,
+/// `wm_stage` `WM_ERR_BUSY` or `WM_ERR_STATE`, `wm_destroy` stops the
+/// update after the callback returns.
 pub type wm_acquire_callback = Option<
     unsafe extern "C" fn(
         user_data: *mut c_void,
@@ -422,6 +430,8 @@ pub unsafe extern "C" fn wm_last_error(
 #[no_mangle]
 pub unsafe extern "C" fn wm_destroy(manager: *mut wm_manager) {
     ffi_guard_or!((), {
-        super::MANAGERS.destroy(manager.cast(), |h| h.cancel())
+        // The staging thread runs acquire and release callbacks.
+        let on_stage_thread = |h: &super::EngineHandle| h.on_stage_thread();
+        super::MANAGERS.destroy_inside(manager.cast(), |h| h.cancel(), on_stage_thread)
     })
 }

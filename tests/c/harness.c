@@ -1170,6 +1170,81 @@ static void test_destroy_in_callback(void) {
   remove_tmpdir();
 }
 
+/* Calls into the library from the acquire callback of a staged update,
+ * which runs on the library's staging thread: each answers at once (they
+ * waited for the staging, which waited for them, until its timeout):
+ * wm_clear is WM_ERR_BUSY (as from any callback), wm_commit WM_ERR_STATE
+ * (nothing staged yet), and wm_destroy returns at once and stops the
+ * staging, which wm_stage reports as WM_ERR_CANCELLED. */
+typedef struct {
+  wm_manager *m;
+  int call;
+  wm_result got;
+} staged_reentry_state;
+
+static void *acquire_and_call(void *user, const char *name, void *old, size_t len) {
+  (void)name;
+  (void)len;
+  staged_reentry_state *s = user;
+  wm_update_stats st;
+  st.struct_size = sizeof st;
+  switch (s->call) {
+    case 0: s->got = wm_clear(s->m); break;
+    case 1: s->got = wm_commit(s->m, &st); break;
+    default: wm_destroy(s->m); break;
+  }
+  return old;
+}
+
+static double seconds_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void test_staged_acquire_reentry(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  const wm_result want[3] = {WM_ERR_BUSY, WM_ERR_STATE, WM_OK};
+  for (int call = 0; call < 3; call++) {
+    staged_reentry_state s = {NULL, call, WM_OK};
+    wm_config c;
+    wm_config_init(&c);
+    c.model_dir = tmpdir;
+    c.fallback_dir = "";
+    wm_memory_config mem;
+    wm_memory_config_init(&mem);
+    mem.acquire_callback = acquire_and_call;
+    mem.callback_user_data = &s;
+    c.memory = &mem;
+    CHECK_RC(wm_init(&c, &s.m), WM_OK);
+    wm_param_desc d;
+    desc_w(&d);
+    float w[16] = {0};
+    CHECK_RC(wm_register_param(s.m, &d, w, sizeof w), WM_OK);
+    CHECK_RC(wm_clear(s.m), WM_OK);
+    wm_update_request r;
+    wm_update_request_init(&r);
+    r.flags = WM_UPDATE_SKIP_UNKNOWN;
+    r.timeout_ms = 20000;
+    double t = seconds_now();
+    wm_result staged = wm_stage(s.m, &r, NULL);
+    CHECK(seconds_now() - t < 5.0);
+    CHECK_RC(s.got, want[call]);
+    if (call < 2) {
+      CHECK_RC(staged, WM_OK);
+      CHECK_RC(wm_abort(s.m), WM_OK);
+      wm_destroy(s.m);
+    } else {
+      CHECK_RC(staged, WM_ERR_CANCELLED);
+      wm_status_info st;
+      st.struct_size = sizeof st;
+      CHECK_RC(wm_status(s.m, &st), WM_ERR_INVALID_HANDLE);
+    }
+  }
+  remove_tmpdir();
+}
+
 /* Issue 15: a failed create call leaves its reason for wm_last_create_error. */
 static void test_create_error(void) {
   make_tmpdir();
@@ -1581,6 +1656,7 @@ int main(int argc, char **argv) {
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"destroy_in_callback", test_destroy_in_callback},
+      {"staged_acquire_reentry", test_staged_acquire_reentry},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
       {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
       {"quantized", test_quantized}, {"quantized_deltas", test_quantized_deltas},

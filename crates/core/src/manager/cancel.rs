@@ -15,6 +15,10 @@ impl Manager {
         self.cancelled.store(true, Ordering::SeqCst);
         self.stop_waiting();
         // A staged version waits for a decision, not at a batch boundary.
+        // From the staging's own callback: it stops after the callback.
+        if self.on_stage_thread() {
+            return;
+        }
         if let Err(e) = self.abort_staged("the manager's destruction") {
             self.config.logger.warn(&format!("cancel: {e}"));
         }

@@ -106,6 +106,9 @@ pub struct Manager {
     /// (`transport::conn::StopFlag`): set by a destroy, and by a clear or
     /// abort of the version it stages (`cancel.rs`).
     stop_waits: Mutex<Option<crate::transport::conn::StopFlag>>,
+    /// The staging thread while it runs its update (`staged.rs`): calls
+    /// from its callbacks must not wait for the staging to end.
+    stage_thread: Mutex<Option<std::thread::ThreadId>>,
     /// Flips every voting step: a staged rank's vote carries the second
     /// hash of its version at every other step (`staged_vote.rs`).
     vote_second: AtomicBool,
@@ -157,6 +160,7 @@ impl Manager {
             stage_dropped: Mutex::new(None),
             stage_status: Mutex::default(),
             stop_waits: Mutex::default(),
+            stage_thread: Mutex::default(),
             vote_second: AtomicBool::new(false),
         })
     }

@@ -154,7 +154,9 @@ impl Manager {
     ) {
         let passed = AtomicBool::new(false);
         let gate = self.commit_gate(decisions, report.clone(), &passed);
+        *self.stage_thread.lock() = Some(std::thread::current().id());
         let r = self.update_gated(parts.into_request(), Some((gate, &passed)));
+        *self.stage_thread.lock() = None;
         let mut slot = self.staged.lock();
         let dropped = self.stage_dropped.lock().take();
         let r = r.map_err(|e| match dropped {
@@ -219,6 +221,11 @@ impl Manager {
         let Some(decide) = self.staged.lock().clone() else {
             return Ok(());
         };
+        // Called from the staging's own callbacks (acquire): the staging
+        // cannot end while this waits for it.
+        if self.on_stage_thread() {
+            return Err(self.busy_running());
+        }
         // Still staging: stop at the next batch; staged: the decision.
         *self.stage_dropped.lock() = Some(why.to_string());
         let _ = decide.send(Decision::Abort(Error::cancelled(why)));
@@ -233,6 +240,11 @@ impl Manager {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    /// Whether this thread is the staging's own (its callbacks run there).
+    pub fn on_stage_thread(&self) -> bool {
+        *self.stage_thread.lock() == Some(std::thread::current().id())
     }
 
     /// Whether a version is staged (or staging).
