@@ -1144,6 +1144,13 @@ wm_result wm_update_request_init(wm_update_request *request);
 // `struct_size` must be set) receives the statistics; on failure it is not
 // written, the reason is in `wm_last_error`, and `wm_status` tells what was
 // left (atomic: old weights and version; in-place after bytes moved: FAILED).
+// One case commits first: an update the control signal asked for, in a
+// group, whose finishing barrier (after this rank's commit) fails because
+// another rank died returns that error ("the update was applied on rank
+// R, but the group did not finish it"), and `wm_status` then names the
+// new version (NORMAL); the controller hears the failure. An update the
+// signal asked for after this rank saw its group stop is refused before
+// any byte moves (`WM_ERR_PEER`).
 //
 // `request` and its strings are read during the call only; callbacks run on
 // the calling thread. `WM_ERR_BUSY` if another update or clear runs.
@@ -1205,7 +1212,11 @@ wm_result wm_stage(wm_manager *manager,
 // `WM_ERR_STATE` (at once). A staged version dropped by `wm_clear`:
 // `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
 // or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
-// atomic commit).
+// atomic commit). In a group: after this rank saw the group stop (a rank
+// died; `wm_broadcast_signal` said so), the commit is refused before it
+// writes (`WM_ERR_PEER`, "no commit"; the staged version is dropped); a
+// rank dying during the commit's finishing barrier makes it return that
+// error with the new version committed, as `wm_update` says.
 wm_result wm_commit(wm_manager *manager, wm_update_stats *out_stats);
 
 // Drop the staged version: the params, version and state stay as they

@@ -65,7 +65,11 @@ pub unsafe extern "C" fn wm_stage(
 /// `WM_ERR_STATE` (at once). A staged version dropped by `wm_clear`:
 /// `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
 /// or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
-/// atomic commit).
+/// atomic commit). In a group: after this rank saw the group stop (a rank
+/// died; `wm_broadcast_signal` said so), the commit is refused before it
+/// writes (`WM_ERR_PEER`, "no commit"; the staged version is dropped); a
+/// rank dying during the commit's finishing barrier makes it return that
+/// error with the new version committed, as `wm_update` says.
 #[no_mangle]
 pub unsafe extern "C" fn wm_commit(
     manager: *mut wm_manager,

@@ -305,6 +305,13 @@ unsafe fn locations_from_c(r: &wm_update_request) -> Result<Vec<std::path::PathB
 /// `struct_size` must be set) receives the statistics; on failure it is not
 /// written, the reason is in `wm_last_error`, and `wm_status` tells what was
 /// left (atomic: old weights and version; in-place after bytes moved: FAILED).
+/// One case commits first: an update the control signal asked for, in a
+/// group, whose finishing barrier (after this rank's commit) fails because
+/// another rank died returns that error ("the update was applied on rank
+/// R, but the group did not finish it"), and `wm_status` then names the
+/// new version (NORMAL); the controller hears the failure. An update the
+/// signal asked for after this rank saw its group stop is refused before
+/// any byte moves (`WM_ERR_PEER`).
 ///
 /// `request` and its strings are read during the call only; callbacks run on
 /// the calling thread. `WM_ERR_BUSY` if another update or clear runs.

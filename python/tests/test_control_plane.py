@@ -132,3 +132,64 @@ def test_signal_needs_a_group_name():
         with pytest.raises(WeightManagerError) as e:
             m.broadcast_signal()
         assert "wm_group_config" in e.value.message
+
+
+_STAGE_THEN_DIE = """
+import os, sys, time
+from weight_manager import Manager, State
+group, cell, model = sys.argv[1:4]
+with Manager(1, 2, group=group, control_cell=cell, model_dir=model, fallback_dir="",
+             signal_timeout=5) as m:
+    m.allocate("w", "f32", (16,))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if m.broadcast_signal() == State.UPDATING:
+            m.stage()
+            os._exit(0)  # dies between its stage and the commit
+        time.sleep(0.001)
+"""
+
+
+def test_a_commit_after_the_group_stopped_writes_nothing(tmp_path):
+    """Rank 1 dies between its stage and the commit; rank 0's signal says
+    so (ERR_PEER). A commit rank 0 makes anyway is refused before it writes
+    (it wrote the new version, then failed the finishing barrier), and its
+    params keep the old version."""
+    import sys
+    from weight_manager import Result
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for d, k in ((v1, 1), (v2, 2)):
+        d.mkdir()
+        save_file({"w": np.full(16, k, dtype=np.float32)}, str(d / "model.safetensors"))
+        (d / "version.yaml").write_text(f"step: {k}\n")
+    group, cell = f"wm_py_gs_{os.getpid()}", f"wm_py_cs_{os.getpid()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    rank1 = subprocess.Popen([sys.executable, "-c", _STAGE_THEN_DIE, group, cell, str(v2)], env=env)
+    try:
+        with Manager(0, 2, group=group, control_cell=cell, model_dir=str(v2), fallback_dir="",
+                     signal_timeout=5) as m:
+            w = m.allocate("w", "f32", (16,))
+            m.update(str(v1))
+            with Controller(cell) as c:
+                c.set(State.UPDATING)
+            stopped = None
+            deadline = time.monotonic() + 20
+            while stopped is None and time.monotonic() < deadline:
+                try:
+                    if m.broadcast_signal() == State.UPDATING and not m.status().state == State.UPDATING:
+                        m.stage()
+                except WeightManagerError as e:
+                    stopped = e
+                time.sleep(0.001)
+            assert stopped is not None and stopped.code == Result.ERR_PEER, stopped
+            with pytest.raises(WeightManagerError) as e:
+                m.commit()
+            assert e.value.code == Result.ERR_PEER and "no commit" in str(e.value)
+            assert (w == 1).all()
+            assert m.status().version == "1"
+    finally:
+        rank1.wait(30)
+        try:
+            shared_memory.SharedMemory(name=cell).unlink()
+        except FileNotFoundError:
+            pass

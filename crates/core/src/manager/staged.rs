@@ -201,6 +201,16 @@ impl Manager {
             }
             let _ = report.send(Report::Staged(version.to_string(), started.elapsed()));
             match decisions.recv() {
+                // The ranks cannot switch together any more: nothing is
+                // written (the commit would fail their finishing barrier
+                // after writing the new version).
+                Ok(Decision::Commit) if m.signal.stopped().is_some() => {
+                    let why = m.signal.stopped().map(|e| e.message).unwrap_or_default();
+                    Err(Error::peer(format!(
+                        "rank {}: no commit: the ranks' group stopped ({why})",
+                        m.config.rank
+                    )))
+                }
                 Ok(Decision::Commit) => {
                     m.config.logger.debug(&format!(
                         "rank {}: staged version {version}: committing",

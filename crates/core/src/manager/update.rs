@@ -121,6 +121,14 @@ impl Manager {
         let start = Instant::now();
         self.watch_stops();
         self.check_cancelled()?;
+        // The signal asked for this update, but the ranks' group stopped:
+        // its finishing barrier would fail after the commit.
+        if let (true, Some(e)) = (self.signal.update_pending(), self.signal.stopped()) {
+            return Err(Error::peer(format!(
+                "rank {}: the ranks' group stopped ({}): the update the signal asked for cannot finish",
+                self.config.rank, e.message
+            )));
+        }
         if let Some(v) = &req.version {
             check_version(v)?;
         }

@@ -98,6 +98,9 @@ pub struct SignalPlane {
     pending: Mutex<Option<State>>,
     /// Set once the group failed: the report then outlives this engine.
     group_failed: AtomicBool,
+    /// Why the group stopped, once it did (any rank): no staged version
+    /// may commit then, nor an update the signal asked for start.
+    stopped: Mutex<Option<Error>>,
     /// Rank 0: every rank's non-zero contribution to the last two steps'
     /// barriers (two-phase staging statuses, `broadcast_vote`).
     votes: Mutex<Votes>,
@@ -147,6 +150,7 @@ impl SignalPlane {
             group: Mutex::new(group),
             pending: Mutex::new(None),
             group_failed: AtomicBool::new(false),
+            stopped: Mutex::new(None),
             votes: Mutex::default(),
             logger,
         })
@@ -297,6 +301,12 @@ impl SignalPlane {
         }
     }
 
+    /// Why the ranks' group stopped (a rank died or stopped answering),
+    /// once a step or barrier of this rank's failed with it.
+    pub fn stopped(&self) -> Option<Error> {
+        self.stopped.lock().clone()
+    }
+
     /// Whether the last signal asked for an update that is not finished.
     pub fn update_pending(&self) -> bool {
         *self.pending.lock() == Some(State::Updating)
@@ -405,6 +415,7 @@ impl SignalPlane {
     /// (UPDATING or CLEARING) can never finish now: the word goes to CLEARED,
     /// from which the controller may ask again once the ranks restarted.
     fn group_failed(&self, e: &Error, dead_rank: Option<u32>) {
+        self.stopped.lock().get_or_insert_with(|| e.clone());
         let Some(cell) = &self.cell else { return };
         self.group_failed.store(true, Ordering::Relaxed);
         let Ok(raw) = cell.load() else { return };
