@@ -1579,6 +1579,9 @@ wm_result wm_publisher_prepare(wm_publisher *publisher, uint32_t count, uint64_t
 // most `accept_timeout_ms` for them to connect; returns when every session
 // ended. A failed session (engine died, refused, checksum...) gives its
 // error, the others still finish. `out_stats` is optional (NULL). Blocks.
+// One serve at a time per publisher: another thread's
+// `wm_publisher_serve` meanwhile is `WM_ERR_BUSY` (ask one serve for
+// every engine).
 // It offers the versions published (or the tensors added) when it was
 // called: a version published while it runs is offered by the next
 // `wm_publisher_serve`, so a trainer that publishes every step serves in

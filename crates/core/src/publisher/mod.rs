@@ -91,7 +91,7 @@ use crate::transport::auth::Secret;
 use parking_lot::Mutex;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -126,6 +126,9 @@ pub struct Publisher {
     versions: Versions,
     /// The connections of running sessions, for [`Publisher::stop`].
     connections: Connections,
+    /// A `serve` runs: one at a time, so that two never take each other's
+    /// engines (the listener is one queue).
+    serving: AtomicBool,
 }
 
 impl Publisher {
@@ -178,6 +181,7 @@ impl Publisher {
             version: Mutex::new(None),
             versions: Versions::default(),
             connections: Connections::default(),
+            serving: AtomicBool::new(false),
         }
     }
 
@@ -335,6 +339,16 @@ impl Publisher {
     /// within `accept_timeout`. The first failed session's error is
     /// returned (naming the rank); the others still run to their end.
     pub fn serve(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
+        if self.serving.swap(true, Ordering::AcqRel) {
+            return Err(Error::busy(
+                "serve: another serve is running on this publisher (one at a time: ask one serve for every engine)",
+            ));
+        }
+        let _serving = ServingFlag(&self.serving);
+        self.serve_alone(engines, accept_timeout)
+    }
+
+    fn serve_alone(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
         let offers = self.offers();
         for version in offers.iter().filter_map(|o| o.version.as_deref()) {
             check_version(version).map_err(|e| e.context("serve"))?;
@@ -363,6 +377,15 @@ impl Publisher {
     /// trainer's tensors.
     pub fn stop(&self) {
         self.connections.stop();
+    }
+}
+
+/// Lowers the serving flag however `serve` ends.
+struct ServingFlag<'a>(&'a AtomicBool);
+
+impl Drop for ServingFlag<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 

@@ -183,3 +183,30 @@ unsafe fn add_bytes(p: &Publisher, name: &str, bytes: &[u8]) {
     // SAFETY: the caller's promise.
     unsafe { p.add(desc) }.unwrap();
 }
+
+/// One serve at a time: a second serve while one waits for its engines
+/// is busy at once (two took each other's engines: one refused the second
+/// engine, the other timed out), and serving works again after.
+#[test]
+fn a_second_serve_at_once_is_busy() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    std::thread::scope(|s| {
+        let first = s.spawn(|| p.serve(1, Duration::from_millis(600)));
+        std::thread::sleep(Duration::from_millis(200));
+        let e = p.serve(1, Duration::from_millis(10)).unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_BUSY, "{e}");
+        let first = first.join().unwrap().unwrap_err();
+        assert_eq!(
+            first.code,
+            crate::result::wm_result::WM_ERR_TIMEOUT,
+            "{first}"
+        );
+    });
+    let again = p.serve(1, Duration::from_millis(10)).unwrap_err();
+    assert_eq!(
+        again.code,
+        crate::result::wm_result::WM_ERR_TIMEOUT,
+        "{again}"
+    );
+}
