@@ -129,7 +129,8 @@ impl Tally {
             return Ok(());
         }
         Err(Error::cancelled(format!(
-            "update cancelled by the progress callback after {} of {} bytes",
+            "update cancelled after {} of {} bytes (the progress callback said stop, or the engine \
+             stopped it: a destroy, or a clear of the version it staged)",
             self.now.bytes_done, self.now.bytes_total
         )))
     }
