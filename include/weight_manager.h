@@ -408,8 +408,8 @@ typedef struct {
 typedef struct {
   // `sizeof(wm_net_config)`; set by `wm_net_config_init`.
   uint32_t struct_size;
-  // Largest bucket (with `staged`, the size of each staging slot); 0:
-  // 512 MiB.
+  // Largest bucket (with `staged`, the size of each staging slot), 256
+  // bytes to 16 GiB (`WM_ERR_INVALID_ARGUMENT` outside); 0: 512 MiB.
   uint64_t bucket_size;
   // The shared secret (NUL-terminated, at least 16 bytes, copied by
   // `wm_init`); NULL: the `WM_NET_SECRET` environment variable.
@@ -821,18 +821,21 @@ typedef struct {
   uint32_t buffers;
   // Largest bucket in bytes (default 512 MiB).
   uint64_t bucket_size;
-  // Permissions of the socket file (default 0600).
+  // Permissions of the socket file, 0 to 0777 (default 0600; other
+  // bits: `WM_ERR_INVALID_ARGUMENT`).
   uint32_t socket_mode;
   // Non-zero: serve engines running as another uid (default 0). A
   // published version is passed to an engine as one buffer holding all
   // of its tensors: every engine admitted can read the whole version,
   // other ranks' parts included. Admit only engines that may.
   uint32_t allow_other_uids;
-  // Bound on each engine acknowledgement, in ms (default 60000).
+  // Bound on each frame a session waits for from its engine (the
+  // engine's requests and acknowledgements), in ms; 0: the default,
+  // 60000; at most 7 days.
   uint64_t bucket_timeout_ms;
   // Non-zero (default): checksums of in-memory tensors go in the manifest.
   uint32_t checksums;
-  // Versions kept by `wm_publisher_publish` (default 2).
+  // Versions kept by `wm_publisher_publish`, at least 1 (default 2).
   uint32_t keep_versions;
   // Network: the shared secret (NUL-terminated, at least 16 bytes, copied
   // at create); NULL: the `WM_NET_SECRET` environment variable.

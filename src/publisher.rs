@@ -28,18 +28,21 @@ pub struct wm_publisher_config {
     pub buffers: u32,
     /// Largest bucket in bytes (default 512 MiB).
     pub bucket_size: u64,
-    /// Permissions of the socket file (default 0600).
+    /// Permissions of the socket file, 0 to 0777 (default 0600; other
+    /// bits: `WM_ERR_INVALID_ARGUMENT`).
     pub socket_mode: u32,
     /// Non-zero: serve engines running as another uid (default 0). A
     /// published version is passed to an engine as one buffer holding all
     /// of its tensors: every engine admitted can read the whole version,
     /// other ranks' parts included. Admit only engines that may.
     pub allow_other_uids: u32,
-    /// Bound on each engine acknowledgement, in ms (default 60000).
+    /// Bound on each frame a session waits for from its engine (the
+    /// engine's requests and acknowledgements), in ms; 0: the default,
+    /// 60000; at most 7 days.
     pub bucket_timeout_ms: u64,
     /// Non-zero (default): checksums of in-memory tensors go in the manifest.
     pub checksums: u32,
-    /// Versions kept by `wm_publisher_publish` (default 2).
+    /// Versions kept by `wm_publisher_publish`, at least 1 (default 2).
     pub keep_versions: u32,
     /// Network: the shared secret (NUL-terminated, at least 16 bytes, copied
     /// at create); NULL: the `WM_NET_SECRET` environment variable.
@@ -120,9 +123,11 @@ unsafe fn config_from_c(config: *const wm_publisher_config) -> Result<PublisherC
     cfg.bucket_size = c.bucket_size as usize;
     cfg.socket_mode = c.socket_mode;
     cfg.allow_other_uids = c.allow_other_uids != 0;
-    cfg.bucket_timeout = Duration::from_millis(c.bucket_timeout_ms.max(1));
+    if c.bucket_timeout_ms != 0 {
+        cfg.bucket_timeout = Duration::from_millis(c.bucket_timeout_ms);
+    }
     cfg.checksums = c.checksums != 0;
-    cfg.keep_versions = c.keep_versions.max(1) as usize;
+    cfg.keep_versions = c.keep_versions as usize;
     cfg.secret = opt_str(c.secret, "secret")?.map(String::into_bytes);
     Ok(cfg)
 }

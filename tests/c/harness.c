@@ -874,6 +874,24 @@ static void test_publisher(void) {
   cfg.buffers = 0;
   CHECK_RC(wm_publisher_create(sock, &cfg, &p), WM_ERR_INVALID_ARGUMENT);
   CHECK(p == NULL);
+  /* Settings out of range, each named; a bucket timeout of 0 is the default. */
+  const char *named[] = {"keep_versions", "socket_mode", "bucket_timeout"};
+  for (int i = 0; i < 3; i++) {
+    wm_publisher_config_init(&cfg);
+    if (i == 0) cfg.keep_versions = 0;
+    if (i == 1) cfg.socket_mode = 01000777;
+    if (i == 2) cfg.bucket_timeout_ms = 8ull * 24 * 3600 * 1000;
+    CHECK_RC(wm_publisher_create(sock, &cfg, &p), WM_ERR_INVALID_ARGUMENT);
+    char why[256];
+    size_t n = 0;
+    CHECK_RC(wm_last_create_error(why, sizeof why, &n), WM_OK);
+    CHECK(strstr(why, named[i]) != NULL);
+  }
+  wm_publisher_config_init(&cfg);
+  cfg.bucket_timeout_ms = 0;
+  CHECK_RC(wm_publisher_create(sock, &cfg, &p), WM_OK);
+  wm_publisher_destroy(p);
+  p = NULL;
   CHECK_RC(wm_publisher_create(sock, NULL, &p), WM_OK);
 
   static float w[16];

@@ -35,7 +35,7 @@ pub struct ServeArgs {
     /// Bucket size in MiB (1 to 4096)
     #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20, value_parser = crate::bucket_mib)]
     bucket_mib: usize,
-    /// Versions kept (network)
+    /// Versions kept (network), at least 1
     #[arg(long, value_name = "K", default_value_t = defaults::KEEP_VERSIONS)]
     keep: usize,
     /// Seconds to wait for the engines

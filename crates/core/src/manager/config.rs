@@ -167,6 +167,12 @@ impl ManagerConfig {
                 crate::wire::ALIGN
             )));
         }
+        if self.net.bucket_size as u64 > crate::wire::MAX_NET_BUCKET {
+            return Err(Error::invalid_argument(format!(
+                "net bucket size {} is above the largest bucket, 16 GiB",
+                self.net.bucket_size
+            )));
+        }
         // A short secret would fail every network update with AUTH later:
         // said here, at init.
         let min = crate::transport::auth::MIN_SECRET;
@@ -313,4 +319,34 @@ pub struct Status {
     /// GPU memory taken back by the last update after a clear, as the
     /// driver reports it.
     pub device_bytes_restored: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The network settings an engine names in its READY are refused at
+    /// init when the wire cannot carry them, naming the setting (a 4 TiB
+    /// bucket reached the publisher, which refused the session: the engine
+    /// heard WM_ERR_PEER).
+    #[test]
+    fn net_settings_outside_the_wire_are_refused_at_init() {
+        let with_bucket = |bucket_size| ManagerConfig {
+            net: NetSettings {
+                bucket_size,
+                ..NetSettings::default()
+            },
+            ..ManagerConfig::default()
+        };
+        for (size, says) in [(100, "below"), (4 << 40, "above")] {
+            let e = with_bucket(size).check().unwrap_err();
+            assert!(
+                e.message.contains("net bucket size") && e.message.contains(says),
+                "{e}"
+            );
+        }
+        for size in [256, 16 << 30] {
+            with_bucket(size).check().unwrap();
+        }
+    }
 }

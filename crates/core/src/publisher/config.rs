@@ -117,5 +117,31 @@ pub(super) fn check_config(cfg: &PublisherConfig) -> Result<()> {
             crate::wire::MAX_BUFFERS
         )));
     }
+    if cfg.keep_versions == 0 {
+        return Err(Error::invalid_argument(
+            "publisher: keep_versions 0 is out of range (at least 1; default 2)",
+        ));
+    }
+    if cfg.socket_mode & !0o777 != 0 {
+        return Err(Error::invalid_argument(format!(
+            "publisher: socket_mode {:#o} has bits besides the permissions (0 to 0777)",
+            cfg.socket_mode
+        )));
+    }
+    for (what, wait) in [
+        ("bucket_timeout", cfg.bucket_timeout),
+        ("handshake_timeout", cfg.handshake_timeout),
+        ("session_timeout", cfg.session_timeout),
+    ] {
+        if wait.is_zero() || wait > MAX_WAIT {
+            return Err(Error::invalid_argument(format!(
+                "publisher: {what} of {} ms is out of range (1 ms to 7 days)",
+                wait.as_millis()
+            )));
+        }
+    }
     Ok(())
 }
+
+/// The longest bound a publisher's wait may be given: 7 days.
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);

@@ -44,8 +44,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
 
-/// Largest bucket an engine may ask for.
-const MAX_BUCKET: u64 = 16 << 30;
+use crate::wire::MAX_NET_BUCKET as MAX_BUCKET;
 
 /// What the engine asked for in its READY.
 struct Ready {

@@ -58,6 +58,8 @@ pub(crate) const ALIGN: u64 = 256;
 pub(crate) const MAX_BUFFERS: usize = 8;
 /// Largest UCX worker address accepted.
 pub(crate) const MAX_ADDRESS: usize = 64 << 10;
+/// Largest bucket a network engine may ask for in its READY.
+pub(crate) const MAX_NET_BUCKET: u64 = 16 << 30;
 /// Longest name or version string.
 pub(crate) const MAX_STRING: usize = 4096;
 
