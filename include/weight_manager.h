@@ -699,6 +699,9 @@ typedef struct {
   // the library waits for; the engine's own callbacks are not cut short
   // (a deadline passed while one ran fails the update after it returns,
   // except at an atomic commit, which hands every tensor over once begun).
+  // An rdma or gdr update that runs out of time (or fails) mid-transfer
+  // then takes up to 2 s more to cancel the receives it posted, so that
+  // no byte lands after it returns.
   uint64_t timeout_ms;
   // Optional.
   wm_progress_callback progress_callback;

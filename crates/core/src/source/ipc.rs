@@ -161,13 +161,14 @@ impl FromPublisher for IpcSource {
     /// The next frame, when one comes within `wait`: the buffers, a bucket
     /// (applied and acknowledged), or END.
     fn advance(&mut self, _: &Plan, applier: &mut Applier, wait: Duration) -> Result<Step> {
-        applier.check_deadline()?;
+        let owed = |e: Error| e.context(format!("waiting for {}", self.link.conn.peer()));
+        applier.check_deadline().map_err(owed)?;
         if !self.link.conn.readable_within(wait) {
             if Instant::now() < self.due {
                 return Ok(Step::Waiting);
             }
             return Err(Error::timeout(format!(
-                "{}: no frame came within {:?} (the bucket timeout)",
+                "{}: no frame came within {:?} (the bucket timeout, or the update's timeout when shorter)",
                 self.link.conn.peer(),
                 self.timeout
             )));

@@ -124,7 +124,10 @@ impl Receiver {
         applier: &mut Applier,
         wait: Duration,
     ) -> Result<Step> {
-        applier.check_deadline()?;
+        // Out of time while this publisher still owes bytes: name it.
+        let owed =
+            |e: crate::result::Error| e.context(format!("waiting for {}", p.link.conn.peer()));
+        applier.check_deadline().map_err(owed)?;
         if !self.st.ended {
             let idle = self.st.pending.is_empty();
             let conn = &p.link.conn;
