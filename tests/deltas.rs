@@ -543,10 +543,11 @@ fn a_staged_update_takes_deltas() {
 
 /// A hostile network publisher: real handshake and sealed frames, MANIFEST
 /// of "w" saying the base is kept, DELTAS announcing one delta of
-/// `announced` bytes, then that delta's UCX message of `sent` bytes.
+/// `announced` bytes, then that delta's UCX message of `sent` bytes (None:
+/// it hangs up instead, as a publisher that died).
 fn lying_delta_publisher(
     listener: std::net::TcpListener,
-    (announced, sent, sum): (u64, Vec<u8>, u128),
+    (announced, sent, sum): (u64, Option<Vec<u8>>, u128),
 ) -> std::thread::JoinHandle<()> {
     use weight_manager_core::internals::transport::auth::{self, Secret};
     use weight_manager_core::internals::transport::seal::Role;
@@ -580,6 +581,9 @@ fn lying_delta_publisher(
         let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
             panic!("no READY")
         };
+        let Some(sent) = sent else {
+            return drop(conn);
+        };
         let pump = Pump::start("liar").unwrap();
         pump.connect(&address).unwrap();
         // SAFETY: `sent` outlives the pump (dropped first, below).
@@ -612,7 +616,7 @@ fn a_network_delta_of_another_length_is_refused() {
         m.update(UpdateRequest::snapshot(&model)).unwrap();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let liar = lying_delta_publisher(listener, (4, sent, sum));
+        let liar = lying_delta_publisher(listener, (4, Some(sent), sum));
         let mut r = UpdateRequest::snapshot(&addr);
         (r.source, r.timeout) = (SourceKind::Rdma, Duration::from_secs(20));
         // Its manifest carries no checksums (the delta's own sum is checked).
@@ -626,4 +630,42 @@ fn a_network_delta_of_another_length_is_refused() {
         assert_params(&p, std::slice::from_ref(&v1));
         assert_eq!(m.status().state, State::Normal);
     }
+}
+
+/// A network publisher that dies after announcing its deltas (no UCX
+/// message comes): the engine notices on the connection within moments and
+/// names it (it waited on the UCX worker until the update's deadline, 600 s
+/// by default, and said TIMEOUT); the old weights stay.
+#[test]
+fn a_network_publisher_dying_while_deltas_are_due_is_named_at_once() {
+    let Some(_one) = ucx_over_tcp() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let (_, sum, _) = one_change(&v1);
+    let m = engine(0);
+    let p = register(&m, std::slice::from_ref(&v1));
+    m.update(UpdateRequest::snapshot(&model)).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let dying = lying_delta_publisher(listener, (4, None, sum));
+    let mut r = UpdateRequest::snapshot(&addr);
+    (r.source, r.timeout) = (SourceKind::Rdma, Duration::from_secs(30));
+    r.skip_network_checksums = true;
+    let t = Instant::now();
+    let e = m.update(r).unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "{:?}: {e}",
+        t.elapsed()
+    );
+    assert_eq!(e.code, weight_manager_core::wm_result::WM_ERR_PEER, "{e}");
+    assert!(
+        e.message.contains(&format!("the publisher at {addr}")),
+        "{e}"
+    );
+    dying.join().unwrap();
+    assert_params(&p, std::slice::from_ref(&v1));
+    assert_eq!(m.status().state, State::Normal);
 }

@@ -198,6 +198,11 @@ impl PublisherLink {
         self.frame_timeout = Some(timeout);
     }
 
+    /// The bound on each DELTA (`set_frame_timeout`), if set.
+    pub fn frame_timeout(&self) -> Option<std::time::Duration> {
+        self.frame_timeout
+    }
+
     /// The next frame `what` before `deadline` and, `bounded`, this
     /// link's frame timeout; a timeout says which frame was awaited.
     pub fn recv_awaiting(&mut self, deadline: Instant, what: &str, bounded: bool) -> Result<Frame> {

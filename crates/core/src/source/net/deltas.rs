@@ -12,6 +12,11 @@ use crate::source::deltas;
 use crate::source::publisher_link::PublisherLink;
 use crate::wire::delta_tag;
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// How long a wait for deltas runs before it looks at the connection
+/// again: the publisher's death shows there (its UCX messages just stop).
+const WATCH: Duration = Duration::from_millis(50);
 
 impl Receiver {
     /// Receive and apply the deltas DELTAS announced.
@@ -40,14 +45,14 @@ impl Receiver {
                 unsafe { self.pump().recv(delta_tag(r.request), ptr, len) }?;
                 left.insert(delta_tag(r.request), i);
             }
+            let mut since = Instant::now();
             while !left.is_empty() {
-                let Some(c) = self.pump().next(deadline)? else {
-                    return Err(Error::timeout(format!(
-                        "{}: {} deltas did not come before the update's deadline",
-                        link.conn.peer(),
-                        left.len()
-                    )));
+                let slice = deadline.min(Instant::now() + WATCH);
+                let Some(c) = self.pump().next(slice)? else {
+                    watch(link, (deadline, since), left.len())?;
+                    continue;
                 };
+                since = Instant::now();
                 let bad = |why: String| Error::peer(format!("{}: {why}", link.conn.peer()));
                 let i = left.remove(&c.tag).ok_or_else(|| {
                     bad(format!(
@@ -69,5 +74,35 @@ impl Receiver {
             deltas::apply(link, plan, applier, (batch, &received))?;
         }
         Ok(())
+    }
+}
+
+/// Between waits for `left` deltas: a publisher that died, or failed and
+/// said so, shows on its connection (it sends no frame while deltas are
+/// due); none came since `since` within the link's bound on each delta,
+/// or the update's `deadline` passed: a timeout naming it.
+fn watch(
+    link: &mut PublisherLink,
+    (deadline, since): (Instant, Instant),
+    left: usize,
+) -> Result<()> {
+    let peer = link.conn.peer().to_string();
+    if link.conn.readable() {
+        let frame = link.conn.recv(deadline)?;
+        return Err(Error::peer(format!(
+            "{peer}: a {} frame while deltas were due",
+            frame.name()
+        )));
+    }
+    if Instant::now() >= deadline {
+        return Err(Error::timeout(format!(
+            "{peer}: {left} deltas did not come before the update's deadline"
+        )));
+    }
+    match link.frame_timeout() {
+        Some(bound) if since.elapsed() > bound => Err(Error::timeout(format!(
+            "{peer}: no delta came within {bound:?} (the bucket timeout; {left} due)"
+        ))),
+        _ => Ok(()),
     }
 }
