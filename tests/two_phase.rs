@@ -478,3 +478,66 @@ fn a_clear_or_destroy_stops_a_wait_for_a_silent_publisher() {
     assert_eq!(code, wm_result::WM_ERR_CANCELLED);
     assert_eq!(versions_seen(&ps), vec![1]);
 }
+
+/// Staged commits back to back into library-owned params: each commit
+/// moves the old pages out and the manager keeps them as the next update's
+/// shadows (nothing is zeroed or freed between), so the shadows hold an
+/// older version's bytes until written over: every version must still read
+/// exactly, whole (snapshots) and as deltas over IPC, with one-call updates
+/// between.
+#[test]
+fn staged_commits_back_to_back_read_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |k: u64| dir.path().join(format!("v{k}"));
+    for k in 1..=3 {
+        snapshot(&d(k), k);
+    }
+    let m = Arc::new(Manager::new(ManagerConfig::default()).unwrap());
+    let ps = params(&m, &version(1), true);
+    m.update(UpdateRequest::snapshot(d(1))).unwrap();
+    for k in [2, 3, 1, 2] {
+        m.stage(UpdateRequest::snapshot(d(k)))
+            .unwrap()
+            .commit()
+            .unwrap();
+        assert_eq!(versions_seen(&ps), vec![k]);
+    }
+    m.update(UpdateRequest::snapshot(d(3))).unwrap();
+    assert_eq!(versions_seen(&ps), vec![3]);
+    m.stage(UpdateRequest::snapshot(d(1)))
+        .unwrap()
+        .commit()
+        .unwrap();
+    assert_eq!(versions_seen(&ps), vec![1]);
+
+    // Deltas over IPC: version k changes each param's first word only.
+    let sock = dir.path().join("p.sock");
+    let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+    let first_word = |k: u64| {
+        let mut ts = version(1);
+        for t in &mut ts {
+            t.data[..8].copy_from_slice(&(k << 48).to_le_bytes());
+        }
+        ts
+    };
+    for k in [4u64, 5, 6] {
+        let ts = first_word(k);
+        p.clear_tensors();
+        add_all(&p, &ts);
+        p.set_version(Some(k.to_string()));
+        p.publish().unwrap();
+        std::thread::scope(|s| {
+            let serving = s.spawn(|| p.serve(1, std::time::Duration::from_secs(30)));
+            let mut r = UpdateRequest::snapshot(&sock);
+            (r.source, r.version, r.deltas) = (SourceKind::Ipc, Some(k.to_string()), DeltaMode::On);
+            let done = m.stage(r).unwrap().commit().unwrap();
+            if k > 4 {
+                assert!(done.deltas.runs_delta > 0, "{:?}", done.deltas);
+            }
+            serving.join().unwrap().unwrap();
+        });
+        let mut seen = versions_seen(&ps);
+        seen.sort_unstable();
+        assert_eq!(seen, vec![1, k]);
+    }
+}

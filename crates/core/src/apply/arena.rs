@@ -48,9 +48,11 @@ pub struct AtomicStaging<'p> {
     /// goes to be freed after the commit returned (None: freed at once).
     pub device_release_later: Option<&'p DeferredRelease>,
     /// A staged commit: where the old pages of library-owned host params
-    /// go to be freed after the commit returned (`memory::swap`'s
-    /// `swap_in_deferring`; None: the swap frees them).
-    pub host_release_later: Option<&'p DeferredRelease>,
+    /// go, by param number, kept out of the pause (`memory::swap`'s
+    /// `swap_in_deferring`: the manager reuses them as the next update's
+    /// shadows, or frees them after the commit returned); None: the swap
+    /// frees them.
+    pub swapped_out: Option<&'p parking_lot::Mutex<Vec<(usize, HostRegion)>>>,
 }
 
 /// Where a param's shadow is.

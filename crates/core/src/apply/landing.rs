@@ -18,7 +18,6 @@ use super::arena::{Arena, AtomicStaging};
 use super::device_swap::DeviceShadows;
 use super::spans::{joined, SegmentWalk, Span, Spans};
 use super::types::{ApplyOptions, Mode};
-use crate::memory::deferred::DeferredRelease;
 use crate::memory::host::HostRegion;
 use crate::memory::loose::LooseBuffers;
 use crate::memory::pinned::PinnedBuffer;
@@ -41,9 +40,9 @@ pub(super) struct Landing<'p> {
     /// Atomic mode: per param number, the library-owned region its shadow
     /// is swapped into at commit.
     pub swappable: Vec<Option<&'p HostRegion>>,
-    /// A staged commit: the old pages of swapped params go here, freed
-    /// after the commit returned (None: the swap frees them).
-    pub host_release: Option<&'p DeferredRelease>,
+    /// A staged commit: the old pages of swapped params go here, by param
+    /// number (see `AtomicStaging::swapped_out`; None: the swap frees them).
+    pub swapped_out: Option<&'p parking_lot::Mutex<Vec<(usize, HostRegion)>>>,
     /// Atomic mode: shadows of library-owned device params, swapped in at
     /// commit (`device_swap.rs`).
     pub device_shadows: DeviceShadows<'p>,
@@ -91,7 +90,7 @@ impl<'p> Landing<'p> {
             params,
             arena,
             swappable: staging.swappable,
-            host_release: staging.host_release_later,
+            swapped_out: staging.swapped_out,
             device_shadows,
             keep: staging.keep,
             loose: LooseBuffers::new(opts.callback_staging_limit),

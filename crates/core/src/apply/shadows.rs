@@ -55,29 +55,22 @@ impl<'p> Landing<'p> {
     }
 
     /// Swap every own shadow into its library-owned param. A staged
-    /// commit's old pages are freed after it returned (`host_release`).
+    /// commit's old pages are kept out of the pause (`swapped_out`).
     pub fn swap_shadows(&mut self, arena: &mut Arena) -> Result<()> {
-        let mut old_pages = Vec::new();
-        let mut swapped = Ok(());
         for i in 0..self.swappable.len() {
             let (Some(param), Some(shadow)) = (self.swappable_region(i), arena.take_own_shadow(i))
             else {
                 continue;
             };
             self.writes_params();
-            let swap = match self.host_release {
-                Some(_) => swap_in_deferring(param, shadow).map(|old| old_pages.extend(old)),
+            let swap = match self.swapped_out {
+                Some(out) => swap_in_deferring(param, shadow)
+                    .map(|old| out.lock().extend(old.map(|old| (i, old)))),
                 None => swap_in(param, shadow),
             };
-            if let Err(e) = swap {
-                swapped = Err(e.context(param_name(self.plan, i)));
-                break;
-            }
+            swap.map_err(|e| e.context(param_name(self.plan, i)))?;
         }
-        if let Some(release) = self.host_release {
-            release.later(old_pages);
-        }
-        swapped
+        Ok(())
     }
 
     fn swappable_region(&self, i: usize) -> Option<&'p HostRegion> {

@@ -33,7 +33,7 @@ impl Manager {
                 false => Vec::new(),
             },
             device_release_later: None,
-            host_release_later: None,
+            swapped_out: None,
         }
     }
 }

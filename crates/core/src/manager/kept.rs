@@ -35,6 +35,10 @@ pub(super) struct Kept {
     /// Host pages staged commits took out of library-owned params, being
     /// freed.
     pub host_release: DeferredRelease,
+    /// The old pages a staged commit took out of library-owned params, by
+    /// param number, until the update hands them on (the next shadows, or
+    /// `host_release`).
+    pub swapped_out: Mutex<Vec<(usize, HostRegion)>>,
     /// NCCL fan-out: the communicator.
     pub fanout: Option<Mutex<FanoutLink>>,
 }
@@ -51,6 +55,7 @@ impl Kept {
             quant_landing: Mutex::default(),
             device_release: DeferredRelease::default(),
             host_release: DeferredRelease::default(),
+            swapped_out: Mutex::default(),
             fanout: fanout.map(Mutex::new),
         }
     }
@@ -63,6 +68,7 @@ impl Kept {
         self.atomic_staging.lock().take();
         self.next_shadows.lock().discard();
         self.quant_landing.lock().clear();
+        self.swapped_out.lock().clear();
         self.wait_released();
     }
 

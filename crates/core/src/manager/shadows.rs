@@ -43,9 +43,14 @@ struct Made {
     done: HashMap<usize, usize>,
 }
 
-struct Preparing {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<Result<Made>>,
+enum Preparing {
+    /// Faulting in on a thread of its own.
+    Thread {
+        stop: Arc<AtomicBool>,
+        thread: JoinHandle<Result<Made>>,
+    },
+    /// Every shadow was there already.
+    Ready(Made),
 }
 
 #[derive(Default)]
@@ -54,19 +59,40 @@ pub(crate) struct NextShadows {
 }
 
 impl NextShadows {
-    /// Start faulting in a shadow of `len` bytes for each (param, len).
-    pub fn prepare(&mut self, params: Vec<(usize, usize)>) {
+    /// Start faulting in a shadow of `len` bytes for each (param, len),
+    /// taking the regions in `ready` (faulted in already: the pages a
+    /// staged commit moved out of the params) for the params whose size
+    /// they have; the others are freed.
+    pub fn prepare(&mut self, params: Vec<(usize, usize)>, mut ready: Shadows) {
         self.discard();
-        if params.is_empty() {
+        let mut made = Made {
+            shadows: Shadows::new(),
+            done: HashMap::new(),
+        };
+        let mut left = Vec::new();
+        for (i, len) in params {
+            match ready.remove(&i) {
+                Some(r) if r.len() == len => {
+                    made.done.insert(i, r.mapped());
+                    made.shadows.insert(i, r);
+                }
+                _ => left.push((i, len)),
+            }
+        }
+        drop(ready);
+        if left.is_empty() {
+            self.preparing = (!made.shadows.is_empty()).then_some(Preparing::Ready(made));
             return;
         }
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let spawned = std::thread::Builder::new()
             .name("wm-shadows".into())
-            .spawn(move || fault_in(params, &stopped));
+            .spawn(move || fault_in(left, made, &stopped));
         // Without a thread the next update faults in its own shadows.
-        self.preparing = spawned.ok().map(|thread| Preparing { stop, thread });
+        self.preparing = spawned
+            .ok()
+            .map(|thread| Preparing::Thread { stop, thread });
     }
 
     /// The shadows prepared since the last update, every byte faulted in:
@@ -98,9 +124,13 @@ impl NextShadows {
     /// Stop the thread (it ends after its current piece) and take what it
     /// made.
     fn stop(&mut self) -> Option<Made> {
-        let p = self.preparing.take()?;
-        p.stop.store(true, Ordering::Relaxed);
-        p.thread.join().ok()?.ok()
+        match self.preparing.take()? {
+            Preparing::Thread { stop, thread } => {
+                stop.store(true, Ordering::Relaxed);
+                thread.join().ok()?.ok()
+            }
+            Preparing::Ready(made) => Some(made),
+        }
     }
 }
 
@@ -108,11 +138,7 @@ impl NextShadows {
 /// with the huge-page hint (slow to fault in, but this is off the update's
 /// path, and the swap that replaces them frees them fast) until done or
 /// told to stop.
-fn fault_in(params: Vec<(usize, usize)>, stop: &AtomicBool) -> Result<Made> {
-    let mut made = Made {
-        shadows: Shadows::new(),
-        done: HashMap::new(),
-    };
+fn fault_in(params: Vec<(usize, usize)>, mut made: Made, stop: &AtomicBool) -> Result<Made> {
     for &(i, len) in &params {
         let r = HostRegion::new("atomic shadow", len)?;
         r.advise_huge(true);
@@ -148,7 +174,7 @@ mod tests {
         let mut next = NextShadows::default();
         // Far more than the thread does before it is stopped.
         let sizes = [(0, 96 * MIB), (3, 40 * MIB + 4096), (7, 8)];
-        next.prepare(sizes.to_vec());
+        next.prepare(sizes.to_vec(), Shadows::new());
         let shadows = next.take(2);
         assert_eq!(shadows.len(), sizes.len());
         for (i, len) in sizes {
@@ -160,13 +186,39 @@ mod tests {
         assert!(next.take(2).is_empty());
     }
 
+    /// Regions given ready (a staged commit's old pages) are taken as they
+    /// are for params of their size, the rest made; one of another size is
+    /// not used.
+    #[test]
+    fn ready_regions_are_taken_for_params_of_their_size() {
+        let mut next = NextShadows::default();
+        let region = |len| {
+            let r = HostRegion::new("old pages", len).unwrap();
+            unsafe { std::ptr::write_bytes(r.ptr(), 7, len) };
+            r
+        };
+        let ready: Shadows = [(0, region(4 * MIB)), (2, region(MIB))].into();
+        let kept = ready[&0].ptr();
+        next.prepare(vec![(0, 4 * MIB), (1, 2 * MIB), (2, 3 * MIB)], ready);
+        let shadows = next.take(1);
+        assert_eq!(shadows[&0].ptr(), kept);
+        assert_eq!(shadows[&1].resident_bytes().unwrap(), 2 * MIB);
+        assert_eq!(shadows[&2].len(), 3 * MIB);
+        assert_eq!(shadows[&2].resident_bytes().unwrap(), 3 * MIB);
+        // All ready: nothing to fault in, no thread.
+        let ready: Shadows = [(5, region(MIB))].into();
+        next.prepare(vec![(5, MIB)], ready);
+        assert!(matches!(next.preparing, Some(Preparing::Ready(_))));
+        assert_eq!(next.take(1).len(), 1);
+    }
+
     #[test]
     fn discarded_shadows_are_freed_and_a_later_prepare_starts_afresh() {
         let mut next = NextShadows::default();
-        next.prepare(vec![(0, 64 * MIB)]);
+        next.prepare(vec![(0, 64 * MIB)], Shadows::new());
         next.discard();
         assert!(next.take(2).is_empty());
-        next.prepare(vec![(1, 4 * MIB)]);
+        next.prepare(vec![(1, 4 * MIB)], Shadows::new());
         let shadows = next.take(1);
         assert_eq!(shadows[&1].resident_bytes().unwrap(), 4 * MIB);
     }

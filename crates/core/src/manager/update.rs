@@ -9,6 +9,7 @@ use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards, tensor_limit};
 use super::memory::note_unmapped;
 use super::quantized::Quantized;
+use super::shadows::Shadows;
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{Applied, Applier, ApplyFailure, ApplyOptions, Hooks, Mode, Progress};
 use crate::checkpoint::version::check_version;
@@ -410,7 +411,7 @@ impl Manager {
         let mut atomic = self.atomic_staging(run.registry, keep.then_some(&mut *kept), atomic_mode);
         if run.gate.is_some() {
             atomic.device_release_later = Some(&self.kept.device_release);
-            atomic.host_release_later = Some(&self.kept.host_release);
+            atomic.swapped_out = Some(&self.kept.swapped_out);
         }
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
@@ -422,12 +423,30 @@ impl Manager {
         if let Some(gate) = run.gate.as_mut() {
             pass_gate(&mut applier, gate, version, run.req.timeout)?;
         }
-        let applied = applier.finish()?;
+        let applied = applier.finish();
+        // A staged commit's old pages: the next update's shadows when the
+        // manager keeps them, else freed off the pause.
+        let old_pages: Shadows = std::mem::take(&mut *self.kept.swapped_out.lock())
+            .into_iter()
+            .collect();
+        let applied = match applied {
+            Ok(applied) => applied,
+            Err(failure) => {
+                self.kept
+                    .host_release
+                    .later(old_pages.into_values().collect());
+                return Err(failure);
+            }
+        };
         if keep && atomic_mode && crate::memory::swap::swaps_here() {
             self.kept
                 .next_shadows
                 .lock()
-                .prepare(library_host_sizes(run.registry));
+                .prepare(library_host_sizes(run.registry), old_pages);
+        } else {
+            self.kept
+                .host_release
+                .later(old_pages.into_values().collect());
         }
         Ok(applied)
     }

@@ -16,10 +16,12 @@
 //! frees nothing: [`swap_in_deferring`] first moves the param's old pages
 //! out of the way (`MREMAP_DONTUNMAP`, which moves page-table entries and
 //! leaves the param's range mapped and empty), then moves the shadow's in,
-//! and the caller frees the old pages after the commit returned. Freeing
-//! them was most of the pause: 16 params of 64 MiB took 2.7 ms to swap
-//! with the old pages freed by the swap and 0.5 ms without (2 MiB pages,
-//! this 2-core VM). A thread that read the param between the two moves
+//! and the caller keeps the old pages as the next update's shadow (or
+//! frees them after the commit returned). Freeing them was most of the
+//! pause: 16 params of 64 MiB took 2.7 ms to swap with the old pages freed
+//! by the swap and 0.5 ms without (2 MiB pages, this 2-core VM); and
+//! reused, they spare the next update faulting in fresh pages, which the
+//! kernel zeroes. A thread that read the param between the two moves
 //! would read zeros, which is why a one-call update, where readers may
 //! run, keeps the single move ([`swap_in`]).
 //!
@@ -107,7 +109,7 @@ pub fn swap_in_deferring(param: &HostRegion, shadow: HostRegion) -> Result<Optio
     }
     // Where the old pages go: a fresh reservation, aligned as the param
     // (2 MiB for regions that large), so that huge pages move whole.
-    let Ok(old) = HostRegion::new("a param's old pages", param.mapped()) else {
+    let Ok(old) = HostRegion::new("a param's old pages", param.len()) else {
         return swap_in(param, shadow).map(|()| None);
     };
     // SAFETY: both ranges are whole mappings of ours, of equal size; the
