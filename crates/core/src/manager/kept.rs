@@ -53,8 +53,8 @@ impl Kept {
             atomic_staging: Mutex::default(),
             next_shadows: Mutex::default(),
             quant_landing: Mutex::default(),
-            device_release: DeferredRelease::default(),
-            host_release: DeferredRelease::default(),
+            device_release: DeferredRelease::new("wm-device-free"),
+            host_release: DeferredRelease::new("wm-host-free"),
             swapped_out: Mutex::default(),
             fanout: fanout.map(Mutex::new),
         }

@@ -6,12 +6,22 @@
 
 /// One batch at a time: a new one, [`DeferredRelease::wait`] and drop wait
 /// for the last.
-#[derive(Default)]
 pub struct DeferredRelease {
     freeing: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The freeing thread's name (the fake CUDA driver of the tests
+    /// recognises the device one by it).
+    thread_name: &'static str,
 }
 
 impl DeferredRelease {
+    /// Freeing on threads named `thread_name`.
+    pub fn new(thread_name: &'static str) -> DeferredRelease {
+        DeferredRelease {
+            freeing: parking_lot::Mutex::default(),
+            thread_name,
+        }
+    }
+
     /// Free `garbage` (by dropping it) on a thread of its own (here, when
     /// none can start).
     pub fn later<T: Send + 'static>(&self, garbage: Vec<T>) {
@@ -21,7 +31,7 @@ impl DeferredRelease {
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
-            .name("wm-free".into())
+            .name(self.thread_name.into())
             .spawn(move || drop(rx.recv()));
         match spawned {
             Ok(thread) => {
@@ -63,7 +73,7 @@ mod tests {
     #[test]
     fn garbage_is_dropped_by_the_time_wait_returns() {
         let dropped = Arc::new(AtomicUsize::new(0));
-        let release = DeferredRelease::default();
+        let release = DeferredRelease::new("wm-test-free");
         release.later(vec![Counted(dropped.clone()), Counted(dropped.clone())]);
         release.wait();
         assert_eq!(dropped.load(Ordering::SeqCst), 2);
