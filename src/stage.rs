@@ -159,6 +159,15 @@ impl EngineHandle {
     }
 
     fn take_staged(&self, call: &str) -> Result<weight_manager_core::Staged> {
+        // Staged, and `wm_stage` returning on its thread: its vote may have
+        // reached the ranks already, so the commit waits that moment out.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while matches!(*self.staged.lock(), Some(StageSlot::Staging))
+            && self.manager.stage_at_gate()
+            && std::time::Instant::now() < until
+        {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
         let mut slot = self.staged.lock();
         match slot.take() {
             Some(StageSlot::Staged(staged)) => Ok(staged),

@@ -119,6 +119,15 @@ fn a_fallback_snapshot_is_named_by_the_model_directory() {
     let stats = m.update(UpdateRequest::snapshot(dir.path())).unwrap();
     assert_eq!(stats.version, "42");
     assert_params(&ptrs, &v1);
+    // A broken one in the model directory is the error, not a reason to
+    // take the fallback's.
+    std::fs::write(dir.path().join("version.yaml"), "step: [\n").unwrap();
+    let e = m.update(UpdateRequest::snapshot(dir.path())).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_NO_VERSION, "{e}");
+    assert!(
+        !e.message.contains(&*fallback.path().to_string_lossy()),
+        "{e}"
+    );
 }
 
 #[test]

@@ -541,3 +541,52 @@ fn staged_commits_back_to_back_read_exactly() {
         assert_eq!(seen, vec![1, k]);
     }
 }
+
+/// A stage whose publisher went silent mid-session (manifest sent, the
+/// engine's WANT taken, then nothing: a stopped trainer) is stopped by a
+/// clear within moments (the source waits between frames, where only the
+/// bucket timeout, 60 s, ended it), the old weights kept.
+#[test]
+fn a_clear_stops_a_stage_whose_publisher_went_silent_mid_session() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    let dir = tempfile::tempdir().unwrap();
+    let (model, v1) = hostile_windows::first_version(dir.path());
+    let sock = dir.path().join("stalls.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let stalls = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let (stream, _) = listener.accept().unwrap();
+        let mut conn = Conn::new(stream, "the engine");
+        conn.recv(deadline).unwrap();
+        conn.send(&hostile_windows::manifest_of_w("v2", false))
+            .unwrap();
+        conn.recv(deadline).unwrap(); // WANT
+        let _ = released.recv_timeout(std::time::Duration::from_secs(30));
+    });
+    let m = Arc::new(Manager::new(ManagerConfig::default()).unwrap());
+    let ps = register(&m, std::slice::from_ref(&v1));
+    m.update(UpdateRequest::snapshot(&model)).unwrap();
+    let stage = {
+        let (m, sock) = (m.clone(), sock.clone());
+        std::thread::spawn(move || {
+            let mut r = UpdateRequest::snapshot(&sock);
+            (r.source, r.deltas) = (SourceKind::Ipc, DeltaMode::Off);
+            m.stage(r).err().map(|e| e.code)
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    m.clear().unwrap();
+    assert_eq!(stage.join().unwrap(), Some(wm_result::WM_ERR_CANCELLED));
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    release.send(()).unwrap();
+    stalls.join().unwrap();
+    m.update(UpdateRequest::snapshot(&model)).unwrap();
+    let held = unsafe { std::slice::from_raw_parts(ps[0].0, ps[0].1) };
+    assert!(held == &v1.data[..]);
+}

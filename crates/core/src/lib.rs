@@ -103,6 +103,7 @@ pub(crate) mod result;
 pub(crate) mod signal;
 pub(crate) mod source;
 pub(crate) mod state;
+pub(crate) mod stop;
 pub(crate) mod tensor;
 pub(crate) mod tensor_box;
 #[cfg(test)]

@@ -98,6 +98,9 @@ pub struct Applier<'p, 'h> {
     deltas: DeltaTally,
     /// Params quantized at the end (`quantize.rs`).
     quant: quantize::Quantizing,
+    /// Set by another thread to stop the update at its next look
+    /// (`check_deadline`, which every source calls while it waits).
+    stop: Option<crate::stop::StopFlag>,
 }
 
 impl<'p, 'h> Applier<'p, 'h> {
@@ -141,6 +144,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             opts,
             deltas: DeltaTally::default(),
             quant: Default::default(),
+            stop: None,
         })
     }
 
@@ -221,9 +225,22 @@ impl<'p, 'h> Applier<'p, 'h> {
         self.landing.deadline = deadline;
     }
 
-    /// Fail with a timeout if the update's deadline has passed. Sources that
-    /// wait call this too.
+    /// Stop when `stop` is set (see [`crate::stop`]).
+    pub fn with_stop(mut self, stop: Option<crate::stop::StopFlag>) -> Self {
+        self.stop = stop;
+        self
+    }
+
+    /// Fail with a timeout if the update's deadline has passed, or as
+    /// cancelled once the update was stopped. Sources that wait call this
+    /// between their steps.
     pub fn check_deadline(&self) -> Result<()> {
+        if crate::stop::stopped(self.stop.as_ref()) {
+            return Err(crate::result::Error::cancelled(format!(
+                "the update was stopped after {} of {} bytes (a destroy, or a clear of the version it stages)",
+                self.tally.now.bytes_done, self.tally.now.bytes_total
+            )));
+        }
         self.tally.check_deadline()
     }
 

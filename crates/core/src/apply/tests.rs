@@ -361,3 +361,30 @@ fn bytes_scattered_into_their_pieces_land_and_verify() {
         assert_eq!(param, want, "{mode:?}");
     }
 }
+
+/// A stop flag set by another thread (a destroy, a clear of the staging
+/// version) ends the update at its next look, which every waiting source
+/// makes between steps (`check_deadline`), naming how far it got.
+#[test]
+fn a_stopped_update_is_cancelled_at_its_next_look() {
+    let src = vec![7u8; 1024];
+    let plan = plan_of(&src);
+    let mut param = vec![0u8; 1024];
+    let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+    let opts = ApplyOptions {
+        mode: Mode::InPlace,
+        verify: false,
+        threads: 1,
+        timeout: Duration::from_secs(10),
+        callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
+    };
+    let stop = crate::stop::StopFlag::default();
+    let a = Applier::new(&plan, vec![dest], opts, Hooks::default())
+        .unwrap()
+        .with_stop(Some(stop.clone()));
+    a.check_deadline().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let e = a.check_deadline().unwrap_err();
+    assert_eq!(e.code, crate::result::wm_result::WM_ERR_CANCELLED, "{e}");
+    assert!(e.message.contains("0 of 1024 bytes"), "{e}");
+}

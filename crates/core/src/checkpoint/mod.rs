@@ -97,10 +97,15 @@ impl Checkpoint {
             c.no_version = "the caller named a version".to_string();
         } else {
             let read = |dir: &Path| version::read_version_yaml(dir, deadline);
+            // The fallback directory's, only where the model directory has
+            // none: a broken one there is the error.
+            let absent =
+                |dir: &Path| std::fs::symlink_metadata(dir.join(version::VERSION_FILE)).is_err();
             let found = match &c.layout.model_dir {
-                Some(model_dir) => read(model_dir).or_else(|first| {
+                Some(model_dir) if absent(model_dir) => read(model_dir).or_else(|first| {
                     read(&c.layout.dir).map_err(|then| format!("{first}, and {then}"))
                 }),
+                Some(model_dir) => read(model_dir),
                 None => read(&c.layout.dir),
             };
             match found {

@@ -2,7 +2,7 @@
 
 use super::Manager;
 use crate::result::{Error, Result};
-use crate::transport::conn::StopFlag;
+use crate::stop::StopFlag;
 use std::sync::atomic::Ordering;
 
 impl Manager {
@@ -50,23 +50,42 @@ impl Manager {
         Ok(())
     }
 
-    /// The flag that ends the waits of the update that starts now for its
-    /// publishers; set already when the manager is being destroyed (a
-    /// destroy sets `cancelled` before it looks for the flag, and this
-    /// registers the flag before it looks at `cancelled`).
+    /// The flag that ends the waits of the update that starts now on this
+    /// thread for its publishers; set already when the manager is being
+    /// destroyed (a destroy sets `cancelled` before it looks for the flag,
+    /// and this registers the flag before it looks at `cancelled`).
     pub(super) fn watch_stops(&self) -> StopFlag {
         let flag = StopFlag::default();
-        *self.stop_waits.lock() = Some(flag.clone());
+        *self.stop_waits.lock() = Some((std::thread::current().id(), flag.clone()));
         if self.cancelled.load(Ordering::SeqCst) {
             flag.store(true, Ordering::SeqCst);
         }
         flag
     }
 
+    /// The running update's stop flag (`watch_stops`).
+    pub(super) fn stop_flag(&self) -> Option<StopFlag> {
+        self.stop_waits
+            .lock()
+            .as_ref()
+            .map(|(_, flag)| flag.clone())
+    }
+
     /// End the running update's waits for its publishers (`watch_stops`).
     pub(super) fn stop_waiting(&self) {
-        if let Some(flag) = self.stop_waits.lock().as_ref() {
+        if let Some((_, flag)) = self.stop_waits.lock().as_ref() {
             flag.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// End the staging thread's update's waits, and no other update's (one
+    /// that another thread starts once the staging ended).
+    pub(super) fn stop_staging(&self) {
+        let staging = *self.stage_thread.lock();
+        if let Some((thread, flag)) = self.stop_waits.lock().as_ref() {
+            if Some(*thread) == staging {
+                flag.store(true, Ordering::SeqCst);
+            }
         }
     }
 

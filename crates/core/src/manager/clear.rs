@@ -14,7 +14,7 @@ impl Manager {
             .and_then(|()| self.op.try_lock().ok_or_else(|| self.busy()));
         let r = match op {
             Ok(op) => self.try_clear(op),
-            Err(refused) => return self.recorded(Err(refused)),
+            Err(busy) => return self.refused(State::Clearing, busy),
         };
         let r = self.finish_action(State::Clearing, r, |_| String::new());
         self.recorded(r)
@@ -22,6 +22,7 @@ impl Manager {
 
     /// The clear, holding the manager's `_op`.
     fn try_clear(&self, _op: parking_lot::MutexGuard<'_, ()>) -> Result<ClearStats> {
+        let _running = self.running_as(State::Clearing);
         {
             let mut rec = self.record.lock();
             rec.registration_open = false;

@@ -105,10 +105,19 @@ pub struct Manager {
     /// The running update's flag that ends its waits for a publisher
     /// (`transport::conn::StopFlag`): set by a destroy, and by a clear or
     /// abort of the version it stages (`cancel.rs`).
-    stop_waits: Mutex<Option<crate::transport::conn::StopFlag>>,
+    stop_waits: Mutex<Option<(std::thread::ThreadId, crate::stop::StopFlag)>>,
     /// The staging thread while it runs its update (`staged.rs`): calls
     /// from its callbacks must not wait for the staging to end.
     stage_thread: Mutex<Option<std::thread::ThreadId>>,
+    /// The staging reached its commit gate (staged, and `stage` returns in
+    /// a moment): set by the gate, cleared when the staging ends.
+    at_gate: AtomicBool,
+    /// The action (UPDATING or CLEARING) of the call holding `op`, while
+    /// it holds it: a call refused as busy finishes the signal's action
+    /// only when the running call will not (`refused`).
+    running: Mutex<Option<State>>,
+    /// The version of this rank's last ready vote (`staged_vote.rs`).
+    last_ready_vote: Mutex<Option<String>>,
     /// Flips every voting step: a staged rank's vote carries the second
     /// hash of its version at every other step (`staged_vote.rs`).
     vote_second: AtomicBool,
@@ -160,6 +169,9 @@ impl Manager {
             stage_dropped: Mutex::new(None),
             stage_status: Mutex::default(),
             stop_waits: Mutex::default(),
+            running: Mutex::default(),
+            at_gate: AtomicBool::new(false),
+            last_ready_vote: Mutex::default(),
             stage_thread: Mutex::default(),
             vote_second: AtomicBool::new(false),
         })
@@ -228,6 +240,24 @@ impl Manager {
         self.recorded(r)
     }
 
+    /// A call refused because another holds `op`: it finishes the action
+    /// the signal asked for (as failed) only when the running call is not
+    /// that action, which then finishes it itself.
+    fn refused<T>(&self, action: State, busy: Error) -> Result<T> {
+        let r = match *self.running.lock() == Some(action) {
+            true => Err(busy),
+            false => self.finish_action(action, Err(busy), |_: &T| String::new()),
+        };
+        self.recorded(r)
+    }
+
+    /// Mark the call holding `op` as running `action` until the returned
+    /// guard drops (before `op` is let go: declared after it).
+    fn running_as(&self, action: State) -> RunningAction<'_> {
+        *self.running.lock() = Some(action);
+        RunningAction(&self.running)
+    }
+
     /// After an update or clear that the signal asked for: pass the group's
     /// finishing barrier and let rank 0 report. A failure there (a dead peer)
     /// turns a local success into an error saying so.
@@ -256,5 +286,14 @@ impl Manager {
                 Err(e)
             }
         }
+    }
+}
+
+/// Clears the running action when the call that holds `op` ends.
+struct RunningAction<'a>(&'a Mutex<Option<State>>);
+
+impl Drop for RunningAction<'_> {
+    fn drop(&mut self) {
+        *self.0.lock() = None;
     }
 }

@@ -123,7 +123,7 @@ impl Manager {
             // CUDA IPC buffers open on the rank's GPU (device
             // copies to params on other GPUs go peer to peer).
             gpu: self.config.device.max(0),
-            stop: self.stop_waits.lock().clone(),
+            stop: self.stop_flag(),
         };
         Ok(Box::new(IpcSource::open(
             &opts,
@@ -153,7 +153,7 @@ impl Manager {
             manifest_tensors,
             direct: gdr || !self.config.net.staged,
             keyed: self.config.net.keyed_digests,
-            stop: self.stop_waits.lock().clone(),
+            stop: self.stop_flag(),
         };
         if gdr && opts.keyed {
             return Err(Error::unsupported(

@@ -157,6 +157,7 @@ impl Manager {
         *self.stage_thread.lock() = Some(std::thread::current().id());
         let r = self.update_gated(parts.into_request(), Some((gate, &passed)));
         *self.stage_thread.lock() = None;
+        self.at_gate.store(false, Ordering::Release);
         let mut slot = self.staged.lock();
         let dropped = self.stage_dropped.lock().take();
         let r = r.map_err(|e| match dropped {
@@ -199,6 +200,7 @@ impl Manager {
                     *status = StageStatus::Ready(version.to_string());
                 }
             }
+            m.at_gate.store(true, Ordering::Release);
             let _ = report.send(Report::Staged(version.to_string(), started.elapsed()));
             match decisions.recv() {
                 // The ranks cannot switch together any more: nothing is
@@ -246,10 +248,16 @@ impl Manager {
             }
             // Again each time: the stage thread's update may not have
             // registered its flag yet (`watch_stops`).
-            self.stop_waiting();
+            self.stop_staging();
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    /// Whether the staging reached its commit gate: staged, and `stage`
+    /// is returning (or returned) it.
+    pub fn stage_at_gate(&self) -> bool {
+        self.at_gate.load(Ordering::Acquire)
     }
 
     /// Whether this thread is the staging's own (its callbacks run there).

@@ -118,6 +118,28 @@ pub(super) fn vote_of(status: &StageStatus, second: bool) -> i32 {
     v as i32
 }
 
+/// The status a rank votes: its own, except that a rank that dropped one
+/// staged version and staged another between two steps (an abort and a
+/// stage in one step) says "not ready" once, so that rank 0 never pairs
+/// one version's hash with the other's. `last`: the version of this rank's
+/// last ready vote, kept here.
+pub(super) fn voted_status(status: StageStatus, last: &mut Option<String>) -> StageStatus {
+    match status {
+        StageStatus::Ready(v) if last.as_ref().is_some_and(|u| *u != v) => {
+            *last = None;
+            StageStatus::Staging
+        }
+        StageStatus::Ready(v) => {
+            *last = Some(v.clone());
+            StageStatus::Ready(v)
+        }
+        other => {
+            *last = None;
+            other
+        }
+    }
+}
+
 /// Which of its two hashes a ready vote carries, and the hash.
 fn ready_hash(vote: u32) -> Option<(usize, u32)> {
     match vote & !HASH_BITS {
@@ -170,6 +192,7 @@ impl Manager {
     /// with this rank's vote (see the module docs).
     pub(super) fn broadcast_voting(&self) -> Result<State> {
         let status = self.stage_status.lock().clone();
+        let status = voted_status(status, &mut self.last_ready_vote.lock());
         let world = self.config.world_size;
         let decide = |votes: &Votes| decide(votes, world).encode();
         let staging = status != StageStatus::Idle;
@@ -292,6 +315,29 @@ mod tests {
                 code: VERSIONS_DIFFER
             }
         );
+    }
+
+    #[test]
+    fn a_version_swapped_between_two_steps_votes_not_ready_once() {
+        let (a, b) = (
+            StageStatus::Ready("a".into()),
+            StageStatus::Ready("b".into()),
+        );
+        let mut last = None;
+        assert_eq!(
+            voted_status(StageStatus::Staging, &mut last),
+            StageStatus::Staging
+        );
+        assert_eq!(voted_status(a.clone(), &mut last), a);
+        assert_eq!(voted_status(a.clone(), &mut last), a);
+        // Aborted and staged again between two steps.
+        assert_eq!(voted_status(b.clone(), &mut last), StageStatus::Staging);
+        assert_eq!(voted_status(b.clone(), &mut last), b);
+        assert_eq!(
+            voted_status(StageStatus::Idle, &mut last),
+            StageStatus::Idle
+        );
+        assert_eq!(voted_status(a.clone(), &mut last), a);
     }
 
     #[test]

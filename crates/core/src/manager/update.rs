@@ -91,10 +91,11 @@ impl Manager {
         let Some(op) = self.op.try_lock() else {
             // The staging thread's own update finds the op taken by
             // another call: its stage slot is not what makes it busy.
-            return self.recorded(Err(match gate.is_some() {
+            let busy = match gate.is_some() {
                 true => self.busy_running(),
                 false => self.busy(),
-            }));
+            };
+            return self.refused(State::Updating, busy);
         };
         let r = self
             .try_update(op, req, gate)
@@ -120,6 +121,7 @@ impl Manager {
         gate: Option<CommitGate>,
     ) -> Result<UpdateStats> {
         let start = Instant::now();
+        let _running = self.running_as(State::Updating);
         self.watch_stops();
         self.check_cancelled()?;
         // The signal asked for this update, but the ranks' group stopped:
@@ -416,7 +418,8 @@ impl Manager {
         let mut applier = Applier::with_atomic_staging(plan, dests, apply_opts, hooks, atomic)?
             .with_staging(&mut staging)
             .with_gdr(gdr)
-            .with_quantized(quantized.targets.clone());
+            .with_quantized(quantized.targets.clone())
+            .with_stop(self.stop_flag());
         if let Err(error) = feed(&mut applier) {
             return Err(applier.failure(error));
         }

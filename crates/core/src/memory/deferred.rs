@@ -1,7 +1,8 @@
 //! Memory a staged commit took out of params, freed on a thread of its
 //! own so that the engine's pause does not include freeing it: the old
-//! pages of library-owned host params (`swap.rs`) and the old allocations
-//! of library-owned device params (`device_swap.rs`). The next update, a
+//! pages of library-owned host params when the manager does not keep them
+//! as the next update's shadows (`swap.rs`), and the old allocations of
+//! library-owned device params (`device_swap.rs`). The next update, a
 //! clear or the manager's end waits for that thread first.
 
 /// One batch at a time: a new one, [`DeferredRelease::wait`] and drop wait

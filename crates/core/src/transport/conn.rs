@@ -72,10 +72,7 @@ pub struct Conn {
     stop: Option<StopFlag>,
 }
 
-/// A flag another thread sets to end a wait for a peer's frame: an
-/// engine's destroy, or a clear of the version it stages, while the
-/// update waits for a publisher that sends nothing.
-pub type StopFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
+pub use crate::stop::StopFlag;
 
 /// How often a wait looks at its stop flag.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -215,13 +212,13 @@ impl Conn {
                     self.peer
                 )));
             }
+            if crate::stop::stopped(self.stop.as_ref()) {
+                return Err(Error::cancelled(format!(
+                    "stopped while waiting for a {what} from {}",
+                    self.peer
+                )));
+            }
             let slice = match &self.stop {
-                Some(stop) if stop.load(std::sync::atomic::Ordering::Acquire) => {
-                    return Err(Error::cancelled(format!(
-                        "stopped while waiting for a {what} from {}",
-                        self.peer
-                    )))
-                }
                 Some(_) => (deadline - now).min(STOP_POLL),
                 None => deadline - now,
             };

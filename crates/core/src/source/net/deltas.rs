@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 /// How long a wait for deltas runs before it looks at the connection
 /// again: the publisher's death shows there (its UCX messages just stop).
 const WATCH: Duration = Duration::from_millis(50);
+/// How long a hung-up publisher's frames still in the socket are read.
+const LAST_WORDS: Duration = Duration::from_millis(100);
 
 impl Receiver {
     /// Receive and apply the deltas DELTAS announced.
@@ -50,6 +52,7 @@ impl Receiver {
                 let slice = deadline.min(Instant::now() + WATCH);
                 let Some(c) = self.pump().next(slice)? else {
                     watch(link, (deadline, since), left.len())?;
+                    applier.check_deadline()?;
                     continue;
                 };
                 since = Instant::now();
@@ -77,20 +80,23 @@ impl Receiver {
     }
 }
 
-/// Between waits for `left` deltas: a publisher that died, or failed and
-/// said so, shows on its connection (it sends no frame while deltas are
-/// due); none came since `since` within the link's bound on each delta,
-/// or the update's `deadline` passed: a timeout naming it.
+/// Between waits for `left` deltas: a publisher that died (or failed, said
+/// why and hung up) shows on its connection, while its UCX messages just
+/// stop. Frames it sent before are left unread (a BUCKET may come while
+/// the last deltas are still on their way), unless it hung up. None came
+/// since `since` within the link's bound on each delta, or the update's
+/// `deadline` passed: a timeout naming it.
 fn watch(
     link: &mut PublisherLink,
     (deadline, since): (Instant, Instant),
     left: usize,
 ) -> Result<()> {
     let peer = link.conn.peer().to_string();
-    if link.conn.readable() {
-        let frame = link.conn.recv(deadline)?;
+    if link.conn.peer_hung_up() {
+        // Its last words (an ERROR says why), else the hang-up itself.
+        let frame = link.conn.recv(Instant::now() + LAST_WORDS)?;
         return Err(Error::peer(format!(
-            "{peer}: a {} frame while deltas were due",
+            "{peer} hung up after a {} frame while {left} deltas were due",
             frame.name()
         )));
     }
