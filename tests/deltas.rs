@@ -594,6 +594,25 @@ fn lying_delta_publisher(
     })
 }
 
+/// An engine holding `v1` (from `model`), and a listener for a hostile
+/// publisher, with its address.
+fn engine_at_v1_and_a_listener(
+    model: &Path,
+    v1: &T,
+) -> (
+    Manager,
+    Vec<(*mut u8, usize)>,
+    std::net::TcpListener,
+    String,
+) {
+    let m = engine(0);
+    let p = register(&m, std::slice::from_ref(v1));
+    m.update(UpdateRequest::snapshot(model)).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    (m, p, listener, addr)
+}
+
 /// Over the network a delta's message shorter or longer than DELTAS
 /// announced is refused naming the publisher; the old weights stay.
 #[test]
@@ -611,11 +630,7 @@ fn a_network_delta_of_another_length_is_refused() {
         ),
         ([good.as_slice(), &[0]].concat(), "a delta"),
     ] {
-        let m = engine(0);
-        let p = register(&m, std::slice::from_ref(&v1));
-        m.update(UpdateRequest::snapshot(&model)).unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
+        let (m, p, listener, addr) = engine_at_v1_and_a_listener(&model, &v1);
         let liar = lying_delta_publisher(listener, (4, Some(sent), sum));
         let mut r = UpdateRequest::snapshot(&addr);
         (r.source, r.timeout) = (SourceKind::Rdma, Duration::from_secs(20));
@@ -644,11 +659,7 @@ fn a_network_publisher_dying_while_deltas_are_due_is_named_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let (model, v1) = hostile_windows::first_version(dir.path());
     let (_, sum, _) = one_change(&v1);
-    let m = engine(0);
-    let p = register(&m, std::slice::from_ref(&v1));
-    m.update(UpdateRequest::snapshot(&model)).unwrap();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let (m, p, listener, addr) = engine_at_v1_and_a_listener(&model, &v1);
     let dying = lying_delta_publisher(listener, (4, None, sum));
     let mut r = UpdateRequest::snapshot(&addr);
     (r.source, r.timeout) = (SourceKind::Rdma, Duration::from_secs(30));

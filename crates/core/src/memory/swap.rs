@@ -142,13 +142,19 @@ pub fn swap_in_deferring(param: &HostRegion, shadow: HostRegion) -> Result<Optio
 mod tests {
     use super::*;
 
+    /// A param of `len` bytes of 1s and a shadow of 2s.
+    fn param_and_shadow(len: usize) -> (HostRegion, HostRegion) {
+        let param = HostRegion::new("param", len).unwrap();
+        unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
+        let shadow = HostRegion::new("shadow", len).unwrap();
+        unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+        (param, shadow)
+    }
+
     #[test]
     fn swap_keeps_the_address_and_moves_the_bytes() {
         for len in [100, 3 << 20] {
-            let param = HostRegion::new("param", len).unwrap();
-            unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
-            let shadow = HostRegion::new("shadow", len).unwrap();
-            unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+            let (param, shadow) = param_and_shadow(len);
             let addr = param.ptr();
             swap_in(&param, shadow).unwrap();
             assert_eq!(param.ptr(), addr);
@@ -160,10 +166,7 @@ mod tests {
     #[test]
     fn a_deferring_swap_hands_the_old_pages_back() {
         for len in [100, 3 << 20] {
-            let param = HostRegion::new("param", len).unwrap();
-            unsafe { std::ptr::write_bytes(param.ptr(), 1, len) };
-            let shadow = HostRegion::new("shadow", len).unwrap();
-            unsafe { std::ptr::write_bytes(shadow.ptr(), 2, len) };
+            let (param, shadow) = param_and_shadow(len);
             let addr = param.ptr();
             let old = swap_in_deferring(&param, shadow).unwrap();
             assert_eq!(param.ptr(), addr);
