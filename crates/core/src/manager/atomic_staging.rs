@@ -2,8 +2,10 @@
 //! swapped into library-owned host params (and the next update's, faulted
 //! in ahead: `shadows.rs`), the packed region kept from the last update,
 //! and, with `swap_device_pages`, the library-owned device params whose
-//! memory is swapped (`apply/device_swap.rs`).
+//! memory is swapped (`apply/device_swap.rs`); and after a staged commit,
+//! what becomes of the pages it took out of the params.
 
+use super::shadows::Shadows;
 use super::Manager;
 use crate::apply::AtomicStaging;
 use crate::memory::device::DeviceRegion;
@@ -62,4 +64,21 @@ pub(super) fn library_host_sizes(registry: &Registry) -> Vec<(usize, usize)> {
     params
         .filter_map(|(i, p)| library_host_region(p).map(|r| (i, r.len())))
         .collect()
+}
+
+impl Manager {
+    /// After an update: the old pages a staged commit took out of
+    /// library-owned params (`kept.swapped_out`) become the next update's
+    /// shadows when `keep_next` (the manager keeps its staging, and the
+    /// update went through), else a thread frees them off the pause. An
+    /// update that moved none hands on nothing.
+    pub(super) fn hand_on_old_pages(&self, registry: &Registry, keep_next: bool) {
+        let old: Shadows = std::mem::take(&mut *self.kept.swapped_out.lock())
+            .into_iter()
+            .collect();
+        match keep_next {
+            true => (self.kept.next_shadows.lock()).prepare(library_host_sizes(registry), old),
+            false => self.kept.host_release.later(old.into_values().collect()),
+        }
+    }
 }

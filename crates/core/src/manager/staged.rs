@@ -24,7 +24,7 @@
 use super::staged_vote::StageStatus;
 use super::update::CommitGate;
 use super::{Manager, UpdateRequest, UpdateStats};
-use crate::apply::Mode;
+use crate::apply::{Applier, ApplyFailure, Mode};
 use crate::result::{wm_result, Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -412,4 +412,23 @@ impl Drop for Staged {
             let _ = self.outcome();
         }
     }
+}
+
+/// Staged: every byte is in, verified and (for device params) uploaded, so
+/// the commit is the switch alone; wait for the engine's decision (`gate`),
+/// then give the applier `timeout` again for the commit.
+pub(super) fn pass_gate(
+    applier: &mut Applier,
+    gate: &mut CommitGate,
+    version: &str,
+    timeout: std::time::Duration,
+) -> std::result::Result<(), ApplyFailure> {
+    let decided = (applier.check_received())
+        .and_then(|()| applier.ready_to_commit())
+        .and_then(|()| gate(version));
+    if let Err(error) = decided {
+        return Err(applier.failure(error));
+    }
+    applier.renew_deadline(timeout);
+    Ok(())
 }

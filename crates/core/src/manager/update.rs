@@ -4,12 +4,10 @@
 //! (`fanout_root.rs`) and a member receives from the root instead
 //! (`fanout_member.rs`). What a failure leaves behind: the module docs.
 
-use super::atomic_staging::library_host_sizes;
 use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards, tensor_limit};
 use super::memory::note_unmapped;
 use super::quantized::Quantized;
-use super::shadows::Shadows;
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{Applied, Applier, ApplyFailure, ApplyOptions, Hooks, Mode, Progress};
 use crate::checkpoint::version::check_version;
@@ -424,34 +422,12 @@ impl Manager {
             return Err(applier.failure(error));
         }
         if let Some(gate) = run.gate.as_mut() {
-            pass_gate(&mut applier, gate, version, run.req.timeout)?;
+            super::staged::pass_gate(&mut applier, gate, version, run.req.timeout)?;
         }
         let applied = applier.finish();
-        // A staged commit's old pages: the next update's shadows when the
-        // manager keeps them, else freed off the pause.
-        let old_pages: Shadows = std::mem::take(&mut *self.kept.swapped_out.lock())
-            .into_iter()
-            .collect();
-        let applied = match applied {
-            Ok(applied) => applied,
-            Err(failure) => {
-                self.kept
-                    .host_release
-                    .later(old_pages.into_values().collect());
-                return Err(failure);
-            }
-        };
-        if keep && atomic_mode && crate::memory::swap::swaps_here() {
-            self.kept
-                .next_shadows
-                .lock()
-                .prepare(library_host_sizes(run.registry), old_pages);
-        } else {
-            self.kept
-                .host_release
-                .later(old_pages.into_values().collect());
-        }
-        Ok(applied)
+        let keep_next = applied.is_ok() && keep && atomic_mode && crate::memory::swap::swaps_here();
+        self.hand_on_old_pages(run.registry, keep_next);
+        applied
     }
 
     /// The update went through: say so, and time the whole call.
@@ -506,23 +482,4 @@ fn describe_all(sources: &[Box<dyn Source>]) -> String {
         ),
         [] => "no source".into(),
     }
-}
-
-/// Staged: every byte is in, verified and (for device params) uploaded, so
-/// the commit is the switch alone; wait for the engine's decision (`gate`),
-/// then give the applier `timeout` again for the commit.
-fn pass_gate(
-    applier: &mut Applier,
-    gate: &mut CommitGate,
-    version: &str,
-    timeout: std::time::Duration,
-) -> std::result::Result<(), ApplyFailure> {
-    let decided = (applier.check_received())
-        .and_then(|()| applier.ready_to_commit())
-        .and_then(|()| gate(version));
-    if let Err(error) = decided {
-        return Err(applier.failure(error));
-    }
-    applier.renew_deadline(timeout);
-    Ok(())
 }
