@@ -54,13 +54,12 @@ impl Manager {
     /// thread for its publishers; set already when the manager is being
     /// destroyed (a destroy sets `cancelled` before it looks for the flag,
     /// and this registers the flag before it looks at `cancelled`).
-    pub(super) fn watch_stops(&self) -> StopFlag {
+    pub(super) fn watch_stops(&self) {
         let flag = StopFlag::default();
         *self.stop_waits.lock() = Some((std::thread::current().id(), flag.clone()));
         if self.cancelled.load(Ordering::SeqCst) {
             flag.store(true, Ordering::SeqCst);
         }
-        flag
     }
 
     /// The running update's stop flag (`watch_stops`).

@@ -103,7 +103,7 @@ pub struct Manager {
     /// is pending (`staged_vote.rs`).
     stage_status: Mutex<staged_vote::StageStatus>,
     /// The running update's flag that ends its waits for a publisher
-    /// (`transport::conn::StopFlag`): set by a destroy, and by a clear or
+    /// (`crate::stop`): set by a destroy, and by a clear or
     /// abort of the version it stages (`cancel.rs`).
     stop_waits: Mutex<Option<(std::thread::ThreadId, crate::stop::StopFlag)>>,
     /// The staging thread while it runs its update (`staged.rs`): calls

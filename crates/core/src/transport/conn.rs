@@ -10,6 +10,7 @@
 use super::auth::SessionKeys;
 use super::seal::{FrameSeal, Role, TAG};
 use crate::result::{Error, Result};
+use crate::stop::StopFlag;
 use crate::wire::{Frame, MAX_FRAME};
 use std::collections::VecDeque;
 use std::net::TcpStream;
@@ -71,8 +72,6 @@ pub struct Conn {
     /// Set by the engine to stop waiting for this peer (`stop_when`).
     stop: Option<StopFlag>,
 }
-
-pub use crate::stop::StopFlag;
 
 /// How often a wait looks at its stop flag.
 const STOP_POLL: Duration = Duration::from_millis(50);

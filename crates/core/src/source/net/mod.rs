@@ -53,8 +53,9 @@ use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
+use crate::stop::StopFlag;
 use crate::transport::auth::Secret;
-use crate::transport::conn::{Conn, StopFlag};
+use crate::transport::conn::Conn;
 use crate::wire::MAX_BUFFERS;
 use std::time::{Duration, Instant};
 
