@@ -306,6 +306,11 @@ enum wm_quant_scheme
   // FP8 E4M3 with one f32 scale_inv for the whole global tensor: scales
   // of one element.
   WM_QUANT_SCHEME_FP8_TENSOR = 2,
+  // MXFP8 (OCP Microscaling): FP8 E4M3 with one E8M0 scale byte
+  // (`2^(byte - 127)`) per 32 elements along the last dimension: scales
+  // u8 `[..., ceil(N/32)]` for a `[..., N]` param. Host params only
+  // (`WM_ERR_UNSUPPORTED` for a device param).
+  WM_QUANT_SCHEME_MXFP8 = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1095,10 +1100,11 @@ wm_result wm_allocate_param(wm_manager *manager,
                             size_t *out_len);
 
 // Declare that registered param `weight` holds its global tensors
-// quantized with `scheme` (a `wm_quant_scheme`), its scale_inv in
+// quantized with `scheme` (a `wm_quant_scheme`), its scales in
 // registered param `scales`. Every update then fills `weight`
-// (`WM_DTYPE_F8E4M3`) and `scales` (`WM_DTYPE_F32`, the scheme's scales
-// shape, registered without pieces) from the global bf16, f16 or f32
+// (`WM_DTYPE_F8E4M3`) and `scales` (`WM_DTYPE_F32` scale_inv, or
+// `WM_DTYPE_U8` E8M0 bytes for `WM_QUANT_SCHEME_MXFP8`; the scheme's
+// scales shape, registered without pieces) from the global bf16, f16 or f32
 // tensors, and commits both together: publishers (IPC, rdma) quantize
 // before sending (one byte per element on the wire; each block's amax is
 // agreed across publishers first, so a block split over trainer ranks
@@ -1115,7 +1121,11 @@ wm_result wm_allocate_param(wm_manager *manager,
 // version is quantized on its GPU the same way. A weight with no elements
 // is refused. The rule, bit for bit PyTorch's: amax =
 // max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
-// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
+// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). MXFP8
+// (blocks of 32 along the last dimension): amax = max(|x|) in f32; e =
+// clamp(floor(log2(amax)) - 8, -127, 127), floor(log2) taken from amax's
+// f32 exponent field (-127 for 0 and subnormals); q = e4m3(x / 2^e),
+// saturating at 448; scale byte = e + 127 (dequantized = q * 2^e). A NaN or
 // infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
 // element); atomic, every param keeps its old bytes.
 //
@@ -1124,7 +1134,10 @@ wm_result wm_allocate_param(wm_manager *manager,
 // in the global tensor and in the param, and a length that is not a
 // multiple of 128 ends the param (and, checked when planning, the global
 // tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
-// global tensor. Errors name the param and what is wrong:
+// global tensor. With `WM_QUANT_SCHEME_MXFP8` the same holds of the last
+// dimension alone, at multiples of 32 (any rows); MXFP8 params are host
+// params (`WM_ERR_UNSUPPORTED` on a GPU, and for a trainer's GPU
+// version). Errors name the param and what is wrong:
 // `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
 // shape, a piece cutting a block, a param declared twice, the weight
 // and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear

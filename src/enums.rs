@@ -82,8 +82,18 @@ pub enum wm_quant_scheme {
     /// FP8 E4M3 with one f32 scale_inv for the whole global tensor: scales
     /// of one element.
     Fp8Tensor = 2,
+    /// MXFP8 (OCP Microscaling): FP8 E4M3 with one E8M0 scale byte
+    /// (`2^(byte - 127)`) per 32 elements along the last dimension: scales
+    /// u8 `[..., ceil(N/32)]` for a `[..., N]` param. Host params only
+    /// (`WM_ERR_UNSUPPORTED` for a device param).
+    Mxfp8 = 3,
 }
-mirror!(wm_quant_scheme, CoreScheme, u32, [Fp8Block128, Fp8Tensor]);
+mirror!(
+    wm_quant_scheme,
+    CoreScheme,
+    u32,
+    [Fp8Block128, Fp8Tensor, Mxfp8]
+);
 
 /// Why runs of an update came whole (`wm_delta_stats.fallback`). Numbers
 /// are part of the ABI.

@@ -343,10 +343,11 @@ pub unsafe extern "C" fn wm_allocate_param(
 }
 
 /// Declare that registered param `weight` holds its global tensors
-/// quantized with `scheme` (a `wm_quant_scheme`), its scale_inv in
+/// quantized with `scheme` (a `wm_quant_scheme`), its scales in
 /// registered param `scales`. Every update then fills `weight`
-/// (`WM_DTYPE_F8E4M3`) and `scales` (`WM_DTYPE_F32`, the scheme's scales
-/// shape, registered without pieces) from the global bf16, f16 or f32
+/// (`WM_DTYPE_F8E4M3`) and `scales` (`WM_DTYPE_F32` scale_inv, or
+/// `WM_DTYPE_U8` E8M0 bytes for `WM_QUANT_SCHEME_MXFP8`; the scheme's
+/// scales shape, registered without pieces) from the global bf16, f16 or f32
 /// tensors, and commits both together: publishers (IPC, rdma) quantize
 /// before sending (one byte per element on the wire; each block's amax is
 /// agreed across publishers first, so a block split over trainer ranks
@@ -363,7 +364,11 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// version is quantized on its GPU the same way. A weight with no elements
 /// is refused. The rule, bit for bit PyTorch's: amax =
 /// max(|x|) over the block in f32, at least 1e-4; q = e4m3(x * (448 /
-/// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). A NaN or
+/// amax)); scale_inv = amax / 448 (dequantized = q * scale_inv). MXFP8
+/// (blocks of 32 along the last dimension): amax = max(|x|) in f32; e =
+/// clamp(floor(log2(amax)) - 8, -127, 127), floor(log2) taken from amax's
+/// f32 exponent field (-127 for 0 and subnormals); q = e4m3(x / 2^e),
+/// saturating at 448; scale byte = e + 127 (dequantized = q * 2^e). A NaN or
 /// infinity fails the update (`WM_ERR_FORMAT`, naming the tensor and the
 /// element); atomic, every param keeps its old bytes.
 ///
@@ -372,7 +377,10 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// in the global tensor and in the param, and a length that is not a
 /// multiple of 128 ends the param (and, checked when planning, the global
 /// tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
-/// global tensor. Errors name the param and what is wrong:
+/// global tensor. With `WM_QUANT_SCHEME_MXFP8` the same holds of the last
+/// dimension alone, at multiples of 32 (any rows); MXFP8 params are host
+/// params (`WM_ERR_UNSUPPORTED` on a GPU, and for a trainer's GPU
+/// version). Errors name the param and what is wrong:
 /// `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
 /// shape, a piece cutting a block, a param declared twice, the weight
 /// and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear

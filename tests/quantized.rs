@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::quant::{f32s, publish_rows, reference, row_publishers, write_snapshot};
+use common::quant::{f32s, publish_rows, reference, row_publishers, scale_bytes, write_snapshot};
 use common::sharded::{piece, serial, serving};
 use common::T;
 use std::path::{Path, PathBuf};
@@ -77,7 +77,7 @@ fn quantized(m: &Manager, spec: ParamSpec, scheme: Scheme, engine: bool) -> [(*m
     let scales_shape = weight_manager_core::quant::params::scales_shape(scheme, &spec.shape);
     let s = ParamSpec::host(
         &format!("{}.scale_inv", spec.name),
-        DType::F32,
+        scheme.scale_dtype(),
         &scales_shape,
     );
     let out = [&spec, &s].map(|spec| match engine {
@@ -460,11 +460,17 @@ fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
 /// Over the network with deltas (the default there): from the second
 /// version on, the FP8 param comes as a delta of its FP8 bytes (the
 /// publisher keeps the image it made of the base) beside a plain param's
-/// delta; then a two-phase update commits them.
+/// delta; then a two-phase update commits them. 128x128 blocks and MXFP8.
 #[test]
 fn deltas_of_quantized_params_over_the_network_and_a_two_phase_commit() {
     let _serial = serial();
     std::env::set_var("UCX_TLS", "tcp");
+    for scheme in [Scheme::Fp8Block128, Scheme::Mxfp8] {
+        deltas_over_the_network(scheme);
+    }
+}
+
+fn deltas_over_the_network(scheme: Scheme) {
     let p = Publisher::bind_net(
         "127.0.0.1:0",
         PublisherConfig {
@@ -484,7 +490,7 @@ fn deltas_of_quantized_params_over_the_network_and_a_two_phase_commit() {
     let [q, s] = quantized(
         &m,
         ParamSpec::host("w", DType::F8E4m3, &[256, 256]),
-        Scheme::Fp8Block128,
+        scheme,
         false,
     );
     let norm = m
@@ -507,9 +513,13 @@ fn deltas_of_quantized_params_over_the_network_and_a_two_phase_commit() {
         });
         let stats = r.unwrap();
         served.into_iter().for_each(|s| drop(s.unwrap()));
-        let (want_q, want_s) = reference(&ts[0], Scheme::Fp8Block128);
-        assert!(read(q) == want_q, "v{k}: fp8 bytes differ");
-        assert_eq!(f32s(&read(s)), want_s, "v{k}: scales differ");
+        let (want_q, want_s) = reference(&ts[0], scheme);
+        assert!(read(q) == want_q, "{scheme:?} v{k}: fp8 bytes differ");
+        assert_eq!(
+            read(s),
+            scale_bytes(scheme, &want_s),
+            "{scheme:?} v{k}: scales differ"
+        );
         assert_eq!(read(norm), ts[1].data, "v{k}");
         if k > 0 {
             let d = &stats.deltas;

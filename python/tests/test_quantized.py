@@ -1,7 +1,7 @@
 """Quantized params through the Python package, checked byte for byte
 against PyTorch's reference expressions (DeepGEMM's per_block_cast_to_fp8
-for 128x128 blocks; the same with one block for the whole tensor) run on
-the CPU: from a bf16 snapshot (random data, all-zero blocks, subnormals,
+for 128x128 blocks; the same with one block for the whole tensor; the OCP
+MX rule for MXFP8, `ref_mx`) run on the CPU: from a bf16 snapshot (random data, all-zero blocks, subnormals,
 values at a block's max, partial edge blocks, sizes not multiples of 128),
 from 4 trainer processes each holding 75 rows (every 128-row block split
 over two or three of them) over IPC and over UCX (tcp), and a NaN refused
@@ -46,6 +46,22 @@ def ref_tensor(x):
     return q.contiguous().view(torch.uint8).numpy(), (amax / 448.0).reshape(1).numpy()
 
 
+def ref_mx(x):
+    """MXFP8 bytes (uint8) and E8M0 scale bytes of `x` [..., N]: blocks of
+    32 along the last dimension, e = clamp(floor(log2(amax)) - 8, -127,
+    127) from amax's f32 exponent field, q = (x / 2^e) clamped to +-448."""
+    *lead, n = x.shape
+    pn = -(-n // 32) * 32
+    padded = torch.zeros(*lead, pn, dtype=torch.float32)
+    padded[..., :n] = x.float()
+    v = padded.view(*lead, pn // 32, 32)
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    e = (((amax.view(torch.int32) >> 23) & 0xFF) - 127 - 8).clamp(-127, 127)
+    two_e = torch.where(e > -127, (e + 127) << 23, torch.full_like(e, 1 << 22)).view(torch.float32)
+    q = (v / two_e).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(*lead, pn)[..., :n]
+    return q.contiguous().view(torch.uint8).numpy(), (e + 127).to(torch.uint8).view(*lead, pn // 32).numpy()
+
+
 def model(seed):
     """bf16, f16 and f32 tensors with the hard cases in them."""
     g = torch.Generator().manual_seed(seed)
@@ -63,6 +79,11 @@ def engine(m, params):
     out = {}
     for name, (shape, scheme, pieces) in params.items():
         q = m.allocate(name, "float8_e4m3fn", shape, pieces)
+        if scheme == "mxfp8":
+            s = m.allocate(name + ".scale_inv", "uint8", (*shape[:-1], -(-shape[-1] // 32)))
+            m.quantize(name, name + ".scale_inv", scheme)
+            out[name] = (q, s)
+            continue
         scales_shape = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)) \
             if scheme == "fp8_block128" else (1,)
         s = m.allocate(name + ".scale_inv", "float32", scales_shape)
@@ -91,6 +112,50 @@ def test_a_bf16_snapshot_lands_in_fp8_params_as_pytorch_quantizes_it(tmp_path, i
             assert np.array_equal(q.view(np.uint8), want_q), name
             assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32)), name
         assert np.array_equal(norm, ts["norm"].numpy())
+    m.close()
+
+
+MX_SNAPSHOT = {"w": ((300, 200), "mxfp8", None), "experts": ((2, 200, 130), "mxfp8", None),
+               "head": ((130, 129), "mxfp8", None), "norm": ((64,), "mxfp8", None)}
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_bf16_snapshot_lands_in_mxfp8_params_as_pytorch_quantizes_it(tmp_path, in_place):
+    """bf16, f16 and f32 tensors (all-zero blocks, subnormals, a block's
+    max negative, rows that end in a partial block, a 1-D tensor) into
+    MXFP8 params: every FP8 byte and E8M0 scale byte as `ref_mx`."""
+    m = Manager()
+    params = engine(m, MX_SNAPSHOT)
+    for seed, step in [(1, "1"), (2, "2")]:
+        ts = model(seed)
+        ts["w"][200, :64] = torch.tensor(3e-38).to(torch.bfloat16)  # tiny normals: e clamps at -127
+        save_file(ts, str(tmp_path / "model.safetensors"))
+        (tmp_path / "version.yaml").write_text(f"step: {step}\n")
+        assert m.update(str(tmp_path), in_place=in_place).version == step
+        for name, (q, s) in params.items():
+            want_q, want_s = ref_mx(ts[name])
+            assert np.array_equal(q.view(np.uint8), want_q), name
+            assert np.array_equal(s, want_s), name
+    m.close()
+
+
+def test_mxfp8_declarations_are_checked_naming_the_param():
+    m = Manager()
+    m.allocate("w", "float8_e4m3fn", (64, 100))
+    m.allocate("f", "float32", (64, 4))
+    m.allocate("s", "uint8", (64, 4))
+    with pytest.raises(WeightManagerError) as e:
+        m.quantize("w", "f", "mxfp8")
+    assert e.value.code == Result.ERR_INVALID_ARGUMENT
+    assert "param 'f': the scales of 'w' (mxfp8 [64, 100]) must be u8 [64, 4], not f32 [64, 4]" in str(e.value)
+    m.allocate("cut", "float8_e4m3fn", (64, 48), [Piece("t", offset=(0, 16), length=(64, 48))])
+    m.allocate("cut_s", "uint8", (64, 2))
+    with pytest.raises(WeightManagerError) as e:
+        m.quantize("cut", "cut_s", "mxfp8")
+    assert e.value.code == Result.ERR_INVALID_ARGUMENT
+    assert "param 'cut': piece 0" in str(e.value) and "cuts an MXFP8 block of 32" in str(e.value)
+    assert "not a multiple of 32" in str(e.value)
+    m.quantize("w", "s", QuantScheme.MXFP8)
     m.close()
 
 
@@ -138,6 +203,10 @@ rank, ranks, via, where = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.a
 p = Publisher(where) if via == "ipc" else Publisher(net=where, secret=sys.argv[6])
 full = shared_model()
 for name, t in full.items():
+    if name == "c":  # by columns: 50 each, so MXFP8 blocks of 32 are split between ranks
+        cols = t.shape[1] // ranks
+        p.add_shard(name, t[:, rank * cols:(rank + 1) * cols].contiguous(), tuple(t.shape), (0, rank * cols))
+        continue
     rows = t.shape[0] // ranks
     p.add_shard(name, t[rank * rows:(rank + 1) * rows].contiguous(), tuple(t.shape),
                 (rank * rows,) + (0,) * (t.dim() - 1))
@@ -152,7 +221,8 @@ def shared_model():
     """What the trainer ranks hold: 300 rows each, in shards of 75."""
     g = torch.Generator().manual_seed(7)
     return {"g": (torch.randn(300, 256, generator=g) * 0.1).to(torch.bfloat16),
-            "h": (torch.randn(300, 130, generator=g) * 9).to(torch.bfloat16)}
+            "h": (torch.randn(300, 130, generator=g) * 9).to(torch.bfloat16),
+            "c": (torch.randn(64, 200, generator=g) * 0.5).to(torch.bfloat16)}
 
 
 def start_trainers(tmp_path, via):
@@ -197,6 +267,31 @@ def test_blocks_split_over_four_trainer_processes(tmp_path, via):
         q, s = params["h"]
         assert np.array_equal(q.view(np.uint8), want_q)
         assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32))
+        m.close()
+    finally:
+        finish(procs)
+
+
+@pytest.mark.parametrize("via", ["ipc", "net"])
+def test_mxfp8_blocks_split_over_four_trainer_processes(tmp_path, via):
+    """MXFP8 from 4 trainer processes, FP8 on the wire: "c" sharded by 50
+    columns (blocks of 32 split between two ranks: the amax agreed), "g"
+    by rows with the engine taking a column half (a TP piece at 128)."""
+    procs, addrs = start_trainers(tmp_path, via)
+    try:
+        m = Manager(net_secret=SECRET) if via == "net" else Manager()
+        half = [Piece("g", offset=(0, 128), length=(300, 128))]
+        params = engine(m, {"half": ((300, 128), "mxfp8", half), "c": ((64, 200), "mxfp8", None)})
+        m.update(addrs, source="ipc" if via == "ipc" else "rdma", timeout=60)
+        full = shared_model()
+        want_q, want_s = ref_mx(full["g"])
+        q, s = params["half"]
+        assert np.array_equal(q.view(np.uint8), want_q[:, 128:])
+        assert np.array_equal(s, want_s[:, 4:])
+        want_q, want_s = ref_mx(full["c"])
+        q, s = params["c"]
+        assert np.array_equal(q.view(np.uint8), want_q)
+        assert np.array_equal(s, want_s)
         m.close()
     finally:
         finish(procs)

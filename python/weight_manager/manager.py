@@ -518,13 +518,18 @@ class Manager(OwnedHandle):
         global tensors quantized with `scheme` ("fp8_block128": one f32
         scale_inv per 128x128 block of the last two dimensions, scales
         shaped [..., ceil(M/128), ceil(N/128)]; "fp8_tensor": one for the
-        whole tensor), its scale_inv in registered param `scales` (float32,
-        registered without pieces). Updates then take the global bf16, f16
-        or f32 tensors (verified against their checksums when the update
-        verifies), and write both params together at
+        whole tensor; "mxfp8": one E8M0 byte per 32 elements along the last
+        dimension, scales uint8 shaped [..., ceil(N/32)], host params only),
+        its scales in registered param `scales` (float32, or uint8 for
+        mxfp8, registered without pieces). Updates then take the global
+        bf16, f16 or f32 tensors (verified against their checksums when the
+        update verifies), and write both params together at
         commit, bit for bit as PyTorch computes
         `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` with amax =
-        max(|x|) per block clamped at 1e-4, scale_inv = amax / 448. A NaN or
+        max(|x|) per block clamped at 1e-4, scale_inv = amax / 448 (mxfp8:
+        e = clamp(floor(log2(amax)) - 8, -127, 127) from amax's f32
+        exponent, q = (x.float() / 2**e).clamp(-448, 448).to(float8_e4m3fn),
+        scale byte e + 127; see the README). A NaN or
         infinity fails the update naming the tensor and the element. Both
         params in host memory, or both on one GPU (device params: a CUDA
         kernel compiled by NVRTC quantizes there, bit for bit the same;

@@ -139,10 +139,11 @@ class QuantScheme(enum.IntEnum):
     """How a quantized param holds its global tensors (`wm_quant_scheme`)."""
     FP8_BLOCK128 = 1  # FP8 E4M3, one f32 scale_inv per 128x128 block of the last two dims
     FP8_TENSOR = 2  # FP8 E4M3, one f32 scale_inv for the whole tensor
+    MXFP8 = 3  # FP8 E4M3, one E8M0 scale byte (uint8) per 32 elements of the last dim; host only
 
     @staticmethod
     def parse(value) -> "QuantScheme":
-        """A QuantScheme from itself or its name ("fp8_block128", "fp8_tensor")."""
+        """A QuantScheme from itself or its name ("fp8_block128", "fp8_tensor", "mxfp8")."""
         if isinstance(value, QuantScheme):
             return value
         if isinstance(value, int) and value in {m.value for m in QuantScheme}:

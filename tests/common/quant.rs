@@ -10,13 +10,14 @@ use weight_manager_core::{DType, Placement, Publisher, PublisherConfig, SourceKi
 
 /// The FP8 bytes and scales of a whole `[..., rows, cols]` tensor `t`
 /// (leading dimensions a batch of matrices with 128x128 blocks; one scale
-/// for all of it per tensor).
+/// for all of it per tensor; MXFP8 rows of blocks of 32, its scales as
+/// `2^e`: [`scale_bytes`] gives the param's bytes).
 pub fn reference(t: &T, scheme: Scheme) -> (Vec<u8>, Vec<f32>) {
     let n = t.shape.len();
     let (rows, cols) = (t.shape[n - 2] as usize, t.shape[n - 1] as usize);
     let (batch, per) = match scheme {
         Scheme::Fp8Block128 => (t.shape[..n - 2].iter().product::<u64>() as usize, rows),
-        Scheme::Fp8Tensor => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
+        Scheme::Fp8Tensor | Scheme::Mxfp8 => (1, t.shape[..n - 1].iter().product::<u64>() as usize),
     };
     let [sr, sc] = scheme.scales_shape(per, cols);
     let (mut q, mut s) = (vec![0u8; batch * per * cols], vec![0f32; batch * sr * sc]);
@@ -93,6 +94,15 @@ pub fn publish_rows(ps: &[Publisher], g: &T, v: &str) {
 }
 
 /// A param's f32 values from its little-endian bytes.
+/// A scales param's bytes for the f32 scales [`reference`] gives: f32s,
+/// or MXFP8's E8M0 bytes (the exponent field of `2^e`).
+pub fn scale_bytes(scheme: Scheme, scales: &[f32]) -> Vec<u8> {
+    match scheme {
+        Scheme::Mxfp8 => scales.iter().map(|s| (s.to_bits() >> 23) as u8).collect(),
+        _ => scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+    }
+}
+
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)

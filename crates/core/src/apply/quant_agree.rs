@@ -5,7 +5,7 @@
 use super::Applier;
 use crate::plan::Target;
 use crate::quant::blocks::{walk, Placed};
-use crate::quant::{Scheme, BLOCK};
+use crate::quant::Scheme;
 use crate::result::{Error, Result};
 
 /// A request the publishers quantize: its scheme, and per block it
@@ -94,13 +94,37 @@ impl Applier<'_, '_> {
 /// element `e`.
 fn param_block(scheme: Scheme, shape: &[u64], e: u64) -> usize {
     let n = shape.len();
-    if scheme == Scheme::Fp8Tensor || n < 2 {
+    let Some((bh, bw)) = scheme.block_dims() else {
+        return 0;
+    };
+    let cols = shape.last().copied().unwrap_or(1).max(1);
+    // A 1-D param is one row.
+    let rows = if n < 2 { 1 } else { shape[n - 2].max(1) };
+    if n < 2 && bh > 1 {
         return 0;
     }
-    let b = BLOCK as u64;
-    let (rows, cols) = (shape[n - 2], shape[n - 1].max(1));
-    let (r, c) = (e / cols % rows.max(1), e % cols);
-    let batch = e / cols / rows.max(1);
-    let (srows, scols) = (rows.div_ceil(b), cols.div_ceil(b));
-    ((batch * srows + r / b) * scols + c / b) as usize
+    let (r, c) = (e / cols % rows, e % cols);
+    let batch = e / cols / rows;
+    let (srows, scols) = (rows.div_ceil(bh), cols.div_ceil(bw));
+    ((batch * srows + r / bh) * scols + c / bw) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A [2, 3, 70] param: MXFP8 blocks are 32 along each row (3 a row),
+    /// 128x128 blocks one per matrix.
+    #[test]
+    fn a_params_blocks_follow_its_scales_row_major() {
+        let shape = [2, 3, 70];
+        let e = |b: u64, r: u64, c: u64| (b * 3 + r) * 70 + c;
+        assert_eq!(param_block(Scheme::Mxfp8, &shape, e(0, 0, 31)), 0);
+        assert_eq!(param_block(Scheme::Mxfp8, &shape, e(0, 0, 32)), 1);
+        assert_eq!(param_block(Scheme::Mxfp8, &shape, e(0, 2, 69)), 8);
+        assert_eq!(param_block(Scheme::Mxfp8, &shape, e(1, 1, 64)), 9 + 3 + 2);
+        assert_eq!(param_block(Scheme::Fp8Block128, &shape, e(1, 2, 69)), 1);
+        assert_eq!(param_block(Scheme::Fp8Tensor, &shape, e(1, 2, 69)), 0);
+        assert_eq!(param_block(Scheme::Mxfp8, &[100], 99), 3);
+    }
 }

@@ -16,7 +16,8 @@
 //! publisher reports the amax of the blocks its requests touch
 //! ([`Applier::offer_amax`]), the largest is the block's
 //! ([`Applier::agreed_amax`] answers each publisher), and the scales
-//! written at the commit are the agreed amax over 448.
+//! written at the commit are made from the agreed amax
+//! ([`crate::quant::Scheme::write_scales`]).
 
 use super::arena::Arena;
 use super::Applier;
@@ -38,7 +39,8 @@ pub struct QuantTarget {
     pub pieces: Vec<Piece>,
     /// The FP8 param's memory (one byte per element).
     pub fp8: SendPtr,
-    /// The scales param's memory, and how many f32 it holds.
+    /// The scales param's memory, and how many scales (of the scheme's
+    /// scale dtype) it holds.
     pub scales: (SendPtr, usize),
     /// Quantized here, in place: where its bytes land (the destination
     /// of its entries). Atomic, or quantized by the publishers: None.
@@ -135,24 +137,28 @@ impl Applier<'_, '_> {
                 continue;
             }
             let n = t.shape.iter().product::<u64>() as usize;
+            let scale_bytes = t.scales.1 * t.scheme.scale_dtype().size();
             // SAFETY: the registry sized both params for this scheme and
             // shape (`quant::params::check_declaration`); they are the
             // engine's weights, written only by the update that holds them.
-            let out = unsafe {
+            let (fp8, scales) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(t.fp8.0, n),
-                    std::slice::from_raw_parts_mut(t.scales.0 .0.cast::<f32>(), t.scales.1),
+                    std::slice::from_raw_parts_mut(t.scales.0 .0, scale_bytes),
                 )
             };
-            if t.on_wire {
-                // The FP8 bytes came with the rest of the commit.
-                for (s, &a) in out.1.iter_mut().zip(a) {
-                    *s = crate::quant::scale_inv(a);
-                }
-                continue;
+            // Quantized by the publishers, the FP8 bytes came with the rest
+            // of the commit; here, they are made from the bytes that came.
+            if !t.on_wire {
+                let mut as_f32 = vec![0f32; a.len()];
+                let out = (&mut fp8[..], &mut as_f32[..]);
+                let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
+                wrote.map_err(|e| quant_error(t, e))?;
             }
-            let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
-            wrote.map_err(|e| quant_error(t, e))?;
+            if scales.len() != a.len() * t.scheme.scale_dtype().size() {
+                return Err(scales_mismatch(t, a.len()));
+            }
+            t.scheme.write_scales(a, scales);
         }
         Ok(())
     }
@@ -174,16 +180,12 @@ impl Applier<'_, '_> {
             crate::quant::device::write_from_host(ordinal, t.scheme, wide, amax, t.fp8.0 as u64)
                 .map_err(|e| e.context(format!("param '{}'", t.name)))?;
         }
-        let scales: Vec<f32> = amax.iter().map(|&a| crate::quant::scale_inv(a)).collect();
-        let bytes = scales.len() * 4;
-        if bytes != t.scales.1 * 4 {
-            return Err(Error::invalid_argument(format!(
-                "param '{}': {} scales for {} blocks",
-                t.name,
-                t.scales.1,
-                scales.len()
-            )));
+        if amax.len() != t.scales.1 {
+            return Err(scales_mismatch(t, amax.len()));
         }
+        let bytes = amax.len() * t.scheme.scale_dtype().size();
+        let mut scales = vec![0u8; bytes];
+        t.scheme.write_scales(amax, &mut scales);
         // SAFETY: the scales param is device memory of that GPU holding
         // `scales.1` f32 (its registration); a synchronous copy.
         unsafe {
@@ -196,6 +198,14 @@ impl Applier<'_, '_> {
         }
         .map_err(|e| e.context(format!("param '{}': its scales", t.name)))
     }
+}
+
+/// Quantized param `t` has room for other than `blocks` scales.
+fn scales_mismatch(t: &QuantTarget, blocks: usize) -> Error {
+    Error::invalid_argument(format!(
+        "param '{}': {} scales for {blocks} blocks",
+        t.name, t.scales.1
+    ))
 }
 
 /// `e` for quantized param `t`: a non-finite element named by its global

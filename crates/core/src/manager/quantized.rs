@@ -88,7 +88,7 @@ impl<'k> Quantized<'k> {
                 shape: p.shape.clone(),
                 pieces: p.pieces.clone(),
                 fp8: SendPtr(p.ptr()),
-                scales: (SendPtr(s.ptr()), s.nbytes / 4),
+                scales: (SendPtr(s.ptr()), s.nbytes / scheme.scale_dtype().size()),
                 wide,
                 on_wire: q.on_wire,
                 device: p.device,

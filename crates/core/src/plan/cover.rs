@@ -184,12 +184,17 @@ fn quantized_problem(scheme: Scheme, piece: &Piece, g: Global, wide: DType) -> O
             shape_text(g.shape)
         ));
     }
+    let (what, dims, edge) = match scheme {
+        Scheme::Fp8Block128 => ("a 128x128 block", 2, 128),
+        Scheme::Mxfp8 => ("an MXFP8 block of 32", 1, 32),
+        Scheme::Fp8Tensor => return None,
+    };
     let n = b.ndim().min(g.shape.len());
-    for d in n.saturating_sub(2)..n {
+    for d in n.saturating_sub(dims)..n {
         let end = b.offset[d] + b.len[d];
-        if scheme == Scheme::Fp8Block128 && b.len[d] % 128 != 0 && end != g.shape[d] {
+        if b.len[d] % edge != 0 && end != g.shape[d] {
             return Some(format!(
-                "dimension {d} ends at offset {end} of the global tensor {}, inside a 128x128 block",
+                "dimension {d} ends at offset {end} of the global tensor {}, inside {what}",
                 shape_text(g.shape)
             ));
         }

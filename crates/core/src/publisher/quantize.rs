@@ -261,6 +261,12 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
             global_index(at, e)
         ))
     };
+    if let (Some(_), Scheme::Mxfp8) = (job.device, scheme) {
+        return Err(Error::unsupported(format!(
+            "WANT request #{k}: tensor '{}' is in a GPU version: MXFP8 is made on the host only",
+            meta.name
+        )));
+    }
     if let Some(gpu) = job.device {
         (job.blocks, job.amax) =
             quantize_device::amax(shard, q, scheme, gpu)?.map_err(not_finite)?;
@@ -272,10 +278,11 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         esize,
     };
     if let Some(own) = own_blocks(q, scheme, at) {
-        let (blocks, amax) = own_amax(q, own, (dtype, elements), threads).map_err(|e| match e {
-            Ok(error) => error,
-            Err(element) => not_finite(element),
-        })?;
+        let (blocks, amax) =
+            own_amax(q, (scheme, own), (dtype, elements), threads).map_err(|e| match e {
+                Ok(error) => error,
+                Err(element) => not_finite(element),
+            })?;
         (job.blocks, job.amax, job.own) = (blocks, amax, Some(own));
     } else {
         job.blocks = touched(scheme, at, pieces(q, 0..q.bytes()));
@@ -286,19 +293,19 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
     Ok(job)
 }
 
-/// Where request `q` holds the 128x128 blocks it touches whole: all of
-/// the global tensor's columns, rows from a multiple of 128 to a multiple
-/// of 128 (or the tensor's end), in one contiguous run of a 2-D shard (an
-/// FSDP row shard at block edges, the common case). Then no other source
-/// holds a byte of its blocks, the agreed amax is its own, and its amax
-/// and its quantizing go a band of 128 rows at a time, on as many threads.
-/// Returns (first global row, rows, columns).
+/// Where request `q` holds the blocks it touches whole: all of the global
+/// tensor's columns, rows from a multiple of the block's rows (128; 1 for
+/// MXFP8) to a multiple of them (or the tensor's end), in one contiguous
+/// run of a 2-D shard (an FSDP row shard at block edges, the common case).
+/// Then no other source holds a byte of its blocks, the agreed amax is its
+/// own, and its amax and its quantizing go a band of 128 rows at a time,
+/// on as many threads. Returns (first global row, rows, columns).
 fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)> {
-    let b = crate::quant::blocks::BLOCK_EDGE;
+    let (b, _) = scheme.block_dims()?;
     let [run] = q.runs.as_slice() else {
         return None;
     };
-    let flat = scheme == Scheme::Fp8Block128 && at.shape.len() == 2 && run.rows == 1;
+    let flat = at.shape.len() == 2 && run.rows == 1;
     let cols = *at.shape.last()?;
     let full_rows = cols > 0 && at.offset[1] == 0 && cols == at.global[1];
     if !flat || !full_rows || run.offset % cols != 0 || run.len % cols != 0 {
@@ -314,7 +321,7 @@ fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)
 /// element of the tensor).
 fn own_amax(
     q: &Request,
-    (first, rows, cols): (u64, u64, u64),
+    (scheme, (first, rows, cols)): (Scheme, (u64, u64, u64)),
     (dtype, elements): (DType, Elements),
     threads: usize,
 ) -> std::result::Result<(Vec<u64>, Vec<f32>), std::result::Result<Error, u64>> {
@@ -323,13 +330,13 @@ fn own_amax(
         shape: &[rows, cols],
         bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
     };
-    let amax = bands::amax(Scheme::Fp8Block128, wide, threads).map_err(|e| match e {
+    let amax = bands::amax(scheme, wide, threads).map_err(|e| match e {
         QuantError::NonFinite { index, .. } => Err(q.runs[0].offset + index as u64),
         QuantError::Invalid(why) => Ok(Error::invalid_argument(why)),
     })?;
-    let b = crate::quant::blocks::BLOCK_EDGE;
-    let (scols, band0) = (cols.div_ceil(b), first / b);
-    let blocks = (band0 * scols..(band0 + rows.div_ceil(b)) * scols).collect();
+    let (bh, bw) = scheme.block_dims().expect("own_blocks: a scheme of blocks");
+    let (scols, band0) = (cols.div_ceil(bw), first / bh);
+    let blocks = (band0 * scols..(band0 + rows.div_ceil(bh)) * scols).collect();
     Ok((blocks, amax))
 }
 

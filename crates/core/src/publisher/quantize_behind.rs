@@ -243,7 +243,7 @@ fn walk_quantize(
                         let a = amax[i];
                         let out =
                             &mut mine[(dst - part.start) as usize..(dst - part.start + n) as usize];
-                        segment_quantize(job.dtype, elements.at(src, dst, n), a, out);
+                        segment_quantize(job.scheme, job.dtype, elements.at(src, dst, n), a, out);
                     },
                 );
             });

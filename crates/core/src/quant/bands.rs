@@ -7,9 +7,12 @@
 //! a multiple of 128: its blocks are the matrix's, and it has one row of
 //! the scales (`[..., ceil(M/128), ceil(N/128)]`). With one scale per
 //! tensor the param is `[rows, N]` (N its last dimension, rows the rest)
-//! and every band shares the tensor's amax.
+//! and every band shares the tensor's amax. MXFP8's blocks are 32
+//! elements of one row, so any rows are a band: the param is `[rows, N]`
+//! with bands of 128 rows, each with its rows' scales (`[rows,
+//! ceil(N/32)]`).
 
-use super::{block_amax, quantize_with, QuantError, Scheme, Source, BLOCK};
+use super::{block_amax, quantize_with, QuantError, Scheme, Source, BLOCK, MX_BLOCK};
 use crate::tensor::DType;
 
 /// Rows `rows` of the flattened `[all rows, cols]` param starting at row
@@ -55,14 +58,23 @@ pub(crate) fn bands(scheme: Scheme, shape: &[u64]) -> (Vec<Band>, usize) {
     let n = shape.len();
     let cols = shape.last().copied().unwrap_or(1) as usize;
     match scheme {
-        Scheme::Fp8Tensor => {
+        Scheme::Fp8Tensor | Scheme::Mxfp8 => {
             let rows = shape[..n.saturating_sub(1)].iter().product::<u64>() as usize;
+            // One scale per tensor: every band shares scale 0; MXFP8: a
+            // row's scales follow the row's.
+            let per_row = match scheme {
+                Scheme::Mxfp8 => cols.div_ceil(MX_BLOCK),
+                _ => 0,
+            };
             let bands = (0..rows.div_ceil(BLOCK))
-                .map(|b| Band {
-                    row: b * BLOCK,
-                    rows: BLOCK.min(rows - b * BLOCK),
-                    scale: 0,
-                    scales: 1,
+                .map(|b| {
+                    let rows = BLOCK.min(rows - b * BLOCK);
+                    Band {
+                        row: b * BLOCK,
+                        rows,
+                        scale: b * BLOCK * per_row,
+                        scales: if per_row == 0 { 1 } else { rows * per_row },
+                    }
                 })
                 .collect();
             (bands, cols)
@@ -114,7 +126,8 @@ pub fn amax(scheme: Scheme, wide: Wide, threads: usize) -> Result<Vec<f32>, Quan
 }
 
 /// Quantize `wide` with `scheme` and the amax [`amax`] found: its E4M3
-/// bytes into `fp8` (one per element), its scale_inv into `scale_inv`.
+/// bytes into `fp8` (one per element), its scales ([`Scheme::scale`])
+/// into `scale_inv`.
 pub fn write(
     scheme: Scheme,
     wide: Wide,
@@ -149,7 +162,7 @@ pub fn write(
             // SAFETY: bands are disjoint rows of the scales, inside
             // `scale_inv` (one per tensor: each band writes its own copy,
             // stored once below).
-            Scheme::Fp8Block128 => unsafe {
+            Scheme::Fp8Block128 | Scheme::Mxfp8 => unsafe {
                 std::slice::from_raw_parts_mut((scales_at as *mut f32).add(b.scale), b.scales)
             },
         };
@@ -164,7 +177,7 @@ pub fn write(
         }
     }
     if scheme == Scheme::Fp8Tensor && bands.is_empty() {
-        scale_inv[0] = super::scale_inv(amax[0]);
+        scale_inv[0] = scheme.scale(amax[0]);
     }
     Ok(())
 }

@@ -6,8 +6,8 @@
 //! without naming them.
 //!
 //! Blocks are numbered in the scales' row-major order of the global tensor
-//! (`[..., ceil(M/128), ceil(N/128)]` for 128x128 blocks; 0 for one scale
-//! per tensor).
+//! (`[..., ceil(M/128), ceil(N/128)]` for 128x128 blocks, `[...,
+//! ceil(N/32)]` for MXFP8; 0 for one scale per tensor).
 
 use super::{Scheme, BLOCK};
 
@@ -59,7 +59,10 @@ impl<'a> Placed<'a> {
         let cols = self.shape.last().copied().unwrap_or(1).max(1);
         let c = e % cols;
         let in_row = (cols - c).min(left);
-        if scheme == Scheme::Fp8Tensor || n < 2 {
+        let Some((bh, bw)) = scheme.block_dims() else {
+            return (0, left);
+        };
+        if n < 2 && bh > 1 {
             return (0, left);
         }
         // The shard's multi-index of `e`, then the global one.
@@ -70,14 +73,16 @@ impl<'a> Placed<'a> {
             g[d] = rest % self.shape[d].max(1) + self.offset[d];
             rest /= self.shape[d].max(1);
         }
-        let b = BLOCK as u64;
-        let (srows, scols) = (
-            self.global[n - 2].div_ceil(b),
-            self.global[n - 1].div_ceil(b),
-        );
-        let batch = (0..n - 2).fold(0, |k, d| k * self.global[d] + g[d]);
-        let block = (batch * srows + g[n - 2] / b) * scols + g[n - 1] / b;
-        let to_edge = b - g[n - 1] % b;
+        let scols = self.global[n - 1].div_ceil(bw);
+        // Block rows: the last but one dimension's (a 1-D tensor is one
+        // row), within each matrix of the leading dimensions.
+        let (row, srows) = match n {
+            1 => (0, 1),
+            _ => (g[n - 2] / bh, self.global[n - 2].div_ceil(bh)),
+        };
+        let batch = (0..n.saturating_sub(2)).fold(0, |k, d| k * self.global[d] + g[d]);
+        let block = (batch * srows + row) * scols + g[n - 1] / bw;
+        let to_edge = bw - g[n - 1] % bw;
         (block, in_row.min(to_edge))
     }
 }
@@ -92,7 +97,9 @@ pub fn walk(
     pieces: impl IntoIterator<Item = (u64, u64, u64)>,
     mut f: impl FnMut(u64, u64, u64, u64),
 ) {
-    let row_blocks = scheme == Scheme::Fp8Block128 && placed.shape.len() >= 2;
+    let dims = scheme.block_dims();
+    let row_blocks = dims.is_some_and(|(bh, _)| placed.shape.len() >= 2 || bh == 1);
+    let bw = dims.map_or(BLOCK as u64, |d| d.1);
     for (src, len, dst) in pieces {
         let mut done = 0;
         while done < len {
@@ -112,7 +119,7 @@ pub fn walk(
                 if done >= end {
                     break;
                 }
-                (block, n) = (block + 1, (BLOCK as u64).min(end - done));
+                (block, n) = (block + 1, bw.min(end - done));
             }
         }
     }
@@ -197,6 +204,17 @@ mod tests {
             vec![(7, 8, 53 * 256 + 120, 2), (15, 12, 53 * 256 + 128, 3)]
         );
         assert_eq!(touched(Scheme::Fp8Tensor, placed, all), vec![0]);
+        // MXFP8: 8 blocks a row; the shard's row 53 is global row 128, its
+        // columns 120..140 cross from block 3 into block 4 at column 128.
+        let mut cuts = Vec::new();
+        walk(
+            Scheme::Mxfp8,
+            placed,
+            [(53 * 256 + 120, 20, 0)],
+            |d, n, _, b| cuts.push((d, n, b)),
+        );
+        assert_eq!(cuts, vec![(0, 8, 128 * 8 + 3), (8, 12, 128 * 8 + 4)]);
+        assert_eq!(touched(Scheme::Mxfp8, placed, all).len(), 75 * 8);
         // Stacked: [2, 200, 130], blocks [2, 2, 2]; element [1, 130, 129].
         let placed = Placed {
             shape: &[2, 200, 130],
@@ -251,7 +269,7 @@ mod tests {
                     let width = width.min(cols - from);
                     pieces = (0..n / cols).map(|r| (r * cols + from, width, 0)).collect();
                 }
-                for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor] {
+                for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor, Scheme::Mxfp8] {
                     assert_eq!(
                         touched(scheme, placed, pieces.iter().copied()),
                         every(scheme, placed, &pieces),

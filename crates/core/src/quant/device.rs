@@ -25,7 +25,7 @@ use crate::memory::cuda::check;
 use crate::memory::cuda_ipc::{download, upload};
 use crate::memory::device::DeviceAllocation;
 use crate::memory::nvrtc::{self, Kernel};
-use crate::result::Result;
+use crate::result::{Error, Result};
 use crate::tensor::DType;
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -179,6 +179,7 @@ impl OnDevice<'_> {
 /// Each local block's amax over `runs` of `t` (unclamped; 0 where no run
 /// reaches). Ok(Err(e)): shard element `e` is NaN or infinite (the first).
 pub fn amax(t: &OnDevice, runs: &[Rows]) -> Result<std::result::Result<Vec<f32>, u64>> {
+    kernels_make(t.scheme)?;
     let kernel = nvrtc::kernel(t.ordinal, PROGRAM, SOURCE, "wm_fp8_amax")?;
     let blocks = t.local_blocks();
     let scratch = DeviceAllocation::new("the FP8 quantizer's amax", t.ordinal, 8 + blocks * 4)?;
@@ -220,7 +221,7 @@ pub fn amax(t: &OnDevice, runs: &[Rows]) -> Result<std::result::Result<Vec<f32>,
 /// element, the runs' elements in order.
 pub fn quantize(t: &OnDevice, runs: &[Rows], amax: &[f32], out: u64) -> Result<()> {
     let kernel = nvrtc::kernel(t.ordinal, PROGRAM, SOURCE, "wm_fp8_quantize")?;
-    let factors = upload_factors(t.ordinal, amax)?;
+    let factors = upload_factors(t.ordinal, t.scheme, amax)?;
     let mut at = out;
     for r in runs {
         let mut run = run_of(t, r);
@@ -241,7 +242,7 @@ pub fn quantize(t: &OnDevice, runs: &[Rows], amax: &[f32], out: u64) -> Result<(
 /// `amax` (the scales' shape, as `bands::amax` found it) into its FP8 bytes
 /// at `fp8` on GPU `ordinal`: a band at a time (at most 128 rows), copied
 /// into a device scratch of one band. The scales are the caller's to write
-/// (`quant::scale_inv` of each amax).
+/// ([`Scheme::write_scales`]).
 pub fn write_from_host(
     ordinal: i32,
     scheme: Scheme,
@@ -258,7 +259,7 @@ pub fn write_from_host(
         .max()
         .unwrap_or(0);
     let scratch = DeviceAllocation::new("the FP8 quantizer's band", ordinal, most)?;
-    let factors = upload_factors(ordinal, amax)?;
+    let factors = upload_factors(ordinal, scheme, amax)?;
     for b in &bands {
         let bytes = &wide.bytes[b.row * cols * esize..(b.row + b.rows) * cols * esize];
         // SAFETY: the scratch holds a band; a synchronous copy, after the
@@ -305,13 +306,27 @@ fn run_of(t: &OnDevice, r: &Rows) -> Run {
     }
 }
 
-/// Each block's factor, `448 / amax` as the CPU computes it, on the GPU.
-fn upload_factors(ordinal: i32, amax: &[f32]) -> Result<DeviceAllocation> {
-    let factors: Vec<f32> = amax.iter().map(|&a| super::factor(a)).collect();
+/// Each block's factor ([`Scheme::factor`]) as the CPU computes it, on
+/// the GPU.
+fn upload_factors(ordinal: i32, scheme: Scheme, amax: &[f32]) -> Result<DeviceAllocation> {
+    kernels_make(scheme)?;
+    let factors: Vec<f32> = amax.iter().map(|&a| scheme.factor(a)).collect();
     let d = DeviceAllocation::new("the FP8 quantizer's factors", ordinal, factors.len() * 4)?;
     // SAFETY: a synchronous copy into an allocation of that size.
     unsafe { upload(ordinal, d.ptr(), factors.as_ptr().cast(), factors.len() * 4) }?;
     Ok(d)
+}
+
+/// The kernels make 128x128 blocks and one scale per tensor; MXFP8 is
+/// made on the host (its params and versions are refused on a GPU before
+/// this; checked again so no other grid is ever taken for it).
+fn kernels_make(scheme: Scheme) -> Result<()> {
+    match scheme {
+        Scheme::Mxfp8 => Err(Error::unsupported(
+            "MXFP8 is made on the host only: the GPU kernels make 128x128 blocks and one scale per tensor",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Launch `kernel` over `run`'s elements (none: nothing).

@@ -1,6 +1,9 @@
 //! Quantization of bf16/f16/f32 weights to FP8 E4M3, bit for bit as
-//! PyTorch computes the widely used reference on the CPU (DeepGEMM's
-//! `per_block_cast_to_fp8`; the same with one block for the whole tensor):
+//! PyTorch computes the stated reference expressions on the CPU.
+//!
+//! 128x128 blocks and one scale per tensor: the widely used reference
+//! (DeepGEMM's `per_block_cast_to_fp8`; the same with one block for the
+//! whole tensor):
 //!
 //! ```text
 //! x         = the source element widened to f32 (bf16 and f16 exactly)
@@ -18,17 +21,36 @@
 //! `.float()`, a 0-dimensional `amax` would leave the product in bf16 and
 //! round twice.
 //!
+//! MXFP8 (OCP Microscaling v1.0): blocks of 32 consecutive elements along
+//! the last dimension, each with a power-of-two scale stored as an E8M0
+//! byte (`2^(byte - 127)`), its exponent the OCP rule (torchao's `to_mx`,
+//! FLOOR mode, computes the same):
+//!
+//! ```text
+//! amax  = max(|x|) over the 32 elements, in f32 (no floor)
+//! e     = clamp(floor(log2(amax)) - 8, -127, 127)   8: E4M3's largest exponent;
+//!         floor(log2) is amax's f32 exponent field - 127 (0 and subnormals: -127)
+//! q     = e4m3(x / 2^e)                 saturating at 448 (the OCP clamp)
+//! scale = the byte e + 127              dequantized = e4m3 value * 2^e
+//! ```
+//!
+//! `x / 2^e` is computed as `x * 2^-e`: both are the exact product rounded
+//! once, so they are the same f32. (torchao divides by at least 2^-126
+//! where e is -127, a block whose amax is below 2^-118: its bytes there
+//! would not dequantize to the source; this rule's do.)
+//!
 //! Schemes: blocks of 128 x 128 over a 2-D `[M, N]` tensor (scales `[ceil(M /
 //! 128), ceil(N / 128)]`, edge blocks partial: the DeepSeek-V3 and Kimi-K2
-//! checkpoint format), and one scale per tensor. A NaN or an infinity in
-//! the source is refused naming the element: a diverged trainer must not
-//! reach an engine.
+//! checkpoint format), one scale per tensor, and MXFP8 (scales `[...,
+//! ceil(N / 32)]`, one byte each; the last block of a row partial). A NaN
+//! or an infinity in the source is refused naming the element: a diverged
+//! trainer must not reach an engine.
 //!
-//! The scale of a block is a function of its amax only, so a block split
-//! over several holders (trainer ranks) is quantized by each from the
-//! block's agreed amax: [`block_amax`] gives a holder's partial amax, the
-//! maximum of the partials is the block's, and [`quantize_with`] quantizes
-//! a holder's part with it.
+//! The scale of a block is a function of its amax only (in every scheme),
+//! so a block split over several holders (trainer ranks) is quantized by
+//! each from the block's agreed amax: [`block_amax`] gives a holder's
+//! partial amax, the maximum of the partials is the block's, and
+//! [`quantize_with`] quantizes a holder's part with it.
 
 pub mod bands;
 pub mod blocks;
@@ -44,6 +66,11 @@ use crate::tensor::DType;
 pub(crate) const BLOCK: usize = 128;
 /// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
 pub(crate) const AMAX_FLOOR: f32 = 1e-4;
+/// Elements of one MXFP8 block (along the last dimension).
+pub(crate) const MX_BLOCK: usize = 32;
+/// E4M3's largest power of two (448 = 1.75 x 2^8): an MXFP8 block's
+/// exponent is its amax's less this.
+const E4M3_EMAX: i32 = 8;
 
 /// How a tensor is quantized. Numbers are part of the C ABI
 /// (`wm_quant_scheme`).
@@ -54,22 +81,26 @@ pub enum Scheme {
     Fp8Block128 = 1,
     /// FP8 E4M3 with one f32 `scale_inv` for the tensor.
     Fp8Tensor = 2,
+    /// MXFP8: FP8 E4M3 with one E8M0 scale byte per 32 elements along the
+    /// last dimension.
+    Mxfp8 = 3,
 }
 
 impl Scheme {
     /// The scheme numbered `raw` (`wm_quant_scheme`), if there is one.
     pub fn from_raw(raw: u32) -> Option<Scheme> {
-        [Scheme::Fp8Block128, Scheme::Fp8Tensor]
+        [Scheme::Fp8Block128, Scheme::Fp8Tensor, Scheme::Mxfp8]
             .into_iter()
             .find(|s| *s as u32 == raw)
     }
 
     /// The scheme's name in messages and in Python (`fp8_block128`,
-    /// `fp8_tensor`).
+    /// `fp8_tensor`, `mxfp8`).
     pub fn name(self) -> &'static str {
         match self {
             Scheme::Fp8Block128 => "fp8_block128",
             Scheme::Fp8Tensor => "fp8_tensor",
+            Scheme::Mxfp8 => "mxfp8",
         }
     }
 
@@ -78,21 +109,92 @@ impl Scheme {
         BLOCK
     }
 
+    /// Rows and columns of one block on the block grid of a tensor's last
+    /// two dimensions (a 1-D tensor is one row); None: one block for the
+    /// whole tensor.
+    pub fn block_dims(self) -> Option<(u64, u64)> {
+        match self {
+            Scheme::Fp8Block128 => Some((BLOCK as u64, BLOCK as u64)),
+            Scheme::Fp8Tensor => None,
+            Scheme::Mxfp8 => Some((1, MX_BLOCK as u64)),
+        }
+    }
+
     /// The scales' shape for a `[rows, cols]` tensor.
     pub fn scales_shape(self, rows: usize, cols: usize) -> [usize; 2] {
         match self {
-            Scheme::Fp8Block128 => [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
             Scheme::Fp8Tensor => [1, 1],
+            _ => {
+                let (bh, bw) = self.block(rows, cols);
+                [rows.div_ceil(bh), cols.div_ceil(bw)]
+            }
         }
     }
 
     /// Rows and columns of one block of a `[rows, cols]` tensor.
     fn block(self, rows: usize, cols: usize) -> (usize, usize) {
-        match self {
-            Scheme::Fp8Block128 => (BLOCK, BLOCK),
-            Scheme::Fp8Tensor => (rows.max(1), cols.max(1)),
+        match self.block_dims() {
+            Some((bh, bw)) => (bh as usize, bw as usize),
+            None => (rows.max(1), cols.max(1)),
         }
     }
+
+    /// The dtype of the scales param: f32 `scale_inv`, or MXFP8's E8M0
+    /// bytes (registered as u8).
+    pub fn scale_dtype(self) -> DType {
+        match self {
+            Scheme::Mxfp8 => DType::U8,
+            _ => DType::F32,
+        }
+    }
+
+    /// What a block's elements are multiplied by before the cast, from its
+    /// agreed amax. The one place the rule is written: the CPU loops and
+    /// the GPU kernels (`device.rs`) both take it from here.
+    pub(crate) fn factor(self, amax: f32) -> f32 {
+        match self {
+            Scheme::Mxfp8 => f32::from_bits(((127 - mx_exponent(amax)) as u32) << 23),
+            _ => factor(amax),
+        }
+    }
+
+    /// A block's scale as an f32 from its agreed amax: the dequantizing
+    /// multiplier (`scale_inv`, or MXFP8's `2^e`).
+    pub fn scale(self, amax: f32) -> f32 {
+        match self {
+            Scheme::Mxfp8 => match mx_exponent(amax) {
+                -127 => f32::from_bits(1 << 22),
+                e => f32::from_bits(((e + 127) as u32) << 23),
+            },
+            _ => scale_inv(amax),
+        }
+    }
+
+    /// The scales param's bytes for blocks of agreed `amax`: each scale
+    /// little-endian f32, or MXFP8's E8M0 byte (`e + 127`). `out` holds
+    /// `amax.len()` scales of [`Scheme::scale_dtype`].
+    pub fn write_scales(self, amax: &[f32], out: &mut [u8]) {
+        match self {
+            Scheme::Mxfp8 => {
+                for (o, &a) in out.iter_mut().zip(amax) {
+                    *o = (mx_exponent(a) + 127) as u8;
+                }
+            }
+            _ => {
+                for (o, &a) in out.chunks_exact_mut(4).zip(amax) {
+                    o.copy_from_slice(&scale_inv(a).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// An MXFP8 block's exponent from its amax: the amax's f32 exponent less
+/// E4M3's largest, clamped to what E8M0 holds (0 and subnormal amax have
+/// exponent field 0: -127).
+fn mx_exponent(amax: f32) -> i32 {
+    let biased = ((amax.to_bits() >> 23) & 0xff) as i32;
+    (biased - 127 - E4M3_EMAX).clamp(-127, 127)
 }
 
 /// Row-major source elements: `rows` x `cols` of `dtype` (bf16, f16 or
@@ -138,7 +240,8 @@ pub fn block_amax(
 /// Quantize the part `src` (at `origin` of the whole `[rows, cols]`
 /// tensor) with the blocks' agreed `amax` (the whole tensor's scales'
 /// shape, before the floor): its E4M3 bytes into `fp8` (one per element of
-/// the part), and every block's `scale_inv` into `scale_inv`.
+/// the part), and every block's scale ([`Scheme::scale`]: `scale_inv`, or
+/// MXFP8's `2^e`) into `scale_inv`.
 pub fn quantize_with(
     scheme: Scheme,
     src: Source,
@@ -160,7 +263,7 @@ pub fn quantize_with(
     }
     let mut factor = vec![0f32; amax.len()];
     for ((f, s), &a) in factor.iter_mut().zip(scale_inv.iter_mut()).zip(amax) {
-        (*f, *s) = (self::factor(a), self::scale_inv(a));
+        (*f, *s) = (scheme.factor(a), scheme.scale(a));
     }
     let (bh, bw) = scheme.block(whole[0], whole[1]);
     let geometry = (origin, bh, bw, scols);
@@ -250,8 +353,8 @@ pub fn segment_amax(dtype: DType, xs: &[u8]) -> Result<f32, usize> {
 
 /// Quantize `xs` (elements of `dtype`) of a block whose agreed amax is
 /// `amax` into `out` (one E4M3 byte each), as [`quantize_with`] does.
-pub fn segment_quantize(dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
-    let factor = self::factor(amax);
+pub fn segment_quantize(scheme: Scheme, dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
+    let factor = scheme.factor(amax);
     match dtype {
         DType::Bf16 => kernels::scale_run::<Bf16>(xs, factor, out),
         DType::F16 => kernels::scale_run::<F16>(xs, factor, out),
@@ -259,16 +362,15 @@ pub fn segment_quantize(dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
     }
 }
 
-/// What a block's elements are multiplied by before the cast, from its
-/// agreed amax: `448 / amax` as PyTorch runs it (`amax.reciprocal() * 448`:
-/// two roundings). The one place the rule is written: the CPU loops and
-/// the GPU kernels (`device.rs`) both take it from here.
-pub(crate) fn factor(amax: f32) -> f32 {
+/// The factor of 128x128 blocks and of one scale per tensor: `448 /
+/// amax` as PyTorch runs it (`amax.reciprocal() * 448`: two roundings).
+fn factor(amax: f32) -> f32 {
     (1.0 / amax.max(AMAX_FLOOR)) * e4m3::MAX
 }
 
-/// A block's `scale_inv` from its agreed amax.
-pub fn scale_inv(amax: f32) -> f32 {
+/// A block's `scale_inv` from its agreed amax (128x128 blocks and one
+/// scale per tensor).
+fn scale_inv(amax: f32) -> f32 {
     amax.max(AMAX_FLOOR) / e4m3::MAX
 }
 

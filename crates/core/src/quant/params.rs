@@ -14,8 +14,14 @@
 //! tensor's): then the param's blocks are exactly the global tensor's, and
 //! quantizing the param as a whole gives the global tensor's FP8 bytes and
 //! scales.
+//!
+//! MXFP8's blocks are 32 elements along the last dimension: its scales are
+//! `[..., ceil(N/32)]` bytes (E8M0, registered as u8), and a piece lines
+//! up when it starts at a multiple of 32 of the last dimension (in the
+//! tensor and in the param) and ends at one or at the param's edge; other
+//! dimensions may be cut anywhere.
 
-use super::{Scheme, BLOCK};
+use super::{Scheme, BLOCK, MX_BLOCK};
 use crate::pieces::Piece;
 use crate::result::{Error, Result};
 use crate::tensor::{shape_text, DType};
@@ -62,6 +68,16 @@ pub fn scales_shape(scheme: Scheme, shape: &[u64]) -> Vec<u64> {
             );
             s
         }
+        Scheme::Mxfp8 => {
+            let n = shape.len();
+            let mut s = shape[..n.saturating_sub(1)].to_vec();
+            s.extend(
+                shape[n.saturating_sub(1)..]
+                    .iter()
+                    .map(|d| d.div_ceil(MX_BLOCK as u64)),
+            );
+            s
+        }
     }
 }
 
@@ -96,6 +112,13 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
             ),
         );
     }
+    if scheme == Scheme::Mxfp8 && weight.device.is_some() {
+        return Err(Error::unsupported(format!(
+            "param '{}': MXFP8 is made on the host only (the GPU kernels quantize 128x128 \
+             blocks and one scale per tensor): register MXFP8 params in host memory",
+            weight.name
+        )));
+    }
     if weight.name == scales.name {
         return bad(weight, "cannot hold its own scales".into());
     }
@@ -123,8 +146,9 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
     check_scales(weight, scales, scheme)
 }
 
-/// `scales` is f32 of the scheme's scales shape for `weight` (one element
-/// for one scale per tensor) and registered without pieces.
+/// `scales` is of the scheme's scale dtype (f32, or u8 for MXFP8) and its
+/// scales shape for `weight` (one element for one scale per tensor), and
+/// registered without pieces.
 fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<()> {
     let bad = |p: &Declared, why: String| {
         Err(Error::invalid_argument(format!(
@@ -134,7 +158,7 @@ fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<
     };
     let want = scales_shape(scheme, weight.shape);
     let one = scheme == Scheme::Fp8Tensor && scales.shape.iter().product::<u64>() == 1;
-    if scales.dtype != DType::F32 || !(one || scales.shape == want.as_slice()) {
+    if scales.dtype != scheme.scale_dtype() || !(one || scales.shape == want.as_slice()) {
         return bad(
             scales,
             format!(
@@ -142,7 +166,7 @@ fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<
                 weight.name,
                 scheme.name(),
                 shape_text(weight.shape),
-                DType::F32,
+                scheme.scale_dtype(),
                 shape_text(&want),
                 scales.dtype,
                 shape_text(scales.shape)
@@ -164,6 +188,12 @@ fn check_scales(weight: &Declared, scales: &Declared, scheme: Scheme) -> Result<
 /// the piece, the dimension and the offset): what a declaration checks of
 /// the weight, also for a layout's params (`wm plan`).
 pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme) -> Result<()> {
+    if scheme == Scheme::Mxfp8 && shape.is_empty() {
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': {} quantization needs at least 1 dimension (blocks along the last)",
+            scheme.name()
+        )));
+    }
     if scheme == Scheme::Fp8Block128 && shape.len() < 2 {
         return Err(Error::invalid_argument(format!(
             "param '{name}': {} quantization needs at least 2 dimensions (blocks over the last two), not {}",
@@ -172,8 +202,8 @@ pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme)
         )));
     }
     match scheme {
-        Scheme::Fp8Block128 => (pieces.iter().enumerate())
-            .try_for_each(|(k, p)| check_piece_blocks((name, shape), k, p)),
+        Scheme::Fp8Block128 | Scheme::Mxfp8 => (pieces.iter().enumerate())
+            .try_for_each(|(k, p)| check_piece_blocks((name, shape), k, p, scheme)),
         Scheme::Fp8Tensor if pieces.len() == 1 && pieces[0].global.offset.iter().all(|&o| o == 0) => {
             Ok(())
         }
@@ -184,33 +214,43 @@ pub fn check_weight(name: &str, shape: &[u64], pieces: &[Piece], scheme: Scheme)
 }
 
 /// Piece `k` of param `name` (of `shape`) starts and ends on the block
-/// grid on the last two dimensions (a partial block only at the param's
-/// edge).
-fn check_piece_blocks((name, shape): (&str, &[u64]), k: usize, piece: &Piece) -> Result<()> {
+/// grid on the dimensions `scheme` blocks (the last two for 128x128
+/// blocks, the last for MXFP8; a partial block only at the param's edge).
+fn check_piece_blocks(
+    (name, shape): (&str, &[u64]),
+    k: usize,
+    piece: &Piece,
+    scheme: Scheme,
+) -> Result<()> {
     let (nd, gd) = (shape.len(), piece.global.ndim());
+    let (what, dims, b) = match scheme {
+        Scheme::Mxfp8 => ("an MXFP8 block of 32", 1, MX_BLOCK as u64),
+        _ => ("a 128x128 block", 2, BLOCK as u64),
+    };
     let fail = |why: String| {
         Err(Error::invalid_argument(format!(
-            "param '{}': piece {k} ('{}' {}) cuts a 128x128 block: {why}",
+            "param '{}': piece {k} ('{}' {}) cuts {what}: {why}",
             name, piece.tensor, piece.global
         )))
     };
-    if gd < 2 {
-        return fail("its global tensor must have at least 2 dimensions".into());
+    if gd < dims {
+        return fail(format!(
+            "its global tensor must have at least {dims} dimensions"
+        ));
     }
-    for back in 1..=2 {
+    for back in 1..=dims {
         let (d, g) = (nd - back, gd - back);
         // Offsets of the tensor are named by the tensor's dimension, those
         // of the param by the param's (stacked experts: one more).
         let (start, len, at) = (piece.global.offset[g], piece.global.len[g], piece.at[d]);
-        let b = BLOCK as u64;
         if start % b != 0 {
             return fail(format!(
-                "dimension {g} starts at offset {start} of the tensor, not a multiple of 128"
+                "dimension {g} starts at offset {start} of the tensor, not a multiple of {b}"
             ));
         }
         if at % b != 0 {
             return fail(format!(
-                "dimension {d} starts at offset {at} of the param, not a multiple of 128"
+                "dimension {d} starts at offset {at} of the param, not a multiple of {b}"
             ));
         }
         if len % b != 0 && at + len != shape[d] {
@@ -221,4 +261,61 @@ fn check_piece_blocks((name, shape): (&str, &[u64]), k: usize, piece: &Piece) ->
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::result::wm_result;
+
+    fn declared<'a>(
+        name: &'a str,
+        dtype: DType,
+        shape: &'a [u64],
+        pieces: &'a [Piece],
+    ) -> Declared<'a> {
+        Declared {
+            name,
+            dtype,
+            shape,
+            pieces,
+            whole: true,
+            device: None,
+            role: QuantRole::Plain,
+        }
+    }
+
+    /// MXFP8: u8 scales of `[..., ceil(N/32)]`, any rows, pieces on the
+    /// 32-column grid; a GPU param is refused as unsupported.
+    #[test]
+    fn mxfp8_declarations_take_u8_scales_and_host_params() {
+        let pieces = [Piece::whole("t", &[3, 64, 100])];
+        let w = declared("w", DType::F8E4m3, &[3, 64, 100], &pieces);
+        let s = declared("s", DType::U8, &[3, 64, 4], &[]);
+        check_declaration(&w, &s, Scheme::Mxfp8).unwrap();
+        assert_eq!(scales_shape(Scheme::Mxfp8, &[3, 64, 100]), vec![3, 64, 4]);
+        assert_eq!(scales_shape(Scheme::Mxfp8, &[33]), vec![2]);
+        let f = declared("f", DType::F32, &[3, 64, 4], &[]);
+        let e = check_declaration(&w, &f, Scheme::Mxfp8).unwrap_err();
+        assert!(e.message.contains("must be u8 [3, 64, 4], not f32"), "{e}");
+        let on_gpu = Declared {
+            device: Some(0),
+            ..w
+        };
+        let s_gpu = Declared {
+            device: Some(0),
+            ..s
+        };
+        let e = check_declaration(&on_gpu, &s_gpu, Scheme::Mxfp8).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED, "{e}");
+        let mut cut = Piece::whole("t", &[64, 100]);
+        (cut.global.offset[0], cut.global.offset[1]) = (5, 48);
+        (cut.global.len[0], cut.global.len[1]) = (59, 52);
+        let e = check_weight("c", &[59, 52], &[cut], Scheme::Mxfp8).unwrap_err();
+        assert!(
+            e.message
+                .contains("cuts an MXFP8 block of 32: dimension 1 starts at offset 48"),
+            "{e}"
+        );
+    }
 }

@@ -135,16 +135,18 @@ impl EngineLayout {
     }
 }
 
-/// `"quant"`: "fp8_block128", "fp8_tensor" or "none" (else `default`).
+/// `"quant"`: "fp8_block128", "fp8_tensor", "mxfp8" or "none" (else
+/// `default`).
 fn quant_of(o: &Obj, default: Option<Scheme>) -> Result<Option<Scheme>> {
     match o.text("quant")? {
         None => Ok(default),
         Some("none") => Ok(None),
         Some("fp8_block128") => Ok(Some(Scheme::Fp8Block128)),
         Some("fp8_tensor") => Ok(Some(Scheme::Fp8Tensor)),
+        Some("mxfp8") => Ok(Some(Scheme::Mxfp8)),
         Some(s) => Err(bad(
             &o.field("quant"),
-            format!("'{s}' is not a scheme (fp8_block128, fp8_tensor or none)"),
+            format!("'{s}' is not a scheme (fp8_block128, fp8_tensor, mxfp8 or none)"),
         )),
     }
 }
