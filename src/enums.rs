@@ -84,8 +84,7 @@ pub enum wm_quant_scheme {
     Fp8Tensor = 2,
     /// MXFP8 (OCP Microscaling): FP8 E4M3 with one E8M0 scale byte
     /// (`2^(byte - 127)`) per 32 elements along the last dimension: scales
-    /// u8 `[..., ceil(N/32)]` for a `[..., N]` param. Host params only
-    /// (`WM_ERR_UNSUPPORTED` for a device param).
+    /// u8 `[..., ceil(N/32)]` for a `[..., N]` param.
     Mxfp8 = 3,
 }
 mirror!(

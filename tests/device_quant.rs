@@ -93,7 +93,7 @@ fn download(ptr: u64, len: usize) -> Vec<u8> {
 fn whole_tensors() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
-        for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor] {
+        for scheme in [Scheme::Fp8Block128, Scheme::Fp8Tensor, Scheme::Mxfp8] {
             for (rows, cols) in [(1, 1), (5, 130), (128, 128), (129, 257), (300, 200)] {
                 let what = format!("{dtype} {scheme:?} [{rows}, {cols}]");
                 let bytes = elements(&mut rng, dtype, rows * cols);
@@ -228,6 +228,90 @@ fn a_shard_through_runs() {
     );
 }
 
+/// MXFP8 over a shard cut by columns at 50 (blocks of 32 split with the
+/// shard beside it) and stacked: a strided run's partial amax and bytes
+/// with agreed amax are the CPU's, block for block in the global grid.
+fn an_mxfp8_shard_through_runs() {
+    let mut rng = Rng(17);
+    let (global, shard_at, shard) = ([2u64, 40, 200], [1u64, 0, 50], [1u64, 40, 50]);
+    let dtype = DType::Bf16;
+    let bytes = elements(&mut rng, dtype, (40 * 50) as usize);
+    let d = upload(0, &bytes);
+    let placed = Placed {
+        shape: &shard,
+        offset: &shard_at,
+        global: &global,
+    };
+    let t = OnDevice {
+        ordinal: 0,
+        ptr: d.ptr(),
+        dtype,
+        scheme: Scheme::Mxfp8,
+        placed,
+    };
+    assert_eq!(t.local_blocks(), 40 * 3, "columns 50..100 span blocks 1..3");
+    // Rows 3..20, columns 5..45 of the shard (global columns 55..95).
+    let (r0, nr, c0, nc) = (3usize, 17usize, 5usize, 40usize);
+    let run = Rows {
+        offset: (r0 * 50 + c0) as u64,
+        len: nc as u64,
+        rows: nr as u64,
+        stride: 50,
+    };
+    let mut part = Vec::new();
+    for r in r0..r0 + nr {
+        part.extend_from_slice(&bytes[(r * 50 + c0) * 2..(r * 50 + c0 + nc) * 2]);
+    }
+    let src = Source {
+        dtype,
+        bytes: &part,
+        rows: nr,
+        cols: nc,
+    };
+    // The CPU's view: the second matrix's rows as a [40, 200] tensor, the
+    // global block numbers offset by the first matrix's 40 x 7.
+    let (origin, whole) = ([r0, 50 + c0], [40usize, 200usize]);
+    let mut want = vec![0f32; 40 * 7];
+    q::block_amax(Scheme::Mxfp8, src, origin, whole, &mut want).unwrap();
+    let local = device::amax(&t, &[run]).unwrap().unwrap();
+    for (b, w) in want.iter().enumerate() {
+        let got = t.local_block(40 * 7 + b as u64).map_or(0.0, |l| local[l]);
+        assert_eq!(got.to_bits(), w.to_bits(), "block {b}");
+    }
+    assert_eq!(
+        t.local_block(3),
+        None,
+        "the first matrix is not the shard's"
+    );
+    let agreed: Vec<f32> = (want.iter().enumerate())
+        .map(|(b, a)| a * (1.0 + (b % 5) as f32 / 3.0))
+        .collect();
+    let mut local_agreed = vec![0f32; t.local_blocks()];
+    for (b, a) in agreed.iter().enumerate() {
+        if let Some(l) = t.local_block(40 * 7 + b as u64) {
+            local_agreed[l] = *a;
+        }
+    }
+    let out = DeviceAllocation::new("out", 0, nr * nc).unwrap();
+    device::quantize(&t, &[run], &local_agreed, out.ptr()).unwrap();
+    let (mut cpu, mut scales) = (vec![0u8; nr * nc], vec![0f32; want.len()]);
+    let whole_shape = (origin, whole);
+    q::quantize_with(
+        Scheme::Mxfp8,
+        src,
+        whole_shape,
+        &agreed,
+        &mut cpu,
+        &mut scales,
+    )
+    .unwrap();
+    assert_same(
+        &download(out.ptr(), nr * nc),
+        &cpu,
+        "an MXFP8 shard's strided run",
+    );
+}
+
 /// A shard of more than 2^32 elements (the kernels' 64-bit index
 /// arithmetic; smaller ones take 32-bit): a run over its first rows, which
 /// are all the memory it reads, gives the CPU's amax and bytes.
@@ -321,6 +405,7 @@ fn assert_same(got: &[u8], want: &[u8], what: &str) {
 fn all_checks() {
     whole_tensors();
     a_shard_through_runs();
+    an_mxfp8_shard_through_runs();
     indices_past_32_bits();
     non_finite_elements();
 }

@@ -519,7 +519,7 @@ class Manager(OwnedHandle):
         scale_inv per 128x128 block of the last two dimensions, scales
         shaped [..., ceil(M/128), ceil(N/128)]; "fp8_tensor": one for the
         whole tensor; "mxfp8": one E8M0 byte per 32 elements along the last
-        dimension, scales uint8 shaped [..., ceil(N/32)], host params only),
+        dimension, scales uint8 shaped [..., ceil(N/32)]),
         its scales in registered param `scales` (float32, or uint8 for
         mxfp8, registered without pieces). Updates then take the global
         bf16, f16 or f32 tensors (verified against their checksums when the

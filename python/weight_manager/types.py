@@ -139,7 +139,7 @@ class QuantScheme(enum.IntEnum):
     """How a quantized param holds its global tensors (`wm_quant_scheme`)."""
     FP8_BLOCK128 = 1  # FP8 E4M3, one f32 scale_inv per 128x128 block of the last two dims
     FP8_TENSOR = 2  # FP8 E4M3, one f32 scale_inv for the whole tensor
-    MXFP8 = 3  # FP8 E4M3, one E8M0 scale byte (uint8) per 32 elements of the last dim; host only
+    MXFP8 = 3  # FP8 E4M3, one E8M0 scale byte (uint8) per 32 elements of the last dim
 
     @staticmethod
     def parse(value) -> "QuantScheme":

@@ -261,12 +261,6 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
             global_index(at, e)
         ))
     };
-    if let (Some(_), Scheme::Mxfp8) = (job.device, scheme) {
-        return Err(Error::unsupported(format!(
-            "WANT request #{k}: tensor '{}' is in a GPU version: MXFP8 is made on the host only",
-            meta.name
-        )));
-    }
     if let Some(gpu) = job.device {
         (job.blocks, job.amax) =
             quantize_device::amax(shard, q, scheme, gpu)?.map_err(not_finite)?;

@@ -1,8 +1,8 @@
 //! FP8 quantization of GPU memory, by the kernels of `fp8.cu` (compiled at
 //! run time by NVRTC: `memory::nvrtc`), bit for bit the CPU quantizer's:
-//! the factors `448 / amax` are computed here as the CPU computes them and
-//! uploaded; the kernel multiplies (one f32 rounding, never fused) and
-//! casts as PyTorch does.
+//! the factors (`448 / amax`, MXFP8's `2^-e`: [`Scheme::factor`]) are
+//! computed here as the CPU computes them and uploaded; the kernel
+//! multiplies (one f32 rounding, never fused) and casts as PyTorch does.
 //!
 //! Two users: a publisher serving a GPU version quantizes the requests an
 //! engine asked quantized where they are ([`amax`] over the request's
@@ -20,12 +20,12 @@
 
 use super::bands::{bands, Wide};
 use super::blocks::Placed;
-use super::{Scheme, BLOCK};
+use super::Scheme;
 use crate::memory::cuda::check;
 use crate::memory::cuda_ipc::{download, upload};
 use crate::memory::device::DeviceAllocation;
 use crate::memory::nvrtc::{self, Kernel};
-use crate::result::{Error, Result};
+use crate::result::Result;
 use crate::tensor::DType;
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -98,28 +98,35 @@ impl OnDevice<'_> {
     fn geometry(&self) -> Run {
         let s = self.placed.shape;
         let n = s.len();
-        let blocked = self.scheme == Scheme::Fp8Block128 && n >= 2;
         let dtype = match self.dtype {
             DType::Bf16 => 0,
             DType::F16 => 1,
             _ => 2,
         };
-        if !blocked {
-            return Run {
-                src: self.ptr,
-                rows: 1,
-                cols: s.last().copied().unwrap_or(1).max(1),
-                brows: 1,
-                bcols: 1,
-                dtype,
-                ..Run::default()
-            };
-        }
-        let (rows, cols) = (s[n - 2], s[n - 1]);
-        let (row0, col0) = (self.placed.offset[n - 2], self.placed.offset[n - 1]);
-        let span = |first: u64, len: u64| match len {
+        let cols = s.last().copied().unwrap_or(1);
+        let (blocked, (bh, bw)) = match self.block_dims() {
+            Some(dims) => (if dims.0 == 1 { 2 } else { 1 }, dims),
+            None => {
+                return Run {
+                    src: self.ptr,
+                    rows: 1,
+                    cols: cols.max(1),
+                    brows: 1,
+                    bcols: 1,
+                    dtype,
+                    ..Run::default()
+                }
+            }
+        };
+        // A 1-D tensor (MXFP8) is one row.
+        let (rows, row0) = match n {
+            1 => (1, 0),
+            _ => (s[n - 2], self.placed.offset[n - 2]),
+        };
+        let col0 = self.placed.offset[n - 1];
+        let span = |first: u64, len: u64, b: u64| match len {
             0 => 0,
-            _ => (first + len - 1) / BLOCK as u64 - first / BLOCK as u64 + 1,
+            _ => (first + len - 1) / b - first / b + 1,
         };
         Run {
             src: self.ptr,
@@ -127,22 +134,28 @@ impl OnDevice<'_> {
             cols: cols.max(1),
             row0,
             col0,
-            brows: span(row0, rows),
-            bcols: span(col0, cols),
+            brows: span(row0, rows, bh),
+            bcols: span(col0, cols, bw),
             dtype,
-            blocked: 1,
+            blocked,
             ..Run::default()
         }
+    }
+
+    /// The block grid's rows and columns a block covers; None: one block
+    /// for the whole tensor (one scale per tensor, and 1-D tensors with
+    /// 128x128 blocks).
+    fn block_dims(&self) -> Option<(u64, u64)> {
+        let dims = self.scheme.block_dims()?;
+        (self.placed.shape.len() >= 2 || dims.0 == 1).then_some(dims)
     }
 
     /// Blocks in the local grid.
     pub fn local_blocks(&self) -> usize {
         let g = self.geometry();
         let batches: u64 = match g.blocked {
-            1 => self.placed.shape[..self.placed.shape.len() - 2]
-                .iter()
-                .product(),
-            _ => 1,
+            0 => 1,
+            _ => (self.placed.shape[..self.placed.shape.len().saturating_sub(2)].iter()).product(),
         };
         (batches * g.brows * g.bcols) as usize
     }
@@ -151,27 +164,27 @@ impl OnDevice<'_> {
     /// local grid; None when the shard's box does not overlap it.
     pub fn local_block(&self, block: u64) -> Option<usize> {
         let g = self.geometry();
-        if g.blocked == 0 {
+        let Some((bh, bw)) = self.block_dims().filter(|_| g.blocked != 0) else {
             return (block == 0).then_some(0);
-        }
+        };
         let p = self.placed;
         let n = p.shape.len();
-        let b = BLOCK as u64;
-        let (srows, scols) = (p.global[n - 2].div_ceil(b), p.global[n - 1].div_ceil(b));
+        let grows = if n >= 2 { p.global[n - 2] } else { 1 };
+        let (srows, scols) = (grows.div_ceil(bh), p.global[n - 1].div_ceil(bw));
         let (bcol, rest) = (block % scols, block / scols);
         let (brow, mut gbatch) = (rest % srows, rest / srows);
         // The global batch index, back to the shard's.
         let mut local = 0;
         let mut scale = 1;
-        for d in (0..n - 2).rev() {
+        for d in (0..n.saturating_sub(2)).rev() {
             let i = (gbatch % p.global[d].max(1)).checked_sub(p.offset[d])?;
             gbatch /= p.global[d].max(1);
             (i < p.shape[d]).then_some(())?;
             local += i * scale;
             scale *= p.shape[d];
         }
-        let lrow = brow.checked_sub(g.row0 / b).filter(|&r| r < g.brows)?;
-        let lcol = bcol.checked_sub(g.col0 / b).filter(|&c| c < g.bcols)?;
+        let lrow = brow.checked_sub(g.row0 / bh).filter(|&r| r < g.brows)?;
+        let lcol = bcol.checked_sub(g.col0 / bw).filter(|&c| c < g.bcols)?;
         Some(((local * g.brows + lrow) * g.bcols + lcol) as usize)
     }
 }
@@ -179,7 +192,6 @@ impl OnDevice<'_> {
 /// Each local block's amax over `runs` of `t` (unclamped; 0 where no run
 /// reaches). Ok(Err(e)): shard element `e` is NaN or infinite (the first).
 pub fn amax(t: &OnDevice, runs: &[Rows]) -> Result<std::result::Result<Vec<f32>, u64>> {
-    kernels_make(t.scheme)?;
     let kernel = nvrtc::kernel(t.ordinal, PROGRAM, SOURCE, "wm_fp8_amax")?;
     let blocks = t.local_blocks();
     let scratch = DeviceAllocation::new("the FP8 quantizer's amax", t.ordinal, 8 + blocks * 4)?;
@@ -309,24 +321,11 @@ fn run_of(t: &OnDevice, r: &Rows) -> Run {
 /// Each block's factor ([`Scheme::factor`]) as the CPU computes it, on
 /// the GPU.
 fn upload_factors(ordinal: i32, scheme: Scheme, amax: &[f32]) -> Result<DeviceAllocation> {
-    kernels_make(scheme)?;
     let factors: Vec<f32> = amax.iter().map(|&a| scheme.factor(a)).collect();
     let d = DeviceAllocation::new("the FP8 quantizer's factors", ordinal, factors.len() * 4)?;
     // SAFETY: a synchronous copy into an allocation of that size.
     unsafe { upload(ordinal, d.ptr(), factors.as_ptr().cast(), factors.len() * 4) }?;
     Ok(d)
-}
-
-/// The kernels make 128x128 blocks and one scale per tensor; MXFP8 is
-/// made on the host (its params and versions are refused on a GPU before
-/// this; checked again so no other grid is ever taken for it).
-fn kernels_make(scheme: Scheme) -> Result<()> {
-    match scheme {
-        Scheme::Mxfp8 => Err(Error::unsupported(
-            "MXFP8 is made on the host only: the GPU kernels make 128x128 blocks and one scale per tensor",
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// Launch `kernel` over `run`'s elements (none: nothing).

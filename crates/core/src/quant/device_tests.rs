@@ -28,6 +28,7 @@ fn the_gpu_kernels_match_pytorch_bit_for_bit() {
     let schemes = [
         (Scheme::Fp8Block128, "blocks"),
         (Scheme::Fp8Tensor, "tensor"),
+        (Scheme::Mxfp8, "mx"),
     ];
     let inputs: Vec<Vec<u8>> = (cases.iter())
         .map(|&(dtype, shape, _)| encode(&values(&mut rng, shape), dtype))
@@ -95,5 +96,5 @@ fn on_gpu(scheme: Scheme, dtype: DType, x: &[u8], (m, n): (usize, usize)) -> (Ve
             sys::CUresult::CUDA_SUCCESS
         );
     }
-    (q, amax.iter().map(|&a| scale_inv(a)).collect())
+    (q, amax.iter().map(|&a| scheme.scale(a)).collect())
 }

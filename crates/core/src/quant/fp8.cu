@@ -61,7 +61,7 @@ struct wm_fp8_run {
     u64 brows;    /* block rows and columns the box spans */
     u64 bcols;
     u32 dtype;    /* 0 bf16, 1 f16, 2 f32 */
-    u32 blocked;  /* 1: 128 x 128 blocks; 0: one block */
+    u32 blocked;  /* 1: 128 x 128 blocks; 2: MXFP8, 1 x 32; 0: one block */
     u32 small;    /* 1: every shard element index fits 32 bits */
     u32 unused;
 };
@@ -125,8 +125,15 @@ WM_DEVICE u64 wm_block(const struct wm_fp8_run *r, u64 e) {
         row = (e / r->cols) % r->rows;
         batch = e / (r->cols * r->rows);
     }
-    u64 brow = (r->row0 + row) / 128 - r->row0 / 128;
-    u64 bcol = (r->col0 + col) / 128 - r->col0 / 128;
+    /* Constant divisors on each path (a GPU divides by a variable slowly). */
+    u64 brow, bcol;
+    if (r->blocked == 2) {
+        brow = row;
+        bcol = (r->col0 + col) / 32 - r->col0 / 32;
+    } else {
+        brow = (r->row0 + row) / 128 - r->row0 / 128;
+        bcol = (r->col0 + col) / 128 - r->col0 / 128;
+    }
     return (batch * r->brows + brow) * r->bcols + bcol;
 }
 
@@ -157,7 +164,9 @@ WM_DEVICE int wm_one_block(const struct wm_fp8_run *r, u64 i, u64 e, u64 n) {
     u64 col = r->small ? (u32)e % (u32)r->cols : e % r->cols;
     u64 in_row = r->small ? (u32)i % (u32)r->len : i % r->len;
     if (in_row + n > r->len || col + n > r->cols) return 0;
-    return !r->blocked || (r->col0 + col) / 128 == (r->col0 + col + n - 1) / 128;
+    if (!r->blocked) return 1;
+    u64 first = r->col0 + col, last = first + n - 1;
+    return r->blocked == 2 ? first / 32 == last / 32 : first / 128 == last / 128;
 }
 
 /* Each block's amax over the run, as f32 bit patterns (|x|'s bits order as
@@ -203,8 +212,8 @@ WM_KERNEL void wm_fp8_amax(struct wm_fp8_run r, u32 *amax_bits, u64 *bad) {
     }
 }
 
-/* The run's elements times their block's factor (448 / amax, from the
- * host), cast to E4M3: element i of the run into out[i]. */
+/* The run's elements times their block's factor (448 / amax, or MXFP8's
+ * 2^-e, from the host), cast to E4M3: element i of the run into out[i]. */
 WM_KERNEL void wm_fp8_quantize(struct wm_fp8_run r, const float *factor, u8 *out) {
     u64 chunks = (r.n + WM_CHUNK - 1) / WM_CHUNK;
     for (u64 c = WM_FIRST_THREAD; c < chunks; c += WM_THREADS) {

@@ -112,13 +112,6 @@ pub fn check_declaration(weight: &Declared, scales: &Declared, scheme: Scheme) -
             ),
         );
     }
-    if scheme == Scheme::Mxfp8 && weight.device.is_some() {
-        return Err(Error::unsupported(format!(
-            "param '{}': MXFP8 is made on the host only (the GPU kernels quantize 128x128 \
-             blocks and one scale per tensor): register MXFP8 params in host memory",
-            weight.name
-        )));
-    }
     if weight.name == scales.name {
         return bad(weight, "cannot hold its own scales".into());
     }
@@ -266,7 +259,6 @@ fn check_piece_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::result::wm_result;
 
     fn declared<'a>(
         name: &'a str,
@@ -286,7 +278,7 @@ mod tests {
     }
 
     /// MXFP8: u8 scales of `[..., ceil(N/32)]`, any rows, pieces on the
-    /// 32-column grid; a GPU param is refused as unsupported.
+    /// 32-column grid.
     #[test]
     fn mxfp8_declarations_take_u8_scales_and_host_params() {
         let pieces = [Piece::whole("t", &[3, 64, 100])];
@@ -298,16 +290,6 @@ mod tests {
         let f = declared("f", DType::F32, &[3, 64, 4], &[]);
         let e = check_declaration(&w, &f, Scheme::Mxfp8).unwrap_err();
         assert!(e.message.contains("must be u8 [3, 64, 4], not f32"), "{e}");
-        let on_gpu = Declared {
-            device: Some(0),
-            ..w
-        };
-        let s_gpu = Declared {
-            device: Some(0),
-            ..s
-        };
-        let e = check_declaration(&on_gpu, &s_gpu, Scheme::Mxfp8).unwrap_err();
-        assert_eq!(e.code, wm_result::WM_ERR_UNSUPPORTED, "{e}");
         let mut cut = Piece::whole("t", &[64, 100]);
         (cut.global.offset[0], cut.global.offset[1]) = (5, 48);
         (cut.global.len[0], cut.global.len[1]) = (59, 52);
