@@ -467,7 +467,7 @@ fn without_nvrtc_the_quantizer_says_so() {
 
 // ---- FP8 params in GPU memory (the engine's side) ----
 
-use common::quant::{f32s, reference, row_publishers, write_snapshot};
+use common::quant::{f32s, reference, row_publishers, scale_bytes, write_snapshot};
 use common::sharded::{piece, serving};
 use common::T;
 use std::path::{Path, PathBuf};
@@ -505,7 +505,7 @@ fn quantized_on_gpu(
 ) -> [(u64, usize); 2] {
     let s = ParamSpec::host(
         &format!("{}.scale_inv", spec.name),
-        DType::F32,
+        scheme.scale_dtype(),
         &scales_shape(scheme, &spec.shape),
     );
     let out = [device(spec.clone()), device(s.clone())].map(|spec| {
@@ -544,16 +544,23 @@ fn pull(ps: &[Publisher], via: SourceKind) -> UpdateRequest<'static> {
     req
 }
 
-/// A bf16/f16/f32 snapshot into FP8 params on the GPU, in both modes,
-/// library- and engine-owned, two versions: the kernels quantize what was
-/// read, byte for byte the CPU quantizer's, and the scales are uploaded.
+/// A bf16/f16/f32 snapshot into FP8 params on the GPU (every scheme), in
+/// both modes, library- and engine-owned, two versions: the kernels
+/// quantize what was read, byte for byte the CPU quantizer's, and the
+/// scales are uploaded.
 fn snapshot_into_device_params() {
-    let schemes = [Scheme::Fp8Block128, Scheme::Fp8Block128, Scheme::Fp8Tensor];
+    let schemes = [
+        Scheme::Fp8Block128,
+        Scheme::Fp8Block128,
+        Scheme::Fp8Tensor,
+        Scheme::Mxfp8,
+    ];
     let model = |seed| {
         vec![
             tensor("w", DType::Bf16, &[300, 200], seed),
             tensor("experts", DType::F16, &[2, 200, 130], seed),
             tensor("head", DType::F32, &[130, 129], seed),
+            tensor("mx", DType::Bf16, &[3, 70, 100], seed),
         ]
     };
     // (mode, engine-owned, the device page swap on)
@@ -595,7 +602,8 @@ fn snapshot_into_device_params() {
                     t.name
                 );
                 assert_same(&download(w.0, w.1), &want_q, &what);
-                assert_eq!(f32s(&download(s.0, s.1)), want_s, "{what}: scales");
+                let want_s = scale_bytes(scheme, &want_s);
+                assert_eq!(download(s.0, s.1), want_s, "{what}: scales");
             }
         }
     }

@@ -44,6 +44,82 @@ pub(super) fn scale_run<E: Element>(xs: &[u8], factor: f32, out: &mut [u8]) {
     scale_run_body::<E>(xs, factor, out)
 }
 
+/// [`abs_bits_max`] of each run of `W` elements of `xs` (whole runs: an
+/// MXFP8 row's blocks) into `out`, one dispatch for all of them: per
+/// block, a call costs as much as the block's work.
+pub(super) fn abs_bits_max_each<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: the CPU has AVX-512 F and BW (checked just above).
+        return unsafe { abs_bits_max_each_avx512::<E, W>(xs, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { abs_bits_max_each_avx2::<E, W>(xs, out) };
+    }
+    abs_bits_max_each_body::<E, W>(xs, out)
+}
+
+/// [`scale_run`] of each run of `W` elements of `xs` with its own factor
+/// (`factors[k]` for run `k`), into `out`: one dispatch for all of them.
+pub(super) fn scale_each<E: Element, const W: usize>(xs: &[u8], factors: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: the CPU has AVX-512 F and BW (checked just above).
+        return unsafe { scale_each_avx512::<E, W>(xs, factors, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { scale_each_avx2::<E, W>(xs, factors, out) };
+    }
+    scale_each_body::<E, W>(xs, factors, out)
+}
+
+#[inline(always)]
+fn abs_bits_max_each_body<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
+    for (o, block) in out.iter_mut().zip(xs.chunks_exact(W * E::SIZE)) {
+        *o = abs_bits_max_body::<E>(block);
+    }
+}
+
+#[inline(always)]
+fn scale_each_body<E: Element, const W: usize>(xs: &[u8], factors: &[f32], out: &mut [u8]) {
+    let blocks = xs.chunks_exact(W * E::SIZE).zip(out.chunks_exact_mut(W));
+    for ((block, q), &f) in blocks.zip(factors) {
+        scale_run_body::<E>(block, f, q);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn abs_bits_max_each_avx2<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
+    abs_bits_max_each_body::<E, W>(xs, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scale_each_avx2<E: Element, const W: usize>(xs: &[u8], factors: &[f32], out: &mut [u8]) {
+    scale_each_body::<E, W>(xs, factors, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn abs_bits_max_each_avx512<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
+    abs_bits_max_each_body::<E, W>(xs, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn scale_each_avx512<E: Element, const W: usize>(
+    xs: &[u8],
+    factors: &[f32],
+    out: &mut [u8],
+) {
+    scale_each_body::<E, W>(xs, factors, out)
+}
+
 #[cfg(target_arch = "x86_64")]
 fn avx2() -> bool {
     static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -139,8 +215,33 @@ mod tests {
         }
     }
 
+    /// The per-block batches give each block's own figures, on every path.
+    fn blocks_on_every_path<E: Element>() {
+        let xs: Vec<u8> = (0..32 * 7 * E::SIZE)
+            .map(|i| (i * 37 % 251) as u8)
+            .collect();
+        let factors: Vec<f32> = (0..7).map(|k| 0.5 + k as f32).collect();
+        let (mut want_bits, mut want_q) = (vec![0u32; 7], vec![0u8; 32 * 7]);
+        for k in 0..7 {
+            let block = &xs[k * 32 * E::SIZE..(k + 1) * 32 * E::SIZE];
+            want_bits[k] = abs_bits_max_body::<E>(block);
+            scale_run_body::<E>(block, factors[k], &mut want_q[k * 32..(k + 1) * 32]);
+        }
+        let (mut bits, mut q) = (vec![0u32; 7], vec![0u8; 32 * 7]);
+        abs_bits_max_each::<E, 32>(&xs, &mut bits);
+        scale_each::<E, 32>(&xs, &factors, &mut q);
+        assert_eq!((bits, q), (want_bits.clone(), want_q.clone()));
+        let (mut bits, mut q) = (vec![0u32; 7], vec![0u8; 32 * 7]);
+        abs_bits_max_each_body::<E, 32>(&xs, &mut bits);
+        scale_each_body::<E, 32>(&xs, &factors, &mut q);
+        assert_eq!((bits, q), (want_bits, want_q));
+    }
+
     #[test]
     fn every_compiled_path_gives_the_same_bytes() {
+        blocks_on_every_path::<Bf16>();
+        blocks_on_every_path::<F16>();
+        blocks_on_every_path::<F32>();
         same_on_every_path::<Bf16>();
         same_on_every_path::<F16>();
         same_on_every_path::<F32>();

@@ -308,22 +308,29 @@ pub fn quantize(
         .bytes
         .chunks(BLOCK * row_bytes)
         .zip(fp8.chunks_mut(BLOCK * src.cols));
+    // A band starts on the block grid (128 rows; MXFP8's blocks are one
+    // row), so it is a tensor of its own with its own rows of the scales:
+    // its factors are worked out for its blocks alone, not for all.
+    let (bh, _) = scheme.block(src.rows, src.cols);
+    let scols = scheme.scales_shape(src.rows, src.cols)[1];
     for (k, (bytes, q)) in bands.enumerate() {
         let band = Source {
             bytes,
             rows: bytes.len() / row_bytes,
             ..src
         };
-        let origin = [k * BLOCK, 0];
+        let (first, n) = (k * BLOCK / bh * scols, band.rows.div_ceil(bh) * scols);
+        let (a, s) = (&mut amax[first..first + n], &mut scale_inv[first..first + n]);
+        let own = [band.rows, src.cols];
         // A band's element index counts from the band: from the tensor here.
-        block_amax(scheme, band, origin, whole, &mut amax).map_err(|e| match e {
+        block_amax(scheme, band, [0, 0], own, a).map_err(|e| match e {
             QuantError::NonFinite { index, value } => QuantError::NonFinite {
-                index: index + origin[0] * src.cols,
+                index: index + k * BLOCK * src.cols,
                 value,
             },
             other => other,
         })?;
-        quantize_with(scheme, band, (origin, whole), &amax, q, scale_inv)?;
+        quantize_with(scheme, band, ([0, 0], own), a, q, s)?;
     }
     Ok(())
 }
@@ -457,6 +464,7 @@ fn amax_of<E: Element>(
     out: &mut [f32],
 ) -> Result<(), QuantError> {
     let row_bytes = src.cols * E::SIZE;
+    let mut bits = Vec::new();
     for (r, row) in src
         .bytes
         .chunks_exact(row_bytes.max(1))
@@ -468,6 +476,26 @@ fn amax_of<E: Element>(
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
+            let whole = match bw {
+                MX_BLOCK if end - c == bw => (src.cols - c) / bw,
+                _ => 0,
+            };
+            if whole > 1 {
+                // MXFP8: the row's whole blocks from here at once.
+                bits.resize(whole, 0);
+                let xs = &row[c * E::SIZE..(c + whole * bw) * E::SIZE];
+                kernels::abs_bits_max_each::<E, MX_BLOCK>(xs, &mut bits);
+                if let Some(k) = bits.iter().position(|&m| m >= 0x7f80_0000) {
+                    let at = c + k * bw;
+                    return Err(non_finite::<E>(row, at..at + bw, r * src.cols));
+                }
+                let slots = &mut out[brow * scols + b..brow * scols + b + whole];
+                for (slot, &m) in slots.iter_mut().zip(&bits) {
+                    *slot = slot.max(f32::from_bits(m));
+                }
+                c += whole * bw;
+                continue;
+            }
             let m = kernels::abs_bits_max::<E>(&row[c * E::SIZE..end * E::SIZE]);
             if m >= 0x7f80_0000 {
                 return Err(non_finite::<E>(row, c..end, r * src.cols));
@@ -509,6 +537,18 @@ fn scale_into<E: Element>(
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
+            let whole = match bw {
+                MX_BLOCK if end - c == bw => (src.cols - c) / bw,
+                _ => 0,
+            };
+            if whole > 1 {
+                // MXFP8: the row's whole blocks from here at once.
+                let xs = &row[c * E::SIZE..(c + whole * bw) * E::SIZE];
+                let factors = &factor[brow * scols + b..brow * scols + b + whole];
+                kernels::scale_each::<E, MX_BLOCK>(xs, factors, &mut out[c..c + whole * bw]);
+                c += whole * bw;
+                continue;
+            }
             let xs = &row[c * E::SIZE..end * E::SIZE];
             kernels::scale_run::<E>(xs, factor[brow * scols + b], &mut out[c..end]);
             c = end;

@@ -1,12 +1,14 @@
 //! `wm bench quant [--gib N] [--runs N] [--update-gib N]`: FP8 E4M3 quantization with
-//! 128 x 128 block scales of bf16 weights (the library's `quant`), beside
-//! its floor and beside PyTorch doing the same job, in the same run.
+//! 128 x 128 block scales of bf16 weights (the library's `quant`), then
+//! the same for MXFP8 (blocks of 32 along a row, E8M0 scales), beside its
+//! floor and beside PyTorch doing the same job, in the same run.
 //!
 //! - Floor: memcpy of the same bf16 bytes (one thread for the one-core
 //!   figure, every core for the all-core one). Target: quantizing runs at
 //!   >= 0.5 of it per core.
 //! - PyTorch peer: the reference expression the library matches bit for bit
-//!   (DeepGEMM's `per_block_cast_to_fp8`, vectorized by PyTorch) on the
+//!   (DeepGEMM's `per_block_cast_to_fp8`, and the OCP MX rule as the tests
+//!   write it for MXFP8, vectorized by PyTorch) on the
 //!   same bytes, in a Python process kept running, with the same number of
 //!   threads (`torch.set_num_threads`). Ours and PyTorch's runs alternate
 //!   (the order flipping every pair), and the figure is the median of the
@@ -43,9 +45,17 @@ pub struct Args {
     update_gib: f64,
 }
 
-/// The block edge of the scheme measured.
+/// The block edge of the 128x128 scheme (the inputs' magnitudes change
+/// from one such block to the next).
 fn block() -> usize {
     Scheme::block_edge()
+}
+
+/// The block rows and columns of `scheme` (both measured schemes have
+/// blocks).
+fn dims(scheme: Scheme) -> (usize, usize) {
+    let (bh, bw) = scheme.block_dims().expect("a scheme of blocks");
+    (bh as usize, bw as usize)
 }
 
 /// PyTorch's side: reads the tensors once, then times the reference
@@ -63,23 +73,39 @@ def quant(x):
     amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
     q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn)
     return q.view_as(xp)[:m, :n].contiguous(), (amax / 448.0).view(xv.size(0), xv.size(2))
+def quant_mx(x):
+    m, n = x.shape
+    v = x.float().view(m, n // 32, 32)
+    amax = v.abs().amax(dim=2, keepdim=True)
+    e = (((amax.view(torch.int32) >> 23) & 0xFF) - 127 - 8).clamp(-127, 127)
+    two_e = torch.where(e > -127, (e + 127) << 23, torch.full_like(e, 1 << 22)).view(torch.float32)
+    q = (v / two_e).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(m, n), (e + 127).to(torch.uint8).view(m, n // 32)
 print("ready", flush=True)
 for line in sys.stdin:
-    torch.set_num_threads(int(line.split()[1]))
+    _, threads, scheme = line.split()
+    torch.set_num_threads(int(threads))
+    f = quant_mx if scheme == "mxfp8" else quant
     t = time.perf_counter()
     for x in xs:
-        quant(x)
+        f(x)
     print(time.perf_counter() - t, flush=True)
 "#;
 
-/// Quantize every tensor on `threads` threads (each a band of whole
-/// block rows: bands share no block, so each is quantized alone).
-fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize) -> Duration {
+/// Quantize every tensor with `scheme` on `threads` threads (each a band
+/// of whole block rows: bands share no block, so each is quantized alone).
+fn ours(
+    scheme: Scheme,
+    inputs: &[Vec<u8>],
+    outputs: &mut [(Vec<u8>, Vec<f32>)],
+    threads: usize,
+) -> Duration {
     let t = Instant::now();
-    let band_rows = SHAPE[0].div_ceil(block()).div_ceil(threads.max(1)) * block();
+    let (bh, bw) = dims(scheme);
+    let band_rows = SHAPE[0].div_ceil(bh).div_ceil(threads.max(1)) * bh;
     for (x, (q, s)) in inputs.iter().zip(outputs.iter_mut()) {
         let row = SHAPE[1];
-        let scale_row = SHAPE[1].div_ceil(block()) * band_rows / block();
+        let scale_row = SHAPE[1].div_ceil(bw) * band_rows / bh;
         std::thread::scope(|sc| {
             let bands = x
                 .chunks(band_rows * row * 2)
@@ -93,7 +119,7 @@ fn ours(inputs: &[Vec<u8>], outputs: &mut [(Vec<u8>, Vec<f32>)], threads: usize)
                         cols: row,
                     };
                     // Bands of whole block rows are tensors of their own.
-                    quant::quantize(Scheme::Fp8Block128, src, qb, sb).expect("finite weights");
+                    quant::quantize(scheme, src, qb, sb).expect("finite weights");
                 });
             }
         });
@@ -130,13 +156,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     let count = ((gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
     let inputs: Vec<Vec<u8>> = (0..count).map(|i| weights(i as u64 + 1)).collect();
     let total = (count * bytes_each) as u64;
-    let blocks = SHAPE[0].div_ceil(block()) * SHAPE[1].div_ceil(block());
-    let mut outputs: Vec<(Vec<u8>, Vec<f32>)> = (0..count)
-        .map(|_| (vec![1u8; SHAPE[0] * SHAPE[1]], vec![0f32; blocks]))
-        .collect();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "wm bench quant: {count} bf16 tensors of {SHAPE:?} ({:.2} GiB) to FP8 E4M3, 128x128 block scales; {cores} cores",
+        "wm bench quant: {count} bf16 tensors of {SHAPE:?} ({:.2} GiB) to FP8 E4M3, 128x128 block scales, then MXFP8; {cores} cores",
         total as f64 / (1u64 << 30) as f64
     );
     let scratch = Scratch::temp("wm-bench-quant")?;
@@ -148,19 +170,26 @@ pub fn run(a: &Args) -> Result<(), String> {
     if let Err(e) = &torch {
         println!("  torch  skipped: {e}");
     }
-    for threads in [1, cores] {
-        section(
-            &inputs,
-            &mut outputs,
-            threads,
-            torch.as_mut().ok(),
-            (total, pairs),
-        )?;
-        if cores == 1 {
-            break;
+    for scheme in [Scheme::Fp8Block128, Scheme::Mxfp8] {
+        let [sr, sc] = scheme.scales_shape(SHAPE[0], SHAPE[1]);
+        let mut outputs: Vec<(Vec<u8>, Vec<f32>)> = (0..count)
+            .map(|_| (vec![1u8; SHAPE[0] * SHAPE[1]], vec![0f32; sr * sc]))
+            .collect();
+        println!("  {}:", scheme.name());
+        for threads in [1, cores] {
+            section(
+                (scheme, &inputs),
+                &mut outputs,
+                threads,
+                torch.as_mut().ok(),
+                (total, pairs),
+            )?;
+            if cores == 1 {
+                break;
+            }
         }
     }
-    drop((torch, outputs));
+    drop(torch);
     if a.update_gib > 0.0 {
         let n = ((a.update_gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
         let layers: Vec<Vec<u8>> = (0..n).map(|i| weights(i as u64 + 1)).collect();
@@ -171,7 +200,7 @@ pub fn run(a: &Args) -> Result<(), String> {
 
 /// One thread count: ours beside memcpy, and beside PyTorch, alternating.
 fn section(
-    inputs: &[Vec<u8>],
+    (scheme, inputs): (Scheme, &[Vec<u8>]),
     outputs: &mut [(Vec<u8>, Vec<f32>)],
     threads: usize,
     torch: Option<&mut TorchPeer>,
@@ -179,7 +208,7 @@ fn section(
 ) -> Result<(), String> {
     let mut dst: Vec<Vec<u8>> = inputs.iter().map(|x| vec![1u8; x.len()]).collect();
     let outputs = std::cell::RefCell::new(outputs);
-    let quantize = || Ok(ours(inputs, &mut outputs.borrow_mut(), threads));
+    let quantize = || Ok(ours(scheme, inputs, &mut outputs.borrow_mut(), threads));
     let copy = || {
         let t = Instant::now();
         for (d, x) in dst.iter_mut().zip(inputs) {
@@ -198,7 +227,7 @@ fn section(
     let Some(t) = torch else {
         return Ok(());
     };
-    let command = format!("run {threads}");
+    let command = format!("run {threads} {}", scheme.name());
     let (r, _, p) = alternate(pairs, quantize, || t.run(&command))?;
     println!(
         "  {threads} thread(s): PyTorch (same expression, same bytes) {:.2} GB/s: wm / torch {r:.2}x (median of {pairs} alternating pairs; target >= 2) {}",
