@@ -453,6 +453,46 @@ fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
     }
 }
 
+/// MXFP8 from the same four publishers into column half 1, with AMAX and
+/// SCALES cut into frames of 100 values (`WM_TEST_BLOCK_VALUES_PER_FRAME`;
+/// the real bound is 2^23, which a large MXFP8 session outgrows): each
+/// publisher's 75 rows x 4 blocks take three frames each way, and the FP8
+/// bytes and E8M0 scales are the global tensor's.
+#[test]
+fn mxfp8_amax_and_scales_cross_several_frames() {
+    let _serial = serial();
+    std::env::set_var("WM_TEST_BLOCK_VALUES_PER_FRAME", "100");
+    let g = t("g", DType::Bf16, &[300, 256], 4);
+    let (want_q, want_s) = reference(&g, Scheme::Mxfp8);
+    let half_q: Vec<u8> = want_q
+        .chunks(256)
+        .flat_map(|row| row[128..].to_vec())
+        .collect();
+    let half_s: Vec<f32> = want_s.chunks(8).flat_map(|r| r[4..].to_vec()).collect();
+    for via in [SourceKind::Ipc, SourceKind::Rdma] {
+        let dir = tempfile::tempdir().unwrap();
+        let ps = publishers(dir.path(), via, &g);
+        let m = common::sharded::net_engine("quantized-test-secret");
+        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+        let [q, s] = quantized(&m, spec, Scheme::Mxfp8, false);
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+        req.source = via;
+        req.timeout = Duration::from_secs(60);
+        let (r, served) = serving(&ps, || m.update(req));
+        assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
+        served.into_iter().for_each(|s| drop(s.unwrap()));
+        assert!(read(q) == half_q, "{via:?}: fp8 bytes differ");
+        assert_eq!(
+            read(s),
+            scale_bytes(Scheme::Mxfp8, &half_s),
+            "{via:?}: scales differ"
+        );
+    }
+    std::env::remove_var("WM_TEST_BLOCK_VALUES_PER_FRAME");
+}
+
 fn publishers(dir: &Path, via: SourceKind, g: &T) -> Vec<Publisher> {
     row_publishers(dir, via, g, b"quantized-test-secret")
 }
@@ -774,7 +814,7 @@ fn a_publisher_with_a_wrong_amax_is_refused_and_scales_are_the_largest() {
     let e = update(vec![a, b]).unwrap_err();
     assert!(
         e.message
-            .contains("AMAX does not give one value per block of each quantized request"),
+            .contains("wire: AMAX: request #0 with values 0..2 where request #0 has 1"),
         "{e}"
     );
     assert!(matches!(

@@ -33,7 +33,9 @@ use crate::quant::{segment_amax, QuantError, Scheme};
 use crate::result::{try_vec, Error, Result};
 use crate::tensor::DType;
 use crate::transport::conn::Conn;
-use crate::wire::{BlockValues, BucketEntry, Frame, Request, WantRun};
+use crate::wire::{
+    frames, values_per_frame, BlockValues, BucketEntry, Frame, Gathering, Request, WantRun,
+};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -102,21 +104,28 @@ pub(super) fn serve(
 }
 
 /// AMAX with `jobs`' amax, then SCALES before `deadline`: the blocks'
-/// agreed amax, checked.
+/// agreed amax, checked (each over as many frames as it takes).
 fn agree(conn: &mut Conn, jobs: &[Job], deadline: &dyn Fn() -> Instant) -> Result<BlockValues> {
     let values: BlockValues = jobs.iter().map(|j| (j.request, j.amax.clone())).collect();
-    conn.send(&Frame::Amax { values })?;
+    for values in frames(values, values_per_frame()) {
+        conn.send(&Frame::Amax { values })?;
+    }
     // The engine answers once every publisher's AMAX came: the wait starts
     // now, not before this publisher's own reading.
-    let agreed = match conn.recv(deadline())? {
-        Frame::Scales { values } => values,
-        other => {
-            return Err(Error::peer(format!(
-                "expected SCALES, got {}",
-                other.name()
-            )))
+    let expected = jobs.iter().map(|j| (j.request, j.amax.len())).collect();
+    let mut agreed = Gathering::new(expected, "SCALES")?;
+    while !agreed.complete() {
+        match conn.recv(deadline())? {
+            Frame::Scales { values } => agreed.take(values, "SCALES")?,
+            other => {
+                return Err(Error::peer(format!(
+                    "expected SCALES, got {}",
+                    other.name()
+                )))
+            }
         }
-    };
+    }
+    let agreed = agreed.into_values();
     check_agreed(jobs, &agreed)?;
     Ok(agreed)
 }

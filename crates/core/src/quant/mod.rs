@@ -320,7 +320,10 @@ pub fn quantize(
             ..src
         };
         let (first, n) = (k * BLOCK / bh * scols, band.rows.div_ceil(bh) * scols);
-        let (a, s) = (&mut amax[first..first + n], &mut scale_inv[first..first + n]);
+        let (a, s) = (
+            &mut amax[first..first + n],
+            &mut scale_inv[first..first + n],
+        );
         let own = [band.rows, src.cols];
         // A band's element index counts from the band: from the tensor here.
         block_amax(scheme, band, [0, 0], own, a).map_err(|e| match e {

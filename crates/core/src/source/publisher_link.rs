@@ -11,7 +11,10 @@ use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
-use crate::wire::{check_size, BucketEntry, DeltaBase, DeltaRun, Frame, Request, MAX_BLOCK_VALUES};
+use crate::wire::{
+    check_size, frames, values_per_frame, BucketEntry, DeltaBase, DeltaRun, Frame, Gathering,
+    Request,
+};
 use std::time::Instant;
 
 /// Who this rank is and which version it asks for.
@@ -154,7 +157,6 @@ impl PublisherLink {
             requests.push(q);
         }
         check_size(&requests).map_err(|e| e.context(format!("asking {}", self.conn.peer())))?;
-        self.check_blocks(&quantized)?;
         let base = match std::mem::replace(&mut self.base, Base::None) {
             Base::Kept(v) => delta_base(v, &wanted.entries, applier),
             Base::NotKept => {
@@ -180,19 +182,6 @@ impl PublisherLink {
         Ok(())
     }
 
-    /// The quantized requests' blocks fit in one AMAX (and SCALES) frame.
-    fn check_blocks(&self, quantized: &[(u32, QuantRequest)]) -> Result<()> {
-        let blocks: usize = quantized.iter().map(|(_, r)| r.blocks.len()).sum();
-        match blocks <= MAX_BLOCK_VALUES {
-            true => Ok(()),
-            false => Err(Error::out_of_memory(format!(
-                "asking {}: the quantized requests touch {blocks} blocks, more than the \
-                 {MAX_BLOCK_VALUES} one AMAX frame carries",
-                self.conn.peer()
-            ))),
-        }
-    }
-
     /// Bound each DELTA frame by `timeout` too.
     pub fn set_frame_timeout(&mut self, timeout: std::time::Duration) {
         self.frame_timeout = Some(timeout);
@@ -216,28 +205,24 @@ impl PublisherLink {
     }
 
     /// AMAX: the publisher's amax of every block of each quantized
-    /// request, offered to the applier's agreement (nothing without
-    /// quantized requests).
+    /// request, over as many frames as it takes, offered to the applier's
+    /// agreement (nothing without quantized requests).
     pub fn take_amax(&mut self, applier: &mut Applier) -> Result<()> {
         if self.quantized.is_empty() {
             return Ok(());
         }
-        let values = match self.recv_awaiting(applier.deadline(), "AMAX", false)? {
-            Frame::Amax { values } => values,
-            other => return Err(unexpected(&self.conn, "AMAX", &other)),
-        };
-        let fits = values.len() == self.quantized.len()
-            && values
-                .iter()
-                .zip(&self.quantized)
-                .all(|((k, v), (want, r))| k == want && v.len() == r.blocks.len());
-        if !fits {
-            return Err(Error::peer(format!(
-                "{}: AMAX does not give one value per block of each quantized request",
-                self.conn.peer()
-            )));
+        let expected = (self.quantized.iter())
+            .map(|(k, r)| (*k, r.blocks.len()))
+            .collect();
+        let mut amax = Gathering::new(expected, "AMAX")?;
+        while !amax.complete() {
+            let values = match self.recv_awaiting(applier.deadline(), "AMAX", false)? {
+                Frame::Amax { values } => values,
+                other => return Err(unexpected(&self.conn, "AMAX", &other)),
+            };
+            (amax.take(values, "AMAX")).map_err(|e| e.context(self.conn.peer()))?;
         }
-        for ((_, v), (_, r)) in values.iter().zip(&self.quantized) {
+        for ((_, v), (_, r)) in amax.into_values().iter().zip(&self.quantized) {
             applier.offer_amax(r, v);
         }
         Ok(())
@@ -252,7 +237,10 @@ impl PublisherLink {
         let values = (self.quantized.iter())
             .map(|(k, r)| (*k, applier.agreed_amax(r)))
             .collect();
-        self.conn.send(&Frame::Scales { values })
+        for values in frames(values, values_per_frame()) {
+            self.conn.send(&Frame::Scales { values })?;
+        }
+        Ok(())
     }
 
     /// Whether WANT named a base (the deltas come next).

@@ -31,7 +31,7 @@ pub use buckets::{
 };
 pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
-pub use quant::{BlockValues, MAX_BLOCK_VALUES};
+pub use quant::{frames, values_per_frame, BlockValues, Gathering};
 pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
 pub use want_bounds::{check_cuts, check_size};
 
@@ -48,8 +48,9 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// fingerprints), and the publisher answers DELTAS and DELTA frames
 /// (`deltas.rs`). 7: WANT names quantized requests, AMAX and SCALES
 /// agree their blocks' amax (`quant.rs`). 8: a quantized request may be
-/// fingerprinted (its delta is over FP8 bytes), DELTAS' verdict 3.
-pub(crate) const PROTOCOL: u32 = 8;
+/// fingerprinted (its delta is over FP8 bytes), DELTAS' verdict 3. 9:
+/// AMAX and SCALES may take several frames (`quant.rs`; MXFP8).
+pub(crate) const PROTOCOL: u32 = 9;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).

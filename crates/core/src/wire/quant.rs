@@ -9,6 +9,13 @@
 //! wire are its elements. Blocks are listed in the order
 //! `quant::blocks::touched` gives (both sides compute it), so AMAX and
 //! SCALES carry values only.
+//!
+//! Protocol 9: AMAX and SCALES are each one or more frames of at most
+//! [`MAX_BLOCK_VALUES`] values ([`frames`]): the requests in order, a
+//! request's values continuing into the next frame where a frame filled
+//! (MXFP8's blocks of 32 make a large session's values outgrow one frame).
+//! The receiver knows how many values each request has and takes frames
+//! until all came ([`Gathering`]).
 
 use super::fields::{In, Out};
 use super::want::MAX_REQUESTS;
@@ -105,4 +112,121 @@ pub(super) fn decode_frame(i: &mut In, amax: bool) -> Result<super::Frame> {
             values: decode_values(i, "SCALES")?,
         },
     })
+}
+
+/// Values in one AMAX or SCALES frame that a sender makes:
+/// [`MAX_BLOCK_VALUES`]; in test builds (`cfg(test)`, the `test-hooks`
+/// feature) `WM_TEST_BLOCK_VALUES_PER_FRAME` may ask fewer, so tests cross
+/// frames with small tensors.
+pub fn values_per_frame() -> usize {
+    #[cfg(any(test, feature = "test-hooks"))]
+    if let Some(n) = std::env::var("WM_TEST_BLOCK_VALUES_PER_FRAME")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        return n.clamp(1, MAX_BLOCK_VALUES);
+    }
+    MAX_BLOCK_VALUES
+}
+
+/// `values` as frames of at most `most` values each: requests in order,
+/// each listed (an empty one too), a request cut where a frame fills and
+/// continued as the next frame's first entry.
+pub fn frames(values: BlockValues, most: usize) -> Vec<BlockValues> {
+    let most = most.max(1);
+    let (mut out, mut frame, mut room): (Vec<BlockValues>, BlockValues, usize) =
+        (Vec::new(), Vec::new(), most);
+    for (k, v) in values {
+        let mut rest = &v[..];
+        loop {
+            let take = rest.len().min(room);
+            frame.push((k, rest[..take].to_vec()));
+            (rest, room) = (&rest[take..], room - take);
+            if room == 0 {
+                out.push(std::mem::take(&mut frame));
+                room = most;
+            }
+            if rest.is_empty() {
+                break;
+            }
+        }
+    }
+    if !frame.is_empty() || out.is_empty() {
+        out.push(frame);
+    }
+    out
+}
+
+/// AMAX's or SCALES' values arriving over one or more frames ([`frames`]),
+/// checked against what each request must have: its number and count of
+/// values, in order.
+pub struct Gathering {
+    expected: Vec<(u32, usize)>,
+    got: BlockValues,
+    /// A request cut at the end of the last frame, continued next.
+    open: bool,
+}
+
+impl Gathering {
+    /// Values for `expected` (request, how many values), in that order;
+    /// `WM_ERR_OUT_OF_MEMORY` when there is no room for them (the counts
+    /// are the receiver's own, bounded by its params or tensors).
+    pub fn new(expected: Vec<(u32, usize)>, what: &str) -> Result<Gathering> {
+        Ok(Gathering {
+            got: try_vec(expected.len(), what)?,
+            expected,
+            open: false,
+        })
+    }
+
+    /// Whether every request has all its values.
+    pub fn complete(&self) -> bool {
+        !self.open && self.got.len() == self.expected.len()
+    }
+
+    /// Take one frame's `values` (`what` names the frame in errors): each
+    /// entry the next request in order (the first may continue a request
+    /// the last frame cut, with at least one value), no request given more
+    /// values than it has, only the frame's last entry short of them.
+    pub fn take(&mut self, values: BlockValues, what: &str) -> Result<()> {
+        let bad = |why: String| Err(Error::peer(format!("wire: {what}: {why}")));
+        if values.is_empty() {
+            return bad("a frame with no request".into());
+        }
+        let last = values.len() - 1;
+        for (j, (k, v)) in values.into_iter().enumerate() {
+            let continues = j == 0 && self.open;
+            if continues && v.is_empty() {
+                return bad(format!("request #{k} continued with no value"));
+            }
+            if !continues {
+                let Some(&(_, n)) = self.expected.get(self.got.len()) else {
+                    return bad(format!("request #{k} after every request's values"));
+                };
+                self.got.push((k, try_vec(n, what)?));
+            }
+            let i = self.got.len() - 1;
+            let (want_k, want_n) = self.expected[i];
+            let have = self.got[i].1.len();
+            if k != want_k || have + v.len() > want_n {
+                return bad(format!(
+                    "request #{k} with values {have}..{} where request #{want_k} has {want_n}",
+                    have + v.len()
+                ));
+            }
+            self.got[i].1.extend_from_slice(&v);
+            self.open = self.got[i].1.len() < want_n;
+            if self.open && j != last {
+                return bad(format!(
+                    "request #{k} short of its {want_n} values mid-frame"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every request's values (once [`Gathering::complete`]).
+    pub fn into_values(self) -> BlockValues {
+        self.got
+    }
 }

@@ -408,3 +408,60 @@ fn quantization_frames_round_trip_and_bad_ones_are_refused() {
     let e = Frame::decode(&twice.encode()[4..]).unwrap_err();
     assert!(e.message.contains("SCALES: request #1 out of order"), "{e}");
 }
+
+/// AMAX and SCALES over several frames: cut where a frame fills, every
+/// request listed, and gathered back exactly; a frame out of step with
+/// what the receiver expects is refused naming why.
+#[test]
+fn block_values_take_as_many_frames_as_they_need() {
+    use super::{frames, Gathering};
+    let values: BlockValues = vec![
+        (0, vec![1.0, 2.0, 3.0]),
+        (2, vec![]),
+        (5, (0..7).map(|x| x as f32).collect()),
+    ];
+    let expected = || vec![(0, 3), (2, 0), (5, 7)];
+    for most in [1, 2, 3, 4, 10, 100] {
+        let fs = frames(values.clone(), most);
+        assert!(fs
+            .iter()
+            .all(|f| f.iter().map(|e| e.1.len()).sum::<usize>() <= most));
+        assert_eq!(fs.len(), 10usize.div_ceil(most).max(1), "at most {most}");
+        let mut g = Gathering::new(expected(), "AMAX").unwrap();
+        for f in fs {
+            assert!(!g.complete());
+            let again = Frame::Amax { values: f };
+            let Frame::Amax { values } = Frame::decode(&again.encode()[4..]).unwrap() else {
+                panic!("AMAX decodes as AMAX");
+            };
+            g.take(values, "AMAX").unwrap();
+        }
+        assert!(g.complete(), "at most {most}");
+        assert_eq!(g.into_values(), values);
+    }
+    let mut g = Gathering::new(expected(), "SCALES").unwrap();
+    g.take(vec![(0, vec![1.0])], "SCALES").unwrap();
+    for (bad, says) in [
+        (vec![(0, vec![])], "request #0 continued with no value"),
+        (
+            vec![(2, vec![1.0])],
+            "request #2 with values 1..2 where request #0 has 3",
+        ),
+        (
+            vec![(0, vec![1.0, 1.0, 1.0])],
+            "request #0 with values 1..4 where request #0 has 3",
+        ),
+        (
+            vec![(0, vec![1.0]), (2, vec![])],
+            "request #0 short of its 3 values mid-frame",
+        ),
+        (vec![], "a frame with no request"),
+    ] {
+        let e = g.take(bad, "SCALES").unwrap_err();
+        assert!(e.message.contains(says), "{e}");
+    }
+    let mut g = Gathering::new(vec![(0, 1)], "AMAX").unwrap();
+    g.take(vec![(0, vec![1.0])], "AMAX").unwrap();
+    let e = g.take(vec![(1, vec![1.0])], "AMAX").unwrap_err();
+    assert!(e.message.contains("after every request's values"), "{e}");
+}
