@@ -308,8 +308,7 @@ enum wm_quant_scheme
   WM_QUANT_SCHEME_FP8_TENSOR = 2,
   // MXFP8 (OCP Microscaling): FP8 E4M3 with one E8M0 scale byte
   // (`2^(byte - 127)`) per 32 elements along the last dimension: scales
-  // u8 `[..., ceil(N/32)]` for a `[..., N]` param. Host params only
-  // (`WM_ERR_UNSUPPORTED` for a device param).
+  // u8 `[..., ceil(N/32)]` for a `[..., N]` param.
   WM_QUANT_SCHEME_MXFP8 = 3,
 };
 #ifndef __cplusplus
@@ -1135,9 +1134,8 @@ wm_result wm_allocate_param(wm_manager *manager,
 // multiple of 128 ends the param (and, checked when planning, the global
 // tensor). With `WM_QUANT_SCHEME_FP8_TENSOR` the param holds all of its
 // global tensor. With `WM_QUANT_SCHEME_MXFP8` the same holds of the last
-// dimension alone, at multiples of 32 (any rows); MXFP8 params are host
-// params (`WM_ERR_UNSUPPORTED` on a GPU, and for a trainer's GPU
-// version). Errors name the param and what is wrong:
+// dimension alone, at multiples of 32 (any rows). Errors name the param
+// and what is wrong:
 // `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
 // shape, a piece cutting a block, a param declared twice, the weight
 // and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear

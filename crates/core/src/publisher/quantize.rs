@@ -273,6 +273,7 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
     if let Some(gpu) = job.device {
         (job.blocks, job.amax) =
             quantize_device::amax(shard, q, scheme, gpu)?.map_err(not_finite)?;
+        job.amax.iter_mut().for_each(|a| *a = scheme.wire_amax(*a));
         return Ok(job);
     }
     let elements = Elements {
@@ -292,6 +293,8 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
         job.amax =
             amax(q, (scheme, dtype, at), elements, &job.blocks, threads).map_err(not_finite)?;
     }
+    // As reported and agreed (MXFP8: the exponent alone, a byte on the wire).
+    job.amax.iter_mut().for_each(|a| *a = scheme.wire_amax(*a));
     job.wide = wide;
     Ok(job)
 }

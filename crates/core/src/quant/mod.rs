@@ -139,6 +139,17 @@ impl Scheme {
         }
     }
 
+    /// A block's amax as publishers report and agree it: as found, or for
+    /// MXFP8 rounded down to its power of two (0 and subnormal amax to 0),
+    /// which gives the same scale and bytes (they depend on its exponent
+    /// alone) and crosses the wire as one byte.
+    pub fn wire_amax(self, amax: f32) -> f32 {
+        match self {
+            Scheme::Mxfp8 => f32::from_bits(amax.to_bits() & 0x7f80_0000),
+            _ => amax,
+        }
+    }
+
     /// The dtype of the scales param: f32 `scale_inv`, or MXFP8's E8M0
     /// bytes (registered as u8).
     pub fn scale_dtype(self) -> DType {

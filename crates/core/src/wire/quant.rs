@@ -15,7 +15,11 @@
 //! request's values continuing into the next frame where a frame filled
 //! (MXFP8's blocks of 32 make a large session's values outgrow one frame).
 //! The receiver knows how many values each request has and takes frames
-//! until all came ([`Gathering`]).
+//! until all came ([`Gathering`]). Each entry says its values' width: 4
+//! (f32), or 1 where every value is 0 or a power of two, sent as its
+//! exponent byte: MXFP8's amax, which a publisher rounds down to its
+//! power of two (the scale depends on the exponent alone), so its AMAX and
+//! SCALES cost a byte a block, as its scales do.
 
 use super::fields::{In, Out};
 use super::want::MAX_REQUESTS;
@@ -56,13 +60,23 @@ pub(super) fn decode_quant(i: &mut In, requests: usize) -> Result<Vec<(u32, Sche
     Ok(out)
 }
 
+/// Each entry's values as f32 (width 4), or, when every one is 0 or a
+/// positive power of two (MXFP8's amax, which counts by its exponent
+/// alone: `quant::Scheme::wire_amax`), as its exponent byte (width 1): the
+/// value is the f32 of bits `byte << 23`.
 pub(super) fn encode_values(o: &mut Out, values: &BlockValues) {
     o.u32(values.len() as u32);
     for (k, v) in values {
         o.u32(*k);
+        let exponents = v.iter().all(|x| x.to_bits() & !0x7f80_0000 == 0);
+        o.0.push(if exponents { 1 } else { 4 });
         o.u32(v.len() as u32);
-        v.iter()
-            .for_each(|x| o.0.extend_from_slice(&x.to_le_bytes()));
+        match exponents {
+            true => o.0.extend(v.iter().map(|x| (x.to_bits() >> 23) as u8)),
+            false => v
+                .iter()
+                .for_each(|x| o.0.extend_from_slice(&x.to_le_bytes())),
+        }
     }
 }
 
@@ -80,7 +94,13 @@ pub(super) fn decode_values(i: &mut In, what: &str) -> Result<BlockValues> {
                 "wire: {what}: request #{k} out of order"
             )));
         }
-        let m = i.count(4, "block values")?;
+        let width = i.take(1)?[0];
+        if width != 1 && width != 4 {
+            return Err(Error::peer(format!(
+                "wire: {what}: request #{k}: values of {width} bytes (1 or 4)"
+            )));
+        }
+        let m = i.count(width as usize, "block values")?;
         total += m;
         if total > MAX_BLOCK_VALUES {
             return Err(Error::peer(format!(
@@ -89,7 +109,10 @@ pub(super) fn decode_values(i: &mut In, what: &str) -> Result<BlockValues> {
         }
         let mut v = try_vec(m, "wire: block values")?;
         for _ in 0..m {
-            let x = f32::from_le_bytes(i.take(4)?.try_into().expect("4"));
+            let x = match width {
+                1 => f32::from_bits((i.take(1)?[0] as u32) << 23),
+                _ => f32::from_le_bytes(i.take(4)?.try_into().expect("4")),
+            };
             if !x.is_finite() || x < 0.0 {
                 return Err(Error::peer(format!(
                     "wire: {what}: request #{k}: block value {x} (an amax is finite and not negative)"

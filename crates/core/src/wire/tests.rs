@@ -377,6 +377,26 @@ fn quantization_frames_round_trip_and_bad_ones_are_refused() {
     round_trip(Frame::Scales {
         values: vec![(2, vec![448.0])],
     });
+    // Powers of two and zeros (MXFP8's amax) go as a byte each.
+    let exponents = Frame::Amax {
+        values: vec![
+            (0, vec![0.5, 0.0, 2f32.powi(-120), 2f32.powi(100)]),
+            (1, vec![1.5]),
+        ],
+    };
+    round_trip(exponents.clone());
+    let fours = Frame::Amax {
+        values: vec![(0, vec![1.5; 4]), (1, vec![1.5])],
+    };
+    assert_eq!(fours.encode().len() - exponents.encode().len(), 4 * 3);
+    let mut odd = exponents.encode();
+    odd[4 + 1 + 4 + 4] = 2;
+    let e = Frame::decode(&odd[4..]).unwrap_err();
+    assert!(
+        e.message
+            .contains("AMAX: request #0: values of 2 bytes (1 or 4)"),
+        "{e}"
+    );
     for (bad, says) in [
         (
             want(vec![(2, Scheme::Fp8Block128)]),

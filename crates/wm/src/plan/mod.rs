@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use weight_manager_core::plan::layout::{read_engine, read_trainer, EngineLayout, TrainerLayout};
 use weight_manager_core::plan::{Params, PlanOptions, Sources, Target};
+use weight_manager_core::quant::params::QuantRole;
 use weight_manager_core::Manifest;
 use weight_manager_core::{LogLevel, Logger};
 
@@ -159,13 +160,29 @@ pub fn plan_rank(
     let time = t0.elapsed();
     let mut sent = vec![0u64; trainer.manifests.len()];
     let mut reads = Vec::new();
+    let mut amax = 0;
     for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
-        sent[e.source] += e.bytes;
+        // A quantized param's block amax crosses toward the engine too
+        // (AMAX: 4 bytes a block, MXFP8's a byte; a run cut off the block
+        // grid touches a few more blocks than counted here).
+        let amax_bytes = match e.target {
+            Target::Param(i) => match params.param(i).quant {
+                QuantRole::Weight { scheme, .. } => match scheme.block_dims() {
+                    None => 4,
+                    Some((1, bw)) => e.bytes.div_ceil(bw),
+                    Some((bh, bw)) => 4 * e.bytes.div_ceil(bh * bw),
+                },
+                _ => 0,
+            },
+            _ => 0,
+        };
+        sent[e.source] += e.bytes + amax_bytes;
+        amax += amax_bytes;
         reads.extend(trainer.index_of(&e.meta.name));
     }
     Ok(RankPlan {
         runs: plan.runs.len(),
-        bytes: plan.bytes,
+        bytes: plan.bytes + amax,
         param_bytes: (0..params.count()).map(|i| params.param(i).nbytes()).sum(),
         params: params.len(),
         pieces: params.iter().map(|p| p.pieces.len()).sum(),
