@@ -416,6 +416,27 @@ fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
     );
     assert_eq!(num(&v, "/bytes/moved_over_params"), 1.0);
     assert_eq!(v["prediction"]["wire"]["dtype"], "planned");
+    // Each rank's w: two entries of 128 x 256 (one per trainer rank), two
+    // 128x128 blocks each, 4 bytes of amax a block, counted on the links.
+    assert_eq!(num(&v, "/bytes/amax"), 2.0 * 2.0 * 2.0 * 4.0);
+    let link = (256.0 * 256.0 + 512.0 + 16.0) * 8.0 / 400e9;
+    assert!(
+        (num(&v, "/prediction/wire/seconds") - link).abs() < 1e-12,
+        "{v}"
+    );
+    // MXFP8: a byte per 32 elements.
+    let mx = |tp: u64| {
+        let mut e = engine(tp);
+        e["quant"] = json!("mxfp8");
+        e
+    };
+    let (_d2, t2, e2) = write_pair(&trainer, &mx(2));
+    let m = report(&wm_plan(&t2, &e2, &["--json"]));
+    assert_eq!(
+        num(&m, "/bytes/per_engine_rank/max"),
+        (256.0 * 256.0) + 512.0
+    );
+    assert_eq!(num(&m, "/bytes/amax"), 2.0 * 256.0 * 256.0 / 32.0);
     // Its deltas are FP8 deltas: elements of one byte.
     let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.02"]));
     assert_eq!(

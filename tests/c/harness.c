@@ -1580,6 +1580,65 @@ static void test_quantized(void) {
   remove_tmpdir();
 }
 
+/* MXFP8 from a snapshot: an E8M0 scale byte per 32 elements of a row (u8
+ * scales; f32 ones are refused naming the dtype), a partial block at the
+ * row's end, an all-zero block, saturation at 448. */
+static void test_mxfp8(void) {
+  make_tmpdir();
+  static float v[3 * 70];
+  memset(v, 0, sizeof v);
+  v[0] = 1.0f;              /* block 0 of row 0: amax 1 -> e = -8, byte 119 */
+  v[1] = 0.5f;
+  v[2 * 70 + 65] = -500.0f; /* the partial block of row 2: e = 0, saturates */
+  fixture_tensor ts[1] = {{"x", {3, 70}, 2, v}};
+  char path[1024];
+  snprintf(path, sizeof path, "%s/model_state.tp0.0.safetensors", tmpdir);
+  CHECK(fixture_write(path, ts, 1) == 0);
+  CHECK(fixture_write_version(tmpdir, "1") == 0);
+  uint64_t shape[2] = {3, 70}, scales_shape[2] = {3, 3};
+  wm_param_desc d;
+  wm_param_desc_init(&d);
+  d.shape = shape;
+  d.ndim = 2;
+  void *q = NULL, *s = NULL;
+  size_t n = 0;
+
+  wm_manager *f32_scales = new_manager(tmpdir);
+  d.name = "x";
+  d.dtype = WM_DTYPE_F8E4M3;
+  CHECK_RC(wm_allocate_param(f32_scales, &d, &q, &n), WM_OK);
+  d.name = "x.scale";
+  d.dtype = WM_DTYPE_F32;
+  d.shape = scales_shape;
+  CHECK_RC(wm_allocate_param(f32_scales, &d, &s, &n), WM_OK);
+  CHECK_RC(wm_quantize_param(f32_scales, "x", "x.scale", WM_QUANT_SCHEME_MXFP8), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(f32_scales), "must be u8 [3, 3], not f32 [3, 3]") != NULL);
+  wm_destroy(f32_scales);
+
+  wm_manager *m = new_manager(tmpdir);
+  d.name = "x";
+  d.dtype = WM_DTYPE_F8E4M3;
+  d.shape = shape;
+  CHECK_RC(wm_allocate_param(m, &d, &q, &n), WM_OK);
+  d.name = "x.scale";
+  d.dtype = WM_DTYPE_U8;
+  d.shape = scales_shape;
+  CHECK_RC(wm_allocate_param(m, &d, &s, &n), WM_OK);
+  CHECK_RC(wm_quantize_param(m, "x", "x.scale", WM_QUANT_SCHEME_MXFP8), WM_OK);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  const uint8_t *fp8 = q, *e8m0 = s;
+  size_t nonzero = 0;
+  for (size_t i = 0; i < 3 * 70; i++) nonzero += fp8[i] != 0;
+  /* 1.0 * 2^8 = 256 (0x78), 0.5 * 2^8 = 128 (0x70), -500 -> -448 (0xFE). */
+  CHECK(fp8[0] == 0x78 && fp8[1] == 0x70 && fp8[2 * 70 + 65] == 0xFE && nonzero == 3);
+  CHECK(e8m0[0] == 119 && e8m0[1] == 0 && e8m0[2] == 0);
+  CHECK(e8m0[2 * 3 + 2] == 127 && e8m0[2 * 3] == 0);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 /* An FP8 engine param taking deltas of its FP8 bytes from a publisher of
  * f32 versions: the second version comes as a delta (one element moved),
  * and its bytes and scales are those a whole update of it gives. */
@@ -1677,7 +1736,7 @@ int main(int argc, char **argv) {
       {"staged_acquire_reentry", test_staged_acquire_reentry},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},
       {"two_phase_signal", test_two_phase_signal}, {"deltas", test_deltas},
-      {"quantized", test_quantized}, {"quantized_deltas", test_quantized_deltas},
+      {"quantized", test_quantized}, {"quantized_deltas", test_quantized_deltas}, {"mxfp8", test_mxfp8},
   };
   size_t n = sizeof tests / sizeof tests[0];
   int ran = 0;

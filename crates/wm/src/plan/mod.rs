@@ -123,6 +123,10 @@ pub struct RankPlan {
     pub pieces: usize,
     /// Bytes per trainer rank.
     pub sent: Vec<u64>,
+    /// Bytes of block amax (AMAX) this rank receives, and per trainer rank
+    /// sends: whole at every update, deltas or not.
+    pub amax: u64,
+    pub amax_sent: Vec<u64>,
     /// Global tensors (trainer layout indexes) this rank reads.
     pub reads: Vec<usize>,
     pub time: Duration,
@@ -160,7 +164,7 @@ pub fn plan_rank(
     let time = t0.elapsed();
     let mut sent = vec![0u64; trainer.manifests.len()];
     let mut reads = Vec::new();
-    let mut amax = 0;
+    let (mut amax, mut amax_sent) = (0, vec![0u64; trainer.manifests.len()]);
     for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
         // A quantized param's block amax crosses toward the engine too
         // (AMAX: 4 bytes a block, MXFP8's a byte; a run cut off the block
@@ -176,13 +180,16 @@ pub fn plan_rank(
             },
             _ => 0,
         };
-        sent[e.source] += e.bytes + amax_bytes;
+        sent[e.source] += e.bytes;
+        amax_sent[e.source] += amax_bytes;
         amax += amax_bytes;
         reads.extend(trainer.index_of(&e.meta.name));
     }
     Ok(RankPlan {
         runs: plan.runs.len(),
-        bytes: plan.bytes + amax,
+        bytes: plan.bytes,
+        amax,
+        amax_sent,
         param_bytes: (0..params.count()).map(|i| params.param(i).nbytes()).sum(),
         params: params.len(),
         pieces: params.iter().map(|p| p.pieces.len()).sum(),

@@ -18,6 +18,8 @@ pub struct Totals {
     ranks: Vec<RankPlan>,
     /// Bytes per trainer rank, over every engine rank.
     sent: Vec<u64>,
+    /// Bytes of block amax per trainer rank, over every engine rank.
+    amax_sent: Vec<u64>,
     read: Vec<bool>,
     /// Checking and indexing the sources, once for every rank.
     index: Duration,
@@ -31,6 +33,7 @@ impl Totals {
             first_rank: 0,
             ranks: Vec::new(),
             sent: vec![0; trainer.manifests.len()],
+            amax_sent: vec![0; trainer.manifests.len()],
             read: vec![false; trainer.tensors.len()],
             index,
             wall,
@@ -40,6 +43,9 @@ impl Totals {
 
     pub fn add(&mut self, r: RankPlan) {
         for (s, b) in self.sent.iter_mut().zip(&r.sent) {
+            *s += b;
+        }
+        for (s, b) in self.amax_sent.iter_mut().zip(&r.amax_sent) {
             *s += b;
         }
         for &t in &r.reads {
@@ -167,7 +173,15 @@ impl Report {
         let (time_min, time_max) = min_max(r.iter().map(|p| p.time.as_nanos() as u64));
         let time_sum: u64 = r.iter().map(|p| p.time.as_nanos() as u64).sum();
         let link = gbps * 1e9 / 8.0;
-        let busiest = send_max.1.max(recv_max.1);
+        // The links' bytes with the block amax quantized params need (whole
+        // at every update, so outside the wire's factor).
+        let factor = wire.factor();
+        let on_link = |f: f64| {
+            let receivers = r.iter().map(|p| p.bytes as f64 * f + p.amax as f64);
+            let senders = (t.sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b as f64 * f + a as f64);
+            receivers.chain(senders).fold(0.0, f64::max)
+        };
+        let (plain, wired) = (on_link(1.0), on_link(factor));
         let unread: Vec<&str> = trainer
             .tensors
             .iter()
@@ -191,6 +205,7 @@ impl Report {
             "runs": {"total": r.iter().map(|p| p.runs).sum::<usize>(),
                      "per_engine_rank": {"min": runs_min.1, "max": runs_max.1}},
             "bytes": {"moved": moved, "params": param_bytes,
+                      "amax": r.iter().map(|p| p.amax).sum::<u64>(),
                       "moved_over_params": moved as f64 / param_bytes.max(1) as f64,
                       "per_engine_rank": {"min": recv_min.1, "max": recv_max.1, "total": moved,
                                           "each": r.iter().map(|p| p.bytes).collect::<Vec<_>>()},
@@ -199,13 +214,14 @@ impl Report {
             "busiest": {"sender": {"trainer_rank": send_max.0, "bytes": send_max.1},
                         "receiver": {"engine_rank": t.first_rank + recv_max.0, "bytes": recv_max.1}},
             "tensors_no_rank_reads": {"count": unread.len(), "first": unread.first()},
-            "prediction": {"link_gbps": gbps, "seconds": busiest as f64 / link,
+            "prediction": {"link_gbps": gbps, "seconds": plain / link,
                            "wire": {"goodput": wire.goodput, "dtype": wire.dtype(),
-                                    "delta_fraction": wire.delta_fraction, "bytes_per_plan_byte": wire.factor(),
-                                    "busiest_bytes": busiest as f64 * wire.factor(),
-                                    "seconds": busiest as f64 * wire.factor() / (link * wire.goodput)},
+                                    "delta_fraction": wire.delta_fraction, "bytes_per_plan_byte": factor,
+                                    "busiest_bytes": wired,
+                                    "seconds": wired / (link * wire.goodput)},
                            "model": "max(busiest sender bytes, busiest receiver bytes) / link speed: \
-                                     every trainer rank sends at once, each rank has its own link",
+                                     every trainer rank sends at once, each rank has its own link; \
+                                     quantized params add their block amax (AMAX) to each link",
                            "reference_s": REFERENCE_S,
                            "reference": "Perplexity, Kimi-K2, 256 training -> 128 inference GPUs, measured"},
         });
