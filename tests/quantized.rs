@@ -431,26 +431,34 @@ fn blocks_split_over_four_publishers_are_quantized_as_the_global_tensor() {
         .collect();
     let half_s: Vec<f32> = want_s.chunks(2).map(|r| r[1]).collect();
     for via in [SourceKind::Ipc, SourceKind::Rdma] {
-        let dir = tempfile::tempdir().unwrap();
-        let ps = publishers(dir.path(), via, &g);
-        let m = common::sharded::net_engine("quantized-test-secret");
-        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
-        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
-        let [q, s] = quantized(&m, spec, Scheme::Fp8Block128, false);
-        let mut req = UpdateRequest::snapshot(PathBuf::new());
-        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
-        req.source = via;
-        req.timeout = Duration::from_secs(60);
-        let (r, served) = serving(&ps, || m.update(req));
+        let (q, s, (read_bytes, sent)) = column_half_from_four(via, &g, Scheme::Fp8Block128);
         // The publishers quantized: FP8 on the wire, one byte an element.
-        assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}");
-        let sessions = served.into_iter().map(|s| s.unwrap().sessions[0].clone());
-        let (read_bytes, sent): (u64, u64) =
-            sessions.fold((0, 0), |(a, b), s| (a + s.quantized, b + s.bytes));
         assert_eq!((read_bytes, sent), (300 * 128 * 2, 300 * 128), "{via:?}");
-        assert!(read(q) == half_q, "{via:?}: fp8 bytes differ");
-        assert_eq!(f32s(&read(s)), half_s, "{via:?}: scales differ");
+        assert!(q == half_q, "{via:?}: fp8 bytes differ");
+        assert_eq!(f32s(&s), half_s, "{via:?}: scales differ");
     }
+}
+
+/// An engine holding column half 1 of `g` quantized with `scheme`, updated
+/// from four publishers of its row shards over `via` (FP8 on the wire, one
+/// byte an element): its FP8 bytes and scales bytes, and the bytes the
+/// publishers read for quantizing and sent.
+fn column_half_from_four(via: SourceKind, g: &T, scheme: Scheme) -> (Vec<u8>, Vec<u8>, (u64, u64)) {
+    let dir = tempfile::tempdir().unwrap();
+    let ps = publishers(dir.path(), via, g);
+    let m = common::sharded::net_engine("quantized-test-secret");
+    let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+    spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+    let [q, s] = quantized(&m, spec, scheme, false);
+    let mut req = UpdateRequest::snapshot(PathBuf::new());
+    req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+    req.source = via;
+    req.timeout = Duration::from_secs(60);
+    let (r, served) = serving(&ps, || m.update(req));
+    assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
+    let sessions = served.into_iter().map(|s| s.unwrap().sessions[0].clone());
+    let moved = sessions.fold((0, 0), |(a, b), s| (a + s.quantized, b + s.bytes));
+    (read(q), read(s), moved)
 }
 
 /// MXFP8 from the same four publishers into column half 1, with AMAX and
@@ -470,22 +478,11 @@ fn mxfp8_amax_and_scales_cross_several_frames() {
         .collect();
     let half_s: Vec<f32> = want_s.chunks(8).flat_map(|r| r[4..].to_vec()).collect();
     for via in [SourceKind::Ipc, SourceKind::Rdma] {
-        let dir = tempfile::tempdir().unwrap();
-        let ps = publishers(dir.path(), via, &g);
-        let m = common::sharded::net_engine("quantized-test-secret");
-        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
-        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
-        let [q, s] = quantized(&m, spec, Scheme::Mxfp8, false);
-        let mut req = UpdateRequest::snapshot(PathBuf::new());
-        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
-        req.source = via;
-        req.timeout = Duration::from_secs(60);
-        let (r, served) = serving(&ps, || m.update(req));
-        assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
-        served.into_iter().for_each(|s| drop(s.unwrap()));
-        assert!(read(q) == half_q, "{via:?}: fp8 bytes differ");
+        let (q, s, (_, sent)) = column_half_from_four(via, &g, Scheme::Mxfp8);
+        assert_eq!(sent, 300 * 128, "{via:?}");
+        assert!(q == half_q, "{via:?}: fp8 bytes differ");
         assert_eq!(
-            read(s),
+            s,
             scale_bytes(Scheme::Mxfp8, &half_s),
             "{via:?}: scales differ"
         );

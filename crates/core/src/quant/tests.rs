@@ -109,6 +109,18 @@ fn reference(py: &Path, jobs: &[Job]) -> Vec<(Vec<u8>, Vec<f32>)> {
 
 /// [`reference`] on `device`.
 pub(super) fn reference_on(py: &Path, jobs: &[Job], device: &str) -> Vec<(Vec<u8>, Vec<f32>)> {
+    let dir = run_reference(py, jobs, device);
+    (0..jobs.len())
+        .map(|i| {
+            let q = std::fs::read(dir.path().join(format!("{i}.q"))).unwrap();
+            let s = std::fs::read(dir.path().join(format!("{i}.s"))).unwrap_or_default();
+            (q, f32s(&s))
+        })
+        .collect()
+}
+
+/// PyTorch run over `jobs` on `device`: the folder of its outputs.
+fn run_reference(py: &Path, jobs: &[Job], device: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut list = String::new();
     for (i, j) in jobs.iter().enumerate() {
@@ -127,15 +139,13 @@ pub(super) fn reference_on(py: &Path, jobs: &[Job], device: &str) -> Vec<(Vec<u8
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    (0..jobs.len())
-        .map(|i| {
-            let q = std::fs::read(dir.path().join(format!("{i}.q"))).unwrap();
-            let s = std::fs::read(dir.path().join(format!("{i}.s"))).unwrap_or_default();
-            let s = s
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()));
-            (q, s.collect())
-        })
+    dir
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect()
 }
 
@@ -394,33 +404,16 @@ fn mxfp8_blocks_match_pytorch_at_the_edges_of_the_rule() {
         shape: (m, n),
         scheme: "mx",
     };
-    let (theirs, their_e8m0) = reference_e8m0(&py, &job);
+    let (theirs, their_e8m0) = reference_e8m0(&py, job);
     same("mxfp8 edges", (q, s), theirs);
     assert_eq!(e8m0, their_e8m0, "E8M0 bytes");
 }
 
 /// PyTorch's bytes, scales and E8M0 bytes of one "mx" job.
-fn reference_e8m0(py: &Path, job: &Job) -> ((Vec<u8>, Vec<f32>), Vec<u8>) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("0.x"), job.x).unwrap();
-    let (m, n) = job.shape;
-    let list = format!("0 {} {m} {n} {}\n", job.dtype, job.scheme);
-    std::fs::write(dir.path().join("jobs"), list).unwrap();
-    let out = Command::new(py)
-        .args(["-c", REFERENCE, dir.path().to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+fn reference_e8m0(py: &Path, job: Job) -> ((Vec<u8>, Vec<f32>), Vec<u8>) {
+    let dir = run_reference(py, &[job], "cpu");
     let read = |ext: &str| std::fs::read(dir.path().join(format!("0.{ext}"))).unwrap();
-    let s = read("s")
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    ((read("q"), s), read("e8m0"))
+    ((read("q"), f32s(&read("s"))), read("e8m0"))
 }
 
 /// MXFP8 blocks split over holders by columns (30 columns each: most
