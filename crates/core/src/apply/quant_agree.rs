@@ -4,16 +4,18 @@
 
 use super::Applier;
 use crate::plan::Target;
-use crate::quant::blocks::{walk, Placed};
+use crate::quant::blocks::{walk, BlockRuns, Placed};
 use crate::quant::Scheme;
 use crate::result::{Error, Result};
+use std::sync::Arc;
 
 /// A request the publishers quantize: its scheme, and per block it
-/// touches (in `quant::blocks::touched` order) its param's block.
+/// touches (in `quant::blocks::touched` order) its param's block (shared
+/// with the plan, which keeps them for its next update).
 pub struct QuantRequest {
     pub scheme: Scheme,
     target: usize,
-    pub blocks: Vec<usize>,
+    pub blocks: Arc<BlockRuns>,
 }
 
 impl Applier<'_, '_> {
@@ -37,26 +39,21 @@ impl Applier<'_, '_> {
         let blocks = self.plan.quant_blocks(t, || {
             let placed = Placed::of(&e.meta);
             let segments = (self.plan.segments(t).iter()).map(|s| (s.source, s.len, s.param));
-            let mut pairs: Vec<(u64, usize)> = Vec::new();
+            let mut spans = Spans::default();
             walk(q.scheme, placed, segments, |dst, _, _, g| {
-                if pairs.last().is_none_or(|p| p.0 != g) {
-                    pairs.push((g, param_block(q.scheme, &q.shape, dst)));
-                }
+                spans.add(g, param_block(q.scheme, &q.shape, dst));
             });
-            pairs.sort_unstable();
-            pairs.dedup();
-            if let Some(w) = pairs.windows(2).find(|w| w[0].0 == w[1].0) {
-                return Err(Error::mismatch(format!(
-                    "param '{}': block {} of tensor '{}' falls in two of its blocks",
-                    q.name, w[0].0, e.meta.name
-                )));
-            }
-            Ok(pairs.into_iter().map(|p| p.1).collect())
+            spans.in_block_order().map_err(|g| {
+                Error::mismatch(format!(
+                    "param '{}': block {g} of tensor '{}' falls in two of its blocks",
+                    q.name, e.meta.name
+                ))
+            })
         })?;
         Ok(Some(QuantRequest {
             scheme: q.scheme,
             target: k,
-            blocks: blocks.to_vec(),
+            blocks,
         }))
     }
 
@@ -64,7 +61,7 @@ impl Applier<'_, '_> {
     /// checked by the caller to be as many, finite, not negative).
     pub fn offer_amax(&mut self, r: &QuantRequest, amax: &[f32]) {
         let (agreed, seen) = &mut self.quant.agreed[r.target];
-        for (&b, &a) in r.blocks.iter().zip(amax) {
+        for (b, &a) in r.blocks.iter().zip(amax) {
             agreed[b] = agreed[b].max(a);
             seen[b] = true;
         }
@@ -74,7 +71,7 @@ impl Applier<'_, '_> {
     /// offered theirs.
     pub fn agreed_amax(&self, r: &QuantRequest) -> Vec<f32> {
         let agreed = &self.quant.agreed[r.target].0;
-        r.blocks.iter().map(|&b| agreed[b]).collect()
+        r.blocks.iter().map(|b| agreed[b]).collect()
     }
 
     /// Target `k`'s agreed amax, every block reported.
@@ -87,6 +84,50 @@ impl Applier<'_, '_> {
                 self.quant.targets[k].name
             ))),
         }
+    }
+}
+
+/// A request's (global block, param block) pairs as its walk meets them,
+/// kept as spans where both go up by one (a row of MXFP8 blocks is one
+/// span), so a large request costs a few words per row, not per block.
+#[derive(Default)]
+struct Spans(Vec<(u64, usize, usize)>);
+
+impl Spans {
+    fn add(&mut self, g: u64, p: usize) {
+        if let Some((g0, p0, n)) = self.0.last_mut() {
+            let (last_g, last_p) = (*g0 + *n as u64 - 1, *p0 + *n - 1);
+            if (g, p) == (last_g, last_p) {
+                return;
+            }
+            if (g, p) == (last_g + 1, last_p + 1) {
+                *n += 1;
+                return;
+            }
+        }
+        self.0.push((g, p, 1));
+    }
+
+    /// The param blocks in global block order, each global block once; Err
+    /// names a global block met with two param blocks.
+    fn in_block_order(mut self) -> std::result::Result<BlockRuns, u64> {
+        self.0.sort_unstable();
+        let apart = self.0.windows(2).all(|w| w[0].0 + w[0].2 as u64 <= w[1].0);
+        if apart {
+            let blocks = self.0.iter().flat_map(|&(_, p, n)| p..p + n);
+            return Ok(blocks.collect());
+        }
+        // Spans meeting the same blocks again (128x128 blocks, met by each
+        // of their rows): pair by pair, as few as such blocks are.
+        let mut pairs: Vec<(u64, usize)> = (self.0.iter())
+            .flat_map(|&(g, p, n)| (0..n).map(move |k| (g + k as u64, p + k)))
+            .collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        if let Some(w) = pairs.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(w[0].0);
+        }
+        Ok(pairs.into_iter().map(|(_, p)| p).collect())
     }
 }
 
@@ -126,5 +167,40 @@ mod tests {
         assert_eq!(param_block(Scheme::Fp8Block128, &shape, e(1, 2, 69)), 1);
         assert_eq!(param_block(Scheme::Fp8Tensor, &shape, e(1, 2, 69)), 0);
         assert_eq!(param_block(Scheme::Mxfp8, &[100], 99), 3);
+    }
+
+    /// Spans give each global block's param block once, in global order,
+    /// as runs: rows met in any order, blocks met again, and a global
+    /// block met with two param blocks refused.
+    #[test]
+    fn spans_list_param_blocks_in_global_order() {
+        let mut s = Spans::default();
+        // A column half of MXFP8 rows (global 8 a row, param 4), rows met
+        // backwards, one block met twice.
+        for r in (0..3u64).rev() {
+            for c in 0..4 {
+                s.add(r * 8 + 4 + c, (r * 4 + c) as usize);
+                s.add(r * 8 + 4 + c, (r * 4 + c) as usize);
+            }
+        }
+        let runs = s.in_block_order().unwrap();
+        assert_eq!(runs.iter().collect::<Vec<_>>(), (0..12).collect::<Vec<_>>());
+        assert_eq!(runs, (0..12).collect::<BlockRuns>());
+        // 128x128 blocks met by two rows each: overlapping spans.
+        let mut s = Spans::default();
+        for _row in 0..2 {
+            s.add(0, 0);
+            s.add(1, 1);
+        }
+        s.add(5, 2);
+        assert_eq!(
+            s.in_block_order().unwrap().iter().collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        let mut s = Spans::default();
+        s.add(3, 0);
+        s.add(4, 1);
+        s.add(4, 2);
+        assert_eq!(s.in_block_order().unwrap_err(), 4);
     }
 }

@@ -42,10 +42,11 @@ mod sharded_tests;
 mod tests;
 
 use crate::manifest::{Manifest, SharedMeta, TensorMeta};
+use crate::quant::blocks::BlockRuns;
 use crate::result::{Error, Result};
 use crate::tensor::DType;
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 pub use build::{check_versions, make_plan, make_sharded_plan, source_number, Sources};
 pub use fingerprint::fingerprint;
@@ -224,7 +225,7 @@ pub struct Plan {
     /// block of each global block it touches (by global block), worked
     /// out on first use: walking every row of a large tensor took longer
     /// than quantizing it, and a reused plan asks again every update.
-    quant_blocks: Vec<OnceLock<Vec<usize>>>,
+    quant_blocks: Vec<OnceLock<Arc<BlockRuns>>>,
     /// Shards announced for the same box as another source's, as
     /// `(first holder, replica)` pairs of (source, tensor): their
     /// checksums are compared on every update ([`Plan::check_replicas`]).
@@ -399,16 +400,16 @@ impl Plan {
     pub fn quant_blocks(
         &self,
         entry: usize,
-        find: impl FnOnce() -> Result<Vec<usize>>,
-    ) -> Result<&[usize]> {
+        find: impl FnOnce() -> Result<BlockRuns>,
+    ) -> Result<Arc<BlockRuns>> {
         let Some(slot) = self.moving_slot(entry) else {
-            return Ok(&[]);
+            return Ok(Arc::default());
         };
         if let Some(blocks) = self.quant_blocks[slot].get() {
-            return Ok(blocks);
+            return Ok(blocks.clone());
         }
-        let blocks = find()?;
-        Ok(self.quant_blocks[slot].get_or_init(|| blocks))
+        let blocks = Arc::new(find()?);
+        Ok(self.quant_blocks[slot].get_or_init(|| blocks).clone())
     }
 
     /// Check that the runs cut the params (`param_bytes(i)` bytes each)

@@ -87,6 +87,50 @@ impl<'a> Placed<'a> {
     }
 }
 
+/// Block numbers in a given order, kept as runs of consecutive numbers: a
+/// request's blocks as its param numbers them are a few long runs (a row
+/// shard's blocks follow each other), so they take a few words instead of
+/// 8 bytes a block, which MXFP8's block per 32 elements would make
+/// comparable to the param itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockRuns {
+    runs: Vec<(usize, usize)>,
+    len: usize,
+}
+
+impl BlockRuns {
+    /// Add block `b` after the others.
+    pub fn push(&mut self, b: usize) {
+        match self.runs.last_mut() {
+            Some((first, n)) if *first + *n == b => *n += 1,
+            _ => self.runs.push((b, 1)),
+        }
+        self.len += 1;
+    }
+
+    /// How many blocks.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The blocks, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.runs.iter().flat_map(|&(first, n)| first..first + n)
+    }
+}
+
+impl FromIterator<usize> for BlockRuns {
+    fn from_iter<I: IntoIterator<Item = usize>>(blocks: I) -> BlockRuns {
+        let mut out = BlockRuns::default();
+        blocks.into_iter().for_each(|b| out.push(b));
+        out
+    }
+}
+
 /// Walk `pieces` ((shard element offset, count, destination offset): a
 /// request's blocks with where each goes) cut where the global block
 /// changes: `f(destination, count, shard element, block)` per cut, in
