@@ -461,6 +461,52 @@ fn column_half_from_four(via: SourceKind, g: &T, scheme: Scheme) -> (Vec<u8>, Ve
     (read(q), read(s), moved)
 }
 
+/// Two quantized params of one engine holding the same elements (all of
+/// `g`, and its column half as a TP piece): each its own request to every
+/// publisher, both the global tensor's quantization, over IPC and UCX.
+#[test]
+fn two_quantized_params_may_hold_the_same_elements() {
+    let _serial = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let g = t("g", DType::Bf16, &[300, 256], 6);
+    let (want_q, want_s) = reference(&g, Scheme::Mxfp8);
+    for via in [SourceKind::Ipc, SourceKind::Rdma] {
+        let dir = tempfile::tempdir().unwrap();
+        let ps = publishers(dir.path(), via, &g);
+        let m = common::sharded::net_engine("quantized-test-secret");
+        let whole = quantized(
+            &m,
+            ParamSpec::host("g", DType::F8E4m3, &[300, 256]),
+            Scheme::Mxfp8,
+            false,
+        );
+        let mut spec = ParamSpec::host("half", DType::F8E4m3, &[300, 128]);
+        spec.pieces = vec![piece("g", &[0, 128], &[300, 128], &[0, 0])];
+        let half = quantized(&m, spec, Scheme::Mxfp8, false);
+        let mut req = UpdateRequest::snapshot(PathBuf::new());
+        req.locations = ps.iter().map(|p| PathBuf::from(p.address())).collect();
+        req.source = via;
+        req.timeout = Duration::from_secs(60);
+        let (r, served) = serving(&ps, || m.update(req));
+        r.unwrap();
+        served.into_iter().for_each(|s| drop(s.unwrap()));
+        assert!(read(whole[0]) == want_q, "{via:?}: whole");
+        assert_eq!(
+            read(whole[1]),
+            scale_bytes(Scheme::Mxfp8, &want_s),
+            "{via:?}"
+        );
+        let half_q: Vec<u8> = want_q.chunks(256).flat_map(|r| r[128..].to_vec()).collect();
+        let half_s: Vec<f32> = want_s.chunks(8).flat_map(|r| r[4..].to_vec()).collect();
+        assert!(read(half[0]) == half_q, "{via:?}: half");
+        assert_eq!(
+            read(half[1]),
+            scale_bytes(Scheme::Mxfp8, &half_s),
+            "{via:?}"
+        );
+    }
+}
+
 /// MXFP8 from the same four publishers into column half 1, with AMAX and
 /// SCALES cut into frames of 100 values (`WM_TEST_BLOCK_VALUES_PER_FRAME`;
 /// the real bound is 2^23, which a large MXFP8 session outgrows): each
@@ -877,8 +923,8 @@ fn in_place_a_nan_leaves_failed_until_a_good_update() {
 }
 
 /// A hand-written engine asking a real publisher for what no engine of
-/// ours asks: quantized requests overlapping (more elements than the rank
-/// holds) and SCALES below the publisher's own amax. Each is refused with an ERROR
+/// ours asks: quantized requests overlapping (more than 4 times the
+/// elements the rank holds) and SCALES below the publisher's own amax. Each is refused with an ERROR
 /// naming it, before anything is read or sent.
 #[test]
 fn hostile_quantized_wants_are_refused_by_the_publisher() {
@@ -890,12 +936,12 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
     let cases: Vec<(Frame, Option<Frame>, &str)> = vec![
         (
             Frame::Want {
-                requests: vec![whole(), whole()],
+                requests: vec![whole(); 5],
                 base: None,
-                quant: vec![(0, Scheme::Fp8Block128), (1, Scheme::Fp8Block128)],
+                quant: (0..5).map(|k| (k, Scheme::Fp8Block128)).collect(),
             },
             None,
-            "asks for 131072 quantized elements, more than the 65536",
+            "asks for 327680 quantized elements, more than 4 times the 65536",
         ),
         (
             Frame::Want {

@@ -1569,6 +1569,7 @@ static void test_quantized(void) {
   CHECK(scale[0] == 256.0f / 448.0f && scale[3] == 256.0f / 448.0f);
   CHECK(scale[1] == 1e-4f / 448.0f && scale[2] == 1e-4f / 448.0f);
   CHECK_RC(wm_quantize_param(m, "w", "w.scale_inv", WM_QUANT_SCHEME_FP8_BLOCK128), WM_ERR_STATE);
+  CHECK(strstr(last_error(m), "param 'w' (quantized, its scales in 'w.scale_inv')") != NULL);
 
   v1[5] = NAN;
   CHECK(fixture_write(path, ts, 1) == 0);

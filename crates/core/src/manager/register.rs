@@ -7,13 +7,21 @@ use crate::registry::{ParamSpec, Registry};
 use crate::result::{Error, Result};
 
 impl Manager {
-    fn registering<T>(&self, f: impl FnOnce(&mut Registry) -> Result<T>) -> Result<T> {
+    /// `f` on the registry while registration is open; `what` names what
+    /// the call registers or declares, for the error when it is closed.
+    fn registering<T>(
+        &self,
+        what: impl FnOnce() -> String,
+        f: impl FnOnce(&mut Registry) -> Result<T>,
+    ) -> Result<T> {
         let r = (|| {
             let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
             if !self.record.lock().registration_open {
-                return Err(Error::state(
-                    "params can only be registered before the first update or clear",
-                ));
+                return Err(Error::state(format!(
+                    "{}: params are registered and declared quantized only before the first \
+                     update or clear",
+                    what()
+                )));
             }
             let mut reg = self.registry.write();
             let out = f(&mut reg)?;
@@ -32,12 +40,14 @@ impl Manager {
     /// `ptr..ptr+len` must stay valid and writable for the manager's life
     /// (or until the release hook hands it back).
     pub unsafe fn register(&self, spec: &ParamSpec, ptr: *mut u8, len: usize) -> Result<()> {
-        self.registering(|r| r.register_engine(spec, ptr, len))
+        let what = || format!("param '{}'", spec.name);
+        self.registering(what, |r| r.register_engine(spec, ptr, len))
     }
 
     /// Allocate a library-owned param; returns its stable address and length.
     pub fn allocate(&self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
-        self.registering(|r| r.allocate(spec))
+        let what = || format!("param '{}'", spec.name);
+        self.registering(what, |r| r.allocate(spec))
     }
 
     /// Declare that registered param `weight` (F8_E4M3) holds its global
@@ -45,6 +55,7 @@ impl Manager {
     /// `scales` (see [`Registry::quantize`]). Like registering: only before
     /// the first update or clear.
     pub fn quantize(&self, weight: &str, scales: &str, scheme: Scheme) -> Result<()> {
-        self.registering(|r| r.quantize(weight, scales, scheme))
+        let what = || format!("param '{weight}' (quantized, its scales in '{scales}')");
+        self.registering(what, |r| r.quantize(weight, scales, scheme))
     }
 }

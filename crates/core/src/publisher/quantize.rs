@@ -201,20 +201,28 @@ fn kept_job(shard: &Shard, q: &Request, (k, scheme): (u32, Scheme), made: &KeptI
     }
 }
 
-/// The quantized requests ask for at most as many elements as the shard
-/// holds: what a session reads and keeps for them (source bytes, then an
-/// image of a byte per element) is bounded by the shard, not by the
-/// engine's word (overlapping requests could ask for each element many
-/// times).
+/// How many times over an engine's quantized requests may ask for the
+/// shard's elements: an engine may hold the same elements in several
+/// quantized params (a whole copy beside TP pieces of it), each its own
+/// request, quantized apart.
+pub(crate) const MAX_QUANT_OVERLAP: u64 = 4;
+
+/// The quantized requests ask for at most [`MAX_QUANT_OVERLAP`] times the
+/// elements the shard holds: what a session reads and keeps for them
+/// (source bytes, then an image of a byte per element) is bounded by the
+/// shard, not by the engine's word (overlapping requests could ask for
+/// each element many times).
 fn check_total(elements: &[u64], want: &[Request], quant: &[(u32, Scheme)]) -> Result<()> {
     let held: u64 = elements.iter().sum();
     let asked = (quant.iter())
         .map(|&(k, _)| want[k as usize].bytes())
         .fold(0u64, u64::saturating_add);
-    match asked <= held {
+    match asked <= held.saturating_mul(MAX_QUANT_OVERLAP) {
         true => Ok(()),
         false => Err(Error::peer(format!(
-            "WANT asks for {asked} quantized elements, more than the {held} this rank's tensors hold"
+            "WANT asks for {asked} quantized elements, more than {MAX_QUANT_OVERLAP} times the \
+             {held} this rank's tensors hold (the engine's quantized params read the same \
+             elements more than {MAX_QUANT_OVERLAP} times over)"
         ))),
     }
 }
