@@ -989,6 +989,89 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
     }
 }
 
+/// Hostile timing and shapes at the publisher: SCALES sent one value a
+/// frame, each within the bucket timeout of the last, still ends the
+/// session at one bucket timeout from AMAX (it did one per frame: a
+/// session of MXFP8 blocks could last hours); and MXFP8 asked of a scalar
+/// is one block, answered, not a panic.
+#[test]
+fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::{Frame, Request};
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let g = t("g", DType::Bf16, &[256, 256], 5);
+    let x = t("x", DType::Bf16, &[], 5);
+    let cfg = PublisherConfig {
+        bucket_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let sock = dir.path().join("p.sock");
+    let p = Publisher::bind(&sock, cfg).unwrap();
+    for t in [&g, &x] {
+        let desc = TensorDesc::host(
+            &t.name,
+            DType::Bf16,
+            &t.shape,
+            t.data.as_ptr(),
+            t.data.len(),
+        );
+        // SAFETY: the tensors outlive the serving.
+        unsafe { p.add(desc) }.unwrap();
+    }
+    p.set_version(Some("1".into()));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let mut conn = Conn::new(stream, "the publisher");
+        let hello = Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+            base: String::new(),
+        };
+        conn.send(&hello).unwrap();
+        assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
+        let want = Frame::Want {
+            requests: vec![
+                Request::whole(0, 256 * 256, false),
+                Request::whole(1, 1, false),
+            ],
+            base: None,
+            quant: vec![(0, Scheme::Mxfp8), (1, Scheme::Mxfp8)],
+        };
+        conn.send(&want).unwrap();
+        let Ok(Frame::Amax { values }) = conn.recv(deadline) else {
+            panic!("no AMAX")
+        };
+        let counts: Vec<usize> = values.iter().map(|(_, v)| v.len()).collect();
+        assert_eq!(counts, [256 * 8, 1], "a scalar is one block");
+        let sent = std::time::Instant::now();
+        let mut ended = None;
+        for k in 0..256 * 8 {
+            std::thread::sleep(Duration::from_millis(400));
+            let frame = Frame::Scales {
+                values: vec![(0, vec![values[0].1[k]])],
+            };
+            if conn.send(&frame).is_err() {
+                ended = Some(sent.elapsed());
+                break;
+            }
+            if sent.elapsed() > Duration::from_secs(8) {
+                break;
+            }
+        }
+        let took = ended.unwrap_or_else(|| sent.elapsed());
+        assert!(
+            took < Duration::from_secs(4),
+            "the publisher waited {took:?}"
+        );
+        assert!(serving.join().unwrap().is_err());
+    });
+}
+
 /// A weight with no elements is refused when declared.
 #[test]
 fn a_weight_with_no_elements_is_refused() {

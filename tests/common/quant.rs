@@ -93,7 +93,6 @@ pub fn publish_rows(ps: &[Publisher], g: &T, v: &str) {
     }
 }
 
-/// A param's f32 values from its little-endian bytes.
 /// A scales param's bytes for the f32 scales [`reference`] gives: f32s,
 /// or MXFP8's E8M0 bytes (the exponent field of `2^e`).
 pub fn scale_bytes(scheme: Scheme, scales: &[f32]) -> Vec<u8> {
@@ -103,6 +102,7 @@ pub fn scale_bytes(scheme: Scheme, scales: &[f32]) -> Vec<u8> {
     }
 }
 
+/// A param's f32 values from its little-endian bytes.
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)

@@ -147,6 +147,9 @@ impl Applier<'_, '_> {
                     std::slice::from_raw_parts_mut(t.scales.0 .0, scale_bytes),
                 )
             };
+            if scales.len() != a.len() * t.scheme.scale_dtype().size() {
+                return Err(scales_mismatch(t, a.len()));
+            }
             // Quantized by the publishers, the FP8 bytes came with the rest
             // of the commit; here, they are made from the bytes that came.
             if !t.on_wire {
@@ -154,9 +157,6 @@ impl Applier<'_, '_> {
                 let out = (&mut fp8[..], &mut as_f32[..]);
                 let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
                 wrote.map_err(|e| quant_error(t, e))?;
-            }
-            if scales.len() != a.len() * t.scheme.scale_dtype().size() {
-                return Err(scales_mismatch(t, a.len()));
             }
             t.scheme.write_scales(a, scales);
         }

@@ -114,8 +114,10 @@ fn agree(conn: &mut Conn, jobs: &[Job], deadline: &dyn Fn() -> Instant) -> Resul
     // now, not before this publisher's own reading.
     let expected = jobs.iter().map(|j| (j.request, j.amax.len())).collect();
     let mut agreed = Gathering::new(expected, "SCALES")?;
+    // One deadline for all its frames, not one per frame.
+    let until = deadline();
     while !agreed.complete() {
-        match conn.recv(deadline())? {
+        match conn.recv(until)? {
             Frame::Scales { values } => agreed.take(values, "SCALES")?,
             other => {
                 return Err(Error::peer(format!(
@@ -396,9 +398,20 @@ fn amax(
     blocks: &[u64],
     threads: usize,
 ) -> std::result::Result<Vec<f32>, u64> {
+    // Each part's amax over the blocks it touches alone (MXFP8 has a block
+    // per 32 elements: a vector of all of them per thread was the
+    // request's size again): `(first block index, amax from there)`.
     let one = |part: Range<u64>| {
-        let mut amax = vec![0f32; blocks.len()];
-        let (mut bad, mut i) = (None, 0);
+        let (mut span, mut i) = (None::<(usize, usize)>, 0);
+        walk(scheme, at, pieces(q, part.clone()), |_, _, _, block| {
+            i = index_of(blocks, block, i);
+            span = Some(span.map_or((i, i), |(lo, hi)| (lo.min(i), hi.max(i))));
+        });
+        let Some((lo, hi)) = span else {
+            return Ok((0, Vec::new()));
+        };
+        let mut amax = vec![0f32; hi - lo + 1];
+        let mut bad = None;
         walk(
             scheme,
             at,
@@ -406,14 +419,14 @@ fn amax(
             |dst, n, src, block| match segment_amax(dtype, elements.at(src, dst, n)) {
                 Ok(a) => {
                     i = index_of(blocks, block, i);
-                    amax[i] = amax[i].max(a);
+                    amax[i - lo] = amax[i - lo].max(a);
                 }
                 Err(i) => {
                     bad.get_or_insert(src + i as u64);
                 }
             },
         );
-        bad.map_or(Ok(amax), Err)
+        bad.map_or(Ok((lo, amax)), Err)
     };
     let per_part: Vec<_> = std::thread::scope(|s| {
         let running: Vec<_> = (parts(q, threads).into_iter())
@@ -426,7 +439,8 @@ fn amax(
     });
     let mut amax = vec![0f32; blocks.len()];
     for part in per_part {
-        for (a, b) in amax.iter_mut().zip(part?) {
+        let (lo, found) = part?;
+        for (a, b) in amax[lo..].iter_mut().zip(found) {
             *a = a.max(b);
         }
     }

@@ -62,7 +62,9 @@ impl<'a> Placed<'a> {
         let Some((bh, bw)) = scheme.block_dims() else {
             return (0, left);
         };
-        if n < 2 && bh > 1 {
+        // A scalar, and a 1-D tensor with 128x128 blocks: one block (no
+        // engine declares either so; a publisher asked still answers).
+        if n == 0 || (n < 2 && bh > 1) {
             return (0, left);
         }
         // The shard's multi-index of `e`, then the global one.
@@ -259,6 +261,10 @@ mod tests {
         );
         assert_eq!(cuts, vec![(0, 8, 128 * 8 + 3), (8, 12, 128 * 8 + 4)]);
         assert_eq!(touched(Scheme::Mxfp8, placed, all).len(), 75 * 8);
+        // A scalar asked for with blocks (a hostile WANT): one block.
+        for scheme in [Scheme::Mxfp8, Scheme::Fp8Block128] {
+            assert_eq!(touched(scheme, Placed::whole(&[]), [(0, 1, 0)]), vec![0]);
+        }
         // Stacked: [2, 200, 130], blocks [2, 2, 2]; element [1, 130, 129].
         let placed = Placed {
             shape: &[2, 200, 130],

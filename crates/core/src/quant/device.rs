@@ -147,7 +147,8 @@ impl OnDevice<'_> {
     /// 128x128 blocks).
     fn block_dims(&self) -> Option<(u64, u64)> {
         let dims = self.scheme.block_dims()?;
-        (self.placed.shape.len() >= 2 || dims.0 == 1).then_some(dims)
+        let n = self.placed.shape.len();
+        (n >= 2 || (n == 1 && dims.0 == 1)).then_some(dims)
     }
 
     /// Blocks in the local grid.
