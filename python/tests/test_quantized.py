@@ -297,6 +297,29 @@ def test_mxfp8_blocks_split_over_four_trainer_processes(tmp_path, via):
         finish(procs)
 
 
+def test_a_torch_mxfp8_module_takes_a_bf16_snapshot(tmp_path):
+    """register_module + quantize_module(scheme="mxfp8"): a module whose
+    weight is float8_e4m3fn and whose scales are float8_e8m0fnu (held as
+    their bytes) gets the snapshot's bf16 weight as ref_mx quantizes it,
+    and its dequantized weight is weight * 2^(scale - 127)."""
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(64, 100, dtype=torch.float8_e4m3fn), requires_grad=False)
+    model.register_buffer("weight_scale", torch.zeros(64, 4, dtype=torch.float8_e8m0fnu))
+    m = Manager()
+    registered = m.register_module(model)
+    assert m.quantize_module(registered, scheme="mxfp8", scales_suffix="_scale") == ["weight"]
+    w = (torch.randn(64, 100, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    save_file({"weight": w}, str(tmp_path / "model.safetensors"))
+    m.update(str(tmp_path), version="1")
+    want_q, want_s = ref_mx(w)
+    assert np.array_equal(model.weight.view(torch.uint8).numpy(), want_q)
+    assert np.array_equal(model.weight_scale.view(torch.uint8).numpy(), want_s)
+    scale = model.weight_scale.float().repeat_interleave(32, 1)[:, :100]
+    dequantized = model.weight.float() * scale
+    assert torch.allclose(dequantized, w.float(), rtol=2 ** -3, atol=0), "E4M3 keeps 3 bits"
+    m.close()
+
+
 class Fp8Linear(torch.nn.Module):
     """A linear layer of an FP8 engine, as DeepSeek-V3 checkpoints hold it:
     `weight` float8_e4m3fn and `weight_scale_inv` float32 per 128x128 block."""

@@ -101,8 +101,10 @@ DTYPE_TO_NUMPY.update({DType.BF16: np.dtype(np.uint16), DType.F8_E4M3: np.dtype(
                        DType.F8_E5M2: np.dtype(np.uint8)})
 
 
-# PyTorch's names that numpy does not know.
-TORCH_NAMES = {"float8_e4m3fn": DType.F8_E4M3, "float8_e5m2": DType.F8_E5M2, "bfloat16": DType.BF16}
+# PyTorch's names that numpy does not know. E8M0 (MXFP8's scales) is held
+# as its bytes: a u8 param.
+TORCH_NAMES = {"float8_e4m3fn": DType.F8_E4M3, "float8_e5m2": DType.F8_E5M2, "bfloat16": DType.BF16,
+               "float8_e8m0fnu": DType.U8}
 
 
 def parse_dtype(value) -> DType:
