@@ -19,7 +19,7 @@ import pytest
 from weight_manager import Publisher, WeightManagerError
 from weight_manager.torch_bridge import shard_box
 
-PROTOCOL = 8
+PROTOCOL = 9
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
