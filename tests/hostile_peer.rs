@@ -93,6 +93,16 @@ struct Script {
 /// Returns the frames the engine answered with (its last one an error, ACK
 /// or WANT), for the test's curiosity; never fails the test itself.
 fn hostile_publisher(sock: &Path, script: Script) -> std::thread::JoinHandle<Vec<String>> {
+    numbered_publisher(sock, script, (0, 1))
+}
+
+/// [`hostile_publisher`] numbering its bucket `seq` and saying END after
+/// `end` buckets.
+fn numbered_publisher(
+    sock: &Path,
+    script: Script,
+    (seq, end): (u64, u64),
+) -> std::thread::JoinHandle<Vec<String>> {
     let listener = UnixListener::bind(sock).unwrap();
     std::thread::spawn(move || {
         let mut seen = Vec::new();
@@ -135,14 +145,14 @@ fn hostile_publisher(sock: &Path, script: Script) -> std::thread::JoinHandle<Vec
             return seen;
         }
         let bucket = Frame::Bucket {
-            seq: 0,
+            seq,
             buffer: 0,
             entries: script.entries,
         };
         if conn.send(&bucket).is_err() || step(&mut conn).is_none() {
             return seen;
         }
-        let _ = conn.send(&Frame::End { buckets: 1 });
+        let _ = conn.send(&Frame::End { buckets: end });
         seen
     })
 }
@@ -361,6 +371,39 @@ fn a_shared_buffer_too_small_for_the_plan_is_refused_naming_it() {
         assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
         assert!(e.message.contains("shared buffer 0"), "{e}");
         assert!(e.message.contains(says), "{e}");
+    }
+}
+
+/// Buckets out of sequence, and an END whose count is not the buckets
+/// that came: refused naming the publisher, the old weights kept (the END
+/// count was not checked over IPC).
+#[test]
+fn buckets_out_of_sequence_or_miscounted_are_refused() {
+    let _serial = serial();
+    for ((seq, end), says) in [
+        ((3, 1), "bucket 3 came where bucket 0 was next"),
+        ((0, 2), "END after 2 buckets, 1 received"),
+        ((0, 0), "END after 0 buckets, 1 received"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("hostile.sock");
+        let (m, ptrs, ts) = engine_with_weights(dir.path());
+        let script = Script {
+            manifest: vec![meta("w", 4096)],
+            buffer: sealed_memfd(4096, &[9; 4096]),
+            announced: 4096,
+            entries: first_4096(),
+        };
+        let publisher = numbered_publisher(&sock, script, (seq, end));
+        let e = m.update(ipc_request(&sock, Mode::Atomic)).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+        assert!(
+            e.message.contains(says) && e.message.contains("hostile.sock"),
+            "{e}"
+        );
+        assert_params(&ptrs, &ts);
+        assert_eq!(m.status().version.as_deref(), Some("v1"));
+        publisher.join().unwrap();
     }
 }
 

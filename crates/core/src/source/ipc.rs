@@ -95,6 +95,8 @@ pub struct IpcSource {
     buffers: Option<Vec<BucketMemory>>,
     /// When the next frame must have come.
     due: Instant,
+    /// Buckets received: the next one's sequence number, END's count.
+    buckets: u64,
 }
 
 impl IpcSource {
@@ -141,6 +143,7 @@ impl IpcSource {
             gpu: opts.gpu,
             buffers: None,
             due: Instant::now(),
+            buckets: 0,
         })
     }
 }
@@ -180,7 +183,9 @@ impl FromPublisher for IpcSource {
             self.due = self.next_deadline(applier);
             return Ok(Step::Moved);
         };
-        match self.link.conn.recv(deadline)? {
+        let frame = self.link.conn.recv(deadline)?;
+        check_numbering(&mut self.buckets, self.link.conn.peer(), &frame)?;
+        match frame {
             Frame::Bucket {
                 seq,
                 buffer,
@@ -277,6 +282,26 @@ impl IpcSource {
                     .map(BucketMemory::Host)
             })
             .collect()
+    }
+}
+
+/// Buckets come numbered 0, 1, 2, ... (`received` so far) and END counts
+/// them; from publisher `peer`.
+fn check_numbering(received: &mut u64, peer: &str, frame: &Frame) -> Result<()> {
+    match *frame {
+        Frame::Bucket { seq, .. } | Frame::Windows { seq, .. } if seq != *received => {
+            Err(Error::peer(format!(
+                "{peer}: bucket {seq} came where bucket {received} was next"
+            )))
+        }
+        Frame::Bucket { .. } | Frame::Windows { .. } => {
+            *received += 1;
+            Ok(())
+        }
+        Frame::End { buckets } if buckets != *received => Err(Error::peer(format!(
+            "{peer}: END after {buckets} buckets, {received} received"
+        ))),
+        _ => Ok(()),
     }
 }
 
