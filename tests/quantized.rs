@@ -928,7 +928,6 @@ fn in_place_a_nan_leaves_failed_until_a_good_update() {
 /// naming it, before anything is read or sent.
 #[test]
 fn hostile_quantized_wants_are_refused_by_the_publisher() {
-    use weight_manager_core::internals::transport::conn::Conn;
     use weight_manager_core::internals::wire::{Frame, Request};
     let dir = tempfile::tempdir().unwrap();
     let g = t("g", DType::Bf16, &[256, 256], 5);
@@ -965,17 +964,7 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
         std::thread::scope(|s| {
             let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-            let mut conn = Conn::new(stream, "the publisher");
-            let hello = Frame::Hello {
-                rank: 0,
-                world_size: 1,
-                gpu_id: "0".into(),
-                version: String::new(),
-                base: String::new(),
-            };
-            conn.send(&hello).unwrap();
-            assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
+            let mut conn = engine_at(&sock, deadline);
             conn.send(&want).unwrap();
             if let Some(scales) = scales {
                 assert!(matches!(conn.recv(deadline), Ok(Frame::Amax { .. })));
@@ -996,7 +985,6 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
 /// is one block, answered, not a panic.
 #[test]
 fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
-    use weight_manager_core::internals::transport::conn::Conn;
     use weight_manager_core::internals::wire::{Frame, Request};
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
@@ -1023,17 +1011,7 @@ fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
     std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-        let mut conn = Conn::new(stream, "the publisher");
-        let hello = Frame::Hello {
-            rank: 0,
-            world_size: 1,
-            gpu_id: "0".into(),
-            version: String::new(),
-            base: String::new(),
-        };
-        conn.send(&hello).unwrap();
-        assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
+        let mut conn = engine_at(&sock, deadline);
         let want = Frame::Want {
             requests: vec![
                 Request::whole(0, 256 * 256, false),
@@ -1070,6 +1048,28 @@ fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
         );
         assert!(serving.join().unwrap().is_err());
     });
+}
+
+/// A fake engine's connection to the publisher at `sock`: HELLO sent and
+/// the MANIFEST taken, before `deadline`.
+fn engine_at(
+    sock: &Path,
+    deadline: std::time::Instant,
+) -> weight_manager_core::internals::transport::conn::Conn {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::Frame;
+    let stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let mut conn = Conn::new(stream, "the publisher");
+    let hello = Frame::Hello {
+        rank: 0,
+        world_size: 1,
+        gpu_id: "0".into(),
+        version: String::new(),
+        base: String::new(),
+    };
+    conn.send(&hello).unwrap();
+    assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
+    conn
 }
 
 /// A weight with no elements is refused when declared.
