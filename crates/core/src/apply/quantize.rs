@@ -187,7 +187,8 @@ impl Applier<'_, '_> {
         let mut scales = vec![0u8; bytes];
         t.scheme.write_scales(amax, &mut scales);
         // SAFETY: the scales param is device memory of that GPU holding
-        // `scales.1` f32 (its registration); a synchronous copy.
+        // `scales.1` scales of the scheme's dtype (its registration); a
+        // synchronous copy.
         unsafe {
             crate::memory::cuda_ipc::upload(
                 ordinal,
