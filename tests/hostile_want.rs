@@ -9,7 +9,6 @@ mod common;
 
 use common::peak::{in_child, status_bytes};
 use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use weight_manager_core::internals::memory::shared::SharedBuffer;
@@ -66,27 +65,10 @@ fn publisher(sock: &Path, data: &[u8], bucket: usize) -> Publisher {
     p
 }
 
-/// A hand-written engine peer on `sock`: HELLO sent, the MANIFEST read.
-fn hello(sock: &Path, deadline: Instant) -> Conn {
-    let mut conn = Conn::new(UnixStream::connect(sock).unwrap(), "the publisher");
-    conn.send(&Frame::Hello {
-        rank: 0,
-        world_size: 1,
-        gpu_id: "0".into(),
-        version: String::new(),
-        base: String::new(),
-    })
-    .unwrap();
-    let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
-        panic!("no MANIFEST")
-    };
-    conn
-}
-
 /// A hand-written engine peer: HELLO, then (after the MANIFEST) a WANT of
 /// every other byte of tensor 0 (`rows` one-byte rows, stride 2).
 fn want_every_other_byte(sock: &Path, rows: u64, deadline: Instant) -> (Conn, Request) {
-    let mut conn = hello(sock, deadline);
+    let mut conn = common::engine_hello(sock, deadline);
     let q = Request {
         tensor: 0,
         runs: vec![WantRun {
@@ -224,7 +206,7 @@ fn million_sums_child() {
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
         let deadline = Instant::now() + Duration::from_secs(60);
-        let mut conn = hello(&sock, deadline);
+        let mut conn = common::engine_hello(&sock, deadline);
         conn.send(&Frame::Want {
             requests: requests.clone(),
             base: None,
@@ -334,7 +316,7 @@ fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
         let deadline = Instant::now() + Duration::from_secs(60);
-        let mut conn = hello(&sock, deadline);
+        let mut conn = common::engine_hello(&sock, deadline);
         let runs = (0..1u64 << 20)
             .map(|i| WantRun {
                 offset: i * 64,

@@ -964,7 +964,7 @@ fn hostile_quantized_wants_are_refused_by_the_publisher() {
         std::thread::scope(|s| {
             let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            let mut conn = engine_at(&sock, deadline);
+            let mut conn = common::engine_hello(&sock, deadline);
             conn.send(&want).unwrap();
             if let Some(scales) = scales {
                 assert!(matches!(conn.recv(deadline), Ok(Frame::Amax { .. })));
@@ -1011,7 +1011,7 @@ fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
     std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(1, Duration::from_secs(10)));
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let mut conn = engine_at(&sock, deadline);
+        let mut conn = common::engine_hello(&sock, deadline);
         let want = Frame::Want {
             requests: vec![
                 Request::whole(0, 256 * 256, false),
@@ -1048,28 +1048,6 @@ fn scales_have_one_deadline_and_a_quantized_scalar_is_one_block() {
         );
         assert!(serving.join().unwrap().is_err());
     });
-}
-
-/// A fake engine's connection to the publisher at `sock`: HELLO sent and
-/// the MANIFEST taken, before `deadline`.
-fn engine_at(
-    sock: &Path,
-    deadline: std::time::Instant,
-) -> weight_manager_core::internals::transport::conn::Conn {
-    use weight_manager_core::internals::transport::conn::Conn;
-    use weight_manager_core::internals::wire::Frame;
-    let stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
-    let mut conn = Conn::new(stream, "the publisher");
-    let hello = Frame::Hello {
-        rank: 0,
-        world_size: 1,
-        gpu_id: "0".into(),
-        version: String::new(),
-        base: String::new(),
-    };
-    conn.send(&hello).unwrap();
-    assert!(matches!(conn.recv(deadline), Ok(Frame::Manifest { .. })));
-    conn
 }
 
 /// A weight with no elements is refused when declared.

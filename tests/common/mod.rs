@@ -243,3 +243,27 @@ pub fn decline_base(
         _ => Ok(()),
     }
 }
+
+/// A hand-written engine peer of the publisher at `sock`: HELLO sent (rank
+/// 0 of 1, any version), the MANIFEST taken before `deadline`.
+pub fn engine_hello(
+    sock: &Path,
+    deadline: std::time::Instant,
+) -> weight_manager_core::internals::transport::conn::Conn {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::Frame;
+    let stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let mut conn = Conn::new(stream, "the publisher");
+    conn.send(&Frame::Hello {
+        rank: 0,
+        world_size: 1,
+        gpu_id: "0".into(),
+        version: String::new(),
+        base: String::new(),
+    })
+    .unwrap();
+    let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
+        panic!("no MANIFEST")
+    };
+    conn
+}

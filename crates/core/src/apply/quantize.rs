@@ -153,9 +153,7 @@ impl Applier<'_, '_> {
             // Quantized by the publishers, the FP8 bytes came with the rest
             // of the commit; here, they are made from the bytes that came.
             if !t.on_wire {
-                let mut as_f32 = vec![0f32; a.len()];
-                let out = (&mut fp8[..], &mut as_f32[..]);
-                let wrote = bands::write(t.scheme, self.wide(k, arena), a, out, self.opts.threads);
+                let wrote = bands::write(t.scheme, self.wide(k, arena), a, fp8, self.opts.threads);
                 wrote.map_err(|e| quant_error(t, e))?;
             }
             t.scheme.write_scales(a, scales);

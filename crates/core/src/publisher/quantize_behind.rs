@@ -181,15 +181,7 @@ impl ImageToMake {
                     shape: &[rows, cols],
                     bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
                 };
-                let mut scales = vec![0f32; self.agreed.len()];
-                bands::write(
-                    job.scheme,
-                    wide,
-                    &self.agreed,
-                    (image, &mut scales),
-                    threads,
-                )
-                .map_err(|e| {
+                bands::write(job.scheme, wide, &self.agreed, image, threads).map_err(|e| {
                     Error::invalid_argument(format!("tensor '{}': {e:?}", self.meta.name))
                 })?;
             }

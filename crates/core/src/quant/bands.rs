@@ -126,60 +126,42 @@ pub fn amax(scheme: Scheme, wide: Wide, threads: usize) -> Result<Vec<f32>, Quan
 }
 
 /// Quantize `wide` with `scheme` and the amax [`amax`] found: its E4M3
-/// bytes into `fp8` (one per element), its scales ([`Scheme::scale`])
-/// into `scale_inv`.
+/// bytes into `fp8` (one per element). The scales are the caller's to
+/// write from the same amax ([`Scheme::write_scales`]).
 pub fn write(
     scheme: Scheme,
     wide: Wide,
     amax: &[f32],
-    (fp8, scale_inv): (&mut [u8], &mut [f32]),
+    fp8: &mut [u8],
     threads: usize,
 ) -> Result<(), QuantError> {
     let (bands, cols) = bands(scheme, wide.shape);
     let elements = wide.shape.iter().product::<u64>() as usize;
+    let blocks = bands.last().map_or(amax.len(), |b| b.scale + b.scales);
     if fp8.len() != elements
-        || scale_inv.len() != amax.len()
+        || blocks != amax.len()
         || wide.bytes.len() != elements * wide.dtype.size()
     {
         return Err(QuantError::Invalid(format!(
-            "{} fp8 bytes, {} scales and {} source bytes for {elements} elements and {} blocks",
+            "{} fp8 bytes and {} source bytes for {elements} elements, {} amax for {blocks} blocks",
             fp8.len(),
-            scale_inv.len(),
             wide.bytes.len(),
             amax.len()
         )));
     }
-    let (fp8_at, scales_at) = (fp8.as_mut_ptr() as usize, scale_inv.as_mut_ptr() as usize);
+    let fp8_at = fp8.as_mut_ptr() as usize;
     let done = par_map(&bands, threads, |b| {
         let src = b.source(wide, cols);
         // SAFETY: bands are disjoint rows of the param, inside `fp8`.
         let q = unsafe {
             std::slice::from_raw_parts_mut((fp8_at as *mut u8).add(b.row * cols), b.rows * cols)
         };
-        let mut own = [0f32];
-        let s: &mut [f32] = match scheme {
-            Scheme::Fp8Tensor => &mut own,
-            // SAFETY: bands are disjoint rows of the scales, inside
-            // `scale_inv` (one per tensor: each band writes its own copy,
-            // stored once below).
-            Scheme::Fp8Block128 | Scheme::Mxfp8 => unsafe {
-                std::slice::from_raw_parts_mut((scales_at as *mut f32).add(b.scale), b.scales)
-            },
-        };
         let a = &amax[b.scale..b.scale + b.scales];
-        quantize_with(scheme, src, ([0, 0], [b.rows, cols]), a, q, s)?;
-        Ok(own[0])
+        // `quantize_with` also gives the band's scales: not kept here.
+        let mut scales = vec![0f32; b.scales];
+        quantize_with(scheme, src, ([0, 0], [b.rows, cols]), a, q, &mut scales)
     });
-    for r in done {
-        let s = r?;
-        if scheme == Scheme::Fp8Tensor {
-            scale_inv[0] = s;
-        }
-    }
-    if scheme == Scheme::Fp8Tensor && bands.is_empty() {
-        scale_inv[0] = scheme.scale(amax[0]);
-    }
-    Ok(())
+    done.into_iter().collect()
 }
 
 /// `f` over every band on up to `threads` threads, results in band order.
