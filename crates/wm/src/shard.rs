@@ -249,7 +249,7 @@ fn header_json(order: &[&Piece]) -> String {
     }
     header.insert("__metadata__".into(), meta.into());
     let mut text = serde_json::Value::Object(header).to_string();
-    while (8 + text.len()) % 8 != 0 {
+    while !(8 + text.len()).is_multiple_of(8) {
         text.push(' ');
     }
     text

@@ -74,7 +74,7 @@ impl BlockSums {
     pub fn decode(hex: &str, block: u64, nbytes: u64) -> std::result::Result<BlockSums, String> {
         let want = block_count(nbytes, block);
         let have = hex.len() / HEX_PER_BLOCK;
-        if hex.len() % HEX_PER_BLOCK != 0 || have as u64 != want {
+        if !hex.len().is_multiple_of(HEX_PER_BLOCK) || have as u64 != want {
             return Err(format!(
                 "{} hex digits hold {} block sums, but {nbytes} bytes in blocks of {block} \
                  are {want} blocks ({HEX_PER_BLOCK} digits each)",

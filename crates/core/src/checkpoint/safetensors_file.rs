@@ -167,7 +167,7 @@ fn check_entry(
         )));
     }
     let offset = data_start + begin;
-    if offset % dtype.size() as u64 != 0 {
+    if !offset.is_multiple_of(dtype.size() as u64) {
         return Err(bad(&format!(
             "starts at byte {offset}, not a multiple of its {}-byte element size (misaligned data)",
             dtype.size()
@@ -318,7 +318,7 @@ mod tests {
     fn write(dir: &Path, header: &str, data: usize) -> std::path::PathBuf {
         let path = dir.join("t.safetensors");
         let mut h = header.as_bytes().to_vec();
-        while (8 + h.len()) % 8 != 0 {
+        while !(8 + h.len()).is_multiple_of(8) {
             h.push(b' ');
         }
         let mut f = File::create(&path).unwrap();

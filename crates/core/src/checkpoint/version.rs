@@ -93,7 +93,7 @@ fn step_of(events: &[Event]) -> Result<String, String> {
             if closes {
                 break;
             }
-            if nodes % 2 == 0 {
+            if nodes.is_multiple_of(2) {
                 step_next = matches!(ev, Event::Scalar(k, ..) if k == "step");
             } else if step_next {
                 step = Some(ev);

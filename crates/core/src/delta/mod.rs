@@ -62,7 +62,7 @@ pub struct Encoded {
 /// Append the delta turning `old` into `new` (elements of `esize` bytes,
 /// same length) to `out`; returns what it chose.
 pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encoded {
-    assert!(esize > 0 && old.len() == new.len() && old.len() % esize == 0);
+    assert!(esize > 0 && old.len() == new.len() && old.len().is_multiple_of(esize));
     let mut stats = Encoded::default();
     let mut diff = vec![0u64; CHUNK / 64];
     let (mut positions, mut values) = (Vec::new(), Vec::new());
@@ -174,7 +174,7 @@ pub fn apply(delta: &[u8], run: &mut [u8], esize: usize) -> Result<u64, DeltaErr
 /// bytes) without applying it: every check [`Patcher`] makes, so a
 /// receiver can refuse a bad delta before it writes a byte.
 pub fn check(delta: &[u8], run_len: usize, esize: usize) -> Result<(), DeltaError> {
-    if esize == 0 || run_len % esize != 0 {
+    if esize == 0 || !run_len.is_multiple_of(esize) {
         return Err(DeltaError(format!(
             "a run of {run_len} bytes is not whole elements of {esize} bytes"
         )));
@@ -231,7 +231,7 @@ pub struct Changes {
 /// size: each listed change took at least `esize` bytes of it, its
 /// position costs 4 more.
 pub fn list_changes(delta: &[u8], run_len: usize, esize: usize) -> Result<Changes, DeltaError> {
-    if esize == 0 || run_len % esize != 0 || (run_len / esize) as u64 > 1 << 32 {
+    if esize == 0 || !run_len.is_multiple_of(esize) || (run_len / esize) as u64 > 1 << 32 {
         return Err(DeltaError(format!(
             "a run of {run_len} bytes is not whole elements of {esize} bytes, or has more \
              than 2^32 of them"
@@ -251,7 +251,7 @@ pub fn list_changes(delta: &[u8], run_len: usize, esize: usize) -> Result<Change
 /// whole elements of it, else bytes (both sides derive it the same way
 /// from the tensor's dtype and the run's length).
 pub fn element_size(dtype_size: usize, run_len: u64) -> usize {
-    match dtype_size > 0 && run_len % dtype_size as u64 == 0 {
+    match dtype_size > 0 && run_len.is_multiple_of(dtype_size as u64) {
         true => dtype_size,
         false => 1,
     }
@@ -291,14 +291,14 @@ impl<'a> Patcher<'a> {
     /// Patch the next `window` of the run (holding the base's bytes there).
     pub fn patch(&mut self, window: &mut [u8]) -> Result<(), DeltaError> {
         let esize = self.esize;
-        if self.ended || window.len() % esize != 0 {
+        if self.ended || !window.len().is_multiple_of(esize) {
             return Err(DeltaError(format!(
                 "a window of {} bytes after chunk {} (elements of {esize} bytes)",
                 window.len(),
                 self.chunk
             )));
         }
-        self.ended = window.len() % (CHUNK * esize) != 0;
+        self.ended = !window.len().is_multiple_of(CHUNK * esize);
         for chunk in window.chunks_mut(CHUNK * esize) {
             let (k, elems) = (self.chunk, chunk.len() / esize);
             let bad = |why: String| DeltaError(format!("chunk {k}: {why}"));
@@ -451,7 +451,7 @@ fn apply_bitmask<S: Sink>(
     esize: usize,
 ) -> Result<usize, String> {
     let mask = r.take(elems.div_ceil(8))?;
-    if elems % 8 != 0 && mask[mask.len() - 1] >> (elems % 8) != 0 {
+    if !elems.is_multiple_of(8) && mask[mask.len() - 1] >> (elems % 8) != 0 {
         return Err("bits set past the chunk's last element".into());
     }
     let count = mask.iter().map(|b| b.count_ones() as usize).sum::<usize>();

@@ -25,7 +25,7 @@ impl Clock {
     /// One step done; false once the deadline has passed.
     pub fn tick(&mut self) -> bool {
         self.ticks = self.ticks.wrapping_add(1);
-        if !self.expired && self.ticks % EVERY == 0 {
+        if !self.expired && self.ticks.is_multiple_of(EVERY) {
             self.expired = self.deadline.is_some_and(|d| Instant::now() >= d);
         }
         !self.expired

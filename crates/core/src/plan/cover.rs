@@ -192,7 +192,7 @@ fn quantized_problem(scheme: Scheme, piece: &Piece, g: Global, wide: DType) -> O
     let n = b.ndim().min(g.shape.len());
     for d in n.saturating_sub(dims)..n {
         let end = b.offset[d] + b.len[d];
-        if b.len[d] % edge != 0 && end != g.shape[d] {
+        if !b.len[d].is_multiple_of(edge) && end != g.shape[d] {
             return Some(format!(
                 "dimension {d} ends at offset {end} of the global tensor {}, inside {what}",
                 shape_text(g.shape)

@@ -84,6 +84,17 @@ fn abs_bits_max_each_body<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]
     }
 }
 
+/// The `|x|` bits of the first `N` elements of `xs`: a fixed-size map the
+/// compiler turns into a load and a conversion in vector registers.
+#[inline(always)]
+fn abs_bits_lanes<E: Element, const N: usize>(xs: &[u8]) -> [u32; N] {
+    let mut v = [0u32; N];
+    for (m, x) in v.iter_mut().zip(xs[..N * E::SIZE].chunks_exact(E::SIZE)) {
+        *m = E::read(x).to_bits() & 0x7fff_ffff;
+    }
+    v
+}
+
 #[inline(always)]
 fn scale_each_body<E: Element, const W: usize>(xs: &[u8], factors: &[f32], out: &mut [u8]) {
     let blocks = xs.chunks_exact(W * E::SIZE).zip(out.chunks_exact_mut(W));
@@ -92,10 +103,32 @@ fn scale_each_body<E: Element, const W: usize>(xs: &[u8], factors: &[f32], out: 
     }
 }
 
+/// The vector paths of [`abs_bits_max_each`] fold each block's lanes with
+/// the vector instructions themselves. Written as a fold per block (as the
+/// baseline), the compiler vectorized across blocks instead, gathering
+/// every element: 9 GB/s of bf16 against 34 for 128x128 blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn abs_bits_max_each_avx2<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
-    abs_bits_max_each_body::<E, W>(xs, out)
+    use std::arch::x86_64::*;
+    if !W.is_multiple_of(8) {
+        return abs_bits_max_each_body::<E, W>(xs, out);
+    }
+    let lanes = |x: &[u8]| {
+        let v = abs_bits_lanes::<E, 8>(x);
+        // SAFETY: an unaligned load of the 8 lanes of `v`.
+        unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+    };
+    for (o, block) in out.iter_mut().zip(xs.chunks_exact(W * E::SIZE)) {
+        let mut v = lanes(block);
+        for j in 1..W / 8 {
+            v = _mm256_max_epu32(v, lanes(&block[j * 8 * E::SIZE..]));
+        }
+        let v = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b0100_1110>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b1011_0001>(v));
+        *o = _mm_cvtsi128_si32(v) as u32;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -107,7 +140,22 @@ unsafe fn scale_each_avx2<E: Element, const W: usize>(xs: &[u8], factors: &[f32]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn abs_bits_max_each_avx512<E: Element, const W: usize>(xs: &[u8], out: &mut [u32]) {
-    abs_bits_max_each_body::<E, W>(xs, out)
+    use std::arch::x86_64::*;
+    if !W.is_multiple_of(16) {
+        return abs_bits_max_each_body::<E, W>(xs, out);
+    }
+    let lanes = |x: &[u8]| {
+        let v = abs_bits_lanes::<E, 16>(x);
+        // SAFETY: an unaligned load of the 16 lanes of `v`.
+        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+    };
+    for (o, block) in out.iter_mut().zip(xs.chunks_exact(W * E::SIZE)) {
+        let mut v = lanes(block);
+        for j in 1..W / 16 {
+            v = _mm512_max_epu32(v, lanes(&block[j * 16 * E::SIZE..]));
+        }
+        *o = _mm512_reduce_max_epu32(v);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -217,9 +265,18 @@ mod tests {
 
     /// The per-block batches give each block's own figures, on every path.
     fn blocks_on_every_path<E: Element>() {
-        let xs: Vec<u8> = (0..32 * 7 * E::SIZE)
+        // Small values, and in block k its largest at lane (5k + 31) % 32
+        // (the last lane, the first, and between), each block's another.
+        let mut xs: Vec<u8> = (0..32 * 7 * E::SIZE)
             .map(|i| (i * 37 % 251) as u8)
             .collect();
+        for (j, x) in xs.chunks_exact_mut(E::SIZE).enumerate() {
+            let (k, lane) = (j / 32, j % 32);
+            x[E::SIZE - 1] &= 0x2f;
+            if lane == (5 * k + 31) % 32 {
+                x[E::SIZE - 1] = 0x70 | k as u8;
+            }
+        }
         let factors: Vec<f32> = (0..7).map(|k| 0.5 + k as f32).collect();
         let (mut want_bits, mut want_q) = (vec![0u32; 7], vec![0u8; 32 * 7]);
         for k in 0..7 {
@@ -231,6 +288,20 @@ mod tests {
         abs_bits_max_each::<E, 32>(&xs, &mut bits);
         scale_each::<E, 32>(&xs, &factors, &mut q);
         assert_eq!((bits, q), (want_bits.clone(), want_q.clone()));
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut bits = vec![0u32; 7];
+            if avx2() {
+                // SAFETY: the CPU has AVX2.
+                unsafe { abs_bits_max_each_avx2::<E, 32>(&xs, &mut bits) };
+                assert_eq!(bits, want_bits, "AVX2");
+            }
+            if avx512() {
+                // SAFETY: the CPU has AVX-512 F and BW.
+                unsafe { abs_bits_max_each_avx512::<E, 32>(&xs, &mut bits) };
+                assert_eq!(bits, want_bits, "AVX-512");
+            }
+        }
         let (mut bits, mut q) = (vec![0u32; 7], vec![0u8; 32 * 7]);
         abs_bits_max_each_body::<E, 32>(&xs, &mut bits);
         scale_each_body::<E, 32>(&xs, &factors, &mut q);

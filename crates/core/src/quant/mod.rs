@@ -356,7 +356,7 @@ fn amax_of<E: Element>(
                 }
                 let slots = &mut out[brow * scols + b..brow * scols + b + whole];
                 for (slot, &m) in slots.iter_mut().zip(&bits) {
-                    *slot = slot.max(f32::from_bits(m));
+                    *slot = max_abs(*slot, m);
                 }
                 c += whole * bw;
                 continue;
@@ -366,11 +366,19 @@ fn amax_of<E: Element>(
                 return Err(non_finite::<E>(row, c..end, r * src.cols));
             }
             let slot = &mut out[brow * scols + b];
-            *slot = slot.max(f32::from_bits(m));
+            *slot = max_abs(*slot, m);
             c = end;
         }
     }
     Ok(())
+}
+
+/// The larger of `|slot|` and the finite magnitude of bits `m`, compared
+/// as bits (the order of finite magnitudes): a float maximum's NaN
+/// handling kept the loop over an MXFP8 row's blocks scalar.
+#[inline(always)]
+fn max_abs(slot: f32, m: u32) -> f32 {
+    f32::from_bits((slot.to_bits() & 0x7fff_ffff).max(m))
 }
 
 fn non_finite<E: Element>(row: &[u8], cols: std::ops::Range<usize>, base: usize) -> QuantError {

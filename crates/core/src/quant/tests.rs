@@ -169,7 +169,7 @@ pub(super) fn values(rng: &mut Rng, (m, n): (usize, usize)) -> Vec<f32> {
                 2 => unit * 1.0e-6,
                 3 => 0.0,
                 _ => {
-                    if r % 3 == 0 {
+                    if r.is_multiple_of(3) {
                         -7.5
                     } else {
                         unit * 7.5

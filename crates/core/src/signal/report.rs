@@ -182,7 +182,7 @@ impl ReportCell {
         let mut tries = 0u32;
         loop {
             tries += 1;
-            if tries % 64 == 0 {
+            if tries.is_multiple_of(64) {
                 if start.elapsed() >= SETTLE {
                     return Err(self.torn(l.seq.load(Ordering::Relaxed)));
                 }

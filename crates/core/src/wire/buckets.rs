@@ -257,7 +257,7 @@ fn check_window<'q>(
             e.len, e.offset, e.request
         ));
     }
-    if e.buffer_offset % ALIGN != 0 {
+    if !e.buffer_offset.is_multiple_of(ALIGN) {
         return Err(format!(
             "tensor offset {} is not {ALIGN}-byte aligned",
             e.buffer_offset

@@ -128,7 +128,8 @@ impl Group {
             }
             // A live group of another size (looked for every 50 ms): the
             // ranks disagree on the world size, which no wait mends.
-            let other = (tries % 50 == 0)
+            let other = tries
+                .is_multiple_of(50)
                 .then(|| Segment::live(name))
                 .flatten()
                 .map(|(_, n)| n)
