@@ -189,7 +189,7 @@ fn zero_copy_hands_out_published_shards_whole_and_aligned() {
         let g = globals.iter().find(|g| g.name == t.name).unwrap();
         let half = g.shape[0] / 2;
         let r = t.offset[0] / half;
-        let aligned = t.data.as_ptr() as usize % 256 == 0;
+        let aligned = (t.data.as_ptr() as usize).is_multiple_of(256);
         seen.push((
             t.name.to_string(),
             r,

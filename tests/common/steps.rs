@@ -28,7 +28,7 @@ pub fn next(ts: &[T], step: u64) -> Vec<T> {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                if x % 50 == 0 {
+                if x.is_multiple_of(50) {
                     t.data[i * e] = t.data[i * e].wrapping_add(1 + (x >> 8) as u8 % 200);
                 }
             }

@@ -42,18 +42,19 @@ pub fn from_f32(f: f32) -> u8 {
     result | (sign >> 24) as u8
 }
 
-/// [`from_f32`] computed on both paths and selected, with no branch, so a
-/// loop of it vectorizes; the same byte for every input (tested).
+/// [`from_f32`] of a finite `f`, computed on both paths and selected, with
+/// no branch, so a loop of it vectorizes. The quantizer casts only finite
+/// values (its amax pass refuses NaN and infinities first), so NaN's own
+/// select is left out of the loop that dominates quantizing (8% of its
+/// time): a NaN gives +-448 (`0x7e`/`0xfe`) here, not NaN. The same byte as
+/// [`from_f32`] for every other input, infinities included (tested).
 #[inline(always)]
-pub fn from_f32_branchless(f: f32) -> u8 {
+pub fn from_finite_f32(f: f32) -> u8 {
     const FP8_MAX: u32 = 0x43e0_0000;
-    const INFINITY: u32 = 0x7f80_0000;
     const DENORM_MASK: u32 = 141 << 23;
     let bits = f.to_bits();
     let sign = bits & 0x8000_0000;
-    let a = bits ^ sign;
-    // Saturation by a clamp, not a select: 448's own rounding is 0x7e.
-    let c = a.min(FP8_MAX);
+    let c = (bits ^ sign).min(FP8_MAX);
     let normal = c
         .wrapping_add((((7i32 - 127) as u32) << 23).wrapping_add(0x7ffff))
         .wrapping_add((c >> 20) & 1)
@@ -62,7 +63,6 @@ pub fn from_f32_branchless(f: f32) -> u8 {
         .to_bits()
         .wrapping_sub(DENORM_MASK);
     let r = if c < (121 << 23) { small } else { normal };
-    let r = if a > INFINITY { 0x7f } else { r };
     (r | (sign >> 24)) as u8
 }
 
@@ -100,7 +100,7 @@ mod tests {
     }
 
     #[test]
-    fn the_branchless_cast_gives_the_same_byte() {
+    fn the_branchless_cast_gives_the_same_byte_but_for_nan() {
         // Every bf16 pattern, the f32 patterns either side of it (E4M3's
         // ties, its thresholds and 448 are bf16 values) and a spread of
         // other f32 bit patterns.
@@ -112,7 +112,9 @@ mod tests {
             let b = h << 16;
             for bits in [b, b.wrapping_sub(1), b | 1, x] {
                 let f = f32::from_bits(bits);
-                assert_eq!(from_f32_branchless(f), from_f32(f), "{bits:#010x}");
+                if !f.is_nan() {
+                    assert_eq!(from_finite_f32(f), from_f32(f), "{bits:#010x}");
+                }
             }
         }
     }

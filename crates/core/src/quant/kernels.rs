@@ -8,7 +8,8 @@
 //! The amax is taken on bit patterns: for finite values `|x|`'s bits order
 //! as the values do, so an integer maximum (which vectorizes; a float one
 //! does not, for NaN's sake) finds it, and a maximum at or above infinity's
-//! bits says a NaN or an infinity is in the run.
+//! bits says a NaN or an infinity is in the run. The cast runs after it,
+//! on finite values only ([`e4m3::from_finite_f32`]).
 
 use super::e4m3;
 use super::Element;
@@ -192,7 +193,7 @@ fn abs_bits_max_body<E: Element>(xs: &[u8]) -> u32 {
 #[inline(always)]
 fn scale_run_body<E: Element>(xs: &[u8], factor: f32, out: &mut [u8]) {
     for (q, x) in out.iter_mut().zip(xs.chunks_exact(E::SIZE)) {
-        *q = e4m3::from_f32_branchless(E::read(x) * factor);
+        *q = e4m3::from_finite_f32(E::read(x) * factor);
     }
 }
 

@@ -69,6 +69,9 @@ use crate::tensor::DType;
 pub(crate) const BLOCK: usize = 128;
 /// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
 pub(crate) const AMAX_FLOOR: f32 = 1e-4;
+/// Bytes of source rows [`quantize`] takes at once for MXFP8 (both passes,
+/// amax then the cast, over them while they are in cache).
+const MX_BAND_BYTES: usize = 256 << 10;
 /// Elements of one MXFP8 block (along the last dimension).
 pub(crate) const MX_BLOCK: usize = 32;
 /// Row-major source elements: `rows` x `cols` of `dtype` (bf16, f16 or
@@ -178,14 +181,20 @@ pub fn quantize(
         )));
     }
     let row_bytes = src.cols * src.dtype.size();
-    let bands = src
-        .bytes
-        .chunks(BLOCK * row_bytes)
-        .zip(fp8.chunks_mut(BLOCK * src.cols));
     // A band starts on the block grid (128 rows; MXFP8's blocks are one
     // row), so it is a tensor of its own with its own rows of the scales:
     // its factors are worked out for its blocks alone, not for all.
+    // MXFP8's bands are the rows that fit in a core's second-level cache
+    // (at most 128), so its second pass reads them from there.
     let (bh, _) = scheme.block(src.rows, src.cols);
+    let band_rows = match bh {
+        1 => (MX_BAND_BYTES / row_bytes.max(1)).clamp(1, BLOCK),
+        _ => BLOCK,
+    };
+    let bands = src
+        .bytes
+        .chunks(band_rows * row_bytes)
+        .zip(fp8.chunks_mut(band_rows * src.cols));
     let scols = scheme.scales_shape(src.rows, src.cols)[1];
     for (k, (bytes, q)) in bands.enumerate() {
         let band = Source {
@@ -193,7 +202,7 @@ pub fn quantize(
             rows: bytes.len() / row_bytes,
             ..src
         };
-        let (first, n) = (k * BLOCK / bh * scols, band.rows.div_ceil(bh) * scols);
+        let (first, n) = (k * band_rows / bh * scols, band.rows.div_ceil(bh) * scols);
         let (a, s) = (
             &mut amax[first..first + n],
             &mut scale_inv[first..first + n],
@@ -202,7 +211,7 @@ pub fn quantize(
         // A band's element index counts from the band: from the tensor here.
         block_amax(scheme, band, [0, 0], own, a).map_err(|e| match e {
             QuantError::NonFinite { index, value } => QuantError::NonFinite {
-                index: index + k * BLOCK * src.cols,
+                index: index + k * band_rows * src.cols,
                 value,
             },
             other => other,
