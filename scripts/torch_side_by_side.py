@@ -277,7 +277,9 @@ def ipc(gib: float, pairs: int) -> None:
 def _net_trainer(port: int, wm_port_out, commands, gib: float, secret: str) -> None:
     """The trainer process of the network section: gloo rank 0 and a wm
     network publisher of the same tensors; on "wm" it serves one engine
-    session, on "gloo" it broadcasts every tensor, on "stop" it ends."""
+    session from the live tensors (hashing them first, as for a new
+    training step), on "gloo" it broadcasts every tensor, on "stop" it
+    ends."""
     import torch
     import torch.distributed as dist
     from weight_manager import Publisher
@@ -289,7 +291,10 @@ def _net_trainer(port: int, wm_port_out, commands, gib: float, secret: str) -> N
         for i, t in enumerate(tensors):
             p.add_torch(f"layers.{i}.w", t)
         p.set_version("1")
-        p.publish()
+        # Live tensors, not a published copy: each serve call hashes them
+        # for its manifest, as a training step's new weights must be, while
+        # gloo broadcasts them with no preparation (a published copy hashed
+        # once, untimed, left that cost out of every timed step).
         wm_port_out.send(p.address)
         while True:
             cmd = commands.recv()

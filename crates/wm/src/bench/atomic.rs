@@ -11,7 +11,7 @@
 //! 1 / memcpy); a first update or a back-to-back one also faults in fresh
 //! memory (the kernel zeroes it) before the bytes land.
 
-use super::harness::{best, per_byte, python, verdict, Floors};
+use super::harness::{alternate, best, per_byte, python, verdict, Floors};
 use super::model::{engine, manager, timed_update, Model, Snapshot};
 use crate::fmt::gbps;
 use std::path::Path;
@@ -43,12 +43,8 @@ struct Atomic {
 
 /// Print the atomic rows and the PyTorch comparison for the snapshot `s`
 /// (in the page cache) beside `floors` and the page-cache read (`read`,
-/// GB/s); `inplace`: the in-place update's GB/s into engine-owned params.
-pub fn rows(
-    s: &Snapshot,
-    (floors, read, inplace): (Floors, f64, f64),
-    threads: usize,
-) -> Result<(), String> {
+/// GB/s).
+pub fn rows(s: &Snapshot, (floors, read): (Floors, f64), threads: usize) -> Result<(), String> {
     let two_pass = per_byte(&[read, floors.memcpy]);
     let fresh_read = per_byte(&[floors.fresh, read]);
     let fresh_two_pass = per_byte(&[floors.fresh, read, floors.memcpy]);
@@ -88,7 +84,7 @@ pub fn rows(
         a.first_eng,
         a.first_eng / fresh_two_pass
     );
-    torch_rows(s, &a, inplace, threads)
+    torch_rows(s, &a, threads)
 }
 
 /// The atomic and first updates, each manager of its own.
@@ -128,57 +124,51 @@ fn measure(s: &Snapshot, threads: usize) -> Result<Atomic, String> {
     })
 }
 
-/// PyTorch's way beside ours, also with both sides' params in huge pages.
-fn torch_rows(s: &Snapshot, a: &Atomic, inplace: f64, threads: usize) -> Result<(), String> {
+/// Pairs of PyTorch's way and ours, alternating, for the in-place rows.
+const TORCH_PAIRS: usize = 3;
+
+/// PyTorch's way beside ours, also with both sides' params in huge pages:
+/// in place (the same job on both sides) alternating [`TORCH_PAIRS`]
+/// times, each side the best of three per pair, on the same threads, the
+/// median of the pairs' ratios; the atomic rows beside the in-place
+/// torch figure.
+fn torch_rows(s: &Snapshot, a: &Atomic, threads: usize) -> Result<(), String> {
     let total = s.total;
-    let torch = match torch_way(s.path, false) {
-        Ok(t) => gbps(total, t),
-        Err(e) => {
-            println!("  torch  load_file + copy_()            skipped: {e}");
-            return Ok(());
-        }
-    };
-    println!("  torch  load_file + copy_()            {torch:>7.2} GB/s   (mapped file, one copy)");
-    // Both with params in huge pages (PyTorch: THP_MEM_ALLOC_ENABLE=1).
-    let torch_huge = gbps(total, torch_way(s.path, true)?);
-    let inplace_huge = {
-        let (m, _bufs) = engine(s.model, threads, true)?;
+    if let Err(e) = torch_way(s.path, false, threads) {
+        println!("  torch  load_file + copy_()            skipped: {e}");
+        return Ok(());
+    }
+    let side_by_side = |huge: bool| -> Result<(f64, f64, f64), String> {
+        let (m, _bufs) = engine(s.model, threads, huge)?;
         let mut run = 0;
-        gbps(
-            total,
-            best(|| timed_update(&m, s.dir, Mode::InPlace, &mut run))?,
-        )
+        let (r, o, t) = alternate(
+            TORCH_PAIRS,
+            || best(|| timed_update(&m, s.dir, Mode::InPlace, &mut run)),
+            || torch_way(s.path, huge, threads),
+        )?;
+        Ok((r, gbps(total, o), gbps(total, t)))
     };
+    let (r, ours, torch) = side_by_side(false)?;
+    println!("  torch  load_file + copy_()            {torch:>7.2} GB/s   (mapped file, one copy)");
+    println!("  wm     update in-place, beside it      {ours:>6.2} GB/s");
+    let (r_huge, ours_huge, torch_huge) = side_by_side(true)?;
     println!("  torch  load_file + copy_(), huge pages {torch_huge:>6.2} GB/s   (THP_MEM_ALLOC_ENABLE=1)");
-    println!("  wm     update in-place, huge pages     {inplace_huge:>6.2} GB/s   (engine params in huge pages)");
-    // In place both sides do the same job, so ours must be ahead; torch's
-    // way is never atomic (it writes into the live tensors), so the atomic
-    // rows say what atomicity costs against it, with no target.
-    for (what, ours, theirs, target) in [
-        ("in-place", inplace, torch, true),
-        (
-            "in-place, both in huge pages",
-            inplace_huge,
-            torch_huge,
-            true,
-        ),
-        ("atomic, library-owned", a.apart, torch, false),
-        (
-            "atomic, library-owned, back to back",
-            a.back_to_back,
-            torch,
-            false,
-        ),
-        ("atomic, engine-owned", a.atomic_eng, torch, false),
+    println!("  wm     update in-place, huge pages     {ours_huge:>6.2} GB/s   (engine params in huge pages)");
+    for (what, r) in [("in-place", r), ("in-place, both in huge pages", r_huge)] {
+        println!(
+            "  wm / torch  {what:<36} {r:.2} (median of {TORCH_PAIRS} alternating pairs; target >= 1.00) {}",
+            verdict(r >= 1.0)
+        );
+    }
+    // Torch's way is never atomic (it writes into the live tensors), so
+    // the atomic rows say what atomicity costs against it, with no target.
+    for (what, ours) in [
+        ("atomic, library-owned", a.apart),
+        ("atomic, library-owned, back to back", a.back_to_back),
+        ("atomic, engine-owned", a.atomic_eng),
     ] {
-        let r = ours / theirs;
-        match target {
-            true => println!(
-                "  wm / torch  {what:<36} {r:.2} (target >= 1.00) {}",
-                verdict(r >= 1.0)
-            ),
-            false => println!("  wm / torch  {what:<36} {r:.2} (torch is not atomic)"),
-        }
+        let r = ours / torch;
+        println!("  wm / torch  {what:<36} {r:.2} (torch is not atomic)");
     }
     Ok(())
 }
@@ -195,6 +185,7 @@ const TORCH_WAY: &str = r#"
 import sys, time, torch
 from safetensors.torch import load_file
 path = sys.argv[1]
+torch.set_num_threads(int(sys.argv[2]))
 params = {k: torch.empty_like(v).fill_(1) for k, v in load_file(path).items()}
 best = float("inf")
 for _ in range(3):
@@ -208,13 +199,15 @@ for _ in range(3):
 print(best)
 "#;
 
-/// `huge`: PyTorch allocates the params in huge pages.
-fn torch_way(path: &Path, huge: bool) -> Result<Duration, String> {
+/// `huge`: PyTorch allocates the params in huge pages; on `threads`
+/// threads, as the library's copier.
+fn torch_way(path: &Path, huge: bool, threads: usize) -> Result<Duration, String> {
     let py = python();
     let out = Command::new(&py)
         .env("THP_MEM_ALLOC_ENABLE", if huge { "1" } else { "0" })
         .args(["-c", TORCH_WAY])
         .arg(path)
+        .arg(threads.to_string())
         .output()
         .map_err(|e| format!("running {py}: {e} (set WM_PYTHON)"))?;
     if !out.status.success() {

@@ -67,12 +67,17 @@ raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 xs = [raw[i * M * N * 2:(i + 1) * M * N * 2].view(torch.bfloat16).reshape(M, N) for i in range(n)]
 def quant(x):
     m, n = x.shape
-    xp = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
-    xp[:m, :n] = x
+    xp = x
+    if m % 128 or n % 128:  # padded only where the shape needs it
+        xp = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
+        xp[:m, :n] = x
     xv = xp.view(-1, 128, xp.size(1) // 128, 128)
     amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
     q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn)
-    return q.view_as(xp)[:m, :n].contiguous(), (amax / 448.0).view(xv.size(0), xv.size(2))
+    q = q.view_as(xp)
+    if xp is not x:
+        q = q[:m, :n].contiguous()
+    return q, (amax / 448.0).view(xv.size(0), xv.size(2))
 def quant_mx(x):
     m, n = x.shape
     v = x.float().view(m, n // 32, 32)
