@@ -388,51 +388,6 @@ fn a_block_split_over_holders_quantizes_as_the_whole() {
 }
 
 #[test]
-fn mxfp8_in_bands_quantizes_as_the_whole() {
-    // 140 rows of 8193 bf16 (a partial block at each row's end): bands of
-    // 15 rows in cache, against one pass of each kind over the whole.
-    let mut rng = Rng(12);
-    let (m, n) = (140, 8193);
-    let x = encode(&values(&mut rng, (m, n)), DType::Bf16);
-    let src = Source {
-        dtype: DType::Bf16,
-        bytes: &x,
-        rows: m,
-        cols: n,
-    };
-    let [sr, sc] = Scheme::Mxfp8.scales_shape(m, n);
-    let mut amax = vec![0f32; sr * sc];
-    block_amax(Scheme::Mxfp8, src, [0, 0], [m, n], &mut amax).unwrap();
-    let (mut q, mut s) = (vec![0u8; m * n], vec![0f32; sr * sc]);
-    quantize_with(Scheme::Mxfp8, src, ([0, 0], [m, n]), &amax, &mut q, &mut s).unwrap();
-    let whole = ours(Scheme::Mxfp8, DType::Bf16, &x, (m, n));
-    same("MXFP8 in bands", (q, s), whole);
-}
-
-#[test]
-fn a_non_finite_element_past_mxfp8s_first_band_is_named() {
-    // MXFP8 takes bands of the rows that fit in cache (16 of 8192 bf16):
-    // past the first, the same.
-    let mut wide = vec![0.25f32; 140 * 8192];
-    wide[135 * 8192 + 100] = f32::NAN;
-    let x = encode(&wide, DType::Bf16);
-    let src = Source {
-        dtype: DType::Bf16,
-        bytes: &x,
-        rows: 140,
-        cols: 8192,
-    };
-    let (mut q4, mut s4) = (vec![0u8; 140 * 8192], vec![0f32; 140 * 256]);
-    assert!(matches!(
-        quantize(Scheme::Mxfp8, src, &mut q4, &mut s4),
-        Err(QuantError::NonFinite {
-            index: 1_106_020,
-            ..
-        })
-    ));
-}
-
-#[test]
 fn a_non_finite_element_is_named_and_bad_sizes_refused() {
     let mut v = vec![0.5f32; 40 * 30];
     v[7 * 30 + 3] = f32::NAN;
