@@ -409,6 +409,31 @@ pub unsafe extern "C" fn wm_last_error(
     })
 }
 
+/// Stop a manager for good without destroying it. An update, stage or
+/// commit running on another thread is cancelled as `wm_destroy` cancels it
+/// (`WM_ERR_CANCELLED` at its next batch boundary, or when the wait it is in
+/// ends), a staged version is dropped, and every later `wm_update`,
+/// `wm_stage` or `wm_commit` on the handle is refused with
+/// `WM_ERR_CANCELLED`. Unlike `wm_destroy` it does not wait for those calls
+/// (it returns at once, also from inside the manager's own callbacks), and
+/// the handle stays valid: `wm_status` and `wm_last_error` answer, and
+/// library-owned param memory stays mapped until `wm_destroy`, which the
+/// engine still calls. For an engine (or a binding: Python's
+/// `Manager.close()`) that must stop an update from another thread while
+/// pointers into library-owned params are still in use.
+///
+/// NULL: `WM_ERR_NULL_ARGUMENT`; a destroyed handle:
+/// `WM_ERR_INVALID_HANDLE`. Idempotent.
+#[no_mangle]
+pub unsafe extern "C" fn wm_shutdown(manager: *mut wm_manager) -> wm_result {
+    ffi_guard!({
+        check_null!(manager);
+        let m = try_handle!(manager);
+        m.cancel();
+        wm_result::WM_OK
+    })
+}
+
 /// Destroy a manager. Library-owned param memory is unmapped (pointers from
 /// `wm_allocate_param` become invalid); engine-owned memory is untouched.
 ///

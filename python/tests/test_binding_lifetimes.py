@@ -24,18 +24,64 @@ def _hold_first_progress(first, go):
     return progress
 
 
+def _serve_once(p):
+    try:
+        p.serve(1, timeout=30)
+    except WeightManagerError:
+        pass  # the engine went away: its update was cancelled
+
+
+def test_close_cancels_an_update_waiting_on_a_silent_trainer(tmp_path):
+    """An update waiting for a trainer that accepted and says nothing is
+    cancelled by close() on another thread within the stop poll (not at its
+    60 s timeout), as wm_destroy cancels it in C."""
+    import socket
+    import time
+    sock = str(tmp_path / "silent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock)
+    srv.listen(4)
+    m = Manager(fallback_dir="")
+    m.register("w", np.zeros(16, np.float32))
+    out = {}
+
+    def update():
+        try:
+            m.update(sock, source="ipc", timeout=60)
+        except WeightManagerError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=update)
+    t.start()
+    conn, _ = srv.accept()  # the engine connected and waits for an answer
+    time.sleep(0.3)
+    began = time.monotonic()
+    m.close()
+    t.join(20)
+    took = time.monotonic() - began
+    conn.close()
+    srv.close()
+    assert not t.is_alive()
+    assert out["error"].code == Result.ERR_CANCELLED, out
+    assert took < 10, took
+    with pytest.raises(WeightManagerError) as e:
+        m.update(sock, source="ipc")
+    assert e.value.code == Result.ERR_INVALID_HANDLE
+
+
 @pytest.mark.parametrize("in_place", [False, True])
-def test_close_during_an_update_keeps_its_memory_and_its_result(tmp_path, in_place):
+def test_close_during_an_update_cancels_it_and_keeps_its_memory(tmp_path, in_place):
     """The registered array is held by the manager alone; close() runs while
-    the update is between buckets. The update ends as it would have and
-    returns its result (it used to write into freed memory, or raise
-    INVALID_HANDLE after committing)."""
+    the update is between buckets. The update is cancelled (it raises
+    ERR_CANCELLED in its thread, with its text) and writes nothing into
+    memory freed meanwhile (it used to write into freed memory, or raise
+    INVALID_HANDLE after committing); atomic, nothing of it is committed."""
     sock = str(tmp_path / "t.sock")
     p = Publisher(sock, bucket_size=1 << 20)
     p.add("big", np.full(N, 3.0, np.float32))
     p.add("small", np.ones(16, np.float32))
     p.set_version("v1")
-    served = threading.Thread(target=lambda: p.serve(1, timeout=30))
+    served = threading.Thread(target=_serve_once, args=(p,))
     served.start()
     m = Manager(fallback_dir="")
     m.register("big", np.zeros(N, np.float32))  # only the manager holds it
@@ -61,9 +107,12 @@ def test_close_during_an_update_keeps_its_memory_and_its_result(tmp_path, in_pla
     t.join(30)
     served.join(30)
     p.close()
-    assert out == {"version": "v1"}, out
+    assert set(out) == {"error"}, out
+    assert out["error"].code == Result.ERR_CANCELLED, out
+    assert "shut down" in str(out["error"]), out
     assert all(float(j.max()) == 0.0 for j in junk)
-    assert (small == 1.0).all()
+    if not in_place:
+        assert (small == 0.0).all()
     with pytest.raises(WeightManagerError) as e:
         m.status()
     assert e.value.code == Result.ERR_INVALID_HANDLE

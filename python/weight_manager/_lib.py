@@ -382,6 +382,7 @@ PROTOTYPES = {
     "wm_memory_config_init": (R, [ctypes.POINTER(MemoryConfig)]),
     "wm_init": (R, [ctypes.POINTER(Config), ctypes.POINTER(M)]),
     "wm_destroy": (None, [M]),
+    "wm_shutdown": (R, [M]),
     "wm_last_error": (R, [M, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "wm_param_desc_init": (R, [ctypes.POINTER(ParamDesc)]),
     "wm_piece_init": (R, [ctypes.POINTER(Piece)]),

@@ -699,15 +699,17 @@ class Manager(OwnedHandle):
         return State(out.value)
 
     def close(self) -> None:
-        """Close the manager: every call on it is refused from now on. Its
-        handle is destroyed now, or, while arrays from allocate() are alive,
-        when the last of them is gone (it keeps the memory they view). An
-        update, stage or commit running on another thread is not cancelled:
-        it ends as it would have (its result is returned to that thread) and
-        the handle is destroyed after it; the arrays given to register() are
-        kept until then. To stop an update early, return False from its
-        progress callback."""
+        """Close the manager: every call on it is refused from now on. An
+        update, stage or commit running on another thread is cancelled, as
+        wm_destroy cancels it in C (wm_shutdown): it raises
+        WeightManagerError with Result.ERR_CANCELLED in that thread at its
+        next batch boundary or when the wait it is in ends (within about 50
+        ms of a wait on a silent trainer), and commits nothing more. close()
+        does not wait for it. The handle is destroyed once no call runs on
+        it and no array from allocate() is alive (it keeps the memory they
+        view); the arrays given to register() are kept until then."""
         if self._handle is not None:
+            LIB.wm_shutdown(self._handle)
             self._handle = None
             self._on_close()
 

@@ -1154,6 +1154,53 @@ static void test_destroy_in_flight(void) {
   remove_tmpdir();
 }
 
+/* wm_shutdown while another thread's update is paused in its progress
+ * callback: it returns at once (it does not wait for that update), the
+ * update is cancelled when the callback returns and commits nothing (atomic),
+ * later updates are refused, and the handle stays valid (status, the last
+ * error, library-owned memory) until wm_destroy. */
+static void test_shutdown(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  float w[16] = {0};
+  float *b;
+  hold_state h;
+  memset(&h, 0, sizeof h);
+  pthread_mutex_init(&h.mu, NULL);
+  pthread_cond_init(&h.cv, NULL);
+  h.m = example_engine(tmpdir, w, &b);
+  CHECK_RC(wm_shutdown(NULL), WM_ERR_NULL_ARGUMENT);
+  pthread_t t;
+  pthread_create(&t, NULL, updater, &h);
+  pthread_mutex_lock(&h.mu);
+  while (!h.in_update) pthread_cond_wait(&h.cv, &h.mu);
+  pthread_mutex_unlock(&h.mu);
+  CHECK_RC(wm_shutdown(h.m), WM_OK); /* the update is still held: no wait */
+  CHECK_RC(wm_shutdown(h.m), WM_OK); /* idempotent */
+  pthread_mutex_lock(&h.mu);
+  h.release = 1;
+  pthread_cond_broadcast(&h.cv);
+  pthread_mutex_unlock(&h.mu);
+  pthread_join(t, NULL);
+  CHECK(h.rc == WM_ERR_CANCELLED);
+  CHECK(strstr(last_error(h.m), "shut down") != NULL);
+  for (int i = 0; i < 16; i++) CHECK(w[i] == 0.0f);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  CHECK_RC(wm_update(h.m, &r, NULL), WM_ERR_CANCELLED);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(h.m, &s), WM_OK);
+  CHECK(s.updates == 0 && s.params == 2);
+  b[3] = 5.0f; /* library-owned memory stays mapped */
+  CHECK(b[3] == 5.0f);
+  wm_destroy(h.m);
+  CHECK_RC(wm_shutdown(h.m), WM_ERR_INVALID_HANDLE);
+  pthread_mutex_destroy(&h.mu);
+  pthread_cond_destroy(&h.cv);
+  remove_tmpdir();
+}
+
 typedef struct {
   wm_manager *m;
   int calls;
@@ -1733,6 +1780,7 @@ int main(int argc, char **argv) {
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
+      {"shutdown", test_shutdown},
       {"destroy_in_callback", test_destroy_in_callback},
       {"staged_acquire_reentry", test_staged_acquire_reentry},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},

@@ -1,4 +1,5 @@
-//! Stopping for good while an update runs (the handle is being destroyed).
+//! Stopping for good while an update runs (the handle is shut down or
+//! being destroyed).
 
 use super::Manager;
 use crate::result::{Error, Result};
@@ -9,8 +10,8 @@ impl Manager {
     /// Stop for good: an update in flight fails with `WM_ERR_CANCELLED` at
     /// its next batch boundary (before anything more is committed), and
     /// later updates are refused; a staged version is aborted. For
-    /// destroying the manager while another thread's update runs (see
-    /// `wm_destroy`).
+    /// shutting the manager down or destroying it while another thread's
+    /// update runs (`wm_shutdown`, `wm_destroy`).
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
         self.stop_waiting();
@@ -33,7 +34,7 @@ impl Manager {
             && self.cancelled.load(Ordering::Acquire)
         {
             return Error::cancelled(format!(
-                "rank {}: the manager is being destroyed ({})",
+                "rank {}: the manager was shut down ({})",
                 self.config.rank, e.message
             ));
         }
@@ -43,7 +44,7 @@ impl Manager {
     pub(super) fn check_cancelled(&self) -> Result<()> {
         if self.cancelled.load(Ordering::Acquire) {
             return Err(Error::cancelled(format!(
-                "rank {}: the manager is being destroyed",
+                "rank {}: the manager was shut down (wm_shutdown or wm_destroy)",
                 self.config.rank
             )));
         }

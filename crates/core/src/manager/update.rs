@@ -390,7 +390,7 @@ impl Manager {
             move |view: &crate::apply::TensorView| {
                 t(view)?;
                 match self.is_cancelled() {
-                    true => Err("the manager is being destroyed".to_string()),
+                    true => Err("the manager was shut down".to_string()),
                     false => Ok(()),
                 }
             }
