@@ -1196,6 +1196,23 @@ static void test_shutdown(void) {
   CHECK(b[3] == 5.0f);
   wm_destroy(h.m);
   CHECK_RC(wm_shutdown(h.m), WM_ERR_INVALID_HANDLE);
+
+  /* A staged version is dropped: its commit and later stages are refused. */
+  char v2[300];
+  snprintf(v2, sizeof v2, "%s/v2", tmpdir);
+  CHECK(mkdir(v2, 0700) == 0);
+  CHECK(fixture_example_model(v2, 5.0f, "2") == 0);
+  float w2[16] = {0};
+  float *b2 = NULL;
+  wm_manager *m2 = example_engine(tmpdir, w2, &b2);
+  CHECK_RC(wm_update(m2, &r, NULL), WM_OK);
+  r.location = v2;
+  CHECK_RC(wm_stage(m2, &r, NULL), WM_OK);
+  CHECK_RC(wm_shutdown(m2), WM_OK);
+  CHECK_RC(wm_commit(m2, NULL), WM_ERR_CANCELLED);
+  CHECK_RC(wm_stage(m2, &r, NULL), WM_ERR_CANCELLED);
+  CHECK(w2[0] == 1.0f && b2[0] == 101.0f);
+  wm_destroy(m2);
   pthread_mutex_destroy(&h.mu);
   pthread_cond_destroy(&h.cv);
   remove_tmpdir();
