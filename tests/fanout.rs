@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weight_manager_core::internals::fanout::nccl::nccl;
-use weight_manager_core::internals::signal::{Group, GroupConfig};
+use weight_manager_core::internals::signal::{ControlCell, Group, GroupConfig, SignalPlane};
 use weight_manager_core::wm_result;
 use weight_manager_core::FanoutSettings;
 use weight_manager_core::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
@@ -196,6 +196,75 @@ fn a_fanout_group_agrees_on_its_communicator_and_rebuilds_a_lost_one() {
     let m = meet([1, 0], 9);
     assert_eq!((m[0].gen, m[0].id), (2, Some([9; 128])));
     assert_eq!((m[1].gen, m[1].id), (2, Some([9; 128])));
+}
+
+/// A member's fan-out meeting (a staging thread's) waits for the root while
+/// the ranks' steps go on: the member's step is not held back by it. (The
+/// meeting held the member's signal plane, so its step waited for the
+/// meeting, the root's step waited in the barrier for the member, and the
+/// root never came to the meeting: all until the group's timeout.)
+#[test]
+fn a_fanout_meeting_does_not_hold_back_the_steps() {
+    let name = unique("steps");
+    let cell_name = unique("steps_cell");
+    let cell = ControlCell::open_or_create(&cell_name).unwrap();
+    cell.store(1).unwrap(); // UPDATING: the step ends in a barrier
+    let planes: Vec<Arc<SignalPlane>> = (0..2u32)
+        .map(|rank| {
+            let cfg = GroupConfig {
+                name: name.clone(),
+                rank,
+                world_size: 2,
+                local_rank: rank,
+                local_world_size: 2,
+                node_rank: 0,
+                addr: None,
+                timeout: Duration::from_secs(3),
+                fanout: Some(0),
+            };
+            let cell = cell_name.clone();
+            std::thread::spawn(move || {
+                SignalPlane::new(rank, 2, Some(&cell), Some(cfg), Default::default()).unwrap()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| Arc::new(t.join().unwrap()))
+        .collect();
+    let member_meets = {
+        let p = planes[1].clone();
+        std::thread::spawn(move || {
+            p.fanout_meet(
+                0,
+                || unreachable!(),
+                Instant::now() + Duration::from_secs(10),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200)); // the member waits in it
+    let started = Instant::now();
+    let root_steps = {
+        let p = planes[0].clone();
+        std::thread::spawn(move || p.broadcast())
+    };
+    let member_step = planes[1].broadcast();
+    let root_step = root_steps.join().unwrap();
+    assert!(
+        member_step.is_ok() && root_step.is_ok(),
+        "{member_step:?} {root_step:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let root = planes[0]
+        .fanout_meet(0, || Ok([5; 128]), Instant::now() + Duration::from_secs(10))
+        .unwrap();
+    let member = member_meets.join().unwrap().unwrap();
+    assert_eq!((root.gen, member.gen, member.id), (1, 1, Some([5; 128])));
+    let _ = weight_manager_core::internals::signal::shm::unlink(&cell_name);
+    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell_name}.wm_report"));
 }
 
 #[test]

@@ -121,9 +121,16 @@ pub fn fan_out_twice(r: Ranks) {
         ctl.cell().compare_exchange(0, 1).unwrap().unwrap();
         let done = ctl.wait_for(State::Normal, Duration::from_secs(120));
         if done.is_err() {
-            for (child, _, err) in ranks.iter_mut() {
+            for (child, log, err) in ranks.iter_mut() {
                 let _ = child.kill();
                 println!("{}", std::fs::read_to_string(&*err).unwrap_or_default());
+                let l = std::fs::read_to_string(&*log).unwrap_or_default();
+                let lines: Vec<&str> = l.lines().collect();
+                println!(
+                    "LOG {}: {}",
+                    log.display(),
+                    lines[lines.len().saturating_sub(12)..].join(" | ")
+                );
             }
             panic!("the fan-out update did not finish: {done:?}");
         }

@@ -165,7 +165,7 @@ pub mod internals {
         ]
     }
     pub mod signal {
-        pub use crate::signal::{shm, ControlCell, Group, GroupConfig};
+        pub use crate::signal::{shm, ControlCell, Group, GroupConfig, SignalPlane};
     }
     pub mod source {
         pub use crate::source::snapshot::reads;

@@ -23,7 +23,7 @@
 //! and the group's barrier reports it.
 
 use super::group::segment::Slot;
-use super::group::Group;
+use super::group::GroupShared;
 use super::shm;
 use crate::result::{Error, Result};
 use std::sync::atomic::Ordering;
@@ -60,7 +60,7 @@ impl FanoutMeeting {
     }
 }
 
-impl Group {
+impl GroupShared {
     /// Local slots of this rank's fan-out group, root first; empty when the
     /// rank is in none.
     pub fn fanout_members(&self) -> Vec<u32> {

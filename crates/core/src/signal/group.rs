@@ -39,6 +39,7 @@
 use crate::signal::link::Msg;
 use std::net::TcpStream;
 use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
 
 mod barrier;
 mod config;
@@ -84,29 +85,42 @@ pub(crate) fn list(ranks: &[u32]) -> String {
         .join(", ")
 }
 
+/// A rank's group: what all its threads may read at once
+/// ([`GroupShared`]), and the steps' own state, which the rank's stepping
+/// thread holds under the signal plane's lock.
 pub struct Group {
+    shared: Arc<GroupShared>,
+    link: Link,
+    step: u64,
+    gen: u64,
+}
+
+/// Where the rank sits, the shared segment and the rank found dead: read by
+/// the steps and by the fan-out meetings, which run on a staging thread
+/// without the signal plane's lock. (Under it, a meeting waiting for another
+/// rank's staging thread held this rank's steps back, while that rank's
+/// steps waited in a barrier for this one: both stalled until the group's
+/// timeout.)
+pub struct GroupShared {
     pub(super) cfg: GroupConfig,
     /// Spin budget of waits: short when ranks outnumber cores.
     spin: u32,
     seg: Segment,
-    link: Link,
-    step: u64,
-    gen: u64,
     /// The rank this process found dead (`NO_RANK`: none yet).
     failed_rank: AtomicU32,
 }
 
+impl std::ops::Deref for Group {
+    type Target = GroupShared;
+    fn deref(&self) -> &GroupShared {
+        &self.shared
+    }
+}
+
 impl Group {
-    fn header(&self) -> &Header {
-        self.seg.header()
-    }
-
-    pub(super) fn slot(&self, i: u32) -> &Slot {
-        self.seg.slot(i)
-    }
-
-    pub(super) fn me(&self) -> &Slot {
-        self.slot(self.cfg.local_rank)
+    /// The part of the group other threads may hold while the steps go on.
+    pub fn shared(&self) -> Arc<GroupShared> {
+        self.shared.clone()
     }
 
     /// The step the next `broadcast` serves.
@@ -121,5 +135,19 @@ impl Group {
             crate::signal::link::send(&mut p.stream, msg, &who)?;
         }
         Ok(())
+    }
+}
+
+impl GroupShared {
+    fn header(&self) -> &Header {
+        self.seg.header()
+    }
+
+    pub(super) fn slot(&self, i: u32) -> &Slot {
+        self.seg.slot(i)
+    }
+
+    pub(super) fn me(&self) -> &Slot {
+        self.slot(self.cfg.local_rank)
     }
 }

@@ -241,7 +241,10 @@ impl SignalPlane {
         make_id: impl FnOnce() -> Result<[u8; fanout::ID_BYTES]>,
         deadline: std::time::Instant,
     ) -> Result<fanout::FanoutMeeting> {
-        match self.group.lock().as_ref() {
+        // Not under the lock: the meeting waits for other ranks while this
+        // rank's steps go on (`GroupShared`).
+        let shared = self.group.lock().as_ref().map(Group::shared);
+        match shared {
             Some(g) => g.fanout_meet(have, make_id, deadline),
             None => Err(Error::state(
                 "a fan-out update needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",

@@ -1,36 +1,13 @@
 //! How a group fails: the first reason is written into the segment (and
 //! sent over TCP), every later wait fails with it, and a dead rank is named.
 
-use super::{Group, Link, NO_RANK};
+use super::{Group, GroupShared, Link, NO_RANK};
 use crate::result::{Error, Result};
 use crate::signal::futex;
 use crate::signal::link::{self, Msg};
 use std::sync::atomic::Ordering;
 
 impl Group {
-    pub(crate) fn check_abort(&self) -> Result<()> {
-        let h = self.header();
-        let aborted = h.aborted.load(Ordering::Acquire);
-        // Reads of a segment that shrank under us return zeros (see
-        // `memory::sigbus`): nothing read from it can be trusted any more.
-        self.seg
-            .check(|| format!("group '{}': segment", self.cfg.name))?;
-        if aborted == 0 {
-            return Ok(());
-        }
-        let bytes: Vec<u8> = h
-            .abort_msg
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .take_while(|b| *b != 0)
-            .collect();
-        Err(Error::peer(format!(
-            "group '{}' stopped: {}",
-            self.cfg.name,
-            String::from_utf8_lossy(&bytes)
-        )))
-    }
-
     /// Record why this group stops, wake every sleeper, and tell the other
     /// nodes. Only the first reason is kept.
     pub(super) fn abort(&mut self, e: &Error) {
@@ -88,6 +65,32 @@ impl Group {
             self.abort(e);
         }
         r
+    }
+}
+
+/// What any thread may check of the group (the fan-out meetings too).
+impl GroupShared {
+    pub(crate) fn check_abort(&self) -> Result<()> {
+        let h = self.header();
+        let aborted = h.aborted.load(Ordering::Acquire);
+        // Reads of a segment that shrank under us return zeros (see
+        // `memory::sigbus`): nothing read from it can be trusted any more.
+        self.seg
+            .check(|| format!("group '{}': segment", self.cfg.name))?;
+        if aborted == 0 {
+            return Ok(());
+        }
+        let bytes: Vec<u8> = h
+            .abort_msg
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .take_while(|b| *b != 0)
+            .collect();
+        Err(Error::peer(format!(
+            "group '{}' stopped: {}",
+            self.cfg.name,
+            String::from_utf8_lossy(&bytes)
+        )))
     }
 
     /// The rank this process found dead (for the report), if any.

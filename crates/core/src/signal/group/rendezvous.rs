@@ -4,13 +4,14 @@
 //! module's docs).
 
 use super::segment::Segment;
-use super::{list, Group, GroupConfig, Link, Peer, NO_RANK};
+use super::{list, Group, GroupConfig, GroupShared, Link, Peer, NO_RANK};
 use crate::result::{Error, Result};
 use crate::signal::futex;
 use crate::signal::link::{self, Msg};
 use crate::signal::shm;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How much longer than local rank 0 the other local ranks wait to meet.
@@ -38,13 +39,15 @@ impl Group {
             futex::SPIN_OVERSUBSCRIBED
         };
         let mut g = Group {
-            spin,
-            cfg,
-            seg,
+            shared: Arc::new(GroupShared {
+                spin,
+                cfg,
+                seg,
+                failed_rank: AtomicU32::new(NO_RANK),
+            }),
             link: Link::Member,
             step: 0,
             gen: 0,
-            failed_rank: AtomicU32::new(NO_RANK),
         };
         let me = g.me();
         // Claim the slot by compare-and-swap: of two processes given the
