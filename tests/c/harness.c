@@ -620,6 +620,23 @@ static void *updater(void *arg) {
   return NULL;
 }
 
+/* Start `updater` for `h` on `t`; returns once its update is held in its
+ * progress callback. */
+static void hold_update(hold_state *h, pthread_t *t) {
+  pthread_create(t, NULL, updater, h);
+  pthread_mutex_lock(&h->mu);
+  while (!h->in_update) pthread_cond_wait(&h->cv, &h->mu);
+  pthread_mutex_unlock(&h->mu);
+}
+
+/* Let the update held by `hold_update` go on. */
+static void release_update(hold_state *h) {
+  pthread_mutex_lock(&h->mu);
+  h->release = 1;
+  pthread_cond_broadcast(&h->cv);
+  pthread_mutex_unlock(&h->mu);
+}
+
 static void test_threads(void) {
   make_tmpdir();
   CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
@@ -631,10 +648,7 @@ static void test_threads(void) {
   pthread_cond_init(&h.cv, NULL);
   h.m = example_engine(tmpdir, w, &b);
   pthread_t t;
-  pthread_create(&t, NULL, updater, &h);
-  pthread_mutex_lock(&h.mu);
-  while (!h.in_update) pthread_cond_wait(&h.cv, &h.mu);
-  pthread_mutex_unlock(&h.mu);
+  hold_update(&h, &t);
 
   /* While one thread updates: a second update and a clear are refused,
    * status still answers and says UPDATING. */
@@ -647,10 +661,7 @@ static void test_threads(void) {
   CHECK_RC(wm_status(h.m, &s), WM_OK);
   CHECK(s.state == WM_STATE_UPDATING);
 
-  pthread_mutex_lock(&h.mu);
-  h.release = 1;
-  pthread_cond_broadcast(&h.cv);
-  pthread_mutex_unlock(&h.mu);
+  release_update(&h);
   pthread_join(t, NULL);
   CHECK(h.rc == WM_OK);
   CHECK_RC(wm_status(h.m, &s), WM_OK);
@@ -1127,19 +1138,13 @@ static void test_destroy_in_flight(void) {
   pthread_cond_init(&h.cv, NULL);
   h.m = example_engine(tmpdir, w, &b);
   pthread_t t, d;
-  pthread_create(&t, NULL, updater, &h);
-  pthread_mutex_lock(&h.mu);
-  while (!h.in_update) pthread_cond_wait(&h.cv, &h.mu);
-  pthread_mutex_unlock(&h.mu);
+  hold_update(&h, &t);
   destroy_state ds = {h.m, w, 0};
   pthread_create(&d, NULL, destroyer, &ds);
   struct timespec pause = {0, 300 * 1000 * 1000};
   nanosleep(&pause, NULL);
   CHECK(!__atomic_load_n(&ds.destroyed, __ATOMIC_SEQ_CST)); /* still waiting */
-  pthread_mutex_lock(&h.mu);
-  h.release = 1;
-  pthread_cond_broadcast(&h.cv);
-  pthread_mutex_unlock(&h.mu);
+  release_update(&h);
   pthread_join(d, NULL);
   pthread_join(t, NULL);
   CHECK(h.rc == WM_ERR_CANCELLED);
@@ -1171,16 +1176,10 @@ static void test_shutdown(void) {
   h.m = example_engine(tmpdir, w, &b);
   CHECK_RC(wm_shutdown(NULL), WM_ERR_NULL_ARGUMENT);
   pthread_t t;
-  pthread_create(&t, NULL, updater, &h);
-  pthread_mutex_lock(&h.mu);
-  while (!h.in_update) pthread_cond_wait(&h.cv, &h.mu);
-  pthread_mutex_unlock(&h.mu);
+  hold_update(&h, &t);
   CHECK_RC(wm_shutdown(h.m), WM_OK); /* the update is still held: no wait */
   CHECK_RC(wm_shutdown(h.m), WM_OK); /* idempotent */
-  pthread_mutex_lock(&h.mu);
-  h.release = 1;
-  pthread_cond_broadcast(&h.cv);
-  pthread_mutex_unlock(&h.mu);
+  release_update(&h);
   pthread_join(t, NULL);
   CHECK(h.rc == WM_ERR_CANCELLED);
   CHECK(strstr(last_error(h.m), "shut down") != NULL);
