@@ -620,6 +620,19 @@ static void *updater(void *arg) {
   return NULL;
 }
 
+/* `h` for an update of `m`, not started. */
+static void hold_init(hold_state *h, wm_manager *m) {
+  memset(h, 0, sizeof *h);
+  pthread_mutex_init(&h->mu, NULL);
+  pthread_cond_init(&h->cv, NULL);
+  h->m = m;
+}
+
+static void hold_done(hold_state *h) {
+  pthread_mutex_destroy(&h->mu);
+  pthread_cond_destroy(&h->cv);
+}
+
 /* Start `updater` for `h` on `t`; returns once its update is held in its
  * progress callback. */
 static void hold_update(hold_state *h, pthread_t *t) {
@@ -643,10 +656,7 @@ static void test_threads(void) {
   float w[16];
   float *b;
   hold_state h;
-  memset(&h, 0, sizeof h);
-  pthread_mutex_init(&h.mu, NULL);
-  pthread_cond_init(&h.cv, NULL);
-  h.m = example_engine(tmpdir, w, &b);
+  hold_init(&h, example_engine(tmpdir, w, &b));
   pthread_t t;
   hold_update(&h, &t);
 
@@ -667,8 +677,7 @@ static void test_threads(void) {
   CHECK_RC(wm_status(h.m, &s), WM_OK);
   CHECK(s.state == WM_STATE_NORMAL && strcmp(s.version, "1") == 0);
   wm_destroy(h.m);
-  pthread_mutex_destroy(&h.mu);
-  pthread_cond_destroy(&h.cv);
+  hold_done(&h);
   remove_tmpdir();
 }
 
@@ -1133,10 +1142,7 @@ static void test_destroy_in_flight(void) {
   float *w = calloc(16, sizeof(float));
   float *b;
   hold_state h;
-  memset(&h, 0, sizeof h);
-  pthread_mutex_init(&h.mu, NULL);
-  pthread_cond_init(&h.cv, NULL);
-  h.m = example_engine(tmpdir, w, &b);
+  hold_init(&h, example_engine(tmpdir, w, &b));
   pthread_t t, d;
   hold_update(&h, &t);
   destroy_state ds = {h.m, w, 0};
@@ -1154,8 +1160,7 @@ static void test_destroy_in_flight(void) {
   for (size_t i = 0; i < 16 * sizeof(float); i++) poisoned &= bytes[i] == 0xee;
   CHECK(poisoned);
   free(w);
-  pthread_mutex_destroy(&h.mu);
-  pthread_cond_destroy(&h.cv);
+  hold_done(&h);
   remove_tmpdir();
 }
 
@@ -1170,10 +1175,7 @@ static void test_shutdown(void) {
   float w[16] = {0};
   float *b;
   hold_state h;
-  memset(&h, 0, sizeof h);
-  pthread_mutex_init(&h.mu, NULL);
-  pthread_cond_init(&h.cv, NULL);
-  h.m = example_engine(tmpdir, w, &b);
+  hold_init(&h, example_engine(tmpdir, w, &b));
   CHECK_RC(wm_shutdown(NULL), WM_ERR_NULL_ARGUMENT);
   pthread_t t;
   hold_update(&h, &t);
@@ -1212,8 +1214,7 @@ static void test_shutdown(void) {
   CHECK_RC(wm_stage(m2, &r, NULL), WM_ERR_CANCELLED);
   CHECK(w2[0] == 1.0f && b2[0] == 101.0f);
   wm_destroy(m2);
-  pthread_mutex_destroy(&h.mu);
-  pthread_cond_destroy(&h.cv);
+  hold_done(&h);
   remove_tmpdir();
 }
 
