@@ -198,18 +198,15 @@ fn a_fanout_group_agrees_on_its_communicator_and_rebuilds_a_lost_one() {
     assert_eq!((m[1].gen, m[1].id), (2, Some([9; 128])));
 }
 
-/// A member's fan-out meeting (a staging thread's) waits for the root while
-/// the ranks' steps go on: the member's step is not held back by it. (The
-/// meeting held the member's signal plane, so its step waited for the
-/// meeting, the root's step waited in the barrier for the member, and the
-/// root never came to the meeting: all until the group's timeout.)
-#[test]
-fn a_fanout_meeting_does_not_hold_back_the_steps() {
-    let name = unique("steps");
-    let cell_name = unique("steps_cell");
+/// Two ranks' signal planes in fan-out group 0, their cell holding UPDATING
+/// (so each step ends in a barrier), the group's timeout 3 s. Returns the
+/// planes and the cell's name.
+fn two_planes_updating(tag: &str) -> (Vec<Arc<SignalPlane>>, String) {
+    let name = unique(tag);
+    let cell_name = unique(&format!("{tag}_cell"));
     let cell = ControlCell::open_or_create(&cell_name).unwrap();
     cell.store(1).unwrap(); // UPDATING: the step ends in a barrier
-    let planes: Vec<Arc<SignalPlane>> = (0..2u32)
+    let planes = (0..2u32)
         .map(|rank| {
             let cfg = GroupConfig {
                 name: name.clone(),
@@ -231,6 +228,22 @@ fn a_fanout_meeting_does_not_hold_back_the_steps() {
         .into_iter()
         .map(|t| Arc::new(t.join().unwrap()))
         .collect();
+    (planes, cell_name)
+}
+
+fn unlink_cell(cell_name: &str) {
+    let _ = weight_manager_core::internals::signal::shm::unlink(cell_name);
+    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell_name}.wm_report"));
+}
+
+/// A member's fan-out meeting (a staging thread's) waits for the root while
+/// the ranks' steps go on: the member's step is not held back by it. (The
+/// meeting held the member's signal plane, so its step waited for the
+/// meeting, the root's step waited in the barrier for the member, and the
+/// root never came to the meeting: all until the group's timeout.)
+#[test]
+fn a_fanout_meeting_does_not_hold_back_the_steps() {
+    let (planes, cell_name) = two_planes_updating("steps");
     let member_meets = {
         let p = planes[1].clone();
         std::thread::spawn(move || {
@@ -263,8 +276,55 @@ fn a_fanout_meeting_does_not_hold_back_the_steps() {
         .unwrap();
     let member = member_meets.join().unwrap().unwrap();
     assert_eq!((root.gen, member.gen, member.id), (1, 1, Some([5; 128])));
-    let _ = weight_manager_core::internals::signal::shm::unlink(&cell_name);
-    let _ = weight_manager_core::internals::signal::shm::unlink(&format!("{cell_name}.wm_report"));
+    unlink_cell(&cell_name);
+}
+
+/// The other way round: the root's stepping thread waits in a barrier for
+/// the member, whose one-call update waits for the root's staging thread
+/// to meet it and announce. The staging thread must get through the
+/// meeting while the root's step waits. (It took the signal plane's lock to
+/// ask the fan-out group's size and to meet, which the waiting step held:
+/// a two-phase root with a one-call member under CPU load reached the
+/// refusal only after the group's timeout.)
+#[test]
+fn a_staging_thread_meets_while_its_own_step_waits_in_a_barrier() {
+    let (planes, cell_name) = two_planes_updating("held");
+    let root_steps = {
+        let p = planes[0].clone();
+        std::thread::spawn(move || p.broadcast())
+    };
+    std::thread::sleep(Duration::from_millis(200)); // the root waits in the barrier
+    let started = Instant::now();
+    let member_meets = {
+        let p = planes[1].clone();
+        std::thread::spawn(move || {
+            p.fanout_meet(
+                0,
+                || unreachable!(),
+                Instant::now() + Duration::from_secs(10),
+            )
+        })
+    };
+    // The root's staging thread.
+    assert_eq!(planes[0].fanout_size(), 2);
+    let root = planes[0]
+        .fanout_meet(0, || Ok([6; 128]), Instant::now() + Duration::from_secs(10))
+        .unwrap();
+    let member = member_meets.join().unwrap().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the meeting waited for the root's step: {:?}",
+        started.elapsed()
+    );
+    assert_eq!((root.gen, member.gen, member.id), (1, 1, Some([6; 128])));
+    // The member steps: both steps pass the barrier.
+    let member_step = planes[1].broadcast();
+    let root_step = root_steps.join().unwrap();
+    assert!(
+        member_step.is_ok() && root_step.is_ok(),
+        "{member_step:?} {root_step:?}"
+    );
+    unlink_cell(&cell_name);
 }
 
 #[test]

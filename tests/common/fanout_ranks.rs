@@ -56,9 +56,6 @@ fn spawn_rank(
         .unwrap()
 }
 
-/// The root stages while the member updates in one call: the member
-/// refuses before any byte moves (it would commit a version the ranks may
-/// drop), no rank commits, and the controller is told.
 /// Two ranks of fan-out group 0 reading version 1 of `w`: rank 0 from a
 /// snapshot, rank 1 from an empty folder (its weights can only come from
 /// the fan-out); `two_phase(rank)` is each one's mode. Returns the folder
@@ -91,6 +88,9 @@ fn start_two(
     (dir, cell, w, ranks)
 }
 
+/// The root stages while the member updates in one call: the member
+/// refuses before any byte moves (it would commit a version the ranks may
+/// drop), no rank commits, and the controller is told.
 pub fn mixed_modes_are_refused(r: Ranks) {
     let (_dir, cell, _w, mut children) = start_two(&r, "fom", |rank| rank == 0);
     let ctl = Controller::open(&cell).unwrap();

@@ -47,6 +47,7 @@ pub use group::{Group, GroupConfig};
 use parking_lot::Mutex;
 use report::ReportCell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Rank 0's decision on every rank's vote ((rank, vote), sorted by rank)
 /// at the step before and at the one before that.
@@ -92,7 +93,14 @@ pub struct SignalPlane {
     world_size: u32,
     cell: Option<ControlCell>,
     report: Option<ReportCell>,
+    /// The steps' state, held by the stepping thread through each barrier.
     group: Mutex<Option<Group>>,
+    /// The group's shared part, for the staging threads: read without the
+    /// lock above, which the stepping thread holds while it waits in a
+    /// barrier (a staging thread that took it to meet the fan-out group
+    /// waited for the barrier, which waited for another rank's update,
+    /// which waited for this meeting: stalled until the group's timeout).
+    shared: Option<Arc<group::GroupShared>>,
     /// The action (UPDATING or CLEARING) the last signal asked this rank for,
     /// until the matching update or clear finishes it.
     pending: Mutex<Option<State>>,
@@ -147,6 +155,7 @@ impl SignalPlane {
             world_size,
             cell,
             report,
+            shared: group.as_ref().map(Group::shared),
             group: Mutex::new(group),
             pending: Mutex::new(None),
             group_failed: AtomicBool::new(false),
@@ -228,10 +237,7 @@ impl SignalPlane {
     /// Local ranks in this rank's fan-out group (itself included); 0 when
     /// it is in none or in no group.
     pub fn fanout_size(&self) -> usize {
-        self.group
-            .lock()
-            .as_ref()
-            .map_or(0, |g| g.fanout_members().len())
+        (self.shared.as_ref()).map_or(0, |g| g.fanout_members().len())
     }
 
     /// Run a fan-out meeting (see [`fanout`]).
@@ -241,10 +247,9 @@ impl SignalPlane {
         make_id: impl FnOnce() -> Result<[u8; fanout::ID_BYTES]>,
         deadline: std::time::Instant,
     ) -> Result<fanout::FanoutMeeting> {
-        // Not under the lock: the meeting waits for other ranks while this
-        // rank's steps go on (`GroupShared`).
-        let shared = self.group.lock().as_ref().map(Group::shared);
-        match shared {
+        // Not under the steps' lock: the meeting waits for other ranks
+        // while this rank's steps go on (`GroupShared`).
+        match &self.shared {
             Some(g) => g.fanout_meet(have, make_id, deadline),
             None => Err(Error::state(
                 "a fan-out update needs the ranks in a group: set wm_config.group (a wm_group_config with a name)",
