@@ -396,6 +396,52 @@ fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
     assert_eq!(m.status().version.as_deref(), Some("1"));
 }
 
+/// A publisher that stops mid-transfer (SIGSTOP: alive, its sockets open,
+/// nothing more sent) fails the update at its `timeout`, with at most the
+/// 2 s the header allows for cancelling the posted receives, atomic and in
+/// place, and the params untouched (atomic).
+#[test]
+fn a_publisher_stopped_mid_transfer_fails_the_update_at_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let d2 = dir.path().join("v2");
+    std::fs::create_dir(&d2).unwrap();
+    write_safetensors(&d2.join("model.safetensors"), &big_model(2));
+    write_version(&d2, "2");
+    let v1 = big_model(1);
+    let m = manager(SECRET, 1 << 20, Logger::default());
+    let ptrs = register(&m, &v1);
+    for mode in [Mode::Atomic, Mode::InPlace] {
+        let (mut stopped, addr, _o) = serve(&[d2.to_str().unwrap()]);
+        let pid = stopped.id() as i32;
+        let mut req = rdma(&addr);
+        (req.mode, req.timeout) = (mode, Duration::from_millis(1500));
+        let mut stop_after_first = |_: &weight_manager_core::Progress| {
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            true
+        };
+        req.hooks.progress = Some(&mut stop_after_first);
+        let start = std::time::Instant::now();
+        let e = m.update(req).unwrap_err();
+        let took = start.elapsed();
+        eprintln!("TOOK {mode:?} {took:?} {e}");
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        stopped.wait().unwrap();
+        assert_eq!(e.code, wm_result::WM_ERR_TIMEOUT, "{mode:?}: {e}");
+        assert!(
+            took < Duration::from_millis(1500 + 2000 + 500),
+            "{mode:?}: the update returned {took:?} after it began (timeout 1.5 s)"
+        );
+        if mode == Mode::Atomic {
+            // Never updated: every param still reads as zeros.
+            for &(p, n) in &ptrs {
+                assert!(unsafe { std::slice::from_raw_parts(p, n) }
+                    .iter()
+                    .all(|&b| b == 0));
+            }
+        }
+    }
+}
+
 #[test]
 fn zero_copy_callback_and_in_place_over_the_network() {
     let p = publisher(SECRET, Logger::default());

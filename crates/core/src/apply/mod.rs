@@ -133,7 +133,7 @@ impl<'p, 'h> Applier<'p, 'h> {
             opts.mode == Mode::Atomic,
             opts.callback_staging_limit,
         )?;
-        let tally = Tally::new(plan, opts.timeout);
+        let tally = Tally::new(plan, opts.begun, opts.timeout);
         let landing = Landing::new(plan, params, &opts, staging, tally.deadline)?;
         Ok(Applier {
             plan,

@@ -32,7 +32,8 @@ pub(super) struct Tally {
 }
 
 impl Tally {
-    pub fn new(plan: &Plan, timeout: Duration) -> Tally {
+    /// `timeout` counts from `begun` (the update's start).
+    pub fn new(plan: &Plan, begun: Instant, timeout: Duration) -> Tally {
         let started = Instant::now();
         Tally {
             received: vec![0; plan.entries.len()],
@@ -44,7 +45,7 @@ impl Tally {
             },
             started,
             received_in: None,
-            deadline: started + timeout,
+            deadline: begun + timeout,
             timeout,
         }
     }

@@ -39,6 +39,7 @@ fn apply_in_pieces(plan: &Plan, src: &[u8], piece: usize, landed: bool) -> Resul
         verify: true,
         threads: 2,
         timeout: Duration::from_secs(10),
+        begun: std::time::Instant::now(),
         callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
     };
     let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
@@ -87,6 +88,7 @@ fn callback_opts(mode: Mode, limit: u64) -> ApplyOptions {
         verify: false,
         threads: 2,
         timeout: Duration::from_secs(10),
+        begun: std::time::Instant::now(),
         callback_staging_limit: limit,
     }
 }
@@ -376,6 +378,7 @@ fn a_stopped_update_is_cancelled_at_its_next_look() {
         verify: false,
         threads: 1,
         timeout: Duration::from_secs(10),
+        begun: std::time::Instant::now(),
         callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
     };
     let stop = crate::stop::StopFlag::default();

@@ -4,7 +4,7 @@
 
 use crate::memory::copy::CopySource;
 use crate::tensor::DType;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -55,7 +55,11 @@ pub struct ApplyOptions {
     pub mode: Mode,
     pub verify: bool,
     pub threads: usize,
+    /// The update's bound, counted from `begun`: when the update was asked
+    /// for, so that opening its sources and planning (before any applier)
+    /// count too.
     pub timeout: Duration,
+    pub begun: Instant,
     /// The most bytes of tensors for the per-tensor callback the applier
     /// holds (the manager's `callback_staging_limit`): all of them in
     /// atomic mode, any one of them (and those received at once) in place.

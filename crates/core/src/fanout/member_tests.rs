@@ -95,6 +95,7 @@ fn applier<'p, 'h>(
         verify: false,
         threads: 2,
         timeout: Duration::from_secs(10),
+        begun: std::time::Instant::now(),
         callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
     };
     let hooks = Hooks {

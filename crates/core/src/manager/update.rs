@@ -371,6 +371,7 @@ impl Manager {
             verify: run.req.verify,
             threads: self.threads,
             timeout: run.req.timeout,
+            begun: run.start,
             callback_staging_limit: self.config.callback_staging_limit,
         };
         let Hooks {

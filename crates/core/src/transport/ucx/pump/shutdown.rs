@@ -8,7 +8,9 @@ use crate::transport::ucx::sys;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// How long shutdown waits for cancelled requests to finish.
+/// How long the whole shutdown may take: cancelled requests finishing,
+/// unexpected messages taken in, the endpoint's close (the header promises
+/// an rdma or gdr update at most this much past its failure).
 const DRAIN: Duration = Duration::from_secs(2);
 /// How long shutdown spends taking in messages nobody asked for, and the
 /// largest it takes (a network message is at most 1 MiB).
@@ -26,8 +28,9 @@ impl Worker<'_> {
             unsafe { (api.ucp_request_cancel)(self.worker, p.req) };
         }
         let (tx, _rx) = mpsc::channel();
-        self.settle(Instant::now() + DRAIN, &tx);
-        let scratch = self.take_unexpected(&tx);
+        let until = Instant::now() + DRAIN;
+        self.settle(until, &tx);
+        let scratch = self.take_unexpected(until, &tx);
         // Let UCX run what it scheduled: a peer failure noticed on its
         // async thread reaches the endpoint (and sets `failed`) only when
         // the worker progresses.
@@ -43,7 +46,7 @@ impl Worker<'_> {
         // requests are still held (below).
         let failed = !self.ep.is_null() && self.peer_failed();
         if !failed {
-            self.close_endpoint();
+            self.close_endpoint(until);
         }
         if self.pending.is_empty() && !failed {
             // SAFETY: nothing of this worker is in use any more.
@@ -65,10 +68,14 @@ impl Worker<'_> {
     /// early), taken into scratch memory (returned: kept until the worker
     /// is gone) and dropped: UCX would otherwise warn about each one when
     /// the worker is destroyed.
-    fn take_unexpected(&mut self, tx: &mpsc::Sender<super::Completion>) -> Vec<Vec<u8>> {
+    fn take_unexpected(
+        &mut self,
+        drained_by: Instant,
+        tx: &mpsc::Sender<super::Completion>,
+    ) -> Vec<Vec<u8>> {
         let api = &self.ucx.lib().api;
         let mut scratch: Vec<Vec<u8>> = Vec::new();
-        let until = Instant::now() + DRAIN_UNEXPECTED;
+        let until = drained_by.min(Instant::now() + DRAIN_UNEXPECTED);
         while self.pending.is_empty() && Instant::now() < until {
             let mut info = sys::TagRecvInfo {
                 sender_tag: 0,
@@ -100,9 +107,9 @@ impl Worker<'_> {
         scratch
     }
 
-    /// Close the endpoint (when there is one), waiting for the close at
-    /// most [`DRAIN`].
-    fn close_endpoint(&mut self) {
+    /// Close the endpoint (when there is one), waiting for the close until
+    /// `until` (the shutdown's end).
+    fn close_endpoint(&mut self, until: Instant) {
         if self.ep.is_null() {
             return;
         }
@@ -113,7 +120,6 @@ impl Worker<'_> {
         // SAFETY: our endpoint, closed once.
         let req = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
         if sys::ptr_status(req).is_none() {
-            let until = Instant::now() + DRAIN;
             // SAFETY: polling and freeing the close request.
             unsafe {
                 while (api.ucp_request_check_status)(req) == sys::UCS_INPROGRESS
