@@ -423,7 +423,6 @@ fn a_publisher_stopped_mid_transfer_fails_the_update_at_its_deadline() {
         let start = std::time::Instant::now();
         let e = m.update(req).unwrap_err();
         let took = start.elapsed();
-        eprintln!("TOOK {mode:?} {took:?} {e}");
         unsafe { libc::kill(pid, libc::SIGKILL) };
         stopped.wait().unwrap();
         assert_eq!(e.code, wm_result::WM_ERR_TIMEOUT, "{mode:?}: {e}");
