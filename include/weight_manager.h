@@ -1244,7 +1244,8 @@ wm_result wm_stage(wm_manager *manager,
 //
 // Nothing staged, or a `wm_stage` still running on another thread:
 // `WM_ERR_STATE` (at once). A staged version dropped by `wm_clear`:
-// `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
+// `WM_ERR_CANCELLED` saying so; after `wm_shutdown`, `WM_ERR_CANCELLED`
+// whether or not a version was staged. A commit that fails leaves the old weights
 // or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
 // atomic commit). In a group: after this rank saw the group stop (a rank
 // died; `wm_broadcast_signal` said so), the commit is refused before it

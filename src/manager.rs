@@ -429,7 +429,7 @@ pub unsafe extern "C" fn wm_shutdown(manager: *mut wm_manager) -> wm_result {
     ffi_guard!({
         check_null!(manager);
         let m = try_handle!(manager);
-        m.cancel();
+        m.shut_down();
         wm_result::WM_OK
     })
 }

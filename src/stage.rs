@@ -63,7 +63,8 @@ pub unsafe extern "C" fn wm_stage(
 ///
 /// Nothing staged, or a `wm_stage` still running on another thread:
 /// `WM_ERR_STATE` (at once). A staged version dropped by `wm_clear`:
-/// `WM_ERR_CANCELLED` saying so. A commit that fails leaves the old weights
+/// `WM_ERR_CANCELLED` saying so; after `wm_shutdown`, `WM_ERR_CANCELLED`
+/// whether or not a version was staged. A commit that fails leaves the old weights
 /// or, when it had started writing, `WM_STATE_FAILED` (as `wm_update`'s
 /// atomic commit). In a group: after this rank saw the group stop (a rank
 /// died; `wm_broadcast_signal` said so), the commit is refused before it
@@ -177,6 +178,9 @@ impl EngineHandle {
                     "{call}: a version is still staging (wm_stage has not returned)"
                 )))
             }
+            None if call == "wm_commit" && self.manager.is_cancelled() => Err(Error::cancelled(
+                format!("{call}: the manager was shut down (nothing is staged)"),
+            )),
             None => Err(Error::state(format!(
                 "{call}: nothing is staged (call wm_stage first)"
             ))),

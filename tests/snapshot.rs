@@ -488,6 +488,45 @@ fn tensor_callback_receives_every_tensor() {
     }
 }
 
+/// In place, a deadline that passes while the per-tensor callback runs
+/// fails the update when that callback returns, not at the end of the
+/// snapshot batch (which holds every tensor of this model): the header's
+/// "a deadline passed while one ran fails the update after it returns".
+#[test]
+fn a_deadline_passed_in_a_tensor_callback_fails_the_update_when_it_returns() {
+    let d = tempfile::tempdir().unwrap();
+    let v: Vec<T> = (0..16)
+        .map(|i| {
+            tensor(
+                &format!("t{i}"),
+                weight_manager_core::DType::F32,
+                &[1024],
+                i as u8,
+            )
+        })
+        .collect();
+    write_safetensors(&d.path().join("model.safetensors"), &v);
+    write_version(d.path(), "1");
+    let m = manager();
+    let mut calls = 0;
+    let mut slow = |_: &weight_manager_core::TensorView| {
+        calls += 1;
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        Ok(())
+    };
+    let mut req = UpdateRequest::snapshot(d.path());
+    req.mode = Mode::InPlace;
+    req.timeout = std::time::Duration::from_millis(100);
+    req.hooks.tensor = Some(&mut slow);
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_TIMEOUT, "{e}");
+    assert!(
+        calls <= 3,
+        "{calls} callbacks ran after the deadline of 100 ms"
+    );
+    assert_eq!(m.status().state, State::Failed);
+}
+
 #[test]
 fn state_rules_busy_and_registration() {
     let d = tempfile::tempdir().unwrap();

@@ -1211,6 +1211,7 @@ static void test_shutdown(void) {
   CHECK_RC(wm_stage(m2, &r, NULL), WM_OK);
   CHECK_RC(wm_shutdown(m2), WM_OK);
   CHECK_RC(wm_commit(m2, NULL), WM_ERR_CANCELLED);
+  CHECK_RC(wm_commit(m2, NULL), WM_ERR_CANCELLED); /* nothing staged: still shut down */
   CHECK_RC(wm_stage(m2, &r, NULL), WM_ERR_CANCELLED);
   CHECK(w2[0] == 1.0f && b2[0] == 101.0f);
   wm_destroy(m2);
@@ -1324,6 +1325,83 @@ static void test_staged_acquire_reentry(void) {
       CHECK_RC(wm_status(s.m, &st), WM_ERR_INVALID_HANDLE);
     }
   }
+  remove_tmpdir();
+}
+
+/* wm_shutdown while a wm_stage runs (held in its acquire callback, on the
+ * library's staging thread) returns at once, not when the staging ends; the
+ * stage then returns WM_ERR_CANCELLED and the params keep their memory. */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int in_acquire, release;
+  wm_manager *m;
+  wm_result staged;
+} stage_hold_state;
+
+static void *acquire_held(void *user, const char *name, void *old, size_t len) {
+  (void)name;
+  (void)len;
+  stage_hold_state *s = user;
+  pthread_mutex_lock(&s->mu);
+  s->in_acquire = 1;
+  pthread_cond_broadcast(&s->cv);
+  while (!s->release) pthread_cond_wait(&s->cv, &s->mu);
+  pthread_mutex_unlock(&s->mu);
+  return old;
+}
+
+static void *stager(void *arg) {
+  stage_hold_state *s = arg;
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.flags = WM_UPDATE_SKIP_UNKNOWN;
+  r.timeout_ms = 20000;
+  s->staged = wm_stage(s->m, &r, NULL);
+  return NULL;
+}
+
+static void test_shutdown_during_stage(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  stage_hold_state s;
+  memset(&s, 0, sizeof s);
+  pthread_mutex_init(&s.mu, NULL);
+  pthread_cond_init(&s.cv, NULL);
+  wm_config c;
+  wm_config_init(&c);
+  c.model_dir = tmpdir;
+  c.fallback_dir = "";
+  wm_memory_config mem;
+  wm_memory_config_init(&mem);
+  mem.acquire_callback = acquire_held;
+  mem.callback_user_data = &s;
+  c.memory = &mem;
+  CHECK_RC(wm_init(&c, &s.m), WM_OK);
+  wm_param_desc d;
+  desc_w(&d);
+  float w[16] = {0};
+  CHECK_RC(wm_register_param(s.m, &d, w, sizeof w), WM_OK);
+  CHECK_RC(wm_clear(s.m), WM_OK);
+  pthread_t t;
+  pthread_create(&t, NULL, stager, &s);
+  pthread_mutex_lock(&s.mu);
+  while (!s.in_acquire) pthread_cond_wait(&s.cv, &s.mu);
+  pthread_mutex_unlock(&s.mu);
+  double t0 = seconds_now();
+  CHECK_RC(wm_shutdown(s.m), WM_OK); /* returns while the callback still holds the stage */
+  CHECK(seconds_now() - t0 < 5.0);   /* (it waited for the staging, which waited here) */
+  pthread_mutex_lock(&s.mu);
+  s.release = 1;
+  pthread_cond_broadcast(&s.cv);
+  pthread_mutex_unlock(&s.mu);
+  pthread_join(t, NULL);
+  CHECK_RC(s.staged, WM_ERR_CANCELLED);
+  CHECK(strstr(last_error(s.m), "shutdown") != NULL);
+  CHECK_RC(wm_commit(s.m, NULL), WM_ERR_CANCELLED);
+  wm_destroy(s.m);
+  pthread_mutex_destroy(&s.mu);
+  pthread_cond_destroy(&s.cv);
   remove_tmpdir();
 }
 
@@ -1798,6 +1876,7 @@ int main(int argc, char **argv) {
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},
       {"shutdown", test_shutdown},
+      {"shutdown_during_stage", test_shutdown_during_stage},
       {"destroy_in_callback", test_destroy_in_callback},
       {"staged_acquire_reentry", test_staged_acquire_reentry},
       {"create_error", test_create_error}, {"two_phase", test_two_phase},

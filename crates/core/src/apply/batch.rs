@@ -277,7 +277,10 @@ impl Applier<'_, '_> {
         if self.verifier.on {
             (self.verifier).check_checksum(origin, t, crate::checksum::of(data))?;
         }
-        self.deliver(t, data)
+        self.deliver(t, data)?;
+        // A deadline passed while the callback ran fails the update now,
+        // not at the end of the batch (up to 256 MiB of tensors later).
+        self.check_deadline()
     }
 
     /// Atomic: completed tensors of device params with a device shadow go
@@ -322,6 +325,9 @@ impl Applier<'_, '_> {
                 None => self.deliver(t, &data)?,
             }
             self.landing.loose.recycle(data);
+            if device.is_none() {
+                self.check_deadline()?; // as after a host view's callback
+            }
         }
         Ok(())
     }

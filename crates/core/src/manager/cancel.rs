@@ -9,12 +9,12 @@ use std::sync::atomic::Ordering;
 impl Manager {
     /// Stop for good: an update in flight fails with `WM_ERR_CANCELLED` at
     /// its next batch boundary (before anything more is committed), and
-    /// later updates are refused; a staged version is aborted. For
-    /// shutting the manager down or destroying it while another thread's
-    /// update runs (`wm_shutdown`, `wm_destroy`).
+    /// later updates are refused; a staged version is aborted, and this
+    /// waits (bounded) until the staging thread let go of it. For
+    /// destroying the manager while another thread's update runs
+    /// (`wm_destroy`, which waits for every call anyway).
     pub fn cancel(&self) {
-        self.cancelled.store(true, Ordering::SeqCst);
-        self.stop_waiting();
+        self.stop_for_good();
         // A staged version waits for a decision, not at a batch boundary.
         // From the staging's own callback: it stops after the callback.
         if self.on_stage_thread() {
@@ -25,6 +25,19 @@ impl Manager {
         }
     }
 
+    /// [`Manager::cancel`] without waiting for anything (`wm_shutdown`,
+    /// Python's `close()`): a staging stops at its next batch, or when the
+    /// wait it is in ends, on its own thread.
+    pub fn shut_down(&self) {
+        self.stop_for_good();
+        self.drop_staged("the manager's shutdown");
+    }
+
+    fn stop_for_good(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.stop_waiting();
+    }
+
     /// A cancellation seen through the progress hook, or a tensor callback
     /// stopped after it destroyed the handle, while the handle is being
     /// destroyed is the destroy's doing, not the engine callback's.
@@ -32,6 +45,7 @@ impl Manager {
         use crate::result::wm_result::{WM_ERR_CALLBACK, WM_ERR_CANCELLED};
         if (e.code == WM_ERR_CANCELLED || e.code == WM_ERR_CALLBACK)
             && self.cancelled.load(Ordering::Acquire)
+            && !e.message.contains("the manager was shut down")
         {
             return Error::cancelled(format!(
                 "rank {}: the manager was shut down ({})",
@@ -89,8 +103,8 @@ impl Manager {
         }
     }
 
-    /// Whether [`Manager::cancel`] was called.
-    pub(super) fn is_cancelled(&self) -> bool {
+    /// Whether [`Manager::cancel`] or [`Manager::shut_down`] was called.
+    pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
     }
 }

@@ -230,17 +230,15 @@ impl Manager {
     /// Abort the staged version, if any (a clear or a cancel), and wait
     /// (bounded) until its update ended.
     pub(super) fn abort_staged(&self, why: &str) -> Result<()> {
-        let Some(decide) = self.staged.lock().clone() else {
+        if !self.is_staged() {
             return Ok(());
-        };
+        }
         // Called from the staging's own callbacks (acquire): the staging
         // cannot end while this waits for it.
         if self.on_stage_thread() {
             return Err(self.busy_running());
         }
-        // Still staging: stop at the next batch; staged: the decision.
-        *self.stage_dropped.lock() = Some(why.to_string());
-        let _ = decide.send(Decision::Abort(Error::cancelled(why)));
+        self.drop_staged(why);
         let until = Instant::now() + END_MARGIN;
         while self.staged.lock().is_some() {
             if Instant::now() > until {
@@ -252,6 +250,18 @@ impl Manager {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    /// Tell a staged or staging version to drop, for `why`, without waiting
+    /// for it: a staging stops at its next batch (or when the wait it is
+    /// in ends), a staged version at its decision.
+    pub(super) fn drop_staged(&self, why: &str) {
+        let Some(decide) = self.staged.lock().clone() else {
+            return;
+        };
+        *self.stage_dropped.lock() = Some(why.to_string());
+        let _ = decide.send(Decision::Abort(Error::cancelled(why)));
+        self.stop_staging();
     }
 
     /// Whether the staging reached its commit gate: staged, and `stage`
