@@ -43,9 +43,11 @@ impl Manager {
     /// destroyed is the destroy's doing, not the engine callback's.
     pub(super) fn cancel_cause(&self, e: Error) -> Error {
         use crate::result::wm_result::{WM_ERR_CALLBACK, WM_ERR_CANCELLED};
+        // (A refusal that says so already stays as it is.)
+        let says_so = e.code == WM_ERR_CANCELLED && e.message.contains("the manager was shut down");
         if (e.code == WM_ERR_CANCELLED || e.code == WM_ERR_CALLBACK)
             && self.cancelled.load(Ordering::Acquire)
-            && !e.message.contains("the manager was shut down")
+            && !says_so
         {
             return Error::cancelled(format!(
                 "rank {}: the manager was shut down ({})",
