@@ -14,7 +14,9 @@ use std::process::Command;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weight_manager_core::internals::fanout::nccl::nccl;
-use weight_manager_core::internals::signal::{ControlCell, Group, GroupConfig, SignalPlane};
+use weight_manager_core::internals::signal::{
+    ControlCell, FanoutMeeting, Group, GroupConfig, SignalPlane,
+};
 use weight_manager_core::wm_result;
 use weight_manager_core::FanoutSettings;
 use weight_manager_core::{GroupSettings, Manager, ManagerConfig, UpdateRequest};
@@ -241,19 +243,25 @@ fn unlink_cell(cell_name: &str) {
 /// meeting held the member's signal plane, so its step waited for the
 /// meeting, the root's step waited in the barrier for the member, and the
 /// root never came to the meeting: all until the group's timeout.)
+/// A member (holding no communicator) meeting its fan-out group on a
+/// thread of its own, as its staging thread does.
+fn member_meets(
+    plane: &Arc<SignalPlane>,
+) -> std::thread::JoinHandle<weight_manager_core::Result<FanoutMeeting>> {
+    let p = plane.clone();
+    std::thread::spawn(move || {
+        p.fanout_meet(
+            0,
+            || unreachable!(),
+            Instant::now() + Duration::from_secs(10),
+        )
+    })
+}
+
 #[test]
 fn a_fanout_meeting_does_not_hold_back_the_steps() {
     let (planes, cell_name) = two_planes_updating("steps");
-    let member_meets = {
-        let p = planes[1].clone();
-        std::thread::spawn(move || {
-            p.fanout_meet(
-                0,
-                || unreachable!(),
-                Instant::now() + Duration::from_secs(10),
-            )
-        })
-    };
+    let member_meets = member_meets(&planes[1]);
     std::thread::sleep(Duration::from_millis(200)); // the member waits in it
     let started = Instant::now();
     let root_steps = {
@@ -295,16 +303,7 @@ fn a_staging_thread_meets_while_its_own_step_waits_in_a_barrier() {
     };
     std::thread::sleep(Duration::from_millis(200)); // the root waits in the barrier
     let started = Instant::now();
-    let member_meets = {
-        let p = planes[1].clone();
-        std::thread::spawn(move || {
-            p.fanout_meet(
-                0,
-                || unreachable!(),
-                Instant::now() + Duration::from_secs(10),
-            )
-        })
-    };
+    let member_meets = member_meets(&planes[1]);
     // The root's staging thread.
     assert_eq!(planes[0].fanout_size(), 2);
     let root = planes[0]

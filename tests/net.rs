@@ -368,13 +368,19 @@ fn big_model(seed: u8) -> Vec<T> {
         .collect()
 }
 
-#[test]
-fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
-    let dir = tempfile::tempdir().unwrap();
-    let d2 = dir.path().join("v2");
+/// `big_model(2)` as version 2 in `dir/v2`, for a `wm serve` to publish.
+fn big_version_2(dir: &Path) -> std::path::PathBuf {
+    let d2 = dir.join("v2");
     std::fs::create_dir(&d2).unwrap();
     write_safetensors(&d2.join("model.safetensors"), &big_model(2));
     write_version(&d2, "2");
+    d2
+}
+
+#[test]
+fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let d2 = big_version_2(dir.path());
     let v1 = big_model(1);
     let p = publisher(SECRET, Logger::default());
     add_all(&p, &v1);
@@ -403,10 +409,7 @@ fn publisher_killed_mid_stream_is_noticed_at_once_and_old_weights_kept() {
 #[test]
 fn a_publisher_stopped_mid_transfer_fails_the_update_at_its_deadline() {
     let dir = tempfile::tempdir().unwrap();
-    let d2 = dir.path().join("v2");
-    std::fs::create_dir(&d2).unwrap();
-    write_safetensors(&d2.join("model.safetensors"), &big_model(2));
-    write_version(&d2, "2");
+    let d2 = big_version_2(dir.path());
     let v1 = big_model(1);
     let m = manager(SECRET, 1 << 20, Logger::default());
     let ptrs = register(&m, &v1);

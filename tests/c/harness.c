@@ -1285,27 +1285,37 @@ static double seconds_now(void) {
   return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+/* A manager over the example snapshot in `tmpdir` with `w` registered as
+ * engine-owned param "w" (16 floats), cleared: its next update or stage
+ * calls `acquire` (with `user`) first, on the updating thread. */
+static wm_manager *cleared_engine(void *(*acquire)(void *, const char *, void *, size_t),
+                                  void *user, float *w) {
+  wm_config c;
+  wm_config_init(&c);
+  c.model_dir = tmpdir;
+  c.fallback_dir = "";
+  wm_memory_config mem;
+  wm_memory_config_init(&mem);
+  mem.acquire_callback = acquire;
+  mem.callback_user_data = user;
+  c.memory = &mem;
+  wm_manager *m = NULL;
+  CHECK_RC(wm_init(&c, &m), WM_OK);
+  wm_param_desc d;
+  desc_w(&d);
+  CHECK_RC(wm_register_param(m, &d, w, 16 * sizeof(float)), WM_OK);
+  CHECK_RC(wm_clear(m), WM_OK);
+  return m;
+}
+
 static void test_staged_acquire_reentry(void) {
   make_tmpdir();
   CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
   const wm_result want[3] = {WM_ERR_BUSY, WM_ERR_STATE, WM_OK};
   for (int call = 0; call < 3; call++) {
     staged_reentry_state s = {NULL, call, WM_OK};
-    wm_config c;
-    wm_config_init(&c);
-    c.model_dir = tmpdir;
-    c.fallback_dir = "";
-    wm_memory_config mem;
-    wm_memory_config_init(&mem);
-    mem.acquire_callback = acquire_and_call;
-    mem.callback_user_data = &s;
-    c.memory = &mem;
-    CHECK_RC(wm_init(&c, &s.m), WM_OK);
-    wm_param_desc d;
-    desc_w(&d);
     float w[16] = {0};
-    CHECK_RC(wm_register_param(s.m, &d, w, sizeof w), WM_OK);
-    CHECK_RC(wm_clear(s.m), WM_OK);
+    s.m = cleared_engine(acquire_and_call, &s, w);
     wm_update_request r;
     wm_update_request_init(&r);
     r.flags = WM_UPDATE_SKIP_UNKNOWN;
@@ -1368,21 +1378,8 @@ static void test_shutdown_during_stage(void) {
   memset(&s, 0, sizeof s);
   pthread_mutex_init(&s.mu, NULL);
   pthread_cond_init(&s.cv, NULL);
-  wm_config c;
-  wm_config_init(&c);
-  c.model_dir = tmpdir;
-  c.fallback_dir = "";
-  wm_memory_config mem;
-  wm_memory_config_init(&mem);
-  mem.acquire_callback = acquire_held;
-  mem.callback_user_data = &s;
-  c.memory = &mem;
-  CHECK_RC(wm_init(&c, &s.m), WM_OK);
-  wm_param_desc d;
-  desc_w(&d);
   float w[16] = {0};
-  CHECK_RC(wm_register_param(s.m, &d, w, sizeof w), WM_OK);
-  CHECK_RC(wm_clear(s.m), WM_OK);
+  s.m = cleared_engine(acquire_held, &s, w);
   pthread_t t;
   pthread_create(&t, NULL, stager, &s);
   pthread_mutex_lock(&s.mu);

@@ -165,7 +165,9 @@ pub mod internals {
         ]
     }
     pub mod signal {
-        pub use crate::signal::{shm, ControlCell, Group, GroupConfig, SignalPlane};
+        pub use crate::signal::{
+            fanout::FanoutMeeting, shm, ControlCell, Group, GroupConfig, SignalPlane,
+        };
     }
     pub mod source {
         pub use crate::source::snapshot::reads;
