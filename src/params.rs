@@ -33,7 +33,8 @@ pub struct wm_param_desc {
     /// What the param holds of which global tensors: `npieces` pieces,
     /// copied at registration. NULL with `npieces` 0 (the default): all of
     /// the global tensor named like the param, of the param's shape. The
-    /// pieces must cover every element of the param exactly once
+    /// pieces must cover every element of the param exactly once, and no
+    /// two may hold the same element of one global tensor
     /// (`WM_ERR_INVALID_ARGUMENT` naming the param and the piece
     /// otherwise), and be at most `WM_MAX_PIECES` (checked before any is
     /// read). Checking them costs `O(n log n)` in `npieces`.

@@ -199,6 +199,41 @@ fn a_source_naming_no_version_beside_a_named_one_is_refused() {
         }
         assert!(holds(&kept_ptrs, &v1), "{via:?}: old weights kept");
         assert_eq!(kept.status().version.as_deref(), Some("v1"));
+        // The request naming v2: the unnamed source serves its content
+        // under that name, and is still refused beside the named one.
+        let ps = row_halves(dir.path(), via, [&v2, &v1], [Some("v2"), None]);
+        let mut req = request(via, &ps);
+        req.version = Some("v2".into());
+        let (r, _) = serving(&ps, || kept.update(req));
+        let e = r.expect_err("an unnamed source must not be mixed in");
+        assert!(e.message.contains("names no version"), "{via:?}: {e}");
+        assert!(holds(&kept_ptrs, &v1), "{via:?}: old weights kept");
+    }
+}
+
+/// Sources that all name no version (publishers that never set one): the
+/// request names the version, as the README says, and the update takes it
+/// (it used to be refused: the publishers answered that they serve '').
+/// Without a version in the request: WM_ERR_NO_VERSION.
+#[test]
+fn publishers_naming_no_version_serve_the_version_the_request_names() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for via in BOTH {
+        let v3 = model(3);
+        let m = engine();
+        let ptrs = register_whole(&m, &v3);
+        let ps = row_halves(dir.path(), via, [&v3, &v3], [None, None]);
+        let (r, _) = serving(&ps, || m.update(request(via, &ps)));
+        let e = r.expect_err("nobody names a version");
+        assert_eq!(e.code, wm_result::WM_ERR_NO_VERSION, "{via:?}: {e}");
+        drop(ps);
+        let ps = row_halves(dir.path(), via, [&v3, &v3], [None, None]);
+        let mut req = request(via, &ps);
+        req.version = Some("v3".into());
+        serving(&ps, || m.update(req)).0.unwrap();
+        assert!(holds(&ptrs, &v3), "{via:?}");
+        assert_eq!(m.status().version.as_deref(), Some("v3"), "{via:?}");
     }
 }
 

@@ -527,6 +527,33 @@ fn a_deadline_passed_in_a_tensor_callback_fails_the_update_when_it_returns() {
     assert_eq!(m.status().state, State::Failed);
 }
 
+/// A tensor in two files of one snapshot (two part files, or two
+/// HuggingFace shards without an index) is refused naming both files, as
+/// the README promises ("naming file and tensor").
+#[test]
+fn a_tensor_in_two_files_is_refused_naming_both() {
+    let d = tempfile::tempdir().unwrap();
+    let a = tensor("a", weight_manager_core::DType::F32, &[4], 1);
+    let b = tensor("b", weight_manager_core::DType::F32, &[4], 2);
+    let part0 = d.path().join("model_state.tp0.0.part0.safetensors");
+    let part1 = d.path().join("model_state.tp0.0.part1.safetensors");
+    write_safetensors(&part0, &[a.clone(), b]);
+    write_safetensors(&part1, std::slice::from_ref(&a));
+    write_version(d.path(), "1");
+    let m = manager();
+    register(&m, std::slice::from_ref(&a));
+    let mut req = UpdateRequest::snapshot(d.path());
+    req.skip_unknown = true;
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{e}");
+    assert!(
+        e.message.contains("tensor 'a' is in both")
+            && e.message.contains("part0.safetensors")
+            && e.message.contains("part1.safetensors"),
+        "{e}"
+    );
+}
+
 #[test]
 fn state_rules_busy_and_registration() {
     let d = tempfile::tempdir().unwrap();

@@ -80,6 +80,12 @@ def test_bad_pieces_are_refused_naming_the_param(tmp_path):
         with pytest.raises(WeightManagerError, match=r"pieces 0 and 1 both hold"):
             m.register("p", np.zeros((8, 5), np.float32),
                        pieces=[Piece.narrow("q", (8, 5), 0, 0, 5), Piece.narrow("q", (8, 5), 0, 0, 3, at=(4, 0))])
+        # The same rows of one tensor twice in a param (each placed once):
+        # refused at registration, naming the tensor's shared box.
+        with pytest.raises(WeightManagerError,
+                           match=r"param 'p': pieces 0 and 1 both hold \[2:4, 0:5\] of tensor 'q'"):
+            m.register("p", np.zeros((4, 5), np.float32),
+                       pieces=[Piece.narrow("q", (8, 5), 0, 2, 2), Piece.narrow("q", (8, 5), 0, 2, 2, at=(2, 0))])
         # Registers fine; the plan finds the piece outside its tensor.
         m.register("o.bad", np.zeros((6, 4), np.float32), pieces=[Piece.narrow("o", (6, 12), 1, 8, 4)])
         with pytest.raises(WeightManagerError, match=r"param 'o.bad': piece 0 \('o' \[0:6, 8:12\]\): outside"):

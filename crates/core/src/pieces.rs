@@ -150,6 +150,7 @@ pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
         placed.push(a.in_param);
     }
     check_disjoint(name, &placed)?;
+    check_reads_once(name, pieces)?;
     let need = TensorBox::whole(shape).volume().unwrap_or(u64::MAX);
     if total != need {
         return Err(Error::invalid_argument(format!(
@@ -180,6 +181,51 @@ fn check_disjoint(name: &str, placed: &[TensorBox]) -> Result<()> {
             too.boxes
         ))),
     }
+}
+
+/// No two pieces of param `name` hold the same element of one global
+/// tensor: a param's request for a tensor asks for distinct bytes (a
+/// publisher refuses the same bytes asked twice, and a part's checksum
+/// covers each byte once), so a copy of those elements is a param of its
+/// own. Pieces grouped by tensor (a sort), then a sweep per group: `O(n log
+/// n)` in the pieces.
+fn check_reads_once(name: &str, pieces: &[Piece]) -> Result<()> {
+    let mut order: Vec<usize> = (0..pieces.len()).collect();
+    order.sort_by(|&i, &j| {
+        (&pieces[i].tensor, pieces[i].global.ndim(), i).cmp(&(
+            &pieces[j].tensor,
+            pieces[j].global.ndim(),
+            j,
+        ))
+    });
+    // Pieces of one tensor with different ranks are refused when planning.
+    for group in order.chunk_by(|&i, &j| {
+        pieces[i].tensor == pieces[j].tensor && pieces[i].global.ndim() == pieces[j].global.ndim()
+    }) {
+        let boxes = |k: usize| {
+            let g = &pieces[group[k]].global;
+            (&g.offset[..], &g.len[..])
+        };
+        let (i, j) = match crate::box_sweep::find_overlap(group.len(), boxes) {
+            Ok(None) => continue,
+            Ok(Some((a, b))) => (group[a].min(group[b]), group[a].max(group[b])),
+            Err(too) => {
+                return Err(Error::invalid_argument(format!(
+                    "param '{name}': its {} pieces of '{}' vary along three or more dimensions \
+                     in a way too costly to check; register fewer, larger pieces",
+                    too.boxes, pieces[group[0]].tensor
+                )))
+            }
+        };
+        let (a, b) = (&pieces[i].global, &pieces[j].global);
+        let common = a.intersect(b).map(|c| c.to_string()).unwrap_or_default();
+        return Err(Error::invalid_argument(format!(
+            "param '{name}': pieces {i} and {j} both hold {common} of tensor '{}' (a param holds \
+             each element of a global tensor at most once; register the copy as a param of its own)",
+            pieces[i].tensor
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -278,5 +324,40 @@ mod tests {
         );
         let e = check_pieces("w", &[4, 4], &[Piece::whole("x", &[4, 4]).placed(&[0])]).unwrap_err();
         assert!(e.message.contains("1 dimensions, the param 2"), "{e}");
+    }
+
+    #[test]
+    fn a_param_holds_each_element_of_a_tensor_once() {
+        // Rows 2:4 of t twice (a copy stacked under itself).
+        let twice = [
+            Piece::narrow("t", &[16, 4], 0, 2, 2),
+            Piece::narrow("t", &[16, 4], 0, 2, 2).placed(&[2, 0]),
+        ];
+        let e = check_pieces("p", &[4, 4], &twice).unwrap_err();
+        assert!(
+            e.message
+                .contains("pieces 0 and 1 both hold [2:4, 0:4] of tensor 't'"),
+            "{e}"
+        );
+        // Rows 1:3 then 2:4: they share row 2; a third piece of another
+        // tensor between them changes nothing.
+        let shared = [
+            Piece::narrow("t", &[16, 4], 0, 1, 2),
+            Piece::narrow("u", &[16, 4], 0, 1, 2).placed(&[2, 0]),
+            Piece::narrow("t", &[16, 4], 0, 2, 2).placed(&[4, 0]),
+        ];
+        let e = check_pieces("p", &[6, 4], &shared).unwrap_err();
+        assert!(
+            e.message
+                .contains("pieces 0 and 2 both hold [2:3, 0:4] of tensor 't'"),
+            "{e}"
+        );
+        // Distinct rows of one tensor, and the same rows of two tensors.
+        let fine = [
+            Piece::narrow("t", &[16, 4], 0, 4, 2),
+            Piece::narrow("t", &[16, 4], 0, 0, 2).placed(&[2, 0]),
+            Piece::narrow("u", &[16, 4], 0, 0, 2).placed(&[4, 0]),
+        ];
+        check_pieces("p", &[6, 4], &fine).unwrap();
     }
 }

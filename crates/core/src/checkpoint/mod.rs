@@ -90,6 +90,7 @@ impl Checkpoint {
         for fi in 0..c.layout.files.len() {
             c.read_file(fi, checksums.as_ref(), &mut stored, deadline)?;
         }
+        c.check_each_once()?;
         if let Some(index) = &c.layout.index {
             check_index_covered(index, &stored)?;
         }
@@ -164,6 +165,35 @@ impl Checkpoint {
             });
         }
         self.files.push((path, stamp));
+        Ok(())
+    }
+
+    /// No tensor (or shard: the same box of one global tensor) is in two
+    /// files of the checkpoint: refused naming both files. (The plan would
+    /// refuse it too, without naming the files.) Linear in the tensors.
+    fn check_each_once(&self) -> Result<()> {
+        let mut seen = HashMap::with_capacity(self.manifest.tensors.len());
+        for (t, meta) in self.manifest.tensors.iter().enumerate() {
+            let key = (
+                &meta.name,
+                meta.placement.as_ref().map(|p| (&p.offset, &meta.shape)),
+            );
+            if let Some(first) = seen.insert(key, t) {
+                let (a, b) = (self.locations[first].0, self.locations[t].0);
+                if a != b {
+                    let which = match &meta.placement {
+                        Some(p) => format!(" (its shard at {:?})", p.offset),
+                        None => String::new(),
+                    };
+                    return Err(Error::format(format!(
+                        "tensor '{}'{which} is in both {} and {}: duplicate names are refused",
+                        meta.name,
+                        self.files[a].0.display(),
+                        self.files[b].0.display()
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 

@@ -212,8 +212,12 @@ impl Offer {
 }
 
 /// The offer a rank asked for: by name, or the newest for "" and "latest".
+/// A publisher whose content names no version (nothing published, no
+/// version set) serves it under any name the request gives: the request
+/// names the version then, as a snapshot folder without `version.yaml`.
 pub(super) fn pick<'a>(offers: &'a [Arc<Offer>], wanted: &str, rank: u32) -> Result<&'a Offer> {
-    let found = if wanted.is_empty() || wanted == "latest" {
+    let unnamed = offers.iter().all(|o| o.version.is_none());
+    let found = if wanted.is_empty() || wanted == "latest" || unnamed {
         offers.last()
     } else {
         offers

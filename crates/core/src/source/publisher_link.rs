@@ -93,16 +93,14 @@ impl PublisherLink {
         };
         // The version asked for is the one served, or the update would
         // commit other bytes under the name asked for (or another name).
+        // A publisher serving no version serves its content under the name
+        // asked for (the request names the version then).
         let asked = hello_version.filter(|v| !v.is_empty() && *v != "latest");
-        if let Some(asked) = asked {
-            if manifest.version.as_deref() != Some(asked) {
+        if let (Some(asked), Some(served)) = (asked, manifest.version.as_deref()) {
+            if served != asked {
                 return Err(Error::mismatch(format!(
-                    "{}: asked for version '{asked}', it serves {}",
+                    "{}: asked for version '{asked}', it serves '{served}'",
                     conn.peer(),
-                    manifest
-                        .version
-                        .as_deref()
-                        .map_or("no version".to_string(), |v| format!("'{v}'"))
                 )));
             }
         }
