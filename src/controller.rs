@@ -60,7 +60,7 @@ pub unsafe extern "C" fn wm_controller_open(
     out_controller: *mut *mut wm_controller,
 ) -> wm_result {
     ffi_guard!({
-        check_null!(cell_name, out_controller);
+        check_null_create!(cell_name, out_controller);
         let made = CStr::from_ptr(cell_name)
             .to_str()
             .map_err(|_| Error::invalid_argument("cell_name is not valid UTF-8"))

@@ -74,6 +74,18 @@ macro_rules! check_null {
     };
 }
 
+/// `check_null!` for create-style calls: a NULL argument is also why the
+/// call failed for `wm_last_create_error` (not an earlier call's reason).
+macro_rules! check_null_create {
+    ($($p:ident),+) => {
+        $(if $p.is_null() {
+            $crate::LAST_CREATE_ERROR
+                .with(|t| *t.borrow_mut() = format!("'{}' is NULL", stringify!($p)));
+            return $crate::result::wm_result::WM_ERR_NULL_ARGUMENT;
+        })+
+    };
+}
+
 /// Resolve a manager handle or return its error code from the enclosing function.
 macro_rules! try_handle {
     ($p:expr) => {

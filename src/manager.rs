@@ -342,7 +342,7 @@ pub unsafe extern "C" fn wm_init(
     out_manager: *mut *mut wm_manager,
 ) -> wm_result {
     ffi_guard!({
-        check_null!(config, out_manager);
+        check_null_create!(config, out_manager);
         let c = &*config;
         let level = wm_log_level::from_raw(c.log_level).map(LogLevel::from);
         let logger = Logger::c_callback(

@@ -155,7 +155,7 @@ pub unsafe extern "C" fn wm_publisher_create(
     out_publisher: *mut *mut wm_publisher,
 ) -> wm_result {
     ffi_guard!({
-        check_null!(socket_path, out_publisher);
+        check_null_create!(socket_path, out_publisher);
         let path = opt_path(socket_path).expect("checked");
         create(|cfg| Publisher::bind(&path, cfg), config, out_publisher)
     })
@@ -175,7 +175,7 @@ pub unsafe extern "C" fn wm_publisher_create_net(
     out_publisher: *mut *mut wm_publisher,
 ) -> wm_result {
     ffi_guard!({
-        check_null!(address, out_publisher);
+        check_null_create!(address, out_publisher);
         let addr = match opt_str(address, "address") {
             Ok(a) => a.expect("checked"),
             Err(e) => return super::created(&PUBLISHERS, Err(e), out_publisher),

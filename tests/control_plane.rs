@@ -248,6 +248,85 @@ fn a_killed_rank_is_named_within_the_timeout() {
     );
 }
 
+/// Two nodes of one rank each over TCP, stepping as fast as they can with
+/// the word NORMAL; node 1 is stopped (SIGSTOP: alive, its socket open,
+/// nothing read). Once rank 0's sends to it fill the TCP buffers, rank 0's
+/// step fails within the group's timeout naming node 1 (its send waited
+/// without end before).
+#[test]
+fn a_stopped_node_fails_rank_0s_steps_once_its_socket_is_full() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let group = unique("gs");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut ranks: Vec<Rank> = (0..2u32)
+        .map(|rank| {
+            let args: Vec<String> = [
+                "--world",
+                "2",
+                "--group",
+                &group,
+                "--node",
+                &rank.to_string(),
+                "--local-rank",
+                "0",
+                "--local-world",
+                "1",
+                "--addr",
+                &addr,
+                "--steps",
+                "100000000",
+                "--step-us",
+                "0",
+                "--timeout-ms",
+                "2000",
+                "--model-dir",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([dir.path().to_string_lossy().into_owned()])
+            .collect();
+            spawn(dir.path(), rank, &args)
+        })
+        .collect();
+    let start = Instant::now();
+    while std::fs::metadata(&ranks[1].log).map_or(0, |m| m.len()) < 2000 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(ranks[1].child.id() as i32, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(s) = ranks[0].child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if stopped.elapsed() > Duration::from_secs(90) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for r in ranks.iter_mut() {
+        let _ = r.child.kill();
+        let _ = r.child.wait();
+    }
+    let err = std::fs::read_to_string(&ranks[0].err).unwrap();
+    let status =
+        status.unwrap_or_else(|| panic!("rank 0 still stepping 90 s after node 1 stopped: {err}"));
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("node 1") && err.contains("took no message"),
+        "{err}"
+    );
+}
+
 /// `wm worker` options of one of two ranks in `group` with `cell`, each
 /// reading `model`.
 fn two_rank_args((group, cell): (&str, &str), model: &Path) -> Vec<String> {

@@ -1419,6 +1419,14 @@ static void test_create_error(void) {
   CHECK(strstr(buf, "not a socket") != NULL && n == strlen(buf));
   CHECK_RC(wm_last_create_error(NULL, sizeof buf, &n), WM_ERR_NULL_ARGUMENT);
   CHECK_RC(wm_last_create_error(buf, 0, &n), WM_ERR_INVALID_ARGUMENT);
+  /* A NULL argument is the next failure's reason, not the last one's. */
+  CHECK_RC(wm_publisher_create(NULL, NULL, &p), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_last_create_error(buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "'socket_path' is NULL") != NULL);
+  /* An empty socket path says so. */
+  CHECK_RC(wm_publisher_create("", NULL, &p), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_last_create_error(buf, sizeof buf, &n), WM_OK);
+  CHECK(strstr(buf, "socket path is empty") != NULL);
   wm_manager *m = new_manager(NULL); /* a success clears it */
   CHECK_RC(wm_last_create_error(buf, sizeof buf, &n), WM_OK);
   CHECK(n == 0 && buf[0] == 0);

@@ -135,6 +135,9 @@ impl Connections {
 /// file's identity as bound, so that dropping the publisher removes the
 /// path only while it is ours.
 pub(super) fn bind_unix(path: &Path, mode: u32) -> Result<(UnixListener, Option<(u64, u64)>)> {
+    if path.as_os_str().is_empty() {
+        return Err(Error::invalid_argument("the socket path is empty"));
+    }
     clear_stale_socket(path)?;
     let listener = UnixListener::bind(path)
         .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;

@@ -4,9 +4,9 @@
 
 use crate::result::{Error, Result};
 use crate::wire::{In, Out};
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x574d_5347; // "WMSG"
 /// 2: the finishing barrier has two rounds (a release mixing with 1
@@ -135,10 +135,24 @@ pub fn send(stream: &mut TcpStream, msg: &Msg, who: &str) -> Result<()> {
         // A dead peer, noticed on a write rather than a read (see read_exact).
         if crate::transport::peer_gone(&e) {
             Error::peer(format!("{who} closed the connection (process died?)"))
+        } else if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            Error::timeout(format!(
+                "{who} took no message within the group's timeout (stopped or hung: \
+                 its socket's buffers are full)"
+            ))
         } else {
             Error::peer(format!("{who}: connection lost while sending ({e})"))
         }
     })
+}
+
+/// Bound every send on `stream` by the group's `timeout`: a peer that
+/// stopped reading (stopped, hung) fills the socket's buffers after enough
+/// steps, and a send would then wait for it without end.
+pub fn bound_sends(stream: &TcpStream, timeout: Duration) -> Result<()> {
+    stream
+        .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
+        .map_err(|e| Error::io("a group socket's send timeout", e))
 }
 
 /// Receive one message before `deadline`. `who` names the peer in errors.

@@ -108,6 +108,11 @@ impl IpcSource {
         deadline: Instant,
         mapped: Arc<Mutex<MappedBuffers>>,
     ) -> Result<IpcSource> {
+        if opts.socket.as_os_str().is_empty() {
+            return Err(Error::invalid_argument(
+                "the location is empty: an IPC update needs the publisher's socket path",
+            ));
+        }
         let who = format!("the publisher at {}", opts.socket.display());
         let stream = UnixStream::connect(&opts.socket).map_err(|e| {
             if matches!(

@@ -356,6 +356,7 @@ impl Group {
             .set_nonblocking(false)
             .map_err(|e| Error::io("accepted socket", e))?;
         let _ = stream.set_nodelay(true);
+        link::bound_sends(&stream, self.cfg.timeout)?;
         let who = format!("group peer {from}");
         let hello = link::recv(&mut stream, deadline, &who);
         let (node, ranks) = match hello {
@@ -409,6 +410,7 @@ impl Group {
             }
         };
         let _ = stream.set_nodelay(true);
+        link::bound_sends(&stream, self.cfg.timeout)?;
         let hello = Msg::Hello {
             group: self.cfg.name.clone(),
             node: self.cfg.node_rank,
