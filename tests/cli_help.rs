@@ -169,6 +169,20 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
     }
 }
 
+/// `wm inspect` of a file that is no safetensors fails with its error
+/// alone: no half report on stdout (it printed the version, checksums and
+/// column headers first).
+#[test]
+fn inspect_of_a_bad_file_prints_no_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("model.safetensors");
+    std::fs::write(&bad, b"version: 100\n").unwrap();
+    let out = wm(&["inspect", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("safetensors header"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn version_prints_the_version() {
     for args in [&["--version"][..], &["version"]] {

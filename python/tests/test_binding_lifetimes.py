@@ -175,6 +175,13 @@ def test_values_ctypes_would_change_are_refused_naming_them(tmp_path):
             m.allocate("q", "f32", (8.0, 5))
         with pytest.raises(TypeError):
             m.allocate("q", "f32", (True, 5))
+        # Piece sizes too: 1.9 and True used to become 1 (another box, loaded silently).
+        with pytest.raises(TypeError, match=r"offset\[0\]: 1.9 is not a size"):
+            Piece("q", (1.9, 0), (2, 5))
+        with pytest.raises(TypeError, match=r"length\[0\]: True is not a size"):
+            Piece("q", (0, 0), (True, 5))
+        with pytest.raises(TypeError, match=r"at\[1\]: 0.0 is not a size"):
+            Piece("q", (0, 0), (2, 5), at=(0, 0.0))
         # Text with a NUL used to be cut there: "w\0x" registered as "w".
         refused(lambda: m.register("q\0x", np.zeros((8, 5), np.float32)), "name", "NUL")
         assert m.status().params == 0  # nothing half-registered
@@ -188,6 +195,11 @@ def test_values_ctypes_would_change_are_refused_naming_them(tmp_path):
         assert m.update().version == "1" and q[7, 4] == 39.0
     with Publisher(str(tmp_path / "p.sock")) as p:
         refused(lambda: p.set_version("ok\0bad"), "NUL")
+        # A shard's global shape and offset: ints only (4.9 used to become 4).
+        with pytest.raises(TypeError, match=r"global_shape\[0\]: 4.9 is not a size"):
+            p.add_shard("s", np.zeros((2, 4), np.float32), global_shape=(4.9, 4), offset=(2, 0))
+        with pytest.raises(TypeError, match=r"offset\[0\]: True is not a size"):
+            p.add_shard("s", np.zeros((2, 4), np.float32), global_shape=(4, 4), offset=(True, 0))
         refused(lambda: p.prepare(2**32 + 1), "argument 2")
     from multiprocessing import shared_memory
     import os

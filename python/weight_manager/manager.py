@@ -2,7 +2,6 @@
 
 import ctypes
 import inspect
-import operator
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -13,7 +12,7 @@ from . import _lib, torch_bridge
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
 from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback, QuantScheme,
-                    DType, Result, Source, State, WeightManagerError, parse_dtype)
+                    DType, Result, Source, State, WeightManagerError, as_sizes, parse_dtype)
 
 LIB = _lib.LIB
 MEMORY_DEVICE = 1  # wm_memory: WM_MEMORY_DEVICE
@@ -171,17 +170,10 @@ def _encode(s) -> Optional[bytes]:
 def _dims(what: str, shape) -> tuple:
     """A shape's sizes as ints, each checked to fit a uint64_t: no bools,
     no floats (int() would truncate 2.5 to 2)."""
-    out = []
-    for i, d in enumerate(shape):
-        try:
-            if isinstance(d, bool):
-                raise TypeError
-            v = operator.index(d)
-        except TypeError:
-            raise TypeError(f"{what}[{i}]: {d!r} is not a size (an int)") from None
+    out = as_sizes(what, shape)
+    for i, v in enumerate(out):
         _lib.check_value(f"{what}[{i}]", ctypes.c_uint64, v)
-        out.append(v)
-    return tuple(out)
+    return out
 
 
 def _request(location, version, source, verify, in_place, skip_unknown, timeout, deltas=None):

@@ -12,7 +12,7 @@ import numpy as np
 from . import _lib, torch_bridge
 from .manager import MEMORY_DEVICE, OwnedHandle, WeightManagerError, create_error, last_error_text, millis, raise_for
 from .types import Result
-from .types import parse_dtype
+from .types import as_sizes, parse_dtype
 
 LIB = _lib.LIB
 
@@ -104,8 +104,8 @@ class Publisher(OwnedHandle):
         refused. Several shards of one global tensor may be added (same
         dtype and global shape). Engines get the placement in their
         manifest. `data` must stay alive and unchanged as for add()."""
-        placement = torch_bridge.ShardPlacement(tuple(int(d) for d in global_shape),
-                                                tuple(int(d) for d in offset))
+        placement = torch_bridge.ShardPlacement(as_sizes(f"tensor '{name}': global_shape", global_shape),
+                                                as_sizes(f"tensor '{name}': offset", offset))
         if any(d < 0 for d in placement.global_shape + placement.offset):
             raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
                              f"{placement.offset} must not be negative")
@@ -135,7 +135,7 @@ class Publisher(OwnedHandle):
         GPU buffer that engines on this node open by CUDA IPC handle. The
         memory must stay valid until the next publish() returns."""
         mem = torch_bridge.TensorMemory(int(ptr), int(nbytes), parse_dtype(dtype),
-                                        tuple(int(d) for d in shape), int(device))
+                                        as_sizes(f"tensor '{name}': shape", shape), int(device))
         self._add_memory(name, mem, rank, None)
 
     def add_torch(self, name: str, tensor, *, rank: int = -1) -> None:

@@ -1,6 +1,7 @@
 """Numbers shared with the C header: result codes, dtypes, states, flags."""
 
 import enum
+import operator
 
 import numpy as np
 
@@ -167,6 +168,21 @@ class DeltaFallback(enum.IntEnum):
     NOT_ASKED = 6  # an IPC update that did not ask for deltas (deltas=True)
 
 
+def as_sizes(what: str, values) -> tuple:
+    """Sizes (shapes, offsets, lengths) as ints: no bools, no floats (int()
+    would cut 2.5 to 2 and take True as 1, silently giving another box).
+    TypeError naming `what` and the index otherwise."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{what}[{i}]: {v!r} is not a size (an int)") from None
+    return tuple(out)
+
+
 class Piece:
     """One piece of a param: the box `offset`/`length` (one value per
     dimension) of global tensor `tensor`, placed in the param starting at
@@ -177,11 +193,11 @@ class Piece:
 
     def __init__(self, tensor: str, offset, length, at=None):
         self.tensor = str(tensor)
-        self.offset = tuple(int(x) for x in offset)
-        self.length = tuple(int(x) for x in length)
+        self.offset = as_sizes(f"piece of '{tensor}': offset", offset)
+        self.length = as_sizes(f"piece of '{tensor}': length", length)
         if len(self.offset) != len(self.length):
             raise ValueError(f"piece of '{tensor}': offset and length need one value per dimension each")
-        self.at = None if at is None else tuple(int(x) for x in at)
+        self.at = None if at is None else as_sizes(f"piece of '{tensor}': at", at)
 
     @classmethod
     def whole(cls, tensor: str, shape, at=None) -> "Piece":

@@ -46,12 +46,18 @@ pub fn inspect(a: &InspectArgs) -> Result<(), String> {
     // Every read is bounded; a FIFO or device among the files is an error.
     let deadline = Instant::now() + INSPECT_BOUND;
     let found = layout::resolve(&loc, &Logger::default(), deadline).map_err(|e| e.to_string())?;
+    // Everything that can fail is read before the report starts: a failed
+    // run prints its error alone, not half a report.
+    let sums = checksums::Checksums::load(&found.dir, deadline).map_err(|e| e.to_string())?;
+    let headers = (found.files.iter())
+        .map(|file| safetensors_file::open(file, deadline).map(|(_, header)| header))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
     println!("{} ({})", path.display(), found.kind.describe());
     match version::read_version_yaml(&found.dir, deadline) {
         Ok(v) => println!("version: {v}"),
         Err(why) => println!("version: none ({why})"),
     }
-    let sums = checksums::Checksums::load(&found.dir, deadline).map_err(|e| e.to_string())?;
     println!(
         "checksums: {}",
         match sums.as_ref().map(|s| s.block_size()) {
@@ -73,8 +79,7 @@ pub fn inspect(a: &InspectArgs) -> Result<(), String> {
         "{:<48} {:<8} {:<20} {:>12}",
         "tensor", "dtype", "shape", "bytes"
     );
-    for file in &found.files {
-        let (_, header) = safetensors_file::open(file, deadline).map_err(|e| e.to_string())?;
+    for (file, header) in found.files.iter().zip(&headers) {
         if found.files.len() > 1 {
             println!(
                 "-- {}",

@@ -380,7 +380,8 @@ impl SignalPlane {
             Some(&(rank, code)) => {
                 let what = wm_result::from_raw(code).map_or(code.to_string(), wm_result::name);
                 let mut msg = match (rank == self.rank, outcome) {
-                    (true, Err(e)) => format!("{done} failed on rank {rank}: {e}"),
+                    // The message alone: the controller's error adds the code.
+                    (true, Err(e)) => format!("{done} failed on rank {rank}: {}", e.message),
                     _ => format!(
                         "{done} failed on rank {rank} ({what}; its wm_status has the detail)"
                     ),
