@@ -139,6 +139,23 @@ def test_a_bf16_snapshot_lands_in_mxfp8_params_as_pytorch_quantizes_it(tmp_path,
     m.close()
 
 
+def test_readme_mxfp8_expression():
+    """The README's one-line PyTorch expression for MXFP8 gives `ref_mx`'s
+    bytes and scales (with `2**e` on the int32 `e` it gave +-448 for every
+    element of a block whose amax is below 256)."""
+    g = torch.Generator().manual_seed(7)
+    for scale in (3e-38, 1e-3, 1.0, 300.0, 1e30):
+        x = torch.randn(8, 96, generator=g) * scale
+        x[0, :32] = 0  # an all-zero block: e = -127
+        v = x.float().view(8, 3, 32)
+        amax = v.abs().amax(dim=-1, keepdim=True)
+        e = (((amax.view(torch.int32) >> 23) & 0xFF) - 135).clamp(-127, 127)
+        q = (v / torch.exp2(e.float())).clamp(-448, 448).to(torch.float8_e4m3fn)
+        want_q, want_s = ref_mx(x)
+        assert np.array_equal(q.view(8, 96).view(torch.uint8).numpy(), want_q), scale
+        assert np.array_equal((e + 127).to(torch.uint8).view(8, 3).numpy(), want_s), scale
+
+
 def test_mxfp8_declarations_are_checked_naming_the_param():
     m = Manager()
     m.allocate("w", "float8_e4m3fn", (64, 100))

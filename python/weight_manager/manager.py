@@ -520,7 +520,8 @@ class Manager(OwnedHandle):
         `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` with amax =
         max(|x|) per block clamped at 1e-4, scale_inv = amax / 448 (mxfp8:
         e = clamp(floor(log2(amax)) - 8, -127, 127) from amax's f32
-        exponent, q = (x.float() / 2**e).clamp(-448, 448).to(float8_e4m3fn),
+        exponent, q = (x.float() / torch.exp2(e.float())).clamp(-448,
+        448).to(float8_e4m3fn),
         scale byte e + 127; see the README). A NaN or
         infinity fails the update naming the tensor and the element. Both
         params in host memory, or both on one GPU (device params: a CUDA

@@ -167,8 +167,9 @@ pub fn plan_rank(
     let (mut amax, mut amax_sent) = (0, vec![0u64; trainer.manifests.len()]);
     for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
         // A quantized param's block amax crosses toward the engine too
-        // (AMAX: 4 bytes a block, MXFP8's a byte; a run cut off the block
-        // grid touches a few more blocks than counted here).
+        // (AMAX: 4 bytes a block, MXFP8's a byte), counted per full block's
+        // elements: partial edge blocks, and a run cut off the block grid,
+        // send a few more than counted here (the docs say so).
         let amax_bytes = match e.target {
             Target::Param(i) => match params.param(i).quant {
                 QuantRole::Weight { scheme, .. } => match scheme.block_dims() {
