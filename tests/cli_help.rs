@@ -180,7 +180,11 @@ fn inspect_of_a_bad_file_prints_no_report() {
     let out = wm(&["inspect", bad.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
-    assert!(text(&out.stderr).contains("safetensors header"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("safetensors header"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]

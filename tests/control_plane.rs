@@ -26,6 +26,23 @@ fn snapshot(dir: &Path) {
     common::write_version(dir, "1");
 }
 
+/// `wm worker` options `opts`, then `--model-dir model` last.
+fn worker_args(opts: &[&str], model: &Path) -> Vec<String> {
+    (opts.iter().map(|s| s.to_string()))
+        .chain([model.to_string_lossy().into_owned()])
+        .collect()
+}
+
+/// A loopback `host:port` nothing listens on now (for a rendezvous).
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
 struct Rank {
     child: Child,
     log: PathBuf,
@@ -107,25 +124,24 @@ fn eight_ranks_on_one_node_follow_the_controller() {
     snapshot(dir.path());
     let (group, cell) = (unique("g8"), unique("c8"));
     let _names = Names(vec![cell.clone()]);
-    let common: Vec<String> = [
-        "--world",
-        "8",
-        "--group",
-        &group,
-        "--cell",
-        &cell,
-        "--steps",
-        "3000",
-        "--step-us",
-        "100",
-        "--timeout-ms",
-        "10000",
-        "--model-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([dir.path().to_string_lossy().into_owned()])
-    .collect();
+    let common: Vec<String> = worker_args(
+        &[
+            "--world",
+            "8",
+            "--group",
+            &group,
+            "--cell",
+            &cell,
+            "--steps",
+            "3000",
+            "--step-us",
+            "100",
+            "--timeout-ms",
+            "10000",
+            "--model-dir",
+        ],
+        dir.path(),
+    );
     let mut ranks: Vec<Rank> = (0..8).map(|r| spawn(dir.path(), r, &common)).collect();
     let cycles = drive(&cell, &mut ranks);
     let logs = finish(&mut ranks);
@@ -140,42 +156,36 @@ fn two_nodes_of_two_ranks_over_tcp() {
     snapshot(dir.path());
     let (group, cell) = (unique("g22"), unique("c22"));
     let _names = Names(vec![cell.clone()]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let mut ranks = Vec::new();
     for rank in 0..4u32 {
         let (node, local) = (rank / 2, rank % 2);
-        let args: Vec<String> = [
-            "--world",
-            "4",
-            "--group",
-            &group,
-            "--cell",
-            &cell,
-            "--node",
-            &node.to_string(),
-            "--local-rank",
-            &local.to_string(),
-            "--local-world",
-            "2",
-            "--addr",
-            &addr,
-            "--steps",
-            "2500",
-            "--step-us",
-            "100",
-            "--timeout-ms",
-            "10000",
-            "--model-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([dir.path().to_string_lossy().into_owned()])
-        .collect();
+        let args: Vec<String> = worker_args(
+            &[
+                "--world",
+                "4",
+                "--group",
+                &group,
+                "--cell",
+                &cell,
+                "--node",
+                &node.to_string(),
+                "--local-rank",
+                &local.to_string(),
+                "--local-world",
+                "2",
+                "--addr",
+                &addr,
+                "--steps",
+                "2500",
+                "--step-us",
+                "100",
+                "--timeout-ms",
+                "10000",
+                "--model-dir",
+            ],
+            dir.path(),
+        );
         ranks.push(spawn(dir.path(), rank, &args));
     }
     let cycles = drive(&cell, &mut ranks);
@@ -188,23 +198,22 @@ fn a_killed_rank_is_named_within_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
     snapshot(dir.path());
     let group = unique("gk");
-    let args: Vec<String> = [
-        "--world",
-        "4",
-        "--group",
-        &group,
-        "--steps",
-        "10000000",
-        "--step-us",
-        "200",
-        "--timeout-ms",
-        "3000",
-        "--model-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([dir.path().to_string_lossy().into_owned()])
-    .collect();
+    let args: Vec<String> = worker_args(
+        &[
+            "--world",
+            "4",
+            "--group",
+            &group,
+            "--steps",
+            "10000000",
+            "--step-us",
+            "200",
+            "--timeout-ms",
+            "3000",
+            "--model-dir",
+        ],
+        dir.path(),
+    );
     let mut ranks: Vec<Rank> = (0..4).map(|r| spawn(dir.path(), r, &args)).collect();
     // Let them loop a while, then kill rank 2.
     let start = Instant::now();
@@ -258,39 +267,33 @@ fn a_stopped_node_fails_rank_0s_steps_once_its_socket_is_full() {
     let dir = tempfile::tempdir().unwrap();
     snapshot(dir.path());
     let group = unique("gs");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let mut ranks: Vec<Rank> = (0..2u32)
         .map(|rank| {
-            let args: Vec<String> = [
-                "--world",
-                "2",
-                "--group",
-                &group,
-                "--node",
-                &rank.to_string(),
-                "--local-rank",
-                "0",
-                "--local-world",
-                "1",
-                "--addr",
-                &addr,
-                "--steps",
-                "100000000",
-                "--step-us",
-                "0",
-                "--timeout-ms",
-                "2000",
-                "--model-dir",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([dir.path().to_string_lossy().into_owned()])
-            .collect();
+            let args: Vec<String> = worker_args(
+                &[
+                    "--world",
+                    "2",
+                    "--group",
+                    &group,
+                    "--node",
+                    &rank.to_string(),
+                    "--local-rank",
+                    "0",
+                    "--local-world",
+                    "1",
+                    "--addr",
+                    &addr,
+                    "--steps",
+                    "100000000",
+                    "--step-us",
+                    "0",
+                    "--timeout-ms",
+                    "2000",
+                    "--model-dir",
+                ],
+                dir.path(),
+            );
             spawn(dir.path(), rank, &args)
         })
         .collect();
@@ -484,21 +487,20 @@ fn rendezvous_names_the_ranks_that_never_arrived() {
     let dir = tempfile::tempdir().unwrap();
     snapshot(dir.path());
     let group = unique("gm");
-    let args: Vec<String> = [
-        "--world",
-        "4",
-        "--group",
-        &group,
-        "--steps",
-        "10",
-        "--timeout-ms",
-        "1000",
-        "--model-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([dir.path().to_string_lossy().into_owned()])
-    .collect();
+    let args: Vec<String> = worker_args(
+        &[
+            "--world",
+            "4",
+            "--group",
+            &group,
+            "--steps",
+            "10",
+            "--timeout-ms",
+            "1000",
+            "--model-dir",
+        ],
+        dir.path(),
+    );
     let mut ranks: Vec<Rank> = [0, 1, 2]
         .iter()
         .map(|&r| spawn(dir.path(), r, &args))
