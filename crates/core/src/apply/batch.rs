@@ -277,10 +277,7 @@ impl Applier<'_, '_> {
         if self.verifier.on {
             (self.verifier).check_checksum(origin, t, crate::checksum::of(data))?;
         }
-        self.deliver(t, data)?;
-        // A deadline passed while the callback ran fails the update now,
-        // not at the end of the batch (up to 256 MiB of tensors later).
-        self.check_deadline()
+        self.deliver_streaming(t, data)
     }
 
     /// Atomic: completed tensors of device params with a device shadow go
@@ -322,12 +319,9 @@ impl Applier<'_, '_> {
             let data = landing.loose.take(t);
             match device {
                 Some(param) => landing.upload(origin, t, param, UploadFrom::Host(&data))?,
-                None => self.deliver(t, &data)?,
+                None => self.deliver_streaming(t, &data)?,
             }
             self.landing.loose.recycle(data);
-            if device.is_none() {
-                self.check_deadline()?; // as after a host view's callback
-            }
         }
         Ok(())
     }

@@ -9,6 +9,15 @@ impl Applier<'_, '_> {
         self.deliver_view(t, data, None)
     }
 
+    /// [`Applier::deliver`] while the bytes stream in (not at an atomic
+    /// commit, which hands every tensor over once begun): a deadline that
+    /// passed while the callback ran fails the update when it returns, not
+    /// at the end of the batch (up to 256 MiB of tensors later).
+    pub(super) fn deliver_streaming(&mut self, t: usize, data: &[u8]) -> Result<()> {
+        self.deliver(t, data)?;
+        self.check_deadline()
+    }
+
     /// Hand entry `t` to the callback: `data` in host memory, or `device`
     /// bytes in GPU memory (then `data` is empty).
     pub(super) fn deliver_view(
