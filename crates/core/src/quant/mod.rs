@@ -57,6 +57,7 @@ pub mod blocks;
 pub mod device;
 pub mod e4m3;
 mod kernels;
+mod lut;
 pub mod params;
 mod scheme;
 
@@ -70,8 +71,11 @@ pub(crate) const BLOCK: usize = 128;
 /// The floor of a block's amax (an all-zero block gets scale 1e-4 / 448).
 pub(crate) const AMAX_FLOOR: f32 = 1e-4;
 /// Bytes of source rows [`quantize`] takes at once for MXFP8 (both passes,
-/// amax then the cast, over them while they are in cache).
-const MX_BAND_BYTES: usize = 256 << 10;
+/// amax then the cast, over them while they are in cache): measured on
+/// the 2-core CI machine (1 MiB of second-level cache a core), 2 MiB ran
+/// at 0.60 of memcpy on one core, 256 KiB at 0.48-0.55, 64 KiB at
+/// 0.47-0.50.
+const MX_BAND_BYTES: usize = 2 << 20;
 /// Elements of one MXFP8 block (along the last dimension).
 pub(crate) const MX_BLOCK: usize = 32;
 /// Row-major source elements: `rows` x `cols` of `dtype` (bf16, f16 or
@@ -139,9 +143,7 @@ pub fn quantize_with(
         )));
     }
     let mut factor = vec![0f32; amax.len()];
-    for ((f, s), &a) in factor.iter_mut().zip(scale_inv.iter_mut()).zip(amax) {
-        (*f, *s) = (scheme.factor(a), scheme.scale(a));
-    }
+    scheme.factors_and_scales(amax, &mut factor, scale_inv);
     let (bh, bw) = scheme.block(whole[0], whole[1]);
     let geometry = (origin, bh, bw, scols);
     match src.dtype {
@@ -184,8 +186,7 @@ pub fn quantize(
     // A band starts on the block grid (128 rows; MXFP8's blocks are one
     // row), so it is a tensor of its own with its own rows of the scales:
     // its factors are worked out for its blocks alone, not for all.
-    // MXFP8's bands are the rows that fit in a core's second-level cache
-    // (at most 128), so its second pass reads them from there.
+    // MXFP8's bands are the rows of MX_BAND_BYTES (at most 128).
     let (bh, _) = scheme.block(src.rows, src.cols);
     let band_rows = match bh {
         1 => (MX_BAND_BYTES / row_bytes.max(1)).clamp(1, BLOCK),
@@ -281,7 +282,15 @@ fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {
 /// A source element type, widened to f32 exactly.
 trait Element {
     const SIZE: usize;
+    /// Cast by table where the CPU can (`lut`): bf16 only.
+    const TABLES: bool = false;
     fn read(b: &[u8]) -> f32;
+    /// The f32 bits of a 16-bit element's `|x|` bits `h` (its magnitude's
+    /// order kept): for the amax taken on 16-bit lanes. Only 16-bit
+    /// elements are taken that way.
+    fn widen_abs16(h: u16) -> u32 {
+        Self::read(&h.to_le_bytes()).to_bits() & 0x7fff_ffff
+    }
 }
 
 struct Bf16;
@@ -290,6 +299,7 @@ struct F32;
 
 impl Element for Bf16 {
     const SIZE: usize = 2;
+    const TABLES: bool = true;
     #[inline]
     fn read(b: &[u8]) -> f32 {
         f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
@@ -309,6 +319,11 @@ impl Element for F32 {
     #[inline]
     fn read(b: &[u8]) -> f32 {
         f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    /// Not a 16-bit element (never taken): NaN's bits, were it ever,
+    /// so nothing is quantized with it.
+    fn widen_abs16(_: u16) -> u32 {
+        u32::MAX
     }
 }
 
@@ -350,22 +365,27 @@ fn amax_of<E: Element>(
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
-            let whole = match bw {
-                MX_BLOCK if end - c == bw => (src.cols - c) / bw,
-                _ => 0,
-            };
+            let whole = whole_blocks(bw, end - c, src.cols - c);
             if whole > 1 {
-                // MXFP8: the row's whole blocks from here at once.
+                // The row's whole blocks from here at once.
                 bits.resize(whole, 0);
                 let xs = &row[c * E::SIZE..(c + whole * bw) * E::SIZE];
-                kernels::abs_bits_max_each::<E, MX_BLOCK>(xs, &mut bits);
-                if let Some(k) = bits.iter().position(|&m| m >= 0x7f80_0000) {
-                    let at = c + k * bw;
-                    return Err(non_finite::<E>(row, at..at + bw, r * src.cols));
+                match bw {
+                    MX_BLOCK => kernels::abs_bits_max_each::<E, MX_BLOCK>(xs, &mut bits),
+                    _ => kernels::abs_bits_max_each::<E, BLOCK>(xs, &mut bits),
                 }
+                // One pass (vectorized) over the blocks: their largest
+                // bits say whether any is non-finite, found after.
                 let slots = &mut out[brow * scols + b..brow * scols + b + whole];
+                let mut top = 0;
                 for (slot, &m) in slots.iter_mut().zip(&bits) {
                     *slot = max_abs(*slot, m);
+                    top = top.max(m);
+                }
+                if top >= 0x7f80_0000 {
+                    let k = bits.iter().position(|&m| m >= 0x7f80_0000).unwrap_or(0);
+                    let at = c + k * bw;
+                    return Err(non_finite::<E>(row, at..at + bw, r * src.cols));
                 }
                 c += whole * bw;
                 continue;
@@ -380,6 +400,72 @@ fn amax_of<E: Element>(
         }
     }
     Ok(())
+}
+
+/// The cast tables ([`lut::Table`]) of the blocks of one block row a part
+/// crosses (from block column `first`), made when a row of a new block
+/// row comes: the same tables serve up to 128 rows.
+struct Tables {
+    brow: usize,
+    first: usize,
+    row: Vec<lut::Table>,
+}
+
+impl Tables {
+    /// The tables of block row `brow`, whose blocks' factors are
+    /// `factors`; None where a factor has none (cast the arithmetic way).
+    fn of(&mut self, brow: usize, factors: &[f32]) -> Option<&[lut::Table]> {
+        if brow != self.brow {
+            self.brow = brow;
+            self.row.clear();
+            for &f in factors {
+                let Some(t) = lut::Table::new(f) else {
+                    self.row.clear();
+                    break;
+                };
+                self.row.push(t);
+            }
+        }
+        (self.row.len() == factors.len()).then_some(&self.row[..])
+    }
+}
+
+/// One row of bf16 (its first column at column `col` of the tensor,
+/// blocks `bw` wide) cast with its blocks' `tables` (from the row's first
+/// block) into `out`: its whole 128-wide blocks in one call.
+fn scale_row_by_tables(
+    row: &[u8],
+    (col, bw): (usize, usize),
+    tables: &[lut::Table],
+    out: &mut [u8],
+) {
+    let cols = out.len();
+    let mut c = 0;
+    while c < cols {
+        let k = (col + c) / bw - col / bw;
+        let end = (((col + c) / bw + 1) * bw - col).min(cols);
+        let whole = whole_blocks(bw, end - c, cols - c);
+        if bw == BLOCK && whole > 1 {
+            let xs = &row[2 * c..2 * (c + whole * bw)];
+            lut::scale_each::<BLOCK>(xs, &tables[k..k + whole], &mut out[c..c + whole * bw]);
+            c += whole * bw;
+            continue;
+        }
+        lut::scale_run(&row[2 * c..2 * end], &tables[k], &mut out[c..end]);
+        c = end;
+    }
+}
+
+/// How many whole blocks of `bw` columns a row's run starting on a block
+/// boundary (`first`: the columns left in its block, `left`: in the row)
+/// holds, for the block widths whose kernels take a row's blocks in one
+/// call (MXFP8's 32 and 128): a call per block cost as much as a block's
+/// work. 0 for other widths (one scale per tensor: one run per row).
+fn whole_blocks(bw: usize, first: usize, left: usize) -> usize {
+    match bw {
+        MX_BLOCK | BLOCK if first == bw => left / bw,
+        _ => 0,
+    }
 }
 
 /// The larger of `|slot|` and the finite magnitude of bits `m`, compared
@@ -413,21 +499,39 @@ fn scale_into<E: Element>(
         .bytes
         .chunks_exact(row_bytes.max(1))
         .zip(fp8.chunks_exact_mut(src.cols.max(1)));
+    // bf16 is cast by tables where the CPU can (`lut`): here one per
+    // block of the schemes whose factors are not powers of two; MXFP8's
+    // blocks share one (`lut::scale_each_mx`, below).
+    let mut tables = (E::TABLES && bw != MX_BLOCK && lut::available()).then(|| Tables {
+        brow: usize::MAX,
+        first: origin[1] / bw,
+        row: Vec::new(),
+    });
     for (r, (row, out)) in rows.enumerate().take(src.rows) {
         let brow = (origin[0] + r) / bh;
         let mut c = 0;
+        if let Some(tables) = tables.as_mut() {
+            let last = (origin[1] + src.cols).div_ceil(bw);
+            let factors = &factor[brow * scols + tables.first..brow * scols + last];
+            if let Some(row_tables) = tables.of(brow, factors) {
+                scale_row_by_tables(row, (origin[1], bw), row_tables, out);
+                continue;
+            }
+        }
         while c < src.cols {
             let b = (origin[1] + c) / bw;
             let end = ((b + 1) * bw - origin[1]).min(src.cols);
-            let whole = match bw {
-                MX_BLOCK if end - c == bw => (src.cols - c) / bw,
-                _ => 0,
-            };
+            let whole = whole_blocks(bw, end - c, src.cols - c);
             if whole > 1 {
-                // MXFP8: the row's whole blocks from here at once.
+                // The row's whole blocks from here at once.
                 let xs = &row[c * E::SIZE..(c + whole * bw) * E::SIZE];
                 let factors = &factor[brow * scols + b..brow * scols + b + whole];
-                kernels::scale_each::<E, MX_BLOCK>(xs, factors, &mut out[c..c + whole * bw]);
+                let q = &mut out[c..c + whole * bw];
+                match bw {
+                    MX_BLOCK if E::TABLES => lut::scale_each_mx(xs, factors, q),
+                    MX_BLOCK => kernels::scale_each::<E, MX_BLOCK>(xs, factors, q),
+                    _ => kernels::scale_each::<E, BLOCK>(xs, factors, q),
+                }
                 c += whole * bw;
                 continue;
             }
