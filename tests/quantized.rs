@@ -1113,6 +1113,42 @@ fn a_publisher_holding_whole_blocks_quantizes_them_band_by_band() {
     }
 }
 
+/// A 1-D weight (a norm's) from a publisher, MXFP8 and one scale per
+/// tensor: the publisher quantizes it as the reference does the same
+/// elements as one row (MXFP8 1-D once panicked in the publisher, which
+/// read a second dimension it does not have).
+#[test]
+fn a_one_dimensional_weight_from_a_publisher_is_quantized() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for (k, scheme) in [Scheme::Mxfp8, Scheme::Fp8Tensor].into_iter().enumerate() {
+        let g = t("g", DType::Bf16, &[100], 20 + k as u32);
+        let sock = dir.path().join(format!("p{k}.sock"));
+        let p = Publisher::bind(&sock, PublisherConfig::default()).unwrap();
+        let desc = TensorDesc::host("g", DType::Bf16, &[100], g.data.as_ptr(), g.data.len());
+        // SAFETY: `g` outlives the serving.
+        unsafe { p.add(desc) }.unwrap();
+        p.set_version(Some("1".into()));
+        let m = manager();
+        let [q, s] = quantized(
+            &m,
+            ParamSpec::host("g", DType::F8E4m3, &[100]),
+            scheme,
+            false,
+        );
+        let (r, served) = serving(std::slice::from_ref(&p), || m.update(ipc_pull(&sock)));
+        assert_eq!(r.unwrap().bytes, 100, "{scheme:?}");
+        assert!(served.iter().all(|r| r.is_ok()), "{scheme:?}: {served:?}");
+        let row = T {
+            shape: vec![1, 100],
+            ..g.clone()
+        };
+        let (want_q, want_s) = reference(&row, scheme);
+        assert!(read(q) == want_q, "{scheme:?}");
+        assert_eq!(read(s), scale_bytes(scheme, &want_s), "{scheme:?}");
+    }
+}
+
 /// An engine that gives up in the middle of an FP8 session (its progress
 /// callback cancels after the first bucket) fails that session, which
 /// stops quantizing behind the stream; the publisher goes on serving, and

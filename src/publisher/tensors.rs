@@ -467,9 +467,16 @@ unsafe fn tensor_desc<'a>(
     let dtype = wm_dtype::from_raw(dtype).map(DType::from).ok_or_else(|| {
         Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
     })?;
-    if ndim > weight_manager_core::MAX_NDIM || (ndim > 0 && shape.is_null()) {
+    // As the engine side says it (`params.rs`).
+    if ndim > weight_manager_core::MAX_NDIM {
         return Err(Error::invalid_argument(format!(
-            "tensor '{name}': bad shape (ndim {ndim})"
+            "tensor '{name}': ndim {ndim} is more than {}",
+            weight_manager_core::MAX_NDIM
+        )));
+    }
+    if ndim > 0 && shape.is_null() {
+        return Err(Error::null_argument(format!(
+            "tensor '{name}': shape is NULL with ndim {ndim}"
         )));
     }
     let shape = if ndim == 0 {

@@ -937,12 +937,18 @@ static void test_publisher(void) {
   bad = t;
   bad.dtype = 99;
   CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  char why[256];
+  size_t why_n = 0;
   bad = t;
-  bad.shape = NULL;
-  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  bad.shape = NULL; /* a NULL pointer like every other: NULL_ARGUMENT, named */
+  CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, why, sizeof why, &why_n), WM_OK);
+  CHECK(strstr(why, "tensor 'w': shape is NULL with ndim 2") != NULL);
   bad = t;
   bad.ndim = 9;
   CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, why, sizeof why, &why_n), WM_OK);
+  CHECK(strstr(why, "ndim 9 is more than 8") != NULL);
   bad = t;
   bad.len = sizeof w - 4;
   CHECK_RC(wm_publisher_add(p, &bad), WM_ERR_INVALID_ARGUMENT);

@@ -321,10 +321,14 @@ fn own_blocks(q: &Request, scheme: Scheme, at: Placed) -> Option<(u64, u64, u64)
     let [run] = q.runs.as_slice() else {
         return None;
     };
-    let flat = at.shape.len() == 2 && run.rows == 1;
-    let cols = *at.shape.last()?;
+    // 2-D only (checked before any index: a 1-D MXFP8 tensor has no
+    // second dimension, and takes the walking path).
+    if at.shape.len() != 2 || at.offset.len() != 2 || at.global.len() != 2 || run.rows != 1 {
+        return None;
+    }
+    let cols = at.shape[1];
     let full_rows = cols > 0 && at.offset[1] == 0 && cols == at.global[1];
-    if !flat || !full_rows || run.offset % cols != 0 || run.len % cols != 0 {
+    if !full_rows || run.offset % cols != 0 || run.len % cols != 0 {
         return None;
     }
     let (first, rows) = (at.offset[0] + run.offset / cols, run.len / cols);
