@@ -20,7 +20,7 @@ use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::quant::bands::{self, Wide};
 use crate::quant::blocks::{walk, Placed};
-use crate::quant::segment_quantize;
+use crate::quant::SegmentCaster;
 use crate::result::{Error, Result};
 use crate::wire::Request;
 use parking_lot::{Condvar, Mutex};
@@ -226,6 +226,7 @@ fn walk_quantize(
             rest = more;
             s.spawn(move || {
                 let mut i = 0;
+                let mut caster = SegmentCaster::new(job.scheme, job.dtype);
                 walk(
                     job.scheme,
                     at,
@@ -235,7 +236,8 @@ fn walk_quantize(
                         let a = amax[i];
                         let out =
                             &mut mine[(dst - part.start) as usize..(dst - part.start + n) as usize];
-                        segment_quantize(job.scheme, job.dtype, elements.at(src, dst, n), a, out);
+                        let xs = elements.at(src, dst, n);
+                        caster.quantize((job.scheme, job.dtype), (i, a), xs, out);
                     },
                 );
             });

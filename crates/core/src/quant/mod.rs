@@ -256,6 +256,54 @@ pub fn segment_quantize(scheme: Scheme, dtype: DType, xs: &[u8], amax: f32, out:
     }
 }
 
+/// [`segment_quantize`] of many segments of a request's blocks (a
+/// trainer's shard, walked block by block): a bf16 block's cast table
+/// (`lut`) is made at its first segment and serves its others (a row of a
+/// 128x128 block is a segment: a table a segment would cost more than the
+/// segment). The tables are cached by block, direct-mapped in
+/// [`CASTER_SLOTS`] slots: a walk meets a block row's blocks (56 for 7,168
+/// columns) over and over, then the next row's; a cache the size of the
+/// request's blocks would be megabytes for an embedding. MXFP8 and
+/// f16/f32 are cast as [`segment_quantize`] does.
+pub struct SegmentCaster {
+    slots: Vec<(usize, Option<lut::Table>)>,
+}
+
+/// Slots of a [`SegmentCaster`]'s table cache.
+const CASTER_SLOTS: usize = 512;
+
+impl SegmentCaster {
+    /// For segments of `scheme` from `dtype` elements.
+    pub fn new(scheme: Scheme, dtype: DType) -> SegmentCaster {
+        let tables = scheme != Scheme::Mxfp8 && dtype == DType::Bf16 && lut::available();
+        SegmentCaster {
+            slots: vec![(usize::MAX, None); if tables { CASTER_SLOTS } else { 0 }],
+        }
+    }
+
+    /// [`segment_quantize`] of `xs`, elements of block `block` (agreed
+    /// amax `amax`), into `out`.
+    pub fn quantize(
+        &mut self,
+        (scheme, dtype): (Scheme, DType),
+        (block, amax): (usize, f32),
+        xs: &[u8],
+        out: &mut [u8],
+    ) {
+        if self.slots.is_empty() {
+            return segment_quantize(scheme, dtype, xs, amax, out);
+        }
+        let slot = &mut self.slots[block % CASTER_SLOTS];
+        if slot.0 != block {
+            *slot = (block, lut::Table::new(scheme.factor(amax)));
+        }
+        match &slot.1 {
+            Some(t) => lut::scale_run(xs, t, out),
+            None => segment_quantize(scheme, dtype, xs, amax, out),
+        }
+    }
+}
+
 fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {
     if !matches!(src.dtype, DType::Bf16 | DType::F16 | DType::F32) {
         return Err(QuantError::Invalid(format!(
