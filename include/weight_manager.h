@@ -342,10 +342,11 @@ enum wm_delta_fallback
   // Some params' bytes were not the base's (written since by something
   // else): those runs came whole.
   WM_DELTA_FALLBACK_DIFFERS = 4,
-  // The source sends whole (a snapshot), or no param has a base here
-  // (a tensor callback; device params whose GPU cannot run the delta
-  // kernels, without NVRTC; GPU params an entry lands in as several
-  // runs).
+  // The source sends whole (a snapshot; rdma when the engine asks for
+  // keyed digests, which authenticate bucket bytes, not deltas), or no
+  // param has a base here (a tensor callback; device params whose GPU
+  // cannot run the delta kernels, without NVRTC; GPU params an entry
+  // lands in as several runs).
   WM_DELTA_FALLBACK_NOT_APPLICABLE = 5,
   // An IPC update that did not ask for deltas (`WM_UPDATE_DELTAS`).
   WM_DELTA_FALLBACK_NOT_ASKED = 6,

@@ -680,3 +680,50 @@ fn a_network_publisher_dying_while_deltas_are_due_is_named_at_once() {
     assert_params(&p, std::slice::from_ref(&v1));
     assert_eq!(m.status().state, State::Normal);
 }
+
+/// An engine asking for keyed digests takes every run whole over rdma:
+/// keyed digests authenticate bucket bytes, not deltas (an audit found the
+/// deltas crossing unauthenticated, checked by XXH3 alone); the fallback
+/// says NOT_APPLICABLE and every byte is the new version's.
+#[test]
+fn keyed_digests_take_every_run_whole() {
+    let Some(_one) = ucx_over_tcp() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = Trainer::new(Via::Rdma, dir.path(), 1);
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        net: NetSettings {
+            secret: Some(SECRET.to_vec()),
+            keyed_digests: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let engines = [m];
+    let mut ts = first();
+    let ps = register(&engines[0], &ts);
+    let whole: u64 = ts.iter().map(|t| t.data.len() as u64).sum();
+    for v in 1..=2u64 {
+        if v > 1 {
+            ts = next(&ts, v);
+        }
+        trainer.publish(&ts, v);
+        let (results, _) = trainer.update_all_served(&engines, || trainer.request());
+        let stats = results.into_iter().next().unwrap().unwrap();
+        assert_params(&ps, &ts);
+        let d = &stats.deltas;
+        assert_eq!(
+            d.fallback,
+            DeltaFallback::NotApplicable,
+            "version {v}: {d:?}"
+        );
+        assert_eq!(
+            (d.runs_delta, d.wire_bytes),
+            (0, whole),
+            "version {v}: {d:?}"
+        );
+    }
+}

@@ -475,3 +475,70 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
         );
     });
 }
+
+/// A READY whose worker address names an address version UCX does not
+/// have (its first byte's low 4 bits) is refused by the publisher before
+/// UCX reads it: UCX asserts on it, aborting the trainer's process (found
+/// by an audit: every session the trainer served died with it).
+#[test]
+fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
+    let _serial = serial();
+    const SECRET: &[u8] = b"hostile-address-secret-0123456789";
+    let cfg = PublisherConfig {
+        secret: Some(SECRET.to_vec()),
+        bucket_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
+    let data = vec![7u8; 4096];
+    // SAFETY: `data` outlives the serve call.
+    unsafe {
+        p.add(TensorDesc::host(
+            "w",
+            DType::U8,
+            &[4096],
+            data.as_ptr(),
+            data.len(),
+        ))
+    }
+    .unwrap();
+    p.set_version(Some("v1".into()));
+    let addr = p.address();
+    std::thread::scope(|s| {
+        let serve = s.spawn(|| p.serve(1, Duration::from_secs(20)));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut conn = net_engine(&addr, SECRET, deadline);
+        let requests = vec![Request {
+            tensor: 0,
+            runs: vec![WantRun {
+                offset: 0,
+                len: 4096,
+                rows: 1,
+                stride: 4096,
+            }],
+            sums: false,
+        }];
+        conn.send(&Frame::Want {
+            requests,
+            base: None,
+            quant: vec![],
+        })
+        .unwrap();
+        conn.send(&Frame::Ready {
+            address: vec![0xff; 200],
+            bucket_size: 1 << 20,
+            depth: 2,
+            direct: false,
+            keyed: false,
+        })
+        .unwrap();
+        let e = conn.recv(deadline).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+        drop(conn);
+        let e = serve.join().unwrap().unwrap_err();
+        assert!(
+            e.message.contains("worker address"),
+            "the publisher's own error: {e}"
+        );
+    });
+}

@@ -50,8 +50,9 @@ pub enum DeltaFallback {
     /// Some params' bytes were not the base's (written since by something
     /// else): those runs came whole.
     Differs = 4,
-    /// The source sends whole (a snapshot, a fan-out), or no param has a
-    /// base here (a tensor callback; device params whose GPU cannot run
+    /// The source sends whole (a snapshot, a fan-out; the network when
+    /// the engine asks for keyed digests, which do not cover deltas), or
+    /// no param has a base here (a tensor callback; device params whose GPU cannot run
     /// the delta kernels, without NVRTC; GPU params an entry lands in as
     /// several runs).
     NotApplicable = 5,
@@ -77,14 +78,21 @@ pub struct DeltaStats {
 
 /// The base an update of `req` names when the params hold `version` and
 /// the state before it was `prev`, or why it names none.
+/// `keyed`: the engine asks for keyed digests (`NetSettings::keyed_digests`),
+/// which authenticate bucket bytes, not deltas: its rdma updates take
+/// every run whole, so every byte it takes is authenticated.
 pub(super) fn base_of(
     prev: State,
     req: &UpdateRequest,
     version: Option<String>,
+    keyed: bool,
 ) -> Result<String, DeltaFallback> {
     match (req.deltas, req.source) {
         (DeltaMode::Off, _) => return Err(DeltaFallback::Refused),
         (_, SourceKind::Snapshot) => return Err(DeltaFallback::NotApplicable),
+        (_, SourceKind::Rdma | SourceKind::Gdr) if keyed => {
+            return Err(DeltaFallback::NotApplicable)
+        }
         (DeltaMode::Auto, SourceKind::Ipc) => return Err(DeltaFallback::NotAsked),
         _ => {}
     }

@@ -229,7 +229,8 @@ impl Manager {
         let (registry, req) = (&*run.registry, &mut run.req);
         // gdr lands in device params; when it may not, it runs as rdma.
         let gdr = req.source == SourceKind::Gdr && self.check_gdr(registry)?;
-        let delta_base = deltas::base_of(run.prev, req, self.record.lock().version.clone());
+        let keyed = self.config.net.keyed_digests;
+        let delta_base = deltas::base_of(run.prev, req, self.record.lock().version.clone(), keyed);
         // The bytes this engine takes bound how many shards it plans over,
         // and what one publisher's MANIFEST may announce.
         let staged = match req.hooks.tensor.is_some() {

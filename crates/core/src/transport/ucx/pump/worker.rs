@@ -141,6 +141,7 @@ impl Worker<'_> {
         if !self.ep.is_null() {
             return Err(Error::state("UCX: this worker is already connected"));
         }
+        check_address(address)?;
         let params = sys::EpParams {
             field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -164,6 +165,21 @@ impl Worker<'_> {
     }
 }
 
+/// A peer's worker address is checked before UCX reads it: UCX asserts
+/// (aborting the process) on an address whose header names a version
+/// other than its two (the low 4 bits of the first byte: 0 for v1, 1 for
+/// v2), where every other corruption comes back as an error.
+fn check_address(address: &[u8]) -> Result<()> {
+    match address.first().map(|b| b & 0x0f) {
+        Some(0 | 1) => Ok(()),
+        Some(v) => Err(Error::peer(format!(
+            "UCX: the peer's worker address names address version {v} (UCX has 0 and 1): \
+             not a UCX worker address"
+        ))),
+        None => Err(Error::peer("UCX: the peer's worker address is empty")),
+    }
+}
+
 /// Answer `cmd` with an error instead of running it.
 fn refuse(cmd: Cmd, done: &Sender<Completion>, why: &str) {
     let error = || Error::peer(format!("UCX: {why}"));
@@ -176,6 +192,20 @@ fn refuse(cmd: Cmd, done: &Sender<Completion>, why: &str) {
                 tag,
                 result: Err(error()),
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_address_ucx_would_abort_on_is_refused_first() {
+        assert!(super::check_address(&[0x01, 0, 0]).is_ok());
+        assert!(super::check_address(&[0x00]).is_ok());
+        assert!(super::check_address(&[0x21]).is_ok());
+        for bad in [&[0xffu8, 0xff][..], &[0x0f], &[0x02], &[]] {
+            let e = super::check_address(bad).unwrap_err();
+            assert!(e.message.contains("worker address"), "{e}");
         }
     }
 }
