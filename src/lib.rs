@@ -292,6 +292,34 @@ pub(crate) unsafe fn opt_str(p: *const c_char, what: &str) -> Result<Option<Stri
         .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
 }
 
+/// A shape from C: `ndim` dims at `shape` (NULL only with `ndim` 0), of
+/// `what` ("param 'w'", "tensor 'w'") in errors: the engine's params and
+/// the publisher's tensors say the same.
+///
+/// # Safety
+/// `shape` is NULL or holds `ndim` values that outlive `'a`.
+pub(crate) unsafe fn shape_arg<'a>(
+    shape: *const u64,
+    ndim: usize,
+    what: &str,
+) -> Result<&'a [u64]> {
+    if ndim > weight_manager_core::MAX_NDIM {
+        return Err(Error::invalid_argument(format!(
+            "{what}: ndim {ndim} is more than {}",
+            weight_manager_core::MAX_NDIM
+        )));
+    }
+    if ndim > 0 && shape.is_null() {
+        return Err(Error::null_argument(format!(
+            "{what}: shape is NULL with ndim {ndim}"
+        )));
+    }
+    Ok(match ndim {
+        0 => &[],
+        _ => std::slice::from_raw_parts(shape, ndim),
+    })
+}
+
 /// Read an optional C path (NULL gives None; any bytes allowed).
 ///
 /// # Safety

@@ -1,7 +1,7 @@
 //! Parameter registration: engine-owned and library-owned memory.
 
 use super::manager::wm_manager;
-use super::{check_struct_size, code_of, opt_str};
+use super::{check_struct_size, code_of, opt_str, shape_arg};
 use crate::enums::{wm_dtype, wm_memory, wm_quant_scheme};
 use crate::result::wm_result;
 use std::ffi::{c_char, c_void};
@@ -244,23 +244,7 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
                 d.memory
             ))
         })?;
-    if d.ndim > MAX_NDIM {
-        return Err(Error::invalid_argument(format!(
-            "param '{name}': ndim {} is more than {MAX_NDIM}",
-            d.ndim
-        )));
-    }
-    if d.ndim > 0 && d.shape.is_null() {
-        return Err(Error::null_argument(format!(
-            "param '{name}': shape is NULL with ndim {}",
-            d.ndim
-        )));
-    }
-    let shape = if d.ndim == 0 {
-        Vec::new()
-    } else {
-        std::slice::from_raw_parts(d.shape, d.ndim).to_vec()
-    };
+    let shape = shape_arg(d.shape, d.ndim, &format!("param '{name}'"))?.to_vec();
     Ok(ParamSpec {
         pieces: pieces_from_c(d, &name)?,
         name,

@@ -6,7 +6,7 @@
 use super::{wm_publisher, PUBLISHERS};
 use crate::enums::{wm_dtype, wm_memory};
 use crate::result::wm_result;
-use crate::{check_struct_size, opt_path, opt_str};
+use crate::{check_struct_size, opt_path, opt_str, shape_arg};
 use std::ffi::{c_char, c_void};
 use weight_manager_core::DType;
 use weight_manager_core::Placement;
@@ -467,23 +467,7 @@ unsafe fn tensor_desc<'a>(
     let dtype = wm_dtype::from_raw(dtype).map(DType::from).ok_or_else(|| {
         Error::invalid_argument(format!("tensor '{name}': dtype {dtype} is not a wm_dtype"))
     })?;
-    // As the engine side says it (`params.rs`).
-    if ndim > weight_manager_core::MAX_NDIM {
-        return Err(Error::invalid_argument(format!(
-            "tensor '{name}': ndim {ndim} is more than {}",
-            weight_manager_core::MAX_NDIM
-        )));
-    }
-    if ndim > 0 && shape.is_null() {
-        return Err(Error::null_argument(format!(
-            "tensor '{name}': shape is NULL with ndim {ndim}"
-        )));
-    }
-    let shape = if ndim == 0 {
-        &[][..]
-    } else {
-        std::slice::from_raw_parts(shape, ndim)
-    };
+    let shape = shape_arg(shape, ndim, &format!("tensor '{name}'"))?;
     let rank = rank_arg(rank, &name)?;
     Ok((name, dtype, shape, rank))
 }

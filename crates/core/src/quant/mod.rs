@@ -54,6 +54,7 @@
 
 pub mod bands;
 pub mod blocks;
+mod cast;
 pub mod device;
 pub mod e4m3;
 mod kernels;
@@ -61,6 +62,7 @@ mod lut;
 pub mod params;
 mod scheme;
 
+pub use cast::{segment_quantize, SegmentCaster};
 pub use scheme::Scheme;
 
 use crate::tensor::DType;
@@ -147,9 +149,9 @@ pub fn quantize_with(
     let (bh, bw) = scheme.block(whole[0], whole[1]);
     let geometry = (origin, bh, bw, scols);
     match src.dtype {
-        DType::Bf16 => scale_into::<Bf16>(src, geometry, &factor, fp8),
-        DType::F16 => scale_into::<F16>(src, geometry, &factor, fp8),
-        _ => scale_into::<F32>(src, geometry, &factor, fp8),
+        DType::Bf16 => cast::scale_into::<Bf16>(src, geometry, &factor, fp8),
+        DType::F16 => cast::scale_into::<F16>(src, geometry, &factor, fp8),
+        _ => cast::scale_into::<F32>(src, geometry, &factor, fp8),
     }
     Ok(())
 }
@@ -243,65 +245,6 @@ pub fn segment_amax(dtype: DType, xs: &[u8]) -> Result<f32, usize> {
         .chunks_exact(size)
         .position(|x| !read(x).is_finite())
         .unwrap_or(0))
-}
-
-/// Quantize `xs` (elements of `dtype`) of a block whose agreed amax is
-/// `amax` into `out` (one E4M3 byte each), as [`quantize_with`] does.
-pub fn segment_quantize(scheme: Scheme, dtype: DType, xs: &[u8], amax: f32, out: &mut [u8]) {
-    let factor = scheme.factor(amax);
-    match dtype {
-        DType::Bf16 => kernels::scale_run::<Bf16>(xs, factor, out),
-        DType::F16 => kernels::scale_run::<F16>(xs, factor, out),
-        _ => kernels::scale_run::<F32>(xs, factor, out),
-    }
-}
-
-/// [`segment_quantize`] of many segments of a request's blocks (a
-/// trainer's shard, walked block by block): a bf16 block's cast table
-/// (`lut`) is made at its first segment and serves its others (a row of a
-/// 128x128 block is a segment: a table a segment would cost more than the
-/// segment). The tables are cached by block, direct-mapped in
-/// [`CASTER_SLOTS`] slots: a walk meets a block row's blocks (56 for 7,168
-/// columns) over and over, then the next row's; a cache the size of the
-/// request's blocks would be megabytes for an embedding. MXFP8 and
-/// f16/f32 are cast as [`segment_quantize`] does.
-pub struct SegmentCaster {
-    slots: Vec<(usize, Option<lut::Table>)>,
-}
-
-/// Slots of a [`SegmentCaster`]'s table cache.
-const CASTER_SLOTS: usize = 512;
-
-impl SegmentCaster {
-    /// For segments of `scheme` from `dtype` elements.
-    pub fn new(scheme: Scheme, dtype: DType) -> SegmentCaster {
-        let tables = scheme != Scheme::Mxfp8 && dtype == DType::Bf16 && lut::available();
-        SegmentCaster {
-            slots: vec![(usize::MAX, None); if tables { CASTER_SLOTS } else { 0 }],
-        }
-    }
-
-    /// [`segment_quantize`] of `xs`, elements of block `block` (agreed
-    /// amax `amax`), into `out`.
-    pub fn quantize(
-        &mut self,
-        (scheme, dtype): (Scheme, DType),
-        (block, amax): (usize, f32),
-        xs: &[u8],
-        out: &mut [u8],
-    ) {
-        if self.slots.is_empty() {
-            return segment_quantize(scheme, dtype, xs, amax, out);
-        }
-        let slot = &mut self.slots[block % CASTER_SLOTS];
-        if slot.0 != block {
-            *slot = (block, lut::Table::new(scheme.factor(amax)));
-        }
-        match &slot.1 {
-            Some(t) => lut::scale_run(xs, t, out),
-            None => segment_quantize(scheme, dtype, xs, amax, out),
-        }
-    }
 }
 
 fn check(src: Source, scales: usize, want: usize) -> Result<(), QuantError> {
@@ -450,60 +393,6 @@ fn amax_of<E: Element>(
     Ok(())
 }
 
-/// The cast tables ([`lut::Table`]) of the blocks of one block row a part
-/// crosses (from block column `first`), made when a row of a new block
-/// row comes: the same tables serve up to 128 rows.
-struct Tables {
-    brow: usize,
-    first: usize,
-    row: Vec<lut::Table>,
-}
-
-impl Tables {
-    /// The tables of block row `brow`, whose blocks' factors are
-    /// `factors`; None where a factor has none (cast the arithmetic way).
-    fn of(&mut self, brow: usize, factors: &[f32]) -> Option<&[lut::Table]> {
-        if brow != self.brow {
-            self.brow = brow;
-            self.row.clear();
-            for &f in factors {
-                let Some(t) = lut::Table::new(f) else {
-                    self.row.clear();
-                    break;
-                };
-                self.row.push(t);
-            }
-        }
-        (self.row.len() == factors.len()).then_some(&self.row[..])
-    }
-}
-
-/// One row of bf16 (its first column at column `col` of the tensor,
-/// blocks `bw` wide) cast with its blocks' `tables` (from the row's first
-/// block) into `out`: its whole 128-wide blocks in one call.
-fn scale_row_by_tables(
-    row: &[u8],
-    (col, bw): (usize, usize),
-    tables: &[lut::Table],
-    out: &mut [u8],
-) {
-    let cols = out.len();
-    let mut c = 0;
-    while c < cols {
-        let k = (col + c) / bw - col / bw;
-        let end = (((col + c) / bw + 1) * bw - col).min(cols);
-        let whole = whole_blocks(bw, end - c, cols - c);
-        if bw == BLOCK && whole > 1 {
-            let xs = &row[2 * c..2 * (c + whole * bw)];
-            lut::scale_each::<BLOCK>(xs, &tables[k..k + whole], &mut out[c..c + whole * bw]);
-            c += whole * bw;
-            continue;
-        }
-        lut::scale_run(&row[2 * c..2 * end], &tables[k], &mut out[c..end]);
-        c = end;
-    }
-}
-
 /// How many whole blocks of `bw` columns a row's run starting on a block
 /// boundary (`first`: the columns left in its block, `left`: in the row)
 /// holds, for the block widths whose kernels take a row's blocks in one
@@ -532,61 +421,6 @@ fn non_finite<E: Element>(row: &[u8], cols: std::ops::Range<usize>, base: usize)
     QuantError::NonFinite {
         index: base + c,
         value: E::read(&row[c * E::SIZE..]),
-    }
-}
-
-/// Each element times its block's factor, cast to E4M3.
-fn scale_into<E: Element>(
-    src: Source,
-    (origin, bh, bw, scols): ([usize; 2], usize, usize, usize),
-    factor: &[f32],
-    fp8: &mut [u8],
-) {
-    let row_bytes = src.cols * E::SIZE;
-    let rows = src
-        .bytes
-        .chunks_exact(row_bytes.max(1))
-        .zip(fp8.chunks_exact_mut(src.cols.max(1)));
-    // bf16 is cast by tables where the CPU can (`lut`): here one per
-    // block of the schemes whose factors are not powers of two; MXFP8's
-    // blocks share one (`lut::scale_each_mx`, below).
-    let mut tables = (E::TABLES && bw != MX_BLOCK && lut::available()).then(|| Tables {
-        brow: usize::MAX,
-        first: origin[1] / bw,
-        row: Vec::new(),
-    });
-    for (r, (row, out)) in rows.enumerate().take(src.rows) {
-        let brow = (origin[0] + r) / bh;
-        let mut c = 0;
-        if let Some(tables) = tables.as_mut() {
-            let last = (origin[1] + src.cols).div_ceil(bw);
-            let factors = &factor[brow * scols + tables.first..brow * scols + last];
-            if let Some(row_tables) = tables.of(brow, factors) {
-                scale_row_by_tables(row, (origin[1], bw), row_tables, out);
-                continue;
-            }
-        }
-        while c < src.cols {
-            let b = (origin[1] + c) / bw;
-            let end = ((b + 1) * bw - origin[1]).min(src.cols);
-            let whole = whole_blocks(bw, end - c, src.cols - c);
-            if whole > 1 {
-                // The row's whole blocks from here at once.
-                let xs = &row[c * E::SIZE..(c + whole * bw) * E::SIZE];
-                let factors = &factor[brow * scols + b..brow * scols + b + whole];
-                let q = &mut out[c..c + whole * bw];
-                match bw {
-                    MX_BLOCK if E::TABLES => lut::scale_each_mx(xs, factors, q),
-                    MX_BLOCK => kernels::scale_each::<E, MX_BLOCK>(xs, factors, q),
-                    _ => kernels::scale_each::<E, BLOCK>(xs, factors, q),
-                }
-                c += whole * bw;
-                continue;
-            }
-            let xs = &row[c * E::SIZE..end * E::SIZE];
-            kernels::scale_run::<E>(xs, factor[brow * scols + b], &mut out[c..end]);
-            c = end;
-        }
     }
 }
 

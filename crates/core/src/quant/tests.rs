@@ -467,38 +467,3 @@ fn f16_widens_exactly() {
         assert_eq!(f32_to_f16(v), h, "{h:#06x} = {v:e}");
     }
 }
-
-/// A segment caster gives `segment_quantize`'s bytes, for blocks met again
-/// after others, blocks that share a cache slot (block k and k + 512, each
-/// its own amax), segments of every length, MXFP8 and f32 (no tables).
-#[test]
-fn a_segment_caster_casts_as_segment_quantize() {
-    let mut rng = Rng(41);
-    for (scheme, dtype) in [
-        (Scheme::Fp8Block128, DType::Bf16),
-        (Scheme::Fp8Tensor, DType::Bf16),
-        (Scheme::Mxfp8, DType::Bf16),
-        (Scheme::Fp8Block128, DType::F32),
-    ] {
-        let mut caster = SegmentCaster::new(scheme, dtype);
-        let amax: Vec<f32> = (0..1100).map(|k| 1e-3 * (1 + k % 37) as f32).collect();
-        for round in 0..3000usize {
-            let block = [round % 60, 7, 7 + 512, 1024 + round % 3][round % 4];
-            let n = 1 + (rng.next() as usize) % 200;
-            let a = amax[block];
-            let xs: Vec<u8> = (0..n)
-                .flat_map(|_| {
-                    let v = (rng.next() as i32 as f32 / i32::MAX as f32) * a;
-                    match dtype {
-                        DType::Bf16 => ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-                        _ => v.to_le_bytes().to_vec(),
-                    }
-                })
-                .collect();
-            let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
-            segment_quantize(scheme, dtype, &xs, a, &mut want);
-            caster.quantize((scheme, dtype), (block, a), &xs, &mut got);
-            assert_eq!(got, want, "{scheme:?} {dtype}: block {block}, {n} elements");
-        }
-    }
-}
