@@ -433,7 +433,9 @@ typedef struct {
   // BLAKE3 digest (key from the session) that the publisher sends, for
   // untrusted networks: the manifest's XXH3 checksums catch corruption,
   // not forgery. Costs a BLAKE3 pass on both sides (`wm bench net`
-  // prints its GB/s beside XXH3's). Not for gdr. Default 0.
+  // prints its GB/s beside XXH3's). Not for gdr. Default 0. Keyed
+  // digests cover bucket bytes, not deltas: with them, rdma updates
+  // take every run whole (`WM_DELTA_FALLBACK_NOT_APPLICABLE`).
   uint32_t keyed_digests;
 } wm_net_config;
 
