@@ -48,9 +48,14 @@ fn publisher(sock: &Path, data: &[u8], bucket: usize) -> Publisher {
         bucket_timeout: Duration::from_secs(60),
         ..Default::default()
     };
-    let p = Publisher::bind(sock, cfg).unwrap();
+    serving_big(Publisher::bind(sock, cfg).unwrap(), data)
+}
+
+/// `p` with the live U8 tensor "big" (`data`, which outlives every serve
+/// call of the test) added, as version "v1".
+fn serving_big(p: Publisher, data: &[u8]) -> Publisher {
     let n = data.len() as u64;
-    // SAFETY: `data` outlives every serve call of the test.
+    // SAFETY: the caller keeps `data` alive while `p` serves.
     unsafe {
         p.add(TensorDesc::host(
             "big",
@@ -405,21 +410,8 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
         bucket_timeout: Duration::from_secs(30),
         ..Default::default()
     };
-    let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
     let data = vec![7u8; (64 * MIB) as usize];
-    let n = data.len() as u64;
-    // SAFETY: `data` outlives the serve call.
-    unsafe {
-        p.add(TensorDesc::host(
-            "big",
-            DType::U8,
-            &[n],
-            data.as_ptr(),
-            data.len(),
-        ))
-    }
-    .unwrap();
-    p.set_version(Some("v1".into()));
+    let p = serving_big(Publisher::bind_net("127.0.0.1:0", cfg).unwrap(), &data);
     let addr = p.address();
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
@@ -489,20 +481,8 @@ fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
         bucket_timeout: Duration::from_secs(10),
         ..Default::default()
     };
-    let p = Publisher::bind_net("127.0.0.1:0", cfg).unwrap();
     let data = vec![7u8; 4096];
-    // SAFETY: `data` outlives the serve call.
-    unsafe {
-        p.add(TensorDesc::host(
-            "w",
-            DType::U8,
-            &[4096],
-            data.as_ptr(),
-            data.len(),
-        ))
-    }
-    .unwrap();
-    p.set_version(Some("v1".into()));
+    let p = serving_big(Publisher::bind_net("127.0.0.1:0", cfg).unwrap(), &data);
     let addr = p.address();
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(20)));

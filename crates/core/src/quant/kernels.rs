@@ -435,20 +435,15 @@ mod tests {
     /// Many MXFP8 blocks at once (groups of 16 folded together, and the
     /// rest), each block's largest at its own lane: each block's own.
     fn many_blocks<E: Element>() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = crate::test_rng::Rng(0x9e37_79b9_7f4a_7c15);
         for blocks in [15, 16, 17, 53] {
             let mut xs: Vec<u8> = (0..blocks * 32 * E::SIZE)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
+                .map(|_| rng.next() as u8)
                 .collect();
             for (j, v) in xs.chunks_exact_mut(E::SIZE).enumerate() {
                 v[E::SIZE - 1] &= 0x3f;
                 if j % 32 == (j / 32 * 7) % 32 {
-                    v[E::SIZE - 1] = 0x40 | (j / 32 % 50) as u8 | (x as u8 & 0x80);
+                    v[E::SIZE - 1] = 0x40 | (j / 32 % 50) as u8 | (rng.next() as u8 & 0x80);
                 }
             }
             let mut want = vec![0u32; blocks];

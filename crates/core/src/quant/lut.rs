@@ -272,13 +272,7 @@ unsafe fn scale_each_mx_vbmi(xs: &[u8], factors: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn next(y: &mut u64) -> u64 {
-        *y ^= *y << 13;
-        *y ^= *y >> 7;
-        *y ^= *y << 17;
-        *y
-    }
+    use crate::test_rng::Rng;
 
     /// The table's bytes are the arithmetic cast's, for factors of amax
     /// from 1e-4 to 2^12 and values from amax down past the subnormals
@@ -288,9 +282,9 @@ mod tests {
         if !available() {
             eprintln!("no AVX-512 VBMI here: the table path is not taken");
         }
-        let mut y = 0x9e37_79b9_7f4a_7c15u64;
+        let mut y = Rng(0x9e37_79b9_7f4a_7c15);
         for trial in 0..4000 {
-            let r = next(&mut y);
+            let r = y.next();
             let bits = (r as u32 >> 9) | (((100 + (r >> 40) % 40) as u32) << 23);
             let amax = f32::from_bits(bits).max(1e-4);
             let factor = (1.0f32 / amax) * 448.0;
@@ -300,7 +294,7 @@ mod tests {
             let n = 256 + trial % 70;
             let xs: Vec<u8> = (0..n)
                 .flat_map(|k| {
-                    let r = next(&mut y);
+                    let r = y.next();
                     let sign = (r >> 20 & 1) << 15;
                     let e = top.saturating_sub(r % spread);
                     let mut b = sign | e << 7 | (r >> 30 & 0x7f);
@@ -325,13 +319,13 @@ mod tests {
     /// subnormals, zeros, factors from 2^-127 to 2^127, odd block counts.
     #[test]
     fn mxfp8s_table_cast_gives_the_arithmetic_casts_bytes() {
-        let mut y = 0x2545_f491_4f6c_dd1du64;
+        let mut y = Rng(0x2545_f491_4f6c_dd1d);
         for trial in 0..3000 {
             let blocks = 1 + trial % 9;
             let mut factors = Vec::new();
             let mut xs = Vec::new();
             for _ in 0..blocks {
-                let r = next(&mut y);
+                let r = y.next();
                 // The block's amax exponent, and e = floor(log2 amax) - 8.
                 let ea = match trial % 5 {
                     0 => (r % 255) as i32,
@@ -344,7 +338,7 @@ mod tests {
                 });
                 let spread = if trial % 3 == 0 { 30 } else { 6 };
                 for k in 0..super::super::MX_BLOCK {
-                    let r = next(&mut y);
+                    let r = y.next();
                     let sign = (r >> 20 & 1) << 15;
                     let ee = (ea as u64).saturating_sub(r % spread).min(254);
                     let b = match k % 29 == 3 {
@@ -367,9 +361,9 @@ mod tests {
     /// (the floor 1e-4 included): the arithmetic cast's bytes.
     #[test]
     fn every_bf16_value_of_a_block_casts_as_the_arithmetic_way() {
-        let mut y = 0x1234_5678_9abc_def1u64;
+        let mut y = Rng(0x1234_5678_9abc_def1);
         let mut amaxes = vec![1e-4f32, 448.0, 1.0, 3.0e38];
-        amaxes.extend((0..40).map(|_| f32::from_bits((next(&mut y) as u32 >> 2) & 0x7f7f_ffff)));
+        amaxes.extend((0..40).map(|_| f32::from_bits((y.next() as u32 >> 2) & 0x7f7f_ffff)));
         for amax in amaxes {
             let amax = amax.max(1e-4);
             let factor = (1.0f32 / amax) * 448.0;
