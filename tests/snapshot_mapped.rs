@@ -171,6 +171,103 @@ fn a_file_truncated_under_a_whole_tensor_read_fails_the_update_not_the_engine() 
     }
 }
 
+/// A whole bf16 tensor quantized into an FP8 param in place, unverified,
+/// is read from the file's mapping when the update commits
+/// (`apply/quantize.rs`), after the file's own check: a file cut or
+/// rewritten after it was read fails the update naming the file. Two part
+/// files: the quantized tensor's is cut or rewritten while the other is
+/// read.
+#[test]
+fn a_file_changed_under_a_tensor_quantized_from_it_fails_the_update() {
+    use weight_manager_core::quant::{params::scales_shape, Scheme};
+    let shape = [4096u64, 2048];
+    // Finite bf16 (E's top bit clear): no NaN fails the update first.
+    let finite = |seed| {
+        let mut t = tensor("w", DType::Bf16, &shape, seed);
+        t.data
+            .iter_mut()
+            .skip(1)
+            .step_by(2)
+            .for_each(|b| *b &= 0xbf);
+        t
+    };
+    let write = |dir: &Path, seed: u8, step: &str| {
+        let (w, b) = (finite(seed), tensor("b", DType::F32, &[1 << 18], seed));
+        write_safetensors(&dir.join("model_state.tp0.0.part0.safetensors"), &[w]);
+        write_safetensors(&dir.join("model_state.tp0.0.part1.safetensors"), &[b]);
+        write_version(dir, step);
+    };
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let scheme = Scheme::Fp8Block128;
+    let (q, n) = m
+        .allocate(&ParamSpec::host("w", DType::F8E4m3, &shape))
+        .unwrap();
+    let s = ParamSpec::host("w.scale_inv", DType::F32, &scales_shape(scheme, &shape));
+    m.allocate(&s).unwrap();
+    m.quantize("w", "w.scale_inv", scheme).unwrap();
+    m.allocate(&ParamSpec::host("b", DType::F32, &[1 << 18]))
+        .unwrap();
+    // The manager outlives every read of its param here.
+    let fp8 = unsafe { std::slice::from_raw_parts(q as *const u8, n) };
+    for cut in [true, false] {
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), 1, "1");
+        let before = mapped_bytes();
+        m.update(in_place(d.path())).unwrap();
+        assert!(mapped_bytes() - before >= 16 << 20, "the tensor is mapped");
+        let v1 = fp8.to_vec();
+        assert!(v1.iter().any(|&b| b != 0));
+
+        write(d.path(), 2, "2");
+        let part0 = d.path().join("model_state.tp0.0.part0.safetensors");
+        let mut calls = 0;
+        // Progress after part 0 (handed over as a mapping), then part 1.
+        let mut change = |_: &Progress| {
+            calls += 1;
+            if calls == 2 && cut {
+                let f = std::fs::OpenOptions::new().write(true).open(&part0);
+                f.unwrap().set_len(4096).unwrap();
+            } else if calls == 2 {
+                let mut bytes = std::fs::read(&part0).unwrap();
+                let last = bytes.len() - 1;
+                bytes[last] ^= 1;
+                std::fs::write(&part0, bytes).unwrap();
+            }
+            true
+        };
+        let mut req = in_place(d.path());
+        req.hooks = Hooks {
+            progress: Some(&mut change),
+            tensor: None,
+        };
+        let e = m.update(req).unwrap_err();
+        let said = if cut {
+            "was truncated"
+        } else {
+            "changed before it was quantized"
+        };
+        assert!(
+            e.message.contains(said) && e.message.contains(&*part0.to_string_lossy()),
+            "cut {cut}: {e}"
+        );
+        assert_eq!(m.status().state, State::Failed);
+        if cut {
+            // The amax pass saw the fault: no FP8 byte was written.
+            assert!(fp8 == v1, "FP8 bytes written from a truncated file");
+        }
+    }
+}
+
+fn in_place<'h>(dir: &Path) -> UpdateRequest<'h> {
+    let mut req = UpdateRequest::snapshot(dir);
+    req.mode = Mode::InPlace;
+    req
+}
+
 /// Faults the engine's handler saw (by address).
 static SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 

@@ -69,7 +69,7 @@ pub use base::{delta_element_size, DeltaJob, DeltaTally};
 pub use failure::ApplyFailure;
 pub use progress::Progress;
 pub use quant_agree::QuantRequest;
-pub use quantize::QuantTarget;
+pub use quantize::{FileCheck, QuantTarget};
 #[cfg(test)]
 pub(crate) use types::ProgressHook;
 pub use types::{Applied, ApplyOptions, Chunk, DeviceBytes, Hooks, Mode, TensorView};

@@ -113,7 +113,7 @@ impl SnapshotSource {
     /// Read source `me`'s planned bytes, file by file, batch by batch.
     fn read_all(&self, plan: &Plan, me: usize, applier: &mut Applier) -> Result<()> {
         let c = &self.checkpoint;
-        for (fi, (path, _)) in c.files.iter().enumerate() {
+        for (fi, (path, planned)) in c.files.iter().enumerate() {
             let wanted: Vec<usize> = (0..plan.entries.len())
                 .filter(|&e| {
                     let entry = &plan.entries[e];
@@ -133,7 +133,7 @@ impl SnapshotSource {
             // would not notice. A file renamed or removed once read was read
             // whole: no error.
             let file = c.open_data(path)?;
-            let mut reader = reader::FileReader::new(&file, &shown);
+            let mut reader = reader::FileReader::new(&file, &shown, (path, *planned));
             for e in wanted {
                 let tensor = plan.entries[e].tensor;
                 let sums = self.block_sums(plan, (e, tensor), applier.verifies());
