@@ -24,10 +24,12 @@
 
 mod changes;
 pub mod device;
+mod fast;
 #[cfg(test)]
 mod tests;
 
 use changes::{diff_bits, gather, put_varint, varint_len};
+use fast::gaps_fast;
 
 /// Elements per chunk (crate-internal: cbindgen exports public constants):
 /// positions in a chunk fit 16 bits, and a chunk's
@@ -391,6 +393,11 @@ trait Sink {
     fn expect(&mut self, _count: usize, _esize: usize) {}
     /// Element `i` of the chunk becomes `x` (`esize` bytes).
     fn set(&mut self, i: usize, x: &[u8], esize: usize);
+    /// A checked bitmask chunk's changes (`values`: exactly one per set
+    /// bit) written at once; false: not done, set them one by one.
+    fn expand(&mut self, _mask: &[u8], _values: &[u8], _esize: usize) -> bool {
+        false
+    }
 }
 
 /// Only checked.
@@ -408,6 +415,10 @@ impl Sink for InChunk<'_> {
     #[inline(always)]
     fn set(&mut self, i: usize, x: &[u8], esize: usize) {
         set(self.0, i, x, esize)
+    }
+
+    fn expand(&mut self, mask: &[u8], values: &[u8], esize: usize) -> bool {
+        fast::expand_into(mask, values, self.0, esize)
     }
 }
 
@@ -456,7 +467,7 @@ fn apply_bitmask<S: Sink>(
     }
     let count = mask.iter().map(|b| b.count_ones() as usize).sum::<usize>();
     let values = r.take(count * esize)?;
-    if !S::WRITES {
+    if !S::WRITES || sink.expand(mask, values, esize) {
         return Ok(count);
     }
     sink.expect(count, esize);
@@ -486,8 +497,8 @@ fn apply_gaps<S: Sink>(
     }
     let values = r.take(count * esize)?;
     sink.expect(count, esize);
-    let mut next = 0usize;
-    for x in values.chunks_exact(esize) {
+    let (done, mut next) = gaps_fast(r, sink, values, elems, esize)?;
+    for x in values[done * esize..].chunks_exact(esize) {
         let i = next
             .checked_add(r.varint()?)
             .filter(|&p| p < elems)

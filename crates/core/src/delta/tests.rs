@@ -135,6 +135,50 @@ fn hostile_deltas_are_refused_naming_the_chunk() {
     assert!(apply(&[], &mut run[..3], 2).is_err());
 }
 
+/// A gaps chunk of `count` changes at positions `gaps` (varint bytes as
+/// given, each a position's), over a chunk of `elems` bf16 elements.
+fn gaps_body(count: u8, gaps: &[&[u8]]) -> Vec<u8> {
+    let mut body = vec![count];
+    body.extend(std::iter::repeat_n(9u8, 2 * count as usize));
+    gaps.iter().for_each(|g| body.extend_from_slice(g));
+    body
+}
+
+/// The unchecked reading of gaps (`fast.rs`, taken while 3 bytes of the
+/// delta are left) refuses what the checked one does, at any place in a
+/// long chunk: a position past the chunk found mid-way, a 4-byte varint
+/// (left to the checked loop, which refuses it as past), 2- and 3-byte
+/// varints read right, and positions that run out.
+#[test]
+fn long_gaps_chunks_are_checked_as_short_ones() {
+    let ones: Vec<&[u8]> = vec![&[0]; 20];
+    let mut past = ones.clone();
+    past[10] = &[0x80, 0x80, 0x01]; // 16384: past 1000 elements
+    let e = hostile(GAPS, &gaps_body(20, &past), 1000);
+    assert!(e.contains("past the chunk's 1000 elements"), "{e}");
+    let mut long = ones.clone();
+    long[5] = &[0x80, 0x80, 0x80, 0x01]; // 2^21, in 4 bytes
+    let e = hostile(GAPS, &gaps_body(20, &long), 1000);
+    assert!(e.contains("past the chunk's 1000 elements"), "{e}");
+    let e = hostile(GAPS, &gaps_body(20, &ones[..12]), 1000);
+    assert!(e.contains("cut short"), "{e}");
+    // 2- and 3-byte gaps land where the checked loop puts them.
+    // A 4-byte varint of 1 (not the shortest form, as the checked loop
+    // allows) hands over to the checked loop, which goes on.
+    let mut wide = ones.clone();
+    (wide[3], wide[7]) = (&[0x81, 0x01], &[0x80, 0x80, 0x01]); // 129, 16384
+    wide[10] = &[0x81, 0x80, 0x80, 0x00];
+    let mut delta = vec![GAPS];
+    delta.extend(gaps_body(20, &wide));
+    let mut run = vec![0u8; 2 * 20000];
+    apply(&delta, &mut run, 2).unwrap();
+    let set: Vec<usize> = (0..20000).filter(|&k| run[2 * k] == 9).collect();
+    let mut want = vec![0, 1, 2, 3 + 129, 4 + 129, 5 + 129, 6 + 129];
+    want.extend((7..10).map(|k| k + 129 + 16384));
+    want.extend((10..20).map(|k| k + 1 + 129 + 16384));
+    assert_eq!(set, want);
+}
+
 #[test]
 fn the_predicted_ratio_is_what_encoding_random_changes_gives() {
     let mut rng = Rng(9);
