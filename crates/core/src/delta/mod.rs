@@ -28,7 +28,7 @@ mod fast;
 #[cfg(test)]
 mod tests;
 
-use changes::{diff_bits, gather, put_varint, varint_len};
+use changes::{changes, put_gaps, put_varint, varint_len};
 use fast::gaps_fast;
 
 /// Elements per chunk (crate-internal: cbindgen exports public constants):
@@ -67,7 +67,7 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
     assert!(esize > 0 && old.len() == new.len() && old.len().is_multiple_of(esize));
     let mut stats = Encoded::default();
     let mut diff = vec![0u64; CHUNK / 64];
-    let (mut positions, mut values) = (Vec::new(), Vec::new());
+    let (mut positions, mut values, mut pos) = (Vec::new(), Vec::new(), Vec::new());
     let step = CHUNK * esize;
     for (o, n) in old.chunks(step).zip(new.chunks(step)) {
         if o == n {
@@ -77,42 +77,31 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
         }
         let elems = o.len() / esize;
         let words = &mut diff[..elems.div_ceil(64)];
-        diff_bits(o, n, esize, words);
-        let changed = words.iter().map(|w| w.count_ones() as usize).sum::<usize>();
+        let changed = changes((o, n), esize, words, &mut values, &mut pos);
+        let values = &values[..changed * esize];
         stats.changed += changed as u64;
         let whole = elems * esize;
         let bitmask = elems.div_ceil(8) + changed * esize;
-        // Gaps cost at least a byte per change: tried only when that could
-        // beat the bitmask. Values first, so a receiver applies a chunk in
-        // one pass over its positions.
+        // Values first, so a receiver applies a chunk in one pass over its
+        // positions. Gaps cost at least a byte per change: tried only
+        // when that could beat the bitmask.
         out.reserve(1 + whole);
-        let sparse = changed < elems / 8;
-        if bitmask < whole || sparse {
-            // One pass over the changes: their values, and their gaps
-            // when the gaps form could win.
-            gather(
-                words,
-                n,
-                esize,
-                &mut values,
-                sparse.then_some(&mut positions),
-            );
-        }
-        if sparse
-            && 1 + varint_len(changed) + positions.len() + changed * esize < bitmask.min(whole)
-        {
-            out.push(GAPS);
-            put_varint(changed, out);
-            out.extend_from_slice(&values);
-            out.extend_from_slice(&positions);
-            stats.gaps += 1;
-            continue;
+        if changed < elems / 8 {
+            put_gaps(&pos[..changed], &mut positions);
+            if 1 + varint_len(changed) + positions.len() + values.len() < bitmask.min(whole) {
+                out.push(GAPS);
+                put_varint(changed, out);
+                out.extend_from_slice(values);
+                out.extend_from_slice(&positions);
+                stats.gaps += 1;
+                continue;
+            }
         }
         if bitmask < whole {
             out.push(BITMASK);
             let bytes = words.iter().flat_map(|w| w.to_le_bytes());
             out.extend(bytes.take(elems.div_ceil(8)));
-            out.extend_from_slice(&values);
+            out.extend_from_slice(values);
             stats.bitmask += 1;
         } else {
             out.push(WHOLE);

@@ -257,3 +257,29 @@ fn the_vector_change_masks_match_the_plain_loop() {
         }
     }
 }
+
+/// The one-pass change finder (AVX-512 VBMI2, where the CPU has it) gives
+/// the bits, values and positions of the plain one, at every length and
+/// share.
+#[test]
+fn the_one_pass_changes_match_the_plain_ones() {
+    use super::changes::{changes, changes_scalar};
+    let mut rng = Rng(11);
+    for esize in [1, 2, 4] {
+        for len in [1, 31, 32, 33, 64, 1000, CHUNK] {
+            let old: Vec<u8> = (0..len * esize).map(|_| rng.next() as u8).collect();
+            for share in [0.0, 0.02, 0.3, 1.0] {
+                let new = changed(&mut rng, &old, esize, share);
+                let w = len.div_ceil(64);
+                let (mut wa, mut wb) = (vec![7u64; w], vec![0u64; w]);
+                let (mut va, mut vb, mut pa, mut pb) = (vec![], vec![], vec![], vec![]);
+                let a = changes((&old, &new), esize, &mut wa, &mut va, &mut pa);
+                let b = changes_scalar((&old, &new), esize, &mut wb, &mut vb, &mut pb);
+                assert_eq!(a, b, "esize {esize} len {len} share {share}");
+                assert_eq!(wa, wb, "esize {esize} len {len} share {share}");
+                assert!(va[..a * esize] == vb[..b * esize]);
+                assert_eq!(pa[..a], pb[..b]);
+            }
+        }
+    }
+}
