@@ -109,12 +109,12 @@ fn word_of<const E: usize>(a: &[u8], b: &[u8]) -> u64 {
 
 /// A chunk's changes into `words` (one bit per element that differs, as
 /// [`diff_bits`]), the front of `values` (the changed elements' new
-/// bytes, in order) and of `pos` (their indices in the chunk, which has at
-/// most 2^16 elements); returns how many changed. Both buffers are grown
-/// as needed and never shrunk (zeroing them per chunk cost a pass), so
-/// only their first `changed` entries are this chunk's. One pass over `o` and `n` where
-/// the CPU has AVX-512 VBMI2 (1- and 2-byte elements); else the bits
-/// first, then a pass over the set bits.
+/// bytes, in order) and of `pos` (their indices in the chunk, which has
+/// at most 2^16 elements); returns how many changed. Both buffers are
+/// grown as needed and never shrunk (zeroing them per chunk cost a pass),
+/// so only their first `changed` entries are this chunk's. One pass over
+/// `o` and `n` where the CPU has AVX-512 VBMI2 (1- and 2-byte elements);
+/// else the bits first, then a pass over the set bits.
 pub(super) fn changes(
     (o, n): (&[u8], &[u8]),
     esize: usize,
@@ -209,8 +209,10 @@ fn gather_any(words: &[u64], n: &[u8], esize: usize, values: &mut [u8], pos: &mu
     }
 }
 
+/// Whether the CPU has AVX-512 F, BW and VBMI2 (compresses and expands
+/// of bytes and 16-bit lanes).
 #[cfg(target_arch = "x86_64")]
-fn vbmi2() -> bool {
+pub(super) fn vbmi2() -> bool {
     static VBMI2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *VBMI2.get_or_init(|| {
         std::is_x86_feature_detected!("avx512f")

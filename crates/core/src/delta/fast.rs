@@ -11,6 +11,8 @@
 //! slower: a software prefetch ahead of each change, and decoding a batch
 //! of positions before their stores.
 
+#[cfg(target_arch = "x86_64")]
+use super::changes::vbmi2;
 use super::{Reader, Sink};
 
 /// The front of a gaps chunk's positions, while at least 3 bytes of the
@@ -94,16 +96,6 @@ pub(super) fn expand_into(mask: &[u8], values: &[u8], chunk: &mut [u8], esize: u
         return true;
     }
     false
-}
-
-#[cfg(target_arch = "x86_64")]
-fn vbmi2() -> bool {
-    static VBMI2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VBMI2.get_or_init(|| {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vbmi2")
-    })
 }
 
 /// [`expand_into`] for elements of 2 bytes.
