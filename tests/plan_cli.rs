@@ -437,12 +437,13 @@ fn a_quantized_engine_layout_moves_fp8_and_refuses_cut_blocks() {
         (256.0 * 256.0) + 512.0
     );
     assert_eq!(num(&m, "/bytes/amax"), 2.0 * 256.0 * 256.0 / 32.0);
-    // Its deltas are FP8 deltas: elements of one byte.
+    // Its deltas are FP8 deltas (elements of one byte) for w, bf16
+    // deltas for n: each run by its own element size.
     let delta = report(&wm_plan(&t, &e, &["--json", "--delta-fraction", "0.02"]));
-    assert_eq!(
-        num(&delta, "/prediction/wire/bytes_per_plan_byte"),
-        weight_manager_core::delta::predicted_ratio(0.02, 1)
-    );
+    let ratio = weight_manager_core::delta::predicted_ratio;
+    let want = (65536.0 * ratio(0.02, 1) + 512.0 * ratio(0.02, 2)) / (65536.0 + 512.0);
+    let got = num(&delta, "/prediction/wire/bytes_per_plan_byte");
+    assert!((got - want).abs() < 1e-12, "{got} {want}");
     let err = failure(&wm_plan(&t, &e, &["--wire-dtype", "fp8"]));
     assert!(err.contains("quantizes its params"), "{err}");
     // One scale per tensor: w whole on each rank, n still bf16.
@@ -502,4 +503,77 @@ fn the_wire_prediction_follows_the_layouts_element_size() {
     let fp8 = report(&wm_plan(&t, &e, &["--json", "--wire-dtype", "fp8"]));
     let want = 65536.0 + 4.0 * 4.0; // one byte an element, a scale per block
     assert_eq!(num(&fp8, "/prediction/wire/busiest_bytes"), want);
+}
+
+/// A trainer layout's tensors no engine rank reads do not change how the
+/// wire's bytes are counted: FP8 on the wire and deltas are worked out
+/// per run from its own dtype (an unread f32 tensor once halved a bf16
+/// prediction, the mean element size of every tensor dividing it).
+#[test]
+fn an_unread_tensor_of_another_dtype_does_not_change_the_prediction() {
+    let engine = json!({"ranks": 1, "dtype": "bf16", "params": [{"name": "w"}]});
+    let bf16 = json!({"name": "w", "shape": [1024, 1024], "split": 0});
+    let f32 = json!({"name": "extra", "dtype": "f32", "shape": [1 << 20], "split": 0});
+    let predict = |tensors: serde_json::Value, args: &[&str]| {
+        // Two trainer ranks: a sharded layout, where a tensor no rank
+        // reads is reported, not refused.
+        let trainer = json!({"ranks": 2, "dtype": "bf16", "tensors": tensors});
+        let (_d, t, e) = write_pair(&trainer, &engine);
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        num(
+            &report(&wm_plan(&t, &e, &all)),
+            "/prediction/wire/busiest_bytes",
+        )
+    };
+    for args in [&["--wire-dtype", "fp8"][..], &["--delta-fraction", "0.02"]] {
+        let alone = predict(json!([bf16]), args);
+        let beside = predict(json!([bf16, f32]), args);
+        assert_eq!(alone, beside, "{args:?}");
+    }
+    let fp8 = predict(json!([bf16, f32]), &["--wire-dtype", "fp8"]);
+    assert_eq!(fp8, 1024.0 * 1024.0 + 4.0 * 64.0);
+}
+
+/// Bytes that would overflow a 64-bit count are refused naming the
+/// rank, not wrapped into small totals; a link too slow for the
+/// prediction to fit a number is refused naming the options.
+#[test]
+fn overflowing_totals_and_unpredictable_links_are_refused() {
+    let trainer = json!({"ranks": 1, "dtype": "bf16",
+        "tensors": [{"name": "w", "shape": [1u64 << 31, 1u64 << 31], "replicate": true}]});
+    let engine = json!({"ranks": 2, "dtype": "bf16", "params": [{"name": "w"}]});
+    let (_d, t, e) = write_pair(&trainer, &engine);
+    let err = failure(&wm_plan(&t, &e, &[]));
+    assert!(
+        err.contains("trainer rank 0") && err.contains("overflow"),
+        "{err}"
+    );
+    let small =
+        json!({"ranks": 1, "dtype": "bf16", "tensors": [{"name": "w", "shape": [64], "split": 0}]});
+    let one = json!({"ranks": 1, "dtype": "bf16", "params": [{"name": "w"}]});
+    let (_d2, t2, e2) = write_pair(&small, &one);
+    for args in [["--goodput", "1e-320"], ["--link-gbps", "1e-320"]] {
+        let err = failure(&wm_plan(&t2, &e2, &args));
+        assert!(
+            err.contains("--link-gbps") && err.contains("too slow"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// Engine ranks keep what each trainer rank sends them only for the
+/// trainer ranks they take bytes from: 4,096 trainer ranks to 4,096
+/// engine ranks plans in a few MiB (a list as long as the trainer's
+/// ranks per engine rank once took GiBs here and 64 GiB at 65,536).
+#[test]
+fn many_ranks_to_many_plan_in_bounded_memory() {
+    let trainer = json!({"ranks": 4096, "dtype": "bf16",
+        "tensors": [{"name": "w", "shape": [4096], "split": 0}]});
+    let engine = json!({"ranks": 4096, "dtype": "bf16",
+        "params": [{"name": "w", "pieces": [{"tensor": "w", "split": 0, "tp": 4096}]}]});
+    let (_d, t, e) = write_pair(&trainer, &engine);
+    let v = report(&wm_plan(&t, &e, &["--json"]));
+    assert_eq!(num(&v, "/bytes/per_engine_rank/max"), 2.0);
+    assert_eq!(num(&v, "/bytes/per_trainer_rank/max"), 2.0);
 }

@@ -69,32 +69,15 @@ pub fn run(a: &Args) -> Result<(), String> {
         ));
     }
     wire.planned_fp8 = engine.quantizes();
-    wire.element_size = mean_element_size(&trainer);
     let read = t0.elapsed();
     let ranks = engine_ranks(a.engine_ranks.as_deref(), engine.ranks)?;
-    let totals = plan_all(&trainer, &engine, ranks)?;
-    let report = Report::new(&trainer, &engine, totals, read, (gbps, wire));
+    let totals = plan_all(&trainer, &engine, ranks, &wire)?;
+    let report = Report::new(&trainer, &engine, totals, read, (gbps, wire))?;
     match a.json {
         true => println!("{}", report.json()),
         false => print!("{}", report.text()),
     }
     Ok(())
-}
-
-/// The trainer layout's bytes per element, over all its tensors (2 for a
-/// bf16 layout; more with f32 tensors among them).
-fn mean_element_size(trainer: &TrainerLayout) -> f64 {
-    let (mut bytes, mut elements) = (0f64, 0f64);
-    for t in &trainer.tensors {
-        let n: f64 = t.shape.iter().map(|&d| d as f64).product();
-        bytes += n * t.dtype.size() as f64;
-        elements += n;
-    }
-    if elements > 0.0 {
-        bytes / elements
-    } else {
-        2.0
-    }
 }
 
 /// `--engine-ranks FIRST:END` (default all): plan only those engine ranks.
@@ -118,26 +101,41 @@ fn engine_ranks(v: Option<&str>, ranks: usize) -> Result<Range<usize>, String> {
 pub struct RankPlan {
     pub runs: usize,
     pub bytes: u64,
+    /// Bytes on the wire, as `--wire-dtype` and `--delta-fraction` say
+    /// (each run by its own element size).
+    pub wired: f64,
     pub param_bytes: u64,
     pub params: usize,
     pub pieces: usize,
-    /// Bytes per trainer rank.
-    pub sent: Vec<u64>,
-    /// Bytes of block amax (AMAX) this rank receives, and per trainer rank
-    /// sends: whole at every update, deltas or not.
+    /// What each trainer rank it takes bytes from sends it, by trainer
+    /// rank (only those: a rank of a large layout reads from a few of
+    /// many trainer ranks, and a list as long as the trainer's ranks per
+    /// engine rank grew as the product of the two counts).
+    pub senders: Vec<(usize, Sent)>,
+    /// Bytes of block amax (AMAX) this rank receives: whole at every
+    /// update, deltas or not.
     pub amax: u64,
-    pub amax_sent: Vec<u64>,
     /// Global tensors (trainer layout indexes) this rank reads.
     pub reads: Vec<usize>,
+    /// Every run it takes is of two-byte elements (bf16 on the wire).
+    pub two_byte: bool,
     pub time: Duration,
+}
+
+/// What one trainer rank sends one engine rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sent {
+    pub bytes: u64,
+    pub wired: f64,
+    pub amax: u64,
 }
 
 /// Plan engine rank `rank` against all trainer ranks.
 pub fn plan_rank(
-    trainer: &TrainerLayout,
-    engine: &EngineLayout,
+    (trainer, engine): (&TrainerLayout, &EngineLayout),
     sources: &Sources,
     rank: usize,
+    wire: &report::Wire,
 ) -> Result<RankPlan, String> {
     let fail = |e: weight_manager_core::Error| format!("engine rank {rank}: {e}");
     // The rank's time includes building and checking its params' pieces
@@ -162,40 +160,52 @@ pub fn plan_rank(
     let quiet = Logger::stderr(LogLevel::Off);
     let plan = sources.plan(&params, opts, &quiet).map_err(fail)?;
     let time = t0.elapsed();
-    let mut sent = vec![0u64; trainer.manifests.len()];
-    let mut reads = Vec::new();
-    let (mut amax, mut amax_sent) = (0, vec![0u64; trainer.manifests.len()]);
+    let overflow = || format!("engine rank {rank}: its bytes overflow a 64-bit count");
+    let mut senders = std::collections::BTreeMap::<usize, Sent>::new();
+    let (mut reads, mut amax, mut bytes, mut wired) = (Vec::new(), 0u64, 0u64, 0f64);
+    let mut two_byte = true;
     for e in plan.entries.iter().filter(|e| e.target != Target::Skip) {
         // A quantized param's block amax crosses toward the engine too
         // (AMAX: 4 bytes a block, MXFP8's a byte), counted per full block's
         // elements: partial edge blocks, and a run cut off the block grid,
         // send a few more than counted here (the docs say so).
-        let amax_bytes = match e.target {
+        let scheme = match e.target {
             Target::Param(i) => match params.param(i).quant {
-                QuantRole::Weight { scheme, .. } => match scheme.block_dims() {
-                    None => 4,
-                    Some((1, bw)) => e.bytes.div_ceil(bw),
-                    Some((bh, bw)) => 4 * e.bytes.div_ceil(bh * bw),
-                },
-                _ => 0,
+                QuantRole::Weight { scheme, .. } => Some(scheme),
+                _ => None,
             },
-            _ => 0,
+            _ => None,
         };
-        sent[e.source] += e.bytes;
-        amax_sent[e.source] += amax_bytes;
-        amax += amax_bytes;
+        let amax_bytes = scheme.map_or(0, |s| match s.block_dims() {
+            None => 4,
+            Some((1, bw)) => e.bytes.div_ceil(bw),
+            Some((bh, bw)) => 4 * e.bytes.div_ceil(bh * bw),
+        });
+        let on_wire = wire.wire_bytes(e.bytes, e.meta.dtype.size(), scheme.is_some());
+        two_byte &= e.meta.dtype.size() == 2 && scheme.is_none();
+        let to = senders.entry(e.source).or_default();
+        to.bytes = to.bytes.checked_add(e.bytes).ok_or_else(overflow)?;
+        to.amax = to.amax.checked_add(amax_bytes).ok_or_else(overflow)?;
+        to.wired += on_wire;
+        bytes = bytes.checked_add(e.bytes).ok_or_else(overflow)?;
+        amax = amax.checked_add(amax_bytes).ok_or_else(overflow)?;
+        wired += on_wire;
         reads.extend(trainer.index_of(&e.meta.name));
     }
+    let param_bytes = (0..params.count())
+        .try_fold(0u64, |n, i| n.checked_add(params.param(i).nbytes()))
+        .ok_or_else(overflow)?;
     Ok(RankPlan {
         runs: plan.runs.len(),
-        bytes: plan.bytes,
+        bytes,
+        wired,
         amax,
-        amax_sent,
-        param_bytes: (0..params.count()).map(|i| params.param(i).nbytes()).sum(),
+        param_bytes,
         params: params.len(),
         pieces: params.iter().map(|p| p.pieces.len()).sum(),
-        sent,
+        senders: senders.into_iter().collect(),
         reads,
+        two_byte,
         time,
     })
 }
@@ -206,6 +216,7 @@ fn plan_all(
     trainer: &TrainerLayout,
     engine: &EngineLayout,
     ranks: Range<usize>,
+    wire: &report::Wire,
 ) -> Result<Totals, String> {
     let manifests: Vec<&Manifest> = trainer.manifests.iter().collect();
     let t0 = Instant::now();
@@ -226,7 +237,7 @@ fn plan_all(
                 if rank >= ranks.end || failed.load(Ordering::Relaxed) {
                     return;
                 }
-                let r = plan_rank(trainer, engine, &sources, rank);
+                let r = plan_rank((trainer, engine), &sources, rank, wire);
                 failed.fetch_or(r.is_err(), Ordering::Relaxed);
                 done.lock().unwrap().push((rank, r));
             });
@@ -238,7 +249,7 @@ fn plan_all(
     let mut totals = Totals::new(trainer, index, wall, threads);
     totals.first_rank = ranks.start;
     for (_, r) in done {
-        totals.add(r?);
+        totals.add(r?)?;
     }
     Ok(totals)
 }

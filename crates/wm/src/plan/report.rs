@@ -18,6 +18,8 @@ pub struct Totals {
     ranks: Vec<RankPlan>,
     /// Bytes per trainer rank, over every engine rank.
     sent: Vec<u64>,
+    /// Bytes on the wire per trainer rank (see [`Wire::wire_bytes`]).
+    wired_sent: Vec<f64>,
     /// Bytes of block amax per trainer rank, over every engine rank.
     amax_sent: Vec<u64>,
     read: Vec<bool>,
@@ -33,6 +35,7 @@ impl Totals {
             first_rank: 0,
             ranks: Vec::new(),
             sent: vec![0; trainer.manifests.len()],
+            wired_sent: vec![0.0; trainer.manifests.len()],
             amax_sent: vec![0; trainer.manifests.len()],
             read: vec![false; trainer.tensors.len()],
             index,
@@ -41,17 +44,22 @@ impl Totals {
         }
     }
 
-    pub fn add(&mut self, r: RankPlan) {
-        for (s, b) in self.sent.iter_mut().zip(&r.sent) {
-            *s += b;
-        }
-        for (s, b) in self.amax_sent.iter_mut().zip(&r.amax_sent) {
-            *s += b;
+    /// Add rank plan `r`; Err when a trainer rank's bytes overflow a
+    /// 64-bit count.
+    pub fn add(&mut self, r: RankPlan) -> Result<(), String> {
+        for &(k, to) in &r.senders {
+            let overflow = || format!("trainer rank {k}: its bytes overflow a 64-bit count");
+            self.sent[k] = self.sent[k].checked_add(to.bytes).ok_or_else(overflow)?;
+            self.amax_sent[k] = self.amax_sent[k]
+                .checked_add(to.amax)
+                .ok_or_else(overflow)?;
+            self.wired_sent[k] += to.wired;
         }
         for &t in &r.reads {
             self.read[t] = true;
         }
         self.ranks.push(r);
+        Ok(())
     }
 }
 
@@ -86,10 +94,6 @@ pub struct Wire {
     /// The engine layout quantizes its params: the plan's bytes are FP8
     /// for them already.
     pub planned_fp8: bool,
-    /// The trainer layout's bytes per element (2: bf16): FP8 sends one
-    /// byte an element of whatever dtype, and a delta's size depends on
-    /// the element's.
-    pub element_size: f64,
 }
 
 impl Wire {
@@ -115,40 +119,41 @@ impl Wire {
             fp8,
             delta_fraction,
             planned_fp8: false,
-            element_size: 2.0,
         })
     }
 
-    /// What the wire carries, named: "bf16" (a layout of two-byte
-    /// elements), "fp8" (the layout's elements at one byte each), or
-    /// "planned" (the plan's own dtypes: FP8 for quantized params, and
-    /// any layout whose elements are not all two bytes).
-    pub fn dtype(&self) -> &'static str {
-        match (self.fp8, self.planned_fp8) {
+    /// What the wire carries, named: "bf16" (every run planned is of
+    /// two-byte elements: `two_byte`), "fp8" (every element at one byte),
+    /// or "planned" (the plan's own dtypes: FP8 for quantized params, and
+    /// runs of elements of other sizes).
+    pub fn dtype(&self, two_byte: bool) -> &'static str {
+        match (self.fp8, self.planned_fp8 || !two_byte) {
             (true, _) => "fp8",
-            (false, false) if self.element_size == 2.0 => "bf16",
-            (false, _) => "planned",
+            (false, false) => "bf16",
+            (false, true) => "planned",
         }
     }
 
-    /// Bytes on the wire per byte of the (bf16) plan: FP8 is one byte an
-    /// element plus a 4-byte scale per 128x128 block; a delta costs what
-    /// the codec's model says for that share of changed elements (whole
-    /// where that is not under half the bytes, as publishers send it). A
-    /// layout that quantizes takes FP8 deltas (elements of one byte) for
-    /// its quantized params; its other bytes are counted the same way,
-    /// which overestimates them slightly (two-byte elements' deltas are
-    /// smaller per byte).
-    pub fn factor(&self) -> f64 {
-        let (dtype, esize) = match (self.fp8, self.planned_fp8) {
-            (true, _) => ((1.0 + 4.0 / (128.0 * 128.0)) / self.element_size, 1),
-            (false, true) => (1.0, 1),
-            (false, false) => (1.0, self.element_size.round().max(1.0) as usize),
+    /// The bytes on the wire for a run of `bytes` of the plan, of
+    /// `esize`-byte elements (the tensor's dtype), `quantized` when its
+    /// param is (its bytes are FP8 already). `--wire-dtype fp8`: one byte
+    /// an element plus a 4-byte scale per 128x128 block. Deltas: what the
+    /// codec's model says for that share of changed elements of the size
+    /// sent (whole where that is not under half the bytes, as publishers
+    /// send it).
+    pub fn wire_bytes(&self, bytes: u64, esize: usize, quantized: bool) -> f64 {
+        let (sent, esize) = match (self.fp8 && !quantized, quantized) {
+            (true, _) => (
+                (bytes / esize.max(1) as u64) as f64 * (1.0 + 4.0 / (128.0 * 128.0)),
+                1,
+            ),
+            (false, true) => (bytes as f64, 1),
+            (false, false) => (bytes as f64, esize.max(1)),
         };
         let delta = self.delta_fraction.map_or(1.0, |f| {
             weight_manager_core::delta::predicted_wire_ratio(f, esize)
         });
-        dtype * delta
+        sent * delta
     }
 }
 
@@ -163,10 +168,17 @@ impl Report {
         t: Totals,
         read_time: Duration,
         (gbps, wire): (f64, Wire),
-    ) -> Report {
+    ) -> Result<Report, String> {
         let r = &t.ranks;
-        let moved: u64 = r.iter().map(|p| p.bytes).sum();
-        let param_bytes: u64 = r.iter().map(|p| p.param_bytes).sum();
+        let overflow =
+            |what: &str| format!("the {what} of every engine rank overflow a 64-bit count");
+        let sum = |f: fn(&RankPlan) -> u64| r.iter().try_fold(0u64, |n, p| n.checked_add(f(p)));
+        let moved = sum(|p| p.bytes).ok_or_else(|| overflow("bytes"))?;
+        let param_bytes = sum(|p| p.param_bytes).ok_or_else(|| overflow("param bytes"))?;
+        let sent_total = (t.sent.iter())
+            .try_fold(0u64, |n, &b| n.checked_add(b))
+            .ok_or_else(|| overflow("trainer ranks' bytes"))?;
+        let amax_total = sum(|p| p.amax).ok_or_else(|| overflow("amax bytes"))?;
         let (runs_min, runs_max) = min_max(r.iter().map(|p| p.runs as u64));
         let (recv_min, recv_max) = min_max(r.iter().map(|p| p.bytes));
         let (send_min, send_max) = min_max(t.sent.iter().copied());
@@ -174,14 +186,23 @@ impl Report {
         let time_sum: u64 = r.iter().map(|p| p.time.as_nanos() as u64).sum();
         let link = gbps * 1e9 / 8.0;
         // The links' bytes with the block amax quantized params need (whole
-        // at every update, so outside the wire's factor).
-        let factor = wire.factor();
-        let on_link = |f: f64| {
-            let receivers = r.iter().map(|p| p.bytes as f64 * f + p.amax as f64);
-            let senders = (t.sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b as f64 * f + a as f64);
-            receivers.chain(senders).fold(0.0, f64::max)
-        };
-        let (plain, wired) = (on_link(1.0), on_link(factor));
+        // at every update, so outside what the wire's dtype and deltas
+        // scale).
+        let plain = (r.iter().map(|p| p.bytes as f64 + p.amax as f64))
+            .chain((t.sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b as f64 + a as f64))
+            .fold(0.0, f64::max);
+        let wired = (r.iter().map(|p| p.wired + p.amax as f64))
+            .chain((t.wired_sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b + a as f64))
+            .fold(0.0, f64::max);
+        let factor = r.iter().map(|p| p.wired).sum::<f64>() / moved.max(1) as f64;
+        let (seconds, wire_seconds) = (plain / link, wired / (link * wire.goodput));
+        if !(seconds.is_finite() && wire_seconds.is_finite()) {
+            return Err(format!(
+                "--link-gbps {gbps} at --goodput {}: too slow a link to predict {wired} bytes in \
+                 seconds that fit a number",
+                wire.goodput
+            ));
+        }
         let unread: Vec<&str> = trainer
             .tensors
             .iter()
@@ -205,27 +226,27 @@ impl Report {
             "runs": {"total": r.iter().map(|p| p.runs).sum::<usize>(),
                      "per_engine_rank": {"min": runs_min.1, "max": runs_max.1}},
             "bytes": {"moved": moved, "params": param_bytes,
-                      "amax": r.iter().map(|p| p.amax).sum::<u64>(),
+                      "amax": amax_total,
                       "moved_over_params": moved as f64 / param_bytes.max(1) as f64,
                       "per_engine_rank": {"min": recv_min.1, "max": recv_max.1, "total": moved,
                                           "each": r.iter().map(|p| p.bytes).collect::<Vec<_>>()},
                       "per_trainer_rank": {"min": send_min.1, "max": send_max.1,
-                                           "total": t.sent.iter().sum::<u64>(), "each": &t.sent}},
+                                           "total": sent_total, "each": &t.sent}},
             "busiest": {"sender": {"trainer_rank": send_max.0, "bytes": send_max.1},
                         "receiver": {"engine_rank": t.first_rank + recv_max.0, "bytes": recv_max.1}},
             "tensors_no_rank_reads": {"count": unread.len(), "first": unread.first()},
-            "prediction": {"link_gbps": gbps, "seconds": plain / link,
-                           "wire": {"goodput": wire.goodput, "dtype": wire.dtype(),
+            "prediction": {"link_gbps": gbps, "seconds": seconds,
+                           "wire": {"goodput": wire.goodput, "dtype": wire.dtype(r.iter().all(|p| p.two_byte)),
                                     "delta_fraction": wire.delta_fraction, "bytes_per_plan_byte": factor,
                                     "busiest_bytes": wired,
-                                    "seconds": wired / (link * wire.goodput)},
+                                    "seconds": wire_seconds},
                            "model": "max(busiest sender bytes, busiest receiver bytes) / link speed: \
                                      every trainer rank sends at once, each rank has its own link; \
                                      quantized params add their block amax (AMAX) to each link",
                            "reference_s": REFERENCE_S,
                            "reference": "Perplexity, Kimi-K2, 256 training -> 128 inference GPUs, measured"},
         });
-        Report { v }
+        Ok(Report { v })
     }
 
     pub fn json(&self) -> String {
