@@ -12,6 +12,7 @@
  *
  * usage: engine_tp MODEL_DIR RANK      (RANK 0 or 1 of a TP=2 engine) */
 #include <stdio.h>
+#include <string.h>
 #include <stdlib.h>
 #include "weight_manager.h"
 
@@ -61,7 +62,7 @@ static int check(int step, int r, const float *o, const float *qkv, const float 
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3 || (argv[2][0] != '0' && argv[2][0] != '1')) {
+  if (argc != 3 || (strcmp(argv[2], "0") != 0 && strcmp(argv[2], "1") != 0)) {
     fprintf(stderr, "usage: %s MODEL_DIR RANK(0|1)\n", argv[0]);
     return 2;
   }

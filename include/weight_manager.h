@@ -1283,8 +1283,9 @@ wm_result wm_abort(wm_manager *manager);
 // the same version: call `wm_commit` before the next step; every rank
 // gets it at the same step), or CLEARED (a rank failed to stage, or the
 // ranks staged different versions: every rank's staged version was
-// dropped, `wm_last_error` says which rank and why, and rank 0 reported
-// it to the controller). Rank 0 decides only once it staged itself.
+// dropped, `wm_last_error` says which rank and why: whole on the rank
+// that failed, its result code on the others; rank 0 reported it to the
+// controller). Rank 0 decides only once it staged itself.
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 

@@ -624,8 +624,25 @@ fn a_rank_that_fails_to_stage_stops_every_commit() {
         1 => empty.path().to_path_buf(),
         _ => good.path().to_path_buf(),
     };
-    let e = no_rank_commits(("2pf", good.path()), 3, model, "rank 1 failed to stage");
+    let (e, logs) = no_rank_commits(("2pf", good.path()), 3, model, "rank 1 failed to stage");
     assert!(e.message.contains("failed on rank 1"), "{e}");
+    // The failing rank says why (its error names the empty folder); the
+    // others, which got its code in the vote, say where to look.
+    let heard = |r: usize| {
+        logs[r]
+            .lines()
+            .find(|l| l.starts_with("no commit at"))
+            .unwrap()
+    };
+    let folder = empty.path().display().to_string();
+    assert!(heard(1).contains(&folder), "{}", heard(1));
+    for r in [0, 2] {
+        assert!(
+            heard(r).contains("that rank's last error says why"),
+            "{}",
+            heard(r)
+        );
+    }
 }
 
 /// Two ranks staging versions whose names' first 28-bit hashes collide
@@ -644,7 +661,7 @@ fn ranks_staging_colliding_names_do_not_commit() {
         0 => one.path().to_path_buf(),
         _ => two.path().to_path_buf(),
     };
-    let e = no_rank_commits(
+    let (e, _) = no_rank_commits(
         ("2pc", one.path()),
         2,
         model,
@@ -664,7 +681,7 @@ fn no_rank_commits(
     world: u32,
     model: impl Fn(u32) -> PathBuf,
     why: &str,
-) -> weight_manager_core::Error {
+) -> (weight_manager_core::Error, Vec<String>) {
     let (group, cell) = (unique(&format!("g{tag}")), unique(&format!("c{tag}")));
     let _names = Names(vec![cell.clone()]);
     let mut ranks = two_phase_ranks(dir, world, (&group, &cell), model, |_| 200);
@@ -692,7 +709,7 @@ fn no_rank_commits(
             "rank {r} heard at another step"
         );
     }
-    e
+    (e, logs)
 }
 
 /// A rank killed between stage and commit: the others name it and stop,

@@ -33,7 +33,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -67,28 +69,51 @@ struct Options {
 
 [[noreturn]] void usage(const char *why) {
   std::fprintf(stderr, "rl_engine: %s\nusage: rl_engine --rank R --world N --group NAME --cell CELL "
-                       "--source ipc|rdma --location WHERE --out DIR [--deadline-s S]\n", why);
+                       "--source ipc|rdma --location WHERE --out DIR [--deadline-s S] [--weights f32|fp8]\n",
+               why);
   std::exit(2);
 }
 
 Options parse(int argc, char **argv) {
   Options o;
   std::map<std::string, std::string> kv;
-  for (int i = 1; i + 1 < argc; i += 2) kv[argv[i]] = argv[i + 1];
+  static const char *known[] = {"--rank",     "--world", "--group",      "--cell",   "--source",
+                                 "--location", "--out",   "--deadline-s", "--weights"};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::find_if(std::begin(known), std::end(known),
+                     [&](const char *k) { return std::strcmp(k, argv[i]) == 0; }) == std::end(known))
+      usage((std::string("unknown option ") + argv[i]).c_str());
+    kv[argv[i]] = argv[i + 1];
+  }
   if (argc % 2 == 0) usage("options come in --name value pairs");
   auto need = [&](const char *k) {
     auto it = kv.find(k);
     if (it == kv.end()) usage((std::string("missing ") + k).c_str());
     return it->second;
   };
-  o.rank = std::atoi(need("--rank").c_str());
-  o.world = std::atoi(need("--world").c_str());
+  // A whole number or a number, all of the text (atoi read "zero" as 0).
+  auto integer = [&](const char *k) {
+    std::string v = need(k);
+    char *end = nullptr;
+    long x = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < INT32_MIN || x > INT32_MAX)
+      usage((std::string(k) + " " + v + ": not a whole number").c_str());
+    return static_cast<int>(x);
+  };
+  o.rank = integer("--rank");
+  o.world = integer("--world");
   o.group = need("--group");
   o.cell = need("--cell");
   o.source = need("--source");
   o.location = need("--location");
   o.out = need("--out");
-  if (kv.count("--deadline-s")) o.deadline_s = std::atof(kv["--deadline-s"].c_str());
+  if (kv.count("--deadline-s")) {
+    std::string v = kv["--deadline-s"];
+    char *end = nullptr;
+    o.deadline_s = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(o.deadline_s > 0) || !std::isfinite(o.deadline_s))
+      usage(("--deadline-s " + v + ": not a number of seconds above 0").c_str());
+  }
   if (kv.count("--weights")) {
     if (kv["--weights"] != "f32" && kv["--weights"] != "fp8") usage("--weights must be f32 or fp8");
     o.fp8 = kv["--weights"] == "fp8";

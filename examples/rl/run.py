@@ -40,6 +40,9 @@ RECORD = np.dtype([("version", "S256"), ("logits", "<f4", (PROBES, CONTEXT, VOCA
 # model of another version is far outside it (one AdamW step moves logits by
 # ~1e-2; a single head weight off by 1e-3 moves one by ~3e-3).
 RTOL, ATOL = 1e-4, 1e-5
+# Marks a --work directory as run.py's, so a later run may empty it (and
+# never a directory of anything else).
+MARK = ".wm-rl-run"
 
 
 def parse_args():
@@ -48,13 +51,22 @@ def parse_args():
                    help="the rl_engine binary (cmake --build build --target rl_engine)")
     p.add_argument("--transport", choices=("ipc", "rdma"), default="ipc",
                    help="ipc: Unix socket + shared memory; rdma: UCX (UCX_TLS=tcp without RDMA hardware)")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="training steps (versions published), at least 2")
     p.add_argument("--weights", choices=("f32", "fp8"), default="f32",
                    help="the engine's weights: float32, or FP8 E4M3 with 128x128 block scales "
                         "(the trainer stays float32; publishers quantize on the wire)")
-    p.add_argument("--work", help="directory for outputs, kept (default: a temporary one, removed unless the run fails)")
+    p.add_argument("--work", help="a new or empty directory for the outputs (or an earlier run's), kept "
+                                   "(default: a temporary one, removed unless the run fails)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
-    return p.parse_args()
+    args = p.parse_args()
+    # The check compares the first step's loss with the last one's.
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: at least 2")
+    work = Path(args.work) if args.work else None
+    if work and work.is_dir() and any(work.iterdir()) and not (work / MARK).is_file():
+        p.error(f"--work {work}: not empty and not an earlier run's (give a new or empty directory, "
+                f"or one an earlier run.py wrote: only those are emptied)")
+    return args
 
 
 class Child:
@@ -110,7 +122,27 @@ def child_env(transport):
     if transport == "rdma":
         env.setdefault("UCX_TLS", "tcp")
         env["WM_NET_SECRET"] = secrets.token_hex(16)
+        # The C++ engines load UCX as the library does: WM_UCX_LIB, else the
+        # system's (refused when older than 1.14). The Python binding points
+        # itself at the libucx wheel; the engines get the same here.
+        ucx = wheel_ucx()
+        if ucx and "WM_UCX_LIB" not in env:
+            env["WM_UCX_LIB"] = ucx
     return env
+
+
+def wheel_ucx():
+    """The libucx wheel's libucp, when that wheel is installed (found
+    without importing it, as the binding does)."""
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        libucp = Path(d) / "lib" / "libucp.so.0"
+        if libucp.is_file():
+            return str(libucp)
+    return None
 
 
 def run_loop(args, work, short_dir, deadline):
@@ -217,8 +249,10 @@ def main():
         sys.exit(f"run.py: no engine binary at {args.engine} (cmake --build build --target rl_engine)")
     deadline = time.monotonic() + args.timeout
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="wm-rl-"))
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    if (work / MARK).is_file():  # an earlier run's outputs (parse_args checked)
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARK).write_text("outputs of examples/rl/run.py: emptied by the next run given this directory\n")
     # Unix socket paths are short (108 bytes): the socket lives in /tmp.
     short_dir = Path(tempfile.mkdtemp(prefix="wm-rl-"))
     try:

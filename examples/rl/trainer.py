@@ -57,13 +57,25 @@ def train_step(model, optimizer, batch):
     return loss.item()
 
 
+# The report rank 0 writes beside the cell (`crates/core/src/signal/report.rs`,
+# `Layout`): seq u64, code u32, rank u32, action i32, pid u32, pid_ns u64,
+# then the version (256 bytes) and the message (1024), NUL-padded.
+REPORT_HEAD, VERSION_LEN, MESSAGE_LEN = 32, 256, 1024
+
+
 def report_text(cell):
-    """The failing rank's reason that the engine's rank 0 left beside the cell."""
+    """The failing rank and its reason, as the engine's rank 0 left them
+    beside the cell."""
     try:
         with open(f"/dev/shm/{cell}.wm_report", "rb") as f:
-            return f.read().rstrip(b"\0").decode(errors="replace").strip()
+            raw = f.read(REPORT_HEAD + VERSION_LEN + MESSAGE_LEN)
     except OSError as e:
         return f"(no report: {e})"
+    if len(raw) < REPORT_HEAD + VERSION_LEN + MESSAGE_LEN:
+        return f"(a report of {len(raw)} bytes)"
+    code, rank = int.from_bytes(raw[8:12], "little"), int.from_bytes(raw[12:16], "little")
+    message = raw[REPORT_HEAD + VERSION_LEN:].split(b"\0", 1)[0].decode(errors="replace")
+    return f"rank {rank} failed (code {code}): {message}"
 
 
 def wait_normal(controller, cell, version, timeout):

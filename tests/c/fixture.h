@@ -54,7 +54,7 @@ static int fixture_write(const char *path, const fixture_tensor *ts, size_t n) {
 
 static int fixture_write_version(const char *dir, const char *step) {
   char path[1024];
-  snprintf(path, sizeof path, "%s/version.yaml", dir);
+  if (snprintf(path, sizeof path, "%s/version.yaml", dir) >= (int)sizeof path) return -1;
   FILE *f = fopen(path, "w");
   if (!f) return -1;
   fprintf(f, "step: %s\n", step);
@@ -83,9 +83,9 @@ static inline int fixture_tp_model(const char *dir, int step) {
                           {"experts", {4, 2, 4}, 3, e}};
   char path[1024], step_text[32];
   mkdir(dir, 0700);
-  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  if (snprintf(path, sizeof path, "%s/model.safetensors", dir) >= (int)sizeof path) return -1;
   if (fixture_write(path, ts, 5) != 0) return -1;
-  snprintf(step_text, sizeof step_text, "%d", step);
+  if (snprintf(step_text, sizeof step_text, "%d", step) >= (int)sizeof step_text) return -1;
   return fixture_write_version(dir, step_text);
 }
 
@@ -97,7 +97,8 @@ static int fixture_example_model(const char *dir, float base, const char *step) 
   fixture_tensor ts[2] = {{"w", {4, 4}, 2, w}, {"b", {4, 0}, 1, b}};
   char path[1024];
   mkdir(dir, 0700);
-  snprintf(path, sizeof path, "%s/model_state.tp0.0.safetensors", dir);
+  if (snprintf(path, sizeof path, "%s/model_state.tp0.0.safetensors", dir) >= (int)sizeof path)
+    return -1;
   if (fixture_write(path, ts, 2) != 0) return -1;
   return fixture_write_version(dir, step);
 }

@@ -9,10 +9,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: %s DIR\n", argv[0]);
     return 2;
   }
-  char next[1024];
-  snprintf(next, sizeof next, "%s/next", argv[1]);
-  char tp[1024];
-  snprintf(tp, sizeof tp, "%s/tp", argv[1]);
+  char next[1024], tp[1024];
+  if (snprintf(next, sizeof next, "%s/next", argv[1]) >= (int)sizeof next ||
+      snprintf(tp, sizeof tp, "%s/tp", argv[1]) >= (int)sizeof tp) {
+    fprintf(stderr, "make_example_snapshot: %s: too long a path\n", argv[1]);
+    return 2;
+  }
   if (fixture_example_model(argv[1], 1.0f, "1") != 0 || fixture_example_model(next, 2.0f, "2") != 0 ||
       fixture_tp_model(tp, 3) != 0) {
     perror("writing example snapshot");

@@ -319,7 +319,7 @@ fn quant_error(t: &QuantTarget, e: QuantError) -> Error {
             let global = t.pieces.iter().find_map(|p| global_index(p, &t.shape, &at));
             Error::format(format!(
                 "{} is {value} (param '{}' element {at:?}): FP8 quantization refuses NaN and \
-                 infinity, so a diverged trainer does not reach the engine",
+                 infinity, so a diverged trainer's FP8 weights do not reach the engine",
                 global.unwrap_or_else(|| format!("element {at:?}")),
                 t.name
             ))

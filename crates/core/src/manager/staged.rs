@@ -172,7 +172,7 @@ impl Manager {
         let mut status = self.stage_status.lock();
         *status = match (&r, &*status) {
             (Err(e), StageStatus::Staging) if !passed.load(Ordering::Acquire) => {
-                StageStatus::Failed(e.code)
+                StageStatus::Failed(e.code, e.to_string())
             }
             _ => StageStatus::Idle,
         };

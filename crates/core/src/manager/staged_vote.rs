@@ -44,8 +44,8 @@ pub(super) enum StageStatus {
     Staging,
     /// Staged this version; waiting for the decision.
     Ready(String),
-    /// Staging failed with this code (the rank's last error says why).
-    Failed(wm_result),
+    /// Staging failed with this code, and why (the error, whole).
+    Failed(wm_result, String),
 }
 
 /// A rank's vote: not ready.
@@ -113,7 +113,7 @@ pub(super) fn vote_of(status: &StageStatus, second: bool) -> i32 {
             READY_SECOND | (version_hash_2(version) & HASH_BITS)
         }
         StageStatus::Ready(version) => READY | (version_hash(version) & HASH_BITS),
-        StageStatus::Failed(code) => (*code as u32).clamp(1, 254),
+        StageStatus::Failed(code, _) => (*code as u32).clamp(1, 254),
     };
     v as i32
 }
@@ -210,10 +210,16 @@ impl Manager {
     /// The ranks agreed that none commits: drop what this rank staged,
     /// finish the update as failed (rank 0 reports it), and say why.
     fn abort_everywhere(&self, rank: u32, code: u32) -> State {
-        let why = match code {
-            VERSIONS_DIFFER => format!("rank {rank} staged another version than rank 0"),
-            c => format!(
-                "rank {rank} failed to stage ({})",
+        // The failing rank knows why; the others got its code in the vote.
+        let own = match &*self.stage_status.lock() {
+            StageStatus::Failed(_, why) if rank == self.config.rank => Some(why.clone()),
+            _ => None,
+        };
+        let why = match (code, own) {
+            (VERSIONS_DIFFER, _) => format!("rank {rank} staged another version than rank 0"),
+            (_, Some(why)) => format!("rank {rank} failed to stage: {why}"),
+            (c, None) => format!(
+                "rank {rank} failed to stage ({}; that rank's last error says why)",
                 wm_result::from_raw(c).map_or(c.to_string(), wm_result::name)
             ),
         };
@@ -303,7 +309,7 @@ mod tests {
         assert_eq!(d, Decision::Wait);
         let d = decide(&twice(&[StageStatus::Idle, ready.clone()]), 2);
         assert_eq!(d, Decision::Wait);
-        let failed = StageStatus::Failed(wm_result::WM_ERR_NOT_FOUND);
+        let failed = StageStatus::Failed(wm_result::WM_ERR_NOT_FOUND, "gone".into());
         let d = decide(&twice(&[StageStatus::Staging, failed]), 2);
         let code = wm_result::WM_ERR_NOT_FOUND as u32;
         assert_eq!(d, Decision::Abort { rank: 1, code });

@@ -275,7 +275,7 @@ fn read(shard: &mut Shard, q: &Request, (k, scheme): (u32, Scheme), threads: usi
     let not_finite = |e: u64| {
         Error::format(format!(
             "tensor '{}': element {:?} (of the global tensor) is not finite: FP8 quantization \
-             refuses NaN and infinity, so a diverged trainer does not reach the engine",
+             refuses NaN and infinity, so a diverged trainer's FP8 weights do not reach the engine",
             meta.name,
             global_index(at, e)
         ))
