@@ -255,9 +255,13 @@ impl Applier<'_, '_> {
             // Quantized by the publishers, the FP8 bytes came with the rest
             // of the commit; here, they are made from the bytes that came.
             if !t.on_wire {
-                let wrote = bands::write(t.scheme, self.wide(k, arena), a, fp8, self.opts.threads);
-                wrote.map_err(|e| quant_error(t, e))?;
+                // Read from a file's mapping: each band's amax again as
+                // it is cast (the file may be written meanwhile).
+                let mapped = self.quant.from_file.iter().any(|f| f.0 == k);
+                let wide = self.wide(k, arena);
+                let wrote = bands::write(t.scheme, wide, a, fp8, (self.opts.threads, mapped));
                 self.file_read(k)?;
+                wrote.map_err(|e| quant_error(t, e))?;
             }
             t.scheme.write_scales(a, scales);
         }
@@ -325,6 +329,11 @@ fn quant_error(t: &QuantTarget, e: QuantError) -> Error {
             ))
         }
         QuantError::Invalid(why) => Error::invalid_argument(format!("param '{}': {why}", t.name)),
+        QuantError::Changed { row } => Error::format(format!(
+            "param '{}': its source changed between finding its amax and casting it (from row \
+             {row}): the snapshot file was written during the update",
+            t.name
+        )),
     }
 }
 

@@ -487,12 +487,15 @@ impl Plan {
         self.entries[entry].is_whole(self.segments(entry))
     }
 
-    /// Entry `entry` takes every byte of its tensor, in order (to the
-    /// same offsets or not: a whole tensor fused into a param), so the
-    /// tensor's own checksum covers what it receives.
+    /// Entry `entry` takes every byte of its tensor once, in order (to the
+    /// same offsets of its param or not: a whole tensor fused into a
+    /// param), so the tensor's own checksum covers what it receives. The
+    /// byte count alone is not enough: pieces reading overlapping rows can
+    /// add up to the tensor's size (each segment's bytes must come from
+    /// where they sit in what it receives).
     pub fn takes_all(&self, entry: usize) -> bool {
         let e = &self.entries[entry];
-        e.bytes == e.meta.nbytes
+        e.bytes == e.meta.nbytes && self.segments(entry).iter().all(|s| s.source == s.wanted)
     }
 
     /// Per param a run writes, in order of its first run: `(param, end,

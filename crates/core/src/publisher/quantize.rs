@@ -353,6 +353,9 @@ fn own_amax(
     let amax = bands::amax(scheme, wide, threads).map_err(|e| match e {
         QuantError::NonFinite { index, .. } => Err(q.runs[0].offset + index as u64),
         QuantError::Invalid(why) => Ok(Error::invalid_argument(why)),
+        QuantError::Changed { row } => Ok(Error::format(format!(
+            "the source changed while it was quantized (from row {row})"
+        ))),
     })?;
     let (bh, bw) = scheme.block_dims().expect("own_blocks: a scheme of blocks");
     let (scols, band0) = (cols.div_ceil(bw), first / bh);

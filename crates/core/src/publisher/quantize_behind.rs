@@ -181,9 +181,10 @@ impl ImageToMake {
                     shape: &[rows, cols],
                     bytes: elements.at(q.runs[0].offset, 0, q.bytes()),
                 };
-                bands::write(job.scheme, wide, &self.agreed, image, threads).map_err(|e| {
-                    Error::invalid_argument(format!("tensor '{}': {e:?}", self.meta.name))
-                })?;
+                // The trainer's own memory (`Publisher::add`'s contract).
+                bands::write(job.scheme, wide, &self.agreed, image, (threads, false)).map_err(
+                    |e| Error::invalid_argument(format!("tensor '{}': {e:?}", self.meta.name)),
+                )?;
             }
             None => walk_quantize(
                 q,

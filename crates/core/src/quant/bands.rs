@@ -127,13 +127,17 @@ pub fn amax(scheme: Scheme, wide: Wide, threads: usize) -> Result<Vec<f32>, Quan
 
 /// Quantize `wide` with `scheme` and the amax [`amax`] found: its E4M3
 /// bytes into `fp8` (one per element). The scales are the caller's to
-/// write from the same amax ([`Scheme::write_scales`]).
+/// write from the same amax ([`Scheme::write_scales`]). `recheck`: each
+/// band's amax is found again as it is cast (its bytes in cache) and must
+/// be `amax`'s, else [`QuantError::Changed`]: for a source that may be
+/// written meanwhile (a file's mapping), so scales never go out with
+/// bytes cast from other contents.
 pub fn write(
     scheme: Scheme,
     wide: Wide,
     amax: &[f32],
     fp8: &mut [u8],
-    threads: usize,
+    (threads, recheck): (usize, bool),
 ) -> Result<(), QuantError> {
     let (bands, cols) = bands(scheme, wide.shape);
     let elements = wide.shape.iter().product::<u64>() as usize;
@@ -159,9 +163,31 @@ pub fn write(
         let a = &amax[b.scale..b.scale + b.scales];
         // `quantize_with` also gives the band's scales: not kept here.
         let mut scales = vec![0f32; b.scales];
-        quantize_with(scheme, src, ([0, 0], [b.rows, cols]), a, q, &mut scales)
+        quantize_with(scheme, src, ([0, 0], [b.rows, cols]), a, q, &mut scales)?;
+        recheck.then(|| b.amax(scheme, src, cols)).transpose()
     });
-    done.into_iter().collect()
+    let mut again = vec![0f32; amax.len()];
+    for (b, got) in bands.iter().zip(done) {
+        let Some(got) = got? else { continue };
+        for (slot, a) in again[b.scale..b.scale + b.scales].iter_mut().zip(got) {
+            *slot = slot.max(a);
+        }
+    }
+    if !recheck {
+        return Ok(());
+    }
+    // Bit for bit (one scale per tensor: every band folded in first).
+    match (again.iter().zip(amax)).position(|(x, y)| x.to_bits() != y.to_bits()) {
+        None => Ok(()),
+        Some(k) => {
+            let b = bands
+                .iter()
+                .find(|b| (b.scale..b.scale + b.scales).contains(&k));
+            Err(QuantError::Changed {
+                row: b.map_or(0, |b| b.row),
+            })
+        }
+    }
 }
 
 /// `f` over every band on up to `threads` threads, results in band order.

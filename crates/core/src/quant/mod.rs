@@ -97,6 +97,10 @@ pub enum QuantError {
     NonFinite { index: usize, value: f32 },
     /// Not a dtype this quantizes from, or sizes that disagree.
     Invalid(String),
+    /// The source's bytes changed between finding the amax and casting
+    /// (checked where the source is not the caller's own memory: a file's
+    /// mapping): from flattened row `row` on, a block's amax differs.
+    Changed { row: usize },
 }
 
 /// Each block's amax over the part `src` holds (unclamped; 0 for a block
