@@ -32,8 +32,7 @@ use changes::{changes, put_gaps, put_varint, varint_len};
 use fast::gaps_fast;
 
 /// Elements per chunk (crate-internal: cbindgen exports public constants):
-/// positions in a chunk fit 16 bits, and a chunk's
-/// bitmask is 4 KiB.
+/// positions in a chunk fit 16 bits, and a chunk's bitmask is 4 KiB.
 pub(crate) const CHUNK: usize = 1 << 15;
 
 const UNCHANGED: u8 = 0;
