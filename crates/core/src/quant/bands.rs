@@ -194,3 +194,46 @@ pub fn write(
 fn par_map<T: Send>(bands: &[Band], threads: usize, f: impl Fn(&Band) -> T + Sync) -> Vec<T> {
     crate::parallel::map(bands, threads, "quantizing", f)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{encode, values};
+    use super::*;
+    use crate::test_rng::Rng;
+    /// Cast with `recheck` (a file's mapping as the source), a band whose
+    /// bytes are no longer those the amax was found on is refused naming its
+    /// first row (one scale per tensor: the first band's), for every scheme;
+    /// without it, or with the same bytes, the cast goes through.
+    #[test]
+    fn a_source_changed_between_amax_and_cast_is_refused_when_rechecked() {
+        fn wide<'a>(shape: &'a [u64], bytes: &'a [u8]) -> Wide<'a> {
+            Wide {
+                dtype: DType::Bf16,
+                shape,
+                bytes,
+            }
+        }
+        let mut rng = Rng(7);
+        let shape = [300u64, 260];
+        let bytes = encode(&values(&mut rng, (300, 260)), DType::Bf16);
+        // Element [200, 5] rewritten to 1e6, above any value of the tensor.
+        let mut changed = bytes.clone();
+        let at = 2 * (200 * 260 + 5);
+        changed[at..at + 2].copy_from_slice(&((1e6f32.to_bits() >> 16) as u16).to_le_bytes());
+        for (scheme, first) in [
+            (Scheme::Fp8Block128, 128),
+            (Scheme::Fp8Tensor, 0),
+            (Scheme::Mxfp8, 128),
+        ] {
+            let found = amax(scheme, wide(&shape, &bytes), 2).unwrap();
+            let mut fp8 = vec![0u8; 300 * 260];
+            write(scheme, wide(&shape, &bytes), &found, &mut fp8, (2, true)).unwrap();
+            let e = write(scheme, wide(&shape, &changed), &found, &mut fp8, (2, true)).unwrap_err();
+            match e {
+                QuantError::Changed { row } => assert_eq!(row, first, "{scheme:?}"),
+                other => panic!("{scheme:?}: {other:?}"),
+            }
+            write(scheme, wide(&shape, &changed), &found, &mut fp8, (2, false)).unwrap();
+        }
+    }
+}

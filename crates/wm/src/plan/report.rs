@@ -44,6 +44,21 @@ impl Totals {
         }
     }
 
+    /// The busiest link's bytes as planned and on the wire (as
+    /// `--wire-dtype` and `--delta-fraction` say), each with the block
+    /// amax quantized params need (whole at every update, so outside what
+    /// the wire's dtype and deltas scale).
+    fn busiest_links(&self) -> (f64, f64) {
+        let (r, amax) = (&self.ranks, &self.amax_sent);
+        let plain = (r.iter().map(|p| p.bytes as f64 + p.amax as f64))
+            .chain((self.sent.iter().zip(amax)).map(|(&b, &a)| b as f64 + a as f64))
+            .fold(0.0, f64::max);
+        let wired = (r.iter().map(|p| p.wired + p.amax as f64))
+            .chain((self.wired_sent.iter().zip(amax)).map(|(&b, &a)| b + a as f64))
+            .fold(0.0, f64::max);
+        (plain, wired)
+    }
+
     /// Add rank plan `r`; Err when a trainer rank's bytes overflow a
     /// 64-bit count.
     pub fn add(&mut self, r: RankPlan) -> Result<(), String> {
@@ -185,15 +200,7 @@ impl Report {
         let (time_min, time_max) = min_max(r.iter().map(|p| p.time.as_nanos() as u64));
         let time_sum: u64 = r.iter().map(|p| p.time.as_nanos() as u64).sum();
         let link = gbps * 1e9 / 8.0;
-        // The links' bytes with the block amax quantized params need (whole
-        // at every update, so outside what the wire's dtype and deltas
-        // scale).
-        let plain = (r.iter().map(|p| p.bytes as f64 + p.amax as f64))
-            .chain((t.sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b as f64 + a as f64))
-            .fold(0.0, f64::max);
-        let wired = (r.iter().map(|p| p.wired + p.amax as f64))
-            .chain((t.wired_sent.iter().zip(&t.amax_sent)).map(|(&b, &a)| b + a as f64))
-            .fold(0.0, f64::max);
+        let (plain, wired) = t.busiest_links();
         let factor = r.iter().map(|p| p.wired).sum::<f64>() / moved.max(1) as f64;
         let (seconds, wire_seconds) = (plain / link, wired / (link * wire.goodput));
         if !(seconds.is_finite() && wire_seconds.is_finite()) {
