@@ -430,21 +430,8 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
             runs,
             sums: false,
         }];
-        conn.send(&Frame::Want {
-            requests,
-            base: None,
-            quant: vec![],
-        })
-        .unwrap();
         let start = Instant::now();
-        conn.send(&Frame::Ready {
-            address: vec![0; 16],
-            bucket_size: 256,
-            depth: 1,
-            direct: false,
-            keyed: false,
-        })
-        .unwrap();
+        want_then_ready(&mut conn, requests, (vec![0; 16], 256, 1));
         let e = conn.recv(deadline).unwrap_err();
         assert!(
             start.elapsed() < Duration::from_secs(5),
@@ -498,20 +485,7 @@ fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
             }],
             sums: false,
         }];
-        conn.send(&Frame::Want {
-            requests,
-            base: None,
-            quant: vec![],
-        })
-        .unwrap();
-        conn.send(&Frame::Ready {
-            address: vec![0xff; 200],
-            bucket_size: 1 << 20,
-            depth: 2,
-            direct: false,
-            keyed: false,
-        })
-        .unwrap();
+        want_then_ready(&mut conn, requests, (vec![0xff; 200], 1 << 20, 2));
         let e = conn.recv(deadline).unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
         drop(conn);
@@ -521,4 +495,27 @@ fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
             "the publisher's own error: {e}"
         );
     });
+}
+
+/// A hand-written engine's WANT of `requests`, then its READY with
+/// `(worker address, bucket size, depth)`, staged receive, no keyed digests.
+fn want_then_ready(
+    conn: &mut Conn,
+    requests: Vec<Request>,
+    (address, bucket_size, depth): (Vec<u8>, u64, u32),
+) {
+    let want = Frame::Want {
+        requests,
+        base: None,
+        quant: vec![],
+    };
+    conn.send(&want).unwrap();
+    let ready = Frame::Ready {
+        address,
+        bucket_size,
+        depth,
+        direct: false,
+        keyed: false,
+    };
+    conn.send(&ready).unwrap();
 }

@@ -26,10 +26,10 @@
 //! element). The copy into a buffer first was a third pass over memory
 //! (measured on the 2-core machine: 0.37 of the bf16 snapshot's speed
 //! with it, 0.50-0.54 without, each band's amax found again as it is
-//! cast: the file may be written meanwhile). Quantizing each band as its amax is found
-//! would read once, but would write FP8 bytes before a NaN in a later band
-//! is seen. Verified updates keep the copy: they hash what lands, where it
-//! lands.
+//! cast: the file may be written meanwhile). Quantizing each band as its
+//! amax is found would read once, but would write FP8 bytes before a NaN
+//! in a later band is seen. Verified updates keep the copy: they hash
+//! what lands, where it lands.
 
 use super::arena::Arena;
 use super::types::Chunk;

@@ -142,12 +142,7 @@ pub(super) fn changes_scalar(
     let changed: usize = words.iter().map(|w| w.count_ones() as usize).sum();
     grow(values, changed * esize);
     grow(pos, changed);
-    match esize {
-        1 => gather_e::<1>(words, n, values, pos),
-        2 => gather_e::<2>(words, n, values, pos),
-        4 => gather_e::<4>(words, n, values, pos),
-        _ => gather_any(words, n, esize, values, pos),
-    }
+    gather(words, n, esize, values, pos);
     changed
 }
 
@@ -176,33 +171,16 @@ pub(super) fn varint_len(x: usize) -> usize {
     (usize::BITS - (x | 1).leading_zeros()).div_ceil(7) as usize
 }
 
-/// The set bits of `words` as positions and the new bytes there, for
-/// `E`-byte elements (fixed-size copies); `values` and `pos` are sized.
-#[inline(always)]
-fn gather_e<const E: usize>(words: &[u64], n: &[u8], values: &mut [u8], pos: &mut [u16]) {
+/// The set bits of `words` as positions and the new bytes there (each
+/// element copied at its size, `super::set`); `values` and `pos` are sized.
+fn gather(words: &[u64], n: &[u8], esize: usize, values: &mut [u8], pos: &mut [u16]) {
     let mut k = 0;
     for (w, &word) in words.iter().enumerate() {
         let mut bits = word;
         while bits != 0 {
             let i = w * 64 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            let v: [u8; E] = n[i * E..i * E + E].try_into().expect("E bytes");
-            values[k * E..k * E + E].copy_from_slice(&v);
-            pos[k] = i as u16;
-            k += 1;
-        }
-    }
-}
-
-/// [`gather_e`] for any element size.
-fn gather_any(words: &[u64], n: &[u8], esize: usize, values: &mut [u8], pos: &mut [u16]) {
-    let mut k = 0;
-    for (w, &word) in words.iter().enumerate() {
-        let mut bits = word;
-        while bits != 0 {
-            let i = w * 64 + bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            values[k * esize..(k + 1) * esize].copy_from_slice(&n[i * esize..(i + 1) * esize]);
+            super::set(values, k, &n[i * esize..(i + 1) * esize], esize);
             pos[k] = i as u16;
             k += 1;
         }
@@ -224,7 +202,7 @@ pub(super) fn vbmi2() -> bool {
 /// [`changes`] by AVX-512, 32 elements at a time with no branch on their
 /// bits: compared into a mask, the new values packed by a compress and
 /// stored whole (the store's tail is overwritten by the next), their
-/// indices packed the same way. The bit loop of [`gather_e`] mispredicted
+/// indices packed the same way. The bit loop of [`gather`] mispredicted
 /// its exit about once per word at 2% changed, and read `n` again.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
