@@ -6,7 +6,7 @@ mod common;
 use common::ShmNames as Names;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use weight_manager_core::DType;
 use weight_manager_core::State;
@@ -47,21 +47,29 @@ struct Rank {
     child: Child,
     log: PathBuf,
     err: PathBuf,
+    /// Its stdout: the closing summary.
+    out: PathBuf,
 }
 
 fn spawn(dir: &Path, rank: u32, args: &[String]) -> Rank {
     let log = dir.join(format!("steps{rank}.log"));
     let err = dir.join(format!("stderr{rank}.log"));
+    let out = dir.join(format!("stdout{rank}.log"));
     let child = Command::new(&*WM)
         .arg("worker")
         .args(["--rank", &rank.to_string(), "--log"])
         .arg(&log)
         .args(args)
-        .stdout(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    Rank { child, log, err }
+    Rank {
+        child,
+        log,
+        err,
+        out,
+    }
 }
 
 fn all_exited(ranks: &mut [Rank]) -> bool {
@@ -598,6 +606,11 @@ fn two_phase_ranks_commit_at_the_same_step() {
             }
         }
         let logs = finish(&mut ranks);
+        for r in &ranks {
+            // The closing summary counts the commits as updates.
+            let out = std::fs::read_to_string(&r.out).unwrap();
+            assert!(out.contains(" 3 updates, "), "{world} ranks: {out}");
+        }
         for v in ["v1", "v2", "v3"] {
             let steps = commit_steps(&logs, v);
             assert!(

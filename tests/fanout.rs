@@ -434,3 +434,116 @@ fn the_manager_checks_fanout_settings_and_names_a_missing_nccl() {
         assert_eq!(status.version, None);
     }
 }
+
+/// What a rank of [`a_member_cancelling_on_the_last_batch_fails_the_root_too`]
+/// saw: its first update's version (or error), its state and version
+/// after it, and its next update's version.
+type RankSaw = (
+    weight_manager_core::Result<String>,
+    (weight_manager_core::State, Option<String>),
+    weight_manager_core::Result<String>,
+);
+
+/// Rank `rank` of fan-out group 0 in signal group `group` (NCCL at
+/// `nccl`) with device params for `v1`, updating from `snap` twice; the
+/// member (rank 1) cancels its first update from its progress callback,
+/// in `member_mode`.
+fn cancelling_rank(
+    rank: u32,
+    (group, nccl): (String, std::path::PathBuf),
+    (snap, v1): (std::path::PathBuf, Vec<common::T>),
+    member_mode: weight_manager_core::Mode,
+) -> RankSaw {
+    use weight_manager_core::{Hooks, MemoryKind, ParamSpec, Progress};
+    let m = Manager::new(ManagerConfig {
+        rank,
+        world_size: 2,
+        group: Some(GroupSettings {
+            name: group,
+            local_rank: None,
+            local_world_size: None,
+            node_rank: 0,
+            addr: None,
+            timeout: Duration::from_secs(10),
+        }),
+        fanout: Some(FanoutSettings {
+            group: 0,
+            nccl_library: Some(nccl),
+        }),
+        device: 0,
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    for t in &v1 {
+        let mut spec = ParamSpec::host(&t.name, t.dtype, &t.shape);
+        spec.memory = MemoryKind::Device;
+        spec.device_ordinal = 0;
+        m.allocate(&spec).unwrap();
+    }
+    let mut cancel = |_: &Progress| false;
+    let mut req = UpdateRequest::snapshot(&snap);
+    req.timeout = Duration::from_secs(20);
+    if rank == 1 {
+        req.mode = member_mode;
+        req.hooks = Hooks {
+            progress: Some(&mut cancel),
+            tensor: None,
+        };
+    }
+    let first = m.update(req).map(|s| s.version);
+    let status = m.status();
+    let status = (status.state, status.version);
+    let again = m.update(UpdateRequest::snapshot(&snap)).map(|s| s.version);
+    (first, status, again)
+}
+
+/// A member whose progress callback cancels on the last batch (here the
+/// only one: the model is under the bucket size) keeps its weights
+/// (atomic) or ends FAILED (in place), and the root hears it in the final
+/// vote: its update fails naming the member, its own weights new (found by
+/// an audit: the root returned WM_OK, the group out of step with no error).
+/// Both ranks' next update brings the group back in step.
+#[test]
+fn a_member_cancelling_on_the_last_batch_fails_the_root_too() {
+    use weight_manager_core::{Mode, State};
+    let name = "a_member_cancelling_on_the_last_batch_fails_the_root_too";
+    if !common::fake_cuda::under_fake_driver(name, false) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let nccl = stub(dir.path(), "fake_nccl", include_str!("fake_nccl.c"));
+    let snap = dir.path().join("v1");
+    std::fs::create_dir(&snap).unwrap();
+    let v1 = common::model(1);
+    common::write_safetensors(&snap.join("model.safetensors"), &v1);
+    common::write_version(&snap, "1");
+    for member_mode in [Mode::Atomic, Mode::InPlace] {
+        let group = unique("cancel");
+        let ranks: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let names = (group.clone(), nccl.clone());
+                let model = (snap.clone(), v1.clone());
+                std::thread::spawn(move || cancelling_rank(rank, names, model, member_mode))
+            })
+            .collect();
+        let mut out: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+        let (member, root) = (out.pop().unwrap(), out.pop().unwrap());
+        let e = root.0.unwrap_err();
+        assert!(
+            e.message.contains("fan-out to rank(s) 1 failed")
+                && e.message.contains("rank 1 did not take"),
+            "{member_mode:?}: {e}"
+        );
+        assert_eq!(root.1 .0, State::Failed, "{member_mode:?}");
+        let e = member.0.unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_CANCELLED, "{member_mode:?}: {e}");
+        let left = match member_mode {
+            Mode::Atomic => State::Normal,
+            _ => State::Failed,
+        };
+        assert_eq!(member.1, (left, None), "{member_mode:?}");
+        assert_eq!(root.2.unwrap(), "1", "{member_mode:?}: the next update");
+        assert_eq!(member.2.unwrap(), "1", "{member_mode:?}: the next update");
+    }
+}

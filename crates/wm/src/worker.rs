@@ -225,6 +225,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         let outcome = match signal {
             State::Updating | State::Commit | State::Cleared if a.two_phase => {
                 r.two_phase(signal, step).map(|serve| {
+                    // Two-phase, an update counts once committed.
+                    updates += u64::from(signal == State::Commit);
                     if serve {
                         std::thread::sleep(Duration::from_micros(a.step_us));
                     }

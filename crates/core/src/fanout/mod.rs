@@ -28,6 +28,10 @@
 //!    (`member.rs`): in place straight into the params; atomic into a GPU
 //!    landing buffer of one batch, from which the applier copies them into
 //!    its staging and, once every byte arrived, commits them to the params.
+//! 6. Every rank votes once more: whether it took the bytes (its whole
+//!    update). The root reports a member that did not (`took`); a member
+//!    failing on the last batch leaves no broadcast failed, so without
+//!    this vote the root would report success with the group out of step.
 //!
 //! Files: `session.rs` (the communicator and one update's exchanges),
 //! `transfer.rs` (the batch loop shared by root and members), `member.rs`

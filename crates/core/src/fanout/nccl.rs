@@ -438,6 +438,8 @@ impl Comm {
         Ok(out)
     }
 
+    /// Whether the communicator failed or was aborted (it is rebuilt at the
+    /// next meeting).
     pub fn failed(&self) -> bool {
         self.failed
     }

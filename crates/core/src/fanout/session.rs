@@ -149,6 +149,32 @@ impl FanoutSession<'_> {
         )))
     }
 
+    /// The final vote of a one-call update, once the bytes moved: every
+    /// rank says whether it took them (`mine`: its whole update, commit
+    /// included). The root gets the error naming the lowest rank that did
+    /// not; a member's result is its own. Skipped (Ok) where the
+    /// communicator failed: every rank's broadcast failed then, and each
+    /// already reports it.
+    pub fn took(&mut self, mine: Result<()>, deadline: Instant) -> Result<()> {
+        if self.comm.failed() {
+            return mine;
+        }
+        let value = match &mine {
+            Ok(()) => i32::MAX,
+            Err(_) => self.rank as i32,
+        };
+        let alive = member_check(&self.meeting);
+        let lowest = self.comm.min(value, deadline, &alive);
+        mine?;
+        match lowest? {
+            i32::MAX => Ok(()),
+            _ if !self.is_root() => Ok(()),
+            lowest => Err(Error::state(format!(
+                "fan-out rank {lowest} did not take the bytes it received (its wm_status has why)"
+            ))),
+        }
+    }
+
     /// Broadcast tensors of `sizes` from the root, where `landing` says,
     /// batch by batch (`transfer::move_batches`).
     pub fn move_tensors(

@@ -125,8 +125,12 @@ impl Landing for FromStaged<'_> {
 }
 
 /// Broadcast tensors of `sizes` from the root, in `batches` of at most
-/// `limit` bytes, each batch bounded by `batch_timeout`. Any failure
-/// aborts the mover, so the other ranks stop too instead of waiting.
+/// `limit` bytes, each batch bounded by `batch_timeout`. A failure aborts
+/// the mover, so the other ranks stop too instead of waiting; except a
+/// rank's own failure to take the last batch (its progress callback
+/// cancelling, say): every broadcast has completed on every rank by then,
+/// so the communicator stays in step and the rank says why in the final
+/// vote ([`super::FanoutSession::took`]), which the root hears.
 pub fn move_batches(
     sizes: &[usize],
     limit: usize,
@@ -134,7 +138,8 @@ pub fn move_batches(
     mover: &mut dyn Mover,
     landing: &mut dyn Landing,
 ) -> Result<()> {
-    for batch in batches(sizes, limit) {
+    let all = batches(sizes, limit);
+    for (k, batch) in all.iter().enumerate() {
         let deadline = Instant::now() + batch_timeout;
         let moved = (|| {
             let at = landing.place(batch.clone())?;
@@ -143,11 +148,16 @@ pub fn move_batches(
                 // nothing else uses until the batch moved.
                 unsafe { mover.broadcast(at, len, deadline)? };
             }
-            mover.wait(deadline)?;
-            landing.moved(batch)
+            mover.wait(deadline)
         })();
         if let Err(e) = moved {
             mover.abort();
+            return Err(e);
+        }
+        if let Err(e) = landing.moved(batch.clone()) {
+            if k + 1 < all.len() {
+                mover.abort();
+            }
             return Err(e);
         }
     }

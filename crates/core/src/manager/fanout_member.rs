@@ -40,16 +40,25 @@ impl Manager {
         // The applier (and its atomic staging) is made before the vote, so
         // a rank that cannot take the update refuses it before any byte
         // moves; everything after the vote happens inside.
-        let mut voted = false;
+        let (mut voted, mut broadcast) = (false, false);
         // The member's device params are written by NCCL directly, as gdr
         // writes them: in place, the applier hands out their addresses.
         let applied = self.apply_plan(run, (&plan, &announcement.version), true, |applier| {
             voted = true;
             s.vote(Ok(()), deadline)?;
             self.hear_outcome(s, deadline)?;
+            broadcast = true;
             self.receive_bytes(s, applier, &sizes, bounce.as_ref(), batch_timeout)
                 .map_err(|e| e.context(format!("receiving the fan-out from rank {root}")))
         });
+        if broadcast && !announcement.staged {
+            // The root hears whether this rank took the bytes (staged, the
+            // signal's vote decides instead).
+            let mine = applied.as_ref().map(|_| ()).map_err(|f| f.error.clone());
+            if let (Ok(_), Err(e)) = (&applied, s.took(mine, deadline)) {
+                (self.config.logger).warn(&format!("the fan-out's final vote: {e}"));
+            }
+        }
         let applied = match applied {
             Err(f) if !voted => return Err(refuse(s, f.error, deadline).into()),
             r => r?,

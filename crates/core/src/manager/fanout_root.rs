@@ -120,8 +120,9 @@ impl FanoutRoot<'_, '_> {
         self.params.iter().map(|&i| params[i].nbytes).collect()
     }
 
-    /// After the root's commit: tell the members it went through, then
-    /// broadcast the announced params.
+    /// After the root's commit: tell the members it went through,
+    /// broadcast the announced params, then hear whether every member took
+    /// them (a member failing on the last batch leaves no broadcast failed).
     fn after(&mut self, sizes: &[usize], registry: &Registry, bucket_size: usize) -> Result<()> {
         self.session.word(Some(&Word::Go(())), self.said_by)?;
         let at: Vec<u64> = (self.params.iter())
@@ -132,7 +133,8 @@ impl FanoutRoot<'_, '_> {
             bucket_size,
             crate::defaults::BUCKET_TIMEOUT,
             &mut FromParams(&at),
-        )
+        )?;
+        self.session.took(Ok(()), self.said_by)
     }
 
     /// Staged, before the gate: every byte arrived and verified, tell the
