@@ -572,15 +572,16 @@ fn lying_delta_publisher(
         .unwrap();
         let keys = secret.session_keys(&mine, &theirs, &hello.encode());
         conn.secure(&keys, Role::Publisher);
+        // The engine's READY comes right after the challenge.
+        let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
+            panic!("no READY")
+        };
         conn.send(&hostile_windows::manifest_of_w("v2", true))
             .unwrap();
         let Frame::Want { base: Some(_), .. } = conn.recv(deadline).unwrap() else {
             panic!("no WANT with a base")
         };
         conn.send(&deltas(announced, sum)).unwrap();
-        let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
-            panic!("no READY")
-        };
         let Some(sent) = sent else {
             return drop(conn);
         };

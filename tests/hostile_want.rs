@@ -15,6 +15,7 @@ use weight_manager_core::internals::memory::shared::SharedBuffer;
 use weight_manager_core::internals::transport::auth::{self, Secret};
 use weight_manager_core::internals::transport::conn::Conn;
 use weight_manager_core::internals::transport::seal::Role;
+use weight_manager_core::internals::transport::ucx::Pump;
 use weight_manager_core::internals::wire::{Frame, Request, WantRun, MAX_BLOCKS};
 use weight_manager_core::wm_result;
 use weight_manager_core::DType;
@@ -360,9 +361,16 @@ fn a_want_of_many_runs_in_small_buckets_is_refused_at_once() {
 }
 
 /// A hand-written network engine: HELLO, the challenge answered with the
-/// shared `secret`, then sealed frames; returns the connection after the
+/// shared `secret`, then sealed frames: READY with `(worker address,
+/// bucket size, depth)` (staged receive, no keyed digests), sent right
+/// after the challenge as engines do; returns the connection before the
 /// publisher's MANIFEST.
-fn net_engine(addr: &str, secret: &[u8], deadline: Instant) -> Conn {
+fn net_engine(
+    addr: &str,
+    secret: &[u8],
+    (address, bucket_size, depth): (Vec<u8>, u64, u32),
+    deadline: Instant,
+) -> Conn {
     let mut conn = Conn::new(TcpStream::connect(addr).unwrap(), "the publisher");
     let hello = Frame::Hello {
         rank: 0,
@@ -389,10 +397,28 @@ fn net_engine(addr: &str, secret: &[u8], deadline: Instant) -> Conn {
         &secret.session_keys(&theirs, &mine, &hello.encode()),
         Role::Engine,
     );
+    let ready = Frame::Ready {
+        address,
+        bucket_size,
+        depth,
+        direct: false,
+        keyed: false,
+    };
+    conn.send(&ready).unwrap();
+    conn
+}
+
+/// The publisher's MANIFEST, then a hand-written engine's WANT of `requests`.
+fn manifest_then_want(conn: &mut Conn, requests: Vec<Request>, deadline: Instant) {
     let Frame::Manifest { .. } = conn.recv(deadline).unwrap() else {
         panic!("no MANIFEST")
     };
-    conn
+    let want = Frame::Want {
+        requests,
+        base: None,
+        quant: vec![],
+    };
+    conn.send(&want).unwrap();
 }
 
 /// Over the network the engine names the bucket size (READY): 2^20 runs
@@ -416,7 +442,10 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(30)));
         let deadline = Instant::now() + Duration::from_secs(60);
-        let mut conn = net_engine(&addr, SECRET, deadline);
+        // A real worker: the publisher connects to it at READY.
+        let pump = Pump::start("hand-written engine").unwrap();
+        let ready = (pump.address().to_vec(), 256, 1);
+        let mut conn = net_engine(&addr, SECRET, ready, deadline);
         let runs = (0..1u64 << 20)
             .map(|i| WantRun {
                 offset: i * 64,
@@ -431,7 +460,7 @@ fn a_ready_of_tiny_buckets_for_many_runs_is_refused_over_the_network() {
             sums: false,
         }];
         let start = Instant::now();
-        want_then_ready(&mut conn, requests, (vec![0; 16], 256, 1));
+        manifest_then_want(&mut conn, requests, deadline);
         let e = conn.recv(deadline).unwrap_err();
         assert!(
             start.elapsed() < Duration::from_secs(5),
@@ -474,18 +503,9 @@ fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
     std::thread::scope(|s| {
         let serve = s.spawn(|| p.serve(1, Duration::from_secs(20)));
         let deadline = Instant::now() + Duration::from_secs(20);
-        let mut conn = net_engine(&addr, SECRET, deadline);
-        let requests = vec![Request {
-            tensor: 0,
-            runs: vec![WantRun {
-                offset: 0,
-                len: 4096,
-                rows: 1,
-                stride: 4096,
-            }],
-            sums: false,
-        }];
-        want_then_ready(&mut conn, requests, (vec![0xff; 200], 1 << 20, 2));
+        let ready = (vec![0xff; 200], 1 << 20, 2);
+        let mut conn = net_engine(&addr, SECRET, ready, deadline);
+        // Refused at READY, before the manifest.
         let e = conn.recv(deadline).unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
         drop(conn);
@@ -495,27 +515,4 @@ fn a_ready_with_a_worker_address_ucx_would_abort_on_is_refused() {
             "the publisher's own error: {e}"
         );
     });
-}
-
-/// A hand-written engine's WANT of `requests`, then its READY with
-/// `(worker address, bucket size, depth)`, staged receive, no keyed digests.
-fn want_then_ready(
-    conn: &mut Conn,
-    requests: Vec<Request>,
-    (address, bucket_size, depth): (Vec<u8>, u64, u32),
-) {
-    let want = Frame::Want {
-        requests,
-        base: None,
-        quant: vec![],
-    };
-    conn.send(&want).unwrap();
-    let ready = Frame::Ready {
-        address,
-        bucket_size,
-        depth,
-        direct: false,
-        keyed: false,
-    };
-    conn.send(&ready).unwrap();
 }

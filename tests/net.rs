@@ -786,31 +786,33 @@ fn flipped(mut frame: Vec<u8>, at: usize) -> Vec<u8> {
 }
 
 /// The tamperings of the control frames test: what each does, and
-/// whether the publisher sees it too.
+/// whether the publisher sees it too. A dropped or reordered frame shows
+/// when the frame after it comes: the ACKs of a session of several
+/// buckets (the others each wait for the publisher's answer).
 fn control_frame_tamperings() -> [(&'static str, Box<proxy::Tamper>, bool); 4] {
     use proxy::{Dir, Tamper};
-    // Frames each way: engine HELLO 0, PROOF 1, WANT 2, READY 3;
-    // publisher CHALLENGE 0, PROOF 1, MANIFEST 2.
+    // Frames each way: engine HELLO 0, PROOF 1, READY 2, WANT 3, ACK 0 is
+    // 4, ACK 1 is 5; publisher CHALLENGE 0, PROOF 1, MANIFEST 2.
     let manifest_version_rewritten: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
         // MANIFEST: [len][type][version len u32][version...]: "5" becomes "4".
         (Dir::ToEngine, 2) => vec![flipped(f, 9)],
         _ => vec![f],
     });
-    let want_replayed: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
+    let ready_replayed: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
         (Dir::ToPublisher, 2) => vec![f.clone(), f],
         _ => vec![f],
     });
-    let want_dropped: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
-        (Dir::ToPublisher, 2) => vec![],
+    let ack_dropped: Box<Tamper> = Box::new(|dir, i, f| match (dir, i) {
+        (Dir::ToPublisher, 4) => vec![],
         _ => vec![f],
     });
     let mut held = None;
-    let want_after_ready: Box<Tamper> = Box::new(move |dir, i, f| match (dir, i) {
-        (Dir::ToPublisher, 2) => {
+    let acks_reordered: Box<Tamper> = Box::new(move |dir, i, f| match (dir, i) {
+        (Dir::ToPublisher, 4) => {
             held = Some(f);
             vec![]
         }
-        (Dir::ToPublisher, 3) => vec![f, held.take().unwrap()],
+        (Dir::ToPublisher, 5) => vec![f, held.take().unwrap()],
         _ => vec![f],
     });
     [
@@ -819,9 +821,9 @@ fn control_frame_tamperings() -> [(&'static str, Box<proxy::Tamper>, bool); 4] {
             manifest_version_rewritten,
             false,
         ),
-        ("WANT replayed", want_replayed, true),
-        ("WANT dropped", want_dropped, true),
-        ("WANT and READY reordered", want_after_ready, true),
+        ("READY replayed", ready_replayed, true),
+        ("ACK 0 dropped", ack_dropped, true),
+        ("ACK 0 and ACK 1 reordered", acks_reordered, true),
     ]
 }
 
@@ -837,7 +839,8 @@ fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
     let ts = model(5);
     add_all(&p, &ts);
     p.set_version(Some("5".into()));
-    let m = manager(SECRET, 1 << 20, Logger::default());
+    // Buckets of 4 KiB: a session of several, so that ACKs follow ACKs.
+    let m = manager(SECRET, 4096, Logger::default());
     let ptrs = register(&m, &ts);
     let before: Vec<Vec<u8>> = ptrs
         .iter()
@@ -847,7 +850,8 @@ fn control_frames_altered_replayed_dropped_or_reordered_on_the_way_fail() {
         let proxy = Proxy::start(&p.address(), tamper);
         std::thread::scope(|s| {
             let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));
-            let e = m.update(rdma(&proxy.address)).unwrap_err();
+            let r = m.update(rdma(&proxy.address));
+            let e = r.expect_err(what);
             assert_eq!(e.code, wm_result::WM_ERR_AUTH, "{what}: {e}");
             assert!(e.message.contains("authentication failed"), "{what}: {e}");
             let pe = serving.join().unwrap().unwrap_err();

@@ -360,6 +360,10 @@ fn lying_publisher(
             &secret.session_keys(&mine, &theirs, &hello.encode()),
             Role::Publisher,
         );
+        // The engine's READY comes right after the challenge.
+        let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
+            panic!("no READY")
+        };
         let tensors = vec![TensorMeta {
             name: g.name.into(),
             dtype: DType::F32,
@@ -378,9 +382,6 @@ fn lying_publisher(
         common::decline_base(&mut conn, &want).unwrap();
         let Frame::Want { requests, .. } = want else {
             panic!("no WANT")
-        };
-        let Frame::Ready { address, .. } = conn.recv(deadline).unwrap() else {
-            panic!("no READY")
         };
         let whole = BucketEntry {
             request: 0,

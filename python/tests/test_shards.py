@@ -19,7 +19,7 @@ import pytest
 from weight_manager import Publisher, WeightManagerError
 from weight_manager.torch_bridge import shard_box
 
-PROTOCOL = 9
+PROTOCOL = 10
 
 
 def _frame(kind: int, payload: bytes) -> bytes:

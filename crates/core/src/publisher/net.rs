@@ -54,16 +54,35 @@ struct Ready {
     keyed: bool,
 }
 
+/// The engine's worker reached: its READY, and our worker connected to it.
+pub(super) struct EngineLink {
+    pump: Pump,
+    ready: Ready,
+}
+
+/// Take the engine's READY (the frame after the challenge) and connect a
+/// worker of ours to its worker, before `deadline`. Runs while the
+/// session's tensors are hashed for the manifest: making a worker and an
+/// endpoint takes milliseconds that would otherwise come after it.
+pub(super) fn reach(conn: &mut Conn, deadline: Instant) -> Result<EngineLink> {
+    let mut pump = Pump::spawn("publisher")?;
+    let ready = recv_ready(conn, deadline)?;
+    pump.started()?;
+    pump.connect(&ready.address)
+        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
+    Ok(EngineLink { pump, ready })
+}
+
 /// Stream the `requests` of `shard` to the engine at `conn`, whose bucket
-/// bytes' digests are keyed with `key`.
+/// bytes' digests are keyed with `key`, through `engine`'s worker.
 pub(super) fn stream(
     io: &mut SessionIo,
-    key: &[u8; KEYED],
+    (key, engine): (&[u8; KEYED], EngineLink),
     shard: &mut Shard,
     (requests, deltas): (&[Request], &Messages),
 ) -> Result<()> {
     let (cfg, pool) = (io.cfg, &io.pool.buffers);
-    let ready = recv_ready(io.conn, (io.ack_deadline)())?;
+    let EngineLink { pump, ready } = engine;
     check_cuts(requests, ready.bucket_size, true)
         .map_err(|e| e.context(format!("{}'s READY", io.conn.peer())))?;
     let buckets = plan_messages(requests, ready.bucket_size);
@@ -82,9 +101,6 @@ pub(super) fn stream(
         0 => Vec::new(),
         n => take_buffers(pool, n_buf, n as usize)?,
     };
-    let pump = Pump::start("publisher")?;
-    pump.connect(&ready.address)
-        .map_err(|e| e.context(format!("reaching {}", io.conn.peer())))?;
     send_deltas(&pump, deltas, (io.ack_deadline)())
         .map_err(|e| e.context(format!("sending deltas to {}", io.conn.peer())))?;
     // The sink borrows the buffers, so it (and its pump, whose sends read

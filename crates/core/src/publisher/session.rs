@@ -83,14 +83,8 @@ fn serve(
     let session_deadline = start + cfg.session_timeout;
     let step = |d: Duration| (Instant::now() + d).min(session_deadline);
     let offer = pick(offers, wanted_version, rank)?;
-    let hashing = Instant::now();
-    let mut shard =
-        shard_for(offer, rank, gpu_id, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
-    let hash = if shard.hashed > 0 {
-        hashing.elapsed()
-    } else {
-        Duration::ZERO
-    };
+    let ((mut shard, hash), engine) =
+        shard_and_engine(conn, offer, (rank, gpu_id), bytes_key, cfg)?;
     let have = shard.manifest.version.clone().unwrap_or_default();
     let base_shard = deltas::base_shard(offers, held, (rank, gpu_id), &shard, cfg)?;
     conn.send(&Frame::Manifest {
@@ -126,6 +120,7 @@ fn serve(
         base,
         base_shard,
         images: served.images,
+        engine,
     };
     let bucket_deadline = || step(cfg.bucket_timeout);
     deliver(
@@ -145,6 +140,46 @@ struct Delivery {
     base_shard: Option<deltas::BaseShard>,
     /// The quantized requests' images.
     images: quantize::Images,
+    /// Over the network: the engine's worker, reached.
+    engine: Option<net::EngineLink>,
+}
+
+/// This rank's shard (its tensors hashed where they must be, and how long
+/// that took) and, over the network (`bytes_key`), the engine's worker
+/// reached meanwhile: the engine sends READY right after the challenge.
+fn shard_and_engine(
+    conn: &mut Conn,
+    offer: &Offer,
+    (rank, gpu_id): (u32, &str),
+    bytes_key: Option<&[u8; 32]>,
+    cfg: &PublisherConfig,
+) -> Result<((Shard, Duration), Option<net::EngineLink>)> {
+    let timed_shard = || {
+        let hashing = Instant::now();
+        let shard =
+            shard_for(offer, rank, gpu_id, cfg).map_err(|e| e.context(format!("rank {rank}")))?;
+        let hash = match shard.hashed {
+            0 => Duration::ZERO,
+            _ => hashing.elapsed(),
+        };
+        Ok((shard, hash))
+    };
+    if bytes_key.is_none() {
+        return Ok((timed_shard()?, None));
+    }
+    let deadline = Instant::now() + cfg.bucket_timeout;
+    let (shard, engine) = std::thread::scope(|s| {
+        let shard = s.spawn(timed_shard);
+        let engine = net::reach(conn, deadline);
+        let shard = shard.join().unwrap_or_else(|_| {
+            Err(Error::new(
+                crate::result::wm_result::WM_ERR_PANIC,
+                "the thread hashing the session's tensors panicked",
+            ))
+        });
+        (shard, engine)
+    });
+    Ok((shard?, Some(engine?)))
 }
 
 /// How a session's bytes go out: the network key (None: IPC), the
@@ -242,7 +277,11 @@ fn send(
         stats: &mut stats,
     };
     match bytes_key {
-        Some(key) => net::stream(&mut io, key, &mut d.shard, (want, &messages))?,
+        Some(key) => {
+            let engine = (d.engine.take())
+                .ok_or_else(|| Error::state("a network session's engine worker is reached once"))?;
+            net::stream(&mut io, (key, engine), &mut d.shard, (want, &messages))?
+        }
         None => ipc::stream(&mut io, &mut d.shard, want)?,
     }
     Ok(stats)

@@ -49,8 +49,10 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 /// (`deltas.rs`). 7: WANT names quantized requests, AMAX and SCALES
 /// agree their blocks' amax (`quant.rs`). 8: a quantized request may be
 /// fingerprinted (its delta is over FP8 bytes), DELTAS' verdict 3. 9:
-/// AMAX and SCALES may take several frames (`quant.rs`; MXFP8).
-pub(crate) const PROTOCOL: u32 = 9;
+/// AMAX and SCALES may take several frames (`quant.rs`; MXFP8). 10: the
+/// engine sends READY right after the challenge, before MANIFEST, so the
+/// publisher connects to its worker while it hashes for the manifest.
+pub(crate) const PROTOCOL: u32 = 10;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Bucket offsets are multiples of this (`docs/wire.md`).

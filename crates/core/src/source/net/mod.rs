@@ -1,10 +1,12 @@
 //! The network sources: a publisher on another node streams buckets over UCX
 //! (protocol in `docs/wire.md`; transport in `transport::ucx`).
 //!
-//! The engine connects over TCP, proves it holds the shared secret (and
-//! checks that the publisher does), names its rank and the version it wants
-//! ("latest" by default), gets its manifest, asks for exactly the bytes its
-//! plan needs (WANT's requests) and says where its UCX worker is, then
+//! The engine connects over TCP, names its rank and the version it wants
+//! ("latest" by default), proves it holds the shared secret (and checks
+//! that the publisher does), says where its UCX worker is (READY: the
+//! worker is made while it connects, and the publisher reaches it while it
+//! hashes), gets its manifest, asks for exactly the bytes its plan needs
+//! (WANT's requests), then
 //! receives bucket after bucket (`receive`, a step at a time). Every bucket
 //! entry (at most `wire::NET_MESSAGE` bytes: one block of its request, or
 //! several small ones packed) is its own UCX message:
@@ -56,7 +58,8 @@ use crate::result::{Error, Result};
 use crate::stop::StopFlag;
 use crate::transport::auth::Secret;
 use crate::transport::conn::Conn;
-use crate::wire::MAX_BUFFERS;
+use crate::transport::ucx::Pump;
+use crate::wire::{Frame, MAX_BUFFERS};
 use std::time::{Duration, Instant};
 
 pub(crate) use crate::defaults::{
@@ -99,6 +102,9 @@ pub struct NetSource {
     opts: NetOptions,
     /// This session's key of the bucket bytes' digests.
     bytes_key: [u8; KEYED],
+    /// The session's UCX worker, whose address READY gave, until `begin`
+    /// hands it to the receive.
+    pump: Option<Pump>,
     /// The receive under way, from `begin` to the last ACK.
     rx: Option<Receiver>,
 }
@@ -123,6 +129,8 @@ impl NetSource {
         }
         // Fail before connecting when UCX is missing: nothing to receive with.
         crate::transport::ucx::ucx()?;
+        // UCX makes the worker while the connection and the challenge run.
+        let mut pump = Pump::spawn("engine")?;
         let who = format!("the publisher at {}", opts.address);
         let stream = connect(&opts, deadline)?;
         let hello = Hello {
@@ -139,7 +147,8 @@ impl NetSource {
         conn.stop_when(opts.stop.clone());
         let mut link = PublisherLink::handshake(conn, &hello, step, |conn, hello| {
             bytes_key = authenticate(conn, &opts.secret, hello, step)?;
-            Ok(())
+            pump.started()?;
+            conn.send(&ready(&pump, &opts))
         })?;
         link.set_deltas_by_message();
         link.set_frame_timeout(opts.bucket_timeout);
@@ -147,8 +156,22 @@ impl NetSource {
             link,
             opts,
             bytes_key,
+            pump: Some(pump),
             rx: None,
         })
+    }
+}
+
+/// READY: where the engine's worker is and how it receives. Sent right
+/// after the challenge, before MANIFEST, so that the publisher connects to
+/// the worker while it hashes its tensors for the manifest (protocol 10).
+fn ready(pump: &Pump, opts: &NetOptions) -> Frame {
+    Frame::Ready {
+        address: pump.address().to_vec(),
+        bucket_size: opts.bucket_size as u64,
+        depth: opts.depth as u32,
+        direct: opts.direct,
+        keyed: opts.keyed,
     }
 }
 
@@ -162,7 +185,9 @@ impl FromPublisher for NetSource {
     }
 
     fn begin(&mut self, plan: &Plan, applier: &mut Applier) -> Result<()> {
-        let rx = self.rx.insert(Receiver::start(&mut self.link, &self.opts)?);
+        let pump =
+            (self.pump.take()).ok_or_else(|| Error::state("a network session is received once"))?;
+        let rx = self.rx.insert(Receiver::start(&self.opts, pump)?);
         rx.receive_deltas(&mut self.link, plan, applier)
     }
 

@@ -29,7 +29,7 @@ pub(super) struct Peer<'a> {
     pub key: &'a [u8; KEYED],
 }
 
-/// One session's receive, from READY to the last ACK. Dropping it cancels
+/// One session's receive, from the first bucket to the last ACK. Dropping it cancels
 /// the posted receives (the pump goes first) and only then returns the
 /// staging slots and bounce buffers; the applier's memory (direct
 /// receives) outlives it.
@@ -71,9 +71,9 @@ struct Receiving {
 }
 
 impl Receiver {
-    /// Take the staging slots (staged), start this session's UCX worker and
-    /// tell the publisher where it is (READY).
-    pub(super) fn start(link: &mut PublisherLink, opts: &NetOptions) -> Result<Receiver> {
+    /// Take the staging slots (staged) and this session's UCX worker,
+    /// whose address the publisher already has (READY, sent at `open`).
+    pub(super) fn start(opts: &NetOptions, pump: Pump) -> Result<Receiver> {
         let slots = if opts.direct {
             Vec::new()
         } else {
@@ -97,14 +97,7 @@ impl Receiver {
                 waiting_since: Instant::now(),
             },
         };
-        let pump = rx.pump.insert(Pump::start("engine")?);
-        link.conn.send(&Frame::Ready {
-            address: pump.address().to_vec(),
-            bucket_size: opts.bucket_size as u64,
-            depth: opts.depth as u32,
-            direct: opts.direct,
-            keyed: opts.keyed,
-        })?;
+        rx.pump = Some(pump);
         Ok(rx)
     }
 

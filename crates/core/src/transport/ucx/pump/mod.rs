@@ -59,12 +59,28 @@ pub struct Pump {
     done: Receiver<Completion>,
     wake: Arc<OwnedFd>,
     thread: Option<JoinHandle<()>>,
+    /// The worker's address once it exists (empty before `started`).
     address: Vec<u8>,
+    /// Until `started`: where the thread reports its worker made (its
+    /// address) or not. Kept while the thread runs, so that its report
+    /// never fails and it always reaches its loop and shuts the worker down.
+    starting: Option<mpsc::Receiver<Result<Vec<u8>>>>,
 }
 
 impl Pump {
-    /// Start a worker thread; fails with `WM_ERR_UNSUPPORTED` without UCX.
+    /// Start a worker thread and wait for its worker; fails with
+    /// `WM_ERR_UNSUPPORTED` without UCX.
     pub fn start(name: &str) -> Result<Pump> {
+        let mut pump = Pump::spawn(name)?;
+        pump.started()?;
+        Ok(pump)
+    }
+
+    /// Start a worker thread without waiting for UCX to make its worker (a
+    /// few ms): the caller goes on (connects, hashes) and calls
+    /// [`Pump::started`] when it needs the address. Commands posted before
+    /// run once the worker exists.
+    pub fn spawn(name: &str) -> Result<Pump> {
         let ucx = ucx()?;
         // SAFETY: eventfd has no memory arguments.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -83,20 +99,39 @@ impl Pump {
             .name(format!("wm-ucx-{name}"))
             .spawn(move || thread::run(ucx, cmd_rx, done_tx, ready_tx, thread_wake, thread_closing))
             .map_err(|e| Error::io("starting the UCX thread", e))?;
-        let address = ready_rx
-            .recv()
-            .map_err(|_| Error::peer("UCX: the worker thread died while starting"))??;
         Ok(Pump {
             cmds: Some(cmd_tx),
             closing,
             done: done_rx,
             wake,
             thread: Some(thread),
-            address,
+            address: Vec::new(),
+            starting: Some(ready_rx),
         })
     }
 
-    /// This worker's address, for the peer to connect to.
+    /// Wait (at most 30 s) until the worker exists; why not, if it could
+    /// not be made.
+    pub fn started(&mut self) -> Result<()> {
+        let Some(starting) = &self.starting else {
+            return Ok(());
+        };
+        let address = match starting.recv_timeout(Duration::from_secs(30)) {
+            Ok(made) => made?,
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(Error::timeout("UCX: making a worker took over 30 s"))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Error::peer("UCX: the worker thread died while starting"))
+            }
+        };
+        self.address = address;
+        self.starting = None;
+        Ok(())
+    }
+
+    /// This worker's address, for the peer to connect to (empty before
+    /// [`Pump::started`]).
     pub fn address(&self) -> &[u8] {
         &self.address
     }
