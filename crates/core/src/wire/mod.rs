@@ -25,6 +25,7 @@ mod want_bounds;
 use crate::manifest::TensorMeta;
 use crate::quant::Scheme;
 
+pub(crate) use buckets::NET_MESSAGE;
 pub use buckets::{
     check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
     split_entries,

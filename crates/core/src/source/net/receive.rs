@@ -17,7 +17,7 @@ use crate::source::publisher_link::{unexpected, PublisherLink};
 use crate::source::Step;
 use crate::transport::ucx::{Completion, Pump};
 use crate::wire::message_tag as net_tag;
-use crate::wire::{check_bucket, Frame};
+use crate::wire::{check_bucket, Frame, NET_MESSAGE};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -188,6 +188,7 @@ impl Receiver {
         // no alignment (nothing maps it).
         let slot_size = p.opts.bucket_size as u64;
         check_bucket(seq, &entries, slot_size, p.link.requests(), 1)?;
+        check_messages(seq, &entries)?;
         let digests = match p.opts.keyed {
             true => recv_digests(p.link, seq, entries.len(), frame_deadline)?,
             false => Vec::new(),
@@ -228,12 +229,12 @@ impl Receiver {
 
     /// BUCKET `seq` in slot `buffer` must be the next one, in its slot (when
     /// staged), within the window of `depth` unacknowledged buckets.
+    /// The bucket is the next one, in its slot (`seq % depth`, direct or
+    /// staged: direct has no slots, but a publisher naming another is not
+    /// the one the protocol describes), with room for it in flight.
     fn check_bucket_order(&self, p: &Peer, seq: u64, buffer: u32) -> Result<()> {
         let (depth, st) = (p.opts.depth, &self.st);
-        if seq != st.next
-            || (!self.slots.is_empty() && buffer as u64 != seq % depth as u64)
-            || st.pending.len() >= depth
-        {
+        if seq != st.next || buffer as u64 != seq % depth as u64 || st.pending.len() >= depth {
             return Err(Error::peer(format!(
                 "{}: bucket {seq} in slot {buffer} with {} unacknowledged, expected bucket {} in slot {} with fewer than {depth}",
                 p.link.conn.peer(),
@@ -408,5 +409,40 @@ fn poll_bytes(
             Err(e.context(format!("waiting for bucket {seq}")))
         }
         None => Ok(None),
+    }
+}
+
+/// Every entry of a network bucket is one UCX message of at most
+/// `NET_MESSAGE` bytes: a longer one is refused before any receive is
+/// posted (a direct receive of it would wait for a message the protocol
+/// never sends, until the bucket timeout).
+fn check_messages(seq: u64, entries: &[crate::wire::BucketEntry]) -> Result<()> {
+    match entries.iter().position(|e| e.len > NET_MESSAGE) {
+        Some(k) => Err(Error::peer(format!(
+            "bucket {seq}: entry {k} is {} bytes; a network message is at most {NET_MESSAGE}",
+            entries[k].len
+        ))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::wire::{BucketEntry, NET_MESSAGE};
+
+    #[test]
+    fn a_network_entry_over_one_message_is_refused_naming_it() {
+        let entry = |len| BucketEntry {
+            request: 0,
+            offset: 0,
+            len,
+            buffer_offset: 0,
+        };
+        assert!(super::check_messages(3, &[entry(NET_MESSAGE), entry(1)]).is_ok());
+        let e = super::check_messages(3, &[entry(1), entry(NET_MESSAGE + 1)]).unwrap_err();
+        assert!(
+            e.message.contains("bucket 3: entry 1 is 1048577 bytes"),
+            "{e}"
+        );
     }
 }
