@@ -195,3 +195,49 @@ fn one_row_shards_child() {
     assert!(param.iter().all(|&b| b == 0x5a), "the param was written");
     println!("child passed");
 }
+
+/// A safetensors file of `count` zero-byte F32 tensors `t{first}...`, its
+/// header written by hand (a legal header, about 60 bytes a tensor).
+fn empty_tensors_file(path: &Path, first: usize, count: usize) {
+    let entries: Vec<String> = (first..first + count)
+        .map(|i| format!(r#""t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}"#))
+        .collect();
+    let mut header = format!("{{{}}}", entries.join(",")).into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(&header).unwrap();
+}
+
+/// Part files each holding more tensors than the engine takes from its
+/// sources (found by an audit: the bound was applied once every file's
+/// header was parsed and held, about 190 MiB per 32 MiB header, so the
+/// memory grew with the number of files): refused after the first file,
+/// naming the snapshot, how many files were read and the bound; the
+/// engine's weights untouched.
+#[test]
+fn part_files_over_the_tensor_bound_are_refused_after_the_first() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    const PER_FILE: usize = 70_000;
+    for part in 0..4 {
+        let path = dir
+            .path()
+            .join(format!("model_state.tp0.0.part{part}.safetensors"));
+        empty_tensors_file(&path, part * PER_FILE, PER_FILE);
+    }
+    let (m, param) = engine(&[4, 4]);
+    let mut req = UpdateRequest::snapshot(dir.path());
+    req.version = Some("1".into());
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_OUT_OF_MEMORY, "{e}");
+    for part in [
+        "announce 70000 tensors in the first 1 of 4 file(s)",
+        "part0.safetensors",
+        "more than the 65536 this engine takes",
+    ] {
+        assert!(e.message.contains(part), "{part}: {e}");
+    }
+    assert!(param.iter().all(|&b| b == 0x5a), "the param was written");
+    assert_eq!(m.status().version, None);
+}

@@ -130,6 +130,60 @@ fn a_fallback_snapshot_is_named_by_the_model_directory() {
     );
 }
 
+/// The HuggingFace index of `v` written as two shards (its first three
+/// tensors, then the rest).
+fn hf_index(v: &[T]) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> = v
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let f = if i < 3 {
+                "model-00001-of-00002.safetensors"
+            } else {
+                "model-00002-of-00002.safetensors"
+            };
+            (t.name.clone(), f.into())
+        })
+        .collect();
+    serde_json::json!({"metadata": {}, "weight_map": map})
+}
+
+/// `index` written as `dir`'s HuggingFace index: the error of `m`'s
+/// update from `dir`.
+fn refused_index(
+    m: &Manager,
+    dir: &std::path::Path,
+    index: &serde_json::Value,
+) -> weight_manager_core::Error {
+    let path = dir.join("model.safetensors.index.json");
+    std::fs::write(path, index.to_string()).unwrap();
+    let mut req = UpdateRequest::snapshot(dir);
+    req.version = Some("x".into());
+    m.update(req).unwrap_err()
+}
+
+/// A NUL in a shard's name is refused naming it, escaped (found by an
+/// audit: the name was cut at the NUL and named a shard that exists).
+#[test]
+fn an_index_naming_a_shard_with_a_nul_is_refused() {
+    let v = model(3);
+    let d = tempfile::tempdir().unwrap();
+    write_safetensors(&d.path().join("model-00001-of-00002.safetensors"), &v[..3]);
+    write_safetensors(&d.path().join("model-00002-of-00002.safetensors"), &v[3..]);
+    let m = manager();
+    register(&m, &v);
+    let mut bad = hf_index(&v);
+    bad["weight_map"]["embed.weight"] = "model-00001-of-00002.safetensors\u{0}x".into();
+    let e = refused_index(&m, d.path(), &bad);
+    assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{e}");
+    assert!(
+        e.message.contains("weight_map['embed.weight']")
+            && e.message.contains("safetensors\\0x")
+            && e.message.contains("is not a file name"),
+        "{e}"
+    );
+}
+
 #[test]
 fn part_files_hf_shards_and_index() {
     let v = model(3);
@@ -167,19 +221,7 @@ fn part_files_hf_shards_and_index() {
     req.version = Some("hf".into());
     m.update(req).unwrap();
     assert_params(&ptrs, &v);
-    let map: serde_json::Map<String, serde_json::Value> = v
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let f = if i < 3 {
-                "model-00001-of-00002.safetensors"
-            } else {
-                "model-00002-of-00002.safetensors"
-            };
-            (t.name.clone(), f.into())
-        })
-        .collect();
-    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    let index = hf_index(&v);
     std::fs::write(
         d.path().join("model.safetensors.index.json"),
         index.to_string(),
@@ -191,16 +233,47 @@ fn part_files_hf_shards_and_index() {
     // An index that points a tensor at the wrong shard is refused.
     let mut bad = index.clone();
     bad["weight_map"]["embed.weight"] = "model-00002-of-00002.safetensors".into();
-    std::fs::write(
-        d.path().join("model.safetensors.index.json"),
-        bad.to_string(),
-    )
-    .unwrap();
-    let mut req = UpdateRequest::snapshot(d.path());
-    req.version = Some("x".into());
-    let e = m.update(req).unwrap_err();
+    let e = refused_index(&m, d.path(), &bad);
     assert!(
         e.message.contains("embed.weight") && e.message.contains("maps it to"),
+        "{e}"
+    );
+}
+
+/// A `version.yaml` whose step is no version name (too long, a NUL) is the
+/// file's fault: "no version", naming the file (found by an audit: it was
+/// `WM_ERR_INVALID_ARGUMENT`, as if the caller had named it, without the
+/// file). Beside a folder that names its version, the folder's reason is
+/// part of the mixed-versions error.
+#[test]
+fn a_version_yaml_step_that_is_no_version_is_named() {
+    let v = model(6);
+    let m = manager();
+    register(&m, &v);
+    let d = tempfile::tempdir().unwrap();
+    write_safetensors(&d.path().join("model_state.tp0.0.safetensors"), &v);
+    for step in ["9".repeat(300), "\"3\\0x\"".to_string()] {
+        std::fs::write(d.path().join("version.yaml"), format!("step: {step}\n")).unwrap();
+        let e = m.update(UpdateRequest::snapshot(d.path())).unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_NO_VERSION, "{e}");
+        assert!(
+            e.message
+                .contains("version.yaml: its step is not a version"),
+            "{e}"
+        );
+    }
+    // Two folders: one names "2", the other's version.yaml uses an alias.
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    write_safetensors(&a.path().join("model_state.tp0.0.safetensors"), &v[..3]);
+    write_safetensors(&b.path().join("model_state.tp0.0.safetensors"), &v[3..]);
+    write_version(a.path(), "2");
+    std::fs::write(b.path().join("version.yaml"), "x: &a 1\nstep: *a\n").unwrap();
+    let mut req = UpdateRequest::snapshot(a.path());
+    req.locations.push(b.path().into());
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{e}");
+    assert!(
+        e.message.contains("names no version (") && e.message.contains("uses a YAML alias"),
         "{e}"
     );
 }

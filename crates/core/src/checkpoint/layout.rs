@@ -172,10 +172,13 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
         let index = json.weight_map;
         let mut files = BTreeSet::new();
         for (tensor, file) in &index {
-            if file.is_empty() || file.contains('/') || file == "." || file == ".." {
+            // A NUL would end the name at the system call (and cut error
+            // texts read through C): refused like a path.
+            if file.is_empty() || file.contains(['/', '\0']) || file == "." || file == ".." {
                 return Err(bad(format!(
-                    "weight_map['{}'] is not a file name in the directory",
-                    tensor.escape_debug()
+                    "weight_map['{}'] ('{}') is not a file name in the directory",
+                    tensor.escape_debug(),
+                    file.escape_debug()
                 )));
             }
             files.insert(file.as_str());
@@ -188,8 +191,9 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
             let p = dir.join(f);
             if !p.exists() {
                 return Err(Error::not_found(format!(
-                    "{} names shard {f}, which does not exist",
-                    index_path.display()
+                    "{} names shard {}, which does not exist",
+                    index_path.display(),
+                    f.escape_debug()
                 )));
             }
             paths.push(p);

@@ -70,6 +70,20 @@ impl Checkpoint {
         deadline: Instant,
         read_version: bool,
     ) -> Result<Checkpoint> {
+        Checkpoint::open_within(loc, logger, (deadline, read_version), usize::MAX)
+    }
+
+    /// [`Checkpoint::open`], refusing (`WM_ERR_OUT_OF_MEMORY`) as soon as
+    /// the headers read so far announce more than `most` tensors: each
+    /// header is bounded, their number is not, and a parsed header holds
+    /// several times its size, so the engine's bound is applied file by
+    /// file rather than once every header is held.
+    pub fn open_within(
+        loc: &SnapshotLocation,
+        logger: &Logger,
+        (deadline, read_version): (Instant, bool),
+        most: usize,
+    ) -> Result<Checkpoint> {
         let layout = layout::resolve(loc, logger, deadline)?;
         logger.debug(&format!(
             "rank {}: snapshot layout '{}' with {} file(s)",
@@ -89,6 +103,18 @@ impl Checkpoint {
         let mut stored = HashSet::new();
         for fi in 0..c.layout.files.len() {
             c.read_file(fi, checksums.as_ref(), &mut stored, deadline)?;
+            if c.manifest.tensors.len() > most {
+                return Err(Error::out_of_memory(format!(
+                    "snapshot in {}: its files announce {} tensors in the first {} of {} \
+                     file(s) (the last {}), more than the {most} this engine takes from its \
+                     sources (one per 4 KiB of the bytes it takes, plus 65,536)",
+                    c.layout.dir.display(),
+                    c.manifest.tensors.len(),
+                    fi + 1,
+                    c.layout.files.len(),
+                    c.layout.files[fi].display()
+                )));
+            }
         }
         c.check_each_once()?;
         if let Some(index) = &c.layout.index {
@@ -97,7 +123,19 @@ impl Checkpoint {
         if !read_version {
             c.no_version = "the caller named a version".to_string();
         } else {
-            let read = |dir: &Path| version::read_version_yaml(dir, deadline);
+            // A step that is no version name (too long, a NUL) is the
+            // file's fault, not the caller's: "no version", naming it.
+            let read = |dir: &Path| {
+                let v = version::read_version_yaml(dir, deadline)?;
+                version::check_version(&v).map(|()| v).map_err(|e| {
+                    let file = dir.join(version::VERSION_FILE);
+                    format!(
+                        "{}: its step is not a version ({})",
+                        file.display(),
+                        e.message
+                    )
+                })
+            };
             // The fallback directory's, only where the model directory has
             // none: a broken one there is the error.
             let absent =

@@ -153,6 +153,28 @@ mod tests {
         Instant::now() + Duration::from_secs(60)
     }
 
+    /// A rewrite of the same length that puts the modification time back
+    /// (found by an audit: it committed torn weights unverified) still
+    /// changes the stamp, through the status-change time.
+    #[test]
+    fn a_rewrite_that_restores_the_modification_time_is_seen() {
+        use std::io::Write;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        std::fs::write(&p, b"0123456789").unwrap();
+        let f = open_regular(&p).unwrap();
+        let before = FileStamp::of(&f, &p).unwrap();
+        let mtime = f.metadata().unwrap().modified().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let mut w = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        w.write_all(b"abcdefghij").unwrap();
+        w.set_modified(mtime).unwrap();
+        let now = FileStamp::of(&f, &p).unwrap();
+        assert_eq!(f.metadata().unwrap().modified().unwrap(), mtime);
+        let e = before.check(&now, &p, "since it was planned").unwrap_err();
+        assert!(e.message.contains("rewritten"), "{e}");
+    }
+
     #[test]
     fn refuses_what_is_not_a_regular_file() {
         let d = tempfile::tempdir().unwrap();
@@ -187,14 +209,18 @@ mod tests {
 }
 
 /// What tells a file's contents apart cheaply: its length, its inode (a
-/// file replaced by a rename is another one) and its modification time (a
-/// file rewritten in place), as `fstat` gives them.
+/// file replaced by a rename is another one), its modification time (a
+/// file rewritten in place) and its status-change time, which no writer
+/// can set back (a rewrite that restores the modification time with
+/// `utime` still moves it; so does a chmod, which then fails the update
+/// too, erring on the safe side), as `fstat` gives them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileStamp {
     pub len: u64,
     dev: u64,
     ino: u64,
     mtime_ns: i128,
+    ctime_ns: i128,
 }
 
 impl FileStamp {
@@ -209,6 +235,7 @@ impl FileStamp {
             dev: m.dev(),
             ino: m.ino(),
             mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
         })
     }
 

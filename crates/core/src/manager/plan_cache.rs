@@ -34,20 +34,29 @@ pub(super) struct PlanCache {
     last: Mutex<Option<(u128, Arc<Plan>)>>,
 }
 
+/// Where a plan's messages come from: the log, who source `i` is, and why
+/// it names no version (when it knows).
+pub type Naming<'a> = (
+    &'a Logger,
+    &'a dyn Fn(usize) -> String,
+    &'a dyn Fn(usize) -> Option<String>,
+);
+
 impl PlanCache {
     /// The plan of `sources` against `registry`: the last one when nothing
     /// it depends on changed, else a new one (kept for next time). `name(i)`
-    /// says who source `i` is, in messages.
+    /// says who source `i` is, in messages, and `why_none(i)` why it names
+    /// no version.
     pub fn plan(
         &self,
         sources: &[&Manifest],
         registry: &Registry,
         opts: PlanOptions,
-        (logger, name): (&Logger, &dyn Fn(usize) -> String),
+        (logger, name, why_none): Naming,
     ) -> Result<Planned> {
         let start = Instant::now();
         let versions: Vec<_> = sources.iter().map(|m| m.version.as_deref()).collect();
-        check_versions(&versions, name).map_err(Error::format)?;
+        check_versions(&versions, name, why_none).map_err(Error::format)?;
         let key = fingerprint(sources, registry, opts);
         // Taken, not cloned: the cache then holds the only reference (the
         // last update's is gone), so new checksums are written in place

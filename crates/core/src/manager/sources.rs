@@ -28,11 +28,11 @@ impl Manager {
         let locations = locations::expand(&req.locations)?;
         if req.source == SourceKind::Snapshot && locations.len() <= 1 {
             let read_version = req.version.is_none();
-            let one = self.open_snapshot(req, locations.first(), read_version)?;
+            let one = self.open_snapshot(req, locations.first(), (read_version, most))?;
             return Ok(vec![Box::new(one)]);
         }
         if req.source == SourceKind::Snapshot {
-            return self.open_snapshots(req, &locations);
+            return self.open_snapshots(req, &locations, most);
         }
         if locations.is_empty() {
             return Err(Error::invalid_argument(match req.source {
@@ -61,14 +61,21 @@ impl Manager {
     /// the request names the version, so that the plan refuses folders of
     /// different versions (the request's still names the update); a folder
     /// without one, beside folders that name one, holds theirs.
+    /// `most` bounds the tensors of all folders together: each folder
+    /// may announce what the ones before it left.
     fn open_snapshots(
         &self,
         req: &UpdateRequest,
         locations: &[PathBuf],
+        most: usize,
     ) -> Result<Vec<Box<dyn Source>>> {
-        let mut folders = (locations.iter())
-            .map(|loc| self.open_snapshot(req, Some(loc), true))
-            .collect::<Result<Vec<_>>>()?;
+        let mut folders = Vec::with_capacity(locations.len());
+        let mut left = most;
+        for loc in locations {
+            let f = self.open_snapshot(req, Some(loc), (true, left))?;
+            left -= f.manifest().tensors.len();
+            folders.push(f);
+        }
         let named = folders.iter().find_map(|f| f.manifest().version.clone());
         if let (Some(v), Some(_)) = (named, &req.version) {
             folders.iter_mut().for_each(|f| f.name_if_unnamed(&v));
@@ -83,7 +90,7 @@ impl Manager {
         &self,
         req: &UpdateRequest,
         at: Option<&PathBuf>,
-        read_version: bool,
+        (read_version, most): (bool, usize),
     ) -> Result<SnapshotSource> {
         let dir = at
             .cloned()
@@ -100,7 +107,7 @@ impl Manager {
             gpu_id: self.gpu_id.clone(),
         };
         let deadline = Instant::now() + req.timeout;
-        SnapshotSource::open_until(&loc, &self.config.logger, deadline, read_version)
+        SnapshotSource::open_until(&loc, &self.config.logger, (deadline, read_version), most)
     }
 
     fn open_ipc(

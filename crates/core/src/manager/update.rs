@@ -261,10 +261,13 @@ impl Manager {
         check_shards(&sources, taken)?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
-        let planned =
-            self.kept
-                .plans
-                .plan(&manifests, registry, opts, (&self.config.logger, &name))?;
+        let why_none = |i: usize| Some(sources[i].no_version_reason()).filter(|w| !w.is_empty());
+        let planned = (self.kept.plans).plan(
+            &manifests,
+            registry,
+            opts,
+            (&self.config.logger, &name, &why_none),
+        )?;
         // Before any source is asked for a byte (a WANT lists the blocks).
         // A refused plan is not kept for the next update.
         if let Err(e) = check_plan_memory(&planned.plan, registry, &sources) {

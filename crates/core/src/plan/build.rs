@@ -77,7 +77,8 @@ impl<'a> Sources<'a> {
         }
         let mut problems = Vec::new();
         let versions: Vec<_> = manifests.iter().map(|m| m.version.as_deref()).collect();
-        if let Err(p) = check_versions(&versions, &source_number(manifests.len())) {
+        let named = source_number(manifests.len());
+        if let Err(p) = check_versions(&versions, &named, &|_| None) {
             problems.push(p);
         }
         let mut clock = Clock::until(deadline);
@@ -185,12 +186,14 @@ fn late(clock: &Clock, doing: &str) -> Result<()> {
 /// Sources serve one version together: all name the same one, or none
 /// names any. A source naming none beside ones that name a version is
 /// refused: its bytes may be of any version. `name(i)` says who source `i`
-/// is (a publisher's address, a directory) in the message. Every update
-/// checks this, whether its plan is new or kept (a kept plan says nothing
-/// about this update's versions).
+/// is (a publisher's address, a directory) in the message, and
+/// `why_none(i)` why it names none, when it knows (its `version.yaml`
+/// refused, say). Every update checks this, whether its plan is new or
+/// kept (a kept plan says nothing about this update's versions).
 pub fn check_versions(
     versions: &[Option<&str>],
     name: &dyn Fn(usize) -> String,
+    why_none: &dyn Fn(usize) -> Option<String>,
 ) -> std::result::Result<(), String> {
     let Some(first) = versions.iter().position(Option::is_some) else {
         return Ok(());
@@ -207,12 +210,13 @@ pub fn check_versions(
             }
             Some(_) => {}
             None => {
+                let why = why_none(i).map_or_else(String::new, |w| format!(" ({w})"));
                 return Err(format!(
-                    "the sources serve different versions: {} names no version, while {} \
+                    "the sources serve different versions: {} names no version{why}, while {} \
                      serves '{v0}' (every source must name the same version, or none may)",
                     name(i),
                     name(first)
-                ))
+                ));
             }
         }
     }

@@ -66,6 +66,7 @@ mod delta_cache;
 mod deltas;
 mod desc;
 mod device_sums;
+mod engine_link;
 mod handshake;
 mod hooks;
 mod ipc;

@@ -24,6 +24,7 @@
 
 use super::buffers::take_buffers;
 use super::deltas::Messages;
+use super::engine_link::EngineLink;
 use super::hooks;
 use super::plan::{plan_buckets, request_sizes};
 use super::shard::{fill, pack_message, Shard};
@@ -38,40 +39,11 @@ use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
 use crate::wire::{
     check_cuts, delta_tag, message_source, message_tag as tag, split_entries, BucketEntry, Frame,
-    Request, ALIGN, MAX_BUFFERS,
+    Request,
 };
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
-
-use crate::wire::MAX_NET_BUCKET as MAX_BUCKET;
-
-/// What the engine asked for in its READY.
-struct Ready {
-    address: Vec<u8>,
-    bucket_size: u64,
-    depth: usize,
-    keyed: bool,
-}
-
-/// The engine's worker reached: its READY, and our worker connected to it.
-pub(super) struct EngineLink {
-    pump: Pump,
-    ready: Ready,
-}
-
-/// Take the engine's READY (the frame after the challenge) and connect a
-/// worker of ours to its worker, before `deadline`. Runs while the
-/// session's tensors are hashed for the manifest: making a worker and an
-/// endpoint takes milliseconds that would otherwise come after it.
-pub(super) fn reach(conn: &mut Conn, deadline: Instant) -> Result<EngineLink> {
-    let mut pump = Pump::spawn("publisher")?;
-    let ready = recv_ready(conn, deadline)?;
-    pump.started()?;
-    pump.connect(&ready.address)
-        .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
-    Ok(EngineLink { pump, ready })
-}
 
 /// Stream the `requests` of `shard` to the engine at `conn`, whose bucket
 /// bytes' digests are keyed with `key`, through `engine`'s worker.
@@ -150,35 +122,6 @@ fn send_deltas(pump: &Pump, deltas: &Messages, deadline: Instant) -> Result<()> 
         }
     }
     Ok(())
-}
-
-/// Read the engine's READY and check what it asks for. Staged or direct,
-/// the messages are the same: the engine alone decides where each lands
-/// (READY's direct flag is informational).
-fn recv_ready(conn: &mut Conn, deadline: Instant) -> Result<Ready> {
-    let ready = match conn.recv(deadline)? {
-        Frame::Ready {
-            address,
-            bucket_size,
-            depth,
-            keyed,
-            ..
-        } => Ready {
-            address,
-            bucket_size,
-            depth: depth as usize,
-            keyed,
-        },
-        other => return Err(Error::peer(format!("expected READY, got {}", other.name()))),
-    };
-    let (bucket_size, depth) = (ready.bucket_size, ready.depth);
-    if !(ALIGN..=MAX_BUCKET).contains(&bucket_size) || depth == 0 || depth > MAX_BUFFERS {
-        return Err(Error::peer(format!(
-            "{} asked for buckets of {bucket_size} bytes, {depth} in flight ({ALIGN} to {MAX_BUCKET} bytes, 1 to {MAX_BUFFERS} allowed)",
-            conn.peer()
-        )));
-    }
-    Ok(ready)
 }
 
 /// The buckets, each entry one message: no longer than `NET_MESSAGE`, and

@@ -12,7 +12,7 @@ use super::shard::shard_for;
 use super::shard::Shard;
 use super::stats::SessionStats;
 use super::streamer::SessionIo;
-use super::{deltas, ipc, net, quantize};
+use super::{deltas, engine_link, ipc, net, quantize};
 use crate::quant::Scheme;
 use crate::result::{Error, Result};
 use crate::transport::conn::Conn;
@@ -141,7 +141,7 @@ struct Delivery {
     /// The quantized requests' images.
     images: quantize::Images,
     /// Over the network: the engine's worker, reached.
-    engine: Option<net::EngineLink>,
+    engine: Option<engine_link::EngineLink>,
 }
 
 /// This rank's shard (its tensors hashed where they must be, and how long
@@ -153,7 +153,7 @@ fn shard_and_engine(
     (rank, gpu_id): (u32, &str),
     bytes_key: Option<&[u8; 32]>,
     cfg: &PublisherConfig,
-) -> Result<((Shard, Duration), Option<net::EngineLink>)> {
+) -> Result<((Shard, Duration), Option<engine_link::EngineLink>)> {
     let timed_shard = || {
         let hashing = Instant::now();
         let shard =
@@ -170,7 +170,7 @@ fn shard_and_engine(
     let deadline = Instant::now() + cfg.bucket_timeout;
     let (shard, engine) = std::thread::scope(|s| {
         let shard = s.spawn(timed_shard);
-        let engine = net::reach(conn, deadline);
+        let engine = engine_link::reach(conn, deadline);
         let shard = shard.join().unwrap_or_else(|_| {
             Err(Error::new(
                 crate::result::wm_result::WM_ERR_PANIC,

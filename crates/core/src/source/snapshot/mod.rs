@@ -50,13 +50,14 @@ pub struct SnapshotSource {
 
 impl SnapshotSource {
     /// Open the checkpoint ([`Checkpoint::open`]) before `deadline`.
+    /// `most`: the most tensors its files may announce (the engine's bound).
     pub fn open_until(
         loc: &SnapshotLocation,
         logger: &Logger,
-        deadline: Instant,
-        read_version: bool,
+        (deadline, read_version): (Instant, bool),
+        most: usize,
     ) -> Result<SnapshotSource> {
-        let checkpoint = Checkpoint::open(loc, logger, deadline, read_version)?;
+        let checkpoint = Checkpoint::open_within(loc, logger, (deadline, read_version), most)?;
         Ok(SnapshotSource { checkpoint })
     }
 }
