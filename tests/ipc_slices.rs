@@ -359,6 +359,50 @@ fn hostile_windows_are_refused_naming_them() {
     }
 }
 
+/// A publisher whose END comes before every byte it was asked for (one
+/// window of half the request) is named in the error (found by an audit:
+/// "the source ended before ..." named no publisher), atomic and in place.
+#[test]
+fn a_publisher_ending_before_its_bytes_is_named() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (model_dir, _) = common::hostile_windows::first_version(dir.path());
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let spec = ParamSpec {
+        pieces: vec![piece("w", &[0, 0], &[64, 32], &[0, 0])],
+        ..ParamSpec::host("w", DType::U8, &[64, 32])
+    };
+    m.allocate(&spec).unwrap();
+    m.update(UpdateRequest::snapshot(&model_dir)).unwrap();
+    let half = BucketEntry {
+        request: 0,
+        offset: 0,
+        len: 1024,
+        buffer_offset: 0,
+    };
+    for mode in [Mode::Atomic, Mode::InPlace] {
+        let sock = dir.path().join(format!("short-{mode:?}.sock"));
+        let publisher = hostile(&sock, vec![half]);
+        let mut req = UpdateRequest::snapshot(&sock);
+        req.source = SourceKind::Ipc;
+        req.mode = mode;
+        req.timeout = Duration::from_secs(30);
+        let e = m.update(req).unwrap_err();
+        publisher.join().unwrap();
+        assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{mode:?}: {e}");
+        let named = format!("{} ended before 1 tensor(s) were complete", sock.display());
+        assert!(e.message.contains(&named), "{mode:?}: {e}");
+        assert!(
+            e.message.contains("'w' (1024 of 2048 bytes)"),
+            "{mode:?}: {e}"
+        );
+    }
+}
+
 /// `wm bench shard --section ipc`, small: 2 trainer and 2 engine processes
 /// run both patterns, and every figure is printed beside its floor.
 #[test]

@@ -203,6 +203,12 @@ impl<'p, 'h> Applier<'p, 'h> {
         arena.shadow_of(i).map(SendPtr)
     }
 
+    /// Check that every byte planned from source `me` (named `name` in the
+    /// error) arrived, when it says it sent all.
+    pub fn check_received_from(&self, me: usize, name: &str) -> Result<()> {
+        self.tally.check_complete_from(self.plan, Some((me, name)))
+    }
+
     /// Check that every planned byte arrived (and so was verified: each
     /// tensor is checked as it completes), before a staged update reports
     /// itself staged. The commit checks again.

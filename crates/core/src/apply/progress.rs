@@ -100,18 +100,26 @@ impl Tally {
 
     /// Every planned tensor arrived whole.
     pub fn check_complete(&self, plan: &Plan) -> Result<()> {
+        self.check_complete_from(plan, None)
+    }
+
+    /// Every planned tensor of source `from` (every source: None) arrived
+    /// whole; the error names it (`(index, name)`) when given.
+    pub fn check_complete_from(&self, plan: &Plan, from: Option<(usize, &str)>) -> Result<()> {
         let incomplete: Vec<String> = plan
             .entries
             .iter()
             .zip(&self.received)
+            .filter(|(e, _)| from.is_none_or(|(i, _)| e.source == i))
             .filter(|(e, r)| e.target != Target::Skip && **r < e.bytes)
             .map(|(e, r)| format!("'{}' ({r} of {} bytes)", e.meta.name, e.bytes))
             .collect();
         if incomplete.is_empty() {
             return Ok(());
         }
+        let who = from.map_or("the source".to_string(), |(_, name)| name.to_string());
         Err(Error::format(format!(
-            "the source ended before {} tensor(s) were complete: {}",
+            "{who} ended before {} tensor(s) were complete: {}",
             incomplete.len(),
             incomplete
                 .into_iter()

@@ -63,14 +63,24 @@ impl<T: FromPublisher> super::Source for T {
         self.begin(plan, applier)
     }
 
+    /// A publisher that says it sent all (END) must have sent every byte
+    /// planned from it: checked here, naming it, rather than at the commit
+    /// (which cannot tell whose bytes are missing).
     fn step(
         &mut self,
         plan: &Plan,
-        _: usize,
+        me: usize,
         applier: &mut Applier,
         wait: Duration,
     ) -> Result<Step> {
-        let r = self.advance(plan, applier, wait);
+        let r = self
+            .advance(plan, applier, wait)
+            .and_then(|step| match step {
+                Step::Done => {
+                    (applier.check_received_from(me, self.link().conn.peer())).map(|()| step)
+                }
+                step => Ok(step),
+            });
         if r.is_err() {
             self.give_up();
         }

@@ -363,7 +363,7 @@ fn apply_bucket(
         .iter()
         .map(|e| link.chunk(e, mem.source(e.buffer_offset)))
         .collect();
-    applier.apply_batch(&format!("bucket {seq}"), &chunks)?;
+    applier.apply_batch(&format!("{}: bucket {seq}", link.conn.peer()), &chunks)?;
     if let BucketMemory::Device(_) = mem {
         // Device copies out of the bucket run on a stream: done before the
         // trainer may reuse its memory.
