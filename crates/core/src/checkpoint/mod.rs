@@ -106,8 +106,8 @@ impl Checkpoint {
             if c.manifest.tensors.len() > most {
                 return Err(Error::out_of_memory(format!(
                     "snapshot in {}: its files announce {} tensors in the first {} of {} \
-                     file(s) (the last {}), more than the {most} this engine takes from its \
-                     sources (one per 4 KiB of the bytes it takes, plus 65,536)",
+                     file(s) (the last {}), more than the {most} this engine can still take \
+                     from its sources (in all, one per 4 KiB of the bytes it takes, plus 65,536)",
                     c.layout.dir.display(),
                     c.manifest.tensors.len(),
                     fi + 1,

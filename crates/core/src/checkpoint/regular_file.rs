@@ -175,6 +175,32 @@ mod tests {
         assert!(e.message.contains("rewritten"), "{e}");
     }
 
+    /// A file renamed over (or hard-linked) while it is read keeps its
+    /// contents: its status-change time moves with its link count, and
+    /// that is no change of contents (found in review: the ctime check
+    /// failed such updates).
+    #[test]
+    fn a_link_count_change_alone_is_no_rewrite() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, q) = (d.path().join("f"), d.path().join("g"));
+        std::fs::write(&p, b"0123456789").unwrap();
+        std::fs::write(&q, b"abcdefghij").unwrap();
+        let f = open_regular(&p).unwrap();
+        let before = FileStamp::of(&f, &p).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::rename(&q, &p).unwrap();
+        let after = FileStamp::of(&f, &p).unwrap();
+        before.check(&after, &p, "renamed over").unwrap();
+        // The file read now: hard-linked elsewhere.
+        let f = open_regular(&p).unwrap();
+        let before = FileStamp::of(&f, &p).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::hard_link(&p, d.path().join("h")).unwrap();
+        before
+            .check(&FileStamp::of(&f, &p).unwrap(), &p, "linked")
+            .unwrap();
+    }
+
     #[test]
     fn refuses_what_is_not_a_regular_file() {
         let d = tempfile::tempdir().unwrap();
@@ -213,7 +239,11 @@ mod tests {
 /// file rewritten in place) and its status-change time, which no writer
 /// can set back (a rewrite that restores the modification time with
 /// `utime` still moves it; so does a chmod, which then fails the update
-/// too, erring on the safe side), as `fstat` gives them.
+/// too, erring on the safe side), as `fstat` gives them. A change of its
+/// link count also moves the status-change time: the file renamed over or
+/// removed while it is read (its contents unchanged, read whole from the
+/// file opened), or hard-linked elsewhere. So the status-change time counts
+/// only while the link count stays as it was.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileStamp {
     pub len: u64,
@@ -221,6 +251,7 @@ pub struct FileStamp {
     ino: u64,
     mtime_ns: i128,
     ctime_ns: i128,
+    nlink: u64,
 }
 
 impl FileStamp {
@@ -236,13 +267,20 @@ impl FileStamp {
             ino: m.ino(),
             mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
             ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
+            nlink: m.nlink(),
         })
+    }
+
+    /// Whether `now` says the same contents as this stamp (see the type).
+    fn same_contents(&self, now: &FileStamp) -> bool {
+        let plain = |s: &FileStamp| (s.len, s.dev, s.ino, s.mtime_ns);
+        plain(self) == plain(now) && (self.ctime_ns == now.ctime_ns || self.nlink != now.nlink)
     }
 
     /// Err naming `path` when `now` is not this stamp: the file changed
     /// since (`when` says since what).
     pub fn check(&self, now: &FileStamp, path: &Path, when: &str) -> Result<()> {
-        if now == self {
+        if self.same_contents(now) {
             return Ok(());
         }
         let how = match (

@@ -55,7 +55,9 @@ impl Manager {
             // The root hears whether this rank took the bytes (staged, the
             // signal's vote decides instead).
             let mine = applied.as_ref().map(|_| ()).map_err(|f| f.error.clone());
-            if let (Ok(_), Err(e)) = (&applied, s.took(mine, deadline)) {
+            // Bounded like a batch (as on the root), not by the deadline.
+            let vote_by = Instant::now() + crate::defaults::BUCKET_TIMEOUT;
+            if let (Ok(_), Err(e)) = (&applied, s.took(mine, vote_by)) {
                 (self.config.logger).warn(&format!("the fan-out's final vote: {e}"));
             }
         }

@@ -134,7 +134,11 @@ impl FanoutRoot<'_, '_> {
             crate::defaults::BUCKET_TIMEOUT,
             &mut FromParams(&at),
         )?;
-        self.session.took(Ok(()), self.said_by)
+        // Bounded like a batch, not by the update's deadline: the batches
+        // before it are bounded that way too, so a long last batch does not
+        // leave the vote no time (and the members waiting in it).
+        let vote_by = Instant::now() + crate::defaults::BUCKET_TIMEOUT;
+        self.session.took(Ok(()), vote_by)
     }
 
     /// Staged, before the gate: every byte arrived and verified, tell the

@@ -261,7 +261,11 @@ impl Manager {
         check_shards(&sources, taken)?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
-        let why_none = |i: usize| Some(sources[i].no_version_reason()).filter(|w| !w.is_empty());
+        // A reason that only repeats who the source is adds nothing.
+        let why_none = |i: usize| {
+            let (who, why) = (sources[i].describe(), sources[i].no_version_reason());
+            Some(why).filter(|w| !w.is_empty() && !w.starts_with(&who))
+        };
         let planned = (self.kept.plans).plan(
             &manifests,
             registry,

@@ -30,7 +30,7 @@ pub(super) struct EngineLink {
 pub(super) fn reach(conn: &mut Conn, deadline: Instant) -> Result<EngineLink> {
     let mut pump = Pump::spawn("publisher")?;
     let ready = recv_ready(conn, deadline)?;
-    pump.started()?;
+    pump.started(deadline)?;
     pump.connect(&ready.address)
         .map_err(|e| e.context(format!("reaching {}", conn.peer())))?;
     Ok(EngineLink { pump, ready })

@@ -83,8 +83,13 @@ fn serve(
     let session_deadline = start + cfg.session_timeout;
     let step = |d: Duration| (Instant::now() + d).min(session_deadline);
     let offer = pick(offers, wanted_version, rank)?;
-    let ((mut shard, hash), engine) =
-        shard_and_engine(conn, offer, (rank, gpu_id), bytes_key, cfg)?;
+    let ((mut shard, hash), engine) = shard_and_engine(
+        conn,
+        offer,
+        (rank, gpu_id),
+        (bytes_key, step(cfg.bucket_timeout)),
+        cfg,
+    )?;
     let have = shard.manifest.version.clone().unwrap_or_default();
     let base_shard = deltas::base_shard(offers, held, (rank, gpu_id), &shard, cfg)?;
     conn.send(&Frame::Manifest {
@@ -146,12 +151,13 @@ struct Delivery {
 
 /// This rank's shard (its tensors hashed where they must be, and how long
 /// that took) and, over the network (`bytes_key`), the engine's worker
-/// reached meanwhile: the engine sends READY right after the challenge.
+/// reached meanwhile, by `deadline`: the engine sends READY right after
+/// the challenge.
 fn shard_and_engine(
     conn: &mut Conn,
     offer: &Offer,
     (rank, gpu_id): (u32, &str),
-    bytes_key: Option<&[u8; 32]>,
+    (bytes_key, deadline): (Option<&[u8; 32]>, Instant),
     cfg: &PublisherConfig,
 ) -> Result<((Shard, Duration), Option<engine_link::EngineLink>)> {
     let timed_shard = || {
@@ -167,7 +173,6 @@ fn shard_and_engine(
     if bytes_key.is_none() {
         return Ok((timed_shard()?, None));
     }
-    let deadline = Instant::now() + cfg.bucket_timeout;
     let (shard, engine) = std::thread::scope(|s| {
         let shard = s.spawn(timed_shard);
         let engine = engine_link::reach(conn, deadline);

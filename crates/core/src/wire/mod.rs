@@ -184,7 +184,8 @@ pub enum Frame {
     /// carries its own nonce for the publisher to answer, the publisher's a
     /// zero nonce.
     Proof { mac: [u8; 32], nonce: [u8; 32] },
-    /// Network, engine to publisher after WANT: where to send the bytes (the
+    /// Network, engine to publisher right after the PROOFs (protocol 10;
+    /// before MANIFEST): where to send the bytes (the
     /// engine's UCX worker address), the largest bucket it takes, how many
     /// buckets may be in flight, and whether each bucket entry comes as its
     /// own message (`direct`: received straight into param memory, gdr).

@@ -147,7 +147,7 @@ impl NetSource {
         conn.stop_when(opts.stop.clone());
         let mut link = PublisherLink::handshake(conn, &hello, step, |conn, hello| {
             bytes_key = authenticate(conn, &opts.secret, hello, step)?;
-            pump.started()?;
+            pump.started(step)?;
             conn.send(&ready(&pump, &opts))
         })?;
         link.set_deltas_by_message();

@@ -227,8 +227,6 @@ impl Receiver {
         p.link.take_sums(seq, &bucket.entries, sums, applier)
     }
 
-    /// BUCKET `seq` in slot `buffer` must be the next one, in its slot (when
-    /// staged), within the window of `depth` unacknowledged buckets.
     /// The bucket is the next one, in its slot (`seq % depth`, direct or
     /// staged: direct has no slots, but a publisher naming another is not
     /// the one the protocol describes), with room for it in flight.

@@ -72,7 +72,7 @@ impl Pump {
     /// `WM_ERR_UNSUPPORTED` without UCX.
     pub fn start(name: &str) -> Result<Pump> {
         let mut pump = Pump::spawn(name)?;
-        pump.started()?;
+        pump.started(Instant::now() + Duration::from_secs(30))?;
         Ok(pump)
     }
 
@@ -110,16 +110,19 @@ impl Pump {
         })
     }
 
-    /// Wait (at most 30 s) until the worker exists; why not, if it could
-    /// not be made.
-    pub fn started(&mut self) -> Result<()> {
+    /// Wait (until `deadline`) until the worker exists; why not, if it
+    /// could not be made.
+    pub fn started(&mut self, deadline: Instant) -> Result<()> {
         let Some(starting) = &self.starting else {
             return Ok(());
         };
-        let address = match starting.recv_timeout(Duration::from_secs(30)) {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let address = match starting.recv_timeout(wait) {
             Ok(made) => made?,
             Err(RecvTimeoutError::Timeout) => {
-                return Err(Error::timeout("UCX: making a worker took over 30 s"))
+                return Err(Error::timeout(format!(
+                    "UCX: making a worker took over {wait:?} (the deadline)"
+                )))
             }
             Err(RecvTimeoutError::Disconnected) => {
                 return Err(Error::peer("UCX: the worker thread died while starting"))
