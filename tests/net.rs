@@ -941,3 +941,24 @@ fn keyed_digests_catch_altered_bytes_without_checksums() {
         assert!(output(good).0);
     }
 }
+
+/// A first network update of a process whose deadline passes while UCX is
+/// loaded and initialized (0.4 s on this machine) says so, naming UCX,
+/// before connecting (found by an audit: it blamed the publisher's
+/// silence). `wm pull` is a fresh process, so UCX's first use is its.
+#[test]
+fn a_deadline_spent_making_ucx_ready_is_named() {
+    tcp_only();
+    let out = wm(&["pull", "--net", "127.0.0.1:9", "--timeout", "0.001"])
+        .env("WM_NET_SECRET", SECRET)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("deadline passed while UCX was made ready")
+            && text.contains("before connecting to 127.0.0.1:9")
+            && text.contains("WM_ERR_TIMEOUT"),
+        "{text}"
+    );
+}

@@ -128,7 +128,19 @@ impl NetSource {
             )));
         }
         // Fail before connecting when UCX is missing: nothing to receive with.
+        // Its first use in a process loads and initializes it (about 0.4 s
+        // on a 2-core machine): a deadline that passed meanwhile is said to
+        // be UCX's, not blamed on the publisher's silence (audit).
+        let loading = Instant::now();
         crate::transport::ucx::ucx()?;
+        if Instant::now() >= deadline {
+            return Err(Error::timeout(format!(
+                "the update's deadline passed while UCX was made ready ({:?}: its first use in \
+                 this process loads and initializes it), before connecting to {}",
+                loading.elapsed(),
+                opts.address
+            )));
+        }
         // UCX makes the worker while the connection and the challenge run.
         let mut pump = Pump::spawn("engine")?;
         let who = format!("the publisher at {}", opts.address);
