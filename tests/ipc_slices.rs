@@ -314,15 +314,28 @@ fn sealed_memfd(len: usize) -> OwnedFd {
     fd
 }
 
-/// The engine takes columns 0..32 of "w" [64, 64] (a strided request of 64
-/// blocks of 32 bytes). A window whose blocks run past the 4096-byte buffer,
-/// or which covers more than its request, is refused naming the entry and
-/// the buffer, before any byte is read: the weights and version stay.
-#[test]
-fn hostile_windows_are_refused_naming_them() {
-    let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (model_dir, full) = common::hostile_windows::first_version(dir.path());
+/// `m`'s update (in `mode`) from a hostile publisher at `sock` sending a
+/// WINDOWS bucket of `entries`: its error, once the publisher is done.
+fn refused_by_hostile(
+    m: &Manager,
+    sock: &Path,
+    entries: Vec<BucketEntry>,
+    mode: Mode,
+) -> weight_manager_core::Error {
+    let publisher = hostile(sock, entries);
+    let mut req = UpdateRequest::snapshot(sock);
+    req.source = SourceKind::Ipc;
+    req.mode = mode;
+    req.timeout = Duration::from_secs(30);
+    let e = m.update(req).unwrap_err();
+    publisher.join().unwrap();
+    e
+}
+
+/// An engine whose param "w" [64, 32] u8 is columns 0..32 of the global
+/// "w" [64, 64], updated from the snapshot at `model_dir`: the manager and
+/// the param's memory.
+fn columns_engine(model_dir: &Path) -> (Manager, (*mut u8, usize)) {
     let m = Manager::new(ManagerConfig {
         fallback_dir: None,
         ..Default::default()
@@ -332,21 +345,28 @@ fn hostile_windows_are_refused_naming_them() {
         pieces: vec![piece("w", &[0, 0], &[64, 32], &[0, 0])],
         ..ParamSpec::host("w", DType::U8, &[64, 32])
     };
-    let (p, n) = m.allocate(&spec).unwrap();
-    m.update(UpdateRequest::snapshot(&model_dir)).unwrap();
+    let param = m.allocate(&spec).unwrap();
+    m.update(UpdateRequest::snapshot(model_dir)).unwrap();
+    (m, param)
+}
+
+/// The engine takes columns 0..32 of "w" [64, 64] (a strided request of 64
+/// blocks of 32 bytes). A window whose blocks run past the 4096-byte buffer,
+/// or which covers more than its request, is refused naming the entry and
+/// the buffer, before any byte is read: the weights and version stay.
+#[test]
+fn hostile_windows_are_refused_naming_them() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (model_dir, full) = common::hostile_windows::first_version(dir.path());
+    let (m, (p, n)) = columns_engine(&model_dir);
     let before: Vec<u8> = (0..64)
         .flat_map(|r| full.data[r * 64..r * 64 + 32].to_vec())
         .collect();
     for (k, (entry, want)) in common::hostile_windows::cases().into_iter().enumerate() {
         for mode in [Mode::Atomic, Mode::InPlace] {
             let sock = dir.path().join(format!("h{k}-{mode:?}.sock"));
-            let publisher = hostile(&sock, vec![entry]);
-            let mut req = UpdateRequest::snapshot(&sock);
-            req.source = SourceKind::Ipc;
-            req.mode = mode;
-            req.timeout = Duration::from_secs(30);
-            let e = m.update(req).unwrap_err();
-            publisher.join().unwrap();
+            let e = refused_by_hostile(&m, &sock, vec![entry], mode);
             assert_eq!(e.code, wm_result::WM_ERR_PEER, "{mode:?}: {e}");
             for part in ["shared buffer 0", "bucket 0: entry 0: ", want] {
                 assert!(e.message.contains(part), "{mode:?}: {part}: {e}");
@@ -367,17 +387,7 @@ fn a_publisher_ending_before_its_bytes_is_named() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (model_dir, _) = common::hostile_windows::first_version(dir.path());
-    let m = Manager::new(ManagerConfig {
-        fallback_dir: None,
-        ..Default::default()
-    })
-    .unwrap();
-    let spec = ParamSpec {
-        pieces: vec![piece("w", &[0, 0], &[64, 32], &[0, 0])],
-        ..ParamSpec::host("w", DType::U8, &[64, 32])
-    };
-    m.allocate(&spec).unwrap();
-    m.update(UpdateRequest::snapshot(&model_dir)).unwrap();
+    let (m, _) = columns_engine(&model_dir);
     let half = BucketEntry {
         request: 0,
         offset: 0,
@@ -386,13 +396,7 @@ fn a_publisher_ending_before_its_bytes_is_named() {
     };
     for mode in [Mode::Atomic, Mode::InPlace] {
         let sock = dir.path().join(format!("short-{mode:?}.sock"));
-        let publisher = hostile(&sock, vec![half]);
-        let mut req = UpdateRequest::snapshot(&sock);
-        req.source = SourceKind::Ipc;
-        req.mode = mode;
-        req.timeout = Duration::from_secs(30);
-        let e = m.update(req).unwrap_err();
-        publisher.join().unwrap();
+        let e = refused_by_hostile(&m, &sock, vec![half], mode);
         assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{mode:?}: {e}");
         let named = format!("{} ended before 1 tensor(s) were complete", sock.display());
         assert!(e.message.contains(&named), "{mode:?}: {e}");
