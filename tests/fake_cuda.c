@@ -86,10 +86,17 @@ void fake_cuda_set_total(u64 bytes) { total = bytes; }
 u64 fake_cuda_used(void) { return used; }
 u64 fake_cuda_peak(void) { return peak; }
 void fake_cuda_reset_peak(void) { peak = used; }
+/* The allocation and mapping tables are shared by every thread: two
+ * managers in one process (the fan-out tests) allocate at once. */
+static pthread_mutex_t vmm_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+
 u64 fake_cuda_handle_at(u64 ptr) {
-    for (int i = 0; i < MAX; i++)
-        if (maps[i].size && maps[i].ptr == ptr) return maps[i].handle;
-    return 0;
+    pthread_mutex_lock(&vmm_lock);
+    u64 h = 0;
+    for (int i = 0; i < MAX && !h; i++)
+        if (maps[i].size && maps[i].ptr == ptr) h = maps[i].handle;
+    pthread_mutex_unlock(&vmm_lock);
+    return h;
 }
 
 static const char *counted[] = {"cuMemcpy2D", "cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyDtoH", "cuLaunchKernel", "cuMemUnmap"};
@@ -166,7 +173,7 @@ int cuMemAddressReserve(u64 *ptr, size_t size, size_t align, u64 addr, u64 flags
 }
 int cuMemAddressFree(u64 ptr, size_t size) { hold_point(); munmap((void *)(uintptr_t)ptr, size); return OK; }
 
-int cuMemCreate(u64 *handle, size_t size, const void *prop, u64 flags) {
+static int cuMemCreate_locked(u64 *handle, size_t size, const void *prop, u64 flags) {
     (void)prop; (void)flags;
     if (failing("cuMemCreate")) return INVALID_VALUE;
     if (size % GRANULE || used + size > total) return OUT_OF_MEMORY;
@@ -181,14 +188,28 @@ int cuMemCreate(u64 *handle, size_t size, const void *prop, u64 flags) {
     *handle = ++next;
     return OK;
 }
-int cuMemRelease(u64 h) {
-    hold_point();
+
+int cuMemCreate(u64 *handle, size_t size, const void *prop, u64 flags) {
+    pthread_mutex_lock(&vmm_lock);
+    int r = cuMemCreate_locked(handle, size, prop, flags);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+static int cuMemRelease_locked(u64 h) {
     if (h == 0 || h > MAX || allocs[h - 1].released) return INVALID_VALUE;
     allocs[h - 1].released = 1;
     unaccount(h);
     return OK;
 }
-int cuMemMap(u64 ptr, size_t size, size_t offset, u64 h, u64 flags) {
+
+int cuMemRelease(u64 h) {
+    hold_point();
+    pthread_mutex_lock(&vmm_lock);
+    int r = cuMemRelease_locked(h);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+static int cuMemMap_locked(u64 ptr, size_t size, size_t offset, u64 h, u64 flags) {
     (void)flags;
     if (failing("cuMemMap")) return INVALID_VALUE;
     if (offset || h == 0 || h > MAX || allocs[h - 1].fd < 0 || allocs[h - 1].size != size)
@@ -206,13 +227,19 @@ int cuMemMap(u64 ptr, size_t size, size_t offset, u64 h, u64 flags) {
         }
     return OUT_OF_MEMORY;
 }
+
+int cuMemMap(u64 ptr, size_t size, size_t offset, u64 h, u64 flags) {
+    pthread_mutex_lock(&vmm_lock);
+    int r = cuMemMap_locked(ptr, size, offset, h, flags);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
 int cuMemSetAccess(u64 ptr, size_t size, const void *desc, size_t count) {
     (void)desc; (void)count;
     if (failing("cuMemSetAccess")) return INVALID_VALUE;
     return fake_cuda_handle_at(ptr) && size ? OK : INVALID_VALUE;
 }
-int cuMemUnmap(u64 ptr, size_t size) {
-    hold_point();
+static int cuMemUnmap_locked(u64 ptr, size_t size) {
     count("cuMemUnmap");
     if (failing("cuMemUnmap")) return INVALID_VALUE;
     for (int i = 0; i < MAX; i++)
@@ -227,6 +254,14 @@ int cuMemUnmap(u64 ptr, size_t size) {
             return OK;
         }
     return INVALID_VALUE;
+}
+
+int cuMemUnmap(u64 ptr, size_t size) {
+    hold_point();
+    pthread_mutex_lock(&vmm_lock);
+    int r = cuMemUnmap_locked(ptr, size);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
 }
 
 int cuMemsetD8_v2(u64 ptr, unsigned char v, size_t n) { memset((void *)(uintptr_t)ptr, v, n); return OK; }
