@@ -393,6 +393,10 @@ fn a_publisher_dying_mid_update(via: Via) {
         told.message.contains("source 1"),
         "{via:?}: publisher 0 got {told}"
     );
+    // The stopped publisher's serve names its stop, not the engine.
+    let own = served[1].as_ref().unwrap_err();
+    assert_eq!(own.code, wm_result::WM_ERR_CANCELLED, "{via:?}: {own}");
+    assert!(own.message.contains("stopped"), "{via:?}: {own}");
 }
 
 #[test]

@@ -151,7 +151,7 @@ fn a_kept_plan_still_refuses_sources_of_different_versions() {
         let (v1, v2) = (model(1), model(2));
         let (m, ptrs) = engine_at_v1(dir.path(), via, &v1);
         let ps = row_halves(dir.path(), via, [&v2, &v1], [Some("v2"), Some("v1")]);
-        let (r, _) = serving(&ps, || m.update(request(via, &ps)));
+        let (r, served) = serving(&ps, || m.update(request(via, &ps)));
         let e = r.expect_err("mixed versions must not commit");
         assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{via:?}: {e}");
         assert!(
@@ -161,6 +161,16 @@ fn a_kept_plan_still_refuses_sources_of_different_versions() {
                 && e.message.contains(&ps[1].address()),
             "{via:?}: {e}"
         );
+        // Each publisher hears the engine's reason, not "closed the
+        // connection (did it exit or crash?)".
+        for s in served {
+            let pe = s.expect_err("the engine refused the plan");
+            assert_eq!(pe.code, wm_result::WM_ERR_FORMAT, "{via:?}: {pe}");
+            assert!(
+                pe.message.contains("reports: ") && pe.message.contains("different versions"),
+                "{via:?}: {pe}"
+            );
+        }
         assert!(holds(&ptrs, &v1), "{via:?}: old weights kept");
         assert_eq!(m.status().version.as_deref(), Some("v1"));
         drop(ps);
@@ -386,5 +396,35 @@ fn a_failed_update_keeps_no_plan() {
             "{via:?}: planned again"
         );
         drop(ps);
+    }
+}
+
+/// Audit item: a publisher reached before another source failed to open
+/// was dropped without a word ("closed the connection (did it exit or
+/// crash?)"). It now hears the engine's reason; the engine keeps v1.
+#[test]
+fn a_publisher_hears_why_when_another_source_fails_to_open() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for via in BOTH {
+        let v1 = model(1);
+        let (m, ptrs) = engine_at_v1(dir.path(), via, &v1);
+        let ps = row_halves(dir.path(), via, [&v1, &v1], [Some("v1"), Some("v1")]);
+        let missing = match via {
+            Via::Ipc => dir.path().join("nobody.sock").display().to_string(),
+            Via::Net => "127.0.0.1:1".to_string(),
+        };
+        let mut req = request(via, &ps);
+        req.locations[1] = PathBuf::from(&missing);
+        let (r, served) = serving(&ps[..1], || m.update(req));
+        let e = r.expect_err("a source that is not there fails the update");
+        assert_eq!(e.code, wm_result::WM_ERR_NOT_FOUND, "{via:?}: {e}");
+        let pe = served.into_iter().next().unwrap().expect_err("told why");
+        assert_eq!(pe.code, wm_result::WM_ERR_NOT_FOUND, "{via:?}: {pe}");
+        assert!(
+            pe.message.contains("reports: ") && pe.message.contains(&missing),
+            "{via:?}: {pe}"
+        );
+        assert!(holds(&ptrs, &v1), "{via:?}: old weights kept");
     }
 }

@@ -45,16 +45,27 @@ impl Manager {
                 ),
             }));
         }
-        locations
-            .iter()
-            .map(|loc| match req.source {
+        let mut opened: Vec<Box<dyn Source>> = Vec::with_capacity(locations.len());
+        for loc in &locations {
+            let one = match req.source {
                 SourceKind::Ipc => self.open_ipc(req, loc, (base.cloned(), most)),
                 SourceKind::Rdma | SourceKind::Gdr => {
                     self.open_net(req, loc, gdr, (base.cloned(), most))
                 }
                 SourceKind::Snapshot => Err(Error::state("snapshots are opened above (internal)")),
-            })
-            .collect()
+            };
+            match one {
+                Ok(source) => opened.push(source),
+                // The publishers already reached hear why the update ends.
+                Err(e) => {
+                    for s in opened.iter_mut() {
+                        s.abort(&e);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(opened)
     }
 
     /// Several snapshot folders: each one's version.yaml is read even when

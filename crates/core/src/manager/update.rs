@@ -7,6 +7,7 @@
 use super::deltas::{self, DeltaFallback};
 use super::geometry::{check_plan_memory, check_shards, tensor_limit};
 use super::memory::note_unmapped;
+use super::plan_cache::Planned;
 use super::quantized::Quantized;
 use super::{Manager, UpdateRequest, UpdateStats};
 use crate::apply::{Applied, Applier, ApplyFailure, ApplyOptions, Hooks, Mode, Progress};
@@ -240,8 +241,39 @@ impl Manager {
         let params: u64 = registry.params().iter().map(|p| p.nbytes as u64).sum();
         let taken = params.saturating_add(staged);
         let most = usize::try_from(tensor_limit(taken)).unwrap_or(usize::MAX);
-        let sources = self.open_sources(req, gdr, delta_base.as_ref().ok(), most)?;
-        let version = self.name_version(req, &sources)?;
+        let mut sources = self.open_sources(req, gdr, delta_base.as_ref().ok(), most)?;
+        // A plan refused here is the engine's reason, not a crash: every
+        // publisher is told it (an ERROR frame) before the sources close.
+        match self.plan_over(run, &sources, taken) {
+            Ok((version, planned)) => Ok(Prepared {
+                sources,
+                version,
+                plan: planned.plan,
+                plan_time: planned.took,
+                plan_reused: planned.reused,
+                gdr,
+                delta_base,
+            }),
+            Err(e) => {
+                for s in sources.iter_mut() {
+                    s.abort(&e);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Name the version and plan over the opened `sources`, the engine
+    /// taking `taken` bytes; the plan's memory is checked before any
+    /// source is asked for a byte.
+    fn plan_over(
+        &self,
+        run: &mut UpdateRun,
+        sources: &[Box<dyn Source>],
+        taken: u64,
+    ) -> Result<(String, Planned)> {
+        let (registry, req) = (&*run.registry, &mut run.req);
+        let version = self.name_version(req, sources)?;
         if matches!(req.source, SourceKind::Rdma | SourceKind::Gdr) && !req.skip_network_checksums {
             req.verify = true;
         }
@@ -258,7 +290,7 @@ impl Manager {
             quantize_at_source: req.source != SourceKind::Snapshot
                 && self.signal.fanout_size() <= 1,
         };
-        check_shards(&sources, taken)?;
+        check_shards(sources, taken)?;
         let manifests: Vec<_> = sources.iter().map(|s| s.manifest()).collect();
         let name = |i: usize| sources[i].describe();
         // A reason that only repeats who the source is adds nothing.
@@ -274,19 +306,11 @@ impl Manager {
         )?;
         // Before any source is asked for a byte (a WANT lists the blocks).
         // A refused plan is not kept for the next update.
-        if let Err(e) = check_plan_memory(&planned.plan, registry, &sources) {
+        if let Err(e) = check_plan_memory(&planned.plan, registry, sources) {
             self.kept.plans.forget(&planned.plan);
             return Err(e);
         }
-        Ok(Prepared {
-            sources,
-            version,
-            plan: planned.plan,
-            plan_time: planned.took,
-            plan_reused: planned.reused,
-            gdr,
-            delta_base,
-        })
+        Ok((version, planned))
     }
 
     /// The version the update brings in. A publisher (ipc, rdma, gdr)
