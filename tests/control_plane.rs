@@ -523,13 +523,24 @@ fn rendezvous_names_the_ranks_that_never_arrived() {
 }
 
 /// `wm worker --two-phase` ranks, rank `r` reading `model(r)` and serving
-/// steps of `step_us(r)` microseconds.
+/// 3000 steps of `step_us(r)` microseconds.
 fn two_phase_ranks(
     dir: &Path,
     world: u32,
     (group, cell): (&str, &str),
     model: impl Fn(u32) -> PathBuf,
     step_us: impl Fn(u32) -> u64,
+) -> Vec<Rank> {
+    two_phase_ranks_stepping(dir, world, (group, cell), model, (step_us, 3000))
+}
+
+/// [`two_phase_ranks`] serving `steps` steps.
+fn two_phase_ranks_stepping(
+    dir: &Path,
+    world: u32,
+    (group, cell): (&str, &str),
+    model: impl Fn(u32) -> PathBuf,
+    (step_us, steps): (impl Fn(u32) -> u64, u32),
 ) -> Vec<Rank> {
     (0..world)
         .map(|rank| {
@@ -542,7 +553,7 @@ fn two_phase_ranks(
                 "--cell",
                 cell,
                 "--steps",
-                "3000",
+                &steps.to_string(),
                 "--timeout-ms",
                 "10000",
                 "--step-us",
@@ -622,6 +633,43 @@ fn two_phase_ranks_commit_at_the_same_step() {
                 "{world} ranks: {v} committed at steps {steps:?}"
             );
         }
+    }
+}
+
+/// Audit item: from the second two-phase update on, COMMIT came one step
+/// later than the first's (each rank's last ready vote, kept from the
+/// update before, made its first vote for the next version "not ready").
+/// Steps of 20 ms, so staging ends within the step it starts in: every
+/// version commits the same number of steps after its staging started.
+#[test]
+fn every_two_phase_update_commits_as_soon_as_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let (group, cell) = (unique("g2ps"), unique("c2ps"));
+    let _names = Names(vec![cell.clone()]);
+    let steps = (|_| 20_000, 200);
+    let mut ranks = two_phase_ranks_stepping(dir.path(), 2, (&group, &cell), |_| dir.path().into(), steps);
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    let versions = ["s1", "s2", "s3"];
+    for v in versions {
+        common::write_version(dir.path(), v);
+        assert_eq!(c.request(State::Updating, t).unwrap(), RequestOutcome::Done, "{v}");
+        assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done, "{v}");
+    }
+    let logs = finish(&mut ranks);
+    for (r, log) in logs.iter().enumerate() {
+        let started: Vec<u64> = (log.lines())
+            .filter_map(|l| l.strip_prefix("staging at "))
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let committed: Vec<u64> = (versions.iter())
+            .map(|v| commit_steps(std::slice::from_ref(log), v)[0].unwrap())
+            .collect();
+        assert_eq!(started.len(), versions.len(), "rank {r}: {log}");
+        let took: Vec<u64> = committed.iter().zip(&started).map(|(c, s)| c - s).collect();
+        assert!(took.iter().all(|&n| n == took[0] && n <= 4), "rank {r}: steps to commit {took:?}: {log}");
     }
 }
 

@@ -128,6 +128,9 @@ impl Rank<'_> {
         match signal {
             State::Updating => {
                 if self.stager.is_none() {
+                    if let Some(l) = self.log.as_mut() {
+                        let _ = writeln!(l, "staging at {step}");
+                    }
                     let (m, dir) = (Arc::clone(&self.m), self.a.model_dir.clone());
                     let stage = move || m.stage(UpdateRequest::snapshot(dir));
                     self.stager = Some(std::thread::spawn(stage));

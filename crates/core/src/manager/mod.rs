@@ -235,7 +235,13 @@ impl Manager {
     pub fn broadcast_signal(&self) -> Result<State> {
         let r = match self.signal.update_pending() {
             true => self.broadcast_voting(),
-            false => self.signal.broadcast(),
+            false => {
+                // This step carries no vote, so the next one pairs no
+                // earlier ready vote of this rank with it: a version staged
+                // next is voted ready at once (it waited one step more).
+                self.last_ready_vote.lock().take();
+                self.signal.broadcast()
+            }
         };
         self.recorded(r)
     }
