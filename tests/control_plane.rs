@@ -648,15 +648,24 @@ fn every_two_phase_update_commits_as_soon_as_the_first() {
     let (group, cell) = (unique("g2ps"), unique("c2ps"));
     let _names = Names(vec![cell.clone()]);
     let steps = (|_| 20_000, 200);
-    let mut ranks = two_phase_ranks_stepping(dir.path(), 2, (&group, &cell), |_| dir.path().into(), steps);
+    let mut ranks =
+        two_phase_ranks_stepping(dir.path(), 2, (&group, &cell), |_| dir.path().into(), steps);
     let c = Controller::open(&cell).unwrap();
     let t = Duration::from_secs(10);
     assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
     let versions = ["s1", "s2", "s3"];
     for v in versions {
         common::write_version(dir.path(), v);
-        assert_eq!(c.request(State::Updating, t).unwrap(), RequestOutcome::Done, "{v}");
-        assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done, "{v}");
+        assert_eq!(
+            c.request(State::Updating, t).unwrap(),
+            RequestOutcome::Done,
+            "{v}"
+        );
+        assert_eq!(
+            c.request(State::Clearing, t).unwrap(),
+            RequestOutcome::Done,
+            "{v}"
+        );
     }
     let logs = finish(&mut ranks);
     for (r, log) in logs.iter().enumerate() {
@@ -669,7 +678,10 @@ fn every_two_phase_update_commits_as_soon_as_the_first() {
             .collect();
         assert_eq!(started.len(), versions.len(), "rank {r}: {log}");
         let took: Vec<u64> = committed.iter().zip(&started).map(|(c, s)| c - s).collect();
-        assert!(took.iter().all(|&n| n == took[0] && n <= 4), "rank {r}: steps to commit {took:?}: {log}");
+        assert!(
+            took.iter().all(|&n| n == took[0] && n <= 4),
+            "rank {r}: steps to commit {took:?}: {log}"
+        );
     }
 }
 

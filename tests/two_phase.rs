@@ -274,6 +274,13 @@ fn abort_clear_and_drop_keep_what_was_committed() {
     assert_eq!(versions_seen(&ps), vec![1]);
     assert_eq!(m.status().version.as_deref(), Some("1"));
     assert!(!m.is_staged());
+    // An abort that succeeded records no error (it once left the stage's
+    // cancel as the last error).
+    assert!(
+        m.status().last_error.is_none(),
+        "{:?}",
+        m.status().last_error
+    );
 
     // Dropping a Staged aborts it.
     drop(m.stage(UpdateRequest::snapshot(&d2)).unwrap());

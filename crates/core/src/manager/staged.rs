@@ -228,7 +228,8 @@ impl Manager {
     }
 
     /// Abort the staged version, if any (a clear or a cancel), and wait
-    /// (bounded) until its update ended.
+    /// (bounded) until its update ended. `why` names what dropped it (a
+    /// noun: "a clear"), read as "the staged version was dropped by {why}".
     pub(super) fn abort_staged(&self, why: &str) -> Result<()> {
         if !self.is_staged() {
             return Ok(());
@@ -361,11 +362,24 @@ impl Staged {
         Ok(stats)
     }
 
-    /// Drop the staged version: the old weights and version stay.
+    /// Drop the staged version: the old weights and version stay. An
+    /// abort that succeeds is no failure: the status's last error stays
+    /// what it was (the staged update's cancel is not recorded).
     pub fn abort(mut self) -> Result<()> {
+        let before = self.manager.record.lock().last_error.clone();
         self.send_abort();
         match self.outcome() {
-            Err(e) if e.code == wm_result::WM_ERR_CANCELLED => Ok(()),
+            Err(e) if e.code == wm_result::WM_ERR_CANCELLED => {
+                let mut record = self.manager.record.lock();
+                if record
+                    .last_error
+                    .as_ref()
+                    .is_some_and(|l| l.message == e.message)
+                {
+                    record.last_error = before;
+                }
+                Ok(())
+            }
             Err(e) => Err(e),
             Ok(s) => Err(Error::state(format!(
                 "abort: version {} was committed instead",

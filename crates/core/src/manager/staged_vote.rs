@@ -224,7 +224,9 @@ impl Manager {
             ),
         };
         let why = format!("no rank commits: {why}");
-        if let Err(e) = self.abort_staged(&why) {
+        // Read as "the staged version was dropped by ..." by a stage
+        // still running.
+        if let Err(e) = self.abort_staged(&format!("the ranks' vote ({why})")) {
             self.config
                 .logger
                 .warn(&format!("dropping the staged version: {e}"));
