@@ -265,6 +265,67 @@ fn a_killed_rank_is_named_within_the_timeout() {
     );
 }
 
+/// Audit item: three ranks on one node, the word CLEARED (every step a
+/// barrier), rank 1 stopped (SIGSTOP: alive, silent). Rank 2 enters each
+/// barrier well before rank 0 (whose steps are slower), so its deadline
+/// passes first: it named rank 0 ("waited for rank 0 (or the ranks it
+/// waits for)"), and that became every rank's reason. Now every rank
+/// names rank 1, from the node's slots.
+#[test]
+fn a_stopped_rank_is_named_by_the_rank_that_times_out_first() {
+    let dir = tempfile::tempdir().unwrap();
+    snapshot(dir.path());
+    let (group, cell) = (unique("gst"), unique("cst"));
+    let _names = Names(vec![cell.clone()]);
+    let mut ranks: Vec<Rank> = (0..3u32)
+        .map(|rank| {
+            let step_us = if rank == 0 { "300000" } else { "200" };
+            let opts = [
+                "--world",
+                "3",
+                "--group",
+                &group,
+                "--cell",
+                &cell,
+                "--steps",
+                "100000",
+                "--step-us",
+                step_us,
+                "--timeout-ms",
+                "2000",
+                "--model-dir",
+            ];
+            spawn(dir.path(), rank, &worker_args(&opts, dir.path()))
+        })
+        .collect();
+    let c = Controller::open(&cell).unwrap();
+    let t = Duration::from_secs(10);
+    assert_eq!(c.request(State::Clearing, t).unwrap(), RequestOutcome::Done);
+    unsafe { libc::kill(ranks[1].child.id() as i32, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    for r in [0, 2] {
+        while ranks[r].child.try_wait().unwrap().is_none() {
+            if stopped.elapsed() > Duration::from_secs(20) {
+                for r in ranks.iter_mut() {
+                    let _ = r.child.kill();
+                }
+                panic!("rank {r} still stepping 20 s after rank 1 stopped");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    unsafe { libc::kill(ranks[1].child.id() as i32, libc::SIGCONT) };
+    let _ = ranks[1].child.kill();
+    let _ = ranks[1].child.wait();
+    for r in [0, 2] {
+        let err = std::fs::read_to_string(&ranks[r].err).unwrap();
+        assert!(
+            err.contains("rank(s) 1 did not reach barrier") && !err.contains("for rank 0"),
+            "rank {r}: {err}"
+        );
+    }
+}
+
 /// Two nodes of one rank each over TCP, stepping as fast as they can with
 /// the word NORMAL; node 1 is stopped (SIGSTOP: alive, its socket open,
 /// nothing read). Once rank 0's sends to it fill the TCP buffers, rank 0's

@@ -74,15 +74,38 @@ impl Group {
                 }
             },
             || {
-                Error::timeout(format!(
-                    "group '{}': rank {} waited {:?} at barrier {gen} for rank {} (or the ranks it waits for)",
-                    self.cfg.name,
-                    self.cfg.rank,
-                    self.cfg.timeout,
-                    leader.rank.load(Ordering::Relaxed)
-                ))
+                // The node's slots show who has not come in: name them, as
+                // the leader would (its own deadline may pass a moment
+                // later, and the first error becomes the group's reason).
+                let missing = self.missing_locally(0, gen);
+                match missing.is_empty() {
+                    false => Error::timeout(format!(
+                        "group '{}': rank(s) {} did not reach barrier {gen} within {:?} (seen by rank {})",
+                        self.cfg.name,
+                        list(&missing),
+                        self.cfg.timeout,
+                        self.cfg.rank,
+                    )),
+                    true => Error::timeout(format!(
+                        "group '{}': rank {} waited {:?} at barrier {gen} for rank {} (or the ranks it waits for)",
+                        self.cfg.name,
+                        self.cfg.rank,
+                        self.cfg.timeout,
+                        leader.rank.load(Ordering::Relaxed)
+                    )),
+                }
             },
         )
+    }
+
+    /// The ranks of this node's slots from `first` on that have not entered
+    /// barrier `gen`.
+    fn missing_locally(&self, first: u32, gen: u64) -> Vec<u32> {
+        (first..self.cfg.local_world_size)
+            .map(|i| self.slot(i))
+            .filter(|s| s.barrier.load(Ordering::Acquire) < gen)
+            .map(|s| s.rank.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// The leader: wait until every other local rank entered barrier `gen`.
@@ -111,14 +134,10 @@ impl Group {
                 }
             },
             || {
-                let ranks: Vec<u32> = missing()
-                    .iter()
-                    .map(|&i| self.slot(i).rank.load(Ordering::Relaxed))
-                    .collect();
                 Error::timeout(format!(
                     "group '{}': rank(s) {} did not reach barrier {gen} within {:?}",
                     self.cfg.name,
-                    list(&ranks),
+                    list(&self.missing_locally(1, gen)),
                     self.cfg.timeout
                 ))
             },
