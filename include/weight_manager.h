@@ -1289,7 +1289,9 @@ wm_result wm_abort(wm_manager *manager);
 // NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
 wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 
-// The bytes the last successful update moved from each of its sources, in
+// The bytes the last successful update took from each of its sources
+// (what they filled in the params, as `wm_update_stats.bytes` counts them;
+// with deltas, what crossed the wire is in `wm_update_delta_stats`), in
 // the order the request named them (`location`, then `locations`, with
 // `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
 // the number of sources to `*out_count` (0 before any update). Call with
@@ -1412,15 +1414,22 @@ wm_result wm_publisher_create(const char *socket_path,
 // ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
 // Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
 // without it) and a shared secret (config or `WM_NET_SECRET`;
-// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
-// `*out_publisher` receives a handle owned by the caller; on failure the
-// reason is kept for `wm_last_create_error`. Never blocks.
+// `WM_ERR_AUTH` without one, `WM_ERR_INVALID_ARGUMENT` for one under 16
+// bytes). An address that is not host:port (a port above 65535, none at
+// all) is `WM_ERR_INVALID_ARGUMENT`, checked first; one that cannot be
+// bound (in use, not this host's) `WM_ERR_IO`. `config` may be NULL for
+// defaults. On success `*out_publisher` receives a handle owned by the
+// caller; on failure the reason is kept for `wm_last_create_error`. Does
+// not wait for engines; a host name is resolved, and the first network
+// publisher or update of a process loads UCX (about 0.4 s).
 wm_result wm_publisher_create_net(const char *address,
                                   const wm_publisher_config *config,
                                   wm_publisher **out_publisher);
 
 // Copy where engines reach this publisher (the socket path, or the TCP
-// "host:port" with the port actually bound) into `buf` (NUL-terminated,
+// "host:port" with the port actually bound: bound to a wildcard such as
+// 0.0.0.0, that is what it reports, and engines on other nodes use this
+// host's name or address with the port) into `buf` (NUL-terminated,
 // truncated to `len`); `*out_written` gets the full length (without the
 // NUL), so a caller whose buffer was too small learns the size it needs.
 wm_result wm_publisher_address(const wm_publisher *publisher,
@@ -1459,9 +1468,9 @@ wm_result wm_tensor_desc_init(wm_tensor_desc *desc);
 // shape, row-major), placed at `offset` in a global tensor of shape
 // `global_shape`; engines get the placement in their manifest and take the
 // parts their params need. One publisher may hold several shards of one
-// global tensor at different offsets (same dtype and global shape); the
-// same offset twice, or a whole tensor of that name beside shards, is
-// refused. Each trainer rank may run its own publisher (its own socket or
+// global tensor whose boxes do not overlap (same dtype and global shape);
+// two shards sharing an element, or a whole tensor of that name beside
+// shards, are refused. Each trainer rank may run its own publisher (its own socket or
 // address): together they serve one version.
 //
 // Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the dtype,

@@ -165,9 +165,14 @@ pub unsafe extern "C" fn wm_publisher_create(
 /// ("host:port"; port 0 picks a free one, see `wm_publisher_address`).
 /// Engines pull with source rdma or gdr. Needs UCX (`WM_ERR_UNSUPPORTED`
 /// without it) and a shared secret (config or `WM_NET_SECRET`;
-/// `WM_ERR_AUTH` without one). `config` may be NULL for defaults. On success
-/// `*out_publisher` receives a handle owned by the caller; on failure the
-/// reason is kept for `wm_last_create_error`. Never blocks.
+/// `WM_ERR_AUTH` without one, `WM_ERR_INVALID_ARGUMENT` for one under 16
+/// bytes). An address that is not host:port (a port above 65535, none at
+/// all) is `WM_ERR_INVALID_ARGUMENT`, checked first; one that cannot be
+/// bound (in use, not this host's) `WM_ERR_IO`. `config` may be NULL for
+/// defaults. On success `*out_publisher` receives a handle owned by the
+/// caller; on failure the reason is kept for `wm_last_create_error`. Does
+/// not wait for engines; a host name is resolved, and the first network
+/// publisher or update of a process loads UCX (about 0.4 s).
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_create_net(
     address: *const c_char,
@@ -185,7 +190,9 @@ pub unsafe extern "C" fn wm_publisher_create_net(
 }
 
 /// Copy where engines reach this publisher (the socket path, or the TCP
-/// "host:port" with the port actually bound) into `buf` (NUL-terminated,
+/// "host:port" with the port actually bound: bound to a wildcard such as
+/// 0.0.0.0, that is what it reports, and engines on other nodes use this
+/// host's name or address with the port) into `buf` (NUL-terminated,
 /// truncated to `len`); `*out_written` gets the full length (without the
 /// NUL), so a caller whose buffer was too small learns the size it needs.
 #[no_mangle]

@@ -133,8 +133,13 @@ def test_bad_shards_are_refused_naming_the_tensor(tmp_path):
         with pytest.raises(ValueError, match=r"'w'.*one value per dimension"):
             p.add_shard("w", a, (8,), (0,))
         p.add_shard("w", a, (8, 3), (0, 0))
-        with pytest.raises(WeightManagerError, match=r"'w'.*offset \[0, 0\] is already published"):
+        with pytest.raises(WeightManagerError, match=r"'w'.*offset \[0, 0\] .*overlaps the one at offset \[0, 0\]"):
             p.add_shard("w", a, (8, 3), (0, 0))
+        # Overlapping rows at another offset are refused too (they were
+        # taken, and every engine then failed planning).
+        with pytest.raises(WeightManagerError, match=r"'w'.*offset \[1, 0\] \(shape \[2, 3\]\) overlaps"):
+            p.add_shard("w", a, (8, 3), (1, 0))
+        p.add_shard("w", a, (8, 3), (2, 0))  # next to it: taken
         with pytest.raises(WeightManagerError, match=r"'w'.*both whole and as shards"):
             p.add("w", np.zeros((8, 3), dtype=np.float32))
 

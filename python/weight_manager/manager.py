@@ -45,7 +45,8 @@ class UpdateStats:
     # layouts had not changed).
     plan_s: float = 0.0
     plan_reused: bool = False
-    # Bytes moved from each source, in the order the update named them.
+    # Bytes taken from each source (what each filled in the params), in the
+    # order the update named them.
     source_bytes: tuple = ()
     # What deltas did (None where not asked: stage()'s result).
     deltas: Optional[DeltaStats] = None
@@ -664,7 +665,8 @@ class Manager(OwnedHandle):
                           d.rewritten_bytes, d.base_version.decode())
 
     def _source_bytes(self, h) -> tuple:
-        """Bytes the last update moved from each of its sources."""
+        """Bytes the last update took from each of its sources (what each
+        filled in the params; with deltas, stats.deltas has the wire bytes)."""
         n = ctypes.c_size_t()
         raise_for(LIB.wm_update_source_bytes(h, None, 0, ctypes.byref(n)), LIB.wm_last_error, h)
         out = (ctypes.c_uint64 * max(1, n.value))()

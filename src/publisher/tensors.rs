@@ -116,9 +116,9 @@ pub unsafe extern "C" fn wm_tensor_desc_init(desc: *mut wm_tensor_desc) -> wm_re
 /// shape, row-major), placed at `offset` in a global tensor of shape
 /// `global_shape`; engines get the placement in their manifest and take the
 /// parts their params need. One publisher may hold several shards of one
-/// global tensor at different offsets (same dtype and global shape); the
-/// same offset twice, or a whole tensor of that name beside shards, is
-/// refused. Each trainer rank may run its own publisher (its own socket or
+/// global tensor whose boxes do not overlap (same dtype and global shape);
+/// two shards sharing an element, or a whole tensor of that name beside
+/// shards, are refused. Each trainer rank may run its own publisher (its own socket or
 /// address): together they serve one version.
 ///
 /// Checked now (`WM_ERR_INVALID_ARGUMENT`, naming the tensor): the dtype,

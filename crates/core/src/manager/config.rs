@@ -173,8 +173,9 @@ impl ManagerConfig {
                 self.net.bucket_size
             )));
         }
-        // A short secret would fail every network update with AUTH later:
-        // said here, at init.
+        // A short secret would fail every network update later: said
+        // here, at init (one from WM_NET_SECRET at the first network
+        // update, with the same code).
         let min = crate::transport::auth::MIN_SECRET;
         if let Some(secret) = self.net.secret.as_ref().filter(|s| s.len() < min) {
             return Err(Error::invalid_argument(format!(

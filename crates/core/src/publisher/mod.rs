@@ -90,7 +90,7 @@ use crate::checkpoint::version::check_version;
 use crate::result::{Error, Result};
 use crate::transport::auth::Secret;
 use parking_lot::Mutex;
-use std::net::TcpListener;
+use std::net::{TcpListener, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -150,10 +150,19 @@ impl Publisher {
     /// shared secret (config, or `WM_NET_SECRET`).
     pub fn bind_net(addr: &str, cfg: PublisherConfig) -> Result<Publisher> {
         check_config(&cfg)?;
+        // A malformed address is the caller's, and is refused before UCX
+        // is loaded (which takes a while the first time).
+        let addrs: Vec<std::net::SocketAddr> = (addr.to_socket_addrs())
+            .map_err(|e| {
+                Error::invalid_argument(format!(
+                    "publisher address '{addr}' is not host:port ({e})"
+                ))
+            })?
+            .collect();
         let secret = Secret::resolve(cfg.secret.as_deref())?;
         crate::transport::ucx::ucx()?;
-        let listener =
-            TcpListener::bind(addr).map_err(|e| Error::io(format!("listening on {addr}"), e))?;
+        let listener = (TcpListener::bind(&addrs[..]))
+            .map_err(|e| Error::io(format!("listening on {addr}"), e))?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("reading the listening address", e))?;

@@ -133,12 +133,25 @@ fn check_clash(old: &ServedTensor, new: &ServedTensor) -> Result<()> {
                 shape_text(&b.global_shape)
             ))
         }
-        (Some(a), Some(b)) if a.offset == b.offset => clash(format!(
-            "a shard at offset {} is already published for that rank",
-            shape_text(&b.offset)
-        )),
+        (Some(a), Some(b)) if overlap((&a.offset, &old.shape), (&b.offset, &new.shape)) => {
+            clash(format!(
+                "the shard at offset {} (shape {}) overlaps the one at offset {} (shape {}) \
+                 already published for that rank",
+                shape_text(&b.offset),
+                shape_text(&new.shape),
+                shape_text(&a.offset),
+                shape_text(&old.shape)
+            ))
+        }
         _ => Ok(()),
     }
+}
+
+/// Two boxes (offset, shape) of one global tensor share an element.
+fn overlap(a: (&[u64], &[u64]), b: (&[u64], &[u64])) -> bool {
+    let dims = a.0.iter().zip(a.1).zip(b.0.iter().zip(b.1));
+    dims.into_iter()
+        .all(|((&ao, &al), (&bo, &bl))| ao < bo.saturating_add(bl) && bo < ao.saturating_add(al))
 }
 
 /// A version as sessions serve it.

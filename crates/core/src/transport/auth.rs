@@ -43,21 +43,26 @@ impl std::fmt::Debug for Secret {
 }
 
 impl Secret {
-    /// `configured`, else `WM_NET_SECRET`; missing or short is an error.
+    /// `configured`, else `WM_NET_SECRET`. Missing: `WM_ERR_AUTH` (no
+    /// secret to prove); short: `WM_ERR_INVALID_ARGUMENT` naming where it
+    /// came from, as the engine's config refuses it at `wm_init`.
     pub fn resolve(configured: Option<&[u8]>) -> Result<Secret> {
-        let bytes = match configured {
-            Some(b) => b.to_vec(),
-            None => std::env::var_os(SECRET_ENV)
-                .map(std::os::unix::ffi::OsStringExt::into_vec)
-                .ok_or_else(|| {
-                    Error::auth(format!(
-                        "the network paths need a shared secret: set it in the config or in {SECRET_ENV}"
-                    ))
-                })?,
+        let (bytes, from) = match configured {
+            Some(b) => (b.to_vec(), "the config's"),
+            None => (
+                std::env::var_os(SECRET_ENV)
+                    .map(std::os::unix::ffi::OsStringExt::into_vec)
+                    .ok_or_else(|| {
+                        Error::auth(format!(
+                            "the network paths need a shared secret: set it in the config or in {SECRET_ENV}"
+                        ))
+                    })?,
+                "WM_NET_SECRET's",
+            ),
         };
         if bytes.len() < MIN_SECRET {
-            return Err(Error::auth(format!(
-                "the shared secret has {} bytes; at least {MIN_SECRET} are required",
+            return Err(Error::invalid_argument(format!(
+                "{from} shared secret has {} bytes; at least {MIN_SECRET} are required",
                 bytes.len()
             )));
         }
