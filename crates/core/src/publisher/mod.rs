@@ -106,7 +106,7 @@ use versions::MAX_PREPARED;
 
 use accept::Acceptor;
 use config::check_config;
-use offer::Offer;
+use offer::{Current, Offer};
 use socket::{bind_unix, socket_identity, Connections, Listener};
 use versions::Versions;
 
@@ -122,7 +122,7 @@ pub struct Publisher {
     /// The socket file's device and inode as bound (IPC).
     bound: Option<(u64, u64)>,
     cfg: PublisherConfig,
-    content: Mutex<Content>,
+    content: Mutex<Current>,
     version: Mutex<Option<String>>,
     versions: Versions,
     /// The connections of running sessions, for [`Publisher::stop`].
@@ -187,7 +187,7 @@ impl Publisher {
             secret,
             bound: None,
             cfg,
-            content: Mutex::new(Content::Tensors(Vec::new())),
+            content: Mutex::new(Current::default()),
             version: Mutex::new(None),
             versions: Versions::default(),
             connections: Connections::default(),
@@ -210,7 +210,7 @@ impl Publisher {
     /// announce buckets as windows into it, so no session packs anything
     /// and the engine's copy into its params is the only copy per rank.
     pub fn publish(&self) -> Result<String> {
-        let content = self.content.lock().clone();
+        let content = self.content.lock().content.clone();
         let offer = Offer::new(self.version.lock().clone(), content);
         let Some(name) = offer.version.clone() else {
             return Err(Error::no_version(
@@ -236,8 +236,8 @@ impl Publisher {
     /// GPU memory, which this does not make. At most 64 buffers; no room in
     /// /dev/shm is `WM_ERR_OUT_OF_MEMORY` with nothing kept of the call.
     pub fn prepare(&self, count: usize) -> Result<u64> {
-        let content = self.content.lock();
-        let ts = match &*content {
+        let current = self.content.lock();
+        let ts = match &current.content {
             Content::Tensors(ts) if !ts.is_empty() => ts,
             _ => {
                 return Err(Error::invalid_argument(
@@ -269,7 +269,7 @@ impl Publisher {
 
     /// Serve the snapshot in `dir` (version from its `version.yaml`, unless set).
     pub fn set_dir(&self, dir: &Path) {
-        *self.content.lock() = Content::Dir(dir.to_path_buf());
+        *self.content.lock() = Current::of(Content::Dir(dir.to_path_buf()));
     }
 
     /// Serve one tensor, or one shard of a global tensor, from the
@@ -280,10 +280,10 @@ impl Publisher {
     /// A shard (`placement` set) is its own box, row-major, placed at
     /// `placement.offset` in a global tensor of `placement.global_shape`
     /// (checked now: the box inside the global shape, the byte size). One
-    /// publisher may hold several shards of a global tensor at different
-    /// offsets (same dtype and global shape); a shard at an offset already
-    /// published for that rank, or a whole tensor of that name, is an
-    /// error. Engines get the placement in the manifest and take the parts
+    /// publisher may hold several shards of a global tensor whose boxes do
+    /// not overlap (same dtype and global shape); a shard sharing an
+    /// element with one already published for that rank, or a whole tensor
+    /// of that name, is an error. Engines get the placement in the manifest and take the parts
     /// their params need.
     ///
     /// GPU memory (`device` set) is checked with the driver and served once
@@ -319,7 +319,7 @@ impl Publisher {
 
     /// Forget every tensor (before publishing the next version).
     pub fn clear_tensors(&self) {
-        *self.content.lock() = Content::Tensors(Vec::new());
+        *self.content.lock() = Current::default();
     }
 
     /// The version sessions announce (None: the directory's `version.yaml`).
@@ -335,7 +335,7 @@ impl Publisher {
         if published.is_empty() {
             vec![Arc::new(Offer::new(
                 self.version.lock().clone(),
-                self.content.lock().clone(),
+                self.content.lock().content.clone(),
             ))]
         } else {
             published.iter().cloned().collect()

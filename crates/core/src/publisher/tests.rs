@@ -210,3 +210,34 @@ fn a_second_serve_at_once_is_busy() {
         "{again}"
     );
 }
+
+/// Adds are checked against the tensors of their own name only (by an
+/// index): 100,000 tensors go in one by one (each was compared with every
+/// tensor before it), clashes are still refused, and set_dir or
+/// clear_tensors start the index afresh.
+#[test]
+fn many_adds_check_clashes_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let byte = [7u8];
+    for i in 0..100_000 {
+        // SAFETY: `byte` outlives `p`'s use of it (nothing is served).
+        unsafe { add_bytes(&p, &format!("experts.{i}.w"), &byte) };
+    }
+    let desc = || TensorDesc::host("experts.77777.w", DType::U8, &[1], byte.as_ptr(), 1);
+    // SAFETY: as above.
+    let e = unsafe { p.add(desc()) }.unwrap_err();
+    assert!(
+        e.message.contains("'experts.77777.w'") && e.message.contains("already published"),
+        "{e}"
+    );
+    p.clear_tensors();
+    // SAFETY: as above.
+    unsafe { add_bytes(&p, "experts.77777.w", &byte) };
+    p.set_dir(dir.path());
+    // SAFETY: as above.
+    unsafe { add_bytes(&p, "experts.77777.w", &byte) };
+    // SAFETY: as above.
+    let e = unsafe { p.add(desc()) }.unwrap_err();
+    assert!(e.message.contains("already published"), "{e}");
+}
