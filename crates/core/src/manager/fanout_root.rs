@@ -10,7 +10,8 @@
 //! each member stages the same bytes; every rank then commits at the same
 //! step through the signal's vote, or none does.
 
-use super::update::{Prepared, UpdateRun};
+use super::prepare::Prepared;
+use super::update::UpdateRun;
 use super::{Manager, UpdateStats};
 use crate::apply::{Applier, ApplyFailure};
 use crate::fanout::transfer::{FromParams, FromStaged};

@@ -51,6 +51,7 @@ mod geometry;
 mod kept;
 mod memory;
 mod plan_cache;
+mod prepare;
 mod quantized;
 mod register;
 mod shadows;
