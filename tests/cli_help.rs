@@ -161,6 +161,25 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
             &["serve", "--ipc", "s", "no/such/folder"],
             "no/such/folder: no such folder",
         ),
+        // Over the network each folder is a version: every one stays
+        // served (three with the default --keep 2 dropped the first), and
+        // one --version cannot name several (the last replaced the rest).
+        (
+            &["serve", "--net", "127.0.0.1:0", "tests", "src", "docs"],
+            "pass --keep 3",
+        ),
+        (
+            &[
+                "serve",
+                "--net",
+                "127.0.0.1:0",
+                "--version",
+                "v",
+                "tests",
+                "src",
+            ],
+            "--version names one version",
+        ),
     ] {
         let out = wm(args);
         let err = text(&out.stderr);
@@ -197,4 +216,26 @@ fn version_prints_the_version() {
         let want = format!("wm {} (test hooks)", env!("CARGO_PKG_VERSION"));
         assert_eq!(said.trim(), want);
     }
+}
+
+/// Audit item: `wm serve --net` of two folders naming one version printed
+/// both as published, and the second replaced the first. Refused, naming
+/// both folders and the version, before any engine is served.
+#[test]
+fn two_folders_of_one_version_are_refused_over_the_network() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    common::write_version(a.path(), "same");
+    common::write_version(b.path(), "same");
+    let out = Command::new(&*WM)
+        .env("WM_NET_SECRET", "cli-help-secret-0123456789")
+        .args(["serve", "--net", "127.0.0.1:0", "--accept-timeout", "5"])
+        .args([a.path(), b.path()])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("both name version same") && err.contains(&b.path().display().to_string()),
+        "{err}"
+    );
 }

@@ -447,6 +447,22 @@ fn a_publisher_of_another_uid_is_refused() {
         let e = serving.join().unwrap().unwrap_err();
         assert!(e.message.contains("uid 65534"), "{e}");
     });
+    // An engine that allows other uids, turned away by the publisher, is
+    // told why (it read "closed the connection (did it exit or crash?)").
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        let sock = sock.to_str().unwrap();
+        let mut c = wm(&["pull", "--ipc", sock, "--allow-other-uids", "true"]);
+        std::os::unix::process::CommandExt::uid(&mut c, 65534);
+        let (ok, text) = output(c.spawn().unwrap());
+        assert!(!ok);
+        assert!(
+            text.contains("reports: ") && text.contains("uid 65534"),
+            "{text}"
+        );
+        let e = serving.join().unwrap().unwrap_err();
+        assert!(e.message.contains("uid 65534"), "{e}");
+    });
 }
 
 /// A trainer that hands over GPU buffers (CUDA_BUFFERS, CUDA IPC handles)

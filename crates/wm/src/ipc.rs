@@ -102,6 +102,10 @@ pub struct PullArgs {
     /// Seconds the update may take
     #[arg(long, value_name = "SECONDS", default_value_t = defaults::UPDATE_TIMEOUT.as_secs_f64(), value_parser = crate::seconds)]
     timeout: f64,
+    /// IPC: take bytes from a publisher running as another uid (refused by
+    /// default; the publisher checks this engine's uid too)
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    allow_other_uids: bool,
 }
 
 /// Serve the snapshot in DIR to `--engines` engine sessions, then exit.
@@ -167,6 +171,24 @@ fn check_dirs(a: &ServeArgs) -> Result<(), String> {
             a.dirs.len()
         ));
     }
+    // Each folder is a version: all of them must stay served.
+    if a.dirs.len() > 1 && a.version.is_some() {
+        return Err(format!(
+            "--version names one version, and {} folders are {} versions: let each folder's \
+             version.yaml name its own (or serve one folder)",
+            a.dirs.len(),
+            a.dirs.len()
+        ));
+    }
+    if a.dirs.len() > a.keep.max(1) {
+        return Err(format!(
+            "{} folders given, and --keep {} keeps {} version(s): pass --keep {} to serve them all",
+            a.dirs.len(),
+            a.keep,
+            a.keep.max(1),
+            a.dirs.len()
+        ));
+    }
     match a.dirs.iter().find(|d| !d.exists()) {
         Some(missing) => Err(format!("{}: no such folder or file", missing.display())),
         None => Ok(()),
@@ -200,11 +222,21 @@ fn publish(p: &Publisher, a: &ServeArgs) -> Result<Vec<ExportedDeviceBuffer>, St
         return Ok(on_gpu);
     }
     if a.net.is_some() {
+        let mut named: Vec<(String, &PathBuf)> = Vec::new();
         for dir in &a.dirs {
             p.set_dir(dir);
             p.set_version(a.version.clone());
             let v = p.publish().map_err(|e| format!("{}: {e}", dir.display()))?;
+            // A name published again replaces the version before it.
+            if let Some((_, other)) = named.iter().find(|(n, _)| *n == v) {
+                return Err(format!(
+                    "{} and {} both name version {v}: each folder served is its own version",
+                    other.display(),
+                    dir.display()
+                ));
+            }
             println!("wm serve: published {} as version {v}", dir.display());
+            named.push((v, dir));
         }
     } else {
         p.set_dir(first);
@@ -284,6 +316,7 @@ fn pull_manager(a: &PullArgs) -> Result<Manager, String> {
     Manager::new(ManagerConfig {
         rank: a.rank,
         world_size: a.world,
+        allow_other_uids: a.allow_other_uids,
         net: NetSettings {
             bucket_size: a.bucket_bytes.unwrap_or(a.bucket_mib << 20),
             depth: a.depth,

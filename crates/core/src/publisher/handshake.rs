@@ -45,17 +45,23 @@ pub(super) fn handshake(
     cfg: &PublisherConfig,
 ) -> Result<Admitted> {
     let deadline = Instant::now() + cfg.handshake_timeout;
-    let who = match &stream {
-        Stream::Unix(s) => {
-            check_peer_uid(s, cfg.allow_other_uids, "an engine")?;
-            "an engine".to_string()
-        }
+    let (who, uid) = match &stream {
+        Stream::Unix(s) => (
+            "an engine".to_string(),
+            check_peer_uid(s, cfg.allow_other_uids, "an engine"),
+        ),
         Stream::Tcp(s) => match s.peer_addr() {
-            Ok(a) => format!("the engine at {a}"),
-            Err(_) => "an engine".to_string(),
+            Ok(a) => (format!("the engine at {a}"), Ok(())),
+            Err(_) => ("an engine".to_string(), Ok(())),
         },
     };
     let mut conn = Conn::new(stream, who);
+    // An engine of another uid is told why it is turned away (its error
+    // read "closed the connection (did it exit or crash?)").
+    if let Err(e) = uid {
+        conn.send_error(&e);
+        return Err(e);
+    }
     // HELLO and PROOF are small (three strings; 64 bytes): nothing larger
     // is read, or allocated, before the peer proved it holds the secret.
     conn.limit_frames(HANDSHAKE_FRAME);
