@@ -206,6 +206,34 @@ fn wm_shard_refuses_its_input_folder_and_removes_stale_ranks() {
     assert!(!out.join("model_state.tp3.0.safetensors").exists());
 }
 
+/// Audit items: a run whose input names no version left an earlier run's
+/// `version.yaml` in `--out` (new weights read as the old version); and a
+/// folder of per-rank files was split from rank 0's file alone, printing
+/// success. The version file goes; the per-rank folder is refused.
+#[test]
+fn wm_shard_leaves_no_stale_version_and_refuses_per_rank_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, _) = input_model(dir.path());
+    let out = dir.path().join("out");
+    wm_shard(&input, &out, 2, 0);
+    assert!(out.join("version.yaml").exists());
+    let unnamed = dir.path().join("unnamed");
+    std::fs::create_dir(&unnamed).unwrap();
+    std::fs::copy(input.join("model.safetensors"), unnamed.join("model.safetensors")).unwrap();
+    wm_shard(&unnamed, &out, 2, 0);
+    assert!(!out.join("version.yaml").exists(), "an earlier run's version left");
+    let o = run_shard(&out, &dir.path().join("again"), 3, 0);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("per-rank files") && err.contains("model_state.tp1.0.safetensors"), "{err}");
+    // One rank's file alone is a model to split (its shards' placements kept).
+    let single = dir.path().join("single");
+    std::fs::create_dir(&single).unwrap();
+    let rank0 = "model_state.tp0.0.safetensors";
+    std::fs::copy(out.join(rank0), single.join(rank0)).unwrap();
+    wm_shard(&single, &dir.path().join("single_out"), 2, 0);
+}
+
 #[test]
 fn a_file_may_hold_several_shards_of_one_tensor() {
     let dir = tempfile::tempdir().unwrap();

@@ -40,6 +40,31 @@ pub struct Args {
     dim: usize,
 }
 
+/// A folder of per-rank files holds each rank's part: rank 0's file alone
+/// (what a snapshot location of rank 0 reads) is not the model, so such a
+/// folder is refused when another rank's file is there.
+fn refuse_other_ranks(input: &Path, source: &Checkpoint) -> Result<(), String> {
+    use layout::LayoutKind::{Legacy, RankFile, RankParts};
+    if !matches!(source.layout.kind, RankFile | RankParts | Legacy) {
+        return Ok(());
+    }
+    let names = std::fs::read_dir(&source.layout.dir)
+        .map_err(|e| format!("listing {}: {e}", source.layout.dir.display()))?;
+    let read = |e: &std::fs::DirEntry| source.layout.files.iter().any(|f| *f == e.path());
+    let other = (names.filter_map(|e| e.ok())).find(|e| {
+        e.file_name().to_string_lossy().starts_with("model_state.tp") && !read(e)
+    });
+    match other {
+        Some(e) => Err(format!(
+            "{} holds per-rank files ({} beside rank 0's): wm shard splits a whole model (a \
+             file, HuggingFace shards, or one rank's file), and rank 0's part alone is not one",
+            input.display(),
+            e.file_name().to_string_lossy()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// One stored tensor of an output file: its bytes are `runs` (offset,
 /// length) of `src`, in order.
 struct Piece<'a> {
@@ -60,6 +85,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         gpu_id: "0".into(),
     };
     let source = Checkpoint::read(&loc, &Logger::default()).map_err(|e| e.to_string())?;
+    refuse_other_ranks(input, &source)?;
     std::fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))?;
     // Rank files written into the input's folder would replace the files
     // the next ranks are read from.
@@ -84,11 +110,14 @@ pub fn run(a: &Args) -> Result<(), String> {
             write_file(&path, &pieces).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     let deadline = Instant::now() + std::time::Duration::from_secs(60);
-    // Copied as it is, once it reads as a version.
+    // Copied as it is, once it reads as a version; else none is left in
+    // --out (an earlier run's would name these weights by its version).
+    let to = out.join(version::VERSION_FILE);
     if version::read_version_yaml(&source.layout.dir, deadline).is_ok() {
         let from = source.layout.dir.join(version::VERSION_FILE);
-        std::fs::copy(&from, out.join(version::VERSION_FILE))
-            .map_err(|e| format!("copying {}: {e}", from.display()))?;
+        std::fs::copy(&from, &to).map_err(|e| format!("copying {}: {e}", from.display()))?;
+    } else if to.exists() {
+        std::fs::remove_file(&to).map_err(|e| format!("removing {}: {e}", to.display()))?;
     }
     checksums::write(
         out,
