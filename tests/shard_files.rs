@@ -219,13 +219,23 @@ fn wm_shard_leaves_no_stale_version_and_refuses_per_rank_folders() {
     assert!(out.join("version.yaml").exists());
     let unnamed = dir.path().join("unnamed");
     std::fs::create_dir(&unnamed).unwrap();
-    std::fs::copy(input.join("model.safetensors"), unnamed.join("model.safetensors")).unwrap();
+    std::fs::copy(
+        input.join("model.safetensors"),
+        unnamed.join("model.safetensors"),
+    )
+    .unwrap();
     wm_shard(&unnamed, &out, 2, 0);
-    assert!(!out.join("version.yaml").exists(), "an earlier run's version left");
+    assert!(
+        !out.join("version.yaml").exists(),
+        "an earlier run's version left"
+    );
     let o = run_shard(&out, &dir.path().join("again"), 3, 0);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{err}");
-    assert!(err.contains("per-rank files") && err.contains("model_state.tp1.0.safetensors"), "{err}");
+    assert!(
+        err.contains("per-rank files") && err.contains("model_state.tp1.0.safetensors"),
+        "{err}"
+    );
     // One rank's file alone is a model to split (its shards' placements kept).
     let single = dir.path().join("single");
     std::fs::create_dir(&single).unwrap();

@@ -52,7 +52,10 @@ fn refuse_other_ranks(input: &Path, source: &Checkpoint) -> Result<(), String> {
         .map_err(|e| format!("listing {}: {e}", source.layout.dir.display()))?;
     let read = |e: &std::fs::DirEntry| source.layout.files.iter().any(|f| *f == e.path());
     let other = (names.filter_map(|e| e.ok())).find(|e| {
-        e.file_name().to_string_lossy().starts_with("model_state.tp") && !read(e)
+        e.file_name()
+            .to_string_lossy()
+            .starts_with("model_state.tp")
+            && !read(e)
     });
     match other {
         Some(e) => Err(format!(

@@ -278,7 +278,19 @@ pub fn resolve(loc: &SnapshotLocation, logger: &Logger, deadline: Instant) -> Re
         format!("{}/{stem}.partN.{{safetensors,pdparams}}", dir.display()),
         format!("{}/{stem}.{{safetensors,pdparams}}", dir.display()),
         format!("{}/{legacy}.{{safetensors,pdparams}}", dir.display()),
-        format!("{}/{HF_INDEX} or *.safetensors", dir.display()),
+        format!(
+            "{}/{HF_INDEX} or *.safetensors{}",
+            dir.display(),
+            // Other ranks' files are there: say why none was taken.
+            match names
+                .iter()
+                .filter(|n| n.starts_with("model_state."))
+                .count()
+            {
+                0 => String::new(),
+                n => format!(" (not the {n} model_state.* file(s) there: other ranks' files)"),
+            }
+        ),
     ];
     if let Some(fb) = &loc.fallback_dir {
         if let Some(p) = per_rank(fb, &stem) {
@@ -357,6 +369,14 @@ mod tests {
             };
             assert!(e.message.contains(want), "{want} missing in {e}");
         }
+        // Other ranks' files only: the error says why none was taken.
+        touch(d.path(), "model_state.tp0.3.safetensors");
+        let e = resolve(&loc(d.path(), None), &logger, later()).unwrap_err();
+        assert!(
+            e.message.contains("not the 1 model_state.* file(s) there"),
+            "{e}"
+        );
+        std::fs::remove_file(d.path().join("model_state.tp0.3.safetensors")).unwrap();
         touch(fb.path(), "model_state.tp1.3.safetensors");
         assert_eq!(
             resolve(&loc(d.path(), Some(fb.path())), &logger, later())
