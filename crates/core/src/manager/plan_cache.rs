@@ -66,7 +66,8 @@ impl PlanCache {
             Some((_, plan)) => (with_checksums(plan, sources), true),
             // A failed plan keeps nothing: the cache was emptied above.
             None => {
-                let plan = make_sharded_plan(sources, registry, opts, logger)?;
+                let plan = make_sharded_plan(sources, registry, opts, logger)
+                    .map_err(|e| name_sources(e, sources.len(), name))?;
                 (Arc::new(plan), false)
             }
         };
@@ -89,6 +90,32 @@ impl PlanCache {
         {
             *last = None;
         }
+    }
+}
+
+/// Most of an error the plan found: who "the source" or "source i" is
+/// (the plan numbers its sources; the engine knows them), for at most 8
+/// of the sources it mentions.
+fn name_sources(e: Error, count: usize, name: &dyn Fn(usize) -> String) -> Error {
+    let said = |i: usize| {
+        let word = format!("source {i}");
+        (e.message.match_indices(&word))
+            .any(|(at, _)| !e.message[at + word.len()..].starts_with(|c: char| c.is_ascii_digit()))
+    };
+    let legend: Vec<String> = match count {
+        1 if e.message.contains("the source") || e.message.contains("its shards") => {
+            vec![format!("the source: {}", name(0))]
+        }
+        1 => Vec::new(),
+        _ => (0..count)
+            .filter(|&i| said(i))
+            .take(8)
+            .map(|i| format!("source {i}: {}", name(i)))
+            .collect(),
+    };
+    match legend.is_empty() {
+        true => e,
+        false => Error::new(e.code, format!("{} ({})", e.message, legend.join("; "))),
     }
 }
 
@@ -128,4 +155,40 @@ fn fingerprint(sources: &[&Manifest], registry: &Registry, opts: PlanOptions) ->
     }
     h.update(&(spread as u64).to_le_bytes());
     h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan's "source i" and "the source" get the engine's names for
+    /// them (audit: "tensor 'q': sources disagree on it" and "shards ...
+    /// (the source) and ... (the source) overlap" named no file or peer).
+    #[test]
+    fn plan_errors_name_the_sources_they_mention() {
+        let name = |i: usize| format!("the publisher at p{i}.sock");
+        let e = Error::format(
+            "tensor 'q': sources disagree on it: source 1 has f32 [8], source 12 f32 [9]",
+        );
+        let named = name_sources(e, 13, &name);
+        assert!(
+            named.message.ends_with(
+                "(source 1: the publisher at p1.sock; source 12: the publisher at p12.sock)"
+            ),
+            "{named}"
+        );
+        let e = Error::format("shards [0:5] (the source) and [4:8] (the source) overlap");
+        let named = name_sources(e, 1, &name);
+        assert!(
+            named
+                .message
+                .ends_with("(the source: the publisher at p0.sock)"),
+            "{named}"
+        );
+        let e = Error::mismatch("param 'w': dtype mismatch");
+        assert_eq!(
+            name_sources(e, 2, &name).message,
+            "param 'w': dtype mismatch"
+        );
+    }
 }

@@ -54,6 +54,8 @@ pub(super) struct GlobalTensor<'a> {
     /// boxes a piece meets by a binary search.
     split: usize,
     max_len: u64,
+    /// The source it was first seen in (messages name it).
+    first_source: u32,
 }
 
 /// One global tensor with its boxes, borrowed from [`Globals`].
@@ -156,7 +158,7 @@ impl<'a> Globals<'a> {
     /// tried first, with one comparison instead of hashing the name:
     /// trainer ranks mostly list the same tensors in the same order, so
     /// the previous source's tensor at the same position is usually it.
-    fn intern(&mut self, t: &'a TensorMeta, guess: Option<usize>) -> usize {
+    fn intern(&mut self, t: &'a TensorMeta, (guess, source): (Option<usize>, u32)) -> usize {
         if let Some(k) = guess.filter(|&k| self.tensors[k].name == t.name) {
             return k;
         }
@@ -170,6 +172,7 @@ impl<'a> Globals<'a> {
                 held: 0..0,
                 split: 0,
                 max_len: 0,
+                first_source: source,
             });
         }
         k
@@ -269,7 +272,7 @@ fn intern_all<'a>(
             }
             let guess = previous.clone().nth(i).map(|j| of[j].global);
             let guess = guess.filter(|&k| k != REFUSED).map(|k| k as usize);
-            let Some(k) = global_of(g, t, guess, problems) else {
+            let Some(k) = global_of(g, t, (guess, s as u32), problems) else {
                 of.push(Interned {
                     global: REFUSED,
                     at: 0,
@@ -340,19 +343,27 @@ fn group_by_tensor(g: &mut Globals, of: &[Interned]) -> Vec<Range<usize>> {
 fn global_of<'a>(
     g: &mut Globals<'a>,
     t: &'a TensorMeta,
-    guess: Option<usize>,
+    (guess, source): (Option<usize>, u32),
     problems: &mut Vec<String>,
 ) -> Option<usize> {
     if let Some(p) = shard_check::shard_problem(t) {
         problems.push(p);
         return None;
     }
-    let k = g.intern(t, guess);
+    let k = g.intern(t, (guess, source));
     let entry = &g.tensors[k];
     let shape = t.global_shape();
     if entry.dtype != t.dtype || entry.shape != shape {
+        let who = match g.first_shard.len() {
+            1 => "its shards disagree on it:".to_string(),
+            _ => format!("sources disagree on it: source {} has", entry.first_source),
+        };
+        let other = match g.first_shard.len() {
+            1 => String::new(),
+            _ => format!("source {source} "),
+        };
         problems.push(format!(
-            "tensor '{}': sources disagree on it: {} {} and {} {}",
+            "tensor '{}': {who} {} {}, {other}{} {}",
             t.name,
             entry.dtype,
             shape_text(entry.shape),

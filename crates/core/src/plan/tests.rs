@@ -250,7 +250,9 @@ fn sources_listing_tensors_in_other_orders_plan_alike() {
     let bad = manifest(vec![rows("y", 2), meta("x", DType::F32, &[3])]);
     let e = make_sharded_plan(&[&first, &bad], &r, PlanOptions::default(), &logger).unwrap_err();
     assert!(
-        e.message.contains("tensor 'x': sources disagree on it"),
+        e.message
+            .contains("tensor 'x': sources disagree on it: source 0 has f32 [")
+            && e.message.contains("], source 1 f32 [3]"),
         "{e}"
     );
 }
