@@ -734,7 +734,12 @@ typedef struct {
   uint32_t struct_size;
   // This rank's number.
   uint32_t rank;
+  // Source tensors (or pieces of them) the update moved.
   uint64_t tensors;
+  // Bytes the params took: the size of the params the update filled (a
+  // quantized param's FP8 bytes and its scales, whatever dtype its runs
+  // carried; with deltas, the params' size too: the wire's is in
+  // `wm_update_delta_stats`).
   uint64_t bytes;
   // Sync cost: receiving source bytes, checksums included.
   uint64_t sync_ns;
@@ -1290,8 +1295,10 @@ wm_result wm_abort(wm_manager *manager);
 wm_result wm_status(const wm_manager *manager, wm_status_info *out_status);
 
 // The bytes the last successful update took from each of its sources
-// (what they filled in the params, as `wm_update_stats.bytes` counts them;
-// with deltas, what crossed the wire is in `wm_update_delta_stats`), in
+// (the bytes of the runs each filled, in the dtype the runs carry: a
+// quantized param's are a snapshot's bf16, a publisher's FP8, its scales
+// made by the engine; with deltas, what crossed the wire is in
+// `wm_update_delta_stats`), in
 // the order the request named them (`location`, then `locations`, with
 // `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
 // the number of sources to `*out_count` (0 before any update). Call with

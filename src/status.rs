@@ -110,8 +110,10 @@ pub unsafe extern "C" fn wm_status(
 }
 
 /// The bytes the last successful update took from each of its sources
-/// (what they filled in the params, as `wm_update_stats.bytes` counts them;
-/// with deltas, what crossed the wire is in `wm_update_delta_stats`), in
+/// (the bytes of the runs each filled, in the dtype the runs carry: a
+/// quantized param's are a snapshot's bf16, a publisher's FP8, its scales
+/// made by the engine; with deltas, what crossed the wire is in
+/// `wm_update_delta_stats`), in
 /// the order the request named them (`location`, then `locations`, with
 /// `@FILE` lists expanded): up to `capacity` values go to `out_bytes` and
 /// the number of sources to `*out_count` (0 before any update). Call with

@@ -158,7 +158,12 @@ pub struct wm_update_stats {
     pub struct_size: u32,
     /// This rank's number.
     pub rank: u32,
+    /// Source tensors (or pieces of them) the update moved.
     pub tensors: u64,
+    /// Bytes the params took: the size of the params the update filled (a
+    /// quantized param's FP8 bytes and its scales, whatever dtype its runs
+    /// carried; with deltas, the params' size too: the wire's is in
+    /// `wm_update_delta_stats`).
     pub bytes: u64,
     /// Sync cost: receiving source bytes, checksums included.
     pub sync_ns: u64,

@@ -630,7 +630,8 @@ fn publishers_into_device_params(via: SourceKind) {
     let [w, s] = quantized_on_gpu(&m, spec, Scheme::Fp8Block128, false);
     let req = pull(&ps, via);
     let (r, _) = serving(&ps, || m.update(req));
-    assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
+    // The params took the FP8 bytes (the wire's) and 3 f32 scales.
+    assert_eq!(r.unwrap().bytes, 300 * 128 + 3 * 4, "{via:?}: FP8 params");
     assert_same(&download(w.0, w.1), &half_q, &format!("{via:?}: fp8 bytes"));
     assert_eq!(f32s(&download(s.0, s.1)), half_s, "{via:?}: scales");
 }
@@ -669,8 +670,8 @@ fn gpu_versions_quantized_by_their_publishers() {
         let (r, served) = serving(&ps, || m.update(req));
         assert_eq!(
             r.unwrap().bytes,
-            300 * 128,
-            "on GPU {on_gpu}: FP8 on the wire"
+            300 * 128 + 3 * 4,
+            "on GPU {on_gpu}: FP8 params and their scales"
         );
         let quantized: u64 = served
             .into_iter()

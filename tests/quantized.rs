@@ -143,6 +143,10 @@ fn a_snapshot_lands_quantized_in_fp8_params_in_both_modes() {
             req.verify = verify;
             let stats = m.update(req).unwrap();
             assert_eq!(stats.version, step);
+            // What the params took: FP8 bytes and scales, not the bf16
+            // read (audit: it counted the source's bytes).
+            let took: usize = params.iter().map(|[q, s]| q.1 + s.1).sum::<usize>() + norm.1;
+            assert_eq!(stats.bytes, took as u64, "{mode:?}");
             for ((t, scheme), [q, s]) in ts.iter().zip(schemes).zip(&params) {
                 let (want_q, want_s) = reference(t, scheme);
                 assert!(
@@ -457,7 +461,8 @@ fn column_half_from_four(via: SourceKind, g: &T, scheme: Scheme) -> (Vec<u8>, Ve
     req.source = via;
     req.timeout = Duration::from_secs(60);
     let (r, served) = serving(&ps, || m.update(req));
-    assert_eq!(r.unwrap().bytes, 300 * 128, "{via:?}: FP8 on the wire");
+    // What the params took: the FP8 bytes (the wire's) and the scales.
+    assert_eq!(r.unwrap().bytes, (q.1 + s.1) as u64, "{via:?}: FP8 params");
     let sessions = served.into_iter().map(|s| s.unwrap().sessions[0].clone());
     let moved = sessions.fold((0, 0), |(a, b), s| (a + s.quantized, b + s.bytes));
     (read(q), read(s), moved)
@@ -1101,7 +1106,7 @@ fn a_publisher_holding_whole_blocks_quantizes_them_band_by_band() {
         match nan {
             false => {
                 let (want_q, want_s) = reference(&g, Scheme::Fp8Block128);
-                assert_eq!(r.unwrap().bytes, 300 * 256);
+                assert_eq!(r.unwrap().bytes, (q.1 + s.1) as u64);
                 assert!(read(q) == want_q);
                 assert_eq!(f32s(&read(s)), want_s);
             }
@@ -1142,7 +1147,7 @@ fn a_one_dimensional_weight_from_a_publisher_is_quantized() {
             false,
         );
         let (r, served) = serving(std::slice::from_ref(&p), || m.update(ipc_pull(&sock)));
-        assert_eq!(r.unwrap().bytes, 100, "{scheme:?}");
+        assert_eq!(r.unwrap().bytes, (q.1 + s.1) as u64, "{scheme:?}");
         assert!(served.iter().all(|r| r.is_ok()), "{scheme:?}: {served:?}");
         let row = T {
             shape: vec![1, 100],
@@ -1213,11 +1218,10 @@ fn an_engine_giving_up_mid_stream_leaves_the_fp8_publisher_serving() {
         p.set_version(Some(k.to_string()));
         let (m, params) = engine();
         let (r, served) = serving(std::slice::from_ref(&p), || m.update(request()));
-        assert_eq!(
-            r.unwrap().bytes,
-            6 * 256 * 256,
-            "version {k}: FP8 on the wire"
-        );
+        // FP8 on the wire; the params took those bytes and their scales.
+        let took: usize = params.iter().map(|[q, s]| q.1 + s.1).sum();
+        assert_eq!(r.unwrap().bytes, took as u64, "version {k}: FP8 params");
+        assert_eq!(took, 6 * 256 * 256 + 6 * 4 * 4, "version {k}");
         assert!(served[0].is_ok());
         for (g, [q, s]) in layers.iter().zip(&params) {
             let (want_q, want_s) = reference(g, Scheme::Fp8Block128);
@@ -1252,7 +1256,7 @@ fn replicas_of_an_fp8_engine_are_served_the_image_the_first_made() {
             false,
         );
         let (r, served) = serving(std::slice::from_ref(&p), || m.update(request()));
-        assert_eq!(r.unwrap().bytes, 512 * 256);
+        assert_eq!(r.unwrap().bytes, (q.1 + s.1) as u64);
         let read_for_it = served[0].as_ref().unwrap().sessions[0].quantized;
         match replica {
             0 => assert_eq!(read_for_it, 512 * 256 * 2, "the first session reads"),

@@ -37,6 +37,7 @@ class UpdateStats:
     version: str
     rank: int
     tensors: int
+    # Bytes the params took (a quantized param's FP8 bytes and scales).
     bytes: int
     sync_s: float
     update_s: float
@@ -45,8 +46,8 @@ class UpdateStats:
     # layouts had not changed).
     plan_s: float = 0.0
     plan_reused: bool = False
-    # Bytes taken from each source (what each filled in the params), in the
-    # order the update named them.
+    # Bytes of the runs taken from each source (a quantized param's in the
+    # dtype they carry), in the order the update named them.
     source_bytes: tuple = ()
     # What deltas did (None where not asked: stage()'s result).
     deltas: Optional[DeltaStats] = None
@@ -665,8 +666,8 @@ class Manager(OwnedHandle):
                           d.rewritten_bytes, d.base_version.decode())
 
     def _source_bytes(self, h) -> tuple:
-        """Bytes the last update took from each of its sources (what each
-        filled in the params; with deltas, stats.deltas has the wire bytes)."""
+        """Bytes of the runs the last update took from each of its sources
+        (with deltas, stats.deltas has the wire bytes)."""
         n = ctypes.c_size_t()
         raise_for(LIB.wm_update_source_bytes(h, None, 0, ctypes.byref(n)), LIB.wm_last_error, h)
         out = (ctypes.c_uint64 * max(1, n.value))()

@@ -37,7 +37,7 @@ impl Applier<'_, '_> {
         self.landing.swap_device_shadows()?;
         Ok(Applied {
             tensors: self.plan.tensors,
-            bytes: self.plan.bytes,
+            bytes: self.params_took(),
             receive,
             commit: commit_start.elapsed(),
             device_swap: swap_start.elapsed(),

@@ -86,6 +86,31 @@ pub(super) struct Quantizing {
 }
 
 impl Applier<'_, '_> {
+    /// The bytes the params took: the plan's runs, except that a quantized
+    /// param took its FP8 bytes and its scales, whatever its runs carried
+    /// (a snapshot's bf16, a publisher's FP8 without the scales).
+    pub(super) fn params_took(&self) -> u64 {
+        let targets = &self.quant.targets;
+        if targets.is_empty() {
+            return self.plan.bytes;
+        }
+        let quantized = |e: &crate::plan::PlanEntry| match e.target {
+            Target::Param(i) => targets.binary_search_by_key(&i, |t| t.param).is_ok(),
+            _ => false,
+        };
+        let runs: u64 = (self.plan.entries.iter())
+            .filter(|e| e.target != Target::Skip && quantized(e))
+            .map(|e| e.bytes)
+            .sum();
+        let held: u64 = (targets.iter())
+            .map(|t| {
+                let fp8: u64 = t.shape.iter().product();
+                fp8 + (t.scales.1 * t.scheme.scale_dtype().size()) as u64
+            })
+            .sum();
+        (self.plan.bytes - runs.min(self.plan.bytes)) + held
+    }
+
     /// The params this update quantizes (see [`QuantTarget`]); those the
     /// plan does not fill (the per-tensor callback's updates) are left.
     pub fn with_quantized(mut self, targets: Vec<QuantTarget>) -> Self {

@@ -197,7 +197,9 @@ fn over_ucx(layers: &[Vec<u8>], pairs: usize) -> Result<(), String> {
             check(&layers[0], fp8_params[0])?;
             let timed = |m: &Manager, bytes: &mut u64, all: &RefCell<Vec<UpdateStats>>| {
                 let (t, stats) = update_stats(m, SourceKind::Rdma, &address, Mode::Atomic)?;
-                *bytes = stats.bytes;
+                // What crossed the wire (the params' bytes count the
+                // scales, which the engine makes from the agreed amax).
+                *bytes = stats.deltas.wire_bytes;
                 all.borrow_mut().push(stats);
                 Ok(t)
             };
