@@ -372,8 +372,8 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "predicted transfer at {} Gb/s per rank: {}  (Perplexity measured {} s for \
-             Kimi-K2, 256 -> 128 GPUs)\n  model: max(busiest sender, busiest receiver bytes) / \
+            "predicted transfer at {} Gb/s per rank: {}  (for scale: Perplexity measured {} s \
+             for Kimi-K2, 1T parameters, 256 -> 128 GPUs)\n  model: max(busiest sender, busiest receiver bytes) / \
              link speed; assumes every trainer rank sends at once and each rank has its own link",
             n("/prediction/link_gbps"),
             seconds(n("/prediction/seconds")),
