@@ -272,7 +272,13 @@ pub(crate) fn check_struct_size(what: &str, got: u32, want: usize) -> Result<()>
     if got as usize != want {
         return Err(Error::struct_size(format!(
             "{what}.struct_size is {got}, this library's {what} is {want} bytes \
-             (set it with sizeof, or call the _init function)"
+             (set it to sizeof({what}){})",
+            // Structs the caller fills have an _init that sets it; output
+            // structs (stats, status) have none.
+            match what.ends_with("stats") || what.ends_with("info") {
+                true => "",
+                false => ", or call its _init function",
+            }
         )));
     }
     Ok(())

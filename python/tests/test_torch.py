@@ -227,6 +227,12 @@ def test_non_contiguous_refused_or_copied(tmp_path):
     np.testing.assert_array_equal(got, base.t().numpy())
     with Publisher(str(tmp_path / "b.sock")) as p, pytest.raises(ValueError, match="contiguous must be one of"):
         p.add_state_dict({"w": base}, contiguous="maybe")
+    # A sparse tensor is named for its layout, whatever the policy (it was
+    # called not contiguous, and a copy then raised torch's own error).
+    for policy in ("refuse", "copy"):
+        with Publisher(str(tmp_path / f"s{policy}.sock")) as p:
+            with pytest.raises(ValueError, match="'sp' has layout torch.sparse_coo"):
+                p.add_state_dict({"sp": torch.eye(3).to_sparse()}, contiguous=policy)
 
     module = nn.Linear(4, 8)
     module.weight = nn.Parameter(torch.randn(4, 8).t())

@@ -54,13 +54,19 @@ def _device_ordinal(name: str, tensor) -> int:
     raise ValueError(f"tensor '{name}' is on device '{device}': only cpu and cuda tensors are supported")
 
 
-def tensor_memory(name: str, tensor) -> TensorMemory:
-    """The memory of a contiguous, strided torch tensor; raises naming the
-    tensor when its dtype, layout, device or strides do not fit."""
+def _require_strided(name: str, tensor) -> None:
+    """A torch tensor with a dense (strided) layout, else raise naming it
+    (a sparse one has no strides to be contiguous in)."""
     _require_tensor(name, tensor)
     layout = str(getattr(tensor, "layout", "torch.strided"))
     if layout != "torch.strided":
         raise ValueError(f"tensor '{name}' has layout {layout}: only dense (strided) tensors are supported")
+
+
+def tensor_memory(name: str, tensor) -> TensorMemory:
+    """The memory of a contiguous, strided torch tensor; raises naming the
+    tensor when its dtype, layout, device or strides do not fit."""
+    _require_strided(name, tensor)
     try:
         dtype = parse_dtype(tensor.dtype)
     except ValueError:
@@ -89,7 +95,7 @@ def contiguous_for_publishing(name: str, tensor, policy: str):
     in-place changes to the original are not served until it is added again)."""
     if policy not in CONTIGUOUS_POLICIES:
         raise ValueError(f"contiguous must be one of {CONTIGUOUS_POLICIES}, not {policy!r}")
-    _require_tensor(name, tensor)
+    _require_strided(name, tensor)
     if tensor.is_contiguous():
         return tensor
     if policy == "refuse":

@@ -30,7 +30,8 @@ use weight_manager_core::{MemoryKind, ParamSpec};
 /// `wm worker` options.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The snapshot folder updates read
+    /// The snapshot folder updates read: it must hold the tensor `w`, f32
+    /// [16] (the rank's one param)
     #[arg(long, value_name = "DIR")]
     model_dir: PathBuf,
     #[arg(long, value_name = "R", default_value_t = 0)]

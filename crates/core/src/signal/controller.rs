@@ -75,10 +75,11 @@ impl Controller {
                 return Ok(());
             }
             if Instant::now() >= deadline {
+                let held = self.cell.load()?;
+                let held = State::from_raw(held).map_or(held.to_string(), |s| s.to_string());
                 return Err(Error::timeout(format!(
-                    "control cell {} did not reach {target} within {timeout:?} (it holds {})",
+                    "control cell {} did not reach {target} within {timeout:?} (it holds {held})",
                     self.cell.name(),
-                    self.cell.load()?
                 )));
             }
             std::thread::sleep(POLL);
@@ -248,6 +249,9 @@ mod tests {
         let e = c.request(State::Updating, short).unwrap_err();
         assert_eq!(e.code, wm_result::WM_ERR_TIMEOUT);
         assert_eq!(c.get().unwrap(), State::Updating);
+        // A wait that times out names the state the word holds.
+        let e = c.wait_for(State::Normal, short).unwrap_err();
+        assert!(e.message.ends_with("(it holds UPDATING)"), "{e}");
         assert!(c.set(State::Failed).is_err());
         super::super::shm::unlink(&name).unwrap();
     }

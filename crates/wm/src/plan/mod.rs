@@ -55,7 +55,9 @@ pub struct Args {
 pub fn run(a: &Args) -> Result<(), String> {
     let gbps = a.link_gbps;
     if !(gbps > 0.0 && gbps.is_finite()) {
-        return Err(format!("--link-gbps {gbps}: must be a finite number above 0"));
+        return Err(format!(
+            "--link-gbps {gbps}: must be a finite number above 0"
+        ));
     }
     let mut wire = report::Wire::from_args(a)?;
     let t0 = Instant::now();
