@@ -216,8 +216,9 @@ impl Acceptor<'_> {
 
     /// Join the sessions; the accept loop's error first, else the first
     /// failed session's (each logged). Once the publisher is stopped, the
-    /// stop is the error: it shut the sessions' connections down, so what
-    /// they saw ("the engine closed the connection") is its echo.
+    /// stop is a failed session's error: it shut the sessions' connections
+    /// down, so what they saw ("the engine closed the connection") is its
+    /// echo.
     fn collect(
         &self,
         ended: Vec<Result<SessionStats>>,
@@ -225,12 +226,13 @@ impl Acceptor<'_> {
     ) -> Result<ServeStats> {
         let mut stats = ServeStats::default();
         let stopped = self.connections.check_stopping(self.path).err();
-        let mut first_error = stopped.clone().or(accept_error);
+        let mut first_error = accept_error;
         for r in ended {
             match r {
                 Ok(st) => stats.sessions.push(st),
                 Err(e) if stopped.is_some() => {
                     (self.cfg.logger).info(&format!("publisher: a session ended by the stop: {e}"));
+                    first_error.get_or_insert_with(|| stopped.clone().expect("stopped"));
                 }
                 Err(e) => {
                     self.cfg.logger.warn(&format!("publisher: {e}"));
