@@ -106,6 +106,11 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
     for (args, want) in [
         (&["pull", "--ipc", "s", "--verify", "maybe"][..], "--verify"),
         (&["bench", "quant", "--gib", "lots"], "--gib"),
+        // Counts of nothing: verdicts of no measurement, or a hang (a
+        // signal bench of 0 steps waited 300 s on a child that died).
+        (&["bench", "signal", "--steps", "0"], "--steps"),
+        (&["bench", "signal", "--ranks", "0"], "--ranks"),
+        (&["bench", "quant", "--runs", "0"], "--runs"),
         (&["shard", "in", "--out", "o", "--ranks", "0"], "--ranks"),
         (&["serve", "dir"], "--ipc"),
         (&["no-such-command"], "no-such-command"),

@@ -137,6 +137,24 @@ pub fn bucket_mib(v: &str) -> Result<usize, String> {
     }
 }
 
+/// A count of runs, pairs, steps or ranks: at least 1 (0 printed
+/// verdicts of no measurement, or waited on a child that had nothing to
+/// report).
+pub fn count(v: &str) -> Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("a whole number of at least 1, not '{v}'")),
+    }
+}
+
+/// A number of ranks to run: 1 to 1024.
+pub fn rank_count(v: &str) -> Result<u32, String> {
+    match v.trim().parse::<u32>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(format!("ranks from 1 to 1024, not '{v}'")),
+    }
+}
+
 /// `c` and every subcommand under it: an option given twice takes the
 /// last value.
 fn last_wins(c: clap::Command) -> clap::Command {

@@ -68,7 +68,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0625)]
     gib: f64,
     /// Pairs of alternating runs
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::count)]
     runs: usize,
     /// The update section's model in GiB (0: skip that section)
     #[arg(long, default_value_t = 0.5)]

@@ -30,7 +30,7 @@ pub struct Args {
     #[command(flatten)]
     model: model::ModelArgs,
     /// Timed runs per configuration
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::count)]
     runs: usize,
 }
 

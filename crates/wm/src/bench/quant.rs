@@ -33,11 +33,12 @@ const SHAPE: [usize; 2] = [4096, 8192];
 /// `wm bench quant` options.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Bytes of bf16 weights in GiB (tensors of 64 MiB)
+    /// Bytes of bf16 weights quantized in GiB (tensors of 64 MiB, at least
+    /// one); 0 skips that section
     #[arg(long, default_value_t = 0.25)]
     gib: f64,
     /// Pairs of alternating runs
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::count)]
     runs: usize,
     /// Bytes of the bf16 model updated into FP8 params and into bf16 ones
     /// (over UCX and from a snapshot), in GiB; 0 skips that section
@@ -156,7 +157,27 @@ fn weights(seed: u64) -> Vec<u8> {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let (gib, pairs) = (a.gib, a.runs);
+    let bytes_each = SHAPE[0] * SHAPE[1] * 2;
+    if !(a.gib >= 0.0 && a.update_gib >= 0.0) {
+        return Err(format!(
+            "--gib {} and --update-gib {}: GiB, 0 or more",
+            a.gib, a.update_gib
+        ));
+    }
+    if a.gib > 0.0 {
+        quantize_section(a.gib, a.runs)?;
+    }
+    if a.update_gib > 0.0 {
+        let n = ((a.update_gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
+        let layers: Vec<Vec<u8>> = (0..n).map(|i| weights(i as u64 + 1)).collect();
+        super::quant_update::run(&layers, a.runs)?;
+    }
+    Ok(())
+}
+
+/// Quantizing `gib` of bf16 weights, 128x128 blocks then MXFP8, on one
+/// core and on all, beside memcpy and PyTorch.
+fn quantize_section(gib: f64, pairs: usize) -> Result<(), String> {
     let bytes_each = SHAPE[0] * SHAPE[1] * 2;
     let count = ((gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
     let inputs: Vec<Vec<u8>> = (0..count).map(|i| weights(i as u64 + 1)).collect();
@@ -195,11 +216,6 @@ pub fn run(a: &Args) -> Result<(), String> {
         }
     }
     drop(torch);
-    if a.update_gib > 0.0 {
-        let n = ((a.update_gib * (1u64 << 30) as f64) as usize / bytes_each).max(1);
-        let layers: Vec<Vec<u8>> = (0..n).map(|i| weights(i as u64 + 1)).collect();
-        super::quant_update::run(&layers, pairs)?;
-    }
     Ok(())
 }
 

@@ -22,10 +22,10 @@ const BASELINE: &str = include_str!("signal_baseline.py");
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Steps per rank
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, default_value_t = 20_000, value_parser = crate::count)]
     steps: usize,
     /// Rank counts to run, comma-separated
-    #[arg(long, default_value = "2,4,8", value_delimiter = ',')]
+    #[arg(long, default_value = "2,4,8", value_delimiter = ',', value_parser = crate::rank_count)]
     ranks: Vec<u32>,
     /// Sleep between steps, in microseconds (an engine's forward pass)
     #[arg(long, default_value_t = 50)]
@@ -41,7 +41,7 @@ pub struct RankArgs {
     rank: u32,
     #[arg(long, default_value_t = 2)]
     world: u32,
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, default_value_t = 20_000, value_parser = crate::count)]
     steps: usize,
     #[arg(long, default_value_t = 50)]
     work_us: u64,
