@@ -640,3 +640,32 @@ fn a_publisher_exiting_removes_only_its_own_socket() {
         "A removes its own socket"
     );
 }
+
+/// Audit item (docs/wire.md): a first frame that is no HELLO was closed
+/// without a word, where a bad magic or protocol gets an ERROR saying
+/// why. It gets one too now, and the publisher serves the next engine.
+#[test]
+fn a_first_frame_that_is_no_hello_is_told_so() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::Frame;
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("h.sock");
+    let ts = model(4);
+    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
+    add_all(&publisher, &ts);
+    publisher.set_version(Some("1".into()));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let mut conn = Conn::new(stream, "the publisher");
+        conn.send(&Frame::Ack { seq: 0 }).unwrap();
+        let e = conn.recv(Instant::now() + Duration::from_secs(10)).unwrap_err();
+        assert!(e.message.contains("reports: ") && e.message.contains("expected HELLO, got ACK"), "{e}");
+        let m = manager(0, 1);
+        let ptrs = register(&m, &ts);
+        m.update(ipc_request(&sock)).unwrap();
+        assert_params(&ptrs, &ts);
+        serving.join().unwrap().unwrap();
+    });
+}

@@ -67,7 +67,12 @@ pub(super) fn handshake(
     conn.limit_frames(HANDSHAKE_FRAME);
     let hello = match conn.recv(deadline) {
         Ok(f @ Frame::Hello { .. }) => f,
-        Ok(other) => Err(Error::peer(format!("expected HELLO, got {}", other.name())))?,
+        Ok(other) => {
+            // Told, as a bad magic or version is (it was closed silently).
+            let e = Error::peer(format!("expected HELLO, got {}", other.name()));
+            conn.send_error(&e);
+            return Err(e.context("before its handshake"));
+        }
         Err(e) => {
             // A HELLO this side cannot read (another protocol version): say
             // why, so that the engine's error names the cause, not a hang-up.
