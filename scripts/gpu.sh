@@ -73,6 +73,7 @@ for l in sys.stdin:
     if command -v strip >/dev/null; then strip --strip-debug "$kit"/*; fi
     pack_ucx
     ls -l "$kit"
+    echo "gpu.sh pack: $(du -sh "$kit" | cut -f1) in $kit (the device's carry limit is 64 MiB)"
 }
 
 # The UCX libraries of the wheel (no static archives, tools or headers).

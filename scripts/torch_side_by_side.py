@@ -11,7 +11,7 @@ Sections:
   pre-faulted torch params (registered with `Manager.register_module`);
   PyTorch: `safetensors.torch.load_file(path)` then `param.copy_()` each;
   ours: `Manager.update(dir, in_place=True)`. Floor beside it: the file
-  mapped and copied into the params by numpy (`np.memmap` + `copyto`).
+  mapped (`np.memmap`) and copied into the params by torch (`copy_()`).
 - publish: the trainer's steady publish, its buffers made ahead on both
   sides. Ours: `Publisher.prepare()` once, then `publish()` per version
   (one copy into shared memory that engines read in place). PyTorch: the

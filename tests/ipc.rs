@@ -660,8 +660,13 @@ fn a_first_frame_that_is_no_hello_is_told_so() {
         let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
         let mut conn = Conn::new(stream, "the publisher");
         conn.send(&Frame::Ack { seq: 0 }).unwrap();
-        let e = conn.recv(Instant::now() + Duration::from_secs(10)).unwrap_err();
-        assert!(e.message.contains("reports: ") && e.message.contains("expected HELLO, got ACK"), "{e}");
+        let e = conn
+            .recv(Instant::now() + Duration::from_secs(10))
+            .unwrap_err();
+        assert!(
+            e.message.contains("reports: ") && e.message.contains("expected HELLO, got ACK"),
+            "{e}"
+        );
         let m = manager(0, 1);
         let ptrs = register(&m, &ts);
         m.update(ipc_request(&sock)).unwrap();

@@ -403,8 +403,10 @@ fn trainer_rows(sessions: Vec<Vec<u64>>, verified: &Measured<UpdateStats>) {
     }
     if let Some(s) = sessions.get(1).filter(|s| s.len() == 5) {
         let pack = Duration::from_nanos(s[1]);
-        let packing = if pack.is_zero() {
-            "none (entries sent from the tensors)".to_string()
+        // Under a millisecond (entries sent from the tensors, a few small
+        // ones packed), a rate over the session's bytes means nothing.
+        let packing = if pack < Duration::from_millis(1) {
+            format!("{} (entries sent from the tensors)", fmt::ms(pack))
         } else {
             format!(
                 "{} ({:.2} GB/s, overlapped with sending)",
