@@ -16,6 +16,17 @@ impl TorchPeer {
     /// set up, then one time in seconds per command line it reads.
     pub fn start(script: &str, args: &[String]) -> Result<TorchPeer, String> {
         let py = super::python();
+        // Found first, quietly: a Python without them would print its
+        // import traceback before the bench's one line saying so.
+        let find = "import importlib.util as u, sys; \
+                    sys.exit(0 if u.find_spec('torch') and u.find_spec('numpy') else 1)";
+        let found = Command::new(&py)
+            .args(["-c", find])
+            .stderr(std::process::Stdio::null())
+            .status();
+        if !found.is_ok_and(|s| s.success()) {
+            return Err(format!("{py} has no torch and numpy (set WM_PYTHON)"));
+        }
         let mut c = Command::new(&py);
         c.args(["-c", script]).args(args);
         let mut p = Proc::spawn(c).map_err(|e| format!("{e} (set WM_PYTHON)"))?;
