@@ -674,3 +674,48 @@ fn a_first_frame_that_is_no_hello_is_told_so() {
         serving.join().unwrap().unwrap();
     });
 }
+
+/// Audit item (docs/wire.md): the publisher's serve error for an engine
+/// breaking the protocol named nobody ("expected WANT, got HELLO"); it
+/// names the engine now, while the engine is told the bare reason.
+#[test]
+fn a_serve_error_names_the_engine_that_broke_the_protocol() {
+    use weight_manager_core::internals::transport::conn::Conn;
+    use weight_manager_core::internals::wire::Frame;
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("w.sock");
+    let ts = model(5);
+    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
+    add_all(&publisher, &ts);
+    publisher.set_version(Some("1".into()));
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
+        let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let mut conn = Conn::new(stream, "the publisher");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let hello = || Frame::Hello {
+            rank: 0,
+            world_size: 1,
+            gpu_id: "0".into(),
+            version: String::new(),
+            base: String::new(),
+        };
+        conn.send(&hello()).unwrap();
+        assert!(matches!(
+            conn.recv(deadline).unwrap(),
+            Frame::Manifest { .. }
+        ));
+        conn.send(&hello()).unwrap();
+        let told = conn.recv(deadline).unwrap_err();
+        assert!(
+            told.message.contains("reports: expected WANT, got HELLO"),
+            "{told}"
+        );
+        let e = serving.join().unwrap().unwrap_err();
+        assert!(
+            e.message.contains("engine rank 0") && e.message.contains("expected WANT, got HELLO"),
+            "{e}"
+        );
+    });
+}

@@ -50,6 +50,12 @@ pub(super) fn run(
     if let Err(e) = &r {
         conn.send_error(e);
     }
+    // The serve's error names the engine (the engine was told the bare
+    // reason): "acknowledged bucket 1, expected 0" named nobody.
+    let r = r.map_err(|e| match e.message.contains(conn.peer()) {
+        true => e,
+        false => e.context(conn.peer()),
+    });
     r.map(|stats| SessionStats {
         total: start.elapsed(),
         ..stats
