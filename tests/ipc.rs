@@ -641,6 +641,16 @@ fn a_publisher_exiting_removes_only_its_own_socket() {
     );
 }
 
+/// A publisher at `dir`/p.sock serving `model(seed)` as version "1".
+fn version_1(dir: &Path, seed: u8) -> (std::path::PathBuf, Vec<T>, Publisher) {
+    let sock = dir.join("p.sock");
+    let ts = model(seed);
+    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
+    add_all(&publisher, &ts);
+    publisher.set_version(Some("1".into()));
+    (sock, ts, publisher)
+}
+
 /// Audit item (docs/wire.md): a first frame that is no HELLO was closed
 /// without a word, where a bad magic or protocol gets an ERROR saying
 /// why. It gets one too now, and the publisher serves the next engine.
@@ -650,11 +660,7 @@ fn a_first_frame_that_is_no_hello_is_told_so() {
     use weight_manager_core::internals::wire::Frame;
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("h.sock");
-    let ts = model(4);
-    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
-    add_all(&publisher, &ts);
-    publisher.set_version(Some("1".into()));
+    let (sock, ts, publisher) = version_1(dir.path(), 4);
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
         let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
@@ -684,11 +690,7 @@ fn a_serve_error_names_the_engine_that_broke_the_protocol() {
     use weight_manager_core::internals::wire::Frame;
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("w.sock");
-    let ts = model(5);
-    let publisher = Publisher::bind(&sock, small_buckets()).unwrap();
-    add_all(&publisher, &ts);
-    publisher.set_version(Some("1".into()));
+    let (sock, _ts, publisher) = version_1(dir.path(), 5);
     std::thread::scope(|s| {
         let serving = s.spawn(|| publisher.serve(1, Duration::from_secs(20)));
         let stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();

@@ -36,15 +36,11 @@ impl Admitted {
 /// (network) or its HELLO read (IPC).
 const HANDSHAKE_FRAME: usize = 64 << 10;
 
-/// Read the engine's HELLO and, with a `secret` (a network publisher), run
-/// the challenge, all within `cfg.handshake_timeout`: a connection that
-/// does not is dropped, having cost one thread and no buffers.
-pub(super) fn handshake(
-    stream: Stream,
-    secret: Option<&Secret>,
-    cfg: &PublisherConfig,
-) -> Result<Admitted> {
-    let deadline = Instant::now() + cfg.handshake_timeout;
+/// The connection of a peer this publisher may serve, named for messages:
+/// over IPC one of this uid (unless `allow_other_uids`); one of another is
+/// told why it is turned away (its error read "closed the connection (did
+/// it exit or crash?)").
+fn admitted_peer(stream: Stream, cfg: &PublisherConfig) -> Result<Conn> {
     let (who, uid) = match &stream {
         Stream::Unix(s) => (
             "an engine".to_string(),
@@ -56,12 +52,23 @@ pub(super) fn handshake(
         },
     };
     let mut conn = Conn::new(stream, who);
-    // An engine of another uid is told why it is turned away (its error
-    // read "closed the connection (did it exit or crash?)").
     if let Err(e) = uid {
         conn.send_error(&e);
         return Err(e);
     }
+    Ok(conn)
+}
+
+/// Read the engine's HELLO and, with a `secret` (a network publisher), run
+/// the challenge, all within `cfg.handshake_timeout`: a connection that
+/// does not is dropped, having cost one thread and no buffers.
+pub(super) fn handshake(
+    stream: Stream,
+    secret: Option<&Secret>,
+    cfg: &PublisherConfig,
+) -> Result<Admitted> {
+    let deadline = Instant::now() + cfg.handshake_timeout;
+    let mut conn = admitted_peer(stream, cfg)?;
     // HELLO and PROOF are small (three strings; 64 bytes): nothing larger
     // is read, or allocated, before the peer proved it holds the secret.
     conn.limit_frames(HANDSHAKE_FRAME);
