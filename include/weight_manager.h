@@ -1496,6 +1496,24 @@ wm_result wm_tensor_desc_init(wm_tensor_desc *desc);
 // asked about a device range, nothing waits for the device).
 wm_result wm_publisher_add(wm_publisher *publisher, const wm_tensor_desc *desc);
 
+// Publish the `count` tensors (or shards) of the array `descs`, each as
+// `wm_publisher_add` would, or none of them: the first one refused (checked
+// as `wm_publisher_add` checks, against what was published before and
+// against the descriptors before it) fails the call, its error naming
+// its index ("tensor 3 of the 10 added together (none was added): tensor
+// 'w': ..."), and what was published before the call stays as it was (a
+// directory set with `wm_publisher_set_dir` too). For a trainer publishing
+// a whole model at once: a refused tensor does not leave the others
+// published. `count` 0 adds nothing (`descs` may then be NULL).
+//
+// Codes as `wm_publisher_add`; NULL `descs` with `count` > 0:
+// `WM_ERR_NULL_ARGUMENT`.
+//
+// Ownership: `descs`, each descriptor and its arrays are read during the
+// call only; the bytes at each `data` as for `wm_publisher_add`.
+// Thread-safe; never blocks.
+wm_result wm_publisher_add_all(wm_publisher *publisher, const wm_tensor_desc *descs, size_t count);
+
 // Serve the snapshot in directory `dir` instead of in-memory tensors: each
 // rank gets the files the snapshot layout rules pick for it.
 wm_result wm_publisher_set_dir(wm_publisher *publisher, const char *dir);

@@ -213,6 +213,23 @@ def test_prefix_and_missing_param_fails_naming_it(tmp_path):
     assert "'embed.weight'" in str(e.value) or "'model.embed.weight'" in str(e.value), e.value
 
 
+def test_add_state_dict_adds_all_or_nothing(tmp_path):
+    """A state dict with one tensor the library refuses (its name already
+    published) raises naming it, and none of the dict is published: each
+    of its other tensors can still be added, and the dict without the
+    clash goes through."""
+    kept, a, b = torch.ones(3), torch.zeros(2), torch.full((4,), 2.0)
+    with Publisher(str(tmp_path / "p.sock")) as p:
+        p.add_torch("kept", kept)
+        with pytest.raises(WeightManagerError) as e:
+            p.add_state_dict({"a": a, "kept": torch.ones(3), "b": b})
+        assert "tensor 1 of the 3 added together (none was added): tensor 'kept': already published" \
+            in str(e.value), e.value
+        p.add_state_dict({"a": a, "b": b})
+        with pytest.raises(WeightManagerError, match="'a': already published"):
+            p.add_torch("a", a)
+
+
 def test_non_contiguous_refused_or_copied(tmp_path):
     base = torch.randn(4, 8)
     with Publisher(str(tmp_path / "a.sock")) as p:

@@ -427,6 +427,7 @@ PROTOTYPES = {
     # deprecated and not declared here.
     "wm_tensor_desc_init": (R, [ctypes.POINTER(TensorDesc)]),
     "wm_publisher_add": (R, [c_void_p, ctypes.POINTER(TensorDesc)]),
+    "wm_publisher_add_all": (R, [c_void_p, ctypes.POINTER(TensorDesc), ctypes.c_size_t]),
     "wm_publisher_set_dir": (R, [c_void_p, c_char_p]),
     "wm_publisher_set_version": (R, [c_void_p, c_char_p]),
     "wm_publisher_clear": (R, [c_void_p]),

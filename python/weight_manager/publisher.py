@@ -166,8 +166,10 @@ class Publisher(OwnedHandle):
         silently stop following the trainer's in-place updates), or copied
         now with a warning naming them (contiguous="copy"). Tied tensors
         (one memory under several names) are published once, under the
-        first name; returns {tied name: published name}. A dtype the library
-        lacks raises naming the tensor and dtype, before anything is added."""
+        first name; returns {tied name: published name}. All or nothing:
+        a tensor refused (a dtype the library lacks, a name already
+        published for that rank, overlapping shards, ...) raises naming it,
+        and none of the state dict is added (one wm_publisher_add_all)."""
         placements, named = {}, []
         for name, t in state_dict.items():
             if torch_bridge.is_dtensor(t):
@@ -177,8 +179,11 @@ class Publisher(OwnedHandle):
                 t, placements[name] = shard
             named.append((name, torch_bridge.contiguous_for_publishing(name, t, contiguous)))
         unique, aliases = torch_bridge.unique_memory(named)
-        for name, tensor, mem in unique:
-            self._add_tensor_memory(name, mem, tensor, rank, placements.get(name))
+        made = [self._desc(name, mem, rank, placements.get(name)) for name, _, mem in unique]
+        if made:
+            descs = (_lib.TensorDesc * len(made))(*(desc for desc, _ in made))
+            self._check(LIB.wm_publisher_add_all(self._h(), descs, len(made)))
+        self._arrays.extend(tensor for _, tensor, _ in unique)
         return aliases
 
     def _add_tensor_memory(self, name: str, mem, owner, rank: int, placement=None) -> None:
@@ -188,8 +193,15 @@ class Publisher(OwnedHandle):
         self._arrays.append(owner)
 
     def _add_memory(self, name: str, mem, rank: int, placement) -> None:
-        """The one call into the library for every add: host or device
-        memory, whole or a shard."""
+        """Add one tensor's host or device memory, whole or a shard."""
+        desc, _keep = self._desc(name, mem, rank, placement)
+        self._check(LIB.wm_publisher_add(self._h(), ctypes.byref(desc)))
+
+    @staticmethod
+    def _desc(name: str, mem, rank: int, placement):
+        """The wm_tensor_desc of every add (host or device memory, whole or
+        a shard), and the objects its pointers point into, to keep alive
+        until the library has read it."""
         ndim = len(mem.shape)
         dims = _lib.array(ctypes.c_uint64, mem.shape, f"tensor '{name}': shape")
         desc = _lib.TensorDesc()
@@ -200,6 +212,7 @@ class Publisher(OwnedHandle):
         desc.data, desc.len = mem.ptr or None, int(mem.nbytes)
         if mem.device != torch_bridge.HOST:
             desc.memory, desc.device_ordinal = MEMORY_DEVICE, int(mem.device)
+        keep = [encoded, dims]
         if placement is not None:
             if len(placement.global_shape) != ndim or len(placement.offset) != ndim:
                 raise ValueError(f"tensor '{name}': global_shape {placement.global_shape} and offset "
@@ -208,7 +221,8 @@ class Publisher(OwnedHandle):
             off = _lib.array(ctypes.c_uint64, placement.offset, f"tensor '{name}': offset")
             desc.global_shape = ctypes.cast(glob, ctypes.POINTER(ctypes.c_uint64))
             desc.offset = ctypes.cast(off, ctypes.POINTER(ctypes.c_uint64))
-        self._check(LIB.wm_publisher_add(self._h(), ctypes.byref(desc)))
+            keep += [glob, off]
+        return desc, keep
 
     def set_dir(self, directory) -> None:
         """Serve a snapshot directory instead (per-rank files by the layout rules)."""

@@ -148,12 +148,102 @@ pub unsafe extern "C" fn wm_publisher_add(
     })
 }
 
+/// Publish the `count` tensors (or shards) of the array `descs`, each as
+/// `wm_publisher_add` would, or none of them: the first one refused (checked
+/// as `wm_publisher_add` checks, against what was published before and
+/// against the descriptors before it) fails the call, its error naming
+/// its index ("tensor 3 of the 10 added together (none was added): tensor
+/// 'w': ..."), and what was published before the call stays as it was (a
+/// directory set with `wm_publisher_set_dir` too). For a trainer publishing
+/// a whole model at once: a refused tensor does not leave the others
+/// published. `count` 0 adds nothing (`descs` may then be NULL).
+///
+/// Codes as `wm_publisher_add`; NULL `descs` with `count` > 0:
+/// `WM_ERR_NULL_ARGUMENT`.
+///
+/// Ownership: `descs`, each descriptor and its arrays are read during the
+/// call only; the bytes at each `data` as for `wm_publisher_add`.
+/// Thread-safe; never blocks.
+#[no_mangle]
+pub unsafe extern "C" fn wm_publisher_add_all(
+    publisher: *mut wm_publisher,
+    descs: *const wm_tensor_desc,
+    count: usize,
+) -> wm_result {
+    ffi_guard!({
+        let h = try_publisher!(publisher);
+        if count == 0 {
+            return h.result(Ok(()));
+        }
+        check_null!(descs);
+        if count > isize::MAX as usize / std::mem::size_of::<wm_tensor_desc>() {
+            let e = Error::invalid_argument(format!("{count} descriptors do not fit in memory"));
+            return h.result(Err(e));
+        }
+        let descs = std::slice::from_raw_parts(descs, count);
+        let r = add_descs(&h.value, descs);
+        h.result(r)
+    })
+}
+
 /// `wm_publisher_add` of a C descriptor: a shard when `shard` or either
 /// placement array is set.
 ///
 /// # Safety
 /// `d`'s pointers are NULL or valid for what they describe.
 unsafe fn add(p: &weight_manager_core::Publisher, d: &wm_tensor_desc, shard: bool) -> Result<()> {
+    let owned = owned_desc(d, shard)?;
+    p.add(owned.desc())
+}
+
+/// [`add`] of every descriptor of `ds`, or of none.
+///
+/// # Safety
+/// As [`add`], for each.
+unsafe fn add_descs(p: &weight_manager_core::Publisher, ds: &[wm_tensor_desc]) -> Result<()> {
+    let mut owned = Vec::new();
+    // In order: a `struct_size` not this library's is refused at the first
+    // descriptor, before the array is read at this library's stride.
+    for (k, d) in ds.iter().enumerate() {
+        let o = owned_desc(d, false).map_err(|e| TensorDesc::refused_among(e, k, ds.len()))?;
+        owned.push(o);
+    }
+    p.add_all(owned.iter().map(OwnedDesc::desc).collect())
+}
+
+/// A C descriptor read and checked: what `TensorDesc` borrows.
+struct OwnedDesc<'a> {
+    name: String,
+    dtype: DType,
+    shape: &'a [u64],
+    data: u64,
+    len: usize,
+    device: Option<i32>,
+    rank: Option<u32>,
+    placement: Option<Placement>,
+}
+
+impl OwnedDesc<'_> {
+    fn desc(&self) -> TensorDesc<'_> {
+        TensorDesc {
+            name: &self.name,
+            dtype: self.dtype,
+            shape: self.shape,
+            data: self.data,
+            len: self.len,
+            device: self.device,
+            rank: self.rank,
+            placement: self.placement.clone(),
+        }
+    }
+}
+
+/// Read C descriptor `d` (a shard when `shard` or either placement array
+/// is set).
+///
+/// # Safety
+/// As [`add`].
+unsafe fn owned_desc(d: &wm_tensor_desc, shard: bool) -> Result<OwnedDesc<'_>> {
     check_struct_size(
         "wm_tensor_desc",
         d.struct_size,
@@ -175,8 +265,8 @@ unsafe fn add(p: &weight_manager_core::Publisher, d: &wm_tensor_desc, shard: boo
     } else {
         None
     };
-    p.add(TensorDesc {
-        name: &name,
+    Ok(OwnedDesc {
+        name,
         dtype,
         shape,
         data: d.data as u64,

@@ -996,6 +996,35 @@ static void test_publisher(void) {
   CHECK_RC(wm_publisher_add(p, &sh), WM_OK);
   CHECK_RC(wm_publisher_add(p, &sh), WM_ERR_INVALID_ARGUMENT); /* same offset twice */
   CHECK_RC(wm_publisher_clear(p), WM_OK);
+  /* wm_publisher_add_all: every descriptor or none. "kept" published
+     before; a batch whose third clashes with it (or with the first) is
+     refused naming its index, and none of it stays: the batch without the
+     clash goes through afterwards (its "a" would otherwise be there). */
+  wm_tensor_desc kept = t, batch[4];
+  kept.name = "kept";
+  CHECK_RC(wm_publisher_add(p, &kept), WM_OK);
+  const char *names[4] = {"a", "b", "kept", "c"};
+  for (int i = 0; i < 4; i++) {
+    batch[i] = t;
+    batch[i].name = names[i];
+  }
+  CHECK_RC(wm_publisher_add_all(NULL, batch, 4), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_all(p, NULL, 4), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_publisher_add_all(p, NULL, 0), WM_OK);
+  CHECK_RC(wm_publisher_add_all(p, batch, 4), WM_ERR_INVALID_ARGUMENT);
+  CHECK_RC(wm_publisher_last_error(p, why, sizeof why, &why_n), WM_OK);
+  CHECK(strstr(why, "tensor 2 of the 4 added together (none was added): tensor 'kept': already published") != NULL);
+  batch[2].name = "a";
+  CHECK_RC(wm_publisher_add_all(p, batch, 4), WM_ERR_INVALID_ARGUMENT);
+  batch[1].struct_size = 8; /* read in order: the first bad one is named */
+  CHECK_RC(wm_publisher_add_all(p, batch, 4), WM_ERR_STRUCT_SIZE);
+  CHECK_RC(wm_publisher_last_error(p, why, sizeof why, &why_n), WM_OK);
+  CHECK(strstr(why, "tensor 1 of the 4 added together") != NULL);
+  batch[1].struct_size = sizeof batch[1];
+  batch[2].name = "d";
+  CHECK_RC(wm_publisher_add_all(p, batch, 4), WM_OK);
+  CHECK_RC(wm_publisher_add(p, &batch[0]), WM_ERR_INVALID_ARGUMENT); /* now published */
+  CHECK_RC(wm_publisher_clear(p), WM_OK);
   /* prepare: nothing added yet is an error naming why; then the buffers of
      keep_versions + 1 (default 2 + 1) versions of the tensors added. */
   uint64_t made = 7;

@@ -37,6 +37,18 @@ pub struct TensorDesc<'a> {
 /// memory valid and unchanged as [`Publisher::add`](super::Publisher::add) says (host memory while
 /// sessions run, GPU memory until the next `publish` returns).
 impl<'a> TensorDesc<'a> {
+    /// Error `e` of descriptor `k` of the `n` added together
+    /// ([`Publisher::add_all`](super::Publisher::add_all)): named by its
+    /// place when there are several, and saying that none was added.
+    pub fn refused_among(e: crate::result::Error, k: usize, n: usize) -> crate::result::Error {
+        match n {
+            1 => e,
+            n => e.context(format!(
+                "tensor {k} of the {n} added together (none was added)"
+            )),
+        }
+    }
+
     /// A whole tensor in host memory, `len` bytes at `data`, for every
     /// rank. The memory stays the caller's: see [`Publisher::add`](super::Publisher::add).
     pub fn host(

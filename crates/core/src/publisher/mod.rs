@@ -298,23 +298,33 @@ impl Publisher {
     /// memory: the device range must stay valid until the next `publish`
     /// returns.
     pub unsafe fn add(&self, t: TensorDesc<'_>) -> Result<()> {
-        let mut host = ServedTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
-        host.placement = t.placement;
-        if t.device.is_some() {
-            self.add_device(host)
-        } else {
-            self.content.lock().add(host)
-        }
+        // SAFETY: the caller's promise, for the one descriptor.
+        unsafe { self.add_all(vec![t]) }
     }
 
-    /// Add a GPU tensor once the driver says its range is memory of its GPU.
-    fn add_device(&self, t: ServedTensor) -> Result<()> {
-        let what = format!("tensor '{}'", t.name);
-        let ordinal = t.device.expect("a device tensor");
-        crate::memory::cuda::cuda()
-            .map_err(|e| e.context(&what))?
-            .check_device_range(ordinal, t.data.0 as u64, t.len, &what)?;
-        self.content.lock().add(t)
+    /// [`Publisher::add`] of every descriptor of `ts`, or of none: the first
+    /// one refused (by the checks `add` makes, against what was published
+    /// before and against the ones before it in `ts`) fails the call naming
+    /// its place in `ts`, and what was published before the call is left as
+    /// it was (a served directory too). For a trainer adding a whole model
+    /// at once, so a refused tensor does not leave the others published.
+    ///
+    /// # Safety
+    /// As [`Publisher::add`], for each descriptor.
+    pub unsafe fn add_all(&self, ts: Vec<TensorDesc<'_>>) -> Result<()> {
+        let count = ts.len();
+        let at = |k, e| TensorDesc::refused_among(e, k, count);
+        let mut served = Vec::new();
+        for (k, t) in ts.into_iter().enumerate() {
+            let mut s =
+                ServedTensor::new(t.name, t.dtype, t.shape, t.data, t.len, t.rank, t.device);
+            s.placement = t.placement;
+            if s.device.is_some() {
+                check_device(&s).map_err(|e| at(k, e))?;
+            }
+            served.push(s);
+        }
+        (self.content.lock().add_all(served)).map_err(|(k, e)| at(k, e))
     }
 
     /// Forget every tensor (before publishing the next version).
@@ -388,6 +398,15 @@ impl Publisher {
     pub fn stop(&self) {
         self.connections.stop();
     }
+}
+
+/// A GPU tensor's range is memory of its GPU, as the driver says.
+fn check_device(t: &ServedTensor) -> Result<()> {
+    let what = format!("tensor '{}'", t.name);
+    let ordinal = t.device.expect("a device tensor");
+    crate::memory::cuda::cuda()
+        .map_err(|e| e.context(&what))?
+        .check_device_range(ordinal, t.data.0 as u64, t.len, &what)
 }
 
 /// Lowers the serving flag however `serve` ends.

@@ -137,6 +137,55 @@ impl Current {
         ts.push(t);
         Ok(())
     }
+
+    /// [`Current::add`] of each of `ts` in order, or of none: on the first
+    /// refused, the ones added before it are taken out again (and a
+    /// directory served before is served again); Err gives its place in
+    /// `ts`. Each added tensor is the last of its name's positions, so
+    /// taking them out is as cheap as adding them.
+    pub(super) fn add_all(
+        &mut self,
+        ts: Vec<ServedTensor>,
+    ) -> std::result::Result<(), (usize, Error)> {
+        let dir = match &self.content {
+            Content::Dir(d) => Some(d.clone()),
+            Content::Tensors(_) => None,
+        };
+        let before = self.tensors().len();
+        for (k, t) in ts.into_iter().enumerate() {
+            if let Err(e) = self.add(t) {
+                self.take_out_from(before);
+                if let Some(d) = dir {
+                    *self = Current::of(Content::Dir(d));
+                }
+                return Err((k, e));
+            }
+        }
+        Ok(())
+    }
+
+    fn tensors(&self) -> &[ServedTensor] {
+        match &self.content {
+            Content::Tensors(ts) => ts,
+            Content::Dir(_) => &[],
+        }
+    }
+
+    /// Take out the tensors from position `from` on, last first.
+    fn take_out_from(&mut self, from: usize) {
+        let Content::Tensors(ts) = &mut self.content else {
+            return;
+        };
+        while ts.len() > from {
+            let t = ts.pop().expect("longer than `from`");
+            if let Some(at) = self.by_name.get_mut(&t.name) {
+                at.pop();
+                if at.is_empty() {
+                    self.by_name.remove(&t.name);
+                }
+            }
+        }
+    }
 }
 
 /// Two tensors of one name for the same rank: only shards of one global

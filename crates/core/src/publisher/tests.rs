@@ -241,3 +241,54 @@ fn many_adds_check_clashes_by_name() {
     let e = unsafe { p.add(desc()) }.unwrap_err();
     assert!(e.message.contains("already published"), "{e}");
 }
+
+/// Adding together is all or nothing: a batch whose third tensor clashes
+/// (with one published before, or with one earlier in the batch) is
+/// refused naming its place, and none of it stays (each of its tensors can
+/// be added alone afterwards); what was published before stays, a served
+/// directory too, which a batch that goes through replaces.
+#[test]
+fn adding_together_adds_every_tensor_or_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let byte = [7u8];
+    let desc = |name| TensorDesc::host(name, DType::U8, &[1], byte.as_ptr(), 1);
+    let names = |p: &Publisher| match &p.content.lock().content {
+        Content::Tensors(ts) => ts.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        Content::Dir(d) => vec![d.display().to_string()],
+    };
+    // SAFETY: `byte` outlives `p`'s use of it (nothing is served).
+    unsafe { add_bytes(&p, "kept", &byte) };
+    for clash in ["kept", "a"] {
+        // SAFETY: as above.
+        let e = unsafe { p.add_all(vec![desc("a"), desc("b"), desc(clash), desc("c")]) };
+        let e = e.unwrap_err();
+        assert!(
+            e.message
+                .starts_with("tensor 2 of the 4 added together (none was added): ")
+                && e.message.contains(&format!("'{clash}'"))
+                && e.message.contains("already published"),
+            "{e}"
+        );
+        assert_eq!(names(&p), ["kept"]);
+    }
+    // SAFETY: as above.
+    unsafe { p.add_all(vec![desc("a"), desc("b"), desc("c")]) }.unwrap();
+    assert_eq!(names(&p), ["kept", "a", "b", "c"]);
+    // A directory served so far stays served when the batch is refused.
+    p.set_dir(dir.path());
+    // SAFETY: as above.
+    let e = unsafe { p.add_all(vec![desc("x"), desc("x")]) }.unwrap_err();
+    assert!(e.message.starts_with("tensor 1 of the 2"), "{e}");
+    assert_eq!(names(&p), [dir.path().display().to_string()]);
+    // SAFETY: as above.
+    unsafe { p.add_all(vec![desc("x")]) }.unwrap();
+    assert_eq!(names(&p), ["x"]);
+    // One refused alone reads as before, with no batch named.
+    // SAFETY: as above.
+    let e = unsafe { p.add(desc("x")) }.unwrap_err();
+    assert!(
+        e.message.starts_with("tensor 'x': already published"),
+        "{e}"
+    );
+}
