@@ -210,11 +210,7 @@ fn fill_missing_checksums(checkpoint: &Checkpoint, manifest: &mut Manifest) -> R
     let ranges: Vec<(usize, u64, u64)> = todo
         .iter()
         .map(|&t| {
-            let (path, offset) = checkpoint.tensor_location(t);
-            let fi = paths
-                .iter()
-                .position(|p| *p == path)
-                .expect("a file of the source");
+            let (fi, offset) = checkpoint.tensor_file(t);
             (fi, offset, manifest.tensors[t].nbytes)
         })
         .collect();
@@ -358,8 +354,16 @@ fn copy_batch(
             unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
         }
         ShardBytes::Files { checkpoint, open } => {
-            for &(t, ..) in batch.iter().filter(|b| b.0 < first_image) {
-                let (path, _) = checkpoint.tensor_location(t);
+            // The files this batch reads (each checked after it, not every
+            // file opened so far: that made many files quadratic).
+            let mut read: Vec<usize> = (batch.iter())
+                .filter(|b| b.0 < first_image)
+                .map(|&(t, ..)| checkpoint.tensor_file(t).0)
+                .collect();
+            read.sort_unstable();
+            read.dedup();
+            for &fi in &read {
+                let path = &checkpoint.files[fi].0;
                 if !open.contains_key(path) {
                     let f = checkpoint.open_data(path)?;
                     open.insert(path.to_path_buf(), f);
@@ -390,8 +394,8 @@ fn copy_batch(
             unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)?;
             // A file rewritten while this batch was read: the batch may hold
             // another version's bytes under this one's name and sums.
-            for (path, file) in open.iter() {
-                checkpoint.check_unchanged(path, file, "while it was served")?;
+            for path in read.iter().map(|&fi| &checkpoint.files[fi].0) {
+                checkpoint.check_unchanged(path, &open[path], "while it was served")?;
             }
             Ok(())
         }
