@@ -543,3 +543,46 @@ fn a_manifest_of_more_tensors_than_the_engine_takes_is_refused_from_its_count() 
     let says = "MANIFEST announces 70000 tensors, more than the 655";
     assert!(e.message.contains(says), "{e}");
 }
+
+/// A network "publisher" without the secret that answers HELLO with a
+/// frame announcing 64 MiB: before the publisher's proof checks, the
+/// engine reads no frame over 64 KiB (it read this one whole, 64 MiB of
+/// memory per connection, until its deadline), so it is refused at once
+/// from its length, naming the peer.
+#[test]
+fn an_unauthenticated_publisher_cannot_send_a_large_frame() {
+    let _serial = serial();
+    std::env::set_var("UCX_TLS", "tcp");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let fake = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 256];
+        let _ = s.read(&mut hello);
+        let _ = s.write_all(&(64u32 << 20).to_le_bytes());
+        let _ = s.write_all(&vec![0u8; 1 << 20]);
+        // Hold the connection until the engine lets go of it.
+        let _ = s.read(&mut hello);
+    });
+    let m = Manager::new(ManagerConfig {
+        fallback_dir: None,
+        net: weight_manager_core::NetSettings {
+            secret: Some(b"hostile-peer-secret-0123456789".to_vec()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let mut req = UpdateRequest::snapshot(&addr);
+    req.source = SourceKind::Rdma;
+    req.timeout = Duration::from_secs(20);
+    let e = m.update(req).unwrap_err();
+    assert_eq!(e.code, wm_result::WM_ERR_PEER, "{e}");
+    assert!(
+        e.message.contains(&addr) && e.message.contains("frame of 67108864 bytes (1 to 65536"),
+        "{e}"
+    );
+    drop(m);
+    fake.join().unwrap();
+}

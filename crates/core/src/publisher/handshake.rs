@@ -7,7 +7,7 @@ use crate::transport::auth::{self, Secret};
 use crate::transport::conn::{Conn, Stream};
 use crate::transport::seal::Role;
 use crate::transport::unix::check_peer_uid;
-use crate::wire::Frame;
+use crate::wire::{Frame, HANDSHAKE_FRAME};
 use std::time::Instant;
 
 /// An engine's connection that finished its handshake in time: its HELLO
@@ -31,10 +31,6 @@ impl Admitted {
         self.conn.send_error(e);
     }
 }
-
-/// The largest frame a publisher reads before the engine is authenticated
-/// (network) or its HELLO read (IPC).
-const HANDSHAKE_FRAME: usize = 64 << 10;
 
 /// The connection of a peer this publisher may serve, named for messages:
 /// over IPC one of this uid (unless `allow_other_uids`); one of another is

@@ -56,6 +56,10 @@ pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"
 pub(crate) const PROTOCOL: u32 = 10;
 /// Largest frame accepted (a manifest of ~500k tensors).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
+/// The largest frame either side reads before its peer is authenticated
+/// (network; IPC: before the engine's HELLO is read), so a peer without
+/// the secret cannot make it allocate [`MAX_FRAME`] per connection.
+pub(crate) const HANDSHAKE_FRAME: usize = 64 << 10;
 /// Bucket offsets are multiples of this (`docs/wire.md`).
 pub(crate) const ALIGN: u64 = 256;
 /// Most shared buffers a session may use.

@@ -8,7 +8,7 @@ use crate::source::publisher_link::unexpected;
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::Conn;
 use crate::transport::seal::Role;
-use crate::wire::Frame;
+use crate::wire::{Frame, HANDSHAKE_FRAME};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -57,6 +57,8 @@ pub(super) fn authenticate(
     hello: &[u8],
     deadline: Instant,
 ) -> Result<[u8; KEYED]> {
+    // Until the publisher's proof checks (`secure` lifts it).
+    conn.limit_frames(HANDSHAKE_FRAME);
     let theirs = match conn.recv(deadline)? {
         Frame::Challenge { nonce } => nonce,
         other => return Err(unexpected(conn, "CHALLENGE", &other)),
