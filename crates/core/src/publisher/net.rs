@@ -58,7 +58,6 @@ pub(super) fn stream(
     check_cuts(requests, ready.bucket_size, true)
         .map_err(|e| e.context(format!("{}'s READY", io.conn.peer())))?;
     let buckets = plan_messages(requests, ready.bucket_size);
-    let n_buf = ready.depth.min(buckets.len()).max(1);
     let victim = hooks::corrupt_victim(cfg);
     // Tensors already in memory are sent from the tensors themselves where
     // a message is one block: only packed small blocks need a bucket
@@ -69,6 +68,7 @@ pub(super) fn stream(
         .filter(|_| victim.is_none())
         .map(<[SendPtr]>::to_vec);
     let largest = buffer_bytes(&buckets, requests, tensors.is_some());
+    let n_buf = buffers_in_flight(ready.depth, buckets.len(), largest);
     let buffers = match largest {
         0 => Vec::new(),
         n => take_buffers(pool, n_buf, n as usize)?,
@@ -100,6 +100,21 @@ pub(super) fn stream(
     pool.give_back(buffers);
     Ok(())
 }
+
+/// The bucket buffers a session packs into: as many as the engine lets be
+/// in flight (READY's depth, 1 to 8) and there are buckets, but no more
+/// than [`SESSION_BUFFER_BYTES`] of them beyond one: the engine's bucket
+/// size (up to 16 GiB) would otherwise set the publisher's memory (8
+/// buffers of 16 GiB). Fewer in flight than the engine allows is within
+/// the protocol.
+fn buffers_in_flight(depth: usize, buckets: usize, largest: u64) -> usize {
+    let by_bytes = SESSION_BUFFER_BYTES / largest.max(1);
+    depth.min(buckets).min(by_bytes as usize).max(1)
+}
+
+/// The bucket buffers' bytes a session holds at most, beyond one buffer
+/// (see [`buffers_in_flight`]).
+const SESSION_BUFFER_BYTES: u64 = 1 << 30;
 
 /// Send each delta as one message (`wire::delta_tag`), before any bucket,
 /// and wait until UCX has sent them all (the engine receives them a batch
@@ -443,4 +458,22 @@ fn digests(
             .flat_map(|p| p.join().expect("hashing does not panic"))
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine's depth and the buckets bound the buffers in flight, and
+    /// so do their bytes: 8 buffers of 16 GiB asked for are one; of 64 MiB,
+    /// 8; none packed (sent from the tensors), the depth.
+    #[test]
+    fn the_publishers_buffer_bytes_bound_the_buffers_in_flight() {
+        assert_eq!(buffers_in_flight(8, 400_000, 16 << 30), 1);
+        assert_eq!(buffers_in_flight(8, 400_000, 512 << 20), 2);
+        assert_eq!(buffers_in_flight(8, 400_000, 64 << 20), 8);
+        assert_eq!(buffers_in_flight(8, 3, 64 << 20), 3);
+        assert_eq!(buffers_in_flight(4, 400_000, 0), 4);
+        assert_eq!(buffers_in_flight(8, 0, 0), 1);
+    }
 }

@@ -33,6 +33,7 @@ use crate::quant::{segment_amax, QuantError, Scheme};
 use crate::result::{try_vec, Error, Result};
 use crate::tensor::DType;
 use crate::transport::conn::Conn;
+use crate::wire::MAX_OVERLAP;
 use crate::wire::{
     frames, values_per_frame, BlockValues, BucketEntry, Frame, Gathering, Request, WantRun,
 };
@@ -203,28 +204,22 @@ fn kept_job(shard: &Shard, q: &Request, (k, scheme): (u32, Scheme), made: &KeptI
     }
 }
 
-/// How many times over an engine's quantized requests may ask for the
-/// shard's elements: an engine may hold the same elements in several
-/// quantized params (a whole copy beside TP pieces of it), each its own
-/// request, quantized apart.
-pub(crate) const MAX_QUANT_OVERLAP: u64 = 4;
-
-/// The quantized requests ask for at most [`MAX_QUANT_OVERLAP`] times the
-/// elements the shard holds: what a session reads and keeps for them
+/// The quantized requests ask for at most [`MAX_OVERLAP`] times the
+/// elements the shard holds (a whole copy beside TP pieces of it is two
+/// requests, quantized apart): what a session reads and keeps for them
 /// (source bytes, then an image of a byte per element) is bounded by the
-/// shard, not by the engine's word (overlapping requests could ask for
-/// each element many times).
+/// shard, not by the engine's word.
 fn check_total(elements: &[u64], want: &[Request], quant: &[(u32, Scheme)]) -> Result<()> {
     let held: u64 = elements.iter().sum();
     let asked = (quant.iter())
         .map(|&(k, _)| want[k as usize].bytes())
         .fold(0u64, u64::saturating_add);
-    match asked <= held.saturating_mul(MAX_QUANT_OVERLAP) {
+    match asked <= held.saturating_mul(MAX_OVERLAP) {
         true => Ok(()),
         false => Err(Error::peer(format!(
-            "WANT asks for {asked} quantized elements, more than {MAX_QUANT_OVERLAP} times the \
+            "WANT asks for {asked} quantized elements, more than {MAX_OVERLAP} times the \
              {held} this rank's tensors hold (the engine's quantized params read the same \
-             elements more than {MAX_QUANT_OVERLAP} times over)"
+             elements more than {MAX_OVERLAP} times over)"
         ))),
     }
 }

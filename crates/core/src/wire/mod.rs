@@ -33,7 +33,7 @@ pub use buckets::{
 pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
 pub use quant::{frames, values_per_frame, BlockValues, Gathering};
-pub use want::{check_requests, Request, WantRun, MAX_BLOCKS};
+pub use want::{check_requests, Request, WantRun, MAX_BLOCKS, MAX_OVERLAP};
 pub use want_bounds::{check_cuts, check_size};
 
 pub(crate) const MAGIC: u32 = 0x574d_4950; // "WMIP"

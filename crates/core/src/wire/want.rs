@@ -21,6 +21,13 @@ pub(crate) const MAX_RUNS: usize = 1 << 20;
 /// publisher about a second to walk and copy; an engine's column split of
 /// a whole model is far fewer (a row per param row it takes).
 pub const MAX_BLOCKS: u64 = 1 << 24;
+/// How many times over one WANT may ask for the bytes the publisher's rank
+/// holds, all requests together (quantized ones count their elements): an
+/// engine may hold the same elements in several params, each its own
+/// request, but no engine needs every byte more than a few times, and the
+/// publisher's reading, packing, hashing and (quantized) images grow with
+/// what is asked, so they stay within this many times its tensors.
+pub const MAX_OVERLAP: u64 = 4;
 
 /// `rows` blocks of `len` bytes, the first at byte `offset` of the tensor,
 /// each next `stride` bytes after the one before.
@@ -232,9 +239,11 @@ impl Request {
 
 /// Check every request of a WANT against the publisher's tensors (`sizes`)
 /// before anything is planned or packed, and that all of them together ask
-/// for at most [`MAX_BLOCKS`] blocks.
+/// for at most [`MAX_BLOCKS`] blocks and [`MAX_OVERLAP`] times the bytes
+/// the tensors hold.
 pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
-    let mut blocks = 0u64;
+    let held = sizes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+    let (mut blocks, mut bytes) = (0u64, 0u64);
     for (k, q) in requests.iter().enumerate() {
         q.check(k, sizes)?;
         blocks = blocks.saturating_add(q.blocks());
@@ -242,6 +251,13 @@ pub fn check_requests(requests: &[Request], sizes: &[u64]) -> Result<()> {
             return Err(Error::peer(format!(
                 "WANT request #{k}: {blocks} blocks asked for so far, at most \
                  {MAX_BLOCKS} in one WANT"
+            )));
+        }
+        bytes = bytes.saturating_add(q.bytes());
+        if bytes > held.saturating_mul(MAX_OVERLAP) {
+            return Err(Error::peer(format!(
+                "WANT request #{k}: {bytes} bytes asked for so far, more than {MAX_OVERLAP} \
+                 times the {held} this rank's tensors hold"
             )));
         }
     }
@@ -361,6 +377,27 @@ pub(crate) mod tests {
         assert!(
             e.message.contains("WANT request #1")
                 && e.message.contains(&format!("{} blocks", MAX_BLOCKS + 1)),
+            "{e}"
+        );
+    }
+
+    /// All requests together ask for at most MAX_OVERLAP times the bytes
+    /// the tensors hold: the same whole tensor asked for 4 times passes, 5
+    /// times is refused at the request that goes over (an engine asked for
+    /// 2^20 copies of a tensor: 2 TiB read, hashed and sent from 2 MiB).
+    #[test]
+    fn the_bytes_asked_for_are_bounded_by_the_tensors() {
+        let sizes = [1000u64, 24];
+        let whole = |t: u32| Request::whole(t, sizes[t as usize], false);
+        let four: Vec<Request> = (0..4).flat_map(|_| [whole(0), whole(1)]).collect();
+        assert!(check_requests(&four, &sizes).is_ok());
+        let five: Vec<Request> = (0..5).map(|_| whole(0)).collect();
+        let e = check_requests(&five, &sizes).unwrap_err();
+        assert!(
+            e.message.contains(
+                "WANT request #4: 5000 bytes asked for so far, more than 4 times \
+                                the 1024 this rank's tensors hold"
+            ),
             "{e}"
         );
     }
