@@ -58,7 +58,9 @@ fn drive(sources: &mut [Box<dyn Source>], plan: &Plan, applier: &mut Applier) ->
     let mut done = vec![false; sources.len()];
     let wait = if single { ALONE } else { SHARED };
     while done.iter().any(|d| !d) {
-        applier.check_deadline()?;
+        applier
+            .check_deadline()
+            .map_err(|e| owed_by(e, sources, &done))?;
         for (i, s) in sources.iter_mut().enumerate() {
             if done[i] {
                 continue;
@@ -71,4 +73,13 @@ fn drive(sources: &mut [Box<dyn Source>], plan: &Plan, applier: &mut Applier) ->
         }
     }
     Ok(())
+}
+
+/// The update's deadline `e`, naming the sources that still owe bytes.
+fn owed_by(e: Error, sources: &[Box<dyn Source>], done: &[bool]) -> Error {
+    let owing: Vec<String> = (sources.iter().zip(done))
+        .filter(|(_, &d)| !d)
+        .map(|(s, _)| s.describe())
+        .collect();
+    e.context(format!("waiting for {}", owing.join(", ")))
 }
