@@ -94,7 +94,12 @@ impl Checkpoint {
             layout.kind.describe(),
             layout.files.len()
         ));
-        let checksums = checksums::Checksums::load(&layout.dir, deadline)?;
+        // The checksums of this rank's files only (a checksum file may
+        // name every rank's, or files that are not there).
+        let names: HashSet<String> = (layout.files.iter())
+            .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
+            .collect();
+        let checksums = checksums::Checksums::load_for(&layout.dir, Some(&names), deadline)?;
         let mut c = Checkpoint {
             files: Vec::new(),
             file_index: HashMap::new(),
