@@ -119,7 +119,9 @@ pub fn message_source(e: &BucketEntry, requests: &[Request]) -> Option<u64> {
 /// Check a bucket's entries against its buffer before any byte is read: each
 /// range inside the buffer, `align`-byte aligned (IPC: [`ALIGN`]; network
 /// messages, which may be blocks of a strided request: 1), entries not
-/// overlapping.
+/// overlapping, and at most one empty entry per request (an empty request
+/// is served as one: more are work without bytes, 2 million of them a
+/// bucket made an engine spend a second a bucket until its deadline).
 pub fn check_bucket(
     seq: u64,
     entries: &[BucketEntry],
@@ -128,10 +130,17 @@ pub fn check_bucket(
     align: u64,
 ) -> Result<()> {
     let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(entries.len());
+    let mut empty = std::collections::HashSet::new();
     for e in entries {
         let bad = |why: String| Err(Error::peer(format!("bucket {seq}: {why}")));
         if e.request as usize >= requests {
             return bad(format!("entry names request #{} of {requests}", e.request));
+        }
+        if e.len == 0 && !empty.insert(e.request) {
+            return bad(format!(
+                "more than one empty entry of request #{}",
+                e.request
+            ));
         }
         if e.buffer_offset % align != 0 {
             return bad(format!(
@@ -191,10 +200,15 @@ pub fn check_windows(
     // must start there, so the blocks expanded here are at most those of
     // the engine's own requests, however many entries a peer sends.
     let mut ends: std::collections::HashMap<u32, u64> = Default::default();
+    let mut empty = std::collections::HashSet::new();
     for (k, e) in entries.iter().enumerate() {
         let bad = |why: String| Error::peer(format!("bucket {seq}: entry {k}: {why}"));
         let q = check_window(e, requests, &mut ends).map_err(bad)?;
         if e.len == 0 {
+            if !empty.insert(e.request) {
+                let why = format!("more than one empty entry of request #{}", e.request);
+                return Err(bad(why));
+            }
             out.blocks.push(*e);
             continue;
         }
