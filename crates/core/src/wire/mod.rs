@@ -25,11 +25,11 @@ mod want_bounds;
 use crate::manifest::TensorMeta;
 use crate::quant::Scheme;
 
-pub(crate) use buckets::NET_MESSAGE;
 pub use buckets::{
     check_bucket, check_windows, max_scatter_parts, message_source, message_tag, net_message_bytes,
     split_entries,
 };
+pub(crate) use buckets::{NET_MESSAGE, PACK_BELOW};
 pub use deltas::{delta_tag, DeltaBase, DeltaRun, RunVerdict, DELTA_PIECE};
 pub(crate) use fields::{In, Out};
 pub use quant::{frames, values_per_frame, BlockValues, Gathering};
