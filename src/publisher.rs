@@ -77,6 +77,9 @@ macro_rules! try_publisher {
 /// What a publisher serves: tensors and shards from host or GPU memory.
 pub mod tensors;
 pub use tensors::*;
+
+pub mod deprecated;
+pub use deprecated::*;
 /// Publishing versions and serving engines; destroy.
 pub mod serve;
 pub use serve::*;

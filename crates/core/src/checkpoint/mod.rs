@@ -94,12 +94,7 @@ impl Checkpoint {
             layout.kind.describe(),
             layout.files.len()
         ));
-        // The checksums of this rank's files only (a checksum file may
-        // name every rank's, or files that are not there).
-        let names: HashSet<String> = (layout.files.iter())
-            .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
-            .collect();
-        let checksums = checksums::Checksums::load_for(&layout.dir, Some(&names), deadline)?;
+        let checksums = own_checksums(&layout, deadline)?;
         let mut c = Checkpoint {
             files: Vec::new(),
             file_index: HashMap::new(),
@@ -282,6 +277,15 @@ impl Checkpoint {
             None => Ok(()),
         }
     }
+}
+
+/// The checksum file's entries of `layout`'s files only (it may name every
+/// rank's, or files that are not there).
+fn own_checksums(layout: &Layout, deadline: Instant) -> Result<Option<checksums::Checksums>> {
+    let names: HashSet<String> = (layout.files.iter())
+        .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
+        .collect();
+    checksums::Checksums::load_for(&layout.dir, Some(&names), deadline)
 }
 
 /// A shard's tensor must be the one the HuggingFace index maps to it.

@@ -290,6 +290,35 @@ fn check_window<'q>(
 mod tests {
     use super::*;
 
+    /// One empty entry per request in a bucket (an empty request is served
+    /// as one), BUCKET and WINDOWS; a second is refused naming it.
+    #[test]
+    fn a_second_empty_entry_of_a_request_is_refused() {
+        let e = |off, len| BucketEntry {
+            request: 0,
+            offset: 0,
+            len,
+            buffer_offset: off,
+        };
+        assert!(check_bucket(0, &[e(0, 0), e(0, 100)], 1024, 1, ALIGN).is_ok());
+        let twice = check_bucket(0, &[e(0, 0), e(256, 0)], 1024, 1, ALIGN);
+        let why = twice.unwrap_err().message;
+        assert!(
+            why.contains("more than one empty entry of request #0"),
+            "{why}"
+        );
+        let empties = [e(0, 0), e(0, 0)];
+        let requests = [Request::whole(0, 0, false)];
+        assert!(check_windows(0, &empties[..1], 1024, &requests).is_ok());
+        let why = check_windows(0, &empties, 1024, &requests)
+            .unwrap_err()
+            .message;
+        assert!(
+            why.contains("entry 1: more than one empty entry of request #0"),
+            "{why}"
+        );
+    }
+
     /// A message lands in its pieces when it is one, or when they average
     /// at least MIN_SCATTER_PART bytes (4 KiB rows of a column half); 256-byte
     /// rows go through a bounce buffer.
