@@ -95,10 +95,16 @@ pub fn gpu_id(cuda_visible_devices: Option<&str>, device_index: i32) -> Result<S
 }
 
 /// `path` when something is there: a FIFO, device or directory named
-/// like a snapshot file is taken too, so that opening it fails naming it
+/// like a snapshot file is taken too, and so is a symbolic link that does
+/// not resolve (dangling, or a loop), so that opening it fails naming it
 /// (`regular_file::open_regular`) instead of the file going unseen.
 fn existing(path: PathBuf) -> Option<PathBuf> {
-    path.exists().then_some(path)
+    there(&path).then_some(path)
+}
+
+/// Something is at `path` (a link that does not resolve included).
+fn there(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
 }
 
 fn per_rank(dir: &Path, stem: &str) -> Option<PathBuf> {
@@ -210,8 +216,9 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
         .iter()
         .filter(|n| n.ends_with(".safetensors") && !n.starts_with("model_state."))
         .map(|n| dir.join(n))
-        .filter(|p| p.exists())
+        .filter(|p| there(p))
         .collect();
+    check_numbered_shards(dir, names)?;
     Ok((!shards.is_empty()).then(|| Layout {
         kind: LayoutKind::HfShards,
         files: shards,
@@ -219,6 +226,54 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
         dir: dir.to_path_buf(),
         model_dir: None,
     }))
+}
+
+/// HuggingFace shards named `P-<i>-of-<N>.safetensors` (no index to say
+/// which files hold the model): every number from 1 to N must be there
+/// for each (P, N), else the model would load without a shard's tensors.
+/// Work is in the files listed, whatever N a name claims.
+fn check_numbered_shards(dir: &Path, names: &[String]) -> Result<()> {
+    // By (P, N as written), the numbers there.
+    let mut sets: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
+    for name in names {
+        let Some((prefix, i, n)) = numbered_shard(name) else {
+            continue;
+        };
+        sets.entry((prefix, n)).or_default().push(i);
+    }
+    for ((prefix, n_text), mut have) in sets {
+        let n = part_number(n_text).unwrap_or(0);
+        have.sort_unstable();
+        have.dedup();
+        // The first number from 1 up that is not there.
+        let mut first_missing = 1u64;
+        for &i in &have {
+            if i == first_missing {
+                first_missing += 1;
+            } else if i > first_missing {
+                break;
+            }
+        }
+        if first_missing <= n {
+            let count = have.iter().filter(|&&i| (1..=n).contains(&i)).count();
+            return Err(Error::not_found(format!(
+                "{}: shard {first_missing} of {prefix}-*-of-{n_text}.safetensors is missing \
+                 ({count} of {n} there)",
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `(P, i, N)` of a file named `P-<i>-of-<N>.safetensors` (digits only;
+/// N as written).
+fn numbered_shard(name: &str) -> Option<(&str, u64, &str)> {
+    let stem = name.strip_suffix(".safetensors")?;
+    let (rest, n) = stem.rsplit_once("-of-")?;
+    let (prefix, i) = rest.rsplit_once('-')?;
+    part_number(n).ok()?;
+    Some((prefix, part_number(i).ok()?, n))
 }
 
 /// Find the files of `loc`'s snapshot, before `deadline`. The not-found
@@ -323,6 +378,41 @@ mod tests {
             rank: 1,
             gpu_id: "3".into(),
         }
+    }
+
+    /// HuggingFace shards without an index: a link among them that does
+    /// not resolve is taken (opening it fails naming it; it went unseen,
+    /// and the model loaded without its tensors), and a numbered set with
+    /// a number missing is refused naming it, however large its N.
+    #[test]
+    fn hf_shards_are_all_there_or_named() {
+        let logger = Logger::default();
+        let d = tempfile::tempdir().unwrap();
+        let at = |l: &Layout| names(l);
+        touch(d.path(), "model-00002-of-00002.safetensors");
+        let e = resolve(&loc(d.path(), None), &logger, later()).unwrap_err();
+        assert!(
+            e.message
+                .contains("shard 1 of model-*-of-00002.safetensors is missing (1 of 2 there)"),
+            "{e}"
+        );
+        let looped = d.path().join("model-00001-of-00002.safetensors");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        let l = resolve(&loc(d.path(), None), &logger, later()).unwrap();
+        assert_eq!(
+            at(&l),
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors"
+            ]
+        );
+        touch(d.path(), "big-7-of-18446744073709551615.safetensors");
+        let e = resolve(&loc(d.path(), None), &logger, later()).unwrap_err();
+        assert!(
+            e.message
+                .contains("shard 1 of big-*-of-18446744073709551615"),
+            "{e}"
+        );
     }
 
     fn names(l: &Layout) -> Vec<String> {
