@@ -113,8 +113,10 @@ fn buffers_in_flight(depth: usize, buckets: usize, largest: u64) -> usize {
 }
 
 /// The bucket buffers' bytes a session holds at most, beyond one buffer
-/// (see [`buffers_in_flight`]).
-const SESSION_BUFFER_BYTES: u64 = 1 << 30;
+/// (see [`buffers_in_flight`]): twice an engine's default (2 buffers of
+/// 512 MiB), so that engines with buckets of up to 1 GiB keep two in
+/// flight.
+const SESSION_BUFFER_BYTES: u64 = 2 << 30;
 
 /// Send each delta as one message (`wire::delta_tag`), before any bucket,
 /// and wait until UCX has sent them all (the engine receives them a batch
@@ -465,12 +467,13 @@ mod tests {
     use super::*;
 
     /// The engine's depth and the buckets bound the buffers in flight, and
-    /// so do their bytes: 8 buffers of 16 GiB asked for are one; of 64 MiB,
-    /// 8; none packed (sent from the tensors), the depth.
+    /// so do their bytes: 8 buffers of 16 GiB asked for are one; of 512
+    /// MiB, 4; of 64 MiB, 8; none packed (sent from the tensors), the depth.
     #[test]
     fn the_publishers_buffer_bytes_bound_the_buffers_in_flight() {
         assert_eq!(buffers_in_flight(8, 400_000, 16 << 30), 1);
-        assert_eq!(buffers_in_flight(8, 400_000, 512 << 20), 2);
+        assert_eq!(buffers_in_flight(8, 400_000, 1 << 30), 2);
+        assert_eq!(buffers_in_flight(8, 400_000, 512 << 20), 4);
         assert_eq!(buffers_in_flight(8, 400_000, 64 << 20), 8);
         assert_eq!(buffers_in_flight(8, 3, 64 << 20), 3);
         assert_eq!(buffers_in_flight(4, 400_000, 0), 4);
