@@ -1497,11 +1497,13 @@ wm_result wm_tensor_desc_init(wm_tensor_desc *desc);
 wm_result wm_publisher_add(wm_publisher *publisher, const wm_tensor_desc *desc);
 
 // Publish the `count` tensors (or shards) of the array `descs`, each as
-// `wm_publisher_add` would, or none of them: the first one refused (checked
+// `wm_publisher_add` would, or none of them: a descriptor refused (checked
 // as `wm_publisher_add` checks, against what was published before and
-// against the descriptors before it) fails the call, its error naming
-// its index ("tensor 3 of the 10 added together (none was added): tensor
-// 'w': ..."), and what was published before the call stays as it was (a
+// against the descriptors before it; its own fields are checked for all
+// before any is compared with the others) fails the call, its error
+// naming its index when `count` > 1 ("tensor 3 of the 10 added together
+// (none was added): tensor 'w': ..."), and what was published before the
+// call stays as it was (a
 // directory set with `wm_publisher_set_dir` too). For a trainer publishing
 // a whole model at once: a refused tensor does not leave the others
 // published. `count` 0 adds nothing (`descs` may then be NULL).

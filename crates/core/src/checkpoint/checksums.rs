@@ -62,6 +62,9 @@ pub struct FileSums {
     blocks: HashMap<String, String>,
 }
 
+/// The entries a reader keeps: per file name, its tensors' stored names.
+pub type Wanted = HashMap<String, HashSet<String>>;
+
 /// Checksums loaded from a directory's checksum file.
 pub struct Checksums {
     path: std::path::PathBuf,
@@ -77,14 +80,15 @@ impl Checksums {
         Checksums::load_for(dir, None, deadline)
     }
 
-    /// [`Checksums::load`], keeping the entries of the files named in
-    /// `wanted` only (None: every file): the others are skipped as they
-    /// are read (not checked beyond their JSON), so entries for files the
-    /// snapshot does not have cost their text, not the 14 times it they
-    /// took kept (3.1 million of them in a 250 MB file: 3.4 GiB).
+    /// [`Checksums::load`], keeping the entries of the files and tensors
+    /// named in `wanted` only (file name -> its tensors' stored names; None:
+    /// everything): the others are skipped as they are read (not checked
+    /// beyond their JSON), so entries of files or tensors the snapshot does
+    /// not have cost their text, not the 7-14 times it they took kept (3.1
+    /// million of them in a 250 MB file: 3.4 GiB).
     pub fn load_for(
         dir: &Path,
-        wanted: Option<&HashSet<String>>,
+        wanted: Option<&Wanted>,
         deadline: Instant,
     ) -> Result<Option<Checksums>> {
         let path = dir.join(CHECKSUM_FILE);
@@ -100,8 +104,8 @@ impl Checksums {
         Checksums::parse_for(path, text, None)
     }
 
-    /// [`Checksums::parse`], keeping the files of `wanted` (None: all).
-    fn parse_for(path: &Path, text: &[u8], wanted: Option<&HashSet<String>>) -> Result<Checksums> {
+    /// [`Checksums::parse`], keeping what `wanted` names (None: all).
+    fn parse_for(path: &Path, text: &[u8], wanted: Option<&Wanted>) -> Result<Checksums> {
         let bad = |why: String| Error::format(format!("{}: {why}", path.display()));
         let mut de = serde_json::Deserializer::from_slice(text);
         let json = reading::Reading { wanted }
@@ -125,10 +129,11 @@ impl Checksums {
             None => None,
         };
         if block_size.is_none() {
-            if let Some(name) = json.files.iter().find(|(_, f)| !f.blocks.is_empty()) {
+            let with_blocks = json.files.iter().filter(|(_, f)| !f.blocks.is_empty());
+            if let Some((name, _)) = with_blocks.min_by_key(|(name, _)| name.as_str()) {
                 return Err(bad(format!(
                     "blocks of {} given without block_size",
-                    name.0.escape_debug()
+                    name.escape_debug()
                 )));
             }
         }
@@ -337,25 +342,28 @@ pub fn write_with_progress(
 mod tests {
     use super::*;
 
-    /// Loading for some files keeps only theirs: another file's entry is
-    /// skipped unread (even one that is wrong, which reading it whole
-    /// refuses), a wanted file's sums are decoded, and a wanted file's bad
-    /// sum is refused naming the tensor and the file.
+    /// Loading for some files and tensors keeps only theirs: another
+    /// file's entry, or another tensor's of a wanted file, is skipped
+    /// unread (even one that is wrong, which reading it whole refuses), a
+    /// wanted tensor's sum is decoded, and a bad sum read is refused naming
+    /// the tensor and the file.
     #[test]
     fn only_the_wanted_files_entries_are_kept() {
         let good = format!("{:032x}", 0x1234u128);
         let text = |other: &str| {
             format!(
                 r#"{{"format":"{FORMAT}","algorithm":"xxh3-128","extra":[1,2],"files":{{
-                  "a.safetensors":{{"size":16,"tensors":{{"w":"{good}"}}}},
+                  "a.safetensors":{{"size":16,"tensors":{{"w":"{good}","ghost":"{other}"}}}},
                   "b.safetensors":{{"size":8,"tensors":{{"v":"{other}"}}}}}}}}"#
             )
         };
         let path = Path::new("/d/wm_checksums.json");
-        let wanted: HashSet<String> = ["a.safetensors".to_string()].into();
+        let wanted: Wanted = [("a.safetensors".to_string(), ["w".to_string()].into())].into();
         let c = Checksums::parse_for(path, text("zz").as_bytes(), Some(&wanted)).unwrap();
         assert_eq!(c.files.len(), 1);
         let a = c.for_file("a.safetensors", 16).unwrap().unwrap();
+        // Its tensor the header lacks ("ghost") is skipped unread too.
+        assert_eq!(a.tensors.len(), 1);
         assert_eq!(a.tensors["w"], 0x1234);
         assert!(c.for_file("b.safetensors", 8).unwrap().is_none());
         let Err(e) = Checksums::parse(path, text("zz").as_bytes()) else {
@@ -363,7 +371,7 @@ mod tests {
         };
         assert!(
             e.message.starts_with(
-                "/d/wm_checksums.json: checksum of 'v' in b.safetensors is not 32 hex digits"
+                "/d/wm_checksums.json: checksum of 'ghost' in a.safetensors is not 32 hex digits"
             ),
             "{e}"
         );

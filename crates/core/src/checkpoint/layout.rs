@@ -229,9 +229,10 @@ fn hf_layout(dir: &Path, names: &[String], deadline: Instant) -> Result<Option<L
 }
 
 /// HuggingFace shards named `P-<i>-of-<N>.safetensors` (no index to say
-/// which files hold the model): every number from 1 to N must be there
-/// for each (P, N), else the model would load without a shard's tensors.
-/// Work is in the files listed, whatever N a name claims.
+/// which files hold the model): every number from 1 to N (0 to N - 1 when
+/// one is numbered 0) must be there for each (P, N), else the model would
+/// load without a shard's tensors (a partial download, say). Work is in
+/// the files listed, whatever N a name claims.
 fn check_numbered_shards(dir: &Path, names: &[String]) -> Result<()> {
     // By (P, N as written), the numbers there.
     let mut sets: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
@@ -245,8 +246,13 @@ fn check_numbered_shards(dir: &Path, names: &[String]) -> Result<()> {
         let n = part_number(n_text).unwrap_or(0);
         have.sort_unstable();
         have.dedup();
-        // The first number from 1 up that is not there.
-        let mut first_missing = 1u64;
+        let first = have.first().map_or(1, |&i| i.min(1));
+        // N shards from `first` (0 or 1): none when N is 0.
+        let Some(last) = n.checked_sub(1 - first).filter(|_| n > 0) else {
+            continue;
+        };
+        // The first number from `first` up that is not there.
+        let mut first_missing = first;
         for &i in &have {
             if i == first_missing {
                 first_missing += 1;
@@ -254,8 +260,11 @@ fn check_numbered_shards(dir: &Path, names: &[String]) -> Result<()> {
                 break;
             }
         }
-        if first_missing <= n {
-            let count = have.iter().filter(|&&i| (1..=n).contains(&i)).count();
+        if first_missing <= last {
+            let count = have
+                .iter()
+                .filter(|&&i| (first..=last).contains(&i))
+                .count();
             return Err(Error::not_found(format!(
                 "{}: shard {first_missing} of {prefix}-*-of-{n_text}.safetensors is missing \
                  ({count} of {n} there)",
@@ -406,6 +415,18 @@ mod tests {
                 "model-00002-of-00002.safetensors"
             ]
         );
+        // Numbered from 0: 0 to N - 1.
+        touch(d.path(), "zero-00000-of-00002.safetensors");
+        touch(d.path(), "zero-00001-of-00002.safetensors");
+        assert!(resolve(&loc(d.path(), None), &logger, later()).is_ok());
+        std::fs::remove_file(d.path().join("zero-00001-of-00002.safetensors")).unwrap();
+        let e = resolve(&loc(d.path(), None), &logger, later()).unwrap_err();
+        assert!(
+            e.message
+                .contains("shard 1 of zero-*-of-00002.safetensors is missing (1 of 2"),
+            "{e}"
+        );
+        std::fs::remove_file(d.path().join("zero-00000-of-00002.safetensors")).unwrap();
         touch(d.path(), "big-7-of-18446744073709551615.safetensors");
         let e = resolve(&loc(d.path(), None), &logger, later()).unwrap_err();
         assert!(

@@ -94,7 +94,8 @@ impl Checkpoint {
             layout.kind.describe(),
             layout.files.len()
         ));
-        let checksums = own_checksums(&layout, deadline)?;
+        let headers = read_headers(&layout, most, deadline)?;
+        let checksums = own_checksums(&layout, &headers, deadline)?;
         let mut c = Checkpoint {
             files: Vec::new(),
             file_index: HashMap::new(),
@@ -105,20 +106,8 @@ impl Checkpoint {
             layout,
         };
         let mut stored = HashSet::new();
-        for fi in 0..c.layout.files.len() {
-            c.read_file(fi, checksums.as_ref(), &mut stored, deadline)?;
-            if c.manifest.tensors.len() > most {
-                return Err(Error::out_of_memory(format!(
-                    "snapshot in {}: its files announce {} tensors in the first {} of {} \
-                     file(s) (the last {}), more than the {most} this engine can still take \
-                     from its sources (in all, one per 4 KiB of the bytes it takes, plus 65,536)",
-                    c.layout.dir.display(),
-                    c.manifest.tensors.len(),
-                    fi + 1,
-                    c.layout.files.len(),
-                    c.layout.files[fi].display()
-                )));
-            }
+        for (fi, (header, stamp)) in headers.into_iter().enumerate() {
+            c.add_file(fi, (header, stamp), checksums.as_ref(), &mut stored)?;
         }
         c.check_each_once()?;
         if let Some(index) = &c.layout.index {
@@ -159,18 +148,16 @@ impl Checkpoint {
         Ok(c)
     }
 
-    /// Read file `fi`'s header into the manifest (`stored`: the stored
-    /// names found, for the HuggingFace index check).
-    fn read_file(
+    /// File `fi`'s header (read with its stamp) into the manifest
+    /// (`stored`: the stored names found, for the HuggingFace index check).
+    fn add_file(
         &mut self,
         fi: usize,
+        (header, stamp): (safetensors_file::SafetensorsHeader, regular_file::FileStamp),
         checksums: Option<&checksums::Checksums>,
         stored: &mut HashSet<String>,
-        deadline: Instant,
     ) -> Result<()> {
         let path = self.layout.files[fi].clone();
-        let (file, header) = safetensors_file::open(&path, deadline)?;
-        let stamp = regular_file::FileStamp::of(&file, &path)?;
         let file_name = path
             .file_name()
             .and_then(|n| n.to_str())
@@ -279,13 +266,63 @@ impl Checkpoint {
     }
 }
 
-/// The checksum file's entries of `layout`'s files only (it may name every
-/// rank's, or files that are not there).
-fn own_checksums(layout: &Layout, deadline: Instant) -> Result<Option<checksums::Checksums>> {
-    let names: HashSet<String> = (layout.files.iter())
-        .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
-        .collect();
-    checksums::Checksums::load_for(&layout.dir, Some(&names), deadline)
+/// Every file's header and stamp, refused (`WM_ERR_OUT_OF_MEMORY`) as soon
+/// as the headers read so far announce more than `most` tensors.
+fn read_headers(
+    layout: &Layout,
+    most: usize,
+    deadline: Instant,
+) -> Result<Vec<(safetensors_file::SafetensorsHeader, regular_file::FileStamp)>> {
+    let (mut headers, mut announced) = (Vec::new(), 0usize);
+    for (fi, path) in layout.files.iter().enumerate() {
+        let (file, header) = safetensors_file::open(path, deadline)?;
+        let stamp = regular_file::FileStamp::of(&file, path)?;
+        // Tensors were checked to lie inside the length the header was read
+        // at; the stamp, which later reads are checked against (and a
+        // publisher maps), must be of that length.
+        if stamp.len != header.file_len {
+            return Err(Error::format(format!(
+                "{} changed while its header was read ({} bytes, then {})",
+                path.display(),
+                header.file_len,
+                stamp.len
+            )));
+        }
+        announced += header.tensors.len();
+        if announced > most {
+            return Err(Error::out_of_memory(format!(
+                "snapshot in {}: its files announce {announced} tensors in the first {} of {} \
+                 file(s) (the last {}), more than the {most} this engine can still take \
+                 from its sources (in all, one per 4 KiB of the bytes it takes, plus 65,536)",
+                layout.dir.display(),
+                fi + 1,
+                layout.files.len(),
+                path.display()
+            )));
+        }
+        headers.push((header, stamp));
+    }
+    Ok(headers)
+}
+
+/// The checksum file's entries of the tensors `headers` hold (of
+/// `layout`'s files) only: it may name every rank's files, or files and
+/// tensors that are not there, and is read after the headers so that those
+/// cost their text only.
+fn own_checksums(
+    layout: &Layout,
+    headers: &[(safetensors_file::SafetensorsHeader, regular_file::FileStamp)],
+    deadline: Instant,
+) -> Result<Option<checksums::Checksums>> {
+    let mut wanted = checksums::Wanted::new();
+    for (path, (header, _)) in layout.files.iter().zip(headers) {
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let tensors = wanted.entry(name.to_string()).or_default();
+        tensors.extend(header.tensors.iter().map(|t| t.name.clone()));
+    }
+    checksums::Checksums::load_for(&layout.dir, Some(&wanted), deadline)
 }
 
 /// A shard's tensor must be the one the HuggingFace index maps to it.

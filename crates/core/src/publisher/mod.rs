@@ -302,10 +302,11 @@ impl Publisher {
         unsafe { self.add_all(vec![t]) }
     }
 
-    /// [`Publisher::add`] of every descriptor of `ts`, or of none: the first
-    /// one refused (by the checks `add` makes, against what was published
-    /// before and against the ones before it in `ts`) fails the call naming
-    /// its place in `ts`, and what was published before the call is left as
+    /// [`Publisher::add`] of every descriptor of `ts`, or of none: one
+    /// refused (by the checks `add` makes, against what was published
+    /// before and against the ones before it in `ts`; GPU ranges are asked
+    /// about first) fails the call naming its place in `ts` (when there are
+    /// several), and what was published before the call is left as
     /// it was (a served directory too). For a trainer adding a whole model
     /// at once, so a refused tensor does not leave the others published.
     ///

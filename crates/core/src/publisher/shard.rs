@@ -365,6 +365,10 @@ fn copy_batch(
 /// from the page cache, where it was a `pread` each (2^24 one-byte blocks
 /// asked for: 10.9 s of system calls).
 const MAP_FROM_BLOCKS: u64 = 64;
+/// At most this many files mapped per batch: each holds one of the
+/// process's SIGBUS guard slots (`memory::sigbus`), which the engine's
+/// shared mappings in the same process need too.
+const MAPS_PER_BATCH: usize = 8;
 
 /// [`copy_batch`] from a snapshot's files (and the session's images).
 fn copy_from_files(
@@ -396,6 +400,7 @@ fn copy_from_files(
             let len = usize::try_from(stamp.len).ok().filter(|&n| n > 0)?;
             Some((fi, MappedWindow::map(&open[path], 0, len)?))
         })
+        .take(MAPS_PER_BATCH)
         .collect();
     let mut jobs: Vec<CopyJob> = try_vec(batch.len(), "packing a bucket's copies")?;
     jobs.extend(batch.iter().map(|&(t, src, dst, len)| {
@@ -423,10 +428,10 @@ fn copy_from_files(
     }));
     // SAFETY: entries lie inside the buffer (planned from its size),
     // requests inside their tensors (checked when WANT came) and tensors
-    // inside their files (checked when the headers were read): a mapping
-    // of the whole file holds them, and where the file was cut short since
-    // the mapping reads zeros (the guard), caught below; file reads are
-    // bounds-checked by pread.
+    // inside their files' stamped length (checked against it when the
+    // headers were read): a mapping of that length holds them, and where
+    // the file was cut short since, the mapping reads zeros (the guard),
+    // caught below; file reads are bounds-checked by pread.
     unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)?;
     if let Some(fi) = maps.iter().find(|(_, w)| w.faulted()).map(|(fi, _)| *fi) {
         return Err(Error::format(format!(

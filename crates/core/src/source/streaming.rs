@@ -75,8 +75,12 @@ fn drive(sources: &mut [Box<dyn Source>], plan: &Plan, applier: &mut Applier) ->
     Ok(())
 }
 
-/// The update's deadline `e`, naming the sources that still owe bytes.
+/// The update's deadline `e`, naming the sources that still owe bytes (a
+/// stop, also reported by the deadline check, is the caller's: as it is).
 fn owed_by(e: Error, sources: &[Box<dyn Source>], done: &[bool]) -> Error {
+    if e.code != crate::result::wm_result::WM_ERR_TIMEOUT {
+        return e;
+    }
     let owing: Vec<String> = (sources.iter().zip(done))
         .filter(|(_, &d)| !d)
         .map(|(s, _)| s.describe())

@@ -1,18 +1,16 @@
 //! Reading a checksum file's JSON straight into [`FileSums`]: the entries
-//! of the wanted files only (the others are skipped as the parser meets
-//! them, `IgnoredAny`, never held), each tensor's sum decoded from its hex
-//! as it is read (no string kept for it). What the derived `Deserialize`
+//! of the wanted files and tensors only (the others are skipped as the
+//! parser meets them, `IgnoredAny`, never held), each tensor's sum decoded
+//! from its hex as it is read (no string kept for it). What the derived `Deserialize`
 //! of [`super::FileJson`] accepts, field for field: unknown fields are
 //! ignored, a missing one is named.
 //!
 //! Measured (a 250 MB file, one 16-byte tensor in the snapshot): 3.1
 //! million entries of files the snapshot does not have took 3.4 GiB kept
-//! and 12 s, now 254 MiB (the text) and 0.6 s; 5.7 million tensor entries
-//! of its one file took 1.8 GiB and 9.4 s, now 0.95 GiB and 6 s (the
-//! entries of tensors its header lacks are still kept: the checksum file
-//! is read before the headers).
+//! and 12 s, 5.7 million of tensors its one file does not hold 1.8 GiB
+//! and 9.4 s; each now costs the text (254 MiB) and 0.65 s.
 
-use super::FileSums;
+use super::{FileSums, Wanted};
 use crate::manifest::parse_checksum_hex;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use std::collections::{HashMap, HashSet};
@@ -26,9 +24,9 @@ pub(super) struct Read {
     pub files: HashMap<String, FileSums>,
 }
 
-/// The whole file; `wanted`: the file names kept (None: every one).
+/// The whole file; `wanted`: the files and tensors kept (None: all).
 pub(super) struct Reading<'w> {
-    pub wanted: Option<&'w HashSet<String>>,
+    pub wanted: Option<&'w Wanted>,
 }
 
 impl<'de> DeserializeSeed<'de> for Reading<'_> {
@@ -69,7 +67,7 @@ impl<'de> Visitor<'de> for Reading<'_> {
 }
 
 /// The `files` object: the wanted entries.
-struct Files<'w>(Option<&'w HashSet<String>>);
+struct Files<'w>(Option<&'w Wanted>);
 
 impl<'de> DeserializeSeed<'de> for Files<'_> {
     type Value = HashMap<String, FileSums>;
@@ -89,19 +87,27 @@ impl<'de> Visitor<'de> for Files<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
         let mut files = HashMap::new();
         while let Some(name) = m.next_key::<String>()? {
-            if self.0.is_none_or(|w| w.contains(&name)) {
-                let sums = m.next_value_seed(Entry(&name))?;
-                files.insert(name, sums);
-            } else {
-                m.next_value::<IgnoredAny>()?;
+            let keep = match self.0 {
+                None => Some(None),
+                Some(w) => w.get(&name).map(Some),
+            };
+            match keep {
+                Some(tensors) => {
+                    let sums = m.next_value_seed(Entry(&name, tensors))?;
+                    files.insert(name, sums);
+                }
+                None => {
+                    m.next_value::<IgnoredAny>()?;
+                }
             }
         }
         Ok(files)
     }
 }
 
-/// One file's entry (its name, for errors).
-struct Entry<'n>(&'n str);
+/// One file's entry (its name, for errors, and the tensors kept: None,
+/// all).
+struct Entry<'n>(&'n str, Option<&'n HashSet<String>>);
 
 impl<'de> DeserializeSeed<'de> for Entry<'_> {
     type Value = FileSums;
@@ -123,8 +129,8 @@ impl<'de> Visitor<'de> for Entry<'_> {
         while let Some(key) = m.next_key::<String>()? {
             match key.as_str() {
                 "size" => size = Some(m.next_value()?),
-                "tensors" => tensors = Some(m.next_value_seed(Sums(self.0))?),
-                "blocks" => blocks = Some(m.next_value()?),
+                "tensors" => tensors = Some(m.next_value_seed(Sums(self.0, self.1))?),
+                "blocks" => blocks = Some(m.next_value_seed(Blocks(self.1))?),
                 _ => {
                     m.next_value::<IgnoredAny>()?;
                 }
@@ -138,8 +144,8 @@ impl<'de> Visitor<'de> for Entry<'_> {
     }
 }
 
-/// A file's `tensors` object: each sum decoded from its hex.
-struct Sums<'n>(&'n str);
+/// A file's `tensors` object: each kept tensor's sum decoded from its hex.
+struct Sums<'n>(&'n str, Option<&'n HashSet<String>>);
 
 impl<'de> DeserializeSeed<'de> for Sums<'_> {
     type Value = HashMap<String, u128>;
@@ -159,6 +165,10 @@ impl<'de> Visitor<'de> for Sums<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
         let mut sums = HashMap::new();
         while let Some(tensor) = m.next_key::<String>()? {
+            if self.1.is_some_and(|keep| !keep.contains(&tensor)) {
+                m.next_value::<IgnoredAny>()?;
+                continue;
+            }
             let hex: std::borrow::Cow<'de, str> = m.next_value()?;
             let Some(sum) = parse_checksum_hex(&hex) else {
                 return Err(de::Error::custom(format!(
@@ -170,5 +180,39 @@ impl<'de> Visitor<'de> for Sums<'_> {
             sums.insert(tensor, sum);
         }
         Ok(sums)
+    }
+}
+
+/// A file's `blocks` object: the kept tensors' block sums, as written.
+struct Blocks<'n>(Option<&'n HashSet<String>>);
+
+impl<'de> DeserializeSeed<'de> for Blocks<'_> {
+    type Value = HashMap<String, String>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Blocks<'_> {
+    type Value = HashMap<String, String>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object of block sums")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+        let mut blocks = HashMap::new();
+        while let Some(tensor) = m.next_key::<String>()? {
+            match self.0.is_none_or(|keep| keep.contains(&tensor)) {
+                true => {
+                    blocks.insert(tensor, m.next_value()?);
+                }
+                false => {
+                    m.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(blocks)
     }
 }
