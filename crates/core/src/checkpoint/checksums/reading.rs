@@ -129,8 +129,28 @@ impl<'de> Visitor<'de> for Entry<'_> {
         while let Some(key) = m.next_key::<String>()? {
             match key.as_str() {
                 "size" => size = Some(m.next_value()?),
-                "tensors" => tensors = Some(m.next_value_seed(Sums(self.0, self.1))?),
-                "blocks" => blocks = Some(m.next_value_seed(Blocks(self.1))?),
+                "tensors" => {
+                    tensors = Some(m.next_value_seed(Kept {
+                        keep: self.1,
+                        what: "an object of tensors' checksums",
+                        make: |tensor: &str, hex: &str| {
+                            parse_checksum_hex(hex).ok_or_else(|| {
+                                format!(
+                                    "checksum of '{}' in {} is not 32 hex digits",
+                                    tensor.escape_debug(),
+                                    self.0.escape_debug()
+                                )
+                            })
+                        },
+                    })?)
+                }
+                "blocks" => {
+                    blocks = Some(m.next_value_seed(Kept {
+                        keep: self.1,
+                        what: "an object of block sums",
+                        make: |_: &str, sums: &str| Ok(sums.to_string()),
+                    })?)
+                }
                 _ => {
                     m.next_value::<IgnoredAny>()?;
                 }
@@ -144,75 +164,41 @@ impl<'de> Visitor<'de> for Entry<'_> {
     }
 }
 
-/// A file's `tensors` object: each kept tensor's sum decoded from its hex.
-struct Sums<'n>(&'n str, Option<&'n HashSet<String>>);
+/// An object of a file's entry (`tensors`, `blocks`): the entries whose
+/// key `keep` holds (None: all), each string value made into a `V` by
+/// `make` (Err: why, refused), the others skipped unread.
+struct Kept<'n, F> {
+    keep: Option<&'n HashSet<String>>,
+    what: &'n str,
+    make: F,
+}
 
-impl<'de> DeserializeSeed<'de> for Sums<'_> {
-    type Value = HashMap<String, u128>;
+impl<'de, V, F: Fn(&str, &str) -> Result<V, String>> DeserializeSeed<'de> for Kept<'_, F> {
+    type Value = HashMap<String, V>;
 
     fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for Sums<'_> {
-    type Value = HashMap<String, u128>;
+impl<'de, V, F: Fn(&str, &str) -> Result<V, String>> Visitor<'de> for Kept<'_, F> {
+    type Value = HashMap<String, V>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "the tensors of {}", self.0.escape_debug())
+        f.write_str(self.what)
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
-        let mut sums = HashMap::new();
-        while let Some(tensor) = m.next_key::<String>()? {
-            if self.1.is_some_and(|keep| !keep.contains(&tensor)) {
+        let mut kept = HashMap::new();
+        while let Some(key) = m.next_key::<String>()? {
+            if self.keep.is_some_and(|keep| !keep.contains(&key)) {
                 m.next_value::<IgnoredAny>()?;
                 continue;
             }
-            let hex: std::borrow::Cow<'de, str> = m.next_value()?;
-            let Some(sum) = parse_checksum_hex(&hex) else {
-                return Err(de::Error::custom(format!(
-                    "checksum of '{}' in {} is not 32 hex digits",
-                    tensor.escape_debug(),
-                    self.0.escape_debug()
-                )));
-            };
-            sums.insert(tensor, sum);
+            let text: std::borrow::Cow<'de, str> = m.next_value()?;
+            let value = (self.make)(&key, &text).map_err(de::Error::custom)?;
+            kept.insert(key, value);
         }
-        Ok(sums)
-    }
-}
-
-/// A file's `blocks` object: the kept tensors' block sums, as written.
-struct Blocks<'n>(Option<&'n HashSet<String>>);
-
-impl<'de> DeserializeSeed<'de> for Blocks<'_> {
-    type Value = HashMap<String, String>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Blocks<'_> {
-    type Value = HashMap<String, String>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an object of block sums")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
-        let mut blocks = HashMap::new();
-        while let Some(tensor) = m.next_key::<String>()? {
-            match self.0.is_none_or(|keep| keep.contains(&tensor)) {
-                true => {
-                    blocks.insert(tensor, m.next_value()?);
-                }
-                false => {
-                    m.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(blocks)
+        Ok(kept)
     }
 }
