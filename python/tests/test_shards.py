@@ -229,3 +229,32 @@ def test_add_state_dict_publishes_dtensors_as_shards(tmp_path, fake_world):
         assert m["b"] == [((3,), None, None)], "a plain tensor stays whole"
         boxes.append(tuple(offset) + tuple(shape))
     assert sorted(boxes) == [(0, 0, 2, 5), (2, 0, 2, 5), (4, 0, 2, 5), (6, 0, 1, 5)]
+
+
+def test_many_shards_of_one_tensor_are_checked_within_bounds(tmp_path):
+    """20,000 row shards go in (each checked against the few shards whose
+    rows may reach it, not against every one before it), an overlapping
+    one is still refused; a layout that would make the check quadratic
+    (one long shard among many one-row ones) is refused naming the tensor
+    within the bound, and so is any later shard of it, until the tensors
+    are cleared; other tensors are not held up."""
+    row = np.zeros((1, 4), dtype=np.float32)
+    n = 20_000
+    order = list(range(0, n, 2)) + list(range(1, n, 2))
+    with Publisher(str(tmp_path / "p.sock")) as p:
+        for i in order:
+            p.add_shard("rows", row, (n, 4), (i, 0))
+        with pytest.raises(WeightManagerError, match=r"'rows'.*offset \[777, 1\].*overlaps"):
+            p.add_shard("rows", np.zeros((1, 2), dtype=np.float32), (n, 4), (777, 1))
+        long = np.zeros((1_000_000, 1), dtype=np.float32)
+        p.add_shard("mixed", long, (1_000_000 + n, 1), (n, 0))
+        one = np.zeros((1, 1), dtype=np.float32)
+        with pytest.raises(WeightManagerError, match=r"'mixed'.*too fragmented to check for overlaps"):
+            for i in range(n):
+                p.add_shard("mixed", one, (1_000_000 + n, 1), (i, 0))
+        assert 100 < i < n
+        with pytest.raises(WeightManagerError, match=r"'mixed'.*too fragmented"):
+            p.add_shard("mixed", one, (1_000_000 + n, 1), (n - 1, 0))
+        p.add_shard("rows2", row, (n, 4), (0, 0))
+        p.clear()
+        p.add_shard("mixed", one, (1_000_000 + n, 1), (n - 1, 0))

@@ -61,6 +61,7 @@
 
 mod accept;
 mod buffers;
+mod clashes;
 mod config;
 mod delta_cache;
 mod deltas;

@@ -1,13 +1,14 @@
 //! What sessions serve: the trainer's content (a directory, or tensors in
 //! memory), as versions ([`Offer`]), and picking the one a rank asks for.
 
+use super::clashes::Clashes;
 use crate::checkpoint::version::read_version_yaml;
 use crate::manifest::Placement;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use crate::tensor::{byte_size, check_name, shape_text, DType};
+use crate::tensor::{byte_size, check_name, DType};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -67,14 +68,14 @@ pub enum Content {
     Tensors(Vec<ServedTensor>),
 }
 
-/// The content the trainer adds to, with its tensors' positions by name:
-/// an add compares itself with the tensors of its own name only, so adding
-/// n tensors costs n lookups (it compared each with every tensor before
-/// it: 5e9 comparisons for 100,000 expert tensors).
+/// The content the trainer adds to, with its tensors by name and rank
+/// (`clashes.rs`): an add is checked against the tensors of its own name
+/// and rank, and among shards of one tensor only against those whose
+/// boxes may reach its own, so adding n tensors costs `O(n log n)`.
 #[derive(Debug)]
 pub(super) struct Current {
     pub(super) content: Content,
-    by_name: HashMap<String, Vec<usize>>,
+    clashes: Clashes,
 }
 
 impl Default for Current {
@@ -87,7 +88,7 @@ impl Current {
     pub(super) fn of(content: Content) -> Current {
         Current {
             content,
-            by_name: HashMap::new(),
+            clashes: Clashes::default(),
         }
     }
 
@@ -124,17 +125,9 @@ impl Current {
         let Content::Tensors(ts) = &mut self.content else {
             unreachable!()
         };
-        let same_ranks =
-            |o: &ServedTensor| o.rank.is_none() || t.rank.is_none() || o.rank == t.rank;
-        let named = self.by_name.get(name).map_or(&[][..], Vec::as_slice);
-        for o in named.iter().map(|&i| &ts[i]).filter(|o| same_ranks(o)) {
-            check_clash(o, &t)?;
-        }
-        self.by_name
-            .entry(t.name.clone())
-            .or_default()
-            .push(ts.len());
+        self.clashes.check(ts, &t)?;
         ts.push(t);
+        self.clashes.insert(ts, ts.len() - 1);
         Ok(())
     }
 
@@ -177,58 +170,10 @@ impl Current {
             return;
         };
         while ts.len() > from {
-            let t = ts.pop().expect("longer than `from`");
-            if let Some(at) = self.by_name.get_mut(&t.name) {
-                at.pop();
-                if at.is_empty() {
-                    self.by_name.remove(&t.name);
-                }
-            }
+            self.clashes.remove(ts, ts.len() - 1);
+            ts.pop();
         }
     }
-}
-
-/// Two tensors of one name for the same rank: only shards of one global
-/// tensor (same dtype and global shape) at different offsets may be
-/// published side by side; a whole tensor is published once.
-fn check_clash(old: &ServedTensor, new: &ServedTensor) -> Result<()> {
-    let name = &new.name;
-    let clash = |why: String| Err(Error::invalid_argument(format!("tensor '{name}': {why}")));
-    match (&old.placement, &new.placement) {
-        (None, None) => clash("already published for that rank".into()),
-        (None, Some(_)) | (Some(_), None) => clash(
-            "published both whole and as shards for that rank (a whole tensor is \
-             published alone)"
-                .into(),
-        ),
-        (Some(a), Some(b)) if a.global_shape != b.global_shape || old.dtype != new.dtype => {
-            clash(format!(
-                "shards disagree on the global tensor: {} {} and {} {}",
-                old.dtype,
-                shape_text(&a.global_shape),
-                new.dtype,
-                shape_text(&b.global_shape)
-            ))
-        }
-        (Some(a), Some(b)) if overlap((&a.offset, &old.shape), (&b.offset, &new.shape)) => {
-            clash(format!(
-                "the shard at offset {} (shape {}) overlaps the one at offset {} (shape {}) \
-                 already published for that rank",
-                shape_text(&b.offset),
-                shape_text(&new.shape),
-                shape_text(&a.offset),
-                shape_text(&old.shape)
-            ))
-        }
-        _ => Ok(()),
-    }
-}
-
-/// Two boxes (offset, shape) of one global tensor share an element.
-fn overlap(a: (&[u64], &[u64]), b: (&[u64], &[u64])) -> bool {
-    let dims = a.0.iter().zip(a.1).zip(b.0.iter().zip(b.1));
-    dims.into_iter()
-        .all(|((&ao, &al), (&bo, &bl))| ao < bo.saturating_add(bl) && bo < ao.saturating_add(al))
 }
 
 /// A version as sessions serve it.
