@@ -636,6 +636,18 @@ typedef struct {
   size_t npieces;
 } wm_param_desc;
 
+// One param of a batch registered with `wm_register_params`: what
+// `wm_register_param` takes, as one element. Fixed (it does not grow: a
+// later field would come as a new struct), so no `struct_size`; `desc`
+// carries its own.
+typedef struct {
+  // The param; read during the call only.
+  const wm_param_desc *desc;
+  // Its memory, `len` bytes: as `wm_register_param`'s `data` and `len`.
+  void *data;
+  size_t len;
+} wm_param_registration;
+
 // ==========================================================================
 // UPDATE AND CLEAR: the request, progress, per-tensor views, statistics.
 // ==========================================================================
@@ -1104,6 +1116,29 @@ wm_result wm_param_desc_init(wm_param_desc *desc);
 // once, under one name). Allowed only before the first update or clear
 // (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe.
 wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void *data, size_t len);
+
+// Register the `count` params of the array `params`, each as
+// `wm_register_param` would, or none of them: a param refused (checked as
+// `wm_register_param` checks, against the params registered before and
+// the ones before it in the array) fails the call, its error naming its
+// index when `count` > 1 ("param 2 of the 3 registered together (none
+// was registered): param 'w': ..."), and the params registered before the
+// call stay as they were. For an engine registering a whole model at
+// once: a refused param does not leave the others registered, so the
+// engine can fix it and register them all again. `count` 0 registers
+// nothing (`params` may then be NULL).
+//
+// Codes as `wm_register_param`; NULL `params` with `count` > 0, or a NULL
+// `desc` in it: `WM_ERR_NULL_ARGUMENT`.
+//
+// Ownership: `params`, each descriptor and its arrays are read during the
+// call only; each param's memory as for `wm_register_param` (the engine
+// keeps it, valid until `wm_destroy`). Allowed only before the first
+// update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
+// runs. Thread-safe.
+wm_result wm_register_params(wm_manager *manager,
+                             const wm_param_registration *params,
+                             size_t count);
 
 // Allocate a library-owned param. On success `*out_data` receives its
 // address and `*out_len` its byte size; both are unchanged on failure.

@@ -286,6 +286,83 @@ pub unsafe extern "C" fn wm_register_param(
     })
 }
 
+/// One param of a batch registered with `wm_register_params`: what
+/// `wm_register_param` takes, as one element. Fixed (it does not grow: a
+/// later field would come as a new struct), so no `struct_size`; `desc`
+/// carries its own.
+#[repr(C)]
+pub struct wm_param_registration {
+    /// The param; read during the call only.
+    pub desc: *const wm_param_desc,
+    /// Its memory, `len` bytes: as `wm_register_param`'s `data` and `len`.
+    pub data: *mut c_void,
+    pub len: usize,
+}
+
+/// Register the `count` params of the array `params`, each as
+/// `wm_register_param` would, or none of them: a param refused (checked as
+/// `wm_register_param` checks, against the params registered before and
+/// the ones before it in the array) fails the call, its error naming its
+/// index when `count` > 1 ("param 2 of the 3 registered together (none
+/// was registered): param 'w': ..."), and the params registered before the
+/// call stay as they were. For an engine registering a whole model at
+/// once: a refused param does not leave the others registered, so the
+/// engine can fix it and register them all again. `count` 0 registers
+/// nothing (`params` may then be NULL).
+///
+/// Codes as `wm_register_param`; NULL `params` with `count` > 0, or a NULL
+/// `desc` in it: `WM_ERR_NULL_ARGUMENT`.
+///
+/// Ownership: `params`, each descriptor and its arrays are read during the
+/// call only; each param's memory as for `wm_register_param` (the engine
+/// keeps it, valid until `wm_destroy`). Allowed only before the first
+/// update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
+/// runs. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn wm_register_params(
+    manager: *mut wm_manager,
+    params: *const wm_param_registration,
+    count: usize,
+) -> wm_result {
+    ffi_guard!({
+        let m = try_handle!(manager);
+        if count == 0 {
+            return code_of(&m, Ok(()));
+        }
+        if params.is_null() {
+            let e = Error::null_argument("wm_register_params: params is NULL");
+            return code_of(&m, Err(e));
+        }
+        if count > isize::MAX as usize / std::mem::size_of::<wm_param_registration>() {
+            let e = Error::invalid_argument(format!("{count} params do not fit in memory"));
+            return code_of(&m, Err(e));
+        }
+        let regs = std::slice::from_raw_parts(params, count);
+        let r = registrations(regs).and_then(|batch| m.register_all(&batch));
+        code_of(&m, r)
+    })
+}
+
+/// The batch of `wm_register_params`, each descriptor read and checked on
+/// its own (a refusal names its place, as the batch's does).
+///
+/// # Safety
+/// Each `desc` is NULL or valid, with its arrays.
+unsafe fn registrations(
+    regs: &[wm_param_registration],
+) -> Result<Vec<(ParamSpec, *mut u8, usize)>> {
+    let mut batch = Vec::new();
+    for (k, r) in regs.iter().enumerate() {
+        let spec = match r.desc.is_null() {
+            true => Err(Error::null_argument("wm_register_params: a desc is NULL")),
+            false => spec_from_c(&*r.desc),
+        };
+        let spec = spec.map_err(|e| ParamSpec::refused_among(e, k, regs.len()))?;
+        batch.push((spec, r.data.cast(), r.len));
+    }
+    Ok(batch)
+}
+
 /// Allocate a library-owned param. On success `*out_data` receives its
 /// address and `*out_len` its byte size; both are unchanged on failure.
 ///

@@ -250,3 +250,23 @@ def test_register_module_refuses_views_of_one_buffer_before_registering_any():
             m.register_module(Views())
         assert "'a'" in str(e.value) and "'b'" in str(e.value)
         assert m.status().params == 0
+
+
+def test_register_module_registers_every_tensor_or_none():
+    """A module whose third tensor the library refuses (its name registered
+    before) registers none of its tensors: the error names the tensor and
+    its place, and the module registers once the clash is gone."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with Manager(fallback_dir="") as m:
+        m.register("1.weight", np.zeros((2, 4), np.float32))
+        with pytest.raises(WeightManagerError) as e:
+            m.register_module(module)
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT
+        assert "param 2 of the 4 registered together (none was registered)" in e.value.message
+        assert "'1.weight'" in e.value.message
+        assert m.status().params == 1
+        registered = m.register_module(module, prefix="engine.")
+        assert m.status().params == 5
+        assert sorted(registered.params) == ["engine.0.bias", "engine.0.weight",
+                                             "engine.1.bias", "engine.1.weight"]

@@ -200,6 +200,15 @@ class ParamDesc(_Struct):
     ]
 
 
+class ParamRegistration(ctypes.Structure):
+    """One element of wm_register_params' array (fixed: no struct_size)."""
+    _fields_ = [
+        ("desc", ctypes.POINTER(ParamDesc)),
+        ("data", c_void_p),
+        ("len", ctypes.c_size_t),
+    ]
+
+
 class Progress(_Struct):
     _fields_ = [
         ("bytes_done", ctypes.c_uint64),
@@ -389,6 +398,7 @@ PROTOTYPES = {
     "wm_piece_narrow": (R, [ctypes.POINTER(Piece), c_char_p, ctypes.POINTER(ctypes.c_uint64),
                             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64]),
     "wm_register_param": (R, [M, ctypes.POINTER(ParamDesc), c_void_p, ctypes.c_size_t]),
+    "wm_register_params": (R, [M, ctypes.POINTER(ParamRegistration), ctypes.c_size_t]),
     "wm_allocate_param": (
         R,
         [M, ctypes.POINTER(ParamDesc), ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t)],

@@ -448,7 +448,10 @@ class Manager(OwnedHandle):
         the tensor). Tied tensors (one memory under several names) are
         registered once, under the first name, as Publisher.add_state_dict
         publishes them; the others are in the result's `aliases`.
-        Non-contiguous tensors are refused, naming them.
+        Non-contiguous tensors are refused, naming them. All or nothing: a
+        tensor refused (a name already registered, memory shared with a
+        param registered before) fails the call naming it and its place,
+        and none of the module's tensors is registered.
 
         The library writes the memory directly: autograd does not see it
         (like a write under torch.no_grad(), but the tensors' version
@@ -461,9 +464,27 @@ class Manager(OwnedHandle):
                 named.append((published, tensor))
         unique, aliases = torch_bridge.unique_memory(named)
         torch_bridge.check_disjoint(unique)
-        for name, tensor, mem in unique:
-            self._register_memory(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor)
+        self._register_all([(name, mem, tensor) for name, tensor, mem in unique])
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
+
+    def _register_all(self, items) -> None:
+        """wm_register_params of (name, memory, owner) triples: every one
+        or none (a refused one is named by its place and the call registers
+        nothing, so the caller can fix it and register the module again)."""
+        if not items:
+            return
+        regs = (_lib.ParamRegistration * len(items))()
+        keep = []
+        for reg, (name, mem, _owner) in zip(regs, items):
+            d, k = self._desc(name, mem.dtype, mem.shape)
+            if mem.device != HOST:
+                d.memory, d.device_ordinal = MEMORY_DEVICE, mem.device
+            keep.append((d, k))
+            reg.desc, reg.data, reg.len = ctypes.pointer(d), mem.ptr or None, mem.nbytes
+        self._check(LIB.wm_register_params(self._h(), regs, len(items)))
+        for name, _mem, owner in items:
+            self._params[name] = owner
+            self._engine_owned.add(name)
 
     def quantize_module(self, registered: RegisteredModule, scheme="fp8_block128",
                         scales_suffix: str = "_scale_inv") -> list:

@@ -477,6 +477,60 @@ static void test_failures(void) {
   remove_tmpdir();
 }
 
+/* wm_register_params: every param or none. "kept" registered before; a
+   batch whose third shares memory with the first (or takes the second's
+   name) is refused naming its index, and none of it stays: the batch
+   without the clash goes through afterwards (its "a" would otherwise be
+   registered already). */
+static void test_register_together(void) {
+  make_tmpdir();
+  wm_manager *m = new_manager(tmpdir);
+  static float mem[16];
+  uint64_t shape[1] = {4};
+  wm_param_desc d[4];
+  const char *names[4] = {"kept", "a", "b", "c"};
+  for (int i = 0; i < 4; i++) {
+    wm_param_desc_init(&d[i]);
+    d[i].name = names[i];
+    d[i].dtype = WM_DTYPE_F32;
+    d[i].shape = shape;
+    d[i].ndim = 1;
+  }
+  CHECK_RC(wm_register_param(m, &d[0], mem + 12, 4 * sizeof(float)), WM_OK);
+  wm_param_registration batch[3] = {
+      {&d[1], mem, 4 * sizeof(float)},
+      {&d[2], mem + 4, 4 * sizeof(float)},
+      {&d[3], mem, 4 * sizeof(float)}, /* shares "a"'s memory */
+  };
+  CHECK_RC(wm_register_params(NULL, batch, 3), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_register_params(m, NULL, 3), WM_ERR_NULL_ARGUMENT);
+  CHECK_RC(wm_register_params(m, NULL, 0), WM_OK);
+  CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "param 2 of the 3 registered together (none was registered): param 'c'") != NULL);
+  wm_status_info s;
+  s.struct_size = sizeof s;
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.params == 1);
+  batch[2].desc = &d[2]; /* "b" twice */
+  batch[2].data = mem + 8;
+  CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(m), "param 'b' is already registered") != NULL);
+  batch[1].desc = NULL;
+  CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_NULL_ARGUMENT);
+  CHECK(strstr(last_error(m), "param 1 of the 3 registered together") != NULL);
+  d[2].struct_size = 8;
+  batch[1].desc = &d[2];
+  CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_STRUCT_SIZE);
+  d[2].struct_size = sizeof d[2];
+  batch[2].desc = &d[3];
+  CHECK_RC(wm_register_params(m, batch, 3), WM_OK);
+  CHECK_RC(wm_status(m, &s), WM_OK);
+  CHECK(s.params == 4);
+  CHECK_RC(wm_register_param(m, &d[1], mem + 13, 0), WM_ERR_INVALID_ARGUMENT); /* now registered */
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 /* ---------------------------------------------------------- callbacks */
 
 static int log_calls = 0;
@@ -1918,6 +1972,7 @@ int main(int argc, char **argv) {
   } tests[] = {
       {"version", test_version},     {"null_args", test_null_args}, {"struct_size", test_struct_size},
       {"enums", test_enums},         {"lifecycle", test_lifecycle}, {"failures", test_failures},
+      {"register_together", test_register_together},
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},

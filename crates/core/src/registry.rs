@@ -48,6 +48,19 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// Error `e` of param `k` of the `n` registered together
+    /// ([`Manager::register_all`](crate::manager::Manager::register_all)):
+    /// named by its place when there are several, and saying that none was
+    /// registered.
+    pub fn refused_among(e: Error, k: usize, n: usize) -> Error {
+        match n {
+            1 => e,
+            n => e.context(format!(
+                "param {k} of the {n} registered together (none was registered)"
+            )),
+        }
+    }
+
     pub fn host(name: &str, dtype: DType, shape: &[u64]) -> ParamSpec {
         ParamSpec {
             name: name.to_string(),
@@ -266,6 +279,20 @@ impl Registry {
         }
         self.push(spec, nbytes, ParamMemory::Engine { ptr: SendPtr(ptr) });
         Ok(())
+    }
+
+    /// Take out the params registered from position `from` on (a batch
+    /// registered together, refused part way: [`Manager::register_all`]),
+    /// their names and their memory ranges; library-owned memory among them
+    /// is freed. Registration is still open then: no plan refers to them.
+    ///
+    /// [`Manager::register_all`]: crate::manager::Manager::register_all
+    pub fn truncate(&mut self, from: usize) {
+        while self.params.len() > from {
+            let p = self.params.pop().expect("longer than `from`");
+            self.by_name.remove(&p.name);
+        }
+        self.engine_ranges.retain(|_, &mut (_, i)| i < from);
     }
 
     /// `len` bytes at `start` on `device` (-1: host) share no byte with an

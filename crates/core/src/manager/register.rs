@@ -44,6 +44,31 @@ impl Manager {
         self.registering(what, |r| r.register_engine(spec, ptr, len))
     }
 
+    /// Register each of `params` (a spec, and `len` bytes at `ptr`) as
+    /// [`Manager::register`] would, or none: on the first refused, the ones
+    /// registered before it in the batch are taken out again and the error
+    /// names its place ("param 3 of the 10 registered together (none was
+    /// registered): ..."; a batch of one reads as `register`).
+    ///
+    /// # Safety
+    /// As [`Manager::register`], for every param.
+    pub unsafe fn register_all(&self, params: &[(ParamSpec, *mut u8, usize)]) -> Result<()> {
+        let what = || match params.first() {
+            Some((spec, ..)) if params.len() == 1 => format!("param '{}'", spec.name),
+            _ => format!("{} params registered together", params.len()),
+        };
+        self.registering(what, |r| {
+            let before = r.len();
+            for (k, (spec, ptr, len)) in params.iter().enumerate() {
+                if let Err(e) = r.register_engine(spec, *ptr, *len) {
+                    r.truncate(before);
+                    return Err(ParamSpec::refused_among(e, k, params.len()));
+                }
+            }
+            Ok(())
+        })
+    }
+
     /// Allocate a library-owned param; returns its stable address and length.
     pub fn allocate(&self, spec: &ParamSpec) -> Result<(*mut u8, usize)> {
         let what = || format!("param '{}'", spec.name);
@@ -57,5 +82,53 @@ impl Manager {
     pub fn quantize(&self, weight: &str, scales: &str, scheme: Scheme) -> Result<()> {
         let what = || format!("param '{weight}' (quantized, its scales in '{scales}')");
         self.registering(what, |r| r.quantize(weight, scales, scheme))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::ManagerConfig;
+    use crate::tensor::DType;
+
+    /// A batch whose third param is refused (its memory overlaps the
+    /// first's, or its name the second's) registers none of it, naming its
+    /// place; what was registered before stays, and each param can be
+    /// registered afterwards.
+    #[test]
+    fn registering_together_registers_every_param_or_none() {
+        let m = Manager::new(ManagerConfig::default()).unwrap();
+        let mut buf = vec![0u8; 64];
+        let base = buf.as_mut_ptr();
+        let at = |o: usize| base.wrapping_add(o);
+        let f32s = |name: &str| ParamSpec::host(name, DType::F32, &[4]);
+        // SAFETY: `buf` outlives `m`'s use of it (no update runs).
+        unsafe { m.register(&f32s("kept"), at(48), 16) }.unwrap();
+        for (third, off) in [("c", 0), ("b", 32)] {
+            let batch = [
+                (f32s("a"), at(0), 16),
+                (f32s("b"), at(16), 16),
+                (f32s(third), at(off), 16),
+            ];
+            // SAFETY: as above.
+            let e = unsafe { m.register_all(&batch) }.unwrap_err();
+            assert!(
+                e.message
+                    .starts_with("param 2 of the 3 registered together (none was registered)"),
+                "{e}"
+            );
+            assert_eq!(m.status().params, 1);
+            assert_eq!(m.registry.read().len(), 1);
+        }
+        let batch = [(f32s("a"), at(0), 16), (f32s("b"), at(16), 16)];
+        // SAFETY: as above.
+        unsafe { m.register_all(&batch) }.unwrap();
+        // SAFETY: as above.
+        unsafe { m.register(&f32s("c"), at(32), 16) }.unwrap();
+        assert_eq!(m.status().params, 4);
+        let one = ParamSpec::host("d", DType::F32, &[1]);
+        // SAFETY: as above.
+        let e = unsafe { m.register(&one, at(4), 4) }.unwrap_err();
+        assert!(e.message.contains("overlaps param 'a'"), "{e}");
     }
 }
