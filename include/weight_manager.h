@@ -1114,14 +1114,15 @@ wm_result wm_param_desc_init(wm_param_desc *desc);
 // shares a byte with a param registered before (host memory, or the same
 // GPU's) is `WM_ERR_INVALID_ARGUMENT` naming both (register a tied weight
 // once, under one name). Allowed only before the first update or clear
-// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe.
+// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe:
+// registrations on several threads take turns.
 wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void *data, size_t len);
 
 // Register the `count` params of the array `params`, each as
 // `wm_register_param` would, or none of them: a param refused (checked as
 // `wm_register_param` checks, against the params registered before and
 // the ones before it in the array) fails the call, its error naming its
-// index when `count` > 1 ("param 2 of the 3 registered together (none
+// index (from 0) when `count` > 1 ("param 2 of the 3 registered together (none
 // was registered): param 'w': ..."), and the params registered before the
 // call stay as they were. For an engine registering a whole model at
 // once: a refused param does not leave the others registered, so the
@@ -1135,7 +1136,7 @@ wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void
 // call only; each param's memory as for `wm_register_param` (the engine
 // keeps it, valid until `wm_destroy`). Allowed only before the first
 // update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
-// runs. Thread-safe.
+// runs. Thread-safe: registrations on several threads take turns.
 wm_result wm_register_params(wm_manager *manager,
                              const wm_param_registration *params,
                              size_t count);
@@ -1231,7 +1232,7 @@ wm_result wm_update_request_init(wm_update_request *request);
 // any byte moves (`WM_ERR_PEER`).
 //
 // `request` and its strings are read during the call only; callbacks run on
-// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
+// the calling thread. `WM_ERR_BUSY` if another update, clear or registration runs.
 wm_result wm_update(wm_manager *manager,
                     const wm_update_request *request,
                     wm_update_stats *out_stats);
@@ -1536,7 +1537,7 @@ wm_result wm_publisher_add(wm_publisher *publisher, const wm_tensor_desc *desc);
 // as `wm_publisher_add` checks, against what was published before and
 // against the descriptors before it; its own fields are checked for all
 // before any is compared with the others) fails the call, its error
-// naming its index when `count` > 1 ("tensor 3 of the 10 added together
+// naming its index (from 0) when `count` > 1 ("tensor 3 of the 10 added together
 // (none was added): tensor 'w': ..."), and what was published before the
 // call stays as it was (a
 // directory set with `wm_publisher_set_dir` too). For a trainer publishing

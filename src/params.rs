@@ -265,7 +265,8 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
 /// shares a byte with a param registered before (host memory, or the same
 /// GPU's) is `WM_ERR_INVALID_ARGUMENT` naming both (register a tied weight
 /// once, under one name). Allowed only before the first update or clear
-/// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe.
+/// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe:
+/// registrations on several threads take turns.
 #[no_mangle]
 pub unsafe extern "C" fn wm_register_param(
     manager: *mut wm_manager,
@@ -303,7 +304,7 @@ pub struct wm_param_registration {
 /// `wm_register_param` would, or none of them: a param refused (checked as
 /// `wm_register_param` checks, against the params registered before and
 /// the ones before it in the array) fails the call, its error naming its
-/// index when `count` > 1 ("param 2 of the 3 registered together (none
+/// index (from 0) when `count` > 1 ("param 2 of the 3 registered together (none
 /// was registered): param 'w': ..."), and the params registered before the
 /// call stay as they were. For an engine registering a whole model at
 /// once: a refused param does not leave the others registered, so the
@@ -317,7 +318,7 @@ pub struct wm_param_registration {
 /// call only; each param's memory as for `wm_register_param` (the engine
 /// keeps it, valid until `wm_destroy`). Allowed only before the first
 /// update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
-/// runs. Thread-safe.
+/// runs. Thread-safe: registrations on several threads take turns.
 #[no_mangle]
 pub unsafe extern "C" fn wm_register_params(
     manager: *mut wm_manager,

@@ -322,7 +322,7 @@ unsafe fn locations_from_c(r: &wm_update_request) -> Result<Vec<std::path::PathB
 /// any byte moves (`WM_ERR_PEER`).
 ///
 /// `request` and its strings are read during the call only; callbacks run on
-/// the calling thread. `WM_ERR_BUSY` if another update or clear runs.
+/// the calling thread. `WM_ERR_BUSY` if another update, clear or registration runs.
 #[no_mangle]
 pub unsafe extern "C" fn wm_update(
     manager: *mut wm_manager,

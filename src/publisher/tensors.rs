@@ -137,7 +137,7 @@ pub unsafe extern "C" fn wm_publisher_add(
 /// as `wm_publisher_add` checks, against what was published before and
 /// against the descriptors before it; its own fields are checked for all
 /// before any is compared with the others) fails the call, its error
-/// naming its index when `count` > 1 ("tensor 3 of the 10 added together
+/// naming its index (from 0) when `count` > 1 ("tensor 3 of the 10 added together
 /// (none was added): tensor 'w': ..."), and what was published before the
 /// call stays as it was (a
 /// directory set with `wm_publisher_set_dir` too). For a trainer publishing

@@ -514,7 +514,7 @@ static void test_register_together(void) {
   batch[2].desc = &d[2]; /* "b" twice */
   batch[2].data = mem + 8;
   CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_INVALID_ARGUMENT);
-  CHECK(strstr(last_error(m), "param 'b' is already registered") != NULL);
+  CHECK(strstr(last_error(m), "param 'b' is in the batch twice (at 1 and 2)") != NULL);
   batch[1].desc = NULL;
   CHECK_RC(wm_register_params(m, batch, 3), WM_ERR_NULL_ARGUMENT);
   CHECK(strstr(last_error(m), "param 1 of the 3 registered together") != NULL);

@@ -99,7 +99,7 @@ impl wm_result {
             wm_result::WM_ERR_INVALID_ARGUMENT => "an argument is out of range or malformed\0",
             wm_result::WM_ERR_STRUCT_SIZE => "struct_size does not match this library's struct\0",
             wm_result::WM_ERR_STATE => "not allowed in the manager's current state\0",
-            wm_result::WM_ERR_BUSY => "another update or clear is running\0",
+            wm_result::WM_ERR_BUSY => "another update, clear or registration is running\0",
             wm_result::WM_ERR_NOT_FOUND => "not found\0",
             wm_result::WM_ERR_IO => "I/O error\0",
             wm_result::WM_ERR_FORMAT => "malformed source data\0",

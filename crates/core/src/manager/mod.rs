@@ -86,6 +86,10 @@ pub struct Manager {
     gpu_id: String,
     threads: usize,
     op: Mutex<()>,
+    /// Held by a registration while it waits for `op`: registrations on
+    /// several threads take turns (each is short) instead of one finding
+    /// the other's `op` taken and failing as busy.
+    registrations: Mutex<()>,
     registry: RwLock<Registry>,
     record: Mutex<Record>,
     signal: SignalPlane,
@@ -149,6 +153,7 @@ impl Manager {
                 (config.fanout.clone()).map(|f| FanoutLink::new(f, config.device)),
             ),
             op: Mutex::new(()),
+            registrations: Mutex::new(()),
             registry: RwLock::new(Registry::default()),
             record: Mutex::new(Record {
                 state: State::Normal,
@@ -204,7 +209,7 @@ impl Manager {
 
     fn busy_running(&self) -> Error {
         Error::busy(format!(
-            "rank {}: another update or clear is running on this manager",
+            "rank {}: another update, clear or registration is running on this manager",
             self.config.rank
         ))
     }

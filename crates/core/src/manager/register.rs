@@ -15,6 +15,7 @@ impl Manager {
         f: impl FnOnce(&mut Registry) -> Result<T>,
     ) -> Result<T> {
         let r = (|| {
+            let _turn = self.registrations.lock();
             let _op = self.op.try_lock().ok_or_else(|| self.busy())?;
             if !self.record.lock().registration_open {
                 return Err(Error::state(format!(
@@ -57,6 +58,18 @@ impl Manager {
             Some((spec, ..)) if params.len() == 1 => format!("param '{}'", spec.name),
             _ => format!("{} params registered together", params.len()),
         };
+        // A name twice in the batch is said so (the registry would say it
+        // is "already registered", as if before the call).
+        let mut first = std::collections::HashMap::with_capacity(params.len());
+        for (k, (spec, ..)) in params.iter().enumerate() {
+            if let Some(j) = first.insert(spec.name.as_str(), k) {
+                let e = Error::invalid_argument(format!(
+                    "param '{}' is in the batch twice (at {j} and {k})",
+                    spec.name
+                ));
+                return self.recorded(Err(ParamSpec::refused_among(e, k, params.len())));
+            }
+        }
         self.registering(what, |r| {
             let before = r.len();
             for (k, (spec, ptr, len)) in params.iter().enumerate() {
@@ -104,7 +117,10 @@ mod tests {
         let f32s = |name: &str| ParamSpec::host(name, DType::F32, &[4]);
         // SAFETY: `buf` outlives `m`'s use of it (no update runs).
         unsafe { m.register(&f32s("kept"), at(48), 16) }.unwrap();
-        for (third, off) in [("c", 0), ("b", 32)] {
+        for (third, off, why) in [
+            ("c", 0, "overlaps param 'a'"),
+            ("b", 32, "in the batch twice (at 1 and 2)"),
+        ] {
             let batch = [
                 (f32s("a"), at(0), 16),
                 (f32s("b"), at(16), 16),
@@ -130,5 +146,35 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { m.register(&one, at(4), 4) }.unwrap_err();
         assert!(e.message.contains("overlaps param 'a'"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod concurrent_tests {
+    use super::*;
+    use crate::manager::ManagerConfig;
+    use crate::tensor::DType;
+
+    /// Registrations on two threads take turns: neither is refused as
+    /// busy (they used to find each other's lock taken).
+    #[test]
+    fn registrations_on_two_threads_both_go_through() {
+        let m = Manager::new(ManagerConfig::default()).unwrap();
+        let mut buf = vec![0u8; 2 * 2000 * 4];
+        let base = buf.as_mut_ptr() as usize;
+        std::thread::scope(|s| {
+            for t in 0..2usize {
+                let m = &m;
+                s.spawn(move || {
+                    for i in 0..2000usize {
+                        let spec = ParamSpec::host(&format!("t{t}.p{i}"), DType::F32, &[1]);
+                        let at = (base + (t * 2000 + i) * 4) as *mut u8;
+                        // SAFETY: `buf` outlives `m`'s use of it (no update runs).
+                        unsafe { m.register(&spec, at, 4) }.unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(m.status().params, 4000);
     }
 }

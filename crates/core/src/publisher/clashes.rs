@@ -12,15 +12,17 @@
 //! shards costs `O(n log n)` (comparing with every shard of the name cost
 //! 2.3 s for 20,000 shards of one tensor, quadratic). Layouts where a box's
 //! range holds many starts (one long shard among many short ones) may cost
-//! more: the steps are counted per name, and past `box_sweep::budget` of
-//! its shard count the add is refused, naming the tensor, instead of
-//! growing quadratically.
+//! more: the steps of the adds that went in are counted per name, and past
+//! `box_sweep::budget` of its shard count an add is refused, naming the
+//! tensor, instead of growing quadratically. A refused add is not counted
+//! (its search is bounded by what the budget has left), and a batch taken
+//! back (`add_all`) gives its steps and its shards' lengths back.
 
 use super::offer::ServedTensor;
 use crate::box_sweep::budget;
 use crate::result::{Error, Result};
 use crate::tensor::shape_text;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
 /// The tensors added so far, by name and rank, as positions in the
@@ -44,71 +46,77 @@ struct Named {
 /// One name's tensors for one rank (or for every rank).
 #[derive(Debug, Default)]
 struct RankSet {
-    /// Every position in the set. The first stands for all on wholeness,
-    /// dtype and global shape: they agree (an add that disagreed was
-    /// refused), and a whole tensor is alone in its set.
-    members: BTreeSet<usize>,
+    /// Every position in the set, with the search steps its add was
+    /// charged (given back if it is taken out again). The first stands
+    /// for all on wholeness, dtype and global shape: they agree (an add
+    /// that disagreed was refused), and a whole tensor is alone in its set.
+    members: BTreeMap<usize, u64>,
     /// The shards holding an element, by offset.
     by_offset: BTreeMap<Vec<u64>, usize>,
-    /// The longest of those shards per dimension.
+    /// The longest of those shards per dimension; recomputed before the
+    /// next search when a longest one was taken out (`stale`).
     longest: Vec<u64>,
+    stale: bool,
 }
 
 impl Clashes {
     /// Refuse `t` if it clashes with a tensor of `ts` added before it for
     /// the same rank (a tensor for every rank clashes with any rank's).
-    pub(super) fn check(&mut self, ts: &[ServedTensor], t: &ServedTensor) -> Result<()> {
+    /// Ok: the search steps to charge to `t` when it is added
+    /// ([`Clashes::insert`]). A refused add is not charged: its search
+    /// is bounded by what the name's budget has left.
+    pub(super) fn check(&mut self, ts: &[ServedTensor], t: &ServedTensor) -> Result<u64> {
         let Some(named) = self.names.get_mut(&t.name) else {
-            return Ok(());
+            return Ok(0);
         };
         let limit = budget(named.tensors + 1);
         let Named { ranks, steps, .. } = named;
-        let mut check_set = |set: &RankSet| -> Result<()> {
+        let before = *steps;
+        let mut check_set = |set: &mut RankSet| -> Result<()> {
             *steps += 1;
-            let Some(&first) = set.members.first() else {
+            let Some((&first, _)) = set.members.first_key_value() else {
                 return Ok(());
             };
             check_kind(&ts[first], t)?;
+            set.refresh_longest(ts);
             match set.find_overlap((ts, t), steps, limit) {
                 Ok(None) => Ok(()),
                 Ok(Some(at)) => Err(overlap_error(&ts[at], t)),
                 Err(()) => Err(too_fragmented(t, limit)),
             }
         };
-        match t.rank {
-            Some(_) => {
-                for rank in [t.rank, None] {
-                    ranks.get(&rank).map_or(Ok(()), &mut check_set)?;
-                }
-            }
+        let r = match t.rank {
+            Some(_) => [t.rank, None]
+                .iter()
+                .try_for_each(|rank| ranks.get_mut(rank).map_or(Ok(()), &mut check_set)),
             // Every rank's tensors: counted as steps too.
-            None => ranks.values().try_for_each(&mut check_set)?,
-        }
-        match *steps > limit {
+            None => ranks.values_mut().try_for_each(&mut check_set),
+        };
+        let r = r.and_then(|()| match *steps > limit {
             true => Err(too_fragmented(t, limit)),
-            false => Ok(()),
+            false => Ok(*steps - before),
+        });
+        if r.is_err() {
+            *steps = before;
         }
+        r
     }
 
-    /// Note `ts[at]`, checked and added.
-    pub(super) fn insert(&mut self, ts: &[ServedTensor], at: usize) {
+    /// Note `ts[at]`, checked (its search took `charged` steps) and added.
+    pub(super) fn insert(&mut self, ts: &[ServedTensor], at: usize, charged: u64) {
         let t = &ts[at];
         let named = self.names.entry(t.name.clone()).or_default();
         named.tensors += 1;
+        named.steps += charged;
         let set = named.ranks.entry(t.rank).or_default();
-        set.members.insert(at);
+        set.members.insert(at, charged);
         if let (Some(p), true) = (&t.placement, holds_elements(t)) {
-            if set.longest.len() < t.shape.len() {
-                set.longest.resize(t.shape.len(), 0);
-            }
-            for (l, &n) in set.longest.iter_mut().zip(&t.shape) {
-                *l = (*l).max(n);
-            }
+            set.widen(&t.shape);
             set.by_offset.insert(p.offset.clone(), at);
         }
     }
 
-    /// Forget `ts[at]`, taken out again.
+    /// Forget `ts[at]`, taken out again: its steps are given back.
     pub(super) fn remove(&mut self, ts: &[ServedTensor], at: usize) {
         let t = &ts[at];
         let Some(named) = self.names.get_mut(&t.name) else {
@@ -116,10 +124,13 @@ impl Clashes {
         };
         named.tensors -= 1;
         if let Some(set) = named.ranks.get_mut(&t.rank) {
-            set.members.remove(&at);
+            let charged = set.members.remove(&at).unwrap_or(0);
+            named.steps = named.steps.saturating_sub(charged);
             if let Some(p) = &t.placement {
                 if set.by_offset.get(&p.offset) == Some(&at) {
                     set.by_offset.remove(&p.offset);
+                    let longest = set.longest.iter().zip(&t.shape);
+                    set.stale |= longest.into_iter().any(|(&l, &n)| n >= l);
                 }
             }
             if set.members.is_empty() {
@@ -133,6 +144,28 @@ impl Clashes {
 }
 
 impl RankSet {
+    fn widen(&mut self, shape: &[u64]) {
+        if self.longest.len() < shape.len() {
+            self.longest.resize(shape.len(), 0);
+        }
+        for (l, &n) in self.longest.iter_mut().zip(shape) {
+            *l = (*l).max(n);
+        }
+    }
+
+    /// The longest shards again, after a longest one was taken out (a
+    /// refused batch's): a pass over the set, once per refused batch.
+    fn refresh_longest(&mut self, ts: &[ServedTensor]) {
+        if !std::mem::take(&mut self.stale) {
+            return;
+        }
+        self.longest.clear();
+        let held: Vec<usize> = self.by_offset.values().copied().collect();
+        for at in held {
+            self.widen(&ts[at].shape);
+        }
+    }
+
     /// A shard of this set sharing an element with `t` (a shard holding
     /// elements), searched within `limit` steps in all (`steps` counts
     /// them); Err past it.
@@ -311,11 +344,11 @@ mod tests {
         }
     }
 
-    /// Add `t` as `Current::add` does: checked, then kept.
+    /// Add `t` as `Current::add_all` does: checked, then kept.
     fn add(c: &mut Clashes, ts: &mut Vec<ServedTensor>, t: ServedTensor) -> Result<()> {
-        c.check(ts, &t)?;
+        let charged = c.check(ts, &t)?;
         ts.push(t);
-        c.insert(ts, ts.len() - 1);
+        c.insert(ts, ts.len() - 1, charged);
         Ok(())
     }
 
@@ -426,6 +459,37 @@ mod tests {
             "{e}"
         );
         add(&mut c, &mut ts, whole(Some(2))).unwrap();
+    }
+
+    /// Refused adds are not counted: a shard refused 10,000 times leaves
+    /// room for the next one. A batch taken back gives back its steps and
+    /// its long shard's reach: 50,000 one-row shards go in after it.
+    #[test]
+    fn refused_adds_and_batches_taken_back_cost_the_tensor_nothing() {
+        let (mut c, mut ts) = (Clashes::default(), Vec::new());
+        add(&mut c, &mut ts, shard(Some(0), &[100], &[0], &[10])).unwrap();
+        for _ in 0..10_000 {
+            let e = add(&mut c, &mut ts, shard(Some(0), &[100], &[5], &[1])).unwrap_err();
+            assert!(e.message.contains("overlaps"), "{e}");
+        }
+        add(&mut c, &mut ts, shard(Some(0), &[100], &[50], &[10])).unwrap();
+        let n = 50_000u64;
+        let (mut c, mut ts) = (Clashes::default(), Vec::new());
+        let global = [2 * n + 1_000_000, 2];
+        add(&mut c, &mut ts, shard(Some(0), &global, &[0, 0], &[1, 2])).unwrap();
+        // A batch: a long shard, then one overlapping the first: taken back.
+        add(
+            &mut c,
+            &mut ts,
+            shard(Some(0), &global, &[n, 0], &[1_000_000, 2]),
+        )
+        .unwrap();
+        c.remove(&ts, ts.len() - 1);
+        ts.pop();
+        for i in 1..n {
+            add(&mut c, &mut ts, shard(Some(0), &global, &[i, 0], &[1, 2])).unwrap();
+        }
+        assert!(steps(&c) <= 12 * n, "{} steps", steps(&c));
     }
 
     /// One long shard among many short ones puts many starts in a box's

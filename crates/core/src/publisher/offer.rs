@@ -35,7 +35,7 @@ pub struct ServedTensor {
 }
 
 impl ServedTensor {
-    /// A tensor the trainer adds (not yet checked: see [`Current::add`]).
+    /// A tensor the trainer adds (not yet checked: see [`Current::add_all`]).
     pub(super) fn new(
         name: &str,
         dtype: DType,
@@ -92,50 +92,28 @@ impl Current {
         }
     }
 
-    /// Add a tensor or shard (a directory served so far is dropped): its
-    /// name, its byte size against its dtype and shape, its placement and
-    /// its address checked, and nothing it would clash with for the same
-    /// rank (see [`check_clash`]).
-    pub(super) fn add(&mut self, t: ServedTensor) -> Result<()> {
-        let name = &t.name;
-        check_name(name)?;
-        let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
-        if need != t.len as u64 {
-            return Err(Error::invalid_argument(format!(
-                "tensor '{name}': {} bytes given, {need} needed",
-                t.len
-            )));
-        }
-        if let Some(p) = &t.placement {
-            p.check(name, &t.shape)?;
-            byte_size(
-                &format!("tensor '{name}' (global)"),
-                t.dtype,
-                &p.global_shape,
-            )?;
-        }
-        if t.data.0.is_null() && t.len > 0 {
-            return Err(Error::null_argument(format!(
-                "tensor '{name}': data is NULL"
-            )));
-        }
+    /// Add a tensor or shard whose own fields were checked
+    /// ([`check_own`]), unless it clashes with a tensor published for the
+    /// same rank (`clashes.rs`); a directory served so far is dropped.
+    fn add_checked(&mut self, t: ServedTensor) -> Result<()> {
         if let Content::Dir(_) = self.content {
             *self = Current::default();
         }
         let Content::Tensors(ts) = &mut self.content else {
             unreachable!()
         };
-        self.clashes.check(ts, &t)?;
+        let charged = self.clashes.check(ts, &t)?;
         ts.push(t);
-        self.clashes.insert(ts, ts.len() - 1);
+        self.clashes.insert(ts, ts.len() - 1, charged);
         Ok(())
     }
 
-    /// [`Current::add`] of each of `ts` in order, or of none: on the first
-    /// refused, the ones added before it are taken out again (and a
-    /// directory served before is served again); Err gives its place in
-    /// `ts`. Each added tensor is the last of its name's positions, so
-    /// taking them out is as cheap as adding them.
+    /// Add each of `ts` in order, or none: every one's own fields are
+    /// checked first ([`check_own`]); then on the first that clashes, the
+    /// ones added before it are taken out again (and a directory served
+    /// before is served again). Err gives the refused one's place in `ts`.
+    /// Each added tensor is the last of its name's positions, so taking
+    /// them out is as cheap as adding them.
     pub(super) fn add_all(
         &mut self,
         ts: Vec<ServedTensor>,
@@ -144,9 +122,16 @@ impl Current {
             Content::Dir(d) => Some(d.clone()),
             Content::Tensors(_) => None,
         };
+        // Each tensor's own fields first, for all: a bad one is named before
+        // any is compared with the others.
+        if let Some((k, e)) =
+            (ts.iter().enumerate()).find_map(|(k, t)| check_own(t).err().map(|e| (k, e)))
+        {
+            return Err((k, e));
+        }
         let before = self.tensors().len();
         for (k, t) in ts.into_iter().enumerate() {
-            if let Err(e) = self.add(t) {
+            if let Err(e) = self.add_checked(t) {
                 self.take_out_from(before);
                 if let Some(d) = dir {
                     *self = Current::of(Content::Dir(d));
@@ -174,6 +159,34 @@ impl Current {
             ts.pop();
         }
     }
+}
+
+/// A tensor's own fields: its name, its byte size against its dtype and
+/// shape, its placement, its address.
+fn check_own(t: &ServedTensor) -> Result<()> {
+    let name = &t.name;
+    check_name(name)?;
+    let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
+    if need != t.len as u64 {
+        return Err(Error::invalid_argument(format!(
+            "tensor '{name}': {} bytes given, {need} needed",
+            t.len
+        )));
+    }
+    if let Some(p) = &t.placement {
+        p.check(name, &t.shape)?;
+        byte_size(
+            &format!("tensor '{name}' (global)"),
+            t.dtype,
+            &p.global_shape,
+        )?;
+    }
+    if t.data.0.is_null() && t.len > 0 {
+        return Err(Error::null_argument(format!(
+            "tensor '{name}': data is NULL"
+        )));
+    }
+    Ok(())
 }
 
 /// A version as sessions serve it.

@@ -242,6 +242,37 @@ fn many_adds_check_clashes_by_name() {
     assert!(e.message.contains("already published"), "{e}");
 }
 
+/// Adding together checks every tensor's own fields before comparing any
+/// with the others: a batch whose second shard overlaps its first and
+/// whose third has the wrong byte size is refused naming the third.
+#[test]
+fn adding_together_checks_each_tensors_own_fields_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Publisher::bind(&dir.path().join("p.sock"), PublisherConfig::default()).unwrap();
+    let bytes = [0u8; 32];
+    let placed = |offset: u64| crate::manifest::Placement {
+        global_shape: vec![8, 4],
+        offset: vec![offset, 0],
+    };
+    let rows = |offset| {
+        TensorDesc::host("x", DType::U8, &[4, 4], bytes.as_ptr(), 16).shard_of(placed(offset))
+    };
+    let short = TensorDesc::host("y", DType::U8, &[8], bytes.as_ptr(), 3);
+    // SAFETY: `bytes` outlives `p`'s use of it (nothing is served).
+    let e = unsafe { p.add_all(vec![rows(0), rows(2), short]) }.unwrap_err();
+    assert!(
+        e.message.contains("tensor 2 of the 3 added together")
+            && e.message.contains("3 bytes given"),
+        "{e}"
+    );
+    // SAFETY: as above.
+    let e = unsafe { p.add_all(vec![rows(0), rows(2)]) }.unwrap_err();
+    assert!(
+        e.message.contains("tensor 1 of the 2") && e.message.contains("overlaps"),
+        "{e}"
+    );
+}
+
 /// Adding together is all or nothing: a batch whose third tensor clashes
 /// (with one published before, or with one earlier in the batch) is
 /// refused naming its place, and none of it stays (each of its tensors can
