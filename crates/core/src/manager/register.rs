@@ -130,7 +130,8 @@ mod tests {
             let e = unsafe { m.register_all(&batch) }.unwrap_err();
             assert!(
                 e.message
-                    .starts_with("param 2 of the 3 registered together (none was registered)"),
+                    .starts_with("param 2 of the 3 registered together (none was registered)")
+                    && e.message.contains(why),
                 "{e}"
             );
             assert_eq!(m.status().params, 1);
