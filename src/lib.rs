@@ -326,6 +326,30 @@ pub(crate) unsafe fn shape_arg<'a>(
     })
 }
 
+/// The `count` elements at `ptr` of a call taking an array (`what`, as
+/// "wm_register_params: params"): empty when `count` is 0 (`ptr` may then
+/// be NULL); NULL with a count is `WM_ERR_NULL_ARGUMENT`, and a count whose
+/// bytes could not exist is refused before anything is read.
+///
+/// # Safety
+/// `ptr` is NULL or holds `count` elements that outlive `'a`.
+pub(crate) unsafe fn c_array<'a, T>(ptr: *const T, count: usize, what: &str) -> Result<&'a [T]> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Error::null_argument(format!(
+            "{what} is NULL with a count of {count}"
+        )));
+    }
+    if count > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(Error::invalid_argument(format!(
+            "{what}: {count} elements do not fit in memory"
+        )));
+    }
+    Ok(std::slice::from_raw_parts(ptr, count))
+}
+
 /// Read an optional C path (NULL gives None; any bytes allowed).
 ///
 /// # Safety

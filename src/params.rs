@@ -327,19 +327,13 @@ pub unsafe extern "C" fn wm_register_params(
 ) -> wm_result {
     ffi_guard!({
         let m = try_handle!(manager);
-        if count == 0 {
-            return code_of(&m, Ok(()));
-        }
-        if params.is_null() {
-            let e = Error::null_argument("wm_register_params: params is NULL");
-            return code_of(&m, Err(e));
-        }
-        if count > isize::MAX as usize / std::mem::size_of::<wm_param_registration>() {
-            let e = Error::invalid_argument(format!("{count} params do not fit in memory"));
-            return code_of(&m, Err(e));
-        }
-        let regs = std::slice::from_raw_parts(params, count);
-        let r = registrations(regs).and_then(|batch| m.register_all(&batch));
+        let regs = crate::c_array(params, count, "wm_register_params: params");
+        let r = regs
+            .and_then(|regs| registrations(regs))
+            .and_then(|batch| match batch.len() {
+                0 => Ok(()),
+                _ => m.register_all(&batch),
+            });
         code_of(&m, r)
     })
 }

@@ -236,8 +236,9 @@ def test_many_shards_of_one_tensor_are_checked_within_bounds(tmp_path):
     rows may reach it, not against every one before it), an overlapping
     one is still refused; a layout that would make the check quadratic
     (one long shard among many one-row ones) is refused naming the tensor
-    within the bound, and so is any later shard of it, until the tensors
-    are cleared; other tensors are not held up."""
+    within the bound, and so is a later shard of it whose search would not
+    fit in what is left, until the tensors are cleared; other tensors are
+    not held up."""
     row = np.zeros((1, 4), dtype=np.float32)
     n = 20_000
     order = list(range(0, n, 2)) + list(range(1, n, 2))

@@ -431,12 +431,28 @@ class Manager(OwnedHandle):
                          owner, pieces=None) -> None:
         """wm_register_param for host (device HOST) or CUDA memory; `owner`
         (the array or tensor) is kept alive as long as the manager."""
-        d, keep = self._desc(name, dtype, shape, pieces)
-        if device != HOST:
-            d.memory, d.device_ordinal = MEMORY_DEVICE, device
-        self._check(LIB.wm_register_param(self._h(), ctypes.byref(d), ctypes.c_void_p(ptr or None), nbytes))
-        self._params[name] = owner
-        self._engine_owned.add(name)
+        self._register_all([(name, ptr, nbytes, dtype, shape, device, owner, pieces)])
+
+    def _register_all(self, items) -> None:
+        """wm_register_params of (name, ptr, nbytes, dtype, shape, device,
+        owner, pieces) items: every one or none (a refused one is named by
+        its place, and the call registers nothing, so the caller can fix it
+        and register them again). Each `owner` is kept alive as long as
+        the manager."""
+        if not items:
+            return
+        regs = (_lib.ParamRegistration * len(items))()
+        keep = []
+        for reg, (name, ptr, nbytes, dtype, shape, device, _owner, pieces) in zip(regs, items):
+            d, k = self._desc(name, dtype, shape, pieces)
+            if device != HOST:
+                d.memory, d.device_ordinal = MEMORY_DEVICE, device
+            keep.append((d, k))
+            reg.desc, reg.data, reg.len = ctypes.pointer(d), ptr or None, nbytes
+        self._check(LIB.wm_register_params(self._h(), regs, len(items)))
+        for name, *_, owner, _pieces in items:
+            self._params[name] = owner
+            self._engine_owned.add(name)
 
     def register_module(self, module, name_map=None, prefix: str = "") -> RegisteredModule:
         """Register every tensor of a torch.nn.Module's state_dict (parameters
@@ -464,27 +480,9 @@ class Manager(OwnedHandle):
                 named.append((published, tensor))
         unique, aliases = torch_bridge.unique_memory(named)
         torch_bridge.check_disjoint(unique)
-        self._register_all([(name, mem, tensor) for name, tensor, mem in unique])
+        self._register_all([(name, mem.ptr, mem.nbytes, mem.dtype, mem.shape, mem.device, tensor, None)
+                            for name, tensor, mem in unique])
         return RegisteredModule({name: tensor for name, tensor, _ in unique}, aliases)
-
-    def _register_all(self, items) -> None:
-        """wm_register_params of (name, memory, owner) triples: every one
-        or none (a refused one is named by its place and the call registers
-        nothing, so the caller can fix it and register the module again)."""
-        if not items:
-            return
-        regs = (_lib.ParamRegistration * len(items))()
-        keep = []
-        for reg, (name, mem, _owner) in zip(regs, items):
-            d, k = self._desc(name, mem.dtype, mem.shape)
-            if mem.device != HOST:
-                d.memory, d.device_ordinal = MEMORY_DEVICE, mem.device
-            keep.append((d, k))
-            reg.desc, reg.data, reg.len = ctypes.pointer(d), mem.ptr or None, mem.nbytes
-        self._check(LIB.wm_register_params(self._h(), regs, len(items)))
-        for name, _mem, owner in items:
-            self._params[name] = owner
-            self._engine_owned.add(name)
 
     def quantize_module(self, registered: RegisteredModule, scheme="fp8_block128",
                         scales_suffix: str = "_scale_inv") -> list:

@@ -146,8 +146,9 @@ fn is_empty((_, len): BoxRef) -> bool {
     len.contains(&0)
 }
 
-/// Two boxes of one rank share an element.
-fn meet((ao, al): BoxRef, (bo, bl): BoxRef) -> bool {
+/// Two boxes of one rank share an element (an empty box shares none).
+/// Their ends fit 64 bits (boxes inside a global tensor's shape).
+pub(crate) fn meet((ao, al): BoxRef, (bo, bl): BoxRef) -> bool {
     (0..ao.len()).all(|d| ao[d].max(bo[d]) < (ao[d] + al[d]).min(bo[d] + bl[d]))
 }
 

@@ -53,12 +53,7 @@ impl ParamSpec {
     /// named by its place when there are several, and saying that none was
     /// registered.
     pub fn refused_among(e: Error, k: usize, n: usize) -> Error {
-        match n {
-            1 => e,
-            n => e.context(format!(
-                "param {k} of the {n} registered together (none was registered)"
-            )),
-        }
+        e.among((k, n), ("param", "registered"))
     }
 
     pub fn host(name: &str, dtype: DType, shape: &[u64]) -> ParamSpec {

@@ -179,6 +179,18 @@ impl Error {
         Error::new(wm_result::WM_ERR_IO, format!("{context}: {err}"))
     }
 
+    /// This error of item `k` of the `n` a call took together, all or
+    /// nothing (`item` and `verb`: "tensor", "added"): named by its place
+    /// (from 0) when there are several, saying that none was taken.
+    pub fn among(self, (k, n): (usize, usize), (item, verb): (&str, &str)) -> Error {
+        match n {
+            1 => self,
+            n => self.context(format!(
+                "{item} {k} of the {n} {verb} together (none was {verb})"
+            )),
+        }
+    }
+
     /// The same error with more context in front of its message.
     pub fn context(self, context: impl fmt::Display) -> Error {
         Error::new(self.code, format!("{context}: {}", self.message))

@@ -41,12 +41,7 @@ impl<'a> TensorDesc<'a> {
     /// ([`Publisher::add_all`](super::Publisher::add_all)): named by its
     /// place when there are several, and saying that none was added.
     pub fn refused_among(e: crate::result::Error, k: usize, n: usize) -> crate::result::Error {
-        match n {
-            1 => e,
-            n => e.context(format!(
-                "tensor {k} of the {n} added together (none was added)"
-            )),
-        }
+        e.among((k, n), ("tensor", "added"))
     }
 
     /// A whole tensor in host memory, `len` bytes at `data`, for every
