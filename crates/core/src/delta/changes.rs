@@ -199,11 +199,14 @@ pub(super) fn vbmi2() -> bool {
     })
 }
 
-/// [`changes`] by AVX-512, 32 elements at a time with no branch on their
-/// bits: compared into a mask, the new values packed by a compress and
-/// stored whole (the store's tail is overwritten by the next), their
-/// indices packed the same way. The bit loop of [`gather`] mispredicted
-/// its exit about once per word at 2% changed, and read `n` again.
+/// [`changes`] by AVX-512 with no branch on the elements' bits: compared
+/// into a mask, the new values packed by a compress and stored whole (the
+/// store's tail is overwritten by the next), their indices packed the same
+/// way. 2-byte elements 32 at a time ([`compress16`]), 1-byte ones 64 at a
+/// time ([`compress8`]: one compare and one compress of a whole vector,
+/// where 32 at a time used half of each). The bit loop of [`gather`]
+/// mispredicted its exit about once per word at 2% changed, and read `n`
+/// again.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
 unsafe fn changes_compress(
@@ -214,46 +217,20 @@ unsafe fn changes_compress(
     values: &mut Vec<u8>,
     pos: &mut Vec<u16>,
 ) -> usize {
-    use std::arch::x86_64::*;
     let elems = n.len() / esize;
     // Room for a whole vector stored at the last change.
     grow(values, elems * esize + 64);
     grow(pos, elems + 32);
     words.fill(0);
-    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
-    // SAFETY: a load of 64 bytes from an array of 64.
-    let iota = unsafe { _mm512_loadu_si512(iota.as_ptr().cast()) };
-    let (mut k, mut i) = (0usize, 0usize);
-    while i + 32 <= elems {
-        // SAFETY: the loads read elements `i..i + 32` of `o` and `n` (64
-        // bytes of 2-byte elements; 32 bytes by a masked load of 1-byte
-        // ones); `k <= i`: the stores of 64 bytes at element `k` stay
-        // inside `values` (`elems * esize + 64`) and `pos` (`elems + 32`).
-        unsafe {
-            let (m, x) = match esize {
-                2 => {
-                    let a = _mm512_loadu_si512(o.as_ptr().add(2 * i).cast());
-                    let b = _mm512_loadu_si512(n.as_ptr().add(2 * i).cast());
-                    let m = _mm512_cmpneq_epi16_mask(a, b);
-                    (m, _mm512_maskz_compress_epi16(m, b))
-                }
-                _ => {
-                    let half = u32::MAX as u64;
-                    let a = _mm512_maskz_loadu_epi8(half, o.as_ptr().add(i).cast());
-                    let b = _mm512_maskz_loadu_epi8(half, n.as_ptr().add(i).cast());
-                    let m = _mm512_cmpneq_epi8_mask(a, b) as u32;
-                    (m, _mm512_maskz_compress_epi8(m as u64, b))
-                }
-            };
-            _mm512_storeu_si512(values.as_mut_ptr().add(k * esize).cast(), x);
-            let at = _mm512_add_epi16(iota, _mm512_set1_epi16(i as i16));
-            let p = _mm512_maskz_compress_epi16(m, at);
-            _mm512_storeu_si512(pos.as_mut_ptr().add(k).cast(), p);
-            words[i / 64] |= (m as u64) << (i % 64);
-            k += m.count_ones() as usize;
+    // SAFETY: the CPU has the features (this function's own); the buffers
+    // are sized as the loops need (just above).
+    let (i, k) = unsafe {
+        match esize {
+            2 => compress16(o, n, words, values, pos),
+            _ => compress8(o, n, words, values, pos),
         }
-        i += 32;
-    }
+    };
+    let mut k = k;
     for j in i..elems {
         if o[j * esize..(j + 1) * esize] != n[j * esize..(j + 1) * esize] {
             values[k * esize..(k + 1) * esize].copy_from_slice(&n[j * esize..(j + 1) * esize]);
@@ -263,6 +240,98 @@ unsafe fn changes_compress(
         }
     }
     k
+}
+
+/// [`changes_compress`]'s loop over 2-byte elements, 32 at a time: the
+/// elements done and the changes found.
+///
+/// # Safety
+/// AVX-512 F, BW and VBMI2; `values` holds `n.len() + 64` bytes and `pos`
+/// `n.len() / 2 + 32` entries.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
+unsafe fn compress16(
+    o: &[u8],
+    n: &[u8],
+    words: &mut [u64],
+    values: &mut [u8],
+    pos: &mut [u16],
+) -> (usize, usize) {
+    use std::arch::x86_64::*;
+    let elems = n.len() / 2;
+    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
+    // SAFETY: a load of 64 bytes from an array of 64.
+    let iota = unsafe { _mm512_loadu_si512(iota.as_ptr().cast()) };
+    let (mut k, mut i) = (0usize, 0usize);
+    while i + 32 <= elems {
+        // SAFETY: the loads read elements `i..i + 32` (64 bytes) of `o`
+        // and `n`; `k <= i`: the stores of 64 bytes at element `k` stay
+        // inside `values` and `pos` (sized as the caller promises).
+        unsafe {
+            let a = _mm512_loadu_si512(o.as_ptr().add(2 * i).cast());
+            let b = _mm512_loadu_si512(n.as_ptr().add(2 * i).cast());
+            let m = _mm512_cmpneq_epi16_mask(a, b);
+            let x = _mm512_maskz_compress_epi16(m, b);
+            _mm512_storeu_si512(values.as_mut_ptr().add(k * 2).cast(), x);
+            let at = _mm512_add_epi16(iota, _mm512_set1_epi16(i as i16));
+            let p = _mm512_maskz_compress_epi16(m, at);
+            _mm512_storeu_si512(pos.as_mut_ptr().add(k).cast(), p);
+            words[i / 64] |= (m as u64) << (i % 64);
+            k += m.count_ones() as usize;
+        }
+        i += 32;
+    }
+    (i, k)
+}
+
+/// [`changes_compress`]'s loop over 1-byte elements, 64 at a time (a word
+/// of bits each): the elements done and the changes found. The positions
+/// (16-bit lanes) go in two compresses of 32.
+///
+/// # Safety
+/// AVX-512 F, BW and VBMI2; `values` holds `n.len() + 64` bytes and `pos`
+/// `n.len() + 32` entries.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
+unsafe fn compress8(
+    o: &[u8],
+    n: &[u8],
+    words: &mut [u64],
+    values: &mut [u8],
+    pos: &mut [u16],
+) -> (usize, usize) {
+    use std::arch::x86_64::*;
+    let elems = n.len();
+    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
+    // SAFETY: a load of 64 bytes from an array of 64.
+    let iota = unsafe { _mm512_loadu_si512(iota.as_ptr().cast()) };
+    let (mut k, mut i) = (0usize, 0usize);
+    while i + 64 <= elems {
+        // SAFETY: the loads read bytes `i..i + 64` of `o` and `n`; `k <= i`:
+        // the value store of 64 bytes at `k` stays inside `values`
+        // (`elems + 64`), the position stores of 32 lanes at `k` and at
+        // `k + (changes in the first half) <= i + 32` inside `pos`
+        // (`elems + 32`).
+        unsafe {
+            let a = _mm512_loadu_si512(o.as_ptr().add(i).cast());
+            let b = _mm512_loadu_si512(n.as_ptr().add(i).cast());
+            let m = _mm512_cmpneq_epi8_mask(a, b);
+            let x = _mm512_maskz_compress_epi8(m, b);
+            _mm512_storeu_si512(values.as_mut_ptr().add(k).cast(), x);
+            let (lo, hi) = (m as u32, (m >> 32) as u32);
+            let at = _mm512_add_epi16(iota, _mm512_set1_epi16(i as i16));
+            let p = _mm512_maskz_compress_epi16(lo, at);
+            _mm512_storeu_si512(pos.as_mut_ptr().add(k).cast(), p);
+            let k2 = k + lo.count_ones() as usize;
+            let at = _mm512_add_epi16(at, _mm512_set1_epi16(32));
+            let p = _mm512_maskz_compress_epi16(hi, at);
+            _mm512_storeu_si512(pos.as_mut_ptr().add(k2).cast(), p);
+            words[i / 64] = m;
+            k = k2 + hi.count_ones() as usize;
+        }
+        i += 64;
+    }
+    (i, k)
 }
 
 fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {

@@ -266,7 +266,7 @@ fn the_one_pass_changes_match_the_plain_ones() {
     use super::changes::{changes, changes_scalar};
     let mut rng = Rng(11);
     for esize in [1, 2, 4] {
-        for len in [1, 31, 32, 33, 64, 1000, CHUNK] {
+        for len in [1, 31, 32, 33, 63, 64, 65, 127, 128, 1000, CHUNK] {
             let old: Vec<u8> = (0..len * esize).map(|_| rng.next() as u8).collect();
             for share in [0.0, 0.02, 0.3, 1.0] {
                 let new = changed(&mut rng, &old, esize, share);
