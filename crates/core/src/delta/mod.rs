@@ -98,8 +98,13 @@ pub fn encode(old: &[u8], new: &[u8], esize: usize, out: &mut Vec<u8>) -> Encode
         }
         if bitmask < whole {
             out.push(BITMASK);
-            let bytes = words.iter().flat_map(|w| w.to_le_bytes());
-            out.extend(bytes.take(elems.div_ceil(8)));
+            // A word's 8 bytes at a time (a byte-wise iterator cost a
+            // quarter of encoding at 10% changed), the last word cut.
+            let at = out.len();
+            for w in words.iter() {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+            out.truncate(at + elems.div_ceil(8));
             out.extend_from_slice(values);
             stats.bitmask += 1;
         } else {

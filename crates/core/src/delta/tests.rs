@@ -283,3 +283,35 @@ fn the_one_pass_changes_match_the_plain_ones() {
         }
     }
 }
+
+/// The gaps form's varints (32 at a time where all gaps are under 128)
+/// are the one-at-a-time LEB128 of each gap: lengths around 32, gaps from
+/// 0 to past 2^14, a first position past 127.
+#[test]
+fn gaps_are_written_as_one_varint_each() {
+    use super::changes::{put_gaps, put_varint};
+    let mut rng = Rng(5);
+    for len in [0, 1, 31, 32, 33, 63, 64, 65, 100, 1000] {
+        for widest in [1u64, 8, 127, 128, 300, 20_000] {
+            let mut pos = Vec::with_capacity(len);
+            let mut next = 0u64;
+            for _ in 0..len {
+                let p = next + rng.next() % widest;
+                if p >= CHUNK as u64 {
+                    break;
+                }
+                pos.push(p as u16);
+                next = p + 1;
+            }
+            let mut want = Vec::new();
+            let mut prev = 0usize;
+            for &p in &pos {
+                put_varint(p as usize - prev, &mut want);
+                prev = p as usize + 1;
+            }
+            let mut got = Vec::new();
+            put_gaps(&pos, &mut got);
+            assert_eq!(got, want, "{} positions, gaps below {widest}", pos.len());
+        }
+    }
+}
