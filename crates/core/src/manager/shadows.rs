@@ -20,6 +20,16 @@
 //! seconds apart 0.7 without, 1.08 with). Memory: one more copy of the library-owned
 //! params while the engine runs, the same as the staging the update itself
 //! needs; a clear or the manager's end frees it.
+//!
+//! Why a one-call commit does not hand its old pages on as the next
+//! shadows, as a staged commit does (`atomic_staging.rs`): keeping them
+//! takes two `mremap` calls (old pages out, new ones in), and a reader
+//! between the two sees no pages (zeros), where one call replaces them in
+//! one instant and frees the old ones. Tried: back to back 0.41 -> 1.00 of
+//! in place, and `atomic_commit`'s concurrent reader caught the gap.
+//! Private anonymous pages cannot be kept across that one instant;
+//! memfd-backed params could, but shared memory gets no transparent huge
+//! pages where `shmem_enabled` is `never` (the default).
 
 use crate::memory::host::{populate_ranges, HostRegion};
 use crate::memory::SendPtr;
