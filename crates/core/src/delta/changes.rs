@@ -306,9 +306,6 @@ unsafe fn compress16(
 ) -> (usize, usize) {
     use std::arch::x86_64::*;
     let elems = n.len() / 2;
-    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
-    // SAFETY: a load of 64 bytes from an array of 64.
-    let iota = unsafe { _mm512_loadu_si512(iota.as_ptr().cast()) };
     let (mut k, mut i) = (0usize, 0usize);
     while i + 32 <= elems {
         // SAFETY: the loads read elements `i..i + 32` (64 bytes) of `o`
@@ -320,9 +317,7 @@ unsafe fn compress16(
             let m = _mm512_cmpneq_epi16_mask(a, b);
             let x = _mm512_maskz_compress_epi16(m, b);
             _mm512_storeu_si512(values.as_mut_ptr().add(k * 2).cast(), x);
-            let at = _mm512_add_epi16(iota, _mm512_set1_epi16(i as i16));
-            let p = _mm512_maskz_compress_epi16(m, at);
-            _mm512_storeu_si512(pos.as_mut_ptr().add(k).cast(), p);
+            store_positions(m, i, pos.as_mut_ptr().add(k));
             words[i / 64] |= (m as u64) << (i % 64);
             k += m.count_ones() as usize;
         }
@@ -349,9 +344,6 @@ unsafe fn compress8(
 ) -> (usize, usize) {
     use std::arch::x86_64::*;
     let elems = n.len();
-    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
-    // SAFETY: a load of 64 bytes from an array of 64.
-    let iota = unsafe { _mm512_loadu_si512(iota.as_ptr().cast()) };
     let (mut k, mut i) = (0usize, 0usize);
     while i + 64 <= elems {
         // SAFETY: the loads read bytes `i..i + 64` of `o` and `n`; `k <= i`:
@@ -366,19 +358,35 @@ unsafe fn compress8(
             let x = _mm512_maskz_compress_epi8(m, b);
             _mm512_storeu_si512(values.as_mut_ptr().add(k).cast(), x);
             let (lo, hi) = (m as u32, (m >> 32) as u32);
-            let at = _mm512_add_epi16(iota, _mm512_set1_epi16(i as i16));
-            let p = _mm512_maskz_compress_epi16(lo, at);
-            _mm512_storeu_si512(pos.as_mut_ptr().add(k).cast(), p);
+            store_positions(lo, i, pos.as_mut_ptr().add(k));
             let k2 = k + lo.count_ones() as usize;
-            let at = _mm512_add_epi16(at, _mm512_set1_epi16(32));
-            let p = _mm512_maskz_compress_epi16(hi, at);
-            _mm512_storeu_si512(pos.as_mut_ptr().add(k2).cast(), p);
+            store_positions(hi, i + 32, pos.as_mut_ptr().add(k2));
             words[i / 64] = m;
             k = k2 + hi.count_ones() as usize;
         }
         i += 64;
     }
     (i, k)
+}
+
+/// The indices `first + j` of the set bits `j` of `m`, packed into 32
+/// lanes stored at `to` (the lanes past the count are overwritten later).
+///
+/// # Safety
+/// AVX-512 F, BW and VBMI2; `to` has room for 32 entries; `first + 31`
+/// fits 16 bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
+unsafe fn store_positions(m: u32, first: usize, to: *mut u16) {
+    use std::arch::x86_64::*;
+    let iota: [u16; 32] = std::array::from_fn(|k| k as u16);
+    // SAFETY: a load of 64 bytes from an array of 64, a store of 64 bytes
+    // where the caller has room.
+    unsafe {
+        let iota = _mm512_loadu_si512(iota.as_ptr().cast());
+        let at = _mm512_add_epi16(iota, _mm512_set1_epi16(first as i16));
+        _mm512_storeu_si512(to.cast(), _mm512_maskz_compress_epi16(m, at));
+    }
 }
 
 fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
