@@ -58,19 +58,8 @@ impl Manager {
             Some((spec, ..)) if params.len() == 1 => format!("param '{}'", spec.name),
             _ => format!("{} params registered together", params.len()),
         };
-        // A name twice in the batch is said so (the registry would say it
-        // is "already registered", as if before the call).
-        let mut first = std::collections::HashMap::with_capacity(params.len());
-        for (k, (spec, ..)) in params.iter().enumerate() {
-            if let Some(j) = first.insert(spec.name.as_str(), k) {
-                let e = Error::invalid_argument(format!(
-                    "param '{}' is in the batch twice (at {j} and {k})",
-                    spec.name
-                ));
-                return self.recorded(Err(ParamSpec::refused_among(e, k, params.len())));
-            }
-        }
         self.registering(what, |r| {
+            check_names_once(params)?;
             let before = r.len();
             for (k, (spec, ptr, len)) in params.iter().enumerate() {
                 if let Err(e) = r.register_engine(spec, *ptr, *len) {
@@ -96,6 +85,22 @@ impl Manager {
         let what = || format!("param '{weight}' (quantized, its scales in '{scales}')");
         self.registering(what, |r| r.quantize(weight, scales, scheme))
     }
+}
+
+/// A name twice in a batch is said so (the registry would say it is
+/// "already registered", as if before the call).
+fn check_names_once(params: &[(ParamSpec, *mut u8, usize)]) -> Result<()> {
+    let mut first = std::collections::HashMap::with_capacity(params.len());
+    for (k, (spec, ..)) in params.iter().enumerate() {
+        if let Some(j) = first.insert(spec.name.as_str(), k) {
+            let e = Error::invalid_argument(format!(
+                "param '{}' is in the batch twice (at {j} and {k})",
+                spec.name
+            ));
+            return Err(ParamSpec::refused_among(e, k, params.len()));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -147,6 +152,12 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { m.register(&one, at(4), 4) }.unwrap_err();
         assert!(e.message.contains("overlaps param 'a'"), "{e}");
+        // Registration closed: that is the error, whatever the batch holds.
+        m.clear().unwrap();
+        let twice = [(f32s("e"), at(32), 0), (f32s("e"), at(36), 0)];
+        // SAFETY: as above.
+        let e = unsafe { m.register_all(&twice) }.unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_STATE, "{e}");
     }
 }
 
