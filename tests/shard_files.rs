@@ -24,6 +24,7 @@ use weight_manager_core::Logger;
 use weight_manager_core::{Manifest, TensorMeta};
 use weight_manager_core::{Publisher, PublisherConfig};
 
+use common::sharded::pull;
 use common::WM;
 
 fn open(dir: &Path, rank: u32) -> weight_manager_core::Result<Checkpoint> {
@@ -348,16 +349,9 @@ fn a_publisher_serving_shard_files_sends_their_placement() {
     p.set_dir(&out);
     let opts = IpcOptions {
         socket: sock.clone(),
-        rank: 1,
-        world_size: 2,
-        gpu_id: "0".into(),
-        version: None,
-        base: None,
+        pull: pull(1, 2),
         allow_other_uids: false,
-        bucket_timeout: Duration::from_secs(10),
-        manifest_tensors: usize::MAX,
         gpu: 0,
-        stop: None,
     };
     let m: Manifest = std::thread::scope(|s| {
         let serving = s.spawn(|| p.serve(1, Duration::from_secs(20)));

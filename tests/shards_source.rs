@@ -5,6 +5,9 @@
 //! the library's own sources (`IpcSource`, `NetSource`), stopped after the
 //! manifest (the plan that uses placements is not part of these tests).
 
+mod common;
+
+use common::sharded::pull;
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -81,16 +84,9 @@ fn check_rank_manifest(m: &Manifest, r: u64) {
 fn ipc_manifest(sock: &Path) -> weight_manager_core::Result<Manifest> {
     let opts = IpcOptions {
         socket: sock.to_path_buf(),
-        rank: 0,
-        world_size: 1,
-        gpu_id: "0".into(),
-        version: None,
-        base: None,
+        pull: pull(0, 1),
         allow_other_uids: false,
-        bucket_timeout: Duration::from_secs(10),
-        manifest_tensors: usize::MAX,
         gpu: 0,
-        stop: None,
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     let src = IpcSource::open(&opts, deadline, Arc::new(Mutex::new(Default::default())))?;
@@ -156,19 +152,12 @@ fn a_network_publisher_serves_shards_with_their_placement() {
     p.set_version(Some("step-7".into()));
     let opts = NetOptions {
         address: p.address(),
-        rank: 0,
-        world_size: 1,
-        gpu_id: "0".into(),
-        version: None,
-        base: None,
+        pull: pull(0, 1),
         secret: Secret::resolve(Some(SECRET.as_bytes())).unwrap(),
         bucket_size: 1 << 20,
         depth: 2,
-        bucket_timeout: Duration::from_secs(10),
-        manifest_tensors: usize::MAX,
         direct: false,
         keyed: false,
-        stop: None,
     };
     let m = serve_one(&p, || {
         let src = NetSource::open(opts, Instant::now() + Duration::from_secs(20)).unwrap();

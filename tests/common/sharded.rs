@@ -158,3 +158,19 @@ pub fn expected(spec: &ParamSpec, globals: &[Global]) -> Vec<u8> {
     }
     out
 }
+
+/// What rank `rank` of `world_size` asks a publisher for when a test
+/// opens a source itself: the latest version, whole, unbounded manifest,
+/// 10 s a frame.
+pub fn pull(rank: u32, world_size: u32) -> weight_manager_core::internals::source::PullOptions {
+    weight_manager_core::internals::source::PullOptions {
+        rank,
+        world_size,
+        gpu_id: "0".into(),
+        version: None,
+        base: None,
+        manifest_tensors: usize::MAX,
+        bucket_timeout: Duration::from_secs(10),
+        stop: None,
+    }
+}

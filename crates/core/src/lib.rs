@@ -171,7 +171,7 @@ pub mod internals {
     }
     pub mod source {
         pub use crate::source::snapshot::reads;
-        pub use crate::source::{ipc, net, Source};
+        pub use crate::source::{ipc, net, PullOptions, Source};
     }
     pub mod transport {
         pub use crate::transport::{auth, conn, seal, ucx};

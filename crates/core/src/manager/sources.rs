@@ -7,7 +7,7 @@ use crate::result::{Error, Result};
 use crate::source::ipc::{IpcOptions, IpcSource};
 use crate::source::net::{NetOptions, NetSource};
 use crate::source::snapshot::{SnapshotLocation, SnapshotSource};
-use crate::source::{locations, Source, SourceKind};
+use crate::source::{locations, PullOptions, Source, SourceKind};
 use crate::transport::auth::Secret;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -121,6 +121,25 @@ impl Manager {
         SnapshotSource::open_until(&loc, &self.config.logger, (deadline, read_version), most)
     }
 
+    /// What this rank asks a publisher for, and how long it waits.
+    fn pull_options(
+        &self,
+        req: &UpdateRequest,
+        base: Option<String>,
+        manifest_tensors: usize,
+    ) -> PullOptions {
+        PullOptions {
+            rank: self.config.rank,
+            world_size: self.config.world_size,
+            gpu_id: self.gpu_id.clone(),
+            version: req.version.clone(),
+            base,
+            manifest_tensors,
+            bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
+            stop: self.stop_flag(),
+        }
+    }
+
     fn open_ipc(
         &self,
         req: &UpdateRequest,
@@ -130,18 +149,11 @@ impl Manager {
         let socket = socket.to_path_buf();
         let opts = IpcOptions {
             socket,
-            rank: self.config.rank,
-            world_size: self.config.world_size,
-            gpu_id: self.gpu_id.clone(),
-            version: req.version.clone(),
-            base,
+            pull: self.pull_options(req, base, manifest_tensors),
             allow_other_uids: self.config.allow_other_uids,
-            bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
-            manifest_tensors,
             // CUDA IPC buffers open on the rank's GPU (device
             // copies to params on other GPUs go peer to peer).
             gpu: self.config.device.max(0),
-            stop: self.stop_flag(),
         };
         Ok(Box::new(IpcSource::open(
             &opts,
@@ -159,19 +171,12 @@ impl Manager {
     ) -> Result<Box<dyn Source>> {
         let opts = NetOptions {
             address: address.display().to_string(),
-            rank: self.config.rank,
-            world_size: self.config.world_size,
-            gpu_id: self.gpu_id.clone(),
-            version: req.version.clone(),
-            base,
+            pull: self.pull_options(req, base, manifest_tensors),
             secret: Secret::resolve(self.config.net.secret.as_deref())?,
             bucket_size: self.config.net.bucket_size,
             depth: self.config.net.depth,
-            bucket_timeout: crate::defaults::BUCKET_TIMEOUT.min(req.timeout),
-            manifest_tensors,
             direct: gdr || !self.config.net.staged,
             keyed: self.config.net.keyed_digests,
-            stop: self.stop_flag(),
         };
         if gdr && opts.keyed {
             return Err(Error::unsupported(

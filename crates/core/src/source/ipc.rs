@@ -42,7 +42,7 @@
 //! waits for its copies out of a bucket before acknowledging it.
 
 use super::from_publisher::FromPublisher;
-use super::publisher_link::{unexpected, Hello, PublisherLink};
+use super::publisher_link::{unexpected, PublisherLink, PullOptions};
 use super::Step;
 use crate::apply::{Applier, Chunk};
 use crate::memory::cuda_ipc::ImportedDeviceBuffer;
@@ -50,7 +50,6 @@ use crate::memory::kept_mappings::{BucketMemory, MappedBuffers};
 use crate::memory::shared::{check_announced, SharedBuffer};
 use crate::plan::Plan;
 use crate::result::{Error, Result};
-use crate::stop::StopFlag;
 use crate::transport::conn::Conn;
 use crate::transport::unix::check_peer_uid;
 use crate::wire::{check_bucket, check_windows, BucketEntry, Frame, ALIGN};
@@ -65,24 +64,12 @@ pub use crate::defaults::BUCKET_TIMEOUT;
 #[derive(Clone, Debug)]
 pub struct IpcOptions {
     pub socket: PathBuf,
-    pub rank: u32,
-    pub world_size: u32,
-    pub gpu_id: String,
-    /// Version asked for; None: the publisher's latest.
-    pub version: Option<String>,
-    /// The version the params hold, to take deltas against (None: whole).
-    pub base: Option<String>,
+    /// Who asks, for what, and how long it waits.
+    pub pull: PullOptions,
     pub allow_other_uids: bool,
-    pub bucket_timeout: Duration,
-    /// The most tensors the publisher's MANIFEST may announce (the
-    /// engine's bound, from the bytes it takes).
-    pub manifest_tensors: usize,
     /// The GPU (CUDA ordinal in this process) that opens a trainer's CUDA
     /// IPC buffers: the rank's device, or 0 when the config names none.
     pub gpu: i32,
-    /// Ends the update's waits for this publisher once set (the engine's
-    /// destroy, or a clear of the version it stages).
-    pub stop: Option<StopFlag>,
 }
 
 pub struct IpcSource {
@@ -128,22 +115,12 @@ impl IpcSource {
             }
         })?;
         check_peer_uid(&stream, opts.allow_other_uids, &who)?;
-        let hello = Hello {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            gpu_id: &opts.gpu_id,
-            version: opts.version.as_deref(),
-            base: opts.base.as_deref(),
-            manifest_tensors: opts.manifest_tensors,
-        };
-        let deadline = deadline.min(Instant::now() + opts.bucket_timeout);
-        let mut conn = Conn::new(stream, who);
-        conn.stop_when(opts.stop.clone());
-        let mut link = PublisherLink::handshake(conn, &hello, deadline, |_, _| Ok(()))?;
-        link.set_frame_timeout(opts.bucket_timeout);
+        let deadline = deadline.min(Instant::now() + opts.pull.bucket_timeout);
+        let conn = Conn::new(stream, who);
+        let link = PublisherLink::handshake(conn, &opts.pull, deadline, |_, _| Ok(()))?;
         Ok(IpcSource {
             link,
-            timeout: opts.bucket_timeout,
+            timeout: opts.pull.bucket_timeout,
             mapped,
             gpu: opts.gpu,
             buffers: None,

@@ -11,6 +11,7 @@ mod publisher_link;
 pub mod snapshot;
 mod streaming;
 
+pub use publisher_link::PullOptions;
 pub use streaming::stream_all;
 
 use crate::apply::Applier;

@@ -10,36 +10,47 @@ use crate::manifest::Manifest;
 use crate::memory::copy::CopySource;
 use crate::plan::{Plan, Target};
 use crate::result::{Error, Result};
+use crate::stop::StopFlag;
 use crate::transport::conn::Conn;
 use crate::wire::{
     check_size, frames, values_per_frame, BucketEntry, DeltaBase, DeltaRun, Frame, Gathering,
     Request,
 };
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-/// Who this rank is and which version it asks for.
-pub struct Hello<'a> {
+/// What one pull from a publisher asks for and how long it waits: the
+/// part of the ipc and network sources' options they share (HELLO's
+/// fields, the engine's bounds).
+#[derive(Clone, Debug)]
+pub struct PullOptions {
     pub rank: u32,
     pub world_size: u32,
-    pub gpu_id: &'a str,
-    /// None: the publisher's latest.
-    pub version: Option<&'a str>,
+    pub gpu_id: String,
+    /// Version asked for; None: the publisher's latest.
+    pub version: Option<String>,
     /// The version this rank's params hold, to take deltas against (None:
     /// everything whole).
-    pub base: Option<&'a str>,
-    /// The most tensors the MANIFEST may announce (the engine's bound).
+    pub base: Option<String>,
+    /// The most tensors the MANIFEST may announce (the engine's bound,
+    /// from the bytes it takes).
     pub manifest_tensors: usize,
+    /// How long each frame may take after the one before (the handshake
+    /// too), within the update's deadline.
+    pub bucket_timeout: Duration,
+    /// Ends the update's waits for this publisher once set (the engine's
+    /// destroy, or a clear of the version it stages).
+    pub stop: Option<StopFlag>,
 }
 
 pub struct PublisherLink {
     pub conn: Conn,
     pub manifest: Manifest,
     /// How long a DELTA frame may take after the one before, besides the
-    /// update's deadline: the source's bucket timeout
-    /// (`set_frame_timeout`), as between buckets. AMAX and DELTAS have the
-    /// update's deadline alone: the publisher reads or diffs all it serves
-    /// before sending them, which grows with the shard.
-    frame_timeout: Option<std::time::Duration>,
+    /// update's deadline: the pull's bucket timeout, as between buckets.
+    /// AMAX and DELTAS have the update's deadline alone: the publisher
+    /// reads or diffs all it serves before sending them, which grows with
+    /// the shard.
+    frame_timeout: Duration,
     wanted: Wanted,
     /// The version HELLO named as the params' (`deltas.rs`), and whether
     /// the publisher keeps it; taken when WANT is sent.
@@ -59,26 +70,27 @@ pub struct PublisherLink {
 impl PublisherLink {
     /// Send HELLO, run `before_manifest` (the network challenge, given the
     /// HELLO's encoding, which the session keys bind), then take the
-    /// MANIFEST, all before `deadline`.
+    /// MANIFEST, all before `deadline`. `pull`'s stop flag ends the waits
+    /// on `conn` from here on, and its bucket timeout bounds each later
+    /// frame.
     pub fn handshake(
         mut conn: Conn,
-        hello: &Hello,
+        pull: &PullOptions,
         deadline: Instant,
         before_manifest: impl FnOnce(&mut Conn, &[u8]) -> Result<()>,
     ) -> Result<PublisherLink> {
-        let held = hello.base.unwrap_or_default().to_string();
-        let hello_version = hello.version;
-        let manifest_tensors = hello.manifest_tensors;
+        conn.stop_when(pull.stop.clone());
+        let held = pull.base.clone().unwrap_or_default();
         let hello = Frame::Hello {
-            rank: hello.rank,
-            world_size: hello.world_size,
-            gpu_id: hello.gpu_id.to_string(),
-            version: hello.version.unwrap_or_default().to_string(),
+            rank: pull.rank,
+            world_size: pull.world_size,
+            gpu_id: pull.gpu_id.clone(),
+            version: pull.version.clone().unwrap_or_default(),
             base: held.clone(),
         };
         conn.send(&hello)?;
         before_manifest(&mut conn, &hello.encode())?;
-        conn.limit_manifest(manifest_tensors);
+        conn.limit_manifest(pull.manifest_tensors);
         let (manifest, kept) = match conn.recv(deadline)? {
             Frame::Manifest {
                 version,
@@ -95,7 +107,7 @@ impl PublisherLink {
         // commit other bytes under the name asked for (or another name).
         // A publisher serving no version serves its content under the name
         // asked for (the request names the version then).
-        let asked = hello_version.filter(|v| !v.is_empty() && *v != "latest");
+        let asked = (pull.version.as_deref()).filter(|v| !v.is_empty() && *v != "latest");
         if let (Some(asked), Some(served)) = (asked, manifest.version.as_deref()) {
             if served != asked {
                 return Err(Error::mismatch(format!(
@@ -113,7 +125,7 @@ impl PublisherLink {
         Ok(PublisherLink {
             conn,
             manifest,
-            frame_timeout: None,
+            frame_timeout: pull.bucket_timeout,
             wanted: Wanted::default(),
             base,
             asked: Vec::new(),
@@ -180,22 +192,17 @@ impl PublisherLink {
         Ok(())
     }
 
-    /// Bound each DELTA frame by `timeout` too.
-    pub fn set_frame_timeout(&mut self, timeout: std::time::Duration) {
-        self.frame_timeout = Some(timeout);
-    }
-
-    /// The bound on each DELTA (`set_frame_timeout`), if set.
-    pub fn frame_timeout(&self) -> Option<std::time::Duration> {
+    /// The bound on each DELTA frame after the one before.
+    pub fn frame_timeout(&self) -> Duration {
         self.frame_timeout
     }
 
     /// The next frame `what` before `deadline` and, `bounded`, this
     /// link's frame timeout; a timeout says which frame was awaited.
     pub fn recv_awaiting(&mut self, deadline: Instant, what: &str, bounded: bool) -> Result<Frame> {
-        let due = match self.frame_timeout.filter(|_| bounded) {
-            Some(t) => deadline.min(Instant::now() + t),
-            None => deadline,
+        let due = match bounded {
+            true => deadline.min(Instant::now() + self.frame_timeout),
+            false => deadline,
         };
         self.conn
             .recv(due)

@@ -27,7 +27,7 @@ pub(super) fn connect(opts: &NetOptions, deadline: Instant) -> Result<TcpStream>
         .collect();
     let wait = deadline
         .saturating_duration_since(Instant::now())
-        .min(opts.bucket_timeout)
+        .min(opts.pull.bucket_timeout)
         .max(Duration::from_millis(1));
     let mut last = None;
     let mut stream = None;

@@ -105,10 +105,11 @@ fn watch(
             "{peer}: {left} deltas did not come before the update's deadline"
         )));
     }
-    match link.frame_timeout() {
-        Some(bound) if since.elapsed() > bound => Err(Error::timeout(format!(
+    let bound = link.frame_timeout();
+    match since.elapsed() > bound {
+        true => Err(Error::timeout(format!(
             "{peer}: no delta came within {bound:?} (the bucket timeout; {left} due)"
         ))),
-        _ => Ok(()),
+        false => Ok(()),
     }
 }

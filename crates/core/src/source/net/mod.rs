@@ -47,7 +47,7 @@ use connect::{authenticate, connect};
 use receive::{Peer, Receiver};
 
 use super::from_publisher::FromPublisher;
-use super::publisher_link::{Hello, PublisherLink};
+use super::publisher_link::{PublisherLink, PullOptions};
 use super::Step;
 use crate::apply::Applier;
 use crate::checksum::KEYED;
@@ -55,7 +55,6 @@ use crate::memory::host::HostRegion;
 use crate::memory::pool::Pool;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
-use crate::stop::StopFlag;
 use crate::transport::auth::Secret;
 use crate::transport::conn::Conn;
 use crate::transport::ucx::Pump;
@@ -70,20 +69,11 @@ pub(crate) use crate::defaults::{
 pub struct NetOptions {
     /// The publisher's "host:port".
     pub address: String,
-    pub rank: u32,
-    pub world_size: u32,
-    pub gpu_id: String,
-    /// Version asked for; None: "latest".
-    pub version: Option<String>,
-    /// The version the params hold, to take deltas against (None: whole).
-    pub base: Option<String>,
+    /// Who asks, for what, and how long it waits.
+    pub pull: PullOptions,
     pub secret: Secret,
     pub bucket_size: usize,
     pub depth: usize,
-    pub bucket_timeout: Duration,
-    /// The most tensors the publisher's MANIFEST may announce (the
-    /// engine's bound, from the bytes it takes).
-    pub manifest_tensors: usize,
     /// Receive each bucket entry straight where the applier wants it (param
     /// memory in place, the staging arena when atomic) instead of into a
     /// staging slot first: gdr always, rdma when asked.
@@ -92,9 +82,6 @@ pub struct NetOptions {
     /// publisher sends (DIGESTS): authenticates the bytes themselves, where
     /// the manifest's XXH3 only catches corruption. Host landing only.
     pub keyed: bool,
-    /// Ends the update's waits for this publisher once set (the engine's
-    /// destroy, or a clear of the version it stages).
-    pub stop: Option<StopFlag>,
 }
 
 pub struct NetSource {
@@ -145,25 +132,15 @@ impl NetSource {
         let mut pump = Pump::spawn("engine")?;
         let who = format!("the publisher at {}", opts.address);
         let stream = connect(&opts, deadline)?;
-        let hello = Hello {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            gpu_id: &opts.gpu_id,
-            version: opts.version.as_deref(),
-            base: opts.base.as_deref(),
-            manifest_tensors: opts.manifest_tensors,
-        };
-        let step = deadline.min(Instant::now() + opts.bucket_timeout);
+        let step = deadline.min(Instant::now() + opts.pull.bucket_timeout);
         let mut bytes_key = [0; KEYED];
-        let mut conn = Conn::new(stream, who);
-        conn.stop_when(opts.stop.clone());
-        let mut link = PublisherLink::handshake(conn, &hello, step, |conn, hello| {
+        let conn = Conn::new(stream, who);
+        let mut link = PublisherLink::handshake(conn, &opts.pull, step, |conn, hello| {
             bytes_key = authenticate(conn, &opts.secret, hello, step)?;
             pump.started(step)?;
             conn.send(&ready(&pump, &opts))
         })?;
         link.set_deltas_by_message();
-        link.set_frame_timeout(opts.bucket_timeout);
         Ok(NetSource {
             link,
             opts,

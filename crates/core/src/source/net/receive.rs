@@ -154,7 +154,7 @@ impl Receiver {
     /// receives posted, a SUMS hands a posted bucket's sums to the applier,
     /// END marks the stream ended.
     fn take_frame(&mut self, p: &mut Peer, applier: &mut Applier) -> Result<()> {
-        let frame_deadline = (Instant::now() + p.opts.bucket_timeout).min(applier.deadline());
+        let frame_deadline = (Instant::now() + p.opts.pull.bucket_timeout).min(applier.deadline());
         let (seq, buffer, entries) = match p.link.conn.recv(frame_deadline)? {
             Frame::Bucket {
                 seq,
@@ -315,14 +315,14 @@ fn check_stall(
     applier: &Applier,
     (what, seq): (&str, u64),
 ) -> Result<()> {
-    let bound = since + p.opts.bucket_timeout;
+    let bound = since + p.opts.pull.bucket_timeout;
     if Instant::now() <= bound || bound >= applier.deadline() {
         return Ok(());
     }
     Err(Error::timeout(format!(
         "{}: the {what} of bucket {seq} did not arrive within {:?}",
         p.link.conn.peer(),
-        p.opts.bucket_timeout
+        p.opts.pull.bucket_timeout
     )))
 }
 
