@@ -336,8 +336,9 @@ enum wm_delta_fallback
   // The request asked for a whole update (`WM_UPDATE_WHOLE`).
   WM_DELTA_FALLBACK_REFUSED = 2,
   // A publisher no longer keeps the base version (or holds it where it
-  // cannot diff it: GPU memory, a directory; or, for an FP8 param, keeps
-  // no FP8 image of the base's run).
+  // cannot diff it: GPU memory, a directory, a base laid out
+  // otherwise (its shard of the tensor another); or, for an FP8 param,
+  // keeps no FP8 image of the base's run).
   WM_DELTA_FALLBACK_NOT_KEPT = 3,
   // Some params' bytes were not the base's (written since by something
   // else): those runs came whole.
@@ -847,7 +848,8 @@ typedef struct {
   uint32_t struct_size;
   // Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
   uint32_t buffers;
-  // Largest bucket in bytes (default 512 MiB).
+  // Largest bucket in bytes, at least 256 (one aligned entry; 0 is
+  // refused: `wm_publisher_config_init` sets the default, 512 MiB).
   uint64_t bucket_size;
   // Permissions of the socket file, 0 to 0777 (default 0600; other
   // bits: `WM_ERR_INVALID_ARGUMENT`).
@@ -1113,9 +1115,11 @@ wm_result wm_param_desc_init(wm_param_desc *desc);
 // zero-byte param. A param's memory holds one tensor's bytes: memory that
 // shares a byte with a param registered before (host memory, or the same
 // GPU's) is `WM_ERR_INVALID_ARGUMENT` naming both (register a tied weight
-// once, under one name). Allowed only before the first update or clear
-// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe:
-// registrations on several threads take turns.
+// once, under one name). Allowed until the first update that succeeds or
+// writes a param (one refused or failed before writing, a mistyped path
+// say, leaves registration open; so does an aborted stage) or the first
+// clear: `WM_ERR_STATE` after; `WM_ERR_BUSY` while an update runs.
+// Thread-safe: registrations on several threads take turns.
 wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void *data, size_t len);
 
 // Register the `count` params of the array `params`, each as
@@ -1134,9 +1138,9 @@ wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void
 //
 // Ownership: `params`, each descriptor and its arrays are read during the
 // call only; each param's memory as for `wm_register_param` (the engine
-// keeps it, valid until `wm_destroy`). Allowed only before the first
-// update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
-// runs. Thread-safe: registrations on several threads take turns.
+// keeps it, valid until `wm_destroy`). Allowed while `wm_register_param`
+// is (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs.
+// Thread-safe: registrations on several threads take turns.
 wm_result wm_register_params(wm_manager *manager,
                              const wm_param_registration *params,
                              size_t count);
@@ -1154,7 +1158,7 @@ wm_result wm_register_params(wm_manager *manager,
 // `wm_status_info.device_bytes_freed`), the next update maps fresh memory
 // at the same address, so CUDA graphs that captured it stay valid. Without
 // a usable driver or device: `WM_ERR_UNSUPPORTED` saying which.
-// Allowed only before the first update or clear. Thread-safe.
+// Allowed while `wm_register_param` is. Thread-safe.
 wm_result wm_allocate_param(wm_manager *manager,
                             const wm_param_desc *desc,
                             void **out_data,
@@ -1200,8 +1204,8 @@ wm_result wm_allocate_param(wm_manager *manager,
 // and what is wrong:
 // `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
 // shape, a piece cutting a block, a param declared twice, the weight
-// and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear
-// (`WM_ERR_STATE` after). Thread-safe.
+// and its scales in different places). Nothing changes on error. Allowed while `wm_register_param`
+// is (`WM_ERR_STATE` after). Thread-safe.
 wm_result wm_quantize_param(wm_manager *manager,
                             const char *weight,
                             const char *scales,
@@ -1475,6 +1479,11 @@ wm_result wm_publisher_create_net(const char *address,
 // host's name or address with the port) into `buf` (NUL-terminated,
 // truncated to `len`); `*out_written` gets the full length (without the
 // NUL), so a caller whose buffer was too small learns the size it needs.
+// `len` 0 (`buf` may be NULL then): nothing is copied, `*out_written`
+// gets the length, so a caller may ask for it first.
+//
+// NULL `out_written`, or NULL `buf` with `len` above 0:
+// `WM_ERR_NULL_ARGUMENT` (said in `wm_publisher_last_error`). Thread-safe.
 wm_result wm_publisher_address(const wm_publisher *publisher,
                                char *buf,
                                size_t len,

@@ -109,8 +109,9 @@ pub enum wm_delta_fallback {
     /// The request asked for a whole update (`WM_UPDATE_WHOLE`).
     Refused = 2,
     /// A publisher no longer keeps the base version (or holds it where it
-    /// cannot diff it: GPU memory, a directory; or, for an FP8 param, keeps
-    /// no FP8 image of the base's run).
+    /// cannot diff it: GPU memory, a directory, a base laid out
+    /// otherwise (its shard of the tensor another); or, for an FP8 param,
+    /// keeps no FP8 image of the base's run).
     NotKept = 3,
     /// Some params' bytes were not the base's (written since by something
     /// else): those runs came whole.

@@ -264,9 +264,11 @@ unsafe fn spec_from_c(d: &wm_param_desc) -> Result<ParamSpec> {
 /// zero-byte param. A param's memory holds one tensor's bytes: memory that
 /// shares a byte with a param registered before (host memory, or the same
 /// GPU's) is `WM_ERR_INVALID_ARGUMENT` naming both (register a tied weight
-/// once, under one name). Allowed only before the first update or clear
-/// (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs. Thread-safe:
-/// registrations on several threads take turns.
+/// once, under one name). Allowed until the first update that succeeds or
+/// writes a param (one refused or failed before writing, a mistyped path
+/// say, leaves registration open; so does an aborted stage) or the first
+/// clear: `WM_ERR_STATE` after; `WM_ERR_BUSY` while an update runs.
+/// Thread-safe: registrations on several threads take turns.
 #[no_mangle]
 pub unsafe extern "C" fn wm_register_param(
     manager: *mut wm_manager,
@@ -316,9 +318,9 @@ pub struct wm_param_registration {
 ///
 /// Ownership: `params`, each descriptor and its arrays are read during the
 /// call only; each param's memory as for `wm_register_param` (the engine
-/// keeps it, valid until `wm_destroy`). Allowed only before the first
-/// update or clear (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update
-/// runs. Thread-safe: registrations on several threads take turns.
+/// keeps it, valid until `wm_destroy`). Allowed while `wm_register_param`
+/// is (`WM_ERR_STATE` after); `WM_ERR_BUSY` while an update runs.
+/// Thread-safe: registrations on several threads take turns.
 #[no_mangle]
 pub unsafe extern "C" fn wm_register_params(
     manager: *mut wm_manager,
@@ -371,7 +373,7 @@ unsafe fn registrations(
 /// `wm_status_info.device_bytes_freed`), the next update maps fresh memory
 /// at the same address, so CUDA graphs that captured it stay valid. Without
 /// a usable driver or device: `WM_ERR_UNSUPPORTED` saying which.
-/// Allowed only before the first update or clear. Thread-safe.
+/// Allowed while `wm_register_param` is. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_allocate_param(
     manager: *mut wm_manager,
@@ -439,8 +441,8 @@ pub unsafe extern "C" fn wm_allocate_param(
 /// and what is wrong:
 /// `WM_ERR_NOT_FOUND` (not registered), `WM_ERR_INVALID_ARGUMENT` (dtype,
 /// shape, a piece cutting a block, a param declared twice, the weight
-/// and its scales in different places). Nothing changes on error. Like registering: only before the first update or clear
-/// (`WM_ERR_STATE` after). Thread-safe.
+/// and its scales in different places). Nothing changes on error. Allowed while `wm_register_param`
+/// is (`WM_ERR_STATE` after). Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_quantize_param(
     manager: *mut wm_manager,

@@ -26,7 +26,8 @@ pub struct wm_publisher_config {
     pub struct_size: u32,
     /// Buffers in flight, 1 to 8 (default 2: packing overlaps applying).
     pub buffers: u32,
-    /// Largest bucket in bytes (default 512 MiB).
+    /// Largest bucket in bytes, at least 256 (one aligned entry; 0 is
+    /// refused: `wm_publisher_config_init` sets the default, 512 MiB).
     pub bucket_size: u64,
     /// Permissions of the socket file, 0 to 0777 (default 0600; other
     /// bits: `WM_ERR_INVALID_ARGUMENT`).
@@ -198,6 +199,11 @@ pub unsafe extern "C" fn wm_publisher_create_net(
 /// host's name or address with the port) into `buf` (NUL-terminated,
 /// truncated to `len`); `*out_written` gets the full length (without the
 /// NUL), so a caller whose buffer was too small learns the size it needs.
+/// `len` 0 (`buf` may be NULL then): nothing is copied, `*out_written`
+/// gets the length, so a caller may ask for it first.
+///
+/// NULL `out_written`, or NULL `buf` with `len` above 0:
+/// `WM_ERR_NULL_ARGUMENT` (said in `wm_publisher_last_error`). Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_address(
     publisher: *const wm_publisher,
@@ -206,14 +212,22 @@ pub unsafe extern "C" fn wm_publisher_address(
     out_written: *mut usize,
 ) -> wm_result {
     ffi_guard!({
-        check_null!(buf, out_written);
         let h = try_publisher!(publisher);
-        let address = h.value.address();
-        let rc = super::copy_text_out(&address, buf, len, out_written);
-        if rc == wm_result::WM_OK {
-            *out_written = address.len();
+        if out_written.is_null() || (buf.is_null() && len > 0) {
+            let which = if out_written.is_null() {
+                "out_written"
+            } else {
+                "buf"
+            };
+            let e = Error::null_argument(format!("wm_publisher_address: {which} is NULL"));
+            return h.result(Err(e));
         }
-        rc
+        let address = h.value.address();
+        if len > 0 {
+            super::copy_text_out(&address, buf, len, out_written);
+        }
+        *out_written = address.len();
+        wm_result::WM_OK
     })
 }
 

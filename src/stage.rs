@@ -125,13 +125,14 @@ impl EngineHandle {
     /// Stage on this handle's manager, keeping the staged version here.
     /// The slot is not held while the staging runs (`StageSlot::Staging`).
     fn stage_and_keep(&self, req: weight_manager_core::UpdateRequest) -> Result<UpdateStats> {
+        if self.manager.is_cancelled() {
+            return Err(Error::cancelled(
+                "wm_stage: the manager was shut down (wm_shutdown)",
+            ));
+        }
+        self.forget_dropped_stage();
         {
             let mut slot = self.staged.lock();
-            // A staged version a clear or cancel dropped is gone from the
-            // manager; its leftover here is dropped (it ended already).
-            if matches!(*slot, Some(StageSlot::Staged(_))) && !self.manager.is_staged() {
-                slot.take();
-            }
             match *slot {
                 Some(StageSlot::Staging) => {
                     return Err(Error::state(
@@ -157,6 +158,17 @@ impl EngineHandle {
         };
         *self.staged.lock() = Some(StageSlot::Staged(staged));
         Ok(stats)
+    }
+
+    /// Forget a staged version that a clear or a cancel dropped (its
+    /// staging ended; the manager holds nothing of it): once a new stage
+    /// begins or a later update succeeded, `wm_commit` and `wm_abort` say
+    /// nothing is staged, not why that one was dropped.
+    pub(crate) fn forget_dropped_stage(&self) {
+        let mut slot = self.staged.lock();
+        if matches!(*slot, Some(StageSlot::Staged(_))) && !self.manager.is_staged() {
+            slot.take();
+        }
     }
 
     fn take_staged(&self, call: &str) -> Result<weight_manager_core::Staged> {

@@ -348,8 +348,12 @@ pub unsafe extern "C" fn wm_update(
             progress: progress.as_mut().map(|f| f as _),
             tensor: tensor.as_mut().map(|f| f as _),
         };
+        let updated = m.update(req);
+        if updated.is_ok() {
+            m.forget_dropped_stage();
+        }
         // The update recorded its error on the manager already.
-        stats_out(m.update(req).map_err(|e| e.code.into()), out_stats)
+        stats_out(updated.map_err(|e| e.code.into()), out_stats)
     })
 }
 

@@ -101,6 +101,34 @@ fn unknown_option_is_refused_by_name() {
     }
 }
 
+/// Network settings on an IPC pull (they would not apply), an IPC one on
+/// a network pull, and two bucket sizes at once: refused, naming them.
+#[test]
+fn settings_of_the_other_transport_are_refused_by_name() {
+    let both_sizes = ["--bucket-mib", "4", "--bucket-bytes", "9"];
+    for (args, want) in [
+        (&["--ipc", "s", "--depth", "3"][..], "--depth"),
+        (&["--ipc", "s", "--gdr", "true"], "--gdr"),
+        (&["--ipc", "s", "--bucket-mib", "4"], "--bucket-mib"),
+        (
+            &["--net", "h:1", "--allow-other-uids", "true"],
+            "--allow-other-uids",
+        ),
+        (
+            &[&["--net", "h:1"][..], &both_sizes].concat(),
+            "--bucket-bytes",
+        ),
+    ] {
+        let args: Vec<&str> = std::iter::once("pull")
+            .chain(args.iter().copied())
+            .collect();
+        let out = wm(&args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "wm {args:?} succeeded");
+        assert!(err.contains(want), "wm {args:?}: {err}");
+    }
+}
+
 #[test]
 fn bad_values_and_unknown_commands_are_refused_by_name() {
     for (args, want) in [

@@ -235,7 +235,8 @@ fn pieces_from_two_network_publishers_at_once() {
 /// Deltas from two publishers at once: both publish "v1" and then "v2"
 /// (a few elements of every tensor changed); the engine, at "v1", pulls
 /// "v2" as each run's changes from the publisher holding it: every byte
-/// right, every run a delta, far fewer bytes on the wire.
+/// right, every run a delta, far fewer bytes on the wire. Then "v3" with
+/// the publishers' shards swapped: whole, the base not kept.
 fn deltas_from_two_publishers(via: Via) {
     if via == Via::Net && weight_manager_core::internals::transport::ucx::ucx().is_err() {
         println!("skipped: no UCX");
@@ -278,6 +279,23 @@ fn deltas_from_two_publishers(via: Via) {
         );
         assert_eq!((d.runs_delta, d.runs_whole), (stats.tensors, 0), "{d:?}");
         assert!(d.wire_bytes * 4 < stats.bytes, "{d:?} of {}", stats.bytes);
+        // "v3": the publishers swap what they hold. Each keeps "v2", laid
+        // out as it was: nothing there to diff the new layout's runs
+        // against. Whole, the base not kept (not DIFFERS: the engine's
+        // bytes are v2's).
+        let v3 = model(9);
+        for (r, p) in ps.iter().enumerate() {
+            p.clear_tensors();
+            add_shards(p, 1 - r as u64, &v3);
+            p.set_version(Some("v3".into()));
+            p.publish().unwrap();
+        }
+        let (r, _) = serving(&ps, || m.update(to("v3")));
+        let stats = r.unwrap_or_else(|e| panic!("{via:?} {mode:?}: {e}"));
+        assert_holds(&ptrs, &engine_params(&v3), &format!("{via:?} {mode:?}: v3"));
+        let d = &stats.deltas;
+        let not_kept = weight_manager_core::DeltaFallback::NotKept;
+        assert_eq!((d.fallback, d.runs_delta), (not_kept, 0), "{d:?}");
         drop(ps);
     }
 }

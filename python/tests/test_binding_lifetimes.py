@@ -215,6 +215,32 @@ def test_values_ctypes_would_change_are_refused_naming_them(tmp_path):
         shm.unlink()
 
 
+def test_names_and_sources_of_another_type_are_type_errors_naming_the_argument(tmp_path):
+    """A name that is no str (an int, say) is a TypeError naming what it
+    was for, not an AttributeError from inside the binding."""
+    a = np.zeros(4, np.float32)
+    with Manager(model_dir=tmp_path, fallback_dir="") as m:
+        for call, what in [
+            (lambda: m.register(5, a), "param name"),
+            (lambda: m.allocate(5, "f32", (4,)), "param name"),
+            (lambda: Piece(7, (0,), (4,)), "piece's tensor"),
+            (lambda: m.quantize(1, 2), "weight param's name"),
+            (lambda: m.update(source=3), "source"),
+            (lambda: m.update(5), "location"),
+        ]:
+            with pytest.raises(TypeError, match=what):
+                call()
+        assert m.status().params == 0
+    with Publisher(str(tmp_path / "p.sock")) as p:
+        with pytest.raises(TypeError, match="tensor name"):
+            p.add(3, a)
+        with pytest.raises(TypeError, match="version"):
+            p.set_version(4)
+        # An empty name is named as a tensor's, not a param's.
+        with pytest.raises(WeightManagerError, match="tensor name is empty"):
+            p.add("", a)
+
+
 def test_params_sharing_memory_are_refused_naming_both():
     """An engine that registered one buffer under two names (a tied weight)
     took two different tensors into it: the commit wrote one over the other

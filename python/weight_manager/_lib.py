@@ -59,6 +59,15 @@ def check_value(what: str, ctype, value) -> None:
         raise WeightManagerError(Result.ERR_INVALID_ARGUMENT, f"{what}: {bytes(value)!r} holds a NUL byte")
 
 
+def name_bytes(what: str, value) -> bytes:
+    """A name (a param's, a tensor's, a version's) for the library: a str,
+    encoded; anything else is a TypeError naming `what`, not an
+    AttributeError from deep inside the binding."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {value!r}")
+    return value.encode()
+
+
 def array(ctype, values, what: str):
     """A C array of `values`, each checked against `ctype` (at least one
     element, so its address is never NULL)."""

@@ -169,6 +169,19 @@ def _encode(s) -> Optional[bytes]:
     raise TypeError(f"expected text (str, bytes or a path), got {type(s).__name__} {s!r}")
 
 
+def _locations(location) -> list:
+    """An update's locations: one (text or a path) or a list of them."""
+    if isinstance(location, (str, bytes, os.PathLike)):
+        return [location]
+    if location is None:
+        return []
+    try:
+        return list(location)
+    except TypeError:
+        raise TypeError(f"location must be a str, a path or a list of them, got "
+                        f"{type(location).__name__} {location!r}") from None
+
+
 def _dims(what: str, shape) -> tuple:
     """A shape's sizes as ints, each checked to fit a uint64_t: no bools,
     no floats (int() would truncate 2.5 to 2)."""
@@ -183,11 +196,14 @@ def _request(location, version, source, verify, in_place, skip_unknown, timeout,
     alive through the call)."""
     req = _lib.UpdateRequest()
     LIB.wm_update_request_init(ctypes.byref(req))
+    sources = [s.name.lower() for s in Source]
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, one of {sources}; got {type(source).__name__} {source!r}")
     try:
         req.source = int(Source[source.upper()])
     except KeyError:
-        raise ValueError(f"source must be one of {[s.name.lower() for s in Source]}") from None
-    locations = [location] if isinstance(location, (str, bytes, os.PathLike)) else list(location or [])
+        raise ValueError(f"source must be one of {sources}") from None
+    locations = _locations(location)
     keep = [_encode(loc) for loc in locations]
     if keep:
         req.locations = _lib.array(ctypes.c_char_p, keep, "location")
@@ -379,10 +395,10 @@ class Manager(OwnedHandle):
 
     @staticmethod
     def _desc(name: str, dtype: DType, shape, pieces=None) -> tuple:
+        name_b = _lib.name_bytes("param name", name)
         shape = _dims(f"param '{name}': shape", shape)
         d = _lib.ParamDesc()
         LIB.wm_param_desc_init(ctypes.byref(d))
-        name_b = name.encode()
         dims = _lib.array(ctypes.c_uint64, shape, f"param '{name}': shape")
         d.name, d.dtype, d.shape, d.ndim = name_b, int(dtype), dims, len(shape)
         keep = [name_b, dims]
@@ -399,7 +415,7 @@ class Manager(OwnedHandle):
                 if len(at) != len(shape):
                     raise ValueError(f"param '{name}': piece of '{p.tensor}': `at` needs one value per param "
                                      f"dimension ({len(shape)})")
-                tensor_b = p.tensor.encode()
+                tensor_b = _lib.name_bytes(f"param '{name}': piece's tensor", p.tensor)
                 keep.append(tensor_b)
                 c.tensor, c.ndim = tensor_b, len(p.offset)
                 piece = f"param '{name}': piece of '{p.tensor}'"
@@ -551,7 +567,9 @@ class Manager(OwnedHandle):
         ship, if the loader does not find one). Like registering: only
         before the first update or clear."""
         s = QuantScheme.parse(scheme)
-        self._check(LIB.wm_quantize_param(self._h(), weight.encode(), scales.encode(), int(s)))
+        weight_b = _lib.name_bytes("quantize: the weight param's name", weight)
+        scales_b = _lib.name_bytes("quantize: the scales param's name", scales)
+        self._check(LIB.wm_quantize_param(self._h(), weight_b, scales_b, int(s)))
 
     # -- the engine's calls -------------------------------------------------
     def update(self, location=None, version: Optional[str] = None, *, source: str = "snapshot",
@@ -759,7 +777,7 @@ class Controller(OwnedHandle):
 
     def __init__(self, cell: str):
         handle = ctypes.c_void_p()
-        rc = LIB.wm_controller_open(cell.encode(), ctypes.byref(handle))
+        rc = LIB.wm_controller_open(_lib.name_bytes("control cell", cell), ctypes.byref(handle))
         if rc != 0:
             raise create_error(rc, f"opening control cell '{cell}'")
         self._handle = handle

@@ -51,7 +51,7 @@ class Publisher(OwnedHandle):
         cfg.bucket_size, cfg.buffers, cfg.socket_mode = bucket_size, buffers, socket_mode
         cfg.allow_other_uids, cfg.checksums = int(allow_other_uids), int(checksums)
         cfg.keep_versions = keep_versions
-        self._secret = secret.encode() if secret is not None else None
+        self._secret = _lib.name_bytes("secret", secret) if secret is not None else None
         cfg.secret = self._secret
         handle = ctypes.c_void_p()
         where = str(socket_path if net is None else net)
@@ -202,11 +202,11 @@ class Publisher(OwnedHandle):
         """The wm_tensor_desc of every add (host or device memory, whole or
         a shard), and the objects its pointers point into, to keep alive
         until the library has read it."""
+        encoded = _lib.name_bytes("tensor name", name)
         ndim = len(mem.shape)
         dims = _lib.array(ctypes.c_uint64, mem.shape, f"tensor '{name}': shape")
         desc = _lib.TensorDesc()
         LIB.wm_tensor_desc_init(ctypes.byref(desc))
-        encoded = name.encode()
         desc.name, desc.dtype, desc.ndim, desc.rank = encoded, int(mem.dtype), ndim, rank
         desc.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_uint64))
         desc.data, desc.len = mem.ptr or None, int(mem.nbytes)
@@ -230,7 +230,8 @@ class Publisher(OwnedHandle):
 
     def set_version(self, version: Optional[str]) -> None:
         # "" goes to the library, which refuses it; None means version.yaml.
-        self._check(LIB.wm_publisher_set_version(self._h(), None if version is None else version.encode()))
+        encoded = None if version is None else _lib.name_bytes("version", version)
+        self._check(LIB.wm_publisher_set_version(self._h(), encoded))
 
     def clear(self) -> None:
         """Forget every tensor added (before adding the next version's).

@@ -162,7 +162,7 @@ class DeltaFallback(enum.IntEnum):
     NONE = 0  # deltas asked for every run with a base
     NO_BASE = 1  # the params held no version (first update, after a clear or a FAILED update)
     REFUSED = 2  # the update asked for whole (deltas=False)
-    NOT_KEPT = 3  # a publisher no longer keeps the base (or an FP8 param's image of it)
+    NOT_KEPT = 3  # a publisher no longer keeps the base (or holds it laid out otherwise, or no FP8 image of it)
     DIFFERS = 4  # some params' bytes were not the base's: those runs came whole
     NOT_APPLICABLE = 5  # a snapshot, a tensor callback, or device params without NVRTC
     NOT_ASKED = 6  # an IPC update that did not ask for deltas (deltas=True)
@@ -192,7 +192,10 @@ class Piece:
     stacks into an [experts, out, in] param at (e, 0, 0)."""
 
     def __init__(self, tensor: str, offset, length, at=None):
-        self.tensor = str(tensor)
+        if not isinstance(tensor, str):
+            raise TypeError(f"a piece's tensor must be a str (its global tensor's name), got "
+                            f"{type(tensor).__name__} {tensor!r}")
+        self.tensor = tensor
         self.offset = as_sizes(f"piece of '{tensor}': offset", offset)
         self.length = as_sizes(f"piece of '{tensor}': length", length)
         if len(self.offset) != len(self.length):

@@ -477,6 +477,41 @@ static void test_failures(void) {
   remove_tmpdir();
 }
 
+/* Registration stays open through a first update that failed before
+   writing a param (a folder that does not exist, nothing registered yet),
+   and through an aborted stage; it closes at the first one that succeeds. */
+static void test_register_after_failure(void) {
+  make_tmpdir();
+  CHECK(fixture_example_model(tmpdir, 1.0f, "1") == 0);
+  char missing[600];
+  snprintf(missing, sizeof missing, "%s/no-such-folder", tmpdir);
+  wm_manager *m = new_manager(tmpdir);
+  wm_update_request r;
+  wm_update_request_init(&r);
+  r.location = missing;
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_NOT_FOUND);
+  r.location = NULL;
+  CHECK(wm_update(m, &r, NULL) != WM_OK); /* nothing registered */
+  float w[16] = {0}, b[4] = {0};
+  wm_param_desc d;
+  desc_w(&d);
+  CHECK_RC(wm_register_param(m, &d, w, sizeof w), WM_OK);
+  CHECK_RC(wm_stage(m, &r, NULL), WM_ERR_MISMATCH); /* "b" is not registered */
+  desc_b(&d);
+  CHECK_RC(wm_register_param(m, &d, b, sizeof b), WM_OK);
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_abort(m), WM_OK);
+  CHECK(w[0] == 0.0f);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK(w[0] == 1.0f && b[0] == 101.0f);
+  float late[4];
+  d.name = "late";
+  CHECK_RC(wm_register_param(m, &d, late, sizeof late), WM_ERR_STATE);
+  CHECK(strstr(last_error(m), "only before the first update") != NULL);
+  wm_destroy(m);
+  remove_tmpdir();
+}
+
 /* wm_register_params: every param or none. "kept" registered before; a
    batch whose third shares memory with the first (or takes the second's
    name) is refused naming its index, and none of it stays: the batch
@@ -1105,6 +1140,16 @@ static void test_publisher(void) {
     CHECK_RC(wm_publisher_address(p, small, sizeof small, &n), WM_OK);
     CHECK(n == strlen(sock) && strlen(small) == sizeof small - 1 && strncmp(small, sock, 7) == 0);
   }
+  { /* len 0: the length alone (buf may be NULL); a NULL buf with room is
+       refused, said in the publisher's last error. */
+    size_t need = 0;
+    CHECK_RC(wm_publisher_address(p, NULL, 0, &need), WM_OK);
+    CHECK(need == strlen(sock));
+    CHECK_RC(wm_publisher_address(p, NULL, 16, &need), WM_ERR_NULL_ARGUMENT);
+    CHECK_RC(wm_publisher_last_error(p, buf, sizeof buf, &n), WM_OK);
+    CHECK(strstr(buf, "wm_publisher_address: buf is NULL") != NULL);
+    CHECK_RC(wm_publisher_address(p, buf, sizeof buf, NULL), WM_ERR_NULL_ARGUMENT);
+  }
   CHECK_RC(wm_publisher_publish(p), WM_ERR_NO_VERSION); /* no version set */
 
   /* GPU tensors: a host address is never device memory. Without a driver
@@ -1600,10 +1645,36 @@ static void test_two_phase(void) {
   CHECK(strstr(last_error(m), "clear") != NULL);
   CHECK_RC(wm_update(m, &r, NULL), WM_OK);
   CHECK(w[0] == 1.0f && b[0] == 101.0f);
+  /* Once a later update succeeded, nothing is staged (as wm_abort says),
+     not "dropped by a clear". */
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_clear(m), WM_OK);
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_commit(m, NULL), WM_ERR_STATE);
+  CHECK(strstr(last_error(m), "nothing is staged") != NULL);
+  CHECK_RC(wm_abort(m), WM_ERR_STATE);
 
   /* Destroy with a version staged: aborted, nothing leaks (ASan). */
   r.location = v2;
   CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  wm_destroy(m);
+
+  /* Shut down with a version staged: every later update, stage and
+     commit is WM_ERR_CANCELLED at once (the staging ends a moment later,
+     on its own thread), and the params keep version 1. */
+  float w3[16] = {0};
+  float *b3 = NULL;
+  m = example_engine(tmpdir, w3, &b3);
+  r.location = NULL;
+  CHECK_RC(wm_update(m, &r, NULL), WM_OK);
+  r.location = v2;
+  CHECK_RC(wm_stage(m, &r, NULL), WM_OK);
+  CHECK_RC(wm_shutdown(m), WM_OK);
+  CHECK_RC(wm_update(m, &r, NULL), WM_ERR_CANCELLED);
+  CHECK(strstr(last_error(m), "shut down") != NULL);
+  CHECK_RC(wm_stage(m, &r, NULL), WM_ERR_CANCELLED);
+  CHECK_RC(wm_commit(m, NULL), WM_ERR_CANCELLED);
+  CHECK(w3[0] == 1.0f && b3[0] == 101.0f);
   wm_destroy(m);
   remove_tmpdir();
 }
@@ -1973,6 +2044,7 @@ int main(int argc, char **argv) {
       {"version", test_version},     {"null_args", test_null_args}, {"struct_size", test_struct_size},
       {"enums", test_enums},         {"lifecycle", test_lifecycle}, {"failures", test_failures},
       {"register_together", test_register_together},
+      {"register_after_failure", test_register_after_failure},
       {"callbacks", test_callbacks}, {"threads", test_threads},     {"destroyed", test_destroyed},
       {"signal", test_signal},       {"static_link", test_static_link}, {"group", test_group}, {"publisher", test_publisher},
       {"handle_reuse", test_handle_reuse}, {"destroy_in_flight", test_destroy_in_flight},

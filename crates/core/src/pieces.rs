@@ -99,7 +99,7 @@ pub fn check_pieces(name: &str, shape: &[u64], pieces: &[Piece]) -> Result<()> {
     let mut placed = Vec::with_capacity(pieces.len());
     let mut total = 0u64;
     for (i, p) in pieces.iter().enumerate() {
-        check_name(&p.tensor).map_err(|e| bad(i, e.message))?;
+        check_name("tensor", &p.tensor).map_err(|e| bad(i, e.message))?;
         if p.global.ndim() > MAX_NDIM || p.global.offset.len() != p.global.ndim() {
             return Err(bad(
                 i,

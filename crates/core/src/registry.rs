@@ -172,7 +172,7 @@ pub struct Registry {
 
 impl Registry {
     fn check_spec(&self, spec: &ParamSpec) -> Result<usize> {
-        check_name(&spec.name)?;
+        check_name("param", &spec.name)?;
         if self.by_name.contains_key(&spec.name) {
             return Err(Error::invalid_argument(format!(
                 "param '{}' is already registered",

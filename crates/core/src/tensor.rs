@@ -137,14 +137,15 @@ pub fn shape_text(shape: &[u64]) -> String {
     format!("[{}]", dims.join(", "))
 }
 
-/// Check a param or tensor name: non-empty, at most 1024 bytes, no NUL.
-pub fn check_name(name: &str) -> Result<()> {
+/// Check the name of a `what` ("param", "tensor"): non-empty, at most 1024
+/// bytes (NUL is refused where C text is read).
+pub fn check_name(what: &str, name: &str) -> Result<()> {
     if name.is_empty() {
-        return Err(Error::invalid_argument("param name is empty"));
+        return Err(Error::invalid_argument(format!("{what} name is empty")));
     }
     if name.len() > 1024 {
         return Err(Error::invalid_argument(format!(
-            "param name '{}...' is {} bytes, at most 1024 are allowed",
+            "{what} name '{}...' is {} bytes, at most 1024 are allowed",
             &name[..name.char_indices().nth(32).map_or(name.len(), |(i, _)| i)],
             name.len()
         )));

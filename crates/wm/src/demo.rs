@@ -3,6 +3,7 @@
 
 use crate::fixtures::{self, FakeTensor};
 use crate::fmt;
+use crate::leftovers::Listed;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use weight_manager_core::checkpoint::checksums;
@@ -14,13 +15,23 @@ use weight_manager_core::{Manager, ManagerConfig, UpdateRequest};
 /// `wm demo` options.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Folder for the demo's snapshot (default: a temporary one, removed)
+    /// Folder for the demo's snapshot, created; a folder that exists must
+    /// be empty (the demo writes a snapshot there, twice, and would
+    /// overwrite a model's files) (default: a temporary one, removed)
     #[arg(long)]
     dir: Option<PathBuf>,
 }
 
-/// Removes the demo's own temporary directory on exit.
-struct TempDir(PathBuf);
+/// Removes the demo's own temporary directory on exit (and on a stopping
+/// signal, while listed).
+struct TempDir(
+    PathBuf,
+    #[expect(
+        dead_code,
+        reason = "held for its drop: listed while the folder exists"
+    )]
+    Listed,
+);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
@@ -61,18 +72,31 @@ fn check(params: &[(*mut u8, usize)], model: &[FakeTensor]) -> Result<u64, Strin
     Ok(n)
 }
 
-/// The demo's folder: `--dir` (created), or a temporary one removed when
-/// the second value is dropped.
+/// The demo's folder: `--dir` (created, or empty), or a temporary one
+/// removed when the second value is dropped.
 fn demo_dir(a: &Args) -> Result<(PathBuf, Option<TempDir>), String> {
     match &a.dir {
         Some(d) => {
             std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            let first = std::fs::read_dir(d)
+                .map_err(|e| format!("reading {}: {e}", d.display()))?
+                .next();
+            if let Some(entry) = first {
+                let name = entry.map(|e| e.file_name().to_string_lossy().into_owned());
+                return Err(format!(
+                    "--dir {} is not empty (it holds '{}'): the demo writes its snapshot \
+                     there and would overwrite a model's files; give a new or empty folder",
+                    d.display(),
+                    name.unwrap_or_else(|e| e.to_string())
+                ));
+            }
             Ok((d.clone(), None))
         }
         None => {
             let d = std::env::temp_dir().join(format!("wm-demo-{}", std::process::id()));
+            let listed = Listed::new(&d);
             std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
-            Ok((d.clone(), Some(TempDir(d))))
+            Ok((d.clone(), Some(TempDir(d, listed))))
         }
     }
 }

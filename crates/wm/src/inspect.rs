@@ -37,6 +37,10 @@ pub struct ManifestArgs {
 
 pub fn inspect(a: &InspectArgs) -> Result<(), String> {
     let path = a.target.as_path();
+    // A file or a folder: what does not exist is neither.
+    if let Err(e) = std::fs::symlink_metadata(path) {
+        return Err(format!("{}: {e}", path.display()));
+    }
     let loc = layout::SnapshotLocation {
         model_dir: path.to_path_buf(),
         fallback_dir: None,

@@ -63,31 +63,33 @@ pub struct PullArgs {
     #[arg(long, value_name = "HOST:PORT")]
     net: Option<String>,
     /// Network: straight into GPU memory (GPUDirect RDMA)
-    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth, conflicts_with = "ipc")]
     gdr: bool,
     /// Network: fall back to staging when GPUDirect cannot work
-    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth, conflicts_with = "ipc")]
     gdr_fallback: bool,
     /// Network: receive into staging slots, then copy
-    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth, conflicts_with = "ipc")]
     staged: bool,
     /// Network: keyed BLAKE3 digests of every entry
-    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth, conflicts_with = "ipc")]
     keyed_digests: bool,
     /// Verify what arrives with the checksums
     #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
     verify: bool,
-    /// Bucket size in MiB (1 to 4096)
-    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20, value_parser = crate::bucket_mib)]
+    /// Network: bucket size in MiB (1 to 4096; over IPC the publisher's)
+    #[arg(long, value_name = "M", default_value_t = defaults::BUCKET_SIZE >> 20, value_parser = crate::bucket_mib, conflicts_with = "ipc")]
     bucket_mib: usize,
-    /// Bucket size in bytes (instead of --bucket-mib)
-    #[arg(long, value_name = "BYTES")]
+    /// Network: bucket size in bytes (instead of --bucket-mib)
+    #[arg(long, value_name = "BYTES", conflicts_with_all = ["ipc", "bucket_mib"])]
     bucket_bytes: Option<usize>,
-    /// Buckets in flight
-    #[arg(long, value_name = "D", default_value_t = defaults::BUFFERS_IN_FLIGHT)]
+    /// Network: buckets in flight
+    #[arg(long, value_name = "D", default_value_t = defaults::BUFFERS_IN_FLIGHT, conflicts_with = "ipc")]
     depth: usize,
+    /// This engine's rank
     #[arg(long, value_name = "R", default_value_t = 0)]
     rank: u32,
+    /// Engine ranks in all
     #[arg(long, value_name = "W", default_value_t = 1)]
     world: u32,
     /// The GPU id in per-GPU file names (--check)
@@ -104,7 +106,7 @@ pub struct PullArgs {
     timeout: f64,
     /// IPC: take bytes from a publisher running as another uid (refused by
     /// default; the publisher checks this engine's uid too)
-    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth)]
+    #[arg(long, value_name = "true|false", default_value = "false", action = clap::ArgAction::Set, value_parser = crate::truth, conflicts_with = "net")]
     allow_other_uids: bool,
 }
 
@@ -132,6 +134,8 @@ pub fn serve(a: &ServeArgs) -> Result<(), String> {
         (None, None) => unreachable!("clap requires --ipc or --net"),
     }
     .map_err(|e| e.to_string())?;
+    // The publisher removes its socket when dropped; a stopping signal too.
+    let _socket = a.ipc.as_deref().map(crate::leftovers::Listed::new);
     // Kept alive while serving: the trainer's own GPU tensors (--gpu).
     let _on_gpu = publish(&p, a)?;
     // Tests read the address (a port 0 is resolved here) from this line.

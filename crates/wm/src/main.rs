@@ -41,6 +41,7 @@ mod fixtures;
 mod fmt;
 mod inspect;
 mod ipc;
+mod leftovers;
 mod plan;
 mod shard;
 mod signal;
@@ -204,6 +205,7 @@ fn main() -> ExitCode {
     // does any command line tool, instead of a panic in println!.
     // SAFETY: setting a signal's disposition to the default, at start-up.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    leftovers::watch();
     let matches = last_wins(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match run(&cli.command) {

@@ -4,7 +4,8 @@
 //! - `wm signal set <cell> <STATE>`: store a value (NORMAL, UPDATING, CLEARING, CLEARED).
 //! - `wm signal wait <cell> <STATE> [--timeout S]`: wait until the word holds it.
 //! - `wm signal request <cell> update|clear [--timeout S]`: the controller's
-//!   request, answered as `signal::controller` describes.
+//!   request (the word moved from the state just read, then waited on),
+//!   printing how it ended.
 
 use std::time::Duration;
 use weight_manager_core::Controller;
@@ -23,21 +24,35 @@ pub struct Args {
 #[derive(clap::Subcommand, Debug)]
 enum Verb {
     /// Print the control word
-    Get { cell: String },
+    Get {
+        /// The control cell's name in /dev/shm (the engines' `control_cell`)
+        #[arg(value_name = "CELL")]
+        cell: String,
+    },
     /// Store a state: NORMAL, UPDATING, CLEARING or CLEARED
     Set {
+        /// The control cell's name in /dev/shm (the engines' `control_cell`)
+        #[arg(value_name = "CELL")]
         cell: String,
         #[arg(value_name = "STATE")]
         state: String,
     },
     /// Wait until the word holds a state
     Wait {
+        /// The control cell's name in /dev/shm (the engines' `control_cell`)
+        #[arg(value_name = "CELL")]
         cell: String,
         #[arg(value_name = "STATE")]
         state: String,
     },
-    /// The controller's request, answered as `signal::controller` describes
+    /// Ask the engines for an update (from CLEARED: UPDATING, then wait
+    /// for NORMAL) or a clear (from NORMAL: CLEARING, then wait for
+    /// CLEARED), and print how it ended: Done, AlreadyDone (nothing to
+    /// do), Busy (the same already runs) or Refused (the other one runs);
+    /// a failed engine's report is the error
     Request {
+        /// The control cell's name in /dev/shm (the engines' `control_cell`)
+        #[arg(value_name = "CELL")]
         cell: String,
         #[arg(value_name = "update|clear")]
         action: String,

@@ -5,7 +5,8 @@
 //! - One update or clear at a time: a second concurrent one gets
 //!   `WM_ERR_BUSY` immediately (it does not wait).
 //! - Params may be registered only before the first update or clear
-//!   (`WM_ERR_STATE` after), so a plan never races a registration.
+//!   (`WM_ERR_STATE` after; an update that failed without writing a param
+//!   does not count), so a plan never races a registration.
 //! - An update validates its whole plan before any byte moves; a failure
 //!   before bytes move leaves the state, version and weights as they were.
 //! - Atomic updates that fail keep the old weights and version. In-place
@@ -198,6 +199,11 @@ impl Manager {
     }
 
     fn busy(&self) -> Error {
+        // Shut down: that is why, whatever still runs or is staged (a
+        // staging ends on its own thread, a moment after `wm_shutdown`).
+        if let Err(e) = self.check_cancelled() {
+            return e;
+        }
         match self.staged.lock().is_some() {
             true => Error::busy(format!(
                 "rank {}: a version is staged or staging (commit or abort it first)",

@@ -115,10 +115,10 @@ impl Manager {
         if let Some(v) = &req.version {
             check_version(v)?;
         }
-        let prev = {
+        let (prev, was_open) = {
             let mut rec = self.record.lock();
-            rec.registration_open = false;
-            std::mem::replace(&mut rec.state, State::Updating)
+            let was_open = std::mem::replace(&mut rec.registration_open, false);
+            (std::mem::replace(&mut rec.state, State::Updating), was_open)
         };
         let mut registry = self.registry.write();
         let mut run = UpdateRun {
@@ -144,6 +144,13 @@ impl Manager {
         let result = outcome.map_err(|f| f.error);
         let mut rec = self.record.lock();
         rec.state = state;
+        // An update that failed without writing a param leaves registration
+        // as it found it: a typo in the first update's path does not fix
+        // the params for good (a kept plan is keyed by every param, so a
+        // later registration cannot reuse a stale one).
+        if was_open && result.is_err() && state != State::Failed {
+            rec.registration_open = true;
+        }
         // Half-written params hold no version (the next update names no
         // delta base either).
         if state == State::Failed {

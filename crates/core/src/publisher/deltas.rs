@@ -25,8 +25,10 @@ use crate::manifest::TensorMeta;
 use crate::memory::host::HostRegion;
 use crate::memory::SendPtr;
 use crate::result::Result;
+use crate::tensor::DType;
 use crate::transport::conn::Conn;
 use crate::wire::{DeltaBase, DeltaRun, Frame, Request, RunVerdict, DELTA_PIECE};
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 /// What the deltas of one session came to.
@@ -139,6 +141,12 @@ fn jobs(
 ) -> Vec<Job> {
     let base_shard = &held.shard;
     let old = on_host(base_shard).expect("checked by base_shard");
+    // Each base tensor by what must match (the first of equals), found
+    // once: a search per request would cost requests x tensors.
+    let mut by_key = HashMap::with_capacity(base_shard.manifest.tensors.len());
+    for (b, meta) in base_shard.manifest.tensors.iter().enumerate() {
+        by_key.entry(key(meta)).or_insert(b);
+    }
     base.fingerprints
         .iter()
         .map(|&(k, fingerprint)| {
@@ -153,11 +161,7 @@ fn jobs(
                 );
             }
             let meta = &shard.manifest.tensors[t];
-            let was = base_shard
-                .manifest
-                .tensors
-                .iter()
-                .position(|b| same(b, meta));
+            let was = by_key.get(&key(meta)).copied();
             Job {
                 request: k,
                 fingerprint,
@@ -203,8 +207,13 @@ fn on_host(shard: &Shard) -> Option<&[SendPtr]> {
 }
 
 /// The same tensor in both versions: name, dtype, shape and placement.
-fn same(a: &TensorMeta, b: &TensorMeta) -> bool {
-    a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.placement == b.placement
+/// What a base tensor shares with the new one it is diffed against: name,
+/// dtype, shape and placement.
+type Key<'a> = (&'a str, DType, &'a [u64], Option<(&'a [u64], &'a [u64])>);
+
+fn key(t: &TensorMeta) -> Key<'_> {
+    let placement = (t.placement.as_ref()).map(|p| (&p.global_shape[..], &p.offset[..]));
+    (&t.name, t.dtype, &t.shape, placement)
 }
 
 /// One request to answer.
@@ -264,11 +273,11 @@ fn answer(j: &Job, want: &[Request], (cache, base): Cache) -> Answer {
         };
         (run, Arc::default(), false)
     };
+    // The base holds nothing to diff against: no image of a quantized
+    // request, or no tensor of this one's name, shape and placement (the
+    // layout changed). Not the engine's bytes: they may be the base's.
     let Some((old, old_sum)) = j.old else {
-        return whole(match j.image {
-            Some(_) => RunVerdict::NoBaseImage,
-            None => RunVerdict::Differs,
-        });
+        return whole(RunVerdict::BaseNotHeld);
     };
     let (new, new_sum, all) = j.new;
     let known_base = if all { old_sum } else { None };

@@ -165,7 +165,7 @@ impl Current {
 /// shape, its placement, its address.
 fn check_own(t: &ServedTensor) -> Result<()> {
     let name = &t.name;
-    check_name(name)?;
+    check_name("tensor", name)?;
     let need = byte_size(&format!("tensor '{name}'"), t.dtype, &t.shape)?;
     if need != t.len as u64 {
         return Err(Error::invalid_argument(format!(

@@ -28,9 +28,10 @@ pub(super) fn take(link: &mut PublisherLink, plan: &Plan, applier: &mut Applier)
     check_runs(link, kept, &runs)?;
     let differs = runs.iter().filter(|r| r.verdict == RunVerdict::Differs);
     let asked = link.asked_base().len() as u64;
-    // A quantized request's base image not kept: the base, as this
-    // publisher can diff it, is not kept.
-    let no_image = runs.iter().any(|r| r.verdict == RunVerdict::NoBaseImage);
+    // Nothing of the base held for a request (a quantized one's image, or
+    // its tensor as the base laid it out): the base, as this publisher can
+    // diff it, is not kept.
+    let no_image = runs.iter().any(|r| r.verdict == RunVerdict::BaseNotHeld);
     applier.note_base(kept && !no_image, asked, differs.count() as u64);
     let due: Vec<DeltaRun> = runs
         .into_iter()

@@ -36,9 +36,12 @@ pub enum RunVerdict {
     Differs = 1,
     /// Whole: the delta would be no smaller.
     NotSmaller = 2,
-    /// Whole: a quantized request whose base image (the FP8 bytes this
-    /// publisher made for it at the base version) is not kept.
-    NoBaseImage = 3,
+    /// Whole: the publisher holds nothing of the base to diff this request
+    /// against: the base version has no tensor of its name, dtype, shape
+    /// and placement (the layout changed), or, for a quantized request, no
+    /// image (the FP8 bytes this publisher made for it at the base
+    /// version) is kept.
+    BaseNotHeld = 3,
 }
 
 /// One request's verdict in DELTAS.
@@ -125,7 +128,7 @@ pub(super) fn decode_deltas(i: &mut In) -> Result<(bool, Vec<DeltaRun>)> {
             0 => RunVerdict::Delta,
             1 => RunVerdict::Differs,
             2 => RunVerdict::NotSmaller,
-            3 => RunVerdict::NoBaseImage,
+            3 => RunVerdict::BaseNotHeld,
             v => return Err(Error::peer(format!("wire: DELTAS: verdict {v}"))),
         };
         runs.push(DeltaRun {

@@ -96,7 +96,7 @@ fn plan_frames_round_trip() {
             },
             DeltaRun {
                 request: 3,
-                verdict: RunVerdict::NoBaseImage,
+                verdict: RunVerdict::BaseNotHeld,
                 len: 0,
                 sum: 0,
             },

@@ -105,16 +105,16 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// The steps of each learning rate: per step, what changed and what a
 /// delta costs, in bf16 and FP8.
 fn training_steps(data: Option<&Path>) -> Result<(), String> {
-    let scratch = std::env::temp_dir().join(format!("wm-bench-delta-{}", std::process::id()));
+    let scratch = Scratch::temp("wm-bench-delta")?;
     let dir = match data {
         Some(d) => d.to_path_buf(),
         None => {
-            let made = generate(&scratch);
+            let made = generate(&scratch.0);
             if let Err(e) = made {
                 println!("  training steps skipped: {e}");
                 return Ok(());
             }
-            scratch.clone()
+            scratch.0.clone()
         }
     };
     let mut lrs: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -135,7 +135,6 @@ fn training_steps(data: Option<&Path>) -> Result<(), String> {
             prev = next;
         }
     }
-    let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }
 

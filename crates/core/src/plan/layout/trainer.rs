@@ -124,7 +124,7 @@ impl TrainerLayout {
                 .map_or(vec![None], |r| r.map(Some).collect())
             {
                 let name = expand(template, layer, expert, &rule.field("name"))?;
-                check_name(&name).map_err(|e| e.context(rule.field("name")))?;
+                check_name("tensor", &name).map_err(|e| e.context(rule.field("name")))?;
                 let on = groups.ranks_of(expert, &ranks);
                 self.add_tensor(rule, name, dtype, &shape, how, on)?;
             }

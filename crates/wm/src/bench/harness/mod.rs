@@ -7,6 +7,7 @@ pub mod floors;
 pub mod process;
 pub mod torch;
 
+use crate::leftovers::Listed;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -153,14 +154,22 @@ impl Floors {
 }
 
 /// A folder of a bench's own, removed when dropped.
-pub struct Scratch(pub PathBuf);
+pub struct Scratch(
+    pub PathBuf,
+    #[expect(
+        dead_code,
+        reason = "held for its drop: listed while the folder exists"
+    )]
+    Listed,
+);
 
 impl Scratch {
-    /// `<base>/<name>-<pid>`, created.
+    /// `<base>/<name>-<pid>`, created (removed on a stopping signal too).
     pub fn new(base: &Path, name: &str) -> Result<Scratch, String> {
         let dir = base.join(format!("{name}-{}", std::process::id()));
+        let listed = Listed::new(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        Ok(Scratch(dir))
+        Ok(Scratch(dir, listed))
     }
 
     /// [`Scratch::new`] in the system's temporary folder.

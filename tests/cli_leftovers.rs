@@ -1,0 +1,121 @@
+//! What `wm` leaves on disk: nothing of its own after a stopping signal
+//! (SIGINT, SIGTERM: its temporary folders and socket files are removed,
+//! and it still ends by that signal), and nothing of the user's is
+//! overwritten by `wm demo --dir`. The real `wm` in real processes.
+
+mod common;
+
+use common::*;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Wait (at most 20 s) until `path` exists.
+fn wait_for(path: &Path, child: &mut Child) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while !path.exists() {
+        let exited = child.try_wait().unwrap();
+        assert!(
+            exited.is_none(),
+            "wm exited ({exited:?}) before {path:?} existed"
+        );
+        assert!(Instant::now() < until, "{path:?} never appeared");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Send `signal` and wait (at most 20 s) for `child` to end; its status.
+fn stop(child: &mut Child, signal: i32) -> std::process::ExitStatus {
+    // SAFETY: a signal to our own child, which has not been waited for.
+    unsafe { libc::kill(child.id() as i32, signal) };
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("wm did not end within 20 s of signal {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_stopping_signal_removes_the_demos_temporary_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut child = Command::new(&*WM)
+        .arg("demo")
+        .env("TMPDIR", tmp.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let folder = tmp.path().join(format!("wm-demo-{}", child.id()));
+    wait_for(&folder, &mut child);
+    let status = stop(&mut child, libc::SIGINT);
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{status:?}");
+    assert!(!folder.exists(), "{folder:?} left behind");
+}
+
+#[test]
+fn a_stopping_signal_removes_the_served_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    write_safetensors(&model.join("model.safetensors"), &common::model(3));
+    write_version(&model, "7");
+    let socket = tmp.path().join("p.sock");
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut child = Command::new(&*WM)
+            .arg("serve")
+            .arg("--ipc")
+            .arg(&socket)
+            .arg(&model)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(&socket, &mut child);
+        let status = stop(&mut child, signal);
+        assert_eq!(status.signal(), Some(signal), "{status:?}");
+        assert!(!socket.exists(), "signal {signal}: {socket:?} left behind");
+    }
+}
+
+#[test]
+fn demo_refuses_a_folder_that_holds_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mine = tmp.path().join("model.safetensors");
+    std::fs::write(&mine, b"the user's model").unwrap();
+    let out = Command::new(&*WM)
+        .args(["demo", "--dir"])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not empty") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&mine).unwrap(), b"the user's model");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        1,
+        "wrote files"
+    );
+    // A new folder (and an empty one) is the demo's.
+    let new = tmp.path().join("new");
+    let out = Command::new(&*WM)
+        .args(["demo", "--dir"])
+        .arg(&new)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
