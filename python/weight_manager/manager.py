@@ -9,6 +9,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _lib, torch_bridge
+from .interrupt import on_ctrl_c
 from .progress_bar import ProgressBar
 from .torch_bridge import HOST
 from .types import (DELTAS, DTYPE_TO_NUMPY, IN_PLACE, SKIP_UNKNOWN, VERIFY_CHECKSUMS, WHOLE, DeltaFallback, QuantScheme,
@@ -595,7 +596,11 @@ class Manager(OwnedHandle):
         `deltas`: None (default) takes each run as its changes since the
         version the params hold over the network (rdma) when the publisher
         keeps it, and whole over IPC; True takes deltas over IPC too; False
-        never. `stats.deltas` says what happened."""
+        never. `stats.deltas` says what happened.
+
+        Ctrl-C meanwhile (on the main thread) closes the manager, which
+        cancels the update, and raises KeyboardInterrupt at once (the same
+        for stage(), commit() and Publisher.serve())."""
         req, keep = _request(location, version, source, verify, in_place, skip_unknown, timeout,
                              deltas)
         raised = []
@@ -643,7 +648,8 @@ class Manager(OwnedHandle):
         stats.struct_size = ctypes.sizeof(stats)
         held = self._held()
         h = held.handle
-        rc = LIB.wm_update(h, ctypes.byref(req), ctypes.byref(stats))
+        with on_ctrl_c(self.close):
+            rc = LIB.wm_update(h, ctypes.byref(req), ctypes.byref(stats))
         del keep  # the request's strings lived through the call
         if bar is not None and rc == 0:
             bar.finish(_stats(stats))
@@ -672,7 +678,8 @@ class Manager(OwnedHandle):
         stats = _lib.UpdateStats()
         stats.struct_size = ctypes.sizeof(stats)
         held = self._held()
-        rc = LIB.wm_stage(held.handle, ctypes.byref(req), ctypes.byref(stats))
+        with on_ctrl_c(self.close):
+            rc = LIB.wm_stage(held.handle, ctypes.byref(req), ctypes.byref(stats))
         del keep  # the request's strings lived through the call
         raise_for(rc, LIB.wm_last_error, held.handle)
         return _stats(stats)
@@ -686,7 +693,9 @@ class Manager(OwnedHandle):
         stats.struct_size = ctypes.sizeof(stats)
         held = self._held()
         h = held.handle
-        raise_for(LIB.wm_commit(h, ctypes.byref(stats)), LIB.wm_last_error, h)
+        with on_ctrl_c(self.close):
+            rc = LIB.wm_commit(h, ctypes.byref(stats))
+        raise_for(rc, LIB.wm_last_error, h)
         return _stats(stats, self._source_bytes(h), self._delta_stats(h))
 
     def abort(self) -> None:

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib, torch_bridge
+from .interrupt import on_ctrl_c
 from .manager import MEMORY_DEVICE, OwnedHandle, WeightManagerError, create_error, last_error_text, millis, raise_for
 from .types import Result
 from .types import as_sizes, parse_dtype
@@ -261,7 +262,10 @@ class Publisher(OwnedHandle):
         with self._serving_lock:
             self._serving += 1
         try:
-            self._check(LIB.wm_publisher_serve(self._h(), engines, wait, ctypes.byref(st)))
+            h = self._h()
+            with on_ctrl_c(self.close):
+                rc = LIB.wm_publisher_serve(h, engines, wait, ctypes.byref(st))
+            self._check(rc)
         finally:
             with self._serving_lock:
                 self._serving -= 1
