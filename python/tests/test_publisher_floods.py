@@ -53,6 +53,7 @@ def test_connections_that_come_and_go_hold_no_descriptors(tmp_path):
         for _ in range(800):  # three times the publisher's descriptors
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(sock)
+            c.sendall(b"\x01")  # a byte of no HELLO: turned away (a silent close is a probe)
             c.close()
         w = np.zeros(1024, np.float32)
         with Manager(fallback_dir="") as m:
@@ -64,6 +65,29 @@ def test_connections_that_come_and_go_hold_no_descriptors(tmp_path):
         assert "served 1" in out, log
         # Turned away: logged at most once a second, not once per connection.
         assert 1 <= log.count("turned a connection away") < 50, log[-2000:]
+    finally:
+        proc.kill()
+
+
+def test_probes_that_close_unheard_are_not_logged(tmp_path):
+    """A connection closed before its first byte (another publisher
+    checking whether one listens, a port check) is no engine turned away:
+    nothing logged, and the engine after it is served."""
+    sock = str(tmp_path / "p.sock")
+    proc = _start_publisher(sock)
+    try:
+        for _ in range(20):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(sock)
+            c.close()
+        w = np.zeros(1024, np.float32)
+        with Manager(fallback_dir="") as m:
+            m.register("w", w)
+            assert m.update(sock, source="ipc", timeout=30).version == "v1"
+        out, _ = proc.communicate(timeout=60)
+        log = open(sock + ".err").read()
+        assert "served 1" in out, log
+        assert "turned a connection away" not in log, log[-2000:]
     finally:
         proc.kill()
 

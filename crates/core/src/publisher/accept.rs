@@ -184,7 +184,9 @@ impl Acceptor<'_> {
         let shook = handshake::handshake(stream, self.secret, self.cfg);
         gate.handshaking.fetch_sub(1, Ordering::SeqCst);
         let admitted = match shook {
-            Ok(a) => a,
+            Ok(Some(a)) => a,
+            // A probe (closed unheard): nothing to log or to blame.
+            Ok(None) => return None,
             Err(e) => {
                 self.log_refusal(gate, &e);
                 *gate.last_refusal.lock() = Some(e);

@@ -2,7 +2,7 @@
 //! that proves it holds the shared secret.
 
 use super::config::PublisherConfig;
-use crate::result::{Error, Result};
+use crate::result::{wm_result, Error, Result};
 use crate::transport::auth::{self, Secret};
 use crate::transport::conn::{Conn, Stream};
 use crate::transport::seal::Role;
@@ -57,12 +57,15 @@ fn admitted_peer(stream: Stream, cfg: &PublisherConfig) -> Result<Conn> {
 
 /// Read the engine's HELLO and, with a `secret` (a network publisher), run
 /// the challenge, all within `cfg.handshake_timeout`: a connection that
-/// does not is dropped, having cost one thread and no buffers.
+/// does not is dropped, having cost one thread and no buffers. None: the
+/// connection closed before sending a byte (a probe, not an engine: a
+/// publisher checking whether one listens on its socket, a port check),
+/// which is no refusal to log.
 pub(super) fn handshake(
     stream: Stream,
     secret: Option<&Secret>,
     cfg: &PublisherConfig,
-) -> Result<Admitted> {
+) -> Result<Option<Admitted>> {
     let deadline = Instant::now() + cfg.handshake_timeout;
     let mut conn = admitted_peer(stream, cfg)?;
     // HELLO and PROOF are small (three strings; 64 bytes): nothing larger
@@ -76,10 +79,12 @@ pub(super) fn handshake(
             conn.send_error(&e);
             return Err(e.context("before its handshake"));
         }
+        // Closed before a byte: a probe, no engine (`Conn::heard_anything`).
+        Err(e) if e.code == wm_result::WM_ERR_PEER && !conn.heard_anything() => return Ok(None),
         Err(e) => {
             // A HELLO this side cannot read (another protocol version): say
             // why, so that the engine's error names the cause, not a hang-up.
-            if e.code == crate::result::wm_result::WM_ERR_PEER {
+            if e.code == wm_result::WM_ERR_PEER {
                 conn.send_error(&e);
             }
             return Err(e.context("before its handshake"));
@@ -118,14 +123,14 @@ pub(super) fn handshake(
     }
     // The handshake is done: a session's frames (a WANT) may be large.
     conn.limit_frames(usize::MAX);
-    Ok(Admitted {
+    Ok(Some(Admitted {
         rank: *rank,
         gpu_id: gpu_id.clone(),
         version: version.clone(),
         base: base.clone(),
         conn,
         bytes_key,
-    })
+    }))
 }
 
 /// The publisher's side of the challenge (see `transport::auth`): a wrong

@@ -71,6 +71,8 @@ pub struct Conn {
     manifest_tensors: usize,
     /// Set by the engine to stop waiting for this peer (`stop_when`).
     stop: Option<StopFlag>,
+    /// Whether any byte came from the peer yet (`heard_anything`).
+    heard: bool,
 }
 
 /// How often a wait looks at its stop flag.
@@ -90,7 +92,15 @@ impl Conn {
             max_frame: MAX_FRAME,
             stop: None,
             manifest_tensors: usize::MAX,
+            heard: false,
         }
+    }
+
+    /// Whether the peer sent any byte yet: a connection closed before its
+    /// first is a probe (a publisher checking the socket is live, a port
+    /// check), not a peer that failed.
+    pub fn heard_anything(&self) -> bool {
+        self.heard
     }
 
     /// End every later wait for a frame, within 50 ms, once `stop` is set
@@ -231,7 +241,10 @@ impl Conn {
                         self.peer
                     )))
                 }
-                Ok(n) => done += n,
+                Ok(n) => {
+                    done += n;
+                    self.heard = true;
+                }
                 Err(e)
                     if matches!(
                         e.kind(),
