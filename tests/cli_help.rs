@@ -134,6 +134,8 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
     for (args, want) in [
         (&["pull", "--ipc", "s", "--verify", "maybe"][..], "--verify"),
         (&["bench", "quant", "--gib", "lots"], "--gib"),
+        // More than the machine's memory (it ran until something filled).
+        (&["bench", "snapshot", "--gib", "99999"], "--gib"),
         // Counts of nothing: verdicts of no measurement, or a hang (a
         // signal bench of 0 steps waited 300 s on a child that died).
         (&["bench", "signal", "--steps", "0"], "--steps"),

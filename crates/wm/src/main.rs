@@ -148,6 +148,34 @@ pub fn count(v: &str) -> Result<usize, String> {
     }
 }
 
+/// A model size in GiB for a benchmark: from 0 up to this machine's
+/// memory (every benchmark holds its model in memory at least once; more
+/// ran until the disk or memory filled). 0 means what each flag's help
+/// says (a section skipped, or the smallest model: one tensor).
+pub fn gib(v: &str) -> Result<f64, String> {
+    let total = memory_gib();
+    match v.trim().parse::<f64>() {
+        Ok(g) if g >= 0.0 && g <= total => Ok(g),
+        Ok(g) if g > total && g.is_finite() => Err(format!(
+            "{g} GiB is more than this machine's {total:.1} GiB of memory (the benchmark holds \
+             its model in memory)"
+        )),
+        _ => Err(format!(
+            "GiB from 0 to {total:.1} (this machine's memory), not '{v}'"
+        )),
+    }
+}
+
+/// This machine's memory in GiB (`MemTotal`; unbounded where unknown).
+fn memory_gib() -> f64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok());
+    kib.map_or(f64::INFINITY, |k| k / (1u64 << 20) as f64)
+}
+
 /// A number of ranks to run: 1 to 1024.
 pub fn rank_count(v: &str) -> Result<u32, String> {
     match v.trim().parse::<u32>() {

@@ -65,13 +65,13 @@ pub struct Args {
     #[arg(long)]
     data: Option<PathBuf>,
     /// Bytes of the random bf16 weights in GiB
-    #[arg(long, default_value_t = 0.0625)]
+    #[arg(long, default_value_t = 0.0625, value_parser = crate::gib)]
     gib: f64,
     /// Pairs of alternating runs
     #[arg(long, default_value_t = 5, value_parser = crate::count)]
     runs: usize,
     /// The update section's model in GiB (0: skip that section)
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, value_parser = crate::gib)]
     update_gib: f64,
     /// The update section's shares of changed elements
     #[arg(long, value_delimiter = ',', default_value = "0.02")]

@@ -55,7 +55,7 @@ pub struct PublisherArgs {
     /// published or live
     #[arg(long, default_value = "live")]
     mode: String,
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 4.0, value_parser = crate::gib)]
     gib: f64,
     #[arg(long, default_value_t = 1)]
     threads: usize,

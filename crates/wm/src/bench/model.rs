@@ -277,7 +277,7 @@ pub fn half_params(m: &Manager, count: usize, dim: usize) -> Result<(), String> 
 #[derive(clap::Args, Debug)]
 pub struct ModelArgs {
     /// Model size in GiB (tensors of 64 MiB)
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 4.0, value_parser = crate::gib)]
     pub gib: f64,
     /// Bucket size in MiB
     #[arg(long, default_value_t = 512)]

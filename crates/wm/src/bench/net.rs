@@ -37,7 +37,7 @@ pub struct Args {
 /// `wm bench net-publisher` options (the trainer process).
 #[derive(clap::Args, Debug)]
 pub struct PublisherArgs {
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 4.0, value_parser = crate::gib)]
     gib: f64,
     /// Sessions to serve
     #[arg(long, default_value_t = 1)]

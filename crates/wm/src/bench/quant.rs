@@ -35,14 +35,14 @@ const SHAPE: [usize; 2] = [4096, 8192];
 pub struct Args {
     /// Bytes of bf16 weights quantized in GiB (tensors of 64 MiB, at least
     /// one); 0 skips that section
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, value_parser = crate::gib)]
     gib: f64,
     /// Pairs of alternating runs
     #[arg(long, default_value_t = 5, value_parser = crate::count)]
     runs: usize,
     /// Bytes of the bf16 model updated into FP8 params and into bf16 ones
     /// (over UCX and from a snapshot), in GiB; 0 skips that section
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, value_parser = crate::gib)]
     update_gib: f64,
 }
 

@@ -31,7 +31,7 @@ use weight_manager_core::Mode;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Model size in GiB (tensors of 64 MiB)
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = crate::gib)]
     gib: f64,
     /// Small tensors (f32 [64]) for the per-tensor cost (0: none)
     #[arg(long, default_value_t = 10_000)]

@@ -35,7 +35,7 @@ use weight_manager_core::{Manager, Mode, ParamSpec, UpdateRequest};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Model size in GiB (tensors of 64 MiB)
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::gib)]
     gib: f64,
     /// Copy threads (0: the library's default)
     #[arg(long, default_value_t = 0)]

@@ -56,7 +56,7 @@ use weight_manager_core::{MemoryKind, ParamSpec};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Model size in GiB (tensors of 64 MiB)
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 4.0, value_parser = crate::gib)]
     gib: f64,
 }
 

@@ -62,7 +62,7 @@ pub struct RankArgs {
     dir: PathBuf,
     #[arg(long, default_value_t = 0)]
     rank: u64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::gib)]
     gib: f64,
     /// The dimension split (engines)
     #[arg(long, default_value_t = 0)]

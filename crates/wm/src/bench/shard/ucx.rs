@@ -50,7 +50,7 @@ const PATTERNS: [(&str, usize); 2] = [("row halves", 0), ("column halves", 1)];
 pub struct PublisherArgs {
     #[arg(long, default_value_t = 0)]
     rank: u64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::gib)]
     gib: f64,
     /// Sessions to serve
     #[arg(long, default_value_t = 1)]
@@ -65,7 +65,7 @@ pub struct RankArgs {
     /// The dimension split
     #[arg(long, default_value_t = 0)]
     split: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::gib)]
     gib: f64,
     #[arg(long, default_value_t = 64)]
     bucket_mib: usize,
