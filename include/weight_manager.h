@@ -414,8 +414,9 @@ typedef struct {
 typedef struct {
   // `sizeof(wm_net_config)`; set by `wm_net_config_init`.
   uint32_t struct_size;
-  // Largest bucket (with `staged`, the size of each staging slot), 256
-  // bytes to 16 GiB (`WM_ERR_INVALID_ARGUMENT` outside); 0: 512 MiB.
+  // Largest bucket (with `staged`, the most a staging slot grows to:
+  // each holds what its buckets need, so a small update takes little),
+  // 256 bytes to 16 GiB (`WM_ERR_INVALID_ARGUMENT` outside); 0: 512 MiB.
   uint64_t bucket_size;
   // The shared secret (NUL-terminated, at least 16 bytes, copied by
   // `wm_init`); NULL: the `WM_NET_SECRET` environment variable.

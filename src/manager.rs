@@ -144,8 +144,9 @@ pub struct wm_group_config {
 pub struct wm_net_config {
     /// `sizeof(wm_net_config)`; set by `wm_net_config_init`.
     pub struct_size: u32,
-    /// Largest bucket (with `staged`, the size of each staging slot), 256
-    /// bytes to 16 GiB (`WM_ERR_INVALID_ARGUMENT` outside); 0: 512 MiB.
+    /// Largest bucket (with `staged`, the most a staging slot grows to:
+    /// each holds what its buckets need, so a small update takes little),
+    /// 256 bytes to 16 GiB (`WM_ERR_INVALID_ARGUMENT` outside); 0: 512 MiB.
     pub bucket_size: u64,
     /// The shared secret (NUL-terminated, at least 16 bytes, copied by
     /// `wm_init`); NULL: the `WM_NET_SECRET` environment variable.

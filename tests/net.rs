@@ -724,6 +724,44 @@ fn staged_receive_lands_in_params_atomic_and_in_place() {
     assert_params(&ptrs, &ts);
 }
 
+/// A staged receive takes the memory its buckets need, not `depth`
+/// buckets of the configured size: a fresh `wm pull --staged true` of a
+/// small snapshot, with the default 512 MiB buckets and 2 in flight (1 GiB
+/// of slots, each page faulted in, before 2026-11-28), peaks far below
+/// one bucket.
+#[test]
+#[expect(
+    clippy::zombie_processes,
+    reason = "the engine is reaped by wait4, which gives its peak memory"
+)]
+fn a_staged_receive_takes_the_memory_its_buckets_need() {
+    tcp_only();
+    let dir = tempfile::tempdir().unwrap();
+    four_rank_snapshot(dir.path(), 3, "5");
+    let (mut publisher, addr, _out) = serve(&[dir.path().to_str().unwrap()]);
+    let d = dir.path().to_str().unwrap();
+    let args = ["pull", "--net", &addr, "--check", d, "--world", "4"];
+    let engine = wm(&[&args[..], &["--staged", "true"]].concat())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: an rusage filled by wait4 for our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for that child, which nothing else waits for.
+    let waited = unsafe { libc::wait4(engine.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(waited, engine.id() as i32);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{status}"
+    );
+    let peak_mib = usage.ru_maxrss / 1024;
+    assert!(
+        peak_mib < 256,
+        "a staged pull of a few KiB peaked at {peak_mib} MiB"
+    );
+    let _ = publisher.wait();
+}
+
 #[path = "net/proxy.rs"]
 mod proxy;
 

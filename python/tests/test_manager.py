@@ -310,3 +310,31 @@ def test_allocating_on_a_gpu_without_one_says_why():
         assert "libcuda" in str(e.value)
         host = m.allocate("h", "f32", (4,))
         assert host.shape == (4,)
+
+
+def test_params_of_no_bytes_alone_are_said_so(tmp_path):
+    """Params that hold no bytes (a dimension of 0) match their tensors but
+    move nothing: the update says so, not that nothing matched."""
+    write_snapshot(tmp_path, {"a": np.zeros((0, 4), np.float32)}, step=1)
+    with Manager(model_dir=tmp_path, fallback_dir="") as m:
+        m.allocate("a", "f32", (0, 4))
+        with pytest.raises(WeightManagerError) as e:
+            m.update()
+        assert e.value.code == Result.ERR_MISMATCH
+        assert "every registered param holds no bytes" in e.value.message, e.value.message
+
+
+def test_a_publisher_missing_among_several_is_named_as_its_source(tmp_path):
+    """Of several IPC publishers, the one that cannot be opened is named by
+    its index and location, as a source failing later is."""
+    from weight_manager import Publisher
+    w = np.zeros(4, np.float32)
+    with Publisher(str(tmp_path / "p0.sock")) as p, Manager(fallback_dir="") as m:
+        p.add("w", np.arange(4, dtype=np.float32))
+        p.set_version("1")
+        m.register("w", w)
+        missing = str(tmp_path / "p1.sock")
+        with pytest.raises(WeightManagerError) as e:
+            m.update([missing, str(tmp_path / "p0.sock")], source="ipc", timeout=5)
+        assert e.value.code == Result.ERR_NOT_FOUND, e.value
+        assert f"source 0 (the publisher at {missing})" in e.value.message, e.value.message

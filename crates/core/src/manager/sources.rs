@@ -46,7 +46,8 @@ impl Manager {
             }));
         }
         let mut opened: Vec<Box<dyn Source>> = Vec::with_capacity(locations.len());
-        for loc in &locations {
+        let several = locations.len() > 1;
+        for (i, loc) in locations.iter().enumerate() {
             let one = match req.source {
                 SourceKind::Ipc => self.open_ipc(req, loc, (base.cloned(), most)),
                 SourceKind::Rdma | SourceKind::Gdr => {
@@ -58,6 +59,13 @@ impl Manager {
                 Ok(source) => opened.push(source),
                 // The publishers already reached hear why the update ends.
                 Err(e) => {
+                    // Named as a source failing later is (`stream_all`).
+                    let e = match several {
+                        true => {
+                            e.context(format!("source {i} (the publisher at {})", loc.display()))
+                        }
+                        false => e,
+                    };
                     for s in opened.iter_mut() {
                         s.abort(&e);
                     }

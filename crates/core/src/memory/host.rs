@@ -44,8 +44,15 @@ impl HostRegion {
     }
 
     /// Map `len` bytes for staging and fault them in on `threads` threads
-    /// (see [`populate_all`]).
+    /// (see [`populate_all`]). More than the memory available now is
+    /// `WM_ERR_OUT_OF_MEMORY` before a page is touched: faulting it in
+    /// would have the kernel kill a process instead.
     pub fn staging(what: &str, len: usize, threads: usize) -> Result<HostRegion> {
+        if let Some(free) = available().filter(|&free| len as u64 > free) {
+            return Err(Error::out_of_memory(format!(
+                "{what}: {len} bytes is more than the {free} bytes of memory available"
+            )));
+        }
         let r = HostRegion::new(what, len)?;
         populate_all(&[&r], threads, false).map_err(|e| e.context(what))?;
         Ok(r)
@@ -167,6 +174,17 @@ fn map_aligned(len: usize, align: usize) -> std::io::Result<*mut u8> {
         }
     }
     Ok(base.wrapping_add(head))
+}
+
+/// The memory the kernel says is available now (`MemAvailable`), if it
+/// says.
+pub fn available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    let kib: u64 = kib.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 /// Fault in every page of `regions` on `threads` threads: staging memory
@@ -292,5 +310,24 @@ mod tests {
         let r = HostRegion::new("empty", 0).unwrap();
         assert!(r.is_empty());
         r.release().unwrap();
+    }
+
+    /// Staging of more than the memory available is refused before a page
+    /// is touched (the kernel would kill a process instead), naming it.
+    #[test]
+    fn staging_beyond_the_memory_available_is_refused() {
+        let free = available().expect("/proc/meminfo says MemAvailable");
+        let Err(e) = HostRegion::staging("a test slot", (free as usize).saturating_mul(2), 1)
+        else {
+            panic!("twice the memory available was staged");
+        };
+        assert_eq!(
+            e.code,
+            crate::result::wm_result::WM_ERR_OUT_OF_MEMORY,
+            "{e}"
+        );
+        assert!(e.message.starts_with("a test slot: "), "{e}");
+        let small = HostRegion::staging("a small slot", 1 << 20, 1).unwrap();
+        assert_eq!(small.len(), 1 << 20);
     }
 }

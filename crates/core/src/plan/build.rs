@@ -152,9 +152,15 @@ impl<'a> Sources<'a> {
         }
         fail(problems, Error::mismatch)?;
         if plan.tensors == 0 {
-            return Err(Error::mismatch(
-                "no tensor of the source matches a registered param",
-            ));
+            // Params of no bytes (an empty piece, a tensor of 0 rows) take
+            // nothing: say so, not that nothing matched.
+            let empty = (0..params.count()).all(|i| params.param(i).nbytes() == 0);
+            return Err(Error::mismatch(match empty && params.count() > 0 {
+                true => "every registered param holds no bytes (an empty piece or a tensor \
+                         with a dimension of 0): there is nothing to update"
+                    .to_string(),
+                false => "no tensor of the source matches a registered param".to_string(),
+            }));
         }
         Ok(plan)
     }

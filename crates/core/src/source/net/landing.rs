@@ -19,18 +19,25 @@ use crate::transport::ucx::{Pump, ScatterList};
 use crate::wire::message_tag as net_tag;
 use crate::wire::{max_scatter_parts, BucketEntry};
 
-/// Direct receives' bounce buffers, one per bucket in flight (bucket `seq`
-/// uses `seq % depth`): taken when a bucket first needs one, from the
-/// staging slots' pool, and grown as needed. A bucket's messages lie
-/// inside the engine's bucket size without overlapping, so none needs more.
+/// Host memory per bucket in flight (bucket `seq` uses `seq % depth`):
+/// staged receives' slots, and direct receives' bounce buffers. Taken when
+/// a bucket first needs one, from the staging slots' pool, and grown as
+/// buckets need: a 1 MiB update takes about 1 MiB a slot, not the bucket
+/// size (512 MiB by default, populated page by page: an update of any size
+/// used to cost `depth` whole buckets of memory, and the largest settings
+/// more than the machine had). A bucket's messages lie inside the engine's
+/// bucket size without overlapping, so none needs more.
 pub(super) struct Bounce {
+    /// What it is, in errors ("network staging slot").
+    what: &'static str,
     regions: Vec<Option<HostRegion>>,
     bucket_size: u64,
 }
 
 impl Bounce {
-    pub(super) fn new(depth: usize, bucket_size: u64) -> Bounce {
+    pub(super) fn new(what: &'static str, depth: usize, bucket_size: u64) -> Bounce {
         Bounce {
+            what,
             regions: (0..depth).map(|_| None).collect(),
             bucket_size,
         }
@@ -39,7 +46,7 @@ impl Bounce {
     /// At least `need` bytes (at most the bucket size) for bucket `seq`
     /// (its earlier user, bucket `seq - depth`, is acknowledged: nothing is
     /// received there any more).
-    fn take(&mut self, seq: u64, need: u64) -> Result<*mut u8> {
+    pub(super) fn take(&mut self, seq: u64, need: u64) -> Result<*mut u8> {
         let i = seq as usize % self.regions.len();
         if self.regions[i]
             .as_ref()
@@ -49,9 +56,8 @@ impl Bounce {
             let step = need.next_power_of_two().max(1 << 16);
             let size = step.min(self.bucket_size).max(need) as usize;
             let threads = crate::memory::copy::default_threads();
-            let fresh = SLOTS.take(1, size, |_| {
-                HostRegion::staging("network bounce buffer", size, threads)
-            })?;
+            let what = self.what;
+            let fresh = SLOTS.take(1, size, |_| HostRegion::staging(what, size, threads))?;
             let old = std::mem::replace(&mut self.regions[i], fresh.into_iter().next());
             SLOTS.give_back(old.into_iter().collect());
         }
@@ -194,7 +200,7 @@ mod tests {
     #[test]
     fn bounce_buffers_grow_within_the_bucket_size() {
         for (bucket, needs) in [(4096u64, [100u64, 4096]), (1 << 20, [70_000, 300_000])] {
-            let mut b = Bounce::new(2, bucket);
+            let mut b = Bounce::new("network bounce buffer", 2, bucket);
             for (seq, need) in needs.into_iter().enumerate() {
                 b.take(seq as u64, need).unwrap();
                 let len = b.regions[seq % 2].as_ref().unwrap().len() as u64;

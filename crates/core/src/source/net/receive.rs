@@ -7,10 +7,9 @@
 //! Where each message lands is `landing`'s.
 
 use super::landing::{apply_landed, post, Bounce, Landings, Posted};
-use super::{NetOptions, SLOTS};
+use super::NetOptions;
 use crate::apply::Applier;
 use crate::checksum::KEYED;
-use crate::memory::host::HostRegion;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
 use crate::source::publisher_link::{unexpected, PublisherLink};
@@ -35,8 +34,8 @@ pub(super) struct Peer<'a> {
 /// receives) outlives it.
 pub(super) struct Receiver {
     pump: Option<Pump>,
-    /// Staged: the staging slots (empty: direct).
-    slots: Vec<HostRegion>,
+    /// Staged: the staging slots, grown as buckets need (None: direct).
+    slots: Option<Bounce>,
     /// Direct: where messages that do not land in one piece go.
     bounce: Bounce,
     /// The delta messages' buffers (`deltas.rs`): dropped after the pump,
@@ -46,11 +45,10 @@ pub(super) struct Receiver {
 }
 
 impl Drop for Receiver {
+    /// The pump first: it cancels the receives posted into the slots and
+    /// bounce buffers, which go back to the pool after (field order).
     fn drop(&mut self) {
         self.pump = None;
-        if !self.slots.is_empty() {
-            SLOTS.give_back(std::mem::take(&mut self.slots));
-        }
     }
 }
 
@@ -74,19 +72,12 @@ impl Receiver {
     /// Take the staging slots (staged) and this session's UCX worker,
     /// whose address the publisher already has (READY, sent at `open`).
     pub(super) fn start(opts: &NetOptions, pump: Pump) -> Result<Receiver> {
-        let slots = if opts.direct {
-            Vec::new()
-        } else {
-            let (size, depth) = (opts.bucket_size, opts.depth);
-            let threads = crate::memory::copy::default_threads();
-            SLOTS.take(depth, size, |_| {
-                HostRegion::staging("network staging slot", size, threads)
-            })?
-        };
+        let (depth, size) = (opts.depth, opts.bucket_size as u64);
+        let slots = (!opts.direct).then(|| Bounce::new("network staging slot", depth, size));
         let mut rx = Receiver {
             pump: None,
             slots,
-            bounce: Bounce::new(opts.depth, opts.bucket_size as u64),
+            bounce: Bounce::new("network bounce buffer", depth, size),
             deltas: Vec::new(),
             st: Receiving {
                 early: HashMap::new(),
@@ -193,7 +184,13 @@ impl Receiver {
             true => recv_digests(p.link, seq, entries.len(), frame_deadline)?,
             false => Vec::new(),
         };
-        let slot = self.slots.get(buffer as usize).map(HostRegion::ptr);
+        // The slot holds the bucket's messages at their offsets: as far as
+        // the last one ends (checked within the bucket size above).
+        let extent = entries.iter().map(|e| e.buffer_offset + e.len).max();
+        let slot = match &mut self.slots {
+            Some(slots) => Some(slots.take(seq, extent.unwrap_or(0))?),
+            None => None,
+        };
         if self.st.pending.is_empty() {
             self.st.waiting_since = Instant::now();
         }
