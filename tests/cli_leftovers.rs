@@ -68,20 +68,64 @@ fn a_stopping_signal_removes_the_served_socket() {
     write_version(&model, "7");
     let socket = tmp.path().join("p.sock");
     for signal in [libc::SIGTERM, libc::SIGINT] {
-        let mut child = Command::new(&*WM)
-            .arg("serve")
-            .arg("--ipc")
-            .arg(&socket)
-            .arg(&model)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for(&socket, &mut child);
+        let mut child = serving(&socket, &model, false);
         let status = stop(&mut child, signal);
         assert_eq!(status.signal(), Some(signal), "{status:?}");
         assert!(!socket.exists(), "signal {signal}: {socket:?} left behind");
     }
+}
+
+/// `wm serve --ipc SOCKET DIR` (under `nohup`: SIGHUP ignored), once it
+/// said it listens.
+fn serving(socket: &Path, model: &Path, nohup: bool) -> Child {
+    let mut c = match nohup {
+        true => Command::new("nohup"),
+        false => Command::new(&*WM),
+    };
+    if nohup {
+        c.arg(&*WM);
+    }
+    let mut child = c
+        .arg("serve")
+        .arg("--ipc")
+        .arg(socket)
+        .arg(model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("listening on") {
+        line.clear();
+        let read = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(read > 0, "wm serve exited before it listened");
+    }
+    child
+}
+
+/// A signal wm was started ignoring stays ignored (`nohup`: SIGHUP); the
+/// others still end it, cleaning up.
+#[test]
+fn a_signal_ignored_at_start_stays_ignored() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    write_safetensors(&model.join("model.safetensors"), &common::model(3));
+    write_version(&model, "7");
+    let socket = tmp.path().join("p.sock");
+    let mut child = serving(&socket, &model, true);
+    // SAFETY: a signal to our own child, which has not been waited for.
+    unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGHUP under nohup ended wm"
+    );
+    assert!(socket.exists());
+    let status = stop(&mut child, libc::SIGTERM);
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    assert!(!socket.exists(), "{socket:?} left behind");
 }
 
 #[test]

@@ -30,32 +30,38 @@ def on_ctrl_c(stop):
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
-    pressed = []
-    # Our handler only notes it: a KeyboardInterrupt raised between two
-    # steps of the clean-up below would leak the pipe or the thread.
-    signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
-    r, w = os.pipe()
+    pressed, installed = [], False
+    fds, watcher, old = (), None, None
     try:
-        os.set_blocking(w, False)
-        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    except (ValueError, OSError):
-        old = None
-    watcher = None
-    if old == -1:
-        watcher = threading.Thread(target=_watch, args=(r, stop), name="wm-ctrl-c", daemon=True)
-        watcher.start()
-    elif old is not None:
-        signal.set_wakeup_fd(old)  # someone else's: theirs stays
-    try:
+        try:
+            # Our handler only notes it: a KeyboardInterrupt raised between
+            # two steps of the clean-up below would leak the pipe or the
+            # thread.
+            signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+            installed = True
+            fds = os.pipe()
+            os.set_blocking(fds[1], False)
+            old = signal.set_wakeup_fd(fds[1], warn_on_full_buffer=False)
+            if old != -1:
+                signal.set_wakeup_fd(old)  # someone else's: theirs stays
+            else:
+                t = threading.Thread(target=_watch, args=(fds[0], stop), name="wm-ctrl-c",
+                                     daemon=True)
+                t.start()
+                watcher = t
+        except (OSError, ValueError, RuntimeError):
+            pass  # no watcher: Ctrl-C is raised once the call returned, as before
         yield
     finally:
-        if watcher is not None:
+        if old == -1:
             signal.set_wakeup_fd(-1)
-        os.close(w)  # the watcher reads the end and returns
-        if watcher is not None:
-            watcher.join(10)
-        os.close(r)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if fds:
+            os.close(fds[1])  # the watcher reads the end and returns
+            if watcher is not None:
+                watcher.join(10)
+            os.close(fds[0])
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if pressed:
             raise KeyboardInterrupt
 

@@ -20,14 +20,23 @@ const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
 /// Block the signals and start the thread that waits for them. Where
 /// either fails, the signals keep their default action (wm ends, leaving
-/// what is listed), as before.
+/// what is listed), as before. A signal wm was started ignoring (`nohup`
+/// ignores SIGHUP, a shell's background job SIGINT) stays ignored: a
+/// blocked signal is queued for `sigwait`, not ignored, so taking it would
+/// end a wm that was meant to go on.
 pub fn watch() {
-    // SAFETY: a signal set on the stack, filled and used by the calls below.
+    // SAFETY: a signal set and a sigaction on the stack, filled and used
+    // by the calls below (the sigaction only read: a NULL new action).
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         for s in SIGNALS {
-            libc::sigaddset(&mut set, s);
+            let mut now: libc::sigaction = std::mem::zeroed();
+            let ignored = libc::sigaction(s, std::ptr::null(), &mut now) == 0
+                && now.sa_sigaction == libc::SIG_IGN;
+            if !ignored {
+                libc::sigaddset(&mut set, s);
+            }
         }
         set
     };

@@ -105,16 +105,17 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// The steps of each learning rate: per step, what changed and what a
 /// delta costs, in bf16 and FP8.
 fn training_steps(data: Option<&Path>) -> Result<(), String> {
-    let scratch = Scratch::temp("wm-bench-delta")?;
+    // Made (and removed) only when the steps are generated here.
+    let mut scratch = None;
     let dir = match data {
         Some(d) => d.to_path_buf(),
         None => {
-            let made = generate(&scratch.0);
-            if let Err(e) = made {
+            let made = scratch.insert(Scratch::temp("wm-bench-delta")?);
+            if let Err(e) = generate(&made.0) {
                 println!("  training steps skipped: {e}");
                 return Ok(());
             }
-            scratch.0.clone()
+            made.0.clone()
         }
     };
     let mut lrs: Vec<PathBuf> = std::fs::read_dir(&dir)
