@@ -62,10 +62,7 @@ fn a_stopping_signal_removes_the_demos_temporary_folder() {
 #[test]
 fn a_stopping_signal_removes_the_served_socket() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    write_safetensors(&model.join("model.safetensors"), &common::model(3));
-    write_version(&model, "7");
+    let model = model_folder(tmp.path());
     let socket = tmp.path().join("p.sock");
     for signal in [libc::SIGTERM, libc::SIGINT] {
         let mut child = serving(&socket, &model, false);
@@ -73,6 +70,15 @@ fn a_stopping_signal_removes_the_served_socket() {
         assert_eq!(status.signal(), Some(signal), "{status:?}");
         assert!(!socket.exists(), "signal {signal}: {socket:?} left behind");
     }
+}
+
+/// A snapshot folder to serve, in `dir`.
+fn model_folder(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir(&model).unwrap();
+    write_safetensors(&model.join("model.safetensors"), &common::model(3));
+    write_version(&model, "7");
+    model
 }
 
 /// `wm serve --ipc SOCKET DIR` (under `nohup`: SIGHUP ignored), once it
@@ -109,10 +115,7 @@ fn serving(socket: &Path, model: &Path, nohup: bool) -> Child {
 #[test]
 fn a_signal_ignored_at_start_stays_ignored() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    write_safetensors(&model.join("model.safetensors"), &common::model(3));
-    write_version(&model, "7");
+    let model = model_folder(tmp.path());
     let socket = tmp.path().join("p.sock");
     let mut child = serving(&socket, &model, true);
     // SAFETY: a signal to our own child, which has not been waited for.
