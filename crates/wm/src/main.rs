@@ -168,12 +168,8 @@ pub fn gib(v: &str) -> Result<f64, String> {
 
 /// This machine's memory in GiB (`MemTotal`; unbounded where unknown).
 fn memory_gib() -> f64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kib = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok());
-    kib.map_or(f64::INFINITY, |k| k / (1u64 << 20) as f64)
+    let total = weight_manager_core::internals::memory::host::meminfo("MemTotal");
+    total.map_or(f64::INFINITY, |b| b as f64 / (1u64 << 30) as f64)
 }
 
 /// A number of ranks to run: 1 to 1024.

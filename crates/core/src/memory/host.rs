@@ -179,11 +179,15 @@ fn map_aligned(len: usize, align: usize) -> std::io::Result<*mut u8> {
 /// The memory the kernel says is available now (`MemAvailable`), if it
 /// says.
 pub fn available() -> Option<u64> {
+    meminfo("MemAvailable")
+}
+
+/// Bytes of `field` of `/proc/meminfo` ("MemTotal", "MemAvailable"), if
+/// the kernel says.
+pub fn meminfo(field: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?;
-    let kib: u64 = kib.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let line = (meminfo.lines()).find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
+    let kib: u64 = line.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib.saturating_mul(1024))
 }
 
