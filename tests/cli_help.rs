@@ -216,11 +216,24 @@ fn bad_values_and_unknown_commands_are_refused_by_name() {
             "--version names one version",
         ),
     ] {
-        let out = wm(args);
-        let err = text(&out.stderr);
-        assert!(!out.status.success(), "wm {args:?} succeeded");
-        assert!(err.contains(want), "wm {args:?}: want '{want}' in {err}");
+        refused(args, want);
     }
+}
+
+fn refused(args: &[&str], want: &str) {
+    let out = wm(args);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "wm {args:?} succeeded");
+    assert!(err.contains(want), "wm {args:?}: want '{want}' in {err}");
+}
+
+/// `wm shard --ranks` past the most trainer ranks one update reads
+/// (`WM_MAX_SOURCES`) is refused before anything is read: a billion rank
+/// files, each with a copy of every tensor too small to split, ran until
+/// the disk filled.
+#[test]
+fn shard_ranks_are_bounded() {
+    refused(&["shard", "in", "--out", "o", "--ranks", "4097"], "--ranks");
 }
 
 /// `wm inspect` of a file that is no safetensors fails with its error

@@ -32,8 +32,9 @@ pub struct Args {
     /// Folder for the rank files
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
-    /// Trainer ranks (files)
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Trainer ranks (files), 1 to 4096 (WM_MAX_SOURCES: the most trainer
+    /// ranks one update reads from)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=weight_manager_core::MAX_SOURCES as u64))]
     ranks: u64,
     /// The dimension split
     #[arg(long, value_name = "D", default_value_t = 0)]

@@ -23,6 +23,9 @@ struct BatchWork<'c> {
     /// Chunks that are part of a tensor (verifying): (tensor, bytes, len),
     /// hashed as soon as they are in memory.
     hash_chunks: Vec<(usize, SendPtr, usize)>,
+    /// Route::Copy from memory, verifying: (tensor, src, dst, len), each
+    /// tensor's in the order its bytes come, hashed as they are copied.
+    hashed_copies: Vec<(usize, SendPtr, SendPtr, usize)>,
     /// Route::DeviceToDevice: (GPU, dst, src, len).
     device_copies: Vec<(i32, u64, u64, usize)>,
     /// Tensors the device-to-device copies complete.
@@ -128,30 +131,34 @@ impl Applier<'_, '_> {
         let mut spans = self.landing.spans_from(t, run[0].offset)?;
         let hashing = self.verifier.on && !whole;
         for c in run {
-            // Bytes in memory are hashed where they already are (just
-            // landed, so still in cache); a file's once copied, span by
-            // span in the order received.
-            let hash_src = match (hashing, landed, c.src) {
-                (true, false, CopySource::Memory(src)) => {
-                    work.hash_chunks.push((t, src, c.len));
-                    false
-                }
-                _ => hashing,
+            // Memory copied here is hashed as it is copied (read once,
+            // `Verifier::copy_hashing`), whole tensors too; bytes a source
+            // landed are hashed where they are (just landed, so still in
+            // cache); a file's once copied, span by span in the order
+            // received.
+            let fused = match (self.verifier.on, landed, c.src) {
+                (true, false, CopySource::Memory(src)) => Some(src),
+                _ => None,
             };
-            let copies = &mut work.copies;
-            let hash_chunks = &mut work.hash_chunks;
+            let work = &mut *work;
             spans
-                .map(c.offset, c.len as u64, |s| {
-                    if hash_src {
-                        hash_chunks.push((t, s.dst, s.len as usize));
+                .map(c.offset, c.len as u64, |s| match fused {
+                    Some(src) => {
+                        let from = SendPtr(src.0.wrapping_add(s.at as usize));
+                        work.hashed_copies.push((t, from, s.dst, s.len as usize));
                     }
-                    if !landed {
-                        copies.push(CopyJob {
-                            src: c.src.advanced(s.at),
-                            dst: s.dst,
-                            len: s.len as usize,
-                            tag: t,
-                        });
+                    None => {
+                        if hashing {
+                            work.hash_chunks.push((t, s.dst, s.len as usize));
+                        }
+                        if !landed {
+                            work.copies.push(CopyJob {
+                                src: c.src.advanced(s.at),
+                                dst: s.dst,
+                                len: s.len as usize,
+                                tag: t,
+                            });
+                        }
                     }
                 })
                 .map_err(|at| self.landing.no_run(t, at))?;
@@ -225,14 +232,22 @@ impl Applier<'_, '_> {
 
     /// Copy, hash, verify and pass on what the batch's chunks completed.
     fn run_batch(&mut self, origin: &str, work: BatchWork) -> Result<()> {
+        let threads = self.opts.threads;
         // SAFETY: every destination is inside a planned tensor's memory
         // (range checked against its byte size), each byte is written once
         // (offsets must follow on exactly), and sources are valid per the
         // Chunk contract.
-        unsafe { copy_all(&work.copies, self.opts.threads) }.map_err(|e| {
-            e.error
-                .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
-        })?;
+        let copied = unsafe { copy_all(&work.copies, threads) };
+        let verifier = &mut self.verifier;
+        copied
+            .and_then(|()| {
+                // SAFETY: as for the copies above.
+                unsafe { verifier.copy_hashing(&work.hashed_copies, threads) }
+            })
+            .map_err(|e| {
+                e.error
+                    .context(format!("tensor '{}' from {origin}", self.name(e.tag)))
+            })?;
         for &t in &work.completed {
             let n = self.plan.entries[t].bytes as usize;
             // SAFETY: every byte up to n was just written, into a buffer

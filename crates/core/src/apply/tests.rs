@@ -183,6 +183,82 @@ fn tensors_in_chunks_are_verified_as_they_land() {
     }
 }
 
+/// Tensors `t0`, `t1`, ... of `good`'s sizes and checksums, received from
+/// `sent` in place on `threads`: every tensor's first half in one batch,
+/// its second half in the next. The params' bytes, or the error.
+fn apply_batches(good: &[Vec<u8>], sent: &[Vec<u8>], threads: usize) -> Result<Vec<Vec<u8>>> {
+    let entries = good.iter().enumerate().map(|(i, b)| {
+        let meta = TensorMeta {
+            name: format!("t{i}"),
+            dtype: DType::U8,
+            shape: vec![b.len() as u64],
+            nbytes: b.len() as u64,
+            checksum: Some(crate::checksum::of(b)),
+            placement: None,
+        };
+        PlanEntry::new(meta, 0, Target::Param(i))
+    });
+    let plan = Plan::new(entries.collect());
+    let mut params: Vec<Vec<u8>> = good.iter().map(|b| vec![0u8; b.len()]).collect();
+    let opts = ApplyOptions {
+        mode: Mode::InPlace,
+        verify: true,
+        threads,
+        timeout: Duration::from_secs(10),
+        begun: std::time::Instant::now(),
+        callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
+    };
+    let dests = (params.iter_mut())
+        .map(|p| Some(Dest::Host(SendPtr(p.as_mut_ptr()))))
+        .collect();
+    let mut a = Applier::new(&plan, dests, opts, Hooks::default())?;
+    for half in [0, 1] {
+        let chunks: Vec<Chunk> = (sent.iter().enumerate())
+            .map(|(t, b)| {
+                let (at, len) = (half * (b.len() / 2), b.len() / 2 + half * (b.len() % 2));
+                let src = CopySource::Memory(SendPtr(b[at..].as_ptr().cast_mut()));
+                let offset = at as u64;
+                Chunk {
+                    tensor: t,
+                    offset,
+                    len,
+                    src,
+                }
+            })
+            .collect();
+        a.apply_batch("test", &chunks)?;
+    }
+    a.finish().map_err(|f| f.error)?;
+    Ok(params)
+}
+
+/// Tensors copied out of memory are hashed as they are copied: with as
+/// many tensors in a batch as threads, each tensor's copies and hash on
+/// one thread; with fewer, the copies first on every thread and the
+/// hashes after. Either way (1 to 4 threads, 3 tensors, each over two
+/// batches) every byte lands and a flipped one fails naming its tensor.
+#[test]
+fn tensors_copied_in_batches_are_verified_as_they_are_copied() {
+    let good: Vec<Vec<u8>> = (0..3usize)
+        .map(|k| {
+            (0..(1 << 20) * (k + 1) + k)
+                .map(|i| (i * 7 + k) as u8)
+                .collect()
+        })
+        .collect();
+    for threads in 1..=4 {
+        assert!(
+            apply_batches(&good, &good, threads).unwrap() == good,
+            "{threads}"
+        );
+        let mut bad = good.clone();
+        bad[1][(3 << 19) + 5] ^= 1;
+        let e = apply_batches(&good, &bad, threads).unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_CHECKSUM, "{e}");
+        assert!(e.message.contains("tensor 't1'"), "{threads}: {e}");
+    }
+}
+
 /// A chunk maps through its plan run to the param's byte range: a run that
 /// puts a tensor's 4 bytes at bytes 4..8 of an 8-byte param writes only
 /// those, in place (copied or landed) and atomically.

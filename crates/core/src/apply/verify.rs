@@ -6,15 +6,18 @@
 //! exactly the bytes it receives, which its source hands over with
 //! [`Verifier::expect_checksum`] (a publisher hashes the slice it serves; a
 //! snapshot hashes what it read after checking it against the file's block
-//! sums). An entry that arrives in several chunks is hashed chunk by chunk
-//! right after each lands (while its bytes are still in cache); one that
-//! arrives whole is hashed once whole, in parallel with the batch's others.
+//! sums). Bytes the applier copies out of memory (a bucket, a mapped
+//! file) are hashed as they are copied, a chunk at a time from the source
+//! the copy just read ([`Verifier::copy_hashing`]); bytes a source landed
+//! itself are hashed where they landed, right after (still in cache); a
+//! file's bytes read whole into place are hashed there once whole, in
+//! parallel with the batch's others.
 //! An entry a source wrote straight into GPU memory (gdr) is hashed there
 //! once complete ([`Verifier::landed_on_device`]).
 
 use super::landing::Landing;
 use crate::checksum::Checksum;
-use crate::memory::copy::hash_all;
+use crate::memory::copy::{copy_all, copy_hashing, each, hash_all, CopyError, CopyJob, CopySource};
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
@@ -23,6 +26,10 @@ use std::collections::HashMap;
 /// Where an entry landed on a GPU: its ordinal and the runs (device
 /// address, bytes) in the order its bytes came.
 type DeviceRuns = (i32, Vec<(u64, u64)>);
+
+/// One entry's copies in a batch (source, destination, length, in the
+/// order its bytes come), with its running hash.
+type HashedRun = (usize, Checksum, Vec<(SendPtr, SendPtr, usize)>);
 
 /// An update's checksums: running hashes and the sums to check them by.
 pub(super) struct Verifier<'p> {
@@ -93,6 +100,69 @@ impl<'p> Verifier<'p> {
                 hash.update(unsafe { std::slice::from_raw_parts(at.0, len) });
             }
         }
+    }
+
+    /// Copy `copies` (entry, source, destination, length: each entry's in
+    /// the order its bytes come) and add their bytes to their entries'
+    /// running hashes: each entry's on one thread, copied and hashed a
+    /// chunk at a time (`copy_hashing`: the bytes read once, where a copy
+    /// and then a hash read them twice). With fewer entries than threads
+    /// the copies run first on every thread and the hashing after (one
+    /// long entry copied on one thread would hold the batch back).
+    ///
+    /// # Safety
+    /// As `copy_all` for memory sources: every source readable and
+    /// unchanged, every destination writable, no byte written twice.
+    pub unsafe fn copy_hashing(
+        &mut self,
+        copies: &[(usize, SendPtr, SendPtr, usize)],
+        threads: usize,
+    ) -> std::result::Result<(), CopyError> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        // Entries in the order first seen, each with its copies in order.
+        let mut slot: HashMap<usize, usize> = HashMap::new();
+        let mut runs: Vec<HashedRun> = Vec::new();
+        for &(t, src, dst, len) in copies {
+            let i = *slot.entry(t).or_insert_with(|| {
+                let h = self.hashing.remove(&t).map(|h| *h).unwrap_or_default();
+                runs.push((t, h, Vec::new()));
+                runs.len() - 1
+            });
+            runs[i].2.push((src, dst, len));
+        }
+        let fused = threads <= 1 || runs.len() >= threads;
+        if !fused {
+            let jobs: Vec<CopyJob> = (copies.iter())
+                .map(|&(tag, src, dst, len)| CopyJob {
+                    src: CopySource::Memory(src),
+                    dst,
+                    len,
+                    tag,
+                })
+                .collect();
+            // SAFETY: the caller's promise.
+            unsafe { copy_all(&jobs, threads) }?;
+        }
+        let sums = each(&runs, threads, |(_, h, copies)| {
+            let mut h = h.clone();
+            for &(src, dst, len) in copies {
+                // SAFETY: the caller's promise; not fused, the bytes were
+                // just copied.
+                unsafe {
+                    match fused {
+                        true => copy_hashing(dst.0, src.0, len, &mut h),
+                        false => h.update(std::slice::from_raw_parts(src.0, len)),
+                    }
+                }
+            }
+            h
+        });
+        for ((t, ..), h) in runs.iter().zip(sums) {
+            self.hashing.insert(*t, Box::new(h));
+        }
+        Ok(())
     }
 
     /// gdr: the next `len` bytes of entry `t` landed at device address

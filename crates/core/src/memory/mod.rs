@@ -55,6 +55,14 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as for Send: sharing the address shares no access.
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The address `n` bytes further on (a method, so that a closure
+    /// using it captures the whole `SendPtr`, not its raw pointer).
+    pub fn wrapping_add(self, n: usize) -> SendPtr {
+        SendPtr(self.0.wrapping_add(n))
+    }
+}
+
 /// Slots for `sizes` packed one after another at 256-byte aligned offsets
 /// (the bucket alignment checkpoint-engine uses): each one's offset, and the bytes they
 /// span. None if that overflows. Staging arenas and published buffers.

@@ -15,12 +15,14 @@ use super::device_sums::DeviceSums;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, request_sizes, windows};
-use super::shard::{fill, Shard, BLOCK_BATCH};
+use super::shard::{fill, pack_hashing, Shard, BLOCK_BATCH};
 use super::stats::SessionStats;
 use super::streamer::{BucketSink, SessionIo};
-use super::sums::SliceSums;
+use super::sums::{bytes_at, SliceSums};
+use crate::checksum::Checksum;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
+use crate::memory::SendPtr;
 use crate::result::{try_vec, Error, Result};
 use crate::transport::conn::Conn;
 use crate::wire::{check_cuts, BucketEntry, CudaBuffer, Frame, Request};
@@ -139,10 +141,7 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
         pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
             let slot = seq as usize % n_buf;
             let buf = buffers[slot].ptr();
-            fill(shard, requests, entries, buf, threads)?;
-            // Hashed right after packing, while the bytes are in cache.
-            // SAFETY: the entries were just packed into the buffer.
-            unsafe { sums.hash(entries, |e| buf.wrapping_add(e.buffer_offset as usize)) };
+            pack_and_hash(shard, requests, entries, (buf, threads), sums)?;
             hooks::corrupt(&shard.manifest, requests, entries, buf, victim);
             Ok(slot as u32)
         },
@@ -158,6 +157,50 @@ fn stream_packed(io: &mut SessionIo, shard: &mut Shard, requests: &[Request]) ->
         pool.give_back(buffers);
     }
     r
+}
+
+/// Pack `entries` (of `requests`) into the bucket buffer at `buf` on
+/// `threads`, and feed those whose requests ask for sums to `sums`. Those
+/// of tensors in host memory are packed on the thread hashing their
+/// request and hashed as they are copied (each byte read once: a bucket is
+/// far larger than the cache, so packing it all and then hashing read
+/// every byte twice from memory); the others are packed first, then
+/// hashed in the buffer.
+fn pack_and_hash(
+    shard: &mut Shard,
+    requests: &[Request],
+    entries: &[BucketEntry],
+    (buf, threads): (*mut u8, usize),
+    sums: &mut SliceSums,
+) -> Result<()> {
+    let in_host = shard.in_host_memory().is_some();
+    let later = |e: &BucketEntry| in_host && sums.asks(e.request);
+    match entries.iter().any(later) {
+        true => {
+            let now: Vec<BucketEntry> = entries.iter().filter(|e| !later(e)).copied().collect();
+            fill(shard, requests, &now, buf, threads)?;
+        }
+        false => fill(shard, requests, entries, buf, threads)?,
+    }
+    if !sums.any() {
+        return Ok(());
+    }
+    let tensors = shard.in_host_memory();
+    let buf = SendPtr(buf);
+    let at = |e: &BucketEntry| buf.wrapping_add(e.buffer_offset as usize);
+    let feed = |k: usize, h: &mut Checksum| {
+        let e = &entries[k];
+        match tensors {
+            // SAFETY: entry k's range of the buffer is its own (planned
+            // from the buffer's size), its request inside its tensor
+            // (checked when WANT came).
+            Some(tensors) => unsafe { pack_hashing(tensors, requests, e, at(e).0, h) },
+            // SAFETY: the entry was just packed into the buffer.
+            None => h.update(unsafe { bytes_at(at(e), e) }),
+        }
+    };
+    sums.hash_on(entries, threads, &feed);
+    Ok(())
 }
 
 /// IPC buckets: the engine reads them from the buffers it mapped, so

@@ -27,10 +27,11 @@ use super::deltas::Messages;
 use super::engine_link::EngineLink;
 use super::hooks;
 use super::plan::{plan_buckets, request_sizes};
-use super::shard::{fill, pack_message, Shard};
+use super::shard::{fill, pack_hashing, Shard};
 use super::stats::SessionStats;
 use super::streamer::{Bucket, BucketSink, SessionIo};
-use super::sums::SliceSums;
+use super::sums::{bytes_at, SliceSums};
+use crate::checksum::Checksum;
 use crate::checksum::KEYED;
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
@@ -293,23 +294,21 @@ impl NetSink<'_> {
         }
         let tensors = self.shard.in_memory();
         let (requests, first) = (self.requests, range.start);
-        let pack_later = |k: usize| {
-            if let Some(tensors) = tensors.filter(|_| later[k]) {
-                let (e, at) = (&entries[first + k], b.from[first + k].0);
+        let from = &b.from[range.clone()];
+        let feed = |k: usize, h: &mut Checksum| {
+            let (e, at) = (&entries[first + k], from[k]);
+            match tensors.filter(|_| later[k]) {
                 // SAFETY: message first + k has its own `len` bytes at its
                 // `from` in the bucket buffer (`layout` packs messages back
                 // to back, so no other thread writes them), and its request
                 // lies inside its tensor (checked when WANT came).
-                unsafe { pack_message(tensors, requests, e, at) };
+                Some(tensors) => unsafe { pack_hashing(tensors, requests, e, at.0, h) },
+                // SAFETY: the message's bytes are held at `from` (packed
+                // above, or a tensor's own).
+                None => h.update(unsafe { bytes_at(at, e) }),
             }
         };
-        let from = &b.from[range.clone()];
-        // SAFETY: each message's bytes are held at `from`, or packed there
-        // by `pack_later` before they are hashed.
-        unsafe {
-            self.sums
-                .hash_on(&entries[range], from, self.threads, &pack_later)
-        };
+        self.sums.hash_on(&entries[range], self.threads, &feed);
         Ok(())
     }
 

@@ -6,8 +6,9 @@ use super::offer::{Content, Offer, Published, ServedTensor};
 use crate::checkpoint::checksums::hash_file_ranges;
 use crate::checkpoint::layout::SnapshotLocation;
 use crate::checkpoint::Checkpoint;
+use crate::checksum::Checksum;
 use crate::manifest::{Manifest, TensorMeta};
-use crate::memory::copy::{copy_all, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::copy::{copy_all, copy_hashing, default_threads, hash_all, CopyJob, CopySource};
 use crate::memory::host::HostRegion;
 use crate::memory::mapped_file::MappedWindow;
 use crate::memory::SendPtr;
@@ -74,6 +75,15 @@ impl Shard {
         match &self.bytes {
             ShardBytes::Memory(ptrs) => Some(ptrs),
             ShardBytes::Files { .. } => None,
+        }
+    }
+
+    /// The tensors' addresses when every one is in host memory (not a
+    /// snapshot's files, not a GPU version).
+    pub(super) fn in_host_memory(&self) -> Option<&[SendPtr]> {
+        match self.published {
+            Some(Published::Device(_)) => None,
+            _ => self.in_memory(),
         }
     }
 }
@@ -243,22 +253,24 @@ fn blocks<'q>(
     })
 }
 
-/// Copy message `e`'s bytes (of `requests`, tensors at `tensors`) to
-/// `dst`, back to back: one copy per block of its request's runs, on this
-/// thread.
+/// Copy entry `e`'s bytes (of `requests`, tensors at `tensors` in host
+/// memory) to `dst`, back to back, and feed them to `sum` as they are
+/// copied (`copy_hashing`: each byte read once): one copy per block of its
+/// request's runs, on this thread.
 ///
 /// # Safety
 /// `dst` holds `e.len` writable bytes; the request lies inside its tensor
 /// (checked when WANT came), which the trainer keeps unchanged.
-pub(super) unsafe fn pack_message(
+pub(super) unsafe fn pack_hashing(
     tensors: &[SendPtr],
     requests: &[Request],
     e: &BucketEntry,
     dst: *mut u8,
+    sum: &mut Checksum,
 ) {
     for (t, src, to, len) in blocks(requests, e, dst) {
         // SAFETY: the caller's promise.
-        unsafe { std::ptr::copy_nonoverlapping(tensors[t].0.add(src as usize), to.0, len) };
+        unsafe { copy_hashing(to.0, tensors[t].0.add(src as usize), len, sum) };
     }
 }
 

@@ -59,7 +59,8 @@ impl SliceSums {
     ) {
         let at: Vec<SendPtr> = entries.iter().map(|e| SendPtr(at(e).cast_mut())).collect();
         // SAFETY: the caller's promise.
-        unsafe { self.hash_on(entries, &at, 1, &|_| {}) }
+        let feed = |k: usize, h: &mut Checksum| unsafe { h.update(bytes_at(at[k], &entries[k])) };
+        self.hash_on(entries, 1, &feed)
     }
 
     /// Whether request `q` asked for a sum (of some bytes: an empty
@@ -70,22 +71,20 @@ impl SliceSums {
             .is_some_and(|&(sums, size)| sums && size > 0)
     }
 
-    /// [`SliceSums::hash`], entry `k`'s bytes at `at[k]`, on up to
-    /// `threads` threads: each request's
-    /// entries are hashed in order on one thread, different requests on
-    /// different threads (a bucket of a column split holds several
-    /// requests; one thread hashing them all held the bucket back).
-    /// `before(k)` runs on that thread right before entry `k` is hashed
-    /// (a message packed there is hashed while it is in cache).
-    ///
-    /// # Safety
-    /// As [`SliceSums::hash`], once `before(k)` returned.
-    pub(super) unsafe fn hash_on(
+    /// Feed the entries of the next bucket whose requests asked for sums
+    /// to their requests' running hashes, `feed(k, hash)` adding entry
+    /// `k`'s bytes (where they are, or packing them as it hashes: a
+    /// packed entry is then hashed as it is copied); keep the sums of the
+    /// requests the bucket completes. On up to `threads` threads: each
+    /// request's entries are fed in order on one thread, different
+    /// requests on different threads (a bucket of a column split holds
+    /// several requests; one thread hashing them all held the bucket
+    /// back).
+    pub(super) fn hash_on(
         &mut self,
         entries: &[BucketEntry],
-        at: &[SendPtr],
         threads: usize,
-        before: &(dyn Fn(usize) + Sync),
+        feed: &(dyn Fn(usize, &mut Checksum) + Sync),
     ) {
         // The running hashes of the requests this bucket touches, taken
         // out while threads feed them, in the order first touched, each
@@ -108,10 +107,8 @@ impl SliceSums {
         let feed = |(q, mut h, ks): (u32, Checksum, Vec<usize>)| {
             let mut done = None;
             for k in ks {
-                before(k);
+                feed(k, &mut h);
                 let e = &entries[k];
-                // SAFETY: the caller's promise.
-                h.update(unsafe { std::slice::from_raw_parts(at[k].0, e.len as usize) });
                 if e.len > 0 && e.offset + e.len == asked[q as usize].1 {
                     done = Some(h.digest());
                 }
@@ -156,6 +153,15 @@ impl SliceSums {
     }
 }
 
+/// Entry `e`'s bytes at `at`.
+///
+/// # Safety
+/// `at..at + e.len` is readable and unchanged while the slice lives.
+pub(super) unsafe fn bytes_at<'a>(at: SendPtr, e: &BucketEntry) -> &'a [u8] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(at.0, e.len as usize) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,21 +195,19 @@ mod tests {
         }
         // Interleave: request 4's entries first, then the rest.
         first.rotate_right(2);
-        let at = |es: &[BucketEntry]| -> Vec<SendPtr> {
-            es.iter()
-                .map(|e| {
-                    SendPtr(
-                        data[e.request as usize][e.offset as usize..]
-                            .as_ptr()
-                            .cast_mut(),
-                    )
-                })
-                .collect()
+        let data = &data;
+        let feed = |es: &[BucketEntry]| {
+            let es = es.to_vec();
+            move |k: usize, h: &mut Checksum| {
+                let e = es[k];
+                let (at, n) = (e.offset as usize, e.len as usize);
+                h.update(&data[e.request as usize][at..at + n]);
+            }
         };
         let mut sums = SliceSums::new(&requests).unwrap();
-        unsafe { sums.hash_on(&first, &at(&first), 3, &|_| {}) };
+        sums.hash_on(&first, 3, &feed(&first));
         assert!(sums.frame(0).is_none(), "nothing completed yet");
-        unsafe { sums.hash_on(&second, &at(&second), 3, &|_| {}) };
+        sums.hash_on(&second, 3, &feed(&second));
         let Some(Frame::Sums {
             seq: 1,
             sums: mut got,
