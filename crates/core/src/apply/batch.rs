@@ -24,8 +24,12 @@ struct BatchWork<'c> {
     /// hashed as soon as they are in memory.
     hash_chunks: Vec<(usize, SendPtr, usize)>,
     /// Route::Copy from memory, verifying: (tensor, src, dst, len), each
-    /// tensor's in the order its bytes come, hashed as they are copied.
+    /// tensor's in the order its bytes come, hashed as they are copied
+    /// (before `hash_chunks`).
     hashed_copies: Vec<(usize, SendPtr, SendPtr, usize)>,
+    /// Tensors with bytes in `hash_chunks`: their later chunks in the batch
+    /// go there too, so that every tensor's bytes are hashed in order.
+    hashed_apart: std::collections::HashSet<usize>,
     /// Route::DeviceToDevice: (GPU, dst, src, len).
     device_copies: Vec<(i32, u64, u64, usize)>,
     /// Tensors the device-to-device copies complete.
@@ -131,15 +135,20 @@ impl Applier<'_, '_> {
         let mut spans = self.landing.spans_from(t, run[0].offset)?;
         let hashing = self.verifier.on && !whole;
         for c in run {
-            // Memory copied here is hashed as it is copied (read once,
+            // Memory copied here is hashed as it lands (read once,
             // `Verifier::copy_hashing`), whole tensors too; bytes a source
             // landed are hashed where they are (just landed, so still in
             // cache); a file's once copied, span by span in the order
             // received.
             let fused = match (self.verifier.on, landed, c.src) {
-                (true, false, CopySource::Memory(src)) => Some(src),
+                (true, false, CopySource::Memory(src)) if !work.hashed_apart.contains(&t) => {
+                    Some(src)
+                }
                 _ => None,
             };
+            if hashing && fused.is_none() {
+                work.hashed_apart.insert(t);
+            }
             let work = &mut *work;
             spans
                 .map(c.offset, c.len as u64, |s| match fused {

@@ -259,6 +259,55 @@ fn tensors_copied_in_batches_are_verified_as_they_are_copied() {
     }
 }
 
+/// One batch holding a tensor's chunks from a file and from memory in
+/// turn (a snapshot's segment read partly through mapped windows, partly
+/// with `pread` when no window could be mapped) hashes them in the order
+/// they come: file, memory, file, memory.
+#[test]
+fn file_and_memory_chunks_of_a_tensor_hash_in_order() {
+    use std::io::Write;
+    let good: Vec<u8> = (0..4_000_000u32).map(|i| (i * 13 + 1) as u8).collect();
+    let plan = plan_of(&good);
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&good).unwrap();
+    let quarter = good.len() / 4;
+    for threads in [1, 2] {
+        let mut param = vec![0u8; good.len()];
+        let opts = ApplyOptions {
+            mode: Mode::InPlace,
+            verify: true,
+            threads,
+            timeout: Duration::from_secs(10),
+            begun: std::time::Instant::now(),
+            callback_staging_limit: crate::defaults::CALLBACK_STAGING_LIMIT,
+        };
+        let dest = Some(Dest::Host(SendPtr(param.as_mut_ptr())));
+        let mut a = Applier::new(&plan, vec![dest], opts, Hooks::default()).unwrap();
+        let chunks: Vec<Chunk> = (0..4)
+            .map(|k| {
+                let at = k * quarter;
+                let src = match k % 2 {
+                    0 => CopySource::File {
+                        file: &f,
+                        offset: at as u64,
+                    },
+                    _ => CopySource::Memory(SendPtr(good[at..].as_ptr().cast_mut())),
+                };
+                let len = if k == 3 { good.len() - at } else { quarter };
+                Chunk {
+                    tensor: 0,
+                    offset: at as u64,
+                    len,
+                    src,
+                }
+            })
+            .collect();
+        a.apply_batch("test", &chunks).unwrap();
+        a.finish().map_err(|f| f.error).unwrap();
+        assert!(param == good, "{threads} threads");
+    }
+}
+
 /// A chunk maps through its plan run to the param's byte range: a run that
 /// puts a tensor's 4 bytes at bytes 4..8 of an 8-byte param writes only
 /// those, in place (copied or landed) and atomically.

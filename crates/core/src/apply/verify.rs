@@ -6,18 +6,21 @@
 //! exactly the bytes it receives, which its source hands over with
 //! [`Verifier::expect_checksum`] (a publisher hashes the slice it serves; a
 //! snapshot hashes what it read after checking it against the file's block
-//! sums). Bytes the applier copies out of memory (a bucket, a mapped
-//! file) are hashed as they are copied, a chunk at a time from the source
-//! the copy just read ([`Verifier::copy_hashing`]); bytes a source landed
-//! itself are hashed where they landed, right after (still in cache); a
-//! file's bytes read whole into place are hashed there once whole, in
-//! parallel with the batch's others.
+//! sums). Every check hashes the bytes where they landed, so a fault in the
+//! landing or a source changed under the copy is caught too. Bytes the
+//! applier copies out of memory (a bucket, a mapped file) are hashed as
+//! they are copied, each chunk right after it is written, while it is in
+//! cache ([`Verifier::copy_hashing`]); bytes a source landed itself are
+//! hashed where they landed, right after (still in cache); a file's bytes
+//! read into place are hashed there, in the order received.
 //! An entry a source wrote straight into GPU memory (gdr) is hashed there
 //! once complete ([`Verifier::landed_on_device`]).
 
 use super::landing::Landing;
 use crate::checksum::Checksum;
-use crate::memory::copy::{copy_all, copy_hashing, each, hash_all, CopyError, CopyJob, CopySource};
+use crate::memory::copy::{
+    copy_all, copy_hashing, each, hash_all, CopyError, CopyJob, CopySource, Hashed, PARALLEL_MIN,
+};
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};
@@ -103,12 +106,14 @@ impl<'p> Verifier<'p> {
     }
 
     /// Copy `copies` (entry, source, destination, length: each entry's in
-    /// the order its bytes come) and add their bytes to their entries'
-    /// running hashes: each entry's on one thread, copied and hashed a
-    /// chunk at a time (`copy_hashing`: the bytes read once, where a copy
-    /// and then a hash read them twice). With fewer entries than threads
-    /// the copies run first on every thread and the hashing after (one
-    /// long entry copied on one thread would hold the batch back).
+    /// the order its bytes come) and add the bytes they land to their
+    /// entries' running hashes: each entry's on one thread, copied and
+    /// hashed a chunk at a time (`copy_hashing`: the destination hashed
+    /// while the copy left it in cache, where a copy and then a hash read
+    /// it again from memory). With fewer entries than threads (in a batch
+    /// worth spreading) the copies run first on every thread and the
+    /// hashing after: one long entry copied on one thread would hold the
+    /// batch back.
     ///
     /// # Safety
     /// As `copy_all` for memory sources: every source readable and
@@ -132,6 +137,8 @@ impl<'p> Verifier<'p> {
             });
             runs[i].2.push((src, dst, len));
         }
+        let total: usize = copies.iter().map(|c| c.3).sum();
+        let threads = if total < PARALLEL_MIN { 1 } else { threads };
         let fused = threads <= 1 || runs.len() >= threads;
         if !fused {
             let jobs: Vec<CopyJob> = (copies.iter())
@@ -152,8 +159,8 @@ impl<'p> Verifier<'p> {
                 // just copied.
                 unsafe {
                     match fused {
-                        true => copy_hashing(dst.0, src.0, len, &mut h),
-                        false => h.update(std::slice::from_raw_parts(src.0, len)),
+                        true => copy_hashing(dst.0, src.0, len, &mut h, Hashed::Destination),
+                        false => h.update(std::slice::from_raw_parts(dst.0, len)),
                     }
                 }
             }

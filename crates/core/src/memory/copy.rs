@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub(crate) const PIECE: usize = 8 << 20;
 /// Below this many bytes in total, copying runs on the calling thread: a
 /// thread start costs more than the copy.
-const PARALLEL_MIN: usize = 4 << 20;
+pub(crate) const PARALLEL_MIN: usize = 4 << 20;
 
 /// Where a job's bytes come from.
 #[derive(Clone, Copy)]
@@ -135,11 +135,17 @@ fn claims(pieces: &[CopyJob]) -> Vec<usize> {
 }
 
 /// Pieces at least this large use streaming stores (see [`copy_bytes`]).
-/// A page: a column split's 4 KiB blocks gathered into a bucket ran at
-/// 8.7-9.2 GB/s streamed against 7.0-7.6 with glibc's memcpy (one core
-/// here), and the IPC column half at 0.40-0.44 of memcpy against 0.29-0.34
-/// when the threshold was 1 MiB (alternating builds).
-const STREAM_MIN: usize = 4 << 10;
+const STREAM_MIN: usize = 1 << 20;
+
+/// Where nothing on this core reads the copy soon (a bucket the engine
+/// reads from another process, a version buffer), streaming stores start
+/// at a page ([`copy_all_streaming`], [`Hashed::Source`]): a column
+/// split's 4 KiB blocks gathered into a bucket ran at 8.7-9.2 GB/s
+/// streamed against 7.0-7.6 with glibc's memcpy (one core here), and the
+/// IPC column half at 0.40-0.44 of memcpy against 0.29-0.34 (alternating
+/// builds). Not for every copy: bytes packed and then hashed where they
+/// are (a snapshot's blocks packed for the network) must stay in cache.
+pub(crate) const PACK_STREAM_MIN: usize = 4 << 10;
 
 /// Whether this CPU has AVX2 (for streaming copies), asked once.
 #[cfg(target_arch = "x86_64")]
@@ -156,13 +162,18 @@ static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// # Safety
 /// `src..src+len` readable, `dst..dst+len` writable, not overlapping.
 pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if len >= STREAM_MIN && *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2")) {
-            return stream_copy(dst, src, len);
-        }
+    copy_streaming_from(dst, src, len, STREAM_MIN)
+}
+
+/// [`copy_bytes`], streaming from `stream_min` bytes on.
+///
+/// # Safety
+/// As [`copy_bytes`].
+unsafe fn copy_streaming_from(dst: *mut u8, src: *const u8, len: usize, stream_min: usize) {
+    match len >= stream_min {
+        true => copy_streaming(dst, src, len),
+        false => std::ptr::copy_nonoverlapping(src, dst, len),
     }
-    std::ptr::copy_nonoverlapping(src, dst, len);
 }
 
 /// [`copy_bytes`] with streaming stores whatever the length (a chunk of a
@@ -178,6 +189,41 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
         }
     }
     std::ptr::copy_nonoverlapping(src, dst, len);
+}
+
+/// A copy with plain stores (its bytes stay in cache): AVX2 loads and
+/// stores where the CPU has them, as glibc's `memcpy` slows down for the
+/// offsets [`copy_bytes`] describes.
+///
+/// # Safety
+/// As [`copy_bytes`].
+unsafe fn copy_plain(dst: *mut u8, src: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2")) {
+            return plain_copy(dst, src, len);
+        }
+    }
+    std::ptr::copy_nonoverlapping(src, dst, len);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn plain_copy(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 128 <= len {
+        let a = _mm256_loadu_si256(src.add(i) as *const __m256i);
+        let b = _mm256_loadu_si256(src.add(i + 32) as *const __m256i);
+        let c = _mm256_loadu_si256(src.add(i + 64) as *const __m256i);
+        let d = _mm256_loadu_si256(src.add(i + 96) as *const __m256i);
+        _mm256_storeu_si256(dst.add(i) as *mut __m256i, a);
+        _mm256_storeu_si256(dst.add(i + 32) as *mut __m256i, b);
+        _mm256_storeu_si256(dst.add(i + 64) as *mut __m256i, c);
+        _mm256_storeu_si256(dst.add(i + 96) as *mut __m256i, d);
+        i += 128;
+    }
+    std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -206,7 +252,7 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
     std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
 }
 
-fn run_piece(job: &CopyJob) -> Result<()> {
+fn run_piece(job: &CopyJob, stream_min: usize) -> Result<()> {
     // Only `copy_all` runs pieces (sub-ranges of its jobs): its caller
     // guarantees dst..dst+len is writable, not written by another job, and a
     // memory or device source readable for len until it returns.
@@ -218,7 +264,7 @@ fn run_piece(job: &CopyJob) -> Result<()> {
         // SAFETY: as above; the source stays unchanged while the destination
         // is written, so the two cannot overlap.
         CopySource::Memory(src) => unsafe {
-            copy_bytes(job.dst.0, src.0, job.len);
+            copy_streaming_from(job.dst.0, src.0, job.len, stream_min);
         },
         CopySource::File { file, offset } => {
             // SAFETY: as above: dst..dst+len is writable mapped memory that no
@@ -309,13 +355,37 @@ unsafe fn copy_device_runs<'j, 'a>(
 /// write the same byte, and memory sources must stay valid and unchanged until
 /// this returns.
 pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<(), CopyError> {
+    copy_all_from(jobs, threads, STREAM_MIN)
+}
+
+/// [`copy_all`] for copies nothing on this core reads soon (packing a
+/// bucket): memory copies stream their stores from [`PACK_STREAM_MIN`].
+///
+/// # Safety
+/// As [`copy_all`].
+pub unsafe fn copy_all_streaming(
+    jobs: &[CopyJob],
+    threads: usize,
+) -> std::result::Result<(), CopyError> {
+    copy_all_from(jobs, threads, PACK_STREAM_MIN)
+}
+
+/// [`copy_all`], memory copies streaming from `stream_min` bytes.
+///
+/// # Safety
+/// As [`copy_all`].
+unsafe fn copy_all_from(
+    jobs: &[CopyJob],
+    threads: usize,
+    stream_min: usize,
+) -> std::result::Result<(), CopyError> {
     let jobs = copy_device_runs(jobs)?;
     let total: usize = jobs.iter().map(|j| j.len).sum();
     let pieces = split(&jobs);
     let run = |group: &[CopyJob]| {
-        group
-            .iter()
-            .try_for_each(|p| run_piece(p).map_err(|error| CopyError { tag: p.tag, error }))
+        group.iter().try_for_each(|p| {
+            run_piece(p, stream_min).map_err(|error| CopyError { tag: p.tag, error })
+        })
     };
     if threads <= 1 || total < PARALLEL_MIN {
         return run(&pieces);
@@ -351,12 +421,27 @@ pub unsafe fn copy_all(jobs: &[CopyJob], threads: usize) -> std::result::Result<
 /// L2, so the hash reads what the copy just brought into cache.
 const HASH_CHUNK: usize = 256 << 10;
 
-/// Copy `len` bytes and feed them to `sum`, in order, in one pass: each
-/// chunk is copied, then hashed from the source while the copy's reads
-/// left it in cache, where a copy and then a hash read every byte twice
-/// from memory (one core here: 12.3 GB/s against 9.6). A copy of at least
-/// [`STREAM_MIN`] bytes streams its stores, chunk by chunk, as
-/// [`copy_bytes`] does; a smaller one is a plain copy.
+/// Which bytes [`copy_hashing`] feeds its hash.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hashed {
+    /// The source, as the copy read it (left in cache by its reads); the
+    /// copy streams its stores. For a publisher: the engine checks what
+    /// it packed.
+    Source,
+    /// The destination, as the copy wrote it (plain stores, so the chunk
+    /// is in cache when hashed): what landed is what is checked, a fault
+    /// in the copy or a source changed under it included. For an engine.
+    Destination,
+}
+
+/// Copy `len` bytes and feed them (the source's or the destination's,
+/// `which`) to `sum`, in order, a chunk at a time: each chunk is hashed
+/// right after it is copied, while it is in cache, where a copy and then a
+/// hash read every byte twice from memory (one core here, 1 GiB: 12.3 GB/s
+/// hashing the source against 9.6 copying then hashing; hashing the
+/// destination, 9.5-9.7, saves the second read but the plain stores read
+/// every line they write first). Hashing the source, stores stream from
+/// [`PACK_STREAM_MIN`].
 ///
 /// # Safety
 /// `src..src+len` readable and unchanged, `dst..dst+len` writable, not
@@ -366,8 +451,9 @@ pub unsafe fn copy_hashing(
     src: *const u8,
     len: usize,
     sum: &mut crate::checksum::Checksum,
+    which: Hashed,
 ) {
-    let stream = len >= STREAM_MIN;
+    let stream = which == Hashed::Source && len >= PACK_STREAM_MIN;
     for at in (0..len).step_by(HASH_CHUNK) {
         let n = HASH_CHUNK.min(len - at);
         // SAFETY: inside the caller's ranges.
@@ -375,15 +461,19 @@ pub unsafe fn copy_hashing(
             let (to, from) = (dst.add(at), src.add(at));
             match stream {
                 true => copy_streaming(to, from, n),
-                false => std::ptr::copy_nonoverlapping(from, to, n),
+                false => copy_plain(to, from, n),
             }
-            sum.update(std::slice::from_raw_parts(from, n));
+            let hashed = match which {
+                Hashed::Source => from,
+                Hashed::Destination => to.cast_const(),
+            };
+            sum.update(std::slice::from_raw_parts(hashed, n));
         }
     }
 }
 
-/// Copy each `(src, dst, len)` and return the xxh3-128 of each, in one
-/// pass ([`copy_hashing`]). Copies go to up to `threads` threads whole (a
+/// Copy each `(src, dst, len)` and return the xxh3-128 of each source, in
+/// one pass ([`copy_hashing`]). Copies go to up to `threads` threads whole (a
 /// hash is a stream): callers use it when there are several copies per
 /// thread, so the threads stay busy.
 ///
@@ -394,7 +484,7 @@ pub unsafe fn copy_and_hash_all(copies: &[(SendPtr, SendPtr, usize)], threads: u
     let one = |&(src, dst, len): &(SendPtr, SendPtr, usize)| {
         let mut sum = crate::checksum::Checksum::default();
         // SAFETY: the caller's promise.
-        unsafe { copy_hashing(dst.0, src.0, len, &mut sum) };
+        unsafe { copy_hashing(dst.0, src.0, len, &mut sum, Hashed::Source) };
         sum.digest()
     };
     each(copies, threads, one)
@@ -556,40 +646,36 @@ mod tests {
         }
     }
 
-    /// Copied and hashed in one pass, a copy of any offsets and length
-    /// (under a page: plain; streamed from a page up, across several hash
-    /// chunks and a tail) lands exactly and hashes to its bytes' checksum,
-    /// also continuing a running hash; `copy_and_hash_all` the same.
+    /// Copied and hashed in one pass, hashing the source or the
+    /// destination, a copy of any offsets and length (under a page: plain;
+    /// from a page up streamed when hashing the source; across several
+    /// hash chunks and a tail) lands exactly and hashes to its bytes'
+    /// checksum, also continuing a running hash; `copy_and_hash_all` the
+    /// same.
     #[test]
     fn copy_hashing_lands_and_hashes_every_byte_once() {
         let src: Vec<u8> = (0..(3 << 20) + 77).map(|i| (i * 29 % 251) as u8).collect();
         for (s_off, d_off, len) in [
             (0, 0, 0),
             (3, 1, 100),
-            (0, 16, STREAM_MIN - 1),
-            (7, 5, STREAM_MIN),
+            (0, 16, PACK_STREAM_MIN - 1),
+            (7, 5, PACK_STREAM_MIN),
             (64, 3, 3 * HASH_CHUNK + 17),
             (5, 0, (3 << 20) + 9),
         ] {
-            let mut dst = vec![0u8; len + 64];
-            let mut sum = crate::checksum::Checksum::default();
-            sum.update(b"before");
-            unsafe {
-                copy_hashing(
-                    dst.as_mut_ptr().add(d_off),
-                    src.as_ptr().add(s_off),
-                    len,
-                    &mut sum,
-                )
-            };
-            let bytes = &src[s_off..s_off + len];
-            assert_eq!(&dst[d_off..d_off + len], bytes, "{s_off} {d_off} {len}");
-            assert!(dst[..d_off]
-                .iter()
-                .chain(&dst[d_off + len..])
-                .all(|b| *b == 0));
-            let whole = [&b"before"[..], bytes].concat();
-            assert_eq!(sum.digest(), crate::checksum::of(&whole), "{len}");
+            for which in [Hashed::Source, Hashed::Destination] {
+                let mut dst = vec![0u8; len + 64];
+                let mut sum = crate::checksum::Checksum::default();
+                sum.update(b"before");
+                let to = unsafe { dst.as_mut_ptr().add(d_off) };
+                unsafe { copy_hashing(to, src.as_ptr().add(s_off), len, &mut sum, which) };
+                let bytes = &src[s_off..s_off + len];
+                assert_eq!(&dst[d_off..d_off + len], bytes, "{s_off} {d_off} {len}");
+                let outside = dst[..d_off].iter().chain(&dst[d_off + len..]);
+                assert!(outside.copied().all(|b| b == 0));
+                let whole = [&b"before"[..], bytes].concat();
+                assert_eq!(sum.digest(), crate::checksum::of(&whole), "{len}");
+            }
         }
         let mut dsts: Vec<Vec<u8>> = (1..6).map(|i| vec![0u8; i * 300_000]).collect();
         let copies: Vec<_> = (dsts.iter_mut())

@@ -8,7 +8,10 @@ use crate::checkpoint::layout::SnapshotLocation;
 use crate::checkpoint::Checkpoint;
 use crate::checksum::Checksum;
 use crate::manifest::{Manifest, TensorMeta};
-use crate::memory::copy::{copy_all, copy_hashing, default_threads, hash_all, CopyJob, CopySource};
+use crate::memory::copy::{
+    copy_all, copy_all_streaming, copy_hashing, default_threads, hash_all, CopyJob, CopySource,
+    Hashed, PACK_STREAM_MIN,
+};
 use crate::memory::host::HostRegion;
 use crate::memory::mapped_file::MappedWindow;
 use crate::memory::SendPtr;
@@ -255,8 +258,12 @@ fn blocks<'q>(
 
 /// Copy entry `e`'s bytes (of `requests`, tensors at `tensors` in host
 /// memory) to `dst`, back to back, and feed them to `sum` as they are
-/// copied (`copy_hashing`: each byte read once): one copy per block of its
-/// request's runs, on this thread.
+/// copied (`copy_hashing`: each byte read once; the engine checks the
+/// packed bytes): one copy per block of its request's runs, on this
+/// thread. Blocks under a page are copied plainly and hashed together
+/// from the buffer, a run of them at a time while it is in cache (a
+/// request of one-byte rows has a block per byte: a hash call each cost
+/// more than the bytes).
 ///
 /// # Safety
 /// `dst` holds `e.len` writable bytes; the request lies inside its tensor
@@ -268,10 +275,36 @@ pub(super) unsafe fn pack_hashing(
     dst: *mut u8,
     sum: &mut Checksum,
 ) {
+    /// Bytes of small blocks hashed at once.
+    const SMALL_RUN: usize = 64 << 10;
+    // The small blocks copied and not hashed yet: where they start, and
+    // their bytes (back to back in the buffer).
+    let mut small = (dst, 0usize);
+    let hash_small = |small: &mut (*mut u8, usize), sum: &mut Checksum| {
+        // SAFETY: those bytes were just packed into the buffer.
+        sum.update(unsafe { std::slice::from_raw_parts(small.0, small.1) });
+        small.1 = 0;
+    };
     for (t, src, to, len) in blocks(requests, e, dst) {
         // SAFETY: the caller's promise.
-        unsafe { copy_hashing(to.0, tensors[t].0.add(src as usize), len, sum) };
+        let from = unsafe { tensors[t].0.add(src as usize) };
+        if len >= PACK_STREAM_MIN {
+            hash_small(&mut small, sum);
+            // SAFETY: the caller's promise.
+            unsafe { copy_hashing(to.0, from, len, sum, Hashed::Source) };
+            continue;
+        }
+        if small.1 == 0 {
+            small.0 = to.0;
+        }
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(from, to.0, len) };
+        small.1 += len;
+        if small.1 >= SMALL_RUN {
+            hash_small(&mut small, sum);
+        }
     }
+    hash_small(&mut small, sum);
 }
 
 /// Most blocks copied per batch: a bucket's blocks are walked a batch at
@@ -363,8 +396,10 @@ fn copy_batch(
             }));
             // SAFETY: entries lie inside the buffer (planned from its size) and
             // requests inside their tensors (checked when WANT came); the
-            // trainer keeps tensors unchanged.
-            unsafe { copy_all(&jobs, threads) }.map_err(|e| e.error)
+            // trainer keeps tensors unchanged. Nothing here reads the
+            // bucket again (bytes hashed here come from the tensors or a
+            // snapshot's files).
+            unsafe { copy_all_streaming(&jobs, threads) }.map_err(|e| e.error)
         }
         ShardBytes::Files { checkpoint, open } => {
             copy_from_files(checkpoint, open, (images, first_image), batch, threads)
@@ -463,6 +498,51 @@ fn copy_from_files(
 mod tests {
     use super::*;
     use crate::tensor::DType;
+
+    /// An entry of rows of any width (one byte: a block per byte; under a
+    /// page, plain and hashed in runs; a page and up, streamed and hashed
+    /// from the tensor; a mix of them) packs exactly and hashes to the
+    /// checksum of the packed bytes, split over two entries or not.
+    #[test]
+    fn packing_hashes_exactly_the_packed_bytes() {
+        let tensor: Vec<u8> = (0..(2u32 << 20)).map(|i| (i * 37 % 253) as u8).collect();
+        let tensors = [SendPtr(tensor.as_ptr().cast_mut())];
+        let widths: [&[u64]; 4] = [&[1], &[300, 5000], &[8192], &[4096, 100, 70_000, 1]];
+        for ws in widths {
+            // Rows of the widths in turn, each followed by a gap of 7 bytes.
+            let (mut at, mut blocks) = (0u64, Vec::new());
+            while at + 80_000 < tensor.len() as u64 && blocks.len() < 60_000 {
+                let w = ws[blocks.len() % ws.len()];
+                blocks.push((at, w));
+                at += w + 7;
+            }
+            let q = Request::of_blocks(0, blocks.iter().copied(), true);
+            let n = q.bytes();
+            let want: Vec<u8> = (blocks.iter())
+                .flat_map(|&(o, w)| tensor[o as usize..(o + w) as usize].iter().copied())
+                .collect();
+            for cut in [n, n / 3] {
+                let mut buf = vec![0u8; n as usize];
+                let mut sum = Checksum::default();
+                for (offset, len) in [(0, cut), (cut, n - cut)].into_iter().filter(|p| p.1 > 0) {
+                    let e = BucketEntry {
+                        request: 0,
+                        offset,
+                        len,
+                        buffer_offset: offset,
+                    };
+                    let dst = buf[offset as usize..].as_mut_ptr();
+                    unsafe { pack_hashing(&tensors, std::slice::from_ref(&q), &e, dst, &mut sum) };
+                }
+                assert!(buf == want, "{ws:?} cut at {cut}");
+                assert_eq!(
+                    sum.digest(),
+                    crate::checksum::of(&want),
+                    "{ws:?} cut at {cut}"
+                );
+            }
+        }
+    }
 
     /// GPU tensors are served only from a published version's buffer: a
     /// live one is refused by name (a session never reads device memory as

@@ -13,6 +13,9 @@
 //!   engine applies bucket i. Both copies run at once, so this one shares
 //!   memory bandwidth; its second floor is two memcpys running together.
 //!
+//! In each way, a TP rank's row half and column half of every layer too,
+//! verified with slice checksums and not.
+//!
 //! Each side gets half of the cores (as on a real node, where both have
 //! their own). Each engine's first updates map the trainer's buffers (page
 //! faults, slow on a VM); steady RL updates reuse the mappings, as timed
@@ -71,8 +74,8 @@ pub struct PublisherArgs {
 pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
     let published = a.mode == "published";
     let count = layer_count(a.gib);
-    // Live: also a TP rank's halves, verified (`halves`).
-    let halves = if published { 0 } else { 3 * HALVES.len() };
+    // A TP rank's halves too, verified and not (`halves`).
+    let halves = 3 * HALVES.len();
     let engines = a.engines.unwrap_or(2 * (WARM_UPS + 1) + halves);
     let (threads, bucket_mib, socket) = (a.threads, a.bucket_mib, &a.socket);
     let data = model::trainer_layers(count);
@@ -359,19 +362,22 @@ fn measure(
         fmt::ms(zc.total)
     );
     std::hint::black_box(touched.get());
-    if mode == "live" {
-        halves(socket, side, params.len(), floors)?;
-    }
+    let gap = (mode == "published").then(|| publish_gap(bytes));
+    halves(socket, side, params.len(), gap, floors)?;
     Ok((copy, zc, first))
 }
 
 /// A TP rank's halves of every layer (`model::HALVES`), verified with
 /// the publisher's slice checksums and unverified, one run each after a
-/// warm-up.
+/// warm-up; each after `gap` when the trainer publishes before every
+/// session. From a published version the engine copies each half's blocks
+/// straight out of the version's buffer (one copy); from live tensors
+/// the trainer packs them first (two).
 fn halves(
     socket: &std::path::Path,
     side: usize,
     count: usize,
+    gap: Option<Duration>,
     floors: &IpcFloors,
 ) -> Result<(), String> {
     for (what, dim) in HALVES {
@@ -382,6 +388,9 @@ fn halves(
         .map_err(|e| e.to_string())?;
         model::half_params(&m, count, dim)?;
         let run = |verify: bool| {
+            if let Some(gap) = gap {
+                std::thread::sleep(gap);
+            }
             let mut r = request(socket);
             r.verify = verify;
             m.update(r).map_err(|e| e.to_string())
