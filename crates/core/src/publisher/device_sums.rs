@@ -105,7 +105,7 @@ impl DeviceSums {
             })
             .collect();
         // SAFETY: each entry's bytes were just copied to the staging there.
-        unsafe { sums.hash(&entries, |e| at.wrapping_add(e.buffer_offset as usize)) };
+        unsafe { sums.hash(&entries, 1, |e| at.wrapping_add(e.buffer_offset as usize)) };
         Ok(())
     }
 }

@@ -64,6 +64,9 @@ fn stream_published(
         Published::Host(_) => None,
     };
     let buckets = windows(shard, base, requests, io.cfg.bucket_size);
+    // The engine waits for a bucket's sums before it copies: hashed on
+    // every packing thread (a request each).
+    let threads = io.cfg.pack_threads();
     handover.send(io.conn)?;
     let mut sink = IpcSink {
         pack: |seq: u64, entries: &[BucketEntry], sums: &mut SliceSums| {
@@ -73,7 +76,7 @@ fn stream_published(
                         Some(d) => d.hash(sums, base, blocks, requests)?,
                         // SAFETY: the blocks were just checked to lie in the buffer.
                         None => unsafe {
-                            sums.hash(blocks, |b| (base + b.buffer_offset) as *const u8)
+                            sums.hash(blocks, threads, |b| (base + b.buffer_offset) as *const u8)
                         },
                     }
                     Ok(())

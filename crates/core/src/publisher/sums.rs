@@ -46,8 +46,9 @@ impl SliceSums {
     }
 
     /// Hash the entries of the next bucket whose requests asked for sums,
-    /// each's bytes at `at(entry)` (contiguous `len` bytes); keep the sums
-    /// of the requests the bucket completes.
+    /// each's bytes at `at(entry)` (contiguous `len` bytes), on up to
+    /// `threads` threads ([`SliceSums::hash_on`]); keep the sums of the
+    /// requests the bucket completes.
     ///
     /// # Safety
     /// `at(e)..at(e) + e.len` must be readable host memory for each entry
@@ -55,12 +56,13 @@ impl SliceSums {
     pub(super) unsafe fn hash(
         &mut self,
         entries: &[BucketEntry],
+        threads: usize,
         at: impl Fn(&BucketEntry) -> *const u8,
     ) {
         let at: Vec<SendPtr> = entries.iter().map(|e| SendPtr(at(e).cast_mut())).collect();
         // SAFETY: the caller's promise.
         let feed = |k: usize, h: &mut Checksum| unsafe { h.update(bytes_at(at[k], &entries[k])) };
-        self.hash_on(entries, 1, &feed)
+        self.hash_on(entries, threads, &feed)
     }
 
     /// Whether request `q` asked for a sum (of some bytes: an empty

@@ -74,8 +74,8 @@ pub struct PublisherArgs {
 pub fn publisher(a: &PublisherArgs) -> Result<(), String> {
     let published = a.mode == "published";
     let count = layer_count(a.gib);
-    // A TP rank's halves too, verified and not (`halves`).
-    let halves = 3 * HALVES.len();
+    // A TP rank's halves too, verified and not, after warm-ups (`halves`).
+    let halves = (halves_warm_ups(published) + 2) * HALVES.len();
     let engines = a.engines.unwrap_or(2 * (WARM_UPS + 1) + halves);
     let (threads, bucket_mib, socket) = (a.threads, a.bucket_mib, &a.socket);
     let data = model::trainer_layers(count);
@@ -367,9 +367,20 @@ fn measure(
     Ok((copy, zc, first))
 }
 
+/// Updates of a TP half before the timed ones: a published version's
+/// rotate through buffers a fresh manager maps once each (as for the copy
+/// mode: `WARM_UPS`); live ones through the same two.
+fn halves_warm_ups(published: bool) -> usize {
+    if published {
+        WARM_UPS
+    } else {
+        1
+    }
+}
+
 /// A TP rank's halves of every layer (`model::HALVES`), verified with
-/// the publisher's slice checksums and unverified, one run each after a
-/// warm-up; each after `gap` when the trainer publishes before every
+/// the publisher's slice checksums and unverified, one run each after
+/// warm-ups; each after `gap` when the trainer publishes before every
 /// session. From a published version the engine copies each half's blocks
 /// straight out of the version's buffer (one copy); from live tensors
 /// the trainer packs them first (two).
@@ -395,7 +406,9 @@ fn halves(
             r.verify = verify;
             m.update(r).map_err(|e| e.to_string())
         };
-        run(true)?; // faults the params, maps the buffers
+        for _ in 0..halves_warm_ups(gap.is_some()) {
+            run(true)?; // faults the params, maps the buffers
+        }
         let (v, u) = (run(true)?, run(false)?);
         let (vr, ur) = (gbps(v.bytes, v.total), gbps(u.bytes, u.total));
         println!(
