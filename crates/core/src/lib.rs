@@ -152,7 +152,7 @@ pub mod internals {
     }
     pub mod memory {
         pub use crate::memory::{
-            copy, cuda, cuda_ipc, device, host, mapped_file, nvrtc, shared, SendPtr,
+            copy, cuda, cuda_ipc, device, hashing, host, mapped_file, nvrtc, shared, SendPtr,
         };
     }
 

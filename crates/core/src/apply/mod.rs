@@ -62,6 +62,8 @@ mod verify;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod verify_tests;
 
 pub use crate::registry::Dest;
 pub use arena::AtomicStaging;

@@ -18,9 +18,8 @@
 
 use super::landing::Landing;
 use crate::checksum::Checksum;
-use crate::memory::copy::{
-    copy_all, copy_hashing, each, hash_all, CopyError, CopyJob, CopySource, Hashed, PARALLEL_MIN,
-};
+use crate::memory::copy::{copy_all, CopyError, CopyJob, CopySource, PARALLEL_MIN};
+use crate::memory::hashing::{copy_hashing, each, hash_all, Hashed};
 use crate::memory::SendPtr;
 use crate::plan::Plan;
 use crate::result::{Error, Result};

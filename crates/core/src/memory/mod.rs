@@ -8,7 +8,9 @@
 //!   the commit returned.
 //! - [`loose`]: bounded, fallible buffers for tensors received outside params.
 //! - [`copy`]: the parallel copier every source uses (memory to memory, and
-//!   file to memory with `pread`), plus parallel checksums.
+//!   file to memory with `pread`).
+//! - [`hashing`]: copies that hash what they move, and checksums of
+//!   regions on several threads.
 //! - [`shared`]: sealed memfd buffers passed between processes.
 //! - [`pool`]: buffers kept for the next session.
 //! - [`cuda`]: the CUDA driver (loaded at run time) and device params.
@@ -30,6 +32,7 @@ pub mod cuda_ipc;
 pub mod deferred;
 pub mod device;
 pub mod device_swap;
+pub mod hashing;
 pub mod host;
 pub mod kept_mappings;
 pub mod loose;

@@ -9,9 +9,9 @@ use crate::checkpoint::Checkpoint;
 use crate::checksum::Checksum;
 use crate::manifest::{Manifest, TensorMeta};
 use crate::memory::copy::{
-    copy_all, copy_all_streaming, copy_hashing, default_threads, hash_all, CopyJob, CopySource,
-    Hashed, PACK_STREAM_MIN,
+    copy_all, copy_all_streaming, default_threads, CopyJob, CopySource, PACK_STREAM_MIN,
 };
+use crate::memory::hashing::{copy_hashing, hash_all, Hashed};
 use crate::memory::host::HostRegion;
 use crate::memory::mapped_file::MappedWindow;
 use crate::memory::SendPtr;

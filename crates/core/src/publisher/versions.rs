@@ -4,8 +4,9 @@
 
 use super::config::PublisherConfig;
 use super::offer::{Content, Offer, Published, ServedTensor};
-use crate::memory::copy::{copy_all, copy_and_hash_all, hash_all, CopyJob, CopySource};
+use crate::memory::copy::{copy_all, CopyJob, CopySource};
 use crate::memory::cuda_ipc::{self, ExportedDeviceBuffer};
+use crate::memory::hashing::{copy_and_hash_all, hash_all};
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};

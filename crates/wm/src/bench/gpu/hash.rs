@@ -15,8 +15,8 @@ use crate::fmt::gbps;
 use cudarc::driver::sys;
 use std::time::Instant;
 use weight_manager_core::delta::device::checksums;
-use weight_manager_core::internals::memory::copy::hash_all;
 use weight_manager_core::internals::memory::cuda_ipc::ExportedDeviceBuffer;
+use weight_manager_core::internals::memory::hashing::hash_all;
 use weight_manager_core::internals::memory::SendPtr;
 
 /// The rows for `count` tensors of `layer` bytes; `dtod` is the
