@@ -15,10 +15,10 @@ use super::device_sums::DeviceSums;
 use super::hooks;
 use super::offer::Published;
 use super::plan::{plan_buckets, request_sizes, windows};
-use super::shard::{fill, pack_hashing, Shard, BLOCK_BATCH};
+use super::shard::{fill, hash_entry, Shard, BLOCK_BATCH};
 use super::stats::SessionStats;
 use super::streamer::{BucketSink, SessionIo};
-use super::sums::{bytes_at, SliceSums};
+use super::sums::SliceSums;
 use crate::checksum::Checksum;
 use crate::memory::cuda_ipc::ExportedDeviceBuffer;
 use crate::memory::shared::SharedBuffer;
@@ -193,14 +193,10 @@ fn pack_and_hash(
     let at = |e: &BucketEntry| buf.wrapping_add(e.buffer_offset as usize);
     let feed = |k: usize, h: &mut Checksum| {
         let e = &entries[k];
-        match tensors {
-            // SAFETY: entry k's range of the buffer is its own (planned
-            // from the buffer's size), its request inside its tensor
-            // (checked when WANT came).
-            Some(tensors) => unsafe { pack_hashing(tensors, requests, e, at(e).0, h) },
-            // SAFETY: the entry was just packed into the buffer.
-            None => h.update(unsafe { bytes_at(at(e), e) }),
-        }
+        // SAFETY: entry k's range of the buffer is its own (planned from
+        // the buffer's size), its request inside its tensor (checked when
+        // WANT came); without tensors it was just packed there.
+        unsafe { hash_entry(tensors, requests, e, at(e), h) }
     };
     sums.hash_on(entries, threads, &feed);
     Ok(())

@@ -27,10 +27,10 @@ use super::deltas::Messages;
 use super::engine_link::EngineLink;
 use super::hooks;
 use super::plan::{plan_buckets, request_sizes};
-use super::shard::{fill, pack_hashing, Shard};
+use super::shard::{fill, hash_entry, Shard};
 use super::stats::SessionStats;
 use super::streamer::{Bucket, BucketSink, SessionIo};
-use super::sums::{bytes_at, SliceSums};
+use super::sums::SliceSums;
 use crate::checksum::Checksum;
 use crate::checksum::KEYED;
 use crate::memory::shared::SharedBuffer;
@@ -297,16 +297,12 @@ impl NetSink<'_> {
         let from = &b.from[range.clone()];
         let feed = |k: usize, h: &mut Checksum| {
             let (e, at) = (&entries[first + k], from[k]);
-            match tensors.filter(|_| later[k]) {
-                // SAFETY: message first + k has its own `len` bytes at its
-                // `from` in the bucket buffer (`layout` packs messages back
-                // to back, so no other thread writes them), and its request
-                // lies inside its tensor (checked when WANT came).
-                Some(tensors) => unsafe { pack_hashing(tensors, requests, e, at.0, h) },
-                // SAFETY: the message's bytes are held at `from` (packed
-                // above, or a tensor's own).
-                None => h.update(unsafe { bytes_at(at, e) }),
-            }
+            // SAFETY: message first + k has its own `len` bytes at its
+            // `from` in the bucket buffer (`layout` packs messages back to
+            // back, so no other thread writes them), and its request lies
+            // inside its tensor (checked when WANT came); not packed here,
+            // its bytes are held at `from` (packed above, or a tensor's own).
+            unsafe { hash_entry(tensors.filter(|_| later[k]), requests, e, at, h) }
         };
         self.sums.hash_on(&entries[range], self.threads, &feed);
         Ok(())

@@ -3,6 +3,7 @@
 
 use super::config::PublisherConfig;
 use super::offer::{Content, Offer, Published, ServedTensor};
+use super::sums::bytes_at;
 use crate::checkpoint::checksums::hash_file_ranges;
 use crate::checkpoint::layout::SnapshotLocation;
 use crate::checkpoint::Checkpoint;
@@ -268,7 +269,7 @@ fn blocks<'q>(
 /// # Safety
 /// `dst` holds `e.len` writable bytes; the request lies inside its tensor
 /// (checked when WANT came), which the trainer keeps unchanged.
-pub(super) unsafe fn pack_hashing(
+unsafe fn pack_hashing(
     tensors: &[SendPtr],
     requests: &[Request],
     e: &BucketEntry,
@@ -305,6 +306,28 @@ pub(super) unsafe fn pack_hashing(
         }
     }
     hash_small(&mut small, sum);
+}
+
+/// Feed entry `e`'s bytes (of `requests`) to `sum`: packed to `at` from
+/// `tensors` as they are hashed ([`pack_hashing`]) when given, else read
+/// where they already are, at `at` (packed before, or a tensor's own).
+///
+/// # Safety
+/// With `tensors`: as [`pack_hashing`], `at` holding this entry's bytes
+/// alone. Without: `at..at + e.len` holds the entry's bytes, unchanged.
+pub(super) unsafe fn hash_entry(
+    tensors: Option<&[SendPtr]>,
+    requests: &[Request],
+    e: &BucketEntry,
+    at: SendPtr,
+    sum: &mut Checksum,
+) {
+    match tensors {
+        // SAFETY: the caller's promise.
+        Some(tensors) => unsafe { pack_hashing(tensors, requests, e, at.0, sum) },
+        // SAFETY: the caller's promise.
+        None => sum.update(unsafe { bytes_at(at, e) }),
+    }
 }
 
 /// Most blocks copied per batch: a bucket's blocks are walked a batch at
