@@ -790,9 +790,11 @@ typedef struct {
   // the call writes its result through (`wm_status`'s `out_status`,
   // `wm_update_source_bytes`'s `out_count`, `wm_update_delta_stats`'s
   // `out_stats`, `wm_broadcast_signal`'s `out_signal`,
-  // `wm_allocate_param`'s `out_data` and `out_len`); every other
-  // refusal, a NULL input (a request, a descriptor, a name) or array
-  // included, is recorded here with a text naming the argument.
+  // `wm_allocate_param`'s `out_data` and `out_len`), and `wm_last_error`
+  // records nothing, whatever it refuses; every other refusal, a NULL
+  // input (a request, a descriptor, a name) or array included (such as
+  // `wm_update_source_bytes`'s `out_bytes` with a capacity), is recorded
+  // here with a text naming the argument.
   uint32_t last_result;
   // Successful updates so far.
   uint64_t updates;
@@ -804,7 +806,8 @@ typedef struct {
   // after a clear, and after an update that left them half-written
   // (`WM_STATE_FAILED`).
   char version[WM_VERSION_BUF];
-  // Statistics of the last successful update (zeros before the first).
+  // Statistics of the last successful update (before the first, zeros
+  // but for its `struct_size`: `sizeof(wm_update_stats)`).
   wm_update_stats last_update;
   // GPU memory freed by the last clear (library-owned device params), as
   // the driver's free-memory query reports it; 0 without such params.
@@ -834,8 +837,12 @@ typedef struct {
   // Bytes the deltas rewrote in the params (every byte of a chunk of
   // 32,768 elements the delta carried whole).
   uint64_t rewritten_bytes;
-  // The version the deltas were taken against, NUL-terminated ("" when
-  // the update named none).
+  // The version the params held that the update named to its
+  // publishers as the base of deltas, NUL-terminated; named also when
+  // the runs came whole (`WM_DELTA_FALLBACK_NOT_KEPT`, `_DIFFERS`). ""
+  // when it named none: `_REFUSED`, `_NO_BASE`, `_NOT_ASKED`, and
+  // `_NOT_APPLICABLE` for a snapshot, keyed digests or a tensor
+  // callback.
   char base_version[WM_VERSION_BUF];
 } wm_delta_stats;
 
@@ -1132,7 +1139,8 @@ wm_result wm_register_param(wm_manager *manager, const wm_param_desc *desc, void
 // call stay as they were. For an engine registering a whole model at
 // once: a refused param does not leave the others registered, so the
 // engine can fix it and register them all again. `count` 0 registers
-// nothing (`params` may then be NULL).
+// nothing (`params` may then be NULL), and is refused where any
+// registration is (`WM_ERR_STATE`, `WM_ERR_BUSY`).
 //
 // Codes as `wm_register_param`; NULL `params` with `count` > 0, or a NULL
 // `desc` in it: `WM_ERR_NULL_ARGUMENT`.

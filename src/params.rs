@@ -311,7 +311,8 @@ pub struct wm_param_registration {
 /// call stay as they were. For an engine registering a whole model at
 /// once: a refused param does not leave the others registered, so the
 /// engine can fix it and register them all again. `count` 0 registers
-/// nothing (`params` may then be NULL).
+/// nothing (`params` may then be NULL), and is refused where any
+/// registration is (`WM_ERR_STATE`, `WM_ERR_BUSY`).
 ///
 /// Codes as `wm_register_param`; NULL `params` with `count` > 0, or a NULL
 /// `desc` in it: `WM_ERR_NULL_ARGUMENT`.
@@ -330,12 +331,11 @@ pub unsafe extern "C" fn wm_register_params(
     ffi_guard!({
         let m = try_handle!(manager);
         let regs = crate::c_array(params, count, "wm_register_params: params");
+        // An empty batch too is refused where registering is (busy,
+        // closed): the state is checked whatever the count.
         let r = regs
             .and_then(|regs| registrations(regs))
-            .and_then(|batch| match batch.len() {
-                0 => Ok(()),
-                _ => m.register_all(&batch),
-            });
+            .and_then(|batch| m.register_all(&batch));
         code_of(&m, r)
     })
 }

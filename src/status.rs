@@ -26,9 +26,11 @@ pub struct wm_status_info {
     /// the call writes its result through (`wm_status`'s `out_status`,
     /// `wm_update_source_bytes`'s `out_count`, `wm_update_delta_stats`'s
     /// `out_stats`, `wm_broadcast_signal`'s `out_signal`,
-    /// `wm_allocate_param`'s `out_data` and `out_len`); every other
-    /// refusal, a NULL input (a request, a descriptor, a name) or array
-    /// included, is recorded here with a text naming the argument.
+    /// `wm_allocate_param`'s `out_data` and `out_len`), and `wm_last_error`
+    /// records nothing, whatever it refuses; every other refusal, a NULL
+    /// input (a request, a descriptor, a name) or array included (such as
+    /// `wm_update_source_bytes`'s `out_bytes` with a capacity), is recorded
+    /// here with a text naming the argument.
     pub last_result: u32,
     /// Successful updates so far.
     pub updates: u64,
@@ -40,7 +42,8 @@ pub struct wm_status_info {
     /// after a clear, and after an update that left them half-written
     /// (`WM_STATE_FAILED`).
     pub version: [std::ffi::c_char; WM_VERSION_BUF],
-    /// Statistics of the last successful update (zeros before the first).
+    /// Statistics of the last successful update (before the first, zeros
+    /// but for its `struct_size`: `sizeof(wm_update_stats)`).
     pub last_update: wm_update_stats,
     /// GPU memory freed by the last clear (library-owned device params), as
     /// the driver's free-memory query reports it; 0 without such params.
@@ -165,8 +168,12 @@ pub struct wm_delta_stats {
     /// Bytes the deltas rewrote in the params (every byte of a chunk of
     /// 32,768 elements the delta carried whole).
     pub rewritten_bytes: u64,
-    /// The version the deltas were taken against, NUL-terminated ("" when
-    /// the update named none).
+    /// The version the params held that the update named to its
+    /// publishers as the base of deltas, NUL-terminated; named also when
+    /// the runs came whole (`WM_DELTA_FALLBACK_NOT_KEPT`, `_DIFFERS`). ""
+    /// when it named none: `_REFUSED`, `_NO_BASE`, `_NOT_ASKED`, and
+    /// `_NOT_APPLICABLE` for a snapshot, keyed digests or a tensor
+    /// callback.
     pub base_version: [c_char; WM_VERSION_BUF],
 }
 

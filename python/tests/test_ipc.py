@@ -67,6 +67,28 @@ def test_numpy_tensors_over_ipc_copy_and_zero_copy(tmp_path):
     assert trainer.exitcode == 0
 
 
+def test_a_tensor_callback_takes_no_deltas(tmp_path):
+    # A callback takes every tensor instead of the params: no base is
+    # named, first update or not, and the stats say NOT_APPLICABLE.
+    from weight_manager import DeltaFallback
+    sock = str(tmp_path / "cb.sock")
+    trainer = start_trainer(sock, 3, engines=3)
+    want = trainer_tensors(3)
+    with Manager(fallback_dir="") as fresh:
+        d = fresh.update(sock, source="ipc", deltas=True, on_tensor=lambda n, a: None).deltas
+        assert (d.fallback, d.base_version, d.runs_delta) == (DeltaFallback.NOT_APPLICABLE, "", 0)
+    with Manager(fallback_dir="") as m:
+        params = {name: m.allocate(name, t.dtype, t.shape) for name, t in want.items()}
+        m.update(sock, source="ipc", deltas=True)
+        got = []
+        d = m.update(sock, source="ipc", deltas=True, on_tensor=lambda n, a: got.append(n)).deltas
+        assert (d.fallback, d.base_version) == (DeltaFallback.NOT_APPLICABLE, ""), d
+        assert sorted(got) == sorted(want)
+        np.testing.assert_array_equal(params["embed"], want["embed"])
+    trainer.join(30)
+    assert trainer.exitcode == 0
+
+
 def test_rank_shards(tmp_path):
     sock = str(tmp_path / "shard.sock")
     trainer = start_trainer(sock, 2, engines=2, rank_shard=True)

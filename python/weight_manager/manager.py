@@ -23,8 +23,11 @@ MEMORY_DEVICE = 1  # wm_memory: WM_MEMORY_DEVICE
 class DeltaStats:
     """What an update's deltas did: runs (a param piece's bytes from one
     source) sent as deltas and whole, bytes the sources sent (whole runs
-    plus deltas), bytes the deltas rewrote, the version they were against
-    ("" when none was named), and why runs came whole."""
+    plus deltas), bytes the deltas rewrote, why runs came whole, and
+    ``base_version``: the version the params held that the update named to
+    its publishers as the base, also when runs came whole (NOT_KEPT,
+    DIFFERS); "" when it named none (REFUSED, NO_BASE, NOT_ASKED, and
+    NOT_APPLICABLE for a snapshot, keyed digests or a tensor callback)."""
     fallback: DeltaFallback = DeltaFallback.NONE
     runs_delta: int = 0
     runs_whole: int = 0

@@ -562,6 +562,10 @@ static void test_register_together(void) {
   CHECK_RC(wm_status(m, &s), WM_OK);
   CHECK(s.params == 4);
   CHECK_RC(wm_register_param(m, &d[1], mem + 13, 0), WM_ERR_INVALID_ARGUMENT); /* now registered */
+  /* Closed after the first clear: an empty batch is refused as any. */
+  CHECK_RC(wm_clear(m), WM_OK);
+  CHECK_RC(wm_register_params(m, NULL, 0), WM_ERR_STATE);
+  CHECK_RC(wm_register_params(m, batch, 0), WM_ERR_STATE);
   wm_destroy(m);
   remove_tmpdir();
 }

@@ -63,7 +63,11 @@ pub enum DeltaFallback {
 /// What an update's deltas did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeltaStats {
-    /// The version the deltas were against ("" when none was named).
+    /// The version the params held that the update named to its
+    /// publishers as the base of deltas, also when they came whole
+    /// (`NotKept`, `Differs`); "" when it named none (`Refused`, `NoBase`,
+    /// `NotAsked`, and `NotApplicable` for a snapshot, keyed digests or a
+    /// tensor callback).
     pub base_version: String,
     pub fallback: DeltaFallback,
     /// Runs (a plan entry's bytes from its source) sent as deltas, and whole.
@@ -87,9 +91,13 @@ pub(super) fn base_of(
     version: Option<String>,
     keyed: bool,
 ) -> Result<String, DeltaFallback> {
+    // A tensor callback takes every tensor instead of the params: nothing
+    // is patched, whatever the params hold.
+    let callback = req.hooks.tensor.is_some();
     match (req.deltas, req.source) {
         (DeltaMode::Off, _) => return Err(DeltaFallback::Refused),
         (_, SourceKind::Snapshot) => return Err(DeltaFallback::NotApplicable),
+        _ if callback => return Err(DeltaFallback::NotApplicable),
         (_, SourceKind::Rdma | SourceKind::Gdr) if keyed => {
             return Err(DeltaFallback::NotApplicable)
         }
@@ -123,5 +131,37 @@ pub(super) fn stats_of(
         runs_whole: (plan.tensors as u64).saturating_sub(d.runs_delta),
         wire_bytes: plan.bytes - d.covered_bytes + d.delta_bytes,
         rewritten_bytes: d.rewritten_bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tensor callback's update names no base over any source, whatever
+    /// the params hold, unless refused first; without one the engine's
+    /// version is named where the source takes deltas.
+    #[test]
+    fn a_tensor_callback_names_no_base() {
+        let mut sink = |_: &crate::apply::TensorView| Ok(());
+        for source in [SourceKind::Ipc, SourceKind::Rdma, SourceKind::Snapshot] {
+            let mut req = UpdateRequest::snapshot("x");
+            (req.source, req.deltas) = (source, DeltaMode::On);
+            let held = || Some("7".to_string());
+            let named = base_of(State::Normal, &req, held(), false);
+            let want = match source {
+                SourceKind::Snapshot => Err(DeltaFallback::NotApplicable),
+                _ => Ok("7".to_string()),
+            };
+            assert_eq!(named, want, "{source:?}");
+            req.hooks.tensor = Some(&mut sink);
+            for prev in [State::Normal, State::Cleared] {
+                let named = base_of(prev, &req, held(), false);
+                assert_eq!(named, Err(DeltaFallback::NotApplicable), "{source:?}");
+            }
+            req.deltas = DeltaMode::Off;
+            let named = base_of(State::Normal, &req, held(), false);
+            assert_eq!(named, Err(DeltaFallback::Refused), "{source:?}");
+        }
     }
 }

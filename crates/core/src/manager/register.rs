@@ -56,6 +56,7 @@ impl Manager {
     pub unsafe fn register_all(&self, params: &[(ParamSpec, *mut u8, usize)]) -> Result<()> {
         let what = || match params.first() {
             Some((spec, ..)) if params.len() == 1 => format!("param '{}'", spec.name),
+            None => "an empty batch of params".to_string(),
             _ => format!("{} params registered together", params.len()),
         };
         self.registering(what, |r| {
