@@ -221,3 +221,61 @@ def test_an_empty_version_and_impossible_waits_are_refused(tmp_path):
         with pytest.raises(WeightManagerError) as e:
             m.update(str(tmp_path), timeout=float("inf"))
         assert e.value.code == Result.ERR_INVALID_ARGUMENT and "timeout" in str(e.value)
+
+
+def run_republishing_trainer(sock, serves, ready):
+    # Publishes step after step on a thread, each of one value, and writes
+    # minus that value into its live tensor right after: bytes a published
+    # copy never holds. The main thread serves meanwhile.
+    import threading
+    import time
+    data = np.zeros((256, 1024), np.float32)
+    with Publisher(sock, keep_versions=1, bucket_size=1 << 20) as p:
+        p.add("w", data)
+        p.set_version("0")
+        p.publish()
+        stop = threading.Event()
+
+        def steps():
+            i = 1
+            while not stop.is_set():
+                data[:] = i
+                p.set_version(str(i))
+                p.publish()
+                data[:] = -i
+                i += 1
+                time.sleep(0.001)
+        t = threading.Thread(target=steps)
+        t.start()
+        ready.set()
+        try:
+            for _ in range(serves):
+                p.serve(1, timeout=30)
+        finally:
+            stop.set()
+            t.join()
+
+
+def test_a_serve_during_a_publish_never_offers_live_tensors(tmp_path):
+    # keep_versions=1: a publish drops the only version before copying the
+    # next into its buffer. A serve in that moment used to offer the live
+    # tensors under the new version's name (here: minus the version, or a
+    # mix), which an engine then committed as that version.
+    sock = str(tmp_path / "race.sock")
+    serves = 30
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    trainer = ctx.Process(target=run_republishing_trainer, args=(sock, serves, ready))
+    trainer.start()
+    assert ready.wait(30)
+    wrong = []
+    with Manager(fallback_dir="") as m:
+        w = m.allocate("w", np.float32, (256, 1024))
+        for _ in range(serves):
+            version = m.update(sock, source="ipc", timeout=30).version
+            values = np.unique(w)
+            if values.tolist() != [float(version)]:
+                wrong.append((version, values[:4].tolist()))
+    trainer.join(60)
+    assert trainer.exitcode == 0
+    assert wrong == []

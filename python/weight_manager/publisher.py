@@ -247,7 +247,12 @@ class Publisher(OwnedHandle):
     def serve(self, engines: int = 1, timeout: float = 600.0) -> ServeStats:
         """Serve `engines` engine connections; blocks until they are done.
         Offers what was published when called: a version published
-        meanwhile is offered by the next serve()."""
+        meanwhile is offered by the next serve(). Once a publish started,
+        only published copies are served, never the live tensors: a serve
+        called while a publish has dropped the only version kept
+        (keep_versions=1) waits for that publish (within `timeout`) and
+        offers its version; when that publish failed, leaving none, serve
+        raises ERR_NO_VERSION until a publish succeeds."""
         st = _lib.ServeStats()
         st.struct_size = ctypes.sizeof(st)
         try:

@@ -99,7 +99,13 @@ pub unsafe extern "C" fn wm_publisher_prepare(
 /// It offers the versions published (or the tensors added) when it was
 /// called: a version published while it runs is offered by the next
 /// `wm_publisher_serve`, so a trainer that publishes every step serves in
-/// a loop of short calls.
+/// a loop of short calls. Once any `wm_publisher_publish` started, only
+/// published copies are served, never the tensors as they are: a serve
+/// called while a publish has dropped the only version kept
+/// (`keep_versions` 1, its buffer taking the new one) waits for that
+/// publish (within `accept_timeout_ms`, else `WM_ERR_TIMEOUT`) and offers
+/// its version; when that publish failed, leaving none, the serve fails
+/// with `WM_ERR_NO_VERSION` until a publish succeeds.
 #[no_mangle]
 pub unsafe extern "C" fn wm_publisher_serve(
     publisher: *mut wm_publisher,

@@ -95,7 +95,7 @@ use std::net::{TcpListener, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The UCX tag of a network bucket entry's message (`wire::message_tag`).
 pub use config::{PublisherConfig, TEST_HOOKS};
@@ -341,16 +341,16 @@ impl Publisher {
         *self.version.lock() = version;
     }
 
-    /// What sessions serve: the published versions, else the current content.
-    fn offers(&self) -> Vec<Arc<Offer>> {
-        let published = self.versions.published.lock();
-        if published.is_empty() {
-            vec![Arc::new(Offer::new(
+    /// What sessions serve: the published versions (waiting until `until`
+    /// for a publish that left none: [`Versions::to_serve`]), else, when
+    /// nothing was ever published, the current content.
+    fn offers(&self, until: Instant) -> Result<Vec<Arc<Offer>>> {
+        match self.versions.to_serve(until) {
+            Some(published) => published,
+            None => Ok(vec![Arc::new(Offer::new(
                 self.version.lock().clone(),
                 self.content.lock().content.clone(),
-            ))]
-        } else {
-            published.iter().cloned().collect()
+            ))]),
         }
     }
 
@@ -371,7 +371,7 @@ impl Publisher {
     }
 
     fn serve_alone(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
-        let offers = self.offers();
+        let offers = self.offers(Instant::now() + accept_timeout)?;
         for version in offers.iter().filter_map(|o| o.version.as_deref()) {
             check_version(version).map_err(|e| e.context("serve"))?;
         }

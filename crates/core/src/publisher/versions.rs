@@ -10,10 +10,11 @@ use crate::memory::hashing::{copy_and_hash_all, hash_all};
 use crate::memory::shared::SharedBuffer;
 use crate::memory::SendPtr;
 use crate::result::{Error, Result};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Default)]
 pub(super) struct Versions {
@@ -30,6 +31,39 @@ pub(super) struct Versions {
     /// How many retired buffers are kept: [`SPARES`], or as many as the
     /// trainer prepared.
     spares: AtomicUsize,
+    /// Publishes running, and what [`Versions::to_serve`] needs to know
+    /// when the list is empty; `published_now` wakes a serve waiting for
+    /// a publish to end.
+    publishing: Mutex<Publishing>,
+    published_now: Condvar,
+}
+
+/// Publishes under way and before.
+#[derive(Default)]
+struct Publishing {
+    running: usize,
+    /// A publish of this publisher ever started: from then on, only
+    /// published copies are served.
+    started: bool,
+    /// The last publish failed (its version's name), none succeeded since.
+    failed: Option<String>,
+}
+
+/// A publish under way: counted from [`Versions::begin`] until dropped
+/// (done or failed), which wakes the serves waiting for it.
+struct Running<'v> {
+    versions: &'v Versions,
+    name: String,
+    done: bool,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        let mut state = self.versions.publishing.lock();
+        state.running -= 1;
+        state.failed = (!self.done).then(|| self.name.clone());
+        self.versions.published_now.notify_all();
+    }
 }
 
 /// Retired buffers kept by default: two cover a publisher alternating
@@ -56,6 +90,7 @@ impl Versions {
     ) -> Result<()> {
         let keep = cfg.keep_versions.max(1);
         let threads = cfg.pack_threads();
+        let mut running = self.begin(name);
         if let Content::Tensors(ts) = &mut offer.content {
             self.make_room(name, keep);
             synchronize_gpus(ts, name)?;
@@ -85,7 +120,56 @@ impl Versions {
                 self.retire(oldest);
             }
         }
+        running.done = true;
         Ok(())
+    }
+
+    fn begin(&self, name: &str) -> Running<'_> {
+        let mut state = self.publishing.lock();
+        state.running += 1;
+        state.started = true;
+        Running {
+            versions: self,
+            name: name.to_string(),
+            done: false,
+        }
+    }
+
+    /// What a serve offers: every published version; None when nothing
+    /// was ever published (the trainer serves its tensors as they are).
+    /// Once a publish started, never the live tensors: while the list is
+    /// empty because a publish dropped the only version it replaces
+    /// (`keep_versions` 1: its buffer takes the new one), this waits for
+    /// that publish until `until`. The live tensors under the new
+    /// version's name were what such a serve offered before, while the
+    /// trainer was free to change them (an engine took bytes of two steps
+    /// as one version). Err: the publish failed, leaving nothing, or is
+    /// still running at `until`.
+    pub(super) fn to_serve(&self, until: Instant) -> Option<Result<Vec<Arc<Offer>>>> {
+        let mut state = self.publishing.lock();
+        loop {
+            let published = self.published.lock();
+            if !published.is_empty() {
+                return Some(Ok(published.iter().cloned().collect()));
+            }
+            drop(published);
+            if !state.started {
+                return None;
+            }
+            if state.running == 0 {
+                let failed = state.failed.as_deref().unwrap_or("?");
+                return Some(Err(Error::no_version(format!(
+                    "serve: no version is published: publishing '{failed}' failed after it \
+                     dropped the only version kept (keep_versions 1); publish again"
+                ))));
+            }
+            if self.published_now.wait_until(&mut state, until).timed_out() {
+                return Some(Err(Error::timeout(
+                    "serve: a publish that dropped the only version kept (keep_versions 1) \
+                     was still copying its tensors when the accept timeout ran out",
+                )));
+            }
+        }
     }
 
     /// The version a publish of `name` pushes out (when the list is full)
@@ -403,4 +487,46 @@ fn hash_published(ts: &mut [ServedTensor], threads: usize) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn offer(name: &str) -> Arc<Offer> {
+        Arc::new(Offer::new(Some(name.into()), Content::Tensors(Vec::new())))
+    }
+
+    /// Before any publish a serve offers the live tensors (None); while a
+    /// publish has emptied the list it waits for that publish and offers
+    /// its version, never the live tensors; a publish that failed leaving
+    /// nothing is an error naming it, as is one still running at the end
+    /// of the wait.
+    #[test]
+    fn a_serve_never_offers_live_tensors_once_a_publish_started() {
+        let v = Versions::default();
+        let soon = || Instant::now() + Duration::from_millis(50);
+        assert!(v.to_serve(soon()).is_none());
+        std::thread::scope(|s| {
+            let mut running = v.begin("2");
+            let serving = s.spawn(|| v.to_serve(Instant::now() + Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!serving.is_finished(), "the serve waits for the publish");
+            v.published.lock().push_back(offer("2"));
+            running.done = true;
+            drop(running);
+            let offers = serving.join().unwrap().unwrap().unwrap();
+            assert_eq!(offers.len(), 1);
+            assert_eq!(offers[0].version.as_deref(), Some("2"));
+        });
+        v.published.lock().clear();
+        drop(v.begin("3"));
+        let e = v.to_serve(soon()).unwrap().unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_NO_VERSION);
+        assert!(e.message.contains("publishing '3' failed"), "{e}");
+        let _still = v.begin("4");
+        let e = v.to_serve(soon()).unwrap().unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_TIMEOUT);
+    }
 }
