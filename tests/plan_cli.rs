@@ -143,7 +143,7 @@ fn an_uncovered_or_overlapping_layout_names_rank_param_and_box() {
     );
     let err = failure(&wm_plan(&t, &e, &[]));
     assert!(
-        err.contains("tensor 'w': shards [0:2, 0:4] (source 0) and [1:4, 0:4] (source 1) overlap at [1:2, 0:4]"),
+        err.contains("trainer layout: tensor 'w': shards [0:2, 0:4] (source 0) and [1:4, 0:4] (source 1) overlap at [1:2, 0:4]"),
         "{err}"
     );
     // Two pieces of one engine param hold the same rows.

@@ -276,6 +276,32 @@ fn a_version_yaml_step_that_is_no_version_is_named() {
         e.message.contains("names no version (") && e.message.contains("uses a YAML alias"),
         "{e}"
     );
+    // The request naming "2" does not make b's broken (or step-less)
+    // version.yaml "2": it may be another step's folder. A folder with no
+    // version.yaml at all is taken as the others'.
+    for yaml in [
+        Some("x: &a 1\nstep: *a\n"),
+        Some("version: 3\n"),
+        Some("step: ~\n"),
+        None,
+    ] {
+        let file = b.path().join("version.yaml");
+        match yaml {
+            Some(text) => std::fs::write(&file, text).unwrap(),
+            None => std::fs::remove_file(&file).unwrap(),
+        }
+        let mut req = UpdateRequest::snapshot(a.path());
+        req.locations.push(b.path().into());
+        req.version = Some("2".into());
+        match (yaml, m.update(req)) {
+            (None, Ok(stats)) => assert_eq!(stats.version, "2"),
+            (Some(_), Err(e)) => {
+                assert_eq!(e.code, wm_result::WM_ERR_FORMAT, "{yaml:?}: {e}");
+                assert!(e.message.contains("names no version ("), "{e}");
+            }
+            (yaml, got) => panic!("{yaml:?}: {:?}", got.map(|s| s.version)),
+        }
+    }
 }
 
 #[test]

@@ -55,6 +55,10 @@ pub struct Checkpoint {
     pub blocks: Vec<Option<BlockSums>>,
     /// Why the manifest names no version ("" when it names one).
     pub no_version: String,
+    /// A `version.yaml` was there to read (in the model directory, or in
+    /// the fallback directory where the model directory has none), whether
+    /// or not it named a version; false when none was read.
+    pub has_version_file: bool,
 }
 
 impl Checkpoint {
@@ -103,6 +107,7 @@ impl Checkpoint {
             locations: Vec::new(),
             blocks: Vec::new(),
             no_version: String::new(),
+            has_version_file: false,
             layout,
         };
         let mut stored = HashSet::new();
@@ -133,6 +138,11 @@ impl Checkpoint {
             // none: a broken one there is the error.
             let absent =
                 |dir: &Path| std::fs::symlink_metadata(dir.join(version::VERSION_FILE)).is_err();
+            c.has_version_file = match &c.layout.model_dir {
+                Some(model_dir) if absent(model_dir) => !absent(&c.layout.dir),
+                Some(_) => true,
+                None => !absent(&c.layout.dir),
+            };
             let found = match &c.layout.model_dir {
                 Some(model_dir) if absent(model_dir) => read(model_dir).or_else(|first| {
                     read(&c.layout.dir).map_err(|then| format!("{first}, and {then}"))

@@ -68,7 +68,9 @@ impl SnapshotSource {
     /// that name theirs: it holds no version to disagree with).
     pub fn name_if_unnamed(&mut self, v: &str) {
         let version = &mut self.checkpoint.manifest.version;
-        if version.is_none() {
+        // A folder whose `version.yaml` names no version (broken, no
+        // `step`) may be another step's: it stays unnamed, and refused.
+        if version.is_none() && !self.checkpoint.has_version_file {
             *version = Some(v.to_string());
         }
     }
