@@ -229,7 +229,12 @@ pub unsafe extern "C" fn wm_update_delta_stats(
 /// A rank that died or stopped calling: `WM_ERR_PEER` or `WM_ERR_TIMEOUT`
 /// naming it, on every surviving rank, and the group stays failed (restart
 /// the ranks); rank 0 then records the reason for the controller and moves a
-/// pending request in the cell to CLEARED. A control cell truncated under the
+/// pending request in the cell to CLEARED. Each rank finishes what the
+/// signal asked for (`wm_update`, `wm_commit`, `wm_clear`: they end in a
+/// barrier with the other ranks) before its next call: ranks out of step
+/// (one finishing a clear while rank 0 asks for the signal again) stop the
+/// group the same way, with `WM_ERR_STATE` naming the step and the ranks.
+/// A control cell truncated under the
 /// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
 /// that is no state: `WM_ERR_FORMAT`.
 /// NULL arguments: `WM_ERR_NULL_ARGUMENT`. Thread-safe.
