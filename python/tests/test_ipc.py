@@ -279,3 +279,49 @@ def test_a_serve_during_a_publish_never_offers_live_tensors(tmp_path):
     trainer.join(60)
     assert trainer.exitcode == 0
     assert wrong == []
+
+
+def run_one_version(sock, ready):
+    with Publisher(sock) as p:
+        p.add("a", np.full(4096, 1, np.float32))
+        p.set_version("v")
+        p.publish()
+        ready.set()
+        p.serve(2, timeout=30)
+
+
+def test_an_engine_cannot_write_a_published_version(tmp_path):
+    # The version's buffer reaches every engine as a memory file: one that
+    # reopens it read-write (/proc/self/fd) and writes is refused, so the
+    # next engine still reads the trainer's bytes.
+    sock = str(tmp_path / "sealed.sock")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    trainer = ctx.Process(target=run_one_version, args=(sock, ready))
+    trainer.start()
+    assert ready.wait(30)
+    tried = 0
+    with Manager(fallback_dir="") as m:
+        m.allocate("a", "f32", (4096,))
+        m.update(sock, source="ipc")
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if "wm-bucket" not in link:
+                continue
+            tried += 1
+            with pytest.raises(PermissionError):
+                w = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+                try:
+                    os.pwrite(w, np.full(16, 666, np.float32).tobytes(), 0)
+                finally:
+                    os.close(w)
+    assert tried > 0
+    with Manager(fallback_dir="") as m:
+        a = m.allocate("a", "f32", (4096,))
+        m.update(sock, source="ipc")
+        assert (a == 1).all()
+    trainer.join(30)
+    assert trainer.exitcode == 0

@@ -9,6 +9,12 @@
 //! - The sender seals the file against shrinking and growing; the receiver
 //!   refuses a buffer without those seals, so no peer can truncate a buffer
 //!   under the other and turn its next read into SIGBUS.
+//! - The sender also seals it against writes by anyone else
+//!   (`F_SEAL_FUTURE_WRITE`, Linux 5.1+): its own mapping, made before the
+//!   seal, still writes, but no peer can map the file writable or `write`
+//!   it, even by reopening `/proc/<pid>/fd/N`. An engine the socket admits
+//!   may read a published version, never change what the next engine
+//!   reads.
 //! - The receiver maps a buffer without faulting it in, and faults in
 //!   ([`SharedBuffer::populate`]) only the windows a bucket reads: a peer of
 //!   the same uid is trusted with the bytes, not with the engine's memory,
@@ -48,21 +54,49 @@ unsafe impl Send for SharedBuffer {}
 // the kernel (`reserve`, `populate`) or set bits atomically (`populated`).
 unsafe impl Sync for SharedBuffer {}
 
-const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+/// Sealed when a buffer is made: its size.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+/// Sealed once the sender's own writes through the file are done
+/// ([`SharedBuffer::seal_writes`]): others' writes, and the seals.
+const FINAL_SEALS: libc::c_int = libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
 
 impl SharedBuffer {
     /// A new zeroed buffer of `len` bytes, every page reserved, sealed.
     pub fn create(what: &str, len: usize) -> Result<SharedBuffer> {
         let b = Self::create_unreserved(what, len)?;
+        b.seal_writes(what)?;
         b.reserve(what)?;
         Ok(b)
     }
 
-    /// A new sealed buffer of `len` bytes with no page allocated yet. The
-    /// caller writes every page with `pwrite` on [`SharedBuffer::fd`]
-    /// before anyone maps it (a full /dev/shm is then an error of that
-    /// write, not a SIGBUS of a reader), and maps them in this process
-    /// with [`SharedBuffer::reserve`] before copying into the mapping: the
+    /// Seal the buffer against writes by anyone but this mapping (and its
+    /// seals against change): after the sender's last `pwrite`, before the
+    /// descriptor goes to any peer. A kernel older than 5.1 knows no
+    /// `F_SEAL_FUTURE_WRITE`: the seals are then closed without it.
+    pub(crate) fn seal_writes(&self, what: &str) -> Result<()> {
+        let raw = self.fd.as_raw_fd();
+        // SAFETY: fcntl on our own descriptor.
+        let mut rc = unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, FINAL_SEALS) };
+        if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            // SAFETY: as above.
+            rc = unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SEAL) };
+        }
+        match rc {
+            0 => Ok(()),
+            _ => Err(Error::io(
+                format!("{what}: sealing against writes"),
+                std::io::Error::last_os_error(),
+            )),
+        }
+    }
+
+    /// A new buffer of `len` bytes, sealed against resizing, with no page
+    /// allocated yet. The caller writes every page with `pwrite` on
+    /// [`SharedBuffer::fd`] before anyone maps it (a full /dev/shm is then
+    /// an error of that write, not a SIGBUS of a reader), then seals it
+    /// ([`SharedBuffer::seal_writes`]) before handing it to any peer, and
+    /// faults the pages into this process's mapping (made here, before the
+    /// seal) with [`SharedBuffer::reserve`] before copying into it: the
     /// kernel does not zero a page a write fills, so this costs one pass
     /// over the bytes where [`SharedBuffer::create`] and a copy cost two.
     pub fn create_unreserved(what: &str, len: usize) -> Result<SharedBuffer> {
@@ -398,6 +432,24 @@ mod tests {
         assert_eq!(unsafe { *b.ptr().add(12345) }, 0x5a);
         // Shrinking is refused by the seal.
         assert_ne!(unsafe { libc::ftruncate(a.fd().as_raw_fd(), 10) }, 0);
+        // Nobody else writes: no writable mapping, no write(), not even
+        // through the file reopened read-write; the sender's own mapping,
+        // made before the seal, still writes.
+        let fd = a.fd().as_raw_fd();
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        assert_ne!(seals & libc::F_SEAL_FUTURE_WRITE, 0, "{seals:#x}");
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), 4096, rw, libc::MAP_SHARED, fd, 0) };
+        assert_eq!(p, libc::MAP_FAILED);
+        let reopened = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{fd}"));
+        if let Ok(f) = reopened {
+            use std::os::unix::fs::FileExt;
+            assert!(f.write_at(b"x", 0).is_err());
+        }
+        unsafe { *a.ptr().add(12345) = 7 };
+        assert_eq!(unsafe { *b.ptr().add(12345) }, 7);
         // A buffer announced larger than it is, or unsealed, is refused.
         let e = SharedBuffer::receive(a.fd().try_clone().unwrap(), 2 << 20, "t").unwrap_err();
         assert!(e.message.contains("announced"));

@@ -352,6 +352,7 @@ fn write_fresh(
         end = at + t.len;
     }
     write_zeros(&shared, (end, total), &zeros, &what)?;
+    shared.seal_writes(&what)?;
     Ok(shared)
 }
 
