@@ -331,7 +331,9 @@ impl Conn {
 
     /// Descriptors received so far, oldest first.
     pub fn take_fds(&mut self, n: usize) -> Result<Vec<OwnedFd>> {
-        if self.fds.len() < n {
+        // Exactly: descriptors travel with the frame that counts them, so
+        // more than its count is a peer's error too (not kept for later).
+        if self.fds.len() != n {
             return Err(Error::peer(format!(
                 "{} announced {n} shared buffers but sent {} descriptors",
                 self.peer,
@@ -439,6 +441,30 @@ mod tests {
     use super::*;
     use crate::memory::shared::SharedBuffer;
     use std::time::Duration;
+
+    /// A frame counting fewer or more descriptors than came with it is
+    /// refused, naming both numbers.
+    #[test]
+    fn descriptors_must_match_their_count() {
+        for (sent, counted) in [(2usize, 1usize), (1, 2)] {
+            let (a, b) = UnixStream::pair().unwrap();
+            let (mut a, mut b) = (Conn::new(a, "a"), Conn::new(b, "b"));
+            let bufs: Vec<SharedBuffer> = (0..sent)
+                .map(|_| SharedBuffer::create("t", 4096).unwrap())
+                .collect();
+            let fds: Vec<RawFd> = bufs.iter().map(|b| b.fd().as_raw_fd()).collect();
+            let frame = Frame::Buffers {
+                sizes: vec![4096; counted],
+            };
+            a.send_with_fds(&frame, &fds).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            assert_eq!(b.recv(deadline).unwrap(), frame);
+            let e = b.take_fds(counted).unwrap_err();
+            assert_eq!(e.code, crate::result::wm_result::WM_ERR_PEER);
+            let said = format!("announced {counted} shared buffers but sent {sent} descriptors");
+            assert!(e.message.contains(&said), "{e}");
+        }
+    }
 
     #[test]
     fn frames_and_descriptors_cross_a_socket() {
