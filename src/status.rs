@@ -233,7 +233,9 @@ pub unsafe extern "C" fn wm_update_delta_stats(
 /// signal asked for (`wm_update`, `wm_commit`, `wm_clear`: they end in a
 /// barrier with the other ranks) before its next call: ranks out of step
 /// (one finishing a clear while rank 0 asks for the signal again) stop the
-/// group the same way, with `WM_ERR_STATE` naming the step and the ranks.
+/// group the same way: rank 0's call fails with `WM_ERR_STATE` naming the
+/// step and the ranks, the other ranks' next calls with `WM_ERR_PEER`
+/// carrying it.
 /// A control cell truncated under the
 /// engine: `WM_ERR_FORMAT` naming it (never a crash); a value in the cell
 /// that is no state: `WM_ERR_FORMAT`.

@@ -502,27 +502,47 @@ fn a_call_refused_as_busy_does_not_end_the_signals_action() {
     assert_eq!(c.get().unwrap(), State::Normal);
 }
 
-/// Ranks out of step: rank 1 (`wm worker`) clears at the first CLEARING
-/// while rank 0 (here) takes the signal once more before clearing. Rank
-/// 1's clear barrier then met rank 0's step: before, every barrier after
-/// paired unlike things, and a two-phase update of one version on both
-/// ranks ended in a false "rank 1 took another version". Now rank 0's
-/// step fails naming the step and rank 1, and the group stops (rank 1
-/// exits with an error, the word goes to CLEARED).
+/// Ranks out of step: rank 1 (`wm worker`) clears at the first CLEARING,
+/// or updates at the first UPDATING, while rank 0 (here) takes the signal
+/// once more first. Rank 1's finishing barrier then met rank 0's step:
+/// before, every barrier after paired unlike things, and a two-phase
+/// update of one version on both ranks ended in a false "rank 1 took
+/// another version". Now rank 0's step fails naming the step and rank 1,
+/// and the group stops (rank 1 exits with an error, the word goes to
+/// CLEARED).
 #[test]
 fn ranks_out_of_step_stop_the_group_naming_them() {
-    let dir = tempfile::tempdir().unwrap();
-    snapshot(dir.path());
-    let (group, cell) = (unique("oos"), unique("oosc"));
-    let _names = Names(vec![cell.clone(), format!("{cell}.wm_report")]);
-    let args = worker_args(2, &group, Some(&cell), 100, 5000, dir.path());
-    let mut ranks = spawn_ranks(&[1], &args, dir.path());
-    let m = Manager::new(ManagerConfig {
+    for (tag, asked) in [("oosc", State::Clearing), ("oosu", State::Updating)] {
+        let dir = tempfile::tempdir().unwrap();
+        snapshot(dir.path());
+        let (group, cell) = (unique(tag), unique(&format!("{tag}c")));
+        let _names = Names(vec![cell.clone(), format!("{cell}.wm_report")]);
+        let args = worker_args(2, &group, Some(&cell), 100, 5000, dir.path());
+        let mut ranks = spawn_ranks(&[1], &args, dir.path());
+        let m = rank_0_of_two(&group, &cell);
+        let c = Controller::open(&cell).unwrap();
+        c.set(asked).unwrap();
+        assert_eq!(m.broadcast_signal().unwrap(), asked);
+        let e = m.broadcast_signal().unwrap_err();
+        assert_eq!(e.code, wm_result::WM_ERR_STATE, "{asked:?}: {e}");
+        assert!(
+            e.message.contains("ranks out of step at step") && e.message.contains("rank(s) 1 "),
+            "{e}"
+        );
+        let status = wait_exit(&mut ranks.0[0], Duration::from_secs(20));
+        assert!(!status.success(), "rank 1: {status:?}");
+        assert_eq!(c.get().unwrap(), State::Cleared);
+    }
+}
+
+/// Rank 0 of a group of two in this process, at `cell`.
+fn rank_0_of_two(group: &str, cell: &str) -> Manager {
+    Manager::new(ManagerConfig {
         rank: 0,
         world_size: 2,
-        control_cell: Some(cell.clone()),
+        control_cell: Some(cell.to_string()),
         group: Some(weight_manager_core::GroupSettings {
-            name: group.clone(),
+            name: group.to_string(),
             local_rank: None,
             local_world_size: None,
             node_rank: 0,
@@ -532,18 +552,5 @@ fn ranks_out_of_step_stop_the_group_naming_them() {
         fallback_dir: None,
         ..Default::default()
     })
-    .unwrap();
-    let c = Controller::open(&cell).unwrap();
-    c.set(State::Clearing).unwrap();
-    assert_eq!(m.broadcast_signal().unwrap(), State::Clearing);
-    let e = m.broadcast_signal().unwrap_err();
-    assert_eq!(e.code, wm_result::WM_ERR_STATE, "{e}");
-    assert!(
-        e.message.contains("ranks out of step at step") && e.message.contains("rank(s) 1 "),
-        "{e}"
-    );
-    assert!(m.clear().is_err(), "the group is stopped");
-    let status = wait_exit(&mut ranks.0[0], Duration::from_secs(20));
-    assert!(!status.success(), "rank 1: {status:?}");
-    assert_eq!(c.get().unwrap(), State::Cleared);
+    .unwrap()
 }

@@ -371,7 +371,10 @@ impl Publisher {
     }
 
     fn serve_alone(&self, engines: usize, accept_timeout: Duration) -> Result<ServeStats> {
-        let offers = self.offers(Instant::now() + accept_timeout)?;
+        // One bound for waiting on a publish and for the engines to come.
+        let until = Instant::now() + accept_timeout;
+        let offers = self.offers(until)?;
+        let accept_timeout = until.saturating_duration_since(Instant::now());
         for version in offers.iter().filter_map(|o| o.version.as_deref()) {
             check_version(version).map_err(|e| e.context("serve"))?;
         }

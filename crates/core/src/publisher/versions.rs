@@ -147,6 +147,7 @@ impl Versions {
     /// still running at `until`.
     pub(super) fn to_serve(&self, until: Instant) -> Option<Result<Vec<Arc<Offer>>>> {
         let mut state = self.publishing.lock();
+        let mut timed_out = false;
         loop {
             let published = self.published.lock();
             if !published.is_empty() {
@@ -159,16 +160,19 @@ impl Versions {
             if state.running == 0 {
                 let failed = state.failed.as_deref().unwrap_or("?");
                 return Some(Err(Error::no_version(format!(
-                    "serve: no version is published: publishing '{failed}' failed after it \
-                     dropped the only version kept (keep_versions 1); publish again"
+                    "serve: no version is published: publishing '{failed}' failed (and with \
+                     keep_versions 1 it had dropped the version before it); publish again"
                 ))));
             }
-            if self.published_now.wait_until(&mut state, until).timed_out() {
+            if timed_out {
                 return Some(Err(Error::timeout(
-                    "serve: a publish that dropped the only version kept (keep_versions 1) \
-                     was still copying its tensors when the accept timeout ran out",
+                    "serve: no version is published yet (a first publish, or one that dropped \
+                     the only version kept with keep_versions 1, was still copying its tensors \
+                     when the accept timeout ran out)",
                 )));
             }
+            // Looked at once more after the wait ends, whatever woke it.
+            timed_out = self.published_now.wait_until(&mut state, until).timed_out();
         }
     }
 

@@ -69,9 +69,22 @@ impl Votes {
 
 /// A rank's result in a finishing barrier: an error's code (below this),
 /// or done with 28 bits of its version's hash, so that rank 0 learns
-/// whether every rank took the same version.
-const DONE: u32 = 0x4000_0000;
+/// whether every rank took the same version. Its top bits are no vote's
+/// (`manager::staged_vote`: 0x4, 0x5 and 0x7 there), so a result met in a
+/// step's barrier, or a vote met in a finishing one, shows ranks out of
+/// step ([`out_of_step`]).
+const DONE: u32 = 0x6000_0000;
 const HASH_BITS: u32 = 0x0fff_ffff;
+const TAG_BITS: u32 = !HASH_BITS;
+
+/// The ranks of `said` (a barrier's non-zero contributions) whose value
+/// `wrong` says belongs to another barrier.
+fn out_of_step(said: &[(u32, u32)], wrong: impl Fn(u32) -> bool) -> Vec<u32> {
+    said.iter()
+        .filter(|&&(_, v)| wrong(v))
+        .map(|&(rank, _)| rank)
+        .collect()
+}
 
 /// FNV-1a, 32 bits: a version's fingerprint in the ranks' barriers and
 /// votes.
@@ -208,8 +221,16 @@ impl SignalPlane {
         let mut group = self.group.lock();
         match group.as_mut() {
             Some(g) => match g.broadcast(read, mine) {
-                Ok((_, raw, said)) => {
+                Ok((step, raw, said)) => {
                     if self.rank == 0 {
+                        // A finishing result here, or anything but 0 where
+                        // rank 0 votes nothing: another rank is finishing.
+                        let finishing = |v: u32| v & TAG_BITS == DONE || mine == 0;
+                        let ranks = out_of_step(&said, finishing);
+                        if !ranks.is_empty() {
+                            let e = self.out_of_step_error(g, step, &ranks, "took its next signal");
+                            return Err(e);
+                        }
                         self.votes.lock().push(said);
                     }
                     Ok(raw)
@@ -278,6 +299,7 @@ impl SignalPlane {
         };
         let results = self.gather(result(version_hash))?;
         let seconds = self.gather(result(version_hash_2))?;
+        self.check_finishing_together(action, [&results, &seconds])?;
         let failures: Vec<(u32, u32)> = (results.iter())
             .filter(|(_, r)| *r < DONE)
             .copied()
@@ -295,6 +317,48 @@ impl SignalPlane {
         };
         self.conclude(action, outcome, (&failures, differs));
         Ok(())
+    }
+
+    /// Rank 0, after a finishing barrier's two rounds (`rounds`): every
+    /// rank must have given a result (an error's code, or DONE): one that
+    /// gave nothing or a vote is taking the signal meanwhile.
+    fn check_finishing_together(&self, action: State, rounds: [&Vec<(u32, u32)>; 2]) -> Result<()> {
+        if self.rank != 0 || self.group.lock().is_none() {
+            return Ok(());
+        }
+        let mut ranks = Vec::new();
+        for round in rounds {
+            let gave: Vec<u32> = round.iter().map(|&(rank, _)| rank).collect();
+            ranks.extend((0..self.world_size).filter(|r| !gave.contains(r)));
+            ranks.extend(out_of_step(round, |v| v >= 0x100 && v & TAG_BITS != DONE));
+        }
+        ranks.sort_unstable();
+        ranks.dedup();
+        if ranks.is_empty() {
+            return Ok(());
+        }
+        let doing = match action {
+            State::Updating => "finished the update",
+            _ => "finished the clear",
+        };
+        let mut group = self.group.lock();
+        let g = group.as_mut().expect("checked above");
+        Err(self.out_of_step_error(g, g.step(), &ranks, doing))
+    }
+
+    /// Ranks out of step with rank 0 (`ranks`, at `step`, while rank 0
+    /// `doing`): the error every rank gets, the group stopped with it.
+    fn out_of_step_error(&self, g: &mut Group, step: u64, ranks: &[u32], doing: &str) -> Error {
+        let e = Error::state(format!(
+            "ranks out of step at step {step}: rank(s) {} were not where rank 0 was (it {doing}): \
+             each rank must finish what the signal asked for (wm_update or wm_commit at \
+             UPDATING, wm_clear at CLEARING) before its next wm_broadcast_signal, and call \
+             them only then",
+            group::list(ranks)
+        ));
+        g.stop_with(&e);
+        self.group_failed(&e, ranks.first().copied());
+        e
     }
 
     /// Every rank contributes `code` (0: success); rank 0 gets the (rank,

@@ -57,6 +57,12 @@ impl Group {
         futex::wake_all(&h.released);
     }
 
+    /// Stop the whole group with `e`, as a failed operation does: for a
+    /// reason found outside the group's own waits (ranks out of step).
+    pub fn stop_with(&mut self, e: &Error) {
+        self.abort(e);
+    }
+
     /// Run one group operation; on failure, stop the whole group.
     pub(super) fn guarded<T>(&mut self, op: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.check_abort()?;

@@ -60,12 +60,6 @@ impl Group {
     /// than NORMAL (0) are followed by a barrier, to which this rank
     /// contributes `mine` (0 for success, see [`Group::barrier`]). Returns
     /// (step, value, and for rank 0 every non-zero contribution).
-    ///
-    /// On rank 0, a step it contributes 0 to (no vote) where another rank
-    /// contributes non-zero fails the group: that rank is in another
-    /// barrier (finishing an update or a clear, or voting on a staged
-    /// one) while rank 0 steps, so every barrier after would pair unlike
-    /// things (a clear's result read as a vote, a step's as a version).
     pub fn broadcast(
         &mut self,
         read: impl FnOnce() -> Result<i32>,
@@ -105,25 +99,7 @@ impl Group {
             0 => Vec::new(),
             _ => self.barrier_step(mine)?,
         };
-        if mine == 0 && !said.is_empty() {
-            return Err(self.out_of_step(k, &said));
-        }
         Ok((k, value, said))
-    }
-
-    /// Ranks `said` contributed to step `k`'s barrier where rank 0 asked
-    /// for the signal alone.
-    fn out_of_step(&self, k: u64, said: &Failures) -> Error {
-        let ranks: Vec<u32> = said.iter().map(|&(rank, _)| rank).collect();
-        Error::state(format!(
-            "group '{}': ranks out of step at step {k}: rank(s) {} were finishing an update or \
-             a clear (or voting on a staged version) while rank {} took its next signal; each \
-             rank must finish what the signal asked for (wm_update or wm_commit at UPDATING, \
-             wm_clear at CLEARING) before its next wm_broadcast_signal",
-            self.cfg.name,
-            list(&ranks),
-            self.cfg.rank
-        ))
     }
 
     /// A leader of another node: the value of step `k`, from rank 0.
