@@ -41,6 +41,17 @@ def start_trainer(sock, seed, engines=1, rank_shard=False):
     return proc
 
 
+def spawn_trainer(target, *args):
+    """Start `target(*args, ready)` in a process of its own; return it once
+    it set `ready` (its publisher listens)."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, ready))
+    proc.start()
+    assert ready.wait(30)
+    return proc
+
+
 def test_numpy_tensors_over_ipc_copy_and_zero_copy(tmp_path):
     sock = str(tmp_path / "trainer.sock")
     trainer = start_trainer(sock, 1, engines=2)
@@ -146,11 +157,7 @@ def run_torch_style_trainer(sock, ready):
 
 def test_torch_tensors_publish_by_data_ptr(tmp_path):
     sock = str(tmp_path / "torch.sock")
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=run_torch_style_trainer, args=(sock, ready))
-    proc.start()
-    assert ready.wait(30)
+    proc = spawn_trainer(run_torch_style_trainer, sock)
     want = trainer_tensors(3)
     with Manager(fallback_dir="") as m:
         embed = m.allocate("embed", "f32", want["embed"].shape)
@@ -263,11 +270,7 @@ def test_a_serve_during_a_publish_never_offers_live_tensors(tmp_path):
     # mix), which an engine then committed as that version.
     sock = str(tmp_path / "race.sock")
     serves = 30
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    trainer = ctx.Process(target=run_republishing_trainer, args=(sock, serves, ready))
-    trainer.start()
-    assert ready.wait(30)
+    trainer = spawn_trainer(run_republishing_trainer, sock, serves)
     wrong = []
     with Manager(fallback_dir="") as m:
         w = m.allocate("w", np.float32, (256, 1024))
@@ -295,11 +298,7 @@ def test_an_engine_cannot_write_a_published_version(tmp_path):
     # reopens it read-write (/proc/self/fd) and writes is refused, so the
     # next engine still reads the trainer's bytes.
     sock = str(tmp_path / "sealed.sock")
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    trainer = ctx.Process(target=run_one_version, args=(sock, ready))
-    trainer.start()
-    assert ready.wait(30)
+    trainer = spawn_trainer(run_one_version, sock)
     tried = 0
     with Manager(fallback_dir="") as m:
         m.allocate("a", "f32", (4096,))
