@@ -108,6 +108,10 @@ def test_errors_keep_weights_and_name_the_param(tmp_path):
         with pytest.raises(WeightManagerError) as e:
             m.allocate("late", "f32", (2,))
         assert e.value.code == Result.ERR_STATE
+        # An empty batch too, as wm_register_params with count 0.
+        with pytest.raises(WeightManagerError) as e:
+            m._register_all([])
+        assert e.value.code == Result.ERR_STATE
 
 
 def test_callbacks(tmp_path):

@@ -458,9 +458,8 @@ class Manager(OwnedHandle):
         owner, pieces) items: every one or none (a refused one is named by
         its place, and the call registers nothing, so the caller can fix it
         and register them again). Each `owner` is kept alive as long as
-        the manager."""
-        if not items:
-            return
+        the manager. An empty batch is still checked (refused where
+        registering is: busy, or closed after the first update or clear)."""
         regs = (_lib.ParamRegistration * len(items))()
         keep = []
         for reg, (name, ptr, nbytes, dtype, shape, device, _owner, pieces) in zip(regs, items):
