@@ -103,7 +103,8 @@ pub unsafe extern "C" fn wm_publisher_prepare(
 /// published copies are served, never the tensors as they are: a serve
 /// called while a publish has dropped the only version kept
 /// (`keep_versions` 1, its buffer taking the new one) waits for that
-/// publish (within `accept_timeout_ms`, else `WM_ERR_TIMEOUT`) and offers
+/// publish (within `accept_timeout_ms`, else `WM_ERR_TIMEOUT`; the
+/// publisher destroyed meanwhile: `WM_ERR_CANCELLED`) and offers
 /// its version; when that publish failed, leaving none, the serve fails
 /// with `WM_ERR_NO_VERSION` until a publish succeeds.
 #[no_mangle]

@@ -345,7 +345,8 @@ impl Publisher {
     /// for a publish that left none: [`Versions::to_serve`]), else, when
     /// nothing was ever published, the current content.
     fn offers(&self, until: Instant) -> Result<Vec<Arc<Offer>>> {
-        match self.versions.to_serve(until) {
+        let stopped = || self.connections.check_stopping(&self.path);
+        match self.versions.to_serve(until, &stopped) {
             Some(published) => published,
             None => Ok(vec![Arc::new(Offer::new(
                 self.version.lock().clone(),

@@ -66,6 +66,10 @@ impl Drop for Running<'_> {
     }
 }
 
+/// How often a serve waiting for a publish looks whether the publisher
+/// is being destroyed.
+const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Retired buffers kept by default: two cover a publisher alternating
 /// versions.
 const SPARES: usize = 2;
@@ -145,7 +149,13 @@ impl Versions {
     /// trainer was free to change them (an engine took bytes of two steps
     /// as one version). Err: the publish failed, leaving nothing, or is
     /// still running at `until`.
-    pub(super) fn to_serve(&self, until: Instant) -> Option<Result<Vec<Arc<Offer>>>> {
+    /// `stopped`: Err once the publisher is being destroyed, looked at
+    /// every [`STOP_POLL`] of the wait.
+    pub(super) fn to_serve(
+        &self,
+        until: Instant,
+        stopped: &dyn Fn() -> Result<()>,
+    ) -> Option<Result<Vec<Arc<Offer>>>> {
         let mut state = self.publishing.lock();
         let mut timed_out = false;
         loop {
@@ -171,8 +181,13 @@ impl Versions {
                      when the accept timeout ran out)",
                 )));
             }
+            if let Err(e) = stopped() {
+                return Some(Err(e));
+            }
             // Looked at once more after the wait ends, whatever woke it.
-            timed_out = self.published_now.wait_until(&mut state, until).timed_out();
+            let slice = until.min(Instant::now() + STOP_POLL);
+            self.published_now.wait_until(&mut state, slice);
+            timed_out = Instant::now() >= until;
         }
     }
 
@@ -507,15 +522,16 @@ mod tests {
     /// publish has emptied the list it waits for that publish and offers
     /// its version, never the live tensors; a publish that failed leaving
     /// nothing is an error naming it, as is one still running at the end
-    /// of the wait.
+    /// of the wait, and a publisher being destroyed ends the wait.
     #[test]
     fn a_serve_never_offers_live_tensors_once_a_publish_started() {
         let v = Versions::default();
         let soon = || Instant::now() + Duration::from_millis(50);
-        assert!(v.to_serve(soon()).is_none());
+        let going = || Ok(());
+        assert!(v.to_serve(soon(), &going).is_none());
         std::thread::scope(|s| {
             let mut running = v.begin("2");
-            let serving = s.spawn(|| v.to_serve(Instant::now() + Duration::from_secs(30)));
+            let serving = s.spawn(|| v.to_serve(Instant::now() + Duration::from_secs(30), &going));
             std::thread::sleep(Duration::from_millis(100));
             assert!(!serving.is_finished(), "the serve waits for the publish");
             v.published.lock().push_back(offer("2"));
@@ -527,11 +543,16 @@ mod tests {
         });
         v.published.lock().clear();
         drop(v.begin("3"));
-        let e = v.to_serve(soon()).unwrap().unwrap_err();
+        let e = v.to_serve(soon(), &going).unwrap().unwrap_err();
         assert_eq!(e.code, crate::result::wm_result::WM_ERR_NO_VERSION);
         assert!(e.message.contains("publishing '3' failed"), "{e}");
         let _still = v.begin("4");
-        let e = v.to_serve(soon()).unwrap().unwrap_err();
+        let e = v.to_serve(soon(), &going).unwrap().unwrap_err();
         assert_eq!(e.code, crate::result::wm_result::WM_ERR_TIMEOUT);
+        // A publisher being destroyed ends the wait at once.
+        let stopped = || Err(Error::cancelled("stopped"));
+        let long = Instant::now() + Duration::from_secs(30);
+        let e = v.to_serve(long, &stopped).unwrap().unwrap_err();
+        assert_eq!(e.code, crate::result::wm_result::WM_ERR_CANCELLED);
     }
 }
