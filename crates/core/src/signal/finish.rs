@@ -60,7 +60,7 @@ impl SignalPlane {
         for round in rounds {
             let gave: Vec<u32> = round.iter().map(|&(rank, _)| rank).collect();
             ranks.extend((0..self.world_size).filter(|r| !gave.contains(r)));
-            ranks.extend(out_of_step(round, |v| v >= 0x100 && v & TAG_BITS != DONE));
+            ranks.extend(out_of_step(round, is_vote));
         }
         ranks.sort_unstable();
         ranks.dedup();
@@ -195,4 +195,14 @@ pub(super) fn out_of_step(said: &[(u32, u32)], wrong: impl Fn(u32) -> bool) -> V
         .filter(|&&(_, v)| wrong(v))
         .map(|&(rank, _)| rank)
         .collect()
+}
+
+/// Whether `v`, a barrier contribution, is a finishing rank's success.
+pub(super) fn is_done(v: u32) -> bool {
+    v & TAG_BITS == DONE
+}
+
+/// Whether `v` is a vote: a tag of its own (an error's code has none).
+fn is_vote(v: u32) -> bool {
+    v & TAG_BITS != 0 && !is_done(v)
 }

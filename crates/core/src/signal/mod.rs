@@ -37,7 +37,7 @@ pub mod cell;
 pub mod controller;
 pub mod fanout;
 mod finish;
-use finish::out_of_step;
+use finish::{is_done, out_of_step};
 pub mod futex;
 pub mod group;
 pub mod link;
@@ -221,8 +221,8 @@ impl SignalPlane {
                     if self.rank == 0 {
                         // A finishing result here, or anything but 0 where
                         // rank 0 votes nothing: another rank is finishing.
-                        let finishing = |v: u32| v & TAG_BITS == DONE || mine == 0;
-                        let ranks = out_of_step(&said, finishing);
+                        let elsewhere = |v: u32| is_done(v) || mine == 0;
+                        let ranks = out_of_step(&said, elsewhere);
                         if !ranks.is_empty() {
                             let e = self.out_of_step_error(g, step, &ranks, "took its next signal");
                             return Err(e);
